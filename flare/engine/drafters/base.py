@@ -1,0 +1,35 @@
+"""The drafter interface.
+
+A drafter proposes up to k tokens that continue a sequence. Deterministic drafters (n-gram
+lookup) return no probabilities: their draft distribution q is one-hot on each proposed
+token, which rejection sampling handles exactly (accept x with probability p(x), and on
+rejection sample from normalize(max(p - q, 0)), i.e. p with x removed). Learned draft heads
+return q as a [len(tokens), vocab] tensor of probabilities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class Draft:
+    token_ids: tuple[int, ...]
+    probs: torch.Tensor | None = None  # [len(token_ids), vocab]; None means one-hot q
+
+
+class DraftState(Protocol):
+    """Per-sequence drafter state, fed every token of the sequence in order."""
+
+    def extend(self, token_ids: list[int] | tuple[int, ...]) -> None: ...
+
+    def propose(self, k: int) -> Draft: ...
+
+
+class Drafter(Protocol):
+    name: str
+
+    def new_state(self, prompt_ids: list[int] | tuple[int, ...]) -> DraftState: ...
