@@ -1,0 +1,49 @@
+"""How a device status or a scheduler decision ends one request.
+
+HTTP statuses (documented in docs/api.md): the request's own sampling parameters cannot be
+served -> 422; the device produced an invalid result for the row (the model or the drafter
+failed, not the request) -> 502; the server ended the request (operator cancel, shutdown)
+-> 503. Never a bare 500.
+"""
+
+from __future__ import annotations
+
+from flare.kernels.status import STATUS_MEANING, DeviceStatus
+from flare.scheduler.request import RequestFailure
+
+_HTTP_STATUS: dict[DeviceStatus, int] = {
+    DeviceStatus.NONFINITE_LOGITS: 502,
+    DeviceStatus.INVALID_DRAFT_TOKEN: 502,
+    DeviceStatus.INVALID_DRAFT_PROBABILITY: 502,
+    DeviceStatus.EMPTY_DISTRIBUTION: 422,
+    DeviceStatus.INVALID_SAMPLING_PARAMETERS: 422,
+    DeviceStatus.INVALID_SPECULATION: 422,
+}
+
+_TYPE: dict[int, str] = {422: "invalid_request_error", 502: "server_error"}
+
+
+def device_failure(status: DeviceStatus, round_index: int) -> RequestFailure:
+    http_status = _HTTP_STATUS[status]
+    return RequestFailure(
+        code=status.name,
+        message=f"device status {int(status)} ({status.name}) in round {round_index}: {STATUS_MEANING[status]}",
+        http_status=http_status,
+        type=_TYPE[http_status],
+        param=None,
+        status=status,
+        round=round_index,
+    )
+
+
+def cancelled_failure(reason: str) -> RequestFailure:
+    return RequestFailure(code="cancelled", message=f"request cancelled: {reason}", http_status=503, type="server_error")
+
+
+def shutdown_failure() -> RequestFailure:
+    return RequestFailure(
+        code="shutdown",
+        message="the server shut down before the request finished; retry it",
+        http_status=503,
+        type="server_error",
+    )
