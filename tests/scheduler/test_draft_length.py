@@ -11,8 +11,8 @@ def test_cost_model_recovers_a_linear_round_time():
 def test_single_row_drafts_even_at_modest_acceptance_when_weight_reads_dominate():
     cost = RoundCostModel(c0=0.017, c1=0.0027)
     assert choose_draft_lengths([5], [0.8], base_tokens=1, cost=cost) == [5]
-    # At 0.5 the fourth draft adds 1/16 token for c1 seconds: below the round's average rate.
-    assert choose_draft_lengths([5], [0.5], base_tokens=1, cost=cost) == [3]
+    # At 0.5 the third draft adds 1/8 token for c1 seconds: below the round's average rate.
+    assert choose_draft_lengths([5], [0.5], base_tokens=1, cost=cost) == [2]
 
 
 def test_a_busy_batch_drafts_only_rows_that_are_nearly_always_accepted():
