@@ -1,0 +1,244 @@
+"""The package manifest (`manifest.json`): what a package holds and how it is to be served.
+
+Layout of the JSON object (format 1):
+
+    {"format": 1,
+     "model": {"config": {ModelConfig}, "provenance": {Provenance}},
+     "serving": {ServingConfig},
+     "sampling": {"defaults": {...}, "ranges": {...}},
+     "files": {"model.safetensors": "<sha256>", "tokenizer.json": ..., "chat_template.jinja": ...}}
+
+Reading is strict: an unknown or missing key is an error naming it, so a manifest written by a
+newer flare is refused rather than half understood.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from flare.sampling.policy import PolicyError, SamplingPolicy
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+DTYPES = ("float32", "bfloat16", "float16")
+DRAFTERS = ("ngram",)
+MAX_DRAFT_TOKENS = 16
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be read or does not describe a servable package."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family model (the fields of Hugging Face's LlamaConfig that matter)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    architecture: str = "llama"
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.architecture != "llama":
+            problems.append(f"architecture {self.architecture!r} is not supported (only 'llama')")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name} must be a positive integer, got {value!r}")
+        if not problems and self.num_heads % self.num_kv_heads:
+            problems.append(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if not problems and self.head_dim % 2:
+            problems.append(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if not self.eos_token_ids:
+            problems.append("eos_token_ids must name at least one token")
+        for token in (*self.eos_token_ids, *(() if self.bos_token_id is None else (self.bos_token_id,))):
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < int(self.vocab_size):
+                problems.append(f"special token id {token!r} is outside the vocabulary")
+        if problems:
+            raise ManifestError("model config: " + "; ".join(problems))
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["eos_token_ids"] = list(self.eos_token_ids)
+        return data
+
+    @classmethod
+    def from_json(cls, data: Any) -> ModelConfig:
+        values = _fields_of(cls, data, "model.config")
+        values["eos_token_ids"] = tuple(values["eos_token_ids"])
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """How the package is to be served.
+
+    draft_tokens is K, the number of tokens the drafter proposes per speculative round
+    (0 disables speculation). vocabulary_parallel_sampling says the package was prepared for the
+    vocabulary-sharded sampler, which supports unfiltered distributions only (docs/sampling.md).
+    """
+
+    max_context: int
+    max_concurrency: int = 32
+    dtype: str = "float32"
+    vocabulary_parallel_sampling: bool = False
+    draft_tokens: int = 4
+    drafter: str = "ngram"
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("max_context", "max_concurrency"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name} must be a positive integer, got {value!r}")
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.vocabulary_parallel_sampling, bool):
+            problems.append("vocabulary_parallel_sampling must be true or false")
+        k = self.draft_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_DRAFT_TOKENS:
+            problems.append(f"draft_tokens must be an integer from 0 (no speculation) to {MAX_DRAFT_TOKENS}, got {k!r}")
+        if self.drafter not in DRAFTERS:
+            problems.append(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
+        if problems:
+            raise ManifestError("serving: " + "; ".join(problems))
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> ServingConfig:
+        return cls(**_fields_of(cls, data, "serving"))
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where the weights came from and what made the package."""
+
+    source: str  # what the operator passed to `flare export` (a path, or "default")
+    source_format: str  # "gguf" or "huggingface"
+    source_sha256: str | None  # of the GGUF file; None for a directory source
+    recipe: str  # the sampling/serving recipe used
+    flare_version: str
+    created: str  # ISO 8601, UTC
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Provenance:
+        return cls(**_fields_of(cls, data, "model.provenance"))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    model: ModelConfig
+    serving: ServingConfig
+    sampling: SamplingPolicy
+    provenance: Provenance
+    files: dict[str, str] = field(default_factory=dict)  # file name -> sha256 hex
+    format: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.serving.max_context > self.model.max_position_embeddings:
+            raise ManifestError(
+                f"serving.max_context {self.serving.max_context} exceeds the model's "
+                f"max_position_embeddings {self.model.max_position_embeddings}"
+            )
+        max_tokens_range = self.sampling.ranges.get("max_tokens")
+        if self.sampling.defaults["max_tokens"] > self.serving.max_context or (
+            max_tokens_range is not None and max_tokens_range[1] > self.serving.max_context
+        ):
+            raise ManifestError(
+                f"sampling max_tokens (default or range) exceeds serving.max_context {self.serving.max_context}"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "model": {"config": self.model.to_json(), "provenance": self.provenance.to_json()},
+            "serving": self.serving.to_json(),
+            "sampling": self.sampling.to_json(),
+            "files": dict(sorted(self.files.items())),
+        }
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, data: Any) -> Manifest:
+        if not isinstance(data, dict):
+            raise ManifestError(f"manifest must be a JSON object, got {type(data).__name__}")
+        version = data.get("format")
+        if version != FORMAT_VERSION:
+            raise ManifestError(
+                f"manifest format {version!r} is not supported by this flare (it reads format {FORMAT_VERSION}); "
+                "re-export the package with this flare"
+            )
+        _check_keys(data, {"format", "model", "serving", "sampling", "files"}, "manifest")
+        model = data["model"]
+        if not isinstance(model, dict):
+            raise ManifestError("manifest key 'model' must be an object")
+        _check_keys(model, {"config", "provenance"}, "model")
+        files = data["files"]
+        if not isinstance(files, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in files.items()
+        ):
+            raise ManifestError("manifest key 'files' must map file names to sha256 strings")
+        try:
+            sampling = SamplingPolicy.from_json(data["sampling"])
+        except PolicyError as error:
+            raise ManifestError(f"sampling: {error}") from None
+        return cls(
+            model=ModelConfig.from_json(model["config"]),
+            serving=ServingConfig.from_json(data["serving"]),
+            sampling=sampling,
+            provenance=Provenance.from_json(model["provenance"]),
+            files=dict(files),
+            format=version,
+        )
+
+    @classmethod
+    def loads(cls, text: str) -> Manifest:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ManifestError(f"manifest is not valid JSON: {error}") from None
+        return cls.from_json(data)
+
+
+def _check_keys(data: dict[str, Any], expected: set[str], where: str) -> None:
+    unknown = sorted(set(data) - expected)
+    missing = sorted(expected - set(data))
+    parts = []
+    if unknown:
+        parts.append(f"unknown key(s) {', '.join(unknown)}")
+    if missing:
+        parts.append(f"missing key(s) {', '.join(missing)}")
+    if parts:
+        raise ManifestError(f"{where}: {'; '.join(parts)}")
+
+
+def _fields_of(cls: type, data: Any, where: str) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise ManifestError(f"{where} must be an object, got {type(data).__name__}")
+    # Every field is written, so every field is required when reading: a missing key means the
+    # manifest was not written by this format's writer.
+    _check_keys(data, {f.name for f in dataclasses.fields(cls)}, where)
+    return dict(data)

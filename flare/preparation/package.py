@@ -1,0 +1,297 @@
+"""A prepared package on disk: writing it atomically, opening and verifying it.
+
+A package is a directory:
+
+    manifest.json         the Manifest, with the sha256 of every other file
+    model.safetensors     weights with Hugging Face Llama names, in serving.dtype
+    tokenizer.json        a Hugging Face `tokenizers` tokenizer
+    chat_template.jinja   the chat template (Jinja, rendered sandboxed by the engine)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+from flare.preparation.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ManifestError,
+    ModelConfig,
+    Provenance,
+    ServingConfig,
+)
+from flare.sampling.policy import SamplingPolicy
+
+WEIGHTS_NAME = "model.safetensors"
+TOKENIZER_NAME = "tokenizer.json"
+CHAT_TEMPLATE_NAME = "chat_template.jinja"
+PACKAGE_FILES = (WEIGHTS_NAME, TOKENIZER_NAME, CHAT_TEMPLATE_NAME)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+class PackageError(Exception):
+    """A package that cannot be written or served; `problems` lists every reason."""
+
+    def __init__(self, message: str, problems: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.problems = problems
+
+
+def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of `model.safetensors` and its shape ([out, in] for linear weights)."""
+    h, kv = config.hidden_size, config.num_kv_heads * config.head_dim
+    q = config.num_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
+    for i in range(config.num_layers):
+        layer = f"model.layers.{i}"
+        shapes[f"{layer}.input_layernorm.weight"] = (h,)
+        shapes[f"{layer}.self_attn.q_proj.weight"] = (q, h)
+        shapes[f"{layer}.self_attn.k_proj.weight"] = (kv, h)
+        shapes[f"{layer}.self_attn.v_proj.weight"] = (kv, h)
+        shapes[f"{layer}.self_attn.o_proj.weight"] = (h, q)
+        shapes[f"{layer}.post_attention_layernorm.weight"] = (h,)
+        shapes[f"{layer}.mlp.gate_proj.weight"] = (config.intermediate_size, h)
+        shapes[f"{layer}.mlp.up_proj.weight"] = (config.intermediate_size, h)
+        shapes[f"{layer}.mlp.down_proj.weight"] = (h, config.intermediate_size)
+    shapes["model.norm.weight"] = (h,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
+
+
+def weight_problems(config: ModelConfig, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """Missing, unexpected and mis-shaped tensors, one line each (empty when all match)."""
+    expected = expected_weight_shapes(config)
+    problems = [f"weight {name} is missing" for name in expected if name not in shapes]
+    problems += [f"weight {name} is not part of a Llama model with this config" for name in shapes if name not in expected]
+    problems += [
+        f"weight {name} has shape {list(shapes[name])}, expected {list(shape)}"
+        for name, shape in expected.items()
+        if name in shapes and tuple(shapes[name]) != shape
+    ]
+    return problems
+
+
+def check_destination(out_dir: Path, *, overwrite: bool) -> None:
+    """Raise PackageError unless a package may be written at out_dir.
+
+    An existing directory is replaced only with overwrite, and only when it is empty or holds a
+    package (a manifest.json), so a mistyped -o never deletes unrelated files.
+    """
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return
+    if not out_dir.is_dir():
+        raise PackageError(f"{out_dir} exists and is not a directory; choose another output directory with -o")
+    if not overwrite:
+        raise PackageError(f"{out_dir} already exists; pass --overwrite to replace it, or choose another directory with -o")
+    if any(out_dir.iterdir()) and not (out_dir / MANIFEST_NAME).is_file():
+        raise PackageError(
+            f"{out_dir} is not empty and holds no package (no {MANIFEST_NAME}); "
+            "--overwrite replaces only packages, so choose another directory with -o"
+        )
+
+
+def write_package(
+    out_dir: Path,
+    *,
+    config: ModelConfig,
+    state_dict: Mapping[str, torch.Tensor],
+    tokenizer_json: str,
+    chat_template: str,
+    policy: SamplingPolicy,
+    serving: ServingConfig,
+    provenance: Provenance,
+    overwrite: bool = False,
+) -> Manifest:
+    """Write a package at out_dir, atomically: all of it appears at once, or nothing does.
+
+    Files go into a temporary directory next to out_dir (same file system), are fsynced, and the
+    directory is renamed into place; any failure or interrupt removes the temporary directory.
+    """
+    out_dir = Path(out_dir)
+    check_destination(out_dir, overwrite=overwrite)
+    problems = weight_problems(config, {name: tuple(t.shape) for name, t in state_dict.items()})
+    if problems:
+        raise PackageError("the weights do not match the model config:\n" + _bullets(problems), tuple(problems))
+    # Validates the combination (max_context against the model, max_tokens against max_context).
+    manifest = Manifest(model=config, serving=serving, sampling=policy, provenance=provenance)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:12]}"
+    staging.mkdir()
+    try:
+        dtype = TORCH_DTYPES[serving.dtype]
+        tensors = {name: state_dict[name].detach().to("cpu", dtype).contiguous() for name in state_dict}
+        save_file(tensors, str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
+        del tensors
+        (staging / TOKENIZER_NAME).write_text(tokenizer_json, encoding="utf-8")
+        (staging / CHAT_TEMPLATE_NAME).write_text(chat_template, encoding="utf-8")
+        files = {}
+        for name in PACKAGE_FILES:
+            _fsync(staging / name)
+            files[name] = sha256_of(staging / name)
+        manifest = Manifest(
+            model=config, serving=serving, sampling=policy, provenance=provenance, files=files
+        )
+        (staging / MANIFEST_NAME).write_text(manifest.dumps(), encoding="utf-8")
+        _fsync(staging / MANIFEST_NAME)
+        _fsync(staging)
+        _move_into_place(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _move_into_place(staging: Path, out_dir: Path) -> None:
+    if out_dir.exists():
+        # Two renames rather than rmtree-then-rename: the old package stays whole until the new
+        # one is complete; a crash between the renames leaves no package at out_dir, never half of one.
+        retired = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:12]}"
+        os.rename(out_dir, retired)
+        os.rename(staging, out_dir)
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        os.rename(staging, out_dir)
+    _fsync(out_dir.parent)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_of(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+@dataclass(frozen=True)
+class IntegrityReport:
+    """The result of checking a package directory against its manifest.
+
+    files maps each file the manifest lists, and each file it does not, to one of
+    "ok", "missing", "checksum mismatch", "not in manifest".
+    """
+
+    path: Path
+    files: dict[str, str] = field(default_factory=dict)
+    problems: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "files": dict(self.files), "problems": list(self.problems)}
+
+
+def _check(path: Path) -> tuple[Manifest | None, IntegrityReport]:
+    path = Path(path)
+    if not path.is_dir():
+        return None, IntegrityReport(path, problems=(f"{path} is not a directory",))
+    manifest_path = path / MANIFEST_NAME
+    if not manifest_path.is_file():
+        return None, IntegrityReport(path, problems=(f"{MANIFEST_NAME} is missing",))
+    try:
+        manifest = Manifest.loads(manifest_path.read_text(encoding="utf-8"))
+    except (ManifestError, UnicodeDecodeError, TypeError) as error:
+        return None, IntegrityReport(path, problems=(f"{MANIFEST_NAME}: {error}",))
+
+    statuses: dict[str, str] = {}
+    problems: list[str] = []
+    for name in PACKAGE_FILES:
+        if name not in manifest.files:
+            problems.append(f"{MANIFEST_NAME} lists no checksum for {name}")
+    for name, digest in sorted(manifest.files.items()):
+        file = path / name
+        if Path(name).name != name or name == MANIFEST_NAME:
+            statuses[name] = "invalid name"
+            problems.append(f"{MANIFEST_NAME} lists an invalid file name {name!r}")
+        elif not file.is_file():
+            statuses[name] = "missing"
+            problems.append(f"{name} is missing")
+        elif sha256_of(file) != digest:
+            statuses[name] = "checksum mismatch"
+            problems.append(f"{name} does not match its checksum (changed or truncated after export)")
+        else:
+            statuses[name] = "ok"
+    for file in sorted(path.iterdir()):
+        if file.name != MANIFEST_NAME and file.name not in manifest.files:
+            statuses[file.name] = "not in manifest"
+            problems.append(f"{file.name} is not part of the package (not in {MANIFEST_NAME})")
+    if statuses.get(WEIGHTS_NAME) == "ok":
+        problems += _weights_header_problems(path / WEIGHTS_NAME, manifest)
+    return manifest, IntegrityReport(path, statuses, tuple(problems))
+
+
+def _weights_header_problems(weights: Path, manifest: Manifest) -> list[str]:
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+            dtypes = {f.get_slice(name).get_dtype() for name in f.keys()}
+    except (SafetensorError, OSError) as error:
+        return [f"{WEIGHTS_NAME} cannot be read: {error}"]
+    problems = weight_problems(manifest.model, shapes)
+    wanted = _SAFETENSORS_DTYPES[manifest.serving.dtype]
+    if dtypes - {wanted}:
+        problems.append(f"{WEIGHTS_NAME} holds {', '.join(sorted(dtypes))} tensors, serving.dtype says {manifest.serving.dtype}")
+    return problems
+
+
+def verify_package(path: Path) -> IntegrityReport:
+    """Check every file of the package at path against the manifest's checksums."""
+    return _check(Path(path))[1]
+
+
+def _bullets(lines: list[str] | tuple[str, ...]) -> str:
+    return "\n".join(f"  - {line}" for line in lines)
+
+
+@dataclass(frozen=True)
+class Package:
+    """An opened, verified package."""
+
+    path: Path
+    manifest: Manifest
+
+    @property
+    def tokenizer_json_path(self) -> Path:
+        return self.path / TOKENIZER_NAME
+
+    @property
+    def chat_template(self) -> str:
+        return (self.path / CHAT_TEMPLATE_NAME).read_text(encoding="utf-8")
+
+    def load_state_dict(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """The weights, with Hugging Face Llama names, in serving.dtype."""
+        return load_file(str(self.path / WEIGHTS_NAME), device=str(device))
+
+
+def open_package(path: Path) -> Package:
+    """Open the package at path after verifying it; PackageError lists every problem found."""
+    path = Path(path)
+    manifest, report = _check(path)
+    if manifest is None or not report.ok:
+        raise PackageError(
+            f"the package at {path} cannot be used:\n{_bullets(report.problems)}\n"
+            f"Re-export it: flare export SOURCE -o {path} --overwrite",
+            report.problems,
+        )
+    return Package(path=path, manifest=manifest)

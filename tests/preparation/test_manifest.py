@@ -1,0 +1,126 @@
+"""The manifest: JSON round trip and strict reading."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flare.preparation.manifest import (
+    FORMAT_VERSION,
+    Manifest,
+    ManifestError,
+    ModelConfig,
+    Provenance,
+    ServingConfig,
+)
+from flare.sampling.policy import SamplingPolicy
+
+DEFAULTS = {
+    "temperature": 0.2, "top_k": -1, "top_p": 0.9, "min_p": 0.0, "repetition_penalty": 1.0,
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "max_tokens": 256,
+}
+
+
+def make_manifest(**serving: object) -> Manifest:
+    config = ModelConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
+    )
+    return Manifest(
+        model=config,
+        serving=ServingConfig(max_context=512, **serving),
+        sampling=SamplingPolicy(DEFAULTS, {"temperature": (0.0, 2.0), "top_p": (0.05, 1.0)}),
+        provenance=Provenance("default", "gguf", "ab" * 32, "smollm2-135m-instruct", "0.1.0", "2026-11-29T17:00:00Z"),
+        files={"model.safetensors": "00" * 32},
+    )
+
+
+def test_manifest_survives_a_json_round_trip() -> None:
+    manifest = make_manifest(vocabulary_parallel_sampling=True, draft_tokens=0)
+    again = Manifest.loads(manifest.dumps())
+    assert again == manifest
+    assert again.to_json() == manifest.to_json()
+
+
+def test_manifest_json_has_the_documented_layout() -> None:
+    data = json.loads(make_manifest().dumps())
+    assert data["format"] == FORMAT_VERSION
+    assert set(data) == {"format", "model", "serving", "sampling", "files"}
+    assert set(data["model"]) == {"config", "provenance"}
+    assert data["serving"] == {
+        "max_context": 512, "max_concurrency": 32, "dtype": "float32",
+        "vocabulary_parallel_sampling": False, "draft_tokens": 4, "drafter": "ngram",
+    }
+    assert data["sampling"]["ranges"] == {"temperature": [0.0, 2.0], "top_p": [0.05, 1.0]}
+
+
+def test_unknown_key_is_refused_by_name() -> None:
+    data = make_manifest().to_json()
+    data["serving"]["turbo"] = True
+    with pytest.raises(ManifestError, match="serving: unknown key.*turbo"):
+        Manifest.from_json(data)
+
+
+def test_missing_key_is_refused_by_name() -> None:
+    data = make_manifest().to_json()
+    del data["model"]["config"]["rope_theta"]
+    with pytest.raises(ManifestError, match="model.config: missing key.*rope_theta"):
+        Manifest.from_json(data)
+    data = make_manifest().to_json()
+    del data["files"]
+    with pytest.raises(ManifestError, match="manifest: missing key.*files"):
+        Manifest.from_json(data)
+
+
+def test_other_format_version_is_refused_with_the_fix() -> None:
+    data = make_manifest().to_json()
+    data["format"] = 2
+    with pytest.raises(ManifestError, match="format 2 is not supported.*re-export"):
+        Manifest.from_json(data)
+
+
+def test_invalid_json_is_a_manifest_error() -> None:
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        Manifest.loads("{")
+
+
+@pytest.mark.parametrize(
+    ("serving", "message"),
+    [
+        ({"max_concurrency": 0}, "max_concurrency must be a positive integer"),
+        ({"dtype": "int8"}, "dtype must be one of"),
+        ({"draft_tokens": -1}, "draft_tokens must be an integer from 0"),
+        ({"draft_tokens": 17}, "draft_tokens must be an integer from 0"),
+        ({"drafter": "eagle"}, "drafter must be one of ngram"),
+    ],
+)
+def test_invalid_serving_settings_are_named(serving: dict, message: str) -> None:
+    with pytest.raises(ManifestError, match=message):
+        make_manifest(**serving)
+
+
+def test_max_context_beyond_the_model_is_refused() -> None:
+    manifest = make_manifest()
+    with pytest.raises(ManifestError, match="max_context 1024 exceeds the model's max_position_embeddings 512"):
+        Manifest(
+            model=manifest.model, serving=ServingConfig(max_context=1024), sampling=manifest.sampling,
+            provenance=manifest.provenance,
+        )
+
+
+def test_model_config_checks_head_layout() -> None:
+    with pytest.raises(ManifestError, match="num_heads 4 is not a multiple of num_kv_heads 3"):
+        ModelConfig(
+            vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+            num_kv_heads=3, head_dim=16, rope_theta=1e4, rms_norm_eps=1e-5,
+            max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
+        )
+    with pytest.raises(ManifestError, match="architecture 'mistral' is not supported"):
+        ModelConfig(
+            vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+            num_kv_heads=2, head_dim=16, rope_theta=1e4, rms_norm_eps=1e-5,
+            max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(200,),
+            architecture="mistral",
+        )
