@@ -1,0 +1,19 @@
+"""Fixtures of the engine tests: a tiny random Llama (see tiny_llama.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_llama import random_state_dict, tiny_config
+
+from flare.preparation.manifest import ModelConfig
+
+
+@pytest.fixture
+def config() -> ModelConfig:
+    return tiny_config()
+
+
+@pytest.fixture
+def state_dict(config: ModelConfig) -> dict[str, torch.Tensor]:
+    return random_state_dict(config)

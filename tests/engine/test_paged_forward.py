@@ -1,0 +1,192 @@
+"""The paged, ragged, batched forward pass equals a plain dense causal forward."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from flare.engine.batch import ForwardBatch, ForwardRow
+from flare.engine.kv_cache import BlockAllocator, KVCache
+from flare.engine.model import LlamaModel, WeightsError
+
+from tiny_llama import random_state_dict, tiny_config
+
+BLOCK_SIZE = 4
+TOLERANCE = 1e-4  # float32; the two paths sum in different orders
+
+
+def dense_reference(config, state, token_ids: list[int]) -> torch.Tensor:
+    """Logits [len(token_ids), vocab] of the textbook Llama forward over the whole sequence."""
+    d = config.head_dim
+    n = len(token_ids)
+    group = config.num_heads // config.num_kv_heads
+
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps))
+
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2).float() / d))
+    angles = torch.outer(torch.arange(n).float(), inv_freq)
+    cos = torch.cat([angles.cos()] * 2, -1)
+    sin = torch.cat([angles.sin()] * 2, -1)
+
+    def rope(x):  # x [heads, n, d]
+        rotated = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
+        return x * cos + rotated * sin
+
+    h = state["model.embed_tokens.weight"][token_ids]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        x = rms(h, state[p + "input_layernorm.weight"])
+        q = (x @ state[p + "self_attn.q_proj.weight"].T).view(n, config.num_heads, d).transpose(0, 1)
+        k = (x @ state[p + "self_attn.k_proj.weight"].T).view(n, config.num_kv_heads, d).transpose(0, 1)
+        v = (x @ state[p + "self_attn.v_proj.weight"].T).view(n, config.num_kv_heads, d).transpose(0, 1)
+        q, k = rope(q), rope(k)
+        k = k.repeat_interleave(group, 0)
+        v = v.repeat_interleave(group, 0)
+        scores = (q @ k.transpose(1, 2)) / d**0.5
+        scores = scores.masked_fill(~causal, float("-inf"))
+        attention = (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, -1)
+        h = h + attention @ state[p + "self_attn.o_proj.weight"].T
+        x = rms(h, state[p + "post_attention_layernorm.weight"])
+        gate = x @ state[p + "mlp.gate_proj.weight"].T
+        up = x @ state[p + "mlp.up_proj.weight"].T
+        h = h + (torch.nn.functional.silu(gate) * up) @ state[p + "mlp.down_proj.weight"].T
+    h = rms(h, state["model.norm.weight"])
+    head = state["lm_head.weight"] if "lm_head.weight" in state else state["model.embed_tokens.weight"]
+    return h @ head.T
+
+
+def shuffled_allocator(num_blocks: int, seed: int) -> BlockAllocator:
+    """An allocator whose free list is in random order, so block tables are not contiguous."""
+    allocator = BlockAllocator(num_blocks)
+    blocks = allocator.allocate(num_blocks)
+    random.Random(seed).shuffle(blocks)
+    allocator.free(blocks)
+    return allocator
+
+
+def random_tokens(config, n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(config.vocab_size) for _ in range(n)]
+
+
+def new_cache(config, num_blocks: int = 64) -> KVCache:
+    return KVCache(
+        num_layers=config.num_layers,
+        num_blocks=num_blocks,
+        block_size=BLOCK_SIZE,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+    )
+
+
+def blocks_for(position_end: int) -> int:
+    return -(-position_end // BLOCK_SIZE)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_one_prompt_in_one_chunk_matches_the_dense_forward(tie: bool) -> None:
+    config = tiny_config(tie_word_embeddings=tie)
+    state = random_state_dict(config)
+    model = LlamaModel(config, state)
+    cache = new_cache(config)
+    tokens = random_tokens(config, 37, seed=1)
+    table = shuffled_allocator(cache.num_blocks, seed=2).allocate(blocks_for(len(tokens)))
+
+    batch = ForwardBatch.build([ForwardRow(tokens, 0, table, num_logits=len(tokens))], BLOCK_SIZE)
+    logits = model.forward(batch, cache)
+
+    assert logits.dtype == torch.float32
+    assert logits.shape == (len(tokens), config.vocab_size)
+    torch.testing.assert_close(logits, dense_reference(config, state, tokens), atol=TOLERANCE, rtol=0)
+
+
+def test_prompt_split_in_chunks_over_several_calls_matches_the_dense_forward(config, state_dict) -> None:
+    model = LlamaModel(config, state_dict)
+    cache = new_cache(config)
+    tokens = random_tokens(config, 61, seed=3)
+    table = shuffled_allocator(cache.num_blocks, seed=4).allocate(blocks_for(len(tokens)))
+    reference = dense_reference(config, state_dict, tokens)
+
+    # Chunks of mixed sizes: long (own attention call), short (padded call), single tokens.
+    start = 0
+    for size in (20, 3, 17, 1, 19, 1):
+        end = start + size
+        row = ForwardRow(tokens[start:end], start, table[: blocks_for(end)], num_logits=size)
+        logits = model.forward(ForwardBatch.build([row], BLOCK_SIZE), cache)
+        torch.testing.assert_close(logits, reference[start:end], atol=TOLERANCE, rtol=0)
+        start = end
+    assert start == len(tokens)
+
+
+def test_mixed_batch_of_chunks_decode_and_verify_rows_matches_the_dense_forward(config, state_dict) -> None:
+    model = LlamaModel(config, state_dict)
+    cache = new_cache(config, num_blocks=128)
+    allocator = shuffled_allocator(cache.num_blocks, seed=5)
+
+    # Five requests: (prompt length, tokens this round, logits asked this round).
+    histories = {name: random_tokens(config, 80, seed=10 + i) for i, name in enumerate("abcde")}
+    tables = {name: allocator.allocate(blocks_for(80)) for name in histories}
+    already = {"a": 25, "b": 30, "c": 12, "d": 0, "e": 0}  # positions cached before the mixed round
+
+    # Fill the cache for the requests already underway, in one batch of its own.
+    warmup = [
+        ForwardRow(histories[n][: already[n]], 0, tables[n], num_logits=0) for n in "abc"
+    ]
+    assert model.forward(ForwardBatch.build(warmup, BLOCK_SIZE), cache).shape == (0, config.vocab_size)
+
+    plan = {
+        "a": (21, 1),  # a continuing long prompt chunk, the prompt's last
+        "b": (1, 1),  # a decode row
+        "c": (6, 6),  # a verify row: 1 + 5 drafts
+        "d": (9, 0),  # a short first prompt chunk, not the last
+        "e": (33, 1),  # a long whole prompt
+    }
+    order = ["b", "a", "d", "c", "e"]
+    rows = [
+        ForwardRow(
+            histories[n][already[n] : already[n] + plan[n][0]], already[n], tables[n], num_logits=plan[n][1]
+        )
+        for n in order
+    ]
+    logits = model.forward(ForwardBatch.build(rows, BLOCK_SIZE), cache)
+
+    expected = []
+    for n in order:
+        end = already[n] + plan[n][0]
+        expected.append(dense_reference(config, state_dict, histories[n][:end])[end - plan[n][1] : end])
+    torch.testing.assert_close(logits, torch.cat(expected), atol=TOLERANCE, rtol=0)
+
+    # A following decode round over every request still agrees (the cache was written right).
+    rows = []
+    expected = []
+    for n in order:
+        end = already[n] + plan[n][0]
+        rows.append(ForwardRow(histories[n][end : end + 1], end, tables[n], num_logits=1))
+        expected.append(dense_reference(config, state_dict, histories[n][: end + 1])[end:])
+    logits = model.forward(ForwardBatch.build(rows, BLOCK_SIZE), cache)
+    torch.testing.assert_close(logits, torch.cat(expected), atol=TOLERANCE, rtol=0)
+
+
+def test_weights_that_do_not_match_the_config_are_named(config, state_dict) -> None:
+    del state_dict["model.layers.1.mlp.up_proj.weight"]
+    state_dict["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(3, 3)
+    state_dict["model.extra.weight"] = torch.zeros(1)
+    with pytest.raises(WeightsError) as error:
+        LlamaModel(config, state_dict)
+    message = str(error.value)
+    assert "missing weight model.layers.1.mlp.up_proj.weight" in message
+    assert "unexpected weight model.extra.weight" in message
+    assert "model.layers.0.self_attn.q_proj.weight has shape (3, 3)" in message
+
+
+def test_a_position_past_the_context_is_refused(config, state_dict) -> None:
+    model = LlamaModel(config, state_dict)
+    cache = new_cache(config, num_blocks=200)
+    last = config.max_position_embeddings
+    row = ForwardRow([5], last, list(range(blocks_for(last + 1))), num_logits=1)
+    with pytest.raises(ValueError, match="past the model's context"):
+        model.forward(ForwardBatch.build([row], BLOCK_SIZE), cache)
