@@ -1,0 +1,108 @@
+"""The scheduler's Prometheus collectors.
+
+The registry is passed in (the daemon builds one per process; tests build their own), never
+the global default. Counters count per round, not per token: the scheduler hands each method
+a round's aggregate, so the cost is a handful of increments per round.
+"""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from flare.kernels.status import DeviceStatus
+
+# Latency buckets (seconds): time to first token spans queueing and prefill (tens of ms to
+# tens of seconds on CPU); inter-token latency is one round divided by the tokens it emitted.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+def _status_name(code: int) -> str:
+    # A code outside the table still gets counted, under its number, rather than failing the round.
+    return DeviceStatus(code).name if code in DeviceStatus._value2member_map_ else str(code)
+
+
+class SchedulerMetrics:
+    """Collectors for what the scheduler sees: rounds, tokens, latencies, occupancy."""
+
+    def __init__(self, registry: CollectorRegistry, *, max_draft_tokens: int = 8) -> None:
+        self.device_statuses = Counter(
+            "flare_device_statuses",
+            "Rows reported by the sample/verify kernels, by device status name (OK included).",
+            ["status"],
+            registry=registry,
+        )
+        for status in DeviceStatus:
+            self.device_statuses.labels(status=status.name)  # every name present from the start
+        self.prompt_tokens = Counter("flare_prompt_tokens", "Prompt tokens prefilled.", registry=registry)
+        self.generated_tokens = Counter(
+            "flare_generated_tokens", "Tokens generated and delivered to requests.", registry=registry
+        )
+        self.draft_tokens_proposed = Counter(
+            "flare_draft_tokens_proposed", "Draft tokens proposed by the drafter.", registry=registry
+        )
+        self.draft_tokens_accepted = Counter(
+            "flare_draft_tokens_accepted", "Draft tokens accepted by speculative verification.", registry=registry
+        )
+        self.accepted_per_round = Histogram(
+            "flare_draft_tokens_accepted_per_round",
+            "Draft tokens accepted per request row and speculative round.",
+            buckets=tuple(float(k) for k in range(max_draft_tokens + 1)),
+            registry=registry,
+        )
+        self.time_to_first_token = Histogram(
+            "flare_time_to_first_token_seconds",
+            "From admission to the request's first generated token.",
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.inter_token_latency = Histogram(
+            "flare_inter_token_latency_seconds",
+            "Time between a request's consecutive tokens (a round's gap shared by the tokens it emitted).",
+            buckets=INTER_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.e2e_latency = Histogram(
+            "flare_e2e_request_latency_seconds",
+            "From admission to a request's end (finished, failed or cancelled).",
+            buckets=E2E_BUCKETS,
+            registry=registry,
+        )
+        self.running = Gauge("flare_requests_running", "Requests in the running set.", registry=registry)
+        self.waiting = Gauge("flare_requests_waiting", "Requests in the waiting queue.", registry=registry)
+        self.kv_blocks_used = Gauge("flare_kv_blocks_used", "KV-cache blocks allocated to requests.", registry=registry)
+        self.kv_blocks_total = Gauge("flare_kv_blocks_total", "KV-cache blocks in the pool.", registry=registry)
+
+    def observe_round(self, statuses: Iterable[int], accepted_per_row: Iterable[int], proposed: int) -> None:
+        """One round: every row's device status; for the rows that verified drafts, how many
+        of them were accepted; the number of draft tokens proposed over all rows."""
+        for code, rows in Tally(int(s) for s in statuses).items():
+            self.device_statuses.labels(status=_status_name(code)).inc(rows)
+        accepted_total = 0
+        for accepted in accepted_per_row:
+            self.accepted_per_round.observe(accepted)
+            accepted_total += accepted
+        self.draft_tokens_proposed.inc(proposed)
+        self.draft_tokens_accepted.inc(accepted_total)
+
+    def observe_tokens(self, *, prompt: int = 0, generated: int = 0) -> None:
+        if prompt:
+            self.prompt_tokens.inc(prompt)
+        if generated:
+            self.generated_tokens.inc(generated)
+
+    def observe_emission(self, gap_s: float, tokens: int) -> None:
+        """A request received `tokens` tokens `gap_s` seconds after its previous ones: each
+        token's inter-token latency is the gap shared among them."""
+        for _ in range(tokens):
+            self.inter_token_latency.observe(gap_s / tokens)
+
+    def set_occupancy(self, *, running: int, waiting: int, kv_blocks_used: int, kv_blocks_total: int) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_blocks_used.set(kv_blocks_used)
+        self.kv_blocks_total.set(kv_blocks_total)
