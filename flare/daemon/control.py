@@ -1,0 +1,321 @@
+"""The control API: HTTP over a UNIX socket, for `flare ctl`.
+
+Control never listens on TCP: the only way in is a socket file of mode 0660, so the file's
+owner and group decide who may steer the daemon, and every command is logged with the peer's
+uid, gid and pid (SO_PEERCRED), which the kernel vouches for.
+
+The server asks a `ControlTarget` for everything it does, so it is tested with a fake target
+and wired to the scheduler and config by the daemon.
+
+Endpoints (JSON in and out; errors in the API's `{"error": {...}}` shape):
+    GET  /status                    DaemonStatus
+    GET  /requests                  {"requests": [RequestRow, ...]}
+    POST /requests/{id}/cancel      {"cancelled": id}      404 when no such request
+    POST /drain                     {"draining": true}
+    POST /resume                    {"draining": false}
+    GET  /config                    the effective config, API keys redacted
+    PUT  /log-level  {"level": L}   {"log_level": L}       400 for an unknown level
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import re
+import socket
+import stat
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import anyio
+import anyio.abc
+import structlog
+from aiohttp import web
+
+from flare.daemon.errors import INVALID_REQUEST, ApiError
+
+log = structlog.get_logger(__name__)
+
+SOCKET_MODE = 0o660
+SYSTEM_CONTROL_SOCKET = Path("/run/flare/control.sock")
+
+
+@dataclass(frozen=True)
+class DaemonStatus:
+    """What `flare ctl status` shows, and what the systemd STATUS= line summarises."""
+
+    package: str
+    uptime_s: float
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    draining: bool
+    device_statuses: dict[str, int]  # rows per device status name since start
+    generated_tokens_per_s: float  # over the last few seconds
+    log_level: str
+    pid: int
+    version: str
+
+    def summary(self) -> str:
+        """One line: `systemctl status` shows it under the unit."""
+        state = "draining" if self.draining else "serving"
+        return (
+            f"{state} {self.package}: {self.running} running, {self.waiting} waiting, "
+            f"{self.generated_tokens_per_s:.1f} tokens/s"
+        )
+
+
+@dataclass(frozen=True)
+class RequestRow:
+    """One request as `flare ctl requests` lists it."""
+
+    request_id: str
+    state: str  # "waiting" | "running"
+    age_s: float
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class ControlTarget(Protocol):
+    """What the control server steers: the daemon wires the scheduler and config to this."""
+
+    def status(self) -> DaemonStatus: ...
+
+    def requests(self) -> Sequence[RequestRow]: ...
+
+    def cancel(self, request_id: str) -> bool:
+        """End the request with an operator-cancel failure; False when there is no such request."""
+        ...
+
+    def drain(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def effective_config(self) -> Mapping[str, Any]: ...
+
+    def set_log_level(self, level: str) -> None:
+        """ValueError (naming the allowed levels) for a level that does not exist."""
+        ...
+
+
+class ControlSocketError(Exception):
+    """The control socket cannot be created; the message names the path and the fix."""
+
+
+# Values of these settings never leave the daemon: `flare ctl config` shows how many there are.
+_SECRET_SETTING = re.compile(r"(^|_)(api_keys?|secrets?|passwords?)$")
+REDACTED = "<redacted>"
+
+
+def redact_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config as JSON values, secrets replaced by "<redacted>" (one per key in a list)."""
+    shown: dict[str, Any] = {}
+    for name, value in config.items():
+        if _SECRET_SETTING.search(name) and isinstance(value, (str, list, tuple)):
+            shown[name] = REDACTED if isinstance(value, str) else [REDACTED] * len(value)
+        else:
+            shown[name] = _json_value(value)
+    return shown
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, Mapping):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_json_value(v) for v in value]
+    return value
+
+
+def default_control_socket(environ: Mapping[str, str]) -> Path:
+    """Where the daemon puts its socket without --control-socket: systemd's RuntimeDirectory
+    (/run/flare), else /run/flare as root, else the user's runtime directory."""
+    if runtime := environ.get("RUNTIME_DIRECTORY"):
+        return Path(runtime.split(":")[0]) / "control.sock"
+    if os.geteuid() != 0 and (user_runtime := environ.get("XDG_RUNTIME_DIR")):
+        return Path(user_runtime) / "flare" / "control.sock"
+    return SYSTEM_CONTROL_SOCKET
+
+
+def bind_control_socket(path: Path) -> socket.socket:
+    """A bound, not yet listening, AF_UNIX stream socket at `path`, mode 0660.
+
+    The mode is set between bind() and listen(): until listen() the kernel refuses every
+    connection, so there is no moment in which a wider umask-derived mode lets anyone in.
+    A stale socket left by a daemon that died is replaced; a live one is an error.
+    """
+    try:
+        path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+    except OSError as error:
+        raise ControlSocketError(
+            f"control socket {path}: cannot create its directory {path.parent} ({error.strerror}); "
+            "create it writable for the daemon's user, or pass another --control-socket"
+        ) from None
+    _remove_stale_socket(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.bind(os.fspath(path))
+        os.chmod(path, SOCKET_MODE)
+    except OSError as error:
+        sock.close()
+        reason = error.strerror or str(error)
+        raise ControlSocketError(
+            f"control socket {path}: cannot bind ({reason}); the directory must be writable for the "
+            "daemon's user and the path shorter than 108 bytes, or pass another --control-socket"
+        ) from None
+    return sock
+
+
+def _remove_stale_socket(path: Path) -> None:
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise ControlSocketError(
+            f"control socket {path}: the path exists and is not a socket; remove it or pass another --control-socket"
+        )
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(os.fspath(path))
+    except ConnectionRefusedError:
+        path.unlink(missing_ok=True)  # nobody listens: left by a daemon that died
+        return
+    except OSError:
+        pass
+    finally:
+        probe.close()
+    raise ControlSocketError(
+        f"control socket {path}: another process is listening on it (another flare daemon?); "
+        "stop it or pass another --control-socket"
+    )
+
+
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_credentials(request: web.Request) -> tuple[int, int, int] | None:
+    """(pid, uid, gid) of the process at the other end of the control connection."""
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return None
+    pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return pid, uid, gid
+
+
+@web.middleware
+async def _log_command(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every command, answered or refused, is logged with who sent it."""
+    creds = peer_credentials(request)
+    peer = {"peer_pid": creds[0], "peer_uid": creds[1], "peer_gid": creds[2]} if creds else {}
+    try:
+        response = await handler(request)
+    except ApiError as error:
+        log.warning("control.command", method=request.method, path=request.path, status=error.status, **peer)
+        return error.response()
+    except web.HTTPException as error:
+        log.warning("control.command", method=request.method, path=request.path, status=error.status, **peer)
+        raise
+    log.info("control.command", method=request.method, path=request.path, status=response.status, **peer)
+    return response
+
+
+def control_app(target: ControlTarget) -> web.Application:
+    async def status(_request: web.Request) -> web.Response:
+        return web.json_response(dataclasses.asdict(target.status()))
+
+    async def requests(_request: web.Request) -> web.Response:
+        return web.json_response({"requests": [dataclasses.asdict(row) for row in target.requests()]})
+
+    async def cancel(request: web.Request) -> web.Response:
+        request_id = request.match_info["request_id"]
+        if not target.cancel(request_id):
+            raise ApiError(
+                404,
+                f"no waiting or running request has id {request_id!r}; `flare ctl requests` lists them",
+                param="request_id",
+                code="request_not_found",
+            )
+        log.info("control.cancelled", request_id=request_id)
+        return web.json_response({"cancelled": request_id})
+
+    async def drain(_request: web.Request) -> web.Response:
+        target.drain()
+        return web.json_response({"draining": True})
+
+    async def resume(_request: web.Request) -> web.Response:
+        target.resume()
+        return web.json_response({"draining": False})
+
+    async def config(_request: web.Request) -> web.Response:
+        return web.json_response(redact_config(target.effective_config()))
+
+    async def log_level(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        level = body.get("level") if isinstance(body, dict) else None
+        if not isinstance(level, str):
+            raise ApiError(400, 'expected a JSON body {"level": "debug|info|warning|error"}', param="level")
+        try:
+            target.set_log_level(level)
+        except ValueError as error:
+            raise ApiError(400, str(error), type=INVALID_REQUEST, param="level", code="invalid_log_level") from None
+        log.info("control.log_level", log_level=level.lower())
+        return web.json_response({"log_level": level.lower()})
+
+    app = web.Application(middlewares=[_log_command])
+    app.add_routes(
+        [
+            web.get("/status", status),
+            web.get("/requests", requests),
+            web.post("/requests/{request_id}/cancel", cancel),
+            web.post("/drain", drain),
+            web.post("/resume", resume),
+            web.get("/config", config),
+            web.put("/log-level", log_level),
+        ]
+    )
+    return app
+
+
+async def serve_control(
+    target: ControlTarget, path: Path, *, task_status: anyio.abc.TaskStatus[Path] = anyio.TASK_STATUS_IGNORED
+) -> None:
+    """Serve the control API on `path` until cancelled, then remove the socket file.
+    Run it in the daemon's task group: `await task_group.start(serve_control, target, path)`."""
+    sock = bind_control_socket(path)
+    bound = os.stat(path)
+    runner = web.AppRunner(control_app(target), access_log=None, handle_signals=False)
+    try:
+        await runner.setup()
+        # SockSite, not UnixSite: UnixSite binds and listens at once, before the mode can be set.
+        await web.SockSite(runner, sock).start()
+        log.info("control.listening", control_socket=os.fspath(path))
+        task_status.started(path)
+        await anyio.sleep_forever()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await runner.cleanup()
+        sock.close()
+        _unlink_if_ours(path, bound)
+
+
+def _unlink_if_ours(path: Path, bound: os.stat_result) -> None:
+    # A second daemon may have replaced a socket we thought stale; only remove our own file.
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return
+    if (now.st_dev, now.st_ino) == (bound.st_dev, bound.st_ino):
+        path.unlink(missing_ok=True)

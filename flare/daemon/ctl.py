@@ -1,0 +1,268 @@
+"""`flare ctl`: steer a running daemon through its control socket.
+
+    flare ctl [--socket PATH] [--json] status | requests | cancel ID | drain | resume
+                                       | config | log-level LEVEL
+
+Readable tables by default; `--json` prints the daemon's answer as JSON for scripts.
+
+Exit codes:
+    0  done
+    1  the daemon refused the command (no such request, unknown log level); the reason is printed
+    2  bad usage (argparse)
+    3  the daemon cannot be reached: no socket, permission denied, nothing listening, no answer
+
+The client is synchronous (http.client over an AF_UNIX socket): one request per run, and no
+event loop to start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import grp
+import http.client
+import json
+import os
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+from urllib.parse import quote
+
+from flare.daemon.control import SYSTEM_CONTROL_SOCKET, default_control_socket
+from flare.daemon.logging import LOG_LEVELS
+
+SOCKET_ENV = "FLARE_CONTROL_SOCKET"
+EXIT_OK = 0
+EXIT_REFUSED = 1
+EXIT_UNREACHABLE = 3
+TIMEOUT_S = 10.0
+
+
+class Unreachable(Exception):
+    """The daemon cannot be reached; the message names the socket and the likely fix."""
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: Path, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(os.fspath(self._path))
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def call(path: Path, method: str, url: str, body: Mapping[str, Any] | None = None) -> tuple[int, Any]:
+    """One control request: (HTTP status, decoded JSON answer). Raises Unreachable."""
+    connection = _UnixHTTPConnection(path, TIMEOUT_S)
+    try:
+        payload = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if payload is not None else {}
+        connection.request(method, url, body=payload, headers=headers)
+        response = connection.getresponse()
+        raw = response.read()
+    except FileNotFoundError:
+        raise Unreachable(
+            f"no control socket at {path}: is the daemon running (`systemctl status flare`)? "
+            f"If it was started with --control-socket elsewhere, pass that path with --socket or {SOCKET_ENV}"
+        ) from None
+    except PermissionError:
+        raise Unreachable(
+            f"permission denied on {path}: the socket is mode 0660{_owner_group(path)}; run as root "
+            "or as a member of that group (`sudo usermod -aG GROUP $USER`, then log in again)"
+        ) from None
+    except ConnectionRefusedError:
+        raise Unreachable(
+            f"nothing listens on {path}: the daemon that created it has exited; start it again "
+            "(`systemctl start flare`) or remove the stale file"
+        ) from None
+    except TimeoutError:
+        raise Unreachable(f"the daemon at {path} did not answer within {TIMEOUT_S:.0f}s") from None
+    except (OSError, http.client.HTTPException) as error:
+        raise Unreachable(f"control socket {path}: {error}") from None
+    finally:
+        connection.close()
+    try:
+        return response.status, json.loads(raw)
+    except ValueError:
+        raise Unreachable(f"control socket {path}: the answer is not JSON; is this a flare control socket?") from None
+
+
+def _owner_group(path: Path) -> str:
+    try:
+        gid = path.stat().st_gid
+    except OSError:
+        return ""
+    try:
+        return f", group {grp.getgrgid(gid).gr_name}"
+    except KeyError:
+        return f", group id {gid}"
+
+
+def resolve_socket(given: str | None, environ: Mapping[str, str]) -> Path:
+    """--socket, else FLARE_CONTROL_SOCKET, else the system service's socket when it exists,
+    else where a daemon started by this user would put it."""
+    if given:
+        return Path(given)
+    if environ.get(SOCKET_ENV):
+        return Path(environ[SOCKET_ENV])
+    if SYSTEM_CONTROL_SOCKET.exists():
+        return SYSTEM_CONTROL_SOCKET
+    return default_control_socket(environ)
+
+
+def add_ctl_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `ctl` to the `flare` command's subparsers; the parsed namespace carries
+    `func=run_ctl`."""
+    parser = subparsers.add_parser(
+        "ctl",
+        help="steer a running daemon through its control socket",
+        description="Steer a running flare daemon through its UNIX control socket. "
+        "Exit codes: 0 done, 1 refused by the daemon, 2 bad usage, 3 daemon unreachable.",
+    )
+    parser.add_argument(
+        "--socket",
+        metavar="PATH",
+        help=f"the control socket (default: ${SOCKET_ENV}, else {SYSTEM_CONTROL_SOCKET} when it exists, "
+        "else $XDG_RUNTIME_DIR/flare/control.sock)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the daemon's answer as JSON")
+    commands = parser.add_subparsers(dest="ctl_command", required=True, metavar="COMMAND")
+    commands.add_parser("status", help="package, uptime, requests, KV blocks, draining, device statuses")
+    commands.add_parser("requests", help="waiting and running requests: id, state, age, tokens in and out")
+    cancel = commands.add_parser("cancel", help="end one request; its client gets a 'cancelled' error")
+    cancel.add_argument("request_id", metavar="ID")
+    commands.add_parser("drain", help="stop admitting requests (503, /health 503); in-flight ones go on")
+    commands.add_parser("resume", help="admit requests again after a drain")
+    commands.add_parser("config", help="the effective configuration, API keys redacted")
+    level = commands.add_parser("log-level", help="change the log level at run time")
+    level.add_argument("level", choices=LOG_LEVELS, metavar="LEVEL", help=" | ".join(LOG_LEVELS))
+    parser.set_defaults(func=run_ctl)
+    return parser
+
+
+_REQUESTS: dict[str, tuple[str, str]] = {
+    "status": ("GET", "/status"),
+    "requests": ("GET", "/requests"),
+    "drain": ("POST", "/drain"),
+    "resume": ("POST", "/resume"),
+    "config": ("GET", "/config"),
+}
+
+
+def run_ctl(
+    args: argparse.Namespace,
+    *,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> int:
+    out = sys.stdout if stdout is None else stdout
+    err = sys.stderr if stderr is None else stderr
+    path = resolve_socket(args.socket, os.environ if environ is None else environ)
+    command: str = args.ctl_command
+    body: dict[str, Any] | None = None
+    if command == "cancel":
+        method, url = "POST", f"/requests/{quote(args.request_id, safe='')}/cancel"
+    elif command == "log-level":
+        method, url, body = "PUT", "/log-level", {"level": args.level}
+    else:
+        method, url = _REQUESTS[command]
+    try:
+        status, answer = call(path, method, url, body)
+    except Unreachable as error:
+        print(f"flare ctl: {error}", file=err)
+        return EXIT_UNREACHABLE
+    if status >= 400:
+        message = answer.get("error", {}).get("message") if isinstance(answer, dict) else None
+        if args.json:
+            print(json.dumps(answer, indent=2), file=out)
+        print(f"flare ctl {command}: {message or f'the daemon answered HTTP {status}'}", file=err)
+        return EXIT_REFUSED
+    print(json.dumps(answer, indent=2) if args.json else render(command, answer), file=out)
+    return EXIT_OK
+
+
+def render(command: str, answer: Any) -> str:
+    """The readable form of a command's answer."""
+    if command == "status":
+        return _render_status(answer)
+    if command == "requests":
+        return _render_requests(answer["requests"])
+    if command == "config":
+        return _table([(name, _scalar(value)) for name, value in answer.items()])
+    if command == "cancel":
+        return f"cancelled request {answer['cancelled']}; its client gets a 'cancelled' error"
+    if command == "drain":
+        return "draining: new requests get 503 and /health answers 503; in-flight requests go on"
+    if command == "resume":
+        return "admitting requests again"
+    if command == "log-level":
+        return f"log level is now {answer['log_level']}"
+    raise ValueError(f"no rendering for {command!r}")
+
+
+def _render_status(status: Mapping[str, Any]) -> str:
+    statuses = status["device_statuses"]
+    rows = [
+        ("package", status["package"]),
+        ("state", "draining" if status["draining"] else "serving"),
+        ("uptime", _duration(status["uptime_s"])),
+        ("running", str(status["running"])),
+        ("waiting", str(status["waiting"])),
+        ("kv blocks", f"{status['kv_blocks_used']} / {status['kv_blocks_total']} in use"),
+        ("tokens/s", f"{status['generated_tokens_per_s']:.1f}"),
+        ("log level", status["log_level"]),
+        ("pid", str(status["pid"])),
+        ("version", status["version"]),
+        (
+            "device statuses",
+            ", ".join(f"{name} {count}" for name, count in statuses.items() if count) or "none",
+        ),
+    ]
+    return _table(rows)
+
+
+def _render_requests(rows: Sequence[Mapping[str, Any]]) -> str:
+    if not rows:
+        return "no waiting or running requests"
+    header = ("ID", "STATE", "AGE", "TOKENS IN", "TOKENS OUT")
+    body = [
+        (r["request_id"], r["state"], _duration(r["age_s"]), str(r["prompt_tokens"]), str(r["completion_tokens"]))
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in (header, *body)) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in (header, *body))
+
+
+def _table(rows: Sequence[tuple[str, str]]) -> str:
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
+
+
+def _scalar(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return str(value)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    if days:
+        return f"{days}d{hours:02d}h{minutes:02d}m"
+    if hours:
+        return f"{hours}h{minutes:02d}m{secs:02d}s"
+    return f"{minutes}m{secs:02d}s"

@@ -1,0 +1,342 @@
+"""The control socket and `flare ctl`, over a real UNIX socket, against a fake target."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import socket
+import stat
+import tempfile
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import structlog
+
+from flare.daemon.control import (
+    ControlSocketError,
+    DaemonStatus,
+    RequestRow,
+    bind_control_socket,
+    redact_config,
+    serve_control,
+)
+from flare.daemon.ctl import (
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_UNREACHABLE,
+    add_ctl_parser,
+    call,
+    resolve_socket,
+    run_ctl,
+)
+
+
+@dataclass
+class FakeTarget:
+    draining: bool = False
+    log_level: str = "info"
+    cancelled: list[str] = field(default_factory=list)
+    rows: list[RequestRow] = field(
+        default_factory=lambda: [
+            RequestRow("chatcmpl-a", "running", 12.5, 40, 17),
+            RequestRow("chatcmpl-b", "waiting", 0.4, 1200, 0),
+        ]
+    )
+
+    def status(self) -> DaemonStatus:
+        return DaemonStatus(
+            package="smollm2-135m",
+            uptime_s=3725.0,
+            running=1,
+            waiting=1,
+            kv_blocks_used=7,
+            kv_blocks_total=64,
+            draining=self.draining,
+            device_statuses={"OK": 90, "INVALID_SPECULATION": 2},
+            generated_tokens_per_s=41.25,
+            log_level=self.log_level,
+            pid=1234,
+            version="0.1.0",
+        )
+
+    def requests(self) -> Sequence[RequestRow]:
+        return [r for r in self.rows if r.request_id not in self.cancelled]
+
+    def cancel(self, request_id: str) -> bool:
+        if request_id not in {r.request_id for r in self.requests()}:
+            return False
+        self.cancelled.append(request_id)
+        return True
+
+    def drain(self) -> None:
+        self.draining = True
+
+    def resume(self) -> None:
+        self.draining = False
+
+    def effective_config(self) -> Mapping[str, Any]:
+        return {
+            "host": "127.0.0.1",
+            "port": 8000,
+            "package": Path("/var/lib/flare/smollm2"),
+            "api_keys": ("sk-secret-one", "sk-secret-two"),
+            "metrics_require_key": True,
+            "request_timeout_s": None,
+        }
+
+    def set_log_level(self, level: str) -> None:
+        if level.lower() not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"log level {level!r} is not one of debug, info, warning, error")
+        self.log_level = level.lower()
+
+
+@asynccontextmanager
+async def control_server(target: FakeTarget, path: Path) -> AsyncIterator[Path]:
+    async with anyio.create_task_group() as tg:
+        await tg.start(serve_control, target, path)
+        yield path
+        tg.cancel_scope.cancel()
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="flare")
+    add_ctl_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)
+
+
+@dataclass
+class CtlResult:
+    code: int
+    out: str
+    err: str
+
+
+async def ctl(*argv: str) -> CtlResult:
+    """Run `flare ctl ARGV` in a thread: the client is synchronous, the server is on this loop."""
+    out, err = io.StringIO(), io.StringIO()
+    args = parse(["ctl", *argv])
+    code = await anyio.to_thread.run_sync(lambda: run_ctl(args, stdout=out, stderr=err, environ={}))
+    return CtlResult(code, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture
+def socket_path() -> Iterator[Path]:
+    # AF_UNIX paths are limited to 108 bytes and pytest's tmp_path can be longer.
+    short = Path(tempfile.mkdtemp(prefix="flare-ctl-", dir="/tmp"))
+    yield short / "run" / "control.sock"
+    shutil.rmtree(short)
+
+
+async def test_status_json_has_the_documented_keys(socket_path: Path) -> None:
+    async with control_server(FakeTarget(), socket_path):
+        result = await ctl("--socket", str(socket_path), "--json", "status")
+    assert result.code == EXIT_OK
+    status = json.loads(result.out)
+    for key in ("package", "uptime_s", "running", "waiting", "kv_blocks_used", "kv_blocks_total", "draining"):
+        assert key in status
+    assert status["device_statuses"] == {"OK": 90, "INVALID_SPECULATION": 2}
+    assert status["package"] == "smollm2-135m" and status["kv_blocks_total"] == 64
+
+
+async def test_status_table_is_readable(socket_path: Path) -> None:
+    async with control_server(FakeTarget(), socket_path):
+        result = await ctl("--socket", str(socket_path), "status")
+    assert result.code == EXIT_OK
+    lines = result.out.splitlines()
+    assert "package          smollm2-135m" in lines
+    assert "state            serving" in lines
+    assert "uptime           1h02m05s" in lines
+    assert "kv blocks        7 / 64 in use" in lines
+    assert "device statuses  OK 90, INVALID_SPECULATION 2" in lines
+
+
+async def test_requests_lists_id_state_age_and_tokens(socket_path: Path) -> None:
+    async with control_server(FakeTarget(), socket_path):
+        table = await ctl("--socket", str(socket_path), "requests")
+        as_json = await ctl("--socket", str(socket_path), "--json", "requests")
+    assert table.out.splitlines() == [
+        "ID          STATE    AGE    TOKENS IN  TOKENS OUT",
+        "chatcmpl-a  running  12.5s  40         17",
+        "chatcmpl-b  waiting  0.4s   1200       0",
+    ]
+    assert json.loads(as_json.out)["requests"][0] == {
+        "request_id": "chatcmpl-a",
+        "state": "running",
+        "age_s": 12.5,
+        "prompt_tokens": 40,
+        "completion_tokens": 17,
+    }
+
+
+async def test_cancel_ends_the_named_request_and_refuses_an_unknown_one(socket_path: Path) -> None:
+    target = FakeTarget()
+    async with control_server(target, socket_path):
+        done = await ctl("--socket", str(socket_path), "cancel", "chatcmpl-a")
+        again = await ctl("--socket", str(socket_path), "--json", "cancel", "chatcmpl-a")
+        remaining = await ctl("--socket", str(socket_path), "--json", "requests")
+    assert done.code == EXIT_OK
+    assert "cancelled request chatcmpl-a" in done.out
+    assert target.cancelled == ["chatcmpl-a"]
+    assert again.code == EXIT_REFUSED
+    assert "no waiting or running request has id 'chatcmpl-a'" in again.err
+    assert json.loads(again.out)["error"]["code"] == "request_not_found"
+    assert [r["request_id"] for r in json.loads(remaining.out)["requests"]] == ["chatcmpl-b"]
+
+
+async def test_drain_and_resume_toggle_admission(socket_path: Path) -> None:
+    target = FakeTarget()
+    async with control_server(target, socket_path):
+        drained = await ctl("--socket", str(socket_path), "drain")
+        assert target.draining
+        status = await ctl("--socket", str(socket_path), "--json", "status")
+        assert json.loads(status.out)["draining"] is True
+        resumed = await ctl("--socket", str(socket_path), "--json", "resume")
+    assert drained.code == EXIT_OK and "draining" in drained.out
+    assert json.loads(resumed.out) == {"draining": False}
+    assert not target.draining
+
+
+async def test_config_is_shown_with_api_keys_redacted(socket_path: Path) -> None:
+    async with control_server(FakeTarget(), socket_path):
+        as_json = await ctl("--socket", str(socket_path), "--json", "config")
+        table = await ctl("--socket", str(socket_path), "config")
+    config = json.loads(as_json.out)
+    assert config["api_keys"] == ["<redacted>", "<redacted>"]
+    assert config["package"] == "/var/lib/flare/smollm2"
+    assert config["metrics_require_key"] is True
+    assert "sk-secret" not in as_json.out + table.out
+    assert "request_timeout_s    -" in table.out.splitlines()
+
+
+def test_redaction_covers_secret_names_but_not_flags_about_them() -> None:
+    shown = redact_config({"api_key": "sk-1", "db_password": "pw", "metrics_require_key": False, "api_keys": []})
+    assert shown == {"api_key": "<redacted>", "db_password": "<redacted>", "metrics_require_key": False, "api_keys": []}
+
+
+async def test_log_level_changes_and_an_unknown_level_is_refused(socket_path: Path) -> None:
+    target = FakeTarget()
+    async with control_server(target, socket_path):
+        changed = await ctl("--socket", str(socket_path), "log-level", "debug")
+        status, answer = await anyio.to_thread.run_sync(
+            lambda: call(socket_path, "PUT", "/log-level", {"level": "verbose"})
+        )
+        missing_body = await anyio.to_thread.run_sync(lambda: call(socket_path, "PUT", "/log-level", {}))
+    assert changed.code == EXIT_OK and changed.out.strip() == "log level is now debug"
+    assert target.log_level == "debug"
+    assert status == 400
+    assert answer["error"]["param"] == "level" and "debug, info, warning, error" in answer["error"]["message"]
+    assert missing_body[0] == 400
+
+
+def test_ctl_refuses_an_unknown_level_before_calling_the_daemon(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse(["ctl", "log-level", "verbose"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'verbose'" in capsys.readouterr().err
+
+
+async def test_socket_is_mode_0660_in_a_created_directory_and_removed_at_stop(socket_path: Path) -> None:
+    assert not socket_path.parent.exists()
+    async with control_server(FakeTarget(), socket_path):
+        mode = socket_path.stat().st_mode
+        assert stat.S_ISSOCK(mode)
+        assert stat.S_IMODE(mode) == 0o660
+    assert not socket_path.exists()
+
+
+async def test_every_command_is_logged_with_the_peer_credentials(socket_path: Path) -> None:
+    with structlog.testing.capture_logs() as logs:
+        async with control_server(FakeTarget(), socket_path):
+            await ctl("--socket", str(socket_path), "drain")
+            await ctl("--socket", str(socket_path), "cancel", "nope")
+    commands = [entry for entry in logs if entry["event"] == "control.command"]
+    assert [(c["method"], c["path"], c["status"]) for c in commands] == [
+        ("POST", "/drain", 200),
+        ("POST", "/requests/nope/cancel", 404),
+    ]
+    for command in commands:
+        assert (command["peer_pid"], command["peer_uid"], command["peer_gid"]) == (
+            os.getpid(),
+            os.geteuid(),
+            os.getegid(),
+        )
+
+
+async def test_missing_socket_names_the_path_and_the_fix(socket_path: Path) -> None:
+    result = await ctl("--socket", str(socket_path), "status")
+    assert result.code == EXIT_UNREACHABLE
+    assert f"no control socket at {socket_path}" in result.err
+    assert "is the daemon running" in result.err
+    assert result.out == ""
+
+
+async def test_stale_socket_is_reported_by_ctl_and_replaced_by_the_daemon(socket_path: Path) -> None:
+    socket_path.parent.mkdir(parents=True)
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(socket_path))
+    dead.close()  # the file stays; nothing listens: what a killed daemon leaves behind
+    result = await ctl("--socket", str(socket_path), "status")
+    assert result.code == EXIT_UNREACHABLE and f"nothing listens on {socket_path}" in result.err
+    async with control_server(FakeTarget(), socket_path):
+        assert (await ctl("--socket", str(socket_path), "status")).code == EXIT_OK
+
+
+async def test_a_second_daemon_cannot_take_a_live_socket(socket_path: Path) -> None:
+    async with control_server(FakeTarget(), socket_path):
+        with pytest.raises(ControlSocketError, match="another process is listening"):
+            bind_control_socket(socket_path)
+        assert (await ctl("--socket", str(socket_path), "status")).code == EXIT_OK
+
+
+def test_a_path_that_is_not_a_socket_is_refused(socket_path: Path) -> None:
+    socket_path.parent.mkdir(parents=True)
+    socket_path.write_text("not a socket")
+    with pytest.raises(ControlSocketError, match="exists and is not a socket"):
+        bind_control_socket(socket_path)
+
+
+def ctl_as_nobody(argv: list[str]) -> CtlResult:
+    """Run `flare ctl ARGV` in a child process with uid/gid nobody (tests run as root in CI)."""
+    args = parse(["ctl", *argv])
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop to nobody, run, report, exit without running any cleanup
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            out, err = io.StringIO(), io.StringIO()
+            code = run_ctl(args, stdout=out, stderr=err, environ={})
+            os.write(write_end, json.dumps([code, out.getvalue(), err.getvalue()]).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        code, out, err = json.loads(pipe.read())
+    os.waitpid(pid, 0)
+    return CtlResult(code, out, err)
+
+
+async def test_permission_denied_names_the_path_and_the_group_to_join(socket_path: Path) -> None:
+    async with control_server(FakeTarget(), socket_path):
+        if os.geteuid() == 0:
+            result = await anyio.to_thread.run_sync(ctl_as_nobody, ["--socket", str(socket_path), "status"])
+        else:
+            os.chmod(socket_path, 0o060)  # an owner gets the owner's bits only: no access
+            result = await ctl("--socket", str(socket_path), "status")
+    assert result.code == EXIT_UNREACHABLE
+    assert f"permission denied on {socket_path}" in result.err
+    assert "member of that group" in result.err
+
+
+def test_socket_resolution_prefers_flag_then_environment() -> None:
+    assert resolve_socket("/x/flag.sock", {"FLARE_CONTROL_SOCKET": "/x/env.sock"}) == Path("/x/flag.sock")
+    assert resolve_socket(None, {"FLARE_CONTROL_SOCKET": "/x/env.sock"}) == Path("/x/env.sock")
