@@ -177,6 +177,7 @@ class LlamaModel:
         cos = self.rope_cos[batch.positions].unsqueeze(1)
         sin = self.rope_sin[batch.positions].unsqueeze(1)
         h = F.embedding(batch.token_ids, self.embed)
+        gathered = self._gather_buffers(batch)
         for index, layer in enumerate(self.layers):
             x = F.rms_norm(h, hidden_shape, layer.input_norm, eps)
             qkv = F.linear(x, layer.qkv).view(num_tokens, heads + 2 * kv_heads, head_dim)
@@ -185,7 +186,7 @@ class LlamaModel:
             keys, values = kv_cache.keys[index], kv_cache.values[index]
             keys.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, qk[:, heads:])
             values.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, qkv[:, heads + kv_heads :])
-            attention = self._attention(qk[:, :heads], keys, values, batch)
+            attention = self._attention(qk[:, :heads], keys, values, batch, gathered)
             h += F.linear(attention, layer.o)
             x = F.rms_norm(h, hidden_shape, layer.post_norm, eps)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
@@ -194,11 +195,22 @@ class LlamaModel:
         return F.linear(h, self.lm_head).float()
 
     def _attention(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        batch: ForwardBatch,
+        gathered: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        """Causal attention of every new token over its request's cached positions: [T, heads * D]."""
+        """Causal attention of every new token over its request's cached positions: [T, heads * D].
+
+        `gathered` holds one (keys, values) buffer pair per attention call of the round (the
+        short rows first, then each chunk), reused by every layer: a fresh multi-megabyte tensor
+        per layer costs more in page faults than the gather itself.
+        """
         _, block_size, kv_heads, head_dim = keys.shape
         heads = q.shape[1]
+        calls = iter(gathered)
         outputs: list[torch.Tensor] = []
         short = batch.short_rows
         if short is not None:
@@ -208,25 +220,49 @@ class LlamaModel:
                 q_short = q_short.view(rows, length, heads, head_dim)
             else:
                 q_short = q_short[short.query_index]
-            table = short.block_table.flatten()
-            context = short.block_table.shape[1] * block_size
-            k = keys.index_select(0, table).view(rows, context, kv_heads, head_dim).transpose(1, 2)
-            v = values.index_select(0, table).view(rows, context, kv_heads, head_dim).transpose(1, 2)
-            out = F.scaled_dot_product_attention(
-                q_short.transpose(1, 2), k, v, attn_mask=short.mask, enable_gqa=True
-            )
+            k, v = _gather_blocks(keys, values, short.block_table.flatten(), rows, next(calls))
+            out = F.scaled_dot_product_attention(q_short.transpose(1, 2), k, v, attn_mask=short.mask, enable_gqa=True)
             out = out.transpose(1, 2).reshape(rows * length, heads * head_dim)
             outputs.append(out if short.output_index is None else out[short.output_index])
         for chunk in batch.chunks:
-            length = chunk.end - chunk.start
-            context = chunk.block_table.shape[0] * block_size
-            k = keys.index_select(0, chunk.block_table).view(1, context, kv_heads, head_dim).transpose(1, 2)
-            v = values.index_select(0, chunk.block_table).view(1, context, kv_heads, head_dim).transpose(1, 2)
-            out = F.scaled_dot_product_attention(
-                q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0), k, v, attn_mask=chunk.mask, enable_gqa=True
-            )
-            outputs.append(out[0].transpose(0, 1).reshape(length, heads * head_dim))
+            k, v = _gather_blocks(keys, values, chunk.block_table, 1, next(calls))
+            q_chunk = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(q_chunk, k, v, attn_mask=chunk.mask, enable_gqa=True)
+            outputs.append(out[0].transpose(0, 1).reshape(chunk.end - chunk.start, heads * head_dim))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _gather_buffers(self, batch: ForwardBatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One (keys, values) buffer pair per attention call of the round, in call order."""
+        shape = (batch.block_size, self.config.num_kv_heads, self.config.head_dim)
+        tables = ([batch.short_rows.block_table] if batch.short_rows is not None else []) + [
+            chunk.block_table for chunk in batch.chunks
+        ]
+        return [
+            (
+                torch.empty((table.numel(), *shape), dtype=self.dtype, device=self.device),
+                torch.empty((table.numel(), *shape), dtype=self.dtype, device=self.device),
+            )
+            for table in tables
+        ]
+
+
+def _gather_blocks(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    table: torch.Tensor,
+    rows: int,
+    buffers: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole blocks `table` (rows * blocks_per_row) of one layer's pools as [rows, kv heads, L, D]."""
+    _, block_size, kv_heads, head_dim = keys.shape
+    key_buffer, value_buffer = buffers
+    torch.index_select(keys, 0, table, out=key_buffer)
+    torch.index_select(values, 0, table, out=value_buffer)
+    context = table.numel() // rows * block_size
+    return (
+        key_buffer.view(rows, context, kv_heads, head_dim).transpose(1, 2),
+        value_buffer.view(rows, context, kv_heads, head_dim).transpose(1, 2),
+    )
 
 
 def load_model(package, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LlamaModel:
