@@ -1,0 +1,140 @@
+"""Per-position distribution statistics (torch twin of distribution_triton.py).
+
+For every position and vocabulary shard: the max logit m, the sum of exp(logit - m) over the
+kept tokens, and the argmax (lowest index on ties). With one shard the filters are applied.
+The kept set of a position is ``{i : logit_i >= threshold}``, one threshold in logit space, the
+largest of
+
+- top-k: the k-th largest logit (every token tied with it is kept);
+- top-p, on the top-k-truncated distribution: the largest logit t such that the tokens with
+  logit >= t carry at least top_p of the truncated mass (the smallest prefix of the sorted
+  distribution that reaches top_p; ties are kept together);
+- min-p: ``m + log(min_p)``, since min-p keeps p_i >= min_p * p_max.
+
+Membership is decided by comparing logits with a threshold that is itself a logit (or
+m + log(min_p), computed the same way everywhere), never by comparing exponentials, so the
+twin and the Triton kernel agree on the kept set bit for bit. This one-threshold form is what
+makes a sort-free GPU search possible (FlashInfer): the Triton kernel finds the top-k and top-p
+thresholds by bisection on the order-preserving integer image of the float bits, the twin by
+topk and sort; both land on the same element of the row.
+
+With several shards (vocabulary-parallel sampling) no filter is applied: a filtered row gets
+INVALID_SPECULATION before its statistics are used. The merge of shard statistics is the
+online-softmax merge: m = max_s m_s, Z = sum_s Z_s * exp(m_s - m).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DistributionStatistics:
+    max: torch.Tensor
+    """[N, S] float32: max logit per shard."""
+    sumexp: torch.Tensor | None
+    """[N, S] float32: sum of exp(logit - shard max) over kept tokens; None when not asked."""
+    argmax: torch.Tensor | None
+    """[N, S] int64: global index of the shard's max (lowest on ties); None when not asked."""
+    threshold: torch.Tensor
+    """[N] float32: the kept-set threshold on logits (-inf: all kept, always so with shards)."""
+
+
+def shard_bounds(vocab_size: int, num_shards: int) -> list[tuple[int, int]]:
+    """Contiguous shards of ceil(V / S) tokens (the last may be shorter)."""
+    size = -(-vocab_size // num_shards)
+    return [(s * size, min((s + 1) * size, vocab_size)) for s in range(num_shards)]
+
+
+def distribution_statistics(
+    scaled: torch.Tensor,
+    row_of_position: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    log_min_p: torch.Tensor,
+    num_shards: int,
+    *,
+    filtered: bool,
+    max_top_k: int,
+    any_top_p: bool,
+    need_sumexp: bool = True,
+    need_argmax: bool = True,
+) -> DistributionStatistics:
+    """Statistics of every position of ``scaled`` [N, V].
+
+    Per-row filter parameters come sanitised (top_k 0 = off, top_p 1 = off, log_min_p -inf =
+    off) and are indexed through ``row_of_position``. ``filtered`` (apply filters at all),
+    ``max_top_k`` and ``any_top_p`` are host facts that let the twin skip work; the Triton kernel
+    reads the parameters alone. ``need_sumexp``/``need_argmax`` let the twin skip outputs the
+    round does not use (the Triton kernel always computes them).
+    """
+    vocab_size = scaled.shape[1]
+    num_positions = scaled.shape[0]
+    no_threshold = torch.full((num_positions,), float("-inf"), dtype=torch.float32, device=scaled.device)
+    if num_shards > 1:
+        maxes, sums, argmaxes = [], [], []
+        for start, end in shard_bounds(vocab_size, num_shards):
+            shard = scaled[:, start:end]
+            shard_max = shard.amax(dim=-1)
+            maxes.append(shard_max)
+            if need_sumexp:
+                sums.append(torch.exp(shard - shard_max.unsqueeze(1)).sum(-1))
+            if need_argmax:
+                argmaxes.append(shard.argmax(dim=-1) + start)
+        return DistributionStatistics(
+            max=torch.stack(maxes, 1),
+            sumexp=torch.stack(sums, 1) if need_sumexp else None,
+            argmax=torch.stack(argmaxes, 1) if need_argmax else None,
+            threshold=no_threshold,
+        )
+    row_max = scaled.amax(dim=-1)
+    argmax = scaled.argmax(dim=-1).unsqueeze(1) if need_argmax else None
+    threshold = no_threshold
+    sumexp = None
+    if need_sumexp or filtered:
+        w = torch.exp(scaled - row_max.unsqueeze(1))
+        if filtered:
+            threshold = _threshold(
+                scaled, w, row_max, top_k[row_of_position], top_p[row_of_position],
+                log_min_p[row_of_position], max_top_k, any_top_p,
+            )
+            sumexp = torch.where(scaled >= threshold.unsqueeze(1), w, 0.0).sum(-1)
+        else:
+            sumexp = w.sum(-1)
+        sumexp = sumexp.unsqueeze(1)
+    return DistributionStatistics(max=row_max.unsqueeze(1), sumexp=sumexp, argmax=argmax, threshold=threshold)
+
+
+def _threshold(
+    scaled: torch.Tensor,
+    w: torch.Tensor,
+    row_max: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    log_min_p: torch.Tensor,
+    max_top_k: int,
+    any_top_p: bool,
+) -> torch.Tensor:
+    vocab_size = scaled.shape[1]
+    threshold = row_max + log_min_p
+    threshold_k = torch.full_like(row_max, float("-inf"))
+    if max_top_k > 0:
+        k_limit = min(max_top_k, vocab_size)
+        top_values = torch.topk(scaled, k_limit, dim=-1, sorted=True).values
+        enabled = (top_k >= 1) & (top_k <= k_limit)
+        kth = top_values.gather(1, (top_k.clamp(1, k_limit) - 1).unsqueeze(1)).squeeze(1)
+        threshold_k = torch.where(enabled, kth, float("-inf"))
+        threshold = torch.maximum(threshold, threshold_k)
+    if any_top_p:
+        kept = scaled >= threshold_k.unsqueeze(1)
+        total = torch.where(kept, w, 0.0).sum(-1)
+        descending, order = torch.sort(scaled, dim=-1, descending=True)
+        mass = torch.where(kept.gather(1, order), w.gather(1, order), 0.0)
+        cumulative = mass.cumsum(-1)
+        target = (top_p * total).unsqueeze(1)
+        first_reaching = (cumulative < target).sum(-1).clamp(max=vocab_size - 1)
+        threshold_p = descending.gather(1, first_reaching.unsqueeze(1)).squeeze(1)
+        threshold = torch.maximum(threshold, torch.where(top_p < 1.0, threshold_p, float("-inf")))
+    return threshold

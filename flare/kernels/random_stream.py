@@ -1,0 +1,77 @@
+"""The counter-based random stream: every random number is a pure function of its key.
+
+A stream key is derived from (seed, output position, purpose); the number at vocabulary index i
+of that stream is ``mix32(key + i * GOLDEN)`` (splitmix32: a Weyl sequence finalised by the
+lowbias32 mixer of Chris Wellons, "Hash Prospector"). Nothing depends on which other rows share
+the batch, on the batch order or on the device, so a seeded request gets the same tokens alone
+or inside any batch, and the Triton kernels reproduce the torch twin bit for bit (same 32-bit
+integer arithmetic; see random_stream_triton.py).
+
+torch has no unsigned 32-bit arithmetic on CPU, so values live in int32 tensors and the
+arithmetic wraps modulo 2**32 (two's complement); logical right shifts are arithmetic shifts
+masked to the kept bits.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import torch
+
+GOLDEN = 0x9E3779B9
+MIX_MULTIPLIER_1 = 0x7FEB352D
+MIX_MULTIPLIER_2 = 0x846CA68B
+UNIFORM_BITS = 24
+"""The top 24 bits of a hash make a float32 uniform exactly (float32 has a 24-bit significand)."""
+
+
+class Purpose(IntEnum):
+    """What a stream is used for: distinct purposes give independent streams at one position."""
+
+    ACCEPT = 1
+    SAMPLE = 2
+
+
+def as_int32(value: int) -> int:
+    """The int32 (two's complement) value with the bits of the unsigned 32-bit ``value``."""
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on int32 tensors (wrapping arithmetic, logical shifts)."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * as_int32(MIX_MULTIPLIER_1)
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * as_int32(MIX_MULTIPLIER_2)
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def _low32(x: torch.Tensor) -> torch.Tensor:
+    """The low 32 bits of an int64 tensor as int32 (explicit, not relying on a narrowing cast)."""
+    low = x & 0xFFFFFFFF
+    return (low - ((low >> 31) << 32)).to(torch.int32)
+
+
+def stream_key(seed: torch.Tensor, position: torch.Tensor, purpose: Purpose) -> torch.Tensor:
+    """The int32 key of the stream at (seed, output position, purpose); int64 inputs, broadcast."""
+    key = mix32(_low32(seed))
+    key = mix32(key ^ _low32(seed >> 32))
+    key = mix32(key ^ _low32(position))
+    return mix32(key ^ as_int32(int(purpose)))
+
+
+def stream_bits(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The 32 random bits (int32) at ``index`` (int32) of the streams ``key`` (int32), broadcast."""
+    return mix32(key + index * as_int32(GOLDEN))
+
+
+def uniform(bits: torch.Tensor) -> torch.Tensor:
+    """A float32 uniform in [0, 1) from the top 24 bits: k / 2**24."""
+    return ((bits >> 8) & 0xFFFFFF).to(torch.float32) * (1.0 / (1 << UNIFORM_BITS))
+
+
+def gumbel(bits: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise -log(-log(u)) with u = (k + 0.5) / 2**24 strictly inside (0, 1)."""
+    u = (((bits >> 8) & 0xFFFFFF).to(torch.float32) + 0.5) * (1.0 / (1 << UNIFORM_BITS))
+    return -torch.log(-torch.log(u))

@@ -1,0 +1,321 @@
+"""sample_round: penalties, temperature, filters, seeded sampling and speculative verification
+for every row of a round, in one call with no host synchronisation.
+
+Row r of a round owns ``num_drafts[r] + 1`` consecutive positions of the flat logits: position j
+is the target's prediction after the row's last accepted token and its first j drafts. Per row:
+
+- drafts are verified in order by speculative rejection sampling (Leviathan et al. 2023,
+  Chen et al. 2023): draft x_j is accepted with probability min(1, p_j(x_j) / q_j(x_j)), drawn as
+  ``u * q < p`` with u from the row's stream (seed, output position, ACCEPT);
+- at the first rejection the token at that position is sampled from normalize(max(p_j - q_j, 0));
+  when every draft is accepted a bonus token is sampled from p at the last position. Either way
+  the sample is Gumbel-max with the stream (seed, output position, SAMPLE);
+- greedy rows (temperature 0) accept a draft iff it is the argmax and emit the argmax;
+- a row with K = 0 drafts is plain sampling through the same path.
+
+The emitted tokens therefore follow exactly the distribution of non-speculative sampling.
+The heavy per-position work runs in three kernels, each a Triton kernel on CUDA with a torch twin
+elsewhere (penalties.py, distribution.py, gumbel_max.py and their *_triton.py); the [R, K]-sized
+bookkeeping between them is plain tensor code shared by both backends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Literal
+
+import torch
+
+from flare.kernels.batch import SamplingBatch
+from flare.kernels.penalties import PenaltyState
+from flare.kernels.random_stream import Purpose, stream_bits, stream_key, uniform
+from flare.kernels.status import DeviceStatus
+
+Backend = Literal["torch", "triton"]
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What one round produced, on the logits' device; read back once per round."""
+
+    tokens: torch.Tensor
+    """[R, Kmax + 1] int64: accepted drafts then the correction or bonus token, -1 padded."""
+    num_emitted: torch.Tensor
+    """[R] int32: accepted drafts + 1; 0 when the row's status is not OK."""
+    status: torch.Tensor
+    """[R] int32: a DeviceStatus code per row."""
+
+
+def sample_round(
+    logits: torch.Tensor,
+    num_drafts: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    batch: SamplingBatch,
+    vocab_shards: int = 1,
+    backend: Backend | None = None,
+) -> RoundResult:
+    """Verify and sample every row of a round.
+
+    logits: [N, V], the rows' positions in order (row r has num_drafts[r] + 1 of them).
+    num_drafts: [R] integer. draft_tokens: [R, Kmax] int64, -1 past a row's drafts.
+    draft_probs: [R, Kmax, V] draft distributions q, or None for deterministic drafters
+    (q is one-hot on the proposed token).
+    vocab_shards: S > 1 computes everything from per-shard statistics (vocabulary-parallel
+    sampling); a sampled row with a filter then gets INVALID_SPECULATION.
+    backend: "triton" (CUDA) or "torch"; by default triton on CUDA, torch elsewhere.
+    """
+    num_positions, vocab_size = logits.shape
+    num_rows, max_drafts = draft_tokens.shape
+    _check_shapes(logits, num_drafts, draft_tokens, draft_probs, batch, vocab_shards)
+    kernels = _kernels(backend or ("triton" if logits.is_cuda else "torch"))
+    device = logits.device
+    facts = batch.facts
+
+    # Layout of the flat positions.
+    num_drafts = num_drafts.to(device=device, dtype=torch.int64).clamp(0, max_drafts)
+    positions_per_row = num_drafts + 1
+    row_start = torch.cumsum(positions_per_row, 0) - positions_per_row
+    rows = torch.arange(num_rows, device=device)
+    row_of_position = torch.repeat_interleave(rows, positions_per_row, output_size=num_positions)
+    index_in_row = torch.arange(num_positions, device=device) - row_start[row_of_position]
+
+    # Drafts: -1 marks "no draft here" and an out-of-vocabulary id (status INVALID_DRAFT_TOKEN).
+    draft_index = torch.arange(max_drafts, device=device)
+    is_draft = draft_index.unsqueeze(0) < num_drafts.unsqueeze(1)
+    in_vocab = (draft_tokens >= 0) & (draft_tokens < vocab_size)
+    invalid_draft_token = (is_draft & ~in_vocab).any(1)
+    drafts = torch.where(is_draft & in_vocab, draft_tokens, -1)
+    safe_drafts = drafts.clamp(min=0)
+
+    # Parameters: rows out of range get INVALID_SAMPLING_PARAMETERS and neutral values below.
+    temperature = batch.temperature
+    invalid_params = (
+        ~(temperature >= 0)
+        | torch.isinf(temperature)
+        | ~((batch.top_p > 0) & (batch.top_p <= 1))
+        | (batch.top_k < -1)
+        | ~((batch.min_p >= 0) & (batch.min_p <= 1))
+        | ~(batch.repetition_penalty > 0)
+        | torch.isinf(batch.repetition_penalty)
+        | ~torch.isfinite(batch.presence_penalty)
+        | ~torch.isfinite(batch.frequency_penalty)
+    )
+    greedy = (temperature == 0) & ~invalid_params
+    sampled = ~greedy & ~invalid_params
+    filtered_row = sampled & ((batch.top_k > 0) | (batch.top_p < 1) | (batch.min_p > 0))
+    filter_here = filtered_row & (vocab_shards == 1)
+    top_k = torch.where(filter_here & (batch.top_k > 0), batch.top_k, 0)
+    top_p = torch.where(filter_here, batch.top_p, 1.0)
+    log_min_p = torch.where(filter_here, torch.log(batch.min_p), float("-inf"))
+    divisor = torch.where(sampled, temperature, 1.0)
+
+    penalties = None
+    if facts.any_penalized:
+        assert batch.prompt_ids is not None and batch.output_ids is not None
+        penalties = PenaltyState.from_ids(batch.prompt_ids, batch.output_ids, vocab_size)
+    prepared = kernels.penalize_and_scale(
+        logits,
+        row_of_position,
+        index_in_row,
+        drafts,
+        divisor,
+        torch.where(invalid_params, 1.0, batch.repetition_penalty),
+        torch.where(invalid_params, 0.0, batch.presence_penalty),
+        torch.where(invalid_params, 0.0, batch.frequency_penalty),
+        penalties,
+        scale=facts.any_temperature_scaling,
+    )
+    scaled = prepared.scaled
+    stats = kernels.distribution_statistics(
+        scaled,
+        row_of_position,
+        top_k,
+        top_p,
+        log_min_p,
+        vocab_shards,
+        filtered=facts.any_filtered and vocab_shards == 1,
+        max_top_k=facts.max_top_k,
+        any_top_p=facts.any_top_p,
+        need_sumexp=facts.any_sampled,
+        need_argmax=facts.any_greedy,
+    )
+    # Merge shard statistics (online softmax): m = max_s m_s, Z = sum_s Z_s exp(m_s - m).
+    position_max = stats.max.amax(1)
+    empty_position = ~torch.isfinite(position_max)
+    threshold = stats.threshold
+
+    nonfinite_row = _any_per_row(prepared.nonfinite, row_of_position, num_rows)
+    empty_row = _any_per_row(empty_position, row_of_position, num_rows)
+
+    # Positions of the drafts, [R, Kmax] (clamped: entries past a row's drafts are masked).
+    draft_position = (row_start.unsqueeze(1) + draft_index.unsqueeze(0)).clamp(max=num_positions - 1)
+    accept = torch.zeros(num_rows, max_drafts, dtype=torch.bool, device=device)
+    invalid_draft_prob = torch.zeros(num_rows, dtype=torch.bool, device=device)
+    argmax = None
+    if facts.any_greedy:
+        assert stats.argmax is not None
+        argmax = _merged_argmax(stats.max, stats.argmax)
+        accept = torch.where(greedy.unsqueeze(1), drafts == argmax[draft_position], accept)
+    sumexp = None
+    if facts.any_sampled:
+        assert stats.sumexp is not None
+        sumexp = (stats.sumexp * torch.exp(stats.max - position_max.unsqueeze(1))).sum(1)
+        draft_logit = scaled[draft_position, safe_drafts]
+        p_draft = torch.where(
+            draft_logit >= threshold[draft_position],
+            torch.exp(draft_logit - position_max[draft_position]),
+            0.0,
+        ) / sumexp[draft_position]
+        output_position = batch.first_position.unsqueeze(1) + draft_index.unsqueeze(0)
+        accept_key = stream_key(batch.seed.unsqueeze(1), output_position, Purpose.ACCEPT)
+        u = uniform(stream_bits(accept_key, torch.zeros_like(accept_key)))
+        if draft_probs is None:
+            accepted_sampled = u < p_draft
+        else:
+            q_draft = draft_probs.gather(2, safe_drafts.unsqueeze(2)).squeeze(2).float()
+            invalid_draft_prob = (is_draft & ~((q_draft > 0) & (q_draft <= 1))).any(1)
+            accepted_sampled = u * q_draft < p_draft
+        accept = torch.where(sampled.unsqueeze(1), accepted_sampled, accept)
+    accept &= is_draft
+    num_accepted = accept.to(torch.int64).cumprod(1).sum(1)
+    sample_position = row_start + num_accepted
+
+    token = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    if facts.any_sampled:
+        assert sumexp is not None
+        token = _sample(
+            kernels, scaled, batch, draft_probs, drafts, num_drafts, num_accepted, sample_position,
+            position_max, sumexp, threshold, vocab_shards,
+        )
+    if argmax is not None:
+        token = torch.where(greedy, argmax[sample_position], token)
+
+    status = torch.where(empty_row, int(DeviceStatus.EMPTY_DISTRIBUTION), int(DeviceStatus.OK))
+    for condition, code in (
+        (nonfinite_row, DeviceStatus.NONFINITE_LOGITS),
+        (invalid_draft_prob, DeviceStatus.INVALID_DRAFT_PROBABILITY),
+        (invalid_draft_token, DeviceStatus.INVALID_DRAFT_TOKEN),
+        (filtered_row & (vocab_shards > 1), DeviceStatus.INVALID_SPECULATION),
+        (invalid_params, DeviceStatus.INVALID_SAMPLING_PARAMETERS),
+    ):
+        status = torch.where(condition, int(code), status)
+    ok = status == int(DeviceStatus.OK)
+
+    slot = torch.arange(max_drafts + 1, device=device).unsqueeze(0)
+    accepted = num_accepted.unsqueeze(1)
+    drafts_then_pad = torch.cat([drafts, drafts.new_full((num_rows, 1), -1)], 1)
+    tokens = torch.where(slot < accepted, drafts_then_pad, torch.where(slot == accepted, token.unsqueeze(1), -1))
+    tokens = torch.where(ok.unsqueeze(1), tokens, -1)
+    return RoundResult(
+        tokens=tokens,
+        num_emitted=torch.where(ok, num_accepted + 1, 0).to(torch.int32),
+        status=status.to(torch.int32),
+    )
+
+
+def _sample(
+    kernels: ModuleType,
+    scaled: torch.Tensor,
+    batch: SamplingBatch,
+    draft_probs: torch.Tensor | None,
+    drafts: torch.Tensor,
+    num_drafts: torch.Tensor,
+    num_accepted: torch.Tensor,
+    sample_position: torch.Tensor,
+    position_max: torch.Tensor,
+    sumexp: torch.Tensor,
+    threshold: torch.Tensor,
+    vocab_shards: int,
+) -> torch.Tensor:
+    """The correction (after a rejection) or bonus token of every row, by Gumbel-max."""
+    num_rows, max_drafts = drafts.shape
+    rejected = num_accepted < num_drafts
+    key = stream_key(batch.seed, batch.first_position + num_accepted, Purpose.SAMPLE)
+    exclude = torch.full((num_rows,), -1, dtype=torch.int64, device=scaled.device)
+    draft_q = None
+    if max_drafts > 0:
+        at_rejection = num_accepted.clamp(max=max_drafts - 1)
+        if draft_probs is None:
+            # One-hot q = e_x: max(p - q, 0) is p without x.
+            rejected_token = drafts.gather(1, at_rejection.unsqueeze(1)).squeeze(1)
+            exclude = torch.where(rejected, rejected_token, -1)
+        else:
+            draft_q = draft_probs[torch.arange(num_rows, device=scaled.device), at_rejection].float()
+    candidates = kernels.gumbel_candidates(
+        scaled,
+        sample_position,
+        key,
+        position_max[sample_position],
+        sumexp[sample_position],
+        threshold[sample_position],
+        exclude,
+        draft_q,
+        vocab_shards,
+    )
+    token = _best_candidate(candidates.index, candidates.value)
+    if draft_q is None:
+        return token
+    assert candidates.residual_index is not None and candidates.residual_value is not None
+    assert candidates.residual_mass is not None
+    residual_token = _best_candidate(candidates.residual_index, candidates.residual_value)
+    # A residual of zero mass has probability zero in exact arithmetic (rejection then happens
+    # with probability sum max(p - q, 0) = 0); after rounding, sample from p.
+    use_residual = rejected & (candidates.residual_mass.sum(1) > 0)
+    return torch.where(use_residual, residual_token, token)
+
+
+def _best_candidate(index: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Merge per-shard Gumbel-max candidates: the largest value, the lowest shard on ties."""
+    return index.gather(1, value.argmax(1, keepdim=True)).squeeze(1)
+
+
+def _merged_argmax(shard_max: torch.Tensor, shard_argmax: torch.Tensor) -> torch.Tensor:
+    """The global argmax from per-shard maxima (lowest index on ties: shards are in order)."""
+    return shard_argmax.gather(1, shard_max.argmax(1, keepdim=True)).squeeze(1)
+
+
+def _any_per_row(flags: torch.Tensor, row_of_position: torch.Tensor, num_rows: int) -> torch.Tensor:
+    counts = torch.zeros(num_rows, dtype=torch.int32, device=flags.device)
+    return counts.index_add_(0, row_of_position, flags.to(torch.int32)) > 0
+
+
+def _check_shapes(
+    logits: torch.Tensor,
+    num_drafts: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    batch: SamplingBatch,
+    vocab_shards: int,
+) -> None:
+    """Static shape checks (no tensor values are read)."""
+    num_positions, vocab_size = logits.shape
+    num_rows, max_drafts = draft_tokens.shape
+    if num_drafts.shape != (num_rows,) or batch.num_rows != num_rows:
+        raise ValueError(
+            f"sample_round: num_drafts {tuple(num_drafts.shape)}, draft_tokens {tuple(draft_tokens.shape)} "
+            f"and the batch ({batch.num_rows} rows) must agree on the number of rows"
+        )
+    if num_positions < num_rows:
+        raise ValueError(f"sample_round: logits has {num_positions} positions for {num_rows} rows (at least one each)")
+    if draft_probs is not None and draft_probs.shape != (num_rows, max_drafts, vocab_size):
+        raise ValueError(
+            f"sample_round: draft_probs must be [R, Kmax, V] = {(num_rows, max_drafts, vocab_size)}, "
+            f"got {tuple(draft_probs.shape)}"
+        )
+    if not 1 <= vocab_shards <= vocab_size:
+        raise ValueError(f"sample_round: vocab_shards must be between 1 and the vocabulary size, got {vocab_shards}")
+
+
+def _kernels(backend: Backend) -> ModuleType:
+    """The kernel functions of a backend; Triton is imported only when asked for."""
+    if backend == "torch":
+        from flare.kernels import torch_backend
+
+        return torch_backend
+    if backend == "triton":
+        from flare.kernels import triton_backend
+
+        return triton_backend
+    raise ValueError(f"sample_round: backend must be 'torch' or 'triton', got {backend!r}")
