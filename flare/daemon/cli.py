@@ -1,0 +1,123 @@
+"""The `flare` command: `run` (this file), `export` and `inspect` (commands_package.py), `ctl` (ctl.py).
+
+Each subcommand is registered by an `add_*_parser(subparsers)` function in COMMANDS, which
+sets `func` (namespace -> exit code) on its parser. Bad usage prints one line on stderr, naming
+the option and the fix, and exits 2; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+from flare.daemon.commands_package import add_export_parser, add_inspect_parser
+from flare.daemon.config import CONFIG_ENV, ConfigError, load_config
+from flare.daemon.ctl import add_ctl_parser
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `flare run: error: ... (see flare run --help)`."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "run",
+        help="serve a package over the OpenAI-compatible HTTP API",
+        description=(
+            "Serve a prepared package (or, without PACKAGE, the default model, exported once into the cache). "
+            "Settings come from these flags, then FLARE_* environment variables (FLARE_PORT, FLARE_KV_CACHE_MEMORY, "
+            "FLARE_API_KEYS=k1,k2, ...), then the TOML file of --config (keys named like the flags, with "
+            "underscores), then the defaults."
+        ),
+    )
+    # Every default is None, so load_config can tell a flag that was given from one that was not.
+    parser.set_defaults(func=run_command)
+    add = parser.add_argument
+    add("package", nargs="?", metavar="PACKAGE", help="the package directory (default: the default model)")
+    add("--config", metavar="PATH", help=f"a TOML file of settings (default: ${CONFIG_ENV})")
+    add("--host", help="the address to listen on (default 127.0.0.1)")
+    add("--port", metavar="N", help="the TCP port (default 8000; 0 picks a free one, logged in the 'listening' event)")
+    add("--served-model-name", metavar="NAME", help="the model name clients send (default: the package directory's name)")
+    add("--kv-cache-memory", metavar="SIZE", help='memory for the KV cache, e.g. "2GiB" or "512MiB" (default: sized for max_concurrency full contexts)')
+    add("--max-concurrency", metavar="N", help="requests run at once (default and maximum: the package's serving.max_concurrency)")
+    add("--max-waiting", metavar="N", help="requests queued beyond those; past it, 429 (default 256)")
+    add("--draft-tokens", metavar="N", help="speculative draft tokens per round; may only lower the package's (0 turns speculation off)")
+    add("--vocabulary-shards", metavar="S", help="shards of the vocabulary-parallel sampler (default 1)")
+    add("--sampling-policy", choices=("package", "unfiltered"), help="serve the package's policy, or its unfiltered() form (default package)")
+    add("--on-invalid-speculation", choices=("fallback", "fail"), help="retry a row without drafts, or fail the request (default fallback)")
+    add("--fault-injection", action="store_const", const=True, help="honour the X-Flare-Fault test header (off by default)")
+    add("--device", metavar="DEVICE", help="auto, cpu, cuda or cuda:N (default auto)")
+    add("--log-level", choices=("debug", "info", "warning", "error"), help="default info")
+    add("--log-format", choices=("auto", "json", "console"), help="default auto: console on a terminal, JSON lines otherwise")
+    add("--api-key", action="append", metavar="KEY", help="require 'Authorization: Bearer KEY' (repeatable)")
+    add("--api-key-file", metavar="PATH", help="a file with one API key a line")
+    add("--metrics-require-key", action="store_const", const=True, help="require an API key for /metrics too")
+    add("--control-socket", metavar="PATH", help="the UNIX socket of `flare ctl`")
+    add("--drain-grace-s", metavar="SECONDS", help="on SIGTERM, how long requests in flight may finish (default 30)")
+    add("--max-body-bytes", metavar="SIZE", help="the largest request body; larger ones get 413 (default 1MiB)")
+    add("--request-timeout-s", metavar="SECONDS", help='a request running longer ends with a 504 error (default 600; "none": no limit)')
+    add("--cache-dir", metavar="PATH", help="where the default model's package is exported (default $FLARE_CACHE_DIR or ~/.cache/flare)")
+    return parser
+
+
+# The subcommands, in the order `flare --help` lists them.
+COMMANDS: tuple[Callable[[Any], argparse.ArgumentParser], ...] = (
+    add_run_parser,
+    add_export_parser,
+    add_inspect_parser,
+    add_ctl_parser,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="flare", description="Serve prepared LLM packages over an OpenAI-compatible API.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    for add_parser in COMMANDS:
+        add_parser(subparsers)
+    return parser
+
+
+def run_command(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args, os.environ)
+    except ConfigError as error:
+        return _usage_error(f"flare run: error: {error}")
+    if config.package is not None and not config.package.is_dir():
+        return _usage_error(
+            f"flare run: error: PACKAGE {config.package} is not a directory; "
+            "pass a package made by `flare export`, or no PACKAGE for the default model"
+        )
+    # Imported only now: the server pulls in torch and the engine, which a usage error, export,
+    # inspect and ctl do not need.
+    from flare.daemon.server import StartupError, serve
+
+    try:
+        serve(config)
+    except StartupError as error:
+        return _usage_error(f"flare run: error: {error}")
+    return 0
+
+
+def _usage_error(line: str) -> int:
+    print(line, file=sys.stderr)
+    return EXIT_USAGE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,438 @@
+"""The OpenAI-compatible HTTP API: routes, middlewares and the path of one generation request.
+
+A request is parsed and validated completely (openai_schema.py) before the scheduler sees it;
+then the prompt is rendered and tokenized, the sampling fields are clamped to the package policy,
+and the request is submitted. Its events are written as they come: SSE chunks when streaming,
+one JSON body otherwise. Every answer that is not a success is OpenAI's error body with a 4xx,
+or a 5xx that names the failure (a request the device failed, shutdown, loading); a bug that
+escapes a handler is logged with its traceback and answered 500 with an error body, never a trace.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import structlog
+from aiohttp import web
+
+from flare.daemon.auth import ApiKeys
+from flare.daemon.config import DaemonConfig
+from flare.daemon.errors import (
+    AUTHENTICATION,
+    RATE_LIMIT,
+    SERVER_ERROR,
+    ApiError,
+    bad_request,
+    error_body,
+    failure_body,
+)
+from flare.daemon.openai_responses import ChatCompletionShape, ResponseShape, TextCompletionShape, flare_object
+from flare.daemon.openai_schema import check_model, parse_chat_completion, parse_completion, parse_json_body
+from flare.daemon.sse import DONE, SSE_HEADERS, sse_data
+from flare.daemon.state import Phase, ServingState
+from flare.kernels.status import DeviceStatus
+from flare.scheduler.errors import Draining, PromptTooLong, QueueFull
+from flare.scheduler.request import (
+    Failed,
+    FaultSpec,
+    Finished,
+    GenerationRequest,
+    RequestFailure,
+    RequestStream,
+    StreamEvent,
+    TextDelta,
+)
+
+if TYPE_CHECKING:
+    from flare.scheduler.scheduler import Scheduler
+
+log = structlog.get_logger("flare.daemon.http")
+
+CONFIG = web.AppKey("config", DaemonConfig)
+STATE = web.AppKey("state", ServingState)
+KEYS = web.AppKey("api_keys", ApiKeys)
+REQUEST_ID = web.RequestKey("request_id", str)
+
+REQUEST_ID_HEADER = "X-Request-Id"
+FAULT_HEADER = "X-Flare-Fault"
+ADJUSTED_HEADER = "Flare-Sampling-Adjusted"
+# A client's request id is echoed and logged only if it is short and plain (no log injection).
+_SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_PUBLIC_PATHS = frozenset({"/health"})
+
+
+def create_app(config: DaemonConfig, state: ServingState) -> web.Application:
+    app = web.Application(
+        client_max_size=config.max_body_bytes,
+        middlewares=[_request_context, _errors, _authentication],
+    )
+    app[CONFIG] = config
+    app[STATE] = state
+    app[KEYS] = ApiKeys(config.api_keys)
+    app.on_response_prepare.append(_add_request_id)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", get_model)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+# --- middlewares ---------------------------------------------------------------------------
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def _request_context(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Give the request an id (the client's X-Request-Id when sane) bound to every log line."""
+    given = request.headers.get(REQUEST_ID_HEADER, "")
+    request_id = given if _SANE_REQUEST_ID.match(given) else uuid.uuid4().hex
+    request[REQUEST_ID] = request_id
+    started = time.perf_counter()
+    with structlog.contextvars.bound_contextvars(request_id=request_id):
+        response = await handler(request)
+        log.info(
+            "http_request",
+            method=request.method,
+            path=request.path,
+            status=response.status,
+            duration_ms=round((time.perf_counter() - started) * 1000, 1),
+        )
+        return response
+
+
+async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    if REQUEST_ID in request:
+        response.headers[REQUEST_ID_HEADER] = request[REQUEST_ID]
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as error:
+        if error.status >= 500:
+            log.warning("request_refused", status=error.status, code=error.code, message=error.message)
+        return error.response()
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        return _http_exception_response(request, error)
+    except Exception:
+        log.exception("unhandled_error")
+        return web.json_response(
+            error_body(
+                f"internal error while handling the request (request id {request[REQUEST_ID]}); "
+                "the daemon log has the details",
+                type=SERVER_ERROR,
+                param=None,
+                code="internal_error",
+            ),
+            status=500,
+        )
+
+
+def _http_exception_response(request: web.Request, error: web.HTTPException) -> web.Response:
+    """aiohttp's own refusals (no such route, wrong method, body too large) in OpenAI's shape."""
+    headers = {}
+    if isinstance(error, web.HTTPNotFound):
+        message, code = f"no such endpoint: {request.method} {request.path}", "not_found"
+    elif isinstance(error, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(error.allowed_methods))
+        message, code = f"{request.method} is not allowed on {request.path}; use {allowed}", "method_not_allowed"
+        headers["Allow"] = allowed
+    elif isinstance(error, web.HTTPRequestEntityTooLarge):
+        limit = request.app[CONFIG].max_body_bytes
+        message, code = f"the request body is larger than the limit of {limit} bytes", "request_too_large"
+    else:
+        message, code = error.reason, None
+    return web.json_response(
+        error_body(message, type="invalid_request_error", param=None, code=code), status=error.status, headers=headers
+    )
+
+
+@web.middleware
+async def _authentication(request: web.Request, handler: Handler) -> web.StreamResponse:
+    keys = request.app[KEYS]
+    public = request.path in _PUBLIC_PATHS or (
+        request.path == "/metrics" and not request.app[CONFIG].metrics_require_key
+    )
+    if keys.required and not public and not keys.accepts(request.headers.get("Authorization")):
+        raise ApiError(
+            401,
+            "missing or incorrect API key; send it as the header 'Authorization: Bearer <key>'",
+            type=AUTHENTICATION,
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return await handler(request)
+
+
+# --- health and models ---------------------------------------------------------------------
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 only when the model is loaded, warmed up and admitting requests; 503 otherwise."""
+    state = request.app[STATE]
+    status = state.phase.value
+    if state.phase is Phase.READY and state.require_scheduler().draining:
+        status = "draining"
+    return web.json_response({"status": status}, status=200 if status == "ready" else 503)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.require_scheduler()  # 503 while loading: the name is known once the package is open
+    return web.json_response({"object": "list", "data": [_model_card(state)]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.require_scheduler()
+    check_model(request.match_info["model"], state.model_name or "")
+    return web.json_response(_model_card(state))
+
+
+def _model_card(state: ServingState) -> dict[str, Any]:
+    return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "flare"}
+
+
+# --- generation ----------------------------------------------------------------------------
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    parsed = parse_chat_completion(parse_json_body(await request.read()))
+    state = request.app[STATE]
+    scheduler = state.require_scheduler()
+    check_model(parsed.model, state.model_name or "")
+    tokenizer = scheduler.tokenizer
+    messages = [dict(message) for message in parsed.messages]
+    prompt_ids = await anyio.to_thread.run_sync(lambda: tokenizer.encode(tokenizer.render_chat(messages)))
+    shape = ChatCompletionShape(_new_id("chatcmpl"), int(time.time()), parsed.model, parsed.include_usage)
+    return await _generate(request, scheduler, prompt_ids, "messages", parsed.sampling, parsed.stream, shape)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    parsed = parse_completion(parse_json_body(await request.read()))
+    state = request.app[STATE]
+    scheduler = state.require_scheduler()
+    check_model(parsed.model, state.model_name or "")
+    tokenizer = scheduler.tokenizer
+    prompt_ids = await anyio.to_thread.run_sync(tokenizer.encode, parsed.prompt)
+    if not prompt_ids:
+        raise bad_request("prompt is empty; send at least one token of text", param="prompt")
+    shape = TextCompletionShape(_new_id("cmpl"), int(time.time()), parsed.model, parsed.include_usage)
+    return await _generate(request, scheduler, prompt_ids, "prompt", parsed.sampling, parsed.stream, shape)
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def _generate(
+    request: web.Request,
+    scheduler: Scheduler,
+    prompt_ids: Sequence[int],
+    prompt_param: str,
+    sampling: Mapping[str, Any],
+    stream: bool,
+    shape: ResponseShape,
+) -> web.StreamResponse:
+    config = request.app[CONFIG]
+    room = scheduler.max_context - len(prompt_ids)
+    if room < 1:
+        raise bad_request(
+            f"the prompt is {len(prompt_ids)} tokens and this model's context is {scheduler.max_context} tokens, "
+            "which leaves no room for a completion; shorten the prompt",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    clamp = scheduler.policy.clamp(sampling, max_tokens_limit=room)
+    generation = GenerationRequest(
+        request_id=shape.id,
+        prompt_token_ids=tuple(prompt_ids),
+        params=clamp.params,
+        fault=_fault(request, config),
+    )
+    events = _submit(scheduler, generation, prompt_param)
+    state = request.app[STATE]
+    state.in_flight.add(generation.request_id)
+    ended = False
+    flare = flare_object(clamp)
+    headers = {ADJUSTED_HEADER: ",".join(a.param for a in clamp.adjusted)} if clamp.adjusted else {}
+    with structlog.contextvars.bound_contextvars(completion_id=shape.id):
+        log.info("generation_started", prompt_tokens=len(prompt_ids), stream=stream, adjusted=list(headers.values()))
+        try:
+            deadline = _Deadline(scheduler, generation.request_id, config.request_timeout_s)
+            if not stream:
+                collected = await _collect(events, deadline, shape, flare, headers)
+                ended = True
+                return collected
+            response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+            try:
+                await _stream(request, response, events, deadline, shape, flare)
+            except ConnectionResetError:
+                return response  # the client is gone; `finally` cancels the request
+            ended = True
+            return response
+        finally:
+            state.in_flight.discard(generation.request_id)
+            if not ended:
+                # Client gone (the handler was cancelled or a write failed): free its rows now.
+                scheduler.cancel(generation.request_id)
+                log.info("generation_cancelled", reason="client disconnected")
+
+
+def _submit(scheduler: Scheduler, generation: GenerationRequest, prompt_param: str) -> RequestStream:
+    try:
+        return scheduler.submit(generation)
+    except QueueFull as full:
+        raise ApiError(
+            429,
+            "the server is at capacity: every running slot and the waiting queue are full; retry later",
+            type=RATE_LIMIT,
+            code="queue_full",
+            headers={"Retry-After": str(max(1, math.ceil(full.retry_after_s)))},
+        ) from None
+    except Draining as draining:
+        raise ApiError(
+            503,
+            "the server is draining (shutting down or paused by its operator) and admits no new requests",
+            type=SERVER_ERROR,
+            code="draining",
+            headers={"Retry-After": str(max(1, math.ceil(draining.retry_after_s)))},
+        ) from None
+    except PromptTooLong as error:
+        # Longer than the context, or than the whole KV cache: it could never be served here.
+        raise bad_request(str(error), param=prompt_param, code="context_length_exceeded") from None
+
+
+def _fault(request: web.Request, config: DaemonConfig) -> FaultSpec | None:
+    """`X-Flare-Fault: STATUS_NAME[@ROUND]`, honoured only under --fault-injection."""
+    header = request.headers.get(FAULT_HEADER)
+    if not config.fault_injection or header is None:
+        return None
+    name, at, round_text = header.strip().partition("@")
+    names = ", ".join(s.name for s in DeviceStatus if s is not DeviceStatus.OK)
+    try:
+        status = DeviceStatus[name.strip().upper()]
+    except KeyError:
+        raise bad_request(f"{FAULT_HEADER}: unknown status {name!r}; use one of {names}", param=FAULT_HEADER) from None
+    if status is DeviceStatus.OK:
+        raise bad_request(f"{FAULT_HEADER}: OK is not a fault; use one of {names}", param=FAULT_HEADER)
+    if not at:
+        return FaultSpec(status)
+    if not round_text.strip().isdigit():
+        raise bad_request(
+            f"{FAULT_HEADER}: the round after @ must be a non-negative integer, got {round_text!r}", param=FAULT_HEADER
+        )
+    return FaultSpec(status, int(round_text))
+
+
+class _Deadline:
+    """Reads a request's events, and past `request_timeout_s` has the scheduler end the request
+    with a request_timeout failure (which then arrives as its last event)."""
+
+    def __init__(self, scheduler: Scheduler, request_id: str, timeout_s: float | None) -> None:
+        self._scheduler = scheduler
+        self._request_id = request_id
+        self._timeout_s = timeout_s
+        self._deadline = None if timeout_s is None else anyio.current_time() + timeout_s
+
+    async def next_event(self, events: RequestStream) -> StreamEvent:
+        if self._deadline is not None:
+            with anyio.move_on_after(self._deadline - anyio.current_time()):
+                return await anext(events)
+            self._deadline = None
+            self._scheduler.cancel(
+                self._request_id,
+                RequestFailure(
+                    code="request_timeout",
+                    message=f"the request took longer than the server's limit of {self._timeout_s:g} s",
+                    http_status=504,
+                ),
+            )
+        return await anext(events)
+
+
+async def _stream(
+    request: web.Request,
+    response: web.StreamResponse,
+    events: RequestStream,
+    deadline: _Deadline,
+    shape: ResponseShape,
+    flare: dict[str, Any],
+) -> None:
+    await response.prepare(request)
+    first = shape.first_chunk()
+    first["flare"] = flare
+    await response.write(sse_data(first))
+    while True:
+        event = await deadline.next_event(events)
+        if isinstance(event, TextDelta):
+            if event.text:
+                await response.write(sse_data(shape.text_chunk(event.text)))
+            continue
+        if isinstance(event, Finished):
+            final = shape.final_chunk(event.reason)
+            if event.fell_back:
+                final["flare"] = {"fell_back": True}
+            await response.write(sse_data(final))
+            if shape.include_usage:
+                await response.write(sse_data(shape.usage_chunk(event.usage)))
+            _log_end(event)
+        else:
+            await response.write(sse_data(failure_body(event.failure)))
+            _log_end(event)
+        await response.write(DONE)
+        await response.write_eof()
+        return
+
+
+async def _collect(
+    events: RequestStream,
+    deadline: _Deadline,
+    shape: ResponseShape,
+    flare: dict[str, Any],
+    headers: Mapping[str, str],
+) -> web.Response:
+    texts = []
+    while True:
+        event = await deadline.next_event(events)
+        if isinstance(event, TextDelta):
+            texts.append(event.text)
+            continue
+        _log_end(event)
+        if isinstance(event, Failed):
+            return web.json_response(failure_body(event.failure), status=event.failure.http_status)
+        body = shape.body("".join(texts), event.reason, event.usage)
+        body["flare"] = {**flare, "fell_back": event.fell_back}
+        return web.json_response(body, headers=headers)
+
+
+def _log_end(event: Finished | Failed) -> None:
+    if isinstance(event, Finished):
+        log.info(
+            "generation_finished",
+            finish_reason=event.reason,
+            completion_tokens=event.usage.completion_tokens,
+            fell_back=event.fell_back,
+        )
+    else:
+        failure = event.failure
+        log.warning(
+            "generation_failed",
+            code=failure.code,
+            http_status=failure.http_status,
+            device_status=failure.status.name if failure.status is not None else None,
+            round=failure.round,
+            message=failure.message,
+        )

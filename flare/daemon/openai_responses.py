@@ -1,0 +1,150 @@
+"""The bodies and stream chunks of OpenAI's chat completions and (legacy) completions APIs.
+
+One class per endpoint, with the same methods, so that one handler serves both. Streams follow
+OpenAI exactly: chat sends a role chunk first, then content deltas, then a chunk with
+`finish_reason` and an empty delta; with `stream_options.include_usage` every chunk carries
+`"usage": null` and a last chunk with empty `choices` carries the usage. The server adds the
+`flare` object (`flare_object`) to the non-streaming body and to the first chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from flare.sampling.policy import ClampResult
+from flare.scheduler.request import Usage
+
+
+def flare_object(clamp: ClampResult) -> dict[str, Any]:
+    """What was applied: the effective sampling parameters and every requested value changed."""
+    sampling = dataclasses.asdict(clamp.params)
+    sampling["stop"] = list(clamp.params.stop)
+    return {"sampling": sampling, "adjusted": [adjustment.to_json() for adjustment in clamp.adjusted]}
+
+
+def usage_json(usage: Usage) -> dict[str, int]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
+
+
+class ResponseShape(Protocol):
+    id: str
+    include_usage: bool
+
+    def first_chunk(self) -> dict[str, Any]: ...
+    def text_chunk(self, text: str) -> dict[str, Any]: ...
+    def final_chunk(self, finish_reason: str) -> dict[str, Any]: ...
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]: ...
+    def body(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class ChatCompletionShape:
+    id: str  # "chatcmpl-..."
+    created: int
+    model: str
+    include_usage: bool
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        }
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def first_chunk(self) -> dict[str, Any]:
+        return self._chunk({"role": "assistant", "content": ""}, None)
+
+    def text_chunk(self, text: str) -> dict[str, Any]:
+        return self._chunk({"content": text}, None)
+
+    def final_chunk(self, finish_reason: str) -> dict[str, Any]:
+        return self._chunk({}, finish_reason)
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage_json(usage),
+        }
+
+    def body(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": None,
+                    "finish_reason": finish_reason,
+                }
+            ],
+            "usage": usage_json(usage),
+        }
+
+
+@dataclass(frozen=True)
+class TextCompletionShape:
+    id: str  # "cmpl-..."
+    created: int
+    model: str
+    include_usage: bool
+
+    def _chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        }
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def first_chunk(self) -> dict[str, Any]:
+        # OpenAI's completions stream has no role chunk; an empty first chunk carries `flare`
+        # and changes nothing for clients, which concatenate the texts.
+        return self._chunk("", None)
+
+    def text_chunk(self, text: str) -> dict[str, Any]:
+        return self._chunk(text, None)
+
+    def final_chunk(self, finish_reason: str) -> dict[str, Any]:
+        return self._chunk("", finish_reason)
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage_json(usage),
+        }
+
+    def body(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage_json(usage),
+        }

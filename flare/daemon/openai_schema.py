@@ -1,0 +1,249 @@
+"""Parsing and validating OpenAI request bodies, before anything touches the model.
+
+What is accepted: the fields of OpenAI's chat completions and (legacy) completions requests
+that a text-only server without tools can honour, plus the sampling extensions top_k, min_p
+and repetition_penalty (as vLLM accepts them). Fields that ask for something flare does not do
+(tools, logprobs, structured output, several choices) get a 400 naming the field. Fields that
+change nothing about the answer are accepted and ignored: `user`, `metadata`, `store`,
+`service_tier`, `parallel_tool_calls`, and the "off" values of the unsupported ones (`n: 1`,
+`logprobs: false`, `tools: []`, `tool_choice: "none"`, `response_format: {"type": "text"}`,
+`logit_bias: {}`, `echo: false`, `best_of: 1`). Any other field is rejected as unrecognized,
+as OpenAI does, so a misspelt parameter never silently does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from flare.daemon.errors import ApiError, bad_request
+from flare.sampling.validation import SAMPLING_FIELDS, InvalidParameter, validate_request_sampling
+
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+_COMMON = frozenset({"model", "stream", "stream_options", *SAMPLING_FIELDS, *_IGNORED})
+_CHAT_FIELDS = _COMMON | {
+    "messages", "n", "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice",
+    "functions", "function_call", "response_format",
+}
+_COMPLETION_FIELDS = _COMMON | {"prompt", "n", "best_of", "logprobs", "logit_bias", "echo", "suffix"}
+
+
+@dataclass(frozen=True)
+class ChatCompletionRequest:
+    model: str
+    messages: tuple[Mapping[str, str], ...]  # {"role", "content"} with content as plain text
+    stream: bool
+    include_usage: bool
+    sampling: Mapping[str, Any]  # validated raw sampling fields (validate_request_sampling)
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    model: str
+    prompt: str
+    stream: bool
+    include_usage: bool
+    sampling: Mapping[str, Any]
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 saying what is wrong with it."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise bad_request(f"the request body is not valid UTF-8 (byte {error.start})", param=None) from None
+    if not text.strip():
+        raise bad_request("the request body is empty; send a JSON object", param=None)
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except ValueError as error:
+        raise bad_request(f"the request body is not valid JSON: {error}", param=None) from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply", param=None) from None
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {_kind(body)}", param=None)
+    return body
+
+
+def _reject_constant(name: str) -> Any:
+    # Python's json accepts NaN and Infinity, which are not JSON.
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def parse_chat_completion(body: Mapping[str, Any]) -> ChatCompletionRequest:
+    _check_fields(body, _CHAT_FIELDS)
+    model = _model(body)
+    _unsupported_chat_features(body)
+    messages = _messages(body.get("messages"))
+    stream, include_usage = _streaming(body)
+    return ChatCompletionRequest(model, messages, stream, include_usage, _sampling(body))
+
+
+def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:
+    _check_fields(body, _COMPLETION_FIELDS)
+    model = _model(body)
+    _only(body, "n", (None, 1), "several choices per request are not supported; send n: 1 (or leave it out)")
+    _only(body, "best_of", (None, 1), "best_of is not supported; send best_of: 1 (or leave it out)")
+    _only(body, "logprobs", (None, 0), "logprobs are not supported; leave logprobs out")
+    _only(body, "echo", (None, False), "echo is not supported; send echo: false (or leave it out)")
+    _only(body, "suffix", (None, ""), "suffix (insertion) is not supported; leave suffix out")
+    _no_logit_bias(body)
+    stream, include_usage = _streaming(body)
+    return CompletionRequest(model, _prompt(body.get("prompt")), stream, include_usage, _sampling(body))
+
+
+def _check_fields(body: Mapping[str, Any], known: frozenset[str]) -> None:
+    for key in body:
+        if key not in known:
+            raise bad_request(f"unrecognized request field {key!r}", param=key, code="unknown_parameter")
+
+
+def _model(body: Mapping[str, Any]) -> str:
+    model = body.get("model")
+    if model is None:
+        raise bad_request("model is required; GET /v1/models lists the served model", param="model")
+    if not isinstance(model, str) or not model:
+        raise bad_request(f"model must be a non-empty string, got {_kind(model)}", param="model")
+    return model
+
+
+def check_model(requested: str, served: str) -> None:
+    """404 model_not_found unless `requested` names the served model."""
+    if requested != served:
+        raise ApiError(
+            404,
+            f"the model {requested!r} does not exist here; this server serves {served!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _unsupported_chat_features(body: Mapping[str, Any]) -> None:
+    _only(body, "n", (None, 1), "several choices per request are not supported; send n: 1 (or leave it out)")
+    _only(body, "logprobs", (None, False), "logprobs are not supported; send logprobs: false (or leave it out)")
+    _only(body, "top_logprobs", (None, 0), "top_logprobs are not supported; leave top_logprobs out")
+    _no_logit_bias(body)
+    for field in ("tools", "functions"):
+        _only(body, field, (None, []), f"{field} (function calling) are not supported; leave {field} out")
+    for field in ("tool_choice", "function_call"):
+        _only(body, field, (None, "none", "auto"), f"{field} is not supported, as tools are not; leave it out")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        raise bad_request(
+            f"response_format {kind!r} (structured output) is not supported; "
+            'send {"type": "text"} or leave response_format out',
+            param="response_format",
+        )
+
+
+def _only(body: Mapping[str, Any], field: str, allowed: tuple[Any, ...], message: str) -> None:
+    value = body.get(field)
+    # Compared with their types: JSON true must not pass as n: 1, nor 0 as false.
+    if not any(type(value) is type(a) and value == a for a in allowed):
+        raise bad_request(message, param=field)
+
+
+def _no_logit_bias(body: Mapping[str, Any]) -> None:
+    if body.get("logit_bias") not in (None, {}):
+        raise bad_request("logit_bias is not supported; leave logit_bias out", param="logit_bias")
+
+
+def _messages(messages: Any) -> tuple[Mapping[str, str], ...]:
+    if messages is None:
+        raise bad_request("messages is required: a list of {role, content} objects", param="messages")
+    if not isinstance(messages, list):
+        raise bad_request(f"messages must be a list of {{role, content}} objects, got {_kind(messages)}", param="messages")
+    if not messages:
+        raise bad_request("messages must hold at least one message", param="messages")
+    return tuple(_message(i, message) for i, message in enumerate(messages))
+
+
+def _message(index: int, message: Any) -> Mapping[str, str]:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise bad_request(f"{where} must be an object with role and content, got {_kind(message)}", param=where)
+    role = message.get("role")
+    if role in ("tool", "function") or message.get("tool_calls") or message.get("function_call"):
+        raise bad_request(f"{where}: tool and function messages are not supported (tools are not)", param=where)
+    if not isinstance(role, str) or role not in CHAT_ROLES:
+        raise bad_request(
+            f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", param=f"{where}.role"
+        )
+    return {"role": CHAT_ROLES[role], "content": _content(f"{where}.content", message.get("content", ...))}
+
+
+def _content(where: str, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if content is ... or content is None:
+        raise bad_request(f"{where} is required: a string or a list of text parts", param=where)
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or a list of text parts, got {_kind(content)}", param=where)
+    texts = []
+    for j, part in enumerate(content):
+        part_where = f"{where}[{j}]"
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else _kind(part)
+            raise bad_request(
+                f'{part_where} must be a text part {{"type": "text", "text": ...}}; '
+                f"{kind!r} parts are not supported by this text-only model",
+                param=part_where,
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise bad_request(f"{part_where}.text must be a string, got {_kind(text)}", param=f"{part_where}.text")
+        texts.append(text)
+    return "".join(texts)
+
+
+def _prompt(prompt: Any) -> str:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if prompt is None:
+        raise bad_request("prompt is required: a string", param="prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
+        raise bad_request("several prompts per request are not supported; send one string", param="prompt")
+    raise bad_request(f"prompt must be a string (token id lists are not supported), got {_kind(prompt)}", param="prompt")
+
+
+def _streaming(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request(f"stream must be true or false, got {_kind(stream)}", param="stream")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict):
+            raise bad_request(f"stream_options must be an object, got {_kind(options)}", param="stream_options")
+        unknown = sorted(set(options) - {"include_usage", "include_obfuscation"})
+        if unknown:
+            raise bad_request(f"unrecognized stream option {unknown[0]!r}", param=f"stream_options.{unknown[0]}")
+        value = options.get("include_usage")
+        if value is not None and not isinstance(value, bool):
+            raise bad_request(
+                f"stream_options.include_usage must be true or false, got {_kind(value)}",
+                param="stream_options.include_usage",
+            )
+        include_usage = bool(value)
+    return bool(stream), include_usage
+
+
+def _sampling(body: Mapping[str, Any]) -> Mapping[str, Any]:
+    try:
+        return validate_request_sampling(body)
+    except InvalidParameter as error:
+        raise bad_request(error.message, param=error.param) from None
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    names = {bool: "a boolean", str: "a string", int: "a number", float: "a number", list: "a list", dict: "an object"}
+    return next((name for kind, name in names.items() if isinstance(value, kind)), type(value).__name__)

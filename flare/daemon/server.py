@@ -1,0 +1,246 @@
+"""`flare run`: the daemon's life from start to exit.
+
+Start: configure logging, bind the TCP listener first (so `/health` answers 503 while the
+package loads), then open the package and load the scheduler off the event loop, warm it up,
+and only then report ready (`/health` 200). One anyio task group on uvloop owns the scheduler
+loop and the signal watcher; the HTTP site lives in an aiohttp runner beside them.
+
+Stop (SIGTERM or SIGINT): /health turns 503, the scheduler admits nothing new (new requests get
+503 with Retry-After), requests in flight get `drain_grace_s` to finish, the rest end with a
+`shutdown` error event, every response is written out, and the process exits 0. A second
+signal ends the grace period at once. A signal while loading exits at once: nothing was
+admitted yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import os
+import signal
+import socket
+import threading
+from collections.abc import Callable, Mapping
+from typing import TypeVar
+
+import anyio
+import structlog
+import torch
+from aiohttp import web
+
+from flare.daemon.config import DaemonConfig
+from flare.daemon.http_api import create_app
+from flare.daemon.logging import configure_logging
+from flare.daemon.state import ServingState
+from flare.preparation.default_model import DEFAULT_GGUF_NAME, default_package_path
+from flare.preparation.export import ExportError
+from flare.preparation.package import PackageError, open_package
+from flare.preparation.source import SourceError
+from flare.scheduler.scheduler import Scheduler, SchedulerOptions
+
+log = structlog.get_logger("flare.daemon")
+
+# systemd socket activation (sd_listen_fds(3)): passed sockets start at fd 3.
+SD_LISTEN_FDS_START = 3
+# How long finished handlers get to write their last bytes after the scheduler stopped.
+_FLUSH_TIMEOUT_S = 5.0
+_POLL_S = 0.05
+DEFAULT_MODEL_NAME = DEFAULT_GGUF_NAME.split(".")[0]  # "SmolLM2-135M-Instruct"
+
+T = TypeVar("T")
+
+
+class StartupError(Exception):
+    """The daemon cannot start as configured; the message names the cause and the fix."""
+
+
+def serve(config: DaemonConfig, environ: Mapping[str, str] | None = None) -> None:
+    """Run the daemon until it is stopped. Raises StartupError when it cannot start."""
+    daemon = Daemon(config, os.environ if environ is None else environ)
+    anyio.run(daemon.run, backend="asyncio", backend_options={"use_uvloop": True})
+
+
+class Daemon:
+    """Everything the running daemon owns, built once at start and passed down."""
+
+    def __init__(self, config: DaemonConfig, environ: Mapping[str, str]) -> None:
+        self.config = config
+        self.environ = environ
+        self.state = ServingState()
+        self.app = create_app(config, self.state)
+        self.scheduler: Scheduler | None = None
+        self._stop_requested = anyio.Event()
+        self._end_grace = anyio.Event()
+        self._startup_error: StartupError | None = None
+
+    async def run(self) -> None:
+        configure_logging(self.config.log_level, self.config.log_format, environ=self.environ)
+        sock = self._listening_socket()
+        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=_FLUSH_TIMEOUT_S)
+        await runner.setup()
+        try:
+            await web.SockSite(runner, sock, shutdown_timeout=_FLUSH_TIMEOUT_S).start()
+            host, port = sock.getsockname()[:2]
+            log.info("listening", host=host, port=port)
+            self._warn_if_exposed(host)
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(self._watch_signals, tasks.cancel_scope)
+                await self._start_serving(tasks)
+                await self._stop_requested.wait()
+                await self._shut_down()
+                tasks.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await runner.cleanup()
+            sock.close()
+        if self._startup_error is not None:
+            raise self._startup_error
+        log.info("stopped")
+
+    # --- start ---------------------------------------------------------------------------------
+
+    def _listening_socket(self) -> socket.socket:
+        """The socket systemd passed (socket activation), else one bound to --host/--port."""
+        if self.environ.get("LISTEN_PID") == str(os.getpid()) and int(self.environ.get("LISTEN_FDS", "0") or 0) >= 1:
+            sock = socket.socket(fileno=SD_LISTEN_FDS_START)
+            sock.setblocking(False)
+            return sock
+        host, port = self.config.host, self.config.port
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            sock = socket.create_server((host, port), family=family, backlog=1024)
+        except OSError as error:
+            raise StartupError(
+                f"cannot listen on {host}:{port} ({error.strerror or error}); "
+                "choose another --port (0 picks a free one) or --host"
+            ) from None
+        sock.setblocking(False)
+        return sock
+
+    def _warn_if_exposed(self, host: str) -> None:
+        if self.config.api_keys:
+            return
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = host == "localhost"
+        if not loopback:
+            log.warning(
+                "listening_without_api_keys",
+                host=host,
+                message="anyone who can reach this address can use the model; set --api-key or --api-key-file",
+            )
+
+    async def _start_serving(self, tasks: anyio.abc.TaskGroup) -> None:
+        log.info("loading", package=str(self.config.package) if self.config.package else "default")
+        try:
+            scheduler = await _in_daemon_thread(self._load_scheduler)
+        except StartupError as error:
+            log.error("startup_failed", message=str(error))
+            self._startup_error = error
+            self._stop_requested.set()
+            return
+        self.scheduler = scheduler
+        tasks.start_soon(scheduler.run)
+        await scheduler.warm_up()
+        model_name = self.config.served_model_name or (
+            # The default package's directory is named by a hash; serve it under the model's name.
+            DEFAULT_MODEL_NAME if self.config.package is None else scheduler.package.path.name
+        )
+        self.state.ready(scheduler, model_name)
+        log.info("ready", model=model_name, max_context=scheduler.max_context)
+
+    def _load_scheduler(self) -> Scheduler:
+        """Open and check the package, load its weights and size the KV cache (a worker thread)."""
+        config = self.config
+        try:
+            path = config.package if config.package is not None else default_package_path(config.cache_dir)
+            package = open_package(path)
+        except (PackageError, SourceError, ExportError) as error:
+            raise StartupError(str(error)) from None
+        options = SchedulerOptions(
+            max_concurrency=config.max_concurrency,
+            max_waiting=config.max_waiting,
+            kv_cache_memory=config.kv_cache_memory,
+            draft_tokens=config.draft_tokens,
+            vocabulary_shards=config.vocabulary_shards,
+            sampling_policy=config.sampling_policy,  # type: ignore[arg-type]
+            on_invalid_speculation=config.on_invalid_speculation,  # type: ignore[arg-type]
+            fault_injection=config.fault_injection,
+            device=_device(config.device),
+        )
+        try:
+            return Scheduler.from_package(package, options)
+        except (PackageError, ValueError) as error:
+            # The package's policy contradicts its sampler, or an option asks for more than the
+            # package allows (--draft-tokens): the message names both and the fix.
+            raise StartupError(str(error)) from None
+
+    # --- stop ----------------------------------------------------------------------------------
+
+    async def _watch_signals(self, scope: anyio.CancelScope) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("signal_received", signal=signal.Signals(signum).name)
+                if self.scheduler is None:
+                    scope.cancel()  # still loading: nothing admitted, nothing to drain
+                    return
+                if self._stop_requested.is_set():
+                    self._end_grace.set()
+                self._stop_requested.set()
+
+    async def _shut_down(self) -> None:
+        scheduler = self.scheduler
+        if scheduler is None:
+            return
+        self.state.stopping()
+        scheduler.drain()
+        in_flight = self.state.in_flight
+        log.info("draining", in_flight=len(in_flight), grace_s=self.config.drain_grace_s)
+        with anyio.move_on_after(self.config.drain_grace_s):
+            while in_flight and not self._end_grace.is_set():
+                await anyio.sleep(_POLL_S)
+        if in_flight:
+            log.warning("drain_grace_elapsed", ending=len(in_flight))
+        # The loop ends after its current round and fails every request left with `shutdown`,
+        # which their handlers write out as an error event (or body) before the connection closes.
+        scheduler.stop()
+        with anyio.move_on_after(_FLUSH_TIMEOUT_S):
+            while in_flight:
+                await anyio.sleep(_POLL_S)
+
+
+def _device(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+async def _in_daemon_thread(work: Callable[[], T]) -> T:
+    """Run `work` in a daemon thread and await its result.
+
+    Unlike anyio.to_thread, the thread does not hold the process open: a daemon stopped while
+    it loads weights (or exports the default model) exits at once instead of after the load.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result, error = work(), None
+        except BaseException as caught:  # handed to the awaiting task, which re-raises it
+            result, error = None, caught
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon has stopped
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="flare-load", daemon=True).start()
+    return await future

@@ -1,0 +1,20 @@
+"""Server-sent events as OpenAI streams them: `data: <json>` lines, each event ended by a blank line,
+the stream ended by `data: [DONE]`."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    # Reverse proxies (nginx) buffer responses unless told not to, which would hold tokens back.
+    "X-Accel-Buffering": "no",
+}
+DONE = b"data: [DONE]\n\n"
+
+
+def sse_data(payload: Any) -> bytes:
+    """One event. JSON escapes newlines inside strings, so the payload stays on one line."""
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"

@@ -1,0 +1,111 @@
+"""A scheduler with the real one's daemon-facing interface that streams canned events.
+
+The HTTP API tests run against it, so they prove the API's behaviour without model weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from flare.sampling.policy import SamplingPolicy
+from flare.scheduler.request import (
+    Failed,
+    Finished,
+    GenerationRequest,
+    RequestFailure,
+    RequestStream,
+    StreamEvent,
+    TextDelta,
+    Usage,
+)
+
+POLICY = SamplingPolicy(
+    defaults={
+        "temperature": 0.7,
+        "top_k": -1,
+        "top_p": 0.9,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "max_tokens": 256,
+    },
+    ranges={
+        "temperature": (0.0, 2.0),
+        "top_k": (-1, 100),
+        "top_p": (0.1, 1.0),
+        "min_p": (0.0, 1.0),
+        "repetition_penalty": (1.0, 1.5),
+        "max_tokens": (1, 4096),
+    },
+)
+
+
+class FakeTokenizer:
+    """One token per character, so prompt lengths are easy to control."""
+
+    eos_token_ids = (0,)
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+@dataclass
+class FakeSnapshot:
+    running: int
+    waiting: int
+
+
+class FakeScheduler:
+    """Streams `reply` then `ending(request)` for each request.
+
+    With `hold` the stream stops after the first delta and stays open until cancel(). With
+    `refuse` set, submit raises it. Every submission and cancellation is recorded.
+    """
+
+    def __init__(self, *, max_context: int = 2048, reply: Sequence[str] = ("Hel", "lo", " wor", "ld")) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.policy = POLICY
+        self.max_context = max_context
+        self.reply = tuple(reply)
+        self.ending: Callable[[GenerationRequest], Finished | Failed] = lambda request: Finished(
+            "stop", Usage(len(request.prompt_token_ids), len(self.reply))
+        )
+        self.hold = False
+        self.refuse: Exception | None = None
+        self.draining = False
+        self.submitted: list[GenerationRequest] = []
+        self.cancelled: list[tuple[str, RequestFailure | None]] = []
+        self._open: dict[str, tuple[RequestStream, GenerationRequest]] = {}
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        if self.refuse is not None:
+            raise self.refuse
+        self.submitted.append(request)
+        stream = RequestStream(request.request_id)
+        events: list[StreamEvent] = [TextDelta(text, (1,)) for text in self.reply]
+        if self.hold:
+            stream.put(events[0])
+            self._open[request.request_id] = (stream, request)
+            return stream
+        for event in events:
+            stream.put(event)
+        stream.put(self.ending(request))
+        return stream
+
+    def cancel(self, request_id: str, failure: RequestFailure | None = None) -> bool:
+        self.cancelled.append((request_id, failure))
+        entry = self._open.pop(request_id, None)
+        if entry is None:
+            return False
+        stream, request = entry
+        failure = failure or RequestFailure("cancelled", "request cancelled", 503)
+        stream.put(Failed(failure, Usage(len(request.prompt_token_ids), 1)))
+        return True
+
+    def snapshot(self) -> FakeSnapshot:
+        return FakeSnapshot(running=len(self._open), waiting=0)

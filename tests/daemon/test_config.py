@@ -1,0 +1,138 @@
+"""Daemon settings: precedence of flags > environment > TOML file > defaults, and precise errors."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from flare.daemon.config import ConfigError, DaemonConfig, load_config, parse_bytes
+
+
+def flags(**given: object) -> argparse.Namespace:
+    """A namespace as the `flare run` parser makes it: None for every flag not given."""
+    return argparse.Namespace(**given)
+
+
+def write_toml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "flare.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_without_any_source() -> None:
+    config = load_config(flags(), {})
+    assert config == DaemonConfig()
+    assert (config.host, config.port, config.max_waiting, config.api_keys) == ("127.0.0.1", 8000, 256, ())
+    assert config.max_body_bytes == 1 << 20
+
+
+def test_toml_file_sets_values_in_their_native_types(tmp_path: Path) -> None:
+    path = write_toml(
+        tmp_path,
+        'port = 9000\nkv_cache_memory = "512MiB"\nfault_injection = true\ndrain_grace_s = 2.5\n'
+        'package = "/srv/pkg"\napi_keys = ["sk-a", "sk-b"]\nsampling_policy = "unfiltered"\n',
+    )
+    config = load_config(flags(), {}, path)
+    assert config.port == 9000
+    assert config.kv_cache_memory == 512 * 1024**2
+    assert config.fault_injection is True
+    assert config.drain_grace_s == 2.5
+    assert config.package == Path("/srv/pkg")
+    assert config.api_keys == ("sk-a", "sk-b")
+    assert config.sampling_policy == "unfiltered"
+
+
+def test_environment_overrides_file_and_flags_override_environment(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, 'port = 9000\nhost = "0.0.0.0"\nmax_waiting = 3\n')
+    environ = {"FLARE_PORT": "9100", "FLARE_HOST": "::1", "FLARE_CONFIG": str(path)}
+    config = load_config(flags(port="9200"), environ)
+    assert config.port == 9200  # flag
+    assert config.host == "::1"  # environment
+    assert config.max_waiting == 3  # file named by FLARE_CONFIG
+
+
+def test_config_flag_wins_over_flare_config(tmp_path: Path) -> None:
+    chosen = write_toml(tmp_path, "port = 1\n")
+    config = load_config(flags(config=str(chosen)), {"FLARE_CONFIG": str(tmp_path / "missing.toml")})
+    assert config.port == 1
+
+
+def test_api_keys_come_from_the_highest_source_that_names_any(tmp_path: Path) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text("# operators\nsk-file-1\n\n  sk-file-2  \n")
+    path = write_toml(tmp_path, 'api_keys = ["sk-toml"]\n')
+    assert load_config(flags(), {}, path).api_keys == ("sk-toml",)
+    assert load_config(flags(), {"FLARE_API_KEYS": "sk-e1, sk-e2"}, path).api_keys == ("sk-e1", "sk-e2")
+    from_flags = load_config(flags(api_key=["sk-flag"], api_key_file=str(key_file)), {"FLARE_API_KEYS": "sk-e"}, path)
+    assert from_flags.api_keys == ("sk-flag", "sk-file-1", "sk-file-2")
+    assert load_config(flags(), {"FLARE_API_KEY_FILE": str(key_file)}).api_keys == ("sk-file-1", "sk-file-2")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("512MiB", 512 * 1024**2), ("2GiB", 2 * 1024**3), ("1.5GB", 1_500_000_000), ("4096", 4096), ("64 kib", 65536)],
+)
+def test_byte_sizes(text: str, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "2XB", "-1GiB", "0", ""])
+def test_bad_byte_sizes_are_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize(
+    ("args", "environ", "names"),
+    [
+        (flags(port="http"), {}, ("--port", "integer")),
+        (flags(port="70000"), {}, ("--port", "0..65535")),
+        (flags(), {"FLARE_KV_CACHE_MEMORY": "lots"}, ("FLARE_KV_CACHE_MEMORY", "512MiB")),
+        (flags(), {"FLARE_FAULT_INJECTION": "maybe"}, ("FLARE_FAULT_INJECTION", "true or false")),
+        (flags(max_concurrency="0"), {}, ("--max-concurrency", ">= 1")),
+        (flags(sampling_policy="loose"), {}, ("--sampling-policy", "package, unfiltered")),
+        (flags(), {"FLARE_REQUEST_TIMEOUT_S": "soon"}, ("FLARE_REQUEST_TIMEOUT_S", "seconds")),
+        (flags(device="tpu"), {}, ("--device", "cuda:N")),
+        (flags(api_key=["has space"]), {}, ("--api-key", "whitespace")),
+    ],
+)
+def test_bad_values_name_their_source_and_the_expected_form(
+    args: argparse.Namespace, environ: dict[str, str], names: tuple[str, ...]
+) -> None:
+    with pytest.raises(ConfigError) as raised:
+        load_config(args, environ)
+    assert all(name in str(raised.value) for name in names), str(raised.value)
+
+
+def test_bad_toml_value_names_the_file_and_key(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, 'port = "eighty"\n')
+    with pytest.raises(ConfigError, match=r"flare.toml: port: expected an integer"):
+        load_config(flags(), {}, path)
+
+
+def test_unknown_toml_key_is_refused_with_the_known_keys(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, "prot = 80\n")
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) prot; the keys are .*port"):
+        load_config(flags(), {}, path)
+
+
+def test_unreadable_or_invalid_toml_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(flags(), {}, tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(flags(), {}, write_toml(tmp_path, "port = = 3"))
+
+
+def test_empty_or_missing_key_file_is_refused(tmp_path: Path) -> None:
+    empty = tmp_path / "keys"
+    empty.write_text("# nothing\n")
+    with pytest.raises(ConfigError, match="holds no API key"):
+        load_config(flags(api_key_file=str(empty)), {})
+    with pytest.raises(ConfigError, match="--api-key-file: cannot read"):
+        load_config(flags(api_key_file=str(tmp_path / "absent")), {})
+
+
+def test_request_timeout_none_disables_it() -> None:
+    assert load_config(flags(request_timeout_s="none"), {}).request_timeout_s is None
