@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib.metadata
 import os
 import re
 import socket
 import stat
 import struct
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import anyio.abc
@@ -37,6 +39,12 @@ import structlog
 from aiohttp import web
 
 from flare.daemon.errors import INVALID_REQUEST, ApiError
+from flare.daemon.logging import LogControl
+from flare.scheduler.failures import cancelled_failure
+
+if TYPE_CHECKING:
+    from flare.daemon.config import DaemonConfig
+    from flare.scheduler.scheduler import Scheduler
 
 log = structlog.get_logger(__name__)
 
@@ -101,6 +109,72 @@ class ControlTarget(Protocol):
     def set_log_level(self, level: str) -> None:
         """ValueError (naming the allowed levels) for a level that does not exist."""
         ...
+
+
+class DaemonControl:
+    """The ControlTarget of the running daemon: its scheduler, its current config (replaced on
+    reload, hence a callable) and its log level."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        *,
+        package: str,
+        config: Callable[[], DaemonConfig],
+        log_control: LogControl,
+        started_at: float | None = None,
+    ) -> None:
+        self._scheduler = scheduler
+        self._package = package
+        self._config = config
+        self._log_control = log_control
+        self._started_at = time.monotonic() if started_at is None else started_at
+        self._version = _flare_version()
+
+    def status(self) -> DaemonStatus:
+        snapshot = self._scheduler.snapshot()
+        return DaemonStatus(
+            package=self._package,
+            uptime_s=round(time.monotonic() - self._started_at, 3),
+            running=snapshot.running,
+            waiting=snapshot.waiting,
+            kv_blocks_used=snapshot.kv_blocks_used,
+            kv_blocks_total=snapshot.kv_blocks_total,
+            draining=snapshot.draining,
+            device_statuses=dict(snapshot.device_statuses),
+            generated_tokens_per_s=round(snapshot.tokens_per_second, 2),
+            log_level=self._log_control.level,
+            pid=os.getpid(),
+            version=self._version,
+        )
+
+    def requests(self) -> Sequence[RequestRow]:
+        return [
+            RequestRow(r.request_id, r.state, round(r.age_s, 3), r.prompt_tokens, r.completion_tokens)
+            for r in self._scheduler.requests()
+        ]
+
+    def cancel(self, request_id: str) -> bool:
+        return self._scheduler.cancel(request_id, cancelled_failure("by the operator (flare ctl cancel)"))
+
+    def drain(self) -> None:
+        self._scheduler.drain()
+
+    def resume(self) -> None:
+        self._scheduler.resume()
+
+    def effective_config(self) -> Mapping[str, Any]:
+        return dataclasses.asdict(self._config())
+
+    def set_log_level(self, level: str) -> None:
+        self._log_control.set_level(level)
+
+
+def _flare_version() -> str:
+    try:
+        return importlib.metadata.version("flare")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"  # run from a source tree without `pip install`
 
 
 class ControlSocketError(Exception):

@@ -7,6 +7,7 @@ registers collectors; nothing uses prometheus_client's global default registry, 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -26,6 +27,13 @@ from flare.scheduler.metrics import SchedulerMetrics
 #   error      anything else (5xx); the rules say this never happens, this label proves it
 Outcome = Literal["success", "failed", "cancelled", "rejected", "invalid", "error"]
 OUTCOMES: tuple[Outcome, ...] = ("success", "failed", "cancelled", "rejected", "invalid", "error")
+
+
+# A handler whose response status does not tell the whole story (a stream that answered 200 and
+# then failed or was cancelled) records the outcome here; the middleware counts it.
+OUTCOME = web.RequestKey("flare_outcome", str)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def outcome_for_status(status: int) -> Outcome:
@@ -52,6 +60,30 @@ class HttpMetrics:
 
     def count(self, endpoint: str, outcome: Outcome) -> None:
         self.requests.labels(endpoint=endpoint, outcome=outcome).inc()
+
+
+def http_metrics_middleware(http: HttpMetrics) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """Counts every request once, by route and outcome. Install it outermost, so it sees the
+    status the error middleware chose; a handler cancelled by a client disconnect counts as
+    cancelled."""
+
+    @web.middleware
+    async def count(request: web.Request, handler: Handler) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        endpoint = resource.canonical if resource is not None else "unmatched"
+        try:
+            response = await handler(request)
+        except asyncio.CancelledError:
+            http.count(endpoint, "cancelled")
+            raise
+        except web.HTTPException as error:
+            http.count(endpoint, outcome_for_status(error.status))
+            raise
+        recorded = request.get(OUTCOME)
+        http.count(endpoint, recorded if recorded in OUTCOMES else outcome_for_status(response.status))  # type: ignore[arg-type]
+        return response
+
+    return count
 
 
 @dataclass(frozen=True)

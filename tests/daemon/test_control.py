@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import logging
 import os
 import shutil
 import socket
@@ -20,8 +21,10 @@ import anyio
 import pytest
 import structlog
 
+from flare.daemon.config import DaemonConfig
 from flare.daemon.control import (
     ControlSocketError,
+    DaemonControl,
     DaemonStatus,
     RequestRow,
     bind_control_socket,
@@ -37,6 +40,8 @@ from flare.daemon.ctl import (
     resolve_socket,
     run_ctl,
 )
+from flare.daemon.logging import configure_logging
+from flare.scheduler.request import RequestFailure
 
 
 @dataclass
@@ -340,3 +345,94 @@ async def test_permission_denied_names_the_path_and_the_group_to_join(socket_pat
 def test_socket_resolution_prefers_flag_then_environment() -> None:
     assert resolve_socket("/x/flag.sock", {"FLARE_CONTROL_SOCKET": "/x/env.sock"}) == Path("/x/flag.sock")
     assert resolve_socket(None, {"FLARE_CONTROL_SOCKET": "/x/env.sock"}) == Path("/x/env.sock")
+
+
+@dataclass(frozen=True)
+class SchedulerSnapshot:  # the fields of flare.scheduler.scheduler.SchedulerSnapshot that control reads
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    draining: bool
+    device_statuses: dict[str, int]
+    tokens_per_second: float
+
+
+@dataclass(frozen=True)
+class RequestInfo:  # flare.scheduler.scheduler.RequestInfo
+    request_id: str
+    state: str
+    age_s: float
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class FakeScheduler:
+    """The scheduler's control surface (snapshot, requests, cancel, drain, resume)."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.cancelled: dict[str, RequestFailure] = {}
+
+    def snapshot(self) -> SchedulerSnapshot:
+        return SchedulerSnapshot(
+            running=2,
+            waiting=0,
+            kv_blocks_used=9,
+            kv_blocks_total=128,
+            draining=self.draining,
+            device_statuses={"OK": 14},
+            tokens_per_second=12.345,
+        )
+
+    def requests(self) -> list[RequestInfo]:
+        return [RequestInfo("r1", "running", 1.23456, 5, 6)]
+
+    def cancel(self, request_id: str, failure: RequestFailure | None = None) -> bool:
+        assert failure is not None
+        self.cancelled[request_id] = failure
+        return request_id == "r1"
+
+    def drain(self) -> None:
+        self.draining = True
+
+    def resume(self) -> None:
+        self.draining = False
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    structlog.reset_defaults()
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_daemon_control_reports_the_scheduler_and_cancels_with_an_operator_error() -> None:
+    scheduler = FakeScheduler()
+    log_control = configure_logging("warning", "json", stream=io.StringIO())
+    control = DaemonControl(
+        scheduler,  # type: ignore[arg-type]
+        package="smollm2",
+        config=lambda: DaemonConfig(api_keys=("sk-1",)),
+        log_control=log_control,
+    )
+    status = control.status()
+    assert (status.package, status.running, status.kv_blocks_used, status.kv_blocks_total) == ("smollm2", 2, 9, 128)
+    assert status.generated_tokens_per_s == 12.35 and status.log_level == "warning"
+    assert status.summary() == "serving smollm2: 2 running, 0 waiting, 12.3 tokens/s"
+    assert control.requests() == [RequestRow("r1", "running", 1.235, 5, 6)]
+    assert control.cancel("r1")
+    failure = scheduler.cancelled["r1"]
+    assert failure.code == "cancelled" and "flare ctl cancel" in failure.message
+    assert failure.http_status != 500
+    control.drain()
+    assert control.status().draining and control.status().summary().startswith("draining smollm2")
+    control.resume()
+    assert not scheduler.draining
+    control.set_log_level("debug")
+    assert log_control.level == "debug"
+    assert redact_config(control.effective_config())["api_keys"] == ["<redacted>"]

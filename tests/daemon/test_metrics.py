@@ -8,7 +8,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from flare.daemon.metrics import DaemonMetrics, metrics_handler, outcome_for_status
+from flare.daemon.metrics import OUTCOME, DaemonMetrics, http_metrics_middleware, metrics_handler, outcome_for_status
 from flare.kernels.status import DeviceStatus
 from flare.scheduler.metrics import SchedulerMetrics
 
@@ -128,3 +128,40 @@ def test_outcome_of_a_status_code() -> None:
         "rejected",
         "error",
     ]
+
+
+async def test_middleware_counts_each_request_by_route_and_outcome() -> None:
+    metrics = DaemonMetrics.create()
+
+    async def model(request: web.Request) -> web.Response:
+        return web.json_response({"id": request.match_info["model"]})
+
+    async def stream_that_failed(request: web.Request) -> web.Response:
+        request[OUTCOME] = "failed"  # the status line said 200 before the failure event
+        return web.Response(text="data: {...}\n\n")
+
+    async def refused(_request: web.Request) -> web.Response:
+        raise web.HTTPTooManyRequests()
+
+    app = web.Application(middlewares=[http_metrics_middleware(metrics.http)])
+    app.router.add_get("/v1/models/{model}", model)
+    app.router.add_post("/v1/chat/completions", stream_that_failed)
+    app.router.add_post("/v1/completions", refused)
+    async with TestClient(TestServer(app)) as client:
+        assert (await client.get("/v1/models/a")).status == 200
+        assert (await client.get("/v1/models/b")).status == 200
+        assert (await client.post("/v1/chat/completions")).status == 200
+        assert (await client.post("/v1/completions")).status == 429
+        assert (await client.get("/nowhere")).status == 404
+
+    counted = {
+        labels: value
+        for (name, labels), value in samples(metrics.registry).items()
+        if name == "flare_http_requests_total"
+    }
+    assert counted == {
+        (("endpoint", "/v1/models/{model}"), ("outcome", "success")): 2,
+        (("endpoint", "/v1/chat/completions"), ("outcome", "failed")): 1,
+        (("endpoint", "/v1/completions"), ("outcome", "rejected")): 1,
+        (("endpoint", "unmatched"), ("outcome", "invalid")): 1,
+    }
