@@ -16,8 +16,9 @@ import torch
 
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
-from flare.engine.model import LlamaModel, expected_shapes
+from flare.engine.model import LlamaModel
 from flare.preparation.manifest import ModelConfig
+from flare.preparation.package import expected_weight_shapes
 
 DEFAULT_DIMS = ModelConfig(
     vocab_size=49152,
@@ -48,7 +49,7 @@ def main() -> None:
 
     config = DEFAULT_DIMS
     generator = torch.Generator().manual_seed(0)
-    state = {name: 0.02 * torch.randn(shape, generator=generator) for name, shape in expected_shapes(config).items()}
+    state = {name: 0.02 * torch.randn(shape, generator=generator) for name, shape in expected_weight_shapes(config).items()}
     model = LlamaModel(config, state)
     blocks_per_row = -(-(args.context + args.rounds + 1) // args.block_size)
     cache = KVCache(

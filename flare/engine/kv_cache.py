@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Protocol
 
 import torch
+
+from flare.preparation.manifest import ModelConfig
 
 DEFAULT_BLOCK_SIZE = 16
 # On a 24 GiB machine the fp32 weights of a small model take well under 1 GiB; 2 GiB of KV
@@ -79,15 +80,7 @@ class BlockAllocator:
             self._free.append(block)
 
 
-class KVShape(Protocol):
-    """The parts of a model config that size a KV cache (`ModelConfig` satisfies it)."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-
-def bytes_per_block(config: KVShape, block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers, keys and values."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * itemsize
@@ -98,7 +91,7 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
 
 
 def default_kv_cache_bytes(
-    config: KVShape,
+    config: ModelConfig,
     *,
     max_context: int,
     max_concurrency: int,
@@ -139,7 +132,7 @@ class KVCache:
     @classmethod
     def for_budget(
         cls,
-        config: KVShape,
+        config: ModelConfig,
         budget_bytes: int,
         block_size: int = DEFAULT_BLOCK_SIZE,
         dtype: torch.dtype = torch.float32,

@@ -17,29 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from flare.engine.batch import ForwardBatch
 from flare.engine.kv_cache import KVCache
-
-
-class LlamaConfig(Protocol):
-    """The architecture fields the model reads (`preparation.manifest.ModelConfig` has them)."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
+from flare.preparation.manifest import ModelConfig
+from flare.preparation.package import Package, weight_problems
 
 
 class WeightsError(ValueError):
@@ -56,42 +41,14 @@ class DecoderLayer:
     down: torch.Tensor  # [hidden, intermediate]
 
 
-def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight the model needs, by its Hugging Face Llama name, with its shape."""
-    h, d = config.hidden_size, config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (config.num_heads * d, h)
-        shapes[p + "self_attn.k_proj.weight"] = (config.num_kv_heads * d, h)
-        shapes[p + "self_attn.v_proj.weight"] = (config.num_kv_heads * d, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, config.num_heads * d)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, config.intermediate_size)
-    shapes["model.norm.weight"] = (h,)
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
-    return shapes
-
-
-def check_state_dict(config: LlamaConfig, state_dict: Mapping[str, torch.Tensor]) -> None:
+def check_state_dict(config: ModelConfig, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Raise `WeightsError` listing every missing, unexpected or misshapen weight."""
-    shapes = expected_shapes(config)
-    problems = [f"missing weight {name}" for name in shapes if name not in state_dict]
-    problems += [f"unexpected weight {name}" for name in state_dict if name not in shapes]
-    problems += [
-        f"weight {name} has shape {tuple(state_dict[name].shape)}, the config needs {shape}"
-        for name, shape in shapes.items()
-        if name in state_dict and tuple(state_dict[name].shape) != shape
-    ]
+    problems = weight_problems(config, {name: tuple(tensor.shape) for name, tensor in state_dict.items()})
     if problems:
         raise WeightsError("the weights do not match the model config: " + "; ".join(problems))
 
 
-def rope_tables(config: LlamaConfig, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position * theta^(-2i/d) for every position, [max_positions, head_dim / 2].
 
     Computed in float32 as Hugging Face does, then cast, so positions match it bit for bit.
@@ -118,7 +75,7 @@ class LlamaModel:
 
     def __init__(
         self,
-        config: LlamaConfig,
+        config: ModelConfig,
         state_dict: Mapping[str, torch.Tensor],
         *,
         device: torch.device | str = "cpu",
@@ -265,6 +222,6 @@ def _gather_blocks(
     )
 
 
-def load_model(package, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LlamaModel:
-    """The model of a prepared package (`preparation.package.Package`), on `device` in `dtype`."""
+def load_model(package: Package, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LlamaModel:
+    """The model of a prepared package, on `device` in `dtype`."""
     return LlamaModel(package.manifest.model, package.load_state_dict(), device=device, dtype=dtype)

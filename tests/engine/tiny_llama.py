@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from flare.engine.model import expected_shapes
 from flare.preparation.manifest import ModelConfig
+from flare.preparation.package import expected_weight_shapes
 
 
 def tiny_config(*, tie_word_embeddings: bool = True) -> ModelConfig:
@@ -31,7 +31,7 @@ def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Ten
     """Random weights large enough that attention is far from uniform (so mistakes show)."""
     generator = torch.Generator().manual_seed(seed)
     state = {}
-    for name, shape in expected_shapes(config).items():
+    for name, shape in expected_weight_shapes(config).items():
         if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
             state[name] = 1.0 + 0.1 * torch.randn(shape, generator=generator)
         else:
