@@ -44,7 +44,7 @@ from flare.scheduler.failures import cancelled_failure
 
 if TYPE_CHECKING:
     from flare.daemon.config import DaemonConfig
-    from flare.scheduler.scheduler import Scheduler
+    from flare.daemon.state import ServingState
 
 log = structlog.get_logger(__name__)
 
@@ -112,29 +112,28 @@ class ControlTarget(Protocol):
 
 
 class DaemonControl:
-    """The ControlTarget of the running daemon: its scheduler, its current config (replaced on
-    reload, hence a callable) and its log level."""
+    """The ControlTarget of the running daemon: the scheduler (once loaded: until then every
+    command that needs it answers 503 "still loading"), the current config (replaced on
+    reload, hence a callable) and the log level."""
 
     def __init__(
         self,
-        scheduler: Scheduler,
+        state: ServingState,
         *,
-        package: str,
         config: Callable[[], DaemonConfig],
         log_control: LogControl,
         started_at: float | None = None,
     ) -> None:
-        self._scheduler = scheduler
-        self._package = package
+        self._state = state
         self._config = config
         self._log_control = log_control
         self._started_at = time.monotonic() if started_at is None else started_at
         self._version = _flare_version()
 
     def status(self) -> DaemonStatus:
-        snapshot = self._scheduler.snapshot()
+        snapshot = self._state.require_scheduler().snapshot()
         return DaemonStatus(
-            package=self._package,
+            package=self._state.model_name or "",
             uptime_s=round(time.monotonic() - self._started_at, 3),
             running=snapshot.running,
             waiting=snapshot.waiting,
@@ -151,17 +150,18 @@ class DaemonControl:
     def requests(self) -> Sequence[RequestRow]:
         return [
             RequestRow(r.request_id, r.state, round(r.age_s, 3), r.prompt_tokens, r.completion_tokens)
-            for r in self._scheduler.requests()
+            for r in self._state.require_scheduler().requests()
         ]
 
     def cancel(self, request_id: str) -> bool:
-        return self._scheduler.cancel(request_id, cancelled_failure("by the operator (flare ctl cancel)"))
+        scheduler = self._state.require_scheduler()
+        return scheduler.cancel(request_id, cancelled_failure("by the operator (flare ctl cancel)"))
 
     def drain(self) -> None:
-        self._scheduler.drain()
+        self._state.require_scheduler().drain()
 
     def resume(self) -> None:
-        self._scheduler.resume()
+        self._state.require_scheduler().resume()
 
     def effective_config(self) -> Mapping[str, Any]:
         return dataclasses.asdict(self._config())

@@ -16,7 +16,6 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, ProcessCollector
 from prometheus_client.exposition import choose_encoder
 
-from flare.scheduler.metrics import SchedulerMetrics
 
 # How one HTTP request ended, the `outcome` label of flare_http_requests_total:
 #   success    answered in full (2xx, a stream that ended with [DONE])
@@ -88,20 +87,19 @@ def http_metrics_middleware(http: HttpMetrics) -> Callable[[web.Request, Handler
 
 @dataclass(frozen=True)
 class DaemonMetrics:
+    """The registry and the collectors that exist from start; the scheduler's collectors
+    (flare.scheduler.metrics.SchedulerMetrics) join the same registry once the package is
+    open, because their buckets follow its draft length."""
+
     registry: CollectorRegistry
     http: HttpMetrics
-    scheduler: SchedulerMetrics
 
     @classmethod
-    def create(cls, *, max_draft_tokens: int = 8) -> DaemonMetrics:
+    def create(cls) -> DaemonMetrics:
         registry = CollectorRegistry()
         # Resident memory, CPU time and open files: the soak test watches memory through these.
         ProcessCollector(namespace="flare", registry=registry)
-        return cls(
-            registry=registry,
-            http=HttpMetrics(registry),
-            scheduler=SchedulerMetrics(registry, max_draft_tokens=max_draft_tokens),
-        )
+        return cls(registry=registry, http=HttpMetrics(registry))
 
 
 def metrics_handler(registry: CollectorRegistry) -> Callable[[web.Request], Awaitable[web.Response]]:

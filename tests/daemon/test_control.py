@@ -24,6 +24,7 @@ import structlog
 from flare.daemon.config import DaemonConfig
 from flare.daemon.control import (
     ControlSocketError,
+    ControlTarget,
     DaemonControl,
     DaemonStatus,
     RequestRow,
@@ -40,7 +41,9 @@ from flare.daemon.ctl import (
     resolve_socket,
     run_ctl,
 )
+from flare.daemon.errors import ApiError
 from flare.daemon.logging import configure_logging
+from flare.daemon.state import ServingState
 from flare.scheduler.request import RequestFailure
 
 
@@ -104,7 +107,7 @@ class FakeTarget:
 
 
 @asynccontextmanager
-async def control_server(target: FakeTarget, path: Path) -> AsyncIterator[Path]:
+async def control_server(target: ControlTarget, path: Path) -> AsyncIterator[Path]:
     async with anyio.create_task_group() as tg:
         await tg.start(serve_control, target, path)
         yield path
@@ -414,12 +417,11 @@ def restore_logging() -> Iterator[None]:
 def test_daemon_control_reports_the_scheduler_and_cancels_with_an_operator_error() -> None:
     scheduler = FakeScheduler()
     log_control = configure_logging("warning", "json", stream=io.StringIO())
-    control = DaemonControl(
-        scheduler,  # type: ignore[arg-type]
-        package="smollm2",
-        config=lambda: DaemonConfig(api_keys=("sk-1",)),
-        log_control=log_control,
-    )
+    state = ServingState()
+    control = DaemonControl(state, config=lambda: DaemonConfig(api_keys=("sk-1",)), log_control=log_control)
+    with pytest.raises(ApiError, match="still loading"):
+        control.status()
+    state.ready(scheduler, "smollm2")  # type: ignore[arg-type]
     status = control.status()
     assert (status.package, status.running, status.kv_blocks_used, status.kv_blocks_total) == ("smollm2", 2, 9, 128)
     assert status.generated_tokens_per_s == 12.35 and status.log_level == "warning"
@@ -436,3 +438,15 @@ def test_daemon_control_reports_the_scheduler_and_cancels_with_an_operator_error
     control.set_log_level("debug")
     assert log_control.level == "debug"
     assert redact_config(control.effective_config())["api_keys"] == ["<redacted>"]
+
+
+@pytest.mark.usefixtures("restore_logging")
+async def test_while_the_model_loads_ctl_says_so_and_config_still_answers(socket_path: Path) -> None:
+    log_control = configure_logging("info", "json", stream=io.StringIO())
+    control = DaemonControl(ServingState(), config=DaemonConfig, log_control=log_control)
+    async with control_server(control, socket_path):
+        status = await ctl("--socket", str(socket_path), "status")
+        config = await ctl("--socket", str(socket_path), "--json", "config")
+    assert status.code == EXIT_REFUSED
+    assert "the model is still loading" in status.err
+    assert config.code == EXIT_OK and json.loads(config.out)["port"] == 8000

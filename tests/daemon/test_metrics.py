@@ -32,6 +32,7 @@ async def scrape(registry: CollectorRegistry, accept: str = "") -> tuple[str, st
 
 async def test_exposition_names_every_issue_metric_with_the_flare_prefix() -> None:
     metrics = DaemonMetrics.create()
+    SchedulerMetrics(metrics.registry)
     content_type, text = await scrape(metrics.registry)
     assert content_type.startswith("text/plain; version=0.0.4")
     names = {family.name for family in text_string_to_metric_families(text)}
@@ -62,8 +63,8 @@ async def test_openmetrics_is_served_when_the_scraper_asks_for_it() -> None:
 
 
 async def test_a_scrape_shows_what_the_scheduler_and_the_api_counted() -> None:
-    metrics = DaemonMetrics.create(max_draft_tokens=4)
-    sm = metrics.scheduler
+    metrics = DaemonMetrics.create()
+    sm = SchedulerMetrics(metrics.registry, max_draft_tokens=4)
     sm.observe_round(
         statuses=[DeviceStatus.OK, DeviceStatus.OK, DeviceStatus.INVALID_SPECULATION],
         accepted_per_row=[3, 1],
@@ -114,7 +115,8 @@ def test_an_unknown_device_status_is_counted_under_its_number() -> None:
 
 def test_registries_are_independent() -> None:
     first, second = DaemonMetrics.create(), DaemonMetrics.create()
-    first.scheduler.observe_tokens(generated=5)
+    SchedulerMetrics(first.registry).observe_tokens(generated=5)
+    SchedulerMetrics(second.registry)
     assert samples(second.registry)[("flare_generated_tokens_total", ())] == 0
 
 
