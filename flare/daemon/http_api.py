@@ -36,6 +36,7 @@ from flare.daemon.openai_responses import ChatCompletionShape, ResponseShape, Te
 from flare.daemon.openai_schema import check_model, parse_chat_completion, parse_completion, parse_json_body
 from flare.daemon.sse import DONE, SSE_HEADERS, sse_data
 from flare.daemon.state import Phase, ServingState
+from flare.engine.tokenizer import ChatTemplateError
 from flare.kernels.status import DeviceStatus
 from flare.scheduler.errors import Draining, PromptTooLong, QueueFull
 from flare.scheduler.request import (
@@ -213,9 +214,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     scheduler = state.require_scheduler()
     check_model(parsed.model, state.model_name or "")
-    tokenizer = scheduler.tokenizer
-    messages = [dict(message) for message in parsed.messages]
-    prompt_ids = await anyio.to_thread.run_sync(lambda: tokenizer.encode(tokenizer.render_chat(messages)))
+    try:
+        prompt_ids = await anyio.to_thread.run_sync(scheduler.tokenizer.encode_chat, parsed.messages)
+    except ChatTemplateError as error:
+        # The package's template refused the conversation (for example roles out of order).
+        raise bad_request(str(error), param="messages") from None
     shape = ChatCompletionShape(_new_id("chatcmpl"), int(time.time()), parsed.model, parsed.include_usage)
     return await _generate(request, scheduler, prompt_ids, "messages", parsed.sampling, parsed.stream, shape)
 

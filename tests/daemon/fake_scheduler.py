@@ -5,9 +5,10 @@ The HTTP API tests run against it, so they prove the API's behaviour without mod
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from flare.engine.tokenizer import ChatTemplateError
 from flare.sampling.policy import SamplingPolicy
 from flare.scheduler.request import (
     Failed,
@@ -50,8 +51,10 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]
 
-    def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+    def encode_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        if any(m["content"] == "refuse" for m in messages):
+            raise ChatTemplateError("the chat template could not render these messages: refused")
+        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
 
 
 @dataclass

@@ -359,6 +359,7 @@ BAD_CHAT_BODIES = [
     ("max_completion_tokens zero", {**CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("stop not strings", {**CHAT, "stop": [1]}, 400, "stop"),
     ("unknown model", {**CHAT, "model": "gpt-4"}, 404, "model"),
+    ("template refuses", {**CHAT, "messages": [{"role": "user", "content": "refuse"}]}, 400, "messages"),
 ]
 
 
