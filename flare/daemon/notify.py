@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
+import anyio
 import structlog
 
 log = structlog.get_logger(__name__)
@@ -133,3 +134,17 @@ class WatchdogHeartbeat:
                 return
             self._last = now
         self._notifier.watchdog()
+
+
+async def publish_status(notifier: SystemdNotifier, summary: Callable[[], str], interval_s: float = 5.0) -> None:
+    """Keep `systemctl status` current: send STATUS= every `interval_s` when the summary
+    changed. Runs until cancelled; returns at once without a service manager."""
+    if not notifier.enabled:
+        return
+    last: str | None = None
+    while True:
+        text = summary()
+        if text != last:
+            notifier.status(text)
+            last = text
+        await anyio.sleep(interval_s)

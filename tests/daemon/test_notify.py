@@ -8,9 +8,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import pytest
 
-from flare.daemon.notify import SystemdNotifier, WatchdogHeartbeat
+from flare.daemon.notify import SystemdNotifier, WatchdogHeartbeat, publish_status
 
 
 @pytest.fixture
@@ -129,3 +130,22 @@ def test_heartbeat_without_watchdog_sends_nothing(listener: tuple[socket.socket,
     sock.setblocking(False)
     with pytest.raises(BlockingIOError):
         sock.recv(64)
+
+
+async def test_status_is_published_when_the_summary_changes(listener: tuple[socket.socket, str]) -> None:
+    sock, path = listener
+    summaries = iter(["serving p: 0 running", "serving p: 0 running", "serving p: 2 running"])
+    sent: list[list[str]] = []
+    notifier = SystemdNotifier({"NOTIFY_SOCKET": path})
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(publish_status, notifier, lambda: next(summaries, "serving p: 2 running"), 0.001)
+        sent.append(await anyio.to_thread.run_sync(received, sock))
+        sent.append(await anyio.to_thread.run_sync(received, sock))
+        tg.cancel_scope.cancel()
+    assert sent == [["STATUS=serving p: 0 running"], ["STATUS=serving p: 2 running"]]
+    notifier.close()
+
+
+async def test_status_publisher_returns_without_a_service_manager() -> None:
+    with anyio.fail_after(5):
+        await publish_status(SystemdNotifier({}), lambda: "never sent", 0.001)
