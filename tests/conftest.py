@@ -8,6 +8,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import json  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from dataclasses import replace  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -15,36 +16,36 @@ from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 
+from flare.preparation.default_model import default_gguf_path, default_package_path  # noqa: E402
+from flare.preparation.gguf_source import open_gguf  # noqa: E402
 from flare.preparation.manifest import ModelConfig, Provenance, ServingConfig  # noqa: E402
 from flare.preparation.package import expected_weight_shapes, write_package  # noqa: E402
+from flare.preparation.source import ModelSource  # noqa: E402
 from flare.sampling.policy import SamplingPolicy  # noqa: E402
 
 TINY_MAX_CONTEXT = 512
 
 
-def _tiny_tokenizer_json() -> str:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<unk>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
-    vocab.update({f"w{i}": i for i in range(3, 100)})
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    return tokenizer.to_str()
+@pytest.fixture(scope="session")
+def smollm2_source() -> ModelSource:
+    """The default model's GGUF, opened (metadata, tokenizer and chat template; weights on demand)."""
+    return open_gguf(default_gguf_path())
 
 
 @pytest.fixture(scope="session")
-def tiny_config() -> ModelConfig:
-    """A tiny Llama of the default model's shape family (GQA, tied embeddings)."""
-    return ModelConfig(
-        vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=16, rope_theta=100000.0, rms_norm_eps=1e-5,
-        max_position_embeddings=TINY_MAX_CONTEXT, tie_word_embeddings=True, bos_token_id=1,
-        eos_token_ids=(2,),
+def tiny_config(smollm2_source: ModelSource) -> ModelConfig:
+    """A tiny Llama of the default model's shape family (GQA, tied embeddings) and its vocabulary."""
+    return replace(
+        smollm2_source.config,
+        hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+        max_position_embeddings=TINY_MAX_CONTEXT,
     )
 
 
 def random_llama_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Deterministic random weights of a Llama with `config`, Hugging Face names and layout."""
     generator = torch.Generator().manual_seed(seed)
     state = {}
     for name, shape in expected_weight_shapes(config).items():
@@ -55,6 +56,12 @@ def random_llama_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, tor
     return state
 
 
+@pytest.fixture(scope="session")
+def make_state_dict() -> Callable[..., dict[str, torch.Tensor]]:
+    """make_state_dict(config, seed=0): deterministic random Llama weights (Hugging Face names)."""
+    return random_llama_state_dict
+
+
 TEST_POLICY_DEFAULTS: dict[str, Any] = {
     "temperature": 0.2, "top_k": -1, "top_p": 0.9, "min_p": 0.0, "repetition_penalty": 1.0,
     "presence_penalty": 0.0, "frequency_penalty": 0.0, "max_tokens": 64,
@@ -62,14 +69,16 @@ TEST_POLICY_DEFAULTS: dict[str, Any] = {
 
 
 @pytest.fixture(scope="session")
-def package_parts(tiny_config: ModelConfig) -> dict[str, Any]:
-    """The keyword arguments of write_package for the tiny model (replace any to vary it)."""
+def package_parts(tiny_config: ModelConfig, smollm2_source: ModelSource) -> dict[str, Any]:
+    """The keyword arguments of write_package for the tiny model (replace any to vary it).
+
+    Random weights, with the default model's real tokenizer and chat template, so text is realistic.
+    """
     return {
         "config": tiny_config,
         "state_dict": random_llama_state_dict(tiny_config),
-        "tokenizer_json": _tiny_tokenizer_json(),
-        "chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        "tokenizer_json": smollm2_source.tokenizer_json,
+        "chat_template": smollm2_source.chat_template,
         "policy": SamplingPolicy(
             TEST_POLICY_DEFAULTS,
             {"temperature": (0.0, 2.0), "top_k": (-1, 200), "top_p": (0.05, 1.0), "max_tokens": (1, TINY_MAX_CONTEXT)},
@@ -109,3 +118,56 @@ def make_package(package_parts: dict[str, Any], tmp_path_factory: pytest.TempPat
 def tiny_package(make_package: Callable[..., Path]) -> Path:
     """A tiny random Llama package (read-only: copy it before changing files)."""
     return make_package()
+
+
+def _hf_config_json(config: ModelConfig) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim, "rope_theta": config.rope_theta,
+        "rms_norm_eps": config.rms_norm_eps, "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings, "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_ids[0], "hidden_act": "silu", "rope_scaling": None,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _write_hf_directory(
+    path: Path, parts: dict[str, Any], *, config_changes: dict[str, Any] | None = None, shards: int = 1
+) -> Path:
+    """A directory as transformers' save_pretrained writes it (bf16 weights, optionally sharded)."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({**_hf_config_json(parts["config"]), **(config_changes or {})}))
+    names = sorted(parts["state_dict"])
+    for shard in range(shards):
+        tensors = {n: parts["state_dict"][n].to(torch.bfloat16) for n in names[shard::shards]}
+        save_file(tensors, str(path / f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"))
+    (path / "tokenizer.json").write_text(parts["tokenizer_json"])
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": parts["chat_template"]}))
+    return path
+
+
+@pytest.fixture(scope="session")
+def make_hf_directory() -> Callable[..., Path]:
+    """make_hf_directory(path, parts, *, config_changes=None, shards=1): a tiny Hugging Face model directory.
+
+    `parts` is `package_parts` (or a variant); config_changes edits config.json.
+    """
+    return _write_hf_directory
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_directory(make_hf_directory: Callable[..., Path], package_parts: dict[str, Any],
+                      tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model as a Hugging Face directory (a source for `flare export`)."""
+    return make_hf_directory(tmp_path_factory.mktemp("hf") / "tiny-llama", package_parts)
+
+
+@pytest.fixture(scope="session")
+def default_package() -> Path:
+    """The real default model's package, exported once into the cache ($FLARE_CACHE_DIR or ~/.cache/flare).
+
+    For tests marked real_model.
+    """
+    return default_package_path()

@@ -141,6 +141,8 @@ def write_package(
         (staging / CHAT_TEMPLATE_NAME).write_text(chat_template, encoding="utf-8")
         files = {}
         for name in PACKAGE_FILES:
+            # safetensors creates its file 0600; a package is read by the daemon's own user.
+            os.chmod(staging / name, 0o644)
             _fsync(staging / name)
             files[name] = sha256_of(staging / name)
         manifest = Manifest(
@@ -193,6 +195,7 @@ class IntegrityReport:
     path: Path
     files: dict[str, str] = field(default_factory=dict)
     problems: tuple[str, ...] = ()
+    manifest: Manifest | None = None  # None when manifest.json is missing or unreadable
 
     @property
     def ok(self) -> bool:
@@ -202,17 +205,18 @@ class IntegrityReport:
         return {"ok": self.ok, "files": dict(self.files), "problems": list(self.problems)}
 
 
-def _check(path: Path) -> tuple[Manifest | None, IntegrityReport]:
+def verify_package(path: Path) -> IntegrityReport:
+    """Check every file of the package at path against the manifest's checksums."""
     path = Path(path)
     if not path.is_dir():
-        return None, IntegrityReport(path, problems=(f"{path} is not a directory",))
+        return IntegrityReport(path, problems=(f"{path} is not a directory",))
     manifest_path = path / MANIFEST_NAME
     if not manifest_path.is_file():
-        return None, IntegrityReport(path, problems=(f"{MANIFEST_NAME} is missing",))
+        return IntegrityReport(path, problems=(f"{MANIFEST_NAME} is missing",))
     try:
         manifest = Manifest.loads(manifest_path.read_text(encoding="utf-8"))
     except (ManifestError, UnicodeDecodeError, TypeError) as error:
-        return None, IntegrityReport(path, problems=(f"{MANIFEST_NAME}: {error}",))
+        return IntegrityReport(path, problems=(f"{MANIFEST_NAME}: {error}",))
 
     statuses: dict[str, str] = {}
     problems: list[str] = []
@@ -238,7 +242,7 @@ def _check(path: Path) -> tuple[Manifest | None, IntegrityReport]:
             problems.append(f"{file.name} is not part of the package (not in {MANIFEST_NAME})")
     if statuses.get(WEIGHTS_NAME) == "ok":
         problems += _weights_header_problems(path / WEIGHTS_NAME, manifest)
-    return manifest, IntegrityReport(path, statuses, tuple(problems))
+    return IntegrityReport(path, statuses, tuple(problems), manifest)
 
 
 def _weights_header_problems(weights: Path, manifest: Manifest) -> list[str]:
@@ -253,11 +257,6 @@ def _weights_header_problems(weights: Path, manifest: Manifest) -> list[str]:
     if dtypes - {wanted}:
         problems.append(f"{WEIGHTS_NAME} holds {', '.join(sorted(dtypes))} tensors, serving.dtype says {manifest.serving.dtype}")
     return problems
-
-
-def verify_package(path: Path) -> IntegrityReport:
-    """Check every file of the package at path against the manifest's checksums."""
-    return _check(Path(path))[1]
 
 
 def _bullets(lines: list[str] | tuple[str, ...]) -> str:
@@ -287,11 +286,11 @@ class Package:
 def open_package(path: Path) -> Package:
     """Open the package at path after verifying it; PackageError lists every problem found."""
     path = Path(path)
-    manifest, report = _check(path)
-    if manifest is None or not report.ok:
+    report = verify_package(path)
+    if report.manifest is None or not report.ok:
         raise PackageError(
             f"the package at {path} cannot be used:\n{_bullets(report.problems)}\n"
             f"Re-export it: flare export SOURCE -o {path} --overwrite",
             report.problems,
         )
-    return Package(path=path, manifest=manifest)
+    return Package(path=path, manifest=report.manifest)

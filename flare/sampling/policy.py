@@ -69,7 +69,8 @@ def filter_enabled(param: str, value: Number) -> bool:
     return False
 
 
-def _range_allows_filter(param: str, lo: Number, hi: Number) -> bool:
+def range_allows_filter(param: str, lo: Number, hi: Number) -> bool:
+    """True when a range [lo, hi] of a filter parameter admits a value that enables the filter."""
     if param == "top_k":
         return hi >= 1
     if param == "top_p":
@@ -217,7 +218,7 @@ class SamplingPolicy:
             default = self.defaults[param]
             if filter_enabled(param, default):
                 problems.append(f"the default {param}={default} enables a filter")
-            if param in self.ranges and _range_allows_filter(param, *self.ranges[param]):
+            if param in self.ranges and range_allows_filter(param, *self.ranges[param]):
                 lo, hi = self.ranges[param]
                 problems.append(f"the range of {param} [{lo}, {hi}] allows a filter")
         return problems

@@ -1,0 +1,286 @@
+"""`flare export`: prepare a package from a GGUF file, a Hugging Face directory, or the default model.
+
+Every option is checked before any heavy work: first on its own, then against the destination and
+the source's metadata (architecture, tokenizer, chat template). Only then are the weights read,
+converted and written, atomically (`write_package`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import TextIO
+
+from flare.preparation.contract import check_contract
+from flare.preparation.default_model import DEFAULT_SOURCE, default_gguf_path
+from flare.preparation.gguf_source import open_gguf
+from flare.preparation.hf_source import open_hf_directory
+from flare.preparation.manifest import (
+    DRAFTERS,
+    DTYPES,
+    MAX_DRAFT_TOKENS,
+    Manifest,
+    ManifestError,
+    Provenance,
+    ServingConfig,
+)
+from flare.preparation.package import PackageError, check_destination, write_package
+from flare.preparation.recipes import Recipe, recipe_for
+from flare.preparation.source import ModelSource, SourceError
+from flare.sampling.policy import (
+    FILTER_PARAMS,
+    INTEGER_PARAMS,
+    POLICY_PARAMS,
+    PolicyError,
+    SamplingPolicy,
+    filter_enabled,
+    range_allows_filter,
+)
+from flare.sampling.validation import InvalidParameter, check_raw_range, integer, real_number
+
+Number = int | float
+
+# Filter values that disable each filter, for resetting a recipe's defaults under
+# --vocabulary-parallel-sampling.
+_DISABLED_FILTERS: dict[str, Number] = {"top_k": -1, "top_p": 1.0, "min_p": 0.0}
+
+
+class ExportError(Exception):
+    """An export that cannot go ahead. `option` names the command-line option at fault, if one is."""
+
+    def __init__(self, message: str, *, option: str | None = None) -> None:
+        super().__init__(message)
+        self.option = option
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """The options of `flare export`; None means the recipe's (or the model's) value."""
+
+    max_concurrency: int | None = None
+    max_context: int | None = None
+    dtype: str = "float32"
+    sampling_defaults: Mapping[str, Number] = field(default_factory=dict)
+    sampling_ranges: Mapping[str, tuple[Number, Number]] = field(default_factory=dict)
+    vocabulary_parallel_sampling: bool = False
+    draft_tokens: int | None = None
+    drafter: str = "ngram"
+    overwrite: bool = False
+
+
+def parse_sampling_default(text: str) -> tuple[str, Number]:
+    """`NAME=VALUE` of --sampling-default, checked against the raw range of NAME."""
+    name, value = _split_assignment(text, "--sampling-default", "NAME=VALUE, e.g. temperature=0.7")
+    return name, _parse_value(name, value, "--sampling-default")
+
+
+def parse_sampling_range(text: str) -> tuple[str, tuple[Number, Number]]:
+    """`NAME=LO:HI` of --sampling-range, both bounds checked against the raw range of NAME."""
+    name, bounds = _split_assignment(text, "--sampling-range", "NAME=LO:HI, e.g. top_p=0.1:1")
+    lo, sep, hi = bounds.partition(":")
+    if not sep:
+        raise ExportError(f"--sampling-range {text}: expected NAME=LO:HI, e.g. top_p=0.1:1", option="--sampling-range")
+    return name, (_parse_value(name, lo, "--sampling-range"), _parse_value(name, hi, "--sampling-range"))
+
+
+def _split_assignment(text: str, option: str, form: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    name = name.strip()
+    if not sep:
+        raise ExportError(f"{option} {text}: expected {form}", option=option)
+    if name not in POLICY_PARAMS:
+        raise ExportError(
+            f"{option} {text}: {name!r} is not a policy parameter; choose one of {', '.join(POLICY_PARAMS)}",
+            option=option,
+        )
+    return name, value.strip()
+
+
+def _parse_value(name: str, text: str, option: str) -> Number:
+    try:
+        number = float(text)
+    except ValueError:
+        raise ExportError(f"{option}: {name} takes a number, got {text!r}", option=option) from None
+    try:
+        value: Number = integer(name, number) if name in INTEGER_PARAMS else real_number(name, number)
+        check_raw_range(name, value)
+    except InvalidParameter as error:
+        raise ExportError(f"{option}: {error.message}", option=option) from None
+    return value
+
+
+def check_options(options: ExportOptions) -> None:
+    """The checks that need neither the source nor the destination."""
+    if options.max_concurrency is not None and options.max_concurrency < 1:
+        raise ExportError(f"--max-concurrency must be at least 1, got {options.max_concurrency}", option="--max-concurrency")
+    if options.max_context is not None and options.max_context < 1:
+        raise ExportError(f"--max-context must be at least 1, got {options.max_context}", option="--max-context")
+    if options.dtype not in DTYPES:
+        raise ExportError(f"--dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}", option="--dtype")
+    if options.draft_tokens is not None and not 0 <= options.draft_tokens <= MAX_DRAFT_TOKENS:
+        raise ExportError(
+            f"--mtp-draft-tokens must be from 0 (no speculation) to {MAX_DRAFT_TOKENS}, got {options.draft_tokens}",
+            option="--mtp-draft-tokens",
+        )
+    if options.drafter not in DRAFTERS:
+        raise ExportError(f"--drafter must be one of {', '.join(DRAFTERS)}, got {options.drafter!r}", option="--drafter")
+    if options.vocabulary_parallel_sampling:
+        for name, value in options.sampling_defaults.items():
+            if filter_enabled(name, value):
+                raise ExportError(
+                    f"--sampling-default {name}={value} enables a filter, but --vocabulary-parallel-sampling "
+                    "packages an unfiltered policy (the vocabulary-parallel sampler cannot filter); "
+                    f"drop one of the two options (the disabled value is {name}={_DISABLED_FILTERS[name]})",
+                    option="--sampling-default",
+                )
+        for name, (lo, hi) in options.sampling_ranges.items():
+            if name in FILTER_PARAMS and range_allows_filter(name, lo, hi):
+                raise ExportError(
+                    f"--sampling-range {name}={lo}:{hi} allows filtering, but --vocabulary-parallel-sampling "
+                    "packages an unfiltered policy (the vocabulary-parallel sampler cannot filter); "
+                    "drop one of the two options",
+                    option="--sampling-range",
+                )
+
+
+def open_source(source: str) -> ModelSource:
+    """The source `flare export` was given: 'default', a GGUF file or a Hugging Face directory."""
+    if source == DEFAULT_SOURCE:
+        return open_gguf(default_gguf_path(), source=DEFAULT_SOURCE)
+    path = Path(source)
+    if path.is_dir():
+        return open_hf_directory(path, source=source)
+    if path.is_file():
+        return open_gguf(path, source=source)
+    raise SourceError(
+        f"source {source!r} does not exist; give a GGUF file, a Hugging Face model directory, or 'default'"
+    )
+
+
+def build_serving(options: ExportOptions, recipe: Recipe, model_context: int) -> ServingConfig:
+    max_context = options.max_context if options.max_context is not None else model_context
+    if max_context > model_context:
+        raise ExportError(
+            f"--max-context {max_context} exceeds the model's context length {model_context}; "
+            f"give at most {model_context}",
+            option="--max-context",
+        )
+    return ServingConfig(
+        max_context=max_context,
+        max_concurrency=options.max_concurrency if options.max_concurrency is not None else recipe.max_concurrency,
+        dtype=options.dtype,
+        vocabulary_parallel_sampling=options.vocabulary_parallel_sampling,
+        draft_tokens=options.draft_tokens if options.draft_tokens is not None else recipe.draft_tokens,
+        drafter=options.drafter,
+    )
+
+
+def build_policy(options: ExportOptions, recipe: Recipe, max_context: int) -> SamplingPolicy:
+    """The recipe's policy with the command line's overrides; unfiltered for vocabulary-parallel sampling."""
+    defaults: dict[str, Number] = dict(recipe.defaults)
+    defaults["max_tokens"] = min(int(defaults["max_tokens"]), max_context)
+    ranges: dict[str, tuple[Number, Number]] = {**recipe.ranges, "max_tokens": (1, max_context)}
+    if options.vocabulary_parallel_sampling:
+        # The recipe's filters give way to the sampler; explicit filters were refused in check_options.
+        defaults.update(_DISABLED_FILTERS)
+        ranges = {name: bounds for name, bounds in ranges.items() if name not in FILTER_PARAMS}
+    defaults.update(options.sampling_defaults)
+    ranges.update(options.sampling_ranges)
+    if defaults["max_tokens"] > max_context or ranges["max_tokens"][1] > max_context:
+        raise ExportError(
+            f"max_tokens cannot exceed the context: at most {max_context} (--max-context) for its default and range",
+            option="--sampling-default" if defaults["max_tokens"] > max_context else "--sampling-range",
+        )
+    try:
+        policy = SamplingPolicy(defaults=defaults, ranges=ranges)
+    except PolicyError as error:
+        option = "--sampling-range" if options.sampling_ranges else "--sampling-default"
+        raise ExportError(f"the sampling options do not make a valid policy: {error}", option=option) from None
+    return policy.unfiltered() if options.vocabulary_parallel_sampling else policy
+
+
+class _Progress:
+    """Progress lines for a person at a terminal; nothing at all when stderr is a pipe or a log."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._enabled = stream.isatty()
+
+    def step(self, text: str) -> None:
+        if self._enabled:
+            self._stream.write(f"{text}\n")
+            self._stream.flush()
+
+    def count(self, done: int, total: int) -> None:
+        if self._enabled:
+            end = "\n" if done == total else ""
+            self._stream.write(f"\r  reading weights: {done}/{total} tensors{end}")
+            self._stream.flush()
+
+
+def export_package(
+    source: str, out_dir: Path, options: ExportOptions, *, stderr: TextIO | None = None
+) -> Manifest:
+    """Prepare the package of `source` at `out_dir`.
+
+    Raises ExportError (an option is at fault, or the source cannot be served), with nothing
+    written; any failure while writing leaves nothing at out_dir.
+    """
+    progress = _Progress(stderr if stderr is not None else sys.stderr)
+    out_dir = Path(out_dir)
+    check_options(options)
+    try:
+        check_destination(out_dir, overwrite=options.overwrite)
+        progress.step(f"reading {source}")
+        model = open_source(source)
+    except (PackageError, SourceError) as error:
+        raise ExportError(str(error)) from None
+    recipe = recipe_for(model.config)
+    serving = build_serving(options, recipe, model.config.max_position_embeddings)
+    policy = build_policy(options, recipe, serving.max_context)
+    problems = check_contract(serving, policy, str(out_dir))
+    if problems:
+        raise ExportError("; ".join(problem.message for problem in problems))
+    provenance = Provenance(
+        source=model.source,
+        source_format=model.source_format,
+        source_sha256=model.source_sha256,
+        recipe=recipe.name,
+        flare_version=_flare_version(),
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+    try:
+        Manifest(model=model.config, serving=serving, sampling=policy, provenance=provenance)
+    except ManifestError as error:
+        raise ExportError(str(error)) from None
+
+    # Everything is checked: the heavy part starts here.
+    state_dict = model.read_weights(progress.count)
+    progress.step(f"writing {out_dir}")
+    try:
+        manifest = write_package(
+            out_dir,
+            config=model.config,
+            state_dict=state_dict,
+            tokenizer_json=model.tokenizer_json,
+            chat_template=model.chat_template,
+            policy=policy,
+            serving=serving,
+            provenance=provenance,
+            overwrite=options.overwrite,
+        )
+    except PackageError as error:
+        raise ExportError(str(error)) from None
+    progress.step(f"wrote {out_dir} (recipe {recipe.name})")
+    return manifest
+
+
+def _flare_version() -> str:
+    try:
+        return version("flare")
+    except PackageNotFoundError:
+        return "unknown (run from a source tree)"

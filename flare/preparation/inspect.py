@@ -1,0 +1,79 @@
+"""`flare inspect`: what a package holds, whether its files are intact, and what contradicts itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from flare.preparation.contract import check_contract
+from flare.preparation.package import verify_package
+
+
+def inspect_package(path: Path) -> dict[str, Any]:
+    """The manifest as JSON, plus `integrity` (the checksum report) and `problems` (the contract check).
+
+    When the manifest cannot be read, only `integrity` and an empty `problems` are given.
+    """
+    report = verify_package(Path(path))
+    info: dict[str, Any] = report.manifest.to_json() if report.manifest is not None else {}
+    info["integrity"] = report.to_json()
+    problems = []
+    if report.manifest is not None:
+        problems = check_contract(report.manifest.serving, report.manifest.sampling, str(path))
+    info["problems"] = [problem.to_json() for problem in problems]
+    return info
+
+
+def servable(info: dict[str, Any]) -> bool:
+    """True when `flare run` would serve the package as it is."""
+    return bool(info["integrity"]["ok"]) and not info["problems"]
+
+
+def render_text(info: dict[str, Any], path: Path | str) -> str:
+    """`inspect_package`'s result for a person to read."""
+    lines = [f"package {path}"]
+    if "model" in info:
+        config, provenance = info["model"]["config"], info["model"]["provenance"]
+        serving, sampling = info["serving"], info["sampling"]
+        lines += [
+            "",
+            "model",
+            f"  architecture        {config['architecture']}, {config['num_layers']} layers, hidden {config['hidden_size']}, "
+            f"ffn {config['intermediate_size']}",
+            f"  attention           {config['num_heads']} heads, {config['num_kv_heads']} kv heads, head dim {config['head_dim']}, "
+            f"rope theta {config['rope_theta']:g}",
+            f"  vocabulary          {config['vocab_size']} tokens, bos {config['bos_token_id']}, "
+            f"eos {', '.join(map(str, config['eos_token_ids']))}",
+            f"  context             {config['max_position_embeddings']} positions"
+            f"{', tied embeddings' if config['tie_word_embeddings'] else ''}",
+            f"  source              {provenance['source']} ({provenance['source_format']}"
+            f"{', sha256 ' + provenance['source_sha256'][:16] + '...' if provenance['source_sha256'] else ''})",
+            f"  recipe              {provenance['recipe']}",
+            f"  exported            {provenance['created']} by flare {provenance['flare_version']}",
+            "",
+            "serving",
+            f"  max_concurrency     {serving['max_concurrency']}",
+            f"  max_context         {serving['max_context']}",
+            f"  dtype               {serving['dtype']}",
+            f"  sampler             {'vocabulary-parallel (unfiltered only)' if serving['vocabulary_parallel_sampling'] else 'standard'}",
+            f"  speculation         {_speculation(serving)}",
+            "",
+            "sampling              default     range",
+        ]
+        for name, default in sampling["defaults"].items():
+            bounds = sampling["ranges"].get(name)
+            allowed = f"[{bounds[0]}, {bounds[1]}]" if bounds else "fixed at the default"
+            lines.append(f"  {name:<20}{default!s:<12}{allowed}")
+    integrity = info["integrity"]
+    lines += ["", f"integrity             {'ok' if integrity['ok'] else 'FAILED'}"]
+    lines += [f"  {name:<20}{status}" for name, status in integrity["files"].items()]
+    lines += [f"  ! {problem}" for problem in integrity["problems"]]
+    lines += ["", f"problems              {len(info['problems']) or 'none'}"]
+    lines += [f"  ! {problem['message']}" for problem in info["problems"]]
+    return "\n".join(lines) + "\n"
+
+
+def _speculation(serving: dict[str, Any]) -> str:
+    if serving["draft_tokens"] == 0:
+        return "off"
+    return f"{serving['drafter']} drafter, {serving['draft_tokens']} draft tokens per round"

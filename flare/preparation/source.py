@@ -1,0 +1,32 @@
+"""What every source of a package (GGUF file, Hugging Face directory) provides to `export`.
+
+Reading a source is split in two: everything cheap (architecture, tokenizer, chat template) is
+read when the source is opened, so every export option can be checked against it; the weights,
+the heavy part, are read only by `read_weights`, after all checks have passed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from flare.preparation.manifest import ModelConfig
+
+
+class SourceError(Exception):
+    """A source that cannot be turned into a package; the message says what is wrong and what to do."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    source: str  # as the operator gave it
+    source_format: str  # "gguf" or "huggingface"
+    source_sha256: str | None  # of a single-file source
+    config: ModelConfig
+    tokenizer_json: str
+    chat_template: str
+    # Reads and converts the weights to Hugging Face Llama names and layout, float32.
+    # `progress(done, total)` is called as tensors are read.
+    read_weights: Callable[[Callable[[int, int], None]], dict[str, torch.Tensor]]
