@@ -8,14 +8,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flare.preparation.export import (
-    ExportError,
-    ExportOptions,
-    export_package,
-    parse_sampling_default,
-    parse_sampling_range,
-)
-from flare.preparation.inspect import inspect_package, render_text, servable
 from flare.preparation.manifest import DRAFTERS, DTYPES
 
 EXIT_FAILURE = 1
@@ -72,6 +64,15 @@ def add_inspect_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    # Imported here, not at the top: they pull in torch, which other subcommands (ctl) do not need.
+    from flare.preparation.export import (
+        ExportError,
+        ExportOptions,
+        export_package,
+        parse_sampling_default,
+        parse_sampling_range,
+    )
+
     try:
         options = ExportOptions(
             max_concurrency=args.max_concurrency,
@@ -96,6 +97,8 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    from flare.preparation.inspect import inspect_package, render_text, servable
+
     info = inspect_package(args.package)
     if args.json:
         print(json.dumps(info, indent=2))

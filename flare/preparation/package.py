@@ -189,7 +189,8 @@ class IntegrityReport:
     """The result of checking a package directory against its manifest.
 
     files maps each file the manifest lists, and each file it does not, to one of
-    "ok", "missing", "checksum mismatch", "not in manifest".
+    "ok", "missing", "checksum mismatch", "not in manifest", "invalid name" (a listed name that
+    is not a plain file name in the package directory).
     """
 
     path: Path
