@@ -152,7 +152,13 @@ def sample_round(
     # Positions of the drafts, [R, Kmax] (clamped: entries past a row's drafts are masked).
     draft_position = (row_start.unsqueeze(1) + draft_index.unsqueeze(0)).clamp(max=num_positions - 1)
     accept = torch.zeros(num_rows, max_drafts, dtype=torch.bool, device=device)
+    # Checked for every row, greedy ones too: a drafter that reports a probability outside
+    # (0, 1] for its own proposal is broken, whatever the row's sampling.
+    q_draft = None
     invalid_draft_prob = torch.zeros(num_rows, dtype=torch.bool, device=device)
+    if draft_probs is not None:
+        q_draft = draft_probs.gather(2, safe_drafts.unsqueeze(2)).squeeze(2).float()
+        invalid_draft_prob = (is_draft & ~((q_draft > 0) & (q_draft <= 1))).any(1)
     argmax = None
     if facts.any_greedy:
         assert stats.argmax is not None
@@ -171,11 +177,9 @@ def sample_round(
         output_position = batch.first_position.unsqueeze(1) + draft_index.unsqueeze(0)
         accept_key = stream_key(batch.seed.unsqueeze(1), output_position, Purpose.ACCEPT)
         u = uniform(stream_bits(accept_key, torch.zeros_like(accept_key)))
-        if draft_probs is None:
+        if q_draft is None:
             accepted_sampled = u < p_draft
         else:
-            q_draft = draft_probs.gather(2, safe_drafts.unsqueeze(2)).squeeze(2).float()
-            invalid_draft_prob = (is_draft & ~((q_draft > 0) & (q_draft <= 1))).any(1)
             accepted_sampled = u * q_draft < p_draft
         accept = torch.where(sampled.unsqueeze(1), accepted_sampled, accept)
     accept &= is_draft
