@@ -30,3 +30,7 @@ class PromptTooLong(AdmissionError, ValueError):
 
 class DuplicateRequestId(AdmissionError, ValueError):
     pass
+
+
+class ContractViolation(ValueError):
+    """The package's stored sampling policy contradicts its sampler; it is not served."""

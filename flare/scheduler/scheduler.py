@@ -1,0 +1,662 @@
+"""Continuous batching of requests into speculative rounds.
+
+The scheduler owns the waiting queue and the running set. Each round it admits waiting
+requests (up to `max_concurrency` running, when their prompt fits in free KV blocks), plans one
+row per running sequence (a prompt chunk, or the last sampled token plus drafts), runs the
+round in its one worker thread, and applies the result on the event loop: tokens to streams,
+stops, failures, freed blocks. Requests join and leave between rounds; nothing waits for a
+whole batch to finish.
+
+Everything here runs on the event-loop thread except `ModelRunner.execute`, which gets an
+immutable plan and returns an immutable result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import anyio
+import structlog
+import torch
+
+from flare.engine.drafters import Draft, Drafter, make_drafter
+from flare.engine.kv_cache import BlockAllocator, KVCache, OutOfBlocks, blocks_for_tokens, default_kv_cache_bytes
+from flare.engine.model import load_model
+from flare.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from flare.kernels.status import DeviceStatus
+from flare.preparation.contract import check_contract
+from flare.preparation.package import Package
+from flare.sampling.params import SamplingParams
+from flare.sampling.policy import PolicyError, SamplingPolicy
+from flare.scheduler.draft_length import RoundCostModel, choose_draft_lengths
+from flare.scheduler.errors import ContractViolation, Draining, DuplicateRequestId, PromptTooLong, QueueFull
+from flare.scheduler.failures import cancelled_failure, device_failure, shutdown_failure
+from flare.scheduler.metrics import SchedulerMetrics
+from flare.scheduler.model_runner import ModelRunner, PlannedRow, RoundPlan, RoundResult
+from flare.scheduler.request import (
+    Failed,
+    FaultSpec,
+    Finished,
+    GenerationRequest,
+    RequestFailure,
+    RequestStream,
+    TextDelta,
+    Usage,
+)
+from flare.scheduler.sequence import Sequence, SequenceState
+from flare.scheduler.stop_strings import StopStringMatcher
+
+log = structlog.get_logger("flare.scheduler")
+
+# Faults that need the row to verify at least one draft to reach their device path.
+_DRAFT_FAULTS = (DeviceStatus.INVALID_DRAFT_TOKEN, DeviceStatus.INVALID_DRAFT_PROBABILITY)
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    max_concurrency: int | None = None  # None: the package's serving.max_concurrency
+    max_waiting: int = 256
+    max_waiting_tokens: int = 262_144
+    kv_cache_memory: int | None = None  # bytes; None: default_kv_cache_bytes
+    block_size: int = 16
+    max_batched_tokens: int = 256  # tokens fed per round: bounds a prompt chunk's share of a round
+    draft_tokens: int | None = None  # None: the package's serving.draft_tokens; may only lower it
+    vocabulary_shards: int = 1
+    sampling_policy: Literal["package", "unfiltered"] = "package"
+    on_invalid_speculation: Literal["fallback", "fail"] = "fallback"
+    fault_injection: bool = False
+    device: str = "cpu"
+    idle_tick_s: float = 1.0  # how often an idle loop wakes to send its heartbeat
+
+
+def served_policy(package: Package, mode: Literal["package", "unfiltered"]) -> SamplingPolicy:
+    """The policy requests are clamped to: the package's own, after the same sampler contract
+    check that export runs, or `unfiltered()` of it (`flare run --sampling-policy unfiltered`)."""
+    policy = package.manifest.sampling
+    if mode == "unfiltered":
+        try:
+            return policy.unfiltered()
+        except PolicyError as error:
+            raise ContractViolation(f"--sampling-policy unfiltered cannot serve {package.path}: {error}") from error
+    problems = check_contract(package.manifest.serving, policy, str(package.path))
+    if problems:
+        raise ContractViolation(f"refusing to serve {package.path}: " + " ".join(p.message for p in problems))
+    return policy
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    request_id: str
+    state: str
+    age_s: float
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    draining: bool
+    device_statuses: dict[str, int]
+    rounds: int
+    tokens_per_second: float
+    max_concurrency: int
+    draft_tokens: int
+
+
+@dataclass
+class _Throughput:
+    """Generated tokens per second, as an exponential moving average over rounds."""
+
+    rate: float = 0.0
+    _last: float = field(default_factory=time.monotonic)
+
+    def observe(self, tokens: int) -> None:
+        now = time.monotonic()
+        elapsed = max(now - self._last, 1e-6)
+        self._last = now
+        self.rate += 0.2 * (tokens / elapsed - self.rate)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        package: Package,
+        policy: SamplingPolicy,
+        tokenizer: Tokenizer,
+        runner: ModelRunner,
+        allocator: BlockAllocator,
+        drafter: Drafter | None,
+        options: SchedulerOptions,
+        max_concurrency: int,
+        draft_tokens: int,
+        metrics: SchedulerMetrics | None = None,
+        heartbeat: Callable[[], None] | None = None,
+    ) -> None:
+        self.package = package
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.max_context = package.manifest.serving.max_context
+        self.max_concurrency = max_concurrency
+        self.draft_tokens = draft_tokens
+        self.vocabulary_parallel = package.manifest.serving.vocabulary_parallel_sampling
+        self.options = options
+        self.metrics = metrics
+        self.heartbeat = heartbeat
+        self.draining = False
+        self._runner = runner
+        self._allocator = allocator
+        self._drafter = drafter
+        self._block_size = runner.kv_cache.block_size
+        self._eos = frozenset(tokenizer.eos_token_ids)
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
+        self._by_id: dict[str, Sequence] = {}
+        self._wake = asyncio.Event()
+        self._stop = False
+        self._in_flight = False
+        self._limiter = anyio.CapacityLimiter(1)
+        self._cost = RoundCostModel()
+        self._throughput = _Throughput()
+        self._rounds = 0
+        self._statuses: Counter[str] = Counter()
+
+    # ----------------------------------------------------------------- construction
+
+    @classmethod
+    def from_package(
+        cls,
+        package: Package,
+        options: SchedulerOptions,
+        *,
+        metrics: SchedulerMetrics | None = None,
+        heartbeat: Callable[[], None] | None = None,
+    ) -> Scheduler:
+        """Load the package's weights and size the KV cache. Heavy: call it off the event loop.
+
+        The sampler contract is checked before any weight is read.
+        """
+        serving = package.manifest.serving
+        policy = served_policy(package, options.sampling_policy)
+        max_concurrency = min(options.max_concurrency or serving.max_concurrency, serving.max_concurrency)
+        draft_tokens = serving.draft_tokens if options.draft_tokens is None else options.draft_tokens
+        if draft_tokens > serving.draft_tokens:
+            raise ValueError(
+                f"--draft-tokens {draft_tokens} is more than the package's {serving.draft_tokens} "
+                f"(serving.draft_tokens); it may only lower it: re-export with --mtp-draft-tokens to raise it"
+            )
+        device = torch.device(options.device)
+        config = package.manifest.model
+        model = load_model(package, device=device)
+        budget = options.kv_cache_memory or default_kv_cache_bytes(
+            config, max_context=serving.max_context, max_concurrency=max_concurrency, block_size=options.block_size
+        )
+        kv_cache = KVCache.for_budget(config, budget, block_size=options.block_size, device=device)
+        runner = ModelRunner(
+            model,
+            kv_cache,
+            vocab_size=config.vocab_size,
+            vocabulary_shards=options.vocabulary_shards,
+            fallback_on_invalid_speculation=options.on_invalid_speculation == "fallback",
+            device=device,
+        )
+        return cls(
+            package=package,
+            policy=policy,
+            tokenizer=Tokenizer.from_package(package),
+            runner=runner,
+            allocator=BlockAllocator(kv_cache.num_blocks),
+            drafter=make_drafter(serving.drafter) if draft_tokens > 0 else None,
+            options=options,
+            max_concurrency=max_concurrency,
+            draft_tokens=draft_tokens,
+            metrics=metrics,
+            heartbeat=heartbeat,
+        )
+
+    # ----------------------------------------------------------------- the daemon's interface
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Queue a request; its stream yields TextDelta events, then Finished or Failed."""
+        if self.draining or self._stop:
+            raise Draining()
+        if request.request_id in self._by_id:
+            raise DuplicateRequestId(f"request id {request.request_id!r} is already in use")
+        prompt_len = len(request.prompt_token_ids)
+        if prompt_len + 1 > self.max_context:
+            raise PromptTooLong(
+                f"the prompt has {prompt_len} tokens; this model's context is {self.max_context} tokens, "
+                f"including at least one generated token",
+                prompt_len,
+                self.max_context - 1,
+            )
+        capacity = self._allocator.num_total * self._block_size
+        if prompt_len + 1 > capacity:
+            raise PromptTooLong(
+                f"the prompt has {prompt_len} tokens but the whole KV cache holds {capacity}; "
+                f"it can never be served here (raise --kv-cache-memory)",
+                prompt_len,
+                capacity - 1,
+            )
+        waiting_tokens = sum(len(s.tokens) for s in self._waiting)
+        if len(self._waiting) >= self.options.max_waiting or waiting_tokens + prompt_len > self.options.max_waiting_tokens:
+            raise QueueFull(
+                f"the waiting queue is full ({len(self._waiting)} requests, {waiting_tokens} prompt tokens)",
+                retry_after_s=self._retry_after_s(),
+            )
+        seq = self._new_sequence(request)
+        self._waiting.append(seq)
+        self._by_id[request.request_id] = seq
+        self._wake.set()
+        log.debug("request_queued", request_id=request.request_id, prompt_tokens=prompt_len, waiting=len(self._waiting))
+        return seq.stream
+
+    def cancel(self, request_id: str, failure: RequestFailure | None = None) -> bool:
+        """End one request with `failure` (default: cancelled). Idempotent; False if unknown.
+
+        A request whose row is in the round now running ends when the round returns: its
+        tokens from that round are discarded and its blocks freed, within one round.
+        """
+        seq = self._by_id.get(request_id)
+        if seq is None or seq.state is SequenceState.FINISHED:
+            return False
+        failure = failure or cancelled_failure("the client went away")
+        if self._in_flight and seq.state is SequenceState.RUNNING:
+            seq.pending_cancel = failure
+        else:
+            self._fail(seq, failure)
+        return True
+
+    def drain(self) -> None:
+        self.draining = True
+
+    def resume(self) -> None:
+        self.draining = False
+
+    def stop(self) -> None:
+        """Ask the loop to end after the current round; requests still there fail with `shutdown`."""
+        self._stop = True
+        self._wake.set()
+
+    @property
+    def idle(self) -> bool:
+        return not self._running and not self._waiting
+
+    def snapshot(self) -> SchedulerSnapshot:
+        return SchedulerSnapshot(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            kv_blocks_used=self._allocator.num_total - self._allocator.num_free,
+            kv_blocks_total=self._allocator.num_total,
+            draining=self.draining,
+            device_statuses=dict(self._statuses),
+            rounds=self._rounds,
+            tokens_per_second=self._throughput.rate,
+            max_concurrency=self.max_concurrency,
+            draft_tokens=self.draft_tokens,
+        )
+
+    def requests(self) -> list[RequestInfo]:
+        now = time.monotonic()
+        return [
+            RequestInfo(s.request_id, s.state.value, now - s.arrival, s.num_prompt_tokens, s.num_output_tokens)
+            for s in [*self._running, *self._waiting]
+        ]
+
+    async def warm_up(self) -> None:
+        """Run one short request through every stage (prefill, sampling, a decode round)
+        before the daemon reports ready; it also gives the cost model its first points."""
+        prompt = tuple(self.tokenizer.encode("Hello")) or (0,)
+        request = GenerationRequest(
+            f"warm-up-{secrets.token_hex(4)}", prompt, SamplingParams(temperature=0.0, max_tokens=2)
+        )
+        metrics, self.metrics = self.metrics, None  # the warm-up request is not traffic
+        try:
+            stream = self.submit(request)
+            while not self.idle:
+                await self._step()
+            async for _ in stream:
+                pass
+        finally:
+            self.metrics = metrics
+            self._statuses.clear()
+
+    async def run(self) -> None:
+        """The scheduler loop: one round at a time until stop(); then every request left fails
+        with `shutdown`. Owned by the daemon's task group."""
+        try:
+            while not self._stop:
+                if self.heartbeat is not None:
+                    self.heartbeat()
+                if not await self._step():
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), self.options.idle_tick_s)
+        finally:
+            for seq in [*self._running, *self._waiting]:
+                self._fail(seq, shutdown_failure())
+
+    # ----------------------------------------------------------------- one round
+
+    async def _step(self) -> bool:
+        """Plan, run and apply one round; False when there was nothing to do."""
+        plan = self._plan_round()
+        if plan is None:
+            return False
+        self._in_flight = True
+        try:
+            result = await anyio.to_thread.run_sync(self._runner.execute, plan, limiter=self._limiter)
+        except Exception as error:  # a bug or device fault outside any row's status
+            log.exception("round_failed", round=plan.index, rows=len(plan.rows))
+            failure = RequestFailure(
+                code="round_failed", message=f"the model failed in round {plan.index}: {error}", http_status=503
+            )
+            for row in plan.rows:
+                if (seq := self._by_id.get(row.request_id)) is not None:
+                    self._fail(seq, failure)
+            return True
+        finally:
+            self._in_flight = False
+        self._apply(plan, result)
+        return True
+
+    def _plan_round(self) -> RoundPlan | None:
+        self._admit()
+        if not self._running:
+            return None
+        index = self._rounds
+        budget = self.options.max_batched_tokens
+        decode = [s for s in self._running if s.in_decode]
+        prefill_tokens = sum(len(s.tokens) - s.num_cached for s in self._running if not s.in_decode)
+        drafts = self._drafts(decode, base_tokens=len(decode) + max(0, min(budget - len(decode), prefill_tokens)))
+        rows: list[PlannedRow] = []
+        for seq in sorted(self._running, key=lambda s: s.arrival):
+            if seq.state is not SequenceState.RUNNING:
+                continue  # preempted while planning this round
+            draft = drafts.get(seq.request_id, Draft(()))
+            tail = seq.tokens[seq.num_cached :]
+            if not seq.in_decode:
+                if budget <= 0:
+                    continue
+                tail = tail[:budget]
+            row_tokens = len(tail) + len(draft.token_ids)
+            if not self._ensure_blocks(seq, seq.num_cached + row_tokens):
+                if draft.token_ids and self._ensure_blocks(seq, seq.num_cached + len(tail)):
+                    draft = Draft(())
+                else:
+                    continue  # preempted: it waits for blocks
+            budget -= len(tail) + len(draft.token_ids)
+            samples = seq.num_cached + len(tail) == len(seq.tokens)
+            penalized = seq.request.params.penalized
+            rows.append(
+                PlannedRow(
+                    request_id=seq.request_id,
+                    token_ids=tuple(tail) + draft.token_ids,
+                    start_position=seq.num_cached,
+                    block_table=tuple(seq.block_table),
+                    samples=samples,
+                    draft_ids=draft.token_ids,
+                    draft_probs=draft.probs,
+                    params=seq.request.params,
+                    seed=seq.seed,
+                    output_position=seq.num_output_tokens,
+                    prompt_ids=seq.request.prompt_token_ids if penalized else (),
+                    output_ids=tuple(seq.output_ids) if penalized else (),
+                    vocabulary_parallel=self.vocabulary_parallel and not seq.fell_back,
+                    fault=self._fault_now(seq) if samples else None,
+                )
+            )
+        if not rows:
+            return None
+        self._rounds += 1
+        return RoundPlan(index, tuple(rows))
+
+    def _drafts(self, decode: list[Sequence], base_tokens: int) -> dict[str, Draft]:
+        """Each decode row's drafts, cut to the adaptive draft length."""
+        if self._drafter is None and not self.options.fault_injection:
+            return {}
+        proposals: list[Draft] = []
+        for seq in decode:
+            limit = self._draft_limit(seq)
+            proposals.append(seq.draft_state.propose(limit) if seq.draft_state is not None and limit > 0 else Draft(()))
+        lengths = choose_draft_lengths(
+            [len(d.token_ids) for d in proposals], [s.acceptance.rate for s in decode], base_tokens, self._cost
+        )
+        drafts: dict[str, Draft] = {}
+        for seq, draft, k in zip(decode, proposals, lengths):
+            if k:
+                drafts[seq.request_id] = Draft(draft.token_ids[:k], None if draft.probs is None else draft.probs[:k])
+            fault = self._fault_now(seq)
+            if fault in _DRAFT_FAULTS and seq.request_id not in drafts:
+                # The draft fault path needs one draft to verify; propose the token 0.
+                drafts[seq.request_id] = Draft((0,))
+        return drafts
+
+    def _draft_limit(self, seq: Sequence) -> int:
+        if seq.fell_back:
+            return 0
+        params = seq.request.params
+        # Every emitted token counts: the accepted drafts plus one must fit max_tokens and the context.
+        return max(
+            0,
+            min(
+                self.draft_tokens,
+                params.max_tokens - seq.num_output_tokens - 1,
+                self.max_context - len(seq.tokens) - 1,
+            ),
+        )
+
+    def _fault_now(self, seq: Sequence) -> DeviceStatus | None:
+        fault: FaultSpec | None = seq.request.fault
+        if fault is None or not self.options.fault_injection:
+            return None
+        target = 0 if fault.round is None else fault.round
+        return fault.status if seq.sampled_rounds == target else None
+
+    # ----------------------------------------------------------------- admission and blocks
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_concurrency:
+            seq = self._waiting[0]
+            # Admit when the whole sequence fits with a block of headroom per running sequence,
+            # so admission does not immediately force a preemption.
+            needed = blocks_for_tokens(len(seq.tokens) + 1, self._block_size) - len(seq.block_table)
+            if needed + len(self._running) > self._allocator.num_free and self._running:
+                return
+            self._waiting.popleft()
+            seq.state = SequenceState.RUNNING
+            self._running.append(seq)
+
+    def _ensure_blocks(self, seq: Sequence, num_positions: int) -> bool:
+        """Give `seq` blocks for `num_positions` positions, preempting the newest other running
+        sequences if the pool is short. False when `seq` itself had to be preempted."""
+        needed = blocks_for_tokens(num_positions, self._block_size) - len(seq.block_table)
+        while needed > 0:
+            try:
+                seq.block_table.extend(self._allocator.allocate(needed))
+                return True
+            except OutOfBlocks:
+                victim = max(self._running, key=lambda s: s.arrival)
+                if victim is seq and len(self._running) == 1:
+                    # Alone and still short: the sequence has outgrown the whole cache. Waiting
+                    # would never help, so it ends here, as at the context length.
+                    log.warning("request_outgrew_kv_cache", request_id=seq.request_id, tokens=len(seq.tokens))
+                    self._finish(seq, Finished("length", self._usage(seq), fell_back=seq.fell_back))
+                    return False
+                self._preempt(victim)
+                if victim is seq:
+                    return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks and put it back at the head of the queue; it is
+        recomputed from its tokens later, with the same output (seeded by position)."""
+        self._allocator.free(seq.block_table)
+        seq.block_table.clear()
+        seq.num_cached = 0
+        seq.preemptions += 1
+        seq.state = SequenceState.WAITING
+        self._running.remove(seq)
+        self._waiting.appendleft(seq)
+        log.info("request_preempted", request_id=seq.request_id, tokens=len(seq.tokens), preemptions=seq.preemptions)
+
+    def _trim_blocks(self, seq: Sequence) -> None:
+        """Release blocks past the cached positions (those of rejected drafts) at once."""
+        keep = blocks_for_tokens(seq.num_cached, self._block_size)
+        if len(seq.block_table) > keep:
+            self._allocator.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
+
+    # ----------------------------------------------------------------- applying a round
+
+    def _apply(self, plan: RoundPlan, result: RoundResult) -> None:
+        self._cost.observe(plan.num_tokens, result.seconds)
+        now = time.monotonic()
+        statuses: list[int] = []
+        accepted_per_row: list[int] = []
+        proposed = 0
+        generated = 0
+        prompt_tokens = 0
+        for row, outcome in zip(plan.rows, result.rows):
+            seq = self._by_id.get(row.request_id)
+            if seq is None or seq.state is not SequenceState.RUNNING:
+                continue
+            if seq.pending_cancel is not None:
+                self._fail(seq, seq.pending_cancel)
+                continue
+            fed = len(row.token_ids)
+            prompt_tokens += max(0, min(seq.num_prompt_tokens, row.start_position + fed) - row.start_position)
+            if outcome is None:
+                seq.num_cached = row.start_position + fed
+                continue
+            statuses.append(int(outcome.status))
+            self._statuses[outcome.status.name] += 1
+            seq.sampled_rounds += 1
+            if outcome.status is not DeviceStatus.OK:
+                failure = device_failure(outcome.status, plan.index)
+                log.warning(
+                    "request_device_status",
+                    request_id=seq.request_id,
+                    status=int(outcome.status),
+                    status_name=outcome.status.name,
+                    round=plan.index,
+                )
+                self._fail(seq, failure)
+                continue
+            if outcome.fell_back and not seq.fell_back:
+                seq.fell_back = True
+                log.warning("request_fell_back", request_id=seq.request_id, round=plan.index)
+            drafts = len(row.draft_ids)
+            accepted = len(outcome.tokens) - 1 if not outcome.fell_back else 0
+            if drafts:
+                proposed += drafts
+                accepted_per_row.append(accepted)
+                seq.acceptance.observe(drafts, accepted)
+            seq.num_cached = row.start_position + fed - (drafts - accepted)
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+                if self.metrics is not None:
+                    self.metrics.time_to_first_token.observe(now - seq.arrival)
+            elif self.metrics is not None:
+                self.metrics.observe_emission(now - (seq.last_token_at or now), len(outcome.tokens))
+            seq.last_token_at = now
+            generated += self._emit(seq, outcome.tokens)
+            if seq.state is SequenceState.RUNNING:
+                self._trim_blocks(seq)
+        self._throughput.observe(generated)
+        if self.metrics is not None:
+            self.metrics.observe_round(statuses, accepted_per_row, proposed)
+            self.metrics.observe_tokens(prompt=prompt_tokens, generated=generated)
+            self._publish_occupancy()
+
+    def _emit(self, seq: Sequence, new_tokens: tuple[int, ...]) -> int:
+        """Append sampled tokens to `seq`, stream their text, and finish it at EOS, a stop
+        string, max_tokens or the context length. Returns how many tokens were kept."""
+        params = seq.request.params
+        kept: list[int] = []
+        reason: Literal["stop", "length"] | None = None
+        for token in new_tokens:
+            if token in self._eos:
+                reason = "stop"
+                break
+            kept.append(token)
+            if seq.num_output_tokens + len(kept) >= params.max_tokens or len(seq.tokens) + len(kept) >= self.max_context:
+                reason = "length"
+                break
+        seq.tokens.extend(kept)
+        if seq.draft_state is not None and kept:
+            seq.draft_state.extend(kept)
+        text, hit_stop = seq.stop_matcher.push(seq.detokenizer.push(kept))
+        if hit_stop:
+            reason = "stop"
+        elif reason is not None:
+            text += seq.stop_matcher.push(seq.detokenizer.flush())[0] + seq.stop_matcher.flush()
+        if text or kept:
+            seq.stream.put(TextDelta(text, tuple(kept)))
+        if reason is not None:
+            self._finish(seq, Finished(reason, self._usage(seq), fell_back=seq.fell_back))
+        return len(kept)
+
+    def _usage(self, seq: Sequence) -> Usage:
+        return Usage(seq.num_prompt_tokens, seq.num_output_tokens)
+
+    def _fail(self, seq: Sequence, failure: RequestFailure) -> None:
+        self._finish(seq, Failed(failure, self._usage(seq)))
+
+    def _finish(self, seq: Sequence, event: Finished | Failed) -> None:
+        if seq.state is SequenceState.FINISHED:
+            return
+        if seq.state is SequenceState.RUNNING:
+            self._running.remove(seq)
+        else:
+            with contextlib.suppress(ValueError):
+                self._waiting.remove(seq)
+        seq.state = SequenceState.FINISHED
+        self._allocator.free(seq.block_table)
+        seq.block_table.clear()
+        self._by_id.pop(seq.request_id, None)
+        seq.stream.put(event)
+        if self.metrics is not None:
+            self.metrics.e2e_latency.observe(time.monotonic() - seq.arrival)
+            self._publish_occupancy()
+        if isinstance(event, Failed):
+            log.info("request_failed", request_id=seq.request_id, code=event.failure.code)
+        self._wake.set()
+
+    def _publish_occupancy(self) -> None:
+        assert self.metrics is not None
+        self.metrics.set_occupancy(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            kv_blocks_used=self._allocator.num_total - self._allocator.num_free,
+            kv_blocks_total=self._allocator.num_total,
+        )
+
+    def _new_sequence(self, request: GenerationRequest) -> Sequence:
+        # Every row on the device is seeded; an unseeded request gets a random seed here.
+        seed = request.params.seed if request.params.seed is not None else secrets.randbits(63)
+        return Sequence(
+            request=request,
+            stream=RequestStream(request.request_id),
+            seed=seed,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, list(request.prompt_token_ids)),
+            stop_matcher=StopStringMatcher(request.params.stop),
+            draft_state=self._drafter.new_state(request.prompt_token_ids) if self._drafter is not None else None,
+        )
+
+    def _retry_after_s(self) -> float:
+        """A rough wait until a queue slot frees: the queued tokens at the recent rate."""
+        rate = max(self._throughput.rate, 1.0)
+        queued = sum(s.request.params.max_tokens for s in self._waiting)
+        return float(min(60, max(1, round(queued / rate / max(1, self.max_concurrency)))))

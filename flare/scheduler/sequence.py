@@ -1,0 +1,75 @@
+"""One request's state inside the scheduler (touched only by the event-loop thread)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from flare.engine.drafters import DraftState
+from flare.engine.tokenizer import IncrementalDetokenizer
+from flare.scheduler.draft_length import AcceptanceEstimate
+from flare.scheduler.request import GenerationRequest, RequestFailure, RequestStream
+from flare.scheduler.stop_strings import StopStringMatcher
+
+
+class SequenceState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request's tokens, KV blocks and streaming state.
+
+    `tokens` is the prompt followed by the output. `num_cached` tokens have their keys and
+    values in the blocks of `block_table`; the next round feeds `tokens[num_cached:]` (the
+    rest of the prompt, in chunks, or the last sampled token) plus any drafts. After a
+    preemption `num_cached` is 0 and the whole sequence is recomputed: the output is unchanged
+    because the random stream is keyed by seed and output position, not by round.
+    """
+
+    request: GenerationRequest
+    stream: RequestStream
+    seed: int
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher
+    draft_state: DraftState | None
+    arrival: float = field(default_factory=time.monotonic)
+    tokens: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    state: SequenceState = SequenceState.WAITING
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    sampled_rounds: int = 0  # rounds in which this sequence sampled tokens
+    fell_back: bool = False  # speculation turned off after INVALID_SPECULATION
+    pending_cancel: RequestFailure | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            self.tokens = list(self.request.prompt_token_ids)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.tokens) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens :]
+
+    @property
+    def in_decode(self) -> bool:
+        """Everything but the last sampled token is cached: the next row is a decode row."""
+        return self.num_output_tokens > 0 and self.num_cached == len(self.tokens) - 1
