@@ -14,10 +14,11 @@ import triton
 import triton.language as tl
 
 from flare.kernels.distribution import DistributionStatistics
-from flare.kernels.triton_launch import block_size
+from flare.kernels.triton_launch import FP_FUSION, block_size
 
-ORDER_OF_MINUS_INF = -2139095041
-"""ordered_key(-inf): the bits of -inf (0xFF800000) with the magnitude bits flipped."""
+ORDER_OF_MINUS_INF = tl.constexpr(-2139095041)
+"""The order key of -inf: its bits (0xFF800000) with the magnitude bits flipped (a constexpr,
+as compiled Triton reads only constexpr globals; the interpreter would not notice)."""
 
 
 @triton.jit
@@ -169,5 +170,6 @@ def distribution_statistics(
         num_shards,
         FILTER=filtered and num_shards == 1,
         BLOCK=block_size(shard_size, device),
+        enable_fp_fusion=FP_FUSION,
     )
     return DistributionStatistics(max=shard_max, sumexp=sumexp, argmax=argmax, threshold=threshold)

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from flare.kernels.gumbel_max import GumbelCandidates
 from flare.kernels.random_stream_triton import gumbel, stream_bits
-from flare.kernels.triton_launch import block_size
+from flare.kernels.triton_launch import FP_FUSION, block_size
 
 
 @triton.jit
@@ -128,6 +128,7 @@ def gumbel_candidates(
         num_shards,
         HAS_Q=has_q,
         BLOCK=block_size(shard_size, device),
+        enable_fp_fusion=FP_FUSION,
     )
     if not has_q:
         return GumbelCandidates(index, value, None, None, None)

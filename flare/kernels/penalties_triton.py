@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from flare.kernels.penalties import PenaltyState, PreparedLogits
-from flare.kernels.triton_launch import block_size
+from flare.kernels.triton_launch import FP_FUSION, block_size
 
 
 @triton.jit
@@ -107,5 +107,6 @@ def penalize_and_scale(
         PENALIZE=penalties is not None,
         SCALE=scale,
         BLOCK=block_size(vocab_size, logits.device),
+        enable_fp_fusion=FP_FUSION,
     )
     return PreparedLogits(scaled=scaled, nonfinite=nonfinite.bool())

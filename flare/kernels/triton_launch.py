@@ -7,6 +7,10 @@ import triton
 
 GPU_BLOCK = 2048
 INTERPRETER_MAX_BLOCK = 65536
+FP_FUSION = False
+"""No fused multiply-add contraction: the kernels round each operation as the torch twins do
+(``x - a * b`` is a multiply then a subtract), so GPU and twin differ at most by the last bits
+of exp and log, never by where an FMA was formed. (The interpreter ignores launch options.)"""
 
 
 def block_size(span: int, device: torch.device) -> int:
