@@ -25,24 +25,38 @@ def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("source", metavar="SOURCE", help="a GGUF file, a Hugging Face model directory, or 'default'")
-    parser.add_argument("-o", "--output", metavar="DIR", required=True, type=Path, help="the package directory to create")
+    parser.add_argument(
+        "-o", "--output", metavar="DIR", required=True, type=Path, help="the package directory to create"
+    )
     parser.add_argument("--max-concurrency", type=int, metavar="N", help="requests served at once (default 32)")
-    parser.add_argument("--max-context", type=int, metavar="N", help="tokens per request, prompt included (default: the model's)")
+    parser.add_argument(
+        "--max-context", type=int, metavar="N", help="tokens per request, prompt included (default: the model's)"
+    )
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weight dtype (default float32)")
     parser.add_argument(
-        "--sampling-default", action="append", default=[], metavar="NAME=VALUE",
+        "--sampling-default",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
         help="override a default of the recipe's sampling policy (repeatable)",
     )
     parser.add_argument(
-        "--sampling-range", action="append", default=[], metavar="NAME=LO:HI",
+        "--sampling-range",
+        action="append",
+        default=[],
+        metavar="NAME=LO:HI",
         help="override an allowed range of the recipe's sampling policy (repeatable)",
     )
     parser.add_argument(
-        "--vocabulary-parallel-sampling", action="store_true",
+        "--vocabulary-parallel-sampling",
+        action="store_true",
         help="prepare for the vocabulary-parallel sampler: packages the unfiltered policy (no top-k/top-p/min-p)",
     )
     parser.add_argument(
-        "--mtp-draft-tokens", type=int, metavar="K", dest="draft_tokens",
+        "--mtp-draft-tokens",
+        type=int,
+        metavar="K",
+        dest="draft_tokens",
         help="tokens drafted per speculative round (default 4; 0 disables speculation)",
     )
     parser.add_argument("--drafter", choices=DRAFTERS, default="ngram", help="the draft proposer (default ngram)")
@@ -58,7 +72,9 @@ def add_inspect_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Show a package and verify every checksum. Exits 1 when the package would not be served.",
     )
     parser.add_argument("package", metavar="DIR", type=Path, help="the package directory")
-    parser.add_argument("--json", action="store_true", help="print one JSON object: the manifest, integrity and problems")
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object: the manifest, integrity and problems"
+    )
     parser.set_defaults(func=run_inspect)
     return parser
 

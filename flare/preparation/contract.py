@@ -43,9 +43,7 @@ def check_contract(serving: ServingConfig, policy: SamplingPolicy, package: str 
     try:
         policy.unfiltered()
     except PolicyError:
-        override = (
-            "(flare run --sampling-policy unfiltered cannot help here: a default itself enables a filter)"
-        )
+        override = "(flare run --sampling-policy unfiltered cannot help here: a default itself enables a filter)"
     else:
         fixes.append(f"serve it without re-export: flare run {package} --sampling-policy unfiltered")
         override = ""

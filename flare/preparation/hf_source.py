@@ -31,7 +31,9 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
     tied_copy = config.tie_word_embeddings and "lm_head.weight" in shapes
     problems = weight_problems(config, {n: s for n, s in shapes.items() if not (tied_copy and n == "lm_head.weight")})
     if problems:
-        raise SourceError(f"the weights in {path} do not match its config.json:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise SourceError(
+            f"the weights in {path} do not match its config.json:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
     tokenizer_path = path / "tokenizer.json"
     if not tokenizer_path.is_file():
         raise SourceError(f"{path} has no tokenizer.json; save the tokenizer with a fast (tokenizers) backend")
@@ -100,7 +102,9 @@ def model_config_from_hf(data: dict[str, Any], generation: dict[str, Any] | None
 def _read_json(path: Path, *, required: bool) -> dict[str, Any]:
     if not path.is_file():
         if required:
-            raise SourceError(f"{path.parent} has no {path.name}; give a GGUF file, a Hugging Face model directory, or 'default'")
+            raise SourceError(
+                f"{path.parent} has no {path.name}; give a GGUF file, a Hugging Face model directory, or 'default'"
+            )
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

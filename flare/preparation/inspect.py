@@ -38,10 +38,10 @@ def render_text(info: dict[str, Any], path: Path | str) -> str:
         lines += [
             "",
             "model",
-            f"  architecture        {config['architecture']}, {config['num_layers']} layers, hidden {config['hidden_size']}, "
-            f"ffn {config['intermediate_size']}",
-            f"  attention           {config['num_heads']} heads, {config['num_kv_heads']} kv heads, head dim {config['head_dim']}, "
-            f"rope theta {config['rope_theta']:g}",
+            f"  architecture        {config['architecture']}, {config['num_layers']} layers, "
+            f"hidden {config['hidden_size']}, ffn {config['intermediate_size']}",
+            f"  attention           {config['num_heads']} heads, {config['num_kv_heads']} kv heads, "
+            f"head dim {config['head_dim']}, rope theta {config['rope_theta']:g}",
             f"  vocabulary          {config['vocab_size']} tokens, bos {config['bos_token_id']}, "
             f"eos {', '.join(map(str, config['eos_token_ids']))}",
             f"  context             {config['max_position_embeddings']} positions"
@@ -55,7 +55,7 @@ def render_text(info: dict[str, Any], path: Path | str) -> str:
             f"  max_concurrency     {serving['max_concurrency']}",
             f"  max_context         {serving['max_context']}",
             f"  dtype               {serving['dtype']}",
-            f"  sampler             {'vocabulary-parallel (unfiltered only)' if serving['vocabulary_parallel_sampling'] else 'standard'}",
+            f"  sampler             {_sampler(serving)}",
             f"  speculation         {_speculation(serving)}",
             "",
             "sampling              default     range",
@@ -71,6 +71,10 @@ def render_text(info: dict[str, Any], path: Path | str) -> str:
     lines += ["", f"problems              {len(info['problems']) or 'none'}"]
     lines += [f"  ! {problem['message']}" for problem in info["problems"]]
     return "\n".join(lines) + "\n"
+
+
+def _sampler(serving: dict[str, Any]) -> str:
+    return "vocabulary-parallel (unfiltered only)" if serving["vocabulary_parallel_sampling"] else "standard"
 
 
 def _speculation(serving: dict[str, Any]) -> str:

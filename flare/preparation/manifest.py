@@ -55,8 +55,16 @@ class ModelConfig:
         problems = []
         if self.architecture != "llama":
             problems.append(f"architecture {self.architecture!r} is not supported (only 'llama')")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"{name} must be a positive integer, got {value!r}")
@@ -197,9 +205,7 @@ class Manifest:
             raise ManifestError("manifest key 'model' must be an object")
         _check_keys(model, {"config", "provenance"}, "model")
         files = data["files"]
-        if not isinstance(files, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in files.items()
-        ):
+        if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
             raise ManifestError("manifest key 'files' must map file names to sha256 strings")
         try:
             sampling = SamplingPolicy.from_json(data["sampling"])

@@ -76,7 +76,9 @@ def weight_problems(config: ModelConfig, shapes: Mapping[str, tuple[int, ...]]) 
     """Missing, unexpected and mis-shaped tensors, one line each (empty when all match)."""
     expected = expected_weight_shapes(config)
     problems = [f"weight {name} is missing" for name in expected if name not in shapes]
-    problems += [f"weight {name} is not part of a Llama model with this config" for name in shapes if name not in expected]
+    problems += [
+        f"weight {name} is not part of a Llama model with this config" for name in shapes if name not in expected
+    ]
     problems += [
         f"weight {name} has shape {list(shapes[name])}, expected {list(shape)}"
         for name, shape in expected.items()
@@ -96,7 +98,9 @@ def check_destination(out_dir: Path, *, overwrite: bool) -> None:
     if not out_dir.is_dir():
         raise PackageError(f"{out_dir} exists and is not a directory; choose another output directory with -o")
     if not overwrite:
-        raise PackageError(f"{out_dir} already exists; pass --overwrite to replace it, or choose another directory with -o")
+        raise PackageError(
+            f"{out_dir} already exists; pass --overwrite to replace it, or choose another directory with -o"
+        )
     if any(out_dir.iterdir()) and not (out_dir / MANIFEST_NAME).is_file():
         raise PackageError(
             f"{out_dir} is not empty and holds no package (no {MANIFEST_NAME}); "
@@ -145,9 +149,7 @@ def write_package(
             os.chmod(staging / name, 0o644)
             _fsync(staging / name)
             files[name] = sha256_of(staging / name)
-        manifest = Manifest(
-            model=config, serving=serving, sampling=policy, provenance=provenance, files=files
-        )
+        manifest = Manifest(model=config, serving=serving, sampling=policy, provenance=provenance, files=files)
         (staging / MANIFEST_NAME).write_text(manifest.dumps(), encoding="utf-8")
         _fsync(staging / MANIFEST_NAME)
         _fsync(staging)
@@ -256,7 +258,9 @@ def _weights_header_problems(weights: Path, manifest: Manifest) -> list[str]:
     problems = weight_problems(manifest.model, shapes)
     wanted = _SAFETENSORS_DTYPES[manifest.serving.dtype]
     if dtypes - {wanted}:
-        problems.append(f"{WEIGHTS_NAME} holds {', '.join(sorted(dtypes))} tensors, serving.dtype says {manifest.serving.dtype}")
+        problems.append(
+            f"{WEIGHTS_NAME} holds {', '.join(sorted(dtypes))} tensors, serving.dtype says {manifest.serving.dtype}"
+        )
     return problems
 
 

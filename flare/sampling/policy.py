@@ -247,7 +247,9 @@ class SamplingPolicy:
     @classmethod
     def from_json(cls, data: Any) -> SamplingPolicy:
         if not isinstance(data, Mapping):
-            raise PolicyError(f"a sampling policy must be an object with defaults and ranges, got {type(data).__name__}")
+            raise PolicyError(
+                f"a sampling policy must be an object with defaults and ranges, got {type(data).__name__}"
+            )
         keys = set(data)
         if keys != {"defaults", "ranges"}:
             parts = []
@@ -259,7 +261,9 @@ class SamplingPolicy:
         defaults, ranges = data["defaults"], data["ranges"]
         if not isinstance(defaults, Mapping) or not isinstance(ranges, Mapping):
             raise PolicyError("sampling policy: defaults and ranges must be objects")
-        return cls(defaults=dict(defaults), ranges={p: tuple(r) if isinstance(r, list) else r for p, r in ranges.items()})
+        return cls(
+            defaults=dict(defaults), ranges={p: tuple(r) if isinstance(r, list) else r for p, r in ranges.items()}
+        )
 
 
 def _in_range(param: str, value: Number, lo: Number, hi: Number) -> bool:

@@ -140,9 +140,7 @@ def _stop(stop: Any) -> tuple[str, ...]:
     if not isinstance(sequences, list) or not all(isinstance(s, str) for s in sequences):
         raise InvalidParameter("stop", f"stop must be a string or a list of strings, got {_describe(stop)}")
     if len(sequences) > MAX_STOP_SEQUENCES:
-        raise InvalidParameter(
-            "stop", f"stop takes at most {MAX_STOP_SEQUENCES} sequences, got {len(sequences)}"
-        )
+        raise InvalidParameter("stop", f"stop takes at most {MAX_STOP_SEQUENCES} sequences, got {len(sequences)}")
     if any(s == "" for s in sequences):
         raise InvalidParameter("stop", "stop sequences must not be empty strings")
     return tuple(sequences)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from flare.preparation.contract import FILTERED_POLICY_FOR_VOCABULARY_PARALLEL, check_contract
+from flare.preparation.contract import (
+    FILTERED_POLICY_FOR_VOCABULARY_PARALLEL,
+    check_contract,
+)
 from flare.preparation.manifest import ServingConfig
 from flare.sampling.policy import SamplingPolicy
 

@@ -11,7 +11,11 @@ from typing import Any
 import pytest
 
 from flare.preparation import export as export_module
-from flare.preparation.default_model import cache_dir, default_gguf_path, default_package_path
+from flare.preparation.default_model import (
+    cache_dir,
+    default_gguf_path,
+    default_package_path,
+)
 from flare.preparation.package import open_package, sha256_of
 from flare.preparation.source import SourceError
 

@@ -14,7 +14,11 @@ import torch
 from tokenizers import Tokenizer
 
 from flare.preparation.default_model import default_gguf_path
-from flare.preparation.gguf_source import open_gguf, permute_rope_rows, unpermute_rope_rows
+from flare.preparation.gguf_source import (
+    open_gguf,
+    permute_rope_rows,
+    unpermute_rope_rows,
+)
 from flare.preparation.manifest import ModelConfig
 from flare.preparation.source import ModelSource, SourceError
 
