@@ -49,7 +49,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 SOCKET_MODE = 0o660
-SYSTEM_CONTROL_SOCKET = Path("/run/flare/control.sock")
 
 
 @dataclass(frozen=True)
@@ -207,16 +206,6 @@ def _json_value(value: Any) -> Any:
     if isinstance(value, (list, tuple, set, frozenset)):
         return [_json_value(v) for v in value]
     return value
-
-
-def default_control_socket(environ: Mapping[str, str]) -> Path:
-    """Where the daemon puts its socket without --control-socket: systemd's RuntimeDirectory
-    (/run/flare), else /run/flare as root, else the user's runtime directory."""
-    if runtime := environ.get("RUNTIME_DIRECTORY"):
-        return Path(runtime.split(":")[0]) / "control.sock"
-    if os.geteuid() != 0 and (user_runtime := environ.get("XDG_RUNTIME_DIR")):
-        return Path(user_runtime) / "flare" / "control.sock"
-    return SYSTEM_CONTROL_SOCKET
 
 
 def bind_control_socket(path: Path) -> socket.socket:

@@ -12,7 +12,7 @@ Exit codes:
     3  the daemon cannot be reached: no socket, permission denied, nothing listening, no answer
 
 The client is synchronous (http.client over an AF_UNIX socket): one request per run, and no
-event loop to start.
+event loop to start. It imports neither torch nor aiohttp, so `flare ctl` answers at once.
 """
 
 from __future__ import annotations
@@ -29,14 +29,24 @@ from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import quote
 
-from flare.daemon.control import SYSTEM_CONTROL_SOCKET, default_control_socket
 from flare.daemon.logging import LOG_LEVELS
 
 SOCKET_ENV = "FLARE_CONTROL_SOCKET"
+SYSTEM_CONTROL_SOCKET = Path("/run/flare/control.sock")
 EXIT_OK = 0
 EXIT_REFUSED = 1
 EXIT_UNREACHABLE = 3
 TIMEOUT_S = 10.0
+
+
+def default_control_socket(environ: Mapping[str, str]) -> Path:
+    """Where the daemon puts its socket without --control-socket: systemd's RuntimeDirectory
+    (/run/flare), else /run/flare as root, else the user's runtime directory."""
+    if runtime := environ.get("RUNTIME_DIRECTORY"):
+        return Path(runtime.split(":")[0]) / "control.sock"
+    if os.geteuid() != 0 and (user_runtime := environ.get("XDG_RUNTIME_DIR")):
+        return Path(user_runtime) / "flare" / "control.sock"
+    return SYSTEM_CONTROL_SOCKET
 
 
 class Unreachable(Exception):

@@ -10,6 +10,8 @@ import os
 import shutil
 import socket
 import stat
+import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -450,3 +452,9 @@ async def test_while_the_model_loads_ctl_says_so_and_config_still_answers(socket
     assert status.code == EXIT_REFUSED
     assert "the model is still loading" in status.err
     assert config.code == EXIT_OK and json.loads(config.out)["port"] == 8000
+
+
+def test_ctl_imports_neither_torch_nor_aiohttp() -> None:
+    code = "import sys, flare.daemon.ctl; print(sorted({'torch', 'aiohttp'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert result.stdout.strip() == "[]"
