@@ -77,3 +77,37 @@ def test_default_package_is_smollm2_under_its_recipe(default_package: Path, monk
     assert manifest.sampling.defaults["temperature"] == 0.2 and manifest.sampling.defaults["top_p"] == 0.9
     monkeypatch.setattr(export_module, "export_package", lambda *a, **k: pytest.fail("exported twice"))
     assert default_package_path(default_package.parent.parent) == default_package
+
+
+@pytest.mark.real_model
+def test_default_package_answers_in_transformers(default_package: Path) -> None:
+    """Weights, tokenizer and chat template of the export, run by transformers' Llama, answer correctly."""
+    import jinja2
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    package = open_package(default_package)
+    config = package.manifest.model
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+            num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+            head_dim=config.head_dim, rope_theta=config.rope_theta, rms_norm_eps=config.rms_norm_eps,
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=config.tie_word_embeddings,
+        )
+    )
+    missing, unexpected = model.load_state_dict(package.load_state_dict(), strict=False)
+    assert unexpected == [] and set(missing) <= {"lm_head.weight"}
+    model.tie_weights()
+    tokenizer = Tokenizer.from_file(str(package.tokenizer_json_path))
+    prompt = jinja2.Template(package.chat_template).render(
+        messages=[{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
+    )
+    ids = torch.tensor([tokenizer.encode(prompt).ids])
+    with torch.no_grad():
+        output = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=list(config.eos_token_ids))
+    answer = tokenizer.decode(output[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+    assert answer.startswith("The capital of France is Paris.")

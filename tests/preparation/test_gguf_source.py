@@ -20,6 +20,7 @@ from flare.preparation.gguf_source import (
     unpermute_rope_rows,
 )
 from flare.preparation.manifest import ModelConfig
+from flare.preparation.package import open_package
 from flare.preparation.source import ModelSource, SourceError
 
 GGUF_NAMES = {
@@ -222,20 +223,22 @@ def test_default_model_config_is_smollm2_135m(smollm2_source: ModelSource) -> No
 
 
 @pytest.mark.real_model
-def test_default_model_q_and_k_match_transformers_gguf_loader(smollm2_source: ModelSource) -> None:
-    """transformers' own GGUF conversion (LlamaTensorProcessor) of layer 0 gives the same q/k rows."""
+def test_default_package_q_and_k_match_transformers_gguf_loader(default_package: Path) -> None:
+    """transformers' own GGUF conversion (LlamaTensorProcessor) gives the q/k rows the package holds."""
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     reader = gguf.GGUFReader(default_gguf_path())
     processor = LlamaTensorProcessor(config={"num_attention_heads": 9, "num_key_value_heads": 3})
-    ours = smollm2_source.read_weights(lambda done, total: None)
+    ours = open_package(default_package).load_state_dict()
+    checked = 0
     for tensor in reader.tensors:
         if tensor.name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.29.attn_k.weight"):
-            theirs = processor.process(
-                weights=gguf.quants.dequantize(tensor.data, tensor.tensor_type), name=tensor.name
-            ).weights
+            dequantized = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            theirs = processor.process(weights=dequantized, name=tensor.name).weights
             layer, kind = tensor.name.split(".")[1], tensor.name.split(".")[2][-1]
             assert np.array_equal(ours[f"model.layers.{layer}.self_attn.{kind}_proj.weight"].numpy(), theirs)
+            checked += 1
+    assert checked == 3
 
 
 TOKENIZER_SAMPLES = [
