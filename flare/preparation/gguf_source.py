@@ -14,8 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
+from gguf.quants import dequantize
 
 from flare.preparation.manifest import ModelConfig
 from flare.preparation.package import sha256_of, weight_problems
@@ -67,17 +69,8 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, head_dim // 2, 2, columns).swapaxes(1, 2).reshape(rows, columns)
 
 
-def permute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp's permutation (the inverse of `unpermute_rope_rows`), for tests and round trips."""
-    rows, columns = weight.shape
-    head_dim = rows // num_heads
-    return weight.reshape(num_heads, 2, head_dim // 2, columns).swapaxes(1, 2).reshape(rows, columns)
-
-
 def open_gguf(path: Path, source: str | None = None) -> ModelSource:
     """Read a GGUF file's architecture, tokenizer and chat template (not its weights)."""
-    import gguf
-
     path = Path(path)
     if not path.is_file():
         raise SourceError(f"{path} is not a file; give a GGUF file, a Hugging Face model directory, or 'default'")
@@ -87,11 +80,13 @@ def open_gguf(path: Path, source: str | None = None) -> ModelSource:
         raise SourceError(f"{path} is not a readable GGUF file: {error}") from None
     metadata = _Metadata(reader, path)
     config = _model_config(reader, metadata)
-    shapes = {}
+    names: dict[str, str] = {}  # GGUF name -> Hugging Face name
+    shapes: dict[str, tuple[int, ...]] = {}
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:
             raise SourceError(f"{path} holds the tensor {tensor.name}, which flare's Llama does not have")
+        names[tensor.name] = name
         # gguf reports shapes as [in, out]; the tensors are [out, in], as Hugging Face's.
         shapes[name] = tuple(int(n) for n in reversed(tensor.shape))
     problems = weight_problems(config, shapes)
@@ -105,7 +100,7 @@ def open_gguf(path: Path, source: str | None = None) -> ModelSource:
         raise SourceError(f"{path} has no chat template (tokenizer.chat_template); flare serves chat models only")
 
     def read_weights(progress: Callable[[int, int], None]) -> dict[str, torch.Tensor]:
-        return _read_weights(reader, config, progress)
+        return _read_weights(reader, names, config, progress)
 
     return ModelSource(
         source=source if source is not None else str(path),
@@ -119,7 +114,7 @@ def open_gguf(path: Path, source: str | None = None) -> ModelSource:
 
 
 class _Metadata:
-    def __init__(self, reader: Any, path: Path) -> None:
+    def __init__(self, reader: gguf.GGUFReader, path: Path) -> None:
         self._fields = reader.fields
         self._path = path
 
@@ -134,7 +129,7 @@ class _Metadata:
         return value
 
 
-def _model_config(reader: Any, metadata: _Metadata) -> ModelConfig:
+def _model_config(reader: gguf.GGUFReader, metadata: _Metadata) -> ModelConfig:
     architecture = metadata.require("general.architecture")
     if architecture != "llama":
         raise SourceError(f"GGUF architecture {architecture!r} is not supported; flare serves Llama-family models only")
@@ -170,20 +165,19 @@ def _model_config(reader: Any, metadata: _Metadata) -> ModelConfig:
     )
 
 
-def _read_weights(reader: Any, config: ModelConfig, progress: Callable[[int, int], None]) -> dict[str, torch.Tensor]:
-    from gguf.quants import dequantize
-
+def _read_weights(
+    reader: gguf.GGUFReader, names: dict[str, str], config: ModelConfig, progress: Callable[[int, int], None]
+) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     total = len(reader.tensors)
     for done, tensor in enumerate(reader.tensors, start=1):
-        name = hf_name(tensor.name)
         weight = dequantize(tensor.data, tensor.tensor_type)
         if tensor.name.endswith(".attn_q.weight"):
             weight = unpermute_rope_rows(weight, config.num_heads)
         elif tensor.name.endswith(".attn_k.weight"):
             weight = unpermute_rope_rows(weight, config.num_kv_heads)
         # Unquantized tensors come back as read-only views of the memory-mapped file: copy those.
-        state[name] = torch.from_numpy(np.require(weight, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
+        state[names[tensor.name]] = torch.from_numpy(np.require(weight, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
         progress(done, total)
     return state
 

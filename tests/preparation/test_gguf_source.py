@@ -14,11 +14,7 @@ import torch
 from tokenizers import Tokenizer
 
 from flare.preparation.default_model import default_gguf_path
-from flare.preparation.gguf_source import (
-    open_gguf,
-    permute_rope_rows,
-    unpermute_rope_rows,
-)
+from flare.preparation.gguf_source import open_gguf, unpermute_rope_rows
 from flare.preparation.manifest import ModelConfig
 from flare.preparation.package import open_package
 from flare.preparation.source import ModelSource, SourceError
@@ -43,6 +39,12 @@ def gguf_name(hf: str) -> str:
         return globals_[hf]
     _, _, layer, rest = hf.split(".", 3)
     return f"blk.{layer}.{GGUF_NAMES[rest.removesuffix('.weight')]}.weight"
+
+
+def permute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's permutation of q/k rows (convert_hf_to_gguf.py, LlamaModel.permute)."""
+    rows, columns = weight.shape
+    return weight.reshape(num_heads, 2, rows // num_heads // 2, columns).swapaxes(1, 2).reshape(rows, columns)
 
 
 def tiny_vocabulary() -> tuple[list[str], list[int], list[str]]:
