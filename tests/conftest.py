@@ -120,6 +120,25 @@ def tiny_package(make_package: Callable[..., Path]) -> Path:
     return make_package()
 
 
+@pytest.fixture(scope="session")
+def vocabulary_parallel_package(make_package: Callable[..., Path], package_parts: dict[str, Any]) -> Path:
+    """The tiny model as `flare export --vocabulary-parallel-sampling` writes it: unfiltered() policy."""
+    policy = package_parts["policy"]
+    unfiltered = SamplingPolicy({**policy.defaults, "top_p": 1.0}, policy.ranges).unfiltered()
+    return make_package(serving={"vocabulary_parallel_sampling": True}, policy=unfiltered)
+
+
+@pytest.fixture(scope="session")
+def contradicting_package(make_package: Callable[..., Path], package_parts: dict[str, Any]) -> Path:
+    """An older export: vocabulary-parallel sampling with filter ranges (top_k, top_p) in its policy.
+
+    Its defaults enable no filter, so `flare run --sampling-policy unfiltered` can serve it.
+    """
+    policy = package_parts["policy"]
+    filtered_ranges = SamplingPolicy({**policy.defaults, "top_p": 1.0}, policy.ranges)
+    return make_package(serving={"vocabulary_parallel_sampling": True}, policy=filtered_ranges)
+
+
 def _hf_config_json(config: ModelConfig) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": config.vocab_size,

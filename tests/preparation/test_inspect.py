@@ -66,3 +66,12 @@ def test_contract_problem_is_listed(make_package: Callable[..., Path]) -> None:
     text = render_text(info, package)
     assert "problems              1" in text and "vocabulary-parallel" in text
     assert "sampler             vocabulary-parallel (unfiltered only)" in text
+
+
+def test_shared_vocabulary_parallel_fixtures_are_what_they_claim(
+    vocabulary_parallel_package: Path, contradicting_package: Path
+) -> None:
+    assert servable(inspect_package(vocabulary_parallel_package))
+    info = inspect_package(contradicting_package)
+    [problem] = info["problems"]
+    assert any("--sampling-policy unfiltered" in fix for fix in problem["fixes"])
