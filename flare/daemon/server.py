@@ -70,6 +70,7 @@ class Daemon:
         self.state = ServingState()
         self.app = create_app(config, self.state)
         self.scheduler: Scheduler | None = None
+        self.address: tuple[str, int] | None = None  # (host, port) once listening
         self._stop_requested = anyio.Event()
         self._end_grace = anyio.Event()
         self._startup_error: StartupError | None = None
@@ -80,8 +81,8 @@ class Daemon:
         runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=_FLUSH_TIMEOUT_S)
         await runner.setup()
         try:
-            await web.SockSite(runner, sock, shutdown_timeout=_FLUSH_TIMEOUT_S).start()
-            host, port = sock.getsockname()[:2]
+            await web.SockSite(runner, sock).start()
+            host, port = self.address = sock.getsockname()[:2]
             log.info("listening", host=host, port=port)
             self._warn_if_exposed(host)
             async with anyio.create_task_group() as tasks:
@@ -178,6 +179,10 @@ class Daemon:
             raise StartupError(str(error)) from None
 
     # --- stop ----------------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Begin the orderly shutdown (what SIGTERM does once the daemon is ready)."""
+        self._stop_requested.set()
 
     async def _watch_signals(self, scope: anyio.CancelScope) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

@@ -5,8 +5,11 @@ The HTTP API tests run against it, so they prove the API's behaviour without mod
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 
 from flare.engine.tokenizer import ChatTemplateError
 from flare.sampling.policy import SamplingPolicy
@@ -84,6 +87,9 @@ class FakeScheduler:
         self.submitted: list[GenerationRequest] = []
         self.cancelled: list[tuple[str, RequestFailure | None]] = []
         self._open: dict[str, tuple[RequestStream, GenerationRequest]] = {}
+        self.package = SimpleNamespace(path=Path("tiny-model"))
+        self.warmed_up = False
+        self._stopped = asyncio.Event()
 
     def submit(self, request: GenerationRequest) -> RequestStream:
         if self.refuse is not None:
@@ -110,5 +116,28 @@ class FakeScheduler:
         stream.put(Failed(failure, Usage(len(request.prompt_token_ids), 1)))
         return True
 
+    def release(self, request_id: str) -> None:
+        """Let a held request finish normally."""
+        stream, request = self._open.pop(request_id)
+        for text in self.reply[1:]:
+            stream.put(TextDelta(text, (1,)))
+        stream.put(self.ending(request))
+
     def snapshot(self) -> FakeSnapshot:
         return FakeSnapshot(running=len(self._open), waiting=0)
+
+    # The lifecycle the server drives.
+
+    async def warm_up(self) -> None:
+        self.warmed_up = True
+
+    async def run(self) -> None:
+        await self._stopped.wait()
+        for request_id in list(self._open):
+            self.cancel(request_id, RequestFailure("shutdown", "the server shut down", 503))
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def drain(self) -> None:
+        self.draining = True

@@ -1,0 +1,107 @@
+"""The real daemon as a subprocess: `flare run PACKAGE --port 0`, found through its `listening` log
+line, ready when /health answers 200."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+STARTUP_TIMEOUT_S = 180.0
+
+
+class DaemonProcess:
+    def __init__(self, package: Path, *flags: str, env: dict[str, str] | None = None) -> None:
+        # `python -m flare.daemon.cli` is the `flare` console script without needing it installed.
+        command = [sys.executable, "-m", "flare.daemon.cli", "run", str(package), "--port", "0", "--log-format", "json"]
+        self.process = subprocess.Popen(
+            [*command, *flags],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **(env or {})},
+            cwd=Path(__file__).resolve().parents[2],
+        )
+        self.lines: list[str] = []
+        self._port: int | None = None
+        self._listening = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line)
+            event = _json_line(line)
+            if event.get("event") == "listening":
+                self._port = int(event["port"])
+                self._listening.set()
+        self._listening.set()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self._port}"
+
+    def events(self, name: str) -> list[dict]:
+        return [e for e in map(_json_line, list(self.lines)) if e.get("event") == name]
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        self._listening.wait(STARTUP_TIMEOUT_S)
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the daemon exited with {self.process.returncode}:\n{self.log()}")
+            if self._port is not None and self.health() == 200:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"the daemon was not ready within {STARTUP_TIMEOUT_S} s:\n{self.log()}")
+
+    def health(self) -> int | None:
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as response:
+                return response.status
+        except urllib.error.HTTPError as error:
+            return error.code
+        except OSError:
+            return None
+
+    def stop(self, signum: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signum)
+        code = self.process.wait(timeout_s)
+        self._reader.join(5)
+        return code
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+    def log(self, last: int = 60) -> str:
+        return "".join(self.lines[-last:])
+
+
+def _json_line(line: str) -> dict:
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def start_daemon(package: Path, flags: Sequence[str] = (), env: dict[str, str] | None = None) -> DaemonProcess:
+    daemon = DaemonProcess(package, *flags, env=env)
+    try:
+        daemon.wait_ready()
+    except BaseException:
+        daemon.kill()
+        raise
+    return daemon

@@ -1,0 +1,171 @@
+"""The real daemon, started as `flare run <tiny package> --port 0`, driven by the official OpenAI client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from daemon_process import DaemonProcess, start_daemon
+
+CHAT = [{"role": "user", "content": "Write a short poem about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_package: Path) -> Iterator[DaemonProcess]:
+    process = start_daemon(tiny_package, ["--fault-injection", "--max-concurrency", "8"])
+    yield process
+    assert process.stop() == 0, process.log()
+
+
+@pytest.fixture
+def client(daemon: DaemonProcess) -> openai.AsyncOpenAI:
+    # No retries: a test must see the daemon's first answer.
+    return openai.AsyncOpenAI(base_url=f"{daemon.base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def model(tiny_package: Path) -> str:
+    return tiny_package.name
+
+
+async def test_models_lists_the_package(client: openai.AsyncOpenAI, model: str) -> None:
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [model]
+
+
+async def test_concurrent_greedy_streams_complete_with_identical_text(client: openai.AsyncOpenAI, model: str) -> None:
+    async def one_stream() -> tuple[str, str | None, int]:
+        stream = await client.chat.completions.create(
+            model=model, messages=CHAT, stream=True, temperature=0, max_tokens=24,
+            stream_options={"include_usage": True},
+        )
+        texts, finish_reason, completion_tokens = [], None, -1
+        async for chunk in stream:
+            if chunk.choices:
+                texts.append(chunk.choices[0].delta.content or "")
+                finish_reason = chunk.choices[0].finish_reason or finish_reason
+            if chunk.usage is not None:
+                completion_tokens = chunk.usage.completion_tokens
+        return "".join(texts), finish_reason, completion_tokens
+
+    results = await asyncio.gather(*(one_stream() for _ in range(6)))
+    texts = {text for text, _, _ in results}
+    assert len(texts) == 1 and texts.pop()
+    assert all(reason in ("stop", "length") for _, reason, _ in results)
+    assert all(1 <= tokens <= 24 for _, _, tokens in results)
+
+
+async def test_non_streaming_chat_reports_the_applied_sampling(client: openai.AsyncOpenAI, model: str) -> None:
+    raw = await client.chat.completions.with_raw_response.create(
+        model=model, messages=CHAT, max_tokens=8, top_p=0.01, temperature=0.5
+    )
+    assert raw.headers["Flare-Sampling-Adjusted"] == "top_p"
+    completion = raw.parse()
+    assert completion.object == "chat.completion" and completion.id.startswith("chatcmpl-")
+    assert completion.choices[0].message.role == "assistant"
+    assert completion.usage is not None and 1 <= completion.usage.completion_tokens <= 8
+    flare = (completion.model_extra or {})["flare"]
+    assert flare["sampling"]["top_p"] == 0.05 and flare["sampling"]["temperature"] == 0.5
+    assert [a["param"] for a in flare["adjusted"]] == ["top_p"]
+
+
+async def test_completions_endpoint_streams_and_answers(client: openai.AsyncOpenAI, model: str) -> None:
+    completion = await client.completions.create(model=model, prompt="The sea is", max_tokens=6, temperature=0)
+    assert completion.object == "text_completion" and completion.choices[0].finish_reason in ("stop", "length")
+    stream = await client.completions.create(model=model, prompt="The sea is", max_tokens=6, temperature=0, stream=True)
+    streamed = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+    assert streamed == completion.choices[0].text
+
+
+async def test_bad_requests_get_openai_errors(client: openai.AsyncOpenAI, model: str, daemon: DaemonProcess) -> None:
+    with pytest.raises(openai.NotFoundError) as not_found:
+        await client.chat.completions.create(model="gpt-4", messages=CHAT)
+    assert not_found.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as bad_max_tokens:
+        await client.chat.completions.create(model=model, messages=CHAT, max_tokens=0)
+    assert bad_max_tokens.value.param == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as empty:
+        await client.chat.completions.create(model=model, messages=[])
+    assert empty.value.param == "messages"
+    long_prompt = [{"role": "user", "content": "sea " * 2000}]
+    with pytest.raises(openai.BadRequestError) as too_long:
+        await client.chat.completions.create(model=model, messages=long_prompt)
+    assert too_long.value.code == "context_length_exceeded"
+
+    async with httpx.AsyncClient(base_url=daemon.base_url) as http:
+        malformed = await http.post("/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+        assert malformed.status_code == 400 and set(malformed.json()["error"]) == {"message", "type", "param", "code"}
+        assert (await http.get("/health")).status_code == 200
+
+
+async def test_injected_fault_fails_only_that_request(client: openai.AsyncOpenAI, model: str) -> None:
+    fault = {"X-Flare-Fault": "NONFINITE_LOGITS"}
+
+    async def faulty_stream() -> openai.APIError:
+        stream = await client.chat.completions.create(
+            model=model, messages=CHAT, stream=True, max_tokens=16, extra_headers=fault
+        )
+        with pytest.raises(openai.APIError) as raised:
+            async for _ in stream:
+                pass
+        return raised.value
+
+    async def healthy() -> str | None:
+        completion = await client.chat.completions.create(model=model, messages=CHAT, max_tokens=16, temperature=0)
+        return completion.choices[0].finish_reason
+
+    error, finish_reason = await asyncio.gather(faulty_stream(), healthy())
+    assert error.code == "NONFINITE_LOGITS"
+    assert finish_reason in ("stop", "length")
+
+    with pytest.raises(openai.APIStatusError) as non_streaming:
+        await client.chat.completions.create(model=model, messages=CHAT, max_tokens=16, extra_headers=fault)
+    assert non_streaming.value.status_code == 502
+    body = non_streaming.value.body
+    assert isinstance(body, dict) and body["flare"]["status_name"] == "NONFINITE_LOGITS"
+
+
+def test_sigterm_lets_a_stream_in_flight_finish_and_exits_0(tiny_package: Path) -> None:
+    daemon = start_daemon(tiny_package)
+    try:
+        body = {
+            "model": tiny_package.name, "messages": CHAT, "stream": True, "max_tokens": 64,
+            "temperature": 0, "stream_options": {"include_usage": True},
+        }
+        with httpx.stream("POST", f"{daemon.base_url}/v1/chat/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line)
+            assert first.startswith("data: ")
+            daemon.process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        last = json.loads(rest[-2].removeprefix("data: "))
+        assert "error" not in last and last["usage"]["completion_tokens"] >= 1
+        assert daemon.stop() == 0, daemon.log()
+        assert daemon.events("draining") and daemon.events("stopped")
+    finally:
+        daemon.kill()
+
+
+def test_sigterm_past_the_grace_period_ends_streams_with_a_shutdown_error(tiny_package: Path) -> None:
+    daemon = start_daemon(tiny_package, ["--drain-grace-s", "0", "--draft-tokens", "0"])
+    try:
+        body = {"model": tiny_package.name, "messages": CHAT, "stream": True, "max_tokens": 400, "temperature": 1.0}
+        with httpx.stream("POST", f"{daemon.base_url}/v1/chat/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line)
+            daemon.process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        last = json.loads(rest[-2].removeprefix("data: "))
+        # Either the stream finished within the round that was running, or it was ended cleanly.
+        assert ("error" in last and last["error"]["code"] == "shutdown") or last["choices"][0]["finish_reason"]
+        assert daemon.stop() == 0, daemon.log()
+    finally:
+        daemon.kill()
