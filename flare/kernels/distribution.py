@@ -80,7 +80,7 @@ def distribution_statistics(
             shard_max = shard.amax(dim=-1)
             maxes.append(shard_max)
             if need_sumexp:
-                sums.append(torch.exp(shard - shard_max.unsqueeze(1)).sum(-1))
+                sums.append(torch.sub(shard, shard_max.unsqueeze(1)).exp_().sum(-1))
             if need_argmax:
                 argmaxes.append(shard.argmax(dim=-1) + start)
         return DistributionStatistics(
@@ -89,12 +89,16 @@ def distribution_statistics(
             argmax=torch.stack(argmaxes, 1) if need_argmax else None,
             threshold=no_threshold,
         )
-    row_max = scaled.amax(dim=-1)
-    argmax = scaled.argmax(dim=-1).unsqueeze(1) if need_argmax else None
+    if need_argmax:
+        # One pass for both; torch.max returns the first maximal index, as argmax does.
+        row_max, first_max = scaled.max(dim=-1)
+        argmax = first_max.unsqueeze(1)
+    else:
+        row_max, argmax = scaled.amax(dim=-1), None
     threshold = no_threshold
     sumexp = None
     if need_sumexp or filtered:
-        w = torch.exp(scaled - row_max.unsqueeze(1))
+        w = torch.sub(scaled, row_max.unsqueeze(1)).exp_()
         if filtered:
             threshold = _threshold(
                 scaled, w, row_max, top_k[row_of_position], top_p[row_of_position],

@@ -56,3 +56,11 @@ def assert_matches_distribution(samples: np.ndarray, expected: np.ndarray, alpha
         return
     result = chisquare(np.asarray(obs), np.asarray(exp) * (sum(obs) / sum(exp)))
     assert result.pvalue > alpha, f"chi-square p={result.pvalue:.2e}: observed {obs} expected {np.round(exp, 1)}"
+
+
+def dirichlet(concentration: float, vocab: int, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Random draft distributions [*shape, vocab], reproducible (torch.distributions draws from
+    the global generator, so fork it and seed the fork)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return torch.distributions.Dirichlet(torch.full((vocab,), concentration)).sample(shape)

@@ -75,7 +75,7 @@ def test_vocabulary_parallel_sampling_matches_unsharded_distribution(shards: int
 )
 def test_vocabulary_parallel_sampling_refuses_filtered_rows(filtered: SamplingParams) -> None:
     params = [SamplingParams(), filtered, SamplingParams(temperature=0.0, top_k=3)]
-    logits = torch.randn(3, VOCAB)
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(6))
     num_drafts, draft_tokens = no_drafts(3)
     result = sample_round(logits, num_drafts, draft_tokens, None, make_batch(params), vocab_shards=2)
     assert result.status.tolist() == [0, int(DeviceStatus.INVALID_SPECULATION), 0]
@@ -86,7 +86,7 @@ def test_vocabulary_parallel_sampling_refuses_filtered_rows(filtered: SamplingPa
 
 
 def test_greedy_rows_emit_the_argmax_lowest_index_on_ties() -> None:
-    logits = torch.randn(5, VOCAB)
+    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(7))
     logits[3, 7] = logits[3, 11] = logits[3].max() + 1.0
     num_drafts, draft_tokens = no_drafts(5)
     for shards in (1, 2, 4):

@@ -12,7 +12,7 @@ from flare.kernels.round import RoundResult, sample_round
 from flare.kernels.status import DeviceStatus
 from flare.sampling.params import SamplingParams
 
-from .helpers import make_batch
+from .helpers import dirichlet, make_batch
 
 VOCAB = 300
 ROWS = 4
@@ -30,7 +30,7 @@ def _round_inputs() -> dict:
     ]
     logits = torch.randn(ROWS * (DRAFTS + 1), VOCAB, generator=generator) * 2
     draft_tokens = torch.randint(0, VOCAB, (ROWS, DRAFTS), generator=generator)
-    draft_probs = torch.distributions.Dirichlet(torch.ones(VOCAB)).sample((ROWS, DRAFTS))
+    draft_probs = dirichlet(1.0, VOCAB, (ROWS, DRAFTS), seed=8)
     draft_probs.scatter_(2, draft_tokens.unsqueeze(2), 0.5)
     return {
         "logits": logits,

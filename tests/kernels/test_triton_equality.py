@@ -20,7 +20,7 @@ from flare.kernels.random_stream import Purpose, stream_key
 from flare.kernels.round import sample_round
 from flare.sampling.params import SamplingParams
 
-from .helpers import make_batch
+from .helpers import dirichlet, make_batch
 
 
 @pytest.fixture(params=["one_block", "several_blocks"])
@@ -106,7 +106,7 @@ def test_gumbel_kernel_equals_twin(blocks: str, shards: int, with_q: bool) -> No
     sumexp = torch.where(scaled[position] >= threshold.unsqueeze(1), torch.exp(scaled[position] - row_max.unsqueeze(1)), 0.0).sum(1)
     key = stream_key(torch.arange(rows) + 100, torch.arange(rows), Purpose.SAMPLE)
     exclude = torch.tensor([-1, int(scaled[2].argmax()), -1, 5, -1, 999])
-    draft_q = torch.distributions.Dirichlet(torch.full((vocab,), 0.3)).sample((rows,)) if with_q else None
+    draft_q = dirichlet(0.3, vocab, (rows,), seed=3) if with_q else None
     args = (scaled, position, key, row_max, sumexp, threshold, exclude, draft_q, shards)
     twin, kernel = gumbel_candidates(*args), gumbel_candidates_triton(*args)
     assert torch.equal(kernel.index, twin.index)
@@ -143,7 +143,7 @@ def _mixed_round(vocab: int, generator: torch.Generator, with_q: bool):
     draft_tokens[8, 1] = vocab + 5
     draft_probs = None
     if with_q:
-        draft_probs = torch.distributions.Dirichlet(torch.full((vocab,), 0.5)).sample((rows, 3))
+        draft_probs = dirichlet(0.5, vocab, (rows, 3), seed=4)
         draft_probs.scatter_(2, draft_tokens.clamp(0, vocab - 1).unsqueeze(2), 0.3)
     batch = make_batch(params, seeds=range(rows), positions=range(rows), prompt_ids=[[1, 2, 3]] * rows, output_ids=[[4, 5, 5]] * rows)
     return logits, num_drafts, draft_tokens, draft_probs, batch

@@ -9,7 +9,7 @@ import torch
 from flare.kernels.round import sample_round
 from flare.sampling.params import SamplingParams
 
-from .helpers import assert_matches_distribution, make_batch, no_drafts
+from .helpers import assert_matches_distribution, dirichlet, make_batch, no_drafts
 from .reference import target_distribution
 
 VOCAB = 8
@@ -26,7 +26,7 @@ def _speculative_pairs(params: SamplingParams, table: torch.Tensor, random_q: bo
     """The first two output tokens of DRAWS independent requests decoded with speculation."""
     generator = torch.Generator().manual_seed(11)
     if random_q:
-        q = torch.distributions.Dirichlet(torch.full((VOCAB,), 0.7)).sample((DRAWS, drafts))
+        q = dirichlet(0.7, VOCAB, (DRAWS, drafts), seed=12)
         draft_tokens = torch.multinomial(q.view(-1, VOCAB), 1, generator=generator).view(DRAWS, drafts)
         draft_probs = q
     else:
@@ -84,7 +84,7 @@ def test_vocabulary_parallel_verification_preserves_the_distribution(shards: int
     params = SamplingParams(temperature=0.9)
     generator = torch.Generator().manual_seed(2)
     if random_q:
-        draft_probs = torch.distributions.Dirichlet(torch.full((VOCAB,), 0.7)).sample((DRAWS, 1))
+        draft_probs = dirichlet(0.7, VOCAB, (DRAWS, 1), seed=13)
         draft_tokens = torch.multinomial(draft_probs.view(-1, VOCAB), 1, generator=generator).view(DRAWS, 1)
     else:
         draft_probs, draft_tokens = None, torch.randint(0, VOCAB, (DRAWS, 1), generator=generator)
