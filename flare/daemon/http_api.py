@@ -66,6 +66,7 @@ ADJUSTED_HEADER = "Flare-Sampling-Adjusted"
 # A client's request id is echoed and logged only if it is short and plain (no log injection).
 _SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _PUBLIC_PATHS = frozenset({"/health"})
+BODY_READ_TIMEOUT_S = 30.0
 
 
 def create_app(config: DaemonConfig, state: ServingState) -> web.Application:
@@ -210,7 +211,7 @@ def _model_card(state: ServingState) -> dict[str, Any]:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    parsed = parse_chat_completion(parse_json_body(await request.read()))
+    parsed = parse_chat_completion(parse_json_body(await _read_body(request)))
     state = request.app[STATE]
     scheduler = state.require_scheduler()
     check_model(parsed.model, state.model_name or "")
@@ -224,7 +225,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    parsed = parse_completion(parse_json_body(await request.read()))
+    parsed = parse_completion(parse_json_body(await _read_body(request)))
     state = request.app[STATE]
     scheduler = state.require_scheduler()
     check_model(parsed.model, state.model_name or "")
@@ -234,6 +235,18 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise bad_request("prompt is empty; send at least one token of text", param="prompt")
     shape = TextCompletionShape(_new_id("cmpl"), int(time.time()), parsed.model, parsed.include_usage)
     return await _generate(request, scheduler, prompt_ids, "prompt", parsed.sampling, parsed.stream, shape)
+
+
+async def _read_body(request: web.Request) -> bytes:
+    """The body, or a 408 for a client that sends it too slowly (it would hold a connection
+    and a handler forever otherwise); bodies over max_body_bytes raise aiohttp's 413."""
+    with anyio.move_on_after(BODY_READ_TIMEOUT_S):
+        return await request.read()
+    raise ApiError(
+        408,
+        f"the request body did not arrive within {BODY_READ_TIMEOUT_S:g} s",
+        code="request_timeout",
+    )
 
 
 def _new_id(prefix: str) -> str:

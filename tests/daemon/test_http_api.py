@@ -13,6 +13,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from fake_scheduler import FakeScheduler
 
 from flare.daemon.config import DaemonConfig
+from flare.daemon import http_api
 from flare.daemon.http_api import create_app
 from flare.daemon.state import ServingState
 from flare.kernels.status import DeviceStatus
@@ -429,6 +430,15 @@ async def test_body_over_the_size_limit_is_413(make_client: MakeClient, schedule
     response = await client.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "x" * 4096}]})
     assert response.status == 413
     assert assert_error_shape(await response.json())["code"] == "request_too_large"
+
+
+async def test_a_body_that_never_arrives_is_408(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http_api, "BODY_READ_TIMEOUT_S", 0.05)
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"model\"")
+    await writer.drain()
+    assert b" 408 " in await reader.readline()
+    writer.close()
 
 
 async def test_unknown_route_and_wrong_method_get_openai_errors(client: TestClient) -> None:

@@ -19,11 +19,19 @@ STARTUP_TIMEOUT_S = 180.0
 
 
 class DaemonProcess:
-    def __init__(self, package: Path, *flags: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        package: Path,
+        *flags: str,
+        env: dict[str, str] | None = None,
+        wrapper: Sequence[str] = (),
+        pass_fds: Sequence[int] = (),
+    ) -> None:
         # `python -m flare.daemon.cli` is the `flare` console script without needing it installed.
         command = [sys.executable, "-m", "flare.daemon.cli", "run", str(package), "--port", "0", "--log-format", "json"]
         self.process = subprocess.Popen(
-            [*command, *flags],
+            [*wrapper, *command, *flags],
+            pass_fds=pass_fds,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -97,8 +105,14 @@ def _json_line(line: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def start_daemon(package: Path, flags: Sequence[str] = (), env: dict[str, str] | None = None) -> DaemonProcess:
-    daemon = DaemonProcess(package, *flags, env=env)
+def start_daemon(
+    package: Path,
+    flags: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    wrapper: Sequence[str] = (),
+    pass_fds: Sequence[int] = (),
+) -> DaemonProcess:
+    daemon = DaemonProcess(package, *flags, env=env, wrapper=wrapper, pass_fds=pass_fds)
     try:
         daemon.wait_ready()
     except BaseException:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -166,6 +168,30 @@ def test_sigterm_past_the_grace_period_ends_streams_with_a_shutdown_error(tiny_p
         last = json.loads(rest[-2].removeprefix("data: "))
         # Either the stream finished within the round that was running, or it was ended cleanly.
         assert ("error" in last and last["error"]["code"] == "shutdown") or last["choices"][0]["finish_reason"]
+        assert daemon.stop() == 0, daemon.log()
+    finally:
+        daemon.kill()
+
+
+def test_socket_activation_serves_on_the_socket_systemd_passes(tiny_package: Path) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    # What systemd does: the listening socket as fd 3, LISTEN_PID naming the daemon, LISTEN_FDS=1.
+    activate = (
+        "import os, sys; os.dup2(int(sys.argv[1]), 3); "
+        "os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS='1'); os.execv(sys.argv[2], sys.argv[2:])"
+    )
+    wrapper = [sys.executable, "-c", activate, str(listener.fileno())]
+    daemon = start_daemon(tiny_package, wrapper=wrapper, pass_fds=[listener.fileno()])
+    try:
+        listener.close()  # the daemon holds its own copy
+        assert daemon.events("listening")[0]["port"] == port
+        completion = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": tiny_package.name, "prompt": "The sea", "max_tokens": 2},
+            timeout=60,
+        )
+        assert completion.status_code == 200
         assert daemon.stop() == 0, daemon.log()
     finally:
         daemon.kill()
