@@ -45,26 +45,36 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--config", metavar="PATH", help=f"a TOML file of settings (default: ${CONFIG_ENV})")
     add("--host", help="the address to listen on (default 127.0.0.1)")
     add("--port", metavar="N", help="the TCP port (default 8000; 0 picks a free one, logged in the 'listening' event)")
-    add("--served-model-name", metavar="NAME", help="the model name clients send (default: the package directory's name)")
-    add("--kv-cache-memory", metavar="SIZE", help='memory for the KV cache, e.g. "2GiB" or "512MiB" (default: sized for max_concurrency full contexts)')
-    add("--max-concurrency", metavar="N", help="requests run at once (default and maximum: the package's serving.max_concurrency)")
+    add("--served-model-name", metavar="NAME",
+        help="the model name clients send (default: the package directory's name)")
+    add("--kv-cache-memory", metavar="SIZE",
+        help='memory for the KV cache, e.g. "2GiB" or "512MiB" (default: sized for max_concurrency full contexts)')
+    add("--max-concurrency", metavar="N",
+        help="requests run at once (default and maximum: the package's serving.max_concurrency)")
     add("--max-waiting", metavar="N", help="requests queued beyond those; past it, 429 (default 256)")
-    add("--draft-tokens", metavar="N", help="speculative draft tokens per round; may only lower the package's (0 turns speculation off)")
+    add("--draft-tokens", metavar="N",
+        help="speculative draft tokens per round; may only lower the package's (0 turns speculation off)")
     add("--vocabulary-shards", metavar="S", help="shards of the vocabulary-parallel sampler (default 1)")
-    add("--sampling-policy", choices=("package", "unfiltered"), help="serve the package's policy, or its unfiltered() form (default package)")
-    add("--on-invalid-speculation", choices=("fallback", "fail"), help="retry a row without drafts, or fail the request (default fallback)")
-    add("--fault-injection", action="store_const", const=True, help="honour the X-Flare-Fault test header (off by default)")
+    add("--sampling-policy", choices=("package", "unfiltered"),
+        help="serve the package's policy, or its unfiltered() form (default package)")
+    add("--on-invalid-speculation", choices=("fallback", "fail"),
+        help="retry a row without drafts, or fail the request (default fallback)")
+    add("--fault-injection", action="store_const", const=True,
+        help="honour the X-Flare-Fault test header (off by default)")
     add("--device", metavar="DEVICE", help="auto, cpu, cuda or cuda:N (default auto)")
     add("--log-level", choices=("debug", "info", "warning", "error"), help="default info")
-    add("--log-format", choices=("auto", "json", "console"), help="default auto: console on a terminal, JSON lines otherwise")
+    add("--log-format", choices=("auto", "json", "console"),
+        help="default auto: console on a terminal, JSON lines otherwise")
     add("--api-key", action="append", metavar="KEY", help="require 'Authorization: Bearer KEY' (repeatable)")
     add("--api-key-file", metavar="PATH", help="a file with one API key a line")
     add("--metrics-require-key", action="store_const", const=True, help="require an API key for /metrics too")
     add("--control-socket", metavar="PATH", help="the UNIX socket of `flare ctl`")
     add("--drain-grace-s", metavar="SECONDS", help="on SIGTERM, how long requests in flight may finish (default 30)")
     add("--max-body-bytes", metavar="SIZE", help="the largest request body; larger ones get 413 (default 1MiB)")
-    add("--request-timeout-s", metavar="SECONDS", help='a request running longer ends with a 504 error (default 600; "none": no limit)')
-    add("--cache-dir", metavar="PATH", help="where the default model's package is exported (default $FLARE_CACHE_DIR or ~/.cache/flare)")
+    add("--request-timeout-s", metavar="SECONDS",
+        help='a request running longer ends with a 504 error (default 600; "none": no limit)')
+    add("--cache-dir", metavar="PATH",
+        help="where the default model's package is exported (default $FLARE_CACHE_DIR or ~/.cache/flare)")
     return parser
 
 

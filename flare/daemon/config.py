@@ -287,7 +287,9 @@ def _api_key_file(key_file: Any, where: str) -> list[str]:
         raise ConfigError(
             f"{where}: cannot read {key_file} ({error}); pass a readable file with one API key a line"
         ) from None
-    keys = [_api_key(line, f"{where} {key_file}") for line in map(str.strip, lines) if line and not line.startswith("#")]
+    keys = [
+        _api_key(line, f"{where} {key_file}") for line in map(str.strip, lines) if line and not line.startswith("#")
+    ]
     if not keys:
         raise ConfigError(f"{where}: {key_file} holds no API key; write one key a line")
     return keys

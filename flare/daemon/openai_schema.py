@@ -157,7 +157,9 @@ def _messages(messages: Any) -> tuple[Mapping[str, str], ...]:
     if messages is None:
         raise bad_request("messages is required: a list of {role, content} objects", param="messages")
     if not isinstance(messages, list):
-        raise bad_request(f"messages must be a list of {{role, content}} objects, got {_kind(messages)}", param="messages")
+        raise bad_request(
+            f"messages must be a list of {{role, content}} objects, got {_kind(messages)}", param="messages"
+        )
     if not messages:
         raise bad_request("messages must hold at least one message", param="messages")
     return tuple(_message(i, message) for i, message in enumerate(messages))
@@ -210,7 +212,9 @@ def _prompt(prompt: Any) -> str:
         raise bad_request("prompt is required: a string", param="prompt")
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
         raise bad_request("several prompts per request are not supported; send one string", param="prompt")
-    raise bad_request(f"prompt must be a string (token id lists are not supported), got {_kind(prompt)}", param="prompt")
+    raise bad_request(
+        f"prompt must be a string (token id lists are not supported), got {_kind(prompt)}", param="prompt"
+    )
 
 
 def _streaming(body: Mapping[str, Any]) -> tuple[bool, bool]:

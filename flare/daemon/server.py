@@ -86,7 +86,7 @@ class Daemon:
             log.info("listening", host=host, port=port)
             self._warn_if_exposed(host)
             if self.config.fault_injection:
-                log.warning("fault_injection_enabled", message="X-Flare-Fault headers inject device statuses; tests only")
+                log.warning("fault_injection_enabled", message="X-Flare-Fault headers inject device statuses")
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(self._watch_signals, tasks.cancel_scope)
                 await self._start_serving(tasks)
