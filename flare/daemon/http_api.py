@@ -313,7 +313,7 @@ def _submit(scheduler: Scheduler, generation: GenerationRequest, prompt_param: s
     except QueueFull as full:
         raise ApiError(
             429,
-            "the server is at capacity: every running slot and the waiting queue are full; retry later",
+            f"the server is at capacity ({full}); retry after the Retry-After seconds",
             type=RATE_LIMIT,
             code="queue_full",
             headers={"Retry-After": str(max(1, math.ceil(full.retry_after_s)))},
