@@ -88,6 +88,7 @@ class ForwardBatch:
     `token_ids`, `positions` and `slot_mapping` (the pool slot `block * block_size + offset` each
     new token's key and value is written to) are [num_tokens] in flat order. `logit_indices`
     [num_logits] are the flat indices of the tokens whose logits are returned, in row order.
+    `max_position` is the largest position, kept on the host so checking it costs no device read.
     """
 
     token_ids: torch.Tensor
@@ -97,6 +98,7 @@ class ForwardBatch:
     short_rows: ShortRowsAttention | None
     chunks: tuple[ChunkAttention, ...]
     block_size: int
+    max_position: int
 
     @property
     def num_tokens(self) -> int:
@@ -150,6 +152,7 @@ class ForwardBatch:
                 _chunk_attention(rows[i], row_offset[i], block_size, device) for i in long
             ),
             block_size=block_size,
+            max_position=max(row.end_position for row in rows) - 1,
         )
 
 

@@ -120,10 +120,9 @@ class LlamaModel:
             raise ValueError(
                 f"the batch was built for blocks of {batch.block_size} tokens, the cache has {kv_cache.block_size}"
             )
-        last_position = int(batch.positions.max())
-        if last_position >= self.config.max_position_embeddings:
+        if batch.max_position >= self.config.max_position_embeddings:
             raise ValueError(
-                f"position {last_position} is past the model's context of {self.config.max_position_embeddings}"
+                f"position {batch.max_position} is past the model's context of {self.config.max_position_embeddings}"
             )
         cfg = self.config
         num_tokens = batch.num_tokens

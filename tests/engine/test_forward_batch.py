@@ -28,6 +28,7 @@ def test_mixed_rows_put_short_rows_first_and_logits_in_row_order() -> None:
     # Logits in row order: the long chunk's last token, the decode row, the three verify tokens.
     assert batch.logit_indices.tolist() == [4 + 19, 0, 1, 2, 3]
     assert batch.num_tokens == 24 and batch.num_logits == 5
+    assert batch.max_position == 27
 
     short = batch.short_rows
     assert short is not None
