@@ -65,7 +65,7 @@ def _gumbel_candidates_kernel(
         best_index = tl.where(block_best > best, block_index, best_index)
         best = tl.maximum(best, block_best)
         if HAS_Q:
-            q = tl.load(draft_q_ptr + row * vocab_size + offsets, mask=in_shard, other=0.0)
+            q = tl.load(draft_q_ptr + row.to(tl.int64) * vocab_size + offsets, mask=in_shard, other=0.0)
             p = tl.where(kept, tl.exp(x - row_max), 0.0) / sumexp
             residual = tl.maximum(p - q, 0.0)
             residual_mass += residual

@@ -34,7 +34,7 @@ def _penalize_and_scale_kernel(
     SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    position = tl.program_id(0)
+    position = tl.program_id(0).to(tl.int64)  # int64 offsets: N * V may pass 2**31
     row = tl.load(row_of_position_ptr + position)
     index_in_row = tl.load(index_in_row_ptr + position)
     divisor = tl.load(divisor_ptr + row)
