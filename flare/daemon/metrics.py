@@ -19,11 +19,13 @@ from prometheus_client.exposition import choose_encoder
 
 # How one HTTP request ended, the `outcome` label of flare_http_requests_total:
 #   success    answered in full (2xx, a stream that ended with [DONE])
-#   failed     ended by a RequestFailure (a device status, a timeout, shutdown)
-#   cancelled  the client went away, or an operator cancelled it (`flare ctl cancel`)
-#   rejected   refused at admission: queue full (429) or draining (503)
-#   invalid    refused for its input or credentials (other 4xx)
-#   error      anything else (5xx); the rules say this never happens, this label proves it
+#   failed     ended by a RequestFailure: the device failed the row (502), the request timed
+#              out (504), or a stream reported a failure after its 200 status line
+#   cancelled  the client went away, or an operator cancelled a stream (`flare ctl cancel`)
+#   rejected   refused or ended by the server's state: queue full (429), draining, loading or
+#              shutting down (503)
+#   invalid    refused for its input or credentials (other 4xx, 422 included)
+#   error      any other 5xx; the rules say this never happens, this label proves it
 Outcome = Literal["success", "failed", "cancelled", "rejected", "invalid", "error"]
 OUTCOMES: tuple[Outcome, ...] = ("success", "failed", "cancelled", "rejected", "invalid", "error")
 
@@ -43,6 +45,8 @@ def outcome_for_status(status: int) -> Outcome:
         return "rejected"
     if status < 500:
         return "invalid"
+    if status in (502, 504):
+        return "failed"
     return "error"
 
 

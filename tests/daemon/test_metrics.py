@@ -121,13 +121,16 @@ def test_registries_are_independent() -> None:
 
 
 def test_outcome_of_a_status_code() -> None:
-    assert [outcome_for_status(s) for s in (200, 401, 404, 413, 429, 503, 502)] == [
+    assert [outcome_for_status(s) for s in (200, 401, 404, 413, 422, 429, 503, 502, 504, 500)] == [
         "success",
         "invalid",
         "invalid",
         "invalid",
+        "invalid",
         "rejected",
         "rejected",
+        "failed",
+        "failed",
         "error",
     ]
 
