@@ -195,3 +195,48 @@ def test_socket_activation_serves_on_the_socket_systemd_passes(tiny_package: Pat
         assert daemon.stop() == 0, daemon.log()
     finally:
         daemon.kill()
+
+
+async def test_a_client_that_disconnects_mid_stream_cancels_its_request(
+    daemon: DaemonProcess, model: str, client: openai.AsyncOpenAI
+) -> None:
+    body = {"model": model, "messages": CHAT, "stream": True, "max_tokens": 400, "temperature": 1.0}
+    async with httpx.AsyncClient(base_url=daemon.base_url, timeout=60) as http:
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            first = await anext(response.aiter_lines())
+            completion_id = json.loads(first.removeprefix("data: "))["id"]
+    for _ in range(600):
+        if any(e.get("completion_id") == completion_id for e in daemon.events("generation_cancelled")):
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError(f"no generation_cancelled event for {completion_id}:\n{daemon.log()}")
+    completion = await client.chat.completions.create(model=model, messages=CHAT, max_tokens=4)
+    assert completion.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_overload_is_429_with_retry_after_and_api_keys_are_enforced(tiny_package: Path) -> None:
+    daemon = start_daemon(tiny_package, ["--max-concurrency", "1", "--max-waiting", "1", "--api-key", "sk-test"])
+    try:
+        anonymous = openai.AsyncOpenAI(base_url=f"{daemon.base_url}/v1", api_key="sk-wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await anonymous.models.list()
+        assert daemon.health() == 200  # /health stays public
+
+        keyed = openai.AsyncOpenAI(base_url=f"{daemon.base_url}/v1", api_key="sk-test", max_retries=0)
+
+        async def one() -> int:
+            try:
+                await keyed.chat.completions.create(
+                    model=tiny_package.name, messages=CHAT, max_tokens=48, temperature=1.0
+                )
+            except openai.RateLimitError as error:
+                assert int(error.response.headers["Retry-After"]) >= 1
+                return 429
+            return 200
+
+        statuses = await asyncio.gather(*(one() for _ in range(6)))
+        assert 200 in statuses and 429 in statuses
+        assert daemon.stop() == 0, daemon.log()
+    finally:
+        daemon.kill()
