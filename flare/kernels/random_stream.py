@@ -39,12 +39,16 @@ def as_int32(value: int) -> int:
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 on int32 tensors (wrapping arithmetic, logical shifts)."""
-    x = x ^ ((x >> 16) & 0xFFFF)
-    x = x * as_int32(MIX_MULTIPLIER_1)
-    x = x ^ ((x >> 15) & 0x1FFFF)
-    x = x * as_int32(MIX_MULTIPLIER_2)
-    return x ^ ((x >> 16) & 0xFFFF)
+    """lowbias32 on int32 tensors (wrapping arithmetic, logical shifts); ``x`` is not modified.
+
+    After the first step the work is in place on a fresh tensor: this runs over [rows, vocab]
+    on the CPU, where every large temporary costs page faults.
+    """
+    x = x ^ (x >> 16).bitwise_and_(0xFFFF)
+    x.mul_(as_int32(MIX_MULTIPLIER_1))
+    x.bitwise_xor_((x >> 15).bitwise_and_(0x1FFFF))
+    x.mul_(as_int32(MIX_MULTIPLIER_2))
+    return x.bitwise_xor_((x >> 16).bitwise_and_(0xFFFF))
 
 
 def _low32(x: torch.Tensor) -> torch.Tensor:
@@ -73,5 +77,5 @@ def uniform(bits: torch.Tensor) -> torch.Tensor:
 
 def gumbel(bits: torch.Tensor) -> torch.Tensor:
     """Standard Gumbel noise -log(-log(u)) with u = (k + 0.5) / 2**24 strictly inside (0, 1)."""
-    u = (((bits >> 8) & 0xFFFFFF).to(torch.float32) + 0.5) * (1.0 / (1 << UNIFORM_BITS))
-    return -torch.log(-torch.log(u))
+    u = (bits >> 8).bitwise_and_(0xFFFFFF).to(torch.float32)
+    return u.add_(0.5).mul_(1.0 / (1 << UNIFORM_BITS)).log_().neg_().log_().neg_()
