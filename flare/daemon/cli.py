@@ -110,7 +110,7 @@ def run_command(args: argparse.Namespace) -> int:
     from flare.daemon.server import StartupError, serve
 
     try:
-        serve(config)
+        serve(config, reload_config=lambda: load_config(args, os.environ))
     except StartupError as error:
         return _usage_error(f"flare run: error: {error}")
     return 0

@@ -32,6 +32,7 @@ from flare.daemon.errors import (
     error_body,
     failure_body,
 )
+from flare.daemon.metrics import OUTCOME
 from flare.daemon.openai_responses import ChatCompletionShape, ResponseShape, TextCompletionShape, flare_object
 from flare.daemon.openai_schema import check_model, parse_chat_completion, parse_completion, parse_json_body
 from flare.daemon.sse import DONE, SSE_HEADERS, sse_data
@@ -55,9 +56,19 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("flare.daemon.http")
 
-CONFIG = web.AppKey("config", DaemonConfig)
+class ApiSettings:
+    """The settings requests read as they arrive; a reload (SIGHUP) swaps them in place."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.update(config)
+
+    def update(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.keys = ApiKeys(config.api_keys)
+
+
+SETTINGS = web.AppKey("settings", ApiSettings)
 STATE = web.AppKey("state", ServingState)
-KEYS = web.AppKey("api_keys", ApiKeys)
 REQUEST_ID = web.RequestKey("request_id", str)
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -74,9 +85,8 @@ def create_app(config: DaemonConfig, state: ServingState) -> web.Application:
         client_max_size=config.max_body_bytes,
         middlewares=[_request_context, _errors, _authentication],
     )
-    app[CONFIG] = config
+    app[SETTINGS] = ApiSettings(config)
     app[STATE] = state
-    app[KEYS] = ApiKeys(config.api_keys)
     app.on_response_prepare.append(_add_request_id)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)
@@ -152,7 +162,7 @@ def _http_exception_response(request: web.Request, error: web.HTTPException) -> 
         message, code = f"{request.method} is not allowed on {request.path}; use {allowed}", "method_not_allowed"
         headers["Allow"] = allowed
     elif isinstance(error, web.HTTPRequestEntityTooLarge):
-        limit = request.app[CONFIG].max_body_bytes
+        limit = request.app[SETTINGS].config.max_body_bytes
         message, code = f"the request body is larger than the limit of {limit} bytes", "request_too_large"
     else:
         message, code = error.reason, None
@@ -163,9 +173,9 @@ def _http_exception_response(request: web.Request, error: web.HTTPException) -> 
 
 @web.middleware
 async def _authentication(request: web.Request, handler: Handler) -> web.StreamResponse:
-    keys = request.app[KEYS]
+    keys = request.app[SETTINGS].keys
     public = request.path in _PUBLIC_PATHS or (
-        request.path == "/metrics" and not request.app[CONFIG].metrics_require_key
+        request.path == "/metrics" and not request.app[SETTINGS].config.metrics_require_key
     )
     if keys.required and not public and not keys.accepts(request.headers.get("Authorization")):
         raise ApiError(
@@ -262,7 +272,7 @@ async def _generate(
     stream: bool,
     shape: ResponseShape,
 ) -> web.StreamResponse:
-    config = request.app[CONFIG]
+    config = request.app[SETTINGS].config
     room = scheduler.max_context - len(prompt_ids)
     if room < 1:
         raise bad_request(
@@ -406,6 +416,8 @@ async def _stream(
                 await response.write(sse_data(shape.usage_chunk(event.usage)))
             _log_end(event)
         else:
+            # The status line said 200; the metrics must still count a failure.
+            request[OUTCOME] = "cancelled" if event.failure.code == "cancelled" else "failed"
             await response.write(sse_data(failure_body(event.failure)))
             _log_end(event)
         await response.write(DONE)

@@ -22,6 +22,8 @@ import signal
 import socket
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import fields, replace
+from functools import partial
 from typing import TypeVar
 
 import anyio
@@ -29,14 +31,19 @@ import structlog
 import torch
 from aiohttp import web
 
-from flare.daemon.config import DaemonConfig
-from flare.daemon.http_api import create_app
-from flare.daemon.logging import configure_logging
+from flare.daemon.config import ConfigError, DaemonConfig, load_config
+from flare.daemon.control import ControlSocketError, DaemonControl, serve_control
+from flare.daemon.ctl import default_control_socket
+from flare.daemon.http_api import SETTINGS, create_app
+from flare.daemon.logging import LogControl, configure_logging
+from flare.daemon.metrics import DaemonMetrics, http_metrics_middleware, metrics_handler
+from flare.daemon.notify import SystemdNotifier, WatchdogHeartbeat, publish_status
 from flare.daemon.state import ServingState
 from flare.preparation.default_model import DEFAULT_GGUF_NAME, default_package_path
 from flare.preparation.export import ExportError
 from flare.preparation.package import PackageError, open_package
 from flare.preparation.source import SourceError
+from flare.scheduler.metrics import SchedulerMetrics
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions
 
 log = structlog.get_logger("flare.daemon")
@@ -47,6 +54,10 @@ SD_LISTEN_FDS_START = 3
 _FLUSH_TIMEOUT_S = 5.0
 _POLL_S = 0.05
 DEFAULT_MODEL_NAME = DEFAULT_GGUF_NAME.split(".")[0]  # "SmolLM2-135M-Instruct"
+# What a reload (SIGHUP) changes in the running daemon; every other setting needs a restart.
+RELOADABLE_SETTINGS = frozenset({"log_level", "api_keys", "metrics_require_key", "max_waiting", "request_timeout_s"})
+# How often systemd's STATUS= line is refreshed (sent only when it changed).
+STATUS_INTERVAL_S = 5.0
 
 T = TypeVar("T")
 
@@ -55,20 +66,37 @@ class StartupError(Exception):
     """The daemon cannot start as configured; the message names the cause and the fix."""
 
 
-def serve(config: DaemonConfig, environ: Mapping[str, str] | None = None) -> None:
-    """Run the daemon until it is stopped. Raises StartupError when it cannot start."""
-    daemon = Daemon(config, os.environ if environ is None else environ)
+def serve(
+    config: DaemonConfig,
+    environ: Mapping[str, str] | None = None,
+    reload_config: Callable[[], DaemonConfig] | None = None,
+) -> None:
+    """Run the daemon until it is stopped. Raises StartupError when it cannot start.
+    `reload_config` reads the settings again on SIGHUP (default: the environment and file only)."""
+    daemon = Daemon(config, os.environ if environ is None else environ, reload_config)
     anyio.run(daemon.run, backend="asyncio", backend_options={"use_uvloop": True})
 
 
 class Daemon:
     """Everything the running daemon owns, built once at start and passed down."""
 
-    def __init__(self, config: DaemonConfig, environ: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        config: DaemonConfig,
+        environ: Mapping[str, str],
+        reload_config: Callable[[], DaemonConfig] | None = None,
+    ) -> None:
         self.config = config
         self.environ = environ
+        self.reload_config = reload_config or partial(load_config, None, environ)
+        self.notifier = SystemdNotifier(environ)
+        self.metrics = DaemonMetrics.create()
         self.state = ServingState()
         self.app = create_app(config, self.state)
+        # Outermost, so it counts the status the error middleware chose.
+        self.app.middlewares.insert(0, http_metrics_middleware(self.metrics.http))
+        self.app.router.add_get("/metrics", metrics_handler(self.metrics.registry))
+        self.log_control: LogControl | None = None
         self.scheduler: Scheduler | None = None
         self.address: tuple[str, int] | None = None  # (host, port) once listening
         self._stop_requested = anyio.Event()
@@ -76,7 +104,7 @@ class Daemon:
         self._startup_error: StartupError | None = None
 
     async def run(self) -> None:
-        configure_logging(self.config.log_level, self.config.log_format, environ=self.environ)
+        self.log_control = configure_logging(self.config.log_level, self.config.log_format, environ=self.environ)
         sock = self._listening_socket()
         runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=_FLUSH_TIMEOUT_S)
         await runner.setup()
@@ -89,7 +117,9 @@ class Daemon:
                 log.warning("fault_injection_enabled", message="X-Flare-Fault headers inject device statuses")
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(self._watch_signals, tasks.cancel_scope)
-                await self._start_serving(tasks)
+                tasks.start_soon(self._watch_reload)
+                control = await self._start_control(tasks)
+                await self._start_serving(tasks, control)
                 await self._stop_requested.wait()
                 await self._shut_down()
                 tasks.cancel_scope.cancel()
@@ -135,8 +165,24 @@ class Daemon:
                 message="anyone who can reach this address can use the model; set --api-key or --api-key-file",
             )
 
-    async def _start_serving(self, tasks: anyio.abc.TaskGroup) -> None:
-        log.info("loading", package=str(self.config.package) if self.config.package else "default")
+    async def _start_control(self, tasks: anyio.abc.TaskGroup) -> DaemonControl:
+        """Serve `flare ctl` from the start (commands that need the model answer "loading" until
+        it is ready). A socket that cannot be created is fatal only when it was configured."""
+        assert self.log_control is not None
+        control = DaemonControl(self.state, config=lambda: self.config, log_control=self.log_control)
+        path = self.config.control_socket or default_control_socket(self.environ)
+        try:
+            await tasks.start(serve_control, control, path)
+        except ControlSocketError as error:
+            if self.config.control_socket is not None:
+                raise StartupError(str(error)) from None
+            log.warning("control_socket_unavailable", message=f"{error}; `flare ctl` cannot reach this daemon")
+        return control
+
+    async def _start_serving(self, tasks: anyio.abc.TaskGroup, control: DaemonControl) -> None:
+        package = str(self.config.package) if self.config.package else "default"
+        log.info("loading", package=package)
+        self.notifier.status(f"loading {package}")
         try:
             scheduler = await _in_daemon_thread(self._load_scheduler)
         except StartupError as error:
@@ -153,6 +199,8 @@ class Daemon:
         )
         self.state.ready(scheduler, model_name)
         log.info("ready", model=model_name, max_context=scheduler.max_context)
+        self.notifier.ready()
+        tasks.start_soon(publish_status, self.notifier, lambda: control.status().summary(), STATUS_INTERVAL_S)
 
     def _load_scheduler(self) -> Scheduler:
         """Open and check the package, load its weights and size the KV cache (a worker thread)."""
@@ -174,7 +222,12 @@ class Daemon:
             device=_device(config.device),
         )
         try:
-            return Scheduler.from_package(package, options)
+            return Scheduler.from_package(
+                package,
+                options,
+                metrics=SchedulerMetrics(self.metrics.registry, max_draft_tokens=package.manifest.serving.draft_tokens),
+                heartbeat=WatchdogHeartbeat(self.notifier),
+            )
         except (PackageError, ValueError) as error:
             # The package's policy contradicts its sampler, or an option asks for more than the
             # package allows (--draft-tokens): the message names both and the fix.
@@ -191,6 +244,7 @@ class Daemon:
             async for signum in signals:
                 log.info("signal_received", signal=signal.Signals(signum).name)
                 if self.scheduler is None:
+                    self.notifier.stopping()
                     scope.cancel()  # still loading: nothing admitted, nothing to drain
                     return
                 if self._stop_requested.is_set():
@@ -198,6 +252,7 @@ class Daemon:
                 self._stop_requested.set()
 
     async def _shut_down(self) -> None:
+        self.notifier.stopping()
         scheduler = self.scheduler
         if scheduler is None:
             return
@@ -216,6 +271,46 @@ class Daemon:
         with anyio.move_on_after(_FLUSH_TIMEOUT_S):
             while in_flight:
                 await anyio.sleep(_POLL_S)
+
+
+    # --- reload --------------------------------------------------------------------------------
+
+    async def _watch_reload(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGHUP) as signals:
+            async for _ in signals:
+                await self.reload()
+
+    async def reload(self) -> None:
+        """Read the settings again and apply those that can change while running (SIGHUP).
+        Settings that do not load are rejected whole: the running ones stay."""
+        self.notifier.reloading()
+        try:
+            loaded = await anyio.to_thread.run_sync(self.reload_config)
+        except ConfigError as error:
+            log.error("reload_rejected", message=str(error))
+        else:
+            self._apply(loaded)
+        finally:
+            self.notifier.ready()
+
+    def _apply(self, loaded: DaemonConfig) -> None:
+        current = self.config
+        needs_restart = [
+            f.name
+            for f in fields(DaemonConfig)
+            if f.name not in RELOADABLE_SETTINGS and getattr(loaded, f.name) != getattr(current, f.name)
+        ]
+        applied = replace(loaded, **{name: getattr(current, name) for name in needs_restart})
+        assert self.log_control is not None
+        self.log_control.set_level(applied.log_level)
+        self.app[SETTINGS].update(applied)
+        if self.scheduler is not None:
+            self.scheduler.options = replace(self.scheduler.options, max_waiting=applied.max_waiting)
+        self.config = applied
+        changed = sorted(name for name in RELOADABLE_SETTINGS if getattr(applied, name) != getattr(current, name))
+        log.info("reloaded", changed=changed)  # names only, never a key
+        if needs_restart:
+            log.warning("reload_needs_restart", settings=needs_restart)
 
 
 def _device(choice: str) -> str:
