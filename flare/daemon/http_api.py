@@ -15,6 +15,7 @@ import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -32,6 +33,7 @@ from flare.daemon.errors import (
     error_body,
     failure_body,
 )
+from flare.daemon.logging import log_access
 from flare.daemon.metrics import OUTCOME
 from flare.daemon.openai_responses import ChatCompletionShape, ResponseShape, TextCompletionShape, flare_object
 from flare.daemon.openai_schema import check_model, parse_chat_completion, parse_completion, parse_json_body
@@ -49,6 +51,7 @@ from flare.scheduler.request import (
     RequestStream,
     StreamEvent,
     TextDelta,
+    Usage,
 )
 
 if TYPE_CHECKING:
@@ -70,6 +73,22 @@ class ApiSettings:
 SETTINGS = web.AppKey("settings", ApiSettings)
 STATE = web.AppKey("state", ServingState)
 REQUEST_ID = web.RequestKey("request_id", str)
+
+
+@dataclass
+class Generated:
+    """What the access line reports about a generation request."""
+
+    started: float
+    ttft_s: float | None = None
+    usage: Usage | None = None
+
+    def token(self) -> None:
+        if self.ttft_s is None:
+            self.ttft_s = time.perf_counter() - self.started
+
+
+GENERATED = web.RequestKey("generated", Generated)
 
 REQUEST_ID_HEADER = "X-Request-Id"
 FAULT_HEADER = "X-Flare-Fault"
@@ -111,12 +130,18 @@ async def _request_context(request: web.Request, handler: Handler) -> web.Stream
     started = time.perf_counter()
     with structlog.contextvars.bound_contextvars(request_id=request_id):
         response = await handler(request)
-        log.info(
-            "http_request",
+        generated = request.get(GENERATED)
+        usage = generated.usage if generated is not None else None
+        log_access(
+            log,
             method=request.method,
             path=request.path,
             status=response.status,
-            duration_ms=round((time.perf_counter() - started) * 1000, 1),
+            request_id=request_id,
+            duration_s=time.perf_counter() - started,
+            prompt_tokens=usage.prompt_tokens if usage is not None else None,
+            completion_tokens=usage.completion_tokens if usage is not None else None,
+            ttft_s=generated.ttft_s if generated is not None else None,
         )
         return response
 
@@ -289,6 +314,7 @@ async def _generate(
         fault=_fault(request, config),
     )
     events = _submit(scheduler, generation, prompt_param)
+    generated = request[GENERATED] = Generated(time.perf_counter())
     state = request.app[STATE]
     state.in_flight.add(generation.request_id)
     ended = False
@@ -299,12 +325,12 @@ async def _generate(
         try:
             deadline = _Deadline(scheduler, generation.request_id, config.request_timeout_s)
             if not stream:
-                collected = await _collect(events, deadline, shape, flare, headers)
+                collected = await _collect(events, deadline, shape, flare, headers, generated)
                 ended = True
                 return collected
             response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
             try:
-                await _stream(request, response, events, deadline, shape, flare)
+                await _stream(request, response, events, deadline, shape, flare, generated)
             except ConnectionResetError:
                 return response  # the client is gone; `finally` cancels the request
             ended = True
@@ -396,6 +422,7 @@ async def _stream(
     deadline: _Deadline,
     shape: ResponseShape,
     flare: dict[str, Any],
+    generated: Generated,
 ) -> None:
     await response.prepare(request)
     first = shape.first_chunk()
@@ -404,6 +431,7 @@ async def _stream(
     while True:
         event = await deadline.next_event(events)
         if isinstance(event, TextDelta):
+            generated.token()
             if event.text:
                 await response.write(sse_data(shape.text_chunk(event.text)))
             continue
@@ -414,12 +442,12 @@ async def _stream(
             await response.write(sse_data(final))
             if shape.include_usage:
                 await response.write(sse_data(shape.usage_chunk(event.usage)))
-            _log_end(event)
+            _log_end(event, generated)
         else:
             # The status line said 200; the metrics must still count a failure.
             request[OUTCOME] = "cancelled" if event.failure.code == "cancelled" else "failed"
             await response.write(sse_data(failure_body(event.failure)))
-            _log_end(event)
+            _log_end(event, generated)
         await response.write(DONE)
         await response.write_eof()
         return
@@ -431,14 +459,16 @@ async def _collect(
     shape: ResponseShape,
     flare: dict[str, Any],
     headers: Mapping[str, str],
+    generated: Generated,
 ) -> web.Response:
     texts = []
     while True:
         event = await deadline.next_event(events)
         if isinstance(event, TextDelta):
+            generated.token()
             texts.append(event.text)
             continue
-        _log_end(event)
+        _log_end(event, generated)
         if isinstance(event, Failed):
             return web.json_response(failure_body(event.failure), status=event.failure.http_status)
         body = shape.body("".join(texts), event.reason, event.usage)
@@ -446,7 +476,8 @@ async def _collect(
         return web.json_response(body, headers=headers)
 
 
-def _log_end(event: Finished | Failed) -> None:
+def _log_end(event: Finished | Failed, generated: Generated) -> None:
+    generated.usage = event.usage
     if isinstance(event, Finished):
         log.info(
             "generation_finished",

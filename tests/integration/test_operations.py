@@ -128,6 +128,14 @@ class Operated:
         )
         return urllib.request.urlopen(request, timeout=120)
 
+    def last_access(self, path: str) -> dict[str, Any]:
+        """The latest access line for `path` (the log is read by another thread: wait for it)."""
+        deadline = time.monotonic() + 10
+        while not (lines := [e for e in self.daemon.events("access") if e["path"] == path]):
+            assert time.monotonic() < deadline, "no access line for " + path
+            time.sleep(0.05)
+        return lines[-1]
+
     def metric(self, name: str, **labels: str) -> float:
         _, text = self.get("/metrics")
         wanted = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
@@ -223,6 +231,11 @@ def test_metrics_move_as_requests_run(operated: Operated) -> None:
         "flare_http_requests_total", endpoint="/v1/chat/completions", outcome="success"
     ) == answered + 1
     assert operated.metric("flare_kv_blocks_total") > 0
+    access = operated.last_access("/v1/chat/completions")
+    assert access["status"] == 200 and access["method"] == "POST" and access["request_id"]
+    assert access["completion_tokens"] == body["usage"]["completion_tokens"]
+    assert access["prompt_tokens"] == body["usage"]["prompt_tokens"]
+    assert access["ttft_ms"] <= access["duration_ms"]
 
 
 def sse_events(response: Any) -> list[Any]:
