@@ -37,7 +37,7 @@ def parse_log_level(name: str) -> int:
 
 
 def resolve_log_format(log_format: str, stream: TextIO, environ: Mapping[str, str]) -> Literal["json", "console"]:
-    """"auto" means JSON under systemd (JOURNAL_STREAM) or when the stream is not a terminal."""
+    """JSON or console; "auto" means JSON under systemd (JOURNAL_STREAM) or off a terminal."""
     if log_format == "json" or log_format == "console":
         return log_format
     if log_format != "auto":

@@ -16,7 +16,6 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, ProcessCollector
 from prometheus_client.exposition import choose_encoder
 
-
 # How one HTTP request ended, the `outcome` label of flare_http_requests_total:
 #   success    answered in full (2xx, a stream that ended with [DONE])
 #   failed     ended by a RequestFailure: the device failed the row (502), the request timed

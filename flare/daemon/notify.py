@@ -60,9 +60,7 @@ class SystemdNotifier:
         try:
             self._sock.sendto(payload, self._address)
         except OSError as exc:
-            log.warning(
-                "notify.send_failed", notify_socket=self._socket_name, message=payload.decode(), error=str(exc)
-            )
+            log.warning("notify.send_failed", notify_socket=self._socket_name, message=payload.decode(), error=str(exc))
             return False
         return True
 

@@ -188,8 +188,16 @@ def test_watchdog_is_pinged_from_the_scheduler_loop(operated: Operated) -> None:
 def test_status_json_has_the_documented_keys_and_the_socket_is_0660(operated: Operated) -> None:
     operated.notify.wait_for("READY=1")
     status = operated.ctl_json("status")
-    for key in ("package", "uptime_s", "running", "waiting", "kv_blocks_used", "kv_blocks_total", "draining",
-                "device_statuses"):
+    for key in (
+        "package",
+        "uptime_s",
+        "running",
+        "waiting",
+        "kv_blocks_used",
+        "kv_blocks_total",
+        "draining",
+        "device_statuses",
+    ):
         assert key in status
     assert status["running"] == 0 and status["draining"] is False and status["kv_blocks_total"] > 0
     assert stat.S_IMODE(operated.control.stat().st_mode) == 0o660
@@ -227,9 +235,9 @@ def test_metrics_move_as_requests_run(operated: Operated) -> None:
     status, body = operated.chat(max_tokens=4)
     assert status == 200
     assert operated.metric("flare_generated_tokens_total") == generated + body["usage"]["completion_tokens"]
-    assert operated.metric(
-        "flare_http_requests_total", endpoint="/v1/chat/completions", outcome="success"
-    ) == answered + 1
+    assert (
+        operated.metric("flare_http_requests_total", endpoint="/v1/chat/completions", outcome="success") == answered + 1
+    )
     assert operated.metric("flare_kv_blocks_total") > 0
     access = operated.last_access("/v1/chat/completions")
     assert access["status"] == 200 and access["method"] == "POST" and access["request_id"]
@@ -264,9 +272,10 @@ def test_cancel_ends_a_running_stream_with_a_cancelled_error(operated: Operated)
     error = json.loads(events[-2])["error"]
     assert error["code"] == "cancelled" and "flare ctl cancel" in error["message"]
     assert operated.ctl_json("requests") == {"requests": []}
-    assert operated.metric(
-        "flare_http_requests_total", endpoint="/v1/chat/completions", outcome="cancelled"
-    ) == cancelled_before + 1
+    assert (
+        operated.metric("flare_http_requests_total", endpoint="/v1/chat/completions", outcome="cancelled")
+        == cancelled_before + 1
+    )
 
 
 def test_a_failed_stream_is_counted_as_failed_with_its_device_status(operated: Operated) -> None:
@@ -276,9 +285,7 @@ def test_a_failed_stream_is_counted_as_failed_with_its_device_status(operated: O
     with operated.stream(max_tokens=8, fault="NONFINITE_LOGITS") as response:
         events = sse_events(response)
     assert json.loads(events[-2])["error"]["code"] == "NONFINITE_LOGITS"
-    assert operated.metric(
-        "flare_http_requests_total", endpoint="/v1/chat/completions", outcome="failed"
-    ) == failed + 1
+    assert operated.metric("flare_http_requests_total", endpoint="/v1/chat/completions", outcome="failed") == failed + 1
     assert operated.metric("flare_device_statuses_total", status="NONFINITE_LOGITS") == nonfinite + 1
     assert operated.ctl_json("status")["device_statuses"]["NONFINITE_LOGITS"] >= 1
 
