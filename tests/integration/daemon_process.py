@@ -21,14 +21,16 @@ STARTUP_TIMEOUT_S = 180.0
 class DaemonProcess:
     def __init__(
         self,
-        package: Path,
+        package: Path | None,
         *flags: str,
         env: dict[str, str] | None = None,
         wrapper: Sequence[str] = (),
         pass_fds: Sequence[int] = (),
     ) -> None:
         # `python -m flare.daemon.cli` is the `flare` console script without needing it installed.
-        command = [sys.executable, "-m", "flare.daemon.cli", "run", str(package), "--port", "0", "--log-format", "json"]
+        command = [sys.executable, "-m", "flare.daemon.cli", "run", "--port", "0", "--log-format", "json"]
+        if package is not None:  # None: the default model
+            command.append(str(package))
         self.process = subprocess.Popen(
             [*wrapper, *command, *flags],
             pass_fds=pass_fds,
@@ -106,7 +108,7 @@ def _json_line(line: str) -> dict:
 
 
 def start_daemon(
-    package: Path,
+    package: Path | None,
     flags: Sequence[str] = (),
     env: dict[str, str] | None = None,
     wrapper: Sequence[str] = (),
