@@ -18,6 +18,8 @@ from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
 from flare.engine.model import LlamaModel
 from flare.kernels import SamplingBatch, sample_round
+from flare.kernels.faults import inject_fault
+from flare.kernels.round import RoundResult as KernelResult
 from flare.kernels.status import DeviceStatus
 from flare.sampling.params import SamplingParams
 
@@ -96,58 +98,50 @@ class ModelRunner:
     def execute(self, plan: RoundPlan) -> RoundResult:
         started = time.perf_counter()
         with torch.inference_mode():
-            rows = [self._with_fault(row) for row in plan.rows]
             batch = ForwardBatch.build(
                 [
                     # An out-of-vocabulary draft must reach the verify kernel (status
                     # INVALID_DRAFT_TOKEN), not crash the embedding lookup of the whole round.
                     ForwardRow(self._embeddable(row.token_ids), row.start_position, row.block_table, row.num_logits)
-                    for row in rows
+                    for row in plan.rows
                 ],
                 self.kv_cache.block_size,
                 self.device,
             )
             logits = self.model.forward(batch, self.kv_cache)
-            sampling = [i for i, row in enumerate(rows) if row.samples]
-            results: list[RowResult | None] = [None] * len(rows)
-            if sampling:
-                self._inject_logit_faults(rows, sampling, logits)
-                for i, result in zip(sampling, self._sample(rows, sampling, logits, plan.rows)):
-                    results[i] = result
-        return RoundResult(tuple(results), time.perf_counter() - started)
+            sampling = [row for row in plan.rows if row.samples]
+            sampled = iter(self._sample(sampling, logits) if sampling else [])
+            results = tuple(next(sampled) if row.samples else None for row in plan.rows)
+        return RoundResult(results, time.perf_counter() - started)
 
-    def _sample(
-        self,
-        rows: list[PlannedRow],
-        sampling: list[int],
-        logits: torch.Tensor,
-        original: tuple[PlannedRow, ...],
-    ) -> list[RowResult]:
-        # Rows sampled by the vocabulary-parallel sampler and by the standard one go through
-        # separate kernel calls; the results are concatenated so the host reads them once.
-        offsets = _logit_offsets([rows[i] for i in sampling])
-        groups = [
-            [k for k, i in enumerate(sampling) if rows[i].vocabulary_parallel == parallel] for parallel in (False, True)
-        ]
-        tokens, emitted, statuses = [], [], []
-        order: list[int] = []
-        width = 1 + max(len(rows[i].draft_ids) for i in sampling)
-        for parallel, group in zip((False, True), groups):
-            if not group:
-                continue
-            group_rows = [rows[sampling[k]] for k in group]
-            group_logits = torch.cat([logits[offsets[k] : offsets[k] + rows[sampling[k]].num_logits] for k in group])
-            shards = self.vocabulary_shards if parallel else 1
-            if parallel and any(row.fault == DeviceStatus.INVALID_SPECULATION for row in group_rows):
-                shards = max(2, shards)  # the fault needs a truly sharded sampler
-            out = self._sample_rows(group_rows, group_logits, shards, width)
-            tokens.append(out.tokens)
-            emitted.append(out.num_emitted)
-            statuses.append(out.status)
-            order.extend(group)
+    def _sample(self, rows: list[PlannedRow], logits: torch.Tensor) -> list[RowResult]:
+        """Sample every row (logits holds exactly their positions, in order) with one host read."""
+        offsets = _logit_offsets(rows)
+        # A fault of INVALID_SPECULATION needs the sharded sampler; everything else follows the
+        # package's sampler unless the row fell back.
+        parallel = [row.vocabulary_parallel or row.fault == DeviceStatus.INVALID_SPECULATION for row in rows]
+        groups = [[k for k in range(len(rows)) if parallel[k] == p] for p in (False, True)]
+        groups = [g for g in groups if g]
+        width = 1 + max(len(row.draft_ids) for row in rows)
+        outputs = []
+        for group in groups:
+            group_rows = [rows[k] for k in group]
+            if len(groups) == 1:
+                group_logits = logits
+            else:
+                index = [i for k in group for i in range(offsets[k], offsets[k] + rows[k].num_logits)]
+                group_logits = logits[torch.tensor(index, device=logits.device)]
+            shards = 1
+            if parallel[group[0]]:
+                injected = any(row.fault == DeviceStatus.INVALID_SPECULATION for row in group_rows)
+                shards = max(2, self.vocabulary_shards) if injected else self.vocabulary_shards
+            outputs.append(self._sample_rows(group_rows, group_logits, shards, width))
+        order = [k for group in groups for k in group]
         # The one device-to-host read of the round.
-        host_tokens, host_emitted, host_status = (torch.cat(t).tolist() for t in (tokens, emitted, statuses))
-        results: list[RowResult] = [RowResult((), DeviceStatus.OK)] * len(sampling)
+        host_tokens, host_emitted, host_status = (
+            torch.cat([getattr(out, name) for out in outputs]).tolist() for name in ("tokens", "num_emitted", "status")
+        )
+        results: list[RowResult] = [RowResult((), DeviceStatus.OK)] * len(rows)
         for position, k in enumerate(order):
             n = host_emitted[position]
             results[k] = RowResult(tuple(host_tokens[position][:n]), DeviceStatus(host_status[position]))
@@ -155,7 +149,8 @@ class ModelRunner:
         if self.fallback_on_invalid_speculation:
             retry = [k for k, r in enumerate(results) if r.status == DeviceStatus.INVALID_SPECULATION]
             if retry:
-                for k, result in zip(retry, self._fall_back([original[sampling[k]] for k in retry], [offsets[k] for k in retry], logits)):
+                fallen = self._fall_back([rows[k] for k in retry], [offsets[k] for k in retry], logits)
+                for k, result in zip(retry, fallen):
                     results[k] = result
         return results
 
@@ -163,23 +158,27 @@ class ModelRunner:
         """Resample rows that got INVALID_SPECULATION without drafts, with the standard sampler
         (which supports filters), from the logits at each row's first position: the prediction
         after the last accepted token, which the rejected drafts never influenced."""
-        plain = [dataclasses.replace(row, draft_ids=(), draft_probs=None, vocabulary_parallel=False, fault=None) for row in rows]
-        first_logits = logits[torch.tensor(offsets, device=logits.device)]
-        out = self._sample_rows(plain, first_logits, 1, 1)
+        plain = [
+            dataclasses.replace(row, draft_ids=(), draft_probs=None, vocabulary_parallel=False, fault=None)
+            for row in rows
+        ]
+        out = self._sample_rows(plain, logits[torch.tensor(offsets, device=logits.device)], 1, 1)
         host_tokens, host_emitted, host_status = out.tokens.tolist(), out.num_emitted.tolist(), out.status.tolist()
         return [
-            RowResult(tuple(t[:n]), DeviceStatus(s), fell_back=True) for t, n, s in zip(host_tokens, host_emitted, host_status)
+            RowResult(tuple(t[:n]), DeviceStatus(s), fell_back=True)
+            for t, n, s in zip(host_tokens, host_emitted, host_status)
         ]
 
-    def _sample_rows(self, rows: list[PlannedRow], logits: torch.Tensor, shards: int, width: int):
-        k_max = width - 1
-        draft_tokens = torch.full((len(rows), max(k_max, 1)), -1, dtype=torch.long)
-        for r, row in enumerate(rows):
-            if row.draft_ids:
-                draft_tokens[r, : len(row.draft_ids)] = torch.tensor(row.draft_ids)
+    def _sample_rows(self, rows: list[PlannedRow], logits: torch.Tensor, shards: int, width: int) -> KernelResult:
+        device = logits.device
+        k_max = max(width - 1, 1)
+        draft_tokens = torch.tensor(
+            [list(row.draft_ids) + [-1] * (k_max - len(row.draft_ids)) for row in rows], dtype=torch.long
+        ).to(device)
         draft_probs = None
         if any(row.draft_probs is not None for row in rows):
-            draft_probs = torch.zeros(len(rows), max(k_max, 1), self.vocab_size)
+            # Learned drafters' q next to one-hot q written out for the deterministic rows.
+            draft_probs = torch.zeros(len(rows), k_max, self.vocab_size)
             for r, row in enumerate(rows):
                 if row.draft_probs is not None:
                     draft_probs[r, : len(row.draft_ids)] = row.draft_probs
@@ -187,19 +186,40 @@ class ModelRunner:
                     for j, token in enumerate(row.draft_ids):
                         if 0 <= token < self.vocab_size:
                             draft_probs[r, j, token] = 1.0
+            draft_probs = draft_probs.to(device)
         batch = SamplingBatch.from_rows(
             [row.params for row in rows],
             seeds=[row.seed for row in rows],
             positions=[row.output_position for row in rows],
             prompt_ids=[row.prompt_ids for row in rows],
             output_ids=[row.output_ids for row in rows],
-            device=logits.device,
+            device=device,
         )
+        offsets = _logit_offsets(rows)
+        for r, row in enumerate(rows):
+            if row.fault is not None:
+                faulted = inject_fault(
+                    row.fault,
+                    row=r,
+                    first_logit_row=offsets[r],
+                    row_num_drafts=len(row.draft_ids),
+                    logits=logits,
+                    draft_tokens=draft_tokens,
+                    draft_probs=draft_probs,
+                    batch=batch,
+                    vocab_shards=shards,
+                )
+                logits, draft_tokens, draft_probs, batch = (
+                    faulted.logits,
+                    faulted.draft_tokens,
+                    faulted.draft_probs,
+                    faulted.batch,
+                )
         return sample_round(
             logits,
-            num_drafts=torch.tensor([len(row.draft_ids) for row in rows], dtype=torch.long, device=logits.device),
-            draft_tokens=draft_tokens.to(logits.device),
-            draft_probs=None if draft_probs is None else draft_probs.to(logits.device),
+            num_drafts=torch.tensor([len(row.draft_ids) for row in rows], dtype=torch.long, device=device),
+            draft_tokens=draft_tokens,
+            draft_probs=draft_probs,
             batch=batch,
             vocab_shards=shards,
         )
@@ -207,47 +227,6 @@ class ModelRunner:
     def _embeddable(self, token_ids: tuple[int, ...]) -> tuple[int, ...]:
         v = self.vocab_size
         return token_ids if all(0 <= t < v for t in token_ids) else tuple(t if 0 <= t < v else 0 for t in token_ids)
-
-    def _with_fault(self, row: PlannedRow) -> PlannedRow:
-        """Fault injection (tests only): make the row's real device path produce the status.
-
-        NONFINITE_LOGITS writes NaN into the row's logits after the forward, EMPTY_DISTRIBUTION
-        writes the float32 floor there and samples at temperature 0.5 (scaling overflows to
-        -inf everywhere); the others change what the kernels receive: an out-of-vocabulary
-        draft, a draft probability of 0, a negative temperature, a filter under the
-        vocabulary-parallel sampler.
-        """
-        fault = row.fault
-        if fault is None or not row.samples:
-            return row
-        if fault == DeviceStatus.INVALID_DRAFT_TOKEN:
-            drafts = (self.vocab_size + 7,) + row.draft_ids[1:]
-            tail = row.token_ids[: len(row.token_ids) - len(row.draft_ids)]
-            return dataclasses.replace(row, draft_ids=drafts, token_ids=tail + drafts)
-        if fault == DeviceStatus.INVALID_DRAFT_PROBABILITY:
-            probs = torch.zeros(len(row.draft_ids), self.vocab_size)
-            for j, token in enumerate(row.draft_ids[1:], start=1):
-                probs[j, token] = 1.0  # q(x) = 0 for the first draft: outside (0, 1]
-            return dataclasses.replace(row, draft_probs=probs)
-        if fault == DeviceStatus.INVALID_SAMPLING_PARAMETERS:
-            return dataclasses.replace(row, params=dataclasses.replace(row.params, temperature=-1.0))
-        if fault == DeviceStatus.EMPTY_DISTRIBUTION:
-            # Finite logits at the float32 floor (written after the forward) that temperature
-            # scaling pushes to -inf: no token keeps a positive probability.
-            return dataclasses.replace(row, params=dataclasses.replace(row.params, temperature=0.5))
-        if fault == DeviceStatus.INVALID_SPECULATION:
-            # Top-k 1 at temperature 1 (a sampled, filtered row) under the sharded sampler.
-            filtered = dataclasses.replace(row.params, temperature=1.0, top_k=1)
-            return dataclasses.replace(row, params=filtered, vocabulary_parallel=True)
-        return row
-
-    def _inject_logit_faults(self, rows: list[PlannedRow], sampling: list[int], logits: torch.Tensor) -> None:
-        offsets = _logit_offsets([rows[i] for i in sampling])
-        for k, i in enumerate(sampling):
-            if rows[i].fault == DeviceStatus.NONFINITE_LOGITS:
-                logits[offsets[k], 0] = float("nan")
-            elif rows[i].fault == DeviceStatus.EMPTY_DISTRIBUTION:
-                logits[offsets[k] : offsets[k] + rows[i].num_logits] = torch.finfo(logits.dtype).min
 
 
 def _logit_offsets(rows: list[PlannedRow]) -> list[int]:
