@@ -240,3 +240,41 @@ async def test_overload_is_429_with_retry_after_and_api_keys_are_enforced(tiny_p
         assert daemon.stop() == 0, daemon.log()
     finally:
         daemon.kill()
+
+
+FAULT_STATUSES = {
+    # status name: (HTTP status of a non-streaming request, OpenAI error type)
+    "NONFINITE_LOGITS": (502, "server_error"),
+    "INVALID_DRAFT_TOKEN": (502, "server_error"),
+    "INVALID_DRAFT_PROBABILITY": (502, "server_error"),
+    "EMPTY_DISTRIBUTION": (422, "invalid_request_error"),
+    "INVALID_SAMPLING_PARAMETERS": (422, "invalid_request_error"),
+}
+
+
+@pytest.mark.parametrize("status_name", list(FAULT_STATUSES))
+async def test_every_device_status_reaches_the_client_in_the_documented_shape(
+    daemon: DaemonProcess, model: str, status_name: str
+) -> None:
+    http_status, error_type = FAULT_STATUSES[status_name]
+    body = {"model": model, "messages": CHAT, "max_tokens": 16, "temperature": 0}
+    headers = {"X-Flare-Fault": f"{status_name}@1"}
+    async with httpx.AsyncClient(base_url=daemon.base_url, timeout=60) as http:
+        plain = await http.post("/v1/chat/completions", json=body, headers=headers)
+        assert plain.status_code == http_status, plain.text
+        error = plain.json()["error"]
+        assert (error["code"], error["type"]) == (status_name, error_type)
+        assert error["flare"]["status_name"] == status_name and error["flare"]["round"] is not None
+
+        streamed = await http.post("/v1/chat/completions", json={**body, "stream": True}, headers=headers)
+        events = [e.removeprefix("data: ") for e in streamed.text.split("\n\n") if e]
+        assert streamed.status_code == 200 and events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == status_name
+
+
+async def test_invalid_speculation_falls_back_and_says_so(daemon: DaemonProcess, model: str) -> None:
+    body = {"model": model, "messages": CHAT, "max_tokens": 8, "temperature": 0}
+    async with httpx.AsyncClient(base_url=daemon.base_url, timeout=60) as http:
+        response = await http.post("/v1/chat/completions", json=body, headers={"X-Flare-Fault": "INVALID_SPECULATION@1"})
+    assert response.status_code == 200, response.text
+    assert response.json()["flare"]["fell_back"] is True
