@@ -39,7 +39,7 @@ from flare.daemon.logging import LogControl, configure_logging
 from flare.daemon.metrics import DaemonMetrics, http_metrics_middleware, metrics_handler
 from flare.daemon.notify import SystemdNotifier, WatchdogHeartbeat, publish_status
 from flare.daemon.state import ServingState
-from flare.preparation.default_model import DEFAULT_GGUF_NAME, default_package_path
+from flare.preparation.default_model import default_package_path
 from flare.preparation.export import ExportError
 from flare.preparation.package import PackageError, open_package
 from flare.preparation.source import SourceError
@@ -53,9 +53,10 @@ SD_LISTEN_FDS_START = 3
 # How long finished handlers get to write their last bytes after the scheduler stopped.
 _FLUSH_TIMEOUT_S = 5.0
 _POLL_S = 0.05
-DEFAULT_MODEL_NAME = DEFAULT_GGUF_NAME.split(".")[0]  # "SmolLM2-135M-Instruct"
 # What a reload (SIGHUP) changes in the running daemon; every other setting needs a restart.
-RELOADABLE_SETTINGS = frozenset({"log_level", "api_keys", "metrics_require_key", "max_waiting", "request_timeout_s"})
+RELOADABLE_SETTINGS = frozenset(
+    {"log_level", "api_keys", "metrics_require_key", "max_waiting", "request_timeout_s", "drain_grace_s"}
+)
 # How often systemd's STATUS= line is refreshed (sent only when it changed).
 STATUS_INTERVAL_S = 5.0
 
@@ -193,10 +194,7 @@ class Daemon:
         self.scheduler = scheduler
         tasks.start_soon(scheduler.run)
         await scheduler.warm_up()
-        model_name = self.config.served_model_name or (
-            # The default package's directory is named by a hash; serve it under the model's name.
-            DEFAULT_MODEL_NAME if self.config.package is None else scheduler.package.path.name
-        )
+        model_name = self.config.served_model_name or scheduler.package.manifest.provenance.name
         self.state.ready(scheduler, model_name)
         log.info("ready", model=model_name, max_context=scheduler.max_context)
         self.notifier.ready()

@@ -128,13 +128,16 @@ class Operated:
         )
         return urllib.request.urlopen(request, timeout=120)
 
-    def last_access(self, path: str) -> dict[str, Any]:
-        """The latest access line for `path` (the log is read by another thread: wait for it)."""
+    def last_event(self, name: str, after: int = 0, **fields: Any) -> dict[str, Any]:
+        """The latest log event `name` with these fields, past the first `after` of its kind
+        (another thread reads the log: wait for it)."""
         deadline = time.monotonic() + 10
-        while not (lines := [e for e in self.daemon.events("access") if e["path"] == path]):
-            assert time.monotonic() < deadline, "no access line for " + path
+        while True:
+            events = self.daemon.events(name)[after:]
+            if matching := [e for e in events if all(e.get(k) == v for k, v in fields.items())]:
+                return matching[-1]
+            assert time.monotonic() < deadline, f"no {name} event with {fields}"
             time.sleep(0.05)
-        return lines[-1]
 
     def metric(self, name: str, **labels: str) -> float:
         _, text = self.get("/metrics")
@@ -239,7 +242,7 @@ def test_metrics_move_as_requests_run(operated: Operated) -> None:
         operated.metric("flare_http_requests_total", endpoint="/v1/chat/completions", outcome="success") == answered + 1
     )
     assert operated.metric("flare_kv_blocks_total") > 0
-    access = operated.last_access("/v1/chat/completions")
+    access = operated.last_event("access", path="/v1/chat/completions")
     assert access["status"] == 200 and access["method"] == "POST" and access["request_id"]
     assert access["completion_tokens"] == body["usage"]["completion_tokens"]
     assert access["prompt_tokens"] == body["usage"]["prompt_tokens"]
@@ -306,9 +309,33 @@ def test_sighup_reloads_the_log_level_and_rejects_a_bad_file(operated: Operated)
     reloading = operated.notify.wait_for("RELOADING=1", after=before)
     operated.notify.wait_for("READY=1", after=reloading)
     assert operated.ctl_json("status")["log_level"] == "debug"
-    rejected = operated.daemon.events("reload_rejected")
-    assert rejected and "log_level" in rejected[-1]["message"]
+    assert "log_level" in operated.last_event("reload_rejected")["message"]
     operated.config.write_text('log_level = "info"\n')
+
+
+def test_sighup_swaps_api_keys_without_a_restart(operated: Operated) -> None:
+    operated.notify.wait_for("READY=1")
+
+    def reload(toml: str) -> None:
+        operated.config.write_text(toml)
+        before = len(operated.notify.messages)
+        operated.daemon.process.send_signal(signal.SIGHUP)
+        operated.notify.wait_for("READY=1", after=operated.notify.wait_for("RELOADING=1", after=before))
+
+    pid = operated.daemon.process.pid
+    seen = len(operated.daemon.events("reload_needs_restart"))
+    reload('api_keys = ["sk-reloaded"]\nmax_body_bytes = "2MiB"\nport = 1\n')
+    try:
+        status, body = operated.get("/v1/models")
+        assert status == 401 and "API key" in body
+        assert operated.get("/health")[0] == 200  # still public
+        assert operated.ctl_json("config")["api_keys"] == ["<redacted>"]
+        # --port on the command line outranks the file: only max_body_bytes changed, and it needs a restart.
+        assert operated.last_event("reload_needs_restart", after=seen)["settings"] == ["max_body_bytes"]
+    finally:
+        reload('log_level = "info"\n')
+    assert operated.get("/v1/models")[0] == 200
+    assert operated.daemon.process.pid == pid and operated.daemon.process.poll() is None
 
 
 def test_sigterm_notifies_stopping_exits_0_and_removes_the_control_socket(operated: Operated) -> None:
