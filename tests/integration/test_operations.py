@@ -79,6 +79,12 @@ class Operated:
         self.control = control
         self.config = config
 
+    def model(self) -> str:
+        """The served model name, as /v1/models lists it."""
+        status, body = self.get("/v1/models")
+        assert status == 200, body
+        return str(json.loads(body)["data"][0]["id"])
+
     def ctl(self, *argv: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "flare.daemon.cli", "ctl", "--socket", str(self.control), *argv],
@@ -102,7 +108,7 @@ class Operated:
             return error.code, error.read().decode()
 
     def chat(self, content: str = "Hello", max_tokens: int = 8) -> tuple[int, dict[str, Any]]:
-        body = {"model": "pkg", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+        body = {"model": self.model(), "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
         request = urllib.request.Request(
             self.daemon.base_url + "/v1/chat/completions",
             data=json.dumps(body).encode(),
@@ -117,7 +123,7 @@ class Operated:
     def stream(self, max_tokens: int, fault: str | None = None) -> Any:
         """An open SSE response of a streamed chat completion (read it line by line)."""
         body = {
-            "model": "pkg",
+            "model": self.model(),
             "messages": [{"role": "user", "content": "Tell me a long story"}],
             "max_tokens": max_tokens,
             "stream": True,
@@ -178,7 +184,9 @@ def test_ready_is_notified_only_once_health_answers_200(operated: Operated) -> N
     assert operated.get("/health")[0] == 200
     loading = operated.notify.wait_for("STATUS=loading", timeout_s=0)
     assert loading < ready
-    serving = operated.notify.wait_for("STATUS=serving pkg: 0 running, 0 waiting", after=ready, timeout_s=10)
+    serving = operated.notify.wait_for(
+        f"STATUS=serving {operated.model()}: 0 running, 0 waiting", after=ready, timeout_s=10
+    )
     assert serving > ready
 
 
