@@ -106,7 +106,11 @@ def default_kv_cache_bytes(
 
 
 class KVCache:
-    """Per-layer key and value pools `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+    """Per-layer key and value pools `[num_kv_heads, num_blocks, block_size, head_dim]`.
+
+    Head-major, so that the keys of one KV head in a block table's blocks gather into one
+    contiguous [positions, head_dim] matrix, the layout attention reads fastest.
+    """
 
     def __init__(
         self,
@@ -123,7 +127,7 @@ class KVCache:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
         # Zeroed, not empty: masked attention multiplies stale slots by a zero weight, and a NaN
         # bit pattern left in uninitialised memory would survive that multiplication.
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

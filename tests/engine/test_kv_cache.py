@@ -69,7 +69,7 @@ def test_cache_sized_by_budget_holds_as_many_blocks_as_fit() -> None:
     cache = KVCache.for_budget(config, 10 * per_block + per_block - 1, block_size=16)
     assert cache.num_blocks == 10
     assert len(cache.keys) == len(cache.values) == config.num_layers
-    assert cache.keys[0].shape == (10, 16, config.num_kv_heads, config.head_dim)
+    assert cache.keys[0].shape == (config.num_kv_heads, 10, 16, config.head_dim)
     assert cache.num_tokens == 160
 
 
