@@ -46,7 +46,7 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--host", help="the address to listen on (default 127.0.0.1)")
     add("--port", metavar="N", help="the TCP port (default 8000; 0 picks a free one, logged in the 'listening' event)")
     add("--served-model-name", metavar="NAME",
-        help="the model name clients send (default: the package directory's name)")
+        help="the model name clients send (default: the name recorded in the package)")
     add("--kv-cache-memory", metavar="SIZE",
         help='memory for the KV cache, e.g. "2GiB" or "512MiB" (default: sized for max_concurrency full contexts)')
     add("--max-concurrency", metavar="N",

@@ -74,6 +74,11 @@ class DaemonProcess:
             time.sleep(0.1)
         raise TimeoutError(f"the daemon was not ready within {STARTUP_TIMEOUT_S} s:\n{self.log()}")
 
+    def model_name(self) -> str:
+        """The model name the daemon serves (GET /v1/models)."""
+        with urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=30) as response:
+            return json.load(response)["data"][0]["id"]
+
     def health(self) -> int | None:
         try:
             with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as response:

@@ -32,13 +32,14 @@ def client(daemon: DaemonProcess) -> openai.AsyncOpenAI:
 
 
 @pytest.fixture
-def model(tiny_package: Path) -> str:
-    return tiny_package.name
+def model(daemon: DaemonProcess) -> str:
+    return daemon.model_name()
 
 
-async def test_models_lists_the_package(client: openai.AsyncOpenAI, model: str) -> None:
+async def test_models_lists_the_one_served_model(client: openai.AsyncOpenAI) -> None:
     models = await client.models.list()
-    assert [m.id for m in models.data] == [model]
+    assert len(models.data) == 1 and models.data[0].id
+    assert (await client.models.retrieve(models.data[0].id)).id == models.data[0].id
 
 
 async def test_concurrent_greedy_streams_complete_with_identical_text(client: openai.AsyncOpenAI, model: str) -> None:
@@ -137,7 +138,7 @@ def test_sigterm_lets_a_stream_in_flight_finish_and_exits_0(tiny_package: Path) 
     daemon = start_daemon(tiny_package)
     try:
         body = {
-            "model": tiny_package.name, "messages": CHAT, "stream": True, "max_tokens": 64,
+            "model": daemon.model_name(), "messages": CHAT, "stream": True, "max_tokens": 64,
             "temperature": 0, "stream_options": {"include_usage": True},
         }
         with httpx.stream("POST", f"{daemon.base_url}/v1/chat/completions", json=body, timeout=60) as response:
@@ -158,7 +159,7 @@ def test_sigterm_lets_a_stream_in_flight_finish_and_exits_0(tiny_package: Path) 
 def test_sigterm_past_the_grace_period_ends_streams_with_a_shutdown_error(tiny_package: Path) -> None:
     daemon = start_daemon(tiny_package, ["--drain-grace-s", "0", "--draft-tokens", "0"])
     try:
-        body = {"model": tiny_package.name, "messages": CHAT, "stream": True, "max_tokens": 400, "temperature": 1.0}
+        body = {"model": daemon.model_name(), "messages": CHAT, "stream": True, "max_tokens": 400, "temperature": 1.0}
         with httpx.stream("POST", f"{daemon.base_url}/v1/chat/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
             next(line for line in lines if line)
@@ -188,7 +189,7 @@ def test_socket_activation_serves_on_the_socket_systemd_passes(tiny_package: Pat
         assert daemon.events("listening")[0]["port"] == port
         completion = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
-            json={"model": tiny_package.name, "prompt": "The sea", "max_tokens": 2},
+            json={"model": daemon.model_name(), "prompt": "The sea", "max_tokens": 2},
             timeout=60,
         )
         assert completion.status_code == 200
@@ -224,11 +225,12 @@ async def test_overload_is_429_with_retry_after_and_api_keys_are_enforced(tiny_p
         assert daemon.health() == 200  # /health stays public
 
         keyed = openai.AsyncOpenAI(base_url=f"{daemon.base_url}/v1", api_key="sk-test", max_retries=0)
+        model = (await keyed.models.list()).data[0].id
 
         async def one() -> int:
             try:
                 await keyed.chat.completions.create(
-                    model=tiny_package.name, messages=CHAT, max_tokens=48, temperature=1.0
+                    model=model, messages=CHAT, max_tokens=48, temperature=1.0
                 )
             except openai.RateLimitError as error:
                 assert int(error.response.headers["Retry-After"]) >= 1

@@ -39,15 +39,15 @@ def test_a_tampered_package_is_refused(tiny_package: Path, tmp_path: Path) -> No
     assert "cannot be used" in output and "Traceback" not in output
 
 
-def filtered_chat(daemon: DaemonProcess, model: str, stream: bool) -> httpx.Response:
-    body = {"model": model, "messages": CHAT, "top_p": 0.95, "top_k": 40, "max_tokens": 16, "stream": stream}
+def filtered_chat(daemon: DaemonProcess, stream: bool) -> httpx.Response:
+    body = {"model": daemon.model_name(), "messages": CHAT, "top_p": 0.95, "top_k": 40, "max_tokens": 16, "stream": stream}
     return httpx.post(f"{daemon.base_url}/v1/chat/completions", json=body, timeout=120)
 
 
 def test_sampling_policy_unfiltered_serves_a_contradicting_package_unfiltered(contradicting_package: Path) -> None:
     daemon = start_daemon(contradicting_package, ["--sampling-policy", "unfiltered", "--vocabulary-shards", "2"])
     try:
-        response = filtered_chat(daemon, contradicting_package.name, stream=False)
+        response = filtered_chat(daemon, stream=False)
         assert response.status_code == 200, response.text
         assert response.headers["Flare-Sampling-Adjusted"] == "top_k,top_p"
         sampling = response.json()["flare"]["sampling"]
@@ -60,11 +60,11 @@ def test_sampling_policy_unfiltered_serves_a_contradicting_package_unfiltered(co
 def test_a_vocabulary_parallel_package_serves_top_p_095_as_1(vocabulary_parallel_package: Path) -> None:
     daemon = start_daemon(vocabulary_parallel_package, ["--vocabulary-shards", "2"])
     try:
-        response = filtered_chat(daemon, vocabulary_parallel_package.name, stream=False)
+        response = filtered_chat(daemon, stream=False)
         assert response.status_code == 200, response.text
         adjusted = {a["param"]: a for a in response.json()["flare"]["adjusted"]}
         assert (adjusted["top_p"]["requested"], adjusted["top_p"]["applied"]) == (0.95, 1.0)
-        streamed = filtered_chat(daemon, vocabulary_parallel_package.name, stream=True)
+        streamed = filtered_chat(daemon, stream=True)
         assert streamed.status_code == 200 and "top_p" in streamed.headers["Flare-Sampling-Adjusted"].split(",")
         assert streamed.text.endswith("data: [DONE]\n\n") and '"error"' not in streamed.text
         assert daemon.stop() == 0
