@@ -20,6 +20,7 @@ from flare.engine.model import LlamaModel
 from flare.preparation.manifest import ModelConfig
 from flare.preparation.package import expected_weight_shapes
 
+WARMUP_ROUNDS = 3
 DEFAULT_DIMS = ModelConfig(
     vocab_size=49152,
     hidden_size=576,
@@ -51,7 +52,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     state = {name: 0.02 * torch.randn(shape, generator=generator) for name, shape in expected_weight_shapes(config).items()}
     model = LlamaModel(config, state)
-    blocks_per_row = -(-(args.context + args.rounds + 1) // args.block_size)
+    blocks_per_row = -(-(args.context + args.rounds + WARMUP_ROUNDS + 1) // args.block_size)
     cache = KVCache(
         num_layers=config.num_layers,
         num_blocks=max(args.batch) * blocks_per_row,
@@ -65,7 +66,7 @@ def main() -> None:
         tables = [[b * batch_size + r for b in range(blocks_per_row)] for r in range(batch_size)]
         timings = []
         cpu_timings = []
-        for step in range(args.rounds + 3):
+        for step in range(args.rounds + WARMUP_ROUNDS):
             position = args.context + step
             rows = [ForwardRow([7 + r], position, tables[r], num_logits=1) for r in range(batch_size)]
             start, cpu_start = time.perf_counter(), time.process_time()
@@ -73,10 +74,10 @@ def main() -> None:
             model.forward(batch, cache)
             timings.append(time.perf_counter() - start)
             cpu_timings.append(time.process_time() - cpu_start)
-        timings = sorted(timings[3:])
+        timings = sorted(timings[WARMUP_ROUNDS:])
         median = timings[len(timings) // 2]
         # CPU time (all threads) shows the work done even when other processes share the cores.
-        cpu = sorted(cpu_timings[3:])[len(timings) // 2]
+        cpu = sorted(cpu_timings[WARMUP_ROUNDS:])[len(timings) // 2]
         print(
             f"batch {batch_size:3d}: median round {median * 1000:7.1f} ms, "
             f"{batch_size / median:7.1f} tok/s (best {batch_size / timings[0]:7.1f}); "
