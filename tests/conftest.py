@@ -85,7 +85,7 @@ def package_parts(tiny_config: ModelConfig, smollm2_source: ModelSource) -> dict
         ),
         "serving": ServingConfig(max_context=TINY_MAX_CONTEXT),
         "provenance": Provenance(
-            source="tests", source_format="huggingface", source_sha256=None, recipe="tests",
+            name="tiny-llama", source="tests", source_format="huggingface", source_sha256=None, recipe="tests",
             flare_version="0.1.0", created="2026-11-29T00:00:00Z",
         ),
     }

@@ -28,6 +28,9 @@ def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "-o", "--output", metavar="DIR", required=True, type=Path, help="the package directory to create"
     )
+    parser.add_argument(
+        "--name", metavar="NAME", help="the model name clients send (default: the model's own, e.g. SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--max-concurrency", type=int, metavar="N", help="requests served at once (default 32)")
     parser.add_argument(
         "--max-context", type=int, metavar="N", help="tokens per request, prompt included (default: the model's)"
@@ -91,6 +94,7 @@ def run_export(args: argparse.Namespace) -> int:
 
     try:
         options = ExportOptions(
+            name=args.name,
             max_concurrency=args.max_concurrency,
             max_context=args.max_context,
             dtype=args.dtype,

@@ -38,7 +38,7 @@ class DaemonConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     package: Path | None = None  # None: the default model, exported once into the cache
-    served_model_name: str | None = None  # None: the package directory's name
+    served_model_name: str | None = None  # None: the name in the package manifest (provenance.name)
     control_socket: Path | None = None
     kv_cache_memory: int | None = None  # bytes; None: the scheduler's default budget
     max_concurrency: int | None = None  # None: the package's serving.max_concurrency

@@ -7,6 +7,7 @@ converted and written, atomically (`write_package`).
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ class ExportError(Exception):
 class ExportOptions:
     """The options of `flare export`; None means the recipe's (or the model's) value."""
 
+    name: str | None = None  # None: the model's own name
     max_concurrency: int | None = None
     max_context: int | None = None
     dtype: str = "float32"
@@ -71,6 +73,9 @@ class ExportOptions:
     drafter: str = "ngram"
     overwrite: bool = False
 
+
+# What a client may send as `model`: no spaces or control characters, as OpenAI model ids.
+_MODEL_NAME = re.compile(r"[A-Za-z0-9._\-/:]{1,128}")
 
 def parse_sampling_default(text: str) -> tuple[str, Number]:
     """`NAME=VALUE` of --sampling-default, checked against the raw range of NAME."""
@@ -118,6 +123,12 @@ def check_options(options: ExportOptions) -> None:
     if options.max_concurrency is not None and options.max_concurrency < 1:
         raise ExportError(
             f"--max-concurrency must be at least 1, got {options.max_concurrency}", option="--max-concurrency"
+        )
+    if options.name is not None and not _MODEL_NAME.fullmatch(options.name):
+        raise ExportError(
+            f"--name {options.name!r}: use 1 to 128 letters, digits and . _ - / : (no spaces), "
+            "e.g. --name my-model-v2",
+            option="--name",
         )
     if options.max_context is not None and options.max_context < 1:
         raise ExportError(f"--max-context must be at least 1, got {options.max_context}", option="--max-context")
@@ -248,6 +259,7 @@ def export_package(source: str, out_dir: Path, options: ExportOptions, *, stderr
     if problems:
         raise ExportError("; ".join(problem.message for problem in problems))
     provenance = Provenance(
+        name=options.name or model.name,
         source=model.source,
         source_format=model.source_format,
         source_sha256=model.source_sha256,

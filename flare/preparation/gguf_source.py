@@ -103,6 +103,7 @@ def open_gguf(path: Path, source: str | None = None) -> ModelSource:
         return _read_weights(reader, names, config, progress)
 
     return ModelSource(
+        name=path.name.split(".")[0],
         source=source if source is not None else str(path),
         source_format="gguf",
         source_sha256=sha256_of(path),

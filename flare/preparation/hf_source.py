@@ -43,6 +43,7 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
         return _read_weights(weight_files, len(shapes), drop_lm_head=tied_copy, progress=progress)
 
     return ModelSource(
+        name=path.resolve().name,
         source=source if source is not None else str(path),
         source_format="huggingface",
         source_sha256=None,

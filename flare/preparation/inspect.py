@@ -38,6 +38,7 @@ def render_text(info: dict[str, Any], path: Path | str) -> str:
         lines += [
             "",
             "model",
+            f"  name                {provenance['name']}",
             f"  architecture        {config['architecture']}, {config['num_layers']} layers, "
             f"hidden {config['hidden_size']}, ffn {config['intermediate_size']}",
             f"  attention           {config['num_heads']} heads, {config['num_kv_heads']} kv heads, "

@@ -21,7 +21,7 @@ from typing import Any
 
 from flare.sampling.policy import PolicyError, SamplingPolicy
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: provenance.name (the model name clients use)
 MANIFEST_NAME = "manifest.json"
 DTYPES = ("float32", "bfloat16", "float16")
 DRAFTERS = ("ngram",)
@@ -139,6 +139,7 @@ class ServingConfig:
 class Provenance:
     """Where the weights came from and what made the package."""
 
+    name: str  # the model name clients send (`model` in requests) unless --served-model-name says otherwise
     source: str  # what the operator passed to `flare export` (a path, or "default")
     source_format: str  # "gguf" or "huggingface"
     source_sha256: str | None  # of the GGUF file; None for a directory source

@@ -21,6 +21,7 @@ class SourceError(Exception):
 
 @dataclass(frozen=True)
 class ModelSource:
+    name: str  # the model's own name: a GGUF file's stem, a Hugging Face directory's name
     source: str  # as the operator gave it
     source_format: str  # "gguf" or "huggingface"
     source_sha256: str | None  # of a single-file source

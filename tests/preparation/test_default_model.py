@@ -16,6 +16,7 @@ from flare.preparation.default_model import (
     default_gguf_path,
     default_package_path,
 )
+from flare.preparation.manifest import FORMAT_VERSION
 from flare.preparation.package import open_package, sha256_of
 from flare.preparation.source import SourceError
 
@@ -64,7 +65,7 @@ def test_two_processes_export_the_default_model_once(monkeypatch: pytest.MonkeyP
     assert len(exports) == 1
     assert results[0] == results[1] == exports[0]
     assert exports[0].parent == tmp_path / "packages"
-    assert sha256_of(default_gguf_path())[:16] in exports[0].name and exports[0].name.endswith("-format1")
+    assert sha256_of(default_gguf_path())[:16] in exports[0].name and exports[0].name.endswith(f"-format{FORMAT_VERSION}")
 
 
 @pytest.mark.real_model

@@ -51,6 +51,7 @@ def test_serving_and_sampling_options_reach_the_manifest(tmp_path: Path, tiny_hf
         sampling_ranges={"temperature": (0.0, 1.0)}, draft_tokens=0, dtype="bfloat16",
     )
     manifest = export_package(str(tiny_hf_directory), tmp_path / "pkg", options)
+    assert manifest.provenance.name == tiny_hf_directory.name  # the model's own name by default
     assert (manifest.serving.max_concurrency, manifest.serving.max_context) == (8, 256)
     assert manifest.serving.draft_tokens == 0 and manifest.serving.dtype == "bfloat16"
     assert manifest.sampling.defaults["temperature"] == 0.7
@@ -122,6 +123,7 @@ def plain_without_filters(policy: Any) -> Any:
         (ExportOptions(vocabulary_parallel_sampling=True, sampling_ranges={"top_k": (-1, 50)}),
          "--sampling-range", "top_k=-1:50 allows filtering"),
         (ExportOptions(max_context=0), "--max-context", "--max-context must be at least 1"),
+        (ExportOptions(name="my model"), "--name", "--name 'my model': use 1 to 128 letters"),
         (ExportOptions(max_context=100_000), "--max-context", "--max-context 100000 exceeds the model's context length 512"),
         (ExportOptions(max_concurrency=0), "--max-concurrency", "--max-concurrency must be at least 1"),
         (ExportOptions(dtype="int8"), "--dtype", "--dtype must be one of float32, bfloat16, float16"),
@@ -151,11 +153,16 @@ def unreadable_weights(monkeypatch: pytest.MonkeyPatch, package_parts: dict[str,
         raise AssertionError("weights were read before every option was checked")
 
     source = ModelSource(
-        source="tiny", source_format="huggingface", source_sha256=None, config=package_parts["config"],
+        name="tiny", source="tiny", source_format="huggingface", source_sha256=None, config=package_parts["config"],
         tokenizer_json=package_parts["tokenizer_json"], chat_template=package_parts["chat_template"],
         read_weights=read_weights,
     )
     monkeypatch.setattr(export_module, "open_source", lambda name: source)
+
+
+def test_name_option_sets_the_served_model_name(tmp_path: Path, tiny_hf_directory: Path) -> None:
+    manifest = export_package(str(tiny_hf_directory), tmp_path / "pkg", ExportOptions(name="acme/tiny-v2"))
+    assert open_package(tmp_path / "pkg").manifest.provenance.name == manifest.provenance.name == "acme/tiny-v2"
 
 
 def test_existing_destination_is_refused_before_the_source_is_read(

@@ -6,13 +6,14 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from flare.preparation.manifest import FORMAT_VERSION
 from flare.preparation.inspect import inspect_package, render_text, servable
 
 
 def test_json_is_the_manifest_plus_integrity_and_problems(tiny_package: Path) -> None:
     info = inspect_package(tiny_package)
     assert set(info) == {"format", "model", "serving", "sampling", "files", "integrity", "problems"}
-    assert info["format"] == 1
+    assert info["format"] == FORMAT_VERSION
     assert info["integrity"] == {
         "ok": True,
         "files": {"chat_template.jinja": "ok", "model.safetensors": "ok", "tokenizer.json": "ok"},

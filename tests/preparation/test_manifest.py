@@ -32,7 +32,7 @@ def make_manifest(**serving: object) -> Manifest:
         model=config,
         serving=ServingConfig(max_context=512, **serving),
         sampling=SamplingPolicy(DEFAULTS, {"temperature": (0.0, 2.0), "top_p": (0.05, 1.0)}),
-        provenance=Provenance("default", "gguf", "ab" * 32, "smollm2-135m-instruct", "0.1.0", "2026-11-29T17:00:00Z"),
+        provenance=Provenance("SmolLM2-135M-Instruct", "default", "gguf", "ab" * 32, "smollm2-135m-instruct", "0.1.0", "2026-11-29T17:00:00Z"),
         files={"model.safetensors": "00" * 32},
     )
 
@@ -76,8 +76,8 @@ def test_missing_key_is_refused_by_name() -> None:
 
 def test_other_format_version_is_refused_with_the_fix() -> None:
     data = make_manifest().to_json()
-    data["format"] = 2
-    with pytest.raises(ManifestError, match="format 2 is not supported.*re-export"):
+    data["format"] = FORMAT_VERSION + 1
+    with pytest.raises(ManifestError, match=f"format {FORMAT_VERSION + 1} is not supported.*re-export"):
         Manifest.from_json(data)
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from flare.preparation.manifest import FORMAT_VERSION
 from flare.preparation import package as package_module
 from flare.preparation.package import (
     PackageError,
@@ -127,7 +128,7 @@ def test_every_problem_is_listed(package_copy: Path) -> None:
 
 
 def test_broken_manifest_is_reported(package_copy: Path) -> None:
-    (package_copy / "manifest.json").write_text('{"format": 1}')
+    (package_copy / "manifest.json").write_text(f'{{"format": {FORMAT_VERSION}}}')
     report = verify_package(package_copy)
     assert not report.ok and "missing key(s)" in report.problems[0]
     (package_copy / "manifest.json").unlink()
