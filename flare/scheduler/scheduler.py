@@ -250,7 +250,12 @@ class Scheduler:
                 capacity - 1,
             )
         waiting_tokens = sum(len(s.tokens) for s in self._waiting)
-        if len(self._waiting) >= self.options.max_waiting or waiting_tokens + prompt_len > self.options.max_waiting_tokens:
+        # The bounds are on requests that must wait: while running slots are free, a request
+        # is never refused for the queue's sake (even with --max-waiting 0).
+        must_wait = len(self._running) + len(self._waiting) >= self.max_concurrency
+        queue_full = len(self._waiting) >= self.options.max_waiting
+        tokens_full = waiting_tokens + prompt_len > self.options.max_waiting_tokens
+        if must_wait and (queue_full or tokens_full):
             raise QueueFull(
                 f"the waiting queue is full ({len(self._waiting)} requests, {waiting_tokens} prompt tokens)",
                 retry_after_s=self._retry_after_s(),

@@ -222,3 +222,13 @@ def _block_bytes(package_path) -> int:
     import torch
 
     return bytes_per_block(open_package(package_path).manifest.model, 16, torch.float32)
+
+
+async def test_a_request_is_served_while_slots_are_free_even_with_no_waiting_room(tiny_package):
+    async with running(tiny_package, max_concurrency=2, max_waiting=0) as scheduler:
+        outcomes = await generate_all(scheduler, [request(scheduler, "a", PROMPTS[0]), request(scheduler, "b", PROMPTS[1])])
+        with pytest.raises(QueueFull):
+            slow = SamplingParams(temperature=0.0, max_tokens=200)
+            for i in range(3):  # two take the free slots, the third has nowhere to wait
+                scheduler.submit(request(scheduler, f"c{i}", PROMPTS[2], slow))
+    assert all(isinstance(o.end, Finished) for o in outcomes.values())
