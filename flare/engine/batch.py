@@ -2,15 +2,18 @@
 
 A round mixes rows of very different lengths: decode rows (1 new token), verify rows (1 + k
 tokens) and prompt chunks (tens to thousands of tokens). Linear layers run on the flat token
-dimension with no padding. Attention is split in two kinds of call:
+dimension with no padding. Attention runs in a few calls per layer, each over an
+`AttentionGroup` of rows with the same number of new tokens:
 
-- the short rows (at most `SHORT_ROW_MAX_TOKENS` new tokens) share ONE padded attention call, so a
-  round of 32 decode rows costs one call per layer, not 32;
-- each long prompt chunk gets its own call, so padding never multiplies a long chunk by the
-  number of rows.
+- short rows (at most `SHORT_ROW_MAX_TOKENS` new tokens) are grouped by their length, so a round
+  of 32 decode rows costs one call per layer, and a round of decode rows plus verify rows of
+  1 + k tokens costs two: nothing is padded in the query dimension (padding 31 decode rows to
+  the length of one verify row cost 20% more per round than the two calls);
+- each long prompt chunk gets a call of its own, so its length never multiplies another row.
 
-Tokens are laid out flat with the short rows first (in row order), then each long chunk, so each
-kind of call reads a contiguous slice of the flat tokens. `logit_indices` maps back to row order.
+Tokens are laid out flat group by group (short groups by length, then the long chunks), each
+group's rows in row order, so every group reads one contiguous slice of the flat tokens as a
+[rows, query_len] view. `logit_indices` maps back to row order.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-# Verify rows carry 1 + k tokens with k <= 8; short prompt chunks up to this size also join the
-# padded call, where padding them costs at most this many query slots per row.
-SHORT_ROW_MAX_TOKENS = 16
+# Decode rows carry 1 token and verify rows 1 + k with k <= 16; rows up to this length share a
+# call with every row of the same length. A group's keys are padded to its longest context,
+# which is cheap for a few queries per row but would multiply a long chunk's quadratic work,
+# so longer rows (prompt chunks) get a call each.
+SHORT_ROW_MAX_TOKENS = 17
 
 
 @dataclass(frozen=True)
@@ -47,38 +52,24 @@ class ForwardRow:
 
 
 @dataclass(frozen=True)
-class ShortRowsAttention:
-    """The padded attention call of the short rows: `num_rows` rows of up to `query_len` tokens.
+class AttentionGroup:
+    """Rows that share one attention call: `rows` rows of `query_len` new tokens each.
 
-    The rows' tokens are the flat tokens `[0, num_tokens)`. `query_index` [num_rows, query_len]
-    gathers them into the padded layout (pad slots repeat the row's last token, so no query has
-    an empty mask); `output_index` [num_tokens] picks the real slots back out of the flattened
-    padded output. Both are None when every row has `query_len` tokens (plain views suffice).
-    `block_table` [num_rows, max_blocks] is padded with block 0, which the mask hides.
-    `mask` [num_rows, 1, query_len, max_blocks * block_size] is True where a query may attend.
-    """
-
-    num_rows: int
-    query_len: int
-    num_tokens: int
-    query_index: torch.Tensor | None
-    output_index: torch.Tensor | None
-    block_table: torch.Tensor
-    mask: torch.Tensor
-
-
-@dataclass(frozen=True)
-class ChunkAttention:
-    """The attention call of one long prompt chunk: flat tokens `[start, end)`.
-
-    `block_table` [num_blocks] holds exactly the blocks up to the chunk's last position;
-    `mask` [1, 1, end - start, num_blocks * block_size] is causal with the chunk's offset.
+    Their tokens are the flat tokens `[start, end)`, row after row. `block_table`
+    [rows, max_blocks] holds each row's blocks up to its last position, padded with block 0,
+    which the mask hides. `mask` [rows, 1, query_len, max_blocks * block_size] is True where a
+    query may attend: keys of its own request at positions up to its own (causal).
     """
 
     start: int
-    end: int
+    rows: int
+    query_len: int
     block_table: torch.Tensor
     mask: torch.Tensor
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows * self.query_len
 
 
 @dataclass(frozen=True)
@@ -95,8 +86,7 @@ class ForwardBatch:
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     logit_indices: torch.Tensor
-    short_rows: ShortRowsAttention | None
-    chunks: tuple[ChunkAttention, ...]
+    groups: tuple[AttentionGroup, ...]
     block_size: int
     max_position: int
 
@@ -117,29 +107,37 @@ class ForwardBatch:
         for i, row in enumerate(rows):
             _check_row(i, row, block_size)
 
-        short = [i for i, row in enumerate(rows) if len(row.token_ids) <= SHORT_ROW_MAX_TOKENS]
-        long = [i for i, row in enumerate(rows) if len(row.token_ids) > SHORT_ROW_MAX_TOKENS]
+        by_length: dict[int, list[int]] = {}
+        long: list[list[int]] = []
+        for i, row in enumerate(rows):
+            if len(row.token_ids) <= SHORT_ROW_MAX_TOKENS:
+                by_length.setdefault(len(row.token_ids), []).append(i)
+            else:
+                long.append([i])
+        group_rows = [by_length[length] for length in sorted(by_length)] + long
 
-        # Flat layout: the short rows, then each long chunk. Everything is built on the host as
-        # Python lists and moved to the device once per tensor.
+        # Everything is built on the host as Python lists and moved to the device once per tensor.
         row_offset: dict[int, int] = {}
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        for i in short + long:
-            row = rows[i]
-            row_offset[i] = len(token_ids)
-            token_ids.extend(row.token_ids)
-            for position in range(row.start_position, row.end_position):
-                positions.append(position)
-                slots.append(row.block_table[position // block_size] * block_size + position % block_size)
+        groups: list[AttentionGroup] = []
+        for members in group_rows:
+            groups.append(_attention_group([rows[i] for i in members], len(token_ids), block_size, device))
+            for i in members:
+                row = rows[i]
+                row_offset[i] = len(token_ids)
+                token_ids.extend(row.token_ids)
+                for position in range(row.start_position, row.end_position):
+                    positions.append(position)
+                    slots.append(row.block_table[position // block_size] * block_size + position % block_size)
 
         logit_indices: list[int] = []
         for i, row in enumerate(rows):
             end = row_offset[i] + len(row.token_ids)
             logit_indices.extend(range(end - row.num_logits, end))
 
-        def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
+        def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
 
         return cls(
@@ -147,10 +145,7 @@ class ForwardBatch:
             positions=tensor(positions),
             slot_mapping=tensor(slots),
             logit_indices=tensor(logit_indices),
-            short_rows=_short_rows_attention([rows[i] for i in short], block_size, device) if short else None,
-            chunks=tuple(
-                _chunk_attention(rows[i], row_offset[i], block_size, device) for i in long
-            ),
+            groups=tuple(groups),
             block_size=block_size,
             max_position=max(row.end_position for row in rows) - 1,
         )
@@ -172,55 +167,21 @@ def _check_row(index: int, row: ForwardRow, block_size: int) -> None:
         )
 
 
-def _short_rows_attention(
-    rows: list[ForwardRow], block_size: int, device: torch.device | str
-) -> ShortRowsAttention:
-    lengths = [len(row.token_ids) for row in rows]
-    query_len = max(lengths)
-    num_tokens = sum(lengths)
-    max_blocks = max((row.end_position + block_size - 1) // block_size for row in rows)
-
-    query_index: list[list[int]] = []
-    output_index: list[int] = []
-    query_positions: list[list[int]] = []
-    block_tables: list[list[int]] = []
-    offset = 0
-    for r, row in enumerate(rows):
-        n = len(row.token_ids)
-        pad = query_len - n
-        query_index.append([offset + q for q in range(n)] + [offset + n - 1] * pad)
-        output_index.extend(r * query_len + q for q in range(n))
-        query_positions.append(list(range(row.start_position, row.end_position)) + [row.end_position - 1] * pad)
-        used = (row.end_position + block_size - 1) // block_size
-        block_tables.append(list(row.block_table[:used]) + [0] * (max_blocks - used))
-        offset += n
-
-    positions = torch.tensor(query_positions, dtype=torch.long, device=device)
-    key_positions = torch.arange(max_blocks * block_size, device=device)
-    # A query at position p attends to every key at position <= p of its own request (causal).
-    mask = (key_positions <= positions.unsqueeze(-1)).unsqueeze(1)
-    uniform = all(n == query_len for n in lengths)
-    return ShortRowsAttention(
-        num_rows=len(rows),
-        query_len=query_len,
-        num_tokens=num_tokens,
-        query_index=None if uniform else torch.tensor(query_index, dtype=torch.long, device=device),
-        output_index=None if uniform else torch.tensor(output_index, dtype=torch.long, device=device),
-        block_table=torch.tensor(block_tables, dtype=torch.long, device=device),
-        mask=mask,
+def _attention_group(
+    rows: list[ForwardRow], start: int, block_size: int, device: torch.device | str
+) -> AttentionGroup:
+    """The group of `rows` (all with the same number of new tokens) whose tokens begin at `start`."""
+    used = [(row.end_position + block_size - 1) // block_size for row in rows]
+    max_blocks = max(used)
+    block_tables = [list(row.block_table[:n]) + [0] * (max_blocks - n) for row, n in zip(rows, used)]
+    positions = torch.tensor(
+        [list(range(row.start_position, row.end_position)) for row in rows], dtype=torch.long, device=device
     )
-
-
-def _chunk_attention(
-    row: ForwardRow, start: int, block_size: int, device: torch.device | str
-) -> ChunkAttention:
-    num_blocks = (row.end_position + block_size - 1) // block_size
-    positions = torch.arange(row.start_position, row.end_position, device=device)
-    key_positions = torch.arange(num_blocks * block_size, device=device)
-    mask = (key_positions <= positions.unsqueeze(-1))[None, None]
-    return ChunkAttention(
+    key_positions = torch.arange(max_blocks * block_size, device=device)
+    return AttentionGroup(
         start=start,
-        end=start + len(row.token_ids),
-        block_table=torch.tensor(list(row.block_table[:num_blocks]), dtype=torch.long, device=device),
-        mask=mask,
+        rows=len(rows),
+        query_len=len(rows[0].token_ids),
+        block_table=torch.tensor(block_tables, dtype=torch.long, device=device),
+        mask=(key_positions <= positions.unsqueeze(-1)).unsqueeze(1),
     )

@@ -6,10 +6,10 @@ it fast on a CPU, where a round of 32 decode rows is bound by the linear layers:
 
 - q/k/v and gate/up are fused into one matrix each at load time (one GEMM instead of three/two);
 - linear layers run on the flat token dimension, with no padding;
-- all short rows share one attention call per layer (see batch.py); keys and values are gathered
-  from the pool a whole block at a time; the pool is head-major, so the gathered keys of one
-  row and KV head form one contiguous [positions, head dim] matrix (SDPA on this CPU reads a
-  strided [positions, head dim] view 1.5-2x slower once the data is out of cache);
+- short rows of the same length share one attention call per layer (see batch.py); keys and
+  values are gathered from the pool a whole block at a time; the pool is head-major, so the
+  gathered keys of one row and KV head form one contiguous [positions, head dim] matrix (SDPA
+  on this CPU reads a strided [positions, head dim] view 1.5-2x slower once out of cache);
 - grouped-query attention folds the query heads of a KV group into the query length, so K/V
   are never repeated (measured 10% faster than SDPA's `enable_gqa` here);
 - RoPE cos/sin come from a table built once; they are gathered once per round, not per layer.
@@ -165,36 +165,26 @@ class LlamaModel:
         return torch.mm(h, self.lm_head).float()
 
     def _plan_attention(self, batch: ForwardBatch, kv_cache: KVCache) -> list[AttentionCall]:
-        """The round's attention calls (the short rows, then each long chunk), built once."""
+        """The round's attention calls, one per attention group, built once for every layer."""
         group = self.config.num_heads // self.config.num_kv_heads
         head_offsets = torch.arange(self.config.num_kv_heads, device=self.device).view(1, -1, 1) * kv_cache.num_blocks
         calls = []
-
-        def call(tokens: slice, rows: int, query_len: int, table: torch.Tensor, mask: torch.Tensor,
-                 query_index: torch.Tensor | None, output_index: torch.Tensor | None) -> AttentionCall:
+        for attention_group in batch.groups:
             # Block b of KV head h is row h * num_blocks + b of the pool viewed [heads * blocks, ...].
-            gather_index = (table.view(rows, 1, -1) + head_offsets).flatten()
+            gather_index = (attention_group.block_table.unsqueeze(1) + head_offsets).flatten()
             buffer_shape = (gather_index.numel(), kv_cache.block_size, self.config.head_dim)
-            return AttentionCall(
-                tokens=tokens,
-                rows=rows,
-                query_len=query_len,
-                query_index=query_index,
-                output_index=output_index,
-                gather_index=gather_index,
-                # Row j * query_len + q of a folded group attends as query q does.
-                mask=mask.repeat(1, 1, group, 1),
-                key_buffer=torch.empty(buffer_shape, dtype=self.dtype, device=self.device),
-                value_buffer=torch.empty(buffer_shape, dtype=self.dtype, device=self.device),
+            calls.append(
+                AttentionCall(
+                    tokens=slice(attention_group.start, attention_group.end),
+                    rows=attention_group.rows,
+                    query_len=attention_group.query_len,
+                    gather_index=gather_index,
+                    # Row j * query_len + q of a folded KV group attends as query q does.
+                    mask=attention_group.mask.repeat(1, 1, group, 1),
+                    key_buffer=torch.empty(buffer_shape, dtype=self.dtype, device=self.device),
+                    value_buffer=torch.empty(buffer_shape, dtype=self.dtype, device=self.device),
+                )
             )
-
-        short = batch.short_rows
-        if short is not None:
-            calls.append(call(slice(0, short.num_tokens), short.num_rows, short.query_len, short.block_table,
-                              short.mask, short.query_index, short.output_index))
-        for chunk in batch.chunks:
-            calls.append(call(slice(chunk.start, chunk.end), 1, chunk.end - chunk.start, chunk.block_table,
-                              chunk.mask, None, None))
         return calls
 
     def _attention(
@@ -214,12 +204,7 @@ class LlamaModel:
         outputs = []
         for call in calls:
             rows, length = call.rows, call.query_len
-            q_call = q[call.tokens]
-            if call.query_index is None:
-                q_call = q_call.view(rows, length, heads, head_dim)
-            else:
-                q_call = q_call[call.query_index]
-            q_call = q_call.view(rows, length, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+            q_call = q[call.tokens].view(rows, length, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
             q_call = q_call.reshape(rows, kv_heads, group * length, head_dim)
             torch.index_select(key_rows, 0, call.gather_index, out=call.key_buffer)
             torch.index_select(value_rows, 0, call.gather_index, out=call.value_buffer)
@@ -227,18 +212,16 @@ class LlamaModel:
             v = call.value_buffer.view(rows, kv_heads, -1, head_dim)
             out = F.scaled_dot_product_attention(q_call, k, v, attn_mask=call.mask)
             out = out.view(rows, kv_heads, group, length, head_dim).permute(0, 3, 1, 2, 4)
-            out = out.reshape(rows * length, heads * head_dim)
-            outputs.append(out if call.output_index is None else out[call.output_index])
+            outputs.append(out.reshape(rows * length, heads * head_dim))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 @dataclass(frozen=True)
 class AttentionCall:
-    """One attention call of a round, with everything its layers share.
+    """One attention call of a round (an `AttentionGroup`), with everything its layers share.
 
-    `tokens` are its flat tokens; `query_index`/`output_index` pad them into `rows` x
-    `query_len` and back (None when no padding is needed, see batch.ShortRowsAttention).
-    `gather_index` lists the pool rows (head-major) of its block tables; `mask` is the causal
+    `tokens` are its flat tokens, `rows` x `query_len`. `gather_index` lists the pool rows
+    (head-major) of its block tables; `mask` is the causal
     mask with the query heads of a KV group folded into the query length. The key/value buffers
     receive the gathered blocks; every layer reuses them, because a fresh multi-megabyte tensor
     per layer costs more in page faults than the gather itself.
@@ -247,8 +230,6 @@ class AttentionCall:
     tokens: slice
     rows: int
     query_len: int
-    query_index: torch.Tensor | None
-    output_index: torch.Tensor | None
     gather_index: torch.Tensor
     mask: torch.Tensor
     key_buffer: torch.Tensor

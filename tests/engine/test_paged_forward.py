@@ -127,25 +127,25 @@ def test_mixed_batch_of_chunks_decode_and_verify_rows_matches_the_dense_forward(
     cache = new_cache(config, num_blocks=128)
     allocator = shuffled_allocator(cache.num_blocks, seed=5)
 
-    # Five requests: (prompt length, tokens this round, logits asked this round).
-    histories = {name: random_tokens(config, 80, seed=10 + i) for i, name in enumerate("abcde")}
+    histories = {name: random_tokens(config, 80, seed=10 + i) for i, name in enumerate("abcdef")}
     tables = {name: allocator.allocate(blocks_for(80)) for name in histories}
-    already = {"a": 25, "b": 30, "c": 12, "d": 0, "e": 0}  # positions cached before the mixed round
+    already = {"a": 25, "b": 30, "c": 12, "d": 0, "e": 0, "f": 41}  # positions cached before the mixed round
 
     # Fill the cache for the requests already underway, in one batch of its own.
     warmup = [
-        ForwardRow(histories[n][: already[n]], 0, tables[n], num_logits=0) for n in "abc"
+        ForwardRow(histories[n][: already[n]], 0, tables[n], num_logits=0) for n in "abcf"
     ]
     assert model.forward(ForwardBatch.build(warmup, BLOCK_SIZE), cache).shape == (0, config.vocab_size)
 
-    plan = {
+    plan = {  # request: (new tokens this round, logits asked)
         "a": (21, 1),  # a continuing long prompt chunk, the prompt's last
         "b": (1, 1),  # a decode row
         "c": (6, 6),  # a verify row: 1 + 5 drafts
         "d": (9, 0),  # a short first prompt chunk, not the last
         "e": (33, 1),  # a long whole prompt
+        "f": (6, 6),  # another verify row, with a longer context (same attention call as c)
     }
-    order = ["b", "a", "d", "c", "e"]
+    order = ["b", "a", "f", "d", "c", "e"]
     rows = [
         ForwardRow(
             histories[n][already[n] : already[n] + plan[n][0]], already[n], tables[n], num_logits=plan[n][1]
