@@ -116,16 +116,20 @@ class SchedulerSnapshot:
 
 @dataclass
 class _Throughput:
-    """Generated tokens per second, as an exponential moving average over rounds."""
+    """Generated tokens per second over the last `window_s` seconds (0 once the daemon idles)."""
 
-    rate: float = 0.0
-    _last: float = field(default_factory=time.monotonic)
+    window_s: float = 10.0
+    _rounds: deque[tuple[float, int]] = field(default_factory=deque)
 
     def observe(self, tokens: int) -> None:
-        now = time.monotonic()
-        elapsed = max(now - self._last, 1e-6)
-        self._last = now
-        self.rate += 0.2 * (tokens / elapsed - self.rate)
+        self._rounds.append((time.monotonic(), tokens))
+
+    @property
+    def rate(self) -> float:
+        horizon = time.monotonic() - self.window_s
+        while self._rounds and self._rounds[0][0] < horizon:
+            self._rounds.popleft()
+        return sum(tokens for _, tokens in self._rounds) / self.window_s
 
 
 class Scheduler:
