@@ -43,7 +43,10 @@ def real_number(param: str, value: Any) -> float:
     """A finite JSON number as float; bools are not numbers here (JSON true is not 1)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidParameter(param, f"{param} must be a number, got {_describe(value)}")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # a JSON integer beyond float's range (about 1.8e308)
+        raise InvalidParameter(param, f"{param} must be a finite number, got an integer too large for one") from None
     if not math.isfinite(number):
         raise InvalidParameter(param, f"{param} must be a finite number, got {value!r}")
     return number

@@ -45,6 +45,7 @@ def test_stop_string_becomes_a_one_element_tuple() -> None:
         ("temperature", "0.5", "temperature must be a number, got a string"),
         ("temperature", math.nan, "temperature must be a finite number"),
         ("temperature", math.inf, "temperature must be a finite number"),
+        ("temperature", 10**400, "temperature must be a finite number"),
         ("temperature", -0.1, "temperature must be >= 0"),
         ("top_p", 0, r"top_p must be in \(0, 1\]"),
         ("top_p", 1.01, r"top_p must be in \(0, 1\]"),
