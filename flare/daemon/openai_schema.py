@@ -14,6 +14,7 @@ as OpenAI does, so a misspelt parameter never silently does nothing.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -66,7 +67,26 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         raise bad_request("the request body is nested too deeply", param=None) from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {_kind(body)}", param=None)
+    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(body):
+        raise bad_request(
+            "the request body has an unpaired UTF-16 surrogate escape (such as \\ud800), which is not text; "
+            "escape characters beyond U+FFFF as a surrogate pair or send them as UTF-8",
+            param=None,
+        )
     return body
+
+
+# JSON may escape a lone UTF-16 surrogate; Python's json decodes it into a str that no tokenizer
+# (nor UTF-8) accepts, so it must be refused here rather than fail deep in the request's path.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _has_lone_surrogate(body: dict[str, Any]) -> bool:
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _reject_constant(name: str) -> Any:

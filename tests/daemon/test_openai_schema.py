@@ -67,3 +67,11 @@ def test_deeply_nested_json_is_a_400() -> None:
     with pytest.raises(ApiError) as raised:
         parse_json_body(b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
     assert raised.value.status == 400
+
+
+def test_an_unpaired_surrogate_escape_is_a_400_and_a_pair_is_text() -> None:
+    assert parse_json_body(b'{"prompt": "\\ud83d\\ude00"}') == {"prompt": "\U0001f600"}
+    for raw in (b'{"prompt": "\\ud800"}', b'{"\\uDC00": 1}', b'{"messages": [{"content": "a\\udfff"}]}'):
+        with pytest.raises(ApiError) as refused:
+            parse_json_body(raw)
+        assert refused.value.status == 400 and "surrogate" in refused.value.message
