@@ -1,0 +1,108 @@
+"""The reliability suite's helpers: the real daemon (tests/integration/daemon_process.py) with a
+control socket, its `flare ctl status`, its resident memory, and a one-line figures summary."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+# The daemon helper lives with the integration tests; running tests/reliability alone must find it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+
+from daemon_process import DaemonProcess, start_daemon
+
+from flare.daemon.ctl import call
+
+CHAT = [{"role": "user", "content": "Write a short poem about the sea."}]
+ERROR_FIELDS = {"message", "type", "param", "code"}
+
+
+class Daemon:
+    """A started daemon with its control socket, its model name and the figures a test reports."""
+
+    def __init__(self, process: DaemonProcess, control: Path) -> None:
+        self.process = process
+        self.control = control
+        self.url = process.base_url
+        self.model = process.model_name()
+
+    @property
+    def pid(self) -> int:
+        return self.process.process.pid
+
+    def status(self) -> dict[str, Any]:
+        """`flare ctl status --json`, through the same client function the command uses."""
+        code, answer = call(self.control, "GET", "/status")
+        assert code == 200, answer
+        return answer
+
+    def rss_kib(self) -> int:
+        """The daemon's resident memory (VmRSS, KiB)."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise AssertionError("no VmRSS line")
+
+    def wait_idle(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        """The status once nothing runs or waits (cancelled rows are freed within a round)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = self.status()
+            if (
+                status["running"] == 0
+                and status["waiting"] == 0
+                and status["kv_blocks_used"] == 0
+            ):
+                return status
+            if time.monotonic() > deadline:
+                return status
+            time.sleep(0.05)
+
+    def body(self, **fields: Any) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "messages": CHAT,
+            "max_tokens": 8,
+            "temperature": 0,
+            **fields,
+        }
+
+    def serves(self) -> bool:
+        """A normal request still succeeds."""
+        response = httpx.post(
+            f"{self.url}/v1/chat/completions", json=self.body(max_tokens=2), timeout=60
+        )
+        return response.status_code == 200 and response.json()["choices"][0][
+            "finish_reason"
+        ] in ("stop", "length")
+
+
+def launch(package: Path, tmp_path: Path, flags: Sequence[str] = ()) -> Daemon:
+    control = tmp_path / "control.sock"
+    process = start_daemon(package, ["--control-socket", str(control), *flags])
+    try:
+        return Daemon(process, control)
+    except BaseException:
+        process.kill()
+        raise
+
+
+def report(test: str, **figures: Any) -> None:
+    """One line of figures per test (pytest -s shows it; docs/reliability.md quotes them)."""
+    print(
+        f"\nRELIABILITY {test}: " + " ".join(f"{k}={v}" for k, v in figures.items()),
+        flush=True,
+    )
+
+
+def is_error_body(body: Any) -> bool:
+    return (
+        isinstance(body, dict)
+        and isinstance(body.get("error"), dict)
+        and ERROR_FIELDS <= set(body["error"])
+    )
