@@ -45,6 +45,26 @@ class DecoderLayer:
     down: torch.Tensor  # [intermediate, hidden]
 
 
+@dataclass(frozen=True)
+class AttentionCall:
+    """One attention call of a round (an `AttentionGroup`), with everything its layers share.
+
+    `tokens` are its flat tokens, `rows` x `query_len`. `gather_index` lists the pool rows
+    (head-major) of its block tables; `mask` is the causal mask with the query heads of a KV
+    group folded into the query length. The key/value buffers receive the gathered blocks; every
+    layer reuses them, because a fresh multi-megabyte tensor per layer costs more in page
+    faults than the gather itself.
+    """
+
+    tokens: slice
+    rows: int
+    query_len: int
+    gather_index: torch.Tensor
+    mask: torch.Tensor
+    key_buffer: torch.Tensor
+    value_buffer: torch.Tensor
+
+
 def check_state_dict(config: ModelConfig, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Raise `WeightsError` listing every missing, unexpected or misshapen weight."""
     problems = weight_problems(config, {name: tuple(tensor.shape) for name, tensor in state_dict.items()})
@@ -131,6 +151,11 @@ class LlamaModel:
             raise ValueError(
                 f"the batch was built for blocks of {batch.block_size} tokens, the cache has {kv_cache.block_size}"
             )
+        if kv_cache.keys[0].dtype != self.dtype:
+            raise ValueError(
+                f"the KV cache holds {kv_cache.keys[0].dtype}, the model computes in {self.dtype}: "
+                "create the cache with the model's dtype"
+            )
         if batch.max_position >= self.config.max_position_embeddings:
             raise ValueError(
                 f"position {batch.max_position} is past the model's context of {self.config.max_position_embeddings}"
@@ -214,26 +239,6 @@ class LlamaModel:
             out = out.view(rows, kv_heads, group, length, head_dim).permute(0, 3, 1, 2, 4)
             outputs.append(out.reshape(rows * length, heads * head_dim))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-
-
-@dataclass(frozen=True)
-class AttentionCall:
-    """One attention call of a round (an `AttentionGroup`), with everything its layers share.
-
-    `tokens` are its flat tokens, `rows` x `query_len`. `gather_index` lists the pool rows
-    (head-major) of its block tables; `mask` is the causal
-    mask with the query heads of a KV group folded into the query length. The key/value buffers
-    receive the gathered blocks; every layer reuses them, because a fresh multi-megabyte tensor
-    per layer costs more in page faults than the gather itself.
-    """
-
-    tokens: slice
-    rows: int
-    query_len: int
-    gather_index: torch.Tensor
-    mask: torch.Tensor
-    key_buffer: torch.Tensor
-    value_buffer: torch.Tensor
 
 
 def load_model(package: Package, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LlamaModel:

@@ -190,3 +190,10 @@ def test_a_position_past_the_context_is_refused(config, state_dict) -> None:
     row = ForwardRow([5], last, list(range(blocks_for(last + 1))), num_logits=1)
     with pytest.raises(ValueError, match="past the model's context"):
         model.forward(ForwardBatch.build([row], BLOCK_SIZE), cache)
+
+
+def test_a_cache_of_another_dtype_is_refused(config, state_dict) -> None:
+    model = LlamaModel(config, state_dict)
+    cache = KVCache.for_budget(config, 1 << 20, BLOCK_SIZE, dtype=torch.float64)
+    with pytest.raises(ValueError, match="create the cache with the model's dtype"):
+        model.forward(ForwardBatch.build([ForwardRow([5], 0, [0], num_logits=1)], BLOCK_SIZE), cache)
