@@ -180,6 +180,18 @@ async def test_a_device_status_fails_only_its_own_request(tiny_package, status):
         assert got[rid].token_ids == outcome.token_ids
 
 
+@pytest.mark.parametrize("status", [DeviceStatus.INVALID_DRAFT_TOKEN, DeviceStatus.INVALID_DRAFT_PROBABILITY])
+async def test_a_draft_fault_in_a_round_without_drafts_fails_nothing(tiny_package, status):
+    # Round 0 samples right after the prompt, with no drafts: the status cannot arise there.
+    async with running(tiny_package, fault_injection=True) as scheduler:
+        expected = await generate_all(scheduler, [request(scheduler, f"r{i}", p) for i, p in enumerate(PROMPTS)])
+        faulty = request(scheduler, "faulty", PROMPTS[0], fault=FaultSpec(status, round=0))
+        got = await generate_all(scheduler, [faulty, *(request(scheduler, f"r{i}", p) for i, p in enumerate(PROMPTS))])
+    assert isinstance(got["faulty"].end, Finished)
+    for rid, outcome in expected.items():
+        assert got[rid].token_ids == outcome.token_ids
+
+
 async def test_invalid_speculation_falls_back_and_the_request_completes(tiny_package):
     async with running(tiny_package, fault_injection=True) as scheduler:
         clean = (await generate_all(scheduler, [request(scheduler, "clean", PROMPTS[3])]))["clean"]
