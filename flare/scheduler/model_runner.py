@@ -217,7 +217,9 @@ class ModelRunner:
                     # A test fault this row cannot have this round (a draft status on the row's
                     # first round, which samples after the prompt and has no drafts): the row runs
                     # as it is, rather than the exception failing every row of the round.
-                    log.warning("fault_not_injected", request_id=row.request_id, status=row.fault.name, reason=str(error))
+                    log.warning(
+                        "fault_not_injected", request_id=row.request_id, status=row.fault.name, reason=str(error)
+                    )
                     continue
                 logits, draft_tokens, draft_probs, batch = (
                     faulted.logits,
