@@ -51,9 +51,9 @@ class AttentionCall:
 
     `tokens` are its flat tokens, `rows` x `query_len`. `gather_index` lists the pool rows
     (head-major) of its block tables; `mask` is the causal mask with the query heads of a KV
-    group folded into the query length. The key/value buffers receive the gathered blocks; every
-    layer reuses them, because a fresh multi-megabyte tensor per layer costs more in page
-    faults than the gather itself.
+    group folded into the query length. The key/value buffers (views of the model's gather
+    workspace) receive the gathered blocks; every layer reuses them, because a fresh
+    multi-megabyte tensor per layer costs more in page faults than the gather itself.
     """
 
     tokens: slice
@@ -142,6 +142,11 @@ class LlamaModel:
             for i in range(config.num_layers)
         ]
         self.rope_cos, self.rope_sin = rope_tables(config, dtype, self.device)
+        # Grow-only scratch memory for the gathered keys and values of a round: allocating
+        # tens of megabytes afresh every round costs page faults on every round. It holds one
+        # layer's K/V of the running rows (plus padding to each group's longest context), so it
+        # stays around the size of one layer's share of the KV cache.
+        self._gather_workspace = torch.empty(0, dtype=dtype, device=self.device)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
@@ -193,10 +198,17 @@ class LlamaModel:
         """The round's attention calls, one per attention group, built once for every layer."""
         group = self.config.num_heads // self.config.num_kv_heads
         head_offsets = torch.arange(self.config.num_kv_heads, device=self.device).view(1, -1, 1) * kv_cache.num_blocks
+        block_numel = kv_cache.block_size * self.config.head_dim
+        # Block b of KV head h is row h * num_blocks + b of the pool viewed [heads * blocks, ...].
+        gather_indices = [(g.block_table.unsqueeze(1) + head_offsets).flatten() for g in batch.groups]
+        needed = 2 * sum(index.numel() for index in gather_indices) * block_numel
+        if self._gather_workspace.numel() < needed:
+            self._gather_workspace = torch.empty(needed, dtype=self.dtype, device=self.device)
+        # Two buffers (keys, values) per call, carved one after another out of the workspace.
+        sizes = [index.numel() * block_numel for index in gather_indices for _ in range(2)]
+        buffers = iter(self._gather_workspace[:needed].split(sizes))
         calls = []
-        for attention_group in batch.groups:
-            # Block b of KV head h is row h * num_blocks + b of the pool viewed [heads * blocks, ...].
-            gather_index = (attention_group.block_table.unsqueeze(1) + head_offsets).flatten()
+        for attention_group, gather_index in zip(batch.groups, gather_indices):
             buffer_shape = (gather_index.numel(), kv_cache.block_size, self.config.head_dim)
             calls.append(
                 AttentionCall(
@@ -206,8 +218,8 @@ class LlamaModel:
                     gather_index=gather_index,
                     # Row j * query_len + q of a folded KV group attends as query q does.
                     mask=attention_group.mask.repeat(1, 1, group, 1),
-                    key_buffer=torch.empty(buffer_shape, dtype=self.dtype, device=self.device),
-                    value_buffer=torch.empty(buffer_shape, dtype=self.dtype, device=self.device),
+                    key_buffer=next(buffers).view(buffer_shape),
+                    value_buffer=next(buffers).view(buffer_shape),
                 )
             )
         return calls
