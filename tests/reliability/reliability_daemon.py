@@ -3,9 +3,11 @@ control socket, its `flare ctl status`, its resident memory, and a one-line figu
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +55,7 @@ class Daemon:
         deadline = time.monotonic() + timeout_s
         while True:
             status = self.status()
-            if (
-                status["running"] == 0
-                and status["waiting"] == 0
-                and status["kv_blocks_used"] == 0
-            ):
+            if status["running"] == 0 and status["waiting"] == 0 and status["kv_blocks_used"] == 0:
                 return status
             if time.monotonic() > deadline:
                 return status
@@ -74,12 +72,8 @@ class Daemon:
 
     def serves(self) -> bool:
         """A normal request still succeeds."""
-        response = httpx.post(
-            f"{self.url}/v1/chat/completions", json=self.body(max_tokens=2), timeout=60
-        )
-        return response.status_code == 200 and response.json()["choices"][0][
-            "finish_reason"
-        ] in ("stop", "length")
+        response = httpx.post(f"{self.url}/v1/chat/completions", json=self.body(max_tokens=2), timeout=60)
+        return response.status_code == 200 and response.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
 def launch(package: Path, tmp_path: Path, flags: Sequence[str] = ()) -> Daemon:
@@ -101,8 +95,69 @@ def report(test: str, **figures: Any) -> None:
 
 
 def is_error_body(body: Any) -> bool:
-    return (
-        isinstance(body, dict)
-        and isinstance(body.get("error"), dict)
-        and ERROR_FIELDS <= set(body["error"])
-    )
+    return isinstance(body, dict) and isinstance(body.get("error"), dict) and ERROR_FIELDS <= set(body["error"])
+
+
+@dataclass
+class Outcome:
+    """What one client saw: the status line, the text, how it ended, and whether the answer was whole
+    (a non-streaming JSON body that parsed; a stream that ended with `data: [DONE]`)."""
+
+    status: int
+    text: str = ""
+    finish_reason: str | None = None
+    error: dict[str, Any] | None = None
+    complete: bool = False
+    events: int = 0
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def _delta_text(chunk: dict[str, Any]) -> str:
+    choice = chunk["choices"][0]
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+async def generate(
+    http: httpx.AsyncClient,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+    drop_after_events: int | None = None,
+) -> Outcome:
+    """One request as a client sees it. `drop_after_events`: a streaming client that closes the
+    connection after that many SSE events (0: before reading any)."""
+    if not body.get("stream"):
+        response = await http.post(path, json=body, headers=headers)
+        outcome = Outcome(response.status_code, headers=dict(response.headers))
+        answer = response.json()
+        if response.status_code == 200:
+            outcome.text = _delta_text(answer) or answer["choices"][0].get("message", {}).get("content", "")
+            outcome.finish_reason = answer["choices"][0]["finish_reason"]
+            outcome.complete = True
+        else:
+            outcome.error = answer.get("error")
+        return outcome
+    async with http.stream("POST", path, json=body, headers=headers) as response:
+        outcome = Outcome(response.status_code, headers=dict(response.headers))
+        if response.status_code != 200:
+            outcome.error = json.loads(await response.aread()).get("error")
+            return outcome
+        texts = []
+        async for line in response.aiter_lines():
+            if not line:
+                continue
+            if drop_after_events is not None and outcome.events >= drop_after_events:
+                return outcome  # leaving the block closes the connection mid-stream
+            outcome.events += 1
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                outcome.complete = True
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                outcome.error = chunk["error"]
+            elif chunk.get("choices"):
+                texts.append(_delta_text(chunk))
+                outcome.finish_reason = chunk["choices"][0].get("finish_reason") or outcome.finish_reason
+        outcome.text = "".join(texts)
+        return outcome

@@ -73,10 +73,7 @@ json_scalars = (
 )
 json_values = st.recursive(
     json_scalars,
-    lambda inner: (
-        st.lists(inner, max_size=4)
-        | st.dictionaries(st.text(max_size=12), inner, max_size=4)
-    ),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
     max_leaves=12,
 )
 
@@ -107,9 +104,7 @@ class Tally:
 @pytest.fixture(scope="module")
 def daemon(tiny_package: Path, daemon_factory: Callable[..., Daemon]) -> Daemon:
     # Fault injection on, so the X-Flare-Fault header's parser is exposed too.
-    return daemon_factory(
-        tiny_package, ["--max-body-bytes", str(MAX_BODY_BYTES), "--fault-injection"]
-    )
+    return daemon_factory(tiny_package, ["--max-body-bytes", str(MAX_BODY_BYTES), "--fault-injection"])
 
 
 @pytest.fixture(scope="module")
@@ -144,11 +139,7 @@ def _encode(value: Any) -> bytes:
 def test_arbitrary_json_bodies_are_answered_with_4xx_error_bodies(
     http: httpx.Client, tally: Tally, path: str, body: Any
 ) -> None:
-    tally.check(
-        http.post(
-            path, content=_encode(body), headers={"Content-Type": "application/json"}
-        )
-    )
+    tally.check(http.post(path, content=_encode(body), headers={"Content-Type": "application/json"}))
 
 
 @given(
@@ -162,16 +153,10 @@ def test_any_value_in_any_field_is_answered_without_a_server_error(
 ) -> None:
     body: dict[str, Any] = {"model": daemon.model, "max_tokens": 4, "temperature": 0}
     body.update(
-        {"messages": [{"role": "user", "content": "hi"}]}
-        if path.endswith("chat/completions")
-        else {"prompt": "hi"}
+        {"messages": [{"role": "user", "content": "hi"}]} if path.endswith("chat/completions") else {"prompt": "hi"}
     )
     body[field] = value
-    tally.check(
-        http.post(
-            path, content=_encode(body), headers={"Content-Type": "application/json"}
-        )
-    )
+    tally.check(http.post(path, content=_encode(body), headers={"Content-Type": "application/json"}))
 
 
 @given(
@@ -222,16 +207,13 @@ def test_arbitrary_bytes_with_any_content_type_get_400(
 
 # What HTTP lets a header value hold (visible ASCII, space, obs-text bytes).
 HEADER_TEXT = st.text(
-    alphabet=st.characters(
-        min_codepoint=32, max_codepoint=255, exclude_characters="\x7f"
-    ),
+    alphabet=st.characters(min_codepoint=32, max_codepoint=255, exclude_characters="\x7f"),
     max_size=300,
 )
 
 
 @given(
-    fault=HEADER_TEXT
-    | st.sampled_from(["NONFINITE_LOGITS@x", "OK", "ok@1", "@", "NONFINITE_LOGITS@-1"]),
+    fault=HEADER_TEXT | st.sampled_from(["NONFINITE_LOGITS@x", "OK", "ok@1", "@", "NONFINITE_LOGITS@-1"]),
     request_id=HEADER_TEXT,
     authorization=st.just("Bearer ") | HEADER_TEXT,
 )
@@ -265,24 +247,18 @@ def test_hostile_headers_are_answered_without_a_server_error(
     tally.check(response)
 
 
-def test_extreme_shapes_get_400_naming_the_problem(
-    http: httpx.Client, tally: Tally, daemon: Daemon
-) -> None:
+def test_extreme_shapes_get_400_naming_the_problem(http: httpx.Client, tally: Tally, daemon: Daemon) -> None:
     deep = b'{"model": "m", "messages": ' + b"[" * 30000 + b"]" * 30000 + b"}"
     cases = {
         "deeply nested": deep,
-        "NaN literal": b'{"model": "%s", "prompt": "hi", "temperature": NaN}'
-        % daemon.model.encode(),
-        "Infinity literal": b'{"model": "%s", "prompt": "hi", "top_p": -Infinity}'
-        % daemon.model.encode(),
+        "NaN literal": b'{"model": "%s", "prompt": "hi", "temperature": NaN}' % daemon.model.encode(),
+        "Infinity literal": b'{"model": "%s", "prompt": "hi", "top_p": -Infinity}' % daemon.model.encode(),
         "huge integer temperature": b'{"model": "%s", "prompt": "hi", "temperature": 1%s}'
         % (daemon.model.encode(), b"0" * 400),
-        "4400-digit integer": b'{"model": "%s", "prompt": "hi", "seed": 1%s}'
-        % (daemon.model.encode(), b"0" * 4400),
+        "4400-digit integer": b'{"model": "%s", "prompt": "hi", "seed": 1%s}' % (daemon.model.encode(), b"0" * 4400),
         "truncated JSON": _encode(daemon.body())[:-7],
         "invalid UTF-8": b'{"model": "\xff\xfe", "prompt": "\xc3\x28"}',
-        "lone surrogate escape": b'{"model": "%s", "prompt": "\\ud800"}'
-        % daemon.model.encode(),
+        "lone surrogate escape": b'{"model": "%s", "prompt": "\\ud800"}' % daemon.model.encode(),
         "very long prompt": _encode({"model": daemon.model, "prompt": "sea " * 15000}),
         "empty": b"",
     }
@@ -293,10 +269,7 @@ def test_extreme_shapes_get_400_naming_the_problem(
         assert response.status_code in (200, 400), (name, response.text)
     too_large = http.post("/v1/completions", content=b" " * (MAX_BODY_BYTES + 1))
     tally.check(too_large)
-    assert (
-        too_large.status_code == 413
-        and too_large.json()["error"]["code"] == "request_too_large"
-    )
+    assert too_large.status_code == 413 and too_large.json()["error"]["code"] == "request_too_large"
 
 
 METHODS = ("GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD")
@@ -319,9 +292,7 @@ PATHS = (
 )
 
 
-def test_every_path_and_method_is_answered_without_a_server_error(
-    http: httpx.Client, tally: Tally
-) -> None:
+def test_every_path_and_method_is_answered_without_a_server_error(http: httpx.Client, tally: Tally) -> None:
     for path in PATHS:
         for method in METHODS:
             tally.check(http.request(method, path))
@@ -343,17 +314,14 @@ def _raw_request(port: int, data: bytes, *, end_early: bool = False) -> bytes:
     return b"".join(chunks)
 
 
-def test_truncated_bodies_and_malformed_http_never_get_a_server_error(
-    daemon: Daemon, tally: Tally
-) -> None:
+def test_truncated_bodies_and_malformed_http_never_get_a_server_error(daemon: Daemon, tally: Tally) -> None:
     port = int(daemon.url.rsplit(":", 1)[1])
     body = _encode(daemon.body())
     answers = [
         # The connection ends before Content-Length bytes arrived.
         _raw_request(
             port,
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
-            % len(body)
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
             + body[: len(body) // 2],
             end_early=True,
         ),
@@ -368,19 +336,12 @@ def test_truncated_bodies_and_malformed_http_never_get_a_server_error(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
         ),
         _raw_request(port, b"GARBAGE\r\n\r\n"),
-        _raw_request(
-            port, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Bad: \x00\x01\r\n\r\n"
-        ),
+        _raw_request(port, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Bad: \x00\x01\r\n\r\n"),
         _raw_request(
             port,
-            b"GET /health HTTP/1.1\r\nHost: x\r\n"
-            + b"X-Long: "
-            + b"a" * 20000
-            + b"\r\n\r\n",
+            b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Long: " + b"a" * 20000 + b"\r\n\r\n",
         ),
-        _raw_request(
-            port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-        ),
+        _raw_request(port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
     ]
     # What is not HTTP gets aiohttp's own plain-text 400 from its parser (there is no request yet to
     # answer in OpenAI's shape); a body that stops short gets no answer, as nothing can be answered.
@@ -388,9 +349,7 @@ def test_truncated_bodies_and_malformed_http_never_get_a_server_error(
     assert answers[6].startswith(b"HTTP/1.1 200")
     for answer in answers:
         # No answer at all is fine for a request that never arrived whole.
-        status = (
-            int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.") else None
-        )
+        status = int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.") else None
         tally.statuses[status or 0] += 1
         assert status is None or status < 500, answer[:300]
     assert daemon.serves()
@@ -405,8 +364,7 @@ def test_a_client_that_stalls_mid_body_does_not_hold_up_others(
     for _ in range(8):
         sock = socket.create_connection(("127.0.0.1", port), timeout=30)
         sock.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
-            % len(body)
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
             + body[: len(body) // 2]
         )
         stalled.append(sock)
