@@ -68,6 +68,7 @@ class SchedulerOptions:
     block_size: int = 16
     max_batched_tokens: int = 256  # tokens fed per round: bounds a prompt chunk's share of a round
     draft_tokens: int | None = None  # None: the package's serving.draft_tokens; may only lower it
+    adaptive_draft_length: bool = True  # False: every decode row verifies all the drafter proposes
     vocabulary_shards: int = 1
     sampling_policy: Literal["package", "unfiltered"] = "package"
     on_invalid_speculation: Literal["fallback", "fail"] = "fallback"
@@ -186,10 +187,12 @@ class Scheduler:
         *,
         metrics: SchedulerMetrics | None = None,
         heartbeat: Callable[[], None] | None = None,
+        drafter: Drafter | None = None,
     ) -> Scheduler:
         """Load the package's weights and size the KV cache. Heavy: call it off the event loop.
 
-        The sampler contract is checked before any weight is read.
+        The sampler contract is checked before any weight is read. `drafter` replaces the one
+        the package names (`serving.drafter`), e.g. a learned draft head.
         """
         serving = package.manifest.serving
         policy = served_policy(package, options.sampling_policy)
@@ -221,7 +224,7 @@ class Scheduler:
             tokenizer=Tokenizer.from_package(package),
             runner=runner,
             allocator=BlockAllocator(kv_cache.num_blocks),
-            drafter=make_drafter(serving.drafter) if draft_tokens > 0 else None,
+            drafter=(drafter or make_drafter(serving.drafter)) if draft_tokens > 0 else None,
             options=options,
             max_concurrency=max_concurrency,
             draft_tokens=draft_tokens,
@@ -439,8 +442,11 @@ class Scheduler:
         for seq in decode:
             limit = self._draft_limit(seq)
             proposals.append(seq.draft_state.propose(limit) if seq.draft_state is not None and limit > 0 else Draft(()))
-        lengths = choose_draft_lengths(
-            [len(d.token_ids) for d in proposals], [s.acceptance.rate for s in decode], base_tokens, self._cost
+        available = [len(d.token_ids) for d in proposals]
+        lengths = (
+            choose_draft_lengths(available, [s.acceptance.rate for s in decode], base_tokens, self._cost)
+            if self.options.adaptive_draft_length
+            else available
         )
         drafts: dict[str, Draft] = {}
         for seq, draft, k in zip(decode, proposals, lengths):

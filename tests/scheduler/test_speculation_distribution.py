@@ -1,0 +1,147 @@
+"""Speculation never changes what is sampled: on the tiny model, the tokens generated with
+drafts verified by rejection sampling follow the same distribution as without drafts.
+
+The drafter here proposes the last token again. Learned-style, it draws each draft from q (0.8
+on the last token, the rest spread over the vocabulary) and reports q; otherwise q is one-hot. Drafts are often
+accepted (the tiny model repeats itself at low temperature), so both the accept path and the
+residual path run, and a wrong KV entry for an accepted draft would show in the later tokens.
+Each configuration samples the same prompt under many seeds; a two-sample chi-square test
+compares the tokens at output positions 1-3 (position 0 comes from the prompt's prefill, before
+any draft). The seeds are fixed, so the test is deterministic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+
+from flare.engine.drafters import Draft
+from flare.preparation.package import open_package
+from flare.sampling.params import SamplingParams
+from flare.scheduler.request import Finished, GenerationRequest, TextDelta
+from flare.scheduler.scheduler import Scheduler, SchedulerOptions
+
+SAMPLES = 480
+PROMPT = "one two three four one two three four one two"
+# The tiny random model's logits are nearly flat over 49152 tokens; scaling its (tied) embedding
+# matrix scales the logits, so a few tokens carry most of the mass and the test has power.
+LOGIT_SCALE = 5.0
+
+
+@pytest.fixture(scope="module")
+def peaked_package(make_package, package_parts):
+    state = dict(package_parts["state_dict"])
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"] * LOGIT_SCALE
+    return make_package(state_dict=state)
+
+
+@dataclass
+class _RepeatLastState:
+    tokens: list[int]
+    vocab_size: int
+    learned: bool
+    generator: torch.Generator
+
+    def extend(self, token_ids) -> None:
+        self.tokens.extend(token_ids)
+
+    def propose(self, k: int) -> Draft:
+        last = self.tokens[-1]
+        if not self.learned:
+            return Draft((last,) * k)
+        # Rejection sampling is exact only for drafts drawn from the q the drafter reports, with
+        # randomness of its own: each request's state has its own generator (a draw keyed by the
+        # context alone would give every seed sharing a context the same draft).
+        q = torch.full((self.vocab_size,), 0.2 / (self.vocab_size - 1))
+        q[last] = 0.8
+        drafts = torch.multinomial(q, k, replacement=True, generator=self.generator)
+        return Draft(tuple(drafts.tolist()), q.expand(k, -1).clone())
+
+
+@dataclass
+class RepeatLastDrafter:
+    vocab_size: int
+    learned: bool
+    name: str = "repeat-last"
+    _states: itertools.count = field(default_factory=itertools.count)
+
+    def new_state(self, prompt_ids) -> _RepeatLastState:
+        generator = torch.Generator().manual_seed(next(self._states))
+        return _RepeatLastState(list(prompt_ids), self.vocab_size, self.learned, generator)
+
+
+async def sample_tokens(
+    package_path, params: SamplingParams, drafter: RepeatLastDrafter | None
+) -> tuple[list[list[int]], int]:
+    """Each seed's generated tokens, and how many times a row sampled (target forwards per row)."""
+    package = open_package(package_path)
+    options = SchedulerOptions(draft_tokens=0 if drafter is None else 3, adaptive_draft_length=False)
+    scheduler = Scheduler.from_package(package, options, drafter=drafter)
+    loop = asyncio.create_task(scheduler.run())
+    prompt = tuple(scheduler.tokenizer.encode(PROMPT))
+    outputs: list[list[int]] = []
+    try:
+        for start in range(0, SAMPLES, 32):
+            streams = [
+                scheduler.submit(GenerationRequest(f"s{seed}", prompt, SamplingParams(**{**params.__dict__, "seed": seed})))
+                for seed in range(start, min(start + 32, SAMPLES))
+            ]
+            for stream in streams:
+                ids: list[int] = []
+                async for event in stream:
+                    if isinstance(event, TextDelta):
+                        ids.extend(event.token_ids)
+                    else:
+                        assert isinstance(event, Finished), event
+                outputs.append(ids)
+        rounds = scheduler.snapshot().device_statuses["OK"]
+    finally:
+        scheduler.stop()
+        await loop
+    return outputs, rounds
+
+
+def _same_distribution(a: list[int], b: list[int]) -> float:
+    """p-value of a two-sample chi-square test; rare tokens pooled so expected counts are >= 5."""
+    counts_a, counts_b = Counter(a), Counter(b)
+    common = [t for t in counts_a | counts_b if counts_a[t] + counts_b[t] >= 10]
+    table = [[counts_a[t] for t in common], [counts_b[t] for t in common]]
+    table[0].append(len(a) - sum(table[0]))
+    table[1].append(len(b) - sum(table[1]))
+    if table[0][-1] + table[1][-1] == 0:
+        table = [row[:-1] for row in table]
+    if len(table[0]) < 2:
+        return 1.0  # one token only, in both samples
+    return chi2_contingency(table).pvalue
+
+
+@pytest.mark.parametrize(
+    ("params", "learned"),
+    [
+        (SamplingParams(temperature=0.4, max_tokens=4), False),
+        (SamplingParams(temperature=1.0, max_tokens=4), True),
+        (SamplingParams(temperature=1.0, top_k=8, max_tokens=4), False),
+        (SamplingParams(temperature=1.0, top_k=8, top_p=0.9, min_p=0.02, max_tokens=4), True),
+    ],
+    ids=["one-hot-q", "learned-q", "one-hot-q-top-k", "learned-q-filtered"],
+)
+async def test_speculative_sampling_follows_the_non_speculative_distribution(peaked_package, params, learned):
+    vocab = open_package(peaked_package).manifest.model.vocab_size
+    plain, plain_rounds = await sample_tokens(peaked_package, params, None)
+    speculative, speculative_rounds = await sample_tokens(peaked_package, params, RepeatLastDrafter(vocab, learned))
+    # Drafts were accepted: the same tokens took fewer target forwards.
+    assert speculative_rounds < plain_rounds
+    for position in (1, 2, 3):
+        a = [ids[position] for ids in plain if len(ids) > position]
+        b = [ids[position] for ids in speculative if len(ids) > position]
+        assert len(a) > SAMPLES * 0.9 and len(b) > SAMPLES * 0.9
+        p_value = _same_distribution(a, b)
+        print(f"position {position}: {len(set(a))} distinct tokens, p = {p_value:.3f}")
+        assert p_value > 1e-3, f"token {position} differs with speculation"
+    print(f"row forwards: {plain_rounds} without drafts, {speculative_rounds} with")
