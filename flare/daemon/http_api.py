@@ -470,7 +470,9 @@ async def _collect(
             continue
         _log_end(event, generated)
         if isinstance(event, Failed):
-            return web.json_response(failure_body(event.failure), status=event.failure.http_status)
+            # The OpenAI SDKs retry a 503 by themselves unless told not to.
+            retry = {} if event.failure.retryable else {"x-should-retry": "false"}
+            return web.json_response(failure_body(event.failure), status=event.failure.http_status, headers=retry)
         body = shape.body("".join(texts), event.reason, event.usage)
         body["flare"] = {**flare, "fell_back": event.fell_back}
         return web.json_response(body, headers=headers)

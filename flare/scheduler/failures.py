@@ -37,7 +37,13 @@ def device_failure(status: DeviceStatus, round_index: int) -> RequestFailure:
 
 
 def cancelled_failure(reason: str) -> RequestFailure:
-    return RequestFailure(code="cancelled", message=f"request cancelled: {reason}", http_status=503, type="server_error")
+    return RequestFailure(
+        code="cancelled",
+        message=f"request cancelled: {reason}",
+        http_status=503,
+        type="server_error",
+        retryable=False,
+    )
 
 
 def shutdown_failure() -> RequestFailure:

@@ -65,6 +65,9 @@ class RequestFailure:
     param: str | None = None
     status: DeviceStatus | None = None
     round: int | None = None
+    # False when sending the same request again is pointless (an operator cancelled it); the
+    # daemon then says so to clients that retry 5xx answers on their own (x-should-retry).
+    retryable: bool = True
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from flare.daemon.http_api import create_app
 from flare.daemon.state import ServingState
 from flare.kernels.status import DeviceStatus
 from flare.scheduler.errors import Draining, PromptTooLong, QueueFull
-from flare.scheduler.failures import device_failure
+from flare.scheduler.failures import cancelled_failure, device_failure
 from flare.scheduler.request import Failed, FaultSpec, Finished, Usage
 
 MODEL = "tiny-model"
@@ -224,6 +224,16 @@ async def test_device_failure_without_streaming_is_the_failure_status_with_error
     error = assert_error_shape(await response.json())
     assert error["code"] == "NONFINITE_LOGITS" and error["type"] == "server_error"
     assert error["flare"] == {"status": 1, "status_name": "NONFINITE_LOGITS", "round": 1}
+
+
+async def test_an_operator_cancel_tells_retrying_clients_not_to_retry(client: TestClient, scheduler: FakeScheduler) -> None:
+    scheduler.ending = lambda request: Failed(cancelled_failure("cancelled by the operator"), Usage(1, 4))
+    response = await client.post("/v1/chat/completions", json=CHAT)
+    assert response.status == 503 and response.headers["x-should-retry"] == "false"
+    assert assert_error_shape(await response.json())["code"] == "cancelled"
+    # A device failure may be retried: no such header.
+    scheduler.ending = lambda request: Failed(device_failure(DeviceStatus.NONFINITE_LOGITS, 1), Usage(1, 4))
+    assert "x-should-retry" not in (await client.post("/v1/chat/completions", json=CHAT)).headers
 
 
 async def test_fault_header_becomes_a_fault_spec_only_with_fault_injection(
