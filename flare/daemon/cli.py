@@ -127,6 +127,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`flare ctl status | head`): not an error of ours. Point stdout at
+        # /dev/null so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

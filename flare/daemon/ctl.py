@@ -144,15 +144,23 @@ def add_ctl_parser(subparsers: Any) -> argparse.ArgumentParser:
         "else $XDG_RUNTIME_DIR/flare/control.sock)",
     )
     parser.add_argument("--json", action="store_true", help="print the daemon's answer as JSON")
+    # --json is accepted after the command too (`flare ctl status --json`); SUPPRESS keeps an
+    # absent one from resetting a --json given before the command.
+    json_after = argparse.ArgumentParser(add_help=False)
+    json_after.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
     commands = parser.add_subparsers(dest="ctl_command", required=True, metavar="COMMAND")
-    commands.add_parser("status", help="package, uptime, requests, KV blocks, draining, device statuses")
-    commands.add_parser("requests", help="waiting and running requests: id, state, age, tokens in and out")
-    cancel = commands.add_parser("cancel", help="end one request; its client gets a 'cancelled' error")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=help, parents=[json_after])
+
+    command("status", "package, uptime, requests, KV blocks, draining, device statuses")
+    command("requests", "waiting and running requests: id, state, age, tokens in and out")
+    cancel = command("cancel", "end one request; its client gets a 'cancelled' error")
     cancel.add_argument("request_id", metavar="ID")
-    commands.add_parser("drain", help="stop admitting requests (503, /health 503); in-flight ones go on")
-    commands.add_parser("resume", help="admit requests again after a drain")
-    commands.add_parser("config", help="the effective configuration, API keys redacted")
-    level = commands.add_parser("log-level", help="change the log level at run time")
+    command("drain", "stop admitting requests (503, /health 503); in-flight ones go on")
+    command("resume", "admit requests again after a drain")
+    command("config", "the effective configuration, API keys redacted")
+    level = command("log-level", "change the log level at run time")
     level.add_argument("level", choices=LOG_LEVELS, metavar="LEVEL", help=" | ".join(LOG_LEVELS))
     parser.set_defaults(func=run_ctl)
     return parser

@@ -458,3 +458,12 @@ def test_ctl_imports_neither_torch_nor_aiohttp() -> None:
     code = "import sys, flare.daemon.ctl; print(sorted({'torch', 'aiohttp'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert result.stdout.strip() == "[]"
+
+
+def test_json_is_accepted_after_the_command_too() -> None:
+    from flare.daemon.cli import build_parser
+
+    after = build_parser().parse_args(["ctl", "--socket", "/x", "status", "--json"])
+    before = build_parser().parse_args(["ctl", "--json", "--socket", "/x", "status"])
+    neither = build_parser().parse_args(["ctl", "status"])
+    assert after.json and before.json and not neither.json
