@@ -16,7 +16,8 @@ m + log(min_p), computed the same way everywhere), never by comparing exponentia
 twin and the Triton kernel agree on the kept set bit for bit. This one-threshold form is what
 makes a sort-free GPU search possible (FlashInfer): the Triton kernel finds the top-k and top-p
 thresholds by bisection on the order-preserving integer image of the float bits, the twin by
-topk and sort; both land on the same element of the row.
+topk and a radix select on the same integer image (three histogram passes, no sort); both land
+on the same element of the row.
 
 With several shards (vocabulary-parallel sampling) no filter is applied: a filtered row gets
 INVALID_SPECULATION before its statistics are used. The merge of shard statistics is the
@@ -96,31 +97,32 @@ def distribution_statistics(
     else:
         row_max, argmax = scaled.amax(dim=-1), None
     threshold = no_threshold
+    weights = None
+    if filtered:
+        threshold, weights = _threshold(
+            scaled, row_max, top_k[row_of_position], top_p[row_of_position], log_min_p[row_of_position],
+            max_top_k, any_top_p,
+        )
     sumexp = None
-    if need_sumexp or filtered:
-        w = torch.sub(scaled, row_max.unsqueeze(1)).exp_()
+    if need_sumexp:
+        if weights is None:
+            weights = torch.sub(scaled, row_max.unsqueeze(1)).exp_()
         if filtered:
-            threshold = _threshold(
-                scaled, w, row_max, top_k[row_of_position], top_p[row_of_position],
-                log_min_p[row_of_position], max_top_k, any_top_p,
-            )
-            sumexp = torch.where(scaled >= threshold.unsqueeze(1), w, 0.0).sum(-1)
-        else:
-            sumexp = w.sum(-1)
-        sumexp = sumexp.unsqueeze(1)
+            weights = torch.where(scaled >= threshold.unsqueeze(1), weights, 0.0)
+        sumexp = weights.sum(-1).unsqueeze(1)
     return DistributionStatistics(max=row_max.unsqueeze(1), sumexp=sumexp, argmax=argmax, threshold=threshold)
 
 
 def _threshold(
     scaled: torch.Tensor,
-    w: torch.Tensor,
     row_max: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     log_min_p: torch.Tensor,
     max_top_k: int,
     any_top_p: bool,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The kept-set threshold of every position, and exp(logit - max) when top-p computed it."""
     vocab_size = scaled.shape[1]
     threshold = row_max + log_min_p
     threshold_k = torch.full_like(row_max, float("-inf"))
@@ -131,14 +133,64 @@ def _threshold(
         kth = top_values.gather(1, (top_k.clamp(1, k_limit) - 1).unsqueeze(1)).squeeze(1)
         threshold_k = torch.where(enabled, kth, float("-inf"))
         threshold = torch.maximum(threshold, threshold_k)
+    weights = None
     if any_top_p:
-        kept = scaled >= threshold_k.unsqueeze(1)
-        total = torch.where(kept, w, 0.0).sum(-1)
-        descending, order = torch.sort(scaled, dim=-1, descending=True)
-        mass = torch.where(kept.gather(1, order), w.gather(1, order), 0.0)
-        cumulative = mass.cumsum(-1)
-        target = (top_p * total).unsqueeze(1)
-        first_reaching = (cumulative < target).sum(-1).clamp(max=vocab_size - 1)
-        threshold_p = descending.gather(1, first_reaching.unsqueeze(1)).squeeze(1)
+        weights = torch.sub(scaled, row_max.unsqueeze(1)).exp_()
+        mass = torch.where(scaled >= threshold_k.unsqueeze(1), weights, 0.0) if max_top_k > 0 else weights
+        threshold_p = _largest_reaching_mass(scaled, mass, top_p * mass.sum(-1))
         threshold = torch.maximum(threshold, torch.where(top_p < 1.0, threshold_p, float("-inf")))
-    return threshold
+    return threshold, weights
+
+
+RADIX_DIGITS = ((21, 11), (10, 11), (0, 10))
+"""(shift, bits) of the order key's digits, most significant first: 11 + 11 + 10 = 32 bits."""
+
+
+def order_key(x: torch.Tensor) -> torch.Tensor:
+    """int32 keys that order as the float32 values: the bits, magnitude bits flipped when negative."""
+    bits = x.view(torch.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def float_of_key(key: torch.Tensor) -> torch.Tensor:
+    """The float32 value of an int32 order key (the map is its own inverse)."""
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).view(torch.float32)
+
+
+def _largest_reaching_mass(scaled: torch.Tensor, mass: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per row, the largest logit t such that the tokens with logit >= t carry at least ``target``
+    of ``mass`` (the top-p threshold), without sorting the row.
+
+    A radix select on the order keys, most significant digit first: one pass per digit builds the
+    mass histogram of that digit over the tokens that share the digits chosen so far (tokens above
+    them in one "above" bin, tokens below in a "below" bin), and the chosen digit is the largest
+    whose suffix mass reaches the target. After the last digit the chosen key is the largest key
+    whose suffix reaches the target, which is the key of a token (the suffix mass only changes at
+    tokens): the same element the Triton kernel's bisection on the keys ends on. Three passes over
+    [N, V] with fixed shapes, whatever the distribution.
+    """
+    rows = scaled.shape[0]
+    row_offset = torch.arange(rows, device=scaled.device, dtype=torch.int32).unsqueeze(1)
+    key = order_key(scaled)
+    flat_mass = mass.reshape(-1)
+    prefix = torch.zeros(rows, dtype=torch.int64, device=scaled.device)
+    for level, (shift, bits) in enumerate(RADIX_DIGITS):
+        width = 1 << bits
+        if level == 0:
+            # The top digit carries the sign: key >> 21 is in [-1024, 1024).
+            bins, num_bins, first = (key >> shift) + width // 2, width, 0
+        else:
+            # -1, 0 or 1: below, within or above the chosen prefix (no int32 overflow: the
+            # shifted key has at most 22 bits).
+            side = ((key >> (shift + bits)) - prefix.to(torch.int32).unsqueeze(1)).clamp_(-1, 1)
+            digit = (key >> shift) & (width - 1)
+            bins = (side << (bits + 1)).add_(digit).clamp_(-1, width).add_(1)
+            num_bins, first = width + 2, 1
+        histogram = torch.bincount(
+            bins.add_(row_offset * num_bins).view(-1), weights=flat_mass, minlength=rows * num_bins
+        ).view(rows, num_bins)
+        suffix = histogram.flip(1).cumsum(1).flip(1)[:, first : first + width]
+        reaching = (suffix >= target.unsqueeze(1)).sum(1)
+        chosen = (reaching - 1).clamp_(min=0)
+        prefix = chosen - width // 2 if level == 0 else prefix * width + chosen
+    return float_of_key(prefix.to(torch.int32))

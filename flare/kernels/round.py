@@ -138,7 +138,8 @@ def sample_round(
         filtered=facts.any_filtered and vocab_shards == 1,
         max_top_k=facts.max_top_k,
         any_top_p=facts.any_top_p,
-        need_sumexp=facts.any_sampled,
+        # Gumbel-max needs no normalisation: Z only serves p(draft) and the residual.
+        need_sumexp=facts.any_sampled and max_drafts > 0,
         need_argmax=facts.any_greedy,
     )
     # Merge shard statistics (online softmax): m = max_s m_s, Z = sum_s Z_s exp(m_s - m).
@@ -165,7 +166,7 @@ def sample_round(
         argmax = _merged_argmax(stats.max, stats.argmax)
         accept = torch.where(greedy.unsqueeze(1), drafts == argmax[draft_position], accept)
     sumexp = None
-    if facts.any_sampled:
+    if facts.any_sampled and max_drafts > 0:
         assert stats.sumexp is not None
         sumexp = (stats.sumexp * torch.exp(stats.max - position_max.unsqueeze(1))).sum(1)
         draft_logit = scaled[draft_position, safe_drafts]
@@ -188,7 +189,6 @@ def sample_round(
 
     token = torch.zeros(num_rows, dtype=torch.int64, device=device)
     if facts.any_sampled:
-        assert sumexp is not None
         token = _sample(
             kernels, scaled, batch, draft_probs, drafts, num_drafts, num_accepted, sample_position,
             position_max, sumexp, threshold, vocab_shards,
@@ -229,7 +229,7 @@ def _sample(
     num_accepted: torch.Tensor,
     sample_position: torch.Tensor,
     position_max: torch.Tensor,
-    sumexp: torch.Tensor,
+    sumexp: torch.Tensor | None,
     threshold: torch.Tensor,
     vocab_shards: int,
 ) -> torch.Tensor:
@@ -252,7 +252,8 @@ def _sample(
         sample_position,
         key,
         position_max[sample_position],
-        sumexp[sample_position],
+        # Without drafts there is no residual, and Gumbel-max needs no Z.
+        sumexp[sample_position] if sumexp is not None else torch.ones_like(position_max[sample_position]),
         threshold[sample_position],
         exclude,
         draft_q,
