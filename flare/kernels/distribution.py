@@ -149,48 +149,50 @@ RADIX_DIGITS = ((21, 11), (10, 11), (0, 10))
 def order_key(x: torch.Tensor) -> torch.Tensor:
     """int32 keys that order as the float32 values: the bits, magnitude bits flipped when negative."""
     bits = x.view(torch.int32)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return torch.bitwise_right_shift(bits, 31).bitwise_and_(0x7FFFFFFF).bitwise_xor_(bits)
 
 
 def float_of_key(key: torch.Tensor) -> torch.Tensor:
     """The float32 value of an int32 order key (the map is its own inverse)."""
-    return (key ^ ((key >> 31) & 0x7FFFFFFF)).view(torch.float32)
+    return order_key(key.view(torch.float32)).view(torch.float32)
 
 
 def _largest_reaching_mass(scaled: torch.Tensor, mass: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Per row, the largest logit t such that the tokens with logit >= t carry at least ``target``
     of ``mass`` (the top-p threshold), without sorting the row.
 
-    A radix select on the order keys, most significant digit first: one pass per digit builds the
-    mass histogram of that digit over the tokens that share the digits chosen so far (tokens above
-    them in one "above" bin, tokens below in a "below" bin), and the chosen digit is the largest
-    whose suffix mass reaches the target. After the last digit the chosen key is the largest key
-    whose suffix reaches the target, which is the key of a token (the suffix mass only changes at
-    tokens): the same element the Triton kernel's bisection on the keys ends on. Three passes over
-    [N, V] with fixed shapes, whatever the distribution.
+    A radix select on the order keys, most significant digit first. Each pass builds the mass
+    histogram of the next digit over the tokens that share the digits chosen so far (the others
+    add zero), and chooses the largest digit whose suffix mass, plus the mass of the tokens above
+    the chosen prefix, reaches the target. After the last digit the chosen key is the largest
+    key whose suffix mass reaches the target, which is the key of a token (the suffix mass only
+    changes at tokens): the element the Triton kernel's bisection on the same keys ends on.
+    Three passes over [N, V] with fixed shapes, whatever the distribution; the scratch tensors
+    are reused across passes (fresh [N, V] temporaries cost page faults on the CPU).
     """
     rows = scaled.shape[0]
-    row_offset = torch.arange(rows, device=scaled.device, dtype=torch.int32).unsqueeze(1)
     key = order_key(scaled)
-    flat_mass = mass.reshape(-1)
+    shifted = torch.empty_like(key)
+    digit = torch.empty_like(key)
+    mass_here = torch.empty_like(mass)
+    row = torch.arange(rows, device=scaled.device, dtype=torch.int32).unsqueeze(1)
+    above = torch.zeros_like(target)
     prefix = torch.zeros(rows, dtype=torch.int64, device=scaled.device)
     for level, (shift, bits) in enumerate(RADIX_DIGITS):
         width = 1 << bits
+        torch.bitwise_right_shift(key, shift, out=digit)
         if level == 0:
             # The top digit carries the sign: key >> 21 is in [-1024, 1024).
-            bins, num_bins, first = (key >> shift) + width // 2, width, 0
+            digit.add_(row * width + width // 2)
+            weights = mass
         else:
-            # -1, 0 or 1: below, within or above the chosen prefix (no int32 overflow: the
-            # shifted key has at most 22 bits).
-            side = ((key >> (shift + bits)) - prefix.to(torch.int32).unsqueeze(1)).clamp_(-1, 1)
-            digit = (key >> shift) & (width - 1)
-            bins = (side << (bits + 1)).add_(digit).clamp_(-1, width).add_(1)
-            num_bins, first = width + 2, 1
-        histogram = torch.bincount(
-            bins.add_(row_offset * num_bins).view(-1), weights=flat_mass, minlength=rows * num_bins
-        ).view(rows, num_bins)
-        suffix = histogram.flip(1).cumsum(1).flip(1)[:, first : first + width]
-        reaching = (suffix >= target.unsqueeze(1)).sum(1)
-        chosen = (reaching - 1).clamp_(min=0)
+            same_prefix = torch.bitwise_right_shift(key, shift + bits, out=shifted) == prefix.to(torch.int32).unsqueeze(1)
+            weights = torch.mul(mass, same_prefix, out=mass_here)
+            digit.bitwise_and_(width - 1).add_(row * width)
+        histogram = torch.bincount(digit.view(-1), weights=weights.reshape(-1), minlength=rows * width).view(rows, width)
+        suffix = histogram.flip(1).cumsum(1).flip(1) + above.unsqueeze(1)
+        chosen = ((suffix >= target.unsqueeze(1)).sum(1) - 1).clamp_(min=0)
+        # The mass above the chosen digit: the suffix just past it (0 past the last digit).
+        above = torch.cat([suffix, above.unsqueeze(1)], 1).gather(1, (chosen + 1).unsqueeze(1)).squeeze(1)
         prefix = chosen - width // 2 if level == 0 else prefix * width + chosen
     return float_of_key(prefix.to(torch.int32))

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from flare.kernels.distribution import shard_bounds
-from flare.kernels.random_stream import gumbel, stream_bits
+from flare.kernels.random_stream import gumbel_, stream_bits
 
 
 @dataclass(frozen=True)
@@ -53,13 +53,17 @@ def gumbel_candidates(
     random stream ``key[r]`` (int32), kept set ``logit >= threshold[r]``, target
     p_i = exp(logit_i - row_max[r]) / sumexp[r] on kept tokens, ``exclude[r]`` a token left out
     of p (-1: none) and ``draft_q`` [R, V] the draft distribution (None: no residual)."""
-    logits = scaled[position]
+    logits = scaled.index_select(0, position)
     vocab_size = logits.shape[1]
     index = torch.arange(vocab_size, dtype=torch.int32, device=logits.device)
-    noise = gumbel(stream_bits(key.unsqueeze(1), index))
+    noise = gumbel_(stream_bits(key.to(torch.int32).unsqueeze(1), index))
     kept = logits >= threshold.unsqueeze(1)
-    eligible = kept & (index.unsqueeze(0) != exclude.unsqueeze(1))
-    value = torch.where(eligible, logits + noise, float("-inf"))
+    # In place where the noise is not needed again (no residual); NaN logits are not kept.
+    value = noise.add_(logits) if draft_q is None else noise + logits
+    value.masked_fill_(~kept, float("-inf"))
+    # The excluded token, one per row: a scatter of [R, 1] instead of an [R, V] comparison.
+    excluded = exclude.clamp(min=0).unsqueeze(1)
+    value.scatter_(1, excluded, torch.where(exclude.unsqueeze(1) >= 0, float("-inf"), value.gather(1, excluded)))
     candidate_index, candidate_value = _shard_argmax(value, num_shards)
     if draft_q is None:
         return GumbelCandidates(candidate_index, candidate_value, None, None, None)

@@ -39,16 +39,22 @@ def as_int32(value: int) -> int:
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 on int32 tensors (wrapping arithmetic, logical shifts); ``x`` is not modified.
+    """lowbias32 on int32 tensors (wrapping arithmetic, logical shifts); ``x`` is not modified."""
+    return _mix32_(x.clone())
 
-    After the first step the work is in place on a fresh tensor: this runs over [rows, vocab]
-    on the CPU, where every large temporary costs page faults.
+
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 in place, with one scratch tensor for the shifts.
+
+    This runs over [rows, vocab] on the CPU, where every fresh large temporary costs page
+    faults (a few ms each on a loaded machine): in-place steps keep it at two allocations.
     """
-    x = x ^ (x >> 16).bitwise_and_(0xFFFF)
+    shifted = torch.empty_like(x)
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=shifted).bitwise_and_(0xFFFF))
     x.mul_(as_int32(MIX_MULTIPLIER_1))
-    x.bitwise_xor_((x >> 15).bitwise_and_(0x1FFFF))
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 15, out=shifted).bitwise_and_(0x1FFFF))
     x.mul_(as_int32(MIX_MULTIPLIER_2))
-    return x.bitwise_xor_((x >> 16).bitwise_and_(0xFFFF))
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=shifted).bitwise_and_(0xFFFF))
 
 
 def _low32(x: torch.Tensor) -> torch.Tensor:
@@ -67,7 +73,7 @@ def stream_key(seed: torch.Tensor, position: torch.Tensor, purpose: Purpose) -> 
 
 def stream_bits(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """The 32 random bits (int32) at ``index`` (int32) of the streams ``key`` (int32), broadcast."""
-    return mix32(key + index * as_int32(GOLDEN))
+    return _mix32_(key + index * as_int32(GOLDEN))
 
 
 def uniform(bits: torch.Tensor) -> torch.Tensor:
@@ -77,5 +83,14 @@ def uniform(bits: torch.Tensor) -> torch.Tensor:
 
 def gumbel(bits: torch.Tensor) -> torch.Tensor:
     """Standard Gumbel noise -log(-log(u)) with u = (k + 0.5) / 2**24 strictly inside (0, 1)."""
-    u = (bits >> 8).bitwise_and_(0xFFFFFF).to(torch.float32)
+    return gumbel_(bits.clone())
+
+
+def gumbel_(bits: torch.Tensor) -> torch.Tensor:
+    """``gumbel`` computed in the memory of ``bits`` (contiguous int32, consumed): the returned
+    float32 tensor is a view of it, so the noise costs no [rows, vocab] allocation."""
+    k = bits.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF)
+    u = k.view(torch.float32)
+    # An elementwise int -> float conversion onto the same memory (full overlap is allowed).
+    u.copy_(k)
     return u.add_(0.5).mul_(1.0 / (1 << UNIFORM_BITS)).log_().neg_().log_().neg_()
