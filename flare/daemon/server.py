@@ -20,6 +20,7 @@ import ipaddress
 import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import fields, replace
@@ -76,6 +77,17 @@ def serve(
     `reload_config` reads the settings again on SIGHUP (default: the environment and file only)."""
     daemon = Daemon(config, os.environ if environ is None else environ, reload_config)
     anyio.run(daemon.run, backend="asyncio", backend_options={"use_uvloop": True})
+    # Every request has been answered ("stopped" is logged); what remains is interpreter
+    # teardown, which can take a while on a loaded machine. A second SIGTERM or SIGINT in that
+    # window (systemd, an impatient operator) must not turn a clean stop into death by signal.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _exit_now)
+
+
+def _exit_now(signum: int, frame: object) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class Daemon:
