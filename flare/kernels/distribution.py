@@ -162,34 +162,36 @@ def _largest_reaching_mass(scaled: torch.Tensor, mass: torch.Tensor, target: tor
     of ``mass`` (the top-p threshold), without sorting the row.
 
     A radix select on the order keys, most significant digit first. Each pass builds the mass
-    histogram of the next digit over the tokens that share the digits chosen so far (the others
-    add zero), and chooses the largest digit whose suffix mass, plus the mass of the tokens above
-    the chosen prefix, reaches the target. After the last digit the chosen key is the largest
+    histogram of the next digit over the tokens that share the digits chosen so far, and
+    chooses the largest digit whose suffix mass, plus the mass of the tokens above the chosen
+    prefix, reaches the target. After the last digit the chosen key is the largest
     key whose suffix mass reaches the target, which is the key of a token (the suffix mass only
     changes at tokens): the element the Triton kernel's bisection on the same keys ends on.
-    Three passes over [N, V] with fixed shapes, whatever the distribution; the scratch tensors
-    are reused across passes (fresh [N, V] temporaries cost page faults on the CPU).
+    Three passes over [N, V] with fixed shapes, whatever the distribution, in int32 scratch
+    tensors reused across passes (fresh [N, V] temporaries cost page faults on the CPU).
     """
     rows = scaled.shape[0]
     key = order_key(scaled)
-    shifted = torch.empty_like(key)
+    outside = torch.empty_like(key)
     digit = torch.empty_like(key)
-    mass_here = torch.empty_like(mass)
     row = torch.arange(rows, device=scaled.device, dtype=torch.int32).unsqueeze(1)
     above = torch.zeros_like(target)
     prefix = torch.zeros(rows, dtype=torch.int64, device=scaled.device)
+    flat_mass = mass.reshape(-1)
     for level, (shift, bits) in enumerate(RADIX_DIGITS):
         width = 1 << bits
         torch.bitwise_right_shift(key, shift, out=digit)
         if level == 0:
             # The top digit carries the sign: key >> 21 is in [-1024, 1024).
-            digit.add_(row * width + width // 2)
-            weights = mass
+            digit.add_(row * (2 * width) + width // 2)
         else:
-            same_prefix = torch.bitwise_right_shift(key, shift + bits, out=shifted) == prefix.to(torch.int32).unsqueeze(1)
-            weights = torch.mul(mass, same_prefix, out=mass_here)
-            digit.bitwise_and_(width - 1).add_(row * width)
-        histogram = torch.bincount(digit.view(-1), weights=weights.reshape(-1), minlength=rows * width).view(rows, width)
+            # Tokens outside the chosen prefix go to a second bank of bins, spread by their digit
+            # (one shared bin would serialise the histogram's additions), and are ignored.
+            torch.bitwise_right_shift(key, shift + bits, out=outside).sub_(prefix.to(torch.int32).unsqueeze(1))
+            outside.ne_(0).bitwise_left_shift_(bits)
+            digit.bitwise_and_(width - 1).add_(outside).add_(row * (2 * width))
+        histogram = torch.bincount(digit.view(-1), weights=flat_mass, minlength=rows * 2 * width).view(rows, 2 * width)
+        histogram = histogram[:, :width]
         suffix = histogram.flip(1).cumsum(1).flip(1) + above.unsqueeze(1)
         chosen = ((suffix >= target.unsqueeze(1)).sum(1) - 1).clamp_(min=0)
         # The mass above the chosen digit: the suffix just past it (0 past the last digit).

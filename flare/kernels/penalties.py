@@ -28,13 +28,18 @@ class PenaltyState:
     """[R, V] bool: the token occurs in the row's prompt."""
     output_counts: torch.Tensor
     """[R, V] int32: occurrences of the token in the row's output so far."""
+    ids: torch.Tensor
+    """[R, Lp + Lo] int64: the prompt then the output ids, 0 where padded or out of vocabulary.
+    Only these tokens (and the drafts) can be penalised, so the twin touches just them."""
 
     @classmethod
     def from_ids(cls, prompt_ids: torch.Tensor, output_ids: torch.Tensor, vocab_size: int) -> PenaltyState:
         """From padded id tensors ([R, L], pad -1; ids outside the vocabulary are ignored)."""
+        ids = torch.cat([prompt_ids, output_ids], 1)
         return cls(
             prompt_mask=_counts(prompt_ids, vocab_size) > 0,
             output_counts=_counts(output_ids, vocab_size),
+            ids=torch.where((ids >= 0) & (ids < vocab_size), ids, 0),
         )
 
 
@@ -73,34 +78,48 @@ def penalize_and_scale(
     # are two vectorised passes; aminmax is one scalar pass, several times slower on CPU.)
     nonfinite = ~(torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1)))
     scaled = logits.float()
+    owned = scaled is not logits
     if penalties is not None:
-        counts = _counts_at_positions(penalties.output_counts, row_of_position, index_in_row, draft_tokens)
-        seen = penalties.prompt_mask[row_of_position] | (counts > 0)
-        penalty = repetition_penalty[row_of_position].unsqueeze(1)
-        scaled = torch.where(seen, torch.where(scaled > 0, scaled / penalty, scaled * penalty), scaled)
-        scaled = (
-            scaled
-            - frequency_penalty[row_of_position].unsqueeze(1) * counts.float()
-            - presence_penalty[row_of_position].unsqueeze(1) * (counts > 0).float()
-        )
+        if not owned:
+            scaled, owned = scaled.clone(), True
+        _penalize_(scaled, row_of_position, index_in_row, draft_tokens, repetition_penalty,
+                   presence_penalty, frequency_penalty, penalties)
     if scale:
-        scaled = scaled / temperature[row_of_position].unsqueeze(1)
+        divisor = temperature[row_of_position].unsqueeze(1)
+        scaled = scaled.div_(divisor) if owned else scaled / divisor
     return PreparedLogits(scaled=scaled, nonfinite=nonfinite)
 
 
-def _counts_at_positions(
-    output_counts: torch.Tensor,
+def _penalize_(
+    scaled: torch.Tensor,
     row_of_position: torch.Tensor,
     index_in_row: torch.Tensor,
     draft_tokens: torch.Tensor,
-) -> torch.Tensor:
-    """[N, V] output counts at each position: the row's counts plus its drafts before the position."""
-    num_positions = row_of_position.shape[0]
-    vocab_size = output_counts.shape[1]
-    max_drafts = draft_tokens.shape[1]
-    counts = output_counts[row_of_position]
+    repetition_penalty: torch.Tensor,
+    presence_penalty: torch.Tensor,
+    frequency_penalty: torch.Tensor,
+    penalties: PenaltyState,
+) -> None:
+    """The penalties, in place, on the only tokens they can change: the row's prompt and output
+    ids and its drafts. Each (position, id) pair gets the value of the dense formula for that
+    token, so an id listed several times is written several times with the same value, and a
+    listed token that is not penalised at this position (a later draft) is rewritten unchanged.
+    """
+    vocab_size = scaled.shape[1]
     drafts = draft_tokens[row_of_position]
-    before = (torch.arange(max_drafts, device=drafts.device) < index_in_row.unsqueeze(1)) & (drafts >= 0)
-    flat_index = torch.arange(num_positions, device=drafts.device).unsqueeze(1) * vocab_size + drafts.clamp(min=0)
-    counts.view(-1).scatter_add_(0, flat_index.view(-1), before.to(torch.int32).view(-1))
-    return counts
+    before = torch.arange(drafts.shape[1], device=drafts.device) < index_in_row.unsqueeze(1)
+    ids = torch.cat([penalties.ids[row_of_position], drafts.clamp(min=0)], 1)
+    flat = row_of_position.unsqueeze(1) * vocab_size + ids
+    # Drafts before the position count as output (-1 never equals an id).
+    draft_counts = ((drafts.unsqueeze(1) == ids.unsqueeze(2)) & before.unsqueeze(1)).sum(2, dtype=torch.int32)
+    counts = penalties.output_counts.view(-1)[flat] + draft_counts
+    seen = penalties.prompt_mask.view(-1)[flat] | (counts > 0)
+    x = scaled.gather(1, ids)
+    penalty = repetition_penalty[row_of_position].unsqueeze(1)
+    x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+    x = (
+        x
+        - frequency_penalty[row_of_position].unsqueeze(1) * counts.float()
+        - presence_penalty[row_of_position].unsqueeze(1) * (counts > 0).float()
+    )
+    scaled.scatter_(1, ids, x)
