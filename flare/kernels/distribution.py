@@ -105,12 +105,34 @@ def distribution_statistics(
         )
     sumexp = None
     if need_sumexp:
-        if weights is None:
-            weights = torch.sub(scaled, row_max.unsqueeze(1)).exp_()
-        if filtered:
-            weights = torch.where(scaled >= threshold.unsqueeze(1), weights, 0.0)
-        sumexp = weights.sum(-1).unsqueeze(1)
+        sumexp = _kept_sumexp(scaled, row_max, threshold if filtered else None, weights).unsqueeze(1)
     return DistributionStatistics(max=row_max.unsqueeze(1), sumexp=sumexp, argmax=argmax, threshold=threshold)
+
+
+ROW_BLOCK = 16
+"""Positions per block when exponentials are only summed: a reused [16, V] buffer stays in cache
+and costs no page faults, unlike an [N, V] temporary (N is up to rows x (1 + drafts))."""
+
+
+def _kept_sumexp(
+    scaled: torch.Tensor, row_max: torch.Tensor, threshold: torch.Tensor | None, weights: torch.Tensor | None
+) -> torch.Tensor:
+    """Per position, the sum of exp(logit - max) over the kept tokens (logit >= threshold; all
+    when None). ``weights`` are those exponentials when already computed (they are consumed)."""
+    if weights is not None:
+        if threshold is not None:
+            weights.masked_fill_(~(scaled >= threshold.unsqueeze(1)), 0.0)
+        return weights.sum(-1)
+    num_positions = scaled.shape[0]
+    buffer = torch.empty(min(ROW_BLOCK, num_positions), scaled.shape[1], dtype=torch.float32, device=scaled.device)
+    sums = []
+    for start in range(0, num_positions, ROW_BLOCK):
+        end = min(start + ROW_BLOCK, num_positions)
+        block = torch.sub(scaled[start:end], row_max[start:end].unsqueeze(1), out=buffer[: end - start]).exp_()
+        if threshold is not None:
+            block.masked_fill_(~(scaled[start:end] >= threshold[start:end].unsqueeze(1)), 0.0)
+        sums.append(block.sum(-1))
+    return torch.cat(sums)
 
 
 def _threshold(
@@ -122,7 +144,8 @@ def _threshold(
     max_top_k: int,
     any_top_p: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The kept-set threshold of every position, and exp(logit - max) when top-p computed it."""
+    """The kept-set threshold of every position, and when top-p computed them the weights
+    exp(logit - max) of the tokens top-k keeps (0 elsewhere)."""
     vocab_size = scaled.shape[1]
     threshold = row_max + log_min_p
     threshold_k = torch.full_like(row_max, float("-inf"))
@@ -135,9 +158,11 @@ def _threshold(
         threshold = torch.maximum(threshold, threshold_k)
     weights = None
     if any_top_p:
+        # Top-p applies to the top-k-truncated distribution: the mass of the tokens top-k keeps.
         weights = torch.sub(scaled, row_max.unsqueeze(1)).exp_()
-        mass = torch.where(scaled >= threshold_k.unsqueeze(1), weights, 0.0) if max_top_k > 0 else weights
-        threshold_p = _largest_reaching_mass(scaled, mass, top_p * mass.sum(-1))
+        if max_top_k > 0:
+            weights.masked_fill_(~(scaled >= threshold_k.unsqueeze(1)), 0.0)
+        threshold_p = _largest_reaching_mass(scaled, weights, top_p * weights.sum(-1))
         threshold = torch.maximum(threshold, torch.where(top_p < 1.0, threshold_p, float("-inf")))
     return threshold, weights
 
