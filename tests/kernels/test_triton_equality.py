@@ -191,3 +191,31 @@ def test_torch_backend_never_imports_triton() -> None:
         "assert 'triton' not in sys.modules, 'triton was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_top_p_threshold_equals_kernel_bisection_on_wide_nuclei_and_ties(blocks: str) -> None:
+    """The twin's radix select and the kernel's bisection end on the same element, also where
+    the nucleus spans most of the vocabulary (deep digits, mass above the chosen prefix), logits
+    are all negative or of mixed sign, and many tokens tie at the crossing."""
+    generator = torch.Generator().manual_seed(7)
+    vocab = 1000
+    scaled = torch.cat(
+        [
+            torch.randn(2, vocab, generator=generator) * 0.05,  # nearly flat
+            torch.randn(2, vocab, generator=generator) * 2 - 40,  # all negative
+            torch.randint(-3, 3, (2, vocab), generator=generator).float(),  # integer logits: big ties
+            torch.randn(2, vocab, generator=generator) * 8,  # peaked, mixed sign
+        ]
+    )
+    positions = scaled.shape[0]
+    row_of_position = torch.arange(positions)
+    top_p = torch.tensor([0.5, 0.97, 0.3, 0.99, 0.6, 0.95, 0.9, 0.999])
+    top_k = torch.tensor([0, 0, 0, 700, 0, 0, 0, 3])
+    log_min_p = torch.full((positions,), float("-inf"))
+    args = (scaled, row_of_position, top_k, top_p, log_min_p, 1)
+    facts = {"filtered": True, "max_top_k": 700, "any_top_p": True}
+    twin = distribution_statistics(*args, **facts)
+    kernel = distribution_statistics_triton(*args, **facts)
+    assert torch.equal(kernel.threshold, twin.threshold)
+    kept = (scaled >= twin.threshold.unsqueeze(1)).sum(1)
+    assert kept[0] > vocab // 3 and kept[1] > vocab // 2, "the nearly flat rows keep wide nuclei"
