@@ -99,7 +99,8 @@ async def test_a_tiny_kv_cache_serves_every_request_unchanged_and_refuses_what_n
     capacity = blocks * 16
     assert capacity + 60 < 500, "the never-fitting prompt must still fit the tiny model's context"
     never_fits = {"model": tight.model, "prompt": "sea " * (capacity + 60), "max_tokens": 4}
-    refused = httpx.post(f"{tight.url}/v1/completions", json=never_fits, timeout=60)
+    async with httpx.AsyncClient(base_url=tight.url, timeout=60) as http:
+        refused = await http.post("/v1/completions", json=never_fits)
     error = refused.json()["error"]
     assert refused.status_code == 400 and error["code"] == "context_length_exceeded", refused.text
     assert "KV cache" in error["message"] and "--kv-cache-memory" in error["message"]

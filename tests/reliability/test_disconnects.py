@@ -41,10 +41,9 @@ async def _wave(daemon: Daemon, clients: int, seed: int) -> list[str]:
     gate = asyncio.Semaphore(AT_ONCE)
 
     async def gated() -> str:
-        async with gate:
-            # A fresh connection per client, so each drop really closes a TCP connection.
-            async with httpx.AsyncClient(base_url=daemon.url, timeout=120) as http:
-                return await _client(http, daemon, chooser)
+        # A fresh connection per client, so each drop really closes a TCP connection.
+        async with gate, httpx.AsyncClient(base_url=daemon.url, timeout=120) as http:
+            return await _client(http, daemon, chooser)
 
     return await asyncio.gather(*(gated() for _ in range(clients)))
 
