@@ -31,7 +31,10 @@ class Daemon:
         self.process = process
         self.control = control
         self.url = process.base_url
-        self.model = process.model_name()
+        flags = process.process.args
+        # With --api-key, the model list needs the key too.
+        self.headers = {"Authorization": f"Bearer {flags[flags.index('--api-key') + 1]}"} if "--api-key" in flags else {}
+        self.model = httpx.get(f"{self.url}/v1/models", headers=self.headers, timeout=30).json()["data"][0]["id"]
 
     @property
     def pid(self) -> int:
