@@ -20,7 +20,7 @@ from reliability_daemon import Daemon, Outcome, generate, report
 from flare.kernels.status import DeviceStatus
 
 WORKERS = 40  # more clients than the tiny package's 32 slots, so a queue forms too
-WARM_UP_S = 8.0
+WARM_UP_S = 12.0  # long enough to reach the batch shapes (and allocator pools) of full load
 SOAK_S = float(os.environ.get("FLARE_SOAK_S", "40"))  # raise it for a longer run
 RSS_MARGIN = 0.10
 FAULTS = [s.name for s in DeviceStatus if s is not DeviceStatus.OK]
@@ -86,8 +86,16 @@ async def test_soak_with_drops_and_faults_leaks_nothing(
 
     tally = Tally()
     start = time.monotonic()
+    trajectory: list[int] = []
+
+    async def sample_rss() -> None:
+        while time.monotonic() < start + SOAK_S:
+            await asyncio.sleep(SOAK_S / 8)
+            trajectory.append(daemon.rss_kib() // 1024)
+
     await asyncio.wait_for(
-        asyncio.gather(*(_worker(daemon, i, start + SOAK_S, tally) for i in range(WORKERS))), timeout=SOAK_S + 120
+        asyncio.gather(sample_rss(), *(_worker(daemon, i, start + SOAK_S, tally) for i in range(WORKERS))),
+        timeout=SOAK_S + 120,
     )
     elapsed = time.monotonic() - start
     idle = daemon.wait_idle()
@@ -98,6 +106,7 @@ async def test_soak_with_drops_and_faults_leaks_nothing(
         faults_took_effect=tally.faults_took_effect, unexplained_5xx=tally.unexplained_5xx,
         leaked_blocks=idle["kv_blocks_used"], running=idle["running"], waiting=idle["waiting"],
         rss_after_warm_up_kib=rss_warm, rss_end_kib=rss_end, rss_change=f"{(rss_end - rss_warm) / rss_warm:+.1%}",
+        rss_mib_during=trajectory,
     )
     assert tally.unexplained_5xx == 0
     assert idle["kv_blocks_used"] == 0 and idle["running"] == 0 and idle["waiting"] == 0
