@@ -9,6 +9,11 @@ ceiling the scheduler and the daemon work under.
 
 from __future__ import annotations
 
+import os
+
+# As `flare run` sets it (flare/daemon/cli.py), before torch loads OpenMP.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import argparse
 import time
 
