@@ -32,3 +32,18 @@ def test_acceptance_counts_only_the_drafts_that_were_tested():
     assert abs(estimate.rate - 2 / 3) < 1e-9
     estimate.observe(proposed=3, accepted=3)
     assert estimate.rate == 1.0
+
+
+def test_one_token_rounds_are_timed_apart_from_the_line_of_larger_rounds():
+    cost = RoundCostModel()
+    for tokens, seconds in [(1, 0.046), (2, 0.075), (5, 0.078), (9, 0.086), (1, 0.046), (5, 0.078)]:
+        cost.observe(tokens, seconds)
+    assert abs(cost.seconds(1) - 0.046) < 1e-9
+    assert cost.seconds(2) > 0.07  # the line of GEMM rounds, not through the one-token point
+
+
+def test_a_lone_row_drafts_only_when_acceptance_covers_the_step_to_a_matrix_product():
+    # 46 ms for one token, 75 ms + 1 ms a token beyond: the first draft costs 29 ms.
+    cost = RoundCostModel(c0=0.073, c1=0.001, single_token_s=0.046)
+    assert choose_draft_lengths([4], [0.3], base_tokens=1, cost=cost) == [0]  # 1.43 tokens in 78 ms
+    assert choose_draft_lengths([4], [0.9], base_tokens=1, cost=cost) == [4]  # 4.1 tokens in 78 ms
