@@ -124,14 +124,20 @@ class _Throughput:
     _rounds: deque[tuple[float, int]] = field(default_factory=deque)
 
     def observe(self, tokens: int) -> None:
-        self._rounds.append((time.monotonic(), tokens))
+        now = time.monotonic()
+        self._rounds.append((now, tokens))
+        # Pruned here too, not only when read: a daemon nobody asks (no systemd, no ctl) would
+        # otherwise keep one entry per round forever.
+        self._forget_before(now - self.window_s)
 
     @property
     def rate(self) -> float:
-        horizon = time.monotonic() - self.window_s
+        self._forget_before(time.monotonic() - self.window_s)
+        return sum(tokens for _, tokens in self._rounds) / self.window_s
+
+    def _forget_before(self, horizon: float) -> None:
         while self._rounds and self._rounds[0][0] < horizon:
             self._rounds.popleft()
-        return sum(tokens for _, tokens in self._rounds) / self.window_s
 
 
 class Scheduler:

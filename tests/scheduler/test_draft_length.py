@@ -47,3 +47,4 @@ def test_a_lone_row_drafts_only_when_acceptance_covers_the_step_to_a_matrix_prod
     cost = RoundCostModel(c0=0.073, c1=0.001, single_token_s=0.046)
     assert choose_draft_lengths([4], [0.3], base_tokens=1, cost=cost) == [0]  # 1.43 tokens in 78 ms
     assert choose_draft_lengths([4], [0.9], base_tokens=1, cost=cost) == [4]  # 4.1 tokens in 78 ms
+
