@@ -32,6 +32,11 @@ def usage_json(usage: Usage) -> dict[str, int]:
     }
 
 
+def _envelope(shape: ChatCompletionShape | TextCompletionShape, object_name: str, choices: list[Any]) -> dict[str, Any]:
+    """The fields every body and chunk of both endpoints share, in OpenAI's order."""
+    return {"id": shape.id, "object": object_name, "created": shape.created, "model": shape.model, "choices": choices}
+
+
 class ResponseShape(Protocol):
     id: str
     include_usage: bool
@@ -51,13 +56,8 @@ class ChatCompletionShape:
     include_usage: bool
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        chunk: dict[str, Any] = {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-        }
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        chunk = _envelope(self, "chat.completion.chunk", [choice])
         if self.include_usage:
             chunk["usage"] = None
         return chunk
@@ -72,31 +72,12 @@ class ChatCompletionShape:
         return self._chunk({}, finish_reason)
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": [],
-            "usage": usage_json(usage),
-        }
+        return {**_envelope(self, "chat.completion.chunk", []), "usage": usage_json(usage)}
 
     def body(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
-                    "finish_reason": finish_reason,
-                }
-            ],
-            "usage": usage_json(usage),
-        }
+        message = {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+        return {**_envelope(self, "chat.completion", [choice]), "usage": usage_json(usage)}
 
 
 @dataclass(frozen=True)
@@ -107,13 +88,7 @@ class TextCompletionShape:
     include_usage: bool
 
     def _chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        chunk: dict[str, Any] = {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        }
+        chunk = _envelope(self, "text_completion", [_text_choice(text, finish_reason)])
         if self.include_usage:
             chunk["usage"] = None
         return chunk
@@ -130,21 +105,12 @@ class TextCompletionShape:
         return self._chunk("", finish_reason)
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [],
-            "usage": usage_json(usage),
-        }
+        return {**_envelope(self, "text_completion", []), "usage": usage_json(usage)}
 
     def body(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-            "usage": usage_json(usage),
-        }
+        choices = [_text_choice(text, finish_reason)]
+        return {**_envelope(self, "text_completion", choices), "usage": usage_json(usage)}
+
+
+def _text_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
