@@ -354,6 +354,7 @@ class Scheduler:
         finally:
             self.metrics = metrics
             self._statuses.clear()
+            self._throughput = _Throughput()  # STATUS= and ctl report traffic, not the warm-up
 
     async def run(self) -> None:
         """The scheduler loop: one round at a time until stop(); then every request left fails
