@@ -1,10 +1,15 @@
 """Engine-only decode throughput: one forward round of B decode rows at a given context.
 
+With --tokens-per-row T > 1 every row is a verify row of T tokens (a decode token and T - 1
+drafts, logits at all of them), as a speculative round runs them; tok/s then counts forwarded
+tokens, which is the ceiling that accepted drafts can reach.
+
 Random weights with the default model's dimensions (SmolLM2-135M: 30 layers, hidden 576, FFN 1536,
 9 heads, 3 KV heads of 64, vocab 49152, tied embeddings), fp32. No sampling, no HTTP: this is the
 ceiling the scheduler and the daemon work under.
 
     .venv/bin/python benchmarks/engine_decode.py --batch 1 8 32 --context 200 --threads 2
+    .venv/bin/python benchmarks/engine_decode.py --batch 1 --tokens-per-row 1 2 3 5 9
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--tokens-per-row", type=int, nargs="+", default=[1])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -57,7 +63,8 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     state = {name: 0.02 * torch.randn(shape, generator=generator) for name, shape in expected_weight_shapes(config).items()}
     model = LlamaModel(config, state)
-    blocks_per_row = -(-(args.context + args.rounds + WARMUP_ROUNDS + 1) // args.block_size)
+    longest = max(args.tokens_per_row)
+    blocks_per_row = -(-(args.context + (args.rounds + WARMUP_ROUNDS + 1) * longest) // args.block_size)
     cache = KVCache(
         num_layers=config.num_layers,
         num_blocks=max(args.batch) * blocks_per_row,
@@ -67,28 +74,35 @@ def main() -> None:
     )
     print(f"threads={torch.get_num_threads()} context={args.context} rounds={args.rounds}")
     for batch_size in args.batch:
-        # Interleave the rows' blocks so the block tables are not contiguous, as in serving.
-        tables = [[b * batch_size + r for b in range(blocks_per_row)] for r in range(batch_size)]
-        timings = []
-        cpu_timings = []
-        for step in range(args.rounds + WARMUP_ROUNDS):
-            position = args.context + step
-            rows = [ForwardRow([7 + r], position, tables[r], num_logits=1) for r in range(batch_size)]
-            start, cpu_start = time.perf_counter(), time.process_time()
-            batch = ForwardBatch.build(rows, args.block_size)
-            model.forward(batch, cache)
-            timings.append(time.perf_counter() - start)
-            cpu_timings.append(time.process_time() - cpu_start)
-        timings = sorted(timings[WARMUP_ROUNDS:])
-        median = timings[len(timings) // 2]
-        # CPU time (all threads) shows the work done even when other processes share the cores.
-        cpu = sorted(cpu_timings[WARMUP_ROUNDS:])[len(timings) // 2]
-        print(
-            f"batch {batch_size:3d}: median round {median * 1000:7.1f} ms, "
-            f"{batch_size / median:7.1f} tok/s (best {batch_size / timings[0]:7.1f}); "
-            f"CPU {cpu * 1000:7.1f} ms per round"
-        )
+        for tokens in args.tokens_per_row:
+            median, best, cpu = time_rounds(model, cache, batch_size, tokens, blocks_per_row, args)
+            forwarded = batch_size * tokens
+            print(
+                f"batch {batch_size:3d} x {tokens} tokens: median round {median * 1000:7.1f} ms, "
+                f"{forwarded / median:7.1f} tok/s (best {forwarded / best:7.1f}); CPU {cpu * 1000:7.1f} ms per round"
+            )
 
+
+def time_rounds(
+    model: LlamaModel, cache: KVCache, batch_size: int, tokens: int, blocks_per_row: int, args: argparse.Namespace
+) -> tuple[float, float, float]:
+    """Median and best wall time of a round, and the median CPU time (all threads)."""
+    # Interleave the rows' blocks so the block tables are not contiguous, as in serving.
+    tables = [[b * batch_size + r for b in range(blocks_per_row)] for r in range(batch_size)]
+    timings = []
+    cpu_timings = []
+    for step in range(args.rounds + WARMUP_ROUNDS):
+        position = args.context + step * tokens
+        rows = [ForwardRow([7 + r] * tokens, position, tables[r], num_logits=tokens) for r in range(batch_size)]
+        start, cpu_start = time.perf_counter(), time.process_time()
+        batch = ForwardBatch.build(rows, args.block_size)
+        model.forward(batch, cache)
+        timings.append(time.perf_counter() - start)
+        cpu_timings.append(time.process_time() - cpu_start)
+    timings = sorted(timings[WARMUP_ROUNDS:])
+    # CPU time (all threads) shows the work done even when other processes share the cores.
+    cpu = sorted(cpu_timings[WARMUP_ROUNDS:])[len(timings) // 2]
+    return timings[len(timings) // 2], timings[0], cpu
 
 if __name__ == "__main__":
     main()

@@ -5,7 +5,7 @@ together) and returns logits only for the positions that need them. The layout c
 it fast on a CPU, where a round of 32 decode rows is bound by the linear layers:
 
 - q/k/v and gate/up are fused into one matrix each at load time (one GEMM instead of three/two);
-- linear layers run on the flat token dimension, with no padding;
+- linear layers run on the flat token dimension, with no padding, weights first (see `linear`);
 - short rows of the same length share one attention call per layer (see batch.py); keys and
   values are gathered from the pool a whole block at a time; the pool is head-major, so the
   gathered keys of one row and KV head form one contiguous [positions, head dim] matrix (SDPA
@@ -35,14 +35,14 @@ class WeightsError(ValueError):
 
 @dataclass(frozen=True)
 class DecoderLayer:
-    """One layer's weights; linear weights are stored [in, out] (see LlamaModel)."""
+    """One layer's weights; linear weights are [out, in], as checkpoints store them."""
 
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [hidden, (heads + 2 * kv_heads) * head_dim]
-    o: torch.Tensor  # [heads * head_dim, hidden]
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    o: torch.Tensor  # [hidden, heads * head_dim]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [hidden, 2 * intermediate]
-    down: torch.Tensor  # [intermediate, hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,27 @@ def rope_tables(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
     return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, in] through a linear layer of weight [out, in]: [T, out] (a transposed view).
+
+    Computed weights first, as `weight @ x.T` with x.T passed to BLAS as a transposed operand:
+    a round's few rows become the GEMM's narrow N side and the weights are read once, in their
+    stored order. On this CPU (MKL, 2 threads, all 30 layers, weights out of cache) that takes
+    2 rows from 52 to 30 ms, 4 rows from 71 to 37, 8 from 59 to 47 and 32 from 91 to 78 against
+    `x @ weight.T` stored [in, out], which is what lets a verify row of a few drafts cost about
+    what a plain decode row does. One row is doubled: MKL's GEMV on this layout is a third
+    slower (41 ms) than its two-column GEMM (31 ms, the same as the best GEMV layout).
+
+    x must be row-major for this: MKL takes the plain [in, T] operand that a column-major x
+    would give down a path three times slower, so such an x (an elementwise result of the
+    transposed views this returns) is copied first.
+    """
+    x = x.contiguous()
+    if x.shape[0] == 1:
+        return torch.mm(weight, torch.cat((x, x)).t())[:, :1].t()
+    return torch.mm(weight, x.t()).t()
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE (the Hugging Face layout): x [T, heads, D], cos/sin [T, 1, D/2].
 
@@ -97,16 +118,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class LlamaModel:
     """The weights of a Llama-family model and its forward pass over a paged KV cache.
 
-    Linear weights are kept transposed, [in, out], and applied as `x @ w`. With MKL on this CPU
-    that is twice as fast as `F.linear` on the [out, in] layout for one to three rows (a plain
-    decode round, or a verify row with few drafts: memory-bound GEMV), and within a few percent
-    of it for 5 to 64 rows.
-
-    The LM head is the exception: it is also kept [out, in] (`lm_head_rows`, for tied weights
-    the embedding itself). For one row `h @ lm_head` is a GEMV that reads the 113 MB of weights
-    once; for two or more rows MKL's GEMM on [in, out] re-reads them per row, while
-    `lm_head_rows @ h.T` (the rows as columns) reads them once (measured, 2 threads: 5 rows
-    24.3 -> 5.7 ms, 32 rows 30.5 -> 22.7 ms), which is what makes verify rows cheap.
+    Linear weights are kept [out, in] and applied by `linear`, the LM head too (for tied
+    weights it is the embedding itself, shared, not copied).
     """
 
     def __init__(
@@ -125,26 +138,21 @@ class LlamaModel:
         def weight(name: str) -> torch.Tensor:
             return state_dict[name].to(device=self.device, dtype=dtype).contiguous()
 
-        def linear(*names: str) -> torch.Tensor:
-            """The [out, in] weights of `names` stacked on `out` (fused), stored [in, out]."""
-            return torch.cat([state_dict[n] for n in names]).to(device=self.device, dtype=dtype).t().contiguous()
+        def fused(*names: str) -> torch.Tensor:
+            """The [out, in] weights of `names` stacked on `out`: one GEMM instead of several."""
+            return torch.cat([state_dict[n] for n in names]).to(device=self.device, dtype=dtype).contiguous()
 
-        if config.tie_word_embeddings:
-            self.lm_head_rows = weight("model.embed_tokens.weight")
-            self.embed = self.lm_head_rows
-        else:
-            self.lm_head_rows = weight("lm_head.weight")
-            self.embed = weight("model.embed_tokens.weight")
-        self.lm_head = self.lm_head_rows.t().contiguous()
+        self.embed = weight("model.embed_tokens.weight")
+        self.lm_head = self.embed if config.tie_word_embeddings else weight("lm_head.weight")
         self.norm = weight("model.norm.weight")
         self.layers = [
             DecoderLayer(
                 input_norm=weight(f"model.layers.{i}.input_layernorm.weight"),
-                qkv=linear(*(f"model.layers.{i}.self_attn.{p}_proj.weight" for p in "qkv")),
-                o=linear(f"model.layers.{i}.self_attn.o_proj.weight"),
+                qkv=fused(*(f"model.layers.{i}.self_attn.{p}_proj.weight" for p in "qkv")),
+                o=weight(f"model.layers.{i}.self_attn.o_proj.weight"),
                 post_norm=weight(f"model.layers.{i}.post_attention_layernorm.weight"),
-                gate_up=linear(f"model.layers.{i}.mlp.gate_proj.weight", f"model.layers.{i}.mlp.up_proj.weight"),
-                down=linear(f"model.layers.{i}.mlp.down_proj.weight"),
+                gate_up=fused(f"model.layers.{i}.mlp.gate_proj.weight", f"model.layers.{i}.mlp.up_proj.weight"),
+                down=weight(f"model.layers.{i}.mlp.down_proj.weight"),
             )
             for i in range(config.num_layers)
         ]
@@ -184,7 +192,7 @@ class LlamaModel:
         calls = self._plan_attention(batch, kv_cache)
         for index, layer in enumerate(self.layers):
             x = F.rms_norm(h, hidden_shape, layer.input_norm, eps)
-            qkv = torch.mm(x, layer.qkv).view(num_tokens, heads + 2 * kv_heads, head_dim)
+            qkv = linear(x, layer.qkv).contiguous().view(num_tokens, heads + 2 * kv_heads, head_dim)
             # q and k are rotated together: one pass over both.
             qk = apply_rope(qkv[:, : heads + kv_heads], cos, sin)
             keys, values = kv_cache.keys[index], kv_cache.values[index]
@@ -194,14 +202,12 @@ class LlamaModel:
                 1, batch.slot_mapping, qkv[:, heads + kv_heads :].transpose(0, 1)
             )
             attention = self._attention(qk[:, :heads], keys, values, calls)
-            h += torch.mm(attention, layer.o)
+            h += linear(attention, layer.o)
             x = F.rms_norm(h, hidden_shape, layer.post_norm, eps)
-            gate, up = torch.mm(x, layer.gate_up).chunk(2, dim=-1)
-            h += torch.mm(F.silu(gate) * up, layer.down)
+            gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
+            h += linear(F.silu(gate) * up, layer.down)
         h = F.rms_norm(h[batch.logit_indices], hidden_shape, self.norm, eps)
-        if h.shape[0] == 1:
-            return torch.mm(h, self.lm_head).float()
-        return torch.mm(self.lm_head_rows, h.t()).t().contiguous().float()
+        return linear(h, self.lm_head).contiguous().float()
 
     def _plan_attention(self, batch: ForwardBatch, kv_cache: KVCache) -> list[AttentionCall]:
         """The round's attention calls, one per attention group, built once for every layer."""
