@@ -1,46 +1,58 @@
 """Adaptive draft length: how many of the drafter's proposals each row verifies this round.
 
-Cost model: a round that feeds T tokens through the target takes about c0 + c1 * T seconds
-(c0: reading the weights and per-round overhead; c1: compute per token), fitted online by
-least squares with exponential forgetting over observed rounds. A row whose drafts are
-accepted with per-token probability a yields 1 + a + a^2 + ... + a^k tokens for k drafts
-(accepting draft j needs every earlier draft accepted), so its j-th draft adds a^j expected
-tokens for c1 more seconds. Drafts are added greedily, best marginal gain first, while the
-marginal rate a^j / c1 beats the round's average rate tokens / time: throughput only rises,
-so speculation never costs more than K = 0 under the model. At batch 32 (compute bound) only
-rows whose drafts are nearly always accepted draft at all.
+A row whose drafts are accepted with per-token probability a yields 1 + a + a^2 + ... + a^k
+tokens for k drafts (accepting draft j needs every earlier draft accepted), so its j-th draft
+adds a^j expected tokens. Within a row the gains fall with j, so the best n drafts of a round are
+the n largest gains over all rows, and they always take a row's drafts in order. The round keeps
+the n that maximises expected tokens per second, n = 0 included: under the cost model
+speculation never costs more than K = 0. At batch 32 (compute bound) only rows whose drafts are
+nearly always accepted draft at all.
 
-A round of exactly one token is the exception: on CPU it is a matrix-vector product, and the
-second token turns it into a matrix product that costs far more than c1 (measured: 46 ms for one
-token, 75 ms for two, 76 ms for five). So the line is fitted on rounds of two or more tokens, the
-one-token round is timed on its own, and a lone decode row weighs every draft length against it
-as a whole: drafting pays only when enough drafts are likely to be accepted to cover the step.
+Cost model (`RoundCostModel`): what a round of T tokens took, measured per T. On this CPU the
+cost is far from a line in T: MKL's GEMM has cliffs (measured, whole rounds at context 100: 8
+rows 72 ms, 9 rows 85, 12 rows 126, 16 to 24 rows 130, 32 rows 141, 33 rows 173), so one draft
+on a round of 8 decode rows costs 13 ms while 8 more cost nothing past 16. A line fitted to the
+rounds seen stands in for token counts not measured recently, never below what a smaller round
+was measured to take; the first round at such a count measures it.
 """
 
 from __future__ import annotations
 
-import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
 class RoundCostModel:
-    """Least squares fit of round seconds = c0 + c1 * tokens with exponential forgetting."""
+    """Seconds a round of T tokens takes: the measured time where T was seen recently, else
+    a least-squares line c0 + c1 * T (with exponential forgetting) over rounds of 2+ tokens.
+
+    One-token rounds stay off the line: on CPU they are a matrix-vector product, a different
+    regime from two tokens on (46 against 75 ms before the weights-first layout). A measurement
+    older than `max_age_rounds` rounds is dropped, so a count timed during a burst of load
+    elsewhere on the machine is timed again rather than avoided for good.
+    """
 
     c0: float = 0.02
     c1: float = 0.003
-    single_token_s: float | None = None  # one-token rounds, as an exponential moving average
     forgetting: float = 0.98
+    smoothing: float = 0.2  # weight of a new measurement in a count's moving average
+    max_age_rounds: int = 500
     _s: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)  # n, x, y, xx, xy
+    _measured: dict[int, tuple[float, int]] = field(default_factory=dict)  # T -> (seconds, round)
+    _rounds: int = 0
 
     def observe(self, tokens: int, seconds: float) -> None:
-        if tokens == 1:
-            previous = self.single_token_s
-            self.single_token_s = seconds if previous is None else previous + 0.1 * (seconds - previous)
-            return
+        self._rounds += 1
+        self._measured = {t: m for t, m in self._measured.items() if self._rounds - m[1] <= self.max_age_rounds}
+        previous = self._measured.get(tokens)
+        average = seconds if previous is None else previous[0] + self.smoothing * (seconds - previous[0])
+        self._measured[tokens] = (average, self._rounds)
+        if tokens >= 2:
+            self._fit(float(tokens), seconds)
+
+    def _fit(self, x: float, seconds: float) -> None:
         f = self.forgetting
         n, sx, sy, sxx, sxy = self._s
-        x = float(tokens)
         n, sx, sy, sxx, sxy = f * n + 1, f * sx + x, f * sy + seconds, f * sxx + x * x, f * sxy + x * seconds
         self._s = (n, sx, sy, sxx, sxy)
         det = n * sxx - sx * sx
@@ -51,9 +63,20 @@ class RoundCostModel:
                 self.c0, self.c1 = c0, c1
 
     def seconds(self, tokens: int) -> float:
-        if tokens == 1 and self.single_token_s is not None:
-            return self.single_token_s
-        return self.c0 + self.c1 * tokens
+        return self.seconds_range(tokens, tokens)[0]
+
+    def seconds_range(self, first: int, last: int) -> list[float]:
+        """The seconds of rounds of first, first + 1, ..., last tokens."""
+        floor = max((s for t, (s, _) in self._measured.items() if t < first), default=0.0)
+        times = []
+        for tokens in range(first, last + 1):
+            measured = self._measured.get(tokens)
+            if measured is None:
+                times.append(max(self.c0 + self.c1 * tokens, floor))
+            else:
+                times.append(measured[0])
+                floor = max(floor, measured[0])
+        return times
 
 
 @dataclass
@@ -74,35 +97,25 @@ class AcceptanceEstimate:
 def choose_draft_lengths(
     available: list[int], acceptance: list[float], base_tokens: int, cost: RoundCostModel
 ) -> list[int]:
-    """Draft length per row, given the proposals available per row and their acceptance."""
-    if base_tokens == 1 and len(available) == 1:
-        return [_lone_row_draft_length(available[0], acceptance[0], cost)]
-    lengths = [0] * len(available)
-    expected_tokens = float(len(available))
-    seconds = cost.seconds(base_tokens)
-    heap = [(-a, i) for i, (n, a) in enumerate(zip(available, acceptance)) if n > 0 and a > 0.0]
-    heapq.heapify(heap)
-    while heap:
-        neg_gain, i = heapq.heappop(heap)
-        gain = -neg_gain
-        if gain * seconds < cost.c1 * expected_tokens:
-            break  # the best remaining draft would lower tokens per second
-        lengths[i] += 1
-        expected_tokens += gain
-        seconds += cost.c1
-        if lengths[i] < available[i]:
-            heapq.heappush(heap, (-(gain * acceptance[i]), i))
-    return lengths
+    """Draft length per row, given the proposals available per row and their acceptance.
 
-
-def _lone_row_draft_length(available: int, acceptance: float, cost: RoundCostModel) -> int:
-    """The draft length that maximises expected tokens per second for a round of one decode row,
-    the one-token round's own time included (see the module docstring)."""
-    best, best_rate = 0, 1.0 / cost.seconds(1)
-    expected = 1.0
-    for k in range(1, available + 1):
-        expected += acceptance**k
-        rate = expected / cost.seconds(1 + k)
+    `base_tokens` is the round without drafts (decode rows and prefill tokens); each decode row
+    yields one token, plus its accepted drafts.
+    """
+    # (gain, j, row): the j-th draft of `row` adds gain = a^j expected tokens.
+    candidates = sorted(
+        ((a**j, j, i) for i, (n, a) in enumerate(zip(available, acceptance)) if a > 0.0 for j in range(1, n + 1)),
+        key=lambda c: (-c[0], c[1], c[2]),
+    )
+    times = cost.seconds_range(base_tokens, base_tokens + len(candidates))
+    expected = float(len(available))
+    best, best_rate = 0, expected / times[0]
+    for extra, (gain, _, _) in enumerate(candidates, start=1):
+        expected += gain
+        rate = expected / times[extra]
         if rate > best_rate:
-            best, best_rate = k, rate
-    return best
+            best, best_rate = extra, rate
+    lengths = [0] * len(available)
+    for _, _, i in candidates[:best]:
+        lengths[i] += 1
+    return lengths

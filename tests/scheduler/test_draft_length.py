@@ -39,12 +39,52 @@ def test_one_token_rounds_are_timed_apart_from_the_line_of_larger_rounds():
     for tokens, seconds in [(1, 0.046), (2, 0.075), (5, 0.078), (9, 0.086), (1, 0.046), (5, 0.078)]:
         cost.observe(tokens, seconds)
     assert abs(cost.seconds(1) - 0.046) < 1e-9
-    assert cost.seconds(2) > 0.07  # the line of GEMM rounds, not through the one-token point
+    assert 0.075 < cost.seconds(3) < 0.078  # unmeasured: the line of GEMM rounds, not through 46 ms
 
 
-def test_a_lone_row_drafts_only_when_acceptance_covers_the_step_to_a_matrix_product():
+def test_a_lone_row_drafts_only_when_acceptance_covers_a_costlier_round():
     # 46 ms for one token, 75 ms + 1 ms a token beyond: the first draft costs 29 ms.
-    cost = RoundCostModel(c0=0.073, c1=0.001, single_token_s=0.046)
+    cost = RoundCostModel(c0=0.073, c1=0.001)
+    cost.observe(1, 0.046)
     assert choose_draft_lengths([4], [0.3], base_tokens=1, cost=cost) == [0]  # 1.43 tokens in 78 ms
     assert choose_draft_lengths([4], [0.9], base_tokens=1, cost=cost) == [4]  # 4.1 tokens in 78 ms
 
+
+def cliff_at_nine_tokens() -> RoundCostModel:
+    """Rounds as measured on this CPU at context 100: a GEMM cliff past 8 columns."""
+    cost = RoundCostModel()
+    for tokens, seconds in [(8, 0.072), (9, 0.085), (10, 0.100), (12, 0.126), (16, 0.130), (24, 0.132)] * 3:
+        cost.observe(tokens, seconds)
+    return cost
+
+
+def test_a_measured_cliff_stops_a_single_draft():
+    cost = cliff_at_nine_tokens()
+    # One draft at 0.9 adds 11% tokens for 18% more time (85 against 72 ms): no.
+    assert choose_draft_lengths([1] * 8, [0.0] * 7 + [0.9], base_tokens=8, cost=cost) == [0] * 8
+    # Where the round was measured flat (12 to 16 tokens), drafts cost nothing and are taken.
+    assert choose_draft_lengths([1] * 12, [0.0] * 11 + [0.3], base_tokens=12, cost=cost) == [0] * 11 + [1]
+
+
+def test_drafts_that_fill_a_round_already_paid_for_are_taken_together():
+    cost = cliff_at_nine_tokens()
+    # Eight drafts at 0.9 take the round to 16 tokens: 15.2 tokens in 130 ms beats 8 in 72 ms,
+    # though any one of them alone (9 tokens, 85 ms) would not pay.
+    assert choose_draft_lengths([1] * 8, [0.9] * 8, base_tokens=8, cost=cost) == [1] * 8
+    assert choose_draft_lengths([1] * 8, [0.6] * 8, base_tokens=8, cost=cost) == [0] * 8  # 12.8 in 130 ms
+
+
+def test_an_unmeasured_round_is_never_cheaper_than_a_smaller_measured_one():
+    cost = RoundCostModel()  # the default line: 20 ms + 3 ms a token
+    for _ in range(3):
+        cost.observe(8, 0.072)
+    assert cost.seconds(9) >= 0.072  # the default line says 47 ms
+
+
+def test_a_stale_measurement_is_dropped_and_the_count_measured_again():
+    cost = RoundCostModel(max_age_rounds=10)
+    cost.observe(9, 0.5)  # timed while something else held the cores
+    assert cost.seconds(9) == 0.5
+    for _ in range(11):
+        cost.observe(8, 0.072)
+    assert cost.seconds(9) < 0.1
