@@ -11,14 +11,24 @@ nearly always accepted draft at all.
 Cost model (`RoundCostModel`): what a round of T tokens took, measured per T. On this CPU the
 cost is far from a line in T: MKL's GEMM has cliffs (measured, whole rounds at context 100: 8
 rows 72 ms, 9 rows 85, 12 rows 126, 16 to 24 rows 130, 32 rows 141, 33 rows 173), so one draft
-on a round of 8 decode rows costs 13 ms while 8 more cost nothing past 16. A line fitted to the
-rounds seen stands in for token counts not measured recently, never below what a smaller round
-was measured to take; the first round at such a count measures it.
+on a round of 8 decode rows costs 13 ms while 8 more cost nothing past 16. Token counts not
+measured recently are estimated from the measured ones around them (`seconds_range`), and a
+round at such a count is tried only when clearly better (`EXPLORATION_MARGIN`); it is then
+measured. Drafts are weighed only against a plain round (no drafts) that was itself measured,
+so that round is run first.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
+
+
+# A round of a token count not timed recently is tried only when its estimate beats the best
+# measured choice by this factor. The estimate leans on a line that prefill rounds pull flat,
+# so it is optimistic for a few more tokens; without the margin each daemon tried every count
+# from 9 to 18 once after its first prefill at 8 chat streams (4% of the rounds' time).
+EXPLORATION_MARGIN = 1.1
 
 
 @dataclass
@@ -62,20 +72,44 @@ class RoundCostModel:
             if c1 > 0 and c0 > 0:
                 self.c0, self.c1 = c0, c1
 
+    def is_measured(self, tokens: int) -> bool:
+        """Whether a round of `tokens` tokens was timed within the last `max_age_rounds`."""
+        return tokens in self._measured
+
     def seconds(self, tokens: int) -> float:
         return self.seconds_range(tokens, tokens)[0]
 
     def seconds_range(self, first: int, last: int) -> list[float]:
-        """The seconds of rounds of first, first + 1, ..., last tokens."""
-        floor = max((s for t, (s, _) in self._measured.items() if t < first), default=0.0)
+        """The seconds of rounds of first, first + 1, ..., last tokens.
+
+        A count not measured recently is interpolated between the nearest measured counts
+        around it. Past the largest measured count the time grows from the nearest measured
+        count by the steeper of the line's slope and the slope between the two nearest measured
+        counts: the line, pulled flat by prefill rounds of hundreds of tokens, would promise a
+        few more decode tokens almost for free (the GEMM cliffs above say otherwise).
+        """
+        counts = sorted(self._measured)
         times = []
         for tokens in range(first, last + 1):
-            measured = self._measured.get(tokens)
-            if measured is None:
-                times.append(max(self.c0 + self.c1 * tokens, floor))
-            else:
-                times.append(measured[0])
-                floor = max(floor, measured[0])
+            if tokens in self._measured:
+                times.append(self._measured[tokens][0])
+                continue
+            at = bisect.bisect_left(counts, tokens)
+            if at == 0:
+                times.append(self.c0 + self.c1 * tokens)
+                continue
+            below = counts[at - 1]
+            below_s = self._measured[below][0]
+            if at < len(counts):
+                above = counts[at]
+                above_s = self._measured[above][0]
+                times.append(below_s + (above_s - below_s) * (tokens - below) / (above - below))
+                continue
+            slope = self.c1
+            if at >= 2:
+                before = counts[at - 2]
+                slope = max(slope, (below_s - self._measured[before][0]) / (below - before))
+            times.append(below_s + slope * (tokens - below))
         return times
 
 
@@ -102,6 +136,11 @@ def choose_draft_lengths(
     `base_tokens` is the round without drafts (decode rows and prefill tokens); each decode row
     yields one token, plus its accepted drafts.
     """
+    if not cost.is_measured(base_tokens):
+        # Every choice is weighed against the round without drafts, so that round is timed
+        # first. A model that only ever saw drafted rounds would keep guessing the plain one
+        # (measured: 8 chat rows drafted one token every round, 93 ms against a plain 75).
+        return [0] * len(available)
     # (gain, j, row): the j-th draft of `row` adds gain = a^j expected tokens.
     candidates = sorted(
         ((a**j, j, i) for i, (n, a) in enumerate(zip(available, acceptance)) if a > 0.0 for j in range(1, n + 1)),
@@ -113,6 +152,8 @@ def choose_draft_lengths(
     for extra, (gain, _, _) in enumerate(candidates, start=1):
         expected += gain
         rate = expected / times[extra]
+        if not cost.is_measured(base_tokens + extra):
+            rate /= EXPLORATION_MARGIN
         if rate > best_rate:
             best, best_rate = extra, rate
     lengths = [0] * len(available)

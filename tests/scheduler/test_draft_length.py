@@ -1,6 +1,14 @@
 from flare.scheduler.draft_length import AcceptanceEstimate, RoundCostModel, choose_draft_lengths
 
 
+def timed_on_a_line(c0: float, c1: float, counts: range | list[int]) -> RoundCostModel:
+    """A cost model that has timed rounds of `counts` tokens at c0 + c1 * tokens seconds."""
+    cost = RoundCostModel(c0=c0, c1=c1)
+    for tokens in counts:
+        cost.observe(tokens, c0 + c1 * tokens)
+    return cost
+
+
 def test_cost_model_recovers_a_linear_round_time():
     cost = RoundCostModel()
     for tokens in [1, 8, 32, 4, 16, 64, 2]:
@@ -9,20 +17,20 @@ def test_cost_model_recovers_a_linear_round_time():
 
 
 def test_single_row_drafts_even_at_modest_acceptance_when_weight_reads_dominate():
-    cost = RoundCostModel(c0=0.017, c1=0.0027)
+    cost = timed_on_a_line(0.017, 0.0027, range(1, 7))
     assert choose_draft_lengths([5], [0.8], base_tokens=1, cost=cost) == [5]
     # At 0.5 the third draft adds 1/8 token for c1 seconds: below the round's average rate.
     assert choose_draft_lengths([5], [0.5], base_tokens=1, cost=cost) == [2]
 
 
 def test_a_busy_batch_drafts_only_rows_that_are_nearly_always_accepted():
-    cost = RoundCostModel(c0=0.017, c1=0.0027)
+    cost = timed_on_a_line(0.017, 0.0027, range(32, 32 + 5 * 32 + 1))
     lengths = choose_draft_lengths([5] * 32, [0.3] * 31 + [0.99], base_tokens=32, cost=cost)
     assert lengths[:31] == [0] * 31 and lengths[31] == 5
 
 
 def test_rows_without_proposals_or_acceptance_never_draft():
-    cost = RoundCostModel(c0=0.017, c1=0.0027)
+    cost = timed_on_a_line(0.017, 0.0027, range(2, 7))
     assert choose_draft_lengths([0, 4], [0.9, 0.0], base_tokens=2, cost=cost) == [0, 0]
 
 
@@ -43,17 +51,27 @@ def test_one_token_rounds_are_timed_apart_from_the_line_of_larger_rounds():
 
 
 def test_a_lone_row_drafts_only_when_acceptance_covers_a_costlier_round():
-    # 46 ms for one token, 75 ms + 1 ms a token beyond: the first draft costs 29 ms.
-    cost = RoundCostModel(c0=0.073, c1=0.001)
-    cost.observe(1, 0.046)
+    # As timed before the weights-first layout: 46 ms for one token, 75 ms + 1 ms a token beyond.
+    cost = RoundCostModel()
+    for tokens in range(1, 6):
+        cost.observe(tokens, 0.046 if tokens == 1 else 0.073 + 0.001 * tokens)
     assert choose_draft_lengths([4], [0.3], base_tokens=1, cost=cost) == [0]  # 1.43 tokens in 78 ms
     assert choose_draft_lengths([4], [0.9], base_tokens=1, cost=cost) == [4]  # 4.1 tokens in 78 ms
+
+
+def test_past_the_largest_timed_round_the_estimate_follows_the_steeper_measured_slope():
+    cost = RoundCostModel(c0=0.06, c1=0.0014)  # a line pulled flat by long prefill rounds
+    cost.observe(1, 0.042)
+    cost.observe(8, 0.074)
+    assert abs(cost.seconds(18) - (0.074 + 10 * (0.074 - 0.042) / 7)) < 1e-9
+    assert abs(cost.seconds(4) - (0.042 + 3 * (0.074 - 0.042) / 7)) < 1e-9  # between two timed rounds
 
 
 def cliff_at_nine_tokens() -> RoundCostModel:
     """Rounds as measured on this CPU at context 100: a GEMM cliff past 8 columns."""
     cost = RoundCostModel()
-    for tokens, seconds in [(8, 0.072), (9, 0.085), (10, 0.100), (12, 0.126), (16, 0.130), (24, 0.132)] * 3:
+    measured = [(8, 0.072), (9, 0.085), (10, 0.100), (12, 0.126), (13, 0.126), (16, 0.130), (24, 0.132)]
+    for tokens, seconds in measured * 3:
         cost.observe(tokens, seconds)
     return cost
 
@@ -62,7 +80,7 @@ def test_a_measured_cliff_stops_a_single_draft():
     cost = cliff_at_nine_tokens()
     # One draft at 0.9 adds 11% tokens for 18% more time (85 against 72 ms): no.
     assert choose_draft_lengths([1] * 8, [0.0] * 7 + [0.9], base_tokens=8, cost=cost) == [0] * 8
-    # Where the round was measured flat (12 to 16 tokens), drafts cost nothing and are taken.
+    # Where the round was measured flat (12 and 13 tokens), a draft costs nothing and is taken.
     assert choose_draft_lengths([1] * 12, [0.0] * 11 + [0.3], base_tokens=12, cost=cost) == [0] * 11 + [1]
 
 
@@ -88,3 +106,18 @@ def test_a_stale_measurement_is_dropped_and_the_count_measured_again():
     for _ in range(11):
         cost.observe(8, 0.072)
     assert cost.seconds(9) < 0.1
+
+
+def test_the_plain_round_is_timed_before_any_draft():
+    cost = RoundCostModel()
+    assert choose_draft_lengths([4], [1.0], base_tokens=1, cost=cost) == [0]
+    cost.observe(1, 0.046)
+    assert choose_draft_lengths([4], [1.0], base_tokens=1, cost=cost) == [4]
+
+
+def test_an_untimed_round_is_tried_only_when_its_estimate_is_clearly_better():
+    cost = timed_on_a_line(0.064, 0.001, [8])  # 72 ms for 8 rows; 9 tokens estimated at 73 ms
+    # 8.3 tokens in 73 ms is 2% better than 8 in 72: not worth an untimed round.
+    assert choose_draft_lengths([1] * 8, [0.3] + [0.0] * 7, base_tokens=8, cost=cost) == [0] * 8
+    # 8.95 tokens is 12% better: tried.
+    assert choose_draft_lengths([1] * 8, [0.95] + [0.0] * 7, base_tokens=8, cost=cost) == [1] + [0] * 7
