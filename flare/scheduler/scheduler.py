@@ -610,6 +610,17 @@ class Scheduler:
             if seq.state is SequenceState.RUNNING:
                 self._trim_blocks(seq)
         self._throughput.observe(generated)
+        # What the draft-length model learns from (flare_draft_tokens_* give the totals only).
+        log.debug(
+            "round_completed",
+            round=plan.index,
+            rows=len(plan.rows),
+            tokens=plan.num_tokens,
+            drafts=proposed,
+            accepted=sum(accepted_per_row),
+            generated=generated,
+            seconds=round(result.seconds, 4),
+        )
         if self.metrics is not None:
             self.metrics.observe_round(statuses, accepted_per_row, proposed)
             self.metrics.observe_tokens(prompt=prompt_tokens, generated=generated)

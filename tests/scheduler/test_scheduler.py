@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
+import structlog
 
 from flare.kernels.status import DeviceStatus
 from flare.preparation.package import open_package
@@ -112,6 +113,17 @@ async def test_speculation_does_not_change_greedy_output(tiny_package):
         got = await generate_all(speculative, [request(speculative, f"r{i}", p) for i, p in enumerate(PROMPTS)])
     for rid, outcome in expected.items():
         assert got[rid].token_ids == outcome.token_ids
+
+
+async def test_every_round_is_logged_with_what_the_draft_length_model_learns_from(tiny_package):
+    with structlog.testing.capture_logs() as logs:
+        async with running(tiny_package, adaptive_draft_length=False) as scheduler:
+            outcomes = await generate_all(scheduler, [request(scheduler, f"r{i}", p) for i, p in enumerate(PROMPTS)])
+    rounds = [entry for entry in logs if entry["event"] == "round_completed"]
+    assert [r["round"] for r in rounds] == sorted({r["round"] for r in rounds})
+    assert all(r["seconds"] > 0 and r["tokens"] >= r["rows"] >= 1 for r in rounds)
+    assert sum(r["generated"] for r in rounds) == sum(len(o.token_ids) for o in outcomes.values())
+    assert any(r["drafts"] > 0 for r in rounds) and all(0 <= r["accepted"] <= r["drafts"] for r in rounds)
 
 
 async def test_seeded_sampling_gives_the_same_tokens_alone_and_in_a_batch(tiny_package):
