@@ -5,7 +5,7 @@ together) and returns logits only for the positions that need them. The layout c
 it fast on a CPU, where a round of 32 decode rows is bound by the linear layers:
 
 - q/k/v and gate/up are fused into one matrix each at load time (one GEMM instead of three/two);
-- linear layers run on the flat token dimension, with no padding, weights first (see `linear`);
+- linear layers run on the flat token dimension, with no padding, weights first (see `linear_columns`);
 - short rows of the same length share one attention call per layer (see batch.py); keys and
   values are gathered from the pool a whole block at a time; the pool is head-major, so the
   gathered keys of one row and KV head form one contiguous [positions, head dim] matrix (SDPA
@@ -89,7 +89,8 @@ def linear_columns(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     Computed weights first, as `weight @ x.T` with x.T passed to BLAS as a transposed operand:
     a round's few rows become the GEMM's narrow N side and the weights are read once, in their
-    stored order. On this CPU (MKL, 2 threads, all 30 layers, weights out of cache) that takes
+    stored order. On this CPU (MKL, 2 threads, the GEMMs of all 30 layers of SmolLM2-135M,
+    weights out of cache; whole rounds in docs/benchmarks.md) that takes
     2 rows from 52 to 30 ms, 4 rows from 71 to 37, 8 from 59 to 47 and 32 from 91 to 78 against
     `x @ weight.T` stored [in, out], which is what lets a verify row of a few drafts cost about
     what a plain decode row does. One row is doubled: MKL's GEMV on this layout is a third
