@@ -104,5 +104,6 @@ def time_rounds(
     cpu = sorted(cpu_timings[WARMUP_ROUNDS:])[len(timings) // 2]
     return timings[len(timings) // 2], timings[0], cpu
 
+
 if __name__ == "__main__":
     main()

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,6 +212,25 @@ class TransformersBaseline:
         return figures
 
 
+# One side of a comparison: figures of one run at a given concurrency.
+Side = Callable[[int], dict[str, float]]
+
+
+def alternate(sides: list[Side], concurrencies: list[int], repeats: int) -> list[dict[int, dict[str, float]]]:
+    """Median figures per side and concurrency, the sides' runs alternating (A, B, A, B, ...)
+    and never at the same time: a slow patch of a shared machine falls on every side instead of
+    on whichever happened to run then. An idle daemon or in-process model costs no CPU."""
+    figures: list[dict[int, dict[str, float]]] = [{} for _ in sides]
+    for c in concurrencies:
+        runs: list[list[dict[str, float]]] = [[] for _ in sides]
+        for _ in range(repeats):
+            for side, into in zip(sides, runs):
+                into.append(side(c))
+        for into, out in zip(runs, figures):
+            out[c] = median_of(into)
+    return figures
+
+
 def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
@@ -237,28 +257,16 @@ def main() -> int:
 
     report: dict[str, object] = {"command": " ".join(sys.argv), "max_tokens": args.max_tokens, "threads": args.threads}
 
-    def measure_interleaved(extras: list[list[str]], prompts: list[str]) -> list[dict[int, dict[str, float]]]:
-        """Like `measure` for several daemon configurations at once: all daemons start, then
-        their runs alternate (A, B, A, B, ...), so a slow patch of a shared machine falls on
-        both sides instead of on whichever happened to run then. An idle daemon costs no CPU."""
-        with contextlib.ExitStack() as daemons:
-            urls = [daemons.enter_context(flare_daemon(args.package, args.threads, extra)) for extra in extras]
-            for url in urls:
-                asyncio.run(flare_run(url, prompts, 1, 8))  # warm the client path
-            figures: list[dict[int, dict[str, float]]] = [{} for _ in urls]
-            for c in args.concurrency:
-                runs: list[list[dict[str, float]]] = [[] for _ in urls]
-                for _ in range(args.repeats):
-                    for url, into in zip(urls, runs):
-                        into.append(asyncio.run(flare_run(url, prompts, c, args.max_tokens)))
-                for into, out in zip(runs, figures):
-                    out[c] = median_of(into)
-        return figures
+    def flare_side(url: str, prompts: list[str]) -> Side:
+        asyncio.run(flare_run(url, prompts, 1, 8))  # warm the client path
+        return lambda c: asyncio.run(flare_run(url, prompts, c, args.max_tokens))
 
     if args.speculation:
         table = {}
         for label, prompts in (("repetition-heavy", REPEAT_PROMPTS), ("chat", CHAT_PROMPTS)):
-            with_k, without = measure_interleaved([[], ["--draft-tokens", "0"]], prompts)
+            with contextlib.ExitStack() as daemons:
+                urls = [daemons.enter_context(flare_daemon(args.package, args.threads, extra)) for extra in ([], ["--draft-tokens", "0"])]
+                with_k, without = alternate([flare_side(url, prompts) for url in urls], args.concurrency, args.repeats)
             table[label] = {"speculative": with_k, "k0": without}
             print(f"\n{label} prompts, greedy, {args.max_tokens} tokens, median of {args.repeats}")
             print(f"{'streams':>8} {'tok/forward':>12} {'spec tok/s':>11} {'K=0 tok/s':>10} {'speed-up':>9} {'decode speed-up':>16}")
@@ -270,21 +278,13 @@ def main() -> int:
                 )
         report["speculation"] = table
     else:
-        baseline = None if args.skip_transformers else TransformersBaseline()
-        flare_figures, hf = {}, {}
-        # The sides alternate run by run (flare, transformers, flare, ...), never at the same
-        # time: the idle daemon and the idle in-process model cost no CPU.
+        sides: list[Side] = []
+        if not args.skip_transformers:
+            baseline = TransformersBaseline()
+            sides.append(lambda c: baseline.run(CHAT_PROMPTS, c, args.max_tokens))
         with flare_daemon(args.package, args.threads, []) as base_url:
-            asyncio.run(flare_run(base_url, CHAT_PROMPTS, 1, 8))  # warm the client path
-            for c in args.concurrency:
-                flare_runs, hf_runs = [], []
-                for _ in range(args.repeats):
-                    flare_runs.append(asyncio.run(flare_run(base_url, CHAT_PROMPTS, c, args.max_tokens)))
-                    if baseline is not None:
-                        hf_runs.append(baseline.run(CHAT_PROMPTS, c, args.max_tokens))
-                flare_figures[c] = median_of(flare_runs)
-                if hf_runs:
-                    hf[c] = median_of(hf_runs)
+            flare_figures, *others = alternate([flare_side(base_url, CHAT_PROMPTS), *sides], args.concurrency, args.repeats)
+        hf = others[0] if others else {}
         report["flare"] = flare_figures
         report["transformers"] = hf
         print(f"\nchat prompts, greedy, {args.max_tokens} tokens, {args.threads} threads, median of {args.repeats}")
