@@ -89,12 +89,12 @@ def linear_columns(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     Computed weights first, as `weight @ x.T` with x.T passed to BLAS as a transposed operand:
     a round's few rows become the GEMM's narrow N side and the weights are read once, in their
-    stored order. On this CPU (MKL, 2 threads, the GEMMs of all 30 layers of SmolLM2-135M,
-    weights out of cache; whole rounds in docs/benchmarks.md) that takes
-    2 rows from 52 to 30 ms, 4 rows from 71 to 37, 8 from 59 to 47 and 32 from 91 to 78 against
-    `x @ weight.T` stored [in, out], which is what lets a verify row of a few drafts cost about
-    what a plain decode row does. One row is doubled: MKL's GEMV on this layout is a third
-    slower (41 ms) than its two-column GEMM (31 ms, the same as the best GEMV layout).
+    stored order. Against `x @ weight.T` with weights stored [in, out], whole engine rounds on
+    this CPU (`benchmarks/engine_decode.py`, MKL, 2 threads) went for one row of 2 tokens from
+    78 to 43 ms and of 5 tokens from 73 to 60 (1 token: 49 to 42), and for 8 and 32 decode rows
+    from 93 to 75 and 173 to 149 ms: a verify row of a few drafts now costs about what a plain
+    decode row does. One row is doubled: MKL's GEMV on this layout was a third slower than its
+    two-column GEMM (41 against 31 ms for the 30 layers' GEMMs timed alone).
 
     x must be row-major for this: MKL takes the plain [in, T] operand that a column-major x
     would give down a path three times slower, so such an x is copied first.

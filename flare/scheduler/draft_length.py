@@ -25,19 +25,21 @@ from dataclasses import dataclass, field
 
 
 # A round of a token count not timed recently is tried only when its estimate beats the best
-# measured choice by this factor. The estimate leans on a line that prefill rounds pull flat,
-# so it is optimistic for a few more tokens; without the margin each daemon tried every count
-# from 9 to 18 once after its first prefill at 8 chat streams (4% of the rounds' time).
+# measured choice by this factor: an estimate is a guess, and each wrong guess costs a slow
+# round. With estimates from the fitted line and no margin, each daemon tried every count from
+# 9 to 18 once after its first prefill at 8 chat streams (4% of the rounds' time).
 EXPLORATION_MARGIN = 1.1
 
 
 @dataclass
 class RoundCostModel:
-    """Seconds a round of T tokens takes: the measured time where T was seen recently, else
-    a least-squares line c0 + c1 * T (with exponential forgetting) over rounds of 2+ tokens.
+    """Seconds a round of T tokens takes: the measured time where T was seen recently, else an
+    estimate from the measured counts around T and a least-squares line c0 + c1 * T (with
+    exponential forgetting) over rounds of 2+ tokens.
 
-    One-token rounds stay off the line: on CPU they are a matrix-vector product, a different
-    regime from two tokens on (46 against 75 ms before the weights-first layout). A measurement
+    The line only fills gaps (counts below every measured one, and the slope past the largest).
+    One-token rounds stay off it: on CPU they are a matrix-vector product, a different regime
+    from two tokens on (46 against 75 ms before the weights-first layout). A measurement
     older than `max_age_rounds` rounds is dropped, so a count timed during a burst of load
     elsewhere on the machine is timed again rather than avoided for good.
     """
