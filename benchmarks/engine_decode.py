@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import os
 
-# As `flare run` sets it (flare/daemon/cli.py), before torch loads OpenMP.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from flare.engine.openmp import set_wait_policy
+
+# As `flare run` sets it (flare/engine/openmp.py), before torch loads OpenMP.
+set_wait_policy(os.environ)
 
 import argparse
 import time

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import os
 
-# Both sides run with the setting `flare run` defaults to (see flare/daemon/cli.py), set before
-# torch loads OpenMP: spin-waiting threads would make any neighbouring load dominate the figures.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from flare.engine.openmp import set_wait_policy
+
+# Both sides wait between OpenMP regions as `flare run` makes them (flare/engine/openmp.py),
+# set before torch loads OpenMP; an OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment wins.
+set_wait_policy(os.environ)
 
 import argparse
 import asyncio

@@ -7,8 +7,8 @@ mode is fixed at decoration time (../shared/notes/triton-on-cpu.md).
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# As `flare run` does: test processes and the daemons they start share two cores, where
-# spin-waiting OpenMP threads slow every torch call by an order of magnitude.
+# Test processes and the daemons they start share two cores with each other: OpenMP threads
+# sleep at once rather than spin (flare/engine/openmp.py), so no process starves another.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import json  # noqa: E402

@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 from flare.daemon.commands_package import add_export_parser, add_inspect_parser
 from flare.daemon.config import CONFIG_ENV, ConfigError, load_config
 from flare.daemon.ctl import add_ctl_parser
+from flare.engine.openmp import set_wait_policy
 
 EXIT_USAGE = 2
 
@@ -105,11 +106,8 @@ def run_command(args: argparse.Namespace) -> int:
             f"flare run: error: PACKAGE {config.package} is not a directory; "
             "pass a package made by `flare export`, or no PACKAGE for the default model"
         )
-    # OpenMP threads that spin while they wait turn every round ~20x slower as soon as another
-    # process wants the same cores (measured: a batch-1 decode round, 2 threads, 44 ms alone ->
-    # 1457 ms beside a busy neighbour; 66 ms with PASSIVE). Read once, when torch loads OpenMP,
-    # so set before the import; an operator's own setting wins.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Read once, when torch loads OpenMP, so set before the import; see flare/engine/openmp.py.
+    set_wait_policy(os.environ)
     # Imported only now: the server pulls in torch and the engine, which a usage error, export,
     # inspect and ctl do not need.
     from flare.daemon.server import StartupError, serve
