@@ -57,14 +57,16 @@ class AttentionGroup:
 
     Their tokens are the flat tokens `[start, end)`, row after row. `block_table`
     [rows, max_blocks] holds each row's blocks up to its last position, padded with block 0,
-    which the mask hides. `mask` [rows, 1, query_len, max_blocks * block_size] is True where a
-    query may attend: keys of its own request at positions up to its own (causal).
+    which the mask hides. `start_positions` [rows] is the position of each row's first new
+    token. `mask` [rows, 1, query_len, max_blocks * block_size] is True where a query may
+    attend: keys of its own request at positions up to its own (causal).
     """
 
     start: int
     rows: int
     query_len: int
     block_table: torch.Tensor
+    start_positions: torch.Tensor
     mask: torch.Tensor
 
     @property
@@ -183,5 +185,6 @@ def _attention_group(
         rows=len(rows),
         query_len=len(rows[0].token_ids),
         block_table=torch.tensor(block_tables, dtype=torch.long, device=device),
+        start_positions=positions[:, 0].contiguous(),
         mask=(key_positions <= positions.unsqueeze(-1)).unsqueeze(1),
     )

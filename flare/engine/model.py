@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flare.engine.batch import ForwardBatch
+from flare.engine.batch import SHORT_ROW_MAX_TOKENS, AttentionGroup, ForwardBatch
 from flare.engine.kv_cache import KVCache
+from flare.engine import native
 from flare.preparation.manifest import ModelConfig
 from flare.preparation.package import Package, weight_problems
 
@@ -49,20 +50,22 @@ class DecoderLayer:
 class AttentionCall:
     """One attention call of a round (an `AttentionGroup`), with everything its layers share.
 
-    `tokens` are its flat tokens, `rows` x `query_len`. `gather_index` lists the pool rows
-    (head-major) of its block tables; `mask` is the causal mask with the query heads of a KV
-    group folded into the query length. The key/value buffers (views of the model's gather
-    workspace) receive the gathered blocks; every layer reuses them, because a fresh
-    multi-megabyte tensor per layer costs more in page faults than the gather itself.
+    `tokens` are its flat tokens, `rows` x `query_len`. A call of short rows on a model with
+    the native kernel reads the pool through `group.block_table` and `group.start_positions`
+    (see paged_attention.py) and has no gather fields. Otherwise it gathers: `gather_index`
+    lists the pool rows (head-major) of its block tables; `mask` is the causal mask with the
+    query heads of a KV group folded into the query length; the key/value buffers (views of the
+    model's gather workspace) receive the gathered blocks. Every layer reuses them, because a
+    fresh multi-megabyte tensor per layer costs more in page faults than the gather itself.
     """
 
     tokens: slice
-    rows: int
-    query_len: int
-    gather_index: torch.Tensor
-    mask: torch.Tensor
-    key_buffer: torch.Tensor
-    value_buffer: torch.Tensor
+    group: AttentionGroup
+    native: bool
+    gather_index: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    key_buffer: torch.Tensor | None = None
+    value_buffer: torch.Tensor | None = None
 
 
 def check_state_dict(config: ModelConfig, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -84,6 +87,14 @@ def rope_tables(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
     return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
 
 
+# A very tall weight (the LM head: 49152 x 576) is applied in slices of this many output rows
+# once a round has CHUNKED_MIN_TOKENS tokens: MKL splits one tall product less well than it runs
+# layer-sized ones. LM head alone, 2 threads: 16 tokens 14.9 -> 11.7 ms, 32 tokens 19.7 -> 16.3,
+# 64 tokens 29.6 -> 25.2; 8 tokens or fewer gain nothing.
+OUTPUT_CHUNK = 4096
+CHUNKED_MIN_TOKENS = 16
+
+
 def linear_columns(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, in] through a linear layer of weight [out, in], returned as columns: [out, T].
 
@@ -102,7 +113,12 @@ def linear_columns(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     if x.shape[0] == 1:
         return torch.mm(weight, torch.cat((x, x)).t())[:, :1]
-    return torch.mm(weight, x.t())
+    if weight.shape[0] <= 2 * OUTPUT_CHUNK or x.shape[0] < CHUNKED_MIN_TOKENS:
+        return torch.mm(weight, x.t())
+    out = torch.empty(weight.shape[0], x.shape[0], dtype=x.dtype, device=x.device)
+    for first in range(0, weight.shape[0], OUTPUT_CHUNK):
+        torch.mm(weight[first : first + OUTPUT_CHUNK], x.t(), out=out[first : first + OUTPUT_CHUNK])
+    return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -135,11 +151,23 @@ class LlamaModel:
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        native_kernels: bool | None = None,
     ) -> None:
+        """`native_kernels`: run attention of short rows, RoPE with the cache write, and SwiGLU
+        with the CPU kernels of `native` (True), with their torch counterparts (False), or with
+        the kernels where they were built and apply (None)."""
         check_state_dict(config, state_dict)
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
+        # The kernels are float32 and CPU only.
+        applies = self.device.type == "cpu" and dtype == torch.float32
+        if native_kernels and not (applies and native.available()):
+            raise ValueError(
+                "the native CPU kernels need a float32 model on the CPU and the built extension "
+                f"(model: {dtype} on {self.device}; extension built: {native.available()})"
+            )
+        self.native_kernels = applies and native.available() if native_kernels is None else native_kernels
 
         def weight(name: str) -> torch.Tensor:
             return state_dict[name].to(device=self.device, dtype=dtype).contiguous()
@@ -187,60 +215,90 @@ class LlamaModel:
                 f"position {batch.max_position} is past the model's context of {self.config.max_position_embeddings}"
             )
         cfg = self.config
-        num_tokens = batch.num_tokens
-        heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
         hidden_shape = (cfg.hidden_size,)
 
-        cos = self.rope_cos[batch.positions].unsqueeze(1)
-        sin = self.rope_sin[batch.positions].unsqueeze(1)
         h = F.embedding(batch.token_ids, self.embed)
+        rope = None if self.native_kernels else self._rope(batch)
         calls = self._plan_attention(batch, kv_cache)
         for index, layer in enumerate(self.layers):
             x = F.rms_norm(h, hidden_shape, layer.input_norm, eps)
-            qkv = linear(x, layer.qkv).contiguous().view(num_tokens, heads + 2 * kv_heads, head_dim)
-            # q and k are rotated together: one pass over both.
-            qk = apply_rope(qkv[:, : heads + kv_heads], cos, sin)
             keys, values = kv_cache.keys[index], kv_cache.values[index]
-            # The pools are [kv_heads, blocks * block_size, D] viewed flat over positions.
-            keys.view(kv_heads, -1, head_dim).index_copy_(1, batch.slot_mapping, qk[:, heads:].transpose(0, 1))
-            values.view(kv_heads, -1, head_dim).index_copy_(
-                1, batch.slot_mapping, qkv[:, heads + kv_heads :].transpose(0, 1)
-            )
-            attention = self._attention(qk[:, :heads], keys, values, calls)
-            h += linear(attention, layer.o)
+            q = self._rope_and_cache(linear_columns(x, layer.qkv), batch, rope, keys, values)
+            h += linear(self._attention(q, keys, values, calls), layer.o)
             x = F.rms_norm(h, hidden_shape, layer.post_norm, eps)
-            # SwiGLU on the columns, where gate and up are contiguous halves: on the transposed
-            # view the elementwise ops are strided (2 ms a round slower at 32 rows).
-            gate, up = linear_columns(x, layer.gate_up).chunk(2)
-            h += linear((F.silu(gate) * up).t(), layer.down)
+            h += linear(self._swiglu(linear_columns(x, layer.gate_up)), layer.down)
         h = F.rms_norm(h[batch.logit_indices], hidden_shape, self.norm, eps)
         return linear(h, self.lm_head).contiguous().float()
 
+    def _rope(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D/2] of the round's positions, gathered once for every layer."""
+        return self.rope_cos[batch.positions].unsqueeze(1), self.rope_sin[batch.positions].unsqueeze(1)
+
+    def _rope_and_cache(
+        self,
+        qkv_columns: torch.Tensor,
+        batch: ForwardBatch,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> torch.Tensor:
+        """From the q/k/v layer's columns: rotate q and k, write k and v into the round's slots
+        of the pools, return q [T, heads, D] (the torch counterpart of `native.rope_and_cache`)."""
+        heads, kv_heads, head_dim = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
+        if rope is None:
+            return native.rope_and_cache(
+                qkv_columns.contiguous(), batch.positions, batch.slot_mapping, self.rope_cos, self.rope_sin, keys, values, heads
+            )
+        qkv = qkv_columns.t().contiguous().view(batch.num_tokens, heads + 2 * kv_heads, head_dim)
+        # q and k are rotated together: one pass over both.
+        qk = apply_rope(qkv[:, : heads + kv_heads], *rope)
+        # The pools are [kv_heads, blocks * block_size, D] viewed flat over positions.
+        keys.view(kv_heads, -1, head_dim).index_copy_(1, batch.slot_mapping, qk[:, heads:].transpose(0, 1))
+        values.view(kv_heads, -1, head_dim).index_copy_(1, batch.slot_mapping, qkv[:, heads + kv_heads :].transpose(0, 1))
+        return qk[:, :heads]
+
+    def _swiglu(self, gate_up_columns: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up [T, intermediate] from the gate/up layer's columns (the torch
+        counterpart of `native.swiglu_rows`)."""
+        if self.native_kernels:
+            return native.swiglu_rows(gate_up_columns.contiguous())
+        # On the columns, where gate and up are contiguous halves: on the transposed view the
+        # elementwise ops are strided (2 ms a round slower at 32 rows).
+        gate, up = gate_up_columns.chunk(2)
+        return (F.silu(gate) * up).t()
+
     def _plan_attention(self, batch: ForwardBatch, kv_cache: KVCache) -> list[AttentionCall]:
         """The round's attention calls, one per attention group, built once for every layer."""
-        group = self.config.num_heads // self.config.num_kv_heads
+        in_kernel = [self.native_kernels and g.query_len <= SHORT_ROW_MAX_TOKENS for g in batch.groups]
+        group_size = self.config.num_heads // self.config.num_kv_heads
         head_offsets = torch.arange(self.config.num_kv_heads, device=self.device).view(1, -1, 1) * kv_cache.num_blocks
         block_numel = kv_cache.block_size * self.config.head_dim
         # Block b of KV head h is row h * num_blocks + b of the pool viewed [heads * blocks, ...].
-        gather_indices = [(g.block_table.unsqueeze(1) + head_offsets).flatten() for g in batch.groups]
-        needed = 2 * sum(index.numel() for index in gather_indices) * block_numel
+        gather_indices = [
+            None if n else (g.block_table.unsqueeze(1) + head_offsets).flatten() for g, n in zip(batch.groups, in_kernel)
+        ]
+        needed = 2 * sum(index.numel() for index in gather_indices if index is not None) * block_numel
         if self._gather_workspace.numel() < needed:
             self._gather_workspace = torch.empty(needed, dtype=self.dtype, device=self.device)
-        # Two buffers (keys, values) per call, carved one after another out of the workspace.
-        sizes = [index.numel() * block_numel for index in gather_indices for _ in range(2)]
+        # Two buffers (keys, values) per gathering call, carved one after another out of the workspace.
+        sizes = [index.numel() * block_numel for index in gather_indices if index is not None for _ in range(2)]
         buffers = iter(self._gather_workspace[:needed].split(sizes))
         calls = []
-        for attention_group, gather_index in zip(batch.groups, gather_indices):
+        for group, gather_index in zip(batch.groups, gather_indices):
+            tokens = slice(group.start, group.end)
+            if gather_index is None:
+                calls.append(AttentionCall(tokens=tokens, group=group, native=True))
+                continue
             buffer_shape = (gather_index.numel(), kv_cache.block_size, self.config.head_dim)
             calls.append(
                 AttentionCall(
-                    tokens=slice(attention_group.start, attention_group.end),
-                    rows=attention_group.rows,
-                    query_len=attention_group.query_len,
+                    tokens=tokens,
+                    group=group,
+                    native=False,
                     gather_index=gather_index,
                     # Row j * query_len + q of a folded KV group attends as query q does.
-                    mask=attention_group.mask.repeat(1, 1, group, 1),
+                    mask=group.mask.repeat(1, 1, group_size, 1),
                     key_buffer=next(buffers).view(buffer_shape),
                     value_buffer=next(buffers).view(buffer_shape),
                 )
@@ -252,9 +310,11 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Causal attention of every new token over its request's cached positions: [T, heads * D].
 
-        Grouped-query attention without repeating K/V: the `group` query heads that share a KV
-        head are folded into the query length, q [rows, kv_heads, group * Q, D] against
-        k, v [rows, kv_heads, L, D], whose [L, D] matrices the head-major pool gathers contiguous.
+        Short rows go to `native.paged_attention` where the model runs the kernels. The
+        torch path gathers each row's blocks and runs SDPA, with grouped-query attention done
+        without repeating K/V: the `group` query heads that share a KV head are folded into the
+        query length, q [rows, kv_heads, group * Q, D] against k, v [rows, kv_heads, L, D],
+        whose [L, D] matrices the head-major pool gathers contiguous.
         """
         kv_heads, _, block_size, head_dim = keys.shape
         heads = q.shape[1]
@@ -263,7 +323,13 @@ class LlamaModel:
         value_rows = values.view(-1, block_size, head_dim)
         outputs = []
         for call in calls:
-            rows, length = call.rows, call.query_len
+            rows, length = call.group.rows, call.group.query_len
+            if call.native:
+                out = native.paged_attention(
+                    q[call.tokens], keys, values, call.group.block_table, call.group.start_positions, length
+                )
+                outputs.append(out.view(rows * length, heads * head_dim))
+                continue
             q_call = q[call.tokens].view(rows, length, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
             q_call = q_call.reshape(rows, kv_heads, group * length, head_dim)
             torch.index_select(key_rows, 0, call.gather_index, out=call.key_buffer)

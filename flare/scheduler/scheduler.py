@@ -221,6 +221,14 @@ class Scheduler:
             config, max_context=serving.max_context, max_concurrency=max_concurrency, block_size=options.block_size
         )
         kv_cache = KVCache.for_budget(config, budget, block_size=options.block_size, device=device)
+        log.info(
+            "engine_loaded",
+            device=str(device),
+            threads=torch.get_num_threads(),
+            native_kernels=model.native_kernels,
+            kv_cache_blocks=kv_cache.num_blocks,
+            block_size=kv_cache.block_size,
+        )
         runner = ModelRunner(
             model,
             kv_cache,

@@ -9,12 +9,14 @@ import torch
 
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import BlockAllocator, KVCache
-from flare.engine.model import LlamaModel, WeightsError
+from flare.engine.model import CHUNKED_MIN_TOKENS, OUTPUT_CHUNK, LlamaModel, WeightsError, linear_columns
 
 from tiny_llama import random_state_dict, tiny_config
 
 BLOCK_SIZE = 4
 TOLERANCE = 1e-4  # float32; the two paths sum in different orders
+# The layer's fused steps run in the native kernels or in their torch counterparts; both must match.
+KERNEL_PATHS = pytest.mark.parametrize("native", [False, True], ids=["torch", "native-kernels"])
 
 
 def dense_reference(config, state, token_ids: list[int]) -> torch.Tensor:
@@ -104,8 +106,9 @@ def test_one_prompt_in_one_chunk_matches_the_dense_forward(tie: bool) -> None:
     torch.testing.assert_close(logits, dense_reference(config, state, tokens), atol=TOLERANCE, rtol=0)
 
 
-def test_prompt_split_in_chunks_over_several_calls_matches_the_dense_forward(config, state_dict) -> None:
-    model = LlamaModel(config, state_dict)
+@KERNEL_PATHS
+def test_prompt_split_in_chunks_over_several_calls_matches_the_dense_forward(config, state_dict, native) -> None:
+    model = LlamaModel(config, state_dict, native_kernels=native)
     cache = new_cache(config)
     tokens = random_tokens(config, 61, seed=3)
     table = shuffled_allocator(cache.num_blocks, seed=4).allocate(blocks_for(len(tokens)))
@@ -122,8 +125,9 @@ def test_prompt_split_in_chunks_over_several_calls_matches_the_dense_forward(con
     assert start == len(tokens)
 
 
-def test_mixed_batch_of_chunks_decode_and_verify_rows_matches_the_dense_forward(config, state_dict) -> None:
-    model = LlamaModel(config, state_dict)
+@KERNEL_PATHS
+def test_mixed_batch_of_chunks_decode_and_verify_rows_matches_the_dense_forward(config, state_dict, native) -> None:
+    model = LlamaModel(config, state_dict, native_kernels=native)
     cache = new_cache(config, num_blocks=128)
     allocator = shuffled_allocator(cache.num_blocks, seed=5)
 
@@ -197,3 +201,12 @@ def test_a_cache_of_another_dtype_is_refused(config, state_dict) -> None:
     cache = KVCache.for_budget(config, 1 << 20, BLOCK_SIZE, dtype=torch.float64)
     with pytest.raises(ValueError, match="create the cache with the model's dtype"):
         model.forward(ForwardBatch.build([ForwardRow([5], 0, [0], num_logits=1)], BLOCK_SIZE), cache)
+
+
+def test_a_tall_weight_applied_in_output_slices_equals_one_product() -> None:
+    # The LM head's shape class: more than two slices of output rows, a round of 16+ tokens.
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(2 * OUTPUT_CHUNK + 100, 24, generator=generator)
+    for tokens in (1, CHUNKED_MIN_TOKENS - 1, CHUNKED_MIN_TOKENS, 40):
+        x = torch.randn(tokens, 24, generator=generator)
+        torch.testing.assert_close(linear_columns(x, weight), weight @ x.T, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,144 @@
+/* The Python module `flare.engine._native`: one function per kernel of kernels.h.
+ *
+ * Arguments are data addresses and sizes, which flare/engine/native.py takes from tensors it
+ * has checked. What only the data can tell (a block id, a slot or a position outside its
+ * table) is checked here, before a kernel reads or writes anything. Every kernel runs with the
+ * GIL released, so the daemon's event loop goes on while a round computes.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "kernels.h"
+
+static PyObject *invalid(const char *function, const char *problem) {
+    PyErr_Format(PyExc_ValueError, "%s: %s", function, problem);
+    return NULL;
+}
+
+/* NULL when every block id and position of the rows lies inside the pool, else the problem. */
+static const char *check_rows(const Attention *a, int64_t *longest) {
+    *longest = 0;
+    for (int64_t r = 0; r < a->rows; r++) {
+        const int64_t start = a->start_positions[r], keys = start + a->query_len;
+        if (start < 0) return "a row starts at a negative position";
+        if (keys > a->max_blocks * a->block_size) return "a row reaches past its block table";
+        for (int64_t b = 0; b < (keys + a->block_size - 1) / a->block_size; b++) {
+            const int64_t block = a->block_table[r * a->max_blocks + b];
+            if (block < 0 || block >= a->num_blocks) return "a block id lies outside the KV pool";
+        }
+        if (keys > *longest) *longest = keys;
+    }
+    return NULL;
+}
+
+static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t q, q_token_stride, keys, values, out, block_table, start_positions;
+    Py_ssize_t rows, query_len, heads, kv_heads, head_dim, block_size, num_blocks, max_blocks, threads;
+    float scale;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnfn", &q, &q_token_stride, &keys, &values, &out, &block_table,
+                          &start_positions, &rows, &query_len, &heads, &kv_heads, &head_dim, &block_size,
+                          &num_blocks, &max_blocks, &scale, &threads))
+        return NULL;
+    if (rows < 1 || query_len < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads || head_dim < 1 ||
+        block_size < 1 || num_blocks < 1 || max_blocks < 1 || threads < 1)
+        return invalid("paged_attention", "sizes must be positive and heads a multiple of kv_heads");
+    const Attention a = {
+        .q = (const float *)q,
+        .q_token_stride = q_token_stride,
+        .keys = (const float *)keys,
+        .values = (const float *)values,
+        .out = (float *)out,
+        .block_table = (const int64_t *)block_table,
+        .start_positions = (const int64_t *)start_positions,
+        .rows = rows,
+        .query_len = query_len,
+        .heads = heads,
+        .kv_heads = kv_heads,
+        .head_dim = head_dim,
+        .block_size = block_size,
+        .num_blocks = num_blocks,
+        .max_blocks = max_blocks,
+        .scale = scale,
+    };
+    int64_t longest;
+    const char *problem = check_rows(&a, &longest);
+    if (problem) return invalid("paged_attention", problem);
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = paged_attention(&a, longest, (int)threads);
+    Py_END_ALLOW_THREADS
+    if (status) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_rope_and_cache(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t qkv, positions, slots, cos, sin, max_positions, q_out, keys, values;
+    Py_ssize_t tokens, heads, kv_heads, head_dim, pool_slots, threads;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnn", &qkv, &positions, &slots, &cos, &sin, &max_positions, &q_out,
+                          &keys, &values, &tokens, &heads, &kv_heads, &head_dim, &pool_slots, &threads))
+        return NULL;
+    if (tokens < 1 || heads < 1 || kv_heads < 1 || head_dim < 2 || head_dim % 2 || pool_slots < 1 ||
+        max_positions < 1 || threads < 1)
+        return invalid("rope_and_cache", "sizes must be positive and head_dim even");
+    const RopeCache r = {
+        .qkv = (const float *)qkv,
+        .positions = (const int64_t *)positions,
+        .slots = (const int64_t *)slots,
+        .cos = (const float *)cos,
+        .sin = (const float *)sin,
+        .max_positions = max_positions,
+        .q_out = (float *)q_out,
+        .keys = (float *)keys,
+        .values = (float *)values,
+        .tokens = tokens,
+        .heads = heads,
+        .kv_heads = kv_heads,
+        .head_dim = head_dim,
+        .pool_slots = pool_slots,
+    };
+    for (int64_t t = 0; t < tokens; t++) {
+        if (r.positions[t] < 0 || r.positions[t] >= max_positions)
+            return invalid("rope_and_cache", "a position lies outside the RoPE tables");
+        if (r.slots[t] < 0 || r.slots[t] >= pool_slots) return invalid("rope_and_cache", "a slot lies outside the KV pool");
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rope_and_cache(&r, (int)threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_swiglu_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t gate_up, out, intermediate, tokens, threads;
+    if (!PyArg_ParseTuple(args, "nnnnn", &gate_up, &out, &intermediate, &tokens, &threads)) return NULL;
+    if (intermediate < 1 || tokens < 1 || threads < 1) return invalid("swiglu_rows", "sizes must be positive");
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = swiglu_rows((const float *)gate_up, (float *)out, intermediate, tokens, (int)threads);
+    Py_END_ALLOW_THREADS
+    if (status) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"paged_attention", py_paged_attention, METH_VARARGS,
+     "paged_attention(q, q_token_stride, keys, values, out, block_table, start_positions, rows, query_len, heads, "
+     "kv_heads, head_dim, block_size, num_blocks, max_blocks, scale, threads)"},
+    {"rope_and_cache", py_rope_and_cache, METH_VARARGS,
+     "rope_and_cache(qkv, positions, slots, cos, sin, max_positions, q_out, keys, values, tokens, heads, kv_heads, "
+     "head_dim, pool_slots, threads)"},
+    {"swiglu_rows", py_swiglu_rows, METH_VARARGS, "swiglu_rows(gate_up, out, intermediate, tokens, threads)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_native",
+    .m_doc = "The engine's CPU kernels; use them through flare.engine.native, which checks the tensors.",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

@@ -1,0 +1,52 @@
+/* RoPE on a layer's queries and keys, and the write of its keys and values into the KV pool,
+ * in one pass over the q/k/v linear layer's output.
+ *
+ * The linear layer returns columns, qkv[c, t] for channel c of token t (model.py,
+ * `linear_columns`). The torch path transposes them into rows (a copy), rotates q and k (five
+ * elementwise passes and a concatenation) and copies k and v into the pool (two index_copy_).
+ * Here each channel pair is read once and written once to where it belongs:
+ *
+ *   q_out[t, h, d]         = x1 cos(p_t w_d) - x2 sin(p_t w_d)     x1 = x[h D + d], x2 = x[h D + d + D/2]
+ *   q_out[t, h, d + D/2]   = x2 cos(p_t w_d) + x1 sin(p_t w_d)     (rotate-half, Hugging Face layout)
+ *
+ * for d < D/2, and the same rotation of the key heads written to keys[g, slot_t, :], values
+ * copied to values[g, slot_t, :]. cos and sin come from the model's tables (`rope_tables`), so
+ * the angles are the torch path's bit for bit; the products may be fused into one rounding.
+ */
+#include "kernels.h"
+
+/* Rotate the channel pairs of the head whose channels start at qkv row `first` into
+ * base[row_t * stride + ...], where row_t is slots[t], or t when `slots` is NULL. */
+static inline void rotate_head(const RopeCache *r, int64_t first, float *base, const int64_t *slots, int64_t stride) {
+    const int64_t T = r->tokens, half = r->head_dim / 2;
+    for (int64_t d = 0; d < half; d++) {
+        const float *x1 = r->qkv + (first + d) * T, *x2 = r->qkv + (first + d + half) * T;
+        for (int64_t t = 0; t < T; t++) {
+            const float c = r->cos[r->positions[t] * half + d], s = r->sin[r->positions[t] * half + d];
+            float *o = base + (slots ? slots[t] : t) * stride;
+            o[d] = x1[t] * c - x2[t] * s;
+            o[d + half] = x2[t] * c + x1[t] * s;
+        }
+    }
+}
+
+FLARE_TARGET_CLONES
+void rope_and_cache(const RopeCache *r, int threads) {
+    const int64_t D = r->head_dim, T = r->tokens, H = r->heads, G = r->kv_heads;
+    /* One task per head (query, key and value heads): a round of a few tokens is too small to
+     * be worth waking a second thread for, a long prompt chunk has work for every thread. */
+#pragma omp parallel for num_threads(threads) schedule(static) if (T >= 64)
+    for (int64_t head = 0; head < H + 2 * G; head++) {
+        if (head < H) {
+            rotate_head(r, head * D, r->q_out + head * D, NULL, H * D);
+        } else if (head < H + G) {
+            rotate_head(r, head * D, r->keys + (head - H) * r->pool_slots * D, r->slots, D);
+        } else {
+            float *pool = r->values + (head - H - G) * r->pool_slots * D;
+            for (int64_t d = 0; d < D; d++) {
+                const float *x = r->qkv + (head * D + d) * T;
+                for (int64_t t = 0; t < T; t++) pool[r->slots[t] * D + d] = x[t];
+            }
+        }
+    }
+}

@@ -1,0 +1,192 @@
+"""The engine's CPU kernels (flare/engine/csrc/), checked and called on tensors.
+
+Each kernel fuses one step of a layer that torch's CPU operators run as several passes over
+memory, and each has a torch counterpart in `model.py` that runs where the extension was not
+built (no C compiler at install time) and that the tests hold it equal to:
+
+- `paged_attention`: attention of short rows read straight from the paged KV pool, instead of
+  gathering each row's blocks into a copy for SDPA;
+- `rope_and_cache`: RoPE on q and k and the write of k and v into the pool, straight from the
+  q/k/v layer's columns, instead of a transposing copy, five elementwise passes and two
+  index copies;
+- `swiglu_rows`: silu(gate) * up from the gate/up layer's columns into the rows the down
+  projection reads, instead of two passes and a transposing copy.
+
+The kernels trust the addresses they are given, so every function here first checks the
+tensors behind them (device, dtype, shape, strides); the C side checks every index into the
+pool and the RoPE tables. Kernels release the GIL and run on `torch.get_num_threads()` threads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from flare.engine import _native
+except ImportError:  # built without a C compiler: the torch path runs
+    _native = None
+
+
+def available() -> bool:
+    """Whether the kernels were built and import."""
+    return _native is not None
+
+
+def _module():
+    if _native is None:
+        raise RuntimeError("the engine's CPU kernels were not built; the torch path must be used")
+    return _native
+
+
+def _check(function: str, problems: list[str]) -> None:
+    if problems:
+        raise ValueError(f"{function}: " + "; ".join(problems))
+
+
+def _dtype_problems(**tensors: tuple[torch.Tensor, torch.dtype]) -> list[str]:
+    return [
+        f"{name} must be a CPU {dtype} tensor, got {tensor.device} {tensor.dtype}"
+        for name, (tensor, dtype) in tensors.items()
+        if tensor.device.type != "cpu" or tensor.dtype != dtype
+    ]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    block_table: torch.Tensor,
+    start_positions: torch.Tensor,
+    query_len: int,
+) -> torch.Tensor:
+    """Causal attention of `rows` rows of `query_len` new tokens each over their cached keys.
+
+    q [rows * query_len, heads, D] (row after row; its heads and dims contiguous, tokens may be
+    further apart), keys and values the pools [kv_heads, num_blocks, block_size, D],
+    block_table [rows, max_blocks] int64, start_positions [rows] int64 (the position of each
+    row's first new token; token t of a row attends to positions up to start + t). Returns
+    [rows * query_len, heads, D].
+    """
+    native = _module()
+    tokens, heads, head_dim = q.shape
+    kv_heads, num_blocks, block_size, pool_head_dim = keys.shape
+    rows, max_blocks = block_table.shape
+    problems = _dtype_problems(
+        q=(q, torch.float32),
+        keys=(keys, torch.float32),
+        values=(values, torch.float32),
+        block_table=(block_table, torch.int64),
+        start_positions=(start_positions, torch.int64),
+    )
+    if values.shape != keys.shape or not keys.is_contiguous() or not values.is_contiguous():
+        problems.append(f"keys and values must be contiguous pools of one shape, got {keys.shape} and {values.shape}")
+    if pool_head_dim != head_dim or heads % kv_heads:
+        problems.append(f"q has {heads} heads of {head_dim}, the pool {kv_heads} KV heads of {pool_head_dim}")
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        problems.append(f"q's heads and dims must be contiguous, got strides {q.stride()}")
+    if tokens != rows * query_len or start_positions.shape != (rows,):
+        problems.append(
+            f"{tokens} query tokens, {rows} block-table rows of {query_len} tokens, "
+            f"start_positions {tuple(start_positions.shape)}"
+        )
+    if not block_table.is_contiguous() or not start_positions.is_contiguous():
+        problems.append("block_table and start_positions must be contiguous")
+    _check("paged_attention", problems)
+
+    out = torch.empty(tokens, heads, head_dim, dtype=torch.float32)
+    native.paged_attention(
+        q.data_ptr(),
+        q.stride(0),
+        keys.data_ptr(),
+        values.data_ptr(),
+        out.data_ptr(),
+        block_table.data_ptr(),
+        start_positions.data_ptr(),
+        rows,
+        query_len,
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        num_blocks,
+        max_blocks,
+        head_dim**-0.5,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def rope_and_cache(
+    qkv_columns: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    heads: int,
+) -> torch.Tensor:
+    """Rotate q and k of every token, write k and v into the pools, return q [T, heads, D].
+
+    qkv_columns [(heads + 2 kv_heads) * D, T] (the q/k/v layer's columns), positions and slots
+    [T] int64 (slot = block * block_size + offset), cos and sin [max_positions, D / 2], keys and
+    values the pools [kv_heads, num_blocks, block_size, D].
+    """
+    native = _module()
+    kv_heads, num_blocks, block_size, head_dim = keys.shape
+    channels, tokens = qkv_columns.shape
+    problems = _dtype_problems(
+        qkv_columns=(qkv_columns, torch.float32),
+        positions=(positions, torch.int64),
+        slots=(slots, torch.int64),
+        cos=(cos, torch.float32),
+        sin=(sin, torch.float32),
+        keys=(keys, torch.float32),
+        values=(values, torch.float32),
+    )
+    if channels != (heads + 2 * kv_heads) * head_dim:
+        problems.append(f"{channels} channels, expected ({heads} + 2 x {kv_heads}) heads of {head_dim}")
+    if positions.shape != (tokens,) or slots.shape != (tokens,):
+        problems.append(f"positions and slots must be [{tokens}], got {tuple(positions.shape)} and {tuple(slots.shape)}")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] * 2 != head_dim:
+        problems.append(f"cos and sin must be [positions, {head_dim // 2}], got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if values.shape != keys.shape:
+        problems.append(f"keys and values must be pools of one shape, got {keys.shape} and {values.shape}")
+    tensors = (qkv_columns, positions, slots, cos, sin, keys, values)
+    if not all(t.is_contiguous() for t in tensors):
+        problems.append("every tensor must be contiguous")
+    _check("rope_and_cache", problems)
+
+    q = torch.empty(tokens, heads, head_dim, dtype=torch.float32)
+    native.rope_and_cache(
+        qkv_columns.data_ptr(),
+        positions.data_ptr(),
+        slots.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.shape[0],
+        q.data_ptr(),
+        keys.data_ptr(),
+        values.data_ptr(),
+        tokens,
+        heads,
+        kv_heads,
+        head_dim,
+        num_blocks * block_size,
+        torch.get_num_threads(),
+    )
+    return q
+
+
+def swiglu_rows(gate_up_columns: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up as rows [T, I], from the gate/up layer's columns [2 I, T] (gate first)."""
+    native = _module()
+    channels, tokens = gate_up_columns.shape
+    problems = _dtype_problems(gate_up_columns=(gate_up_columns, torch.float32))
+    if channels % 2 or not gate_up_columns.is_contiguous():
+        problems.append(f"gate_up_columns must be contiguous with an even number of channels, got {channels}")
+    _check("swiglu_rows", problems)
+
+    out = torch.empty(tokens, channels // 2, dtype=torch.float32)
+    native.swiglu_rows(gate_up_columns.data_ptr(), out.data_ptr(), channels // 2, tokens, torch.get_num_threads())
+    return out

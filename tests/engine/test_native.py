@@ -1,0 +1,171 @@
+"""The engine's CPU kernels: built, equal to their torch counterparts, and safe with bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flare.engine import native
+from flare.engine.model import LlamaModel, apply_rope, rope_tables
+from flare.engine.native import available, paged_attention, rope_and_cache, swiglu_rows
+
+from tiny_llama import random_state_dict, tiny_config
+
+KV_HEADS, HEADS, HEAD_DIM, BLOCKS, BLOCK_SIZE = 3, 9, 64, 40, 16
+
+
+def test_the_native_kernel_is_built() -> None:
+    # setup.py builds it wherever a C compiler is present, as on every machine this project
+    # runs on; a build failure is not fatal to the install, so it is caught here.
+    assert available(), "flare/engine/csrc did not build: is gcc installed?"
+
+
+def pools(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    shape = (KV_HEADS, BLOCKS, BLOCK_SIZE, HEAD_DIM)
+    return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+
+
+def textbook_attention(q, keys, values, block_table, starts, query_len) -> torch.Tensor:
+    """Per token: softmax(q k^T / sqrt(d)) v over the row's positions 0 .. start + t, K/V repeated per head."""
+    out = torch.empty_like(q)
+    group = HEADS // KV_HEADS
+    for r, start in enumerate(starts.tolist()):
+        k = keys[:, block_table[r]].reshape(KV_HEADS, -1, HEAD_DIM).repeat_interleave(group, 0)
+        v = values[:, block_table[r]].reshape(KV_HEADS, -1, HEAD_DIM).repeat_interleave(group, 0)
+        for t in range(query_len):
+            visible = start + t + 1
+            scores = torch.einsum("hd,hkd->hk", q[r * query_len + t], k[:, :visible]) / HEAD_DIM**0.5
+            out[r * query_len + t] = torch.einsum("hk,hkd->hd", scores.softmax(-1), v[:, :visible])
+    return out
+
+
+@pytest.mark.parametrize(("rows", "query_len"), [(1, 1), (6, 1), (4, 5), (3, 17)])
+def test_short_rows_attend_like_textbook_attention_over_scattered_blocks(rows: int, query_len: int) -> None:
+    keys, values = pools()
+    generator = torch.Generator().manual_seed(rows * 100 + query_len)
+    # Each row's blocks scattered over the pool, its context ending anywhere in its last block.
+    block_table = torch.stack([torch.randperm(BLOCKS, generator=generator)[:8] for _ in range(rows)])
+    starts = torch.randint(0, 8 * BLOCK_SIZE - query_len + 1, (rows,), generator=generator)
+    starts[0] = 0  # a row whose first token attends to itself alone
+    # q as the model hands it over: a view of q, k and v heads side by side per token.
+    qkv = torch.randn(rows * query_len, HEADS + 2 * KV_HEADS, HEAD_DIM, generator=generator)
+    q = qkv[:, :HEADS]
+
+    got = paged_attention(q, keys, values, block_table, starts, query_len)
+
+    torch.testing.assert_close(got, textbook_attention(q, keys, values, block_table, starts, query_len), atol=2e-6, rtol=2e-5)
+
+
+def test_nan_in_a_query_reaches_that_rows_output_only() -> None:
+    keys, values = pools()
+    q = torch.randn(2, HEADS, HEAD_DIM)
+    q[1, 4, 7] = float("nan")
+    out = paged_attention(q, keys, values, torch.tensor([[0, 1], [2, 3]]), torch.tensor([20, 5]), 1)
+    assert out[0].isfinite().all()
+    assert out[1, 4].isnan().all()  # the head that read the NaN
+    assert out[1, :3].isfinite().all()  # other KV groups' heads are untouched
+
+
+@pytest.mark.parametrize(
+    ("block_table", "starts", "message"),
+    [
+        ([[0, BLOCKS]], [20], "a block id lies outside the KV pool"),
+        ([[0, -1]], [20], "a block id lies outside the KV pool"),
+        ([[0, 1]], [2 * BLOCK_SIZE], "a row reaches past its block table"),
+        ([[0, 1]], [-1], "a row starts at a negative position"),
+    ],
+)
+def test_block_tables_outside_the_pool_are_refused_before_any_read(block_table, starts, message) -> None:
+    keys, values = pools()
+    with pytest.raises(ValueError, match=message):
+        paged_attention(torch.randn(1, HEADS, HEAD_DIM), keys, values, torch.tensor(block_table), torch.tensor(starts), 1)
+
+
+def test_tensors_of_the_wrong_dtype_or_layout_are_refused_with_their_name() -> None:
+    keys, values = pools()
+    table, starts = torch.tensor([[0, 1]]), torch.tensor([3])
+    q = torch.randn(1, HEADS, HEAD_DIM)
+    with pytest.raises(ValueError, match="q must be a CPU torch.float32 tensor"):
+        paged_attention(q.double(), keys, values, table, starts, 1)
+    with pytest.raises(ValueError, match="block_table must be a CPU torch.int64 tensor"):
+        paged_attention(q, keys, values, table.int(), starts, 1)
+    with pytest.raises(ValueError, match="contiguous pools"):
+        paged_attention(q, keys.transpose(1, 2), values, table, starts, 1)
+    with pytest.raises(ValueError, match="heads and dims must be contiguous"):
+        paged_attention(torch.randn(1, HEAD_DIM, HEADS).transpose(1, 2), keys, values, table, starts, 1)
+    with pytest.raises(ValueError, match="2 query tokens, 1 block-table rows of 1 tokens"):
+        paged_attention(torch.randn(2, HEADS, HEAD_DIM), keys, values, table, starts, 1)
+
+
+def test_a_model_uses_the_kernels_where_they_apply_and_the_torch_path_elsewhere() -> None:
+    config = tiny_config()
+    state = random_state_dict(config)
+    assert LlamaModel(config, state).native_kernels
+    assert not LlamaModel(config, state, dtype=torch.float64).native_kernels
+    assert not LlamaModel(config, state, native_kernels=False).native_kernels
+
+
+def test_asking_for_the_kernels_where_they_cannot_run_names_why(monkeypatch) -> None:
+    config = tiny_config()
+    state = random_state_dict(config)
+    with pytest.raises(ValueError, match="need a float32 model on the CPU"):
+        LlamaModel(config, state, dtype=torch.float64, native_kernels=True)
+    monkeypatch.setattr(native, "_native", None)
+    assert not LlamaModel(config, state).native_kernels
+    with pytest.raises(ValueError, match="extension built: False"):
+        LlamaModel(config, state, native_kernels=True)
+
+
+def test_rope_and_cache_rotates_q_and_k_and_writes_k_and_v_into_their_slots() -> None:
+    config = tiny_config()
+    cos, sin = rope_tables(config, torch.float32, "cpu")
+    heads, kv_heads, d = config.num_heads, config.num_kv_heads, config.head_dim
+    tokens = 7
+    generator = torch.Generator().manual_seed(3)
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, d, generator=generator)
+    positions = torch.tensor([0, 1, 2, 40, 41, 300, 5])
+    slots = torch.tensor([9, 3, 30, 0, 17, 22, 31])
+    keys, values = torch.zeros(kv_heads, 4, 8, d), torch.zeros(kv_heads, 4, 8, d)
+
+    q = rope_and_cache(qkv.flatten(1).t().contiguous(), positions, slots, cos, sin, keys, values, heads)
+
+    rotated = apply_rope(qkv[:, : heads + kv_heads], cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+    torch.testing.assert_close(q, rotated[:, :heads], atol=1e-6, rtol=1e-6)
+    flat_keys, flat_values = keys.view(kv_heads, -1, d), values.view(kv_heads, -1, d)
+    torch.testing.assert_close(flat_keys[:, slots], rotated[:, heads:].transpose(0, 1), atol=1e-6, rtol=1e-6)
+    assert torch.equal(flat_values[:, slots], qkv[:, heads + kv_heads :].transpose(0, 1))
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[slots] = False
+    assert not flat_keys[:, untouched].any() and not flat_values[:, untouched].any()
+
+
+@pytest.mark.parametrize(
+    ("position", "slot", "message"),
+    [(512, 0, "a position lies outside the RoPE tables"), (0, 32, "a slot lies outside the KV pool"), (0, -1, "a slot")],
+)
+def test_rope_and_cache_refuses_positions_and_slots_outside_their_tables(position, slot, message) -> None:
+    config = tiny_config()
+    cos, sin = rope_tables(config, torch.float32, "cpu")
+    keys, values = torch.zeros(2, 4, 8, 16), torch.zeros(2, 4, 8, 16)
+    qkv_columns = torch.randn(8 * 16, 2)
+    with pytest.raises(ValueError, match=message):
+        rope_and_cache(qkv_columns, torch.tensor([1, position]), torch.tensor([3, slot]), cos, sin, keys, values, 4)
+    assert not keys.any() and not values.any()  # checked before anything was written
+
+
+def test_swiglu_rows_equals_silu_of_gate_times_up_transposed() -> None:
+    generator = torch.Generator().manual_seed(4)
+    for intermediate, tokens in ((160, 1), (1536, 32), (100, 70)):
+        gate_up = 4 * torch.randn(2 * intermediate, tokens, generator=generator)
+        gate_up[0, 0], gate_up[1, 0] = 90.0, -90.0  # far into both tails
+        gate, up = gate_up.chunk(2)
+        expected = (torch.nn.functional.silu(gate) * up).t()
+        torch.testing.assert_close(swiglu_rows(gate_up), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_swiglu_rows_keeps_nan_where_it_was() -> None:
+    gate_up = torch.randn(2 * 64, 3)
+    gate_up[5, 1] = float("nan")
+    out = swiglu_rows(gate_up)
+    assert out[1, 5].isnan() and out.isnan().sum() == 1
