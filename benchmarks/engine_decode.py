@@ -10,6 +10,7 @@ ceiling the scheduler and the daemon work under.
 
     .venv/bin/python benchmarks/engine_decode.py --batch 1 8 32 --context 200 --threads 2
     .venv/bin/python benchmarks/engine_decode.py --batch 1 --tokens-per-row 1 2 3 5 9
+    .venv/bin/python benchmarks/engine_decode.py --kernels torch   # without the C kernels
 """
 
 from __future__ import annotations
@@ -58,13 +59,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--tokens-per-row", type=int, nargs="+", default=[1])
+    parser.add_argument(
+        "--kernels",
+        choices=["native", "torch"],
+        default="native",
+        help="the engine's C kernels (flare/engine/native.py) or their torch counterparts",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     config = DEFAULT_DIMS
     generator = torch.Generator().manual_seed(0)
     state = {name: 0.02 * torch.randn(shape, generator=generator) for name, shape in expected_weight_shapes(config).items()}
-    model = LlamaModel(config, state)
+    model = LlamaModel(config, state, native_kernels=args.kernels == "native")
     longest = max(args.tokens_per_row)
     blocks_per_row = -(-(args.context + (args.rounds + WARMUP_ROUNDS + 1) * longest) // args.block_size)
     cache = KVCache(
@@ -74,7 +81,7 @@ def main() -> None:
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
     )
-    print(f"threads={torch.get_num_threads()} context={args.context} rounds={args.rounds}")
+    print(f"threads={torch.get_num_threads()} context={args.context} rounds={args.rounds} kernels={args.kernels}")
     for batch_size in args.batch:
         for tokens in args.tokens_per_row:
             median, best, cpu = time_rounds(model, cache, batch_size, tokens, blocks_per_row, args)
