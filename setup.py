@@ -17,8 +17,10 @@ setup(
             sources=sorted(glob("flare/engine/csrc/*.c")),
             depends=sorted(glob("flare/engine/csrc/*.h")),
             # -fno-trapping-math lets the compiler turn the kernels' selects into vector blends
-            # (nothing here reads floating-point exception flags).
-            extra_compile_args=["-O3", "-std=c11", "-fopenmp", "-fno-trapping-math"],
+            # (nothing here reads floating-point exception flags); GNU C with
+            # -ffp-contract=fast fuses multiply-adds (ISO C mode would forbid it: the attention
+            # kernel took 9.7 ms instead of 8.0 for 30 layers of 32 rows in cache).
+            extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=fast", "-fopenmp", "-fno-trapping-math"],
             extra_link_args=["-fopenmp"],
             optional=True,
         )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flare.engine import native
 from flare.engine.model import LlamaModel, apply_rope, rope_tables
@@ -29,13 +31,14 @@ def pools(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 def textbook_attention(q, keys, values, block_table, starts, query_len) -> torch.Tensor:
     """Per token: softmax(q k^T / sqrt(d)) v over the row's positions 0 .. start + t, K/V repeated per head."""
     out = torch.empty_like(q)
-    group = HEADS // KV_HEADS
+    heads, (kv_heads, _, _, head_dim) = q.shape[1], keys.shape
+    group = heads // kv_heads
     for r, start in enumerate(starts.tolist()):
-        k = keys[:, block_table[r]].reshape(KV_HEADS, -1, HEAD_DIM).repeat_interleave(group, 0)
-        v = values[:, block_table[r]].reshape(KV_HEADS, -1, HEAD_DIM).repeat_interleave(group, 0)
+        k = keys[:, block_table[r]].reshape(kv_heads, -1, head_dim).repeat_interleave(group, 0)
+        v = values[:, block_table[r]].reshape(kv_heads, -1, head_dim).repeat_interleave(group, 0)
         for t in range(query_len):
             visible = start + t + 1
-            scores = torch.einsum("hd,hkd->hk", q[r * query_len + t], k[:, :visible]) / HEAD_DIM**0.5
+            scores = torch.einsum("hd,hkd->hk", q[r * query_len + t], k[:, :visible]) / head_dim**0.5
             out[r * query_len + t] = torch.einsum("hk,hkd->hd", scores.softmax(-1), v[:, :visible])
     return out
 
@@ -55,6 +58,37 @@ def test_short_rows_attend_like_textbook_attention_over_scattered_blocks(rows: i
     got = paged_attention(q, keys, values, block_table, starts, query_len)
 
     torch.testing.assert_close(got, textbook_attention(q, keys, values, block_table, starts, query_len), atol=2e-6, rtol=2e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 4),
+    head_dim=st.sampled_from([2, 6, 16, 64, 72]),
+    block_size=st.sampled_from([1, 3, 16]),
+    query_len=st.integers(1, 17),
+    contexts=st.lists(st.integers(0, 60), min_size=1, max_size=5),
+    seed=st.integers(0, 2**16),
+)
+def test_any_shape_of_pool_and_rows_attends_like_textbook_attention(
+    kv_heads, group, head_dim, block_size, query_len, contexts, seed
+) -> None:
+    # Odd head sizes (vector remainders), blocks of one position, rows ending anywhere in a
+    # block, verify rows longer than a block: the cases a fixed test would miss.
+    generator = torch.Generator().manual_seed(seed)
+    rows = len(contexts)
+    max_blocks = -(-(max(contexts) + query_len) // block_size)
+    num_blocks = rows * max_blocks + 2
+    keys = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=generator)
+    values = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=generator)
+    block_table = torch.randperm(num_blocks, generator=generator)[: rows * max_blocks].view(rows, max_blocks)
+    q = 3 * torch.randn(rows * query_len, kv_heads * group, head_dim, generator=generator)
+    starts = torch.tensor(contexts)
+
+    got = paged_attention(q, keys, values, block_table, starts, query_len)
+
+    expected = textbook_attention(q, keys, values, block_table, starts, query_len)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_nan_in_a_query_reaches_that_rows_output_only() -> None:
