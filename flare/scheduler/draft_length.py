@@ -14,8 +14,10 @@ rows 72 ms, 9 rows 85, 12 rows 126, 16 to 24 rows 130, 32 rows 141, 33 rows 173)
 on a round of 8 decode rows costs 13 ms while 8 more cost nothing past 16. Token counts not
 measured recently are estimated from the measured ones around them (`seconds_range`), and a
 round at such a count is tried only when clearly better (`EXPLORATION_MARGIN`); it is then
-measured. Drafts are weighed only against a plain round (no drafts) that was itself measured,
-so that round is run first.
+measured. What wrong guesses cost, in seconds past their estimates, is capped at
+`EXPLORATION_ALLOWANCE_S` plus `EXPLORATION_SHARE` of all rounds' time; past that only measured
+counts are chosen until the share has grown. Drafts are weighed only against a plain round (no
+drafts) that was itself measured, so that round is run first.
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ from dataclasses import dataclass, field
 # round. With estimates from the fitted line and no margin, each daemon tried every count from
 # 9 to 18 once after its first prefill at 8 chat streams (4% of the rounds' time).
 EXPLORATION_MARGIN = 1.1
+# The margin cannot see a cliff: at 32 chat streams (2026-11-29, after the C kernels) the chooser
+# tried 11 untimed counts from 33 to 41 tokens, estimated from 32 decode rows and 256-token
+# prefill chunks at about 1.7 ms a token, each taking 135-205 ms against 113 for 32 tokens: 5% of
+# the run, so speculation ran 0.94-0.95x K = 0 on chat. The budget bounds what guesses may lose:
+# a tenth of a second at first, 1% of the time spent in rounds after that.
+EXPLORATION_ALLOWANCE_S = 0.1
+EXPLORATION_SHARE = 0.01
 
 
 @dataclass
@@ -52,9 +61,16 @@ class RoundCostModel:
     _s: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)  # n, x, y, xx, xy
     _measured: dict[int, tuple[float, int]] = field(default_factory=dict)  # T -> (seconds, round)
     _rounds: int = 0
+    _total_seconds: float = 0.0
+    _exploration_loss: float = 0.0  # seconds that tried rounds took past their estimates
+    _trying: tuple[int, float] | None = None  # the next round's untimed count and its estimate
 
     def observe(self, tokens: int, seconds: float) -> None:
         self._rounds += 1
+        self._total_seconds += seconds
+        if self._trying is not None and self._trying[0] == tokens:
+            self._exploration_loss += max(0.0, seconds - self._trying[1])
+        self._trying = None
         self._measured = {t: m for t, m in self._measured.items() if self._rounds - m[1] <= self.max_age_rounds}
         previous = self._measured.get(tokens)
         average = seconds if previous is None else previous[0] + self.smoothing * (seconds - previous[0])
@@ -77,6 +93,15 @@ class RoundCostModel:
     def is_measured(self, tokens: int) -> bool:
         """Whether a round of `tokens` tokens was timed within the last `max_age_rounds`."""
         return tokens in self._measured
+
+    def may_try(self) -> bool:
+        """Whether an untimed count may be chosen: what tried counts took past their estimates
+        is within `EXPLORATION_ALLOWANCE_S` plus `EXPLORATION_SHARE` of all rounds' time."""
+        return self._exploration_loss <= EXPLORATION_ALLOWANCE_S + EXPLORATION_SHARE * self._total_seconds
+
+    def trying(self, tokens: int, estimate: float) -> None:
+        """The next round runs the untimed count `tokens`, estimated at `estimate` seconds."""
+        self._trying = (tokens, estimate)
 
     def seconds(self, tokens: int) -> float:
         return self.seconds_range(tokens, tokens)[0]
@@ -149,15 +174,20 @@ def choose_draft_lengths(
         key=lambda c: (-c[0], c[1], c[2]),
     )
     times = cost.seconds_range(base_tokens, base_tokens + len(candidates))
+    may_try = cost.may_try()
     expected = float(len(available))
     best, best_rate = 0, expected / times[0]
     for extra, (gain, _, _) in enumerate(candidates, start=1):
         expected += gain
         rate = expected / times[extra]
         if not cost.is_measured(base_tokens + extra):
+            if not may_try:
+                continue
             rate /= EXPLORATION_MARGIN
         if rate > best_rate:
             best, best_rate = extra, rate
+    if best and not cost.is_measured(base_tokens + best):
+        cost.trying(base_tokens + best, times[best])
     lengths = [0] * len(available)
     for _, _, i in candidates[:best]:
         lengths[i] += 1

@@ -121,3 +121,39 @@ def test_an_untimed_round_is_tried_only_when_its_estimate_is_clearly_better():
     assert choose_draft_lengths([1] * 8, [0.3] + [0.0] * 7, base_tokens=8, cost=cost) == [0] * 8
     # 8.95 tokens is 12% better: tried.
     assert choose_draft_lengths([1] * 8, [0.95] + [0.0] * 7, base_tokens=8, cost=cost) == [1] + [0] * 7
+
+
+def test_untimed_rounds_stop_being_tried_once_their_surprises_pass_the_budget():
+    # 32 decode rows measured at 113 ms and 256-token prefill chunks at 490: the rounds between
+    # are interpolated at 1.7 ms a token, but past 32 rows this CPU's GEMM jumps (41 tokens: 205).
+    cost = RoundCostModel()
+    cost.observe(256, 0.490)
+    cost.observe(32, 0.113)
+    rows, rates = [5] * 32, [0.9] * 32
+    tried: list[float] = []
+    for _ in range(20):
+        lengths = choose_draft_lengths(rows, rates, base_tokens=32, cost=cost)
+        tokens = 32 + sum(lengths)
+        if cost.is_measured(tokens):
+            break
+        tried.append(0.113 + 0.010 * (tokens - 32))  # 10 ms a token, not 1.7
+        cost.observe(tokens, tried[-1])
+    # A try lost more than the 0.1 s allowance against its estimate: no more tries.
+    assert 1 <= len(tried) <= 4
+    assert not cost.may_try()
+    assert choose_draft_lengths(rows, [0.3] * 32, base_tokens=32, cost=cost) == [0] * 32
+    # Time spent in ordinary rounds earns the budget back, at 1% of it.
+    plain_rounds = 0
+    while not cost.may_try():
+        cost.observe(32, 0.113)
+        plain_rounds += 1
+    assert 0 < plain_rounds <= (sum(tried) - 0.1) / (0.01 * 0.113) + 1
+
+
+def test_a_round_that_matches_its_estimate_costs_no_budget():
+    cost = timed_on_a_line(0.017, 0.0027, [1])
+    for tokens in range(2, 40):
+        assert cost.may_try()
+        cost.trying(tokens, 0.017 + 0.0027 * tokens)
+        cost.observe(tokens, 0.017 + 0.0027 * tokens)
+    assert cost.may_try()
