@@ -6,13 +6,16 @@ it fast on a CPU, where a round of 32 decode rows is bound by the linear layers:
 
 - q/k/v and gate/up are fused into one matrix each at load time (one GEMM instead of three/two);
 - linear layers run on the flat token dimension, with no padding, weights first (see `linear_columns`);
-- short rows of the same length share one attention call per layer (see batch.py); keys and
-  values are gathered from the pool a whole block at a time; the pool is head-major, so the
-  gathered keys of one row and KV head form one contiguous [positions, head dim] matrix (SDPA
-  on this CPU reads a strided [positions, head dim] view 1.5-2x slower once out of cache);
-- grouped-query attention folds the query heads of a KV group into the query length, so K/V
-  are never repeated (measured 10% faster than SDPA's `enable_gqa` here);
-- RoPE cos/sin come from a table built once; they are gathered once per round, not per layer.
+- short rows of the same length share one attention call per layer (see batch.py);
+- three steps of a layer run as C kernels on a float32 CPU model where they were built
+  (`native.py`): attention of short rows read straight from the pool, RoPE with the KV write,
+  and SwiGLU. Their torch counterparts here run elsewhere, and for long prompt chunks' attention:
+  keys and values are gathered from the pool a whole block at a time; the pool is head-major,
+  so the gathered keys of one row and KV head form one contiguous [positions, head dim] matrix
+  (SDPA on this CPU reads a strided [positions, head dim] view 1.5-2x slower once out of cache);
+  grouped-query attention folds the query heads of a KV group into the query length, so K/V are
+  never repeated (measured 10% faster than SDPA's `enable_gqa` here);
+- RoPE cos/sin come from a table built once; the torch path gathers them once per round.
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from flare.engine import native
 from flare.engine.batch import SHORT_ROW_MAX_TOKENS, AttentionGroup, ForwardBatch
 from flare.engine.kv_cache import KVCache
-from flare.engine import native
 from flare.preparation.manifest import ModelConfig
 from flare.preparation.package import Package, weight_problems
 
@@ -50,22 +53,29 @@ class DecoderLayer:
 class AttentionCall:
     """One attention call of a round (an `AttentionGroup`), with everything its layers share.
 
-    `tokens` are its flat tokens, `rows` x `query_len`. A call of short rows on a model with
-    the native kernel reads the pool through `group.block_table` and `group.start_positions`
-    (see paged_attention.py) and has no gather fields. Otherwise it gathers: `gather_index`
-    lists the pool rows (head-major) of its block tables; `mask` is the causal mask with the
-    query heads of a KV group folded into the query length; the key/value buffers (views of the
-    model's gather workspace) receive the gathered blocks. Every layer reuses them, because a
-    fresh multi-megabyte tensor per layer costs more in page faults than the gather itself.
+    A call of short rows on a model that runs the kernels reads the pool through the group's
+    block table and start positions (`native.paged_attention`) and has no gather fields.
+    Otherwise it gathers: `gather_index` lists the pool rows (head-major) of its block tables;
+    `mask` is the causal mask with the query heads of a KV group folded into the query length;
+    the key/value buffers (views of the model's gather workspace) receive the gathered blocks.
+    Every layer reuses them, because a fresh multi-megabyte tensor per layer costs more in page
+    faults than the gather itself.
     """
 
-    tokens: slice
     group: AttentionGroup
-    native: bool
     gather_index: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     key_buffer: torch.Tensor | None = None
     value_buffer: torch.Tensor | None = None
+
+    @property
+    def tokens(self) -> slice:
+        """The call's flat tokens: `group.rows` x `group.query_len`."""
+        return slice(self.group.start, self.group.end)
+
+    @property
+    def native(self) -> bool:
+        return self.gather_index is None
 
 
 def check_state_dict(config: ModelConfig, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -246,10 +256,11 @@ class LlamaModel:
         """From the q/k/v layer's columns: rotate q and k, write k and v into the round's slots
         of the pools, return q [T, heads, D] (the torch counterpart of `native.rope_and_cache`)."""
         heads, kv_heads, head_dim = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
-        if rope is None:
+        if self.native_kernels:
             return native.rope_and_cache(
                 qkv_columns.contiguous(), batch.positions, batch.slot_mapping, self.rope_cos, self.rope_sin, keys, values, heads
             )
+        assert rope is not None, "the torch path needs the round's cos and sin (`_rope`)"
         qkv = qkv_columns.t().contiguous().view(batch.num_tokens, heads + 2 * kv_heads, head_dim)
         # q and k are rotated together: one pass over both.
         qk = apply_rope(qkv[:, : heads + kv_heads], *rope)
@@ -286,16 +297,13 @@ class LlamaModel:
         buffers = iter(self._gather_workspace[:needed].split(sizes))
         calls = []
         for group, gather_index in zip(batch.groups, gather_indices):
-            tokens = slice(group.start, group.end)
             if gather_index is None:
-                calls.append(AttentionCall(tokens=tokens, group=group, native=True))
+                calls.append(AttentionCall(group))
                 continue
             buffer_shape = (gather_index.numel(), kv_cache.block_size, self.config.head_dim)
             calls.append(
                 AttentionCall(
-                    tokens=tokens,
                     group=group,
-                    native=False,
                     gather_index=gather_index,
                     # Row j * query_len + q of a folded KV group attends as query q does.
                     mask=group.mask.repeat(1, 1, group_size, 1),

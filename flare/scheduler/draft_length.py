@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 # round. With estimates from the fitted line and no margin, each daemon tried every count from
 # 9 to 18 once after its first prefill at 8 chat streams (4% of the rounds' time).
 EXPLORATION_MARGIN = 1.1
-# The margin cannot see a cliff: at 32 chat streams (2026-11-29, after the C kernels) the chooser
-# tried 11 untimed counts from 33 to 41 tokens, estimated from 32 decode rows and 256-token
-# prefill chunks at about 1.7 ms a token, each taking 135-205 ms against 113 for 32 tokens: 5% of
-# the run, so speculation ran 0.94-0.95x K = 0 on chat. The budget bounds what guesses may lose:
-# a tenth of a second at first, 1% of the time spent in rounds after that.
+# The margin cannot see a cliff: at 32 chat streams (2026-11-29, after the C kernels) counts
+# past 32 tokens were estimated between 32 decode rows (113 ms) and 256-token prefill chunks at
+# about 1.7 ms a token, and tried: 41 tokens took 205 ms, 55 were estimated at 145. Together with
+# the bets that DRAFT_MARGIN now refuses, speculation ran 0.94-0.95x K = 0 on chat. The budget
+# bounds what guesses may lose: a tenth of a second at first, 1% of the time in rounds after that.
 EXPLORATION_ALLOWANCE_S = 0.1
 EXPLORATION_SHARE = 0.01
 # Drafts are taken only when their expected rate beats the plain round's by this factor. Both
