@@ -5,12 +5,14 @@ drafts, logits at all of them), as a speculative round runs them; tok/s then cou
 tokens, which is the ceiling that accepted drafts can reach.
 
 Random weights with the default model's dimensions (SmolLM2-135M: 30 layers, hidden 576, FFN 1536,
-9 heads, 3 KV heads of 64, vocab 49152, tied embeddings), fp32. No sampling, no HTTP: this is the
+9 heads, 3 KV heads of 64, vocab 49152, tied embeddings), float32 activations and GEMMs in
+--gemm-dtype (bfloat16 is what a bfloat16 package runs where the CPU multiplies it natively). No sampling, no HTTP: this is the
 ceiling the scheduler and the daemon work under.
 
     .venv/bin/python benchmarks/engine_decode.py --batch 1 8 32 --context 200 --threads 2
     .venv/bin/python benchmarks/engine_decode.py --batch 1 --tokens-per-row 1 2 3 5 9
     .venv/bin/python benchmarks/engine_decode.py --kernels torch   # without the C kernels
+    .venv/bin/python benchmarks/engine_decode.py --gemm-dtype bfloat16
 """
 
 from __future__ import annotations
@@ -65,13 +67,16 @@ def main() -> None:
         default="native",
         help="the engine's C kernels (flare/engine/native.py) or their torch counterparts",
     )
+    parser.add_argument("--gemm-dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     config = DEFAULT_DIMS
     generator = torch.Generator().manual_seed(0)
     state = {name: 0.02 * torch.randn(shape, generator=generator) for name, shape in expected_weight_shapes(config).items()}
-    model = LlamaModel(config, state, native_kernels=args.kernels == "native")
+    model = LlamaModel(
+        config, state, gemm_dtype=getattr(torch, args.gemm_dtype), native_kernels=args.kernels == "native"
+    )
     longest = max(args.tokens_per_row)
     blocks_per_row = -(-(args.context + (args.rounds + WARMUP_ROUNDS + 1) * longest) // args.block_size)
     cache = KVCache(
@@ -81,7 +86,10 @@ def main() -> None:
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
     )
-    print(f"threads={torch.get_num_threads()} context={args.context} rounds={args.rounds} kernels={args.kernels}")
+    print(
+        f"threads={torch.get_num_threads()} context={args.context} rounds={args.rounds} kernels={args.kernels} "
+        f"gemm_dtype={args.gemm_dtype}"
+    )
     for batch_size in args.batch:
         for tokens in args.tokens_per_row:
             median, best, cpu = time_rounds(model, cache, batch_size, tokens, blocks_per_row, args)

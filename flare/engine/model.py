@@ -15,7 +15,9 @@ it fast on a CPU, where a round of 32 decode rows is bound by the linear layers:
   (SDPA on this CPU reads a strided [positions, head dim] view 1.5-2x slower once out of cache);
   grouped-query attention folds the query heads of a KV group into the query length, so K/V are
   never repeated (measured 10% faster than SDPA's `enable_gqa` here);
-- RoPE cos/sin come from a table built once; the torch path gathers them once per round.
+- RoPE cos/sin come from a table built once; the torch path gathers them once per round;
+- linear layers may run in bfloat16 on a float32 model (`gemm_dtype`, chosen by `precision.py`):
+  the weights are stored and multiplied in it, everything between the GEMMs stays float32.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from flare.engine import native
 from flare.engine.batch import SHORT_ROW_MAX_TOKENS, AttentionGroup, ForwardBatch
 from flare.engine.kv_cache import KVCache
 from flare.preparation.manifest import ModelConfig
-from flare.preparation.package import Package, weight_problems
+from flare.engine.precision import gemm_dtype
+from flare.preparation.package import TORCH_DTYPES, Package, weight_problems
 
 
 class WeightsError(ValueError):
@@ -105,35 +108,64 @@ OUTPUT_CHUNK = 4096
 CHUNKED_MIN_TOKENS = 16
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 weight [out, in] reordered once into oneDNN's blocked layout (an opaque
+    tensor that only `linear` and `linear_columns` read).
+
+    oneDNN reorders a plain bfloat16 weight into this layout on every product otherwise: the 30
+    layers' GEMMs of one decode token (weights not in cache) took 20.4 ms plain against 12.4 ms
+    packed (float32: 14.9 ms), and of 32 tokens 32.1 against 24 ms (float32: 63 ms). The LM
+    head of 32 tokens took 5.6 ms packed against 16 ms in float32.
+    """
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+
+def _packed_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, in] through a packed bfloat16 weight: [T, out] bfloat16 (float32 accumulation)."""
+    return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16).contiguous(), weight, None, "none", [None], "")
+
+
 def linear_columns(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, in] through a linear layer of weight [out, in], returned as columns: [out, T].
 
-    Computed weights first, as `weight @ x.T` with x.T passed to BLAS as a transposed operand:
-    a round's few rows become the GEMM's narrow N side and the weights are read once, in their
-    stored order. Against `x @ weight.T` with weights stored [in, out], whole engine rounds on
-    this CPU (`benchmarks/engine_decode.py`, MKL, 2 threads) went for one row of 2 tokens from
-    78 to 43 ms and of 5 tokens from 73 to 60 (1 token: 49 to 42), and for 8 and 32 decode rows
-    from 93 to 75 and 173 to 149 ms: a verify row of a few drafts now costs about what a plain
-    decode row does. One row is doubled: MKL's GEMV on this layout was a third slower than its
-    two-column GEMM (41 against 31 ms for the 30 layers' GEMMs timed alone).
+    In x's dtype. A weight of another dtype (bfloat16) takes x rounded to it, and its product
+    is widened back; a packed weight (`pack_weight`) gives rows, transposed here in the pass
+    that widens them.
+
+    A plain weight is computed weights first, as `weight @ x.T` with x.T passed to BLAS as a
+    transposed operand: a round's few rows become the GEMM's narrow N side and the weights are
+    read once, in their stored order. Against `x @ weight.T` with weights stored [in, out],
+    whole engine rounds on this CPU (`benchmarks/engine_decode.py`, MKL, 2 threads) went for
+    one row of 2 tokens from 78 to 43 ms and of 5 tokens from 73 to 60 (1 token: 49 to 42), and
+    for 8 and 32 decode rows from 93 to 75 and 173 to 149 ms: a verify row of a few drafts now
+    costs about what a plain decode row does. One row is doubled: MKL's GEMV on this layout was
+    a third slower than its two-column GEMM (41 against 31 ms for the 30 layers' GEMMs timed
+    alone).
 
     x must be row-major for this: MKL takes the plain [in, T] operand that a column-major x
     would give down a path three times slower, so such an x is copied first.
     """
-    x = x.contiguous()
+    dtype = x.dtype
+    if weight.is_mkldnn:
+        rows = _packed_rows(x, weight)
+        return torch.empty(rows.shape[1], rows.shape[0], dtype=dtype, device=x.device).copy_(rows.t())
+    x = x.to(weight.dtype).contiguous()
     if x.shape[0] == 1:
-        return torch.mm(weight, torch.cat((x, x)).t())[:, :1]
+        return torch.mm(weight, torch.cat((x, x)).t())[:, :1].to(dtype)
     if weight.shape[0] <= 2 * OUTPUT_CHUNK or x.shape[0] < CHUNKED_MIN_TOKENS:
-        return torch.mm(weight, x.t())
-    out = torch.empty(weight.shape[0], x.shape[0], dtype=x.dtype, device=x.device)
+        return torch.mm(weight, x.t()).to(dtype)
+    out = torch.empty(weight.shape[0], x.shape[0], dtype=weight.dtype, device=x.device)
     for first in range(0, weight.shape[0], OUTPUT_CHUNK):
         torch.mm(weight[first : first + OUTPUT_CHUNK], x.t(), out=out[first : first + OUTPUT_CHUNK])
-    return out
+    return out.to(dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, in] through a linear layer of weight [out, in]: [T, out], a transposed view of
-    `linear_columns` (residual adds read it as it is; a reshape copies it once)."""
+    """x [T, in] through a linear layer of weight [out, in]: [T, out] in x's dtype; for a plain
+    weight a transposed view of `linear_columns` (residual adds read it as it is; a reshape
+    copies it once)."""
+    if weight.is_mkldnn:
+        return _packed_rows(x, weight).to(x.dtype)
     return linear_columns(x, weight).t()
 
 
@@ -161,15 +193,19 @@ class LlamaModel:
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        gemm_dtype: torch.dtype | None = None,
         native_kernels: bool | None = None,
     ) -> None:
-        """`native_kernels`: run attention of short rows, RoPE with the cache write, and SwiGLU
+        """`dtype`: activations, norms, the KV cache. `gemm_dtype`: the linear layers' weights
+        (the embedding too, which is the tied LM head) and their products; `dtype` if None.
+        `native_kernels`: run attention of short rows, RoPE with the cache write, and SwiGLU
         with the CPU kernels of `native` (True), with their torch counterparts (False), or with
         the kernels where they were built and apply (None)."""
         check_state_dict(config, state_dict)
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
+        self.gemm_dtype = gemm_dtype or dtype
         # The kernels are float32 and CPU only.
         applies = self.device.type == "cpu" and dtype == torch.float32
         if native_kernels and not (applies and native.available()):
@@ -179,24 +215,36 @@ class LlamaModel:
             )
         self.native_kernels = applies and native.available() if native_kernels is None else native_kernels
 
-        def weight(name: str) -> torch.Tensor:
+        # bfloat16 GEMMs on a CPU run through oneDNN with weights packed once (`pack_weight`).
+        self.packed_weights = (
+            self.device.type == "cpu"
+            and self.gemm_dtype == torch.bfloat16
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        )
+
+        def weight(name: str, dtype: torch.dtype = self.gemm_dtype) -> torch.Tensor:
             return state_dict[name].to(device=self.device, dtype=dtype).contiguous()
 
-        def fused(*names: str) -> torch.Tensor:
-            """The [out, in] weights of `names` stacked on `out`: one GEMM instead of several."""
-            return torch.cat([state_dict[n] for n in names]).to(device=self.device, dtype=dtype).contiguous()
+        def linear_weight(*names: str) -> torch.Tensor:
+            """The [out, in] weights of `names` stacked on `out` (one GEMM instead of several),
+            packed where the model packs."""
+            stacked = torch.cat([state_dict[n] for n in names]).to(device=self.device, dtype=self.gemm_dtype)
+            return pack_weight(stacked) if self.packed_weights else stacked.contiguous()
 
+        # The embedding is looked up by row, which a packed weight cannot be: a tied LM head is
+        # then a packed copy of it (56 MB more for the default model in bfloat16).
         self.embed = weight("model.embed_tokens.weight")
-        self.lm_head = self.embed if config.tie_word_embeddings else weight("lm_head.weight")
-        self.norm = weight("model.norm.weight")
+        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = linear_weight(head) if self.packed_weights or head == "lm_head.weight" else self.embed
+        self.norm = weight("model.norm.weight", dtype)
         self.layers = [
             DecoderLayer(
-                input_norm=weight(f"model.layers.{i}.input_layernorm.weight"),
-                qkv=fused(*(f"model.layers.{i}.self_attn.{p}_proj.weight" for p in "qkv")),
-                o=weight(f"model.layers.{i}.self_attn.o_proj.weight"),
-                post_norm=weight(f"model.layers.{i}.post_attention_layernorm.weight"),
-                gate_up=fused(f"model.layers.{i}.mlp.gate_proj.weight", f"model.layers.{i}.mlp.up_proj.weight"),
-                down=weight(f"model.layers.{i}.mlp.down_proj.weight"),
+                input_norm=weight(f"model.layers.{i}.input_layernorm.weight", dtype),
+                qkv=linear_weight(*(f"model.layers.{i}.self_attn.{p}_proj.weight" for p in "qkv")),
+                o=linear_weight(f"model.layers.{i}.self_attn.o_proj.weight"),
+                post_norm=weight(f"model.layers.{i}.post_attention_layernorm.weight", dtype),
+                gate_up=linear_weight(f"model.layers.{i}.mlp.gate_proj.weight", f"model.layers.{i}.mlp.up_proj.weight"),
+                down=linear_weight(f"model.layers.{i}.mlp.down_proj.weight"),
             )
             for i in range(config.num_layers)
         ]
@@ -228,7 +276,7 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         hidden_shape = (cfg.hidden_size,)
 
-        h = F.embedding(batch.token_ids, self.embed)
+        h = F.embedding(batch.token_ids, self.embed).to(self.dtype)
         rope = None if self.native_kernels else self._rope(batch)
         calls = self._plan_attention(batch, kv_cache)
         for index, layer in enumerate(self.layers):
@@ -350,6 +398,11 @@ class LlamaModel:
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
-def load_model(package: Package, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LlamaModel:
-    """The model of a prepared package, on `device` in `dtype`."""
-    return LlamaModel(package.manifest.model, package.load_state_dict(), device=device, dtype=dtype)
+def load_model(package: Package, device: torch.device | str = "cpu") -> LlamaModel:
+    """The model of a prepared package on `device`: float32, with GEMMs in the package's dtype
+    where the device multiplies it natively (`precision.gemm_dtype`)."""
+    device = torch.device(device)
+    weights = TORCH_DTYPES[package.manifest.serving.dtype]
+    return LlamaModel(
+        package.manifest.model, package.load_state_dict(), device=device, gemm_dtype=gemm_dtype(weights, device)
+    )

@@ -9,7 +9,15 @@ import torch
 
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import BlockAllocator, KVCache
-from flare.engine.model import CHUNKED_MIN_TOKENS, OUTPUT_CHUNK, LlamaModel, WeightsError, linear_columns
+from flare.engine.model import (
+    CHUNKED_MIN_TOKENS,
+    OUTPUT_CHUNK,
+    LlamaModel,
+    WeightsError,
+    linear,
+    linear_columns,
+    pack_weight,
+)
 
 from tiny_llama import random_state_dict, tiny_config
 
@@ -17,6 +25,13 @@ BLOCK_SIZE = 4
 TOLERANCE = 1e-4  # float32; the two paths sum in different orders
 # The layer's fused steps run in the native kernels or in their torch counterparts; both must match.
 KERNEL_PATHS = pytest.mark.parametrize("native", [False, True], ids=["torch", "native-kernels"])
+# bfloat16 weights are packed for oneDNN on CPUs it runs bfloat16 on (AVX-512 or newer), plain elsewhere.
+PACKING = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+BF16_LAYOUTS = pytest.mark.parametrize(
+    "packed",
+    [False, pytest.param(True, marks=pytest.mark.skipif(not PACKING, reason="oneDNN has no bfloat16 on this CPU"))],
+    ids=["plain", "packed"],
+)
 
 
 def dense_reference(config, state, token_ids: list[int]) -> torch.Tensor:
@@ -210,3 +225,46 @@ def test_a_tall_weight_applied_in_output_slices_equals_one_product() -> None:
     for tokens in (1, CHUNKED_MIN_TOKENS - 1, CHUNKED_MIN_TOKENS, 40):
         x = torch.randn(tokens, 24, generator=generator)
         torch.testing.assert_close(linear_columns(x, weight), weight @ x.T, atol=1e-5, rtol=1e-5)
+
+
+@BF16_LAYOUTS
+def test_bfloat16_linear_layers_equal_float32_products_of_the_rounded_operands(packed: bool) -> None:
+    # A bfloat16 weight takes its input rounded to bfloat16, accumulates in float32 and rounds
+    # the product to bfloat16 (8 significant bits), which is widened back to the input's dtype.
+    generator = torch.Generator().manual_seed(0)
+    for rows, columns in ((40, 24), (2 * OUTPUT_CHUNK + 100, 24)):
+        weight = torch.randn(rows, columns, generator=generator).bfloat16()
+        applied = pack_weight(weight) if packed else weight
+        for tokens in (1, 3, CHUNKED_MIN_TOKENS, 40):
+            x = torch.randn(tokens, columns, generator=generator)
+            exact = x.bfloat16().float() @ weight.float().T
+            scale = exact.abs().amax()
+            as_rows = linear(x, applied)
+            as_columns = linear_columns(x, applied)
+            assert as_rows.dtype == as_columns.dtype == torch.float32
+            assert as_rows.shape == (tokens, rows) and as_columns.shape == (rows, tokens)
+            torch.testing.assert_close(as_rows, exact, atol=scale * 2**-8, rtol=2**-8)
+            torch.testing.assert_close(as_columns, exact.T, atol=scale * 2**-8, rtol=2**-8)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_model_with_bfloat16_gemms_tracks_the_float32_model_on_the_same_weights(tie: bool) -> None:
+    config = tiny_config(tie_word_embeddings=tie)
+    # Weights that bfloat16 holds exactly, so the two models differ only in how they multiply.
+    state = {name: tensor.bfloat16().float() for name, tensor in random_state_dict(config).items()}
+    exact = LlamaModel(config, state)
+    rounded = LlamaModel(config, state, gemm_dtype=torch.bfloat16)
+    assert rounded.packed_weights == PACKING and rounded.dtype == torch.float32
+    caches = new_cache(config), new_cache(config)
+    tokens = random_tokens(config, 30, seed=7)
+    table = list(range(blocks_for(len(tokens) + 1)))
+
+    prompt = ForwardBatch.build([ForwardRow(tokens, 0, table, num_logits=len(tokens))], BLOCK_SIZE)
+    decode = ForwardBatch.build([ForwardRow([tokens[0]], len(tokens), table, num_logits=1)], BLOCK_SIZE)
+    for batch in (prompt, decode):
+        reference, logits = exact.forward(batch, caches[0]), rounded.forward(batch, caches[1])
+        assert logits.dtype == torch.float32 and logits.shape == reference.shape
+        # Two layers of bfloat16 rounding (2^-8 relative per product) on logits of about +-3.
+        assert (logits - reference).abs().max() < 0.05 * reference.abs().max()
+        agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean()
+        assert agree >= 0.9
