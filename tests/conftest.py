@@ -188,8 +188,16 @@ def tiny_hf_directory(make_hf_directory: Callable[..., Path], package_parts: dic
 
 @pytest.fixture(scope="session")
 def default_package() -> Path:
-    """The real default model's package, exported once into the cache ($FLARE_CACHE_DIR or ~/.cache/flare).
+    """The real default model's package as `flare run` serves it on this machine (dtype auto:
+    bfloat16 where the CPU multiplies it natively), exported once into the cache
+    ($FLARE_CACHE_DIR or ~/.cache/flare).
 
     For tests marked real_model.
     """
     return default_package_path()
+
+
+@pytest.fixture(scope="session")
+def default_float32_package() -> Path:
+    """The real default model's package in float32, for parity with float32 references."""
+    return default_package_path(dtype="float32")

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flare.preparation.manifest import DRAFTERS, DTYPES
+from flare.preparation.manifest import AUTO_DTYPE, DRAFTERS, DTYPES
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -35,7 +35,13 @@ def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-context", type=int, metavar="N", help="tokens per request, prompt included (default: the model's)"
     )
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weight dtype (default float32)")
+    parser.add_argument(
+        "--dtype",
+        choices=(AUTO_DTYPE, *DTYPES),
+        default=AUTO_DTYPE,
+        help="weight dtype; auto (the default) picks bfloat16 where this CPU multiplies it natively "
+        "(AVX512-BF16 or AMX), float32 elsewhere",
+    )
     parser.add_argument(
         "--sampling-default",
         action="append",
@@ -112,7 +118,10 @@ def run_export(args: argparse.Namespace) -> int:
     except OSError as error:
         print(f"flare export: error: cannot write the package: {error}", file=sys.stderr)
         return EXIT_FAILURE
-    print(f"exported {args.source} to {args.output} (recipe {manifest.provenance.recipe})")
+    print(
+        f"exported {args.source} to {args.output} "
+        f"(recipe {manifest.provenance.recipe}, dtype {manifest.serving.dtype})"
+    )
     return 0
 
 

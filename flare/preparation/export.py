@@ -16,11 +16,15 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TextIO
 
+import torch
+
+from flare.engine.precision import preferred_package_dtype
 from flare.preparation.contract import check_contract
 from flare.preparation.default_model import DEFAULT_SOURCE, default_gguf_path
 from flare.preparation.gguf_source import open_gguf
 from flare.preparation.hf_source import open_hf_directory
 from flare.preparation.manifest import (
+    AUTO_DTYPE,
     DRAFTERS,
     DTYPES,
     MAX_DRAFT_TOKENS,
@@ -65,7 +69,7 @@ class ExportOptions:
     name: str | None = None  # None: the model's own name
     max_concurrency: int | None = None
     max_context: int | None = None
-    dtype: str = "float32"
+    dtype: str = AUTO_DTYPE  # resolved by `resolve_dtype`
     sampling_defaults: Mapping[str, Number] = field(default_factory=dict)
     sampling_ranges: Mapping[str, tuple[Number, Number]] = field(default_factory=dict)
     vocabulary_parallel_sampling: bool = False
@@ -132,8 +136,10 @@ def check_options(options: ExportOptions) -> None:
         )
     if options.max_context is not None and options.max_context < 1:
         raise ExportError(f"--max-context must be at least 1, got {options.max_context}", option="--max-context")
-    if options.dtype not in DTYPES:
-        raise ExportError(f"--dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}", option="--dtype")
+    if options.dtype not in (AUTO_DTYPE, *DTYPES):
+        raise ExportError(
+            f"--dtype must be one of {', '.join((AUTO_DTYPE, *DTYPES))}, got {options.dtype!r}", option="--dtype"
+        )
     if options.draft_tokens is not None and not 0 <= options.draft_tokens <= MAX_DRAFT_TOKENS:
         raise ExportError(
             f"--mtp-draft-tokens must be from 0 (no speculation) to {MAX_DRAFT_TOKENS}, got {options.draft_tokens}",
@@ -162,6 +168,12 @@ def check_options(options: ExportOptions) -> None:
                 )
 
 
+def resolve_dtype(dtype: str) -> str:
+    """`dtype`, or for `auto` the one this machine serves fastest: bfloat16 where the CPU
+    multiplies it natively, float32 otherwise (`engine.precision`)."""
+    return preferred_package_dtype(torch.device("cpu")) if dtype == AUTO_DTYPE else dtype
+
+
 def open_source(source: str) -> ModelSource:
     """The source `flare export` was given: 'default', a GGUF file or a Hugging Face directory."""
     if source == DEFAULT_SOURCE:
@@ -187,7 +199,7 @@ def build_serving(options: ExportOptions, recipe: Recipe, model_context: int) ->
     return ServingConfig(
         max_context=max_context,
         max_concurrency=options.max_concurrency if options.max_concurrency is not None else recipe.max_concurrency,
-        dtype=options.dtype,
+        dtype=resolve_dtype(options.dtype),
         vocabulary_parallel_sampling=options.vocabulary_parallel_sampling,
         draft_tokens=options.draft_tokens if options.draft_tokens is not None else recipe.draft_tokens,
         drafter=options.drafter,

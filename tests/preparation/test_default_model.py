@@ -16,6 +16,7 @@ from flare.preparation.default_model import (
     default_gguf_path,
     default_package_path,
 )
+from flare.preparation.export import resolve_dtype
 from flare.preparation.manifest import FORMAT_VERSION
 from flare.preparation.package import open_package, sha256_of
 from flare.preparation.source import SourceError
@@ -65,7 +66,24 @@ def test_two_processes_export_the_default_model_once(monkeypatch: pytest.MonkeyP
     assert len(exports) == 1
     assert results[0] == results[1] == exports[0]
     assert exports[0].parent == tmp_path / "packages"
-    assert sha256_of(default_gguf_path())[:16] in exports[0].name and exports[0].name.endswith(f"-format{FORMAT_VERSION}")
+    assert sha256_of(default_gguf_path())[:16] in exports[0].name
+    assert exports[0].name.endswith(f"-format{FORMAT_VERSION}-{resolve_dtype('auto')}")
+
+
+def test_default_packages_of_each_dtype_live_side_by_side(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    exported: dict[Path, str] = {}
+
+    def fake_export(source: str, out_dir: Path, options: Any) -> None:
+        exported[out_dir] = options.dtype
+        out_dir.mkdir()
+        (out_dir / "manifest.json").write_text("{}")
+
+    monkeypatch.setattr(export_module, "export_package", fake_export)
+    paths = {dtype: default_package_path(tmp_path, dtype=dtype) for dtype in ("float32", "bfloat16")}
+    assert paths["float32"] != paths["bfloat16"]
+    assert exported == {paths["float32"]: "float32", paths["bfloat16"]: "bfloat16"}
+    assert default_package_path(tmp_path, dtype="float32") == paths["float32"]  # found, not exported again
+    assert len(exported) == 2
 
 
 @pytest.mark.real_model

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from flare.engine import precision
 from flare.preparation import export as export_module
 from flare.preparation.contract import check_contract
 from flare.preparation.export import (
@@ -43,6 +44,19 @@ def test_export_from_a_hugging_face_directory_writes_a_servable_package(
     for name, tensor in package_parts["state_dict"].items():
         assert torch.equal(weights[name], tensor.to(torch.bfloat16).float())
     assert package.chat_template == package_parts["chat_template"]
+
+
+@pytest.mark.parametrize("native_bf16", [True, False], ids=["native-bf16-cpu", "other-cpu"])
+def test_dtype_auto_writes_the_dtype_this_cpu_multiplies_fastest(
+    tmp_path: Path, tiny_hf_directory: Path, monkeypatch: pytest.MonkeyPatch, native_bf16: bool
+) -> None:
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native_bf16)
+    manifest = export_package(str(tiny_hf_directory), tmp_path / "pkg", ExportOptions(dtype="auto"))
+    expected = "bfloat16" if native_bf16 else "float32"
+    # The manifest names the resolved dtype, never "auto": a package serves the same everywhere.
+    assert manifest.serving.dtype == expected
+    weights = open_package(tmp_path / "pkg").load_state_dict()
+    assert {tensor.dtype for tensor in weights.values()} == {getattr(torch, expected)}
 
 
 def test_serving_and_sampling_options_reach_the_manifest(tmp_path: Path, tiny_hf_directory: Path) -> None:
@@ -126,7 +140,7 @@ def plain_without_filters(policy: Any) -> Any:
         (ExportOptions(name="my model"), "--name", "--name 'my model': use 1 to 128 letters"),
         (ExportOptions(max_context=100_000), "--max-context", "--max-context 100000 exceeds the model's context length 512"),
         (ExportOptions(max_concurrency=0), "--max-concurrency", "--max-concurrency must be at least 1"),
-        (ExportOptions(dtype="int8"), "--dtype", "--dtype must be one of float32, bfloat16, float16"),
+        (ExportOptions(dtype="int8"), "--dtype", "--dtype must be one of auto, float32, bfloat16, float16"),
         (ExportOptions(draft_tokens=17), "--mtp-draft-tokens", "--mtp-draft-tokens must be from 0"),
         (ExportOptions(drafter="eagle"), "--drafter", "--drafter must be one of ngram"),
         (ExportOptions(sampling_defaults={"temperature": 3.0}), "--sampling-default",

@@ -225,13 +225,13 @@ def test_default_model_config_is_smollm2_135m(smollm2_source: ModelSource) -> No
 
 
 @pytest.mark.real_model
-def test_default_package_q_and_k_match_transformers_gguf_loader(default_package: Path) -> None:
+def test_default_package_q_and_k_match_transformers_gguf_loader(default_float32_package: Path) -> None:
     """transformers' own GGUF conversion (LlamaTensorProcessor) gives the q/k rows the package holds."""
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     reader = gguf.GGUFReader(default_gguf_path())
     processor = LlamaTensorProcessor(config={"num_attention_heads": 9, "num_key_value_heads": 3})
-    ours = open_package(default_package).load_state_dict()
+    ours = open_package(default_float32_package).load_state_dict()
     checked = 0
     for tensor in reader.tensors:
         if tensor.name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.29.attn_k.weight"):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from flare.daemon.commands_package import add_export_parser, add_inspect_parser
+from flare.preparation.export import resolve_dtype
 
 
 def flare(*argv: str) -> int:
@@ -28,7 +29,8 @@ def test_export_then_inspect(tmp_path: Path, tiny_hf_directory: Path, capsys: py
     )
     out, err = capsys.readouterr()
     assert code == 0 and err == ""
-    assert out == f"exported {tiny_hf_directory} to {tmp_path / 'pkg'} (recipe generic-llama)\n"
+    dtype = resolve_dtype("auto")
+    assert out == f"exported {tiny_hf_directory} to {tmp_path / 'pkg'} (recipe generic-llama, dtype {dtype})\n"
     assert flare("inspect", str(tmp_path / "pkg"), "--json") == 0
     info = json.loads(capsys.readouterr().out)
     assert info["serving"]["max_concurrency"] == 4 and info["serving"]["draft_tokens"] == 2
