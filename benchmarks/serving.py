@@ -3,10 +3,13 @@
     .venv/bin/python benchmarks/serving.py                      # issue figures: 1, 8, 32 streams
     .venv/bin/python benchmarks/serving.py --concurrency 1 8    # a subset
     .venv/bin/python benchmarks/serving.py --speculation        # K = package default vs K = 0
+    .venv/bin/python benchmarks/serving.py --dtype float32      # flare's float32 package
 
 flare is measured as clients see it: a daemon on loopback, the official OpenAI client, greedy
 streaming chat completions of up to --max-tokens tokens, N clients at once. Transformers runs
-in-process on the same GGUF weights (fp32, static batch of N, left padding, greedy). The sides
+in-process on the same GGUF weights (--transformers-dtype, float32 by default, static batch of
+N, left padding, greedy). flare serves --package, or the default model's package in --dtype
+(auto: bfloat16 GEMMs where the CPU multiplies bfloat16 natively, float32 elsewhere). The sides
 alternate run by run on the same machine, never at the same time, with the same thread count.
 
 Reported per concurrency:
@@ -167,9 +170,9 @@ async def flare_run(base_url: str, prompts: list[str], concurrency: int, max_tok
 
 
 class TransformersBaseline:
-    """Hugging Face transformers `generate` on the same GGUF weights, in this process."""
+    """Hugging Face transformers `generate` on the same GGUF weights, in this process, in `dtype`."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype) -> None:
         import importlib.util
 
         import torch
@@ -183,7 +186,7 @@ class TransformersBaseline:
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype).eval()
         self.generate(["Hello"], 8)  # warm, as flare's client path is warmed
 
     def generate(self, batch: list[str], new_tokens: int) -> tuple[float, int]:
@@ -245,6 +248,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--speculation", action="store_true", help="compare the package's draft length with K = 0 on chat and repetition-heavy prompts")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="the default model's package dtype (flare export --dtype)")
+    parser.add_argument("--transformers-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
@@ -255,9 +260,19 @@ def main() -> int:
     if args.package is None:
         from flare.preparation.default_model import default_package_path
 
-        args.package = default_package_path()
+        args.package = default_package_path(dtype=args.dtype)
+    from flare.preparation.package import open_package
 
-    report: dict[str, object] = {"command": " ".join(sys.argv), "max_tokens": args.max_tokens, "threads": args.threads}
+    package_dtype = open_package(args.package).manifest.serving.dtype
+
+    report: dict[str, object] = {
+        "command": " ".join(sys.argv),
+        "max_tokens": args.max_tokens,
+        "threads": args.threads,
+        "flare_package_dtype": package_dtype,
+        "transformers_dtype": args.transformers_dtype,
+    }
+    print(f"flare package {args.package} ({package_dtype}); transformers {args.transformers_dtype}")
 
     def flare_side(url: str, prompts: list[str]) -> Side:
         asyncio.run(flare_run(url, prompts, 1, 8))  # warm the client path
@@ -282,7 +297,7 @@ def main() -> int:
     else:
         sides: list[Side] = []
         if not args.skip_transformers:
-            baseline = TransformersBaseline()
+            baseline = TransformersBaseline(getattr(torch, args.transformers_dtype))
             sides.append(lambda c: baseline.run(CHAT_PROMPTS, c, args.max_tokens))
         with flare_daemon(args.package, args.threads, []) as base_url:
             flare_figures, *others = alternate([flare_side(base_url, CHAT_PROMPTS), *sides], args.concurrency, args.repeats)

@@ -28,11 +28,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flare.engine import native
+from flare.engine import native, precision
 from flare.engine.batch import SHORT_ROW_MAX_TOKENS, AttentionGroup, ForwardBatch
 from flare.engine.kv_cache import KVCache
 from flare.preparation.manifest import ModelConfig
-from flare.engine.precision import gemm_dtype
 from flare.preparation.package import TORCH_DTYPES, Package, weight_problems
 
 
@@ -183,7 +182,7 @@ class LlamaModel:
     """The weights of a Llama-family model and its forward pass over a paged KV cache.
 
     Linear weights are kept [out, in] and applied by `linear`, the LM head too (for tied
-    weights it is the embedding itself, shared, not copied).
+    weights it is the embedding itself, shared, not copied, unless the weights are packed).
     """
 
     def __init__(
@@ -403,6 +402,5 @@ def load_model(package: Package, device: torch.device | str = "cpu") -> LlamaMod
     where the device multiplies it natively (`precision.gemm_dtype`)."""
     device = torch.device(device)
     weights = TORCH_DTYPES[package.manifest.serving.dtype]
-    return LlamaModel(
-        package.manifest.model, package.load_state_dict(), device=device, gemm_dtype=gemm_dtype(weights, device)
-    )
+    gemm_dtype = precision.gemm_dtype(weights, device)
+    return LlamaModel(package.manifest.model, package.load_state_dict(), device=device, gemm_dtype=gemm_dtype)

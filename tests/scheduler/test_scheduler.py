@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import pytest
 import structlog
 
+from flare.engine import precision
 from flare.kernels.status import DeviceStatus
 from flare.preparation.package import open_package
 from flare.sampling.params import SamplingParams
@@ -124,6 +125,19 @@ async def test_every_round_is_logged_with_what_the_draft_length_model_learns_fro
     assert all(r["seconds"] > 0 and r["tokens"] >= r["rows"] >= 1 for r in rounds)
     assert sum(r["generated"] for r in rounds) == sum(len(o.token_ids) for o in outcomes.values())
     assert any(r["drafts"] > 0 for r in rounds) and all(0 <= r["accepted"] <= r["drafts"] for r in rounds)
+
+
+@pytest.mark.parametrize("native_bf16", [True, False], ids=["native-bf16-cpu", "other-cpu"])
+async def test_a_bfloat16_package_serves_and_logs_the_dtype_its_gemms_run_in(make_package, monkeypatch, native_bf16):
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native_bf16)
+    package = make_package(serving={"dtype": "bfloat16"})
+    with structlog.testing.capture_logs() as logs:
+        async with running(package, draft_tokens=0) as scheduler:
+            outcome = (await generate_all(scheduler, [request(scheduler, "b", PROMPTS[0])]))["b"]
+    assert isinstance(outcome.end, Finished) and len(outcome.token_ids) == GREEDY.max_tokens
+    (loaded,) = [entry for entry in logs if entry["event"] == "engine_loaded"]
+    assert loaded["weights_dtype"] == "bfloat16"
+    assert loaded["gemm_dtype"] == ("bfloat16" if native_bf16 else "float32")
 
 
 async def test_seeded_sampling_gives_the_same_tokens_alone_and_in_a_batch(tiny_package):
