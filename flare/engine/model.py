@@ -115,6 +115,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     layers' GEMMs of one decode token (weights not in cache) took 20.4 ms plain against 12.4 ms
     packed (float32: 14.9 ms), and of 32 tokens 32.1 against 24 ms (float32: 63 ms). The LM
     head of 32 tokens took 5.6 ms packed against 16 ms in float32.
+
+    `mkldnn._reorder_linear_weight` and `mkldnn._linear_pointwise` are torch's private ops (its
+    compiler's CPU backend uses them for frozen linear layers); torch is pinned in pyproject.toml
+    and tests/engine/test_paged_forward.py holds them to float32 products of the same operands.
     """
     return torch.ops.mkldnn._reorder_linear_weight(weight)
 
