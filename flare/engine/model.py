@@ -237,8 +237,12 @@ class LlamaModel:
         # The embedding is looked up by row, which a packed weight cannot be: a tied LM head is
         # then a packed copy of it (56 MB more for the default model in bfloat16).
         self.embed = weight("model.embed_tokens.weight")
-        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        self.lm_head = linear_weight(head) if self.packed_weights or head == "lm_head.weight" else self.embed
+        if not config.tie_word_embeddings:
+            self.lm_head = linear_weight("lm_head.weight")
+        elif self.packed_weights:
+            self.lm_head = linear_weight("model.embed_tokens.weight")
+        else:
+            self.lm_head = self.embed
         self.norm = weight("model.norm.weight", dtype)
         self.layers = [
             DecoderLayer(

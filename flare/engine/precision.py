@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import torch
 
-NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name a manifest gives `dtype` ("bfloat16" for torch.bfloat16)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def cpu_has_native_bf16() -> bool:
@@ -43,4 +46,4 @@ def gemm_dtype(weights: torch.dtype, device: torch.device) -> torch.dtype:
 
 def preferred_package_dtype(device: torch.device) -> str:
     """The serving dtype `--dtype auto` exports: bfloat16 where its GEMMs are native, else float32."""
-    return NAMES[gemm_dtype(torch.bfloat16, device)]
+    return dtype_name(gemm_dtype(torch.bfloat16, device))

@@ -30,7 +30,7 @@ import torch
 from flare.engine.drafters import Draft, Drafter, make_drafter
 from flare.engine.kv_cache import BlockAllocator, KVCache, OutOfBlocks, blocks_for_tokens, default_kv_cache_bytes
 from flare.engine.model import load_model
-from flare.engine.precision import NAMES
+from flare.engine.precision import dtype_name
 from flare.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from flare.kernels.status import DeviceStatus
 from flare.preparation.contract import check_contract
@@ -228,7 +228,7 @@ class Scheduler:
             threads=torch.get_num_threads(),
             native_kernels=model.native_kernels,
             weights_dtype=serving.dtype,
-            gemm_dtype=NAMES[model.gemm_dtype],
+            gemm_dtype=dtype_name(model.gemm_dtype),
             kv_cache_blocks=kv_cache.num_blocks,
             block_size=kv_cache.block_size,
         )
