@@ -475,7 +475,13 @@ class Scheduler:
             proposals.append(seq.draft_state.propose(limit) if seq.draft_state is not None and limit > 0 else Draft(()))
         available = [len(d.token_ids) for d in proposals]
         lengths = (
-            choose_draft_lengths(available, [s.acceptance.rate for s in decode], base_tokens, self._cost)
+            choose_draft_lengths(
+                available,
+                [s.acceptance.rate for s in decode],
+                base_tokens,
+                self._cost,
+                requests_waiting=bool(self._waiting),
+            )
             if self.options.adaptive_draft_length
             else available
         )

@@ -18,30 +18,30 @@ def test_cost_model_recovers_a_linear_round_time():
 
 def test_single_row_drafts_even_at_modest_acceptance_when_weight_reads_dominate():
     cost = timed_on_a_line(0.017, 0.0027, range(1, 7))
-    assert choose_draft_lengths([5], [0.8], base_tokens=1, cost=cost) == [5]
+    assert choose_draft_lengths([5], [0.8], base_tokens=1, cost=cost, requests_waiting=True) == [5]
     # At 0.5 the third draft adds 1/8 token for c1 seconds: below the round's average rate.
-    assert choose_draft_lengths([5], [0.5], base_tokens=1, cost=cost) == [2]
+    assert choose_draft_lengths([5], [0.5], base_tokens=1, cost=cost, requests_waiting=True) == [2]
 
 
 def test_a_busy_batch_drafts_only_rows_that_are_nearly_always_accepted():
     cost = timed_on_a_line(0.017, 0.0027, range(32, 32 + 5 * 32 + 1))
-    lengths = choose_draft_lengths([5] * 32, [0.3] * 24 + [0.99] * 8, base_tokens=32, cost=cost)
+    lengths = choose_draft_lengths([5] * 32, [0.3] * 24 + [0.99] * 8, base_tokens=32, cost=cost, requests_waiting=True)
     assert lengths[:24] == [0] * 24 and lengths[24:] == [5] * 8
     # One such row alone adds 2% to the round's rate: within DRAFT_MARGIN, so no bet.
-    lengths = choose_draft_lengths([5] * 32, [0.3] * 31 + [0.99], base_tokens=32, cost=cost)
+    lengths = choose_draft_lengths([5] * 32, [0.3] * 31 + [0.99], base_tokens=32, cost=cost, requests_waiting=True)
     assert lengths == [0] * 32
 
 
 def test_drafts_are_taken_only_when_they_beat_the_plain_round_by_the_margin():
     cost = timed_on_a_line(0.1, 0.0, [1, 2])  # a flat cost: every draft is free
     # 1 + 0.04 expected tokens for the same time: 4% better, not worth a bet.
-    assert choose_draft_lengths([1], [0.04], base_tokens=1, cost=cost) == [0]
-    assert choose_draft_lengths([1], [0.06], base_tokens=1, cost=cost) == [1]
+    assert choose_draft_lengths([1], [0.04], base_tokens=1, cost=cost, requests_waiting=True) == [0]
+    assert choose_draft_lengths([1], [0.06], base_tokens=1, cost=cost, requests_waiting=True) == [1]
 
 
 def test_rows_without_proposals_or_acceptance_never_draft():
     cost = timed_on_a_line(0.017, 0.0027, range(2, 7))
-    assert choose_draft_lengths([0, 4], [0.9, 0.0], base_tokens=2, cost=cost) == [0, 0]
+    assert choose_draft_lengths([0, 4], [0.9, 0.0], base_tokens=2, cost=cost, requests_waiting=True) == [0, 0]
 
 
 def test_acceptance_counts_only_the_drafts_that_were_tested():
@@ -65,8 +65,8 @@ def test_a_lone_row_drafts_only_when_acceptance_covers_a_costlier_round():
     cost = RoundCostModel()
     for tokens in range(1, 6):
         cost.observe(tokens, 0.046 if tokens == 1 else 0.073 + 0.001 * tokens)
-    assert choose_draft_lengths([4], [0.3], base_tokens=1, cost=cost) == [0]  # 1.43 tokens in 78 ms
-    assert choose_draft_lengths([4], [0.9], base_tokens=1, cost=cost) == [4]  # 4.1 tokens in 78 ms
+    assert choose_draft_lengths([4], [0.3], base_tokens=1, cost=cost, requests_waiting=True) == [0]  # 1.43 tokens in 78 ms
+    assert choose_draft_lengths([4], [0.9], base_tokens=1, cost=cost, requests_waiting=True) == [4]  # 4.1 tokens in 78 ms
 
 
 def test_past_the_largest_timed_round_the_estimate_follows_the_steeper_measured_slope():
@@ -89,18 +89,18 @@ def cliff_at_nine_tokens() -> RoundCostModel:
 def test_a_measured_cliff_stops_a_single_draft():
     cost = cliff_at_nine_tokens()
     # One draft at 0.9 adds 11% tokens for 18% more time (85 against 72 ms): no.
-    assert choose_draft_lengths([1] * 8, [0.0] * 7 + [0.9], base_tokens=8, cost=cost) == [0] * 8
+    assert choose_draft_lengths([1] * 8, [0.0] * 7 + [0.9], base_tokens=8, cost=cost, requests_waiting=True) == [0] * 8
     # Where the round was measured flat (12 and 13 tokens), a draft costs nothing and is taken
     # when it adds more than the margin (0.9 of a token on 12: 7.5%).
-    assert choose_draft_lengths([1] * 12, [0.0] * 11 + [0.9], base_tokens=12, cost=cost) == [0] * 11 + [1]
+    assert choose_draft_lengths([1] * 12, [0.0] * 11 + [0.9], base_tokens=12, cost=cost, requests_waiting=True) == [0] * 11 + [1]
 
 
 def test_drafts_that_fill_a_round_already_paid_for_are_taken_together():
     cost = cliff_at_nine_tokens()
     # Eight drafts at 0.9 take the round to 16 tokens: 15.2 tokens in 130 ms beats 8 in 72 ms,
     # though any one of them alone (9 tokens, 85 ms) would not pay.
-    assert choose_draft_lengths([1] * 8, [0.9] * 8, base_tokens=8, cost=cost) == [1] * 8
-    assert choose_draft_lengths([1] * 8, [0.6] * 8, base_tokens=8, cost=cost) == [0] * 8  # 12.8 in 130 ms
+    assert choose_draft_lengths([1] * 8, [0.9] * 8, base_tokens=8, cost=cost, requests_waiting=True) == [1] * 8
+    assert choose_draft_lengths([1] * 8, [0.6] * 8, base_tokens=8, cost=cost, requests_waiting=True) == [0] * 8  # 12.8 in 130 ms
 
 
 def test_past_a_single_timed_round_the_estimate_grows_from_it_not_from_the_line():
@@ -121,18 +121,18 @@ def test_a_stale_measurement_is_dropped_and_the_count_measured_again():
 
 def test_the_plain_round_is_timed_before_any_draft():
     cost = RoundCostModel()
-    assert choose_draft_lengths([4], [1.0], base_tokens=1, cost=cost) == [0]
+    assert choose_draft_lengths([4], [1.0], base_tokens=1, cost=cost, requests_waiting=True) == [0]
     cost.observe(1, 0.046)
-    assert choose_draft_lengths([4], [1.0], base_tokens=1, cost=cost) == [4]
+    assert choose_draft_lengths([4], [1.0], base_tokens=1, cost=cost, requests_waiting=True) == [4]
 
 
 def test_an_untimed_round_is_tried_only_when_its_estimate_is_clearly_better():
     cost = timed_on_a_line(0.064, 0.001, [8])  # 72 ms for 8 rows; 10 tokens estimated at 74 ms
     # 8.9 tokens in 74 ms is 8% better than 8 in 72: past DRAFT_MARGIN, short of it times
     # EXPLORATION_MARGIN, so not worth an untimed round.
-    assert choose_draft_lengths([1] * 8, [0.45, 0.45] + [0.0] * 6, base_tokens=8, cost=cost) == [0] * 8
+    assert choose_draft_lengths([1] * 8, [0.45, 0.45] + [0.0] * 6, base_tokens=8, cost=cost, requests_waiting=True) == [0] * 8
     # 9.9 tokens is 20% better: tried.
-    assert choose_draft_lengths([1] * 8, [0.95, 0.95] + [0.0] * 6, base_tokens=8, cost=cost) == [1, 1] + [0] * 6
+    assert choose_draft_lengths([1] * 8, [0.95, 0.95] + [0.0] * 6, base_tokens=8, cost=cost, requests_waiting=True) == [1, 1] + [0] * 6
 
 
 def test_untimed_rounds_stop_being_tried_once_their_surprises_pass_the_budget():
@@ -144,7 +144,7 @@ def test_untimed_rounds_stop_being_tried_once_their_surprises_pass_the_budget():
     rows, rates = [5] * 32, [0.9] * 32
     tried: list[float] = []
     for _ in range(20):
-        lengths = choose_draft_lengths(rows, rates, base_tokens=32, cost=cost)
+        lengths = choose_draft_lengths(rows, rates, base_tokens=32, cost=cost, requests_waiting=True)
         tokens = 32 + sum(lengths)
         if cost.is_measured(tokens):
             break
@@ -153,7 +153,7 @@ def test_untimed_rounds_stop_being_tried_once_their_surprises_pass_the_budget():
     # A try lost more than the 0.1 s allowance against its estimate: no more tries.
     assert 1 <= len(tried) <= 4
     assert not cost.may_try()
-    assert choose_draft_lengths(rows, [0.3] * 32, base_tokens=32, cost=cost) == [0] * 32
+    assert choose_draft_lengths(rows, [0.3] * 32, base_tokens=32, cost=cost, requests_waiting=True) == [0] * 32
     # Time spent in ordinary rounds earns the budget back, at 1% of it.
     plain_rounds = 0
     while not cost.may_try():
@@ -169,3 +169,38 @@ def test_a_round_that_matches_its_estimate_costs_no_budget():
         cost.trying(tokens, 0.017 + 0.0027 * tokens)
         cost.observe(tokens, 0.017 + 0.0027 * tokens)
     assert cost.may_try()
+
+
+def flat_rounds() -> RoundCostModel:
+    """Rounds of 8 to 24 tokens timed at 40 ms + 2 ms a token past 8: drafts are cheap."""
+    return timed_on_a_line(0.024, 0.002, range(8, 25))
+
+
+def test_drafts_that_speed_up_a_few_rows_are_taken_only_while_requests_wait():
+    # Two rows accept 0.9 of their drafts, six have none. All eight drafts: 14.2 tokens in 56 ms
+    # against 8 in 40, better throughput (253 against 200 tok/s). But the six rows' own rounds
+    # get 40% slower for the two rows' 4.1x: their summed time per token gets worse (rows x
+    # harmonic mean of expected tokens: 9.9 in 56 ms, 176 tok/s), and with no request waiting
+    # for a row that is what counts.
+    rows, rates = [4, 4] + [0] * 6, [0.9, 0.9] + [0.0] * 6
+    assert choose_draft_lengths(rows, rates, base_tokens=8, cost=flat_rounds(), requests_waiting=True) == rows
+    assert choose_draft_lengths(rows, rates, base_tokens=8, cost=flat_rounds(), requests_waiting=False) == [0] * 8
+
+
+def test_drafts_that_speed_up_every_row_alike_are_taken_whether_or_not_requests_wait():
+    rows, rates = [2] * 8, [0.9] * 8
+    for waiting in (True, False):
+        assert choose_draft_lengths(rows, rates, base_tokens=8, cost=flat_rounds(), requests_waiting=waiting) == rows
+
+
+def test_a_lone_row_drafts_the_same_whether_or_not_requests_wait():
+    for rate in (0.05, 0.3, 0.5, 0.8, 1.0):
+        cost = timed_on_a_line(0.017, 0.0027, range(1, 7))
+        waiting = choose_draft_lengths([5], [rate], base_tokens=1, cost=cost, requests_waiting=True)
+        assert choose_draft_lengths([5], [rate], base_tokens=1, cost=cost, requests_waiting=False) == waiting
+
+
+def test_a_round_without_decode_rows_drafts_nothing():
+    cost = timed_on_a_line(0.017, 0.0027, range(1, 7))
+    for waiting in (True, False):
+        assert choose_draft_lengths([], [], base_tokens=5, cost=cost, requests_waiting=waiting) == []
