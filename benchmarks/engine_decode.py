@@ -6,8 +6,8 @@ tokens, which is the ceiling that accepted drafts can reach.
 
 Random weights with the default model's dimensions (SmolLM2-135M: 30 layers, hidden 576, FFN 1536,
 9 heads, 3 KV heads of 64, vocab 49152, tied embeddings), float32 activations and GEMMs in
---gemm-dtype (bfloat16 is what a bfloat16 package runs where the CPU multiplies it natively). No sampling, no HTTP: this is the
-ceiling the scheduler and the daemon work under.
+--gemm-dtype (bfloat16 is what a bfloat16 package runs where the CPU multiplies it natively).
+No sampling, no HTTP: this is the ceiling the scheduler and the daemon work under.
 
     .venv/bin/python benchmarks/engine_decode.py --batch 1 8 32 --context 200 --threads 2
     .venv/bin/python benchmarks/engine_decode.py --batch 1 --tokens-per-row 1 2 3 5 9

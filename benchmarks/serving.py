@@ -46,6 +46,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from flare.preparation.manifest import AUTO_DTYPE, DTYPES
+
 CHAT_PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain how a bicycle works, part by part, for a curious child.",
@@ -248,7 +250,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--speculation", action="store_true", help="compare the package's draft length with K = 0 on chat and repetition-heavy prompts")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="the default model's package dtype (flare export --dtype)")
+    parser.add_argument("--dtype", choices=(AUTO_DTYPE, *DTYPES), default=AUTO_DTYPE, help="the default model's package dtype (flare export --dtype)")
     parser.add_argument("--transformers-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")

@@ -225,8 +225,8 @@ class LlamaModel:
             and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         )
 
-        def weight(name: str, dtype: torch.dtype = self.gemm_dtype) -> torch.Tensor:
-            return state_dict[name].to(device=self.device, dtype=dtype).contiguous()
+        def weight(name: str, as_dtype: torch.dtype = self.gemm_dtype) -> torch.Tensor:
+            return state_dict[name].to(device=self.device, dtype=as_dtype).contiguous()
 
         def linear_weight(*names: str) -> torch.Tensor:
             """The [out, in] weights of `names` stacked on `out` (one GEMM instead of several),
