@@ -5,14 +5,15 @@ drafts, logits at all of them), as a speculative round runs them; tok/s then cou
 tokens, which is the ceiling that accepted drafts can reach.
 
 Random weights with the default model's dimensions (SmolLM2-135M: 30 layers, hidden 576, FFN 1536,
-9 heads, 3 KV heads of 64, vocab 49152, tied embeddings), float32 activations and GEMMs in
---gemm-dtype (bfloat16 is what a bfloat16 package runs where the CPU multiplies it natively).
+9 heads, 3 KV heads of 64, vocab 49152, tied embeddings), float32 activations and the linear
+layers in --weight-format (`flare/engine/precision.py`: float16 through fbgemm is what the default
+package runs on an AVX2 CPU, bfloat16 through oneDNN where bfloat16 is native).
 No sampling, no HTTP: this is the ceiling the scheduler and the daemon work under.
 
     .venv/bin/python benchmarks/engine_decode.py --batch 1 8 32 --context 200 --threads 2
     .venv/bin/python benchmarks/engine_decode.py --batch 1 --tokens-per-row 1 2 3 5 9
     .venv/bin/python benchmarks/engine_decode.py --kernels torch   # without the C kernels
-    .venv/bin/python benchmarks/engine_decode.py --gemm-dtype bfloat16
+    .venv/bin/python benchmarks/engine_decode.py --weight-format float32 float16   # alternating
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from flare.engine.openmp import set_wait_policy
 set_wait_policy(os.environ)
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -32,6 +34,7 @@ import torch
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
 from flare.engine.model import LlamaModel
+from flare.engine.precision import WeightFormat
 from flare.preparation.manifest import ModelConfig
 from flare.preparation.package import expected_weight_shapes
 
@@ -67,16 +70,24 @@ def main() -> None:
         default="native",
         help="the engine's C kernels (flare/engine/native.py) or their torch counterparts",
     )
-    parser.add_argument("--gemm-dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument(
+        "--weight-format",
+        nargs="+",
+        choices=[f.value for f in WeightFormat],
+        default=["float32"],
+        help="one or more formats; with several, each batch size runs them alternately, round sets interleaved",
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="sets of rounds per format and batch size (medians of all)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     config = DEFAULT_DIMS
     generator = torch.Generator().manual_seed(0)
     state = {name: 0.02 * torch.randn(shape, generator=generator) for name, shape in expected_weight_shapes(config).items()}
-    model = LlamaModel(
-        config, state, gemm_dtype=getattr(torch, args.gemm_dtype), native_kernels=args.kernels == "native"
-    )
+    models = {
+        name: LlamaModel(config, state, weight_format=WeightFormat(name), native_kernels=args.kernels == "native")
+        for name in args.weight_format
+    }
     longest = max(args.tokens_per_row)
     blocks_per_row = -(-(args.context + (args.rounds + WARMUP_ROUNDS + 1) * longest) // args.block_size)
     cache = KVCache(
@@ -87,23 +98,46 @@ def main() -> None:
         head_dim=config.head_dim,
     )
     print(
-        f"threads={torch.get_num_threads()} context={args.context} rounds={args.rounds} kernels={args.kernels} "
-        f"gemm_dtype={args.gemm_dtype}"
+        f"threads={torch.get_num_threads()} context={args.context} rounds={args.rounds} x {args.repeats} "
+        f"kernels={args.kernels} cpu_flags={' '.join(cpu_flags())}"
     )
+    first = args.weight_format[0]
     for batch_size in args.batch:
         for tokens in args.tokens_per_row:
-            median, best, cpu = time_rounds(model, cache, batch_size, tokens, blocks_per_row, args)
+            # Sets of rounds alternate between the formats, so a slow patch of a shared machine
+            # falls on all of them.
+            walls: dict[str, list[float]] = {name: [] for name in models}
+            cpus: dict[str, list[float]] = {name: [] for name in models}
+            for _ in range(args.repeats):
+                for name, model in models.items():
+                    wall, cpu = time_rounds(model, cache, batch_size, tokens, blocks_per_row, args)
+                    walls[name] += wall
+                    cpus[name] += cpu
             forwarded = batch_size * tokens
-            print(
-                f"batch {batch_size:3d} x {tokens} tokens: median round {median * 1000:7.1f} ms, "
-                f"{forwarded / median:7.1f} tok/s (best {forwarded / best:7.1f}); CPU {cpu * 1000:7.1f} ms per round"
-            )
+            for name in models:
+                median, cpu = statistics.median(walls[name]), statistics.median(cpus[name])
+                ratio = median / statistics.median(walls[first])
+                print(
+                    f"{name:8s} batch {batch_size:3d} x {tokens} tokens: median round {median * 1000:7.1f} ms "
+                    f"({ratio:.2f} of {first}), {forwarded / median:7.1f} tok/s; CPU {cpu * 1000:7.1f} ms per round"
+                )
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's vector and matrix extensions that decide the weight formats (from /proc/cpuinfo)."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return ["unknown"]
+    flags = set(text.split("flags", 1)[1].split("\n", 1)[0].split()) if "flags" in text else set()
+    wanted = [f for f in sorted(flags) if f in ("avx2", "fma", "f16c") or f.startswith(("avx512", "amx"))]
+    return wanted or ["no AVX2"]
 
 
 def time_rounds(
     model: LlamaModel, cache: KVCache, batch_size: int, tokens: int, blocks_per_row: int, args: argparse.Namespace
-) -> tuple[float, float, float]:
-    """Median and best wall time of a round, and the median CPU time (all threads)."""
+) -> tuple[list[float], list[float]]:
+    """Wall and CPU times (all threads) of `args.rounds` rounds after a warm-up."""
     # Interleave the rows' blocks so the block tables are not contiguous, as in serving.
     tables = [[b * batch_size + r for b in range(blocks_per_row)] for r in range(batch_size)]
     timings = []
@@ -116,10 +150,8 @@ def time_rounds(
         model.forward(batch, cache)
         timings.append(time.perf_counter() - start)
         cpu_timings.append(time.process_time() - cpu_start)
-    timings = sorted(timings[WARMUP_ROUNDS:])
     # CPU time (all threads) shows the work done even when other processes share the cores.
-    cpu = sorted(cpu_timings[WARMUP_ROUNDS:])[len(timings) // 2]
-    return timings[len(timings) // 2], timings[0], cpu
+    return timings[WARMUP_ROUNDS:], cpu_timings[WARMUP_ROUNDS:]
 
 
 if __name__ == "__main__":

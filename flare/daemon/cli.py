@@ -17,6 +17,7 @@ from flare.daemon.commands_package import add_export_parser, add_inspect_parser
 from flare.daemon.config import CONFIG_ENV, ConfigError, load_config
 from flare.daemon.ctl import add_ctl_parser
 from flare.engine.openmp import set_wait_policy
+from flare.engine.precision import FORMAT_CHOICES
 
 EXIT_USAGE = 2
 
@@ -63,6 +64,9 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--fault-injection", action="store_const", const=True,
         help="honour the X-Flare-Fault test header (off by default)")
     add("--device", metavar="DEVICE", help="auto, cpu, cuda or cuda:N (default auto)")
+    add("--weight-format", choices=FORMAT_CHOICES,
+        help="what the linear layers multiply in: auto (default) picks the fastest this CPU runs for the "
+        "package's weights (float16 through fbgemm on AVX2, bfloat16 where native, float32 elsewhere)")
     add("--log-level", choices=("debug", "info", "warning", "error"), help="default info")
     add("--log-format", choices=("auto", "json", "console"),
         help="default auto: console on a terminal, JSON lines otherwise")

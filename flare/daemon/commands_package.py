@@ -39,8 +39,8 @@ def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--dtype",
         choices=(AUTO_DTYPE, *DTYPES),
         default=AUTO_DTYPE,
-        help="weight dtype; auto (the default) picks bfloat16 where this CPU multiplies it natively "
-        "(AVX512-BF16 or AMX), float32 elsewhere",
+        help="the dtype the weights are stored in; auto (the default) is float16 (bfloat16 for weights "
+        "beyond float16's range), which `flare run` multiplies in the fastest format of each CPU",
     )
     parser.add_argument(
         "--sampling-default",

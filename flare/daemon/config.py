@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flare.engine.precision import FORMAT_CHOICES
+
 CONFIG_ENV = "FLARE_CONFIG"
 API_KEYS_ENV = "FLARE_API_KEYS"
 API_KEY_FILE_ENV = "FLARE_API_KEY_FILE"
@@ -57,6 +59,7 @@ class DaemonConfig:
     request_timeout_s: float | None = 600.0
     cache_dir: Path | None = None  # None: the preparation default (XDG cache)
     device: str = "auto"  # "auto" (cuda when available, else cpu) | "cpu" | "cuda" | "cuda:N"
+    weight_format: str = "auto"  # "auto" (the fastest this device runs) | "float32" | "bfloat16" | "float16"
 
 
 # --- value parsers: each takes a flag/env string or a TOML value and returns the typed value ---
@@ -175,6 +178,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "request_timeout_s": _seconds(allow_none=True),
     "cache_dir": _path,
     "device": _device,
+    "weight_format": _choice(*FORMAT_CHOICES),
 }
 # Settings read from sources other than one scalar value each.
 _LIST_SETTINGS = ("api_keys", "api_key_file")

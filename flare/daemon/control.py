@@ -63,6 +63,8 @@ class DaemonStatus:
     kv_blocks_total: int
     draining: bool
     device_statuses: dict[str, int]  # rows per device status name since start
+    weights_dtype: str  # what the package stores
+    weight_format: str  # what the linear layers multiply in (`flare run --weight-format`)
     generated_tokens_per_s: float  # over the last few seconds
     log_level: str
     pid: int
@@ -140,6 +142,8 @@ class DaemonControl:
             kv_blocks_total=snapshot.kv_blocks_total,
             draining=snapshot.draining,
             device_statuses=dict(snapshot.device_statuses),
+            weights_dtype=snapshot.weights_dtype,
+            weight_format=snapshot.weight_format,
             generated_tokens_per_s=round(snapshot.tokens_per_second, 2),
             log_level=self._log_control.level,
             pid=os.getpid(),

@@ -236,6 +236,7 @@ def _render_status(status: Mapping[str, Any]) -> str:
         ("running", str(status["running"])),
         ("waiting", str(status["waiting"])),
         ("kv blocks", f"{status['kv_blocks_used']} / {status['kv_blocks_total']} in use"),
+        ("weights", f"{status['weights_dtype']} stored, {status['weight_format']} GEMMs"),
         ("tokens/s", f"{status['generated_tokens_per_s']:.1f}"),
         ("log level", status["log_level"]),
         ("pid", str(status["pid"])),

@@ -230,6 +230,7 @@ class Daemon:
             on_invalid_speculation=config.on_invalid_speculation,  # type: ignore[arg-type]
             fault_injection=config.fault_injection,
             device=_device(config.device),
+            weight_format=config.weight_format,
         )
         try:
             return Scheduler.from_package(

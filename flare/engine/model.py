@@ -16,8 +16,9 @@ it fast on a CPU, where a round of 32 decode rows is bound by the linear layers:
   grouped-query attention folds the query heads of a KV group into the query length, so K/V are
   never repeated (measured 10% faster than SDPA's `enable_gqa` here);
 - RoPE cos/sin come from a table built once; the torch path gathers them once per round;
-- linear layers may run in bfloat16 on a float32 model (`gemm_dtype`, chosen by `precision.py`):
-  the weights are stored and multiplied in it, everything between the GEMMs stays float32.
+- linear layers run in a weight format chosen per CPU (`precision.py`): float16 through fbgemm
+  on AVX2 CPUs, bfloat16 through oneDNN where bfloat16 is native, float32 through MKL; the
+  weights are stored and multiplied in it, everything between the GEMMs stays float32.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from flare.engine import native, precision
+from flare.engine.precision import WeightFormat
 from flare.engine.batch import SHORT_ROW_MAX_TOKENS, AttentionGroup, ForwardBatch
 from flare.engine.kv_cache import KVCache
 from flare.preparation.manifest import ModelConfig
@@ -107,33 +109,54 @@ OUTPUT_CHUNK = 4096
 CHUNKED_MIN_TOKENS = 16
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A bfloat16 weight [out, in] reordered once into oneDNN's blocked layout (an opaque
-    tensor that only `linear` and `linear_columns` read).
+Weight = torch.Tensor | torch.ScriptObject  # plain [out, in], or packed by `pack_weight`
 
-    oneDNN reorders a plain bfloat16 weight into this layout on every product otherwise: the 30
-    layers' GEMMs of one decode token (weights not in cache) took 20.4 ms plain against 12.4 ms
-    packed (float32: 14.9 ms), and of 32 tokens 32.1 against 24 ms (float32: 63 ms). The LM
-    head of 32 tokens took 5.6 ms packed against 16 ms in float32.
 
-    `mkldnn._reorder_linear_weight` and `mkldnn._linear_pointwise` are torch's private ops (its
-    compiler's CPU backend uses them for frozen linear layers); torch is pinned in pyproject.toml
-    and tests/engine/test_paged_forward.py holds them to float32 products of the same operands.
+def pack_weight(weight: torch.Tensor, weight_format: WeightFormat) -> Weight:
+    """A linear layer's weight [out, in] in `weight_format`, packed once where the CPU's GEMM
+    for that format wants its own layout. `linear` and `linear_columns` read every kind.
+
+    - bfloat16 on a CPU with oneDNN's bfloat16: reordered into oneDNN's blocked layout (an
+      opaque tensor). oneDNN reorders a plain bfloat16 weight on every product otherwise: the 30
+      layers' GEMMs of one decode token (weights not in cache) took 20.4 ms plain against
+      12.4 ms packed (float32: 14.9 ms), and of 32 tokens 32.1 against 24 ms (float32: 63 ms),
+      on an AVX512-BF16 CPU.
+    - float16 on a CPU: fbgemm's packed float16 matrix (a `torch.ScriptObject`); products take
+      float32 rows and accumulate in float32 (`torch.ops.quantized.linear_dynamic_fp16`).
+    - otherwise the plain tensor in the format's dtype (float32 on a CPU; 16-bit on a GPU).
+
+    `mkldnn._reorder_linear_weight` / `_linear_pointwise` are torch's private ops (its
+    compiler's CPU backend uses them for frozen linear layers) and the fbgemm ops are those of
+    torch's dynamic float16 quantization; torch is pinned in pyproject.toml and
+    tests/engine/test_paged_forward.py holds every kind to float32 products of the same
+    rounded operands.
     """
-    return torch.ops.mkldnn._reorder_linear_weight(weight)
+    on_cpu = weight.device.type == "cpu"
+    if on_cpu and weight_format == WeightFormat.FLOAT16:
+        # fbgemm rounds the float32 values to float16 itself: exact for float16-stored weights.
+        return torch.ops.quantized.linear_prepack_fp16(weight.float().contiguous(), None)
+    plain = weight.to(weight_format.dtype).contiguous()
+    if on_cpu and weight_format == WeightFormat.BFLOAT16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.ops.mkldnn._reorder_linear_weight(plain)
+    return plain
 
 
-def _packed_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, in] through a packed bfloat16 weight: [T, out] bfloat16 (float32 accumulation)."""
-    return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16).contiguous(), weight, None, "none", [None], "")
+def _packed_rows(x: torch.Tensor, weight: Weight) -> torch.Tensor | None:
+    """x [T, in] through a packed weight: rows [T, out] (bfloat16 from oneDNN, float32 from
+    fbgemm, both accumulated in float32); None for a plain weight."""
+    if isinstance(weight, torch.ScriptObject):
+        return torch.ops.quantized.linear_dynamic_fp16(x.float().contiguous(), weight)
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16).contiguous(), weight, None, "none", [None], "")
+    return None
 
 
-def linear_columns(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_columns(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     """x [T, in] through a linear layer of weight [out, in], returned as columns: [out, T].
 
-    In x's dtype. A weight of another dtype (bfloat16) takes x rounded to it, and its product
-    is widened back; a packed weight (`pack_weight`) gives rows, transposed here in the pass
-    that widens them.
+    In x's dtype. A weight of another dtype takes x rounded to it, and its product is widened
+    back; a packed weight (`pack_weight`) gives rows, transposed here (one row is its own
+    column: a view).
 
     A plain weight is computed weights first, as `weight @ x.T` with x.T passed to BLAS as a
     transposed operand: a round's few rows become the GEMM's narrow N side and the weights are
@@ -149,8 +172,10 @@ def linear_columns(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     would give down a path three times slower, so such an x is copied first.
     """
     dtype = x.dtype
-    if weight.is_mkldnn:
-        rows = _packed_rows(x, weight)
+    rows = _packed_rows(x, weight)
+    if rows is not None:
+        if rows.shape[0] == 1 and rows.dtype == dtype:
+            return rows.view(-1, 1)
         return torch.empty(rows.shape[1], rows.shape[0], dtype=dtype, device=x.device).copy_(rows.t())
     x = x.to(weight.dtype).contiguous()
     if x.shape[0] == 1:
@@ -163,12 +188,13 @@ def linear_columns(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out.to(dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     """x [T, in] through a linear layer of weight [out, in]: [T, out] in x's dtype; for a plain
     weight a transposed view of `linear_columns` (residual adds read it as it is; a reshape
     copies it once)."""
-    if weight.is_mkldnn:
-        return _packed_rows(x, weight).to(x.dtype)
+    rows = _packed_rows(x, weight)
+    if rows is not None:
+        return rows.to(x.dtype)
     return linear_columns(x, weight).t()
 
 
@@ -185,8 +211,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class LlamaModel:
     """The weights of a Llama-family model and its forward pass over a paged KV cache.
 
-    Linear weights are kept [out, in] and applied by `linear`, the LM head too (for tied
-    weights it is the embedding itself, shared, not copied, unless the weights are packed).
+    Linear weights are kept [out, in] in the model's `weight_format` and applied by `linear`,
+    the LM head too (for tied weights it is the embedding itself, shared, not copied, unless
+    the weights are packed).
     """
 
     def __init__(
@@ -196,11 +223,12 @@ class LlamaModel:
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
-        gemm_dtype: torch.dtype | None = None,
+        weight_format: WeightFormat | None = None,
         native_kernels: bool | None = None,
     ) -> None:
-        """`dtype`: activations, norms, the KV cache. `gemm_dtype`: the linear layers' weights
-        (the embedding too, which is the tied LM head) and their products; `dtype` if None.
+        """`dtype`: activations, norms, the KV cache. `weight_format`: what the linear layers'
+        weights (the embedding too, which is the tied LM head) are stored and multiplied as
+        (`precision.py`); `dtype`'s own format if None.
         `native_kernels`: run attention of short rows, RoPE with the cache write, and SwiGLU
         with the CPU kernels of `native` (True), with their torch counterparts (False), or with
         the kernels where they were built and apply (None)."""
@@ -208,7 +236,7 @@ class LlamaModel:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
-        self.gemm_dtype = gemm_dtype or dtype
+        self.weight_format = weight_format or WeightFormat(precision.dtype_name(dtype))
         # The kernels are float32 and CPU only.
         applies = self.device.type == "cpu" and dtype == torch.float32
         if native_kernels and not (applies and native.available()):
@@ -217,32 +245,25 @@ class LlamaModel:
                 f"(model: {dtype} on {self.device}; extension built: {native.available()})"
             )
         self.native_kernels = applies and native.available() if native_kernels is None else native_kernels
+        weights_dtype = self.weight_format.dtype
 
-        # bfloat16 GEMMs on a CPU run through oneDNN with weights packed once (`pack_weight`).
-        self.packed_weights = (
-            self.device.type == "cpu"
-            and self.gemm_dtype == torch.bfloat16
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        )
-
-        def weight(name: str, as_dtype: torch.dtype = self.gemm_dtype) -> torch.Tensor:
+        def weight(name: str, as_dtype: torch.dtype) -> torch.Tensor:
             return state_dict[name].to(device=self.device, dtype=as_dtype).contiguous()
 
-        def linear_weight(*names: str) -> torch.Tensor:
-            """The [out, in] weights of `names` stacked on `out` (one GEMM instead of several),
-            packed where the model packs."""
-            stacked = torch.cat([state_dict[n] for n in names]).to(device=self.device, dtype=self.gemm_dtype)
-            return pack_weight(stacked) if self.packed_weights else stacked.contiguous()
+        def linear_weight(*names: str) -> Weight:
+            """The [out, in] weights of `names` stacked on `out` (one GEMM instead of several)."""
+            stacked = torch.cat([state_dict[n].to(self.device) for n in names])
+            return pack_weight(stacked, self.weight_format)
 
         # The embedding is looked up by row, which a packed weight cannot be: a tied LM head is
-        # then a packed copy of it (56 MB more for the default model in bfloat16).
-        self.embed = weight("model.embed_tokens.weight")
+        # then a packed copy of it (56 MB more for the default model in a 16-bit format).
+        self.embed = weight("model.embed_tokens.weight", weights_dtype)
         if not config.tie_word_embeddings:
             self.lm_head = linear_weight("lm_head.weight")
-        elif self.packed_weights:
-            self.lm_head = linear_weight("model.embed_tokens.weight")
         else:
-            self.lm_head = self.embed
+            self.lm_head = linear_weight("model.embed_tokens.weight")
+            if isinstance(self.lm_head, torch.Tensor) and not self.lm_head.is_mkldnn:
+                self.lm_head = self.embed  # plain: the same tensor
         self.norm = weight("model.norm.weight", dtype)
         self.layers = [
             DecoderLayer(
@@ -405,10 +426,16 @@ class LlamaModel:
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
-def load_model(package: Package, device: torch.device | str = "cpu") -> LlamaModel:
-    """The model of a prepared package on `device`: float32, with GEMMs in the package's dtype
-    where the device multiplies it natively (`precision.gemm_dtype`)."""
+def load_model(package: Package, device: torch.device | str = "cpu", weight_format: str = precision.AUTO) -> LlamaModel:
+    """The model of a prepared package on `device`: float32, with the linear layers in
+    `weight_format` (`auto`: the fastest this device runs for the stored dtype,
+    `precision.choose_weight_format`, which raises `WeightFormatError` for a format that does
+    not run here)."""
     device = torch.device(device)
-    weights = TORCH_DTYPES[package.manifest.serving.dtype]
-    gemm_dtype = precision.gemm_dtype(weights, device)
-    return LlamaModel(package.manifest.model, package.load_state_dict(), device=device, gemm_dtype=gemm_dtype)
+    stored = TORCH_DTYPES[package.manifest.serving.dtype]
+    state_dict = package.load_state_dict()
+    # Stored float16 fits by construction; other weights are scanned only where float16 may run.
+    float16_may_run = weight_format == WeightFormat.FLOAT16 or (weight_format == precision.AUTO and stored != torch.float32)
+    fits = stored == torch.float16 or not float16_may_run or all(precision.fits_float16(t) for t in state_dict.values())
+    chosen = precision.choose_weight_format(stored, device, weight_format, weights_fit_float16=fits)
+    return LlamaModel(package.manifest.model, state_dict, device=device, weight_format=chosen)

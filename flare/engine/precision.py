@@ -1,21 +1,55 @@
-"""Which dtype the engine's GEMMs run in, given the package's weights and the device.
+"""Which format the engine's linear layers multiply in, chosen per device at load.
 
-A package stores its weights in `serving.dtype`. Activations, norms, attention, the KV cache and
-logits are float32 on the CPU whatever the package says; only the linear layers (the LM head
-included) run in the weights' dtype, and only where the hardware multiplies that dtype
-natively. bfloat16 on a CPU with AVX512-BF16 or AMX: the products are accumulated in float32
-by oneDNN, inputs are rounded to bfloat16 on the way in and outputs on the way out. On this
-kind of CPU (AMD EPYC, AVX512-BF16, 2 threads) a 32 x 576 by 576 x 1536 product ran 2.3x
-faster than in float32, and the weights read per round halve.
+A package stores its weights once, in `serving.dtype` (float16 by default: `flare export`).
+Activations, norms, attention, the KV cache and logits are float32 on the CPU whatever the
+package stores; only the linear layers (the LM head included) run in a weight format, the one
+this machine multiplies fastest:
 
-Elsewhere bfloat16 and float16 GEMMs are emulated (float16 ran at a quarter of float32's speed
-here, bfloat16 at a sixth on an AVX2 CPU), so such weights are widened to float32 at load. That
-is exact: every bfloat16 and float16 value is a float32 value.
+- `bfloat16`: oneDNN's GEMM on a CPU with AVX512-BF16 or AMX, weights packed once
+  (`model.pack_weight`), float32 accumulation. On a 2-core AMD EPYC (Zen 4, AVX512-BF16) a
+  32 x 576 by 576 x 1536 product ran 2.3x faster than MKL's float32.
+- `float16`: fbgemm's half-precision GEMM on an x86 CPU with AVX2 (every AVX2 CPU has F16C):
+  float16 weights in fbgemm's packed layout, float32 activations and accumulation
+  (`torch.ops.quantized.linear_dynamic_fp16`). On a 2-core AMD EPYC with AVX2 only
+  (`../shared/notes/cpu-gemm-formats.md`) the default model's 30 layers of linear layers took
+  about half of float32's time at 1 to 8 rows and two thirds at 32; the LM head a third at one
+  row. Elsewhere float16 GEMMs are emulated (a quarter of float32's speed).
+- `float32`: MKL, weights first (`model.linear_columns`); exact for every stored dtype, since
+  every bfloat16 and float16 value is a float32 value.
+
+On a GPU the stored 16-bit dtype is multiplied as it is. A float32 package runs in float32
+unless the operator asks for a 16-bit format (`flare run --weight-format`): rounding its
+weights is then their choice.
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import torch
+
+
+class WeightFormat(StrEnum):
+    """What the linear layers' weights are multiplied as (see the module docstring)."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.value)
+
+
+AUTO = "auto"
+FORMAT_CHOICES = (AUTO, *(f.value for f in WeightFormat))
+
+# The largest finite float16: a weight beyond it would become infinite in the float16 format.
+FLOAT16_MAX = torch.finfo(torch.float16).max
+
+
+class WeightFormatError(ValueError):
+    """A weight format that this device or these weights cannot run (names why)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -33,17 +67,63 @@ def cpu_has_native_bf16() -> bool:
     return instructions and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def gemm_dtype(weights: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype the linear layers run in for weights stored as `weights` on `device`."""
-    if weights == torch.float32:
-        return torch.float32
-    if device.type == "cuda":
-        return weights
-    if weights == torch.bfloat16 and device.type == "cpu" and cpu_has_native_bf16():
-        return torch.bfloat16
-    return torch.float32
+def cpu_has_fbgemm_fp16() -> bool:
+    """Whether fbgemm's float16 GEMM runs vectorised here: an x86 CPU with AVX2 (and so F16C and
+    FMA) and a torch built with fbgemm.
+
+    The capability is ATen's, which honours ATEN_CPU_CAPABILITY: `ATEN_CPU_CAPABILITY=default`
+    stands in for a CPU without AVX2 (the tests force the dispatch that way)."""
+    vectorised = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return vectorised and "fbgemm" in torch.backends.quantized.supported_engines
 
 
-def preferred_package_dtype(device: torch.device) -> str:
-    """The serving dtype `--dtype auto` exports: bfloat16 where its GEMMs are native, else float32."""
-    return dtype_name(gemm_dtype(torch.bfloat16, device))
+def fits_float16(weights: torch.Tensor) -> bool:
+    """Whether every value of `weights` is finite in float16 (float16 tops out at 65504)."""
+    return bool(weights.abs().max() <= FLOAT16_MAX) if weights.numel() else True
+
+
+def available_formats(device: torch.device) -> tuple[WeightFormat, ...]:
+    """The formats that run natively on `device`, fastest first."""
+    if device.type != "cpu":
+        return (WeightFormat.BFLOAT16, WeightFormat.FLOAT16, WeightFormat.FLOAT32)
+    formats = []
+    if cpu_has_native_bf16():
+        formats.append(WeightFormat.BFLOAT16)
+    if cpu_has_fbgemm_fp16():
+        formats.append(WeightFormat.FLOAT16)
+    return (*formats, WeightFormat.FLOAT32)
+
+
+def choose_weight_format(
+    stored: torch.dtype, device: torch.device, requested: str = AUTO, *, weights_fit_float16: bool = True
+) -> WeightFormat:
+    """The format the linear layers of weights stored as `stored` run in on `device`.
+
+    `auto`: float32 weights stay float32; 16-bit weights take the fastest 16-bit format that
+    runs natively here (on a GPU, the stored dtype itself), else float32. A named format is
+    honoured where it runs natively and raises `WeightFormatError` where it does not (an
+    emulated 16-bit GEMM is several times slower than float32). `weights_fit_float16` is False
+    when a weight lies beyond float16's range: float16 is then never chosen nor allowed.
+    """
+    if requested not in FORMAT_CHOICES:
+        raise WeightFormatError(f"the weight format must be one of {', '.join(FORMAT_CHOICES)}, got {requested!r}")
+    available = [f for f in available_formats(device) if weights_fit_float16 or f != WeightFormat.FLOAT16]
+    if requested == AUTO:
+        if stored == torch.float32:
+            return WeightFormat.FLOAT32
+        if device.type != "cpu":
+            stored_format = WeightFormat(dtype_name(stored))
+            return stored_format if stored_format in available else WeightFormat.FLOAT32
+        return available[0]
+    wanted = WeightFormat(requested)
+    if wanted in available:
+        return wanted
+    if wanted == WeightFormat.FLOAT16 and not weights_fit_float16:
+        raise WeightFormatError("weight format float16: a weight of this package lies beyond float16's range (65504)")
+    needs = {
+        WeightFormat.BFLOAT16: "a CPU that multiplies bfloat16 natively (AVX512-BF16 or AMX)",
+        WeightFormat.FLOAT16: "an x86 CPU with AVX2 and F16C and a torch built with fbgemm",
+    }
+    raise WeightFormatError(
+        f"weight format {requested} needs {needs[wanted]}; this CPU runs {', '.join(available)}"
+    )

@@ -7,6 +7,7 @@ converted and written, atomically (`write_package`).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 from collections.abc import Mapping
@@ -18,7 +19,7 @@ from typing import TextIO
 
 import torch
 
-from flare.engine.precision import preferred_package_dtype
+from flare.engine.precision import fits_float16
 from flare.preparation.contract import check_contract
 from flare.preparation.default_model import DEFAULT_SOURCE, default_gguf_path
 from flare.preparation.gguf_source import open_gguf
@@ -169,9 +170,29 @@ def check_options(options: ExportOptions) -> None:
 
 
 def resolve_dtype(dtype: str) -> str:
-    """`dtype`, or for `auto` the one this machine serves fastest: bfloat16 where the CPU
-    multiplies it natively, float32 otherwise (`engine.precision`)."""
-    return preferred_package_dtype(torch.device("cpu")) if dtype == AUTO_DTYPE else dtype
+    """`dtype`, or for `auto` float16: one package that serves fast on every CPU kind.
+
+    The engine picks the format its linear layers multiply in at load (`engine.precision`):
+    fbgemm's float16 GEMM on AVX2 CPUs, oneDNN's bfloat16 where bfloat16 is native, float32
+    elsewhere. Stored float16 keeps 11 significant bits to bfloat16's 8, so it is the closer of
+    the two to the source, exact for the float16 GEMM and rounded once more for bfloat16. A
+    model with a weight beyond float16's range is stored in bfloat16 instead (`store_dtype`).
+    """
+    return "float16" if dtype == AUTO_DTYPE else dtype
+
+
+def store_dtype(options: ExportOptions, serving: ServingConfig, state_dict: Mapping[str, torch.Tensor]) -> ServingConfig:
+    """`serving` with the dtype the weights can be stored in: float16 only where every weight
+    is finite in it; `auto` then falls back to bfloat16, an explicit `--dtype float16` is refused."""
+    if serving.dtype != "float16" or all(fits_float16(tensor) for tensor in state_dict.values()):
+        return serving
+    if options.dtype != AUTO_DTYPE:
+        raise ExportError(
+            "--dtype float16: a weight of this model lies beyond float16's range (65504); "
+            "use --dtype bfloat16 or float32",
+            option="--dtype",
+        )
+    return dataclasses.replace(serving, dtype="bfloat16")
 
 
 def open_source(source: str) -> ModelSource:
@@ -286,7 +307,8 @@ def export_package(source: str, out_dir: Path, options: ExportOptions, *, stderr
 
     # Everything is checked: the heavy part starts here.
     state_dict = model.read_weights(progress.count)
-    progress.step(f"writing {out_dir}")
+    serving = store_dtype(options, serving, state_dict)
+    progress.step(f"writing {out_dir} ({serving.dtype} weights)")
     try:
         manifest = write_package(
             out_dir,

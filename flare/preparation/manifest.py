@@ -24,8 +24,8 @@ from flare.sampling.policy import PolicyError, SamplingPolicy
 FORMAT_VERSION = 2  # 2: provenance.name (the model name clients use)
 MANIFEST_NAME = "manifest.json"
 DTYPES = ("float32", "bfloat16", "float16")
-# What `flare export --dtype` takes besides DTYPES: the dtype this machine serves fastest
-# (`export.resolve_dtype`); a manifest always names the resolved one.
+# What `flare export --dtype` takes besides DTYPES: float16, or bfloat16 for weights beyond
+# float16's range (`export.resolve_dtype`); a manifest always names the stored one.
 AUTO_DTYPE = "auto"
 DRAFTERS = ("ngram",)
 MAX_DRAFT_TOKENS = 16

@@ -30,7 +30,6 @@ import torch
 from flare.engine.drafters import Draft, Drafter, make_drafter
 from flare.engine.kv_cache import BlockAllocator, KVCache, OutOfBlocks, blocks_for_tokens, default_kv_cache_bytes
 from flare.engine.model import load_model
-from flare.engine.precision import dtype_name
 from flare.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from flare.kernels.status import DeviceStatus
 from flare.preparation.contract import check_contract
@@ -76,6 +75,7 @@ class SchedulerOptions:
     on_invalid_speculation: Literal["fallback", "fail"] = "fallback"
     fault_injection: bool = False
     device: str = "cpu"
+    weight_format: str = "auto"  # precision.FORMAT_CHOICES: what the linear layers multiply in
     idle_tick_s: float = 1.0  # how often an idle loop wakes to send its heartbeat
 
 
@@ -115,6 +115,8 @@ class SchedulerSnapshot:
     tokens_per_second: float
     max_concurrency: int
     draft_tokens: int
+    weights_dtype: str  # what the package stores
+    weight_format: str  # what the linear layers multiply in here (`precision.WeightFormat`)
 
 
 @dataclass
@@ -217,7 +219,7 @@ class Scheduler:
             )
         device = torch.device(options.device)
         config = package.manifest.model
-        model = load_model(package, device=device)
+        model = load_model(package, device=device, weight_format=options.weight_format)
         budget = options.kv_cache_memory or default_kv_cache_bytes(
             config, max_context=serving.max_context, max_concurrency=max_concurrency, block_size=options.block_size
         )
@@ -228,7 +230,7 @@ class Scheduler:
             threads=torch.get_num_threads(),
             native_kernels=model.native_kernels,
             weights_dtype=serving.dtype,
-            gemm_dtype=dtype_name(model.gemm_dtype),
+            weight_format=str(model.weight_format),
             kv_cache_blocks=kv_cache.num_blocks,
             block_size=kv_cache.block_size,
         )
@@ -339,6 +341,8 @@ class Scheduler:
             tokens_per_second=self._throughput.rate,
             max_concurrency=self.max_concurrency,
             draft_tokens=self.draft_tokens,
+            weights_dtype=self.package.manifest.serving.dtype,
+            weight_format=str(self._runner.model.weight_format),
         )
 
     def requests(self) -> list[RequestInfo]:

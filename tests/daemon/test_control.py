@@ -71,6 +71,8 @@ class FakeTarget:
             kv_blocks_total=64,
             draining=self.draining,
             device_statuses={"OK": 90, "INVALID_SPECULATION": 2},
+            weights_dtype="float16",
+            weight_format="float16",
             generated_tokens_per_s=41.25,
             log_level=self.log_level,
             pid=1234,
@@ -165,6 +167,7 @@ async def test_status_table_is_readable(socket_path: Path) -> None:
     assert "state            serving" in lines
     assert "uptime           1h02m05s" in lines
     assert "kv blocks        7 / 64 in use" in lines
+    assert "weights          float16 stored, float16 GEMMs" in lines
     assert "device statuses  OK 90, INVALID_SPECULATION 2" in lines
 
 
@@ -361,6 +364,8 @@ class SchedulerSnapshot:  # the fields of flare.scheduler.scheduler.SchedulerSna
     draining: bool
     device_statuses: dict[str, int]
     tokens_per_second: float
+    weights_dtype: str
+    weight_format: str
 
 
 @dataclass(frozen=True)
@@ -388,6 +393,8 @@ class FakeScheduler:
             draining=self.draining,
             device_statuses={"OK": 14},
             tokens_per_second=12.345,
+            weights_dtype="float16",
+            weight_format="float32",
         )
 
     def requests(self) -> list[RequestInfo]:
@@ -427,6 +434,7 @@ def test_daemon_control_reports_the_scheduler_and_cancels_with_an_operator_error
     status = control.status()
     assert (status.package, status.running, status.kv_blocks_used, status.kv_blocks_total) == ("smollm2", 2, 9, 128)
     assert status.generated_tokens_per_s == 12.35 and status.log_level == "warning"
+    assert (status.weights_dtype, status.weight_format) == ("float16", "float32")
     assert status.summary() == "serving smollm2: 2 running, 0 waiting, 12.3 tokens/s"
     assert control.requests() == [RequestRow("r1", "running", 1.235, 5, 6)]
     assert control.cancel("r1")

@@ -18,13 +18,12 @@ from flare.engine.model import (
     linear_columns,
     pack_weight,
 )
+from flare.engine.precision import WeightFormat, cpu_has_fbgemm_fp16
 
 from tiny_llama import random_state_dict, tiny_config
 
 BLOCK_SIZE = 4
 TOLERANCE = 1e-4  # float32; the two paths sum in different orders
-# The layer's fused steps run in the native kernels or in their torch counterparts; both must match.
-KERNEL_PATHS = pytest.mark.parametrize("native", [False, True], ids=["torch", "native-kernels"])
 # bfloat16 weights are packed for oneDNN on CPUs it runs bfloat16 on (AVX-512 or newer), plain elsewhere.
 PACKING = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 BF16_LAYOUTS = pytest.mark.parametrize(
@@ -32,6 +31,26 @@ BF16_LAYOUTS = pytest.mark.parametrize(
     [False, pytest.param(True, marks=pytest.mark.skipif(not PACKING, reason="oneDNN has no bfloat16 on this CPU"))],
     ids=["plain", "packed"],
 )
+# float16 weights go to fbgemm on x86 CPUs with AVX2 (CI's class).
+FBGEMM = pytest.mark.skipif(not cpu_has_fbgemm_fp16(), reason="fbgemm's float16 GEMM does not run on this CPU")
+# The layer's fused steps run in the native kernels or in their torch counterparts, on linear
+# layers that give columns (float32) or rows (fbgemm's float16): every pair must match.
+ENGINE_PATHS = pytest.mark.parametrize(
+    "native, weight_format",
+    [
+        (False, WeightFormat.FLOAT32),
+        (True, WeightFormat.FLOAT32),
+        pytest.param(False, WeightFormat.FLOAT16, marks=FBGEMM),
+        pytest.param(True, WeightFormat.FLOAT16, marks=FBGEMM),
+    ],
+    ids=["torch", "native-kernels", "torch-float16", "native-kernels-float16"],
+)
+
+
+def held_exactly(state: dict[str, torch.Tensor], weight_format: WeightFormat) -> dict[str, torch.Tensor]:
+    """`state` rounded to what `weight_format` stores, so a float16 model and the dense float32
+    reference multiply the same weights."""
+    return {name: tensor.to(weight_format.dtype).float() for name, tensor in state.items()}
 
 
 def dense_reference(config, state, token_ids: list[int]) -> torch.Tensor:
@@ -121,9 +140,12 @@ def test_one_prompt_in_one_chunk_matches_the_dense_forward(tie: bool) -> None:
     torch.testing.assert_close(logits, dense_reference(config, state, tokens), atol=TOLERANCE, rtol=0)
 
 
-@KERNEL_PATHS
-def test_prompt_split_in_chunks_over_several_calls_matches_the_dense_forward(config, state_dict, native) -> None:
-    model = LlamaModel(config, state_dict, native_kernels=native)
+@ENGINE_PATHS
+def test_prompt_split_in_chunks_over_several_calls_matches_the_dense_forward(
+    config, state_dict, native, weight_format
+) -> None:
+    state_dict = held_exactly(state_dict, weight_format)
+    model = LlamaModel(config, state_dict, native_kernels=native, weight_format=weight_format)
     cache = new_cache(config)
     tokens = random_tokens(config, 61, seed=3)
     table = shuffled_allocator(cache.num_blocks, seed=4).allocate(blocks_for(len(tokens)))
@@ -140,9 +162,12 @@ def test_prompt_split_in_chunks_over_several_calls_matches_the_dense_forward(con
     assert start == len(tokens)
 
 
-@KERNEL_PATHS
-def test_mixed_batch_of_chunks_decode_and_verify_rows_matches_the_dense_forward(config, state_dict, native) -> None:
-    model = LlamaModel(config, state_dict, native_kernels=native)
+@ENGINE_PATHS
+def test_mixed_batch_of_chunks_decode_and_verify_rows_matches_the_dense_forward(
+    config, state_dict, native, weight_format
+) -> None:
+    state_dict = held_exactly(state_dict, weight_format)
+    model = LlamaModel(config, state_dict, native_kernels=native, weight_format=weight_format)
     cache = new_cache(config, num_blocks=128)
     allocator = shuffled_allocator(cache.num_blocks, seed=5)
 
@@ -234,7 +259,7 @@ def test_bfloat16_linear_layers_equal_float32_products_of_the_rounded_operands(p
     generator = torch.Generator().manual_seed(0)
     for rows, columns in ((40, 24), (2 * OUTPUT_CHUNK + 100, 24)):
         weight = torch.randn(rows, columns, generator=generator).bfloat16()
-        applied = pack_weight(weight) if packed else weight
+        applied = pack_weight(weight, WeightFormat.BFLOAT16) if packed else weight
         for tokens in (1, 3, CHUNKED_MIN_TOKENS, 40):
             x = torch.randn(tokens, columns, generator=generator)
             exact = x.bfloat16().float() @ weight.float().T
@@ -247,14 +272,62 @@ def test_bfloat16_linear_layers_equal_float32_products_of_the_rounded_operands(p
             torch.testing.assert_close(as_columns, exact.T, atol=scale * 2**-8, rtol=2**-8)
 
 
+@FBGEMM
+def test_float16_linear_layers_equal_float32_products_of_the_rounded_weights() -> None:
+    # fbgemm rounds only the weights to float16 (11 significant bits); activations stay float32
+    # and products accumulate in float32, so the result is a float32 product of the rounded
+    # weights up to summation order.
+    generator = torch.Generator().manual_seed(0)
+    for rows, columns in ((40, 24), (2 * OUTPUT_CHUNK + 100, 576)):
+        weight = torch.randn(rows, columns, generator=generator)
+        packed = pack_weight(weight, WeightFormat.FLOAT16)
+        assert isinstance(packed, torch.ScriptObject)
+        for tokens in (1, 3, CHUNKED_MIN_TOKENS, 40):
+            x = torch.randn(tokens, columns, generator=generator)
+            exact = (x.double() @ weight.half().double().T).float()
+            as_rows, as_columns = linear(x, packed), linear_columns(x, packed)
+            assert as_rows.dtype == as_columns.dtype == torch.float32
+            assert as_rows.shape == (tokens, rows) and as_columns.shape == (rows, tokens)
+            assert as_columns.is_contiguous()
+            torch.testing.assert_close(as_rows, exact, atol=1e-5 * exact.abs().amax(), rtol=1e-5)
+            torch.testing.assert_close(as_columns, exact.T, atol=1e-5 * exact.abs().amax(), rtol=1e-5)
+            # Against float32 weights, only the weights' rounding (2^-11 relative) shows.
+            unrounded = x @ weight.T
+            assert (as_rows - unrounded).abs().max() < 2**-10 * (x.abs() @ weight.abs().T).max()
+
+
+@FBGEMM
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_model_with_float16_gemms_tracks_the_float32_model_on_the_same_weights(tie: bool) -> None:
+    config = tiny_config(tie_word_embeddings=tie)
+    # Weights that float16 holds exactly, so the two models differ only in how they multiply.
+    state = {name: tensor.half().float() for name, tensor in random_state_dict(config).items()}
+    exact = LlamaModel(config, state)
+    fast = LlamaModel(config, state, weight_format=WeightFormat.FLOAT16)
+    assert fast.weight_format == WeightFormat.FLOAT16 and fast.dtype == torch.float32
+    assert fast.embed.dtype == torch.float16 and isinstance(fast.lm_head, torch.ScriptObject)
+    caches = new_cache(config), new_cache(config)
+    tokens = random_tokens(config, 30, seed=7)
+    table = list(range(blocks_for(len(tokens) + 1)))
+    prompt = ForwardBatch.build([ForwardRow(tokens, 0, table, num_logits=len(tokens))], BLOCK_SIZE)
+    decode = ForwardBatch.build([ForwardRow([tokens[0]], len(tokens), table, num_logits=1)], BLOCK_SIZE)
+    for batch in (prompt, decode):
+        reference, logits = exact.forward(batch, caches[0]), fast.forward(batch, caches[1])
+        assert logits.dtype == torch.float32 and logits.shape == reference.shape
+        # Only the summation order differs: float32 accumulation on both sides.
+        torch.testing.assert_close(logits, reference, atol=1e-4 * reference.abs().max(), rtol=1e-4)
+        assert torch.equal(logits.argmax(-1), reference.argmax(-1))
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_a_model_with_bfloat16_gemms_tracks_the_float32_model_on_the_same_weights(tie: bool) -> None:
     config = tiny_config(tie_word_embeddings=tie)
     # Weights that bfloat16 holds exactly, so the two models differ only in how they multiply.
     state = {name: tensor.bfloat16().float() for name, tensor in random_state_dict(config).items()}
     exact = LlamaModel(config, state)
-    rounded = LlamaModel(config, state, gemm_dtype=torch.bfloat16)
-    assert rounded.packed_weights == PACKING and rounded.dtype == torch.float32
+    rounded = LlamaModel(config, state, weight_format=WeightFormat.BFLOAT16)
+    packed = isinstance(rounded.lm_head, torch.Tensor) and rounded.lm_head.is_mkldnn
+    assert packed == PACKING and rounded.dtype == torch.float32
     caches = new_cache(config), new_cache(config)
     tokens = random_tokens(config, 30, seed=7)
     table = list(range(blocks_for(len(tokens) + 1)))

@@ -42,21 +42,38 @@ def test_export_from_a_hugging_face_directory_writes_a_servable_package(
     assert manifest.sampling.defaults["max_tokens"] == 512
     weights = package.load_state_dict()
     for name, tensor in package_parts["state_dict"].items():
-        assert torch.equal(weights[name], tensor.to(torch.bfloat16).float())
+        assert torch.equal(weights[name], tensor.to(torch.bfloat16).to(torch.float16))  # auto: float16
     assert package.chat_template == package_parts["chat_template"]
 
 
 @pytest.mark.parametrize("native_bf16", [True, False], ids=["native-bf16-cpu", "other-cpu"])
-def test_dtype_auto_writes_the_dtype_this_cpu_multiplies_fastest(
+def test_dtype_auto_writes_float16_whatever_the_cpu(
     tmp_path: Path, tiny_hf_directory: Path, monkeypatch: pytest.MonkeyPatch, native_bf16: bool
 ) -> None:
+    # One package serves fast on every CPU kind: the engine picks the format at load.
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native_bf16)
     manifest = export_package(str(tiny_hf_directory), tmp_path / "pkg", ExportOptions(dtype="auto"))
-    expected = "bfloat16" if native_bf16 else "float32"
-    # The manifest names the resolved dtype, never "auto": a package serves the same everywhere.
-    assert manifest.serving.dtype == expected
+    # The manifest names the stored dtype, never "auto".
+    assert manifest.serving.dtype == "float16"
     weights = open_package(tmp_path / "pkg").load_state_dict()
-    assert {tensor.dtype for tensor in weights.values()} == {getattr(torch, expected)}
+    assert {tensor.dtype for tensor in weights.values()} == {torch.float16}
+
+
+def test_weights_beyond_float16_range_are_stored_in_bfloat16_under_auto_and_refused_under_float16(
+    tmp_path: Path, make_hf_directory, package_parts
+) -> None:
+    state = dict(package_parts["state_dict"])
+    state["model.layers.0.mlp.down_proj.weight"] = state["model.layers.0.mlp.down_proj.weight"].clone()
+    state["model.layers.0.mlp.down_proj.weight"][0, 0] = 1e5
+    source = make_hf_directory(tmp_path / "wide", {**package_parts, "state_dict": state})
+    manifest = export_package(str(source), tmp_path / "auto", ExportOptions(dtype="auto"))
+    assert manifest.serving.dtype == "bfloat16"
+    stored = open_package(tmp_path / "auto").load_state_dict()["model.layers.0.mlp.down_proj.weight"][0, 0]
+    assert stored == torch.tensor(1e5).bfloat16()
+    with pytest.raises(ExportError, match=r"--dtype float16: a weight of this model lies beyond float16's range") as error:
+        export_package(str(source), tmp_path / "f16", ExportOptions(dtype="float16"))
+    assert error.value.option == "--dtype"
+    assert not (tmp_path / "f16").exists()
 
 
 def test_serving_and_sampling_options_reach_the_manifest(tmp_path: Path, tiny_hf_directory: Path) -> None:

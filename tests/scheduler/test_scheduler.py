@@ -127,22 +127,68 @@ async def test_every_round_is_logged_with_what_the_draft_length_model_learns_fro
     assert any(r["drafts"] > 0 for r in rounds) and all(0 <= r["accepted"] <= r["drafts"] for r in rounds)
 
 
-@pytest.mark.parametrize("native_bf16", [True, False], ids=["native-bf16-cpu", "other-cpu"])
-async def test_a_bfloat16_package_serves_and_logs_the_dtype_its_gemms_run_in(make_package, monkeypatch, native_bf16):
-    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native_bf16)
-    package = make_package(serving={"dtype": "bfloat16"})
+# (package dtype, CPU kind, the format its linear layers run in). An "avx2" CPU runs fbgemm's
+# float16 GEMM, a "native-bf16" one oneDNN's bfloat16, a "plain" one neither.
+FORMAT_CHOICES = [
+    ("float16", "avx2", "float16"),
+    ("float16", "native-bf16", "bfloat16"),
+    ("float16", "plain", "float32"),
+    ("bfloat16", "avx2", "float16"),
+    ("float32", "avx2", "float32"),
+]
+
+
+@pytest.mark.parametrize("stored, cpu, runs", FORMAT_CHOICES, ids=[f"{s}-on-{c}" for s, c, _ in FORMAT_CHOICES])
+async def test_a_package_serves_in_the_format_its_cpu_runs_fastest_and_logs_it(make_package, monkeypatch, stored, cpu, runs):
+    if cpu == "avx2" and not precision.cpu_has_fbgemm_fp16():
+        pytest.skip("fbgemm's float16 GEMM does not run on this CPU")
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: cpu == "native-bf16")
+    monkeypatch.setattr(precision, "cpu_has_fbgemm_fp16", lambda: cpu == "avx2")
+    package = make_package(serving={"dtype": stored})
     with structlog.testing.capture_logs() as logs:
         async with running(package, draft_tokens=0) as scheduler:
             outcome = (await generate_all(scheduler, [request(scheduler, "b", PROMPTS[0])]))["b"]
+            snapshot = scheduler.snapshot()
     assert isinstance(outcome.end, Finished) and len(outcome.token_ids) == GREEDY.max_tokens
     (loaded,) = [entry for entry in logs if entry["event"] == "engine_loaded"]
-    assert loaded["weights_dtype"] == "bfloat16"
-    assert loaded["gemm_dtype"] == ("bfloat16" if native_bf16 else "float32")
+    assert (loaded["weights_dtype"], loaded["weight_format"]) == (stored, runs)
+    assert (snapshot.weights_dtype, snapshot.weight_format) == (stored, runs)
 
 
-async def test_seeded_sampling_gives_the_same_tokens_alone_and_in_a_batch(tiny_package):
+async def test_a_weight_format_this_cpu_cannot_run_is_refused_at_load_naming_it(make_package, monkeypatch):
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    package = make_package(serving={"dtype": "float16"})
+    with pytest.raises(precision.WeightFormatError, match="weight format bfloat16 needs a CPU that multiplies bfloat16"):
+        Scheduler.from_package(open_package(package), SchedulerOptions(weight_format="bfloat16"))
+
+
+@pytest.mark.skipif(not precision.cpu_has_fbgemm_fp16(), reason="fbgemm's float16 GEMM does not run on this CPU")
+async def test_float16_gemms_give_the_greedy_answers_of_float32_on_weights_float16_holds(make_package):
+    # The same float16 weights multiplied in float16 (fbgemm, float32 accumulation) and in float32:
+    # only summation order differs, which the greedy choices of a random model do not feel.
+    package = make_package(serving={"dtype": "float16"})
+    answers = {}
+    for weight_format in ("float32", "float16"):
+        async with running(package, weight_format=weight_format, draft_tokens=0) as scheduler:
+            outcomes = await generate_all(scheduler, [request(scheduler, f"r{i}", p) for i, p in enumerate(PROMPTS)])
+        answers[weight_format] = {rid: o.token_ids for rid, o in outcomes.items()}
+    assert answers["float16"] == answers["float32"]
+
+
+@pytest.mark.parametrize(
+    "weight_format",
+    [
+        "float32",
+        pytest.param(
+            "float16",
+            marks=pytest.mark.skipif(not precision.cpu_has_fbgemm_fp16(), reason="fbgemm's float16 GEMM does not run here"),
+        ),
+    ],
+)
+async def test_seeded_sampling_gives_the_same_tokens_alone_and_in_a_batch(make_package, weight_format):
     seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=10)
-    async with running(tiny_package) as scheduler:
+    package = make_package(serving={"dtype": "float16"})
+    async with running(package, weight_format=weight_format) as scheduler:
         alone = (await generate_all(scheduler, [request(scheduler, "s", PROMPTS[1], seeded)]))["s"]
         others = [request(scheduler, f"o{i}", p, SamplingParams(temperature=1.0, max_tokens=10)) for i, p in enumerate(PROMPTS)]
         batch = await generate_all(scheduler, [*others, request(scheduler, "s", PROMPTS[1], seeded)])
