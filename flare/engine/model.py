@@ -34,7 +34,7 @@ from flare.engine.precision import WeightFormat
 from flare.engine.batch import SHORT_ROW_MAX_TOKENS, AttentionGroup, ForwardBatch
 from flare.engine.kv_cache import KVCache
 from flare.preparation.manifest import ModelConfig
-from flare.preparation.package import TORCH_DTYPES, Package, weight_problems
+from flare.preparation.package import TORCH_DTYPES, Package, fits_float16, weight_problems
 
 
 class WeightsError(ValueError):
@@ -436,6 +436,6 @@ def load_model(package: Package, device: torch.device | str = "cpu", weight_form
     state_dict = package.load_state_dict()
     # Stored float16 fits by construction; other weights are scanned only where float16 may run.
     float16_may_run = weight_format == WeightFormat.FLOAT16 or (weight_format == precision.AUTO and stored != torch.float32)
-    fits = stored == torch.float16 or not float16_may_run or all(precision.fits_float16(t) for t in state_dict.values())
+    fits = stored == torch.float16 or not float16_may_run or all(fits_float16(t) for t in state_dict.values())
     chosen = precision.choose_weight_format(stored, device, weight_format, weights_fit_float16=fits)
     return LlamaModel(package.manifest.model, state_dict, device=device, weight_format=chosen)

@@ -28,6 +28,8 @@ from enum import StrEnum
 
 import torch
 
+from flare.preparation.package import fits_float16
+
 
 class WeightFormat(StrEnum):
     """What the linear layers' weights are multiplied as (see the module docstring)."""
@@ -43,10 +45,6 @@ class WeightFormat(StrEnum):
 
 AUTO = "auto"
 FORMAT_CHOICES = (AUTO, *(f.value for f in WeightFormat))
-
-# The largest finite float16: a weight beyond it would become infinite in the float16 format.
-FLOAT16_MAX = torch.finfo(torch.float16).max
-
 
 class WeightFormatError(ValueError):
     """A weight format that this device or these weights cannot run (names why)."""
@@ -75,11 +73,6 @@ def cpu_has_fbgemm_fp16() -> bool:
     stands in for a CPU without AVX2 (the tests force the dispatch that way)."""
     vectorised = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
     return vectorised and "fbgemm" in torch.backends.quantized.supported_engines
-
-
-def fits_float16(weights: torch.Tensor) -> bool:
-    """Whether every value of `weights` is finite in float16 (float16 tops out at 65504)."""
-    return bool(weights.abs().max() <= FLOAT16_MAX) if weights.numel() else True
 
 
 def available_formats(device: torch.device) -> tuple[WeightFormat, ...]:

@@ -19,7 +19,6 @@ from typing import TextIO
 
 import torch
 
-from flare.engine.precision import fits_float16
 from flare.preparation.contract import check_contract
 from flare.preparation.default_model import DEFAULT_SOURCE, default_gguf_path
 from flare.preparation.gguf_source import open_gguf
@@ -34,7 +33,7 @@ from flare.preparation.manifest import (
     Provenance,
     ServingConfig,
 )
-from flare.preparation.package import PackageError, check_destination, write_package
+from flare.preparation.package import PackageError, check_destination, fits_float16, write_package
 from flare.preparation.recipes import Recipe, recipe_for
 from flare.preparation.source import ModelSource, SourceError
 from flare.sampling.policy import (

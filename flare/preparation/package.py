@@ -40,6 +40,13 @@ PACKAGE_FILES = (WEIGHTS_NAME, TOKENIZER_NAME, CHAT_TEMPLATE_NAME)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+# The largest finite float16: a weight beyond it cannot be stored, nor multiplied, in float16.
+FLOAT16_MAX = torch.finfo(torch.float16).max
+
+
+def fits_float16(weights: torch.Tensor) -> bool:
+    """Whether every value of `weights` is finite in float16 (float16 tops out at 65504)."""
+    return bool(weights.abs().max() <= FLOAT16_MAX) if weights.numel() else True
 
 
 class PackageError(Exception):

@@ -11,6 +11,7 @@ import torch
 
 from flare.engine import precision
 from flare.engine.precision import WeightFormat, WeightFormatError, choose_weight_format
+from flare.preparation.package import fits_float16
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 F32, BF16, F16 = WeightFormat.FLOAT32, WeightFormat.BFLOAT16, WeightFormat.FLOAT16
@@ -71,9 +72,9 @@ def test_weights_beyond_float16_range_never_run_in_float16(cpu_kind) -> None:
 
 
 def test_fits_float16_is_false_past_65504() -> None:
-    assert precision.fits_float16(torch.tensor([-65504.0, 1e-9, 0.0]))
-    assert not precision.fits_float16(torch.tensor([0.5, 70000.0]))
-    assert not precision.fits_float16(torch.tensor([float("inf")]))
+    assert fits_float16(torch.tensor([-65504.0, 1e-9, 0.0]))
+    assert not fits_float16(torch.tensor([0.5, 70000.0]))
+    assert not fits_float16(torch.tensor([float("inf")]))
 
 
 def _in_subprocess(env: dict[str, str], script: str) -> str:
