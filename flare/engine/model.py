@@ -155,8 +155,9 @@ def linear_columns(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     """x [T, in] through a linear layer of weight [out, in], returned as columns: [out, T].
 
     In x's dtype. A weight of another dtype takes x rounded to it, and its product is widened
-    back; a packed weight (`pack_weight`) gives rows, transposed here (one row is its own
-    column: a view).
+    back; a packed weight (`pack_weight`) gives rows, returned as their transposed view (the C
+    kernels read either layout through its strides; a copy into columns cost 7% of a 32-row
+    round in float16).
 
     A plain weight is computed weights first, as `weight @ x.T` with x.T passed to BLAS as a
     transposed operand: a round's few rows become the GEMM's narrow N side and the weights are
@@ -174,9 +175,7 @@ def linear_columns(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     dtype = x.dtype
     rows = _packed_rows(x, weight)
     if rows is not None:
-        if rows.shape[0] == 1 and rows.dtype == dtype:
-            return rows.view(-1, 1)
-        return torch.empty(rows.shape[1], rows.shape[0], dtype=dtype, device=x.device).copy_(rows.t())
+        return rows.to(dtype).t()
     x = x.to(weight.dtype).contiguous()
     if x.shape[0] == 1:
         return torch.mm(weight, torch.cat((x, x)).t())[:, :1].to(dtype)
@@ -300,22 +299,32 @@ class LlamaModel:
             raise ValueError(
                 f"position {batch.max_position} is past the model's context of {self.config.max_position_embeddings}"
             )
-        cfg = self.config
-        eps = cfg.rms_norm_eps
-        hidden_shape = (cfg.hidden_size,)
-
         h = F.embedding(batch.token_ids, self.embed).to(self.dtype)
         rope = None if self.native_kernels else self._rope(batch)
         calls = self._plan_attention(batch, kv_cache)
+        # Each sublayer's output is added to the residual stream h by the norm that reads it next.
+        delta = None
         for index, layer in enumerate(self.layers):
-            x = F.rms_norm(h, hidden_shape, layer.input_norm, eps)
+            x = self._add_norm(h, delta, layer.input_norm)
             keys, values = kv_cache.keys[index], kv_cache.values[index]
             q = self._rope_and_cache(linear_columns(x, layer.qkv), batch, rope, keys, values)
-            h += linear(self._attention(q, keys, values, calls), layer.o)
-            x = F.rms_norm(h, hidden_shape, layer.post_norm, eps)
-            h += linear(self._swiglu(linear_columns(x, layer.gate_up)), layer.down)
-        h = F.rms_norm(h[batch.logit_indices], hidden_shape, self.norm, eps)
+            delta = linear(self._attention(q, keys, values, calls), layer.o)
+            x = self._add_norm(h, delta, layer.post_norm)
+            delta = linear(self._swiglu(linear_columns(x, layer.gate_up)), layer.down)
+        if delta is not None:
+            h += delta
+        h = self._add_norm(h[batch.logit_indices], None, self.norm)
         return linear(h, self.lm_head).contiguous().float()
+
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        """`h += delta` (a sublayer's output, when given), then RMSNorm of h (the torch
+        counterpart of `native.add_rms_norm`)."""
+        eps = self.config.rms_norm_eps
+        if self.native_kernels:
+            return native.add_rms_norm(h, delta, weight, eps)
+        if delta is not None:
+            h += delta
+        return F.rms_norm(h, (self.config.hidden_size,), weight, eps)
 
     def _rope(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, D/2] of the round's positions, gathered once for every layer."""
@@ -334,7 +343,7 @@ class LlamaModel:
         heads, kv_heads, head_dim = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
         if self.native_kernels:
             return native.rope_and_cache(
-                qkv_columns.contiguous(), batch.positions, batch.slot_mapping, self.rope_cos, self.rope_sin, keys, values, heads
+                qkv_columns, batch.positions, batch.slot_mapping, self.rope_cos, self.rope_sin, keys, values, heads
             )
         assert rope is not None, "the torch path needs the round's cos and sin (`_rope`)"
         qkv = qkv_columns.t().contiguous().view(batch.num_tokens, heads + 2 * kv_heads, head_dim)
@@ -349,7 +358,7 @@ class LlamaModel:
         """silu(gate) * up [T, intermediate] from the gate/up layer's columns (the torch
         counterpart of `native.swiglu_rows`)."""
         if self.native_kernels:
-            return native.swiglu_rows(gate_up_columns.contiguous())
+            return native.swiglu_rows(gate_up_columns)
         # On the columns, where gate and up are contiguous halves: on the transposed view the
         # elementwise ops are strided (2 ms a round slower at 32 rows).
         gate, up = gate_up_columns.chunk(2)

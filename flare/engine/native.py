@@ -7,10 +7,11 @@ built (no C compiler at install time) and that the tests hold it equal to:
 - `paged_attention`: attention of short rows read straight from the paged KV pool, instead of
   gathering each row's blocks into a copy for SDPA;
 - `rope_and_cache`: RoPE on q and k and the write of k and v into the pool, straight from the
-  q/k/v layer's columns, instead of a transposing copy, five elementwise passes and two
-  index copies;
-- `swiglu_rows`: silu(gate) * up from the gate/up layer's columns into the rows the down
-  projection reads, instead of two passes and a transposing copy.
+  q/k/v layer's output (columns or rows, read through its strides), instead of a transposing
+  copy, five elementwise passes and two index copies;
+- `swiglu_rows`: silu(gate) * up from the gate/up layer's output into the rows the down
+  projection reads, instead of two passes and a transposing copy;
+- `add_rms_norm`: the residual add and the RMSNorm after it, instead of seven passes.
 
 The kernels trust the addresses they are given, so every function here first checks the
 tensors behind them (device, dtype, shape, strides); the C side checks every index into the
@@ -128,7 +129,8 @@ def rope_and_cache(
 ) -> torch.Tensor:
     """Rotate q and k of every token, write k and v into the pools, return q [T, heads, D].
 
-    qkv_columns [(heads + 2 kv_heads) * D, T] (the q/k/v layer's columns), positions and slots
+    qkv_columns [(heads + 2 kv_heads) * D, T] (the q/k/v layer's output as columns: contiguous,
+    or the transposed view of its rows; any strides are read as they are), positions and slots
     [T] int64 (slot = block * block_size + offset), cos and sin [max_positions, D / 2], keys and
     values the pools [kv_heads, num_blocks, block_size, D].
     """
@@ -152,14 +154,16 @@ def rope_and_cache(
         problems.append(f"cos and sin must be [positions, {head_dim // 2}], got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if values.shape != keys.shape:
         problems.append(f"keys and values must be pools of one shape, got {keys.shape} and {values.shape}")
-    tensors = (qkv_columns, positions, slots, cos, sin, keys, values)
+    tensors = (positions, slots, cos, sin, keys, values)
     if not all(t.is_contiguous() for t in tensors):
-        problems.append("every tensor must be contiguous")
+        problems.append("every tensor but qkv_columns must be contiguous")
     _check("rope_and_cache", problems)
 
     q = torch.empty(tokens, heads, head_dim, dtype=torch.float32)
     native.rope_and_cache(
         qkv_columns.data_ptr(),
+        qkv_columns.stride(0),
+        qkv_columns.stride(1),
         positions.data_ptr(),
         slots.data_ptr(),
         cos.data_ptr(),
@@ -179,14 +183,58 @@ def rope_and_cache(
 
 
 def swiglu_rows(gate_up_columns: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up as rows [T, I], from the gate/up layer's columns [2 I, T] (gate first)."""
+    """silu(gate) * up as rows [T, I], from the gate/up layer's output as columns [2 I, T] (gate
+    first; contiguous, or the transposed view of its rows)."""
     native = _module()
     channels, tokens = gate_up_columns.shape
     problems = _dtype_problems(gate_up_columns=(gate_up_columns, torch.float32))
-    if channels % 2 or not gate_up_columns.is_contiguous():
-        problems.append(f"gate_up_columns must be contiguous with an even number of channels, got {channels}")
+    if channels % 2:
+        problems.append(f"gate_up_columns must have an even number of channels, got {channels}")
     _check("swiglu_rows", problems)
 
     out = torch.empty(tokens, channels // 2, dtype=torch.float32)
-    native.swiglu_rows(gate_up_columns.data_ptr(), out.data_ptr(), channels // 2, tokens, torch.get_num_threads())
+    native.swiglu_rows(
+        gate_up_columns.data_ptr(),
+        gate_up_columns.stride(0),
+        gate_up_columns.stride(1),
+        out.data_ptr(),
+        channels // 2,
+        tokens,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`h += delta` in place (when delta is given), then RMSNorm of h: returns [T, hidden].
+
+    h [T, hidden] contiguous (the residual stream), delta [T, hidden] with any strides (a linear
+    layer's rows, or its columns' transposed view), weight [hidden].
+    """
+    native = _module()
+    tokens, hidden = h.shape
+    tensors = {"h": (h, torch.float32), "weight": (weight, torch.float32)}
+    if delta is not None:
+        tensors["delta"] = (delta, torch.float32)
+    problems = _dtype_problems(**tensors)
+    if not h.is_contiguous() or not weight.is_contiguous() or weight.shape != (hidden,):
+        problems.append(f"h must be contiguous and weight [{hidden}] contiguous, got {tuple(weight.shape)}")
+    if delta is not None and delta.shape != h.shape:
+        problems.append(f"delta must be shaped like h {tuple(h.shape)}, got {tuple(delta.shape)}")
+    _check("add_rms_norm", problems)
+
+    out = torch.empty_like(h)
+    if tokens:
+        native.add_rms_norm(
+            h.data_ptr(),
+            0 if delta is None else delta.data_ptr(),
+            0 if delta is None else delta.stride(0),
+            0 if delta is None else delta.stride(1),
+            weight.data_ptr(),
+            out.data_ptr(),
+            tokens,
+            hidden,
+            eps,
+            torch.get_num_threads(),
+        )
     return out

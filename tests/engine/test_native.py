@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from flare.engine import native
 from flare.engine.model import LlamaModel, apply_rope, rope_tables
-from flare.engine.native import available, paged_attention, rope_and_cache, swiglu_rows
+from flare.engine.native import add_rms_norm, available, paged_attention, rope_and_cache, swiglu_rows
 
 from tiny_llama import random_state_dict, tiny_config
 
@@ -136,7 +136,7 @@ def test_a_model_uses_the_kernels_where_they_apply_and_the_torch_path_elsewhere(
     config = tiny_config()
     state = random_state_dict(config)
     assert LlamaModel(config, state).native_kernels
-    assert not LlamaModel(config, state, dtype=torch.float64).native_kernels
+    assert not LlamaModel(config, state, dtype=torch.bfloat16).native_kernels
     assert not LlamaModel(config, state, native_kernels=False).native_kernels
 
 
@@ -144,34 +144,44 @@ def test_asking_for_the_kernels_where_they_cannot_run_names_why(monkeypatch) -> 
     config = tiny_config()
     state = random_state_dict(config)
     with pytest.raises(ValueError, match="need a float32 model on the CPU"):
-        LlamaModel(config, state, dtype=torch.float64, native_kernels=True)
+        LlamaModel(config, state, dtype=torch.bfloat16, native_kernels=True)
     monkeypatch.setattr(native, "_native", None)
     assert not LlamaModel(config, state).native_kernels
     with pytest.raises(ValueError, match="extension built: False"):
         LlamaModel(config, state, native_kernels=True)
 
 
-def test_rope_and_cache_rotates_q_and_k_and_writes_k_and_v_into_their_slots() -> None:
+def linear_layouts(columns: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One linear layer's output [channels, tokens] in every layout the model hands the kernels:
+    MKL's contiguous columns, the transposed view of a packed format's rows, and MKL's one-token
+    product (a column of a two-column result, channels two floats apart)."""
+    layouts = {"columns": columns.contiguous(), "rows": columns.t().contiguous().t()}
+    if columns.shape[1] == 1:
+        layouts["one-token column"] = torch.cat((columns, columns), 1)[:, :1]
+    return layouts
+
+
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_rope_and_cache_rotates_q_and_k_and_writes_k_and_v_into_their_slots(tokens: int) -> None:
     config = tiny_config()
     cos, sin = rope_tables(config, torch.float32, "cpu")
     heads, kv_heads, d = config.num_heads, config.num_kv_heads, config.head_dim
-    tokens = 7
     generator = torch.Generator().manual_seed(3)
     qkv = torch.randn(tokens, heads + 2 * kv_heads, d, generator=generator)
-    positions = torch.tensor([0, 1, 2, 40, 41, 300, 5])
-    slots = torch.tensor([9, 3, 30, 0, 17, 22, 31])
-    keys, values = torch.zeros(kv_heads, 4, 8, d), torch.zeros(kv_heads, 4, 8, d)
-
-    q = rope_and_cache(qkv.flatten(1).t().contiguous(), positions, slots, cos, sin, keys, values, heads)
-
+    positions = torch.tensor([0, 1, 2, 40, 41, 300, 5])[:tokens]
+    slots = torch.tensor([9, 3, 30, 0, 17, 22, 31])[:tokens]
     rotated = apply_rope(qkv[:, : heads + kv_heads], cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
-    torch.testing.assert_close(q, rotated[:, :heads], atol=1e-6, rtol=1e-6)
-    flat_keys, flat_values = keys.view(kv_heads, -1, d), values.view(kv_heads, -1, d)
-    torch.testing.assert_close(flat_keys[:, slots], rotated[:, heads:].transpose(0, 1), atol=1e-6, rtol=1e-6)
-    assert torch.equal(flat_values[:, slots], qkv[:, heads + kv_heads :].transpose(0, 1))
-    untouched = torch.ones(32, dtype=torch.bool)
-    untouched[slots] = False
-    assert not flat_keys[:, untouched].any() and not flat_values[:, untouched].any()
+
+    for layout, columns in linear_layouts(qkv.flatten(1).t()).items():
+        keys, values = torch.zeros(kv_heads, 4, 8, d), torch.zeros(kv_heads, 4, 8, d)
+        q = rope_and_cache(columns, positions, slots, cos, sin, keys, values, heads)
+        torch.testing.assert_close(q, rotated[:, :heads], atol=1e-6, rtol=1e-6, msg=layout)
+        flat_keys, flat_values = keys.view(kv_heads, -1, d), values.view(kv_heads, -1, d)
+        torch.testing.assert_close(flat_keys[:, slots], rotated[:, heads:].transpose(0, 1), atol=1e-6, rtol=1e-6)
+        assert torch.equal(flat_values[:, slots], qkv[:, heads + kv_heads :].transpose(0, 1)), layout
+        untouched = torch.ones(32, dtype=torch.bool)
+        untouched[slots] = False
+        assert not flat_keys[:, untouched].any() and not flat_values[:, untouched].any()
 
 
 @pytest.mark.parametrize(
@@ -195,7 +205,10 @@ def test_swiglu_rows_equals_silu_of_gate_times_up_transposed() -> None:
         gate_up[0, 0], gate_up[1, 0] = 90.0, -90.0  # far into both tails
         gate, up = gate_up.chunk(2)
         expected = (torch.nn.functional.silu(gate) * up).t()
-        torch.testing.assert_close(swiglu_rows(gate_up), expected, atol=1e-6, rtol=1e-6)
+        for layout, columns in linear_layouts(gate_up).items():
+            out = swiglu_rows(columns)
+            assert out.is_contiguous() and out.shape == (tokens, intermediate)
+            torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6, msg=layout)
 
 
 def test_swiglu_rows_keeps_nan_where_it_was() -> None:
@@ -203,3 +216,33 @@ def test_swiglu_rows_keeps_nan_where_it_was() -> None:
     gate_up[5, 1] = float("nan")
     out = swiglu_rows(gate_up)
     assert out[1, 5].isnan() and out.isnan().sum() == 1
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 200])
+def test_add_rms_norm_adds_the_sublayer_output_in_place_then_normalises_like_torch(tokens: int) -> None:
+    generator = torch.Generator().manual_seed(5)
+    hidden = 576
+    h = torch.randn(tokens, hidden, generator=generator)
+    weight = 1 + 0.1 * torch.randn(hidden, generator=generator)
+    delta = torch.randn(hidden, tokens, generator=generator).t()  # any layout; here MKL's columns
+    for given in (None, *linear_layouts(delta.t()).values()):
+        stream = h.clone()
+        out = add_rms_norm(stream, None if given is None else given.t(), weight, 1e-5)
+        expected_stream = h if given is None else h + delta
+        assert torch.equal(stream, expected_stream)  # one float32 add, as `h += delta`
+        expected = torch.nn.functional.rms_norm(expected_stream, (hidden,), weight, 1e-5)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_add_rms_norm_keeps_nan_in_its_row_and_refuses_misshapen_input() -> None:
+    h, weight = torch.randn(3, 64), torch.ones(64)
+    delta = torch.zeros(3, 64)
+    delta[1, 7] = float("nan")
+    out = add_rms_norm(h, delta, weight, 1e-5)
+    assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
+    with pytest.raises(ValueError, match=r"delta must be shaped like h \(3, 64\)"):
+        add_rms_norm(h, torch.zeros(3, 32), weight, 1e-5)
+    with pytest.raises(ValueError, match="weight \\[64\\] contiguous"):
+        add_rms_norm(h, None, torch.ones(32), 1e-5)
+    with pytest.raises(ValueError, match="h must be a CPU torch.float32 tensor"):
+        add_rms_norm(h.double(), None, weight, 1e-5)

@@ -59,7 +59,10 @@ int paged_attention(const Attention *a, int64_t longest_row, int threads);
 
 /* RoPE on q and k and the write of k and v into the KV pool: see rope_cache.c. */
 typedef struct {
-    const float *qkv;          /* [(heads + 2 kv_heads) * head_dim, tokens]: a linear layer's columns */
+    /* A linear layer's output, channel c of token t at qkv[c * channel_stride + t * token_stride]:
+     * columns (channel_stride = tokens, token_stride = 1) or rows (1, channels). */
+    const float *qkv;
+    int64_t channel_stride, token_stride;
     const int64_t *positions;  /* [tokens] */
     const int64_t *slots;      /* [tokens]: pool slot (block * block_size + offset) of each token */
     const float *cos, *sin;    /* [max_positions, head_dim / 2] */
@@ -71,8 +74,23 @@ typedef struct {
 
 void rope_and_cache(const RopeCache *r, int threads);
 
-/* SwiGLU from a gate/up linear layer's columns to the rows the down projection reads: see
+/* SwiGLU from a gate/up linear layer's output (channel c of token t at
+ * gate_up[c * channel_stride + t * token_stride]) to the rows the down projection reads: see
  * swiglu.c. Returns 0, or -1 when scratch memory could not be allocated. */
-int swiglu_rows(const float *gate_up, float *out, int64_t intermediate, int64_t tokens, int threads);
+int swiglu_rows(const float *gate_up, int64_t channel_stride, int64_t token_stride, float *out, int64_t intermediate,
+                int64_t tokens, int threads);
+
+/* The residual add and the RMSNorm after it: see rms_norm.c. */
+typedef struct {
+    float *h;                  /* [tokens, hidden], contiguous: the residual stream, updated in place */
+    const float *delta;        /* NULL, or delta[t * delta_token_stride + i * delta_channel_stride] */
+    int64_t delta_token_stride, delta_channel_stride;
+    const float *weight;       /* [hidden] */
+    float *out;                /* [tokens, hidden], contiguous */
+    int64_t tokens, hidden;
+    float eps;
+} AddRmsNorm;
+
+void add_rms_norm(const AddRmsNorm *n, int threads);
 
 #endif

@@ -74,16 +74,19 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
 
 static PyObject *py_rope_and_cache(PyObject *self, PyObject *args) {
     (void)self;
-    Py_ssize_t qkv, positions, slots, cos, sin, max_positions, q_out, keys, values;
+    Py_ssize_t qkv, channel_stride, token_stride, positions, slots, cos, sin, max_positions, q_out, keys, values;
     Py_ssize_t tokens, heads, kv_heads, head_dim, pool_slots, threads;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnn", &qkv, &positions, &slots, &cos, &sin, &max_positions, &q_out,
-                          &keys, &values, &tokens, &heads, &kv_heads, &head_dim, &pool_slots, &threads))
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnn", &qkv, &channel_stride, &token_stride, &positions, &slots, &cos,
+                          &sin, &max_positions, &q_out, &keys, &values, &tokens, &heads, &kv_heads, &head_dim,
+                          &pool_slots, &threads))
         return NULL;
     if (tokens < 1 || heads < 1 || kv_heads < 1 || head_dim < 2 || head_dim % 2 || pool_slots < 1 ||
-        max_positions < 1 || threads < 1)
-        return invalid("rope_and_cache", "sizes must be positive and head_dim even");
+        max_positions < 1 || threads < 1 || channel_stride < 0 || token_stride < 0)
+        return invalid("rope_and_cache", "sizes must be positive, strides non-negative and head_dim even");
     const RopeCache r = {
         .qkv = (const float *)qkv,
+        .channel_stride = channel_stride,
+        .token_stride = token_stride,
         .positions = (const int64_t *)positions,
         .slots = (const int64_t *)slots,
         .cos = (const float *)cos,
@@ -111,14 +114,44 @@ static PyObject *py_rope_and_cache(PyObject *self, PyObject *args) {
 
 static PyObject *py_swiglu_rows(PyObject *self, PyObject *args) {
     (void)self;
-    Py_ssize_t gate_up, out, intermediate, tokens, threads;
-    if (!PyArg_ParseTuple(args, "nnnnn", &gate_up, &out, &intermediate, &tokens, &threads)) return NULL;
-    if (intermediate < 1 || tokens < 1 || threads < 1) return invalid("swiglu_rows", "sizes must be positive");
+    Py_ssize_t gate_up, channel_stride, token_stride, out, intermediate, tokens, threads;
+    if (!PyArg_ParseTuple(args, "nnnnnnn", &gate_up, &channel_stride, &token_stride, &out, &intermediate, &tokens,
+                          &threads))
+        return NULL;
+    if (intermediate < 1 || tokens < 1 || threads < 1 || channel_stride < 0 || token_stride < 0)
+        return invalid("swiglu_rows", "sizes must be positive and strides non-negative");
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = swiglu_rows((const float *)gate_up, (float *)out, intermediate, tokens, (int)threads);
+    status = swiglu_rows((const float *)gate_up, channel_stride, token_stride, (float *)out, intermediate, tokens,
+                         (int)threads);
     Py_END_ALLOW_THREADS
     if (status) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_add_rms_norm(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t h, delta, delta_token_stride, delta_channel_stride, weight, out, tokens, hidden, threads;
+    float eps;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnfn", &h, &delta, &delta_token_stride, &delta_channel_stride, &weight, &out,
+                          &tokens, &hidden, &eps, &threads))
+        return NULL;
+    if (tokens < 1 || hidden < 1 || threads < 1 || delta_token_stride < 0 || delta_channel_stride < 0)
+        return invalid("add_rms_norm", "sizes must be positive and strides non-negative");
+    const AddRmsNorm n = {
+        .h = (float *)h,
+        .delta = (const float *)delta,
+        .delta_token_stride = delta_token_stride,
+        .delta_channel_stride = delta_channel_stride,
+        .weight = (const float *)weight,
+        .out = (float *)out,
+        .tokens = tokens,
+        .hidden = hidden,
+        .eps = eps,
+    };
+    Py_BEGIN_ALLOW_THREADS
+    add_rms_norm(&n, (int)threads);
+    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
@@ -127,9 +160,12 @@ static PyMethodDef methods[] = {
      "paged_attention(q, q_token_stride, keys, values, out, block_table, start_positions, rows, query_len, heads, "
      "kv_heads, head_dim, block_size, num_blocks, max_blocks, scale, threads)"},
     {"rope_and_cache", py_rope_and_cache, METH_VARARGS,
-     "rope_and_cache(qkv, positions, slots, cos, sin, max_positions, q_out, keys, values, tokens, heads, kv_heads, "
-     "head_dim, pool_slots, threads)"},
-    {"swiglu_rows", py_swiglu_rows, METH_VARARGS, "swiglu_rows(gate_up, out, intermediate, tokens, threads)"},
+     "rope_and_cache(qkv, channel_stride, token_stride, positions, slots, cos, sin, max_positions, q_out, keys, "
+     "values, tokens, heads, kv_heads, head_dim, pool_slots, threads)"},
+    {"swiglu_rows", py_swiglu_rows, METH_VARARGS,
+     "swiglu_rows(gate_up, channel_stride, token_stride, out, intermediate, tokens, threads)"},
+    {"add_rms_norm", py_add_rms_norm, METH_VARARGS,
+     "add_rms_norm(h, delta, delta_token_stride, delta_channel_stride, weight, out, tokens, hidden, eps, threads)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -2,9 +2,11 @@
  * in one pass over the q/k/v linear layer's output.
  *
  * The linear layer returns columns, qkv[c, t] for channel c of token t (model.py,
- * `linear_columns`). The torch path transposes them into rows (a copy), rotates q and k (five
- * elementwise passes and a concatenation) and copies k and v into the pool (two index_copy_).
- * Here each channel pair is read once and written once to where it belongs:
+ * `linear_columns`, MKL's float32 product), or rows, qkv[t, c] (fbgemm's and oneDNN's packed
+ * products): the kernel reads either through two strides. The torch path transposes them into
+ * rows (a copy), rotates q and k (five elementwise passes and a concatenation) and copies k and
+ * v into the pool (two index_copy_). Here each channel pair is read once and written once to
+ * where it belongs:
  *
  *   q_out[t, h, d]         = x1 cos(p_t w_d) - x2 sin(p_t w_d)     x1 = x[h D + d], x2 = x[h D + d + D/2]
  *   q_out[t, h, d + D/2]   = x2 cos(p_t w_d) + x1 sin(p_t w_d)     (rotate-half, Hugging Face layout)
@@ -18,14 +20,14 @@
 /* Rotate the channel pairs of the head whose channels start at qkv row `first` into
  * base[row_t * stride + ...], where row_t is slots[t], or t when `slots` is NULL. */
 static inline void rotate_head(const RopeCache *r, int64_t first, float *base, const int64_t *slots, int64_t stride) {
-    const int64_t T = r->tokens, half = r->head_dim / 2;
+    const int64_t T = r->tokens, half = r->head_dim / 2, cs = r->channel_stride, ts = r->token_stride;
     for (int64_t d = 0; d < half; d++) {
-        const float *x1 = r->qkv + (first + d) * T, *x2 = r->qkv + (first + d + half) * T;
+        const float *x1 = r->qkv + (first + d) * cs, *x2 = r->qkv + (first + d + half) * cs;
         for (int64_t t = 0; t < T; t++) {
             const float c = r->cos[r->positions[t] * half + d], s = r->sin[r->positions[t] * half + d];
             float *o = base + (slots ? slots[t] : t) * stride;
-            o[d] = x1[t] * c - x2[t] * s;
-            o[d + half] = x2[t] * c + x1[t] * s;
+            o[d] = x1[t * ts] * c - x2[t * ts] * s;
+            o[d + half] = x2[t * ts] * c + x1[t * ts] * s;
         }
     }
 }
@@ -44,8 +46,8 @@ void rope_and_cache(const RopeCache *r, int threads) {
         } else {
             float *pool = r->values + (head - H - G) * r->pool_slots * D;
             for (int64_t d = 0; d < D; d++) {
-                const float *x = r->qkv + (head * D + d) * T;
-                for (int64_t t = 0; t < T; t++) pool[r->slots[t] * D + d] = x[t];
+                const float *x = r->qkv + (head * D + d) * r->channel_stride;
+                for (int64_t t = 0; t < T; t++) pool[r->slots[t] * D + d] = x[t * r->token_stride];
             }
         }
     }

@@ -1,8 +1,10 @@
-/* SwiGLU from the gate/up linear layer's columns to the rows the down projection reads.
+/* SwiGLU from the gate/up linear layer's output to the rows the down projection reads.
  *
- * gate_up[c, t] holds gate channels c < I and up channels I <= c < 2I for token t (model.py,
- * `linear_columns`). The down projection needs its input as rows, [t, i], row-major; the torch
- * path computes silu(gate) * up on the columns and then copies the transposed result. Here
+ * gate_up holds gate channels c < I and up channels I <= c < 2I for every token t, channel c of
+ * token t at gate_up[c * channel_stride + t * token_stride]: columns from MKL's float32 product
+ * (model.py, `linear_columns`: channel_stride = T, token_stride = 1), rows from the packed
+ * formats' products (1, 2I). The down projection needs its input as rows, [t, i], row-major;
+ * the torch path computes silu(gate) * up and then copies the transposed result. Here
  *
  *   out[t, i] = silu(g) * u = g u / (1 + e^-g),    g = gate_up[i, t], u = gate_up[I + i, t]
  *
@@ -13,24 +15,40 @@
 
 #include "kernels.h"
 
-/* silu(g) * u for one channel over its tokens, into tmp: contiguous on both sides, so it vectorises. */
-static inline void swiglu_channel(const float *g, const float *u, float *tmp, int64_t T) {
+/* silu(g) * u for n elements `stride` apart in g and u, into contiguous out; with stride 1 it
+ * vectorises. */
+static inline void swiglu_run(const float *g, const float *u, int64_t stride, float *out, int64_t n) {
 #pragma omp simd
-    for (int64_t t = 0; t < T; t++) {
-        const float x = g[t];
+    for (int64_t k = 0; k < n; k++) {
+        const float x = g[k * stride];
         const float e = exp_nonpositive(x < 0.0f ? x : -x);
         const float numerator = x < 0.0f ? x * e : x; /* selects, not branches: it vectorises */
-        tmp[t] = numerator / (1.0f + e) * u[t];
+        out[k] = numerator / (1.0f + e) * u[k * stride];
     }
 }
 
+/* Rows in, rows out: each token's channels are contiguous, so a row is one vectorised run. */
+static void swiglu_from_rows(const float *gate_up, int64_t token_stride, float *out, int64_t I, int64_t T, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (I * T >= 65536)
+    for (int64_t t = 0; t < T; t++) swiglu_run(gate_up + t * token_stride, gate_up + t * token_stride + I, 1, out + t * I, I);
+}
+
 FLARE_TARGET_CLONES
-int swiglu_rows(const float *gate_up, float *out, int64_t intermediate, int64_t tokens, int threads) {
-    const int64_t I = intermediate, T = tokens;
+int swiglu_rows(const float *gate_up, int64_t channel_stride, int64_t token_stride, float *out, int64_t intermediate,
+                int64_t tokens, int threads) {
+    const int64_t I = intermediate, T = tokens, cs = channel_stride, ts = token_stride;
+    if (cs == 1) {
+        swiglu_from_rows(gate_up, ts, out, I, T, threads);
+        return 0;
+    }
+    if (T == 1) { /* one token's channels, `cs` apart (MKL's one-row product is a column view) */
+        swiglu_run(gate_up, gate_up + I * cs, cs, out, I);
+        return 0;
+    }
     int failed = 0;
-    /* Blocks of CHANNELS channels: computed along their tokens into a scratch block, then
-     * transposed into the rows (a scattered store per element would keep the compiler from
-     * vectorising the arithmetic). */
+    /* Columns: blocks of CHANNELS channels, computed along their tokens into a scratch block,
+     * then transposed into the rows (a scattered store per element would keep the compiler
+     * from vectorising the arithmetic). */
     enum { CHANNELS = 64 };
 #pragma omp parallel num_threads(threads) if (I * T >= 65536)
     {
@@ -43,7 +61,8 @@ int swiglu_rows(const float *gate_up, float *out, int64_t intermediate, int64_t 
         for (int64_t first = 0; first < I; first += CHANNELS) {
             if (!tmp) continue;
             const int64_t n = first + CHANNELS < I ? CHANNELS : I - first;
-            for (int64_t c = 0; c < n; c++) swiglu_channel(gate_up + (first + c) * T, gate_up + (I + first + c) * T, tmp + c * T, T);
+            for (int64_t c = 0; c < n; c++)
+                swiglu_run(gate_up + (first + c) * cs, gate_up + (I + first + c) * cs, ts, tmp + c * T, T);
             for (int64_t t = 0; t < T; t++) {
                 float *row = out + t * I + first;
                 for (int64_t c = 0; c < n; c++) row[c] = tmp[c * T + t];
