@@ -34,7 +34,7 @@ import torch
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
 from flare.engine.model import LlamaModel
-from flare.engine.precision import WeightFormat
+from flare.engine.precision import WeightFormat, cpu_flags
 from flare.preparation.manifest import ModelConfig
 from flare.preparation.package import expected_weight_shapes
 
@@ -99,7 +99,7 @@ def main() -> None:
     )
     print(
         f"threads={torch.get_num_threads()} context={args.context} rounds={args.rounds} x {args.repeats} "
-        f"kernels={args.kernels} cpu_flags={' '.join(cpu_flags())}"
+        f"kernels={args.kernels} cpu_flags={' '.join(cpu_flags()) or 'none of AVX2, AVX-512, AMX'}"
     )
     first = args.weight_format[0]
     for batch_size in args.batch:
@@ -121,17 +121,6 @@ def main() -> None:
                     f"{name:8s} batch {batch_size:3d} x {tokens} tokens: median round {median * 1000:7.1f} ms "
                     f"({ratio:.2f} of {first}), {forwarded / median:7.1f} tok/s; CPU {cpu * 1000:7.1f} ms per round"
                 )
-
-
-def cpu_flags() -> list[str]:
-    """The CPU's vector and matrix extensions that decide the weight formats (from /proc/cpuinfo)."""
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        return ["unknown"]
-    flags = set(text.split("flags", 1)[1].split("\n", 1)[0].split()) if "flags" in text else set()
-    wanted = [f for f in sorted(flags) if f in ("avx2", "fma", "f16c") or f.startswith(("avx512", "amx"))]
-    return wanted or ["no AVX2"]
 
 
 def time_rounds(

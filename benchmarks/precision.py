@@ -1,12 +1,15 @@
-"""How far bfloat16 GEMMs move the default model from float32, teacher-forced.
+"""How far the default package's weight formats move the default model from float32, teacher-forced.
 
-For each chat prompt, float32 generates a greedy answer; both models then read prompt + answer
-in one forward, and at every answer position we compare their next-token distributions:
-KL(float32 || bfloat16), whether their top choices agree, and the negative log-likelihood each
-gives float32's answer. The bfloat16 side is what a bfloat16 package runs on a CPU with native
-bfloat16 (weights packed for oneDNN); elsewhere it runs torch's plain bfloat16 GEMMs.
+The default package stores float16; the engine multiplies it as float16 through fbgemm on AVX2
+CPUs and as bfloat16 through oneDNN where bfloat16 is native (`flare/engine/precision.py`).
+For each chat prompt, the float32 package generates a greedy answer; every model then reads
+prompt + answer in one forward, and at every answer position we compare its next-token
+distribution with float32's: KL(float32 || format), whether the top choices agree, and the
+negative log-likelihood each gives float32's answer. Each format also generates its own greedy
+answer, and we report how many tokens it shares with float32's before they part.
 
-    .venv/bin/python benchmarks/precision.py
+    .venv/bin/python benchmarks/precision.py                       # every format this CPU runs
+    .venv/bin/python benchmarks/precision.py --formats float16
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import BlockAllocator, KVCache
 from flare.engine.model import LlamaModel, load_model
+from flare.engine.precision import WeightFormat, available_formats
 from flare.engine.tokenizer import Tokenizer
 from flare.preparation.default_model import default_package_path
 from flare.preparation.package import open_package
@@ -55,43 +59,49 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    sixteen_bit = [f.value for f in available_formats(torch.device("cpu")) if f != WeightFormat.FLOAT32]
+    parser.add_argument("--formats", nargs="+", choices=[f.value for f in WeightFormat], default=sixteen_bit)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     exact_package = open_package(default_package_path(dtype="float32"))
-    rounded_package = open_package(default_package_path(dtype="bfloat16"))
+    package = open_package(default_package_path())
     tokenizer = Tokenizer.from_package(exact_package)
     exact = load_model(exact_package)
-    rounded = LlamaModel(
-        rounded_package.manifest.model, rounded_package.load_state_dict(), gemm_dtype=torch.bfloat16
-    )
-    print(f"bfloat16 weights packed for oneDNN: {rounded.packed_weights}")
+    models = {name: load_model(package, weight_format=name) for name in args.formats}
+    print(f"default package stores {package.manifest.serving.dtype}; formats compared: {', '.join(models)}")
 
-    divergences, agreements = [], []
-    nll = {"float32": 0.0, "bfloat16": 0.0}
+    divergences: dict[str, list[torch.Tensor]] = {name: [] for name in models}
+    agreements: dict[str, list[torch.Tensor]] = {name: [] for name in models}
+    shared: dict[str, list[int]] = {name: [] for name in models}
+    nll = dict.fromkeys(["float32", *models], 0.0)
     eos = set(tokenizer.eos_token_ids)
     for text in PROMPTS:
         prompt = tokenizer.encode_chat([{"role": "user", "content": text}])
         answer = greedy(exact, prompt, args.new_tokens, eos)
         # Positions len(prompt) - 1 ... end - 1 predict the answer's tokens.
         span = slice(len(prompt) - 1, len(prompt) + len(answer) - 1)
-        log_p = all_logits(exact, prompt + answer)[span].log_softmax(-1)
-        log_q = all_logits(rounded, prompt + answer)[span].log_softmax(-1)
-        divergences.append((log_p.exp() * (log_p - log_q)).sum(-1))
-        agreements.append(log_p.argmax(-1) == log_q.argmax(-1))
         targets = torch.tensor(answer).unsqueeze(1)
+        log_p = all_logits(exact, prompt + answer)[span].log_softmax(-1)
         nll["float32"] -= log_p.gather(1, targets).sum().item()
-        nll["bfloat16"] -= log_q.gather(1, targets).sum().item()
+        for name, model in models.items():
+            log_q = all_logits(model, prompt + answer)[span].log_softmax(-1)
+            divergences[name].append((log_p.exp() * (log_p - log_q)).sum(-1))
+            agreements[name].append(log_p.argmax(-1) == log_q.argmax(-1))
+            nll[name] -= log_q.gather(1, targets).sum().item()
+            own = greedy(model, prompt, args.new_tokens, eos)
+            shared[name].append(next((i for i, (a, b) in enumerate(zip(answer, own)) if a != b), min(len(answer), len(own))))
 
-    kl = torch.cat(divergences)
-    positions = kl.numel()
-    print(f"{len(PROMPTS)} prompts, {positions} answer positions")
-    print(f"KL(float32 || bfloat16) nats: mean {kl.mean():.2e}, median {kl.median():.2e}, max {kl.max():.2e}")
-    print(f"top-1 agreement: {torch.cat(agreements).float().mean():.4f}")
-    print(
-        f"NLL per token of float32's answers: float32 {nll['float32'] / positions:.4f}, "
-        f"bfloat16 {nll['bfloat16'] / positions:.4f}"
-    )
+    positions = sum(d.numel() for d in divergences[args.formats[0]]) if models else 0
+    print(f"{len(PROMPTS)} prompts, {positions} answer positions; NLL per token of float32's answers: "
+          f"float32 {nll['float32'] / max(positions, 1):.4f}")
+    for name in models:
+        kl = torch.cat(divergences[name])
+        print(
+            f"{name}: KL(float32 || {name}) nats mean {kl.mean():.2e}, median {kl.median():.2e}, max {kl.max():.2e}; "
+            f"top-1 agreement {torch.cat(agreements[name]).float().mean():.4f}; NLL {nll[name] / positions:.4f}; "
+            f"greedy answers shared with float32's for their first {shared[name]} tokens"
+        )
 
 
 if __name__ == "__main__":

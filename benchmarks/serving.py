@@ -4,13 +4,19 @@
     .venv/bin/python benchmarks/serving.py --concurrency 1 8    # a subset
     .venv/bin/python benchmarks/serving.py --speculation        # K = package default vs K = 0
     .venv/bin/python benchmarks/serving.py --dtype float32      # flare's float32 package
+    .venv/bin/python benchmarks/serving.py --skip-transformers --versus-dtype float32 \
+        --llama-server ~/.cache/flare/bench/llama.cpp/build/bin/llama-server   # weights: K = 0 both
 
 flare is measured as clients see it: a daemon on loopback, the official OpenAI client, greedy
 streaming chat completions of up to --max-tokens tokens, N clients at once. Transformers runs
 in-process on the same GGUF weights (--transformers-dtype, float32 by default, static batch of
 N, left padding, greedy). flare serves --package, or the default model's package in --dtype
-(auto: bfloat16 GEMMs where the CPU multiplies bfloat16 natively, float32 elsewhere). The sides
-alternate run by run on the same machine, never at the same time, with the same thread count.
+(auto: float16 weights, multiplied in the fastest format of the CPU). With --versus-dtype, a
+second flare daemon serves the default model's package in that dtype, and both run with
+--draft-tokens 0 (a comparison of weight formats, not of drafts). With --llama-server, llama.cpp's
+server runs on the same GGUF (-t --threads, one slot per stream of the highest concurrency),
+driven by the same client. The sides alternate run by run on the same machine, never at the
+same time, with the same thread count.
 
 Reported per concurrency:
 - aggregate tokens/s: completion tokens of all streams / wall time from first request to last token;
@@ -46,6 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from flare.engine.precision import cpu_flags
 from flare.preparation.manifest import AUTO_DTYPE, DTYPES
 
 CHAT_PROMPTS = [
@@ -93,17 +100,7 @@ def flare_daemon(package: Path, threads: int, extra: list[str]):
     command = [sys.executable, "-m", "flare.daemon.cli", "run", str(package), "--port", str(port), "--log-level", "warning", *extra]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"flare run exited with {process.returncode}: {process.stderr.read()[-2000:]}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
-                    if response.status == 200:
-                        break
-            time.sleep(0.5)
-        else:
-            raise RuntimeError("flare run did not become ready in 300 s")
+        wait_ready(process, f"http://127.0.0.1:{port}", "flare run")
         yield f"http://127.0.0.1:{port}"
     finally:
         process.terminate()
@@ -126,6 +123,42 @@ def metric(base_url: str, name: str, labels: str = "") -> float:
     return 0.0
 
 
+@contextlib.contextmanager
+def llama_server(binary: Path, threads: int, slots: int):
+    """llama.cpp's server on the default model's GGUF, ready to serve, for as long as the block runs."""
+    from flare.preparation.default_model import default_gguf_path
+
+    port = free_port()
+    # Each slot gets context / slots positions: 2048 is far more than a benchmark request needs.
+    command = [
+        str(binary), "-m", str(default_gguf_path()), "-t", str(threads), "--host", "127.0.0.1", "--port", str(port),
+        "-np", str(slots), "-c", str(2048 * slots), "--cont-batching",
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_ready(process, f"http://127.0.0.1:{port}", "llama-server")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=60)
+        if process.poll() is None:
+            process.kill()
+
+
+def wait_ready(process: subprocess.Popen, base_url: str, name: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited with {process.returncode}: {process.stderr.read()[-2000:]}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"{base_url}/health", timeout=1) as response:
+                if response.status == 200:
+                    return
+        time.sleep(0.5)
+    raise RuntimeError(f"{name} did not become ready in {timeout_s:.0f} s")
+
+
 async def one_stream(client, model: str, prompt: str, max_tokens: int, started: float) -> StreamResult:
     stream = await client.chat.completions.create(
         model=model,
@@ -136,15 +169,17 @@ async def one_stream(client, model: str, prompt: str, max_tokens: int, started: 
         stream_options={"include_usage": True},
     )
     first = last = None
-    tokens = 0
+    tokens = content_chunks = 0
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             now = time.perf_counter() - started
             first = now if first is None else first
             last = now
+            content_chunks += 1
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
-    return StreamResult(tokens, first or 0.0, last or 0.0)
+    # A server that reports no usage in streams: one token per content chunk.
+    return StreamResult(tokens or content_chunks, first or 0.0, last or 0.0)
 
 
 async def flare_run(base_url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict[str, float]:
@@ -253,6 +288,8 @@ def main() -> int:
     parser.add_argument("--dtype", choices=(AUTO_DTYPE, *DTYPES), default=AUTO_DTYPE, help="the default model's package dtype (flare export --dtype)")
     parser.add_argument("--transformers-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--versus-dtype", choices=DTYPES, help="also serve the default model's package in this dtype; both flare sides run with --draft-tokens 0")
+    parser.add_argument("--llama-server", type=Path, help="also run llama.cpp's server (this binary) on the same GGUF")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
 
@@ -297,22 +334,34 @@ def main() -> int:
                 )
         report["speculation"] = table
     else:
-        sides: list[Side] = []
-        if not args.skip_transformers:
-            baseline = TransformersBaseline(getattr(torch, args.transformers_dtype))
-            sides.append(lambda c: baseline.run(CHAT_PROMPTS, c, args.max_tokens))
-        with flare_daemon(args.package, args.threads, []) as base_url:
-            flare_figures, *others = alternate([flare_side(base_url, CHAT_PROMPTS), *sides], args.concurrency, args.repeats)
-        hf = others[0] if others else {}
-        report["flare"] = flare_figures
-        report["transformers"] = hf
-        print(f"\nchat prompts, greedy, {args.max_tokens} tokens, {args.threads} threads, median of {args.repeats}")
-        print(f"{'streams':>8} {'flare tok/s':>12} {'hf tok/s':>9} {'ratio':>7}   {'flare decode':>12} {'hf decode':>10}")
+        # (name, side) in table order: flare first, every ratio is flare's over the other side's.
+        named: list[tuple[str, Side]] = []
+        with contextlib.ExitStack() as servers:
+            flags = ["--draft-tokens", "0"] if args.versus_dtype else []
+            named.append((f"flare {package_dtype}", flare_side(servers.enter_context(flare_daemon(args.package, args.threads, flags)), CHAT_PROMPTS)))
+            if args.versus_dtype:
+                from flare.preparation.default_model import default_package_path
+
+                other = default_package_path(dtype=args.versus_dtype)
+                named.append((f"flare {args.versus_dtype}", flare_side(servers.enter_context(flare_daemon(other, args.threads, flags)), CHAT_PROMPTS)))
+            if args.llama_server:
+                url = servers.enter_context(llama_server(args.llama_server, args.threads, max(args.concurrency)))
+                named.append(("llama.cpp", flare_side(url, CHAT_PROMPTS)))
+            if not args.skip_transformers:
+                baseline = TransformersBaseline(getattr(torch, args.transformers_dtype))
+                named.append((f"transformers {args.transformers_dtype}", lambda c: baseline.run(CHAT_PROMPTS, c, args.max_tokens)))
+            figures = alternate([side for _, side in named], args.concurrency, args.repeats)
+        names = [name for name, _ in named]
+        for name, side_figures in zip(names, figures):
+            report[name] = side_figures
+        print(f"\nchat prompts, greedy, {args.max_tokens} tokens, {args.threads} threads, median of {args.repeats}; "
+              f"CPU flags: {' '.join(cpu_flags()) or 'none of AVX2, AVX-512, AMX'}")
+        print(f"{'streams':>8} " + " ".join(f"{name + ' tok/s':>22}" for name in names) + "   ratios (flare / each)   decode tok/s at 1 stream")
         for c in args.concurrency:
-            f = flare_figures[c]
-            h = hf.get(c, {"aggregate_tok_s": float("nan"), "decode_tok_s": float("nan")})
-            decode = f"{f['decode_tok_s']:>12.1f} {h['decode_tok_s']:>10.1f}" if c == 1 else ""
-            print(f"{c:>8} {f['aggregate_tok_s']:>12.1f} {h['aggregate_tok_s']:>9.1f} {f['aggregate_tok_s'] / h['aggregate_tok_s']:>6.2f}x   {decode}")
+            row = [figures[i][c] for i in range(len(names))]
+            ratios = " ".join(f"{row[0]['aggregate_tok_s'] / r['aggregate_tok_s']:.2f}x" for r in row[1:])
+            decode = " / ".join(f"{r['decode_tok_s']:.1f}" for r in row) if c == 1 else ""
+            print(f"{c:>8} " + " ".join(f"{r['aggregate_tok_s']:>22.1f}" for r in row) + f"   {ratios:<23} {decode}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0

@@ -55,6 +55,18 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def cpu_flags() -> list[str]:
+    """This CPU's vector and matrix extensions that decide the weight formats (AVX2, FMA, F16C,
+    AVX-512 and AMX flags of /proc/cpuinfo), for logs and benchmark reports; empty where the
+    kernel does not say."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return sorted(f for f in flags if f in ("avx2", "fma", "f16c") or f.startswith(("avx512", "amx")))
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX tiles) and oneDNN,
     which runs the engine's bfloat16 GEMMs (`model.pack_weight`), will use it."""

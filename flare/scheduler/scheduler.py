@@ -30,6 +30,7 @@ import torch
 from flare.engine.drafters import Draft, Drafter, make_drafter
 from flare.engine.kv_cache import BlockAllocator, KVCache, OutOfBlocks, blocks_for_tokens, default_kv_cache_bytes
 from flare.engine.model import load_model
+from flare.engine.precision import cpu_flags
 from flare.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from flare.kernels.status import DeviceStatus
 from flare.preparation.contract import check_contract
@@ -231,6 +232,7 @@ class Scheduler:
             native_kernels=model.native_kernels,
             weights_dtype=serving.dtype,
             weight_format=str(model.weight_format),
+            cpu_flags=" ".join(cpu_flags()),
             kv_cache_blocks=kv_cache.num_blocks,
             block_size=kv_cache.block_size,
         )
