@@ -44,6 +44,14 @@ def test_toml_file_sets_values_in_their_native_types(tmp_path: Path) -> None:
     assert config.sampling_policy == "unfiltered"
 
 
+def test_the_weight_format_is_auto_unless_a_source_names_one(tmp_path: Path) -> None:
+    assert load_config(flags(), {}).weight_format == "auto"
+    path = write_toml(tmp_path, 'weight_format = "float32"\n')
+    assert load_config(flags(), {}, path).weight_format == "float32"
+    assert load_config(flags(), {"FLARE_WEIGHT_FORMAT": "float16"}, path).weight_format == "float16"
+    assert load_config(flags(weight_format="bfloat16"), {"FLARE_WEIGHT_FORMAT": "float16"}).weight_format == "bfloat16"
+
+
 def test_environment_overrides_file_and_flags_override_environment(tmp_path: Path) -> None:
     path = write_toml(tmp_path, 'port = 9000\nhost = "0.0.0.0"\nmax_waiting = 3\n')
     environ = {"FLARE_PORT": "9100", "FLARE_HOST": "::1", "FLARE_CONFIG": str(path)}
@@ -95,6 +103,7 @@ def test_bad_byte_sizes_are_refused(text: str) -> None:
         (flags(sampling_policy="loose"), {}, ("--sampling-policy", "package, unfiltered")),
         (flags(), {"FLARE_REQUEST_TIMEOUT_S": "soon"}, ("FLARE_REQUEST_TIMEOUT_S", "seconds")),
         (flags(device="tpu"), {}, ("--device", "cuda:N")),
+        (flags(), {"FLARE_WEIGHT_FORMAT": "int4"}, ("FLARE_WEIGHT_FORMAT", "auto, float32, bfloat16, float16")),
         (flags(api_key=["has space"]), {}, ("--api-key", "whitespace")),
     ],
 )
