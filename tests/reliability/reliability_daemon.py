@@ -175,6 +175,7 @@ class Exchange:
     answer: bytes
     closed: bool
     seconds: float
+    answered_s: float | None = None  # when the first byte of the answer arrived
 
     @property
     def status(self) -> int | None:
@@ -209,6 +210,7 @@ def exchange(
             sock.shutdown(socket.SHUT_WR)
         chunks = []
         closed = False
+        answered_s = None
         while True:
             sock.settimeout(max(0.01, wait_s - (time.monotonic() - started)))
             try:
@@ -221,8 +223,10 @@ def exchange(
             if not chunk:
                 closed = True
                 break
+            if answered_s is None:
+                answered_s = time.monotonic() - started
             chunks.append(chunk)
-    return Exchange(b"".join(chunks), closed, time.monotonic() - started)
+    return Exchange(b"".join(chunks), closed, time.monotonic() - started, answered_s)
 
 
 def port_of(daemon: Daemon) -> int:
