@@ -118,7 +118,7 @@ def create_app(config: DaemonConfig, state: ServingState) -> web.Application:
     )
     app[SETTINGS] = ApiSettings(config)
     app[STATE] = state
-    app[TOKENIZING] = anyio.CapacityLimiter(max(1, len(os.sched_getaffinity(0))))
+    app[TOKENIZING] = anyio.CapacityLimiter(_cpus())
     app.on_response_prepare.append(_add_request_id)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)
@@ -126,6 +126,12 @@ def create_app(config: DaemonConfig, state: ServingState) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=_expect_continue)
     app.router.add_post("/v1/completions", completions, expect_handler=_expect_continue)
     return app
+
+
+def _cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 # --- middlewares ---------------------------------------------------------------------------

@@ -98,6 +98,7 @@ class Tokenizer:
         self._control = {token.content: token for token in added.values() if token.special}
         self._control_ids = {content: backend.token_to_id(content) for content in self._control}
         self._control_names = sorted(self._control, key=len, reverse=True)
+        self._control_index = {name: index for index, name in enumerate(self._control_names)}
         self._control_pattern = (
             re.compile("|".join(re.escape(name) for name in self._control_names)) if self._control else None
         )
@@ -193,7 +194,8 @@ class Tokenizer:
             return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
         escaped = [{**message, "content": self._escape(message["content"])} for message in messages]
         rendered = self.render_chat(escaped, add_generation_prompt)
-        pieces: list[str | int] = []  # text, or the id of a control token the template wrote
+        # Text and the control tokens the template wrote, alternating (text first and last).
+        pieces: list[str] = []
         start = 0
         for match in self._control_pattern.finditer(rendered):
             pieces.append(rendered[start : match.start()])
@@ -205,17 +207,17 @@ class Tokenizer:
         ids: list[int] = []
         for index, piece in enumerate(pieces):
             if index % 2:
-                ids.append(self._control_ids[piece])  # type: ignore[index]
+                ids.append(self._control_ids[piece])
             else:
                 ids.extend(next(encoded).ids)
         return ids
 
-    def _texts_between_control_tokens(self, pieces: list[str | int]) -> list[str]:
+    def _texts_between_control_tokens(self, pieces: list[str]) -> list[str]:
         """The text pieces, with the whitespace next to a control token removed where the token
         says so (lstrip / rstrip), as the tokenizer does when it meets the token in a text."""
-        texts = [str(piece) for piece in pieces[::2]]
+        texts = pieces[::2]
         for index in range(1, len(pieces), 2):
-            token = self._control[str(pieces[index])]
+            token = self._control[pieces[index]]
             before, after = index // 2, index // 2 + 1
             if token.lstrip:
                 texts[before] = texts[before].rstrip()
@@ -228,7 +230,7 @@ class Tokenizer:
             return content  # the template decides what to make of it (or refuses it)
         content = content.replace(_ESCAPE, _ESCAPE + _ESCAPE_END)
         if self._control_pattern is not None:
-            index = {name: i for i, name in enumerate(self._control_names)}
+            index = self._control_index
             content = self._control_pattern.sub(lambda m: f"{_ESCAPE}{index[m.group()]}{_ESCAPE_END}", content)
         return content
 

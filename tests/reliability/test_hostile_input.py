@@ -341,7 +341,7 @@ def test_truncated_bodies_and_malformed_http_never_get_a_server_error(daemon: Da
             port,
             b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Long: " + b"a" * 20000 + b"\r\n\r\n",
         ),
-        _raw_request(port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
+        _raw_request(port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"),
     ]
     # What is not HTTP gets aiohttp's own plain-text 400 from its parser (there is no request yet to
     # answer in OpenAI's shape); a body that stops short gets no answer, as nothing can be answered.
