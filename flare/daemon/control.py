@@ -38,6 +38,7 @@ import anyio.abc
 import structlog
 from aiohttp import web
 
+from flare.daemon.connections import ClientErrorLog
 from flare.daemon.errors import INVALID_REQUEST, SERVER_ERROR, ApiError, error_body
 from flare.daemon.logging import LogControl
 from flare.daemon.openai_schema import parse_json_body
@@ -409,7 +410,8 @@ async def serve_control(
     Run it in the daemon's task group: `await task_group.start(serve_control, target, path)`."""
     sock = bind_control_socket(path)
     bound = os.stat(path)
-    runner = web.AppRunner(control_app(target), access_log=None, handle_signals=False)
+    # Malformed requests are a (local) client's mistake: logged at info, rate-limited.
+    runner = web.AppRunner(control_app(target), access_log=None, handle_signals=False, logger=ClientErrorLog())
     try:
         await runner.setup()
         # SockSite, not UnixSite: UnixSite binds and listens at once, before the mode can be set.
