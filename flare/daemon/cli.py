@@ -78,6 +78,21 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--max-body-bytes", metavar="SIZE", help="the largest request body; larger ones get 413 (default 1MiB)")
     add("--request-timeout-s", metavar="SECONDS",
         help='a request running longer ends with a 504 error (default 600; "none": no limit)')
+    add("--max-connections", metavar="N",
+        help="open HTTP connections at most; more are refused with 503 (default 1024)")
+    add("--header-timeout-s", metavar="SECONDS",
+        help="a request head must arrive whole within this, else 408 and close (default 10)")
+    add("--keepalive-timeout-s", metavar="SECONDS", help="an idle connection is closed after this (default 75)")
+    add("--write-timeout-s", metavar="SECONDS",
+        help="a client that reads nothing for this long has its request cancelled (default 30)")
+    add("--max-header-bytes", metavar="SIZE", help="the largest request head; larger ones get 431 (default 32KiB)")
+    add("--allowed-origins", metavar="ORIGINS",
+        help='browser origins allowed to call the API, comma-separated ("https://app.example,http://localhost:*", '
+        '"*" for any; default none)')
+    add("--allowed-hosts", metavar="NAMES",
+        help="Host names accepted besides loopback's own while listening on loopback, comma-separated (default none)")
+    add("--allow-special-tokens-in-messages", action="store_const", const=True,
+        help="read special-token text in chat messages as control tokens (default: it stays text)")
     add("--cache-dir", metavar="PATH",
         help="where the default model's package is exported (default $FLARE_CACHE_DIR or ~/.cache/flare)")
     return parser

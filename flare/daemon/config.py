@@ -57,6 +57,18 @@ class DaemonConfig:
     drain_grace_s: float = 30.0
     max_body_bytes: int = 1 << 20
     request_timeout_s: float | None = 600.0
+    # Connections (flare/daemon/connections.py): how many, and how long each may take or idle.
+    max_connections: int = 1024
+    header_timeout_s: float = 10.0
+    keepalive_timeout_s: float = 75.0
+    write_timeout_s: float = 30.0
+    max_header_bytes: int = 32 << 10
+    # Browser origins allowed to call the API (none by default); Host names accepted beyond
+    # loopback's own while bound to loopback (DNS rebinding).
+    allowed_origins: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
+    # Special-token text inside chat messages becomes those control tokens (off: it stays text).
+    allow_special_tokens_in_messages: bool = False
     cache_dir: Path | None = None  # None: the preparation default (XDG cache)
     device: str = "auto"  # "auto" (cuda when available, else cpu) | "cpu" | "cuda" | "cuda:N"
     weight_format: str = "auto"  # "auto" (the fastest this device runs) | "float32" | "bfloat16" | "float16"
@@ -119,6 +131,14 @@ def _seconds(*, allow_none: bool) -> Callable[[Any], float | None]:
     return parse
 
 
+def _positive_seconds(value: Any) -> float:
+    seconds = _seconds(allow_none=False)(value)
+    assert seconds is not None
+    if seconds <= 0:
+        raise ValueError(f"a number of seconds > 0, got {value!r}")
+    return seconds
+
+
 def _boolean(value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -150,6 +170,18 @@ def _device(value: Any) -> str:
     return value
 
 
+def _names(value: Any) -> tuple[str, ...]:
+    """A list of names: a TOML array of strings, or one string of comma-separated names."""
+    if isinstance(value, str):
+        value = value.split(",")
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f'a list of names ("a,b" or a TOML array of strings), got {value!r}')
+    names = tuple(dict.fromkeys(v.strip() for v in value if v.strip()))
+    if any(c.isspace() for name in names for c in name):
+        raise ValueError(f"names without whitespace, got {value!r}")
+    return names
+
+
 def _path(value: Any) -> Path:
     if not isinstance(value, str) or not value:
         raise ValueError(f"a path, got {value!r}")
@@ -176,6 +208,14 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "drain_grace_s": _seconds(allow_none=False),
     "max_body_bytes": parse_bytes,
     "request_timeout_s": _seconds(allow_none=True),
+    "max_connections": _integer(1),
+    "header_timeout_s": _positive_seconds,
+    "keepalive_timeout_s": _positive_seconds,
+    "write_timeout_s": _positive_seconds,
+    "max_header_bytes": parse_bytes,
+    "allowed_origins": _names,
+    "allowed_hosts": _names,
+    "allow_special_tokens_in_messages": _boolean,
     "cache_dir": _path,
     "device": _device,
     "weight_format": _choice(*FORMAT_CHOICES),

@@ -12,7 +12,7 @@ Endpoints (JSON in and out; errors in the API's `{"error": {...}}` shape):
     GET  /requests                  {"requests": [RequestRow, ...]}
     POST /requests/{id}/cancel      {"cancelled": id}      404 when no such request
     POST /drain                     {"draining": true}
-    POST /resume                    {"draining": false}
+    POST /resume                    {"draining": false}       409 once the daemon is stopping
     GET  /config                    the effective config, API keys redacted
     PUT  /log-level  {"level": L}   {"log_level": L}       400 for an unknown level
 """
@@ -38,8 +38,10 @@ import anyio.abc
 import structlog
 from aiohttp import web
 
-from flare.daemon.errors import INVALID_REQUEST, ApiError
+from flare.daemon.connections import ClientErrorLog
+from flare.daemon.errors import INVALID_REQUEST, SERVER_ERROR, ApiError, error_body
 from flare.daemon.logging import LogControl
+from flare.daemon.openai_schema import parse_json_body
 from flare.scheduler.failures import cancelled_failure
 
 if TYPE_CHECKING:
@@ -49,6 +51,8 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 SOCKET_MODE = 0o660
+# Control commands carry a few bytes of JSON at most.
+CONTROL_MAX_BODY_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,9 @@ class ControlTarget(Protocol):
 
     def drain(self) -> None: ...
 
-    def resume(self) -> None: ...
+    def resume(self) -> None:
+        """Admit requests again; ApiError 409 once the daemon is shutting down."""
+        ...
 
     def effective_config(self) -> Mapping[str, Any]: ...
 
@@ -164,7 +170,15 @@ class DaemonControl:
         self._state.require_scheduler().drain()
 
     def resume(self) -> None:
-        self._state.require_scheduler().resume()
+        scheduler = self._state.require_scheduler()
+        if self._state.is_stopping:
+            # A SIGTERM drain is the end of this process: admitting again would only stretch it.
+            raise ApiError(
+                409,
+                "the daemon is shutting down (SIGTERM); resume applies to `flare ctl drain` only",
+                code="shutting_down",
+            )
+        scheduler.resume()
 
     def effective_config(self) -> Mapping[str, Any]:
         return dataclasses.asdict(self._config())
@@ -281,19 +295,56 @@ def peer_credentials(request: web.Request) -> tuple[int, int, int] | None:
 
 @web.middleware
 async def _log_command(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Every command, answered or refused, is logged with who sent it."""
+    """Every command, answered, refused or failed, is logged with who sent it (the audit line),
+    and every answer that is not a success is a JSON error body."""
     creds = peer_credentials(request)
     peer = {"peer_pid": creds[0], "peer_uid": creds[1], "peer_gid": creds[2]} if creds else {}
+    status = 499  # the client went away before its answer (the handler was cancelled)
     try:
-        response = await handler(request)
+        response = await _answer(request, handler)
+        status = response.status
+        return response
+    finally:
+        level = log.info if status < 400 else log.warning
+        level("control.command", method=request.method, path=request.path, status=status, **peer)
+
+
+async def _answer(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
     except ApiError as error:
-        log.warning("control.command", method=request.method, path=request.path, status=error.status, **peer)
         return error.response()
     except web.HTTPException as error:
-        log.warning("control.command", method=request.method, path=request.path, status=error.status, **peer)
-        raise
-    log.info("control.command", method=request.method, path=request.path, status=response.status, **peer)
-    return response
+        if error.status < 400:
+            raise
+        response = web.json_response(
+            error_body(_http_error_message(request, error), type=INVALID_REQUEST, param=None, code=None),
+            status=error.status,
+        )
+        if isinstance(error, web.HTTPMethodNotAllowed):
+            response.headers["Allow"] = ", ".join(sorted(error.allowed_methods))
+        return response
+    except Exception:
+        log.exception("control.error", method=request.method, path=request.path)
+        return web.json_response(
+            error_body(
+                "internal error while handling the command; the daemon log has the details",
+                type=SERVER_ERROR,
+                param=None,
+                code="internal_error",
+            ),
+            status=500,
+        )
+
+
+def _http_error_message(request: web.Request, error: web.HTTPException) -> str:
+    if isinstance(error, web.HTTPNotFound):
+        return f"no such control command: {request.method} {request.path}"
+    if isinstance(error, web.HTTPMethodNotAllowed):
+        return f"{request.method} is not allowed on {request.path}; use {', '.join(sorted(error.allowed_methods))}"
+    if isinstance(error, web.HTTPRequestEntityTooLarge):
+        return f"the command's body is larger than the limit of {CONTROL_MAX_BODY_BYTES} bytes"
+    return error.reason
 
 
 def control_app(target: ControlTarget) -> web.Application:
@@ -328,9 +379,9 @@ def control_app(target: ControlTarget) -> web.Application:
 
     async def log_level(request: web.Request) -> web.Response:
         try:
-            body = await request.json()
-        except ValueError:
-            body = None
+            body: Any = parse_json_body(await request.read())
+        except ApiError:
+            body = None  # the message below says what is expected
         level = body.get("level") if isinstance(body, dict) else None
         if not isinstance(level, str):
             raise ApiError(400, 'expected a JSON body {"level": "debug|info|warning|error"}', param="level")
@@ -341,7 +392,7 @@ def control_app(target: ControlTarget) -> web.Application:
         log.info("control.log_level", log_level=level.lower())
         return web.json_response({"log_level": level.lower()})
 
-    app = web.Application(middlewares=[_log_command])
+    app = web.Application(middlewares=[_log_command], client_max_size=CONTROL_MAX_BODY_BYTES)
     app.add_routes(
         [
             web.get("/status", status),
@@ -363,7 +414,8 @@ async def serve_control(
     Run it in the daemon's task group: `await task_group.start(serve_control, target, path)`."""
     sock = bind_control_socket(path)
     bound = os.stat(path)
-    runner = web.AppRunner(control_app(target), access_log=None, handle_signals=False)
+    # Malformed requests are a (local) client's mistake: logged at info, rate-limited.
+    runner = web.AppRunner(control_app(target), access_log=None, handle_signals=False, logger=ClientErrorLog())
     try:
         await runner.setup()
         # SockSite, not UnixSite: UnixSite binds and listens at once, before the mode can be set.

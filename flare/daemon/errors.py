@@ -30,6 +30,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -38,12 +39,18 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+        # Close the connection after the answer: bytes the request left unread (a body refused
+        # before it was read) must not be taken for the next request.
+        self.close = close
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers)
+        response = web.json_response(self.body(), status=self.status, headers=self.headers)
+        if self.close:
+            response.force_close()
+        return response
 
 
 def error_body(message: str, *, type: str, param: str | None, code: str | None) -> dict[str, Any]:

@@ -11,11 +11,13 @@ escapes a handler is logged with its traceback and answered 500 with an error bo
 from __future__ import annotations
 
 import math
+import os
 import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -24,6 +26,7 @@ from aiohttp import web
 
 from flare.daemon.auth import ApiKeys
 from flare.daemon.config import DaemonConfig
+from flare.daemon.connections import ClientNotReading
 from flare.daemon.errors import (
     AUTHENTICATION,
     RATE_LIMIT,
@@ -37,6 +40,7 @@ from flare.daemon.logging import log_access
 from flare.daemon.metrics import OUTCOME
 from flare.daemon.openai_responses import ChatCompletionShape, ResponseShape, TextCompletionShape, flare_object
 from flare.daemon.openai_schema import check_model, parse_chat_completion, parse_completion, parse_json_body
+from flare.daemon.origins import browser_origin_refused, loopback_host_refused, origin_allowed
 from flare.daemon.sse import DONE, SSE_HEADERS, sse_data
 from flare.daemon.state import Phase, ServingState
 from flare.engine.tokenizer import ChatTemplateError
@@ -72,6 +76,9 @@ class ApiSettings:
 
 SETTINGS = web.AppKey("settings", ApiSettings)
 STATE = web.AppKey("state", ServingState)
+# Tokenizing runs in worker threads with the GIL released; at most this many at once, so a
+# flood of long prompts queues here instead of holding a thread (and its text) each.
+TOKENIZING = web.AppKey("tokenizing", anyio.CapacityLimiter)
 REQUEST_ID = web.RequestKey("request_id", str)
 
 
@@ -97,22 +104,34 @@ ADJUSTED_HEADER = "Flare-Sampling-Adjusted"
 _SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _PUBLIC_PATHS = frozenset({"/health"})
 BODY_READ_TIMEOUT_S = 30.0
+# The status an access line records for a request whose client went away before its answer
+# was written (nginx's "client closed request"); never sent.
+CLIENT_CLOSED_REQUEST = 499
+_CORS_METHODS = "GET, POST, OPTIONS"
+_CORS_MAX_AGE_S = "600"
 
 
 def create_app(config: DaemonConfig, state: ServingState) -> web.Application:
     app = web.Application(
         client_max_size=config.max_body_bytes,
-        middlewares=[_request_context, _errors, _authentication],
+        middlewares=[_request_context, _errors, _cross_site, _authentication],
     )
     app[SETTINGS] = ApiSettings(config)
     app[STATE] = state
+    app[TOKENIZING] = anyio.CapacityLimiter(_cpus())
     app.on_response_prepare.append(_add_request_id)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model:.+}", get_model)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=_expect_continue)
+    app.router.add_post("/v1/completions", completions, expect_handler=_expect_continue)
     return app
+
+
+def _cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 # --- middlewares ---------------------------------------------------------------------------
@@ -129,21 +148,29 @@ async def _request_context(request: web.Request, handler: Handler) -> web.Stream
     request[REQUEST_ID] = request_id
     started = time.perf_counter()
     with structlog.contextvars.bound_contextvars(request_id=request_id):
-        response = await handler(request)
-        generated = request.get(GENERATED)
-        usage = generated.usage if generated is not None else None
-        log_access(
-            log,
-            method=request.method,
-            path=request.path,
-            status=response.status,
-            request_id=request_id,
-            duration_s=time.perf_counter() - started,
-            prompt_tokens=usage.prompt_tokens if usage is not None else None,
-            completion_tokens=usage.completion_tokens if usage is not None else None,
-            ttft_s=generated.ttft_s if generated is not None else None,
-        )
-        return response
+        # One access line per request, also for one whose client went away (499) before the
+        # answer was written: the handler is cancelled, or its write fails.
+        status = CLIENT_CLOSED_REQUEST
+        try:
+            response = await handler(request)
+            # A stream whose client went away mid-answer returns normally, its connection lost.
+            if request.transport is not None or not response.prepared:
+                status = response.status
+            return response
+        finally:
+            generated = request.get(GENERATED)
+            usage = generated.usage if generated is not None else None
+            log_access(
+                log,
+                method=request.method,
+                path=request.path,
+                status=status,
+                request_id=request_id,
+                duration_s=time.perf_counter() - started,
+                prompt_tokens=usage.prompt_tokens if usage is not None else None,
+                completion_tokens=usage.completion_tokens if usage is not None else None,
+                ttft_s=generated.ttft_s if generated is not None else None,
+            )
 
 
 async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
@@ -194,6 +221,37 @@ def _http_exception_response(request: web.Request, error: web.HTTPException) -> 
     return web.json_response(
         error_body(message, type="invalid_request_error", param=None, code=code), status=error.status, headers=headers
     )
+
+
+@web.middleware
+async def _cross_site(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Refuse browser requests from origins not allowed, and Host names that are not loopback's
+    while listening on loopback (flare/daemon/origins.py); CORS for the allowed origins."""
+    settings = request.app[SETTINGS].config
+    if request.app[STATE].loopback:
+        refused = loopback_host_refused(request.headers.get("Host"), settings.allowed_hosts)
+        if refused is not None:
+            raise ApiError(403, refused, code="host_not_allowed")
+    origin = request.headers.get("Origin")
+    refused = browser_origin_refused(origin, request.headers.get("Sec-Fetch-Site"), settings.allowed_origins)
+    if refused is not None:
+        raise ApiError(403, refused, code="origin_not_allowed")
+    if origin is None or not origin_allowed(origin, settings.allowed_origins):
+        return await handler(request)
+    cors = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+    if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+        cors["Access-Control-Allow-Methods"] = _CORS_METHODS
+        cors["Access-Control-Allow-Headers"] = request.headers.get("Access-Control-Request-Headers", "")
+        cors["Access-Control-Max-Age"] = _CORS_MAX_AGE_S
+        return web.Response(status=204, headers=cors)
+    try:
+        response = await handler(request)
+    except ApiError as error:
+        error.headers.update(cors)
+        raise
+    if not response.prepared:
+        response.headers.update(cors)
+    return response
 
 
 @web.middleware
@@ -250,8 +308,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     scheduler = state.require_scheduler()
     check_model(parsed.model, state.model_name or "")
+    _check_prompt_size(scheduler, sum(len(m["content"]) for m in parsed.messages), "messages")
+    special = request.app[SETTINGS].config.allow_special_tokens_in_messages
     try:
-        prompt_ids = await anyio.to_thread.run_sync(scheduler.tokenizer.encode_chat, parsed.messages)
+        prompt_ids = await anyio.to_thread.run_sync(
+            partial(scheduler.tokenizer.encode_chat, parsed.messages, special_tokens_in_content=special),
+            limiter=request.app[TOKENIZING],
+        )
     except ChatTemplateError as error:
         # The package's template refused the conversation (for example roles out of order).
         raise bad_request(str(error), param="messages") from None
@@ -264,19 +327,68 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     scheduler = state.require_scheduler()
     check_model(parsed.model, state.model_name or "")
-    tokenizer = scheduler.tokenizer
-    prompt_ids = await anyio.to_thread.run_sync(tokenizer.encode, parsed.prompt)
+    _check_prompt_size(scheduler, len(parsed.prompt), "prompt")
+    prompt_ids = await anyio.to_thread.run_sync(
+        scheduler.tokenizer.encode, parsed.prompt, limiter=request.app[TOKENIZING]
+    )
     if not prompt_ids:
         raise bad_request("prompt is empty; send at least one token of text", param="prompt")
     shape = TextCompletionShape(_new_id("cmpl"), int(time.time()), parsed.model, parsed.include_usage)
     return await _generate(request, scheduler, prompt_ids, "prompt", parsed.sampling, parsed.stream, shape)
 
 
+def _check_prompt_size(scheduler: Scheduler, characters: int, param: str) -> None:
+    """Refuse, before tokenizing it, a prompt too long for the context whatever its tokens:
+    tokenizing a long text costs the CPU for nothing when the answer is a 400 anyway."""
+    fewest = scheduler.tokenizer.fewest_tokens(characters)
+    if fewest is not None and fewest >= scheduler.max_context:
+        raise bad_request(
+            f"the prompt is {characters} characters, at least {fewest} tokens, and this model's context is "
+            f"{scheduler.max_context} tokens, which leaves no room for a completion; shorten the prompt",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+async def _expect_continue(request: web.Request) -> None:
+    """`Expect: 100-continue`: invite the body only when it can be accepted; a declared length
+    over max_body_bytes gets its 413 from _read_body at once, without the body being sent."""
+    expect = request.headers.get("Expect", "").strip().lower()
+    if expect != "100-continue":
+        raise web.HTTPExpectationFailed(text=f"unknown Expect: {expect}")
+    limit = request.app[SETTINGS].config.max_body_bytes
+    if request.version >= (1, 1) and (request.content_length or 0) <= limit:
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the response proper has not started
+
+
 async def _read_body(request: web.Request) -> bytes:
     """The body, or a 408 for a client that sends it too slowly (it would hold a connection
-    and a handler forever otherwise); bodies over max_body_bytes raise aiohttp's 413."""
-    with anyio.move_on_after(BODY_READ_TIMEOUT_S):
-        return await request.read()
+    and a handler forever otherwise); a 413 at once for a declared length over max_body_bytes
+    (aiohttp's own 413 for a chunked one that grows past it); a 400 for a body whose
+    Content-Encoding does not decode."""
+    limit = request.app[SETTINGS].config.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        # The body is never read: the connection closes after the answer.
+        raise ApiError(
+            413,
+            f"the request body is {request.content_length} bytes, larger than the limit of {limit} bytes",
+            code="request_too_large",
+            close=True,
+        )
+    try:
+        with anyio.move_on_after(BODY_READ_TIMEOUT_S):
+            return await request.read()
+    except web.RequestPayloadError as error:
+        encoding = request.headers.get("Content-Encoding", "")
+        raise ApiError(
+            400,
+            f"the request body could not be read ({' '.join(str(error).split())[:200]}); "
+            + (f"it is not valid {encoding} data" if encoding else "it does not match its framing"),
+            param=None,
+            code="invalid_body_encoding" if encoding else "invalid_body",
+            close=True,
+        ) from None
     raise ApiError(
         408,
         f"the request body did not arrive within {BODY_READ_TIMEOUT_S:g} s",
@@ -318,6 +430,7 @@ async def _generate(
     state = request.app[STATE]
     state.in_flight.add(generation.request_id)
     ended = False
+    gone: ConnectionResetError | None = None
     flare = flare_object(clamp)
     headers = {ADJUSTED_HEADER: ",".join(a.param for a in clamp.adjusted)} if clamp.adjusted else {}
     with structlog.contextvars.bound_contextvars(completion_id=shape.id):
@@ -325,14 +438,16 @@ async def _generate(
         try:
             deadline = _Deadline(scheduler, generation.request_id, config.request_timeout_s)
             if not stream:
-                collected = await _collect(events, deadline, shape, flare, headers, generated)
+                collected = await _collect(request, events, deadline, shape, flare, headers, generated)
                 ended = True
                 return collected
             response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
             try:
                 await _stream(request, response, events, deadline, shape, flare, generated)
-            except ConnectionResetError:
-                return response  # the client is gone; `finally` cancels the request
+            except ConnectionResetError as error:
+                # The client is gone, or stopped reading: `finally` cancels the request.
+                gone = error
+                return response
             ended = True
             return response
         finally:
@@ -340,7 +455,10 @@ async def _generate(
             if not ended:
                 # Client gone (the handler was cancelled or a write failed): free its rows now.
                 scheduler.cancel(generation.request_id)
-                log.info("generation_cancelled", reason="client disconnected")
+                reason = (
+                    f"client not reading ({gone})" if isinstance(gone, ClientNotReading) else "client disconnected"
+                )
+                log.info("generation_cancelled", reason=reason)
 
 
 def _submit(scheduler: Scheduler, generation: GenerationRequest, prompt_param: str) -> RequestStream:
@@ -454,6 +572,7 @@ async def _stream(
 
 
 async def _collect(
+    request: web.Request,
     events: RequestStream,
     deadline: _Deadline,
     shape: ResponseShape,
@@ -470,6 +589,8 @@ async def _collect(
             continue
         _log_end(event, generated)
         if isinstance(event, Failed):
+            if event.failure.code == "cancelled":
+                request[OUTCOME] = "cancelled"  # its 503 is the operator's doing, not the server's state
             # The OpenAI SDKs retry a 503 by themselves unless told not to.
             retry = {} if event.failure.retryable else {"x-should-retry": "false"}
             return web.json_response(failure_body(event.failure), status=event.failure.http_status, headers=retry)

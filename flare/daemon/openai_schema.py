@@ -60,7 +60,11 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     if not text.strip():
         raise bad_request("the request body is empty; send a JSON object", param=None)
     try:
-        body = json.loads(text, parse_constant=_reject_constant)
+        body = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_object_without_duplicates)
+    except DuplicateKey as error:
+        raise bad_request(
+            f"the request body names {error.key!r} twice in one object; send each field once", param=error.key
+        ) from None
     except ValueError as error:
         raise bad_request(f"the request body is not valid JSON: {error}", param=None) from None
     except RecursionError:
@@ -76,16 +80,47 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+class DuplicateKey(ValueError):
+    """An object names a key twice: readers disagree on which value counts (Python's json takes
+    the last, many proxies and validators the first), so the body is refused."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"duplicate key {key!r}")
+        self.key = key
+
+
+def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    body = dict(pairs)
+    if len(body) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKey(key)
+            seen.add(key)
+    return body
+
+
 # JSON may escape a lone UTF-16 surrogate; Python's json decodes it into a str that no tokenizer
 # (nor UTF-8) accepts, so it must be refused here rather than fail deep in the request's path.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 def _has_lone_surrogate(body: dict[str, Any]) -> bool:
-    try:
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return True
+    # Walked with a stack, not recursion: json.loads accepts nesting deeper than a recursive
+    # walk of it may go.
+    pending: list[Any] = [body]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, dict):
+            pending.extend(value.keys())
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
     return False
 
 

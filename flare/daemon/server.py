@@ -7,9 +7,10 @@ loop and the signal watcher; the HTTP site lives in an aiohttp runner beside the
 
 Stop (SIGTERM or SIGINT): /health turns 503, the scheduler admits nothing new (new requests get
 503 with Retry-After), requests in flight get `drain_grace_s` to finish, the rest end with a
-`shutdown` error event, every response is written out, and the process exits 0. A second
-signal ends the grace period at once. A signal while loading exits at once: nothing was
-admitted yet.
+`shutdown` error event, every response is written out (for at most _FLUSH_TIMEOUT_S: a client
+that does not read loses its answer), every connection still open is closed, and the process
+exits 0, within `drain_grace_s + SHUTDOWN_MARGIN_S` whatever the clients do. A second signal
+ends the grace period at once. A signal while loading exits at once: nothing was admitted yet.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 import ipaddress
 import os
+import resource
 import signal
 import socket
 import sys
@@ -33,6 +35,7 @@ import torch
 from aiohttp import web
 
 from flare.daemon.config import ConfigError, DaemonConfig, load_config
+from flare.daemon.connections import ClientErrorLog, ConnectionGuard, ConnectionLimits, GuardedAppRunner
 from flare.daemon.control import ControlSocketError, DaemonControl, serve_control
 from flare.daemon.ctl import default_control_socket
 from flare.daemon.http_api import SETTINGS, create_app
@@ -53,10 +56,18 @@ log = structlog.get_logger("flare.daemon")
 SD_LISTEN_FDS_START = 3
 # How long finished handlers get to write their last bytes after the scheduler stopped.
 _FLUSH_TIMEOUT_S = 5.0
+# How long aiohttp's cleanup may wait for handlers once every connection has been aborted.
+_CLOSE_TIMEOUT_S = 2.0
+# Shutdown ends within drain_grace_s plus this: the flush, the close, and the interpreter's exit.
+# flare.service's TimeoutStopSec= must exceed drain_grace_s + SHUTDOWN_MARGIN_S.
+SHUTDOWN_MARGIN_S = 10.0
 _POLL_S = 0.05
 # What a reload (SIGHUP) changes in the running daemon; every other setting needs a restart.
 RELOADABLE_SETTINGS = frozenset(
-    {"log_level", "api_keys", "metrics_require_key", "max_waiting", "request_timeout_s", "drain_grace_s"}
+    {
+        "log_level", "api_keys", "metrics_require_key", "max_waiting", "request_timeout_s", "drain_grace_s",
+        "allowed_origins", "allowed_hosts",
+    }
 )
 # How often systemd's STATUS= line is refreshed (sent only when it changed).
 STATUS_INTERVAL_S = 5.0
@@ -105,6 +116,7 @@ class Daemon:
         self.notifier = SystemdNotifier(environ)
         self.metrics = DaemonMetrics.create()
         self.state = ServingState()
+        self.connections = ConnectionGuard(ConnectionLimits.from_config(config), ClientErrorLog())
         self.app = create_app(config, self.state)
         # Outermost, so it counts the status the error middleware chose.
         self.app.middlewares.insert(0, http_metrics_middleware(self.metrics.http))
@@ -118,13 +130,17 @@ class Daemon:
 
     async def run(self) -> None:
         self.log_control = configure_logging(self.config.log_level, self.config.log_format, environ=self.environ)
+        _ensure_file_descriptors(self.connections.limits)
         sock = self._listening_socket()
-        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=_FLUSH_TIMEOUT_S)
+        runner = GuardedAppRunner(
+            self.app, self.connections, handler_cancellation=True, access_log=None, shutdown_timeout=_CLOSE_TIMEOUT_S
+        )
         await runner.setup()
         try:
             await web.SockSite(runner, sock).start()
             host, port = self.address = sock.getsockname()[:2]
-            log.info("listening", host=host, port=port)
+            log.info("listening", host=host, port=port, max_connections=self.connections.limits.max_connections)
+            self.state.loopback = _is_loopback(host)
             self._warn_if_exposed(host)
             if self.config.fault_injection:
                 log.warning("fault_injection_enabled", message="X-Flare-Fault headers inject device statuses")
@@ -167,11 +183,7 @@ class Daemon:
     def _warn_if_exposed(self, host: str) -> None:
         if self.config.api_keys:
             return
-        try:
-            loopback = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = host == "localhost"
-        if not loopback:
+        if not _is_loopback(host):
             log.warning(
                 "listening_without_api_keys",
                 host=host,
@@ -282,7 +294,11 @@ class Daemon:
         with anyio.move_on_after(_FLUSH_TIMEOUT_S):
             while in_flight:
                 await anyio.sleep(_POLL_S)
-
+        # What could not be written by now never will be (a client that does not read): close
+        # every connection, so that aiohttp's cleanup has nothing left to wait for.
+        aborted = self.connections.abort_all()
+        if aborted:
+            log.info("connections_closed", connections=aborted, unanswered=len(in_flight))
 
     # --- reload --------------------------------------------------------------------------------
 
@@ -322,6 +338,30 @@ class Daemon:
         log.info("reloaded", changed=changed)  # names only, never a key
         if needs_restart:
             log.warning("reload_needs_restart", settings=needs_restart)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _ensure_file_descriptors(limits: ConnectionLimits) -> None:
+    """Raise the soft file-descriptor limit so max_connections, plus a reserve for the control
+    socket and the daemon's own files, fits under it; a hard limit too low is a startup error
+    (without this, the connections could take every descriptor and starve `flare ctl`)."""
+    needed = limits.file_descriptors_needed
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise StartupError(
+            f"max_connections {limits.max_connections} needs {needed} file descriptors "
+            f"(the connections plus a reserve of {needed - limits.max_connections}), but the limit is {hard}; "
+            "lower --max-connections or raise the limit (LimitNOFILE= in flare.service, `ulimit -n`)"
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
 
 
 def _device(choice: str) -> str:

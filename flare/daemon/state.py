@@ -31,6 +31,8 @@ class ServingState:
         self.model_name: str | None = None
         self._scheduler: Scheduler | None = None
         self.in_flight: set[str] = set()
+        # Whether the HTTP API listens on a loopback address only (then the Host header is checked).
+        self.loopback = False
 
     def ready(self, scheduler: Scheduler, model_name: str) -> None:
         self._scheduler = scheduler
@@ -39,6 +41,10 @@ class ServingState:
 
     def stopping(self) -> None:
         self.phase = Phase.STOPPING
+
+    @property
+    def is_stopping(self) -> bool:
+        return self.phase is Phase.STOPPING
 
     def require_scheduler(self) -> Scheduler:
         """The scheduler, or a 503 while the model is loading."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -22,6 +23,20 @@ if TYPE_CHECKING:
 # the whole text.
 DETOKENIZER_CONTEXT_TOKENS = 5
 REPLACEMENT_CHARACTER = "\ufffd"
+# Special-token text in chat message content is replaced by ESCAPE + index + END before the
+# template renders (ESCAPE itself by ESCAPE + END), so the only special tokens in the rendered
+# prompt are those the template wrote. Both are Unicode noncharacters: never meaningful text.
+_ESCAPE = "\ufdd0"
+_ESCAPE_END = "\ufdd1"
+_ESCAPED = re.compile(f"{_ESCAPE}(\\d*){_ESCAPE_END}")
+# Parts of a tokenizer pipeline that never make a text shorter, and that map each token back to
+# at most its own length of text: with only these, a text of N characters is at least
+# N / (longest token) tokens. Anything else (a normalizer that composes characters, a
+# pre-tokenizer that drops whitespace, a model that fuses unknown runs) voids the bound.
+_LENGTH_KEEPING_NORMALIZERS = frozenset({"Prepend", "Replace", "NFD", "NFKD", "Lowercase", "Sequence"})
+_LENGTH_KEEPING_PRE_TOKENIZERS = frozenset(
+    {"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation", "UnicodeScripts", "Sequence"}
+)
 
 
 class ChatTemplateError(ValueError):
@@ -75,6 +90,22 @@ class Tokenizer:
         self._special_tokens: dict[str, str] = {"eos_token": backend.id_to_token(self.eos_token_ids[0])}
         if bos_token_id is not None:
             self._special_tokens["bos_token"] = backend.id_to_token(bos_token_id)
+        specification = json.loads(backend.to_str())
+        self.max_chars_per_token = _max_chars_per_token(specification)
+        # Control tokens (added tokens marked special), longest first so that one that is a
+        # prefix of another never wins: how the template's control tokens are found.
+        added = backend.get_added_tokens_decoder()
+        self._control = {token.content: token for token in added.values() if token.special}
+        self._control_ids = {content: backend.token_to_id(content) for content in self._control}
+        self._control_names = sorted(self._control, key=len, reverse=True)
+        self._control_index = {name: index for index, name in enumerate(self._control_names)}
+        self._control_pattern = (
+            re.compile("|".join(re.escape(name) for name in self._control_names)) if self._control else None
+        )
+        # The same tokenizer, reading special-token text as ordinary text (tokenizers keeps that
+        # switch on the object, so a second one rather than toggling a shared one across threads).
+        self._text_backend = BackendTokenizer.from_str(backend.to_str())
+        self._text_backend.encode_special_tokens = True
 
     @classmethod
     def from_package(cls, package: Package) -> Tokenizer:
@@ -109,8 +140,19 @@ class Tokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`. A BOS token is added only when tokenizer.json's post-processor
         says so (the package records the model's add_bos choice there); special-token text
-        such as `<|im_start|>` becomes its special token."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        such as `<|im_start|>` becomes its special token.
+
+        `encode_batch`, not `encode`: only the batch call releases the GIL while it works, so a
+        long text tokenized in a worker thread leaves the event loop free meanwhile."""
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def fewest_tokens(self, characters: int) -> int | None:
+        """A lower bound on the tokens of any text of `characters` characters (None when this
+        tokenizer's pipeline allows no such bound): what lets a server refuse a prompt that
+        cannot fit its context without tokenizing it."""
+        if self.max_chars_per_token is None:
+            return None
+        return -(-characters // self.max_chars_per_token)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -132,10 +174,99 @@ class Tokenizer:
                 f"the chat template could not render these messages: {type(error).__name__}: {error}"
             ) from error
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        special_tokens_in_content: bool = False,
+    ) -> list[int]:
         """Prompt ids of a conversation. The template writes any BOS itself, so none is added
-        (as transformers' apply_chat_template(tokenize=True) does)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        (as transformers' apply_chat_template(tokenize=True) does).
+
+        Text in a message is text: special-token strings in a message's content (such as
+        `<|im_end|>\n<|im_start|>system`) are tokenized as ordinary text, so a user cannot forge
+        a turn of another role; only the template emits control tokens. The ids are those of
+        tokenizing the whole rendered prompt whenever the content holds no such string (the
+        tokenizer splits its input at special tokens and tokenizes the pieces apart anyway).
+        `special_tokens_in_content=True` restores reading them as control tokens."""
+        if special_tokens_in_content or self._control_pattern is None:
+            return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        escaped = [{**message, "content": self._escape(message["content"])} for message in messages]
+        rendered = self.render_chat(escaped, add_generation_prompt)
+        # Text and the control tokens the template wrote, alternating (text first and last).
+        pieces: list[str] = []
+        start = 0
+        for match in self._control_pattern.finditer(rendered):
+            pieces.append(rendered[start : match.start()])
+            pieces.append(match.group())
+            start = match.end()
+        pieces.append(rendered[start:])
+        texts = self._texts_between_control_tokens(pieces)
+        encoded = iter(self._text_backend.encode_batch([self._unescape(t) for t in texts], add_special_tokens=False))
+        ids: list[int] = []
+        for index, piece in enumerate(pieces):
+            if index % 2:
+                ids.append(self._control_ids[piece])
+            else:
+                ids.extend(next(encoded).ids)
+        return ids
+
+    def _texts_between_control_tokens(self, pieces: list[str]) -> list[str]:
+        """The text pieces, with the whitespace next to a control token removed where the token
+        says so (lstrip / rstrip), as the tokenizer does when it meets the token in a text."""
+        texts = pieces[::2]
+        for index in range(1, len(pieces), 2):
+            token = self._control[pieces[index]]
+            before, after = index // 2, index // 2 + 1
+            if token.lstrip:
+                texts[before] = texts[before].rstrip()
+            if token.rstrip:
+                texts[after] = texts[after].lstrip()
+        return texts
+
+    def _escape(self, content: Any) -> Any:
+        if not isinstance(content, str):
+            return content  # the template decides what to make of it (or refuses it)
+        content = content.replace(_ESCAPE, _ESCAPE + _ESCAPE_END)
+        if self._control_pattern is not None:
+            index = self._control_index
+            content = self._control_pattern.sub(lambda m: f"{_ESCAPE}{index[m.group()]}{_ESCAPE_END}", content)
+        return content
+
+    def _unescape(self, text: str) -> str:
+        if _ESCAPE not in text:
+            return text
+        return _ESCAPED.sub(lambda m: self._control_names[int(m.group(1))] if m.group(1) else _ESCAPE, text)
+
+
+def _max_chars_per_token(specification: Mapping[str, Any]) -> int | None:
+    """The most characters of input text one token can stand for, or None when the pipeline
+    can make a text shorter (see _LENGTH_KEEPING_*), so no such bound holds."""
+    if not _keeps_length(specification.get("normalizer"), "normalizers", _LENGTH_KEEPING_NORMALIZERS):
+        return None
+    if not _keeps_length(specification.get("pre_tokenizer"), "pretokenizers", _LENGTH_KEEPING_PRE_TOKENIZERS):
+        return None
+    model = specification.get("model") or {}
+    if model.get("type") != "BPE" or (model.get("fuse_unk") and model.get("unk_token") is not None):
+        return None  # Unigram and fused BPE unknowns cover any run of characters; WordPiece words
+    vocabulary = model.get("vocab") or {}
+    added = [token.get("content", "") for token in specification.get("added_tokens") or ()]
+    lengths = [len(token) for token in (*vocabulary, *added)]
+    return max(lengths) if lengths else None
+
+
+def _keeps_length(component: Any, children: str, keeping: frozenset[str]) -> bool:
+    if component is None:
+        return True
+    kind = component.get("type")
+    if kind not in keeping:
+        return False
+    if kind == "Replace" and not component.get("content"):
+        return False  # replacing with nothing deletes text
+    if kind in ("Split", "Punctuation") and str(component.get("behavior", "")).lower() == "removed":
+        return False
+    return all(_keeps_length(child, children, keeping) for child in component.get(children) or ())
 
 
 class IncrementalDetokenizer:

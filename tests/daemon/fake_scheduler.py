@@ -54,7 +54,16 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def fewest_tokens(self, characters: int) -> int:
+        return characters
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        add_generation_prompt: bool = True,
+        *,
+        special_tokens_in_content: bool = False,
+    ) -> list[int]:
         if any(m["content"] == "refuse" for m in messages):
             raise ChatTemplateError("the chat template could not render these messages: refused")
         return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")

@@ -145,3 +145,28 @@ def test_empty_or_missing_key_file_is_refused(tmp_path: Path) -> None:
 
 def test_request_timeout_none_disables_it() -> None:
     assert load_config(flags(request_timeout_s="none"), {}).request_timeout_s is None
+
+
+def test_connection_limits_and_origins_come_from_every_source(tmp_path: Path) -> None:
+    path = write_toml(
+        tmp_path,
+        'max_connections = 64\nheader_timeout_s = 5\nmax_header_bytes = "16KiB"\n'
+        'allowed_origins = ["https://a.example", "http://localhost:*"]\nallowed_hosts = ["flare.internal"]\n',
+    )
+    config = load_config(flags(keepalive_timeout_s="12"), {"FLARE_WRITE_TIMEOUT_S": "7.5"}, path)
+    assert (config.max_connections, config.header_timeout_s, config.keepalive_timeout_s) == (64, 5.0, 12.0)
+    assert (config.write_timeout_s, config.max_header_bytes) == (7.5, 16384)
+    assert config.allowed_origins == ("https://a.example", "http://localhost:*")
+    assert config.allowed_hosts == ("flare.internal",)
+    env = load_config(flags(), {"FLARE_ALLOWED_ORIGINS": "https://a.example, https://b.example"})
+    assert env.allowed_origins == ("https://a.example", "https://b.example")
+    assert load_config(flags(allow_special_tokens_in_messages=True), {}).allow_special_tokens_in_messages
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [("header_timeout_s", "0"), ("write_timeout_s", "none"), ("max_connections", "0"), ("allowed_origins", "a b")],
+)
+def test_bad_connection_settings_are_refused_naming_the_flag(setting: str, value: str) -> None:
+    with pytest.raises(ConfigError, match="--" + setting.replace("_", "-")):
+        load_config(flags(**{setting: value}), {})

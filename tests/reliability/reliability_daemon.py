@@ -4,6 +4,7 @@ control socket, its `flare ctl status`, its resident memory, and a one-line figu
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -164,3 +165,69 @@ async def generate(
                 outcome.finish_reason = chunk["choices"][0].get("finish_reason") or outcome.finish_reason
         outcome.text = "".join(texts)
         return outcome
+
+
+@dataclass
+class Exchange:
+    """What a raw client saw: the bytes answered, and whether (and after how long) the daemon
+    closed the connection before the client gave up waiting."""
+
+    answer: bytes
+    closed: bool
+    seconds: float
+    answered_s: float | None = None  # when the first byte of the answer arrived
+
+    @property
+    def status(self) -> int | None:
+        if not self.answer.startswith(b"HTTP/1."):
+            return None
+        return int(self.answer.split(b" ", 2)[1])
+
+    def json(self) -> Any:
+        return json.loads(self.answer.partition(b"\r\n\r\n")[2])
+
+
+def exchange(
+    port: int, data: bytes = b"", *, half_close: bool = False, wait_s: float = 30.0, drip_s: float = 0.0
+) -> Exchange:
+    """Send `data` on a fresh loopback connection (byte by byte every `drip_s` when given: a
+    client that trickles), optionally half-close (SHUT_WR), and read until the daemon closes
+    the connection or `wait_s` passes."""
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=wait_s) as sock:
+        if drip_s:
+            for index in range(len(data)):
+                try:
+                    sock.sendall(data[index : index + 1])
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+                time.sleep(drip_s)
+                if time.monotonic() - started > wait_s:
+                    break
+        elif data:
+            sock.sendall(data)
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)
+        chunks = []
+        closed = False
+        answered_s = None
+        while True:
+            sock.settimeout(max(0.01, wait_s - (time.monotonic() - started)))
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                break
+            except ConnectionResetError:
+                closed = True
+                break
+            if not chunk:
+                closed = True
+                break
+            if answered_s is None:
+                answered_s = time.monotonic() - started
+            chunks.append(chunk)
+    return Exchange(b"".join(chunks), closed, time.monotonic() - started, answered_s)
+
+
+def port_of(daemon: Daemon) -> int:
+    return int(daemon.url.rsplit(":", 1)[1])

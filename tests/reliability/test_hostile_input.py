@@ -321,27 +321,27 @@ def test_truncated_bodies_and_malformed_http_never_get_a_server_error(daemon: Da
         # The connection ends before Content-Length bytes arrived.
         _raw_request(
             port,
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n" % len(body)
             + body[: len(body) // 2],
             end_early=True,
         ),
         # A chunked body cut off mid-chunk.
         _raw_request(
             port,
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n10\r\nabc",
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n10\r\nabc",
             end_early=True,
         ),
         _raw_request(
             port,
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: -5\r\n\r\n",
         ),
         _raw_request(port, b"GARBAGE\r\n\r\n"),
-        _raw_request(port, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Bad: \x00\x01\r\n\r\n"),
+        _raw_request(port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Bad: \x00\x01\r\n\r\n"),
         _raw_request(
             port,
-            b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Long: " + b"a" * 20000 + b"\r\n\r\n",
+            b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-Long: " + b"a" * 20000 + b"\r\n\r\n",
         ),
-        _raw_request(port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
+        _raw_request(port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"),
     ]
     # What is not HTTP gets aiohttp's own plain-text 400 from its parser (there is no request yet to
     # answer in OpenAI's shape); a body that stops short gets no answer, as nothing can be answered.
@@ -364,7 +364,7 @@ def test_a_client_that_stalls_mid_body_does_not_hold_up_others(
     for _ in range(8):
         sock = socket.create_connection(("127.0.0.1", port), timeout=30)
         sock.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n" % len(body)
             + body[: len(body) // 2]
         )
         stalled.append(sock)

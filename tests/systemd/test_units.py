@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from flare.daemon.config import DaemonConfig, load_config
+from flare.daemon.connections import ConnectionLimits
+from flare.daemon.server import SHUTDOWN_MARGIN_S
 
 UNITS = Path(__file__).resolve().parents[2] / "systemd"
 
@@ -58,12 +60,19 @@ def test_service_is_a_notify_service_with_watchdog_reload_and_runtime_directory(
     assert "WatchdogSec" in service
 
 
-def test_stop_timeout_outlasts_the_drain_grace_period_of_the_example_config() -> None:
+def test_stop_timeout_outlasts_the_drain_grace_period_plus_the_shutdown_margin() -> None:
     service = unit_section("flare.service", "Service")
     stop = re.fullmatch(r"(\d+)s", service["TimeoutStopSec"])
     assert stop is not None
     config = load_config(None, {}, UNITS / "flare.toml")
-    assert int(stop.group(1)) > config.drain_grace_s + 5
+    assert int(stop.group(1)) > config.drain_grace_s + SHUTDOWN_MARGIN_S
+
+
+def test_the_file_descriptor_limit_fits_the_connection_bound_and_its_reserve() -> None:
+    service = unit_section("flare.service", "Service")
+    config = load_config(None, {}, UNITS / "flare.toml")
+    limits = ConnectionLimits.from_config(config)
+    assert int(service["LimitNOFILE"]) >= limits.file_descriptors_needed
 
 
 def test_socket_unit_listens_on_loopback_http() -> None:
