@@ -628,6 +628,7 @@ class Scheduler:
             seq.state = SequenceState.RUNNING
             self._running.append(seq)
             slots += group
+            self._count_cached_prompt(seq)
 
     def _reuse_cached_prefix(self, seq: Sequence) -> None:
         """Map the longest cached prefix of `seq`'s tokens to the blocks that hold it. At least
@@ -640,14 +641,17 @@ class Scheduler:
         seq.block_table = self._blocks.lookup(seq.block_hashes)
         seq.num_published = len(seq.block_table)
         seq.num_cached = min(len(seq.block_table) * self._block_size, len(seq.tokens) - 1)
-        cached_prompt = min(seq.num_cached, seq.num_prompt_tokens)
+
+    def _count_cached_prompt(self, seq: Sequence) -> None:
+        """An admitted sequence's prompt tokens that the prefix cache served."""
+        cached = min(seq.num_cached, seq.num_prompt_tokens)
         if seq.cached_prompt_tokens is None:
-            seq.cached_prompt_tokens = cached_prompt
-        if cached_prompt:
-            self._prompt_tokens["cached"] += cached_prompt
+            seq.cached_prompt_tokens = cached  # what the request's usage reports
+        if cached:
+            self._prompt_tokens["cached"] += cached
             if self.metrics is not None:
-                self.metrics.observe_tokens(cached=cached_prompt)
-            log.debug("prefix_cache_hit", request_id=seq.request_id, tokens=seq.num_cached)
+                self.metrics.observe_tokens(cached=cached)
+            log.debug("prefix_cache_hit", request_id=seq.request_id, tokens=cached)
 
     def _fork_choices(self) -> None:
         """The other choices of a request share its first choice's blocks once those hold all
@@ -662,7 +666,7 @@ class Scheduler:
                 choice.block_table = list(shared)
                 choice.num_cached = prompt_len - 1
                 choice.num_published = min(leader.num_published, len(shared))
-                choice.block_hashes = list(leader.block_hashes)
+                choice.block_hashes = leader.block_hashes[: prompt_len // self._block_size]
                 choice.cached_prompt_tokens = leader.cached_prompt_tokens
                 choice.state = SequenceState.RUNNING
                 self._running.append(choice)
@@ -799,7 +803,7 @@ class Scheduler:
             seq.num_cached = row.start_position + fed - (drafts - accepted)
             if seq.first_token_at is None:
                 seq.first_token_at = now
-                if self.metrics is not None:
+                if self.metrics is not None and seq.index == 0:  # once per request
                     self.metrics.time_to_first_token.observe(now - seq.arrival)
             elif self.metrics is not None:
                 self.metrics.observe_emission(now - (seq.last_token_at or now), len(outcome.tokens))
@@ -808,6 +812,9 @@ class Scheduler:
             if seq.state is SequenceState.RUNNING:
                 self._publish(seq)
                 self._trim_blocks(seq)
+        # A request cancelled while the round ran but without a row in it ends now.
+        for choices in [c for c in self._by_id.values() if any(s.pending_cancel for s in c)]:
+            self._fail(choices[0], next(s.pending_cancel for s in choices if s.pending_cancel is not None))
         self._throughput.observe(generated)
         self._prompt_tokens["computed"] += prompt_tokens
         # What the draft-length model learns from (flare_draft_tokens_* give the totals only).
@@ -878,11 +885,11 @@ class Scheduler:
         # The answer's blocks are published too: the next turn of a chat resends it.
         self._end(seq, publish=True)
         choices = self._by_id.get(seq.request_id, [])
+        seq.stream.put(event)
         if all(s.state is SequenceState.FINISHED for s in choices):
             self._by_id.pop(seq.request_id, None)
-        seq.stream.put(event)
-        if self.metrics is not None:
-            self.metrics.e2e_latency.observe(time.monotonic() - seq.arrival)
+            if self.metrics is not None:
+                self.metrics.e2e_latency.observe(time.monotonic() - seq.arrival)
 
     def _end(self, seq: Sequence, *, publish: bool) -> None:
         """Take `seq` out of the running set or the queue and give back its blocks."""
