@@ -72,6 +72,7 @@ async def first_token(client: Any, model: str, max_tokens: int, **request: Any) 
 
 
 async def alternated(clients: dict[str, Any], model: str, turn: int, max_tokens: int, **request: Any) -> dict[str, tuple]:
+    """The request on both sides, the one that goes first alternating with `turn`."""
     order = ["on", "off"] if turn % 2 == 0 else ["off", "on"]
     return {side: await first_token(clients[side], model, max_tokens, **request) for side in order}
 
@@ -91,7 +92,7 @@ async def chat_workload(clients: dict[str, Any], model: str, tokenizer: Any, arg
             length = prompt_tokens(tokenizer, messages)
             if length > args.chat_tokens:
                 break
-            result = await alternated(clients, model, turn, args.answer_tokens, messages=messages)
+            result = await alternated(clients, model, conversation + turn, args.answer_tokens, messages=messages)
             (on_ttft, on_text, cached), (off_ttft, off_text, _) = result["on"], result["off"]
             turns.append({"conversation": conversation, "turn": turn, "prompt_tokens": length, "cached_tokens": cached,
                           "ttft_on_s": on_ttft, "ttft_off_s": off_ttft, "same_answer": on_text == off_text})
@@ -100,8 +101,10 @@ async def chat_workload(clients: dict[str, Any], model: str, tokenizer: Any, arg
             messages.append({"role": "assistant", "content": on_text})
             turn += 1
     later = [t for t in turns if t["prompt_tokens"] > args.chat_tokens / 2]
+    cold = [t for t in turns if t["turn"] == 0]
     return {
         "turns": turns,
+        "first_turn_ratio": statistics.median(t["ttft_off_s"] / t["ttft_on_s"] for t in cold),
         "later_turns": len(later),
         "median_ttft_on_s": statistics.median(t["ttft_on_s"] for t in later),
         "median_ttft_off_s": statistics.median(t["ttft_off_s"] for t in later),
@@ -254,7 +257,8 @@ def main() -> int:
     if "chat" in report:
         c = report["chat"]
         print(f"chat, later turns ({c['later_turns']}): TTFT on {c['median_ttft_on_s']:.3f} s, off {c['median_ttft_off_s']:.3f} s, "
-              f"{c['median_ratio']:.1f}x lower; answers identical: {c['answers_identical']}")
+              f"{c['median_ratio']:.1f}x lower; first turns (nothing cached) off/on {c['first_turn_ratio']:.2f}; "
+              f"answers identical: {c['answers_identical']}")
     if "agent" in report:
         a = report["agent"]
         print(f"agent, calls after the first: TTFT on {a['median_ttft_on_s']:.3f} s, off {a['median_ttft_off_s']:.3f} s, "
