@@ -39,8 +39,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving import flare_daemon, metric  # noqa: E402  (benchmarks/serving.py: the daemon and /metrics helpers)
+# The checkout this script is in, not whichever flare is installed (the daemons run from the
+# working directory, which must be the same checkout), and benchmarks/serving.py's helpers.
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+from serving import flare_daemon, metric  # noqa: E402  (the daemon and /metrics helpers)
 
 WORDS = (
     "harbour lantern copper meadow granite orchard velvet compass thunder willow amber canyon "
@@ -246,8 +248,9 @@ def main() -> int:
     from flare.engine.tokenizer import Tokenizer
     from flare.preparation.package import open_package
 
-    tokenizer = Tokenizer.from_package(open_package(args.package))
-    print(f"package {args.package}, {args.threads} threads each", flush=True)
+    package = open_package(args.package)
+    tokenizer = Tokenizer.from_package(package)
+    print(f"package {args.package} ({package.manifest.serving.dtype}), {args.threads} threads each", flush=True)
     with flare_daemon(args.package, args.threads, ["--prefix-cache", "on"]) as on, flare_daemon(
         args.package, args.threads, ["--prefix-cache", "off"]
     ) as off:
