@@ -136,3 +136,12 @@ def test_empty_or_missing_key_file_is_refused(tmp_path: Path) -> None:
 
 def test_request_timeout_none_disables_it() -> None:
     assert load_config(flags(request_timeout_s="none"), {}).request_timeout_s is None
+
+
+def test_the_prefix_cache_is_on_by_default_and_each_source_can_turn_it_off(tmp_path: Path) -> None:
+    assert load_config(flags(), {}).prefix_cache is True
+    assert load_config(flags(), {}, write_toml(tmp_path, "prefix_cache = false\n")).prefix_cache is False
+    assert load_config(flags(), {"FLARE_PREFIX_CACHE": "off"}).prefix_cache is False
+    assert load_config(flags(prefix_cache="off"), {"FLARE_PREFIX_CACHE": "on"}).prefix_cache is False
+    with pytest.raises(ConfigError, match="--prefix-cache: expected true or false"):
+        load_config(flags(prefix_cache="sometimes"), {})
