@@ -18,6 +18,10 @@ alternating, so machine noise falls on both alike. Workloads:
 - distinct: no shared prefixes at all (completions of prompts that differ from their first
   token), --streams at once: aggregate generated tokens/s on each side, median of --repeats;
   this is what the cache's bookkeeping costs.
+- bookkeeping: the distinct workload in-process (the scheduler without HTTP, cache on, under
+  cProfile): seconds spent in the prefix cache's code (flare/engine/prefix_cache.py and the
+  scheduler's publishing and lookup) against the run's wall time. On a shared machine an A/B
+  of throughput cannot resolve a cost under a few percent; this measures it directly.
 - choices: one prompt with n = 4 against four separate requests sent at once (cache off, so
   each computes its prompt): wall time, and the prompt tokens computed by each from the
   daemon's flare_prompt_tokens_total.
@@ -162,6 +166,56 @@ async def distinct_workload(clients: dict[str, Any], model: str, args: argparse.
     return {"tok_s_on": rates["on"], "tok_s_off": rates["off"], "median_on": on, "median_off": off, "ratio": on / off}
 
 
+def bookkeeping_workload(package_path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    import cProfile
+    import pstats
+
+    from flare.preparation.package import open_package
+    from flare.sampling.params import SamplingParams
+    from flare.scheduler.request import GenerationRequest
+    from flare.scheduler.scheduler import Scheduler, SchedulerOptions
+
+    async def serve() -> float:
+        scheduler = Scheduler.from_package(open_package(package_path), SchedulerOptions(prefix_cache=True))
+        loop = asyncio.create_task(scheduler.run())
+        started = time.perf_counter()
+        for repeat in range(args.repeats):
+            rng = random.Random(1000 + repeat)
+            streams = [
+                scheduler.submit(GenerationRequest(
+                    f"r{repeat}-{i}",
+                    tuple(scheduler.tokenizer.encode(f"{rng.choice(WORDS)} {i} {paragraph(rng, 40)}")),
+                    SamplingParams(temperature=0.0, max_tokens=args.distinct_tokens),
+                ))
+                for i in range(args.streams)
+            ]
+            for stream in streams:
+                async for _ in stream:
+                    pass
+        wall = time.perf_counter() - started
+        scheduler.stop()
+        await loop
+        return wall
+
+    import logging
+
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    profile = cProfile.Profile()
+    profile.enable()
+    wall = asyncio.run(serve())
+    profile.disable()
+    mine = {"_publish", "_reuse_cached_prefix", "_count_cached_prompt"}
+    seconds = sum(
+        own
+        for (file, _, name), (_, _, own, _, _) in pstats.Stats(profile).stats.items()  # type: ignore[attr-defined]
+        if file.endswith("prefix_cache.py") or (file.endswith("scheduler.py") and name in mine)
+    )
+    print(f"  bookkeeping: {seconds * 1000:.1f} ms of {wall:.1f} s", flush=True)
+    return {"bookkeeping_s": seconds, "wall_s": wall, "share": seconds / wall}
+
+
 async def choices_workload(clients: dict[str, Any], urls: dict[str, str], model: str, args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(11)
     messages = [{"role": "user", "content": f"Continue this story: {paragraph(rng, 300)}"}]
@@ -227,8 +281,8 @@ async def run(urls: dict[str, str], tokenizer: Any, args: argparse.Namespace) ->
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--package", type=Path, help="package to serve (default: the default model's package)")
-    parser.add_argument("--workloads", nargs="+", default=["chat", "agent", "distinct", "choices"],
-                        choices=["chat", "agent", "distinct", "choices"])
+    parser.add_argument("--workloads", nargs="+", default=["chat", "agent", "distinct", "bookkeeping", "choices"],
+                        choices=["chat", "agent", "distinct", "bookkeeping", "choices"])
     parser.add_argument("--chat-tokens", type=int, default=2000, help="the history a chat grows to")
     parser.add_argument("--conversations", type=int, default=2)
     parser.add_argument("--agent-tokens", type=int, default=1500, help="the shared system prompt's length")
@@ -251,10 +305,18 @@ def main() -> int:
     package = open_package(args.package)
     tokenizer = Tokenizer.from_package(package)
     print(f"package {args.package} ({package.manifest.serving.dtype}), {args.threads} threads each", flush=True)
-    with flare_daemon(args.package, args.threads, ["--prefix-cache", "on"]) as on, flare_daemon(
-        args.package, args.threads, ["--prefix-cache", "off"]
-    ) as off:
-        report = asyncio.run(run({"on": on, "off": off}, tokenizer, args))
+    report: dict[str, Any] = {}
+    if set(args.workloads) - {"bookkeeping"}:
+        with flare_daemon(args.package, args.threads, ["--prefix-cache", "on"]) as on, flare_daemon(
+            args.package, args.threads, ["--prefix-cache", "off"]
+        ) as off:
+            report = asyncio.run(run({"on": on, "off": off}, tokenizer, args))
+    if "bookkeeping" in args.workloads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        print("bookkeeping: the distinct workload in-process, cache on, under cProfile", flush=True)
+        report["bookkeeping"] = bookkeeping_workload(args.package, args)
     report["command"] = " ".join(sys.argv)
     print()
     if "chat" in report:
@@ -270,6 +332,10 @@ def main() -> int:
         d = report["distinct"]
         print(f"distinct prompts, {args.streams} streams: on {d['median_on']:.1f} tok/s, off {d['median_off']:.1f} tok/s, "
               f"on/off {d['ratio']:.3f}")
+    if "bookkeeping" in report:
+        b = report["bookkeeping"]
+        print(f"bookkeeping: {b['bookkeeping_s'] * 1000:.1f} ms in the prefix cache's code of {b['wall_s']:.1f} s "
+              f"({b['share']:.3%})")
     if "choices" in report:
         n = report["choices"]
         print(f"n = 4: {n['median_n4_s']:.2f} s against {n['median_separate_s']:.2f} s for four separate requests "
