@@ -70,9 +70,8 @@ class PrefixCache:
     found, and it is the allocator alone.
     """
 
-    def __init__(self, allocator: BlockAllocator, *, block_size: int, root: BlockHash, enabled: bool = True) -> None:
+    def __init__(self, allocator: BlockAllocator, *, root: BlockHash, enabled: bool = True) -> None:
         self.allocator = allocator
-        self.block_size = block_size
         self.root = root
         self.enabled = enabled
         self._blocks: dict[BlockHash, int] = {}

@@ -271,12 +271,7 @@ class Scheduler:
             policy=policy,
             tokenizer=Tokenizer.from_package(package),
             runner=runner,
-            blocks=PrefixCache(
-                BlockAllocator(kv_cache.num_blocks),
-                block_size=kv_cache.block_size,
-                root=root,
-                enabled=options.prefix_cache,
-            ),
+            blocks=PrefixCache(BlockAllocator(kv_cache.num_blocks), root=root, enabled=options.prefix_cache),
             drafter=(drafter or make_drafter(serving.drafter)) if draft_tokens > 0 else None,
             options=options,
             max_concurrency=max_concurrency,

@@ -13,7 +13,7 @@ ROOT = namespace_hash("weights=abc", "kv=float32")
 
 
 def cache(num_blocks: int = 8, *, enabled: bool = True) -> PrefixCache:
-    return PrefixCache(BlockAllocator(num_blocks), block_size=B, root=ROOT, enabled=enabled)
+    return PrefixCache(BlockAllocator(num_blocks), root=ROOT, enabled=enabled)
 
 
 def held_request(c: PrefixCache, tokens: list[int]) -> tuple[list[int], list[bytes]]:
