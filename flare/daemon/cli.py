@@ -54,6 +54,8 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--max-concurrency", metavar="N",
         help="requests run at once (default and maximum: the package's serving.max_concurrency)")
     add("--max-waiting", metavar="N", help="requests queued beyond those; past it, 429 (default 256)")
+    add("--prefix-cache", choices=("on", "off"),
+        help="keep computed KV blocks for later prompts that start the same way (default on)")
     add("--draft-tokens", metavar="N",
         help="speculative draft tokens per round; may only lower the package's (0 turns speculation off)")
     add("--vocabulary-shards", metavar="S", help="shards of the vocabulary-parallel sampler (default 1)")

@@ -45,6 +45,7 @@ class DaemonConfig:
     kv_cache_memory: int | None = None  # bytes; None: the scheduler's default budget
     max_concurrency: int | None = None  # None: the package's serving.max_concurrency
     max_waiting: int = 256
+    prefix_cache: bool = True
     draft_tokens: int | None = None  # None: the package's; may only lower it
     vocabulary_shards: int = 1
     sampling_policy: str = "package"  # "package" | "unfiltered"
@@ -197,6 +198,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "kv_cache_memory": parse_bytes,
     "max_concurrency": _integer(1),
     "max_waiting": _integer(0),
+    "prefix_cache": _boolean,
     "draft_tokens": _integer(0),
     "vocabulary_shards": _integer(1),
     "sampling_policy": _choice("package", "unfiltered"),

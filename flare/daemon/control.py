@@ -13,6 +13,7 @@ Endpoints (JSON in and out; errors in the API's `{"error": {...}}` shape):
     POST /requests/{id}/cancel      {"cancelled": id}      404 when no such request
     POST /drain                     {"draining": true}
     POST /resume                    {"draining": false}       409 once the daemon is stopping
+    POST /cache/clear               {"dropped_blocks": N}  unreferenced prefix-cache blocks dropped
     GET  /config                    the effective config, API keys redacted
     PUT  /log-level  {"level": L}   {"log_level": L}       400 for an unknown level
 """
@@ -73,6 +74,11 @@ class DaemonStatus:
     log_level: str
     pid: int
     version: str
+    prefix_cache: bool = False
+    kv_blocks_cached: int = 0  # in the prefix cache, in use or not
+    kv_blocks_evictable: int = 0  # cached, used by no request: given up when requests need blocks
+    prompt_tokens_cached: int = 0  # since start: served from the prefix cache
+    prompt_tokens_computed: int = 0  # since start: prefilled
 
     def summary(self) -> str:
         """One line: `systemctl status` shows it under the unit."""
@@ -109,6 +115,10 @@ class ControlTarget(Protocol):
 
     def resume(self) -> None:
         """Admit requests again; ApiError 409 once the daemon is shutting down."""
+        ...
+
+    def clear_prefix_cache(self) -> int:
+        """Drop every prefix-cache block no request uses; returns how many."""
         ...
 
     def effective_config(self) -> Mapping[str, Any]: ...
@@ -154,6 +164,11 @@ class DaemonControl:
             log_level=self._log_control.level,
             pid=os.getpid(),
             version=self._version,
+            prefix_cache=snapshot.prefix_cache,
+            kv_blocks_cached=snapshot.kv_blocks_cached,
+            kv_blocks_evictable=snapshot.kv_blocks_evictable,
+            prompt_tokens_cached=snapshot.prompt_tokens_cached,
+            prompt_tokens_computed=snapshot.prompt_tokens_computed,
         )
 
     def requests(self) -> Sequence[RequestRow]:
@@ -179,6 +194,9 @@ class DaemonControl:
                 code="shutting_down",
             )
         scheduler.resume()
+
+    def clear_prefix_cache(self) -> int:
+        return self._state.require_scheduler().clear_prefix_cache()
 
     def effective_config(self) -> Mapping[str, Any]:
         return dataclasses.asdict(self._config())
@@ -374,6 +392,9 @@ def control_app(target: ControlTarget) -> web.Application:
         target.resume()
         return web.json_response({"draining": False})
 
+    async def clear_cache(_request: web.Request) -> web.Response:
+        return web.json_response({"dropped_blocks": target.clear_prefix_cache()})
+
     async def config(_request: web.Request) -> web.Response:
         return web.json_response(redact_config(target.effective_config()))
 
@@ -400,6 +421,7 @@ def control_app(target: ControlTarget) -> web.Application:
             web.post("/requests/{request_id}/cancel", cancel),
             web.post("/drain", drain),
             web.post("/resume", resume),
+            web.post("/cache/clear", clear_cache),
             web.get("/config", config),
             web.put("/log-level", log_level),
         ]

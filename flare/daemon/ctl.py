@@ -1,7 +1,7 @@
 """`flare ctl`: steer a running daemon through its control socket.
 
     flare ctl [--socket PATH] [--json] status | requests | cancel ID | drain | resume
-                                       | config | log-level LEVEL
+                                       | cache clear | config | log-level LEVEL
 
 Readable tables by default; `--json` prints the daemon's answer as JSON for scripts.
 
@@ -159,6 +159,8 @@ def add_ctl_parser(subparsers: Any) -> argparse.ArgumentParser:
     cancel.add_argument("request_id", metavar="ID")
     command("drain", "stop admitting requests (503, /health 503); in-flight ones go on")
     command("resume", "admit requests again after a drain")
+    cache = command("cache", "the prefix cache: `cache clear` drops every cached KV block no request uses")
+    cache.add_argument("cache_action", choices=("clear",), metavar="clear")
     command("config", "the effective configuration, API keys redacted")
     level = command("log-level", "change the log level at run time")
     level.add_argument("level", choices=LOG_LEVELS, metavar="LEVEL", help=" | ".join(LOG_LEVELS))
@@ -171,6 +173,7 @@ _REQUESTS: dict[str, tuple[str, str]] = {
     "requests": ("GET", "/requests"),
     "drain": ("POST", "/drain"),
     "resume": ("POST", "/resume"),
+    "cache": ("POST", "/cache/clear"),
     "config": ("GET", "/config"),
 }
 
@@ -222,6 +225,8 @@ def render(command: str, answer: Any) -> str:
         return "draining: new requests get 503 and /health answers 503; in-flight requests go on"
     if command == "resume":
         return "admitting requests again"
+    if command == "cache":
+        return f"dropped {answer['dropped_blocks']} cached KV blocks that no request was using"
     if command == "log-level":
         return f"log level is now {answer['log_level']}"
     raise ValueError(f"no rendering for {command!r}")
@@ -237,6 +242,7 @@ def _render_status(status: Mapping[str, Any]) -> str:
         ("waiting", str(status["waiting"])),
         ("kv blocks", f"{status['kv_blocks_used']} / {status['kv_blocks_total']} in use"),
         ("weights", f"{status['weights_dtype']} stored, {status['weight_format']} GEMMs"),
+        ("prefix cache", _render_prefix_cache(status)),
         ("tokens/s", f"{status['generated_tokens_per_s']:.1f}"),
         ("log level", status["log_level"]),
         ("pid", str(status["pid"])),
@@ -247,6 +253,17 @@ def _render_status(status: Mapping[str, Any]) -> str:
         ),
     ]
     return _table(rows)
+
+
+def _render_prefix_cache(status: Mapping[str, Any]) -> str:
+    if not status.get("prefix_cache"):
+        return "off"
+    cached, computed = status["prompt_tokens_cached"], status["prompt_tokens_computed"]
+    share = f" ({100 * cached / (cached + computed):.0f}%)" if cached + computed else ""
+    return (
+        f"{status['kv_blocks_cached']} blocks cached, {status['kv_blocks_evictable']} of them evictable; "
+        f"prompt tokens {cached} from cache{share}, {computed} computed"
+    )
 
 
 def _render_requests(rows: Sequence[Mapping[str, Any]]) -> str:

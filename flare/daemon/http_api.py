@@ -38,14 +38,20 @@ from flare.daemon.errors import (
 )
 from flare.daemon.logging import log_access
 from flare.daemon.metrics import OUTCOME
-from flare.daemon.openai_responses import ChatCompletionShape, ResponseShape, TextCompletionShape, flare_object
+from flare.daemon.openai_responses import (
+    ChatCompletionShape,
+    ChoiceText,
+    ResponseShape,
+    TextCompletionShape,
+    flare_object,
+)
 from flare.daemon.openai_schema import check_model, parse_chat_completion, parse_completion, parse_json_body
 from flare.daemon.origins import browser_origin_refused, loopback_host_refused, origin_allowed
 from flare.daemon.sse import DONE, SSE_HEADERS, sse_data
 from flare.daemon.state import Phase, ServingState
 from flare.engine.tokenizer import ChatTemplateError
 from flare.kernels.status import DeviceStatus
-from flare.scheduler.errors import Draining, PromptTooLong, QueueFull
+from flare.scheduler.errors import Draining, PromptTooLong, QueueFull, TooManyChoices
 from flare.scheduler.request import (
     Failed,
     FaultSpec,
@@ -319,7 +325,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         # The package's template refused the conversation (for example roles out of order).
         raise bad_request(str(error), param="messages") from None
     shape = ChatCompletionShape(_new_id("chatcmpl"), int(time.time()), parsed.model, parsed.include_usage)
-    return await _generate(request, scheduler, prompt_ids, "messages", parsed.sampling, parsed.stream, shape)
+    return await _generate(
+        request, scheduler, prompt_ids, "messages", parsed.sampling, parsed.stream, shape, parsed.n
+    )
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -334,7 +342,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if not prompt_ids:
         raise bad_request("prompt is empty; send at least one token of text", param="prompt")
     shape = TextCompletionShape(_new_id("cmpl"), int(time.time()), parsed.model, parsed.include_usage)
-    return await _generate(request, scheduler, prompt_ids, "prompt", parsed.sampling, parsed.stream, shape)
+    return await _generate(request, scheduler, prompt_ids, "prompt", parsed.sampling, parsed.stream, shape, parsed.n)
 
 
 def _check_prompt_size(scheduler: Scheduler, characters: int, param: str) -> None:
@@ -408,6 +416,7 @@ async def _generate(
     sampling: Mapping[str, Any],
     stream: bool,
     shape: ResponseShape,
+    n: int = 1,
 ) -> web.StreamResponse:
     config = request.app[SETTINGS].config
     room = scheduler.max_context - len(prompt_ids)
@@ -424,6 +433,7 @@ async def _generate(
         prompt_token_ids=tuple(prompt_ids),
         params=clamp.params,
         fault=_fault(request, config),
+        n=n,
     )
     events = _submit(scheduler, generation, prompt_param)
     generated = request[GENERATED] = Generated(time.perf_counter())
@@ -434,16 +444,18 @@ async def _generate(
     flare = flare_object(clamp)
     headers = {ADJUSTED_HEADER: ",".join(a.param for a in clamp.adjusted)} if clamp.adjusted else {}
     with structlog.contextvars.bound_contextvars(completion_id=shape.id):
-        log.info("generation_started", prompt_tokens=len(prompt_ids), stream=stream, adjusted=list(headers.values()))
+        log.info(
+            "generation_started", prompt_tokens=len(prompt_ids), n=n, stream=stream, adjusted=list(headers.values())
+        )
         try:
             deadline = _Deadline(scheduler, generation.request_id, config.request_timeout_s)
             if not stream:
-                collected = await _collect(request, events, deadline, shape, flare, headers, generated)
+                collected = await _collect(request, events, deadline, shape, flare, headers, generated, n)
                 ended = True
                 return collected
             response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
             try:
-                await _stream(request, response, events, deadline, shape, flare, generated)
+                await _stream(request, response, events, deadline, shape, flare, generated, n)
             except ConnectionResetError as error:
                 # The client is gone, or stopped reading: `finally` cancels the request.
                 gone = error
@@ -483,6 +495,8 @@ def _submit(scheduler: Scheduler, generation: GenerationRequest, prompt_param: s
     except PromptTooLong as error:
         # Longer than the context, or than the whole KV cache: it could never be served here.
         raise bad_request(str(error), param=prompt_param, code="context_length_exceeded") from None
+    except TooManyChoices as error:
+        raise bad_request(str(error), param="n") from None
 
 
 def _fault(request: web.Request, config: DaemonConfig) -> FaultSpec | None:
@@ -541,31 +555,39 @@ async def _stream(
     shape: ResponseShape,
     flare: dict[str, Any],
     generated: Generated,
+    n: int,
 ) -> None:
     await response.prepare(request)
-    first = shape.first_chunk()
-    first["flare"] = flare
-    await response.write(sse_data(first))
+    for index in range(n):
+        first = shape.first_chunk(index)
+        if index == 0:
+            first["flare"] = flare
+        await response.write(sse_data(first))
+    finished: list[Finished] = []
     while True:
         event = await deadline.next_event(events)
         if isinstance(event, TextDelta):
             generated.token()
             if event.text:
-                await response.write(sse_data(shape.text_chunk(event.text)))
+                await response.write(sse_data(shape.text_chunk(event.text, event.index)))
             continue
         if isinstance(event, Finished):
-            final = shape.final_chunk(event.reason)
+            final = shape.final_chunk(event.reason, event.index)
             if event.fell_back:
                 final["flare"] = {"fell_back": True}
             await response.write(sse_data(final))
+            finished.append(event)
+            if len(finished) < n:
+                continue
+            usage = _request_usage(finished)
             if shape.include_usage:
-                await response.write(sse_data(shape.usage_chunk(event.usage)))
-            _log_end(event, generated)
+                await response.write(sse_data(shape.usage_chunk(usage)))
+            _log_end(event, generated, usage)
         else:
             # The status line said 200; the metrics must still count a failure.
             request[OUTCOME] = "cancelled" if event.failure.code == "cancelled" else "failed"
             await response.write(sse_data(failure_body(event.failure)))
-            _log_end(event, generated)
+            _log_end(event, generated, event.usage)
         await response.write(DONE)
         await response.write_eof()
         return
@@ -579,33 +601,49 @@ async def _collect(
     flare: dict[str, Any],
     headers: Mapping[str, str],
     generated: Generated,
+    n: int,
 ) -> web.Response:
-    texts = []
+    texts: list[list[str]] = [[] for _ in range(n)]
+    finished: dict[int, Finished] = {}
     while True:
         event = await deadline.next_event(events)
         if isinstance(event, TextDelta):
             generated.token()
-            texts.append(event.text)
+            texts[event.index].append(event.text)
             continue
-        _log_end(event, generated)
         if isinstance(event, Failed):
+            _log_end(event, generated, event.usage)
             if event.failure.code == "cancelled":
                 request[OUTCOME] = "cancelled"  # its 503 is the operator's doing, not the server's state
             # The OpenAI SDKs retry a 503 by themselves unless told not to.
             retry = {} if event.failure.retryable else {"x-should-retry": "false"}
             return web.json_response(failure_body(event.failure), status=event.failure.http_status, headers=retry)
-        body = shape.body("".join(texts), event.reason, event.usage)
-        body["flare"] = {**flare, "fell_back": event.fell_back}
+        finished[event.index] = event
+        if len(finished) < n:
+            continue
+        usage = _request_usage(list(finished.values()))
+        _log_end(event, generated, usage)
+        choices = [ChoiceText("".join(texts[i]), finished[i].reason) for i in range(n)]
+        body = shape.body(choices, usage)
+        body["flare"] = {**flare, "fell_back": any(f.fell_back for f in finished.values())}
         return web.json_response(body, headers=headers)
 
 
-def _log_end(event: Finished | Failed, generated: Generated) -> None:
-    generated.usage = event.usage
+def _request_usage(finished: Sequence[Finished]) -> Usage:
+    """The request's usage: its prompt once, however many choices shared it, and every choice's
+    completion tokens."""
+    first = finished[0].usage
+    return Usage(first.prompt_tokens, sum(f.usage.completion_tokens for f in finished), first.cached_tokens)
+
+
+def _log_end(event: Finished | Failed, generated: Generated, usage: Usage) -> None:
+    generated.usage = usage
     if isinstance(event, Finished):
         log.info(
             "generation_finished",
             finish_reason=event.reason,
-            completion_tokens=event.usage.completion_tokens,
+            completion_tokens=usage.completion_tokens,
+            cached_tokens=usage.cached_tokens,
             fell_back=event.fell_back,
         )
     else:

@@ -2,12 +2,13 @@
 
 What is accepted: the fields of OpenAI's chat completions and (legacy) completions requests
 that a text-only server without tools can honour, plus the sampling extensions top_k, min_p
-and repetition_penalty (as vLLM accepts them). Fields that ask for something flare does not do
-(tools, logprobs, structured output, several choices) get a 400 naming the field. Fields that
-change nothing about the answer are accepted and ignored: `user`, `metadata`, `store`,
-`service_tier`, `parallel_tool_calls`, and the "off" values of the unsupported ones (`n: 1`,
-`logprobs: false`, `tools: []`, `tool_choice: "none"`, `response_format: {"type": "text"}`,
-`logit_bias: {}`, `echo: false`, `best_of: 1`). Any other field is rejected as unrecognized,
+and repetition_penalty (as vLLM accepts them), and `n` choices (`best_of` equal to `n`). Fields
+that ask for something flare does not do (tools, logprobs, structured output, picking the best
+of more choices than are returned) get a 400 naming the field. Fields that change nothing about
+the answer are accepted and ignored: `user`, `metadata`, `store`, `service_tier`,
+`parallel_tool_calls`, and the "off" values of the unsupported ones (`logprobs: false`,
+`tools: []`, `tool_choice: "none"`, `response_format: {"type": "text"}`, `logit_bias: {}`,
+`echo: false`). Any other field is rejected as unrecognized,
 as OpenAI does, so a misspelt parameter never silently does nothing.
 """
 
@@ -33,6 +34,10 @@ _CHAT_FIELDS = _COMMON | {
 _COMPLETION_FIELDS = _COMMON | {"prompt", "n", "best_of", "logprobs", "logit_bias", "echo", "suffix"}
 
 
+# OpenAI's own bound on n; the server's max_concurrency usually bounds it further.
+MAX_CHOICES = 128
+
+
 @dataclass(frozen=True)
 class ChatCompletionRequest:
     model: str
@@ -40,6 +45,7 @@ class ChatCompletionRequest:
     stream: bool
     include_usage: bool
     sampling: Mapping[str, Any]  # validated raw sampling fields (validate_request_sampling)
+    n: int = 1  # choices sampled independently from the one prompt
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,7 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     sampling: Mapping[str, Any]
+    n: int = 1
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -135,20 +142,20 @@ def parse_chat_completion(body: Mapping[str, Any]) -> ChatCompletionRequest:
     _unsupported_chat_features(body)
     messages = _messages(body.get("messages"))
     stream, include_usage = _streaming(body)
-    return ChatCompletionRequest(model, messages, stream, include_usage, _sampling(body))
+    return ChatCompletionRequest(model, messages, stream, include_usage, _sampling(body), _choices(body))
 
 
 def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:
     _check_fields(body, _COMPLETION_FIELDS)
     model = _model(body)
-    _only(body, "n", (None, 1), "several choices per request are not supported; send n: 1 (or leave it out)")
-    _only(body, "best_of", (None, 1), "best_of is not supported; send best_of: 1 (or leave it out)")
+    n = _choices(body)
+    _best_of(body, n)
     _only(body, "logprobs", (None, 0), "logprobs are not supported; leave logprobs out")
     _only(body, "echo", (None, False), "echo is not supported; send echo: false (or leave it out)")
     _only(body, "suffix", (None, ""), "suffix (insertion) is not supported; leave suffix out")
     _no_logit_bias(body)
     stream, include_usage = _streaming(body)
-    return CompletionRequest(model, _prompt(body.get("prompt")), stream, include_usage, _sampling(body))
+    return CompletionRequest(model, _prompt(body.get("prompt")), stream, include_usage, _sampling(body), n)
 
 
 def _check_fields(body: Mapping[str, Any], known: frozenset[str]) -> None:
@@ -177,8 +184,35 @@ def check_model(requested: str, served: str) -> None:
         )
 
 
+def _choices(body: Mapping[str, Any]) -> int:
+    n = body.get("n")
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise bad_request(f"n must be an integer, got {_kind(n)}", param="n")
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {n}", param="n")
+    return n
+
+
+def _best_of(body: Mapping[str, Any], n: int) -> None:
+    best_of = body.get("best_of")
+    if best_of is None:
+        return
+    if isinstance(best_of, bool) or not isinstance(best_of, int):
+        raise bad_request(f"best_of must be an integer, got {_kind(best_of)}", param="best_of")
+    if best_of < n:
+        raise bad_request(f"best_of ({best_of}) must be at least n ({n})", param="best_of")
+    if best_of > n:
+        raise bad_request(
+            f"best_of {best_of} > n {n} is not supported: choosing the best choices needs their log "
+            "probabilities, which this server does not compute; send best_of equal to n (or leave it out) "
+            "and pick among the n choices yourself",
+            param="best_of",
+        )
+
+
 def _unsupported_chat_features(body: Mapping[str, Any]) -> None:
-    _only(body, "n", (None, 1), "several choices per request are not supported; send n: 1 (or leave it out)")
     _only(body, "logprobs", (None, False), "logprobs are not supported; send logprobs: false (or leave it out)")
     _only(body, "top_logprobs", (None, 0), "top_logprobs are not supported; leave top_logprobs out")
     _no_logit_bias(body)

@@ -235,6 +235,7 @@ class Daemon:
         options = SchedulerOptions(
             max_concurrency=config.max_concurrency,
             max_waiting=config.max_waiting,
+            prefix_cache=config.prefix_cache,
             kv_cache_memory=config.kv_cache_memory,
             draft_tokens=config.draft_tokens,
             vocabulary_shards=config.vocabulary_shards,

@@ -8,7 +8,8 @@ interchangeable, so a request holds only the blocks it uses and fragmentation ca
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -31,11 +32,18 @@ class OutOfBlocks(RuntimeError):
 
 
 class DoubleFree(ValueError):
-    """A block was freed that is not currently allocated (freed twice, or never handed out)."""
+    """A block was freed more often than it is held (freed twice, or never handed out)."""
 
 
 class BlockAllocator:
-    """A free list of block ids `0 .. num_blocks-1`."""
+    """Block ids `0 .. num_blocks-1`, each free or held by one or more holders.
+
+    A block's reference count is its number of holders: sequences whose block tables name it
+    (several when a prompt is shared by the choices of one request or by a cached prefix) and
+    the prefix cache itself while the block is published there. `allocate` hands out blocks
+    with one reference, `share` adds one, `free` drops one; a block returns to the free list
+    when its last holder lets go.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
@@ -44,7 +52,7 @@ class BlockAllocator:
         # A stack: the most recently freed block is reused first, which keeps the working set
         # of pool memory small when the server is lightly loaded.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._allocated = [False] * num_blocks
+        self._references = [0] * num_blocks
 
     @property
     def num_total(self) -> int:
@@ -54,6 +62,10 @@ class BlockAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
+    def references(self, block: int) -> int:
+        """How many holders `block` has (0: it is free)."""
+        return self._references[block]
+
     def allocate(self, n: int) -> list[int]:
         """Take `n` blocks, all or nothing; raises `OutOfBlocks` when fewer are free."""
         if n < 0:
@@ -62,22 +74,35 @@ class BlockAllocator:
             raise OutOfBlocks(n, len(self._free))
         blocks = [self._free.pop() for _ in range(n)]
         for block in blocks:
-            self._allocated[block] = True
+            self._references[block] = 1
         return blocks
 
-    def free(self, blocks: Iterable[int]) -> None:
-        """Return blocks to the free list; rejects (before changing anything) a block not held."""
+    def share(self, blocks: Iterable[int]) -> None:
+        """One more holder for each of `blocks`, which must be held already."""
         blocks = list(blocks)
-        seen: set[int] = set()
         for block in blocks:
+            if not 0 <= block < self._num_total or self._references[block] == 0:
+                raise DoubleFree(f"block {block} is not allocated, so it cannot be shared")
+        for block in blocks:
+            self._references[block] += 1
+
+    def free(self, blocks: Iterable[int]) -> list[int]:
+        """Drop one reference to each of `blocks` (a block named twice loses two); rejects,
+        before changing anything, a block freed more often than it is held. Returns the
+        blocks that went back to the free list."""
+        drops = Counter(blocks)
+        for block, count in drops.items():
             if not 0 <= block < self._num_total:
                 raise DoubleFree(f"block {block} is outside the pool of {self._num_total} blocks")
-            if not self._allocated[block] or block in seen:
+            if count > self._references[block]:
                 raise DoubleFree(f"block {block} is not allocated (double free)")
-            seen.add(block)
-        for block in blocks:
-            self._allocated[block] = False
-            self._free.append(block)
+        released = []
+        for block, count in drops.items():
+            self._references[block] -= count
+            if self._references[block] == 0:
+                self._free.append(block)
+                released.append(block)
+        return released
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -159,6 +184,23 @@ class KVCache:
             dtype=dtype,
             device=device,
         )
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy every layer's keys and values of block `source` into block `target`, for each
+        (source, target) pair in order: the copy-on-write of a block shared with another holder."""
+        if not pairs:
+            return
+        sources = torch.tensor([s for s, _ in pairs], device=self.keys[0].device)
+        targets = torch.tensor([t for _, t in pairs], device=self.keys[0].device)
+        # Pairs run in order, so a block freed by one copy and reused as another's target
+        # is read before it is overwritten; index_copy_ would not promise that order.
+        ordered = len(set(targets.tolist()) & set(sources.tolist())) > 0
+        for pool in (*self.keys, *self.values):
+            if ordered:
+                for source, target in pairs:
+                    pool[:, target] = pool[:, source]
+            else:
+                pool[:, targets] = pool[:, sources]
 
     @property
     def num_tokens(self) -> int:

@@ -34,3 +34,11 @@ class DuplicateRequestId(AdmissionError, ValueError):
 
 class ContractViolation(ValueError):
     """The package's stored sampling policy contradicts its sampler; it is not served."""
+
+
+class TooManyChoices(AdmissionError, ValueError):
+    """More choices (n) than the scheduler runs sequences at once: they could never run together."""
+
+    def __init__(self, message: str, limit: int) -> None:
+        super().__init__(message)
+        self.limit = limit

@@ -38,7 +38,16 @@ class SchedulerMetrics:
         )
         for status in DeviceStatus:
             self.device_statuses.labels(status=status.name)  # every name present from the start
-        self.prompt_tokens = Counter("flare_prompt_tokens", "Prompt tokens prefilled.", registry=registry)
+        self.prompt_tokens = Counter(
+            "flare_prompt_tokens",
+            "Prompt tokens computed (prefilled); those served from the prefix cache are not counted here.",
+            registry=registry,
+        )
+        self.prompt_tokens_cached = Counter(
+            "flare_prompt_tokens_cached",
+            "Prompt tokens served from the prefix cache instead of computed.",
+            registry=registry,
+        )
         self.generated_tokens = Counter(
             "flare_generated_tokens", "Tokens generated and delivered to requests.", registry=registry
         )
@@ -74,8 +83,16 @@ class SchedulerMetrics:
         )
         self.running = Gauge("flare_requests_running", "Requests in the running set.", registry=registry)
         self.waiting = Gauge("flare_requests_waiting", "Requests in the waiting queue.", registry=registry)
-        self.kv_blocks_used = Gauge("flare_kv_blocks_used", "KV-cache blocks allocated to requests.", registry=registry)
+        self.kv_blocks_used = Gauge("flare_kv_blocks_used", "KV-cache blocks held by requests.", registry=registry)
         self.kv_blocks_total = Gauge("flare_kv_blocks_total", "KV-cache blocks in the pool.", registry=registry)
+        self.kv_blocks_cached = Gauge(
+            "flare_kv_blocks_cached", "KV-cache blocks in the prefix cache, held by requests or not.", registry=registry
+        )
+        self.kv_blocks_evictable = Gauge(
+            "flare_kv_blocks_evictable",
+            "Prefix-cache blocks no request holds: kept for later prompts, reclaimed when free blocks run out.",
+            registry=registry,
+        )
 
     def observe_round(self, statuses: Iterable[int], accepted_per_row: Iterable[int], proposed: int) -> None:
         """One round: every row's device status; for the rows that verified drafts, how many
@@ -89,9 +106,11 @@ class SchedulerMetrics:
         self.draft_tokens_proposed.inc(proposed)
         self.draft_tokens_accepted.inc(accepted_total)
 
-    def observe_tokens(self, *, prompt: int = 0, generated: int = 0) -> None:
+    def observe_tokens(self, *, prompt: int = 0, cached: int = 0, generated: int = 0) -> None:
         if prompt:
             self.prompt_tokens.inc(prompt)
+        if cached:
+            self.prompt_tokens_cached.inc(cached)
         if generated:
             self.generated_tokens.inc(generated)
 
@@ -101,8 +120,19 @@ class SchedulerMetrics:
         for _ in range(tokens):
             self.inter_token_latency.observe(gap_s / tokens)
 
-    def set_occupancy(self, *, running: int, waiting: int, kv_blocks_used: int, kv_blocks_total: int) -> None:
+    def set_occupancy(
+        self,
+        *,
+        running: int,
+        waiting: int,
+        kv_blocks_used: int,
+        kv_blocks_total: int,
+        kv_blocks_cached: int = 0,
+        kv_blocks_evictable: int = 0,
+    ) -> None:
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_blocks_used.set(kv_blocks_used)
         self.kv_blocks_total.set(kv_blocks_total)
+        self.kv_blocks_cached.set(kv_blocks_cached)
+        self.kv_blocks_evictable.set(kv_blocks_evictable)

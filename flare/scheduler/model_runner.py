@@ -51,6 +51,7 @@ class PlannedRow:
     output_ids: tuple[int, ...]
     vocabulary_parallel: bool
     fault: DeviceStatus | None = None
+    choice: int = 0  # which of the request's choices the row belongs to
 
     @property
     def num_logits(self) -> int:
@@ -61,6 +62,9 @@ class PlannedRow:
 class RoundPlan:
     index: int
     rows: tuple[PlannedRow, ...]
+    # (source, target) blocks copied, in order, before the forward: a row's private copy of a
+    # block it shares with the prefix cache or with the other choices of its request.
+    copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -101,6 +105,7 @@ class ModelRunner:
     def execute(self, plan: RoundPlan) -> RoundResult:
         started = time.perf_counter()
         with torch.inference_mode():
+            self.kv_cache.copy_blocks(plan.copies)
             batch = ForwardBatch.build(
                 [
                     # An out-of-vocabulary draft must reach the verify kernel (status

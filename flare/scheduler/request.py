@@ -23,24 +23,46 @@ class FaultSpec:
 
 @dataclass(frozen=True)
 class GenerationRequest:
+    """One prompt and its sampling parameters; `n` choices are sampled from it independently
+    (the prompt is computed once and its KV blocks shared), choice i with `choice_seed(seed, i)`."""
+
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     fault: FaultSpec | None = None
+    n: int = 1
+
+
+# A Weyl step of the golden ratio: choices of nearby seeds (s and s + 1) get unrelated streams.
+_CHOICE_SEED_STEP = 0x9E3779B97F4A7C15
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed choice `index` samples with: the request's own for choice 0 (so n = 1 and the
+    first of n choices agree), `seed + index * 0x9E3779B97F4A7C15` wrapped to a signed 64-bit
+    integer for the others."""
+    wrapped = (seed + index * _CHOICE_SEED_STEP) % (1 << 64)
+    return wrapped - (1 << 64) if wrapped >= 1 << 63 else wrapped
 
 
 @dataclass(frozen=True)
 class TextDelta:
-    """New text, never a broken UTF-8 sequence and never part of a stop string."""
+    """New text of choice `index`, never a broken UTF-8 sequence and never part of a stop string."""
 
     text: str
     token_ids: tuple[int, ...]
+    index: int = 0
 
 
 @dataclass(frozen=True)
 class Usage:
+    """Tokens of a request (or of one of its choices: its own completion tokens); the prompt
+    counts once however many choices share it. `cached_tokens` of the prompt were served from
+    the prefix cache rather than computed."""
+
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -49,9 +71,12 @@ class Usage:
 
 @dataclass(frozen=True)
 class Finished:
+    """Choice `index` ended; `usage` counts the prompt and this choice's completion tokens."""
+
     reason: Literal["stop", "length"]
     usage: Usage
     fell_back: bool = False
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,6 +97,8 @@ class RequestFailure:
 
 @dataclass(frozen=True)
 class Failed:
+    """The request ended without finishing: every choice not finished yet ends with it."""
+
     failure: RequestFailure
     usage: Usage
 
@@ -80,14 +107,16 @@ StreamEvent = TextDelta | Finished | Failed
 
 
 class RequestStream:
-    """The daemon's end of one request: `async for event in stream`; the last event is
-    Finished or Failed, after which iteration stops. Events are put from the event loop
-    by the scheduler; the queue is unbounded because a round adds at most K+1 tokens."""
+    """The daemon's end of one request: `async for event in stream`. The events of its
+    `choices` interleave; the stream ends after one Finished per choice, or at a Failed.
+    Events are put from the event loop by the scheduler; the queue is unbounded because a
+    round adds at most K+1 tokens per choice."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, choices: int = 1) -> None:
         self.request_id = request_id
         self._queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self._ended = False
+        self._unfinished = choices
 
     def put(self, event: StreamEvent) -> None:
         self._queue.put_nowait(event)
@@ -99,6 +128,8 @@ class RequestStream:
         if self._ended:
             raise StopAsyncIteration
         event = await self._queue.get()
-        if not isinstance(event, TextDelta):
+        if isinstance(event, Finished):
+            self._unfinished -= 1
+        if isinstance(event, Failed) or self._unfinished == 0:
             self._ended = True
         return event

@@ -19,7 +19,7 @@ import contextlib
 import secrets
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -30,7 +30,8 @@ import torch
 from flare.engine.drafters import Draft, Drafter, make_drafter
 from flare.engine.kv_cache import BlockAllocator, KVCache, OutOfBlocks, blocks_for_tokens, default_kv_cache_bytes
 from flare.engine.model import load_model
-from flare.engine.precision import cpu_flags
+from flare.engine.precision import cpu_flags, dtype_name
+from flare.engine.prefix_cache import PrefixCache, chain_hashes, namespace_hash
 from flare.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from flare.kernels.status import DeviceStatus
 from flare.preparation.contract import check_contract
@@ -38,7 +39,14 @@ from flare.preparation.package import Package
 from flare.sampling.params import SamplingParams
 from flare.sampling.policy import PolicyError, SamplingPolicy
 from flare.scheduler.draft_length import RoundCostModel, choose_draft_lengths
-from flare.scheduler.errors import ContractViolation, Draining, DuplicateRequestId, PromptTooLong, QueueFull
+from flare.scheduler.errors import (
+    ContractViolation,
+    Draining,
+    DuplicateRequestId,
+    PromptTooLong,
+    QueueFull,
+    TooManyChoices,
+)
 from flare.scheduler.failures import cancelled_failure, device_failure, shutdown_failure
 from flare.scheduler.metrics import SchedulerMetrics
 from flare.scheduler.model_runner import ModelRunner, PlannedRow, RoundPlan, RoundResult
@@ -51,6 +59,7 @@ from flare.scheduler.request import (
     RequestStream,
     TextDelta,
     Usage,
+    choice_seed,
 )
 from flare.scheduler.sequence import Sequence, SequenceState
 from flare.scheduler.stop_strings import StopStringMatcher
@@ -67,6 +76,7 @@ class SchedulerOptions:
     max_waiting: int = 256
     max_waiting_tokens: int = 262_144
     kv_cache_memory: int | None = None  # bytes; None: default_kv_cache_bytes
+    prefix_cache: bool = True  # keep full KV blocks after their request for later prompts to share
     block_size: int = 16
     max_batched_tokens: int = 256  # tokens fed per round: bounds a prompt chunk's share of a round
     draft_tokens: int | None = None  # None: the package's serving.draft_tokens; may only lower it
@@ -101,15 +111,20 @@ class RequestInfo:
     state: str
     age_s: float
     prompt_tokens: int
-    completion_tokens: int
+    completion_tokens: int  # over all its choices
 
 
 @dataclass(frozen=True)
 class SchedulerSnapshot:
     running: int
     waiting: int
-    kv_blocks_used: int
+    kv_blocks_used: int  # held by requests
     kv_blocks_total: int
+    prefix_cache: bool
+    kv_blocks_cached: int  # published in the prefix cache, in use or not
+    kv_blocks_evictable: int  # cached and held by no request: reclaimed when blocks run out
+    prompt_tokens_cached: int  # since start: prompt tokens served from the prefix cache
+    prompt_tokens_computed: int  # since start: prompt tokens prefilled
     draining: bool
     device_statuses: dict[str, int]
     rounds: int
@@ -152,7 +167,7 @@ class Scheduler:
         policy: SamplingPolicy,
         tokenizer: Tokenizer,
         runner: ModelRunner,
-        allocator: BlockAllocator,
+        blocks: PrefixCache,
         drafter: Drafter | None,
         options: SchedulerOptions,
         max_concurrency: int,
@@ -172,13 +187,13 @@ class Scheduler:
         self.heartbeat = heartbeat
         self.draining = False
         self._runner = runner
-        self._allocator = allocator
+        self._blocks = blocks
         self._drafter = drafter
         self._block_size = runner.kv_cache.block_size
         self._eos = frozenset(tokenizer.eos_token_ids)
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
-        self._by_id: dict[str, Sequence] = {}
+        self._by_id: dict[str, list[Sequence]] = {}  # a request's choices, by index
         self._wake = asyncio.Event()
         self._stop = False
         self._in_flight = False
@@ -191,6 +206,8 @@ class Scheduler:
         self._throughput = _Throughput()
         self._rounds = 0
         self._statuses: Counter[str] = Counter()
+        self._prompt_tokens: Counter[str] = Counter()  # "cached" and "computed", since start
+        self._copies: list[tuple[int, int]] = []  # the copy-on-writes of the round being planned
 
     # ----------------------------------------------------------------- construction
 
@@ -235,6 +252,7 @@ class Scheduler:
             cpu_flags=" ".join(cpu_flags()),
             kv_cache_blocks=kv_cache.num_blocks,
             block_size=kv_cache.block_size,
+            prefix_cache=options.prefix_cache,
         )
         runner = ModelRunner(
             model,
@@ -244,12 +262,20 @@ class Scheduler:
             fallback_on_invalid_speculation=options.on_invalid_speculation == "fallback",
             device=device,
         )
+        # Whatever besides the tokens decides a block's keys and values: the weights (by their
+        # checksums) and the dtypes the model computes and stores them in.
+        root = namespace_hash(
+            *(f"{name}={digest}" for name, digest in sorted(package.manifest.files.items())),
+            f"kv={dtype_name(kv_cache.keys[0].dtype)}",
+            f"weights={model.weight_format}",
+            f"native={model.native_kernels}",
+        )
         return cls(
             package=package,
             policy=policy,
             tokenizer=Tokenizer.from_package(package),
             runner=runner,
-            allocator=BlockAllocator(kv_cache.num_blocks),
+            blocks=PrefixCache(BlockAllocator(kv_cache.num_blocks), root=root, enabled=options.prefix_cache),
             drafter=(drafter or make_drafter(serving.drafter)) if draft_tokens > 0 else None,
             options=options,
             max_concurrency=max_concurrency,
@@ -261,11 +287,18 @@ class Scheduler:
     # ----------------------------------------------------------------- the daemon's interface
 
     def submit(self, request: GenerationRequest) -> RequestStream:
-        """Queue a request; its stream yields TextDelta events, then Finished or Failed."""
+        """Queue a request; its stream yields TextDelta events, then Finished (one per choice)
+        or Failed."""
         if self.draining or self._stop:
             raise Draining()
         if request.request_id in self._by_id:
             raise DuplicateRequestId(f"request id {request.request_id!r} is already in use")
+        if not 1 <= request.n <= self.max_concurrency:
+            raise TooManyChoices(
+                f"n is {request.n}, but this server runs at most {self.max_concurrency} sequences at once "
+                f"(max_concurrency) and the choices of one request run together; send n <= {self.max_concurrency}",
+                self.max_concurrency,
+            )
         prompt_len = len(request.prompt_token_ids)
         if prompt_len + 1 > self.max_context:
             raise PromptTooLong(
@@ -274,18 +307,20 @@ class Scheduler:
                 prompt_len,
                 self.max_context - 1,
             )
-        capacity = self._allocator.num_total * self._block_size
-        if prompt_len + 1 > capacity:
+        capacity = self._blocks.allocator.num_total * self._block_size
+        # The choices share the prompt's blocks; each needs a block of its own after them.
+        if prompt_len + 1 + (request.n - 1) * self._block_size > capacity:
             raise PromptTooLong(
-                f"the prompt has {prompt_len} tokens but the whole KV cache holds {capacity}; "
-                f"it can never be served here (raise --kv-cache-memory)",
+                f"the prompt has {prompt_len} tokens but the whole KV cache holds {capacity}"
+                + (f" (less a block for each of the other {request.n - 1} choices)" if request.n > 1 else "")
+                + "; it can never be served here (raise --kv-cache-memory)",
                 prompt_len,
-                capacity - 1,
+                capacity - 1 - (request.n - 1) * self._block_size,
             )
         waiting_tokens = sum(len(s.tokens) for s in self._waiting)
         # The bounds are on requests that must wait: while running slots are free, a request
         # is never refused for the queue's sake (even with --max-waiting 0).
-        must_wait = len(self._running) + len(self._waiting) >= self.max_concurrency
+        must_wait = self._slots(self._running) + self._slots(self._waiting) + request.n > self.max_concurrency
         queue_full = len(self._waiting) >= self.options.max_waiting
         tokens_full = waiting_tokens + prompt_len > self.options.max_waiting_tokens
         if must_wait and (queue_full or tokens_full):
@@ -293,27 +328,40 @@ class Scheduler:
                 f"the waiting queue is full ({len(self._waiting)} requests, {waiting_tokens} prompt tokens)",
                 retry_after_s=self._retry_after_s(),
             )
-        seq = self._new_sequence(request)
-        self._waiting.append(seq)
-        self._by_id[request.request_id] = seq
+        stream = RequestStream(request.request_id, choices=request.n)
+        # Every row on the device is seeded; an unseeded request gets a random seed here.
+        seed = request.params.seed if request.params.seed is not None else secrets.randbits(63)
+        choices = [self._new_sequence(request, stream, seed, index) for index in range(request.n)]
+        leader = choices[0]
+        leader.pending_choices = choices[1:]
+        self._waiting.append(leader)
+        self._by_id[request.request_id] = choices
         self._wake.set()
-        log.debug("request_queued", request_id=request.request_id, prompt_tokens=prompt_len, waiting=len(self._waiting))
-        return seq.stream
+        log.debug(
+            "request_queued",
+            request_id=request.request_id,
+            prompt_tokens=prompt_len,
+            n=request.n,
+            waiting=len(self._waiting),
+        )
+        return stream
 
     def cancel(self, request_id: str, failure: RequestFailure | None = None) -> bool:
-        """End one request with `failure` (default: cancelled). Idempotent; False if unknown.
+        """End one request, every choice of it, with `failure` (default: cancelled).
+        Idempotent; False if unknown.
 
-        A request whose row is in the round now running ends when the round returns: its
+        A request with a row in the round now running ends when the round returns: its
         tokens from that round are discarded and its blocks freed, within one round.
         """
-        seq = self._by_id.get(request_id)
-        if seq is None or seq.state is SequenceState.FINISHED:
+        choices = self._by_id.get(request_id)
+        if choices is None:
             return False
         failure = failure or cancelled_failure("the client went away")
-        if self._in_flight and seq.state is SequenceState.RUNNING:
-            seq.pending_cancel = failure
+        if self._in_flight and any(s.state is SequenceState.RUNNING for s in choices):
+            for seq in choices:
+                seq.pending_cancel = failure
         else:
-            self._fail(seq, failure)
+            self._fail(choices[0], failure)
         return True
 
     def drain(self) -> None:
@@ -327,16 +375,30 @@ class Scheduler:
         self._stop = True
         self._wake.set()
 
+    def clear_prefix_cache(self) -> int:
+        """Drop every cached block no request holds (`flare ctl cache clear`); returns how many."""
+        dropped = self._blocks.clear()
+        log.info("prefix_cache_cleared", blocks=dropped)
+        if self.metrics is not None:
+            self._publish_occupancy()
+        return dropped
+
     @property
     def idle(self) -> bool:
         return not self._running and not self._waiting
 
     def snapshot(self) -> SchedulerSnapshot:
+        counts = self._blocks.counts()
         return SchedulerSnapshot(
             running=len(self._running),
             waiting=len(self._waiting),
-            kv_blocks_used=self._allocator.num_total - self._allocator.num_free,
-            kv_blocks_total=self._allocator.num_total,
+            kv_blocks_used=counts.held,
+            kv_blocks_total=counts.total,
+            prefix_cache=self._blocks.enabled,
+            kv_blocks_cached=counts.cached,
+            kv_blocks_evictable=counts.evictable,
+            prompt_tokens_cached=self._prompt_tokens["cached"],
+            prompt_tokens_computed=self._prompt_tokens["computed"],
             draining=self.draining,
             device_statuses=dict(self._statuses),
             rounds=self._rounds,
@@ -349,10 +411,13 @@ class Scheduler:
 
     def requests(self) -> list[RequestInfo]:
         now = time.monotonic()
-        return [
-            RequestInfo(s.request_id, s.state.value, now - s.arrival, s.num_prompt_tokens, s.num_output_tokens)
-            for s in [*self._running, *self._waiting]
-        ]
+        infos = []
+        for choices in self._by_id.values():
+            leader = choices[0]
+            state = "running" if any(s.state is SequenceState.RUNNING for s in choices) else leader.state.value
+            completion = sum(s.num_output_tokens for s in choices)
+            infos.append(RequestInfo(leader.request_id, state, now - leader.arrival, leader.num_prompt_tokens, completion))
+        return infos
 
     async def warm_up(self) -> None:
         """Run one short request through every stage (prefill, sampling, a decode round)
@@ -405,8 +470,8 @@ class Scheduler:
                 code="round_failed", message=f"the model failed in round {plan.index}: {error}", http_status=503
             )
             for row in plan.rows:
-                if (seq := self._by_id.get(row.request_id)) is not None:
-                    self._fail(seq, failure)
+                if (choices := self._by_id.get(row.request_id)) is not None:
+                    self._fail(choices[0], failure)
             return True
         finally:
             self._in_flight = False
@@ -422,23 +487,30 @@ class Scheduler:
 
     def _plan_round(self) -> RoundPlan | None:
         self._admit()
+        self._fork_choices()
         if not self._running:
             return None
         index = self._rounds
         budget = self.options.max_batched_tokens
+        self._copies = []
         decode = [s for s in self._running if s.in_decode]
         prefill_tokens = sum(len(s.tokens) - s.num_cached for s in self._running if not s.in_decode)
         drafts = self._drafts(decode, base_tokens=len(decode) + max(0, min(budget - len(decode), prefill_tokens)))
         rows: list[PlannedRow] = []
-        for seq in sorted(self._running, key=lambda s: s.arrival):
+        for seq in sorted(self._running, key=lambda s: (s.arrival, s.index)):
             if seq.state is not SequenceState.RUNNING:
                 continue  # preempted while planning this round
-            draft = drafts.get(seq.request_id, Draft(()))
+            draft = drafts.get(seq, Draft(()))
             tail = seq.tokens[seq.num_cached :]
             if not seq.in_decode:
                 if budget <= 0:
                     continue
-                tail = tail[:budget]
+                # A first choice whose other choices wait stops short of the prompt's last token:
+                # each choice computes that one itself, to sample its first token from it.
+                end = len(seq.tokens) - 1 if seq.pending_choices else len(seq.tokens)
+                tail = seq.tokens[seq.num_cached : end][:budget]
+                if not tail:
+                    continue
             row_tokens = len(tail) + len(draft.token_ids)
             if not self._ensure_blocks(seq, seq.num_cached + row_tokens):
                 if draft.token_ids and self._ensure_blocks(seq, seq.num_cached + len(tail)):
@@ -464,14 +536,22 @@ class Scheduler:
                     output_ids=tuple(seq.output_ids) if penalized else (),
                     vocabulary_parallel=self.vocabulary_parallel and not seq.fell_back,
                     fault=self._fault_now(seq) if samples else None,
+                    choice=seq.index,
                 )
             )
+        # A row dropped after its blocks were made writable (its sequence preempted by a later
+        # row) leaves a copy into a block that is free again: harmless, the copies run first.
+        rows = [row for row in rows if self._row_still_planned(row)]
         if not rows:
             return None
         self._rounds += 1
-        return RoundPlan(index, tuple(rows))
+        return RoundPlan(index, tuple(rows), tuple(self._copies))
 
-    def _drafts(self, decode: list[Sequence], base_tokens: int) -> dict[str, Draft]:
+    def _row_still_planned(self, row: PlannedRow) -> bool:
+        choices = self._by_id.get(row.request_id)
+        return choices is not None and choices[row.choice].state is SequenceState.RUNNING
+
+    def _drafts(self, decode: list[Sequence], base_tokens: int) -> dict[Sequence, Draft]:
         """Each decode row's drafts, cut to the adaptive draft length."""
         if self._drafter is None and not self.options.fault_injection:
             return {}
@@ -491,14 +571,14 @@ class Scheduler:
             if self.options.adaptive_draft_length
             else available
         )
-        drafts: dict[str, Draft] = {}
+        drafts: dict[Sequence, Draft] = {}
         for seq, draft, k in zip(decode, proposals, lengths):
             if k:
-                drafts[seq.request_id] = Draft(draft.token_ids[:k], None if draft.probs is None else draft.probs[:k])
+                drafts[seq] = Draft(draft.token_ids[:k], None if draft.probs is None else draft.probs[:k])
             fault = self._fault_now(seq)
-            if fault in _DRAFT_FAULTS and seq.request_id not in drafts:
+            if fault in _DRAFT_FAULTS and seq not in drafts:
                 # The draft fault path needs one draft to verify; propose the token 0.
-                drafts[seq.request_id] = Draft((0,))
+                drafts[seq] = Draft((0,))
         return drafts
 
     def _draft_limit(self, seq: Sequence) -> int:
@@ -524,57 +604,154 @@ class Scheduler:
 
     # ----------------------------------------------------------------- admission and blocks
 
+    @staticmethod
+    def _slots(sequences: Iterable[Sequence]) -> int:
+        """Running slots `sequences` take: one each, plus the choices waiting to fork off them."""
+        return sum(1 + len(s.pending_choices) for s in sequences)
+
     def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.max_concurrency:
+        slots = self._slots(self._running)
+        while self._waiting:
             seq = self._waiting[0]
+            group = 1 + len(seq.pending_choices)
+            if slots + group > self.max_concurrency:
+                return
+            if not seq.block_table:
+                self._reuse_cached_prefix(seq)
             # Admit when the whole sequence fits with a block of headroom per running sequence,
-            # so admission does not immediately force a preemption.
-            needed = blocks_for_tokens(len(seq.tokens) + 1, self._block_size) - len(seq.block_table)
-            if needed + len(self._running) > self._allocator.num_free and self._running:
+            # so admission does not immediately force a preemption; each choice still to fork
+            # needs a block of its own.
+            needed = blocks_for_tokens(len(seq.tokens) + 1, self._block_size) - len(seq.block_table) + group - 1
+            if needed + len(self._running) > self._blocks.num_available and self._running:
+                self._release_blocks(seq)  # cached blocks it found stay evictable while it waits
                 return
             self._waiting.popleft()
             seq.state = SequenceState.RUNNING
             self._running.append(seq)
+            slots += group
+            self._count_cached_prompt(seq)
+
+    def _reuse_cached_prefix(self, seq: Sequence) -> None:
+        """Map the longest cached prefix of `seq`'s tokens to the blocks that hold it. At least
+        the last token is computed again: the row that samples needs its logits."""
+        if not self._blocks.enabled:
+            return
+        seq.block_hashes = chain_hashes(self._blocks.root, seq.tokens, self._block_size, seq.block_hashes)
+        # A last block that holds the last token is found too, and copied before that token's
+        # position is written again: cheaper than computing the whole block.
+        seq.block_table = self._blocks.lookup(seq.block_hashes)
+        seq.num_published = len(seq.block_table)
+        seq.num_cached = min(len(seq.block_table) * self._block_size, len(seq.tokens) - 1)
+
+    def _count_cached_prompt(self, seq: Sequence) -> None:
+        """An admitted sequence's prompt tokens that the prefix cache served."""
+        cached = min(seq.num_cached, seq.num_prompt_tokens)
+        if seq.cached_prompt_tokens is None:
+            seq.cached_prompt_tokens = cached  # what the request's usage reports
+        if cached:
+            self._prompt_tokens["cached"] += cached
+            if self.metrics is not None:
+                self.metrics.observe_tokens(cached=cached)
+            log.debug("prefix_cache_hit", request_id=seq.request_id, tokens=cached)
+
+    def _fork_choices(self) -> None:
+        """The other choices of a request share its first choice's blocks once those hold all
+        but the prompt's last token; from then on each runs as a sequence of its own."""
+        for leader in [s for s in self._running if s.pending_choices]:
+            prompt_len = leader.num_prompt_tokens
+            if leader.num_cached < prompt_len - 1:
+                continue
+            shared = leader.block_table[: blocks_for_tokens(prompt_len - 1, self._block_size)]
+            for choice in leader.pending_choices:
+                self._blocks.share(shared)
+                choice.block_table = list(shared)
+                choice.num_cached = prompt_len - 1
+                choice.num_published = min(leader.num_published, len(shared))
+                choice.block_hashes = leader.block_hashes[: prompt_len // self._block_size]
+                choice.cached_prompt_tokens = leader.cached_prompt_tokens
+                choice.state = SequenceState.RUNNING
+                self._running.append(choice)
+            log.debug("choices_forked", request_id=leader.request_id, n=1 + len(leader.pending_choices))
+            leader.pending_choices = []
 
     def _ensure_blocks(self, seq: Sequence, num_positions: int) -> bool:
-        """Give `seq` blocks for `num_positions` positions, preempting the newest other running
-        sequences if the pool is short. False when `seq` itself had to be preempted."""
-        needed = blocks_for_tokens(num_positions, self._block_size) - len(seq.block_table)
-        while needed > 0:
-            try:
-                seq.block_table.extend(self._allocator.allocate(needed))
+        """Give `seq` blocks it may write for positions `num_cached .. num_positions - 1`: new
+        ones past its table, and private copies of the blocks in that range it shares (copied
+        before the round's forward). Preempts the newest other running sequences if the pool
+        is short. False when `seq` itself had to be preempted."""
+        while True:
+            shared = [
+                i
+                for i in range(seq.num_cached // self._block_size, len(seq.block_table))
+                if i * self._block_size < num_positions and not self._blocks.owns(seq.block_table[i])
+            ]
+            needed = blocks_for_tokens(num_positions, self._block_size) - len(seq.block_table) + len(shared)
+            if needed <= 0:
                 return True
+            try:
+                fresh = self._blocks.allocate(needed)
             except OutOfBlocks:
-                victim = max(self._running, key=lambda s: s.arrival)
+                victim = max(self._running, key=lambda s: (s.arrival, s.index))
                 if victim is seq and len(self._running) == 1:
                     # Alone and still short: the sequence has outgrown the whole cache. Waiting
                     # would never help, so it ends here, as at the context length.
                     log.warning("request_outgrew_kv_cache", request_id=seq.request_id, tokens=len(seq.tokens))
-                    self._finish(seq, Finished("length", self._usage(seq), fell_back=seq.fell_back))
+                    self._finish(seq, Finished("length", self._usage(seq), fell_back=seq.fell_back, index=seq.index))
                     return False
                 self._preempt(victim)
                 if victim is seq:
                     return False
-        return True
+                continue
+            for i in shared:
+                copy = fresh.pop()
+                self._copies.append((seq.block_table[i], copy))
+                self._blocks.release([seq.block_table[i]])
+                seq.block_table[i] = copy
+                seq.num_published = min(seq.num_published, i)
+            seq.block_table.extend(fresh)
+            return True
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and put it back at the head of the queue; it is
-        recomputed from its tokens later, with the same output (seeded by position)."""
-        self._allocator.free(seq.block_table)
-        seq.block_table.clear()
-        seq.num_cached = 0
+        recomputed from its tokens later (from its cached prefix, if the cache kept it), with
+        the same output (seeded by position)."""
+        self._release_blocks(seq)
         seq.preemptions += 1
         seq.state = SequenceState.WAITING
         self._running.remove(seq)
         self._waiting.appendleft(seq)
         log.info("request_preempted", request_id=seq.request_id, tokens=len(seq.tokens), preemptions=seq.preemptions)
 
+    def _release_blocks(self, seq: Sequence) -> None:
+        self._blocks.release(seq.block_table)
+        seq.block_table.clear()
+        seq.num_cached = 0
+        seq.num_published = 0
+
     def _trim_blocks(self, seq: Sequence) -> None:
         """Release blocks past the cached positions (those of rejected drafts) at once."""
         keep = blocks_for_tokens(seq.num_cached, self._block_size)
         if len(seq.block_table) > keep:
-            self._allocator.free(seq.block_table[keep:])
+            self._blocks.release(seq.block_table[keep:])
             del seq.block_table[keep:]
+
+    def _publish(self, seq: Sequence) -> None:
+        """Offer the prefix cache every block of `seq` that is now full of committed tokens:
+        keys and values of positions that hold a prompt token or an accepted output token,
+        never a draft's that may still be rejected."""
+        if not self._blocks.enabled:
+            return
+        committed = min(seq.num_cached, len(seq.tokens))
+        full = min(committed // self._block_size, len(seq.block_table))
+        if full <= seq.num_published:
+            return
+        if len(seq.block_hashes) < full:
+            seq.block_hashes = chain_hashes(
+                self._blocks.root, seq.tokens[: full * self._block_size], self._block_size, seq.block_hashes
+            )
+        for i in range(seq.num_published, full):
+            self._blocks.publish(seq.block_table[i], seq.block_hashes[i])
+        seq.num_published = full
 
     # ----------------------------------------------------------------- applying a round
 
@@ -587,7 +764,8 @@ class Scheduler:
         generated = 0
         prompt_tokens = 0
         for row, outcome in zip(plan.rows, result.rows):
-            seq = self._by_id.get(row.request_id)
+            choices = self._by_id.get(row.request_id)
+            seq = choices[row.choice] if choices is not None else None
             if seq is None or seq.state is not SequenceState.RUNNING:
                 continue
             if seq.pending_cancel is not None:
@@ -597,6 +775,7 @@ class Scheduler:
             prompt_tokens += max(0, min(seq.num_prompt_tokens, row.start_position + fed) - row.start_position)
             if outcome is None:
                 seq.num_cached = row.start_position + fed
+                self._publish(seq)
                 continue
             statuses.append(int(outcome.status))
             self._statuses[outcome.status.name] += 1
@@ -606,6 +785,7 @@ class Scheduler:
                 log.warning(
                     "request_device_status",
                     request_id=seq.request_id,
+                    choice=seq.index,
                     status=int(outcome.status),
                     status_name=outcome.status.name,
                     round=plan.index,
@@ -614,7 +794,7 @@ class Scheduler:
                 continue
             if outcome.fell_back and not seq.fell_back:
                 seq.fell_back = True
-                log.warning("request_fell_back", request_id=seq.request_id, round=plan.index)
+                log.warning("request_fell_back", request_id=seq.request_id, choice=seq.index, round=plan.index)
             drafts = len(row.draft_ids)
             accepted = len(outcome.tokens) - 1 if not outcome.fell_back else 0
             if drafts:
@@ -624,15 +804,20 @@ class Scheduler:
             seq.num_cached = row.start_position + fed - (drafts - accepted)
             if seq.first_token_at is None:
                 seq.first_token_at = now
-                if self.metrics is not None:
+                if self.metrics is not None and seq.index == 0:  # once per request
                     self.metrics.time_to_first_token.observe(now - seq.arrival)
             elif self.metrics is not None:
                 self.metrics.observe_emission(now - (seq.last_token_at or now), len(outcome.tokens))
             seq.last_token_at = now
             generated += self._emit(seq, outcome.tokens)
             if seq.state is SequenceState.RUNNING:
+                self._publish(seq)
                 self._trim_blocks(seq)
+        # A request cancelled while the round ran but without a row in it ends now.
+        for choices in [c for c in self._by_id.values() if any(s.pending_cancel for s in c)]:
+            self._fail(choices[0], next(s.pending_cancel for s in choices if s.pending_cancel is not None))
         self._throughput.observe(generated)
+        self._prompt_tokens["computed"] += prompt_tokens
         # What the draft-length model learns from (flare_draft_tokens_* give the totals only).
         log.debug(
             "round_completed",
@@ -642,6 +827,7 @@ class Scheduler:
             drafts=proposed,
             accepted=sum(accepted_per_row),
             generated=generated,
+            copies=len(plan.copies),
             seconds=round(result.seconds, 4),
         )
         if self.metrics is not None:
@@ -672,18 +858,42 @@ class Scheduler:
         elif reason is not None:
             text += seq.stop_matcher.push(seq.detokenizer.flush())[0] + seq.stop_matcher.flush()
         if text or kept:
-            seq.stream.put(TextDelta(text, tuple(kept)))
+            seq.stream.put(TextDelta(text, tuple(kept), seq.index))
         if reason is not None:
-            self._finish(seq, Finished(reason, self._usage(seq), fell_back=seq.fell_back))
+            self._finish(seq, Finished(reason, self._usage(seq), fell_back=seq.fell_back, index=seq.index))
         return len(kept)
 
     def _usage(self, seq: Sequence) -> Usage:
-        return Usage(seq.num_prompt_tokens, seq.num_output_tokens)
+        return Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.cached_prompt_tokens or 0)
 
     def _fail(self, seq: Sequence, failure: RequestFailure) -> None:
-        self._finish(seq, Failed(failure, self._usage(seq)))
+        """End `seq`'s request with `failure`: every choice of it not finished yet (a request's
+        answer is whole or failed), with one Failed event and usage over all its choices."""
+        choices = self._by_id.pop(seq.request_id, None)
+        if choices is None:
+            return  # ended already
+        for choice in choices:
+            self._end(choice, publish=False)
+        usage = Usage(seq.num_prompt_tokens, sum(s.num_output_tokens for s in choices), seq.cached_prompt_tokens or 0)
+        seq.stream.put(Failed(failure, usage))
+        if self.metrics is not None:
+            self.metrics.e2e_latency.observe(time.monotonic() - seq.arrival)
+        log.info("request_failed", request_id=seq.request_id, code=failure.code)
 
-    def _finish(self, seq: Sequence, event: Finished | Failed) -> None:
+    def _finish(self, seq: Sequence, event: Finished) -> None:
+        if seq.state is SequenceState.FINISHED:
+            return
+        # The answer's blocks are published too: the next turn of a chat resends it.
+        self._end(seq, publish=True)
+        choices = self._by_id.get(seq.request_id, [])
+        seq.stream.put(event)
+        if all(s.state is SequenceState.FINISHED for s in choices):
+            self._by_id.pop(seq.request_id, None)
+            if self.metrics is not None:
+                self.metrics.e2e_latency.observe(time.monotonic() - seq.arrival)
+
+    def _end(self, seq: Sequence, *, publish: bool) -> None:
+        """Take `seq` out of the running set or the queue and give back its blocks."""
         if seq.state is SequenceState.FINISHED:
             return
         if seq.state is SequenceState.RUNNING:
@@ -692,36 +902,35 @@ class Scheduler:
             with contextlib.suppress(ValueError):
                 self._waiting.remove(seq)
         seq.state = SequenceState.FINISHED
-        self._allocator.free(seq.block_table)
-        seq.block_table.clear()
-        self._by_id.pop(seq.request_id, None)
-        seq.stream.put(event)
+        seq.pending_choices = []
+        if publish:
+            self._publish(seq)
+        self._release_blocks(seq)
         if self.metrics is not None:
-            self.metrics.e2e_latency.observe(time.monotonic() - seq.arrival)
             self._publish_occupancy()
-        if isinstance(event, Failed):
-            log.info("request_failed", request_id=seq.request_id, code=event.failure.code)
         self._wake.set()
 
     def _publish_occupancy(self) -> None:
         assert self.metrics is not None
+        counts = self._blocks.counts()
         self.metrics.set_occupancy(
             running=len(self._running),
             waiting=len(self._waiting),
-            kv_blocks_used=self._allocator.num_total - self._allocator.num_free,
-            kv_blocks_total=self._allocator.num_total,
+            kv_blocks_used=counts.held,
+            kv_blocks_total=counts.total,
+            kv_blocks_cached=counts.cached,
+            kv_blocks_evictable=counts.evictable,
         )
 
-    def _new_sequence(self, request: GenerationRequest) -> Sequence:
-        # Every row on the device is seeded; an unseeded request gets a random seed here.
-        seed = request.params.seed if request.params.seed is not None else secrets.randbits(63)
+    def _new_sequence(self, request: GenerationRequest, stream: RequestStream, seed: int, index: int) -> Sequence:
         return Sequence(
             request=request,
-            stream=RequestStream(request.request_id),
-            seed=seed,
+            stream=stream,
+            seed=choice_seed(seed, index),
             detokenizer=IncrementalDetokenizer(self.tokenizer, list(request.prompt_token_ids)),
             stop_matcher=StopStringMatcher(request.params.stop),
             draft_state=self._drafter.new_state(request.prompt_token_ids) if self._drafter is not None else None,
+            index=index,
         )
 
     def _retry_after_s(self) -> float:

@@ -21,13 +21,18 @@ class SequenceState(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """A request's tokens, KV blocks and streaming state.
+    """One choice of a request: its tokens, KV blocks and streaming state.
 
     `tokens` is the prompt followed by the output. `num_cached` tokens have their keys and
     values in the blocks of `block_table`; the next round feeds `tokens[num_cached:]` (the
     rest of the prompt, in chunks, or the last sampled token) plus any drafts. After a
     preemption `num_cached` is 0 and the whole sequence is recomputed: the output is unchanged
     because the random stream is keyed by seed and output position, not by round.
+
+    The blocks of the table may be shared: with the prefix cache (the leading
+    `num_published` ones were offered to it) and with the other choices of the request. The
+    first choice computes the prompt; the others wait in its `pending_choices` until it has
+    all but the prompt's last token, then share those blocks.
     """
 
     request: GenerationRequest
@@ -36,10 +41,15 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     stop_matcher: StopStringMatcher
     draft_state: DraftState | None
+    index: int = 0  # the choice's index in the request's answer
     arrival: float = field(default_factory=time.monotonic)
     tokens: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks of `tokens`, as far as computed
+    num_published: int = 0
+    cached_prompt_tokens: int | None = None  # prompt tokens the prefix cache served at first admission
+    pending_choices: list[Sequence] = field(default_factory=list)
     state: SequenceState = SequenceState.WAITING
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     sampled_rounds: int = 0  # rounds in which this sequence sampled tokens

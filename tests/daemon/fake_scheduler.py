@@ -6,6 +6,7 @@ The HTTP API tests run against it, so they prove the API's behaviour without mod
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,15 +105,21 @@ class FakeScheduler:
         if self.refuse is not None:
             raise self.refuse
         self.submitted.append(request)
-        stream = RequestStream(request.request_id)
-        events: list[StreamEvent] = [TextDelta(text, (1,)) for text in self.reply]
+        stream = RequestStream(request.request_id, choices=request.n)
         if self.hold:
-            stream.put(events[0])
+            stream.put(TextDelta(self.reply[0], (1,)))
             self._open[request.request_id] = (stream, request)
             return stream
-        for event in events:
-            stream.put(event)
-        stream.put(self.ending(request))
+        # n choices interleave: each text of the reply for every choice in turn, choice i's
+        # texts suffixed with i when there are several.
+        for text in self.reply:
+            for index in range(request.n):
+                stream.put(TextDelta(text + (str(index) if request.n > 1 else ""), (1,), index))
+        for index in range(request.n):
+            ending = self.ending(request)
+            stream.put(dataclasses.replace(ending, index=index) if isinstance(ending, Finished) else ending)
+            if isinstance(ending, Failed):
+                break
         return stream
 
     def cancel(self, request_id: str, failure: RequestFailure | None = None) -> bool:

@@ -170,3 +170,12 @@ def test_connection_limits_and_origins_come_from_every_source(tmp_path: Path) ->
 def test_bad_connection_settings_are_refused_naming_the_flag(setting: str, value: str) -> None:
     with pytest.raises(ConfigError, match="--" + setting.replace("_", "-")):
         load_config(flags(**{setting: value}), {})
+
+
+def test_the_prefix_cache_is_on_by_default_and_each_source_can_turn_it_off(tmp_path: Path) -> None:
+    assert load_config(flags(), {}).prefix_cache is True
+    assert load_config(flags(), {}, write_toml(tmp_path, "prefix_cache = false\n")).prefix_cache is False
+    assert load_config(flags(), {"FLARE_PREFIX_CACHE": "off"}).prefix_cache is False
+    assert load_config(flags(prefix_cache="off"), {"FLARE_PREFIX_CACHE": "on"}).prefix_cache is False
+    with pytest.raises(ConfigError, match="--prefix-cache: expected true or false"):
+        load_config(flags(prefix_cache="sometimes"), {})

@@ -53,6 +53,7 @@ from flare.scheduler.request import RequestFailure
 class FakeTarget:
     draining: bool = False
     log_level: str = "info"
+    cache_cleared: int = 0
     cancelled: list[str] = field(default_factory=list)
     rows: list[RequestRow] = field(
         default_factory=lambda: [
@@ -77,6 +78,11 @@ class FakeTarget:
             log_level=self.log_level,
             pid=1234,
             version="0.1.0",
+            prefix_cache=True,
+            kv_blocks_cached=20,
+            kv_blocks_evictable=12,
+            prompt_tokens_cached=3000,
+            prompt_tokens_computed=1000,
         )
 
     def requests(self) -> Sequence[RequestRow]:
@@ -93,6 +99,10 @@ class FakeTarget:
 
     def resume(self) -> None:
         self.draining = False
+
+    def clear_prefix_cache(self) -> int:
+        self.cache_cleared += 1
+        return 12
 
     def effective_config(self) -> Mapping[str, Any]:
         return {
@@ -168,6 +178,10 @@ async def test_status_table_is_readable(socket_path: Path) -> None:
     assert "uptime           1h02m05s" in lines
     assert "kv blocks        7 / 64 in use" in lines
     assert "weights          float16 stored, float16 GEMMs" in lines
+    assert (
+        "prefix cache     20 blocks cached, 12 of them evictable; prompt tokens 3000 from cache (75%), 1000 computed"
+        in lines
+    )
     assert "device statuses  OK 90, INVALID_SPECULATION 2" in lines
 
 
@@ -215,6 +229,16 @@ async def test_drain_and_resume_toggle_admission(socket_path: Path) -> None:
     assert drained.code == EXIT_OK and "draining" in drained.out
     assert json.loads(resumed.out) == {"draining": False}
     assert not target.draining
+
+
+async def test_cache_clear_drops_the_unused_cached_blocks(socket_path: Path) -> None:
+    target = FakeTarget()
+    async with control_server(target, socket_path):
+        cleared = await ctl("--socket", str(socket_path), "cache", "clear")
+        as_json = await ctl("--socket", str(socket_path), "cache", "clear", "--json")
+    assert cleared.code == EXIT_OK and cleared.out.strip() == "dropped 12 cached KV blocks that no request was using"
+    assert json.loads(as_json.out) == {"dropped_blocks": 12}
+    assert target.cache_cleared == 2
 
 
 async def test_config_is_shown_with_api_keys_redacted(socket_path: Path) -> None:
@@ -366,6 +390,11 @@ class SchedulerSnapshot:  # the fields of flare.scheduler.scheduler.SchedulerSna
     tokens_per_second: float
     weights_dtype: str
     weight_format: str
+    prefix_cache: bool = True
+    kv_blocks_cached: int = 5
+    kv_blocks_evictable: int = 3
+    prompt_tokens_cached: int = 160
+    prompt_tokens_computed: int = 40
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,12 @@ async def test_chat_completion_has_openai_shape_and_reports_sampling(client: Tes
         {"index": 0, "message": {"role": "assistant", "content": "Hello world"}, "logprobs": None, "finish_reason": "stop"}
     ]
     prompt_tokens = len("<user>Hi<assistant>")
-    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 4, "total_tokens": prompt_tokens + 4}
+    assert body["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 4,
+        "total_tokens": prompt_tokens + 4,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert body["flare"]["sampling"]["temperature"] == 0.7
     assert body["flare"]["sampling"]["top_p"] == 0.9
     assert body["flare"]["adjusted"] == []
@@ -352,8 +357,9 @@ BAD_CHAT_BODIES = [
         "messages[0].content[0]",
     ),
     ("tool message", {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0]"),
-    ("n = 2", {**CHAT, "n": 2}, 400, "n"),
+    ("n = 0", {**CHAT, "n": 0}, 400, "n"),
     ("n = true", {**CHAT, "n": True}, 400, "n"),
+    ("n past OpenAI's bound", {**CHAT, "n": 129}, 400, "n"),
     ("tools", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("logprobs", {**CHAT, "logprobs": True}, 400, "logprobs"),
     ("json schema", {**CHAT, "response_format": {"type": "json_schema"}}, 400, "response_format"),
@@ -395,7 +401,9 @@ BAD_COMPLETION_BODIES = [
     ("token ids", {**COMPLETION, "prompt": [1, 2, 3]}, "prompt"),
     ("empty prompt", {**COMPLETION, "prompt": ""}, "prompt"),
     ("echo", {**COMPLETION, "echo": True}, "echo"),
-    ("best_of", {**COMPLETION, "best_of": 3}, "best_of"),
+    ("best_of more than n", {**COMPLETION, "best_of": 3}, "best_of"),
+    ("best_of less than n", {**COMPLETION, "n": 3, "best_of": 2}, "best_of"),
+    ("n a string", {**COMPLETION, "n": "2"}, "n"),
     ("messages on completions", {**COMPLETION, "messages": []}, "messages"),
 ]
 

@@ -280,3 +280,43 @@ async def test_invalid_speculation_falls_back_and_says_so(daemon: DaemonProcess,
         response = await http.post("/v1/chat/completions", json=body, headers={"X-Flare-Fault": "INVALID_SPECULATION@1"})
     assert response.status_code == 200, response.text
     assert response.json()["flare"]["fell_back"] is True
+
+
+LONG_SYSTEM = "You are a patient tutor. Explain every step, check the arithmetic twice, and be brief. " * 4
+
+
+async def test_a_repeated_prompt_is_served_from_the_prefix_cache_with_the_same_answer(
+    client: openai.AsyncOpenAI, model: str
+) -> None:
+    messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "What is 7 times 8?"}]
+    first = await client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=12)
+    again = await client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=12)
+    assert first.usage is not None and again.usage is not None
+    assert first.usage.prompt_tokens_details is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens // 16 * 16 - 16 > 0
+    assert again.choices[0].message.content == first.choices[0].message.content
+
+
+async def test_n_choices_stream_interleaved_by_index_through_the_openai_client(
+    client: openai.AsyncOpenAI, model: str
+) -> None:
+    stream = await client.chat.completions.create(
+        model=model, messages=CHAT, stream=True, temperature=1.0, seed=5, max_tokens=16, n=3,
+        stream_options={"include_usage": True},
+    )
+    texts: dict[int, str] = {0: "", 1: "", 2: ""}
+    reasons: dict[int, str] = {}
+    usage = None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+        usage = chunk.usage or usage
+    assert sorted(reasons) == [0, 1, 2] and len(set(texts.values())) == 3
+    assert usage is not None and 3 <= usage.completion_tokens <= 48
+    single = await client.chat.completions.create(model=model, messages=CHAT, temperature=1.0, seed=5, max_tokens=16)
+    assert single.choices[0].message.content == texts[0]  # choice 0 samples with the request's seed
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.chat.completions.create(model=model, messages=CHAT, max_tokens=4, n=9)
+    assert refused.value.body["param"] == "n"  # type: ignore[index]
