@@ -181,6 +181,8 @@ def bench_level(server: Server, dataset: str, temperature: float, concurrency: i
     ]
     if extra:
         command += ["--extra-body", json.dumps(extra)]
+    if args.level_duration:
+        command += ["--duration", str(args.level_duration)]
     subprocess.run(command, check=False, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
@@ -209,6 +211,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--waves", type=int, default=2, help="requests per level = max(--min-requests, waves x concurrency)")
     parser.add_argument("--min-requests", type=int, default=4)
+    parser.add_argument("--level-duration", type=float, help="flare bench --duration of each level: no request starts after it")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--package", type=Path, help="flare's package (default: the default model's in --dtype)")
