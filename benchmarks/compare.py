@@ -8,12 +8,14 @@ The servers are driven by `flare bench` (flare/bench/), one level at a time:
 - flare, the default model's package as `flare run` serves it on this machine (speculation at
   the package's draft length), and the same with `--draft-tokens 0`;
 - llama.cpp's server on the default model's GGUF (`-t THREADS -np MAX_CONCURRENCY
-  --cont-batching`), built once from the llama.cpp source that the `llama-cpp-python` sdist
+  -c SLOT_CONTEXT*MAX_CONCURRENCY --cont-batching`), built once from the llama.cpp source that the `llama-cpp-python` sdist
   vendors, into --llama-cpp-dir (default $FLARE_CACHE_DIR/llama.cpp or ~/.cache/flare/llama.cpp),
   unless --llama-server names a binary;
 - transformers, the offline reference: `generate` on the same GGUF weights in float32, in this
   process, a static batch of N prompts per concurrency N (left padding), aggregate tokens/s only.
 
+Both flare daemons get a KV cache of --kv-cache-memory (1 GiB: 32 streams of a chat prompt and
+128 tokens need about 0.5), so that two daemons, llama.cpp and transformers fit in memory at once.
 All servers are up for the whole run, each idle while another is measured. For every dataset,
 temperature and concurrency the systems take turns (flare, flare K=0, llama.cpp, transformers),
 so a slow patch of the shared machine falls on all of them. Greedy is temperature 0; sampled runs
@@ -218,6 +220,8 @@ def main() -> int:
     parser.add_argument("--dtype", choices=(AUTO_DTYPE, *DTYPES), default=AUTO_DTYPE, help="the default model's package dtype (flare export --dtype)")
     parser.add_argument("--llama-server", type=Path, help="a llama-server binary to use instead of building one")
     parser.add_argument("--llama-cpp-dir", type=Path, help="where llama.cpp is built once (default $FLARE_CACHE_DIR/llama.cpp or ~/.cache/flare/llama.cpp)")
+    parser.add_argument("--kv-cache-memory", default="1GiB", help="each flare daemon's KV cache (two run at once)")
+    parser.add_argument("--slot-context", type=int, default=1024, help="llama.cpp's context per slot (-c is this x -np)")
     parser.add_argument("--skip-llama-cpp", action="store_true")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--out-dir", type=Path, default=Path("compare-results"))
@@ -244,7 +248,7 @@ def main() -> int:
 
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     flare_command = [sys.executable, "-m", "flare.daemon.cli", "run", str(package), "--log-level", "warning",
-                     "--max-concurrency", str(max(concurrencies))]
+                     "--max-concurrency", str(max(concurrencies)), "--kv-cache-memory", args.kv_cache_memory]
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     with contextlib.ExitStack() as stack:
         servers: list[Server] = []
@@ -260,7 +264,7 @@ def main() -> int:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             command = [str(llama_server), "-m", str(gguf), "-t", str(args.threads), "--host", "127.0.0.1", "--port", str(port),
-                       "-np", str(max(concurrencies)), "-c", str(2048 * max(concurrencies)), "--cont-batching"]
+                       "-np", str(max(concurrencies)), "-c", str(args.slot_context * max(concurrencies)), "--cont-batching"]
             pids["llama.cpp"] = stack.enter_context(server_process(command, env, "llama.cpp", url, args.out_dir / "llama.cpp.log"))
             servers.append(Server("llama.cpp", url))
         print("servers up: " + ", ".join(f"{s.name} (pid {pids[s.name]}) at {s.url}" for s in servers), flush=True)
