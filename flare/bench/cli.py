@@ -210,7 +210,10 @@ async def _run(
     started = datetime.now(UTC)
     url = args.url.rstrip("/").removesuffix("/v1")
     # No pool limit: the load decides how many connections are open, not the client library.
-    connector = aiohttp.TCPConnector(limit=0)
+    # A connection per request (as vLLM's benchmark makes them): a server that closes idle
+    # keep-alive connections (llama.cpp's does) would otherwise fail the next request sent on
+    # one, a client-side artefact counted against the server. Loopback connects in microseconds.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         models, server_header = await _server_models(session, Endpoint(url, "", args.api_key))
         model = args.model or (models[0] if models else None)
