@@ -36,17 +36,42 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import statistics
 import sys
+import tempfile
 import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 # The checkout this script is in, not whichever flare is installed (the daemons run from the
-# working directory, which must be the same checkout), and benchmarks/serving.py's helpers.
+# working directory, which must be the same checkout), and benchmarks/compare.py's helpers.
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-from serving import flare_daemon, metric  # noqa: E402  (the daemon and /metrics helpers)
+from compare import free_port, server_process  # noqa: E402  (a server subprocess, healthy on entry)
+
+
+@contextlib.contextmanager
+def flare_daemon(package: Path, threads: int, extra: list[str]) -> Iterator[str]:
+    """`flare run PACKAGE` on a free port with `extra` flags; yields its base URL."""
+    url = f"http://127.0.0.1:{free_port()}"
+    command = [sys.executable, "-m", "flare.daemon.cli", "run", str(package), "--port", url.rsplit(":", 1)[1],
+               "--log-level", "warning", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    with tempfile.TemporaryDirectory() as logs, server_process(command, env, "flare run", url, Path(logs) / "flare.log"):
+        yield url
+
+
+def metric(base_url: str, name: str) -> float:
+    """One unlabelled sample of a daemon's /metrics (NaN when it cannot be read, 0 when absent)."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
+            lines = response.read().decode().splitlines()
+    except OSError:
+        return float("nan")
+    return next((float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + " ")), 0.0)
 
 WORDS = (
     "harbour lantern copper meadow granite orchard velvet compass thunder willow amber canyon "

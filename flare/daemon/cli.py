@@ -1,4 +1,5 @@
-"""The `flare` command: `run` (this file), `export` and `inspect` (commands_package.py), `ctl` (ctl.py).
+"""The `flare` command: `run` (this file), `export` and `inspect` (commands_package.py), `ctl` (ctl.py),
+`bench` (flare/bench/cli.py, a client of any OpenAI-compatible server).
 
 Each subcommand is registered by an `add_*_parser(subparsers)` function in COMMANDS, which
 sets `func` (namespace -> exit code) on its parser. Bad usage prints one line on stderr, naming
@@ -13,6 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from flare.bench.cli import add_bench_parser
 from flare.daemon.commands_package import add_export_parser, add_inspect_parser
 from flare.daemon.config import CONFIG_ENV, ConfigError, load_config
 from flare.daemon.ctl import add_ctl_parser
@@ -106,6 +108,7 @@ COMMANDS: tuple[Callable[[Any], argparse.ArgumentParser], ...] = (
     add_export_parser,
     add_inspect_parser,
     add_ctl_parser,
+    add_bench_parser,
 )
 
 

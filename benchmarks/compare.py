@@ -1,0 +1,364 @@
+"""flare against llama.cpp's server and Hugging Face transformers, on the same GGUF, in one run.
+
+    .venv/bin/python benchmarks/compare.py                                   # the published matrix
+    .venv/bin/python benchmarks/compare.py --concurrency 1,8 --datasets chat # a subset
+    .venv/bin/python benchmarks/compare.py --skip-llama-cpp --skip-transformers
+
+The servers are driven by `flare bench` (flare/bench/), one level at a time:
+- flare, the default model's package as `flare run` serves it on this machine (speculation at
+  the package's draft length), and the same with `--draft-tokens 0`;
+- llama.cpp's server on the default model's GGUF (`-t THREADS -np MAX_CONCURRENCY
+  -c SLOT_CONTEXT*MAX_CONCURRENCY --cont-batching`), built once from the llama.cpp source that the `llama-cpp-python` sdist
+  vendors, into --llama-cpp-dir (default $FLARE_CACHE_DIR/llama.cpp or ~/.cache/flare/llama.cpp),
+  unless --llama-server names a binary;
+- transformers, the offline reference: `generate` on the same GGUF weights in float32, in this
+  process, a static batch of N prompts per concurrency N (left padding), aggregate tokens/s only.
+
+Both flare daemons get a KV cache of --kv-cache-memory (1 GiB: 32 streams of a chat prompt and
+128 tokens need about 0.5), so that two daemons, llama.cpp and transformers fit in memory at once.
+All servers are up for the whole run, each idle while another is measured. For every dataset,
+temperature and concurrency the systems take turns (flare, flare K=0, llama.cpp, transformers),
+so a slow patch of the shared machine falls on all of them. Greedy is temperature 0; sampled runs
+send temperature T with top_p 0.9, top_k off and min_p 0 to every system alike (transformers:
+do_sample with the same), so no server applies a default filter the others do not.
+
+Writes into --out-dir: one `flare bench` result per system, dataset and temperature (levels
+merged), `comparison.json` (every figure and setting) and plots per dataset and temperature
+(`flare bench plot` of the three servers); prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import os
+
+from flare.engine.openmp import set_wait_policy
+
+# Every side waits between OpenMP regions as `flare run` makes it (flare/engine/openmp.py), set
+# before torch loads OpenMP; an OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment wins.
+set_wait_policy(os.environ)
+
+import argparse
+import contextlib
+import json
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flare.bench.datasets import load_dataset
+from flare.bench.plot import write_plots
+from flare.bench.report import machine, versions
+from flare.preparation.manifest import AUTO_DTYPE, DTYPES
+
+LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp is built (../shared/notes/cpu-baselines.md)
+SAMPLED_FILTERS = {"top_p": 0.9, "top_k": -1, "min_p": 0.0}
+
+
+def slug(name: str) -> str:
+    """A system's label as a file name part: "flare K=0" -> "flare_K0"."""
+    return name.replace(" ", "_").replace("=", "")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, process: subprocess.Popen[str], name: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited with {process.returncode}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        time.sleep(0.5)
+    raise RuntimeError(f"{name} did not become healthy in {timeout_s:g} s")
+
+
+@contextlib.contextmanager
+def server_process(command: list[str], env: dict[str, str], name: str, url: str, log: Path) -> Iterator[int]:
+    """A server subprocess, its output in `log`, healthy on entry and stopped on exit; yields its pid."""
+    with log.open("w") as output:
+        process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT, text=True)
+        try:
+            wait_healthy(url, process, name)
+            yield process.pid
+        finally:
+            process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=60)
+            if process.poll() is None:
+                process.kill()
+
+
+def llama_server_binary(cache_dir: Path) -> Path:
+    """llama.cpp's server, built once into `cache_dir` from the llama-cpp-python sdist's vendored source."""
+    source = cache_dir / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+    binary = source / "build" / "bin" / "llama-server"
+    if binary.is_file():
+        return binary
+    for tool in ("cmake", "ninja"):
+        if shutil.which(tool) is None:
+            raise RuntimeError(f"building llama.cpp needs {tool}: pip install {tool} (or apt-get install {tool})")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    print(f"building llama.cpp's server into {source} (about 8 minutes on 2 cores, once)", flush=True)
+    sdist = cache_dir / "sdist"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+         f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(sdist)],
+        check=True,
+    )
+    with tarfile.open(next(sdist.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"))) as archive:
+        archive.extractall(cache_dir, filter="data")
+    subprocess.run(
+        ["cmake", "-B", "build", "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+         "-DLLAMA_OPENSSL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+         "-DLLAMA_BUILD_EXAMPLES=OFF"],
+        cwd=source, check=True,
+    )
+    subprocess.run(["cmake", "--build", "build", f"-j{os.cpu_count() or 2}", "--target", "llama-server"], cwd=source, check=True)
+    return binary
+
+
+class TransformersReference:
+    """Hugging Face transformers `generate` on the default GGUF's weights, float32, in this process."""
+
+    def __init__(self, gguf: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+        self.generate(["Hello"], 8, 0.0)  # warm, as the servers are warmed
+
+    def generate(self, prompts: list[str], max_tokens: int, temperature: float) -> tuple[float, int]:
+        """Seconds for one static batch, and the tokens generated up to each row's EOS."""
+        import torch
+
+        tokenizer = self.tokenizer
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in prompts]
+        inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        sampling: dict[str, Any] = {"do_sample": False}
+        if temperature > 0:
+            sampling = {"do_sample": True, "temperature": temperature, "top_p": SAMPLED_FILTERS["top_p"], "top_k": 0}
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(**inputs, max_new_tokens=max_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
+        seconds = time.perf_counter() - started
+        count = 0
+        for row in out[:, inputs["input_ids"].shape[1]:].tolist():
+            count += next((i + 1 for i, t in enumerate(row) if t == tokenizer.eos_token_id), len(row))
+        return seconds, count
+
+
+@dataclass(frozen=True)
+class Server:
+    name: str  # the label in tables and plots
+    url: str
+
+
+def bench_level(server: Server, dataset: str, temperature: float, concurrency: int, args: argparse.Namespace,
+                out: Path, warmup: int) -> dict[str, Any]:
+    """One `flare bench` level against one server (a subprocess: the CLI exactly as users run it)."""
+    extra = SAMPLED_FILTERS if temperature > 0 else {}
+    command = [
+        sys.executable, "-m", "flare.daemon.cli", "bench", "--url", server.url, "--dataset", dataset,
+        "--concurrency", str(concurrency), "--requests", str(requests_at(concurrency, args)),
+        "--max-tokens", str(args.max_tokens), "--temperature", str(temperature), "--warmup", str(warmup),
+        "--seed", str(args.seed), "--label", server.name, "--out", str(out),
+    ]
+    if extra:
+        command += ["--extra-body", json.dumps(extra)]
+    if args.level_duration:
+        command += ["--duration", str(args.level_duration)]
+    subprocess.run(command, check=False, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def requests_at(concurrency: int, args: argparse.Namespace) -> int:
+    return max(args.min_requests, args.waves * concurrency)
+
+
+def merge_levels(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The one-level results of one system, dataset and temperature as one result of several levels."""
+    merged = dict(results[0])
+    merged["levels"] = [level for result in results for level in result["levels"]]
+    merged["finished"] = results[-1]["finished"]
+    return merged
+
+
+def prompts_of(dataset: str) -> list[str]:
+    return [conversation.turns[0] for conversation in load_dataset(dataset)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--datasets", default="chat,copy")
+    parser.add_argument("--temperatures", default="0,0.7")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--waves", type=int, default=2, help="requests per level = max(--min-requests, waves x concurrency)")
+    parser.add_argument("--min-requests", type=int, default=4)
+    parser.add_argument("--level-duration", type=float, help="flare bench --duration of each level: no request starts after it")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--package", type=Path, help="flare's package (default: the default model's in --dtype)")
+    parser.add_argument("--dtype", choices=(AUTO_DTYPE, *DTYPES), default=AUTO_DTYPE, help="the default model's package dtype (flare export --dtype)")
+    parser.add_argument("--llama-server", type=Path, help="a llama-server binary to use instead of building one")
+    parser.add_argument("--llama-cpp-dir", type=Path, help="where llama.cpp is built once (default $FLARE_CACHE_DIR/llama.cpp or ~/.cache/flare/llama.cpp)")
+    parser.add_argument("--kv-cache-memory", default="1GiB", help="each flare daemon's KV cache (two run at once)")
+    parser.add_argument("--slot-context", type=int, default=1024, help="llama.cpp's context per slot (-c is this x -np)")
+    parser.add_argument("--versus-dtype", choices=DTYPES, help="also serve the default model's package in this dtype with --draft-tokens 0 (weight formats side by side)")
+    parser.add_argument("--skip-speculation", action="store_true", help="leave out the flare side with speculation")
+    parser.add_argument("--skip-llama-cpp", action="store_true")
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--out-dir", type=Path, default=Path("compare-results"))
+    args = parser.parse_args()
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    datasets = args.datasets.split(",")
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+
+    import torch
+
+    from flare.preparation.default_model import default_gguf_path, default_package_path
+    from flare.preparation.package import open_package
+
+    torch.set_num_threads(args.threads)
+    gguf = default_gguf_path()
+    package = args.package or default_package_path(dtype=args.dtype)
+    package_serving = open_package(package).manifest.serving
+    llama_server = None
+    if not args.skip_llama_cpp:
+        cache = args.llama_cpp_dir or Path(os.environ.get("FLARE_CACHE_DIR", Path.home() / ".cache" / "flare")) / "llama.cpp"
+        llama_server = args.llama_server or llama_server_binary(cache)
+    reference = None if args.skip_transformers else TransformersReference(gguf)
+
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    def flare_command(served: Path) -> list[str]:
+        return [sys.executable, "-m", "flare.daemon.cli", "run", str(served), "--log-level", "warning",
+                "--max-concurrency", str(max(concurrencies)), "--kv-cache-memory", args.kv_cache_memory]
+
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    with contextlib.ExitStack() as stack:
+        servers: list[Server] = []
+        pids: dict[str, int] = {}
+        sides = [("flare", package, []), ("flare K=0", package, ["--draft-tokens", "0"])][args.skip_speculation :]
+        if args.versus_dtype:
+            sides.append((f"flare {args.versus_dtype} K=0", default_package_path(dtype=args.versus_dtype), ["--draft-tokens", "0"]))
+        for name, served, extra in sides:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            log = args.out_dir / f"{slug(name)}.log"
+            command = [*flare_command(served), "--port", str(port), *extra]
+            pids[name] = stack.enter_context(server_process(command, env, name, url, log))
+            servers.append(Server(name, url))
+        if llama_server is not None:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            command = [str(llama_server), "-m", str(gguf), "-t", str(args.threads), "--host", "127.0.0.1", "--port", str(port),
+                       "-np", str(max(concurrencies)), "-c", str(args.slot_context * max(concurrencies)), "--cont-batching"]
+            pids["llama.cpp"] = stack.enter_context(server_process(command, env, "llama.cpp", url, args.out_dir / "llama.cpp.log"))
+            servers.append(Server("llama.cpp", url))
+        print("servers up: " + ", ".join(f"{s.name} (pid {pids[s.name]}) at {s.url}" for s in servers), flush=True)
+
+        cells: list[dict[str, Any]] = []
+        warmed: set[str] = set()
+        for dataset in datasets:
+            for temperature in temperatures:
+                per_server: dict[str, list[dict[str, Any]]] = {s.name: [] for s in servers}
+                for concurrency in concurrencies:
+                    cell: dict[str, Any] = {"dataset": dataset, "temperature": temperature, "concurrency": concurrency}
+                    for server in servers:
+                        out = args.out_dir / f"{slug(server.name)}-{dataset}-t{temperature:g}-c{concurrency}.json"
+                        result = bench_level(server, dataset, temperature, concurrency, args, out, 0 if server.name in warmed else 2)
+                        warmed.add(server.name)
+                        per_server[server.name].append(result)
+                        level = result["levels"][0]
+                        cell[server.name] = {key: level[key] for key in ("output_tok_s", "req_s", "completed", "failed", "failures")}
+                        for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+                            cell[server.name][key] = {p: level[key][p] for p in ("mean", "p50", "p90", "p99")}
+                        metrics = level.get("server_metrics") or {}
+                        cell[server.name]["accepted_per_round"] = metrics.get("accepted_per_round")
+                        cell[server.name]["tokens_per_row_round"] = metrics.get("tokens_per_row_round")
+                        print(f"{dataset} T={temperature:g} c={concurrency} {server.name}: {level['output_tok_s']:.1f} tok/s "
+                              f"({level['completed']} ok, {level['failed']} failed)", flush=True)
+                    if reference is not None:
+                        prompts = prompts_of(dataset)
+                        batch = [prompts[i % len(prompts)] for i in range(concurrency)]
+                        seconds, tokens = reference.generate(batch, args.max_tokens, temperature)
+                        cell["transformers"] = {"output_tok_s": tokens / seconds}
+                        print(f"{dataset} T={temperature:g} c={concurrency} transformers: {tokens / seconds:.1f} tok/s", flush=True)
+                    cells.append(cell)
+                merged = [merge_levels(results) for results in per_server.values()]
+                name = f"{dataset}-t{temperature:g}"
+                for result in merged:
+                    (args.out_dir / f"{slug(result['label'])}-{name}.json").write_text(json.dumps(result, indent=1))
+                write_plots(merged, args.out_dir / "plots" / name, title=f"{dataset}, temperature {temperature:g}, {args.max_tokens} tokens")
+
+    summary = {
+        "command": " ".join(sys.argv),
+        "started": started,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine(),
+        "versions": {**versions(), "torch": torch.__version__, "transformers": _version("transformers"),
+                     "llama.cpp": f"vendored in llama-cpp-python {LLAMA_CPP_PYTHON}" if llama_server else None},
+        "settings": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                     "package": str(package), "package_dtype": package_serving.dtype,
+                     "package_draft_tokens": package_serving.draft_tokens, "gguf": str(gguf),
+                     "llama_server": str(llama_server) if llama_server else None},
+        "cells": cells,
+    }
+    (args.out_dir / "comparison.json").write_text(json.dumps(summary, indent=1))
+    print_table(cells, [s.name for s in servers] + ([] if reference is None else ["transformers"]), args.versus_dtype)
+    return 0
+
+
+def print_table(cells: list[dict[str, Any]], systems: list[str], versus_dtype: str | None = None) -> None:
+    ratios = [("flare", "llama.cpp"), ("flare", "flare K=0"), ("flare K=0", "llama.cpp")]
+    if versus_dtype:
+        ratios.append(("flare K=0", f"flare {versus_dtype} K=0"))
+    print("\n| dataset | T | streams | " + " | ".join(f"{s} tok/s" for s in systems) + " | "
+          + " | ".join(f"{a} / {b}" for a, b in ratios) + " |")
+    print("|" + " --- |" * (len(systems) + 3 + len(ratios)))
+    for cell in cells:
+        figures = [cell.get(s, {}).get("output_tok_s") for s in systems]
+        row = " | ".join("-" if f is None else f"{f:.1f}" for f in figures)
+        print(f"| {cell['dataset']} | {cell['temperature']:g} | {cell['concurrency']} | {row} | "
+              + " | ".join(_ratio(cell, a, b) for a, b in ratios) + " |")
+    medians = [c["flare"]["output_tok_s"] / c["llama.cpp"]["output_tok_s"] for c in cells
+               if c.get("llama.cpp", {}).get("output_tok_s") and c.get("flare", {}).get("output_tok_s")]
+    if medians:
+        print(f"\nmedian flare / llama.cpp over {len(medians)} cells: {statistics.median(medians):.2f}x")
+
+
+def _ratio(cell: dict[str, Any], system: str, other: str) -> str:
+    mine, theirs = cell.get(system, {}).get("output_tok_s"), cell.get(other, {}).get("output_tok_s")
+    return "-" if not mine or not theirs else f"{mine / theirs:.2f}x"
+
+
+def _version(package: str) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
