@@ -18,8 +18,8 @@ from flare.bench.cli import add_bench_parser
 from flare.daemon.commands_package import add_export_parser, add_inspect_parser
 from flare.daemon.config import CONFIG_ENV, ConfigError, load_config
 from flare.daemon.ctl import add_ctl_parser
+from flare.preparation.manifest import WEIGHT_FORMATS
 from flare.engine.openmp import set_wait_policy
-from flare.engine.precision import FORMAT_CHOICES
 
 EXIT_USAGE = 2
 
@@ -68,7 +68,7 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--fault-injection", action="store_const", const=True,
         help="honour the X-Flare-Fault test header (off by default)")
     add("--device", metavar="DEVICE", help="auto, cpu, cuda or cuda:N (default auto)")
-    add("--weight-format", choices=FORMAT_CHOICES,
+    add("--weight-format", choices=WEIGHT_FORMATS,
         help="what the linear layers multiply in: auto (default) picks the fastest this CPU runs for the "
         "package's weights (float16 through fbgemm on AVX2, bfloat16 where native, float32 elsewhere)")
     add("--log-level", choices=("debug", "info", "warning", "error"), help="default info")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flare.engine.precision import FORMAT_CHOICES
+from flare.preparation.manifest import WEIGHT_FORMATS
 
 CONFIG_ENV = "FLARE_CONFIG"
 API_KEYS_ENV = "FLARE_API_KEYS"
@@ -220,7 +220,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "allow_special_tokens_in_messages": _boolean,
     "cache_dir": _path,
     "device": _device,
-    "weight_format": _choice(*FORMAT_CHOICES),
+    "weight_format": _choice(*WEIGHT_FORMATS),
 }
 # Settings read from sources other than one scalar value each.
 _LIST_SETTINGS = ("api_keys", "api_key_file")

@@ -28,6 +28,7 @@ from enum import StrEnum
 
 import torch
 
+from flare.preparation.manifest import AUTO_DTYPE, WEIGHT_FORMATS
 from flare.preparation.package import fits_float16
 
 
@@ -43,8 +44,8 @@ class WeightFormat(StrEnum):
         return getattr(torch, self.value)
 
 
-AUTO = "auto"
-FORMAT_CHOICES = (AUTO, *(f.value for f in WeightFormat))
+AUTO = AUTO_DTYPE
+FORMAT_CHOICES = WEIGHT_FORMATS
 
 class WeightFormatError(ValueError):
     """A weight format that this device or these weights cannot run (names why)."""

@@ -27,6 +27,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 # What `flare export --dtype` takes besides DTYPES: float16, or bfloat16 for weights beyond
 # float16's range (`export.resolve_dtype`); a manifest always names the stored one.
 AUTO_DTYPE = "auto"
+# What `flare run --weight-format` takes: auto (the fastest this CPU runs for the stored dtype),
+# or a format named as the dtype it multiplies in (flare/engine/precision.py). Kept here, free of
+# torch, so that the command line parses without loading it.
+WEIGHT_FORMATS = (AUTO_DTYPE, *DTYPES)
 DRAFTERS = ("ngram",)
 MAX_DRAFT_TOKENS = 16
 

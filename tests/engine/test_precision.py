@@ -71,6 +71,11 @@ def test_weights_beyond_float16_range_never_run_in_float16(cpu_kind) -> None:
         choose_weight_format(torch.bfloat16, CPU, "float16", weights_fit_float16=False)
 
 
+def test_the_command_line_offers_exactly_auto_and_the_weight_formats() -> None:
+    # flare run parses --weight-format from the manifest's torch-free list.
+    assert precision.FORMAT_CHOICES == ("auto", *(f.value for f in WeightFormat))
+
+
 def test_fits_float16_is_false_past_65504() -> None:
     assert fits_float16(torch.tensor([-65504.0, 1e-9, 0.0]))
     assert not fits_float16(torch.tensor([0.5, 70000.0]))
