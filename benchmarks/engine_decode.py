@@ -14,6 +14,7 @@ No sampling, no HTTP: this is the ceiling the scheduler and the daemon work unde
     .venv/bin/python benchmarks/engine_decode.py --batch 1 --tokens-per-row 1 2 3 5 9
     .venv/bin/python benchmarks/engine_decode.py --kernels torch   # without the C kernels
     .venv/bin/python benchmarks/engine_decode.py --weight-format float32 float16   # alternating
+    .venv/bin/python benchmarks/engine_decode.py --steps        # where a round's time goes
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import torch
 
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
+from flare.engine import model as model_module
+from flare.engine import native
 from flare.engine.model import LlamaModel
 from flare.engine.precision import WeightFormat, cpu_flags
 from flare.preparation.manifest import ModelConfig
@@ -78,6 +81,11 @@ def main() -> None:
         help="one or more formats; with several, each batch size runs them alternately, round sets interleaved",
     )
     parser.add_argument("--repeats", type=int, default=1, help="sets of rounds per format and batch size (medians of all)")
+    parser.add_argument(
+        "--steps",
+        action="store_true",
+        help="also time each step of a round (the linear layers, attention, RoPE with the KV write, SwiGLU, norms)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -114,6 +122,9 @@ def main() -> None:
                     walls[name] += wall
                     cpus[name] += cpu
             forwarded = batch_size * tokens
+            if args.steps:
+                for name, model in models.items():
+                    print(f"{name:8s} batch {batch_size:3d} x {tokens} tokens: " + step_times(model, cache, batch_size, tokens, blocks_per_row, args))
             for name in models:
                 median, cpu = statistics.median(walls[name]), statistics.median(cpus[name])
                 ratio = median / statistics.median(walls[first])
@@ -121,6 +132,63 @@ def main() -> None:
                     f"{name:8s} batch {batch_size:3d} x {tokens} tokens: median round {median * 1000:7.1f} ms "
                     f"({ratio:.2f} of {first}), {forwarded / median:7.1f} tok/s; CPU {cpu * 1000:7.1f} ms per round"
                 )
+
+
+# What --steps times: each step of a layer, by the function that runs it (model.py and native.py;
+# with --kernels torch the torch counterparts run inside `forward` itself and are not split out).
+STEPS = {
+    "linear layers (LM head included)": (model_module, ("linear", "linear_columns")),
+    "attention": (native, ("paged_attention",)),
+    "RoPE + KV write": (native, ("rope_and_cache",)),
+    "SwiGLU": (native, ("swiglu_rows",)),
+    "residual add + RMSNorm": (native, ("add_rms_norm",)),
+}
+
+
+def step_times(model: LlamaModel, cache: KVCache, batch_size: int, tokens: int, blocks_per_row: int, args: argparse.Namespace) -> str:
+    """The mean forward pass and each step's part of it, from wall-clock timers around the step
+    functions, over every round run (warm-up included; a linear layer called inside another, as
+    `linear` calls `linear_columns`, counts once)."""
+    spent: dict[str, float] = dict.fromkeys(STEPS, 0.0)
+    forwards: list[float] = []
+    originals = []
+    depth = [0]
+    for step, (module, names) in STEPS.items():
+        for name in names:
+            original = getattr(module, name)
+            originals.append((module, name, original))
+
+            def timed(*call_args, _original=original, _step=step, **kwargs):
+                depth[0] += 1
+                start = time.perf_counter()
+                try:
+                    return _original(*call_args, **kwargs)
+                finally:
+                    depth[0] -= 1
+                    if depth[0] == 0:
+                        spent[_step] += time.perf_counter() - start
+
+            setattr(module, name, timed)
+    forward = model.forward
+
+    def timed_forward(*call_args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return forward(*call_args, **kwargs)
+        finally:
+            forwards.append(time.perf_counter() - start)
+
+    model.forward = timed_forward
+    try:
+        time_rounds(model, cache, batch_size, tokens, blocks_per_row, args)
+    finally:
+        del model.forward
+        for module, name, original in originals:
+            setattr(module, name, original)
+    rounds, total = len(forwards), sum(forwards)
+    parts = [f"{step} {spent[step] / rounds * 1000:.1f}" for step in STEPS]
+    rest = (total - sum(spent.values())) / rounds * 1000
+    return f"forward {total / rounds * 1000:.1f} ms (mean) = " + ", ".join(parts) + f", the rest (Python between them, embedding) {rest:.1f}"
 
 
 def time_rounds(
