@@ -296,24 +296,30 @@ def test_float16_linear_layers_equal_float32_products_of_the_rounded_weights() -
             assert (as_rows - unrounded).abs().max() < 2**-10 * (x.abs() @ weight.abs().T).max()
 
 
+def float32_and_rounded_logits(model: LlamaModel, state: dict[str, torch.Tensor], config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(float32 model's, `model`'s) logits of a 30-token prompt and of one decode step after it."""
+    exact = LlamaModel(config, state)
+    caches = new_cache(config), new_cache(config)
+    tokens = random_tokens(config, 30, seed=7)
+    table = list(range(blocks_for(len(tokens) + 1)))
+    prompt = ForwardBatch.build([ForwardRow(tokens, 0, table, num_logits=len(tokens))], BLOCK_SIZE)
+    decode = ForwardBatch.build([ForwardRow([tokens[0]], len(tokens), table, num_logits=1)], BLOCK_SIZE)
+    pairs = [(exact.forward(batch, caches[0]), model.forward(batch, caches[1])) for batch in (prompt, decode)]
+    for reference, logits in pairs:
+        assert logits.dtype == torch.float32 and logits.shape == reference.shape
+    return pairs
+
+
 @FBGEMM
 @pytest.mark.parametrize("tie", [True, False])
 def test_a_model_with_float16_gemms_tracks_the_float32_model_on_the_same_weights(tie: bool) -> None:
     config = tiny_config(tie_word_embeddings=tie)
     # Weights that float16 holds exactly, so the two models differ only in how they multiply.
     state = {name: tensor.half().float() for name, tensor in random_state_dict(config).items()}
-    exact = LlamaModel(config, state)
     fast = LlamaModel(config, state, weight_format=WeightFormat.FLOAT16)
     assert fast.weight_format == WeightFormat.FLOAT16 and fast.dtype == torch.float32
     assert fast.embed.dtype == torch.float16 and isinstance(fast.lm_head, torch.ScriptObject)
-    caches = new_cache(config), new_cache(config)
-    tokens = random_tokens(config, 30, seed=7)
-    table = list(range(blocks_for(len(tokens) + 1)))
-    prompt = ForwardBatch.build([ForwardRow(tokens, 0, table, num_logits=len(tokens))], BLOCK_SIZE)
-    decode = ForwardBatch.build([ForwardRow([tokens[0]], len(tokens), table, num_logits=1)], BLOCK_SIZE)
-    for batch in (prompt, decode):
-        reference, logits = exact.forward(batch, caches[0]), fast.forward(batch, caches[1])
-        assert logits.dtype == torch.float32 and logits.shape == reference.shape
+    for reference, logits in float32_and_rounded_logits(fast, state, config):
         # Only the summation order differs: float32 accumulation on both sides.
         torch.testing.assert_close(logits, reference, atol=1e-4 * reference.abs().max(), rtol=1e-4)
         assert torch.equal(logits.argmax(-1), reference.argmax(-1))
@@ -324,19 +330,10 @@ def test_a_model_with_bfloat16_gemms_tracks_the_float32_model_on_the_same_weight
     config = tiny_config(tie_word_embeddings=tie)
     # Weights that bfloat16 holds exactly, so the two models differ only in how they multiply.
     state = {name: tensor.bfloat16().float() for name, tensor in random_state_dict(config).items()}
-    exact = LlamaModel(config, state)
     rounded = LlamaModel(config, state, weight_format=WeightFormat.BFLOAT16)
     packed = isinstance(rounded.lm_head, torch.Tensor) and rounded.lm_head.is_mkldnn
     assert packed == PACKING and rounded.dtype == torch.float32
-    caches = new_cache(config), new_cache(config)
-    tokens = random_tokens(config, 30, seed=7)
-    table = list(range(blocks_for(len(tokens) + 1)))
-
-    prompt = ForwardBatch.build([ForwardRow(tokens, 0, table, num_logits=len(tokens))], BLOCK_SIZE)
-    decode = ForwardBatch.build([ForwardRow([tokens[0]], len(tokens), table, num_logits=1)], BLOCK_SIZE)
-    for batch in (prompt, decode):
-        reference, logits = exact.forward(batch, caches[0]), rounded.forward(batch, caches[1])
-        assert logits.dtype == torch.float32 and logits.shape == reference.shape
+    for reference, logits in float32_and_rounded_logits(rounded, state, config):
         # Two layers of bfloat16 rounding (2^-8 relative per product) on logits of about +-3.
         assert (logits - reference).abs().max() < 0.05 * reference.abs().max()
         agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean()
