@@ -131,7 +131,7 @@ def test_capital_of_france(flare_side) -> None:
 # CPUs with native bfloat16) round the weights, each GEMM's input and its product to 8. Measured
 # KL of the next-token distribution against float32: float16 1.6e-6 nats mean and 1.3e-5 at most
 # over 335 answer positions of eight chat prompts (benchmarks/precision.py); bfloat16 3e-4 to
-# 1.8e-3 at the last prompt position of these prompts. The bounds leave two orders of magnitude.
+# 1.8e-3 at the last prompt position of these prompts.
 MAX_KL = {WeightFormat.FLOAT16: 1e-3, WeightFormat.BFLOAT16: 1e-2}
 
 
