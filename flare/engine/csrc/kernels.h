@@ -25,7 +25,10 @@
  * clamped there (e^-87.3 ~ 1e-38). NaN stays NaN. */
 static inline float exp_nonpositive(float x) {
     x = x < -87.3f ? -87.3f : x;
-    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    /* n = x / ln2 rounded to the nearest integer by adding and subtracting 1.5 * 2^23 (exact for
+     * |x / ln2| < 2^22): plain adds, where floorf needs SSE4.1 and is a libm call per element in
+     * code compiled for baseline x86-64, as OpenMP's outlined loop bodies are. */
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     float r = x - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
     float p = 1.9875691500e-4f;

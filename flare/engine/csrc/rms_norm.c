@@ -19,8 +19,12 @@ static void add_norm_token(const AddRmsNorm *n, int64_t t) {
     if (n->delta) {
         const float *d = n->delta + t * n->delta_token_stride;
         const int64_t cs = n->delta_channel_stride;
+        if (cs == 1) { /* rows (the packed formats' products): a loop the compiler vectorises */
 #pragma omp simd
-        for (int64_t i = 0; i < H; i++) h[i] += d[i * cs];
+            for (int64_t i = 0; i < H; i++) h[i] += d[i];
+        } else {
+            for (int64_t i = 0; i < H; i++) h[i] += d[i * cs];
+        }
     }
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -34,6 +38,6 @@ static void add_norm_token(const AddRmsNorm *n, int64_t t) {
 FLARE_TARGET_CLONES
 void add_rms_norm(const AddRmsNorm *n, int threads) {
     /* A decode round's few rows are cheaper on one thread than waking another. */
-#pragma omp parallel for num_threads(threads) schedule(static) if (n->tokens * n->hidden >= 65536)
+#pragma omp parallel for num_threads(threads) schedule(static) if (n->tokens * n->hidden >= 16384)
     for (int64_t t = 0; t < n->tokens; t++) add_norm_token(n, t);
 }
