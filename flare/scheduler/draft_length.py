@@ -17,8 +17,8 @@ Which rate depends on whether requests wait for a free row:
   time than the others lose. Measured at 8 chat streams in bfloat16 (nobody waiting): with
   the throughput rate, rounds drafting for a few rows made 270 tok/s against 235 for plain
   ones, yet those rows then finished early, the rest ran in rounds of 5-7 rows that cost what
-  8 do, and speculation ran 0.92x K = 0 (0.94-0.95x with this rate: within the machine's noise,
-  docs/benchmarks.md).
+  8 do, and speculation ran 0.92x K = 0 (0.94-0.95x with this rate: within the machine's noise;
+  measured 2026-11-29 with the then benchmarks/serving.py --speculation, now benchmarks/compare.py).
 With one row both rates are the same.
 
 Cost model (`RoundCostModel`): what a round of T tokens took, measured per T. On this CPU the
