@@ -131,14 +131,22 @@ def pack_weight(weight: torch.Tensor, weight_format: WeightFormat) -> Weight:
     tests/engine/test_paged_forward.py holds every kind to float32 products of the same
     rounded operands.
     """
-    on_cpu = weight.device.type == "cpu"
-    if on_cpu and weight_format == WeightFormat.FLOAT16:
+    if not packs(weight_format, weight.device):
+        return weight.to(weight_format.dtype).contiguous()
+    if weight_format == WeightFormat.FLOAT16:
         # fbgemm rounds the float32 values to float16 itself: exact for float16-stored weights.
         return torch.ops.quantized.linear_prepack_fp16(weight.float().contiguous(), None)
-    plain = weight.to(weight_format.dtype).contiguous()
-    if on_cpu and weight_format == WeightFormat.BFLOAT16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return torch.ops.mkldnn._reorder_linear_weight(plain)
-    return plain
+    return torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16).contiguous())
+
+
+def packs(weight_format: WeightFormat, device: torch.device) -> bool:
+    """Whether `pack_weight` gives `weight_format`'s weights on `device` a layout of their own
+    (otherwise they stay plain tensors in the format's dtype)."""
+    if device.type != "cpu":
+        return False
+    if weight_format == WeightFormat.FLOAT16:
+        return True
+    return weight_format == WeightFormat.BFLOAT16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _packed_rows(x: torch.Tensor, weight: Weight) -> torch.Tensor | None:
@@ -259,10 +267,10 @@ class LlamaModel:
         self.embed = weight("model.embed_tokens.weight", weights_dtype)
         if not config.tie_word_embeddings:
             self.lm_head = linear_weight("lm_head.weight")
-        else:
+        elif packs(self.weight_format, self.device):
             self.lm_head = linear_weight("model.embed_tokens.weight")
-            if isinstance(self.lm_head, torch.Tensor) and not self.lm_head.is_mkldnn:
-                self.lm_head = self.embed  # plain: the same tensor
+        else:
+            self.lm_head = self.embed
         self.norm = weight("model.norm.weight", dtype)
         self.layers = [
             DecoderLayer(
