@@ -18,7 +18,7 @@ from flare.bench.cli import add_bench_parser
 from flare.daemon.commands_package import add_export_parser, add_inspect_parser
 from flare.daemon.config import CONFIG_ENV, ConfigError, load_config
 from flare.daemon.ctl import add_ctl_parser
-from flare.preparation.manifest import WEIGHT_FORMATS
+from flare.preparation.manifest import KV_CACHE_DTYPES, WEIGHT_FORMATS
 from flare.engine.openmp import set_wait_policy
 
 EXIT_USAGE = 2
@@ -53,6 +53,9 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="the model name clients send (default: the name recorded in the package)")
     add("--kv-cache-memory", metavar="SIZE",
         help='memory for the KV cache, e.g. "2GiB" or "512MiB" (default: sized for max_concurrency full contexts)')
+    add("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+        help="what the KV cache stores keys and values as: float32 (default, exact), or float16 / bfloat16 "
+        "(twice the tokens in the same memory; attention still computes in float32)")
     add("--max-concurrency", metavar="N",
         help="requests run at once (default and maximum: the package's serving.max_concurrency)")
     add("--max-waiting", metavar="N", help="requests queued beyond those; past it, 429 (default 256)")

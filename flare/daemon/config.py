@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flare.preparation.manifest import WEIGHT_FORMATS
+from flare.preparation.manifest import KV_CACHE_DTYPES, WEIGHT_FORMATS
 
 CONFIG_ENV = "FLARE_CONFIG"
 API_KEYS_ENV = "FLARE_API_KEYS"
@@ -43,6 +43,7 @@ class DaemonConfig:
     served_model_name: str | None = None  # None: the name in the package manifest (provenance.name)
     control_socket: Path | None = None
     kv_cache_memory: int | None = None  # bytes; None: the scheduler's default budget
+    kv_cache_dtype: str = "float32"  # KV_CACHE_DTYPES: what the KV cache stores keys and values as
     max_concurrency: int | None = None  # None: the package's serving.max_concurrency
     max_waiting: int = 256
     prefix_cache: bool = True
@@ -196,6 +197,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "served_model_name": _text,
     "control_socket": _path,
     "kv_cache_memory": parse_bytes,
+    "kv_cache_dtype": _choice(*KV_CACHE_DTYPES),
     "max_concurrency": _integer(1),
     "max_waiting": _integer(0),
     "prefix_cache": _boolean,

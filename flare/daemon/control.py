@@ -66,6 +66,7 @@ class DaemonStatus:
     waiting: int
     kv_blocks_used: int
     kv_blocks_total: int
+    kv_cache_dtype: str  # what the KV cache stores (`flare run --kv-cache-dtype`)
     draining: bool
     device_statuses: dict[str, int]  # rows per device status name since start
     weights_dtype: str  # what the package stores
@@ -156,6 +157,7 @@ class DaemonControl:
             waiting=snapshot.waiting,
             kv_blocks_used=snapshot.kv_blocks_used,
             kv_blocks_total=snapshot.kv_blocks_total,
+            kv_cache_dtype=snapshot.kv_cache_dtype,
             draining=snapshot.draining,
             device_statuses=dict(snapshot.device_statuses),
             weights_dtype=snapshot.weights_dtype,

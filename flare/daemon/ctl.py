@@ -240,7 +240,7 @@ def _render_status(status: Mapping[str, Any]) -> str:
         ("uptime", _duration(status["uptime_s"])),
         ("running", str(status["running"])),
         ("waiting", str(status["waiting"])),
-        ("kv blocks", f"{status['kv_blocks_used']} / {status['kv_blocks_total']} in use"),
+        ("kv blocks", f"{status['kv_blocks_used']} / {status['kv_blocks_total']} in use, {status['kv_cache_dtype']}"),
         ("weights", f"{status['weights_dtype']} stored, {status['weight_format']} GEMMs"),
         ("prefix cache", _render_prefix_cache(status)),
         ("tokens/s", f"{status['generated_tokens_per_s']:.1f}"),

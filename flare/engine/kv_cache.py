@@ -203,6 +203,12 @@ class KVCache:
                 pool[:, targets] = pool[:, sources]
 
     @property
+    def dtype(self) -> torch.dtype:
+        """What the pools store keys and values as (the model computes in float32 on a CPU
+        whatever they hold: 16-bit elements are widened when read)."""
+        return self.keys[0].dtype
+
+    @property
     def num_tokens(self) -> int:
         """How many token positions the pool holds in all."""
         return self.num_blocks * self.block_size

@@ -233,7 +233,8 @@ class LlamaModel:
         weight_format: WeightFormat | None = None,
         native_kernels: bool | None = None,
     ) -> None:
-        """`dtype`: activations, norms, the KV cache. `weight_format`: what the linear layers'
+        """`dtype`: activations and norms, and what attention computes in (the KV cache holds
+        `dtype`, or float16 / bfloat16 widened when read). `weight_format`: what the linear layers'
         weights (the embedding too, which is the tied LM head) are stored and multiplied as
         (`precision.py`); `dtype`'s own format if None.
         `native_kernels`: run attention of short rows, RoPE with the cache write, and SwiGLU
@@ -298,10 +299,10 @@ class LlamaModel:
             raise ValueError(
                 f"the batch was built for blocks of {batch.block_size} tokens, the cache has {kv_cache.block_size}"
             )
-        if kv_cache.keys[0].dtype != self.dtype:
+        if kv_cache.dtype not in (self.dtype, torch.float16, torch.bfloat16):
             raise ValueError(
-                f"the KV cache holds {kv_cache.keys[0].dtype}, the model computes in {self.dtype}: "
-                "create the cache with the model's dtype"
+                f"the KV cache holds {kv_cache.dtype}, the model computes in {self.dtype}: "
+                "create the cache in the model's dtype, float16 or bfloat16"
             )
         if batch.max_position >= self.config.max_position_embeddings:
             raise ValueError(
@@ -357,9 +358,11 @@ class LlamaModel:
         qkv = qkv_columns.t().contiguous().view(batch.num_tokens, heads + 2 * kv_heads, head_dim)
         # q and k are rotated together: one pass over both.
         qk = apply_rope(qkv[:, : heads + kv_heads], *rope)
-        # The pools are [kv_heads, blocks * block_size, D] viewed flat over positions.
-        keys.view(kv_heads, -1, head_dim).index_copy_(1, batch.slot_mapping, qk[:, heads:].transpose(0, 1))
-        values.view(kv_heads, -1, head_dim).index_copy_(1, batch.slot_mapping, qkv[:, heads + kv_heads :].transpose(0, 1))
+        # The pools are [kv_heads, blocks * block_size, D] viewed flat over positions, in the
+        # cache's dtype (a 16-bit pool takes k and v rounded to nearest even).
+        k, v = qk[:, heads:].transpose(0, 1), qkv[:, heads + kv_heads :].transpose(0, 1)
+        keys.view(kv_heads, -1, head_dim).index_copy_(1, batch.slot_mapping, k.to(keys.dtype))
+        values.view(kv_heads, -1, head_dim).index_copy_(1, batch.slot_mapping, v.to(values.dtype))
         return qk[:, :heads]
 
     def _swiglu(self, gate_up_columns: torch.Tensor) -> torch.Tensor:
@@ -383,8 +386,8 @@ class LlamaModel:
             None if n else (g.block_table.unsqueeze(1) + head_offsets).flatten() for g, n in zip(batch.groups, in_kernel)
         ]
         needed = 2 * sum(index.numel() for index in gather_indices if index is not None) * block_numel
-        if self._gather_workspace.numel() < needed:
-            self._gather_workspace = torch.empty(needed, dtype=self.dtype, device=self.device)
+        if self._gather_workspace.numel() < needed or self._gather_workspace.dtype != kv_cache.dtype:
+            self._gather_workspace = torch.empty(needed, dtype=kv_cache.dtype, device=self.device)
         # Two buffers (keys, values) per gathering call, carved one after another out of the workspace.
         sizes = [index.numel() * block_numel for index in gather_indices if index is not None for _ in range(2)]
         buffers = iter(self._gather_workspace[:needed].split(sizes))
@@ -435,8 +438,9 @@ class LlamaModel:
             q_call = q_call.reshape(rows, kv_heads, group * length, head_dim)
             torch.index_select(key_rows, 0, call.gather_index, out=call.key_buffer)
             torch.index_select(value_rows, 0, call.gather_index, out=call.value_buffer)
-            k = call.key_buffer.view(rows, kv_heads, -1, head_dim)
-            v = call.value_buffer.view(rows, kv_heads, -1, head_dim)
+            # A 16-bit pool's keys and values are widened to the queries' dtype for SDPA.
+            k = call.key_buffer.view(rows, kv_heads, -1, head_dim).to(q.dtype)
+            v = call.value_buffer.view(rows, kv_heads, -1, head_dim).to(q.dtype)
             out = F.scaled_dot_product_attention(q_call, k, v, attn_mask=call.mask)
             out = out.view(rows, kv_heads, group, length, head_dim).permute(0, 3, 1, 2, 4)
             outputs.append(out.reshape(rows * length, heads * head_dim))

@@ -44,6 +44,19 @@ def _check(function: str, problems: list[str]) -> None:
         raise ValueError(f"{function}: " + "; ".join(problems))
 
 
+# The KV pool's dtypes the kernels read and write (kernels.h, `KvDtype`): everything is computed
+# in float32, 16-bit elements are widened when read and rounded to nearest even when written.
+KV_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _pool_problems(keys: torch.Tensor, values: torch.Tensor) -> list[str]:
+    """What is wrong with a pair of KV pools the kernels would read or write."""
+    if keys.device.type != "cpu" or keys.dtype not in KV_DTYPE_CODES or values.dtype != keys.dtype:
+        names = ", ".join(str(d).removeprefix("torch.") for d in KV_DTYPE_CODES)
+        return [f"keys and values must be CPU pools of one dtype of {names}, got {keys.device} {keys.dtype} and {values.dtype}"]
+    return []
+
+
 def _dtype_problems(**tensors: tuple[torch.Tensor, torch.dtype]) -> list[str]:
     return [
         f"{name} must be a CPU {dtype} tensor, got {tensor.device} {tensor.dtype}"
@@ -63,7 +76,8 @@ def paged_attention(
     """Causal attention of `rows` rows of `query_len` new tokens each over their cached keys.
 
     q [rows * query_len, heads, D] (row after row; its heads and dims contiguous, tokens may be
-    further apart), keys and values the pools [kv_heads, num_blocks, block_size, D],
+    further apart), keys and values the pools [kv_heads, num_blocks, block_size, D] (float32,
+    float16 or bfloat16),
     block_table [rows, max_blocks] int64, start_positions [rows] int64 (the position of each
     row's first new token; token t of a row attends to positions up to start + t). Returns
     [rows * query_len, heads, D].
@@ -74,11 +88,9 @@ def paged_attention(
     rows, max_blocks = block_table.shape
     problems = _dtype_problems(
         q=(q, torch.float32),
-        keys=(keys, torch.float32),
-        values=(values, torch.float32),
         block_table=(block_table, torch.int64),
         start_positions=(start_positions, torch.int64),
-    )
+    ) + _pool_problems(keys, values)
     if values.shape != keys.shape or not keys.is_contiguous() or not values.is_contiguous():
         problems.append(f"keys and values must be contiguous pools of one shape, got {keys.shape} and {values.shape}")
     if pool_head_dim != head_dim or heads % kv_heads:
@@ -113,6 +125,7 @@ def paged_attention(
         max_blocks,
         head_dim**-0.5,
         torch.get_num_threads(),
+        KV_DTYPE_CODES[keys.dtype],
     )
     return out
 
@@ -132,7 +145,8 @@ def rope_and_cache(
     qkv_columns [(heads + 2 kv_heads) * D, T] (the q/k/v layer's output as columns: contiguous,
     or the transposed view of its rows; any strides are read as they are), positions and slots
     [T] int64 (slot = block * block_size + offset), cos and sin [max_positions, D / 2], keys and
-    values the pools [kv_heads, num_blocks, block_size, D].
+    values the pools [kv_heads, num_blocks, block_size, D] (float32, or float16 / bfloat16, into
+    which k and v are rounded to nearest even as torch's cast rounds).
     """
     native = _module()
     kv_heads, num_blocks, block_size, head_dim = keys.shape
@@ -143,9 +157,7 @@ def rope_and_cache(
         slots=(slots, torch.int64),
         cos=(cos, torch.float32),
         sin=(sin, torch.float32),
-        keys=(keys, torch.float32),
-        values=(values, torch.float32),
-    )
+    ) + _pool_problems(keys, values)
     if channels != (heads + 2 * kv_heads) * head_dim:
         problems.append(f"{channels} channels, expected ({heads} + 2 x {kv_heads}) heads of {head_dim}")
     if positions.shape != (tokens,) or slots.shape != (tokens,):
@@ -178,6 +190,7 @@ def rope_and_cache(
         head_dim,
         num_blocks * block_size,
         torch.get_num_threads(),
+        KV_DTYPE_CODES[keys.dtype],
     )
     return q
 

@@ -1,9 +1,10 @@
 """Which format the engine's linear layers multiply in, chosen per device at load.
 
 A package stores its weights once, in `serving.dtype` (float16 by default: `flare export`).
-Activations, norms, attention, the KV cache and logits are float32 on the CPU whatever the
-package stores; only the linear layers (the LM head included) run in a weight format, the one
-this machine multiplies fastest:
+Activations, norms, attention and logits are float32 on the CPU whatever the package stores
+(the KV cache too, unless the operator stores it in 16 bits: `flare run --kv-cache-dtype`);
+only the linear layers (the LM head included) run in a weight format, the one this machine
+multiplies fastest:
 
 - `bfloat16`: oneDNN's GEMM on a CPU with AVX512-BF16 or AMX, weights packed once
   (`model.pack_weight`), float32 accumulation. On a 2-core AMD EPYC (Zen 4, AVX512-BF16) a

@@ -31,6 +31,9 @@ AUTO_DTYPE = "auto"
 # or a format named as the dtype it multiplies in (flare/engine/precision.py). Kept here, free of
 # torch, so that the command line parses without loading it.
 WEIGHT_FORMATS = (AUTO_DTYPE, *DTYPES)
+# What `flare run --kv-cache-dtype` takes: the KV cache stores keys and values in one of the
+# package dtypes (the engine computes in float32 whatever it stores; flare/engine/native.py).
+KV_CACHE_DTYPES = DTYPES
 DRAFTERS = ("ngram",)
 MAX_DRAFT_TOKENS = 16
 

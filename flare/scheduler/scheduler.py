@@ -76,6 +76,7 @@ class SchedulerOptions:
     max_waiting: int = 256
     max_waiting_tokens: int = 262_144
     kv_cache_memory: int | None = None  # bytes; None: default_kv_cache_bytes
+    kv_cache_dtype: str = "float32"  # manifest.KV_CACHE_DTYPES: what the KV cache stores
     prefix_cache: bool = True  # keep full KV blocks after their request for later prompts to share
     block_size: int = 16
     max_batched_tokens: int = 256  # tokens fed per round: bounds a prompt chunk's share of a round
@@ -133,6 +134,7 @@ class SchedulerSnapshot:
     draft_tokens: int
     weights_dtype: str  # what the package stores
     weight_format: str  # what the linear layers multiply in here (`precision.WeightFormat`)
+    kv_cache_dtype: str  # what the KV cache stores keys and values as
 
 
 @dataclass
@@ -238,10 +240,15 @@ class Scheduler:
         device = torch.device(options.device)
         config = package.manifest.model
         model = load_model(package, device=device, weight_format=options.weight_format)
+        kv_dtype = getattr(torch, options.kv_cache_dtype)
         budget = options.kv_cache_memory or default_kv_cache_bytes(
-            config, max_context=serving.max_context, max_concurrency=max_concurrency, block_size=options.block_size
+            config,
+            max_context=serving.max_context,
+            max_concurrency=max_concurrency,
+            block_size=options.block_size,
+            dtype=kv_dtype,
         )
-        kv_cache = KVCache.for_budget(config, budget, block_size=options.block_size, device=device)
+        kv_cache = KVCache.for_budget(config, budget, block_size=options.block_size, dtype=kv_dtype, device=device)
         log.info(
             "engine_loaded",
             device=str(device),
@@ -251,6 +258,7 @@ class Scheduler:
             weight_format=str(model.weight_format),
             cpu_flags=" ".join(cpu_flags()),
             kv_cache_blocks=kv_cache.num_blocks,
+            kv_cache_dtype=dtype_name(kv_cache.dtype),
             block_size=kv_cache.block_size,
             prefix_cache=options.prefix_cache,
         )
@@ -266,7 +274,7 @@ class Scheduler:
         # checksums) and the dtypes the model computes and stores them in.
         root = namespace_hash(
             *(f"{name}={digest}" for name, digest in sorted(package.manifest.files.items())),
-            f"kv={dtype_name(kv_cache.keys[0].dtype)}",
+            f"kv={dtype_name(kv_cache.dtype)}",
             f"weights={model.weight_format}",
             f"native={model.native_kernels}",
         )
@@ -407,6 +415,7 @@ class Scheduler:
             draft_tokens=self.draft_tokens,
             weights_dtype=self.package.manifest.serving.dtype,
             weight_format=str(self._runner.model.weight_format),
+            kv_cache_dtype=dtype_name(self._runner.kv_cache.dtype),
         )
 
     def requests(self) -> list[RequestInfo]:

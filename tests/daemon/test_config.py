@@ -52,6 +52,16 @@ def test_the_weight_format_is_auto_unless_a_source_names_one(tmp_path: Path) -> 
     assert load_config(flags(weight_format="bfloat16"), {"FLARE_WEIGHT_FORMAT": "float16"}).weight_format == "bfloat16"
 
 
+def test_the_kv_cache_dtype_is_float32_unless_a_source_names_one_and_others_are_refused(tmp_path: Path) -> None:
+    assert load_config(flags(), {}).kv_cache_dtype == "float32"
+    path = write_toml(tmp_path, 'kv_cache_dtype = "bfloat16"\n')
+    assert load_config(flags(), {}, path).kv_cache_dtype == "bfloat16"
+    assert load_config(flags(), {"FLARE_KV_CACHE_DTYPE": "float16"}, path).kv_cache_dtype == "float16"
+    assert load_config(flags(kv_cache_dtype="float32"), {"FLARE_KV_CACHE_DTYPE": "float16"}).kv_cache_dtype == "float32"
+    with pytest.raises(ConfigError, match="FLARE_KV_CACHE_DTYPE: expected one of float32, bfloat16, float16, got 'int8'"):
+        load_config(flags(), {"FLARE_KV_CACHE_DTYPE": "int8"})
+
+
 def test_environment_overrides_file_and_flags_override_environment(tmp_path: Path) -> None:
     path = write_toml(tmp_path, 'port = 9000\nhost = "0.0.0.0"\nmax_waiting = 3\n')
     environ = {"FLARE_PORT": "9100", "FLARE_HOST": "::1", "FLARE_CONFIG": str(path)}

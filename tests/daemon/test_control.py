@@ -70,6 +70,7 @@ class FakeTarget:
             waiting=1,
             kv_blocks_used=7,
             kv_blocks_total=64,
+            kv_cache_dtype="float16",
             draining=self.draining,
             device_statuses={"OK": 90, "INVALID_SPECULATION": 2},
             weights_dtype="float16",
@@ -176,7 +177,7 @@ async def test_status_table_is_readable(socket_path: Path) -> None:
     assert "package          smollm2-135m" in lines
     assert "state            serving" in lines
     assert "uptime           1h02m05s" in lines
-    assert "kv blocks        7 / 64 in use" in lines
+    assert "kv blocks        7 / 64 in use, float16" in lines
     assert "weights          float16 stored, float16 GEMMs" in lines
     assert (
         "prefix cache     20 blocks cached, 12 of them evictable; prompt tokens 3000 from cache (75%), 1000 computed"
@@ -390,6 +391,7 @@ class SchedulerSnapshot:  # the fields of flare.scheduler.scheduler.SchedulerSna
     tokens_per_second: float
     weights_dtype: str
     weight_format: str
+    kv_cache_dtype: str
     prefix_cache: bool = True
     kv_blocks_cached: int = 5
     kv_blocks_evictable: int = 3
@@ -424,6 +426,7 @@ class FakeScheduler:
             tokens_per_second=12.345,
             weights_dtype="float16",
             weight_format="float32",
+            kv_cache_dtype="float32",
         )
 
     def requests(self) -> list[RequestInfo]:
@@ -463,7 +466,7 @@ def test_daemon_control_reports_the_scheduler_and_cancels_with_an_operator_error
     status = control.status()
     assert (status.package, status.running, status.kv_blocks_used, status.kv_blocks_total) == ("smollm2", 2, 9, 128)
     assert status.generated_tokens_per_s == 12.35 and status.log_level == "warning"
-    assert (status.weights_dtype, status.weight_format) == ("float16", "float32")
+    assert (status.weights_dtype, status.weight_format, status.kv_cache_dtype) == ("float16", "float32", "float32")
     assert status.summary() == "serving smollm2: 2 running, 0 waiting, 12.3 tokens/s"
     assert control.requests() == [RequestRow("r1", "running", 1.235, 5, 6)]
     assert control.cancel("r1")

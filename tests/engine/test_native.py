@@ -91,6 +91,77 @@ def test_any_shape_of_pool_and_rows_attends_like_textbook_attention(
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+SIXTEEN_BIT = pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+
+
+@SIXTEEN_BIT
+@pytest.mark.parametrize(("rows", "query_len"), [(1, 1), (5, 1), (3, 6)])
+def test_a_16_bit_pool_attends_exactly_as_its_float32_widening(kv_dtype, rows: int, query_len: int) -> None:
+    # The kernel widens each block and runs the float32 code on it: the same sums in the same
+    # order, so the outputs are equal to the last bit, not merely close.
+    keys, values = (pool.to(kv_dtype) for pool in pools(seed=7))
+    generator = torch.Generator().manual_seed(rows)
+    block_table = torch.stack([torch.randperm(BLOCKS, generator=generator)[:6] for _ in range(rows)])
+    starts = torch.randint(0, 6 * BLOCK_SIZE - query_len + 1, (rows,), generator=generator)
+    q = torch.randn(rows * query_len, HEADS, HEAD_DIM, generator=generator)
+
+    got = paged_attention(q, keys, values, block_table, starts, query_len)
+
+    assert torch.equal(got, paged_attention(q, keys.float(), values.float(), block_table, starts, query_len))
+
+
+@SIXTEEN_BIT
+def test_rope_and_cache_rounds_k_and_v_into_a_16_bit_pool_as_torch_casts_them(kv_dtype) -> None:
+    config = tiny_config()
+    cos, sin = rope_tables(config, torch.float32, "cpu")
+    heads, kv_heads, d = config.num_heads, config.num_kv_heads, config.head_dim
+    tokens = 5
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, d, generator=torch.Generator().manual_seed(8))
+    # Values a cast treats specially: half's subnormals and underflow, ties to even, the largest
+    # half and past it (infinity from 65520 on), infinity, signed zeros.
+    v = qkv[:, heads + kv_heads :]
+    v[0, 0, :12] = torch.tensor(
+        [3e-7, -5.9e-8, 1e-10, 1.0 + 2**-11, 1.0 + 3 * 2**-11, 65504.0, 65519.0, 65520.0, -1e6, float("inf"), 0.0, -0.0]
+    )
+    positions, slots = torch.tensor([0, 1, 2, 3, 60]), torch.tensor([4, 0, 31, 9, 17])
+    rotated = apply_rope(qkv[:, : heads + kv_heads], cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+
+    keys, values = torch.zeros(kv_heads, 4, 8, d, dtype=kv_dtype), torch.zeros(kv_heads, 4, 8, d, dtype=kv_dtype)
+    q = rope_and_cache(qkv.flatten(1).t().contiguous(), positions, slots, cos, sin, keys, values, heads)
+
+    torch.testing.assert_close(q, rotated[:, :heads], atol=1e-6, rtol=1e-6)  # q stays float32
+    flat_keys, flat_values = keys.view(kv_heads, -1, d), values.view(kv_heads, -1, d)
+    assert torch.equal(flat_values[:, slots], v.transpose(0, 1).to(kv_dtype))
+    # k is rotated in float32 (products may fuse into one rounding) and then rounded once.
+    expected_keys = rotated[:, heads:].transpose(0, 1).to(kv_dtype)
+    assert (flat_keys[:, slots].float() - expected_keys.float()).abs().max() <= expected_keys.float().abs().max() * 2**-7
+
+
+def test_a_nan_written_into_a_float16_pool_stays_nan_and_stays_in_its_row() -> None:
+    config = tiny_config()
+    cos, sin = rope_tables(config, torch.float32, "cpu")
+    heads, kv_heads, d = config.num_heads, config.num_kv_heads, config.head_dim
+    qkv = torch.randn(2, heads + 2 * kv_heads, d)
+    qkv[1, heads + kv_heads, 3] = float("nan")  # token 1's value, first KV head
+    keys, values = torch.zeros(kv_heads, 4, 8, d, dtype=torch.float16), torch.zeros(kv_heads, 4, 8, d, dtype=torch.float16)
+    rope_and_cache(qkv.flatten(1).t().contiguous(), torch.tensor([0, 1]), torch.tensor([0, 8]), cos, sin, keys, values, heads)
+    assert values[0, 1, 0, 3].isnan() and values.isnan().sum() == 1
+
+    q = torch.randn(2, heads, d)
+    out = paged_attention(q, keys, values, torch.tensor([[0], [1]]), torch.tensor([0, 0]), 1)
+    assert out[0].isfinite().all()  # the row without the NaN
+    assert out[1, : heads // kv_heads].isnan().any() and out[1, heads // kv_heads :].isfinite().all()
+
+
+def test_pools_of_other_or_mixed_dtypes_are_refused() -> None:
+    keys, values = pools()
+    table, starts, q = torch.tensor([[0, 1]]), torch.tensor([3]), torch.randn(1, HEADS, HEAD_DIM)
+    with pytest.raises(ValueError, match="CPU pools of one dtype of float32, float16, bfloat16"):
+        paged_attention(q, keys.double(), values.double(), table, starts, 1)
+    with pytest.raises(ValueError, match="got cpu torch.float16 and torch.float32"):
+        paged_attention(q, keys.half(), values, table, starts, 1)
+
+
 def test_nan_in_a_query_reaches_that_rows_output_only() -> None:
     keys, values = pools()
     q = torch.randn(2, HEADS, HEAD_DIM)
@@ -125,7 +196,7 @@ def test_tensors_of_the_wrong_dtype_or_layout_are_refused_with_their_name() -> N
     with pytest.raises(ValueError, match="block_table must be a CPU torch.int64 tensor"):
         paged_attention(q, keys, values, table.int(), starts, 1)
     with pytest.raises(ValueError, match="contiguous pools"):
-        paged_attention(q, keys.transpose(1, 2), values, table, starts, 1)
+        paged_attention(q, keys.transpose(1, 2).contiguous().transpose(1, 2), values, table, starts, 1)
     with pytest.raises(ValueError, match="heads and dims must be contiguous"):
         paged_attention(torch.randn(1, HEAD_DIM, HEADS).transpose(1, 2), keys, values, table, starts, 1)
     with pytest.raises(ValueError, match="2 query tokens, 1 block-table rows of 1 tokens"):

@@ -155,6 +155,23 @@ async def test_a_package_serves_in_the_format_its_cpu_runs_fastest_and_logs_it(m
     assert (snapshot.weights_dtype, snapshot.weight_format) == (stored, runs)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
+async def test_a_16_bit_kv_cache_holds_twice_the_blocks_serves_and_reports_its_dtype(make_package, kv_cache_dtype):
+    package = make_package()
+    budget = 1 << 20
+    blocks = {}
+    for dtype in ("float32", kv_cache_dtype):
+        with structlog.testing.capture_logs() as logs:
+            async with running(package, kv_cache_memory=budget, kv_cache_dtype=dtype) as scheduler:
+                outcome = (await generate_all(scheduler, [request(scheduler, "k", PROMPTS[1])]))["k"]
+                snapshot = scheduler.snapshot()
+        assert isinstance(outcome.end, Finished) and len(outcome.token_ids) == GREEDY.max_tokens
+        (loaded,) = [entry for entry in logs if entry["event"] == "engine_loaded"]
+        assert loaded["kv_cache_dtype"] == snapshot.kv_cache_dtype == dtype
+        blocks[dtype] = snapshot.kv_blocks_total
+    assert blocks[kv_cache_dtype] == 2 * blocks["float32"]
+
+
 async def test_a_weight_format_this_cpu_cannot_run_is_refused_at_load_naming_it(make_package, monkeypatch):
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
     package = make_package(serving={"dtype": "float16"})

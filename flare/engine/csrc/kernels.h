@@ -44,12 +44,78 @@ static inline float exp_nonpositive(float x) {
     return p * two_n;
 }
 
+/* How the KV pool stores its elements; native.py passes the code of the pool's dtype. A 16-bit
+ * pool holds half the bytes of a float32 one, and attention over a long context is bound by
+ * reading them. Everything is computed in float32: elements are widened when read and rounded
+ * when written. */
+typedef enum { KV_FLOAT32 = 0, KV_FLOAT16 = 1, KV_BFLOAT16 = 2 } KvDtype;
+
+static inline float float_from_bits(uint32_t bits) {
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint32_t bits_from_float(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return bits;
+}
+
+/* IEEE half to float, exact for every value (subnormals, infinities and NaN included), in
+ * integer operations that vectorise (GCC 12 widens _Float16 one element at a time). The
+ * exponent and mantissa shifted into a float's place are off by 2^(127 - 15) = 2^112, which one
+ * multiplication puts right, subnormals included; infinity and NaN keep an all-ones exponent. */
+static inline float float_from_half(uint16_t h) {
+    const uint32_t magnitude = (uint32_t)(h & 0x7fff) << 13;
+    float f = float_from_bits(magnitude) * 0x1p112f;
+    uint32_t bits = bits_from_float(f) | (magnitude >= (0x7c00u << 13) ? 0x7f800000u : 0u);
+    return float_from_bits(bits | (uint32_t)(h & 0x8000) << 16);
+}
+
+/* float to IEEE half, rounded to nearest even as torch's cast does (so the kernels write the
+ * torch path's bits); beyond the largest half (65504, and from 65520 on by rounding) infinity,
+ * NaN a quiet NaN. Normal results round by adding half an ulp less one plus the kept mantissa's
+ * lowest bit, then dropping 13 bits; subnormal ones by adding 0.5, which puts the float's
+ * rounding in the place of the half's last mantissa bit. */
+static inline uint16_t half_from_float(float value) {
+    const uint32_t bits = bits_from_float(value), sign = (bits >> 16) & 0x8000u, f = bits & 0x7fffffffu;
+    const uint32_t special = f > 0x7f800000u ? 0x7e00u : 0x7c00u;
+    const uint32_t subnormal = bits_from_float(float_from_bits(f) + 0.5f) - 0x3f000000u;
+    const uint32_t normal = (f + 0xc8000fffu + ((f >> 13) & 1u)) >> 13;  /* 0xc8000000: exponent 127 -> 15 */
+    const uint32_t half = f >= 0x47800000u ? special : (f < 0x38800000u ? subnormal : normal);
+    return (uint16_t)(half | sign);
+}
+
+/* bfloat16 is a float's upper half: widening is exact; narrowing rounds to nearest even, as
+ * torch does, with NaN kept a quiet NaN. */
+static inline float float_from_bfloat16(uint16_t b) { return float_from_bits((uint32_t)b << 16); }
+
+static inline uint16_t bfloat16_from_float(float value) {
+    const uint32_t bits = bits_from_float(value);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return (bits & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0u : (uint16_t)rounded;
+}
+
+/* Element `i` of a pool of `dtype`, written from a float. */
+static inline void kv_store(void *pool, int64_t i, float value, int dtype) {
+    if (dtype == KV_FLOAT16)
+        ((uint16_t *)pool)[i] = half_from_float(value);
+    else if (dtype == KV_BFLOAT16)
+        ((uint16_t *)pool)[i] = bfloat16_from_float(value);
+    else
+        ((float *)pool)[i] = value;
+}
+
+static inline int64_t kv_element_size(int dtype) { return dtype == KV_FLOAT32 ? 4 : 2; }
+
 /* Paged attention of short rows: see paged_attention.c. */
 typedef struct {
     const float *q;            /* [tokens, heads, head_dim]; tokens `q_token_stride` floats apart */
     int64_t q_token_stride;
-    const float *keys;         /* [kv_heads, num_blocks * block_size, head_dim] */
-    const float *values;
+    const void *keys;          /* [kv_heads, num_blocks * block_size, head_dim] of `kv_dtype` */
+    const void *values;
+    int kv_dtype;              /* a KvDtype */
     float *out;                /* [tokens, heads, head_dim], contiguous */
     const int64_t *block_table;     /* [rows, max_blocks] */
     const int64_t *start_positions; /* [rows]: position of each row's first new token */
@@ -71,7 +137,8 @@ typedef struct {
     const float *cos, *sin;    /* [max_positions, head_dim / 2] */
     int64_t max_positions;
     float *q_out;              /* [tokens, heads, head_dim] */
-    float *keys, *values;      /* [kv_heads, pool_slots, head_dim] */
+    void *keys, *values;       /* [kv_heads, pool_slots, head_dim] of `kv_dtype` */
+    int kv_dtype;              /* a KvDtype */
     int64_t tokens, heads, kv_heads, head_dim, pool_slots;
 } RopeCache;
 

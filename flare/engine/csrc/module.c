@@ -36,18 +36,21 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
     Py_ssize_t q, q_token_stride, keys, values, out, block_table, start_positions;
     Py_ssize_t rows, query_len, heads, kv_heads, head_dim, block_size, num_blocks, max_blocks, threads;
     float scale;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnfn", &q, &q_token_stride, &keys, &values, &out, &block_table,
+    int kv_dtype;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnfni", &q, &q_token_stride, &keys, &values, &out, &block_table,
                           &start_positions, &rows, &query_len, &heads, &kv_heads, &head_dim, &block_size,
-                          &num_blocks, &max_blocks, &scale, &threads))
+                          &num_blocks, &max_blocks, &scale, &threads, &kv_dtype))
         return NULL;
+    if (kv_dtype < KV_FLOAT32 || kv_dtype > KV_BFLOAT16) return invalid("paged_attention", "unknown KV dtype code");
     if (rows < 1 || query_len < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads || head_dim < 1 ||
         block_size < 1 || num_blocks < 1 || max_blocks < 1 || threads < 1)
         return invalid("paged_attention", "sizes must be positive and heads a multiple of kv_heads");
     const Attention a = {
         .q = (const float *)q,
         .q_token_stride = q_token_stride,
-        .keys = (const float *)keys,
-        .values = (const float *)values,
+        .keys = (const void *)keys,
+        .values = (const void *)values,
+        .kv_dtype = kv_dtype,
         .out = (float *)out,
         .block_table = (const int64_t *)block_table,
         .start_positions = (const int64_t *)start_positions,
@@ -76,10 +79,12 @@ static PyObject *py_rope_and_cache(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t qkv, channel_stride, token_stride, positions, slots, cos, sin, max_positions, q_out, keys, values;
     Py_ssize_t tokens, heads, kv_heads, head_dim, pool_slots, threads;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnn", &qkv, &channel_stride, &token_stride, &positions, &slots, &cos,
+    int kv_dtype;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnni", &qkv, &channel_stride, &token_stride, &positions, &slots, &cos,
                           &sin, &max_positions, &q_out, &keys, &values, &tokens, &heads, &kv_heads, &head_dim,
-                          &pool_slots, &threads))
+                          &pool_slots, &threads, &kv_dtype))
         return NULL;
+    if (kv_dtype < KV_FLOAT32 || kv_dtype > KV_BFLOAT16) return invalid("rope_and_cache", "unknown KV dtype code");
     if (tokens < 1 || heads < 1 || kv_heads < 1 || head_dim < 2 || head_dim % 2 || pool_slots < 1 ||
         max_positions < 1 || threads < 1 || channel_stride < 0 || token_stride < 0)
         return invalid("rope_and_cache", "sizes must be positive, strides non-negative and head_dim even");
@@ -93,8 +98,9 @@ static PyObject *py_rope_and_cache(PyObject *self, PyObject *args) {
         .sin = (const float *)sin,
         .max_positions = max_positions,
         .q_out = (float *)q_out,
-        .keys = (float *)keys,
-        .values = (float *)values,
+        .keys = (void *)keys,
+        .values = (void *)values,
+        .kv_dtype = kv_dtype,
         .tokens = tokens,
         .heads = heads,
         .kv_heads = kv_heads,
@@ -158,10 +164,10 @@ static PyObject *py_add_rms_norm(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"paged_attention", py_paged_attention, METH_VARARGS,
      "paged_attention(q, q_token_stride, keys, values, out, block_table, start_positions, rows, query_len, heads, "
-     "kv_heads, head_dim, block_size, num_blocks, max_blocks, scale, threads)"},
+     "kv_heads, head_dim, block_size, num_blocks, max_blocks, scale, threads, kv_dtype)"},
     {"rope_and_cache", py_rope_and_cache, METH_VARARGS,
      "rope_and_cache(qkv, channel_stride, token_stride, positions, slots, cos, sin, max_positions, q_out, keys, "
-     "values, tokens, heads, kv_heads, head_dim, pool_slots, threads)"},
+     "values, tokens, heads, kv_heads, head_dim, pool_slots, threads, kv_dtype)"},
     {"swiglu_rows", py_swiglu_rows, METH_VARARGS,
      "swiglu_rows(gate_up, channel_stride, token_stride, out, intermediate, tokens, threads)"},
     {"add_rms_norm", py_add_rms_norm, METH_VARARGS,

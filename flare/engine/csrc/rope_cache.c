@@ -12,22 +12,24 @@
  *   q_out[t, h, d + D/2]   = x2 cos(p_t w_d) + x1 sin(p_t w_d)     (rotate-half, Hugging Face layout)
  *
  * for d < D/2, and the same rotation of the key heads written to keys[g, slot_t, :], values
- * copied to values[g, slot_t, :]. cos and sin come from the model's tables (`rope_tables`), so
+ * copied to values[g, slot_t, :], both rounded to the pool's dtype (kernels.h, `kv_store`). cos and sin come from the model's tables (`rope_tables`), so
  * the angles are the torch path's bit for bit; the products may be fused into one rounding.
  */
 #include "kernels.h"
 
 /* Rotate the channel pairs of the head whose channels start at qkv row `first` into
- * base[row_t * stride + ...], where row_t is slots[t], or t when `slots` is NULL. */
-static inline void rotate_head(const RopeCache *r, int64_t first, float *base, const int64_t *slots, int64_t stride) {
+ * base[row_t * stride + ...] (elements of `dtype`), where row_t is slots[t], or t when `slots`
+ * is NULL. */
+static inline void rotate_head(const RopeCache *r, int64_t first, void *base, int dtype, const int64_t *slots,
+                               int64_t stride) {
     const int64_t T = r->tokens, half = r->head_dim / 2, cs = r->channel_stride, ts = r->token_stride;
     for (int64_t d = 0; d < half; d++) {
         const float *x1 = r->qkv + (first + d) * cs, *x2 = r->qkv + (first + d + half) * cs;
         for (int64_t t = 0; t < T; t++) {
             const float c = r->cos[r->positions[t] * half + d], s = r->sin[r->positions[t] * half + d];
-            float *o = base + (slots ? slots[t] : t) * stride;
-            o[d] = x1[t * ts] * c - x2[t * ts] * s;
-            o[d + half] = x2[t * ts] * c + x1[t * ts] * s;
+            const int64_t o = (slots ? slots[t] : t) * stride;
+            kv_store(base, o + d, x1[t * ts] * c - x2[t * ts] * s, dtype);
+            kv_store(base, o + d + half, x2[t * ts] * c + x1[t * ts] * s, dtype);
         }
     }
 }
@@ -39,15 +41,16 @@ void rope_and_cache(const RopeCache *r, int threads) {
      * be worth waking a second thread for, a long prompt chunk has work for every thread. */
 #pragma omp parallel for num_threads(threads) schedule(static) if (T >= 64)
     for (int64_t head = 0; head < H + 2 * G; head++) {
+        const int64_t head_bytes = r->pool_slots * D * kv_element_size(r->kv_dtype);
         if (head < H) {
-            rotate_head(r, head * D, r->q_out + head * D, NULL, H * D);
+            rotate_head(r, head * D, r->q_out + head * D, KV_FLOAT32, NULL, H * D);
         } else if (head < H + G) {
-            rotate_head(r, head * D, r->keys + (head - H) * r->pool_slots * D, r->slots, D);
+            rotate_head(r, head * D, (char *)r->keys + (head - H) * head_bytes, r->kv_dtype, r->slots, D);
         } else {
-            float *pool = r->values + (head - H - G) * r->pool_slots * D;
+            void *pool = (char *)r->values + (head - H - G) * head_bytes;
             for (int64_t d = 0; d < D; d++) {
                 const float *x = r->qkv + (head * D + d) * r->channel_stride;
-                for (int64_t t = 0; t < T; t++) pool[r->slots[t] * D + d] = x[t * r->token_stride];
+                for (int64_t t = 0; t < T; t++) kv_store(pool, r->slots[t] * D + d, x[t * r->token_stride], r->kv_dtype);
             }
         }
     }
