@@ -15,6 +15,7 @@ No sampling, no HTTP: this is the ceiling the scheduler and the daemon work unde
     .venv/bin/python benchmarks/engine_decode.py --kernels torch   # without the C kernels
     .venv/bin/python benchmarks/engine_decode.py --weight-format float32 float16   # alternating
     .venv/bin/python benchmarks/engine_decode.py --steps        # where a round's time goes
+    .venv/bin/python benchmarks/engine_decode.py --context 1000 --kv-cache-dtype float32 bfloat16
 """
 
 from __future__ import annotations
@@ -80,6 +81,13 @@ def main() -> None:
         default=["float32"],
         help="one or more formats; with several, each batch size runs them alternately, round sets interleaved",
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        choices=["float32", "float16", "bfloat16"],
+        default=["float32"],
+        help="what the KV cache stores (flare run --kv-cache-dtype); with several, each format runs with each",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="sets of rounds per format and batch size (medians of all)")
     parser.add_argument(
         "--steps",
@@ -92,24 +100,34 @@ def main() -> None:
     config = DEFAULT_DIMS
     generator = torch.Generator().manual_seed(0)
     state = {name: 0.02 * torch.randn(shape, generator=generator) for name, shape in expected_weight_shapes(config).items()}
-    models = {
+    loaded = {
         name: LlamaModel(config, state, weight_format=WeightFormat(name), native_kernels=args.kernels == "native")
         for name in args.weight_format
     }
+    # One configuration per weight format and KV cache dtype, each with a cache of its own.
+    models = {
+        (name if args.kv_cache_dtype == ["float32"] else f"{name}/kv-{kv}"): (loaded[name], getattr(torch, kv))
+        for name in args.weight_format
+        for kv in args.kv_cache_dtype
+    }
     longest = max(args.tokens_per_row)
     blocks_per_row = -(-(args.context + (args.rounds + WARMUP_ROUNDS + 1) * longest) // args.block_size)
-    cache = KVCache(
-        num_layers=config.num_layers,
-        num_blocks=max(args.batch) * blocks_per_row,
-        block_size=args.block_size,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-    )
+    caches = {
+        kv: KVCache(
+            num_layers=config.num_layers,
+            num_blocks=max(args.batch) * blocks_per_row,
+            block_size=args.block_size,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=kv,
+        )
+        for kv in {kv for _, kv in models.values()}
+    }
     print(
         f"threads={torch.get_num_threads()} context={args.context} rounds={args.rounds} x {args.repeats} "
         f"kernels={args.kernels} cpu_flags={' '.join(cpu_flags()) or 'none of AVX2, AVX-512, AMX'}"
     )
-    first = args.weight_format[0]
+    first = next(iter(models))
     for batch_size in args.batch:
         for tokens in args.tokens_per_row:
             # Sets of rounds alternate between the formats, so a slow patch of a shared machine
@@ -117,14 +135,14 @@ def main() -> None:
             walls: dict[str, list[float]] = {name: [] for name in models}
             cpus: dict[str, list[float]] = {name: [] for name in models}
             for _ in range(args.repeats):
-                for name, model in models.items():
-                    wall, cpu = time_rounds(model, cache, batch_size, tokens, blocks_per_row, args)
+                for name, (model, kv) in models.items():
+                    wall, cpu = time_rounds(model, caches[kv], batch_size, tokens, blocks_per_row, args)
                     walls[name] += wall
                     cpus[name] += cpu
             forwarded = batch_size * tokens
             if args.steps:
-                for name, model in models.items():
-                    print(f"{name:8s} batch {batch_size:3d} x {tokens} tokens: " + step_times(model, cache, batch_size, tokens, blocks_per_row, args))
+                for name, (model, kv) in models.items():
+                    print(f"{name:8s} batch {batch_size:3d} x {tokens} tokens: " + step_times(model, caches[kv], batch_size, tokens, blocks_per_row, args))
             for name in models:
                 median, cpu = statistics.median(walls[name]), statistics.median(cpus[name])
                 ratio = median / statistics.median(walls[first])

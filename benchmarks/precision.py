@@ -10,6 +10,11 @@ answer, and we report how many tokens it shares with float32's before they part.
 
     .venv/bin/python benchmarks/precision.py                       # every format this CPU runs
     .venv/bin/python benchmarks/precision.py --formats float16
+    .venv/bin/python benchmarks/precision.py --formats float32 bfloat16 --kv-cache-dtypes float32 bfloat16
+
+`--kv-cache-dtypes` stores the compared models' keys and values in each dtype given (`flare run
+--kv-cache-dtype`): every format is compared with every cache dtype. The reference keeps float32
+weights and a float32 cache.
 """
 
 from __future__ import annotations
@@ -39,19 +44,21 @@ PROMPTS = [
 BLOCK_SIZE = 16
 
 
-def all_logits(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
-    """Logits at every position of `tokens`, read in one prompt row."""
-    cache = KVCache.for_budget(model.config, 64 * 1024**2, BLOCK_SIZE)
+def all_logits(model: LlamaModel, tokens: list[int], kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Logits at every position of `tokens`, read in one prompt row (the KV cache in `kv_dtype`)."""
+    cache = KVCache.for_budget(model.config, 64 * 1024**2, BLOCK_SIZE, dtype=kv_dtype)
     table = BlockAllocator(cache.num_blocks).allocate(-(-len(tokens) // BLOCK_SIZE))
     row = ForwardRow(tokens, 0, table, num_logits=len(tokens))
     return model.forward(ForwardBatch.build([row], BLOCK_SIZE), cache)
 
 
-def greedy(model: LlamaModel, prompt: list[int], new_tokens: int, eos: set[int]) -> list[int]:
+def greedy(
+    model: LlamaModel, prompt: list[int], new_tokens: int, eos: set[int], kv_dtype: torch.dtype = torch.float32
+) -> list[int]:
     """Greedy continuation, recomputing the whole sequence each step (simple, and exact)."""
     out: list[int] = []
     while len(out) < new_tokens and (not out or out[-1] not in eos):
-        out.append(int(all_logits(model, prompt + out)[-1].argmax()))
+        out.append(int(all_logits(model, prompt + out, kv_dtype)[-1].argmax()))
     return out
 
 
@@ -61,6 +68,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     sixteen_bit = [f.value for f in available_formats(torch.device("cpu")) if f != WeightFormat.FLOAT32]
     parser.add_argument("--formats", nargs="+", choices=[f.value for f in WeightFormat], default=sixteen_bit)
+    parser.add_argument("--kv-cache-dtypes", nargs="+", choices=["float32", "float16", "bfloat16"], default=["float32"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -68,8 +76,14 @@ def main() -> None:
     package = open_package(default_package_path())
     tokenizer = Tokenizer.from_package(exact_package)
     exact = load_model(exact_package)
-    models = {name: load_model(package, weight_format=name) for name in args.formats}
-    print(f"default package stores {package.manifest.serving.dtype}; formats compared: {', '.join(models)}")
+    # A compared configuration: a weight format and the dtype of its KV cache.
+    loaded = {name: load_model(package, weight_format=name) for name in args.formats}
+    models = {
+        (f"{name}, KV {kv}" if args.kv_cache_dtypes != ["float32"] else name): (loaded[name], getattr(torch, kv))
+        for name in args.formats
+        for kv in args.kv_cache_dtypes
+    }
+    print(f"default package stores {package.manifest.serving.dtype}; compared: {'; '.join(models)}")
 
     divergences: dict[str, list[torch.Tensor]] = {name: [] for name in models}
     agreements: dict[str, list[torch.Tensor]] = {name: [] for name in models}
@@ -84,15 +98,15 @@ def main() -> None:
         targets = torch.tensor(answer).unsqueeze(1)
         log_p = all_logits(exact, prompt + answer)[span].log_softmax(-1)
         nll["float32"] -= log_p.gather(1, targets).sum().item()
-        for name, model in models.items():
-            log_q = all_logits(model, prompt + answer)[span].log_softmax(-1)
+        for name, (model, kv_dtype) in models.items():
+            log_q = all_logits(model, prompt + answer, kv_dtype)[span].log_softmax(-1)
             divergences[name].append((log_p.exp() * (log_p - log_q)).sum(-1))
             agreements[name].append(log_p.argmax(-1) == log_q.argmax(-1))
             nll[name] -= log_q.gather(1, targets).sum().item()
-            own = greedy(model, prompt, args.new_tokens, eos)
+            own = greedy(model, prompt, args.new_tokens, eos, kv_dtype)
             shared[name].append(next((i for i, (a, b) in enumerate(zip(answer, own)) if a != b), min(len(answer), len(own))))
 
-    positions = sum(d.numel() for d in divergences[args.formats[0]]) if models else 0
+    positions = sum(d.numel() for d in next(iter(divergences.values()))) if models else 0
     print(f"{len(PROMPTS)} prompts, {positions} answer positions; NLL per token of float32's answers: "
           f"float32 {nll['float32'] / max(positions, 1):.4f}")
     for name in models:
