@@ -44,10 +44,15 @@ PROMPTS = [
 BLOCK_SIZE = 16
 
 
+def new_sequence(model: LlamaModel, tokens: int, kv_dtype: torch.dtype) -> tuple[KVCache, list[int]]:
+    """A KV cache in `kv_dtype` and a block table for one sequence of up to `tokens` tokens."""
+    cache = KVCache.for_budget(model.config, 64 * 1024**2, BLOCK_SIZE, dtype=kv_dtype)
+    return cache, BlockAllocator(cache.num_blocks).allocate(-(-tokens // BLOCK_SIZE))
+
+
 def all_logits(model: LlamaModel, tokens: list[int], kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Logits at every position of `tokens`, read in one prompt row (the KV cache in `kv_dtype`)."""
-    cache = KVCache.for_budget(model.config, 64 * 1024**2, BLOCK_SIZE, dtype=kv_dtype)
-    table = BlockAllocator(cache.num_blocks).allocate(-(-len(tokens) // BLOCK_SIZE))
+    cache, table = new_sequence(model, len(tokens), kv_dtype)
     row = ForwardRow(tokens, 0, table, num_logits=len(tokens))
     return model.forward(ForwardBatch.build([row], BLOCK_SIZE), cache)
 
@@ -55,11 +60,16 @@ def all_logits(model: LlamaModel, tokens: list[int], kv_dtype: torch.dtype = tor
 def greedy(
     model: LlamaModel, prompt: list[int], new_tokens: int, eos: set[int], kv_dtype: torch.dtype = torch.float32
 ) -> list[int]:
-    """Greedy continuation, recomputing the whole sequence each step (simple, and exact)."""
+    """Greedy continuation as the daemon decodes it: the prompt in one row, then one token a
+    round over the paged KV cache (in `kv_dtype`)."""
+    cache, table = new_sequence(model, len(prompt) + new_tokens, kv_dtype)
+    row = ForwardRow(prompt, 0, table, num_logits=1)
     out: list[int] = []
-    while len(out) < new_tokens and (not out or out[-1] not in eos):
-        out.append(int(all_logits(model, prompt + out, kv_dtype)[-1].argmax()))
-    return out
+    while True:
+        out.append(int(model.forward(ForwardBatch.build([row], BLOCK_SIZE), cache)[-1].argmax()))
+        if len(out) == new_tokens or out[-1] in eos:
+            return out
+        row = ForwardRow(out[-1:], len(prompt) + len(out) - 1, table, num_logits=1)
 
 
 def main() -> None:
