@@ -206,11 +206,13 @@ def test_status_json_has_the_documented_keys_and_the_socket_is_0660(operated: Op
         "waiting",
         "kv_blocks_used",
         "kv_blocks_total",
+        "kv_cache_dtype",
         "draining",
         "device_statuses",
     ):
         assert key in status
     assert status["running"] == 0 and status["draining"] is False and status["kv_blocks_total"] > 0
+    assert status["kv_cache_dtype"] == "float32"  # the default
     assert stat.S_IMODE(operated.control.stat().st_mode) == 0o660
     table = operated.ctl("status")
     assert table.returncode == 0 and "kv blocks" in table.stdout
