@@ -71,6 +71,22 @@ def compile_chat_template(source: str) -> jinja2.Template:
         raise ChatTemplateError(f"the chat template does not compile: {error}") from error
 
 
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable character each byte is written as."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+_BYTE_OF_CHAR = _byte_of_char()
+
+
 class Tokenizer:
     """A Hugging Face `tokenizers` tokenizer plus the package's chat template and stop tokens."""
 
@@ -106,6 +122,8 @@ class Tokenizer:
         # switch on the object, so a second one rather than toggling a shared one across threads).
         self._text_backend = BackendTokenizer.from_str(backend.to_str())
         self._text_backend.encode_special_tokens = True
+        # Added tokens are written as their text, not in the byte-level alphabet.
+        self._added_token_ids = frozenset(backend.get_added_tokens_decoder())
 
     @classmethod
     def from_package(cls, package: Package) -> Tokenizer:
@@ -156,6 +174,20 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token `token_id` stands for (what a log-probability entry reports): a
+        byte-level BPE token's bytes through GPT-2's byte-to-character map, an added token's
+        text as UTF-8; b"" for an id outside the vocabulary."""
+        token = self.backend.id_to_token(token_id)
+        if token is None:
+            return b""
+        if token_id in self._added_token_ids or token in self._control:
+            return token.encode("utf-8")
+        try:
+            return bytes(_BYTE_OF_CHAR[c] for c in token)
+        except KeyError:  # not a byte-level token (a SentencePiece-style vocabulary)
+            return token.replace("\u2581", " ").encode("utf-8")
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
         """The prompt text of a conversation; raises `ChatTemplateError` when rendering fails."""

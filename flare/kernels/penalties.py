@@ -1,6 +1,10 @@
-"""Penalties and temperature (torch twin of penalties_triton.py).
+"""Token mask, logit bias, penalties and temperature (torch twin of penalties_triton.py).
 
-Definitions (the ones vLLM and the OpenAI API use):
+In this order, per position:
+- the token mask (a grammar's allowed tokens): a bitmask of int32 words per position, bit
+  ``i % 32`` of word ``i // 32`` set when token i is allowed (the layout llguidance and xgrammar
+  fill); a disallowed token's logit becomes -inf, which every later step keeps at -inf;
+- the logit bias (OpenAI's ``logit_bias``): a dense per-row [R, V] addend, 0 for unbiased tokens;
 - repetition penalty (CTRL, Keskar et al. 2019, as in Hugging Face and vLLM): every token that
   appears in the prompt or in the output so far has its logit divided by the penalty when
   positive and multiplied by it otherwise;
@@ -68,17 +72,29 @@ def penalize_and_scale(
     frequency_penalty: torch.Tensor,
     penalties: PenaltyState | None,
     scale: bool,
+    token_mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> PreparedLogits:
-    """Penalties (when ``penalties`` is given) and temperature (when ``scale``) for every position.
+    """Mask (when ``token_mask`` [N, ceil(V / 32)] int32 is given), bias (``bias`` [R, V]
+    float32), penalties (when ``penalties`` is given) and temperature (when ``scale``) for every
+    position.
 
     ``draft_tokens`` [R, Kmax] holds valid ids or -1; ``temperature`` is the scaling divisor
     (1 for greedy rows). Per-row tensors are indexed through ``row_of_position``.
+    ``nonfinite`` is decided on the raw logits: a mask's -inf is not a fault of the model.
     """
     # NaN propagates through min and max, and an infinity is the max or the min. (amax and amin
     # are two vectorised passes; aminmax is one scalar pass, several times slower on CPU.)
     nonfinite = ~(torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1)))
     scaled = logits.float()
     owned = scaled is not logits
+    if token_mask is not None or bias is not None:
+        if not owned:
+            scaled, owned = scaled.clone(), True
+        if token_mask is not None:
+            scaled.masked_fill_(~allowed_tokens(token_mask, scaled.shape[1]), float("-inf"))
+        if bias is not None:
+            scaled.add_(bias.index_select(0, row_of_position))
     if penalties is not None:
         if not owned:
             scaled, owned = scaled.clone(), True
@@ -88,6 +104,13 @@ def penalize_and_scale(
         divisor = temperature[row_of_position].unsqueeze(1)
         scaled = scaled.div_(divisor) if owned else scaled / divisor
     return PreparedLogits(scaled=scaled, nonfinite=nonfinite)
+
+
+def allowed_tokens(token_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, V] bool from the [N, ceil(V / 32)] int32 bitmask: bit i % 32 of word i // 32."""
+    index = torch.arange(vocab_size, device=token_mask.device)
+    words = token_mask.index_select(1, index >> 5)
+    return (torch.bitwise_right_shift(words, (index & 31).to(torch.int32)) & 1).bool()
 
 
 def _penalize_(

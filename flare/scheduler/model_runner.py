@@ -18,11 +18,13 @@ import torch
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
 from flare.engine.model import LlamaModel
-from flare.kernels import SamplingBatch, sample_round
+from flare.kernels import SamplingBatch, sample_round, score_tokens
 from flare.kernels.faults import FaultNotInjectable, inject_fault
+from flare.kernels.logprobs import TokenLogprobs
 from flare.kernels.round import RoundResult as KernelResult
 from flare.kernels.status import DeviceStatus
 from flare.sampling.params import SamplingParams
+from flare.scheduler.request import TokenLogprob
 
 log = structlog.get_logger("flare.scheduler.runner")
 
@@ -52,9 +54,21 @@ class PlannedRow:
     vocabulary_parallel: bool
     fault: DeviceStatus | None = None
     choice: int = 0  # which of the request's choices the row belongs to
+    logprobs: int | None = None  # per sampled token, its log-probability and this many alternatives
+    prompt_targets: tuple[int, ...] = ()  # the prompt tokens the row's first positions predict (echo)
+    prompt_top: int = 0  # alternatives reported per scored prompt token
 
     @property
     def num_logits(self) -> int:
+        if self.prompt_targets:
+            # A prompt chunk that is scored needs every position: the scored ones first, the
+            # sampling one (if it samples) last.
+            return len(self.token_ids)
+        return self.sample_positions
+
+    @property
+    def sample_positions(self) -> int:
+        """The positions sampling reads: the last 1 + drafts of the row's logits."""
         return 1 + len(self.draft_ids) if self.samples else 0
 
 
@@ -76,11 +90,13 @@ class RowResult:
     tokens: tuple[int, ...]  # accepted drafts then one sampled token; empty on failure
     status: DeviceStatus
     fell_back: bool = False
+    logprobs: tuple[TokenLogprob, ...] = ()  # aligned with tokens, when the row asked
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # aligned with the row's prompt_targets
 
 
 @dataclass(frozen=True)
 class RoundResult:
-    rows: tuple[RowResult | None, ...]  # aligned with plan.rows; None for rows that do not sample
+    rows: tuple[RowResult | None, ...]  # aligned with plan.rows; None for rows that neither sample nor score
     seconds: float
 
 
@@ -117,14 +133,47 @@ class ModelRunner:
                 self.device,
             )
             logits = self.model.forward(batch, self.kv_cache)
+            scoring = [k for k, row in enumerate(plan.rows) if row.prompt_targets]
             sampling = [row for row in plan.rows if row.samples]
+            scores = self._score_prompts([plan.rows[k] for k in scoring], logits, plan.rows) if scoring else None
+            if scoring and sampling:
+                logits = logits[self._sampling_positions(plan.rows)]
             sampled = iter(self._sample(sampling, logits) if sampling else [])
-            results = tuple(next(sampled) if row.samples else None for row in plan.rows)
-        return RoundResult(results, time.perf_counter() - started)
+            results: list[RowResult | None] = [next(sampled) if row.samples else None for row in plan.rows]
+            if scores is not None:
+                # Read after the round's read: the device has finished by then.
+                for k, entries in zip(scoring, _scored_entries([plan.rows[k] for k in scoring], scores)):
+                    results[k] = dataclasses.replace(
+                        results[k] or RowResult((), DeviceStatus.OK), prompt_logprobs=entries
+                    )
+        return RoundResult(tuple(results), time.perf_counter() - started)
+
+    def _sampling_positions(self, rows: tuple[PlannedRow, ...]) -> torch.Tensor:
+        """The flat logit rows that sampling reads: the last 1 + drafts of each sampling row."""
+        index: list[int] = []
+        for row, offset in zip(rows, _logit_offsets(list(rows))):
+            end = offset + row.num_logits
+            index.extend(range(end - row.sample_positions, end))
+        return torch.tensor(index, device=self.device)
+
+    def _score_prompts(
+        self, scoring: list[PlannedRow], logits: torch.Tensor, rows: tuple[PlannedRow, ...]
+    ) -> TokenLogprobs:
+        """Log-probabilities of the prompt tokens that scoring rows' first positions predict."""
+        offsets = dict(zip((id(row) for row in rows), _logit_offsets(list(rows))))
+        index = [offsets[id(row)] + i for row in scoring for i in range(len(row.prompt_targets))]
+        targets = [t for row in scoring for t in row.prompt_targets]
+        device = logits.device
+        return score_tokens(
+            logits[torch.tensor(index, device=device)],
+            torch.tensor(targets, dtype=torch.int64, device=device),
+            max(row.prompt_top for row in scoring),
+            self.vocabulary_shards,
+        )
 
     def _sample(self, rows: list[PlannedRow], logits: torch.Tensor) -> list[RowResult]:
         """Sample every row (logits holds exactly their positions, in order) with one host read."""
-        offsets = _logit_offsets(rows)
+        offsets = _sample_offsets(rows)
         # A fault of INVALID_SPECULATION needs the sharded sampler; everything else follows the
         # package's sampler unless the row fell back.
         parallel = [row.vocabulary_parallel or row.fault == DeviceStatus.INVALID_SPECULATION for row in rows]
@@ -137,7 +186,7 @@ class ModelRunner:
             if len(groups) == 1:
                 group_logits = logits
             else:
-                index = [i for k in group for i in range(offsets[k], offsets[k] + rows[k].num_logits)]
+                index = [i for k in group for i in range(offsets[k], offsets[k] + rows[k].sample_positions)]
                 group_logits = logits[torch.tensor(index, device=logits.device)]
             shards = 1
             if parallel[group[0]]:
@@ -146,13 +195,10 @@ class ModelRunner:
             outputs.append(self._sample_rows(group_rows, group_logits, shards, width))
         order = [k for group in groups for k in group]
         # The one device-to-host read of the round.
-        host_tokens, host_emitted, host_status = (
-            torch.cat([getattr(out, name) for out in outputs]).tolist() for name in ("tokens", "num_emitted", "status")
-        )
+        read = _read_back(outputs, [rows[k] for k in order])
         results: list[RowResult] = [RowResult((), DeviceStatus.OK)] * len(rows)
-        for position, k in enumerate(order):
-            n = host_emitted[position]
-            results[k] = RowResult(tuple(host_tokens[position][:n]), DeviceStatus(host_status[position]))
+        for result, k in zip(read, order):
+            results[k] = result
 
         if self.fallback_on_invalid_speculation:
             retry = [k for k, r in enumerate(results) if r.status == DeviceStatus.INVALID_SPECULATION]
@@ -171,11 +217,7 @@ class ModelRunner:
             for row in rows
         ]
         out = self._sample_rows(plain, logits[torch.tensor(offsets, device=logits.device)], 1, 1)
-        host_tokens, host_emitted, host_status = out.tokens.tolist(), out.num_emitted.tolist(), out.status.tolist()
-        return [
-            RowResult(tuple(t[:n]), DeviceStatus(s), fell_back=True)
-            for t, n, s in zip(host_tokens, host_emitted, host_status)
-        ]
+        return [dataclasses.replace(result, fell_back=True) for result in _read_back([out], plain)]
 
     def _sample_rows(self, rows: list[PlannedRow], logits: torch.Tensor, shards: int, width: int) -> KernelResult:
         device = logits.device
@@ -203,7 +245,7 @@ class ModelRunner:
             output_ids=[row.output_ids for row in rows],
             device=device,
         )
-        offsets = _logit_offsets(rows)
+        offsets = _sample_offsets(rows)
         for r, row in enumerate(rows):
             if row.fault is not None:
                 try:
@@ -232,6 +274,7 @@ class ModelRunner:
                     faulted.draft_probs,
                     faulted.batch,
                 )
+        wanted = [row.logprobs for row in rows if row.logprobs is not None]
         return sample_round(
             logits,
             num_drafts=torch.tensor([len(row.draft_ids) for row in rows], dtype=torch.long, device=device),
@@ -239,6 +282,7 @@ class ModelRunner:
             draft_probs=draft_probs,
             batch=batch,
             vocab_shards=shards,
+            num_logprobs=max(wanted) if wanted else None,
         )
 
     def _embeddable(self, token_ids: tuple[int, ...]) -> tuple[int, ...]:
@@ -246,9 +290,65 @@ class ModelRunner:
         return token_ids if all(0 <= t < v for t in token_ids) else tuple(t if 0 <= t < v else 0 for t in token_ids)
 
 
+def _read_back(outputs: list[KernelResult], rows: list[PlannedRow]) -> list[RowResult]:
+    """The rows' results from the kernels' outputs (one per group, rows in order): tokens,
+    counts and statuses, and the log-probabilities of the emitted tokens where asked."""
+    host_tokens, host_emitted, host_status = (
+        torch.cat([getattr(out, name) for out in outputs]).tolist() for name in ("tokens", "num_emitted", "status")
+    )
+    with_logprobs = all(out.logprobs is not None for out in outputs) and any(r.logprobs is not None for r in rows)
+    if with_logprobs:
+        logprob, top_ids, top_logprobs = (
+            torch.cat([getattr(out.logprobs, name) for out in outputs if out.logprobs is not None]).tolist()
+            for name in ("logprob", "top_ids", "top_logprobs")
+        )
+    results = []
+    for r, row in enumerate(rows):
+        n = host_emitted[r]
+        entries: tuple[TokenLogprob, ...] = ()
+        if with_logprobs and row.logprobs is not None:
+            entries = tuple(
+                _entry(host_tokens[r][j], logprob[r][j], top_ids[r][j], top_logprobs[r][j], row.logprobs)
+                for j in range(n)
+            )
+        results.append(RowResult(tuple(host_tokens[r][:n]), DeviceStatus(host_status[r]), logprobs=entries))
+    return results
+
+
+def _scored_entries(rows: list[PlannedRow], scores: TokenLogprobs) -> list[tuple[TokenLogprob, ...]]:
+    logprob, top_ids, top_logprobs = scores.logprob.tolist(), scores.top_ids.tolist(), scores.top_logprobs.tolist()
+    entries, start = [], 0
+    for row in rows:
+        end = start + len(row.prompt_targets)
+        entries.append(
+            tuple(
+                _entry(t, logprob[i], top_ids[i], top_logprobs[i], row.prompt_top)
+                for t, i in zip(row.prompt_targets, range(start, end))
+            )
+        )
+        start = end
+    return entries
+
+
+def _entry(token: int, logprob: float, top_ids: list[int], top_logprobs: list[float], k: int) -> TokenLogprob:
+    """One token's entry; alternatives of probability 0 (masked or filtered out) are left out."""
+    top = tuple((i, v) for i, v in zip(top_ids[:k], top_logprobs[:k]) if i >= 0 and v != float("-inf"))
+    return TokenLogprob(token, logprob, top)
+
+
 def _logit_offsets(rows: list[PlannedRow]) -> list[int]:
+    """Where each row's logits start in the forward's output."""
     offsets, total = [], 0
     for row in rows:
         offsets.append(total)
         total += row.num_logits
+    return offsets
+
+
+def _sample_offsets(rows: list[PlannedRow]) -> list[int]:
+    """Where each sampling row's positions start in the logits sampling reads."""
+    offsets, total = [], 0
+    for row in rows:
+        offsets.append(total)
+        total += row.sample_positions
     return offsets

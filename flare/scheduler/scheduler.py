@@ -58,6 +58,7 @@ from flare.scheduler.request import (
     RequestFailure,
     RequestStream,
     TextDelta,
+    TokenLogprob,
     Usage,
     choice_seed,
 )
@@ -520,6 +521,7 @@ class Scheduler:
             budget -= len(tail) + len(draft.token_ids)
             samples = seq.num_cached + len(tail) == len(seq.tokens)
             penalized = seq.request.params.penalized
+            prompt_targets = self._prompt_targets(seq, len(tail)) if not seq.in_decode else ()
             rows.append(
                 PlannedRow(
                     request_id=seq.request_id,
@@ -537,6 +539,9 @@ class Scheduler:
                     vocabulary_parallel=self.vocabulary_parallel and not seq.fell_back,
                     fault=self._fault_now(seq) if samples else None,
                     choice=seq.index,
+                    logprobs=seq.request.logprobs,
+                    prompt_targets=prompt_targets,
+                    prompt_top=seq.request.prompt_logprobs or 0,
                 )
             )
         # A row dropped after its blocks were made writable (its sequence preempted by a later
@@ -546,6 +551,15 @@ class Scheduler:
             return None
         self._rounds += 1
         return RoundPlan(index, tuple(rows), tuple(self._copies))
+
+    def _prompt_targets(self, seq: Sequence, fed: int) -> tuple[int, ...]:
+        """The prompt tokens a prefill chunk of `fed` tokens from `num_cached` predicts, when the
+        request scores its prompt: position i predicts token i + 1, up to the prompt's last."""
+        if seq.request.prompt_logprobs is None:
+            return ()
+        start = seq.num_cached
+        end = min(start + fed, seq.num_prompt_tokens - 1)
+        return tuple(seq.tokens[start + 1 : end + 1]) if end > start else ()
 
     def _row_still_planned(self, row: PlannedRow) -> bool:
         choices = self._by_id.get(row.request_id)
@@ -634,7 +648,8 @@ class Scheduler:
     def _reuse_cached_prefix(self, seq: Sequence) -> None:
         """Map the longest cached prefix of `seq`'s tokens to the blocks that hold it. At least
         the last token is computed again: the row that samples needs its logits."""
-        if not self._blocks.enabled:
+        if not self._blocks.enabled or seq.request.prompt_logprobs is not None:
+            # A scored prompt is computed whole: cached blocks hold no logits to score it by.
             return
         seq.block_hashes = chain_hashes(self._blocks.root, seq.tokens, self._block_size, seq.block_hashes)
         # A last block that holds the last token is found too, and copied before that token's
@@ -669,6 +684,7 @@ class Scheduler:
                 choice.num_published = min(leader.num_published, len(shared))
                 choice.block_hashes = leader.block_hashes[: prompt_len // self._block_size]
                 choice.cached_prompt_tokens = leader.cached_prompt_tokens
+                choice.prompt_logprobs = list(leader.prompt_logprobs)
                 choice.state = SequenceState.RUNNING
                 self._running.append(choice)
             log.debug("choices_forked", request_id=leader.request_id, n=1 + len(leader.pending_choices))
@@ -773,7 +789,13 @@ class Scheduler:
                 continue
             fed = len(row.token_ids)
             prompt_tokens += max(0, min(seq.num_prompt_tokens, row.start_position + fed) - row.start_position)
-            if outcome is None:
+            if outcome is not None and outcome.prompt_logprobs:
+                # Position p predicts prompt token p + 1: entry p of the list. A recomputed
+                # chunk (after a preemption) scores positions already kept again.
+                for offset, entry in enumerate(outcome.prompt_logprobs):
+                    if row.start_position + offset == len(seq.prompt_logprobs):
+                        seq.prompt_logprobs.append(entry)
+            if not row.samples or outcome is None:
                 seq.num_cached = row.start_position + fed
                 self._publish(seq)
                 continue
@@ -809,7 +831,7 @@ class Scheduler:
             elif self.metrics is not None:
                 self.metrics.observe_emission(now - (seq.last_token_at or now), len(outcome.tokens))
             seq.last_token_at = now
-            generated += self._emit(seq, outcome.tokens)
+            generated += self._emit(seq, outcome.tokens, outcome.logprobs)
             if seq.state is SequenceState.RUNNING:
                 self._publish(seq)
                 self._trim_blocks(seq)
@@ -835,9 +857,10 @@ class Scheduler:
             self.metrics.observe_tokens(prompt=prompt_tokens, generated=generated)
             self._publish_occupancy()
 
-    def _emit(self, seq: Sequence, new_tokens: tuple[int, ...]) -> int:
-        """Append sampled tokens to `seq`, stream their text, and finish it at EOS, a stop
-        string, max_tokens or the context length. Returns how many tokens were kept."""
+    def _emit(self, seq: Sequence, new_tokens: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] = ()) -> int:
+        """Append sampled tokens to `seq`, stream their text (and their log-probabilities, when
+        asked), and finish it at EOS, a stop string, max_tokens or the context length. Returns
+        how many tokens were kept."""
         params = seq.request.params
         kept: list[int] = []
         reason: Literal["stop", "length"] | None = None
@@ -857,8 +880,12 @@ class Scheduler:
             reason = "stop"
         elif reason is not None:
             text += seq.stop_matcher.push(seq.detokenizer.flush())[0] + seq.stop_matcher.flush()
-        if text or kept:
-            seq.stream.put(TextDelta(text, tuple(kept), seq.index))
+        # The first delta of a scored prompt's choice carries the prompt's entries, even empty.
+        scored_first = not seq.emitted and seq.request.prompt_logprobs is not None
+        if text or kept or scored_first:
+            seq.emitted = True
+            prompt = tuple(seq.prompt_logprobs) if scored_first else None
+            seq.stream.put(TextDelta(text, tuple(kept), seq.index, tuple(logprobs[: len(kept)]), prompt))
         if reason is not None:
             self._finish(seq, Finished(reason, self._usage(seq), fell_back=seq.fell_back, index=seq.index))
         return len(kept)
