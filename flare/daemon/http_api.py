@@ -10,6 +10,7 @@ escapes a handler is logged with its traceback and answered 500 with an error bo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -41,11 +42,20 @@ from flare.daemon.metrics import OUTCOME
 from flare.daemon.openai_responses import (
     ChatCompletionShape,
     ChoiceText,
+    RenderedToken,
     ResponseShape,
     TextCompletionShape,
+    TokenRenderer,
     flare_object,
 )
-from flare.daemon.openai_schema import check_model, parse_chat_completion, parse_completion, parse_json_body
+from flare.daemon.openai_schema import (
+    TokenOptions,
+    check_logit_bias,
+    check_model,
+    parse_chat_completion,
+    parse_completion,
+    parse_json_body,
+)
 from flare.daemon.origins import browser_origin_refused, loopback_host_refused, origin_allowed
 from flare.daemon.sse import DONE, SSE_HEADERS, sse_data
 from flare.daemon.state import Phase, ServingState
@@ -326,7 +336,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise bad_request(str(error), param="messages") from None
     shape = ChatCompletionShape(_new_id("chatcmpl"), int(time.time()), parsed.model, parsed.include_usage)
     return await _generate(
-        request, scheduler, prompt_ids, "messages", parsed.sampling, parsed.stream, shape, parsed.n
+        request, scheduler, prompt_ids, "messages", parsed.sampling, parsed.stream, shape, parsed.n, parsed.tokens
     )
 
 
@@ -342,7 +352,39 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if not prompt_ids:
         raise bad_request("prompt is empty; send at least one token of text", param="prompt")
     shape = TextCompletionShape(_new_id("cmpl"), int(time.time()), parsed.model, parsed.include_usage)
-    return await _generate(request, scheduler, prompt_ids, "prompt", parsed.sampling, parsed.stream, shape, parsed.n)
+    echo = _Echo(parsed.prompt, tuple(prompt_ids)) if parsed.tokens.echo else None
+    return await _generate(
+        request, scheduler, prompt_ids, "prompt", parsed.sampling, parsed.stream, shape, parsed.n, parsed.tokens, echo
+    )
+
+
+@dataclass(frozen=True)
+class _Echo:
+    """The prompt a completions answer starts with (echo), and its tokens (scored with logprobs)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass
+class _Tokens:
+    """How one request's token-level answer is written: which entries, rendered how."""
+
+    logprobs: int | None
+    echo: _Echo | None
+    renderer: TokenRenderer
+
+    def entries(self, event: TextDelta) -> list[RenderedToken] | None:
+        if self.logprobs is None:
+            return None
+        return [self.renderer.render(entry) for entry in event.logprobs]
+
+    def prompt_entries(self, event: TextDelta) -> list[RenderedToken] | None:
+        """The echoed prompt's entries: its first token unscored, then the scored ones."""
+        if self.echo is None or self.logprobs is None or event.prompt_logprobs is None:
+            return None
+        first = self.renderer.unscored(self.echo.token_ids[0])
+        return [first, *(self.renderer.render(entry) for entry in event.prompt_logprobs)]
 
 
 def _check_prompt_size(scheduler: Scheduler, characters: int, param: str) -> None:
@@ -417,8 +459,11 @@ async def _generate(
     stream: bool,
     shape: ResponseShape,
     n: int = 1,
+    token_options: TokenOptions = TokenOptions(),
+    echo: _Echo | None = None,
 ) -> web.StreamResponse:
     config = request.app[SETTINGS].config
+    check_logit_bias(token_options.logit_bias, scheduler.vocab_size)
     room = scheduler.max_context - len(prompt_ids)
     if room < 1:
         raise bad_request(
@@ -428,13 +473,20 @@ async def _generate(
             code="context_length_exceeded",
         )
     clamp = scheduler.policy.clamp(sampling, max_tokens_limit=room)
+    if token_options.logit_bias:
+        # The policy has no say on logit_bias: it passes through, like seed and stop.
+        clamp = dataclasses.replace(clamp, params=dataclasses.replace(clamp.params, logit_bias=token_options.logit_bias))
+    scores_prompt = echo is not None and token_options.logprobs is not None
     generation = GenerationRequest(
         request_id=shape.id,
         prompt_token_ids=tuple(prompt_ids),
         params=clamp.params,
         fault=_fault(request, config),
         n=n,
+        logprobs=token_options.logprobs,
+        prompt_logprobs=token_options.logprobs if scores_prompt else None,
     )
+    tokens = _Tokens(token_options.logprobs, echo, TokenRenderer(scheduler.tokenizer.token_bytes))
     events = _submit(scheduler, generation, prompt_param)
     generated = request[GENERATED] = Generated(time.perf_counter())
     state = request.app[STATE]
@@ -450,12 +502,12 @@ async def _generate(
         try:
             deadline = _Deadline(scheduler, generation.request_id, config.request_timeout_s)
             if not stream:
-                collected = await _collect(request, events, deadline, shape, flare, headers, generated, n)
+                collected = await _collect(request, events, deadline, shape, flare, headers, generated, n, tokens)
                 ended = True
                 return collected
             response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
             try:
-                await _stream(request, response, events, deadline, shape, flare, generated, n)
+                await _stream(request, response, events, deadline, shape, flare, generated, n, tokens)
             except ConnectionResetError as error:
                 # The client is gone, or stopped reading: `finally` cancels the request.
                 gone = error
@@ -556,20 +608,36 @@ async def _stream(
     flare: dict[str, Any],
     generated: Generated,
     n: int,
+    tokens: _Tokens,
 ) -> None:
     await response.prepare(request)
+    # Echo without scores: the prompt is the first text of every choice; with scores, it waits
+    # for the prompt's entries, which come with each choice's first delta.
+    echo_now = tokens.echo is not None and tokens.logprobs is None
+    offsets = [0] * n  # characters of each choice written so far (completions' text_offset)
     for index in range(n):
         first = shape.first_chunk(index)
         if index == 0:
             first["flare"] = flare
         await response.write(sse_data(first))
+        if echo_now and tokens.echo is not None:
+            await response.write(sse_data(shape.text_chunk(tokens.echo.text, index)))
+            offsets[index] = len(tokens.echo.text)
     finished: list[Finished] = []
     while True:
         event = await deadline.next_event(events)
         if isinstance(event, TextDelta):
             generated.token()
-            if event.text:
-                await response.write(sse_data(shape.text_chunk(event.text, event.index)))
+            prompt_entries = tokens.prompt_entries(event)
+            if prompt_entries is not None and tokens.echo is not None:
+                chunk = shape.text_chunk(tokens.echo.text, event.index, prompt_entries, offsets[event.index])
+                await response.write(sse_data(chunk))
+                offsets[event.index] += len(tokens.echo.text)
+            entries = tokens.entries(event)
+            if event.text or entries:
+                chunk = shape.text_chunk(event.text, event.index, entries, offsets[event.index])
+                await response.write(sse_data(chunk))
+                offsets[event.index] += len(event.text)
             continue
         if isinstance(event, Finished):
             final = shape.final_chunk(event.reason, event.index)
@@ -602,14 +670,20 @@ async def _collect(
     headers: Mapping[str, str],
     generated: Generated,
     n: int,
+    tokens: _Tokens,
 ) -> web.Response:
-    texts: list[list[str]] = [[] for _ in range(n)]
+    texts: list[list[str]] = [[tokens.echo.text] if tokens.echo is not None else [] for _ in range(n)]
+    entries: list[list[RenderedToken]] = [[] for _ in range(n)]
     finished: dict[int, Finished] = {}
     while True:
         event = await deadline.next_event(events)
         if isinstance(event, TextDelta):
             generated.token()
             texts[event.index].append(event.text)
+            prompt_entries = tokens.prompt_entries(event)
+            if prompt_entries is not None:
+                entries[event.index][:0] = prompt_entries
+            entries[event.index].extend(tokens.entries(event) or ())
             continue
         if isinstance(event, Failed):
             _log_end(event, generated, event.usage)
@@ -623,7 +697,10 @@ async def _collect(
             continue
         usage = _request_usage(list(finished.values()))
         _log_end(event, generated, usage)
-        choices = [ChoiceText("".join(texts[i]), finished[i].reason) for i in range(n)]
+        choices = [
+            ChoiceText("".join(texts[i]), finished[i].reason, entries[i] if tokens.logprobs is not None else None)
+            for i in range(n)
+        ]
         body = shape.body(choices, usage)
         body["flare"] = {**flare, "fell_back": any(f.fell_back for f in finished.values())}
         return web.json_response(body, headers=headers)

@@ -1,15 +1,15 @@
 """Parsing and validating OpenAI request bodies, before anything touches the model.
 
 What is accepted: the fields of OpenAI's chat completions and (legacy) completions requests
-that a text-only server without tools can honour, plus the sampling extensions top_k, min_p
-and repetition_penalty (as vLLM accepts them), and `n` choices (`best_of` equal to `n`). Fields
-that ask for something flare does not do (tools, logprobs, structured output, picking the best
-of more choices than are returned) get a 400 naming the field. Fields that change nothing about
-the answer are accepted and ignored: `user`, `metadata`, `store`, `service_tier`,
-`parallel_tool_calls`, and the "off" values of the unsupported ones (`logprobs: false`,
-`tools: []`, `tool_choice: "none"`, `response_format: {"type": "text"}`, `logit_bias: {}`,
-`echo: false`). Any other field is rejected as unrecognized,
-as OpenAI does, so a misspelt parameter never silently does nothing.
+that a text-only server can honour, plus the sampling extensions top_k, min_p and
+repetition_penalty (as vLLM accepts them), `n` choices (`best_of` equal to `n`), `logit_bias`,
+`logprobs`/`top_logprobs` (chat) and `logprobs`/`echo` (completions). Fields that ask for
+something flare does not do (tools, structured output, picking the best of more choices than
+are returned) get a 400 naming the field. Fields that change nothing about the answer are
+accepted and ignored: `user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`, and
+the "off" values of the unsupported ones (`tools: []`, `tool_choice: "none"`,
+`response_format: {"type": "text"}`). Any other field is rejected as unrecognized, as OpenAI
+does, so a misspelt parameter never silently does nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +36,20 @@ _COMPLETION_FIELDS = _COMMON | {"prompt", "n", "best_of", "logprobs", "logit_bia
 
 # OpenAI's own bound on n; the server's max_concurrency usually bounds it further.
 MAX_CHOICES = 128
+# OpenAI's bounds: top_logprobs 0-20 (chat); logit_bias values -100..100, at most 300 entries.
+# Completions' logprobs is 0-5 at OpenAI; flare allows the chat bound there too.
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_RANGE = 100.0
+
+
+@dataclass(frozen=True)
+class TokenOptions:
+    """What a request asks about tokens besides sampling: log-probabilities, echo, logit_bias."""
+
+    logprobs: int | None = None  # None: none; k: each output token's with k alternatives
+    echo: bool = False  # completions: the prompt is part of the answer (scored with logprobs)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
 
 
 @dataclass(frozen=True)
@@ -46,6 +60,7 @@ class ChatCompletionRequest:
     include_usage: bool
     sampling: Mapping[str, Any]  # validated raw sampling fields (validate_request_sampling)
     n: int = 1  # choices sampled independently from the one prompt
+    tokens: TokenOptions = TokenOptions()
 
 
 @dataclass(frozen=True)
@@ -56,6 +71,7 @@ class CompletionRequest:
     include_usage: bool
     sampling: Mapping[str, Any]
     n: int = 1
+    tokens: TokenOptions = TokenOptions()
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -142,7 +158,8 @@ def parse_chat_completion(body: Mapping[str, Any]) -> ChatCompletionRequest:
     _unsupported_chat_features(body)
     messages = _messages(body.get("messages"))
     stream, include_usage = _streaming(body)
-    return ChatCompletionRequest(model, messages, stream, include_usage, _sampling(body), _choices(body))
+    tokens = TokenOptions(logprobs=_chat_logprobs(body), logit_bias=_logit_bias(body))
+    return ChatCompletionRequest(model, messages, stream, include_usage, _sampling(body), _choices(body), tokens)
 
 
 def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:
@@ -150,12 +167,16 @@ def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:
     model = _model(body)
     n = _choices(body)
     _best_of(body, n)
-    _only(body, "logprobs", (None, 0), "logprobs are not supported; leave logprobs out")
-    _only(body, "echo", (None, False), "echo is not supported; send echo: false (or leave it out)")
     _only(body, "suffix", (None, ""), "suffix (insertion) is not supported; leave suffix out")
-    _no_logit_bias(body)
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise bad_request(f"echo must be true or false, got {_kind(echo)}", param="echo")
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        logprobs = _count("logprobs", logprobs, MAX_TOP_LOGPROBS)
+    tokens = TokenOptions(logprobs=logprobs, echo=bool(echo), logit_bias=_logit_bias(body))
     stream, include_usage = _streaming(body)
-    return CompletionRequest(model, _prompt(body.get("prompt")), stream, include_usage, _sampling(body), n)
+    return CompletionRequest(model, _prompt(body.get("prompt")), stream, include_usage, _sampling(body), n, tokens)
 
 
 def _check_fields(body: Mapping[str, Any], known: frozenset[str]) -> None:
@@ -212,10 +233,67 @@ def _best_of(body: Mapping[str, Any], n: int) -> None:
         )
 
 
+def _count(param: str, value: Any, most: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"{param} must be an integer between 0 and {most}, got {_kind(value)}", param=param)
+    if not 0 <= value <= most:
+        raise bad_request(f"{param} must be between 0 and {most}, got {value}", param=param)
+    return value
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Chat's logprobs (true/false) and top_logprobs (0-20, only with logprobs: true, as OpenAI)."""
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise bad_request(f"logprobs must be true or false, got {_kind(logprobs)}", param="logprobs")
+    top = body.get("top_logprobs")
+    if top is not None:
+        top = _count("top_logprobs", top, MAX_TOP_LOGPROBS)
+        if not logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    return (top or 0) if logprobs else None
+
+
+def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
+    """logit_bias: {"token id": bias}, ids as decimal strings, biases in [-100, 100], at most 300
+    entries. Ids are checked against the vocabulary once the model is known (http_api)."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise bad_request(
+            f'logit_bias must be an object of token ids to biases, such as {{"50256": -100}}, got {_kind(bias)}',
+            param="logit_bias",
+        )
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed", param="logit_bias")
+    pairs: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 12:
+            raise bad_request(f"logit_bias keys must be token ids (decimal integers), got {key!r}", param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
+            shown = _kind(value) if isinstance(value, (bool, str, list, dict)) or value is None else value
+            raise bad_request(
+                f"logit_bias[{key!r}] must be a number between -100 and 100, got {shown}", param="logit_bias"
+            )
+        if int(key) in pairs:
+            raise bad_request(f"logit_bias names token {int(key)} twice", param="logit_bias")
+        pairs[int(key)] = float(value)
+    return tuple(sorted(pairs.items()))
+
+
+def check_logit_bias(bias: tuple[tuple[int, float], ...], vocab_size: int) -> None:
+    """400 for a logit_bias token id outside the served model's vocabulary."""
+    outside = [token for token, _ in bias if token >= vocab_size]
+    if outside:
+        raise bad_request(
+            f"logit_bias names token {outside[0]}, outside this model's vocabulary of {vocab_size} tokens "
+            f"(ids 0 to {vocab_size - 1})",
+            param="logit_bias",
+        )
+
+
 def _unsupported_chat_features(body: Mapping[str, Any]) -> None:
-    _only(body, "logprobs", (None, False), "logprobs are not supported; send logprobs: false (or leave it out)")
-    _only(body, "top_logprobs", (None, 0), "top_logprobs are not supported; leave top_logprobs out")
-    _no_logit_bias(body)
     for field in ("tools", "functions"):
         _only(body, field, (None, []), f"{field} (function calling) are not supported; leave {field} out")
     for field in ("tool_choice", "function_call"):
@@ -235,11 +313,6 @@ def _only(body: Mapping[str, Any], field: str, allowed: tuple[Any, ...], message
     # Compared with their types: JSON true must not pass as n: 1, nor 0 as false.
     if not any(type(value) is type(a) and value == a for a in allowed):
         raise bad_request(message, param=field)
-
-
-def _no_logit_bias(body: Mapping[str, Any]) -> None:
-    if body.get("logit_bias") not in (None, {}):
-        raise bad_request("logit_bias is not supported; leave logit_bias out", param="logit_bias")
 
 
 def _messages(messages: Any) -> tuple[Mapping[str, str], ...]:

@@ -59,6 +59,7 @@ def _shard_top_tokens_kernel(
         previous = tl.where(exhausted, float("-inf"), best)
         previous_id = tl.where(exhausted, end.to(tl.int64), best_id)
 
+
 def shard_top_tokens(scaled: torch.Tensor, k: int, num_shards: int) -> TopTokens:
     """Triton version of top_tokens.shard_top_tokens."""
     num_positions, vocab_size = scaled.shape

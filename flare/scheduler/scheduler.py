@@ -385,6 +385,11 @@ class Scheduler:
         return dropped
 
     @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary: token ids a request may name are below it."""
+        return self._runner.vocab_size
+
+    @property
     def idle(self) -> bool:
         return not self._running and not self._waiting
 

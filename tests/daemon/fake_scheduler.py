@@ -58,6 +58,9 @@ class FakeTokenizer:
     def fewest_tokens(self, characters: int) -> int:
         return characters
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return chr(token_id).encode("utf-8")
+
     def encode_chat(
         self,
         messages: Sequence[Mapping[str, str]],
@@ -85,6 +88,7 @@ class FakeScheduler:
 
     def __init__(self, *, max_context: int = 2048, reply: Sequence[str] = ("Hel", "lo", " wor", "ld")) -> None:
         self.tokenizer = FakeTokenizer()
+        self.vocab_size = 50_000
         self.policy = POLICY
         self.max_context = max_context
         self.reply = tuple(reply)
