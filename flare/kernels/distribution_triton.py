@@ -51,7 +51,8 @@ def _mass_at_least(row_ptr, start, end, t, row_max, BLOCK: tl.constexpr):
     for block_start in range(start, end, BLOCK):
         offsets = block_start + tl.arange(0, BLOCK)
         x = tl.load(row_ptr + offsets, mask=offsets < end, other=float("-inf"))
-        mass += tl.where(x >= t, tl.exp(x - row_max), 0.0)
+        # -inf logits (masked tokens) carry no mass, also in a shard whose max is -inf.
+        mass += tl.where((x >= t) & (x > float("-inf")), tl.exp(x - row_max), 0.0)
     return tl.sum(mass, 0)
 
 

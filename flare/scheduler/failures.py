@@ -53,3 +53,14 @@ def shutdown_failure() -> RequestFailure:
         http_status=503,
         type="server_error",
     )
+
+
+def grammar_failure(error: str | None) -> RequestFailure:
+    """A choice's grammar refused a token its own mask allowed: a fault of the server (the mask
+    and the grammar disagree), not of the request; 502 like an invalid device result."""
+    return RequestFailure(
+        code="grammar_error",
+        message=f"the answer left its grammar ({error or 'a token outside the grammar'}); this is a server fault",
+        http_status=502,
+        type="server_error",
+    )

@@ -25,6 +25,7 @@ from flare.kernels.round import RoundResult as KernelResult
 from flare.kernels.status import DeviceStatus
 from flare.sampling.params import SamplingParams
 from flare.scheduler.request import TokenLogprob
+from flare.structured import GrammarState, fill_masks
 
 log = structlog.get_logger("flare.scheduler.runner")
 
@@ -57,6 +58,7 @@ class PlannedRow:
     logprobs: int | None = None  # per sampled token, its log-probability and this many alternatives
     prompt_targets: tuple[int, ...] = ()  # the prompt tokens the row's first positions predict (echo)
     prompt_top: int = 0  # alternatives reported per scored prompt token
+    grammar: GrammarState | None = None  # the choice's grammar: the runner reads its masks only
 
     @property
     def num_logits(self) -> int:
@@ -174,6 +176,7 @@ class ModelRunner:
     def _sample(self, rows: list[PlannedRow], logits: torch.Tensor) -> list[RowResult]:
         """Sample every row (logits holds exactly their positions, in order) with one host read."""
         offsets = _sample_offsets(rows)
+        masks = self._masks(rows, offsets, logits.shape[0])
         # A fault of INVALID_SPECULATION needs the sharded sampler; everything else follows the
         # package's sampler unless the row fell back.
         parallel = [row.vocabulary_parallel or row.fault == DeviceStatus.INVALID_SPECULATION for row in rows]
@@ -183,16 +186,18 @@ class ModelRunner:
         outputs = []
         for group in groups:
             group_rows = [rows[k] for k in group]
+            group_masks = masks
             if len(groups) == 1:
                 group_logits = logits
             else:
                 index = [i for k in group for i in range(offsets[k], offsets[k] + rows[k].sample_positions)]
                 group_logits = logits[torch.tensor(index, device=logits.device)]
+                group_masks = masks[torch.tensor(index, device=masks.device)] if masks is not None else None
             shards = 1
             if parallel[group[0]]:
                 injected = any(row.fault == DeviceStatus.INVALID_SPECULATION for row in group_rows)
                 shards = max(2, self.vocabulary_shards) if injected else self.vocabulary_shards
-            outputs.append(self._sample_rows(group_rows, group_logits, shards, width))
+            outputs.append(self._sample_rows(group_rows, group_logits, shards, width, group_masks))
         order = [k for group in groups for k in group]
         # The one device-to-host read of the round.
         read = _read_back(outputs, [rows[k] for k in order])
@@ -203,12 +208,24 @@ class ModelRunner:
         if self.fallback_on_invalid_speculation:
             retry = [k for k, r in enumerate(results) if r.status == DeviceStatus.INVALID_SPECULATION]
             if retry:
-                fallen = self._fall_back([rows[k] for k in retry], [offsets[k] for k in retry], logits)
+                fallen = self._fall_back([rows[k] for k in retry], [offsets[k] for k in retry], logits, masks)
                 for k, result in zip(retry, fallen):
                     results[k] = result
         return results
 
-    def _fall_back(self, rows: list[PlannedRow], offsets: list[int], logits: torch.Tensor) -> list[RowResult]:
+    def _masks(self, rows: list[PlannedRow], offsets: list[int], num_positions: int) -> torch.Tensor | None:
+        """The round's token masks, [positions, ceil(V / 32)] int32 (every token allowed on rows
+        without a grammar), or None when no row has one."""
+        constrained = [(row.grammar, offsets[k], row.draft_ids) for k, row in enumerate(rows) if row.grammar is not None]
+        if not constrained:
+            return None
+        masks = torch.full((num_positions, -(-self.vocab_size // 32)), -1, dtype=torch.int32)
+        fill_masks(constrained, masks)
+        return masks.to(self.device)
+
+    def _fall_back(
+        self, rows: list[PlannedRow], offsets: list[int], logits: torch.Tensor, masks: torch.Tensor | None
+    ) -> list[RowResult]:
         """Resample rows that got INVALID_SPECULATION without drafts, with the standard sampler
         (which supports filters), from the logits at each row's first position: the prediction
         after the last accepted token, which the rejected drafts never influenced."""
@@ -216,10 +233,13 @@ class ModelRunner:
             dataclasses.replace(row, draft_ids=(), draft_probs=None, vocabulary_parallel=False, fault=None)
             for row in rows
         ]
-        out = self._sample_rows(plain, logits[torch.tensor(offsets, device=logits.device)], 1, 1)
+        index = torch.tensor(offsets, device=logits.device)
+        out = self._sample_rows(plain, logits[index], 1, 1, masks[index] if masks is not None else None)
         return [dataclasses.replace(result, fell_back=True) for result in _read_back([out], plain)]
 
-    def _sample_rows(self, rows: list[PlannedRow], logits: torch.Tensor, shards: int, width: int) -> KernelResult:
+    def _sample_rows(
+        self, rows: list[PlannedRow], logits: torch.Tensor, shards: int, width: int, masks: torch.Tensor | None
+    ) -> KernelResult:
         device = logits.device
         k_max = max(width - 1, 1)
         draft_tokens = torch.tensor(
@@ -282,6 +302,7 @@ class ModelRunner:
             draft_probs=draft_probs,
             batch=batch,
             vocab_shards=shards,
+            token_mask=masks,
             num_logprobs=max(wanted) if wanted else None,
         )
 

@@ -8,6 +8,7 @@ from typing import Literal
 
 from flare.kernels.status import DeviceStatus
 from flare.sampling.params import SamplingParams
+from flare.structured import Grammar
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class GenerationRequest:
     """None: the prompt is not scored; k >= 0: every prompt token after the first is scored by
     the model (echo with logprobs), with k alternatives. Such a request computes its whole
     prompt: the prefix cache's blocks hold no logits."""
+    grammar: Grammar | None = None
+    """The compiled constraint every choice's answer follows (structured output), or None."""
 
 
 # A Weyl step of the golden ratio: choices of nearby seeds (s and s + 1) get unrelated streams.

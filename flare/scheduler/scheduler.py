@@ -47,7 +47,7 @@ from flare.scheduler.errors import (
     QueueFull,
     TooManyChoices,
 )
-from flare.scheduler.failures import cancelled_failure, device_failure, shutdown_failure
+from flare.scheduler.failures import cancelled_failure, device_failure, grammar_failure, shutdown_failure
 from flare.scheduler.metrics import SchedulerMetrics
 from flare.scheduler.model_runner import ModelRunner, PlannedRow, RoundPlan, RoundResult
 from flare.scheduler.request import (
@@ -64,8 +64,12 @@ from flare.scheduler.request import (
 )
 from flare.scheduler.sequence import Sequence, SequenceState
 from flare.scheduler.stop_strings import StopStringMatcher
+from flare.structured import GrammarCompiler, GrammarState
 
 log = structlog.get_logger("flare.scheduler")
+
+# The most tokens a grammar's forced run is proposed at once (jump-forward drafts).
+JUMP_FORWARD_TOKENS = 16
 
 # Faults that need the row to verify at least one draft to reach their device path.
 _DRAFT_FAULTS = (DeviceStatus.INVALID_DRAFT_TOKEN, DeviceStatus.INVALID_DRAFT_PROBABILITY)
@@ -86,6 +90,7 @@ class SchedulerOptions:
     sampling_policy: Literal["package", "unfiltered"] = "package"
     on_invalid_speculation: Literal["fallback", "fail"] = "fallback"
     fault_injection: bool = False
+    jump_forward: bool = True  # propose the tokens a grammar forces as drafts (free: always accepted)
     device: str = "cpu"
     weight_format: str = "auto"  # precision.FORMAT_CHOICES: what the linear layers multiply in
     idle_tick_s: float = 1.0  # how often an idle loop wakes to send its heartbeat
@@ -175,6 +180,7 @@ class Scheduler:
         draft_tokens: int,
         metrics: SchedulerMetrics | None = None,
         heartbeat: Callable[[], None] | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.package = package
         self.policy = policy
@@ -209,6 +215,7 @@ class Scheduler:
         self._statuses: Counter[str] = Counter()
         self._prompt_tokens: Counter[str] = Counter()  # "cached" and "computed", since start
         self._copies: list[tuple[int, int]] = []  # the copy-on-writes of the round being planned
+        self.grammars = grammars
 
     # ----------------------------------------------------------------- construction
 
@@ -283,6 +290,11 @@ class Scheduler:
             draft_tokens=draft_tokens,
             metrics=metrics,
             heartbeat=heartbeat,
+            grammars=GrammarCompiler(
+                package.tokenizer_json_path.read_text(encoding="utf-8"),
+                vocab_size=config.vocab_size,
+                eos_token_ids=config.eos_token_ids,
+            ),
         )
 
     # ----------------------------------------------------------------- the daemon's interface
@@ -547,6 +559,7 @@ class Scheduler:
                     logprobs=seq.request.logprobs,
                     prompt_targets=prompt_targets,
                     prompt_top=seq.request.prompt_logprobs or 0,
+                    grammar=seq.grammar if samples else None,
                 )
             )
         # A row dropped after its blocks were made writable (its sequence preempted by a later
@@ -572,12 +585,20 @@ class Scheduler:
 
     def _drafts(self, decode: list[Sequence], base_tokens: int) -> dict[Sequence, Draft]:
         """Each decode row's drafts, cut to the adaptive draft length."""
-        if self._drafter is None and not self.options.fault_injection:
+        constrained = [s for s in decode if s.grammar is not None]
+        if self._drafter is None and not self.options.fault_injection and not constrained:
             return {}
+        forced: dict[Sequence, Draft] = {}
         proposals: list[Draft] = []
         for seq in decode:
             limit = self._draft_limit(seq)
-            proposals.append(seq.draft_state.propose(limit) if seq.draft_state is not None and limit > 0 else Draft(()))
+            proposal = seq.draft_state.propose(limit) if seq.draft_state is not None and limit > 0 else Draft(())
+            if seq.grammar is not None:
+                proposal, jump = self._grammar_draft(seq, proposal)
+                if jump.token_ids:
+                    forced[seq] = jump
+                    proposal = Draft(())
+            proposals.append(proposal)
         available = [len(d.token_ids) for d in proposals]
         lengths = (
             choose_draft_lengths(
@@ -590,7 +611,7 @@ class Scheduler:
             if self.options.adaptive_draft_length
             else available
         )
-        drafts: dict[Sequence, Draft] = {}
+        drafts: dict[Sequence, Draft] = dict(forced)
         for seq, draft, k in zip(decode, proposals, lengths):
             if k:
                 drafts[seq] = Draft(draft.token_ids[:k], None if draft.probs is None else draft.probs[:k])
@@ -600,7 +621,22 @@ class Scheduler:
                 drafts[seq] = Draft((0,))
         return drafts
 
-    def _draft_limit(self, seq: Sequence) -> int:
+    def _grammar_draft(self, seq: Sequence, proposal: Draft) -> tuple[Draft, Draft]:
+        """A constrained row's drafts: (the drafter's proposal cut at its first token the grammar
+        refuses, the tokens the grammar forces from here). Forced tokens have p = 1 under the
+        mask, so they are always accepted: proposed whole, past the draft-length model."""
+        assert seq.grammar is not None
+        if self.options.jump_forward:
+            room = self._draft_limit(seq, JUMP_FORWARD_TOKENS)
+            forced = seq.grammar.forced_tokens()[:room]
+            if forced:
+                return Draft(()), Draft(tuple(forced))
+        valid = seq.grammar.valid_prefix(proposal.token_ids)
+        if valid < len(proposal.token_ids):
+            proposal = Draft(proposal.token_ids[:valid], None if proposal.probs is None else proposal.probs[:valid])
+        return proposal, Draft(())
+
+    def _draft_limit(self, seq: Sequence, most: int | None = None) -> int:
         if seq.fell_back:
             return 0
         params = seq.request.params
@@ -608,7 +644,7 @@ class Scheduler:
         return max(
             0,
             min(
-                self.draft_tokens,
+                self.draft_tokens if most is None else most,
                 params.max_tokens - seq.num_output_tokens - 1,
                 self.max_context - len(seq.tokens) - 1,
             ),
@@ -877,6 +913,12 @@ class Scheduler:
             if seq.num_output_tokens + len(kept) >= params.max_tokens or len(seq.tokens) + len(kept) >= self.max_context:
                 reason = "length"
                 break
+        if seq.grammar is not None:
+            if not seq.grammar.accept(kept):
+                self._fail(seq, grammar_failure(seq.grammar.error))
+                return 0
+            if reason is None and seq.grammar.finished:
+                reason = "stop"  # the answer is complete: only its end may follow
         seq.tokens.extend(kept)
         if seq.draft_state is not None and kept:
             seq.draft_state.extend(kept)
@@ -963,6 +1005,7 @@ class Scheduler:
             stop_matcher=StopStringMatcher(request.params.stop),
             draft_state=self._drafter.new_state(request.prompt_token_ids) if self._drafter is not None else None,
             index=index,
+            grammar=GrammarState(request.grammar) if request.grammar is not None else None,
         )
 
     def _retry_after_s(self) -> float:

@@ -11,6 +11,7 @@ from flare.engine.tokenizer import IncrementalDetokenizer
 from flare.scheduler.draft_length import AcceptanceEstimate
 from flare.scheduler.request import GenerationRequest, RequestFailure, RequestStream, TokenLogprob
 from flare.scheduler.stop_strings import StopStringMatcher
+from flare.structured import GrammarState
 
 
 class SequenceState(enum.Enum):
@@ -60,6 +61,7 @@ class Sequence:
     preemptions: int = 0
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.., as scored
     emitted: bool = False  # a first delta was put (it carries the prompt's log-probabilities)
+    grammar: GrammarState | None = None  # where this choice's answer is in its grammar
 
     def __post_init__(self) -> None:
         if not self.tokens:

@@ -210,3 +210,26 @@ def test_sample_round_with_mask_bias_and_logprobs_on_triton_equals_twin(shards: 
     assert torch.equal(kernel.logprobs.top_ids, twin.logprobs.top_ids)
     torch.testing.assert_close(kernel.logprobs.top_logprobs, twin.logprobs.top_logprobs, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(kernel.logprobs.logprob, twin.logprobs.logprob, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_forced_draft_is_accepted_when_the_mask_empties_whole_shards(backend: str) -> None:
+    """A grammar that forces one token leaves most shards without an allowed token: their
+    statistics must hold no mass (not NaN), so the forced draft has p = 1 and is accepted."""
+    vocab = 400
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(30))
+    allowed = torch.zeros(2, vocab, dtype=torch.bool)
+    allowed[0, 7] = True  # forced at the draft's position
+    allowed[1, 300:310] = True
+    results = [
+        sample_round(
+            logits, torch.tensor([1]), torch.tensor([[7]]), None,
+            make_batch([SamplingParams(temperature=1.0)], seeds=[seed]),
+            vocab_shards=4, backend=backend, token_mask=bitmask(allowed), num_logprobs=2,
+        )
+        for seed in range(20)
+    ]
+    for result in results:
+        assert int(result.status[0]) == 0 and int(result.num_emitted[0]) == 2
+        assert int(result.tokens[0, 0]) == 7 and 300 <= int(result.tokens[0, 1]) < 310
+        assert float(result.logprobs.logprob[0, 0]) == pytest.approx(0.0, abs=1e-6)
