@@ -60,6 +60,7 @@ from flare.daemon.origins import browser_origin_refused, loopback_host_refused, 
 from flare.daemon.sse import DONE, SSE_HEADERS, sse_data
 from flare.daemon.state import Phase, ServingState
 from flare.engine.tokenizer import ChatTemplateError
+from flare.structured import Grammar, GrammarError, GrammarSpec
 from flare.kernels.status import DeviceStatus
 from flare.scheduler.errors import Draining, PromptTooLong, QueueFull, TooManyChoices
 from flare.scheduler.request import (
@@ -95,6 +96,10 @@ STATE = web.AppKey("state", ServingState)
 # Tokenizing runs in worker threads with the GIL released; at most this many at once, so a
 # flood of long prompts queues here instead of holding a thread (and its text) each.
 TOKENIZING = web.AppKey("tokenizing", anyio.CapacityLimiter)
+# Grammars compile in worker threads too (llguidance drops the GIL), a few at once, so a flood of
+# new schemas queues here and never holds the tokenizer's threads or the event loop.
+COMPILING = web.AppKey("compiling", anyio.CapacityLimiter)
+COMPILE_TIMEOUT_S = 10.0
 REQUEST_ID = web.RequestKey("request_id", str)
 
 
@@ -135,6 +140,7 @@ def create_app(config: DaemonConfig, state: ServingState) -> web.Application:
     app[SETTINGS] = ApiSettings(config)
     app[STATE] = state
     app[TOKENIZING] = anyio.CapacityLimiter(_cpus())
+    app[COMPILING] = anyio.CapacityLimiter(2)
     app.on_response_prepare.append(_add_request_id)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)
@@ -335,8 +341,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         # The package's template refused the conversation (for example roles out of order).
         raise bad_request(str(error), param="messages") from None
     shape = ChatCompletionShape(_new_id("chatcmpl"), int(time.time()), parsed.model, parsed.include_usage)
+    grammar = await _compile(request, scheduler, parsed.constraint)
     return await _generate(
-        request, scheduler, prompt_ids, "messages", parsed.sampling, parsed.stream, shape, parsed.n, parsed.tokens
+        request, scheduler, prompt_ids, "messages", parsed.sampling, parsed.stream, shape, parsed.n, parsed.tokens,
+        grammar=grammar,
     )
 
 
@@ -353,9 +361,34 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise bad_request("prompt is empty; send at least one token of text", param="prompt")
     shape = TextCompletionShape(_new_id("cmpl"), int(time.time()), parsed.model, parsed.include_usage)
     echo = _Echo(parsed.prompt, tuple(prompt_ids)) if parsed.tokens.echo else None
+    grammar = await _compile(request, scheduler, parsed.constraint)
     return await _generate(
-        request, scheduler, prompt_ids, "prompt", parsed.sampling, parsed.stream, shape, parsed.n, parsed.tokens, echo
+        request, scheduler, prompt_ids, "prompt", parsed.sampling, parsed.stream, shape, parsed.n, parsed.tokens, echo,
+        grammar=grammar,
     )
+
+
+async def _compile(request: web.Request, scheduler: Scheduler, spec: GrammarSpec | None) -> Grammar | None:
+    """The request's grammar, compiled off the event loop (or found in the cache), within
+    COMPILE_TIMEOUT_S; a 400 naming the field for one that cannot be served."""
+    if spec is None:
+        return None
+    if scheduler.grammars is None:
+        raise bad_request(f"{spec.param}: this server does not serve structured output", param=spec.param)
+    grammars = scheduler.grammars
+    try:
+        with anyio.fail_after(COMPILE_TIMEOUT_S):
+            return await anyio.to_thread.run_sync(grammars.compile, spec, limiter=request.app[COMPILING])
+    except GrammarError as error:
+        raise bad_request(f"{error.param}: {error.message}", param=error.param, code="invalid_grammar") from None
+    except TimeoutError:
+        # The compile goes on in its thread until llguidance's own limits end it; the request
+        # does not wait for it.
+        raise bad_request(
+            f"{spec.param}: compiling it took longer than {COMPILE_TIMEOUT_S:g} s; simplify it",
+            param=spec.param,
+            code="invalid_grammar",
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -461,6 +494,8 @@ async def _generate(
     n: int = 1,
     token_options: TokenOptions = TokenOptions(),
     echo: _Echo | None = None,
+    *,
+    grammar: Grammar | None = None,
 ) -> web.StreamResponse:
     config = request.app[SETTINGS].config
     check_logit_bias(token_options.logit_bias, scheduler.vocab_size)
@@ -485,6 +520,7 @@ async def _generate(
         n=n,
         logprobs=token_options.logprobs,
         prompt_logprobs=token_options.logprobs if scores_prompt else None,
+        grammar=grammar,
     )
     tokens = _Tokens(token_options.logprobs, echo, TokenRenderer(scheduler.tokenizer.token_bytes))
     events = _submit(scheduler, generation, prompt_param)

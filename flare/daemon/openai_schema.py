@@ -22,11 +22,13 @@ from typing import Any
 
 from flare.daemon.errors import ApiError, bad_request
 from flare.sampling.validation import SAMPLING_FIELDS, InvalidParameter, validate_request_sampling
+from flare.structured.compiler import MAX_CHOICES as MAX_GRAMMAR_CHOICES
+from flare.structured.spec import GrammarSpec
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
-_COMMON = frozenset({"model", "stream", "stream_options", *SAMPLING_FIELDS, *_IGNORED})
+_COMMON = frozenset({"model", "stream", "stream_options", "structured_outputs", *SAMPLING_FIELDS, *_IGNORED})
 _CHAT_FIELDS = _COMMON | {
     "messages", "n", "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice",
     "functions", "function_call", "response_format",
@@ -61,6 +63,7 @@ class ChatCompletionRequest:
     sampling: Mapping[str, Any]  # validated raw sampling fields (validate_request_sampling)
     n: int = 1  # choices sampled independently from the one prompt
     tokens: TokenOptions = TokenOptions()
+    constraint: GrammarSpec | None = None  # response_format or structured_outputs
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class CompletionRequest:
     sampling: Mapping[str, Any]
     n: int = 1
     tokens: TokenOptions = TokenOptions()
+    constraint: GrammarSpec | None = None  # structured_outputs
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -159,7 +163,15 @@ def parse_chat_completion(body: Mapping[str, Any]) -> ChatCompletionRequest:
     messages = _messages(body.get("messages"))
     stream, include_usage = _streaming(body)
     tokens = TokenOptions(logprobs=_chat_logprobs(body), logit_bias=_logit_bias(body))
-    return ChatCompletionRequest(model, messages, stream, include_usage, _sampling(body), _choices(body), tokens)
+    constraint = _response_format(body.get("response_format"))
+    extension = _structured_outputs(body.get("structured_outputs"))
+    if constraint is not None and extension is not None:
+        raise bad_request(
+            "send either response_format or structured_outputs, not both", param="structured_outputs"
+        )
+    return ChatCompletionRequest(
+        model, messages, stream, include_usage, _sampling(body), _choices(body), tokens, constraint or extension
+    )
 
 
 def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:
@@ -176,7 +188,10 @@ def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:
         logprobs = _count("logprobs", logprobs, MAX_TOP_LOGPROBS)
     tokens = TokenOptions(logprobs=logprobs, echo=bool(echo), logit_bias=_logit_bias(body))
     stream, include_usage = _streaming(body)
-    return CompletionRequest(model, _prompt(body.get("prompt")), stream, include_usage, _sampling(body), n, tokens)
+    constraint = _structured_outputs(body.get("structured_outputs"))
+    return CompletionRequest(
+        model, _prompt(body.get("prompt")), stream, include_usage, _sampling(body), n, tokens, constraint
+    )
 
 
 def _check_fields(body: Mapping[str, Any], known: frozenset[str]) -> None:
@@ -298,14 +313,101 @@ def _unsupported_chat_features(body: Mapping[str, Any]) -> None:
         _only(body, field, (None, []), f"{field} (function calling) are not supported; leave {field} out")
     for field in ("tool_choice", "function_call"):
         _only(body, field, (None, "none", "auto"), f"{field} is not supported, as tools are not; leave it out")
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        kind = response_format.get("type") if isinstance(response_format, dict) else None
+
+
+_SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _response_format(value: Any) -> GrammarSpec | None:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+    where = "response_format"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request(f"{where} must be an object with a type, got {_kind(value)}", param=where)
+    kind = value.get("type")
+    if kind == "text":
+        _no_other_keys(value, {"type"}, where)
+        return None
+    if kind == "json_object":
+        _no_other_keys(value, {"type"}, where)
+        return GrammarSpec.json_schema({"type": "object"}, where)
+    if kind != "json_schema":
         raise bad_request(
-            f"response_format {kind!r} (structured output) is not supported; "
-            'send {"type": "text"} or leave response_format out',
-            param="response_format",
+            f"{where}.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", param=f"{where}.type"
         )
+    _no_other_keys(value, {"type", "json_schema"}, where)
+    spec = value.get("json_schema")
+    where = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise bad_request(f"{where} must be an object with name and schema, got {_kind(spec)}", param=where)
+    _no_other_keys(spec, {"name", "schema", "strict", "description"}, where)
+    name = spec.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.match(name):
+        raise bad_request(
+            f"{where}.name must be 1 to 64 letters, digits, underscores or dashes, got {name!r}", param=f"{where}.name"
+        )
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request(f"{where}.strict must be true or false, got {_kind(strict)}", param=f"{where}.strict")
+    description = spec.get("description")
+    if description is not None and not isinstance(description, str):
+        raise bad_request(f"{where}.description must be a string", param=f"{where}.description")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise bad_request(f"{where}.schema must be a JSON schema object, got {_kind(schema)}", param=f"{where}.schema")
+    # strict or not, the answer is held to the schema: a grammar is never "best effort".
+    return GrammarSpec.json_schema(schema, f"{where}.schema")
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _structured_outputs(value: Any) -> GrammarSpec | None:
+    """flare's extension, named as vLLM's `structured_outputs`: exactly one of json (a JSON
+    schema), regex, choice (a list of strings), grammar (Lark) or json_object (true)."""
+    where = "structured_outputs"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request(f"{where} must be an object, got {_kind(value)}", param=where)
+    _no_other_keys(value, set(STRUCTURED_KINDS), where)
+    given = [key for key in STRUCTURED_KINDS if value.get(key) not in (None, False)]
+    if len(given) != 1:
+        raise bad_request(
+            f"{where} must set exactly one of {', '.join(STRUCTURED_KINDS)}; it sets {len(given)}", param=where
+        )
+    kind = given[0]
+    item = value[kind]
+    param = f"{where}.{kind}"
+    if kind == "json_object":
+        if item is not True:
+            raise bad_request(f"{param} must be true", param=param)
+        return GrammarSpec.json_schema({"type": "object"}, param)
+    if kind == "json":
+        if isinstance(item, str):
+            try:
+                item = json.loads(item)
+            except ValueError:
+                raise bad_request(f"{param} must be a JSON schema (an object, or its JSON text)", param=param) from None
+        if not isinstance(item, dict):
+            raise bad_request(f"{param} must be a JSON schema object, got {_kind(item)}", param=param)
+        return GrammarSpec.json_schema(item, param)
+    if kind == "choice":
+        if not isinstance(item, list) or not item or not all(isinstance(c, str) and c for c in item):
+            raise bad_request(f"{param} must be a non-empty list of non-empty strings", param=param)
+        if len(item) > MAX_GRAMMAR_CHOICES:
+            raise bad_request(f"{param} has {len(item)} choices; at most {MAX_GRAMMAR_CHOICES} are allowed", param=param)
+        return GrammarSpec("choice", json.dumps(item), param)
+    if not isinstance(item, str) or not item:
+        raise bad_request(f"{param} must be a non-empty string, got {_kind(item)}", param=param)
+    return GrammarSpec("regex" if kind == "regex" else "lark", item, param)
+
+
+def _no_other_keys(value: Mapping[str, Any], known: set[str], where: str) -> None:
+    for key in value:
+        if key not in known:
+            raise bad_request(f"{where} has an unrecognized field {key!r}", param=f"{where}.{key}")
 
 
 def _only(body: Mapping[str, Any], field: str, allowed: tuple[Any, ...], message: str) -> None:

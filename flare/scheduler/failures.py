@@ -55,12 +55,14 @@ def shutdown_failure() -> RequestFailure:
     )
 
 
-def grammar_failure(error: str | None) -> RequestFailure:
-    """A choice's grammar refused a token its own mask allowed: a fault of the server (the mask
-    and the grammar disagree), not of the request; 502 like an invalid device result."""
+def grammar_failure(error: str | None, param: str) -> RequestFailure:
+    """A choice's grammar could not go on: llguidance stops a grammar whose next step passes its
+    limits (a lexer or parser too complex for the text so far) and then refuses every token.
+    The request's constraint is what cannot be served: 422 naming its field."""
     return RequestFailure(
         code="grammar_error",
-        message=f"the answer left its grammar ({error or 'a token outside the grammar'}); this is a server fault",
-        http_status=502,
-        type="server_error",
+        message=f"{param}: the answer could not follow the constraint ({(error or 'no token allowed')[:300]})",
+        http_status=422,
+        type="invalid_request_error",
+        param=param,
     )

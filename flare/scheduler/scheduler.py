@@ -915,7 +915,7 @@ class Scheduler:
                 break
         if seq.grammar is not None:
             if not seq.grammar.accept(kept):
-                self._fail(seq, grammar_failure(seq.grammar.error))
+                self._fail(seq, grammar_failure(seq.grammar.error, seq.grammar.grammar.spec.param))
                 return 0
             if reason is None and seq.grammar.finished:
                 reason = "stop"  # the answer is complete: only its end may follow
