@@ -59,6 +59,7 @@ from flare.daemon.openai_schema import (
 from flare.daemon.origins import browser_origin_refused, loopback_host_refused, origin_allowed
 from flare.daemon.sse import DONE, SSE_HEADERS, sse_data
 from flare.daemon.state import Phase, ServingState
+from flare.daemon.tool_calls import ToolCallReader, render_messages
 from flare.engine.tokenizer import ChatTemplateError
 from flare.structured import Grammar, GrammarError, GrammarSpec
 from flare.kernels.status import DeviceStatus
@@ -330,11 +331,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     scheduler = state.require_scheduler()
     check_model(parsed.model, state.model_name or "")
-    _check_prompt_size(scheduler, sum(len(m["content"]) for m in parsed.messages), "messages")
+    messages = parsed.messages
+    if parsed.tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+        messages = tuple(render_messages(messages, parsed.tools))
+    _check_prompt_size(scheduler, sum(len(m["content"]) for m in messages), "messages")
     special = request.app[SETTINGS].config.allow_special_tokens_in_messages
     try:
         prompt_ids = await anyio.to_thread.run_sync(
-            partial(scheduler.tokenizer.encode_chat, parsed.messages, special_tokens_in_content=special),
+            partial(scheduler.tokenizer.encode_chat, messages, special_tokens_in_content=special),
             limiter=request.app[TOKENIZING],
         )
     except ChatTemplateError as error:
@@ -345,6 +349,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(
         request, scheduler, prompt_ids, "messages", parsed.sampling, parsed.stream, shape, parsed.n, parsed.tokens,
         grammar=grammar,
+        tools=parsed.tools is not None and parsed.tools.calls_possible,
     )
 
 
@@ -406,6 +411,7 @@ class _Tokens:
     logprobs: int | None
     echo: _Echo | None
     renderer: TokenRenderer
+    tools: bool = False  # the answer may be tool calls (chat with tools)
 
     def entries(self, event: TextDelta) -> list[RenderedToken] | None:
         if self.logprobs is None:
@@ -496,6 +502,7 @@ async def _generate(
     echo: _Echo | None = None,
     *,
     grammar: Grammar | None = None,
+    tools: bool = False,
 ) -> web.StreamResponse:
     config = request.app[SETTINGS].config
     check_logit_bias(token_options.logit_bias, scheduler.vocab_size)
@@ -522,7 +529,7 @@ async def _generate(
         prompt_logprobs=token_options.logprobs if scores_prompt else None,
         grammar=grammar,
     )
-    tokens = _Tokens(token_options.logprobs, echo, TokenRenderer(scheduler.tokenizer.token_bytes))
+    tokens = _Tokens(token_options.logprobs, echo, TokenRenderer(scheduler.tokenizer.token_bytes), tools)
     events = _submit(scheduler, generation, prompt_param)
     generated = request[GENERATED] = Generated(time.perf_counter())
     state = request.app[STATE]
@@ -651,6 +658,7 @@ async def _stream(
     # for the prompt's entries, which come with each choice's first delta.
     echo_now = tokens.echo is not None and tokens.logprobs is None
     offsets = [0] * n  # characters of each choice written so far (completions' text_offset)
+    readers = [ToolCallReader(tokens.tools) for _ in range(n)]
     for index in range(n):
         first = shape.first_chunk(index)
         if index == 0:
@@ -670,13 +678,19 @@ async def _stream(
                 await response.write(sse_data(chunk))
                 offsets[event.index] += len(tokens.echo.text)
             entries = tokens.entries(event)
-            if event.text or entries:
-                chunk = shape.text_chunk(event.text, event.index, entries, offsets[event.index])
+            text, calls = readers[event.index].push(event.text)
+            if text or entries:
+                chunk = shape.text_chunk(text, event.index, entries, offsets[event.index])
                 await response.write(sse_data(chunk))
-                offsets[event.index] += len(event.text)
+                offsets[event.index] += len(text)
+            if calls and isinstance(shape, ChatCompletionShape):
+                first = len(readers[event.index].calls) - len(calls)
+                deltas = [call.to_json(first + k) for k, call in enumerate(calls)]
+                await response.write(sse_data(shape.tool_calls_chunk(deltas, event.index)))
             continue
         if isinstance(event, Finished):
-            final = shape.final_chunk(event.reason, event.index)
+            reason = "tool_calls" if readers[event.index].called and event.reason == "stop" else event.reason
+            final = shape.final_chunk(reason, event.index)
             if event.fell_back:
                 final["flare"] = {"fell_back": True}
             await response.write(sse_data(final))
@@ -733,10 +747,13 @@ async def _collect(
             continue
         usage = _request_usage(list(finished.values()))
         _log_end(event, generated, usage)
-        choices = [
-            ChoiceText("".join(texts[i]), finished[i].reason, entries[i] if tokens.logprobs is not None else None)
-            for i in range(n)
-        ]
+        choices = []
+        for i in range(n):
+            reader = ToolCallReader(tokens.tools)
+            text, _ = reader.push("".join(texts[i]))
+            reason = "tool_calls" if reader.called and finished[i].reason == "stop" else finished[i].reason
+            calls = [call.to_json() for call in reader.calls] if reader.called else None
+            choices.append(ChoiceText(text, reason, entries[i] if tokens.logprobs is not None else None, calls))
         body = shape.body(choices, usage)
         body["flare"] = {**flare, "fell_back": any(f.fell_back for f in finished.values())}
         return web.json_response(body, headers=headers)

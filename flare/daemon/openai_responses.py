@@ -127,6 +127,7 @@ class ChoiceText:
     text: str
     finish_reason: str
     logprobs: list[RenderedToken] | None = field(default=None)
+    tool_calls: list[dict[str, Any]] | None = field(default=None)  # then text is None in the body
 
 
 def _envelope(shape: ChatCompletionShape | TextCompletionShape, object_name: str, choices: list[Any]) -> dict[str, Any]:
@@ -174,6 +175,10 @@ class ChatCompletionShape:
     def final_chunk(self, finish_reason: str, index: int = 0) -> dict[str, Any]:
         return self._chunk({}, finish_reason, index)
 
+    def tool_calls_chunk(self, calls: list[dict[str, Any]], index: int = 0) -> dict[str, Any]:
+        """A delta of whole calls, each with its `index` among the choice's calls."""
+        return self._chunk({"tool_calls": calls}, None, index)
+
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return {**_envelope(self, "chat.completion.chunk", []), "usage": usage_json(usage)}
 
@@ -181,7 +186,7 @@ class ChatCompletionShape:
         bodies = [
             {
                 "index": index,
-                "message": {"role": "assistant", "content": choice.text},
+                "message": _message(choice),
                 "logprobs": None if choice.logprobs is None else chat_logprobs(choice.logprobs),
                 "finish_reason": choice.finish_reason,
             }
@@ -231,6 +236,12 @@ class TextCompletionShape:
             for index, choice in enumerate(choices)
         ]
         return {**_envelope(self, "text_completion", bodies), "usage": usage_json(usage)}
+
+
+def _message(choice: ChoiceText) -> dict[str, Any]:
+    if choice.tool_calls:
+        return {"role": "assistant", "content": choice.text or None, "tool_calls": choice.tool_calls}
+    return {"role": "assistant", "content": choice.text}
 
 
 def _text_choice(text: str, finish_reason: str | None, index: int, logprobs: Any = None) -> dict[str, Any]:

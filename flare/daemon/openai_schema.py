@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flare.daemon.errors import ApiError, bad_request
+from flare.daemon.tool_calls import ToolRequest, parse_tools, tool_grammar
 from flare.sampling.validation import SAMPLING_FIELDS, InvalidParameter, validate_request_sampling
 from flare.structured.compiler import MAX_CHOICES as MAX_GRAMMAR_CHOICES
 from flare.structured.spec import GrammarSpec
@@ -57,13 +58,14 @@ class TokenOptions:
 @dataclass(frozen=True)
 class ChatCompletionRequest:
     model: str
-    messages: tuple[Mapping[str, str], ...]  # {"role", "content"} with content as plain text
+    messages: tuple[Mapping[str, Any], ...]  # {"role", "content"} with content as plain text (+ tool fields)
     stream: bool
     include_usage: bool
     sampling: Mapping[str, Any]  # validated raw sampling fields (validate_request_sampling)
     n: int = 1  # choices sampled independently from the one prompt
     tokens: TokenOptions = TokenOptions()
     constraint: GrammarSpec | None = None  # response_format or structured_outputs
+    tools: ToolRequest | None = None
 
 
 @dataclass(frozen=True)
@@ -169,8 +171,17 @@ def parse_chat_completion(body: Mapping[str, Any]) -> ChatCompletionRequest:
         raise bad_request(
             "send either response_format or structured_outputs, not both", param="structured_outputs"
         )
+    tools = parse_tools(body)
+    if tools is not None and tools.calls_possible and (constraint or extension) is not None:
+        raise bad_request(
+            "tools and a response constraint cannot be combined: the answer is either text, calls, or the constraint; "
+            'send tool_choice "none" or leave the constraint out',
+            param="tools",
+        )
+    if tools is not None and tools.calls_possible:
+        constraint = tool_grammar(tools)
     return ChatCompletionRequest(
-        model, messages, stream, include_usage, _sampling(body), _choices(body), tokens, constraint or extension
+        model, messages, stream, include_usage, _sampling(body), _choices(body), tokens, constraint or extension, tools
     )
 
 
@@ -309,10 +320,8 @@ def check_logit_bias(bias: tuple[tuple[int, float], ...], vocab_size: int) -> No
 
 
 def _unsupported_chat_features(body: Mapping[str, Any]) -> None:
-    for field in ("tools", "functions"):
-        _only(body, field, (None, []), f"{field} (function calling) are not supported; leave {field} out")
-    for field in ("tool_choice", "function_call"):
-        _only(body, field, (None, "none", "auto"), f"{field} is not supported, as tools are not; leave it out")
+    _only(body, "functions", (None, []), "functions (the deprecated functions API) are not supported; use tools")
+    _only(body, "function_call", (None, "none", "auto"), "function_call is not supported; use tools and tool_choice")
 
 
 _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -417,7 +426,7 @@ def _only(body: Mapping[str, Any], field: str, allowed: tuple[Any, ...], message
         raise bad_request(message, param=field)
 
 
-def _messages(messages: Any) -> tuple[Mapping[str, str], ...]:
+def _messages(messages: Any) -> tuple[Mapping[str, Any], ...]:
     if messages is None:
         raise bad_request("messages is required: a list of {role, content} objects", param="messages")
     if not isinstance(messages, list):
@@ -429,18 +438,52 @@ def _messages(messages: Any) -> tuple[Mapping[str, str], ...]:
     return tuple(_message(i, message) for i, message in enumerate(messages))
 
 
-def _message(index: int, message: Any) -> Mapping[str, str]:
+def _message(index: int, message: Any) -> Mapping[str, Any]:
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise bad_request(f"{where} must be an object with role and content, got {_kind(message)}", param=where)
     role = message.get("role")
-    if role in ("tool", "function") or message.get("tool_calls") or message.get("function_call"):
-        raise bad_request(f"{where}: tool and function messages are not supported (tools are not)", param=where)
+    if role == "function" or message.get("function_call"):
+        raise bad_request(
+            f"{where}: function messages (the deprecated functions API) are not supported; use tools", param=where
+        )
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise bad_request(f"{where}.tool_call_id is required on a tool message", param=f"{where}.tool_call_id")
+        return {"role": "tool", "content": _content(f"{where}.content", message.get("content", ...)), "tool_call_id": call_id}
     if not isinstance(role, str) or role not in CHAT_ROLES:
         raise bad_request(
-            f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", param=f"{where}.role"
+            f"{where}.role must be one of {', '.join([*CHAT_ROLES, 'tool'])}, got {role!r}", param=f"{where}.role"
         )
+    calls = message.get("tool_calls")
+    if calls is not None and calls != []:
+        if role != "assistant":
+            raise bad_request(f"{where}: only assistant messages carry tool_calls", param=f"{where}.tool_calls")
+        content = message.get("content")
+        text = "" if content is None else _content(f"{where}.content", content)
+        return {"role": "assistant", "content": text, "tool_calls": _tool_calls(f"{where}.tool_calls", calls)}
     return {"role": CHAT_ROLES[role], "content": _content(f"{where}.content", message.get("content", ...))}
+
+
+def _tool_calls(where: str, calls: Any) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise bad_request(f"{where} must be a list of tool calls", param=where)
+    parsed = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(function, dict):
+            raise bad_request(f'{at} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}', param=at)
+        if not isinstance(call.get("id"), str):
+            raise bad_request(f"{at}.id must be a string", param=f"{at}.id")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise bad_request(f"{at}.function.name must be a non-empty string", param=f"{at}.function.name")
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            raise bad_request(f"{at}.function.arguments must be a string of JSON", param=f"{at}.function.arguments")
+        parsed.append({"id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": arguments}})
+    return parsed
 
 
 def _content(where: str, content: Any) -> str:
