@@ -3,13 +3,13 @@
 What is accepted: the fields of OpenAI's chat completions and (legacy) completions requests
 that a text-only server can honour, plus the sampling extensions top_k, min_p and
 repetition_penalty (as vLLM accepts them), `n` choices (`best_of` equal to `n`), `logit_bias`,
-`logprobs`/`top_logprobs` (chat) and `logprobs`/`echo` (completions). Fields that ask for
-something flare does not do (tools, structured output, picking the best of more choices than
-are returned) get a 400 naming the field. Fields that change nothing about the answer are
-accepted and ignored: `user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`, and
-the "off" values of the unsupported ones (`tools: []`, `tool_choice: "none"`,
-`response_format: {"type": "text"}`). Any other field is rejected as unrecognized, as OpenAI
-does, so a misspelt parameter never silently does nothing.
+`logprobs`/`top_logprobs` (chat) and `logprobs`/`echo` (completions), `response_format` (chat)
+and flare's `structured_outputs` extension (both), and tools (chat: `tools`, `tool_choice`,
+`parallel_tool_calls`, tool messages; tool_calls.py). Fields that ask for something flare does
+not do (the deprecated functions API, picking the best of more choices than are returned) get a
+400 naming the field. Fields that change nothing about the answer are accepted and ignored:
+`user`, `metadata`, `store`, `service_tier`. Any other field is rejected as unrecognized, as
+OpenAI does, so a misspelt parameter never silently does nothing.
 """
 
 from __future__ import annotations
@@ -252,9 +252,8 @@ def _best_of(body: Mapping[str, Any], n: int) -> None:
         raise bad_request(f"best_of ({best_of}) must be at least n ({n})", param="best_of")
     if best_of > n:
         raise bad_request(
-            f"best_of {best_of} > n {n} is not supported: choosing the best choices needs their log "
-            "probabilities, which this server does not compute; send best_of equal to n (or leave it out) "
-            "and pick among the n choices yourself",
+            f"best_of {best_of} > n {n} is not supported; send best_of equal to n (or leave it out) "
+            "with logprobs, and pick among the n choices by their log probabilities yourself",
             param="best_of",
         )
 
