@@ -8,11 +8,14 @@ engine, no HTTP), one measurement at a time, alternating the variants within eac
 slow patch of the shared machine falls on all of them; medians over --repeats.
 
 1. Free text against a JSON schema (nested object, strings, an enum, an array), greedy, at 1 and
-   32 concurrent streams: milliseconds of wall time per generated token, and the share of it the
-   token masks took (llguidance's mask calls, timed around the runner's mask step).
+   32 concurrent streams, without speculation and without jump-forward (so both produce one
+   token per round and only the mask's cost differs): milliseconds of wall time per generated
+   token, and the share of it the token masks took (llguidance's mask calls, timed around the
+   runner's mask step).
 2. Jump-forward on a schema with long key names (enums and booleans, so every answer completes):
-   rounds per answer and ms per token with forced tokens proposed as drafts and without
-   (`SchedulerOptions.jump_forward`), speculation otherwise as the package serves it.
+   rounds for the level (all its streams together) and ms per token with forced tokens proposed
+   as drafts and without (`SchedulerOptions.jump_forward`), n-gram speculation as the package
+   serves it in both.
 3. The mask alone: microseconds per position for 32 states of the schema of (1) inside a string
    value (most tokens allowed: the costly case), and the schema's compile time; with
    --compare-xgrammar also xgrammar's, when it is importable (it is not a dependency of flare:
@@ -225,7 +228,7 @@ def main() -> None:
                     )
         return mask_microbenchmark(scheduler), compile_ms(scheduler)
 
-    options = SchedulerOptions(max_concurrency=32)
+    options = SchedulerOptions(max_concurrency=32, draft_tokens=0, jump_forward=False)
     mask_us, compile_time = asyncio.run(run_scheduler(package, options, structured_vs_free))
 
     async def jump(scheduler: Scheduler) -> None:
@@ -255,14 +258,13 @@ def main() -> None:
         free, constrained = med(f"free@{streams}", "ms_per_token"), med(f"json_schema@{streams}", "ms_per_token")
         share = statistics.median(r.mask_seconds / r.seconds for r in results[f"json_schema@{streams}"])
         print(f"| {streams} | {free:.2f} | {constrained:.2f} | {constrained / free:.2f} | {100 * share:.1f}% |")
-    print("\n| streams | jump-forward rounds/answer | without | ms/token with | without |")
-    print("| --- | --- | --- | --- | --- |")
+    print("\n| streams | tokens | rounds with jump-forward | without | ms/token with | without | speed-up |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for streams in levels:
-        with_rounds = statistics.median(r.rounds / r.answers for r in results[f"jump_forward@{streams}"])
-        without_rounds = statistics.median(r.rounds / r.answers for r in results[f"no_jump_forward@{streams}"])
+        with_ms, without_ms = med(f"jump_forward@{streams}", "ms_per_token"), med(f"no_jump_forward@{streams}", "ms_per_token")
         print(
-            f"| {streams} | {with_rounds:.1f} | {without_rounds:.1f} | {med(f'jump_forward@{streams}', 'ms_per_token'):.2f} "
-            f"| {med(f'no_jump_forward@{streams}', 'ms_per_token'):.2f} |"
+            f"| {streams} | {med(f'jump_forward@{streams}', 'tokens'):.0f} | {med(f'jump_forward@{streams}', 'rounds'):.0f} "
+            f"| {med(f'no_jump_forward@{streams}', 'rounds'):.0f} | {with_ms:.2f} | {without_ms:.2f} | {without_ms / with_ms:.2f}x |"
         )
     print(f"\nllguidance: compile {compile_time:.1f} ms; mask {mask_us:.1f} us per position (32 states in a string)")
     if args.compare_xgrammar:

@@ -59,7 +59,7 @@ from flare.daemon.openai_schema import (
 from flare.daemon.origins import browser_origin_refused, loopback_host_refused, origin_allowed
 from flare.daemon.sse import DONE, SSE_HEADERS, sse_data
 from flare.daemon.state import Phase, ServingState
-from flare.daemon.tool_calls import ToolCallReader, render_messages
+from flare.daemon.tool_calls import ToolCallReader, render_messages, template_messages, template_tools
 from flare.engine.tokenizer import ChatTemplateError
 from flare.structured import Grammar, GrammarError, GrammarSpec
 from flare.kernels.status import DeviceStatus
@@ -332,13 +332,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     scheduler = state.require_scheduler()
     check_model(parsed.model, state.model_name or "")
     messages = parsed.messages
+    encode = partial(scheduler.tokenizer.encode_chat)
     if parsed.tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
-        messages = tuple(render_messages(messages, parsed.tools))
-    _check_prompt_size(scheduler, sum(len(m["content"]) for m in messages), "messages")
+        if scheduler.tokenizer.knows_tools:
+            messages = tuple(template_messages(messages))
+            encode = partial(scheduler.tokenizer.encode_chat, tools=template_tools(parsed.tools))
+        else:
+            messages = tuple(render_messages(messages, parsed.tools))
+    _check_prompt_size(scheduler, sum(len(m["content"] or "") for m in messages), "messages")
     special = request.app[SETTINGS].config.allow_special_tokens_in_messages
     try:
         prompt_ids = await anyio.to_thread.run_sync(
-            partial(scheduler.tokenizer.encode_chat, messages, special_tokens_in_content=special),
+            partial(encode, messages, special_tokens_in_content=special),
             limiter=request.app[TOKENIZING],
         )
     except ChatTemplateError as error:

@@ -13,8 +13,10 @@ whose chat template does not know tools (the default model's):
   parallel_tool_calls false allows one call. Each call's arguments are held to the function's
   parameters schema by the grammar (llguidance's %json), so they always validate.
 
-A package whose template knows tools (it names `tools`) gets the tools and the messages through
-its template instead; the answer is still read in the format above.
+A package whose template knows tools (it names `tools`, as Qwen's and Hermes' do) gets the
+functions and the conversation through its template instead, in Hugging Face's convention
+(`template_messages`, `template_tools`); the answer is still held to and read in the format
+above, the one those templates teach.
 """
 
 from __future__ import annotations
@@ -164,6 +166,34 @@ def render_messages(messages: Sequence[Mapping[str, Any]], tools: ToolRequest | 
         else:
             rendered.insert(0, {"role": "system", "content": preamble})
     return rendered
+
+
+def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation for a template that knows tools, in Hugging Face's convention: a call's
+    arguments as an object (templates write them with `tojson`), tool turns as they are."""
+    rendered = []
+    for message in messages:
+        if message.get("tool_calls"):
+            calls = [
+                {"id": c["id"], "type": "function",
+                 "function": {"name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])}}
+                for c in message["tool_calls"]
+            ]
+            rendered.append({**message, "tool_calls": calls})
+        else:
+            rendered.append(dict(message))
+    return rendered
+
+
+def template_tools(tools: ToolRequest | None) -> list[dict[str, Any]] | None:
+    """The functions as a template's `tools` variable (OpenAI's shape), or None when none is offered."""
+    if tools is None or not tools.calls_possible:
+        return None
+    offered = [t for t in tools.tools if tools.choice != "named" or t.name == tools.named]
+    return [
+        {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": dict(t.parameters)}}
+        for t in offered
+    ]
 
 
 def _arguments(text: str) -> Any:

@@ -102,6 +102,8 @@ class Tokenizer:
         self.eos_token_ids = tuple(eos_token_ids)
         self.bos_token_id = bos_token_id
         self._template = compile_chat_template(chat_template)
+        # A template that names `tools` renders function definitions and tool turns itself.
+        self.knows_tools = "tools" in chat_template
         # The special-token strings templates refer to, as transformers passes them.
         self._special_tokens: dict[str, str] = {"eos_token": backend.id_to_token(self.eos_token_ids[0])}
         if bos_token_id is not None:
@@ -189,12 +191,18 @@ class Tokenizer:
         except KeyError:  # not a byte-level token (a SentencePiece-style vocabulary)
             return token.replace("\u2581", " ").encode("utf-8")
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text of a conversation; raises `ChatTemplateError` when rendering fails."""
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text of a conversation (and of the functions it may call, for a template
+        that knows tools); raises `ChatTemplateError` when rendering fails."""
         try:
             return self._template.render(
                 messages=[dict(message) for message in messages],
-                tools=None,
+                tools=list(tools) if tools else None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self._special_tokens,
@@ -212,6 +220,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         *,
         special_tokens_in_content: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Prompt ids of a conversation. The template writes any BOS itself, so none is added
         (as transformers' apply_chat_template(tokenize=True) does).
@@ -223,9 +232,11 @@ class Tokenizer:
         tokenizer splits its input at special tokens and tokenizes the pieces apart anyway).
         `special_tokens_in_content=True` restores reading them as control tokens."""
         if special_tokens_in_content or self._control_pattern is None:
-            return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
-        escaped = [{**message, "content": self._escape(message["content"])} for message in messages]
-        rendered = self.render_chat(escaped, add_generation_prompt)
+            return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
+        # Every string a client sent is text: content, and the tool calls and tool definitions
+        # a template may write out.
+        escaped = [self._escape_all(dict(message)) for message in messages]
+        rendered = self.render_chat(escaped, add_generation_prompt, self._escape_all(list(tools)) if tools else None)
         # Text and the control tokens the template wrote, alternating (text first and last).
         pieces: list[str] = []
         start = 0
@@ -256,6 +267,14 @@ class Tokenizer:
             if token.rstrip:
                 texts[after] = texts[after].lstrip()
         return texts
+
+    def _escape_all(self, value: Any) -> Any:
+        """`_escape` of every string in nested dicts and lists (keys too)."""
+        if isinstance(value, dict):
+            return {self._escape(k): self._escape_all(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._escape_all(v) for v in value]
+        return self._escape(value)
 
     def _escape(self, content: Any) -> Any:
         if not isinstance(content, str):

@@ -51,6 +51,7 @@ class FakeTokenizer:
     """One token per character, so prompt lengths are easy to control."""
 
     eos_token_ids = (0,)
+    knows_tools = False
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]
