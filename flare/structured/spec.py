@@ -11,7 +11,7 @@ GrammarKind = Literal["json_schema", "regex", "lark", "choice"]
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """One constraint: `kind` and its `source` (a JSON schema as canonical JSON text, a regular
+    """One constraint: `kind` and its `source` (a JSON schema as compact JSON text, a regular
     expression, a Lark grammar, or a JSON list of the allowed strings). `param` names the request
     field it came from, for errors."""
 
@@ -21,8 +21,9 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: Any, param: str) -> GrammarSpec:
-        # Canonical text: one cache entry per schema, however the client ordered its keys.
-        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")), param)
+        # Compact text, keys in the client's order: an object's properties are generated in the
+        # order the schema lists them, as OpenAI does, so the order is part of the schema.
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")), param)
 
     @property
     def cache_key(self) -> tuple[str, str]:
