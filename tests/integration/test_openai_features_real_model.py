@@ -40,7 +40,7 @@ class Person(BaseModel):
 
 class Sentiment(BaseModel):
     label: Colour
-    confidence: float = Field(ge=0, le=1)
+    stars: int = Field(ge=1, le=5)
 
 
 WEATHER = {
