@@ -47,6 +47,7 @@ from flare.daemon.openai_responses import (
     TextCompletionShape,
     TokenRenderer,
     flare_object,
+    logprobs_object,
 )
 from flare.daemon.openai_schema import (
     TokenOptions,
@@ -531,6 +532,7 @@ async def _generate(
         fault=_fault(request, config),
         n=n,
         logprobs=token_options.logprobs,
+        raw_logprobs=token_options.raw_logprobs,
         prompt_logprobs=token_options.logprobs if scores_prompt else None,
         grammar=grammar,
     )
@@ -542,6 +544,8 @@ async def _generate(
     ended = False
     gone: ConnectionResetError | None = None
     flare = flare_object(clamp)
+    if token_options.logprobs is not None:
+        flare["logprobs"] = logprobs_object(clamp.params, raw=token_options.raw_logprobs)
     headers = {ADJUSTED_HEADER: ",".join(a.param for a in clamp.adjusted)} if clamp.adjusted else {}
     with structlog.contextvars.bound_contextvars(completion_id=shape.id):
         log.info(

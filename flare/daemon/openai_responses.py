@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from flare.sampling.params import SamplingParams
 from flare.sampling.policy import ClampResult
 from flare.scheduler.request import TokenLogprob, Usage
 
@@ -35,6 +36,18 @@ def flare_object(clamp: ClampResult) -> dict[str, Any]:
     sampling["stop"] = list(clamp.params.stop)
     sampling["logit_bias"] = {str(token): bias for token, bias in clamp.params.logit_bias}
     return {"sampling": sampling, "adjusted": [adjustment.to_json() for adjustment in clamp.adjusted]}
+
+
+def logprobs_object(params: SamplingParams, *, raw: bool) -> dict[str, Any]:
+    """Which distribution the logprobs come from, after the package policy: its temperature (1
+    for greedy answers, whose argmax is taken at 1) and whether filters truncate it."""
+    if raw:
+        return {"mode": "raw", "temperature": 1.0, "filtered": False}
+    return {
+        "mode": "processed",
+        "temperature": 1.0 if params.greedy else params.temperature,
+        "filtered": params.filtered and not params.greedy,
+    }
 
 
 @dataclass(frozen=True)

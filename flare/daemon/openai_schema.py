@@ -29,7 +29,9 @@ from flare.structured.spec import GrammarSpec
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
-_COMMON = frozenset({"model", "stream", "stream_options", "structured_outputs", *SAMPLING_FIELDS, *_IGNORED})
+_COMMON = frozenset(
+    {"model", "stream", "stream_options", "structured_outputs", "logprobs_mode", *SAMPLING_FIELDS, *_IGNORED}
+)
 _CHAT_FIELDS = _COMMON | {
     "messages", "n", "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice",
     "functions", "function_call", "response_format",
@@ -53,6 +55,7 @@ class TokenOptions:
     logprobs: int | None = None  # None: none; k: each output token's with k alternatives
     echo: bool = False  # completions: the prompt is part of the answer (scored with logprobs)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+    raw_logprobs: bool = False  # logprobs_mode "raw": the model's distribution, nothing applied
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,7 @@ def parse_chat_completion(body: Mapping[str, Any]) -> ChatCompletionRequest:
     _unsupported_chat_features(body)
     messages = _messages(body.get("messages"))
     stream, include_usage = _streaming(body)
-    tokens = TokenOptions(logprobs=_chat_logprobs(body), logit_bias=_logit_bias(body))
+    tokens = TokenOptions(logprobs=_chat_logprobs(body), logit_bias=_logit_bias(body), raw_logprobs=_raw(body))
     constraint = _response_format(body.get("response_format"))
     extension = _structured_outputs(body.get("structured_outputs"))
     if constraint is not None and extension is not None:
@@ -197,7 +200,7 @@ def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:
     logprobs = body.get("logprobs")
     if logprobs is not None:
         logprobs = _count("logprobs", logprobs, MAX_TOP_LOGPROBS)
-    tokens = TokenOptions(logprobs=logprobs, echo=bool(echo), logit_bias=_logit_bias(body))
+    tokens = TokenOptions(logprobs=logprobs, echo=bool(echo), logit_bias=_logit_bias(body), raw_logprobs=_raw(body))
     stream, include_usage = _streaming(body)
     constraint = _structured_outputs(body.get("structured_outputs"))
     return CompletionRequest(
@@ -264,6 +267,14 @@ def _count(param: str, value: Any, most: int) -> int:
     if not 0 <= value <= most:
         raise bad_request(f"{param} must be between 0 and {most}, got {value}", param=param)
     return value
+
+
+def _raw(body: Mapping[str, Any]) -> bool:
+    """flare's logprobs_mode: "processed" (default: the distribution sampled from) or "raw"."""
+    mode = body.get("logprobs_mode")
+    if mode not in (None, "processed", "raw"):
+        raise bad_request(f'logprobs_mode must be "processed" or "raw", got {mode!r}', param="logprobs_mode")
+    return mode == "raw"
 
 
 def _chat_logprobs(body: Mapping[str, Any]) -> int | None:

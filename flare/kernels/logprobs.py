@@ -11,7 +11,8 @@ correction token p too (the token's marginal law), never the draft's q nor the r
 
 Prompt tokens (``echo`` with ``logprobs``) are scored by the model's own distribution: the raw
 logits at temperature 1, without mask, bias, penalties or filters, which is what evaluation
-harnesses that score a text by its log-likelihood expect.
+harnesses that score a text by its log-likelihood expect; a request may ask for the same raw
+distribution for its output tokens (``logprobs_mode: "raw"``).
 """
 
 from __future__ import annotations
@@ -68,10 +69,16 @@ def logprobs_at(
 
 
 def score_tokens(
-    kernels: ModuleType, logits: torch.Tensor, targets: torch.Tensor, num_top: int, num_shards: int
+    kernels: ModuleType,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    num_top: int,
+    num_shards: int,
+    positions: torch.Tensor | None = None,
 ) -> TokenLogprobs:
-    """Log-probabilities of ``targets`` [P] under the raw model distribution of ``logits`` [P, V]
-    (temperature 1, nothing applied), and the ``num_top`` most likely tokens of each position."""
+    """Log-probabilities of ``targets`` under the raw model distribution of ``logits`` [P, V]
+    (temperature 1, nothing applied), and the ``num_top`` most likely tokens there: at each
+    position in order ([P] targets), or at ``positions`` (same shape as ``targets``)."""
     num_positions = logits.shape[0]
     raw = logits.float()
     no_filter = torch.zeros(num_positions, dtype=torch.int64, device=logits.device)
@@ -94,7 +101,7 @@ def score_tokens(
         raw,
         stats.threshold,
         log_normalizer(stats.max, stats.sumexp),
-        torch.arange(num_positions, device=logits.device),
+        torch.arange(num_positions, device=logits.device) if positions is None else positions,
         targets,
         num_top,
         num_shards,

@@ -69,6 +69,7 @@ def sample_round(
     backend: Backend | None = None,
     token_mask: torch.Tensor | None = None,
     num_logprobs: int | None = None,
+    raw_logprobs: torch.Tensor | None = None,
 ) -> RoundResult:
     """Verify and sample every row of a round.
 
@@ -82,6 +83,8 @@ def sample_round(
     token_mask: [N, ceil(V / 32)] int32 allowed-token bitmask per position, or None (no grammar).
     num_logprobs: None, or k >= 0: also report log p of each emitted token and the k most
     likely tokens at its position.
+    raw_logprobs: [R] bool, or None: rows that report the raw model distribution (temperature
+    1, nothing applied) instead of the one sampled from; costs one more statistics pass.
     """
     num_positions, vocab_size = logits.shape
     num_rows, max_drafts = draft_tokens.shape
@@ -234,16 +237,25 @@ def sample_round(
     logprobs = None
     if num_logprobs is not None:
         assert stats.sumexp is not None
+        slot_position = (row_start.unsqueeze(1) + slot).clamp(max=num_positions - 1)
         logprobs = logprobs_at(
             kernels,
             scaled,
             threshold,
             log_normalizer(stats.max, stats.sumexp),
-            (row_start.unsqueeze(1) + slot).clamp(max=num_positions - 1),
+            slot_position,
             tokens,
             num_logprobs,
             vocab_shards,
         )
+        if raw_logprobs is not None:
+            raw = logprobs_score_tokens(kernels, logits, tokens, num_logprobs, vocab_shards, slot_position)
+            pick = raw_logprobs.to(device).view(num_rows, 1)
+            logprobs = TokenLogprobs(
+                torch.where(pick, raw.logprob, logprobs.logprob),
+                torch.where(pick.unsqueeze(2), raw.top_ids, logprobs.top_ids),
+                torch.where(pick.unsqueeze(2), raw.top_logprobs, logprobs.top_logprobs),
+            )
     return RoundResult(
         tokens=tokens,
         num_emitted=torch.where(ok, num_accepted + 1, 0).to(torch.int32),

@@ -56,6 +56,7 @@ class PlannedRow:
     fault: DeviceStatus | None = None
     choice: int = 0  # which of the request's choices the row belongs to
     logprobs: int | None = None  # per sampled token, its log-probability and this many alternatives
+    raw_logprobs: bool = False  # of the raw model distribution rather than the one sampled from
     prompt_targets: tuple[int, ...] = ()  # the prompt tokens the row's first positions predict (echo)
     prompt_top: int = 0  # alternatives reported per scored prompt token
     grammar: GrammarState | None = None  # the choice's grammar: the runner reads its masks only
@@ -304,6 +305,11 @@ class ModelRunner:
             vocab_shards=shards,
             token_mask=masks,
             num_logprobs=max(wanted) if wanted else None,
+            raw_logprobs=(
+                torch.tensor([row.raw_logprobs for row in rows], device=device)
+                if any(row.raw_logprobs for row in rows)
+                else None
+            ),
         )
 
     def _embeddable(self, token_ids: tuple[int, ...]) -> tuple[int, ...]:

@@ -35,6 +35,8 @@ class GenerationRequest:
     logprobs: int | None = None
     """None: no log-probabilities; k >= 0: each output token's, with its k most likely
     alternatives (kernels/logprobs.py says of which distribution)."""
+    raw_logprobs: bool = False
+    """Report the raw model distribution (temperature 1, nothing applied) for output tokens."""
     prompt_logprobs: int | None = None
     """None: the prompt is not scored; k >= 0: every prompt token after the first is scored by
     the model (echo with logprobs), with k alternatives. Such a request computes its whole

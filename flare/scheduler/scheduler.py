@@ -557,6 +557,7 @@ class Scheduler:
                     fault=self._fault_now(seq) if samples else None,
                     choice=seq.index,
                     logprobs=seq.request.logprobs,
+                    raw_logprobs=seq.request.raw_logprobs,
                     prompt_targets=prompt_targets,
                     prompt_top=seq.request.prompt_logprobs or 0,
                     grammar=seq.grammar if samples else None,

@@ -125,3 +125,20 @@ async def test_sampled_logprobs_sum_to_at_most_one_and_are_finite(client, model)
     for entry in answer.choices[0].logprobs.content:
         assert sum(math.exp(t.logprob) for t in entry.top_logprobs) <= 1 + 1e-4
         assert entry.logprob > -9999
+
+
+async def test_logprobs_mode_raw_reports_the_models_distribution_and_the_flare_object_says_which(client, model) -> None:
+    answers = {}
+    for mode in ("processed", "raw"):
+        answers[mode] = await client.chat.completions.create(
+            model=model, messages=CHAT, temperature=0.5, seed=9, max_tokens=6, logprobs=True, top_logprobs=2,
+            extra_body={"logprobs_mode": mode},
+        )
+    processed, raw = (answers[m].choices[0].logprobs.content for m in ("processed", "raw"))
+    assert [e.token for e in processed] == [e.token for e in raw]  # the same sampling
+    assert all(r.logprob != pytest.approx(p.logprob, abs=1e-3) for p, r in zip(processed, raw))
+    assert answers["processed"].model_extra["flare"]["logprobs"]["mode"] == "processed"
+    assert answers["processed"].model_extra["flare"]["logprobs"]["temperature"] == 0.5
+    assert answers["raw"].model_extra["flare"]["logprobs"] == {"mode": "raw", "temperature": 1.0, "filtered": False}
+    greedy = await client.chat.completions.create(model=model, messages=CHAT, temperature=0, max_tokens=2, logprobs=True)
+    assert greedy.model_extra["flare"]["logprobs"]["temperature"] == 1.0

@@ -233,3 +233,25 @@ def test_a_forced_draft_is_accepted_when_the_mask_empties_whole_shards(backend: 
         assert int(result.status[0]) == 0 and int(result.num_emitted[0]) == 2
         assert int(result.tokens[0, 0]) == 7 and 300 <= int(result.tokens[0, 1]) < 310
         assert float(result.logprobs.logprob[0, 0]) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_raw_logprobs_are_the_models_softmax_whatever_was_applied() -> None:
+    generator = torch.Generator().manual_seed(31)
+    logits = torch.randn(3, 90, generator=generator) * 2
+    params = [
+        SamplingParams(temperature=0.5, top_k=3, logit_bias=((4, 5.0),)),
+        SamplingParams(temperature=0.5, top_k=3, logit_bias=((4, 5.0),)),
+        SamplingParams(temperature=0.0, repetition_penalty=1.4),
+    ]
+    batch = make_batch(params, seeds=[1, 1, 2], prompt_ids=[[1, 2]] * 3, output_ids=[[3]] * 3)
+    num_drafts, drafts = no_drafts(3)
+    result = sample_round(
+        logits, num_drafts, drafts, None, batch, num_logprobs=2, raw_logprobs=torch.tensor([True, False, True])
+    )
+    assert result.logprobs is not None
+    raw = torch.log_softmax(logits, 1)
+    for row in (0, 2):
+        token = int(result.tokens[row, 0])
+        assert float(result.logprobs.logprob[row, 0]) == pytest.approx(float(raw[row, token]), abs=1e-5)
+        assert result.logprobs.top_ids[row, 0].tolist() == raw[row].topk(2).indices.tolist()
+    assert float(result.logprobs.logprob[1, 0]) != pytest.approx(float(raw[1, int(result.tokens[1, 0])]), abs=1e-3)
