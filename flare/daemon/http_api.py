@@ -62,6 +62,7 @@ from flare.daemon.sse import DONE, SSE_HEADERS, sse_data
 from flare.daemon.state import Phase, ServingState
 from flare.daemon.tool_calls import ToolCallReader, render_messages, template_messages, template_tools
 from flare.engine.tokenizer import ChatTemplateError
+from flare.sampling.policy import Adjustment
 from flare.structured import Grammar, GrammarError, GrammarSpec
 from flare.kernels.status import DeviceStatus
 from flare.scheduler.errors import Draining, PromptTooLong, QueueFull, TooManyChoices
@@ -524,6 +525,15 @@ async def _generate(
     if token_options.logit_bias:
         # The policy has no say on logit_bias: it passes through, like seed and stop.
         clamp = dataclasses.replace(clamp, params=dataclasses.replace(clamp.params, logit_bias=token_options.logit_bias))
+    if grammar is not None and clamp.params.stop:
+        # A stop string could end a constrained answer before its grammar is complete (a JSON
+        # object without its closing brace, finish_reason "stop"): the grammar decides the end.
+        dropped = Adjustment(
+            "stop", list(clamp.params.stop), [], f"{grammar.spec.param} decides where the answer ends"
+        )
+        clamp = dataclasses.replace(
+            clamp, params=dataclasses.replace(clamp.params, stop=()), adjusted=(*clamp.adjusted, dropped)
+        )
     scores_prompt = echo is not None and token_options.logprobs is not None
     generation = GenerationRequest(
         request_id=shape.id,

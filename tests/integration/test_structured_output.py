@@ -74,6 +74,15 @@ async def test_a_streamed_answer_validates_too(client, model) -> None:
     assert isinstance(final.choices[0].message.parsed, Pet)
 
 
+async def test_stop_strings_cannot_cut_a_constrained_answer_and_the_flare_object_says_so(client, model) -> None:
+    completion = await client.chat.completions.parse(
+        model=model, messages=CHAT, response_format=Pet, temperature=0, max_tokens=120, stop=['"', "}"]
+    )
+    assert isinstance(completion.choices[0].message.parsed, Pet)
+    (adjusted,) = completion.model_extra["flare"]["adjusted"]
+    assert adjusted["param"] == "stop" and adjusted["applied"] == [] and "response_format" in adjusted["reason"]
+
+
 async def test_json_object_parses(client, model) -> None:
     answer = await client.chat.completions.create(
         model=model, messages=CHAT, response_format={"type": "json_object"}, temperature=0, max_tokens=60
