@@ -697,14 +697,12 @@ async def _stream(
                 await response.write(sse_data(chunk))
                 offsets[event.index] += len(tokens.echo.text)
             entries = tokens.entries(event)
-            text, calls = readers[event.index].push(event.text)
+            text, deltas = readers[event.index].push(event.text)
             if text or entries:
                 chunk = shape.text_chunk(text, event.index, entries, offsets[event.index])
                 await response.write(sse_data(chunk))
                 offsets[event.index] += len(text)
-            if calls and isinstance(shape, ChatCompletionShape):
-                first = len(readers[event.index].calls) - len(calls)
-                deltas = [call.to_json(first + k) for k, call in enumerate(calls)]
+            if deltas and isinstance(shape, ChatCompletionShape):
                 await response.write(sse_data(shape.tool_calls_chunk(deltas, event.index)))
             continue
         if isinstance(event, Finished):

@@ -260,28 +260,51 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+# A call as the grammar writes it: {"name": NAME, "arguments": ARGUMENTS} with fixed separators.
+_HEAD = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
+_TAIL = "}" + CALL_CLOSE  # what follows a call's arguments
+
+
 def _call(body: str) -> ToolCall | None:
+    """A whole call's text (between the tags) as a ToolCall; the arguments as the model wrote
+    them (the grammar held them to the schema), re-serialized only for another layout."""
     try:
         value = json.loads(body)
     except ValueError:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    return ToolCall(new_call_id(), value["name"], json.dumps(value.get("arguments", {})))
+    head = _HEAD.match(body)
+    arguments = body[head.end() : -1] if head is not None and body.endswith("}") else json.dumps(value.get("arguments", {}))
+    return ToolCall(new_call_id(), value["name"], arguments)
+
+
+@dataclass
+class _OpenCall:
+    """The call being generated: its id once its name is known, and how much of its arguments
+    has been sent."""
+
+    index: int
+    id: str | None = None
+    sent: int = 0
 
 
 @dataclass
 class ToolCallReader:
     """Reads one choice's answer as it streams: text passes through; from a leading "<" on (the
-    grammar lets text never start with one), the answer is calls, each given out when whole."""
+    grammar lets text never start with one), the answer is calls. Each call is given out as
+    OpenAI streams them: a first delta with its index, id, type and name (arguments ""), then its
+    arguments in pieces as they are generated (the last characters held back until the call
+    closes, since they may be its closing brace and tag)."""
 
     active: bool
     _mode: Literal["unknown", "text", "calls"] = "unknown"
     _buffer: str = ""
+    _open: _OpenCall | None = None
     calls: list[ToolCall] = field(default_factory=list)
 
-    def push(self, text: str) -> tuple[str, list[ToolCall]]:
-        """(text to send as content, calls completed by this piece)."""
+    def push(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """(text to send as content, tool_calls deltas for this piece)."""
         if not self.active:
             return text, []
         if self._mode == "unknown":
@@ -293,14 +316,36 @@ class ToolCallReader:
         if self._mode == "text":
             return text, []
         self._buffer += text
-        done = []
-        while (match := _CALL.search(self._buffer)) is not None:
-            call = _call(match.group(1))
-            if call is not None:
-                done.append(call)
-            self._buffer = self._buffer[match.end() :]
-        self.calls.extend(done)
-        return "", done
+        deltas: list[dict[str, Any]] = []
+        while True:
+            start = self._buffer.find(CALL_OPEN)
+            if start < 0:
+                break
+            body = self._buffer[start + len(CALL_OPEN) :]
+            call = self._open or _OpenCall(len(self.calls))
+            self._open = call
+            head = _HEAD.match(body)
+            if head is not None and call.id is None:
+                call.id = new_call_id()
+                name = json.loads(f'"{head.group(1)}"')
+                deltas.append({"index": call.index, "id": call.id, "type": "function",
+                               "function": {"name": name, "arguments": ""}})
+            end = body.find(CALL_CLOSE)
+            if head is not None:
+                arguments = body[head.end() :]
+                whole = end >= 0
+                upto = (end - head.end() - 1) if whole else max(call.sent, len(arguments) - len(_TAIL))
+                if upto > call.sent:
+                    deltas.append({"index": call.index, "function": {"arguments": arguments[call.sent : upto]}})
+                    call.sent = upto
+            if end < 0:
+                break
+            finished = _call(body[:end])
+            if finished is not None:
+                self.calls.append(ToolCall(call.id or finished.id, finished.name, finished.arguments))
+            self._open = None
+            self._buffer = body[end + len(CALL_CLOSE) :]
+        return "", deltas
 
     @property
     def called(self) -> bool:
