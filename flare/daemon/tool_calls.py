@@ -279,6 +279,19 @@ def _call(body: str) -> ToolCall | None:
     return ToolCall(new_call_id(), value["name"], arguments)
 
 
+def _call_end(body: str) -> int:
+    """Where the call that `body` starts with closes: the first closing tag after a whole JSON
+    object (a string argument may itself hold the tag's text); -1 while not generated yet."""
+    search = 0
+    while (candidate := body.find(CALL_CLOSE, search)) >= 0:
+        try:
+            json.loads(body[:candidate])
+            return candidate
+        except ValueError:
+            search = candidate + 1
+    return -1
+
+
 @dataclass
 class _OpenCall:
     """The call being generated: its id once its name is known, and how much of its arguments
@@ -330,7 +343,7 @@ class ToolCallReader:
                 name = json.loads(f'"{head.group(1)}"')
                 deltas.append({"index": call.index, "id": call.id, "type": "function",
                                "function": {"name": name, "arguments": ""}})
-            end = body.find(CALL_CLOSE)
+            end = _call_end(body)
             if head is not None:
                 arguments = body[head.end() :]
                 whole = end >= 0

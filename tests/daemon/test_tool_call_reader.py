@@ -11,7 +11,7 @@ import pytest
 from flare.daemon.tool_calls import ToolCallReader
 
 ANSWER = (
-    '<tool_call>{"name": "get_weather", "arguments": {"city": "Zürich", "note": "a } and </tool_call"}}</tool_call>\n'
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Zürich", "note": "a } and </tool_call>"}}</tool_call>\n'
     '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
 )
 
@@ -32,7 +32,7 @@ def test_streamed_deltas_rebuild_every_call_and_agree_with_the_whole_read(piece:
             entry["id"], entry["name"] = delta["id"], delta["function"]["name"]
         entry["arguments"] += delta["function"]["arguments"]
     assert [c["name"] for c in calls.values()] == ["get_weather", "get_time"]
-    assert json.loads(calls[0]["arguments"]) == {"city": "Zürich", "note": "a } and </tool_call"}
+    assert json.loads(calls[0]["arguments"]) == {"city": "Zürich", "note": "a } and </tool_call>"}
     assert calls[1]["arguments"] == "{}"
     assert [(c.id, c.name, c.arguments) for c in reader.calls] == [
         (calls[i]["id"], calls[i]["name"], calls[i]["arguments"]) for i in (0, 1)
