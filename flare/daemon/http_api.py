@@ -10,6 +10,7 @@ escapes a handler is logged with its traceback and answered 500 with an error bo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -41,15 +42,28 @@ from flare.daemon.metrics import OUTCOME
 from flare.daemon.openai_responses import (
     ChatCompletionShape,
     ChoiceText,
+    RenderedToken,
     ResponseShape,
     TextCompletionShape,
+    TokenRenderer,
     flare_object,
+    logprobs_object,
 )
-from flare.daemon.openai_schema import check_model, parse_chat_completion, parse_completion, parse_json_body
+from flare.daemon.openai_schema import (
+    TokenOptions,
+    check_logit_bias,
+    check_model,
+    parse_chat_completion,
+    parse_completion,
+    parse_json_body,
+)
 from flare.daemon.origins import browser_origin_refused, loopback_host_refused, origin_allowed
 from flare.daemon.sse import DONE, SSE_HEADERS, sse_data
 from flare.daemon.state import Phase, ServingState
+from flare.daemon.tool_calls import ToolCallReader, render_messages, template_messages, template_tools
 from flare.engine.tokenizer import ChatTemplateError
+from flare.sampling.policy import Adjustment
+from flare.structured import Grammar, GrammarError, GrammarSpec
 from flare.kernels.status import DeviceStatus
 from flare.scheduler.errors import Draining, PromptTooLong, QueueFull, TooManyChoices
 from flare.scheduler.request import (
@@ -85,6 +99,10 @@ STATE = web.AppKey("state", ServingState)
 # Tokenizing runs in worker threads with the GIL released; at most this many at once, so a
 # flood of long prompts queues here instead of holding a thread (and its text) each.
 TOKENIZING = web.AppKey("tokenizing", anyio.CapacityLimiter)
+# Grammars compile in worker threads too (llguidance drops the GIL), a few at once, so a flood of
+# new schemas queues here and never holds the tokenizer's threads or the event loop.
+COMPILING = web.AppKey("compiling", anyio.CapacityLimiter)
+COMPILE_TIMEOUT_S = 10.0
 REQUEST_ID = web.RequestKey("request_id", str)
 
 
@@ -125,6 +143,7 @@ def create_app(config: DaemonConfig, state: ServingState) -> web.Application:
     app[SETTINGS] = ApiSettings(config)
     app[STATE] = state
     app[TOKENIZING] = anyio.CapacityLimiter(_cpus())
+    app[COMPILING] = anyio.CapacityLimiter(2)
     app.on_response_prepare.append(_add_request_id)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)
@@ -314,19 +333,30 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     scheduler = state.require_scheduler()
     check_model(parsed.model, state.model_name or "")
-    _check_prompt_size(scheduler, sum(len(m["content"]) for m in parsed.messages), "messages")
+    messages = parsed.messages
+    encode = partial(scheduler.tokenizer.encode_chat)
+    if parsed.tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+        if scheduler.tokenizer.knows_tools:
+            messages = tuple(template_messages(messages))
+            encode = partial(scheduler.tokenizer.encode_chat, tools=template_tools(parsed.tools))
+        else:
+            messages = tuple(render_messages(messages, parsed.tools))
+    _check_prompt_size(scheduler, sum(len(m["content"] or "") for m in messages), "messages")
     special = request.app[SETTINGS].config.allow_special_tokens_in_messages
     try:
         prompt_ids = await anyio.to_thread.run_sync(
-            partial(scheduler.tokenizer.encode_chat, parsed.messages, special_tokens_in_content=special),
+            partial(encode, messages, special_tokens_in_content=special),
             limiter=request.app[TOKENIZING],
         )
     except ChatTemplateError as error:
         # The package's template refused the conversation (for example roles out of order).
         raise bad_request(str(error), param="messages") from None
     shape = ChatCompletionShape(_new_id("chatcmpl"), int(time.time()), parsed.model, parsed.include_usage)
+    grammar = await _compile(request, scheduler, parsed.constraint)
     return await _generate(
-        request, scheduler, prompt_ids, "messages", parsed.sampling, parsed.stream, shape, parsed.n
+        request, scheduler, prompt_ids, "messages", parsed.sampling, parsed.stream, shape, parsed.n, parsed.tokens,
+        grammar=grammar,
+        tools=parsed.tools is not None and parsed.tools.calls_possible,
     )
 
 
@@ -342,7 +372,65 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if not prompt_ids:
         raise bad_request("prompt is empty; send at least one token of text", param="prompt")
     shape = TextCompletionShape(_new_id("cmpl"), int(time.time()), parsed.model, parsed.include_usage)
-    return await _generate(request, scheduler, prompt_ids, "prompt", parsed.sampling, parsed.stream, shape, parsed.n)
+    echo = _Echo(parsed.prompt, tuple(prompt_ids)) if parsed.tokens.echo else None
+    grammar = await _compile(request, scheduler, parsed.constraint)
+    return await _generate(
+        request, scheduler, prompt_ids, "prompt", parsed.sampling, parsed.stream, shape, parsed.n, parsed.tokens, echo,
+        grammar=grammar,
+    )
+
+
+async def _compile(request: web.Request, scheduler: Scheduler, spec: GrammarSpec | None) -> Grammar | None:
+    """The request's grammar, compiled off the event loop (or found in the cache), within
+    COMPILE_TIMEOUT_S; a 400 naming the field for one that cannot be served."""
+    if spec is None:
+        return None
+    if scheduler.grammars is None:
+        raise bad_request(f"{spec.param}: this server does not serve structured output", param=spec.param)
+    grammars = scheduler.grammars
+    try:
+        with anyio.fail_after(COMPILE_TIMEOUT_S):
+            return await anyio.to_thread.run_sync(grammars.compile, spec, limiter=request.app[COMPILING])
+    except GrammarError as error:
+        raise bad_request(f"{error.param}: {error.message}", param=error.param, code="invalid_grammar") from None
+    except TimeoutError:
+        # The compile goes on in its thread until llguidance's own limits end it; the request
+        # does not wait for it.
+        raise bad_request(
+            f"{spec.param}: compiling it took longer than {COMPILE_TIMEOUT_S:g} s; simplify it",
+            param=spec.param,
+            code="invalid_grammar",
+        ) from None
+
+
+@dataclass(frozen=True)
+class _Echo:
+    """The prompt a completions answer starts with (echo), and its tokens (scored with logprobs)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass
+class _Tokens:
+    """How one request's token-level answer is written: which entries, rendered how."""
+
+    logprobs: int | None
+    echo: _Echo | None
+    renderer: TokenRenderer
+    tools: bool = False  # the answer may be tool calls (chat with tools)
+
+    def entries(self, event: TextDelta) -> list[RenderedToken] | None:
+        if self.logprobs is None:
+            return None
+        return [self.renderer.render(entry) for entry in event.logprobs]
+
+    def prompt_entries(self, event: TextDelta) -> list[RenderedToken] | None:
+        """The echoed prompt's entries: its first token unscored, then the scored ones."""
+        if self.echo is None or self.logprobs is None or event.prompt_logprobs is None:
+            return None
+        first = self.renderer.unscored(self.echo.token_ids[0])
+        return [first, *(self.renderer.render(entry) for entry in event.prompt_logprobs)]
 
 
 def _check_prompt_size(scheduler: Scheduler, characters: int, param: str) -> None:
@@ -417,8 +505,14 @@ async def _generate(
     stream: bool,
     shape: ResponseShape,
     n: int = 1,
+    token_options: TokenOptions = TokenOptions(),
+    echo: _Echo | None = None,
+    *,
+    grammar: Grammar | None = None,
+    tools: bool = False,
 ) -> web.StreamResponse:
     config = request.app[SETTINGS].config
+    check_logit_bias(token_options.logit_bias, scheduler.vocab_size)
     room = scheduler.max_context - len(prompt_ids)
     if room < 1:
         raise bad_request(
@@ -428,13 +522,31 @@ async def _generate(
             code="context_length_exceeded",
         )
     clamp = scheduler.policy.clamp(sampling, max_tokens_limit=room)
+    if token_options.logit_bias:
+        # The policy has no say on logit_bias: it passes through, like seed and stop.
+        clamp = dataclasses.replace(clamp, params=dataclasses.replace(clamp.params, logit_bias=token_options.logit_bias))
+    if grammar is not None and clamp.params.stop:
+        # A stop string could end a constrained answer before its grammar is complete (a JSON
+        # object without its closing brace, finish_reason "stop"): the grammar decides the end.
+        dropped = Adjustment(
+            "stop", list(clamp.params.stop), [], f"{grammar.spec.param} decides where the answer ends"
+        )
+        clamp = dataclasses.replace(
+            clamp, params=dataclasses.replace(clamp.params, stop=()), adjusted=(*clamp.adjusted, dropped)
+        )
+    scores_prompt = echo is not None and token_options.logprobs is not None
     generation = GenerationRequest(
         request_id=shape.id,
         prompt_token_ids=tuple(prompt_ids),
         params=clamp.params,
         fault=_fault(request, config),
         n=n,
+        logprobs=token_options.logprobs,
+        raw_logprobs=token_options.raw_logprobs,
+        prompt_logprobs=token_options.logprobs if scores_prompt else None,
+        grammar=grammar,
     )
+    tokens = _Tokens(token_options.logprobs, echo, TokenRenderer(scheduler.tokenizer.token_bytes), tools)
     events = _submit(scheduler, generation, prompt_param)
     generated = request[GENERATED] = Generated(time.perf_counter())
     state = request.app[STATE]
@@ -442,6 +554,8 @@ async def _generate(
     ended = False
     gone: ConnectionResetError | None = None
     flare = flare_object(clamp)
+    if token_options.logprobs is not None:
+        flare["logprobs"] = logprobs_object(clamp.params, raw=token_options.raw_logprobs)
     headers = {ADJUSTED_HEADER: ",".join(a.param for a in clamp.adjusted)} if clamp.adjusted else {}
     with structlog.contextvars.bound_contextvars(completion_id=shape.id):
         log.info(
@@ -450,12 +564,12 @@ async def _generate(
         try:
             deadline = _Deadline(scheduler, generation.request_id, config.request_timeout_s)
             if not stream:
-                collected = await _collect(request, events, deadline, shape, flare, headers, generated, n)
+                collected = await _collect(request, events, deadline, shape, flare, headers, generated, n, tokens)
                 ended = True
                 return collected
             response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
             try:
-                await _stream(request, response, events, deadline, shape, flare, generated, n)
+                await _stream(request, response, events, deadline, shape, flare, generated, n, tokens)
             except ConnectionResetError as error:
                 # The client is gone, or stopped reading: `finally` cancels the request.
                 gone = error
@@ -556,23 +670,44 @@ async def _stream(
     flare: dict[str, Any],
     generated: Generated,
     n: int,
+    tokens: _Tokens,
 ) -> None:
     await response.prepare(request)
+    # Echo without scores: the prompt is the first text of every choice; with scores, it waits
+    # for the prompt's entries, which come with each choice's first delta.
+    echo_now = tokens.echo is not None and tokens.logprobs is None
+    offsets = [0] * n  # characters of each choice written so far (completions' text_offset)
+    readers = [ToolCallReader(tokens.tools) for _ in range(n)]
     for index in range(n):
         first = shape.first_chunk(index)
         if index == 0:
             first["flare"] = flare
         await response.write(sse_data(first))
+        if echo_now and tokens.echo is not None:
+            await response.write(sse_data(shape.text_chunk(tokens.echo.text, index)))
+            offsets[index] = len(tokens.echo.text)
     finished: list[Finished] = []
     while True:
         event = await deadline.next_event(events)
         if isinstance(event, TextDelta):
             generated.token()
-            if event.text:
-                await response.write(sse_data(shape.text_chunk(event.text, event.index)))
+            prompt_entries = tokens.prompt_entries(event)
+            if prompt_entries is not None and tokens.echo is not None:
+                chunk = shape.text_chunk(tokens.echo.text, event.index, prompt_entries, offsets[event.index])
+                await response.write(sse_data(chunk))
+                offsets[event.index] += len(tokens.echo.text)
+            entries = tokens.entries(event)
+            text, deltas = readers[event.index].push(event.text)
+            if text or entries:
+                chunk = shape.text_chunk(text, event.index, entries, offsets[event.index])
+                await response.write(sse_data(chunk))
+                offsets[event.index] += len(text)
+            if deltas and isinstance(shape, ChatCompletionShape):
+                await response.write(sse_data(shape.tool_calls_chunk(deltas, event.index)))
             continue
         if isinstance(event, Finished):
-            final = shape.final_chunk(event.reason, event.index)
+            reason = "tool_calls" if readers[event.index].called and event.reason == "stop" else event.reason
+            final = shape.final_chunk(reason, event.index)
             if event.fell_back:
                 final["flare"] = {"fell_back": True}
             await response.write(sse_data(final))
@@ -602,14 +737,20 @@ async def _collect(
     headers: Mapping[str, str],
     generated: Generated,
     n: int,
+    tokens: _Tokens,
 ) -> web.Response:
-    texts: list[list[str]] = [[] for _ in range(n)]
+    texts: list[list[str]] = [[tokens.echo.text] if tokens.echo is not None else [] for _ in range(n)]
+    entries: list[list[RenderedToken]] = [[] for _ in range(n)]
     finished: dict[int, Finished] = {}
     while True:
         event = await deadline.next_event(events)
         if isinstance(event, TextDelta):
             generated.token()
             texts[event.index].append(event.text)
+            prompt_entries = tokens.prompt_entries(event)
+            if prompt_entries is not None:
+                entries[event.index][:0] = prompt_entries
+            entries[event.index].extend(tokens.entries(event) or ())
             continue
         if isinstance(event, Failed):
             _log_end(event, generated, event.usage)
@@ -623,7 +764,13 @@ async def _collect(
             continue
         usage = _request_usage(list(finished.values()))
         _log_end(event, generated, usage)
-        choices = [ChoiceText("".join(texts[i]), finished[i].reason) for i in range(n)]
+        choices = []
+        for i in range(n):
+            reader = ToolCallReader(tokens.tools)
+            text, _ = reader.push("".join(texts[i]))
+            reason = "tool_calls" if reader.called and finished[i].reason == "stop" else finished[i].reason
+            calls = [call.to_json() for call in reader.calls] if reader.called else None
+            choices.append(ChoiceText(text, reason, entries[i] if tokens.logprobs is not None else None, calls))
         body = shape.body(choices, usage)
         body["flare"] = {**flare, "fell_back": any(f.fell_back for f in finished.values())}
         return web.json_response(body, headers=headers)

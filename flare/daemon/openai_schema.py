@@ -1,15 +1,15 @@
 """Parsing and validating OpenAI request bodies, before anything touches the model.
 
 What is accepted: the fields of OpenAI's chat completions and (legacy) completions requests
-that a text-only server without tools can honour, plus the sampling extensions top_k, min_p
-and repetition_penalty (as vLLM accepts them), and `n` choices (`best_of` equal to `n`). Fields
-that ask for something flare does not do (tools, logprobs, structured output, picking the best
-of more choices than are returned) get a 400 naming the field. Fields that change nothing about
-the answer are accepted and ignored: `user`, `metadata`, `store`, `service_tier`,
-`parallel_tool_calls`, and the "off" values of the unsupported ones (`logprobs: false`,
-`tools: []`, `tool_choice: "none"`, `response_format: {"type": "text"}`, `logit_bias: {}`,
-`echo: false`). Any other field is rejected as unrecognized,
-as OpenAI does, so a misspelt parameter never silently does nothing.
+that a text-only server can honour, plus the sampling extensions top_k, min_p and
+repetition_penalty (as vLLM accepts them), `n` choices (`best_of` equal to `n`), `logit_bias`,
+`logprobs`/`top_logprobs` (chat) and `logprobs`/`echo` (completions), `response_format` (chat)
+and flare's `structured_outputs` extension (both), and tools (chat: `tools`, `tool_choice`,
+`parallel_tool_calls`, tool messages; tool_calls.py). Fields that ask for something flare does
+not do (the deprecated functions API, picking the best of more choices than are returned) get a
+400 naming the field. Fields that change nothing about the answer are accepted and ignored:
+`user`, `metadata`, `store`, `service_tier`. Any other field is rejected as unrecognized, as
+OpenAI does, so a misspelt parameter never silently does nothing.
 """
 
 from __future__ import annotations
@@ -21,12 +21,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from flare.daemon.errors import ApiError, bad_request
+from flare.daemon.tool_calls import ToolRequest, parse_tools, tool_grammar
 from flare.sampling.validation import SAMPLING_FIELDS, InvalidParameter, validate_request_sampling
+from flare.structured.compiler import MAX_CHOICES as MAX_GRAMMAR_CHOICES
+from flare.structured.spec import GrammarSpec
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
-_COMMON = frozenset({"model", "stream", "stream_options", *SAMPLING_FIELDS, *_IGNORED})
+_COMMON = frozenset(
+    {"model", "stream", "stream_options", "structured_outputs", "logprobs_mode", *SAMPLING_FIELDS, *_IGNORED}
+)
 _CHAT_FIELDS = _COMMON | {
     "messages", "n", "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice",
     "functions", "function_call", "response_format",
@@ -36,16 +41,34 @@ _COMPLETION_FIELDS = _COMMON | {"prompt", "n", "best_of", "logprobs", "logit_bia
 
 # OpenAI's own bound on n; the server's max_concurrency usually bounds it further.
 MAX_CHOICES = 128
+# OpenAI's bounds: top_logprobs 0-20 (chat); logit_bias values -100..100, at most 300 entries.
+# Completions' logprobs is 0-5 at OpenAI; flare allows the chat bound there too.
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_RANGE = 100.0
+
+
+@dataclass(frozen=True)
+class TokenOptions:
+    """What a request asks about tokens besides sampling: log-probabilities, echo, logit_bias."""
+
+    logprobs: int | None = None  # None: none; k: each output token's with k alternatives
+    echo: bool = False  # completions: the prompt is part of the answer (scored with logprobs)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+    raw_logprobs: bool = False  # logprobs_mode "raw": the model's distribution, nothing applied
 
 
 @dataclass(frozen=True)
 class ChatCompletionRequest:
     model: str
-    messages: tuple[Mapping[str, str], ...]  # {"role", "content"} with content as plain text
+    messages: tuple[Mapping[str, Any], ...]  # {"role", "content"} with content as plain text (+ tool fields)
     stream: bool
     include_usage: bool
     sampling: Mapping[str, Any]  # validated raw sampling fields (validate_request_sampling)
     n: int = 1  # choices sampled independently from the one prompt
+    tokens: TokenOptions = TokenOptions()
+    constraint: GrammarSpec | None = None  # response_format or structured_outputs
+    tools: ToolRequest | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +79,8 @@ class CompletionRequest:
     include_usage: bool
     sampling: Mapping[str, Any]
     n: int = 1
+    tokens: TokenOptions = TokenOptions()
+    constraint: GrammarSpec | None = None  # structured_outputs
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -142,7 +167,25 @@ def parse_chat_completion(body: Mapping[str, Any]) -> ChatCompletionRequest:
     _unsupported_chat_features(body)
     messages = _messages(body.get("messages"))
     stream, include_usage = _streaming(body)
-    return ChatCompletionRequest(model, messages, stream, include_usage, _sampling(body), _choices(body))
+    tokens = TokenOptions(logprobs=_chat_logprobs(body), logit_bias=_logit_bias(body), raw_logprobs=_raw(body))
+    constraint = _response_format(body.get("response_format"))
+    extension = _structured_outputs(body.get("structured_outputs"))
+    if constraint is not None and extension is not None:
+        raise bad_request(
+            "send either response_format or structured_outputs, not both", param="structured_outputs"
+        )
+    tools = parse_tools(body)
+    if tools is not None and tools.calls_possible and (constraint or extension) is not None:
+        raise bad_request(
+            "tools and a response constraint cannot be combined: the answer is either text, calls, or the constraint; "
+            'send tool_choice "none" or leave the constraint out',
+            param="tools",
+        )
+    if tools is not None and tools.calls_possible:
+        constraint = tool_grammar(tools)
+    return ChatCompletionRequest(
+        model, messages, stream, include_usage, _sampling(body), _choices(body), tokens, constraint or extension, tools
+    )
 
 
 def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:
@@ -150,12 +193,19 @@ def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:
     model = _model(body)
     n = _choices(body)
     _best_of(body, n)
-    _only(body, "logprobs", (None, 0), "logprobs are not supported; leave logprobs out")
-    _only(body, "echo", (None, False), "echo is not supported; send echo: false (or leave it out)")
     _only(body, "suffix", (None, ""), "suffix (insertion) is not supported; leave suffix out")
-    _no_logit_bias(body)
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise bad_request(f"echo must be true or false, got {_kind(echo)}", param="echo")
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        logprobs = _count("logprobs", logprobs, MAX_TOP_LOGPROBS)
+    tokens = TokenOptions(logprobs=logprobs, echo=bool(echo), logit_bias=_logit_bias(body), raw_logprobs=_raw(body))
     stream, include_usage = _streaming(body)
-    return CompletionRequest(model, _prompt(body.get("prompt")), stream, include_usage, _sampling(body), n)
+    constraint = _structured_outputs(body.get("structured_outputs"))
+    return CompletionRequest(
+        model, _prompt(body.get("prompt")), stream, include_usage, _sampling(body), n, tokens, constraint
+    )
 
 
 def _check_fields(body: Mapping[str, Any], known: frozenset[str]) -> None:
@@ -205,29 +255,178 @@ def _best_of(body: Mapping[str, Any], n: int) -> None:
         raise bad_request(f"best_of ({best_of}) must be at least n ({n})", param="best_of")
     if best_of > n:
         raise bad_request(
-            f"best_of {best_of} > n {n} is not supported: choosing the best choices needs their log "
-            "probabilities, which this server does not compute; send best_of equal to n (or leave it out) "
-            "and pick among the n choices yourself",
+            f"best_of {best_of} > n {n} is not supported; send best_of equal to n (or leave it out) "
+            "with logprobs, and pick among the n choices by their log probabilities yourself",
             param="best_of",
         )
 
 
-def _unsupported_chat_features(body: Mapping[str, Any]) -> None:
-    _only(body, "logprobs", (None, False), "logprobs are not supported; send logprobs: false (or leave it out)")
-    _only(body, "top_logprobs", (None, 0), "top_logprobs are not supported; leave top_logprobs out")
-    _no_logit_bias(body)
-    for field in ("tools", "functions"):
-        _only(body, field, (None, []), f"{field} (function calling) are not supported; leave {field} out")
-    for field in ("tool_choice", "function_call"):
-        _only(body, field, (None, "none", "auto"), f"{field} is not supported, as tools are not; leave it out")
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        kind = response_format.get("type") if isinstance(response_format, dict) else None
+def _count(param: str, value: Any, most: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"{param} must be an integer between 0 and {most}, got {_kind(value)}", param=param)
+    if not 0 <= value <= most:
+        raise bad_request(f"{param} must be between 0 and {most}, got {value}", param=param)
+    return value
+
+
+def _raw(body: Mapping[str, Any]) -> bool:
+    """flare's logprobs_mode: "processed" (default: the distribution sampled from) or "raw"."""
+    mode = body.get("logprobs_mode")
+    if mode not in (None, "processed", "raw"):
+        raise bad_request(f'logprobs_mode must be "processed" or "raw", got {mode!r}', param="logprobs_mode")
+    return mode == "raw"
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Chat's logprobs (true/false) and top_logprobs (0-20, only with logprobs: true, as OpenAI)."""
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise bad_request(f"logprobs must be true or false, got {_kind(logprobs)}", param="logprobs")
+    top = body.get("top_logprobs")
+    if top is not None:
+        top = _count("top_logprobs", top, MAX_TOP_LOGPROBS)
+        if not logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    return (top or 0) if logprobs else None
+
+
+def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
+    """logit_bias: {"token id": bias}, ids as decimal strings, biases in [-100, 100], at most 300
+    entries. Ids are checked against the vocabulary once the model is known (http_api)."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
         raise bad_request(
-            f"response_format {kind!r} (structured output) is not supported; "
-            'send {"type": "text"} or leave response_format out',
-            param="response_format",
+            f'logit_bias must be an object of token ids to biases, such as {{"50256": -100}}, got {_kind(bias)}',
+            param="logit_bias",
         )
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed", param="logit_bias")
+    pairs: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 12:
+            raise bad_request(f"logit_bias keys must be token ids (decimal integers), got {key!r}", param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
+            shown = _kind(value) if isinstance(value, (bool, str, list, dict)) or value is None else value
+            raise bad_request(
+                f"logit_bias[{key!r}] must be a number between -100 and 100, got {shown}", param="logit_bias"
+            )
+        if int(key) in pairs:
+            raise bad_request(f"logit_bias names token {int(key)} twice", param="logit_bias")
+        pairs[int(key)] = float(value)
+    return tuple(sorted(pairs.items()))
+
+
+def check_logit_bias(bias: tuple[tuple[int, float], ...], vocab_size: int) -> None:
+    """400 for a logit_bias token id outside the served model's vocabulary."""
+    outside = [token for token, _ in bias if token >= vocab_size]
+    if outside:
+        raise bad_request(
+            f"logit_bias names token {outside[0]}, outside this model's vocabulary of {vocab_size} tokens "
+            f"(ids 0 to {vocab_size - 1})",
+            param="logit_bias",
+        )
+
+
+def _unsupported_chat_features(body: Mapping[str, Any]) -> None:
+    _only(body, "functions", (None, []), "functions (the deprecated functions API) are not supported; use tools")
+    _only(body, "function_call", (None, "none", "auto"), "function_call is not supported; use tools and tool_choice")
+
+
+_SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _response_format(value: Any) -> GrammarSpec | None:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+    where = "response_format"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request(f"{where} must be an object with a type, got {_kind(value)}", param=where)
+    kind = value.get("type")
+    if kind == "text":
+        _no_other_keys(value, {"type"}, where)
+        return None
+    if kind == "json_object":
+        _no_other_keys(value, {"type"}, where)
+        return GrammarSpec.json_schema({"type": "object"}, where)
+    if kind != "json_schema":
+        raise bad_request(
+            f"{where}.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", param=f"{where}.type"
+        )
+    _no_other_keys(value, {"type", "json_schema"}, where)
+    spec = value.get("json_schema")
+    where = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise bad_request(f"{where} must be an object with name and schema, got {_kind(spec)}", param=where)
+    _no_other_keys(spec, {"name", "schema", "strict", "description"}, where)
+    name = spec.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.match(name):
+        raise bad_request(
+            f"{where}.name must be 1 to 64 letters, digits, underscores or dashes, got {name!r}", param=f"{where}.name"
+        )
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request(f"{where}.strict must be true or false, got {_kind(strict)}", param=f"{where}.strict")
+    description = spec.get("description")
+    if description is not None and not isinstance(description, str):
+        raise bad_request(f"{where}.description must be a string", param=f"{where}.description")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise bad_request(f"{where}.schema must be a JSON schema object, got {_kind(schema)}", param=f"{where}.schema")
+    # strict or not, the answer is held to the schema: a grammar is never "best effort".
+    return GrammarSpec.json_schema(schema, f"{where}.schema")
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _structured_outputs(value: Any) -> GrammarSpec | None:
+    """flare's extension, named as vLLM's `structured_outputs`: exactly one of json (a JSON
+    schema), regex, choice (a list of strings), grammar (Lark) or json_object (true)."""
+    where = "structured_outputs"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request(f"{where} must be an object, got {_kind(value)}", param=where)
+    _no_other_keys(value, set(STRUCTURED_KINDS), where)
+    given = [key for key in STRUCTURED_KINDS if value.get(key) not in (None, False)]
+    if len(given) != 1:
+        raise bad_request(
+            f"{where} must set exactly one of {', '.join(STRUCTURED_KINDS)}; it sets {len(given)}", param=where
+        )
+    kind = given[0]
+    item = value[kind]
+    param = f"{where}.{kind}"
+    if kind == "json_object":
+        if item is not True:
+            raise bad_request(f"{param} must be true", param=param)
+        return GrammarSpec.json_schema({"type": "object"}, param)
+    if kind == "json":
+        if isinstance(item, str):
+            try:
+                item = json.loads(item)
+            except ValueError:
+                raise bad_request(f"{param} must be a JSON schema (an object, or its JSON text)", param=param) from None
+        if not isinstance(item, dict):
+            raise bad_request(f"{param} must be a JSON schema object, got {_kind(item)}", param=param)
+        return GrammarSpec.json_schema(item, param)
+    if kind == "choice":
+        if not isinstance(item, list) or not item or not all(isinstance(c, str) and c for c in item):
+            raise bad_request(f"{param} must be a non-empty list of non-empty strings", param=param)
+        if len(item) > MAX_GRAMMAR_CHOICES:
+            raise bad_request(f"{param} has {len(item)} choices; at most {MAX_GRAMMAR_CHOICES} are allowed", param=param)
+        return GrammarSpec("choice", json.dumps(item), param)
+    if not isinstance(item, str) or not item:
+        raise bad_request(f"{param} must be a non-empty string, got {_kind(item)}", param=param)
+    return GrammarSpec("regex" if kind == "regex" else "lark", item, param)
+
+
+def _no_other_keys(value: Mapping[str, Any], known: set[str], where: str) -> None:
+    for key in value:
+        if key not in known:
+            raise bad_request(f"{where} has an unrecognized field {key!r}", param=f"{where}.{key}")
 
 
 def _only(body: Mapping[str, Any], field: str, allowed: tuple[Any, ...], message: str) -> None:
@@ -237,12 +436,7 @@ def _only(body: Mapping[str, Any], field: str, allowed: tuple[Any, ...], message
         raise bad_request(message, param=field)
 
 
-def _no_logit_bias(body: Mapping[str, Any]) -> None:
-    if body.get("logit_bias") not in (None, {}):
-        raise bad_request("logit_bias is not supported; leave logit_bias out", param="logit_bias")
-
-
-def _messages(messages: Any) -> tuple[Mapping[str, str], ...]:
+def _messages(messages: Any) -> tuple[Mapping[str, Any], ...]:
     if messages is None:
         raise bad_request("messages is required: a list of {role, content} objects", param="messages")
     if not isinstance(messages, list):
@@ -254,18 +448,52 @@ def _messages(messages: Any) -> tuple[Mapping[str, str], ...]:
     return tuple(_message(i, message) for i, message in enumerate(messages))
 
 
-def _message(index: int, message: Any) -> Mapping[str, str]:
+def _message(index: int, message: Any) -> Mapping[str, Any]:
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise bad_request(f"{where} must be an object with role and content, got {_kind(message)}", param=where)
     role = message.get("role")
-    if role in ("tool", "function") or message.get("tool_calls") or message.get("function_call"):
-        raise bad_request(f"{where}: tool and function messages are not supported (tools are not)", param=where)
+    if role == "function" or message.get("function_call"):
+        raise bad_request(
+            f"{where}: function messages (the deprecated functions API) are not supported; use tools", param=where
+        )
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise bad_request(f"{where}.tool_call_id is required on a tool message", param=f"{where}.tool_call_id")
+        return {"role": "tool", "content": _content(f"{where}.content", message.get("content", ...)), "tool_call_id": call_id}
     if not isinstance(role, str) or role not in CHAT_ROLES:
         raise bad_request(
-            f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", param=f"{where}.role"
+            f"{where}.role must be one of {', '.join([*CHAT_ROLES, 'tool'])}, got {role!r}", param=f"{where}.role"
         )
+    calls = message.get("tool_calls")
+    if calls is not None and calls != []:
+        if role != "assistant":
+            raise bad_request(f"{where}: only assistant messages carry tool_calls", param=f"{where}.tool_calls")
+        content = message.get("content")
+        text = "" if content is None else _content(f"{where}.content", content)
+        return {"role": "assistant", "content": text, "tool_calls": _tool_calls(f"{where}.tool_calls", calls)}
     return {"role": CHAT_ROLES[role], "content": _content(f"{where}.content", message.get("content", ...))}
+
+
+def _tool_calls(where: str, calls: Any) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise bad_request(f"{where} must be a list of tool calls", param=where)
+    parsed = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(function, dict):
+            raise bad_request(f'{at} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}', param=at)
+        if not isinstance(call.get("id"), str):
+            raise bad_request(f"{at}.id must be a string", param=f"{at}.id")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise bad_request(f"{at}.function.name must be a non-empty string", param=f"{at}.function.name")
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            raise bad_request(f"{at}.function.arguments must be a string of JSON", param=f"{at}.function.arguments")
+        parsed.append({"id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": arguments}})
+    return parsed
 
 
 def _content(where: str, content: Any) -> str:

@@ -71,6 +71,22 @@ def compile_chat_template(source: str) -> jinja2.Template:
         raise ChatTemplateError(f"the chat template does not compile: {error}") from error
 
 
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable character each byte is written as."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+_BYTE_OF_CHAR = _byte_of_char()
+
+
 class Tokenizer:
     """A Hugging Face `tokenizers` tokenizer plus the package's chat template and stop tokens."""
 
@@ -86,6 +102,8 @@ class Tokenizer:
         self.eos_token_ids = tuple(eos_token_ids)
         self.bos_token_id = bos_token_id
         self._template = compile_chat_template(chat_template)
+        # A template that names `tools` renders function definitions and tool turns itself.
+        self.knows_tools = "tools" in chat_template
         # The special-token strings templates refer to, as transformers passes them.
         self._special_tokens: dict[str, str] = {"eos_token": backend.id_to_token(self.eos_token_ids[0])}
         if bos_token_id is not None:
@@ -106,6 +124,8 @@ class Tokenizer:
         # switch on the object, so a second one rather than toggling a shared one across threads).
         self._text_backend = BackendTokenizer.from_str(backend.to_str())
         self._text_backend.encode_special_tokens = True
+        # Added tokens are written as their text, not in the byte-level alphabet.
+        self._added_token_ids = frozenset(backend.get_added_tokens_decoder())
 
     @classmethod
     def from_package(cls, package: Package) -> Tokenizer:
@@ -157,12 +177,32 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text of a conversation; raises `ChatTemplateError` when rendering fails."""
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token `token_id` stands for (what a log-probability entry reports): a
+        byte-level BPE token's bytes through GPT-2's byte-to-character map, an added token's
+        text as UTF-8; b"" for an id outside the vocabulary."""
+        token = self.backend.id_to_token(token_id)
+        if token is None:
+            return b""
+        if token_id in self._added_token_ids or token in self._control:
+            return token.encode("utf-8")
+        try:
+            return bytes(_BYTE_OF_CHAR[c] for c in token)
+        except KeyError:  # not a byte-level token (a SentencePiece-style vocabulary)
+            return token.replace("\u2581", " ").encode("utf-8")
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text of a conversation (and of the functions it may call, for a template
+        that knows tools); raises `ChatTemplateError` when rendering fails."""
         try:
             return self._template.render(
                 messages=[dict(message) for message in messages],
-                tools=None,
+                tools=list(tools) if tools else None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self._special_tokens,
@@ -180,6 +220,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         *,
         special_tokens_in_content: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Prompt ids of a conversation. The template writes any BOS itself, so none is added
         (as transformers' apply_chat_template(tokenize=True) does).
@@ -191,9 +232,11 @@ class Tokenizer:
         tokenizer splits its input at special tokens and tokenizes the pieces apart anyway).
         `special_tokens_in_content=True` restores reading them as control tokens."""
         if special_tokens_in_content or self._control_pattern is None:
-            return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
-        escaped = [{**message, "content": self._escape(message["content"])} for message in messages]
-        rendered = self.render_chat(escaped, add_generation_prompt)
+            return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
+        # Every string a client sent is text: content, and the tool calls and tool definitions
+        # a template may write out.
+        escaped = [self._escape_all(dict(message)) for message in messages]
+        rendered = self.render_chat(escaped, add_generation_prompt, self._escape_all(list(tools)) if tools else None)
         # Text and the control tokens the template wrote, alternating (text first and last).
         pieces: list[str] = []
         start = 0
@@ -224,6 +267,14 @@ class Tokenizer:
             if token.rstrip:
                 texts[after] = texts[after].lstrip()
         return texts
+
+    def _escape_all(self, value: Any) -> Any:
+        """`_escape` of every string in nested dicts and lists (keys too)."""
+        if isinstance(value, dict):
+            return {self._escape(k): self._escape_all(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._escape_all(v) for v in value]
+        return self._escape(value)
 
     def _escape(self, content: Any) -> Any:
         if not isinstance(content, str):

@@ -5,7 +5,7 @@ Importing this package never imports Triton.
 """
 
 from flare.kernels.batch import BatchFacts, SamplingBatch
-from flare.kernels.round import RoundResult, sample_round
+from flare.kernels.round import RoundResult, sample_round, score_tokens
 from flare.kernels.status import DeviceStatus
 
-__all__ = ["BatchFacts", "DeviceStatus", "RoundResult", "SamplingBatch", "sample_round"]
+__all__ = ["BatchFacts", "DeviceStatus", "RoundResult", "SamplingBatch", "sample_round", "score_tokens"]

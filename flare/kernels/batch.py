@@ -30,6 +30,8 @@ class BatchFacts:
     any_top_p: bool
     any_temperature_scaling: bool
     """Some row has a temperature other than 0 and 1."""
+    any_biased: bool = False
+    """Some row has a logit_bias."""
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,8 @@ class SamplingBatch:
     ``first_position`` is the index, in the request's output, of the first token sampled this
     round: the random stream of a row's j-th token this round is keyed by
     (seed, first_position + j). ``prompt_ids`` and ``output_ids`` (padded with -1) carry the
-    penalty state; they are None when no row is penalized.
+    penalty state; they are None when no row is penalized. ``bias_ids``/``bias_values``
+    [R, B] (ids padded with -1) carry the rows' logit_bias; None when no row has one.
     """
 
     temperature: torch.Tensor
@@ -54,6 +57,8 @@ class SamplingBatch:
     prompt_ids: torch.Tensor | None
     output_ids: torch.Tensor | None
     facts: BatchFacts
+    bias_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -106,7 +111,18 @@ class SamplingBatch:
             max_top_k=max(top_ks, default=0),
             any_top_p=any(p.top_p < 1.0 for p in sampled),
             any_temperature_scaling=any(p.temperature not in (0.0, 1.0) for p in params),
+            any_biased=any(p.logit_bias for p in params),
         )
+        bias_ids = bias_values = None
+        if facts.any_biased:
+            width = max(len(p.logit_bias) for p in params)
+            bias_ids = torch.tensor(
+                [[t for t, _ in p.logit_bias] + [-1] * (width - len(p.logit_bias)) for p in params], dtype=torch.int64
+            ).to(device)
+            bias_values = torch.tensor(
+                [[b for _, b in p.logit_bias] + [0.0] * (width - len(p.logit_bias)) for p in params],
+                dtype=torch.float32,
+            ).to(device)
         return cls(
             temperature=floats[0],
             top_p=floats[1],
@@ -120,7 +136,18 @@ class SamplingBatch:
             prompt_ids=_padded(prompt_ids, device) if penalized else None,
             output_ids=_padded(output_ids, device) if penalized else None,
             facts=facts,
+            bias_ids=bias_ids,
+            bias_values=bias_values,
         )
+
+    def dense_bias(self, vocab_size: int) -> torch.Tensor | None:
+        """[R, V] float32: each row's logit_bias as an addend (ids outside the vocabulary are
+        ignored: the API refuses them, and a kernel must not write past a row)."""
+        if self.bias_ids is None or self.bias_values is None:
+            return None
+        valid = (self.bias_ids >= 0) & (self.bias_ids < vocab_size)
+        bias = torch.zeros(self.num_rows, vocab_size, dtype=torch.float32, device=self.bias_ids.device)
+        return bias.scatter_add_(1, torch.where(valid, self.bias_ids, 0), torch.where(valid, self.bias_values, 0.0))
 
 
 def _padded(rows: Sequence[Sequence[int]], device: torch.device | str) -> torch.Tensor:

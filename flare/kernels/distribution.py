@@ -81,7 +81,9 @@ def distribution_statistics(
             shard_max = shard.amax(dim=-1)
             maxes.append(shard_max)
             if need_sumexp:
-                sums.append(torch.sub(shard, shard_max.unsqueeze(1)).exp_().sum(-1))
+                # A shard a token mask empties (max -inf) holds no mass, not exp(-inf + inf) = NaN.
+                shard_sum = torch.sub(shard, shard_max.unsqueeze(1)).exp_().sum(-1)
+                sums.append(torch.where(shard_max > float("-inf"), shard_sum, 0.0))
             if need_argmax:
                 argmaxes.append(shard.argmax(dim=-1) + start)
         return DistributionStatistics(

@@ -48,10 +48,13 @@ def _count_at_least(row_ptr, start, end, t, BLOCK: tl.constexpr):
 @triton.jit
 def _mass_at_least(row_ptr, start, end, t, row_max, BLOCK: tl.constexpr):
     mass = tl.zeros([BLOCK], dtype=tl.float32)
+    # -inf logits (masked tokens) carry no mass, also in a shard a mask empties (max -inf, where
+    # x - max would be -inf + inf = NaN): such a shard is shifted by 0 instead.
+    shift = tl.where(row_max > float("-inf"), row_max, 0.0)
     for block_start in range(start, end, BLOCK):
         offsets = block_start + tl.arange(0, BLOCK)
         x = tl.load(row_ptr + offsets, mask=offsets < end, other=float("-inf"))
-        mass += tl.where(x >= t, tl.exp(x - row_max), 0.0)
+        mass += tl.where(x >= t, tl.exp(x - shift), 0.0)
     return tl.sum(mass, 0)
 
 

@@ -1,6 +1,11 @@
-"""Penalties and temperature (torch twin of penalties_triton.py).
+"""Token mask, logit bias, penalties and temperature (torch twin of penalties_triton.py).
 
-Definitions (the ones vLLM and the OpenAI API use):
+In this order, per position:
+- the token mask (a grammar's allowed tokens): a bitmask of int32 words per position, bit
+  ``i % 32`` of word ``i // 32`` set when token i is allowed (the layout llguidance and xgrammar
+  fill); a disallowed token's logit becomes -inf (by adding -inf; 0 to allowed ones), which
+  every later step keeps at -inf;
+- the logit bias (OpenAI's ``logit_bias``): a dense per-row [R, V] addend, 0 for unbiased tokens;
 - repetition penalty (CTRL, Keskar et al. 2019, as in Hugging Face and vLLM): every token that
   appears in the prompt or in the output so far has its logit divided by the penalty when
   positive and multiplied by it otherwise;
@@ -68,17 +73,29 @@ def penalize_and_scale(
     frequency_penalty: torch.Tensor,
     penalties: PenaltyState | None,
     scale: bool,
+    token_mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> PreparedLogits:
-    """Penalties (when ``penalties`` is given) and temperature (when ``scale``) for every position.
+    """Mask (when ``token_mask`` [N, ceil(V / 32)] int32 is given), bias (``bias`` [R, V]
+    float32), penalties (when ``penalties`` is given) and temperature (when ``scale``) for every
+    position.
 
     ``draft_tokens`` [R, Kmax] holds valid ids or -1; ``temperature`` is the scaling divisor
     (1 for greedy rows). Per-row tensors are indexed through ``row_of_position``.
+    ``nonfinite`` is decided on the raw logits: a mask's -inf is not a fault of the model.
     """
     # NaN propagates through min and max, and an infinity is the max or the min. (amax and amin
     # are two vectorised passes; aminmax is one scalar pass, several times slower on CPU.)
     nonfinite = ~(torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1)))
     scaled = logits.float()
     owned = scaled is not logits
+    if token_mask is not None or bias is not None:
+        if not owned:
+            scaled, owned = scaled.clone(), True
+        if token_mask is not None:
+            scaled.add_(mask_addend(token_mask, scaled.shape[1]))
+        if bias is not None:
+            scaled.add_(bias.index_select(0, row_of_position))
     if penalties is not None:
         if not owned:
             scaled, owned = scaled.clone(), True
@@ -88,6 +105,22 @@ def penalize_and_scale(
         divisor = temperature[row_of_position].unsqueeze(1)
         scaled = scaled.div_(divisor) if owned else scaled / divisor
     return PreparedLogits(scaled=scaled, nonfinite=nonfinite)
+
+
+# Byte b of the bitmask, as the addends of its 8 tokens: 0 where the bit is set, -inf where not
+# (little-endian, as the int32 words' bytes lie in memory: byte 0 holds tokens 0-7 of the word).
+_BYTE_ADDENDS = torch.where(
+    ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool(), 0.0, float("-inf")
+)
+
+
+def mask_addend(token_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, V] float32, 0 for allowed tokens and -inf for the rest, from the [N, ceil(V / 32)]
+    int32 bitmask (bit i % 32 of word i // 32). One table lookup per byte: a fifth of the time
+    of shifting every token's word (32 rows of 49152 tokens: 4.4 against 23 ms on one core)."""
+    table = _BYTE_ADDENDS.to(token_mask.device)
+    byte_index = token_mask.contiguous().view(torch.uint8).view(-1).to(torch.int64)
+    return torch.embedding(table, byte_index).view(token_mask.shape[0], -1)[:, :vocab_size]
 
 
 def _penalize_(

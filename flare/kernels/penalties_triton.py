@@ -1,4 +1,4 @@
-"""Penalties and temperature in Triton: one program per position, a loop over the vocabulary.
+"""Token mask, logit bias, penalties and temperature in Triton: one program per position, a loop over the vocabulary.
 
 Same arguments, results and floating-point operation order as penalties.penalize_and_scale.
 """
@@ -27,11 +27,16 @@ def _penalize_and_scale_kernel(
     frequency_ptr,
     prompt_mask_ptr,
     output_counts_ptr,
+    token_mask_ptr,
+    bias_ptr,
     vocab_size,
     logits_stride,
+    mask_words,
     MAX_DRAFTS: tl.constexpr,
     PENALIZE: tl.constexpr,
     SCALE: tl.constexpr,
+    MASK: tl.constexpr,
+    BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     position = tl.program_id(0).to(tl.int64)  # int64 offsets: N * V may pass 2**31
@@ -47,6 +52,12 @@ def _penalize_and_scale_kernel(
         in_vocab = offsets < vocab_size
         x = tl.load(logits_ptr + position * logits_stride + offsets, mask=in_vocab, other=0.0).to(tl.float32)
         nonfinite = tl.maximum(nonfinite, ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32))
+        if MASK:
+            word = tl.load(token_mask_ptr + position * mask_words + (offsets >> 5), mask=in_vocab, other=0)
+            allowed = ((word >> (offsets & 31).to(tl.int32)) & 1) != 0
+            x = tl.where(allowed, x, float("-inf"))
+        if BIAS:
+            x = x + tl.load(bias_ptr + row * vocab_size + offsets, mask=in_vocab, other=0.0)
         if PENALIZE:
             count = tl.load(output_counts_ptr + row * vocab_size + offsets, mask=in_vocab, other=0)
             for d in tl.static_range(MAX_DRAFTS):
@@ -75,6 +86,8 @@ def penalize_and_scale(
     frequency_penalty: torch.Tensor,
     penalties: PenaltyState | None,
     scale: bool,
+    token_mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> PreparedLogits:
     """Triton version of penalties.penalize_and_scale (same arguments and results)."""
     num_positions, vocab_size = logits.shape
@@ -88,6 +101,10 @@ def penalize_and_scale(
         output_counts = penalties.output_counts.contiguous()
     else:
         prompt_mask, output_counts = nonfinite, nonfinite  # never read
+    mask_words = token_mask.shape[1] if token_mask is not None else 0
+    has_bias = bias is not None
+    token_mask = token_mask.to(torch.int32).contiguous() if token_mask is not None else nonfinite  # never read
+    bias = bias.float().contiguous() if bias is not None else scaled  # never read
     _penalize_and_scale_kernel[(num_positions,)](
         logits,
         scaled,
@@ -101,11 +118,16 @@ def penalize_and_scale(
         frequency_penalty.float().contiguous(),
         prompt_mask,
         output_counts,
+        token_mask,
+        bias,
         vocab_size,
         logits.stride(0),
+        mask_words,
         MAX_DRAFTS=drafts.shape[1],
         PENALIZE=penalties is not None,
         SCALE=scale,
+        MASK=mask_words > 0,
+        BIAS=has_bias,
         BLOCK=block_size(vocab_size, logits.device),
         enable_fp_fusion=FP_FUSION,
     )

@@ -81,6 +81,13 @@ def uniform(bits: torch.Tensor) -> torch.Tensor:
     return ((bits >> 8) & 0xFFFFFF).to(torch.float32) * (1.0 / (1 << UNIFORM_BITS))
 
 
+SMALLEST_NEG_LOG_U = 2.0**-25
+"""-log(u) at the largest u, 1 - 2**-25: u itself rounds to 1.0 in float32 (k + 0.5 = 2**24 - 0.5
+has no float32 form), where -log(u) would be 0 and the noise +inf, a token drawn whatever its
+probability (or NaN against a mask's -inf). -log(u) is held at this value instead, its exact
+value to float32 precision; no other k is affected (their -log(u) are all larger)."""
+
+
 def gumbel(bits: torch.Tensor) -> torch.Tensor:
     """Standard Gumbel noise -log(-log(u)) with u = (k + 0.5) / 2**24 strictly inside (0, 1)."""
     return gumbel_(bits.clone())
@@ -93,4 +100,4 @@ def gumbel_(bits: torch.Tensor) -> torch.Tensor:
     u = k.view(torch.float32)
     # An elementwise int -> float conversion onto the same memory (full overlap is allowed).
     u.copy_(k)
-    return u.add_(0.5).mul_(1.0 / (1 << UNIFORM_BITS)).log_().neg_().log_().neg_()
+    return u.add_(0.5).mul_(1.0 / (1 << UNIFORM_BITS)).log_().neg_().clamp_min_(SMALLEST_NEG_LOG_U).log_().neg_()

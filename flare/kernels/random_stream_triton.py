@@ -29,4 +29,5 @@ def stream_bits(key, index):
 def gumbel(bits):
     """-log(-log(u)) with u = (top 24 bits + 0.5) / 2**24, as random_stream.gumbel."""
     u = (((bits >> 8) & 0xFFFFFF).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-    return -tl.log(-tl.log(u))
+    # u rounds to 1.0 for the top k: hold -log(u) at 2**-25 (random_stream.SMALLEST_NEG_LOG_U).
+    return -tl.log(tl.maximum(-tl.log(u), 2.9802322387695312e-08))

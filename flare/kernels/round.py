@@ -13,6 +13,14 @@ is the target's prediction after the row's last accepted token and its first j d
 - greedy rows (temperature 0) accept a draft iff it is the argmax and emit the argmax;
 - a row with K = 0 drafts is plain sampling through the same path.
 
+Before penalties and temperature, a grammar's token mask (per position: a verify row's
+positions each have the grammar state after the drafts before them) sets disallowed tokens to
+-inf, and the rows' logit_bias is added; every later step (penalties, temperature, filters,
+verification) sees the masked and biased logits, so the drafts are verified against the same
+constrained p that non-speculative sampling draws from. With ``num_logprobs`` set, the
+log-probabilities of every emitted token and of the most likely tokens at its position come
+back with the tokens (logprobs.py says which distribution), read in the same host read.
+
 The emitted tokens therefore follow exactly the distribution of non-speculative sampling.
 The heavy per-position work runs in three kernels, each a Triton kernel on CUDA with a torch twin
 elsewhere (penalties.py, distribution.py, gumbel_max.py and their *_triton.py); the [R, K]-sized
@@ -28,6 +36,8 @@ from typing import Literal
 import torch
 
 from flare.kernels.batch import SamplingBatch
+from flare.kernels.logprobs import TokenLogprobs, log_normalizer, logprobs_at
+from flare.kernels.logprobs import score_tokens as logprobs_score_tokens
 from flare.kernels.penalties import PenaltyState
 from flare.kernels.random_stream import Purpose, stream_bits, stream_key, uniform
 from flare.kernels.status import DeviceStatus
@@ -45,6 +55,8 @@ class RoundResult:
     """[R] int32: accepted drafts + 1; 0 when the row's status is not OK."""
     status: torch.Tensor
     """[R] int32: a DeviceStatus code per row."""
+    logprobs: TokenLogprobs | None = None
+    """With num_logprobs: per slot of ``tokens``, [R, Kmax + 1] and [R, Kmax + 1, k]."""
 
 
 def sample_round(
@@ -55,6 +67,9 @@ def sample_round(
     batch: SamplingBatch,
     vocab_shards: int = 1,
     backend: Backend | None = None,
+    token_mask: torch.Tensor | None = None,
+    num_logprobs: int | None = None,
+    raw_logprobs: torch.Tensor | None = None,
 ) -> RoundResult:
     """Verify and sample every row of a round.
 
@@ -65,10 +80,15 @@ def sample_round(
     vocab_shards: S > 1 computes everything from per-shard statistics (vocabulary-parallel
     sampling); a sampled row with a filter then gets INVALID_SPECULATION.
     backend: "triton" (CUDA) or "torch"; by default triton on CUDA, torch elsewhere.
+    token_mask: [N, ceil(V / 32)] int32 allowed-token bitmask per position, or None (no grammar).
+    num_logprobs: None, or k >= 0: also report log p of each emitted token and the k most
+    likely tokens at its position.
+    raw_logprobs: [R] bool, or None: rows that report the raw model distribution (temperature
+    1, nothing applied) instead of the one sampled from; costs one more statistics pass.
     """
     num_positions, vocab_size = logits.shape
     num_rows, max_drafts = draft_tokens.shape
-    _check_shapes(logits, num_drafts, draft_tokens, draft_probs, batch, vocab_shards)
+    _check_shapes(logits, num_drafts, draft_tokens, draft_probs, batch, vocab_shards, token_mask)
     kernels = _kernels(backend or ("triton" if logits.is_cuda else "torch"))
     device = logits.device
     facts = batch.facts
@@ -126,6 +146,8 @@ def sample_round(
         torch.where(invalid_params, 0.0, batch.frequency_penalty),
         penalties,
         scale=facts.any_temperature_scaling,
+        token_mask=token_mask,
+        bias=batch.dense_bias(vocab_size),
     )
     scaled = prepared.scaled
     stats = kernels.distribution_statistics(
@@ -139,7 +161,7 @@ def sample_round(
         max_top_k=facts.max_top_k,
         any_top_p=facts.any_top_p,
         # Gumbel-max needs no normalisation: Z only serves p(draft) and the residual.
-        need_sumexp=facts.any_sampled and max_drafts > 0,
+        need_sumexp=(facts.any_sampled and max_drafts > 0) or num_logprobs is not None,
         need_argmax=facts.any_greedy,
     )
     # Merge shard statistics (online softmax): m = max_s m_s, Z = sum_s Z_s exp(m_s - m).
@@ -212,11 +234,47 @@ def sample_round(
     drafts_then_pad = torch.cat([drafts, drafts.new_full((num_rows, 1), -1)], 1)
     tokens = torch.where(slot < accepted, drafts_then_pad, torch.where(slot == accepted, token.unsqueeze(1), -1))
     tokens = torch.where(ok.unsqueeze(1), tokens, -1)
+    logprobs = None
+    if num_logprobs is not None:
+        assert stats.sumexp is not None
+        slot_position = (row_start.unsqueeze(1) + slot).clamp(max=num_positions - 1)
+        logprobs = logprobs_at(
+            kernels,
+            scaled,
+            threshold,
+            log_normalizer(stats.max, stats.sumexp),
+            slot_position,
+            tokens,
+            num_logprobs,
+            vocab_shards,
+        )
+        if raw_logprobs is not None:
+            raw = logprobs_score_tokens(kernels, logits, tokens, num_logprobs, vocab_shards, slot_position)
+            pick = raw_logprobs.to(device).view(num_rows, 1)
+            logprobs = TokenLogprobs(
+                torch.where(pick, raw.logprob, logprobs.logprob),
+                torch.where(pick.unsqueeze(2), raw.top_ids, logprobs.top_ids),
+                torch.where(pick.unsqueeze(2), raw.top_logprobs, logprobs.top_logprobs),
+            )
     return RoundResult(
         tokens=tokens,
         num_emitted=torch.where(ok, num_accepted + 1, 0).to(torch.int32),
         status=status.to(torch.int32),
+        logprobs=logprobs,
     )
+
+
+def score_tokens(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    num_top: int,
+    vocab_shards: int = 1,
+    backend: Backend | None = None,
+) -> TokenLogprobs:
+    """Log-probabilities of ``targets`` [P] under the raw model distribution at each position of
+    ``logits`` [P, V], with the ``num_top`` most likely tokens (scoring a prompt: echo)."""
+    kernels = _kernels(backend or ("triton" if logits.is_cuda else "torch"))
+    return logprobs_score_tokens(kernels, logits, targets, num_top, vocab_shards)
 
 
 def _sample(
@@ -293,6 +351,7 @@ def _check_shapes(
     draft_probs: torch.Tensor | None,
     batch: SamplingBatch,
     vocab_shards: int,
+    token_mask: torch.Tensor | None,
 ) -> None:
     """Static shape checks (no tensor values are read)."""
     num_positions, vocab_size = logits.shape
@@ -304,6 +363,11 @@ def _check_shapes(
         )
     if num_positions < num_rows:
         raise ValueError(f"sample_round: logits has {num_positions} positions for {num_rows} rows (at least one each)")
+    if token_mask is not None and token_mask.shape != (num_positions, -(-vocab_size // 32)):
+        raise ValueError(
+            f"sample_round: token_mask must be [N, ceil(V / 32)] = {(num_positions, -(-vocab_size // 32))}, "
+            f"got {tuple(token_mask.shape)}"
+        )
     if draft_probs is not None and draft_probs.shape != (num_rows, max_drafts, vocab_size):
         raise ValueError(
             f"sample_round: draft_probs must be [R, Kmax, V] = {(num_rows, max_drafts, vocab_size)}, "

@@ -3,5 +3,6 @@
 from flare.kernels.distribution import distribution_statistics
 from flare.kernels.gumbel_max import gumbel_candidates
 from flare.kernels.penalties import penalize_and_scale
+from flare.kernels.top_tokens import shard_top_tokens
 
-__all__ = ["distribution_statistics", "gumbel_candidates", "penalize_and_scale"]
+__all__ = ["distribution_statistics", "gumbel_candidates", "penalize_and_scale", "shard_top_tokens"]

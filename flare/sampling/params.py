@@ -24,6 +24,9 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """OpenAI's logit_bias: (token id, addend) pairs, ids ascending; added to the logits after
+    the token mask and before penalties and temperature."""
 
     @property
     def filtered(self) -> bool:

@@ -53,3 +53,16 @@ def shutdown_failure() -> RequestFailure:
         http_status=503,
         type="server_error",
     )
+
+
+def grammar_failure(error: str | None, param: str) -> RequestFailure:
+    """A choice's grammar could not go on: llguidance stops a grammar whose next step passes its
+    limits (a lexer or parser too complex for the text so far) and then refuses every token.
+    The request's constraint is what cannot be served: 422 naming its field."""
+    return RequestFailure(
+        code="grammar_error",
+        message=f"{param}: the answer could not follow the constraint ({(error or 'no token allowed')[:300]})",
+        http_status=422,
+        type="invalid_request_error",
+        param=param,
+    )

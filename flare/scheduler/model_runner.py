@@ -18,11 +18,14 @@ import torch
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
 from flare.engine.model import LlamaModel
-from flare.kernels import SamplingBatch, sample_round
+from flare.kernels import SamplingBatch, sample_round, score_tokens
 from flare.kernels.faults import FaultNotInjectable, inject_fault
+from flare.kernels.logprobs import TokenLogprobs
 from flare.kernels.round import RoundResult as KernelResult
 from flare.kernels.status import DeviceStatus
 from flare.sampling.params import SamplingParams
+from flare.scheduler.request import TokenLogprob
+from flare.structured import GrammarState, fill_masks
 
 log = structlog.get_logger("flare.scheduler.runner")
 
@@ -52,9 +55,23 @@ class PlannedRow:
     vocabulary_parallel: bool
     fault: DeviceStatus | None = None
     choice: int = 0  # which of the request's choices the row belongs to
+    logprobs: int | None = None  # per sampled token, its log-probability and this many alternatives
+    raw_logprobs: bool = False  # of the raw model distribution rather than the one sampled from
+    prompt_targets: tuple[int, ...] = ()  # the prompt tokens the row's first positions predict (echo)
+    prompt_top: int = 0  # alternatives reported per scored prompt token
+    grammar: GrammarState | None = None  # the choice's grammar: the runner reads its masks only
 
     @property
     def num_logits(self) -> int:
+        if self.prompt_targets:
+            # A prompt chunk that is scored needs every position: the scored ones first, the
+            # sampling one (if it samples) last.
+            return len(self.token_ids)
+        return self.sample_positions
+
+    @property
+    def sample_positions(self) -> int:
+        """The positions sampling reads: the last 1 + drafts of the row's logits."""
         return 1 + len(self.draft_ids) if self.samples else 0
 
 
@@ -76,11 +93,13 @@ class RowResult:
     tokens: tuple[int, ...]  # accepted drafts then one sampled token; empty on failure
     status: DeviceStatus
     fell_back: bool = False
+    logprobs: tuple[TokenLogprob, ...] = ()  # aligned with tokens, when the row asked
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # aligned with the row's prompt_targets
 
 
 @dataclass(frozen=True)
 class RoundResult:
-    rows: tuple[RowResult | None, ...]  # aligned with plan.rows; None for rows that do not sample
+    rows: tuple[RowResult | None, ...]  # aligned with plan.rows; None for rows that neither sample nor score
     seconds: float
 
 
@@ -117,14 +136,48 @@ class ModelRunner:
                 self.device,
             )
             logits = self.model.forward(batch, self.kv_cache)
+            scoring = [k for k, row in enumerate(plan.rows) if row.prompt_targets]
             sampling = [row for row in plan.rows if row.samples]
+            scores = self._score_prompts([plan.rows[k] for k in scoring], logits, plan.rows) if scoring else None
+            if scoring and sampling:
+                logits = logits[self._sampling_positions(plan.rows)]
             sampled = iter(self._sample(sampling, logits) if sampling else [])
-            results = tuple(next(sampled) if row.samples else None for row in plan.rows)
-        return RoundResult(results, time.perf_counter() - started)
+            results: list[RowResult | None] = [next(sampled) if row.samples else None for row in plan.rows]
+            if scores is not None:
+                # Read after the round's read: the device has finished by then.
+                for k, entries in zip(scoring, _scored_entries([plan.rows[k] for k in scoring], scores)):
+                    results[k] = dataclasses.replace(
+                        results[k] or RowResult((), DeviceStatus.OK), prompt_logprobs=entries
+                    )
+        return RoundResult(tuple(results), time.perf_counter() - started)
+
+    def _sampling_positions(self, rows: tuple[PlannedRow, ...]) -> torch.Tensor:
+        """The flat logit rows that sampling reads: the last 1 + drafts of each sampling row."""
+        index: list[int] = []
+        for row, offset in zip(rows, _logit_offsets(list(rows))):
+            end = offset + row.num_logits
+            index.extend(range(end - row.sample_positions, end))
+        return torch.tensor(index, device=self.device)
+
+    def _score_prompts(
+        self, scoring: list[PlannedRow], logits: torch.Tensor, rows: tuple[PlannedRow, ...]
+    ) -> TokenLogprobs:
+        """Log-probabilities of the prompt tokens that scoring rows' first positions predict."""
+        offsets = dict(zip((id(row) for row in rows), _logit_offsets(list(rows))))
+        index = [offsets[id(row)] + i for row in scoring for i in range(len(row.prompt_targets))]
+        targets = [t for row in scoring for t in row.prompt_targets]
+        device = logits.device
+        return score_tokens(
+            logits[torch.tensor(index, device=device)],
+            torch.tensor(targets, dtype=torch.int64, device=device),
+            max(row.prompt_top for row in scoring),
+            self.vocabulary_shards,
+        )
 
     def _sample(self, rows: list[PlannedRow], logits: torch.Tensor) -> list[RowResult]:
         """Sample every row (logits holds exactly their positions, in order) with one host read."""
-        offsets = _logit_offsets(rows)
+        offsets = _sample_offsets(rows)
+        masks = self._masks(rows, offsets, logits.shape[0])
         # A fault of INVALID_SPECULATION needs the sharded sampler; everything else follows the
         # package's sampler unless the row fell back.
         parallel = [row.vocabulary_parallel or row.fault == DeviceStatus.INVALID_SPECULATION for row in rows]
@@ -134,35 +187,46 @@ class ModelRunner:
         outputs = []
         for group in groups:
             group_rows = [rows[k] for k in group]
+            group_masks = masks
             if len(groups) == 1:
                 group_logits = logits
             else:
-                index = [i for k in group for i in range(offsets[k], offsets[k] + rows[k].num_logits)]
+                index = [i for k in group for i in range(offsets[k], offsets[k] + rows[k].sample_positions)]
                 group_logits = logits[torch.tensor(index, device=logits.device)]
+                group_masks = masks[torch.tensor(index, device=masks.device)] if masks is not None else None
             shards = 1
             if parallel[group[0]]:
                 injected = any(row.fault == DeviceStatus.INVALID_SPECULATION for row in group_rows)
                 shards = max(2, self.vocabulary_shards) if injected else self.vocabulary_shards
-            outputs.append(self._sample_rows(group_rows, group_logits, shards, width))
+            outputs.append(self._sample_rows(group_rows, group_logits, shards, width, group_masks))
         order = [k for group in groups for k in group]
         # The one device-to-host read of the round.
-        host_tokens, host_emitted, host_status = (
-            torch.cat([getattr(out, name) for out in outputs]).tolist() for name in ("tokens", "num_emitted", "status")
-        )
+        read = _read_back(outputs, [rows[k] for k in order])
         results: list[RowResult] = [RowResult((), DeviceStatus.OK)] * len(rows)
-        for position, k in enumerate(order):
-            n = host_emitted[position]
-            results[k] = RowResult(tuple(host_tokens[position][:n]), DeviceStatus(host_status[position]))
+        for result, k in zip(read, order):
+            results[k] = result
 
         if self.fallback_on_invalid_speculation:
             retry = [k for k, r in enumerate(results) if r.status == DeviceStatus.INVALID_SPECULATION]
             if retry:
-                fallen = self._fall_back([rows[k] for k in retry], [offsets[k] for k in retry], logits)
+                fallen = self._fall_back([rows[k] for k in retry], [offsets[k] for k in retry], logits, masks)
                 for k, result in zip(retry, fallen):
                     results[k] = result
         return results
 
-    def _fall_back(self, rows: list[PlannedRow], offsets: list[int], logits: torch.Tensor) -> list[RowResult]:
+    def _masks(self, rows: list[PlannedRow], offsets: list[int], num_positions: int) -> torch.Tensor | None:
+        """The round's token masks, [positions, ceil(V / 32)] int32 (every token allowed on rows
+        without a grammar), or None when no row has one."""
+        constrained = [(row.grammar, offsets[k], row.draft_ids) for k, row in enumerate(rows) if row.grammar is not None]
+        if not constrained:
+            return None
+        masks = torch.full((num_positions, -(-self.vocab_size // 32)), -1, dtype=torch.int32)
+        fill_masks(constrained, masks)
+        return masks.to(self.device)
+
+    def _fall_back(
+        self, rows: list[PlannedRow], offsets: list[int], logits: torch.Tensor, masks: torch.Tensor | None
+    ) -> list[RowResult]:
         """Resample rows that got INVALID_SPECULATION without drafts, with the standard sampler
         (which supports filters), from the logits at each row's first position: the prediction
         after the last accepted token, which the rejected drafts never influenced."""
@@ -170,14 +234,13 @@ class ModelRunner:
             dataclasses.replace(row, draft_ids=(), draft_probs=None, vocabulary_parallel=False, fault=None)
             for row in rows
         ]
-        out = self._sample_rows(plain, logits[torch.tensor(offsets, device=logits.device)], 1, 1)
-        host_tokens, host_emitted, host_status = out.tokens.tolist(), out.num_emitted.tolist(), out.status.tolist()
-        return [
-            RowResult(tuple(t[:n]), DeviceStatus(s), fell_back=True)
-            for t, n, s in zip(host_tokens, host_emitted, host_status)
-        ]
+        index = torch.tensor(offsets, device=logits.device)
+        out = self._sample_rows(plain, logits[index], 1, 1, masks[index] if masks is not None else None)
+        return [dataclasses.replace(result, fell_back=True) for result in _read_back([out], plain)]
 
-    def _sample_rows(self, rows: list[PlannedRow], logits: torch.Tensor, shards: int, width: int) -> KernelResult:
+    def _sample_rows(
+        self, rows: list[PlannedRow], logits: torch.Tensor, shards: int, width: int, masks: torch.Tensor | None
+    ) -> KernelResult:
         device = logits.device
         k_max = max(width - 1, 1)
         draft_tokens = torch.tensor(
@@ -203,7 +266,7 @@ class ModelRunner:
             output_ids=[row.output_ids for row in rows],
             device=device,
         )
-        offsets = _logit_offsets(rows)
+        offsets = _sample_offsets(rows)
         for r, row in enumerate(rows):
             if row.fault is not None:
                 try:
@@ -232,6 +295,7 @@ class ModelRunner:
                     faulted.draft_probs,
                     faulted.batch,
                 )
+        wanted = [row.logprobs for row in rows if row.logprobs is not None]
         return sample_round(
             logits,
             num_drafts=torch.tensor([len(row.draft_ids) for row in rows], dtype=torch.long, device=device),
@@ -239,6 +303,13 @@ class ModelRunner:
             draft_probs=draft_probs,
             batch=batch,
             vocab_shards=shards,
+            token_mask=masks,
+            num_logprobs=max(wanted) if wanted else None,
+            raw_logprobs=(
+                torch.tensor([row.raw_logprobs for row in rows], device=device)
+                if any(row.raw_logprobs for row in rows)
+                else None
+            ),
         )
 
     def _embeddable(self, token_ids: tuple[int, ...]) -> tuple[int, ...]:
@@ -246,9 +317,65 @@ class ModelRunner:
         return token_ids if all(0 <= t < v for t in token_ids) else tuple(t if 0 <= t < v else 0 for t in token_ids)
 
 
+def _read_back(outputs: list[KernelResult], rows: list[PlannedRow]) -> list[RowResult]:
+    """The rows' results from the kernels' outputs (one per group, rows in order): tokens,
+    counts and statuses, and the log-probabilities of the emitted tokens where asked."""
+    host_tokens, host_emitted, host_status = (
+        torch.cat([getattr(out, name) for out in outputs]).tolist() for name in ("tokens", "num_emitted", "status")
+    )
+    with_logprobs = all(out.logprobs is not None for out in outputs) and any(r.logprobs is not None for r in rows)
+    if with_logprobs:
+        logprob, top_ids, top_logprobs = (
+            torch.cat([getattr(out.logprobs, name) for out in outputs if out.logprobs is not None]).tolist()
+            for name in ("logprob", "top_ids", "top_logprobs")
+        )
+    results = []
+    for r, row in enumerate(rows):
+        n = host_emitted[r]
+        entries: tuple[TokenLogprob, ...] = ()
+        if with_logprobs and row.logprobs is not None:
+            entries = tuple(
+                _entry(host_tokens[r][j], logprob[r][j], top_ids[r][j], top_logprobs[r][j], row.logprobs)
+                for j in range(n)
+            )
+        results.append(RowResult(tuple(host_tokens[r][:n]), DeviceStatus(host_status[r]), logprobs=entries))
+    return results
+
+
+def _scored_entries(rows: list[PlannedRow], scores: TokenLogprobs) -> list[tuple[TokenLogprob, ...]]:
+    logprob, top_ids, top_logprobs = scores.logprob.tolist(), scores.top_ids.tolist(), scores.top_logprobs.tolist()
+    entries, start = [], 0
+    for row in rows:
+        end = start + len(row.prompt_targets)
+        entries.append(
+            tuple(
+                _entry(t, logprob[i], top_ids[i], top_logprobs[i], row.prompt_top)
+                for t, i in zip(row.prompt_targets, range(start, end))
+            )
+        )
+        start = end
+    return entries
+
+
+def _entry(token: int, logprob: float, top_ids: list[int], top_logprobs: list[float], k: int) -> TokenLogprob:
+    """One token's entry; alternatives of probability 0 (masked or filtered out) are left out."""
+    top = tuple((i, v) for i, v in zip(top_ids[:k], top_logprobs[:k]) if i >= 0 and v != float("-inf"))
+    return TokenLogprob(token, logprob, top)
+
+
 def _logit_offsets(rows: list[PlannedRow]) -> list[int]:
+    """Where each row's logits start in the forward's output."""
     offsets, total = [], 0
     for row in rows:
         offsets.append(total)
         total += row.num_logits
+    return offsets
+
+
+def _sample_offsets(rows: list[PlannedRow]) -> list[int]:
+    """Where each sampling row's positions start in the logits sampling reads."""
+    offsets, total = [], 0
+    for row in rows:
+        offsets.append(total)
+        total += row.sample_positions
     return offsets

@@ -8,6 +8,7 @@ from typing import Literal
 
 from flare.kernels.status import DeviceStatus
 from flare.sampling.params import SamplingParams
+from flare.structured import Grammar
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,17 @@ class GenerationRequest:
     params: SamplingParams
     fault: FaultSpec | None = None
     n: int = 1
+    logprobs: int | None = None
+    """None: no log-probabilities; k >= 0: each output token's, with its k most likely
+    alternatives (kernels/logprobs.py says of which distribution)."""
+    raw_logprobs: bool = False
+    """Report the raw model distribution (temperature 1, nothing applied) for output tokens."""
+    prompt_logprobs: int | None = None
+    """None: the prompt is not scored; k >= 0: every prompt token after the first is scored by
+    the model (echo with logprobs), with k alternatives. Such a request computes its whole
+    prompt: the prefix cache's blocks hold no logits."""
+    grammar: Grammar | None = None
+    """The compiled constraint every choice's answer follows (structured output), or None."""
 
 
 # A Weyl step of the golden ratio: choices of nearby seeds (s and s + 1) get unrelated streams.
@@ -46,12 +58,27 @@ def choice_seed(seed: int, index: int) -> int:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability and the most likely tokens at its position (most likely first)."""
+
+    token_id: int
+    logprob: float  # -inf where the distribution gives the token no mass
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TextDelta:
-    """New text of choice `index`, never a broken UTF-8 sequence and never part of a stop string."""
+    """New text of choice `index`, never a broken UTF-8 sequence and never part of a stop string.
+
+    `logprobs` are aligned with `token_ids` when the request asked for them. The first delta of
+    a choice whose request scores its prompt carries `prompt_logprobs`: prompt tokens 1.. (the
+    first has nothing to be predicted from)."""
 
     text: str
     token_ids: tuple[int, ...]
     index: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from flare.scheduler.errors import (
     QueueFull,
     TooManyChoices,
 )
-from flare.scheduler.failures import cancelled_failure, device_failure, shutdown_failure
+from flare.scheduler.failures import cancelled_failure, device_failure, grammar_failure, shutdown_failure
 from flare.scheduler.metrics import SchedulerMetrics
 from flare.scheduler.model_runner import ModelRunner, PlannedRow, RoundPlan, RoundResult
 from flare.scheduler.request import (
@@ -58,13 +58,18 @@ from flare.scheduler.request import (
     RequestFailure,
     RequestStream,
     TextDelta,
+    TokenLogprob,
     Usage,
     choice_seed,
 )
 from flare.scheduler.sequence import Sequence, SequenceState
 from flare.scheduler.stop_strings import StopStringMatcher
+from flare.structured import GrammarCompiler, GrammarState
 
 log = structlog.get_logger("flare.scheduler")
+
+# The most tokens a grammar's forced run is proposed at once (jump-forward drafts).
+JUMP_FORWARD_TOKENS = 16
 
 # Faults that need the row to verify at least one draft to reach their device path.
 _DRAFT_FAULTS = (DeviceStatus.INVALID_DRAFT_TOKEN, DeviceStatus.INVALID_DRAFT_PROBABILITY)
@@ -86,6 +91,7 @@ class SchedulerOptions:
     sampling_policy: Literal["package", "unfiltered"] = "package"
     on_invalid_speculation: Literal["fallback", "fail"] = "fallback"
     fault_injection: bool = False
+    jump_forward: bool = True  # propose the tokens a grammar forces as drafts (free: always accepted)
     device: str = "cpu"
     weight_format: str = "auto"  # precision.FORMAT_CHOICES: what the linear layers multiply in
     idle_tick_s: float = 1.0  # how often an idle loop wakes to send its heartbeat
@@ -176,6 +182,7 @@ class Scheduler:
         draft_tokens: int,
         metrics: SchedulerMetrics | None = None,
         heartbeat: Callable[[], None] | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.package = package
         self.policy = policy
@@ -210,6 +217,7 @@ class Scheduler:
         self._statuses: Counter[str] = Counter()
         self._prompt_tokens: Counter[str] = Counter()  # "cached" and "computed", since start
         self._copies: list[tuple[int, int]] = []  # the copy-on-writes of the round being planned
+        self.grammars = grammars
 
     # ----------------------------------------------------------------- construction
 
@@ -290,6 +298,11 @@ class Scheduler:
             draft_tokens=draft_tokens,
             metrics=metrics,
             heartbeat=heartbeat,
+            grammars=GrammarCompiler(
+                package.tokenizer_json_path.read_text(encoding="utf-8"),
+                vocab_size=config.vocab_size,
+                eos_token_ids=config.eos_token_ids,
+            ),
         )
 
     # ----------------------------------------------------------------- the daemon's interface
@@ -390,6 +403,11 @@ class Scheduler:
         if self.metrics is not None:
             self._publish_occupancy()
         return dropped
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary: token ids a request may name are below it."""
+        return self._runner.vocab_size
 
     @property
     def idle(self) -> bool:
@@ -529,6 +547,7 @@ class Scheduler:
             budget -= len(tail) + len(draft.token_ids)
             samples = seq.num_cached + len(tail) == len(seq.tokens)
             penalized = seq.request.params.penalized
+            prompt_targets = self._prompt_targets(seq, len(tail)) if not seq.in_decode else ()
             rows.append(
                 PlannedRow(
                     request_id=seq.request_id,
@@ -546,6 +565,11 @@ class Scheduler:
                     vocabulary_parallel=self.vocabulary_parallel and not seq.fell_back,
                     fault=self._fault_now(seq) if samples else None,
                     choice=seq.index,
+                    logprobs=seq.request.logprobs,
+                    raw_logprobs=seq.request.raw_logprobs,
+                    prompt_targets=prompt_targets,
+                    prompt_top=seq.request.prompt_logprobs or 0,
+                    grammar=seq.grammar if samples else None,
                 )
             )
         # A row dropped after its blocks were made writable (its sequence preempted by a later
@@ -556,18 +580,35 @@ class Scheduler:
         self._rounds += 1
         return RoundPlan(index, tuple(rows), tuple(self._copies))
 
+    def _prompt_targets(self, seq: Sequence, fed: int) -> tuple[int, ...]:
+        """The prompt tokens a prefill chunk of `fed` tokens from `num_cached` predicts, when the
+        request scores its prompt: position i predicts token i + 1, up to the prompt's last."""
+        if seq.request.prompt_logprobs is None:
+            return ()
+        start = seq.num_cached
+        end = min(start + fed, seq.num_prompt_tokens - 1)
+        return tuple(seq.tokens[start + 1 : end + 1]) if end > start else ()
+
     def _row_still_planned(self, row: PlannedRow) -> bool:
         choices = self._by_id.get(row.request_id)
         return choices is not None and choices[row.choice].state is SequenceState.RUNNING
 
     def _drafts(self, decode: list[Sequence], base_tokens: int) -> dict[Sequence, Draft]:
         """Each decode row's drafts, cut to the adaptive draft length."""
-        if self._drafter is None and not self.options.fault_injection:
+        constrained = [s for s in decode if s.grammar is not None]
+        if self._drafter is None and not self.options.fault_injection and not constrained:
             return {}
+        forced: dict[Sequence, Draft] = {}
         proposals: list[Draft] = []
         for seq in decode:
             limit = self._draft_limit(seq)
-            proposals.append(seq.draft_state.propose(limit) if seq.draft_state is not None and limit > 0 else Draft(()))
+            proposal = seq.draft_state.propose(limit) if seq.draft_state is not None and limit > 0 else Draft(())
+            if seq.grammar is not None:
+                proposal, jump = self._grammar_draft(seq, proposal)
+                if jump.token_ids:
+                    forced[seq] = jump
+                    proposal = Draft(())
+            proposals.append(proposal)
         available = [len(d.token_ids) for d in proposals]
         lengths = (
             choose_draft_lengths(
@@ -580,7 +621,7 @@ class Scheduler:
             if self.options.adaptive_draft_length
             else available
         )
-        drafts: dict[Sequence, Draft] = {}
+        drafts: dict[Sequence, Draft] = dict(forced)
         for seq, draft, k in zip(decode, proposals, lengths):
             if k:
                 drafts[seq] = Draft(draft.token_ids[:k], None if draft.probs is None else draft.probs[:k])
@@ -590,7 +631,22 @@ class Scheduler:
                 drafts[seq] = Draft((0,))
         return drafts
 
-    def _draft_limit(self, seq: Sequence) -> int:
+    def _grammar_draft(self, seq: Sequence, proposal: Draft) -> tuple[Draft, Draft]:
+        """A constrained row's drafts: (the drafter's proposal cut at its first token the grammar
+        refuses, the tokens the grammar forces from here). Forced tokens have p = 1 under the
+        mask, so they are always accepted: proposed whole, past the draft-length model."""
+        assert seq.grammar is not None
+        if self.options.jump_forward:
+            room = self._draft_limit(seq, JUMP_FORWARD_TOKENS)
+            forced = seq.grammar.forced_tokens()[:room]
+            if forced:
+                return Draft(()), Draft(tuple(forced))
+        valid = seq.grammar.valid_prefix(proposal.token_ids)
+        if valid < len(proposal.token_ids):
+            proposal = Draft(proposal.token_ids[:valid], None if proposal.probs is None else proposal.probs[:valid])
+        return proposal, Draft(())
+
+    def _draft_limit(self, seq: Sequence, most: int | None = None) -> int:
         if seq.fell_back:
             return 0
         params = seq.request.params
@@ -598,7 +654,7 @@ class Scheduler:
         return max(
             0,
             min(
-                self.draft_tokens,
+                self.draft_tokens if most is None else most,
                 params.max_tokens - seq.num_output_tokens - 1,
                 self.max_context - len(seq.tokens) - 1,
             ),
@@ -643,7 +699,8 @@ class Scheduler:
     def _reuse_cached_prefix(self, seq: Sequence) -> None:
         """Map the longest cached prefix of `seq`'s tokens to the blocks that hold it. At least
         the last token is computed again: the row that samples needs its logits."""
-        if not self._blocks.enabled:
+        if not self._blocks.enabled or seq.request.prompt_logprobs is not None:
+            # A scored prompt is computed whole: cached blocks hold no logits to score it by.
             return
         seq.block_hashes = chain_hashes(self._blocks.root, seq.tokens, self._block_size, seq.block_hashes)
         # A last block that holds the last token is found too, and copied before that token's
@@ -678,6 +735,7 @@ class Scheduler:
                 choice.num_published = min(leader.num_published, len(shared))
                 choice.block_hashes = leader.block_hashes[: prompt_len // self._block_size]
                 choice.cached_prompt_tokens = leader.cached_prompt_tokens
+                choice.prompt_logprobs = list(leader.prompt_logprobs)
                 choice.state = SequenceState.RUNNING
                 self._running.append(choice)
             log.debug("choices_forked", request_id=leader.request_id, n=1 + len(leader.pending_choices))
@@ -782,7 +840,13 @@ class Scheduler:
                 continue
             fed = len(row.token_ids)
             prompt_tokens += max(0, min(seq.num_prompt_tokens, row.start_position + fed) - row.start_position)
-            if outcome is None:
+            if outcome is not None and outcome.prompt_logprobs:
+                # Position p predicts prompt token p + 1: entry p of the list. A recomputed
+                # chunk (after a preemption) scores positions already kept again.
+                for offset, entry in enumerate(outcome.prompt_logprobs):
+                    if row.start_position + offset == len(seq.prompt_logprobs):
+                        seq.prompt_logprobs.append(entry)
+            if not row.samples or outcome is None:
                 seq.num_cached = row.start_position + fed
                 self._publish(seq)
                 continue
@@ -818,7 +882,7 @@ class Scheduler:
             elif self.metrics is not None:
                 self.metrics.observe_emission(now - (seq.last_token_at or now), len(outcome.tokens))
             seq.last_token_at = now
-            generated += self._emit(seq, outcome.tokens)
+            generated += self._emit(seq, outcome.tokens, outcome.logprobs)
             if seq.state is SequenceState.RUNNING:
                 self._publish(seq)
                 self._trim_blocks(seq)
@@ -844,9 +908,10 @@ class Scheduler:
             self.metrics.observe_tokens(prompt=prompt_tokens, generated=generated)
             self._publish_occupancy()
 
-    def _emit(self, seq: Sequence, new_tokens: tuple[int, ...]) -> int:
-        """Append sampled tokens to `seq`, stream their text, and finish it at EOS, a stop
-        string, max_tokens or the context length. Returns how many tokens were kept."""
+    def _emit(self, seq: Sequence, new_tokens: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] = ()) -> int:
+        """Append sampled tokens to `seq`, stream their text (and their log-probabilities, when
+        asked), and finish it at EOS, a stop string, max_tokens or the context length. Returns
+        how many tokens were kept."""
         params = seq.request.params
         kept: list[int] = []
         reason: Literal["stop", "length"] | None = None
@@ -858,6 +923,12 @@ class Scheduler:
             if seq.num_output_tokens + len(kept) >= params.max_tokens or len(seq.tokens) + len(kept) >= self.max_context:
                 reason = "length"
                 break
+        if seq.grammar is not None:
+            if not seq.grammar.accept(kept):
+                self._fail(seq, grammar_failure(seq.grammar.error, seq.grammar.grammar.spec.param))
+                return 0
+            if reason is None and seq.grammar.finished:
+                reason = "stop"  # the answer is complete: only its end may follow
         seq.tokens.extend(kept)
         if seq.draft_state is not None and kept:
             seq.draft_state.extend(kept)
@@ -866,8 +937,12 @@ class Scheduler:
             reason = "stop"
         elif reason is not None:
             text += seq.stop_matcher.push(seq.detokenizer.flush())[0] + seq.stop_matcher.flush()
-        if text or kept:
-            seq.stream.put(TextDelta(text, tuple(kept), seq.index))
+        # The first delta of a scored prompt's choice carries the prompt's entries, even empty.
+        scored_first = not seq.emitted and seq.request.prompt_logprobs is not None
+        if text or kept or scored_first:
+            seq.emitted = True
+            prompt = tuple(seq.prompt_logprobs) if scored_first else None
+            seq.stream.put(TextDelta(text, tuple(kept), seq.index, tuple(logprobs[: len(kept)]), prompt))
         if reason is not None:
             self._finish(seq, Finished(reason, self._usage(seq), fell_back=seq.fell_back, index=seq.index))
         return len(kept)
@@ -940,6 +1015,7 @@ class Scheduler:
             stop_matcher=StopStringMatcher(request.params.stop),
             draft_state=self._drafter.new_state(request.prompt_token_ids) if self._drafter is not None else None,
             index=index,
+            grammar=GrammarState(request.grammar) if request.grammar is not None else None,
         )
 
     def _retry_after_s(self) -> float:

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from flare.engine.drafters import DraftState
 from flare.engine.tokenizer import IncrementalDetokenizer
 from flare.scheduler.draft_length import AcceptanceEstimate
-from flare.scheduler.request import GenerationRequest, RequestFailure, RequestStream
+from flare.scheduler.request import GenerationRequest, RequestFailure, RequestStream, TokenLogprob
 from flare.scheduler.stop_strings import StopStringMatcher
+from flare.structured import GrammarState
 
 
 class SequenceState(enum.Enum):
@@ -58,6 +59,9 @@ class Sequence:
     first_token_at: float | None = None
     last_token_at: float | None = None
     preemptions: int = 0
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.., as scored
+    emitted: bool = False  # a first delta was put (it carries the prompt's log-probabilities)
+    grammar: GrammarState | None = None  # where this choice's answer is in its grammar
 
     def __post_init__(self) -> None:
         if not self.tokens:

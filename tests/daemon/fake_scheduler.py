@@ -51,12 +51,16 @@ class FakeTokenizer:
     """One token per character, so prompt lengths are easy to control."""
 
     eos_token_ids = (0,)
+    knows_tools = False
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]
 
     def fewest_tokens(self, characters: int) -> int:
         return characters
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return chr(token_id).encode("utf-8")
 
     def encode_chat(
         self,
@@ -85,6 +89,8 @@ class FakeScheduler:
 
     def __init__(self, *, max_context: int = 2048, reply: Sequence[str] = ("Hel", "lo", " wor", "ld")) -> None:
         self.tokenizer = FakeTokenizer()
+        self.vocab_size = 50_000
+        self.grammars = None  # structured output needs the real compiler (tests/integration)
         self.policy = POLICY
         self.max_context = max_context
         self.reply = tuple(reply)

@@ -23,6 +23,7 @@ FIELDS = [
     "model", "messages", "prompt", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "max_tokens", "max_completion_tokens",
     "stop", "n", "logprobs", "tools", "tool_choice", "response_format", "logit_bias", "echo", "best_of", "user",
+    "top_logprobs", "structured_outputs", "logprobs_mode", "parallel_tool_calls",
 ]
 message = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant", "tool", "wizard"]) | json_values},

@@ -104,3 +104,35 @@ def test_unigram_models_have_no_character_bound() -> None:
     backend = BackendTokenizer(models.Unigram([("<unk>", 0.0), ("a", -1.0)], 0, byte_fallback=False))
     backend.normalizer = normalizers.NFD()
     assert Tokenizer(backend, CHATML, eos_token_ids=[0]).max_chars_per_token is None
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\nTools:' }}{% for t in tools %}{{ ' ' + t.function.name + '=' + t.function.description }}"
+    "{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "{{ '<tool_call>' + ({'name': c.function.name, 'arguments': c.function.arguments} | tojson) + '</tool_call>' }}"
+    "{% endfor %}{% else %}{{ m.content }}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_template_that_knows_tools_gets_them_and_their_strings_stay_text() -> None:
+    plain = byte_level()
+    assert not plain.knows_tools
+    backend = BackendTokenizer.from_str(plain.backend.to_str())
+    tokenizer = Tokenizer(backend, TOOLS_TEMPLATE, eos_token_ids=[0])
+    assert tokenizer.knows_tools
+    start = backend.token_to_id("<|im_start|>")
+    tools = [{"type": "function", "function": {"name": "f", "description": FORGED, "parameters": {}}}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"x": FORGED}}}
+        ]},
+        {"role": "tool", "content": "42", "tool_call_id": "c"},
+    ]
+    ids = tokenizer.encode_chat(messages, tools=tools)
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert "Tools: f=hi" in text and '<tool_call>{"name": "f", "arguments": {"x": "hi' in text
+    # The system turn, three messages and the generation prompt: no forged turn from the strings.
+    assert ids.count(start) == 5

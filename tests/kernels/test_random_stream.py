@@ -1,6 +1,12 @@
+import math
+
+import pytest
 import torch
+import triton
+import triton.language as tl
 
 from flare.kernels.random_stream import Purpose, gumbel, stream_bits, stream_key, uniform
+from flare.kernels.random_stream_triton import gumbel as gumbel_triton
 
 MASK = 0xFFFFFFFF
 
@@ -55,3 +61,23 @@ def test_purposes_and_positions_give_different_streams() -> None:
         int(stream_key(seed + 1, position, Purpose.SAMPLE)),
     }
     assert len(keys) == 4
+
+
+@triton.jit
+def _noise(bits_ptr, out_ptr, N: tl.constexpr):
+    offsets = tl.arange(0, N)
+    tl.store(out_ptr + offsets, gumbel_triton(tl.load(bits_ptr + offsets).to(tl.uint32, bitcast=True)))
+
+
+def test_gumbel_noise_is_finite_at_the_largest_uniform() -> None:
+    """k = 2**24 - 1 gives u = 1 - 2**-25, which rounds to 1.0 in float32: the noise must stay
+    finite there (+inf would draw that token whatever its probability, NaN against a mask's
+    -inf), in the twin and in the Triton kernel alike."""
+    bits = torch.tensor([-1, -512, 0, 12345 << 8], dtype=torch.int32)  # k = 2**24 - 1, 2**24 - 2, 0, 12345
+    noise = gumbel(bits)
+    assert torch.isfinite(noise).all()
+    assert float(noise[0]) == pytest.approx(-math.log(2.0**-25), rel=1e-6)
+    assert float(noise[0]) > float(noise[1])
+    kernel = torch.empty(4)
+    _noise[(1,)](bits, kernel, N=4)
+    torch.testing.assert_close(kernel, noise)

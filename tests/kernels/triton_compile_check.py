@@ -20,7 +20,11 @@ _SIGNATURES: dict[str, dict[str, str]] = {
         "logits_ptr": "*fp32", "scaled_ptr": "*fp32", "nonfinite_ptr": "*i32", "row_of_position_ptr": "*i64",
         "index_in_row_ptr": "*i64", "drafts_ptr": "*i64", "divisor_ptr": "*fp32", "repetition_ptr": "*fp32",
         "presence_ptr": "*fp32", "frequency_ptr": "*fp32", "prompt_mask_ptr": "*u8", "output_counts_ptr": "*i32",
-        "vocab_size": "i32", "logits_stride": "i32",
+        "token_mask_ptr": "*i32", "bias_ptr": "*fp32", "vocab_size": "i32", "logits_stride": "i32", "mask_words": "i32",
+    },
+    "top_tokens": {
+        "scaled_ptr": "*fp32", "values_ptr": "*fp32", "ids_ptr": "*i64", "vocab_size": "i32", "shard_size": "i32",
+        "num_shards": "i32",
     },
     "distribution": {
         "scaled_ptr": "*fp32", "row_of_position_ptr": "*i64", "top_k_ptr": "*i64", "top_p_ptr": "*fp32",
@@ -44,13 +48,18 @@ def compile_all() -> list[str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from flare.kernels import distribution_triton, gumbel_max_triton, penalties_triton
+    from flare.kernels import distribution_triton, gumbel_max_triton, penalties_triton, top_tokens_triton
     from flare.kernels.triton_launch import FP_FUSION, GPU_BLOCK
 
     variants = [
-        (penalties_triton._penalize_and_scale_kernel, "penalties", {"MAX_DRAFTS": k, "PENALIZE": pen, "SCALE": True, "BLOCK": GPU_BLOCK})
+        (
+            penalties_triton._penalize_and_scale_kernel,
+            "penalties",
+            {"MAX_DRAFTS": k, "PENALIZE": pen, "SCALE": True, "MASK": constrained, "BIAS": constrained, "BLOCK": GPU_BLOCK},
+        )
         for k in (0, 4)
         for pen in (False, True)
+        for constrained in (False, True)
     ]
     variants += [
         (distribution_triton._distribution_statistics_kernel, "distribution", {"FILTER": f, "BLOCK": GPU_BLOCK})
@@ -59,6 +68,7 @@ def compile_all() -> list[str]:
     variants += [
         (gumbel_max_triton._gumbel_candidates_kernel, "gumbel_max", {"HAS_Q": q, "BLOCK": GPU_BLOCK}) for q in (False, True)
     ]
+    variants += [(top_tokens_triton._shard_top_tokens_kernel, "top_tokens", {"K": k, "BLOCK": GPU_BLOCK}) for k in (1, 20)]
     target = GPUTarget(*GPU_TARGET)
     lines = []
     for kernel, name, constexprs in variants:

@@ -44,6 +44,7 @@ CHAT_FIELDS = (
     "functions",
     "function_call",
     "response_format",
+    "structured_outputs",
     "user",
 )
 COMPLETION_FIELDS = ("prompt", "best_of", "echo", "suffix")

@@ -26,6 +26,7 @@ from flare.preparation.package import open_package
 from flare.sampling.params import SamplingParams
 from flare.scheduler.request import Finished, GenerationRequest, TextDelta
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions
+from flare.structured import GrammarSpec
 
 SAMPLES = 480
 PROMPT = "one two three four one two three four one two"
@@ -77,19 +78,25 @@ class RepeatLastDrafter:
 
 
 async def sample_tokens(
-    package_path, params: SamplingParams, drafter: RepeatLastDrafter | None
+    package_path, params: SamplingParams, drafter: RepeatLastDrafter | None, constraint: GrammarSpec | None = None
 ) -> tuple[list[list[int]], int]:
     """Each seed's generated tokens, and how many times a row sampled (target forwards per row)."""
     package = open_package(package_path)
-    options = SchedulerOptions(draft_tokens=0 if drafter is None else 3, adaptive_draft_length=False)
+    # No jump-forward: the grammar's forced tokens would be drafts of their own.
+    options = SchedulerOptions(draft_tokens=0 if drafter is None else 3, adaptive_draft_length=False, jump_forward=False)
     scheduler = Scheduler.from_package(package, options, drafter=drafter)
     loop = asyncio.create_task(scheduler.run())
     prompt = tuple(scheduler.tokenizer.encode(PROMPT))
+    grammar = scheduler.grammars.compile(constraint) if constraint is not None and scheduler.grammars else None
     outputs: list[list[int]] = []
     try:
         for start in range(0, SAMPLES, 32):
             streams = [
-                scheduler.submit(GenerationRequest(f"s{seed}", prompt, SamplingParams(**{**params.__dict__, "seed": seed})))
+                scheduler.submit(
+                    GenerationRequest(
+                        f"s{seed}", prompt, SamplingParams(**{**params.__dict__, "seed": seed}), grammar=grammar
+                    )
+                )
                 for seed in range(start, min(start + 32, SAMPLES))
             ]
             for stream in streams:
@@ -145,3 +152,19 @@ async def test_speculative_sampling_follows_the_non_speculative_distribution(pea
         print(f"position {position}: {len(set(a))} distinct tokens, p = {p_value:.3f}")
         assert p_value > 1e-3, f"token {position} differs with speculation"
     print(f"row forwards: {plain_rounds} without drafts, {speculative_rounds} with")
+
+
+async def test_with_a_grammar_speculative_sampling_follows_the_non_speculative_distribution(peaked_package):
+    """The mask comes before verification: drafts are accepted or corrected against the masked
+    p, so the constrained answer's distribution is the same with and without them."""
+    vocab = open_package(peaked_package).manifest.model.vocab_size
+    params = SamplingParams(temperature=1.0, max_tokens=4)
+    constraint = GrammarSpec("regex", "( ?(one|two|three|four|five|a|the))+", "structured_outputs.regex")
+    plain, plain_rounds = await sample_tokens(peaked_package, params, None, constraint)
+    speculative, speculative_rounds = await sample_tokens(peaked_package, params, RepeatLastDrafter(vocab, False), constraint)
+    assert speculative_rounds < plain_rounds
+    for position in (1, 2, 3):
+        a = [ids[position] for ids in plain if len(ids) > position]
+        b = [ids[position] for ids in speculative if len(ids) > position]
+        assert len(a) > SAMPLES * 0.5 and len(b) > SAMPLES * 0.5
+        assert _same_distribution(a, b) > 1e-3, f"token {position} differs with speculation under the grammar"

@@ -1,0 +1,365 @@
+"""Tool calls (OpenAI's `tools`, `tool_choice`, `parallel_tool_calls`): the prompt, the grammar
+that holds the answer to a text or a call, and the calls read back from the answer.
+
+The format is the one Hermes and Qwen models are trained on, written by flare for a package
+whose chat template does not know tools (the default model's):
+
+- a system preamble lists the functions as JSON between <tools> and </tools> and says how to
+  call one: ``<tool_call>{"name": NAME, "arguments": {...}}</tool_call>``, one per line;
+- an assistant message with tool_calls is written as those lines; a `tool` message as a user
+  turn holding ``<tool_response>...</tool_response>``;
+- the answer's grammar: with tool_choice "auto", either text that does not start with "<", or
+  one or more calls; "required" forces calls, a named function forces one call of it;
+  parallel_tool_calls false allows one call. Each call's arguments are held to the function's
+  parameters schema by the grammar (llguidance's %json), so they always validate.
+
+A package whose template knows tools (it names `tools`, as Qwen's and Hermes' do) gets the
+functions and the conversation through its template instead, in Hugging Face's convention
+(`template_messages`, `template_tools`); the answer is still held to and read in the format
+above, the one those templates teach.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from flare.daemon.errors import bad_request
+from flare.structured.compiler import JSON_OPTIONS
+from flare.structured.spec import GrammarSpec
+
+MAX_TOOLS = 128
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    tools: tuple[Tool, ...]
+    choice: Literal["none", "auto", "required", "named"]
+    named: str | None = None
+    parallel: bool = True
+
+    @property
+    def calls_possible(self) -> bool:
+        return self.choice != "none" and bool(self.tools)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def to_json(self, index: int | None = None) -> dict[str, Any]:
+        call: dict[str, Any] = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+# --- parsing the request ------------------------------------------------------------------
+
+
+def parse_tools(body: Mapping[str, Any]) -> ToolRequest | None:
+    """`tools`, `tool_choice` and `parallel_tool_calls`, or None when no tools are given."""
+    raw = body.get("tools")
+    choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad_request("parallel_tool_calls must be true or false", param="parallel_tool_calls")
+    if raw is None or raw == []:
+        if choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice names a tool but no tools are given", param="tool_choice")
+        return None
+    if not isinstance(raw, list):
+        raise bad_request("tools must be a list of function definitions", param="tools")
+    if len(raw) > MAX_TOOLS:
+        raise bad_request(f"tools has {len(raw)} entries; at most {MAX_TOOLS} are allowed", param="tools")
+    tools = tuple(_tool(i, t) for i, t in enumerate(raw))
+    names = [t.name for t in tools]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate is not None:
+        raise bad_request(f"tools names the function {duplicate!r} twice", param="tools")
+    if choice is None:
+        return ToolRequest(tools, "auto", parallel=parallel is not False)
+    if choice in ("none", "auto", "required"):
+        return ToolRequest(tools, choice, parallel=parallel is not False)
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in names:
+            raise bad_request(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+        return ToolRequest(tools, "named", named=name, parallel=False)
+    raise bad_request(
+        'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+        param="tool_choice",
+    )
+
+
+def _tool(index: int, value: Any) -> Tool:
+    where = f"tools[{index}]"
+    if not isinstance(value, dict) or value.get("type") != "function" or not isinstance(value.get("function"), dict):
+        raise bad_request(f'{where} must be {{"type": "function", "function": {{...}}}}', param=where)
+    unknown = sorted(set(value) - {"type", "function"})
+    if unknown:
+        raise bad_request(f"{where} has an unrecognized field {unknown[0]!r}", param=f"{where}.{unknown[0]}")
+    function = value["function"]
+    unknown = sorted(set(function) - {"name", "description", "parameters", "strict"})
+    if unknown:
+        raise bad_request(f"{where}.function has an unrecognized field {unknown[0]!r}", param=f"{where}.function")
+    name = function.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise bad_request(
+            f"{where}.function.name must be 1 to 64 letters, digits, underscores or dashes, got {name!r}",
+            param=f"{where}.function.name",
+        )
+    description = function.get("description", "")
+    if not isinstance(description, str):
+        raise bad_request(f"{where}.function.description must be a string", param=f"{where}.function.description")
+    parameters = function.get("parameters")
+    if parameters is None:
+        parameters = {"type": "object", "properties": {}, "additionalProperties": False}
+    if not isinstance(parameters, dict):
+        raise bad_request(
+            f"{where}.function.parameters must be a JSON schema object", param=f"{where}.function.parameters"
+        )
+    strict = function.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request(f"{where}.function.strict must be true or false", param=f"{where}.function.strict")
+    return Tool(name, description, parameters)
+
+
+# --- the prompt ---------------------------------------------------------------------------
+
+
+def render_messages(messages: Sequence[Mapping[str, Any]], tools: ToolRequest | None) -> list[dict[str, Any]]:
+    """The conversation in the generic format: plain {role, content} messages for any template."""
+    rendered: list[dict[str, Any]] = []
+    for message in messages:
+        if message["role"] == "tool":
+            rendered.append({"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"})
+        elif message.get("tool_calls"):
+            calls = "\n".join(
+                CALL_OPEN
+                + json.dumps({"name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])})
+                + CALL_CLOSE
+                for c in message["tool_calls"]
+            )
+            content = message.get("content") or ""
+            rendered.append({"role": "assistant", "content": f"{content}\n{calls}" if content else calls})
+        else:
+            rendered.append({"role": message["role"], "content": message["content"]})
+    if tools is not None and tools.calls_possible:
+        preamble = _preamble(tools)
+        if rendered and rendered[0]["role"] == "system":
+            rendered[0] = {"role": "system", "content": f"{rendered[0]['content']}\n\n{preamble}"}
+        else:
+            rendered.insert(0, {"role": "system", "content": preamble})
+    return rendered
+
+
+def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation for a template that knows tools, in Hugging Face's convention: a call's
+    arguments as an object (templates write them with `tojson`), tool turns as they are."""
+    rendered = []
+    for message in messages:
+        if message.get("tool_calls"):
+            calls = [
+                {"id": c["id"], "type": "function",
+                 "function": {"name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])}}
+                for c in message["tool_calls"]
+            ]
+            rendered.append({**message, "tool_calls": calls})
+        else:
+            rendered.append(dict(message))
+    return rendered
+
+
+def template_tools(tools: ToolRequest | None) -> list[dict[str, Any]] | None:
+    """The functions as a template's `tools` variable (OpenAI's shape), or None when none is offered."""
+    if tools is None or not tools.calls_possible:
+        return None
+    offered = [t for t in tools.tools if tools.choice != "named" or t.name == tools.named]
+    return [
+        {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": dict(t.parameters)}}
+        for t in offered
+    ]
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # an earlier call's arguments as the client sent them
+
+
+def _preamble(tools: ToolRequest) -> str:
+    listed = "\n".join(
+        json.dumps({"name": t.name, "description": t.description, "parameters": t.parameters}) for t in tools.tools
+    )
+    how = (
+        f'To call a function, answer with {CALL_OPEN}{{"name": <function name>, "arguments": <arguments as JSON>}}'
+        f"{CALL_CLOSE}"
+    )
+    if tools.choice == "named":
+        rule = f"You must call the function {tools.named}."
+    elif tools.choice == "required":
+        rule = "You must call one or more of the functions."
+    else:
+        rule = "If no function helps, answer in plain text."
+    many = " You may call several, one per line." if tools.parallel and tools.choice != "named" else ""
+    return f"You can call these functions:\n<tools>\n{listed}\n</tools>\n{how}.{many} {rule}"
+
+
+# --- the grammar --------------------------------------------------------------------------
+
+
+def tool_grammar(tools: ToolRequest) -> GrammarSpec | None:
+    """The Lark grammar (llguidance's, with %json for the arguments) the answer follows."""
+    if not tools.calls_possible:
+        return None
+    allowed = [t for t in tools.tools if tools.choice != "named" or t.name == tools.named]
+    call_schema = {
+        "x-guidance": JSON_OPTIONS,
+        "oneOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for t in allowed
+        ],
+    }
+    calls = 'call ("\\n" call)*' if tools.parallel else "call"
+    start = "text | calls" if tools.choice == "auto" else "calls"
+    lark = (
+        f"start: {start}\n"
+        "text: TEXT\n"
+        "TEXT: /[^<](.|\\n)*/\n"
+        f"calls: {calls}\n"
+        f'call: "{CALL_OPEN}" %json {json.dumps(call_schema)} "{CALL_CLOSE}"\n'
+    )
+    return GrammarSpec("lark", lark, "tools")
+
+
+# --- the answer ---------------------------------------------------------------------------
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+# A call as the grammar writes it: {"name": NAME, "arguments": ARGUMENTS} with fixed separators.
+_HEAD = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
+_TAIL = "}" + CALL_CLOSE  # what follows a call's arguments
+
+
+def _call(body: str) -> ToolCall | None:
+    """A whole call's text (between the tags) as a ToolCall; the arguments as the model wrote
+    them (the grammar held them to the schema), re-serialized only for another layout."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    head = _HEAD.match(body)
+    arguments = body[head.end() : -1] if head is not None and body.endswith("}") else json.dumps(value.get("arguments", {}))
+    return ToolCall(new_call_id(), value["name"], arguments)
+
+
+def _call_end(body: str) -> int:
+    """Where the call that `body` starts with closes: the first closing tag after a whole JSON
+    object (a string argument may itself hold the tag's text); -1 while not generated yet."""
+    search = 0
+    while (candidate := body.find(CALL_CLOSE, search)) >= 0:
+        try:
+            json.loads(body[:candidate])
+            return candidate
+        except ValueError:
+            search = candidate + 1
+    return -1
+
+
+@dataclass
+class _OpenCall:
+    """The call being generated: its id once its name is known, and how much of its arguments
+    has been sent."""
+
+    index: int
+    id: str | None = None
+    sent: int = 0
+
+
+@dataclass
+class ToolCallReader:
+    """Reads one choice's answer as it streams: text passes through; from a leading "<" on (the
+    grammar lets text never start with one), the answer is calls. Each call is given out as
+    OpenAI streams them: a first delta with its index, id, type and name (arguments ""), then its
+    arguments in pieces as they are generated (the last characters held back until the call
+    closes, since they may be its closing brace and tag)."""
+
+    active: bool
+    _mode: Literal["unknown", "text", "calls"] = "unknown"
+    _buffer: str = ""
+    _open: _OpenCall | None = None
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def push(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """(text to send as content, tool_calls deltas for this piece)."""
+        if not self.active:
+            return text, []
+        if self._mode == "unknown":
+            self._buffer += text
+            if not self._buffer:
+                return "", []
+            self._mode = "calls" if self._buffer.startswith("<") else "text"
+            text, self._buffer = self._buffer, ""
+        if self._mode == "text":
+            return text, []
+        self._buffer += text
+        deltas: list[dict[str, Any]] = []
+        while True:
+            start = self._buffer.find(CALL_OPEN)
+            if start < 0:
+                break
+            body = self._buffer[start + len(CALL_OPEN) :]
+            call = self._open or _OpenCall(len(self.calls))
+            self._open = call
+            head = _HEAD.match(body)
+            if head is not None and call.id is None:
+                call.id = new_call_id()
+                name = json.loads(f'"{head.group(1)}"')
+                deltas.append({"index": call.index, "id": call.id, "type": "function",
+                               "function": {"name": name, "arguments": ""}})
+            end = _call_end(body)
+            if head is not None:
+                arguments = body[head.end() :]
+                whole = end >= 0
+                upto = (end - head.end() - 1) if whole else max(call.sent, len(arguments) - len(_TAIL))
+                if upto > call.sent:
+                    deltas.append({"index": call.index, "function": {"arguments": arguments[call.sent : upto]}})
+                    call.sent = upto
+            if end < 0:
+                break
+            finished = _call(body[:end])
+            if finished is not None:
+                self.calls.append(ToolCall(call.id or finished.id, finished.name, finished.arguments))
+            self._open = None
+            self._buffer = body[end + len(CALL_CLOSE) :]
+        return "", deltas
+
+    @property
+    def called(self) -> bool:
+        return bool(self.calls)

@@ -1,0 +1,30 @@
+"""What a request constrains its answer to, before compilation (kept free of llguidance)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+GrammarKind = Literal["json_schema", "regex", "lark", "choice"]
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """One constraint: `kind` and its `source` (a JSON schema as compact JSON text, a regular
+    expression, a Lark grammar, or a JSON list of the allowed strings). `param` names the request
+    field it came from, for errors."""
+
+    kind: GrammarKind
+    source: str
+    param: str
+
+    @classmethod
+    def json_schema(cls, schema: Any, param: str) -> GrammarSpec:
+        # Compact text, keys in the client's order: an object's properties are generated in the
+        # order the schema lists them, as OpenAI does, so the order is part of the schema.
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")), param)
+
+    @property
+    def cache_key(self) -> tuple[str, str]:
+        return (self.kind, self.source)
