@@ -186,8 +186,18 @@ def test_sigterm_with_clients_that_do_not_read_exits_within_the_grace_plus_the_s
     )
     clients = _non_reading_clients(port_of(daemon), 4)
     try:
-        time.sleep(3)  # long enough to fill the buffers: every stream is now stuck in a write
-        assert daemon.status()["running"] == 4
+        # All four admitted (seen running together), then long enough for their 40 kB chunks to
+        # fill the socket buffers: every stream is now stuck in a write, whether or not its
+        # generation has finished (a fast CPU generates the tiny model's 400 tokens in about a
+        # second, so "still running after 3 s" is not something to wait for).
+        seen, deadline = 0, time.monotonic() + 30
+        while seen < 4 and time.monotonic() < deadline:
+            seen = max(seen, daemon.status()["running"])
+            time.sleep(0.01)
+        assert seen == 4, daemon.process.log()
+        time.sleep(2)
+        written_out = [e for e in daemon.process.events("access") if e.get("path") == "/v1/completions"]
+        assert not written_out, written_out  # every stream is still being written
         with httpx.Client(base_url=daemon.url, timeout=30) as http:
             assert http.get("/health").status_code == 200
         started = time.monotonic()
