@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 from daemon_process import DaemonProcess
 
+EOS = 2  # <|im_end|>: SmolLM2's end of text, and so the tiny package's
+
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 90.0
 
@@ -120,13 +122,15 @@ class Operated:
         except urllib.error.HTTPError as error:
             return error.code, json.loads(error.read())
 
-    def stream(self, max_tokens: int, fault: str | None = None) -> Any:
-        """An open SSE response of a streamed chat completion (read it line by line)."""
+    def stream(self, max_tokens: int, fault: str | None = None, **fields: Any) -> Any:
+        """An open SSE response of a streamed chat completion (read it line by line); `fields`
+        join the request body."""
         body = {
             "model": self.model(),
             "messages": [{"role": "user", "content": "Tell me a long story"}],
             "max_tokens": max_tokens,
             "stream": True,
+            **fields,
         }
         headers = {"Content-Type": "application/json", **({"X-Flare-Fault": fault} if fault else {})}
         request = urllib.request.Request(
@@ -273,7 +277,10 @@ def test_cancel_ends_a_running_stream_with_a_cancelled_error(operated: Operated)
     cancelled_before = operated.metric(
         "flare_http_requests_total", endpoint="/v1/chat/completions", outcome="cancelled"
     )
-    with operated.stream(max_tokens=400) as response:  # long enough to be running for many seconds
+    # 400 tokens with the end-of-text token forbidden: a second or more of generation on the
+    # fastest CPU here, against about 0.7 s for the three control calls before the cancel (the
+    # tiny random model otherwise ends some answers after a few dozen tokens).
+    with operated.stream(max_tokens=400, logit_bias={str(EOS): -100}) as response:
         response.readline()  # the first chunk: the request is running
         [row] = operated.ctl_json("requests")["requests"]
         assert row["state"] == "running" and row["prompt_tokens"] > 0
