@@ -2,20 +2,24 @@
 
 Runs in the scheduler's single worker thread. It receives an immutable `RoundPlan` and returns
 an immutable `RoundResult`; sequences, blocks and streams stay on the event-loop thread.
-The device is read back once per round: tokens, emitted counts and status codes together
-(a second read happens only in a round where a row falls back after INVALID_SPECULATION).
+The device is read back once per round: tokens, emitted counts and status codes together,
+and with a draft head the next round's drafts too (a second read happens only in a round where
+a row falls back after INVALID_SPECULATION).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 import torch
 
 from flare.engine.batch import ForwardBatch, ForwardRow
+from flare.engine.drafters import Draft
+from flare.engine.drafters.mtp import HeadDrafts, HeadRow, MtpHead
 from flare.engine.kv_cache import KVCache
 from flare.engine.model import LlamaModel
 from flare.kernels import SamplingBatch, sample_round
@@ -52,6 +56,11 @@ class PlannedRow:
     vocabulary_parallel: bool
     fault: DeviceStatus | None = None
     choice: int = 0  # which of the request's choices the row belongs to
+    draft_vocab: torch.Tensor | None = None  # the ids draft_probs' columns stand for; None: all
+    # With a draft head: the token after the row's tokens when the host knows it (a row that
+    # does not sample), and how many drafts the head proposes for the row's next round.
+    next_token: int | None = None
+    head_steps: int = 0
 
     @property
     def num_logits(self) -> int:
@@ -76,6 +85,7 @@ class RowResult:
     tokens: tuple[int, ...]  # accepted drafts then one sampled token; empty on failure
     status: DeviceStatus
     fell_back: bool = False
+    next_draft: Draft | None = None  # the draft head's proposal for the row's next round
 
 
 @dataclass(frozen=True)
@@ -94,9 +104,11 @@ class ModelRunner:
         vocabulary_shards: int,
         fallback_on_invalid_speculation: bool,
         device: torch.device,
+        head: MtpHead | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        self.head = head
         self.vocab_size = vocab_size
         self.vocabulary_shards = vocabulary_shards
         self.fallback_on_invalid_speculation = fallback_on_invalid_speculation
@@ -106,6 +118,8 @@ class ModelRunner:
         started = time.perf_counter()
         with torch.inference_mode():
             self.kv_cache.copy_blocks(plan.copies)
+            if self.head is not None:
+                self.head.kv_cache.copy_blocks(plan.copies)
             batch = ForwardBatch.build(
                 [
                     # An out-of-vocabulary draft must reach the verify kernel (status
@@ -116,14 +130,76 @@ class ModelRunner:
                 self.kv_cache.block_size,
                 self.device,
             )
-            logits = self.model.forward(batch, self.kv_cache)
+            hidden = None
+            if self.head is None:
+                logits = self.model.forward(batch, self.kv_cache)
+            else:
+                logits, hidden = self.model.forward_hidden(batch, self.kv_cache)
             sampling = [row for row in plan.rows if row.samples]
-            sampled = iter(self._sample(sampling, logits) if sampling else [])
+            if sampling:
+                sampled = iter(self._sample(sampling, logits, lambda t, e, order: self._draft(plan, batch, hidden, t, e, order)))
+            else:
+                self._draft(plan, batch, hidden, None, None, [])
+                sampled = iter([])
             results = tuple(next(sampled) if row.samples else None for row in plan.rows)
         return RoundResult(results, time.perf_counter() - started)
 
-    def _sample(self, rows: list[PlannedRow], logits: torch.Tensor) -> list[RowResult]:
-        """Sample every row (logits holds exactly their positions, in order) with one host read."""
+    def _draft(
+        self,
+        plan: RoundPlan,
+        batch: ForwardBatch,
+        hidden: torch.Tensor | None,
+        tokens: torch.Tensor | None,
+        emitted: torch.Tensor | None,
+        order: list[int],
+    ) -> HeadDrafts | None:
+        """The draft head's pass over the round (`drafters/mtp.py`), before the host read."""
+        if self.head is None or hidden is None:
+            return None
+        position = {k: i for i, k in enumerate(order)}  # sampling row -> row of `tokens`
+        head_rows, k = [], 0
+        for row, flat_start in zip(plan.rows, batch.row_starts):
+            if row.samples:
+                drafts = len(row.draft_ids)
+                head_rows.append(
+                    HeadRow(
+                        start_position=row.start_position,
+                        block_table=row.block_table,
+                        flat_start=flat_start,
+                        first_token=row.token_ids[0],
+                        host_tokens=row.token_ids[1 : len(row.token_ids) - drafts],
+                        device_tokens=1 + drafts,
+                        sample_index=position[k],
+                        steps=row.head_steps,
+                        temperature=row.params.temperature,
+                        seed=row.seed,
+                        output_position=row.output_position,
+                    )
+                )
+                k += 1
+            else:
+                assert row.next_token is not None, "a row that does not sample needs its next token for the head"
+                head_rows.append(
+                    HeadRow(
+                        start_position=row.start_position,
+                        block_table=row.block_table,
+                        flat_start=flat_start,
+                        first_token=row.token_ids[0],
+                        host_tokens=(*row.token_ids[1:], row.next_token),
+                    )
+                )
+        return self.head.run(head_rows, hidden, tokens, emitted)
+
+    def _sample(
+        self,
+        rows: list[PlannedRow],
+        logits: torch.Tensor,
+        before_read: Callable[[torch.Tensor, torch.Tensor, list[int]], HeadDrafts | None] | None = None,
+    ) -> list[RowResult]:
+        """Sample every row (logits holds exactly their positions, in order) with one host read.
+
+        `before_read(tokens, emitted, order)` runs on the device results first (the draft head),
+        and its drafts are read back in the same read."""
         offsets = _logit_offsets(rows)
         # A fault of INVALID_SPECULATION needs the sharded sampler; everything else follows the
         # package's sampler unless the row fell back.
@@ -145,14 +221,24 @@ class ModelRunner:
                 shards = max(2, self.vocabulary_shards) if injected else self.vocabulary_shards
             outputs.append(self._sample_rows(group_rows, group_logits, shards, width))
         order = [k for group in groups for k in group]
+        tokens, emitted, status = (torch.cat([getattr(out, name) for out in outputs]) for name in ("tokens", "num_emitted", "status"))
+        head = before_read(tokens, emitted, order) if before_read is not None else None
         # The one device-to-host read of the round.
-        host_tokens, host_emitted, host_status = (
-            torch.cat([getattr(out, name) for out in outputs]).tolist() for name in ("tokens", "num_emitted", "status")
-        )
+        host_tokens, host_emitted, host_status = tokens.tolist(), emitted.tolist(), status.tolist()
+        host_drafts = head.tokens.tolist() if head is not None else []
         results: list[RowResult] = [RowResult((), DeviceStatus.OK)] * len(rows)
+        drafts = iter(range(len(host_drafts)))
         for position, k in enumerate(order):
             n = host_emitted[position]
             results[k] = RowResult(tuple(host_tokens[position][:n]), DeviceStatus(host_status[position]))
+        if head is not None:
+            assert self.head is not None
+            for k, row in enumerate(rows):
+                if row.head_steps > 0:
+                    d = next(drafts)
+                    greedy = row.params.temperature <= 0
+                    draft = Draft(tuple(host_drafts[d]), None if greedy else head.probs[d], None if greedy else self.head.draft_vocab)
+                    results[k] = dataclasses.replace(results[k], next_draft=draft)
 
         if self.fallback_on_invalid_speculation:
             retry = [k for k, r in enumerate(results) if r.status == DeviceStatus.INVALID_SPECULATION]
@@ -167,7 +253,9 @@ class ModelRunner:
         (which supports filters), from the logits at each row's first position: the prediction
         after the last accepted token, which the rejected drafts never influenced."""
         plain = [
-            dataclasses.replace(row, draft_ids=(), draft_probs=None, vocabulary_parallel=False, fault=None)
+            dataclasses.replace(
+                row, draft_ids=(), draft_probs=None, draft_vocab=None, vocabulary_parallel=False, fault=None, head_steps=0
+            )
             for row in rows
         ]
         out = self._sample_rows(plain, logits[torch.tensor(offsets, device=logits.device)], 1, 1)
@@ -188,7 +276,9 @@ class ModelRunner:
             # Learned drafters' q next to one-hot q written out for the deterministic rows.
             draft_probs = torch.zeros(len(rows), k_max, self.vocab_size)
             for r, row in enumerate(rows):
-                if row.draft_probs is not None:
+                if row.draft_probs is not None and row.draft_vocab is not None:
+                    draft_probs[r, : len(row.draft_ids)].index_copy_(1, row.draft_vocab.cpu(), row.draft_probs.cpu())
+                elif row.draft_probs is not None:
                     draft_probs[r, : len(row.draft_ids)] = row.draft_probs
                 else:
                     for j, token in enumerate(row.draft_ids):
