@@ -33,6 +33,7 @@ from flare.distill.head_model import DraftHeadModule
 from flare.distill.prompts import PROMPT_SET_NAME, distill_prompts, prompt_set_digest
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
+from flare.engine.precision import cpu_has_native_bf16
 from flare.engine.tokenizer import Tokenizer
 from flare.preparation.draft_head import DraftHeadInfo, HeldOutAcceptance, head_parameter_count
 from flare.preparation.package import Package
@@ -47,7 +48,7 @@ TEMPERATURES = (0.0, 0.7, 1.0)
 @dataclass(frozen=True)
 class DistillOptions:
     draft_tokens: int = 4  # K, the unrolled steps
-    tokens: int = 2_400_000  # training positions (each window position of each step counts once)
+    tokens: int = 1_600_000  # training positions (each window position of each step counts once)
     seconds: float = 1080.0  # wall-clock bound of the whole distillation (generation included)
     seed: int = 0
     dtype: str = "bfloat16"  # what the head is stored in
@@ -93,7 +94,11 @@ def distill_head(
     torch.manual_seed(options.seed)
     tokenizer = Tokenizer.from_package(package)
     prompts = distill_prompts()[: options.prompt_limit]
-    scheduler = Scheduler.from_package(package, SchedulerOptions(draft_tokens=0, prefix_cache=True))
+    # Every answer is queued at once: the queue bounds are the prompt set's size.
+    queue = len(prompts) * len(TEMPERATURES)
+    scheduler = Scheduler.from_package(
+        package, SchedulerOptions(draft_tokens=0, max_waiting=queue, max_waiting_tokens=queue * 4096)
+    )
     conversations = _generate(scheduler, tokenizer, prompts, options, progress, deadline)
     generated = sum(len(c.tokens) - c.prompt_len for c in conversations)
     model = scheduler.target_model  # as loaded for this CPU
@@ -295,6 +300,7 @@ def _train(
     total_steps = max(1, math.ceil(options.tokens / per_step))
     positions = 0
     held_rate = float("nan")
+    autocast = cpu_has_native_bf16()
     for step in range(total_steps):
         if time.monotonic() > deadline:
             break
@@ -302,7 +308,10 @@ def _train(
         lr = options.learning_rate * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / total_steps)))
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss, count = _loss(head, _windows(train, options, generator), options.draft_tokens)
+        # bfloat16 GEMMs where the CPU has them natively: about twice the positions per second
+        # (AVX512-BF16, 2 cores); the weights and the optimizer stay float32.
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss, count = _loss(head, _windows(train, options, generator), options.draft_tokens)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.weights, 1.0)

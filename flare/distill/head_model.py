@@ -75,7 +75,7 @@ class DraftHeadModule(nn.Module):
                 p.copy_(state[name].float())
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (self.config.hidden_size,), weight, self.config.rms_norm_eps)
+        return F.rms_norm(x.float(), (self.config.hidden_size,), weight, self.config.rms_norm_eps)
 
     def inputs(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         embedded = F.embedding(tokens, self.embed).float()

@@ -597,7 +597,7 @@ class Scheduler:
 
     def _drafts(self, decode: list[Sequence], base_tokens: int) -> dict[Sequence, Draft]:
         """Each decode row's drafts, cut to the adaptive draft length."""
-        if self._drafter is None and not self.options.fault_injection:
+        if self._drafter is None and not self._mtp and not self.options.fault_injection:
             return {}
         proposals: list[Draft] = []
         for seq in decode:
