@@ -100,6 +100,7 @@ def resolve_drafter(package: Package, requested: str | None) -> str:
     name = requested or package.manifest.serving.drafter
     has_head = package.manifest.draft_head is not None
     if name == "auto":
+        # The head, with n-gram lookup beside it (`Scheduler._proposal`); n-gram alone without one.
         return "mtp" if has_head else "ngram"
     if name == "mtp" and not has_head:
         raise ValueError(
@@ -262,6 +263,7 @@ class Scheduler:
                 f"(serving.draft_tokens); it may only lower it: re-export with --mtp-draft-tokens to raise it"
             )
         drafter_name = resolve_drafter(package, options.drafter)
+        auto = (options.drafter or serving.drafter) == "auto"
         device = torch.device(options.device)
         config = package.manifest.model
         model = load_model(package, device=device, weight_format=options.weight_format)
@@ -307,9 +309,10 @@ class Scheduler:
             tokenizer=Tokenizer.from_package(package),
             runner=runner,
             blocks=PrefixCache(BlockAllocator(kv_cache.num_blocks), root=root, enabled=options.prefix_cache),
-            drafter=(drafter or make_drafter(drafter_name)) if draft_tokens > 0 and head is None else None,
+            # n-gram lookup runs alone, or beside the head under `auto` (rows whose text repeats).
+            drafter=(drafter or make_drafter("ngram")) if draft_tokens > 0 and (head is None or auto) else None,
             options=options,
-            drafter_name=drafter_name,
+            drafter_name="auto" if auto and head is not None else drafter_name,
             max_concurrency=max_concurrency,
             draft_tokens=draft_tokens,
             metrics=metrics,
@@ -604,10 +607,8 @@ class Scheduler:
             limit = self._draft_limit(seq)
             if limit <= 0:
                 proposals.append(Draft(()))
-            elif self._mtp:
-                proposals.append(seq.head_draft.cut(limit) if seq.head_draft is not None else Draft(()))
             else:
-                proposals.append(seq.draft_state.propose(limit) if seq.draft_state is not None else Draft(()))
+                proposals.append(self._proposal(seq, limit))
         available = [len(d.token_ids) for d in proposals]
         lengths = (
             choose_draft_lengths(
@@ -629,6 +630,25 @@ class Scheduler:
                 # The draft fault path needs one draft to verify; propose the token 0.
                 drafts[seq] = Draft((0,))
         return drafts
+
+    def _proposal(self, seq: Sequence, limit: int) -> Draft:
+        """The row's draft: n-gram lookup's, the head's, or under `auto` whichever has been
+        accepted more on this row, the n-gram one only where it continues a repeat for the whole
+        length (the text repeats strongly)."""
+        head = seq.head_draft.cut(limit) if self._mtp and seq.head_draft is not None else Draft(())
+        if seq.draft_state is None:
+            seq.draft_source = "mtp"
+            return head
+        ngram = seq.draft_state.propose(limit)
+        if not self._mtp:
+            seq.draft_source = "ngram"
+            return ngram
+        rates = seq.source_acceptance
+        if len(ngram.token_ids) == limit and rates["ngram"].rate >= rates["mtp"].rate:
+            seq.draft_source = "ngram"
+            return ngram
+        seq.draft_source = "mtp"
+        return head
 
     def _head_steps(self, seq: Sequence, row_tokens: int) -> int:
         """Drafts the head proposes after this row for the row's next round: K, unless the
@@ -865,6 +885,7 @@ class Scheduler:
                 proposed += drafts
                 accepted_per_row.append(accepted)
                 seq.acceptance.observe(drafts, accepted)
+                seq.source_acceptance[seq.draft_source].observe(drafts, accepted)
             seq.num_cached = row.start_position + fed - (drafts - accepted)
             if seq.first_token_at is None:
                 seq.first_token_at = now

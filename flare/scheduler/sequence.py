@@ -55,6 +55,12 @@ class Sequence:
     sampled_rounds: int = 0  # rounds in which this sequence sampled tokens
     fell_back: bool = False  # speculation turned off after INVALID_SPECULATION
     head_draft: Draft | None = None  # the draft head's proposal from the last round (drafters/mtp.py)
+    # Which drafter proposed the row's drafts this round, and each one's acceptance on this row
+    # (`--drafter auto` runs both).
+    draft_source: str = "ngram"
+    source_acceptance: dict[str, AcceptanceEstimate] = field(
+        default_factory=lambda: {"ngram": AcceptanceEstimate(), "mtp": AcceptanceEstimate()}
+    )
     pending_cancel: RequestFailure | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None

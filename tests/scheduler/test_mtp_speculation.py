@@ -151,3 +151,15 @@ async def test_a_package_without_a_head_refuses_the_mtp_drafter(tiny_package):
         Scheduler.from_package(open_package(tiny_package), SchedulerOptions(drafter="mtp"))
     auto = Scheduler.from_package(open_package(tiny_package), SchedulerOptions(drafter="auto"))
     assert auto.drafter_name == "ngram"
+
+
+async def test_auto_drafts_with_both_and_keeps_greedy_output(head_package):
+    prompts = PROMPTS + ("Copy this: the quick brown fox jumps over the lazy dog. The quick brown fox jumps over",)
+    plain, _, _ = await generate(head_package, prompts, GREEDY, SchedulerOptions(draft_tokens=0))
+    speculative, recorder, scheduler = await generate(head_package, prompts, GREEDY, SchedulerOptions(drafter="auto"))
+    assert speculative == plain
+    assert scheduler.drafter_name == "auto"
+    head_drafts = {d.token_ids for plan, result in recorder.rounds for o in result.rows if o is not None
+                   for d in [o.next_draft] if d is not None}
+    used = [row.draft_ids for plan, _ in recorder.rounds for row in plan.rows if row.draft_ids]
+    assert used and head_drafts
