@@ -172,6 +172,9 @@ class ModelRunner:
                         sample_index=position[k],
                         steps=row.head_steps,
                         temperature=row.params.temperature,
+                        top_k=row.params.top_k,
+                        top_p=row.params.top_p,
+                        min_p=row.params.min_p,
                         seed=row.seed,
                         output_position=row.output_position,
                     )

@@ -25,6 +25,10 @@ both pools. Drafts are sampled under the row's temperature from q = softmax(logi
 draft vocabulary (zero elsewhere), with a random stream keyed by the row's seed and the drafted
 token's output position (`Purpose.DRAFT`), so a seeded request's drafts, and with them its
 output, do not depend on its batch-mates; greedy rows draft the argmax with a one-hot q.
+The request's top-k, top-p and min-p filters are applied to q as well: rejection sampling is
+exact for any q, and a q without the tail the target's filters remove is accepted more often
+(a draft the filtered target gives probability 0 is always rejected). Penalties are not applied
+to q (they depend on the row's output counts, which only the sampling kernels keep).
 """
 
 from __future__ import annotations
@@ -65,6 +69,9 @@ class HeadRow:
     sample_index: int = -1  # its row in the round's sampled tokens
     steps: int = 0  # draft tokens to propose for the next round (0: none)
     temperature: float = 0.0
+    top_k: int = -1  # the request's filters, applied to q too (module docstring)
+    top_p: float = 1.0
+    min_p: float = 0.0
     seed: int = 0
     output_position: int = 0  # output index of the row's first sampled token
 
@@ -210,6 +217,13 @@ class MtpHead:
         ) + accepted
         g = out[offsets + accepted]
         temperature = torch.tensor([row.temperature for row, _ in drafting], device=device)
+        filters = None
+        if any(row.top_k > 0 or row.top_p < 1.0 or row.min_p > 0.0 for row, _ in drafting):
+            filters = (
+                torch.tensor([row.top_k for row, _ in drafting], device=device),
+                torch.tensor([row.top_p for row, _ in drafting], device=device),
+                torch.tensor([row.min_p for row, _ in drafting], device=device),
+            )
         seeds = torch.tensor([row.seed for row, _ in drafting], dtype=torch.long, device=device)
         first_output = torch.tensor([row.output_position for row, _ in drafting], device=device) + accepted + 1
         width = max(-(-(row.start_position + len(row.host_tokens) + row.device_tokens + steps + 1) // self.kv_cache.block_size) for row, _ in drafting)
@@ -224,7 +238,7 @@ class MtpHead:
             if step > 0:
                 slots = slot0 + step
                 g = self._step(g, draft_tokens[-1], slots, block_table, max_slot)
-            token, probs = self._sample(self.block.logits_of(g), temperature, seeds, first_output + step)
+            token, probs = self._sample(self.block.logits_of(g), temperature, filters, seeds, first_output + step)
             draft_tokens.append(token)
             draft_probs.append(probs)
         return HeadDrafts(torch.stack(draft_tokens, 1), torch.stack(draft_probs, 1))
@@ -259,12 +273,20 @@ class MtpHead:
         return out
 
     def _sample(
-        self, logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        filters: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        seeds: torch.Tensor,
+        positions: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft token ids [D] and q [D, V'] under each row's temperature (one-hot for greedy)."""
+        """Draft token ids [D] and q [D, V'] under each row's temperature and filters (one-hot
+        for greedy)."""
         greedy = temperature <= 0
         scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
         probs = torch.softmax(scaled, dim=-1)
+        if filters is not None:
+            probs = _filtered(probs, *filters)
         key = stream_key(seeds.unsqueeze(1), positions.unsqueeze(1), Purpose.DRAFT)
         index = torch.arange(self.vocab_size, dtype=torch.int32, device=logits.device).unsqueeze(0)
         noise = gumbel_(stream_bits(key, index).contiguous())
@@ -272,6 +294,20 @@ class MtpHead:
         one_hot = F.one_hot(choice, self.vocab_size).to(probs.dtype)
         probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
         return self.draft_vocab[choice], probs
+
+
+def _filtered(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """q with each row's top-k, top-p (the smallest set of most probable tokens whose mass
+    reaches top_p) and min-p (tokens of at least min_p times the largest probability) applied,
+    renormalised; the most probable token always stays."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
+    before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the more probable tokens
+    keep = (before < top_p.unsqueeze(1)) | (rank == 0)
+    keep &= (top_k.unsqueeze(1) <= 0) | (rank < top_k.unsqueeze(1))
+    keep &= sorted_probs >= min_p.unsqueeze(1) * sorted_probs[:, :1]
+    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
+    return kept / kept.sum(-1, keepdim=True)
 
 
 def load_draft_head(package: Package, target: LlamaModel, *, num_blocks: int, block_size: int) -> MtpHead:
