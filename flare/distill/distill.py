@@ -89,7 +89,11 @@ def distill_head(
 ) -> tuple[DraftHeadInfo, dict[str, torch.Tensor]]:
     """Distill a head for `package` (a package without one); returns its manifest entry and tensors."""
     started = time.monotonic()
-    deadline = started + options.seconds
+    # The time budget: generation may take 40% of it (the answers cut there are dropped, a seeded
+    # random subset of the prompts), training runs until 5% before the end (measuring on the
+    # held-out answers and writing the package take the rest).
+    generation_deadline = started + 0.4 * options.seconds
+    deadline = started + 0.95 * options.seconds
     progress = Progress(stderr)
     torch.manual_seed(options.seed)
     tokenizer = Tokenizer.from_package(package)
@@ -99,7 +103,7 @@ def distill_head(
     scheduler = Scheduler.from_package(
         package, SchedulerOptions(draft_tokens=0, max_waiting=queue, max_waiting_tokens=queue * 4096)
     )
-    conversations = _generate(scheduler, tokenizer, prompts, options, progress, deadline)
+    conversations = _generate(scheduler, tokenizer, prompts, options, progress, generation_deadline)
     generated = sum(len(c.tokens) - c.prompt_len for c in conversations)
     model = scheduler.target_model  # as loaded for this CPU
     _features(model, conversations, progress)
@@ -164,6 +168,14 @@ def _generate(
             )
             requests.append(GenerationRequest(f"distill-{len(requests)}-{secrets.token_hex(3)}", ids, params))
             conversations.append(Conversation(list(ids), len(ids), prompt.held_out, temperature))
+    # The held-out answers first (acceptance is measured on them), the rest in a seeded random
+    # order, so that answers a time budget cuts off are a random subset, not the last prompts.
+    generator = torch.Generator().manual_seed(options.seed)
+    held = [i for i, c in enumerate(conversations) if c.held_out]
+    rest = [i for i, c in enumerate(conversations) if not c.held_out]
+    order = held + [rest[i] for i in torch.randperm(len(rest), generator=generator).tolist()]
+    requests = [requests[i] for i in order]
+    conversations = [conversations[i] for i in order]
     budget = len(requests) * options.answer_tokens
     unfinished = len(requests)
 

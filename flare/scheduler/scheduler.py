@@ -282,6 +282,8 @@ class Scheduler:
             kv_cache_blocks=kv_cache.num_blocks,
             block_size=kv_cache.block_size,
             prefix_cache=options.prefix_cache,
+            drafter=drafter_name if draft_tokens > 0 else "none",
+            draft_tokens=draft_tokens,
         )
         head = None
         if drafter_name == "mtp" and draft_tokens > 0:
