@@ -61,13 +61,17 @@ def write_head_package(
     *,
     draft_tokens: int = 3,
     state_dict: dict[str, torch.Tensor] | None = None,
+    **changes: Any,
 ) -> Path:
+    """`changes`: ServingConfig fields (vocabulary_parallel_sampling) or write_package arguments (policy)."""
     config = package_parts["config"]
     vocab = int(head_state["mtp.draft_vocab"].numel())
+    serving_changes = {k: changes.pop(k) for k in list(changes) if k == "vocabulary_parallel_sampling"}
     return make_package(
         state_dict=state_dict if state_dict is not None else package_parts["state_dict"],
-        serving=replace(package_parts["serving"], drafter="mtp", draft_tokens=draft_tokens),
+        serving=replace(package_parts["serving"], drafter="mtp", draft_tokens=draft_tokens, **serving_changes),
         draft_head=(head_info(config, vocab, draft_tokens), head_state),
+        **changes,
     )
 
 

@@ -163,3 +163,19 @@ async def test_auto_drafts_with_both_and_keeps_greedy_output(head_package):
                    for d in [o.next_draft] if d is not None}
     used = [row.draft_ids for plan, _ in recorder.rounds for row in plan.rows if row.draft_ids]
     assert used and head_drafts
+
+
+async def test_a_vocabulary_parallel_package_drafts_with_its_head(make_package, package_parts, peaked_state, head_state):
+    from flare.sampling.policy import SamplingPolicy
+
+    policy = package_parts["policy"]
+    unfiltered = SamplingPolicy({**policy.defaults, "top_p": 1.0}, policy.ranges).unfiltered()
+    path = write_head_package(make_package, package_parts, head_state, draft_tokens=K, state_dict=peaked_state,
+                              vocabulary_parallel_sampling=True, policy=unfiltered)
+    options = SchedulerOptions(vocabulary_shards=4)
+    plain, _, _ = await generate(path, PROMPTS, GREEDY, SchedulerOptions(draft_tokens=0, vocabulary_shards=4))
+    speculative, recorder, _ = await generate(path, PROMPTS, GREEDY, options)
+    assert speculative == plain
+    sampled, recorder, _ = await generate(path, PROMPTS, SamplingParams(temperature=0.8, max_tokens=24, seed=3), options)
+    assert all(len(ids) == 24 for ids in sampled)  # no row failed or fell back
+    assert any(row.draft_probs is not None for plan, _ in recorder.rounds for row in plan.rows)
