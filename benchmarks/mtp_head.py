@@ -104,8 +104,6 @@ def _row(request_id, tokens, start, table, params, *, samples, head_steps=0, nex
 
 
 def _acceptance(package, k: int) -> None:
-    import dataclasses
-
     from flare.distill import distill
     from flare.distill.head_model import DraftHeadModule
     from flare.distill.prompts import distill_prompts
@@ -113,12 +111,14 @@ def _acceptance(package, k: int) -> None:
     from flare.scheduler.scheduler import Scheduler, SchedulerOptions
 
     held = [p for p in distill_prompts() if p.held_out]
-    scheduler = Scheduler.from_package(package, SchedulerOptions(draft_tokens=0))
+    recorder = distill.FeatureRecorder()
+    scheduler = Scheduler.from_package(package, SchedulerOptions(draft_tokens=0), round_observer=recorder)
     options = distill.DistillOptions()
     progress = distill.Progress(None)
-    conversations = distill._generate(scheduler, Tokenizer.from_package(package), held, options, progress, time.monotonic() + 3600)
-    conversations = [dataclasses.replace(c, held_out=True) for c in conversations if c.temperature == 0]
-    distill._features(scheduler.target_model, conversations, progress)
+    conversations = distill._generate(
+        scheduler, Tokenizer.from_package(package), held, options, progress, time.monotonic() + 3600, recorder
+    )
+    conversations = [c for c in conversations if c.temperature == 0]
     state = package.load_state_dict()
     head_state = package.load_draft_head()
     vocab = head_state["mtp.draft_vocab"]
@@ -127,7 +127,7 @@ def _acceptance(package, k: int) -> None:
     restricted.load_package_state(head_state)
     full = DraftHeadModule(package.manifest.model, torch.arange(embed.shape[0]), embed, embed, state["model.norm.weight"].float(), seed=0)
     full.load_package_state({**head_state, "mtp.draft_vocab": torch.arange(embed.shape[0])})
-    inside = torch.isin(torch.cat([c.top_ids[c.prompt_len :, 0] for c in conversations]), vocab).float().mean()
+    inside = torch.isin(torch.cat([c.top_ids[c.labelled, 0] for c in conversations]), vocab).float().mean()
     for name, head in (("restricted", restricted), ("full vocabulary", full)):
         result = distill.measure_acceptance(head, conversations, k)
         print(f"{name}: {result.tokens_per_round:.2f} tokens/round at K={k}, chain per step "

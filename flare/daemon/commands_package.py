@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -76,9 +77,9 @@ def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
         "on the target's own answers to a shipped prompt set and ship it in the package)",
     )
     parser.add_argument("--distill-tokens", type=int, metavar="N",
-                        help="mtp: training positions of the distillation (default 600000)")
+                        help="mtp: training positions of the distillation (default 2400000)")
     parser.add_argument("--distill-seconds", type=float, metavar="S",
-                        help="mtp: wall-clock bound of the whole distillation (default 900)")
+                        help="mtp: wall-clock bound of the whole distillation, generation included (default 1080)")
     parser.add_argument("--distill-seed", type=int, metavar="SEED", help="mtp: the distillation's seed (default 0)")
     parser.add_argument("--draft-head-dtype", choices=DTYPES, default=None,
                         help="mtp: the dtype the head is stored in (default bfloat16)")
@@ -141,6 +142,8 @@ def run_export(args: argparse.Namespace) -> int:
                 raise ExportError("--distill-tokens and --distill-seconds must be positive", option="--distill-tokens")
             # Quiet: the distillation runs the scheduler, whose per-round events are for a daemon's logs.
             configure_logging("warning", stream=sys.stderr)
+            # SIGTERM unwinds as Ctrl-C does, so the hidden target package is removed either way.
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
             manifest = export_with_draft_head(args.source, args.output, options, distill)
         else:
             for flag in ("distill_tokens", "distill_seconds", "distill_seed", "draft_head_dtype"):

@@ -2,9 +2,10 @@
 
 1. Generate: the target answers the shipped prompt set (`prompts.py`) through flare's own
    scheduler (batched, seeded), the answers sampled at several temperatures.
-2. Features: one forward of the target over each conversation gives its residual stream after
-   the last layer (the head's input) and its next-token distribution at every position (the
-   soft labels, kept as the top `LABEL_TOP_K` logits).
+2. Features, recorded during generation (`FeatureRecorder`, the runner's round observer, so no
+   second pass of the target): its residual stream after the last layer at every position it
+   computed (the head's input) and its next-token distribution where it sampled (the soft
+   labels over the answer, kept as the top `LABEL_TOP_K` logits).
 3. Train: the head, unrolled for K steps on its own hidden states (`head_model.py`), minimises
    the cross-entropy of its q against the target's p at every step (KL(p || q) up to p's
    entropy), over random windows of the training conversations, with Adam.
@@ -31,8 +32,7 @@ import torch.nn.functional as F
 
 from flare.distill.head_model import DraftHeadModule
 from flare.distill.prompts import PROMPT_SET_NAME, distill_prompts, prompt_set_digest
-from flare.engine.batch import ForwardBatch, ForwardRow
-from flare.engine.kv_cache import KVCache
+from flare.engine.batch import ForwardBatch
 from flare.engine.precision import cpu_has_native_bf16
 from flare.engine.tokenizer import Tokenizer
 from flare.preparation.draft_head import DraftHeadInfo, HeldOutAcceptance, head_parameter_count
@@ -48,7 +48,7 @@ TEMPERATURES = (0.0, 0.7, 1.0)
 @dataclass(frozen=True)
 class DistillOptions:
     draft_tokens: int = 4  # K, the unrolled steps
-    tokens: int = 1_600_000  # training positions (each window position of each step counts once)
+    tokens: int = 2_400_000  # training positions (each window position of each step counts once)
     seconds: float = 1080.0  # wall-clock bound of the whole distillation (generation included)
     seed: int = 0
     dtype: str = "bfloat16"  # what the head is stored in
@@ -62,13 +62,60 @@ class DistillOptions:
 
 @dataclass
 class Conversation:
+    """One prompt and the target's answer, with the target's features at each position p:
+    `hidden[p]` (bfloat16, zeros where not computed), and where `labelled[p]`, the top-k logits
+    of its distribution of x_{p+1}."""
+
     tokens: list[int]
     prompt_len: int
     held_out: bool
     temperature: float = 0.0
-    hidden: torch.Tensor | None = None  # [T, H] float32
-    top_ids: torch.Tensor | None = None  # [T, LABEL_TOP_K]
+    hidden: torch.Tensor | None = None  # [capacity, H]
+    top_ids: torch.Tensor | None = None  # [capacity, LABEL_TOP_K]
     top_logits: torch.Tensor | None = None
+    labelled: torch.Tensor | None = None  # [capacity] bool
+    computed: int = 0  # positions 0 .. computed - 1 have their hidden state
+
+    def allocate(self, capacity: int, hidden_size: int) -> None:
+        self.hidden = torch.zeros(capacity, hidden_size, dtype=torch.bfloat16)
+        self.top_ids = torch.zeros(capacity, LABEL_TOP_K, dtype=torch.long)
+        self.top_logits = torch.zeros(capacity, LABEL_TOP_K, dtype=torch.float16)
+        self.labelled = torch.zeros(capacity, dtype=torch.bool)
+
+    def trim(self) -> None:
+        """Keep the tokens up to one past the last computed position: slot p of the head reads
+        the hidden state of p - 1, so the token after it is the last one the head can use."""
+        del self.tokens[self.computed + 1 :]
+
+
+class FeatureRecorder:
+    """The runner's round observer during generation: copies each row's hidden states and, for a
+    row that samples, the top-k of its logits into the row's conversation. Runs in the model
+    thread; the conversations are read only after generation ends."""
+
+    def __init__(self) -> None:
+        self.by_request: dict[str, Conversation] = {}
+
+    def __call__(self, plan, batch: ForwardBatch, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        offset = 0
+        picks, targets = [], []
+        for row, start in zip(plan.rows, batch.row_starts):
+            c = self.by_request.get(row.request_id)
+            n = len(row.token_ids)
+            if c is not None and c.hidden is not None:
+                end = min(row.start_position + n, c.hidden.shape[0])
+                c.hidden[row.start_position : end] = hidden[start : start + end - row.start_position]
+                c.computed = max(c.computed, end)
+            if row.samples:
+                offset += row.num_logits
+                if c is not None and row.start_position + n - 1 < c.hidden.shape[0]:
+                    picks.append(offset - 1)
+                    targets.append((c, row.start_position + n - 1))
+        if picks:
+            top = logits[torch.tensor(picks, device=logits.device)].topk(LABEL_TOP_K, dim=-1)
+            ids, values = top.indices.cpu(), top.values.to(torch.float16).cpu()
+            for i, (c, position) in enumerate(targets):
+                c.top_ids[position], c.top_logits[position], c.labelled[position] = ids[i], values[i], True
 
 
 class Progress:
@@ -100,13 +147,14 @@ def distill_head(
     prompts = distill_prompts()[: options.prompt_limit]
     # Every answer is queued at once: the queue bounds are the prompt set's size.
     queue = len(prompts) * len(TEMPERATURES)
+    recorder = FeatureRecorder()
     scheduler = Scheduler.from_package(
-        package, SchedulerOptions(draft_tokens=0, max_waiting=queue, max_waiting_tokens=queue * 4096)
+        package,
+        SchedulerOptions(draft_tokens=0, max_waiting=queue, max_waiting_tokens=queue * 4096),
+        round_observer=recorder,
     )
-    conversations = _generate(scheduler, tokenizer, prompts, options, progress, generation_deadline)
+    conversations = _generate(scheduler, tokenizer, prompts, options, progress, generation_deadline, recorder)
     generated = sum(len(c.tokens) - c.prompt_len for c in conversations)
-    model = scheduler.target_model  # as loaded for this CPU
-    _features(model, conversations, progress)
     draft_vocab = _draft_vocab(conversations, package.manifest.model.vocab_size, options.draft_vocab_size)
     state = package.load_state_dict()
     config = package.manifest.model
@@ -151,8 +199,11 @@ def _generate(
     options: DistillOptions,
     progress: Progress,
     deadline: float,
+    recorder: FeatureRecorder,
 ) -> list[Conversation]:
-    """The target's answers to every prompt (temperatures in turn, seeded), batched by the scheduler."""
+    """The target's answers to every prompt (temperatures in turn, seeded), batched by the
+    scheduler, with their features (`recorder`, the scheduler's round observer)."""
+    hidden_size = scheduler.target_model.config.hidden_size
     conversations: list[Conversation] = []
     requests = []
     for index, prompt in enumerate(prompts):
@@ -166,8 +217,12 @@ def _generate(
                 max_tokens=options.answer_tokens,
                 seed=options.seed * 100_003 + index * len(TEMPERATURES) + TEMPERATURES.index(temperature),
             )
-            requests.append(GenerationRequest(f"distill-{len(requests)}-{secrets.token_hex(3)}", ids, params))
-            conversations.append(Conversation(list(ids), len(ids), prompt.held_out, temperature))
+            request = GenerationRequest(f"distill-{len(requests)}-{secrets.token_hex(3)}", ids, params)
+            conversation = Conversation(list(ids), len(ids), prompt.held_out, temperature)
+            conversation.allocate(len(ids) + options.answer_tokens, hidden_size)
+            recorder.by_request[request.request_id] = conversation
+            requests.append(request)
+            conversations.append(conversation)
     # The held-out answers first (acceptance is measured on them), the rest in a seeded random
     # order, so that answers a time budget cuts off are a random subset, not the last prompts.
     generator = torch.Generator().manual_seed(options.seed)
@@ -206,28 +261,9 @@ def _generate(
             scheduler.stop()
 
     asyncio.run(run())
+    for c in conversations:
+        c.trim()
     return [c for c in conversations if len(c.tokens) > c.prompt_len + 1]
-
-
-def _features(model, conversations: list[Conversation], progress: Progress) -> None:
-    """The target's residual stream and top-k logits at every position of each conversation."""
-    config = model.config
-    block_size = 16
-    longest = max(len(c.tokens) for c in conversations)
-    blocks = -(-longest // block_size)
-    kv = KVCache(
-        num_layers=config.num_layers, num_blocks=blocks, block_size=block_size,
-        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, device=model.device,
-    )
-    table = tuple(range(blocks))
-    for i, c in enumerate(conversations):
-        progress.line(f"target features: {i}/{len(conversations)} conversations")
-        n = len(c.tokens)
-        batch = ForwardBatch.build([ForwardRow(c.tokens, 0, table, n)], block_size, model.device)
-        logits, hidden = model.forward_hidden(batch, kv)
-        top = logits.topk(LABEL_TOP_K, dim=-1)
-        c.hidden = hidden.float().clone()
-        c.top_ids, c.top_logits = top.indices, top.values.to(torch.float16)
 
 
 def _draft_vocab(conversations: list[Conversation], vocab_size: int, size: int) -> torch.Tensor:
@@ -235,8 +271,8 @@ def _draft_vocab(conversations: list[Conversation], vocab_size: int, size: int) 
     counts: Counter[int] = Counter()
     for c in conversations:
         counts.update(c.tokens[c.prompt_len :])
-        assert c.top_ids is not None
-        counts.update(c.top_ids[:, 0].tolist())
+        assert c.top_ids is not None and c.labelled is not None
+        counts.update(c.top_ids[c.labelled, 0].tolist())
     size = min(size, vocab_size)
     ranked = sorted(counts, key=lambda t: (-counts[t], t))[:size]
     if len(ranked) < size:  # too little text: fill with the lowest other ids
@@ -248,9 +284,9 @@ def _draft_vocab(conversations: list[Conversation], vocab_size: int, size: int) 
 def _labels(head: DraftHeadModule, c: Conversation, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's p over the top-k ids that are in the draft vocabulary, as (index into the
     draft vocabulary or 0, probability or 0) [T, LABEL_TOP_K]."""
-    assert c.top_ids is not None and c.top_logits is not None
+    assert c.top_ids is not None and c.top_logits is not None and c.labelled is not None
     ids = c.top_ids[start:end]
-    p = torch.softmax(c.top_logits[start:end].float(), -1)
+    p = torch.softmax(c.top_logits[start:end].float(), -1) * c.labelled[start:end].unsqueeze(1)
     position = torch.searchsorted(head.draft_vocab, ids).clamp(max=head.draft_vocab.numel() - 1)
     inside = head.draft_vocab[position] == ids
     return position * inside, p * inside
@@ -281,20 +317,23 @@ def _loss(head: DraftHeadModule, windows: list[tuple[Conversation, int, int]], s
         # The window's first slot reads the hidden state before it (zeros at position 0): shift
         # by hand, since `unrolled` shifts within the window.
         tokens[b, :n] = torch.tensor(c.tokens[start:end])
-        hidden[b, :n] = c.hidden[start:end]
+        rows = c.hidden[start : min(end, c.computed)]
+        hidden[b, : rows.shape[0]] = rows.float()
         label_ids[b, :n], label_p[b, :n] = _labels(head, c, start, end)
     outputs = head.unrolled(hidden, tokens, steps)
     total = torch.zeros(())
-    count = 0
+    count = labelled = 0
     for step, g in enumerate(outputs):
         # Slot p of step j is valid from p = j - 1 on (its chain starts inside the window), and
         # slot 0 of a window that does not start the conversation reads zeros, not h_{start-1}:
-        # it is left out too.
+        # it is left out too. Positions without a label (the prompt's) weigh nothing.
         logq = F.log_softmax(head.logits(g[:, step + 1 :]).float(), -1)
-        ce = -(label_p[:, step + 1 :] * logq.gather(-1, label_ids[:, step + 1 :])).sum(-1)
+        p = label_p[:, step + 1 :]
+        ce = -(p * logq.gather(-1, label_ids[:, step + 1 :])).sum(-1)
         total = total + ce.sum() / (1.0 + 0.5 * step)
         count += ce.numel()
-    return total / max(1, count // steps), count
+        labelled += int((p.sum(-1) > 0).sum())
+    return total / max(1, labelled), count
 
 
 def _train(
@@ -344,9 +383,9 @@ def measure_acceptance(head: DraftHeadModule, conversations: list[Conversation],
     hits = [0] * steps
     total = 0
     for c in conversations:
-        assert c.hidden is not None and c.top_ids is not None
+        assert c.hidden is not None and c.top_ids is not None and c.labelled is not None
         tokens = torch.tensor(c.tokens).unsqueeze(0)
-        outputs = head.unrolled(c.hidden.unsqueeze(0), tokens, steps)
+        outputs = head.unrolled(c.hidden[: tokens.shape[1]].float().unsqueeze(0), tokens, steps)
         target = c.top_ids[:, 0]  # the target's argmax at each position
         # Chain starting at slot q (the head's slot of a new token): step j at slot q + j - 1
         # must equal the target's argmax at that position, and the token it is fed at the next
@@ -357,7 +396,7 @@ def measure_acceptance(head: DraftHeadModule, conversations: list[Conversation],
         chain = torch.ones(last - first, dtype=torch.bool)
         for j, g in enumerate(outputs):
             guess = head.draft_vocab[head.logits(g[0, first + j : last + j]).argmax(-1)]
-            chain &= guess == target[first + j : last + j]
+            chain &= (guess == target[first + j : last + j]) & c.labelled[first + j : last + j]
             # Teacher forcing holds only where the next true token is the argmax.
             if j + 1 < steps:
                 chain &= tokens[0, first + j + 1 : last + j + 1] == target[first + j : last + j]

@@ -31,6 +31,9 @@ from flare.sampling.params import SamplingParams
 log = structlog.get_logger("flare.scheduler.runner")
 
 
+RoundObserver = Callable[["RoundPlan", ForwardBatch, torch.Tensor, torch.Tensor], None]
+
+
 @dataclass(frozen=True)
 class PlannedRow:
     """One row of a round: new tokens of one sequence, and how to sample after them.
@@ -105,10 +108,14 @@ class ModelRunner:
         fallback_on_invalid_speculation: bool,
         device: torch.device,
         head: MtpHead | None = None,
+        observer: RoundObserver | None = None,
     ) -> None:
+        """`observer(plan, batch, hidden, logits)` sees every round's target outputs on the
+        device, in the model thread (distillation records the target's features with it)."""
         self.model = model
         self.kv_cache = kv_cache
         self.head = head
+        self.observer = observer
         self.vocab_size = vocab_size
         self.vocabulary_shards = vocabulary_shards
         self.fallback_on_invalid_speculation = fallback_on_invalid_speculation
@@ -131,10 +138,12 @@ class ModelRunner:
                 self.device,
             )
             hidden = None
-            if self.head is None:
+            if self.head is None and self.observer is None:
                 logits = self.model.forward(batch, self.kv_cache)
             else:
                 logits, hidden = self.model.forward_hidden(batch, self.kv_cache)
+            if self.observer is not None:
+                self.observer(plan, batch, hidden, logits)
             sampling = [row for row in plan.rows if row.samples]
             if sampling:
                 sampled = iter(self._sample(sampling, logits, lambda t, e, order: self._draft(plan, batch, hidden, t, e, order)))

@@ -50,7 +50,7 @@ from flare.scheduler.errors import (
 )
 from flare.scheduler.failures import cancelled_failure, device_failure, shutdown_failure
 from flare.scheduler.metrics import SchedulerMetrics
-from flare.scheduler.model_runner import ModelRunner, PlannedRow, RoundPlan, RoundResult
+from flare.scheduler.model_runner import ModelRunner, PlannedRow, RoundObserver, RoundPlan, RoundResult
 from flare.scheduler.request import (
     Failed,
     FaultSpec,
@@ -247,6 +247,7 @@ class Scheduler:
         metrics: SchedulerMetrics | None = None,
         heartbeat: Callable[[], None] | None = None,
         drafter: Drafter | None = None,
+        round_observer: RoundObserver | None = None,
     ) -> Scheduler:
         """Load the package's weights and size the KV cache. Heavy: call it off the event loop.
 
@@ -296,6 +297,7 @@ class Scheduler:
             fallback_on_invalid_speculation=options.on_invalid_speculation == "fallback",
             device=device,
             head=head,
+            observer=round_observer,
         )
         # Whatever besides the tokens decides a block's keys and values: the weights (by their
         # checksums) and the dtypes the model computes and stores them in.
