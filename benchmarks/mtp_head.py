@@ -112,7 +112,7 @@ def _acceptance(package, k: int) -> None:
 
     held = [p for p in distill_prompts() if p.held_out]
     recorder = distill.FeatureRecorder()
-    scheduler = Scheduler.from_package(package, SchedulerOptions(draft_tokens=0), round_observer=recorder)
+    scheduler = Scheduler.from_package(package, SchedulerOptions(draft_tokens=0, prefix_cache=False), round_observer=recorder)
     options = distill.DistillOptions()
     progress = distill.Progress(None)
     conversations = distill._generate(

@@ -150,7 +150,9 @@ def distill_head(
     recorder = FeatureRecorder()
     scheduler = Scheduler.from_package(
         package,
-        SchedulerOptions(draft_tokens=0, max_waiting=queue, max_waiting_tokens=queue * 4096),
+        # No prefix cache: the recorder needs every position computed, the answers to one prompt
+        # at other temperatures included.
+        SchedulerOptions(draft_tokens=0, prefix_cache=False, max_waiting=queue, max_waiting_tokens=queue * 4096),
         round_observer=recorder,
     )
     conversations = _generate(scheduler, tokenizer, prompts, options, progress, generation_deadline, recorder)
