@@ -86,3 +86,31 @@ def test_distill_options_without_the_mtp_drafter_are_an_option_error(tiny_hf_dir
     assert code == 2
     assert capsys.readouterr().err == "flare export: error: --distill-tokens applies to --drafter mtp only\n"
     assert not (tmp_path / "pkg").exists()
+
+
+def test_features_recorded_during_generation_are_those_of_a_forward_over_the_answer(tiny_package):
+    """Hidden states and top-k logits taken from the rounds that generated an answer equal one
+    target forward over the whole conversation."""
+    from flare.distill import distill
+    from flare.engine.batch import ForwardBatch, ForwardRow
+    from flare.engine.kv_cache import KVCache
+    from flare.engine.tokenizer import Tokenizer
+
+    package = open_package(tiny_package)
+    recorder = distill.FeatureRecorder()
+    scheduler = Scheduler.from_package(package, SchedulerOptions(draft_tokens=0, prefix_cache=False), round_observer=recorder)
+    conversations = distill._generate(
+        scheduler, Tokenizer.from_package(package), distill_prompts()[:3], TINY, distill.Progress(None), 1e12, recorder
+    )
+    model = scheduler.target_model
+    config = model.config
+    for c in conversations:
+        n = c.computed  # every position but the last sampled token's, which was never fed
+        assert n >= len(c.tokens) - 1
+        assert c.labelled[c.prompt_len - 1 : n].all() and not c.labelled[: c.prompt_len - 1].any()
+        kv = KVCache(num_layers=config.num_layers, num_blocks=32, block_size=16, num_kv_heads=config.num_kv_heads,
+                     head_dim=config.head_dim)
+        logits, hidden = model.forward_hidden(ForwardBatch.build([ForwardRow(c.tokens[:n], 0, tuple(range(32)), n)], 16), kv)
+        torch.testing.assert_close(c.hidden[:n].float(), hidden.to(torch.bfloat16).float(), atol=0.05, rtol=0.02)
+        top = logits[c.prompt_len - 1 :].topk(8, dim=-1).indices
+        assert (c.top_ids[c.prompt_len - 1 : n, :1] == top[:, :1]).float().mean() > 0.95
