@@ -224,6 +224,8 @@ def main() -> int:
     parser.add_argument("--slot-context", type=int, default=1024, help="llama.cpp's context per slot (-c is this x -np)")
     parser.add_argument("--versus-dtype", choices=DTYPES, help="also serve the default model's package in this dtype with --draft-tokens 0 (weight formats side by side)")
     parser.add_argument("--skip-speculation", action="store_true", help="leave out the flare side with speculation")
+    parser.add_argument("--versus-drafter", choices=("ngram", "mtp", "auto"),
+                        help="also serve flare's package with this --drafter (e.g. ngram beside a package whose head drafts)")
     parser.add_argument("--skip-llama-cpp", action="store_true")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--out-dir", type=Path, default=Path("compare-results"))
@@ -258,6 +260,8 @@ def main() -> int:
         servers: list[Server] = []
         pids: dict[str, int] = {}
         sides = [("flare", package, []), ("flare K=0", package, ["--draft-tokens", "0"])][args.skip_speculation :]
+        if args.versus_drafter:
+            sides.append((f"flare {args.versus_drafter}", package, ["--drafter", args.versus_drafter]))
         if args.versus_dtype:
             sides.append((f"flare {args.versus_dtype} K=0", default_package_path(dtype=args.versus_dtype), ["--draft-tokens", "0"]))
         for name, served, extra in sides:
@@ -324,12 +328,17 @@ def main() -> int:
         "cells": cells,
     }
     (args.out_dir / "comparison.json").write_text(json.dumps(summary, indent=1))
-    print_table(cells, [s.name for s in servers] + ([] if reference is None else ["transformers"]), args.versus_dtype)
+    print_table(cells, [s.name for s in servers] + ([] if reference is None else ["transformers"]), args.versus_dtype,
+                args.versus_drafter)
     return 0
 
 
-def print_table(cells: list[dict[str, Any]], systems: list[str], versus_dtype: str | None = None) -> None:
+def print_table(
+    cells: list[dict[str, Any]], systems: list[str], versus_dtype: str | None = None, versus_drafter: str | None = None
+) -> None:
     ratios = [("flare", "llama.cpp"), ("flare", "flare K=0"), ("flare K=0", "llama.cpp")]
+    if versus_drafter:
+        ratios.append(("flare", f"flare {versus_drafter}"))
     if versus_dtype:
         ratios.append(("flare K=0", f"flare {versus_dtype} K=0"))
     print("\n| dataset | T | streams | " + " | ".join(f"{s} tok/s" for s in systems) + " | "

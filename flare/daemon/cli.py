@@ -63,6 +63,9 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="keep computed KV blocks for later prompts that start the same way (default on)")
     add("--draft-tokens", metavar="N",
         help="speculative draft tokens per round; may only lower the package's (0 turns speculation off)")
+    add("--drafter", choices=("ngram", "mtp", "auto"),
+        help="the draft proposer: ngram (prompt lookup), mtp (the package's learned draft head) or auto "
+        "(the head where the package ships one, else ngram); default: the package's serving.drafter")
     add("--vocabulary-shards", metavar="S", help="shards of the vocabulary-parallel sampler (default 1)")
     add("--sampling-policy", choices=("package", "unfiltered"),
         help="serve the package's policy, or its unfiltered() form (default package)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,20 @@ def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
         dest="draft_tokens",
         help="tokens drafted per speculative round (default 4; 0 disables speculation)",
     )
-    parser.add_argument("--drafter", choices=DRAFTERS, default="ngram", help="the draft proposer (default ngram)")
+    parser.add_argument(
+        "--drafter",
+        choices=DRAFTERS,
+        default="ngram",
+        help="the draft proposer: ngram (prompt lookup, the default) or mtp (distill a learned draft head "
+        "on the target's own answers to a shipped prompt set and ship it in the package)",
+    )
+    parser.add_argument("--distill-tokens", type=int, metavar="N",
+                        help="mtp: training positions of the distillation (default 2400000)")
+    parser.add_argument("--distill-seconds", type=float, metavar="S",
+                        help="mtp: wall-clock bound of the whole distillation, generation included (default 1080)")
+    parser.add_argument("--distill-seed", type=int, metavar="SEED", help="mtp: the distillation's seed (default 0)")
+    parser.add_argument("--draft-head-dtype", choices=DTYPES, default=None,
+                        help="mtp: the dtype the head is stored in (default bfloat16)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing package at DIR")
     parser.set_defaults(func=run_export)
     return parser
@@ -111,16 +125,44 @@ def run_export(args: argparse.Namespace) -> int:
             drafter=args.drafter,
             overwrite=args.overwrite,
         )
-        manifest = export_package(args.source, args.output, options)
+        if args.drafter == "mtp":
+            from flare.daemon.logging import configure_logging
+            from flare.distill.distill import DistillOptions
+
+            from flare.distill.export import export_with_draft_head
+
+            defaults = DistillOptions()
+            distill = DistillOptions(
+                tokens=args.distill_tokens if args.distill_tokens is not None else defaults.tokens,
+                seconds=args.distill_seconds if args.distill_seconds is not None else defaults.seconds,
+                seed=args.distill_seed if args.distill_seed is not None else defaults.seed,
+                dtype=args.draft_head_dtype or defaults.dtype,
+            )
+            if distill.tokens < 1 or distill.seconds <= 0:
+                raise ExportError("--distill-tokens and --distill-seconds must be positive", option="--distill-tokens")
+            # Quiet: the distillation runs the scheduler, whose per-round events are for a daemon's logs.
+            configure_logging("warning", stream=sys.stderr)
+            # SIGTERM unwinds as Ctrl-C does, so the hidden target package is removed either way.
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+            manifest = export_with_draft_head(args.source, args.output, options, distill)
+        else:
+            for flag in ("distill_tokens", "distill_seconds", "distill_seed", "draft_head_dtype"):
+                if getattr(args, flag) is not None:
+                    raise ExportError(f"--{flag.replace('_', '-')} applies to --drafter mtp only", option=f"--{flag}")
+            manifest = export_package(args.source, args.output, options)
     except ExportError as error:
         print(f"flare export: error: {error}", file=sys.stderr)
         return EXIT_USAGE if error.option is not None else EXIT_FAILURE
     except OSError as error:
         print(f"flare export: error: cannot write the package: {error}", file=sys.stderr)
         return EXIT_FAILURE
+    head = manifest.draft_head
     print(
         f"exported {args.source} to {args.output} "
-        f"(recipe {manifest.provenance.recipe}, dtype {manifest.serving.dtype})"
+        f"(recipe {manifest.provenance.recipe}, dtype {manifest.serving.dtype}"
+        + (f", draft head K={head.draft_tokens}, {head.held_out.tokens_per_round:.2f} held-out tokens/round"
+           if head is not None and head.held_out is not None else "")
+        + ")"
     )
     return 0
 

@@ -48,6 +48,7 @@ class DaemonConfig:
     max_waiting: int = 256
     prefix_cache: bool = True
     draft_tokens: int | None = None  # None: the package's; may only lower it
+    drafter: str | None = None  # "ngram" | "mtp" | "auto"; None: the package's serving.drafter
     vocabulary_shards: int = 1
     sampling_policy: str = "package"  # "package" | "unfiltered"
     on_invalid_speculation: str = "fallback"  # "fallback" | "fail"
@@ -202,6 +203,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "max_waiting": _integer(0),
     "prefix_cache": _boolean,
     "draft_tokens": _integer(0),
+    "drafter": _choice("ngram", "mtp", "auto"),
     "vocabulary_shards": _integer(1),
     "sampling_policy": _choice("package", "unfiltered"),
     "on_invalid_speculation": _choice("fallback", "fail"),

@@ -238,6 +238,7 @@ class Daemon:
             prefix_cache=config.prefix_cache,
             kv_cache_memory=config.kv_cache_memory,
             draft_tokens=config.draft_tokens,
+            drafter=config.drafter,
             vocabulary_shards=config.vocabulary_shards,
             sampling_policy=config.sampling_policy,  # type: ignore[arg-type]
             on_invalid_speculation=config.on_invalid_speculation,  # type: ignore[arg-type]

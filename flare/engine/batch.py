@@ -91,6 +91,7 @@ class ForwardBatch:
     groups: tuple[AttentionGroup, ...]
     block_size: int
     max_position: int
+    row_starts: tuple[int, ...] = ()  # flat index of each row's first token, in row order
 
     @property
     def num_tokens(self) -> int:
@@ -150,6 +151,7 @@ class ForwardBatch:
             groups=tuple(groups),
             block_size=block_size,
             max_position=max(row.end_position for row in rows) - 1,
+            row_starts=tuple(row_offset[i] for i in range(len(rows))),
         )
 
 

@@ -295,6 +295,16 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Run one round: write every new token's K/V into the cache and return float32 logits
         [batch.num_logits, vocab] for the rows' last `num_logits` positions, in row order."""
+        return self.forward_hidden(batch, kv_cache)[0]
+
+    @torch.inference_mode()
+    def forward_hidden(
+        self, batch: ForwardBatch, kv_cache: KVCache, inputs: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, also returning the residual stream after the last layer (before the final
+        norm) of every token, [batch.num_tokens, hidden] in the batch's flat order: what a draft
+        head reads. `inputs` [num_tokens, hidden] replaces the token embeddings (a draft head's
+        block is fed its projection of hidden state and embedding, `drafters/mtp.py`)."""
         if kv_cache.block_size != batch.block_size:
             raise ValueError(
                 f"the batch was built for blocks of {batch.block_size} tokens, the cache has {kv_cache.block_size}"
@@ -308,7 +318,7 @@ class LlamaModel:
             raise ValueError(
                 f"position {batch.max_position} is past the model's context of {self.config.max_position_embeddings}"
             )
-        h = F.embedding(batch.token_ids, self.embed).to(self.dtype)
+        h = F.embedding(batch.token_ids, self.embed).to(self.dtype) if inputs is None else inputs.to(self.dtype, copy=True).contiguous()
         rope = None if self.native_kernels else self._rope(batch)
         calls = self._plan_attention(batch, kv_cache)
         # Each sublayer's output is added to the residual stream h by the norm that reads it next.
@@ -322,8 +332,12 @@ class LlamaModel:
             delta = linear(self._swiglu(linear_columns(x, layer.gate_up)), layer.down)
         if delta is not None:
             h += delta
-        h = self._add_norm(h[batch.logit_indices], None, self.norm)
-        return linear(h, self.lm_head).contiguous().float()
+        x = self._add_norm(h[batch.logit_indices], None, self.norm)
+        return linear(x, self.lm_head).contiguous().float(), h
+
+    def logits_of(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits [T, vocab] of residual-stream rows h [T, hidden]: final norm, LM head."""
+        return linear(self._add_norm(h.contiguous(), None, self.norm), self.lm_head).contiguous().float()
 
     def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
         """`h += delta` (a sublayer's output, when given), then RMSNorm of h (the torch

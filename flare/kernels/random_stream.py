@@ -30,6 +30,7 @@ class Purpose(IntEnum):
 
     ACCEPT = 1
     SAMPLE = 2
+    DRAFT = 3  # a learned draft head's proposal (drafters/mtp.py): independent of verification
 
 
 def as_int32(value: int) -> int:

@@ -58,6 +58,9 @@ def render_text(info: dict[str, Any], path: Path | str) -> str:
             f"  dtype               {serving['dtype']}",
             f"  sampler             {_sampler(serving)}",
             f"  speculation         {_speculation(serving)}",
+        ]
+        lines += _draft_head(info.get("draft_head"))
+        lines += [
             "",
             "sampling              default     range",
         ]
@@ -72,6 +75,34 @@ def render_text(info: dict[str, Any], path: Path | str) -> str:
     lines += ["", f"problems              {len(info['problems']) or 'none'}"]
     lines += [f"  ! {problem['message']}" for problem in info["problems"]]
     return "\n".join(lines) + "\n"
+
+
+def _draft_head(head: dict[str, Any] | None) -> list[str]:
+    if head is None:
+        return ["  draft head          none (re-export with --drafter mtp to distill one)"]
+    lines = [
+        "",
+        "draft head            multi-token prediction (one decoder block, the target's norm and LM head)",
+        f"  draft steps K       {head['draft_tokens']}",
+        f"  parameters          {head['parameters']:,} ({head['dtype']}), draft vocabulary {head['draft_vocab_size']} tokens",
+        f"  distilled on        {head['prompt_set']}",
+        f"  budget              {head['budget'].get('tokens')} positions or {head['budget'].get('seconds')} s, "
+        f"seed {head['budget'].get('seed')}",
+    ]
+    trained = head.get("trained") or {}
+    if trained:
+        lines.append(
+            f"  trained             {trained.get('generated_tokens')} generated tokens, {trained.get('positions')} positions, "
+            f"{trained.get('seconds')} s"
+        )
+    held = head.get("held_out")
+    if held is not None:
+        steps = ", ".join(f"{rate:.2f}" for rate in held["per_step"])
+        lines.append(
+            f"  held-out acceptance {held['tokens_per_round']:.2f} tokens per round at K (greedy; "
+            f"chain rates per step {steps}; {held['positions']} positions)"
+        )
+    return lines
 
 
 def _sampler(serving: dict[str, Any]) -> str:

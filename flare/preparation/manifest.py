@@ -6,7 +6,8 @@ Layout of the JSON object (format 1):
      "model": {"config": {ModelConfig}, "provenance": {Provenance}},
      "serving": {ServingConfig},
      "sampling": {"defaults": {...}, "ranges": {...}},
-     "files": {"model.safetensors": "<sha256>", "tokenizer.json": ..., "chat_template.jinja": ...}}
+     "files": {"model.safetensors": "<sha256>", "tokenizer.json": ..., "chat_template.jinja": ...},
+     "draft_head": {DraftHeadInfo}}   (only in a package that ships a learned draft head)
 
 Reading is strict: an unknown or missing key is an error naming it, so a manifest written by a
 newer flare is refused rather than half understood.
@@ -34,7 +35,8 @@ WEIGHT_FORMATS = (AUTO_DTYPE, *DTYPES)
 # What `flare run --kv-cache-dtype` takes: the KV cache stores keys and values in one of the
 # package dtypes (the engine computes in float32 whatever it stores; flare/engine/native.py).
 KV_CACHE_DTYPES = DTYPES
-DRAFTERS = ("ngram",)
+DRAFTERS = ("ngram", "mtp")
+HEAD_DTYPES = ("float32", "bfloat16", "float16")
 MAX_DRAFT_TOKENS = 16
 
 
@@ -166,6 +168,69 @@ class Provenance:
 
 
 @dataclass(frozen=True)
+class HeldOutAcceptance:
+    """Measured at export on prompts the head was not trained on, greedy: `per_step[j]` is the
+    share of positions where the first j + 1 draft steps all equal the target's argmax, and
+    `tokens_per_round` = 1 + sum(per_step), the expected tokens a verification round emits at K."""
+
+    per_step: tuple[float, ...]
+    tokens_per_round: float
+    positions: int
+
+
+@dataclass(frozen=True)
+class DraftHeadInfo:
+    """The manifest's `draft_head` object."""
+
+    draft_tokens: int  # K the head was trained to unroll
+    draft_vocab_size: int
+    parameters: int
+    dtype: str
+    prompt_set: str  # name and size of the shipped prompt set it was distilled on
+    budget: dict[str, Any] = field(default_factory=dict)  # tokens, seconds, seed as asked
+    trained: dict[str, Any] = field(default_factory=dict)  # tokens generated, positions trained, seconds
+    held_out: HeldOutAcceptance | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.dtype not in HEAD_DTYPES:
+            problems.append(f"dtype must be one of {', '.join(HEAD_DTYPES)}, got {self.dtype!r}")
+        for name in ("draft_tokens", "draft_vocab_size", "parameters"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name} must be a positive integer, got {value!r}")
+        if problems:
+            raise ManifestError("draft_head: " + "; ".join(problems))
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        if self.held_out is not None:
+            data["held_out"]["per_step"] = list(self.held_out.per_step)
+        return data
+
+    @classmethod
+    def from_json(cls, data: Any) -> DraftHeadInfo:
+        if not isinstance(data, dict):
+            raise ManifestError(f"draft_head must be an object, got {type(data).__name__}")
+        expected = {f.name for f in dataclasses.fields(cls)}
+        unknown, missing = sorted(set(data) - expected), sorted(expected - set(data))
+        if unknown or missing:
+            raise ManifestError(f"draft_head: unknown key(s) {unknown}, missing key(s) {missing}")
+        values = dict(data)
+        held = values.get("held_out")
+        if held is not None:
+            try:
+                values["held_out"] = HeldOutAcceptance(
+                    per_step=tuple(float(x) for x in held["per_step"]),
+                    tokens_per_round=float(held["tokens_per_round"]),
+                    positions=int(held["positions"]),
+                )
+            except (KeyError, TypeError, ValueError) as error:
+                raise ManifestError(f"draft_head.held_out: {error}") from None
+        return cls(**values)
+
+
+@dataclass(frozen=True)
 class Manifest:
     model: ModelConfig
     serving: ServingConfig
@@ -173,8 +238,16 @@ class Manifest:
     provenance: Provenance
     files: dict[str, str] = field(default_factory=dict)  # file name -> sha256 hex
     format: int = FORMAT_VERSION
+    draft_head: DraftHeadInfo | None = None  # the learned draft head the package ships, if any
 
     def __post_init__(self) -> None:
+        if self.serving.drafter == "mtp" and self.draft_head is None:
+            raise ManifestError("serving.drafter is mtp but the package ships no draft head (draft_head)")
+        if self.draft_head is not None and self.draft_head.draft_tokens < self.serving.draft_tokens:
+            raise ManifestError(
+                f"serving.draft_tokens {self.serving.draft_tokens} exceeds the {self.draft_head.draft_tokens} "
+                "draft steps the draft head was trained for"
+            )
         if self.serving.max_context > self.model.max_position_embeddings:
             raise ManifestError(
                 f"serving.max_context {self.serving.max_context} exceeds the model's "
@@ -195,6 +268,7 @@ class Manifest:
             "serving": self.serving.to_json(),
             "sampling": self.sampling.to_json(),
             "files": dict(sorted(self.files.items())),
+            **({"draft_head": self.draft_head.to_json()} if self.draft_head is not None else {}),
         }
 
     def dumps(self) -> str:
@@ -210,7 +284,10 @@ class Manifest:
                 f"manifest format {version!r} is not supported by this flare (it reads format {FORMAT_VERSION}); "
                 "re-export the package with this flare"
             )
-        _check_keys(data, {"format", "model", "serving", "sampling", "files"}, "manifest")
+        # draft_head is optional: a package without one reads as before.
+        _check_keys(
+            {"draft_head": None, **data}, {"format", "model", "serving", "sampling", "files", "draft_head"}, "manifest"
+        )
         model = data["model"]
         if not isinstance(model, dict):
             raise ManifestError("manifest key 'model' must be an object")
@@ -229,6 +306,7 @@ class Manifest:
             provenance=Provenance.from_json(model["provenance"]),
             files=dict(files),
             format=version,
+            draft_head=DraftHeadInfo.from_json(data["draft_head"]) if data.get("draft_head") is not None else None,
         )
 
     @classmethod

@@ -6,6 +6,8 @@ A package is a directory:
     model.safetensors     weights with Hugging Face Llama names, in serving.dtype
     tokenizer.json        a Hugging Face `tokenizers` tokenizer
     chat_template.jinja   the chat template (Jinja, rendered sandboxed by the engine)
+    draft_head.safetensors  the learned draft head, only where the manifest has `draft_head`
+                          (`draft_head.py`)
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from flare.preparation.draft_head import DRAFT_HEAD_NAME, draft_head_shapes
 from flare.preparation.manifest import (
     MANIFEST_NAME,
+    DraftHeadInfo,
     Manifest,
     ManifestError,
     ModelConfig,
@@ -126,6 +130,7 @@ def write_package(
     serving: ServingConfig,
     provenance: Provenance,
     overwrite: bool = False,
+    draft_head: tuple[DraftHeadInfo, Mapping[str, torch.Tensor]] | None = None,
 ) -> Manifest:
     """Write a package at out_dir, atomically: all of it appears at once, or nothing does.
 
@@ -137,8 +142,13 @@ def write_package(
     problems = weight_problems(config, {name: tuple(t.shape) for name, t in state_dict.items()})
     if problems:
         raise PackageError("the weights do not match the model config:\n" + _bullets(problems), tuple(problems))
+    head_info = draft_head[0] if draft_head is not None else None
+    if draft_head is not None:
+        problems = _head_problems(config, head_info, {n: tuple(t.shape) for n, t in draft_head[1].items()})
+        if problems:
+            raise PackageError("the draft head does not match the model:\n" + _bullets(problems), tuple(problems))
     # Validates the combination (max_context against the model, max_tokens against max_context).
-    manifest = Manifest(model=config, serving=serving, sampling=policy, provenance=provenance)
+    manifest = Manifest(model=config, serving=serving, sampling=policy, provenance=provenance, draft_head=head_info)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:12]}"
@@ -150,13 +160,27 @@ def write_package(
         del tensors
         (staging / TOKENIZER_NAME).write_text(tokenizer_json, encoding="utf-8")
         (staging / CHAT_TEMPLATE_NAME).write_text(chat_template, encoding="utf-8")
+        names = list(PACKAGE_FILES)
+        if draft_head is not None:
+            head_dtype = TORCH_DTYPES[draft_head[0].dtype]
+            save_file(
+                {
+                    name: t.detach().to("cpu", t.dtype if not t.is_floating_point() else head_dtype).contiguous()
+                    for name, t in draft_head[1].items()
+                },
+                str(staging / DRAFT_HEAD_NAME),
+                metadata={"format": "pt"},
+            )
+            names.append(DRAFT_HEAD_NAME)
         files = {}
-        for name in PACKAGE_FILES:
+        for name in names:
             # safetensors creates its file 0600; a package is read by the daemon's own user.
             os.chmod(staging / name, 0o644)
             _fsync(staging / name)
             files[name] = sha256_of(staging / name)
-        manifest = Manifest(model=config, serving=serving, sampling=policy, provenance=provenance, files=files)
+        manifest = Manifest(
+            model=config, serving=serving, sampling=policy, provenance=provenance, files=files, draft_head=head_info
+        )
         (staging / MANIFEST_NAME).write_text(manifest.dumps(), encoding="utf-8")
         _fsync(staging / MANIFEST_NAME)
         _fsync(staging)
@@ -252,6 +276,18 @@ def verify_package(path: Path) -> IntegrityReport:
             problems.append(f"{file.name} is not part of the package (not in {MANIFEST_NAME})")
     if statuses.get(WEIGHTS_NAME) == "ok":
         problems += _weights_header_problems(path / WEIGHTS_NAME, manifest)
+    if manifest.draft_head is not None:
+        if DRAFT_HEAD_NAME not in manifest.files:
+            problems.append(f"{MANIFEST_NAME} describes a draft head but lists no checksum for {DRAFT_HEAD_NAME}")
+        elif statuses.get(DRAFT_HEAD_NAME) == "ok":
+            try:
+                with safe_open(str(path / DRAFT_HEAD_NAME), framework="pt") as f:
+                    shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+                problems += _head_problems(manifest.model, manifest.draft_head, shapes)
+            except (SafetensorError, OSError) as error:
+                problems.append(f"{DRAFT_HEAD_NAME} cannot be read: {error}")
+    elif DRAFT_HEAD_NAME in manifest.files:
+        problems.append(f"{DRAFT_HEAD_NAME} is listed but the manifest describes no draft head")
     return IntegrityReport(path, statuses, tuple(problems), manifest)
 
 
@@ -268,6 +304,19 @@ def _weights_header_problems(weights: Path, manifest: Manifest) -> list[str]:
         problems.append(
             f"{WEIGHTS_NAME} holds {', '.join(sorted(dtypes))} tensors, serving.dtype says {manifest.serving.dtype}"
         )
+    return problems
+
+
+def _head_problems(config: ModelConfig, info: DraftHeadInfo | None, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+    assert info is not None
+    expected = draft_head_shapes(config, info.draft_vocab_size)
+    problems = [f"draft head tensor {name} is missing" for name in expected if name not in shapes]
+    problems += [f"draft head tensor {name} is not part of a draft head" for name in shapes if name not in expected]
+    problems += [
+        f"draft head tensor {name} has shape {list(shapes[name])}, expected {list(shape)}"
+        for name, shape in expected.items()
+        if name in shapes and tuple(shapes[name]) != shape
+    ]
     return problems
 
 
@@ -293,6 +342,14 @@ class Package:
     def load_state_dict(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """The weights, with Hugging Face Llama names, in serving.dtype."""
         return load_file(str(self.path / WEIGHTS_NAME), device=str(device))
+
+    def load_draft_head(self) -> dict[str, torch.Tensor]:
+        """The draft head's tensors (`draft_head.py`); PackageError when the package ships none."""
+        if self.manifest.draft_head is None:
+            raise PackageError(
+                f"the package at {self.path} ships no draft head; re-export it with --drafter mtp to distill one"
+            )
+        return load_file(str(self.path / DRAFT_HEAD_NAME))
 
 
 def open_package(path: Path) -> Package:

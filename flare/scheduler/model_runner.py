@@ -2,20 +2,24 @@
 
 Runs in the scheduler's single worker thread. It receives an immutable `RoundPlan` and returns
 an immutable `RoundResult`; sequences, blocks and streams stay on the event-loop thread.
-The device is read back once per round: tokens, emitted counts and status codes together
-(a second read happens only in a round where a row falls back after INVALID_SPECULATION).
+The device is read back once per round: tokens, emitted counts and status codes together,
+and with a draft head the next round's drafts too (a second read happens only in a round where
+a row falls back after INVALID_SPECULATION).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 import torch
 
 from flare.engine.batch import ForwardBatch, ForwardRow
+from flare.engine.drafters import Draft
+from flare.engine.drafters.mtp import HeadDrafts, HeadRow, MtpHead
 from flare.engine.kv_cache import KVCache
 from flare.engine.model import LlamaModel
 from flare.kernels import SamplingBatch, sample_round, score_tokens
@@ -28,6 +32,9 @@ from flare.scheduler.request import TokenLogprob
 from flare.structured import GrammarState, fill_masks
 
 log = structlog.get_logger("flare.scheduler.runner")
+
+
+RoundObserver = Callable[["RoundPlan", ForwardBatch, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,11 @@ class PlannedRow:
     prompt_targets: tuple[int, ...] = ()  # the prompt tokens the row's first positions predict (echo)
     prompt_top: int = 0  # alternatives reported per scored prompt token
     grammar: GrammarState | None = None  # the choice's grammar: the runner reads its masks only
+    draft_vocab: torch.Tensor | None = None  # the ids draft_probs' columns stand for; None: all
+    # With a draft head: the token after the row's tokens when the host knows it (a row that
+    # does not sample), and how many drafts the head proposes for the row's next round.
+    next_token: int | None = None
+    head_steps: int = 0
 
     @property
     def num_logits(self) -> int:
@@ -95,6 +107,7 @@ class RowResult:
     fell_back: bool = False
     logprobs: tuple[TokenLogprob, ...] = ()  # aligned with tokens, when the row asked
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # aligned with the row's prompt_targets
+    next_draft: Draft | None = None  # the draft head's proposal for the row's next round
 
 
 @dataclass(frozen=True)
@@ -113,9 +126,15 @@ class ModelRunner:
         vocabulary_shards: int,
         fallback_on_invalid_speculation: bool,
         device: torch.device,
+        head: MtpHead | None = None,
+        observer: RoundObserver | None = None,
     ) -> None:
+        """`observer(plan, batch, hidden, logits)` sees every round's target outputs on the
+        device, in the model thread (distillation records the target's features with it)."""
         self.model = model
         self.kv_cache = kv_cache
+        self.head = head
+        self.observer = observer
         self.vocab_size = vocab_size
         self.vocabulary_shards = vocabulary_shards
         self.fallback_on_invalid_speculation = fallback_on_invalid_speculation
@@ -125,6 +144,8 @@ class ModelRunner:
         started = time.perf_counter()
         with torch.inference_mode():
             self.kv_cache.copy_blocks(plan.copies)
+            if self.head is not None:
+                self.head.kv_cache.copy_blocks(plan.copies)
             batch = ForwardBatch.build(
                 [
                     # An out-of-vocabulary draft must reach the verify kernel (status
@@ -135,13 +156,25 @@ class ModelRunner:
                 self.kv_cache.block_size,
                 self.device,
             )
-            logits = self.model.forward(batch, self.kv_cache)
+            hidden = None
+            if self.head is None and self.observer is None:
+                logits = self.model.forward(batch, self.kv_cache)
+            else:
+                logits, hidden = self.model.forward_hidden(batch, self.kv_cache)
+            if self.observer is not None:
+                self.observer(plan, batch, hidden, logits)
             scoring = [k for k, row in enumerate(plan.rows) if row.prompt_targets]
             sampling = [row for row in plan.rows if row.samples]
             scores = self._score_prompts([plan.rows[k] for k in scoring], logits, plan.rows) if scoring else None
             if scoring and sampling:
                 logits = logits[self._sampling_positions(plan.rows)]
-            sampled = iter(self._sample(sampling, logits) if sampling else [])
+            if sampling:
+                sampled = iter(
+                    self._sample(sampling, logits, lambda t, e, order: self._draft(plan, batch, hidden, t, e, order))
+                )
+            else:
+                self._draft(plan, batch, hidden, None, None, [])
+                sampled = iter([])
             results: list[RowResult | None] = [next(sampled) if row.samples else None for row in plan.rows]
             if scores is not None:
                 # Read after the round's read: the device has finished by then.
@@ -174,8 +207,66 @@ class ModelRunner:
             self.vocabulary_shards,
         )
 
-    def _sample(self, rows: list[PlannedRow], logits: torch.Tensor) -> list[RowResult]:
-        """Sample every row (logits holds exactly their positions, in order) with one host read."""
+
+    def _draft(
+        self,
+        plan: RoundPlan,
+        batch: ForwardBatch,
+        hidden: torch.Tensor | None,
+        tokens: torch.Tensor | None,
+        emitted: torch.Tensor | None,
+        order: list[int],
+    ) -> HeadDrafts | None:
+        """The draft head's pass over the round (`drafters/mtp.py`), before the host read."""
+        if self.head is None or hidden is None:
+            return None
+        position = {k: i for i, k in enumerate(order)}  # sampling row -> row of `tokens`
+        head_rows, k = [], 0
+        for row, flat_start in zip(plan.rows, batch.row_starts):
+            if row.samples:
+                drafts = len(row.draft_ids)
+                head_rows.append(
+                    HeadRow(
+                        start_position=row.start_position,
+                        block_table=row.block_table,
+                        flat_start=flat_start,
+                        first_token=row.token_ids[0],
+                        host_tokens=row.token_ids[1 : len(row.token_ids) - drafts],
+                        device_tokens=1 + drafts,
+                        sample_index=position[k],
+                        steps=row.head_steps,
+                        temperature=row.params.temperature,
+                        top_k=row.params.top_k,
+                        top_p=row.params.top_p,
+                        min_p=row.params.min_p,
+                        seed=row.seed,
+                        output_position=row.output_position,
+                    )
+                )
+                k += 1
+            else:
+                assert row.next_token is not None, "a row that does not sample needs its next token for the head"
+                head_rows.append(
+                    HeadRow(
+                        start_position=row.start_position,
+                        block_table=row.block_table,
+                        flat_start=flat_start,
+                        first_token=row.token_ids[0],
+                        host_tokens=(*row.token_ids[1:], row.next_token),
+                    )
+                )
+        return self.head.run(head_rows, hidden, tokens, emitted)
+
+    def _sample(
+        self,
+        rows: list[PlannedRow],
+        logits: torch.Tensor,
+        before_read: Callable[[torch.Tensor, torch.Tensor, list[int]], HeadDrafts | None] | None = None,
+    ) -> list[RowResult]:
+        """Sample every row (logits holds exactly their positions, in order) with one host read.
+
+        `before_read(tokens, emitted, order)` runs on the device results first (the draft head),
+        and its drafts are read back in the same read."""
         offsets = _sample_offsets(rows)
         masks = self._masks(rows, offsets, logits.shape[0])
         # A fault of INVALID_SPECULATION needs the sharded sampler; everything else follows the
@@ -200,11 +291,21 @@ class ModelRunner:
                 shards = max(2, self.vocabulary_shards) if injected else self.vocabulary_shards
             outputs.append(self._sample_rows(group_rows, group_logits, shards, width, group_masks))
         order = [k for group in groups for k in group]
+        tokens, emitted, status = (torch.cat([getattr(out, name) for out in outputs]) for name in ("tokens", "num_emitted", "status"))
+        head = before_read(tokens, emitted, order) if before_read is not None else None
         # The one device-to-host read of the round.
-        read = _read_back(outputs, [rows[k] for k in order])
+        read = _read_back(tokens, emitted, status, outputs, [rows[k] for k in order])
         results: list[RowResult] = [RowResult((), DeviceStatus.OK)] * len(rows)
         for result, k in zip(read, order):
             results[k] = result
+        if head is not None:
+            assert self.head is not None
+            host_drafts = head.tokens.tolist()
+            drafting = (k for k, row in enumerate(rows) if row.head_steps > 0)
+            for d, k in enumerate(drafting):
+                greedy = rows[k].params.temperature <= 0
+                q, vocab = (None, None) if greedy else (head.probs[d], self.head.draft_vocab)
+                results[k] = dataclasses.replace(results[k], next_draft=Draft(tuple(host_drafts[d]), q, vocab))
 
         if self.fallback_on_invalid_speculation:
             retry = [k for k, r in enumerate(results) if r.status == DeviceStatus.INVALID_SPECULATION]
@@ -231,12 +332,15 @@ class ModelRunner:
         (which supports filters), from the logits at each row's first position: the prediction
         after the last accepted token, which the rejected drafts never influenced."""
         plain = [
-            dataclasses.replace(row, draft_ids=(), draft_probs=None, vocabulary_parallel=False, fault=None)
+            dataclasses.replace(
+                row, draft_ids=(), draft_probs=None, draft_vocab=None, vocabulary_parallel=False, fault=None, head_steps=0
+            )
             for row in rows
         ]
         index = torch.tensor(offsets, device=logits.device)
         out = self._sample_rows(plain, logits[index], 1, 1, masks[index] if masks is not None else None)
-        return [dataclasses.replace(result, fell_back=True) for result in _read_back([out], plain)]
+        read = _read_back(out.tokens, out.num_emitted, out.status, [out], plain)
+        return [dataclasses.replace(result, fell_back=True) for result in read]
 
     def _sample_rows(
         self, rows: list[PlannedRow], logits: torch.Tensor, shards: int, width: int, masks: torch.Tensor | None
@@ -251,7 +355,9 @@ class ModelRunner:
             # Learned drafters' q next to one-hot q written out for the deterministic rows.
             draft_probs = torch.zeros(len(rows), k_max, self.vocab_size)
             for r, row in enumerate(rows):
-                if row.draft_probs is not None:
+                if row.draft_probs is not None and row.draft_vocab is not None:
+                    draft_probs[r, : len(row.draft_ids)].index_copy_(1, row.draft_vocab.cpu(), row.draft_probs.cpu())
+                elif row.draft_probs is not None:
                     draft_probs[r, : len(row.draft_ids)] = row.draft_probs
                 else:
                     for j, token in enumerate(row.draft_ids):
@@ -317,12 +423,13 @@ class ModelRunner:
         return token_ids if all(0 <= t < v for t in token_ids) else tuple(t if 0 <= t < v else 0 for t in token_ids)
 
 
-def _read_back(outputs: list[KernelResult], rows: list[PlannedRow]) -> list[RowResult]:
-    """The rows' results from the kernels' outputs (one per group, rows in order): tokens,
-    counts and statuses, and the log-probabilities of the emitted tokens where asked."""
-    host_tokens, host_emitted, host_status = (
-        torch.cat([getattr(out, name) for out in outputs]).tolist() for name in ("tokens", "num_emitted", "status")
-    )
+def _read_back(
+    tokens: torch.Tensor, emitted: torch.Tensor, status: torch.Tensor, outputs: list[KernelResult], rows: list[PlannedRow]
+) -> list[RowResult]:
+    """The rows' results from the kernels' outputs (one per group, rows in order, their tokens,
+    counts and statuses already concatenated), with the log-probabilities of the emitted tokens
+    where asked."""
+    host_tokens, host_emitted, host_status = tokens.tolist(), emitted.tolist(), status.tolist()
     with_logprobs = all(out.logprobs is not None for out in outputs) and any(r.logprobs is not None for r in rows)
     if with_logprobs:
         logprob, top_ids, top_logprobs = (

@@ -28,8 +28,9 @@ import structlog
 import torch
 
 from flare.engine.drafters import Draft, Drafter, make_drafter
+from flare.engine.drafters.mtp import load_draft_head
 from flare.engine.kv_cache import BlockAllocator, KVCache, OutOfBlocks, blocks_for_tokens, default_kv_cache_bytes
-from flare.engine.model import load_model
+from flare.engine.model import LlamaModel, load_model
 from flare.engine.precision import cpu_flags, dtype_name
 from flare.engine.prefix_cache import PrefixCache, chain_hashes, namespace_hash
 from flare.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -49,7 +50,7 @@ from flare.scheduler.errors import (
 )
 from flare.scheduler.failures import cancelled_failure, device_failure, grammar_failure, shutdown_failure
 from flare.scheduler.metrics import SchedulerMetrics
-from flare.scheduler.model_runner import ModelRunner, PlannedRow, RoundPlan, RoundResult
+from flare.scheduler.model_runner import ModelRunner, PlannedRow, RoundObserver, RoundPlan, RoundResult
 from flare.scheduler.request import (
     Failed,
     FaultSpec,
@@ -86,6 +87,9 @@ class SchedulerOptions:
     block_size: int = 16
     max_batched_tokens: int = 256  # tokens fed per round: bounds a prompt chunk's share of a round
     draft_tokens: int | None = None  # None: the package's serving.draft_tokens; may only lower it
+    # ngram, mtp (the package's learned draft head) or auto (mtp where the package ships a head,
+    # else ngram); None: the package's serving.drafter.
+    drafter: str | None = None
     adaptive_draft_length: bool = True  # False: every decode row verifies all the drafter proposes
     vocabulary_shards: int = 1
     sampling_policy: Literal["package", "unfiltered"] = "package"
@@ -95,6 +99,24 @@ class SchedulerOptions:
     device: str = "cpu"
     weight_format: str = "auto"  # precision.FORMAT_CHOICES: what the linear layers multiply in
     idle_tick_s: float = 1.0  # how often an idle loop wakes to send its heartbeat
+
+
+def resolve_drafter(package: Package, requested: str | None) -> str:
+    """The drafter to run: `requested` (ngram, mtp, auto) or the package's serving.drafter.
+    mtp for a package without a draft head raises ValueError naming the fix."""
+    name = requested or package.manifest.serving.drafter
+    has_head = package.manifest.draft_head is not None
+    if name == "auto":
+        # The head, with n-gram lookup beside it (`Scheduler._proposal`); n-gram alone without one.
+        return "mtp" if has_head else "ngram"
+    if name == "mtp" and not has_head:
+        raise ValueError(
+            f"--drafter mtp: the package at {package.path} ships no draft head; re-export it with "
+            "`flare export SOURCE -o DIR --drafter mtp` to distill one, or run with --drafter ngram"
+        )
+    if name not in ("ngram", "mtp"):
+        raise ValueError(f"--drafter must be one of ngram, mtp, auto, got {name!r}")
+    return name
 
 
 def served_policy(package: Package, mode: Literal["package", "unfiltered"]) -> SamplingPolicy:
@@ -178,6 +200,7 @@ class Scheduler:
         blocks: PrefixCache,
         drafter: Drafter | None,
         options: SchedulerOptions,
+        drafter_name: str = "ngram",
         max_concurrency: int,
         draft_tokens: int,
         metrics: SchedulerMetrics | None = None,
@@ -198,6 +221,10 @@ class Scheduler:
         self._runner = runner
         self._blocks = blocks
         self._drafter = drafter
+        # The learned draft head runs inside the round (ModelRunner.head); its drafts come back
+        # with the round's result and are kept on the sequence for its next round.
+        self._mtp = runner.head is not None
+        self.drafter_name = drafter_name if draft_tokens > 0 else "none"
         self._block_size = runner.kv_cache.block_size
         self._eos = frozenset(tokenizer.eos_token_ids)
         self._waiting: deque[Sequence] = deque()
@@ -230,6 +257,7 @@ class Scheduler:
         metrics: SchedulerMetrics | None = None,
         heartbeat: Callable[[], None] | None = None,
         drafter: Drafter | None = None,
+        round_observer: RoundObserver | None = None,
     ) -> Scheduler:
         """Load the package's weights and size the KV cache. Heavy: call it off the event loop.
 
@@ -245,6 +273,8 @@ class Scheduler:
                 f"--draft-tokens {draft_tokens} is more than the package's {serving.draft_tokens} "
                 f"(serving.draft_tokens); it may only lower it: re-export with --mtp-draft-tokens to raise it"
             )
+        drafter_name = resolve_drafter(package, options.drafter)
+        auto = (options.drafter or serving.drafter) == "auto"
         device = torch.device(options.device)
         config = package.manifest.model
         model = load_model(package, device=device, weight_format=options.weight_format)
@@ -269,7 +299,12 @@ class Scheduler:
             kv_cache_dtype=dtype_name(kv_cache.dtype),
             block_size=kv_cache.block_size,
             prefix_cache=options.prefix_cache,
+            drafter=drafter_name if draft_tokens > 0 else "none",
+            draft_tokens=draft_tokens,
         )
+        head = None
+        if drafter_name == "mtp" and draft_tokens > 0:
+            head = load_draft_head(package, model, num_blocks=kv_cache.num_blocks, block_size=kv_cache.block_size)
         runner = ModelRunner(
             model,
             kv_cache,
@@ -277,6 +312,8 @@ class Scheduler:
             vocabulary_shards=options.vocabulary_shards,
             fallback_on_invalid_speculation=options.on_invalid_speculation == "fallback",
             device=device,
+            head=head,
+            observer=round_observer,
         )
         # Whatever besides the tokens decides a block's keys and values: the weights (by their
         # checksums) and the dtypes the model computes and stores them in.
@@ -292,8 +329,10 @@ class Scheduler:
             tokenizer=Tokenizer.from_package(package),
             runner=runner,
             blocks=PrefixCache(BlockAllocator(kv_cache.num_blocks), root=root, enabled=options.prefix_cache),
-            drafter=(drafter or make_drafter(serving.drafter)) if draft_tokens > 0 else None,
+            # n-gram lookup runs alone, or beside the head under `auto` (rows whose text repeats).
+            drafter=(drafter or make_drafter("ngram")) if draft_tokens > 0 and (head is None or auto) else None,
             options=options,
+            drafter_name="auto" if auto and head is not None else drafter_name,
             max_concurrency=max_concurrency,
             draft_tokens=draft_tokens,
             metrics=metrics,
@@ -408,6 +447,10 @@ class Scheduler:
     def vocab_size(self) -> int:
         """The model's vocabulary: token ids a request may name are below it."""
         return self._runner.vocab_size
+
+    @property
+    def target_model(self) -> LlamaModel:
+        return self._runner.model
 
     @property
     def idle(self) -> bool:
@@ -539,13 +582,18 @@ class Scheduler:
                 if not tail:
                     continue
             row_tokens = len(tail) + len(draft.token_ids)
-            if not self._ensure_blocks(seq, seq.num_cached + row_tokens):
-                if draft.token_ids and self._ensure_blocks(seq, seq.num_cached + len(tail)):
+            samples = seq.num_cached + len(tail) == len(seq.tokens)
+            head_steps = self._head_steps(seq, row_tokens) if samples else 0
+            # The head writes one slot past the row's tokens, and drafting rows K - 1 more.
+            extra = (head_steps or 1) if self._mtp else 0
+            if not self._ensure_blocks(seq, seq.num_cached + row_tokens + extra):
+                head_steps = self._head_steps(seq, len(tail)) if samples else 0
+                extra = (head_steps or 1) if self._mtp else 0
+                if draft.token_ids and self._ensure_blocks(seq, seq.num_cached + len(tail) + extra):
                     draft = Draft(())
                 else:
                     continue  # preempted: it waits for blocks
             budget -= len(tail) + len(draft.token_ids)
-            samples = seq.num_cached + len(tail) == len(seq.tokens)
             penalized = seq.request.params.penalized
             prompt_targets = self._prompt_targets(seq, len(tail)) if not seq.in_decode else ()
             rows.append(
@@ -557,6 +605,7 @@ class Scheduler:
                     samples=samples,
                     draft_ids=draft.token_ids,
                     draft_probs=draft.probs,
+                    draft_vocab=draft.vocab,
                     params=seq.request.params,
                     seed=seq.seed,
                     output_position=seq.num_output_tokens,
@@ -570,6 +619,8 @@ class Scheduler:
                     prompt_targets=prompt_targets,
                     prompt_top=seq.request.prompt_logprobs or 0,
                     grammar=seq.grammar if samples else None,
+                    next_token=None if samples else seq.tokens[seq.num_cached + len(tail)],
+                    head_steps=head_steps,
                 )
             )
         # A row dropped after its blocks were made writable (its sequence preempted by a later
@@ -596,13 +647,13 @@ class Scheduler:
     def _drafts(self, decode: list[Sequence], base_tokens: int) -> dict[Sequence, Draft]:
         """Each decode row's drafts, cut to the adaptive draft length."""
         constrained = [s for s in decode if s.grammar is not None]
-        if self._drafter is None and not self.options.fault_injection and not constrained:
+        if self._drafter is None and not self._mtp and not self.options.fault_injection and not constrained:
             return {}
         forced: dict[Sequence, Draft] = {}
         proposals: list[Draft] = []
         for seq in decode:
             limit = self._draft_limit(seq)
-            proposal = seq.draft_state.propose(limit) if seq.draft_state is not None and limit > 0 else Draft(())
+            proposal = self._proposal(seq, limit) if limit > 0 else Draft(())
             if seq.grammar is not None:
                 proposal, jump = self._grammar_draft(seq, proposal)
                 if jump.token_ids:
@@ -624,7 +675,7 @@ class Scheduler:
         drafts: dict[Sequence, Draft] = dict(forced)
         for seq, draft, k in zip(decode, proposals, lengths):
             if k:
-                drafts[seq] = Draft(draft.token_ids[:k], None if draft.probs is None else draft.probs[:k])
+                drafts[seq] = draft.cut(k)
             fault = self._fault_now(seq)
             if fault in _DRAFT_FAULTS and seq not in drafts:
                 # The draft fault path needs one draft to verify; propose the token 0.
@@ -642,9 +693,36 @@ class Scheduler:
             if forced:
                 return Draft(()), Draft(tuple(forced))
         valid = seq.grammar.valid_prefix(proposal.token_ids)
-        if valid < len(proposal.token_ids):
-            proposal = Draft(proposal.token_ids[:valid], None if proposal.probs is None else proposal.probs[:valid])
-        return proposal, Draft(())
+        return proposal.cut(valid), Draft(())
+
+    def _proposal(self, seq: Sequence, limit: int) -> Draft:
+        """The row's draft: n-gram lookup's, the head's, or under `auto` whichever has been
+        accepted more on this row, the n-gram one only where it continues a repeat for the whole
+        length (the text repeats strongly)."""
+        head = seq.head_draft.cut(limit) if self._mtp and seq.head_draft is not None else Draft(())
+        if seq.draft_state is None:
+            seq.draft_source = "mtp"
+            return head
+        ngram = seq.draft_state.propose(limit)
+        if not self._mtp:
+            seq.draft_source = "ngram"
+            return ngram
+        rates = seq.source_acceptance
+        if len(ngram.token_ids) == limit and rates["ngram"].rate >= rates["mtp"].rate:
+            seq.draft_source = "ngram"
+            return ngram
+        seq.draft_source = "mtp"
+        return head
+
+    def _head_steps(self, seq: Sequence, row_tokens: int) -> int:
+        """Drafts the head proposes after this row for the row's next round: K, unless the
+        sequence no longer speculates or its drafts would pass the context."""
+        if not self._mtp or seq.fell_back or self.draft_tokens <= 0:
+            return 0
+        # The last slot the head writes: the row's end, plus its new token, plus K - 1 steps.
+        if seq.num_cached + row_tokens + self.draft_tokens > self.max_context:
+            return 0
+        return self.draft_tokens
 
     def _draft_limit(self, seq: Sequence, most: int | None = None) -> int:
         if seq.fell_back:
@@ -708,6 +786,10 @@ class Scheduler:
         seq.block_table = self._blocks.lookup(seq.block_hashes)
         seq.num_published = len(seq.block_table)
         seq.num_cached = min(len(seq.block_table) * self._block_size, len(seq.tokens) - 1)
+        if self._mtp and seq.num_cached > 0:
+            # The head's slot of the first uncomputed position reads the target's hidden state at
+            # the last cached one, which no cache holds: that position is computed again.
+            seq.num_cached -= 1
 
     def _count_cached_prompt(self, seq: Sequence) -> None:
         """An admitted sequence's prompt tokens that the prefix cache served."""
@@ -797,7 +879,8 @@ class Scheduler:
 
     def _trim_blocks(self, seq: Sequence) -> None:
         """Release blocks past the cached positions (those of rejected drafts) at once."""
-        keep = blocks_for_tokens(seq.num_cached, self._block_size)
+        # The head's KV holds one slot more than the target's: the new token's (drafters/mtp.py).
+        keep = blocks_for_tokens(seq.num_cached + (1 if self._mtp else 0), self._block_size)
         if len(seq.block_table) > keep:
             self._blocks.release(seq.block_table[keep:])
             del seq.block_table[keep:]
@@ -874,6 +957,7 @@ class Scheduler:
                 proposed += drafts
                 accepted_per_row.append(accepted)
                 seq.acceptance.observe(drafts, accepted)
+                seq.source_acceptance[seq.draft_source].observe(drafts, accepted)
             seq.num_cached = row.start_position + fed - (drafts - accepted)
             if seq.first_token_at is None:
                 seq.first_token_at = now
@@ -882,6 +966,7 @@ class Scheduler:
             elif self.metrics is not None:
                 self.metrics.observe_emission(now - (seq.last_token_at or now), len(outcome.tokens))
             seq.last_token_at = now
+            seq.head_draft = outcome.next_draft
             generated += self._emit(seq, outcome.tokens, outcome.logprobs)
             if seq.state is SequenceState.RUNNING:
                 self._publish(seq)

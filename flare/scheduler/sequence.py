@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from flare.engine.drafters import DraftState
+from flare.engine.drafters import Draft, DraftState
 from flare.engine.tokenizer import IncrementalDetokenizer
 from flare.scheduler.draft_length import AcceptanceEstimate
 from flare.scheduler.request import GenerationRequest, RequestFailure, RequestStream, TokenLogprob
@@ -55,6 +55,13 @@ class Sequence:
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     sampled_rounds: int = 0  # rounds in which this sequence sampled tokens
     fell_back: bool = False  # speculation turned off after INVALID_SPECULATION
+    head_draft: Draft | None = None  # the draft head's proposal from the last round (drafters/mtp.py)
+    # Which drafter proposed the row's drafts this round, and each one's acceptance on this row
+    # (`--drafter auto` runs both).
+    draft_source: str = "ngram"
+    source_acceptance: dict[str, AcceptanceEstimate] = field(
+        default_factory=lambda: {"ngram": AcceptanceEstimate(), "mtp": AcceptanceEstimate()}
+    )
     pending_cancel: RequestFailure | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None

@@ -62,6 +62,16 @@ def test_the_kv_cache_dtype_is_float32_unless_a_source_names_one_and_others_are_
         load_config(flags(), {"FLARE_KV_CACHE_DTYPE": "int8"})
 
 
+def test_the_drafter_is_the_packages_unless_a_source_names_one(tmp_path: Path) -> None:
+    assert load_config(flags(), {}).drafter is None
+    path = write_toml(tmp_path, 'drafter = "mtp"\n')
+    assert load_config(flags(), {}, path).drafter == "mtp"
+    assert load_config(flags(), {"FLARE_DRAFTER": "ngram"}, path).drafter == "ngram"
+    assert load_config(flags(drafter="auto"), {"FLARE_DRAFTER": "ngram"}).drafter == "auto"
+    with pytest.raises(ConfigError, match="FLARE_DRAFTER: expected one of ngram, mtp, auto"):
+        load_config(flags(), {"FLARE_DRAFTER": "medusa"})
+
+
 def test_environment_overrides_file_and_flags_override_environment(tmp_path: Path) -> None:
     path = write_toml(tmp_path, 'port = 9000\nhost = "0.0.0.0"\nmax_waiting = 3\n')
     environ = {"FLARE_PORT": "9100", "FLARE_HOST": "::1", "FLARE_CONFIG": str(path)}

@@ -1,7 +1,9 @@
 """Speculation never changes what is sampled: on the tiny model, the tokens generated with
 drafts verified by rejection sampling follow the same distribution as without drafts.
 
-The drafter here proposes the last token again. Learned-style, it draws each draft from q (0.8
+The drafter here proposes the last token again; the last test drafts with a learned draft head
+(tests/mtp_heads.py: one that mostly repeats the last token too, its q a real softmax under the
+row's temperature, computed inside the round). Learned-style, it draws each draft from q (0.8
 on the last token, the rest spread over the vocabulary) and reports q; otherwise q is one-hot. Drafts are often
 accepted (the tiny model repeats itself at low temperature), so both the accept path and the
 residual path run, and a wrong KV entry for an accepted draft would show in the later tokens.
@@ -20,6 +22,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from scipy.stats import chi2_contingency
+
+from mtp_heads import repeat_head_state, write_head_package
 
 from flare.engine.drafters import Draft
 from flare.preparation.package import open_package
@@ -78,12 +82,20 @@ class RepeatLastDrafter:
 
 
 async def sample_tokens(
-    package_path, params: SamplingParams, drafter: RepeatLastDrafter | None, constraint: GrammarSpec | None = None
+    package_path,
+    params: SamplingParams,
+    drafter: RepeatLastDrafter | None,
+    constraint: GrammarSpec | None = None,
+    *,
+    head: bool = False,
 ) -> tuple[list[list[int]], int]:
-    """Each seed's generated tokens, and how many times a row sampled (target forwards per row)."""
+    """Each seed's generated tokens, and how many times a row sampled (target forwards per row).
+    `head`: draft with the package's learned draft head."""
     package = open_package(package_path)
     # No jump-forward: the grammar's forced tokens would be drafts of their own.
-    options = SchedulerOptions(draft_tokens=0 if drafter is None else 3, adaptive_draft_length=False, jump_forward=False)
+    options = SchedulerOptions(
+        draft_tokens=3 if drafter is not None or head else 0, adaptive_draft_length=False, jump_forward=False
+    )
     scheduler = Scheduler.from_package(package, options, drafter=drafter)
     loop = asyncio.create_task(scheduler.run())
     prompt = tuple(scheduler.tokenizer.encode(PROMPT))
@@ -168,3 +180,31 @@ async def test_with_a_grammar_speculative_sampling_follows_the_non_speculative_d
         b = [ids[position] for ids in speculative if len(ids) > position]
         assert len(a) > SAMPLES * 0.5 and len(b) > SAMPLES * 0.5
         assert _same_distribution(a, b) > 1e-3, f"token {position} differs with speculation under the grammar"
+
+
+@pytest.fixture(scope="module")
+def peaked_head_package(make_package, package_parts):
+    state = dict(package_parts["state_dict"])
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"] * LOGIT_SCALE
+    vocab = torch.arange(0, package_parts["config"].vocab_size, 2)
+    head = repeat_head_state(package_parts["config"], state, vocab, mix=0.3, seed=1)
+    return write_head_package(make_package, package_parts, head, draft_tokens=3, state_dict=state)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1.0, max_tokens=4), SamplingParams(temperature=0.7, top_k=8, top_p=0.9, max_tokens=4)],
+    ids=["head-q", "head-q-filtered"],
+)
+async def test_sampling_with_a_learned_draft_head_follows_the_non_speculative_distribution(peaked_head_package, params):
+    plain, plain_rounds = await sample_tokens(peaked_head_package, params, None)
+    speculative, speculative_rounds = await sample_tokens(peaked_head_package, params, None, head=True)
+    assert speculative_rounds < plain_rounds
+    for position in (1, 2, 3):
+        a = [ids[position] for ids in plain if len(ids) > position]
+        b = [ids[position] for ids in speculative if len(ids) > position]
+        assert len(a) > SAMPLES * 0.9 and len(b) > SAMPLES * 0.9
+        p_value = _same_distribution(a, b)
+        print(f"position {position}: {len(set(a))} distinct tokens, p = {p_value:.3f}")
+        assert p_value > 1e-3, f"token {position} differs with the draft head"
+    print(f"row forwards: {plain_rounds} without drafts, {speculative_rounds} with the head")

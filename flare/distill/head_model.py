@@ -1,0 +1,125 @@
+"""The draft head as a trainable torch module: the same math as its paged runtime
+(`engine/drafters/mtp.py`, a one-layer `LlamaModel`), over whole sequences at once.
+
+Slot p of step 1 reads (h_{p-1}, x_p), with h the frozen target's residual stream after its
+last layer (zeros before position 0), and predicts x_{p+1}. Step j > 1 is the head unrolled on
+its own output: slot p reads (g_{j-1, p-1}, x_p), where g_{j-1} is step j - 1's output hidden
+state, and attends to step 1's keys up to slot p - j + 1 and to step i's key at slot p - j + i
+for 2 <= i <= j. That is exactly what the runtime's j-th draft step sees after a round whose last
+committed slot is p - j + 1 (its own earlier drafts, then everything the catch-up wrote), with
+the true token x_p in place of the draft (teacher forcing on tokens, not on hidden states).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flare.engine.model import apply_rope, rope_tables
+from flare.preparation.draft_head import VOCAB_TENSOR, draft_head_shapes
+from flare.preparation.manifest import ModelConfig
+
+
+class DraftHeadModule(nn.Module):
+    """Trainable head weights; the target's embedding, final norm and LM head rows are frozen
+    buffers, shared with the target and never saved with the head."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        draft_vocab: torch.Tensor,
+        embed: torch.Tensor,
+        lm_head_rows: torch.Tensor,
+        final_norm: torch.Tensor,
+        *,
+        seed: int,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        generator = torch.Generator().manual_seed(seed)
+        shapes = draft_head_shapes(config, int(draft_vocab.numel()))
+        self.names = [name for name in shapes if name != VOCAB_TENSOR]
+        self.weights = nn.ParameterList()
+        for name in self.names:
+            shape = shapes[name]
+            if name.endswith("norm.weight"):
+                value = torch.ones(shape)
+            else:
+                value = torch.randn(shape, generator=generator) / math.sqrt(shape[-1])
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    value = value * 0.5  # a small first update of the residual stream
+            self.weights.append(nn.Parameter(value))
+        self.register_buffer("draft_vocab", draft_vocab.to(torch.long))
+        self.register_buffer("embed", embed)
+        self.register_buffer("lm_head_rows", lm_head_rows.float())
+        self.register_buffer("final_norm", final_norm.float())
+        cos, sin = rope_tables(config, torch.float32, "cpu")
+        self.register_buffer("cos", cos)
+        self.register_buffer("sin", sin)
+
+    def w(self, name: str) -> torch.Tensor:
+        return self.weights[self.names.index(name)]
+
+    def state_for_package(self) -> dict[str, torch.Tensor]:
+        """The tensors of `draft_head.safetensors`."""
+        state = {name: p.detach().clone() for name, p in zip(self.names, self.weights)}
+        state[VOCAB_TENSOR] = self.draft_vocab.clone()
+        return state
+
+    def load_package_state(self, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, p in zip(self.names, self.weights):
+                p.copy_(state[name].float())
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (self.config.hidden_size,), weight, self.config.rms_norm_eps)
+
+    def inputs(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        embedded = F.embedding(tokens, self.embed).float()
+        x = torch.cat((self._norm(hidden, self.w("mtp.hidden_norm.weight")), self._norm(embedded, self.w("mtp.embed_norm.weight"))), -1)
+        return F.linear(x, self.w("mtp.fc.weight"))
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._norm(g, self.final_norm), self.lm_head_rows)
+
+    def unrolled(self, hidden: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Output hidden states g_j [B, T, H] of steps 1..`steps` for sequences of tokens [B, T]
+        and the target's residual stream hidden [B, T, H] at the same positions."""
+        c = self.config
+        batch, length = tokens.shape
+        prev = torch.cat((hidden.new_zeros(batch, 1, c.hidden_size), hidden[:, :-1]), 1)  # h_{p-1}
+        cos, sin = self.cos[:length].unsqueeze(1), self.sin[:length].unsqueeze(1)
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        outputs: list[torch.Tensor] = []
+        slots = torch.arange(length, device=tokens.device)
+        for step in range(1, steps + 1):
+            x = self.inputs(prev, tokens)
+            a = self._norm(x, self.w("mtp.layer.input_layernorm.weight"))
+            q = F.linear(a, self.w("mtp.layer.self_attn.q_proj.weight")).view(batch, length, c.num_heads, c.head_dim)
+            k = F.linear(a, self.w("mtp.layer.self_attn.k_proj.weight")).view(batch, length, c.num_kv_heads, c.head_dim)
+            v = F.linear(a, self.w("mtp.layer.self_attn.v_proj.weight")).view(batch, length, c.num_kv_heads, c.head_dim)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            keys.append(k)
+            values.append(v)
+            # Step 1 keys up to slot p - step + 1; step i's key at slot p - step + i.
+            query = slots.view(-1, 1)
+            blocks = [slots.view(1, -1) <= query - step + 1]
+            blocks += [slots.view(1, -1) == query - step + i for i in range(2, step + 1)]
+            mask = torch.cat(blocks, 1)  # [T, step * T]
+            k_all = torch.cat(keys, 1).repeat_interleave(c.num_heads // c.num_kv_heads, dim=2)
+            v_all = torch.cat(values, 1).repeat_interleave(c.num_heads // c.num_kv_heads, dim=2)
+            attn = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2), attn_mask=mask
+            ).transpose(1, 2).reshape(batch, length, c.num_heads * c.head_dim)
+            h = x + F.linear(attn, self.w("mtp.layer.self_attn.o_proj.weight"))
+            m = self._norm(h, self.w("mtp.layer.post_attention_layernorm.weight"))
+            gate = F.linear(m, self.w("mtp.layer.mlp.gate_proj.weight"))
+            up = F.linear(m, self.w("mtp.layer.mlp.up_proj.weight"))
+            g = h + F.linear(F.silu(gate) * up, self.w("mtp.layer.mlp.down_proj.weight"))
+            outputs.append(g)
+            prev = torch.cat((g.new_zeros(batch, 1, c.hidden_size), g[:, :-1]), 1)
+        return outputs

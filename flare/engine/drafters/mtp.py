@@ -1,0 +1,332 @@
+"""A package's learned draft head (`preparation/draft_head.py`) running inside the round.
+
+After the target's forward and sampling, still on the device, the head does two things for the
+round's rows, batched over all of them:
+
+1. Catch-up: it writes its own KV for every position the target computed this round. Head slot
+   p reads (h_{p-1}, x_p): for a row whose tokens sit at positions s .. s + L - 1 the head
+   writes slots s + 1 .. s + L (and slot 0, from a zero hidden state, for a row at s = 0). The
+   tokens are the row's own where the host knows them (a prompt chunk's, and the next prompt
+   token after a chunk that does not sample), and the round's sampled tokens for the rest: a
+   verify row's slots s + 1 + i take emitted token i, so the slot of the last accepted token
+   holds the bonus or correction token, and slots past it hold garbage that is written again
+   before any query reads it (causal attention reads only earlier slots, and every later pass
+   rewrites the slots after the last committed one in order). Slot p depends only on tokens
+   x_0 .. x_p, so a block full of committed tokens holds valid head KV, and the prefix cache
+   (whose namespace hashes the head's file) can share it; the one slot a cache hit cannot
+   supply, the first uncomputed one, is why the scheduler recomputes the last cached position.
+2. Drafting: for each drafting row the hidden state at the slot of its new token (found on the
+   device from the emitted count) predicts the first draft; K - 1 more steps feed the head's own
+   output back as the hidden state, one batched single-token row per drafting row each.
+
+The head's KV pool has one layer and the target's block ids: rollback after rejected drafts is
+the target's (positions past the accepted length are written again later), copy-on-write copies
+both pools. Drafts are sampled under the row's temperature from q = softmax(logits / T) over the
+draft vocabulary (zero elsewhere), with a random stream keyed by the row's seed and the drafted
+token's output position (`Purpose.DRAFT`), so a seeded request's drafts, and with them its
+output, do not depend on its batch-mates; greedy rows draft the argmax with a one-hot q.
+The request's top-k, top-p and min-p filters are applied to q as well: rejection sampling is
+exact for any q, and a q without the tail the target's filters remove is accepted more often
+(a draft the filtered target gives probability 0 is always rejected). Penalties are not applied
+to q (they depend on the row's output counts, which only the sampling kernels keep).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from flare.engine.batch import AttentionGroup, ForwardBatch, ForwardRow
+from flare.engine.kv_cache import KVCache
+from flare.engine.model import LlamaModel, linear, pack_weight
+from flare.kernels.random_stream import Purpose, gumbel_, stream_bits, stream_key
+from flare.preparation.draft_head import VOCAB_TENSOR
+from flare.preparation.manifest import ModelConfig
+from flare.preparation.package import Package
+
+
+@dataclass(frozen=True)
+class HeadRow:
+    """What the head needs of one row of the round (host facts only).
+
+    The row's target tokens sit at positions `start_position` .. `start_position + L - 1` with
+    L = len(host_tokens) + device_tokens (+ nothing else): slot `start_position + j` (j = 1 .. L)
+    reads the target's hidden state at flat index `flat_start + j - 1` and token x_{s+j}, which is
+    `host_tokens[j - 1]` for the first len(host_tokens) slots and sampled token j - 1 - len(host_tokens)
+    of round row `sample_index` for the last `device_tokens`.
+    """
+
+    start_position: int
+    block_table: tuple[int, ...]
+    flat_start: int
+    first_token: int  # x_s: slot 0 reads it when start_position is 0
+    host_tokens: tuple[int, ...]
+    device_tokens: int = 0  # 1 + drafts for a row that samples, 0 for one that does not
+    sample_index: int = -1  # its row in the round's sampled tokens
+    steps: int = 0  # draft tokens to propose for the next round (0: none)
+    temperature: float = 0.0
+    top_k: int = -1  # the request's filters, applied to q too (module docstring)
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+    output_position: int = 0  # output index of the row's first sampled token
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.host_tokens) + self.device_tokens + (1 if self.start_position == 0 else 0)
+
+    @property
+    def first_slot(self) -> int:
+        return 0 if self.start_position == 0 else self.start_position + 1
+
+
+@dataclass(frozen=True)
+class HeadDrafts:
+    """The next round's drafts of the drafting rows (in the order of `HeadRow`s with steps > 0),
+    on the device: token ids [D, K] and q over the draft vocabulary [D, K, V'] (rows of greedy
+    requests carry a one-hot q, which the host replaces by None)."""
+
+    tokens: torch.Tensor
+    probs: torch.Tensor
+
+
+class MtpHead:
+    """The draft head's weights, its one-layer KV pool and the drafting passes of a round."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        head_state: Mapping[str, torch.Tensor],
+        target: LlamaModel,
+        lm_head_rows: torch.Tensor,
+        final_norm: torch.Tensor,
+        *,
+        num_blocks: int,
+        block_size: int,
+    ) -> None:
+        """`lm_head_rows` [V', hidden]: the target's LM head rows of the draft vocabulary (a
+        gathered copy: the restricted GEMM needs them contiguous); `final_norm`: the target's."""
+        device = target.device
+        self.target = target
+        self.draft_vocab = head_state[VOCAB_TENSOR].to(device, torch.long)
+        self.vocab_size = int(self.draft_vocab.numel())
+        # The block is a one-layer Llama whose tied "embedding" is the restricted LM head: its
+        # forward gives the residual stream and `logits_of` the draft logits.
+        block_config = replace(
+            config, vocab_size=self.vocab_size, num_layers=1, tie_word_embeddings=True, bos_token_id=None, eos_token_ids=(0,)
+        )
+        layer = {name.replace("mtp.layer.", "model.layers.0."): t for name, t in head_state.items() if name.startswith("mtp.layer.")}
+        # The head's GEMMs run in the target's weight format: on this class of CPU float32 MKL
+        # took 15.6 ms for the 8192-row LM head at 1 and 8 rows, oneDNN's packed bfloat16 0.3-3.6.
+        self.block = LlamaModel(
+            block_config,
+            {**layer, "model.embed_tokens.weight": lm_head_rows, "model.norm.weight": final_norm},
+            device=device,
+            weight_format=target.weight_format,
+            native_kernels=target.native_kernels,
+        )
+        self.fc = pack_weight(head_state["mtp.fc.weight"].to(device, torch.float32), target.weight_format)
+        self.hidden_norm = head_state["mtp.hidden_norm.weight"].to(device, torch.float32).contiguous()
+        self.embed_norm = head_state["mtp.embed_norm.weight"].to(device, torch.float32).contiguous()
+        self.eps = config.rms_norm_eps
+        self.hidden_size = config.hidden_size
+        self.kv_cache = KVCache(
+            num_layers=1,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            device=device,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.block.device
+
+    def inputs(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """fc([RMSNorm(h); RMSNorm(embed(x))]): the block's input rows [N, hidden]."""
+        embedded = F.embedding(token_ids, self.target.embed).float()
+        x = torch.cat(
+            (
+                F.rms_norm(hidden.float(), (self.hidden_size,), self.hidden_norm, self.eps),
+                F.rms_norm(embedded, (self.hidden_size,), self.embed_norm, self.eps),
+            ),
+            dim=-1,
+        )
+        return linear(x, self.fc).contiguous()
+
+    def run(
+        self, rows: list[HeadRow], hidden: torch.Tensor, sampled: torch.Tensor | None, emitted: torch.Tensor | None
+    ) -> HeadDrafts | None:
+        """Catch up on the round's rows and draft for those with steps; None when none drafts.
+
+        hidden: the target's residual stream of the round [T, hidden] (flat order); sampled
+        [Rs, W] and emitted [Rs]: the round's sampled tokens and emitted counts, on the device.
+        """
+        if not rows:
+            return None
+        device = self.device
+        batch = ForwardBatch.build(
+            [ForwardRow(range(row.num_slots), row.first_slot, row.block_table, 0) for row in rows],
+            self.kv_cache.block_size,
+            device,
+        )
+        zero = hidden.shape[0]  # index of the zero hidden state slot 0 reads
+        sources = [0] * batch.num_tokens
+        tokens = [0] * batch.num_tokens
+        fill_at, fill_row, fill_col = [], [], []
+        for row, start in zip(rows, batch.row_starts):
+            flat = start
+            if row.start_position == 0:
+                sources[flat], tokens[flat] = zero, row.first_token
+                flat += 1
+            for j in range(len(row.host_tokens) + row.device_tokens):
+                sources[flat + j] = row.flat_start + j
+                if j < len(row.host_tokens):
+                    tokens[flat + j] = row.host_tokens[j]
+                else:
+                    fill_at.append(flat + j)
+                    fill_row.append(row.sample_index)
+                    fill_col.append(j - len(row.host_tokens))
+        token_ids = torch.tensor(tokens, dtype=torch.long, device=device)
+        if fill_at:
+            assert sampled is not None
+            picked = sampled[torch.tensor(fill_row, device=device), torch.tensor(fill_col, device=device)]
+            # Past a row's emitted tokens the sampled tensor holds -1: garbage slots, any token will do.
+            token_ids[torch.tensor(fill_at, device=device)] = picked.clamp(min=0)
+        hidden_ext = torch.cat((hidden, hidden.new_zeros(1, hidden.shape[1])))
+        source_index = torch.tensor(sources, dtype=torch.long, device=device)
+        _, out = self.block.forward_hidden(batch, self.kv_cache, self.inputs(hidden_ext[source_index], token_ids))
+
+        drafting = [(row, start) for row, start in zip(rows, batch.row_starts) if row.steps > 0]
+        if not drafting:
+            return None
+        assert emitted is not None
+        steps = max(row.steps for row, _ in drafting)
+        sample_rows = torch.tensor([row.sample_index for row, _ in drafting], device=device)
+        accepted = (emitted[sample_rows].to(torch.long) - 1).clamp(min=0)  # n: drafts accepted this round
+        # The slot of the row's new token: its last host slot + 1 + n.
+        offsets = torch.tensor(
+            [start + (1 if row.start_position == 0 else 0) + len(row.host_tokens) for row, start in drafting],
+            device=device,
+        )
+        slot0 = torch.tensor(
+            [row.start_position + len(row.host_tokens) + 1 for row, _ in drafting], device=device
+        ) + accepted
+        g = out[offsets + accepted]
+        temperature = torch.tensor([row.temperature for row, _ in drafting], device=device)
+        all_greedy = all(row.temperature <= 0 for row, _ in drafting)
+        filters = None
+        if any(row.top_k > 0 or row.top_p < 1.0 or row.min_p > 0.0 for row, _ in drafting):
+            filters = (
+                torch.tensor([row.top_k for row, _ in drafting], device=device),
+                torch.tensor([row.top_p for row, _ in drafting], device=device),
+                torch.tensor([row.min_p for row, _ in drafting], device=device),
+            )
+        seeds = torch.tensor([row.seed for row, _ in drafting], dtype=torch.long, device=device)
+        first_output = torch.tensor([row.output_position for row, _ in drafting], device=device) + accepted + 1
+        width = max(-(-(row.start_position + len(row.host_tokens) + row.device_tokens + steps + 1) // self.kv_cache.block_size) for row, _ in drafting)
+        block_table = torch.tensor(
+            [list(row.block_table[:width]) + [0] * (width - min(width, len(row.block_table))) for row, _ in drafting],
+            dtype=torch.long,
+            device=device,
+        )
+        max_slot = max(row.start_position + len(row.host_tokens) + row.device_tokens + steps for row, _ in drafting)
+        draft_tokens, draft_probs = [], []
+        for step in range(steps):
+            if step > 0:
+                slots = slot0 + step
+                g = self._step(g, draft_tokens[-1], slots, block_table, max_slot)
+            token, probs = self._sample(self.block.logits_of(g), temperature, filters, seeds, first_output + step, all_greedy)
+            draft_tokens.append(token)
+            draft_probs.append(probs)
+        return HeadDrafts(torch.stack(draft_tokens, 1), torch.stack(draft_probs, 1))
+
+    def _step(
+        self, g: torch.Tensor, token_ids: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor, max_slot: int
+    ) -> torch.Tensor:
+        """One draft step: each drafting row's single token at its slot (device positions)."""
+        bs = self.kv_cache.block_size
+        rows = g.shape[0]
+        slot_mapping = block_table.gather(1, (slots // bs).unsqueeze(1)).squeeze(1) * bs + slots % bs
+        key_positions = torch.arange(block_table.shape[1] * bs, device=g.device)
+        group = AttentionGroup(
+            start=0,
+            rows=rows,
+            query_len=1,
+            block_table=block_table,
+            start_positions=slots,
+            mask=(key_positions <= slots.unsqueeze(-1)).unsqueeze(1).unsqueeze(1),
+        )
+        batch = ForwardBatch(
+            token_ids=token_ids,
+            positions=slots,
+            slot_mapping=slot_mapping,
+            logit_indices=torch.arange(0, device=g.device),
+            groups=(group,),
+            block_size=bs,
+            max_position=max_slot,
+            row_starts=tuple(range(rows)),
+        )
+        _, out = self.block.forward_hidden(batch, self.kv_cache, self.inputs(g, token_ids))
+        return out
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        filters: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        seeds: torch.Tensor,
+        positions: torch.Tensor,
+        all_greedy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft token ids [D] and q [D, V'] under each row's temperature and filters (one-hot
+        for greedy; an empty q when every row is greedy)."""
+        greedy = temperature <= 0
+        scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
+        if all_greedy:
+            # q is one-hot for every row: the host replaces it by None, nothing to compute.
+            choice = logits.argmax(-1)
+            return self.draft_vocab[choice], logits.new_zeros(0)
+        probs = torch.softmax(scaled, dim=-1)
+        if filters is not None:
+            probs = _filtered(probs, *filters)
+        key = stream_key(seeds.unsqueeze(1), positions.unsqueeze(1), Purpose.DRAFT)
+        index = torch.arange(self.vocab_size, dtype=torch.int32, device=logits.device).unsqueeze(0)
+        noise = gumbel_(stream_bits(key, index).contiguous())
+        choice = torch.where(greedy, logits.argmax(-1), (torch.log(probs) + noise).argmax(-1))
+        one_hot = F.one_hot(choice, self.vocab_size).to(probs.dtype)
+        probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
+        return self.draft_vocab[choice], probs
+
+
+def _filtered(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """q with each row's top-k, top-p (the smallest set of most probable tokens whose mass
+    reaches top_p) and min-p (tokens of at least min_p times the largest probability) applied,
+    renormalised; the most probable token always stays."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
+    before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the more probable tokens
+    keep = (before < top_p.unsqueeze(1)) | (rank == 0)
+    keep &= (top_k.unsqueeze(1) <= 0) | (rank < top_k.unsqueeze(1))
+    keep &= sorted_probs >= min_p.unsqueeze(1) * sorted_probs[:, :1]
+    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def load_draft_head(package: Package, target: LlamaModel, *, num_blocks: int, block_size: int) -> MtpHead:
+    """The package's draft head next to its loaded target model."""
+    from safetensors import safe_open
+
+    head_state = package.load_draft_head()
+    config = package.manifest.model
+    weights = package.path / "model.safetensors"
+    head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    vocab = head_state[VOCAB_TENSOR].long()
+    with safe_open(str(weights), framework="pt") as f:
+        rows = f.get_tensor(head_name).float()[vocab].contiguous()
+        final_norm = f.get_tensor("model.norm.weight").float()
+    return MtpHead(config, head_state, target, rows, final_norm, num_blocks=num_blocks, block_size=block_size)

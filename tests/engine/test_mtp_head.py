@@ -1,0 +1,107 @@
+"""The learned draft head: its package file, and its paged runtime against the dense math it is
+trained with (the same drafts and the same q)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mtp_heads import head_info, head_module, repeat_head_state
+
+from flare.engine.batch import ForwardBatch, ForwardRow
+from flare.engine.drafters.mtp import HeadRow, MtpHead
+from flare.engine.kv_cache import KVCache
+from flare.engine.model import LlamaModel
+from flare.preparation.package import PackageError, open_package, write_package
+
+
+@pytest.fixture(scope="module")
+def draft_vocab(package_parts):
+    return torch.arange(0, package_parts["config"].vocab_size, 7)
+
+
+def test_a_draft_head_round_trips_through_the_package(package_parts, draft_vocab, tmp_path):
+    config = package_parts["config"]
+    state = head_module(config, package_parts["state_dict"], draft_vocab, seed=3).state_for_package()
+    info = head_info(config, int(draft_vocab.numel()), 4, dtype="bfloat16")
+    serving = package_parts["serving"].__class__(max_context=512, drafter="mtp", draft_tokens=4)
+    write_package(tmp_path / "pkg", **{**package_parts, "serving": serving}, draft_head=(info, state))
+    package = open_package(tmp_path / "pkg")
+    assert package.manifest.draft_head == info
+    assert "draft_head.safetensors" in package.manifest.files
+    loaded = package.load_draft_head()
+    assert set(loaded) == set(state)
+    assert torch.equal(loaded["mtp.draft_vocab"], draft_vocab)
+    for name, tensor in state.items():
+        if tensor.is_floating_point():
+            assert loaded[name].dtype == torch.bfloat16
+            assert torch.equal(loaded[name], tensor.to(torch.bfloat16)), name
+    # 2H*H projection, one decoder block, two norms: the head's own parameters.
+    h, f = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    assert info.parameters == 2 * h * h + h * (q + 2 * kv) + q * h + 3 * h * f + 4 * h
+
+
+def test_a_draft_head_that_does_not_fit_the_model_is_refused(package_parts, draft_vocab, tmp_path):
+    config = package_parts["config"]
+    state = head_module(config, package_parts["state_dict"], draft_vocab).state_for_package()
+    state["mtp.fc.weight"] = state["mtp.fc.weight"][:, :-1]
+    serving = package_parts["serving"].__class__(max_context=512, drafter="mtp", draft_tokens=4)
+    with pytest.raises(PackageError, match=r"mtp.fc.weight has shape"):
+        write_package(
+            tmp_path / "pkg", **{**package_parts, "serving": serving},
+            draft_head=(head_info(config, int(draft_vocab.numel()), 4), state),
+        )
+    assert not (tmp_path / "pkg").exists()
+
+
+def test_a_package_that_lost_its_draft_head_file_is_refused(make_package, package_parts, draft_vocab):
+    config = package_parts["config"]
+    state = head_module(config, package_parts["state_dict"], draft_vocab).state_for_package()
+    path = make_package(
+        serving={"drafter": "mtp", "draft_tokens": 2}, draft_head=(head_info(config, int(draft_vocab.numel()), 2), state)
+    )
+    (path / "draft_head.safetensors").unlink()
+    with pytest.raises(PackageError, match="draft_head.safetensors is missing"):
+        open_package(path)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-kernels", "torch"])
+def test_the_paged_head_drafts_what_the_dense_head_computes(package_parts, draft_vocab, native):
+    """Catch-up over a prompt chunk and a decode row, then K draft steps on the head's own
+    hidden states: tokens and q equal the dense unrolled forward fed the same tokens."""
+    from flare.engine import native as native_module
+
+    if native and not native_module.available():
+        pytest.skip("the native kernels are not built")
+    config, target_state = package_parts["config"], package_parts["state_dict"]
+    target = LlamaModel(config, target_state, native_kernels=native)
+    head_state = repeat_head_state(config, target_state, draft_vocab, mix=1.0, seed=5)
+    module = head_module(config, target_state, draft_vocab)
+    module.load_package_state(head_state)
+    embed = target_state["model.embed_tokens.weight"]
+    head = MtpHead(config, head_state, target, embed[draft_vocab].contiguous(), target_state["model.norm.weight"],
+                   num_blocks=8, block_size=16)
+    kv = KVCache(num_layers=config.num_layers, num_blocks=8, block_size=16, num_kv_heads=config.num_kv_heads,
+                 head_dim=config.head_dim)
+    tokens = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    table = tuple(range(8))
+    chunk = 30
+    with torch.inference_mode():
+        _, hidden = target.forward_hidden(ForwardBatch.build([ForwardRow(tokens[:chunk], 0, table, 0)], 16), kv)
+        head.run([HeadRow(0, table, 0, tokens[0], tuple(tokens[1 : chunk + 1]))], hidden, None, None)
+        # A decode row: the target "sampled" tokens[chunk + 1] (with a temperature: q is softmax(logits / T)).
+        _, hidden = target.forward_hidden(ForwardBatch.build([ForwardRow([tokens[chunk]], chunk, table, 1)], 16), kv)
+        row = HeadRow(chunk, table, 0, tokens[chunk], (), device_tokens=1, sample_index=0, steps=3, temperature=0.7, seed=9)
+        drafts = head.run([row], hidden, torch.tensor([[tokens[chunk + 1]]]), torch.tensor([1]))
+    assert drafts is not None
+    proposed = [int(t) for t in drafts.tokens[0]]
+    sequence = tokens[: chunk + 2] + proposed[:2]
+    with torch.no_grad():
+        kv_dense = KVCache(num_layers=config.num_layers, num_blocks=8, block_size=16, num_kv_heads=config.num_kv_heads,
+                           head_dim=config.head_dim)
+        _, dense_hidden = target.forward_hidden(ForwardBatch.build([ForwardRow(sequence, 0, table, 1)], 16), kv_dense)
+        outputs = module.unrolled(dense_hidden.unsqueeze(0), torch.tensor(sequence).unsqueeze(0), 3)
+    for j in range(3):
+        q = torch.softmax(module.logits(outputs[j][0, chunk + 1 + j]) / 0.7, -1)
+        torch.testing.assert_close(drafts.probs[0, j], q, atol=2e-5, rtol=1e-3)
+        assert q[drafts.tokens[0, j] == draft_vocab].item() > 0  # the draft is one q can propose

@@ -1,0 +1,181 @@
+"""Speculative rounds with a learned draft head (drafters/mtp.py) on the tiny model: greedy output
+is unchanged token for token, and the drafts after every round (rejections, prefix-cache hits
+and preemptions included) are what the head computes from scratch for the committed tokens."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from mtp_heads import reference_drafts, repeat_head_state, write_head_package
+
+from flare.preparation.package import open_package
+from flare.sampling.params import SamplingParams
+from flare.scheduler.request import Finished, GenerationRequest, TextDelta
+from flare.scheduler.scheduler import Scheduler, SchedulerOptions
+
+LOGIT_SCALE = 5.0  # as in test_speculation_distribution.py: a peaked tiny model repeats itself
+PROMPTS = ("one two three four one two three four", "hello hello hello world", "a b c d e f g")
+K = 3
+
+
+@pytest.fixture(scope="module")
+def peaked_state(package_parts):
+    state = dict(package_parts["state_dict"])
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"] * LOGIT_SCALE
+    return state
+
+
+@pytest.fixture(scope="module")
+def head_state(package_parts, peaked_state):
+    vocab = torch.arange(0, package_parts["config"].vocab_size, 3)
+    return repeat_head_state(package_parts["config"], peaked_state, vocab, mix=0.5, seed=2)
+
+
+@pytest.fixture(scope="module")
+def head_package(make_package, package_parts, peaked_state, head_state):
+    return write_head_package(make_package, package_parts, head_state, draft_tokens=K, state_dict=peaked_state)
+
+
+class Recorder:
+    """Every round's plan and result, by wrapping the runner's execute."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.rounds = []
+        execute = scheduler._runner.execute
+
+        def spy(plan):
+            result = execute(plan)
+            self.rounds.append((plan, result))
+            return result
+
+        scheduler._runner.execute = spy
+
+
+async def generate(package_path, prompts, params, options, *, sequential=False):
+    scheduler = Scheduler.from_package(open_package(package_path), options)
+    recorder = Recorder(scheduler)
+    loop = asyncio.create_task(scheduler.run())
+    outputs = {}
+
+    async def one(i, text):
+        ids = []
+        async for event in scheduler.submit(GenerationRequest(f"r{i}", tuple(scheduler.tokenizer.encode(text)), params)):
+            if isinstance(event, TextDelta):
+                ids.extend(event.token_ids)
+            else:
+                assert isinstance(event, Finished), event
+        outputs[i] = ids
+
+    try:
+        if sequential:
+            for i, text in enumerate(prompts):
+                await one(i, text)
+        else:
+            await asyncio.gather(*(one(i, t) for i, t in enumerate(prompts)))
+    finally:
+        scheduler.stop()
+        await loop
+    return [outputs[i] for i in range(len(prompts))], recorder, scheduler
+
+
+def check_drafts_against_reference(recorder, package_parts, peaked_state, head_state, prompts_ids):
+    """After each round, each drafting row's next drafts equal the reference for its tokens."""
+    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts_ids))}
+    checked = 0
+    for plan, result in recorder.rounds:
+        for row, outcome in zip(plan.rows, result.rows):
+            if outcome is None:
+                continue
+            out = outputs[row.request_id]
+            del out[row.output_position :]  # a preempted sequence samples its outputs again
+            out.extend(outcome.tokens)
+            if outcome.next_draft is None:
+                continue
+            prompt = prompts_ids[int(row.request_id[1:])]
+            expected = reference_drafts(package_parts["config"], peaked_state, head_state, list(prompt) + out, K)
+            assert list(outcome.next_draft.token_ids) == expected, (row.request_id, len(out))
+            checked += 1
+    return checked
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+async def test_greedy_output_with_the_head_equals_output_without_speculation(head_package):
+    plain, _, _ = await generate(head_package, PROMPTS, GREEDY, SchedulerOptions(draft_tokens=0))
+    speculative, recorder, scheduler = await generate(head_package, PROMPTS, GREEDY, SchedulerOptions())
+    assert speculative == plain
+    accepted = sum(len(o.tokens) - 1 for plan, result in recorder.rounds for o in result.rows if o is not None)
+    drafted = sum(len(row.draft_ids) for plan, _ in recorder.rounds for row in plan.rows)
+    assert drafted > 0 and 0 < accepted < drafted  # drafts were accepted and rejected
+    assert scheduler.drafter_name == "mtp"
+
+
+async def test_drafts_after_rejections_are_those_of_the_committed_tokens(head_package, package_parts, peaked_state, head_state):
+    _, recorder, scheduler = await generate(head_package, PROMPTS, GREEDY, SchedulerOptions())
+    prompts_ids = [scheduler.tokenizer.encode(t) for t in PROMPTS]
+    assert check_drafts_against_reference(recorder, package_parts, peaked_state, head_state, prompts_ids) > 10
+
+
+async def test_a_prefix_cache_hit_drafts_as_a_miss_does(head_package, package_parts, peaked_state, head_state):
+    prompt = "the same long prompt, " * 4
+    outputs, recorder, scheduler = await generate(head_package, (prompt, prompt), GREEDY, SchedulerOptions(), sequential=True)
+    assert outputs[0] == outputs[1]
+    assert scheduler.snapshot().prompt_tokens_cached > 0
+    # The second request's head KV of the cached prefix came from the cache: its drafts are still
+    # what the head computes from scratch, as the first request's are.
+    ids = scheduler.tokenizer.encode(prompt)
+    assert check_drafts_against_reference(recorder, package_parts, peaked_state, head_state, [ids, ids]) > 10
+    assert any(row.request_id == "r1" and row.start_position > 0 and row.output_position == 0
+               for plan, _ in recorder.rounds for row in plan.rows)
+
+
+async def test_preempted_sequences_draft_and_decode_as_if_never_preempted(head_package, package_parts, peaked_state, head_state):
+    prompts = tuple(f"{w} " * 12 for w in ("cat", "dog", "fish", "bird"))
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    plain, _, _ = await generate(head_package, prompts, params, SchedulerOptions(draft_tokens=0))
+    # 12 blocks of 16 positions for four sequences that each grow to ~55 tokens: some are preempted.
+    small = SchedulerOptions(kv_cache_memory=12 * 16 * 2 * 2 * 16 * 2 * 4, prefix_cache=False)
+    speculative, recorder, scheduler = await generate(head_package, prompts, params, small)
+    assert speculative == plain
+    # A sequence was computed again from its start after it had output: it was preempted.
+    assert any(row.start_position == 0 and row.output_position > 0 for plan, _ in recorder.rounds for row in plan.rows)
+    prompts_ids = [scheduler.tokenizer.encode(t) for t in prompts]
+    assert check_drafts_against_reference(recorder, package_parts, peaked_state, head_state, prompts_ids) > 10
+
+
+async def test_a_package_without_a_head_refuses_the_mtp_drafter(tiny_package):
+    with pytest.raises(ValueError, match=r"--drafter mtp: the package at .* ships no draft head; re-export it"):
+        Scheduler.from_package(open_package(tiny_package), SchedulerOptions(drafter="mtp"))
+    auto = Scheduler.from_package(open_package(tiny_package), SchedulerOptions(drafter="auto"))
+    assert auto.drafter_name == "ngram"
+
+
+async def test_auto_drafts_with_both_and_keeps_greedy_output(head_package):
+    prompts = PROMPTS + ("Copy this: the quick brown fox jumps over the lazy dog. The quick brown fox jumps over",)
+    plain, _, _ = await generate(head_package, prompts, GREEDY, SchedulerOptions(draft_tokens=0))
+    speculative, recorder, scheduler = await generate(head_package, prompts, GREEDY, SchedulerOptions(drafter="auto"))
+    assert speculative == plain
+    assert scheduler.drafter_name == "auto"
+    head_drafts = {d.token_ids for plan, result in recorder.rounds for o in result.rows if o is not None
+                   for d in [o.next_draft] if d is not None}
+    used = [row.draft_ids for plan, _ in recorder.rounds for row in plan.rows if row.draft_ids]
+    assert used and head_drafts
+
+
+async def test_a_vocabulary_parallel_package_drafts_with_its_head(make_package, package_parts, peaked_state, head_state):
+    from flare.sampling.policy import SamplingPolicy
+
+    policy = package_parts["policy"]
+    unfiltered = SamplingPolicy({**policy.defaults, "top_p": 1.0}, policy.ranges).unfiltered()
+    path = write_head_package(make_package, package_parts, head_state, draft_tokens=K, state_dict=peaked_state,
+                              vocabulary_parallel_sampling=True, policy=unfiltered)
+    options = SchedulerOptions(vocabulary_shards=4)
+    plain, _, _ = await generate(path, PROMPTS, GREEDY, SchedulerOptions(draft_tokens=0, vocabulary_shards=4))
+    speculative, recorder, _ = await generate(path, PROMPTS, GREEDY, options)
+    assert speculative == plain
+    sampled, recorder, _ = await generate(path, PROMPTS, SamplingParams(temperature=0.8, max_tokens=24, seed=3), options)
+    assert all(len(ids) == 24 for ids in sampled)  # no row failed or fell back
+    assert any(row.draft_probs is not None for plan, _ in recorder.rounds for row in plan.rows)
