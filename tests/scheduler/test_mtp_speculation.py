@@ -5,6 +5,7 @@ and preemptions included) are what the head computes from scratch for the commit
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from flare.preparation.package import open_package
 from flare.sampling.params import SamplingParams
 from flare.scheduler.request import Finished, GenerationRequest, TextDelta
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions
+from flare.structured import GrammarSpec
 
 LOGIT_SCALE = 5.0  # as in test_speculation_distribution.py: a peaked tiny model repeats itself
 PROMPTS = ("one two three four one two three four", "hello hello hello world", "a b c d e f g")
@@ -179,3 +181,38 @@ async def test_a_vocabulary_parallel_package_drafts_with_its_head(make_package, 
     sampled, recorder, _ = await generate(path, PROMPTS, SamplingParams(temperature=0.8, max_tokens=24, seed=3), options)
     assert all(len(ids) == 24 for ids in sampled)  # no row failed or fell back
     assert any(row.draft_probs is not None for plan, _ in recorder.rounds for row in plan.rows)
+
+
+async def test_a_constrained_answer_drafted_by_the_head_is_the_one_without_speculation(head_package):
+    # The head drafts for a grammar row, and its drafts are cut at the first token the grammar
+    # refuses, as any drafter's: the answer still follows the pattern and equals the
+    # non-speculative one (this tiny head's vocabulary, every third id, rarely holds a token
+    # the pattern allows, so most of its drafts are cut to nothing).
+    pattern = "( ?(one|two|three|four))+"
+    spec = GrammarSpec("regex", pattern, "structured_outputs.regex")
+    answers, drafted = {}, {}
+    for name, options in {
+        "plain": SchedulerOptions(draft_tokens=0, jump_forward=False),
+        "head": SchedulerOptions(adaptive_draft_length=False, jump_forward=False),
+    }.items():
+        scheduler = Scheduler.from_package(open_package(head_package), options)
+        recorder = Recorder(scheduler)
+        loop = asyncio.create_task(scheduler.run())
+        try:
+            grammar = scheduler.grammars.compile(spec)
+            prompt = tuple(scheduler.tokenizer.encode(PROMPTS[0]))
+            params = SamplingParams(temperature=0.0, max_tokens=12)
+            text = ""
+            async for event in scheduler.submit(GenerationRequest("c", prompt, params, grammar=grammar)):
+                if isinstance(event, TextDelta):
+                    text += event.text
+                else:
+                    assert isinstance(event, Finished), event
+        finally:
+            scheduler.stop()
+            await loop
+        answers[name] = text
+        drafted[name] = sum(row.head_steps for plan, _ in recorder.rounds for row in plan.rows)
+    assert answers["head"] == answers["plain"]
+    assert re.fullmatch(pattern, answers["head"]), answers["head"]
+    assert drafted["plain"] == 0 and drafted["head"] > 0  # the head ran for the constrained row
