@@ -304,7 +304,9 @@ class Scheduler:
         )
         head = None
         if drafter_name == "mtp" and draft_tokens > 0:
-            head = load_draft_head(package, model, num_blocks=kv_cache.num_blocks, block_size=kv_cache.block_size)
+            head = load_draft_head(
+                package, model, num_blocks=kv_cache.num_blocks, block_size=kv_cache.block_size, kv_dtype=kv_cache.dtype
+            )
         runner = ModelRunner(
             model,
             kv_cache,

@@ -105,9 +105,15 @@ def check_drafts_against_reference(recorder, package_parts, peaked_state, head_s
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 
-async def test_greedy_output_with_the_head_equals_output_without_speculation(head_package):
-    plain, _, _ = await generate(head_package, PROMPTS, GREEDY, SchedulerOptions(draft_tokens=0))
-    speculative, recorder, scheduler = await generate(head_package, PROMPTS, GREEDY, SchedulerOptions())
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
+async def test_greedy_output_with_the_head_equals_output_without_speculation(head_package, kv_cache_dtype):
+    plain, _, _ = await generate(
+        head_package, PROMPTS, GREEDY, SchedulerOptions(draft_tokens=0, kv_cache_dtype=kv_cache_dtype)
+    )
+    speculative, recorder, scheduler = await generate(
+        head_package, PROMPTS, GREEDY, SchedulerOptions(kv_cache_dtype=kv_cache_dtype)
+    )
+    assert scheduler._runner.head.kv_cache.dtype == getattr(torch, kv_cache_dtype)  # the head's cache too
     assert speculative == plain
     accepted = sum(len(o.tokens) - 1 for plan, result in recorder.rounds for o in result.rows if o is not None)
     drafted = sum(len(row.draft_ids) for plan, _ in recorder.rounds for row in plan.rows)

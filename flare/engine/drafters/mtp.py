@@ -106,9 +106,11 @@ class MtpHead:
         *,
         num_blocks: int,
         block_size: int,
+        kv_dtype: torch.dtype = torch.float32,
     ) -> None:
         """`lm_head_rows` [V', hidden]: the target's LM head rows of the draft vocabulary (a
-        gathered copy: the restricted GEMM needs them contiguous); `final_norm`: the target's."""
+        gathered copy: the restricted GEMM needs them contiguous); `final_norm`: the target's.
+        The head's KV cache has the target cache's blocks, in `kv_dtype` (the target cache's)."""
         device = target.device
         self.target = target
         self.draft_vocab = head_state[VOCAB_TENSOR].to(device, torch.long)
@@ -139,6 +141,7 @@ class MtpHead:
             block_size=block_size,
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
+            dtype=kv_dtype,
             device=device,
         )
 
@@ -317,7 +320,9 @@ def _filtered(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min
     return kept / kept.sum(-1, keepdim=True)
 
 
-def load_draft_head(package: Package, target: LlamaModel, *, num_blocks: int, block_size: int) -> MtpHead:
+def load_draft_head(
+    package: Package, target: LlamaModel, *, num_blocks: int, block_size: int, kv_dtype: torch.dtype = torch.float32
+) -> MtpHead:
     """The package's draft head next to its loaded target model."""
     from safetensors import safe_open
 
@@ -329,4 +334,6 @@ def load_draft_head(package: Package, target: LlamaModel, *, num_blocks: int, bl
     with safe_open(str(weights), framework="pt") as f:
         rows = f.get_tensor(head_name).float()[vocab].contiguous()
         final_norm = f.get_tensor("model.norm.weight").float()
-    return MtpHead(config, head_state, target, rows, final_norm, num_blocks=num_blocks, block_size=block_size)
+    return MtpHead(
+        config, head_state, target, rows, final_norm, num_blocks=num_blocks, block_size=block_size, kv_dtype=kv_dtype
+    )
