@@ -94,7 +94,9 @@ def check_drafts_against_reference(recorder, package_parts, peaked_state, head_s
             if outcome.next_draft is None:
                 continue
             prompt = prompts_ids[int(row.request_id[1:])]
-            expected = reference_drafts(package_parts["config"], peaked_state, head_state, list(prompt) + out, K)
+            steps = len(outcome.next_draft.token_ids)
+            assert 1 <= steps <= K
+            expected = reference_drafts(package_parts["config"], peaked_state, head_state, list(prompt) + out, steps)
             assert list(outcome.next_draft.token_ids) == expected, (row.request_id, len(out))
             checked += 1
     return checked
