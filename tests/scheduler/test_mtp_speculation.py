@@ -181,3 +181,37 @@ async def test_a_vocabulary_parallel_package_drafts_with_its_head(make_package, 
     sampled, recorder, _ = await generate(path, PROMPTS, SamplingParams(temperature=0.8, max_tokens=24, seed=3), options)
     assert all(len(ids) == 24 for ids in sampled)  # no row failed or fell back
     assert any(row.draft_probs is not None for plan, _ in recorder.rounds for row in plan.rows)
+
+
+async def test_parallel_choices_share_the_prompt_and_draft_from_it(head_package, package_parts, peaked_state, head_state):
+    """n = 2 choices fork off the first one's prompt blocks (head KV included): greedy, both
+    equal the output without speculation, and their drafts are the reference's."""
+    scheduler = Scheduler.from_package(open_package(head_package), SchedulerOptions())
+    recorder = Recorder(scheduler)
+    loop = asyncio.create_task(scheduler.run())
+    prompt = tuple(scheduler.tokenizer.encode(PROMPTS[0]))
+    choices: dict[int, list[int]] = {0: [], 1: []}
+    try:
+        async for event in scheduler.submit(GenerationRequest("r0", prompt, GREEDY, n=2)):
+            if isinstance(event, TextDelta):
+                choices[event.index].extend(event.token_ids)
+    finally:
+        scheduler.stop()
+        await loop
+    plain, _, _ = await generate(head_package, PROMPTS[:1], GREEDY, SchedulerOptions(draft_tokens=0))
+    assert choices[0] == choices[1] == plain[0]
+    checked = 0
+    outputs: dict[int, list[int]] = {0: [], 1: []}
+    for plan, result in recorder.rounds:
+        for row, outcome in zip(plan.rows, result.rows):
+            if outcome is None:
+                continue
+            out = outputs[row.choice]
+            del out[row.output_position :]
+            out.extend(outcome.tokens)
+            if outcome.next_draft is not None:
+                steps = len(outcome.next_draft.token_ids)
+                expected = reference_drafts(package_parts["config"], peaked_state, head_state, list(prompt) + out, steps)
+                assert list(outcome.next_draft.token_ids) == expected
+                checked += 1
+    assert checked > 5
