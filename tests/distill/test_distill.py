@@ -4,7 +4,6 @@ package whole or not at all, and shown by `flare inspect`."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import pytest
 import torch
