@@ -1,8 +1,10 @@
 """The prompt set a draft head is distilled on: conversations written for flare, shipped with it.
 
-Varied on purpose: questions, instructions, code, lists, rewriting and multi-turn chats, built
-from task templates over a list of subjects, so the target's own answers cover the kinds of
-text it serves. None of them is a prompt of `flare bench`'s shipped sets (benchmarks measure
+Varied on purpose: explanations, lists, letters, poems and quizzes over 40 subjects, everyday
+requests (plans, how-to, stories, descriptions) over 26 more, short factual questions, code and
+multi-turn chats, so the target's own answers cover the kinds of text it serves (the first
+version, templated prompts only, drafted markedly worse on chat it had not seen:
+docs/speculative.md). None of them is a prompt of `flare bench`'s shipped sets (benchmarks measure
 the head on prompts it was not trained on). Every tenth conversation is held out: the
 acceptance reported at export is measured on those.
 """
