@@ -20,10 +20,12 @@ from flare.engine.openmp import set_wait_policy
 set_wait_policy(os.environ)
 
 import argparse
+import logging
 import statistics
 import time
 from pathlib import Path
 
+import structlog
 import torch
 
 from flare.engine.drafters.mtp import load_draft_head
@@ -45,6 +47,8 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--acceptance", action="store_true")
     args = parser.parse_args()
+    # The scheduler's per-round events (of the --acceptance generation) are not the output.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     torch.set_num_threads(args.threads)
     package = open_package(args.package)
     config = package.manifest.model

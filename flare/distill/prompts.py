@@ -1,8 +1,10 @@
 """The prompt set a draft head is distilled on: conversations written for flare, shipped with it.
 
-Varied on purpose: questions, instructions, code, lists, rewriting and multi-turn chats, built
-from task templates over a list of subjects, so the target's own answers cover the kinds of
-text it serves. None of them is a prompt of `flare bench`'s shipped sets (benchmarks measure
+Varied on purpose: explanations, lists, letters, poems and quizzes over 40 subjects, everyday
+requests (plans, how-to, stories, descriptions) over 26 more, short factual questions, code and
+multi-turn chats, so the target's own answers cover the kinds of text it serves (the first
+version, templated prompts only, drafted markedly worse on chat it had not seen:
+docs/speculative.md). None of them is a prompt of `flare bench`'s shipped sets (benchmarks measure
 the head on prompts it was not trained on). Every tenth conversation is held out: the
 acceptance reported at export is measured on those.
 """
@@ -13,7 +15,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-PROMPT_SET_NAME = "flare-distill-v1"
+PROMPT_SET_NAME = "flare-distill-v2"
 
 SUBJECTS = (
     "volcanoes", "the Roman empire", "honeybees", "solar panels", "sourdough bread", "black holes",
@@ -53,6 +55,36 @@ CODE = (
     "Show how to read a JSON file in Python and print one of its keys.",
 )
 
+# Everyday requests over everyday things, phrased as people ask them.
+EVERYDAY_SUBJECTS = (
+    "a lemon cake", "a vegetable curry", "pancakes", "a leaking tap", "a flat bicycle tyre", "a job interview",
+    "a birthday party", "a rainy weekend", "a small balcony garden", "a first marathon", "a long flight",
+    "a new puppy", "a houseplant with brown leaves", "a noisy neighbour", "a tight budget", "a camping trip",
+    "learning to swim", "a wedding speech", "a slow laptop", "a move to a new city", "a science fair project",
+    "a rainy-day game for children", "a picnic", "a sore back", "a team meeting", "a school reunion",
+)
+EVERYDAY = (
+    "How do I deal with {s}?",
+    "Give me a step-by-step plan for {s}.",
+    "What should I know before {s}? Keep it short.",
+    "Write a short story that involves {s}.",
+    "Describe {s} in a few vivid sentences.",
+    "My friend asked me about {s}. What should I tell them?",
+    "List the things I need for {s}.",
+    "Write a haiku and a limerick about {s}.",
+)
+QUESTIONS = (
+    "Why do cats purr?", "How far away is the Sun?", "What causes thunder?", "Who invented the telephone?",
+    "How do vaccines train the body?", "Why is the ocean salty?", "What is a black hole made of?",
+    "How many bones are in the human body?", "Why do we dream?", "How does a compass work?",
+    "What is the difference between a virus and a bacterium?", "How do bees make honey?",
+    "What is inflation, in simple words?", "Why do onions make people cry?", "How does a rainbow form?",
+    "What is the speed of light?", "Why do birds fly south in winter?", "How is glass made?",
+    "What does a civil engineer do?", "How do submarines dive and surface?", "What is a haiku?",
+    "Which is heavier, a kilogram of feathers or a kilogram of iron?",
+    "How long does it take to boil pasta?", "What is the largest animal that ever lived?",
+)
+
 MULTI_TURN = (
     ("Tell me about {s}.", "Can you give a concrete example?", "Summarise that in one sentence."),
     ("I am writing a school report on {s}. Where should I start?", "Suggest an outline with four sections."),
@@ -82,6 +114,12 @@ def distill_prompts() -> list[DistillPrompt]:
         conversations.append(_multi([t.format(s=subject) for t in turns]))
     for task in CODE:
         conversations.append(_single(task))
+    for i, subject in enumerate(EVERYDAY_SUBJECTS):
+        for j, template in enumerate(EVERYDAY):
+            if (i + j) % 2 == 0:
+                conversations.append(_single(template.format(s=subject)))
+    for question in QUESTIONS:
+        conversations.append(_single(question))
     return [DistillPrompt(messages, held_out=index % 10 == 9) for index, messages in enumerate(conversations)]
 
 

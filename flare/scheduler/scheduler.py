@@ -585,11 +585,11 @@ class Scheduler:
                     continue
             row_tokens = len(tail) + len(draft.token_ids)
             samples = seq.num_cached + len(tail) == len(seq.tokens)
-            head_steps = self._head_steps(seq, row_tokens) if samples else 0
+            head_steps = self._head_steps(seq, row_tokens, len(draft.token_ids)) if samples else 0
             # The head writes one slot past the row's tokens, and drafting rows K - 1 more.
             extra = (head_steps or 1) if self._mtp else 0
             if not self._ensure_blocks(seq, seq.num_cached + row_tokens + extra):
-                head_steps = self._head_steps(seq, len(tail)) if samples else 0
+                head_steps = self._head_steps(seq, len(tail), 0) if samples else 0
                 extra = (head_steps or 1) if self._mtp else 0
                 if draft.token_ids and self._ensure_blocks(seq, seq.num_cached + len(tail) + extra):
                     draft = Draft(())
@@ -716,15 +716,21 @@ class Scheduler:
         seq.draft_source = "mtp"
         return head
 
-    def _head_steps(self, seq: Sequence, row_tokens: int) -> int:
-        """Drafts the head proposes after this row for the row's next round: K, unless the
-        sequence no longer speculates or its drafts would pass the context."""
+    def _head_steps(self, seq: Sequence, row_tokens: int, drafts: int) -> int:
+        """Drafts the head proposes after this row for the row's next round (0 once the sequence
+        no longer speculates, or where they would pass the context).
+
+        Each step is a forward of the head, paid whether or not the next round verifies its
+        draft, so with adaptive draft length the head drafts one more than this round's length
+        (at least one): the length then grows a step a round where acceptance is high, and a row
+        whose drafts do not pay costs one step, not K."""
         if not self._mtp or seq.fell_back or self.draft_tokens <= 0:
             return 0
-        # The last slot the head writes: the row's end, plus its new token, plus K - 1 steps.
-        if seq.num_cached + row_tokens + self.draft_tokens > self.max_context:
+        steps = min(self.draft_tokens, drafts + 1) if self.options.adaptive_draft_length else self.draft_tokens
+        # The last slot the head writes: the row's end, plus its new token, plus steps - 1.
+        if seq.num_cached + row_tokens + steps > self.max_context:
             return 0
-        return self.draft_tokens
+        return steps
 
     def _draft_limit(self, seq: Sequence, most: int | None = None) -> int:
         if seq.fell_back:

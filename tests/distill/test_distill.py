@@ -4,7 +4,6 @@ package whole or not at all, and shown by `flare inspect`."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch
 from flare.daemon.commands_package import add_export_parser, add_inspect_parser
 from flare.distill import export as distill_export
 from flare.distill.distill import DistillOptions, distill_head
-from flare.distill.prompts import distill_prompts
+from flare.distill.prompts import PROMPT_SET_NAME, distill_prompts
 from flare.preparation.export import ExportOptions
 from flare.preparation.package import open_package
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions
@@ -64,7 +63,7 @@ def test_export_ships_the_head_and_inspect_shows_it(tiny_hf_directory, tmp_path,
     assert "speculation         mtp drafter, 2 draft tokens per round" in text
     assert "draft steps K       2" in text
     assert f"parameters          {manifest.draft_head.parameters:,} (bfloat16), draft vocabulary 256 tokens" in text
-    assert "distilled on        flare-distill-v1 (8 conversations" in text
+    assert f"distilled on        {PROMPT_SET_NAME} (8 conversations" in text
     assert "held-out acceptance" in text and "tokens per round at K" in text
     # The package serves with its head.
     scheduler = Scheduler.from_package(package, SchedulerOptions())

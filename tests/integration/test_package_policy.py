@@ -39,6 +39,14 @@ def test_a_tampered_package_is_refused(tiny_package: Path, tmp_path: Path) -> No
     assert "cannot be used" in output and "Traceback" not in output
 
 
+def test_the_mtp_drafter_is_refused_for_a_package_without_a_draft_head(tiny_package: Path) -> None:
+    code, output = refusal(tiny_package, "--drafter", "mtp")
+    assert code == 2
+    assert "--drafter mtp: the package at" in output and "ships no draft head" in output
+    assert "--drafter mtp` to distill one, or run with --drafter ngram" in output
+    assert "Traceback" not in output
+
+
 def filtered_chat(daemon: DaemonProcess, stream: bool) -> httpx.Response:
     body = {"model": daemon.model_name(), "messages": CHAT, "top_p": 0.95, "top_k": 40, "max_tokens": 16, "stream": stream}
     return httpx.post(f"{daemon.base_url}/v1/chat/completions", json=body, timeout=120)

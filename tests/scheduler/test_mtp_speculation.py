@@ -20,6 +20,10 @@ from flare.structured import GrammarSpec
 LOGIT_SCALE = 5.0  # as in test_speculation_distribution.py: a peaked tiny model repeats itself
 PROMPTS = ("one two three four one two three four", "hello hello hello world", "a b c d e f g")
 K = 3
+# Every speculative run drafts K a round: the adaptive length chooses from measured round times,
+# so whether a row drafts at all (and so which tokens a sampled row draws) would depend on the
+# machine's load.
+FIXED_LENGTH = {"adaptive_draft_length": False}
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +100,9 @@ def check_drafts_against_reference(recorder, package_parts, peaked_state, head_s
             if outcome.next_draft is None:
                 continue
             prompt = prompts_ids[int(row.request_id[1:])]
-            expected = reference_drafts(package_parts["config"], peaked_state, head_state, list(prompt) + out, K)
+            steps = len(outcome.next_draft.token_ids)
+            assert 1 <= steps <= K
+            expected = reference_drafts(package_parts["config"], peaked_state, head_state, list(prompt) + out, steps)
             assert list(outcome.next_draft.token_ids) == expected, (row.request_id, len(out))
             checked += 1
     return checked
@@ -111,7 +117,7 @@ async def test_greedy_output_with_the_head_equals_output_without_speculation(hea
         head_package, PROMPTS, GREEDY, SchedulerOptions(draft_tokens=0, kv_cache_dtype=kv_cache_dtype)
     )
     speculative, recorder, scheduler = await generate(
-        head_package, PROMPTS, GREEDY, SchedulerOptions(kv_cache_dtype=kv_cache_dtype)
+        head_package, PROMPTS, GREEDY, SchedulerOptions(kv_cache_dtype=kv_cache_dtype, **FIXED_LENGTH)
     )
     assert scheduler._runner.head.kv_cache.dtype == getattr(torch, kv_cache_dtype)  # the head's cache too
     assert speculative == plain
@@ -122,14 +128,14 @@ async def test_greedy_output_with_the_head_equals_output_without_speculation(hea
 
 
 async def test_drafts_after_rejections_are_those_of_the_committed_tokens(head_package, package_parts, peaked_state, head_state):
-    _, recorder, scheduler = await generate(head_package, PROMPTS, GREEDY, SchedulerOptions())
+    _, recorder, scheduler = await generate(head_package, PROMPTS, GREEDY, SchedulerOptions(**FIXED_LENGTH))
     prompts_ids = [scheduler.tokenizer.encode(t) for t in PROMPTS]
     assert check_drafts_against_reference(recorder, package_parts, peaked_state, head_state, prompts_ids) > 10
 
 
 async def test_a_prefix_cache_hit_drafts_as_a_miss_does(head_package, package_parts, peaked_state, head_state):
     prompt = "the same long prompt, " * 4
-    outputs, recorder, scheduler = await generate(head_package, (prompt, prompt), GREEDY, SchedulerOptions(), sequential=True)
+    outputs, recorder, scheduler = await generate(head_package, (prompt, prompt), GREEDY, SchedulerOptions(**FIXED_LENGTH), sequential=True)
     assert outputs[0] == outputs[1]
     assert scheduler.snapshot().prompt_tokens_cached > 0
     # The second request's head KV of the cached prefix came from the cache: its drafts are still
@@ -144,8 +150,8 @@ async def test_preempted_sequences_draft_and_decode_as_if_never_preempted(head_p
     prompts = tuple(f"{w} " * 12 for w in ("cat", "dog", "fish", "bird"))
     params = SamplingParams(temperature=0.0, max_tokens=40)
     plain, _, _ = await generate(head_package, prompts, params, SchedulerOptions(draft_tokens=0))
-    # 12 blocks of 16 positions for four sequences that each grow to ~55 tokens: some are preempted.
-    small = SchedulerOptions(kv_cache_memory=12 * 16 * 2 * 2 * 16 * 2 * 4, prefix_cache=False)
+    # 10 blocks of 16 positions for four sequences that each grow to ~55 tokens: some are preempted.
+    small = SchedulerOptions(kv_cache_memory=10 * 16 * 2 * 2 * 16 * 2 * 4, prefix_cache=False, **FIXED_LENGTH)
     speculative, recorder, scheduler = await generate(head_package, prompts, params, small)
     assert speculative == plain
     # A sequence was computed again from its start after it had output: it was preempted.
@@ -164,7 +170,7 @@ async def test_a_package_without_a_head_refuses_the_mtp_drafter(tiny_package):
 async def test_auto_drafts_with_both_and_keeps_greedy_output(head_package):
     prompts = PROMPTS + ("Copy this: the quick brown fox jumps over the lazy dog. The quick brown fox jumps over",)
     plain, _, _ = await generate(head_package, prompts, GREEDY, SchedulerOptions(draft_tokens=0))
-    speculative, recorder, scheduler = await generate(head_package, prompts, GREEDY, SchedulerOptions(drafter="auto"))
+    speculative, recorder, scheduler = await generate(head_package, prompts, GREEDY, SchedulerOptions(drafter="auto", **FIXED_LENGTH))
     assert speculative == plain
     assert scheduler.drafter_name == "auto"
     head_drafts = {d.token_ids for plan, result in recorder.rounds for o in result.rows if o is not None
@@ -180,13 +186,47 @@ async def test_a_vocabulary_parallel_package_drafts_with_its_head(make_package, 
     unfiltered = SamplingPolicy({**policy.defaults, "top_p": 1.0}, policy.ranges).unfiltered()
     path = write_head_package(make_package, package_parts, head_state, draft_tokens=K, state_dict=peaked_state,
                               vocabulary_parallel_sampling=True, policy=unfiltered)
-    options = SchedulerOptions(vocabulary_shards=4)
+    options = SchedulerOptions(vocabulary_shards=4, **FIXED_LENGTH)
     plain, _, _ = await generate(path, PROMPTS, GREEDY, SchedulerOptions(draft_tokens=0, vocabulary_shards=4))
     speculative, recorder, _ = await generate(path, PROMPTS, GREEDY, options)
     assert speculative == plain
     sampled, recorder, _ = await generate(path, PROMPTS, SamplingParams(temperature=0.8, max_tokens=24, seed=3), options)
     assert all(len(ids) == 24 for ids in sampled)  # no row failed or fell back
     assert any(row.draft_probs is not None for plan, _ in recorder.rounds for row in plan.rows)
+
+
+async def test_parallel_choices_share_the_prompt_and_draft_from_it(head_package, package_parts, peaked_state, head_state):
+    """n = 2 choices fork off the first one's prompt blocks (head KV included): greedy, both
+    equal the output without speculation, and their drafts are the reference's."""
+    scheduler = Scheduler.from_package(open_package(head_package), SchedulerOptions(**FIXED_LENGTH))
+    recorder = Recorder(scheduler)
+    loop = asyncio.create_task(scheduler.run())
+    prompt = tuple(scheduler.tokenizer.encode(PROMPTS[0]))
+    choices: dict[int, list[int]] = {0: [], 1: []}
+    try:
+        async for event in scheduler.submit(GenerationRequest("r0", prompt, GREEDY, n=2)):
+            if isinstance(event, TextDelta):
+                choices[event.index].extend(event.token_ids)
+    finally:
+        scheduler.stop()
+        await loop
+    plain, _, _ = await generate(head_package, PROMPTS[:1], GREEDY, SchedulerOptions(draft_tokens=0))
+    assert choices[0] == choices[1] == plain[0]
+    checked = 0
+    outputs: dict[int, list[int]] = {0: [], 1: []}
+    for plan, result in recorder.rounds:
+        for row, outcome in zip(plan.rows, result.rows):
+            if outcome is None:
+                continue
+            out = outputs[row.choice]
+            del out[row.output_position :]
+            out.extend(outcome.tokens)
+            if outcome.next_draft is not None:
+                steps = len(outcome.next_draft.token_ids)
+                expected = reference_drafts(package_parts["config"], peaked_state, head_state, list(prompt) + out, steps)
+                assert list(outcome.next_draft.token_ids) == expected
+                checked += 1
+    assert checked > 5
 
 
 async def test_a_constrained_answer_drafted_by_the_head_is_the_one_without_speculation(head_package):
@@ -199,7 +239,7 @@ async def test_a_constrained_answer_drafted_by_the_head_is_the_one_without_specu
     answers, drafted = {}, {}
     for name, options in {
         "plain": SchedulerOptions(draft_tokens=0, jump_forward=False),
-        "head": SchedulerOptions(adaptive_draft_length=False, jump_forward=False),
+        "head": SchedulerOptions(jump_forward=False, **FIXED_LENGTH),
     }.items():
         scheduler = Scheduler.from_package(open_package(head_package), options)
         recorder = Recorder(scheduler)
