@@ -30,7 +30,6 @@ from enum import StrEnum
 import torch
 
 from flare.preparation.manifest import AUTO_DTYPE, WEIGHT_FORMATS
-from flare.preparation.package import fits_float16
 
 
 class WeightFormat(StrEnum):

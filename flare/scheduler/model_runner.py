@@ -10,8 +10,9 @@ a row falls back after INVALID_SPECULATION).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import structlog
@@ -472,17 +473,14 @@ def _entry(token: int, logprob: float, top_ids: list[int], top_logprobs: list[fl
 
 def _logit_offsets(rows: list[PlannedRow]) -> list[int]:
     """Where each row's logits start in the forward's output."""
-    offsets, total = [], 0
-    for row in rows:
-        offsets.append(total)
-        total += row.num_logits
-    return offsets
+    return _starts(row.num_logits for row in rows)
 
 
 def _sample_offsets(rows: list[PlannedRow]) -> list[int]:
     """Where each sampling row's positions start in the logits sampling reads."""
-    offsets, total = [], 0
-    for row in rows:
-        offsets.append(total)
-        total += row.sample_positions
-    return offsets
+    return _starts(row.sample_positions for row in rows)
+
+
+def _starts(sizes: Iterable[int]) -> list[int]:
+    """The start of each of consecutive runs of `sizes` items."""
+    return [0, *itertools.accumulate(sizes)][:-1]

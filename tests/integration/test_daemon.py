@@ -25,17 +25,6 @@ def daemon(tiny_package: Path) -> Iterator[DaemonProcess]:
     assert process.stop() == 0, process.log()
 
 
-@pytest.fixture
-def client(daemon: DaemonProcess) -> openai.AsyncOpenAI:
-    # No retries: a test must see the daemon's first answer.
-    return openai.AsyncOpenAI(base_url=f"{daemon.base_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture
-def model(daemon: DaemonProcess) -> str:
-    return daemon.model_name()
-
-
 async def test_models_lists_the_one_served_model(client: openai.AsyncOpenAI) -> None:
     models = await client.models.list()
     assert len(models.data) == 1 and models.data[0].id

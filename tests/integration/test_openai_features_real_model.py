@@ -9,7 +9,6 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import openai
 import pytest
 from daemon_process import DaemonProcess, start_daemon
 from pydantic import BaseModel, Field
@@ -65,11 +64,6 @@ def daemon(default_package: Path) -> Iterator[DaemonProcess]:
     process = start_daemon(default_package, ["--max-concurrency", "4"])
     yield process
     assert process.stop() == 0, process.log()
-
-
-@pytest.fixture
-def client(daemon: DaemonProcess) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{daemon.base_url}/v1", api_key="unused", max_retries=0)
 
 
 async def test_parse_returns_nested_objects_arrays_enums_and_optionals(client) -> None:

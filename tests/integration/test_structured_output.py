@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 from daemon_process import DaemonProcess, start_daemon
 from pydantic import BaseModel, Field
@@ -44,16 +43,6 @@ def daemon(tiny_package: Path) -> Iterator[DaemonProcess]:
     process = start_daemon(tiny_package, ["--max-concurrency", "4"])
     yield process
     assert process.stop() == 0, process.log()
-
-
-@pytest.fixture
-def client(daemon: DaemonProcess) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{daemon.base_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture
-def model(daemon: DaemonProcess) -> str:
-    return daemon.model_name()
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.2])

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 from daemon_process import DaemonProcess, start_daemon
 
@@ -23,16 +22,6 @@ def daemon(tiny_package: Path) -> Iterator[DaemonProcess]:
     process = start_daemon(tiny_package, ["--max-concurrency", "4"])
     yield process
     assert process.stop() == 0, process.log()
-
-
-@pytest.fixture
-def client(daemon: DaemonProcess) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{daemon.base_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture
-def model(daemon: DaemonProcess) -> str:
-    return daemon.model_name()
 
 
 async def test_chat_logprobs_are_consistent_with_greedy_choices_streaming_and_not(client, model) -> None:

@@ -8,7 +8,6 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import openai
 import pytest
 from daemon_process import DaemonProcess, start_daemon
 
@@ -45,16 +44,6 @@ def daemon(tiny_package: Path) -> Iterator[DaemonProcess]:
     process = start_daemon(tiny_package, ["--max-concurrency", "4"])
     yield process
     assert process.stop() == 0, process.log()
-
-
-@pytest.fixture
-def client(daemon: DaemonProcess) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{daemon.base_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture
-def model(daemon: DaemonProcess) -> str:
-    return daemon.model_name()
 
 
 def _valid_call(name: str, arguments: str) -> bool:
