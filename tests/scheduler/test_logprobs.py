@@ -3,17 +3,13 @@ vocabulary shards) and prompt tokens' (echo), as a client of the scheduler reads
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
 
 import pytest
+from running_scheduler import running
 
-from flare.preparation.package import open_package
 from flare.sampling.params import SamplingParams
 from flare.scheduler.request import Finished, GenerationRequest, TextDelta
-from flare.scheduler.scheduler import Scheduler, SchedulerOptions
 
 PROMPTS = [
     "one two three four one two three four one two three four one two",
@@ -22,16 +18,6 @@ PROMPTS = [
     "Hello, world! Hello, world! Hello, world!",
 ]
 
-
-@contextlib.asynccontextmanager
-async def running(package_path, **options) -> AsyncIterator[Scheduler]:
-    scheduler = Scheduler.from_package(open_package(package_path), SchedulerOptions(**options))
-    loop_task = asyncio.create_task(scheduler.run())
-    try:
-        yield scheduler
-    finally:
-        scheduler.stop()
-        await loop_task
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
 

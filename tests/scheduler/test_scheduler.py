@@ -4,12 +4,11 @@ preemption, speculation, faults and admission, as a client of the scheduler sees
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
 import structlog
+from running_scheduler import running
 
 from flare.engine import precision
 from flare.kernels.status import DeviceStatus
@@ -35,16 +34,6 @@ class Outcome:
     token_ids: list[int]
     end: Finished | Failed
 
-
-@contextlib.asynccontextmanager
-async def running(package_path, **options) -> AsyncIterator[Scheduler]:
-    scheduler = Scheduler.from_package(open_package(package_path), SchedulerOptions(**options))
-    loop_task = asyncio.create_task(scheduler.run())
-    try:
-        yield scheduler
-    finally:
-        scheduler.stop()
-        await loop_task
 
 
 async def collect(stream) -> Outcome:

@@ -4,18 +4,15 @@ choice and shard layout is served."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import re
-from collections.abc import AsyncIterator
 
 import pytest
+from running_scheduler import running
 
-from flare.preparation.package import open_package
 from flare.sampling.params import SamplingParams
 from flare.scheduler.request import Finished, GenerationRequest, TextDelta
-from flare.scheduler.scheduler import Scheduler, SchedulerOptions
+from flare.scheduler.scheduler import Scheduler
 from flare.structured import GrammarSpec
 
 SCHEMA = {
@@ -29,16 +26,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 
-
-@contextlib.asynccontextmanager
-async def running(package_path, **options) -> AsyncIterator[Scheduler]:
-    scheduler = Scheduler.from_package(open_package(package_path), SchedulerOptions(**options))
-    loop_task = asyncio.create_task(scheduler.run())
-    try:
-        yield scheduler
-    finally:
-        scheduler.stop()
-        await loop_task
 
 
 async def _answers(scheduler: Scheduler, spec: GrammarSpec, params: SamplingParams, n: int = 1) -> list[tuple[str, str]]:
