@@ -126,6 +126,28 @@ async def sample_tokens(
     return outputs, rounds
 
 
+def assert_same_distribution(
+    plain: list[list[int]],
+    plain_rounds: int,
+    speculative: list[list[int]],
+    speculative_rounds: int,
+    drafting: str,
+    reaching: float = 0.9,
+) -> None:
+    """Drafts were accepted (the same number of samples took fewer target forwards), and at each
+    of positions 1-3 the speculative tokens follow the plain ones' distribution (chi-square);
+    `reaching`: the share of samples that must still be generating at a position."""
+    assert speculative_rounds < plain_rounds
+    for position in (1, 2, 3):
+        a = [ids[position] for ids in plain if len(ids) > position]
+        b = [ids[position] for ids in speculative if len(ids) > position]
+        assert len(a) > SAMPLES * reaching and len(b) > SAMPLES * reaching
+        p_value = _same_distribution(a, b)
+        print(f"position {position}: {len(set(a))} distinct tokens, p = {p_value:.3f}")
+        assert p_value > 1e-3, f"token {position} differs with {drafting}"
+    print(f"row forwards: {plain_rounds} without drafts, {speculative_rounds} with {drafting}")
+
+
 def _same_distribution(a: list[int], b: list[int]) -> float:
     """p-value of a two-sample chi-square test; rare tokens pooled so expected counts are >= 5."""
     counts_a, counts_b = Counter(a), Counter(b)
@@ -154,16 +176,7 @@ async def test_speculative_sampling_follows_the_non_speculative_distribution(pea
     vocab = open_package(peaked_package).manifest.model.vocab_size
     plain, plain_rounds = await sample_tokens(peaked_package, params, None)
     speculative, speculative_rounds = await sample_tokens(peaked_package, params, RepeatLastDrafter(vocab, learned))
-    # Drafts were accepted: the same tokens took fewer target forwards.
-    assert speculative_rounds < plain_rounds
-    for position in (1, 2, 3):
-        a = [ids[position] for ids in plain if len(ids) > position]
-        b = [ids[position] for ids in speculative if len(ids) > position]
-        assert len(a) > SAMPLES * 0.9 and len(b) > SAMPLES * 0.9
-        p_value = _same_distribution(a, b)
-        print(f"position {position}: {len(set(a))} distinct tokens, p = {p_value:.3f}")
-        assert p_value > 1e-3, f"token {position} differs with speculation"
-    print(f"row forwards: {plain_rounds} without drafts, {speculative_rounds} with")
+    assert_same_distribution(plain, plain_rounds, speculative, speculative_rounds, "speculation")
 
 
 async def test_with_a_grammar_speculative_sampling_follows_the_non_speculative_distribution(peaked_package):
@@ -174,12 +187,10 @@ async def test_with_a_grammar_speculative_sampling_follows_the_non_speculative_d
     constraint = GrammarSpec("regex", "( ?(one|two|three|four|five|a|the))+", "structured_outputs.regex")
     plain, plain_rounds = await sample_tokens(peaked_package, params, None, constraint)
     speculative, speculative_rounds = await sample_tokens(peaked_package, params, RepeatLastDrafter(vocab, False), constraint)
-    assert speculative_rounds < plain_rounds
-    for position in (1, 2, 3):
-        a = [ids[position] for ids in plain if len(ids) > position]
-        b = [ids[position] for ids in speculative if len(ids) > position]
-        assert len(a) > SAMPLES * 0.5 and len(b) > SAMPLES * 0.5
-        assert _same_distribution(a, b) > 1e-3, f"token {position} differs with speculation under the grammar"
+    # A grammar's answers may end sooner (the pattern is complete): fewer reach each position.
+    assert_same_distribution(
+        plain, plain_rounds, speculative, speculative_rounds, "speculation under the grammar", reaching=0.5
+    )
 
 
 @pytest.fixture(scope="module")
@@ -199,12 +210,4 @@ def peaked_head_package(make_package, package_parts):
 async def test_sampling_with_a_learned_draft_head_follows_the_non_speculative_distribution(peaked_head_package, params):
     plain, plain_rounds = await sample_tokens(peaked_head_package, params, None)
     speculative, speculative_rounds = await sample_tokens(peaked_head_package, params, None, head=True)
-    assert speculative_rounds < plain_rounds
-    for position in (1, 2, 3):
-        a = [ids[position] for ids in plain if len(ids) > position]
-        b = [ids[position] for ids in speculative if len(ids) > position]
-        assert len(a) > SAMPLES * 0.9 and len(b) > SAMPLES * 0.9
-        p_value = _same_distribution(a, b)
-        print(f"position {position}: {len(set(a))} distinct tokens, p = {p_value:.3f}")
-        assert p_value > 1e-3, f"token {position} differs with the draft head"
-    print(f"row forwards: {plain_rounds} without drafts, {speculative_rounds} with the head")
+    assert_same_distribution(plain, plain_rounds, speculative, speculative_rounds, "the draft head")
