@@ -11,7 +11,10 @@ built (no C compiler at install time) and that the tests hold it equal to:
   copy, five elementwise passes and two index copies;
 - `swiglu_rows`: silu(gate) * up from the gate/up layer's output into the rows the down
   projection reads, instead of two passes and a transposing copy;
-- `add_rms_norm`: the residual add and the RMSNorm after it, instead of seven passes.
+- `add_rms_norm`: the residual add and the RMSNorm after it, instead of seven passes;
+- `float16_linear`: a linear layer of float16 weights (packed once, `Float16Weight`) on float32
+  rows, at the memory's speed for the one to few rows of a decode round, where fbgemm's float16
+  GEMM pays a fixed cost per product as long as reading a layer's weights.
 
 The kernels trust the addresses they are given, so every function here first checks the
 tensors behind them (device, dtype, shape, strides); the C side checks every index into the
@@ -19,6 +22,9 @@ pool and the RoPE tables. Kernels release the GIL and run on `torch.get_num_thre
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -251,3 +257,58 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
             torch.get_num_threads(),
         )
     return out
+
+
+
+@dataclass(frozen=True)
+class Float16Weight:
+    """A linear layer's weight [out, in] as `float16_linear` reads it (float16_linear.c): float16
+    (rounded to nearest even) in blocks of BLOCK output channels, `blocks` [ceil(out / BLOCK),
+    in, BLOCK], the channels past `out_features` zero."""
+
+    BLOCK: ClassVar[int] = 16
+
+    blocks: torch.Tensor
+    out_features: int
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> Float16Weight:
+        out_features, in_features = weight.shape
+        count = -(-out_features // cls.BLOCK)
+        padded = torch.zeros(count * cls.BLOCK, in_features, dtype=torch.float16)
+        padded[:out_features] = weight
+        return cls(padded.view(count, cls.BLOCK, in_features).transpose(1, 2).contiguous(), out_features)
+
+    @property
+    def in_features(self) -> int:
+        return self.blocks.shape[1]
+
+
+def float16_linear(x: torch.Tensor, weight: Float16Weight, *, portable: bool = False) -> torch.Tensor:
+    """x [T, in] float32 (each row contiguous) through a packed float16 weight: [T, out] float32,
+    accumulated in float32 over the inputs in order (so a row's result does not depend on the
+    other rows). `portable` runs the loop for CPUs without AVX2 even where it is present: the
+    same sums in the same order, slower."""
+    native = _module()
+    tokens, in_features = x.shape
+    if x.dtype != torch.float32 or x.device.type != "cpu" or in_features != weight.in_features or x.stride(1) != 1:
+        raise ValueError(
+            f"float16_linear: x must be a CPU float32 [tokens, {weight.in_features}] with contiguous rows, "
+            f"got {x.device} {x.dtype} {tuple(x.shape)} strides {x.stride()}"
+        )
+    y = torch.empty(tokens, weight.out_features, dtype=torch.float32)
+    if tokens:
+        native.float16_linear(
+            x.data_ptr(),
+            max(x.stride(0), in_features),
+            weight.blocks.data_ptr(),
+            y.data_ptr(),
+            weight.out_features,
+            1,
+            tokens,
+            in_features,
+            weight.out_features,
+            torch.get_num_threads(),
+            portable,
+        )
+    return y

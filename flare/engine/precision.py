@@ -9,9 +9,10 @@ multiplies fastest:
 - `bfloat16`: oneDNN's GEMM on a CPU with AVX512-BF16 or AMX, weights packed once
   (`model.pack_weight`), float32 accumulation. On a 2-core AMD EPYC (Zen 4, AVX512-BF16) a
   32 x 576 by 576 x 1536 product ran 2.3x faster than MKL's float32.
-- `float16`: fbgemm's half-precision GEMM on an x86 CPU with AVX2 (every AVX2 CPU has F16C):
-  float16 weights in fbgemm's packed layout, float32 activations and accumulation
-  (`torch.ops.quantized.linear_dynamic_fp16`). On a 2-core AMD EPYC with AVX2 only
+- `float16`: the engine's float16 GEMM on an x86 CPU with AVX2 (every AVX2 CPU has F16C):
+  float16 weights packed in blocks of 16 output channels, float32 activations and accumulation
+  (`native.float16_linear`; fbgemm's `torch.ops.quantized.linear_dynamic_fp16` where the C
+  kernels were not built). On a 2-core AMD EPYC with AVX2 only
   (`../shared/notes/cpu-gemm-formats.md`) the default model's 30 layers of linear layers took
   about half of float32's time at 1 to 8 rows and two thirds at 32; the LM head a third at one
   row. Elsewhere float16 GEMMs are emulated (a quarter of float32's speed).
@@ -29,6 +30,7 @@ from enum import StrEnum
 
 import torch
 
+from flare.engine import native
 from flare.preparation.manifest import AUTO_DTYPE, WEIGHT_FORMATS
 
 
@@ -78,14 +80,14 @@ def cpu_has_native_bf16() -> bool:
     return instructions and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def cpu_has_fbgemm_fp16() -> bool:
-    """Whether fbgemm's float16 GEMM runs vectorised here: an x86 CPU with AVX2 (and so F16C and
-    FMA) and a torch built with fbgemm.
+def cpu_has_float16_gemm() -> bool:
+    """Whether float16 GEMMs run vectorised here: an x86 CPU with AVX2 (and so F16C and FMA),
+    and the engine's C kernels built (`native.float16_linear`) or else a torch built with fbgemm.
 
     The capability is ATen's, which honours ATEN_CPU_CAPABILITY: `ATEN_CPU_CAPABILITY=default`
     stands in for a CPU without AVX2 (the tests force the dispatch that way)."""
     vectorised = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    return vectorised and "fbgemm" in torch.backends.quantized.supported_engines
+    return vectorised and (native.available() or "fbgemm" in torch.backends.quantized.supported_engines)
 
 
 def available_formats(device: torch.device) -> tuple[WeightFormat, ...]:
@@ -95,7 +97,7 @@ def available_formats(device: torch.device) -> tuple[WeightFormat, ...]:
     formats = []
     if cpu_has_native_bf16():
         formats.append(WeightFormat.BFLOAT16)
-    if cpu_has_fbgemm_fp16():
+    if cpu_has_float16_gemm():
         formats.append(WeightFormat.FLOAT16)
     return (*formats, WeightFormat.FLOAT32)
 
@@ -128,7 +130,7 @@ def choose_weight_format(
         raise WeightFormatError("weight format float16: a weight of this package lies beyond float16's range (65504)")
     needs = {
         WeightFormat.BFLOAT16: "a CPU that multiplies bfloat16 natively (AVX512-BF16 or AMX)",
-        WeightFormat.FLOAT16: "an x86 CPU with AVX2 and F16C and a torch built with fbgemm",
+        WeightFormat.FLOAT16: "an x86 CPU with AVX2 and F16C",
     }
     raise WeightFormatError(
         f"weight format {requested} needs {needs[wanted]}; this CPU runs {', '.join(available)}"

@@ -317,3 +317,71 @@ def test_add_rms_norm_keeps_nan_in_its_row_and_refuses_misshapen_input() -> None
         add_rms_norm(h, None, torch.ones(32), 1e-5)
     with pytest.raises(ValueError, match="h must be a CPU torch.float32 tensor"):
         add_rms_norm(h.double(), None, weight, 1e-5)
+
+
+FLOAT16_SHAPES = [(960, 576), (50, 33), (17, 8), (1, 5), (3072, 64)]  # out, in: whole and partial blocks
+
+
+def float16_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """A weight float16 holds exactly, so products can be compared with float64 ones."""
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(out_features, in_features, generator=generator) * 0.05).half().float()
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), FLOAT16_SHAPES)
+def test_float16_linear_equals_the_float64_product_of_the_float16_weights(out_features: int, in_features: int) -> None:
+    weight = float16_weight(out_features, in_features)
+    packed = native.Float16Weight.pack(weight)
+    assert packed.out_features == out_features and packed.in_features == in_features
+    generator = torch.Generator().manual_seed(1)
+    for tokens in (1, 2, 3, 4, 5, 6, 7, 8, 13, 40):
+        x = torch.randn(tokens, in_features, generator=generator)
+        exact = (x.double() @ weight.double().T).float()
+        got = native.float16_linear(x, packed)
+        assert got.shape == (tokens, out_features) and got.dtype == torch.float32
+        # float32 accumulation over `in_features` terms of about 0.05 * 1.
+        torch.testing.assert_close(got, exact, atol=2e-6 * in_features**0.5, rtol=1e-5)
+
+
+def test_a_rows_float16_product_does_not_depend_on_its_batch_mates() -> None:
+    # Seeded sampling must not depend on batch-mates, so each row's sums are the same bits alone
+    # or beside any number of other rows (each output sums over the inputs in order).
+    weight = float16_weight(200, 96)
+    packed = native.Float16Weight.pack(weight)
+    x = torch.randn(23, 96, generator=torch.Generator().manual_seed(2))
+    together = native.float16_linear(x, packed)
+    for first, count in ((0, 1), (5, 1), (3, 2), (4, 7), (10, 13)):
+        assert torch.equal(native.float16_linear(x[first : first + count], packed), together[first : first + count])
+
+
+def test_the_portable_float16_loop_gives_the_vector_loops_bits() -> None:
+    # The loop for CPUs without AVX2 is forced here; both fuse each multiply-add in the same order.
+    for out_features, in_features in FLOAT16_SHAPES[1:]:
+        packed = native.Float16Weight.pack(float16_weight(out_features, in_features))
+        for tokens in (1, 2, 7):
+            x = torch.randn(tokens, in_features, generator=torch.Generator().manual_seed(tokens))
+            assert torch.equal(native.float16_linear(x, packed, portable=True), native.float16_linear(x, packed))
+
+
+def test_float16_linear_reads_rows_of_a_wider_tensor_and_rounds_the_weights_to_nearest() -> None:
+    weight = torch.randn(40, 24, generator=torch.Generator().manual_seed(3))  # not float16 values
+    wide = torch.randn(5, 32, generator=torch.Generator().manual_seed(4))
+    x = wide[:, 4:28]  # rows 32 floats apart
+    exact = (x.double() @ weight.half().double().T).float()
+    torch.testing.assert_close(native.float16_linear(x, native.Float16Weight.pack(weight)), exact, atol=1e-5, rtol=1e-5)
+
+
+def test_a_nan_in_one_rows_input_reaches_that_rows_outputs_only() -> None:
+    packed = native.Float16Weight.pack(float16_weight(48, 16))
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(5))
+    x[3, 7] = float("nan")
+    y = native.float16_linear(x, packed)
+    assert y[3].isnan().all()
+    assert not y[torch.arange(8) != 3].isnan().any()
+
+
+def test_float16_linear_refuses_inputs_it_cannot_read_with_their_shape() -> None:
+    packed = native.Float16Weight.pack(float16_weight(16, 8))
+    for bad in (torch.randn(2, 8, dtype=torch.float64), torch.randn(2, 9), torch.randn(8, 2).t()):
+        with pytest.raises(ValueError, match="float16_linear: x must be a CPU float32 \\[tokens, 8\\]"):
+            native.float16_linear(bad, packed)

@@ -15,7 +15,7 @@ import torch
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import BlockAllocator, KVCache
 from flare.engine.model import LlamaModel, load_model
-from flare.engine.precision import WeightFormat, cpu_has_fbgemm_fp16, cpu_has_native_bf16
+from flare.engine.precision import WeightFormat, cpu_has_float16_gemm, cpu_has_native_bf16
 from flare.engine.tokenizer import Tokenizer
 from flare.preparation.default_model import default_gguf_path, default_package_path
 from flare.preparation.package import open_package
@@ -127,7 +127,7 @@ def test_capital_of_france(flare_side) -> None:
 
 
 # The default package stores float16 and runs in the fastest format of the CPU. float16 GEMMs
-# (fbgemm, AVX2 CPUs) round only the weights, to 11 significant bits; bfloat16 GEMMs (oneDNN,
+# (AVX2 CPUs) round only the weights, to 11 significant bits; bfloat16 GEMMs (oneDNN,
 # CPUs with native bfloat16) round the weights, each GEMM's input and its product to 8. Measured
 # KL of the next-token distribution against float32: float16 1.6e-6 nats mean and 1.3e-5 at most
 # over 335 answer positions of eight chat prompts (benchmarks/precision.py); bfloat16 3e-4 to
@@ -138,7 +138,7 @@ MAX_KL = {WeightFormat.FLOAT16: 1e-3, WeightFormat.BFLOAT16: 1e-2}
 @pytest.mark.parametrize(
     "weight_format",
     [
-        pytest.param(WeightFormat.FLOAT16, marks=pytest.mark.skipif(not cpu_has_fbgemm_fp16(), reason="no fbgemm float16 here")),
+        pytest.param(WeightFormat.FLOAT16, marks=pytest.mark.skipif(not cpu_has_float16_gemm(), reason="no vectorised float16 here")),
         pytest.param(WeightFormat.BFLOAT16, marks=pytest.mark.skipif(not cpu_has_native_bf16(), reason="no native bfloat16 here")),
     ],
 )

@@ -116,8 +116,8 @@ async def test_every_round_is_logged_with_what_the_draft_length_model_learns_fro
     assert any(r["drafts"] > 0 for r in rounds) and all(0 <= r["accepted"] <= r["drafts"] for r in rounds)
 
 
-# (package dtype, CPU kind, the format its linear layers run in). An "avx2" CPU runs fbgemm's
-# float16 GEMM, a "native-bf16" one oneDNN's bfloat16, a "plain" one neither.
+# (package dtype, CPU kind, the format its linear layers run in). An "avx2" CPU runs the float16
+# GEMM (native.float16_linear), a "native-bf16" one oneDNN's bfloat16, a "plain" one neither.
 FORMAT_CHOICES = [
     ("float16", "avx2", "float16"),
     ("float16", "native-bf16", "bfloat16"),
@@ -129,10 +129,10 @@ FORMAT_CHOICES = [
 
 @pytest.mark.parametrize("stored, cpu, runs", FORMAT_CHOICES, ids=[f"{s}-on-{c}" for s, c, _ in FORMAT_CHOICES])
 async def test_a_package_serves_in_the_format_its_cpu_runs_fastest_and_logs_it(make_package, monkeypatch, stored, cpu, runs):
-    if cpu == "avx2" and not precision.cpu_has_fbgemm_fp16():
-        pytest.skip("fbgemm's float16 GEMM does not run on this CPU")
+    if cpu == "avx2" and not precision.cpu_has_float16_gemm():
+        pytest.skip("float16 GEMMs do not run vectorised on this CPU")
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: cpu == "native-bf16")
-    monkeypatch.setattr(precision, "cpu_has_fbgemm_fp16", lambda: cpu == "avx2")
+    monkeypatch.setattr(precision, "cpu_has_float16_gemm", lambda: cpu == "avx2")
     package = make_package(serving={"dtype": stored})
     with structlog.testing.capture_logs() as logs:
         async with running(package, draft_tokens=0) as scheduler:
@@ -168,9 +168,9 @@ async def test_a_weight_format_this_cpu_cannot_run_is_refused_at_load_naming_it(
         Scheduler.from_package(open_package(package), SchedulerOptions(weight_format="bfloat16"))
 
 
-@pytest.mark.skipif(not precision.cpu_has_fbgemm_fp16(), reason="fbgemm's float16 GEMM does not run on this CPU")
+@pytest.mark.skipif(not precision.cpu_has_float16_gemm(), reason="float16 GEMMs do not run vectorised on this CPU")
 async def test_float16_gemms_give_the_greedy_answers_of_float32_on_weights_float16_holds(make_package):
-    # The same float16 weights multiplied in float16 (fbgemm, float32 accumulation) and in float32:
+    # The same float16 weights multiplied in float16 (float32 accumulation) and in float32:
     # only summation order differs, which the greedy choices of a random model do not feel.
     package = make_package(serving={"dtype": "float16"})
     answers = {}
@@ -187,7 +187,7 @@ async def test_float16_gemms_give_the_greedy_answers_of_float32_on_weights_float
         "float32",
         pytest.param(
             "float16",
-            marks=pytest.mark.skipif(not precision.cpu_has_fbgemm_fp16(), reason="fbgemm's float16 GEMM does not run here"),
+            marks=pytest.mark.skipif(not precision.cpu_has_float16_gemm(), reason="float16 GEMMs do not run vectorised here"),
         ),
     ],
 )

@@ -163,4 +163,18 @@ typedef struct {
 
 void add_rms_norm(const AddRmsNorm *n, int threads);
 
+/* A linear layer of float16 weights packed in blocks of 16 output channels: see float16_linear.c. */
+typedef struct {
+    const float *x;            /* [tokens, in], rows `x_stride` floats apart */
+    int64_t x_stride;
+    const uint16_t *packed;    /* [ceil(out / 16), in, 16] float16 bits */
+    float *y;                  /* y[t * y_token_stride + o * y_channel_stride]: rows or columns */
+    int64_t y_token_stride, y_channel_stride;
+    int64_t tokens, in, out;
+} Float16Linear;
+
+/* `portable`: run the loop for CPUs without AVX2, FMA and F16C even where they are present (the
+ * tests hold both loops to the same bits). */
+void float16_linear(const Float16Linear *l, int threads, int portable);
+
 #endif

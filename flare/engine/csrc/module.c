@@ -161,6 +161,32 @@ static PyObject *py_add_rms_norm(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_float16_linear(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t x, x_stride, packed, y, y_token_stride, y_channel_stride, tokens, in, out, threads;
+    int portable;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnp", &x, &x_stride, &packed, &y, &y_token_stride, &y_channel_stride, &tokens,
+                          &in, &out, &threads, &portable))
+        return NULL;
+    if (tokens < 1 || in < 1 || out < 1 || threads < 1 || x_stride < in || y_token_stride < 0 || y_channel_stride < 0)
+        return invalid("float16_linear", "sizes must be positive, rows at least `in` apart and strides non-negative");
+    const Float16Linear l = {
+        .x = (const float *)x,
+        .x_stride = x_stride,
+        .packed = (const uint16_t *)packed,
+        .y = (float *)y,
+        .y_token_stride = y_token_stride,
+        .y_channel_stride = y_channel_stride,
+        .tokens = tokens,
+        .in = in,
+        .out = out,
+    };
+    Py_BEGIN_ALLOW_THREADS
+    float16_linear(&l, (int)threads, portable);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"paged_attention", py_paged_attention, METH_VARARGS,
      "paged_attention(q, q_token_stride, keys, values, out, block_table, start_positions, rows, query_len, heads, "
@@ -172,6 +198,8 @@ static PyMethodDef methods[] = {
      "swiglu_rows(gate_up, channel_stride, token_stride, out, intermediate, tokens, threads)"},
     {"add_rms_norm", py_add_rms_norm, METH_VARARGS,
      "add_rms_norm(h, delta, delta_token_stride, delta_channel_stride, weight, out, tokens, hidden, eps, threads)"},
+    {"float16_linear", py_float16_linear, METH_VARARGS,
+     "float16_linear(x, x_stride, packed, y, y_token_stride, y_channel_stride, tokens, in, out, threads, portable)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,0 +1,168 @@
+/* A linear layer with float16 weights and float32 activations, accumulated in float32:
+ *
+ *   y[t, o] = sum_k x[t, k] W[o, k]
+ *
+ * A decode round of a few rows is bound by reading the weights, and float16's bytes are half of
+ * float32's. On the default model's layers (2 threads, AVX2 on a Zen 4 EPYC, where summing a
+ * buffer of a layer's size reads 38-45 GB/s) this kernel reads them at 40 GB/s for one row, and
+ * the 30 layers' products took 0.87 of the time of fbgemm's float16 GEMM
+ * (torch.ops.quantized.linear_dynamic_fp16) for one row, 0.91 for two, and 0.98-1.06 of it from
+ * 4 to 512 rows; a whole one-row round went from 10.3 to 8.3 ms, fbgemm's calls costing more
+ * around the product (a copy of the input, an output allocation, the operator's dispatch).
+ *
+ * Layout: the weights are packed once (`native.pack_float16`) into blocks of BLOCK = 16 output
+ * channels, block b holding W[16 b + j, k] at packed[(b * in + k) * 16 + j]: for every input k
+ * the block's 16 weights are one 32-byte line. The product broadcasts x[t, k] and multiplies it
+ * into the widened line (vcvtph2ps, exact), so each output is a sum over k in order whatever the
+ * number of rows and however they are tiled: a row's result does not depend on its batch-mates.
+ * Outputs past `out` in the last block are zero weights, computed and not stored.
+ *
+ * Registers: a tile of MT rows by NV vectors of 8 outputs keeps MT * NV accumulators, NV
+ * widened weight vectors and one broadcast: at most 15 of the 16 ymm registers.
+ */
+#include <math.h>
+#include <omp.h>
+
+#include "kernels.h"
+
+/* BLOCK output channels per block; PREFETCH: how many inputs ahead a block's line is prefetched
+ * (a layer's weights are read once a round, from memory: 32 lines ahead read them 4-8% faster
+ * than the hardware prefetcher alone, on 2 threads of a Zen 4 EPYC). */
+enum { BLOCK = 16, PREFETCH = 32 };
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#define F16_TARGET __attribute__((target("avx2,fma,f16c")))
+
+/* One tile: rows x[0 .. MT) (row stride xs) through NV vectors of weights starting at block
+ * `w` (NV / 2 blocks of `in` lines), stored into y with strides (ys_t, ys_o) for the first
+ * `valid` outputs. Always inlined with constant MT and NV, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) F16_TARGET void tile(const float *x, int64_t xs, const uint16_t *w,
+                                                                   int64_t in, float *y, int64_t ys_t, int64_t ys_o,
+                                                                   int64_t valid, const int MT, const int NV) {
+    __m256 acc[6][8];
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; m++)
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; v++) acc[m][v] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < in; k++) {
+        __m256 wv[8];
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; v += 2) _mm_prefetch((const char *)(w + ((v / 2) * in + k + PREFETCH) * BLOCK), _MM_HINT_T0);
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; v++)
+            wv[v] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + ((v / 2) * in + k) * BLOCK + (v % 2) * 8)));
+#pragma GCC unroll 8
+        for (int m = 0; m < MT; m++) {
+            const __m256 a = _mm256_broadcast_ss(x + m * xs + k);
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; v++) acc[m][v] = _mm256_fmadd_ps(a, wv[v], acc[m][v]);
+        }
+    }
+    /* The accumulators leave their registers once, after the loop (a store inside it, which
+     * GCC makes of an array it cannot prove is registers only, doubled the time at 32 rows). */
+    float lanes[6][64];
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; m++)
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; v++) _mm256_storeu_ps(lanes[m] + 8 * v, acc[m][v]);
+    for (int m = 0; m < MT; m++) {
+        if (ys_o == 1 && valid == 8 * NV)
+            memcpy(y + m * ys_t, lanes[m], sizeof(float) * 8 * NV);
+        else
+            for (int64_t o = 0; o < valid; o++) y[m * ys_t + o * ys_o] = lanes[m][o];
+    }
+}
+
+/* A tile of `rows` (1 to 6) rows through one block (two vectors): the tile sizes as constants. */
+static inline __attribute__((always_inline)) F16_TARGET void block_rows(const float *x, int64_t xs, int64_t rows,
+                                                                         const uint16_t *w, int64_t in, float *y,
+                                                                         int64_t ys_t, int64_t ys_o, int64_t valid) {
+    switch (rows) {
+    case 1: tile(x, xs, w, in, y, ys_t, ys_o, valid, 1, 2); break;
+    case 2: tile(x, xs, w, in, y, ys_t, ys_o, valid, 2, 2); break;
+    case 3: tile(x, xs, w, in, y, ys_t, ys_o, valid, 3, 2); break;
+    case 4: tile(x, xs, w, in, y, ys_t, ys_o, valid, 4, 2); break;
+    case 5: tile(x, xs, w, in, y, ys_t, ys_o, valid, 5, 2); break;
+    default: tile(x, xs, w, in, y, ys_t, ys_o, valid, 6, 2); break;
+    }
+}
+
+/* Blocks [first, last) for every row. One row takes up to 4 blocks at a time (8 accumulators:
+ * fewer would not hide the multiply-add latency), two rows 2 blocks; otherwise tiles of up to
+ * 6 rows go through a pair of blocks one block at a time, so the pair's weights are read from
+ * memory once and then from cache. */
+static F16_TARGET void blocks_avx2(const float *x, int64_t xs, int64_t tokens, const uint16_t *packed, int64_t in,
+                                   int64_t out, float *y, int64_t ys_t, int64_t ys_o, int64_t first, int64_t last) {
+    const int64_t per_chunk = tokens == 1 ? 4 : 2;
+    for (int64_t b = first; b < last; b += per_chunk) {
+        const int64_t n = b + per_chunk <= last ? per_chunk : last - b;
+        const uint16_t *w = packed + b * in * BLOCK;
+        float *yb = y + b * BLOCK * ys_o;
+        const int64_t valid = out - b * BLOCK < n * BLOCK ? out - b * BLOCK : n * BLOCK;
+        if (tokens == 1) {
+            switch (n) {
+            case 4: tile(x, xs, w, in, yb, ys_t, ys_o, valid, 1, 8); break;
+            case 3: tile(x, xs, w, in, yb, ys_t, ys_o, valid, 1, 6); break;
+            case 2: tile(x, xs, w, in, yb, ys_t, ys_o, valid, 1, 4); break;
+            default: tile(x, xs, w, in, yb, ys_t, ys_o, valid, 1, 2); break;
+            }
+            continue;
+        }
+        if (tokens == 2 && n == 2) {
+            tile(x, xs, w, in, yb, ys_t, ys_o, valid, 2, 4);
+            continue;
+        }
+        for (int64_t t = 0; t < tokens; t += 6) {
+            const int64_t rows = tokens - t < 6 ? tokens - t : 6;
+            for (int64_t j = 0; j < n; j++)
+                block_rows(x + t * xs, xs, rows, w + j * in * BLOCK, in, yb + t * ys_t + j * BLOCK * ys_o, ys_t, ys_o,
+                           valid - j * BLOCK < BLOCK ? valid - j * BLOCK : BLOCK);
+        }
+    }
+}
+#endif
+
+/* The same sums, in the same order, for CPUs without AVX2, FMA and F16C (where the engine
+ * does not choose float16 weights unless asked: precision.py). */
+static void blocks_generic(const float *x, int64_t xs, int64_t tokens, const uint16_t *packed, int64_t in, int64_t out,
+                           float *y, int64_t ys_t, int64_t ys_o, int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; b++) {
+        const uint16_t *w = packed + b * in * BLOCK;
+        for (int64_t t = 0; t < tokens; t++) {
+            float acc[BLOCK] = {0};
+            for (int64_t k = 0; k < in; k++) {
+                const float a = x[t * xs + k];
+                for (int j = 0; j < BLOCK; j++) acc[j] = fmaf(a, float_from_half(w[k * BLOCK + j]), acc[j]);
+            }
+            for (int j = 0; j < BLOCK && b * BLOCK + j < out; j++) y[t * ys_t + (b * BLOCK + j) * ys_o] = acc[j];
+        }
+    }
+}
+
+void float16_linear(const Float16Linear *l, int threads, int portable) {
+    const int64_t blocks = (l->out + BLOCK - 1) / BLOCK;
+    int vector = 0;
+#if defined(__x86_64__) && defined(__GNUC__)
+    vector = !portable && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+    (void)portable;
+#endif
+    /* One thread below about 64k multiply-adds: a thread team costs more than it saves. */
+    const int team = l->tokens * l->in * l->out < 65536 ? 1 : threads;
+#pragma omp parallel num_threads(team)
+    {
+        /* Each thread a contiguous range of blocks, split as evenly as blocks allow. */
+        const int64_t n = omp_get_num_threads(), i = omp_get_thread_num();
+        const int64_t first = blocks * i / n, last = blocks * (i + 1) / n;
+#if defined(__x86_64__) && defined(__GNUC__)
+        if (vector)
+            blocks_avx2(l->x, l->x_stride, l->tokens, l->packed, l->in, l->out, l->y, l->y_token_stride,
+                        l->y_channel_stride, first, last);
+        else
+#endif
+            blocks_generic(l->x, l->x_stride, l->tokens, l->packed, l->in, l->out, l->y, l->y_token_stride,
+                           l->y_channel_stride, first, last);
+    }
+}
