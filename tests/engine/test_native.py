@@ -126,15 +126,17 @@ def test_rope_and_cache_rounds_k_and_v_into_a_16_bit_pool_as_torch_casts_them(kv
     positions, slots = torch.tensor([0, 1, 2, 3, 60]), torch.tensor([4, 0, 31, 9, 17])
     rotated = apply_rope(qkv[:, : heads + kv_heads], cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
 
-    keys, values = torch.zeros(kv_heads, 4, 8, d, dtype=kv_dtype), torch.zeros(kv_heads, 4, 8, d, dtype=kv_dtype)
-    q = rope_and_cache(qkv.flatten(1).t().contiguous(), positions, slots, cos, sin, keys, values, heads)
+    for layout, columns in linear_layouts(qkv.flatten(1).t()).items():
+        keys, values = torch.zeros(kv_heads, 4, 8, d, dtype=kv_dtype), torch.zeros(kv_heads, 4, 8, d, dtype=kv_dtype)
+        q = rope_and_cache(columns, positions, slots, cos, sin, keys, values, heads)
 
-    torch.testing.assert_close(q, rotated[:, :heads], atol=1e-6, rtol=1e-6)  # q stays float32
-    flat_keys, flat_values = keys.view(kv_heads, -1, d), values.view(kv_heads, -1, d)
-    assert torch.equal(flat_values[:, slots], v.transpose(0, 1).to(kv_dtype))
-    # k is rotated in float32 (products may fuse into one rounding) and then rounded once.
-    expected_keys = rotated[:, heads:].transpose(0, 1).to(kv_dtype)
-    assert (flat_keys[:, slots].float() - expected_keys.float()).abs().max() <= expected_keys.float().abs().max() * 2**-7
+        torch.testing.assert_close(q, rotated[:, :heads], atol=1e-6, rtol=1e-6, msg=layout)  # q stays float32
+        flat_keys, flat_values = keys.view(kv_heads, -1, d), values.view(kv_heads, -1, d)
+        assert torch.equal(flat_values[:, slots], v.transpose(0, 1).to(kv_dtype)), layout
+        # k is rotated in float32 (products may fuse into one rounding) and then rounded once.
+        expected_keys = rotated[:, heads:].transpose(0, 1).to(kv_dtype)
+        error = (flat_keys[:, slots].float() - expected_keys.float()).abs().max()
+        assert error <= expected_keys.float().abs().max() * 2**-7, layout
 
 
 def test_a_nan_written_into_a_float16_pool_stays_nan_and_stays_in_its_row() -> None:

@@ -19,10 +19,25 @@
 
 /* Rotate the channel pairs of the head whose channels start at qkv row `first` into
  * base[row_t * stride + ...] (elements of `dtype`), where row_t is slots[t], or t when `slots`
- * is NULL. */
-static inline void rotate_head(const RopeCache *r, int64_t first, void *base, int dtype, const int64_t *slots,
-                               int64_t stride) {
+ * is NULL. Always inlined where `dtype` is a constant, so the stores do not test it. */
+static inline __attribute__((always_inline)) void rotate_head(const RopeCache *r, int64_t first, void *base, int dtype,
+                                                             const int64_t *slots, int64_t stride) {
     const int64_t T = r->tokens, half = r->head_dim / 2, cs = r->channel_stride, ts = r->token_stride;
+    if (cs == 1) {
+        /* Rows: a token's channels, its cos and sin and its destination are contiguous, so the
+         * loop over channels vectorises (channels outer took 77 us a layer for 32 rows). */
+        for (int64_t t = 0; t < T; t++) {
+            const float *x1 = r->qkv + t * ts + first, *x2 = x1 + half;
+            const float *c = r->cos + r->positions[t] * half, *s = r->sin + r->positions[t] * half;
+            const int64_t o = (slots ? slots[t] : t) * stride;
+#pragma omp simd
+            for (int64_t d = 0; d < half; d++) {
+                kv_store(base, o + d, x1[d] * c[d] - x2[d] * s[d], dtype);
+                kv_store(base, o + d + half, x2[d] * c[d] + x1[d] * s[d], dtype);
+            }
+        }
+        return;
+    }
     for (int64_t d = 0; d < half; d++) {
         const float *x1 = r->qkv + (first + d) * cs, *x2 = r->qkv + (first + d + half) * cs;
         for (int64_t t = 0; t < T; t++) {
@@ -34,6 +49,41 @@ static inline void rotate_head(const RopeCache *r, int64_t first, void *base, in
     }
 }
 
+/* Copy the value head whose channels start at qkv row `first` into its pool rows. */
+static inline __attribute__((always_inline)) void copy_head(const RopeCache *r, int64_t first, void *pool, int dtype) {
+    const int64_t D = r->head_dim, T = r->tokens, cs = r->channel_stride, ts = r->token_stride;
+    if (cs == 1) {
+        for (int64_t t = 0; t < T; t++) {
+            const float *x = r->qkv + t * ts + first;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) kv_store(pool, r->slots[t] * D + d, x[d], dtype);
+        }
+        return;
+    }
+    for (int64_t d = 0; d < D; d++) {
+        const float *x = r->qkv + (first + d) * cs;
+        for (int64_t t = 0; t < T; t++) kv_store(pool, r->slots[t] * D + d, x[t * ts], dtype);
+    }
+}
+
+/* A key or value head into a pool of `dtype`, with the dtype a constant in each branch. */
+static void cache_head(const RopeCache *r, int64_t first, void *pool, int rotate) {
+    switch (r->kv_dtype) {
+    case KV_FLOAT16:
+        if (rotate) rotate_head(r, first, pool, KV_FLOAT16, r->slots, r->head_dim);
+        else copy_head(r, first, pool, KV_FLOAT16);
+        break;
+    case KV_BFLOAT16:
+        if (rotate) rotate_head(r, first, pool, KV_BFLOAT16, r->slots, r->head_dim);
+        else copy_head(r, first, pool, KV_BFLOAT16);
+        break;
+    default:
+        if (rotate) rotate_head(r, first, pool, KV_FLOAT32, r->slots, r->head_dim);
+        else copy_head(r, first, pool, KV_FLOAT32);
+        break;
+    }
+}
+
 FLARE_TARGET_CLONES
 void rope_and_cache(const RopeCache *r, int threads) {
     const int64_t D = r->head_dim, T = r->tokens, H = r->heads, G = r->kv_heads;
@@ -42,16 +92,11 @@ void rope_and_cache(const RopeCache *r, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (T >= 64)
     for (int64_t head = 0; head < H + 2 * G; head++) {
         const int64_t head_bytes = r->pool_slots * D * kv_element_size(r->kv_dtype);
-        if (head < H) {
+        if (head < H)
             rotate_head(r, head * D, r->q_out + head * D, KV_FLOAT32, NULL, H * D);
-        } else if (head < H + G) {
-            rotate_head(r, head * D, (char *)r->keys + (head - H) * head_bytes, r->kv_dtype, r->slots, D);
-        } else {
-            void *pool = (char *)r->values + (head - H - G) * head_bytes;
-            for (int64_t d = 0; d < D; d++) {
-                const float *x = r->qkv + (head * D + d) * r->channel_stride;
-                for (int64_t t = 0; t < T; t++) kv_store(pool, r->slots[t] * D + d, x[t * r->token_stride], r->kv_dtype);
-            }
-        }
+        else if (head < H + G)
+            cache_head(r, head * D, (char *)r->keys + (head - H) * head_bytes, 1);
+        else
+            cache_head(r, head * D, (char *)r->values + (head - H - G) * head_bytes, 0);
     }
 }
