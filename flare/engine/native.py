@@ -78,6 +78,8 @@ def paged_attention(
     block_table: torch.Tensor,
     start_positions: torch.Tensor,
     query_len: int,
+    *,
+    portable: bool = False,
 ) -> torch.Tensor:
     """Causal attention of `rows` rows of `query_len` new tokens each over their cached keys.
 
@@ -132,6 +134,7 @@ def paged_attention(
         head_dim**-0.5,
         torch.get_num_threads(),
         KV_DTYPE_CODES[keys.dtype],
+        portable,
     )
     return out
 

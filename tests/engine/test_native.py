@@ -387,3 +387,18 @@ def test_float16_linear_refuses_inputs_it_cannot_read_with_their_shape() -> None
     for bad in (torch.randn(2, 8, dtype=torch.float64), torch.randn(2, 9), torch.randn(8, 2).t()):
         with pytest.raises(ValueError, match="float16_linear: x must be a CPU float32 \\[tokens, 8\\]"):
             native.float16_linear(bad, packed)
+
+
+@pytest.mark.parametrize(("rows", "query_len", "context"), [(1, 1, 100), (5, 1, 37), (2, 4, 60), (3, 17, 20)])
+def test_the_portable_attention_loops_agree_with_the_vector_tiles(rows: int, query_len: int, context: int) -> None:
+    # The register tiles (AVX2) and the portable loops sum in different orders: equal to float32
+    # rounding. Query counts of 3, 12 and 51 per task cover every tile size (3, 2 and 1 queries).
+    keys, values = pools(seed=9)
+    generator = torch.Generator().manual_seed(rows * 7 + query_len)
+    block_table = torch.stack([torch.randperm(BLOCKS, generator=generator)[:8] for _ in range(rows)])
+    starts = torch.full((rows,), context, dtype=torch.int64)
+    q = torch.randn(rows * query_len, HEADS, HEAD_DIM, generator=generator)
+    tiles = paged_attention(q, keys, values, block_table, starts, query_len)
+    loops = paged_attention(q, keys, values, block_table, starts, query_len, portable=True)
+    torch.testing.assert_close(tiles, loops, atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close(tiles, textbook_attention(q, keys, values, block_table, starts, query_len), atol=2e-6, rtol=2e-5)

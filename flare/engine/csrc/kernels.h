@@ -121,6 +121,7 @@ typedef struct {
     const int64_t *start_positions; /* [rows]: position of each row's first new token */
     int64_t rows, query_len, heads, kv_heads, head_dim, block_size, num_blocks, max_blocks;
     float scale;
+    int portable;              /* run the loops for CPUs without AVX2 and FMA even where they are present */
 } Attention;
 
 /* Returns 0, or -1 when scratch memory could not be allocated (nothing was written then). */

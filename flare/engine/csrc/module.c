@@ -36,10 +36,10 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
     Py_ssize_t q, q_token_stride, keys, values, out, block_table, start_positions;
     Py_ssize_t rows, query_len, heads, kv_heads, head_dim, block_size, num_blocks, max_blocks, threads;
     float scale;
-    int kv_dtype;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnfni", &q, &q_token_stride, &keys, &values, &out, &block_table,
+    int kv_dtype, portable;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnfnip", &q, &q_token_stride, &keys, &values, &out, &block_table,
                           &start_positions, &rows, &query_len, &heads, &kv_heads, &head_dim, &block_size,
-                          &num_blocks, &max_blocks, &scale, &threads, &kv_dtype))
+                          &num_blocks, &max_blocks, &scale, &threads, &kv_dtype, &portable))
         return NULL;
     if (kv_dtype < KV_FLOAT32 || kv_dtype > KV_BFLOAT16) return invalid("paged_attention", "unknown KV dtype code");
     if (rows < 1 || query_len < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads || head_dim < 1 ||
@@ -63,6 +63,7 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
         .num_blocks = num_blocks,
         .max_blocks = max_blocks,
         .scale = scale,
+        .portable = portable,
     };
     int64_t longest;
     const char *problem = check_rows(&a, &longest);
@@ -190,7 +191,7 @@ static PyObject *py_float16_linear(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"paged_attention", py_paged_attention, METH_VARARGS,
      "paged_attention(q, q_token_stride, keys, values, out, block_table, start_positions, rows, query_len, heads, "
-     "kv_heads, head_dim, block_size, num_blocks, max_blocks, scale, threads, kv_dtype)"},
+     "kv_heads, head_dim, block_size, num_blocks, max_blocks, scale, threads, kv_dtype, portable)"},
     {"rope_and_cache", py_rope_and_cache, METH_VARARGS,
      "rope_and_cache(qkv, channel_stride, token_stride, positions, slots, cos, sin, max_positions, q_out, keys, "
      "values, tokens, heads, kv_heads, head_dim, pool_slots, threads, kv_dtype)"},
