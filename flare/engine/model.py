@@ -293,6 +293,15 @@ class LlamaModel:
             )
             for i in range(config.num_layers)
         ]
+        # A round of short rows on float16 weights runs each layer as one kernel call
+        # (`native.decoder_layer`): the same kernels as the steps below, without the Python
+        # between them.
+        self.float16_layers = (
+            [native.Float16Layer(l.input_norm, l.post_norm, l.qkv, l.o, l.gate_up, l.down) for l in self.layers]
+            if self.native_kernels and all(isinstance(l.qkv, native.Float16Weight) for l in self.layers)
+            else None
+        )
+        self._layer_scratch = torch.empty(0, dtype=torch.float32, device=self.device)
         self.rope_cos, self.rope_sin = rope_tables(config, dtype, self.device)
         # Grow-only scratch memory for the gathered keys and values of a round: allocating
         # tens of megabytes afresh every round costs page faults on every round. It holds one
@@ -330,23 +339,51 @@ class LlamaModel:
         h = F.embedding(batch.token_ids, self.embed).to(self.dtype) if inputs is None else inputs.to(self.dtype, copy=True).contiguous()
         rope = None if self.native_kernels else self._rope(batch)
         calls = self._plan_attention(batch, kv_cache)
-        # Each sublayer's output is added to the residual stream h by the norm that reads it next.
-        delta = None
-        for index, layer in enumerate(self.layers):
-            x = self._add_norm(h, delta, layer.input_norm)
-            keys, values = kv_cache.keys[index], kv_cache.values[index]
-            q = self._rope_and_cache(linear_columns(x, layer.qkv), batch, rope, keys, values)
-            delta = linear(self._attention(q, keys, values, calls), layer.o)
-            x = self._add_norm(h, delta, layer.post_norm)
-            delta = linear(self._swiglu(linear_columns(x, layer.gate_up)), layer.down)
-        if delta is not None:
-            h += delta
+        if self.float16_layers is not None and all(call.native for call in calls):
+            plan = self._decoder_round(batch, calls, kv_cache)
+            for index, layer in enumerate(self.float16_layers):
+                native.decoder_layer(h, layer, kv_cache.keys[index], kv_cache.values[index], plan)
+        else:
+            # Each sublayer's output is added to the residual stream h by the norm that reads it next.
+            delta = None
+            for index, layer in enumerate(self.layers):
+                x = self._add_norm(h, delta, layer.input_norm)
+                keys, values = kv_cache.keys[index], kv_cache.values[index]
+                q = self._rope_and_cache(linear_columns(x, layer.qkv), batch, rope, keys, values)
+                delta = linear(self._attention(q, keys, values, calls), layer.o)
+                x = self._add_norm(h, delta, layer.post_norm)
+                delta = linear(self._swiglu(linear_columns(x, layer.gate_up)), layer.down)
+            if delta is not None:
+                h += delta
         x = self._add_norm(h[batch.logit_indices], None, self.norm)
         return linear(x, self.lm_head).contiguous().float(), h
 
     def logits_of(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits [T, vocab] of residual-stream rows h [T, hidden]: final norm, LM head."""
         return linear(self._add_norm(h.contiguous(), None, self.norm), self.lm_head).contiguous().float()
+
+    def _decoder_round(self, batch: ForwardBatch, calls: list[AttentionCall], kv_cache: KVCache) -> native.DecoderRound:
+        """What every `native.decoder_layer` call of the round shares, checked once."""
+        config = self.config
+        qkv_channels = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        needed = batch.num_tokens * (
+            2 * config.hidden_size + qkv_channels + 2 * config.num_heads * config.head_dim + 3 * config.intermediate_size
+        )
+        if self._layer_scratch.numel() < needed:
+            self._layer_scratch = torch.empty(needed, dtype=torch.float32, device=self.device)
+        return native.decoder_round(
+            positions=batch.positions,
+            slots=batch.slot_mapping,
+            cos=self.rope_cos,
+            sin=self.rope_sin,
+            groups=[(c.group.start, c.group.rows, c.group.query_len, c.group.block_table, c.group.start_positions) for c in calls],
+            pool=kv_cache.keys[0],
+            heads=config.num_heads,
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            eps=config.rms_norm_eps,
+            scratch=self._layer_scratch,
+        )
 
     def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
         """`h += delta` (a sublayer's output, when given), then RMSNorm of h (the torch

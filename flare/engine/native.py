@@ -315,3 +315,173 @@ def float16_linear(x: torch.Tensor, weight: Float16Weight, *, portable: bool = F
             portable,
         )
     return y
+
+
+@dataclass(frozen=True)
+class Float16Layer:
+    """A decoder layer's weights as `decoder_layer` reads them: float32 norms and float16 linear
+    layers, their shapes checked against each other once, when the model is loaded."""
+
+    input_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor  # [hidden]
+    qkv: Float16Weight  # [(heads + 2 kv_heads) head_dim, hidden]
+    o: Float16Weight  # [hidden, heads head_dim]
+    gate_up: Float16Weight  # [2 intermediate, hidden]
+    down: Float16Weight  # [hidden, intermediate]
+
+    def __post_init__(self) -> None:
+        hidden = self.input_norm.shape[0]
+        norms_fit = all(
+            n.dtype == torch.float32 and n.device.type == "cpu" and n.shape == (hidden,) and n.is_contiguous()
+            for n in (self.input_norm, self.post_norm)
+        )
+        layers_fit = (
+            self.qkv.in_features == self.gate_up.in_features == self.o.out_features == self.down.out_features == hidden
+            and self.gate_up.out_features == 2 * self.down.in_features
+        )
+        if not (norms_fit and layers_fit):
+            raise ValueError(
+                f"decoder_layer: a layer's norms must be contiguous float32 [{hidden}] and its linear layers chain "
+                f"hidden -> qkv, o -> hidden, hidden -> gate_up -> down -> hidden; got qkv {self.qkv.in_features}->"
+                f"{self.qkv.out_features}, o {self.o.in_features}->{self.o.out_features}, gate_up "
+                f"{self.gate_up.in_features}->{self.gate_up.out_features}, down {self.down.in_features}->{self.down.out_features}"
+            )
+
+    @property
+    def hidden(self) -> int:
+        return self.input_norm.shape[0]
+
+
+# An attention group of a DecoderRound as the C side reads it (kernels.h, AttentionGroupPlan):
+# start, rows, query_len, max_blocks, longest (filled by the check), block table and start
+# positions addresses.
+_PLAN_FIELDS = 7
+
+
+@dataclass(frozen=True)
+class DecoderRound:
+    """What every layer of one round shares in `decoder_layer`, checked once when built
+    (`decoder_round`): the round's positions and slots, the RoPE tables, the attention groups
+    and the scratch memory the layer's steps pass their results through."""
+
+    tokens: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    positions: torch.Tensor
+    slots: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    plans: torch.Tensor  # [groups, _PLAN_FIELDS] int64
+    pool_shape: tuple[int, ...]
+    pool_dtype: torch.dtype
+    scratch: torch.Tensor
+    # The tensors whose addresses `plans` holds, kept alive with it.
+    tables: tuple[torch.Tensor, ...]
+
+
+def decoder_round(
+    *,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    groups: list[tuple[int, int, int, torch.Tensor, torch.Tensor]],
+    pool: torch.Tensor,
+    heads: int,
+    hidden: int,
+    intermediate: int,
+    eps: float,
+    scratch: torch.Tensor,
+) -> DecoderRound:
+    """The shared part of a round's `decoder_layer` calls. `groups`: (first flat token, rows,
+    query_len, block_table [rows, max_blocks], start_positions [rows]) of each attention group,
+    in token order; `pool`: one layer's key pool [kv_heads, num_blocks, block_size, head_dim];
+    `scratch`: float32 memory of at least `DecoderRound.scratch_floats` elements (the model's
+    workspace, reused round after round). Raises ValueError naming what does not fit."""
+    native = _module()
+    kv_heads, num_blocks, block_size, head_dim = pool.shape
+    tokens = positions.shape[0]
+    problems = _dtype_problems(
+        positions=(positions, torch.int64), slots=(slots, torch.int64), cos=(cos, torch.float32), sin=(sin, torch.float32)
+    ) + _pool_problems(pool, pool)
+    if slots.shape != (tokens,) or not positions.is_contiguous() or not slots.is_contiguous():
+        problems.append(f"positions and slots must be contiguous [{tokens}], got {tuple(slots.shape)}")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] * 2 != head_dim or not (cos.is_contiguous() and sin.is_contiguous()):
+        problems.append(f"cos and sin must be contiguous [positions, {head_dim // 2}], got {tuple(cos.shape)}")
+    for _, rows, _, table, starts in groups:
+        problems += _dtype_problems(block_table=(table, torch.int64), start_positions=(starts, torch.int64))
+        if table.dim() != 2 or table.shape[0] != rows or starts.shape != (rows,) or not (table.is_contiguous() and starts.is_contiguous()):
+            problems.append(f"a group of {rows} rows needs a contiguous [rows, blocks] table and [rows] starts")
+    needed = tokens * (2 * hidden + (heads + 2 * kv_heads) * head_dim + 2 * heads * head_dim + 3 * intermediate)
+    if scratch.dtype != torch.float32 or not scratch.is_contiguous() or scratch.numel() < needed:
+        problems.append(f"scratch must be contiguous float32 of at least {needed} elements")
+    _check("decoder_layer", problems)
+
+    plans = torch.tensor(
+        [[start, rows, query_len, table.shape[1], 0, table.data_ptr(), starts.data_ptr()] for start, rows, query_len, table, starts in groups],
+        dtype=torch.int64,
+    ).view(len(groups), _PLAN_FIELDS)
+    native.check_decoder_round(
+        positions.data_ptr(), slots.data_ptr(), tokens, cos.shape[0], num_blocks * block_size, plans.data_ptr(), len(groups),
+        num_blocks, block_size, heads, kv_heads,
+    )
+    tables = tuple(t for _, _, _, table, starts in groups for t in (table, starts))
+    return DecoderRound(
+        tokens, heads, kv_heads, head_dim, intermediate, eps, positions, slots, cos, sin, plans, tuple(pool.shape), pool.dtype,
+        scratch, tables,
+    )
+
+
+def decoder_layer(h: torch.Tensor, layer: Float16Layer, keys: torch.Tensor, values: torch.Tensor, plan: DecoderRound) -> None:
+    """One decoder layer on the residual stream h [tokens, hidden] (float32, contiguous), in
+    place: its norms, float16 linear layers, RoPE and KV write into this layer's pools, and the
+    attention of the round's groups (decoder_layer.c; the same kernels and bits as the steps
+    model.py runs one by one)."""
+    native = _module()
+    if (
+        h.dtype != torch.float32 or not h.is_contiguous() or h.shape != (plan.tokens, layer.hidden)
+        or tuple(keys.shape) != plan.pool_shape or tuple(values.shape) != plan.pool_shape
+        or keys.dtype != plan.pool_dtype or values.dtype != plan.pool_dtype
+        or not (keys.is_contiguous() and values.is_contiguous())
+        or layer.qkv.out_features != (plan.heads + 2 * plan.kv_heads) * plan.head_dim
+        or layer.o.in_features != plan.heads * plan.head_dim or layer.down.in_features != plan.intermediate
+    ):
+        raise ValueError(
+            f"decoder_layer: h must be contiguous float32 [{plan.tokens}, {layer.hidden}] and the pools "
+            f"{plan.pool_dtype} {plan.pool_shape}, the layer's shapes those of the round; got h {h.dtype} "
+            f"{tuple(h.shape)}, pools {keys.dtype} {tuple(keys.shape)} and {values.dtype} {tuple(values.shape)}"
+        )
+    native.decoder_layer(
+        h.data_ptr(),
+        layer.input_norm.data_ptr(),
+        layer.post_norm.data_ptr(),
+        layer.qkv.blocks.data_ptr(),
+        layer.o.blocks.data_ptr(),
+        layer.gate_up.blocks.data_ptr(),
+        layer.down.blocks.data_ptr(),
+        plan.tokens,
+        layer.hidden,
+        plan.heads,
+        plan.kv_heads,
+        plan.head_dim,
+        plan.intermediate,
+        plan.eps,
+        plan.head_dim**-0.5,
+        plan.positions.data_ptr(),
+        plan.slots.data_ptr(),
+        plan.cos.data_ptr(),
+        plan.sin.data_ptr(),
+        plan.cos.shape[0],
+        keys.data_ptr(),
+        values.data_ptr(),
+        KV_DTYPE_CODES[keys.dtype],
+        plan.pool_shape[1],
+        plan.pool_shape[2],
+        plan.plans.data_ptr(),
+        plan.plans.shape[0],
+        plan.scratch.data_ptr(),
+        torch.get_num_threads(),
+    )

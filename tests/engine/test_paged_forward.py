@@ -18,7 +18,8 @@ from flare.engine.model import (
     linear_columns,
     pack_weight,
 )
-from flare.engine.native import Float16Weight
+from flare.engine import native
+from flare.engine.native import Float16Weight, decoder_layer
 from flare.engine.precision import WeightFormat, cpu_has_float16_gemm
 
 from tiny_llama import random_state_dict, tiny_config
@@ -353,3 +354,54 @@ def test_a_model_with_bfloat16_gemms_tracks_the_float32_model_on_the_same_weight
         assert (logits - reference).abs().max() < 0.05 * reference.abs().max()
         agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean()
         assert agree >= 0.9
+
+
+@FLOAT16
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_a_round_of_short_rows_on_float16_weights_runs_each_layer_in_one_call_with_the_steps_bits(monkeypatch, kv_dtype) -> None:
+    # native.decoder_layer runs the same kernels in the same order as the step-by-step path, so
+    # logits and the cache must be the same bits; a round with a row too long for the attention
+    # kernel runs step by step.
+    config = tiny_config()
+    state = held_exactly(random_state_dict(config), WeightFormat.FLOAT16)
+    fused = LlamaModel(config, state, weight_format=WeightFormat.FLOAT16)
+    steps = LlamaModel(config, state, weight_format=WeightFormat.FLOAT16)
+    assert fused.float16_layers is not None
+    steps.float16_layers = None
+    layer_calls = []
+    monkeypatch.setattr(native, "decoder_layer", lambda *args: layer_calls.append(1) or decoder_layer(*args))
+    caches = new_cache(config, dtype=kv_dtype), new_cache(config, dtype=kv_dtype)
+    first, second, long = random_tokens(config, 9, 1), random_tokens(config, 5, 2), random_tokens(config, 30, 3)
+    rounds = [
+        # Two prompts short enough for the kernel: one call per layer.
+        [ForwardRow(first, 0, [0, 1, 2], num_logits=1), ForwardRow(second, 0, [3, 4], num_logits=1)],
+        # A decode row and a verify row of 3 tokens.
+        [ForwardRow([7], 9, [0, 1, 2], num_logits=1), ForwardRow([8, 9, 10], 5, [3, 4], num_logits=3)],
+        # A long prompt chunk beside a decode row: step by step.
+        [ForwardRow([11], 10, [0, 1, 2], num_logits=1), ForwardRow(long, 0, list(range(5, 5 + blocks_for(30))), num_logits=2)],
+    ]
+    for rows, expected_calls in zip(rounds, (config.num_layers, 2 * config.num_layers, 2 * config.num_layers)):
+        batch = ForwardBatch.build(rows, BLOCK_SIZE)
+        assert torch.equal(fused.forward(batch, caches[0]), steps.forward(batch, caches[1]))
+        assert len(layer_calls) == expected_calls
+    for fused_pool, steps_pool in zip((*caches[0].keys, *caches[0].values), (*caches[1].keys, *caches[1].values)):
+        assert torch.equal(fused_pool, steps_pool)
+
+
+@FLOAT16
+def test_a_fused_round_refuses_block_ids_and_slots_outside_the_pool_before_any_layer_runs() -> None:
+    config = tiny_config()
+    model = LlamaModel(config, random_state_dict(config), weight_format=WeightFormat.FLOAT16)
+    cache = new_cache(config, num_blocks=8)
+    cases = [
+        (ForwardRow(random_tokens(config, 6, 4), 0, [0, 99], num_logits=1), "a slot lies outside the KV pool"),
+        (ForwardRow(random_tokens(config, 6, 4), 0, [0, -1], num_logits=1), "a slot lies outside the KV pool"),
+        # The new token's slot is in block 1; the cached positions before it are in block 99.
+        (ForwardRow([5], 6, [99, 1], num_logits=1), "a block id lies outside the KV pool"),
+    ]
+    for row, message in cases:
+        batch = ForwardBatch.build([row], BLOCK_SIZE)
+        before = [pool.clone() for pool in cache.keys]
+        with pytest.raises(ValueError, match=message):
+            model.forward(batch, cache)
+        assert all(torch.equal(pool, kept) for pool, kept in zip(cache.keys, before))

@@ -178,4 +178,32 @@ typedef struct {
  * tests hold both loops to the same bits). */
 void float16_linear(const Float16Linear *l, int threads, int portable);
 
+/* One attention group of a round (model.py's AttentionGroup): `rows` rows of `query_len` new
+ * tokens from flat token `start`, their block table [rows, max_blocks] and start positions. */
+typedef struct {
+    int64_t start, rows, query_len, max_blocks, longest;
+    const int64_t *block_table, *start_positions;
+} AttentionGroupPlan;
+
+/* One decoder layer of a round of short rows with float16 linear layers: see decoder_layer.c. */
+typedef struct {
+    float *h;                                  /* [tokens, hidden] residual stream, updated in place */
+    const float *input_norm, *post_norm;       /* [hidden] */
+    const uint16_t *qkv, *o, *gate_up, *down;  /* packed float16 (Float16Linear) */
+    int64_t tokens, hidden, heads, kv_heads, head_dim, intermediate;
+    float eps, scale;
+    const int64_t *positions, *slots;          /* [tokens] */
+    const float *cos, *sin;                    /* [max_positions, head_dim / 2] */
+    int64_t max_positions;
+    void *keys, *values;                       /* this layer's pools [kv_heads, num_blocks, block_size, head_dim] */
+    int kv_dtype;
+    int64_t num_blocks, block_size;
+    const AttentionGroupPlan *group_plans;
+    int64_t groups;
+    float *scratch;                            /* tokens * (2 hidden + qkv channels + 2 heads * head_dim + 3 intermediate) floats */
+} DecoderLayerRound;
+
+/* Returns 0, or -1 when scratch memory could not be allocated. */
+int decoder_layer(const DecoderLayerRound *l, int threads);
+
 #endif

@@ -188,6 +188,92 @@ static PyObject *py_float16_linear(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Checks a round's tokens and attention groups once for every layer of `decoder_layer`: each
+ * position inside the RoPE tables, each slot inside the pool, each group's block ids inside the
+ * pool and its rows inside their tables and inside the round's tokens. Fills each plan's
+ * `longest` (the most keys a row of the group attends to). */
+static PyObject *py_check_decoder_round(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t positions, slots, tokens, max_positions, pool_slots, plans, groups, num_blocks, block_size, heads, kv_heads;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnn", &positions, &slots, &tokens, &max_positions, &pool_slots, &plans, &groups,
+                          &num_blocks, &block_size, &heads, &kv_heads))
+        return NULL;
+    if (tokens < 1 || groups < 1 || num_blocks < 1 || block_size < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads)
+        return invalid("decoder_layer", "sizes must be positive and heads a multiple of kv_heads");
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t position = ((const int64_t *)positions)[t], slot = ((const int64_t *)slots)[t];
+        if (position < 0 || position >= max_positions) return invalid("decoder_layer", "a position lies outside the RoPE tables");
+        if (slot < 0 || slot >= pool_slots) return invalid("decoder_layer", "a slot lies outside the KV pool");
+    }
+    int64_t covered = 0;
+    for (int64_t g = 0; g < groups; g++) {
+        AttentionGroupPlan *plan = (AttentionGroupPlan *)plans + g;
+        if (plan->start != covered || plan->rows < 1 || plan->query_len < 1 || plan->max_blocks < 1)
+            return invalid("decoder_layer", "the groups must cover the round's tokens in order");
+        covered += plan->rows * plan->query_len;
+        const Attention a = {.block_table = plan->block_table, .start_positions = plan->start_positions,
+                             .rows = plan->rows, .query_len = plan->query_len, .block_size = block_size,
+                             .num_blocks = num_blocks, .max_blocks = plan->max_blocks};
+        const char *problem = check_rows(&a, &plan->longest);
+        if (problem) return invalid("decoder_layer", problem);
+    }
+    if (covered != tokens) return invalid("decoder_layer", "the groups must cover the round's tokens in order");
+    Py_RETURN_NONE;
+}
+
+/* One decoder layer (decoder_layer.c) of a round `py_check_decoder_round` has checked. */
+static PyObject *py_decoder_layer(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t h, input_norm, post_norm, qkv, o, gate_up, down, tokens, hidden, heads, kv_heads, head_dim, intermediate;
+    Py_ssize_t positions, slots, cos, sin, max_positions, keys, values, num_blocks, block_size, plans, groups, scratch;
+    Py_ssize_t threads;
+    float eps, scale;
+    int kv_dtype;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnffnnnnnnninnnnnn", &h, &input_norm, &post_norm, &qkv, &o, &gate_up, &down,
+                          &tokens, &hidden, &heads, &kv_heads, &head_dim, &intermediate, &eps, &scale, &positions,
+                          &slots, &cos, &sin, &max_positions, &keys, &values, &kv_dtype, &num_blocks, &block_size,
+                          &plans, &groups, &scratch, &threads))
+        return NULL;
+    if (kv_dtype < KV_FLOAT32 || kv_dtype > KV_BFLOAT16) return invalid("decoder_layer", "unknown KV dtype code");
+    if (threads < 1) return invalid("decoder_layer", "threads must be positive");
+    const DecoderLayerRound l = {
+        .h = (float *)h,
+        .input_norm = (const float *)input_norm,
+        .post_norm = (const float *)post_norm,
+        .qkv = (const uint16_t *)qkv,
+        .o = (const uint16_t *)o,
+        .gate_up = (const uint16_t *)gate_up,
+        .down = (const uint16_t *)down,
+        .tokens = tokens,
+        .hidden = hidden,
+        .heads = heads,
+        .kv_heads = kv_heads,
+        .head_dim = head_dim,
+        .intermediate = intermediate,
+        .eps = eps,
+        .scale = scale,
+        .positions = (const int64_t *)positions,
+        .slots = (const int64_t *)slots,
+        .cos = (const float *)cos,
+        .sin = (const float *)sin,
+        .max_positions = max_positions,
+        .keys = (void *)keys,
+        .values = (void *)values,
+        .kv_dtype = kv_dtype,
+        .num_blocks = num_blocks,
+        .block_size = block_size,
+        .group_plans = (const AttentionGroupPlan *)plans,
+        .groups = groups,
+        .scratch = (float *)scratch,
+    };
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = decoder_layer(&l, (int)threads);
+    Py_END_ALLOW_THREADS
+    if (status) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"paged_attention", py_paged_attention, METH_VARARGS,
      "paged_attention(q, q_token_stride, keys, values, out, block_table, start_positions, rows, query_len, heads, "
@@ -201,6 +287,13 @@ static PyMethodDef methods[] = {
      "add_rms_norm(h, delta, delta_token_stride, delta_channel_stride, weight, out, tokens, hidden, eps, threads)"},
     {"float16_linear", py_float16_linear, METH_VARARGS,
      "float16_linear(x, x_stride, packed, y, y_token_stride, y_channel_stride, tokens, in, out, threads, portable)"},
+    {"check_decoder_round", py_check_decoder_round, METH_VARARGS,
+     "check_decoder_round(positions, slots, tokens, max_positions, pool_slots, plans, groups, num_blocks, block_size, "
+     "heads, kv_heads)"},
+    {"decoder_layer", py_decoder_layer, METH_VARARGS,
+     "decoder_layer(h, input_norm, post_norm, qkv, o, gate_up, down, tokens, hidden, heads, kv_heads, head_dim, "
+     "intermediate, eps, scale, positions, slots, cos, sin, max_positions, keys, values, kv_dtype, num_blocks, "
+     "block_size, plans, groups, scratch, threads)"},
     {NULL, NULL, 0, NULL},
 };
 
