@@ -1,6 +1,6 @@
 """How far the default package's weight formats move the default model from float32, teacher-forced.
 
-The default package stores float16; the engine multiplies it as float16 through fbgemm on AVX2
+The default package stores float16; the engine multiplies it as float16 (its own kernel) on AVX2
 CPUs and as bfloat16 through oneDNN where bfloat16 is native (`flare/engine/precision.py`).
 For each chat prompt, the float32 package generates a greedy answer; every model then reads
 prompt + answer in one forward, and at every answer position we compare its next-token

@@ -76,7 +76,7 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--device", metavar="DEVICE", help="auto, cpu, cuda or cuda:N (default auto)")
     add("--weight-format", choices=WEIGHT_FORMATS,
         help="what the linear layers multiply in: auto (default) picks the fastest this CPU runs for the "
-        "package's weights (float16 through fbgemm on AVX2, bfloat16 where native, float32 elsewhere)")
+        "package's weights (float16 on x86 with AVX2, bfloat16 on AMX CPUs, float32 elsewhere)")
     add("--log-level", choices=("debug", "info", "warning", "error"), help="default info")
     add("--log-format", choices=("auto", "json", "console"),
         help="default auto: console on a terminal, JSON lines otherwise")

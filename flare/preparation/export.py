@@ -172,8 +172,8 @@ def resolve_dtype(dtype: str) -> str:
     """`dtype`, or for `auto` float16: one package that serves fast on every CPU kind.
 
     The engine picks the format its linear layers multiply in at load (`engine.precision`):
-    fbgemm's float16 GEMM on AVX2 CPUs, oneDNN's bfloat16 where bfloat16 is native, float32
-    elsewhere. Stored float16 keeps 11 significant bits to bfloat16's 8, so it is the closer of
+    float16 through its own kernel on x86 CPUs with AVX2 (those with native bfloat16 too, but
+    AMX ones), oneDNN's bfloat16 on AMX CPUs, float32 elsewhere. Stored float16 keeps 11 significant bits to bfloat16's 8, so it is the closer of
     the two to the source, exact for the float16 GEMM and rounded once more for bfloat16. A
     model with a weight beyond float16's range is stored in bfloat16 instead (`store_dtype`).
     """

@@ -117,10 +117,12 @@ async def test_every_round_is_logged_with_what_the_draft_length_model_learns_fro
 
 
 # (package dtype, CPU kind, the format its linear layers run in). An "avx2" CPU runs the float16
-# GEMM (native.float16_linear), a "native-bf16" one oneDNN's bfloat16, a "plain" one neither.
+# GEMM (native.float16_linear), and so does a "native-bf16" one; an "amx" one runs oneDNN's
+# bfloat16, a "plain" one neither.
 FORMAT_CHOICES = [
     ("float16", "avx2", "float16"),
-    ("float16", "native-bf16", "bfloat16"),
+    ("float16", "native-bf16", "float16"),
+    ("float16", "amx", "bfloat16"),
     ("float16", "plain", "float32"),
     ("bfloat16", "avx2", "float16"),
     ("float32", "avx2", "float32"),
@@ -131,8 +133,11 @@ FORMAT_CHOICES = [
 async def test_a_package_serves_in_the_format_its_cpu_runs_fastest_and_logs_it(make_package, monkeypatch, stored, cpu, runs):
     if cpu == "avx2" and not precision.cpu_has_float16_gemm():
         pytest.skip("float16 GEMMs do not run vectorised on this CPU")
-    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: cpu == "native-bf16")
-    monkeypatch.setattr(precision, "cpu_has_float16_gemm", lambda: cpu == "avx2")
+    if cpu == "amx" and not precision.cpu_has_native_bf16():
+        pytest.skip("oneDNN does not run bfloat16 on this CPU")
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: cpu in ("native-bf16", "amx"))
+    monkeypatch.setattr(precision, "cpu_has_float16_gemm", lambda: cpu in ("avx2", "native-bf16"))
+    monkeypatch.setattr(precision, "cpu_has_amx", lambda: cpu == "amx")
     package = make_package(serving={"dtype": stored})
     with structlog.testing.capture_logs() as logs:
         async with running(package, draft_tokens=0) as scheduler:
