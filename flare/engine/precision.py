@@ -99,10 +99,10 @@ def available_formats(device: torch.device) -> tuple[WeightFormat, ...]:
     """The formats that run natively on `device`, the one `auto` takes first.
 
     float16 through the engine's kernel comes first wherever it runs, bfloat16 included: on an
-    AVX512-BF16 CPU (Zen 4, 2 cores) its rounds of 1 decode row took 0.67 of oneDNN bfloat16's,
-    and one stream decoded 1.4x faster; bfloat16 was ahead from 8 rows on (32 streams served
-    1.44x faster), and it rounds the GEMMs' inputs and outputs, the logits included, to 8 bits
-    where float16 keeps float32's. bfloat16 stays first on CPUs with AMX tiles, which multiply
+    AVX512-BF16 CPU (Zen 4, 2 cores) its rounds of 1 decode row took 0.63 of oneDNN bfloat16's,
+    and one stream was served 1.43x faster; bfloat16 was ahead from 8 rows on (32 streams served
+    1.6x faster), and it rounds the GEMMs' inputs and outputs, the logits included, to 8 bits
+    where float16 keeps float32's (docs/benchmarks.md, "On a CPU with native bfloat16"). bfloat16 stays first on CPUs with AMX tiles, which multiply
     bfloat16 matrices several times faster than AVX-512 (not measured here), and where the C
     kernels were not built (fbgemm's float16 was no faster than oneDNN's bfloat16 at one row)."""
     if device.type != "cpu":
