@@ -328,13 +328,18 @@ def float32_and_rounded_logits(model: LlamaModel, state: dict[str, torch.Tensor]
 
 @FLOAT16
 @pytest.mark.parametrize("tie", [True, False])
-def test_a_model_with_float16_gemms_tracks_the_float32_model_on_the_same_weights(tie: bool) -> None:
+@pytest.mark.parametrize("built", [True, False], ids=["c-kernels", "no-c-kernels"])
+def test_a_model_with_float16_gemms_tracks_the_float32_model_on_the_same_weights(monkeypatch, tie: bool, built: bool) -> None:
+    # Without the C kernels (no compiler at install) float16 runs through fbgemm, step by step.
+    monkeypatch.setattr(native, "available", lambda: built)
     config = tiny_config(tie_word_embeddings=tie)
     # Weights that float16 holds exactly, so the two models differ only in how they multiply.
     state = {name: tensor.half().float() for name, tensor in random_state_dict(config).items()}
     fast = LlamaModel(config, state, weight_format=WeightFormat.FLOAT16)
     assert fast.weight_format == WeightFormat.FLOAT16 and fast.dtype == torch.float32
-    assert fast.embed.dtype == torch.float16 and isinstance(fast.lm_head, Float16Weight)
+    assert fast.embed.dtype == torch.float16
+    assert isinstance(fast.lm_head, Float16Weight if built else torch.ScriptObject)
+    assert (fast.float16_layers is not None) == built and fast.native_kernels == built
     for reference, logits in float32_and_rounded_logits(fast, state, config):
         # Only the summation order differs: float32 accumulation on both sides.
         torch.testing.assert_close(logits, reference, atol=1e-4 * reference.abs().max(), rtol=1e-4)
