@@ -402,3 +402,22 @@ def test_the_portable_attention_loops_agree_with_the_vector_tiles(rows: int, que
     loops = paged_attention(q, keys, values, block_table, starts, query_len, portable=True)
     torch.testing.assert_close(tiles, loops, atol=2e-6, rtol=2e-5)
     torch.testing.assert_close(tiles, textbook_attention(q, keys, values, block_table, starts, query_len), atol=2e-6, rtol=2e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    out_features=st.integers(1, 80),
+    in_features=st.integers(1, 70),
+    tokens=st.integers(1, 20),
+    row_gap=st.integers(0, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_any_shape_of_float16_layer_and_rows_equals_the_float64_product(out_features, in_features, tokens, row_gap, seed) -> None:
+    weight = float16_weight(out_features, in_features, seed)
+    packed = native.Float16Weight.pack(weight)
+    wide = torch.randn(tokens, in_features + row_gap, generator=torch.Generator().manual_seed(seed + 1))
+    x = wide[:, :in_features]
+    exact = (x.double() @ weight.double().T).float()
+    got = native.float16_linear(x, packed)
+    torch.testing.assert_close(got, exact, atol=2e-6 * in_features**0.5, rtol=1e-5)
+    assert torch.equal(native.float16_linear(x, packed, portable=True), got)

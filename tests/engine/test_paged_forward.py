@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -410,3 +411,26 @@ def test_a_fused_round_refuses_block_ids_and_slots_outside_the_pool_before_any_l
         with pytest.raises(ValueError, match=message):
             model.forward(batch, cache)
         assert all(torch.equal(pool, kept) for pool, kept in zip(cache.keys, before))
+
+
+@FLOAT16
+def test_one_call_layers_with_wide_heads_match_the_dense_forward_chunk_by_chunk(monkeypatch) -> None:
+    # Heads of 64 take the attention kernel's AVX2 tiles (3 query heads a KV head: the 3-query
+    # tile, and 2 and 1 for the remainders of a verify row's queries) inside native.decoder_layer.
+    config = replace(tiny_config(), num_heads=6, num_kv_heads=2, head_dim=64)
+    state = held_exactly(random_state_dict(config), WeightFormat.FLOAT16)
+    model = LlamaModel(config, state, weight_format=WeightFormat.FLOAT16)
+    layer_calls = []
+    monkeypatch.setattr(native, "decoder_layer", lambda *args: layer_calls.append(1) or decoder_layer(*args))
+    cache = new_cache(config)
+    tokens = random_tokens(config, 45, seed=6)
+    table = shuffled_allocator(cache.num_blocks, seed=7).allocate(blocks_for(len(tokens)))
+    reference = dense_reference(config, state, tokens)
+    start = 0
+    for size in (17, 1, 5, 16, 1, 5):
+        end = start + size
+        row = ForwardRow(tokens[start:end], start, table[: blocks_for(end)], num_logits=size)
+        logits = model.forward(ForwardBatch.build([row], BLOCK_SIZE), cache)
+        torch.testing.assert_close(logits, reference[start:end], atol=TOLERANCE, rtol=0)
+        start = end
+    assert len(layer_calls) == 6 * config.num_layers
