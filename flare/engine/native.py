@@ -306,8 +306,6 @@ def float16_linear(x: torch.Tensor, weight: Float16Weight, *, portable: bool = F
             max(x.stride(0), in_features),
             weight.blocks.data_ptr(),
             y.data_ptr(),
-            weight.out_features,
-            1,
             tokens,
             in_features,
             weight.out_features,

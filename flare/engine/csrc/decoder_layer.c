@@ -23,8 +23,7 @@ int decoder_layer(const DecoderLayerRound *l, int threads) {
     const AddRmsNorm input_norm = {.h = l->h, .weight = l->input_norm, .out = x, .tokens = T, .hidden = hidden, .eps = l->eps};
     add_rms_norm(&input_norm, threads);
 
-    const Float16Linear qkv_layer = {.x = x, .x_stride = hidden, .packed = l->qkv, .y = qkv, .y_token_stride = C,
-                                     .y_channel_stride = 1, .tokens = T, .in = hidden, .out = C};
+    const Float16Linear qkv_layer = {.x = x, .x_stride = hidden, .packed = l->qkv, .y = qkv, .tokens = T, .in = hidden, .out = C};
     float16_linear(&qkv_layer, threads, 0);
 
     const RopeCache rope = {
@@ -72,22 +71,19 @@ int decoder_layer(const DecoderLayerRound *l, int threads) {
         if (paged_attention(&a, plan->longest, threads)) return -1;
     }
 
-    const Float16Linear o_layer = {.x = attended, .x_stride = A, .packed = l->o, .y = delta, .y_token_stride = hidden,
-                                   .y_channel_stride = 1, .tokens = T, .in = A, .out = hidden};
+    const Float16Linear o_layer = {.x = attended, .x_stride = A, .packed = l->o, .y = delta, .tokens = T, .in = A, .out = hidden};
     float16_linear(&o_layer, threads, 0);
 
     const AddRmsNorm post_norm = {.h = l->h, .delta = delta, .delta_token_stride = hidden, .delta_channel_stride = 1,
                                   .weight = l->post_norm, .out = x, .tokens = T, .hidden = hidden, .eps = l->eps};
     add_rms_norm(&post_norm, threads);
 
-    const Float16Linear gate_up_layer = {.x = x, .x_stride = hidden, .packed = l->gate_up, .y = gate_up,
-                                         .y_token_stride = 2 * I, .y_channel_stride = 1, .tokens = T, .in = hidden,
+    const Float16Linear gate_up_layer = {.x = x, .x_stride = hidden, .packed = l->gate_up, .y = gate_up, .tokens = T, .in = hidden,
                                          .out = 2 * I};
     float16_linear(&gate_up_layer, threads, 0);
     if (swiglu_rows(gate_up, 1, 2 * I, gated, I, T, threads)) return -1;
 
-    const Float16Linear down_layer = {.x = gated, .x_stride = I, .packed = l->down, .y = delta, .y_token_stride = hidden,
-                                      .y_channel_stride = 1, .tokens = T, .in = I, .out = hidden};
+    const Float16Linear down_layer = {.x = gated, .x_stride = I, .packed = l->down, .y = delta, .tokens = T, .in = I, .out = hidden};
     float16_linear(&down_layer, threads, 0);
     /* The residual add the next layer's norm would make (model.py hands it the delta instead). */
     for (int64_t i = 0; i < T * hidden; i++) l->h[i] += delta[i];

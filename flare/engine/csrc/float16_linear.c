@@ -36,10 +36,10 @@ enum { BLOCK = 16, PREFETCH = 32 };
 #define F16_TARGET __attribute__((target("avx2,fma,f16c")))
 
 /* One tile: rows x[0 .. MT) (row stride xs) through NV vectors of weights starting at block
- * `w` (NV / 2 blocks of `in` lines), stored into y with strides (ys_t, ys_o) for the first
- * `valid` outputs. Always inlined with constant MT and NV, so the accumulators stay in registers. */
+ * `w` (NV / 2 blocks of `in` lines), stored into the first `valid` outputs of y's rows (`ys`
+ * floats apart). Always inlined with constant MT and NV, so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) F16_TARGET void tile(const float *x, int64_t xs, const uint16_t *w,
-                                                                   int64_t in, float *y, int64_t ys_t, int64_t ys_o,
+                                                                   int64_t in, float *y, int64_t ys,
                                                                    int64_t valid, const int MT, const int NV) {
     __m256 acc[6][8];
 #pragma GCC unroll 8
@@ -68,24 +68,21 @@ static inline __attribute__((always_inline)) F16_TARGET void tile(const float *x
 #pragma GCC unroll 8
         for (int v = 0; v < NV; v++) _mm256_storeu_ps(lanes[m] + 8 * v, acc[m][v]);
     for (int m = 0; m < MT; m++) {
-        if (ys_o == 1 && valid == 8 * NV)
-            memcpy(y + m * ys_t, lanes[m], sizeof(float) * 8 * NV);
-        else
-            for (int64_t o = 0; o < valid; o++) y[m * ys_t + o * ys_o] = lanes[m][o];
+        memcpy(y + m * ys, lanes[m], sizeof(float) * (size_t)valid);
     }
 }
 
 /* A tile of `rows` (1 to 6) rows through one block (two vectors): the tile sizes as constants. */
 static inline __attribute__((always_inline)) F16_TARGET void block_rows(const float *x, int64_t xs, int64_t rows,
                                                                          const uint16_t *w, int64_t in, float *y,
-                                                                         int64_t ys_t, int64_t ys_o, int64_t valid) {
+                                                                         int64_t ys, int64_t valid) {
     switch (rows) {
-    case 1: tile(x, xs, w, in, y, ys_t, ys_o, valid, 1, 2); break;
-    case 2: tile(x, xs, w, in, y, ys_t, ys_o, valid, 2, 2); break;
-    case 3: tile(x, xs, w, in, y, ys_t, ys_o, valid, 3, 2); break;
-    case 4: tile(x, xs, w, in, y, ys_t, ys_o, valid, 4, 2); break;
-    case 5: tile(x, xs, w, in, y, ys_t, ys_o, valid, 5, 2); break;
-    default: tile(x, xs, w, in, y, ys_t, ys_o, valid, 6, 2); break;
+    case 1: tile(x, xs, w, in, y, ys, valid, 1, 2); break;
+    case 2: tile(x, xs, w, in, y, ys, valid, 2, 2); break;
+    case 3: tile(x, xs, w, in, y, ys, valid, 3, 2); break;
+    case 4: tile(x, xs, w, in, y, ys, valid, 4, 2); break;
+    case 5: tile(x, xs, w, in, y, ys, valid, 5, 2); break;
+    default: tile(x, xs, w, in, y, ys, valid, 6, 2); break;
     }
 }
 
@@ -95,34 +92,34 @@ static inline __attribute__((always_inline)) F16_TARGET void block_rows(const fl
  * they go (8 rows as 4 + 4 took 0.8 of the time of 6 + 2), each through a pair of blocks one
  * block at a time, so the pair's weights are read from memory once and then from cache. */
 static F16_TARGET void blocks_avx2(const float *x, int64_t xs, int64_t tokens, const uint16_t *packed, int64_t in,
-                                   int64_t out, float *y, int64_t ys_t, int64_t ys_o, int64_t first, int64_t last) {
+                                   int64_t out, float *y, int64_t ys, int64_t first, int64_t last) {
     const int64_t per_chunk = tokens == 1 ? 4 : 2;
     const int64_t tiles = (tokens + 5) / 6;
     for (int64_t b = first; b < last; b += per_chunk) {
         const int64_t n = b + per_chunk <= last ? per_chunk : last - b;
         const uint16_t *w = packed + b * in * BLOCK;
-        float *yb = y + b * BLOCK * ys_o;
+        float *yb = y + b * BLOCK;
         const int64_t valid = out - b * BLOCK < n * BLOCK ? out - b * BLOCK : n * BLOCK;
         if (tokens == 1) {
             switch (n) {
-            case 4: tile(x, xs, w, in, yb, ys_t, ys_o, valid, 1, 8); break;
-            case 3: tile(x, xs, w, in, yb, ys_t, ys_o, valid, 1, 6); break;
-            case 2: tile(x, xs, w, in, yb, ys_t, ys_o, valid, 1, 4); break;
-            default: tile(x, xs, w, in, yb, ys_t, ys_o, valid, 1, 2); break;
+            case 4: tile(x, xs, w, in, yb, ys, valid, 1, 8); break;
+            case 3: tile(x, xs, w, in, yb, ys, valid, 1, 6); break;
+            case 2: tile(x, xs, w, in, yb, ys, valid, 1, 4); break;
+            default: tile(x, xs, w, in, yb, ys, valid, 1, 2); break;
             }
             continue;
         }
         if (tokens <= 3 && n == 2) {
             if (tokens == 2)
-                tile(x, xs, w, in, yb, ys_t, ys_o, valid, 2, 4);
+                tile(x, xs, w, in, yb, ys, valid, 2, 4);
             else
-                tile(x, xs, w, in, yb, ys_t, ys_o, valid, 3, 4);
+                tile(x, xs, w, in, yb, ys, valid, 3, 4);
             continue;
         }
         for (int64_t i = 0, t = 0; i < tiles; i++) {
             const int64_t rows = (tokens - t) / (tiles - i);
             for (int64_t j = 0; j < n; j++)
-                block_rows(x + t * xs, xs, rows, w + j * in * BLOCK, in, yb + t * ys_t + j * BLOCK * ys_o, ys_t, ys_o,
+                block_rows(x + t * xs, xs, rows, w + j * in * BLOCK, in, yb + t * ys + j * BLOCK, ys,
                            valid - j * BLOCK < BLOCK ? valid - j * BLOCK : BLOCK);
             t += rows;
         }
@@ -133,7 +130,7 @@ static F16_TARGET void blocks_avx2(const float *x, int64_t xs, int64_t tokens, c
 /* The same sums, in the same order, for CPUs without AVX2, FMA and F16C (where the engine
  * does not choose float16 weights unless asked: precision.py). */
 static void blocks_generic(const float *x, int64_t xs, int64_t tokens, const uint16_t *packed, int64_t in, int64_t out,
-                           float *y, int64_t ys_t, int64_t ys_o, int64_t first, int64_t last) {
+                           float *y, int64_t ys, int64_t first, int64_t last) {
     for (int64_t b = first; b < last; b++) {
         const uint16_t *w = packed + b * in * BLOCK;
         for (int64_t t = 0; t < tokens; t++) {
@@ -142,7 +139,7 @@ static void blocks_generic(const float *x, int64_t xs, int64_t tokens, const uin
                 const float a = x[t * xs + k];
                 for (int j = 0; j < BLOCK; j++) acc[j] = fmaf(a, float_from_half(w[k * BLOCK + j]), acc[j]);
             }
-            for (int j = 0; j < BLOCK && b * BLOCK + j < out; j++) y[t * ys_t + (b * BLOCK + j) * ys_o] = acc[j];
+            for (int j = 0; j < BLOCK && b * BLOCK + j < out; j++) y[t * ys + b * BLOCK + j] = acc[j];
         }
     }
 }
@@ -164,11 +161,9 @@ void float16_linear(const Float16Linear *l, int threads, int portable) {
         const int64_t first = blocks * i / n, last = blocks * (i + 1) / n;
 #if defined(__x86_64__) && defined(__GNUC__)
         if (vector)
-            blocks_avx2(l->x, l->x_stride, l->tokens, l->packed, l->in, l->out, l->y, l->y_token_stride,
-                        l->y_channel_stride, first, last);
+            blocks_avx2(l->x, l->x_stride, l->tokens, l->packed, l->in, l->out, l->y, l->out, first, last);
         else
 #endif
-            blocks_generic(l->x, l->x_stride, l->tokens, l->packed, l->in, l->out, l->y, l->y_token_stride,
-                           l->y_channel_stride, first, last);
+            blocks_generic(l->x, l->x_stride, l->tokens, l->packed, l->in, l->out, l->y, l->out, first, last);
     }
 }

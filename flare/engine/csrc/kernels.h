@@ -169,8 +169,7 @@ typedef struct {
     const float *x;            /* [tokens, in], rows `x_stride` floats apart */
     int64_t x_stride;
     const uint16_t *packed;    /* [ceil(out / 16), in, 16] float16 bits */
-    float *y;                  /* y[t * y_token_stride + o * y_channel_stride]: rows or columns */
-    int64_t y_token_stride, y_channel_stride;
+    float *y;                  /* [tokens, out], contiguous */
     int64_t tokens, in, out;
 } Float16Linear;
 

@@ -164,20 +164,17 @@ static PyObject *py_add_rms_norm(PyObject *self, PyObject *args) {
 
 static PyObject *py_float16_linear(PyObject *self, PyObject *args) {
     (void)self;
-    Py_ssize_t x, x_stride, packed, y, y_token_stride, y_channel_stride, tokens, in, out, threads;
+    Py_ssize_t x, x_stride, packed, y, tokens, in, out, threads;
     int portable;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnp", &x, &x_stride, &packed, &y, &y_token_stride, &y_channel_stride, &tokens,
-                          &in, &out, &threads, &portable))
+    if (!PyArg_ParseTuple(args, "nnnnnnnnp", &x, &x_stride, &packed, &y, &tokens, &in, &out, &threads, &portable))
         return NULL;
-    if (tokens < 1 || in < 1 || out < 1 || threads < 1 || x_stride < in || y_token_stride < 0 || y_channel_stride < 0)
-        return invalid("float16_linear", "sizes must be positive, rows at least `in` apart and strides non-negative");
+    if (tokens < 1 || in < 1 || out < 1 || threads < 1 || x_stride < in)
+        return invalid("float16_linear", "sizes must be positive and rows at least `in` apart");
     const Float16Linear l = {
         .x = (const float *)x,
         .x_stride = x_stride,
         .packed = (const uint16_t *)packed,
         .y = (float *)y,
-        .y_token_stride = y_token_stride,
-        .y_channel_stride = y_channel_stride,
         .tokens = tokens,
         .in = in,
         .out = out,
@@ -286,7 +283,7 @@ static PyMethodDef methods[] = {
     {"add_rms_norm", py_add_rms_norm, METH_VARARGS,
      "add_rms_norm(h, delta, delta_token_stride, delta_channel_stride, weight, out, tokens, hidden, eps, threads)"},
     {"float16_linear", py_float16_linear, METH_VARARGS,
-     "float16_linear(x, x_stride, packed, y, y_token_stride, y_channel_stride, tokens, in, out, threads, portable)"},
+     "float16_linear(x, x_stride, packed, y, tokens, in, out, threads, portable)"},
     {"check_decoder_round", py_check_decoder_round, METH_VARARGS,
      "check_decoder_round(positions, slots, tokens, max_positions, pool_slots, plans, groups, num_blocks, block_size, "
      "heads, kv_heads)"},
