@@ -157,20 +157,25 @@ def test_prompt_split_in_chunks_over_several_calls_matches_the_dense_forward(
 ) -> None:
     state_dict = held_exactly(state_dict, weight_format)
     model = LlamaModel(config, state_dict, native_kernels=native, weight_format=weight_format)
-    cache = new_cache(config)
-    tokens = random_tokens(config, 61, seed=3)
-    table = shuffled_allocator(cache.num_blocks, seed=4).allocate(blocks_for(len(tokens)))
-    reference = dense_reference(config, state_dict, tokens)
-
     # Chunks of mixed sizes: long (own attention call), short (padded call), single tokens.
+    assert_chunks_match_the_dense_forward(model, state_dict, (20, 3, 17, 1, 19, 1), seed=3)
+
+
+def assert_chunks_match_the_dense_forward(model: LlamaModel, state: dict[str, torch.Tensor], sizes: tuple[int, ...], seed: int) -> None:
+    """Feed one random prompt of sum(sizes) tokens to `model` chunk after chunk (its blocks
+    scattered over the pool), each chunk's logits held to the dense forward's."""
+    config = model.config
+    cache = new_cache(config)
+    tokens = random_tokens(config, sum(sizes), seed=seed)
+    table = shuffled_allocator(cache.num_blocks, seed=seed + 1).allocate(blocks_for(len(tokens)))
+    reference = dense_reference(config, state, tokens)
     start = 0
-    for size in (20, 3, 17, 1, 19, 1):
+    for size in sizes:
         end = start + size
         row = ForwardRow(tokens[start:end], start, table[: blocks_for(end)], num_logits=size)
         logits = model.forward(ForwardBatch.build([row], BLOCK_SIZE), cache)
         torch.testing.assert_close(logits, reference[start:end], atol=TOLERANCE, rtol=0)
         start = end
-    assert start == len(tokens)
 
 
 @ENGINE_PATHS
@@ -422,15 +427,5 @@ def test_one_call_layers_with_wide_heads_match_the_dense_forward_chunk_by_chunk(
     model = LlamaModel(config, state, weight_format=WeightFormat.FLOAT16)
     layer_calls = []
     monkeypatch.setattr(native, "decoder_layer", lambda *args: layer_calls.append(1) or decoder_layer(*args))
-    cache = new_cache(config)
-    tokens = random_tokens(config, 45, seed=6)
-    table = shuffled_allocator(cache.num_blocks, seed=7).allocate(blocks_for(len(tokens)))
-    reference = dense_reference(config, state, tokens)
-    start = 0
-    for size in (17, 1, 5, 16, 1, 5):
-        end = start + size
-        row = ForwardRow(tokens[start:end], start, table[: blocks_for(end)], num_logits=size)
-        logits = model.forward(ForwardBatch.build([row], BLOCK_SIZE), cache)
-        torch.testing.assert_close(logits, reference[start:end], atol=TOLERANCE, rtol=0)
-        start = end
+    assert_chunks_match_the_dense_forward(model, state, (17, 1, 5, 16, 1, 5), seed=6)
     assert len(layer_calls) == 6 * config.num_layers
