@@ -421,3 +421,54 @@ def test_any_shape_of_float16_layer_and_rows_equals_the_float64_product(out_feat
     got = native.float16_linear(x, packed)
     torch.testing.assert_close(got, exact, atol=2e-6 * in_features**0.5, rtol=1e-5)
     assert torch.equal(native.float16_linear(x, packed, portable=True), got)
+
+
+def _float16_layer(hidden: int = 32, heads: int = 2, kv_heads: int = 1, head_dim: int = 16, intermediate: int = 48):
+    generator = torch.Generator().manual_seed(11)
+
+    def packed(out_features: int, in_features: int) -> native.Float16Weight:
+        return native.Float16Weight.pack(torch.randn(out_features, in_features, generator=generator) * 0.1)
+
+    return native.Float16Layer(
+        input_norm=torch.ones(hidden),
+        post_norm=torch.ones(hidden),
+        qkv=packed((heads + 2 * kv_heads) * head_dim, hidden),
+        o=packed(hidden, heads * head_dim),
+        gate_up=packed(2 * intermediate, hidden),
+        down=packed(hidden, intermediate),
+    )
+
+
+def test_a_float16_layer_whose_linear_layers_do_not_chain_is_refused_naming_them() -> None:
+    layer = _float16_layer()
+    with pytest.raises(ValueError, match="decoder_layer: .*chain hidden -> qkv.*gate_up 32->96, down 40->32"):
+        native.Float16Layer(layer.input_norm, layer.post_norm, layer.qkv, layer.o, layer.gate_up, _float16_layer(intermediate=40).down)
+    with pytest.raises(ValueError, match="norms must be contiguous float32 \\[32\\]"):
+        native.Float16Layer(torch.ones(32, dtype=torch.float64), layer.post_norm, layer.qkv, layer.o, layer.gate_up, layer.down)
+
+
+def test_a_decoder_layer_call_refuses_a_residual_stream_or_pools_unlike_its_round() -> None:
+    layer = _float16_layer()
+    cos, sin = torch.randn(64, 8), torch.randn(64, 8)
+    keys, values = torch.zeros(1, 4, 4, 16), torch.zeros(1, 4, 4, 16)
+    plan = native.decoder_round(
+        positions=torch.tensor([0, 1]), slots=torch.tensor([0, 1]), cos=cos, sin=sin,
+        groups=[(0, 1, 2, torch.tensor([[0]]), torch.tensor([0]))], pool=keys,
+        heads=2, hidden=32, intermediate=48, eps=1e-5, scratch=torch.empty(10_000),
+    )
+    h = torch.randn(2, 32)
+    native.decoder_layer(h, layer, keys, values, plan)  # the round as built runs
+    assert h.isfinite().all() and keys[0, 0, :2].abs().sum() > 0
+    for bad_h, bad_keys in ((torch.randn(3, 32), keys), (h, keys.half()), (h.t().contiguous().t(), keys)):
+        with pytest.raises(ValueError, match="decoder_layer: h must be contiguous float32 \\[2, 32\\]"):
+            native.decoder_layer(bad_h, layer, bad_keys, values, plan)
+
+
+def test_a_decoder_round_too_big_for_its_scratch_or_with_groups_that_miss_tokens_is_refused() -> None:
+    cos, sin = torch.randn(64, 8), torch.randn(64, 8)
+    pool = torch.zeros(1, 4, 4, 16)
+    common = dict(positions=torch.tensor([0, 1]), slots=torch.tensor([0, 1]), cos=cos, sin=sin, pool=pool, heads=2, hidden=32, intermediate=48, eps=1e-5)
+    with pytest.raises(ValueError, match="scratch must be contiguous float32 of at least"):
+        native.decoder_round(groups=[(0, 1, 2, torch.tensor([[0]]), torch.tensor([0]))], scratch=torch.empty(10), **common)
+    with pytest.raises(ValueError, match="the groups must cover the round's tokens in order"):
+        native.decoder_round(groups=[(0, 1, 1, torch.tensor([[0]]), torch.tensor([0]))], scratch=torch.empty(10_000), **common)
