@@ -7,18 +7,21 @@ it fast on a CPU, where a round of 32 decode rows is bound by the linear layers:
 - q/k/v and gate/up are fused into one matrix each at load time (one GEMM instead of three/two);
 - linear layers run on the flat token dimension, with no padding, weights first (see `linear_columns`);
 - short rows of the same length share one attention call per layer (see batch.py);
-- three steps of a layer run as C kernels on a float32 CPU model where they were built
+- four steps of a layer run as C kernels on a float32 CPU model where they were built
   (`native.py`): attention of short rows read straight from the pool, RoPE with the KV write,
-  and SwiGLU. Their torch counterparts here run elsewhere, and for long prompt chunks' attention:
+  SwiGLU, and the residual add with the norm after it. Their torch counterparts here run elsewhere, and for long prompt chunks' attention:
   keys and values are gathered from the pool a whole block at a time; the pool is head-major,
   so the gathered keys of one row and KV head form one contiguous [positions, head dim] matrix
   (SDPA on this CPU reads a strided [positions, head dim] view 1.5-2x slower once out of cache);
   grouped-query attention folds the query heads of a KV group into the query length, so K/V are
   never repeated (measured 10% faster than SDPA's `enable_gqa` here);
 - RoPE cos/sin come from a table built once; the torch path gathers them once per round;
-- linear layers run in a weight format chosen per CPU (`precision.py`): float16 through fbgemm
-  on AVX2 CPUs, bfloat16 through oneDNN where bfloat16 is native, float32 through MKL; the
-  weights are stored and multiplied in it, everything between the GEMMs stays float32.
+- linear layers run in a weight format chosen per CPU (`precision.py`): float16 through the
+  engine's kernel on x86 CPUs with AVX2, bfloat16 through oneDNN on AMX CPUs, float32 through
+  MKL; the weights are stored and multiplied in it, everything between the GEMMs stays float32;
+- on float16 weights a round of short rows runs each layer as one kernel call
+  (`native.decoder_layer`), the same kernels as the steps of `forward_hidden` without the
+  Python between them.
 """
 
 from __future__ import annotations
