@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flare.engine import native
+
 
 @dataclass(frozen=True)
 class DistributionStatistics:
@@ -164,7 +166,7 @@ def _threshold(
         weights = torch.sub(scaled, row_max.unsqueeze(1)).exp_()
         if max_top_k > 0:
             weights.masked_fill_(~(scaled >= threshold_k.unsqueeze(1)), 0.0)
-        threshold_p = _largest_reaching_mass(scaled, weights, top_p * weights.sum(-1))
+        threshold_p = top_p_threshold(scaled, weights, top_p * weights.sum(-1))
         threshold = torch.maximum(threshold, torch.where(top_p < 1.0, threshold_p, float("-inf")))
     return threshold, weights
 
@@ -182,6 +184,15 @@ def order_key(x: torch.Tensor) -> torch.Tensor:
 def float_of_key(key: torch.Tensor) -> torch.Tensor:
     """The float32 value of an int32 order key (the map is its own inverse)."""
     return order_key(key.view(torch.float32)).view(torch.float32)
+
+
+def top_p_threshold(scaled: torch.Tensor, mass: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """`_largest_reaching_mass`, by the C kernel on the CPU where it was built
+    (`native.top_p_threshold`: the same bits, 10 -> 1 ms at 32 rows of the default model's
+    vocabulary), by the torch operators below elsewhere."""
+    if scaled.device.type == "cpu" and native.available():
+        return native.top_p_threshold(scaled.contiguous(), mass.contiguous(), target.float().contiguous())
+    return _largest_reaching_mass(scaled, mass, target)
 
 
 def _largest_reaching_mass(scaled: torch.Tensor, mass: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from flare.kernels.distribution import shard_bounds
-from flare.kernels.random_stream import gumbel_, stream_bits
+from flare.kernels.random_stream import vocabulary_gumbel
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,7 @@ def gumbel_candidates(
     of p (-1: none) and ``draft_q`` [R, V] the draft distribution (None: no residual)."""
     logits = scaled.index_select(0, position)
     vocab_size = logits.shape[1]
-    index = torch.arange(vocab_size, dtype=torch.int32, device=logits.device)
-    noise = gumbel_(stream_bits(key.to(torch.int32).unsqueeze(1), index))
+    noise = vocabulary_gumbel(key, vocab_size)
     kept = logits >= threshold.unsqueeze(1)
     # In place where the noise is not needed again (no residual); NaN logits are not kept.
     value = noise.add_(logits) if draft_q is None else noise + logits
