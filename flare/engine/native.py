@@ -19,7 +19,7 @@ built (no C compiler at install time) and that the tests hold it equal to:
   in one call (`decoder_round` checks what the round's layers share, once);
 - `stream_uniforms` and `top_p_threshold`: the sampler's random stream over whole vocabulary rows
   and its top-p radix select, the bits of their torch twins in flare/kernels/ (one pass where
-  those take ten, and 2048-bin histograms in cache where they call bincount).
+  those take ten, and a 2048-bin histogram in cache where they call bincount).
 
 The kernels trust the addresses they are given, so every function here first checks the
 tensors behind them (device, dtype, shape, strides); the C side checks every index into the
