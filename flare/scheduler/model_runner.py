@@ -224,14 +224,15 @@ class ModelRunner:
         position = {k: i for i, k in enumerate(order)}  # sampling row -> row of `tokens`
         head_rows, k = [], 0
         for row, flat_start in zip(plan.rows, batch.row_starts):
+            # Where the row's tokens are, for every row the head reads.
+            placed = dict(
+                start_position=row.start_position, block_table=row.block_table, flat_start=flat_start, first_token=row.token_ids[0]
+            )
             if row.samples:
                 drafts = len(row.draft_ids)
                 head_rows.append(
                     HeadRow(
-                        start_position=row.start_position,
-                        block_table=row.block_table,
-                        flat_start=flat_start,
-                        first_token=row.token_ids[0],
+                        **placed,
                         host_tokens=row.token_ids[1 : len(row.token_ids) - drafts],
                         device_tokens=1 + drafts,
                         sample_index=position[k],
@@ -247,15 +248,7 @@ class ModelRunner:
                 k += 1
             else:
                 assert row.next_token is not None, "a row that does not sample needs its next token for the head"
-                head_rows.append(
-                    HeadRow(
-                        start_position=row.start_position,
-                        block_table=row.block_table,
-                        flat_start=flat_start,
-                        first_token=row.token_ids[0],
-                        host_tokens=(*row.token_ids[1:], row.next_token),
-                    )
-                )
+                head_rows.append(HeadRow(**placed, host_tokens=(*row.token_ids[1:], row.next_token)))
         return self.head.run(head_rows, hidden, tokens, emitted)
 
     def _sample(
