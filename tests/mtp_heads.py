@@ -22,9 +22,28 @@ from flare.preparation.draft_head import DraftHeadInfo, HeldOutAcceptance, head_
 from flare.preparation.manifest import ModelConfig
 
 
-def head_module(config: ModelConfig, state: dict[str, torch.Tensor], draft_vocab: torch.Tensor, seed: int = 0) -> DraftHeadModule:
+def head_module(
+    config: ModelConfig,
+    state: dict[str, torch.Tensor],
+    draft_vocab: torch.Tensor,
+    seed: int = 0,
+    *,
+    final_norm: torch.Tensor | None = None,
+    reads_final_norm: bool = False,
+) -> DraftHeadModule:
+    """The dense head over the tiny target `state`; `final_norm`: the head's own (default the
+    target's); `reads_final_norm`: it reads the target's hidden state after its final norm."""
     embed = state["model.embed_tokens.weight"].float()
-    return DraftHeadModule(config, draft_vocab, embed, embed[draft_vocab].contiguous(), state["model.norm.weight"].float(), seed=seed)
+    norm = state["model.norm.weight"].float()
+    return DraftHeadModule(
+        config,
+        draft_vocab,
+        embed,
+        embed[draft_vocab].contiguous(),
+        norm if final_norm is None else final_norm,
+        seed=seed,
+        target_norm=norm if reads_final_norm else None,
+    )
 
 
 def repeat_head_state(

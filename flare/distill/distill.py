@@ -35,7 +35,14 @@ from flare.distill.prompts import PROMPT_SET_NAME, distill_prompts, prompt_set_d
 from flare.engine.batch import ForwardBatch
 from flare.engine.precision import cpu_has_native_bf16
 from flare.engine.tokenizer import Tokenizer
-from flare.preparation.draft_head import DraftHeadInfo, HeldOutAcceptance, head_parameter_count
+from flare.preparation.draft_head import (
+    FINAL_NORM_TENSOR,
+    VOCAB_TENSOR,
+    DraftHeadInfo,
+    HeldOutAcceptance,
+    head_parameter_count,
+)
+from flare.preparation.source import ImportedDraftHead
 from flare.preparation.package import Package
 from flare.sampling.params import SamplingParams
 from flare.scheduler.request import GenerationRequest, TextDelta
@@ -143,19 +150,8 @@ def distill_head(
     deadline = started + 0.95 * options.seconds
     progress = Progress(stderr)
     torch.manual_seed(options.seed)
-    tokenizer = Tokenizer.from_package(package)
     prompts = distill_prompts()[: options.prompt_limit]
-    # Every answer is queued at once: the queue bounds are the prompt set's size.
-    queue = len(prompts) * len(TEMPERATURES)
-    recorder = FeatureRecorder()
-    scheduler = Scheduler.from_package(
-        package,
-        # No prefix cache: the recorder needs every position computed, the answers to one prompt
-        # at other temperatures included.
-        SchedulerOptions(draft_tokens=0, prefix_cache=False, max_waiting=queue, max_waiting_tokens=queue * 4096),
-        round_observer=recorder,
-    )
-    conversations = _generate(scheduler, tokenizer, prompts, options, progress, generation_deadline, recorder)
+    conversations = _answers(package, prompts, options, progress, generation_deadline)
     generated = sum(len(c.tokens) - c.prompt_len for c in conversations)
     draft_vocab = _draft_vocab(conversations, package.manifest.model.vocab_size, options.draft_vocab_size)
     state = package.load_state_dict()
@@ -192,6 +188,78 @@ def distill_head(
         held_out=acceptance,
     )
     return info, head.state_for_package()
+
+
+def imported_head(
+    package: Package, imported: ImportedDraftHead, options: DistillOptions, *, stderr: TextIO | None = None
+) -> tuple[DraftHeadInfo, dict[str, torch.Tensor]]:
+    """A checkpoint's own MTP layer as the head of `package`: kept as it is, scoring the whole
+    vocabulary and reading the target's hidden state after its final norm (the convention such
+    layers are trained and served with), and measured on the held-out prompts like a distilled
+    head. No training: `options` gives K, the stored dtype and the time bound of the measurement."""
+    started = time.monotonic()
+    progress = Progress(stderr)
+    config = package.manifest.model
+    prompts = [p for p in distill_prompts()[: options.prompt_limit] if p.held_out]
+    held = [c for c in _answers(package, prompts, options, progress, started + options.seconds) if c.temperature == 0]
+    vocab = torch.arange(config.vocab_size)
+    tensors = {**imported.tensors, VOCAB_TENSOR: vocab}
+    own_norm = FINAL_NORM_TENSOR in tensors
+    state = package.load_state_dict()
+    embed = state["model.embed_tokens.weight"].float()
+    lm = embed if config.tie_word_embeddings else state["lm_head.weight"].float()
+    target_norm = state["model.norm.weight"].float()
+    head = DraftHeadModule(
+        config,
+        vocab,
+        embed,
+        lm,
+        tensors[FINAL_NORM_TENSOR] if own_norm else target_norm,
+        seed=options.seed,
+        target_norm=target_norm,
+    )
+    del state
+    head.load_package_state(tensors)
+    acceptance = measure_acceptance(head, held, options.draft_tokens)
+    progress.line(
+        f"draft head: imported, held-out {acceptance.tokens_per_round:.2f} tokens/round at K={options.draft_tokens}",
+        final=True,
+    )
+    info = DraftHeadInfo(
+        draft_tokens=options.draft_tokens,
+        draft_vocab_size=config.vocab_size,
+        parameters=head_parameter_count(config, config.vocab_size, own_final_norm=own_norm),
+        dtype=options.dtype,
+        prompt_set=f"{PROMPT_SET_NAME} held-out conversations only ({len(prompts)}, sha256 {prompt_set_digest()}): measured, not trained",
+        budget={"seconds": options.seconds},
+        trained={
+            "generated_tokens": sum(len(c.tokens) - c.prompt_len for c in held),
+            "seconds": round(time.monotonic() - started, 1),
+        },
+        held_out=acceptance,
+        target_hidden="final_norm",
+        imported_from=imported.origin,
+    )
+    return info, tensors
+
+
+def _answers(
+    package: Package, prompts: list, options: DistillOptions, progress: Progress, deadline: float
+) -> list[Conversation]:
+    """The target's answers to `prompts` with their features (`_generate`), through a scheduler
+    of its own."""
+    tokenizer = Tokenizer.from_package(package)
+    # Every answer is queued at once: the queue bounds are the prompt set's size.
+    queue = max(1, len(prompts) * len(TEMPERATURES))
+    recorder = FeatureRecorder()
+    scheduler = Scheduler.from_package(
+        package,
+        # No prefix cache: the recorder needs every position computed, the answers to one prompt
+        # at other temperatures included.
+        SchedulerOptions(draft_tokens=0, prefix_cache=False, max_waiting=queue, max_waiting_tokens=queue * 4096),
+        round_observer=recorder,
+    )
+    return _generate(scheduler, tokenizer, prompts, options, progress, deadline, recorder)
 
 
 def _generate(

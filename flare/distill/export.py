@@ -1,4 +1,6 @@
-"""`flare export --drafter mtp`: the package with a draft head distilled on its own target.
+"""`flare export --drafter mtp`: the package with a draft head distilled on its own target, or
+the checkpoint's own multi-token-prediction layer where the source ships one
+(`hf_source.read_mtp_head`), which is kept instead of distilling.
 
 The target package is exported first, hidden next to DIR (`.DIR.target-XXXX`), because the
 distillation serves it with flare's scheduler; then the final package (the same files plus the
@@ -15,10 +17,11 @@ import uuid
 from pathlib import Path
 from typing import TextIO
 
-from flare.distill.distill import DistillOptions, distill_head
-from flare.preparation.export import ExportError, ExportOptions, export_package
+from flare.distill.distill import DistillOptions, distill_head, imported_head
+from flare.preparation.export import ExportError, ExportOptions, export_package, open_source
 from flare.preparation.manifest import Manifest
 from flare.preparation.package import PackageError, check_destination, open_package, write_package
+from flare.preparation.source import SourceError
 
 
 def export_with_draft_head(
@@ -33,6 +36,16 @@ def export_with_draft_head(
     if draft_tokens < 1:
         raise ExportError("--drafter mtp needs --mtp-draft-tokens of at least 1", option="--mtp-draft-tokens")
     distill = dataclasses.replace(distill, draft_tokens=draft_tokens)
+    try:
+        # Read (and checked) before anything is exported: a layer flare cannot serve is refused
+        # up front. An unreadable source is left to export_package to report.
+        read_head = open_source(source).read_draft_head
+    except SourceError:
+        read_head = None
+    try:
+        imported = read_head() if read_head is not None else None
+    except SourceError as error:
+        raise ExportError(str(error)) from None
     staging = out_dir.parent / f".{out_dir.name}.target-{uuid.uuid4().hex[:12]}"
     try:
         export_package(
@@ -42,7 +55,11 @@ def export_with_draft_head(
             stderr=stderr,
         )
         target = open_package(staging)
-        info, tensors = distill_head(target, distill, stderr=stderr if stderr is not None else sys.stderr)
+        progress = stderr if stderr is not None else sys.stderr
+        if imported is not None:
+            info, tensors = imported_head(target, imported, distill, stderr=progress)
+        else:
+            info, tensors = distill_head(target, distill, stderr=progress)
         m = target.manifest
         return write_package(
             out_dir,

@@ -36,7 +36,10 @@ class DraftHeadModule(nn.Module):
         final_norm: torch.Tensor,
         *,
         seed: int,
+        target_norm: torch.Tensor | None = None,
     ) -> None:
+        """`final_norm`: the norm before the LM head rows; `target_norm`: for a head that reads
+        the target's hidden state after its final norm, that norm (None: the residual stream)."""
         super().__init__()
         self.config = config
         generator = torch.Generator().manual_seed(seed)
@@ -56,6 +59,7 @@ class DraftHeadModule(nn.Module):
         self.register_buffer("embed", embed)
         self.register_buffer("lm_head_rows", lm_head_rows.float())
         self.register_buffer("final_norm", final_norm.float())
+        self.target_norm = None if target_norm is None else target_norm.float()
         cos, sin = rope_tables(config, torch.float32, "cpu")
         self.register_buffer("cos", cos)
         self.register_buffer("sin", sin)
@@ -90,6 +94,8 @@ class DraftHeadModule(nn.Module):
         and the target's residual stream hidden [B, T, H] at the same positions."""
         c = self.config
         batch, length = tokens.shape
+        if self.target_norm is not None:
+            hidden = self._norm(hidden, self.target_norm)
         prev = torch.cat((hidden.new_zeros(batch, 1, c.hidden_size), hidden[:, :-1]), 1)  # h_{p-1}
         cos, sin = self.cos[:length].unsqueeze(1), self.sin[:length].unsqueeze(1)
         keys: list[torch.Tensor] = []

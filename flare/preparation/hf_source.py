@@ -2,6 +2,17 @@
 
 The directory holds `config.json` (a Llama model), one or more `*.safetensors` files,
 `tokenizer.json`, and the chat template in `tokenizer_config.json` (or `chat_template.jinja`).
+
+A checkpoint may also ship multi-token-prediction layers in DeepSeek-V3's layout, declared by
+`num_nextn_predict_layers` in its config and stored after the decoder layers, as
+`model.layers.{num_hidden_layers + i}.*`. The layout read (`read_mtp_head`), on a Llama decoder
+layer: `enorm`, `hnorm` (the RMSNorms of the next token's embedding and of the target's hidden
+state), `eh_proj` [hidden, 2 * hidden] over their concatenation, embedding first, the decoder
+layer's own tensors under Llama's names, and optionally `shared_head.norm` (the norm before the
+LM head, kept when it differs from the model's), `shared_head.head` and `embed_tokens` (copies
+that must equal the model's LM head and embedding: flare shares them). Anything else under the
+layer (MoE experts, MLA projections) is refused by name. Only the first layer is read: flare
+applies one head step after step. The model's weights never include these layers.
 """
 
 from __future__ import annotations
@@ -16,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 
 from flare.preparation.manifest import ManifestError, ModelConfig
 from flare.preparation.package import weight_problems
-from flare.preparation.source import ModelSource, SourceError
+from flare.preparation.source import ImportedDraftHead, ModelSource, SourceError
 
 
 def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
@@ -28,8 +39,11 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
     if not weight_files:
         raise SourceError(f"{path} holds no *.safetensors weights; flare reads safetensors only (not .bin or .pt)")
     shapes = _tensor_shapes(weight_files)
+    mtp_layers = _mtp_layer_count(config_data)
+    mtp_prefixes = tuple(f"model.layers.{config.num_layers + i}." for i in range(mtp_layers))
+    target_shapes = {n: s for n, s in shapes.items() if not n.startswith(mtp_prefixes)} if mtp_prefixes else shapes
     tied_copy = config.tie_word_embeddings and "lm_head.weight" in shapes
-    problems = weight_problems(config, {n: s for n, s in shapes.items() if not (tied_copy and n == "lm_head.weight")})
+    problems = weight_problems(config, {n: s for n, s in target_shapes.items() if not (tied_copy and n == "lm_head.weight")})
     if problems:
         raise SourceError(
             f"the weights in {path} do not match its config.json:\n" + "\n".join(f"  - {p}" for p in problems)
@@ -40,7 +54,10 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
     tokenizer_json = tokenizer_path.read_text(encoding="utf-8")
 
     def read_weights(progress: Callable[[int, int], None]) -> dict[str, torch.Tensor]:
-        return _read_weights(weight_files, len(shapes), drop_lm_head=tied_copy, progress=progress)
+        return _read_weights(weight_files, len(target_shapes), drop_lm_head=tied_copy, skip=mtp_prefixes, progress=progress)
+
+    def read_draft_head() -> ImportedDraftHead:
+        return read_mtp_head(path, config, weight_files, shapes, mtp_layers)
 
     return ModelSource(
         name=path.resolve().name,
@@ -51,6 +68,94 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
         tokenizer_json=tokenizer_json,
         chat_template=_chat_template(path),
         read_weights=read_weights,
+        read_draft_head=read_draft_head if mtp_layers else None,
+    )
+
+
+def _mtp_layer_count(data: dict[str, Any]) -> int:
+    value = data.get("num_nextn_predict_layers") or 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SourceError(f"config.json: num_nextn_predict_layers must be a non-negative integer, got {value!r}")
+    return value
+
+
+# The tensors of a DeepSeek-V3-style MTP layer on a Llama decoder layer, as flare names them.
+_MTP_NAMES = {
+    "enorm.weight": "mtp.embed_norm.weight",
+    "hnorm.weight": "mtp.hidden_norm.weight",
+    "eh_proj.weight": "mtp.fc.weight",
+    **{
+        f"{part}.weight": f"mtp.layer.{part}.weight"
+        for part in (
+            "input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+        )
+    },
+}
+# Copies of the model's own tensors an MTP layer may carry: (name in the layer, the model's name).
+_MTP_SHARED = {"shared_head.head.weight": "lm_head.weight", "embed_tokens.weight": "model.embed_tokens.weight"}
+_MTP_OWN_NORM = "shared_head.norm.weight"
+
+
+def read_mtp_head(
+    path: Path, config: ModelConfig, files: list[Path], shapes: dict[str, tuple[int, ...]], declared: int
+) -> ImportedDraftHead:
+    """The first MTP layer of the checkpoint as a draft head (module docstring: the layout);
+    SourceError naming every tensor that does not fit it."""
+    from flare.preparation.draft_head import FINAL_NORM_TENSOR, VOCAB_TENSOR, draft_head_shapes
+
+    prefix = f"model.layers.{config.num_layers}."
+    layer = {n[len(prefix) :]: shape for n, shape in shapes.items() if n.startswith(prefix)}
+    expected = draft_head_shapes(config, 1)
+    h = config.hidden_size
+    problems = [f"{prefix}{name} is missing" for name in _MTP_NAMES if name not in layer]
+    for name, shape in layer.items():
+        if name in _MTP_NAMES:
+            want = expected[_MTP_NAMES[name]]
+        elif name in _MTP_SHARED:
+            want = (config.vocab_size, h)
+        elif name == _MTP_OWN_NORM:
+            want = (h,)
+        else:
+            problems.append(f"{prefix}{name} is not part of a DeepSeek-V3-style MTP layer on a Llama decoder layer")
+            continue
+        if tuple(shape) != want:
+            problems.append(f"{prefix}{name} has shape {list(shape)}, expected {list(want)}")
+    if problems:
+        raise SourceError(
+            f"config.json in {path} declares {declared} multi-token-prediction layer(s), but {prefix}* is not one "
+            "flare can read (it reads DeepSeek-V3's layout on a Llama decoder layer; export with --drafter ngram "
+            "to leave the layer out):\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )
+    wanted = {prefix + n for n in layer} | {"model.norm.weight"}
+    wanted |= {"model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight", "model.embed_tokens.weight"}
+    found: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name in wanted:
+                    found[name] = f.get_tensor(name)
+    lm_head = found["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+    for name, own in _MTP_SHARED.items():
+        model_tensor = lm_head if name.startswith("shared_head") else found[own]
+        if prefix + name in found and not torch.equal(found[prefix + name], model_tensor):
+            raise SourceError(
+                f"{prefix}{name} differs from the model's {'LM head' if name.startswith('shared_head') else 'embedding'}; "
+                "flare's draft head shares the target's, so it cannot serve this MTP layer "
+                "(export with --drafter ngram to leave it out)"
+            )
+    tensors = {flare: found[prefix + name].to(torch.float32) for name, flare in _MTP_NAMES.items()}
+    # eh_proj reads [enorm(embedding); hnorm(hidden)], flare's fc [hidden; embedding].
+    eh = tensors["mtp.fc.weight"]
+    tensors["mtp.fc.weight"] = torch.cat((eh[:, h:], eh[:, :h]), dim=1).contiguous()
+    norm = found.get(prefix + _MTP_OWN_NORM)
+    if norm is not None and not torch.equal(norm, found["model.norm.weight"]):
+        tensors[FINAL_NORM_TENSOR] = norm.to(torch.float32)
+    assert VOCAB_TENSOR not in tensors
+    return ImportedDraftHead(
+        tensors=tensors,
+        origin=f"{prefix.rstrip('.')} of {path} (DeepSeek-V3-style MTP layer, the first of {declared})",
     )
 
 
@@ -145,13 +250,21 @@ def _tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
 
 
 def _read_weights(
-    files: list[Path], total: int, *, drop_lm_head: bool, progress: Callable[[int, int], None]
+    files: list[Path],
+    total: int,
+    *,
+    drop_lm_head: bool,
+    skip: tuple[str, ...],
+    progress: Callable[[int, int], None],
 ) -> dict[str, torch.Tensor]:
+    """The model's tensors in float32, without a tied LM head's copy and the MTP layers (`skip`)."""
     state: dict[str, torch.Tensor] = {}
     done = 0
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
+                if skip and name.startswith(skip):
+                    continue
                 if not (drop_lm_head and name == "lm_head.weight"):
                     state[name] = f.get_tensor(name).to(torch.float32)
                 done += 1

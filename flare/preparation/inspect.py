@@ -80,17 +80,26 @@ def render_text(info: dict[str, Any], path: Path | str) -> str:
 def _draft_head(head: dict[str, Any] | None) -> list[str]:
     if head is None:
         return ["  draft head          none (re-export with --drafter mtp to distill one)"]
+    imported = head.get("imported_from")
+    reads = "after its final norm" if head.get("target_hidden") == "final_norm" else "its residual stream"
     lines = [
         "",
-        "draft head            multi-token prediction (one decoder block, the target's norm and LM head)",
+        "draft head            multi-token prediction (one decoder block, the target's LM head)",
         f"  draft steps K       {head['draft_tokens']}",
         f"  parameters          {head['parameters']:,} ({head['dtype']}), draft vocabulary {head['draft_vocab_size']} tokens",
-        f"  distilled on        {head['prompt_set']}",
-        f"  budget              {head['budget'].get('tokens')} positions or {head['budget'].get('seconds')} s, "
-        f"seed {head['budget'].get('seed')}",
+        f"  reads the target    {reads}",
     ]
+    if imported:
+        lines.append(f"  imported from       {imported}")
+        lines.append(f"  measured on         {head['prompt_set']}")
+    else:
+        lines.append(f"  distilled on        {head['prompt_set']}")
+        lines.append(
+            f"  budget              {head['budget'].get('tokens')} positions or {head['budget'].get('seconds')} s, "
+            f"seed {head['budget'].get('seed')}"
+        )
     trained = head.get("trained") or {}
-    if trained:
+    if trained and not imported:
         lines.append(
             f"  trained             {trained.get('generated_tokens')} generated tokens, {trained.get('positions')} positions, "
             f"{trained.get('seconds')} s"

@@ -37,6 +37,10 @@ WEIGHT_FORMATS = (AUTO_DTYPE, *DTYPES)
 KV_CACHE_DTYPES = DTYPES
 DRAFTERS = ("ngram", "mtp")
 HEAD_DTYPES = ("float32", "bfloat16", "float16")
+# What a draft head's first step reads of the target at the previous position: its residual
+# stream after the last layer (the heads flare distills), or that stream after the target's final
+# norm (the input of the DeepSeek-V3-style MTP layers a checkpoint may ship).
+HEAD_TARGET_HIDDEN = ("residual", "final_norm")
 MAX_DRAFT_TOKENS = 16
 
 
@@ -190,9 +194,13 @@ class DraftHeadInfo:
     budget: dict[str, Any] = field(default_factory=dict)  # tokens, seconds, seed as asked
     trained: dict[str, Any] = field(default_factory=dict)  # tokens generated, positions trained, seconds
     held_out: HeldOutAcceptance | None = None
+    target_hidden: str = "residual"  # HEAD_TARGET_HIDDEN
+    imported_from: str | None = None  # the checkpoint MTP layer the head was read from, if not distilled
 
     def __post_init__(self) -> None:
         problems = []
+        if self.target_hidden not in HEAD_TARGET_HIDDEN:
+            problems.append(f"target_hidden must be one of {', '.join(HEAD_TARGET_HIDDEN)}, got {self.target_hidden!r}")
         if self.dtype not in HEAD_DTYPES:
             problems.append(f"dtype must be one of {', '.join(HEAD_DTYPES)}, got {self.dtype!r}")
         for name in ("draft_tokens", "draft_vocab_size", "parameters"):
@@ -213,7 +221,9 @@ class DraftHeadInfo:
         if not isinstance(data, dict):
             raise ManifestError(f"draft_head must be an object, got {type(data).__name__}")
         expected = {f.name for f in dataclasses.fields(cls)}
-        unknown, missing = sorted(set(data) - expected), sorted(expected - set(data))
+        # Keys added after the first packages with a head may be absent: their defaults hold.
+        optional = {"target_hidden", "imported_from"}
+        unknown, missing = sorted(set(data) - expected), sorted(expected - set(data) - optional)
         if unknown or missing:
             raise ManifestError(f"draft_head: unknown key(s) {unknown}, missing key(s) {missing}")
         values = dict(data)

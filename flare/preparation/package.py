@@ -25,7 +25,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from flare.preparation.draft_head import DRAFT_HEAD_NAME, draft_head_shapes
+from flare.preparation.draft_head import DRAFT_HEAD_NAME, FINAL_NORM_TENSOR, draft_head_shapes
 from flare.preparation.manifest import (
     MANIFEST_NAME,
     DraftHeadInfo,
@@ -309,7 +309,7 @@ def _weights_header_problems(weights: Path, manifest: Manifest) -> list[str]:
 
 def _head_problems(config: ModelConfig, info: DraftHeadInfo | None, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
     assert info is not None
-    expected = draft_head_shapes(config, info.draft_vocab_size)
+    expected = draft_head_shapes(config, info.draft_vocab_size, own_final_norm=FINAL_NORM_TENSOR in shapes)
     problems = [f"draft head tensor {name} is missing" for name in expected if name not in shapes]
     problems += [f"draft head tensor {name} is not part of a draft head" for name in shapes if name not in expected]
     problems += [

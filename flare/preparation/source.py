@@ -31,3 +31,15 @@ class ModelSource:
     # Reads and converts the weights to Hugging Face Llama names and layout, float32.
     # `progress(done, total)` is called as tensors are read.
     read_weights: Callable[[Callable[[int, int], None]], dict[str, torch.Tensor]]
+    # A checkpoint's own multi-token-prediction layer, as a draft head (`hf_source.read_mtp_head`):
+    # None where the source declares none.
+    read_draft_head: Callable[[], ImportedDraftHead] | None = None
+
+
+@dataclass(frozen=True)
+class ImportedDraftHead:
+    """A draft head read from a checkpoint: tensors named as `draft_head.py` names them (float32,
+    without `mtp.draft_vocab`: it scores the whole vocabulary), and where they came from."""
+
+    tensors: dict[str, torch.Tensor]
+    origin: str  # e.g. "model.layers.30 of DIR (DeepSeek-V3-style MTP layer, the first of 1)"

@@ -65,10 +65,12 @@ def test_a_package_that_lost_its_draft_head_file_is_refused(make_package, packag
         open_package(path)
 
 
+@pytest.mark.parametrize("imported", [False, True], ids=["distilled", "imported"])
 @pytest.mark.parametrize("native", [True, False], ids=["native-kernels", "torch"])
-def test_the_paged_head_drafts_what_the_dense_head_computes(package_parts, draft_vocab, native):
+def test_the_paged_head_drafts_what_the_dense_head_computes(package_parts, draft_vocab, native, imported):
     """Catch-up over a prompt chunk and a decode row, then K draft steps on the head's own
-    hidden states: tokens and q equal the dense unrolled forward fed the same tokens."""
+    hidden states: tokens and q equal the dense unrolled forward fed the same tokens. An
+    imported head reads the target's hidden state after its final norm and has a norm of its own."""
     from flare.engine import native as native_module
 
     if native and not native_module.available():
@@ -76,11 +78,13 @@ def test_the_paged_head_drafts_what_the_dense_head_computes(package_parts, draft
     config, target_state = package_parts["config"], package_parts["state_dict"]
     target = LlamaModel(config, target_state, native_kernels=native)
     head_state = repeat_head_state(config, target_state, draft_vocab, mix=1.0, seed=5)
-    module = head_module(config, target_state, draft_vocab)
+    target_norm = target_state["model.norm.weight"]
+    final_norm = 1.0 + torch.rand(config.hidden_size, generator=torch.Generator().manual_seed(2)) if imported else target_norm
+    module = head_module(config, target_state, draft_vocab, final_norm=final_norm, reads_final_norm=imported)
     module.load_package_state(head_state)
     embed = target_state["model.embed_tokens.weight"]
-    head = MtpHead(config, head_state, target, embed[draft_vocab].contiguous(), target_state["model.norm.weight"],
-                   num_blocks=8, block_size=16)
+    head = MtpHead(config, head_state, target, embed[draft_vocab].contiguous(), final_norm,
+                   num_blocks=8, block_size=16, target_norm=target_norm if imported else None)
     kv = KVCache(num_layers=config.num_layers, num_blocks=8, block_size=16, num_kv_heads=config.num_kv_heads,
                  head_dim=config.head_dim)
     tokens = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()

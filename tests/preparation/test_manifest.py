@@ -124,3 +124,28 @@ def test_model_config_checks_head_layout() -> None:
             max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(200,),
             architecture="mistral",
         )
+
+
+def _head_json(**changes: object) -> dict:
+    return {
+        "draft_tokens": 4, "draft_vocab_size": 100, "parameters": 10, "dtype": "bfloat16", "prompt_set": "tests",
+        "budget": {}, "trained": {}, "held_out": None, **changes,
+    }
+
+
+def test_a_draft_head_from_before_imported_heads_reads_as_a_distilled_one() -> None:
+    from flare.preparation.manifest import DraftHeadInfo
+
+    info = DraftHeadInfo.from_json(_head_json())
+    assert info.target_hidden == "residual" and info.imported_from is None
+    imported = DraftHeadInfo.from_json(_head_json(target_hidden="final_norm", imported_from="model.layers.2 of DIR"))
+    assert DraftHeadInfo.from_json(imported.to_json()) == imported
+
+
+def test_a_draft_head_reading_an_unknown_hidden_state_is_refused() -> None:
+    from flare.preparation.manifest import DraftHeadInfo
+
+    with pytest.raises(ManifestError, match="target_hidden must be one of residual, final_norm, got 'middle'"):
+        DraftHeadInfo.from_json(_head_json(target_hidden="middle"))
+    with pytest.raises(ManifestError, match=r"unknown key\(s\) \['origin'\]"):
+        DraftHeadInfo.from_json(_head_json(origin="x"))

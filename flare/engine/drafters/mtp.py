@@ -43,7 +43,7 @@ from flare.engine.batch import AttentionGroup, ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
 from flare.engine.model import LlamaModel, linear, pack_weight
 from flare.kernels.random_stream import Purpose, gumbel_, stream_bits, stream_key
-from flare.preparation.draft_head import VOCAB_TENSOR
+from flare.preparation.draft_head import FINAL_NORM_TENSOR, VOCAB_TENSOR
 from flare.preparation.manifest import ModelConfig
 from flare.preparation.package import Package
 
@@ -107,9 +107,12 @@ class MtpHead:
         num_blocks: int,
         block_size: int,
         kv_dtype: torch.dtype = torch.float32,
+        target_norm: torch.Tensor | None = None,
     ) -> None:
         """`lm_head_rows` [V', hidden]: the target's LM head rows of the draft vocabulary (a
-        gathered copy: the restricted GEMM needs them contiguous); `final_norm`: the target's.
+        gathered copy: the restricted GEMM needs them contiguous); `final_norm`: the norm before
+        them (the target's, or the head's own). `target_norm`: for a head that reads the target's
+        hidden state after its final norm (`DraftHeadInfo.target_hidden`), that norm's weight.
         The head's KV cache has the target cache's blocks, in `kv_dtype` (the target cache's)."""
         device = target.device
         self.target = target
@@ -133,6 +136,7 @@ class MtpHead:
         self.fc = pack_weight(head_state["mtp.fc.weight"].to(device, torch.float32), target.weight_format)
         self.hidden_norm = head_state["mtp.hidden_norm.weight"].to(device, torch.float32).contiguous()
         self.embed_norm = head_state["mtp.embed_norm.weight"].to(device, torch.float32).contiguous()
+        self.target_norm = None if target_norm is None else target_norm.to(device, torch.float32).contiguous()
         self.eps = config.rms_norm_eps
         self.hidden_size = config.hidden_size
         self.kv_cache = KVCache(
@@ -201,6 +205,8 @@ class MtpHead:
             # Past a row's emitted tokens the sampled tensor holds -1: garbage slots, any token will do.
             token_ids[torch.tensor(fill_at, device=device)] = picked.clamp(min=0)
         hidden_ext = torch.cat((hidden, hidden.new_zeros(1, hidden.shape[1])))
+        if self.target_norm is not None:  # RMSNorm keeps slot 0's zero state zero
+            hidden_ext = F.rms_norm(hidden_ext.float(), (self.hidden_size,), self.target_norm, self.eps)
         source_index = torch.tensor(sources, dtype=torch.long, device=device)
         _, out = self.block.forward_hidden(batch, self.kv_cache, self.inputs(hidden_ext[source_index], token_ids))
 
@@ -327,13 +333,23 @@ def load_draft_head(
     from safetensors import safe_open
 
     head_state = package.load_draft_head()
+    info = package.manifest.draft_head
+    assert info is not None
     config = package.manifest.model
     weights = package.path / "model.safetensors"
     head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
     vocab = head_state[VOCAB_TENSOR].long()
     with safe_open(str(weights), framework="pt") as f:
         rows = f.get_tensor(head_name).float()[vocab].contiguous()
-        final_norm = f.get_tensor("model.norm.weight").float()
+        target_norm = f.get_tensor("model.norm.weight").float()
     return MtpHead(
-        config, head_state, target, rows, final_norm, num_blocks=num_blocks, block_size=block_size, kv_dtype=kv_dtype
+        config,
+        head_state,
+        target,
+        rows,
+        head_state[FINAL_NORM_TENSOR].float() if FINAL_NORM_TENSOR in head_state else target_norm,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        kv_dtype=kv_dtype,
+        target_norm=target_norm if info.target_hidden == "final_norm" else None,
     )
