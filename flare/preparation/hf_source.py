@@ -139,7 +139,7 @@ def read_mtp_head(
     lm_head = found["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
     for name, own in _MTP_SHARED.items():
         model_tensor = lm_head if name.startswith("shared_head") else found[own]
-        if prefix + name in found and not torch.equal(found[prefix + name], model_tensor):
+        if prefix + name in found and not _same(found[prefix + name], model_tensor):
             raise SourceError(
                 f"{prefix}{name} differs from the model's {'LM head' if name.startswith('shared_head') else 'embedding'}; "
                 "flare's draft head shares the target's, so it cannot serve this MTP layer "
@@ -150,7 +150,7 @@ def read_mtp_head(
     eh = tensors["mtp.fc.weight"]
     tensors["mtp.fc.weight"] = torch.cat((eh[:, h:], eh[:, :h]), dim=1).contiguous()
     norm = found.get(prefix + _MTP_OWN_NORM)
-    if norm is not None and not torch.equal(norm, found["model.norm.weight"]):
+    if norm is not None and not _same(norm, found["model.norm.weight"]):
         tensors[FINAL_NORM_TENSOR] = norm.to(torch.float32)
     assert VOCAB_TENSOR not in tensors
     return ImportedDraftHead(
@@ -247,6 +247,11 @@ def _tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
         except (SafetensorError, OSError) as error:
             raise SourceError(f"{file} is not a readable safetensors file: {error}") from None
     return shapes
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, whatever the two dtypes they are stored in."""
+    return torch.equal(a, b) if a.dtype == b.dtype else torch.equal(a.float(), b.float())
 
 
 def _read_weights(
