@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flare.preparation.manifest import AUTO_DTYPE, DRAFTERS, DTYPES
+from flare.preparation.manifest import AUTO_DTYPE, DTYPES
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -71,15 +71,16 @@ def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--drafter",
-        choices=DRAFTERS,
+        choices=("ngram", "mtp"),
         default="ngram",
         help="the draft proposer: ngram (prompt lookup, the default) or mtp (distill a learned draft head "
-        "on the target's own answers to a shipped prompt set and ship it in the package)",
+        "on the target's own answers to a shipped prompt set, or keep the checkpoint's own MTP layer, and "
+        "ship it in the package; the package then serves with --drafter auto by default)",
     )
     parser.add_argument("--distill-tokens", type=int, metavar="N",
-                        help="mtp: training positions of the distillation (default 2400000)")
+                        help="mtp: training positions of the distillation (default 4800000)")
     parser.add_argument("--distill-seconds", type=float, metavar="S",
-                        help="mtp: wall-clock bound of the whole distillation, generation included (default 1080)")
+                        help="mtp: wall-clock bound of the whole distillation, generation included (default 1140)")
     parser.add_argument("--distill-seed", type=int, metavar="SEED", help="mtp: the distillation's seed (default 0)")
     parser.add_argument("--draft-head-dtype", choices=DTYPES, default=None,
                         help="mtp: the dtype the head is stored in (default bfloat16)")

@@ -68,7 +68,7 @@ def export_with_draft_head(
             tokenizer_json=target.tokenizer_json_path.read_text(encoding="utf-8"),
             chat_template=target.chat_template,
             policy=m.sampling,
-            serving=dataclasses.replace(m.serving, drafter="mtp"),
+            serving=dataclasses.replace(m.serving, drafter="auto"),
             provenance=m.provenance,
             overwrite=options.overwrite,
             draft_head=(info, tensors),

@@ -35,7 +35,10 @@ WEIGHT_FORMATS = (AUTO_DTYPE, *DTYPES)
 # What `flare run --kv-cache-dtype` takes: the KV cache stores keys and values in one of the
 # package dtypes (the engine computes in float32 whatever it stores; flare/engine/native.py).
 KV_CACHE_DTYPES = DTYPES
-DRAFTERS = ("ngram", "mtp")
+# auto: the package's draft head, with n-gram lookup beside it for rows whose text repeats
+# (scheduler.Scheduler._proposal); n-gram lookup alone in a package without a head. What a
+# package exported with a head serves by default.
+DRAFTERS = ("ngram", "mtp", "auto")
 HEAD_DTYPES = ("float32", "bfloat16", "float16")
 # What a draft head's first step reads of the target at the previous position: its residual
 # stream after the last layer (the heads flare distills), or that stream after the target's final

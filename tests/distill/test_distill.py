@@ -56,18 +56,18 @@ def test_export_ships_the_head_and_inspect_shows_it(tiny_hf_directory, tmp_path,
     out = tmp_path / "pkg"
     manifest = distill_export.export_with_draft_head(str(tiny_hf_directory), out, ExportOptions(draft_tokens=2), TINY)
     package = open_package(out)
-    assert manifest.serving.drafter == "mtp" and package.manifest.draft_head == manifest.draft_head
+    assert manifest.serving.drafter == "auto" and package.manifest.draft_head == manifest.draft_head
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pkg"]  # no hidden target package left behind
     assert flare("inspect", str(out)) == 0
     text = capsys.readouterr().out
-    assert "speculation         mtp drafter, 2 draft tokens per round" in text
+    assert "speculation         auto drafter, 2 draft tokens per round" in text
     assert "draft steps K       2" in text
     assert f"parameters          {manifest.draft_head.parameters:,} (bfloat16), draft vocabulary 256 tokens" in text
     assert f"distilled on        {PROMPT_SET_NAME} (8 conversations" in text
     assert "held-out acceptance" in text and "tokens per round at K" in text
     # The package serves with its head.
     scheduler = Scheduler.from_package(package, SchedulerOptions())
-    assert scheduler.drafter_name == "mtp"
+    assert scheduler.drafter_name == "auto"  # the head, n-gram lookup beside it
 
 
 def test_an_interrupted_distillation_leaves_no_package(tiny_hf_directory, tmp_path, monkeypatch):

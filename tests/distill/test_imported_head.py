@@ -142,7 +142,10 @@ def test_a_checkpoints_mtp_layer_becomes_the_packages_head(mtp_checkpoint, peake
     # It serves: greedy output is the output without speculation, with drafts accepted.
     prompts = ("one two three four one two three four", "hello hello hello world")
     plain, _, _ = asyncio.run(greedy(package, prompts, SchedulerOptions(draft_tokens=0)))
-    speculative, drafter, accepted = asyncio.run(greedy(package, prompts, SchedulerOptions(adaptive_draft_length=False)))
+    assert package.manifest.serving.drafter == "auto"
+    speculative, drafter, accepted = asyncio.run(
+        greedy(package, prompts, SchedulerOptions(drafter="mtp", adaptive_draft_length=False))
+    )
     assert drafter == "mtp"
     assert speculative == plain
     assert accepted > 0
