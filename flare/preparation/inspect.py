@@ -70,7 +70,7 @@ def render_text(info: dict[str, Any], path: Path | str) -> str:
             lines.append(f"  {name:<20}{default!s:<12}{allowed}")
     integrity = info["integrity"]
     lines += ["", f"integrity             {'ok' if integrity['ok'] else 'FAILED'}"]
-    lines += [f"  {name:<20}{status}" for name, status in integrity["files"].items()]
+    lines += [f"  {name:<19} {status}" for name, status in integrity["files"].items()]
     lines += [f"  ! {problem}" for problem in integrity["problems"]]
     lines += ["", f"problems              {len(info['problems']) or 'none'}"]
     lines += [f"  ! {problem['message']}" for problem in info["problems"]]

@@ -3,12 +3,11 @@ package whole or not at all, and shown by `flare inspect`."""
 
 from __future__ import annotations
 
-import argparse
 
 import pytest
+from package_commands import flare
 import torch
 
-from flare.daemon.commands_package import add_export_parser, add_inspect_parser
 from flare.distill import export as distill_export
 from flare.distill.distill import DistillOptions, distill_head
 from flare.distill.prompts import PROMPT_SET_NAME, distill_prompts
@@ -19,15 +18,6 @@ from flare.scheduler.scheduler import Scheduler, SchedulerOptions
 TINY = DistillOptions(
     draft_tokens=2, tokens=1500, seconds=120, prompt_limit=8, answer_tokens=16, draft_vocab_size=256, window=32, batch=4
 )
-
-
-def flare(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="flare")
-    subparsers = parser.add_subparsers(required=True)
-    add_export_parser(subparsers)
-    add_inspect_parser(subparsers)
-    args = parser.parse_args(argv)
-    return args.func(args)
 
 
 def test_the_prompt_set_holds_every_kind_of_conversation_and_a_held_out_tenth():

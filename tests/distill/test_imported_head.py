@@ -4,14 +4,13 @@ layouts are refused by name, and an export without the head leaves the layer out
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 
 import pytest
+from package_commands import flare
 import torch
 from safetensors import safe_open
 
-from flare.daemon.commands_package import add_export_parser, add_inspect_parser
 from flare.distill import export as distill_export
 from flare.distill.distill import DistillOptions
 from flare.preparation.export import ExportError, ExportOptions, export_package
@@ -69,15 +68,6 @@ def mtp_checkpoint(make_hf_directory, peaked_parts, tmp_path_factory):
     return make_hf_directory(
         tmp_path_factory.mktemp("hf") / "tiny-mtp", parts, config_changes={"num_nextn_predict_layers": 1}
     )
-
-
-def flare(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="flare")
-    subparsers = parser.add_subparsers(required=True)
-    add_export_parser(subparsers)
-    add_inspect_parser(subparsers)
-    args = parser.parse_args(argv)
-    return args.func(args)
 
 
 async def greedy(package, prompts, options):

@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from package_commands import flare
 
-from flare.daemon.commands_package import add_export_parser, add_inspect_parser
 from flare.preparation.export import resolve_dtype
-
-
-def flare(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="flare")
-    subparsers = parser.add_subparsers(required=True)
-    add_export_parser(subparsers)
-    add_inspect_parser(subparsers)
-    args = parser.parse_args(argv)
-    return args.func(args)
 
 
 def test_export_then_inspect(tmp_path: Path, tiny_hf_directory: Path, capsys: pytest.CaptureFixture[str]) -> None:
