@@ -205,7 +205,7 @@ def imported_head(
     progress = Progress(stderr)
     config = package.manifest.model
     prompts = [p for p in distill_prompts()[: options.prompt_limit] if p.held_out]
-    held = [c for c in _answers(package, prompts, options, progress, started + options.seconds) if c.temperature == 0]
+    held = _answers(package, prompts, options, progress, started + options.seconds)  # greedy: held-out prompts
     vocab = torch.arange(config.vocab_size)
     tensors = {**imported.tensors, VOCAB_TENSOR: vocab}
     own_norm = FINAL_NORM_TENSOR in tensors

@@ -2,7 +2,7 @@
 the checkpoint's own multi-token-prediction layer where the source ships one
 (`hf_source.read_mtp_head`), which is kept instead of distilling.
 
-The target package is exported first, hidden next to DIR (`.DIR.target-XXXX`), because the
+The target package is exported first, hidden next to DIR (`.DIR.target-` and 12 random hex digits), because the
 distillation serves it with flare's scheduler; then the final package (the same files plus the
 head) is written at DIR atomically, and the hidden one removed. An interrupt at any point (Ctrl-C
 included) removes the hidden package and leaves DIR as it was: no half package.

@@ -96,8 +96,8 @@ SYSTEM = "You are a helpful assistant."
 
 @dataclass(frozen=True)
 class DistillPrompt:
-    """Messages before the assistant's answer (a multi-turn prompt carries earlier answers as
-    short placeholders the target continues from; the target answers only the last turn)."""
+    """Messages before the assistant's answer (a multi-turn prompt carries short earlier answers,
+    written for it, that the target continues from; the target answers only the last turn)."""
 
     messages: tuple[dict[str, str], ...]
     held_out: bool

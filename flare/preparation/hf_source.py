@@ -102,7 +102,7 @@ def read_mtp_head(
 ) -> ImportedDraftHead:
     """The first MTP layer of the checkpoint as a draft head (module docstring: the layout);
     SourceError naming every tensor that does not fit it."""
-    from flare.preparation.draft_head import FINAL_NORM_TENSOR, VOCAB_TENSOR, draft_head_shapes
+    from flare.preparation.draft_head import FINAL_NORM_TENSOR, draft_head_shapes
 
     prefix = f"model.layers.{config.num_layers}."
     layer = {n[len(prefix) :]: shape for n, shape in shapes.items() if n.startswith(prefix)}
@@ -128,8 +128,7 @@ def read_mtp_head(
             "to leave the layer out):\n"
             + "\n".join(f"  - {p}" for p in problems)
         )
-    wanted = {prefix + n for n in layer} | {"model.norm.weight"}
-    wanted |= {"model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight", "model.embed_tokens.weight"}
+    wanted = {prefix + n for n in layer} | {"model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"}
     found: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
@@ -152,7 +151,6 @@ def read_mtp_head(
     norm = found.get(prefix + _MTP_OWN_NORM)
     if norm is not None and not _same(norm, found["model.norm.weight"]):
         tensors[FINAL_NORM_TENSOR] = norm.to(torch.float32)
-    assert VOCAB_TENSOR not in tensors
     return ImportedDraftHead(
         tensors=tensors,
         origin=f"{prefix.rstrip('.')} of {path} (DeepSeek-V3-style MTP layer, the first of {declared})",

@@ -733,8 +733,11 @@ class Scheduler:
         if not self._mtp or seq.fell_back or self.draft_tokens <= 0:
             return 0
         if self.drafter_name == "auto" and seq.draft_source == "ngram":
-            return 1 if seq.num_cached + row_tokens + 1 <= self.max_context else 0
-        steps = min(self.draft_tokens, drafts + 1) if self.options.adaptive_draft_length else self.draft_tokens
+            steps = 1
+        elif self.options.adaptive_draft_length:
+            steps = min(self.draft_tokens, drafts + 1)
+        else:
+            steps = self.draft_tokens
         # The last slot the head writes: the row's end, plus its new token, plus steps - 1.
         if seq.num_cached + row_tokens + steps > self.max_context:
             return 0
