@@ -14,7 +14,6 @@ immutable plan and returns an immutable result.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import secrets
 import time
@@ -51,6 +50,7 @@ from flare.scheduler.errors import (
 from flare.scheduler.failures import cancelled_failure, device_failure, grammar_failure, shutdown_failure
 from flare.scheduler.metrics import SchedulerMetrics
 from flare.scheduler.model_runner import ModelRunner, PlannedRow, RoundObserver, RoundPlan, RoundResult
+from flare.scheduler.model_thread import ModelThread
 from flare.scheduler.request import (
     Failed,
     FaultSpec,
@@ -205,6 +205,7 @@ class Scheduler:
         draft_tokens: int,
         metrics: SchedulerMetrics | None = None,
         heartbeat: Callable[[], None] | None = None,
+        model_thread: ModelThread,
         grammars: GrammarCompiler | None = None,
     ) -> None:
         self.package = package
@@ -233,11 +234,12 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._stop = False
         self._in_flight = False
-        # Every round runs on this one thread for the scheduler's life. torch keeps native state per
-        # calling thread (an OpenMP team, MKL/oneDNN buffers) that is not given back when the thread
-        # ends; rounds on anyio's pooled threads, which retire after 10 s idle and are replaced,
-        # grew resident memory by ~0.4 MiB per request (tests/reliability/test_disconnects.py).
-        self._model_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="flare-model")
+        # Every round runs on this one thread for the scheduler's life, the one that loaded the
+        # weights (model_thread.py). torch keeps native state per calling thread (an OpenMP team,
+        # MKL/oneDNN buffers) that is not given back when the thread ends; rounds on anyio's pooled
+        # threads, which retire after 10 s idle and are replaced, grew resident memory by ~0.4 MiB
+        # per request (tests/reliability/test_disconnects.py).
+        self._model_thread = model_thread
         self._cost = RoundCostModel()
         self._throughput = _Throughput()
         self._rounds = 0
@@ -277,46 +279,57 @@ class Scheduler:
         auto = (options.drafter or serving.drafter) == "auto"
         device = torch.device(options.device)
         config = package.manifest.model
-        model = load_model(package, device=device, weight_format=options.weight_format)
-        kv_dtype = getattr(torch, options.kv_cache_dtype)
-        budget = options.kv_cache_memory or default_kv_cache_bytes(
-            config,
-            max_context=serving.max_context,
-            max_concurrency=max_concurrency,
-            block_size=options.block_size,
-            dtype=kv_dtype,
-        )
-        kv_cache = KVCache.for_budget(config, budget, block_size=options.block_size, dtype=kv_dtype, device=device)
-        log.info(
-            "engine_loaded",
-            device=str(device),
-            threads=torch.get_num_threads(),
-            native_kernels=model.native_kernels,
-            weights_dtype=serving.dtype,
-            weight_format=str(model.weight_format),
-            cpu_flags=" ".join(cpu_flags()),
-            kv_cache_blocks=kv_cache.num_blocks,
-            kv_cache_dtype=dtype_name(kv_cache.dtype),
-            block_size=kv_cache.block_size,
-            prefix_cache=options.prefix_cache,
-            drafter=drafter_name if draft_tokens > 0 else "none",
-            draft_tokens=draft_tokens,
-        )
-        head = None
-        if drafter_name == "mtp" and draft_tokens > 0:
-            head = load_draft_head(
-                package, model, num_blocks=kv_cache.num_blocks, block_size=kv_cache.block_size, kv_dtype=kv_cache.dtype
+
+        def load() -> ModelRunner:
+            model = load_model(package, device=device, weight_format=options.weight_format)
+            kv_dtype = getattr(torch, options.kv_cache_dtype)
+            budget = options.kv_cache_memory or default_kv_cache_bytes(
+                config,
+                max_context=serving.max_context,
+                max_concurrency=max_concurrency,
+                block_size=options.block_size,
+                dtype=kv_dtype,
             )
-        runner = ModelRunner(
-            model,
-            kv_cache,
-            vocab_size=config.vocab_size,
-            vocabulary_shards=options.vocabulary_shards,
-            fallback_on_invalid_speculation=options.on_invalid_speculation == "fallback",
-            device=device,
-            head=head,
-            observer=round_observer,
-        )
+            kv_cache = KVCache.for_budget(config, budget, block_size=options.block_size, dtype=kv_dtype, device=device)
+            log.info(
+                "engine_loaded",
+                device=str(device),
+                threads=torch.get_num_threads(),
+                native_kernels=model.native_kernels,
+                weights_dtype=serving.dtype,
+                weight_format=str(model.weight_format),
+                cpu_flags=" ".join(cpu_flags()),
+                kv_cache_blocks=kv_cache.num_blocks,
+                kv_cache_dtype=dtype_name(kv_cache.dtype),
+                block_size=kv_cache.block_size,
+                prefix_cache=options.prefix_cache,
+                drafter=drafter_name if draft_tokens > 0 else "none",
+                draft_tokens=draft_tokens,
+            )
+            head = None
+            if drafter_name == "mtp" and draft_tokens > 0:
+                head = load_draft_head(
+                    package, model, num_blocks=kv_cache.num_blocks, block_size=kv_cache.block_size, kv_dtype=kv_cache.dtype
+                )
+            return ModelRunner(
+                model,
+                kv_cache,
+                vocab_size=config.vocab_size,
+                vocabulary_shards=options.vocabulary_shards,
+                fallback_on_invalid_speculation=options.on_invalid_speculation == "fallback",
+                device=device,
+                head=head,
+                observer=round_observer,
+            )
+
+        # The weights load on the thread that will run the rounds (model_thread.py says why).
+        model_thread = ModelThread()
+        try:
+            runner = model_thread.run(load)
+        except BaseException:
+            model_thread.shutdown()
+            raise
+        model, kv_cache, head = runner.model, runner.kv_cache, runner.head
         # Whatever besides the tokens decides a block's keys and values: the weights (by their
         # checksums) and the dtypes the model computes and stores them in.
         root = namespace_hash(
@@ -339,6 +352,7 @@ class Scheduler:
             draft_tokens=draft_tokens,
             metrics=metrics,
             heartbeat=heartbeat,
+            model_thread=model_thread,
             grammars=GrammarCompiler(
                 package.tokenizer_json_path.read_text(encoding="utf-8"),
                 vocab_size=config.vocab_size,
@@ -524,7 +538,7 @@ class Scheduler:
         finally:
             for seq in [*self._running, *self._waiting]:
                 self._fail(seq, shutdown_failure())
-            self._model_thread.shutdown(wait=False)
+            self._model_thread.shutdown(wait=True)  # idle: no round is in flight here
 
     # ----------------------------------------------------------------- one round
 
@@ -551,7 +565,7 @@ class Scheduler:
         return True
 
     async def _on_model_thread(self, work: Callable[[RoundPlan], RoundResult], plan: RoundPlan) -> RoundResult:
-        future = asyncio.get_running_loop().run_in_executor(self._model_thread, work, plan)
+        future = asyncio.wrap_future(self._model_thread.submit(work, plan))
         # As anyio.to_thread.run_sync does: a cancelled caller still waits for the round, whose
         # rows and KV blocks are in use until it returns.
         with anyio.CancelScope(shield=True):
