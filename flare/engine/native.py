@@ -55,6 +55,16 @@ def _check(function: str, problems: list[str]) -> None:
         raise ValueError(f"{function}: " + "; ".join(problems))
 
 
+# The widest instructions the float16 linear layers use (kernels.h, `ISA_*`); the kernel takes
+# the widest of them the CPU has. AVX-512 only where ATen dispatches to it too, so that
+# ATEN_CPU_CAPABILITY=avx2 holds the whole engine to AVX2 (how the tests and benchmarks stand in
+# for an AVX2-only CPU). On 2 cores of a Zen 5 EPYC (`benchmarks/engine_decode.py`, float16, AVX2
+# dispatch against native) a round of 1 row of 5 tokens (a verify round of 4 drafts) took 11.7
+# and 8.8 ms, 8 decode rows 19.7 and 12.7, 32 rows 56.1 and 36.9; one decode row 7.5 and 7.9,
+# where reading the weights bounds both.
+ISA_PORTABLE, ISA_AVX2, ISA_AVX512 = 0, 1, 2
+LINEAR_ISA = ISA_AVX512 if torch.backends.cpu.get_cpu_capability() == "AVX512" else ISA_AVX2
+
 # The KV pool's dtypes the kernels read and write (kernels.h, `KvDtype`): everything is computed
 # in float32, 16-bit elements are widened when read and rounded to nearest even when written.
 KV_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -292,11 +302,11 @@ class Float16Weight:
         return self.blocks.shape[1]
 
 
-def float16_linear(x: torch.Tensor, weight: Float16Weight, *, portable: bool = False) -> torch.Tensor:
+def float16_linear(x: torch.Tensor, weight: Float16Weight, *, isa: int | None = None) -> torch.Tensor:
     """x [T, in] float32 (each row contiguous) through a packed float16 weight: [T, out] float32,
     accumulated in float32 over the inputs in order (so a row's result does not depend on the
-    other rows). `portable` runs the loop for CPUs without AVX2 even where it is present: the
-    same sums in the same order, slower."""
+    other rows). `isa` caps the instructions (`ISA_PORTABLE`, `ISA_AVX2`, `ISA_AVX512`; default
+    `LINEAR_ISA`): every level gives the same sums in the same order, the narrower ones slower."""
     native = _module()
     tokens, in_features = x.shape
     if x.dtype != torch.float32 or x.device.type != "cpu" or in_features != weight.in_features or x.stride(1) != 1:
@@ -315,7 +325,7 @@ def float16_linear(x: torch.Tensor, weight: Float16Weight, *, portable: bool = F
             in_features,
             weight.out_features,
             torch.get_num_threads(),
-            portable,
+            LINEAR_ISA if isa is None else isa,
         )
     return y
 
@@ -487,6 +497,7 @@ def decoder_layer(h: torch.Tensor, layer: Float16Layer, keys: torch.Tensor, valu
         plan.plans.shape[0],
         plan.scratch.data_ptr(),
         torch.get_num_threads(),
+        LINEAR_ISA,
     )
 
 

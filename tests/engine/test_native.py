@@ -356,13 +356,16 @@ def test_a_rows_float16_product_does_not_depend_on_its_batch_mates() -> None:
         assert torch.equal(native.float16_linear(x[first : first + count], packed), together[first : first + count])
 
 
-def test_the_portable_float16_loop_gives_the_vector_loops_bits() -> None:
-    # The loop for CPUs without AVX2 is forced here; both fuse each multiply-add in the same order.
+def test_the_portable_avx2_and_avx512_float16_loops_give_the_same_bits() -> None:
+    # Each level is forced here (a level this CPU lacks runs the widest it has); every loop fuses
+    # each multiply-add in the same order. Rows 1 to 20 take every tile shape of both vector loops.
     for out_features, in_features in FLOAT16_SHAPES[1:]:
         packed = native.Float16Weight.pack(float16_weight(out_features, in_features))
-        for tokens in (1, 2, 7):
+        for tokens in (*range(1, 21), 33):
             x = torch.randn(tokens, in_features, generator=torch.Generator().manual_seed(tokens))
-            assert torch.equal(native.float16_linear(x, packed, portable=True), native.float16_linear(x, packed))
+            portable = native.float16_linear(x, packed, isa=native.ISA_PORTABLE)
+            for isa in (native.ISA_AVX2, native.ISA_AVX512):
+                assert torch.equal(native.float16_linear(x, packed, isa=isa), portable), (out_features, in_features, tokens, isa)
 
 
 def test_float16_linear_reads_rows_of_a_wider_tensor_and_rounds_the_weights_to_nearest() -> None:
@@ -420,7 +423,8 @@ def test_any_shape_of_float16_layer_and_rows_equals_the_float64_product(out_feat
     exact = (x.double() @ weight.double().T).float()
     got = native.float16_linear(x, packed)
     torch.testing.assert_close(got, exact, atol=2e-6 * in_features**0.5, rtol=1e-5)
-    assert torch.equal(native.float16_linear(x, packed, portable=True), got)
+    for isa in (native.ISA_PORTABLE, native.ISA_AVX2):
+        assert torch.equal(native.float16_linear(x, packed, isa=isa), got)
 
 
 def _float16_layer(hidden: int = 32, heads: int = 2, kv_heads: int = 1, head_dim: int = 16, intermediate: int = 48):

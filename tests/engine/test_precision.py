@@ -124,3 +124,15 @@ def test_a_cpu_without_avx2_runs_float16_packages_in_float32() -> None:
 def test_an_avx2_cpu_runs_float16_packages_in_float16() -> None:
     # On a CPU with AVX-512, ATen and oneDNN are held to AVX2, as on CI's class of CPU.
     assert _in_subprocess({"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}, CHOICE_SCRIPT) == "True float16"
+
+
+ISA_SCRIPT = "from flare.engine import native; print(native.LINEAR_ISA)"
+
+
+@pytest.mark.skipif("avx2" not in precision.cpu_flags(), reason="this CPU has no AVX2")
+def test_the_float16_kernel_follows_atens_dispatch_so_avx2_stands_in_for_an_avx2_only_cpu() -> None:
+    from flare.engine import native
+
+    assert _in_subprocess({"ATEN_CPU_CAPABILITY": "avx2"}, ISA_SCRIPT) == str(native.ISA_AVX2)
+    widest = native.ISA_AVX512 if "avx512f" in precision.cpu_flags() else native.ISA_AVX2
+    assert _in_subprocess({"ATEN_CPU_CAPABILITY": ""}, ISA_SCRIPT) == str(widest)

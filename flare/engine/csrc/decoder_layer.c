@@ -25,7 +25,7 @@ int decoder_layer(const DecoderLayerRound *l, int threads) {
     add_rms_norm(&input_norm, threads);
 
     const Float16Linear qkv_layer = {.x = x, .x_stride = hidden, .packed = l->qkv, .y = qkv, .tokens = T, .in = hidden, .out = C};
-    float16_linear(&qkv_layer, threads, 0);
+    float16_linear(&qkv_layer, threads, l->isa);
 
     const RopeCache rope = {
         .qkv = qkv,
@@ -73,7 +73,7 @@ int decoder_layer(const DecoderLayerRound *l, int threads) {
     }
 
     const Float16Linear o_layer = {.x = attended, .x_stride = A, .packed = l->o, .y = delta, .tokens = T, .in = A, .out = hidden};
-    float16_linear(&o_layer, threads, 0);
+    float16_linear(&o_layer, threads, l->isa);
 
     const AddRmsNorm post_norm = {.h = l->h, .delta = delta, .delta_token_stride = hidden, .delta_channel_stride = 1,
                                   .weight = l->post_norm, .out = x, .tokens = T, .hidden = hidden, .eps = l->eps};
@@ -81,11 +81,11 @@ int decoder_layer(const DecoderLayerRound *l, int threads) {
 
     const Float16Linear gate_up_layer = {.x = x, .x_stride = hidden, .packed = l->gate_up, .y = gate_up, .tokens = T, .in = hidden,
                                          .out = 2 * I};
-    float16_linear(&gate_up_layer, threads, 0);
+    float16_linear(&gate_up_layer, threads, l->isa);
     if (swiglu_rows(gate_up, 1, 2 * I, gated, I, T, threads)) return -1;
 
     const Float16Linear down_layer = {.x = gated, .x_stride = I, .packed = l->down, .y = delta, .tokens = T, .in = I, .out = hidden};
-    float16_linear(&down_layer, threads, 0);
+    float16_linear(&down_layer, threads, l->isa);
     /* The residual add the next layer's norm would make (model.py hands it the delta instead). */
     for (int64_t i = 0; i < T * hidden; i++) l->h[i] += delta[i];
     return 0;

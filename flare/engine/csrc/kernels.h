@@ -173,9 +173,12 @@ typedef struct {
     int64_t tokens, in, out;
 } Float16Linear;
 
-/* `portable`: run the loop for CPUs without AVX2, FMA and F16C even where they are present (the
- * tests hold both loops to the same bits). */
-void float16_linear(const Float16Linear *l, int threads, int portable);
+/* The widest instructions a kernel may use (it uses the widest of them this CPU has): the
+ * portable loops, AVX2 with FMA and F16C, or AVX-512F. Each sums in the same order, so every
+ * level gives the same bits (the tests hold them to it); a lower one stands in for an older CPU. */
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+void float16_linear(const Float16Linear *l, int threads, int isa);
 
 /* The sampler's random stream uniforms and top-p threshold over whole vocabulary rows: see
  * sampling.c. top_p_threshold returns 0, or -1 when scratch memory could not be allocated. */
@@ -206,6 +209,7 @@ typedef struct {
     const AttentionGroupPlan *group_plans;
     int64_t groups;
     float *scratch;                            /* tokens * (2 hidden + qkv channels + 2 heads * head_dim + 3 intermediate) floats */
+    int isa;                                   /* the linear layers' widest instructions (float16_linear) */
 } DecoderLayerRound;
 
 /* Returns 0, or -1 when scratch memory could not be allocated. */

@@ -165,8 +165,8 @@ static PyObject *py_add_rms_norm(PyObject *self, PyObject *args) {
 static PyObject *py_float16_linear(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t x, x_stride, packed, y, tokens, in, out, threads;
-    int portable;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnp", &x, &x_stride, &packed, &y, &tokens, &in, &out, &threads, &portable))
+    int isa;
+    if (!PyArg_ParseTuple(args, "nnnnnnnni", &x, &x_stride, &packed, &y, &tokens, &in, &out, &threads, &isa))
         return NULL;
     if (tokens < 1 || in < 1 || out < 1 || threads < 1 || x_stride < in)
         return invalid("float16_linear", "sizes must be positive and rows at least `in` apart");
@@ -180,7 +180,7 @@ static PyObject *py_float16_linear(PyObject *self, PyObject *args) {
         .out = out,
     };
     Py_BEGIN_ALLOW_THREADS
-    float16_linear(&l, (int)threads, portable);
+    float16_linear(&l, (int)threads, isa);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -225,11 +225,11 @@ static PyObject *py_decoder_layer(PyObject *self, PyObject *args) {
     Py_ssize_t positions, slots, cos, sin, max_positions, keys, values, num_blocks, block_size, plans, groups, scratch;
     Py_ssize_t threads;
     float eps, scale;
-    int kv_dtype;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnffnnnnnnninnnnnn", &h, &input_norm, &post_norm, &qkv, &o, &gate_up, &down,
+    int kv_dtype, isa;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnffnnnnnnninnnnnni", &h, &input_norm, &post_norm, &qkv, &o, &gate_up, &down,
                           &tokens, &hidden, &heads, &kv_heads, &head_dim, &intermediate, &eps, &scale, &positions,
                           &slots, &cos, &sin, &max_positions, &keys, &values, &kv_dtype, &num_blocks, &block_size,
-                          &plans, &groups, &scratch, &threads))
+                          &plans, &groups, &scratch, &threads, &isa))
         return NULL;
     if (kv_dtype < KV_FLOAT32 || kv_dtype > KV_BFLOAT16) return invalid("decoder_layer", "unknown KV dtype code");
     if (threads < 1) return invalid("decoder_layer", "threads must be positive");
@@ -262,6 +262,7 @@ static PyObject *py_decoder_layer(PyObject *self, PyObject *args) {
         .group_plans = (const AttentionGroupPlan *)plans,
         .groups = groups,
         .scratch = (float *)scratch,
+        .isa = isa,
     };
     int status;
     Py_BEGIN_ALLOW_THREADS
@@ -308,7 +309,7 @@ static PyMethodDef methods[] = {
     {"add_rms_norm", py_add_rms_norm, METH_VARARGS,
      "add_rms_norm(h, delta, delta_token_stride, delta_channel_stride, weight, out, tokens, hidden, eps, threads)"},
     {"float16_linear", py_float16_linear, METH_VARARGS,
-     "float16_linear(x, x_stride, packed, y, tokens, in, out, threads, portable)"},
+     "float16_linear(x, x_stride, packed, y, tokens, in, out, threads, isa)"},
     {"check_decoder_round", py_check_decoder_round, METH_VARARGS,
      "check_decoder_round(positions, slots, tokens, max_positions, pool_slots, plans, groups, num_blocks, block_size, "
      "heads, kv_heads)"},
