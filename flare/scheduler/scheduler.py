@@ -991,6 +991,8 @@ class Scheduler:
                 accepted_per_row.append(accepted)
                 seq.acceptance.observe(drafts, accepted)
                 seq.source_acceptance[seq.draft_source].observe(drafts, accepted)
+            elif seq.in_decode:
+                seq.acceptance.unobserved()
             seq.num_cached = row.start_position + fed - (drafts - accepted)
             if seq.first_token_at is None:
                 seq.first_token_at = now
