@@ -69,10 +69,12 @@ class PlannedRow:
     prompt_top: int = 0  # alternatives reported per scored prompt token
     grammar: GrammarState | None = None  # the choice's grammar: the runner reads its masks only
     draft_vocab: torch.Tensor | None = None  # the ids draft_probs' columns stand for; None: all
-    # With a draft head: the token after the row's tokens when the host knows it (a row that
-    # does not sample), and how many drafts the head proposes for the row's next round.
-    next_token: int | None = None
+    # With a draft head, for a row that samples: how many drafts the head proposes for the row's
+    # next round (0: the head does nothing for it), the first head slot it has not computed,
+    # and the committed tokens from that slot to the end of the row's tokens before its drafts.
     head_steps: int = 0
+    head_from: int = 0
+    head_tokens: tuple[int, ...] = ()
 
     @property
     def num_logits(self) -> int:
@@ -146,7 +148,7 @@ class ModelRunner:
         with torch.inference_mode():
             self.kv_cache.copy_blocks(plan.copies)
             if self.head is not None:
-                self.head.kv_cache.copy_blocks(plan.copies)
+                self.head.copy_blocks(plan.copies)
             batch = ForwardBatch.build(
                 [
                     # An out-of-vocabulary draft must reach the verify kernel (status
@@ -162,6 +164,8 @@ class ModelRunner:
                 logits = self.model.forward(batch, self.kv_cache)
             else:
                 logits, hidden = self.model.forward_hidden(batch, self.kv_cache)
+            if self.head is not None:
+                self.head.write_hidden(batch.slot_mapping, hidden)
             if self.observer is not None:
                 self.observer(plan, batch, hidden, logits)
             scoring = [k for k, row in enumerate(plan.rows) if row.prompt_targets]
@@ -169,13 +173,7 @@ class ModelRunner:
             scores = self._score_prompts([plan.rows[k] for k in scoring], logits, plan.rows) if scoring else None
             if scoring and sampling:
                 logits = logits[self._sampling_positions(plan.rows)]
-            if sampling:
-                sampled = iter(
-                    self._sample(sampling, logits, lambda t, e, order: self._draft(plan, batch, hidden, t, e, order))
-                )
-            else:
-                self._draft(plan, batch, hidden, None, None, [])
-                sampled = iter([])
+            sampled = iter(self._sample(sampling, logits, lambda t, e, order: self._draft(sampling, t, e, order)) if sampling else [])
             results: list[RowResult | None] = [next(sampled) if row.samples else None for row in plan.rows]
             if scores is not None:
                 # Read after the round's read: the device has finished by then.
@@ -210,46 +208,32 @@ class ModelRunner:
 
 
     def _draft(
-        self,
-        plan: RoundPlan,
-        batch: ForwardBatch,
-        hidden: torch.Tensor | None,
-        tokens: torch.Tensor | None,
-        emitted: torch.Tensor | None,
-        order: list[int],
+        self, rows: list[PlannedRow], tokens: torch.Tensor, emitted: torch.Tensor, order: list[int]
     ) -> HeadDrafts | None:
-        """The draft head's pass over the round (`drafters/mtp.py`), before the host read."""
-        if self.head is None or hidden is None:
+        """The draft head's pass over the sampling rows that draft (`drafters/mtp.py`), before
+        the host read. `order`: the row of `tokens` each sampling row's results are in."""
+        if self.head is None:
             return None
         position = {k: i for i, k in enumerate(order)}  # sampling row -> row of `tokens`
-        head_rows, k = [], 0
-        for row, flat_start in zip(plan.rows, batch.row_starts):
-            # Where the row's tokens are, for every row the head reads.
-            placed = dict(
-                start_position=row.start_position, block_table=row.block_table, flat_start=flat_start, first_token=row.token_ids[0]
+        head_rows = [
+            HeadRow(
+                first_slot=row.head_from,
+                block_table=row.block_table,
+                host_tokens=row.head_tokens,
+                device_tokens=1 + len(row.draft_ids),
+                sample_index=position[k],
+                steps=row.head_steps,
+                temperature=row.params.temperature,
+                top_k=row.params.top_k,
+                top_p=row.params.top_p,
+                min_p=row.params.min_p,
+                seed=row.seed,
+                output_position=row.output_position,
             )
-            if row.samples:
-                drafts = len(row.draft_ids)
-                head_rows.append(
-                    HeadRow(
-                        **placed,
-                        host_tokens=row.token_ids[1 : len(row.token_ids) - drafts],
-                        device_tokens=1 + drafts,
-                        sample_index=position[k],
-                        steps=row.head_steps,
-                        temperature=row.params.temperature,
-                        top_k=row.params.top_k,
-                        top_p=row.params.top_p,
-                        min_p=row.params.min_p,
-                        seed=row.seed,
-                        output_position=row.output_position,
-                    )
-                )
-                k += 1
-            else:
-                assert row.next_token is not None, "a row that does not sample needs its next token for the head"
-                head_rows.append(HeadRow(**placed, host_tokens=(*row.token_ids[1:], row.next_token)))
-        return self.head.run(head_rows, hidden, tokens, emitted)
+            for k, row in enumerate(rows)
+            if row.head_steps > 0
+        ]
+        return self.head.run(head_rows, tokens, emitted)
 
     def _sample(
         self,

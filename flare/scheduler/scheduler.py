@@ -75,6 +75,10 @@ JUMP_FORWARD_TOKENS = 16
 # Faults that need the row to verify at least one draft to reach their device path.
 _DRAFT_FAULTS = (DeviceStatus.INVALID_DRAFT_TOKEN, DeviceStatus.INVALID_DRAFT_PROBABILITY)
 
+# Rounds a row's draft head pauses after the draft-length model declined its drafts, before
+# it drafts one token again to be weighed anew (`Scheduler._head_steps`).
+HEAD_PAUSE_ROUNDS = 8
+
 
 @dataclass(frozen=True)
 class SchedulerOptions:
@@ -600,12 +604,11 @@ class Scheduler:
             row_tokens = len(tail) + len(draft.token_ids)
             samples = seq.num_cached + len(tail) == len(seq.tokens)
             head_steps = self._head_steps(seq, row_tokens, len(draft.token_ids)) if samples else 0
-            # The head writes one slot past the row's tokens, and drafting rows K - 1 more.
-            extra = (head_steps or 1) if self._mtp else 0
-            if not self._ensure_blocks(seq, seq.num_cached + row_tokens + extra):
+            # A drafting row's head writes the new token's slot, one past the row's tokens at
+            # most, and K - 1 more.
+            if not self._ensure_blocks(seq, seq.num_cached + row_tokens + head_steps):
                 head_steps = self._head_steps(seq, len(tail), 0) if samples else 0
-                extra = (head_steps or 1) if self._mtp else 0
-                if draft.token_ids and self._ensure_blocks(seq, seq.num_cached + len(tail) + extra):
+                if draft.token_ids and self._ensure_blocks(seq, seq.num_cached + len(tail) + head_steps):
                     draft = Draft(())
                 else:
                     continue  # preempted: it waits for blocks
@@ -635,8 +638,9 @@ class Scheduler:
                     prompt_targets=prompt_targets,
                     prompt_top=seq.request.prompt_logprobs or 0,
                     grammar=seq.grammar if samples else None,
-                    next_token=None if samples else seq.tokens[seq.num_cached + len(tail)],
                     head_steps=head_steps,
+                    head_from=seq.head_cached if head_steps else 0,
+                    head_tokens=tuple(seq.tokens[seq.head_cached : seq.num_cached + len(tail)]) if head_steps else (),
                 )
             )
         # A row dropped after its blocks were made writable (its sequence preempted by a later
@@ -692,6 +696,12 @@ class Scheduler:
         for seq, draft, k in zip(decode, proposals, lengths):
             if k:
                 drafts[seq] = draft.cut(k)
+            if self._mtp and self.options.adaptive_draft_length:
+                # Drafts were there and not worth verifying: the head pauses (`_head_steps`).
+                if not k and draft.token_ids:
+                    seq.head_pause = HEAD_PAUSE_ROUNDS
+                elif seq.head_pause:
+                    seq.head_pause -= 1
             fault = self._fault_now(seq)
             if fault in _DRAFT_FAULTS and seq not in drafts:
                 # The draft fault path needs one draft to verify; propose the token 0.
@@ -737,14 +747,19 @@ class Scheduler:
         Each step is a forward of the head, paid whether or not the next round verifies its
         draft, so with adaptive draft length the head drafts one more than this round's length
         (at least one): the length then grows a step a round where acceptance is high, and a row
-        whose drafts do not pay costs one step, not K.
+        whose drafts do not pay costs one step, not K. A row whose drafts the draft-length model
+        declined gets none for `HEAD_PAUSE_ROUNDS` rounds, then one again: at 8 and 32 streams,
+        where a draft accepted a third of the time does not pay for the rows it adds, the head
+        cost the round for nothing. A row without steps costs the head nothing: when it drafts
+        again the head catches up on the slots since from its pool of hidden states
+        (drafters/mtp.py).
 
         Under `auto` a row that drafted by n-gram lookup this round gets one step: lookup is
         likely to propose again next round (its text repeats), the head's drafts would then go
         unverified, and one step keeps a draft ready for the round lookup finds nothing. Measured
         on the `copy` set at one stream, greedy: with K steps drafted beside lookup, auto served
         121 tokens/s against n-gram alone's 227."""
-        if not self._mtp or seq.fell_back or self.draft_tokens <= 0:
+        if not self._mtp or seq.fell_back or self.draft_tokens <= 0 or seq.head_pause:
             return 0
         if self.drafter_name == "auto" and seq.draft_source == "ngram":
             steps = 1
@@ -819,10 +834,6 @@ class Scheduler:
         seq.block_table = self._blocks.lookup(seq.block_hashes)
         seq.num_published = len(seq.block_table)
         seq.num_cached = min(len(seq.block_table) * self._block_size, len(seq.tokens) - 1)
-        if self._mtp and seq.num_cached > 0:
-            # The head's slot of the first uncomputed position reads the target's hidden state at
-            # the last cached one, which no cache holds: that position is computed again.
-            seq.num_cached -= 1
 
     def _count_cached_prompt(self, seq: Sequence) -> None:
         """An admitted sequence's prompt tokens that the prefix cache served."""
@@ -908,6 +919,7 @@ class Scheduler:
         self._blocks.release(seq.block_table)
         seq.block_table.clear()
         seq.num_cached = 0
+        seq.head_cached = 0
         seq.num_published = 0
 
     def _trim_blocks(self, seq: Sequence) -> None:
@@ -994,6 +1006,9 @@ class Scheduler:
             elif seq.in_decode:
                 seq.acceptance.unobserved()
             seq.num_cached = row.start_position + fed - (drafts - accepted)
+            if row.head_steps and outcome.next_draft is not None:
+                # The head computed every slot through the new token's (drafters/mtp.py).
+                seq.head_cached = seq.num_cached + 1
             if seq.first_token_at is None:
                 seq.first_token_at = now
                 if self.metrics is not None and seq.index == 0:  # once per request

@@ -56,6 +56,8 @@ class Sequence:
     sampled_rounds: int = 0  # rounds in which this sequence sampled tokens
     fell_back: bool = False  # speculation turned off after INVALID_SPECULATION
     head_draft: Draft | None = None  # the draft head's proposal from the last round (drafters/mtp.py)
+    head_pause: int = 0  # rounds left without head drafts (`Scheduler._head_steps`)
+    head_cached: int = 0  # head slots computed for the committed tokens (drafters/mtp.py)
     # Which drafter proposed the row's drafts this round, and each one's acceptance on this row
     # (`--drafter auto` runs both).
     draft_source: str = "ngram"

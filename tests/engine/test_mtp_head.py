@@ -65,11 +65,13 @@ def test_a_package_that_lost_its_draft_head_file_is_refused(make_package, packag
         open_package(path)
 
 
+@pytest.mark.parametrize("drafted_after_prefill", [True, False], ids=["caught-up-each-round", "caught-up-late"])
 @pytest.mark.parametrize("imported", [False, True], ids=["distilled", "imported"])
 @pytest.mark.parametrize("native", [True, False], ids=["native-kernels", "torch"])
-def test_the_paged_head_drafts_what_the_dense_head_computes(package_parts, draft_vocab, native, imported):
-    """Catch-up over a prompt chunk and a decode row, then K draft steps on the head's own
-    hidden states: tokens and q equal the dense unrolled forward fed the same tokens. An
+def test_the_paged_head_drafts_what_the_dense_head_computes(package_parts, draft_vocab, native, imported, drafted_after_prefill):
+    """A prompt chunk, then a decode row that drafts K steps on the head's own hidden states:
+    tokens and q equal the dense unrolled forward fed the same tokens, whether the head caught up
+    on the chunk in its own round or on everything at once from the pooled hidden states. An
     imported head reads the target's hidden state after its final norm and has a norm of its own."""
     from flare.engine import native as native_module
 
@@ -91,12 +93,20 @@ def test_the_paged_head_drafts_what_the_dense_head_computes(package_parts, draft
     table = tuple(range(8))
     chunk = 30
     with torch.inference_mode():
-        _, hidden = target.forward_hidden(ForwardBatch.build([ForwardRow(tokens[:chunk], 0, table, 0)], 16), kv)
-        head.run([HeadRow(0, table, 0, tokens[0], tuple(tokens[1 : chunk + 1]))], hidden, None, None)
+        batch = ForwardBatch.build([ForwardRow(tokens[:chunk], 0, table, 1)], 16)
+        _, hidden = target.forward_hidden(batch, kv)
+        head.write_hidden(batch.slot_mapping, hidden)
+        if drafted_after_prefill:  # the chunk's row "sampled" tokens[chunk] and drafted one step
+            row = HeadRow(0, table, tuple(tokens[:chunk]), device_tokens=1, sample_index=0, steps=1)
+            head.run([row], torch.tensor([[tokens[chunk]]]), torch.tensor([1]))
         # A decode row: the target "sampled" tokens[chunk + 1] (with a temperature: q is softmax(logits / T)).
-        _, hidden = target.forward_hidden(ForwardBatch.build([ForwardRow([tokens[chunk]], chunk, table, 1)], 16), kv)
-        row = HeadRow(chunk, table, 0, tokens[chunk], (), device_tokens=1, sample_index=0, steps=3, temperature=0.7, seed=9)
-        drafts = head.run([row], hidden, torch.tensor([[tokens[chunk + 1]]]), torch.tensor([1]))
+        batch = ForwardBatch.build([ForwardRow([tokens[chunk]], chunk, table, 1)], 16)
+        _, hidden = target.forward_hidden(batch, kv)
+        head.write_hidden(batch.slot_mapping, hidden)
+        first = chunk + 1 if drafted_after_prefill else 0
+        row = HeadRow(first, table, tuple(tokens[first : chunk + 1]), device_tokens=1, sample_index=0, steps=3,
+                      temperature=0.7, seed=9)
+        drafts = head.run([row], torch.tensor([[tokens[chunk + 1]]]), torch.tensor([1]))
     assert drafts is not None
     proposed = [int(t) for t in drafts.tokens[0]]
     sequence = tokens[: chunk + 2] + proposed[:2]

@@ -133,13 +133,41 @@ async def test_drafts_after_rejections_are_those_of_the_committed_tokens(head_pa
     assert check_drafts_against_reference(recorder, package_parts, peaked_state, head_state, prompts_ids) > 10
 
 
+async def test_a_head_paused_while_its_drafts_are_declined_drafts_for_the_committed_tokens_after(
+    head_package, package_parts, peaked_state, head_state, monkeypatch
+):
+    """The draft-length model declines every other round's drafts: the head pauses for those rows
+    (no head work at all, `HEAD_PAUSE_ROUNDS`), then catches up on every slot since from its pool
+    of hidden states, and its drafts are still what it computes from scratch; output unchanged."""
+    import flare.scheduler.scheduler as scheduler_module
+
+    calls = {"n": 0}
+
+    def every_other_round(available, acceptance, base_tokens, cost, *, requests_waiting):
+        calls["n"] += 1
+        return list(available) if calls["n"] % 2 else [0] * len(available)
+
+    plain, _, _ = await generate(head_package, PROMPTS, SamplingParams(temperature=0.0, max_tokens=60), SchedulerOptions(draft_tokens=0))
+    monkeypatch.setattr(scheduler_module, "choose_draft_lengths", every_other_round)
+    speculative, recorder, scheduler = await generate(
+        head_package, PROMPTS, SamplingParams(temperature=0.0, max_tokens=60), SchedulerOptions(drafter="mtp")
+    )
+    assert speculative == plain
+    decode_rows = [row for plan, _ in recorder.rounds for row in plan.rows if row.samples and row.output_position > 0]
+    paused = [row for row in decode_rows if row.head_steps == 0]
+    resumed = [row for row in decode_rows if row.head_steps > 0 and row.head_from < row.start_position]
+    assert paused and resumed  # rows went without the head, then caught up on several slots at once
+    prompts_ids = [scheduler.tokenizer.encode(t) for t in PROMPTS]
+    assert check_drafts_against_reference(recorder, package_parts, peaked_state, head_state, prompts_ids) > 10
+
+
 async def test_a_prefix_cache_hit_drafts_as_a_miss_does(head_package, package_parts, peaked_state, head_state):
     prompt = "the same long prompt, " * 4
     outputs, recorder, scheduler = await generate(head_package, (prompt, prompt), GREEDY, SchedulerOptions(**FIXED_LENGTH), sequential=True)
     assert outputs[0] == outputs[1]
     assert scheduler.snapshot().prompt_tokens_cached > 0
-    # The second request's head KV of the cached prefix came from the cache: its drafts are still
-    # what the head computes from scratch, as the first request's are.
+    # The second request's head caught up on the cached prefix from the pooled hidden states: its
+    # drafts are still what the head computes from scratch, as the first request's are.
     ids = scheduler.tokenizer.encode(prompt)
     assert check_drafts_against_reference(recorder, package_parts, peaked_state, head_state, [ids, ids]) > 10
     assert any(row.request_id == "r1" and row.start_position > 0 and row.output_position == 0

@@ -1,27 +1,28 @@
 """A package's learned draft head (`preparation/draft_head.py`) running inside the round.
 
-After the target's forward and sampling, still on the device, the head does two things for the
-round's rows, batched over all of them:
+Head slot p reads (h_{p-1}, x_p): the target's hidden state at the position before and the token
+at p (slot 0 reads a zero hidden state and x_0); slot p depends only on tokens x_0 .. x_p. Every
+round the target's hidden states of all the round's positions go into the head's hidden pool
+(one vector per KV slot, the target cache's block ids), and the head works only for the rows
+that draft, batched over them:
 
-1. Catch-up: it writes its own KV for every position the target computed this round. Head slot
-   p reads (h_{p-1}, x_p): for a row whose tokens sit at positions s .. s + L - 1 the head
-   writes slots s + 1 .. s + L (and slot 0, from a zero hidden state, for a row at s = 0). The
-   tokens are the row's own where the host knows them (a prompt chunk's, and the next prompt
-   token after a chunk that does not sample), and the round's sampled tokens for the rest: a
-   verify row's slots s + 1 + i take emitted token i, so the slot of the last accepted token
-   holds the bonus or correction token, and slots past it hold garbage that is written again
-   before any query reads it (causal attention reads only earlier slots, and every later pass
-   rewrites the slots after the last committed one in order). Slot p depends only on tokens
-   x_0 .. x_p, so a block full of committed tokens holds valid head KV, and the prefix cache
-   (whose namespace hashes the head's file) can share it; the one slot a cache hit cannot
-   supply, the first uncomputed one, is why the scheduler recomputes the last cached position.
-2. Drafting: for each drafting row the hidden state at the slot of its new token (found on the
-   device from the emitted count) predicts the first draft; K - 1 more steps feed the head's own
-   output back as the hidden state, one batched single-token row per drafting row each.
+1. Catch-up: the row's head slots from the first it has not computed (`HeadRow.first_slot`,
+   which the scheduler tracks) to the slot of its new token, reading the hidden states from the
+   pool. The tokens are the row's own where the host knows them, and the round's sampled tokens
+   for the rest: the slots after the row's last host token take emitted token i, so the slot of
+   the last accepted token's successor holds the bonus or correction token, and slots past it
+   hold garbage that is written again before any query reads it (causal attention reads only
+   earlier slots, and every later catch-up starts at the first slot not committed). A row that
+   does not draft this round computes nothing: when it drafts again it catches up on every slot
+   since, from the pool, in one pass. A prefix-cache hit starts at slot 0 for the same reason:
+   the pool holds the cached positions' hidden states, whoever computed them.
+2. Drafting: the head's output at the slot of the new token (found on the device from the
+   emitted count) predicts the first draft; K - 1 more steps feed the head's own output back as
+   the hidden state, one batched single-token row per drafting row each.
 
 The head's KV pool has one layer and the target's block ids: rollback after rejected drafts is
 the target's (positions past the accepted length are written again later), copy-on-write copies
-both pools. Drafts are sampled under the row's temperature from q = softmax(logits / T) over the
+the pools. Drafts are sampled under the row's temperature from q = softmax(logits / T) over the
 draft vocabulary (zero elsewhere), with a random stream keyed by the row's seed and the drafted
 token's output position (`Purpose.DRAFT`), so a seeded request's drafts, and with them its
 output, do not depend on its batch-mates; greedy rows draft the argmax with a one-hot q.
@@ -50,23 +51,21 @@ from flare.preparation.package import Package
 
 @dataclass(frozen=True)
 class HeadRow:
-    """What the head needs of one row of the round (host facts only).
+    """What the head needs of one drafting row of the round (host facts only).
 
-    The row's target tokens sit at positions `start_position` .. `start_position + L - 1` with
-    L = len(host_tokens) + device_tokens (+ nothing else): slot `start_position + j` (j = 1 .. L)
-    reads the target's hidden state at flat index `flat_start + j - 1` and token x_{s+j}, which is
-    `host_tokens[j - 1]` for the first len(host_tokens) slots and sampled token j - 1 - len(host_tokens)
-    of round row `sample_index` for the last `device_tokens`.
+    The row computes head slots `first_slot` .. `first_slot + num_slots - 1`: slot p reads the
+    pooled hidden state of position p - 1 (a zero state for slot 0) and token x_p, which is
+    `host_tokens[p - first_slot]` for the first len(host_tokens) slots and sampled token
+    p - first_slot - len(host_tokens) of round row `sample_index` for the last `device_tokens`
+    (1 + the row's drafts). Then it drafts `steps` tokens after its new token.
     """
 
-    start_position: int
+    first_slot: int
     block_table: tuple[int, ...]
-    flat_start: int
-    first_token: int  # x_s: slot 0 reads it when start_position is 0
     host_tokens: tuple[int, ...]
-    device_tokens: int = 0  # 1 + drafts for a row that samples, 0 for one that does not
-    sample_index: int = -1  # its row in the round's sampled tokens
-    steps: int = 0  # draft tokens to propose for the next round (0: none)
+    device_tokens: int
+    sample_index: int
+    steps: int
     temperature: float = 0.0
     top_k: int = -1  # the request's filters, applied to q too (module docstring)
     top_p: float = 1.0
@@ -76,16 +75,12 @@ class HeadRow:
 
     @property
     def num_slots(self) -> int:
-        return len(self.host_tokens) + self.device_tokens + (1 if self.start_position == 0 else 0)
-
-    @property
-    def first_slot(self) -> int:
-        return 0 if self.start_position == 0 else self.start_position + 1
+        return len(self.host_tokens) + self.device_tokens
 
 
 @dataclass(frozen=True)
 class HeadDrafts:
-    """The next round's drafts of the drafting rows (in the order of `HeadRow`s with steps > 0),
+    """The next round's drafts of the drafting rows (in the order of their `HeadRow`s),
     on the device: token ids [D, K] and q over the draft vocabulary [D, K, V'] (rows of greedy
     requests carry a one-hot q, which the host replaces by None)."""
 
@@ -94,7 +89,8 @@ class HeadDrafts:
 
 
 class MtpHead:
-    """The draft head's weights, its one-layer KV pool and the drafting passes of a round."""
+    """The draft head's weights, its one-layer KV pool, the pool of the target's hidden states
+    it reads, and the drafting passes of a round."""
 
     def __init__(
         self,
@@ -113,7 +109,8 @@ class MtpHead:
         gathered copy: the restricted GEMM needs them contiguous); `final_norm`: the norm before
         them (the target's, or the head's own). `target_norm`: for a head that reads the target's
         hidden state after its final norm (`DraftHeadInfo.target_hidden`), that norm's weight.
-        The head's KV cache has the target cache's blocks, in `kv_dtype` (the target cache's)."""
+        The head's KV cache and hidden pool have the target cache's blocks, in `kv_dtype` (the
+        target cache's)."""
         device = target.device
         self.target = target
         self.draft_vocab = head_state[VOCAB_TENSOR].to(device, torch.long)
@@ -148,10 +145,22 @@ class MtpHead:
             dtype=kv_dtype,
             device=device,
         )
+        self.hidden_pool = torch.zeros(num_blocks * block_size, config.hidden_size, dtype=kv_dtype, device=device)
 
     @property
     def device(self) -> torch.device:
         return self.block.device
+
+    def write_hidden(self, slot_mapping: torch.Tensor, hidden: torch.Tensor) -> None:
+        """The target's hidden states [T, hidden] of a round's positions, into their slots."""
+        self.hidden_pool.index_copy_(0, slot_mapping, hidden.to(self.hidden_pool.dtype))
+
+    def copy_blocks(self, copies: tuple[tuple[int, int], ...] | list[tuple[int, int]]) -> None:
+        """Copy-on-write of whole blocks (src, dst), in the head's KV and hidden pools."""
+        self.kv_cache.copy_blocks(copies)
+        bs = self.kv_cache.block_size
+        for src, dst in copies:
+            self.hidden_pool[dst * bs : (dst + 1) * bs] = self.hidden_pool[src * bs : (src + 1) * bs]
 
     def inputs(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """fc([RMSNorm(h); RMSNorm(embed(x))]): the block's input rows [N, hidden]."""
@@ -165,85 +174,69 @@ class MtpHead:
         )
         return linear(x, self.fc).contiguous()
 
-    def run(
-        self, rows: list[HeadRow], hidden: torch.Tensor, sampled: torch.Tensor | None, emitted: torch.Tensor | None
-    ) -> HeadDrafts | None:
-        """Catch up on the round's rows and draft for those with steps; None when none drafts.
+    def run(self, rows: list[HeadRow], sampled: torch.Tensor, emitted: torch.Tensor) -> HeadDrafts | None:
+        """Catch up on the drafting rows and draft for them; None when there are none.
 
-        hidden: the target's residual stream of the round [T, hidden] (flat order); sampled
-        [Rs, W] and emitted [Rs]: the round's sampled tokens and emitted counts, on the device.
+        sampled [Rs, W] and emitted [Rs]: the round's sampled tokens and emitted counts, on the
+        device. The round's hidden states must be in the pool already (`write_hidden`).
         """
         if not rows:
             return None
         device = self.device
+        bs = self.kv_cache.block_size
         batch = ForwardBatch.build(
-            [ForwardRow(range(row.num_slots), row.first_slot, row.block_table, 0) for row in rows],
-            self.kv_cache.block_size,
-            device,
+            [ForwardRow(range(row.num_slots), row.first_slot, row.block_table, 0) for row in rows], bs, device
         )
-        zero = hidden.shape[0]  # index of the zero hidden state slot 0 reads
-        sources = [0] * batch.num_tokens
+        sources = [0] * batch.num_tokens  # pool slot of the hidden state each slot reads; -1: zero
         tokens = [0] * batch.num_tokens
         fill_at, fill_row, fill_col = [], [], []
         for row, start in zip(rows, batch.row_starts):
-            flat = start
-            if row.start_position == 0:
-                sources[flat], tokens[flat] = zero, row.first_token
-                flat += 1
-            for j in range(len(row.host_tokens) + row.device_tokens):
-                sources[flat + j] = row.flat_start + j
+            for j in range(row.num_slots):
+                p = row.first_slot + j
+                sources[start + j] = row.block_table[(p - 1) // bs] * bs + (p - 1) % bs if p > 0 else -1
                 if j < len(row.host_tokens):
-                    tokens[flat + j] = row.host_tokens[j]
+                    tokens[start + j] = row.host_tokens[j]
                 else:
-                    fill_at.append(flat + j)
+                    fill_at.append(start + j)
                     fill_row.append(row.sample_index)
                     fill_col.append(j - len(row.host_tokens))
         token_ids = torch.tensor(tokens, dtype=torch.long, device=device)
         if fill_at:
-            assert sampled is not None
             picked = sampled[torch.tensor(fill_row, device=device), torch.tensor(fill_col, device=device)]
             # Past a row's emitted tokens the sampled tensor holds -1: garbage slots, any token will do.
             token_ids[torch.tensor(fill_at, device=device)] = picked.clamp(min=0)
-        hidden_ext = torch.cat((hidden, hidden.new_zeros(1, hidden.shape[1])))
+        source = torch.tensor(sources, dtype=torch.long, device=device)
+        hidden = torch.where((source >= 0).unsqueeze(1), self.hidden_pool[source.clamp(min=0)].float(), 0.0)
         if self.target_norm is not None:  # RMSNorm keeps slot 0's zero state zero
-            hidden_ext = F.rms_norm(hidden_ext.float(), (self.hidden_size,), self.target_norm, self.eps)
-        source_index = torch.tensor(sources, dtype=torch.long, device=device)
-        _, out = self.block.forward_hidden(batch, self.kv_cache, self.inputs(hidden_ext[source_index], token_ids))
+            hidden = F.rms_norm(hidden, (self.hidden_size,), self.target_norm, self.eps)
+        _, out = self.block.forward_hidden(batch, self.kv_cache, self.inputs(hidden, token_ids))
 
-        drafting = [(row, start) for row, start in zip(rows, batch.row_starts) if row.steps > 0]
-        if not drafting:
-            return None
-        assert emitted is not None
-        steps = max(row.steps for row, _ in drafting)
-        sample_rows = torch.tensor([row.sample_index for row, _ in drafting], device=device)
+        steps = max(row.steps for row in rows)
+        sample_rows = torch.tensor([row.sample_index for row in rows], device=device)
         accepted = (emitted[sample_rows].to(torch.long) - 1).clamp(min=0)  # n: drafts accepted this round
-        # The slot of the row's new token: its last host slot + 1 + n.
-        offsets = torch.tensor(
-            [start + (1 if row.start_position == 0 else 0) + len(row.host_tokens) for row, start in drafting],
-            device=device,
-        )
-        slot0 = torch.tensor(
-            [row.start_position + len(row.host_tokens) + 1 for row, _ in drafting], device=device
-        ) + accepted
+        # The slot of the row's new token: the one after its last host slot, plus n.
+        offsets = torch.tensor([start + len(row.host_tokens) for row, start in zip(rows, batch.row_starts)], device=device)
+        slot0 = torch.tensor([row.first_slot + len(row.host_tokens) for row in rows], device=device) + accepted
         g = out[offsets + accepted]
-        temperature = torch.tensor([row.temperature for row, _ in drafting], device=device)
-        all_greedy = all(row.temperature <= 0 for row, _ in drafting)
+        temperature = torch.tensor([row.temperature for row in rows], device=device)
+        all_greedy = all(row.temperature <= 0 for row in rows)
         filters = None
-        if any(row.top_k > 0 or row.top_p < 1.0 or row.min_p > 0.0 for row, _ in drafting):
+        if any(row.top_k > 0 or row.top_p < 1.0 or row.min_p > 0.0 for row in rows):
             filters = (
-                torch.tensor([row.top_k for row, _ in drafting], device=device),
-                torch.tensor([row.top_p for row, _ in drafting], device=device),
-                torch.tensor([row.min_p for row, _ in drafting], device=device),
+                torch.tensor([row.top_k for row in rows], device=device),
+                torch.tensor([row.top_p for row in rows], device=device),
+                torch.tensor([row.min_p for row in rows], device=device),
             )
-        seeds = torch.tensor([row.seed for row, _ in drafting], dtype=torch.long, device=device)
-        first_output = torch.tensor([row.output_position for row, _ in drafting], device=device) + accepted + 1
-        width = max(-(-(row.start_position + len(row.host_tokens) + row.device_tokens + steps + 1) // self.kv_cache.block_size) for row, _ in drafting)
+        seeds = torch.tensor([row.seed for row in rows], dtype=torch.long, device=device)
+        first_output = torch.tensor([row.output_position for row in rows], device=device) + accepted + 1
+        last_slot = max(row.first_slot + row.num_slots - 1 + row.steps for row in rows)
+        width = -(-(last_slot + 1) // bs)
         block_table = torch.tensor(
-            [list(row.block_table[:width]) + [0] * (width - min(width, len(row.block_table))) for row, _ in drafting],
+            [list(row.block_table[:width]) + [0] * (width - min(width, len(row.block_table))) for row in rows],
             dtype=torch.long,
             device=device,
         )
-        max_slot = max(row.start_position + len(row.host_tokens) + row.device_tokens + steps for row, _ in drafting)
+        max_slot = last_slot
         draft_tokens, draft_probs = [], []
         for step in range(steps):
             if step > 0:
