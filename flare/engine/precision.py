@@ -99,12 +99,14 @@ def available_formats(device: torch.device) -> tuple[WeightFormat, ...]:
     """The formats that run natively on `device`, the one `auto` takes first.
 
     float16 through the engine's kernel comes first wherever it runs, bfloat16 included: on an
-    AVX512-BF16 CPU (Zen 4, 2 cores) its rounds of 1 decode row took 0.63 of oneDNN bfloat16's,
-    and one stream was served 1.43x faster; bfloat16 was ahead from 8 rows on (32 streams served
-    1.6x faster), and it rounds the GEMMs' inputs and outputs, the logits included, to 8 bits
-    where float16 keeps float32's (docs/benchmarks.md, "On a CPU with native bfloat16"). bfloat16 stays first on CPUs with AMX tiles, which multiply
-    bfloat16 matrices several times faster than AVX-512 (not measured here), and where the C
-    kernels were not built (fbgemm's float16 was no faster than oneDNN's bfloat16 at one row)."""
+    AVX512-BF16 CPU (Zen 5, 2 cores, `benchmarks/engine_decode.py --batch 1 8 32 --weight-format
+    float16 bfloat16`) rounds of 1 / 8 / 32 decode rows took 7.9 / 12.7 / 36.9 ms in float16 (its
+    AVX-512 tiles) against 11.5 / 17.4 / 35.5 in oneDNN's bfloat16, and bfloat16 rounds the GEMMs'
+    inputs and outputs, the logits included, to 8 bits where float16 keeps float32's
+    (docs/benchmarks.md, "On a CPU with native bfloat16"). bfloat16 stays first on CPUs with AMX
+    tiles, which multiply bfloat16 matrices several times faster than AVX-512 (not measured
+    here), and where the C kernels were not built (fbgemm's float16 was no faster than oneDNN's
+    bfloat16 at one row)."""
     if device.type != "cpu":
         return (WeightFormat.BFLOAT16, WeightFormat.FLOAT16, WeightFormat.FLOAT32)
     formats = []
