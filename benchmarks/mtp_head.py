@@ -74,15 +74,17 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     for rows in args.batch:
         tables = [tuple(range(r * blocks_per_row, (r + 1) * blocks_per_row)) for r in range(rows)]
-        # Fill the context once (prefill rows), for both pools.
+        # Fill the context once (prefill rows that sample, the head catching up on them), for both pools.
+        contexts = [torch.randint(0, config.vocab_size, (args.context,), generator=generator).tolist() for _ in range(rows)]
         prefill = RoundPlan(0, tuple(
-            _row(f"r{r}", torch.randint(0, config.vocab_size, (args.context,), generator=generator).tolist(), 0,
-                 tables[r], params, samples=False, next_token=5)
+            _row(f"r{r}", contexts[r], 0, tables[r], params, head_steps=1, head_tokens=tuple(contexts[r]))
             for r in range(rows)
         ))
         runners["with head"].execute(prefill)
+        # Steady state of a drafting row: the head has every slot through the new token's.
         decode = RoundPlan(1, tuple(
-            _row(f"r{r}", [7], args.context, tables[r], params, samples=True, head_steps=k) for r in range(rows)
+            _row(f"r{r}", [7], args.context, tables[r], params, head_steps=k, head_from=args.context + 1)
+            for r in range(rows)
         ))
         times: dict[str, list[float]] = {name: [] for name in runners}
         for _ in range(3):
@@ -99,11 +101,11 @@ def main() -> None:
         _acceptance(package, k)
 
 
-def _row(request_id, tokens, start, table, params, *, samples, head_steps=0, next_token=None) -> PlannedRow:
+def _row(request_id, tokens, start, table, params, *, head_steps=0, head_from=0, head_tokens=()) -> PlannedRow:
     return PlannedRow(
-        request_id=request_id, token_ids=tuple(tokens), start_position=start, block_table=table, samples=samples,
+        request_id=request_id, token_ids=tuple(tokens), start_position=start, block_table=table, samples=True,
         draft_ids=(), draft_probs=None, params=params, seed=1, output_position=0, prompt_ids=(), output_ids=(),
-        vocabulary_parallel=False, next_token=None if samples else next_token, head_steps=head_steps,
+        vocabulary_parallel=False, head_steps=head_steps, head_from=head_from, head_tokens=head_tokens,
     )
 
 
