@@ -281,9 +281,10 @@ class ModelRunner:
             host_drafts = head.tokens.tolist()
             drafting = (k for k, row in enumerate(rows) if row.head_steps > 0)
             for d, k in enumerate(drafting):
+                steps = rows[k].head_steps
                 greedy = rows[k].params.temperature <= 0
-                q, vocab = (None, None) if greedy else (head.probs[d], self.head.draft_vocab)
-                results[k] = dataclasses.replace(results[k], next_draft=Draft(tuple(host_drafts[d]), q, vocab))
+                q, vocab = (None, None) if greedy else (head.probs[d, :steps], self.head.draft_vocab)
+                results[k] = dataclasses.replace(results[k], next_draft=Draft(tuple(host_drafts[d][:steps]), q, vocab))
 
         if self.fallback_on_invalid_speculation:
             retry = [k for k, r in enumerate(results) if r.status == DeviceStatus.INVALID_SPECULATION]

@@ -119,3 +119,26 @@ def test_the_paged_head_drafts_what_the_dense_head_computes(package_parts, draft
         q = torch.softmax(module.logits(outputs[j][0, chunk + 1 + j]) / 0.7, -1)
         torch.testing.assert_close(drafts.probs[0, j], q, atol=2e-5, rtol=1e-3)
         assert q[drafts.tokens[0, j] == draft_vocab].item() > 0  # the draft is one q can propose
+
+
+def test_a_row_drafting_fewer_steps_than_its_batch_mates_writes_no_slot_past_its_blocks(package_parts, draft_vocab):
+    """Row A drafts one token and its new token's slot ends its only block; row B drafts three.
+    The steps only B takes must not write A's next slots, which lie in a block A was not given."""
+    config, target_state = package_parts["config"], package_parts["state_dict"]
+    target = LlamaModel(config, target_state)
+    head_state = repeat_head_state(config, target_state, draft_vocab, mix=1.0, seed=5)
+    embed = target_state["model.embed_tokens.weight"]
+    head = MtpHead(config, head_state, target, embed[draft_vocab].contiguous(), target_state["model.norm.weight"],
+                   num_blocks=8, block_size=16)
+    generator = torch.Generator().manual_seed(4)
+    head.hidden_pool.copy_(torch.randn(head.hidden_pool.shape, generator=generator))
+    for pool in (*head.kv_cache.keys, *head.kv_cache.values):
+        pool[:, 0].fill_(7.0)  # block 0 belongs to neither row
+    tokens = torch.randint(0, config.vocab_size, (40,), generator=generator).tolist()
+    a = HeadRow(0, (1,), tuple(tokens[:15]), device_tokens=1, sample_index=0, steps=1)
+    b = HeadRow(0, (2, 3), tuple(tokens[:20]), device_tokens=1, sample_index=1, steps=3)
+    with torch.inference_mode():
+        drafts = head.run([a, b], torch.tensor([[tokens[15]], [tokens[20]]]), torch.tensor([1, 1]))
+    assert drafts is not None and drafts.tokens.shape == (2, 3)
+    for pool in (*head.kv_cache.keys, *head.kv_cache.values):
+        assert bool((pool[:, 0] == 7.0).all())

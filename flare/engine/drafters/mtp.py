@@ -82,7 +82,8 @@ class HeadRow:
 class HeadDrafts:
     """The next round's drafts of the drafting rows (in the order of their `HeadRow`s),
     on the device: token ids [D, K] and q over the draft vocabulary [D, K, V'] (rows of greedy
-    requests carry a one-hot q, which the host replaces by None)."""
+    requests carry a one-hot q, which the host replaces by None), K the most steps of any row: a
+    row's columns past its own steps are not drafts."""
 
     tokens: torch.Tensor
     probs: torch.Tensor
@@ -236,12 +237,18 @@ class MtpHead:
             dtype=torch.long,
             device=device,
         )
-        max_slot = last_slot
         draft_tokens, draft_probs = [], []
         for step in range(steps):
-            if step > 0:
-                slots = slot0 + step
-                g = self._step(g, draft_tokens[-1], slots, block_table, max_slot)
+            # Only rows that draft this many write a step's slot: the scheduler gave each row the
+            # blocks of its own steps, and a slot past them would be another sequence's.
+            active = [i for i, row in enumerate(rows) if row.steps > step]
+            if step > 0 and len(active) == len(rows):
+                g = self._step(g, draft_tokens[-1], slot0 + step, block_table, last_slot)
+            elif step > 0:
+                index = torch.tensor(active, device=device)
+                g = g.index_copy(
+                    0, index, self._step(g[index], draft_tokens[-1][index], slot0[index] + step, block_table[index], last_slot)
+                )
             token, probs = self._sample(self.block.logits_of(g), temperature, filters, seeds, first_output + step, all_greedy)
             draft_tokens.append(token)
             draft_probs.append(probs)
