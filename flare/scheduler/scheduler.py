@@ -75,8 +75,8 @@ JUMP_FORWARD_TOKENS = 16
 # Faults that need the row to verify at least one draft to reach their device path.
 _DRAFT_FAULTS = (DeviceStatus.INVALID_DRAFT_TOKEN, DeviceStatus.INVALID_DRAFT_PROBABILITY)
 
-# Rounds a row's draft head pauses after the draft-length model declined its drafts, before
-# it drafts one token again to be weighed anew (`Scheduler._head_steps`).
+# Rounds a row's draft head pauses after the draft-length model declined its drafts, per decode
+# row of the round, before it drafts one token again to be weighed anew (`Scheduler._head_steps`).
 HEAD_PAUSE_ROUNDS = 16
 
 
@@ -697,11 +697,14 @@ class Scheduler:
             if k:
                 drafts[seq] = draft.cut(k)
             if self._mtp and self.options.adaptive_draft_length:
-                # The head's drafts were there and not worth verifying: it pauses (`_head_steps`).
+                # The head's drafts were there and not worth verifying: it pauses (`_head_steps`)
+                # for HEAD_PAUSE_ROUNDS rounds a decode row, so that paused rows probe about once
+                # in that many rounds whatever the batch, and a pause shortens as the batch does.
+                longest = HEAD_PAUSE_ROUNDS * len(decode)
                 if not k and draft.token_ids and seq.draft_source == "mtp":
-                    seq.head_pause = HEAD_PAUSE_ROUNDS
+                    seq.head_pause = longest
                 elif seq.head_pause:
-                    seq.head_pause -= 1
+                    seq.head_pause = min(seq.head_pause - 1, longest)
             fault = self._fault_now(seq)
             if fault in _DRAFT_FAULTS and seq not in drafts:
                 # The draft fault path needs one draft to verify; propose the token 0.
@@ -751,7 +754,8 @@ class Scheduler:
         draft, so with adaptive draft length the head drafts one more than this round's length
         (at least one): the length then grows a step a round where acceptance is high, and a row
         whose drafts do not pay costs one step, not K. A row whose drafts the draft-length model
-        declined gets none for `HEAD_PAUSE_ROUNDS` rounds, then one again: at 8 and 32 streams,
+        declined gets none for `HEAD_PAUSE_ROUNDS` rounds per decode row, then one again (each
+        probe costs a catch-up and a step): at 8 and 32 streams,
         where a draft accepted a third of the time does not pay for the rows it adds, the head
         cost the round for nothing. A row without steps costs the head nothing: when it drafts
         again the head catches up on the slots since from its pool of hidden states

@@ -149,6 +149,7 @@ async def test_a_head_paused_while_its_drafts_are_declined_drafts_for_the_commit
 
     plain, _, _ = await generate(head_package, PROMPTS, SamplingParams(temperature=0.0, max_tokens=60), SchedulerOptions(draft_tokens=0))
     monkeypatch.setattr(scheduler_module, "choose_draft_lengths", every_other_round)
+    monkeypatch.setattr(scheduler_module, "HEAD_PAUSE_ROUNDS", 2)  # 6 rounds for 3 rows: several pauses an answer
     speculative, recorder, scheduler = await generate(
         head_package, PROMPTS, SamplingParams(temperature=0.0, max_tokens=60), SchedulerOptions(drafter="mtp")
     )
