@@ -188,25 +188,25 @@ class MtpHead:
         batch = ForwardBatch.build(
             [ForwardRow(range(row.num_slots), row.first_slot, row.block_table, 0) for row in rows], bs, device
         )
-        sources = [0] * batch.num_tokens  # pool slot of the hidden state each slot reads; -1: zero
         tokens = [0] * batch.num_tokens
         fill_at, fill_row, fill_col = [], [], []
         for row, start in zip(rows, batch.row_starts):
-            for j in range(row.num_slots):
-                p = row.first_slot + j
-                sources[start + j] = row.block_table[(p - 1) // bs] * bs + (p - 1) % bs if p > 0 else -1
-                if j < len(row.host_tokens):
-                    tokens[start + j] = row.host_tokens[j]
-                else:
-                    fill_at.append(start + j)
-                    fill_row.append(row.sample_index)
-                    fill_col.append(j - len(row.host_tokens))
+            host = len(row.host_tokens)
+            tokens[start : start + host] = row.host_tokens
+            fill_at.extend(range(start + host, start + row.num_slots))
+            fill_row.extend([row.sample_index] * row.device_tokens)
+            fill_col.extend(range(row.device_tokens))
         token_ids = torch.tensor(tokens, dtype=torch.long, device=device)
-        if fill_at:
-            picked = sampled[torch.tensor(fill_row, device=device), torch.tensor(fill_col, device=device)]
-            # Past a row's emitted tokens the sampled tensor holds -1: garbage slots, any token will do.
-            token_ids[torch.tensor(fill_at, device=device)] = picked.clamp(min=0)
-        source = torch.tensor(sources, dtype=torch.long, device=device)
+        picked = sampled[torch.tensor(fill_row, device=device), torch.tensor(fill_col, device=device)]
+        # Past a row's emitted tokens the sampled tensor holds -1: garbage slots, any token will do.
+        token_ids[torch.tensor(fill_at, device=device)] = picked.clamp(min=0)
+        # Slot p reads the hidden state at position p - 1: within a row that is the pool slot of
+        # the flat entry before; a row's first slot reads the slot before it (a zero state for 0).
+        source = batch.slot_mapping.roll(1)
+        source[torch.tensor(batch.row_starts, device=device)] = torch.tensor(
+            [row.block_table[(row.first_slot - 1) // bs] * bs + (row.first_slot - 1) % bs if row.first_slot else -1 for row in rows],
+            device=device,
+        )
         hidden = torch.where((source >= 0).unsqueeze(1), self.hidden_pool[source.clamp(min=0)].float(), 0.0)
         if self.target_norm is not None:  # RMSNorm keeps slot 0's zero state zero
             hidden = F.rms_norm(hidden, (self.hidden_size,), self.target_norm, self.eps)
