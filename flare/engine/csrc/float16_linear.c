@@ -168,7 +168,7 @@ static inline __attribute__((always_inline)) F16_512_TARGET void tile512(const f
     for (int m = 0; m < MT; m++) memcpy(y + m * ys, lanes[m], sizeof(float) * (size_t)valid);
 }
 
-/* Blocks per tile for a tile of 1 to 12 rows: the most that fit the registers (see above). */
+/* Blocks per tile for a tile of 1 to 9 rows: the most that fit the registers (see above). */
 enum { MAX_TILE_ROWS = 9 };
 static const int BLOCKS_FOR_ROWS[MAX_TILE_ROWS + 1] = {0, 8, 8, 7, 6, 5, 4, 3, 3, 3};
 
@@ -184,20 +184,27 @@ static const int BLOCKS_FOR_ROWS[MAX_TILE_ROWS + 1] = {0, 8, 8, 7, 6, 5, 4, 3, 3
     default: tile512(x, xs, w, in, y, ys, valid, MT, 1); break;                                   \
     }
 
-/* A tile of `rows` (1 to 9) rows through `nb` blocks (at most BLOCKS_FOR_ROWS[rows]): the tile
- * sizes as constants. */
-static F16_512_TARGET void tile512_any(const float *x, int64_t xs, int64_t rows, const uint16_t *w, int64_t in, float *y,
-                                       int64_t ys, int64_t valid, int64_t nb) {
-    switch (rows) {
-    case 1: TILE512_ROWS(1) break;
-    case 2: TILE512_ROWS(2) break;
-    case 3: if (nb > 7) nb = 7; TILE512_ROWS(3) break;
-    case 4: if (nb > 6) nb = 6; TILE512_ROWS(4) break;
-    case 5: if (nb > 5) nb = 5; TILE512_ROWS(5) break;
-    case 6: if (nb > 4) nb = 4; TILE512_ROWS(6) break;
-    case 7: if (nb > 3) nb = 3; TILE512_ROWS(7) break;
-    case 8: if (nb > 3) nb = 3; TILE512_ROWS(8) break;
-    default: if (nb > 3) nb = 3; TILE512_ROWS(9) break;
+/* `rows` (1 to 9) rows through `blocks` blocks (the first `outputs` outputs stored), in tiles of
+ * at most BLOCKS_FOR_ROWS[rows] blocks, the tile sizes as constants. */
+static F16_512_TARGET void tile512_any(const float *x, int64_t xs, int64_t rows, const uint16_t *weights, int64_t in,
+                                       float *out, int64_t ys, int64_t outputs, int64_t blocks) {
+    const int64_t most = BLOCKS_FOR_ROWS[rows < MAX_TILE_ROWS ? rows : MAX_TILE_ROWS];
+    for (int64_t j = 0; j < blocks; j += most) {
+        const int64_t nb = blocks - j < most ? blocks - j : most;
+        const uint16_t *w = weights + j * in * BLOCK;
+        float *y = out + j * BLOCK;
+        const int64_t valid = outputs - j * BLOCK < nb * BLOCK ? outputs - j * BLOCK : nb * BLOCK;
+        switch (rows) {
+        case 1: TILE512_ROWS(1) break;
+        case 2: TILE512_ROWS(2) break;
+        case 3: TILE512_ROWS(3) break;
+        case 4: TILE512_ROWS(4) break;
+        case 5: TILE512_ROWS(5) break;
+        case 6: TILE512_ROWS(6) break;
+        case 7: TILE512_ROWS(7) break;
+        case 8: TILE512_ROWS(8) break;
+        default: TILE512_ROWS(9) break;
+        }
     }
 }
 
