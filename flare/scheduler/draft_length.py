@@ -86,8 +86,8 @@ class RoundCostModel:
     window: int = 7  # a count's last rounds whose median is its measured time
     max_age_rounds: int = 500
     _s: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)  # n, x, y, xx, xy
-    _measured: dict[int, tuple[float, int]] = field(default_factory=dict)  # T -> (median seconds, round)
-    _recent: dict[int, deque[float]] = field(default_factory=dict)  # T -> its last `window` rounds' seconds
+    # T -> (median seconds, round last measured, the last `window` rounds' seconds)
+    _measured: dict[int, tuple[float, int, deque[float]]] = field(default_factory=dict)
     _rounds: int = 0
     _total_seconds: float = 0.0
     _exploration_loss: float = 0.0  # seconds that tried rounds took past their estimates
@@ -100,10 +100,10 @@ class RoundCostModel:
             self._exploration_loss += max(0.0, seconds - self._trying[1])
         self._trying = None
         self._measured = {t: m for t, m in self._measured.items() if self._rounds - m[1] <= self.max_age_rounds}
-        self._recent = {t: r for t, r in self._recent.items() if t in self._measured}
-        recent = self._recent.setdefault(tokens, deque(maxlen=self.window))
+        previous = self._measured.get(tokens)
+        recent = previous[2] if previous is not None else deque(maxlen=self.window)
         recent.append(seconds)
-        self._measured[tokens] = (statistics.median(recent), self._rounds)
+        self._measured[tokens] = (statistics.median(recent), self._rounds, recent)
         if tokens >= 2:
             self._fit(float(tokens), seconds)
 

@@ -204,3 +204,36 @@ def test_a_round_without_decode_rows_drafts_nothing():
     cost = timed_on_a_line(0.017, 0.0027, range(1, 7))
     for waiting in (True, False):
         assert choose_draft_lengths([], [], base_tokens=5, cost=cost, requests_waiting=waiting) == []
+
+
+def test_a_lone_slow_round_does_not_change_a_counts_time_and_a_run_of_them_does():
+    cost = RoundCostModel()
+    for seconds in [0.0090, 0.0095, 0.0093, 0.031]:  # the last one: a collection, a neighbour's burst
+        cost.observe(2, seconds)
+    assert 0.0093 <= cost.seconds(2) <= 0.0095
+    for _ in range(4):
+        cost.observe(2, 0.031)  # the machine really is slower now: most of the window says so
+    assert cost.seconds(2) == 0.031
+
+
+def test_a_row_that_stopped_drafting_after_rejections_drafts_again_once_its_estimate_recovers():
+    cost = RoundCostModel()
+    for _ in range(3):
+        cost.observe(1, 0.0090)
+        cost.observe(2, 0.0095)
+    estimate = AcceptanceEstimate()
+    for _ in range(6):
+        estimate.observe(proposed=1, accepted=0)
+    assert choose_draft_lengths([1], [estimate.rate], base_tokens=1, cost=cost, requests_waiting=False) == [0]
+    rounds = 0
+    while choose_draft_lengths([1], [estimate.rate], base_tokens=1, cost=cost, requests_waiting=False) == [0]:
+        estimate.unobserved()  # a round without verified drafts
+        rounds += 1
+        assert rounds < 50
+    assert rounds > 1 and estimate.rate < estimate.prior
+    for _ in range(300):
+        estimate.unobserved()
+    assert estimate.prior - 1e-3 < estimate.rate <= estimate.prior  # toward the prior, never past it
+    high = AcceptanceEstimate(rate=0.9)
+    high.unobserved()
+    assert high.rate == 0.9  # a row accepted well keeps its estimate between verified rounds
