@@ -1,0 +1,27 @@
+"""The benchmark scripts that drive the engine's own classes run against today's API (a change
+to PlannedRow once broke benchmarks/mtp_head.py without a test noticing)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from mtp_heads import repeat_head_state, write_head_package
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_draft_head_cost_benchmark_runs_on_a_package_with_a_head(make_package, package_parts):
+    vocab = torch.arange(0, package_parts["config"].vocab_size, 3)
+    head_state = repeat_head_state(package_parts["config"], package_parts["state_dict"], vocab, mix=0.5, seed=2)
+    package = write_head_package(make_package, package_parts, head_state, draft_tokens=3)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "mtp_head.py"), str(package), "--batch", "1", "2", "--context", "20",
+         "--rounds", "1", "--threads", "1"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(rows) == 2 and all(line.count("|") == 5 for line in rows), result.stdout
