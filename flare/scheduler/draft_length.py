@@ -178,9 +178,10 @@ class AcceptanceEstimate:
     7% for a draft head accepted at 35%, so most long chat answers had such a run) a row never
     drafted again. Each round without verified drafts moves the estimate `recovery` of the way
     back to the prior, so the row is tried again once the cost model finds that worth it.
-    Measured at one stream on chat, greedy, with the default model's distilled head (10 answers
-    in-process beside K = 0, 2-core Zen 5, 2026-12-01): rows verified drafts in 476 of 974 rounds
-    and ran 1.00x of K = 0; with recovery in 605 of 891, 1.06x.
+    Measured at one stream on chat, greedy, with the default model's distilled head
+    (`benchmarks/drafters.py PACKAGE --configs K0,mtp --answers 10`, 2 cores of a Zen 5 EPYC with
+    AVX-512, 2026-12-01): rows verified drafts in 476 of 974 rounds and ran 1.00x of K = 0; with
+    recovery in 605 of 891, 1.06x.
     """
 
     rate: float = 0.5

@@ -210,6 +210,7 @@ class Scheduler:
         metrics: SchedulerMetrics | None = None,
         heartbeat: Callable[[], None] | None = None,
         model_thread: ModelThread,
+        owns_model_thread: bool = True,
         grammars: GrammarCompiler | None = None,
     ) -> None:
         self.package = package
@@ -244,6 +245,7 @@ class Scheduler:
         # threads, which retire after 10 s idle and are replaced, grew resident memory by ~0.4 MiB
         # per request (tests/reliability/test_disconnects.py).
         self._model_thread = model_thread
+        self._owns_model_thread = owns_model_thread
         self._cost = RoundCostModel()
         self._throughput = _Throughput()
         self._rounds = 0
@@ -264,11 +266,14 @@ class Scheduler:
         heartbeat: Callable[[], None] | None = None,
         drafter: Drafter | None = None,
         round_observer: RoundObserver | None = None,
+        model_thread: ModelThread | None = None,
     ) -> Scheduler:
         """Load the package's weights and size the KV cache. Heavy: call it off the event loop.
 
         The sampler contract is checked before any weight is read. `drafter` replaces the one
-        the package names (`serving.drafter`), e.g. a learned draft head.
+        the package names (`serving.drafter`), e.g. a learned draft head. `model_thread`: a
+        thread shared with other schedulers of the process, which then keep one OpenMP team
+        between them (model_thread.py); by default the scheduler has its own and ends it.
         """
         serving = package.manifest.serving
         policy = served_policy(package, options.sampling_policy)
@@ -327,11 +332,13 @@ class Scheduler:
             )
 
         # The weights load on the thread that will run the rounds (model_thread.py says why).
-        model_thread = ModelThread()
+        owns_model_thread = model_thread is None
+        model_thread = model_thread or ModelThread()
         try:
             runner = model_thread.run(load)
         except BaseException:
-            model_thread.shutdown()
+            if owns_model_thread:
+                model_thread.shutdown()
             raise
         model, kv_cache, head = runner.model, runner.kv_cache, runner.head
         # Whatever besides the tokens decides a block's keys and values: the weights (by their
@@ -357,6 +364,7 @@ class Scheduler:
             metrics=metrics,
             heartbeat=heartbeat,
             model_thread=model_thread,
+            owns_model_thread=owns_model_thread,
             grammars=GrammarCompiler(
                 package.tokenizer_json_path.read_text(encoding="utf-8"),
                 vocab_size=config.vocab_size,
@@ -542,7 +550,8 @@ class Scheduler:
         finally:
             for seq in [*self._running, *self._waiting]:
                 self._fail(seq, shutdown_failure())
-            self._model_thread.shutdown(wait=True)  # idle: no round is in flight here
+            if self._owns_model_thread:
+                self._model_thread.shutdown(wait=True)  # idle: no round is in flight here
 
     # ----------------------------------------------------------------- one round
 
@@ -728,9 +737,10 @@ class Scheduler:
         """The row's draft: n-gram lookup's, the head's, or under `auto` lookup's wherever it
         proposes and has been accepted on this row at least as often as the head (or the head has
         no draft), else the head's. Lookup's drafts cost nothing to make and the head's cost it
-        a step each: in-process at one stream on chat, greedy, 20 answers side by side, n-gram
-        alone served 1.23-1.35x of K = 0 and auto 1.12-1.15x when it took lookup's drafts only
-        where they were full length; with this rule n-gram alone 1.25x, auto 1.19x."""
+        a step each. On chat, greedy (`benchmarks/drafters.py PACKAGE --configs K0,ngram,auto
+        --answers 20`, the default model's distilled head, 2 cores of a Zen 5 EPYC with AVX-512),
+        n-gram alone served 1.23-1.35x of K = 0 and auto 1.12-1.15x when it took lookup's drafts
+        only where they were full length; with this rule n-gram alone 1.25x, auto 1.19x."""
         head = seq.head_draft.cut(limit) if self._mtp and seq.head_draft is not None else Draft(())
         if seq.draft_state is None:
             seq.draft_source = "mtp"
@@ -755,9 +765,8 @@ class Scheduler:
         (at least one): the length then grows a step a round where acceptance is high, and a row
         whose drafts do not pay costs one step, not K. A row whose drafts the draft-length model
         declined gets none for `HEAD_PAUSE_ROUNDS` rounds per decode row, then one again (each
-        probe costs a catch-up and a step): at 8 and 32 streams,
-        where a draft accepted a third of the time does not pay for the rows it adds, the head
-        cost the round for nothing. A row without steps costs the head nothing: when it drafts
+        probe costs a catch-up and a step): at 8 and 32 streams, where a draft accepted a third
+        of the time does not pay for the rows it adds, the head cost the round for nothing. A row without steps costs the head nothing: when it drafts
         again the head catches up on the slots since from its pool of hidden states
         (drafters/mtp.py).
 
@@ -766,7 +775,8 @@ class Scheduler:
         go unverified. The round after lookup finds nothing verifies no drafts, and the head drafts
         for the one after. On the `copy` set at one stream, greedy: with K steps drafted beside
         lookup, auto served 121 tokens/s against n-gram alone's 227; with one step 0.87x of
-        n-gram alone, with none 0.97x (in-process, side by side)."""
+        n-gram alone, with none 0.94-0.97x (`benchmarks/drafters.py PACKAGE --configs ngram,auto
+        --dataset copy --answers 10`, same head and CPU as above)."""
         if not self._mtp or seq.fell_back or self.draft_tokens <= 0 or seq.head_pause:
             return 0
         if self.drafter_name == "auto" and seq.draft_source == "ngram":

@@ -25,3 +25,18 @@ def test_the_draft_head_cost_benchmark_runs_on_a_package_with_a_head(make_packag
     assert result.returncode == 0, result.stderr
     rows = [line for line in result.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
     assert len(rows) == 2 and all(line.count("|") == 5 for line in rows), result.stdout
+
+
+def test_the_drafters_benchmark_compares_configurations_on_one_model_thread(make_package, package_parts):
+    vocab = torch.arange(0, package_parts["config"].vocab_size, 3)
+    head_state = repeat_head_state(package_parts["config"], package_parts["state_dict"], vocab, mix=0.5, seed=2)
+    package = write_head_package(make_package, package_parts, head_state, draft_tokens=3)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "drafters.py"), str(package), "--configs", "K0,ngram,mtp:2,auto",
+         "--answers", "2", "--max-tokens", "8", "--threads", "1"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = {line.split("|")[1].strip(): line for line in result.stdout.splitlines() if line.startswith("| ") and "x |" in line}
+    assert set(rows) == {"K0", "ngram", "mtp:2", "auto"}, result.stdout
+    assert all(line.rstrip().endswith("2/2 |") for line in rows.values())  # greedy: the same answers

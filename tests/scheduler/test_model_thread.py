@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -77,3 +78,20 @@ def test_a_failed_load_ends_its_thread(tiny_package, monkeypatch):
     for t in started:
         t.join(timeout=5)
     assert not any(t.is_alive() for t in started)
+
+
+async def test_schedulers_given_one_model_thread_load_and_run_on_it_and_leave_it_running(tiny_package):
+    shared = ModelThread(name="shared-model")
+    try:
+        first = Scheduler.from_package(open_package(tiny_package), SchedulerOptions(), model_thread=shared)
+        second = Scheduler.from_package(open_package(tiny_package), SchedulerOptions(draft_tokens=0), model_thread=shared)
+        for scheduler in (first, second):
+            loop = asyncio.create_task(scheduler.run())
+            ids = tuple(scheduler.tokenizer.encode("Hello"))
+            events = [e async for e in scheduler.submit(GenerationRequest("r", ids, SamplingParams(temperature=0.0, max_tokens=2)))]
+            assert isinstance(events[-1], Finished)
+            scheduler.stop()
+            await loop
+        assert shared.run(threading.current_thread).name == "shared-model"  # not ended by either
+    finally:
+        shared.shutdown(wait=True)

@@ -1,0 +1,132 @@
+"""Drafters side by side in one process: each answer through every configuration in turn.
+
+One stream, no HTTP: each configuration is a scheduler over the same package, all on one model
+thread (so they share one OpenMP team: flare/scheduler/model_thread.py), and every answer of the
+dataset runs through each of them in turn, the order alternating, so load on the machine falls
+on all of them alike. Prints tokens/s, the ratio to the first configuration, tokens per
+verification round, and how many answers equal the first configuration's (greedy: all of them).
+
+    .venv/bin/python benchmarks/drafters.py PACKAGE --configs K0,ngram,mtp,auto --answers 20
+    .venv/bin/python benchmarks/drafters.py PACKAGE --configs K0,mtp:1,mtp:2 --fixed-length --dataset copy
+
+A configuration is `K0` (no speculation) or a drafter (`ngram`, `mtp`, `auto`) with an optional
+`:K` draft length; `--fixed-length` turns adaptive draft length off for all of them.
+"""
+
+from __future__ import annotations
+
+import os
+
+from flare.engine.openmp import set_wait_policy
+
+set_wait_policy(os.environ)
+
+import argparse
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+import torch
+
+from flare.bench.datasets import load_dataset
+from flare.engine.precision import cpu_flags
+from flare.preparation.package import open_package
+from flare.sampling.params import SamplingParams
+from flare.scheduler.model_runner import RoundPlan, RoundResult
+from flare.scheduler.model_thread import ModelThread
+from flare.scheduler.request import GenerationRequest, TextDelta
+from flare.scheduler.scheduler import Scheduler, SchedulerOptions
+
+
+@dataclass
+class Tally:
+    seconds: float = 0.0
+    tokens: int = 0
+    verify_rounds: int = 0
+    verified_tokens: int = 0
+    answers: list[list[int]] = field(default_factory=list)
+
+
+def options_of(name: str, fixed_length: bool) -> SchedulerOptions:
+    drafter, _, k = name.partition(":")
+    if drafter == "K0":
+        return SchedulerOptions(draft_tokens=0)
+    return SchedulerOptions(
+        drafter=drafter, draft_tokens=int(k) if k else None, adaptive_draft_length=not fixed_length
+    )
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("package", type=Path)
+    parser.add_argument("--configs", default="K0,ngram,mtp,auto")
+    parser.add_argument("--dataset", default="chat")
+    parser.add_argument("--answers", type=int, default=20)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--fixed-length", action="store_true")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    torch.set_num_threads(args.threads)
+    package = open_package(args.package)
+    names = args.configs.split(",")
+    thread = ModelThread()
+    loop = asyncio.get_running_loop()
+    schedulers = {
+        name: await loop.run_in_executor(
+            None, lambda name=name: Scheduler.from_package(package, options_of(name, args.fixed_length), model_thread=thread)
+        )
+        for name in names
+    }
+    tallies = {name: Tally() for name in names}
+    for name, scheduler in schedulers.items():
+        execute, tally = scheduler._runner.execute, tallies[name]
+
+        def counted(plan: RoundPlan, execute=execute, tally=tally) -> RoundResult:
+            result = execute(plan)
+            for row, outcome in zip(plan.rows, result.rows):
+                if outcome is not None and row.draft_ids:
+                    tally.verify_rounds += 1
+                    tally.verified_tokens += len(outcome.tokens)
+            return result
+
+        scheduler._runner.execute = counted
+    runs = [asyncio.create_task(s.run()) for s in schedulers.values()]
+    conversations = load_dataset(args.dataset)[: args.answers]
+    for i, conversation in enumerate(conversations):
+        for name in names if i % 2 == 0 else names[::-1]:
+            scheduler = schedulers[name]
+            ids = tuple(scheduler.tokenizer.encode_chat([*conversation.history, {"role": "user", "content": conversation.turns[0]}]))
+            params = SamplingParams(
+                temperature=args.temperature, top_p=0.9 if args.temperature > 0 else 1.0, max_tokens=args.max_tokens, seed=i
+            )
+            started, got = time.perf_counter(), []
+            async for event in scheduler.submit(GenerationRequest(f"{name}-{i}", ids, params)):
+                if isinstance(event, TextDelta):
+                    got.extend(event.token_ids)
+            tallies[name].seconds += time.perf_counter() - started
+            tallies[name].tokens += len(got)
+            tallies[name].answers.append(got)
+    for scheduler in schedulers.values():
+        scheduler.stop()
+    await asyncio.gather(*runs)
+    thread.shutdown(wait=True)
+    print(f"cpu flags: {' '.join(cpu_flags())}; load {os.getloadavg()[0]:.2f}; {args.dataset}, T = {args.temperature:g}, "
+          f"{len(conversations)} answers of up to {args.max_tokens} tokens, one stream")
+    print("| config | tok/s | / first | tokens per verification round | verification rounds | answers equal to the first's |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    first = tallies[names[0]]
+    for name in names:
+        t = tallies[name]
+        rate, base = t.tokens / t.seconds, first.tokens / first.seconds
+        same = sum(a == b for a, b in zip(t.answers, first.answers))
+        per_round = f"{t.verified_tokens / t.verify_rounds:.2f}" if t.verify_rounds else "-"
+        print(f"| {name} | {rate:.1f} | {rate / base:.2f}x | {per_round} | {t.verify_rounds} | {same}/{len(t.answers)} |")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
