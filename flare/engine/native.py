@@ -58,10 +58,11 @@ def _check(function: str, problems: list[str]) -> None:
 # The widest instructions the float16 linear layers use (kernels.h, `ISA_*`); the kernel takes
 # the widest of them the CPU has. AVX-512 only where ATen dispatches to it too, so that
 # ATEN_CPU_CAPABILITY=avx2 holds the whole engine to AVX2 (how the tests and benchmarks stand in
-# for an AVX2-only CPU). On 2 cores of a Zen 5 EPYC (`benchmarks/engine_decode.py`, float16, AVX2
-# dispatch against native) a round of 1 row of 5 tokens (a verify round of 4 drafts) took 11.7
-# and 8.8 ms, 8 decode rows 19.7 and 12.7, 32 rows 56.1 and 36.9; one decode row 7.5 and 7.9,
-# where reading the weights bounds both.
+# for an AVX2-only CPU). On 2 cores of a Zen 5 EPYC (`avx2 avx512f avx512_bf16 f16c fma`;
+# `benchmarks/engine_decode.py --weight-format float16 --batch 1 --tokens-per-row 5 --context
+# 150`, and `--batch 1 8 32 --context 200`; ATEN_CPU_CAPABILITY=avx2 against native) a round of
+# 1 row of 5 tokens (a verify round of 4 drafts) took 11.7 and 8.8 ms, 8 decode rows 19.7 and
+# 12.7, 32 rows 56.1 and 36.9; one decode row 7.5 and 7.9, where reading the weights bounds both.
 ISA_PORTABLE, ISA_AVX2, ISA_AVX512 = 0, 1, 2
 LINEAR_ISA = ISA_AVX512 if torch.backends.cpu.get_cpu_capability() == "AVX512" else ISA_AVX2
 

@@ -173,7 +173,8 @@ class ModelRunner:
             scores = self._score_prompts([plan.rows[k] for k in scoring], logits, plan.rows) if scoring else None
             if scoring and sampling:
                 logits = logits[self._sampling_positions(plan.rows)]
-            sampled = iter(self._sample(sampling, logits, lambda t, e, order: self._draft(sampling, t, e, order)) if sampling else [])
+            drafts = lambda tokens, emitted, order: self._draft(sampling, tokens, emitted, order)  # noqa: E731
+            sampled = iter(self._sample(sampling, logits, drafts) if sampling else [])
             results: list[RowResult | None] = [next(sampled) if row.samples else None for row in plan.rows]
             if scores is not None:
                 # Read after the round's read: the device has finished by then.

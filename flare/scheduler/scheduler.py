@@ -766,9 +766,9 @@ class Scheduler:
         whose drafts do not pay costs one step, not K. A row whose drafts the draft-length model
         declined gets none for `HEAD_PAUSE_ROUNDS` rounds per decode row, then one again (each
         probe costs a catch-up and a step): at 8 and 32 streams, where a draft accepted a third
-        of the time does not pay for the rows it adds, the head cost the round for nothing. A row without steps costs the head nothing: when it drafts
-        again the head catches up on the slots since from its pool of hidden states
-        (drafters/mtp.py).
+        of the time does not pay for the rows it adds, the head cost the round for nothing. A
+        row without steps costs the head nothing: when it drafts again the head catches up on the
+        slots since from its pool of hidden states (drafters/mtp.py).
 
         Under `auto` a row whose draft this round came from n-gram lookup gets none: lookup is
         likely to propose again next round (its text repeats), and the head's drafts would then
