@@ -103,7 +103,7 @@ def distribution_statistics(
     threshold = no_threshold
     weights = None
     if filtered:
-        threshold, weights = _threshold(
+        threshold, weights = kept_threshold(
             scaled, row_max, top_k[row_of_position], top_p[row_of_position], log_min_p[row_of_position],
             max_top_k, any_top_p,
         )
@@ -139,7 +139,7 @@ def _kept_sumexp(
     return torch.cat(sums)
 
 
-def _threshold(
+def kept_threshold(
     scaled: torch.Tensor,
     row_max: torch.Tensor,
     top_k: torch.Tensor,
@@ -148,8 +148,9 @@ def _threshold(
     max_top_k: int,
     any_top_p: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The kept-set threshold of every position, and when top-p computed them the weights
-    exp(logit - max) of the tokens top-k keeps (0 elsewhere)."""
+    """The kept-set threshold of every position (module docstring), and when top-p computed them
+    the weights exp(logit - max) of the tokens top-k keeps (0 elsewhere). Parameters per
+    position, sanitised as for `distribution_statistics`."""
     vocab_size = scaled.shape[1]
     threshold = row_max + log_min_p
     threshold_k = torch.full_like(row_max, float("-inf"))

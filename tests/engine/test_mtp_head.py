@@ -142,3 +142,44 @@ def test_a_row_drafting_fewer_steps_than_its_batch_mates_writes_no_slot_past_its
     assert drafts is not None and drafts.tokens.shape == (2, 3)
     for pool in (*head.kv_cache.keys, *head.kv_cache.values):
         assert bool((pool[:, 0] == 7.0).all())
+
+
+def test_a_filtered_rows_q_is_the_heads_distribution_under_the_requests_filters(package_parts, draft_vocab):
+    """q of a row with top-k, top-p or min-p is the unfiltered q restricted to the tokens those
+    filters keep (the smallest most-probable set reaching top_p; p >= min_p * max p), renormalised,
+    and the draft is drawn from it; a greedy batch-mate drafts its argmax with a one-hot q."""
+    config, target_state = package_parts["config"], package_parts["state_dict"]
+    target = LlamaModel(config, target_state)
+    head_state = repeat_head_state(config, target_state, draft_vocab, mix=1.0, seed=5)
+    embed = target_state["model.embed_tokens.weight"]
+    head = MtpHead(config, head_state, target, embed[draft_vocab].contiguous(), target_state["model.norm.weight"],
+                   num_blocks=8, block_size=16)
+    generator = torch.Generator().manual_seed(4)
+    head.hidden_pool.copy_(torch.randn(head.hidden_pool.shape, generator=generator) * 4)
+    tokens = torch.randint(0, config.vocab_size, (12,), generator=generator).tolist()
+
+    def first_q(**sampling):
+        row = HeadRow(0, (1,), tuple(tokens[:11]), device_tokens=1, sample_index=0, steps=1, seed=3, **sampling)
+        greedy = HeadRow(0, (2,), tuple(tokens[:11]), device_tokens=1, sample_index=0, steps=1)
+        with torch.inference_mode():
+            drafts = head.run([row, greedy], torch.tensor([[tokens[11]]]), torch.tensor([1]))
+        assert drafts is not None
+        greedy_q = drafts.probs[1, 0]
+        assert greedy_q.max().item() == 1.0 and greedy_q.sum().item() == 1.0
+        assert draft_vocab[greedy_q.argmax()] == drafts.tokens[1, 0]
+        return drafts.probs[0, 0], int(drafts.tokens[0, 0])
+
+    unfiltered, _ = first_q(temperature=0.8)
+    order = unfiltered.argsort(descending=True)
+    top_p_set = order[: int((unfiltered[order].cumsum(0) < 0.6).sum()) + 1]
+    for sampling, kept in (
+        ({"top_k": 5}, order[:5]),
+        ({"top_p": 0.6}, top_p_set),
+        ({"min_p": 0.2}, (unfiltered >= 0.2 * unfiltered.max()).nonzero().squeeze(1)),
+    ):
+        q, draft = first_q(temperature=0.8, **sampling)
+        expected = torch.zeros_like(unfiltered)
+        expected[kept] = unfiltered[kept] / unfiltered[kept].sum()
+        assert 1 < len(kept) < len(unfiltered), sampling
+        torch.testing.assert_close(q, expected, atol=1e-6, rtol=1e-4)
+        assert q[(draft_vocab == draft).nonzero().item()] > 0, sampling
