@@ -1,13 +1,15 @@
-"""Drafters side by side in one process: each answer through every configuration in turn.
+"""Drafters side by side in one process: each wave of answers through every configuration in turn.
 
-One stream, no HTTP: each configuration is a scheduler over the same package, all on one model
-thread (so they share one OpenMP team: flare/scheduler/model_thread.py), and every answer of the
-dataset runs through each of them in turn, the order alternating, so load on the machine falls
-on all of them alike. Prints tokens/s, the ratio to the first configuration, tokens per
-verification round, and how many answers equal the first configuration's (greedy: all of them).
+No HTTP: each configuration is a scheduler over the same package, all on one model thread (so
+they share one OpenMP team: flare/scheduler/model_thread.py), and every wave of `--streams`
+answers of the dataset (submitted at once) runs through each of them in turn, the order
+alternating, so load on the machine falls on all of them alike. Prints tokens/s (a wave's tokens
+over its wall time), the ratio to the first configuration, tokens per verification round, and
+how many answers equal the first configuration's (greedy: all of them).
 
     .venv/bin/python benchmarks/drafters.py PACKAGE --configs K0,ngram,mtp,auto --answers 20
     .venv/bin/python benchmarks/drafters.py PACKAGE --configs K0,mtp:1,mtp:2 --fixed-length --dataset copy
+    .venv/bin/python benchmarks/drafters.py PACKAGE --configs K0,auto --streams 8 --answers 32
 
 A configuration is `K0` (no speculation) or a drafter (`ngram`, `mtp`, `auto`) with an optional
 `:K` draft length; `--fixed-length` turns adaptive draft length off for all of them.
@@ -31,7 +33,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from flare.bench.datasets import load_dataset
+from flare.bench.datasets import Conversation, load_dataset
 from flare.engine.precision import cpu_flags
 from flare.preparation.package import open_package
 from flare.sampling.params import SamplingParams
@@ -69,6 +71,7 @@ async def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--fixed-length", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--streams", type=int, default=1, help="answers submitted at once")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     torch.set_num_threads(args.threads)
@@ -97,26 +100,21 @@ async def main() -> None:
         scheduler._runner.execute = counted
     runs = [asyncio.create_task(s.run()) for s in schedulers.values()]
     conversations = load_dataset(args.dataset)[: args.answers]
-    for i, conversation in enumerate(conversations):
-        for name in names if i % 2 == 0 else names[::-1]:
+    waves = [range(start, min(start + args.streams, len(conversations))) for start in range(0, len(conversations), args.streams)]
+    for w, wave in enumerate(waves):
+        for name in names if w % 2 == 0 else names[::-1]:
             scheduler = schedulers[name]
-            ids = tuple(scheduler.tokenizer.encode_chat([*conversation.history, {"role": "user", "content": conversation.turns[0]}]))
-            params = SamplingParams(
-                temperature=args.temperature, top_p=0.9 if args.temperature > 0 else 1.0, max_tokens=args.max_tokens, seed=i
-            )
-            started, got = time.perf_counter(), []
-            async for event in scheduler.submit(GenerationRequest(f"{name}-{i}", ids, params)):
-                if isinstance(event, TextDelta):
-                    got.extend(event.token_ids)
+            started = time.perf_counter()
+            answers = await asyncio.gather(*(answer(scheduler, f"{name}-{i}", conversations[i], i, args) for i in wave))
             tallies[name].seconds += time.perf_counter() - started
-            tallies[name].tokens += len(got)
-            tallies[name].answers.append(got)
+            tallies[name].tokens += sum(len(got) for got in answers)
+            tallies[name].answers.extend(answers)
     for scheduler in schedulers.values():
         scheduler.stop()
     await asyncio.gather(*runs)
     thread.shutdown(wait=True)
     print(f"cpu flags: {' '.join(cpu_flags())}; load {os.getloadavg()[0]:.2f}; {args.dataset}, T = {args.temperature:g}, "
-          f"{len(conversations)} answers of up to {args.max_tokens} tokens, one stream")
+          f"{len(conversations)} answers of up to {args.max_tokens} tokens, {args.streams} at once")
     print("| config | tok/s | / first | tokens per verification round | verification rounds | answers equal to the first's |")
     print("| --- | --- | --- | --- | --- | --- |")
     first = tallies[names[0]]
@@ -126,6 +124,18 @@ async def main() -> None:
         same = sum(a == b for a, b in zip(t.answers, first.answers))
         per_round = f"{t.verified_tokens / t.verify_rounds:.2f}" if t.verify_rounds else "-"
         print(f"| {name} | {rate:.1f} | {rate / base:.2f}x | {per_round} | {t.verify_rounds} | {same}/{len(t.answers)} |")
+
+
+async def answer(scheduler: Scheduler, request_id: str, conversation: Conversation, seed: int, args: argparse.Namespace) -> list[int]:
+    ids = tuple(scheduler.tokenizer.encode_chat([*conversation.history, {"role": "user", "content": conversation.turns[0]}]))
+    params = SamplingParams(
+        temperature=args.temperature, top_p=0.9 if args.temperature > 0 else 1.0, max_tokens=args.max_tokens, seed=seed
+    )
+    got: list[int] = []
+    async for event in scheduler.submit(GenerationRequest(request_id, ids, params)):
+        if isinstance(event, TextDelta):
+            got.extend(event.token_ids)
+    return got
 
 
 if __name__ == "__main__":
