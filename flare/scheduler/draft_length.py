@@ -256,3 +256,40 @@ def choose_draft_lengths(
     for _, _, i in candidates[:best]:
         lengths[i] += 1
     return lengths
+
+
+HEAD_COST_WINDOW = 15  # head passes whose median is the head's cost
+
+
+@dataclass
+class HeadCostModel:
+    """Seconds the draft head takes per step of one row: the median over its last
+    `HEAD_COST_WINDOW` passes of each pass's seconds over its row-steps (a pass's catch-up
+    shared among them). None until the head has run."""
+
+    _recent: deque[float] = field(default_factory=lambda: deque(maxlen=HEAD_COST_WINDOW))
+
+    def observe(self, row_steps: int, seconds: float) -> None:
+        if row_steps > 0:
+            self._recent.append(seconds / row_steps)
+
+    def seconds_per_step(self) -> float | None:
+        return statistics.median(self._recent) if self._recent else None
+
+
+def worthwhile_head_steps(steps: int, acceptance: float, token_seconds: float, step_seconds: float | None) -> int:
+    """How many of `steps` head drafts are worth drafting for a row's next round.
+
+    Draft j is accepted (with every draft before it) with probability a^j and then saves a
+    token, worth `token_seconds` (a round's time over its rows); drafting it costs a step of the
+    head whether or not it is verified. So the row drafts the longest prefix whose last draft
+    still gains more than a step costs: a^j * token_seconds >= step_seconds. A row whose head
+    drafts none recovers toward the prior acceptance (`AcceptanceEstimate.unobserved`), so it
+    is weighed again later. Until the head has been timed every step is taken.
+    """
+    if step_seconds is None:
+        return steps
+    worthwhile = 0
+    while worthwhile < steps and acceptance ** (worthwhile + 1) * token_seconds >= step_seconds:
+        worthwhile += 1
+    return worthwhile

@@ -117,6 +117,7 @@ class RowResult:
 class RoundResult:
     rows: tuple[RowResult | None, ...]  # aligned with plan.rows; None for rows that neither sample nor score
     seconds: float
+    head_seconds: float = 0.0  # of `seconds`, the draft head's pass for the next round's drafts
 
 
 class ModelRunner:
@@ -173,7 +174,16 @@ class ModelRunner:
             scores = self._score_prompts([plan.rows[k] for k in scoring], logits, plan.rows) if scoring else None
             if scoring and sampling:
                 logits = logits[self._sampling_positions(plan.rows)]
-            drafts = lambda tokens, emitted, order: self._draft(sampling, tokens, emitted, order)  # noqa: E731
+            head_seconds = 0.0
+
+            def drafts(tokens: torch.Tensor, emitted: torch.Tensor, order: list[int]) -> HeadDrafts | None:
+                nonlocal head_seconds
+                head_started = time.perf_counter()
+                try:
+                    return self._draft(sampling, tokens, emitted, order)
+                finally:
+                    head_seconds = time.perf_counter() - head_started
+
             sampled = iter(self._sample(sampling, logits, drafts) if sampling else [])
             results: list[RowResult | None] = [next(sampled) if row.samples else None for row in plan.rows]
             if scores is not None:
@@ -182,7 +192,7 @@ class ModelRunner:
                     results[k] = dataclasses.replace(
                         results[k] or RowResult((), DeviceStatus.OK), prompt_logprobs=entries
                     )
-        return RoundResult(tuple(results), time.perf_counter() - started)
+        return RoundResult(tuple(results), time.perf_counter() - started, head_seconds)
 
     def _sampling_positions(self, rows: tuple[PlannedRow, ...]) -> torch.Tensor:
         """The flat logit rows that sampling reads: the last 1 + drafts of each sampling row."""

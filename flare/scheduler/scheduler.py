@@ -38,7 +38,7 @@ from flare.preparation.contract import check_contract
 from flare.preparation.package import Package
 from flare.sampling.params import SamplingParams
 from flare.sampling.policy import PolicyError, SamplingPolicy
-from flare.scheduler.draft_length import RoundCostModel, choose_draft_lengths
+from flare.scheduler.draft_length import HeadCostModel, RoundCostModel, choose_draft_lengths, worthwhile_head_steps
 from flare.scheduler.errors import (
     ContractViolation,
     Draining,
@@ -247,6 +247,7 @@ class Scheduler:
         self._model_thread = model_thread
         self._owns_model_thread = owns_model_thread
         self._cost = RoundCostModel()
+        self._head_cost = HeadCostModel()
         self._throughput = _Throughput()
         self._rounds = 0
         self._statuses: Counter[str] = Counter()
@@ -594,7 +595,10 @@ class Scheduler:
         self._copies = []
         decode = [s for s in self._running if s.in_decode]
         prefill_tokens = sum(len(s.tokens) - s.num_cached for s in self._running if not s.in_decode)
-        drafts = self._drafts(decode, base_tokens=len(decode) + max(0, min(budget - len(decode), prefill_tokens)))
+        base_tokens = len(decode) + max(0, min(budget - len(decode), prefill_tokens))
+        drafts = self._drafts(decode, base_tokens=base_tokens)
+        # What a row's token is worth this round, against which a head step is weighed.
+        token_seconds = self._cost.seconds(base_tokens) / max(1, len(decode))
         rows: list[PlannedRow] = []
         for seq in sorted(self._running, key=lambda s: (s.arrival, s.index)):
             if seq.state is not SequenceState.RUNNING:
@@ -612,11 +616,11 @@ class Scheduler:
                     continue
             row_tokens = len(tail) + len(draft.token_ids)
             samples = seq.num_cached + len(tail) == len(seq.tokens)
-            head_steps = self._head_steps(seq, row_tokens, len(draft.token_ids)) if samples else 0
+            head_steps = self._head_steps(seq, row_tokens, len(draft.token_ids), token_seconds) if samples else 0
             # A drafting row's head writes the new token's slot, one past the row's tokens at
             # most, and K - 1 more.
             if not self._ensure_blocks(seq, seq.num_cached + row_tokens + head_steps):
-                head_steps = self._head_steps(seq, len(tail), 0) if samples else 0
+                head_steps = self._head_steps(seq, len(tail), 0, token_seconds) if samples else 0
                 if draft.token_ids and self._ensure_blocks(seq, seq.num_cached + len(tail) + head_steps):
                     draft = Draft(())
                 else:
@@ -693,7 +697,7 @@ class Scheduler:
         lengths = (
             choose_draft_lengths(
                 available,
-                [s.acceptance.rate for s in decode],
+                [s.source_acceptance[s.draft_source].rate for s in decode],
                 base_tokens,
                 self._cost,
                 requests_waiting=bool(self._waiting),
@@ -705,6 +709,10 @@ class Scheduler:
         for seq, draft, k in zip(decode, proposals, lengths):
             if k:
                 drafts[seq] = draft.cut(k)
+            if seq.head_draft is not None and seq.head_draft.token_ids:
+                seq.head_use.observe(proposed=1, accepted=int(bool(k) and seq.draft_source == "mtp"))
+            else:  # so that a row whose head stopped drafting is weighed again
+                seq.head_use.unobserved()
             if self._mtp and self.options.adaptive_draft_length:
                 # The head's drafts were there and not worth verifying: it pauses (`_head_steps`)
                 # for HEAD_PAUSE_ROUNDS rounds a decode row, so that paused rows probe about once
@@ -735,35 +743,41 @@ class Scheduler:
 
     def _proposal(self, seq: Sequence, limit: int) -> Draft:
         """The row's draft: n-gram lookup's, the head's, or under `auto` lookup's wherever it
-        proposes and has been accepted on this row at least as often as the head (or the head has
-        no draft), else the head's. Lookup's drafts cost nothing to make and the head's cost it
-        a step each. On chat, greedy (`benchmarks/drafters.py PACKAGE --configs K0,ngram,auto
-        --answers 20`, the default model's distilled head, 2 cores of a Zen 5 EPYC with AVX-512),
-        n-gram alone served 1.23-1.35x of K = 0 and auto 1.12-1.15x when it took lookup's drafts
-        only where they were full length; with this rule n-gram alone 1.25x, auto 1.19x."""
+        proposes and the head's elsewhere. Lookup's drafts cost nothing to make and little to
+        verify at one stream, and the head's cost it a step each (and a row drafted by lookup
+        has the head draft nothing: `_head_steps`), so a lookup draft accepted less often than
+        the head's still pays better. Measured in one process, 20 chat answers at one stream
+        (2 cores of a Zen 5 EPYC with AVX-512, the default model's distilled head, 2026-12-01),
+        against K = 0: greedy, this rule 1.32x, lookup only where its acceptance on the row was
+        at least the head's 1.24x, n-gram alone 1.30x; at T = 0.7 1.25x, 1.09x and 1.22x; at 8
+        streams 1.02x / 1.00x / 1.01x greedy and 1.00x / 0.95x / 1.00x at T = 0.7."""
         head = seq.head_draft.cut(limit) if self._mtp and seq.head_draft is not None else Draft(())
         if seq.draft_state is None:
             seq.draft_source = "mtp"
             return head
         ngram = seq.draft_state.propose(limit)
-        if not self._mtp:
-            seq.draft_source = "ngram"
-            return ngram
-        rates = seq.source_acceptance
-        if ngram.token_ids and (rates["ngram"].rate >= rates["mtp"].rate or not head.token_ids):
+        if not self._mtp or ngram.token_ids:
             seq.draft_source = "ngram"
             return ngram
         seq.draft_source = "mtp"
         return head
 
-    def _head_steps(self, seq: Sequence, row_tokens: int, drafts: int) -> int:
+    def _head_steps(self, seq: Sequence, row_tokens: int, drafts: int, token_seconds: float) -> int:
         """Drafts the head proposes after this row for the row's next round (0 once the sequence
         no longer speculates, or where they would pass the context).
 
         Each step is a forward of the head, paid whether or not the next round verifies its
-        draft, so with adaptive draft length the head drafts one more than this round's length
-        (at least one): the length then grows a step a round where acceptance is high, and a row
-        whose drafts do not pay costs one step, not K. A row whose drafts the draft-length model
+        draft, so with adaptive draft length the head drafts at most one more than this round's
+        length (at least one): the length then grows a step a round where acceptance is high, and
+        a row whose drafts do not pay costs one step, not K. Of those it drafts the steps whose
+        expected saving covers what a step costs (`worthwhile_head_steps`: the head's acceptance
+        on the row, a token's worth of this round's time, the head's measured seconds per row-step),
+        the saving weighed by how often the row's head drafts were verified at all
+        (`Sequence.head_use`). Measured in one process on 24 chat answers at one stream (the
+        default model's distilled head, 2 cores of a Zen 5 EPYC with AVX-512, 2026-12-01), against
+        K = 0: greedy, auto 1.31x without this weighing and 1.34x with it (n-gram alone 1.35x),
+        mtp 1.08x and 1.11x; at T = 0.7 auto 1.07x and 1.10x (n-gram alone 1.21x), mtp 0.99x and
+        1.01x. A row whose drafts the draft-length model
         declined gets none for `HEAD_PAUSE_ROUNDS` rounds per decode row, then one again (each
         probe costs a catch-up and a step): at 8 and 32 streams, where a draft accepted a third
         of the time does not pay for the rows it adds, the head cost the round for nothing. A
@@ -782,7 +796,12 @@ class Scheduler:
         if self.drafter_name == "auto" and seq.draft_source == "ngram":
             return 0
         if self.options.adaptive_draft_length:
-            steps = min(self.draft_tokens, drafts + 1)
+            steps = worthwhile_head_steps(
+                min(self.draft_tokens, drafts + 1),
+                seq.source_acceptance["mtp"].rate,
+                seq.head_use.rate * token_seconds,
+                self._head_cost.seconds_per_step(),
+            )
         else:
             steps = self.draft_tokens
         # The last slot the head writes: the row's end, plus its new token, plus steps - 1.
@@ -969,7 +988,10 @@ class Scheduler:
     # ----------------------------------------------------------------- applying a round
 
     def _apply(self, plan: RoundPlan, result: RoundResult) -> None:
-        self._cost.observe(plan.num_tokens, result.seconds)
+        # The cost model weighs this round's drafts: what verifying T tokens takes. The head's
+        # pass drafts for the next round, whatever this one verified, so it is left out.
+        self._cost.observe(plan.num_tokens, result.seconds - result.head_seconds)
+        self._head_cost.observe(sum(row.head_steps for row in plan.rows), result.head_seconds)
         now = time.monotonic()
         statuses: list[int] = []
         accepted_per_row: list[int] = []
@@ -1019,10 +1041,13 @@ class Scheduler:
             if drafts:
                 proposed += drafts
                 accepted_per_row.append(accepted)
-                seq.acceptance.observe(drafts, accepted)
-                seq.source_acceptance[seq.draft_source].observe(drafts, accepted)
-            elif seq.in_decode:
-                seq.acceptance.unobserved()
+            if seq.in_decode:
+                # The drafter whose drafts were verified learns from them; the others recover.
+                for source, estimate in seq.source_acceptance.items():
+                    if drafts and source == seq.draft_source:
+                        estimate.observe(drafts, accepted)
+                    else:
+                        estimate.unobserved()
             seq.num_cached = row.start_position + fed - (drafts - accepted)
             if row.head_steps and outcome.next_draft is not None:
                 # The head computed every slot through the new token's (drafters/mtp.py).
@@ -1055,6 +1080,7 @@ class Scheduler:
             generated=generated,
             copies=len(plan.copies),
             seconds=round(result.seconds, 4),
+            head_seconds=round(result.head_seconds, 4),
         )
         if self.metrics is not None:
             self.metrics.observe_round(statuses, accepted_per_row, proposed)

@@ -52,14 +52,16 @@ class Sequence:
     cached_prompt_tokens: int | None = None  # prompt tokens the prefix cache served at first admission
     pending_choices: list[Sequence] = field(default_factory=list)
     state: SequenceState = SequenceState.WAITING
-    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     sampled_rounds: int = 0  # rounds in which this sequence sampled tokens
     fell_back: bool = False  # speculation turned off after INVALID_SPECULATION
     head_draft: Draft | None = None  # the draft head's proposal from the last round (drafters/mtp.py)
     head_pause: int = 0  # rounds left without head drafts (`Scheduler._head_steps`)
     head_cached: int = 0  # head slots computed for the committed tokens (drafters/mtp.py)
+    # How often a round went on to verify the head's drafts for this row (under `auto` n-gram
+    # lookup takes the rounds where it proposes): a step of the head is weighed by it.
+    head_use: AcceptanceEstimate = field(default_factory=lambda: AcceptanceEstimate(rate=1.0, prior=1.0))
     # Which drafter proposed the row's drafts this round, and each one's acceptance on this row
-    # (`--drafter auto` runs both).
+    # (`--drafter auto` runs both): the draft-length model weighs a draft by its own drafter's.
     draft_source: str = "ngram"
     source_acceptance: dict[str, AcceptanceEstimate] = field(
         default_factory=lambda: {"ngram": AcceptanceEstimate(), "mtp": AcceptanceEstimate()}

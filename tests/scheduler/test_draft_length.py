@@ -1,4 +1,12 @@
-from flare.scheduler.draft_length import AcceptanceEstimate, RoundCostModel, choose_draft_lengths
+import pytest
+
+from flare.scheduler.draft_length import (
+    AcceptanceEstimate,
+    HeadCostModel,
+    RoundCostModel,
+    choose_draft_lengths,
+    worthwhile_head_steps,
+)
 
 
 def timed_on_a_line(c0: float, c1: float, counts: range | list[int]) -> RoundCostModel:
@@ -237,3 +245,24 @@ def test_a_row_that_stopped_drafting_after_rejections_drafts_again_once_its_esti
     high = AcceptanceEstimate(rate=0.9)
     high.unobserved()
     assert high.rate == 0.9  # a row accepted well keeps its estimate between verified rounds
+
+
+def test_the_head_drafts_the_steps_whose_expected_saving_covers_a_step():
+    # a = 0.5 and a token worth 10 ms: the j-th draft saves 5, 2.5, 1.25, 0.625 ms on average.
+    assert worthwhile_head_steps(4, acceptance=0.5, token_seconds=0.010, step_seconds=0.001) == 3
+    assert worthwhile_head_steps(2, acceptance=0.5, token_seconds=0.010, step_seconds=0.001) == 2  # never past the cap
+    assert worthwhile_head_steps(4, acceptance=0.5, token_seconds=0.010, step_seconds=0.006) == 0
+    # At 32 rows a token is worth a thirty-second of the round: a third-accepted head does not pay.
+    assert worthwhile_head_steps(4, acceptance=0.35, token_seconds=0.113 / 32, step_seconds=0.0015) == 0
+    # Until the head has been timed, it drafts what it is asked to.
+    assert worthwhile_head_steps(4, acceptance=0.1, token_seconds=0.010, step_seconds=None) == 4
+
+
+def test_the_head_cost_is_the_median_seconds_per_row_step_of_recent_passes():
+    cost = HeadCostModel()
+    assert cost.seconds_per_step() is None
+    cost.observe(0, 0.5)  # a round without a head pass says nothing
+    assert cost.seconds_per_step() is None
+    for row_steps, seconds in [(4, 0.004), (1, 0.0012), (8, 0.0080), (2, 0.050)]:  # the last: a stall
+        cost.observe(row_steps, seconds)
+    assert cost.seconds_per_step() == pytest.approx(0.0011)  # the median of 1.0, 1.2, 1.0 and 25 ms

@@ -150,6 +150,8 @@ async def test_a_head_paused_while_its_drafts_are_declined_drafts_for_the_commit
     plain, _, _ = await generate(head_package, PROMPTS, SamplingParams(temperature=0.0, max_tokens=60), SchedulerOptions(draft_tokens=0))
     monkeypatch.setattr(scheduler_module, "choose_draft_lengths", every_other_round)
     monkeypatch.setattr(scheduler_module, "HEAD_PAUSE_ROUNDS", 2)  # 6 rounds for 3 rows: several pauses an answer
+    # Every step the pauses leave is drafted, whatever it costs (the tiny head does not pay).
+    monkeypatch.setattr(scheduler_module, "worthwhile_head_steps", lambda steps, *weights: steps)
     speculative, recorder, scheduler = await generate(
         head_package, PROMPTS, SamplingParams(temperature=0.0, max_tokens=60), SchedulerOptions(drafter="mtp")
     )
@@ -160,6 +162,19 @@ async def test_a_head_paused_while_its_drafts_are_declined_drafts_for_the_commit
     assert paused and resumed  # rows went without the head, then caught up on several slots at once
     prompts_ids = [scheduler.tokenizer.encode(t) for t in PROMPTS]
     assert check_drafts_against_reference(recorder, package_parts, peaked_state, head_state, prompts_ids) > 10
+
+
+async def test_a_head_whose_steps_cost_more_than_they_save_stops_drafting(head_package, monkeypatch):
+    """Once the head is timed at a second a step, no token's expected saving covers a step: rows
+    draft with it no more (until then every step is taken), and the output is unchanged."""
+    from flare.scheduler.draft_length import HeadCostModel
+
+    plain, _, _ = await generate(head_package, PROMPTS, GREEDY, SchedulerOptions(draft_tokens=0))
+    monkeypatch.setattr(HeadCostModel, "seconds_per_step", lambda self: 1.0 if self._recent else None)
+    speculative, recorder, _ = await generate(head_package, PROMPTS, GREEDY, SchedulerOptions(drafter="mtp"))
+    assert speculative == plain
+    head_rounds = [plan.index for plan, _ in recorder.rounds if any(row.head_steps for row in plan.rows)]
+    assert head_rounds == [recorder.rounds[0][0].index]  # the first round's pass, which timed the head
 
 
 async def test_a_prefix_cache_hit_drafts_as_a_miss_does(head_package, package_parts, peaked_state, head_state):
