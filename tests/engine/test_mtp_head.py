@@ -121,15 +121,20 @@ def test_the_paged_head_drafts_what_the_dense_head_computes(package_parts, draft
         assert q[drafts.tokens[0, j] == draft_vocab].item() > 0  # the draft is one q can propose
 
 
+def pooled_head(package_parts, draft_vocab) -> MtpHead:
+    """A runtime head (8 blocks of 16) next to the tiny target, whose pools the test fills."""
+    config, target_state = package_parts["config"], package_parts["state_dict"]
+    head_state = repeat_head_state(config, target_state, draft_vocab, mix=1.0, seed=5)
+    embed = target_state["model.embed_tokens.weight"]
+    return MtpHead(config, head_state, LlamaModel(config, target_state), embed[draft_vocab].contiguous(),
+                   target_state["model.norm.weight"], num_blocks=8, block_size=16)
+
+
 def test_a_row_drafting_fewer_steps_than_its_batch_mates_writes_no_slot_past_its_blocks(package_parts, draft_vocab):
     """Row A drafts one token and its new token's slot ends its only block; row B drafts three.
     The steps only B takes must not write A's next slots, which lie in a block A was not given."""
-    config, target_state = package_parts["config"], package_parts["state_dict"]
-    target = LlamaModel(config, target_state)
-    head_state = repeat_head_state(config, target_state, draft_vocab, mix=1.0, seed=5)
-    embed = target_state["model.embed_tokens.weight"]
-    head = MtpHead(config, head_state, target, embed[draft_vocab].contiguous(), target_state["model.norm.weight"],
-                   num_blocks=8, block_size=16)
+    config = package_parts["config"]
+    head = pooled_head(package_parts, draft_vocab)
     generator = torch.Generator().manual_seed(4)
     head.hidden_pool.copy_(torch.randn(head.hidden_pool.shape, generator=generator))
     for pool in (*head.kv_cache.keys, *head.kv_cache.values):
@@ -148,12 +153,8 @@ def test_a_filtered_rows_q_is_the_heads_distribution_under_the_requests_filters(
     """q of a row with top-k, top-p or min-p is the unfiltered q restricted to the tokens those
     filters keep (the smallest most-probable set reaching top_p; p >= min_p * max p), renormalised,
     and the draft is drawn from it; a greedy batch-mate drafts its argmax with a one-hot q."""
-    config, target_state = package_parts["config"], package_parts["state_dict"]
-    target = LlamaModel(config, target_state)
-    head_state = repeat_head_state(config, target_state, draft_vocab, mix=1.0, seed=5)
-    embed = target_state["model.embed_tokens.weight"]
-    head = MtpHead(config, head_state, target, embed[draft_vocab].contiguous(), target_state["model.norm.weight"],
-                   num_blocks=8, block_size=16)
+    config = package_parts["config"]
+    head = pooled_head(package_parts, draft_vocab)
     generator = torch.Generator().manual_seed(4)
     head.hidden_pool.copy_(torch.randn(head.hidden_pool.shape, generator=generator) * 4)
     tokens = torch.randint(0, config.vocab_size, (12,), generator=generator).tolist()
