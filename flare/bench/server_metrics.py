@@ -59,7 +59,8 @@ def parse_snapshot(text: str) -> Snapshot | None:
                 if sample.name == STATUSES:
                     statuses[sample.labels.get("status", "")] = sample.value
                 elif sample.name in (GENERATED, PROPOSED, ACCEPTED, PER_ROUND_SUM, PER_ROUND_COUNT):
-                    values[sample.name] = sample.value
+                    # Draft counters carry a drafter label: their total is the sum over it.
+                    values[sample.name] = values.get(sample.name, 0.0) + sample.value
     except ValueError:
         return None  # not the Prometheus text format
     return Snapshot(statuses, values) if statuses else None

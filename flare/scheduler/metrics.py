@@ -8,7 +8,7 @@ a round's aggregate, so the cost is a handful of increments per round.
 from __future__ import annotations
 
 from collections import Counter as Tally
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -19,6 +19,8 @@ from flare.kernels.status import DeviceStatus
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# What proposes a row's drafts (`Sequence.draft_source`): the drafter label's values.
+DRAFTERS = ("ngram", "mtp", "grammar")
 
 
 def _status_name(code: int) -> str:
@@ -52,10 +54,24 @@ class SchedulerMetrics:
             "flare_generated_tokens", "Tokens generated and delivered to requests.", registry=registry
         )
         self.draft_tokens_proposed = Counter(
-            "flare_draft_tokens_proposed", "Draft tokens proposed by the drafter.", registry=registry
+            "flare_draft_tokens_proposed",
+            "Draft tokens verified, by what proposed them (ngram, mtp: the draft head, grammar: a forced run).",
+            ["drafter"],
+            registry=registry,
         )
         self.draft_tokens_accepted = Counter(
-            "flare_draft_tokens_accepted", "Draft tokens accepted by speculative verification.", registry=registry
+            "flare_draft_tokens_accepted",
+            "Draft tokens accepted by speculative verification, by what proposed them.",
+            ["drafter"],
+            registry=registry,
+        )
+        for drafter in DRAFTERS:  # every drafter present from the start
+            self.draft_tokens_proposed.labels(drafter=drafter)
+            self.draft_tokens_accepted.labels(drafter=drafter)
+        self.draft_head_seconds = Counter(
+            "flare_draft_head_seconds",
+            "Seconds the draft head's passes took (rounds run back to back: its rate is the head's share of the time).",
+            registry=registry,
         )
         self.accepted_per_round = Histogram(
             "flare_draft_tokens_accepted_per_round",
@@ -94,17 +110,27 @@ class SchedulerMetrics:
             registry=registry,
         )
 
-    def observe_round(self, statuses: Iterable[int], accepted_per_row: Iterable[int], proposed: int) -> None:
+    def observe_round(
+        self,
+        statuses: Iterable[int],
+        accepted_per_row: Iterable[int],
+        proposed: Mapping[str, int],
+        accepted: Mapping[str, int],
+        head_seconds: float = 0.0,
+    ) -> None:
         """One round: every row's device status; for the rows that verified drafts, how many
-        of them were accepted; the number of draft tokens proposed over all rows."""
+        of them were accepted; draft tokens verified and accepted, by drafter; the seconds of
+        the draft head's pass."""
         for code, rows in Tally(int(s) for s in statuses).items():
             self.device_statuses.labels(status=_status_name(code)).inc(rows)
-        accepted_total = 0
-        for accepted in accepted_per_row:
-            self.accepted_per_round.observe(accepted)
-            accepted_total += accepted
-        self.draft_tokens_proposed.inc(proposed)
-        self.draft_tokens_accepted.inc(accepted_total)
+        for row_accepted in accepted_per_row:
+            self.accepted_per_round.observe(row_accepted)
+        for drafter, tokens in proposed.items():
+            self.draft_tokens_proposed.labels(drafter=drafter).inc(tokens)
+        for drafter, tokens in accepted.items():
+            self.draft_tokens_accepted.labels(drafter=drafter).inc(tokens)
+        if head_seconds:
+            self.draft_head_seconds.inc(head_seconds)
 
     def observe_tokens(self, *, prompt: int = 0, cached: int = 0, generated: int = 0) -> None:
         if prompt:

@@ -71,6 +71,7 @@ log = structlog.get_logger("flare.scheduler")
 
 # The most tokens a grammar's forced run is proposed at once (jump-forward drafts).
 JUMP_FORWARD_TOKENS = 16
+GRAMMAR_SOURCE = "grammar"  # the `draft_source` of a row whose drafts are a grammar's forced run
 
 # Faults that need the row to verify at least one draft to reach their device path.
 _DRAFT_FAULTS = (DeviceStatus.INVALID_DRAFT_TOKEN, DeviceStatus.INVALID_DRAFT_PROBABILITY)
@@ -692,12 +693,13 @@ class Scheduler:
                 if jump.token_ids:
                     forced[seq] = jump
                     proposal = Draft(())
+                    seq.draft_source = GRAMMAR_SOURCE  # no drafter's: neither learns from it
             proposals.append(proposal)
         available = [len(d.token_ids) for d in proposals]
         lengths = (
             choose_draft_lengths(
                 available,
-                [s.source_acceptance[s.draft_source].rate for s in decode],
+                [s.source_acceptance[s.draft_source].rate if s.draft_source in s.source_acceptance else 0.0 for s in decode],
                 base_tokens,
                 self._cost,
                 requests_waiting=bool(self._waiting),
@@ -995,7 +997,8 @@ class Scheduler:
         now = time.monotonic()
         statuses: list[int] = []
         accepted_per_row: list[int] = []
-        proposed = 0
+        proposed: Counter[str] = Counter()  # draft tokens by drafter (`Sequence.draft_source`)
+        accepted_by: Counter[str] = Counter()
         generated = 0
         prompt_tokens = 0
         for row, outcome in zip(plan.rows, result.rows):
@@ -1039,7 +1042,8 @@ class Scheduler:
             drafts = len(row.draft_ids)
             accepted = len(outcome.tokens) - 1 if not outcome.fell_back else 0
             if drafts:
-                proposed += drafts
+                proposed[seq.draft_source] += drafts
+                accepted_by[seq.draft_source] += accepted
                 accepted_per_row.append(accepted)
             if seq.in_decode:
                 # The drafter whose drafts were verified learns from them; the others recover.
@@ -1075,7 +1079,7 @@ class Scheduler:
             round=plan.index,
             rows=len(plan.rows),
             tokens=plan.num_tokens,
-            drafts=proposed,
+            drafts=sum(proposed.values()),
             accepted=sum(accepted_per_row),
             generated=generated,
             copies=len(plan.copies),
@@ -1083,7 +1087,7 @@ class Scheduler:
             head_seconds=round(result.head_seconds, 4),
         )
         if self.metrics is not None:
-            self.metrics.observe_round(statuses, accepted_per_row, proposed)
+            self.metrics.observe_round(statuses, accepted_per_row, proposed, accepted_by, result.head_seconds)
             self.metrics.observe_tokens(prompt=prompt_tokens, generated=generated)
             self._publish_occupancy()
 

@@ -186,9 +186,11 @@ flare_device_statuses_total{{status="NONFINITE_LOGITS"}} {bad}
 # TYPE flare_generated_tokens_total counter
 flare_generated_tokens_total {generated}
 # TYPE flare_draft_tokens_proposed_total counter
-flare_draft_tokens_proposed_total {proposed}
+flare_draft_tokens_proposed_total{{drafter="ngram"}} {proposed}
+flare_draft_tokens_proposed_total{{drafter="mtp"}} 5
 # TYPE flare_draft_tokens_accepted_total counter
-flare_draft_tokens_accepted_total {accepted}
+flare_draft_tokens_accepted_total{{drafter="ngram"}} {accepted}
+flare_draft_tokens_accepted_total{{drafter="mtp"}} 2
 # TYPE flare_draft_tokens_accepted_per_round histogram
 flare_draft_tokens_accepted_per_round_bucket{{le="+Inf"}} {rounds}
 flare_draft_tokens_accepted_per_round_count {rounds}

@@ -44,6 +44,7 @@ async def test_exposition_names_every_issue_metric_with_the_flare_prefix() -> No
         "flare_draft_tokens_proposed",
         "flare_draft_tokens_accepted",
         "flare_draft_tokens_accepted_per_round",
+        "flare_draft_head_seconds",
         "flare_time_to_first_token_seconds",
         "flare_inter_token_latency_seconds",
         "flare_e2e_request_latency_seconds",
@@ -68,7 +69,9 @@ async def test_a_scrape_shows_what_the_scheduler_and_the_api_counted() -> None:
     sm.observe_round(
         statuses=[DeviceStatus.OK, DeviceStatus.OK, DeviceStatus.INVALID_SPECULATION],
         accepted_per_row=[3, 1],
-        proposed=8,
+        proposed={"mtp": 5, "ngram": 3},
+        accepted={"mtp": 1, "ngram": 3},
+        head_seconds=0.004,
     )
     sm.observe_tokens(prompt=20, generated=6)
     sm.time_to_first_token.observe(0.2)
@@ -89,8 +92,12 @@ async def test_a_scrape_shows_what_the_scheduler_and_the_api_counted() -> None:
     assert values[("flare_device_statuses_total", (("status", "NONFINITE_LOGITS"),))] == 0
     assert values[("flare_prompt_tokens_total", ())] == 20
     assert values[("flare_generated_tokens_total", ())] == 6
-    assert values[("flare_draft_tokens_proposed_total", ())] == 8
-    assert values[("flare_draft_tokens_accepted_total", ())] == 4
+    assert values[("flare_draft_tokens_proposed_total", (("drafter", "mtp"),))] == 5
+    assert values[("flare_draft_tokens_proposed_total", (("drafter", "ngram"),))] == 3
+    assert values[("flare_draft_tokens_proposed_total", (("drafter", "grammar"),))] == 0
+    assert values[("flare_draft_tokens_accepted_total", (("drafter", "mtp"),))] == 1
+    assert values[("flare_draft_tokens_accepted_total", (("drafter", "ngram"),))] == 3
+    assert values[("flare_draft_head_seconds_total", ())] == pytest.approx(0.004)
     assert values[("flare_draft_tokens_accepted_per_round_bucket", (("le", "1.0"),))] == 1
     assert values[("flare_draft_tokens_accepted_per_round_bucket", (("le", "3.0"),))] == 2
     assert values[("flare_inter_token_latency_seconds_count", ())] == 3
@@ -109,7 +116,7 @@ async def test_a_scrape_shows_what_the_scheduler_and_the_api_counted() -> None:
 
 def test_an_unknown_device_status_is_counted_under_its_number() -> None:
     registry = CollectorRegistry()
-    SchedulerMetrics(registry).observe_round(statuses=[0, 42], accepted_per_row=[], proposed=0)
+    SchedulerMetrics(registry).observe_round(statuses=[0, 42], accepted_per_row=[], proposed={}, accepted={})
     assert samples(registry)[("flare_device_statuses_total", (("status", "42"),))] == 1
 
 

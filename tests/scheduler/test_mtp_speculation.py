@@ -9,10 +9,12 @@ import re
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 from mtp_heads import reference_drafts, repeat_head_state, write_head_package
 
 from flare.preparation.package import open_package
 from flare.sampling.params import SamplingParams
+from flare.scheduler.metrics import SchedulerMetrics
 from flare.scheduler.request import Finished, GenerationRequest, TextDelta
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions
 from flare.structured import GrammarSpec
@@ -59,8 +61,8 @@ class Recorder:
         scheduler._runner.execute = spy
 
 
-async def generate(package_path, prompts, params, options, *, sequential=False):
-    scheduler = Scheduler.from_package(open_package(package_path), options)
+async def generate(package_path, prompts, params, options, *, sequential=False, metrics=None):
+    scheduler = Scheduler.from_package(open_package(package_path), options, metrics=metrics)
     recorder = Recorder(scheduler)
     loop = asyncio.create_task(scheduler.run())
     outputs = {}
@@ -116,8 +118,9 @@ async def test_greedy_output_with_the_head_equals_output_without_speculation(hea
     plain, _, _ = await generate(
         head_package, PROMPTS, GREEDY, SchedulerOptions(draft_tokens=0, kv_cache_dtype=kv_cache_dtype)
     )
+    metrics = SchedulerMetrics(CollectorRegistry())
     speculative, recorder, scheduler = await generate(
-        head_package, PROMPTS, GREEDY, SchedulerOptions(kv_cache_dtype=kv_cache_dtype, **FIXED_LENGTH)
+        head_package, PROMPTS, GREEDY, SchedulerOptions(kv_cache_dtype=kv_cache_dtype, **FIXED_LENGTH), metrics=metrics
     )
     assert scheduler._runner.head.kv_cache.dtype == getattr(torch, kv_cache_dtype)  # the head's cache too
     assert speculative == plain
@@ -125,6 +128,11 @@ async def test_greedy_output_with_the_head_equals_output_without_speculation(hea
     drafted = sum(len(row.draft_ids) for plan, _ in recorder.rounds for row in plan.rows)
     assert drafted > 0 and 0 < accepted < drafted  # drafts were accepted and rejected
     assert scheduler.drafter_name == "mtp"
+    # /metrics: every draft is the head's, and the head's passes took time.
+    proposed = {d: metrics.draft_tokens_proposed.labels(drafter=d)._value.get() for d in ("ngram", "mtp", "grammar")}
+    assert proposed == {"ngram": 0, "mtp": drafted, "grammar": 0}
+    assert metrics.draft_tokens_accepted.labels(drafter="mtp")._value.get() == accepted
+    assert metrics.draft_head_seconds._value.get() > 0
 
 
 async def test_drafts_after_rejections_are_those_of_the_committed_tokens(head_package, package_parts, peaked_state, head_state):
@@ -214,7 +222,10 @@ async def test_a_package_without_a_head_refuses_the_mtp_drafter(tiny_package):
 async def test_auto_drafts_with_both_and_keeps_greedy_output(head_package):
     prompts = PROMPTS + ("Copy this: the quick brown fox jumps over the lazy dog. The quick brown fox jumps over",)
     plain, _, _ = await generate(head_package, prompts, GREEDY, SchedulerOptions(draft_tokens=0))
-    speculative, recorder, scheduler = await generate(head_package, prompts, GREEDY, SchedulerOptions(drafter="auto", **FIXED_LENGTH))
+    metrics = SchedulerMetrics(CollectorRegistry())
+    speculative, recorder, scheduler = await generate(
+        head_package, prompts, GREEDY, SchedulerOptions(drafter="auto", **FIXED_LENGTH), metrics=metrics
+    )
     assert speculative == plain
     assert scheduler.drafter_name == "auto"
     head_drafts = {d.token_ids for plan, result in recorder.rounds for o in result.rows if o is not None
@@ -224,15 +235,23 @@ async def test_auto_drafts_with_both_and_keeps_greedy_output(head_package):
     # A row that drafts by n-gram lookup has the head draft nothing for the next round.
     last_head: dict[str, tuple[int, ...]] = {}
     lookup_rows = 0
+    verified = {"ngram": 0, "mtp": 0}
     for plan, result in recorder.rounds:
         for row, outcome in zip(plan.rows, result.rows):
             head = last_head.get(row.request_id, ())
             if row.draft_ids and tuple(row.draft_ids) != head[: len(row.draft_ids)]:
                 lookup_rows += 1
                 assert row.head_steps == 0, row
+            if row.draft_ids:  # a draft equal to the head's may be lookup's too: at most the head's
+                verified["mtp" if tuple(row.draft_ids) == head[: len(row.draft_ids)] else "ngram"] += len(row.draft_ids)
             if outcome is not None:
                 last_head[row.request_id] = outcome.next_draft.token_ids if outcome.next_draft is not None else ()
     assert lookup_rows > 0
+    # /metrics counts the verified drafts by the drafter that proposed them.
+    counted = {d: metrics.draft_tokens_proposed.labels(drafter=d)._value.get() for d in ("ngram", "mtp", "grammar")}
+    assert sum(counted.values()) == sum(verified.values()) and counted["grammar"] == 0
+    assert counted["ngram"] >= verified["ngram"] and counted["mtp"] <= verified["mtp"]
+    assert metrics.draft_head_seconds._value.get() > 0
 
 
 async def test_a_vocabulary_parallel_package_drafts_with_its_head(make_package, package_parts, peaked_state, head_state):

@@ -8,9 +8,11 @@ import json
 import re
 
 import pytest
+from prometheus_client import CollectorRegistry
 from running_scheduler import running
 
 from flare.sampling.params import SamplingParams
+from flare.scheduler.metrics import SchedulerMetrics
 from flare.scheduler.request import Finished, GenerationRequest, TextDelta
 from flare.scheduler.scheduler import Scheduler
 from flare.structured import GrammarSpec
@@ -56,21 +58,24 @@ def _valid(text: str) -> bool:
 async def test_greedy_answers_follow_the_schema_alike_with_and_without_speculation_and_jump_forward(tiny_package):
     spec = GrammarSpec.json_schema(SCHEMA, "response_format")
     greedy = SamplingParams(temperature=0.0, max_tokens=80)
-    results = {}
+    results, forced = {}, {}
     for name, options in {
         "plain": {"draft_tokens": 0, "jump_forward": False},
         "jump_forward": {"draft_tokens": 0},
         "speculative": {"adaptive_draft_length": False},
     }.items():
         async with running(tiny_package, **options) as scheduler:
+            scheduler.metrics = metrics = SchedulerMetrics(CollectorRegistry())
             rounds_before = scheduler.snapshot().rounds
             ((text, reason),) = await _answers(scheduler, spec, greedy)
             results[name] = (text, reason, scheduler.snapshot().rounds - rounds_before)
+            forced[name] = metrics.draft_tokens_proposed.labels(drafter="grammar")._value.get()
     for text, reason, _ in results.values():
         assert reason == "stop" and _valid(text), text
     assert results["plain"][0] == results["jump_forward"][0] == results["speculative"][0]
-    # The long key names are forced: one round verifies each run of them.
+    # The long key names are forced: one round verifies each run of them, counted as the grammar's drafts.
     assert results["jump_forward"][2] < results["plain"][2] / 2
+    assert forced["plain"] == 0 and forced["jump_forward"] > 20
 
 
 async def test_sampled_choices_each_follow_the_schema_and_differ(tiny_package):
