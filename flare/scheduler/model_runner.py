@@ -117,7 +117,9 @@ class RowResult:
 class RoundResult:
     rows: tuple[RowResult | None, ...]  # aligned with plan.rows; None for rows that neither sample nor score
     seconds: float
-    head_seconds: float = 0.0  # of `seconds`, the draft head's pass for the next round's drafts
+    # Of `seconds`, the draft head's pass for the next round's drafts (host time: on a GPU, where
+    # the round's one read waits for the head's kernels, only their launches).
+    head_seconds: float = 0.0
 
 
 class ModelRunner:
