@@ -299,6 +299,7 @@ def main() -> int:
                         metrics = level.get("server_metrics") or {}
                         cell[server.name]["accepted_per_round"] = metrics.get("accepted_per_round")
                         cell[server.name]["tokens_per_row_round"] = metrics.get("tokens_per_row_round")
+                        cell[server.name]["drafts_by_drafter"] = metrics.get("drafts_by_drafter")
                         print(f"{dataset} T={temperature:g} c={concurrency} {server.name}: {level['output_tok_s']:.1f} tok/s "
                               f"({level['completed']} ok, {level['failed']} failed)", flush=True)
                     if reference is not None:

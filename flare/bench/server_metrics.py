@@ -3,7 +3,7 @@
 Only a flare server exposes these (`flare_device_statuses_total` is the sign); for any other
 server, or a `/metrics` that cannot be read, the level's `server_metrics` is null. What is
 reported: rows by device status before, after and in between; draft tokens proposed and
-accepted, and accepted per speculative row and round (the histogram's sum over its count);
+accepted (in all and by drafter), and accepted per speculative row and round (the histogram's sum over its count);
 tokens generated per row and round (generated tokens / rows sampled).
 """
 
@@ -31,6 +31,7 @@ class Snapshot:
 
     statuses: dict[str, float]
     values: dict[str, float]
+    by_drafter: dict[tuple[str, str], float]  # (PROPOSED or ACCEPTED, drafter label) -> count
 
     def get(self, name: str) -> float:
         return self.values.get(name, 0.0)
@@ -53,6 +54,7 @@ async def read_snapshot(session: aiohttp.ClientSession, endpoint: Endpoint) -> S
 def parse_snapshot(text: str) -> Snapshot | None:
     statuses: dict[str, float] = {}
     values: dict[str, float] = {}
+    by_drafter: dict[tuple[str, str], float] = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -61,9 +63,11 @@ def parse_snapshot(text: str) -> Snapshot | None:
                 elif sample.name in (GENERATED, PROPOSED, ACCEPTED, PER_ROUND_SUM, PER_ROUND_COUNT):
                     # Draft counters carry a drafter label: their total is the sum over it.
                     values[sample.name] = values.get(sample.name, 0.0) + sample.value
+                    if "drafter" in sample.labels:
+                        by_drafter[(sample.name, sample.labels["drafter"])] = sample.value
     except ValueError:
         return None  # not the Prometheus text format
-    return Snapshot(statuses, values) if statuses else None
+    return Snapshot(statuses, values, by_drafter) if statuses else None
 
 
 def difference(before: Snapshot | None, after: Snapshot | None) -> dict[str, Any] | None:
@@ -76,6 +80,14 @@ def difference(before: Snapshot | None, after: Snapshot | None) -> dict[str, Any
     proposed = after.get(PROPOSED) - before.get(PROPOSED)
     accepted = after.get(ACCEPTED) - before.get(ACCEPTED)
     speculative_rows = after.get(PER_ROUND_COUNT) - before.get(PER_ROUND_COUNT)
+    drafters = {}
+    for drafter in sorted({d for _, d in after.by_drafter}):
+        moved = {
+            kind: after.by_drafter.get((name, drafter), 0.0) - before.by_drafter.get((name, drafter), 0.0)
+            for kind, name in (("proposed", PROPOSED), ("accepted", ACCEPTED))
+        }
+        if moved["proposed"]:
+            drafters[drafter] = {**moved, "acceptance": moved["accepted"] / moved["proposed"]}
     return {
         "device_statuses_before": dict(before.statuses),
         "device_statuses_after": dict(after.statuses),
@@ -85,6 +97,7 @@ def difference(before: Snapshot | None, after: Snapshot | None) -> dict[str, Any
         "draft_tokens_proposed": proposed,
         "draft_tokens_accepted": accepted,
         "draft_acceptance": accepted / proposed if proposed else None,
+        "drafts_by_drafter": drafters,  # drafters that proposed in the level: proposed, accepted, acceptance
         "speculative_row_rounds": speculative_rows,
         "accepted_per_round": (
             (after.get(PER_ROUND_SUM) - before.get(PER_ROUND_SUM)) / speculative_rows if speculative_rows else None

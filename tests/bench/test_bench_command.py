@@ -221,6 +221,8 @@ def test_against_flare_the_counters_before_and_after_each_level_are_reported(tmp
     assert metrics["generated_tokens"] == 8 and metrics["tokens_per_row_round"] == pytest.approx(8 / 5)
     assert (metrics["draft_tokens_proposed"], metrics["draft_tokens_accepted"]) == (8, 6)
     assert metrics["draft_acceptance"] == pytest.approx(0.75) and metrics["accepted_per_round"] == pytest.approx(3.0)
+    # The head's counters did not move over the level: only lookup's drafts are reported.
+    assert metrics["drafts_by_drafter"] == {"ngram": {"proposed": 8, "accepted": 6, "acceptance": 0.75}}
 
 
 def test_plots_are_written_and_several_results_share_the_axes(tmp_path: Path) -> None:
