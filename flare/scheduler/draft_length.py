@@ -259,6 +259,15 @@ def choose_draft_lengths(
 
 
 HEAD_COST_WINDOW = 15  # head passes whose median is the head's cost
+# A head step is drafted only when its expected saving is this many times its cost. A step's
+# cost is paid for certain, its saving is an estimate, and verifying a learned q costs a sampled
+# row more than lookup's one-hot q (the residual over the whole vocabulary), which the round cost
+# model does not tell apart. Measured in one process on 20 chat answers at one stream at T = 0.7
+# (`benchmarks/drafters.py`'s method, the default model's distilled head, 2 cores of a Zen 5
+# EPYC, 2026-12-01): with a margin of 1, 2 and 3, mtp ran 1.04x, 1.06x and 1.04x of K = 0 and
+# auto 1.19x, 1.27x and 1.26x; under AVX2 dispatch, with 1 and 2, mtp 0.95x and 0.99x, auto
+# 1.07x both; greedy, mtp 1.09x and 1.10x, auto 1.32x and 1.30x.
+HEAD_STEP_MARGIN = 2.0
 
 
 @dataclass
@@ -283,13 +292,14 @@ def worthwhile_head_steps(steps: int, acceptance: float, token_seconds: float, s
     Draft j is accepted (with every draft before it) with probability a^j and then saves a
     token, worth `token_seconds` (a round's time over its rows); drafting it costs a step of the
     head whether or not it is verified. So the row drafts the longest prefix whose last draft
-    still gains more than a step costs: a^j * token_seconds >= step_seconds. A row whose head
+    still gains `HEAD_STEP_MARGIN` times what a step costs:
+    a^j * token_seconds >= HEAD_STEP_MARGIN * step_seconds. A row whose head
     drafts none recovers toward the prior acceptance (`AcceptanceEstimate.unobserved`), so it
     is weighed again later. Until the head has been timed every step is taken.
     """
     if step_seconds is None:
         return steps
     worthwhile = 0
-    while worthwhile < steps and acceptance ** (worthwhile + 1) * token_seconds >= step_seconds:
+    while worthwhile < steps and acceptance ** (worthwhile + 1) * token_seconds >= HEAD_STEP_MARGIN * step_seconds:
         worthwhile += 1
     return worthwhile

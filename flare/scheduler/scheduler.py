@@ -772,14 +772,16 @@ class Scheduler:
         draft, so with adaptive draft length the head drafts at most one more than this round's
         length (at least one): the length then grows a step a round where acceptance is high, and
         a row whose drafts do not pay costs one step, not K. Of those it drafts the steps whose
-        expected saving covers what a step costs (`worthwhile_head_steps`: the head's acceptance
-        on the row, a token's worth of this round's time, the head's measured seconds per row-step),
+        expected saving covers twice what a step costs (`worthwhile_head_steps`: the head's
+        acceptance on the row, a token's worth of this round's time, the head's measured seconds
+        per row-step, `HEAD_STEP_MARGIN`),
         the saving weighed by how often the row's head drafts were verified at all
         (`Sequence.head_use`). Measured in one process on 24 chat answers at one stream (the
         default model's distilled head, 2 cores of a Zen 5 EPYC with AVX-512, 2026-12-01), against
-        K = 0: greedy, auto 1.31x without this weighing and 1.34x with it (n-gram alone 1.35x),
-        mtp 1.08x and 1.11x; at T = 0.7 auto 1.07x and 1.10x (n-gram alone 1.21x), mtp 0.99x and
-        1.01x. A row whose drafts the draft-length model
+        K = 0: greedy, auto 1.31x without this weighing and 1.34x with it at a margin of 1
+        (n-gram alone 1.35x), mtp 1.08x and 1.11x; at T = 0.7 auto 1.07x and 1.10x (n-gram alone
+        1.21x), mtp 0.99x and 1.01x (the margin's own figures are at `HEAD_STEP_MARGIN`). A row
+        whose drafts the draft-length model
         declined gets none for `HEAD_PAUSE_ROUNDS` rounds per decode row, then one again (each
         probe costs a catch-up and a step): at 8 and 32 streams, where a draft accepted a third
         of the time does not pay for the rows it adds, the head cost the round for nothing. A

@@ -1,6 +1,7 @@
 import pytest
 
 from flare.scheduler.draft_length import (
+    HEAD_STEP_MARGIN,
     AcceptanceEstimate,
     HeadCostModel,
     RoundCostModel,
@@ -247,11 +248,14 @@ def test_a_row_that_stopped_drafting_after_rejections_drafts_again_once_its_esti
     assert high.rate == 0.9  # a row accepted well keeps its estimate between verified rounds
 
 
-def test_the_head_drafts_the_steps_whose_expected_saving_covers_a_step():
-    # a = 0.5 and a token worth 10 ms: the j-th draft saves 5, 2.5, 1.25, 0.625 ms on average.
-    assert worthwhile_head_steps(4, acceptance=0.5, token_seconds=0.010, step_seconds=0.001) == 3
-    assert worthwhile_head_steps(2, acceptance=0.5, token_seconds=0.010, step_seconds=0.001) == 2  # never past the cap
-    assert worthwhile_head_steps(4, acceptance=0.5, token_seconds=0.010, step_seconds=0.006) == 0
+def test_the_head_drafts_the_steps_whose_expected_saving_covers_a_step_by_the_margin():
+    # a = 0.5 and a token worth 10 ms: the j-th draft saves 5, 2.5, 1.25, 0.625 ms on average,
+    # against twice the step's 1 ms.
+    assert HEAD_STEP_MARGIN == 2.0
+    assert worthwhile_head_steps(4, acceptance=0.5, token_seconds=0.010, step_seconds=0.001) == 2
+    assert worthwhile_head_steps(4, acceptance=0.5, token_seconds=0.010, step_seconds=0.0006) == 3
+    assert worthwhile_head_steps(1, acceptance=0.5, token_seconds=0.010, step_seconds=0.001) == 1  # never past the cap
+    assert worthwhile_head_steps(4, acceptance=0.5, token_seconds=0.010, step_seconds=0.003) == 0
     # At 32 rows a token is worth a thirty-second of the round: a third-accepted head does not pay.
     assert worthwhile_head_steps(4, acceptance=0.35, token_seconds=0.113 / 32, step_seconds=0.0015) == 0
     # Until the head has been timed, it drafts what it is asked to.
