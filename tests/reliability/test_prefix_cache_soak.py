@@ -93,7 +93,11 @@ async def test_shared_prefixes_under_kv_pressure_lose_no_block_and_change_no_ans
         asyncio.gather(*(_worker(daemon, i, start + SOAK_S, tally) for i in range(WORKERS))), timeout=SOAK_S + 120
     )
     idle = daemon.wait_idle()
+    # The soak's last prompts may have evicted this one's blocks under KV pressure (seen once in
+    # a full-suite run): then the first answer refills the cache and the second is the hit.
     warm_text, warm_cached = await _greedy(daemon)
+    if warm_cached == 0:
+        warm_text, warm_cached = await _greedy(daemon)
     after = daemon.wait_idle()
     code, cleared = call(daemon.control, "POST", "/cache/clear")
     emptied = daemon.status()
