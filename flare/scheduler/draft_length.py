@@ -293,9 +293,9 @@ def worthwhile_head_steps(steps: int, acceptance: float, token_seconds: float, s
     token, worth `token_seconds` (a round's time over its rows); drafting it costs a step of the
     head whether or not it is verified. So the row drafts the longest prefix whose last draft
     still gains `HEAD_STEP_MARGIN` times what a step costs:
-    a^j * token_seconds >= HEAD_STEP_MARGIN * step_seconds. A row whose head
-    drafts none recovers toward the prior acceptance (`AcceptanceEstimate.unobserved`), so it
-    is weighed again later. Until the head has been timed every step is taken.
+    a^j * token_seconds >= HEAD_STEP_MARGIN * step_seconds. A row whose head drafts none
+    recovers toward the prior acceptance (`AcceptanceEstimate.unobserved`), so it is weighed
+    again later. Until the head has been timed every step is taken.
     """
     if step_seconds is None:
         return steps
