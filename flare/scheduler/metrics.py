@@ -13,14 +13,13 @@ from collections.abc import Iterable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from flare.kernels.status import DeviceStatus
+from flare.scheduler.sequence import DRAFT_SOURCES
 
 # Latency buckets (seconds): time to first token spans queueing and prefill (tens of ms to
 # tens of seconds on CPU); inter-token latency is one round divided by the tokens it emitted.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-# What proposes a row's drafts (`Sequence.draft_source`): the drafter label's values.
-DRAFTERS = ("ngram", "mtp", "grammar")
 
 
 def _status_name(code: int) -> str:
@@ -65,7 +64,7 @@ class SchedulerMetrics:
             ["drafter"],
             registry=registry,
         )
-        for drafter in DRAFTERS:  # every drafter present from the start
+        for drafter in DRAFT_SOURCES:  # every drafter present from the start
             self.draft_tokens_proposed.labels(drafter=drafter)
             self.draft_tokens_accepted.labels(drafter=drafter)
         self.draft_head_seconds = Counter(

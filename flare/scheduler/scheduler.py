@@ -63,7 +63,7 @@ from flare.scheduler.request import (
     Usage,
     choice_seed,
 )
-from flare.scheduler.sequence import Sequence, SequenceState
+from flare.scheduler.sequence import GRAMMAR_SOURCE, Sequence, SequenceState
 from flare.scheduler.stop_strings import StopStringMatcher
 from flare.structured import GrammarCompiler, GrammarState
 
@@ -71,7 +71,6 @@ log = structlog.get_logger("flare.scheduler")
 
 # The most tokens a grammar's forced run is proposed at once (jump-forward drafts).
 JUMP_FORWARD_TOKENS = 16
-GRAMMAR_SOURCE = "grammar"  # the `draft_source` of a row whose drafts are a grammar's forced run
 
 # Faults that need the row to verify at least one draft to reach their device path.
 _DRAFT_FAULTS = (DeviceStatus.INVALID_DRAFT_TOKEN, DeviceStatus.INVALID_DRAFT_PROBABILITY)
@@ -693,13 +692,13 @@ class Scheduler:
                 if jump.token_ids:
                     forced[seq] = jump
                     proposal = Draft(())
-                    seq.draft_source = GRAMMAR_SOURCE  # no drafter's: neither learns from it
+                    seq.draft_source = GRAMMAR_SOURCE
             proposals.append(proposal)
         available = [len(d.token_ids) for d in proposals]
         lengths = (
             choose_draft_lengths(
                 available,
-                [s.source_acceptance[s.draft_source].rate if s.draft_source in s.source_acceptance else 0.0 for s in decode],
+                [s.draft_acceptance for s in decode],
                 base_tokens,
                 self._cost,
                 requests_waiting=bool(self._waiting),
@@ -775,15 +774,14 @@ class Scheduler:
         a row whose drafts do not pay costs one step, not K. Of those it drafts the steps whose
         expected saving covers twice what a step costs (`worthwhile_head_steps`: the head's
         acceptance on the row, a token's worth of this round's time, the head's measured seconds
-        per row-step, `HEAD_STEP_MARGIN`),
-        the saving weighed by how often the row's head drafts were verified at all
-        (`Sequence.head_use`). Measured in one process on 24 chat answers at one stream (the
-        default model's distilled head, 2 cores of a Zen 5 EPYC with AVX-512, 2026-12-01), against
-        K = 0: greedy, auto 1.31x without this weighing and 1.34x with it at a margin of 1
-        (n-gram alone 1.35x), mtp 1.08x and 1.11x; at T = 0.7 auto 1.07x and 1.10x (n-gram alone
-        1.21x), mtp 0.99x and 1.01x (the margin's own figures are at `HEAD_STEP_MARGIN`). A row
-        whose drafts the draft-length model
-        declined gets none for `HEAD_PAUSE_ROUNDS` rounds per decode row, then one again (each
+        per row-step, `HEAD_STEP_MARGIN`), the saving weighed by how often the row's head drafts
+        were verified at all (`Sequence.head_use`). Measured in one process on 24 chat answers at
+        one stream (the default model's distilled head, 2 cores of a Zen 5 EPYC with AVX-512,
+        2026-12-01), against K = 0: greedy, auto 1.31x without this weighing and 1.34x with it at
+        a margin of 1 (n-gram alone 1.35x), mtp 1.08x and 1.11x; at T = 0.7 auto 1.07x and 1.10x
+        (n-gram alone 1.21x), mtp 0.99x and 1.01x (the margin's own figures are at
+        `HEAD_STEP_MARGIN`). A row whose drafts the draft-length model declined gets none for
+        `HEAD_PAUSE_ROUNDS` rounds per decode row, then one again (each
         probe costs a catch-up and a step): at 8 and 32 streams, where a draft accepted a third
         of the time does not pay for the rows it adds, the head cost the round for nothing. A
         row without steps costs the head nothing: when it drafts again the head catches up on the

@@ -14,6 +14,12 @@ from flare.scheduler.stop_strings import StopStringMatcher
 from flare.structured import GrammarState
 
 
+# What can propose a row's drafts (`Sequence.draft_source`): n-gram lookup, the draft head, and
+# a grammar's forced run (jump-forward), which is no drafter's and teaches neither estimate.
+GRAMMAR_SOURCE = "grammar"
+DRAFT_SOURCES = ("ngram", "mtp", GRAMMAR_SOURCE)
+
+
 class SequenceState(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -60,8 +66,8 @@ class Sequence:
     # How often a round went on to verify the head's drafts for this row (under `auto` n-gram
     # lookup takes the rounds where it proposes): a step of the head is weighed by it.
     head_use: AcceptanceEstimate = field(default_factory=lambda: AcceptanceEstimate(rate=1.0, prior=1.0))
-    # Which drafter proposed the row's drafts this round, and each one's acceptance on this row
-    # (`--drafter auto` runs both): the draft-length model weighs a draft by its own drafter's.
+    # Which drafter proposed the row's drafts this round (`DRAFT_SOURCES`), and each drafter's
+    # acceptance on this row (`--drafter auto` runs both).
     draft_source: str = "ngram"
     source_acceptance: dict[str, AcceptanceEstimate] = field(
         default_factory=lambda: {"ngram": AcceptanceEstimate(), "mtp": AcceptanceEstimate()}
@@ -93,6 +99,13 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.tokens[self.num_prompt_tokens :]
+
+    @property
+    def draft_acceptance(self) -> float:
+        """The acceptance the draft-length model weighs this round's drafts by: their drafter's on
+        this row (0 for a grammar's forced run, which is proposed whole, past the model)."""
+        estimate = self.source_acceptance.get(self.draft_source)
+        return estimate.rate if estimate is not None else 0.0
 
     @property
     def in_decode(self) -> bool:
