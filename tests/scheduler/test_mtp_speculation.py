@@ -17,6 +17,7 @@ from flare.sampling.params import SamplingParams
 from flare.scheduler.metrics import SchedulerMetrics
 from flare.scheduler.request import Finished, GenerationRequest, TextDelta
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions
+from flare.scheduler.sequence import DRAFT_SOURCES
 from flare.structured import GrammarSpec
 
 LOGIT_SCALE = 5.0  # as in test_speculation_distribution.py: a peaked tiny model repeats itself
@@ -59,6 +60,11 @@ class Recorder:
             return result
 
         scheduler._runner.execute = spy
+
+
+def drafts_by_drafter(registry: CollectorRegistry, kind: str) -> dict[str, float]:
+    """flare_draft_tokens_{kind}_total by drafter label, as a scrape of /metrics reads it."""
+    return {d: registry.get_sample_value(f"flare_draft_tokens_{kind}_total", {"drafter": d}) for d in DRAFT_SOURCES}
 
 
 async def generate(package_path, prompts, params, options, *, sequential=False, metrics=None):
@@ -118,9 +124,10 @@ async def test_greedy_output_with_the_head_equals_output_without_speculation(hea
     plain, _, _ = await generate(
         head_package, PROMPTS, GREEDY, SchedulerOptions(draft_tokens=0, kv_cache_dtype=kv_cache_dtype)
     )
-    metrics = SchedulerMetrics(CollectorRegistry())
+    registry = CollectorRegistry()
     speculative, recorder, scheduler = await generate(
-        head_package, PROMPTS, GREEDY, SchedulerOptions(kv_cache_dtype=kv_cache_dtype, **FIXED_LENGTH), metrics=metrics
+        head_package, PROMPTS, GREEDY, SchedulerOptions(kv_cache_dtype=kv_cache_dtype, **FIXED_LENGTH),
+        metrics=SchedulerMetrics(registry),
     )
     assert scheduler._runner.head.kv_cache.dtype == getattr(torch, kv_cache_dtype)  # the head's cache too
     assert speculative == plain
@@ -129,10 +136,9 @@ async def test_greedy_output_with_the_head_equals_output_without_speculation(hea
     assert drafted > 0 and 0 < accepted < drafted  # drafts were accepted and rejected
     assert scheduler.drafter_name == "mtp"
     # /metrics: every draft is the head's, and the head's passes took time.
-    proposed = {d: metrics.draft_tokens_proposed.labels(drafter=d)._value.get() for d in ("ngram", "mtp", "grammar")}
-    assert proposed == {"ngram": 0, "mtp": drafted, "grammar": 0}
-    assert metrics.draft_tokens_accepted.labels(drafter="mtp")._value.get() == accepted
-    assert metrics.draft_head_seconds._value.get() > 0
+    assert drafts_by_drafter(registry, "proposed") == {"ngram": 0, "mtp": drafted, "grammar": 0}
+    assert drafts_by_drafter(registry, "accepted") == {"ngram": 0, "mtp": accepted, "grammar": 0}
+    assert registry.get_sample_value("flare_draft_head_seconds_total") > 0
 
 
 async def test_drafts_after_rejections_are_those_of_the_committed_tokens(head_package, package_parts, peaked_state, head_state):
@@ -222,9 +228,9 @@ async def test_a_package_without_a_head_refuses_the_mtp_drafter(tiny_package):
 async def test_auto_drafts_with_both_and_keeps_greedy_output(head_package):
     prompts = PROMPTS + ("Copy this: the quick brown fox jumps over the lazy dog. The quick brown fox jumps over",)
     plain, _, _ = await generate(head_package, prompts, GREEDY, SchedulerOptions(draft_tokens=0))
-    metrics = SchedulerMetrics(CollectorRegistry())
+    registry = CollectorRegistry()
     speculative, recorder, scheduler = await generate(
-        head_package, prompts, GREEDY, SchedulerOptions(drafter="auto", **FIXED_LENGTH), metrics=metrics
+        head_package, prompts, GREEDY, SchedulerOptions(drafter="auto", **FIXED_LENGTH), metrics=SchedulerMetrics(registry)
     )
     assert speculative == plain
     assert scheduler.drafter_name == "auto"
@@ -248,10 +254,10 @@ async def test_auto_drafts_with_both_and_keeps_greedy_output(head_package):
                 last_head[row.request_id] = outcome.next_draft.token_ids if outcome.next_draft is not None else ()
     assert lookup_rows > 0
     # /metrics counts the verified drafts by the drafter that proposed them.
-    counted = {d: metrics.draft_tokens_proposed.labels(drafter=d)._value.get() for d in ("ngram", "mtp", "grammar")}
+    counted = drafts_by_drafter(registry, "proposed")
     assert sum(counted.values()) == sum(verified.values()) and counted["grammar"] == 0
     assert counted["ngram"] >= verified["ngram"] and counted["mtp"] <= verified["mtp"]
-    assert metrics.draft_head_seconds._value.get() > 0
+    assert registry.get_sample_value("flare_draft_head_seconds_total") > 0
 
 
 async def test_a_vocabulary_parallel_package_drafts_with_its_head(make_package, package_parts, peaked_state, head_state):

@@ -65,11 +65,12 @@ async def test_greedy_answers_follow_the_schema_alike_with_and_without_speculati
         "speculative": {"adaptive_draft_length": False},
     }.items():
         async with running(tiny_package, **options) as scheduler:
-            scheduler.metrics = metrics = SchedulerMetrics(CollectorRegistry())
+            registry = CollectorRegistry()
+            scheduler.metrics = SchedulerMetrics(registry)
             rounds_before = scheduler.snapshot().rounds
             ((text, reason),) = await _answers(scheduler, spec, greedy)
             results[name] = (text, reason, scheduler.snapshot().rounds - rounds_before)
-            forced[name] = metrics.draft_tokens_proposed.labels(drafter="grammar")._value.get()
+            forced[name] = registry.get_sample_value("flare_draft_tokens_proposed_total", {"drafter": "grammar"})
     for text, reason, _ in results.values():
         assert reason == "stop" and _valid(text), text
     assert results["plain"][0] == results["jump_forward"][0] == results["speculative"][0]
