@@ -482,6 +482,11 @@ class Scheduler:
         return self._runner.model
 
     @property
+    def runner(self) -> ModelRunner:
+        """What runs each round's plan on the model thread (tests wrap its `execute` to see plans)."""
+        return self._runner
+
+    @property
     def idle(self) -> bool:
         return not self._running and not self._waiting
 
