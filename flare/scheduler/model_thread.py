@@ -8,7 +8,11 @@ EPYC (Zen 5, `avx2 avx512f avx512_bf16 f16c fma`, 2 threads), `ModelRunner.execu
 decode row of the default model at context 150 on a worker thread, medians of 35 rounds: 7.3 ms
 when the weights had been loaded on that worker, 11.2 ms when they had been loaded on the main
 thread, which kept its team (an event-loop thread lives as long as the process).
-So the weights load on the thread that then runs the rounds.
+So the weights load on the thread that then runs the rounds, and every round runs on it for
+the scheduler's life: torch keeps native state per calling thread (an OpenMP team, MKL/oneDNN
+buffers) that is not given back when the thread ends, and rounds on anyio's pooled threads, which
+retire after 10 s idle and are replaced, grew resident memory by ~0.4 MiB per request
+(tests/reliability/test_disconnects.py).
 
 The thread is a daemon thread, so a process stopped while it loads weights exits at once rather
 than after the load; an idle one is ended before the interpreter finalizes (`shutdown`, or at

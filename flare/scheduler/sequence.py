@@ -7,9 +7,10 @@ import time
 from dataclasses import dataclass, field
 
 from flare.engine.drafters import Draft, DraftState
-from flare.engine.tokenizer import IncrementalDetokenizer
+from flare.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from flare.kernels.status import DeviceStatus
 from flare.scheduler.draft_length import AcceptanceEstimate
-from flare.scheduler.request import GenerationRequest, RequestFailure, RequestStream, TokenLogprob
+from flare.scheduler.request import GenerationRequest, RequestFailure, RequestStream, TokenLogprob, choice_seed
 from flare.scheduler.stop_strings import StopStringMatcher
 from flare.structured import GrammarState
 
@@ -61,7 +62,7 @@ class Sequence:
     sampled_rounds: int = 0  # rounds in which this sequence sampled tokens
     fell_back: bool = False  # speculation turned off after INVALID_SPECULATION
     head_draft: Draft | None = None  # the draft head's proposal from the last round (drafters/mtp.py)
-    head_pause: int = 0  # rounds left without head drafts (`Scheduler._head_steps`)
+    head_pause: int = 0  # rounds left without head drafts (`DraftPlanner.head_steps`)
     head_cached: int = 0  # head slots computed for the committed tokens (drafters/mtp.py)
     # How often a round went on to verify the head's drafts for this row (under `auto` n-gram
     # lookup takes the rounds where it proposes): a step of the head is weighed by it.
@@ -79,6 +80,28 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.., as scored
     emitted: bool = False  # a first delta was put (it carries the prompt's log-probabilities)
     grammar: GrammarState | None = None  # where this choice's answer is in its grammar
+
+    @classmethod
+    def choice(
+        cls,
+        request: GenerationRequest,
+        stream: RequestStream,
+        seed: int,
+        index: int,
+        tokenizer: Tokenizer,
+        draft_state: DraftState | None,
+    ) -> Sequence:
+        """Choice `index` of `request`, seeded from the request's `seed` (`choice_seed`)."""
+        return cls(
+            request=request,
+            stream=stream,
+            seed=choice_seed(seed, index),
+            detokenizer=IncrementalDetokenizer(tokenizer, list(request.prompt_token_ids)),
+            stop_matcher=StopStringMatcher(request.params.stop),
+            draft_state=draft_state,
+            index=index,
+            grammar=GrammarState(request.grammar) if request.grammar is not None else None,
+        )
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -106,6 +129,16 @@ class Sequence:
         this row (0 for a grammar's forced run, which is proposed whole, past the model)."""
         estimate = self.source_acceptance.get(self.draft_source)
         return estimate.rate if estimate is not None else 0.0
+
+    def fault_due(self) -> DeviceStatus | None:
+        """The device status the request asks injected (`FaultSpec`) when this is the round of
+        its sampling it names (its first by default); the scheduler injects only with
+        `--fault-injection`."""
+        fault = self.request.fault
+        if fault is None:
+            return None
+        target = 0 if fault.round is None else fault.round
+        return fault.status if self.sampled_rounds == target else None
 
     @property
     def in_decode(self) -> bool:

@@ -381,7 +381,7 @@ def test_socket_resolution_prefers_flag_then_environment() -> None:
 
 
 @dataclass(frozen=True)
-class SchedulerSnapshot:  # the fields of flare.scheduler.scheduler.SchedulerSnapshot that control reads
+class SchedulerSnapshot:  # the fields of flare.scheduler.stats.SchedulerSnapshot that control reads
     running: int
     waiting: int
     kv_blocks_used: int
@@ -400,7 +400,7 @@ class SchedulerSnapshot:  # the fields of flare.scheduler.scheduler.SchedulerSna
 
 
 @dataclass(frozen=True)
-class RequestInfo:  # flare.scheduler.scheduler.RequestInfo
+class RequestInfo:  # flare.scheduler.stats.RequestInfo
     request_id: str
     state: str
     age_s: float

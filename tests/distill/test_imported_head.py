@@ -74,7 +74,7 @@ async def greedy(package, prompts, options):
     """Each prompt's greedy answer, one after another, and the draft tokens accepted."""
     scheduler = Scheduler.from_package(package, options)
     accepted = 0
-    execute = scheduler._runner.execute
+    execute = scheduler.runner.execute
 
     def counting(plan):
         nonlocal accepted
@@ -82,7 +82,7 @@ async def greedy(package, prompts, options):
         accepted += sum(len(o.tokens) - 1 for row, o in zip(plan.rows, result.rows) if o is not None and row.draft_ids)
         return result
 
-    scheduler._runner.execute = counting
+    scheduler.runner.execute = counting
     loop = asyncio.create_task(scheduler.run())
     outputs = []
     try:

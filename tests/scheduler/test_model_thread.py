@@ -9,7 +9,7 @@ import threading
 import pytest
 from running_scheduler import running
 
-import flare.scheduler.scheduler as scheduler_module
+import flare.scheduler.loading as loading_module
 from flare.preparation.package import open_package
 from flare.sampling.params import SamplingParams
 from flare.scheduler.model_runner import ModelRunner
@@ -20,7 +20,7 @@ from flare.scheduler.scheduler import Scheduler, SchedulerOptions
 
 async def test_the_weights_load_on_the_thread_that_runs_every_round_not_the_callers(tiny_package, monkeypatch):
     threads: dict[str, set[int]] = {"load": set(), "round": set()}
-    load_model, execute = scheduler_module.load_model, ModelRunner.execute
+    load_model, execute = loading_module.load_model, ModelRunner.execute
 
     def recorded_load(*args, **kwargs):
         threads["load"].add(threading.get_ident())
@@ -30,7 +30,7 @@ async def test_the_weights_load_on_the_thread_that_runs_every_round_not_the_call
         threads["round"].add(threading.get_ident())
         return execute(self, plan)
 
-    monkeypatch.setattr(scheduler_module, "load_model", recorded_load)
+    monkeypatch.setattr(loading_module, "load_model", recorded_load)
     monkeypatch.setattr(ModelRunner, "execute", recorded_execute)
     async with running(tiny_package, max_concurrency=2) as scheduler:
         ids = tuple(scheduler.tokenizer.encode("Hello there"))
@@ -71,7 +71,7 @@ def test_a_failed_load_ends_its_thread(tiny_package, monkeypatch):
         raise RuntimeError("disk on fire")
 
     before = set(threading.enumerate())
-    monkeypatch.setattr(scheduler_module, "load_model", failing_load)
+    monkeypatch.setattr(loading_module, "load_model", failing_load)
     with pytest.raises(RuntimeError, match="disk on fire"):
         Scheduler.from_package(open_package(tiny_package), SchedulerOptions())
     started = [t for t in threading.enumerate() if t not in before and t.name == "flare-model"]

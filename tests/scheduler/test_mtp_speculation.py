@@ -52,14 +52,14 @@ class Recorder:
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.rounds = []
-        execute = scheduler._runner.execute
+        execute = scheduler.runner.execute
 
         def spy(plan):
             result = execute(plan)
             self.rounds.append((plan, result))
             return result
 
-        scheduler._runner.execute = spy
+        scheduler.runner.execute = spy
 
 
 def drafts_by_drafter(registry: CollectorRegistry, kind: str) -> dict[str, float]:
@@ -129,7 +129,7 @@ async def test_greedy_output_with_the_head_equals_output_without_speculation(hea
         head_package, PROMPTS, GREEDY, SchedulerOptions(kv_cache_dtype=kv_cache_dtype, **FIXED_LENGTH),
         metrics=SchedulerMetrics(registry),
     )
-    assert scheduler._runner.head.kv_cache.dtype == getattr(torch, kv_cache_dtype)  # the head's cache too
+    assert scheduler.runner.head.kv_cache.dtype == getattr(torch, kv_cache_dtype)  # the head's cache too
     assert speculative == plain
     accepted = sum(len(o.tokens) - 1 for plan, result in recorder.rounds for o in result.rows if o is not None)
     drafted = sum(len(row.draft_ids) for plan, _ in recorder.rounds for row in plan.rows)
@@ -153,7 +153,7 @@ async def test_a_head_paused_while_its_drafts_are_declined_drafts_for_the_commit
     """The draft-length model declines every other round's drafts: the head pauses for those rows
     (no head work at all, `HEAD_PAUSE_ROUNDS`), then catches up on every slot since from its pool
     of hidden states, and its drafts are still what it computes from scratch; output unchanged."""
-    import flare.scheduler.scheduler as scheduler_module
+    import flare.scheduler.speculation as speculation_module
 
     calls = {"n": 0}
 
@@ -162,10 +162,10 @@ async def test_a_head_paused_while_its_drafts_are_declined_drafts_for_the_commit
         return list(available) if calls["n"] % 2 else [0] * len(available)
 
     plain, _, _ = await generate(head_package, PROMPTS, SamplingParams(temperature=0.0, max_tokens=60), SchedulerOptions(draft_tokens=0))
-    monkeypatch.setattr(scheduler_module, "choose_draft_lengths", every_other_round)
-    monkeypatch.setattr(scheduler_module, "HEAD_PAUSE_ROUNDS", 2)  # 6 rounds for 3 rows: several pauses an answer
+    monkeypatch.setattr(speculation_module, "choose_draft_lengths", every_other_round)
+    monkeypatch.setattr(speculation_module, "HEAD_PAUSE_ROUNDS", 2)  # 6 rounds for 3 rows: several pauses an answer
     # Every step the pauses leave is drafted, whatever it costs (the tiny head does not pay).
-    monkeypatch.setattr(scheduler_module, "worthwhile_head_steps", lambda steps, *weights: steps)
+    monkeypatch.setattr(speculation_module, "worthwhile_head_steps", lambda steps, *weights: steps)
     speculative, recorder, scheduler = await generate(
         head_package, PROMPTS, SamplingParams(temperature=0.0, max_tokens=60), SchedulerOptions(drafter="mtp")
     )

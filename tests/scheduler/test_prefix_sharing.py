@@ -31,10 +31,10 @@ async def answer(scheduler: Scheduler, rid: str, prompt_ids: tuple[int, ...], pa
 
 def assert_no_block_lost(scheduler: Scheduler) -> None:
     snapshot = scheduler.snapshot()
-    counts = scheduler._blocks.counts()
+    # Held blocks are those neither free nor evictable (PrefixCache.counts): none held means
+    # every block is free or cached for later.
     assert snapshot.kv_blocks_used == 0 and snapshot.running == 0 and snapshot.waiting == 0
-    assert counts.free + counts.evictable == counts.total
-    assert counts.evictable == counts.cached  # nothing holds a cached block but the cache
+    assert snapshot.kv_blocks_evictable == snapshot.kv_blocks_cached  # nothing holds a cached block but the cache
 
 
 async def test_greedy_output_is_the_same_token_for_token_on_a_cache_hit_and_a_miss(tiny_package):

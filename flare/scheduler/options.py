@@ -1,0 +1,31 @@
+"""What an operator chooses for a scheduler (`flare run`'s options), beside what the package says."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    max_concurrency: int | None = None  # None: the package's serving.max_concurrency
+    max_waiting: int = 256
+    max_waiting_tokens: int = 262_144
+    kv_cache_memory: int | None = None  # bytes; None: default_kv_cache_bytes
+    kv_cache_dtype: str = "float32"  # manifest.KV_CACHE_DTYPES: what the KV cache stores
+    prefix_cache: bool = True  # keep full KV blocks after their request for later prompts to share
+    block_size: int = 16
+    max_batched_tokens: int = 256  # tokens fed per round: bounds a prompt chunk's share of a round
+    draft_tokens: int | None = None  # None: the package's serving.draft_tokens; may only lower it
+    # ngram, mtp (the package's learned draft head) or auto (mtp where the package ships a head,
+    # else ngram); None: the package's serving.drafter.
+    drafter: str | None = None
+    adaptive_draft_length: bool = True  # False: every decode row verifies all the drafter proposes
+    vocabulary_shards: int = 1
+    sampling_policy: Literal["package", "unfiltered"] = "package"
+    on_invalid_speculation: Literal["fallback", "fail"] = "fallback"
+    fault_injection: bool = False
+    jump_forward: bool = True  # propose the tokens a grammar forces as drafts (free: always accepted)
+    device: str = "cpu"
+    weight_format: str = "auto"  # precision.FORMAT_CHOICES: what the linear layers multiply in
+    idle_tick_s: float = 1.0  # how often an idle loop wakes to send its heartbeat

@@ -1,0 +1,63 @@
+"""What the scheduler reports about itself: its snapshot (`flare ctl status`, systemd STATUS=), the
+requests it holds (`flare ctl requests`) and its recent throughput."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    request_id: str
+    state: str
+    age_s: float
+    prompt_tokens: int
+    completion_tokens: int  # over all its choices
+
+
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    running: int
+    waiting: int
+    kv_blocks_used: int  # held by requests
+    kv_blocks_total: int
+    prefix_cache: bool
+    kv_blocks_cached: int  # published in the prefix cache, in use or not
+    kv_blocks_evictable: int  # cached and held by no request: reclaimed when blocks run out
+    prompt_tokens_cached: int  # since start: prompt tokens served from the prefix cache
+    prompt_tokens_computed: int  # since start: prompt tokens prefilled
+    draining: bool
+    device_statuses: dict[str, int]
+    rounds: int
+    tokens_per_second: float
+    max_concurrency: int
+    draft_tokens: int
+    weights_dtype: str  # what the package stores
+    weight_format: str  # what the linear layers multiply in here (`precision.WeightFormat`)
+    kv_cache_dtype: str  # what the KV cache stores keys and values as
+
+
+@dataclass
+class Throughput:
+    """Generated tokens per second over the last `window_s` seconds (0 once the daemon idles)."""
+
+    window_s: float = 10.0
+    _rounds: deque[tuple[float, int]] = field(default_factory=deque)
+
+    def observe(self, tokens: int) -> None:
+        now = time.monotonic()
+        self._rounds.append((now, tokens))
+        # Pruned here too, not only when read: a daemon nobody asks (no systemd, no ctl) would
+        # otherwise keep one entry per round forever.
+        self._forget_before(now - self.window_s)
+
+    @property
+    def rate(self) -> float:
+        self._forget_before(time.monotonic() - self.window_s)
+        return sum(tokens for _, tokens in self._rounds) / self.window_s
+
+    def _forget_before(self, horizon: float) -> None:
+        while self._rounds and self._rounds[0][0] < horizon:
+            self._rounds.popleft()
