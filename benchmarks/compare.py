@@ -237,7 +237,8 @@ def main() -> int:
 
     import torch
 
-    from flare.preparation.default_model import default_gguf_path, default_package_path
+    from flare.preparation.default_model import default_gguf_path
+    from flare.preparation.default_package import default_package_path
     from flare.preparation.package import open_package
 
     torch.set_num_threads(args.threads)

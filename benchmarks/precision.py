@@ -28,7 +28,7 @@ from flare.engine.kv_cache import BlockAllocator, KVCache
 from flare.engine.model import LlamaModel, load_model
 from flare.engine.precision import WeightFormat, available_formats
 from flare.engine.tokenizer import Tokenizer
-from flare.preparation.default_model import default_package_path
+from flare.preparation.default_package import default_package_path
 from flare.preparation.package import open_package
 
 PROMPTS = [

@@ -231,11 +231,11 @@ def bookkeeping_workload(package_path: Path, args: argparse.Namespace) -> dict[s
     profile.enable()
     wall = asyncio.run(serve())
     profile.disable()
-    mine = {"_publish", "_reuse_cached_prefix", "_count_cached_prompt"}
+    mine = {"publish", "map_cached_prefix", "_count_cached_prompt"}
     seconds = sum(
         own
         for (file, _, name), (_, _, own, _, _) in pstats.Stats(profile).stats.items()  # type: ignore[attr-defined]
-        if file.endswith("prefix_cache.py") or (file.endswith("scheduler.py") and name in mine)
+        if file.endswith("prefix_cache.py") or (file.endswith(("scheduler.py", "blocks.py")) and name in mine)
     )
     print(f"  bookkeeping: {seconds * 1000:.1f} ms of {wall:.1f} s", flush=True)
     return {"bookkeeping_s": seconds, "wall_s": wall, "share": seconds / wall}
@@ -321,7 +321,7 @@ def main() -> int:
     args = parser.parse_args()
 
     if args.package is None:
-        from flare.preparation.default_model import default_package_path
+        from flare.preparation.default_package import default_package_path
 
         args.package = default_package_path()
     from flare.engine.tokenizer import Tokenizer

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flare.engine.precision import cpu_flags
-from flare.preparation.default_model import default_package_path
+from flare.preparation.default_package import default_package_path
 from flare.preparation.package import open_package
 from flare.sampling.params import SamplingParams
 from flare.scheduler import model_runner

@@ -21,7 +21,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from flare.preparation.default_model import default_gguf_path, default_package_path  # noqa: E402
+from flare.preparation.default_model import default_gguf_path  # noqa: E402
+from flare.preparation.default_package import default_package_path  # noqa: E402
 from flare.preparation.gguf_source import open_gguf  # noqa: E402
 from flare.preparation.manifest import ModelConfig, Provenance, ServingConfig  # noqa: E402
 from flare.preparation.package import expected_weight_shapes, write_package  # noqa: E402

@@ -43,7 +43,7 @@ from flare.daemon.logging import LogControl, configure_logging
 from flare.daemon.metrics import DaemonMetrics, http_metrics_middleware, metrics_handler
 from flare.daemon.notify import SystemdNotifier, WatchdogHeartbeat, publish_status
 from flare.daemon.state import ServingState
-from flare.preparation.default_model import default_package_path
+from flare.preparation.default_package import default_package_path
 from flare.preparation.export import ExportError
 from flare.preparation.package import PackageError, open_package
 from flare.preparation.source import SourceError

@@ -17,7 +17,8 @@ from flare.engine.kv_cache import BlockAllocator, KVCache
 from flare.engine.model import LlamaModel, load_model
 from flare.engine.precision import WeightFormat, cpu_has_float16_gemm, cpu_has_native_bf16
 from flare.engine.tokenizer import Tokenizer
-from flare.preparation.default_model import default_gguf_path, default_package_path
+from flare.preparation.default_model import default_gguf_path
+from flare.preparation.default_package import default_package_path
 from flare.preparation.package import open_package
 
 pytestmark = pytest.mark.real_model

@@ -10,12 +10,9 @@ from typing import Any
 
 import pytest
 
-from flare.preparation import export as export_module
-from flare.preparation.default_model import (
-    cache_dir,
-    default_gguf_path,
-    default_package_path,
-)
+from flare.preparation import default_package as default_package_module
+from flare.preparation.default_model import default_gguf_path
+from flare.preparation.default_package import cache_dir, default_package_path
 from flare.preparation.export import resolve_dtype
 from flare.preparation.manifest import FORMAT_VERSION
 from flare.preparation.package import open_package, sha256_of
@@ -56,7 +53,7 @@ def test_two_processes_export_the_default_model_once(monkeypatch: pytest.MonkeyP
         out_dir.mkdir()
         (out_dir / "manifest.json").write_text("{}")
 
-    monkeypatch.setattr(export_module, "export_package", slow_export)
+    monkeypatch.setattr(default_package_module, "export_package", slow_export)
     results: list[Path] = []
     threads = [threading.Thread(target=lambda: results.append(default_package_path(tmp_path))) for _ in range(2)]
     for thread in threads:
@@ -78,7 +75,7 @@ def test_default_packages_of_each_dtype_live_side_by_side(tmp_path: Path, monkey
         out_dir.mkdir()
         (out_dir / "manifest.json").write_text("{}")
 
-    monkeypatch.setattr(export_module, "export_package", fake_export)
+    monkeypatch.setattr(default_package_module, "export_package", fake_export)
     paths = {dtype: default_package_path(tmp_path, dtype=dtype) for dtype in ("float32", "bfloat16")}
     assert paths["float32"] != paths["bfloat16"]
     assert exported == {paths["float32"]: "float32", paths["bfloat16"]: "bfloat16"}
@@ -94,7 +91,7 @@ def test_default_package_is_smollm2_under_its_recipe(default_package: Path, monk
     assert manifest.model.num_layers == 30 and manifest.model.tie_word_embeddings
     assert manifest.serving.max_context == 8192 and not manifest.serving.vocabulary_parallel_sampling
     assert manifest.sampling.defaults["temperature"] == 0.2 and manifest.sampling.defaults["top_p"] == 0.9
-    monkeypatch.setattr(export_module, "export_package", lambda *a, **k: pytest.fail("exported twice"))
+    monkeypatch.setattr(default_package_module, "export_package", lambda *a, **k: pytest.fail("exported twice"))
     assert default_package_path(default_package.parent.parent) == default_package
 
 
