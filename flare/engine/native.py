@@ -16,10 +16,9 @@ built (no C compiler at install time) and that the tests hold it equal to:
   rows, at the memory's speed for the one to few rows of a decode round (fbgemm's float16 GEMM,
   its torch counterpart, took 1.15-1.2x as long there, and as long from 5 rows on);
 - `decoder_layer`: a whole layer of a round of short rows on float16 weights, the kernels above
-  in one call (`decoder_round` checks what the round's layers share, once);
-- `stream_uniforms` and `top_p_threshold`: the sampler's random stream over whole vocabulary rows
-  and its top-p radix select, the bits of their torch twins in flare/kernels/ (one pass where
-  those take ten, and a 2048-bin histogram in cache where they call bincount).
+  in one call (`decoder_round` checks what the round's layers share, once).
+
+The sampler's kernels are the kernels' own (flare/kernels/native.py).
 
 The kernels trust the addresses they are given, so every function here first checks the
 tensors behind them (device, dtype, shape, strides); the C side checks every index into the
@@ -500,31 +499,3 @@ def decoder_layer(h: torch.Tensor, layer: Float16Layer, keys: torch.Tensor, valu
         torch.get_num_threads(),
         LINEAR_ISA,
     )
-
-
-def stream_uniforms(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The random stream's uniforms u = ((mix32(key + i GOLDEN) >> 8) + 0.5) 2^-24 at every
-    vocabulary index i of every stream, [rows, vocab_size] float32: the bits of the torch twin's
-    `uniform`-and-`gumbel_` steps before their logarithms (flare/kernels/random_stream.py)."""
-    native = _module()
-    if keys.dtype != torch.int32 or keys.device.type != "cpu" or keys.dim() != 1 or not keys.is_contiguous():
-        raise ValueError(f"stream_uniforms: keys must be a contiguous CPU int32 [rows], got {keys.device} {keys.dtype} {tuple(keys.shape)}")
-    out = torch.empty(keys.shape[0], vocab_size, dtype=torch.float32)
-    native.stream_uniforms(keys.data_ptr(), keys.shape[0], vocab_size, out.data_ptr(), torch.get_num_threads())
-    return out
-
-
-def top_p_threshold(scaled: torch.Tensor, mass: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Per row of `scaled` [N, V], the largest logit whose tokens carry at least `target` [N] of
-    `mass` [N, V] (float32, contiguous): the bits of the torch twin's radix select
-    (flare/kernels/distribution.py, `_largest_reaching_mass`)."""
-    native = _module()
-    rows, vocab = scaled.shape
-    problems = _dtype_problems(scaled=(scaled, torch.float32), mass=(mass, torch.float32), target=(target, torch.float32))
-    if mass.shape != scaled.shape or target.shape != (rows,) or not all(t.is_contiguous() for t in (scaled, mass, target)):
-        problems.append(f"scaled and mass must be contiguous [{rows}, {vocab}] and target [{rows}]")
-    _check("top_p_threshold", problems)
-    out = torch.empty(rows, dtype=torch.float32)
-    if rows:
-        native.top_p_threshold(scaled.data_ptr(), mass.data_ptr(), target.data_ptr(), rows, vocab, out.data_ptr(), torch.get_num_threads())
-    return out

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flare.engine import native
+from flare.kernels import native
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from enum import IntEnum
 
 import torch
 
-from flare.engine import native
+from flare.kernels import native
 
 GOLDEN = 0x9E3779B9
 MIX_MULTIPLIER_1 = 0x7FEB352D

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flare.engine import native
+from flare.kernels import native
 from flare.kernels import distribution
 from flare.kernels.random_stream import Purpose, gumbel_, stream_bits, stream_key, vocabulary_gumbel
 from flare.kernels.round import sample_round
@@ -16,7 +16,13 @@ from flare.sampling.params import SamplingParams
 
 from .helpers import make_batch, no_drafts
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="the C kernels were not built")
+built = pytest.mark.skipif(not native.available(), reason="the C kernels were not built")
+
+
+def test_the_sampler_kernels_are_built() -> None:
+    # setup.py builds them wherever a C compiler is present, as on every machine this project
+    # runs on; a build failure is not fatal to the install, so it is caught here.
+    assert native.available(), "flare/kernels/csrc did not build: is gcc installed?"
 
 
 def twin_uniforms(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -24,6 +30,7 @@ def twin_uniforms(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.bitwise_right_shift(8).bitwise_and_(0xFFFFFF).float().add_(0.5).mul_(2.0**-24)
 
 
+@built
 def test_the_c_stream_uniforms_are_the_twins_bits() -> None:
     keys = torch.tensor([0, 1, -1, -(2**31), 2**31 - 1, 123456789], dtype=torch.int32)
     for vocab_size in (1, 7, 49152):
@@ -32,6 +39,7 @@ def test_the_c_stream_uniforms_are_the_twins_bits() -> None:
     assert torch.equal(native.stream_uniforms(seeded, 1000), twin_uniforms(seeded, 1000))
 
 
+@built
 def test_vocabulary_gumbel_is_the_same_noise_with_and_without_the_c_kernels(monkeypatch) -> None:
     keys = stream_key(torch.arange(5), torch.arange(5), Purpose.SAMPLE).to(torch.int32)
     with_kernels = vocabulary_gumbel(keys, 3000)
@@ -40,6 +48,7 @@ def test_vocabulary_gumbel_is_the_same_noise_with_and_without_the_c_kernels(monk
     assert torch.equal(with_kernels, gumbel_(stream_bits(keys.unsqueeze(1), torch.arange(3000, dtype=torch.int32))))
 
 
+@built
 @settings(max_examples=80, deadline=None)
 @given(
     rows=st.integers(1, 6),
@@ -49,6 +58,7 @@ def test_vocabulary_gumbel_is_the_same_noise_with_and_without_the_c_kernels(monk
     hidden=st.sampled_from(["none", "some -inf", "zero mass", "top-k"]),
     seed=st.integers(0, 2**16),
 )
+@built
 def test_the_c_top_p_threshold_is_the_twins_radix_select(rows, vocab_size, scale, top_p, hidden, seed) -> None:
     generator = torch.Generator().manual_seed(seed)
     scaled = torch.randn(rows, vocab_size, generator=generator) * scale
@@ -69,6 +79,7 @@ def test_the_c_top_p_threshold_is_the_twins_radix_select(rows, vocab_size, scale
     assert torch.equal(native.top_p_threshold(scaled, weights, target).view(torch.int32), twin.view(torch.int32))
 
 
+@built
 def test_a_nan_row_gets_the_twins_threshold_and_leaves_the_others_alone() -> None:
     scaled = torch.randn(3, 500, generator=torch.Generator().manual_seed(4))
     scaled[1, 17] = float("nan")
@@ -80,6 +91,7 @@ def test_a_nan_row_gets_the_twins_threshold_and_leaves_the_others_alone() -> Non
     assert torch.equal(got[[0, 2]], distribution._largest_reaching_mass(scaled[[0, 2]], weights[[0, 2]], target[[0, 2]]))
 
 
+@built
 def test_the_c_top_p_threshold_refuses_what_it_cannot_read() -> None:
     scaled = torch.randn(2, 10)
     with pytest.raises(ValueError, match="top_p_threshold: scaled must be a CPU torch.float32 tensor"):
@@ -88,6 +100,7 @@ def test_the_c_top_p_threshold_refuses_what_it_cannot_read() -> None:
         native.top_p_threshold(scaled, scaled, torch.ones(3))
 
 
+@built
 def test_a_sampled_round_draws_the_same_tokens_with_and_without_the_c_kernels(monkeypatch) -> None:
     generator = torch.Generator().manual_seed(8)
     rows, vocab_size = 12, 5000

@@ -180,12 +180,6 @@ enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
 void float16_linear(const Float16Linear *l, int threads, int isa);
 
-/* The sampler's random stream uniforms and top-p threshold over whole vocabulary rows: see
- * sampling.c. top_p_threshold returns 0, or -1 when scratch memory could not be allocated. */
-void stream_uniforms(const int32_t *keys, int64_t rows, int64_t vocab, float *out, int threads);
-int top_p_threshold(const float *scaled, const float *mass, const float *target, int64_t rows, int64_t vocab, float *out,
-                    int threads);
-
 /* One attention group of a round (model.py's AttentionGroup): `rows` rows of `query_len` new
  * tokens from flat token `start`, their block table [rows, max_blocks] and start positions. */
 typedef struct {

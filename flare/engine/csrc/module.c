@@ -272,31 +272,6 @@ static PyObject *py_decoder_layer(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_stream_uniforms(PyObject *self, PyObject *args) {
-    (void)self;
-    Py_ssize_t keys, rows, vocab, out, threads;
-    if (!PyArg_ParseTuple(args, "nnnnn", &keys, &rows, &vocab, &out, &threads)) return NULL;
-    if (rows < 0 || vocab < 0 || threads < 1) return invalid("stream_uniforms", "sizes must be non-negative");
-    Py_BEGIN_ALLOW_THREADS
-    stream_uniforms((const int32_t *)keys, rows, vocab, (float *)out, (int)threads);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
-}
-
-static PyObject *py_top_p_threshold(PyObject *self, PyObject *args) {
-    (void)self;
-    Py_ssize_t scaled, mass, target, rows, vocab, out, threads;
-    if (!PyArg_ParseTuple(args, "nnnnnnn", &scaled, &mass, &target, &rows, &vocab, &out, &threads)) return NULL;
-    if (rows < 0 || vocab < 1 || threads < 1) return invalid("top_p_threshold", "sizes must be positive");
-    int status;
-    Py_BEGIN_ALLOW_THREADS
-    status = top_p_threshold((const float *)scaled, (const float *)mass, (const float *)target, rows, vocab, (float *)out,
-                             (int)threads);
-    Py_END_ALLOW_THREADS
-    if (status) return PyErr_NoMemory();
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef methods[] = {
     {"paged_attention", py_paged_attention, METH_VARARGS,
      "paged_attention(q, q_token_stride, keys, values, out, block_table, start_positions, rows, query_len, heads, "
@@ -317,9 +292,6 @@ static PyMethodDef methods[] = {
      "decoder_layer(h, input_norm, post_norm, qkv, o, gate_up, down, tokens, hidden, heads, kv_heads, head_dim, "
      "intermediate, eps, scale, positions, slots, cos, sin, max_positions, keys, values, kv_dtype, num_blocks, "
      "block_size, plans, groups, scratch, threads)"},
-    {"stream_uniforms", py_stream_uniforms, METH_VARARGS, "stream_uniforms(keys, rows, vocab, out, threads)"},
-    {"top_p_threshold", py_top_p_threshold, METH_VARARGS,
-     "top_p_threshold(scaled, mass, target, rows, vocab, out, threads)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -19,8 +19,9 @@
  * in float32, as the twin adds it. So the sums, and the threshold, are the twin's bits.
  */
 #include <stdlib.h>
+#include <string.h>
 
-#include "kernels.h"
+#include "sampling.h"
 
 enum { GOLDEN = 0x9E3779B9u, MIX_1 = 0x7FEB352Du, MIX_2 = 0x846CA68Bu };
 
