@@ -14,11 +14,9 @@ Which rate depends on whether requests wait for a free row:
 - none wait: rows x harmonic_mean(E_r) / seconds, i.e. the inverse of the rows' summed
   expected time per token (seconds / E_r): every running request's own speed counts. A round
   that drafts for a few rows slows all the others; it pays here only if the few gain more
-  time than the others lose. Measured at 8 chat streams in bfloat16 (nobody waiting): with
-  the throughput rate, rounds drafting for a few rows made 270 tok/s against 235 for plain
-  ones, yet those rows then finished early, the rest ran in rounds of 5-7 rows that cost what
-  8 do, and speculation ran 0.92x K = 0 (0.94-0.95x with this rate: within the machine's noise;
-  measured 2026-11-29 with the then benchmarks/serving.py --speculation, now benchmarks/compare.py).
+  time than the others lose (with the throughput rate, rows that drafted finished early and the
+  rest ran in rounds that cost what a full one does: docs/benchmarks.md, "The draft planner's
+  rules").
 With one row both rates are the same.
 
 Cost model (`RoundCostModel`): what a round of T tokens took, measured per T. On this CPU the
@@ -46,11 +44,9 @@ from dataclasses import dataclass, field
 # round. With estimates from the fitted line and no margin, each daemon tried every count from
 # 9 to 18 once after its first prefill at 8 chat streams (4% of the rounds' time).
 EXPLORATION_MARGIN = 1.1
-# The margin cannot see a cliff: at 32 chat streams (2026-11-29, after the C kernels) counts
-# past 32 tokens were estimated between 32 decode rows (113 ms) and 256-token prefill chunks at
-# about 1.7 ms a token, and tried: 41 tokens took 205 ms, 55 were estimated at 145. Together with
-# the bets that DRAFT_MARGIN now refuses, speculation ran 0.94-0.95x K = 0 on chat. The budget
-# bounds what guesses may lose: a tenth of a second at first, 1% of the time in rounds after that.
+# The margin cannot see a cliff (a count past one estimated far below what it took:
+# docs/benchmarks.md), so a budget bounds what guesses may lose: a tenth of a second at first,
+# 1% of the time in rounds after that.
 EXPLORATION_ALLOWANCE_S = 0.1
 EXPLORATION_SHARE = 0.01
 # Drafts are taken only when their expected rate beats the plain round's by this factor. Both
@@ -177,11 +173,8 @@ class AcceptanceEstimate:
     for good, since only verified drafts are observed: after six rejections in a row (odds of
     7% for a draft head accepted at 35%, so most long chat answers had such a run) a row never
     drafted again. Each round without verified drafts moves the estimate `recovery` of the way
-    back to the prior, so the row is tried again once the cost model finds that worth it.
-    Measured at one stream on chat, greedy, with the default model's distilled head
-    (`benchmarks/drafters.py PACKAGE --configs K0,mtp --answers 10`, 2 cores of a Zen 5 EPYC with
-    AVX-512, 2026-12-01): rows verified drafts in 476 of 974 rounds and ran 1.00x of K = 0; with
-    recovery in 605 of 891, 1.06x.
+    back to the prior, so the row is tried again once the cost model finds that worth it
+    (docs/benchmarks.md has the run).
     """
 
     rate: float = 0.5
@@ -262,11 +255,7 @@ HEAD_COST_WINDOW = 15  # head passes whose median is the head's cost
 # A head step is drafted only when its expected saving is this many times its cost. A step's
 # cost is paid for certain, its saving is an estimate, and verifying a learned q costs a sampled
 # row more than lookup's one-hot q (the residual over the whole vocabulary), which the round cost
-# model does not tell apart. Measured in one process on 20 chat answers at one stream at T = 0.7
-# (`benchmarks/drafters.py`'s method, the default model's distilled head, 2 cores of a Zen 5
-# EPYC, 2026-12-01): with a margin of 1, 2 and 3, mtp ran 1.04x, 1.06x and 1.04x of K = 0 and
-# auto 1.19x, 1.27x and 1.26x; under AVX2 dispatch, with 1 and 2, mtp 0.95x and 0.99x, auto
-# 1.07x both; greedy, mtp 1.09x and 1.10x, auto 1.32x and 1.30x.
+# model does not tell apart (docs/benchmarks.md has the margins' runs).
 HEAD_STEP_MARGIN = 2.0
 
 

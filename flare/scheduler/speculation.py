@@ -116,14 +116,10 @@ class DraftPlanner:
         """Drafts the head proposes after this row for the row's next round (0 once the sequence
         no longer speculates, or where they would pass the context).
 
-        Each step is a forward of the head, paid whether or not the next round verifies its
-        draft, so with adaptive draft length the head drafts at most one more than this round's
-        length (at least one), and of those the steps whose expected saving covers a margin over
-        what a step costs (`worthwhile_head_steps`), the saving weighed by how often the row's
-        head drafts were verified at all (`Sequence.head_use`). A row whose drafts the
-        draft-length model declined gets none for `HEAD_PAUSE_ROUNDS` rounds per decode row;
-        under `auto` a row whose draft came from n-gram lookup gets none, since lookup is likely
-        to propose again. docs/speculative.md gives the reasons, docs/benchmarks.md the figures.
+        A step is paid whether or not the next round verifies its draft, so the head drafts at
+        most one more than this round's length, only the steps whose expected saving covers
+        their cost (`worthwhile_head_steps`), none while the row pauses (`HEAD_PAUSE_ROUNDS`)
+        and none under `auto` after lookup drafted the row (docs/speculative.md says why).
         """
         if not self._head or seq.fell_back or self._draft_tokens <= 0 or seq.head_pause:
             return 0
