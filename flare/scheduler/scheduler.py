@@ -36,7 +36,7 @@ from flare.scheduler.errors import Draining, DuplicateRequestId, PromptTooLong, 
 from flare.scheduler.failures import cancelled_failure, device_failure, shutdown_failure
 from flare.scheduler.loading import SchedulerParts, load_parts
 from flare.scheduler.metrics import SchedulerMetrics
-from flare.scheduler.model_runner import ModelRunner, PlannedRow, RoundObserver, RoundPlan, RoundResult
+from flare.scheduler.model_runner import ModelRunner, PlannedRow, RoundObserver, RoundPlan, RoundResult, RowResult
 from flare.scheduler.model_thread import ModelThread
 from flare.scheduler.options import SchedulerOptions
 from flare.scheduler.request import (
@@ -50,7 +50,7 @@ from flare.scheduler.request import (
 )
 from flare.scheduler.sequence import Sequence, SequenceState
 from flare.scheduler.speculation import DraftPlanner
-from flare.scheduler.stats import RequestInfo, SchedulerSnapshot, Throughput
+from flare.scheduler.stats import RequestInfo, RoundTally, SchedulerSnapshot, Throughput
 
 log = structlog.get_logger("flare.scheduler")
 
@@ -88,7 +88,6 @@ class Scheduler:
             max_context=self.max_context,
             options=options,
         )
-        self._block_size = parts.runner.kv_cache.block_size
         self._eos = frozenset(parts.tokenizer.eos_token_ids)
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
@@ -151,13 +150,13 @@ class Scheduler:
             )
         capacity = self._blocks.capacity
         # The choices share the prompt's blocks; each needs a block of its own after them.
-        if prompt_len + 1 + (request.n - 1) * self._block_size > capacity:
+        if prompt_len + 1 + (request.n - 1) * self._blocks.block_size > capacity:
             raise PromptTooLong(
                 f"the prompt has {prompt_len} tokens but the whole KV cache holds {capacity}"
                 + (f" (less a block for each of the other {request.n - 1} choices)" if request.n > 1 else "")
                 + "; it can never be served here (raise --kv-cache-memory)",
                 prompt_len,
-                capacity - 1 - (request.n - 1) * self._block_size,
+                capacity - 1 - (request.n - 1) * self._blocks.block_size,
             )
         waiting_tokens = sum(len(s.tokens) for s in self._waiting)
         # The bounds are on requests that must wait: while running slots are free, a request
@@ -533,12 +532,7 @@ class Scheduler:
     def _apply(self, plan: RoundPlan, result: RoundResult) -> None:
         self._speculation.observe_round(plan, result)
         now = time.monotonic()
-        statuses: list[int] = []
-        accepted_per_row: list[int] = []
-        proposed: Counter[str] = Counter()  # draft tokens by drafter (`Sequence.draft_source`)
-        accepted_by: Counter[str] = Counter()
-        generated = 0
-        prompt_tokens = 0
+        tally = RoundTally()
         for row, outcome in zip(plan.rows, result.rows):
             choices = self._by_id.get(row.request_id)
             seq = choices[row.choice] if choices is not None else None
@@ -547,78 +541,83 @@ class Scheduler:
             if seq.pending_cancel is not None:
                 self._fail(seq, seq.pending_cancel)
                 continue
-            fed = len(row.token_ids)
-            prompt_tokens += max(0, min(seq.num_prompt_tokens, row.start_position + fed) - row.start_position)
-            if outcome is not None and outcome.prompt_logprobs:
-                # Position p predicts prompt token p + 1: entry p of the list. A recomputed
-                # chunk (after a preemption) scores positions already kept again.
-                for offset, entry in enumerate(outcome.prompt_logprobs):
-                    if row.start_position + offset == len(seq.prompt_logprobs):
-                        seq.prompt_logprobs.append(entry)
-            if not row.samples or outcome is None:
-                seq.num_cached = row.start_position + fed
-                self._blocks.publish(seq)
-                continue
-            statuses.append(int(outcome.status))
-            self._statuses[outcome.status.name] += 1
-            seq.sampled_rounds += 1
-            if outcome.status is not DeviceStatus.OK:
-                failure = device_failure(outcome.status, plan.index)
-                log.warning(
-                    "request_device_status",
-                    request_id=seq.request_id,
-                    choice=seq.index,
-                    status=int(outcome.status),
-                    status_name=outcome.status.name,
-                    round=plan.index,
-                )
-                self._fail(seq, failure)
-                continue
-            if outcome.fell_back and not seq.fell_back:
-                seq.fell_back = True
-                log.warning("request_fell_back", request_id=seq.request_id, choice=seq.index, round=plan.index)
-            drafts = len(row.draft_ids)
-            accepted = len(outcome.tokens) - 1 if not outcome.fell_back else 0
-            if drafts:
-                proposed[seq.draft_source] += drafts
-                accepted_by[seq.draft_source] += accepted
-                accepted_per_row.append(accepted)
-            self._speculation.learn(seq, drafts, accepted)
-            seq.num_cached = row.start_position + fed - (drafts - accepted)
-            self._speculation.keep_head_drafts(seq, row, outcome)
-            if seq.first_token_at is None:
-                seq.first_token_at = now
-                if self.metrics is not None and seq.index == 0:  # once per request
-                    self.metrics.time_to_first_token.observe(now - seq.arrival)
-            elif self.metrics is not None:
-                self.metrics.observe_emission(now - (seq.last_token_at or now), len(outcome.tokens))
-            seq.last_token_at = now
-            generated += self._emit(seq, outcome.tokens, outcome.logprobs)
-            if seq.state is SequenceState.RUNNING:
-                self._blocks.publish(seq)
-                self._blocks.trim(seq)
+            self._apply_row(plan.index, row, outcome, seq, now, tally)
         # A request cancelled while the round ran but without a row in it ends now.
         for choices in [c for c in self._by_id.values() if any(s.pending_cancel for s in c)]:
             self._fail(choices[0], next(s.pending_cancel for s in choices if s.pending_cancel is not None))
-        self._throughput.observe(generated)
-        self._prompt_tokens["computed"] += prompt_tokens
+        self._throughput.observe(tally.generated)
+        self._prompt_tokens["computed"] += tally.prompt_tokens
         # What the draft-length model learns from (flare_draft_tokens_* give the totals only).
         log.debug(
             "round_completed",
             round=plan.index,
             rows=len(plan.rows),
             tokens=plan.num_tokens,
-            drafts=sum(proposed.values()),
-            accepted=sum(accepted_per_row),
-            generated=generated,
+            drafts=sum(tally.proposed.values()),
+            accepted=sum(tally.accepted_per_row),
+            generated=tally.generated,
             copies=len(plan.copies),
             seconds=round(result.seconds, 4),
             head_seconds=round(result.head_seconds, 4),
         )
         if self.metrics is not None:
-            self.metrics.observe_round(statuses, accepted_per_row, proposed, accepted_by, result.head_seconds)
-            self.metrics.observe_tokens(prompt=prompt_tokens, generated=generated)
+            self.metrics.observe_round(
+                tally.statuses, tally.accepted_per_row, tally.proposed, tally.accepted_by, result.head_seconds
+            )
+            self.metrics.observe_tokens(prompt=tally.prompt_tokens, generated=tally.generated)
             self._publish_occupancy()
+
+    def _apply_row(
+        self, round_index: int, row: PlannedRow, outcome: RowResult | None, seq: Sequence, now: float, tally: RoundTally
+    ) -> None:
+        """One running sequence's row of the round: its cached positions, prompt scores, status,
+        accepted drafts and new tokens."""
+        fed = len(row.token_ids)
+        tally.prompt_tokens += max(0, min(seq.num_prompt_tokens, row.start_position + fed) - row.start_position)
+        if outcome is not None and outcome.prompt_logprobs:
+            # Position p predicts prompt token p + 1: entry p of the list. A recomputed
+            # chunk (after a preemption) scores positions already kept again.
+            for offset, entry in enumerate(outcome.prompt_logprobs):
+                if row.start_position + offset == len(seq.prompt_logprobs):
+                    seq.prompt_logprobs.append(entry)
+        if not row.samples or outcome is None:
+            seq.num_cached = row.start_position + fed
+            self._blocks.publish(seq)
+            return
+        tally.statuses.append(int(outcome.status))
+        self._statuses[outcome.status.name] += 1
+        seq.sampled_rounds += 1
+        if outcome.status is not DeviceStatus.OK:
+            log.warning(
+                "request_device_status",
+                request_id=seq.request_id,
+                choice=seq.index,
+                status=int(outcome.status),
+                status_name=outcome.status.name,
+                round=round_index,
+            )
+            self._fail(seq, device_failure(outcome.status, round_index))
+            return
+        if outcome.fell_back and not seq.fell_back:
+            seq.fell_back = True
+            log.warning("request_fell_back", request_id=seq.request_id, choice=seq.index, round=round_index)
+        drafts = len(row.draft_ids)
+        accepted = len(outcome.tokens) - 1 if not outcome.fell_back else 0
+        tally.observe_drafts(seq.draft_source, drafts, accepted)
+        self._speculation.learn(seq, drafts, accepted)
+        seq.num_cached = row.start_position + fed - (drafts - accepted)
+        self._speculation.keep_head_drafts(seq, row, outcome)
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            if self.metrics is not None and seq.index == 0:  # once per request
+                self.metrics.time_to_first_token.observe(now - seq.arrival)
+        elif self.metrics is not None:
+            self.metrics.observe_emission(now - (seq.last_token_at or now), len(outcome.tokens))
+        seq.last_token_at = now
+        tally.generated += self._emit(seq, outcome.tokens, outcome.logprobs)
+        if seq.state is SequenceState.RUNNING:
+            self._blocks.publish(seq)
+            self._blocks.trim(seq)
 
     def _emit(self, seq: Sequence, new_tokens: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] = ()) -> int:
         """`emission.emit` and what follows from it here; returns how many tokens were kept."""

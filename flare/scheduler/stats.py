@@ -1,10 +1,10 @@
 """What the scheduler reports about itself: its snapshot (`flare ctl status`, systemd STATUS=), the
-requests it holds (`flare ctl requests`) and its recent throughput."""
+requests it holds (`flare ctl requests`), its recent throughput and what one round did."""
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 
@@ -61,3 +61,21 @@ class Throughput:
     def _forget_before(self, horizon: float) -> None:
         while self._rounds and self._rounds[0][0] < horizon:
             self._rounds.popleft()
+
+
+@dataclass
+class RoundTally:
+    """What one round did, for its `round_completed` log line and the metrics."""
+
+    statuses: list[int] = field(default_factory=list)  # of the rows that sampled
+    accepted_per_row: list[int] = field(default_factory=list)  # of the rows that verified drafts
+    proposed: Counter[str] = field(default_factory=Counter)  # draft tokens by drafter (`Sequence.draft_source`)
+    accepted_by: Counter[str] = field(default_factory=Counter)
+    generated: int = 0
+    prompt_tokens: int = 0
+
+    def observe_drafts(self, source: str, drafts: int, accepted: int) -> None:
+        if drafts:
+            self.proposed[source] += drafts
+            self.accepted_by[source] += accepted
+            self.accepted_per_row.append(accepted)
