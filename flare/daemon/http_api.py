@@ -25,14 +25,18 @@ from aiohttp import web
 from flare.daemon.answer import GENERATED, answer
 from flare.daemon.auth import ApiKeys
 from flare.daemon.config import DaemonConfig
-from flare.daemon.errors import AUTHENTICATION, SERVER_ERROR, ApiError, bad_request, error_body
+from flare.daemon.errors import AUTHENTICATION, SERVER_ERROR, ApiError, bad_request
 from flare.daemon.generation import Generation
 from flare.daemon.logging import log_access
 from flare.daemon.openai_responses import ChatCompletionShape, OpenAIRenderer, TextCompletionShape
 from flare.daemon.openai_schema import check_model, parse_chat_completion, parse_completion, parse_json_body
 from flare.daemon.origins import browser_origin_refused, loopback_host_refused, origin_allowed
-from flare.daemon.prepare import Prepared, Serving, prepare
+from flare.daemon.messages_api import MessagesRenderer
+from flare.daemon.messages_schema import parse_messages_request
+from flare.daemon.prepare import Prepared, Serving, count_prompt_tokens, prepare
 from flare.daemon.rendering import Renderer
+from flare.daemon.responses_api import ResponsesRenderer
+from flare.daemon.responses_schema import parse_response_request
 from flare.daemon.state import Phase, ServingState
 from flare.kernels.status import DeviceStatus
 from flare.scheduler.request import FaultSpec
@@ -64,6 +68,7 @@ FAULT_HEADER = "X-Flare-Fault"
 # A client's request id is echoed and logged only if it is short and plain (no log injection).
 _SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _PUBLIC_PATHS = frozenset({"/health"})
+ANTHROPIC_PATH = "/v1/messages"
 BODY_READ_TIMEOUT_S = 30.0
 # The status an access line records for a request whose client went away before its answer
 # was written (nginx's "client closed request"); never sent.
@@ -87,6 +92,9 @@ def create_app(config: DaemonConfig, state: ServingState) -> web.Application:
     app.router.add_get("/v1/models/{model:.+}", get_model)
     app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=_expect_continue)
     app.router.add_post("/v1/completions", completions, expect_handler=_expect_continue)
+    app.router.add_post("/v1/responses", responses, expect_handler=_expect_continue)
+    app.router.add_post("/v1/messages", messages, expect_handler=_expect_continue)
+    app.router.add_post("/v1/messages/count_tokens", count_message_tokens, expect_handler=_expect_continue)
     return app
 
 
@@ -140,6 +148,11 @@ async def _add_request_id(request: web.Request, response: web.StreamResponse) ->
         response.headers[REQUEST_ID_HEADER] = request[REQUEST_ID]
 
 
+def _anthropic(request: web.Request) -> bool:
+    """Anthropic's Messages API answers its errors in Anthropic's shape."""
+    return request.path == ANTHROPIC_PATH or request.path.startswith(ANTHROPIC_PATH + "/")
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
@@ -147,27 +160,24 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except ApiError as error:
         if error.status >= 500:
             log.warning("request_refused", status=error.status, code=error.code, message=error.message)
-        return error.response()
+        return error.response(anthropic=_anthropic(request))
     except web.HTTPException as error:
         if error.status < 400:
             raise
-        return _http_exception_response(request, error)
+        return _http_exception_error(request, error).response(anthropic=_anthropic(request))
     except Exception:
         log.exception("unhandled_error")
-        return web.json_response(
-            error_body(
-                f"internal error while handling the request (request id {request[REQUEST_ID]}); "
-                "the daemon log has the details",
-                type=SERVER_ERROR,
-                param=None,
-                code="internal_error",
-            ),
-            status=500,
-        )
+        return ApiError(
+            500,
+            f"internal error while handling the request (request id {request[REQUEST_ID]}); "
+            "the daemon log has the details",
+            type=SERVER_ERROR,
+            code="internal_error",
+        ).response(anthropic=_anthropic(request))
 
 
-def _http_exception_response(request: web.Request, error: web.HTTPException) -> web.Response:
-    """aiohttp's own refusals (no such route, wrong method, body too large) in OpenAI's shape."""
+def _http_exception_error(request: web.Request, error: web.HTTPException) -> ApiError:
+    """aiohttp's own refusals (no such route, wrong method, body too large) as API errors."""
     headers = {}
     if isinstance(error, web.HTTPNotFound):
         message, code = f"no such endpoint: {request.method} {request.path}", "not_found"
@@ -180,9 +190,7 @@ def _http_exception_response(request: web.Request, error: web.HTTPException) -> 
         message, code = f"the request body is larger than the limit of {limit} bytes", "request_too_large"
     else:
         message, code = error.reason, None
-    return web.json_response(
-        error_body(message, type="invalid_request_error", param=None, code=code), status=error.status, headers=headers
-    )
+    return ApiError(error.status, message, code=code, headers=headers)
 
 
 @web.middleware
@@ -222,10 +230,11 @@ async def _authentication(request: web.Request, handler: Handler) -> web.StreamR
     public = request.path in _PUBLIC_PATHS or (
         request.path == "/metrics" and not request.app[SETTINGS].config.metrics_require_key
     )
-    if keys.required and not public and not keys.accepts(request.headers.get("Authorization")):
+    presented = keys.accepts(request.headers.get("Authorization")) or keys.accepts_key(request.headers.get("x-api-key"))
+    if keys.required and not public and not presented:
         raise ApiError(
             401,
-            "missing or incorrect API key; send it as the header 'Authorization: Bearer <key>'",
+            "missing or incorrect API key; send it as the header 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
             type=AUTHENTICATION,
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
@@ -275,6 +284,23 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, generation, "cmpl", _completion_renderer)
 
 
+async def responses(request: web.Request) -> web.StreamResponse:
+    generation = parse_response_request(parse_json_body(await _read_body(request)))
+    return await _generate(request, generation, "resp", lambda prepared: ResponsesRenderer(prepared, int(time.time())))
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    generation = parse_messages_request(parse_json_body(await _read_body(request)))
+    return await _generate(request, generation, "msg", MessagesRenderer)
+
+
+async def count_message_tokens(request: web.Request) -> web.Response:
+    """Anthropic's count_tokens: the prompt's tokens as /v1/messages would send them."""
+    generation = parse_messages_request(parse_json_body(await _read_body(request)), counting=True)
+    serving = _serving(request, generation)
+    return web.json_response({"input_tokens": await count_prompt_tokens(serving, generation.prompt)})
+
+
 def _chat_renderer(prepared: Prepared) -> Renderer:
     generation = prepared.generation
     shape = ChatCompletionShape(prepared.id, int(time.time()), generation.model, generation.include_usage)
@@ -292,13 +318,18 @@ async def _generate(
     request: web.Request, generation: Generation, id_prefix: str, renderer: Callable[[Prepared], Renderer]
 ) -> web.StreamResponse:
     """The one request path after parsing, whichever API: prepare, then submit and render."""
+    serving = _serving(request, generation)
+    prepared = await prepare(serving, generation, _new_id(id_prefix), _fault(request, serving.config))
+    state = request.app[STATE]
+    return await answer(request, serving.scheduler, state, prepared, renderer(prepared), serving.config.request_timeout_s)
+
+
+def _serving(request: web.Request, generation: Generation) -> Serving:
+    """The running model, once `generation` names it (a 503 while loading, a 404 for another)."""
     state = request.app[STATE]
     scheduler = state.require_scheduler()
     check_model(generation.model, state.model_name or "")
-    config = request.app[SETTINGS].config
-    serving = Serving(scheduler, config, request.app[TOKENIZING], request.app[COMPILING])
-    prepared = await prepare(serving, generation, _new_id(id_prefix), _fault(request, config))
-    return await answer(request, scheduler, state, prepared, renderer(prepared), config.request_timeout_s)
+    return Serving(scheduler, request.app[SETTINGS].config, request.app[TOKENIZING], request.app[COMPILING])
 
 
 async def _expect_continue(request: web.Request) -> None:

@@ -543,11 +543,14 @@ def _streaming(body: Mapping[str, Any]) -> tuple[bool, bool]:
     return bool(stream), include_usage
 
 
-def _sampling(body: Mapping[str, Any]) -> Mapping[str, Any]:
+def _sampling(body: Mapping[str, Any], renamed: Mapping[str, str] | None = None) -> Mapping[str, Any]:
+    """The sampling fields, checked; `renamed` maps a field to the name another API gives it
+    (the Responses API's max_output_tokens is max_tokens here), for the error to name."""
     try:
         return validate_request_sampling(body)
     except InvalidParameter as error:
-        raise bad_request(error.message, param=error.param) from None
+        param = (renamed or {}).get(error.param, error.param)
+        raise bad_request(error.message.replace(error.param, param), param=param) from None
 
 
 def _kind(value: Any) -> str:
@@ -555,3 +558,11 @@ def _kind(value: Any) -> str:
         return "null"
     names = {bool: "a boolean", str: "a string", int: "a number", float: "a number", list: "a list", dict: "an object"}
     return next((name for kind, name in names.items() if isinstance(value, kind)), type(value).__name__)
+
+
+# Shared with the other APIs' parsers (responses_schema.py, messages_schema.py).
+check_fields = _check_fields
+model_field = _model
+response_format = _response_format
+sampling_fields = _sampling
+kind = _kind

@@ -139,6 +139,11 @@ async def prepare(
     return Prepared(request_id, generation, requests, clamp, echoes)
 
 
+async def count_prompt_tokens(serving: Serving, prompt: ChatPrompt | TextPrompts) -> int:
+    """The prompt's tokens as a generation would send them (count_tokens)."""
+    return sum(len(ids) for _, ids in await _prompt_ids(serving, prompt))
+
+
 def _clamp(scheduler: Scheduler, generation: Generation, room: int, grammar: Grammar | None) -> ClampResult:
     clamp = scheduler.policy.clamp(generation.sampling, max_tokens_limit=room)
     bias = generation.tokens.logit_bias
