@@ -120,7 +120,7 @@ def _submit(scheduler: Scheduler, prepared: Prepared) -> list[RequestStream]:
     try:
         for generation in prepared.requests:
             streams.append(_submit_one(scheduler, generation, prepared.generation.prompt.param))
-    except ApiError:
+    except BaseException:
         for admitted in prepared.requests[: len(streams)]:
             scheduler.cancel(admitted.request_id)
         raise
@@ -254,7 +254,7 @@ async def _stream(
     await _write(response, renderer.start(prepared.flare()))
     finished: list[Finished] = []
     while True:
-        prompt, event = await events.next()
+        _, event = await events.next()
         if isinstance(event, TextDelta):
             generated.token()
             text, deltas = reading.readers[event.index].push(event.text)

@@ -25,14 +25,14 @@ from aiohttp import web
 from flare.daemon.errors import anthropic_error_body
 from flare.daemon.prepare import Prepared
 from flare.daemon.rendering import ChoiceText, TextPiece
+from flare.daemon.sse import sse_event
 from flare.scheduler.request import RequestFailure, Usage
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
 def _sse(event_type: str, payload: dict[str, Any]) -> bytes:
-    data = json.dumps({"type": event_type, **payload}, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {event_type}\ndata: {data}\n\n".encode("utf-8")
+    return sse_event(event_type, {"type": event_type, **payload})
 
 
 def _usage(usage: Usage) -> dict[str, Any]:

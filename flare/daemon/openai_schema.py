@@ -550,7 +550,7 @@ def _sampling(body: Mapping[str, Any], renamed: Mapping[str, str] | None = None)
         return validate_request_sampling(body)
     except InvalidParameter as error:
         param = (renamed or {}).get(error.param, error.param)
-        raise bad_request(error.message.replace(error.param, param), param=param) from None
+        raise bad_request(error.message.replace(error.param, param, 1), param=param) from None
 
 
 def _kind(value: Any) -> str:

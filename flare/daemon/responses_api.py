@@ -18,7 +18,6 @@ There is no `data: [DONE]`. The `flare` object rides on the response object.
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +28,7 @@ from flare.daemon.errors import failure_body
 from flare.daemon.generation import Generation
 from flare.daemon.prepare import Prepared
 from flare.daemon.rendering import ChoiceText, TextPiece
+from flare.daemon.sse import sse_event
 from flare.scheduler.request import RequestFailure, Usage
 
 
@@ -149,8 +149,7 @@ class ResponsesRenderer:
     def _event(self, event_type: str, **fields: Any) -> bytes:
         payload = {"type": event_type, "sequence_number": self._sequence, **fields}
         self._sequence += 1
-        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-        return f"event: {event_type}\ndata: {data}\n\n".encode("utf-8")
+        return sse_event(event_type, payload)
 
     def start(self, flare: dict[str, Any]) -> list[bytes]:
         self._flare = flare
