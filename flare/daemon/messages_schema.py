@@ -7,8 +7,8 @@ as Anthropic requires it), `temperature`, `top_p`, `top_k`, `stop_sequences`, `t
 tools: name, description, input_schema) with `tool_choice` (auto, any, tool, none;
 `disable_parallel_tool_use`), and `stream`. The conversation becomes chat messages and the tools
 the chat path's, so both go through the same checks, template and grammar as on chat.
-`metadata` and `service_tier` are accepted and ignored, `cache_control` on blocks and tools
-too (the prefix cache is automatic); anything else is refused by name: images and documents
+`metadata` and `service_tier` are accepted and ignored, `cache_control` (top-level, on blocks and
+on tools) too (the prefix cache is automatic); anything else is refused by name: images and documents
 (a text-only model), `thinking`, server tools, MCP servers.
 """
 
@@ -26,6 +26,7 @@ from flare.daemon.tool_calls import parse_tools, tool_grammar
 _COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice"})
 _FIELDS = _COUNT_FIELDS | {
     "max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "stream", "metadata", "service_tier",
+    "cache_control",
 }
 
 

@@ -32,6 +32,8 @@ def daemon(default_package: Path) -> Iterator[DaemonProcess]:
     assert process.stop() == 0, process.log()
 
 
+# The current anthropic SDK has no temperature argument (its models fix it); the API still takes
+# one, so the tests send it as an extra body field for greedy answers.
 @pytest.fixture
 def claude(daemon: DaemonProcess) -> anthropic.AsyncAnthropic:
     return anthropic.AsyncAnthropic(base_url=daemon.base_url, api_key="unused", max_retries=0)
@@ -52,7 +54,6 @@ async def test_responses_stream_sends_the_events_in_order_and_deltas_make_the_te
     stream = await client.responses.create(
         model=MODEL,
         input=[{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}],
-        instructions="Answer briefly.",
         temperature=0,
         max_output_tokens=24,
         stream=True,
@@ -138,7 +139,7 @@ async def test_responses_refuses_stored_state_by_name(client: openai.AsyncOpenAI
 
 async def test_messages_create_answers_paris(claude: anthropic.AsyncAnthropic) -> None:
     message = await claude.messages.create(
-        model=MODEL, max_tokens=24, temperature=0, system="Answer briefly.",
+        model=MODEL, max_tokens=24, extra_body={"temperature": 0},
         messages=[{"role": "user", "content": QUESTION}],
     )
     assert message.stop_reason in ("end_turn", "max_tokens")
@@ -148,7 +149,7 @@ async def test_messages_create_answers_paris(claude: anthropic.AsyncAnthropic) -
 
 async def test_messages_stream_events_concatenate_to_the_final_text(claude: anthropic.AsyncAnthropic) -> None:
     async with claude.messages.stream(
-        model=MODEL, max_tokens=24, temperature=0, messages=[{"role": "user", "content": QUESTION}]
+        model=MODEL, max_tokens=24, extra_body={"temperature": 0}, messages=[{"role": "user", "content": QUESTION}]
     ) as stream:
         types = []
         texts = []
@@ -166,14 +167,14 @@ async def test_messages_tool_use_then_tool_result(claude: anthropic.AsyncAnthrop
     tool = {"name": "get_weather", "description": "Get the weather.", "input_schema": WEATHER_PARAMETERS}
     asked = [{"role": "user", "content": ASK_WEATHER}]
     message = await claude.messages.create(
-        model=MODEL, max_tokens=80, temperature=0, messages=asked, tools=[tool],
+        model=MODEL, max_tokens=80, extra_body={"temperature": 0}, messages=asked, tools=[tool],
         tool_choice={"type": "tool", "name": "get_weather"},
     )
     assert message.stop_reason == "tool_use"
     use = next(block for block in message.content if block.type == "tool_use")
     assert use.name == "get_weather" and use.input["unit"] in ("celsius", "fahrenheit")
     async with claude.messages.stream(
-        model=MODEL, max_tokens=30, temperature=0, tools=[tool],
+        model=MODEL, max_tokens=30, extra_body={"temperature": 0}, tools=[tool],
         messages=[
             *asked,
             {"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}]},
@@ -188,7 +189,7 @@ async def test_messages_tool_use_then_tool_result(claude: anthropic.AsyncAnthrop
 async def test_messages_stream_sends_input_json_deltas_for_a_tool(claude: anthropic.AsyncAnthropic) -> None:
     tool = {"name": "get_weather", "input_schema": WEATHER_PARAMETERS}
     async with claude.messages.stream(
-        model=MODEL, max_tokens=80, temperature=0, tools=[tool], tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        model=MODEL, max_tokens=80, extra_body={"temperature": 0}, tools=[tool], tool_choice={"type": "any", "disable_parallel_tool_use": True},
         messages=[{"role": "user", "content": ASK_WEATHER}],
     ) as stream:
         final = await stream.get_final_message()
