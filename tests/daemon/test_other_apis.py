@@ -349,3 +349,27 @@ async def test_a_refused_second_prompt_cancels_the_first(client: TestClient, sch
     response = await client.post("/v1/completions", json={**COMPLETION, "prompt": ["a", "b"]})
     assert response.status == 429
     assert [request_id for request_id, _ in scheduler.cancelled] == [scheduler.submitted[0].request_id]
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/responses", RESPONSE), ("/v1/messages", MESSAGE)])
+async def test_disconnect_mid_stream_cancels_on_the_new_apis(
+    client: TestClient, scheduler: FakeScheduler, path: str, body: dict[str, Any]
+) -> None:
+    scheduler.hold = True
+    response = await client.post(path, json={**body, "stream": True})
+    assert (await response.content.readline()).startswith(b"event: ")
+    response.close()
+    for _ in range(200):
+        if scheduler.cancelled:
+            break
+        await asyncio.sleep(0.01)
+    assert scheduler.cancelled == [(scheduler.submitted[0].request_id, None)]
+
+
+async def test_a_prompt_too_long_is_refused_alike_on_every_api(make_client: MakeClient) -> None:
+    client = await make_client(FakeScheduler(max_context=64))
+    long = "x" * 100
+    refused = await client.post("/v1/responses", json={**RESPONSE, "input": long})
+    assert refused.status == 400 and assert_openai_error(await refused.json(), "input")["code"] == "context_length_exceeded"
+    refused = await client.post("/v1/messages", json={**MESSAGE, "messages": [{"role": "user", "content": long}]})
+    assert refused.status == 400 and "context" in assert_anthropic_error(await refused.json(), "invalid_request_error")
