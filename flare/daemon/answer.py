@@ -27,7 +27,7 @@ from flare.daemon.rendering import ChoiceText, RenderedToken, Renderer, TextPiec
 from flare.daemon.prepare import Echo, Prepared
 from flare.daemon.sse import SSE_HEADERS
 from flare.daemon.state import ServingState
-from flare.daemon.tool_calls import ToolCall, ToolCallReader
+from flare.daemon.tool_calls import ToolCallReader
 from flare.scheduler.errors import Draining, PromptTooLong, QueueFull, TooManyChoices
 from flare.scheduler.request import (
     Failed,

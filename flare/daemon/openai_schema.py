@@ -21,7 +21,7 @@ from typing import Any
 
 from flare.daemon.errors import ApiError, bad_request
 from flare.daemon.generation import ChatPrompt, Generation, TextOrTokens, TextPrompts, TokenOptions
-from flare.daemon.tool_calls import ToolRequest, parse_tools, tool_grammar
+from flare.daemon.tool_calls import parse_tools, tool_grammar
 from flare.sampling.validation import SAMPLING_FIELDS, InvalidParameter, validate_request_sampling
 from flare.structured.compiler import MAX_CHOICES as MAX_GRAMMAR_CHOICES
 from flare.structured.spec import GrammarSpec

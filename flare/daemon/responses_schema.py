@@ -37,7 +37,7 @@ _ROLES = ("user", "system", "developer", "assistant")
 
 def parse_response_request(body: Mapping[str, Any]) -> Generation:
     check_fields(body, _FIELDS)
-    _no_server_state(body)
+    _refuse_unsupported(body)
     model = model_field(body)
     messages = _conversation(body)
     stream = body.get("stream")
@@ -63,7 +63,7 @@ def parse_response_request(body: Mapping[str, Any]) -> Generation:
     return Generation(model, ChatPrompt(tuple(messages), tools, "input"), sampling, bool(stream), constraint=constraint)
 
 
-def _no_server_state(body: Mapping[str, Any]) -> None:
+def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     if body.get("store") not in (None, False):
         raise bad_request(
             "store: true is not supported: this server keeps no responses; send store: false (or leave it out) "
