@@ -285,8 +285,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    generation = parse_response_request(parse_json_body(await _read_body(request)))
-    return await _generate(request, generation, "resp", lambda prepared: ResponsesRenderer(prepared, int(time.time())))
+    body = parse_json_body(await _read_body(request))
+    generation = parse_response_request(body)
+    created, instructions = int(time.time()), body.get("instructions")  # a string, or None: parsed
+    return await _generate(request, generation, "resp", lambda prepared: ResponsesRenderer(prepared, created, instructions))
 
 
 async def messages(request: web.Request) -> web.StreamResponse:

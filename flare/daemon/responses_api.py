@@ -85,8 +85,9 @@ class _OpenItem:
 class ResponsesRenderer:
     """The Responses API's answer (answer.py's `Renderer`)."""
 
-    def __init__(self, prepared: Prepared, created: int) -> None:
+    def __init__(self, prepared: Prepared, created: int, instructions: str | None = None) -> None:
         self._prepared = prepared
+        self._instructions = instructions
         self._generation: Generation = prepared.generation
         self._created = created
         self._sequence = 0
@@ -112,7 +113,7 @@ class ResponsesRenderer:
             "status": status,
             "error": None,
             "incomplete_details": incomplete,
-            "instructions": None,
+            "instructions": self._instructions,
             "max_output_tokens": sampling.max_tokens,
             "model": generation.model,
             "output": output,

@@ -90,6 +90,7 @@ async def test_responses_body_has_the_answer_usage_and_flare(client: TestClient,
     assert response.status == 200
     body = await response.json()
     assert body["object"] == "response" and body["status"] == "completed" and body["incomplete_details"] is None
+    assert body["instructions"] == "Be brief."
     (message,) = body["output"]
     assert message["type"] == "message" and message["role"] == "assistant"
     assert message["content"] == [{"type": "output_text", "text": "Hello world", "annotations": [], "logprobs": []}]

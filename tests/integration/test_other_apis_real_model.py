@@ -91,6 +91,21 @@ async def test_responses_text_format_json_schema_is_held(client: openai.AsyncOpe
     assert set(json.loads(response.output_text)) == {"capital"}
 
 
+async def test_responses_stream_and_parse_helpers_of_the_sdk_work(client: openai.AsyncOpenAI) -> None:
+    from pydantic import BaseModel, Field
+
+    class Capital(BaseModel):
+        capital: str = Field(max_length=20)
+
+    async with client.responses.stream(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=24) as stream:
+        final = await stream.get_final_response()
+    assert "Paris" in final.output_text
+    parsed = await client.responses.parse(
+        model=MODEL, input=QUESTION, text_format=Capital, temperature=0, max_output_tokens=40
+    )
+    assert isinstance(parsed.output_parsed, Capital)
+
+
 async def test_responses_tool_call_then_its_output_is_answered(client: openai.AsyncOpenAI) -> None:
     tool = {"type": "function", "name": "get_weather", "description": "Get the weather.", "parameters": WEATHER_PARAMETERS}
     response = await client.responses.create(
