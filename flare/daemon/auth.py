@@ -1,4 +1,4 @@
-"""API keys: `Authorization: Bearer <key>`, compared in constant time."""
+"""API keys: `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`), compared in constant time."""
 
 from __future__ import annotations
 
@@ -24,6 +24,12 @@ class ApiKeys:
             return False
         scheme, _, token = authorization.strip().partition(" ")
         if scheme.lower() != "bearer":
+            return False
+        return self.accepts_key(token)
+
+    def accepts_key(self, token: str | None) -> bool:
+        """True when `token` (an x-api-key header, or a Bearer token) is one of the keys."""
+        if token is None:
             return False
         # Header text may hold undecodable bytes as surrogates; they can never match a key.
         presented = token.strip().encode("utf-8", "surrogateescape") if token.strip().isprintable() else b""

@@ -1,7 +1,9 @@
-"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`, and on
+Anthropic's Messages API in Anthropic's: `{"type": "error", "error": {"type", "message"}}`.
 
-Every answer that is not a success carries this body, so the OpenAI SDK raises its usual
-exception classes (BadRequestError, NotFoundError, RateLimitError, ...) with our message.
+Every answer that is not a success carries one of these bodies, so the OpenAI and Anthropic
+SDKs raise their usual exception classes (BadRequestError, NotFoundError, RateLimitError, ...)
+with our message.
 """
 
 from __future__ import annotations
@@ -43,11 +45,13 @@ class ApiError(Exception):
         # before it was read) must not be taken for the next request.
         self.close = close
 
-    def body(self) -> dict[str, Any]:
+    def body(self, *, anthropic: bool = False) -> dict[str, Any]:
+        if anthropic:
+            return anthropic_error_body(self.status, self.message)
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
 
-    def response(self) -> web.Response:
-        response = web.json_response(self.body(), status=self.status, headers=self.headers)
+    def response(self, *, anthropic: bool = False) -> web.Response:
+        response = web.json_response(self.body(anthropic=anthropic), status=self.status, headers=self.headers)
         if self.close:
             response.force_close()
         return response
@@ -55,6 +59,25 @@ class ApiError(Exception):
 
 def error_body(message: str, *, type: str, param: str | None, code: str | None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# Anthropic's error types by HTTP status.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def bad_request(message: str, *, param: str | None, code: str | None = None) -> ApiError:

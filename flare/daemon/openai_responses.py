@@ -1,6 +1,7 @@
 """The bodies and stream chunks of OpenAI's chat completions and (legacy) completions APIs.
 
-One class per endpoint, with the same methods, so that one handler serves both. Streams follow
+One shape class per endpoint, with the same methods, and one renderer (`OpenAIRenderer`) that
+writes either through the request path's steps (answer.py). Streams follow
 OpenAI exactly: chat sends a role chunk first, then content deltas, then a chunk with
 `finish_reason` and an empty delta; with `stream_options.include_usage` every chunk carries
 `"usage": null` and a last chunk with empty `choices` carries the usage. With n choices every
@@ -18,81 +19,16 @@ does: "bytes:\\xe2\\x80" with its bytes in `bytes`.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from flare.sampling.params import SamplingParams
-from flare.sampling.policy import ClampResult
-from flare.scheduler.request import TokenLogprob, Usage
+from aiohttp import web
 
-ZERO_PROBABILITY_LOGPROB = -9999.0
-
-
-def flare_object(clamp: ClampResult) -> dict[str, Any]:
-    """What was applied: the effective sampling parameters and every requested value changed."""
-    sampling = dataclasses.asdict(clamp.params)
-    sampling["stop"] = list(clamp.params.stop)
-    sampling["logit_bias"] = {str(token): bias for token, bias in clamp.params.logit_bias}
-    return {"sampling": sampling, "adjusted": [adjustment.to_json() for adjustment in clamp.adjusted]}
-
-
-def logprobs_object(params: SamplingParams, *, raw: bool) -> dict[str, Any]:
-    """Which distribution the logprobs come from, after the package policy: its temperature (1
-    for greedy answers, whose argmax is taken at 1) and whether filters truncate it."""
-    if raw:
-        return {"mode": "raw", "temperature": 1.0, "filtered": False}
-    return {
-        "mode": "processed",
-        "temperature": 1.0 if params.greedy else params.temperature,
-        "filtered": params.filtered and not params.greedy,
-    }
-
-
-@dataclass(frozen=True)
-class RenderedToken:
-    """One token as a log-probability entry shows it; logprob None for a prompt's first token."""
-
-    text: str
-    bytes: list[int]
-    logprob: float | None
-    top: tuple[tuple[str, list[int], float], ...] | None
-
-
-def token_text(raw: bytes) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-
-
-class TokenRenderer:
-    """Token ids to their text and bytes (cached: a request names the same tokens often)."""
-
-    def __init__(self, token_bytes: Callable[[int], bytes]) -> None:
-        self._token_bytes = token_bytes
-        self._cache: dict[int, tuple[str, list[int]]] = {}
-
-    def _text(self, token_id: int) -> tuple[str, list[int]]:
-        known = self._cache.get(token_id)
-        if known is None:
-            raw = self._token_bytes(token_id)
-            known = self._cache[token_id] = (token_text(raw), list(raw))
-        return known
-
-    def render(self, entry: TokenLogprob) -> RenderedToken:
-        text, raw = self._text(entry.token_id)
-        top = tuple((*self._text(t), _finite(v)) for t, v in entry.top)
-        return RenderedToken(text, raw, _finite(entry.logprob), top)
-
-    def unscored(self, token_id: int) -> RenderedToken:
-        text, raw = self._text(token_id)
-        return RenderedToken(text, raw, None, None)
-
-
-def _finite(logprob: float) -> float:
-    return logprob if logprob > ZERO_PROBABILITY_LOGPROB else ZERO_PROBABILITY_LOGPROB
+from flare.daemon.errors import failure_body
+from flare.daemon.rendering import ChoiceText, RenderedToken, TextPiece
+from flare.daemon.sse import DONE, sse_data
+from flare.scheduler.request import RequestFailure, Usage
 
 
 def chat_logprobs(tokens: list[RenderedToken]) -> dict[str, Any]:
@@ -131,16 +67,6 @@ def usage_json(usage: Usage) -> dict[str, Any]:
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
-
-
-@dataclass(frozen=True)
-class ChoiceText:
-    """One choice of a non-streaming answer; `logprobs` when the request asked for them."""
-
-    text: str
-    finish_reason: str
-    logprobs: list[RenderedToken] | None = field(default=None)
-    tool_calls: list[dict[str, Any]] | None = field(default=None)  # then text is None in the body
 
 
 def _envelope(shape: ChatCompletionShape | TextCompletionShape, object_name: str, choices: list[Any]) -> dict[str, Any]:
@@ -253,9 +179,76 @@ class TextCompletionShape:
 
 def _message(choice: ChoiceText) -> dict[str, Any]:
     if choice.tool_calls:
-        return {"role": "assistant", "content": choice.text or None, "tool_calls": choice.tool_calls}
+        calls = [call.to_json() for call in choice.tool_calls]
+        return {"role": "assistant", "content": choice.text or None, "tool_calls": calls}
     return {"role": "assistant", "content": choice.text}
 
 
 def _text_choice(text: str, finish_reason: str | None, index: int, logprobs: Any = None) -> dict[str, Any]:
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+class OpenAIRenderer:
+    """Chat completions' or completions' answer (answer.py's `Renderer`), through its shape.
+
+    `echoes` holds each choice's echoed prompt (completions' echo), or None. Without logprobs
+    the echo is the first text of every choice; with them it waits for the prompt's entries,
+    which come with each choice's first piece."""
+
+    def __init__(
+        self, shape: ChatCompletionShape | TextCompletionShape, echoes: Sequence[str | None], logprobs: bool
+    ) -> None:
+        self.shape = shape
+        self._echoes = list(echoes)
+        self._logprobs = logprobs
+        self._offsets = [0] * len(self._echoes)  # characters of each choice written (text_offset)
+
+    def start(self, flare: dict[str, Any]) -> list[bytes]:
+        frames = []
+        for index, echo in enumerate(self._echoes):
+            first = self.shape.first_chunk(index)
+            if index == 0:
+                first["flare"] = flare
+            frames.append(sse_data(first))
+            if echo is not None and not self._logprobs:
+                frames.append(sse_data(self.shape.text_chunk(echo, index)))
+                self._offsets[index] = len(echo)
+        return frames
+
+    def text(self, piece: TextPiece) -> list[bytes]:
+        frames = []
+        index = piece.index
+        echo = self._echoes[index]
+        if piece.prompt_entries is not None and echo is not None:
+            frames.append(sse_data(self.shape.text_chunk(echo, index, piece.prompt_entries, self._offsets[index])))
+            self._offsets[index] += len(echo)
+        if piece.text or piece.entries:
+            frames.append(sse_data(self.shape.text_chunk(piece.text, index, piece.entries, self._offsets[index])))
+            self._offsets[index] += len(piece.text)
+        return frames
+
+    def calls(self, index: int, deltas: list[dict[str, Any]]) -> list[bytes]:
+        if not isinstance(self.shape, ChatCompletionShape):
+            return []
+        return [sse_data(self.shape.tool_calls_chunk(deltas, index))]
+
+    def finish(self, index: int, reason: str, fell_back: bool) -> list[bytes]:
+        final = self.shape.final_chunk(reason, index)
+        if fell_back:
+            final["flare"] = {"fell_back": True}
+        return [sse_data(final)]
+
+    def end(self, usage: Usage) -> list[bytes]:
+        usage_chunk = [sse_data(self.shape.usage_chunk(usage))] if self.shape.include_usage else []
+        return [*usage_chunk, DONE]
+
+    def fail(self, failure: RequestFailure) -> list[bytes]:
+        return [sse_data(failure_body(failure)), DONE]
+
+    def body(self, choices: list[ChoiceText], usage: Usage, flare: dict[str, Any]) -> dict[str, Any]:
+        return {**self.shape.body(choices, usage), "flare": flare}
+
+    def failure_response(self, failure: RequestFailure) -> web.Response:
+        # The OpenAI SDKs retry a 503 by themselves unless told not to.
+        retry = {} if failure.retryable else {"x-should-retry": "false"}
+        return web.json_response(failure_body(failure), status=failure.http_status, headers=retry)

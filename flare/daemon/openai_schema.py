@@ -17,11 +17,11 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from flare.daemon.errors import ApiError, bad_request
-from flare.daemon.tool_calls import ToolRequest, parse_tools, tool_grammar
+from flare.daemon.generation import ChatPrompt, Generation, TextOrTokens, TextPrompts, TokenOptions
+from flare.daemon.tool_calls import parse_tools, tool_grammar
 from flare.sampling.validation import SAMPLING_FIELDS, InvalidParameter, validate_request_sampling
 from flare.structured.compiler import MAX_CHOICES as MAX_GRAMMAR_CHOICES
 from flare.structured.spec import GrammarSpec
@@ -41,46 +41,13 @@ _COMPLETION_FIELDS = _COMMON | {"prompt", "n", "best_of", "logprobs", "logit_bia
 
 # OpenAI's own bound on n; the server's max_concurrency usually bounds it further.
 MAX_CHOICES = 128
+# Completions' prompts in one request; max_concurrency bounds them (times n) further.
+MAX_PROMPTS = 128
 # OpenAI's bounds: top_logprobs 0-20 (chat); logit_bias values -100..100, at most 300 entries.
 # Completions' logprobs is 0-5 at OpenAI; flare allows the chat bound there too.
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
 LOGIT_BIAS_RANGE = 100.0
-
-
-@dataclass(frozen=True)
-class TokenOptions:
-    """What a request asks about tokens besides sampling: log-probabilities, echo, logit_bias."""
-
-    logprobs: int | None = None  # None: none; k: each output token's with k alternatives
-    echo: bool = False  # completions: the prompt is part of the answer (scored with logprobs)
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
-    raw_logprobs: bool = False  # logprobs_mode "raw": the model's distribution, nothing applied
-
-
-@dataclass(frozen=True)
-class ChatCompletionRequest:
-    model: str
-    messages: tuple[Mapping[str, Any], ...]  # {"role", "content"} with content as plain text (+ tool fields)
-    stream: bool
-    include_usage: bool
-    sampling: Mapping[str, Any]  # validated raw sampling fields (validate_request_sampling)
-    n: int = 1  # choices sampled independently from the one prompt
-    tokens: TokenOptions = TokenOptions()
-    constraint: GrammarSpec | None = None  # response_format or structured_outputs
-    tools: ToolRequest | None = None
-
-
-@dataclass(frozen=True)
-class CompletionRequest:
-    model: str
-    prompt: str
-    stream: bool
-    include_usage: bool
-    sampling: Mapping[str, Any]
-    n: int = 1
-    tokens: TokenOptions = TokenOptions()
-    constraint: GrammarSpec | None = None  # structured_outputs
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -161,7 +128,7 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
 
-def parse_chat_completion(body: Mapping[str, Any]) -> ChatCompletionRequest:
+def parse_chat_completion(body: Mapping[str, Any]) -> Generation:
     _check_fields(body, _CHAT_FIELDS)
     model = _model(body)
     _unsupported_chat_features(body)
@@ -183,12 +150,19 @@ def parse_chat_completion(body: Mapping[str, Any]) -> ChatCompletionRequest:
         )
     if tools is not None and tools.calls_possible:
         constraint = tool_grammar(tools)
-    return ChatCompletionRequest(
-        model, messages, stream, include_usage, _sampling(body), _choices(body), tokens, constraint or extension, tools
+    return Generation(
+        model,
+        ChatPrompt(messages, tools),
+        _sampling(body),
+        stream,
+        _choices(body),
+        tokens,
+        constraint or extension,
+        include_usage,
     )
 
 
-def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:
+def parse_completion(body: Mapping[str, Any]) -> Generation:
     _check_fields(body, _COMPLETION_FIELDS)
     model = _model(body)
     n = _choices(body)
@@ -203,9 +177,8 @@ def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:
     tokens = TokenOptions(logprobs=logprobs, echo=bool(echo), logit_bias=_logit_bias(body), raw_logprobs=_raw(body))
     stream, include_usage = _streaming(body)
     constraint = _structured_outputs(body.get("structured_outputs"))
-    return CompletionRequest(
-        model, _prompt(body.get("prompt")), stream, include_usage, _sampling(body), n, tokens, constraint
-    )
+    prompts = TextPrompts(_prompts(body.get("prompt")))
+    return Generation(model, prompts, _sampling(body), stream, n, tokens, constraint, include_usage)
 
 
 def _check_fields(body: Mapping[str, Any], known: frozenset[str]) -> None:
@@ -292,7 +265,7 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
 
 def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
     """logit_bias: {"token id": bias}, ids as decimal strings, biases in [-100, 100], at most 300
-    entries. Ids are checked against the vocabulary once the model is known (http_api)."""
+    entries. Ids are checked against the vocabulary once the model is known (prepare.py)."""
     bias = body.get("logit_bias")
     if bias is None:
         return ()
@@ -316,17 +289,6 @@ def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
             raise bad_request(f"logit_bias names token {int(key)} twice", param="logit_bias")
         pairs[int(key)] = float(value)
     return tuple(sorted(pairs.items()))
-
-
-def check_logit_bias(bias: tuple[tuple[int, float], ...], vocab_size: int) -> None:
-    """400 for a logit_bias token id outside the served model's vocabulary."""
-    outside = [token for token, _ in bias if token >= vocab_size]
-    if outside:
-        raise bad_request(
-            f"logit_bias names token {outside[0]}, outside this model's vocabulary of {vocab_size} tokens "
-            f"(ids 0 to {vocab_size - 1})",
-            param="logit_bias",
-        )
 
 
 def _unsupported_chat_features(body: Mapping[str, Any]) -> None:
@@ -520,18 +482,43 @@ def _content(where: str, content: Any) -> str:
     return "".join(texts)
 
 
-def _prompt(prompt: Any) -> str:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        return prompt[0]
+def _prompts(prompt: Any) -> tuple[TextOrTokens, ...]:
+    """OpenAI's completions prompt: a string, a list of strings, a list of token ids, or a list
+    of token-id lists."""
     if isinstance(prompt, str):
-        return prompt
+        return (prompt,)
     if prompt is None:
-        raise bad_request("prompt is required: a string", param="prompt")
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
-        raise bad_request("several prompts per request are not supported; send one string", param="prompt")
-    raise bad_request(
-        f"prompt must be a string (token id lists are not supported), got {_kind(prompt)}", param="prompt"
-    )
+        raise bad_request("prompt is required: a string, a list of strings, or token ids", param="prompt")
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_request(
+            f"prompt must be a string, a non-empty list of strings, a list of token ids or a list of token-id lists, "
+            f"got {'an empty list' if prompt == [] else _kind(prompt)}",
+            param="prompt",
+        )
+    if all(_is_token_id(t) for t in prompt):
+        return (tuple(prompt),)
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        negative = next(t for t in prompt if t < 0)
+        raise bad_request(f"prompt holds token id {negative}; token ids are integers from 0", param="prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise bad_request(f"prompt holds {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed", param="prompt")
+    prompts: list[TextOrTokens] = []
+    for k, item in enumerate(prompt):
+        if isinstance(item, str):
+            prompts.append(item)
+        elif isinstance(item, list) and item and all(_is_token_id(t) for t in item):
+            prompts.append(tuple(item))
+        else:
+            raise bad_request(
+                f"prompt[{k}] must be a string or a non-empty list of token ids (integers from 0), "
+                f"got {_kind(item)}",
+                param="prompt",
+            )
+    return tuple(prompts)
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _streaming(body: Mapping[str, Any]) -> tuple[bool, bool]:
@@ -556,11 +543,14 @@ def _streaming(body: Mapping[str, Any]) -> tuple[bool, bool]:
     return bool(stream), include_usage
 
 
-def _sampling(body: Mapping[str, Any]) -> Mapping[str, Any]:
+def _sampling(body: Mapping[str, Any], renamed: Mapping[str, str] | None = None) -> Mapping[str, Any]:
+    """The sampling fields, checked; `renamed` maps a field to the name another API gives it
+    (the Responses API's max_output_tokens is max_tokens here), for the error to name."""
     try:
         return validate_request_sampling(body)
     except InvalidParameter as error:
-        raise bad_request(error.message, param=error.param) from None
+        param = (renamed or {}).get(error.param, error.param)
+        raise bad_request(error.message.replace(error.param, param, 1), param=param) from None
 
 
 def _kind(value: Any) -> str:
@@ -568,3 +558,11 @@ def _kind(value: Any) -> str:
         return "null"
     names = {bool: "a boolean", str: "a string", int: "a number", float: "a number", list: "a list", dict: "an object"}
     return next((name for kind, name in names.items() if isinstance(value, kind)), type(value).__name__)
+
+
+# Shared with the other APIs' parsers (responses_schema.py, messages_schema.py).
+check_fields = _check_fields
+model_field = _model
+response_format = _response_format
+sampling_fields = _sampling
+kind = _kind

@@ -1,5 +1,6 @@
-"""Server-sent events as OpenAI streams them: `data: <json>` lines, each event ended by a blank line,
-the stream ended by `data: [DONE]`."""
+"""Server-sent events: as OpenAI's chat and completions stream them (`data: <json>` lines, each
+event ended by a blank line, the stream ended by `data: [DONE]`), and named events (`event: <type>`
+before the data) as the Responses and Messages APIs stream them."""
 
 from __future__ import annotations
 
@@ -18,3 +19,8 @@ DONE = b"data: [DONE]\n\n"
 def sse_data(payload: Any) -> bytes:
     """One event. JSON escapes newlines inside strings, so the payload stays on one line."""
     return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+
+
+def sse_event(name: str, payload: Any) -> bytes:
+    """One named event."""
+    return f"event: {name}\n".encode("utf-8") + sse_data(payload)

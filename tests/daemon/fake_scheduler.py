@@ -90,6 +90,7 @@ class FakeScheduler:
     def __init__(self, *, max_context: int = 2048, reply: Sequence[str] = ("Hel", "lo", " wor", "ld")) -> None:
         self.tokenizer = FakeTokenizer()
         self.vocab_size = 50_000
+        self.max_concurrency = 16
         self.grammars = None  # structured output needs the real compiler (tests/integration)
         self.policy = POLICY
         self.max_context = max_context

@@ -461,8 +461,15 @@ async def test_bad_chat_requests_get_4xx_with_openai_error_and_never_reach_the_s
 
 BAD_COMPLETION_BODIES = [
     ("no prompt", {"model": MODEL}, "prompt"),
-    ("several prompts", {**COMPLETION, "prompt": ["a", "b"]}, "prompt"),
-    ("token ids", {**COMPLETION, "prompt": [1, 2, 3]}, "prompt"),
+    ("an empty prompt list", {**COMPLETION, "prompt": []}, "prompt"),
+    ("a negative token id", {**COMPLETION, "prompt": [1, -2, 3]}, "prompt"),
+    ("a token id outside the vocabulary", {**COMPLETION, "prompt": [1, 50_000]}, "prompt"),
+    ("a token id list among prompts outside the vocabulary", {**COMPLETION, "prompt": ["a", [1, 99_999]]}, "prompt"),
+    ("a prompt neither text nor ids", {**COMPLETION, "prompt": ["a", {"text": "b"}]}, "prompt"),
+    ("an empty token-id list among prompts", {**COMPLETION, "prompt": ["a", []]}, "prompt"),
+    ("a token id a boolean", {**COMPLETION, "prompt": [True, 2]}, "prompt"),
+    ("more sequences than max_concurrency", {**COMPLETION, "prompt": ["a"] * 9, "n": 2}, "prompt"),
+    ("an empty prompt among several", {**COMPLETION, "prompt": ["a", ""]}, "prompt"),
     ("empty prompt", {**COMPLETION, "prompt": ""}, "prompt"),
     ("echo not a bool", {**COMPLETION, "echo": 1}, "echo"),
     ("logprobs past 20", {**COMPLETION, "logprobs": 21}, "logprobs"),
