@@ -65,7 +65,9 @@ def test_forced_tokens_and_a_refused_draft(compiler: GrammarCompiler) -> None:
 def test_the_cache_returns_one_grammar_per_schema_and_keeps_property_order(compiler: GrammarCompiler) -> None:
     schema = {"type": "object", "properties": {"b": {"type": "boolean"}, "a": {"type": "boolean"}}, "required": ["b", "a"]}
     first = compiler.compile(GrammarSpec.json_schema(schema, "p"))
-    assert compiler.compile(GrammarSpec.json_schema(dict(schema), "other field")) is first
+    again = compiler.compile(GrammarSpec.json_schema(dict(schema), "other field"))
+    # One prototype, and errors name the field of the request that asked.
+    assert again.prototype is first.prototype and again.spec.param == "other field"
     state = GrammarState(first)
     assert state.accept(first.tokenizer.tokenize_str('{"'))
     assert first.tokenizer.decode_str(state.forced_tokens()).startswith('b"')
