@@ -254,6 +254,8 @@ class Scheduler:
         self._prompt_tokens: Counter[str] = Counter()  # "cached" and "computed", since start
         self._copies: list[tuple[int, int]] = []  # the copy-on-writes of the round being planned
         self.grammars = grammars
+        if grammars is not None and metrics is not None:
+            metrics.watch_grammar_cache(grammars.use)
 
     # ----------------------------------------------------------------- construction
 
