@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flare.daemon.errors import ApiError, bad_request
-from flare.daemon.tool_calls import ToolRequest, parse_tools, tool_grammar
+from flare.daemon.tool_calls import ToolRequest, check_tool_results, parse_tools, tool_grammar
 from flare.sampling.validation import SAMPLING_FIELDS, InvalidParameter, validate_request_sampling
 from flare.structured.compiler import MAX_CHOICES as MAX_GRAMMAR_CHOICES
 from flare.structured.spec import GrammarSpec
@@ -445,7 +445,9 @@ def _messages(messages: Any) -> tuple[Mapping[str, Any], ...]:
         )
     if not messages:
         raise bad_request("messages must hold at least one message", param="messages")
-    return tuple(_message(i, message) for i, message in enumerate(messages))
+    parsed = tuple(_message(i, message) for i, message in enumerate(messages))
+    check_tool_results(parsed)
+    return parsed
 
 
 def _message(index: int, message: Any) -> Mapping[str, Any]:
