@@ -52,6 +52,7 @@ from flare.daemon.openai_responses import (
 from flare.daemon.openai_schema import (
     TokenOptions,
     check_logit_bias,
+    closed_objects_adjustment,
     check_model,
     parse_chat_completion,
     parse_completion,
@@ -534,6 +535,8 @@ async def _generate(
         clamp = dataclasses.replace(
             clamp, params=dataclasses.replace(clamp.params, stop=()), adjusted=(*clamp.adjusted, dropped)
         )
+    if grammar is not None and grammar.spec.closed_objects:
+        clamp = dataclasses.replace(clamp, adjusted=(*clamp.adjusted, closed_objects_adjustment(grammar.spec)))
     scores_prompt = echo is not None and token_options.logprobs is not None
     generation = GenerationRequest(
         request_id=shape.id,

@@ -59,7 +59,7 @@ def schema_depth(schema: Any) -> int:
     reference (one already on the path) ends the path: that is a recursive type, which
     llguidance expands lazily, not a chain. Memoized per referenced location, so shared
     definitions cost once; iterative, so a hostile schema cannot overflow this walk either."""
-    return _depth(schema, schema, 0, {}, set())
+    return _depth(schema, schema, 0, {}, {"#"})  # the root is on every path
 
 
 def _depth(root: Any, node: Any, base: int, memo: dict[str, int], on_path: set[str]) -> int:
