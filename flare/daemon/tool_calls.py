@@ -11,7 +11,9 @@ whose chat template does not know tools (the default model's):
 - the answer's grammar: with tool_choice "auto", either text that does not start with "<", or
   one or more calls; "required" forces calls, a named function forces one call of it;
   parallel_tool_calls false allows one call. Each call's arguments are held to the function's
-  parameters schema by the grammar (llguidance's %json), so they always validate.
+  parameters schema by the grammar (llguidance's %json), so they always validate; its local
+  references resolve within it, and `strict: true` closes its open objects as for
+  response_format (structured/strict.py).
 
 A package whose template knows tools (it names `tools`, as Qwen's and Hermes' do) gets the
 functions and the conversation through its template instead, in Hugging Face's convention
@@ -32,6 +34,7 @@ from flare.daemon.errors import bad_request
 from flare.structured.bounds import BoundError, check_schema
 from flare.structured.compiler import JSON_OPTIONS
 from flare.structured.spec import GrammarSpec
+from flare.structured.strict import StrictError, close_objects
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -44,6 +47,7 @@ class Tool:
     name: str
     description: str
     parameters: Mapping[str, Any]
+    closed_objects: tuple[str, ...] = ()  # what `strict: true` closed (structured/strict.py)
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,13 @@ def _tool(index: int, value: Any) -> Tool:
         check_schema(parameters)
     except BoundError as error:
         raise bad_request(f"{where}.function.parameters {error}", param=f"{where}.function.parameters") from None
-    return Tool(name, description, parameters)
+    closed: tuple[str, ...] = ()
+    if strict:
+        try:
+            parameters, closed = close_objects(parameters)
+        except StrictError as error:
+            raise bad_request(f"{where}.function.parameters: {error}", param=f"{where}.function.parameters") from None
+    return Tool(name, description, parameters, tuple(f"{name}:{pointer}" for pointer in closed))
 
 
 def check_tool_results(messages: Sequence[Mapping[str, Any]]) -> None:
@@ -284,7 +294,7 @@ def tool_grammar(tools: ToolRequest) -> GrammarSpec | None:
         f"calls: {calls}\n"
         f'call: "{CALL_OPEN}" %json {json.dumps(call_schema)} "{CALL_CLOSE}"\n'
     )
-    return GrammarSpec("lark", lark, "tools")
+    return GrammarSpec("lark", lark, "tools", tuple(p for t in allowed for p in t.closed_objects))
 
 
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values, not schemas
