@@ -61,8 +61,13 @@ def grammar_failure(error: str | None, param: str) -> RequestFailure:
     The request's constraint is what cannot be served: 422 naming its field."""
     return RequestFailure(
         code="grammar_error",
-        message=f"{param}: the answer could not follow the constraint ({(error or 'no token allowed').split('<state>')[0].strip()[:300]})",
+        message=f"{param}: the answer could not follow the constraint ({_reason(error)})",
         http_status=422,
         type="invalid_request_error",
         param=param,
     )
+
+
+def _reason(error: str | None) -> str:
+    """llguidance's error without the parser-state dump it appends after "<state>"."""
+    return (error or "no token allowed").split("<state>", 1)[0].strip()[:300]

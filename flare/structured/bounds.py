@@ -87,7 +87,9 @@ def _depth(root: Any, node: Any, base: int, memo: dict[str, int], on_path: set[s
                         on_path.discard(ref)
                         memo[ref] = below
                         deepest = max(deepest, depth + below)
-            stack.extend((child, depth + 1) for key, child in value.items() if key != "$ref" and isinstance(child, (dict, list)))
+            stack.extend(
+                (child, depth + 1) for key, child in value.items() if key != "$ref" and isinstance(child, (dict, list))
+            )
         elif isinstance(value, list):
             stack.extend((child, depth) for child in value if isinstance(child, (dict, list)))
     return deepest

@@ -234,7 +234,9 @@ def _check_first_step(matcher: llguidance.LLMatcher, spec: GrammarSpec) -> None:
         if first.is_error():
             error = first.get_error()
             if "NoExtension" in error:
-                raise GrammarError(spec.param, "nothing can satisfy this constraint: no answer, not even an empty one, matches it")
+                raise GrammarError(
+                    spec.param, "nothing can satisfy this constraint: no answer, not even an empty one, matches it"
+                )
             raise GrammarError(spec.param, _clean(error))
         if first.is_stopped() and not first.is_accepting():
             raise GrammarError(spec.param, "nothing can satisfy this constraint: no answer matches it")

@@ -65,7 +65,9 @@ def _close(schema: Any, pointer: str, closed: list[str]) -> Any:
 
 def _is_object(schema: dict[str, Any]) -> bool:
     kind = schema.get("type")
-    return kind == "object" or (isinstance(kind, list) and "object" in kind) or (kind is None and "properties" in schema)
+    if isinstance(kind, list):
+        return "object" in kind
+    return kind == "object" or (kind is None and "properties" in schema)
 
 
 def _escape(name: str) -> str:
