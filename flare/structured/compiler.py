@@ -52,7 +52,7 @@ CACHE_BYTES = 256 * 1024 * 1024
 """The grammar cache's bound in bytes (each entry's estimate: the resident memory its compile
 added). A grammar larger than the whole bound is served but not kept."""
 
-COMPILE_STACK_BYTES = 256 * 1024 * 1024
+COMPILE_STACK_BYTES = 64 * 1024 * 1024
 """The stack of the thread a compile runs on: virtual memory, touched only as deep as the
 converters recurse (3,000 chained rules, 8 times past flare's bound, compile in 64 MiB)."""
 
