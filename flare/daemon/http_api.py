@@ -52,8 +52,8 @@ from flare.daemon.openai_responses import (
 from flare.daemon.openai_schema import (
     TokenOptions,
     check_logit_bias,
-    closed_objects_adjustment,
     check_model,
+    closed_objects_adjustment,
     parse_chat_completion,
     parse_completion,
     parse_json_body,

@@ -22,8 +22,8 @@ from typing import Any
 
 from flare.daemon.errors import ApiError, bad_request
 from flare.daemon.tool_calls import ToolRequest, check_tool_results, parse_tools, tool_grammar
-from flare.sampling.validation import SAMPLING_FIELDS, InvalidParameter, validate_request_sampling
 from flare.sampling.policy import Adjustment
+from flare.sampling.validation import SAMPLING_FIELDS, InvalidParameter, validate_request_sampling
 from flare.structured.compiler import MAX_CHOICES as MAX_GRAMMAR_CHOICES
 from flare.structured.spec import GrammarSpec
 from flare.structured.strict import StrictError, close_objects
