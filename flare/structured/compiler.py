@@ -93,7 +93,9 @@ class GrammarCompiler:
     The tokenizer (about 0.2 s to build for 49152 tokens) and the executor are made by the first
     compile, so a server that never sees a constraint never pays for them. Safe to call from
     several worker threads: the cache is locked, compilation is not (two threads may compile one
-    new grammar at once; the second result is dropped)."""
+    new grammar at once; the later result replaces the earlier in the cache). An entry's bytes
+    are an estimate: the process's resident growth over its compile, which other threads'
+    allocations at the same moment blur; at least its source's length."""
 
     def __init__(
         self,
