@@ -401,6 +401,22 @@ BAD_CHAT_BODIES = [
         "tools[0].function.parameters",
     ),
     (
+        "tool parameters chained too deep",
+        {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(300)}, "$ref": "#/$defs/d0"
+        }}}]},
+        400,
+        "tools[0].function.parameters",
+    ),
+    (
+        "strict tool parameters open to other keys",
+        {**CHAT, "tools": [{"type": "function", "function": {
+            "name": "f", "strict": True, "parameters": {"type": "object", "additionalProperties": True}
+        }}]},
+        400,
+        "tools[0].function.parameters",
+    ),
+    (
         "tools named twice",
         {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}] * 2},
         400,
