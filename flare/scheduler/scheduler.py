@@ -1028,7 +1028,8 @@ class Scheduler:
             self._statuses[outcome.status.name] += 1
             seq.sampled_rounds += 1
             if outcome.status is not DeviceStatus.OK:
-                failure = device_failure(outcome.status, plan.index)
+                constraint = seq.grammar.grammar.spec.param if seq.grammar is not None else None
+                failure = device_failure(outcome.status, plan.index, constraint)
                 log.warning(
                     "request_device_status",
                     request_id=seq.request_id,

@@ -11,9 +11,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 from running_scheduler import running
 
+from flare.kernels.status import DeviceStatus
 from flare.sampling.params import SamplingParams
 from flare.scheduler.metrics import SchedulerMetrics
-from flare.scheduler.request import Failed, Finished, GenerationRequest, TextDelta
+from flare.scheduler.request import Failed, FaultSpec, Finished, GenerationRequest, TextDelta
 from flare.scheduler.scheduler import Scheduler
 from flare.structured import GrammarSpec
 
@@ -132,3 +133,21 @@ async def test_a_grammar_that_fails_mid_answer_ends_its_row_with_a_grammar_error
     assert isinstance(ended, Failed), ended
     assert ended.failure.code == "grammar_error" and ended.failure.param == "structured_outputs.grammar"
     assert ended.failure.http_status == 422 and "<state>" not in ended.failure.message
+
+
+async def test_an_empty_distribution_under_a_grammar_names_the_constraint(tiny_package):
+    spec = GrammarSpec.json_schema(SCHEMA, "response_format.json_schema.schema")
+    async with running(tiny_package, fault_injection=True, draft_tokens=0) as scheduler:
+        assert scheduler.grammars is not None
+        grammar = scheduler.grammars.compile(spec)
+        prompt = tuple(scheduler.tokenizer.encode("Tell me about the user in JSON."))
+        request = GenerationRequest(
+            "r", prompt, SamplingParams(temperature=1.0, seed=1, max_tokens=20),
+            fault=FaultSpec(DeviceStatus.EMPTY_DISTRIBUTION), grammar=grammar,
+        )
+        events = [event async for event in scheduler.submit(request)]
+    ended = events[-1]
+    assert isinstance(ended, Failed), ended
+    assert ended.failure.code == "EMPTY_DISTRIBUTION" and ended.failure.http_status == 422
+    assert ended.failure.param == "response_format.json_schema.schema"
+    assert "response_format.json_schema.schema allowed no token" in ended.failure.message
