@@ -13,7 +13,8 @@ Endpoints (JSON in and out; errors in the API's `{"error": {...}}` shape):
     POST /requests/{id}/cancel      {"cancelled": id}      404 when no such request
     POST /drain                     {"draining": true}
     POST /resume                    {"draining": false}       409 once the daemon is stopping
-    POST /cache/clear               {"dropped_blocks": N}  unreferenced prefix-cache blocks dropped
+    POST /cache/clear               {"dropped_blocks": N, "dropped_grammars": G, "dropped_grammar_bytes": B}
+                                    unreferenced prefix-cache blocks and every cached grammar dropped
     GET  /config                    the effective config, API keys redacted
     PUT  /log-level  {"level": L}   {"log_level": L}       400 for an unknown level
 """
@@ -44,6 +45,7 @@ from flare.daemon.errors import INVALID_REQUEST, SERVER_ERROR, ApiError, error_b
 from flare.daemon.logging import LogControl
 from flare.daemon.openai_schema import parse_json_body
 from flare.scheduler.failures import cancelled_failure
+from flare.structured import CacheUse
 
 if TYPE_CHECKING:
     from flare.daemon.config import DaemonConfig
@@ -80,6 +82,8 @@ class DaemonStatus:
     kv_blocks_evictable: int = 0  # cached, used by no request: given up when requests need blocks
     prompt_tokens_cached: int = 0  # since start: served from the prefix cache
     prompt_tokens_computed: int = 0  # since start: prefilled
+    grammar_cache_entries: int = 0  # compiled grammars kept for reuse
+    grammar_cache_bytes: int = 0  # their estimated bytes
 
     def summary(self) -> str:
         """One line: `systemctl status` shows it under the unit."""
@@ -122,6 +126,10 @@ class ControlTarget(Protocol):
         """Drop every prefix-cache block no request uses; returns how many."""
         ...
 
+    def clear_grammar_cache(self) -> CacheUse:
+        """Drop every cached grammar (running requests keep theirs); returns what was dropped."""
+        ...
+
     def effective_config(self) -> Mapping[str, Any]: ...
 
     def set_log_level(self, level: str) -> None:
@@ -149,7 +157,9 @@ class DaemonControl:
         self._version = _flare_version()
 
     def status(self) -> DaemonStatus:
-        snapshot = self._state.require_scheduler().snapshot()
+        scheduler = self._state.require_scheduler()
+        snapshot = scheduler.snapshot()
+        grammars = scheduler.grammars.use() if scheduler.grammars is not None else CacheUse(0, 0)
         return DaemonStatus(
             package=self._state.model_name or "",
             uptime_s=round(time.monotonic() - self._started_at, 3),
@@ -171,6 +181,8 @@ class DaemonControl:
             kv_blocks_evictable=snapshot.kv_blocks_evictable,
             prompt_tokens_cached=snapshot.prompt_tokens_cached,
             prompt_tokens_computed=snapshot.prompt_tokens_computed,
+            grammar_cache_entries=grammars.entries,
+            grammar_cache_bytes=grammars.bytes,
         )
 
     def requests(self) -> Sequence[RequestRow]:
@@ -199,6 +211,10 @@ class DaemonControl:
 
     def clear_prefix_cache(self) -> int:
         return self._state.require_scheduler().clear_prefix_cache()
+
+    def clear_grammar_cache(self) -> CacheUse:
+        grammars = self._state.require_scheduler().grammars
+        return grammars.clear() if grammars is not None else CacheUse(0, 0)
 
     def effective_config(self) -> Mapping[str, Any]:
         return dataclasses.asdict(self._config())
@@ -395,7 +411,14 @@ def control_app(target: ControlTarget) -> web.Application:
         return web.json_response({"draining": False})
 
     async def clear_cache(_request: web.Request) -> web.Response:
-        return web.json_response({"dropped_blocks": target.clear_prefix_cache()})
+        grammars = target.clear_grammar_cache()
+        return web.json_response(
+            {
+                "dropped_blocks": target.clear_prefix_cache(),
+                "dropped_grammars": grammars.entries,
+                "dropped_grammar_bytes": grammars.bytes,
+            }
+        )
 
     async def config(_request: web.Request) -> web.Response:
         return web.json_response(redact_config(target.effective_config()))

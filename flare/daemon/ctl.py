@@ -226,7 +226,10 @@ def render(command: str, answer: Any) -> str:
     if command == "resume":
         return "admitting requests again"
     if command == "cache":
-        return f"dropped {answer['dropped_blocks']} cached KV blocks that no request was using"
+        dropped = f"dropped {answer['dropped_blocks']} cached KV blocks that no request was using"
+        if "dropped_grammars" not in answer:  # a daemon older than its `flare ctl`
+            return dropped
+        return f"{dropped}, and {answer['dropped_grammars']} cached grammars ({_megabytes(answer['dropped_grammar_bytes'])})"
     if command == "log-level":
         return f"log level is now {answer['log_level']}"
     raise ValueError(f"no rendering for {command!r}")
@@ -243,6 +246,7 @@ def _render_status(status: Mapping[str, Any]) -> str:
         ("kv blocks", f"{status['kv_blocks_used']} / {status['kv_blocks_total']} in use, {status['kv_cache_dtype']}"),
         ("weights", f"{status['weights_dtype']} stored, {status['weight_format']} GEMMs"),
         ("prefix cache", _render_prefix_cache(status)),
+        ("grammar cache", _render_grammar_cache(status)),
         ("tokens/s", f"{status['generated_tokens_per_s']:.1f}"),
         ("log level", status["log_level"]),
         ("pid", str(status["pid"])),
@@ -264,6 +268,17 @@ def _render_prefix_cache(status: Mapping[str, Any]) -> str:
         f"{status['kv_blocks_cached']} blocks cached, {status['kv_blocks_evictable']} of them evictable; "
         f"prompt tokens {cached} from cache{share}, {computed} computed"
     )
+
+
+def _render_grammar_cache(status: Mapping[str, Any]) -> str:
+    # A daemon older than its `flare ctl` does not report it.
+    if "grammar_cache_entries" not in status:
+        return "-"
+    return f"{status['grammar_cache_entries']} grammars, {_megabytes(status['grammar_cache_bytes'])}"
+
+
+def _megabytes(count: int) -> str:
+    return f"{count / 1e6:.1f} MB"
 
 
 def _render_requests(rows: Sequence[Mapping[str, Any]]) -> str:

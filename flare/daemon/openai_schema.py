@@ -21,10 +21,12 @@ from typing import Any
 
 from flare.daemon.errors import ApiError, bad_request
 from flare.daemon.generation import ChatPrompt, Generation, TextOrTokens, TextPrompts, TokenOptions
-from flare.daemon.tool_calls import parse_tools, tool_grammar
+from flare.daemon.tool_calls import check_tool_results, parse_tools, tool_grammar
+from flare.sampling.policy import Adjustment
 from flare.sampling.validation import SAMPLING_FIELDS, InvalidParameter, validate_request_sampling
 from flare.structured.compiler import MAX_CHOICES as MAX_GRAMMAR_CHOICES
 from flare.structured.spec import GrammarSpec
+from flare.structured.strict import StrictError, close_objects
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -337,8 +339,27 @@ def _response_format(value: Any) -> GrammarSpec | None:
     schema = spec.get("schema")
     if not isinstance(schema, dict):
         raise bad_request(f"{where}.schema must be a JSON schema object, got {_kind(schema)}", param=f"{where}.schema")
-    # strict or not, the answer is held to the schema: a grammar is never "best effort".
-    return GrammarSpec.json_schema(schema, f"{where}.schema")
+    # strict or not, the answer is held to the schema: a grammar is never "best effort"; strict
+    # also closes every object, as OpenAI means it (structured/strict.py).
+    if not strict:
+        return GrammarSpec.json_schema(schema, f"{where}.schema")
+    try:
+        closed_schema, closed = close_objects(schema)
+    except StrictError as error:
+        raise bad_request(f"{where}.schema: {error}", param=f"{where}.schema") from None
+    return GrammarSpec.json_schema(closed_schema, f"{where}.schema", closed)
+
+
+def closed_objects_adjustment(spec: GrammarSpec) -> Adjustment:
+    """The `flare` object's report of what strict closed: additionalProperties, absent as sent,
+    applied as false on the objects listed."""
+    where = ", ".join(spec.closed_objects[:20]) + (" ..." if len(spec.closed_objects) > 20 else "")
+    return Adjustment(
+        f"{spec.param}.additionalProperties",
+        None,  # type: ignore[arg-type]  # absent from the request
+        False,
+        f"strict: {len(spec.closed_objects)} objects without additionalProperties are closed (at {where})",
+    )
 
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -407,7 +428,9 @@ def _messages(messages: Any) -> tuple[Mapping[str, Any], ...]:
         )
     if not messages:
         raise bad_request("messages must hold at least one message", param="messages")
-    return tuple(_message(i, message) for i, message in enumerate(messages))
+    parsed = tuple(_message(i, message) for i, message in enumerate(messages))
+    check_tool_results(parsed)
+    return parsed
 
 
 def _message(index: int, message: Any) -> Mapping[str, Any]:

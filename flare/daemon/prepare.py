@@ -20,6 +20,7 @@ import anyio
 from flare.daemon.config import DaemonConfig
 from flare.daemon.errors import bad_request
 from flare.daemon.generation import ChatPrompt, Generation, TextPrompts, TokenOptions
+from flare.daemon.openai_schema import closed_objects_adjustment
 from flare.daemon.rendering import flare_object, logprobs_object
 from flare.daemon.tool_calls import render_messages, template_messages, template_tools
 from flare.engine.tokenizer import ChatTemplateError
@@ -159,6 +160,8 @@ def _clamp(scheduler: Scheduler, generation: Generation, room: int, grammar: Gra
         clamp = dataclasses.replace(
             clamp, params=dataclasses.replace(clamp.params, stop=()), adjusted=(*clamp.adjusted, dropped)
         )
+    if grammar is not None and grammar.spec.closed_objects:
+        clamp = dataclasses.replace(clamp, adjusted=(*clamp.adjusted, closed_objects_adjustment(grammar.spec)))
     return clamp
 
 

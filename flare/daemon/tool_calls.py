@@ -11,7 +11,9 @@ whose chat template does not know tools (the default model's):
 - the answer's grammar: with tool_choice "auto", either text that does not start with "<", or
   one or more calls; "required" forces calls, a named function forces one call of it;
   parallel_tool_calls false allows one call. Each call's arguments are held to the function's
-  parameters schema by the grammar (llguidance's %json), so they always validate.
+  parameters schema by the grammar (llguidance's %json), so they always validate; its local
+  references resolve within it, and `strict: true` closes its open objects as for
+  response_format (structured/strict.py).
 
 A package whose template knows tools (it names `tools`, as Qwen's and Hermes' do) gets the
 functions and the conversation through its template instead, in Hugging Face's convention
@@ -29,8 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from flare.daemon.errors import bad_request
+from flare.structured.bounds import BoundError, check_schema
 from flare.structured.compiler import JSON_OPTIONS
 from flare.structured.spec import GrammarSpec
+from flare.structured.strict import StrictError, close_objects
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -43,6 +47,7 @@ class Tool:
     name: str
     description: str
     parameters: Mapping[str, Any]
+    closed_objects: tuple[str, ...] = ()  # what `strict: true` closed (structured/strict.py)
 
 
 @dataclass(frozen=True)
@@ -136,7 +141,42 @@ def _tool(index: int, value: Any) -> Tool:
     strict = function.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise bad_request(f"{where}.function.strict must be true or false", param=f"{where}.function.strict")
-    return Tool(name, description, parameters)
+    try:
+        check_schema(parameters)
+    except BoundError as error:
+        raise bad_request(f"{where}.function.parameters {error}", param=f"{where}.function.parameters") from None
+    closed: tuple[str, ...] = ()
+    if strict:
+        try:
+            parameters, closed = close_objects(parameters)
+        except StrictError as error:
+            raise bad_request(f"{where}.function.parameters: {error}", param=f"{where}.function.parameters") from None
+    return Tool(name, description, parameters, tuple(f"{name}:{pointer}" for pointer in closed))
+
+
+def check_tool_results(messages: Sequence[Mapping[str, Any]]) -> None:
+    """Each `tool` message answers a call of the assistant message before it (only tool messages
+    between them), by that call's id: as OpenAI does, a 400 naming the message otherwise."""
+    calls: set[str] | None = None  # the ids of the calls tool messages may answer here
+    for index, message in enumerate(messages):
+        if message["role"] == "tool":
+            where = f"messages[{index}]"
+            if calls is None:
+                raise bad_request(
+                    f"{where}: a tool message must answer a tool call of the assistant message before it, "
+                    "and none comes before it",
+                    param=where,
+                )
+            if message["tool_call_id"] not in calls:
+                raise bad_request(
+                    f"{where}.tool_call_id {message['tool_call_id']!r} matches no tool call of the assistant message "
+                    f"before it (its calls: {', '.join(sorted(calls)) or 'none'})",
+                    param=f"{where}.tool_call_id",
+                )
+        elif message.get("tool_calls"):
+            calls = {call["id"] for call in message["tool_calls"]}
+        else:
+            calls = None
 
 
 # --- the prompt ---------------------------------------------------------------------------
@@ -229,12 +269,16 @@ def tool_grammar(tools: ToolRequest) -> GrammarSpec | None:
     if not tools.calls_possible:
         return None
     allowed = [t for t in tools.tools if tools.choice != "named" or t.name == tools.named]
+    # Each function's parameters sit under the call schema's $defs, their local references
+    # rewritten to point there: a reference resolves against the parameters schema it was
+    # written in (Pydantic's "#/$defs/Model"), not against the call schema around it.
     call_schema = {
         "x-guidance": JSON_OPTIONS,
+        "$defs": {_parameters_key(t): _rebased(t.parameters, f"#/$defs/{_parameters_key(t)}") for t in allowed},
         "oneOf": [
             {
                 "type": "object",
-                "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                "properties": {"name": {"const": t.name}, "arguments": {"$ref": f"#/$defs/{_parameters_key(t)}"}},
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
@@ -250,7 +294,28 @@ def tool_grammar(tools: ToolRequest) -> GrammarSpec | None:
         f"calls: {calls}\n"
         f'call: "{CALL_OPEN}" %json {json.dumps(call_schema)} "{CALL_CLOSE}"\n'
     )
-    return GrammarSpec("lark", lark, "tools")
+    return GrammarSpec("lark", lark, "tools", tuple(p for t in allowed for p in t.closed_objects))
+
+
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values, not schemas
+
+
+def _parameters_key(tool: Tool) -> str:
+    return f"parameters_{tool.name}"
+
+
+def _rebased(schema: Any, root: str) -> Any:
+    """`schema` with every local reference ("#", "#/...") moved under `root`. The body parser
+    bounds the nesting, so recursion is safe here."""
+    if isinstance(schema, list):
+        return [_rebased(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rebased = {key: value if key in _DATA_KEYWORDS else _rebased(value, root) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        rebased["$ref"] = root + ref[1:]
+    return rebased
 
 
 # --- the answer ---------------------------------------------------------------------------

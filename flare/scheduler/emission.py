@@ -38,7 +38,9 @@ def emit(
             reason = "length"
             break
     if seq.grammar is not None:
-        if not seq.grammar.accept(kept):
+        # A grammar in error (its mask left no token but the end) ends the row with the
+        # error, never a silent "stop" on an answer that does not follow it.
+        if not seq.grammar.accept(kept) or seq.grammar.error is not None:
             return Emission((), failure=grammar_failure(seq.grammar.error, seq.grammar.grammar.spec.param))
         if reason is None and seq.grammar.finished:
             reason = "stop"  # the answer is complete: only its end may follow

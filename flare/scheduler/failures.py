@@ -23,14 +23,21 @@ _HTTP_STATUS: dict[DeviceStatus, int] = {
 _TYPE: dict[int, str] = {422: "invalid_request_error", 502: "server_error"}
 
 
-def device_failure(status: DeviceStatus, round_index: int) -> RequestFailure:
+def device_failure(status: DeviceStatus, round_index: int, constraint: str | None = None) -> RequestFailure:
+    """`constraint`: the field of the row's grammar, if it has one. An empty distribution under a
+    grammar is the grammar's mask leaving no token the rest of the sampling keeps, so the
+    failure names that field."""
     http_status = _HTTP_STATUS[status]
+    message = f"device status {int(status)} ({status.name}) in round {round_index}: {STATUS_MEANING[status]}"
+    named = constraint is not None and status is DeviceStatus.EMPTY_DISTRIBUTION
+    if named:
+        message += f"; {constraint} allowed no token with positive probability"
     return RequestFailure(
         code=status.name,
-        message=f"device status {int(status)} ({status.name}) in round {round_index}: {STATUS_MEANING[status]}",
+        message=message,
         http_status=http_status,
         type=_TYPE[http_status],
-        param=None,
+        param=constraint if named else None,
         status=status,
         round=round_index,
     )
@@ -61,8 +68,13 @@ def grammar_failure(error: str | None, param: str) -> RequestFailure:
     The request's constraint is what cannot be served: 422 naming its field."""
     return RequestFailure(
         code="grammar_error",
-        message=f"{param}: the answer could not follow the constraint ({(error or 'no token allowed')[:300]})",
+        message=f"{param}: the answer could not follow the constraint ({_reason(error)})",
         http_status=422,
         type="invalid_request_error",
         param=param,
     )
+
+
+def _reason(error: str | None) -> str:
+    """llguidance's error without the parser-state dump it appends after "<state>"."""
+    return (error or "no token allowed").split("<state>", 1)[0].strip()[:300]

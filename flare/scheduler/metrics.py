@@ -8,12 +8,13 @@ a round's aggregate, so the cost is a handful of increments per round.
 from __future__ import annotations
 
 from collections import Counter as Tally
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from flare.kernels.status import DeviceStatus
 from flare.scheduler.sequence import DRAFT_SOURCES
+from flare.structured import CacheUse
 
 # Latency buckets (seconds): time to first token spans queueing and prefill (tens of ms to
 # tens of seconds on CPU); inter-token latency is one round divided by the tokens it emitted.
@@ -108,6 +109,19 @@ class SchedulerMetrics:
             "Prefix-cache blocks no request holds: kept for later prompts, reclaimed when free blocks run out.",
             registry=registry,
         )
+        self.grammar_cache_entries = Gauge(
+            "flare_grammar_cache_entries", "Compiled grammars kept for reuse by later requests.", registry=registry
+        )
+        self.grammar_cache_bytes = Gauge(
+            "flare_grammar_cache_bytes",
+            "Estimated bytes of the compiled grammars kept (resident memory each compile added).",
+            registry=registry,
+        )
+
+    def watch_grammar_cache(self, use: Callable[[], CacheUse]) -> None:
+        """Read the grammar cache's size at each scrape (it changes off the scheduler's rounds)."""
+        self.grammar_cache_entries.set_function(lambda: use().entries)
+        self.grammar_cache_bytes.set_function(lambda: use().bytes)
 
     def observe_round(
         self,

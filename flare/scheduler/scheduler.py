@@ -78,6 +78,8 @@ class Scheduler:
         self.draining = False
         self.drafter_name = parts.drafter_name
         self.grammars = parts.grammars
+        if parts.grammars is not None and metrics is not None:
+            metrics.watch_grammar_cache(parts.grammars.use)
         self._runner = parts.runner
         self._blocks = BlockManager(parts.cache, parts.runner.kv_cache.block_size, head_slot=parts.runner.head is not None)
         self._speculation = DraftPlanner(
@@ -588,6 +590,7 @@ class Scheduler:
         self._statuses[outcome.status.name] += 1
         seq.sampled_rounds += 1
         if outcome.status is not DeviceStatus.OK:
+            constraint = seq.grammar.grammar.spec.param if seq.grammar is not None else None
             log.warning(
                 "request_device_status",
                 request_id=seq.request_id,
@@ -596,7 +599,7 @@ class Scheduler:
                 status_name=outcome.status.name,
                 round=round_index,
             )
-            self._fail(seq, device_failure(outcome.status, round_index))
+            self._fail(seq, device_failure(outcome.status, round_index, constraint))
             return
         if outcome.fell_back and not seq.fell_back:
             seq.fell_back = True

@@ -9,8 +9,8 @@ mask from the states, which the sampling kernels apply before everything else
 (kernels/penalties.py). See docs/sampling.md.
 """
 
-from flare.structured.compiler import Grammar, GrammarCompiler, GrammarError
+from flare.structured.compiler import CacheUse, Grammar, GrammarCompiler, GrammarError
 from flare.structured.spec import GrammarSpec
 from flare.structured.state import GrammarState, fill_masks
 
-__all__ = ["Grammar", "GrammarCompiler", "GrammarError", "GrammarSpec", "GrammarState", "fill_masks"]
+__all__ = ["CacheUse", "Grammar", "GrammarCompiler", "GrammarError", "GrammarSpec", "GrammarState", "fill_masks"]

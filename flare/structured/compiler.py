@@ -6,31 +6,57 @@ top of torch); its compile and mask work is bounded by explicit fuel limits (`LL
 so a hostile schema or pattern fails fast with an error instead of stalling a thread; and it
 computes the masks of a row's draft positions in one call, which speculative rounds need.
 
-Every grammar is validated and built once into a prototype matcher; requests with the same
-constraint share it through a bounded LRU cache and step deep copies of it (microseconds).
-Compilation drops the GIL; the daemon runs it in a worker thread under a time limit.
+Every grammar is checked against flare's bounds (bounds.py), then validated and built once into
+a prototype matcher whose first mask is computed at once: the lexer work a pattern needs happens
+here, off the model's rounds, and a constraint nothing can satisfy is refused before any token.
+Requests with the same constraint share the prototype through a cache bounded by entries and by
+bytes, and step deep copies of it (microseconds). Compilation drops the GIL; the daemon runs it
+in a worker thread under a time limit, and each compile runs on a thread of its own with a large
+stack, so a converter's recursion the bounds missed still cannot overflow it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import llguidance
 
+from flare.structured.bounds import BoundError, check
+from flare.structured.memory import give_back_heap, resident_bytes
 from flare.structured.spec import GrammarSpec
+
+__all__ = ["CacheUse", "Grammar", "GrammarCompiler", "GrammarError"]
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """JSON in one line with OpenAI's separators: a small model offered free whitespace can spend
 its whole budget on newlines, and fixed separators are forced tokens that jump-forward skips."""
 
-MAX_SOURCE_CHARS = 200_000
-"""The largest schema, pattern or grammar text accepted (the body limit bounds it too)."""
-
 MAX_CHOICES = 1_000
+
+LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=100_000, step_max_items=2_000)
+"""llguidance's limits, two of them tightened from its defaults (measured on the default model's
+49,152-token vocabulary, 2-core EPYC): `initial_lexer_fuel` 1,000,000 let the pattern
+`^(X{1000}){1000}$` spend 2.8 s and keep 160 MB building its lexer eagerly; at 100,000 the
+pattern is built lazily, in 0.13 s and 14 MB, and still served. `step_max_items` 50,000 let the
+ambiguous grammar `a: a a a | a a | a | "x"` take 2.8 s for one mask (stalling every other
+row of the round); at 2,000 its worst mask takes 47 ms and the grammar then fails its row."""
+
+CACHE_ENTRIES = 256
+CACHE_BYTES = 256 * 1024 * 1024
+"""The grammar cache's bound in bytes (each entry's estimate: the resident memory its compile
+added). A grammar larger than the whole bound is served but not kept."""
+
+COMPILE_STACK_BYTES = 64 * 1024 * 1024
+"""The stack of the thread a compile runs on: virtual memory, touched only as deep as the
+converters recurse (3,000 chained rules, 8 times past flare's bound, compile in 64 MiB)."""
+
+_Result = TypeVar("_Result")
 
 
 class GrammarError(ValueError):
@@ -50,6 +76,15 @@ class Grammar:
     prototype: llguidance.LLMatcher
     tokenizer: llguidance.LLTokenizer
     executor: llguidance.LLExecutor
+    bytes: int = 0  # the estimate the cache counts: resident memory its compile added
+
+
+@dataclass(frozen=True)
+class CacheUse:
+    """What the grammar cache holds: entries and their estimated bytes."""
+
+    entries: int
+    bytes: int
 
 
 class GrammarCompiler:
@@ -58,7 +93,9 @@ class GrammarCompiler:
     The tokenizer (about 0.2 s to build for 49152 tokens) and the executor are made by the first
     compile, so a server that never sees a constraint never pays for them. Safe to call from
     several worker threads: the cache is locked, compilation is not (two threads may compile one
-    new grammar at once; the second result is dropped)."""
+    new grammar at once; the later result replaces the earlier in the cache). An entry's bytes
+    are an estimate: the process's resident growth over its compile, which other threads'
+    allocations at the same moment blur; at least its source's length."""
 
     def __init__(
         self,
@@ -66,19 +103,20 @@ class GrammarCompiler:
         *,
         vocab_size: int,
         eos_token_ids: Sequence[int],
-        cache_size: int = 256,
+        cache_size: int = CACHE_ENTRIES,
+        cache_bytes: int = CACHE_BYTES,
         limits: llguidance.LLParserLimits | None = None,
     ) -> None:
         self.vocab_size = vocab_size
         self._tokenizer_json = tokenizer_json
         self._eos_token_ids = list(eos_token_ids)
         self._engine: tuple[llguidance.LLTokenizer, llguidance.LLExecutor] | None = None
-        # llguidance's defaults bound one compile to about 20 ms of lexer work and one mask to
-        # about 15 ms; a grammar past them is refused.
-        self.limits = limits or llguidance.LLParserLimits()
+        self.limits = limits or LIMITS
         self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
         self._cache_size = cache_size
+        self._cache_bytes = cache_bytes
         self._lock = threading.Lock()
+        self._stack_lock = threading.Lock()
 
     def _tokenizer_and_executor(self) -> tuple[llguidance.LLTokenizer, llguidance.LLExecutor]:
         with self._lock:
@@ -96,25 +134,85 @@ class GrammarCompiler:
             cached = self._cache.get(spec.cache_key)
             if cached is not None:
                 self._cache.move_to_end(spec.cache_key)
-                return cached
+                # The same constraint from another field: errors name this request's field.
+                return cached if cached.spec == spec else dataclasses.replace(cached, spec=spec)
         tokenizer, executor = self._tokenizer_and_executor()
-        grammar = Grammar(spec, self._build(spec, tokenizer), tokenizer, executor)
+        prototype, size = self._on_large_stack(self._build, spec, tokenizer)
+        grammar = Grammar(spec, prototype, tokenizer, executor, size)
+        evicted = False
         with self._lock:
-            self._cache[spec.cache_key] = grammar
-            while len(self._cache) > self._cache_size:
+            if size <= self._cache_bytes:
+                self._cache[spec.cache_key] = grammar
+            while len(self._cache) > self._cache_size or self._bytes_locked() > self._cache_bytes:
                 self._cache.popitem(last=False)
+                evicted = True
+        if evicted:
+            give_back_heap()
         return grammar
 
     def cached(self, spec: GrammarSpec) -> bool:
         with self._lock:
             return spec.cache_key in self._cache
 
-    def _build(self, spec: GrammarSpec, tokenizer: llguidance.LLTokenizer) -> llguidance.LLMatcher:
-        if len(spec.source) > MAX_SOURCE_CHARS:
-            raise GrammarError(spec.param, f"is {len(spec.source)} characters; at most {MAX_SOURCE_CHARS} are accepted")
+    def use(self) -> CacheUse:
+        with self._lock:
+            return CacheUse(len(self._cache), self._bytes_locked())
+
+    def clear(self) -> CacheUse:
+        """Drop every cached grammar (requests running keep theirs); returns what was dropped."""
+        with self._lock:
+            dropped = CacheUse(len(self._cache), self._bytes_locked())
+            self._cache.clear()
+        give_back_heap()
+        return dropped
+
+    def _bytes_locked(self) -> int:
+        return sum(grammar.bytes for grammar in self._cache.values())
+
+    def _on_large_stack(self, work: Callable[..., _Result], *args: object) -> _Result:
+        """`work(*args)` on a new thread with a COMPILE_STACK_BYTES stack, waited for.
+        threading.stack_size applies to threads started while it is set, so it is set and
+        restored around the start alone."""
+        outcome: list[_Result] = []
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                outcome.append(work(*args))
+            except BaseException as error:  # handed to the caller's thread below
+                failure.append(error)
+
+        thread = threading.Thread(target=run, name="grammar-compile", daemon=True)
+        with self._stack_lock:
+            previous = threading.stack_size(COMPILE_STACK_BYTES)
+            try:
+                thread.start()
+            finally:
+                threading.stack_size(previous)
+        thread.join()
+        if failure:
+            raise failure[0]
+        return outcome[0]
+
+    def _build(self, spec: GrammarSpec, tokenizer: llguidance.LLTokenizer) -> tuple[llguidance.LLMatcher, int]:
+        """The prototype matcher, with its first mask computed, and the resident bytes its
+        compile added (at least the source's length). A failed compile gives its heap back."""
+        before = resident_bytes()
         try:
+            matcher = self._matcher(spec, tokenizer)
+        except GrammarError as error:
+            # Without its traceback, whose frames hold the failed matcher, so the trim finds it freed.
+            refused = error.with_traceback(None)
+        else:
+            return matcher, max(resident_bytes() - before, len(spec.source))
+        give_back_heap()
+        raise refused
+
+    def _matcher(self, spec: GrammarSpec, tokenizer: llguidance.LLTokenizer) -> llguidance.LLMatcher:
+        try:
+            check(spec.kind, spec.source)
             text = _grammar_text(spec)
-        except ValueError as error:
+        except (BoundError, ValueError) as error:
             raise GrammarError(spec.param, _clean(str(error))) from None
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, tokenizer, limits=self.limits)
         if is_error:
@@ -122,7 +220,28 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=self.limits)
         if matcher.is_error():
             raise GrammarError(spec.param, _clean(matcher.get_error()))
+        _check_first_step(matcher, spec)
         return matcher
+
+
+def _check_first_step(matcher: llguidance.LLMatcher, spec: GrammarSpec) -> None:
+    """Compute the first mask on copies: it builds the lexer states the first token needs (here,
+    not in a model round; the copies share them), and tells a constraint that cannot be served.
+    Nothing can satisfy some (`{"$ref": "#"}`, the regex `[^\\s\\S]`, Lark `start: start "a"`):
+    llguidance stops them at once. A lexer past its limits (`^(X{1000}){1000}$`) answers the
+    first mask and fails the next, on the states the first left shared: so two copies ask."""
+    for _ in range(2):
+        first = matcher.deep_copy()
+        first.compute_bitmask()
+        if first.is_error():
+            error = first.get_error()
+            if "NoExtension" in error:
+                raise GrammarError(
+                    spec.param, "nothing can satisfy this constraint: no answer, not even an empty one, matches it"
+                )
+            raise GrammarError(spec.param, _clean(error))
+        if first.is_stopped() and not first.is_accepting():
+            raise GrammarError(spec.param, "nothing can satisfy this constraint: no answer matches it")
 
 
 def _grammar_text(spec: GrammarSpec) -> str:
@@ -139,5 +258,7 @@ def _grammar_text(spec: GrammarSpec) -> str:
 
 def _clean(message: str) -> str:
     """llguidance's message on one line, without its source excerpt's caret art."""
+    # llguidance appends a dump of the parser's state after "<state>": not for the client.
+    message = message.split("<state>", 1)[0]
     first = " ".join(line.strip() for line in message.strip().splitlines()[:3] if line.strip())
     return first[:500] or "the grammar is invalid"

@@ -23,8 +23,9 @@ class GrammarState:
 
     @property
     def finished(self) -> bool:
-        """Nothing but the end of the answer may follow (the grammar is complete)."""
-        return self._matcher.is_stopped()
+        """Nothing but the end of the answer may follow (the grammar is complete). A matcher in
+        error is stopped too, but its answer is not complete: that is `error`."""
+        return self._matcher.is_stopped() and not self._matcher.is_error()
 
     @property
     def error(self) -> str | None:

@@ -47,6 +47,7 @@ from flare.daemon.errors import ApiError
 from flare.daemon.logging import configure_logging
 from flare.daemon.state import ServingState
 from flare.scheduler.request import RequestFailure
+from flare.structured import CacheUse
 
 
 @dataclass
@@ -84,6 +85,8 @@ class FakeTarget:
             kv_blocks_evictable=12,
             prompt_tokens_cached=3000,
             prompt_tokens_computed=1000,
+            grammar_cache_entries=2,
+            grammar_cache_bytes=14_200_000,
         )
 
     def requests(self) -> Sequence[RequestRow]:
@@ -104,6 +107,9 @@ class FakeTarget:
     def clear_prefix_cache(self) -> int:
         self.cache_cleared += 1
         return 12
+
+    def clear_grammar_cache(self) -> CacheUse:
+        return CacheUse(3, 45_000_000)
 
     def effective_config(self) -> Mapping[str, Any]:
         return {
@@ -183,6 +189,7 @@ async def test_status_table_is_readable(socket_path: Path) -> None:
         "prefix cache     20 blocks cached, 12 of them evictable; prompt tokens 3000 from cache (75%), 1000 computed"
         in lines
     )
+    assert "grammar cache    2 grammars, 14.2 MB" in lines
     assert "device statuses  OK 90, INVALID_SPECULATION 2" in lines
 
 
@@ -237,8 +244,10 @@ async def test_cache_clear_drops_the_unused_cached_blocks(socket_path: Path) -> 
     async with control_server(target, socket_path):
         cleared = await ctl("--socket", str(socket_path), "cache", "clear")
         as_json = await ctl("--socket", str(socket_path), "cache", "clear", "--json")
-    assert cleared.code == EXIT_OK and cleared.out.strip() == "dropped 12 cached KV blocks that no request was using"
-    assert json.loads(as_json.out) == {"dropped_blocks": 12}
+    assert cleared.code == EXIT_OK and cleared.out.strip() == (
+        "dropped 12 cached KV blocks that no request was using, and 3 cached grammars (45.0 MB)"
+    )
+    assert json.loads(as_json.out) == {"dropped_blocks": 12, "dropped_grammars": 3, "dropped_grammar_bytes": 45_000_000}
     assert target.cache_cleared == 2
 
 
@@ -409,7 +418,9 @@ class RequestInfo:  # flare.scheduler.stats.RequestInfo
 
 
 class FakeScheduler:
-    """The scheduler's control surface (snapshot, requests, cancel, drain, resume)."""
+    """The scheduler's control surface (snapshot, requests, cancel, drain, resume, grammars)."""
+
+    grammars = None  # a server without structured output
 
     def __init__(self) -> None:
         self.draining = False

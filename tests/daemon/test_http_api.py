@@ -357,6 +357,28 @@ BAD_CHAT_BODIES = [
         "messages[0].content[0]",
     ),
     ("tool message without its call id", {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].tool_call_id"),
+    (
+        "tool message with no call before it",
+        {**CHAT, "messages": [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "call_1", "content": "x"}]},
+        400,
+        "messages[1]",
+    ),
+    (
+        "tool message answering no call of the assistant message before it",
+        {
+            **CHAT,
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                ]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "x"},
+                {"role": "tool", "tool_call_id": "call_2", "content": "y"},
+            ],
+        },
+        400,
+        "messages[3].tool_call_id",
+    ),
     ("function message", {**CHAT, "messages": [{"role": "function", "content": "x"}]}, 400, "messages[0]"),
     (
         "tool call without arguments text",
@@ -375,6 +397,22 @@ BAD_CHAT_BODIES = [
     (
         "tool parameters not a schema",
         {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+        400,
+        "tools[0].function.parameters",
+    ),
+    (
+        "tool parameters chained too deep",
+        {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(300)}, "$ref": "#/$defs/d0"
+        }}}]},
+        400,
+        "tools[0].function.parameters",
+    ),
+    (
+        "strict tool parameters open to other keys",
+        {**CHAT, "tools": [{"type": "function", "function": {
+            "name": "f", "strict": True, "parameters": {"type": "object", "additionalProperties": True}
+        }}]},
         400,
         "tools[0].function.parameters",
     ),

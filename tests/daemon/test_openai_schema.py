@@ -76,3 +76,30 @@ def test_an_unpaired_surrogate_escape_is_a_400_and_a_pair_is_text() -> None:
         with pytest.raises(ApiError) as refused:
             parse_json_body(raw)
         assert refused.value.status == 400 and "surrogate" in refused.value.message
+
+
+OPEN_SCHEMA = {"type": "object", "properties": {"kind": {"type": "string"}}, "required": ["kind"]}
+
+
+def _with_schema(schema: dict[str, Any], strict: bool | None) -> dict[str, Any]:
+    format_ = {"name": "thing", "schema": schema, **({} if strict is None else {"strict": strict})}
+    return {"model": "m", "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": format_}}
+
+
+def test_a_strict_schema_is_closed_and_says_which_objects() -> None:
+    spec = parse_chat_completion(_with_schema(OPEN_SCHEMA, strict=True)).constraint
+    assert spec is not None and json.loads(spec.source)["additionalProperties"] is False
+    assert spec.closed_objects == ("/",)
+    for strict in (None, False):
+        lenient = parse_chat_completion(_with_schema(OPEN_SCHEMA, strict)).constraint
+        assert lenient is not None and "additionalProperties" not in json.loads(lenient.source)
+        assert lenient.closed_objects == ()
+
+
+def test_a_strict_schema_that_allows_other_keys_is_a_400_naming_the_schema() -> None:
+    with pytest.raises(ApiError) as refused:
+        parse_chat_completion(_with_schema({**OPEN_SCHEMA, "additionalProperties": {"type": "string"}}, strict=True))
+    assert refused.value.status == 400
+    assert refused.value.param == "response_format.json_schema.schema"
+    assert "additionalProperties" in refused.value.message

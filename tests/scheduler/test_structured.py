@@ -11,9 +11,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 from running_scheduler import running
 
+from flare.kernels.status import DeviceStatus
 from flare.sampling.params import SamplingParams
 from flare.scheduler.metrics import SchedulerMetrics
-from flare.scheduler.request import Finished, GenerationRequest, TextDelta
+from flare.scheduler.request import Failed, FaultSpec, Finished, GenerationRequest, TextDelta
 from flare.scheduler.scheduler import Scheduler
 from flare.structured import GrammarSpec
 
@@ -112,3 +113,41 @@ async def test_an_answer_cut_by_max_tokens_is_a_prefix_of_a_valid_one(tiny_packa
     assert text.startswith('{"') and len(text) > 5
     with pytest.raises(json.JSONDecodeError):
         json.loads(text)
+
+
+async def test_a_grammar_that_fails_mid_answer_ends_its_row_with_a_grammar_error_not_stop(tiny_package):
+    # An ambiguous grammar's Earley items grow with every token until a mask passes
+    # llguidance's step limit (about 40 tokens in); the mask then allows only the end of the
+    # answer, which must not read as a complete answer ("stop").
+    spec = GrammarSpec("lark", 'start: a\na: a a a | a a | a | "x" | "y" | "xy"', "structured_outputs.grammar")
+    async with running(tiny_package, draft_tokens=0) as scheduler:
+        assert scheduler.grammars is not None
+        grammar = scheduler.grammars.compile(spec)
+        eos = scheduler.tokenizer.eos_token_ids
+        params = SamplingParams(
+            temperature=1.0, seed=5, max_tokens=400, logit_bias=tuple((t, -100.0) for t in sorted(eos))
+        )
+        prompt = tuple(scheduler.tokenizer.encode("Say x."))
+        events = [event async for event in scheduler.submit(GenerationRequest("r", prompt, params, grammar=grammar))]
+    ended = events[-1]
+    assert isinstance(ended, Failed), ended
+    assert ended.failure.code == "grammar_error" and ended.failure.param == "structured_outputs.grammar"
+    assert ended.failure.http_status == 422 and "<state>" not in ended.failure.message
+
+
+async def test_an_empty_distribution_under_a_grammar_names_the_constraint(tiny_package):
+    spec = GrammarSpec.json_schema(SCHEMA, "response_format.json_schema.schema")
+    async with running(tiny_package, fault_injection=True, draft_tokens=0) as scheduler:
+        assert scheduler.grammars is not None
+        grammar = scheduler.grammars.compile(spec)
+        prompt = tuple(scheduler.tokenizer.encode("Tell me about the user in JSON."))
+        request = GenerationRequest(
+            "r", prompt, SamplingParams(temperature=1.0, seed=1, max_tokens=20),
+            fault=FaultSpec(DeviceStatus.EMPTY_DISTRIBUTION), grammar=grammar,
+        )
+        events = [event async for event in scheduler.submit(request)]
+    ended = events[-1]
+    assert isinstance(ended, Failed), ended
+    assert ended.failure.code == "EMPTY_DISTRIBUTION" and ended.failure.http_status == 422
+    assert ended.failure.param == "response_format.json_schema.schema"
+    assert "response_format.json_schema.schema allowed no token" in ended.failure.message

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flare.preparation.package import open_package
-from flare.structured import GrammarCompiler, GrammarError, GrammarSpec, GrammarState, fill_masks
+from flare.structured import CacheUse, GrammarCompiler, GrammarError, GrammarSpec, GrammarState, fill_masks
 
 SCHEMA = {
     "type": "object",
@@ -65,7 +65,9 @@ def test_forced_tokens_and_a_refused_draft(compiler: GrammarCompiler) -> None:
 def test_the_cache_returns_one_grammar_per_schema_and_keeps_property_order(compiler: GrammarCompiler) -> None:
     schema = {"type": "object", "properties": {"b": {"type": "boolean"}, "a": {"type": "boolean"}}, "required": ["b", "a"]}
     first = compiler.compile(GrammarSpec.json_schema(schema, "p"))
-    assert compiler.compile(GrammarSpec.json_schema(dict(schema), "other field")) is first
+    again = compiler.compile(GrammarSpec.json_schema(dict(schema), "other field"))
+    # One prototype, and errors name the field of the request that asked.
+    assert again.prototype is first.prototype and again.spec.param == "other field"
     state = GrammarState(first)
     assert state.accept(first.tokenizer.tokenize_str('{"'))
     assert first.tokenizer.decode_str(state.forced_tokens()).startswith('b"')
@@ -84,3 +86,52 @@ def test_an_invalid_constraint_is_a_grammar_error_naming_its_field(compiler: Gra
     with pytest.raises(GrammarError) as refused:
         compiler.compile(spec)
     assert refused.value.param == spec.param and refused.value.message
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        GrammarSpec.json_schema({"$ref": "#"}, "response_format.json_schema.schema"),
+        GrammarSpec.json_schema(
+            {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "structured_outputs.json"
+        ),
+        GrammarSpec("regex", r"[^\s\S]", "structured_outputs.regex"),
+        GrammarSpec("lark", 'start: start "a"', "structured_outputs.grammar"),
+    ],
+)
+def test_a_constraint_nothing_can_satisfy_is_refused_at_compile(compiler: GrammarCompiler, spec: GrammarSpec) -> None:
+    with pytest.raises(GrammarError, match="nothing can satisfy this constraint") as refused:
+        compiler.compile(spec)
+    assert refused.value.param == spec.param
+    assert not compiler.cached(spec)
+
+
+def test_an_empty_answer_that_matches_is_not_unsatisfiable(compiler: GrammarCompiler) -> None:
+    grammar = compiler.compile(GrammarSpec("regex", "(abc)?", "structured_outputs.regex"))
+    assert not GrammarState(grammar).finished
+
+
+def test_a_lexer_past_its_limits_is_refused_at_compile_not_in_a_round(compiler: GrammarCompiler) -> None:
+    spec = GrammarSpec.json_schema({"type": "string", "pattern": "^(X{1000}){1000}$"}, "response_format.json_schema.schema")
+    with pytest.raises(GrammarError, match="too many expressions") as refused:
+        compiler.compile(spec)
+    assert "<state>" not in refused.value.message  # llguidance's parser dump is not for the client
+    assert not compiler.cached(spec)
+
+
+def test_the_cache_is_bounded_by_bytes_and_clear_empties_it(tiny_package: Path) -> None:
+    package = open_package(tiny_package)
+    config = package.manifest.model
+    small = GrammarCompiler(
+        package.tokenizer_json_path.read_text(), vocab_size=config.vocab_size, eos_token_ids=config.eos_token_ids,
+        cache_bytes=4_000,
+    )
+    specs = [GrammarSpec("regex", f"{letter}{{1,3}}" + "x" * 1500, "structured_outputs.regex") for letter in "abcd"]
+    for spec in specs:
+        small.compile(spec)
+        assert small.use().bytes <= 4_000
+    # Each entry counts at least its source's length: at most two of the four fit, the oldest go.
+    assert small.use().entries <= 2 and not small.cached(specs[0]) and not small.cached(specs[1])
+    held = small.use()
+    assert small.clear() == held
+    assert small.use() == CacheUse(0, 0)
