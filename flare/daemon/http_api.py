@@ -26,6 +26,7 @@ import structlog
 from aiohttp import web
 
 from flare.daemon.auth import ApiKeys
+from flare.daemon.chat_page import PAGE_PATHS, add_chat_page_routes
 from flare.daemon.config import DaemonConfig
 from flare.daemon.connections import ClientNotReading
 from flare.daemon.errors import (
@@ -126,7 +127,8 @@ FAULT_HEADER = "X-Flare-Fault"
 ADJUSTED_HEADER = "Flare-Sampling-Adjusted"
 # A client's request id is echoed and logged only if it is short and plain (no log injection).
 _SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-_PUBLIC_PATHS = frozenset({"/health"})
+# The chat page's files hold no secret: the page asks for the key its API requests need.
+_PUBLIC_PATHS = frozenset({"/health", *PAGE_PATHS})
 BODY_READ_TIMEOUT_S = 30.0
 # The status an access line records for a request whose client went away before its answer
 # was written (nginx's "client closed request"); never sent.
@@ -150,6 +152,7 @@ def create_app(config: DaemonConfig, state: ServingState) -> web.Application:
     app.router.add_get("/v1/models/{model:.+}", get_model)
     app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=_expect_continue)
     app.router.add_post("/v1/completions", completions, expect_handler=_expect_continue)
+    add_chat_page_routes(app)
     return app
 
 
@@ -258,7 +261,9 @@ async def _cross_site(request: web.Request, handler: Handler) -> web.StreamRespo
         if refused is not None:
             raise ApiError(403, refused, code="host_not_allowed")
     origin = request.headers.get("Origin")
-    refused = browser_origin_refused(origin, request.headers.get("Sec-Fetch-Site"), settings.allowed_origins)
+    refused = browser_origin_refused(
+        origin, request.headers.get("Sec-Fetch-Site"), settings.allowed_origins, host=request.headers.get("Host")
+    )
     if refused is not None:
         raise ApiError(403, refused, code="origin_not_allowed")
     if origin is None or not origin_allowed(origin, settings.allowed_origins):
