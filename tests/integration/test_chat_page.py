@@ -168,3 +168,27 @@ def test_a_busy_server_429_shows_as_a_message(browser: WebDriver, daemon: Daemon
     assert "busy" in error.text and "Try again in" in error.text
     assert answers(browser) == []
     assert browser.find_element(By.ID, "prompt").is_enabled()
+
+
+def test_with_api_keys_the_page_asks_for_one_and_keeps_it_in_the_session_only(
+    browser: WebDriver, tiny_package: Path
+) -> None:
+    keyed = start_daemon(tiny_package, ["--api-key", "sk-page-test"])
+    try:
+        browser.get(f"{keyed.base_url}/")
+        panel = browser.find_element(By.ID, "key-panel")
+        wait_for(panel.is_displayed, "the page to ask for a key")
+        set_field(browser, "api-key", "sk-page-test")
+        browser.find_element(By.ID, "api-key").send_keys(Keys.ENTER)
+        wait_for(lambda: browser.find_element(By.ID, "model").text not in ("", "connecting…", "needs an API key"),
+                 "the model name once the key is given")
+        assert not panel.is_displayed()
+        set_field(browser, "max-tokens", "4")
+        ask(browser, "Hello")
+        wait_for(lambda: [a for a in answers(browser) if "streaming" not in a.get_attribute("class")], "an answer")
+        assert browser.find_elements(By.CSS_SELECTOR, ".turn.error") == []
+        assert browser.execute_script("return sessionStorage.getItem('flare.apiKey')") == "sk-page-test"
+        assert browser.execute_script("return localStorage.length") == 0
+        assert browser.get_cookies() == []
+    finally:
+        assert keyed.stop() == 0, keyed.log()
