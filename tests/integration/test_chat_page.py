@@ -137,6 +137,11 @@ def test_stop_cancels_the_stream_and_the_daemon_stops_generating(browser: WebDri
     wait_for(lambda: "stopped" in answer.text, "the answer to say it was stopped", 10)
     wait_for(lambda: running_requests(daemon) == 0, "the daemon's running count to return to 0", 10)
     assert browser.find_element(By.ID, "send").is_displayed()
+    # The conversation goes on, the stopped answer part of it.
+    set_field(browser, "max-tokens", "8")
+    ask(browser, "Thank you.")
+    wait_for(lambda: len([a for a in answers(browser) if "streaming" not in a.get_attribute("class")]) == 2,
+             "the next answer")
     assert browser.find_elements(By.CSS_SELECTOR, ".turn.error") == []
 
 

@@ -21,6 +21,7 @@ const elements = {
 const history = [];
 let modelName = null;
 let running = null; // the AbortController of the answer streaming now
+let conversationNumber = 0; // New chat starts another: an answer still ending is not added to it
 
 function headers() {
   const result = { "Content-Type": "application/json" };
@@ -175,9 +176,10 @@ async function send() {
   elements.prompt.value = "";
   addTurn("user", text);
   history.push({ role: "user", content: text });
+  const conversation = conversationNumber;
   const controller = new AbortController();
   setRunning(controller);
-  let turn = null;
+  let turn = null; // the answer's element, once the server accepted the question
   let answer = "";
   try {
     const response = await fetch("v1/chat/completions", {
@@ -187,7 +189,6 @@ async function send() {
       signal: controller.signal,
     });
     if (!response.ok) {
-      history.pop(); // the question was not answered: it is not part of the conversation
       if (response.status === 401) askForKey();
       addError(await errorText(response));
       return;
@@ -218,9 +219,11 @@ async function send() {
       addError("The request failed: " + error.message);
     }
   } finally {
-    if (turn) {
-      turn.classList.remove("streaming");
-      history.push({ role: "assistant", content: answer });
+    if (turn) turn.classList.remove("streaming");
+    if (conversation === conversationNumber) {
+      // An answer, even a stopped one, is part of the conversation; a refused question is not.
+      if (turn) history.push({ role: "assistant", content: answer });
+      else history.pop();
     }
     setRunning(null);
   }
@@ -236,6 +239,7 @@ elements.send.addEventListener("click", send);
 elements.stop.addEventListener("click", () => running && running.abort());
 elements.newChat.addEventListener("click", () => {
   if (running) running.abort();
+  conversationNumber += 1;
   history.length = 0;
   elements.conversation.replaceChildren();
 });
