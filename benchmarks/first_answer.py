@@ -4,8 +4,10 @@ it loops until the length limit.
 Sends `--samples` chat requests of "What is the capital of France?" (the README's first curl: no
 sampling field but the ones given with --params) to a running daemon, each with its own seed
 (0, 1, ...) so that a run is reproducible, at most --concurrency at a time. An answer *loops* when
-it ended by length (finish_reason "length") and some run of --ngram words occurs at least
---repeats times in it: the model went round in a circle until max_tokens cut it off.
+it ended by length (finish_reason "length") and its last --tail words repeat themselves: fewer
+than half of their --ngram-word runs are distinct (a free text has nearly all distinct; a text
+going round a circle of k words has about k). The model went round in a circle until max_tokens
+cut it off. --answers FILE writes every answer, to check the rule by eye.
 
     flare run &   # the default package
     python benchmarks/first_answer.py --base-url http://127.0.0.1:8000
@@ -21,7 +23,6 @@ import argparse
 import asyncio
 import json
 import re
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,13 +40,14 @@ class Answer:
     flare: dict[str, Any]
 
 
-def loops(answer: Answer, ngram: int, repeats: int) -> bool:
-    """Ended by the length limit with some `ngram`-word run said `repeats` times or more."""
+def loops(answer: Answer, ngram: int, tail: int) -> bool:
+    """Ended by the length limit, its last `tail` words going round a circle: fewer than half
+    of their `ngram`-word runs distinct."""
     if answer.finish_reason != "length":
         return False
-    words = re.findall(r"\w+", answer.text.lower())
-    runs = Counter(tuple(words[i : i + ngram]) for i in range(len(words) - ngram + 1))
-    return bool(runs) and max(runs.values()) >= repeats
+    words = re.findall(r"\w+", answer.text.lower())[-tail:]
+    runs = [tuple(words[i : i + ngram]) for i in range(len(words) - ngram + 1)]
+    return bool(runs) and len(set(runs)) < len(runs) / 2
 
 
 def names_paris(answer: Answer) -> bool:
@@ -61,9 +63,15 @@ async def ask(
     response.raise_for_status()
     data = response.json()
     choice = data["choices"][0]
-    return Answer(
-        seed, choice["message"]["content"] or "", choice["finish_reason"], data["usage"]["completion_tokens"], data["flare"]
-    )
+    text = choice["message"]["content"] or ""
+    return Answer(seed, text, choice["finish_reason"], data["usage"]["completion_tokens"], data["flare"])
+
+
+def write_answers(path: str, answers: list[Answer], looping: list[Answer]) -> None:
+    with open(path, "w", encoding="utf-8") as out:
+        for a in answers:
+            line = {"seed": a.seed, "finish_reason": a.finish_reason, "loops": a in looping, "text": a.text}
+            out.write(json.dumps(line, ensure_ascii=False) + "\n")
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -71,8 +79,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     gate = asyncio.Semaphore(args.concurrency)
     async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout_s) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        answers = await asyncio.gather(*(ask(client, model, args.prompt, seed, params, gate) for seed in range(args.samples)))
-    looping = [a for a in answers if loops(a, args.ngram, args.repeats)]
+        asked = (ask(client, model, args.prompt, seed, params, gate) for seed in range(args.samples))
+        answers = list(await asyncio.gather(*asked))
+    looping = [a for a in answers if loops(a, args.ngram, args.tail)]
+    if args.answers is not None:
+        write_answers(args.answers, answers, looping)
     return {
         "prompt": args.prompt,
         "params": params,
@@ -95,7 +106,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--params", default="{}", help="sampling fields sent with every request, as JSON")
     parser.add_argument("--ngram", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tail", type=int, default=60)
+    parser.add_argument("--answers", help="write every answer to this file, one JSON line each")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     args = parser.parse_args()
     print(json.dumps(asyncio.run(run(args)), indent=2, ensure_ascii=False))
