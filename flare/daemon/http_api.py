@@ -24,6 +24,7 @@ from aiohttp import web
 
 from flare.daemon.answer import GENERATED, answer
 from flare.daemon.auth import ApiKeys
+from flare.daemon.chat_page import PAGE_PATHS, add_chat_page_routes
 from flare.daemon.config import DaemonConfig
 from flare.daemon.errors import AUTHENTICATION, SERVER_ERROR, ApiError, bad_request
 from flare.daemon.generation import Generation
@@ -67,8 +68,9 @@ REQUEST_ID_HEADER = "X-Request-Id"
 FAULT_HEADER = "X-Flare-Fault"
 # A client's request id is echoed and logged only if it is short and plain (no log injection).
 _SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-_PUBLIC_PATHS = frozenset({"/health"})
 ANTHROPIC_PATH = "/v1/messages"
+# The chat page's files hold no secret: the page asks for the key its API requests need.
+_PUBLIC_PATHS = frozenset({"/health", *PAGE_PATHS})
 BODY_READ_TIMEOUT_S = 30.0
 # The status an access line records for a request whose client went away before its answer
 # was written (nginx's "client closed request"); never sent.
@@ -90,11 +92,12 @@ def create_app(config: DaemonConfig, state: ServingState) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model:.+}", get_model)
-    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=_expect_continue)
-    app.router.add_post("/v1/completions", completions, expect_handler=_expect_continue)
-    app.router.add_post("/v1/responses", responses, expect_handler=_expect_continue)
-    app.router.add_post("/v1/messages", messages, expect_handler=_expect_continue)
-    app.router.add_post("/v1/messages/count_tokens", count_message_tokens, expect_handler=_expect_continue)
+    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect_continue)
+    app.router.add_post("/v1/completions", completions, expect_handler=expect_continue)
+    app.router.add_post("/v1/responses", responses, expect_handler=expect_continue)
+    app.router.add_post("/v1/messages", messages, expect_handler=expect_continue)
+    app.router.add_post("/v1/messages/count_tokens", count_message_tokens, expect_handler=expect_continue)
+    add_chat_page_routes(app)
     return app
 
 
@@ -203,7 +206,9 @@ async def _cross_site(request: web.Request, handler: Handler) -> web.StreamRespo
         if refused is not None:
             raise ApiError(403, refused, code="host_not_allowed")
     origin = request.headers.get("Origin")
-    refused = browser_origin_refused(origin, request.headers.get("Sec-Fetch-Site"), settings.allowed_origins)
+    refused = browser_origin_refused(
+        origin, request.headers.get("Sec-Fetch-Site"), settings.allowed_origins, host=request.headers.get("Host")
+    )
     if refused is not None:
         raise ApiError(403, refused, code="origin_not_allowed")
     if origin is None or not origin_allowed(origin, settings.allowed_origins):
@@ -275,30 +280,30 @@ def _model_card(state: ServingState) -> dict[str, Any]:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    generation = parse_chat_completion(parse_json_body(await _read_body(request)))
+    generation = parse_chat_completion(parse_json_body(await read_body(request)))
     return await _generate(request, generation, "chatcmpl", _chat_renderer)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    generation = parse_completion(parse_json_body(await _read_body(request)))
+    generation = parse_completion(parse_json_body(await read_body(request)))
     return await _generate(request, generation, "cmpl", _completion_renderer)
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    body = parse_json_body(await _read_body(request))
+    body = parse_json_body(await read_body(request))
     generation = parse_response_request(body)
     created, instructions = int(time.time()), body.get("instructions")  # a string, or None: parsed
     return await _generate(request, generation, "resp", lambda prepared: ResponsesRenderer(prepared, created, instructions))
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    generation = parse_messages_request(parse_json_body(await _read_body(request)))
+    generation = parse_messages_request(parse_json_body(await read_body(request)))
     return await _generate(request, generation, "msg", MessagesRenderer)
 
 
 async def count_message_tokens(request: web.Request) -> web.Response:
     """Anthropic's count_tokens: the prompt's tokens as /v1/messages would send them."""
-    generation = parse_messages_request(parse_json_body(await _read_body(request)), counting=True)
+    generation = parse_messages_request(parse_json_body(await read_body(request)), counting=True)
     serving = _serving(request, generation)
     return web.json_response({"input_tokens": await count_prompt_tokens(serving, generation.prompt)})
 
@@ -334,9 +339,9 @@ def _serving(request: web.Request, generation: Generation) -> Serving:
     return Serving(scheduler, request.app[SETTINGS].config, request.app[TOKENIZING], request.app[COMPILING])
 
 
-async def _expect_continue(request: web.Request) -> None:
+async def expect_continue(request: web.Request) -> None:
     """`Expect: 100-continue`: invite the body only when it can be accepted; a declared length
-    over max_body_bytes gets its 413 from _read_body at once, without the body being sent."""
+    over max_body_bytes gets its 413 from read_body at once, without the body being sent."""
     expect = request.headers.get("Expect", "").strip().lower()
     if expect != "100-continue":
         raise web.HTTPExpectationFailed(text=f"unknown Expect: {expect}")
@@ -346,7 +351,7 @@ async def _expect_continue(request: web.Request) -> None:
         request.writer.output_size = 0  # the response proper has not started
 
 
-async def _read_body(request: web.Request) -> bytes:
+async def read_body(request: web.Request) -> bytes:
     """The body, or a 408 for a client that sends it too slowly (it would hold a connection
     and a handler forever otherwise); a 413 at once for a declared length over max_body_bytes
     (aiohttp's own 413 for a chunked one that grows past it); a 400 for a body whose

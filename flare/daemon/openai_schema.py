@@ -589,3 +589,4 @@ model_field = _model
 response_format = _response_format
 sampling_fields = _sampling
 kind = _kind
+chat_messages = _messages

@@ -20,11 +20,14 @@ from collections.abc import Sequence
 _CROSS_SITE = frozenset({"cross-site", "same-site"})
 
 
-def browser_origin_refused(origin: str | None, fetch_site: str | None, allowed: Sequence[str]) -> str | None:
+def browser_origin_refused(
+    origin: str | None, fetch_site: str | None, allowed: Sequence[str], *, host: str | None = None
+) -> str | None:
     """Why a browser-originated request is refused, or None when it is not (no browser said
-    anything, the user navigated there themselves, or the origin is allowed)."""
+    anything, the user navigated there themselves, the origin is allowed, or it is a page this
+    daemon served: same-origin, its Origin naming `host`, the request's Host header)."""
     if origin is not None:
-        if origin_allowed(origin, allowed):
+        if origin_allowed(origin, allowed) or same_origin(origin, fetch_site, host):
             return None
         return f"requests from the web origin {origin!r} are not allowed; the operator can allow it with --allowed-origins"
     if fetch_site is not None and fetch_site.strip().lower() in _CROSS_SITE:
@@ -46,6 +49,26 @@ def origin_allowed(origin: str, allowed: Sequence[str]) -> bool:
             if (host == base and port.isdigit()) or origin == base:
                 return True
     return False
+
+
+def same_origin(origin: str, fetch_site: str | None, host: str | None) -> bool:
+    """A request from a page of this server: the browser does not call it cross-site, and the
+    Origin's host and port are the Host the request was sent to. (With DNS rebinding both name
+    the attacker's host: loopback_host_refused refuses that Host on a loopback daemon, and a
+    daemon reachable beyond loopback needs API keys anyway.)"""
+    if host is None or (fetch_site is not None and fetch_site.strip().lower() != "same-origin"):
+        return False
+    scheme, separator, authority = origin.strip().lower().partition("://")
+    if not separator or scheme not in _DEFAULT_PORTS:
+        return False
+    return _without_default_port(authority, scheme) == _without_default_port(host.strip().lower(), scheme)
+
+
+_DEFAULT_PORTS = {"http": ":80", "https": ":443"}
+
+
+def _without_default_port(authority: str, scheme: str) -> str:
+    return authority.removesuffix(_DEFAULT_PORTS[scheme])
 
 
 def loopback_host_refused(host_header: str | None, allowed_hosts: Sequence[str]) -> str | None:

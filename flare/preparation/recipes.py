@@ -7,6 +7,9 @@ fingerprint, whatever the source format, and `--sampling-default` / `--sampling-
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,22 +35,33 @@ class Recipe:
     def matches(self, config: ModelConfig) -> bool:
         return all(getattr(config, field) == value for field, value in self.fingerprint.items())
 
+    def digest(self) -> str:
+        """A short hash of everything the recipe declares: a package exported under another
+        version of the recipe is another package (the default model's cache key has it)."""
+        declared = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(declared.encode("utf-8")).hexdigest()[:8]
+
 
 # SmolLM2-135M-Instruct, model card (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct):
-# generate(..., temperature=0.2, top_p=0.9, do_sample=True). The ranges keep requests where a
-# 135M model still writes sense: repetition_penalty below 1 makes it loop at once, min_p above
-# 0.5 and top_p below 0.05 collapse it to greedy anyway.
+# generate(..., temperature=0.2, top_p=0.9, do_sample=True), with a repetition penalty of 1.1 and
+# a frequency penalty of 0.3, without which a 135M model loops: of 50 seeded answers to the
+# README's question, 20 looped until max_tokens without penalties and none with them; of 50 short
+# poems, 46 looped without penalties, 23 with the repetition penalty alone and none with both
+# (docs/sampling.md, "The default package's first answer"; benchmarks/first_answer.py).
+# The ranges keep requests where a 135M model still writes sense:
+# repetition_penalty below 1 makes it loop at once, min_p above 0.5 and top_p below 0.05
+# collapse it to greedy anyway.
 SMOLLM2_135M_INSTRUCT = Recipe(
     name="smollm2-135m-instruct",
-    description="SmolLM2-135M-Instruct, with the model card's sampling settings",
+    description="SmolLM2-135M-Instruct, with the model card's sampling settings and penalties against loops",
     defaults={
         "temperature": 0.2,
         "top_k": -1,
         "top_p": 0.9,
         "min_p": 0.0,
-        "repetition_penalty": 1.0,
+        "repetition_penalty": 1.1,
         "presence_penalty": 0.0,
-        "frequency_penalty": 0.0,
+        "frequency_penalty": 0.3,
         "max_tokens": DEFAULT_MAX_TOKENS,
     },
     ranges={

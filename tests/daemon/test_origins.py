@@ -51,3 +51,24 @@ def test_other_names_fail_the_host_check_unless_allowed(host: str) -> None:
     assert refused is not None and "--allowed-hosts" in refused
     assert loopback_host_refused(host, [host.split(":")[0]]) is None
     assert loopback_host_refused(host, ["*"]) is None
+
+
+def test_the_daemons_own_page_is_same_origin_and_allowed() -> None:
+    # The chat page at / posts to the API: same-origin, its Origin naming the Host it was sent to.
+    assert browser_origin_refused("http://127.0.0.1:8000", "same-origin", [], host="127.0.0.1:8000") is None
+    assert browser_origin_refused("https://chat.example", "same-origin", [], host="chat.example:443") is None
+    assert browser_origin_refused("http://localhost:8000", None, [], host="LOCALHOST:8000") is None
+
+
+@pytest.mark.parametrize(
+    ("origin", "fetch_site", "host"),
+    [
+        ("http://127.0.0.1:9999", "same-origin", "127.0.0.1:8000"),  # another port is another origin
+        ("http://127.0.0.1:8000", "cross-site", "127.0.0.1:8000"),  # the browser knows better
+        ("http://127.0.0.1:8000", "same-site", "127.0.0.1:8000"),
+        ("https://evil.example", "same-origin", None),
+        ("null", "same-origin", "127.0.0.1:8000"),
+    ],
+)
+def test_an_origin_that_is_not_the_hosts_own_is_still_refused(origin: str, fetch_site: str, host: str | None) -> None:
+    assert browser_origin_refused(origin, fetch_site, [], host=host) is not None

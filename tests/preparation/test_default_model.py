@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import threading
 import time
@@ -16,6 +17,7 @@ from flare.preparation.default_package import cache_dir, default_package_path
 from flare.preparation.export import resolve_dtype
 from flare.preparation.manifest import FORMAT_VERSION
 from flare.preparation.package import open_package, sha256_of
+from flare.preparation.recipes import SMOLLM2_135M_INSTRUCT
 from flare.preparation.source import SourceError
 
 
@@ -64,7 +66,25 @@ def test_two_processes_export_the_default_model_once(monkeypatch: pytest.MonkeyP
     assert results[0] == results[1] == exports[0]
     assert exports[0].parent == tmp_path / "packages"
     assert sha256_of(default_gguf_path())[:16] in exports[0].name
-    assert exports[0].name.endswith(f"-format{FORMAT_VERSION}-{resolve_dtype('auto')}")
+    assert exports[0].name.endswith(
+        f"-format{FORMAT_VERSION}-recipe{SMOLLM2_135M_INSTRUCT.digest()}-{resolve_dtype('auto')}"
+    )
+
+
+def test_a_changed_recipe_is_a_fresh_export(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A package keeps the policy it was exported with: a recipe with new defaults must not reuse it.
+    def fake_export(source: str, out_dir: Path, options: Any) -> None:
+        out_dir.mkdir()
+        (out_dir / "manifest.json").write_text("{}")
+
+    monkeypatch.setattr(default_package_module, "export_package", fake_export)
+    before = default_package_path(tmp_path)
+    changed = dataclasses.replace(
+        SMOLLM2_135M_INSTRUCT, defaults={**SMOLLM2_135M_INSTRUCT.defaults, "temperature": 0.7}
+    )
+    monkeypatch.setattr(default_package_module, "SMOLLM2_135M_INSTRUCT", changed)
+    after = default_package_path(tmp_path)
+    assert after != before and before.is_dir() and after.is_dir()
 
 
 def test_default_packages_of_each_dtype_live_side_by_side(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
