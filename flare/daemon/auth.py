@@ -20,14 +20,20 @@ class ApiKeys:
         Every key is compared, whichever matches, and each comparison is hmac.compare_digest,
         so the time taken says nothing about how much of a key was right.
         """
-        if authorization is None:
-            return False
-        scheme, _, token = authorization.strip().partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        # Header text may hold undecodable bytes as surrogates; they can never match a key.
-        presented = token.strip().encode("utf-8", "surrogateescape") if token.strip().isprintable() else b""
+        presented = presented_key(authorization)
         matched = False
         for key in self._keys:
             matched |= hmac.compare_digest(presented, key)
         return matched and bool(presented)
+
+
+def presented_key(authorization: str | None) -> bytes:
+    """The key an Authorization header presents (`Bearer <key>`), as bytes; empty when it
+    presents none."""
+    if authorization is None:
+        return b""
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return b""
+    # Header text may hold undecodable bytes as surrogates; they can never match a key.
+    return token.strip().encode("utf-8", "surrogateescape") if token.strip().isprintable() else b""

@@ -26,6 +26,7 @@ import structlog
 from aiohttp import web
 
 from flare.daemon.auth import ApiKeys
+from flare.daemon.cache_scope import cache_salt, prefix_cache_scope
 from flare.daemon.config import DaemonConfig
 from flare.daemon.connections import ClientNotReading
 from flare.daemon.errors import (
@@ -329,7 +330,9 @@ def _model_card(state: ServingState) -> dict[str, Any]:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    parsed = parse_chat_completion(parse_json_body(await _read_body(request)))
+    body = parse_json_body(await _read_body(request))
+    parsed = parse_chat_completion(body)
+    scope = _cache_scope(request, body)
     state = request.app[STATE]
     scheduler = state.require_scheduler()
     check_model(parsed.model, state.model_name or "")
@@ -357,11 +360,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         request, scheduler, prompt_ids, "messages", parsed.sampling, parsed.stream, shape, parsed.n, parsed.tokens,
         grammar=grammar,
         tools=parsed.tools is not None and parsed.tools.calls_possible,
+        cache_scope=scope,
     )
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    parsed = parse_completion(parse_json_body(await _read_body(request)))
+    body = parse_json_body(await _read_body(request))
+    parsed = parse_completion(body)
+    scope = _cache_scope(request, body)
     state = request.app[STATE]
     scheduler = state.require_scheduler()
     check_model(parsed.model, state.model_name or "")
@@ -377,6 +383,18 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(
         request, scheduler, prompt_ids, "prompt", parsed.sampling, parsed.stream, shape, parsed.n, parsed.tokens, echo,
         grammar=grammar,
+        cache_scope=scope,
+    )
+
+
+def _cache_scope(request: web.Request, body: Mapping[str, Any]) -> bytes:
+    """Whose prefix-cache blocks the request may share (daemon/cache_scope.py)."""
+    settings = request.app[SETTINGS]
+    return prefix_cache_scope(
+        keys_required=settings.keys.required,
+        across_keys=settings.config.prefix_cache_across_keys,
+        authorization=request.headers.get("Authorization"),
+        salt=cache_salt(body),
     )
 
 
@@ -510,6 +528,7 @@ async def _generate(
     *,
     grammar: Grammar | None = None,
     tools: bool = False,
+    cache_scope: bytes = b"",
 ) -> web.StreamResponse:
     config = request.app[SETTINGS].config
     check_logit_bias(token_options.logit_bias, scheduler.vocab_size)
@@ -545,6 +564,7 @@ async def _generate(
         raw_logprobs=token_options.raw_logprobs,
         prompt_logprobs=token_options.logprobs if scores_prompt else None,
         grammar=grammar,
+        cache_scope=cache_scope,
     )
     tokens = _Tokens(token_options.logprobs, echo, TokenRenderer(scheduler.tokenizer.token_bytes), tools)
     events = _submit(scheduler, generation, prompt_param)

@@ -30,7 +30,10 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 _COMMON = frozenset(
-    {"model", "stream", "stream_options", "structured_outputs", "logprobs_mode", *SAMPLING_FIELDS, *_IGNORED}
+    {
+        "model", "stream", "stream_options", "structured_outputs", "logprobs_mode", "cache_salt",
+        *SAMPLING_FIELDS, *_IGNORED,
+    }
 )
 _CHAT_FIELDS = _COMMON | {
     "messages", "n", "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice",

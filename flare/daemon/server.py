@@ -66,7 +66,7 @@ _POLL_S = 0.05
 RELOADABLE_SETTINGS = frozenset(
     {
         "log_level", "api_keys", "metrics_require_key", "max_waiting", "request_timeout_s", "drain_grace_s",
-        "allowed_origins", "allowed_hosts",
+        "allowed_origins", "allowed_hosts", "prefix_cache_across_keys",
     }
 )
 # How often systemd's STATUS= line is refreshed (sent only when it changed).

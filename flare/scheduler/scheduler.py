@@ -31,7 +31,7 @@ from flare.engine.drafters.mtp import load_draft_head
 from flare.engine.kv_cache import BlockAllocator, KVCache, OutOfBlocks, blocks_for_tokens, default_kv_cache_bytes
 from flare.engine.model import LlamaModel, load_model
 from flare.engine.precision import cpu_flags, dtype_name
-from flare.engine.prefix_cache import PrefixCache, chain_hashes, namespace_hash
+from flare.engine.prefix_cache import PrefixCache, chain_hashes, namespace_hash, scoped_root
 from flare.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from flare.kernels.status import DeviceStatus
 from flare.preparation.contract import check_contract
@@ -868,12 +868,17 @@ class Scheduler:
         if not self._blocks.enabled or seq.request.prompt_logprobs is not None:
             # A scored prompt is computed whole: cached blocks hold no logits to score it by.
             return
-        seq.block_hashes = chain_hashes(self._blocks.root, seq.tokens, self._block_size, seq.block_hashes)
+        seq.block_hashes = chain_hashes(self._root(seq), seq.tokens, self._block_size, seq.block_hashes)
         # A last block that holds the last token is found too, and copied before that token's
         # position is written again: cheaper than computing the whole block.
         seq.block_table = self._blocks.lookup(seq.block_hashes)
         seq.num_published = len(seq.block_table)
         seq.num_cached = min(len(seq.block_table) * self._block_size, len(seq.tokens) - 1)
+
+    def _root(self, seq: Sequence) -> bytes:
+        """The root of `seq`'s hash chain: its request's cache scope decides whose blocks it
+        finds and who finds its blocks."""
+        return scoped_root(self._blocks.root, seq.request.cache_scope)
 
     def _count_cached_prompt(self, seq: Sequence) -> None:
         """An admitted sequence's prompt tokens that the prefix cache served."""
@@ -982,7 +987,7 @@ class Scheduler:
             return
         if len(seq.block_hashes) < full:
             seq.block_hashes = chain_hashes(
-                self._blocks.root, seq.tokens[: full * self._block_size], self._block_size, seq.block_hashes
+                self._root(seq), seq.tokens[: full * self._block_size], self._block_size, seq.block_hashes
             )
         for i in range(seq.num_published, full):
             self._blocks.publish(seq.block_table[i], seq.block_hashes[i])
