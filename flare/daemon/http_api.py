@@ -26,6 +26,7 @@ import structlog
 from aiohttp import web
 
 from flare.daemon.auth import ApiKeys
+from flare.daemon.body_encoding import decode_body
 from flare.daemon.cache_scope import cache_salt, prefix_cache_scope
 from flare.daemon.config import DaemonConfig
 from flare.daemon.connections import ClientNotReading
@@ -479,8 +480,9 @@ async def _expect_continue(request: web.Request) -> None:
 async def _read_body(request: web.Request) -> bytes:
     """The body, or a 408 for a client that sends it too slowly (it would hold a connection
     and a handler forever otherwise); a 413 at once for a declared length over max_body_bytes
-    (aiohttp's own 413 for a chunked one that grows past it); a 400 for a body whose
-    Content-Encoding does not decode."""
+    (aiohttp's own 413 for a chunked one that grows past it); for a body with a
+    Content-Encoding, what decode_body answers: a 400 for one that does not decode, a 413 for
+    one that decodes past max_body_bytes, a 415 for a coding not served."""
     limit = request.app[SETTINGS].config.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         # The body is never read: the connection closes after the answer.
@@ -492,15 +494,18 @@ async def _read_body(request: web.Request) -> bytes:
         )
     try:
         with anyio.move_on_after(BODY_READ_TIMEOUT_S):
-            return await request.read()
+            raw = await request.read()
+            encoding = request.headers.get("Content-Encoding")
+            if not encoding:
+                return raw
+            return await anyio.to_thread.run_sync(decode_body, raw, encoding, limit)
     except web.RequestPayloadError as error:
-        encoding = request.headers.get("Content-Encoding", "")
         raise ApiError(
             400,
             f"the request body could not be read ({' '.join(str(error).split())[:200]}); "
-            + (f"it is not valid {encoding} data" if encoding else "it does not match its framing"),
+            "it does not match its framing",
             param=None,
-            code="invalid_body_encoding" if encoding else "invalid_body",
+            code="invalid_body",
             close=True,
         ) from None
     raise ApiError(
