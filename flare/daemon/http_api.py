@@ -25,6 +25,7 @@ import anyio
 import structlog
 from aiohttp import web
 
+from flare.daemon.abandonable import run_abandonable
 from flare.daemon.auth import ApiKeys
 from flare.daemon.body_encoding import decode_body
 from flare.daemon.cache_scope import cache_salt, prefix_cache_scope
@@ -64,6 +65,7 @@ from flare.daemon.sse import DONE, SSE_HEADERS, sse_data
 from flare.daemon.state import Phase, ServingState
 from flare.daemon.tool_calls import ToolCallReader, render_messages, template_messages, template_tools
 from flare.engine.tokenizer import ChatTemplateError
+from flare.preparation.chat_template import ChatTemplateLimit
 from flare.sampling.policy import Adjustment
 from flare.structured import Grammar, GrammarError, GrammarSpec
 from flare.kernels.status import DeviceStatus
@@ -348,13 +350,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     _check_prompt_size(scheduler, sum(len(m["content"] or "") for m in messages), "messages")
     special = request.app[SETTINGS].config.allow_special_tokens_in_messages
     try:
-        prompt_ids = await anyio.to_thread.run_sync(
+        # The template renders in a thread the daemon never waits for at exit (abandonable.py).
+        prompt_ids = await run_abandonable(
             partial(encode, messages, special_tokens_in_content=special),
             limiter=request.app[TOKENIZING],
+            name="chat template",
         )
     except ChatTemplateError as error:
-        # The package's template refused the conversation (for example roles out of order).
-        raise bad_request(str(error), param="messages") from None
+        # The package's template refused the conversation (for example roles out of order), or
+        # ran past its render budget on it (preparation/chat_template.py).
+        limit = isinstance(error, ChatTemplateLimit)
+        raise bad_request(str(error), param="messages", code="chat_template_limit" if limit else None) from None
     shape = ChatCompletionShape(_new_id("chatcmpl"), int(time.time()), parsed.model, parsed.include_usage)
     grammar = await _compile(request, scheduler, parsed.constraint)
     return await _generate(

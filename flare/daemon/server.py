@@ -43,6 +43,7 @@ from flare.daemon.logging import LogControl, configure_logging
 from flare.daemon.metrics import DaemonMetrics, http_metrics_middleware, metrics_handler
 from flare.daemon.notify import SystemdNotifier, WatchdogHeartbeat, publish_status
 from flare.daemon.state import ServingState
+from flare.preparation.chat_template import check_chat_template
 from flare.preparation.default_model import default_package_path
 from flare.preparation.export import ExportError
 from flare.preparation.package import PackageError, open_package
@@ -232,6 +233,10 @@ class Daemon:
             package = open_package(path)
         except (PackageError, SourceError, ExportError) as error:
             raise StartupError(str(error)) from None
+        # The check export and inspect make too: a template that loops or explodes is refused here.
+        unservable = check_chat_template(package.chat_template)
+        if unservable is not None:
+            raise StartupError(f"{path}: chat template: {unservable}")
         options = SchedulerOptions(
             max_concurrency=config.max_concurrency,
             max_waiting=config.max_waiting,
