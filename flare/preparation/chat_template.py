@@ -9,7 +9,7 @@ cooperative, checked from inside the render at every step the template can repea
 - every call the template makes (macros, methods, filters called as functions: the sandbox's
   `call` hook), and every attribute or item it reads,
 - every piece of output, as the render yields it (`Template.generate`),
-- the result of `*` (which repeats strings and lists) before it is built,
+- the result of `*` (which repeats strings and lists) and of `**` before it is built,
 
 against RENDER_SECONDS of wall time and RENDER_CHARS of output. A render over either ends with
 `ChatTemplateLimit`, and so does a recursion that reaches Python's limit. What no
@@ -95,7 +95,7 @@ def _step() -> None:
 class _BudgetedSandbox(ImmutableSandboxedEnvironment):
     """The sandbox with the budget checked at its hooks (the module docstring lists them)."""
 
-    intercepted_binops = frozenset({"*"})
+    intercepted_binops = frozenset({"*", "**"})
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
         _step()
@@ -118,6 +118,11 @@ class _BudgetedSandbox(ImmutableSandboxedEnvironment):
                 raise ChatTemplateLimit(
                     f"the chat template builds a value of {len(sequence) * count} items, over {RENDER_CHARS}"
                 )
+        if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
+            # One power of big integers is one long C call, out of the budget's reach: its
+            # result's size (bits ~ exponent * log2 base) is known before it is computed.
+            if right * left.bit_length() > RENDER_CHARS:
+                raise ChatTemplateLimit(f"the chat template computes a power with {right * left.bit_length()} bits")
         return super().call_binop(context, operator, left, right)
 
 
