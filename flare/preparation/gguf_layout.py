@@ -74,7 +74,7 @@ class _Walker:
         self.offset = 0
 
     def fail(self, offset: int, what: str, why: str) -> GGUFLayoutError:
-        return GGUFLayoutError(f"{self.path}: not a valid GGUF file: at byte {offset}, {what}: {why}")
+        return GGUFLayoutError(f"{self.path} is not a readable GGUF file: at byte {offset}, {what}: {why}")
 
     def take(self, n: int, what: str) -> int:
         """The offset of the next `n` bytes, which must lie inside the file."""
@@ -166,7 +166,7 @@ def read_gguf_layout(path: Path) -> GGUFLayout:
     with open(path, "rb") as file:
         size = file.seek(0, 2)
         if size == 0:
-            raise GGUFLayoutError(f"{path}: not a valid GGUF file: it is empty")
+            raise GGUFLayoutError(f"{path} is not a readable GGUF file: it is empty")
         with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
             return _walk(_Walker(path, data))
 
