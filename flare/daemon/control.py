@@ -55,7 +55,8 @@ SOCKET_MODE = 0o660
 # Control commands carry a few bytes of JSON at most.
 CONTROL_MAX_BODY_BYTES = 64 << 10
 # A command is one short request from `flare ctl` (or a script): a head within 10 s, a few
-# connections at once, none idle for long. Each bound closes a connection that does not behave.
+# connections at once (within the file descriptors connections.FD_RESERVE keeps beside the HTTP
+# server's), none idle for long. Each bound closes a connection that does not behave.
 CONTROL_CONNECTION_LIMITS = ConnectionLimits(
     max_connections=64,
     header_timeout_s=10.0,
