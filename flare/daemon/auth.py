@@ -14,26 +14,31 @@ class ApiKeys:
     def required(self) -> bool:
         return bool(self._keys)
 
-    def accepts(self, authorization: str | None) -> bool:
-        """True when the Authorization header carries one of the keys.
+    def accepted_key(self, authorization: str | None, x_api_key: str | None) -> bytes:
+        """The key the request presents, `Authorization: Bearer <key>` or `x-api-key: <key>`,
+        when it is one of the keys; empty when neither header carries one.
 
         Every key is compared, whichever matches, and each comparison is hmac.compare_digest,
         so the time taken says nothing about how much of a key was right.
         """
-        if authorization is None:
-            return False
-        scheme, _, token = authorization.strip().partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        return self.accepts_key(token)
+        for presented in (_bearer_key(authorization), _key_bytes(x_api_key)):
+            matched = False
+            for key in self._keys:
+                matched |= hmac.compare_digest(presented, key)
+            if matched and presented:
+                return presented
+        return b""
 
-    def accepts_key(self, token: str | None) -> bool:
-        """True when `token` (an x-api-key header, or a Bearer token) is one of the keys."""
-        if token is None:
-            return False
-        # Header text may hold undecodable bytes as surrogates; they can never match a key.
-        presented = token.strip().encode("utf-8", "surrogateescape") if token.strip().isprintable() else b""
-        matched = False
-        for key in self._keys:
-            matched |= hmac.compare_digest(presented, key)
-        return matched and bool(presented)
+
+def _bearer_key(authorization: str | None) -> bytes:
+    if authorization is None:
+        return b""
+    scheme, _, token = authorization.strip().partition(" ")
+    return _key_bytes(token) if scheme.lower() == "bearer" else b""
+
+
+def _key_bytes(token: str | None) -> bytes:
+    if token is None:
+        return b""
+    # Header text may hold undecodable bytes as surrogates; they can never match a key.
+    return token.strip().encode("utf-8", "surrogateescape") if token.strip().isprintable() else b""

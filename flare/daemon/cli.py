@@ -61,6 +61,9 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--max-waiting", metavar="N", help="requests queued beyond those; past it, 429 (default 256)")
     add("--prefix-cache", choices=("on", "off"),
         help="keep computed KV blocks for later prompts that start the same way (default on)")
+    add("--prefix-cache-across-keys", choices=("on", "off"),
+        help="let requests of different API keys share cached prompt blocks (default off: a key could "
+        "learn another's prompts from cache hits; docs/operations.md)")
     add("--draft-tokens", metavar="N",
         help="speculative draft tokens per round; may only lower the package's (0 turns speculation off)")
     add("--drafter", choices=("ngram", "mtp", "auto"),

@@ -104,7 +104,23 @@ def add_inspect_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    from flare.daemon.logging import configure_logging
+
+    # Lines about the export itself (a partial directory of a killed export removed) go to stderr.
+    configure_logging("info", stream=sys.stderr)
+    # SIGTERM unwinds as Ctrl-C does, so the hidden staging directory is removed either way.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        return _export(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _export(args: argparse.Namespace) -> int:
     # Imported here, not at the top: they pull in torch, which other subcommands (ctl) do not need.
+    from safetensors import SafetensorError
+
+    from flare.daemon.logging import configure_logging
     from flare.preparation.export import (
         ExportError,
         ExportOptions,
@@ -127,7 +143,6 @@ def run_export(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
         )
         if args.drafter == "mtp":
-            from flare.daemon.logging import configure_logging
             from flare.distill.distill import DistillOptions
 
             from flare.distill.export import export_with_draft_head
@@ -143,8 +158,6 @@ def run_export(args: argparse.Namespace) -> int:
                 raise ExportError("--distill-tokens and --distill-seconds must be positive", option="--distill-tokens")
             # Quiet: the distillation runs the scheduler, whose per-round events are for a daemon's logs.
             configure_logging("warning", stream=sys.stderr)
-            # SIGTERM unwinds as Ctrl-C does, so the hidden target package is removed either way.
-            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
             manifest = export_with_draft_head(args.source, args.output, options, distill)
         else:
             for flag in ("distill_tokens", "distill_seconds", "distill_seed", "draft_head_dtype"):
@@ -154,8 +167,9 @@ def run_export(args: argparse.Namespace) -> int:
     except ExportError as error:
         print(f"flare export: error: {error}", file=sys.stderr)
         return EXIT_USAGE if error.option is not None else EXIT_FAILURE
-    except OSError as error:
-        print(f"flare export: error: cannot write the package: {error}", file=sys.stderr)
+    except (OSError, SafetensorError) as error:
+        # A full disk, among others (safetensors reports it as its own error): nothing is left behind.
+        print(f"flare export: error: cannot write the package: {' '.join(str(error).split())}", file=sys.stderr)
         return EXIT_FAILURE
     head = manifest.draft_head
     print(

@@ -47,6 +47,9 @@ class DaemonConfig:
     max_concurrency: int | None = None  # None: the package's serving.max_concurrency
     max_waiting: int = 256
     prefix_cache: bool = True
+    # Prefix-cache blocks are found only by requests of the API key that computed them (a key
+    # could otherwise confirm another's prompt block by block); on: all keys share them.
+    prefix_cache_across_keys: bool = False
     draft_tokens: int | None = None  # None: the package's; may only lower it
     drafter: str | None = None  # "ngram" | "mtp" | "auto"; None: the package's serving.drafter
     vocabulary_shards: int = 1
@@ -202,6 +205,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "max_concurrency": _integer(1),
     "max_waiting": _integer(0),
     "prefix_cache": _boolean,
+    "prefix_cache_across_keys": _boolean,
     "draft_tokens": _integer(0),
     "drafter": _choice("ngram", "mtp", "auto"),
     "vocabulary_shards": _integer(1),

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import BadStatusLine, HttpProcessingError
-from aiohttp.web_protocol import _ErrInfo
+from aiohttp.web_protocol import RequestPayloadError, _ErrInfo
 
 from flare.daemon.errors import INVALID_REQUEST, SERVER_ERROR, error_body
 
@@ -116,6 +116,9 @@ class ClientErrorLog:
         error = sys.exc_info()[1] if exc_info is True else exc_info
         if isinstance(error, HttpProcessingError):
             self.client("client_protocol_error", error=type(error).__name__, message=_one_line(error.message))
+        elif isinstance(error, RequestPayloadError):
+            # A body that does not match its framing, met again as the connection drains it.
+            self.client("client_protocol_error", error=type(error).__name__, message=_one_line(error))
         elif isinstance(error, ConnectionError):
             self.client("client_connection_error", error=type(error).__name__, message=_one_line(str(error)))
         else:
@@ -360,7 +363,8 @@ class _GuardedServer(web.Server):
 
 
 class GuardedAppRunner(web.AppRunner):
-    """An AppRunner whose connections live under the guard's limits."""
+    """An AppRunner whose connections live under the guard's limits. Bodies reach handlers as
+    sent: a Content-Encoding is the handler's to decode (body_encoding.py says why)."""
 
     def __init__(self, app: web.Application, guard: ConnectionGuard, **kwargs: Any) -> None:
         limits = guard.limits
@@ -368,6 +372,7 @@ class GuardedAppRunner(web.AppRunner):
             app,
             logger=guard.client_errors,
             keepalive_timeout=limits.keepalive_timeout_s,
+            auto_decompress=False,
             **kwargs,
         )
         self.guard = guard

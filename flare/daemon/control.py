@@ -40,7 +40,7 @@ import anyio.abc
 import structlog
 from aiohttp import web
 
-from flare.daemon.connections import ClientErrorLog
+from flare.daemon.connections import ClientErrorLog, ConnectionGuard, ConnectionLimits, GuardedAppRunner
 from flare.daemon.errors import INVALID_REQUEST, SERVER_ERROR, ApiError, error_body
 from flare.daemon.logging import LogControl
 from flare.daemon.openai_schema import parse_json_body
@@ -56,6 +56,16 @@ log = structlog.get_logger(__name__)
 SOCKET_MODE = 0o660
 # Control commands carry a few bytes of JSON at most.
 CONTROL_MAX_BODY_BYTES = 64 << 10
+# A command is one short request from `flare ctl` (or a script): a head within 10 s, a few
+# connections at once (within the file descriptors connections.FD_RESERVE keeps beside the HTTP
+# server's), none idle for long. Each bound closes a connection that does not behave.
+CONTROL_CONNECTION_LIMITS = ConnectionLimits(
+    max_connections=64,
+    header_timeout_s=10.0,
+    keepalive_timeout_s=30.0,
+    write_timeout_s=30.0,
+    max_header_bytes=16 << 10,
+)
 
 
 @dataclass(frozen=True)
@@ -461,8 +471,11 @@ async def serve_control(
     Run it in the daemon's task group: `await task_group.start(serve_control, target, path)`."""
     sock = bind_control_socket(path)
     bound = os.stat(path)
-    # Malformed requests are a (local) client's mistake: logged at info, rate-limited.
-    runner = web.AppRunner(control_app(target), access_log=None, handle_signals=False, logger=ClientErrorLog())
+    # The HTTP server's guard (connections.py), with the control socket's own limits: malformed
+    # requests get a JSON 400 and are a (local) client's mistake, logged at info, rate-limited;
+    # a head that does not arrive whole (HTTP/0.9, a silent connection) is closed in time.
+    guard = ConnectionGuard(CONTROL_CONNECTION_LIMITS, ClientErrorLog())
+    runner = GuardedAppRunner(control_app(target), guard, access_log=None, handle_signals=False)
     try:
         await runner.setup()
         # SockSite, not UnixSite: UnixSite binds and listens at once, before the mode can be set.

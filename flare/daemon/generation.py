@@ -61,6 +61,7 @@ class Generation:
     tokens: TokenOptions = TokenOptions()
     constraint: GrammarSpec | None = None  # response format, structured_outputs, or the tools' grammar
     include_usage: bool = False  # OpenAI's stream_options.include_usage
+    cache_salt: str | None = None  # narrows whose prefix-cache blocks it shares (daemon/cache_scope.py)
 
     @property
     def tools(self) -> ToolRequest | None:

@@ -24,6 +24,8 @@ from aiohttp import web
 
 from flare.daemon.answer import GENERATED, answer
 from flare.daemon.auth import ApiKeys
+from flare.daemon.body_encoding import decode_body
+from flare.daemon.cache_scope import prefix_cache_scope
 from flare.daemon.chat_page import PAGE_PATHS, add_chat_page_routes
 from flare.daemon.config import DaemonConfig
 from flare.daemon.errors import AUTHENTICATION, SERVER_ERROR, ApiError, bad_request
@@ -64,6 +66,8 @@ TOKENIZING = web.AppKey("tokenizing", anyio.CapacityLimiter)
 # new schemas queues here and never holds the tokenizer's threads or the event loop.
 COMPILING = web.AppKey("compiling", anyio.CapacityLimiter)
 REQUEST_ID = web.RequestKey("request_id", str)
+# The API key a request was admitted with (empty without keys): its prefix-cache scope.
+API_KEY = web.RequestKey("api_key", bytes)
 REQUEST_ID_HEADER = "X-Request-Id"
 FAULT_HEADER = "X-Flare-Fault"
 # A client's request id is echoed and logged only if it is short and plain (no log injection).
@@ -235,7 +239,8 @@ async def _authentication(request: web.Request, handler: Handler) -> web.StreamR
     public = request.path in _PUBLIC_PATHS or (
         request.path == "/metrics" and not request.app[SETTINGS].config.metrics_require_key
     )
-    presented = keys.accepts(request.headers.get("Authorization")) or keys.accepts_key(request.headers.get("x-api-key"))
+    presented = keys.accepted_key(request.headers.get("Authorization"), request.headers.get("x-api-key"))
+    request[API_KEY] = presented
     if keys.required and not public and not presented:
         raise ApiError(
             401,
@@ -326,7 +331,10 @@ async def _generate(
 ) -> web.StreamResponse:
     """The one request path after parsing, whichever API: prepare, then submit and render."""
     serving = _serving(request, generation)
-    prepared = await prepare(serving, generation, _new_id(id_prefix), _fault(request, serving.config))
+    scope = prefix_cache_scope(
+        api_key=request[API_KEY], across_keys=serving.config.prefix_cache_across_keys, salt=generation.cache_salt
+    )
+    prepared = await prepare(serving, generation, _new_id(id_prefix), _fault(request, serving.config), scope)
     state = request.app[STATE]
     return await answer(request, serving.scheduler, state, prepared, renderer(prepared), serving.config.request_timeout_s)
 
@@ -354,8 +362,9 @@ async def expect_continue(request: web.Request) -> None:
 async def read_body(request: web.Request) -> bytes:
     """The body, or a 408 for a client that sends it too slowly (it would hold a connection
     and a handler forever otherwise); a 413 at once for a declared length over max_body_bytes
-    (aiohttp's own 413 for a chunked one that grows past it); a 400 for a body whose
-    Content-Encoding does not decode."""
+    (aiohttp's own 413 for a chunked one that grows past it); for a body with a
+    Content-Encoding, what decode_body answers: a 400 for one that does not decode, a 413 for
+    one that decodes past max_body_bytes, a 415 for a coding not served."""
     limit = request.app[SETTINGS].config.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         # The body is never read: the connection closes after the answer.
@@ -367,15 +376,18 @@ async def read_body(request: web.Request) -> bytes:
         )
     try:
         with anyio.move_on_after(BODY_READ_TIMEOUT_S):
-            return await request.read()
+            raw = await request.read()
+            encoding = request.headers.get("Content-Encoding")
+            if not encoding:
+                return raw
+            return await anyio.to_thread.run_sync(decode_body, raw, encoding, limit)
     except web.RequestPayloadError as error:
-        encoding = request.headers.get("Content-Encoding", "")
         raise ApiError(
             400,
             f"the request body could not be read ({' '.join(str(error).split())[:200]}); "
-            + (f"it is not valid {encoding} data" if encoding else "it does not match its framing"),
+            "it does not match its framing",
             param=None,
-            code="invalid_body_encoding" if encoding else "invalid_body",
+            code="invalid_body",
             close=True,
         ) from None
     raise ApiError(

@@ -19,6 +19,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from flare.daemon.cache_scope import cache_salt
 from flare.daemon.errors import ApiError, bad_request
 from flare.daemon.generation import ChatPrompt, Generation, TextOrTokens, TextPrompts, TokenOptions
 from flare.daemon.tool_calls import check_tool_results, parse_tools, tool_grammar
@@ -32,7 +33,10 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 _COMMON = frozenset(
-    {"model", "stream", "stream_options", "structured_outputs", "logprobs_mode", *SAMPLING_FIELDS, *_IGNORED}
+    {
+        "model", "stream", "stream_options", "structured_outputs", "logprobs_mode", "cache_salt",
+        *SAMPLING_FIELDS, *_IGNORED,
+    }
 )
 _CHAT_FIELDS = _COMMON | {
     "messages", "n", "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice",
@@ -161,6 +165,7 @@ def parse_chat_completion(body: Mapping[str, Any]) -> Generation:
         tokens,
         constraint or extension,
         include_usage,
+        cache_salt(body),
     )
 
 
@@ -180,7 +185,7 @@ def parse_completion(body: Mapping[str, Any]) -> Generation:
     stream, include_usage = _streaming(body)
     constraint = _structured_outputs(body.get("structured_outputs"))
     prompts = TextPrompts(_prompts(body.get("prompt")))
-    return Generation(model, prompts, _sampling(body), stream, n, tokens, constraint, include_usage)
+    return Generation(model, prompts, _sampling(body), stream, n, tokens, constraint, include_usage, cache_salt(body))
 
 
 def _check_fields(body: Mapping[str, Any], known: frozenset[str]) -> None:

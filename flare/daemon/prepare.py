@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from flare.daemon.abandonable import run_abandonable
 from flare.daemon.config import DaemonConfig
 from flare.daemon.errors import bad_request
 from flare.daemon.generation import ChatPrompt, Generation, TextPrompts, TokenOptions
@@ -24,6 +25,7 @@ from flare.daemon.openai_schema import closed_objects_adjustment
 from flare.daemon.rendering import flare_object, logprobs_object
 from flare.daemon.tool_calls import render_messages, template_messages, template_tools
 from flare.engine.tokenizer import ChatTemplateError
+from flare.preparation.chat_template import ChatTemplateLimit
 from flare.sampling.policy import Adjustment, ClampResult
 from flare.scheduler.request import FaultSpec, GenerationRequest
 from flare.structured import Grammar, GrammarError, GrammarSpec
@@ -93,10 +95,11 @@ class Prepared:
 
 
 async def prepare(
-    serving: Serving, generation: Generation, request_id: str, fault: FaultSpec | None = None
+    serving: Serving, generation: Generation, request_id: str, fault: FaultSpec | None = None, cache_scope: bytes = b""
 ) -> Prepared:
     """The scheduler requests for `generation` and the plan for its answer, or a 400 naming the
-    field that cannot be served."""
+    field that cannot be served. `cache_scope` says whose prefix-cache blocks its prompts may
+    share (daemon/cache_scope.py)."""
     scheduler = serving.scheduler
     tokens = generation.tokens
     _check_logit_bias(tokens.logit_bias, scheduler.vocab_size)
@@ -133,6 +136,7 @@ async def prepare(
             raw_logprobs=tokens.raw_logprobs,
             prompt_logprobs=tokens.logprobs if scores_prompt else None,
             grammar=grammar,
+            cache_scope=cache_scope,
         )
         for k, (_, ids) in enumerate(prompts)
     )
@@ -207,12 +211,17 @@ async def _chat_ids(serving: Serving, prompt: ChatPrompt) -> tuple[int, ...]:
     check_prompt_size(serving.scheduler, sum(len(m["content"] or "") for m in messages), prompt.param)
     special = serving.config.allow_special_tokens_in_messages
     try:
-        ids = await anyio.to_thread.run_sync(
-            partial(encode, messages, special_tokens_in_content=special), limiter=serving.tokenizing
+        # The template renders in a thread the daemon never waits for at exit (abandonable.py).
+        ids = await run_abandonable(
+            partial(encode, messages, special_tokens_in_content=special),
+            limiter=serving.tokenizing,
+            name="chat template",
         )
     except ChatTemplateError as error:
-        # The package's template refused the conversation (for example roles out of order).
-        raise bad_request(str(error), param=prompt.param) from None
+        # The package's template refused the conversation (for example roles out of order), or
+        # ran past its render budget on it (preparation/chat_template.py).
+        limit = isinstance(error, ChatTemplateLimit)
+        raise bad_request(str(error), param=prompt.param, code="chat_template_limit" if limit else None) from None
     return tuple(ids)
 
 

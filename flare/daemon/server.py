@@ -44,6 +44,7 @@ from flare.daemon.metrics import DaemonMetrics, http_metrics_middleware, metrics
 from flare.daemon.notify import SystemdNotifier, WatchdogHeartbeat, publish_status
 from flare.daemon.state import ServingState
 from flare.daemon.tokenize_api import add_tokenize_routes
+from flare.preparation.chat_template import check_chat_template
 from flare.preparation.default_package import default_package_path
 from flare.preparation.export import ExportError
 from flare.preparation.package import PackageError, open_package
@@ -67,7 +68,7 @@ _POLL_S = 0.05
 RELOADABLE_SETTINGS = frozenset(
     {
         "log_level", "api_keys", "metrics_require_key", "max_waiting", "request_timeout_s", "drain_grace_s",
-        "allowed_origins", "allowed_hosts",
+        "allowed_origins", "allowed_hosts", "prefix_cache_across_keys",
     }
 )
 # How often systemd's STATUS= line is refreshed (sent only when it changed).
@@ -234,6 +235,10 @@ class Daemon:
             package = open_package(path)
         except (PackageError, SourceError, ExportError) as error:
             raise StartupError(str(error)) from None
+        # The check export and inspect make too: a template that loops or explodes is refused here.
+        unservable = check_chat_template(package.chat_template)
+        if unservable is not None:
+            raise StartupError(f"{path}: chat template: {unservable}")
         options = SchedulerOptions(
             max_concurrency=config.max_concurrency,
             max_waiting=config.max_waiting,

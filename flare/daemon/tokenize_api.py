@@ -17,12 +17,14 @@ from typing import Any
 import anyio
 from aiohttp import web
 
+from flare.daemon.abandonable import run_abandonable
 from flare.daemon.errors import bad_request
 from flare.daemon.http_api import SETTINGS, STATE, TOKENIZING, expect_continue, read_body
 from flare.daemon.openai_schema import chat_messages, check_fields, check_model, kind, parse_json_body
 from flare.daemon.prepare import check_prompt_size
 from flare.daemon.tool_calls import render_messages, template_messages
 from flare.engine.tokenizer import ChatTemplateError
+from flare.preparation.chat_template import ChatTemplateLimit
 
 _TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens"})
 _DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
@@ -64,9 +66,11 @@ async def tokenize(request: web.Request) -> web.Response:
             special_tokens_in_content=request.app[SETTINGS].config.allow_special_tokens_in_messages,
         )
     try:
-        tokens = await anyio.to_thread.run_sync(encode, limiter=request.app[TOKENIZING])
+        # A chat template renders in a thread the daemon never waits for at exit (abandonable.py).
+        tokens = await run_abandonable(encode, limiter=request.app[TOKENIZING], name="tokenize")
     except ChatTemplateError as error:
-        raise bad_request(str(error), param="messages") from None
+        limit = isinstance(error, ChatTemplateLimit)
+        raise bad_request(str(error), param="messages", code="chat_template_limit" if limit else None) from None
     return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": scheduler.max_context})
 
 

@@ -37,6 +37,15 @@ def namespace_hash(*parts: str) -> BlockHash:
     return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=_DIGEST_BYTES).digest()
 
 
+def scoped_root(root: BlockHash, scope: bytes) -> BlockHash:
+    """The root of the chains of requests in `scope` (bytes derived from an API key and a
+    request's cache_salt; empty: the shared scope, whose root is `root` itself). Blocks
+    published under one scope are never found from another: every hash of the chain differs."""
+    if not scope:
+        return root
+    return hashlib.blake2b(root + b"\x1fscope\x1f" + scope, digest_size=_DIGEST_BYTES).digest()
+
+
 def chain_hashes(
     root: BlockHash, token_ids: Sequence[int], block_size: int, known: Sequence[BlockHash] = ()
 ) -> list[BlockHash]:

@@ -5,17 +5,17 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
+
+from flare.preparation.chat_template import ChatTemplateError, compile_chat_template, render_within_budget
 
 if TYPE_CHECKING:
     from flare.preparation.package import Package
+
+__all__ = ["ChatTemplateError", "IncrementalDetokenizer", "Tokenizer", "compile_chat_template"]
 
 # How many tokens before the first new one the detokenizer decodes as context, as vLLM and TGI
 # do: enough for a tokenizer whose decoding of a token depends on its neighbours (leading-space
@@ -37,38 +37,6 @@ _LENGTH_KEEPING_NORMALIZERS = frozenset({"Prepend", "Replace", "NFD", "NFKD", "L
 _LENGTH_KEEPING_PRE_TOKENIZERS = frozenset(
     {"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation", "UnicodeScripts", "Sequence"}
 )
-
-
-class ChatTemplateError(ValueError):
-    """The chat template failed to render these messages (a template bug or a message it refuses)."""
-
-
-def _raise_exception(message: str) -> None:
-    # Templates call raise_exception("...") to refuse a conversation (e.g. roles out of order).
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
-    # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON (as transformers renders).
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
-
-
-def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile a chat template in a sandbox, with the environment transformers renders it in."""
-    environment = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    environment.filters["tojson"] = _tojson
-    environment.globals["raise_exception"] = _raise_exception
-    environment.globals["strftime_now"] = _strftime_now
-    try:
-        return environment.from_string(source)
-    except jinja2.TemplateError as error:
-        raise ChatTemplateError(f"the chat template does not compile: {error}") from error
 
 
 def _byte_of_char() -> dict[str, int]:
@@ -199,20 +167,14 @@ class Tokenizer:
     ) -> str:
         """The prompt text of a conversation (and of the functions it may call, for a template
         that knows tools); raises `ChatTemplateError` when rendering fails."""
-        try:
-            return self._template.render(
-                messages=[dict(message) for message in messages],
-                tools=list(tools) if tools else None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self._special_tokens,
-            )
-        except jinja2.TemplateError as error:
-            raise ChatTemplateError(f"the chat template could not render these messages: {error}") from error
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as error:
-            raise ChatTemplateError(
-                f"the chat template could not render these messages: {type(error).__name__}: {error}"
-            ) from error
+        context = {
+            "messages": [dict(message) for message in messages],
+            "tools": list(tools) if tools else None,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+            **self._special_tokens,
+        }
+        return render_within_budget(self._template, context)
 
     def encode_chat(
         self,

@@ -19,6 +19,7 @@ from typing import TextIO
 
 import torch
 
+from flare.preparation.chat_template import check_chat_template
 from flare.preparation.contract import check_contract
 from flare.preparation.default_model import DEFAULT_SOURCE, default_gguf_path
 from flare.preparation.gguf_source import open_gguf
@@ -284,6 +285,9 @@ def export_package(source: str, out_dir: Path, options: ExportOptions, *, stderr
         model = open_source(source)
     except (PackageError, SourceError) as error:
         raise ExportError(str(error)) from None
+    unservable = check_chat_template(model.chat_template)
+    if unservable is not None:
+        raise ExportError(f"{source}: chat template: {unservable}; flare run would refuse it")
     recipe = recipe_for(model.config)
     serving = build_serving(options, recipe, model.config.max_position_embeddings)
     policy = build_policy(options, recipe, serving.max_context)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 
+from flare.preparation.gguf_layout import read_gguf_layout
 from flare.preparation.manifest import ModelConfig
 from flare.preparation.package import sha256_of, weight_problems
 from flare.preparation.source import ModelSource, SourceError
@@ -74,6 +75,8 @@ def open_gguf(path: Path, source: str | None = None) -> ModelSource:
     path = Path(path)
     if not path.is_file():
         raise SourceError(f"{path} is not a file; give a GGUF file, a Hugging Face model directory, or 'default'")
+    # Every count and length bounded by the file's size first: gguf-py trusts them.
+    read_gguf_layout(path)
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, OSError, struct.error) as error:

@@ -5,8 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from flare.preparation.contract import check_contract
-from flare.preparation.package import verify_package
+from flare.preparation.chat_template import check_chat_template
+from flare.preparation.contract import Problem, check_contract
+from flare.preparation.package import CHAT_TEMPLATE_NAME, verify_package
+
+UNSERVABLE_CHAT_TEMPLATE = "unservable_chat_template"
 
 
 def inspect_package(path: Path) -> dict[str, Any]:
@@ -20,8 +23,23 @@ def inspect_package(path: Path) -> dict[str, Any]:
     problems = []
     if report.manifest is not None:
         problems = check_contract(report.manifest.serving, report.manifest.sampling, str(path))
+        problems += _chat_template_problems(Path(path))
     info["problems"] = [problem.to_json() for problem in problems]
     return info
+
+
+def _chat_template_problems(path: Path) -> list[Problem]:
+    """The check `flare run` makes of the chat template (it compiles, and renders a plain
+    conversation within its budget), as a problem; a missing file is integrity's to report."""
+    try:
+        source = (path / CHAT_TEMPLATE_NAME).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return []
+    why = check_chat_template(source)
+    if why is None:
+        return []
+    fix = f"export the package again from a source whose chat template works, or correct {CHAT_TEMPLATE_NAME}"
+    return [Problem(UNSERVABLE_CHAT_TEMPLATE, f"{path / CHAT_TEMPLATE_NAME}: {why}; flare run refuses it", (fix,))]
 
 
 def servable(info: dict[str, Any]) -> bool:

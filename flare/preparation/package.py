@@ -35,6 +35,7 @@ from flare.preparation.manifest import (
     Provenance,
     ServingConfig,
 )
+from flare.preparation.staging import claim_staging, remove_abandoned_staging
 from flare.sampling.policy import SamplingPolicy
 
 WEIGHTS_NAME = "model.safetensors"
@@ -151,8 +152,9 @@ def write_package(
     manifest = Manifest(model=config, serving=serving, sampling=policy, provenance=provenance, draft_head=head_info)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:12]}"
-    staging.mkdir()
+    remove_abandoned_staging(out_dir)  # what a killed export left (staging.py)
+    claimed = claim_staging(out_dir)
+    staging = claimed.path
     try:
         dtype = TORCH_DTYPES[serving.dtype]
         tensors = {name: state_dict[name].detach().to("cpu", dtype).contiguous() for name in state_dict}
@@ -188,6 +190,8 @@ def write_package(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        claimed.release()
     return manifest
 
 

@@ -11,7 +11,7 @@ scheduler's; here a request for blocks either gets all of them or changes nothin
 from __future__ import annotations
 
 from flare.engine.kv_cache import OutOfBlocks, blocks_for_tokens
-from flare.engine.prefix_cache import PrefixCache, chain_hashes
+from flare.engine.prefix_cache import PrefixCache, chain_hashes, scoped_root
 from flare.scheduler.sequence import Sequence
 
 # One copy-on-write: (the shared block, the sequence's own copy of it).
@@ -37,12 +37,17 @@ class BlockManager:
         if not self.cache.enabled or seq.request.prompt_logprobs is not None:
             # A scored prompt is computed whole: cached blocks hold no logits to score it by.
             return
-        seq.block_hashes = chain_hashes(self.cache.root, seq.tokens, self.block_size, seq.block_hashes)
+        seq.block_hashes = chain_hashes(self._root(seq), seq.tokens, self.block_size, seq.block_hashes)
         # A last block that holds the last token is found too, and copied before that token's
         # position is written again: cheaper than computing the whole block.
         seq.block_table = self.cache.lookup(seq.block_hashes)
         seq.num_published = len(seq.block_table)
         seq.num_cached = min(len(seq.block_table) * self.block_size, len(seq.tokens) - 1)
+
+    def _root(self, seq: Sequence) -> bytes:
+        """The root of `seq`'s hash chain: its request's cache scope decides whose blocks it
+        finds and who finds its blocks."""
+        return scoped_root(self.cache.root, seq.request.cache_scope)
 
     def admission_need(self, seq: Sequence) -> int:
         """Blocks `seq` (mapped to its cached prefix) still needs to hold all its tokens and the
@@ -116,7 +121,7 @@ class BlockManager:
             return
         if len(seq.block_hashes) < full:
             seq.block_hashes = chain_hashes(
-                self.cache.root, seq.tokens[: full * self.block_size], self.block_size, seq.block_hashes
+                self._root(seq), seq.tokens[: full * self.block_size], self.block_size, seq.block_hashes
             )
         for i in range(seq.num_published, full):
             self.cache.publish(seq.block_table[i], seq.block_hashes[i])

@@ -43,6 +43,9 @@ class GenerationRequest:
     prompt: the prefix cache's blocks hold no logits."""
     grammar: Grammar | None = None
     """The compiled constraint every choice's answer follows (structured output), or None."""
+    cache_scope: bytes = b""
+    """Who may share this request's prefix-cache blocks (engine/prefix_cache.py `scoped_root`):
+    empty for everyone, else only requests of the same scope (daemon/cache_scope.py)."""
 
 
 # A Weyl step of the golden ratio: choices of nearby seeds (s and s + 1) get unrelated streams.
