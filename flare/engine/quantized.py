@@ -1,0 +1,108 @@
+"""Linear layers multiplied straight from ggml's quantized blocks, as a GGUF stores them.
+
+A `QuantizedWeight` is a layer's weight [out, in] as rows of ggml blocks (each row in / block
+size blocks of the type's bytes, blocks running along the input dimension). Its values are
+exactly what gguf-py's `gguf.quants.dequantize` gives for its blocks: `dequantize` returns those
+float32 values, and `quantized_linear` multiplies float32 activations by them, summing in
+float32, so a quantized package scores text as its own float32 dequantization does up to the
+order of summation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+
+_TYPES = frozenset(
+    {
+        gguf.GGMLQuantizationType.Q4_0,
+        gguf.GGMLQuantizationType.Q4_1,
+        gguf.GGMLQuantizationType.Q5_0,
+        gguf.GGMLQuantizationType.Q5_1,
+        gguf.GGMLQuantizationType.Q8_0,
+        gguf.GGMLQuantizationType.Q4_K,
+        gguf.GGMLQuantizationType.Q5_K,
+        gguf.GGMLQuantizationType.Q6_K,
+    }
+)
+
+
+def supported_types() -> frozenset[gguf.GGMLQuantizationType]:
+    """The ggml types a linear layer is served from as blocks; any other type is dequantized at export."""
+    return _TYPES
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A linear layer's weight as ggml blocks: `data` is uint8 [out_features, row_bytes] (each row
+    is in_features / block_size blocks of the ggml type, exactly as the GGUF stores them)."""
+
+    ggml_type: gguf.GGMLQuantizationType
+    data: torch.Tensor  # uint8, 2-D, may be a view onto an mmapped file: never copied here
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def from_blocks(
+        cls, ggml_type: gguf.GGMLQuantizationType | int, data: torch.Tensor, out_features: int, in_features: int
+    ) -> QuantizedWeight:
+        """The weight over `data` (not copied), or ValueError naming what does not fit: an
+        unsupported type, a width that is not whole blocks, bytes of the wrong dtype or length."""
+        try:
+            ggml_type = gguf.GGMLQuantizationType(int(ggml_type))
+        except ValueError:
+            raise ValueError(f"unknown ggml type id {int(ggml_type)}") from None
+        if ggml_type not in _TYPES:
+            names = ", ".join(sorted(t.name for t in _TYPES))
+            raise ValueError(f"ggml type {ggml_type.name} is not served from blocks (supported: {names})")
+        block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
+        if out_features < 1 or in_features < 1 or in_features % block_size:
+            raise ValueError(
+                f"a {ggml_type.name} weight needs positive sizes and in_features a multiple of {block_size}, "
+                f"got [{out_features}, {in_features}]"
+            )
+        row_bytes = in_features // block_size * type_size
+        if data.dtype != torch.uint8 or data.device.type != "cpu" or tuple(data.shape) != (out_features, row_bytes):
+            raise ValueError(
+                f"{ggml_type.name} blocks of a [{out_features}, {in_features}] weight must be CPU uint8 "
+                f"[{out_features}, {row_bytes}], got {data.device} {data.dtype} {tuple(data.shape)}"
+            )
+        if data.stride(1) != 1 or (out_features > 1 and data.stride(0) != row_bytes):
+            raise ValueError(f"{ggml_type.name} blocks must be contiguous, got strides {data.stride()}")
+        return cls(ggml_type, data, out_features, in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def dequantize(weight: QuantizedWeight) -> torch.Tensor:
+    """The weight's values, float32 [out, in]: exactly gguf-py's `gguf.quants.dequantize`."""
+    values = gguf.quants.dequantize(weight.data.numpy(), weight.ggml_type)
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+
+def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` (int64 indices, any shape) of the weight's values, float32 [*rows.shape, in]:
+    the embedding lookup of a quantized (possibly tied) token embedding."""
+    if rows.dtype != torch.int64 or rows.device.type != "cpu":
+        raise ValueError(f"dequantize_rows: rows must be CPU int64, got {rows.device} {rows.dtype}")
+    flat = rows.reshape(-1)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= weight.out_features):
+        raise ValueError(f"dequantize_rows: row ids must lie in [0, {weight.out_features}), got {flat.min()}..{flat.max()}")
+    picked = weight.data.index_select(0, flat)
+    values = gguf.quants.dequantize(picked.numpy(), weight.ggml_type)
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(*rows.shape, weight.in_features)
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """x float32 [M, in] times the weight's values transposed: float32 [M, out]."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != weight.in_features:
+        raise ValueError(
+            f"quantized_linear: x must be a CPU float32 [rows, {weight.in_features}], "
+            f"got {x.device} {x.dtype} {tuple(x.shape)}"
+        )
+    return x @ dequantize(weight).T
