@@ -16,18 +16,28 @@ import gguf
 import numpy as np
 import torch
 
-_TYPES = frozenset(
-    {
-        gguf.GGMLQuantizationType.Q4_0,
-        gguf.GGMLQuantizationType.Q4_1,
-        gguf.GGMLQuantizationType.Q5_0,
-        gguf.GGMLQuantizationType.Q5_1,
-        gguf.GGMLQuantizationType.Q8_0,
-        gguf.GGMLQuantizationType.Q4_K,
-        gguf.GGMLQuantizationType.Q5_K,
-        gguf.GGMLQuantizationType.Q6_K,
-    }
+from flare.engine import native
+
+# The widest instructions the quantized kernel uses (native.ISA_*): what ATen dispatches to, so
+# ATEN_CPU_CAPABILITY=avx2 holds it to AVX2 and ATEN_CPU_CAPABILITY=default to the portable loop
+# (how tests and benchmarks stand in for other CPUs). Every level gives the same bits.
+QUANTIZED_ISA = {"AVX512": native.ISA_AVX512, "AVX2": native.ISA_AVX2}.get(
+    torch.backends.cpu.get_cpu_capability(), native.ISA_PORTABLE
 )
+
+# Byte offsets of each type's float16 scales (d, and dmin / m where the type has one) inside a block.
+_SCALE_OFFSETS = {
+    gguf.GGMLQuantizationType.Q4_0: (0,),
+    gguf.GGMLQuantizationType.Q4_1: (0, 2),
+    gguf.GGMLQuantizationType.Q5_0: (0,),
+    gguf.GGMLQuantizationType.Q5_1: (0, 2),
+    gguf.GGMLQuantizationType.Q8_0: (0,),
+    gguf.GGMLQuantizationType.Q4_K: (0, 2),
+    gguf.GGMLQuantizationType.Q5_K: (0, 2),
+    gguf.GGMLQuantizationType.Q6_K: (208,),
+}
+
+_TYPES = frozenset(_SCALE_OFFSETS)
 
 
 def supported_types() -> frozenset[gguf.GGMLQuantizationType]:
@@ -72,6 +82,18 @@ class QuantizedWeight:
             )
         if data.stride(1) != 1 or (out_features > 1 and data.stride(0) != row_bytes):
             raise ValueError(f"{ggml_type.name} blocks must be contiguous, got strides {data.stride()}")
+        # A NaN or infinite scale makes every value of its block NaN or infinite: refused here,
+        # at load, rather than surfacing as non-finite logits mid-request.
+        scales = data.view(-1, type_size)
+        for offset in _SCALE_OFFSETS[ggml_type]:
+            half = scales[:, offset].to(torch.int32) | (scales[:, offset + 1].to(torch.int32) << 8)
+            bad = ((half & 0x7C00) == 0x7C00).nonzero()
+            if bad.numel():
+                block = int(bad[0])
+                raise ValueError(
+                    f"{ggml_type.name} block {block % (row_bytes // type_size)} of row {block // (row_bytes // type_size)} "
+                    f"has a NaN or infinite scale"
+                )
         return cls(ggml_type, data, out_features, in_features)
 
     @property
@@ -93,16 +115,29 @@ def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor
     flat = rows.reshape(-1)
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= weight.out_features):
         raise ValueError(f"dequantize_rows: row ids must lie in [0, {weight.out_features}), got {flat.min()}..{flat.max()}")
-    picked = weight.data.index_select(0, flat)
-    values = gguf.quants.dequantize(picked.numpy(), weight.ggml_type)
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(*rows.shape, weight.in_features)
+    if native.available():
+        values = native.quantized_rows(weight.data, weight.ggml_type, weight.in_features, flat.contiguous())
+    else:
+        picked = weight.data.index_select(0, flat)
+        values = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(picked.numpy(), weight.ggml_type)))
+    return values.view(*rows.shape, weight.in_features)
 
 
-def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """x float32 [M, in] times the weight's values transposed: float32 [M, out]."""
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, *, isa: int | None = None) -> torch.Tensor:
+    """x float32 [M, in] (rows contiguous) times the weight's values transposed: float32 [M, out].
+
+    With the C kernels built (native.available()), quantized_linear.c: each output's sum in a
+    fixed order, the same bits at every `isa` (default QUANTIZED_ISA) and whatever the other
+    rows. Without them, float32 matmul over `dequantize` (the same values, torch's order)."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != weight.in_features:
         raise ValueError(
             f"quantized_linear: x must be a CPU float32 [rows, {weight.in_features}], "
             f"got {x.device} {x.dtype} {tuple(x.shape)}"
         )
-    return x @ dequantize(weight).T
+    if not native.available():
+        return x @ dequantize(weight).T
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    return native.quantized_linear(
+        x, weight.data, weight.ggml_type, weight.out_features, weight.in_features, QUANTIZED_ISA if isa is None else isa
+    )
