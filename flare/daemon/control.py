@@ -30,7 +30,7 @@ import stat
 import struct
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -80,6 +80,7 @@ class DaemonStatus:
     kv_blocks_evictable: int = 0  # cached, used by no request: given up when requests need blocks
     prompt_tokens_cached: int = 0  # since start: served from the prefix cache
     prompt_tokens_computed: int = 0  # since start: prefilled
+    weight_types: dict[str, dict[str, int]] = field(default_factory=dict)  # tensors and bytes by stored type
 
     def summary(self) -> str:
         """One line: `systemctl status` shows it under the unit."""
@@ -171,6 +172,7 @@ class DaemonControl:
             kv_blocks_evictable=snapshot.kv_blocks_evictable,
             prompt_tokens_cached=snapshot.prompt_tokens_cached,
             prompt_tokens_computed=snapshot.prompt_tokens_computed,
+            weight_types=snapshot.weight_types,
         )
 
     def requests(self) -> Sequence[RequestRow]:

@@ -67,6 +67,7 @@ def export_with_draft_head(
             config=m.model,
             state_dict=floats,
             blocks=blocks,
+            dequantized=m.dequantized,
             tokenizer_json=target.tokenizer_json_path.read_text(encoding="utf-8"),
             chat_template=target.chat_template,
             policy=m.sampling,

@@ -343,6 +343,7 @@ def export_package(source: str, out_dir: Path, options: ExportOptions, *, stderr
             config=model.config,
             state_dict=weights.floats,
             blocks=weights.blocks,
+            dequantized=weights.dequantized,
             tokenizer_json=model.tokenizer_json,
             chat_template=model.chat_template,
             policy=policy,
@@ -363,6 +364,8 @@ def read_weights(model: ModelSource, options: ExportOptions, progress: Callable[
         return quantize_weights(model.read_weights(progress), options.quantize, model.config)
     if options.dtype == AUTO_DTYPE and model.read_blocks is not None:
         return model.read_blocks(progress)
+    if model.read_dequantized is not None:
+        return model.read_dequantized(progress)
     return SourceWeights(model.read_weights(progress), {})
 
 

@@ -106,6 +106,9 @@ def open_gguf(path: Path, source: str | None = None) -> ModelSource:
     def read_weights(progress: Callable[[int, int], None]) -> dict[str, torch.Tensor]:
         return _read_weights(reader, names, config, progress, keep_blocks=False).floats
 
+    def read_dequantized(progress: Callable[[int, int], None]) -> SourceWeights:
+        return _read_weights(reader, names, config, progress, keep_blocks=False)
+
     def read_blocks(progress: Callable[[int, int], None]) -> SourceWeights:
         return _read_weights(reader, names, config, progress, keep_blocks=True)
 
@@ -119,6 +122,7 @@ def open_gguf(path: Path, source: str | None = None) -> ModelSource:
         chat_template=chat_template,
         read_weights=read_weights,
         read_blocks=read_blocks,
+        read_dequantized=read_dequantized,
     )
 
 
@@ -196,6 +200,7 @@ def _read_weights(
 ) -> SourceWeights:
     floats: dict[str, torch.Tensor] = {}
     blocks: dict[str, BlockTensor] = {}
+    dequantized: dict[str, str] = {}
     problems: list[str] = []
     total = len(reader.tensors)
     heads = {".attn_q.weight": config.num_heads, ".attn_k.weight": config.num_kv_heads}
@@ -218,6 +223,8 @@ def _read_weights(
         if kind not in _FLOAT_TYPES and not np.isfinite(weight).all():
             problems.append(f"tensor {name}: its {kind.name} blocks dequantize to NaN or infinite values (a bad scale)")
             continue
+        if kind not in _FLOAT_TYPES:
+            dequantized[name] = kind.name
         if num_heads is not None:
             weight = unpermute_rope_rows(weight, num_heads)
         # Unquantized tensors come back as read-only views of the memory-mapped file: copy those.
@@ -225,7 +232,7 @@ def _read_weights(
         progress(done, total)
     if problems:
         raise SourceError("the GGUF's blocks cannot be served:\n" + "\n".join(f"  - {p}" for p in problems))
-    return SourceWeights(floats, blocks)
+    return SourceWeights(floats, blocks, dequantized)
 
 
 def build_tokenizer_json(metadata: _Metadata) -> str:

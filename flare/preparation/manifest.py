@@ -8,9 +8,12 @@ Layout of the JSON object (format 3):
      "sampling": {"defaults": {...}, "ranges": {...}},
      "files": {"model.safetensors": "<sha256>", "tokenizer.json": ..., "chat_template.jinja": ...},
      "draft_head": {DraftHeadInfo},   (only in a package that ships a learned draft head)
-     "blocks": {"<tensor name>": {"type": "Q4_1", "offset": 0, "nbytes": 207360}, ...}}
+     "blocks": {"<tensor name>": {"type": "Q4_1", "offset": 0, "nbytes": 207360}, ...},
                                       (only in a package that keeps quantized tensors as ggml blocks,
                                        in `model.blocks`; package.py and blocks.py)
+     "dequantized": {"<tensor name>": "Q2_K", ...}}
+                                      (only where export dequantized quantized source tensors: their
+                                       source type, for `flare inspect`)
 
 Formats read: 2 (provenance.name) and 3 (blocks). A format-2 manifest has no blocks and reads as
 before; flare writes format 3.
@@ -290,6 +293,9 @@ class Manifest:
     # Quantized tensors kept as ggml blocks (`model.blocks`), by tensor name; empty for a package
     # whose every weight is in model.safetensors.
     blocks: dict[str, BlockEntry] = field(default_factory=dict)
+    # Tensors the source stored quantized that export dequantized (a --dtype asked for floats, or
+    # their type has no kernel), with their source type name.
+    dequantized: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.serving.drafter == "mtp" and self.draft_head is None:
@@ -321,6 +327,7 @@ class Manifest:
             "files": dict(sorted(self.files.items())),
             **({"draft_head": self.draft_head.to_json()} if self.draft_head is not None else {}),
             **({"blocks": {name: entry.to_json() for name, entry in self.blocks.items()}} if self.blocks else {}),
+            **({"dequantized": dict(self.dequantized)} if self.dequantized else {}),
         }
 
     def dumps(self) -> str:
@@ -337,12 +344,13 @@ class Manifest:
                 f"{', '.join(map(str, READ_FORMATS))}); re-export the package with this flare"
             )
         # draft_head and blocks are optional: a package without them reads as before.
-        optional = {"draft_head": None, "blocks": None}
-        if version < 3 and "blocks" in data:
+        optional = {"draft_head": None, "blocks": None, "dequantized": None}
+        if version < 3 and ("blocks" in data or "dequantized" in data):
             raise ManifestError(f"manifest format {version} cannot have blocks (format 3 added them)")
-        _check_keys(
-            {**optional, **data}, {"format", "model", "serving", "sampling", "files", "draft_head", "blocks"}, "manifest"
-        )
+        _check_keys({**optional, **data}, {"format", "model", "serving", "sampling", "files", *optional}, "manifest")
+        dequantized = data.get("dequantized") or {}
+        if not isinstance(dequantized, dict) or not all(isinstance(v, str) for v in dequantized.values()):
+            raise ManifestError("manifest key 'dequantized' must map tensor names to ggml type names")
         model = data["model"]
         if not isinstance(model, dict):
             raise ManifestError("manifest key 'model' must be an object")
@@ -363,6 +371,7 @@ class Manifest:
             format=version,
             draft_head=DraftHeadInfo.from_json(data["draft_head"]) if data.get("draft_head") is not None else None,
             blocks=_blocks_from_json(data.get("blocks")),
+            dequantized=dict(dequantized),
         )
 
     @classmethod

@@ -144,6 +144,7 @@ def write_package(
     overwrite: bool = False,
     draft_head: tuple[DraftHeadInfo, Mapping[str, torch.Tensor]] | None = None,
     blocks: Mapping[str, BlockTensor] | None = None,
+    dequantized: Mapping[str, str] | None = None,
 ) -> Manifest:
     """Write a package at out_dir, atomically: all of it appears at once, or nothing does.
 
@@ -209,6 +210,7 @@ def write_package(
             files=files,
             draft_head=head_info,
             blocks=entries,
+            dequantized=dict(dequantized or {}),
         )
         (staging / MANIFEST_NAME).write_text(manifest.dumps(), encoding="utf-8")
         _fsync(staging / MANIFEST_NAME)

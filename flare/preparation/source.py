@@ -8,7 +8,7 @@ the heavy part, are read only by `read_weights`, after all checks have passed.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,8 @@ class ModelSource:
     # Reads the weights keeping each quantized tensor of a type the engine multiplies from blocks
     # as its blocks (the rest float32): a GGUF source's. None where the source has no blocks.
     read_blocks: Callable[[Callable[[int, int], None]], SourceWeights] | None = None
+    # `read_weights` saying which tensors were dequantized from which type: a GGUF source's.
+    read_dequantized: Callable[[Callable[[int, int], None]], SourceWeights] | None = None
     # A checkpoint's own multi-token-prediction layer, as a draft head (`hf_source.read_mtp_head`):
     # None where the source declares none.
     read_draft_head: Callable[[], ImportedDraftHead] | None = None
@@ -47,6 +49,7 @@ class SourceWeights:
 
     floats: dict[str, torch.Tensor]
     blocks: dict[str, BlockTensor]
+    dequantized: dict[str, str] = field(default_factory=dict)  # float tensors the source stored quantized: their type
 
 
 @dataclass(frozen=True)

@@ -167,6 +167,8 @@ class SchedulerSnapshot:
     weights_dtype: str  # what the package stores
     weight_format: str  # what the linear layers multiply in here (`precision.WeightFormat`)
     kv_cache_dtype: str  # what the KV cache stores keys and values as
+    # Tensors and bytes by stored type (Q4_1, F32, ...): `package.weight_types`.
+    weight_types: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -308,6 +310,7 @@ class Scheduler:
                 native_kernels=model.native_kernels,
                 weights_dtype=serving.dtype,
                 weight_format=str(model.weight_format),
+                weight_types=package.weight_types(),
                 cpu_flags=" ".join(cpu_flags()),
                 kv_cache_blocks=kv_cache.num_blocks,
                 kv_cache_dtype=dtype_name(kv_cache.dtype),
@@ -506,6 +509,7 @@ class Scheduler:
             weights_dtype=self.package.manifest.serving.dtype,
             weight_format=str(self._runner.model.weight_format),
             kv_cache_dtype=dtype_name(self._runner.kv_cache.dtype),
+            weight_types=self.package.weight_types(),
         )
 
     def requests(self) -> list[RequestInfo]:
