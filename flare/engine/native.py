@@ -355,14 +355,14 @@ def quantized_linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out_
     return y
 
 
-def quantized_rows(blocks: torch.Tensor, ggml_type: int, in_features: int, rows: torch.Tensor) -> torch.Tensor:
+def quantized_rows(blocks: torch.Tensor, ggml_type: int, in_features: int, rows: torch.Tensor, isa: int) -> torch.Tensor:
     """Rows `rows` (contiguous int64 [N]) of a weight of ggml blocks expanded: [N, in] float32,
     gguf-py's values. Row ids outside the weight are refused before anything is read."""
     native = _module()
     out = torch.empty(rows.shape[0], in_features, dtype=torch.float32)
     native.quantized_rows(
         int(ggml_type), blocks.data_ptr(), blocks.shape[0], in_features, rows.data_ptr(), rows.shape[0], out.data_ptr(),
-        torch.get_num_threads(),
+        torch.get_num_threads(), isa,
     )
     return out
 

@@ -107,7 +107,7 @@ def dequantize(weight: QuantizedWeight) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
 
-def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor:
+def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor, *, isa: int | None = None) -> torch.Tensor:
     """Rows `rows` (int64 indices, any shape) of the weight's values, float32 [*rows.shape, in]:
     the embedding lookup of a quantized (possibly tied) token embedding."""
     if rows.dtype != torch.int64 or rows.device.type != "cpu":
@@ -116,7 +116,9 @@ def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= weight.out_features):
         raise ValueError(f"dequantize_rows: row ids must lie in [0, {weight.out_features}), got {flat.min()}..{flat.max()}")
     if native.available():
-        values = native.quantized_rows(weight.data, weight.ggml_type, weight.in_features, flat.contiguous())
+        values = native.quantized_rows(
+            weight.data, weight.ggml_type, weight.in_features, flat.contiguous(), QUANTIZED_ISA if isa is None else isa
+        )
     else:
         picked = weight.data.index_select(0, flat)
         values = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(picked.numpy(), weight.ggml_type)))

@@ -197,9 +197,15 @@ typedef struct {
 int quantized_block_shape(int type, int64_t *block_size, int64_t *type_size);
 /* 0; -1 for an unknown type; -2 when scratch memory could not be allocated. */
 int quantized_linear(const QuantizedLinear *l, int threads, int isa);
+/* The ISA_* level a quantized kernel runs at: the widest of `isa` and what this CPU has. */
+int quantized_vector_isa(int isa);
+/* One row of `blocks` blocks of `type` expanded into floats at ISA level `vector` (see
+ * quantized_blocks.c: every level gives gguf-py's values). */
+void expand_quantized_row(int vector, int type, const uint8_t *row, int64_t blocks, float *out);
 /* Rows `rows[0 .. count)` of a [?, in] weight of `type` expanded into out [count, in]: 0, or -1
  * for an unknown type. */
-int quantized_rows(int type, const uint8_t *data, int64_t in, const int64_t *rows, int64_t count, float *out, int threads);
+int quantized_rows(int type, const uint8_t *data, int64_t in, const int64_t *rows, int64_t count, float *out, int threads,
+                   int isa);
 
 /* The sampler's random stream uniforms and top-p threshold over whole vocabulary rows: see
  * sampling.c. top_p_threshold returns 0, or -1 when scratch memory could not be allocated. */

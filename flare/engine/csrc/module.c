@@ -217,8 +217,9 @@ static PyObject *py_quantized_linear(PyObject *self, PyObject *args) {
 static PyObject *py_quantized_rows(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t data, weight_rows, in, rows, count, out, threads;
-    int type;
-    if (!PyArg_ParseTuple(args, "innnnnnn", &type, &data, &weight_rows, &in, &rows, &count, &out, &threads)) return NULL;
+    int type, isa;
+    if (!PyArg_ParseTuple(args, "innnnnnni", &type, &data, &weight_rows, &in, &rows, &count, &out, &threads, &isa))
+        return NULL;
     int64_t block_size, type_size;
     if (quantized_block_shape(type, &block_size, &type_size)) return invalid("dequantize_rows", "unknown ggml type id");
     if (in < 1 || count < 0 || threads < 1 || in % block_size) return invalid("dequantize_rows", "`in` must be whole blocks");
@@ -227,7 +228,7 @@ static PyObject *py_quantized_rows(PyObject *self, PyObject *args) {
         if (row < 0 || row >= weight_rows) return invalid("dequantize_rows", "a row id lies outside the weight");
     }
     Py_BEGIN_ALLOW_THREADS
-    quantized_rows(type, (const uint8_t *)data, in, (const int64_t *)rows, count, (float *)out, (int)threads);
+    quantized_rows(type, (const uint8_t *)data, in, (const int64_t *)rows, count, (float *)out, (int)threads, isa);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -360,7 +361,7 @@ static PyMethodDef methods[] = {
     {"quantized_linear", py_quantized_linear, METH_VARARGS,
      "quantized_linear(x, x_stride, blocks, type, y, tokens, in, out, threads, isa)"},
     {"quantized_rows", py_quantized_rows, METH_VARARGS,
-     "quantized_rows(type, data, weight_rows, in, rows, count, out, threads)"},
+     "quantized_rows(type, data, weight_rows, in, rows, count, out, threads, isa)"},
     {"check_decoder_round", py_check_decoder_round, METH_VARARGS,
      "check_decoder_round(positions, slots, tokens, max_positions, pool_slots, plans, groups, num_blocks, block_size, "
      "heads, kv_heads)"},
