@@ -40,7 +40,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 AUTO_DTYPE = "auto"
 # What `flare export --quantize` takes (quantize.py): a Hugging Face directory's float weights
 # as ggml blocks. Kept here, free of torch, for the command line.
-QUANTIZE_TYPES = ("q8_0", "q4_0")
+QUANTIZE_TYPES = ("q8_0", "q4_0", "q4_k_m")
 # What `flare run --weight-format` takes: auto (the fastest this CPU runs for the stored dtype),
 # or a format named as the dtype it multiplies in (flare/engine/precision.py). Kept here, free of
 # torch, so that the command line parses without loading it.
