@@ -38,16 +38,16 @@ static inline float sum_lanes(const float *a) {
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-/* A tile of MT rows by NO expanded weight rows `w` (`in` floats apart) into `lanes`
- * [MT][NO][LANES]: the portable loop, one fmaf per lane and input. */
-static void tile_portable(const float *x, int64_t xs, const float *w, int64_t in, float *lanes, int MT, int NO) {
+/* A tile of MT rows by NO expanded weight rows `w` (`in` floats apart) into `sums` [MT][GROUP]:
+ * the portable loop, one fmaf per lane and input. */
+static void tile_portable(const float *x, int64_t xs, const float *w, int64_t in, float *sums, int MT, int NO) {
     for (int m = 0; m < MT; m++)
         for (int o = 0; o < NO; o++) {
             float acc[LANES] = {0};
             const float *xr = x + m * xs, *wr = w + o * in;
             for (int64_t k = 0; k < in; k += LANES)
                 for (int l = 0; l < LANES; l++) acc[l] = fmaf(wr[k + l], xr[k + l], acc[l]);
-            memcpy(lanes + (m * NO + o) * LANES, acc, sizeof acc);
+            sums[m * GROUP + o] = sum_lanes(acc);
         }
 }
 
@@ -57,10 +57,22 @@ static void tile_portable(const float *x, int64_t xs, const float *w, int64_t in
 #define QL_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define QL_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
+/* sum_lanes of lanes 0-7 in `lo`, 8-15 in `hi`: the same adds in registers. */
+static inline __attribute__((always_inline)) QL_AVX2 float sum_lanes_256(__m256 lo, __m256 hi) {
+    const __m256 s8 = _mm256_add_ps(lo, hi);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+static inline __attribute__((always_inline)) QL_AVX512 float sum_lanes_512(__m512 a) {
+    return sum_lanes_256(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
 /* AVX2: a lane set is two registers (lanes 0-7, 8-15); MT rows by NO outputs, at most 3 x 2
  * (12 accumulators, 4 weight registers; the inputs are read as memory operands). */
 static inline __attribute__((always_inline)) QL_AVX2 void tile_avx2(const float *x, int64_t xs, const float *w, int64_t in,
-                                                                     float *lanes, const int MT, const int NO) {
+                                                                     float *sums, const int MT, const int NO) {
     __m256 acc[3][2][2];
 #pragma GCC unroll 3
     for (int m = 0; m < MT; m++)
@@ -85,16 +97,13 @@ static inline __attribute__((always_inline)) QL_AVX2 void tile_avx2(const float 
 #pragma GCC unroll 3
     for (int m = 0; m < MT; m++)
 #pragma GCC unroll 2
-        for (int o = 0; o < NO; o++) {
-            _mm256_storeu_ps(lanes + (m * NO + o) * LANES, acc[m][o][0]);
-            _mm256_storeu_ps(lanes + (m * NO + o) * LANES + 8, acc[m][o][1]);
-        }
+        for (int o = 0; o < NO; o++) sums[m * GROUP + o] = sum_lanes_256(acc[m][o][0], acc[m][o][1]);
 }
 
 /* AVX-512: a lane set is one register; MT rows by NO outputs, at most 6 x 4 (24 accumulators,
  * 4 weight registers, 1 input). */
 static inline __attribute__((always_inline)) QL_AVX512 void tile_avx512(const float *x, int64_t xs, const float *w,
-                                                                         int64_t in, float *lanes, const int MT,
+                                                                         int64_t in, float *sums, const int MT,
                                                                          const int NO) {
     __m512 acc[6][GROUP];
 #pragma GCC unroll 6
@@ -115,16 +124,16 @@ static inline __attribute__((always_inline)) QL_AVX512 void tile_avx512(const fl
 #pragma GCC unroll 6
     for (int m = 0; m < MT; m++)
 #pragma GCC unroll 4
-        for (int o = 0; o < NO; o++) _mm512_storeu_ps(lanes + (m * NO + o) * LANES, acc[m][o]);
+        for (int o = 0; o < NO; o++) sums[m * GROUP + o] = sum_lanes_512(acc[m][o]);
 }
 
 /* A group's GROUP expanded rows for `rows` rows, tiles of constant size (at most 6 rows a
  * tile, as even as they go). */
-static QL_AVX512 void group_avx512(const float *x, int64_t xs, int64_t rows, const float *w, int64_t in, float *lanes) {
+static QL_AVX512 void group_avx512(const float *x, int64_t xs, int64_t rows, const float *w, int64_t in, float *sums) {
     const int64_t tiles = (rows + 5) / 6;
     for (int64_t i = 0, t = 0; i < tiles; i++) {
         const int64_t mt = (rows - t) / (tiles - i);
-        float *into = lanes + t * GROUP * LANES;
+        float *into = sums + t * GROUP;
         switch (mt) {
         case 1: tile_avx512(x + t * xs, xs, w, in, into, 1, GROUP); break;
         case 2: tile_avx512(x + t * xs, xs, w, in, into, 2, GROUP); break;
@@ -137,26 +146,24 @@ static QL_AVX512 void group_avx512(const float *x, int64_t xs, int64_t rows, con
     }
 }
 
-/* The same with AVX2: tiles of at most 3 rows by 2 outputs, lanes stored [row][GROUP][LANES]. */
-static QL_AVX2 void group_avx2(const float *x, int64_t xs, int64_t rows, const float *w, int64_t in, float *lanes) {
-    float tile[3 * 2 * LANES];
+/* The same with AVX2: tiles of at most 3 rows by 2 outputs. */
+static QL_AVX2 void group_avx2(const float *x, int64_t xs, int64_t rows, const float *w, int64_t in, float *sums) {
     for (int64_t t = 0; t < rows; t += 3) {
         const int64_t mt = rows - t < 3 ? rows - t : 3;
         for (int o = 0; o < GROUP; o += 2) {
+            float *into = sums + t * GROUP + o;
             switch (mt) {
-            case 1: tile_avx2(x + t * xs, xs, w + o * in, in, tile, 1, 2); break;
-            case 2: tile_avx2(x + t * xs, xs, w + o * in, in, tile, 2, 2); break;
-            default: tile_avx2(x + t * xs, xs, w + o * in, in, tile, 3, 2); break;
+            case 1: tile_avx2(x + t * xs, xs, w + o * in, in, into, 1, 2); break;
+            case 2: tile_avx2(x + t * xs, xs, w + o * in, in, into, 2, 2); break;
+            default: tile_avx2(x + t * xs, xs, w + o * in, in, into, 3, 2); break;
             }
-            for (int64_t m = 0; m < mt; m++)
-                memcpy(lanes + ((t + m) * GROUP + o) * LANES, tile + m * 2 * LANES, sizeof(float) * 2 * LANES);
         }
     }
 }
 #endif
 
-static void group_portable(const float *x, int64_t xs, int64_t rows, const float *w, int64_t in, float *lanes) {
-    for (int64_t t = 0; t < rows; t++) tile_portable(x + t * xs, xs, w, in, lanes + t * GROUP * LANES, 1, GROUP);
+static void group_portable(const float *x, int64_t xs, int64_t rows, const float *w, int64_t in, float *sums) {
+    for (int64_t t = 0; t < rows; t++) tile_portable(x + t * xs, xs, w, in, sums + t * GROUP, 1, GROUP);
 }
 
 int quantized_linear(const QuantizedLinear *l, int threads, int isa) {
@@ -173,10 +180,10 @@ int quantized_linear(const QuantizedLinear *l, int threads, int isa) {
         const int64_t n = omp_get_num_threads(), i = omp_get_thread_num();
         const int64_t first = groups * i / n, last = groups * (i + 1) / n;
         /* The group's expanded rows (64-byte aligned: the vector loops load them aligned) and the
-         * lanes of every (row, output) of the group. */
+         * sums of every (row, output) of the group. */
         float *w = aligned_alloc(64, sizeof(float) * (size_t)(GROUP * l->in));
-        float *lanes = malloc(sizeof(float) * (size_t)(l->tokens * GROUP * LANES));
-        if (!w || !lanes) {
+        float *sums = malloc(sizeof(float) * (size_t)(l->tokens * GROUP));
+        if (!w || !sums) {
             failed = 1;
         } else {
             for (int64_t g = first; g < last; g++) {
@@ -186,18 +193,17 @@ int quantized_linear(const QuantizedLinear *l, int threads, int isa) {
                 memset(w + count * l->in, 0, sizeof(float) * (size_t)((GROUP - count) * l->in));
 #if defined(__x86_64__) && defined(__GNUC__)
                 if (vector == ISA_AVX512)
-                    group_avx512(l->x, l->x_stride, l->tokens, w, l->in, lanes);
+                    group_avx512(l->x, l->x_stride, l->tokens, w, l->in, sums);
                 else if (vector == ISA_AVX2)
-                    group_avx2(l->x, l->x_stride, l->tokens, w, l->in, lanes);
+                    group_avx2(l->x, l->x_stride, l->tokens, w, l->in, sums);
                 else
 #endif
-                    group_portable(l->x, l->x_stride, l->tokens, w, l->in, lanes);
-                for (int64_t t = 0; t < l->tokens; t++)
-                    for (int64_t o = 0; o < count; o++) l->y[t * l->out + o0 + o] = sum_lanes(lanes + (t * GROUP + o) * LANES);
+                    group_portable(l->x, l->x_stride, l->tokens, w, l->in, sums);
+                for (int64_t t = 0; t < l->tokens; t++) memcpy(l->y + t * l->out + o0, sums + t * GROUP, sizeof(float) * (size_t)count);
             }
         }
         free(w);
-        free(lanes);
+        free(sums);
     }
     return failed ? -2 : 0;
 }
