@@ -38,16 +38,16 @@ static inline float sum_lanes(const float *a) {
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-/* A tile of MT rows by NO expanded weight rows `w` (`in` floats apart) into `sums` [MT][GROUP]:
+/* A tile of MT rows by NO expanded weight rows `w` (`in` floats apart) into `sums` (rows `ys` apart):
  * the portable loop, one fmaf per lane and input. */
-static void tile_portable(const float *x, int64_t xs, const float *w, int64_t in, float *sums, int MT, int NO) {
+static void tile_portable(const float *x, int64_t xs, const float *w, int64_t in, float *sums, int64_t ys, int MT, int NO) {
     for (int m = 0; m < MT; m++)
         for (int o = 0; o < NO; o++) {
             float acc[LANES] = {0};
             const float *xr = x + m * xs, *wr = w + o * in;
             for (int64_t k = 0; k < in; k += LANES)
                 for (int l = 0; l < LANES; l++) acc[l] = fmaf(wr[k + l], xr[k + l], acc[l]);
-            sums[m * GROUP + o] = sum_lanes(acc);
+            sums[m * ys + o] = sum_lanes(acc);
         }
 }
 
@@ -72,7 +72,7 @@ static inline __attribute__((always_inline)) QL_AVX512 float sum_lanes_512(__m51
 /* AVX2: a lane set is two registers (lanes 0-7, 8-15); MT rows by NO outputs, at most 3 x 2
  * (12 accumulators, 4 weight registers; the inputs are read as memory operands). */
 static inline __attribute__((always_inline)) QL_AVX2 void tile_avx2(const float *x, int64_t xs, const float *w, int64_t in,
-                                                                     float *sums, const int MT, const int NO) {
+                                                                     float *sums, int64_t ys, const int MT, const int NO) {
     __m256 acc[3][2][2];
 #pragma GCC unroll 3
     for (int m = 0; m < MT; m++)
@@ -97,13 +97,13 @@ static inline __attribute__((always_inline)) QL_AVX2 void tile_avx2(const float 
 #pragma GCC unroll 3
     for (int m = 0; m < MT; m++)
 #pragma GCC unroll 2
-        for (int o = 0; o < NO; o++) sums[m * GROUP + o] = sum_lanes_256(acc[m][o][0], acc[m][o][1]);
+        for (int o = 0; o < NO; o++) sums[m * ys + o] = sum_lanes_256(acc[m][o][0], acc[m][o][1]);
 }
 
 /* AVX-512: a lane set is one register; MT rows by NO outputs, at most 6 x 4 (24 accumulators,
  * 4 weight registers, 1 input). */
 static inline __attribute__((always_inline)) QL_AVX512 void tile_avx512(const float *x, int64_t xs, const float *w,
-                                                                         int64_t in, float *sums, const int MT,
+                                                                         int64_t in, float *sums, int64_t ys, const int MT,
                                                                          const int NO) {
     __m512 acc[6][GROUP];
 #pragma GCC unroll 6
@@ -124,46 +124,48 @@ static inline __attribute__((always_inline)) QL_AVX512 void tile_avx512(const fl
 #pragma GCC unroll 6
     for (int m = 0; m < MT; m++)
 #pragma GCC unroll 4
-        for (int o = 0; o < NO; o++) sums[m * GROUP + o] = sum_lanes_512(acc[m][o]);
+        for (int o = 0; o < NO; o++) sums[m * ys + o] = sum_lanes_512(acc[m][o]);
 }
 
 /* A group's GROUP expanded rows for `rows` rows, tiles of constant size (at most 6 rows a
  * tile, as even as they go). */
-static QL_AVX512 void group_avx512(const float *x, int64_t xs, int64_t rows, const float *w, int64_t in, float *sums) {
+static QL_AVX512 void group_avx512(const float *x, int64_t xs, int64_t rows, const float *w, int64_t in, float *sums,
+                                   int64_t ys) {
     const int64_t tiles = (rows + 5) / 6;
     for (int64_t i = 0, t = 0; i < tiles; i++) {
         const int64_t mt = (rows - t) / (tiles - i);
-        float *into = sums + t * GROUP;
+        float *into = sums + t * ys;
         switch (mt) {
-        case 1: tile_avx512(x + t * xs, xs, w, in, into, 1, GROUP); break;
-        case 2: tile_avx512(x + t * xs, xs, w, in, into, 2, GROUP); break;
-        case 3: tile_avx512(x + t * xs, xs, w, in, into, 3, GROUP); break;
-        case 4: tile_avx512(x + t * xs, xs, w, in, into, 4, GROUP); break;
-        case 5: tile_avx512(x + t * xs, xs, w, in, into, 5, GROUP); break;
-        default: tile_avx512(x + t * xs, xs, w, in, into, 6, GROUP); break;
+        case 1: tile_avx512(x + t * xs, xs, w, in, into, ys, 1, GROUP); break;
+        case 2: tile_avx512(x + t * xs, xs, w, in, into, ys, 2, GROUP); break;
+        case 3: tile_avx512(x + t * xs, xs, w, in, into, ys, 3, GROUP); break;
+        case 4: tile_avx512(x + t * xs, xs, w, in, into, ys, 4, GROUP); break;
+        case 5: tile_avx512(x + t * xs, xs, w, in, into, ys, 5, GROUP); break;
+        default: tile_avx512(x + t * xs, xs, w, in, into, ys, 6, GROUP); break;
         }
         t += mt;
     }
 }
 
 /* The same with AVX2: tiles of at most 3 rows by 2 outputs. */
-static QL_AVX2 void group_avx2(const float *x, int64_t xs, int64_t rows, const float *w, int64_t in, float *sums) {
+static QL_AVX2 void group_avx2(const float *x, int64_t xs, int64_t rows, const float *w, int64_t in, float *sums,
+                               int64_t ys) {
     for (int64_t t = 0; t < rows; t += 3) {
         const int64_t mt = rows - t < 3 ? rows - t : 3;
         for (int o = 0; o < GROUP; o += 2) {
-            float *into = sums + t * GROUP + o;
+            float *into = sums + t * ys + o;
             switch (mt) {
-            case 1: tile_avx2(x + t * xs, xs, w + o * in, in, into, 1, 2); break;
-            case 2: tile_avx2(x + t * xs, xs, w + o * in, in, into, 2, 2); break;
-            default: tile_avx2(x + t * xs, xs, w + o * in, in, into, 3, 2); break;
+            case 1: tile_avx2(x + t * xs, xs, w + o * in, in, into, ys, 1, 2); break;
+            case 2: tile_avx2(x + t * xs, xs, w + o * in, in, into, ys, 2, 2); break;
+            default: tile_avx2(x + t * xs, xs, w + o * in, in, into, ys, 3, 2); break;
             }
         }
     }
 }
 #endif
 
-static void group_portable(const float *x, int64_t xs, int64_t rows, const float *w, int64_t in, float *sums) {
-    for (int64_t t = 0; t < rows; t++) tile_portable(x + t * xs, xs, w, in, sums + t * GROUP, 1, GROUP);
+static void group_portable(const float *x, int64_t xs, int64_t rows, const float *w, int64_t in, float *sums, int64_t ys) {
+    for (int64_t t = 0; t < rows; t++) tile_portable(x + t * xs, xs, w, in, sums + t * ys, ys, 1, GROUP);
 }
 
 int quantized_linear(const QuantizedLinear *l, int threads, int isa) {
@@ -191,15 +193,19 @@ int quantized_linear(const QuantizedLinear *l, int threads, int isa) {
                 for (int64_t o = 0; o < count; o++)
                     expand_quantized_row(vector, l->type, l->blocks + (o0 + o) * row_bytes, blocks, w + o * l->in);
                 memset(w + count * l->in, 0, sizeof(float) * (size_t)((GROUP - count) * l->in));
+                /* A whole group's sums go straight into y; the last, partial group's through `sums`. */
+                float *into = count == GROUP ? l->y + o0 : sums;
+                const int64_t ys = count == GROUP ? l->out : GROUP;
 #if defined(__x86_64__) && defined(__GNUC__)
                 if (vector == ISA_AVX512)
-                    group_avx512(l->x, l->x_stride, l->tokens, w, l->in, sums);
+                    group_avx512(l->x, l->x_stride, l->tokens, w, l->in, into, ys);
                 else if (vector == ISA_AVX2)
-                    group_avx2(l->x, l->x_stride, l->tokens, w, l->in, sums);
+                    group_avx2(l->x, l->x_stride, l->tokens, w, l->in, into, ys);
                 else
 #endif
-                    group_portable(l->x, l->x_stride, l->tokens, w, l->in, sums);
-                for (int64_t t = 0; t < l->tokens; t++) memcpy(l->y + t * l->out + o0, sums + t * GROUP, sizeof(float) * (size_t)count);
+                    group_portable(l->x, l->x_stride, l->tokens, w, l->in, into, ys);
+                if (count < GROUP)
+                    for (int64_t t = 0; t < l->tokens; t++) memcpy(l->y + t * l->out + o0, sums + t * GROUP, sizeof(float) * (size_t)count);
             }
         }
         free(w);
