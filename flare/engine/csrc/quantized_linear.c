@@ -69,35 +69,39 @@ static inline __attribute__((always_inline)) QL_AVX512 float sum_lanes_512(__m51
     return sum_lanes_256(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
 }
 
-/* AVX2: a lane set is two registers (lanes 0-7, 8-15); MT rows by NO outputs, at most 3 x 2
- * (12 accumulators, 4 weight registers; the inputs are read as memory operands). */
+/* AVX2: a lane set is two registers, lanes 0-7 and 8-15, whose sums are independent: each half
+ * runs as its own pass over the inputs (k = 16 i + 8 half + l), MT rows by NO outputs, at most
+ * 3 x 4 (12 accumulators, 4 weight registers; the inputs are read as memory operands), and the
+ * two halves meet in sum_lanes_256. */
 static inline __attribute__((always_inline)) QL_AVX2 void tile_avx2(const float *x, int64_t xs, const float *w, int64_t in,
                                                                      float *sums, int64_t ys, const int MT, const int NO) {
-    __m256 acc[3][2][2];
+    __m256 halves[2][3][GROUP];
+    for (int half = 0; half < 2; half++) {
+        __m256 acc[3][GROUP];
 #pragma GCC unroll 3
-    for (int m = 0; m < MT; m++)
-#pragma GCC unroll 2
-        for (int o = 0; o < NO; o++) acc[m][o][0] = acc[m][o][1] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < in; k += LANES) {
-        __m256 w0[2], w1[2];
-#pragma GCC unroll 2
-        for (int o = 0; o < NO; o++) {
-            w0[o] = _mm256_load_ps(w + o * in + k);
-            w1[o] = _mm256_load_ps(w + o * in + k + 8);
-        }
+        for (int m = 0; m < MT; m++)
+#pragma GCC unroll 4
+            for (int o = 0; o < NO; o++) acc[m][o] = _mm256_setzero_ps();
+        for (int64_t k = 8 * half; k < in; k += LANES) {
+            __m256 wv[GROUP];
+#pragma GCC unroll 4
+            for (int o = 0; o < NO; o++) wv[o] = _mm256_load_ps(w + o * in + k);
 #pragma GCC unroll 3
-        for (int m = 0; m < MT; m++) {
-#pragma GCC unroll 2
-            for (int o = 0; o < NO; o++) {
-                acc[m][o][0] = _mm256_fmadd_ps(w0[o], _mm256_loadu_ps(x + m * xs + k), acc[m][o][0]);
-                acc[m][o][1] = _mm256_fmadd_ps(w1[o], _mm256_loadu_ps(x + m * xs + k + 8), acc[m][o][1]);
+            for (int m = 0; m < MT; m++) {
+                const __m256 xv = _mm256_loadu_ps(x + m * xs + k);
+#pragma GCC unroll 4
+                for (int o = 0; o < NO; o++) acc[m][o] = _mm256_fmadd_ps(wv[o], xv, acc[m][o]);
             }
         }
+#pragma GCC unroll 3
+        for (int m = 0; m < MT; m++)
+#pragma GCC unroll 4
+            for (int o = 0; o < NO; o++) halves[half][m][o] = acc[m][o];
     }
 #pragma GCC unroll 3
     for (int m = 0; m < MT; m++)
-#pragma GCC unroll 2
-        for (int o = 0; o < NO; o++) sums[m * ys + o] = sum_lanes_256(acc[m][o][0], acc[m][o][1]);
+#pragma GCC unroll 4
+        for (int o = 0; o < NO; o++) sums[m * ys + o] = sum_lanes_256(halves[0][m][o], halves[1][m][o]);
 }
 
 /* AVX-512: a lane set is one register; MT rows by NO outputs, at most 6 x 4 (24 accumulators,
@@ -147,19 +151,19 @@ static QL_AVX512 void group_avx512(const float *x, int64_t xs, int64_t rows, con
     }
 }
 
-/* The same with AVX2: tiles of at most 3 rows by 2 outputs. */
+/* The same with AVX2: tiles of at most 3 rows by the group's 4 outputs. */
 static QL_AVX2 void group_avx2(const float *x, int64_t xs, int64_t rows, const float *w, int64_t in, float *sums,
                                int64_t ys) {
-    for (int64_t t = 0; t < rows; t += 3) {
-        const int64_t mt = rows - t < 3 ? rows - t : 3;
-        for (int o = 0; o < GROUP; o += 2) {
-            float *into = sums + t * ys + o;
-            switch (mt) {
-            case 1: tile_avx2(x + t * xs, xs, w + o * in, in, into, ys, 1, 2); break;
-            case 2: tile_avx2(x + t * xs, xs, w + o * in, in, into, ys, 2, 2); break;
-            default: tile_avx2(x + t * xs, xs, w + o * in, in, into, ys, 3, 2); break;
-            }
+    const int64_t tiles = (rows + 2) / 3;
+    for (int64_t i = 0, t = 0; i < tiles; i++) {
+        const int64_t mt = (rows - t) / (tiles - i);
+        float *into = sums + t * ys;
+        switch (mt) {
+        case 1: tile_avx2(x + t * xs, xs, w, in, into, ys, 1, GROUP); break;
+        case 2: tile_avx2(x + t * xs, xs, w, in, into, ys, 2, GROUP); break;
+        default: tile_avx2(x + t * xs, xs, w, in, into, ys, 3, GROUP); break;
         }
+        t += mt;
     }
 }
 #endif
