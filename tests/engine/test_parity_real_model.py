@@ -126,7 +126,7 @@ def test_capital_of_france(flare_side) -> None:
     assert tokenizer.decode(output) == "The capital of France is Paris."
 
 
-# The default package stores float16 and runs in the fastest format of the CPU. float16 GEMMs
+# A float16 package (`--dtype float16`) runs in the fastest format of the CPU. float16 GEMMs
 # (AVX2 CPUs) round only the weights, to 11 significant bits; bfloat16 GEMMs (oneDNN,
 # CPUs with native bfloat16) round the weights, each GEMM's input and its product to 8. Measured
 # KL of the next-token distribution against float32: float16 1.6e-6 nats mean and 1.3e-5 at most
@@ -142,9 +142,9 @@ MAX_KL = {WeightFormat.FLOAT16: 1e-3, WeightFormat.BFLOAT16: 1e-2}
         pytest.param(WeightFormat.BFLOAT16, marks=pytest.mark.skipif(not cpu_has_native_bf16(), reason="no native bfloat16 here")),
     ],
 )
-def test_the_default_package_answers_as_float32_does_within_a_stated_divergence(flare_side, weight_format) -> None:
+def test_a_float16_package_answers_as_float32_does_within_a_stated_divergence(flare_side, weight_format) -> None:
     exact, tokenizer = flare_side
-    package = open_package(default_package_path())
+    package = open_package(default_package_path(dtype="float16"))
     assert package.manifest.serving.dtype == "float16"
     rounded = load_model(package, weight_format=weight_format)
     assert rounded.weight_format == weight_format
@@ -177,14 +177,9 @@ def test_the_default_package_answers_as_float32_does_within_a_stated_divergence(
 
 
 @pytest.fixture(scope="module")
-def default_blocks_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default GGUF exported as `flare export default` does under --dtype auto: its Q4_1 and
-    Q8_0 tensors kept as blocks."""
-    from flare.preparation.export import ExportOptions, export_package
-
-    path = tmp_path_factory.mktemp("default-blocks") / "package"
-    export_package("default", path, ExportOptions())
-    return path
+def default_blocks_package() -> Path:
+    """The default package as `make run` serves it: the GGUF's Q4_1 and Q8_0 tensors kept as blocks."""
+    return default_package_path()
 
 
 # Measured on these prompts: echoed prompt log-probabilities 5e-6 apart on average (float32

@@ -16,7 +16,6 @@ from flare.preparation.default_model import (
     default_gguf_path,
     default_package_path,
 )
-from flare.preparation.export import resolve_dtype
 from flare.preparation.manifest import FORMAT_VERSION
 from flare.preparation.package import open_package, sha256_of
 from flare.preparation.source import SourceError
@@ -67,7 +66,7 @@ def test_two_processes_export_the_default_model_once(monkeypatch: pytest.MonkeyP
     assert results[0] == results[1] == exports[0]
     assert exports[0].parent == tmp_path / "packages"
     assert sha256_of(default_gguf_path())[:16] in exports[0].name
-    assert exports[0].name.endswith(f"-format{FORMAT_VERSION}-{resolve_dtype('auto')}")
+    assert exports[0].name.endswith(f"-format{FORMAT_VERSION}-blocks")  # auto keeps the GGUF's blocks
 
 
 def test_default_packages_of_each_dtype_live_side_by_side(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
