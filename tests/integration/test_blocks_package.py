@@ -72,3 +72,28 @@ def test_a_blocks_package_serves_the_answer_of_its_float32_package_and_reports_i
         assert "Q8_0 2 tensors " in line and "Q6_K 4 tensors " in line
     finally:
         assert daemon.stop() == 0, daemon.log()
+
+
+def test_flare_run_refuses_blocks_with_a_nan_scale_naming_the_tensor_without_a_traceback(packages: dict[str, Path]) -> None:
+    import numpy as np
+
+    from flare.preparation.blocks import BLOCKS_NAME
+    from flare.preparation.package import sha256_of
+
+    package = packages["blocks"].parent / "nan-scale"
+    shutil.copytree(packages["blocks"], package)
+    manifest = json.loads((package / "manifest.json").read_text())
+    entry = manifest["blocks"]["model.layers.1.self_attn.o_proj.weight"]  # Q8_0: d at byte 0 of 34
+    raw = bytearray((package / BLOCKS_NAME).read_bytes())
+    raw[entry["offset"] + 34 * 5 : entry["offset"] + 34 * 5 + 2] = np.array([np.inf], np.float16).tobytes()
+    (package / BLOCKS_NAME).write_bytes(bytes(raw))
+    manifest["files"][BLOCKS_NAME] = sha256_of(package / BLOCKS_NAME)
+    (package / "manifest.json").write_text(json.dumps(manifest))
+    result = subprocess.run(
+        [sys.executable, "-m", "flare.daemon.cli", "run", str(package), "--port", "0"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "tensor model.layers.1.self_attn.o_proj.weight: 1 block(s) have a NaN or infinite scale" in output
+    assert "Traceback" not in output
