@@ -355,6 +355,12 @@ def quantized_linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out_
     return y
 
 
+def quantized_first_nonfinite_scale(blocks: torch.Tensor, ggml_type: int, type_size: int) -> int:
+    """The first block (in storage order) of contiguous ggml blocks whose float16 scale is NaN or
+    infinite, or -1: one pass over the bytes (a package's weights are checked at load)."""
+    return _module().quantized_first_nonfinite_scale(int(ggml_type), blocks.data_ptr(), blocks.numel() // type_size)
+
+
 def quantized_rows(blocks: torch.Tensor, ggml_type: int, in_features: int, rows: torch.Tensor, isa: int) -> torch.Tensor:
     """Rows `rows` (contiguous int64 [N]) of a weight of ggml blocks expanded: [N, in] float32,
     gguf-py's values. Row ids outside the weight are refused before anything is read."""

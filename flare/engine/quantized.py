@@ -84,21 +84,28 @@ class QuantizedWeight:
             raise ValueError(f"{ggml_type.name} blocks must be contiguous, got strides {data.stride()}")
         # A NaN or infinite scale makes every value of its block NaN or infinite: refused here,
         # at load, rather than surfacing as non-finite logits mid-request.
-        scales = data.view(-1, type_size)
-        for offset in _SCALE_OFFSETS[ggml_type]:
-            half = scales[:, offset].to(torch.int32) | (scales[:, offset + 1].to(torch.int32) << 8)
-            bad = ((half & 0x7C00) == 0x7C00).nonzero()
-            if bad.numel():
-                block = int(bad[0])
-                raise ValueError(
-                    f"{ggml_type.name} block {block % (row_bytes // type_size)} of row {block // (row_bytes // type_size)} "
-                    f"has a NaN or infinite scale"
-                )
+        block = _first_nonfinite_scale(ggml_type, data, type_size)
+        if block >= 0:
+            per_row = row_bytes // type_size
+            raise ValueError(f"{ggml_type.name} block {block % per_row} of row {block // per_row} has a NaN or infinite scale")
         return cls(ggml_type, data, out_features, in_features)
 
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+
+def _first_nonfinite_scale(ggml_type: gguf.GGMLQuantizationType, data: torch.Tensor, type_size: int) -> int:
+    """The first block of `data` whose float16 scale is NaN or infinite (its five exponent bits
+    all ones), or -1."""
+    if native.available():
+        return native.quantized_first_nonfinite_scale(data, ggml_type, type_size)
+    scales = data.view(-1, type_size)
+    bad = torch.zeros(scales.shape[0], dtype=torch.bool)
+    for offset in _SCALE_OFFSETS[ggml_type]:
+        bad |= (scales[:, offset + 1] & 0x7C) == 0x7C
+    found = bad.nonzero()
+    return int(found[0]) if found.numel() else -1
 
 
 def dequantize(weight: QuantizedWeight) -> torch.Tensor:

@@ -182,8 +182,13 @@ def test_blocks_of_the_wrong_length_or_an_unknown_type_are_refused() -> None:
     assert T.Q4_K in supported_types() and T.F16 not in supported_types()
 
 
-@pytest.mark.parametrize(("ggml_type", "bits"), [(T.Q4_1, 0x7E00), (T.Q6_K, 0x7C00), (T.Q4_K, 0xFC00)])
-def test_a_nan_or_infinite_scale_is_refused_naming_its_block(ggml_type: T, bits: int) -> None:
+@pytest.mark.parametrize("with_kernels", [True, False])
+@pytest.mark.parametrize(("ggml_type", "bits"), [(T.Q4_1, 0x7E00), (T.Q6_K, 0x7C00), (T.Q4_K, 0xFC00), (T.Q5_1, 0x7C00)])
+def test_a_nan_or_infinite_scale_is_refused_naming_its_block(
+    ggml_type: T, bits: int, with_kernels: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not with_kernels:
+        monkeypatch.setattr(quantized.native, "available", lambda: False)
     weight = weight_of(ggml_type, 3, 512)
     data = weight.data.clone()
     block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]

@@ -195,6 +195,9 @@ typedef struct {
 
 /* Elements per block and bytes per block of a type: 0, or -1 for a type this file does not read. */
 int quantized_block_shape(int type, int64_t *block_size, int64_t *type_size);
+/* The first of `blocks` blocks of `type` with a NaN or infinite float16 scale, -1 when none,
+ * -2 for an unknown type. */
+int64_t quantized_first_nonfinite_scale(int type, const uint8_t *data, int64_t blocks);
 /* 0; -1 for an unknown type; -2 when scratch memory could not be allocated. */
 int quantized_linear(const QuantizedLinear *l, int threads, int isa);
 /* The ISA_* level a quantized kernel runs at: the widest of `isa` and what this CPU has. */

@@ -213,6 +213,20 @@ static PyObject *py_quantized_linear(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_quantized_first_nonfinite_scale(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t data, blocks;
+    int type;
+    if (!PyArg_ParseTuple(args, "inn", &type, &data, &blocks)) return NULL;
+    if (blocks < 0) return invalid("quantized_first_nonfinite_scale", "blocks must not be negative");
+    int64_t found;
+    Py_BEGIN_ALLOW_THREADS
+    found = quantized_first_nonfinite_scale(type, (const uint8_t *)data, blocks);
+    Py_END_ALLOW_THREADS
+    if (found == -2) return invalid("quantized_first_nonfinite_scale", "unknown ggml type id");
+    return PyLong_FromLongLong(found);
+}
+
 /* Checks every row id against the weight's rows before anything is read. */
 static PyObject *py_quantized_rows(PyObject *self, PyObject *args) {
     (void)self;
@@ -360,6 +374,8 @@ static PyMethodDef methods[] = {
      "float16_linear(x, x_stride, packed, y, tokens, in, out, threads, isa)"},
     {"quantized_linear", py_quantized_linear, METH_VARARGS,
      "quantized_linear(x, x_stride, blocks, type, y, tokens, in, out, threads, isa)"},
+    {"quantized_first_nonfinite_scale", py_quantized_first_nonfinite_scale, METH_VARARGS,
+     "quantized_first_nonfinite_scale(type, data, blocks)"},
     {"quantized_rows", py_quantized_rows, METH_VARARGS,
      "quantized_rows(type, data, weight_rows, in, rows, count, out, threads, isa)"},
     {"check_decoder_round", py_check_decoder_round, METH_VARARGS,

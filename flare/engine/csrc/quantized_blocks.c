@@ -422,3 +422,17 @@ int quantized_rows(int type, const uint8_t *data, int64_t in, const int64_t *row
     for (int64_t r = 0; r < count; r++) expand_quantized_row(vector, type, data + rows[r] * row_bytes, blocks, out + r * in);
     return 0;
 }
+
+int64_t quantized_first_nonfinite_scale(int type, const uint8_t *data, int64_t blocks) {
+    int64_t block_size, type_size;
+    if (quantized_block_shape(type, &block_size, &type_size)) return -2;
+    /* Byte offsets of the block's float16 scales: d, and m / dmin where the type has one. */
+    const int first = type == GGML_Q6_K ? 208 : 0;
+    const int second = type == GGML_Q4_1 || type == GGML_Q5_1 || type == GGML_Q4_K || type == GGML_Q5_K ? 2 : -1;
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *b = data + i * type_size;
+        /* A float16 is NaN or infinite when its five exponent bits (0x7c00) are all ones. */
+        if ((b[first + 1] & 0x7c) == 0x7c || (second >= 0 && (b[second + 1] & 0x7c) == 0x7c)) return i;
+    }
+    return -1;
+}
