@@ -224,6 +224,36 @@ static inline __attribute__((always_inline)) QB_AVX512 void nibble_blocks_512(co
         }
 }
 
+/* Q4_K (five = 0) and Q5_K (five = 1), `five` a constant: each 16 bytes of nibbles widened
+ * once for the two sub-blocks they hold (low nibbles: sub-block 2 i, high: 2 i + 1). */
+static inline __attribute__((always_inline)) QB_AVX512 void k_blocks_512(const uint8_t *row, int64_t blocks, float *out,
+                                                                         const int five) {
+    const __m512i low4 = _mm512_set1_epi32(0x0f), one = _mm512_set1_epi32(1);
+    for (int64_t i = 0; i < blocks; i++, out += QK_K) {
+        const uint8_t *b = row + (five ? 176 : 144) * i;
+        const float d = half_f16c(b), dmin = half_f16c(b + 2);
+        int sc[8], mn[8];
+        scales_and_mins(b + 4, sc, mn);
+        const uint8_t *qh = b + 16, *qs = b + (five ? 48 : 16);
+        const __m512i h[2] = {five ? bytes16_512(qh) : _mm512_setzero_si512(), five ? bytes16_512(qh + 16) : _mm512_setzero_si512()};
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; g++) {
+            const __m512i raw[2] = {bytes16_512(qs + 32 * g), bytes16_512(qs + 32 * g + 16)};
+#pragma GCC unroll 2
+            for (int nibble = 0; nibble < 2; nibble++) {
+                const int j = 2 * g + nibble;
+                const __m512 ds = _mm512_set1_ps(d * (float)sc[j]), ms = _mm512_set1_ps(dmin * (float)mn[j]);
+#pragma GCC unroll 2
+                for (int part = 0; part < 2; part++) {
+                    __m512i q = _mm512_and_si512(_mm512_srli_epi32(raw[part], 4 * nibble), low4);
+                    if (five) q = _mm512_or_si512(q, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h[part], j), one), 4));
+                    _mm512_storeu_ps(out + 32 * j + 16 * part, _mm512_fmsub_ps(ds, _mm512_cvtepi32_ps(q), ms));
+                }
+            }
+        }
+    }
+}
+
 static QB_AVX512 void expand_row_avx512_impl(int type, const uint8_t *row, int64_t blocks, float *out) {
     const __m512i low4 = _mm512_set1_epi32(0x0f), three = _mm512_set1_epi32(3);
     switch (type) {
@@ -241,45 +271,26 @@ static QB_AVX512 void expand_row_avx512_impl(int type, const uint8_t *row, int64
             _mm512_storeu_ps(out + 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)));
         }
         break;
-    case GGML_Q4_K:
-    case GGML_Q5_K: {
-        const int five = type == GGML_Q5_K;
-        for (int64_t i = 0; i < blocks; i++, out += QK_K) {
-            const uint8_t *b = row + (five ? 176 : 144) * i;
-            const float d = half_f16c(b), dmin = half_f16c(b + 2);
-            int sc[8], mn[8];
-            scales_and_mins(b + 4, sc, mn);
-            const uint8_t *qh = b + 16, *qs = b + (five ? 48 : 16);
-            const __m512i h0 = five ? bytes16_512(qh) : _mm512_setzero_si512();
-            const __m512i h1 = five ? bytes16_512(qh + 16) : _mm512_setzero_si512();
-            for (int j = 0; j < 8; j++) {  /* sub-block j: nibble j % 2 of bytes 32 (j / 2) .. + 31 */
-                const __m512 ds = _mm512_set1_ps(d * (float)sc[j]), ms = _mm512_set1_ps(dmin * (float)mn[j]);
-                const uint8_t *q = qs + 32 * (j / 2);
-                __m512i a = _mm512_and_si512(_mm512_srli_epi32(bytes16_512(q), 4 * (j % 2)), low4);
-                __m512i c = _mm512_and_si512(_mm512_srli_epi32(bytes16_512(q + 16), 4 * (j % 2)), low4);
-                if (five) {
-                    const __m512i one = _mm512_set1_epi32(1);
-                    a = _mm512_or_si512(a, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h0, j), one), 4));
-                    c = _mm512_or_si512(c, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h1, j), one), 4));
-                }
-                _mm512_storeu_ps(out + 32 * j, _mm512_fmsub_ps(ds, _mm512_cvtepi32_ps(a), ms));
-                _mm512_storeu_ps(out + 32 * j + 16, _mm512_fmsub_ps(ds, _mm512_cvtepi32_ps(c), ms));
-            }
-        }
-        break;
-    }
+    case GGML_Q4_K: k_blocks_512(row, blocks, out, 0); break;
+    case GGML_Q5_K: k_blocks_512(row, blocks, out, 1); break;
     default: /* Q6_K */
         for (int64_t i = 0; i < blocks; i++, out += QK_K) {
             const uint8_t *b = row + 210 * i, *ql = b, *qh = b + 128;
             const int8_t *scales = (const int8_t *)(b + 192);
             const float d = half_f16c(b + 208);
             const __m512i thirty_two = _mm512_set1_epi32(32);
-            for (int c = 0; c < 16; c++) {  /* values 16 c .. 16 c + 15: half c / 8, chunk c % 8 */
-                const int h = c / 8, k = c % 8;
-                const __m512i low = _mm512_and_si512(_mm512_srli_epi32(bytes16_512(ql + 64 * h + 16 * (k % 4)), 4 * (k / 4)), low4);
-                const __m512i high = _mm512_and_si512(_mm512_srli_epi32(bytes16_512(qh + 32 * h + 16 * (k % 2)), 2 * (k / 2)), three);
-                const __m512i q = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), thirty_two);
-                _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(_mm512_set1_ps(d * (float)scales[c]), _mm512_cvtepi32_ps(q)));
+            for (int h = 0; h < 2; h++) {  /* each byte widened once, then shifted for every chunk it feeds */
+                const __m512i lq[4] = {bytes16_512(ql + 64 * h), bytes16_512(ql + 64 * h + 16), bytes16_512(ql + 64 * h + 32),
+                                       bytes16_512(ql + 64 * h + 48)};
+                const __m512i hq[2] = {bytes16_512(qh + 32 * h), bytes16_512(qh + 32 * h + 16)};
+#pragma GCC unroll 8
+                for (int k = 0; k < 8; k++) {  /* values 128 h + 16 k .. + 15 */
+                    const __m512i low = _mm512_and_si512(_mm512_srli_epi32(lq[k % 4], 4 * (k / 4)), low4);
+                    const __m512i high = _mm512_and_si512(_mm512_srli_epi32(hq[k % 2], 2 * (k / 2)), three);
+                    const __m512i q = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), thirty_two);
+                    const float ds = d * (float)scales[8 * h + k];
+                    _mm512_storeu_ps(out + 128 * h + 16 * k, _mm512_mul_ps(_mm512_set1_ps(ds), _mm512_cvtepi32_ps(q)));
+                }
             }
         }
         break;
@@ -330,6 +341,37 @@ static inline __attribute__((always_inline)) QB_AVX2 void nibble_blocks_256(cons
         }
 }
 
+/* Q4_K and Q5_K with AVX2: each 8 bytes of nibbles widened once for its two sub-blocks, the
+ * fifth bits' 32 bytes once a block. */
+static inline __attribute__((always_inline)) QB_AVX2 void k_blocks_256(const uint8_t *row, int64_t blocks, float *out,
+                                                                       const int five) {
+    const __m256i low4 = _mm256_set1_epi32(0x0f), one = _mm256_set1_epi32(1);
+    for (int64_t i = 0; i < blocks; i++, out += QK_K) {
+        const uint8_t *b = row + (five ? 176 : 144) * i;
+        const float d = half_f16c(b), dmin = half_f16c(b + 2);
+        int sc[8], mn[8];
+        scales_and_mins(b + 4, sc, mn);
+        const uint8_t *qh = b + 16, *qs = b + (five ? 48 : 16);
+        __m256i h[4];
+        for (int part = 0; part < 4; part++) h[part] = five ? bytes8_256(qh + 8 * part) : _mm256_setzero_si256();
+        for (int g = 0; g < 4; g++) {
+            const __m256 d0 = _mm256_set1_ps(d * (float)sc[2 * g]), m0 = _mm256_set1_ps(dmin * (float)mn[2 * g]);
+            const __m256 d1 = _mm256_set1_ps(d * (float)sc[2 * g + 1]), m1 = _mm256_set1_ps(dmin * (float)mn[2 * g + 1]);
+#pragma GCC unroll 4
+            for (int part = 0; part < 4; part++) {
+                const __m256i raw = bytes8_256(qs + 32 * g + 8 * part);
+                __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_srli_epi32(raw, 4);
+                if (five) {
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h[part], 2 * g), one), 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h[part], 2 * g + 1), one), 4));
+                }
+                _mm256_storeu_ps(out + 64 * g + 8 * part, _mm256_fmsub_ps(d0, _mm256_cvtepi32_ps(lo), m0));
+                _mm256_storeu_ps(out + 64 * g + 32 + 8 * part, _mm256_fmsub_ps(d1, _mm256_cvtepi32_ps(hi), m1));
+            }
+        }
+    }
+}
+
 static QB_AVX2 void expand_row_avx2_impl(int type, const uint8_t *row, int64_t blocks, float *out) {
     const __m256i low4 = _mm256_set1_epi32(0x0f), three = _mm256_set1_epi32(3);
     switch (type) {
@@ -347,40 +389,28 @@ static QB_AVX2 void expand_row_avx2_impl(int type, const uint8_t *row, int64_t b
             }
         }
         break;
-    case GGML_Q4_K:
-    case GGML_Q5_K: {
-        const int five = type == GGML_Q5_K;
-        const __m256i one = _mm256_set1_epi32(1);
-        for (int64_t i = 0; i < blocks; i++, out += QK_K) {
-            const uint8_t *b = row + (five ? 176 : 144) * i;
-            const float d = half_f16c(b), dmin = half_f16c(b + 2);
-            int sc[8], mn[8];
-            scales_and_mins(b + 4, sc, mn);
-            const uint8_t *qh = b + 16, *qs = b + (five ? 48 : 16);
-            for (int j = 0; j < 8; j++) {
-                const __m256 ds = _mm256_set1_ps(d * (float)sc[j]), ms = _mm256_set1_ps(dmin * (float)mn[j]);
-                for (int part = 0; part < 4; part++) {
-                    __m256i q = _mm256_and_si256(_mm256_srli_epi32(bytes8_256(qs + 32 * (j / 2) + 8 * part), 4 * (j % 2)), low4);
-                    if (five)
-                        q = _mm256_or_si256(q, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(bytes8_256(qh + 8 * part), j), one), 4));
-                    _mm256_storeu_ps(out + 32 * j + 8 * part, _mm256_fmsub_ps(ds, _mm256_cvtepi32_ps(q), ms));
-                }
-            }
-        }
-        break;
-    }
+    case GGML_Q4_K: k_blocks_256(row, blocks, out, 0); break;
+    case GGML_Q5_K: k_blocks_256(row, blocks, out, 1); break;
     default: /* Q6_K */
         for (int64_t i = 0; i < blocks; i++, out += QK_K) {
             const uint8_t *b = row + 210 * i, *ql = b, *qh = b + 128;
             const int8_t *scales = (const int8_t *)(b + 192);
             const float d = half_f16c(b + 208);
             const __m256i thirty_two = _mm256_set1_epi32(32);
-            for (int c = 0; c < 32; c++) {  /* values 8 c .. 8 c + 7: half c / 16, 8-chunk c % 16 */
-                const int h = c / 16, k = c % 16;
-                const __m256i low = _mm256_and_si256(_mm256_srli_epi32(bytes8_256(ql + 64 * h + 8 * (k % 8)), 4 * (k / 8)), low4);
-                const __m256i high = _mm256_and_si256(_mm256_srli_epi32(bytes8_256(qh + 32 * h + 8 * (k % 4)), 2 * (k / 4)), three);
-                const __m256i q = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), thirty_two);
-                _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(_mm256_set1_ps(d * (float)scales[c / 2]), _mm256_cvtepi32_ps(q)));
+            for (int h = 0; h < 2; h++) {
+                for (int j = 0; j < 8; j++) {  /* ql bytes 8 j .. + 7 of the half feed 8-chunks j and j + 8 */
+                    const __m256i lq = bytes8_256(ql + 64 * h + 8 * j);
+                    const __m256i hq = bytes8_256(qh + 32 * h + 8 * (j % 4));
+#pragma GCC unroll 2
+                    for (int up = 0; up < 2; up++) {  /* 8-chunk k = j + 8 up: values 128 h + 8 k .. + 7 */
+                        const int k = j + 8 * up;
+                        const __m256i low = _mm256_and_si256(_mm256_srli_epi32(lq, 4 * up), low4);
+                        const __m256i high = _mm256_and_si256(_mm256_srli_epi32(hq, 2 * (k / 4)), three);
+                        const __m256i q = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), thirty_two);
+                        const float ds = d * (float)scales[8 * h + k / 2];
+                        _mm256_storeu_ps(out + 128 * h + 8 * k, _mm256_mul_ps(_mm256_set1_ps(ds), _mm256_cvtepi32_ps(q)));
+                    }
+                }
             }
         }
         break;
