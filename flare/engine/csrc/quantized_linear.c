@@ -195,6 +195,11 @@ int quantized_linear(const QuantizedLinear *l, int threads, int isa) {
                 for (int64_t o = 0; o < count; o++)
                     expand_quantized_row(vector, l->type, l->blocks + (o0 + o) * row_bytes, blocks, w + o * l->in);
                 memset(w + count * l->in, 0, sizeof(float) * (size_t)((GROUP - count) * l->in));
+                /* The next group's blocks are fetched while this group's rows multiply: at 8-32 rows
+                 * the product is long enough to hide the memory's latency. */
+                if (l->tokens > 1 && g + 1 < last)
+                    for (int64_t at = 0; at < GROUP * row_bytes; at += 64)
+                        __builtin_prefetch(l->blocks + (o0 + GROUP) * row_bytes + at);
                 /* A whole group's sums go straight into y; the last, partial group's through `sums`. */
                 float *into = count == GROUP ? l->y + o0 : sums;
                 const int64_t ys = count == GROUP ? l->out : GROUP;
