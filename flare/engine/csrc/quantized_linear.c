@@ -17,7 +17,7 @@
  * float32 buffer (GROUP x in floats, in L1/L2), then runs every tile of rows over it, so at 8-32
  * rows each block is expanded once and reused by every row, and at one row each weight byte is
  * read once from memory. OpenMP threads take contiguous ranges of groups. Figures against the
- * float16 kernel (one thread: 0.87x its time at one row on Q4_1 blocks, 1.33-1.88x at 8-32 rows)
+ * float16 kernel (one thread, AVX-512: 0.87x its time at one row on Q4_1 blocks, 1.16-1.23x at 8-32)
  * and what was tried are in docs/benchmarks.md, "Quantized linear layers".
  */
 #include <math.h>
