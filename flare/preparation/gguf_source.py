@@ -187,6 +187,9 @@ def _reader_error(error: Exception) -> str:
     text = str(error)
     if "GGMLQuantizationType" in text:
         return f"a tensor has an unknown ggml type id ({text}); this file needs a newer flare or is corrupt"
+    if "cannot reshape" in text:
+        # gguf-py views each tensor's bytes by its shape: a short file leaves one short.
+        return f"a tensor's data is shorter than its shape and type say ({text}); the file is truncated or corrupt"
     return text
 
 

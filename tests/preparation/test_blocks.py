@@ -243,6 +243,14 @@ def test_a_gguf_with_an_unknown_type_id_is_refused(tmp_path: Path, wide_config: 
     assert not (tmp_path / "pkg").exists()
 
 
+def test_a_truncated_gguf_is_refused_and_nothing_is_written(tmp_path: Path, every_type_packages: dict[str, Any]) -> None:
+    whole = (every_type_packages["root"] / "wide.gguf").read_bytes()
+    (tmp_path / "short.gguf").write_bytes(whole[:-1000])
+    with pytest.raises(ExportError, match="a tensor's data is shorter than its shape and type say.*truncated"):
+        export_package(str(tmp_path / "short.gguf"), tmp_path / "pkg", ExportOptions())
+    assert [p.name for p in tmp_path.iterdir()] == ["short.gguf"]
+
+
 def _rewrite(package: Path, change: Any) -> None:
     """Apply `change` to the package's manifest JSON (and blocks file), keeping its checksums true."""
     manifest = json.loads((package / "manifest.json").read_text())
