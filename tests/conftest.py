@@ -189,9 +189,8 @@ def tiny_hf_directory(make_hf_directory: Callable[..., Path], package_parts: dic
 
 @pytest.fixture(scope="session")
 def default_package() -> Path:
-    """The real default model's package as `flare run` serves it on this machine (dtype auto:
-    bfloat16 where the CPU multiplies it natively), exported once into the cache
-    ($FLARE_CACHE_DIR or ~/.cache/flare).
+    """The real default model's package as `flare run` serves it (dtype auto: the GGUF's Q4_1 and
+    Q8_0 blocks kept), exported once into the cache ($FLARE_CACHE_DIR or ~/.cache/flare).
 
     For tests marked real_model.
     """

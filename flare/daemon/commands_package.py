@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flare.preparation.manifest import AUTO_DTYPE, DTYPES
+from flare.preparation.manifest import AUTO_DTYPE, DTYPES, QUANTIZE_TYPES
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -40,8 +40,15 @@ def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--dtype",
         choices=(AUTO_DTYPE, *DTYPES),
         default=AUTO_DTYPE,
-        help="the dtype the weights are stored in; auto (the default) is float16 (bfloat16 for weights "
-        "beyond float16's range), which `flare run` multiplies in the fastest format of each CPU",
+        help="the dtype the weights are stored in; auto (the default) keeps a quantized GGUF's blocks "
+        "(types without a kernel dequantized, the rest float32) and stores float weights as float16 "
+        "(bfloat16 beyond float16's range); float32, float16 and bfloat16 dequantize everything",
+    )
+    parser.add_argument(
+        "--quantize",
+        choices=QUANTIZE_TYPES,
+        metavar="TYPE",
+        help=f"quantize a Hugging Face directory's float weights to ggml blocks: {', '.join(QUANTIZE_TYPES)}",
     )
     parser.add_argument(
         "--sampling-default",
@@ -141,6 +148,7 @@ def _export(args: argparse.Namespace) -> int:
             draft_tokens=args.draft_tokens,
             drafter=args.drafter,
             overwrite=args.overwrite,
+            quantize=args.quantize,
         )
         if args.drafter == "mtp":
             from flare.distill.distill import DistillOptions
@@ -174,7 +182,10 @@ def _export(args: argparse.Namespace) -> int:
     head = manifest.draft_head
     print(
         f"exported {args.source} to {args.output} "
-        f"(recipe {manifest.provenance.recipe}, dtype {manifest.serving.dtype}"
+        f"(recipe {manifest.provenance.recipe}, "
+        + "".join(f"{kind} " for kind in sorted({entry.type for entry in manifest.blocks.values()}))
+        + ("blocks, the rest " if manifest.blocks else "")
+        + f"dtype {manifest.serving.dtype}"
         + (f", draft head K={head.draft_tokens}, {head.held_out.tokens_per_round:.2f} held-out tokens/round"
            if head is not None and head.held_out is not None else "")
         + ")"

@@ -31,7 +31,7 @@ import stat
 import struct
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -94,6 +94,7 @@ class DaemonStatus:
     prompt_tokens_computed: int = 0  # since start: prefilled
     grammar_cache_entries: int = 0  # compiled grammars kept for reuse
     grammar_cache_bytes: int = 0  # their estimated bytes
+    weight_types: dict[str, dict[str, int]] = field(default_factory=dict)  # tensors and bytes by stored type
 
     def summary(self) -> str:
         """One line: `systemctl status` shows it under the unit."""
@@ -193,6 +194,7 @@ class DaemonControl:
             prompt_tokens_computed=snapshot.prompt_tokens_computed,
             grammar_cache_entries=grammars.entries,
             grammar_cache_bytes=grammars.bytes,
+            weight_types=snapshot.weight_types,
         )
 
     def requests(self) -> Sequence[RequestRow]:

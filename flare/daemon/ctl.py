@@ -235,6 +235,14 @@ def render(command: str, answer: Any) -> str:
     raise ValueError(f"no rendering for {command!r}")
 
 
+def _render_weight_types(types: Mapping[str, Mapping[str, int]]) -> str:
+    """`Q4_1 210 tensors 87.1 MB, F32 61 tensors 0.1 MB`, largest first, as the daemon sent it."""
+    return ", ".join(
+        f"{kind} {total['tensors']} tensor{'s' if total['tensors'] != 1 else ''} {total['bytes'] / 1e6:,.1f} MB"
+        for kind, total in types.items()
+    ) or "unknown"
+
+
 def _render_status(status: Mapping[str, Any]) -> str:
     statuses = status["device_statuses"]
     rows = [
@@ -245,6 +253,7 @@ def _render_status(status: Mapping[str, Any]) -> str:
         ("waiting", str(status["waiting"])),
         ("kv blocks", f"{status['kv_blocks_used']} / {status['kv_blocks_total']} in use, {status['kv_cache_dtype']}"),
         ("weights", f"{status['weights_dtype']} stored, {status['weight_format']} GEMMs"),
+        ("weight types", _render_weight_types(status.get("weight_types") or {})),
         ("prefix cache", _render_prefix_cache(status)),
         ("grammar cache", _render_grammar_cache(status)),
         ("tokens/s", f"{status['generated_tokens_per_s']:.1f}"),

@@ -61,10 +61,13 @@ def export_with_draft_head(
         else:
             info, tensors = distill_head(target, distill, stderr=progress)
         m = target.manifest
+        floats, blocks = target.load_weights()
         return write_package(
             out_dir,
             config=m.model,
-            state_dict=target.load_state_dict(),
+            state_dict=floats,
+            blocks=blocks,
+            dequantized=m.dequantized,
             tokenizer_json=target.tokenizer_json_path.read_text(encoding="utf-8"),
             chat_template=target.chat_template,
             policy=m.sampling,

@@ -21,7 +21,11 @@ it fast on a CPU, where a round of 32 decode rows is bound by the linear layers:
   MKL; the weights are stored and multiplied in it, everything between the GEMMs stays float32;
 - on float16 weights a round of short rows runs each layer as one kernel call
   (`native.decoder_layer`), the same kernels as the steps of `forward_hidden` without the
-  Python between them.
+  Python between them;
+- a package's quantized tensors stay ggml blocks mapped from its file (`quantized.py`): their
+  linear layers multiply float32 activations straight from the blocks, the embedding
+  dequantizes only the rows it looks up, and a tied LM head is the embedding's blocks. Those
+  layers take the per-step path of `forward_hidden` (`native.decoder_layer` is float16's).
 """
 
 from __future__ import annotations
@@ -32,12 +36,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flare.engine import native, precision
+from flare.engine import native, precision, quantized
 from flare.engine.precision import WeightFormat
+from flare.engine.quantized import QuantizedWeight
 from flare.engine.batch import SHORT_ROW_MAX_TOKENS, AttentionGroup, ForwardBatch
 from flare.engine.kv_cache import KVCache
 from flare.preparation.manifest import ModelConfig
-from flare.preparation.package import TORCH_DTYPES, Package, fits_float16, weight_problems
+from flare.preparation.package import TORCH_DTYPES, Package, PackageError, fits_float16, weight_problems
 
 
 class WeightsError(ValueError):
@@ -85,9 +90,15 @@ class AttentionCall:
         return self.gather_index is None
 
 
-def check_state_dict(config: ModelConfig, state_dict: Mapping[str, torch.Tensor]) -> None:
+def _shape(weight: torch.Tensor | QuantizedWeight) -> tuple[int, ...]:
+    if isinstance(weight, QuantizedWeight):
+        return (weight.out_features, weight.in_features)
+    return tuple(weight.shape)
+
+
+def check_state_dict(config: ModelConfig, state_dict: Mapping[str, torch.Tensor | QuantizedWeight]) -> None:
     """Raise `WeightsError` listing every missing, unexpected or misshapen weight."""
-    problems = weight_problems(config, {name: tuple(tensor.shape) for name, tensor in state_dict.items()})
+    problems = weight_problems(config, {name: _shape(tensor) for name, tensor in state_dict.items()})
     if problems:
         raise WeightsError("the weights do not match the model config: " + "; ".join(problems))
 
@@ -112,8 +123,52 @@ OUTPUT_CHUNK = 4096
 CHUNKED_MIN_TOKENS = 16
 
 
-# Plain [out, in], or packed by `pack_weight`.
-Weight = torch.Tensor | native.Float16Weight | torch.ScriptObject
+# Plain [out, in], packed by `pack_weight`, ggml blocks, or several of these stacked on `out`
+# (`stack_weights`: the q/k/v of a quantized layer whose tensors do not share one type).
+Weight = torch.Tensor | native.Float16Weight | torch.ScriptObject | QuantizedWeight | tuple
+
+
+def stack_weights(parts: list[torch.Tensor | QuantizedWeight], weight_format: WeightFormat) -> Weight:
+    """The [out, in] weights `parts` stacked on `out`, as one weight where they share a kind.
+
+    Float parts are concatenated and packed (`pack_weight`). Blocks of one type that lie next to
+    each other in the package's mapped file (the blocks file is written in this order) become
+    one weight over the joint bytes, without a copy; blocks elsewhere are concatenated. Parts of
+    different kinds (a Q6_K v beside Q4_K q and k, as llama.cpp's Q4_K_M mixes them) stay a
+    tuple, multiplied one by one and their outputs concatenated (`linear`)."""
+    runs: list[list[torch.Tensor | QuantizedWeight]] = []
+    for part in parts:
+        if runs and _kind(runs[-1][-1]) == _kind(part):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    stacked = [
+        _join_blocks(run) if isinstance(run[0], QuantizedWeight) else pack_weight(torch.cat(run), weight_format)  # type: ignore[arg-type]
+        for run in runs
+    ]
+    return stacked[0] if len(stacked) == 1 else tuple(stacked)
+
+
+def _kind(part: torch.Tensor | QuantizedWeight) -> tuple:
+    return (part.ggml_type, part.in_features) if isinstance(part, QuantizedWeight) else ("float",)
+
+
+def _join_blocks(run: list[QuantizedWeight]) -> QuantizedWeight:
+    first = run[0]
+    if len(run) == 1:
+        return first
+    rows = sum(part.out_features for part in run)
+    storage = first.data.untyped_storage()
+    adjacent = all(
+        b.data.untyped_storage().data_ptr() == storage.data_ptr() and a.data.data_ptr() + a.nbytes == b.data.data_ptr()
+        for a, b in zip(run, run[1:])
+    )
+    if adjacent:
+        width = first.data.shape[1]
+        data = torch.empty(0, dtype=torch.uint8).set_(storage, first.data.storage_offset(), (rows, width), (width, 1))
+    else:
+        data = torch.cat([part.data for part in run])
+    return QuantizedWeight.from_blocks(first.ggml_type, data, rows, first.in_features)
 
 
 def pack_weight(weight: torch.Tensor, weight_format: WeightFormat) -> Weight:
@@ -162,6 +217,10 @@ def packs(weight_format: WeightFormat, device: torch.device) -> bool:
 def _packed_rows(x: torch.Tensor, weight: Weight) -> torch.Tensor | None:
     """x [T, in] through a packed weight: rows [T, out] (bfloat16 from oneDNN, float32 from
     the float16 kernels, all accumulated in float32); None for a plain weight."""
+    if isinstance(weight, QuantizedWeight):
+        return quantized.quantized_linear(x.float().contiguous(), weight)
+    if isinstance(weight, tuple):
+        return torch.cat([linear(x, part).float() for part in weight], dim=1)
     if isinstance(weight, native.Float16Weight):
         return native.float16_linear(x.float(), weight)
     if isinstance(weight, torch.ScriptObject):
@@ -238,7 +297,7 @@ class LlamaModel:
     def __init__(
         self,
         config: ModelConfig,
-        state_dict: Mapping[str, torch.Tensor],
+        state_dict: Mapping[str, torch.Tensor | QuantizedWeight],
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
@@ -267,19 +326,30 @@ class LlamaModel:
         self.native_kernels = applies and native.available() if native_kernels is None else native_kernels
         weights_dtype = self.weight_format.dtype
 
+        if any(isinstance(w, QuantizedWeight) for w in state_dict.values()) and self.device.type != "cpu":
+            raise ValueError(f"quantized blocks are multiplied on the CPU only, not on {self.device}")
+
         def weight(name: str, as_dtype: torch.dtype) -> torch.Tensor:
-            return state_dict[name].to(device=self.device, dtype=as_dtype).contiguous()
+            tensor = state_dict[name]
+            assert isinstance(tensor, torch.Tensor), f"{name} is a vector and is never kept as blocks"
+            return tensor.to(device=self.device, dtype=as_dtype).contiguous()
 
         def linear_weight(*names: str) -> Weight:
             """The [out, in] weights of `names` stacked on `out` (one GEMM instead of several)."""
-            stacked = torch.cat([state_dict[n].to(self.device) for n in names])
-            return pack_weight(stacked, self.weight_format)
+            parts = [state_dict[n] for n in names]
+            return stack_weights([p if isinstance(p, QuantizedWeight) else p.to(self.device) for p in parts], self.weight_format)
 
         # The embedding is looked up by row, which a packed weight cannot be: a tied LM head is
-        # then a packed copy of it (56 MB more for the default model in a 16-bit format).
-        self.embed = weight("model.embed_tokens.weight", weights_dtype)
+        # then a packed copy of it (56 MB more for the default model in a 16-bit format). Blocks
+        # are looked up and multiplied as they are: a tied LM head is the embedding's blocks.
+        embedding = state_dict["model.embed_tokens.weight"]
+        self.embed: torch.Tensor | QuantizedWeight = (
+            embedding if isinstance(embedding, QuantizedWeight) else weight("model.embed_tokens.weight", weights_dtype)
+        )
         if not config.tie_word_embeddings:
             self.lm_head = linear_weight("lm_head.weight")
+        elif isinstance(self.embed, QuantizedWeight):
+            self.lm_head = self.embed
         elif packs(self.weight_format, self.device):
             self.lm_head = linear_weight("model.embed_tokens.weight")
         else:
@@ -339,7 +409,7 @@ class LlamaModel:
             raise ValueError(
                 f"position {batch.max_position} is past the model's context of {self.config.max_position_embeddings}"
             )
-        h = F.embedding(batch.token_ids, self.embed).to(self.dtype) if inputs is None else inputs.to(self.dtype, copy=True).contiguous()
+        h = self.embed_rows(batch.token_ids).to(self.dtype) if inputs is None else inputs.to(self.dtype, copy=True).contiguous()
         rope = None if self.native_kernels else self._rope(batch)
         calls = self._plan_attention(batch, kv_cache)
         if self.float16_layers is not None and all(call.native for call in calls):
@@ -360,6 +430,13 @@ class LlamaModel:
                 h += delta
         x = self._add_norm(h[batch.logit_indices], None, self.norm)
         return linear(x, self.lm_head).contiguous().float(), h
+
+    def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings of `token_ids` (any shape), [*shape, hidden], in the stored dtype
+        (float32 from blocks: only the looked-up rows are dequantized)."""
+        if isinstance(self.embed, QuantizedWeight):
+            return quantized.dequantize_rows(self.embed, token_ids)
+        return F.embedding(token_ids, self.embed)
 
     def logits_of(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits [T, vocab] of residual-stream rows h [T, hidden]: final norm, LM head."""
@@ -517,9 +594,14 @@ def load_model(package: Package, device: torch.device | str = "cpu", weight_form
     not run here)."""
     device = torch.device(device)
     stored = TORCH_DTYPES[package.manifest.serving.dtype]
-    state_dict = package.load_state_dict()
+    floats, blocks = package.load_weights()
     # Stored float16 fits by construction; other weights are scanned only where float16 may run.
     float16_may_run = weight_format == WeightFormat.FLOAT16 or (weight_format == precision.AUTO and stored != torch.float32)
-    fits = stored == torch.float16 or not float16_may_run or all(fits_float16(t) for t in state_dict.values())
+    fits = stored == torch.float16 or not float16_may_run or all(fits_float16(t) for t in floats.values())
     chosen = precision.choose_weight_format(stored, device, weight_format, weights_fit_float16=fits)
+    state_dict: dict[str, torch.Tensor | QuantizedWeight] = dict(floats)
+    for name, tensor in blocks.items():
+        if tensor.ggml_type not in quantized.supported_types():
+            raise PackageError(f"the package at {package.path}: tensor {name} is {tensor.ggml_type.name} blocks, which this flare does not multiply; re-export it")
+        state_dict[name] = QuantizedWeight.from_blocks(tensor.ggml_type, tensor.data, *tensor.shape)
     return LlamaModel(package.manifest.model, state_dict, device=device, weight_format=chosen)

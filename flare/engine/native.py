@@ -12,6 +12,9 @@ built (no C compiler at install time) and that the tests hold it equal to:
 - `swiglu_rows`: silu(gate) * up from the gate/up layer's output into the rows the down
   projection reads, instead of two passes and a transposing copy;
 - `add_rms_norm`: the residual add and the RMSNorm after it, instead of seven passes;
+- `quantized_linear` and `quantized_rows`: a linear layer multiplied straight from ggml's
+  quantized blocks, and rows of such a weight expanded (the embedding lookup), for
+  flare/engine/quantized.py;
 - `float16_linear`: a linear layer of float16 weights (packed once, `Float16Weight`) on float32
   rows, at the memory's speed for the one to few rows of a decode round (fbgemm's float16 GEMM,
   its torch counterpart, took 1.15-1.2x as long there, and as long from 5 rows on);
@@ -328,6 +331,45 @@ def float16_linear(x: torch.Tensor, weight: Float16Weight, *, isa: int | None = 
             LINEAR_ISA if isa is None else isa,
         )
     return y
+
+
+def quantized_linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out_features: int, in_features: int, isa: int) -> torch.Tensor:
+    """x [T, in] float32 (each row contiguous) times a weight of ggml blocks (uint8 [out, row
+    bytes], contiguous; quantized_linear.c): [T, out] float32, each output's 16 lanes summed over
+    the inputs in order and then by a fixed tree, the same bits at every `isa` and batch size.
+    The caller (flare/engine/quantized.py) has checked `blocks` against the type and shape."""
+    native = _module()
+    tokens = x.shape[0]
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != in_features or x.stride(1) != 1:
+        raise ValueError(
+            f"quantized_linear: x must be a CPU float32 [tokens, {in_features}] with contiguous rows, "
+            f"got {x.device} {x.dtype} {tuple(x.shape)} strides {x.stride()}"
+        )
+    y = torch.empty(tokens, out_features, dtype=torch.float32)
+    if tokens:
+        native.quantized_linear(
+            x.data_ptr(), max(x.stride(0), in_features), blocks.data_ptr(), int(ggml_type), y.data_ptr(), tokens,
+            in_features, out_features, torch.get_num_threads(), isa,
+        )
+    return y
+
+
+def quantized_first_nonfinite_scale(blocks: torch.Tensor, ggml_type: int, type_size: int) -> int:
+    """The first block (in storage order) of contiguous ggml blocks whose float16 scale is NaN or
+    infinite, or -1: one pass over the bytes (a package's weights are checked at load)."""
+    return _module().quantized_first_nonfinite_scale(int(ggml_type), blocks.data_ptr(), blocks.numel() // type_size)
+
+
+def quantized_rows(blocks: torch.Tensor, ggml_type: int, in_features: int, rows: torch.Tensor, isa: int) -> torch.Tensor:
+    """Rows `rows` (contiguous int64 [N]) of a weight of ggml blocks expanded: [N, in] float32,
+    gguf-py's values. Row ids outside the weight are refused before anything is read."""
+    native = _module()
+    out = torch.empty(rows.shape[0], in_features, dtype=torch.float32)
+    native.quantized_rows(
+        int(ggml_type), blocks.data_ptr(), blocks.shape[0], in_features, rows.data_ptr(), rows.shape[0], out.data_ptr(),
+        torch.get_num_threads(), isa,
+    )
+    return out
 
 
 @dataclass(frozen=True)

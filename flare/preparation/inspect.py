@@ -5,20 +5,24 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from flare.preparation.blocks import KEPT_TYPES
 from flare.preparation.chat_template import check_chat_template
 from flare.preparation.contract import Problem, check_contract
-from flare.preparation.package import CHAT_TEMPLATE_NAME, verify_package
+from flare.preparation.package import CHAT_TEMPLATE_NAME, verify_package, weight_types
 
 UNSERVABLE_CHAT_TEMPLATE = "unservable_chat_template"
 
 
 def inspect_package(path: Path) -> dict[str, Any]:
-    """The manifest as JSON, plus `integrity` (the checksum report) and `problems` (the contract check).
+    """The manifest as JSON, plus `weight_types` (tensors and bytes by stored type, `package.weight_types`),
+    `integrity` (the checksum report) and `problems` (the contract check).
 
     When the manifest cannot be read, only `integrity` and an empty `problems` are given.
     """
     report = verify_package(Path(path))
     info: dict[str, Any] = report.manifest.to_json() if report.manifest is not None else {}
+    if report.manifest is not None:
+        info["weight_types"] = weight_types(report.manifest)
     info["integrity"] = report.to_json()
     problems = []
     if report.manifest is not None:
@@ -78,6 +82,7 @@ def render_text(info: dict[str, Any], path: Path | str) -> str:
             f"  speculation         {_speculation(serving)}",
         ]
         lines += _draft_head(info.get("draft_head"))
+        lines += _weights(info["weight_types"], info.get("blocks", {}), info.get("dequantized", {}))
         lines += [
             "",
             "sampling              default     range",
@@ -93,6 +98,25 @@ def render_text(info: dict[str, Any], path: Path | str) -> str:
     lines += ["", f"problems              {len(info['problems']) or 'none'}"]
     lines += [f"  ! {problem['message']}" for problem in info["problems"]]
     return "\n".join(lines) + "\n"
+
+
+def _weights(types: dict[str, dict[str, int]], blocks: dict[str, Any], dequantized: dict[str, str]) -> list[str]:
+    block_types = {entry["type"] for entry in blocks.values()}
+    lines = ["", "weights               tensors     bytes"]
+    for kind, total in types.items():
+        stored = "ggml blocks, mapped by flare run" if kind in block_types else "floats"
+        lines.append(f"  {kind:<20}{total['tensors']:<12}{_size(total['bytes'])} ({stored})")
+    by_type: dict[str, int] = {}
+    for kind in dequantized.values():
+        by_type[kind] = by_type.get(kind, 0) + 1
+    for kind, count in sorted(by_type.items()):
+        why = "a --dtype asked for floats" if kind in {t.name for t in KEPT_TYPES} else "no kernel for the type"
+        lines.append(f"  dequantized         {count} {kind} tensor{'s' if count > 1 else ''} at export ({why})")
+    return lines
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e6:,.1f} MB" if nbytes >= 100_000 else f"{nbytes / 1e3:,.1f} kB"
 
 
 def _draft_head(head: dict[str, Any] | None) -> list[str]:

@@ -1,13 +1,22 @@
 """The package manifest (`manifest.json`): what a package holds and how it is to be served.
 
-Layout of the JSON object (format 1):
+Layout of the JSON object (format 3):
 
-    {"format": 1,
+    {"format": 3,
      "model": {"config": {ModelConfig}, "provenance": {Provenance}},
      "serving": {ServingConfig},
      "sampling": {"defaults": {...}, "ranges": {...}},
      "files": {"model.safetensors": "<sha256>", "tokenizer.json": ..., "chat_template.jinja": ...},
-     "draft_head": {DraftHeadInfo}}   (only in a package that ships a learned draft head)
+     "draft_head": {DraftHeadInfo},   (only in a package that ships a learned draft head)
+     "blocks": {"<tensor name>": {"type": "Q4_1", "offset": 0, "nbytes": 207360}, ...},
+                                      (only in a package that keeps quantized tensors as ggml blocks,
+                                       in `model.blocks`; package.py and blocks.py)
+     "dequantized": {"<tensor name>": "Q2_K", ...}}
+                                      (only where export dequantized quantized source tensors: their
+                                       source type, for `flare inspect`)
+
+Formats read: 2 (provenance.name) and 3 (blocks). A format-2 manifest has no blocks and reads as
+before; flare writes format 3.
 
 Reading is strict: an unknown or missing key is an error naming it, so a manifest written by a
 newer flare is refused rather than half understood.
@@ -22,12 +31,16 @@ from typing import Any
 
 from flare.sampling.policy import PolicyError, SamplingPolicy
 
-FORMAT_VERSION = 2  # 2: provenance.name (the model name clients use)
+FORMAT_VERSION = 3  # 2: provenance.name (the model name clients use); 3: blocks
+READ_FORMATS = (2, 3)
 MANIFEST_NAME = "manifest.json"
 DTYPES = ("float32", "bfloat16", "float16")
 # What `flare export --dtype` takes besides DTYPES: float16, or bfloat16 for weights beyond
 # float16's range (`export.resolve_dtype`); a manifest always names the stored one.
 AUTO_DTYPE = "auto"
+# What `flare export --quantize` takes (quantize.py): a Hugging Face directory's float weights
+# as ggml blocks. Kept here, free of torch, for the command line.
+QUANTIZE_TYPES = ("q8_0", "q4_0", "q4_k_m")
 # What `flare run --weight-format` takes: auto (the fastest this CPU runs for the stored dtype),
 # or a format named as the dtype it multiplies in (flare/engine/precision.py). Kept here, free of
 # torch, so that the command line parses without loading it.
@@ -244,6 +257,31 @@ class DraftHeadInfo:
 
 
 @dataclass(frozen=True)
+class BlockEntry:
+    """Where one quantized tensor's ggml blocks lie in `model.blocks`, and their ggml type
+    (a `gguf.GGMLQuantizationType` name; blocks.py checks it against the types the engine
+    multiplies). The tensor's shape is the model config's (`package.expected_weight_shapes`)."""
+
+    type: str
+    offset: int
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not isinstance(self.type, str) or not self.type:
+            problems.append(f"type must be a ggml type name, got {self.type!r}")
+        for name in ("offset", "nbytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                problems.append(f"{name} must be a non-negative integer, got {value!r}")
+        if problems:
+            raise ManifestError("; ".join(problems))
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class Manifest:
     model: ModelConfig
     serving: ServingConfig
@@ -252,6 +290,12 @@ class Manifest:
     files: dict[str, str] = field(default_factory=dict)  # file name -> sha256 hex
     format: int = FORMAT_VERSION
     draft_head: DraftHeadInfo | None = None  # the learned draft head the package ships, if any
+    # Quantized tensors kept as ggml blocks (`model.blocks`), by tensor name; empty for a package
+    # whose every weight is in model.safetensors.
+    blocks: dict[str, BlockEntry] = field(default_factory=dict)
+    # Tensors the source stored quantized that export dequantized (a --dtype asked for floats, or
+    # their type has no kernel), with their source type name.
+    dequantized: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.serving.drafter == "mtp" and self.draft_head is None:
@@ -282,6 +326,8 @@ class Manifest:
             "sampling": self.sampling.to_json(),
             "files": dict(sorted(self.files.items())),
             **({"draft_head": self.draft_head.to_json()} if self.draft_head is not None else {}),
+            **({"blocks": {name: entry.to_json() for name, entry in self.blocks.items()}} if self.blocks else {}),
+            **({"dequantized": dict(self.dequantized)} if self.dequantized else {}),
         }
 
     def dumps(self) -> str:
@@ -292,15 +338,19 @@ class Manifest:
         if not isinstance(data, dict):
             raise ManifestError(f"manifest must be a JSON object, got {type(data).__name__}")
         version = data.get("format")
-        if version != FORMAT_VERSION:
+        if version not in READ_FORMATS or isinstance(version, bool):
             raise ManifestError(
-                f"manifest format {version!r} is not supported by this flare (it reads format {FORMAT_VERSION}); "
-                "re-export the package with this flare"
+                f"manifest format {version!r} is not supported by this flare (it reads formats "
+                f"{', '.join(map(str, READ_FORMATS))}); re-export the package with this flare"
             )
-        # draft_head is optional: a package without one reads as before.
-        _check_keys(
-            {"draft_head": None, **data}, {"format", "model", "serving", "sampling", "files", "draft_head"}, "manifest"
-        )
+        # draft_head and blocks are optional: a package without them reads as before.
+        optional = {"draft_head": None, "blocks": None, "dequantized": None}
+        if version < 3 and ("blocks" in data or "dequantized" in data):
+            raise ManifestError(f"manifest format {version} cannot have blocks (format 3 added them)")
+        _check_keys({**optional, **data}, {"format", "model", "serving", "sampling", "files", *optional}, "manifest")
+        dequantized = data.get("dequantized") or {}
+        if not isinstance(dequantized, dict) or not all(isinstance(v, str) for v in dequantized.values()):
+            raise ManifestError("manifest key 'dequantized' must map tensor names to ggml type names")
         model = data["model"]
         if not isinstance(model, dict):
             raise ManifestError("manifest key 'model' must be an object")
@@ -320,6 +370,8 @@ class Manifest:
             files=dict(files),
             format=version,
             draft_head=DraftHeadInfo.from_json(data["draft_head"]) if data.get("draft_head") is not None else None,
+            blocks=_blocks_from_json(data.get("blocks")),
+            dequantized=dict(dequantized),
         )
 
     @classmethod
@@ -329,6 +381,21 @@ class Manifest:
         except json.JSONDecodeError as error:
             raise ManifestError(f"manifest is not valid JSON: {error}") from None
         return cls.from_json(data)
+
+
+def _blocks_from_json(data: Any) -> dict[str, BlockEntry]:
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ManifestError(f"blocks must be an object, got {type(data).__name__}")
+    entries = {}
+    for name, entry in data.items():
+        values = _fields_of(BlockEntry, entry, f"blocks.{name}")
+        try:
+            entries[name] = BlockEntry(**values)
+        except ManifestError as error:
+            raise ManifestError(f"blocks.{name}: {error}") from None
+    return entries
 
 
 def _check_keys(data: dict[str, Any], expected: set[str], where: str) -> None:

@@ -3,7 +3,10 @@
 A package is a directory:
 
     manifest.json         the Manifest, with the sha256 of every other file
-    model.safetensors     weights with Hugging Face Llama names, in serving.dtype
+    model.safetensors     weights with Hugging Face Llama names, in serving.dtype (every weight
+                          not kept as blocks)
+    model.blocks          quantized weights as ggml blocks, only where the manifest has `blocks`
+                          (`blocks.py`); a package with blocks stores the rest in float32
     tokenizer.json        a Hugging Face `tokenizers` tokenizer
     chat_template.jinja   the chat template (Jinja, rendered sandboxed by the engine)
     draft_head.safetensors  the learned draft head, only where the manifest has `draft_head`
@@ -25,6 +28,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from flare.preparation.blocks import (
+    BLOCKS_NAME,
+    BlocksError,
+    BlockTensor,
+    dequantized,
+    entry_problems,
+    map_blocks,
+    write_blocks,
+)
 from flare.preparation.draft_head import DRAFT_HEAD_NAME, FINAL_NORM_TENSOR, draft_head_shapes
 from flare.preparation.manifest import (
     MANIFEST_NAME,
@@ -132,15 +144,23 @@ def write_package(
     provenance: Provenance,
     overwrite: bool = False,
     draft_head: tuple[DraftHeadInfo, Mapping[str, torch.Tensor]] | None = None,
+    blocks: Mapping[str, BlockTensor] | None = None,
+    dequantized: Mapping[str, str] | None = None,
 ) -> Manifest:
     """Write a package at out_dir, atomically: all of it appears at once, or nothing does.
+
+    `blocks`: weights kept as ggml blocks (`model.blocks`), checked by the caller
+    (`blocks.block_problems`); `state_dict` then holds every other weight.
 
     Files go into a temporary directory next to out_dir (same file system), are fsynced, and the
     directory is renamed into place; any failure or interrupt removes the temporary directory.
     """
     out_dir = Path(out_dir)
     check_destination(out_dir, overwrite=overwrite)
-    problems = weight_problems(config, {name: tuple(t.shape) for name, t in state_dict.items()})
+    blocks = blocks or {}
+    shapes = {name: tuple(t.shape) for name, t in state_dict.items()}
+    problems = [f"weight {name} is given both as blocks and as floats" for name in blocks if name in shapes]
+    problems += weight_problems(config, {**shapes, **{name: t.shape for name, t in blocks.items()}})
     if problems:
         raise PackageError("the weights do not match the model config:\n" + _bullets(problems), tuple(problems))
     head_info = draft_head[0] if draft_head is not None else None
@@ -163,6 +183,10 @@ def write_package(
         (staging / TOKENIZER_NAME).write_text(tokenizer_json, encoding="utf-8")
         (staging / CHAT_TEMPLATE_NAME).write_text(chat_template, encoding="utf-8")
         names = list(PACKAGE_FILES)
+        entries = {}
+        if blocks:
+            entries = write_blocks(staging / BLOCKS_NAME, blocks, list(expected_weight_shapes(config)))
+            names.append(BLOCKS_NAME)
         if draft_head is not None:
             head_dtype = TORCH_DTYPES[draft_head[0].dtype]
             save_file(
@@ -181,7 +205,14 @@ def write_package(
             _fsync(staging / name)
             files[name] = sha256_of(staging / name)
         manifest = Manifest(
-            model=config, serving=serving, sampling=policy, provenance=provenance, files=files, draft_head=head_info
+            model=config,
+            serving=serving,
+            sampling=policy,
+            provenance=provenance,
+            files=files,
+            draft_head=head_info,
+            blocks=entries,
+            dequantized=dict(dequantized or {}),
         )
         (staging / MANIFEST_NAME).write_text(manifest.dumps(), encoding="utf-8")
         _fsync(staging / MANIFEST_NAME)
@@ -278,8 +309,12 @@ def verify_package(path: Path) -> IntegrityReport:
         if file.name != MANIFEST_NAME and file.name not in manifest.files:
             statuses[file.name] = "not in manifest"
             problems.append(f"{file.name} is not part of the package (not in {MANIFEST_NAME})")
-    if statuses.get(WEIGHTS_NAME) == "ok":
-        problems += _weights_header_problems(path / WEIGHTS_NAME, manifest)
+    if manifest.blocks and BLOCKS_NAME not in manifest.files:
+        problems.append(f"{MANIFEST_NAME} describes blocks but lists no checksum for {BLOCKS_NAME}")
+    elif BLOCKS_NAME in manifest.files and not manifest.blocks:
+        problems.append(f"{BLOCKS_NAME} is listed but the manifest describes no blocks")
+    if statuses.get(WEIGHTS_NAME) == "ok" and statuses.get(BLOCKS_NAME, "ok") == "ok":
+        problems += _weights_header_problems(path, manifest)
     if manifest.draft_head is not None:
         if DRAFT_HEAD_NAME not in manifest.files:
             problems.append(f"{MANIFEST_NAME} describes a draft head but lists no checksum for {DRAFT_HEAD_NAME}")
@@ -295,14 +330,20 @@ def verify_package(path: Path) -> IntegrityReport:
     return IntegrityReport(path, statuses, tuple(problems), manifest)
 
 
-def _weights_header_problems(weights: Path, manifest: Manifest) -> list[str]:
+def _weights_header_problems(path: Path, manifest: Manifest) -> list[str]:
+    weights = path / WEIGHTS_NAME
     try:
         with safe_open(str(weights), framework="pt") as f:
             shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
             dtypes = {f.get_slice(name).get_dtype() for name in f.keys()}
     except (SafetensorError, OSError) as error:
         return [f"{WEIGHTS_NAME} cannot be read: {error}"]
-    problems = weight_problems(manifest.model, shapes)
+    expected = expected_weight_shapes(manifest.model)
+    problems = [f"weight {name} is both in {WEIGHTS_NAME} and in {BLOCKS_NAME}" for name in manifest.blocks if name in shapes]
+    problems += weight_problems(manifest.model, {**shapes, **{n: expected.get(n, ()) for n in manifest.blocks}})
+    if manifest.blocks and not problems:
+        size = (path / BLOCKS_NAME).stat().st_size
+        problems += [p for n, e in manifest.blocks.items() for p in entry_problems(n, e, expected[n], size)]
     wanted = _SAFETENSORS_DTYPES[manifest.serving.dtype]
     if dtypes - {wanted}:
         problems.append(
@@ -343,9 +384,34 @@ class Package:
     def chat_template(self) -> str:
         return (self.path / CHAT_TEMPLATE_NAME).read_text(encoding="utf-8")
 
+    def load_weights(self) -> tuple[dict[str, torch.Tensor], dict[str, BlockTensor]]:
+        """The weights, with Hugging Face Llama names: those of model.safetensors in
+        serving.dtype, and those kept as blocks mapped from model.blocks (not copied). Raises
+        PackageError naming a tensor whose blocks cannot be served (a NaN or infinite scale)."""
+        floats = load_file(str(self.path / WEIGHTS_NAME))
+        try:
+            blocks = map_blocks(self.path / BLOCKS_NAME, self.manifest.blocks, expected_weight_shapes(self.manifest.model))
+        except BlocksError as error:
+            raise PackageError(f"the package at {self.path} cannot be used: {error}", (str(error),)) from None
+        return floats, blocks
+
     def load_state_dict(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-        """The weights, with Hugging Face Llama names, in serving.dtype."""
-        return load_file(str(self.path / WEIGHTS_NAME), device=str(device))
+        """Every weight as a tensor, with Hugging Face Llama names: in serving.dtype, and those
+        kept as blocks dequantized to float32 (gguf-py's values)."""
+        floats, blocks = self.load_weights()
+        state = {**floats, **{name: dequantized(tensor) for name, tensor in blocks.items()}}
+        return {name: tensor.to(device) for name, tensor in state.items()}
+
+    def load_tensor(self, name: str) -> torch.Tensor:
+        """One weight as float32 (dequantized if it is kept as blocks)."""
+        if name in self.manifest.blocks:
+            return dequantized(self.load_weights()[1][name])
+        with safe_open(str(self.path / WEIGHTS_NAME), framework="pt") as f:
+            return f.get_tensor(name).float()
+
+    def weight_types(self) -> dict[str, dict[str, int]]:
+        """`weight_types` of this package's manifest."""
+        return weight_types(self.manifest)
 
     def load_draft_head(self) -> dict[str, torch.Tensor]:
         """The draft head's tensors (`draft_head.py`); PackageError when the package ships none."""
@@ -354,6 +420,31 @@ class Package:
                 f"the package at {self.path} ships no draft head; re-export it with --drafter mtp to distill one"
             )
         return load_file(str(self.path / DRAFT_HEAD_NAME))
+
+
+_FLOAT_TYPE_NAMES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2)}
+
+
+def weight_types(manifest: Manifest) -> dict[str, dict[str, int]]:
+    """Tensors and bytes of the weights by the type they are stored in (ggml names: Q4_1, F32, ...),
+    largest first: what `flare inspect`, the `engine_loaded` log line and `flare ctl status` report."""
+    float_type, float_size = _FLOAT_TYPE_NAMES[manifest.serving.dtype]
+    totals: dict[str, dict[str, int]] = {}
+    for name, shape in expected_weight_shapes(manifest.model).items():
+        entry = manifest.blocks.get(name)
+        kind = entry.type if entry is not None else float_type
+        nbytes = entry.nbytes if entry is not None else float_size * _numel(shape)
+        total = totals.setdefault(kind, {"tensors": 0, "bytes": 0})
+        total["tensors"] += 1
+        total["bytes"] += nbytes
+    return dict(sorted(totals.items(), key=lambda item: -item[1]["bytes"]))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
 
 
 def open_package(path: Path) -> Package:

@@ -8,10 +8,11 @@ the heavy part, are read only by `read_weights`, after all checks have passed.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from flare.preparation.blocks import BlockTensor
 from flare.preparation.manifest import ModelConfig
 
 
@@ -31,9 +32,24 @@ class ModelSource:
     # Reads and converts the weights to Hugging Face Llama names and layout, float32.
     # `progress(done, total)` is called as tensors are read.
     read_weights: Callable[[Callable[[int, int], None]], dict[str, torch.Tensor]]
+    # Reads the weights keeping each quantized tensor of a type the engine multiplies from blocks
+    # as its blocks (the rest float32): a GGUF source's. None where the source has no blocks.
+    read_blocks: Callable[[Callable[[int, int], None]], SourceWeights] | None = None
+    # `read_weights` saying which tensors were dequantized from which type: a GGUF source's.
+    read_dequantized: Callable[[Callable[[int, int], None]], SourceWeights] | None = None
     # A checkpoint's own multi-token-prediction layer, as a draft head (`hf_source.read_mtp_head`):
     # None where the source declares none.
     read_draft_head: Callable[[], ImportedDraftHead] | None = None
+
+
+@dataclass(frozen=True)
+class SourceWeights:
+    """A source's weights, Hugging Face names and layout: float32 tensors, and tensors kept as
+    ggml blocks (`blocks.BlockTensor`)."""
+
+    floats: dict[str, torch.Tensor]
+    blocks: dict[str, BlockTensor]
+    dequantized: dict[str, str] = field(default_factory=dict)  # float tensors the source stored quantized: their type
 
 
 @dataclass(frozen=True)

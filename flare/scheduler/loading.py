@@ -122,6 +122,7 @@ def load_parts(
             native_kernels=model.native_kernels,
             weights_dtype=serving.dtype,
             weight_format=str(model.weight_format),
+            weight_types=package.weight_types(),
             cpu_flags=" ".join(cpu_flags()),
             kv_cache_blocks=kv_cache.num_blocks,
             kv_cache_dtype=dtype_name(kv_cache.dtype),

@@ -268,6 +268,7 @@ class Scheduler:
             weights_dtype=self.package.manifest.serving.dtype,
             weight_format=str(self._runner.model.weight_format),
             kv_cache_dtype=dtype_name(self._runner.kv_cache.dtype),
+            weight_types=self.package.weight_types(),
         )
 
     def requests(self) -> list[RequestInfo]:

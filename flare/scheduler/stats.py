@@ -37,6 +37,8 @@ class SchedulerSnapshot:
     weights_dtype: str  # what the package stores
     weight_format: str  # what the linear layers multiply in here (`precision.WeightFormat`)
     kv_cache_dtype: str  # what the KV cache stores keys and values as
+    # Tensors and bytes by stored type (Q4_1, F32, ...): `package.weight_types`.
+    weight_types: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass

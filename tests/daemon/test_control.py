@@ -87,6 +87,8 @@ class FakeTarget:
             prompt_tokens_computed=1000,
             grammar_cache_entries=2,
             grammar_cache_bytes=14_200_000,
+            weight_types={"Q4_1": {"tensors": 210, "bytes": 69_672_960}, "Q8_0": {"tensors": 1, "bytes": 30_081_024},
+                          "F32": {"tensors": 61, "bytes": 140_544}},
         )
 
     def requests(self) -> Sequence[RequestRow]:
@@ -185,6 +187,7 @@ async def test_status_table_is_readable(socket_path: Path) -> None:
     assert "uptime           1h02m05s" in lines
     assert "kv blocks        7 / 64 in use, float16" in lines
     assert "weights          float16 stored, float16 GEMMs" in lines
+    assert "weight types     Q4_1 210 tensors 69.7 MB, Q8_0 1 tensor 30.1 MB, F32 61 tensors 0.1 MB" in lines
     assert (
         "prefix cache     20 blocks cached, 12 of them evictable; prompt tokens 3000 from cache (75%), 1000 computed"
         in lines
@@ -406,6 +409,7 @@ class SchedulerSnapshot:  # the fields of flare.scheduler.stats.SchedulerSnapsho
     kv_blocks_evictable: int = 3
     prompt_tokens_cached: int = 160
     prompt_tokens_computed: int = 40
+    weight_types: dict[str, dict[str, int]] = field(default_factory=lambda: {"F32": {"tensors": 3, "bytes": 12}})
 
 
 @dataclass(frozen=True)
@@ -478,6 +482,7 @@ def test_daemon_control_reports_the_scheduler_and_cancels_with_an_operator_error
     assert (status.package, status.running, status.kv_blocks_used, status.kv_blocks_total) == ("smollm2", 2, 9, 128)
     assert status.generated_tokens_per_s == 12.35 and status.log_level == "warning"
     assert (status.weights_dtype, status.weight_format, status.kv_cache_dtype) == ("float16", "float32", "float32")
+    assert status.weight_types == {"F32": {"tensors": 3, "bytes": 12}}
     assert status.summary() == "serving smollm2: 2 running, 0 waiting, 12.3 tokens/s"
     assert control.requests() == [RequestRow("r1", "running", 1.235, 5, 6)]
     assert control.cancel("r1")

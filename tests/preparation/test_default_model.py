@@ -14,7 +14,6 @@ import pytest
 from flare.preparation import default_package as default_package_module
 from flare.preparation.default_model import default_gguf_path
 from flare.preparation.default_package import cache_dir, default_package_path
-from flare.preparation.export import resolve_dtype
 from flare.preparation.manifest import FORMAT_VERSION
 from flare.preparation.package import open_package, sha256_of
 from flare.preparation.recipes import SMOLLM2_135M_INSTRUCT
@@ -67,7 +66,7 @@ def test_two_processes_export_the_default_model_once(monkeypatch: pytest.MonkeyP
     assert exports[0].parent == tmp_path / "packages"
     assert sha256_of(default_gguf_path())[:16] in exports[0].name
     assert exports[0].name.endswith(
-        f"-format{FORMAT_VERSION}-recipe{SMOLLM2_135M_INSTRUCT.digest()}-{resolve_dtype('auto')}"
+        f"-format{FORMAT_VERSION}-recipe{SMOLLM2_135M_INSTRUCT.digest()}-blocks"  # auto keeps the GGUF's blocks
     )
 
 

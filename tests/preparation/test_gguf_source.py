@@ -58,8 +58,20 @@ def tiny_vocabulary() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, ["Ġ t", "h e", "Ġt he"]
 
 
-def write_tiny_gguf(path: Path, config: ModelConfig, state: dict[str, torch.Tensor], **metadata: Any) -> None:
-    """A GGUF as llama.cpp's converter writes it: q/k rows permuted, some tensors quantized."""
+def write_tiny_gguf(
+    path: Path,
+    config: ModelConfig,
+    state: dict[str, torch.Tensor],
+    *,
+    tensor_types: dict[str, gguf.GGMLQuantizationType] | None = None,
+    blocks: dict[str, tuple[gguf.GGMLQuantizationType, np.ndarray]] | None = None,
+    **metadata: Any,
+) -> None:
+    """A GGUF as llama.cpp's converter writes it: q/k rows permuted, some tensors quantized
+    (`tensor_types`, QUANTIZED by default). `blocks` gives tensors as raw ggml blocks [out, row_bytes],
+    written as they are (in llama.cpp's row order already), in place of `state`'s."""
+    tensor_types = QUANTIZED if tensor_types is None else tensor_types
+    blocks = blocks or {}
     tokens, types, merges = tiny_vocabulary()
     writer = gguf.GGUFWriter(str(path), metadata.get("architecture", "llama"))
     writer.add_block_count(config.num_layers)
@@ -81,12 +93,16 @@ def write_tiny_gguf(path: Path, config: ModelConfig, state: dict[str, torch.Tens
     if metadata.get("chat_template", True):
         writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
     for name, tensor in state.items():
+        if name in blocks:
+            kind, data = blocks[name]
+            writer.add_tensor(gguf_name(name), data, raw_dtype=kind)
+            continue
         array = tensor.numpy()
         if name.endswith("q_proj.weight"):
             array = permute_rope_rows(array, config.num_heads)
         elif name.endswith("k_proj.weight"):
             array = permute_rope_rows(array, config.num_kv_heads)
-        qtype = QUANTIZED.get(name)
+        qtype = tensor_types.get(name)
         if qtype is None:
             writer.add_tensor(gguf_name(name), np.ascontiguousarray(array))
         elif qtype == gguf.GGMLQuantizationType.F16:

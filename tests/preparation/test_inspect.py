@@ -10,10 +10,14 @@ from flare.preparation.manifest import FORMAT_VERSION
 from flare.preparation.inspect import inspect_package, render_text, servable
 
 
-def test_json_is_the_manifest_plus_integrity_and_problems(tiny_package: Path) -> None:
+def test_json_is_the_manifest_plus_weight_types_integrity_and_problems(tiny_package: Path) -> None:
     info = inspect_package(tiny_package)
-    assert set(info) == {"format", "model", "serving", "sampling", "files", "integrity", "problems"}
+    assert set(info) == {"format", "model", "serving", "sampling", "files", "weight_types", "integrity", "problems"}
     assert info["format"] == FORMAT_VERSION
+    # The tiny model: a 49152 x 64 tied embedding, two layers (2 norms, q and o 64 x 64, k and v
+    # 32 x 64, three 64 x 128 MLP matrices), the final norm; all float32.
+    parameters = 49152 * 64 + 2 * (2 * 64 + 2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 128) + 64
+    assert info["weight_types"] == {"F32": {"tensors": 20, "bytes": 4 * parameters}}
     assert info["integrity"] == {
         "ok": True,
         "files": {"chat_template.jinja": "ok", "model.safetensors": "ok", "tokenizer.json": "ok"},

@@ -149,3 +149,38 @@ def test_a_draft_head_reading_an_unknown_hidden_state_is_refused() -> None:
         DraftHeadInfo.from_json(_head_json(target_hidden="middle"))
     with pytest.raises(ManifestError, match=r"unknown key\(s\) \['origin'\]"):
         DraftHeadInfo.from_json(_head_json(origin="x"))
+
+
+def test_blocks_and_dequantized_survive_a_json_round_trip_and_a_format_2_manifest_still_reads() -> None:
+    from dataclasses import replace
+
+    from flare.preparation.manifest import BlockEntry
+
+    manifest = replace(
+        make_manifest(),
+        blocks={"model.layers.0.mlp.up_proj.weight": BlockEntry("Q4_1", 0, 5120)},
+        dequantized={"model.layers.1.mlp.down_proj.weight": "Q2_K"},
+    )
+    data = json.loads(manifest.dumps())
+    assert data["blocks"] == {"model.layers.0.mlp.up_proj.weight": {"type": "Q4_1", "offset": 0, "nbytes": 5120}}
+    assert Manifest.loads(manifest.dumps()) == manifest
+    older = make_manifest().to_json()
+    older["format"] = 2  # written before blocks: read as it was
+    assert Manifest.from_json(older).blocks == {}
+    with pytest.raises(ManifestError, match="format 2 cannot have blocks"):
+        Manifest.from_json({**data, "format": 2})
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"type": "Q4_1", "offset": -1, "nbytes": 5120}, "offset must be a non-negative integer"),
+        ({"type": "Q4_1", "offset": 0}, "missing key\\(s\\) nbytes"),
+        ({"type": "", "offset": 0, "nbytes": 1}, "type must be a ggml type name"),
+    ],
+)
+def test_a_malformed_blocks_entry_is_refused_naming_the_tensor(entry: dict, message: str) -> None:
+    data = make_manifest().to_json()
+    data["blocks"] = {"model.layers.0.mlp.up_proj.weight": entry}
+    with pytest.raises(ManifestError, match=f"blocks.model.layers.0.mlp.up_proj.weight: .*{message}"):
+        Manifest.from_json(data)

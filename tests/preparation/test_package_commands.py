@@ -78,3 +78,18 @@ def test_inspect_exits_1_for_a_package_flare_run_would_refuse(
     out = capsys.readouterr().out
     assert "problems              1" in out
     assert "re-export it: flare export SOURCE -o" in out
+
+
+def test_export_quantize_says_the_block_types_and_a_conflicting_dtype_is_a_usage_error(
+    tmp_path: Path, tiny_hf_directory: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert flare("export", str(tiny_hf_directory), "-o", str(tmp_path / "pkg"), "--quantize", "q4_k_m") == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert out == (
+        f"exported {tiny_hf_directory} to {tmp_path / 'pkg'} (recipe generic-llama, Q5_0 Q8_0 blocks, the rest dtype float32)\n"
+    )
+    code = flare("export", str(tiny_hf_directory), "-o", str(tmp_path / "other"), "--quantize", "q8_0", "--dtype", "float16")
+    assert code == 2
+    assert "cannot be combined with --dtype float16" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()

@@ -180,6 +180,36 @@ enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
 void float16_linear(const Float16Linear *l, int threads, int isa);
 
+/* A linear layer multiplied from ggml's quantized blocks: see quantized_linear.c. Types are
+ * ggml's type ids. */
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
+
+typedef struct {
+    const float *x;            /* [tokens, in], rows `x_stride` floats apart */
+    int64_t x_stride;
+    const uint8_t *blocks;     /* [out, in / block_size * type_size] bytes, rows contiguous */
+    int type;                  /* a GGML_* type id */
+    float *y;                  /* [tokens, out], contiguous */
+    int64_t tokens, in, out;
+} QuantizedLinear;
+
+/* Elements per block and bytes per block of a type: 0, or -1 for a type this file does not read. */
+int quantized_block_shape(int type, int64_t *block_size, int64_t *type_size);
+/* The first of `blocks` blocks of `type` with a NaN or infinite float16 scale, -1 when none,
+ * -2 for an unknown type. */
+int64_t quantized_first_nonfinite_scale(int type, const uint8_t *data, int64_t blocks);
+/* 0; -1 for an unknown type; -2 when scratch memory could not be allocated. */
+int quantized_linear(const QuantizedLinear *l, int threads, int isa);
+/* The ISA_* level a quantized kernel runs at: the widest of `isa` and what this CPU has. */
+int quantized_vector_isa(int isa);
+/* One row of `blocks` blocks of `type` expanded into floats at ISA level `vector` (see
+ * quantized_blocks.c: every level gives gguf-py's values). */
+void expand_quantized_row(int vector, int type, const uint8_t *row, int64_t blocks, float *out);
+/* Rows `rows[0 .. count)` of a [?, in] weight of `type` expanded into out [count, in]: 0, or -1
+ * for an unknown type. */
+int quantized_rows(int type, const uint8_t *data, int64_t in, const int64_t *rows, int64_t count, float *out, int threads,
+                   int isa);
+
 /* One attention group of a round (model.py's AttentionGroup): `rows` rows of `query_len` new
  * tokens from flat token `start`, their block table [rows, max_blocks] and start positions. */
 typedef struct {

@@ -185,6 +185,68 @@ static PyObject *py_float16_linear(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_quantized_linear(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t x, x_stride, blocks, y, tokens, in, out, threads;
+    int type, isa;
+    if (!PyArg_ParseTuple(args, "nnninnnnni", &x, &x_stride, &blocks, &type, &y, &tokens, &in, &out, &threads, &isa))
+        return NULL;
+    int64_t block_size, type_size;
+    if (quantized_block_shape(type, &block_size, &type_size)) return invalid("quantized_linear", "unknown ggml type id");
+    if (tokens < 1 || in < 1 || out < 1 || threads < 1 || x_stride < in || in % block_size)
+        return invalid("quantized_linear", "sizes must be positive, rows at least `in` apart and `in` whole blocks");
+    const QuantizedLinear l = {
+        .x = (const float *)x,
+        .x_stride = x_stride,
+        .blocks = (const uint8_t *)blocks,
+        .type = type,
+        .y = (float *)y,
+        .tokens = tokens,
+        .in = in,
+        .out = out,
+    };
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = quantized_linear(&l, (int)threads, isa);
+    Py_END_ALLOW_THREADS
+    if (status) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_quantized_first_nonfinite_scale(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t data, blocks;
+    int type;
+    if (!PyArg_ParseTuple(args, "inn", &type, &data, &blocks)) return NULL;
+    if (blocks < 0) return invalid("quantized_first_nonfinite_scale", "blocks must not be negative");
+    int64_t found;
+    Py_BEGIN_ALLOW_THREADS
+    found = quantized_first_nonfinite_scale(type, (const uint8_t *)data, blocks);
+    Py_END_ALLOW_THREADS
+    if (found == -2) return invalid("quantized_first_nonfinite_scale", "unknown ggml type id");
+    return PyLong_FromLongLong(found);
+}
+
+/* Checks every row id against the weight's rows before anything is read. */
+static PyObject *py_quantized_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t data, weight_rows, in, rows, count, out, threads;
+    int type, isa;
+    if (!PyArg_ParseTuple(args, "innnnnnni", &type, &data, &weight_rows, &in, &rows, &count, &out, &threads, &isa))
+        return NULL;
+    int64_t block_size, type_size;
+    if (quantized_block_shape(type, &block_size, &type_size)) return invalid("dequantize_rows", "unknown ggml type id");
+    if (in < 1 || count < 0 || threads < 1 || in % block_size) return invalid("dequantize_rows", "`in` must be whole blocks");
+    for (int64_t r = 0; r < count; r++) {
+        const int64_t row = ((const int64_t *)rows)[r];
+        if (row < 0 || row >= weight_rows) return invalid("dequantize_rows", "a row id lies outside the weight");
+    }
+    Py_BEGIN_ALLOW_THREADS
+    quantized_rows(type, (const uint8_t *)data, in, (const int64_t *)rows, count, (float *)out, (int)threads, isa);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* Checks a round's tokens and attention groups once for every layer of `decoder_layer`: each
  * position inside the RoPE tables, each slot inside the pool, each group's block ids inside the
  * pool and its rows inside their tables and inside the round's tokens. Fills each plan's
@@ -285,6 +347,12 @@ static PyMethodDef methods[] = {
      "add_rms_norm(h, delta, delta_token_stride, delta_channel_stride, weight, out, tokens, hidden, eps, threads)"},
     {"float16_linear", py_float16_linear, METH_VARARGS,
      "float16_linear(x, x_stride, packed, y, tokens, in, out, threads, isa)"},
+    {"quantized_linear", py_quantized_linear, METH_VARARGS,
+     "quantized_linear(x, x_stride, blocks, type, y, tokens, in, out, threads, isa)"},
+    {"quantized_first_nonfinite_scale", py_quantized_first_nonfinite_scale, METH_VARARGS,
+     "quantized_first_nonfinite_scale(type, data, blocks)"},
+    {"quantized_rows", py_quantized_rows, METH_VARARGS,
+     "quantized_rows(type, data, weight_rows, in, rows, count, out, threads, isa)"},
     {"check_decoder_round", py_check_decoder_round, METH_VARARGS,
      "check_decoder_round(positions, slots, tokens, max_positions, pool_slots, plans, groups, num_blocks, block_size, "
      "heads, kv_heads)"},

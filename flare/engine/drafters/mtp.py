@@ -168,7 +168,7 @@ class MtpHead:
 
     def inputs(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """fc([RMSNorm(h); RMSNorm(embed(x))]): the block's input rows [N, hidden]."""
-        embedded = F.embedding(token_ids, self.target.embed).float()
+        embedded = self.target.embed_rows(token_ids).float()
         x = torch.cat(
             (
                 F.rms_norm(hidden.float(), (self.hidden_size,), self.hidden_norm, self.eps),
@@ -352,18 +352,14 @@ def load_draft_head(
     package: Package, target: LlamaModel, *, num_blocks: int, block_size: int, kv_dtype: torch.dtype = torch.float32
 ) -> MtpHead:
     """The package's draft head next to its loaded target model."""
-    from safetensors import safe_open
-
     head_state = package.load_draft_head()
     info = package.manifest.draft_head
     assert info is not None
     config = package.manifest.model
-    weights = package.path / "model.safetensors"
     head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
     vocab = head_state[VOCAB_TENSOR].long()
-    with safe_open(str(weights), framework="pt") as f:
-        rows = f.get_tensor(head_name).float()[vocab].contiguous()
-        target_norm = f.get_tensor("model.norm.weight").float()
+    rows = package.load_tensor(head_name)[vocab].contiguous()
+    target_norm = package.load_tensor("model.norm.weight")
     return MtpHead(
         config,
         head_state,

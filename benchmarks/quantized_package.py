@@ -1,0 +1,150 @@
+"""A Q4_K_M file of Llama-3.2-1B's shape, made here, exported by flare and served: sizes and memory.
+
+Random weights with Llama-3.2-1B's dimensions (16 layers, hidden 2048, FFN 8192, 32 heads, 8 KV
+heads of 64, vocabulary 128256, tied embeddings; plain RoPE) are written as an F16 GGUF, with a
+synthetic byte-level BPE vocabulary of that size, then quantized by `llama-quantize ... Q4_K_M`
+(the llama-cpp-python 0.3.36 sdist's build). flare exports the result under --dtype auto (every
+tensor's blocks kept) and serves it; the script prints the file and package sizes, the types
+kept, the export time, and the daemon's resident memory after one greedy chat answer, with the
+one-stream rate of that answer (random weights: the text means nothing).
+
+    .venv/bin/python benchmarks/quantized_package.py --workdir /tmp/q4km-1b \\
+        --llama-quantize /work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-quantize
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gguf
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
+from daemon_process import start_daemon  # noqa: E402
+
+from flare.preparation.export import ExportOptions, export_package  # noqa: E402
+from flare.preparation.package import open_package  # noqa: E402
+
+SHAPE = {"layers": 16, "hidden": 2048, "ffn": 8192, "heads": 32, "kv_heads": 8, "head_dim": 64, "vocab": 128256}
+CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}<|im_start|>"
+
+
+def vocabulary(size: int) -> tuple[list[str], list[int], list[str]]:
+    """Three control tokens, the 256 byte-level characters, then merges of two characters and of
+    a pair and a character, until `size` tokens: a valid byte-level BPE of that size."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = sorted(bytes_to_unicode().values())
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *alphabet]
+    merges: list[str] = []
+    pairs = [a + b for a in alphabet for b in alphabet]
+    for a in alphabet:
+        for b in alphabet:
+            if len(tokens) < size:
+                tokens.append(a + b)
+                merges.append(f"{a} {b}")
+    for pair in pairs:
+        for c in alphabet:
+            if len(tokens) >= size:
+                break
+            tokens.append(pair + c)
+            merges.append(f"{pair} {c}")
+        if len(tokens) >= size:
+            break
+    return tokens, [3, 3, 3] + [1] * (len(tokens) - 3), merges
+
+
+def write_f16_gguf(path: Path, seed: int) -> None:
+    s = SHAPE
+    tokens, types, merges = vocabulary(s["vocab"])
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(s["layers"])
+    writer.add_context_length(8192)
+    writer.add_embedding_length(s["hidden"])
+    writer.add_feed_forward_length(s["ffn"])
+    writer.add_head_count(s["heads"])
+    writer.add_head_count_kv(s["kv_heads"])
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(s["head_dim"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    rng = np.random.default_rng(seed)
+    h, f, q, kv = s["hidden"], s["ffn"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+
+    def matrix(rows: int, columns: int) -> np.ndarray:
+        return (rng.standard_normal((rows, columns), dtype=np.float32) * columns**-0.5).astype(np.float16)
+
+    writer.add_tensor("token_embd.weight", matrix(s["vocab"], h))
+    writer.add_tensor("output_norm.weight", np.ones(h, np.float32))
+    for i in range(s["layers"]):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(h, np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(h, np.float32))
+        for name, (rows, columns) in {
+            "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q),
+            "ffn_gate": (f, h), "ffn_up": (f, h), "ffn_down": (h, f),
+        }.items():
+            writer.add_tensor(f"blk.{i}.{name}.weight", matrix(rows, columns))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def resident(pid: int) -> dict[str, int]:
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile"):
+            fields[key] = int(value.split()[0]) // 1024
+    return fields
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", type=Path, required=True)
+    parser.add_argument("--llama-quantize", type=Path, required=True)
+    parser.add_argument("--tokens", type=int, default=32, help="greedy tokens of the chat answer")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    f16, q4km, package = args.workdir / "llama-1b-shape.F16.gguf", args.workdir / "llama-1b-shape.Q4_K_M.gguf", args.workdir / "package"
+    if not f16.exists():
+        write_f16_gguf(f16, args.seed)
+    if not q4km.exists():
+        subprocess.run([str(args.llama_quantize), str(f16), str(q4km), "Q4_K_M"], check=True, capture_output=True)
+    started = time.perf_counter()
+    manifest = export_package(str(q4km), package, ExportOptions(overwrite=True))
+    export_s = time.perf_counter() - started
+    size = sum(p.stat().st_size for p in package.iterdir())
+    print(f"GGUF {q4km.stat().st_size:,} bytes; package {size:,} bytes ({size / q4km.stat().st_size:.3f}x), exported in {export_s:.1f} s")
+    print("weight types:", open_package(package).weight_types(), "dequantized:", manifest.dequantized or "none")
+    daemon = start_daemon(package, ["--max-concurrency", "1", "--draft-tokens", "0"])
+    try:
+        body = {
+            "model": daemon.model_name(), "messages": [{"role": "user", "content": "hello"}],
+            "temperature": 0, "max_tokens": args.tokens,
+        }
+        started = time.perf_counter()
+        answer = httpx.post(f"{daemon.base_url}/v1/chat/completions", json=body, timeout=600).json()
+        seconds = time.perf_counter() - started
+        tokens = answer["usage"]["completion_tokens"]
+        print(f"one stream: {tokens} tokens in {seconds:.1f} s ({tokens / seconds:.2f} tok/s, prefill included)")
+        print("daemon resident memory (MiB):", resident(daemon.process.pid))
+    finally:
+        daemon.stop()
+
+
+if __name__ == "__main__":
+    main()
