@@ -238,7 +238,7 @@ def test_a_gguf_with_an_unknown_type_id_is_refused(tmp_path: Path, wide_config: 
     assert int.from_bytes(raw[type_at : type_at + 4], "little") == int(T.Q8_0)
     raw[type_at : type_at + 4] = (250).to_bytes(4, "little")
     (tmp_path / "odd.gguf").write_bytes(bytes(raw))
-    with pytest.raises(ExportError, match="unknown ggml type id"):
+    with pytest.raises(ExportError, match="tensor token_embd.weight: unknown ggml type 250"):
         export_package(str(tmp_path / "odd.gguf"), tmp_path / "pkg", ExportOptions())
     assert not (tmp_path / "pkg").exists()
 
@@ -246,7 +246,7 @@ def test_a_gguf_with_an_unknown_type_id_is_refused(tmp_path: Path, wide_config: 
 def test_a_truncated_gguf_is_refused_and_nothing_is_written(tmp_path: Path, every_type_packages: dict[str, Any]) -> None:
     whole = (every_type_packages["root"] / "wide.gguf").read_bytes()
     (tmp_path / "short.gguf").write_bytes(whole[:-1000])
-    with pytest.raises(ExportError, match="a tensor's data is shorter than its shape and type say.*truncated"):
+    with pytest.raises(ExportError, match="tensor output_norm.weight: its data .* lies outside the file"):
         export_package(str(tmp_path / "short.gguf"), tmp_path / "pkg", ExportOptions())
     assert [p.name for p in tmp_path.iterdir()] == ["short.gguf"]
 

@@ -24,8 +24,10 @@ WEIGHTS = "model.safetensors"
 
 
 def _start_export(out: Path) -> subprocess.Popen[str]:
+    # float32, 538 MB of weights: long enough to be caught half written (the blocks package the
+    # default export makes writes 96 MB, often before a poll sees it).
     return subprocess.Popen(
-        [sys.executable, "-m", "flare.daemon.cli", "export", "default", "-o", str(out)],
+        [sys.executable, "-m", "flare.daemon.cli", "export", "default", "-o", str(out), "--dtype", "float32"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
     )
 
