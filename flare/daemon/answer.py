@@ -264,7 +264,7 @@ async def _stream(
                 await _write(response, renderer.calls(event.index, deltas))
             continue
         if isinstance(event, Finished):
-            await _write(response, renderer.finish(event.index, reading.reason(event), event.fell_back))
+            await _write(response, renderer.finish(event.index, reading.reason(event), event.fell_back, event.stop_string))
             finished.append(event)
             if len(finished) < prepared.choices:
                 continue
@@ -320,7 +320,8 @@ async def _collect(
             if echo is not None:
                 text = echo.text + text
             logprobs = entries[i] if prepared.tokens.logprobs is not None else None
-            choices.append(ChoiceText(text, reading.reason(finished[i]), logprobs, reader.calls or None))
+            choice = ChoiceText(text, reading.reason(finished[i]), logprobs, reader.calls or None, finished[i].stop_string)
+            choices.append(choice)
         flare = {**prepared.flare(), "fell_back": any(f.fell_back for f in finished.values())}
         return web.json_response(renderer.body(choices, usage, flare), headers=prepared.headers())
 

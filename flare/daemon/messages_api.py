@@ -31,6 +31,12 @@ from flare.scheduler.request import RequestFailure, Usage
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
+def _stop_reason(finish_reason: str, stop_string: str | None) -> str:
+    """Anthropic's stop_reason: stop_sequence where one of the request's stop_sequences ended
+    the answer, end_turn where the model did."""
+    return "stop_sequence" if stop_string is not None else _STOP_REASONS[finish_reason]
+
+
 def _sse(event_type: str, payload: dict[str, Any]) -> bytes:
     return sse_event(event_type, {"type": event_type, **payload})
 
@@ -67,8 +73,11 @@ class MessagesRenderer:
         self._text: _Block | None = None
         self._calls: dict[int, _Block] = {}
         self._reason = "end_turn"
+        self._stop_sequence: str | None = None
 
-    def message(self, content: list[dict[str, Any]], stop_reason: str | None, usage: Usage) -> dict[str, Any]:
+    def message(
+        self, content: list[dict[str, Any]], stop_reason: str | None, usage: Usage, stop_sequence: str | None = None
+    ) -> dict[str, Any]:
         return {
             "id": self._prepared.id,
             "type": "message",
@@ -76,7 +85,7 @@ class MessagesRenderer:
             "model": self._prepared.generation.model,
             "content": content,
             "stop_reason": stop_reason,
-            "stop_sequence": None,
+            "stop_sequence": stop_sequence,
             "usage": _usage(usage),
         }
 
@@ -86,7 +95,8 @@ class MessagesRenderer:
         if choice.text or not choice.tool_calls:
             content.append({"type": "text", "text": choice.text})
         content.extend(_tool_use(c.id, c.name, c.arguments) for c in choice.tool_calls or ())
-        return {**self.message(content, _STOP_REASONS[choice.finish_reason], usage), "flare": flare}
+        reason = _stop_reason(choice.finish_reason, choice.stop_string)
+        return {**self.message(content, reason, usage, choice.stop_string), "flare": flare}
 
     def failure_response(self, failure: RequestFailure) -> web.Response:
         return web.json_response(anthropic_error_body(failure.http_status, failure.message), status=failure.http_status)
@@ -133,8 +143,8 @@ class MessagesRenderer:
             frames.append(_sse("content_block_delta", {"index": block.index, "delta": partial}))
         return frames
 
-    def finish(self, index: int, reason: str, fell_back: bool) -> list[bytes]:
-        self._reason = _STOP_REASONS[reason]
+    def finish(self, index: int, reason: str, fell_back: bool, stop_string: str | None) -> list[bytes]:
+        self._reason, self._stop_sequence = _stop_reason(reason, stop_string), stop_string
         if not self._blocks:
             # An empty answer is still one (empty) text block, as Anthropic sends it.
             self._text, frames = self._open("text", {"type": "text", "text": ""})
@@ -146,7 +156,7 @@ class MessagesRenderer:
         return frames
 
     def end(self, usage: Usage) -> list[bytes]:
-        delta = {"stop_reason": self._reason, "stop_sequence": None}
+        delta = {"stop_reason": self._reason, "stop_sequence": self._stop_sequence}
         return [
             _sse("message_delta", {"delta": delta, "usage": {"output_tokens": usage.completion_tokens}}),
             _sse("message_stop", {}),

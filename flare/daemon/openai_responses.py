@@ -232,7 +232,7 @@ class OpenAIRenderer:
             return []
         return [sse_data(self.shape.tool_calls_chunk(deltas, index))]
 
-    def finish(self, index: int, reason: str, fell_back: bool) -> list[bytes]:
+    def finish(self, index: int, reason: str, fell_back: bool, stop_string: str | None) -> list[bytes]:
         final = self.shape.final_chunk(reason, index)
         if fell_back:
             final["flare"] = {"fell_back": True}

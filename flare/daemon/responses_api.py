@@ -221,7 +221,7 @@ class ResponsesRenderer:
             )
         return frames
 
-    def finish(self, index: int, reason: str, fell_back: bool) -> list[bytes]:
+    def finish(self, index: int, reason: str, fell_back: bool, stop_string: str | None) -> list[bytes]:
         self._reason = reason
         frames = self._open_message() if not self._items else []
         for item in self._items:

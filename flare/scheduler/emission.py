@@ -18,6 +18,7 @@ from flare.scheduler.sequence import Sequence
 class Emission:
     kept: tuple[int, ...]
     end: Literal["stop", "length"] | None = None  # the choice's answer is complete
+    stop_string: str | None = None  # the request's stop string that ended it, if one did
     failure: RequestFailure | None = None  # the grammar refused the tokens: none were kept
 
 
@@ -45,8 +46,8 @@ def emit(
         if reason is None and seq.grammar.finished:
             reason = "stop"  # the answer is complete: only its end may follow
     seq.tokens.extend(kept)
-    text, hit_stop = seq.stop_matcher.push(seq.detokenizer.push(kept))
-    if hit_stop:
+    text, stop_string = seq.stop_matcher.push(seq.detokenizer.push(kept))
+    if stop_string is not None:
         reason = "stop"
     elif reason is not None:
         text += seq.stop_matcher.push(seq.detokenizer.flush())[0] + seq.stop_matcher.flush()
@@ -56,7 +57,7 @@ def emit(
         seq.emitted = True
         prompt = tuple(seq.prompt_logprobs) if scored_first else None
         seq.stream.put(TextDelta(text, tuple(kept), seq.index, tuple(logprobs[: len(kept)]), prompt))
-    return Emission(tuple(kept), reason)
+    return Emission(tuple(kept), reason, stop_string)
 
 
 def choice_usage(seq: Sequence) -> Usage:

@@ -107,6 +107,7 @@ class Finished:
     usage: Usage
     fell_back: bool = False
     index: int = 0
+    stop_string: str | None = None  # the request's stop string that ended the choice, if one did
 
 
 @dataclass(frozen=True)

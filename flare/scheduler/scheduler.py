@@ -631,7 +631,8 @@ class Scheduler:
             return 0
         self._speculation.extend(seq, list(emission.kept))
         if emission.end is not None:
-            self._finish(seq, Finished(emission.end, choice_usage(seq), fell_back=seq.fell_back, index=seq.index))
+            finished = Finished(emission.end, choice_usage(seq), seq.fell_back, seq.index, emission.stop_string)
+            self._finish(seq, finished)
         return len(emission.kept)
 
     def _fail(self, seq: Sequence, failure: RequestFailure) -> None:

@@ -12,18 +12,20 @@ class StopStringMatcher:
         self._stops = tuple(s for s in stops if s)
         self._held = ""
 
-    def push(self, text: str) -> tuple[str, bool]:
-        """Add text; return (text safe to emit, whether a stop string was reached)."""
+    def push(self, text: str) -> tuple[str, str | None]:
+        """Add text; return (text safe to emit, the stop string reached or None). Of several,
+        the one that starts first is reached; at one start, the first given."""
         if not self._stops:
-            return text, False
+            return text, None
         buffer = self._held + text
-        cut = min((i for i in (buffer.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(at, order) for order, at in enumerate(buffer.find(s) for s in self._stops) if at >= 0]
+        if found:
+            cut, order = min(found)
             self._held = ""
-            return buffer[:cut], True
+            return buffer[:cut], self._stops[order]
         keep = self._longest_stop_prefix_suffix(buffer)
         self._held = buffer[len(buffer) - keep :] if keep else ""
-        return buffer[: len(buffer) - keep], False
+        return buffer[: len(buffer) - keep], None
 
     def flush(self) -> str:
         """The held-back text, once the sequence ended without reaching a stop string."""

@@ -221,6 +221,16 @@ async def test_messages_stream_sends_anthropics_events_in_order(client: TestClie
     assert events[-2][1]["delta"]["stop_reason"] == "max_tokens" and events[-2][1]["usage"] == {"output_tokens": 4}
 
 
+async def test_messages_ended_by_a_stop_sequence_name_it(client: TestClient, scheduler: FakeScheduler) -> None:
+    scheduler.ending = lambda request: Finished("stop", Usage(1, 4), stop_string="\n\n")
+    body = {**MESSAGE, "stop_sequences": ["END", "\n\n"]}
+    message = await (await client.post("/v1/messages", json=body)).json()
+    assert (message["stop_reason"], message["stop_sequence"]) == ("stop_sequence", "\n\n")
+    events = named_events(await (await client.post("/v1/messages", json={**body, "stream": True})).text())
+    delta = next(data["delta"] for name, data in events if name == "message_delta")
+    assert (delta["stop_reason"], delta["stop_sequence"]) == ("stop_sequence", "\n\n")
+
+
 async def test_messages_tool_turns_reach_the_prompt(client: TestClient, scheduler: FakeScheduler) -> None:
     messages = [
         {"role": "user", "content": "Weather?"},

@@ -162,6 +162,15 @@ async def test_messages_create_answers_paris(claude: anthropic.AsyncAnthropic) -
     assert message.usage.output_tokens > 0
 
 
+async def test_messages_create_stopped_by_a_stop_sequence_says_which(claude: anthropic.AsyncAnthropic) -> None:
+    message = await claude.messages.create(
+        model=MODEL, max_tokens=24, extra_body={"temperature": 0}, stop_sequences=["Nowhere", "Paris"],
+        messages=[{"role": "user", "content": QUESTION}],
+    )
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "Paris")
+    assert "Paris" not in message.content[0].text and "France" in message.content[0].text
+
+
 async def test_messages_stream_events_concatenate_to_the_final_text(claude: anthropic.AsyncAnthropic) -> None:
     async with claude.messages.stream(
         model=MODEL, max_tokens=24, extra_body={"temperature": 0}, messages=[{"role": "user", "content": QUESTION}]
