@@ -6,54 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from fake_scheduler import FakeScheduler
+from test_http_api import MODEL, MakeClient, client, make_client, scheduler  # noqa: F401
 
-from flare.daemon.config import DaemonConfig
-from flare.daemon.http_api import create_app
-from flare.daemon.state import ServingState
 from flare.kernels.status import DeviceStatus
 from flare.scheduler.errors import QueueFull
 from flare.scheduler.failures import device_failure
 from flare.scheduler.request import Failed, Finished, Usage
 
-MODEL = "tiny-model"
 RESPONSE = {"model": MODEL, "input": "Hi"}
 MESSAGE = {"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": "Hi"}]}
 COMPLETION = {"model": MODEL, "prompt": "Once"}
-
-MakeClient = Callable[..., Awaitable[TestClient]]
-
-
-@pytest.fixture
-async def make_client() -> AsyncIterator[MakeClient]:
-    clients: list[TestClient] = []
-
-    async def make(scheduler: FakeScheduler, **config: Any) -> TestClient:
-        state = ServingState()
-        state.ready(scheduler, MODEL)  # type: ignore[arg-type]
-        client = TestClient(TestServer(create_app(DaemonConfig(**config), state)))
-        await client.start_server()
-        clients.append(client)
-        return client
-
-    yield make
-    for client in clients:
-        await client.close()
-
-
-@pytest.fixture
-def scheduler() -> FakeScheduler:
-    return FakeScheduler()
-
-
-@pytest.fixture
-async def client(make_client: MakeClient, scheduler: FakeScheduler) -> TestClient:
-    return await make_client(scheduler)
 
 
 def named_events(raw: str) -> list[tuple[str, dict[str, Any]]]:
