@@ -1,6 +1,6 @@
 """The hidden directory a package is written into before it is renamed into place.
 
-`write_package` writes `.NAME.partial-XXXX` next to the destination and removes it on any
+`write_package` writes `.NAME.partial-<suffix>` next to the destination and removes it on any
 failure or interrupt it lives through (SIGINT, and SIGTERM, which `flare export` turns into
 the same unwinding). An export killed outright (SIGKILL, power loss) cannot: its directory of
 some hundred megabytes stays. So every export holds an exclusive `flock` on its staging
