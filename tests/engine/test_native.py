@@ -430,10 +430,10 @@ def test_any_shape_of_float16_layer_and_rows_equals_the_float64_product(out_feat
 def _float16_layer(hidden: int = 32, heads: int = 2, kv_heads: int = 1, head_dim: int = 16, intermediate: int = 48):
     generator = torch.Generator().manual_seed(11)
 
-    def packed(out_features: int, in_features: int) -> native.Float16Weight:
-        return native.Float16Weight.pack(torch.randn(out_features, in_features, generator=generator) * 0.1)
+    def packed(out_features: int, in_features: int) -> tuple[native.LinearPart]:
+        return (native.LinearPart.float16(native.Float16Weight.pack(torch.randn(out_features, in_features, generator=generator) * 0.1)),)
 
-    return native.Float16Layer(
+    return native.KernelLayer(
         input_norm=torch.ones(hidden),
         post_norm=torch.ones(hidden),
         qkv=packed((heads + 2 * kv_heads) * head_dim, hidden),
@@ -446,9 +446,9 @@ def _float16_layer(hidden: int = 32, heads: int = 2, kv_heads: int = 1, head_dim
 def test_a_float16_layer_whose_linear_layers_do_not_chain_is_refused_naming_them() -> None:
     layer = _float16_layer()
     with pytest.raises(ValueError, match="decoder_layer: .*chain hidden -> qkv.*gate_up 32->96, down 40->32"):
-        native.Float16Layer(layer.input_norm, layer.post_norm, layer.qkv, layer.o, layer.gate_up, _float16_layer(intermediate=40).down)
+        native.KernelLayer(layer.input_norm, layer.post_norm, layer.qkv, layer.o, layer.gate_up, _float16_layer(intermediate=40).down)
     with pytest.raises(ValueError, match="norms must be contiguous float32 \\[32\\]"):
-        native.Float16Layer(torch.ones(32, dtype=torch.float64), layer.post_norm, layer.qkv, layer.o, layer.gate_up, layer.down)
+        native.KernelLayer(torch.ones(32, dtype=torch.float64), layer.post_norm, layer.qkv, layer.o, layer.gate_up, layer.down)
 
 
 def test_a_decoder_layer_call_refuses_a_residual_stream_or_pools_unlike_its_round() -> None:

@@ -345,7 +345,7 @@ def test_a_model_with_float16_gemms_tracks_the_float32_model_on_the_same_weights
     assert fast.weight_format == WeightFormat.FLOAT16 and fast.dtype == torch.float32
     assert fast.embed.dtype == torch.float16
     assert isinstance(fast.lm_head, Float16Weight if built else torch.ScriptObject)
-    assert (fast.float16_layers is not None) == built and fast.native_kernels == built
+    assert (fast.kernel_layers is not None) == built and fast.native_kernels == built
     for reference, logits in float32_and_rounded_logits(fast, state, config):
         # Only the summation order differs: float32 accumulation on both sides.
         torch.testing.assert_close(logits, reference, atol=1e-4 * reference.abs().max(), rtol=1e-4)
@@ -377,8 +377,8 @@ def test_a_round_of_short_rows_on_float16_weights_runs_each_layer_in_one_call_wi
     state = held_exactly(random_state_dict(config), WeightFormat.FLOAT16)
     fused = LlamaModel(config, state, weight_format=WeightFormat.FLOAT16)
     steps = LlamaModel(config, state, weight_format=WeightFormat.FLOAT16)
-    assert fused.float16_layers is not None
-    steps.float16_layers = None
+    assert fused.kernel_layers is not None
+    steps.kernel_layers = None
     layer_calls = []
     monkeypatch.setattr(native, "decoder_layer", lambda *args: layer_calls.append(1) or decoder_layer(*args))
     caches = new_cache(config, dtype=kv_dtype), new_cache(config, dtype=kv_dtype)
