@@ -434,6 +434,8 @@ class KernelLayer:
     # int64 [4, LAYER_LINEAR_PARTS, 3]: (type, address, out rows) of each part of qkv, o,
     # gate_up and down, unused parts zero (module.c reads it); addresses of `data` kept alive here.
     part_table: torch.Tensor = field(init=False, repr=False)
+    # (in, out) of qkv, o, gate_up and down, computed once: `decoder_layer` checks them every call.
+    linear_features: dict[str, tuple[int, int]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         hidden = self.input_norm.shape[0]
@@ -446,7 +448,8 @@ class KernelLayer:
             n.dtype == torch.float32 and n.device.type == "cpu" and n.shape == (hidden,) and n.is_contiguous()
             for n in (self.input_norm, self.post_norm)
         )
-        (qkv_in, qkv_out), (o_in, o_out), (gate_up_in, gate_up_out), (down_in, down_out) = map(_stacked_features, linears)
+        features = dict(zip(("qkv", "o", "gate_up", "down"), map(_stacked_features, linears)))
+        (qkv_in, qkv_out), (o_in, o_out), (gate_up_in, gate_up_out), (down_in, down_out) = features.values()
         layers_fit = qkv_in == gate_up_in == o_out == down_out == hidden and gate_up_out == 2 * down_in
         if not (norms_fit and layers_fit):
             raise ValueError(
@@ -459,6 +462,7 @@ class KernelLayer:
             for slot, part in zip(row, parts):
                 slot[0], slot[1], slot[2] = part.type, part.data.data_ptr(), part.out_features
         object.__setattr__(self, "part_table", table)
+        object.__setattr__(self, "linear_features", features)
 
     @property
     def hidden(self) -> int:
@@ -466,7 +470,7 @@ class KernelLayer:
 
     def features(self, linear: str) -> tuple[int, int]:
         """(in, out) of linear layer `linear` (qkv, o, gate_up or down)."""
-        return _stacked_features(getattr(self, linear))
+        return self.linear_features[linear]
 
 
 # An attention group of a DecoderRound as the C side reads it (kernels.h, AttentionGroupPlan):
