@@ -436,9 +436,7 @@ class LlamaModel:
         rope = None if self.native_kernels else self._rope(batch)
         calls = self._plan_attention(batch, kv_cache)
         if self.kernel_layers is not None and all(call.native for call in calls):
-            plan = self._decoder_round(batch, calls, kv_cache)
-            for index, layer in enumerate(self.kernel_layers):
-                native.decoder_layer(h, layer, kv_cache.keys[index], kv_cache.values[index], plan)
+            native.decoder_layers(h, self.kernel_layers, kv_cache.keys, kv_cache.values, self._decoder_round(batch, calls, kv_cache))
         else:
             # Each sublayer's output is added to the residual stream h by the norm that reads it next.
             delta = None

@@ -560,10 +560,39 @@ def decoder_layer(
     h: torch.Tensor, layer: KernelLayer, keys: torch.Tensor, values: torch.Tensor, plan: DecoderRound
 ) -> None:
     """One decoder layer on the residual stream h [tokens, hidden] (float32, contiguous), in
-    place: its norms, linear layers (float16 at LINEAR_ISA, blocks at QUANTIZED_ISA), RoPE and KV write into this layer's pools, and
-    the attention of the round's groups (decoder_layer.c; the same kernels and bits as the steps
-    model.py runs one by one)."""
+    place: its norms, linear layers (float16 at LINEAR_ISA, blocks at QUANTIZED_ISA), RoPE and
+    KV write into this layer's pools, and the attention of the round's groups (decoder_layer.c;
+    the same kernels and bits as the steps model.py runs one by one)."""
+    decoder_layers(h, [layer], [keys], [values], plan)
+
+
+def decoder_layers(
+    h: torch.Tensor, layers: list[KernelLayer], keys: list[torch.Tensor], values: list[torch.Tensor], plan: DecoderRound
+) -> None:
+    """`decoder_layer` of each layer in turn, with its pools: every layer and pool is checked
+    first, then the layers run back to back (a round's 30 layers of checks and argument lists
+    were Python a one-row round paid between its kernels)."""
     native = _module()
+    if len(keys) != len(layers) or len(values) != len(layers):
+        raise ValueError(f"decoder_layer: {len(layers)} layers need as many key and value pools, got {len(keys)} and {len(values)}")
+    for layer, layer_keys, layer_values in zip(layers, keys, values):
+        _check_layer(h, layer, layer_keys, layer_values, plan)
+    # What every layer's call shares, in decoder_layer's argument order around the layer's own.
+    round_args = (
+        plan.tokens, h.shape[1], plan.heads, plan.kv_heads, plan.head_dim, plan.intermediate, plan.eps, plan.head_dim**-0.5,
+        plan.positions.data_ptr(), plan.slots.data_ptr(), plan.cos.data_ptr(), plan.sin.data_ptr(), plan.cos.shape[0],
+    )
+    pool_args = (plan.pool_shape[1], plan.pool_shape[2], plan.plans.data_ptr(), plan.plans.shape[0], plan.scratch.data_ptr(),
+                 torch.get_num_threads(), LINEAR_ISA, QUANTIZED_ISA)
+    kv_dtype, h_address = KV_DTYPE_CODES[plan.pool_dtype], h.data_ptr()
+    for layer, layer_keys, layer_values in zip(layers, keys, values):
+        native.decoder_layer(
+            h_address, layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), layer.part_table.data_ptr(), *round_args,
+            layer_keys.data_ptr(), layer_values.data_ptr(), kv_dtype, *pool_args,
+        )
+
+
+def _check_layer(h: torch.Tensor, layer: KernelLayer, keys: torch.Tensor, values: torch.Tensor, plan: DecoderRound) -> None:
     if (
         h.dtype != torch.float32 or not h.is_contiguous() or h.shape != (plan.tokens, layer.hidden)
         or tuple(keys.shape) != plan.pool_shape or tuple(values.shape) != plan.pool_shape
@@ -577,33 +606,3 @@ def decoder_layer(
             f"{plan.pool_dtype} {plan.pool_shape}, the layer's shapes those of the round; got h {h.dtype} "
             f"{tuple(h.shape)}, pools {keys.dtype} {tuple(keys.shape)} and {values.dtype} {tuple(values.shape)}"
         )
-    native.decoder_layer(
-        h.data_ptr(),
-        layer.input_norm.data_ptr(),
-        layer.post_norm.data_ptr(),
-        layer.part_table.data_ptr(),
-        plan.tokens,
-        layer.hidden,
-        plan.heads,
-        plan.kv_heads,
-        plan.head_dim,
-        plan.intermediate,
-        plan.eps,
-        plan.head_dim**-0.5,
-        plan.positions.data_ptr(),
-        plan.slots.data_ptr(),
-        plan.cos.data_ptr(),
-        plan.sin.data_ptr(),
-        plan.cos.shape[0],
-        keys.data_ptr(),
-        values.data_ptr(),
-        KV_DTYPE_CODES[keys.dtype],
-        plan.pool_shape[1],
-        plan.pool_shape[2],
-        plan.plans.data_ptr(),
-        plan.plans.shape[0],
-        plan.scratch.data_ptr(),
-        torch.get_num_threads(),
-        LINEAR_ISA,
-        QUANTIZED_ISA,
-    )

@@ -476,3 +476,25 @@ def test_a_decoder_round_too_big_for_its_scratch_or_with_groups_that_miss_tokens
         native.decoder_round(groups=[(0, 1, 2, torch.tensor([[0]]), torch.tensor([0]))], scratch=torch.empty(10), **common)
     with pytest.raises(ValueError, match="the groups must cover the round's tokens in order"):
         native.decoder_round(groups=[(0, 1, 1, torch.tensor([[0]]), torch.tensor([0]))], scratch=torch.empty(10_000), **common)
+
+
+def test_decoder_layers_check_every_layer_before_running_any() -> None:
+    layer = _float16_layer()
+    cos, sin = torch.randn(64, 8), torch.randn(64, 8)
+    keys, values = torch.zeros(1, 4, 4, 16), torch.zeros(1, 4, 4, 16)
+    plan = native.decoder_round(
+        positions=torch.tensor([0, 1]), slots=torch.tensor([0, 1]), cos=cos, sin=sin,
+        groups=[(0, 1, 2, torch.tensor([[0]]), torch.tensor([0]))], pool=keys,
+        heads=2, hidden=32, intermediate=48, eps=1e-5, scratch=torch.empty(10_000),
+    )
+    h = torch.randn(2, 32)
+    before = h.clone()
+    # The second layer's pools are float16 where the round's are float32: refused, and the first
+    # layer has not run (h and its pools untouched).
+    with pytest.raises(ValueError, match="decoder_layer: h must be contiguous float32 \\[2, 32\\] and the pools"):
+        native.decoder_layers(h, [layer, layer], [keys, keys.half()], [values, values.half()], plan)
+    assert torch.equal(h, before) and not keys.any()
+    with pytest.raises(ValueError, match="2 layers need as many key and value pools, got 1 and 2"):
+        native.decoder_layers(h, [layer, layer], [keys], [values, values], plan)
+    native.decoder_layers(h, [layer, layer], [keys, keys.clone()], [values, values.clone()], plan)
+    assert not torch.equal(h, before)

@@ -20,7 +20,7 @@ from flare.engine.model import (
     pack_weight,
 )
 from flare.engine import native
-from flare.engine.native import Float16Weight, decoder_layer
+from flare.engine.native import Float16Weight, decoder_layers
 from flare.engine.precision import WeightFormat, cpu_has_float16_gemm
 
 from tiny_llama import random_state_dict, tiny_config
@@ -380,7 +380,7 @@ def test_a_round_of_short_rows_on_float16_weights_runs_each_layer_in_one_call_wi
     assert fused.kernel_layers is not None
     steps.kernel_layers = None
     layer_calls = []
-    monkeypatch.setattr(native, "decoder_layer", lambda *args: layer_calls.append(1) or decoder_layer(*args))
+    monkeypatch.setattr(native, "decoder_layers", lambda h, layers, *args: layer_calls.extend(layers) or decoder_layers(h, layers, *args))
     caches = new_cache(config, dtype=kv_dtype), new_cache(config, dtype=kv_dtype)
     first, second, long = random_tokens(config, 9, 1), random_tokens(config, 5, 2), random_tokens(config, 30, 3)
     rounds = [
@@ -426,6 +426,6 @@ def test_one_call_layers_with_wide_heads_match_the_dense_forward_chunk_by_chunk(
     state = held_exactly(random_state_dict(config), WeightFormat.FLOAT16)
     model = LlamaModel(config, state, weight_format=WeightFormat.FLOAT16)
     layer_calls = []
-    monkeypatch.setattr(native, "decoder_layer", lambda *args: layer_calls.append(1) or decoder_layer(*args))
+    monkeypatch.setattr(native, "decoder_layers", lambda h, layers, *args: layer_calls.extend(layers) or decoder_layers(h, layers, *args))
     assert_chunks_match_the_dense_forward(model, state, (17, 1, 5, 16, 1, 5), seed=6)
     assert len(layer_calls) == 6 * config.num_layers

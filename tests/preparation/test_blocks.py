@@ -189,8 +189,8 @@ def test_a_blocks_package_runs_each_layer_in_one_kernel_call_with_the_bits_of_th
     steps = copy.copy(fused)
     steps.kernel_layers = None
     layer_calls = []
-    decoder_layer = native.decoder_layer
-    monkeypatch.setattr(native, "decoder_layer", lambda *args: layer_calls.append(1) or decoder_layer(*args))
+    decoder_layers = native.decoder_layers
+    monkeypatch.setattr(native, "decoder_layers", lambda h, layers, *args: layer_calls.extend(layers) or decoder_layers(h, layers, *args))
     assert torch.equal(prompt_logits(fused), prompt_logits(steps))
     assert greedy(fused) == greedy(steps)
     layers = fused.config.num_layers
