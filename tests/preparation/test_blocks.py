@@ -212,6 +212,34 @@ def test_a_blocks_package_runs_each_layer_in_one_kernel_call_with_the_bits_of_th
         assert torch.equal(fused_pool, steps_pool)
 
 
+FORCED_LAYERS_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_blocks import greedy, prompt_logits
+from flare.engine import native
+from flare.engine.model import load_model
+from flare.preparation.package import open_package
+model = load_model(open_package({package!r}))
+assert model.kernel_layers is not None
+torch.save({{'isa': native.QUANTIZED_ISA, 'logits': prompt_logits(model), 'greedy': greedy(model)}}, {path!r})
+"""
+
+
+@pytest.mark.parametrize(("capability", "isa"), [("avx2", native.ISA_AVX2), ("default", native.ISA_PORTABLE)])
+def test_the_whole_layer_path_gives_the_same_bits_under_forced_avx2_and_portable_dispatch(
+    every_kept_type_package: Path, tmp_path: Path, capability: str, isa: int
+) -> None:
+    if not native.available():
+        pytest.skip("the engine's C kernels were not built")
+    path = tmp_path / "outputs.pt"
+    script = FORCED_LAYERS_SCRIPT.format(tests=str(Path(__file__).parent), package=str(every_kept_type_package), path=str(path))
+    subprocess.run([sys.executable, "-c", script], env={**os.environ, "ATEN_CPU_CAPABILITY": capability}, check=True, timeout=300)
+    forced = torch.load(path)
+    model = load_model(open_package(every_kept_type_package))
+    assert forced["isa"] == isa
+    assert torch.equal(forced["logits"], prompt_logits(model)) and forced["greedy"] == greedy(model)
+
+
 def test_without_the_c_kernels_a_blocks_package_runs_step_by_step_with_its_own_values(
     every_kept_type_package: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
