@@ -19,7 +19,6 @@ import torch
 from flare.engine import native
 from flare.engine.native import QUANTIZED_ISA
 
-
 # Byte offsets of each type's float16 scales (d, and dmin / m where the type has one) inside a block.
 _SCALE_OFFSETS = {
     gguf.GGMLQuantizationType.Q4_0: (0,),
