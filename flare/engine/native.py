@@ -20,7 +20,7 @@ built (no C compiler at install time) and that the tests hold it equal to:
   its torch counterpart, took 1.15-1.2x as long there, and as long from 5 rows on);
 - `decoder_layer`: a whole layer of a round of short rows, its linear layers float16 or ggml
   blocks (`KernelLayer`), the kernels above in one call (`decoder_round` checks what the round's
-  layers share, once).
+  layers share, once; `decoder_layers` checks a round's layers, then runs them back to back).
 
 The sampler's kernels are the kernels' own (flare/kernels/native.py).
 
