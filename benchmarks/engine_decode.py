@@ -17,6 +17,12 @@ No sampling, no HTTP: this is the ceiling the scheduler and the daemon work unde
     .venv/bin/python benchmarks/engine_decode.py --weight-format float32 float16   # alternating
     .venv/bin/python benchmarks/engine_decode.py --steps        # where a round's time goes
     .venv/bin/python benchmarks/engine_decode.py --context 1000 --kv-cache-dtype float32 bfloat16
+    .venv/bin/python benchmarks/engine_decode.py --package default --batch 1 --steps   # a package's own weights
+
+With --package (a package directory, or `default` for the default package's path) the model is
+that package's as `flare run` loads it (its quantized blocks mapped from the file, the weight
+format chosen as `--weight-format auto` does) instead of random weights, timed with each layer
+one kernel call (`package`) and step by step (`package-steps`), alternating.
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ from flare.engine.openmp import set_wait_policy
 set_wait_policy(os.environ)
 
 import argparse
+import copy
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -38,9 +46,11 @@ from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
 from flare.engine import model as model_module
 from flare.engine import native
-from flare.engine.model import LlamaModel
+from flare.engine.model import LlamaModel, load_model
 from flare.engine.precision import WeightFormat, cpu_flags
+from flare.preparation.default_package import default_package_path
 from flare.preparation.manifest import ModelConfig
+from flare.preparation.package import open_package
 from flare.preparation.package import expected_weight_shapes
 
 WARMUP_ROUNDS = 3
@@ -89,6 +99,7 @@ def main() -> None:
         default=["float32"],
         help="what the KV cache stores (flare run --kv-cache-dtype); with several, each format runs with each",
     )
+    parser.add_argument("--package", help="a package directory (or `default`) to load instead of random weights")
     parser.add_argument("--repeats", type=int, default=1, help="sets of rounds per format and batch size (medians of all)")
     parser.add_argument(
         "--steps",
@@ -98,13 +109,25 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    config = DEFAULT_DIMS
-    generator = torch.Generator().manual_seed(0)
-    state = {name: 0.02 * torch.randn(shape, generator=generator) for name, shape in expected_weight_shapes(config).items()}
-    loaded = {
-        name: LlamaModel(config, state, weight_format=WeightFormat(name), native_kernels=args.kernels == "native")
-        for name in args.weight_format
-    }
+    if args.package:
+        package = open_package(default_package_path() if args.package == "default" else Path(args.package))
+        model = load_model(package)
+        if args.kernels == "torch":
+            model.native_kernels, model.kernel_layers = False, None
+        config = model.config
+        # The package's layers one kernel call each, and the same weights step by step, alternating.
+        steps = copy.copy(model)
+        steps.kernel_layers = None
+        loaded = {"package": model, "package-steps": steps}
+        args.weight_format = list(loaded)
+    else:
+        config = DEFAULT_DIMS
+        generator = torch.Generator().manual_seed(0)
+        state = {name: 0.02 * torch.randn(shape, generator=generator) for name, shape in expected_weight_shapes(config).items()}
+        loaded = {
+            name: LlamaModel(config, state, weight_format=WeightFormat(name), native_kernels=args.kernels == "native")
+            for name in args.weight_format
+        }
     # One configuration per weight format and KV cache dtype, each with a cache of its own.
     models = {
         (name if args.kv_cache_dtype == ["float32"] else f"{name}/kv-{kv}"): (loaded[name], getattr(torch, kv))
@@ -174,7 +197,7 @@ def step_times(model: LlamaModel, cache: KVCache, batch_size: int, tokens: int, 
     # A float16 model runs each layer as one kernel call (`native.decoder_layer`), which these
     # timers cannot split: the steps are timed on the step-by-step path, the same kernels with
     # Python between them (the difference is in the two paths' median rounds).
-    fused_layers, model.float16_layers = model.float16_layers, None
+    fused_layers, model.kernel_layers = model.kernel_layers, None
     depth = [0]
     for step, (module, names) in STEPS.items():
         for name in names:
@@ -206,7 +229,7 @@ def step_times(model: LlamaModel, cache: KVCache, batch_size: int, tokens: int, 
         time_rounds(model, cache, batch_size, tokens, blocks_per_row, args)
     finally:
         del model.forward
-        model.float16_layers = fused_layers
+        model.kernel_layers = fused_layers
         for module, name, original in originals:
             setattr(module, name, original)
     rounds, total = len(forwards), sum(forwards)

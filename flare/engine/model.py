@@ -19,13 +19,14 @@ it fast on a CPU, where a round of 32 decode rows is bound by the linear layers:
 - linear layers run in a weight format chosen per CPU (`precision.py`): float16 through the
   engine's kernel on x86 CPUs with AVX2, bfloat16 through oneDNN on AMX CPUs, float32 through
   MKL; the weights are stored and multiplied in it, everything between the GEMMs stays float32;
-- on float16 weights a round of short rows runs each layer as one kernel call
+- on float16 or block weights a round of short rows runs each layer as one kernel call
   (`native.decoder_layer`), the same kernels as the steps of `forward_hidden` without the
   Python between them;
 - a package's quantized tensors stay ggml blocks mapped from its file (`quantized.py`): their
   linear layers multiply float32 activations straight from the blocks, the embedding
-  dequantizes only the rows it looks up, and a tied LM head is the embedding's blocks. Those
-  layers take the per-step path of `forward_hidden` (`native.decoder_layer` is float16's).
+  dequantizes only the rows it looks up, and a tied LM head is the embedding's blocks. Their
+  layers run through `native.decoder_layer` too, each linear layer float16 or blocks or parts of
+  both (the q/k/v of a Q4_K_M layer whose v is Q6_K).
 """
 
 from __future__ import annotations
@@ -169,6 +170,32 @@ def _join_blocks(run: list[QuantizedWeight]) -> QuantizedWeight:
     else:
         data = torch.cat([part.data for part in run])
     return QuantizedWeight.from_blocks(first.ggml_type, data, rows, first.in_features)
+
+
+def _linear_parts(weight: Weight) -> tuple[native.LinearPart, ...] | None:
+    """A linear layer's weight as `native.decoder_layer` multiplies it, or None for a kind it
+    does not (plain, oneDNN or fbgemm weights)."""
+    if isinstance(weight, native.Float16Weight):
+        return (native.LinearPart.float16(weight),)
+    if isinstance(weight, QuantizedWeight):
+        return (native.LinearPart(int(weight.ggml_type), weight.data, weight.out_features, weight.in_features),)
+    if isinstance(weight, tuple):
+        parts = [_linear_parts(part) for part in weight]
+        if all(p is not None for p in parts) and sum(len(p) for p in parts) <= native.LAYER_LINEAR_PARTS:  # type: ignore[arg-type]
+            return tuple(part for p in parts for part in p)  # type: ignore[union-attr]
+    return None
+
+
+def _kernel_layers(layers: list[DecoderLayer]) -> list[native.KernelLayer] | None:
+    """The layers as `native.decoder_layer` reads them, where every linear layer of every layer
+    is float16 or ggml blocks; None otherwise (the layers then run step by step)."""
+    kernel_layers = []
+    for layer in layers:
+        linears = [_linear_parts(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if any(parts is None for parts in linears):
+            return None
+        kernel_layers.append(native.KernelLayer(layer.input_norm, layer.post_norm, *linears))  # type: ignore[arg-type]
+    return kernel_layers
 
 
 def pack_weight(weight: torch.Tensor, weight_format: WeightFormat) -> Weight:
@@ -366,14 +393,10 @@ class LlamaModel:
             )
             for i in range(config.num_layers)
         ]
-        # A round of short rows on float16 weights runs each layer as one kernel call
+        # A round of short rows on float16 or block weights runs each layer as one kernel call
         # (`native.decoder_layer`): the same kernels as the steps below, without the Python
         # between them.
-        self.float16_layers = (
-            [native.Float16Layer(l.input_norm, l.post_norm, l.qkv, l.o, l.gate_up, l.down) for l in self.layers]
-            if self.native_kernels and all(isinstance(l.qkv, native.Float16Weight) for l in self.layers)
-            else None
-        )
+        self.kernel_layers = _kernel_layers(self.layers) if self.native_kernels else None
         self._layer_scratch = torch.empty(0, dtype=torch.float32, device=self.device)
         self.rope_cos, self.rope_sin = rope_tables(config, dtype, self.device)
         # Grow-only scratch memory for the gathered keys and values of a round: allocating
@@ -412,10 +435,8 @@ class LlamaModel:
         h = self.embed_rows(batch.token_ids).to(self.dtype) if inputs is None else inputs.to(self.dtype, copy=True).contiguous()
         rope = None if self.native_kernels else self._rope(batch)
         calls = self._plan_attention(batch, kv_cache)
-        if self.float16_layers is not None and all(call.native for call in calls):
-            plan = self._decoder_round(batch, calls, kv_cache)
-            for index, layer in enumerate(self.float16_layers):
-                native.decoder_layer(h, layer, kv_cache.keys[index], kv_cache.values[index], plan)
+        if self.kernel_layers is not None and all(call.native for call in calls):
+            native.decoder_layers(h, self.kernel_layers, kv_cache.keys, kv_cache.values, self._decoder_round(batch, calls, kv_cache))
         else:
             # Each sublayer's output is added to the residual stream h by the norm that reads it next.
             delta = None

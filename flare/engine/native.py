@@ -18,8 +18,9 @@ built (no C compiler at install time) and that the tests hold it equal to:
 - `float16_linear`: a linear layer of float16 weights (packed once, `Float16Weight`) on float32
   rows, at the memory's speed for the one to few rows of a decode round (fbgemm's float16 GEMM,
   its torch counterpart, took 1.15-1.2x as long there, and as long from 5 rows on);
-- `decoder_layer`: a whole layer of a round of short rows on float16 weights, the kernels above
-  in one call (`decoder_round` checks what the round's layers share, once).
+- `decoder_layer`: a whole layer of a round of short rows, its linear layers float16 or ggml
+  blocks (`KernelLayer`), the kernels above in one call (`decoder_round` checks what the round's
+  layers share, once; `decoder_layers` checks a round's layers, then runs them back to back).
 
 The sampler's kernels are the kernels' own (flare/kernels/native.py).
 
@@ -30,7 +31,7 @@ pool and the RoPE tables. Kernels release the GIL and run on `torch.get_num_thre
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -67,6 +68,10 @@ def _check(function: str, problems: list[str]) -> None:
 # 12.7, 32 rows 56.1 and 36.9; one decode row 7.5 and 7.9, where reading the weights bounds both.
 ISA_PORTABLE, ISA_AVX2, ISA_AVX512 = 0, 1, 2
 LINEAR_ISA = ISA_AVX512 if torch.backends.cpu.get_cpu_capability() == "AVX512" else ISA_AVX2
+# The widest instructions the quantized kernel uses (quantized_linear.c): what ATen dispatches to,
+# so ATEN_CPU_CAPABILITY=avx2 holds it to AVX2 and ATEN_CPU_CAPABILITY=default to the portable
+# loop (how tests and benchmarks stand in for other CPUs). Every level gives the same bits.
+QUANTIZED_ISA = {"AVX512": ISA_AVX512, "AVX2": ISA_AVX2}.get(torch.backends.cpu.get_cpu_capability(), ISA_PORTABLE)
 
 # The KV pool's dtypes the kernels read and write (kernels.h, `KvDtype`): everything is computed
 # in float32, 16-bit elements are widened when read and rounded to nearest even when written.
@@ -372,39 +377,100 @@ def quantized_rows(blocks: torch.Tensor, ggml_type: int, in_features: int, rows:
     return out
 
 
+# A LinearPart's type for packed float16 weights (kernels.h, LINEAR_PACKED_FLOAT16: ggml's type 0,
+# F32, is never a part's); a part of ggml blocks has its ggml type id, one quantized_linear reads.
+PACKED_FLOAT16 = 0
+QUANTIZED_TYPE_IDS = frozenset({2, 3, 6, 7, 8, 12, 13, 14})  # kernels.h GGML_*
+# The most parts a layer's linear layer may have (kernels.h, LAYER_LINEAR_PARTS).
+LAYER_LINEAR_PARTS = 3
+
+
 @dataclass(frozen=True)
-class Float16Layer:
-    """A decoder layer's weights as `decoder_layer` reads them: float32 norms and float16 linear
-    layers, their shapes checked against each other once, when the model is loaded."""
+class LinearPart:
+    """A run of output rows of a layer's linear weight as `decoder_layer` multiplies them: packed
+    float16 (`Float16Weight.blocks`, type PACKED_FLOAT16) or ggml blocks (uint8 [out, row bytes],
+    contiguous, of a type in QUANTIZED_TYPE_IDS; flare/engine/quantized.py has checked the bytes
+    against the type and shape)."""
+
+    type: int
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def float16(cls, weight: Float16Weight) -> LinearPart:
+        return cls(PACKED_FLOAT16, weight.blocks, weight.out_features, weight.in_features)
+
+    def problems(self) -> list[str]:
+        data = self.data
+        if self.type == PACKED_FLOAT16:
+            shape = (-(-self.out_features // Float16Weight.BLOCK), self.in_features, Float16Weight.BLOCK)
+            fits = data.dtype == torch.float16 and tuple(data.shape) == shape
+        else:
+            fits = self.type in QUANTIZED_TYPE_IDS and data.dtype == torch.uint8 and data.dim() == 2 and data.shape[0] == self.out_features
+        if fits and data.device.type == "cpu" and data.is_contiguous() and self.out_features > 0:
+            return []
+        return [f"a linear part of type {self.type} [{self.out_features}, {self.in_features}] has {data.device} {data.dtype} {tuple(data.shape)} data"]
+
+
+def _stacked_features(parts: tuple[LinearPart, ...]) -> tuple[int, int]:
+    """(in, out) of parts stacked on the output; in is -1 where the parts disagree."""
+    ins = {part.in_features for part in parts}
+    return (ins.pop() if len(ins) == 1 else -1), sum(part.out_features for part in parts)
+
+
+@dataclass(frozen=True)
+class KernelLayer:
+    """A decoder layer's weights as `decoder_layer` reads them: float32 norms and linear layers
+    of one to LAYER_LINEAR_PARTS parts each (packed float16 or ggml blocks, stacked on the
+    output), their shapes checked against each other once, when the model is loaded."""
 
     input_norm: torch.Tensor  # [hidden]
     post_norm: torch.Tensor  # [hidden]
-    qkv: Float16Weight  # [(heads + 2 kv_heads) head_dim, hidden]
-    o: Float16Weight  # [hidden, heads head_dim]
-    gate_up: Float16Weight  # [2 intermediate, hidden]
-    down: Float16Weight  # [hidden, intermediate]
+    qkv: tuple[LinearPart, ...]  # [(heads + 2 kv_heads) head_dim, hidden]
+    o: tuple[LinearPart, ...]  # [hidden, heads head_dim]
+    gate_up: tuple[LinearPart, ...]  # [2 intermediate, hidden]
+    down: tuple[LinearPart, ...]  # [hidden, intermediate]
+    # int64 [4, LAYER_LINEAR_PARTS, 3]: (type, address, out rows) of each part of qkv, o,
+    # gate_up and down, unused parts zero (module.c reads it); addresses of `data` kept alive here.
+    part_table: torch.Tensor = field(init=False, repr=False)
+    # (in, out) of qkv, o, gate_up and down, computed once: `decoder_layer` checks them every call.
+    linear_features: dict[str, tuple[int, int]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         hidden = self.input_norm.shape[0]
+        linears = (self.qkv, self.o, self.gate_up, self.down)
+        problems = [p for parts in linears for part in parts for p in part.problems()]
+        if not all(1 <= len(parts) <= LAYER_LINEAR_PARTS for parts in linears):
+            problems.append(f"each linear layer must have 1 to {LAYER_LINEAR_PARTS} parts, got {[len(p) for p in linears]}")
+        _check("decoder_layer", problems)
         norms_fit = all(
             n.dtype == torch.float32 and n.device.type == "cpu" and n.shape == (hidden,) and n.is_contiguous()
             for n in (self.input_norm, self.post_norm)
         )
-        layers_fit = (
-            self.qkv.in_features == self.gate_up.in_features == self.o.out_features == self.down.out_features == hidden
-            and self.gate_up.out_features == 2 * self.down.in_features
-        )
+        features = dict(zip(("qkv", "o", "gate_up", "down"), map(_stacked_features, linears)))
+        (qkv_in, qkv_out), (o_in, o_out), (gate_up_in, gate_up_out), (down_in, down_out) = features.values()
+        layers_fit = qkv_in == gate_up_in == o_out == down_out == hidden and gate_up_out == 2 * down_in
         if not (norms_fit and layers_fit):
             raise ValueError(
                 f"decoder_layer: a layer's norms must be contiguous float32 [{hidden}] and its linear layers chain "
-                f"hidden -> qkv, o -> hidden, hidden -> gate_up -> down -> hidden; got qkv {self.qkv.in_features}->"
-                f"{self.qkv.out_features}, o {self.o.in_features}->{self.o.out_features}, gate_up "
-                f"{self.gate_up.in_features}->{self.gate_up.out_features}, down {self.down.in_features}->{self.down.out_features}"
+                f"hidden -> qkv, o -> hidden, hidden -> gate_up -> down -> hidden; got qkv {qkv_in}->{qkv_out}, "
+                f"o {o_in}->{o_out}, gate_up {gate_up_in}->{gate_up_out}, down {down_in}->{down_out}"
             )
+        table = torch.zeros(len(linears), LAYER_LINEAR_PARTS, 3, dtype=torch.int64)
+        for row, parts in zip(table, linears):
+            for slot, part in zip(row, parts):
+                slot[0], slot[1], slot[2] = part.type, part.data.data_ptr(), part.out_features
+        object.__setattr__(self, "part_table", table)
+        object.__setattr__(self, "linear_features", features)
 
     @property
     def hidden(self) -> int:
         return self.input_norm.shape[0]
+
+    def features(self, linear: str) -> tuple[int, int]:
+        """(in, out) of linear layer `linear` (qkv, o, gate_up or down)."""
+        return self.linear_features[linear]
 
 
 # An attention group of a DecoderRound as the C side reads it (kernels.h, AttentionGroupPlan):
@@ -490,54 +556,53 @@ def decoder_round(
     )
 
 
-def decoder_layer(h: torch.Tensor, layer: Float16Layer, keys: torch.Tensor, values: torch.Tensor, plan: DecoderRound) -> None:
+def decoder_layer(
+    h: torch.Tensor, layer: KernelLayer, keys: torch.Tensor, values: torch.Tensor, plan: DecoderRound
+) -> None:
     """One decoder layer on the residual stream h [tokens, hidden] (float32, contiguous), in
-    place: its norms, float16 linear layers, RoPE and KV write into this layer's pools, and the
-    attention of the round's groups (decoder_layer.c; the same kernels and bits as the steps
-    model.py runs one by one)."""
+    place: its norms, linear layers (float16 at LINEAR_ISA, blocks at QUANTIZED_ISA), RoPE and
+    KV write into this layer's pools, and the attention of the round's groups (decoder_layer.c;
+    the same kernels and bits as the steps model.py runs one by one)."""
+    decoder_layers(h, [layer], [keys], [values], plan)
+
+
+def decoder_layers(
+    h: torch.Tensor, layers: list[KernelLayer], keys: list[torch.Tensor], values: list[torch.Tensor], plan: DecoderRound
+) -> None:
+    """`decoder_layer` of each layer in turn, with its pools: every layer and pool is checked
+    first, then the layers run back to back (a round's 30 layers of checks and argument lists
+    were Python a one-row round paid between its kernels)."""
     native = _module()
+    if len(keys) != len(layers) or len(values) != len(layers):
+        raise ValueError(f"decoder_layer: {len(layers)} layers need as many key and value pools, got {len(keys)} and {len(values)}")
+    for layer, layer_keys, layer_values in zip(layers, keys, values):
+        _check_layer(h, layer, layer_keys, layer_values, plan)
+    # What every layer's call shares, in decoder_layer's argument order around the layer's own.
+    round_args = (
+        plan.tokens, h.shape[1], plan.heads, plan.kv_heads, plan.head_dim, plan.intermediate, plan.eps, plan.head_dim**-0.5,
+        plan.positions.data_ptr(), plan.slots.data_ptr(), plan.cos.data_ptr(), plan.sin.data_ptr(), plan.cos.shape[0],
+    )
+    pool_args = (plan.pool_shape[1], plan.pool_shape[2], plan.plans.data_ptr(), plan.plans.shape[0], plan.scratch.data_ptr(),
+                 torch.get_num_threads(), LINEAR_ISA, QUANTIZED_ISA)
+    kv_dtype, h_address = KV_DTYPE_CODES[plan.pool_dtype], h.data_ptr()
+    for layer, layer_keys, layer_values in zip(layers, keys, values):
+        native.decoder_layer(
+            h_address, layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), layer.part_table.data_ptr(), *round_args,
+            layer_keys.data_ptr(), layer_values.data_ptr(), kv_dtype, *pool_args,
+        )
+
+
+def _check_layer(h: torch.Tensor, layer: KernelLayer, keys: torch.Tensor, values: torch.Tensor, plan: DecoderRound) -> None:
     if (
         h.dtype != torch.float32 or not h.is_contiguous() or h.shape != (plan.tokens, layer.hidden)
         or tuple(keys.shape) != plan.pool_shape or tuple(values.shape) != plan.pool_shape
         or keys.dtype != plan.pool_dtype or values.dtype != plan.pool_dtype
         or not (keys.is_contiguous() and values.is_contiguous())
-        or layer.qkv.out_features != (plan.heads + 2 * plan.kv_heads) * plan.head_dim
-        or layer.o.in_features != plan.heads * plan.head_dim or layer.down.in_features != plan.intermediate
+        or layer.features("qkv")[1] != (plan.heads + 2 * plan.kv_heads) * plan.head_dim
+        or layer.features("o")[0] != plan.heads * plan.head_dim or layer.features("down")[0] != plan.intermediate
     ):
         raise ValueError(
             f"decoder_layer: h must be contiguous float32 [{plan.tokens}, {layer.hidden}] and the pools "
             f"{plan.pool_dtype} {plan.pool_shape}, the layer's shapes those of the round; got h {h.dtype} "
             f"{tuple(h.shape)}, pools {keys.dtype} {tuple(keys.shape)} and {values.dtype} {tuple(values.shape)}"
         )
-    native.decoder_layer(
-        h.data_ptr(),
-        layer.input_norm.data_ptr(),
-        layer.post_norm.data_ptr(),
-        layer.qkv.blocks.data_ptr(),
-        layer.o.blocks.data_ptr(),
-        layer.gate_up.blocks.data_ptr(),
-        layer.down.blocks.data_ptr(),
-        plan.tokens,
-        layer.hidden,
-        plan.heads,
-        plan.kv_heads,
-        plan.head_dim,
-        plan.intermediate,
-        plan.eps,
-        plan.head_dim**-0.5,
-        plan.positions.data_ptr(),
-        plan.slots.data_ptr(),
-        plan.cos.data_ptr(),
-        plan.sin.data_ptr(),
-        plan.cos.shape[0],
-        keys.data_ptr(),
-        values.data_ptr(),
-        KV_DTYPE_CODES[keys.dtype],
-        plan.pool_shape[1],
-        plan.pool_shape[2],
-        plan.plans.data_ptr(),
-        plan.plans.shape[0],
-        plan.scratch.data_ptr(),
-        torch.get_num_threads(),
-        LINEAR_ISA,
-    )

@@ -17,13 +17,7 @@ import numpy as np
 import torch
 
 from flare.engine import native
-
-# The widest instructions the quantized kernel uses (native.ISA_*): what ATen dispatches to, so
-# ATEN_CPU_CAPABILITY=avx2 holds it to AVX2 and ATEN_CPU_CAPABILITY=default to the portable loop
-# (how tests and benchmarks stand in for other CPUs). Every level gives the same bits.
-QUANTIZED_ISA = {"AVX512": native.ISA_AVX512, "AVX2": native.ISA_AVX2}.get(
-    torch.backends.cpu.get_cpu_capability(), native.ISA_PORTABLE
-)
+from flare.engine.native import QUANTIZED_ISA
 
 # Byte offsets of each type's float16 scales (d, and dmin / m where the type has one) inside a block.
 _SCALE_OFFSETS = {

@@ -430,10 +430,10 @@ def test_any_shape_of_float16_layer_and_rows_equals_the_float64_product(out_feat
 def _float16_layer(hidden: int = 32, heads: int = 2, kv_heads: int = 1, head_dim: int = 16, intermediate: int = 48):
     generator = torch.Generator().manual_seed(11)
 
-    def packed(out_features: int, in_features: int) -> native.Float16Weight:
-        return native.Float16Weight.pack(torch.randn(out_features, in_features, generator=generator) * 0.1)
+    def packed(out_features: int, in_features: int) -> tuple[native.LinearPart]:
+        return (native.LinearPart.float16(native.Float16Weight.pack(torch.randn(out_features, in_features, generator=generator) * 0.1)),)
 
-    return native.Float16Layer(
+    return native.KernelLayer(
         input_norm=torch.ones(hidden),
         post_norm=torch.ones(hidden),
         qkv=packed((heads + 2 * kv_heads) * head_dim, hidden),
@@ -446,9 +446,9 @@ def _float16_layer(hidden: int = 32, heads: int = 2, kv_heads: int = 1, head_dim
 def test_a_float16_layer_whose_linear_layers_do_not_chain_is_refused_naming_them() -> None:
     layer = _float16_layer()
     with pytest.raises(ValueError, match="decoder_layer: .*chain hidden -> qkv.*gate_up 32->96, down 40->32"):
-        native.Float16Layer(layer.input_norm, layer.post_norm, layer.qkv, layer.o, layer.gate_up, _float16_layer(intermediate=40).down)
+        native.KernelLayer(layer.input_norm, layer.post_norm, layer.qkv, layer.o, layer.gate_up, _float16_layer(intermediate=40).down)
     with pytest.raises(ValueError, match="norms must be contiguous float32 \\[32\\]"):
-        native.Float16Layer(torch.ones(32, dtype=torch.float64), layer.post_norm, layer.qkv, layer.o, layer.gate_up, layer.down)
+        native.KernelLayer(torch.ones(32, dtype=torch.float64), layer.post_norm, layer.qkv, layer.o, layer.gate_up, layer.down)
 
 
 def test_a_decoder_layer_call_refuses_a_residual_stream_or_pools_unlike_its_round() -> None:
@@ -476,3 +476,25 @@ def test_a_decoder_round_too_big_for_its_scratch_or_with_groups_that_miss_tokens
         native.decoder_round(groups=[(0, 1, 2, torch.tensor([[0]]), torch.tensor([0]))], scratch=torch.empty(10), **common)
     with pytest.raises(ValueError, match="the groups must cover the round's tokens in order"):
         native.decoder_round(groups=[(0, 1, 1, torch.tensor([[0]]), torch.tensor([0]))], scratch=torch.empty(10_000), **common)
+
+
+def test_decoder_layers_check_every_layer_before_running_any() -> None:
+    layer = _float16_layer()
+    cos, sin = torch.randn(64, 8), torch.randn(64, 8)
+    keys, values = torch.zeros(1, 4, 4, 16), torch.zeros(1, 4, 4, 16)
+    plan = native.decoder_round(
+        positions=torch.tensor([0, 1]), slots=torch.tensor([0, 1]), cos=cos, sin=sin,
+        groups=[(0, 1, 2, torch.tensor([[0]]), torch.tensor([0]))], pool=keys,
+        heads=2, hidden=32, intermediate=48, eps=1e-5, scratch=torch.empty(10_000),
+    )
+    h = torch.randn(2, 32)
+    before = h.clone()
+    # The second layer's pools are float16 where the round's are float32: refused, and the first
+    # layer has not run (h and its pools untouched).
+    with pytest.raises(ValueError, match="decoder_layer: h must be contiguous float32 \\[2, 32\\] and the pools"):
+        native.decoder_layers(h, [layer, layer], [keys, keys.half()], [values, values.half()], plan)
+    assert torch.equal(h, before) and not keys.any()
+    with pytest.raises(ValueError, match="2 layers need as many key and value pools, got 1 and 2"):
+        native.decoder_layers(h, [layer, layer], [keys], [values, values], plan)
+    native.decoder_layers(h, [layer, layer], [keys, keys.clone()], [values, values.clone()], plan)
+    assert not torch.equal(h, before)

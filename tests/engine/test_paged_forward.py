@@ -20,7 +20,7 @@ from flare.engine.model import (
     pack_weight,
 )
 from flare.engine import native
-from flare.engine.native import Float16Weight, decoder_layer
+from flare.engine.native import Float16Weight, decoder_layers
 from flare.engine.precision import WeightFormat, cpu_has_float16_gemm
 
 from tiny_llama import random_state_dict, tiny_config
@@ -345,7 +345,7 @@ def test_a_model_with_float16_gemms_tracks_the_float32_model_on_the_same_weights
     assert fast.weight_format == WeightFormat.FLOAT16 and fast.dtype == torch.float32
     assert fast.embed.dtype == torch.float16
     assert isinstance(fast.lm_head, Float16Weight if built else torch.ScriptObject)
-    assert (fast.float16_layers is not None) == built and fast.native_kernels == built
+    assert (fast.kernel_layers is not None) == built and fast.native_kernels == built
     for reference, logits in float32_and_rounded_logits(fast, state, config):
         # Only the summation order differs: float32 accumulation on both sides.
         torch.testing.assert_close(logits, reference, atol=1e-4 * reference.abs().max(), rtol=1e-4)
@@ -377,10 +377,10 @@ def test_a_round_of_short_rows_on_float16_weights_runs_each_layer_in_one_call_wi
     state = held_exactly(random_state_dict(config), WeightFormat.FLOAT16)
     fused = LlamaModel(config, state, weight_format=WeightFormat.FLOAT16)
     steps = LlamaModel(config, state, weight_format=WeightFormat.FLOAT16)
-    assert fused.float16_layers is not None
-    steps.float16_layers = None
+    assert fused.kernel_layers is not None
+    steps.kernel_layers = None
     layer_calls = []
-    monkeypatch.setattr(native, "decoder_layer", lambda *args: layer_calls.append(1) or decoder_layer(*args))
+    monkeypatch.setattr(native, "decoder_layers", lambda h, layers, *args: layer_calls.extend(layers) or decoder_layers(h, layers, *args))
     caches = new_cache(config, dtype=kv_dtype), new_cache(config, dtype=kv_dtype)
     first, second, long = random_tokens(config, 9, 1), random_tokens(config, 5, 2), random_tokens(config, 30, 3)
     rounds = [
@@ -426,6 +426,6 @@ def test_one_call_layers_with_wide_heads_match_the_dense_forward_chunk_by_chunk(
     state = held_exactly(random_state_dict(config), WeightFormat.FLOAT16)
     model = LlamaModel(config, state, weight_format=WeightFormat.FLOAT16)
     layer_calls = []
-    monkeypatch.setattr(native, "decoder_layer", lambda *args: layer_calls.append(1) or decoder_layer(*args))
+    monkeypatch.setattr(native, "decoder_layers", lambda h, layers, *args: layer_calls.extend(layers) or decoder_layers(h, layers, *args))
     assert_chunks_match_the_dense_forward(model, state, (17, 1, 5, 16, 1, 5), seed=6)
     assert len(layer_calls) == 6 * config.num_layers

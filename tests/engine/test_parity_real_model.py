@@ -7,6 +7,7 @@ token for token, and the logits at the last prompt position must agree within LO
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,22 @@ def test_the_blocks_package_scores_text_as_its_float32_dequantization_does(flare
     assert (logits - reference_logits).abs().max().item() <= LOGIT_TOLERANCE
     assert outputs == reference_outputs
     assert tokenizer.decode(outputs[0]) == "The capital of France is Paris."
+
+
+def test_the_blocks_package_decodes_the_same_bits_one_kernel_call_a_layer_as_step_by_step(flare_side, default_blocks_package) -> None:
+    # native.decoder_layer runs quantized_linear on the blocks in the same order as the step by
+    # step path: decode rounds of one row and of three rows (batch-mates must not change a row's
+    # bits) give the same logits and the same greedy continuations.
+    _, tokenizer = flare_side
+    fused = load_model(open_package(default_blocks_package))
+    if fused.kernel_layers is None:
+        pytest.skip("the engine's C kernels were not built")
+    steps = copy.copy(fused)
+    steps.kernel_layers = None
+    eos = set(tokenizer.eos_token_ids)
+    prompts = [tokenizer.encode_chat(messages) for messages in PROMPTS]
+    alone = [flare_greedy(model, prompts[:1], eos, new_tokens=24) for model in (fused, steps)]
+    together = [flare_greedy(model, prompts, eos, new_tokens=24) for model in (fused, steps)]
+    assert alone[0][0] == alone[1][0] and torch.equal(alone[0][1], alone[1][1])
+    assert together[0][0] == together[1][0] and torch.equal(together[0][1], together[1][1])
+    assert together[0][0][0] == alone[0][0][0]

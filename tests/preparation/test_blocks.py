@@ -4,6 +4,7 @@ refused naming the tensor with nothing written."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from flare.engine import quantized
+from flare.engine import native, quantized
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
 from flare.engine.model import LlamaModel, load_model
@@ -158,6 +159,97 @@ def test_a_blocks_package_scores_text_as_its_float32_dequantization_does(every_t
     ours, theirs = prompt_logits(blocks_model), prompt_logits(float_model)
     assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4), (ours - theirs).abs().max()
     assert greedy(blocks_model) == greedy(float_model)
+
+
+@pytest.fixture(scope="module")
+def every_kept_type_package(tmp_path_factory: pytest.TempPathFactory, wide_config: ModelConfig, make_state_dict: Any) -> Path:
+    """EVERY_TYPE with layer 1's down projection Q5_K (kept) in place of Q2_K: every linear layer
+    blocks, so every layer can run as one kernel call."""
+    root = tmp_path_factory.mktemp("every-kept-type")
+    name = "model.layers.1.mlp.down_proj.weight"
+    shape = (wide_config.hidden_size, wide_config.intermediate_size)
+    every_type_gguf(root / "kept.gguf", wide_config, make_state_dict, **{name: (T.Q5_K, random_blocks(T.Q5_K, shape, seed=99))})
+    export_package(str(root / "kept.gguf"), root / "blocks", ExportOptions())
+    return root / "blocks"
+
+
+def test_a_blocks_package_runs_each_layer_in_one_kernel_call_with_the_bits_of_the_steps(
+    every_kept_type_package: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # native.decoder_layer multiplies each part of a layer's linear layers (three types side by
+    # side in layer 0's q/k/v, one Q6_K matrix in layer 1's) with the kernels the step by step path
+    # calls, in the same order: logits, greedy tokens and the KV cache are the same bits, a row's
+    # bits do not depend on its batch-mates, and a row too long for the attention kernel runs the
+    # steps.
+    fused = load_model(open_package(every_kept_type_package))
+    if not native.available():
+        pytest.skip("the engine's C kernels were not built")
+    assert fused.kernel_layers is not None
+    assert [len(layer.qkv) for layer in fused.kernel_layers] == [3, 1]
+    steps = copy.copy(fused)
+    steps.kernel_layers = None
+    layer_calls = []
+    decoder_layers = native.decoder_layers
+    monkeypatch.setattr(native, "decoder_layers", lambda h, layers, *args: layer_calls.extend(layers) or decoder_layers(h, layers, *args))
+    assert torch.equal(prompt_logits(fused), prompt_logits(steps))
+    assert greedy(fused) == greedy(steps)
+    layers = fused.config.num_layers
+    assert len(layer_calls) == 13 * layers  # the fused model's rounds: one of prompt logits, 12 of greedy decoding
+
+    caches = [KVCache.for_budget(fused.config, 8 * 1024**2, BLOCK_SIZE) for _ in range(3)]
+    rounds = [
+        [ForwardRow(PROMPT, 0, [0], num_logits=1), ForwardRow(PROMPT[:5], 0, [1], num_logits=1)],
+        [ForwardRow([7], len(PROMPT), [0], num_logits=1), ForwardRow([8, 9, 10], 5, [1], num_logits=3)],
+        [ForwardRow([11], len(PROMPT) + 1, [0], num_logits=1), ForwardRow(list(range(30, 60)), 0, [2, 3], num_logits=2)],
+    ]
+    for rows in rounds:
+        batch = ForwardBatch.build(rows, BLOCK_SIZE)
+        batched = fused.forward(batch, caches[0])
+        assert torch.equal(batched, steps.forward(batch, caches[1]))
+        # The first row alone, in a cache of its own: the same bits as beside its batch-mates.
+        assert torch.equal(fused.forward(ForwardBatch.build(rows[:1], BLOCK_SIZE), caches[2]), batched[:1])
+    for fused_pool, steps_pool in zip((*caches[0].keys, *caches[0].values), (*caches[1].keys, *caches[1].values)):
+        assert torch.equal(fused_pool, steps_pool)
+
+
+FORCED_LAYERS_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_blocks import greedy, prompt_logits
+from flare.engine import native
+from flare.engine.model import load_model
+from flare.preparation.package import open_package
+model = load_model(open_package({package!r}))
+assert model.kernel_layers is not None
+torch.save({{'isa': native.QUANTIZED_ISA, 'logits': prompt_logits(model), 'greedy': greedy(model)}}, {path!r})
+"""
+
+
+@pytest.mark.parametrize(("capability", "isa"), [("avx2", native.ISA_AVX2), ("default", native.ISA_PORTABLE)])
+def test_the_whole_layer_path_gives_the_same_bits_under_forced_avx2_and_portable_dispatch(
+    every_kept_type_package: Path, tmp_path: Path, capability: str, isa: int
+) -> None:
+    if not native.available():
+        pytest.skip("the engine's C kernels were not built")
+    path = tmp_path / "outputs.pt"
+    script = FORCED_LAYERS_SCRIPT.format(tests=str(Path(__file__).parent), package=str(every_kept_type_package), path=str(path))
+    subprocess.run([sys.executable, "-c", script], env={**os.environ, "ATEN_CPU_CAPABILITY": capability}, check=True, timeout=300)
+    forced = torch.load(path)
+    model = load_model(open_package(every_kept_type_package))
+    assert forced["isa"] == isa
+    assert torch.equal(forced["logits"], prompt_logits(model)) and forced["greedy"] == greedy(model)
+
+
+def test_without_the_c_kernels_a_blocks_package_runs_step_by_step_with_its_own_values(
+    every_kept_type_package: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(native, "available", lambda: False)
+    model = load_model(open_package(every_kept_type_package))
+    assert model.kernel_layers is None and not model.native_kernels
+    monkeypatch.undo()
+    fused = load_model(open_package(every_kept_type_package))
+    # torch's float32 matmul over gguf-py's values against the kernels' order: rounding apart.
+    assert torch.allclose(prompt_logits(model), prompt_logits(fused), atol=1e-4, rtol=1e-4)
 
 
 def test_fused_blocks_are_views_of_the_mapped_file_not_copies(every_type_packages: dict[str, Any]) -> None:

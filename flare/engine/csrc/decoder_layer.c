@@ -1,5 +1,6 @@
-/* One decoder layer of a round whose linear layers are float16 (`float16_linear`) and whose
- * rows are all short enough for `paged_attention`: the kernels of the layer in one call.
+/* One decoder layer of a round whose rows are all short enough for `paged_attention`, its linear
+ * layers float16 (`float16_linear`) or ggml blocks (`quantized_linear`), or parts of each: the
+ * kernels of the layer in one call.
  *
  *   x = rms_norm(h) * input_norm
  *   q, k, v = x W_qkv;  q, k = rope(q, k);  k, v -> the pool's slots
@@ -15,6 +16,28 @@
  */
 #include "kernels.h"
 
+/* x [T, in] (rows `x_stride` apart) through a layer's linear layer into y [T, out], contiguous:
+ * each part's outputs in its columns of y, as model.py concatenates them. 0, or -1 when a
+ * part's type is unknown or scratch memory could not be allocated. */
+static int layer_linear(const DecoderLayerRound *l, const LayerLinear *w, const float *x, int64_t x_stride, float *y,
+                        int64_t in, int64_t out, int threads) {
+    int64_t first = 0;
+    for (int p = 0; p < LAYER_LINEAR_PARTS && w->parts[p].out; p++) {
+        const LinearPart *part = &w->parts[p];
+        if (part->type == LINEAR_PACKED_FLOAT16) {
+            const Float16Linear f = {.x = x, .x_stride = x_stride, .packed = part->data, .y = y + first, .tokens = l->tokens,
+                                     .in = in, .out = part->out, .y_stride = out};
+            float16_linear(&f, threads, l->isa);
+        } else {
+            const QuantizedLinear q = {.x = x, .x_stride = x_stride, .blocks = part->data, .type = (int)part->type, .y = y + first,
+                                       .tokens = l->tokens, .in = in, .out = part->out, .y_stride = out};
+            if (quantized_linear(&q, threads, l->quantized_isa)) return -1;
+        }
+        first += part->out;
+    }
+    return 0;
+}
+
 int decoder_layer(const DecoderLayerRound *l, int threads) {
     const int64_t T = l->tokens, hidden = l->hidden, C = (l->heads + 2 * l->kv_heads) * l->head_dim;
     const int64_t A = l->heads * l->head_dim, I = l->intermediate;
@@ -24,8 +47,7 @@ int decoder_layer(const DecoderLayerRound *l, int threads) {
     const AddRmsNorm input_norm = {.h = l->h, .weight = l->input_norm, .out = x, .tokens = T, .hidden = hidden, .eps = l->eps};
     add_rms_norm(&input_norm, threads);
 
-    const Float16Linear qkv_layer = {.x = x, .x_stride = hidden, .packed = l->qkv, .y = qkv, .tokens = T, .in = hidden, .out = C};
-    float16_linear(&qkv_layer, threads, l->isa);
+    if (layer_linear(l, &l->qkv, x, hidden, qkv, hidden, C, threads)) return -1;
 
     const RopeCache rope = {
         .qkv = qkv,
@@ -72,20 +94,16 @@ int decoder_layer(const DecoderLayerRound *l, int threads) {
         if (paged_attention(&a, plan->longest, threads)) return -1;
     }
 
-    const Float16Linear o_layer = {.x = attended, .x_stride = A, .packed = l->o, .y = delta, .tokens = T, .in = A, .out = hidden};
-    float16_linear(&o_layer, threads, l->isa);
+    if (layer_linear(l, &l->o, attended, A, delta, A, hidden, threads)) return -1;
 
     const AddRmsNorm post_norm = {.h = l->h, .delta = delta, .delta_token_stride = hidden, .delta_channel_stride = 1,
                                   .weight = l->post_norm, .out = x, .tokens = T, .hidden = hidden, .eps = l->eps};
     add_rms_norm(&post_norm, threads);
 
-    const Float16Linear gate_up_layer = {.x = x, .x_stride = hidden, .packed = l->gate_up, .y = gate_up, .tokens = T, .in = hidden,
-                                         .out = 2 * I};
-    float16_linear(&gate_up_layer, threads, l->isa);
+    if (layer_linear(l, &l->gate_up, x, hidden, gate_up, hidden, 2 * I, threads)) return -1;
     if (swiglu_rows(gate_up, 1, 2 * I, gated, I, T, threads)) return -1;
 
-    const Float16Linear down_layer = {.x = gated, .x_stride = I, .packed = l->down, .y = delta, .tokens = T, .in = I, .out = hidden};
-    float16_linear(&down_layer, threads, l->isa);
+    if (layer_linear(l, &l->down, gated, I, delta, I, hidden, threads)) return -1;
     /* The residual add the next layer's norm would make (model.py hands it the delta instead). */
     for (int64_t i = 0; i < T * hidden; i++) l->h[i] += delta[i];
     return 0;

@@ -247,7 +247,7 @@ static void blocks_generic(const float *x, int64_t xs, int64_t tokens, const uin
 }
 
 void float16_linear(const Float16Linear *l, int threads, int isa) {
-    const int64_t blocks = (l->out + BLOCK - 1) / BLOCK;
+    const int64_t blocks = (l->out + BLOCK - 1) / BLOCK, ys = l->y_stride ? l->y_stride : l->out;
     int vector = 0;
 #if defined(__x86_64__) && defined(__GNUC__)
     if (isa >= ISA_AVX2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
@@ -264,11 +264,11 @@ void float16_linear(const Float16Linear *l, int threads, int isa) {
         const int64_t first = blocks * i / n, last = blocks * (i + 1) / n;
 #if defined(__x86_64__) && defined(__GNUC__)
         if (vector == ISA_AVX512)
-            blocks_avx512(l->x, l->x_stride, l->tokens, l->packed, l->in, l->out, l->y, l->out, first, last);
+            blocks_avx512(l->x, l->x_stride, l->tokens, l->packed, l->in, l->out, l->y, ys, first, last);
         else if (vector == ISA_AVX2)
-            blocks_avx2(l->x, l->x_stride, l->tokens, l->packed, l->in, l->out, l->y, l->out, first, last);
+            blocks_avx2(l->x, l->x_stride, l->tokens, l->packed, l->in, l->out, l->y, ys, first, last);
         else
 #endif
-            blocks_generic(l->x, l->x_stride, l->tokens, l->packed, l->in, l->out, l->y, l->out, first, last);
+            blocks_generic(l->x, l->x_stride, l->tokens, l->packed, l->in, l->out, l->y, ys, first, last);
     }
 }

@@ -169,8 +169,8 @@ typedef struct {
     const float *x;            /* [tokens, in], rows `x_stride` floats apart */
     int64_t x_stride;
     const uint16_t *packed;    /* [ceil(out / 16), in, 16] float16 bits */
-    float *y;                  /* [tokens, out], contiguous */
-    int64_t tokens, in, out;
+    float *y;                  /* [tokens, out], rows `y_stride` floats apart (0: out, contiguous) */
+    int64_t tokens, in, out, y_stride;
 } Float16Linear;
 
 /* The widest instructions a kernel may use (it uses the widest of them this CPU has): the
@@ -189,8 +189,8 @@ typedef struct {
     int64_t x_stride;
     const uint8_t *blocks;     /* [out, in / block_size * type_size] bytes, rows contiguous */
     int type;                  /* a GGML_* type id */
-    float *y;                  /* [tokens, out], contiguous */
-    int64_t tokens, in, out;
+    float *y;                  /* [tokens, out], rows `y_stride` floats apart (0: out, contiguous) */
+    int64_t tokens, in, out, y_stride;
 } QuantizedLinear;
 
 /* Elements per block and bytes per block of a type: 0, or -1 for a type this file does not read. */
@@ -217,11 +217,28 @@ typedef struct {
     const int64_t *block_table, *start_positions;
 } AttentionGroupPlan;
 
-/* One decoder layer of a round of short rows with float16 linear layers: see decoder_layer.c. */
+/* A run of a layer's linear weight's output rows: packed float16 (Float16Linear) or ggml blocks
+ * (QuantizedLinear) of `type`, `out` rows. ggml's type 0 (F32) is never a part's, so it names
+ * packed float16 here. */
+enum { LINEAR_PACKED_FLOAT16 = 0, LAYER_LINEAR_PARTS = 3 };
+
+typedef struct {
+    int64_t type;              /* LINEAR_PACKED_FLOAT16 or a GGML_* type id */
+    const void *data;
+    int64_t out;               /* 0: no part */
+} LinearPart;
+
+/* A linear layer of a decoder layer: up to LAYER_LINEAR_PARTS parts stacked on the output (the
+ * q/k/v of a Q4_K_M layer, whose v is Q6_K), their outputs side by side in each row of y. */
+typedef struct {
+    LinearPart parts[LAYER_LINEAR_PARTS];
+} LayerLinear;
+
+/* One decoder layer of a round of short rows: see decoder_layer.c. */
 typedef struct {
     float *h;                                  /* [tokens, hidden] residual stream, updated in place */
     const float *input_norm, *post_norm;       /* [hidden] */
-    const uint16_t *qkv, *o, *gate_up, *down;  /* packed float16 (Float16Linear) */
+    LayerLinear qkv, o, gate_up, down;
     int64_t tokens, hidden, heads, kv_heads, head_dim, intermediate;
     float eps, scale;
     const int64_t *positions, *slots;          /* [tokens] */
@@ -233,10 +250,11 @@ typedef struct {
     const AttentionGroupPlan *group_plans;
     int64_t groups;
     float *scratch;                            /* tokens * (2 hidden + qkv channels + 2 heads * head_dim + 3 intermediate) floats */
-    int isa;                                   /* the linear layers' widest instructions (float16_linear) */
+    int isa;                                   /* the float16 linear layers' widest instructions (float16_linear) */
+    int quantized_isa;                         /* the block ones' (quantized_linear) */
 } DecoderLayerRound;
 
-/* Returns 0, or -1 when scratch memory could not be allocated. */
+/* Returns 0, or -1 when scratch memory could not be allocated or a part's type is unknown. */
 int decoder_layer(const DecoderLayerRound *l, int threads);
 
 #endif

@@ -280,29 +280,39 @@ static PyObject *py_check_decoder_round(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* One decoder layer (decoder_layer.c) of a round `py_check_decoder_round` has checked. */
+/* A layer's linear layer from its row of native.py's part table: (type, address, out) per part. */
+static LayerLinear layer_linear_from(const int64_t *row) {
+    LayerLinear w;
+    for (int p = 0; p < LAYER_LINEAR_PARTS; p++)
+        w.parts[p] = (LinearPart){.type = row[3 * p], .data = (const void *)(intptr_t)row[3 * p + 1], .out = row[3 * p + 2]};
+    return w;
+}
+
+/* One decoder layer (decoder_layer.c) of a round `py_check_decoder_round` has checked; `linears`
+ * is the layer's int64 part table [4 linear layers: qkv, o, gate_up, down][LAYER_LINEAR_PARTS][3]. */
 static PyObject *py_decoder_layer(PyObject *self, PyObject *args) {
     (void)self;
-    Py_ssize_t h, input_norm, post_norm, qkv, o, gate_up, down, tokens, hidden, heads, kv_heads, head_dim, intermediate;
+    Py_ssize_t h, input_norm, post_norm, linears, tokens, hidden, heads, kv_heads, head_dim, intermediate;
     Py_ssize_t positions, slots, cos, sin, max_positions, keys, values, num_blocks, block_size, plans, groups, scratch;
     Py_ssize_t threads;
     float eps, scale;
-    int kv_dtype, isa;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnffnnnnnnninnnnnni", &h, &input_norm, &post_norm, &qkv, &o, &gate_up, &down,
-                          &tokens, &hidden, &heads, &kv_heads, &head_dim, &intermediate, &eps, &scale, &positions,
-                          &slots, &cos, &sin, &max_positions, &keys, &values, &kv_dtype, &num_blocks, &block_size,
-                          &plans, &groups, &scratch, &threads, &isa))
+    int kv_dtype, isa, quantized_isa;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnffnnnnnnninnnnnnii", &h, &input_norm, &post_norm, &linears, &tokens, &hidden,
+                          &heads, &kv_heads, &head_dim, &intermediate, &eps, &scale, &positions, &slots, &cos, &sin,
+                          &max_positions, &keys, &values, &kv_dtype, &num_blocks, &block_size, &plans, &groups, &scratch,
+                          &threads, &isa, &quantized_isa))
         return NULL;
+    const int64_t *table = (const int64_t *)linears, row = 3 * LAYER_LINEAR_PARTS;
     if (kv_dtype < KV_FLOAT32 || kv_dtype > KV_BFLOAT16) return invalid("decoder_layer", "unknown KV dtype code");
     if (threads < 1) return invalid("decoder_layer", "threads must be positive");
     const DecoderLayerRound l = {
         .h = (float *)h,
         .input_norm = (const float *)input_norm,
         .post_norm = (const float *)post_norm,
-        .qkv = (const uint16_t *)qkv,
-        .o = (const uint16_t *)o,
-        .gate_up = (const uint16_t *)gate_up,
-        .down = (const uint16_t *)down,
+        .qkv = layer_linear_from(table),
+        .o = layer_linear_from(table + row),
+        .gate_up = layer_linear_from(table + 2 * row),
+        .down = layer_linear_from(table + 3 * row),
         .tokens = tokens,
         .hidden = hidden,
         .heads = heads,
@@ -325,6 +335,7 @@ static PyObject *py_decoder_layer(PyObject *self, PyObject *args) {
         .groups = groups,
         .scratch = (float *)scratch,
         .isa = isa,
+        .quantized_isa = quantized_isa,
     };
     int status;
     Py_BEGIN_ALLOW_THREADS
@@ -357,9 +368,9 @@ static PyMethodDef methods[] = {
      "check_decoder_round(positions, slots, tokens, max_positions, pool_slots, plans, groups, num_blocks, block_size, "
      "heads, kv_heads)"},
     {"decoder_layer", py_decoder_layer, METH_VARARGS,
-     "decoder_layer(h, input_norm, post_norm, qkv, o, gate_up, down, tokens, hidden, heads, kv_heads, head_dim, "
-     "intermediate, eps, scale, positions, slots, cos, sin, max_positions, keys, values, kv_dtype, num_blocks, "
-     "block_size, plans, groups, scratch, threads)"},
+     "decoder_layer(h, input_norm, post_norm, linears, tokens, hidden, heads, kv_heads, head_dim, intermediate, eps, "
+     "scale, positions, slots, cos, sin, max_positions, keys, values, kv_dtype, num_blocks, block_size, plans, groups, "
+     "scratch, threads, isa, quantized_isa)"},
     {NULL, NULL, 0, NULL},
 };
 

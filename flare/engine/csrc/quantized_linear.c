@@ -174,7 +174,7 @@ int quantized_linear(const QuantizedLinear *l, int threads, int isa) {
     int64_t block_size, type_size;
     if (quantized_block_shape(l->type, &block_size, &type_size)) return -1;
     const int64_t blocks = l->in / block_size, row_bytes = blocks * type_size;
-    const int64_t groups = (l->out + GROUP - 1) / GROUP;
+    const int64_t groups = (l->out + GROUP - 1) / GROUP, y_stride = l->y_stride ? l->y_stride : l->out;
     const int vector = quantized_vector_isa(isa);
     /* One thread below about 64k multiply-adds: a thread team costs more than it saves. */
     const int team = l->tokens * l->in * l->out < 65536 ? 1 : threads;
@@ -202,7 +202,7 @@ int quantized_linear(const QuantizedLinear *l, int threads, int isa) {
                         __builtin_prefetch(l->blocks + (o0 + GROUP) * row_bytes + at);
                 /* A whole group's sums go straight into y; the last, partial group's through `sums`. */
                 float *into = count == GROUP ? l->y + o0 : sums;
-                const int64_t ys = count == GROUP ? l->out : GROUP;
+                const int64_t ys = count == GROUP ? y_stride : GROUP;
 #if defined(__x86_64__) && defined(__GNUC__)
                 if (vector == ISA_AVX512)
                     group_avx512(l->x, l->x_stride, l->tokens, w, l->in, into, ys);
@@ -212,7 +212,7 @@ int quantized_linear(const QuantizedLinear *l, int threads, int isa) {
 #endif
                     group_portable(l->x, l->x_stride, l->tokens, w, l->in, into, ys);
                 if (count < GROUP)
-                    for (int64_t t = 0; t < l->tokens; t++) memcpy(l->y + t * l->out + o0, sums + t * GROUP, sizeof(float) * (size_t)count);
+                    for (int64_t t = 0; t < l->tokens; t++) memcpy(l->y + t * y_stride + o0, sums + t * GROUP, sizeof(float) * (size_t)count);
             }
         }
         free(w);
