@@ -243,6 +243,17 @@ def _render_weight_types(types: Mapping[str, Mapping[str, int]]) -> str:
     ) or "unknown"
 
 
+_FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
+
+
+def _render_weights(status: Mapping[str, Any]) -> str:
+    """`float16 stored, float16 GEMMs`; a package that keeps ggml blocks names their types first,
+    as `flare export` does: `Q4_1 Q8_0 blocks, the rest float32 stored, ...`."""
+    blocks = [kind for kind in status.get("weight_types") or {} if kind not in _FLOAT_TYPES]
+    stored = f"{' '.join(sorted(blocks))} blocks, the rest {status['weights_dtype']}" if blocks else status["weights_dtype"]
+    return f"{stored} stored, {status['weight_format']} GEMMs"
+
+
 def _render_status(status: Mapping[str, Any]) -> str:
     statuses = status["device_statuses"]
     rows = [
@@ -252,7 +263,7 @@ def _render_status(status: Mapping[str, Any]) -> str:
         ("running", str(status["running"])),
         ("waiting", str(status["waiting"])),
         ("kv blocks", f"{status['kv_blocks_used']} / {status['kv_blocks_total']} in use, {status['kv_cache_dtype']}"),
-        ("weights", f"{status['weights_dtype']} stored, {status['weight_format']} GEMMs"),
+        ("weights", _render_weights(status)),
         ("weight types", _render_weight_types(status.get("weight_types") or {})),
         ("prefix cache", _render_prefix_cache(status)),
         ("grammar cache", _render_grammar_cache(status)),

@@ -74,7 +74,7 @@ class FakeTarget:
             kv_cache_dtype="float16",
             draining=self.draining,
             device_statuses={"OK": 90, "INVALID_SPECULATION": 2},
-            weights_dtype="float16",
+            weights_dtype="float32",
             weight_format="float16",
             generated_tokens_per_s=41.25,
             log_level=self.log_level,
@@ -186,7 +186,7 @@ async def test_status_table_is_readable(socket_path: Path) -> None:
     assert "state            serving" in lines
     assert "uptime           1h02m05s" in lines
     assert "kv blocks        7 / 64 in use, float16" in lines
-    assert "weights          float16 stored, float16 GEMMs" in lines
+    assert "weights          Q4_1 Q8_0 blocks, the rest float32 stored, float16 GEMMs" in lines
     assert "weight types     Q4_1 210 tensors 69.7 MB, Q8_0 1 tensor 30.1 MB, F32 61 tensors 0.1 MB" in lines
     assert (
         "prefix cache     20 blocks cached, 12 of them evictable; prompt tokens 3000 from cache (75%), 1000 computed"
