@@ -451,15 +451,20 @@ def test_a_float16_layer_whose_linear_layers_do_not_chain_is_refused_naming_them
         native.KernelLayer(torch.ones(32, dtype=torch.float64), layer.post_norm, layer.qkv, layer.o, layer.gate_up, layer.down)
 
 
-def test_a_decoder_layer_call_refuses_a_residual_stream_or_pools_unlike_its_round() -> None:
-    layer = _float16_layer()
+def _two_token_round(pool: torch.Tensor) -> native.DecoderRound:
+    """A round of one row of two new tokens over a one-block pool, for the tiny float16 layer."""
     cos, sin = torch.randn(64, 8), torch.randn(64, 8)
-    keys, values = torch.zeros(1, 4, 4, 16), torch.zeros(1, 4, 4, 16)
-    plan = native.decoder_round(
+    return native.decoder_round(
         positions=torch.tensor([0, 1]), slots=torch.tensor([0, 1]), cos=cos, sin=sin,
-        groups=[(0, 1, 2, torch.tensor([[0]]), torch.tensor([0]))], pool=keys,
+        groups=[(0, 1, 2, torch.tensor([[0]]), torch.tensor([0]))], pool=pool,
         heads=2, hidden=32, intermediate=48, eps=1e-5, scratch=torch.empty(10_000),
     )
+
+
+def test_a_decoder_layer_call_refuses_a_residual_stream_or_pools_unlike_its_round() -> None:
+    layer = _float16_layer()
+    keys, values = torch.zeros(1, 4, 4, 16), torch.zeros(1, 4, 4, 16)
+    plan = _two_token_round(keys)
     h = torch.randn(2, 32)
     native.decoder_layer(h, layer, keys, values, plan)  # the round as built runs
     assert h.isfinite().all() and keys[0, 0, :2].abs().sum() > 0
@@ -480,13 +485,8 @@ def test_a_decoder_round_too_big_for_its_scratch_or_with_groups_that_miss_tokens
 
 def test_decoder_layers_check_every_layer_before_running_any() -> None:
     layer = _float16_layer()
-    cos, sin = torch.randn(64, 8), torch.randn(64, 8)
     keys, values = torch.zeros(1, 4, 4, 16), torch.zeros(1, 4, 4, 16)
-    plan = native.decoder_round(
-        positions=torch.tensor([0, 1]), slots=torch.tensor([0, 1]), cos=cos, sin=sin,
-        groups=[(0, 1, 2, torch.tensor([[0]]), torch.tensor([0]))], pool=keys,
-        heads=2, hidden=32, intermediate=48, eps=1e-5, scratch=torch.empty(10_000),
-    )
+    plan = _two_token_round(keys)
     h = torch.randn(2, 32)
     before = h.clone()
     # The second layer's pools are float16 where the round's are float32: refused, and the first
