@@ -145,13 +145,11 @@ class MessagesRenderer:
 
     def finish(self, index: int, reason: str, fell_back: bool, stop_string: str | None) -> list[bytes]:
         self._reason, self._stop_sequence = _stop_reason(reason, stop_string), stop_string
+        frames: list[bytes] = []
         if not self._blocks:
             # An empty answer is still one (empty) text block, as Anthropic sends it.
             self._text, frames = self._open("text", {"type": "text", "text": ""})
-        else:
-            frames = []
-        if self._blocks:
-            frames.append(_sse("content_block_stop", {"index": self._blocks[-1].index}))
+        frames.append(_sse("content_block_stop", {"index": self._blocks[-1].index}))
         self._text = None
         return frames
 

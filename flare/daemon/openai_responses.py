@@ -188,6 +188,13 @@ def _text_choice(text: str, finish_reason: str | None, index: int, logprobs: Any
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
+def openai_failure_response(failure: RequestFailure) -> web.Response:
+    """A failed request's answer in OpenAI's error shape (chat, completions, Responses)."""
+    # The OpenAI SDKs retry a 503 by themselves unless told not to.
+    retry = {} if failure.retryable else {"x-should-retry": "false"}
+    return web.json_response(failure_body(failure), status=failure.http_status, headers=retry)
+
+
 class OpenAIRenderer:
     """Chat completions' or completions' answer (answer.py's `Renderer`), through its shape.
 
@@ -249,6 +256,4 @@ class OpenAIRenderer:
         return {**self.shape.body(choices, usage), "flare": flare}
 
     def failure_response(self, failure: RequestFailure) -> web.Response:
-        # The OpenAI SDKs retry a 503 by themselves unless told not to.
-        retry = {} if failure.retryable else {"x-should-retry": "false"}
-        return web.json_response(failure_body(failure), status=failure.http_status, headers=retry)
+        return openai_failure_response(failure)

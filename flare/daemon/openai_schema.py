@@ -75,7 +75,7 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     except RecursionError:
         raise bad_request("the request body is nested too deeply", param=None) from None
     if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {_kind(body)}", param=None)
+        raise bad_request(f"the request body must be a JSON object, got {kind(body)}", param=None)
     if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(body):
         raise bad_request(
             "the request body has an unpaired UTF-16 surrogate escape (such as \\ud800), which is not text; "
@@ -135,13 +135,13 @@ def _reject_constant(name: str) -> Any:
 
 
 def parse_chat_completion(body: Mapping[str, Any]) -> Generation:
-    _check_fields(body, _CHAT_FIELDS)
-    model = _model(body)
+    check_fields(body, _CHAT_FIELDS)
+    model = model_field(body)
     _unsupported_chat_features(body)
-    messages = _messages(body.get("messages"))
+    messages = chat_messages(body.get("messages"))
     stream, include_usage = _streaming(body)
     tokens = TokenOptions(logprobs=_chat_logprobs(body), logit_bias=_logit_bias(body), raw_logprobs=_raw(body))
-    constraint = _response_format(body.get("response_format"))
+    constraint = response_format(body.get("response_format"))
     extension = _structured_outputs(body.get("structured_outputs"))
     if constraint is not None and extension is not None:
         raise bad_request(
@@ -159,7 +159,7 @@ def parse_chat_completion(body: Mapping[str, Any]) -> Generation:
     return Generation(
         model,
         ChatPrompt(messages, tools),
-        _sampling(body),
+        sampling_fields(body),
         stream,
         _choices(body),
         tokens,
@@ -170,14 +170,14 @@ def parse_chat_completion(body: Mapping[str, Any]) -> Generation:
 
 
 def parse_completion(body: Mapping[str, Any]) -> Generation:
-    _check_fields(body, _COMPLETION_FIELDS)
-    model = _model(body)
+    check_fields(body, _COMPLETION_FIELDS)
+    model = model_field(body)
     n = _choices(body)
     _best_of(body, n)
     _only(body, "suffix", (None, ""), "suffix (insertion) is not supported; leave suffix out")
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
-        raise bad_request(f"echo must be true or false, got {_kind(echo)}", param="echo")
+        raise bad_request(f"echo must be true or false, got {kind(echo)}", param="echo")
     logprobs = body.get("logprobs")
     if logprobs is not None:
         logprobs = _count("logprobs", logprobs, MAX_TOP_LOGPROBS)
@@ -185,21 +185,21 @@ def parse_completion(body: Mapping[str, Any]) -> Generation:
     stream, include_usage = _streaming(body)
     constraint = _structured_outputs(body.get("structured_outputs"))
     prompts = TextPrompts(_prompts(body.get("prompt")))
-    return Generation(model, prompts, _sampling(body), stream, n, tokens, constraint, include_usage, cache_salt(body))
+    return Generation(model, prompts, sampling_fields(body), stream, n, tokens, constraint, include_usage, cache_salt(body))
 
 
-def _check_fields(body: Mapping[str, Any], known: frozenset[str]) -> None:
+def check_fields(body: Mapping[str, Any], known: frozenset[str]) -> None:
     for key in body:
         if key not in known:
             raise bad_request(f"unrecognized request field {key!r}", param=key, code="unknown_parameter")
 
 
-def _model(body: Mapping[str, Any]) -> str:
+def model_field(body: Mapping[str, Any]) -> str:
     model = body.get("model")
     if model is None:
         raise bad_request("model is required; GET /v1/models lists the served model", param="model")
     if not isinstance(model, str) or not model:
-        raise bad_request(f"model must be a non-empty string, got {_kind(model)}", param="model")
+        raise bad_request(f"model must be a non-empty string, got {kind(model)}", param="model")
     return model
 
 
@@ -219,7 +219,7 @@ def _choices(body: Mapping[str, Any]) -> int:
     if n is None:
         return 1
     if isinstance(n, bool) or not isinstance(n, int):
-        raise bad_request(f"n must be an integer, got {_kind(n)}", param="n")
+        raise bad_request(f"n must be an integer, got {kind(n)}", param="n")
     if not 1 <= n <= MAX_CHOICES:
         raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {n}", param="n")
     return n
@@ -230,7 +230,7 @@ def _best_of(body: Mapping[str, Any], n: int) -> None:
     if best_of is None:
         return
     if isinstance(best_of, bool) or not isinstance(best_of, int):
-        raise bad_request(f"best_of must be an integer, got {_kind(best_of)}", param="best_of")
+        raise bad_request(f"best_of must be an integer, got {kind(best_of)}", param="best_of")
     if best_of < n:
         raise bad_request(f"best_of ({best_of}) must be at least n ({n})", param="best_of")
     if best_of > n:
@@ -243,7 +243,7 @@ def _best_of(body: Mapping[str, Any], n: int) -> None:
 
 def _count(param: str, value: Any, most: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"{param} must be an integer between 0 and {most}, got {_kind(value)}", param=param)
+        raise bad_request(f"{param} must be an integer between 0 and {most}, got {kind(value)}", param=param)
     if not 0 <= value <= most:
         raise bad_request(f"{param} must be between 0 and {most}, got {value}", param=param)
     return value
@@ -261,7 +261,7 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
     """Chat's logprobs (true/false) and top_logprobs (0-20, only with logprobs: true, as OpenAI)."""
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
-        raise bad_request(f"logprobs must be true or false, got {_kind(logprobs)}", param="logprobs")
+        raise bad_request(f"logprobs must be true or false, got {kind(logprobs)}", param="logprobs")
     top = body.get("top_logprobs")
     if top is not None:
         top = _count("top_logprobs", top, MAX_TOP_LOGPROBS)
@@ -278,7 +278,7 @@ def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
         return ()
     if not isinstance(bias, dict):
         raise bad_request(
-            f'logit_bias must be an object of token ids to biases, such as {{"50256": -100}}, got {_kind(bias)}',
+            f'logit_bias must be an object of token ids to biases, such as {{"50256": -100}}, got {kind(bias)}',
             param="logit_bias",
         )
     if len(bias) > MAX_LOGIT_BIAS:
@@ -288,7 +288,7 @@ def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
         if not (key.isascii() and key.isdigit()) or len(key) > 12:
             raise bad_request(f"logit_bias keys must be token ids (decimal integers), got {key!r}", param="logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
-            shown = _kind(value) if isinstance(value, (bool, str, list, dict)) or value is None else value
+            shown = kind(value) if isinstance(value, (bool, str, list, dict)) or value is None else value
             raise bad_request(
                 f"logit_bias[{key!r}] must be a number between -100 and 100, got {shown}", param="logit_bias"
             )
@@ -306,29 +306,29 @@ def _unsupported_chat_features(body: Mapping[str, Any]) -> None:
 _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
-def _response_format(value: Any) -> GrammarSpec | None:
+def response_format(value: Any) -> GrammarSpec | None:
     """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
     where = "response_format"
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise bad_request(f"{where} must be an object with a type, got {_kind(value)}", param=where)
-    kind = value.get("type")
-    if kind == "text":
+        raise bad_request(f"{where} must be an object with a type, got {kind(value)}", param=where)
+    format_type = value.get("type")
+    if format_type == "text":
         _no_other_keys(value, {"type"}, where)
         return None
-    if kind == "json_object":
+    if format_type == "json_object":
         _no_other_keys(value, {"type"}, where)
         return GrammarSpec.json_schema({"type": "object"}, where)
-    if kind != "json_schema":
+    if format_type != "json_schema":
         raise bad_request(
-            f"{where}.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", param=f"{where}.type"
+            f"{where}.type must be 'text', 'json_object' or 'json_schema', got {format_type!r}", param=f"{where}.type"
         )
     _no_other_keys(value, {"type", "json_schema"}, where)
     spec = value.get("json_schema")
     where = "response_format.json_schema"
     if not isinstance(spec, dict):
-        raise bad_request(f"{where} must be an object with name and schema, got {_kind(spec)}", param=where)
+        raise bad_request(f"{where} must be an object with name and schema, got {kind(spec)}", param=where)
     _no_other_keys(spec, {"name", "schema", "strict", "description"}, where)
     name = spec.get("name")
     if not isinstance(name, str) or not _SCHEMA_NAME.match(name):
@@ -337,13 +337,13 @@ def _response_format(value: Any) -> GrammarSpec | None:
         )
     strict = spec.get("strict")
     if strict is not None and not isinstance(strict, bool):
-        raise bad_request(f"{where}.strict must be true or false, got {_kind(strict)}", param=f"{where}.strict")
+        raise bad_request(f"{where}.strict must be true or false, got {kind(strict)}", param=f"{where}.strict")
     description = spec.get("description")
     if description is not None and not isinstance(description, str):
         raise bad_request(f"{where}.description must be a string", param=f"{where}.description")
     schema = spec.get("schema")
     if not isinstance(schema, dict):
-        raise bad_request(f"{where}.schema must be a JSON schema object, got {_kind(schema)}", param=f"{where}.schema")
+        raise bad_request(f"{where}.schema must be a JSON schema object, got {kind(schema)}", param=f"{where}.schema")
     # strict or not, the answer is held to the schema: a grammar is never "best effort"; strict
     # also closes every object, as OpenAI means it (structured/strict.py).
     if not strict:
@@ -377,38 +377,38 @@ def _structured_outputs(value: Any) -> GrammarSpec | None:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise bad_request(f"{where} must be an object, got {_kind(value)}", param=where)
+        raise bad_request(f"{where} must be an object, got {kind(value)}", param=where)
     _no_other_keys(value, set(STRUCTURED_KINDS), where)
     given = [key for key in STRUCTURED_KINDS if value.get(key) not in (None, False)]
     if len(given) != 1:
         raise bad_request(
             f"{where} must set exactly one of {', '.join(STRUCTURED_KINDS)}; it sets {len(given)}", param=where
         )
-    kind = given[0]
-    item = value[kind]
-    param = f"{where}.{kind}"
-    if kind == "json_object":
+    constraint = given[0]
+    item = value[constraint]
+    param = f"{where}.{constraint}"
+    if constraint == "json_object":
         if item is not True:
             raise bad_request(f"{param} must be true", param=param)
         return GrammarSpec.json_schema({"type": "object"}, param)
-    if kind == "json":
+    if constraint == "json":
         if isinstance(item, str):
             try:
                 item = json.loads(item)
             except ValueError:
                 raise bad_request(f"{param} must be a JSON schema (an object, or its JSON text)", param=param) from None
         if not isinstance(item, dict):
-            raise bad_request(f"{param} must be a JSON schema object, got {_kind(item)}", param=param)
+            raise bad_request(f"{param} must be a JSON schema object, got {kind(item)}", param=param)
         return GrammarSpec.json_schema(item, param)
-    if kind == "choice":
+    if constraint == "choice":
         if not isinstance(item, list) or not item or not all(isinstance(c, str) and c for c in item):
             raise bad_request(f"{param} must be a non-empty list of non-empty strings", param=param)
         if len(item) > MAX_GRAMMAR_CHOICES:
             raise bad_request(f"{param} has {len(item)} choices; at most {MAX_GRAMMAR_CHOICES} are allowed", param=param)
         return GrammarSpec("choice", json.dumps(item), param)
     if not isinstance(item, str) or not item:
-        raise bad_request(f"{param} must be a non-empty string, got {_kind(item)}", param=param)
-    return GrammarSpec("regex" if kind == "regex" else "lark", item, param)
+        raise bad_request(f"{param} must be a non-empty string, got {kind(item)}", param=param)
+    return GrammarSpec("regex" if constraint == "regex" else "lark", item, param)
 
 
 def _no_other_keys(value: Mapping[str, Any], known: set[str], where: str) -> None:
@@ -424,12 +424,12 @@ def _only(body: Mapping[str, Any], field: str, allowed: tuple[Any, ...], message
         raise bad_request(message, param=field)
 
 
-def _messages(messages: Any) -> tuple[Mapping[str, Any], ...]:
+def chat_messages(messages: Any) -> tuple[Mapping[str, Any], ...]:
     if messages is None:
         raise bad_request("messages is required: a list of {role, content} objects", param="messages")
     if not isinstance(messages, list):
         raise bad_request(
-            f"messages must be a list of {{role, content}} objects, got {_kind(messages)}", param="messages"
+            f"messages must be a list of {{role, content}} objects, got {kind(messages)}", param="messages"
         )
     if not messages:
         raise bad_request("messages must hold at least one message", param="messages")
@@ -441,7 +441,7 @@ def _messages(messages: Any) -> tuple[Mapping[str, Any], ...]:
 def _message(index: int, message: Any) -> Mapping[str, Any]:
     where = f"messages[{index}]"
     if not isinstance(message, dict):
-        raise bad_request(f"{where} must be an object with role and content, got {_kind(message)}", param=where)
+        raise bad_request(f"{where} must be an object with role and content, got {kind(message)}", param=where)
     role = message.get("role")
     if role == "function" or message.get("function_call"):
         raise bad_request(
@@ -492,20 +492,20 @@ def _content(where: str, content: Any) -> str:
     if content is ... or content is None:
         raise bad_request(f"{where} is required: a string or a list of text parts", param=where)
     if not isinstance(content, list):
-        raise bad_request(f"{where} must be a string or a list of text parts, got {_kind(content)}", param=where)
+        raise bad_request(f"{where} must be a string or a list of text parts, got {kind(content)}", param=where)
     texts = []
     for j, part in enumerate(content):
         part_where = f"{where}[{j}]"
         if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else _kind(part)
+            part_type = part.get("type") if isinstance(part, dict) else kind(part)
             raise bad_request(
                 f'{part_where} must be a text part {{"type": "text", "text": ...}}; '
-                f"{kind!r} parts are not supported by this text-only model",
+                f"{part_type!r} parts are not supported by this text-only model",
                 param=part_where,
             )
         text = part.get("text")
         if not isinstance(text, str):
-            raise bad_request(f"{part_where}.text must be a string, got {_kind(text)}", param=f"{part_where}.text")
+            raise bad_request(f"{part_where}.text must be a string, got {kind(text)}", param=f"{part_where}.text")
         texts.append(text)
     return "".join(texts)
 
@@ -520,7 +520,7 @@ def _prompts(prompt: Any) -> tuple[TextOrTokens, ...]:
     if not isinstance(prompt, list) or not prompt:
         raise bad_request(
             f"prompt must be a string, a non-empty list of strings, a list of token ids or a list of token-id lists, "
-            f"got {'an empty list' if prompt == [] else _kind(prompt)}",
+            f"got {'an empty list' if prompt == [] else kind(prompt)}",
             param="prompt",
         )
     if all(_is_token_id(t) for t in prompt):
@@ -539,7 +539,7 @@ def _prompts(prompt: Any) -> tuple[TextOrTokens, ...]:
         else:
             raise bad_request(
                 f"prompt[{k}] must be a string or a non-empty list of token ids (integers from 0), "
-                f"got {_kind(item)}",
+                f"got {kind(item)}",
                 param="prompt",
             )
     return tuple(prompts)
@@ -552,26 +552,26 @@ def _is_token_id(value: Any) -> bool:
 def _streaming(body: Mapping[str, Any]) -> tuple[bool, bool]:
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
-        raise bad_request(f"stream must be true or false, got {_kind(stream)}", param="stream")
+        raise bad_request(f"stream must be true or false, got {kind(stream)}", param="stream")
     options = body.get("stream_options")
     include_usage = False
     if options is not None:
         if not isinstance(options, dict):
-            raise bad_request(f"stream_options must be an object, got {_kind(options)}", param="stream_options")
+            raise bad_request(f"stream_options must be an object, got {kind(options)}", param="stream_options")
         unknown = sorted(set(options) - {"include_usage", "include_obfuscation"})
         if unknown:
             raise bad_request(f"unrecognized stream option {unknown[0]!r}", param=f"stream_options.{unknown[0]}")
         value = options.get("include_usage")
         if value is not None and not isinstance(value, bool):
             raise bad_request(
-                f"stream_options.include_usage must be true or false, got {_kind(value)}",
+                f"stream_options.include_usage must be true or false, got {kind(value)}",
                 param="stream_options.include_usage",
             )
         include_usage = bool(value)
     return bool(stream), include_usage
 
 
-def _sampling(body: Mapping[str, Any], renamed: Mapping[str, str] | None = None) -> Mapping[str, Any]:
+def sampling_fields(body: Mapping[str, Any], renamed: Mapping[str, str] | None = None) -> Mapping[str, Any]:
     """The sampling fields, checked; `renamed` maps a field to the name another API gives it
     (the Responses API's max_output_tokens is max_tokens here), for the error to name."""
     try:
@@ -581,17 +581,8 @@ def _sampling(body: Mapping[str, Any], renamed: Mapping[str, str] | None = None)
         raise bad_request(error.message.replace(error.param, param, 1), param=param) from None
 
 
-def _kind(value: Any) -> str:
+def kind(value: Any) -> str:
     if value is None:
         return "null"
     names = {bool: "a boolean", str: "a string", int: "a number", float: "a number", list: "a list", dict: "an object"}
     return next((name for kind, name in names.items() if isinstance(value, kind)), type(value).__name__)
-
-
-# Shared with the other APIs' parsers (responses_schema.py, messages_schema.py).
-check_fields = _check_fields
-model_field = _model
-response_format = _response_format
-sampling_fields = _sampling
-kind = _kind
-chat_messages = _messages

@@ -201,7 +201,7 @@ async def _prompt_ids(serving: Serving, prompt: ChatPrompt | TextPrompts) -> lis
 async def _chat_ids(serving: Serving, prompt: ChatPrompt) -> tuple[int, ...]:
     tokenizer = serving.scheduler.tokenizer
     messages = prompt.messages
-    encode = partial(tokenizer.encode_chat)
+    encode = tokenizer.encode_chat
     if prompt.tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
         if tokenizer.knows_tools:
             messages = tuple(template_messages(messages))

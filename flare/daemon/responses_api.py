@@ -26,6 +26,7 @@ from aiohttp import web
 
 from flare.daemon.errors import failure_body
 from flare.daemon.generation import Generation
+from flare.daemon.openai_responses import openai_failure_response
 from flare.daemon.prepare import Prepared
 from flare.daemon.rendering import ChoiceText, TextPiece
 from flare.daemon.sse import sse_event
@@ -88,7 +89,6 @@ class ResponsesRenderer:
     def __init__(self, prepared: Prepared, created: int, instructions: str | None = None) -> None:
         self._prepared = prepared
         self._instructions = instructions
-        self._generation: Generation = prepared.generation
         self._created = created
         self._sequence = 0
         self._flare: dict[str, Any] = {}
@@ -102,7 +102,7 @@ class ResponsesRenderer:
     def response(
         self, status: str, output: list[dict[str, Any]], usage: Usage | None, flare: dict[str, Any]
     ) -> dict[str, Any]:
-        generation = self._generation
+        generation = self._prepared.generation
         sampling = self._prepared.clamp.params
         tools = generation.tools
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
@@ -142,8 +142,7 @@ class ResponsesRenderer:
         return self.response(status, output, usage, flare)
 
     def failure_response(self, failure: RequestFailure) -> web.Response:
-        retry = {} if failure.retryable else {"x-should-retry": "false"}
-        return web.json_response(failure_body(failure), status=failure.http_status, headers=retry)
+        return openai_failure_response(failure)
 
     # --- the stream ---------------------------------------------------------------------
 
