@@ -172,7 +172,7 @@ def _clamp(scheduler: Scheduler, generation: Generation, room: int, grammar: Gra
 async def _prompt_ids(serving: Serving, prompt: ChatPrompt | TextPrompts) -> list[tuple[str, tuple[int, ...]]]:
     """Each prompt's text (for echo) and token ids."""
     if isinstance(prompt, ChatPrompt):
-        return [("", await _chat_ids(serving, prompt))]
+        return [("", await chat_ids(serving, prompt))]
     tokenizer = serving.scheduler.tokenizer
     vocab_size = serving.scheduler.vocab_size
     prompts: list[tuple[str, tuple[int, ...]]] = []
@@ -198,7 +198,9 @@ async def _prompt_ids(serving: Serving, prompt: ChatPrompt | TextPrompts) -> lis
     return prompts
 
 
-async def _chat_ids(serving: Serving, prompt: ChatPrompt) -> tuple[int, ...]:
+async def chat_ids(serving: Serving, prompt: ChatPrompt, add_generation_prompt: bool = True) -> tuple[int, ...]:
+    """The conversation's token ids through the package's chat template (tool turns written as
+    the template or flare's tool format wants them), or a 400 naming `prompt.param`."""
     tokenizer = serving.scheduler.tokenizer
     messages = prompt.messages
     encode = tokenizer.encode_chat
@@ -213,7 +215,7 @@ async def _chat_ids(serving: Serving, prompt: ChatPrompt) -> tuple[int, ...]:
     try:
         # The template renders in a thread the daemon never waits for at exit (abandonable.py).
         ids = await run_abandonable(
-            partial(encode, messages, special_tokens_in_content=special),
+            partial(encode, messages, add_generation_prompt, special_tokens_in_content=special),
             limiter=serving.tokenizing,
             name="chat template",
         )

@@ -17,14 +17,11 @@ from typing import Any
 import anyio
 from aiohttp import web
 
-from flare.daemon.abandonable import run_abandonable
 from flare.daemon.errors import bad_request
-from flare.daemon.http_api import SETTINGS, STATE, TOKENIZING, expect_continue, read_body
+from flare.daemon.generation import ChatPrompt
+from flare.daemon.http_api import COMPILING, SETTINGS, STATE, TOKENIZING, expect_continue, read_body
 from flare.daemon.openai_schema import chat_messages, check_fields, check_model, kind, parse_json_body
-from flare.daemon.prepare import check_prompt_size
-from flare.daemon.tool_calls import render_messages, template_messages
-from flare.engine.tokenizer import ChatTemplateError
-from flare.preparation.chat_template import ChatTemplateLimit
+from flare.daemon.prepare import Serving, chat_ids, check_prompt_size
 
 _TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens"})
 _DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
@@ -52,25 +49,13 @@ async def tokenize(request: web.Request) -> web.Response:
         add_special = _flag(body, "add_special_tokens", True)
         check_prompt_size(scheduler, len(prompt), "prompt")
         encode = partial(tokenizer.encode, prompt, add_special_tokens=add_special)
+        tokens = await anyio.to_thread.run_sync(encode, limiter=request.app[TOKENIZING])
     else:
         _no_field(body, "add_special_tokens", "messages")
-        messages = chat_messages(body["messages"])
-        if any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
-            # As the chat endpoint writes a conversation with tool turns (flare/daemon/tool_calls.py).
-            messages = tuple(template_messages(messages) if tokenizer.knows_tools else render_messages(messages, None))
-        check_prompt_size(scheduler, sum(len(m["content"] or "") for m in messages), "messages")
-        encode = partial(
-            tokenizer.encode_chat,
-            messages,
-            _flag(body, "add_generation_prompt", True),
-            special_tokens_in_content=request.app[SETTINGS].config.allow_special_tokens_in_messages,
-        )
-    try:
-        # A chat template renders in a thread the daemon never waits for at exit (abandonable.py).
-        tokens = await run_abandonable(encode, limiter=request.app[TOKENIZING], name="tokenize")
-    except ChatTemplateError as error:
-        limit = isinstance(error, ChatTemplateLimit)
-        raise bad_request(str(error), param="messages", code="chat_template_limit" if limit else None) from None
+        # As the chat endpoint renders the conversation (prepare.chat_ids), tool turns included.
+        serving = Serving(scheduler, request.app[SETTINGS].config, request.app[TOKENIZING], request.app[COMPILING])
+        add_generation_prompt = _flag(body, "add_generation_prompt", True)
+        tokens = list(await chat_ids(serving, ChatPrompt(chat_messages(body["messages"])), add_generation_prompt))
     return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": scheduler.max_context})
 
 
