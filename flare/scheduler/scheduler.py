@@ -385,13 +385,7 @@ class Scheduler:
             # most, and K - 1 more.
             writable = self._make_writable(seq, seq.num_cached + row_tokens + head_steps)
             if writable is None:
-                # `seq` was preempted or ended. A row with drafts is tried once more without them;
-                # `seq` waits by now, so the row is dropped below (`_row_still_planned`).
-                head_steps = self._speculation.head_steps(seq, len(tail), 0, token_seconds) if samples else 0
-                writable = self._make_writable(seq, seq.num_cached + len(tail) + head_steps) if draft.token_ids else None
-                if writable is None:
-                    continue  # preempted: it waits for blocks
-                draft = Draft(())
+                continue  # `seq` was preempted (it waits for blocks) or outgrew the cache and ended
             copies += writable
             budget -= len(tail) + len(draft.token_ids)
             rows.append(self._row(seq, tail, draft, samples, head_steps))

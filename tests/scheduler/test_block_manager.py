@@ -4,11 +4,17 @@ plan), a short pool changes nothing, and trimming keeps the draft head's slot.""
 
 from __future__ import annotations
 
-from flare.engine.kv_cache import BlockAllocator
+import asyncio
+
+import torch
+
+from flare.engine.kv_cache import BlockAllocator, bytes_per_block
 from flare.engine.prefix_cache import PrefixCache, namespace_hash
+from flare.preparation.package import open_package
 from flare.sampling.params import SamplingParams
 from flare.scheduler.blocks import BlockManager
-from flare.scheduler.request import GenerationRequest, RequestStream
+from flare.scheduler.request import Finished, GenerationRequest, RequestStream
+from flare.scheduler.scheduler import Scheduler, SchedulerOptions
 from flare.scheduler.sequence import Sequence
 
 B = 4
@@ -67,3 +73,26 @@ def test_trimming_releases_the_blocks_of_rejected_drafts_but_keeps_the_heads_slo
         assert len(seq.block_table) == kept  # the head's KV holds the new token's slot, 8
         blocks.release(seq)
         assert seq.block_table == [] and blocks.cache.counts().held == 0
+
+
+async def test_a_lone_drafting_sequence_that_outgrows_the_cache_ends_and_gives_back_every_block(
+    tiny_package, package_parts
+) -> None:
+    # Three blocks, one sequence at a time, n-gram drafts: each answer outgrows the pool and ends
+    # "length"; the next request must find the whole pool free again.
+    pool = 3 * bytes_per_block(package_parts["config"], 16, torch.float32)
+    options = SchedulerOptions(max_concurrency=1, kv_cache_memory=pool, prefix_cache=False)
+    scheduler = Scheduler.from_package(open_package(tiny_package), options)
+    loop = asyncio.create_task(scheduler.run())
+    try:
+        for i in range(4):
+            request = GenerationRequest(
+                f"r{i}", tuple(range(5, 22)), SamplingParams(temperature=0.0, max_tokens=500)
+            )
+            events = [event async for event in scheduler.submit(request)]
+            assert isinstance(events[-1], Finished) and events[-1].reason == "length"
+            assert events[-1].usage.completion_tokens > 0
+            assert scheduler.snapshot().kv_blocks_used == 0
+    finally:
+        scheduler.stop()
+        await loop

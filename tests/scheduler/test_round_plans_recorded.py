@@ -116,6 +116,8 @@ async def record_workload(package_path: Path, options: SchedulerOptions) -> dict
             scheduler.stop()
             await loop
     preemptions = sum(1 for entry in logs if entry["event"] == "request_preempted")
+    # Every block goes back to the pool (or the prefix cache) once the requests have ended.
+    assert scheduler.snapshot().kv_blocks_used == 0
     return {"plans": plans, "outputs": dict(sorted(outputs.items())), "preemptions": preemptions}
 
 
