@@ -78,7 +78,7 @@ class Scheduler:
         self.draining = False
         self.drafter_name = parts.drafter_name
         self.grammars = parts.grammars
-        if parts.grammars is not None and metrics is not None:
+        if metrics is not None:
             metrics.watch_grammar_cache(parts.grammars.use)
         self._runner = parts.runner
         self._blocks = BlockManager(parts.cache, parts.runner.kv_cache.block_size, head_slot=parts.runner.head is not None)

@@ -116,7 +116,10 @@ def _valid(path: str, model: str) -> dict[str, Any]:
 @given(path=st.sampled_from((RESPONSES, MESSAGES, COUNT_TOKENS)), body=json_values)
 @HYPOTHESIS
 def test_arbitrary_json_bodies_get_4xx_in_the_apis_shape(http: httpx.Client, tally: Tally, path: str, body: Any) -> None:
-    tally.check(_post(http, path, body))
+    response = _post(http, path, body)
+    tally.check(response)
+    # No such body names the model and a prompt as these APIs require: it is never served.
+    assert 400 <= response.status_code < 500, response.text[:500]
 
 
 @given(field=st.sampled_from(RESPONSES_FIELDS) | st.text(max_size=8), value=json_values)
