@@ -42,8 +42,9 @@ from flare.engine.precision import WeightFormat
 from flare.engine.quantized import QuantizedWeight
 from flare.engine.batch import SHORT_ROW_MAX_TOKENS, AttentionGroup, ForwardBatch
 from flare.engine.kv_cache import KVCache
+from flare.preparation.blocks import dequantized
 from flare.preparation.manifest import ModelConfig
-from flare.preparation.package import TORCH_DTYPES, Package, PackageError, fits_float16, weight_problems
+from flare.preparation.package import TORCH_DTYPES, Package, fits_float16, weight_problems
 
 
 class WeightsError(ValueError):
@@ -622,7 +623,10 @@ def load_model(package: Package, device: torch.device | str = "cpu", weight_form
     chosen = precision.choose_weight_format(stored, device, weight_format, weights_fit_float16=fits)
     state_dict: dict[str, torch.Tensor | QuantizedWeight] = dict(floats)
     for name, tensor in blocks.items():
-        if tensor.ggml_type not in quantized.supported_types():
-            raise PackageError(f"the package at {package.path}: tensor {name} is {tensor.ggml_type.name} blocks, which this flare does not multiply; re-export it")
-        state_dict[name] = QuantizedWeight.from_blocks(tensor.ggml_type, tensor.data, *tensor.shape)
+        # The package's types are the kernels' (`map_blocks` refuses others). Without the C
+        # kernels each call would expand a whole matrix again: its values are expanded once here.
+        if native.available():
+            state_dict[name] = QuantizedWeight.from_blocks(tensor.ggml_type, tensor.data, *tensor.shape)
+        else:
+            state_dict[name] = dequantized(tensor)
     return LlamaModel(package.manifest.model, state_dict, device=device, weight_format=chosen)

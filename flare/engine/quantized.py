@@ -18,25 +18,11 @@ import torch
 
 from flare.engine import native
 from flare.engine.native import QUANTIZED_ISA
-
-# Byte offsets of each type's float16 scales (d, and dmin / m where the type has one) inside a block.
-_SCALE_OFFSETS = {
-    gguf.GGMLQuantizationType.Q4_0: (0,),
-    gguf.GGMLQuantizationType.Q4_1: (0, 2),
-    gguf.GGMLQuantizationType.Q5_0: (0,),
-    gguf.GGMLQuantizationType.Q5_1: (0, 2),
-    gguf.GGMLQuantizationType.Q8_0: (0,),
-    gguf.GGMLQuantizationType.Q4_K: (0, 2),
-    gguf.GGMLQuantizationType.Q5_K: (0, 2),
-    gguf.GGMLQuantizationType.Q6_K: (208,),
-}
-
-_TYPES = frozenset(_SCALE_OFFSETS)
-
+from flare.preparation.blocks import KEPT_TYPES, SCALE_OFFSETS
 
 def supported_types() -> frozenset[gguf.GGMLQuantizationType]:
     """The ggml types a linear layer is served from as blocks; any other type is dequantized at export."""
-    return _TYPES
+    return KEPT_TYPES
 
 
 @dataclass(frozen=True)
@@ -59,8 +45,8 @@ class QuantizedWeight:
             ggml_type = gguf.GGMLQuantizationType(int(ggml_type))
         except ValueError:
             raise ValueError(f"unknown ggml type id {int(ggml_type)}") from None
-        if ggml_type not in _TYPES:
-            names = ", ".join(sorted(t.name for t in _TYPES))
+        if ggml_type not in KEPT_TYPES:
+            names = ", ".join(sorted(t.name for t in KEPT_TYPES))
             raise ValueError(f"ggml type {ggml_type.name} is not served from blocks (supported: {names})")
         block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
         if out_features < 1 or in_features < 1 or in_features % block_size:
@@ -96,7 +82,7 @@ def _first_nonfinite_scale(ggml_type: gguf.GGMLQuantizationType, data: torch.Ten
         return native.quantized_first_nonfinite_scale(data, ggml_type, type_size)
     scales = data.view(-1, type_size)
     bad = torch.zeros(scales.shape[0], dtype=torch.bool)
-    for offset in _SCALE_OFFSETS[ggml_type]:
+    for offset in SCALE_OFFSETS[ggml_type]:
         bad |= (scales[:, offset + 1] & 0x7C) == 0x7C
     found = bad.nonzero()
     return int(found[0]) if found.numel() else -1

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from flare.engine import native, quantized
+from flare.engine import native
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
 from flare.engine.model import LlamaModel, load_model
@@ -114,10 +114,6 @@ def greedy(model: LlamaModel, prompt: list[int] = PROMPT, new_tokens: int = 12) 
         row = ForwardRow([out[-1]], len(prompt) + len(out) - 1, table, num_logits=1)
         out.append(int(model.forward(ForwardBatch.build([row], BLOCK_SIZE), cache).argmax()))
     return out
-
-
-def test_the_types_kept_as_blocks_are_the_types_the_engine_multiplies() -> None:
-    assert KEPT_TYPES == quantized.supported_types()
 
 
 @pytest.fixture(scope="module")
@@ -240,12 +236,14 @@ def test_the_whole_layer_path_gives_the_same_bits_under_forced_avx2_and_portable
     assert torch.equal(forced["logits"], prompt_logits(model)) and forced["greedy"] == greedy(model)
 
 
-def test_without_the_c_kernels_a_blocks_package_runs_step_by_step_with_its_own_values(
+def test_without_the_c_kernels_a_blocks_package_is_expanded_once_and_runs_step_by_step_with_its_own_values(
     every_kept_type_package: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(native, "available", lambda: False)
     model = load_model(open_package(every_kept_type_package))
     assert model.kernel_layers is None and not model.native_kernels
+    # Expanded once at load, not at every call.
+    assert not isinstance(model.embed, QuantizedWeight) and not isinstance(model.layers[0].qkv, QuantizedWeight)
     monkeypatch.undo()
     fused = load_model(open_package(every_kept_type_package))
     # torch's float32 matmul over gguf-py's values against the kernels' order: rounding apart.
