@@ -1,8 +1,8 @@
 """The package manifest (`manifest.json`): what a package holds and how it is to be served.
 
-Layout of the JSON object (format 3):
+Layout of the JSON object (format 4):
 
-    {"format": 3,
+    {"format": 4,
      "model": {"config": {ModelConfig}, "provenance": {Provenance}},
      "serving": {ServingConfig},
      "sampling": {"defaults": {...}, "ranges": {...}},
@@ -15,8 +15,9 @@ Layout of the JSON object (format 3):
                                       (only where export dequantized quantized source tensors: their
                                        source type, for `flare inspect`)
 
-Formats read: 2 (provenance.name) and 3 (blocks). A format-2 manifest has no blocks and reads as
-before; flare writes format 3.
+Formats read: 2 (provenance.name), 3 (blocks) and 4 (the model families' config fields). A
+format-2 manifest has no blocks, and a format-2/3 config is a Llama one; each reads as before.
+flare writes format 4.
 
 Reading is strict: an unknown or missing key is an error naming it, so a manifest written by a
 newer flare is refused rather than half understood.
@@ -31,8 +32,8 @@ from typing import Any
 
 from flare.sampling.policy import PolicyError, SamplingPolicy
 
-FORMAT_VERSION = 3  # 2: provenance.name (the model name clients use); 3: blocks
-READ_FORMATS = (2, 3)
+FORMAT_VERSION = 4  # 2: provenance.name (the model name clients use); 3: blocks; 4: model families
+READ_FORMATS = (2, 3, 4)
 MANIFEST_NAME = "manifest.json"
 DTYPES = ("float32", "bfloat16", "float16")
 # What `flare export --dtype` takes besides DTYPES: float16, or bfloat16 for weights beyond
@@ -64,9 +65,84 @@ class ManifestError(ValueError):
     """A manifest that cannot be read or does not describe a servable package."""
 
 
+# The decoder families flare serves (`ModelConfig.architecture`): one decoder (engine/model.py)
+# driven by the fields below, never a model per family. docs/packages.md lists the fields and
+# source keys of each.
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+HIDDEN_ACTIVATIONS = ("silu", "gelu_tanh")
+ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE's frequencies are stretched past the context a model was trained on.
+
+    - linear: positions divided by `factor`.
+    - llama3 (Llama 3.1+): wavelengths longer than original / low_freq_factor are divided by
+      `factor`, shorter than original / high_freq_factor kept, smoothly blended between.
+    - yarn: per-frequency blend of interpolation and extrapolation between beta_fast and
+      beta_slow rotations, cos/sin scaled by `attention_factor` (0.1 ln(factor) + 1 unless given).
+    - longrope (Phi-3): frequencies divided by `short_factor` (or `long_factor`, per dimension
+      pair), cos/sin scaled by `attention_factor` (sqrt(1 + ln(factor) / ln(original)) unless given).
+    """
+
+    kind: str
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    attention_factor: float | None = None
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_SCALINGS:
+            raise ManifestError(f"model config: rope_scaling.kind {self.kind!r} is not one of {', '.join(ROPE_SCALINGS)}")
+        for name in ("short_factor", "long_factor"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(float(v) for v in value))
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        for name in ("short_factor", "long_factor"):
+            if data[name] is not None:
+                data[name] = list(data[name])
+        return data
+
+    @classmethod
+    def from_json(cls, data: Any) -> RopeScaling:
+        return cls(**_fields_of(cls, data, "model.config.rope_scaling"))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family model (the fields of Hugging Face's LlamaConfig that matter)."""
+    """Architecture of a decoder-only model: Llama's fields, and what each other family adds.
+
+    Every field past `eos_token_ids` defaults to Llama's behaviour, so that a Llama config reads
+    the same and a format-2/3 manifest (Llama only) reads with those defaults.
+
+    - attention_bias: q/k/v projections carry a bias (Qwen2).
+    - qk_norm: per-head RMSNorm of q and k before RoPE, weights [head_dim] (Qwen3, Gemma 3).
+    - rotary_dim: the leading dimensions of each head that RoPE rotates (None: all; Phi-4-mini).
+    - rope_scaling: see `RopeScaling`; it applies to the global (full-attention) layers.
+    - sliding_window, sliding_layers: the layers (indices) whose queries attend only to the last
+      `sliding_window` positions, their own included (Mistral: all; Gemma 2: even ones).
+    - local_rope_theta: RoPE base of the sliding layers, unscaled (Gemma 3); None: the same
+      RoPE as the global layers.
+    - attention_scale: the factor on q.k (None: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5).
+    - attention_softcap, final_logit_softcap: scores and logits become cap * tanh(x / cap) (Gemma 2).
+    - sandwich_norms: each sublayer's output is RMS-normalized before it joins the residual
+      stream (`attention_output_norm`, `mlp_output_norm`; Gemma 2/3).
+    - embedding_scale: the token embeddings are multiplied by it (Gemma: sqrt(hidden_size)).
+    - hidden_activation: of the gated MLP, silu (SwiGLU) or gelu_tanh (GeGLU, Gemma).
+
+    Norm weights are stored as the factor they multiply by: Gemma's (1 + w) is baked in at
+    export, as llama.cpp's converter does. Fused source tensors (Phi-3's qkv_proj and
+    gate_up_proj) are split into Llama's names at export.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -82,11 +158,24 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     architecture: str = "llama"
+    attention_bias: bool = False
+    qk_norm: bool = False
+    rotary_dim: int | None = None
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None
+    attention_scale: float | None = None
+    attention_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    sandwich_norms: bool = False
+    embedding_scale: float = 1.0
+    hidden_activation: str = "silu"
 
     def __post_init__(self) -> None:
         problems = []
-        if self.architecture != "llama":
-            problems.append(f"architecture {self.architecture!r} is not supported (only 'llama')")
+        if self.architecture not in ARCHITECTURES:
+            problems.append(f"architecture {self.architecture!r} is not one flare serves ({', '.join(ARCHITECTURES)})")
         for name in (
             "vocab_size",
             "hidden_size",
@@ -104,6 +193,32 @@ class ModelConfig:
             problems.append(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if not problems and self.head_dim % 2:
             problems.append(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if self.rotary_dim is not None and (
+            isinstance(self.rotary_dim, bool)
+            or not isinstance(self.rotary_dim, int)
+            or not 2 <= self.rotary_dim <= int(self.head_dim)
+            or self.rotary_dim % 2
+        ):
+            problems.append(f"rotary_dim must be an even integer from 2 to head_dim {self.head_dim}, got {self.rotary_dim!r}")
+        if self.sliding_window is not None and (
+            isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) or self.sliding_window < 1
+        ):
+            problems.append(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
+        layers = tuple(self.sliding_layers)
+        if layers and self.sliding_window is None:
+            problems.append("sliding_layers are named but sliding_window is not set")
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < int(self.num_layers) for i in layers):
+            problems.append(f"sliding_layers must be layer indices below num_layers {self.num_layers}, got {list(layers)}")
+        elif list(layers) != sorted(set(layers)):
+            problems.append(f"sliding_layers must be increasing, got {list(layers)}")
+        for name in ("attention_scale", "attention_softcap", "final_logit_softcap", "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                problems.append(f"{name} must be a positive number, got {value!r}")
+        if isinstance(self.embedding_scale, bool) or not isinstance(self.embedding_scale, (int, float)) or not self.embedding_scale > 0:
+            problems.append(f"embedding_scale must be a positive number, got {self.embedding_scale!r}")
+        if self.hidden_activation not in HIDDEN_ACTIVATIONS:
+            problems.append(f"hidden_activation {self.hidden_activation!r} is not one of {', '.join(HIDDEN_ACTIVATIONS)}")
         if not self.eos_token_ids:
             problems.append("eos_token_ids must name at least one token")
         for token in (*self.eos_token_ids, *(() if self.bos_token_id is None else (self.bos_token_id,))):
@@ -112,17 +227,43 @@ class ModelConfig:
         if problems:
             raise ManifestError("model config: " + "; ".join(problems))
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        object.__setattr__(self, "sliding_layers", layers)
+
+    @property
+    def rotary_dims(self) -> int:
+        """How many leading dimensions of each head RoPE rotates."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, or None where it attends to its whole context."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["eos_token_ids"] = list(self.eos_token_ids)
+        data["sliding_layers"] = list(self.sliding_layers)
+        data["rope_scaling"] = None if self.rope_scaling is None else self.rope_scaling.to_json()
         return data
 
     @classmethod
-    def from_json(cls, data: Any) -> ModelConfig:
+    def from_json(cls, data: Any, format_version: int = FORMAT_VERSION) -> ModelConfig:
+        if format_version < 4 and isinstance(data, dict):
+            # Formats 2 and 3 describe Llama models only, without the family fields.
+            data = {**_LLAMA_FIELDS, **data}
         values = _fields_of(cls, data, "model.config")
         values["eos_token_ids"] = tuple(values["eos_token_ids"])
+        values["sliding_layers"] = tuple(values["sliding_layers"] or ())
+        if values["rope_scaling"] is not None:
+            values["rope_scaling"] = RopeScaling.from_json(values["rope_scaling"])
         return cls(**values)
+
+
+# The family fields' Llama values, what a format-2/3 manifest's config means by leaving them out.
+_LLAMA_FIELDS = {
+    f.name: (list(f.default) if isinstance(f.default, tuple) else f.default)
+    for f in dataclasses.fields(ModelConfig)
+    if f.default is not dataclasses.MISSING and f.name != "architecture"
+}
 
 
 @dataclass(frozen=True)
@@ -363,7 +504,7 @@ class Manifest:
         except PolicyError as error:
             raise ManifestError(f"sampling: {error}") from None
         return cls(
-            model=ModelConfig.from_json(model["config"]),
+            model=ModelConfig.from_json(model["config"], version),
             serving=ServingConfig.from_json(data["serving"]),
             sampling=sampling,
             provenance=Provenance.from_json(model["provenance"]),

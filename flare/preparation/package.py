@@ -75,7 +75,15 @@ class PackageError(Exception):
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of `model.safetensors` and its shape ([out, in] for linear weights)."""
+    """Every tensor of `model.safetensors` and its shape ([out, in] for linear weights).
+
+    Names are Hugging Face Llama's for every family, with `post_attention_layernorm` the norm
+    before the MLP. What the family fields add (`ModelConfig`): q/k/v biases
+    (`self_attn.{q,k,v}_proj.bias`), per-head q/k norms (`self_attn.{q,k}_norm.weight`,
+    [head_dim]), and sandwich norms on the sublayers' outputs (`attention_output_norm.weight`,
+    `mlp_output_norm.weight`; Gemma's `post_attention_layernorm`, `pre_feedforward_layernorm`
+    and `post_feedforward_layernorm` are renamed to these three at export).
+    """
     h, kv = config.hidden_size, config.num_kv_heads * config.head_dim
     q = config.num_heads * config.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
@@ -85,11 +93,22 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[f"{layer}.self_attn.q_proj.weight"] = (q, h)
         shapes[f"{layer}.self_attn.k_proj.weight"] = (kv, h)
         shapes[f"{layer}.self_attn.v_proj.weight"] = (kv, h)
+        if config.attention_bias:
+            shapes[f"{layer}.self_attn.q_proj.bias"] = (q,)
+            shapes[f"{layer}.self_attn.k_proj.bias"] = (kv,)
+            shapes[f"{layer}.self_attn.v_proj.bias"] = (kv,)
+        if config.qk_norm:
+            shapes[f"{layer}.self_attn.q_norm.weight"] = (config.head_dim,)
+            shapes[f"{layer}.self_attn.k_norm.weight"] = (config.head_dim,)
         shapes[f"{layer}.self_attn.o_proj.weight"] = (h, q)
+        if config.sandwich_norms:
+            shapes[f"{layer}.attention_output_norm.weight"] = (h,)
         shapes[f"{layer}.post_attention_layernorm.weight"] = (h,)
         shapes[f"{layer}.mlp.gate_proj.weight"] = (config.intermediate_size, h)
         shapes[f"{layer}.mlp.up_proj.weight"] = (config.intermediate_size, h)
         shapes[f"{layer}.mlp.down_proj.weight"] = (h, config.intermediate_size)
+        if config.sandwich_norms:
+            shapes[f"{layer}.mlp_output_norm.weight"] = (h,)
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
@@ -101,7 +120,7 @@ def weight_problems(config: ModelConfig, shapes: Mapping[str, tuple[int, ...]]) 
     expected = expected_weight_shapes(config)
     problems = [f"weight {name} is missing" for name in expected if name not in shapes]
     problems += [
-        f"weight {name} is not part of a Llama model with this config" for name in shapes if name not in expected
+        f"weight {name} is not part of a {config.architecture} model with this config" for name in shapes if name not in expected
     ]
     problems += [
         f"weight {name} has shape {list(shapes[name])}, expected {list(shape)}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,6 +13,7 @@ from flare.preparation.manifest import (
     ManifestError,
     ModelConfig,
     Provenance,
+    RopeScaling,
     ServingConfig,
 )
 from flare.sampling.policy import SamplingPolicy
@@ -117,12 +119,12 @@ def test_model_config_checks_head_layout() -> None:
             num_kv_heads=3, head_dim=16, rope_theta=1e4, rms_norm_eps=1e-5,
             max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
         )
-    with pytest.raises(ManifestError, match="architecture 'mistral' is not supported"):
+    with pytest.raises(ManifestError, match=r"architecture 'mixtral' is not one flare serves \(llama, mistral"):
         ModelConfig(
             vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
             num_kv_heads=2, head_dim=16, rope_theta=1e4, rms_norm_eps=1e-5,
             max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(200,),
-            architecture="mistral",
+            architecture="mixtral",
         )
 
 
@@ -184,3 +186,33 @@ def test_a_malformed_blocks_entry_is_refused_naming_the_tensor(entry: dict, mess
     data["blocks"] = {"model.layers.0.mlp.up_proj.weight": entry}
     with pytest.raises(ManifestError, match=f"blocks.model.layers.0.mlp.up_proj.weight: .*{message}"):
         Manifest.from_json(data)
+
+
+def test_a_family_config_survives_a_json_round_trip() -> None:
+    manifest = make_manifest()
+    config = dataclasses.replace(
+        manifest.model, architecture="gemma3", qk_norm=True, rotary_dim=8, sliding_window=64, sliding_layers=(0,),
+        local_rope_theta=1e4, attention_scale=0.25, attention_softcap=50.0, final_logit_softcap=30.0,
+        sandwich_norms=True, embedding_scale=8.0, hidden_activation="gelu_tanh",
+        rope_scaling=RopeScaling("longrope", factor=4.0, original_max_position_embeddings=128,
+                                 short_factor=(1.0,) * 4, long_factor=(2.0,) * 4),
+    )
+    family = dataclasses.replace(manifest, model=config)
+    assert Manifest.loads(family.dumps()) == family
+
+
+def test_a_format_3_manifest_reads_as_a_llama_model() -> None:
+    data = make_manifest().to_json()
+    data["format"] = 3
+    for name in ("attention_bias", "qk_norm", "rotary_dim", "rope_scaling", "sliding_window", "sliding_layers",
+                 "local_rope_theta", "attention_scale", "attention_softcap", "final_logit_softcap",
+                 "sandwich_norms", "embedding_scale", "hidden_activation"):
+        del data["model"]["config"][name]
+    assert Manifest.from_json(data).model == make_manifest().model
+
+
+def test_a_sliding_layer_without_a_window_is_refused() -> None:
+    with pytest.raises(ManifestError, match="sliding_layers are named but sliding_window is not set"):
+        dataclasses.replace(make_manifest().model, sliding_layers=(1,))
+    with pytest.raises(ManifestError, match="sliding_layers must be layer indices below num_layers 2"):
+        dataclasses.replace(make_manifest().model, sliding_window=8, sliding_layers=(2,))
