@@ -70,7 +70,7 @@ class ManifestError(ValueError):
 # source keys of each.
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 HIDDEN_ACTIVATIONS = ("silu", "gelu_tanh")
-ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")
+ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope", "factors")
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,8 @@ class RopeScaling:
       beta_slow rotations, cos/sin scaled by `attention_factor` (0.1 ln(factor) + 1 unless given).
     - longrope (Phi-3): frequencies divided by `short_factor` (or `long_factor`, per dimension
       pair), cos/sin scaled by `attention_factor` (sqrt(1 + ln(factor) / ln(original)) unless given).
+    - factors: each frequency divided by its own factor in `short_factor`, nothing else: a GGUF's
+      `rope_freqs.weight`, which is how llama.cpp's converter stores llama3 scaling.
     """
 
     kind: str
