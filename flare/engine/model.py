@@ -529,9 +529,9 @@ class LlamaModel:
 
     def _swiglu(self, gate_up_columns: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up [T, intermediate] from the gate/up layer's columns (the torch
-        counterpart of `native.swiglu_rows`)."""
+        counterpart of `native.gated_rows`)."""
         if self.native_kernels:
-            return native.swiglu_rows(gate_up_columns)
+            return native.gated_rows(gate_up_columns)
         # On the columns, where gate and up are contiguous halves: on the transposed view the
         # elementwise ops are strided (2 ms a round slower at 32 rows).
         gate, up = gate_up_columns.chunk(2)
