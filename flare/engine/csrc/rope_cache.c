@@ -105,7 +105,14 @@ static void rotate_features(const RopeCache *r, int64_t head) {
     float x[D], y[D];
     for (int64_t t = 0; t < r->tokens; t++) {
         const float *src = r->qkv + first * cs + t * ts;
-        for (int64_t d = 0; d < D; d++) x[d] = src[d * cs] + (r->bias ? r->bias[first + d] : 0.0f);
+        if (cs == 1) { /* rows (decoder_layer's, the packed formats'): a contiguous copy */
+            memcpy(x, src, (size_t)D * sizeof(float));
+        } else {
+            for (int64_t d = 0; d < D; d++) x[d] = src[d * cs];
+        }
+        if (r->bias) {
+            for (int64_t d = 0; d < D; d++) x[d] += r->bias[first + d];
+        }
         if (norm) {
             float sum = 0.0f;
             for (int64_t d = 0; d < D; d++) sum += x[d] * x[d];
