@@ -276,6 +276,8 @@ class LlamaModel:
             )
 
         self.layers = [layer(i) for i in range(config.num_layers)]
+        # The one window the sliding layers share, where it narrows anything (`_plan_attention`).
+        self.window = next((layer.window for layer in self.layers if layer.window is not None), None)
         # A round of short rows on float16 or block weights runs each layer as one kernel call
         # (`native.decoder_layer`): the same kernels as the steps below, without the Python
         # between them.
@@ -472,7 +474,6 @@ class LlamaModel:
         # Two buffers (keys, values) per gathering call, carved one after another out of the workspace.
         sizes = [index.numel() * block_numel for index in gather_indices if index is not None for _ in range(2)]
         buffers = iter(self._gather_workspace[:needed].split(sizes))
-        window = next((layer.window for layer in self.layers if layer.window is not None), None)
         calls = []
         for group, gather_index in zip(batch.groups, gather_indices):
             if gather_index is None:
@@ -485,7 +486,7 @@ class LlamaModel:
                     gather_index=gather_index,
                     # Row j * query_len + q of a folded KV group attends as query q does.
                     mask=group.mask.repeat(1, 1, group_size, 1),
-                    window_mask=None if window is None else _window_mask(group, window).repeat(1, 1, group_size, 1),
+                    window_mask=None if self.window is None else _window_mask(group, self.window).repeat(1, 1, group_size, 1),
                     key_buffer=next(buffers).view(buffer_shape),
                     value_buffer=next(buffers).view(buffer_shape),
                 )

@@ -9,7 +9,12 @@ import pytest
 import torch
 from tiny_llama import tiny_config
 
-from flare.engine.rope import apply_rope, inverse_frequencies, rope_tables, scaled_frequencies
+from flare.engine.rope import (
+    apply_rope,
+    inverse_frequencies,
+    rope_tables,
+    scaled_frequencies,
+)
 from flare.preparation.manifest import RopeScaling
 
 LLAMA3 = RopeScaling("llama3", factor=8.0, original_max_position_embeddings=64, low_freq_factor=1.0, high_freq_factor=4.0)

@@ -33,10 +33,14 @@ LOGIT_TOLERANCE = 1e-4
 NEAR_TIE = 1e-3
 BLOCK_SIZE = 4  # windows of 8 and 16 then span blocks in every alignment
 PROMPTS = (
-    "The quick brown fox jumps over the lazy dog, and then it runs far away into the forest to hide from the "
-    "hunters, who follow its tracks through the snow until the night falls and the wind covers them.",
-    "Numbers: 1, 22, 333, 4444; café, naïve, 東京 — and a longer tail of words, many more of them, to pass "
-    "every window of every layer at least twice over.",
+    (
+        "The quick brown fox jumps over the lazy dog, and then it runs far away into the forest to hide from the "
+        "hunters, who follow its tracks through the snow until the night falls and the wind covers them."
+    ),
+    (
+        "Numbers: 1, 22, 333, 4444; café, naïve, 東京 — and a longer tail of words, many more of them, to pass "
+        "every window of every layer at least twice over."
+    ),
 )
 NEW_TOKENS = 24
 
