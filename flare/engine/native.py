@@ -287,6 +287,9 @@ def _vector_problems(**vectors: tuple[torch.Tensor | None, int]) -> list[str]:
     ]
 
 
+# The widest head the features of `rope_and_cache` take (module.c: it keeps one on the stack).
+FEATURES_MAX_HEAD_DIM = 1024
+
 # The gated MLP's activations (manifest.HIDDEN_ACTIVATIONS) as kernels.h codes them.
 ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1}
 

@@ -35,9 +35,9 @@ static const char *check_rows(const Attention *a, int64_t *longest) {
 enum { FEATURES_MAX_HEAD_DIM = 1024 };
 
 /* NULL when rotary_dims and the norms' eps fit a head of head_dim, else the problem. */
-static const char *check_features(int64_t head_dim, int64_t rotary_dims, float norm_eps) {
+static const char *check_features(int64_t head_dim, int64_t rotary_dims, float norm_eps, int featured) {
     if (rotary_dims < 2 || rotary_dims % 2 || rotary_dims > head_dim) return "rotary_dims must be even, from 2 to head_dim";
-    if (head_dim > FEATURES_MAX_HEAD_DIM) return "head_dim is over 1024";
+    if (featured && head_dim > FEATURES_MAX_HEAD_DIM) return "head_dim is over 1024 for a bias, q/k norms or partial rotary";
     if (!(norm_eps > 0.0f)) return "the norms' eps must be positive";
     return NULL;
 }
@@ -105,7 +105,7 @@ static PyObject *py_rope_and_cache(PyObject *self, PyObject *args) {
     if (tokens < 1 || heads < 1 || kv_heads < 1 || head_dim < 2 || head_dim % 2 || pool_slots < 1 ||
         max_positions < 1 || threads < 1 || channel_stride < 0 || token_stride < 0)
         return invalid("rope_and_cache", "sizes must be positive, strides non-negative and head_dim even");
-    const char *problem = check_features(head_dim, rotary_dims, norm_eps);
+    const char *problem = check_features(head_dim, rotary_dims, norm_eps, bias || q_norm || k_norm || rotary_dims != head_dim);
     if (problem) return invalid("rope_and_cache", problem);
     const RopeCache r = {
         .qkv = (const float *)qkv,
@@ -334,7 +334,7 @@ static PyObject *py_decoder_layer(PyObject *self, PyObject *args) {
     const int64_t *table = (const int64_t *)linears, row = 3 * LAYER_LINEAR_PARTS;
     if (kv_dtype < KV_FLOAT32 || kv_dtype > KV_BFLOAT16) return invalid("decoder_layer", "unknown KV dtype code");
     if (threads < 1) return invalid("decoder_layer", "threads must be positive");
-    const char *problem = check_features(head_dim, rotary_dims, eps);
+    const char *problem = check_features(head_dim, rotary_dims, eps, qkv_bias || q_norm || k_norm || rotary_dims != head_dim);
     if (problem) return invalid("decoder_layer", problem);
     if (window < 0 || !(softcap >= 0.0f) || !(scale > 0.0f))
         return invalid("decoder_layer", "window and softcap must not be negative, scale must be positive");
