@@ -153,27 +153,10 @@ def paged_attention(
 
     out = torch.empty(tokens, heads, head_dim, dtype=torch.float32)
     native.paged_attention(
-        q.data_ptr(),
-        q.stride(0),
-        keys.data_ptr(),
-        values.data_ptr(),
-        out.data_ptr(),
-        block_table.data_ptr(),
-        start_positions.data_ptr(),
-        rows,
-        query_len,
-        heads,
-        kv_heads,
-        head_dim,
-        block_size,
-        num_blocks,
-        max_blocks,
-        head_dim**-0.5 if scale is None else scale,
-        window or 0,
-        softcap or 0.0,
-        torch.get_num_threads(),
-        KV_DTYPE_CODES[keys.dtype],
-        portable,
+        q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), out.data_ptr(), block_table.data_ptr(),
+        start_positions.data_ptr(), rows, query_len, heads, kv_heads, head_dim, block_size, num_blocks, max_blocks,
+        head_dim**-0.5 if scale is None else scale, window or 0, softcap or 0.0, torch.get_num_threads(),
+        KV_DTYPE_CODES[keys.dtype], portable,
     )
     return out
 
@@ -245,29 +228,10 @@ def rope_and_cache(
 
     q = torch.empty(tokens, heads, head_dim, dtype=torch.float32)
     native.rope_and_cache(
-        qkv_columns.data_ptr(),
-        qkv_columns.stride(0),
-        qkv_columns.stride(1),
-        positions.data_ptr(),
-        slots.data_ptr(),
-        cos.data_ptr(),
-        sin.data_ptr(),
-        cos.shape[0],
-        q.data_ptr(),
-        keys.data_ptr(),
-        values.data_ptr(),
-        tokens,
-        heads,
-        kv_heads,
-        head_dim,
-        num_blocks * block_size,
-        torch.get_num_threads(),
-        KV_DTYPE_CODES[keys.dtype],
-        _address(bias),
-        _address(q_norm),
-        _address(k_norm),
-        norm_eps,
-        2 * cos.shape[1],
+        qkv_columns.data_ptr(), qkv_columns.stride(0), qkv_columns.stride(1), positions.data_ptr(), slots.data_ptr(),
+        cos.data_ptr(), sin.data_ptr(), cos.shape[0], q.data_ptr(), keys.data_ptr(), values.data_ptr(), tokens, heads,
+        kv_heads, head_dim, num_blocks * block_size, torch.get_num_threads(), KV_DTYPE_CODES[keys.dtype],
+        _address(bias), _address(q_norm), _address(k_norm), norm_eps, 2 * cos.shape[1],
     )
     return q
 
@@ -309,14 +273,8 @@ def gated_rows(gate_up_columns: torch.Tensor, activation: str = "silu") -> torch
 
     out = torch.empty(tokens, channels // 2, dtype=torch.float32)
     native.gated_rows(
-        gate_up_columns.data_ptr(),
-        gate_up_columns.stride(0),
-        gate_up_columns.stride(1),
-        out.data_ptr(),
-        channels // 2,
-        tokens,
-        ACTIVATION_CODES[activation],
-        torch.get_num_threads(),
+        gate_up_columns.data_ptr(), gate_up_columns.stride(0), gate_up_columns.stride(1), out.data_ptr(), channels // 2,
+        tokens, ACTIVATION_CODES[activation], torch.get_num_threads(),
     )
     return out
 
@@ -342,16 +300,8 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     out = torch.empty_like(h)
     if tokens:
         native.add_rms_norm(
-            h.data_ptr(),
-            0 if delta is None else delta.data_ptr(),
-            0 if delta is None else delta.stride(0),
-            0 if delta is None else delta.stride(1),
-            weight.data_ptr(),
-            out.data_ptr(),
-            tokens,
-            hidden,
-            eps,
-            torch.get_num_threads(),
+            h.data_ptr(), _address(delta), 0 if delta is None else delta.stride(0), 0 if delta is None else delta.stride(1),
+            weight.data_ptr(), out.data_ptr(), tokens, hidden, eps, torch.get_num_threads(),
         )
     return out
 
@@ -396,15 +346,8 @@ def float16_linear(x: torch.Tensor, weight: Float16Weight, *, isa: int | None = 
     y = torch.empty(tokens, weight.out_features, dtype=torch.float32)
     if tokens:
         native.float16_linear(
-            x.data_ptr(),
-            max(x.stride(0), in_features),
-            weight.blocks.data_ptr(),
-            y.data_ptr(),
-            tokens,
-            in_features,
-            weight.out_features,
-            torch.get_num_threads(),
-            LINEAR_ISA if isa is None else isa,
+            x.data_ptr(), max(x.stride(0), in_features), weight.blocks.data_ptr(), y.data_ptr(), tokens, in_features,
+            weight.out_features, torch.get_num_threads(), LINEAR_ISA if isa is None else isa,
         )
     return y
 

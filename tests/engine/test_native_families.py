@@ -5,7 +5,6 @@ them and the sandwich norms through `decoder_layer`."""
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
@@ -16,11 +15,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_native import linear_layouts
 
 from flare.engine import native
 from flare.engine.model import apply_rope
-
-from test_native import linear_layouts
 
 HEAD_SHAPES = pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (6, 3, 64), (4, 1, 128)])
 
@@ -312,7 +310,7 @@ def reference_layer(h: torch.Tensor, w: dict, heads: int, kv_heads: int, head_di
     transformers' Gemma 2 / Qwen3 / Phi-3 layers compute it."""
     n = h.shape[0]
     h = h.double()
-    rms = lambda x, weight: F.rms_norm(x, (x.shape[-1],), weight.double(), eps)  # noqa: E731
+    rms = lambda x, weight: F.rms_norm(x, (x.shape[-1],), weight.double(), eps)
     x = rms(h, w["input_norm"])
     qkv = x @ w["qkv"].double().T
     if w.get("qkv_bias") is not None:
@@ -420,9 +418,14 @@ def test_a_family_layer_is_held_to_torch_under_forced_avx2_and_portable_dispatch
     assert int(isa) == native.ISA_AVX2 and float(error) < 2e-5
 
 
+def weights_of(layer: native.KernelLayer) -> dict:
+    """A KernelLayer's norms and linear layers, without its features."""
+    return {name: getattr(layer, name) for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down")}
+
+
 def test_a_layer_whose_features_do_not_fit_is_refused_naming_them() -> None:
     layer, _ = family_layer("everything", 4, 2, 16, 0, 16)
-    base = dict(input_norm=layer.input_norm, post_norm=layer.post_norm, qkv=layer.qkv, o=layer.o, gate_up=layer.gate_up, down=layer.down)
+    base = weights_of(layer)
     cases = [
         ({"qkv_bias": torch.zeros(12)}, r"qkv_bias must be a contiguous CPU float32 \[128\]"),
         ({"q_norm": torch.ones(16)}, "q_norm and k_norm come together"),
@@ -440,7 +443,7 @@ def test_a_layer_whose_features_do_not_fit_is_refused_naming_them() -> None:
 def test_a_layer_whose_norms_or_tables_do_not_fit_the_round_is_refused_before_any_layer_runs() -> None:
     heads, kv_heads, head_dim = 4, 2, 16
     good, _ = family_layer("qwen2", heads, kv_heads, head_dim, 0, head_dim)
-    base = dict(input_norm=good.input_norm, post_norm=good.post_norm, qkv=good.qkv, o=good.o, gate_up=good.gate_up, down=good.down)
+    base = weights_of(good)
     short_cos, short_sin = rope_table(head_dim, 1e4, positions=4)
     cos, sin = rope_table(head_dim, 1e6)
     pool = torch.zeros(kv_heads, 4, BLOCK_SIZE, head_dim)

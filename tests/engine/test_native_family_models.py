@@ -6,6 +6,7 @@ the torch path's logits, over prompts longer than every sliding window."""
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from flare.engine.model import LlamaModel, kernels_fit, load_model
 from flare.engine.native import decoder_layers
 from flare.engine.precision import WeightFormat
 from flare.preparation.export import ExportOptions, export_package
+from flare.preparation.manifest import ModelConfig
 from flare.preparation.package import open_package
 from flare.preparation.source import ModelSource
 
@@ -85,3 +87,22 @@ def test_a_family_layer_runs_in_one_kernel_call_with_the_steps_bits_and_the_torc
         assert torch.equal(got, by_steps)
         difference = (got - by_torch).abs().max().item()
         assert difference <= 1e-4, f"{config.architecture}: max |logit difference| from the torch path {difference:.2e}"
+
+
+def test_only_heads_wider_than_the_features_path_takes_keep_a_featured_family_off_the_kernels() -> None:
+    wide = ModelConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=160, num_layers=1, num_heads=1, num_kv_heads=1,
+        head_dim=native.FEATURES_MAX_HEAD_DIM * 2, rope_theta=1e4, rms_norm_eps=1e-6, max_position_embeddings=64,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
+    )
+    assert kernels_fit(wide)  # Llama's loops take any head
+    assert not kernels_fit(replace(wide, architecture="qwen3", qk_norm=True))
+    assert kernels_fit(replace(wide, head_dim=native.FEATURES_MAX_HEAD_DIM, architecture="qwen3", qk_norm=True))
+    head_dim = wide.head_dim
+    keys = torch.zeros(1, 1, 4, head_dim)
+    with pytest.raises(ValueError, match="head_dim is over 1024 for a bias, q/k norms or partial rotary"):
+        native.rope_and_cache(
+            torch.randn(3 * head_dim, 1), torch.tensor([0]), torch.tensor([0]), torch.ones(4, head_dim // 2), torch.zeros(4, head_dim // 2),
+            keys, keys.clone(), 1, q_norm=torch.ones(head_dim), k_norm=torch.ones(head_dim),
+        )
+    assert not keys.any()

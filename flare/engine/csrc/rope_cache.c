@@ -93,6 +93,23 @@ static void cache_head(const RopeCache *r, int64_t first, void *pool, int rotate
     }
 }
 
+/* n floats into a pool of `dtype` from element `offset` on, the dtype a constant in each loop. */
+static inline void store_row(void *pool, int64_t offset, const float *y, int64_t n, int dtype) {
+    switch (dtype) {
+    case KV_FLOAT16:
+#pragma omp simd
+        for (int64_t d = 0; d < n; d++) kv_store(pool, offset + d, y[d], KV_FLOAT16);
+        break;
+    case KV_BFLOAT16:
+#pragma omp simd
+        for (int64_t d = 0; d < n; d++) kv_store(pool, offset + d, y[d], KV_BFLOAT16);
+        break;
+    default:
+        memcpy((float *)pool + offset, y, (size_t)n * sizeof(float));
+        break;
+    }
+}
+
 /* Head `head` (q heads, then k, then v) of every token with the family features: bias, q/k
  * norm and partial rotary, into q_out or the pools. */
 static void rotate_features(const RopeCache *r, int64_t head) {
@@ -111,28 +128,33 @@ static void rotate_features(const RopeCache *r, int64_t head) {
             for (int64_t d = 0; d < D; d++) x[d] = src[d * cs];
         }
         if (r->bias) {
-            for (int64_t d = 0; d < D; d++) x[d] += r->bias[first + d];
+            const float *b = r->bias + first;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) x[d] += b[d];
         }
         if (norm) {
             float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
             for (int64_t d = 0; d < D; d++) sum += x[d] * x[d];
             const float scale = 1.0f / sqrtf(sum / (float)D + r->norm_eps);
+#pragma omp simd
             for (int64_t d = 0; d < D; d++) x[d] = x[d] * scale * norm[d];
         }
         if (is_v) {
             memcpy(y, x, (size_t)D * sizeof(float));
         } else {
             const float *c = r->cos + r->positions[t] * half, *s = r->sin + r->positions[t] * half;
+#pragma omp simd
             for (int64_t d = 0; d < half; d++) {
                 y[d] = x[d] * c[d] - x[d + half] * s[d];
                 y[d + half] = x[d + half] * c[d] + x[d] * s[d];
             }
-            for (int64_t d = 2 * half; d < D; d++) y[d] = x[d];
+            memcpy(y + 2 * half, x + 2 * half, (size_t)(D - 2 * half) * sizeof(float));
         }
         if (is_q) {
             memcpy(r->q_out + (t * H + head) * D, y, (size_t)D * sizeof(float));
         } else {
-            for (int64_t d = 0; d < D; d++) kv_store(pool, r->slots[t] * D + d, y[d], r->kv_dtype);
+            store_row(pool, r->slots[t] * D, y, D, r->kv_dtype);
         }
     }
 }
