@@ -99,6 +99,23 @@ def test_prompt_logits_match_transformers_in_one_prefill_and_through_the_paged_c
             assert difference <= LOGIT_TOLERANCE, f"{checkpoint.family} {pieces}: max |logit difference| {difference:.2e}"
 
 
+def test_a_float16_package_scores_text_as_the_float32_one_within_float16_rounding(
+    exported: tuple[Checkpoint, Path], tmp_path: Path
+) -> None:
+    """`flare export` stores a float source as float16 by default: the family's steps then run
+    between the engine's float16 GEMMs. Rounding every weight once (relative 2^-11) moved logits
+    of magnitude ~10 by 0.006-0.036 here; a wrong step moves them by whole units."""
+    checkpoint, package_path = exported
+    context = PHI3_ORIGINAL_CONTEXT if checkpoint.family == "phi3" else None
+    export_package(str(checkpoint.path), tmp_path / "float16", ExportOptions(dtype="float16", max_context=context), stderr=io.StringIO())
+    float32, float16 = load_model(open_package(package_path)), load_model(open_package(tmp_path / "float16"))
+    prompts = [Tokenizer.from_package(open_package(package_path)).encode(text) for text in PROMPTS]
+    pieces = [[len(p) for p in prompts]]
+    for exact, rounded in zip(forward_in_pieces(float32, prompts, pieces), forward_in_pieces(float16, prompts, pieces)):
+        difference = (exact - rounded).abs().max().item()
+        assert difference <= 0.1, f"{checkpoint.family}: float16 moved a logit by {difference:.3f}"
+
+
 async def test_greedy_continuation_through_the_scheduler_is_transformers_own(exported: tuple[Checkpoint, Path]) -> None:
     checkpoint, package_path = exported
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
