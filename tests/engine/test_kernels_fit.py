@@ -1,0 +1,63 @@
+"""Which models run the C kernels: those whose layers the kernels implement (`kernels_fit`); a
+family feature they do not implement sends every layer down the torch path. Correctness of each
+feature's torch step is held to transformers by tests/families/."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from tiny_llama import random_state_dict, tiny_config
+
+from flare.engine import native
+from flare.engine.model import LlamaModel, kernels_fit
+from flare.preparation.manifest import RopeScaling
+
+LLAMA3 = RopeScaling("llama3", factor=8.0, original_max_position_embeddings=64, low_freq_factor=1.0, high_freq_factor=4.0)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {},
+        {"rope_scaling": LLAMA3},  # in the cos/sin table the kernels read
+        {"final_logit_softcap": 30.0, "embedding_scale": 8.0},  # outside the layers
+        {"attention_scale": 16**-0.5},  # head_dim's own
+        {"sliding_window": 512, "sliding_layers": (0, 1)},  # as long as the context: narrows nothing
+    ],
+)
+def test_what_the_kernels_implement_fits_them(change: dict) -> None:
+    assert kernels_fit(replace(tiny_config(), **change))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"attention_bias": True},
+        {"qk_norm": True},
+        {"rotary_dim": 8},
+        {"sliding_window": 8, "sliding_layers": (0,)},
+        {"attention_scale": 0.1},
+        {"attention_softcap": 50.0},
+        {"sandwich_norms": True},
+        {"hidden_activation": "gelu_tanh"},
+    ],
+)
+def test_a_feature_the_kernels_lack_sends_the_model_down_the_torch_path(change: dict) -> None:
+    config = replace(tiny_config(), **change)
+    assert not kernels_fit(config)
+    state = random_state_dict(config)
+    model = LlamaModel(config, state)
+    assert not model.native_kernels and model.kernel_layers is None
+    if native.available():
+        with pytest.raises(ValueError, match="layers fit: False"):
+            LlamaModel(config, state, native_kernels=True)
+
+
+def test_a_window_narrower_than_the_context_served_only_counts_there() -> None:
+    config = replace(tiny_config(), sliding_window=64, sliding_layers=(1,))
+    assert not kernels_fit(config) and kernels_fit(config, context=64)
+    state = random_state_dict(config)
+    assert LlamaModel(config, state, context=64).layers[1].window is None
+    assert LlamaModel(config, state).layers[1].window == 64
+    assert LlamaModel(config, state, context=64).native_kernels == native.available()
