@@ -1,9 +1,9 @@
 """Tiny random checkpoints of every family flare serves, built by transformers itself.
 
 Each is its family's own config class and `XForCausalLM.from_config` (eager attention, float32),
-2-3 layers of width 64, with the default model's vocabulary so that its tokenizer and chat
-template serve it. Sliding windows are 8 tokens, so that any prompt of a test passes them; the
-RoPE scalings are picked so that each kind changes the frequencies the test prompts reach.
+3 layers of width 64, with the default model's vocabulary so that its tokenizer and chat
+template serve it. Sliding windows are 8 tokens (16 for Phi-3), so that the tests' prompts pass
+them; the RoPE scalings are picked so that each kind changes the frequencies the prompts reach.
 
 transformers initializes with std 0.02, which leaves logits nearly uniform (top-two gaps below
 1e-3); the weights are redrawn here at unit scale (linear layers randn / sqrt(in), norms around
