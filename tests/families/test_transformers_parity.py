@@ -13,6 +13,7 @@ import pytest
 import torch
 from families import FAMILIES, PHI3_ORIGINAL_CONTEXT, Checkpoint, write_checkpoint
 from running_scheduler import running
+from safetensors import safe_open
 
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import BlockAllocator, KVCache
@@ -145,3 +146,19 @@ async def test_greedy_continuation_through_the_scheduler_is_transformers_own(exp
                 max_new_tokens=len(output), eos_token_id=list(scheduler.tokenizer.eos_token_ids), pad_token_id=0,
             )[0, len(prompt) :].tolist()
         assert generated == output
+
+
+def test_a_multimodal_gemma3_is_served_as_its_text_model(smollm2_source: ModelSource, tmp_path: Path) -> None:
+    """A Gemma 3 with a vision tower (`model_type` gemma3, a `text_config`, the text weights under
+    `language_model`): the package is its text model, whose logits on text are the whole model's."""
+    checkpoint = write_checkpoint("gemma3-multimodal", tmp_path / "gemma3", smollm2_source.tokenizer_json, smollm2_source.chat_template)
+    with safe_open(str(checkpoint.path / "model.safetensors"), framework="pt") as saved:
+        names = list(saved.keys())
+    assert any(".vision_tower." in f".{name}" for name in names) and any("language_model." in name for name in names)
+    export_package(str(checkpoint.path), tmp_path / "package", ExportOptions(dtype="float32"), stderr=io.StringIO())
+    package = open_package(tmp_path / "package")
+    assert package.manifest.model.architecture == "gemma3" and package.manifest.model.sliding_layers == (0, 1)
+    prompt = Tokenizer.from_package(package).encode(PROMPTS[0])
+    (got,) = forward_in_pieces(load_model(package), [prompt], [[len(prompt)]])
+    difference = (got - reference_logits(checkpoint, prompt)).abs().max().item()
+    assert difference <= LOGIT_TOLERANCE, f"max |logit difference| {difference:.2e}"
