@@ -354,9 +354,10 @@ class LlamaModel:
                 keys, values = kv_cache.keys[index], kv_cache.values[index]
                 rope = None if ropes is None else ropes[layer.local_rope]
                 q = self._rope_and_cache(linear_columns(x, layer.qkv), batch, rope, keys, values, layer)
-                delta = self._sublayer_output(linear(self._attention(q, keys, values, calls, layer.window), layer.o), layer.attention_output_norm)
-                x = self._add_norm(h, delta, layer.post_norm)
-                delta = self._sublayer_output(linear(self._gated_mlp(linear_columns(x, layer.gate_up)), layer.down), layer.mlp_output_norm)
+                attention = linear(self._attention(q, keys, values, calls, layer.window), layer.o)
+                x = self._add_norm(h, self._sublayer_output(attention, layer.attention_output_norm), layer.post_norm)
+                mlp = linear(self._gated_mlp(linear_columns(x, layer.gate_up)), layer.down)
+                delta = self._sublayer_output(mlp, layer.mlp_output_norm)
             if delta is not None:
                 h += delta
         return self.logits_of(h[batch.logit_indices]), h
