@@ -15,22 +15,22 @@ whose chat template does not know tools (the default model's):
   references resolve within it, and `strict: true` closes its open objects as for
   response_format (structured/strict.py).
 
-A package whose template knows tools (it names `tools`, as Qwen's and Hermes' do) gets the
-functions and the conversation through its template instead, in Hugging Face's convention
-(`template_messages`, `template_tools`); the answer is still held to and read in the format
-above, the one those templates teach.
+A package whose template knows tools (it names `tools`, as Qwen's, Llama 3.1's and Mistral's
+do) gets the functions and the conversation through its template instead, in Hugging Face's
+convention (`template_messages`, `template_tools`); the answer is held to and read in the format
+that template teaches (tool_formats.py), the one above where it teaches none of those.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from flare.daemon.errors import bad_request
+from flare.daemon.tool_formats import FLARE, ToolFormat
 from flare.structured.bounds import BoundError, check_schema
 from flare.structured.compiler import JSON_OPTIONS
 from flare.structured.spec import GrammarSpec
@@ -39,7 +39,6 @@ from flare.structured.strict import StrictError, close_objects
 MAX_TOOLS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -264,8 +263,9 @@ def _preamble(tools: ToolRequest) -> str:
 # --- the grammar --------------------------------------------------------------------------
 
 
-def tool_grammar(tools: ToolRequest) -> GrammarSpec | None:
-    """The Lark grammar (llguidance's, with %json for the arguments) the answer follows."""
+def tool_grammar(tools: ToolRequest, fmt: ToolFormat = FLARE) -> GrammarSpec | None:
+    """The Lark grammar (llguidance's, with %json for the arguments) the answer follows, in the
+    tool-call format `fmt` (tool_formats.py)."""
     if not tools.calls_possible:
         return None
     allowed = [t for t in tools.tools if tools.choice != "named" or t.name == tools.named]
@@ -278,23 +278,29 @@ def tool_grammar(tools: ToolRequest) -> GrammarSpec | None:
         "oneOf": [
             {
                 "type": "object",
-                "properties": {"name": {"const": t.name}, "arguments": {"$ref": f"#/$defs/{_parameters_key(t)}"}},
-                "required": ["name", "arguments"],
+                "properties": {"name": {"const": t.name}, fmt.arguments_key: {"$ref": f"#/$defs/{_parameters_key(t)}"}},
+                "required": ["name", fmt.arguments_key],
                 "additionalProperties": False,
             }
             for t in allowed
         ],
     }
-    calls = 'call ("\\n" call)*' if tools.parallel else "call"
+    several = tools.parallel and fmt.several
+    calls = f"call ({_literal(fmt.separator)} call)*" if several else "call"
     start = "text | calls" if tools.choice == "auto" else "calls"
     lark = (
         f"start: {start}\n"
         "text: TEXT\n"
-        "TEXT: /[^<](.|\\n)*/\n"
-        f"calls: {calls}\n"
-        f'call: "{CALL_OPEN}" %json {json.dumps(call_schema)} "{CALL_CLOSE}"\n'
+        f"TEXT: /[^{re.escape(fmt.lead)}](.|\\n)*/\n"
+        f"calls: {_literal(fmt.prefix)} {calls} {_literal(fmt.suffix)}\n"
+        f"call: {_literal(fmt.call_open)} %json {json.dumps(call_schema)} {_literal(fmt.call_close)}\n"
     )
     return GrammarSpec("lark", lark, "tools", tuple(p for t in allowed for p in t.closed_objects))
+
+
+def _literal(text: str) -> str:
+    """`text` as a Lark string literal (JSON's escapes are Lark's), nothing for no text."""
+    return json.dumps(text) if text else ""
 
 
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values, not schemas
@@ -321,40 +327,34 @@ def _rebased(schema: Any, root: str) -> Any:
 # --- the answer ---------------------------------------------------------------------------
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+_DECODER = json.JSONDecoder()
 
 
-# A call as the grammar writes it: {"name": NAME, "arguments": ARGUMENTS} with fixed separators.
-_HEAD = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
-_TAIL = "}" + CALL_CLOSE  # what follows a call's arguments
+def _object_end(body: str) -> int:
+    """Where the JSON object that `body` starts with ends; -1 while it is not whole yet (a
+    string argument may hold braces and closing tags: only the JSON's own end counts)."""
+    try:
+        _, end = _DECODER.raw_decode(body)
+    except ValueError:
+        return -1
+    return end
 
 
-def _call(body: str) -> ToolCall | None:
-    """A whole call's text (between the tags) as a ToolCall; the arguments as the model wrote
-    them (the grammar held them to the schema), re-serialized only for another layout."""
+def _call(body: str, fmt: ToolFormat) -> ToolCall | None:
+    """A whole call's JSON object as a ToolCall; the arguments as the model wrote them (the
+    grammar held them to the schema), re-serialized only for another layout."""
     try:
         value = json.loads(body)
     except ValueError:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    head = _HEAD.match(body)
-    arguments = body[head.end() : -1] if head is not None and body.endswith("}") else json.dumps(value.get("arguments", {}))
-    return ToolCall(new_call_id(), value["name"], arguments)
-
-
-def _call_end(body: str) -> int:
-    """Where the call that `body` starts with closes: the first closing tag after a whole JSON
-    object (a string argument may itself hold the tag's text); -1 while not generated yet."""
-    search = 0
-    while (candidate := body.find(CALL_CLOSE, search)) >= 0:
-        try:
-            json.loads(body[:candidate])
-            return candidate
-        except ValueError:
-            search = candidate + 1
-    return -1
+    head = fmt.head.match(body)
+    if head is not None and body.endswith("}"):
+        arguments = body[head.end() : -1]
+    else:
+        arguments = json.dumps(value.get(fmt.arguments_key, {}))
+    return ToolCall(fmt.new_call_id(), value["name"], arguments)
 
 
 @dataclass
@@ -369,13 +369,14 @@ class _OpenCall:
 
 @dataclass
 class ToolCallReader:
-    """Reads one choice's answer as it streams: text passes through; from a leading "<" on (the
-    grammar lets text never start with one), the answer is calls. Each call is given out as
-    OpenAI streams them: a first delta with its index, id, type and name (arguments ""), then its
-    arguments in pieces as they are generated (the last characters held back until the call
-    closes, since they may be its closing brace and tag)."""
+    """Reads one choice's answer as it streams, in the tool-call format `fmt`: text passes
+    through; from the format's leading character on (the grammar lets text never start with
+    it), the answer is calls. Each call is given out as OpenAI streams them: a first delta with
+    its index, id, type and name (arguments ""), then its arguments in pieces as they are
+    generated, up to the end of the call's JSON object."""
 
     active: bool
+    fmt: ToolFormat = FLARE
     _mode: Literal["unknown", "text", "calls"] = "unknown"
     _buffer: str = ""
     _open: _OpenCall | None = None
@@ -389,41 +390,60 @@ class ToolCallReader:
             self._buffer += text
             if not self._buffer:
                 return "", []
-            self._mode = "calls" if self._buffer.startswith("<") else "text"
+            self._mode = "calls" if self._buffer.startswith(self.fmt.lead) else "text"
             text, self._buffer = self._buffer, ""
         if self._mode == "text":
             return text, []
         self._buffer += text
         deltas: list[dict[str, Any]] = []
-        while True:
-            start = self._buffer.find(CALL_OPEN)
-            if start < 0:
-                break
-            body = self._buffer[start + len(CALL_OPEN) :]
+        while (body := self._call_body()) is not None:
             call = self._open or _OpenCall(len(self.calls))
             self._open = call
-            head = _HEAD.match(body)
+            head = self.fmt.head.match(body)
             if head is not None and call.id is None:
-                call.id = new_call_id()
+                call.id = self.fmt.new_call_id()
                 name = json.loads(f'"{head.group(1)}"')
                 deltas.append({"index": call.index, "id": call.id, "type": "function",
                                "function": {"name": name, "arguments": ""}})
-            end = _call_end(body)
+            end = _object_end(body)
             if head is not None:
+                # While the call's object is open, everything after its head is arguments;
+                # once it closes, all but the object's closing brace.
                 arguments = body[head.end() :]
-                whole = end >= 0
-                upto = (end - head.end() - 1) if whole else max(call.sent, len(arguments) - len(_TAIL))
+                upto = end - head.end() - 1 if end >= 0 else len(arguments)
                 if upto > call.sent:
                     deltas.append({"index": call.index, "function": {"arguments": arguments[call.sent : upto]}})
                     call.sent = upto
-            if end < 0:
+            rest = self._after_close(body[end:]) if end >= 0 else None
+            if rest is None:
                 break
-            finished = _call(body[:end])
+            finished = _call(body[:end], self.fmt)
             if finished is not None:
                 self.calls.append(ToolCall(call.id or finished.id, finished.name, finished.arguments))
             self._open = None
-            self._buffer = body[end + len(CALL_CLOSE) :]
+            self._buffer = rest
         return "", deltas
+
+    def _call_body(self) -> str | None:
+        """The buffer from the next call's JSON object on, or None until it has begun."""
+        buffer = self._buffer
+        mark = self.fmt.call_open.strip()
+        if mark:
+            start = buffer.find(mark)
+            if start < 0:
+                return None
+            buffer = buffer[start + len(mark) :]
+        start = buffer.find("{")
+        return buffer[start:] if start >= 0 else None
+
+    def _after_close(self, rest: str) -> str | None:
+        """What follows the call's closing mark in `rest` (the text after its JSON object), or
+        None until the mark is whole."""
+        mark = self.fmt.call_close.strip()
+        if not mark:
+            return rest
+        end = rest.find(mark)
+        return None if end < 0 else rest[end + len(mark) :]
 
     @property
     def called(self) -> bool:

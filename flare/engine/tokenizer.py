@@ -10,7 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer as BackendTokenizer
 
-from flare.preparation.chat_template import ChatTemplateError, compile_chat_template, render_within_budget
+from flare.preparation.chat_template import (
+    ChatTemplateError,
+    compile_chat_template,
+    render_within_budget,
+    tool_call_format,
+)
 
 if TYPE_CHECKING:
     from flare.preparation.package import Package
@@ -72,6 +77,8 @@ class Tokenizer:
         self._template = compile_chat_template(chat_template)
         # A template that names `tools` renders function definitions and tool turns itself.
         self.knows_tools = "tools" in chat_template
+        # How the template writes tool calls, so the answer's grammar and reader use the same.
+        self.tool_format = tool_call_format(chat_template)
         # The special-token strings templates refer to, as transformers passes them.
         self._special_tokens: dict[str, str] = {"eos_token": backend.id_to_token(self.eos_token_ids[0])}
         if bos_token_id is not None:

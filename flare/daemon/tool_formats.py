@@ -1,0 +1,69 @@
+"""The ways a model writes its tool calls, as its chat template teaches them.
+
+A package's chat template decides the format once, when the package is loaded
+(`preparation.chat_template.tool_call_format`); the answer's grammar writes that format and the
+reader parses it back into OpenAI `tool_calls`:
+
+- `flare`: flare's own, for a template that does not know tools (the default model's):
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one per line (tool_calls.py
+  writes the preamble that teaches it).
+- `qwen`: Qwen 2.5 / Qwen 3 and Hermes 2 Pro templates: the same tags, each call's JSON on a line
+  of its own between them, as their templates write earlier calls.
+- `llama3`: Llama 3.1 / 3.2: the bare JSON object ``{"name": ..., "parameters": {...}}``; one call
+  per turn (their templates refuse a turn with several calls).
+- `mistral`: Mistral v0.3 and later: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``;
+  call ids of nine letters and digits (the template refuses any other).
+
+Every answer of calls is `prefix`, then each call as `call_open` + JSON + `call_close` joined by
+`separator`, then `suffix`. An answer that is text must not start with the first character of
+`prefix + call_open` (the grammar enforces it), so the reader tells text from calls at once.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import string
+import uuid
+from dataclasses import dataclass
+from typing import Literal
+
+ToolFormatName = Literal["flare", "qwen", "llama3", "mistral"]
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    name: ToolFormatName
+    prefix: str  # before the first call
+    call_open: str  # before each call's JSON object
+    call_close: str  # after each call's JSON object
+    separator: str  # between two calls
+    suffix: str  # after the last call
+    arguments_key: str  # the key of the call object that holds the arguments
+    several: bool  # whether the template takes more than one call in a turn
+    id_style: Literal["openai", "nine_alphanumeric"] = "openai"
+
+    @property
+    def lead(self) -> str:
+        """The character every answer of calls starts with (an answer of text never does)."""
+        return (self.prefix + self.call_open)[0]
+
+    @property
+    def head(self) -> re.Pattern[str]:
+        """A call's JSON up to its arguments, as the grammar writes it (fixed separators)."""
+        return re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "' + re.escape(self.arguments_key) + '": ')
+
+    def new_call_id(self) -> str:
+        if self.id_style == "nine_alphanumeric":
+            return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
+        return f"call_{uuid.uuid4().hex[:24]}"
+
+
+FLARE = ToolFormat("flare", "", "<tool_call>", "</tool_call>", "\n", "", "arguments", several=True)
+QWEN = ToolFormat("qwen", "", "<tool_call>\n", "\n</tool_call>", "\n", "", "arguments", several=True)
+LLAMA3 = ToolFormat("llama3", "", "", "", "", "", "parameters", several=False)
+MISTRAL = ToolFormat(
+    "mistral", "[TOOL_CALLS] [", "", "", ", ", "]", "arguments", several=True, id_style="nine_alphanumeric"
+)
+TOOL_FORMATS: dict[str, ToolFormat] = {f.name: f for f in (FLARE, QWEN, LLAMA3, MISTRAL)}
