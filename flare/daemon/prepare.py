@@ -216,7 +216,7 @@ async def chat_ids(serving: Serving, prompt: ChatPrompt, add_generation_prompt: 
             messages = tuple(template_messages(messages))
             encode = partial(tokenizer.encode_chat, tools=template_tools(prompt.tools))
         else:
-            messages = tuple(render_messages(messages, prompt.tools))
+            messages = tuple(render_messages(messages, prompt.tools, system_turn=tokenizer.takes_system_turn))
     check_prompt_size(serving.scheduler, sum(len(m["content"] or "") for m in messages), prompt.param)
     special = serving.config.allow_special_tokens_in_messages
     try:

@@ -181,8 +181,12 @@ def check_tool_results(messages: Sequence[Mapping[str, Any]]) -> None:
 # --- the prompt ---------------------------------------------------------------------------
 
 
-def render_messages(messages: Sequence[Mapping[str, Any]], tools: ToolRequest | None) -> list[dict[str, Any]]:
-    """The conversation in the generic format: plain {role, content} messages for any template."""
+def render_messages(
+    messages: Sequence[Mapping[str, Any]], tools: ToolRequest | None, *, system_turn: bool = True
+) -> list[dict[str, Any]]:
+    """The conversation in the generic format: plain {role, content} messages for any template.
+    The preamble is a system turn, or opens the first user turn where the template takes no
+    system turn (`system_turn` False)."""
     rendered: list[dict[str, Any]] = []
     for message in messages:
         if message["role"] == "tool":
@@ -200,8 +204,11 @@ def render_messages(messages: Sequence[Mapping[str, Any]], tools: ToolRequest | 
             rendered.append({"role": message["role"], "content": message["content"]})
     if tools is not None and tools.calls_possible:
         preamble = _preamble(tools)
+        first_user = next((i for i, m in enumerate(rendered) if m["role"] == "user"), None)
         if rendered and rendered[0]["role"] == "system":
             rendered[0] = {"role": "system", "content": f"{rendered[0]['content']}\n\n{preamble}"}
+        elif not system_turn and first_user is not None:
+            rendered[first_user] = {"role": "user", "content": f"{preamble}\n\n{rendered[first_user]['content']}"}
         else:
             rendered.insert(0, {"role": "system", "content": preamble})
     return rendered

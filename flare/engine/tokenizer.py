@@ -13,7 +13,9 @@ from tokenizers import Tokenizer as BackendTokenizer
 from flare.preparation.chat_template import (
     ChatTemplateError,
     compile_chat_template,
+    reads_tools,
     render_within_budget,
+    takes_system_turn,
     tool_call_format,
 )
 
@@ -75,10 +77,13 @@ class Tokenizer:
         self.eos_token_ids = tuple(eos_token_ids)
         self.bos_token_id = bos_token_id
         self._template = compile_chat_template(chat_template)
-        # A template that names `tools` renders function definitions and tool turns itself.
-        self.knows_tools = "tools" in chat_template
+        # A template that reads `tools` renders function definitions and tool turns itself.
+        self.knows_tools = reads_tools(chat_template)
         # How the template writes tool calls, so the answer's grammar and reader use the same.
         self.tool_format = tool_call_format(chat_template)
+        # Where flare's tool preamble goes for a template without tools: its own system turn,
+        # or the first user turn for a template that refuses system turns (Gemma 2's).
+        self.takes_system_turn = takes_system_turn(self._template)
         # The special-token strings templates refer to, as transformers passes them.
         self._special_tokens: dict[str, str] = {"eos_token": backend.id_to_token(self.eos_token_ids[0])}
         if bos_token_id is not None:

@@ -53,6 +53,7 @@ class FakeTokenizer:
     eos_token_ids = (0,)
     knows_tools = False
     tool_format = "flare"
+    takes_system_turn = True
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]
