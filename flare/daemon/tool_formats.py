@@ -15,8 +15,8 @@ reader parses it back into OpenAI `tool_calls`:
   call ids of nine letters and digits (the template refuses any other).
 
 Every answer of calls is `prefix`, then each call as `call_open` + JSON + `call_close` joined by
-`separator`, then `suffix`. An answer that is text must not start with the first character of
-`prefix + call_open` (the grammar enforces it), so the reader tells text from calls at once.
+`separator`, then `suffix`. An answer that is text must not start with the character an answer
+of calls starts with (`lead`; the grammar enforces it), so the reader tells text from calls at once.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class ToolFormat:
     @property
     def lead(self) -> str:
         """The character every answer of calls starts with (an answer of text never does)."""
-        return (self.prefix + self.call_open)[0]
+        return (self.prefix + self.call_open + "{")[0]  # a bare call opens with its JSON object
 
     @property
     def head(self) -> re.Pattern[str]:

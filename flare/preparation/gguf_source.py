@@ -26,6 +26,7 @@ from flare.preparation.blocks import KEPT_TYPES, BlockTensor, block_problems, un
 from flare.preparation.gguf_layout import read_gguf_layout
 from flare.preparation.manifest import ModelConfig
 from flare.preparation.package import sha256_of, weight_problems
+from flare.preparation.recipes import gguf_sampling_defaults
 from flare.preparation.source import ModelSource, SourceError, SourceWeights
 
 # GGUF tensor names -> Hugging Face Llama names; {i} is the layer index.
@@ -127,6 +128,7 @@ def open_gguf(path: Path, source: str | None = None) -> ModelSource:
         read_weights=read_weights,
         read_blocks=read_blocks,
         read_dequantized=read_dequantized,
+        declared_defaults=gguf_sampling_defaults(metadata.get),
     )
 
 
@@ -161,9 +163,10 @@ def _model_config(reader: gguf.GGUFReader, metadata: _Metadata) -> ModelConfig:
     )
     tensor_names = {tensor.name for tensor in reader.tensors}
     eos = [int(metadata.require("tokenizer.ggml.eos_token_id"))]
-    eot = metadata.get("tokenizer.ggml.eot_token_id")
-    if eot is not None and int(eot) not in eos:
-        eos.append(int(eot))
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        token = metadata.get(key)
+        if token is not None and int(token) not in eos:
+            eos.append(int(token))
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     return ModelConfig(
         vocab_size=int(metadata.get("llama.vocab_size") or len(tokens)),
