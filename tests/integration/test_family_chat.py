@@ -1,0 +1,114 @@
+"""The families' chat conventions over the real daemon (tiny random Llama, the default model's
+tokenizer, a family's own chat template): tool calls are generated in the format the template
+teaches and come back as OpenAI tool_calls, streamed and not, and a conversation carrying them
+renders again through that template; generation ends at any of the package's stop ids, which are
+never sent as text."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from daemon_process import DaemonProcess, start_daemon
+
+TEMPLATES = Path(__file__).parent.parent / "fixtures" / "templates"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
+IM_START = 1  # <|im_start|> in the default model's vocabulary: made a stop id of these packages
+
+
+@pytest.fixture(scope="module", params=["llama3.1", "mistral-v0.3", "qwen2.5"])
+def daemon(request: pytest.FixtureRequest, make_package: Any, package_parts: dict[str, Any]) -> Iterator[DaemonProcess]:
+    config = package_parts["config"]
+    package = make_package(
+        chat_template=(TEMPLATES / f"{request.param}.jinja").read_text(),
+        config=replace(config, eos_token_ids=(*config.eos_token_ids, IM_START)),
+    )
+    process = start_daemon(package, ["--max-concurrency", "4"])
+    yield process
+    assert process.stop() == 0, process.log()
+
+
+def _valid(name: str, arguments: str) -> bool:
+    return name == "get_weather" and json.loads(arguments) in ({"city": "Paris"}, {"city": "Oslo"})
+
+
+async def test_a_required_call_comes_back_as_tool_calls_and_renders_again(
+    client: openai.AsyncOpenAI, model: str
+) -> None:
+    answer = await client.chat.completions.create(
+        model=model, messages=CHAT, tools=[WEATHER], tool_choice="required", temperature=1.0, seed=1, max_tokens=80
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = choice.message.tool_calls
+    assert calls and all(_valid(c.function.name, c.function.arguments) for c in calls)
+    # The calls, with the ids flare gave them, render through the family's template (Mistral's
+    # refuses any id but nine letters and digits; Llama 3.1's more than one call a turn).
+    messages: list[Any] = [
+        *CHAT,
+        {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]},
+        *({"role": "tool", "tool_call_id": c.id, "content": "18 C"} for c in calls),
+    ]
+    again = await client.chat.completions.create(
+        model=model, messages=messages, tools=[WEATHER], tool_choice="none", temperature=0, max_tokens=4
+    )
+    assert again.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_a_named_call_streams_as_openai_deltas(client: openai.AsyncOpenAI, model: str) -> None:
+    stream = await client.chat.completions.create(
+        model=model, messages=CHAT, tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=1.0, seed=2, max_tokens=80, stream=True,
+    )
+    name, arguments, finish, content = "", "", None, ""
+    async for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or ():
+            assert call.index == 0
+            name += call.function.name or ""
+            arguments += call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and content == "" and _valid(name, arguments)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_generation_ends_at_a_stop_id_which_is_not_sent_as_text(
+    client: openai.AsyncOpenAI, model: str, stream: bool
+) -> None:
+    # logit_bias makes the stop id the model's first choice: the answer ends there, empty.
+    kwargs: dict[str, Any] = {
+        "model": model, "messages": CHAT, "temperature": 0, "max_tokens": 16, "logit_bias": {str(IM_START): 100},
+    }
+    if not stream:
+        answer = await client.chat.completions.create(**kwargs)
+        # Without the id among the stop ids the answer would run to max_tokens ("length").
+        assert answer.choices[0].finish_reason == "stop" and answer.choices[0].message.content == ""
+        return
+    text, finish = "", None
+    async for chunk in await client.chat.completions.create(**kwargs, stream=True):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "stop" and text == ""
