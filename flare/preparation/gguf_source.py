@@ -163,10 +163,9 @@ def _model_config(reader: gguf.GGUFReader, metadata: _Metadata) -> ModelConfig:
     )
     tensor_names = {tensor.name for tensor in reader.tensors}
     eos = [int(metadata.require("tokenizer.ggml.eos_token_id"))]
-    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        token = metadata.get(key)
-        if token is not None and int(token) not in eos:
-            eos.append(int(token))
+    eot = metadata.get("tokenizer.ggml.eot_token_id")
+    if eot is not None and int(eot) not in eos:
+        eos.append(int(eot))
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     return ModelConfig(
         vocab_size=int(metadata.get("llama.vocab_size") or len(tokens)),

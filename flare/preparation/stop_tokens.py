@@ -4,7 +4,7 @@ tokens its chat template closes a turn with.
 A source declares its stop ids in more than one place, and every family fills them differently:
 a Hugging Face directory in config.json and generation_config.json (`eos_token_id`, one id or a
 list: Llama 3.1 lists `<|end_of_text|>`, `<|eom_id|>` and `<|eot_id|>`), a GGUF file in
-`tokenizer.ggml.eos_token_id`, `eot_token_id` and `eom_token_id`. Some declare only the
+`tokenizer.ggml.eos_token_id` and `eot_token_id` (Llama 3.1's leave `<|eom_id|>` out). Some declare only the
 end-of-text token while the chat model ends its turns with another (Gemma's `<end_of_turn>`,
 Phi-3's `<|end|>`): a model that writes the token its template closes turns with has finished
 its answer, so that token stops it too (llama.cpp ends generation on the same tokens, by text).

@@ -75,13 +75,10 @@ def test_a_hugging_face_directory_stops_at_its_templates_turn_end(
     assert open_source(str(directory)).config.eos_token_ids == (0, 2)
 
 
-def test_a_gguf_stops_at_its_eos_eot_and_eom_ids(
-    tmp_path: Path, tiny_config: ModelConfig, make_state_dict: Any
-) -> None:
+def test_a_gguf_stops_at_its_eos_and_eot_ids(tmp_path: Path, tiny_config: ModelConfig, make_state_dict: Any) -> None:
     config = replace(tiny_config, vocab_size=len(tiny_vocabulary()[0]))
-    kv = {"tokenizer.ggml.eot_token_id": 0, "tokenizer.ggml.eom_token_id": 1}
-    write_tiny_gguf(tmp_path / "m.gguf", config, make_state_dict(config), kv=kv)
-    assert open_source(str(tmp_path / "m.gguf")).config.eos_token_ids == (2, 0, 1)
+    write_tiny_gguf(tmp_path / "m.gguf", config, make_state_dict(config), kv={"tokenizer.ggml.eot_token_id": 0})
+    assert open_source(str(tmp_path / "m.gguf")).config.eos_token_ids == (2, 0)
 
 
 QWEN_GENERATION = {
