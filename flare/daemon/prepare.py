@@ -25,9 +25,9 @@ from flare.daemon.generation import ChatPrompt, Generation, TextPrompts, TokenOp
 from flare.daemon.openai_schema import closed_objects_adjustment
 from flare.daemon.rendering import flare_object, logprobs_object
 from flare.daemon.tool_calls import render_messages, template_messages, template_tools, tool_grammar
-from flare.daemon.tool_formats import TOOL_FORMATS, ToolFormat
 from flare.engine.tokenizer import ChatTemplateError
 from flare.preparation.chat_template import ChatTemplateLimit
+from flare.preparation.tool_formats import ToolFormat
 from flare.sampling.policy import Adjustment, ClampResult
 from flare.scheduler.request import FaultSpec, GenerationRequest
 from flare.structured import Grammar, GrammarError, GrammarSpec
@@ -125,10 +125,10 @@ async def prepare(
             param=param,
             code="context_length_exceeded",
         )
-    tool_format = TOOL_FORMATS[scheduler.tokenizer.tool_format]
+    tool_format = scheduler.tokenizer.tool_format
     constraint = generation.constraint
     if generation.tools is not None and generation.tools.calls_possible:
-        constraint = tool_grammar(generation.tools, tool_format)
+        constraint = tool_grammar(generation.tools, tool_format, scheduler.tokenizer.tool_tokens)
     grammar = await _compile(serving, constraint)
     clamp = _clamp(scheduler, generation, room, grammar)
     scores_prompt = tokens.echo and tokens.logprobs is not None

@@ -18,7 +18,7 @@ whose chat template does not know tools (the default model's):
 A package whose template knows tools (it names `tools`, as Qwen's, Llama 3.1's and Mistral's
 do) gets the functions and the conversation through its template instead, in Hugging Face's
 convention (`template_messages`, `template_tools`); the answer is held to and read in the format
-that template teaches (tool_formats.py), the one above where it teaches none of those.
+that template teaches (preparation/tool_formats.py), the one above where it teaches none of those.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from flare.daemon.errors import bad_request
-from flare.daemon.tool_formats import FLARE, ToolFormat
+from flare.preparation.tool_formats import FLARE, ToolFormat
 from flare.structured.bounds import BoundError, check_schema
 from flare.structured.compiler import JSON_OPTIONS
 from flare.structured.spec import GrammarSpec
@@ -270,9 +270,12 @@ def _preamble(tools: ToolRequest) -> str:
 # --- the grammar --------------------------------------------------------------------------
 
 
-def tool_grammar(tools: ToolRequest, fmt: ToolFormat = FLARE) -> GrammarSpec | None:
+def tool_grammar(
+    tools: ToolRequest, fmt: ToolFormat = FLARE, control: Mapping[str, int] | None = None
+) -> GrammarSpec | None:
     """The Lark grammar (llguidance's, with %json for the arguments) the answer follows, in the
-    tool-call format `fmt` (tool_formats.py)."""
+    tool-call format `fmt` (preparation/tool_formats.py); `control` names the control tokens
+    among its marks by id (Mistral's [TOOL_CALLS] is one token, not its spelling)."""
     if not tools.calls_possible:
         return None
     allowed = [t for t in tools.tools if tools.choice != "named" or t.name == tools.named]
@@ -292,22 +295,35 @@ def tool_grammar(tools: ToolRequest, fmt: ToolFormat = FLARE) -> GrammarSpec | N
             for t in allowed
         ],
     }
+    control = control or {}
     several = tools.parallel and fmt.several
-    calls = f"call ({_literal(fmt.separator)} call)*" if several else "call"
+    calls = f"call ({_literal(fmt.separator, control)} call)*" if several else "call"
     start = "text | calls" if tools.choice == "auto" else "calls"
     lark = (
         f"start: {start}\n"
         "text: TEXT\n"
         f"TEXT: /[^{re.escape(fmt.lead)}](.|\\n)*/\n"
-        f"calls: {_literal(fmt.prefix)} {calls} {_literal(fmt.suffix)}\n"
-        f"call: {_literal(fmt.call_open)} %json {json.dumps(call_schema)} {_literal(fmt.call_close)}\n"
+        f"calls: {_literal(fmt.prefix, control)} {calls} {_literal(fmt.suffix, control)}\n"
+        f"call: {_literal(fmt.call_open, control)} %json {json.dumps(call_schema)} {_literal(fmt.call_close, control)}\n"
     )
     return GrammarSpec("lark", lark, "tools", tuple(p for t in allowed for p in t.closed_objects))
 
 
-def _literal(text: str) -> str:
-    """`text` as a Lark string literal (JSON's escapes are Lark's), nothing for no text."""
-    return json.dumps(text) if text else ""
+def _literal(text: str, control: Mapping[str, int]) -> str:
+    """`text` as Lark: its control tokens by id (`<[id]>`), the rest as string literals (JSON's
+    escapes are Lark's); nothing for no text."""
+    pieces: list[str] = []
+    start = 0
+    names = sorted((name for name in control if name in text), key=len, reverse=True)
+    if names:
+        for match in re.finditer("|".join(re.escape(name) for name in names), text):
+            if match.start() > start:
+                pieces.append(json.dumps(text[start : match.start()]))
+            pieces.append(f"<[{control[match.group()]}]>")
+            start = match.end()
+    if start < len(text):
+        pieces.append(json.dumps(text[start:]))
+    return " ".join(pieces)
 
 
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values, not schemas

@@ -16,8 +16,8 @@ from flare.preparation.chat_template import (
     reads_tools,
     render_within_budget,
     takes_system_turn,
-    tool_call_format,
 )
+from flare.preparation.tool_formats import tool_call_format
 
 if TYPE_CHECKING:
     from flare.preparation.package import Package
@@ -106,6 +106,14 @@ class Tokenizer:
         self._text_backend.encode_special_tokens = True
         # Added tokens are written as their text, not in the byte-level alphabet.
         self._added_token_ids = frozenset(backend.get_added_tokens_decoder())
+        # The control tokens the tool-call format writes (Mistral's [TOOL_CALLS]): the answer's
+        # grammar names them by id, and decoding keeps their text, which the calls' reader reads.
+        self.tool_tokens = {
+            name: self._control_ids[name]
+            for name in self._control_names
+            if any(name in mark for mark in self.tool_format.marks)
+        }
+        self._decode_backend = _decoding_as_text(backend, self.tool_tokens) if self.tool_tokens else backend
 
     @classmethod
     def from_package(cls, package: Package) -> Tokenizer:
@@ -155,7 +163,7 @@ class Tokenizer:
         return -(-characters // self.max_chars_per_token)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self._decode_backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes token `token_id` stands for (what a log-probability entry reports): a
@@ -263,6 +271,16 @@ class Tokenizer:
         if _ESCAPE not in text:
             return text
         return _ESCAPED.sub(lambda m: self._control_names[int(m.group(1))] if m.group(1) else _ESCAPE, text)
+
+
+def _decoding_as_text(backend: BackendTokenizer, names: Mapping[str, int]) -> BackendTokenizer:
+    """`backend` for decoding, with the added tokens `names` no longer special: skipping
+    special tokens leaves them in the text."""
+    specification = json.loads(backend.to_str())
+    for token in specification.get("added_tokens") or ():
+        if token.get("content") in names:
+            token["special"] = False
+    return BackendTokenizer.from_str(json.dumps(specification))
 
 
 def _max_chars_per_token(specification: Mapping[str, Any]) -> int | None:

@@ -220,25 +220,6 @@ def takes_system_turn(template: jinja2.Template) -> bool:
     return True
 
 
-def tool_call_format(source: str) -> str:
-    """The tool-call format the chat template `source` teaches (daemon/tool_formats.py names
-    them): decided from the template's text, once, when a package is loaded.
-
-    A template that does not read `tools` cannot show the model its functions: flare writes its
-    own format then ("flare"). Otherwise the marks each family's template writes its earlier
-    calls with: Mistral's `[TOOL_CALLS]`, the `<tool_call>` tags of Qwen and Hermes, Llama 3.1's
-    `"parameters"` object beside its header tokens; any other such template, flare's format."""
-    if not reads_tools(source):
-        return "flare"
-    if "[TOOL_CALLS]" in source:
-        return "mistral"
-    if "<tool_call>" in source:
-        return "qwen"
-    if '"parameters"' in source and "<|start_header_id|>" in source:
-        return "llama3"
-    return "flare"
-
-
 def check_chat_template(source: str) -> str | None:
     """Why the chat template `source` cannot be served (it does not compile, or it loops,
     recurses without end or explodes on a plain conversation), or None when it can."""

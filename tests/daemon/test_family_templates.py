@@ -118,7 +118,7 @@ def test_every_family_template_passes_the_export_check(name: str) -> None:
 async def test_a_tool_conversation_renders_as_the_family_reads_it(tokenizer_json: Path, name: str) -> None:
     tool_format, pieces, end = EXPECTED[name]
     serving = _serving(tokenizer_json, _template(name))
-    assert serving.scheduler.tokenizer.tool_format == tool_format
+    assert serving.scheduler.tokenizer.tool_format.name == tool_format
     messages = CONVERSATION
     if name.startswith("gemma"):
         messages = CONVERSATION[1:]  # Gemma's turns alternate user/model from the start (no system role in Gemma 2)

@@ -1,4 +1,4 @@
-"""Tool calls in each format a chat template teaches (daemon/tool_formats.py): the format is read
+"""Tool calls in each format a chat template teaches (preparation/tool_formats.py): the format is read
 from the template, the grammar holds a required or named call to it (on the tiny package's
 tokenizer), and the reader turns the answer into OpenAI tool_calls, streamed in any pieces or
 read whole, while text passes through."""
@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 
 from flare.daemon.tool_calls import ToolCallReader, parse_tools, tool_grammar
-from flare.daemon.tool_formats import FLARE, LLAMA3, MISTRAL, QWEN, ToolFormat
-from flare.preparation.chat_template import tool_call_format
+from flare.preparation.tool_formats import FLARE, LLAMA3, MISTRAL, QWEN, ToolFormat, tool_call_format
 from flare.preparation.package import open_package
 from flare.structured import GrammarCompiler, GrammarState
 
@@ -50,11 +49,11 @@ FORMATS = {"flare": FLARE, "qwen": QWEN, "llama3": LLAMA3, "mistral": MISTRAL}
      ("phi3.5", "flare"), ("phi4-mini", "flare")],
 )
 def test_the_format_is_the_one_the_template_teaches(template: str, expected: str) -> None:
-    assert tool_call_format((TEMPLATES / f"{template}.jinja").read_text()) == expected
+    assert tool_call_format((TEMPLATES / f"{template}.jinja").read_text()).name == expected
 
 
 def test_a_template_that_mentions_tool_calls_without_reading_tools_gets_flares_format() -> None:
-    assert tool_call_format("{{ messages[0].content }} <tool_call> [TOOL_CALLS]") == "flare"
+    assert tool_call_format("{{ messages[0].content }} <tool_call> [TOOL_CALLS]") is FLARE
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +157,35 @@ def test_text_passes_through_in_every_format(name: str) -> None:
     assert reader.push("Sunny") == ("Sunny", [])
     assert reader.push(" " + FORMATS[name].lead) == (" " + FORMATS[name].lead, [])
     assert not reader.called
+
+
+def test_a_mark_that_is_a_control_token_is_that_token_and_is_read_back(tiny_package: Path) -> None:
+    # Mistral's vocabulary holds [TOOL_CALLS] as one control token: the grammar asks for that
+    # token (not its spelling, which the model never wrote), and decoding keeps its text.
+    from tokenizers import Tokenizer as BackendTokenizer
+
+    from flare.engine.tokenizer import Tokenizer
+
+    backend = BackendTokenizer.from_file(str(open_package(tiny_package).tokenizer_json_path))
+    backend.add_special_tokens(["[TOOL_CALLS]"])
+    marker = backend.token_to_id("[TOOL_CALLS]")
+    tokenizer = Tokenizer(backend, (TEMPLATES / "mistral-v0.3.jinja").read_text(), eos_token_ids=(2,))
+    assert tokenizer.tool_format is MISTRAL and tokenizer.tool_tokens == {"[TOOL_CALLS]": marker}
+    calls = ' [{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    ids = [marker, *tokenizer.encode(calls, add_special_tokens=False), 2]
+    text = tokenizer.decode(ids)
+    assert text == "[TOOL_CALLS]" + calls  # <|im_end|> (2) is still skipped
+    reader = ToolCallReader(active=True, fmt=MISTRAL)
+    reader.push(text)
+    assert [(c.name, json.loads(c.arguments)) for c in reader.calls] == [("get_weather", {"city": "Paris"})]
+
+    compiler = GrammarCompiler(backend.to_str(), vocab_size=backend.get_vocab_size(), eos_token_ids=(2,))
+    tools = parse_tools({"tools": FUNCTIONS, "tool_choice": "required"})
+    assert tools is not None
+    spec = tool_grammar(tools, MISTRAL, tokenizer.tool_tokens)
+    assert spec is not None and f"<[{marker}]>" in spec.source
+    state = GrammarState(compiler.compile(spec))
+    tokens = state.grammar.tokenizer.tokenize_str(calls)
+    assert state.valid_prefix([marker, *tokens]) == len(tokens) + 1
+    spelled = tokenizer.encode("[TOOL_CALLS", add_special_tokens=False) + tokenizer.encode("]", add_special_tokens=False)
+    assert marker not in spelled and state.valid_prefix(spelled) == 0

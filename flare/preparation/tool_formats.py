@@ -1,7 +1,7 @@
 """The ways a model writes its tool calls, as its chat template teaches them.
 
 A package's chat template decides the format once, when the package is loaded
-(`preparation.chat_template.tool_call_format`); the answer's grammar writes that format and the
+(`tool_call_format`); the answer's grammar (daemon/tool_calls.py) writes that format and the
 reader parses it back into OpenAI `tool_calls`:
 
 - `flare`: flare's own, for a template that does not know tools (the default model's):
@@ -15,7 +15,8 @@ reader parses it back into OpenAI `tool_calls`:
   call ids of nine letters and digits (the template refuses any other).
 
 Every answer of calls is `prefix`, then each call as `call_open` + JSON + `call_close` joined by
-`separator`, then `suffix`. An answer that is text must not start with the character an answer
+`separator`, then `suffix`. A mark the vocabulary holds as a control token (Mistral's
+`[TOOL_CALLS]`) is that token in the grammar, and stays in the decoded text for the reader. An answer that is text must not start with the character an answer
 of calls starts with (`lead`; the grammar enforces it), so the reader tells text from calls at once.
 """
 
@@ -27,6 +28,8 @@ import string
 import uuid
 from dataclasses import dataclass
 from typing import Literal
+
+from flare.preparation.chat_template import reads_tools
 
 ToolFormatName = Literal["flare", "qwen", "llama3", "mistral"]
 _ALPHANUMERIC = string.ascii_letters + string.digits
@@ -54,6 +57,11 @@ class ToolFormat:
         """A call's JSON up to its arguments, as the grammar writes it (fixed separators)."""
         return re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "' + re.escape(self.arguments_key) + '": ')
 
+    @property
+    def marks(self) -> tuple[str, ...]:
+        """The fixed texts the format writes around its calls."""
+        return tuple(m for m in (self.prefix, self.call_open, self.call_close, self.separator, self.suffix) if m)
+
     def new_call_id(self) -> str:
         if self.id_style == "nine_alphanumeric":
             return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
@@ -66,4 +74,22 @@ LLAMA3 = ToolFormat("llama3", "", "", "", "", "", "parameters", several=False)
 MISTRAL = ToolFormat(
     "mistral", "[TOOL_CALLS] [", "", "", ", ", "]", "arguments", several=True, id_style="nine_alphanumeric"
 )
-TOOL_FORMATS: dict[str, ToolFormat] = {f.name: f for f in (FLARE, QWEN, LLAMA3, MISTRAL)}
+
+
+def tool_call_format(source: str) -> ToolFormat:
+    """The tool-call format the chat template `source` teaches: decided from the template's
+    text, once, when a package is loaded.
+
+    A template that does not read `tools` cannot show the model its functions: flare writes its
+    own format then ("flare"). Otherwise the marks each family's template writes its earlier
+    calls with: Mistral's `[TOOL_CALLS]`, the `<tool_call>` tags of Qwen and Hermes, Llama 3.1's
+    `"parameters"` object beside its header tokens; any other such template, flare's format."""
+    if not reads_tools(source):
+        return FLARE
+    if "[TOOL_CALLS]" in source:
+        return MISTRAL
+    if "<tool_call>" in source:
+        return QWEN
+    if '"parameters"' in source and "<|start_header_id|>" in source:
+        return LLAMA3
+    return FLARE
