@@ -112,3 +112,48 @@ async def test_generation_ends_at_a_stop_id_which_is_not_sent_as_text(
             text += chunk.choices[0].delta.content or ""
             finish = chunk.choices[0].finish_reason or finish
     assert finish == "stop" and text == ""
+
+
+QWEN_GENERATION = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,
+                   "eos_token_id": [2, 0]}
+
+
+@pytest.fixture(scope="module")
+def qwen_daemon(smollm2_source: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """A tiny Qwen2 checkpoint (tests/families.py) with Qwen 2.5's chat template and generation
+    config, exported from its Hugging Face directory and served."""
+    import io
+
+    from families import write_checkpoint
+
+    from flare.preparation.export import ExportOptions, export_package
+
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("qwen2")
+    template = (TEMPLATES / "qwen2.5.jinja").read_text()
+    checkpoint = write_checkpoint("qwen2", root / "qwen2", smollm2_source.tokenizer_json, template)
+    (checkpoint.path / "generation_config.json").write_text(json.dumps(QWEN_GENERATION))
+    export_package(str(checkpoint.path), root / "package", ExportOptions(dtype="float32"), stderr=io.StringIO())
+    process = start_daemon(root / "package", ["--max-concurrency", "4"])
+    yield process
+    assert process.stop() == 0, process.log()
+
+
+async def test_a_qwen2_package_serves_its_generation_defaults_and_calls_in_its_format(qwen_daemon: DaemonProcess) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{qwen_daemon.base_url}/v1", api_key="unused", max_retries=0)
+    model = qwen_daemon.model_name()
+    plain = await client.chat.completions.create(model=model, messages=CHAT, max_tokens=4, seed=0)
+    applied = plain.model_extra["flare"]["sampling"]
+    assert (applied["temperature"], applied["top_p"], applied["top_k"]) == (0.7, 0.8, 20)
+    assert applied["repetition_penalty"] == 1.05
+    stream = await client.chat.completions.create(
+        model=model, messages=CHAT, tools=[WEATHER], tool_choice="required", seed=3, max_tokens=80, stream=True
+    )
+    name, arguments, finish = "", "", None
+    async for chunk in stream:
+        if chunk.choices:
+            for call in chunk.choices[0].delta.tool_calls or ():
+                name += call.function.name or ""
+                arguments += call.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and _valid(name, arguments)
