@@ -299,14 +299,34 @@ def tool_grammar(
     several = tools.parallel and fmt.several
     calls = f"call ({_literal(fmt.separator, control)} call)*" if several else "call"
     start = "text | calls" if tools.choice == "auto" else "calls"
+    thinking = ""
+    if fmt.thinking is not None:
+        start = f"THINKING? ({start})"
+        thinking = f"THINKING: /{_thinking_regex(*fmt.thinking)}/\n"
     lark = (
         f"start: {start}\n"
+        f"{thinking}"
         "text: TEXT\n"
         f"TEXT: /[^{re.escape(fmt.lead)}](.|\\n)*/\n"
         f"calls: {_literal(fmt.prefix, control)} {calls} {_literal(fmt.suffix, control)}\n"
         f"call: {_literal(fmt.call_open, control)} %json {json.dumps(call_schema)} {_literal(fmt.call_close, control)}\n"
     )
     return GrammarSpec("lark", lark, "tools", tuple(p for t in allowed for p in t.closed_objects))
+
+
+def _thinking_regex(opening: str, closing: str) -> str:
+    """A regular expression (Lark's, slashes escaped) of `opening`, text without `closing`,
+    `closing` and newlines: one lexeme, so that the reasoning ends at its first closing tag."""
+
+    def escaped(text: str) -> str:
+        return re.escape(text).replace("/", "\\/")
+
+    # Text without `closing`: each character but the tag's first, or a proper prefix of the
+    # tag followed by a character that does not continue it.
+    avoid = "|".join(
+        f"{escaped(closing[:n])}[^{escaped(closing[n])}]" for n in range(len(closing))
+    )
+    return f"{escaped(opening)}({avoid})*{escaped(closing)}\\n*"
 
 
 def _literal(text: str, control: Mapping[str, int]) -> str:
@@ -394,13 +414,14 @@ class _OpenCall:
 class ToolCallReader:
     """Reads one choice's answer as it streams, in the tool-call format `fmt`: text passes
     through; from the format's leading character on (the grammar lets text never start with
-    it), the answer is calls. Each call is given out as OpenAI streams them: a first delta with
+    it), the answer is calls. Reasoning the format lets open the answer (Qwen 3's thinking)
+    passes through as text, and the answer after it is read the same way. Each call is given out as OpenAI streams them: a first delta with
     its index, id, type and name (arguments ""), then its arguments in pieces as they are
     generated, up to the end of the call's JSON object."""
 
     active: bool
     fmt: ToolFormat = FLARE
-    _mode: Literal["unknown", "text", "calls"] = "unknown"
+    _mode: Literal["unknown", "thinking", "thought", "text", "calls"] = "unknown"
     _buffer: str = ""
     _open: _OpenCall | None = None
     calls: list[ToolCall] = field(default_factory=list)
@@ -409,14 +430,25 @@ class ToolCallReader:
         """(text to send as content, tool_calls deltas for this piece)."""
         if not self.active:
             return text, []
+        thought = ""
+        if self._mode in ("thinking", "thought"):
+            thought, text = self._thinking(text)
+            if self._mode != "unknown":
+                return thought, []
         if self._mode == "unknown":
             self._buffer += text
-            if not self._buffer:
-                return "", []
+            opening = self.fmt.thinking[0] if self.fmt.thinking else None
+            if not self._buffer or (opening is not None and opening.startswith(self._buffer) and self._buffer != opening):
+                return thought, []  # nothing yet, or what may still become the reasoning's opening tag
+            if opening is not None and self._buffer.startswith(opening):
+                self._mode = "thinking"
+                text, self._buffer = self._buffer, ""
+                more, deltas = self.push(text)
+                return thought + more, deltas
             self._mode = "calls" if self._buffer.startswith(self.fmt.lead) else "text"
             text, self._buffer = self._buffer, ""
         if self._mode == "text":
-            return text, []
+            return thought + text, []
         self._buffer += text
         deltas: list[dict[str, Any]] = []
         while (body := self._call_body()) is not None:
@@ -445,7 +477,30 @@ class ToolCallReader:
                 self.calls.append(ToolCall(call.id or finished.id, finished.name, finished.arguments))
             self._open = None
             self._buffer = rest
-        return "", deltas
+        return thought, deltas
+
+    def _thinking(self, text: str) -> tuple[str, str]:
+        """The reasoning that opens the answer (Qwen 3's <think>...</think> and the newlines
+        after it) passes through as content; (that content, the text after it). The mode turns
+        "unknown" once the answer proper begins."""
+        closing = self.fmt.thinking[1] if self.fmt.thinking else ""
+        if self._mode == "thought":  # the closing tag is out: newlines until the answer
+            answer = text.lstrip("\n")
+            if answer:
+                self._mode = "unknown"
+            return text[: len(text) - len(answer)], answer
+        self._buffer += text
+        end = self._buffer.find(closing)
+        if end < 0:
+            # Hold back what may be the start of the closing tag.
+            held = next((n for n in range(len(closing) - 1, 0, -1) if self._buffer.endswith(closing[:n])), 0)
+            thought, self._buffer = self._buffer[: len(self._buffer) - held], self._buffer[len(self._buffer) - held :]
+            return thought, ""
+        thought, rest = self._buffer[: end + len(closing)], self._buffer[end + len(closing) :]
+        self._buffer = ""
+        self._mode = "thought"
+        more, answer = self._thinking(rest)
+        return thought + more, answer
 
     def _call_body(self) -> str | None:
         """The buffer from the next call's JSON object on, or None until it has begun."""

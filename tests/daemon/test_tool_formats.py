@@ -189,3 +189,35 @@ def test_a_mark_that_is_a_control_token_is_that_token_and_is_read_back(tiny_pack
     assert state.valid_prefix([marker, *tokens]) == len(tokens) + 1
     spelled = tokenizer.encode("[TOOL_CALLS", add_special_tokens=False) + tokenizer.encode("]", add_special_tokens=False)
     assert marker not in spelled and state.valid_prefix(spelled) == 0
+
+
+QWEN3 = tool_call_format((TEMPLATES / "qwen3.jinja").read_text())
+THOUGHT = "<think>\nThe user wants a <b>city</b>: Paris. </thin\n</think>\n\n"
+
+
+def test_qwen3_may_think_before_it_calls_or_answers(compiler: GrammarCompiler) -> None:
+    assert QWEN3.name == "qwen" and QWEN3.thinking == ("<think>", "</think>")
+    assert tool_call_format((TEMPLATES / "qwen2.5.jinja").read_text()).thinking is None
+    call = ANSWERS["qwen"].split("\n<tool_call>")[0] % "Paris"
+    assert _whole(compiler, QWEN3, "required", THOUGHT + call)
+    assert _whole(compiler, QWEN3, "required", call)
+    assert _whole(compiler, QWEN3, "auto", THOUGHT + "It is sunny.")
+    assert not _whole(compiler, QWEN3, "auto", THOUGHT + "<think>again</think>It is sunny.")
+    assert not _whole(compiler, QWEN, "required", THOUGHT + call)  # Qwen 2.5 does not think
+
+
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+def test_qwen3s_thinking_is_content_and_its_call_is_read_after_it(piece: int) -> None:
+    answer = THOUGHT + ANSWERS["qwen"] % "Paris"
+    reader = ToolCallReader(active=True, fmt=QWEN3)
+    content = ""
+    for start in range(0, len(answer), piece):
+        text, _ = reader.push(answer[start : start + piece])
+        content += text
+    assert content == THOUGHT
+    assert [(c.name, json.loads(c.arguments)) for c in reader.calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {"hours": 3})
+    ]
+    text_reader = ToolCallReader(active=True, fmt=QWEN3)
+    said = "".join(text_reader.push(c)[0] for c in THOUGHT + "Sunny.")
+    assert said == THOUGHT + "Sunny." and not text_reader.called
