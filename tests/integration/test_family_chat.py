@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 from daemon_process import DaemonProcess, start_daemon
@@ -112,6 +113,26 @@ async def test_generation_ends_at_a_stop_id_which_is_not_sent_as_text(
             text += chunk.choices[0].delta.content or ""
             finish = chunk.choices[0].finish_reason or finish
     assert finish == "stop" and text == ""
+
+
+async def test_the_messages_and_responses_apis_read_calls_in_the_templates_format(
+    daemon: DaemonProcess, client: openai.AsyncOpenAI, model: str
+) -> None:
+    claude = anthropic.AsyncAnthropic(base_url=daemon.base_url, api_key="unused", max_retries=0)
+    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+    message = await claude.messages.create(
+        model=model, max_tokens=80, messages=[{"role": "user", "content": CHAT[0]["content"]}], tools=[tool],
+        tool_choice={"type": "any"}, extra_body={"temperature": 0},
+    )
+    assert message.stop_reason == "tool_use"
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert uses and all(use.name == "get_weather" and use.input in ({"city": "Paris"}, {"city": "Oslo"}) for use in uses)
+    response = await client.responses.create(
+        model=model, input=CHAT[0]["content"], max_output_tokens=80, temperature=0,
+        tools=[{"type": "function", **WEATHER["function"]}], tool_choice="required",
+    )
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls and all(_valid(call.name, call.arguments) for call in calls)
 
 
 QWEN_GENERATION = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,
