@@ -34,6 +34,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.meta
+import jinja2.nodes
 from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
 
 # A prompt past a few megabytes exceeds every context flare serves many times over; a render
@@ -150,9 +151,26 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+class _GenerationBlock(jinja2.ext.Extension):
+    """transformers' `{% generation %}...{% endgeneration %}`, which marks the assistant's text
+    for training masks (SmolLM3's template and many fine-tunes write it): its body, as is."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2's Extension declares it a class attribute)
+
+    def parse(self, parser: Any) -> jinja2.nodes.CallBlock:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
+
+
 def _environment() -> _BudgetedSandbox:
     """The sandbox with the environment transformers renders chat templates in."""
-    environment = _BudgetedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    environment = _BudgetedSandbox(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationBlock]
+    )
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = _strftime_now

@@ -165,3 +165,18 @@ async def test_qwen3_writes_the_thinking_of_the_answer_after_the_last_question(t
     messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"}]
     prompt = await _prompt(serving, messages, tools=False)
     assert prompt.endswith("<|im_start|>assistant\n<think>\nadd\n</think>\n\n4<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_transformers_generation_blocks_render_as_their_body(tokenizer_json: Path) -> None:
+    # SmolLM3's template (and many fine-tunes') marks the assistant's text for training masks.
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}<|im_end|>{% endgeneration %}"
+        "{% else %}{{ m.content }}<|im_end|>{% endif %}\n{% endfor %}<|im_start|>assistant\n"
+    )
+    assert check_chat_template(template) is None
+    tokenizer = Tokenizer.from_file(tokenizer_json, template, eos_token_ids=(0,))
+    rendered = tokenizer.render_chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])
+    # (trim_blocks, as transformers renders, drops the newline after each {% endif %}, and
+    # Jinja the template's own last newline)
+    assert rendered == "<|im_start|>user\nHi<|im_end|><|im_start|>assistant\nHello<|im_end|><|im_start|>assistant"
