@@ -9,6 +9,8 @@ llama.cpp's `llama-tokenize` loads.
 from __future__ import annotations
 
 import io
+import itertools
+import json
 import os
 import shutil
 import subprocess
@@ -81,7 +83,12 @@ def write_vocabulary_gguf(path: Path, vocabulary: Mapping[str, Any]) -> None:
 
 
 def train_sentencepiece(
-    texts: Sequence[str], vocab_size: int, *, user_defined: Sequence[str] = (), control: Sequence[str] = ()
+    texts: Sequence[str],
+    vocab_size: int,
+    *,
+    add_dummy_prefix: bool = True,
+    user_defined: Sequence[str] = (),
+    control: Sequence[str] = (),
 ) -> bytes:
     """A byte-fallback BPE SentencePiece model (the kind Llama 2, Mistral, Phi-3 and Gemma ship)
     trained on `texts`, with no normalization beyond SentencePiece's space handling."""
@@ -90,8 +97,8 @@ def train_sentencepiece(
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(texts), model_writer=model, vocab_size=vocab_size, model_type="bpe",
-        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
-        split_digits=True, allow_whitespace_only_pieces=True, character_coverage=1.0,
+        add_dummy_prefix=add_dummy_prefix, byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        split_digits=True, allow_whitespace_only_pieces=True, character_coverage=0.995,
         user_defined_symbols=list(user_defined), control_symbols=list(control),
         max_sentence_length=1 << 16, num_threads=1, minloglevel=2,
     )  # fmt: skip
@@ -155,3 +162,87 @@ def llama_tokenize(tool: Path, gguf_path: Path, text: str, scratch: Path, *, add
     result = subprocess.run(command, capture_output=True, text=True, check=True, timeout=120)
     line = result.stdout.strip().splitlines()[-1]
     return [int(token) for token in line.strip("[]").split(",") if token.strip()]
+
+
+CORPUS_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "tokenizer_parity_corpus.json"
+_RUNS = ["\u2581" * n for n in range(2, 32)]  # Gemma's whitespace-run pieces, 2 to 31 spaces
+# Trained SentencePiece vocabularies shaped as the families' GGUFs are: (training options,
+# vocabulary options). Llama 2 / Mistral: a space prefix, <s> </s> <unk>; Phi-3: chat control
+# tokens, and a name llama.cpp strips the whitespace after them for; Gemma: no space prefix,
+# turn markers, whitespace runs either as pieces of score 0 (SentencePiece user-defined pieces,
+# normal tokens in the GGUF) or as tokenizer_config tokens (user-defined spaces in the GGUF).
+SENTENCEPIECE_FLAVOURS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "llama": ({"control": ["[INST]", "[/INST]"]}, {"name": "Tiny Llama 2"}),
+    "phi-3": (
+        {"control": ["<|user|>", "<|assistant|>", "<|end|>", "<|endoftext|>"]},
+        {"name": "phi-3-mini-4k-instruct"},
+    ),
+    "gemma": (
+        {"add_dummy_prefix": False, "user_defined": ["<start_of_turn>", "<end_of_turn>", *_RUNS, "\n\n", "\n\n\n"]},
+        {"name": "Tiny Gemma", "add_space_prefix": False, "added": {"<start_of_turn>": True, "<end_of_turn>": True}},
+    ),
+    "gemma-added-runs": (
+        {"add_dummy_prefix": False, "user_defined": ["<start_of_turn>", "<end_of_turn>", *_RUNS[:7], "\n\n"]},
+        {
+            "name": "Tiny Gemma",
+            "add_space_prefix": False,
+            "added": {"<start_of_turn>": True, "<end_of_turn>": True, **{run: False for run in _RUNS[:7]}, "\n\n": False},
+        },
+    ),
+}
+
+
+def corpus_texts() -> list[str]:
+    return list(json.loads(CORPUS_PATH.read_text(encoding="utf-8"))["texts"])
+
+
+def sentencepiece_flavour(flavour: str) -> tuple[bytes, dict[str, Any]]:
+    """The SentencePiece model of `flavour` (SENTENCEPIECE_FLAVOURS), trained on the corpus and
+    some plain English, and its GGUF vocabulary."""
+    training, options = SENTENCEPIECE_FLAVOURS[flavour]
+    texts = [t for t in corpus_texts() if t] * 20 + [
+        "The quick brown fox jumps over the lazy dog; numbers 0123456789 and words, here and there."
+    ] * 60
+    model = train_sentencepiece(texts, 1000, **training)
+    return model, sentencepiece_vocabulary(model, **options)
+
+
+def special_texts(vocabulary: Mapping[str, Any]) -> list[str]:
+    """Texts around a vocabulary's control and user-defined tokens: turns of a chat, tokens
+    side by side, and whitespace on either side of them."""
+    tokens, types = vocabulary["tokenizer.ggml.tokens"], vocabulary["tokenizer.ggml.token_type"]
+    whole = [t for t, k in zip(tokens, types) if k == CONTROL and not t.startswith("<unused")][-4:]
+    whole += [t for t, k in zip(tokens, types) if k == USER_DEFINED and t.strip()][:2]
+    if not whole:
+        return []
+    a, b, c = whole[0], whole[-1], whole[len(whole) // 2]
+    return [
+        f"{a}user\nHello there, 42 times!{b}\n{a}assistant\n",
+        f"x{c}y {c} z{a}{b}",
+        f"  {a}   spaced   {b}  \n {c}\n",
+        f"{b}",
+    ]
+
+
+def with_boundary_merges(vocabulary: Mapping[str, Any], texts: Sequence[str]) -> dict[str, Any]:
+    """A byte-level BPE vocabulary plus a token, merged last, for every two tokens that meet in
+    `texts` when nothing splits them: a pre-tokenizer that cuts between the two keeps them
+    apart, one that does not joins them, so each split rule gives its own ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokens = list(vocabulary["tokenizer.ggml.tokens"])
+    merges = list(vocabulary["tokenizer.ggml.merges"])
+    unsplit = Tokenizer(
+        models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ", 1)) for m in merges])
+    )
+    unsplit.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    known = set(tokens)
+    for text in texts:
+        pieces = unsplit.encode(text).tokens
+        for left, right in itertools.pairwise(pieces):
+            if left + right not in known:
+                known.add(left + right)
+                tokens.append(left + right)
+                merges.append(f"{left} {right}")
+    types = list(vocabulary["tokenizer.ggml.token_type"]) + [NORMAL] * (len(tokens) - len(vocabulary["tokenizer.ggml.tokens"]))
+    return {**vocabulary, "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges}

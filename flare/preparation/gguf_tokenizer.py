@@ -115,8 +115,10 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
         (
             r"\p{N}{1,3}",
             "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
-            r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
-            r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+            (
+                r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+                r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+            ),
         )
     ),
     "tekken": PreTokenizer((_TEKKEN,), ignore_merges=True, add_bos=True),

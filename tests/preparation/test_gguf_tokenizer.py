@@ -1,0 +1,180 @@
+"""GGUF tokenizers rebuilt as llama.cpp runs them: its pre-tokenizers by name, SentencePiece
+vocabularies with scores, special tokens, and the refusals.
+
+CI has no llama.cpp: byte-level BPE splits are checked against llama-tokenize's ids recorded in
+fixtures/llama_tokenize_pre_tokenizers.json (benchmarks/tokenizer_parity.py --pre all --record,
+on the default model's vocabulary with boundary merges); SentencePiece vocabularies, trained
+here, against the `sentencepiece` package itself, which merges by score as llama.cpp does. With
+llama-tokenize built here, the SentencePiece vocabularies are checked against it too.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokenizers import Tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gguf_vocabularies import (  # noqa: E402
+    CONTROL,
+    SENTENCEPIECE_FLAVOURS,
+    MetadataDict,
+    corpus_texts,
+    llama_tokenize,
+    llama_tokenize_path,
+    read_vocabulary,
+    sentencepiece_flavour,
+    special_texts,
+    with_boundary_merges,
+    write_vocabulary_gguf,
+)
+
+from flare.engine.tokenizer import Tokenizer as FlareTokenizer  # noqa: E402
+from flare.preparation.default_model import default_gguf_path  # noqa: E402
+from flare.preparation.gguf_tokenizer import PRE_TOKENIZERS, build_tokenizer_json  # noqa: E402
+from flare.preparation.source import SourceError  # noqa: E402
+
+RECORDED = Path(__file__).parent / "fixtures" / "llama_tokenize_pre_tokenizers.json"
+
+
+def rebuilt(vocabulary: dict[str, Any]) -> Tokenizer:
+    return Tokenizer.from_str(build_tokenizer_json(MetadataDict(vocabulary)))
+
+
+@pytest.fixture(scope="module")
+def recorded() -> dict[str, Any]:
+    return json.loads(RECORDED.read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="module")
+def boundary_vocabulary() -> dict[str, Any]:
+    return with_boundary_merges(read_vocabulary(default_gguf_path()), corpus_texts())
+
+
+@pytest.fixture(scope="module", params=sorted(SENTENCEPIECE_FLAVOURS))
+def flavour(request: pytest.FixtureRequest) -> tuple[str, bytes, dict[str, Any]]:
+    model, vocabulary = sentencepiece_flavour(request.param)
+    return request.param, model, vocabulary
+
+
+@pytest.mark.parametrize("name", sorted(PRE_TOKENIZERS))
+def test_byte_level_pre_tokenizer_splits_as_llama_cpp_recorded(
+    name: str, recorded: dict[str, Any], boundary_vocabulary: dict[str, Any]
+) -> None:
+    tokenizer = rebuilt({**boundary_vocabulary, "tokenizer.ggml.pre": name})
+    assert recorded["texts"] == corpus_texts() + special_texts(boundary_vocabulary)
+    for text, expected in zip(recorded["texts"], recorded["llama_ids"][name], strict=True):
+        assert tokenizer.encode(text).ids == expected, text
+
+
+def test_recorded_pre_tokenizers_tell_the_split_rules_apart(recorded: dict[str, Any]) -> None:
+    """The recording proves something: the families' rules give different ids on the corpus."""
+    ids = recorded["llama_ids"]
+    families = ["default", "gpt-2", "llama-bpe", "deepseek-llm", "deepseek-coder", "deepseek-v3", "qwen2", "tekken"]
+    assert len({json.dumps(ids[name]) for name in families}) == len(families)
+
+
+def test_llama3_takes_a_word_that_is_a_token_whole_and_adds_bos(boundary_vocabulary: dict[str, Any]) -> None:
+    vocabulary = {**boundary_vocabulary, "tokenizer.ggml.pre": "llama-bpe"}
+    tokenizer = rebuilt(vocabulary)
+    bos = vocabulary["tokenizer.ggml.bos_token_id"]
+    assert tokenizer.encode("Hello").ids[0] == bos
+    assert tokenizer.encode("Hello", add_special_tokens=False).ids[0] != bos
+    told = rebuilt({**vocabulary, "tokenizer.ggml.add_bos_token": False})
+    assert told.encode("Hello").ids[0] != bos
+
+
+def test_sentencepiece_vocabulary_tokenizes_as_sentencepiece(flavour: tuple[str, bytes, dict[str, Any]]) -> None:
+    import sentencepiece
+
+    name, model, vocabulary = flavour
+    processor = sentencepiece.SentencePieceProcessor(model_proto=model)
+    tokenizer = rebuilt(vocabulary)
+    for text in corpus_texts():
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        assert ids == processor.encode(text), (name, text)
+        assert tokenizer.decode(ids) == text, (name, text)
+    # The file's BOS, as llama.cpp adds it to a SentencePiece vocabulary.
+    assert tokenizer.encode("x").ids[0] == vocabulary["tokenizer.ggml.bos_token_id"]
+
+
+def test_sentencepiece_special_tokens_are_whole_and_the_text_between_as_sentencepiece(
+    flavour: tuple[str, bytes, dict[str, Any]],
+) -> None:
+    """Text after a special token starts afresh (the space prefix again, as llama.cpp adds it);
+    Phi-3's special tokens take the whitespace after them, as llama.cpp's Phi-3 rule says."""
+    import sentencepiece
+
+    name, model, vocabulary = flavour
+    processor = sentencepiece.SentencePieceProcessor(model_proto=model)
+    tokens, types = vocabulary["tokenizer.ggml.tokens"], vocabulary["tokenizer.ggml.token_type"]
+    controls = [t for t, k in zip(tokens, types, strict=True) if k == CONTROL and t not in ("<s>", "</s>")]
+    first, second = controls[0], controls[1]
+    pieces = [first, "user\nHi  there, 12 apples ", second, "  \n reply", first]
+    ids = rebuilt(vocabulary).encode("".join(pieces), add_special_tokens=False).ids
+    expected: list[int] = []
+    for index, piece in enumerate(pieces):
+        if piece in controls:
+            expected.append(tokens.index(piece))
+        else:
+            text = piece.lstrip() if name == "phi-3" and index > 0 else piece
+            expected.extend(processor.encode(text))
+    assert ids == expected
+
+
+@pytest.mark.skipif(llama_tokenize_path() is None, reason="needs llama.cpp's llama-tokenize")
+def test_sentencepiece_vocabulary_tokenizes_as_llama_cpp(
+    flavour: tuple[str, bytes, dict[str, Any]], tmp_path: Path
+) -> None:
+    name, _, vocabulary = flavour
+    path = tmp_path / f"{name}.gguf"
+    write_vocabulary_gguf(path, vocabulary)
+    tokenizer = rebuilt(vocabulary)
+    tool = llama_tokenize_path()
+    assert tool is not None
+    for text in corpus_texts() + special_texts(vocabulary):
+        assert tokenizer.encode(text).ids == llama_tokenize(tool, path, text, tmp_path), (name, text)
+
+
+def test_sentencepiece_package_tokenizer_reports_fallback_bytes_and_renders_chat(
+    flavour: tuple[str, bytes, dict[str, Any]],
+) -> None:
+    """flare's tokenizer over a rebuilt SentencePiece vocabulary: a fallback byte is its byte,
+    a piece its text, and a chat is tokenized as its whole text."""
+    _, _, vocabulary = flavour
+    backend = rebuilt(vocabulary)
+    tokenizer = FlareTokenizer(
+        backend,
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        eos_token_ids=[vocabulary["tokenizer.ggml.eos_token_id"]],
+        bos_token_id=vocabulary["tokenizer.ggml.bos_token_id"],
+    )
+    assert tokenizer.token_bytes(backend.token_to_id("<0xF0>")) == b"\xf0"
+    ids = tokenizer.encode("🤖 robot", add_special_tokens=False)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids).lstrip(b" ") == "🤖 robot".encode()
+    assert tokenizer.encode_chat([{"role": "user", "content": "🤖 robot"}]) == ids
+
+
+def test_unknown_pre_tokenizer_is_refused_with_those_known(boundary_vocabulary: dict[str, Any]) -> None:
+    with pytest.raises(SourceError, match=r"pre-tokenizer 'chameleon' is not supported \(supported: .*llama-bpe.*qwen2"):
+        rebuilt({**boundary_vocabulary, "tokenizer.ggml.pre": "chameleon"})
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"tokenizer.ggml.model": "bert"}, "tokenizer model 'bert' is not supported"),
+        ({"tokenizer.ggml.scores": [0.0]}, "tokens but 1 token scores"),
+        ({"tokenizer.ggml.token_type": [1, 1]}, "tokens but 2 token types"),
+    ],
+)
+def test_malformed_sentencepiece_vocabulary_is_refused(
+    flavour: tuple[str, bytes, dict[str, Any]], change: dict[str, Any], message: str
+) -> None:
+    _, _, vocabulary = flavour
+    with pytest.raises(SourceError, match=message):
+        rebuilt({**vocabulary, **change})
