@@ -79,13 +79,20 @@ def test_recorded_pre_tokenizers_tell_the_split_rules_apart(recorded: dict[str, 
 
 
 def test_llama3_takes_a_word_that_is_a_token_whole_and_adds_bos(boundary_vocabulary: dict[str, Any]) -> None:
-    vocabulary = {**boundary_vocabulary, "tokenizer.ggml.pre": "llama-bpe"}
-    tokenizer = rebuilt(vocabulary)
+    """llama.cpp's `llama-bpe` (ignore_merges, BOS by default) against `qwen2` (neither), on a
+    word that is a token no merge makes."""
+    vocabulary = {key: value for key, value in boundary_vocabulary.items() if key != "tokenizer.ggml.add_bos_token"}
+    vocabulary["tokenizer.ggml.tokens"] = [*vocabulary["tokenizer.ggml.tokens"], "Ġzyzzyva"]
+    vocabulary["tokenizer.ggml.token_type"] = [*vocabulary["tokenizer.ggml.token_type"], 1]
+    word = len(vocabulary["tokenizer.ggml.tokens"]) - 1
     bos = vocabulary["tokenizer.ggml.bos_token_id"]
-    assert tokenizer.encode("Hello").ids[0] == bos
-    assert tokenizer.encode("Hello", add_special_tokens=False).ids[0] != bos
-    told = rebuilt({**vocabulary, "tokenizer.ggml.add_bos_token": False})
-    assert told.encode("Hello").ids[0] != bos
+    llama3 = rebuilt({**vocabulary, "tokenizer.ggml.pre": "llama-bpe"})
+    assert llama3.encode("a zyzzyva").ids[0] == bos
+    assert llama3.encode("a zyzzyva", add_special_tokens=False).ids[-1] == word
+    qwen2 = rebuilt({**vocabulary, "tokenizer.ggml.pre": "qwen2"})
+    assert word not in qwen2.encode("a zyzzyva").ids and bos not in qwen2.encode("a zyzzyva").ids
+    told = rebuilt({**vocabulary, "tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.add_bos_token": False})
+    assert told.encode("a zyzzyva").ids[0] != bos
 
 
 def test_sentencepiece_vocabulary_tokenizes_as_sentencepiece(flavour: tuple[str, bytes, dict[str, Any]]) -> None:
@@ -154,9 +161,10 @@ def test_sentencepiece_package_tokenizer_reports_fallback_bytes_and_renders_chat
         bos_token_id=vocabulary["tokenizer.ggml.bos_token_id"],
     )
     assert tokenizer.token_bytes(backend.token_to_id("<0xF0>")) == b"\xf0"
-    ids = tokenizer.encode("🤖 robot", add_special_tokens=False)
-    assert b"".join(tokenizer.token_bytes(i) for i in ids).lstrip(b" ") == "🤖 robot".encode()
-    assert tokenizer.encode_chat([{"role": "user", "content": "🤖 robot"}]) == ids
+    text = "🤖 robot,   3 spaces\n\nand a blank line"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids).decode() in (text, " " + text)  # the space prefix
+    assert tokenizer.encode_chat([{"role": "user", "content": text}]) == ids
 
 
 def test_unknown_pre_tokenizer_is_refused_with_those_known(boundary_vocabulary: dict[str, Any]) -> None:
