@@ -15,6 +15,12 @@ texts give different ids, and the first few differences. The vocabularies:
 - `--sentencepiece`: SentencePiece vocabularies trained here, written as llama.cpp's converter
   writes them (tests/gguf_vocabularies.py SENTENCEPIECE_FLAVOURS: Llama 2, Phi-3, Gemma).
 
+`--llama-cpp-tests DIR` (llama.cpp's models/ folder) also checks flare on llama.cpp's own
+tokenizer tests: the real models' vocabularies there (ggml-vocab-NAME.gguf: Llama 2 and Phi-3
+SentencePiece, Llama 3, Qwen2, DeepSeek, GPT-2, ...), their texts (.inp) and the ids llama.cpp
+must give them (.out, no BOS, special-token text read as text); a vocabulary flare does not
+rebuild is listed as refused. Give the same files as GGUF arguments to run the corpus on them.
+
     .venv/bin/python benchmarks/tokenizer_parity.py --pre all --sentencepiece \\
         --llama-tokenize /work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-tokenize
 
@@ -37,6 +43,7 @@ from gguf_vocabularies import (
     SENTENCEPIECE_FLAVOURS,
     MetadataDict,
     corpus_texts,
+    llama_cpp_vocabulary_tests,
     llama_tokenize,
     llama_tokenize_path,
     read_vocabulary,
@@ -49,6 +56,7 @@ from tokenizers import Tokenizer
 
 from flare.preparation.default_model import default_gguf_path
 from flare.preparation.gguf_tokenizer import PRE_TOKENIZERS, build_tokenizer_json
+from flare.preparation.source import SourceError
 
 
 def compare(label: str, vocabulary: dict[str, Any], gguf_path: Path, tool: Path, scratch: Path) -> dict[str, Any]:
@@ -72,6 +80,26 @@ def compare(label: str, vocabulary: dict[str, Any], gguf_path: Path, tool: Path,
     return {"texts": texts, "llama_ids": llama_ids, "differences": differences}
 
 
+def llama_cpp_tests(path: Path) -> dict[str, Any]:
+    """flare against the ids llama.cpp's tests expect for one of its vocabularies."""
+    vocabulary = read_vocabulary(path)
+    kind = f"{vocabulary.get('tokenizer.ggml.model')}/{vocabulary.get('tokenizer.ggml.pre', '-')}"
+    try:
+        tokenizer = Tokenizer.from_str(build_tokenizer_json(MetadataDict(vocabulary)))
+    except SourceError as error:
+        print(f"{path.name:<34} refused: {str(error).split(';')[0]}")
+        return {"texts": [], "differences": [], "refused": str(error)}
+    tokenizer.encode_special_tokens = True  # llama.cpp's tests read special-token text as text
+    cases = llama_cpp_vocabulary_tests(path)
+    differences = [
+        {"text": text, "flare": tokenizer.encode(text, add_special_tokens=False).ids, "llama.cpp": expected}
+        for text, expected in cases
+        if tokenizer.encode(text, add_special_tokens=False).ids != expected
+    ]
+    print(f"{path.name:<34} {kind:<20} {len(cases):>3} llama.cpp test texts  {len(differences):>3} differ")
+    return {"texts": [text for text, _ in cases], "differences": differences}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("gguf", nargs="*", type=Path, help="GGUF files (default: the default model's)")
@@ -79,6 +107,7 @@ def main() -> int:
     parser.add_argument("--pre", nargs="*", default=[], help="llama.cpp pre-tokenizer names, or 'all'")
     parser.add_argument("--sentencepiece", action="store_true", help="SentencePiece vocabularies trained here")
     parser.add_argument("--record", type=Path, help="write the --pre vocabularies' llama.cpp ids here")
+    parser.add_argument("--llama-cpp-tests", type=Path, help="llama.cpp's models/ folder: its tokenizer tests")
     args = parser.parse_args()
     if args.llama_tokenize is None or not args.llama_tokenize.is_file():
         parser.error("llama-tokenize not found; give --llama-tokenize PATH")
@@ -101,11 +130,16 @@ def main() -> int:
             _, vocabulary = sentencepiece_flavour(flavour)
             path = scratch / f"spm-{flavour}.gguf"
             write_vocabulary_gguf(path, vocabulary)
-            results[f"spm={flavour}"] = compare(f"sentencepiece={flavour}", vocabulary, path, args.llama_tokenize, scratch)
+            label = f"sentencepiece={flavour}"
+            results[label] = compare(label, vocabulary, path, args.llama_tokenize, scratch)
     if args.record is not None:
         texts = corpus_texts() + special_texts(base)
         args.record.write_text(json.dumps({"texts": texts, "llama_ids": recorded}, ensure_ascii=False) + "\n")
         print(f"recorded in {args.record}")
+    if args.llama_cpp_tests is not None:
+        for path in sorted(args.llama_cpp_tests.glob("ggml-vocab-*.gguf")):
+            if Path(f"{path}.inp").is_file():
+                results[f"test={path.name}"] = llama_cpp_tests(path)
     total = sum(len(r["differences"]) for r in results.values())
     texts = sum(len(r["texts"]) for r in results.values())
     print(f"{len(results)} vocabularies, {texts} texts, {total} differ")

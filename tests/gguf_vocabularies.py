@@ -24,7 +24,11 @@ from flare.preparation.source import SourceError
 
 # llama.cpp's token types (gguf-py TokenType).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-LLAMA_TOKENIZE = Path("/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-tokenize")
+LLAMA_CPP = Path("/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp")
+LLAMA_TOKENIZE = LLAMA_CPP / "build" / "bin" / "llama-tokenize"
+# llama.cpp's own tokenizer tests: real models' vocabularies (ggml-vocab-NAME.gguf), texts
+# (.gguf.inp) and the ids llama.cpp must give them (.gguf.out), as tests/test-tokenizer-0 reads them.
+LLAMA_CPP_VOCABULARIES = LLAMA_CPP / "models"
 
 
 class MetadataDict:
@@ -97,7 +101,8 @@ def train_sentencepiece(
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(texts), model_writer=model, vocab_size=vocab_size, model_type="bpe",
-        add_dummy_prefix=add_dummy_prefix, byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        add_dummy_prefix=add_dummy_prefix, byte_fallback=True, normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
         split_digits=True, allow_whitespace_only_pieces=True, character_coverage=0.995,
         user_defined_symbols=list(user_defined), control_symbols=list(control),
         max_sentence_length=1 << 16, num_threads=1, minloglevel=2,
@@ -186,7 +191,9 @@ SENTENCEPIECE_FLAVOURS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {
             "name": "Tiny Gemma",
             "add_space_prefix": False,
-            "added": {"<start_of_turn>": True, "<end_of_turn>": True, **{run: False for run in _RUNS[:7]}, "\n\n": False},
+            "added": {
+                "<start_of_turn>": True, "<end_of_turn>": True, **{run: False for run in _RUNS[:7]}, "\n\n": False
+            },
         },
     ),
 }
@@ -244,5 +251,18 @@ def with_boundary_merges(vocabulary: Mapping[str, Any], texts: Sequence[str]) ->
                 known.add(left + right)
                 tokens.append(left + right)
                 merges.append(f"{left} {right}")
-    types = list(vocabulary["tokenizer.ggml.token_type"]) + [NORMAL] * (len(tokens) - len(vocabulary["tokenizer.ggml.tokens"]))
-    return {**vocabulary, "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges}
+    added = len(tokens) - len(vocabulary["tokenizer.ggml.tokens"])
+    types = [*vocabulary["tokenizer.ggml.token_type"], *[NORMAL] * added]
+    grown = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges}
+    return {**vocabulary, **grown}
+
+
+def llama_cpp_vocabulary_tests(gguf_path: Path) -> list[tuple[str, list[int]]]:
+    """llama.cpp's test texts of a vocabulary and the ids it expects (no BOS, special-token text
+    read as text), parsed as its tests/test-tokenizer-0.cpp does."""
+    raw = Path(f"{gguf_path}.inp").read_bytes().decode("utf-8")
+    texts = raw.split("\n__ggml_vocab_test__\n")
+    if texts and not texts[-1]:
+        texts.pop()
+    lines = Path(f"{gguf_path}.out").read_text(encoding="utf-8").splitlines()
+    return [(text, [int(token) for token in line.split()]) for text, line in zip(texts, lines, strict=True)]

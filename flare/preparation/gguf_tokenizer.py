@@ -72,7 +72,8 @@ _TEKKEN = (
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _GPT4O = (
-    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
@@ -108,9 +109,16 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **{name: _GPT2_PRE for name in ("gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4")},
     **{name: _DIGITS_THEN_GPT2 for name in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone")},
     "deepseek-llm": PreTokenizer(
-        ("[\r\n]", _DEEPSEEK_LLM_LETTERS, "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+", r"\s+$", _CJK, r"\p{N}+")
+        (
+            r"[\r\n]",
+            _DEEPSEEK_LLM_LETTERS,
+            "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+            r"\s+$",
+            _CJK,
+            r"\p{N}+",
+        )
     ),
-    "deepseek-coder": PreTokenizer(("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}")),
+    "deepseek-coder": PreTokenizer((r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}")),
     "deepseek-v3": PreTokenizer(
         (
             r"\p{N}{1,3}",
@@ -121,6 +129,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
             ),
         )
     ),
+    "falcon": PreTokenizer((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]")),
     "tekken": PreTokenizer((_TEKKEN,), ignore_merges=True, add_bos=True),
     **{name: PreTokenizer((_GPT4O,)) for name in ("gpt-4o", "llama4")},
 }

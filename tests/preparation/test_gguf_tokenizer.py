@@ -21,9 +21,11 @@ from tokenizers import Tokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gguf_vocabularies import (  # noqa: E402
     CONTROL,
+    LLAMA_CPP_VOCABULARIES,
     SENTENCEPIECE_FLAVOURS,
     MetadataDict,
     corpus_texts,
+    llama_cpp_vocabulary_tests,
     llama_tokenize,
     llama_tokenize_path,
     read_vocabulary,
@@ -167,8 +169,27 @@ def test_sentencepiece_package_tokenizer_reports_fallback_bytes_and_renders_chat
     assert tokenizer.encode_chat([{"role": "user", "content": text}]) == ids
 
 
+# Real models' vocabularies that llama.cpp's sdist ships with its tokenizer tests (not on CI).
+LLAMA_CPP_TESTED = ["llama-spm", "phi-3", "llama-bpe", "qwen2", "qwen35", "deepseek-llm", "deepseek-coder", "gpt-2"]
+
+
+@pytest.mark.skipif(not LLAMA_CPP_VOCABULARIES.is_dir(), reason="needs llama.cpp's sources (models/ggml-vocab-*)")
+@pytest.mark.parametrize("name", LLAMA_CPP_TESTED)
+def test_real_vocabulary_passes_llama_cpps_own_tokenizer_tests(name: str) -> None:
+    """Llama 2 and Phi-3 (SentencePiece), Llama 3, Qwen2, Qwen3.5, DeepSeek and GPT-2 as their
+    GGUFs hold them: the ids llama.cpp's test-tokenizer-0 expects, special-token text as text."""
+    path = LLAMA_CPP_VOCABULARIES / f"ggml-vocab-{name}.gguf"
+    tokenizer = rebuilt(read_vocabulary(path))
+    tokenizer.encode_special_tokens = True
+    cases = llama_cpp_vocabulary_tests(path)
+    assert len(cases) >= 40
+    for text, expected in cases:
+        assert tokenizer.encode(text, add_special_tokens=False).ids == expected, text
+
+
 def test_unknown_pre_tokenizer_is_refused_with_those_known(boundary_vocabulary: dict[str, Any]) -> None:
-    with pytest.raises(SourceError, match=r"pre-tokenizer 'chameleon' is not supported \(supported: .*llama-bpe.*qwen2"):
+    known = r"pre-tokenizer 'chameleon' is not supported \(supported: .*llama-bpe.*qwen2"
+    with pytest.raises(SourceError, match=known):
         rebuilt({**boundary_vocabulary, "tokenizer.ggml.pre": "chameleon"})
 
 
