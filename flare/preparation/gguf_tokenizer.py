@@ -206,11 +206,12 @@ def _sentencepiece(metadata: TokenizerMetadata, tokens: list[str], token_types: 
     unknown = metadata.get("tokenizer.ggml.unknown_token_id")
     if unknown is None:
         unknown = next((i for i, k in enumerate(token_types) if k == _UNKNOWN_TOKEN), None)
+    unk_token = None if unknown is None else tokens[_token_index(unknown, tokens, "tokenizer.ggml.unknown_token_id")]
     tokenizer = Tokenizer(
         models.BPE(
             vocab=vocab,
             merges=_merges_by_score(tokens, token_types, scores, vocab),
-            unk_token=None if unknown is None else tokens[int(unknown)],
+            unk_token=unk_token,
             byte_fallback=True,
             fuse_unk=False,
         )
@@ -278,7 +279,7 @@ def _add_bos_and_eos(tokenizer: Any, metadata: TokenizerMetadata, tokens: list[s
         token_id = metadata.get(f"tokenizer.ggml.{end}_token_id")
         if token_id is None or not bool(metadata.get(f"tokenizer.ggml.add_{end}_token", default)):
             return None
-        return tokens[int(token_id)], int(token_id)
+        return tokens[_token_index(token_id, tokens, f"tokenizer.ggml.{end}_token_id")], int(token_id)
 
     bos, eos = end_token("bos", add_bos), end_token("eos", False)
     if bos is None and eos is None:
@@ -290,3 +291,10 @@ def _add_bos_and_eos(tokenizer: Any, metadata: TokenizerMetadata, tokens: list[s
         pair=f"{before}$A $B{after}",
         special_tokens=list(dict.fromkeys(end for end in (bos, eos) if end is not None)),
     )
+
+
+def _token_index(token_id: Any, tokens: list[str], key: str) -> int:
+    index = int(token_id)
+    if not 0 <= index < len(tokens):
+        raise SourceError(f"the GGUF's {key} {index} is not a token id (it has {len(tokens)} tokens)")
+    return index

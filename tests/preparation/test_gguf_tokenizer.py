@@ -5,7 +5,8 @@ CI has no llama.cpp: byte-level BPE splits are checked against llama-tokenize's 
 fixtures/llama_tokenize_pre_tokenizers.json (benchmarks/tokenizer_parity.py --pre all --record,
 on the default model's vocabulary with boundary merges); SentencePiece vocabularies, trained
 here, against the `sentencepiece` package itself, which merges by score as llama.cpp does. With
-llama-tokenize built here, the SentencePiece vocabularies are checked against it too.
+llama.cpp's sources and llama-tokenize at hand, the real vocabularies its sources ship are held to
+its own tokenizer tests, and the trained SentencePiece vocabularies to llama-tokenize.
 """
 
 from __future__ import annotations
@@ -199,6 +200,8 @@ def test_unknown_pre_tokenizer_is_refused_with_those_known(boundary_vocabulary: 
         ({"tokenizer.ggml.model": "bert"}, "tokenizer model 'bert' is not supported"),
         ({"tokenizer.ggml.scores": [0.0]}, "tokens but 1 token scores"),
         ({"tokenizer.ggml.token_type": [1, 1]}, "tokens but 2 token types"),
+        ({"tokenizer.ggml.bos_token_id": 5000}, "bos_token_id 5000 is not a token id"),
+        ({"tokenizer.ggml.unknown_token_id": -1}, "unknown_token_id -1 is not a token id"),
     ],
 )
 def test_malformed_sentencepiece_vocabulary_is_refused(
