@@ -36,6 +36,7 @@ from gguf_vocabularies import (  # noqa: E402
     write_vocabulary_gguf,
 )
 
+from flare.engine.tokenizer import IncrementalDetokenizer  # noqa: E402
 from flare.engine.tokenizer import Tokenizer as FlareTokenizer  # noqa: E402
 from flare.preparation.default_model import default_gguf_path  # noqa: E402
 from flare.preparation.gguf_tokenizer import PRE_TOKENIZERS, build_tokenizer_json  # noqa: E402
@@ -186,6 +187,19 @@ def test_real_vocabulary_passes_llama_cpps_own_tokenizer_tests(name: str) -> Non
     assert len(cases) >= 40
     for text, expected in cases:
         assert tokenizer.encode(text, add_special_tokens=False).ids == expected, text
+
+
+def test_sentencepiece_stream_is_the_whole_decoded_text(flavour: tuple[str, bytes, dict[str, Any]]) -> None:
+    """Streamed one token at a time after a prompt, a SentencePiece answer (spaces as U+2581,
+    emoji as fallback bytes) comes out as decoding it whole does."""
+    _, _, vocabulary = flavour
+    backend = rebuilt(vocabulary)
+    tokenizer = FlareTokenizer(backend, "{{ messages }}", eos_token_ids=[vocabulary["tokenizer.ggml.eos_token_id"]])
+    prompt = tokenizer.encode("Question: what?", add_special_tokens=True)
+    answer = tokenizer.encode(" The answer  is 42 🤖, naïve 日本語!\n\n  Done.", add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    streamed = "".join(detokenizer.push([token]) for token in answer) + detokenizer.flush()
+    assert streamed == tokenizer.decode(prompt + answer)[len(tokenizer.decode(prompt)) :]
 
 
 def test_unknown_pre_tokenizer_is_refused_with_those_known(boundary_vocabulary: dict[str, Any]) -> None:
