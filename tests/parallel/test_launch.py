@@ -173,7 +173,7 @@ LAUNCHER = textwrap.dedent(
 
     layout = ParallelLayout({world}, nnodes={nnodes}, node_rank={node_rank}, master_port={port})
     group = RankGroup(layout, WorkerSpec(load_rank, serve_all_reduce_then_wait), torch.device("cpu"),
-                      timedelta(seconds=120), timedelta(seconds=60))
+                      timedelta(seconds=120), timedelta(seconds={collective_s}))
     group.connect()
     print(" ".join(str(r.pid) for r in group.ranks if r.rank != 0), flush=True)
     sys.exit(group.wait() if {node_rank} else time.sleep(600))
@@ -181,8 +181,11 @@ LAUNCHER = textwrap.dedent(
 )
 
 
-def _launcher(world: int, nnodes: int, node_rank: int, port: int) -> subprocess.Popen[str]:
-    script = LAUNCHER.format(tests=str(Path(__file__).parent), world=world, nnodes=nnodes, node_rank=node_rank, port=port)
+def _launcher(world: int, nnodes: int, node_rank: int, port: int, collective_s: int = 60) -> subprocess.Popen[str]:
+    script = LAUNCHER.format(
+        tests=str(Path(__file__).parent), world=world, nnodes=nnodes, node_rank=node_rank, port=port,
+        collective_s=collective_s,
+    )
     return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
 
 
@@ -201,7 +204,7 @@ def test_workers_exit_when_the_launcher_is_killed() -> None:
 
 def test_two_nodes_on_loopback_meet_and_the_headless_node_exits_non_zero_when_rank_0_goes() -> None:
     port = _free_port()
-    node_1 = _launcher(world=2, nnodes=2, node_rank=1, port=port)
+    node_1 = _launcher(world=2, nnodes=2, node_rank=1, port=port, collective_s=5)
     try:
         group = RankGroup(
             ParallelLayout(2, nnodes=2, node_rank=0, master_port=port),
@@ -220,8 +223,9 @@ def test_two_nodes_on_loopback_meet_and_the_headless_node_exits_non_zero_when_ra
         worker_pids = [int(p) for p in node_1.stdout.readline().split()]
         assert len(worker_pids) == 1
         group.stop()
-        # Rank 1's peer is gone: its collectives fail, it exits, and its host's launcher with it.
-        assert node_1.wait(90) == 1
+        # Rank 1 waits for a command that never comes: its collective times out (5 s here), it
+        # exits, and its host's launcher with it, non-zero.
+        assert node_1.wait(60) == 1
         assert not any(_alive(p) for p in worker_pids)
     finally:
         node_1.kill()
