@@ -239,7 +239,7 @@ def _worker_main(
     try:
         pin(threads)
         state = spec.load(threads.rank, layout.tensor_parallel)
-    except BaseException as error:
+    except Exception as error:
         connection.send(("failed", f"{type(error).__name__}: {error}"))
         traceback.print_exc()
         os._exit(1)
@@ -250,7 +250,7 @@ def _worker_main(
         groups = join_groups(threads.rank, layout.tensor_parallel, store, torch.device(device), collective_timeout)
         spec.serve(groups, state)
         groups.close()
-    except BaseException:
+    except Exception:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)

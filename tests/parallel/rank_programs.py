@@ -34,3 +34,54 @@ def serve_idle(groups: ProcessGroups, state: dict[str, int]) -> None:
     """Join the group and never take part in a collective (a stuck rank)."""
     while True:
         time.sleep(1)
+
+
+def run_sampling_case(groups: ProcessGroups, index: int):
+    """This rank's part of sampling case ``index`` (sampling_cases.py); rank 0 gets the result."""
+    from sampling_cases import sampling_cases
+
+    from flare.parallel.vocab_round import (
+        sample_round_across_ranks,
+        score_tokens_across_ranks,
+    )
+    from flare.parallel.vocab_shard import VocabShard
+
+    case = sampling_cases()[index]
+    shard = VocabShard.of(case.logits.shape[1], groups.device)
+    logits = case.logits[:, shard.start : shard.end].contiguous()
+    if case.kind == "score":
+        return score_tokens_across_ranks(shard, logits, case.draft_tokens[:, 0], case.num_logprobs)
+    return sample_round_across_ranks(
+        shard,
+        logits,
+        case.num_drafts,
+        case.draft_tokens,
+        case.draft_probs[:, :, shard.start : shard.end].contiguous() if case.draft_probs is not None else None,
+        case.batch,
+        case.token_mask,
+        case.num_logprobs,
+        case.raw_logprobs,
+    )
+
+
+def serve_sampling_cases(groups: ProcessGroups, state: dict[str, int]) -> None:
+    """Run the case rank 0 names (a broadcast index; -1 ends), and the fallback's row gather."""
+    from sampling_cases import sampling_cases
+
+    from flare.parallel.vocab_round import gather_rows
+    from flare.parallel.vocab_shard import VocabShard
+
+    while True:
+        command = torch.zeros(2, dtype=torch.int64)
+        dist.broadcast(command, src=0, group=groups.control)
+        index, gather = int(command[0]), int(command[1])
+        if index < 0:
+            return
+        if gather:
+            case = sampling_cases()[index]
+            shard = VocabShard.of(case.logits.shape[1], groups.device)
+            positions = torch.zeros(gather, dtype=torch.int64)
+            dist.broadcast(positions, src=0, group=groups.control)
+            gather_rows(shard, case.logits[:, shard.start : shard.end], positions)
+        else:
+            run_sampling_case(groups, index)

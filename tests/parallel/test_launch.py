@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from rank_programs import load_failing_on_rank_1, load_rank, serve_all_reduce_then_wait, serve_idle
+from rank_programs import (
+    load_failing_on_rank_1,
+    load_rank,
+    serve_all_reduce_then_wait,
+    serve_idle,
+)
 
 from flare.parallel.failstop import EngineDead
 from flare.parallel.launch import RankGroup, WorkerSpec, WorkerStartError
@@ -117,7 +122,7 @@ def test_a_killed_worker_fails_the_group_naming_the_rank_and_collectives_raise()
     group.failstop.on_fail(reasons.append)
     os.kill(group.ranks[1].pid, signal.SIGKILL)
     assert _wait_until(lambda: bool(reasons), 10), "the dead worker was not noticed"
-    assert reasons == ["rank 1 (pid %d) exited with code -9" % group.ranks[1].pid]
+    assert reasons == [f"rank 1 (pid {group.ranks[1].pid}) exited with code -9"]
     with pytest.raises(EngineDead, match="rank 1"):
         group.failstop.check()
     started = time.monotonic()
