@@ -64,6 +64,20 @@ def run_sampling_case(groups: ProcessGroups, index: int):
     )
 
 
+RECEIVE_ROUND_COMMAND = -2
+
+
+def _echo_round_command(groups: ProcessGroups) -> None:
+    """Receive a round command and send rank 0 a digest of its re-encoding."""
+    from flare.parallel.round_command import receive_command
+    from flare.parallel.wire import gather_to_rank_0
+
+    command = receive_command(groups.control)
+    assert command is not None
+    buffer = command.encode()
+    gather_to_rank_0([torch.tensor([buffer.numel(), int(buffer.to(torch.int64).sum())])], groups.control)
+
+
 def serve_sampling_cases(groups: ProcessGroups, state: dict[str, int]) -> None:
     """Run the case rank 0 names (a broadcast index; -1 ends), and the fallback's row gather."""
     from sampling_cases import sampling_cases
@@ -75,6 +89,9 @@ def serve_sampling_cases(groups: ProcessGroups, state: dict[str, int]) -> None:
         command = torch.zeros(2, dtype=torch.int64)
         dist.broadcast(command, src=0, group=groups.control)
         index, gather = int(command[0]), int(command[1])
+        if index == RECEIVE_ROUND_COMMAND:
+            _echo_round_command(groups)
+            continue
         if index < 0:
             return
         if gather:

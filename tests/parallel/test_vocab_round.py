@@ -9,13 +9,16 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from rank_programs import load_rank, run_sampling_case, serve_sampling_cases
+from rank_programs import RECEIVE_ROUND_COMMAND, load_rank, run_sampling_case, serve_sampling_cases
 from sampling_cases import sampling_cases
 
 from flare.kernels.round import sample_round, score_tokens
 from flare.kernels.status import DeviceStatus
 from flare.parallel.group import ProcessGroups
+from flare.engine.batch import ForwardRow
 from flare.parallel.launch import RankGroup, WorkerSpec
+from flare.parallel.round_command import RoundCommand, RoundSampling, send_command
+from flare.parallel.wire import gather_to_rank_0
 from flare.parallel.layout import ParallelLayout
 from flare.parallel.vocab_round import gather_rows
 from flare.parallel.vocab_shard import VocabShard
@@ -126,3 +129,19 @@ def test_the_fallback_of_invalid_speculation_samples_rank_0s_gathered_rows_with_
         None, case.batch, vocab_shards=1,
     )
     _exact(fallen.tokens, expected.tokens)
+
+
+def test_a_round_command_broadcast_over_gloo_arrives_byte_for_byte(groups: ProcessGroups) -> None:
+    case = next(c for c in CASES if c.token_mask is not None)
+    command = RoundCommand(
+        index=3,
+        rows=(ForwardRow((4, 5, 6), 12, (2, 7), 3), ForwardRow((1,), 40, (9, 10, 11), 1)),
+        copies=((7, 8),),
+        sampling=RoundSampling(case.num_drafts, case.draft_tokens, case.batch, case.token_mask, 2, None),
+    )
+    _command(groups, RECEIVE_ROUND_COMMAND)
+    send_command(command, groups.control)
+    buffer = command.encode()
+    digests = gather_to_rank_0([torch.tensor([buffer.numel(), int(buffer.to(torch.int64).sum())])], groups.control)
+    assert digests is not None
+    assert digests[0][0].tolist() == digests[1][0].tolist()
