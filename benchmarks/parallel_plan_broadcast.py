@@ -37,7 +37,12 @@ from flare.kernels.batch import SamplingBatch
 from flare.parallel.group import ProcessGroups
 from flare.parallel.launch import RankGroup, WorkerSpec
 from flare.parallel.layout import ParallelLayout
-from flare.parallel.round_command import RoundCommand, RoundSampling, receive_command, send_command
+from flare.parallel.round_command import (
+    RoundCommand,
+    RoundSampling,
+    receive_command,
+    send_command,
+)
 from flare.sampling.params import SamplingParams
 
 SLOT_BYTES = 4 << 20

@@ -9,19 +9,24 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from rank_programs import RECEIVE_ROUND_COMMAND, load_rank, run_sampling_case, serve_sampling_cases
+from rank_programs import (
+    RECEIVE_ROUND_COMMAND,
+    load_rank,
+    run_sampling_case,
+    serve_sampling_cases,
+)
 from sampling_cases import sampling_cases
 
+from flare.engine.batch import ForwardRow
 from flare.kernels.round import sample_round, score_tokens
 from flare.kernels.status import DeviceStatus
 from flare.parallel.group import ProcessGroups
-from flare.engine.batch import ForwardRow
 from flare.parallel.launch import RankGroup, WorkerSpec
-from flare.parallel.round_command import RoundCommand, RoundSampling, send_command
-from flare.parallel.wire import gather_to_rank_0
 from flare.parallel.layout import ParallelLayout
+from flare.parallel.round_command import RoundCommand, RoundSampling, send_command
 from flare.parallel.vocab_round import gather_rows
 from flare.parallel.vocab_shard import VocabShard
+from flare.parallel.wire import gather_to_rank_0
 
 CASES = sampling_cases()
 
