@@ -44,7 +44,8 @@ import torch.nn.functional as F
 
 from flare.engine.batch import AttentionGroup, ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
-from flare.engine.model import LlamaModel, linear, pack_weight
+from flare.engine.linear import linear, pack_weight
+from flare.engine.model import LlamaModel
 from flare.kernels.distribution import kept_threshold
 from flare.kernels.random_stream import Purpose, stream_key, vocabulary_gumbel
 from flare.preparation.draft_head import FINAL_NORM_TENSOR, VOCAB_TENSOR
