@@ -39,22 +39,27 @@ it fast on a CPU, where a round of 32 decode rows is bound by the linear layers:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from flare.engine import native, precision, quantized
-from flare.engine.precision import WeightFormat
-from flare.engine.quantized import QuantizedWeight
 from flare.engine.batch import SHORT_ROW_MAX_TOKENS, AttentionGroup, ForwardBatch
 from flare.engine.kv_cache import KVCache
 from flare.engine.linear import Weight, linear, linear_columns, packs, stack_weights
+from flare.engine.precision import WeightFormat
+from flare.engine.quantized import QuantizedWeight
 from flare.engine.rope import apply_rope, rope_tables
 from flare.preparation.blocks import dequantized
 from flare.preparation.manifest import ModelConfig
-from flare.preparation.package import TORCH_DTYPES, Package, fits_float16, weight_problems
+from flare.preparation.package import (
+    TORCH_DTYPES,
+    Package,
+    fits_float16,
+    weight_problems,
+)
 
 
 class WeightsError(ValueError):
@@ -192,6 +197,8 @@ class LlamaModel:
         weight_format: WeightFormat | None = None,
         native_kernels: bool | None = None,
         context: int | None = None,
+        all_reduce: Callable[[torch.Tensor], None] | None = None,
+        lm_head_rows: tuple[int, int] | None = None,
     ) -> None:
         """`dtype`: activations and norms, and what attention computes in (the KV cache holds
         `dtype`, or float16 / bfloat16 widened when read). `weight_format`: what the linear layers'
@@ -201,7 +208,13 @@ class LlamaModel:
         with the CPU kernels of `native` (True), with their torch counterparts (False), or with
         the kernels where they were built and apply (None); they apply where `kernels_fit`.
         `context`: the longest context the model will serve (default: its own); a sliding
-        window at least as long narrows nothing, and longrope picks its factors by it."""
+        window at least as long narrows nothing, and longrope picks its factors by it.
+        `all_reduce`, `lm_head_rows`: a tensor-parallel rank (flare/parallel/tensor_split.py),
+        whose `config` and `state_dict` hold its share of the heads and of the MLP width;
+        `all_reduce` sums a sublayer's partial output over the ranks in place, after o and after
+        down (before a sandwich norm, which needs the whole output), and the LM head is the
+        vocabulary rows `lm_head_rows` (the logits of the rank's vocabulary shard). Its layers
+        run step by step: the one-call kernel layer has no point to all-reduce at."""
         check_state_dict(config, state_dict)
         self.config = config
         self.device = torch.device(device)
@@ -240,14 +253,24 @@ class LlamaModel:
         self.embed: torch.Tensor | QuantizedWeight = (
             embedding if isinstance(embedding, QuantizedWeight) else weight("model.embed_tokens.weight", weights_dtype)
         )
+        head_rows = lm_head_rows or (0, config.vocab_size)
+
+        def head_weight(name: str) -> Weight:
+            tensor = state_dict[name]
+            part = tensor.rows(*head_rows) if isinstance(tensor, QuantizedWeight) else tensor[slice(*head_rows)].to(self.device)
+            return stack_weights([part], self.weight_format)
+
         if not config.tie_word_embeddings:
-            self.lm_head = linear_weight("lm_head.weight")
-        elif isinstance(self.embed, QuantizedWeight):
-            self.lm_head = self.embed
+            self.lm_head = head_weight("lm_head.weight")
         elif packs(self.weight_format, self.device):
-            self.lm_head = linear_weight("model.embed_tokens.weight")
-        else:
+            self.lm_head = head_weight("model.embed_tokens.weight")
+        elif lm_head_rows is None:
             self.lm_head = self.embed
+        elif isinstance(self.embed, QuantizedWeight):
+            self.lm_head = self.embed.rows(*head_rows)
+        else:
+            self.lm_head = self.embed[slice(*head_rows)]
+        self.all_reduce = all_reduce
         self.norm = weight("model.norm.weight", dtype)
 
         def optional(name: str) -> torch.Tensor | None:
@@ -281,7 +304,7 @@ class LlamaModel:
         # A round of short rows on float16 or block weights runs each layer as one kernel call
         # (`native.decoder_layer`): the same kernels as the steps below, without the Python
         # between them.
-        self.kernel_layers = _kernel_layers(self.layers) if self.native_kernels else None
+        self.kernel_layers = _kernel_layers(self.layers) if self.native_kernels and all_reduce is None else None
         self._layer_scratch = torch.empty(0, dtype=torch.float32, device=self.device)
         self.rope_cos, self.rope_sin = rope_tables(config, dtype, self.device, context=self.context)
         # The sliding layers' own table, where they have their own base (Gemma 3).
@@ -341,9 +364,11 @@ class LlamaModel:
                 keys, values = kv_cache.keys[index], kv_cache.values[index]
                 rope = None if ropes is None else ropes[layer.local_rope]
                 q = self._rope_and_cache(linear_columns(x, layer.qkv), batch, rope, keys, values, layer)
-                delta = self._sublayer_output(linear(self._attention(q, keys, values, calls, layer.window), layer.o), layer.attention_output_norm)
+                attention = linear(self._attention(q, keys, values, calls, layer.window), layer.o)
+                delta = self._sublayer_output(self._summed(attention), layer.attention_output_norm)
                 x = self._add_norm(h, delta, layer.post_norm)
-                delta = self._sublayer_output(linear(self._gated_mlp(linear_columns(x, layer.gate_up)), layer.down), layer.mlp_output_norm)
+                mlp = linear(self._gated_mlp(linear_columns(x, layer.gate_up)), layer.down)
+                delta = self._sublayer_output(self._summed(mlp), layer.mlp_output_norm)
             if delta is not None:
                 h += delta
         return self.logits_of(h[batch.logit_indices]), h
@@ -361,6 +386,15 @@ class LlamaModel:
         logits = linear(self._add_norm(h.contiguous(), None, self.norm), self.lm_head).contiguous().float()
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _summed(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-split layer's output: this rank's partial sum, summed over the ranks (the one
+        all-reduce of a sublayer); the output itself on one rank."""
+        if self.all_reduce is None:
+            return partial
+        whole = partial.contiguous()
+        self.all_reduce(whole)
+        return whole
 
     def _sublayer_output(self, delta: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
         """A sublayer's output as it joins the residual stream: RMS-normalized first where the

@@ -66,3 +66,10 @@ def join_groups(
     backend = device_backend(device)
     device_group = control if backend == "gloo" else dist.new_group(backend=backend, timeout=timeout)
     return ProcessGroups(rank=rank, world_size=world_size, control=control, device=device_group, store=store)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> None:
+    """Sum ``tensor`` over the ranks in place, on the default group: what a rank's model calls
+    after its row-split layers (gloo on the CPU; a CUDA model would pass its NCCL device group's
+    all-reduce instead)."""
+    dist.all_reduce(tensor)

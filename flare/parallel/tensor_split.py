@@ -11,7 +11,8 @@ Per decoder layer, for rank r of N:
 - gate/up are split by rows (columns of the intermediate activation), down by its input columns,
   with one all-reduce after down;
 - the LM head is split into the contiguous vocabulary shards ``shard_bounds(V, N)`` the
-  vocabulary-parallel sampler works on (vocab_round.py), never gathered into a full row;
+  vocabulary-parallel sampler works on (vocab_round.py), never gathered into a full row (a
+  tied head is the embedding's rows of the shard);
 - the embedding and every norm are replicated. The embedding lookup is a copy of a few rows, not
   arithmetic: splitting it by vocabulary would save V * hidden / N values per rank (the default
   model: 57 MB of 16-bit weights) at the cost of a masked lookup and an all-reduce of every
@@ -25,11 +26,14 @@ is refused naming both counts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import gguf
 import torch
 
+from flare.engine.model import LlamaModel
 from flare.engine.quantized import QuantizedWeight
 from flare.kernels.distribution import shard_bounds
 from flare.preparation.manifest import ModelConfig
@@ -64,30 +68,62 @@ def check_tensor_parallel(config: ModelConfig, tensor_parallel: int) -> None:
         )
 
 
+def rank_config(config: ModelConfig, tensor_parallel: int) -> ModelConfig:
+    """The config a rank's model is built with: its share of the heads, KV heads and MLP width
+    (its KV pool then holds its own heads, under the block ids rank 0 allocates)."""
+    check_tensor_parallel(config, tensor_parallel)
+    return dataclasses.replace(
+        config,
+        num_heads=config.num_heads // tensor_parallel,
+        num_kv_heads=config.num_kv_heads // tensor_parallel,
+        intermediate_size=config.intermediate_size // tensor_parallel,
+    )
+
+
+def vocabulary_rows(config: ModelConfig, rank: int, tensor_parallel: int) -> tuple[int, int]:
+    """The rank's rows of the LM head: its vocabulary shard."""
+    return shard_bounds(config.vocab_size, tensor_parallel)[rank]
+
+
 def rank_state_dict(
     config: ModelConfig, state_dict: Mapping[str, Tensor], rank: int, tensor_parallel: int
 ) -> dict[str, Tensor]:
-    """Rank ``rank``'s part of every tensor: views, except a quantized weight's input-column
-    share, which is copied once into contiguous rows of blocks. A tied LM head becomes ``lm_head.weight``: the rank's
-    vocabulary rows of the (replicated) embedding."""
+    """Rank ``rank``'s part of every layer's tensors, the shapes of ``rank_config``: views,
+    except a quantized weight's input-column share, which is copied once into contiguous rows
+    of blocks. The embedding and the LM head stay whole here; the model keeps only the LM
+    head's ``vocabulary_rows`` (`LlamaModel(lm_head_rows=...)`, a view)."""
     check_tensor_parallel(config, tensor_parallel)
     if not 0 <= rank < tensor_parallel:
         raise ValueError(f"rank must be between 0 and {tensor_parallel - 1}, got {rank}")
     out: dict[str, Tensor] = {}
     for name, tensor in state_dict.items():
         part = _part_of(name)
-        if part == "by_heads" or part == "by_rows":
-            out[name] = _rows(name, tensor, *_even(_rows_of(tensor), rank, tensor_parallel))
+        if part in ("by_heads", "by_rows"):
+            out[name] = _rows(tensor, *_even(_rows_of(tensor), rank, tensor_parallel))
         elif part == "by_input":
             out[name] = _columns(name, tensor, *_even(_columns_of(tensor), rank, tensor_parallel))
-        elif name == "lm_head.weight":
-            out[name] = _rows(name, tensor, *shard_bounds(config.vocab_size, tensor_parallel)[rank])
         else:
             out[name] = tensor
-    if config.tie_word_embeddings:
-        embedding = state_dict["model.embed_tokens.weight"]
-        out["lm_head.weight"] = _rows("model.embed_tokens.weight", embedding, *shard_bounds(config.vocab_size, tensor_parallel)[rank])
     return out
+
+
+def rank_model(
+    config: ModelConfig,
+    state_dict: Mapping[str, Tensor],
+    rank: int,
+    tensor_parallel: int,
+    all_reduce: Callable[[torch.Tensor], None],
+    **options: Any,
+) -> LlamaModel:
+    """The rank's model: its heads and MLP columns, its vocabulary shard of the LM head, and
+    ``all_reduce`` after o and after down. ``options`` are LlamaModel's (device, dtype, ...)."""
+    return LlamaModel(
+        rank_config(config, tensor_parallel),
+        rank_state_dict(config, state_dict, rank, tensor_parallel),
+        all_reduce=all_reduce,
+        lm_head_rows=vocabulary_rows(config, rank, tensor_parallel),
+        **options,
+    )
 
 
 def _part_of(name: str) -> str:
@@ -116,10 +152,8 @@ def _columns_of(tensor: Tensor) -> int:
     return tensor.in_features if isinstance(tensor, QuantizedWeight) else tensor.shape[1]
 
 
-def _rows(name: str, tensor: Tensor, start: int, end: int) -> Tensor:
-    if isinstance(tensor, QuantizedWeight):
-        return QuantizedWeight.from_blocks(tensor.ggml_type, tensor.data[start:end], end - start, tensor.in_features)
-    return tensor[start:end]
+def _rows(tensor: Tensor, start: int, end: int) -> Tensor:
+    return tensor.rows(start, end) if isinstance(tensor, QuantizedWeight) else tensor[start:end]
 
 
 def _columns(name: str, tensor: Tensor, start: int, end: int) -> Tensor:

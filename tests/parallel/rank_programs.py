@@ -102,3 +102,65 @@ def serve_sampling_cases(groups: ProcessGroups, state: dict[str, int]) -> None:
             gather_rows(shard, case.logits[:, shard.start : shard.end], positions)
         else:
             run_sampling_case(groups, index)
+
+
+TP_BLOCK_SIZE = 4
+
+
+def tiny_tensor_parallel(rank: int, world_size: int):
+    """The tiny Llama's rank model (tests/engine/tiny_llama.py, seed 0) and its KV cache."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
+    from tiny_llama import random_state_dict, tiny_config
+
+    from flare.engine.kv_cache import KVCache
+    from flare.parallel.group import all_reduce_sum
+    from flare.parallel.tensor_split import rank_config, rank_model
+
+    config = tiny_config()
+    model = rank_model(config, random_state_dict(config), rank, world_size, all_reduce_sum)
+    local = rank_config(config, world_size)
+    cache = KVCache(
+        num_layers=local.num_layers, num_blocks=32, block_size=TP_BLOCK_SIZE,
+        num_kv_heads=local.num_kv_heads, head_dim=local.head_dim,
+    )
+    return model, cache
+
+
+def load_tiny_tensor_parallel(rank: int, world_size: int):
+    return tiny_tensor_parallel(rank, world_size)
+
+
+def serve_tensor_parallel_rounds(groups: ProcessGroups, state) -> None:
+    """A worker of the round protocol: each command's block copies, forward and sampling share
+    (and, for the tests, a gather of its logits); None ends."""
+    from flare.parallel.round_command import receive_command
+
+    model, cache = state
+    while True:
+        command = receive_command(groups.control)
+        if command is None:
+            return
+        tensor_parallel_round(groups, model, cache, command)
+
+
+def tensor_parallel_round(groups: ProcessGroups, model, cache, command):
+    """One round on this rank; rank 0 gets (full logits, sampling result)."""
+    from flare.engine.batch import ForwardBatch
+    from flare.parallel.vocab_round import gather_rows, sample_round_across_ranks
+    from flare.parallel.vocab_shard import VocabShard
+
+    if command.copies:
+        cache.copy_blocks(command.copies)
+    logits = model.forward(ForwardBatch.build(list(command.rows), cache.block_size), cache)
+    shard = VocabShard.of(model.config.vocab_size, groups.device)
+    full = gather_rows(shard, logits, torch.arange(logits.shape[0]))
+    result = None
+    if command.sampling is not None:
+        s = command.sampling
+        result = sample_round_across_ranks(
+            shard, logits, s.num_drafts, s.draft_tokens, None, s.batch, s.token_mask, s.num_logprobs, s.raw_logprobs
+        )
+    return full, result

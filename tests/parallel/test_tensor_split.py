@@ -19,6 +19,7 @@ from flare.parallel.tensor_split import (
     TensorParallelError,
     check_tensor_parallel,
     rank_state_dict,
+    vocabulary_rows,
 )
 
 LAYER = "model.layers.0"
@@ -53,7 +54,8 @@ def test_rank_parts_of_attention_mlp_and_lm_head_recombine_to_the_whole(tensor_p
         # The all-reduce after o and after down: a sum of the ranks' partial outputs.
         attention_sum += _attention(x, p["self_attn.q_proj"], p["self_attn.k_proj"], p["self_attn.v_proj"], config.head_dim) @ p["self_attn.o_proj"].T
         mlp_sum += (torch.nn.functional.silu(x @ p["mlp.gate_proj"].T) * (x @ p["mlp.up_proj"].T)) @ p["mlp.down_proj"].T
-        logit_parts.append(x @ part["lm_head.weight"].T)
+        start, end = vocabulary_rows(config, rank, tensor_parallel)
+        logit_parts.append(x @ part["model.embed_tokens.weight"][start:end].T)
         assert torch.equal(part["model.embed_tokens.weight"], state["model.embed_tokens.weight"]), "replicated"
         assert part[f"{LAYER}.self_attn.k_proj.weight"].shape[0] == config.num_kv_heads * config.head_dim // tensor_parallel
     torch.testing.assert_close(attention_sum, attention, rtol=1e-5, atol=1e-5)
