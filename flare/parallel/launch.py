@@ -132,6 +132,12 @@ class RankGroup:
         own = [RankInfo(0, os.getpid(), self.own_threads.cpus)] if self.own_threads is not None else []
         return own + [RankInfo(w.rank, w.process.pid or 0, w.threads.cpus) for w in self._workers]
 
+    def pin_own(self) -> None:
+        """Pin this process (rank 0) to its CPU list, as the workers pin themselves. Explicit:
+        the daemon's process also runs the event loop, which then shares rank 0's CPUs."""
+        if self.own_threads is not None:
+            pin(self.own_threads)
+
     def connect(self) -> ProcessGroups | None:
         """Wait until every local worker has loaded (WorkerStartError names the first that did
         not), then, on rank 0's host, join the groups as rank 0 and watch the workers."""
