@@ -164,3 +164,29 @@ def tensor_parallel_round(groups: ProcessGroups, model, cache, command):
             shard, logits, s.num_drafts, s.draft_tokens, None, s.batch, s.token_mask, s.num_logprobs, s.raw_logprobs
         )
     return full, result
+
+
+def load_package_rank(path: str, rank: int, world_size: int):
+    """Rank ``rank``'s model of the package at ``path`` (its blocks kept, as `flare run` serves
+    the default package) and a KV cache for one short conversation."""
+    from pathlib import Path
+
+    from flare.engine.kv_cache import KVCache
+    from flare.engine.quantized import QuantizedWeight
+    from flare.parallel.group import all_reduce_sum
+    from flare.parallel.tensor_split import rank_config, rank_model
+    from flare.preparation.package import open_package
+
+    package = open_package(Path(path))
+    floats, blocks = package.load_weights()
+    state = dict(floats)
+    for name, tensor in blocks.items():
+        state[name] = QuantizedWeight.from_blocks(tensor.ggml_type, tensor.data, *tensor.shape)
+    config = package.manifest.model
+    model = rank_model(config, state, rank, world_size, all_reduce_sum, context=1024)
+    local = rank_config(config, world_size)
+    cache = KVCache(
+        num_layers=local.num_layers, num_blocks=64, block_size=TP_BLOCK_SIZE,
+        num_kv_heads=local.num_kv_heads, head_dim=local.head_dim,
+    )
+    return model, cache
