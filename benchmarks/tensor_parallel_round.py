@@ -16,11 +16,16 @@ both. On a 2-core machine TP 2 cannot be faster: the same arithmetic, plus 60 al
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from datetime import timedelta
 
-import torch
+from flare.engine.openmp import set_wait_policy
+
+set_wait_policy(os.environ)  # as `flare run` does, before torch loads OpenMP (spawned ranks inherit it)
+
+import torch  # noqa: E402
 import torch.distributed as dist
 
 from flare.engine.batch import ForwardBatch, ForwardRow
@@ -106,15 +111,18 @@ def main() -> None:
     rows, context = args.rows, args.context
 
     whole = LlamaModel(CONFIG, _weights())
-    cache = _cache(CONFIG, rows, context)
-    whole.forward(ForwardBatch.build(list(_prefill(rows, context)), BLOCK), cache)
-    single = []
-    for step in range(args.rounds):
-        started = time.perf_counter()
-        logits = whole.forward(ForwardBatch.build(list(_rows(rows, context, step)), BLOCK), cache)
-        s = _sampling(rows)
-        sample_round(logits, s.num_drafts, s.draft_tokens, None, s.batch)
-        single.append(time.perf_counter() - started)
+    single: dict[int, list[float]] = {}
+    for threads in sorted({torch.get_num_threads(), 1}, reverse=True):
+        torch.set_num_threads(threads)
+        cache = _cache(CONFIG, rows, context)
+        whole.forward(ForwardBatch.build(list(_prefill(rows, context)), BLOCK), cache)
+        single[threads] = []
+        for step in range(args.rounds):
+            started = time.perf_counter()
+            logits = whole.forward(ForwardBatch.build(list(_rows(rows, context, step)), BLOCK), cache)
+            s = _sampling(rows)
+            sample_round(logits, s.num_drafts, s.draft_tokens, None, s.batch)
+            single[threads].append(time.perf_counter() - started)
     del whole, cache
 
     group = RankGroup(ParallelLayout(2), WorkerSpec(_load, _serve), torch.device("cpu"), timedelta(seconds=300), timedelta(seconds=120))
@@ -141,8 +149,9 @@ def main() -> None:
         send_command(None, groups.control)
     finally:
         group.stop()
-    print(f"decode round, {rows} rows at context {context}: TP 1 {statistics.median(single) * 1e3:.1f} ms, "
-          f"TP 2 {statistics.median(double) * 1e3:.1f} ms (median of {args.rounds})")
+    tp1 = ", ".join(f"{statistics.median(times) * 1e3:.1f} ms on {n} thread(s)" for n, times in single.items())
+    print(f"decode round, {rows} rows at context {context}, median of {args.rounds}: TP 1 {tp1}; "
+          f"TP 2 {statistics.median(double) * 1e3:.1f} ms (one thread a rank)")
     print(f"one all-reduce of [{rows}, {CONFIG.hidden_size}] float32 over gloo: "
           f"{statistics.median(reduce_times) * 1e6:.0f} us median; {2 * CONFIG.num_layers} a round")
 
