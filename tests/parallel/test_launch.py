@@ -234,3 +234,42 @@ def test_two_nodes_on_loopback_meet_and_the_headless_node_exits_non_zero_when_ra
         assert not any(_alive(p) for p in worker_pids)
     finally:
         node_1.kill()
+
+
+def test_a_worker_killed_between_rounds_makes_the_next_round_raise_and_fails_the_group_naming_it() -> None:
+    from rank_programs import (
+        load_tiny_tensor_parallel,
+        serve_tensor_parallel_rounds,
+        tensor_parallel_round,
+        tiny_tensor_parallel,
+    )
+
+    from flare.engine.batch import ForwardRow
+    from flare.parallel.round_command import RoundCommand, send_command
+
+    shm_before = _shm_entries()
+    group = RankGroup(
+        ParallelLayout(tensor_parallel=2),
+        WorkerSpec(load_tiny_tensor_parallel, serve_tensor_parallel_rounds),
+        torch.device("cpu"),
+        STARTUP,
+        timedelta(seconds=10),
+    )
+    model, cache = tiny_tensor_parallel(0, 2)
+    groups = group.connect()
+    assert groups is not None
+    command = RoundCommand(0, (ForwardRow((3, 4, 5), 0, (0, 1), 1),), (), None)
+    send_command(command, groups.control)
+    tensor_parallel_round(groups, model, cache, command)
+    worker_pid = group.ranks[1].pid
+    os.kill(worker_pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError):
+        send_command(RoundCommand(1, (ForwardRow((6,), 3, (0, 1), 1),), (), None), groups.control)
+        tensor_parallel_round(groups, model, cache, command)
+    assert time.monotonic() - started < 15, "the lost rank took a collective timeout to notice"
+    assert _wait_until(lambda: group.failstop.reason is not None, 10)
+    assert group.failstop.reason.startswith(f"rank 1 (pid {worker_pid}) exited")
+    group.stop()
+    assert not _alive(worker_pid)
+    assert _shm_entries() <= shm_before
