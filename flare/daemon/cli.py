@@ -70,6 +70,9 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="the draft proposer: ngram (prompt lookup), mtp (the package's learned draft head) or auto "
         "(the head where the package ships one, else ngram); default: the package's serving.drafter")
     add("--vocabulary-shards", metavar="S", help="shards of the vocabulary-parallel sampler (default 1)")
+    add("--tensor-parallel", metavar="N",
+        help="split the model over N processes on this host (heads, MLP, LM head by vocabulary); "
+        "N must divide the heads and KV heads (default 1)")
     add("--sampling-policy", choices=("package", "unfiltered"),
         help="serve the package's policy, or its unfiltered() form (default package)")
     add("--on-invalid-speculation", choices=("fallback", "fail"),
@@ -144,11 +147,16 @@ def run_command(args: argparse.Namespace) -> int:
     # Imported only now: the server pulls in torch and the engine, which a usage error, export,
     # inspect and ctl do not need.
     from flare.daemon.server import StartupError, serve
+    from flare.parallel.failstop import EngineDead
 
     try:
         serve(config, reload_config=lambda: load_config(args, os.environ))
     except StartupError as error:
         return _usage_error(f"flare run: error: {error}")
+    except EngineDead as error:
+        # A tensor-parallel rank was lost: non-zero, so that Restart=on-failure restarts the group.
+        print(f"flare run: error: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

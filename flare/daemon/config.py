@@ -53,6 +53,7 @@ class DaemonConfig:
     draft_tokens: int | None = None  # None: the package's; may only lower it
     drafter: str | None = None  # "ngram" | "mtp" | "auto"; None: the package's serving.drafter
     vocabulary_shards: int = 1
+    tensor_parallel: int = 1  # ranks of one model: this process and N - 1 spawned workers (flare/parallel/)
     sampling_policy: str = "package"  # "package" | "unfiltered"
     on_invalid_speculation: str = "fallback"  # "fallback" | "fail"
     fault_injection: bool = False
@@ -209,6 +210,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "draft_tokens": _integer(0),
     "drafter": _choice("ngram", "mtp", "auto"),
     "vocabulary_shards": _integer(1),
+    "tensor_parallel": _integer(1),
     "sampling_policy": _choice("package", "unfiltered"),
     "on_invalid_speculation": _choice("fallback", "fail"),
     "fault_injection": _boolean,

@@ -41,25 +41,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from flare.engine import native, precision, quantized
+from flare.engine.precision import WeightFormat
+from flare.engine.quantized import QuantizedWeight
 from flare.engine.batch import SHORT_ROW_MAX_TOKENS, AttentionGroup, ForwardBatch
 from flare.engine.kv_cache import KVCache
 from flare.engine.linear import Weight, linear, linear_columns, packs, stack_weights
-from flare.engine.precision import WeightFormat
-from flare.engine.quantized import QuantizedWeight
 from flare.engine.rope import apply_rope, rope_tables
 from flare.preparation.blocks import dequantized
 from flare.preparation.manifest import ModelConfig
-from flare.preparation.package import (
-    TORCH_DTYPES,
-    Package,
-    fits_float16,
-    weight_problems,
-)
+from flare.preparation.package import TORCH_DTYPES, Package, fits_float16, weight_problems
 
 
 class WeightsError(ValueError):
@@ -588,11 +584,24 @@ def _window_mask(group: AttentionGroup, window: int) -> torch.Tensor:
     return group.mask & (keys > positions - window)
 
 
-def load_model(package: Package, device: torch.device | str = "cpu", weight_format: str = precision.AUTO) -> LlamaModel:
+ModelSplit = Callable[
+    [ModelConfig, dict[str, "torch.Tensor | QuantizedWeight"]],
+    tuple[ModelConfig, dict[str, "torch.Tensor | QuantizedWeight"], dict[str, Any]],
+]
+"""A tensor-parallel rank's view of a package (flare/parallel/tensor_split.py): its config,
+its part of the weights, and LlamaModel's tensor-parallel arguments."""
+
+
+def load_model(
+    package: Package,
+    device: torch.device | str = "cpu",
+    weight_format: str = precision.AUTO,
+    split: ModelSplit | None = None,
+) -> LlamaModel:
     """The model of a prepared package on `device`: float32, with the linear layers in
     `weight_format` (`auto`: the fastest this device runs for the stored dtype,
     `precision.choose_weight_format`, which raises `WeightFormatError` for a format that does
-    not run here)."""
+    not run here). `split`: a tensor-parallel rank's part of it instead of the whole."""
     device = torch.device(device)
     stored = TORCH_DTYPES[package.manifest.serving.dtype]
     floats, blocks = package.load_weights()
@@ -608,6 +617,9 @@ def load_model(package: Package, device: torch.device | str = "cpu", weight_form
             state_dict[name] = QuantizedWeight.from_blocks(tensor.ggml_type, tensor.data, *tensor.shape)
         else:
             state_dict[name] = dequantized(tensor)
+    config, extra = package.manifest.model, {}
+    if split is not None:
+        config, state_dict, extra = split(config, state_dict)
     return LlamaModel(
-        package.manifest.model, state_dict, device=device, weight_format=chosen, context=package.manifest.serving.max_context
+        config, state_dict, device=device, weight_format=chosen, context=package.manifest.serving.max_context, **extra
     )

@@ -22,6 +22,7 @@ class SchedulerOptions:
     drafter: str | None = None
     adaptive_draft_length: bool = True  # False: every decode row verifies all the drafter proposes
     vocabulary_shards: int = 1
+    tensor_parallel: int = 1  # ranks of one model (flare/parallel/): rank 0 here, the others spawned
     sampling_policy: Literal["package", "unfiltered"] = "package"
     on_invalid_speculation: Literal["fallback", "fail"] = "fallback"
     fault_injection: bool = False

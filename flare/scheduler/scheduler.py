@@ -28,12 +28,13 @@ from flare.engine.drafters import Draft, Drafter
 from flare.engine.model import LlamaModel
 from flare.engine.precision import dtype_name
 from flare.kernels.status import DeviceStatus
+from flare.parallel.failstop import EngineDead
 from flare.preparation.package import Package
 from flare.sampling.params import SamplingParams
 from flare.scheduler.blocks import BlockCopy, BlockManager
 from flare.scheduler.emission import choice_usage, emit
 from flare.scheduler.errors import Draining, DuplicateRequestId, PromptTooLong, QueueFull, TooManyChoices
-from flare.scheduler.failures import cancelled_failure, device_failure, shutdown_failure
+from flare.scheduler.failures import cancelled_failure, device_failure, engine_dead_failure, shutdown_failure
 from flare.scheduler.loading import SchedulerParts, load_parts
 from flare.scheduler.metrics import SchedulerMetrics
 from flare.scheduler.model_runner import ModelRunner, PlannedRow, RoundObserver, RoundPlan, RoundResult, RowResult
@@ -247,6 +248,11 @@ class Scheduler:
     def idle(self) -> bool:
         return not self._running and not self._waiting
 
+    def ranks(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """This host's tensor-parallel ranks as (rank, pid, CPUs); empty without a group."""
+        driver = self._runner.ranks
+        return [] if driver is None else [(r.rank, r.pid, r.cpus) for r in driver.group.ranks]
+
     def snapshot(self) -> SchedulerSnapshot:
         counts = self._blocks.cache.counts()
         return SchedulerSnapshot(
@@ -316,6 +322,7 @@ class Scheduler:
                 self._fail(seq, shutdown_failure())
             if self._owns_model_thread:
                 self._model_thread.shutdown(wait=True)  # idle: no round is in flight here
+                self._runner.close()
 
     # ----------------------------------------------------------------- one round
 
@@ -327,6 +334,13 @@ class Scheduler:
         self._in_flight = True
         try:
             result = await self._on_model_thread(self._runner.execute, plan)
+        except EngineDead as error:
+            # The group lost a rank: nothing can run any more. Every request ends with
+            # engine_dead, and the loop's error stops the daemon (non-zero, for the supervisor).
+            log.error("engine_dead", round=plan.index, reason=error.reason)
+            for seq in [*self._running, *self._waiting]:
+                self._fail(seq, engine_dead_failure(error.reason))
+            raise
         except Exception as error:  # a bug or device fault outside any row's status
             log.exception("round_failed", round=plan.index, rows=len(plan.rows))
             failure = RequestFailure(

@@ -1,0 +1,65 @@
+"""The scheduler over the tiny package at tensor-parallel 2: the answers of TP 1, and fail-stop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+from running_scheduler import running
+
+from flare.parallel.failstop import EngineDead
+from flare.preparation.package import open_package
+from flare.sampling.params import SamplingParams
+from flare.scheduler.request import Failed, Finished, GenerationRequest
+from flare.scheduler.scheduler import Scheduler, SchedulerOptions
+
+REQUESTS = [
+    ("greedy", "Hello there, how are", SamplingParams(temperature=0.0, max_tokens=12)),
+    ("seeded", "Tell me a story about", SamplingParams(temperature=0.8, seed=7, max_tokens=12)),
+    ("penalized", "one two one two one two", SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=12)),
+]
+
+
+async def _answers(package, **options) -> dict[str, tuple[int, ...]]:
+    async with running(package, max_concurrency=4, **options) as scheduler:
+
+        async def one(name: str, text: str, params: SamplingParams) -> tuple[str, tuple[int, ...]]:
+            ids = tuple(scheduler.tokenizer.encode(text))
+            tokens: list[int] = []
+            async for event in scheduler.submit(GenerationRequest(name, ids, params)):
+                tokens += getattr(event, "token_ids", ())
+                assert not isinstance(event, Failed), event
+            return name, tuple(tokens)
+
+        return dict(await asyncio.gather(*(one(*r) for r in REQUESTS)))
+
+
+async def test_tp2_answers_equal_tp1_greedy_seeded_and_penalized_with_ngram_drafts(tiny_package) -> None:
+    single = await _answers(tiny_package)
+    double = await _answers(tiny_package, tensor_parallel=2)
+    assert all(len(tokens) == 12 for tokens in single.values())
+    assert double == single
+
+
+async def test_a_worker_killed_mid_stream_ends_the_stream_with_engine_dead_and_stops_the_loop(tiny_package) -> None:
+    scheduler = Scheduler.from_package(open_package(tiny_package), SchedulerOptions(tensor_parallel=2, max_concurrency=2))
+    worker_pid = scheduler._runner.ranks.group.ranks[1].pid  # noqa: SLF001
+    loop_task = asyncio.create_task(scheduler.run())
+    ids = tuple(scheduler.tokenizer.encode("Hello there"))
+    events = []
+    async for event in scheduler.submit(GenerationRequest("r", ids, SamplingParams(temperature=0.0, max_tokens=200))):
+        events.append(event)
+        if len(events) == 2:
+            os.kill(worker_pid, signal.SIGKILL)
+    assert isinstance(events[-1], Failed) and events[-1].failure.code == "engine_dead"
+    assert "rank 1" in events[-1].failure.message or "collective" in events[-1].failure.message
+    with pytest.raises(EngineDead):
+        await asyncio.wait_for(loop_task, 60)
+    assert not os.path.exists(f"/proc/{worker_pid}/status") or "State:\tZ" in open(f"/proc/{worker_pid}/status").read()
+
+
+def test_a_tp_size_that_does_not_divide_the_heads_is_refused_before_any_weight_loads(tiny_package) -> None:
+    with pytest.raises(ValueError, match="must divide both the model's 4 attention heads and its 2 KV heads"):
+        Scheduler.from_package(open_package(tiny_package), SchedulerOptions(tensor_parallel=3))
