@@ -6,7 +6,8 @@ adds is a field of `ModelConfig` and a torch step of `forward_hidden`, never a m
 (Qwen3, Gemma 3), RoPE scalings and partial rotary (rope.py), sliding windows per layer with
 their own RoPE base (Mistral, Gemma 2/3), attention scale and soft-caps and sandwich norms and the
 embedding scale (Gemma), GeGLU (Gemma). Each matches transformers' eager attention math. The C
-kernels run only a model whose layers they implement (`kernels_fit`); any other runs the torch path.
+kernels implement every family's layer (`kernels_fit`), each feature an option of the kernel
+that runs the step Llama has.
 
 The forward pass takes one ragged `ForwardBatch` (prompt chunks, decode rows and verify rows
 together) and returns logits only for the positions that need them. The layout choices that make
@@ -140,38 +141,50 @@ def _linear_parts(weight: Weight) -> tuple[native.LinearPart, ...] | None:
     return None
 
 
-def _kernel_layers(layers: list[DecoderLayer]) -> list[native.KernelLayer] | None:
-    """The layers as `native.decoder_layer` reads them, where every linear layer of every layer
-    is float16 or ggml blocks; None otherwise (the layers then run step by step)."""
+def _kernel_layers(
+    layers: list[DecoderLayer], config: ModelConfig, local_rope: tuple[torch.Tensor, torch.Tensor] | None
+) -> list[native.KernelLayer] | None:
+    """The layers as `native.decoder_layer` reads them, with their family features (the sliding
+    layers of a model with its own local base on `local_rope`'s tables), where every linear layer
+    of every layer is float16 or ggml blocks; None otherwise (the layers then run step by step)."""
     kernel_layers = []
     for layer in layers:
         linears = [_linear_parts(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if any(parts is None for parts in linears):
             return None
-        kernel_layers.append(native.KernelLayer(layer.input_norm, layer.post_norm, *linears))  # type: ignore[arg-type]
+        cos, sin = local_rope if layer.local_rope and local_rope is not None else (None, None)
+        kernel_layers.append(
+            native.KernelLayer(
+                layer.input_norm,
+                layer.post_norm,
+                *linears,  # type: ignore[arg-type]
+                qkv_bias=layer.qkv_bias,
+                q_norm=layer.q_norm,
+                k_norm=layer.k_norm,
+                attention_output_norm=layer.attention_output_norm,
+                mlp_output_norm=layer.mlp_output_norm,
+                cos=cos,
+                sin=sin,
+                window=layer.window,
+                softcap=config.attention_softcap,
+                scale=config.attention_scale,
+                activation=config.hidden_activation,
+            )
+        )
     return kernel_layers
 
 
-def kernels_fit(config: ModelConfig, context: int | None = None) -> bool:
+def kernels_fit(config: ModelConfig) -> bool:
     """Whether the C kernels (`native.*`, `native.decoder_layers`) implement every step of the
-    layers `config` describes. They implement Llama's layer: RMSNorm, q/k/v without bias, RoPE
-    over whole heads from a cos/sin table (any scaling: it is in the table), causal attention at
-    head_dim^-0.5 without a window or soft-cap, SwiGLU. The embedding scale and the final
-    soft-cap run outside the layers on either path. A sliding window at least as long as the
-    `context` served (default: the model's) narrows nothing. A model whose layers need more runs
-    every layer on the torch path (`LlamaModel.forward_hidden`)."""
-    context = config.max_position_embeddings if context is None else context
-    windowed = bool(config.sliding_layers) and config.sliding_window is not None and config.sliding_window < context
-    return (
-        not config.attention_bias
-        and not config.qk_norm
-        and config.rotary_dims == config.head_dim
-        and not windowed
-        and config.attention_scale in (None, config.head_dim**-0.5)
-        and config.attention_softcap is None
-        and not config.sandwich_norms
-        and config.hidden_activation == "silu"
-    )
+    layers `config` describes. They implement every family's layer: Llama's (RMSNorm, RoPE from
+    a cos/sin table, which holds any scaling, causal attention, SwiGLU) and, as options of the
+    same kernels, q/k/v biases, q/k norms, partial rotary, sliding windows with their own tables,
+    the attention scale and soft-cap, sandwich norms and GeGLU. The embedding scale and the final
+    soft-cap run outside the layers on either path. Only heads wider than the kernels keep on
+    their stack for those options (`native.FEATURES_MAX_HEAD_DIM`; no family served comes near)
+    run every layer on the torch path (`LlamaModel.forward_hidden`)."""
+    featured = config.attention_bias or config.qk_norm or config.rotary_dims != config.head_dim
+    return not featured or config.head_dim <= native.FEATURES_MAX_HEAD_DIM
 
 
 class LlamaModel:
@@ -219,7 +232,7 @@ class LlamaModel:
         # The kernels are float32 and CPU only.
         applies = self.device.type == "cpu" and dtype == torch.float32
         self.context = config.max_position_embeddings if context is None else min(context, config.max_position_embeddings)
-        fits = kernels_fit(config, self.context)
+        fits = kernels_fit(config)
         if native_kernels and not (applies and native.available() and fits):
             raise ValueError(
                 "the native CPU kernels need a float32 model on the CPU, the built extension and "
@@ -300,13 +313,17 @@ class LlamaModel:
         # A round of short rows on float16 or block weights runs each layer as one kernel call
         # (`native.decoder_layer`): the same kernels as the steps below, without the Python
         # between them.
-        self.kernel_layers = _kernel_layers(self.layers) if self.native_kernels and all_reduce is None else None
-        self._layer_scratch = torch.empty(0, dtype=torch.float32, device=self.device)
         self.rope_cos, self.rope_sin = rope_tables(config, dtype, self.device, context=self.context)
         # The sliding layers' own table, where they have their own base (Gemma 3).
         self.local_rope = (
             rope_tables(config, dtype, self.device, local=True) if any(layer.local_rope for layer in self.layers) else None
         )
+        # A tensor-parallel rank runs its layers step by step: the one-call layer has no point to
+        # all-reduce at.
+        self.kernel_layers = (
+            _kernel_layers(self.layers, config, self.local_rope) if self.native_kernels and all_reduce is None else None
+        )
+        self._layer_scratch = torch.empty(0, dtype=torch.float32, device=self.device)
         # Grow-only scratch memory for the gathered keys and values of a round: allocating
         # tens of megabytes afresh every round costs page faults on every round. It holds one
         # layer's K/V of the running rows (plus padding to each group's longest context), so it
@@ -397,6 +414,8 @@ class LlamaModel:
         layer has sandwich norms (Gemma 2/3), as it is otherwise."""
         if norm is None:
             return delta
+        if self.native_kernels:  # the kernel `native.decoder_layer` normalizes it with
+            return native.add_rms_norm(delta.contiguous(), None, norm, self.config.rms_norm_eps)
         return F.rms_norm(delta, (self.config.hidden_size,), norm, self.config.rms_norm_eps)
 
     def _decoder_round(self, batch: ForwardBatch, calls: list[AttentionCall], kv_cache: KVCache) -> native.DecoderRound:
@@ -453,8 +472,10 @@ class LlamaModel:
         `native.rope_and_cache`)."""
         heads, kv_heads, head_dim = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
         if self.native_kernels:
+            cos, sin = self.local_rope if layer.local_rope and self.local_rope is not None else (self.rope_cos, self.rope_sin)
             return native.rope_and_cache(
-                qkv_columns, batch.positions, batch.slot_mapping, self.rope_cos, self.rope_sin, keys, values, heads
+                qkv_columns, batch.positions, batch.slot_mapping, cos, sin, keys, values, heads,
+                bias=layer.qkv_bias, q_norm=layer.q_norm, k_norm=layer.k_norm, norm_eps=self.config.rms_norm_eps,
             )
         assert rope is not None, "the torch path needs the round's cos and sin (`_rope`)"
         qkv_rows = qkv_columns.t() if layer.qkv_bias is None else qkv_columns.t() + layer.qkv_bias
@@ -478,9 +499,9 @@ class LlamaModel:
     def _gated_mlp(self, gate_up_columns: torch.Tensor) -> torch.Tensor:
         """act(gate) * up [T, intermediate] from the gate/up layer's columns: SwiGLU (silu), or
         GeGLU with GELU's tanh approximation (Gemma); the torch counterpart of
-        `native.swiglu_rows`."""
+        `native.gated_rows`."""
         if self.native_kernels:
-            return native.swiglu_rows(gate_up_columns)
+            return native.gated_rows(gate_up_columns, self.config.hidden_activation)
         # On the columns, where gate and up are contiguous halves: on the transposed view the
         # elementwise ops are strided (2 ms a round slower at 32 rows).
         gate, up = gate_up_columns.chunk(2)
@@ -545,7 +566,8 @@ class LlamaModel:
             rows, length = call.group.rows, call.group.query_len
             if call.native:
                 out = native.paged_attention(
-                    q[call.tokens], keys, values, call.group.block_table, call.group.start_positions, length
+                    q[call.tokens], keys, values, call.group.block_table, call.group.start_positions, length,
+                    scale=self.config.attention_scale, window=window, softcap=self.config.attention_softcap,
                 )
                 outputs.append(out.view(rows * length, heads * head_dim))
                 continue
