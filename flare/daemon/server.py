@@ -266,6 +266,9 @@ class Daemon:
             drafter=config.drafter,
             vocabulary_shards=config.vocabulary_shards,
             tensor_parallel=config.tensor_parallel,
+            nnodes=config.nnodes,
+            master_addr=config.master_addr,
+            master_port=config.master_port,
             sampling_policy=config.sampling_policy,  # type: ignore[arg-type]
             on_invalid_speculation=config.on_invalid_speculation,  # type: ignore[arg-type]
             fault_injection=config.fault_injection,

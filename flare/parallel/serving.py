@@ -23,6 +23,7 @@ from typing import Any
 
 import structlog
 import torch
+import torch.distributed as dist
 
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
@@ -40,6 +41,10 @@ from flare.preparation.package import open_package
 
 log = structlog.get_logger("flare.parallel")
 
+KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""The KV pool dtypes, by the code rank 0 broadcasts."""
+STARTUP_TIMEOUT = timedelta(seconds=600)
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 ROUND_DEADLINE_S = 120.0
 """A round longer than this on any rank fails the group (a prompt chunk of the default model
 takes well under a second; a rank stuck this long is lost)."""
@@ -68,16 +73,20 @@ def rank_cache(config: ModelConfig, tensor_parallel: int, num_blocks: int, block
     )
 
 
-def _load_worker(
-    path: str, weight_format: str, num_blocks: int, block_size: int, kv_dtype: str, rank: int, world_size: int
-) -> tuple[LlamaModel, KVCache]:
+def _load_worker(path: str, weight_format: str, rank: int, world_size: int) -> tuple[LlamaModel, ModelConfig]:
     package = open_package(Path(path))
     model = load_model(package, weight_format=weight_format, split=split_for(rank, world_size))
-    return model, rank_cache(package.manifest.model, world_size, num_blocks, block_size, getattr(torch, kv_dtype))
+    return model, package.manifest.model
 
 
-def _serve_worker(groups: ProcessGroups, state: tuple[LlamaModel, KVCache]) -> None:
-    model, cache = state
+def _serve_worker(groups: ProcessGroups, state: tuple[LlamaModel, ModelConfig]) -> None:
+    """A worker: its KV pool sized as rank 0 says (the first broadcast: blocks, block size, dtype
+    code), then one round per command until the stop command."""
+    model, config = state
+    pool = torch.zeros(3, dtype=torch.int64)
+    dist.broadcast(pool, src=0, group=groups.control)
+    num_blocks, block_size, dtype_code = pool.tolist()
+    cache = rank_cache(config, groups.world_size, num_blocks, block_size, KV_DTYPES[dtype_code])
     shard = VocabShard.of(model.config.vocab_size, groups.device)
     while (command := receive_command(groups.control)) is not None:
         _run_round(shard, model, cache, command.rows, command.copies)
@@ -92,6 +101,23 @@ def _run_round(
     return gather_rows(shard, logits, torch.arange(logits.shape[0]))
 
 
+def worker_spec(package_path: str, weight_format: str) -> WorkerSpec:
+    """What every worker rank runs: its shard of the package, then the round loop."""
+    return WorkerSpec(functools.partial(_load_worker, package_path, weight_format), _serve_worker)
+
+
+def serve_headless(package_path: str, layout: ParallelLayout, weight_format: str) -> int:
+    """A host other than rank 0's (`flare run --node-rank K`, K > 0): start this host's ranks,
+    meet rank 0, and wait; the exit status is non-zero once a rank stops (its peer was lost),
+    for the supervisor to restart it."""
+    group = RankGroup(
+        layout, worker_spec(package_path, weight_format), torch.device("cpu"), STARTUP_TIMEOUT, COLLECTIVE_TIMEOUT
+    )
+    group.connect()
+    log.info("tensor_parallel_host", node_rank=layout.node_rank, ranks=[(r.rank, r.pid, list(r.cpus)) for r in group.ranks])
+    return group.wait()
+
+
 class RankDriver:
     """Rank 0's side: starts the workers (they load while rank 0 does), then runs each round's
     forward on every rank and returns the whole logits."""
@@ -99,28 +125,26 @@ class RankDriver:
     def __init__(
         self,
         package_path: str,
-        tensor_parallel: int,
+        layout: ParallelLayout,
         *,
         weight_format: str,
-        num_blocks: int,
-        block_size: int,
-        kv_dtype: str,
-        startup_timeout: timedelta = timedelta(seconds=600),
-        collective_timeout: timedelta = timedelta(seconds=60),
+        startup_timeout: timedelta = STARTUP_TIMEOUT,
+        collective_timeout: timedelta = COLLECTIVE_TIMEOUT,
     ) -> None:
-        load = functools.partial(_load_worker, package_path, weight_format, num_blocks, block_size, kv_dtype)
         self.group = RankGroup(
-            ParallelLayout(tensor_parallel), WorkerSpec(load, _serve_worker), torch.device("cpu"),
-            startup_timeout, collective_timeout,
+            layout, worker_spec(package_path, weight_format), torch.device("cpu"), startup_timeout, collective_timeout
         )
-        self.tensor_parallel = tensor_parallel
+        self.tensor_parallel = layout.tensor_parallel
         self._shard: VocabShard | None = None
         self._rounds = 0
 
-    def connect(self, vocab_size: int) -> None:
-        """After rank 0's own shard has loaded: wait for the workers and join the groups."""
+    def connect(self, vocab_size: int, cache: KVCache) -> None:
+        """After rank 0's own shard has loaded: wait for this host's workers, meet every rank,
+        and size their KV pools as ``cache`` (its block count, block size and dtype)."""
         groups = self.group.connect()
         assert groups is not None
+        pool = torch.tensor([cache.num_blocks, cache.block_size, KV_DTYPES.index(cache.dtype)], dtype=torch.int64)
+        dist.broadcast(pool, src=0, group=groups.control)
         self._shard = VocabShard.of(vocab_size, groups.device)
         log.info("tensor_parallel_group", ranks=[(r.rank, r.pid, list(r.cpus)) for r in self.group.ranks])
 

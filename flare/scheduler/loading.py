@@ -134,15 +134,12 @@ def load_parts(
         ranks = None
         if tensor_parallel > 1:
             # The workers load their shards while this process loads rank 0's.
-            ranks = RankDriver(
-                str(package.path), tensor_parallel, weight_format=options.weight_format,
-                num_blocks=kv_cache.num_blocks, block_size=kv_cache.block_size, kv_dtype=options.kv_cache_dtype,
-            )
+            ranks = RankDriver(str(package.path), options.parallel_layout(), weight_format=options.weight_format)
         try:
             split = split_for(0, tensor_parallel) if ranks is not None else None
             model = load_model(package, device=device, weight_format=options.weight_format, split=split)
             if ranks is not None:
-                ranks.connect(config.vocab_size)
+                ranks.connect(config.vocab_size, kv_cache)
         except BaseException:
             if ranks is not None:
                 ranks.close()

@@ -57,3 +57,33 @@ def test_tp2_serves_the_tp1_answer_and_a_killed_worker_stops_the_daemon_non_zero
         assert daemon.events("engine_dead")
     finally:
         daemon.stop()
+
+
+def test_two_nodes_on_loopback_serve_the_tp1_answer_and_the_headless_node_stops_with_the_daemon(tiny_package: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    single = DaemonProcess(tiny_package)
+    try:
+        single.wait_ready()
+        expected = _completion(single, 12)["choices"][0]["text"]
+    finally:
+        single.stop()
+    headless = subprocess.Popen(
+        [sys.executable, "-m", "flare.daemon.cli", "run", str(tiny_package), "--tensor-parallel", "2",
+         "--nnodes", "2", "--node-rank", "1", "--master-port", port, "--log-format", "json"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    daemon = DaemonProcess(tiny_package, "--tensor-parallel", "2", "--nnodes", "2", "--master-port", port)
+    try:
+        daemon.wait_ready()
+        assert _completion(daemon, 12)["choices"][0]["text"] == expected
+        assert daemon.stop() == 0
+        assert headless.wait(60) == 0, "the headless host's rank was stopped in order"
+    finally:
+        headless.kill()
+        daemon.kill()
