@@ -63,3 +63,39 @@ async def test_a_worker_killed_mid_stream_ends_the_stream_with_engine_dead_and_s
 def test_a_tp_size_that_does_not_divide_the_heads_is_refused_before_any_weight_loads(tiny_package) -> None:
     with pytest.raises(ValueError, match="must divide both the model's 4 attention heads and its 2 KV heads"):
         Scheduler.from_package(open_package(tiny_package), SchedulerOptions(tensor_parallel=3))
+
+
+async def _structured_with_logprobs(package, **options) -> tuple[str, list]:
+    import json
+
+    from flare.scheduler.request import TextDelta
+    from flare.structured import GrammarSpec
+
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"enum": ["red", "green", "blue"]}, "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["colour", "count"],
+        "additionalProperties": False,
+    }
+    async with running(package, **options) as scheduler:
+        grammar = scheduler.grammars.compile(GrammarSpec.json_schema(schema, "response_format"))
+        prompt = tuple(scheduler.tokenizer.encode("Tell me in JSON."))
+        text, logprobs = "", []
+        params = SamplingParams(temperature=0.7, seed=3, max_tokens=60)
+        async for event in scheduler.submit(GenerationRequest("s", prompt, params, grammar=grammar, logprobs=2)):
+            if isinstance(event, TextDelta):
+                text += event.text
+                logprobs += [(e.token_id, round(e.logprob, 4), tuple(t for t, _ in e.top)) for e in event.logprobs]
+            else:
+                assert isinstance(event, Finished), event
+    assert set(json.loads(text)) == {"colour", "count"}
+    return text, logprobs
+
+
+async def test_tp2_structured_output_with_logprobs_and_speculation_equals_tp1(tiny_package) -> None:
+    single = await _structured_with_logprobs(tiny_package)
+    double = await _structured_with_logprobs(tiny_package, tensor_parallel=2)
+    assert single[1], "the answer carries log-probabilities"
+    assert double[0] == single[0]
+    assert [(t, top) for t, _, top in double[1]] == [(t, top) for t, _, top in single[1]]
+    assert all(abs(a[1] - b[1]) < 1e-3 for a, b in zip(double[1], single[1], strict=True))
