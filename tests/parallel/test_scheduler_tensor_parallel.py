@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from pathlib import Path
 
 import pytest
 from running_scheduler import running
@@ -45,7 +46,7 @@ async def test_tp2_answers_equal_tp1_greedy_seeded_and_penalized_with_ngram_draf
 
 async def test_a_worker_killed_mid_stream_ends_the_stream_with_engine_dead_and_stops_the_loop(tiny_package) -> None:
     scheduler = Scheduler.from_package(open_package(tiny_package), SchedulerOptions(tensor_parallel=2, max_concurrency=2))
-    worker_pid = scheduler._runner.ranks.group.ranks[1].pid  # noqa: SLF001
+    worker_pid = next(pid for rank, pid, _ in scheduler.ranks() if rank == 1)
     loop_task = asyncio.create_task(scheduler.run())
     ids = tuple(scheduler.tokenizer.encode("Hello there"))
     events = []
@@ -57,7 +58,8 @@ async def test_a_worker_killed_mid_stream_ends_the_stream_with_engine_dead_and_s
     assert "rank 1" in events[-1].failure.message or "collective" in events[-1].failure.message
     with pytest.raises(EngineDead):
         await asyncio.wait_for(loop_task, 60)
-    assert not os.path.exists(f"/proc/{worker_pid}/status") or "State:\tZ" in open(f"/proc/{worker_pid}/status").read()
+    status = Path(f"/proc/{worker_pid}/status")
+    assert not status.exists() or "State:\tZ" in status.read_text()
 
 
 def test_a_tp_size_that_does_not_divide_the_heads_is_refused_before_any_weight_loads(tiny_package) -> None:
