@@ -196,7 +196,7 @@ class DaemonControl:
             grammar_cache_entries=grammars.entries,
             grammar_cache_bytes=grammars.bytes,
             weight_types=snapshot.weight_types,
-            ranks=[{"rank": rank, "pid": pid, "cpus": list(cpus)} for rank, pid, cpus in scheduler.ranks()],
+            ranks=[{"rank": rank, "pid": pid, "cpus": list(cpus)} for rank, pid, cpus in snapshot.ranks],
         )
 
     def requests(self) -> Sequence[RequestRow]:

@@ -151,6 +151,10 @@ class ModelRunner:
         self.device = device
         self.ranks = ranks
 
+    def rank_list(self) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+        """This host's tensor-parallel ranks as (rank, pid, CPUs); empty without a group."""
+        return () if self.ranks is None else tuple((r.rank, r.pid, r.cpus) for r in self.ranks.group.ranks)
+
     def close(self) -> None:
         """Stop the group's other ranks, if any."""
         if self.ranks is not None:

@@ -248,11 +248,6 @@ class Scheduler:
     def idle(self) -> bool:
         return not self._running and not self._waiting
 
-    def ranks(self) -> list[tuple[int, int, tuple[int, ...]]]:
-        """This host's tensor-parallel ranks as (rank, pid, CPUs); empty without a group."""
-        driver = self._runner.ranks
-        return [] if driver is None else [(r.rank, r.pid, r.cpus) for r in driver.group.ranks]
-
     def snapshot(self) -> SchedulerSnapshot:
         counts = self._blocks.cache.counts()
         return SchedulerSnapshot(
@@ -275,6 +270,7 @@ class Scheduler:
             weight_format=str(self._runner.model.weight_format),
             kv_cache_dtype=dtype_name(self._runner.kv_cache.dtype),
             weight_types=self.package.weight_types(),
+            ranks=self._runner.rank_list(),
         )
 
     def requests(self) -> list[RequestInfo]:
@@ -334,9 +330,7 @@ class Scheduler:
         self._in_flight = True
         try:
             result = await self._on_model_thread(self._runner.execute, plan)
-        except EngineDead as error:
-            # The group lost a rank: nothing can run any more. Every request ends with
-            # engine_dead, and the loop's error stops the daemon (non-zero, for the supervisor).
+        except EngineDead as error:  # a lost rank: every request ends, and the raise stops the daemon
             log.error("engine_dead", round=plan.index, reason=error.reason)
             for seq in [*self._running, *self._waiting]:
                 self._fail(seq, engine_dead_failure(error.reason))

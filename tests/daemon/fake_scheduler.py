@@ -146,9 +146,6 @@ class FakeScheduler:
             stream.put(TextDelta(text, (1,)))
         stream.put(self.ending(request))
 
-    def ranks(self) -> list[tuple[int, int, tuple[int, ...]]]:
-        return []
-
     def snapshot(self) -> FakeSnapshot:
         return FakeSnapshot(running=len(self._open), waiting=0)
 

@@ -430,9 +430,6 @@ class FakeScheduler:
         self.draining = False
         self.cancelled: dict[str, RequestFailure] = {}
 
-    def ranks(self) -> list[tuple[int, int, tuple[int, ...]]]:
-        return [(0, 4242, (0, 1)), (1, 4243, (2, 3))]
-
     def snapshot(self) -> SchedulerSnapshot:
         return SchedulerSnapshot(
             running=2,

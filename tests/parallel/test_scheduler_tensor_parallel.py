@@ -46,7 +46,7 @@ async def test_tp2_answers_equal_tp1_greedy_seeded_and_penalized_with_ngram_draf
 
 async def test_a_worker_killed_mid_stream_ends_the_stream_with_engine_dead_and_stops_the_loop(tiny_package) -> None:
     scheduler = Scheduler.from_package(open_package(tiny_package), SchedulerOptions(tensor_parallel=2, max_concurrency=2))
-    worker_pid = next(pid for rank, pid, _ in scheduler.ranks() if rank == 1)
+    worker_pid = next(pid for rank, pid, _ in scheduler.snapshot().ranks if rank == 1)
     loop_task = asyncio.create_task(scheduler.run())
     ids = tuple(scheduler.tokenizer.encode("Hello there"))
     events = []
