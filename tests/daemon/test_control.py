@@ -410,6 +410,7 @@ class SchedulerSnapshot:  # the fields of flare.scheduler.stats.SchedulerSnapsho
     prompt_tokens_cached: int = 160
     prompt_tokens_computed: int = 40
     weight_types: dict[str, dict[str, int]] = field(default_factory=lambda: {"F32": {"tensors": 3, "bytes": 12}})
+    ranks: tuple[tuple[int, int, tuple[int, ...]], ...] = ((0, 4242, (0, 1)), (1, 4243, (2, 3)))
 
 
 @dataclass(frozen=True)
