@@ -1,9 +1,9 @@
 """Tiny random checkpoints of every family flare serves, built by transformers itself.
 
 Each is its family's own config class and `XForCausalLM.from_config` (eager attention, float32),
-2-3 layers of width 64, with the default model's vocabulary so that its tokenizer and chat
-template serve it. Sliding windows are 8 tokens, so that any prompt of a test passes them; the
-RoPE scalings are picked so that each kind changes the frequencies the test prompts reach.
+3 layers of width 64, with the default model's vocabulary so that its tokenizer and chat
+template serve it. Sliding windows are 8 tokens (16 for Phi-3), so that the tests' prompts pass
+them; the RoPE scalings are picked so that each kind changes the frequencies the prompts reach.
 
 transformers initializes with std 0.02, which leaves logits nearly uniform (top-two gaps below
 1e-3); the weights are redrawn here at unit scale (linear layers randn / sqrt(in), norms around
@@ -87,12 +87,26 @@ def family_config(family: str) -> Any:
     raise ValueError(f"no tiny checkpoint for {family!r}")
 
 
+def multimodal_gemma3_config() -> Any:
+    """A Gemma 3 with a (tiny) vision tower: flare serves its text model."""
+    import transformers
+
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=28, patch_size=14)
+    return transformers.Gemma3Config(text_config=family_config("gemma3"), vision_config=vision, mm_tokens_per_image=4,
+                                     boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2, image_token_index=VOCAB - 1)
+
+
 def write_checkpoint(family: str, path: Path, tokenizer_json: str, chat_template: str, seed: int = 0) -> Checkpoint:
-    """The family's tiny random checkpoint, saved at `path` with the tokenizer and chat template."""
+    """The family's tiny random checkpoint, saved at `path` with the tokenizer and chat template;
+    family `gemma3-multimodal`: `multimodal_gemma3_config`'s."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(family_config(family), attn_implementation="eager", dtype=torch.float32)
+    if family == "gemma3-multimodal":
+        model = transformers.Gemma3ForConditionalGeneration._from_config(multimodal_gemma3_config(), attn_implementation="eager")
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(family_config(family), attn_implementation="eager", dtype=torch.float32)
     gemma = family.startswith("gemma")
     with torch.no_grad():
         for name, parameter in model.named_parameters():

@@ -378,8 +378,7 @@ class LlamaModel:
                 rope = None if ropes is None else ropes[layer.local_rope]
                 q = self._rope_and_cache(linear_columns(x, layer.qkv), batch, rope, keys, values, layer)
                 attention = linear(self._attention(q, keys, values, calls, layer.window), layer.o)
-                delta = self._sublayer_output(self._summed(attention), layer.attention_output_norm)
-                x = self._add_norm(h, delta, layer.post_norm)
+                x = self._add_norm(h, self._sublayer_output(self._summed(attention), layer.attention_output_norm), layer.post_norm)
                 mlp = linear(self._gated_mlp(linear_columns(x, layer.gate_up)), layer.down)
                 delta = self._sublayer_output(self._summed(mlp), layer.mlp_output_norm)
             if delta is not None:

@@ -26,6 +26,7 @@ from flare.preparation.blocks import KEPT_TYPES, BlockTensor, block_problems, un
 from flare.preparation.gguf_layout import read_gguf_layout
 from flare.preparation.manifest import ModelConfig
 from flare.preparation.package import sha256_of, weight_problems
+from flare.preparation.recipes import gguf_sampling_defaults
 from flare.preparation.source import ModelSource, SourceError, SourceWeights
 
 # GGUF tensor names -> Hugging Face Llama names; {i} is the layer index.
@@ -127,6 +128,7 @@ def open_gguf(path: Path, source: str | None = None) -> ModelSource:
         read_weights=read_weights,
         read_blocks=read_blocks,
         read_dequantized=read_dequantized,
+        declared_defaults=gguf_sampling_defaults(metadata.get),
     )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -154,9 +155,15 @@ def _positive_or_none(value: Any) -> float | None:
     return float(value) if value else None
 
 
+@dataclass(frozen=True)
 class _Rope:
-    def __init__(self, theta: float, scaling: RopeScaling | None, rotary_dim: int | None, local_theta: float | None) -> None:
-        self.theta, self.scaling, self.rotary_dim, self.local_theta = theta, scaling, rotary_dim, local_theta
+    """What a config says of RoPE: the global base and scaling, the rotary dimensions (None: the
+    whole head) and the sliding layers' own base (Gemma 3)."""
+
+    theta: float
+    scaling: RopeScaling | None
+    rotary_dim: int | None
+    local_theta: float | None
 
 
 def _rope(data: dict[str, Any], architecture: str, head_dim: int, max_positions: int, unsupported: list[str]) -> _Rope:

@@ -29,6 +29,7 @@ from safetensors import SafetensorError, safe_open
 from flare.preparation.hf_families import model_config_from_hf, tensor_converter
 from flare.preparation.manifest import ModelConfig
 from flare.preparation.package import weight_problems
+from flare.preparation.recipes import hf_generation_defaults
 from flare.preparation.source import ImportedDraftHead, ModelSource, SourceError
 
 
@@ -36,7 +37,8 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
     """Read a Hugging Face model directory's config, tokenizer and chat template (not its weights)."""
     path = Path(path)
     config_data = _read_json(path / "config.json", required=True)
-    config = model_config_from_hf(config_data, _read_json(path / "generation_config.json", required=False))
+    generation = _read_json(path / "generation_config.json", required=False)
+    config = model_config_from_hf(config_data, generation)
     weight_files = sorted(path.glob("*.safetensors"))
     if not weight_files:
         raise SourceError(f"{path} holds no *.safetensors weights; flare reads safetensors only (not .bin or .pt)")
@@ -80,6 +82,7 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
         chat_template=_chat_template(path),
         read_weights=read_weights,
         read_draft_head=read_draft_head if mtp_layers else None,
+        declared_defaults=hf_generation_defaults(generation),
     )
 
 

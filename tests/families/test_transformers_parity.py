@@ -13,6 +13,7 @@ import pytest
 import torch
 from families import FAMILIES, PHI3_ORIGINAL_CONTEXT, Checkpoint, write_checkpoint
 from running_scheduler import running
+from safetensors import safe_open
 
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import BlockAllocator, KVCache
@@ -99,6 +100,23 @@ def test_prompt_logits_match_transformers_in_one_prefill_and_through_the_paged_c
             assert difference <= LOGIT_TOLERANCE, f"{checkpoint.family} {pieces}: max |logit difference| {difference:.2e}"
 
 
+def test_a_float16_package_scores_text_as_the_float32_one_within_float16_rounding(
+    exported: tuple[Checkpoint, Path], tmp_path: Path
+) -> None:
+    """`flare export` stores a float source as float16 by default: the family's steps then run
+    between the engine's float16 GEMMs. Rounding every weight once (relative 2^-11) moved logits
+    of magnitude ~10 by 0.006-0.036 here; a wrong step moves them by whole units."""
+    checkpoint, package_path = exported
+    context = PHI3_ORIGINAL_CONTEXT if checkpoint.family == "phi3" else None
+    export_package(str(checkpoint.path), tmp_path / "float16", ExportOptions(dtype="float16", max_context=context), stderr=io.StringIO())
+    float32, float16 = load_model(open_package(package_path)), load_model(open_package(tmp_path / "float16"))
+    prompts = [Tokenizer.from_package(open_package(package_path)).encode(text) for text in PROMPTS]
+    pieces = [[len(p) for p in prompts]]
+    for exact, rounded in zip(forward_in_pieces(float32, prompts, pieces), forward_in_pieces(float16, prompts, pieces)):
+        difference = (exact - rounded).abs().max().item()
+        assert difference <= 0.1, f"{checkpoint.family}: float16 moved a logit by {difference:.3f}"
+
+
 async def test_greedy_continuation_through_the_scheduler_is_transformers_own(exported: tuple[Checkpoint, Path]) -> None:
     checkpoint, package_path = exported
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
@@ -128,3 +146,19 @@ async def test_greedy_continuation_through_the_scheduler_is_transformers_own(exp
                 max_new_tokens=len(output), eos_token_id=list(scheduler.tokenizer.eos_token_ids), pad_token_id=0,
             )[0, len(prompt) :].tolist()
         assert generated == output
+
+
+def test_a_multimodal_gemma3_is_served_as_its_text_model(smollm2_source: ModelSource, tmp_path: Path) -> None:
+    """A Gemma 3 with a vision tower (`model_type` gemma3, a `text_config`, the text weights under
+    `language_model`): the package is its text model, whose logits on text are the whole model's."""
+    checkpoint = write_checkpoint("gemma3-multimodal", tmp_path / "gemma3", smollm2_source.tokenizer_json, smollm2_source.chat_template)
+    with safe_open(str(checkpoint.path / "model.safetensors"), framework="pt") as saved:
+        names = list(saved.keys())
+    assert any(".vision_tower." in f".{name}" for name in names) and any("language_model." in name for name in names)
+    export_package(str(checkpoint.path), tmp_path / "package", ExportOptions(dtype="float32"), stderr=io.StringIO())
+    package = open_package(tmp_path / "package")
+    assert package.manifest.model.architecture == "gemma3" and package.manifest.model.sliding_layers == (0, 1)
+    prompt = Tokenizer.from_package(package).encode(PROMPTS[0])
+    (got,) = forward_in_pieces(load_model(package), [prompt], [[len(prompt)]])
+    difference = (got - reference_logits(checkpoint, prompt)).abs().max().item()
+    assert difference <= LOGIT_TOLERANCE, f"max |logit difference| {difference:.2e}"
