@@ -70,6 +70,13 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="the draft proposer: ngram (prompt lookup), mtp (the package's learned draft head) or auto "
         "(the head where the package ships one, else ngram); default: the package's serving.drafter")
     add("--vocabulary-shards", metavar="S", help="shards of the vocabulary-parallel sampler (default 1)")
+    add("--tensor-parallel", metavar="N",
+        help="split the model over N processes on this host (heads, MLP, LM head by vocabulary); "
+        "N must divide the heads and KV heads (default 1)")
+    add("--nnodes", metavar="M", help="hosts the --tensor-parallel ranks are spread over (default 1)")
+    add("--node-rank", metavar="K", help="this host among them: 0 serves the API, K > 0 runs headless (default 0)")
+    add("--master-addr", metavar="HOST", help="rank 0's host, reached over a private network (default 127.0.0.1)")
+    add("--master-port", metavar="P", help="the rendezvous port on rank 0's host (default 0: a free one, one host only)")
     add("--sampling-policy", choices=("package", "unfiltered"),
         help="serve the package's policy, or its unfiltered() form (default package)")
     add("--on-invalid-speculation", choices=("fallback", "fail"),
@@ -144,12 +151,42 @@ def run_command(args: argparse.Namespace) -> int:
     # Imported only now: the server pulls in torch and the engine, which a usage error, export,
     # inspect and ctl do not need.
     from flare.daemon.server import StartupError, serve
+    from flare.parallel.failstop import EngineDead
 
+    if config.node_rank > 0:
+        return _run_headless(config)
     try:
         serve(config, reload_config=lambda: load_config(args, os.environ))
     except StartupError as error:
         return _usage_error(f"flare run: error: {error}")
+    except EngineDead as error:
+        # A tensor-parallel rank was lost: non-zero, so that Restart=on-failure restarts the group.
+        print(f"flare run: error: {error}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _run_headless(config: Any) -> int:
+    """`flare run --node-rank K` with K > 0: this host's tensor-parallel ranks, no API."""
+    from flare.daemon.logging import configure_logging
+    from flare.parallel.launch import WorkerStartError
+    from flare.parallel.layout import ParallelLayout
+    from flare.parallel.serving import serve_headless
+    from flare.preparation.default_package import default_package_path
+
+    configure_logging(config.log_level, config.log_format, environ=os.environ)
+    try:
+        layout = ParallelLayout(
+            config.tensor_parallel, config.nnodes, config.node_rank, config.master_addr, config.master_port
+        )
+    except ValueError as error:
+        return _usage_error(f"flare run: error: {error}")
+    package = config.package if config.package is not None else default_package_path(config.cache_dir)
+    try:
+        return serve_headless(str(package), layout, config.weight_format)
+    except WorkerStartError as error:
+        print(f"flare run: error: {error}", file=sys.stderr)
+        return 1
 
 
 def _usage_error(line: str) -> int:

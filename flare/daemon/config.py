@@ -53,6 +53,11 @@ class DaemonConfig:
     draft_tokens: int | None = None  # None: the package's; may only lower it
     drafter: str | None = None  # "ngram" | "mtp" | "auto"; None: the package's serving.drafter
     vocabulary_shards: int = 1
+    tensor_parallel: int = 1  # ranks of one model: this process and N - 1 spawned workers (flare/parallel/)
+    nnodes: int = 1  # hosts the ranks are spread over (the same number on each)
+    node_rank: int = 0  # this host: 0 serves the API and the rendezvous, K > 0 runs headless
+    master_addr: str = "127.0.0.1"  # rank 0's host, as the other hosts reach it (a private network)
+    master_port: int = 0  # the rendezvous port on rank 0's host; 0: a free one (one host only)
     sampling_policy: str = "package"  # "package" | "unfiltered"
     on_invalid_speculation: str = "fallback"  # "fallback" | "fail"
     fault_injection: bool = False
@@ -209,6 +214,11 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "draft_tokens": _integer(0),
     "drafter": _choice("ngram", "mtp", "auto"),
     "vocabulary_shards": _integer(1),
+    "tensor_parallel": _integer(1),
+    "nnodes": _integer(1),
+    "node_rank": _integer(0),
+    "master_addr": _text,
+    "master_port": _integer(0, 65535),
     "sampling_policy": _choice("package", "unfiltered"),
     "on_invalid_speculation": _choice("fallback", "fail"),
     "fault_injection": _boolean,

@@ -95,6 +95,7 @@ class DaemonStatus:
     grammar_cache_entries: int = 0  # compiled grammars kept for reuse
     grammar_cache_bytes: int = 0  # their estimated bytes
     weight_types: dict[str, dict[str, int]] = field(default_factory=dict)  # tensors and bytes by stored type
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # tensor parallel: rank, pid, cpus of this host's ranks
 
     def summary(self) -> str:
         """One line: `systemctl status` shows it under the unit."""
@@ -195,6 +196,7 @@ class DaemonControl:
             grammar_cache_entries=grammars.entries,
             grammar_cache_bytes=grammars.bytes,
             weight_types=snapshot.weight_types,
+            ranks=[{"rank": rank, "pid": pid, "cpus": list(cpus)} for rank, pid, cpus in snapshot.ranks],
         )
 
     def requests(self) -> Sequence[RequestRow]:

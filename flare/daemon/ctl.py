@@ -270,6 +270,11 @@ def _render_status(status: Mapping[str, Any]) -> str:
         ("tokens/s", f"{status['generated_tokens_per_s']:.1f}"),
         ("log level", status["log_level"]),
         ("pid", str(status["pid"])),
+        *(
+            [("ranks", "; ".join(f"{r['rank']}: pid {r['pid']}, cpus {_cpu_list(r['cpus'])}" for r in status["ranks"]))]
+            if status.get("ranks")
+            else []
+        ),
         ("version", status["version"]),
         (
             "device statuses",
@@ -277,6 +282,17 @@ def _render_status(status: Mapping[str, Any]) -> str:
         ),
     ]
     return _table(rows)
+
+
+def _cpu_list(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    runs: list[list[int]] = []
+    for cpu in cpus:
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _render_prefix_cache(status: Mapping[str, Any]) -> str:

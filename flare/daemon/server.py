@@ -44,6 +44,8 @@ from flare.daemon.metrics import DaemonMetrics, http_metrics_middleware, metrics
 from flare.daemon.notify import SystemdNotifier, WatchdogHeartbeat, publish_status
 from flare.daemon.state import ServingState
 from flare.daemon.tokenize_api import add_tokenize_routes
+from flare.parallel.failstop import EngineDead
+from flare.parallel.launch import WorkerStartError
 from flare.preparation.chat_template import check_chat_template
 from flare.preparation.default_package import default_package_path
 from flare.preparation.export import ExportError
@@ -130,6 +132,7 @@ class Daemon:
         self._stop_requested = anyio.Event()
         self._end_grace = anyio.Event()
         self._startup_error: StartupError | None = None
+        self._engine_dead: EngineDead | None = None
 
     async def run(self) -> None:
         self.log_control = configure_logging(self.config.log_level, self.config.log_format, environ=self.environ)
@@ -161,6 +164,9 @@ class Daemon:
             sock.close()
         if self._startup_error is not None:
             raise self._startup_error
+        if self._engine_dead is not None:
+            log.error("stopped", reason=f"engine_dead: {self._engine_dead.reason}")
+            raise self._engine_dead
         log.info("stopped")
 
     # --- start ---------------------------------------------------------------------------------
@@ -219,13 +225,25 @@ class Daemon:
             self._stop_requested.set()
             return
         self.scheduler = scheduler
-        tasks.start_soon(scheduler.run)
+        tasks.start_soon(self._run_scheduler, scheduler)
         await scheduler.warm_up()
         model_name = self.config.served_model_name or scheduler.package.manifest.provenance.name
         self.state.ready(scheduler, model_name)
         log.info("ready", model=model_name, max_context=scheduler.max_context)
         self.notifier.ready()
         tasks.start_soon(publish_status, self.notifier, lambda: control.status().summary(), STATUS_INTERVAL_S)
+
+    async def _run_scheduler(self, scheduler: Scheduler) -> None:
+        """The scheduler's loop. A tensor-parallel group that lost a rank ends it (`EngineDead`:
+        every request has ended with engine_dead): /health stops answering 200, the watchdog
+        pings stop with the loop's heartbeats, and the daemon stops and exits non-zero, so that
+        the supervisor restarts the whole group."""
+        try:
+            await scheduler.run()
+        except EngineDead as error:
+            self.state.stopping()
+            self._engine_dead = error
+            self._stop_requested.set()
 
     def _load_scheduler(self) -> Scheduler:
         """Open and check the package, load its weights and size the KV cache (a worker thread)."""
@@ -247,6 +265,10 @@ class Daemon:
             draft_tokens=config.draft_tokens,
             drafter=config.drafter,
             vocabulary_shards=config.vocabulary_shards,
+            tensor_parallel=config.tensor_parallel,
+            nnodes=config.nnodes,
+            master_addr=config.master_addr,
+            master_port=config.master_port,
             sampling_policy=config.sampling_policy,  # type: ignore[arg-type]
             on_invalid_speculation=config.on_invalid_speculation,  # type: ignore[arg-type]
             fault_injection=config.fault_injection,
@@ -261,7 +283,7 @@ class Daemon:
                 metrics=SchedulerMetrics(self.metrics.registry, max_draft_tokens=package.manifest.serving.draft_tokens),
                 heartbeat=WatchdogHeartbeat(self.notifier),
             )
-        except (PackageError, ValueError) as error:
+        except (PackageError, ValueError, WorkerStartError) as error:
             # The package's policy contradicts its sampler, or an option asks for more than the
             # package allows (--draft-tokens): the message names both and the fix.
             raise StartupError(str(error)) from None

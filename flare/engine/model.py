@@ -40,8 +40,9 @@ it fast on a CPU, where a round of 32 decode rows is bound by the linear layers:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -205,6 +206,8 @@ class LlamaModel:
         weight_format: WeightFormat | None = None,
         native_kernels: bool | None = None,
         context: int | None = None,
+        all_reduce: Callable[[torch.Tensor], None] | None = None,
+        lm_head_rows: tuple[int, int] | None = None,
     ) -> None:
         """`dtype`: activations and norms, and what attention computes in (the KV cache holds
         `dtype`, or float16 / bfloat16 widened when read). `weight_format`: what the linear layers'
@@ -214,7 +217,13 @@ class LlamaModel:
         with the CPU kernels of `native` (True), with their torch counterparts (False), or with
         the kernels where they were built and apply (None); they apply where `kernels_fit`.
         `context`: the longest context the model will serve (default: its own); a sliding
-        window at least as long narrows nothing, and longrope picks its factors by it."""
+        window at least as long narrows nothing, and longrope picks its factors by it.
+        `all_reduce`, `lm_head_rows`: a tensor-parallel rank (flare/parallel/tensor_split.py),
+        whose `config` and `state_dict` hold its share of the heads and of the MLP width;
+        `all_reduce` sums a sublayer's partial output over the ranks in place, after o and after
+        down (before a sandwich norm, which needs the whole output), and the LM head is the
+        vocabulary rows `lm_head_rows` (the logits of the rank's vocabulary shard). Its layers
+        run step by step: the one-call kernel layer has no point to all-reduce at."""
         check_state_dict(config, state_dict)
         self.config = config
         self.device = torch.device(device)
@@ -253,14 +262,24 @@ class LlamaModel:
         self.embed: torch.Tensor | QuantizedWeight = (
             embedding if isinstance(embedding, QuantizedWeight) else weight("model.embed_tokens.weight", weights_dtype)
         )
+        head_rows = lm_head_rows or (0, config.vocab_size)
+
+        def head_weight(name: str) -> Weight:
+            tensor = state_dict[name]
+            part = tensor.rows(*head_rows) if isinstance(tensor, QuantizedWeight) else tensor[slice(*head_rows)].to(self.device)
+            return stack_weights([part], self.weight_format)
+
         if not config.tie_word_embeddings:
-            self.lm_head = linear_weight("lm_head.weight")
-        elif isinstance(self.embed, QuantizedWeight):
-            self.lm_head = self.embed
+            self.lm_head = head_weight("lm_head.weight")
         elif packs(self.weight_format, self.device):
-            self.lm_head = linear_weight("model.embed_tokens.weight")
-        else:
+            self.lm_head = head_weight("model.embed_tokens.weight")
+        elif lm_head_rows is None:
             self.lm_head = self.embed
+        elif isinstance(self.embed, QuantizedWeight):
+            self.lm_head = self.embed.rows(*head_rows)
+        else:
+            self.lm_head = self.embed[slice(*head_rows)]
+        self.all_reduce = all_reduce
         self.norm = weight("model.norm.weight", dtype)
 
         def optional(name: str) -> torch.Tensor | None:
@@ -299,7 +318,11 @@ class LlamaModel:
         self.local_rope = (
             rope_tables(config, dtype, self.device, local=True) if any(layer.local_rope for layer in self.layers) else None
         )
-        self.kernel_layers = _kernel_layers(self.layers, config, self.local_rope) if self.native_kernels else None
+        # A tensor-parallel rank runs its layers step by step: the one-call layer has no point to
+        # all-reduce at.
+        self.kernel_layers = (
+            _kernel_layers(self.layers, config, self.local_rope) if self.native_kernels and all_reduce is None else None
+        )
         self._layer_scratch = torch.empty(0, dtype=torch.float32, device=self.device)
         # Grow-only scratch memory for the gathered keys and values of a round: allocating
         # tens of megabytes afresh every round costs page faults on every round. It holds one
@@ -355,9 +378,9 @@ class LlamaModel:
                 rope = None if ropes is None else ropes[layer.local_rope]
                 q = self._rope_and_cache(linear_columns(x, layer.qkv), batch, rope, keys, values, layer)
                 attention = linear(self._attention(q, keys, values, calls, layer.window), layer.o)
-                x = self._add_norm(h, self._sublayer_output(attention, layer.attention_output_norm), layer.post_norm)
+                x = self._add_norm(h, self._sublayer_output(self._summed(attention), layer.attention_output_norm), layer.post_norm)
                 mlp = linear(self._gated_mlp(linear_columns(x, layer.gate_up)), layer.down)
-                delta = self._sublayer_output(mlp, layer.mlp_output_norm)
+                delta = self._sublayer_output(self._summed(mlp), layer.mlp_output_norm)
             if delta is not None:
                 h += delta
         return self.logits_of(h[batch.logit_indices]), h
@@ -375,6 +398,15 @@ class LlamaModel:
         logits = linear(self._add_norm(h.contiguous(), None, self.norm), self.lm_head).contiguous().float()
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _summed(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-split layer's output: this rank's partial sum, summed over the ranks (the one
+        all-reduce of a sublayer); the output itself on one rank."""
+        if self.all_reduce is None:
+            return partial
+        whole = partial.contiguous()
+        self.all_reduce(whole)
+        return whole
 
     def _sublayer_output(self, delta: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
         """A sublayer's output as it joins the residual stream: RMS-normalized first where the
@@ -573,11 +605,24 @@ def _window_mask(group: AttentionGroup, window: int) -> torch.Tensor:
     return group.mask & (keys > positions - window)
 
 
-def load_model(package: Package, device: torch.device | str = "cpu", weight_format: str = precision.AUTO) -> LlamaModel:
+ModelSplit = Callable[
+    [ModelConfig, dict[str, "torch.Tensor | QuantizedWeight"]],
+    tuple[ModelConfig, dict[str, "torch.Tensor | QuantizedWeight"], dict[str, Any]],
+]
+"""A tensor-parallel rank's view of a package (flare/parallel/tensor_split.py): its config,
+its part of the weights, and LlamaModel's tensor-parallel arguments."""
+
+
+def load_model(
+    package: Package,
+    device: torch.device | str = "cpu",
+    weight_format: str = precision.AUTO,
+    split: ModelSplit | None = None,
+) -> LlamaModel:
     """The model of a prepared package on `device`: float32, with the linear layers in
     `weight_format` (`auto`: the fastest this device runs for the stored dtype,
     `precision.choose_weight_format`, which raises `WeightFormatError` for a format that does
-    not run here)."""
+    not run here). `split`: a tensor-parallel rank's part of it instead of the whole."""
     device = torch.device(device)
     stored = TORCH_DTYPES[package.manifest.serving.dtype]
     floats, blocks = package.load_weights()
@@ -593,6 +638,9 @@ def load_model(package: Package, device: torch.device | str = "cpu", weight_form
             state_dict[name] = QuantizedWeight.from_blocks(tensor.ggml_type, tensor.data, *tensor.shape)
         else:
             state_dict[name] = dequantized(tensor)
+    config, extra = package.manifest.model, {}
+    if split is not None:
+        config, state_dict, extra = split(config, state_dict)
     return LlamaModel(
-        package.manifest.model, state_dict, device=device, weight_format=chosen, context=package.manifest.serving.max_context
+        config, state_dict, device=device, weight_format=chosen, context=package.manifest.serving.max_context, **extra
     )

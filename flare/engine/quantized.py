@@ -20,6 +20,7 @@ from flare.engine import native
 from flare.engine.native import QUANTIZED_ISA
 from flare.preparation.blocks import KEPT_TYPES, SCALE_OFFSETS
 
+
 def supported_types() -> frozenset[gguf.GGMLQuantizationType]:
     """The ggml types a linear layer is served from as blocks; any other type is dequantized at export."""
     return KEPT_TYPES
@@ -73,6 +74,11 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+    def rows(self, start: int, end: int) -> QuantizedWeight:
+        """Rows ``start .. end - 1`` (a view: each row is its own blocks), e.g. a tensor-parallel
+        rank's vocabulary shard of an LM head."""
+        return QuantizedWeight.from_blocks(self.ggml_type, self.data[start:end], end - start, self.in_features)
 
 
 def _first_nonfinite_scale(ggml_type: gguf.GGMLQuantizationType, data: torch.Tensor, type_size: int) -> int:

@@ -48,14 +48,19 @@ def gumbel_candidates(
     exclude: torch.Tensor,
     draft_q: torch.Tensor | None,
     num_shards: int,
+    first_index: int = 0,
 ) -> GumbelCandidates:
     """Candidates of R rows: row r samples position ``position[r]`` of ``scaled`` [N, V] with the
     random stream ``key[r]`` (int32), kept set ``logit >= threshold[r]``, target
     p_i = exp(logit_i - row_max[r]) / sumexp[r] on kept tokens, ``exclude[r]`` a token left out
-    of p (-1: none) and ``draft_q`` [R, V] the draft distribution (None: no residual)."""
+    of p (-1: none) and ``draft_q`` [R, V] the draft distribution (None: no residual).
+    ``first_index`` is the vocabulary index of column 0 of ``scaled`` (a rank holding one
+    vocabulary shard: flare/parallel/vocab_round.py): the noise is the stream's at the
+    vocabulary index and the candidates' indices are vocabulary indices; ``exclude`` counts
+    columns."""
     logits = scaled.index_select(0, position)
     vocab_size = logits.shape[1]
-    noise = vocabulary_gumbel(key, vocab_size)
+    noise = vocabulary_gumbel(key, vocab_size, first_index)
     kept = logits >= threshold.unsqueeze(1)
     # In place where the noise is not needed again (no residual); NaN logits are not kept.
     value = noise.add_(logits) if draft_q is None else noise + logits
@@ -64,6 +69,7 @@ def gumbel_candidates(
     excluded = exclude.clamp(min=0).unsqueeze(1)
     value.scatter_(1, excluded, torch.where(exclude.unsqueeze(1) >= 0, float("-inf"), value.gather(1, excluded)))
     candidate_index, candidate_value = _shard_argmax(value, num_shards)
+    candidate_index += first_index
     if draft_q is None:
         return GumbelCandidates(candidate_index, candidate_value, None, None, None)
     p = torch.where(kept, torch.exp(logits - row_max.unsqueeze(1)), 0.0) / sumexp.unsqueeze(1)
@@ -73,6 +79,7 @@ def gumbel_candidates(
     positive = residual > 0
     residual_value = torch.where(positive, torch.where(positive, residual, 1.0).log_() + noise, float("-inf"))
     residual_index, residual_best = _shard_argmax(residual_value, num_shards)
+    residual_index += first_index
     mass = torch.stack([residual[:, a:b].sum(-1) for a, b in shard_bounds(vocab_size, num_shards)], 1)
     return GumbelCandidates(candidate_index, candidate_value, residual_index, residual_best, mass)
 

@@ -22,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from flare.kernels.top_tokens import ordered_top
+from flare.kernels.top_tokens import TopTokens, ordered_top
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,15 @@ class TokenLogprobs:
     """[..., k] int64, most likely first (lower id first among ties)."""
     top_logprobs: torch.Tensor
     """[..., k] float32 (-inf past the kept tokens)."""
+
+    def where_rows(self, pick: torch.Tensor, other: TokenLogprobs) -> TokenLogprobs:
+        """``other`` on the rows ``pick`` [R] (bool) selects, this elsewhere ([R, slots] tensors)."""
+        rows = pick.view(-1, 1)
+        return TokenLogprobs(
+            torch.where(rows, other.logprob, self.logprob),
+            torch.where(rows.unsqueeze(2), other.top_ids, self.top_ids),
+            torch.where(rows.unsqueeze(2), other.top_logprobs, self.top_logprobs),
+        )
 
 
 def log_normalizer(shard_max: torch.Tensor, shard_sumexp: torch.Tensor) -> torch.Tensor:
@@ -58,9 +67,24 @@ def logprobs_at(
     token 0) and the ``num_top`` most likely tokens there, from ``scaled`` [N, V] with kept-set
     ``threshold`` [N] and normalizer ``log_z`` [N]."""
     token_logit = scaled[slot_position, slot_token.clamp(min=0)]
+    return logprobs_of(
+        token_logit, threshold, log_z, slot_position, kernels.shard_top_tokens(scaled, num_top, num_shards), num_top
+    )
+
+
+def logprobs_of(
+    token_logit: torch.Tensor,
+    threshold: torch.Tensor,
+    log_z: torch.Tensor,
+    slot_position: torch.Tensor,
+    candidates: TopTokens,
+    num_top: int,
+) -> TokenLogprobs:
+    """`logprobs_at` from its statistics: each slot token's logit, the positions' kept-set
+    ``threshold`` and ``log_z`` [N], and the shards' top candidates [N, S * num_top] (what a
+    vocabulary-parallel sampler gathers from its ranks instead of reading a full row)."""
     kept = token_logit >= threshold[slot_position]
     logprob = torch.where(kept, token_logit - log_z[slot_position], float("-inf"))
-    candidates = kernels.shard_top_tokens(scaled, num_top, num_shards)
     top = ordered_top(candidates.values, candidates.ids, num_top)
     top_logprobs = torch.where(
         top.values >= threshold.unsqueeze(1), top.values - log_z.unsqueeze(1), float("-inf")

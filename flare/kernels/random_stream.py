@@ -111,14 +111,15 @@ def _gumbel_of_uniform_(u: torch.Tensor) -> torch.Tensor:
     return u.log_().neg_().clamp_min_(SMALLEST_NEG_LOG_U).log_().neg_()
 
 
-def vocabulary_gumbel(key: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``gumbel`` at every vocabulary index of the streams ``key`` [R] (int32): [R, vocab_size].
+def vocabulary_gumbel(key: torch.Tensor, vocab_size: int, first_index: int = 0) -> torch.Tensor:
+    """``gumbel`` at vocabulary indices ``first_index .. first_index + vocab_size - 1`` of the
+    streams ``key`` [R] (int32): [R, vocab_size] (a rank's vocabulary shard starts past 0).
 
-    On the CPU the stream's uniforms come from the C kernel where it was built
-    (`native.stream_uniforms`: the same bits in one pass instead of ten, 4.3 -> 0.31 ms at 32
-    rows of the default model's vocabulary); the logarithms are torch's either way, so the noise is
-    the same bits on both paths."""
-    if key.device.type == "cpu" and native.available():
+    On the CPU the stream's uniforms of a whole vocabulary come from the C kernel where it was
+    built (`native.stream_uniforms`: the same bits in one pass instead of ten, 4.3 -> 0.31 ms at
+    32 rows of the default model's vocabulary); the logarithms are torch's either way, so the
+    noise is the same bits on both paths."""
+    if key.device.type == "cpu" and native.available() and first_index == 0:
         return _gumbel_of_uniform_(native.stream_uniforms(key.to(torch.int32).contiguous(), vocab_size))
-    index = torch.arange(vocab_size, dtype=torch.int32, device=key.device)
+    index = torch.arange(first_index, first_index + vocab_size, dtype=torch.int32, device=key.device)
     return gumbel_(stream_bits(key.to(torch.int32).unsqueeze(1), index))

@@ -36,6 +36,7 @@ from typing import Literal
 import torch
 
 from flare.kernels.batch import SamplingBatch
+from flare.kernels.gumbel_max import GumbelCandidates
 from flare.kernels.logprobs import TokenLogprobs, log_normalizer, logprobs_at
 from flare.kernels.logprobs import score_tokens as logprobs_score_tokens
 from flare.kernels.penalties import PenaltyState
@@ -93,43 +94,25 @@ def sample_round(
     device = logits.device
     facts = batch.facts
 
-    # Layout of the flat positions.
-    num_drafts = num_drafts.to(device=device, dtype=torch.int64).clamp(0, max_drafts)
-    positions_per_row = num_drafts + 1
-    row_start = torch.cumsum(positions_per_row, 0) - positions_per_row
-    rows = torch.arange(num_rows, device=device)
-    row_of_position = torch.repeat_interleave(rows, positions_per_row, output_size=num_positions)
-    index_in_row = torch.arange(num_positions, device=device) - row_start[row_of_position]
+    layout = position_layout(num_drafts, num_rows, max_drafts, num_positions, device)
+    num_drafts, row_start, row_of_position, index_in_row = (
+        layout.num_drafts, layout.row_start, layout.row_of_position, layout.index_in_row
+    )
+    draft_index, is_draft = layout.draft_index, layout.is_draft
 
     # Drafts: -1 marks "no draft here" and an out-of-vocabulary id (status INVALID_DRAFT_TOKEN).
-    draft_index = torch.arange(max_drafts, device=device)
-    is_draft = draft_index.unsqueeze(0) < num_drafts.unsqueeze(1)
     in_vocab = (draft_tokens >= 0) & (draft_tokens < vocab_size)
     invalid_draft_token = (is_draft & ~in_vocab).any(1)
     drafts = torch.where(is_draft & in_vocab, draft_tokens, -1)
     safe_drafts = drafts.clamp(min=0)
 
-    # Parameters: rows out of range get INVALID_SAMPLING_PARAMETERS and neutral values below.
-    temperature = batch.temperature
-    invalid_params = (
-        ~(temperature >= 0)
-        | torch.isinf(temperature)
-        | ~((batch.top_p > 0) & (batch.top_p <= 1))
-        | (batch.top_k < -1)
-        | ~((batch.min_p >= 0) & (batch.min_p <= 1))
-        | ~(batch.repetition_penalty > 0)
-        | torch.isinf(batch.repetition_penalty)
-        | ~torch.isfinite(batch.presence_penalty)
-        | ~torch.isfinite(batch.frequency_penalty)
-    )
-    greedy = (temperature == 0) & ~invalid_params
-    sampled = ~greedy & ~invalid_params
-    filtered_row = sampled & ((batch.top_k > 0) | (batch.top_p < 1) | (batch.min_p > 0))
+    kinds = row_kinds(batch)
+    invalid_params, greedy, sampled, filtered_row = kinds.invalid_params, kinds.greedy, kinds.sampled, kinds.filtered
     filter_here = filtered_row & (vocab_shards == 1)
     top_k = torch.where(filter_here & (batch.top_k > 0), batch.top_k, 0)
     top_p = torch.where(filter_here, batch.top_p, 1.0)
     log_min_p = torch.where(filter_here, torch.log(batch.min_p), float("-inf"))
-    divisor = torch.where(sampled, temperature, 1.0)
+    divisor = torch.where(sampled, batch.temperature, 1.0)
 
     penalties = None
     if facts.any_penalized:
@@ -172,8 +155,7 @@ def sample_round(
     nonfinite_row = _any_per_row(prepared.nonfinite, row_of_position, num_rows)
     empty_row = _any_per_row(empty_position, row_of_position, num_rows)
 
-    # Positions of the drafts, [R, Kmax] (clamped: entries past a row's drafts are masked).
-    draft_position = (row_start.unsqueeze(1) + draft_index.unsqueeze(0)).clamp(max=num_positions - 1)
+    draft_position = layout.draft_position
     accept = torch.zeros(num_rows, max_drafts, dtype=torch.bool, device=device)
     # Checked for every row, greedy ones too: a drafter that reports a probability outside
     # (0, 1] for its own proposal is broken, whatever the row's sampling.
@@ -192,18 +174,10 @@ def sample_round(
         assert stats.sumexp is not None
         sumexp = (stats.sumexp * torch.exp(stats.max - position_max.unsqueeze(1))).sum(1)
         draft_logit = scaled[draft_position, safe_drafts]
-        p_draft = torch.where(
-            draft_logit >= threshold[draft_position],
-            torch.exp(draft_logit - position_max[draft_position]),
-            0.0,
-        ) / sumexp[draft_position]
-        output_position = batch.first_position.unsqueeze(1) + draft_index.unsqueeze(0)
-        accept_key = stream_key(batch.seed.unsqueeze(1), output_position, Purpose.ACCEPT)
-        u = uniform(stream_bits(accept_key, torch.zeros_like(accept_key)))
-        if q_draft is None:
-            accepted_sampled = u < p_draft
-        else:
-            accepted_sampled = u * q_draft < p_draft
+        accepted_sampled = sampled_acceptance(
+            draft_logit, threshold[draft_position], position_max[draft_position], sumexp[draft_position], q_draft,
+            batch, draft_index,
+        )
         accept = torch.where(sampled.unsqueeze(1), accepted_sampled, accept)
     accept &= is_draft
     num_accepted = accept.to(torch.int64).cumprod(1).sum(1)
@@ -218,22 +192,12 @@ def sample_round(
     if argmax is not None:
         token = torch.where(greedy, argmax[sample_position], token)
 
-    status = torch.where(empty_row, int(DeviceStatus.EMPTY_DISTRIBUTION), int(DeviceStatus.OK))
-    for condition, code in (
-        (nonfinite_row, DeviceStatus.NONFINITE_LOGITS),
-        (invalid_draft_prob, DeviceStatus.INVALID_DRAFT_PROBABILITY),
-        (invalid_draft_token, DeviceStatus.INVALID_DRAFT_TOKEN),
-        (filtered_row & (vocab_shards > 1), DeviceStatus.INVALID_SPECULATION),
-        (invalid_params, DeviceStatus.INVALID_SAMPLING_PARAMETERS),
-    ):
-        status = torch.where(condition, int(code), status)
+    status = round_status(
+        empty_row, nonfinite_row, invalid_draft_prob, invalid_draft_token, filtered_row & (vocab_shards > 1), invalid_params
+    )
     ok = status == int(DeviceStatus.OK)
-
+    tokens = emitted_tokens(drafts, num_accepted, token, ok)
     slot = torch.arange(max_drafts + 1, device=device).unsqueeze(0)
-    accepted = num_accepted.unsqueeze(1)
-    drafts_then_pad = torch.cat([drafts, drafts.new_full((num_rows, 1), -1)], 1)
-    tokens = torch.where(slot < accepted, drafts_then_pad, torch.where(slot == accepted, token.unsqueeze(1), -1))
-    tokens = torch.where(ok.unsqueeze(1), tokens, -1)
     logprobs = None
     if num_logprobs is not None:
         assert stats.sumexp is not None
@@ -250,12 +214,7 @@ def sample_round(
         )
         if raw_logprobs is not None:
             raw = logprobs_score_tokens(kernels, logits, tokens, num_logprobs, vocab_shards, slot_position)
-            pick = raw_logprobs.to(device).view(num_rows, 1)
-            logprobs = TokenLogprobs(
-                torch.where(pick, raw.logprob, logprobs.logprob),
-                torch.where(pick.unsqueeze(2), raw.top_ids, logprobs.top_ids),
-                torch.where(pick.unsqueeze(2), raw.top_logprobs, logprobs.top_logprobs),
-            )
+            logprobs = logprobs.where_rows(raw_logprobs.to(device), raw)
     return RoundResult(
         tokens=tokens,
         num_emitted=torch.where(ok, num_accepted + 1, 0).to(torch.int32),
@@ -317,16 +276,144 @@ def _sample(
         draft_q,
         vocab_shards,
     )
+    return chosen_sample(candidates, rejected)
+
+
+def chosen_sample(candidates: GumbelCandidates, rejected: torch.Tensor) -> torch.Tensor:
+    """The sampled token of every row from the shards' candidates [R, S]: the best candidate
+    of p, or, after a rejection against a general q, the best of the residual."""
     token = _best_candidate(candidates.index, candidates.value)
-    if draft_q is None:
+    if candidates.residual_index is None:
         return token
-    assert candidates.residual_index is not None and candidates.residual_value is not None
-    assert candidates.residual_mass is not None
+    assert candidates.residual_value is not None and candidates.residual_mass is not None
     residual_token = _best_candidate(candidates.residual_index, candidates.residual_value)
     # A residual of zero mass has probability zero in exact arithmetic (rejection then happens
     # with probability sum max(p - q, 0) = 0); after rounding, sample from p.
     use_residual = rejected & (candidates.residual_mass.sum(1) > 0)
     return torch.where(use_residual, residual_token, token)
+
+
+@dataclass(frozen=True)
+class PositionLayout:
+    """Where each row's positions lie in the flat [N, V] logits."""
+
+    num_drafts: torch.Tensor
+    """[R] int64, clamped to [0, Kmax]."""
+    row_start: torch.Tensor
+    """[R]: the row's first position."""
+    row_of_position: torch.Tensor
+    """[N]."""
+    index_in_row: torch.Tensor
+    """[N]: 0 for a row's first position."""
+    draft_index: torch.Tensor
+    """[Kmax]: 0 .. Kmax - 1."""
+    is_draft: torch.Tensor
+    """[R, Kmax] bool: the row has a draft in this slot."""
+    draft_position: torch.Tensor
+    """[R, Kmax]: the position verifying each draft (clamped: entries past a row's drafts are
+    masked by ``is_draft``)."""
+
+
+def position_layout(
+    num_drafts: torch.Tensor, num_rows: int, max_drafts: int, num_positions: int, device: torch.device
+) -> PositionLayout:
+    num_drafts = num_drafts.to(device=device, dtype=torch.int64).clamp(0, max_drafts)
+    positions_per_row = num_drafts + 1
+    row_start = torch.cumsum(positions_per_row, 0) - positions_per_row
+    rows = torch.arange(num_rows, device=device)
+    row_of_position = torch.repeat_interleave(rows, positions_per_row, output_size=num_positions)
+    index_in_row = torch.arange(num_positions, device=device) - row_start[row_of_position]
+    draft_index = torch.arange(max_drafts, device=device)
+    return PositionLayout(
+        num_drafts=num_drafts,
+        row_start=row_start,
+        row_of_position=row_of_position,
+        index_in_row=index_in_row,
+        draft_index=draft_index,
+        is_draft=draft_index.unsqueeze(0) < num_drafts.unsqueeze(1),
+        draft_position=(row_start.unsqueeze(1) + draft_index.unsqueeze(0)).clamp(max=num_positions - 1),
+    )
+
+
+@dataclass(frozen=True)
+class RowKinds:
+    invalid_params: torch.Tensor
+    """[R] bool: out-of-range parameters (INVALID_SAMPLING_PARAMETERS; neutral values used)."""
+    greedy: torch.Tensor
+    sampled: torch.Tensor
+    filtered: torch.Tensor
+    """Sampled rows with top-k, top-p < 1 or min-p > 0."""
+
+
+def row_kinds(batch: SamplingBatch) -> RowKinds:
+    temperature = batch.temperature
+    invalid_params = (
+        ~(temperature >= 0)
+        | torch.isinf(temperature)
+        | ~((batch.top_p > 0) & (batch.top_p <= 1))
+        | (batch.top_k < -1)
+        | ~((batch.min_p >= 0) & (batch.min_p <= 1))
+        | ~(batch.repetition_penalty > 0)
+        | torch.isinf(batch.repetition_penalty)
+        | ~torch.isfinite(batch.presence_penalty)
+        | ~torch.isfinite(batch.frequency_penalty)
+    )
+    greedy = (temperature == 0) & ~invalid_params
+    sampled = ~greedy & ~invalid_params
+    filtered = sampled & ((batch.top_k > 0) | (batch.top_p < 1) | (batch.min_p > 0))
+    return RowKinds(invalid_params=invalid_params, greedy=greedy, sampled=sampled, filtered=filtered)
+
+
+def sampled_acceptance(
+    draft_logit: torch.Tensor,
+    draft_threshold: torch.Tensor,
+    draft_max: torch.Tensor,
+    draft_sumexp: torch.Tensor,
+    q_draft: torch.Tensor | None,
+    batch: SamplingBatch,
+    draft_index: torch.Tensor,
+) -> torch.Tensor:
+    """[R, Kmax]: draft x_j accepted with probability min(1, p_j(x_j) / q_j(x_j)), drawn as
+    ``u * q < p`` with u from the row's stream (seed, output position, ACCEPT); the draft's
+    logit, kept-set threshold, merged max and sum of exponentials are given at its position."""
+    p_draft = torch.where(draft_logit >= draft_threshold, torch.exp(draft_logit - draft_max), 0.0) / draft_sumexp
+    output_position = batch.first_position.unsqueeze(1) + draft_index.unsqueeze(0)
+    accept_key = stream_key(batch.seed.unsqueeze(1), output_position, Purpose.ACCEPT)
+    u = uniform(stream_bits(accept_key, torch.zeros_like(accept_key)))
+    if q_draft is None:
+        return u < p_draft
+    return u * q_draft < p_draft
+
+
+def round_status(
+    empty_row: torch.Tensor,
+    nonfinite_row: torch.Tensor,
+    invalid_draft_prob: torch.Tensor,
+    invalid_draft_token: torch.Tensor,
+    invalid_speculation: torch.Tensor,
+    invalid_params: torch.Tensor,
+) -> torch.Tensor:
+    """[R] DeviceStatus codes; the later conditions win over the earlier ones."""
+    status = torch.where(empty_row, int(DeviceStatus.EMPTY_DISTRIBUTION), int(DeviceStatus.OK))
+    for condition, code in (
+        (nonfinite_row, DeviceStatus.NONFINITE_LOGITS),
+        (invalid_draft_prob, DeviceStatus.INVALID_DRAFT_PROBABILITY),
+        (invalid_draft_token, DeviceStatus.INVALID_DRAFT_TOKEN),
+        (invalid_speculation, DeviceStatus.INVALID_SPECULATION),
+        (invalid_params, DeviceStatus.INVALID_SAMPLING_PARAMETERS),
+    ):
+        status = torch.where(condition, int(code), status)
+    return status
+
+
+def emitted_tokens(drafts: torch.Tensor, num_accepted: torch.Tensor, token: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """[R, Kmax + 1]: the accepted drafts, then the sampled token, -1 after it and on failed rows."""
+    num_rows, max_drafts = drafts.shape
+    slot = torch.arange(max_drafts + 1, device=drafts.device).unsqueeze(0)
+    accepted = num_accepted.unsqueeze(1)
+    drafts_then_pad = torch.cat([drafts, drafts.new_full((num_rows, 1), -1)], 1)
+    tokens = torch.where(slot < accepted, drafts_then_pad, torch.where(slot == accepted, token.unsqueeze(1), -1))
+    return torch.where(ok.unsqueeze(1), tokens, -1)
 
 
 def _best_candidate(index: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,17 @@ def cancelled_failure(reason: str) -> RequestFailure:
     )
 
 
+def engine_dead_failure(reason: str) -> RequestFailure:
+    """A tensor-parallel group lost a rank (flare/parallel/failstop.py): the daemon stops and
+    its supervisor restarts the group."""
+    return RequestFailure(
+        code="engine_dead",
+        message=f"the engine stopped ({reason}); the server restarts, retry the request",
+        http_status=503,
+        type="server_error",
+    )
+
+
 def shutdown_failure() -> RequestFailure:
     return RequestFailure(
         code="shutdown",

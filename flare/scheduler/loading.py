@@ -17,6 +17,8 @@ from flare.engine.model import load_model
 from flare.engine.precision import cpu_flags, dtype_name
 from flare.engine.prefix_cache import PrefixCache, namespace_hash
 from flare.engine.tokenizer import Tokenizer
+from flare.parallel.serving import RankDriver, split_for
+from flare.parallel.tensor_split import check_tensor_parallel, rank_config
 from flare.preparation.contract import check_contract
 from flare.preparation.package import Package
 from flare.sampling.policy import PolicyError, SamplingPolicy
@@ -104,17 +106,44 @@ def load_parts(
     device = torch.device(options.device)
     config = package.manifest.model
 
+    tensor_parallel = options.tensor_parallel
+    if tensor_parallel > 1:
+        check_tensor_parallel(config, tensor_parallel)
+        if device.type != "cpu" or round_observer is not None:
+            raise ValueError("--tensor-parallel runs on the CPU, and not while distilling a draft head")
+        if drafter_name == "mtp" and draft_tokens > 0:
+            if not auto:
+                raise ValueError(
+                    "--drafter mtp: the learned draft head does not run across ranks yet; "
+                    "with --tensor-parallel use --drafter ngram"
+                )
+            drafter_name = "ngram"
+
     def load() -> ModelRunner:
-        model = load_model(package, device=device, weight_format=options.weight_format)
         kv_dtype = getattr(torch, options.kv_cache_dtype)
+        # Each rank's pool holds its share of the KV heads; the budget is each rank's.
+        rank_model_config = rank_config(config, tensor_parallel)
         budget = options.kv_cache_memory or default_kv_cache_bytes(
-            config,
+            rank_model_config,
             max_context=serving.max_context,
             max_concurrency=max_concurrency,
             block_size=options.block_size,
             dtype=kv_dtype,
         )
-        kv_cache = KVCache.for_budget(config, budget, block_size=options.block_size, dtype=kv_dtype, device=device)
+        kv_cache = KVCache.for_budget(rank_model_config, budget, block_size=options.block_size, dtype=kv_dtype, device=device)
+        ranks = None
+        if tensor_parallel > 1:
+            # The workers load their shards while this process loads rank 0's.
+            ranks = RankDriver(str(package.path), options.parallel_layout(), weight_format=options.weight_format)
+        try:
+            split = split_for(0, tensor_parallel) if ranks is not None else None
+            model = load_model(package, device=device, weight_format=options.weight_format, split=split)
+            if ranks is not None:
+                ranks.connect(config.vocab_size, kv_cache)
+        except BaseException:
+            if ranks is not None:
+                ranks.close()
+            raise
         log.info(
             "engine_loaded",
             device=str(device),
@@ -130,6 +159,7 @@ def load_parts(
             prefix_cache=options.prefix_cache,
             drafter=drafter_name if draft_tokens > 0 else "none",
             draft_tokens=draft_tokens,
+            tensor_parallel=tensor_parallel,
         )
         head = None
         if drafter_name == "mtp" and draft_tokens > 0:
@@ -145,6 +175,7 @@ def load_parts(
             device=device,
             head=head,
             observer=round_observer,
+            ranks=ranks,
         )
 
     # The weights load on the thread that will run the rounds (model_thread.py says why).

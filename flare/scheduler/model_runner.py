@@ -28,6 +28,7 @@ from flare.kernels.faults import FaultNotInjectable, inject_fault
 from flare.kernels.logprobs import TokenLogprobs
 from flare.kernels.round import RoundResult as KernelResult
 from flare.kernels.status import DeviceStatus
+from flare.parallel.serving import RankDriver
 from flare.sampling.params import SamplingParams
 from flare.scheduler.request import TokenLogprob
 from flare.structured import GrammarState, fill_masks
@@ -134,9 +135,12 @@ class ModelRunner:
         device: torch.device,
         head: MtpHead | None = None,
         observer: RoundObserver | None = None,
+        ranks: RankDriver | None = None,
     ) -> None:
         """`observer(plan, batch, hidden, logits)` sees every round's target outputs on the
-        device, in the model thread (distillation records the target's features with it)."""
+        device, in the model thread (distillation records the target's features with it).
+        `ranks`: a tensor-parallel group (`model` is rank 0's shard): every rank runs the
+        forward and the whole logits come back to this sampler."""
         self.model = model
         self.kv_cache = kv_cache
         self.head = head
@@ -145,6 +149,16 @@ class ModelRunner:
         self.vocabulary_shards = vocabulary_shards
         self.fallback_on_invalid_speculation = fallback_on_invalid_speculation
         self.device = device
+        self.ranks = ranks
+
+    def rank_list(self) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+        """This host's tensor-parallel ranks as (rank, pid, CPUs); empty without a group."""
+        return () if self.ranks is None else tuple((r.rank, r.pid, r.cpus) for r in self.ranks.group.ranks)
+
+    def close(self) -> None:
+        """Stop the group's other ranks, if any."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def execute(self, plan: RoundPlan) -> RoundResult:
         started = time.perf_counter()
@@ -152,18 +166,17 @@ class ModelRunner:
             self.kv_cache.copy_blocks(plan.copies)
             if self.head is not None:
                 self.head.copy_blocks(plan.copies)
-            batch = ForwardBatch.build(
-                [
-                    # An out-of-vocabulary draft must reach the verify kernel (status
-                    # INVALID_DRAFT_TOKEN), not crash the embedding lookup of the whole round.
-                    ForwardRow(self._embeddable(row.token_ids), row.start_position, row.block_table, row.num_logits)
-                    for row in plan.rows
-                ],
-                self.kv_cache.block_size,
-                self.device,
-            )
+            forward_rows = [
+                # An out-of-vocabulary draft must reach the verify kernel (status
+                # INVALID_DRAFT_TOKEN), not crash the embedding lookup of the whole round.
+                ForwardRow(self._embeddable(row.token_ids), row.start_position, row.block_table, row.num_logits)
+                for row in plan.rows
+            ]
+            batch = ForwardBatch.build(forward_rows, self.kv_cache.block_size, self.device)
             hidden = None
-            if self.head is None and self.observer is None:
+            if self.ranks is not None:
+                logits = self.ranks.forward(self.model, self.kv_cache, forward_rows, plan.copies)
+            elif self.head is None and self.observer is None:
                 logits = self.model.forward(batch, self.kv_cache)
             else:
                 logits, hidden = self.model.forward_hidden(batch, self.kv_cache)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from flare.parallel.layout import ParallelLayout
+
 
 @dataclass(frozen=True)
 class SchedulerOptions:
@@ -22,6 +24,14 @@ class SchedulerOptions:
     drafter: str | None = None
     adaptive_draft_length: bool = True  # False: every decode row verifies all the drafter proposes
     vocabulary_shards: int = 1
+    tensor_parallel: int = 1  # ranks of one model (flare/parallel/): rank 0 here, the others spawned
+    # Several hosts: how many, and where rank 0's rendezvous listens (this host is node 0).
+    nnodes: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+
+    def parallel_layout(self) -> ParallelLayout:
+        return ParallelLayout(self.tensor_parallel, self.nnodes, 0, self.master_addr, self.master_port)
     sampling_policy: Literal["package", "unfiltered"] = "package"
     on_invalid_speculation: Literal["fallback", "fail"] = "fallback"
     fault_injection: bool = False

@@ -28,12 +28,13 @@ from flare.engine.drafters import Draft, Drafter
 from flare.engine.model import LlamaModel
 from flare.engine.precision import dtype_name
 from flare.kernels.status import DeviceStatus
+from flare.parallel.failstop import EngineDead
 from flare.preparation.package import Package
 from flare.sampling.params import SamplingParams
 from flare.scheduler.blocks import BlockCopy, BlockManager
 from flare.scheduler.emission import choice_usage, emit
 from flare.scheduler.errors import Draining, DuplicateRequestId, PromptTooLong, QueueFull, TooManyChoices
-from flare.scheduler.failures import cancelled_failure, device_failure, shutdown_failure
+from flare.scheduler.failures import cancelled_failure, device_failure, engine_dead_failure, shutdown_failure
 from flare.scheduler.loading import SchedulerParts, load_parts
 from flare.scheduler.metrics import SchedulerMetrics
 from flare.scheduler.model_runner import ModelRunner, PlannedRow, RoundObserver, RoundPlan, RoundResult, RowResult
@@ -269,6 +270,7 @@ class Scheduler:
             weight_format=str(self._runner.model.weight_format),
             kv_cache_dtype=dtype_name(self._runner.kv_cache.dtype),
             weight_types=self.package.weight_types(),
+            ranks=self._runner.rank_list(),
         )
 
     def requests(self) -> list[RequestInfo]:
@@ -316,6 +318,7 @@ class Scheduler:
                 self._fail(seq, shutdown_failure())
             if self._owns_model_thread:
                 self._model_thread.shutdown(wait=True)  # idle: no round is in flight here
+                self._runner.close()
 
     # ----------------------------------------------------------------- one round
 
@@ -327,6 +330,11 @@ class Scheduler:
         self._in_flight = True
         try:
             result = await self._on_model_thread(self._runner.execute, plan)
+        except EngineDead as error:  # a lost rank: every request ends, and the raise stops the daemon
+            log.error("engine_dead", round=plan.index, reason=error.reason)
+            for seq in [*self._running, *self._waiting]:
+                self._fail(seq, engine_dead_failure(error.reason))
+            raise
         except Exception as error:  # a bug or device fault outside any row's status
             log.exception("round_failed", round=plan.index, rows=len(plan.rows))
             failure = RequestFailure(

@@ -39,6 +39,8 @@ class SchedulerSnapshot:
     kv_cache_dtype: str  # what the KV cache stores keys and values as
     # Tensors and bytes by stored type (Q4_1, F32, ...): `package.weight_types`.
     weight_types: dict[str, dict[str, int]] = field(default_factory=dict)
+    # This host's tensor-parallel ranks as (rank, pid, CPUs); empty without a group.
+    ranks: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
 
 @dataclass

@@ -410,6 +410,7 @@ class SchedulerSnapshot:  # the fields of flare.scheduler.stats.SchedulerSnapsho
     prompt_tokens_cached: int = 160
     prompt_tokens_computed: int = 40
     weight_types: dict[str, dict[str, int]] = field(default_factory=lambda: {"F32": {"tensors": 3, "bytes": 12}})
+    ranks: tuple[tuple[int, int, tuple[int, ...]], ...] = ((0, 4242, (0, 1)), (1, 4243, (2, 3)))
 
 
 @dataclass(frozen=True)
@@ -523,3 +524,17 @@ def test_json_is_accepted_after_the_command_too() -> None:
     before = build_parser().parse_args(["ctl", "--json", "--socket", "/x", "status"])
     neither = build_parser().parse_args(["ctl", "status"])
     assert after.json and before.json and not neither.json
+
+
+def test_ctl_status_shows_each_rank_with_its_pid_and_cpus() -> None:
+    from flare.daemon.ctl import _render_status
+
+    status = {
+        "package": "p", "draining": False, "uptime_s": 1.0, "running": 0, "waiting": 0, "kv_blocks_used": 0,
+        "kv_blocks_total": 8, "kv_cache_dtype": "float32", "weights_dtype": "float32", "weight_format": "float32",
+        "generated_tokens_per_s": 0.0, "log_level": "info", "pid": 10, "version": "0", "device_statuses": {},
+        "ranks": [{"rank": 0, "pid": 10, "cpus": [0, 1, 2, 5]}, {"rank": 1, "pid": 11, "cpus": [6, 7]}],
+    }
+    assert "0: pid 10, cpus 0-2,5; 1: pid 11, cpus 6-7" in _render_status(status)
+    del status["ranks"]
+    assert "ranks" not in _render_status(status)

@@ -33,12 +33,12 @@ def test_units_pass_systemd_analyze_verify_without_warnings(tmp_path: Path) -> N
         pytest.skip("systemd-analyze is not installed (it comes with systemd); the units were not verified")
     true = shutil.which("true")
     assert true is not None
-    for name in ("flare.service", "flare.socket"):
+    for name in ("flare.service", "flare.socket", "flare-worker.service"):
         text = (UNITS / name).read_text()
         # verify checks that ExecStart's binary exists; the install path is not on this machine.
         (tmp_path / name).write_text(text.replace("/opt/flare/venv/bin/flare", true))
     result = subprocess.run(
-        [analyze, "verify", str(tmp_path / "flare.service"), str(tmp_path / "flare.socket")],
+        [analyze, "verify", *(str(tmp_path / name) for name in ("flare.service", "flare.socket", "flare-worker.service"))],
         capture_output=True,
         text=True,
         timeout=60,
@@ -86,3 +86,11 @@ def test_example_config_loads_and_documents_every_setting() -> None:
     settings = [f.name for f in fields(DaemonConfig)] + ["api_key_file"]
     undocumented = [s for s in settings if not re.search(rf"^(# )?{s} = ", text, re.MULTILINE)]
     assert undocumented == []
+
+
+def test_the_worker_unit_runs_flare_headless_and_restarts_on_failure() -> None:
+    service = unit_section("flare-worker.service", "Service")
+    assert service["ExecStart"].endswith("flare run --config /etc/flare/flare.toml")
+    assert service["Restart"] == "on-failure"
+    assert "WatchdogSec" not in service and "NotifyAccess" not in service, "a headless host sends no READY or pings"
+    assert service["User"] == "flare"

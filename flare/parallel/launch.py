@@ -1,0 +1,274 @@
+"""Starting, watching and stopping the worker ranks of a tensor-parallel group.
+
+Rank 0 (the daemon) creates the rendezvous store, starts this host's other ranks with
+torch.multiprocessing's ``spawn`` context (a fresh interpreter: no forked torch threads or
+locks), and waits for each to report that its shard loaded before anyone joins the process
+groups. A worker that fails to load reports its rank and error, and startup fails with both,
+before the daemon announces READY; a worker that dies before reporting is named with its exit
+code. Loading happens before the rendezvous so that a failed load is never a collective hung
+until its timeout.
+
+Each worker holds one end of a pipe to its launcher and watches it on a thread: end of file
+means the launcher died (however: SIGKILL included), and the worker exits at once, even from
+inside a collective. Rank 0 watches its workers' process sentinels and fails the group
+(failstop.py) when one exits. Nothing else is shared between the processes: no shared memory,
+and the sockets (store, gloo pairs) close with the processes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection
+import os
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.multiprocessing
+
+from flare.parallel.failstop import FailStop
+from flare.parallel.group import ProcessGroups, join_groups, rendezvous_store
+from flare.parallel.layout import ParallelLayout
+from flare.parallel.threads import RankThreads, available_cpus, pin, split_cpus
+
+STOP_GRACE_S = 10.0
+"""How long a stopped worker may take to exit before it is killed."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker rank runs: module-level functions (they are pickled into the new process).
+
+    ``load(rank, world_size)`` builds the rank's state (its shard) before the rendezvous;
+    ``serve(groups, state)`` then runs until rank 0 stops the group."""
+
+    load: Callable[[int, int], Any]
+    serve: Callable[[ProcessGroups, Any], None]
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """One rank as `flare ctl status` shows it."""
+
+    rank: int
+    pid: int
+    cpus: tuple[int, ...]
+
+
+class WorkerStartError(RuntimeError):
+    """A worker rank did not load: startup fails naming it."""
+
+    def __init__(self, rank: int, error: str) -> None:
+        super().__init__(f"tensor-parallel rank {rank} failed to start: {error}")
+        self.rank = rank
+        self.error = error
+
+
+@dataclass
+class _Worker:
+    rank: int
+    process: multiprocessing.process.BaseProcess
+    connection: multiprocessing.connection.Connection
+    threads: RankThreads
+
+
+class RankGroup:
+    """This host's side of the group: the workers it started and, on rank 0, its own groups."""
+
+    def __init__(
+        self,
+        layout: ParallelLayout,
+        spec: WorkerSpec,
+        device: torch.device,
+        startup_timeout: timedelta,
+        collective_timeout: timedelta,
+        bind: str | None = None,
+    ) -> None:
+        """Start this host's workers (they begin loading at once); ``connect`` finishes startup.
+        On rank 0's host this process is rank 0 and creates the store."""
+        self.layout = layout
+        self.device = device
+        self.startup_timeout = startup_timeout
+        self.collective_timeout = collective_timeout
+        self.failstop = FailStop()
+        self.groups: ProcessGroups | None = None
+        self._workers: list[_Worker] = []
+        self._stopping = False
+        self._wake_read, self._wake_write = os.pipe()
+        self._watcher: threading.Thread | None = None
+        plan = split_cpus(layout.local_ranks, available_cpus(), bind)
+        self.own_threads = plan[0] if layout.node_rank == 0 else None
+        self._store = None
+        port = layout.master_port
+        if layout.node_rank == 0:
+            self._store = rendezvous_store(0, layout.tensor_parallel, layout.master_addr, port, startup_timeout)
+            port = self._store.port
+        self.master_port = port
+        context = torch.multiprocessing.get_context("spawn")
+        try:
+            for threads in plan:
+                if threads.rank == 0:
+                    continue
+                parent_end, child_end = context.Pipe(duplex=True)
+                process = context.Process(
+                    target=_worker_main,
+                    args=(threads, layout, port, spec, child_end, str(device), startup_timeout, collective_timeout),
+                    name=f"flare-rank-{threads.rank}",
+                )
+                process.start()
+                child_end.close()
+                self._workers.append(_Worker(threads.rank, process, parent_end, threads))
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def ranks(self) -> list[RankInfo]:
+        """This host's ranks, with their PIDs and CPUs."""
+        own = [RankInfo(0, os.getpid(), self.own_threads.cpus)] if self.own_threads is not None else []
+        return own + [RankInfo(w.rank, w.process.pid or 0, w.threads.cpus) for w in self._workers]
+
+    def pin_own(self) -> None:
+        """Pin this process (rank 0) to its CPU list, as the workers pin themselves. Explicit:
+        the daemon's process also runs the event loop, which then shares rank 0's CPUs."""
+        if self.own_threads is not None:
+            pin(self.own_threads)
+
+    def connect(self) -> ProcessGroups | None:
+        """Wait until every local worker has loaded (WorkerStartError names the first that did
+        not), then, on rank 0's host, join the groups as rank 0 and watch the workers."""
+        try:
+            self._await_loaded()
+            if self.layout.node_rank == 0:
+                assert self._store is not None
+                self.groups = join_groups(
+                    0, self.layout.tensor_parallel, self._store, self.device, self.collective_timeout
+                )
+        except BaseException:
+            self.stop()
+            raise
+        self._watcher = threading.Thread(target=self._watch, name="flare-rank-watch", daemon=True)
+        self._watcher.start()
+        return self.groups
+
+    def _await_loaded(self) -> None:
+        pending = {w.connection: w for w in self._workers}
+        sentinels = {w.process.sentinel: w for w in self._workers}
+        deadline = self.startup_timeout.total_seconds()
+        while pending:
+            ready = multiprocessing.connection.wait(list(pending) + list(sentinels), timeout=deadline)
+            if not ready:
+                first = min(w.rank for w in pending.values())
+                raise WorkerStartError(first, f"did not load within {deadline:g} s")
+            for item in ready:
+                if item in pending:
+                    worker = pending[item]
+                    try:
+                        message = item.recv()
+                    except EOFError:
+                        worker.process.join(STOP_GRACE_S)
+                        raise WorkerStartError(worker.rank, f"exited with code {worker.process.exitcode}") from None
+                    if message[0] == "failed":
+                        raise WorkerStartError(worker.rank, message[1])
+                    del pending[item]
+                elif sentinels[item].connection in pending:
+                    worker = sentinels[item]
+                    raise WorkerStartError(worker.rank, f"exited with code {worker.process.exitcode} before it loaded")
+
+    def _watch(self) -> None:
+        """Fail the group when a worker exits while it should be serving."""
+        sentinels = {w.process.sentinel: w for w in self._workers}
+        ready = multiprocessing.connection.wait([*sentinels, self._wake_read])
+        if self._stopping:
+            return
+        for item in ready:
+            if item in sentinels:
+                worker = sentinels[item]
+                worker.process.join(STOP_GRACE_S)
+                self.failstop.fail(
+                    f"rank {worker.rank} (pid {worker.process.pid}) exited with code {worker.process.exitcode}"
+                )
+                return
+
+    def wait(self) -> int:
+        """Headless hosts: block until one of this host's workers exits, stop the others, and
+        return the exit status for the supervisor (non-zero: the group is lost)."""
+        sentinels = {w.process.sentinel: w for w in self._workers}
+        ready = multiprocessing.connection.wait(list(sentinels))
+        worker = sentinels[ready[0]]
+        worker.process.join(STOP_GRACE_S)
+        code = worker.process.exitcode
+        self.stop()
+        return 0 if code == 0 else 1
+
+    def stop(self) -> None:
+        """Stop the workers (they see their pipe close), kill any that outlive STOP_GRACE_S, and
+        leave the groups. Safe to call more than once."""
+        self._stopping = True
+        if self._wake_write >= 0:
+            os.write(self._wake_write, b"x")
+        for worker in self._workers:
+            worker.connection.close()
+        for worker in self._workers:
+            worker.process.join(STOP_GRACE_S)
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join(STOP_GRACE_S)
+        if self.groups is not None:
+            self.groups.close()
+            self.groups = None
+        self._store = None
+        if self._watcher is not None:
+            self._watcher.join(STOP_GRACE_S)
+            self._watcher = None
+        if self._wake_write >= 0:
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+            self._wake_read = self._wake_write = -1
+
+
+def _worker_main(
+    threads: RankThreads,
+    layout: ParallelLayout,
+    port: int,
+    spec: WorkerSpec,
+    connection: multiprocessing.connection.Connection,
+    device: str,
+    startup_timeout: timedelta,
+    collective_timeout: timedelta,
+) -> None:
+    """A worker rank: pin, load, report, watch the launcher, meet the others, serve."""
+    try:
+        pin(threads)
+        state = spec.load(threads.rank, layout.tensor_parallel)
+    except Exception as error:
+        connection.send(("failed", f"{type(error).__name__}: {error}"))
+        traceback.print_exc()
+        os._exit(1)
+    connection.send(("loaded", os.getpid()))
+    threading.Thread(target=_exit_with_launcher, args=(connection,), name="flare-launcher-watch", daemon=True).start()
+    try:
+        store = rendezvous_store(threads.rank, layout.tensor_parallel, layout.master_addr, port, startup_timeout)
+        groups = join_groups(threads.rank, layout.tensor_parallel, store, torch.device(device), collective_timeout)
+        spec.serve(groups, state)
+        groups.close()
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    os._exit(0)
+
+
+def _exit_with_launcher(connection: multiprocessing.connection.Connection) -> None:
+    """End of file on the launcher's pipe: the launcher stopped the group or died; either way
+    this rank has nothing left to serve."""
+    try:
+        while True:
+            connection.recv()
+    except (EOFError, OSError):
+        pass
+    os._exit(0)

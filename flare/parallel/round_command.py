@@ -1,0 +1,130 @@
+"""What rank 0 sends the workers each round, and how: the wire form of a round's plan.
+
+A worker needs what its shard of the round computes on: the forward rows (new tokens, their
+positions, block tables and how many logits each returns), the block copies to make first (the
+allocator and the prefix cache stay on rank 0; every rank's KV pool copies the same blocks),
+and the sampling inputs (drafts, the batch's parameters, the grammar's bitmask, logprobs). It
+travels as one tensor_codec buffer over the gloo control group: a broadcast of its length,
+then of the buffer (benchmarks/parallel_plan_broadcast.py measured this against a
+shared-memory ring; docs/architecture.md has the figures). A length of 0 is the stop command.
+The bitmask goes whole to every rank (ceil(V / 32) words per position) and each rank cuts its
+own slice (vocab_shard.local_token_mask). A learned drafter's q is not sent: across ranks the
+n-gram drafter runs (one-hot q), see docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from flare.engine.batch import ForwardRow
+from flare.kernels.batch import BatchFacts, SamplingBatch
+from flare.parallel.tensor_codec import decode, encode
+
+_BATCH_FIELDS = (
+    "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+    "seed", "first_position", "prompt_ids", "output_ids", "bias_ids", "bias_values",
+)  # fmt: skip
+_FACT_FIELDS = (
+    "any_greedy", "any_sampled", "any_penalized", "any_filtered", "max_top_k", "any_top_p",
+    "any_temperature_scaling", "any_biased",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RoundSampling:
+    """The sampling inputs of a round, the same on every rank (sample_round_across_ranks)."""
+
+    num_drafts: torch.Tensor
+    draft_tokens: torch.Tensor
+    batch: SamplingBatch
+    token_mask: torch.Tensor | None = None
+    num_logprobs: int | None = None
+    raw_logprobs: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class RoundCommand:
+    index: int
+    rows: tuple[ForwardRow, ...]
+    copies: tuple[tuple[int, int], ...]
+    sampling: RoundSampling | None
+    """None for a round that only fills the cache (prompt chunks that sample nothing)."""
+
+    def encode(self) -> torch.Tensor:
+        rows = self.rows
+        head = [self.index, len(rows), len(self.copies), int(self.sampling is not None)]
+        row_table = torch.tensor(
+            [[r.start_position, len(r.token_ids), len(r.block_table), r.num_logits] for r in rows], dtype=torch.int64
+        ).reshape(len(rows), 4)
+        tokens = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.int64)
+        blocks = torch.tensor([b for r in rows for b in r.block_table], dtype=torch.int64)
+        copies = torch.tensor(self.copies, dtype=torch.int64).reshape(len(self.copies), 2)
+        tensors: list[torch.Tensor | None] = [torch.tensor(head), row_table, tokens, blocks, copies]
+        sampling = self.sampling
+        if sampling is not None:
+            batch = sampling.batch
+            facts = torch.tensor([int(getattr(batch.facts, name)) for name in _FACT_FIELDS], dtype=torch.int64)
+            logprobs = torch.tensor([-1 if sampling.num_logprobs is None else sampling.num_logprobs])
+            tensors += [sampling.num_drafts, sampling.draft_tokens, sampling.token_mask, logprobs, sampling.raw_logprobs, facts]
+            tensors += [getattr(batch, name) for name in _BATCH_FIELDS]
+        return encode(tensors)
+
+    @classmethod
+    def decode(cls, buffer: torch.Tensor) -> RoundCommand:
+        tensors = decode(buffer)
+        head, row_table, tokens, blocks, copies = tensors[:5]
+        assert head is not None and row_table is not None and tokens is not None and blocks is not None
+        assert copies is not None
+        index, _, _, has_sampling = head.tolist()
+        rows, token_at, block_at = [], 0, 0
+        for start, num_tokens, num_blocks, num_logits in row_table.tolist():
+            rows.append(
+                ForwardRow(
+                    token_ids=tuple(tokens[token_at : token_at + num_tokens].tolist()),
+                    start_position=start,
+                    block_table=tuple(blocks[block_at : block_at + num_blocks].tolist()),
+                    num_logits=num_logits,
+                )
+            )
+            token_at += num_tokens
+            block_at += num_blocks
+        sampling = None
+        if has_sampling:
+            num_drafts, draft_tokens, token_mask, logprobs, raw_logprobs, facts = tensors[5:11]
+            assert num_drafts is not None and draft_tokens is not None and logprobs is not None and facts is not None
+            fields = dict(zip(_BATCH_FIELDS, tensors[11:], strict=True))
+            flags = facts.tolist()
+            batch_facts = BatchFacts(
+                **{name: (value if name == "max_top_k" else bool(value)) for name, value in zip(_FACT_FIELDS, flags, strict=True)}
+            )
+            sampling = RoundSampling(
+                num_drafts=num_drafts,
+                draft_tokens=draft_tokens,
+                batch=SamplingBatch(facts=batch_facts, **fields),
+                token_mask=token_mask,
+                num_logprobs=None if int(logprobs[0]) < 0 else int(logprobs[0]),
+                raw_logprobs=raw_logprobs,
+            )
+        return cls(index=index, rows=tuple(rows), copies=tuple(tuple(c) for c in copies.tolist()), sampling=sampling)
+
+
+def send_command(command: RoundCommand | None, group: dist.ProcessGroup) -> None:
+    """Rank 0: broadcast ``command`` (None: stop) to the workers."""
+    buffer = command.encode() if command is not None else torch.zeros(0, dtype=torch.uint8)
+    dist.broadcast(torch.tensor([buffer.numel()], dtype=torch.int64), src=0, group=group)
+    if buffer.numel():
+        dist.broadcast(buffer, src=0, group=group)
+
+
+def receive_command(group: dist.ProcessGroup) -> RoundCommand | None:
+    """A worker: the next command from rank 0 (None: stop)."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    if int(size[0]) == 0:
+        return None
+    buffer = torch.empty(int(size[0]), dtype=torch.uint8)
+    dist.broadcast(buffer, src=0, group=group)
+    return RoundCommand.decode(buffer)

@@ -1,0 +1,177 @@
+"""A tensor-parallel group behind the scheduler: rank 0's `RankDriver` and the workers' loop.
+
+Each round rank 0 broadcasts the round's forward rows and block copies (round_command.py),
+every rank copies the blocks in its pool and runs the forward over its heads, and the ranks'
+vocabulary shards of the logits are gathered to rank 0 (`vocab_round.gather_rows`), where the
+scheduler's sampler runs unchanged: filters, grammars, logprobs, fallback and speculation work
+as on one rank. Sampling from per-shard statistics across the ranks instead
+(`vocab_round.sample_round_across_ranks`, tested equal to in-process shards) would save that
+gather of [positions, V] floats a round; the scheduler does not drive it yet.
+
+Any collective error or a round past its deadline is the group's failure (failstop.py): the
+driver raises `EngineDead`, the scheduler ends every request with `engine_dead` and stops, and
+the daemon exits non-zero.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from flare.engine.batch import ForwardBatch, ForwardRow
+from flare.engine.kv_cache import KVCache
+from flare.engine.model import LlamaModel, load_model
+from flare.engine.quantized import QuantizedWeight
+from flare.parallel.group import ProcessGroups, all_reduce_sum
+from flare.parallel.launch import RankGroup, WorkerSpec
+from flare.parallel.layout import ParallelLayout
+from flare.parallel.round_command import RoundCommand, receive_command, send_command
+from flare.parallel.tensor_split import rank_config, rank_state_dict, vocabulary_rows
+from flare.parallel.vocab_round import gather_rows
+from flare.parallel.vocab_shard import VocabShard
+from flare.preparation.manifest import ModelConfig
+from flare.preparation.package import open_package
+
+log = structlog.get_logger("flare.parallel")
+
+KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""The KV pool dtypes, by the code rank 0 broadcasts."""
+STARTUP_TIMEOUT = timedelta(seconds=600)
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+ROUND_DEADLINE_S = 120.0
+"""A round longer than this on any rank fails the group (a prompt chunk of the default model
+takes well under a second; a rank stuck this long is lost)."""
+
+
+def split_for(rank: int, tensor_parallel: int):
+    """`load_model`'s `split` for one rank: its config, its weights, and the all-reduce and LM
+    head rows of its model."""
+
+    def split(config: ModelConfig, state_dict: dict[str, torch.Tensor | QuantizedWeight]):
+        extra: dict[str, Any] = {
+            "all_reduce": all_reduce_sum,
+            "lm_head_rows": vocabulary_rows(config, rank, tensor_parallel),
+        }
+        return rank_config(config, tensor_parallel), rank_state_dict(config, state_dict, rank, tensor_parallel), extra
+
+    return split
+
+
+def rank_cache(config: ModelConfig, tensor_parallel: int, num_blocks: int, block_size: int, dtype: torch.dtype) -> KVCache:
+    """A rank's KV pool: its KV heads, the same block ids as rank 0's allocator hands out."""
+    local = rank_config(config, tensor_parallel)
+    return KVCache(
+        num_layers=local.num_layers, num_blocks=num_blocks, block_size=block_size,
+        num_kv_heads=local.num_kv_heads, head_dim=local.head_dim, dtype=dtype,
+    )
+
+
+def _load_worker(path: str, weight_format: str, rank: int, world_size: int) -> tuple[LlamaModel, ModelConfig]:
+    package = open_package(Path(path))
+    model = load_model(package, weight_format=weight_format, split=split_for(rank, world_size))
+    return model, package.manifest.model
+
+
+def _serve_worker(groups: ProcessGroups, state: tuple[LlamaModel, ModelConfig]) -> None:
+    """A worker: its KV pool sized as rank 0 says (the first broadcast: blocks, block size, dtype
+    code), then one round per command until the stop command."""
+    model, config = state
+    pool = torch.zeros(3, dtype=torch.int64)
+    dist.broadcast(pool, src=0, group=groups.control)
+    num_blocks, block_size, dtype_code = pool.tolist()
+    cache = rank_cache(config, groups.world_size, num_blocks, block_size, KV_DTYPES[dtype_code])
+    shard = VocabShard.of(model.config.vocab_size, groups.device)
+    while (command := receive_command(groups.control)) is not None:
+        _run_round(shard, model, cache, command.rows, command.copies)
+
+
+@torch.inference_mode()
+def _run_round(
+    shard: VocabShard, model: LlamaModel, cache: KVCache, rows: Sequence[ForwardRow], copies: Sequence[tuple[int, int]]
+) -> torch.Tensor | None:
+    cache.copy_blocks(list(copies))
+    logits = model.forward(ForwardBatch.build(list(rows), cache.block_size), cache)
+    return gather_rows(shard, logits, torch.arange(logits.shape[0]))
+
+
+def worker_spec(package_path: str, weight_format: str) -> WorkerSpec:
+    """What every worker rank runs: its shard of the package, then the round loop."""
+    return WorkerSpec(functools.partial(_load_worker, package_path, weight_format), _serve_worker)
+
+
+def serve_headless(package_path: str, layout: ParallelLayout, weight_format: str) -> int:
+    """A host other than rank 0's (`flare run --node-rank K`, K > 0): start this host's ranks,
+    meet rank 0, and wait; the exit status is non-zero once a rank stops (its peer was lost),
+    for the supervisor to restart it."""
+    group = RankGroup(
+        layout, worker_spec(package_path, weight_format), torch.device("cpu"), STARTUP_TIMEOUT, COLLECTIVE_TIMEOUT
+    )
+    group.connect()
+    log.info("tensor_parallel_host", node_rank=layout.node_rank, ranks=[(r.rank, r.pid, list(r.cpus)) for r in group.ranks])
+    return group.wait()
+
+
+class RankDriver:
+    """Rank 0's side: starts the workers (they load while rank 0 does), then runs each round's
+    forward on every rank and returns the whole logits."""
+
+    def __init__(
+        self,
+        package_path: str,
+        layout: ParallelLayout,
+        *,
+        weight_format: str,
+        startup_timeout: timedelta = STARTUP_TIMEOUT,
+        collective_timeout: timedelta = COLLECTIVE_TIMEOUT,
+    ) -> None:
+        self.group = RankGroup(
+            layout, worker_spec(package_path, weight_format), torch.device("cpu"), startup_timeout, collective_timeout
+        )
+        self.tensor_parallel = layout.tensor_parallel
+        self._shard: VocabShard | None = None
+        self._rounds = 0
+
+    def connect(self, vocab_size: int, cache: KVCache) -> None:
+        """After rank 0's own shard has loaded: wait for this host's workers, meet every rank,
+        and size their KV pools as ``cache`` (its block count, block size and dtype)."""
+        groups = self.group.connect()
+        assert groups is not None
+        pool = torch.tensor([cache.num_blocks, cache.block_size, KV_DTYPES.index(cache.dtype)], dtype=torch.int64)
+        dist.broadcast(pool, src=0, group=groups.control)
+        self._shard = VocabShard.of(vocab_size, groups.device)
+        log.info("tensor_parallel_group", ranks=[(r.rank, r.pid, list(r.cpus)) for r in self.group.ranks])
+
+    def forward(self, model: LlamaModel, cache: KVCache, rows: Sequence[ForwardRow], copies: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """Every rank's forward of ``rows``; the whole [positions, V] logits. The other ranks
+        first make the block ``copies`` that rank 0 (the runner) has already made in its pool."""
+        failstop = self.group.failstop
+        failstop.check()
+        assert self._shard is not None and self.group.groups is not None
+        try:
+            with failstop.deadline(ROUND_DEADLINE_S):
+                send_command(RoundCommand(self._rounds, tuple(rows), tuple(copies), None), self.group.groups.control)
+                logits = _run_round(self._shard, model, cache, rows, ())
+        except RuntimeError as error:
+            raise failstop.collective_failed(error) from error
+        self._rounds += 1
+        failstop.check()
+        assert logits is not None
+        return logits
+
+    def close(self) -> None:
+        """Stop the workers (orderly: the stop command, then their pipes close)."""
+        groups = self.group.groups
+        if groups is not None and self.group.failstop.reason is None:
+            try:
+                send_command(None, groups.control)
+            except RuntimeError:
+                pass
+        self.group.stop()
+

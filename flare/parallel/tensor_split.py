@@ -1,0 +1,171 @@
+"""Which part of each weight a tensor-parallel rank holds (Megatron-LM's column and row split).
+
+Per decoder layer, for rank r of N:
+
+- q/k/v (and their biases) are split by heads: rank r holds query heads
+  ``r * H/N .. (r + 1) * H/N - 1`` and the KV heads they attend with (grouped-query attention
+  keeps the groups whole, since N divides both counts), so attention runs locally on its heads
+  and each rank's KV pool holds those heads under the same block ids;
+- o is split by its input columns (the same heads): each rank's output is a partial sum, and
+  one all-reduce after o makes the residual stream whole again;
+- gate/up are split by rows (columns of the intermediate activation), down by its input columns,
+  with one all-reduce after down;
+- the LM head is split into the contiguous vocabulary shards ``shard_bounds(V, N)`` the
+  vocabulary-parallel sampler works on (vocab_round.py), never gathered into a full row (a
+  tied head is the embedding's rows of the shard);
+- the embedding and every norm are replicated. The embedding lookup is a copy of a few rows, not
+  arithmetic: splitting it by vocabulary would save V * hidden / N values per rank (the default
+  model: 57 MB of 16-bit weights) at the cost of a masked lookup and an all-reduce of every
+  round's [tokens, hidden] activations, the largest tensor of a prompt chunk.
+
+A quantized weight is split only at block boundaries: rows split freely (each row is its own
+blocks), input columns only when each rank's share is whole blocks; anything else is refused at
+start, naming the tensor. A tensor-parallel size that does not divide the heads and the KV heads
+is refused naming both counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import gguf
+import torch
+
+from flare.engine.model import LlamaModel
+from flare.engine.quantized import QuantizedWeight
+from flare.kernels.distribution import shard_bounds
+from flare.preparation.manifest import ModelConfig
+
+Tensor = torch.Tensor | QuantizedWeight
+
+_BY_HEADS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_BY_ROWS = ("mlp.gate_proj", "mlp.up_proj")
+_BY_INPUT = ("self_attn.o_proj", "mlp.down_proj")
+
+
+class TensorParallelError(ValueError):
+    """A model that cannot be split N ways; the message names what does not divide."""
+
+
+def check_tensor_parallel(config: ModelConfig, tensor_parallel: int) -> None:
+    """Refuse a size that does not divide the heads, the KV heads or the MLP width."""
+    if tensor_parallel < 1:
+        raise TensorParallelError(f"tensor_parallel must be at least 1, got {tensor_parallel}")
+    if config.num_heads % tensor_parallel or config.num_kv_heads % tensor_parallel:
+        raise TensorParallelError(
+            f"tensor_parallel {tensor_parallel} must divide both the model's {config.num_heads} attention heads "
+            f"and its {config.num_kv_heads} KV heads"
+        )
+    if config.intermediate_size % tensor_parallel:
+        raise TensorParallelError(
+            f"tensor_parallel {tensor_parallel} must divide the model's MLP width of {config.intermediate_size}"
+        )
+    if any(end <= start for start, end in shard_bounds(config.vocab_size, tensor_parallel)):
+        raise TensorParallelError(
+            f"a vocabulary of {config.vocab_size} tokens has an empty shard at tensor_parallel {tensor_parallel}"
+        )
+
+
+def rank_config(config: ModelConfig, tensor_parallel: int) -> ModelConfig:
+    """The config a rank's model is built with: its share of the heads, KV heads and MLP width
+    (its KV pool then holds its own heads, under the block ids rank 0 allocates)."""
+    check_tensor_parallel(config, tensor_parallel)
+    return dataclasses.replace(
+        config,
+        num_heads=config.num_heads // tensor_parallel,
+        num_kv_heads=config.num_kv_heads // tensor_parallel,
+        intermediate_size=config.intermediate_size // tensor_parallel,
+    )
+
+
+def vocabulary_rows(config: ModelConfig, rank: int, tensor_parallel: int) -> tuple[int, int]:
+    """The rank's rows of the LM head: its vocabulary shard."""
+    return shard_bounds(config.vocab_size, tensor_parallel)[rank]
+
+
+def rank_state_dict(
+    config: ModelConfig, state_dict: Mapping[str, Tensor], rank: int, tensor_parallel: int
+) -> dict[str, Tensor]:
+    """Rank ``rank``'s part of every layer's tensors, the shapes of ``rank_config``: views,
+    except a quantized weight's input-column share, which is copied once into contiguous rows
+    of blocks. The embedding and the LM head stay whole here; the model keeps only the LM
+    head's ``vocabulary_rows`` (`LlamaModel(lm_head_rows=...)`, a view)."""
+    check_tensor_parallel(config, tensor_parallel)
+    if not 0 <= rank < tensor_parallel:
+        raise ValueError(f"rank must be between 0 and {tensor_parallel - 1}, got {rank}")
+    out: dict[str, Tensor] = {}
+    for name, tensor in state_dict.items():
+        part = _part_of(name)
+        if part in ("by_heads", "by_rows"):
+            out[name] = _rows(tensor, *_even(_rows_of(tensor), rank, tensor_parallel))
+        elif part == "by_input":
+            out[name] = _columns(name, tensor, *_even(_columns_of(tensor), rank, tensor_parallel))
+        else:
+            out[name] = tensor
+    return out
+
+
+def rank_model(
+    config: ModelConfig,
+    state_dict: Mapping[str, Tensor],
+    rank: int,
+    tensor_parallel: int,
+    all_reduce: Callable[[torch.Tensor], None],
+    **options: Any,
+) -> LlamaModel:
+    """The rank's model: its heads and MLP columns, its vocabulary shard of the LM head, and
+    ``all_reduce`` after o and after down. ``options`` are LlamaModel's (device, dtype, ...)."""
+    return LlamaModel(
+        rank_config(config, tensor_parallel),
+        rank_state_dict(config, state_dict, rank, tensor_parallel),
+        all_reduce=all_reduce,
+        lm_head_rows=vocabulary_rows(config, rank, tensor_parallel),
+        **options,
+    )
+
+
+def _part_of(name: str) -> str:
+    """How the tensor ``name`` is split (q/k/v biases with their weights; o has no bias)."""
+    if not name.startswith("model.layers."):
+        return "replicated"
+    if any(f".{module}." in name for module in _BY_HEADS):
+        return "by_heads"
+    if any(f".{module}." in name for module in _BY_ROWS):
+        return "by_rows"
+    if any(f".{module}.weight" in name for module in _BY_INPUT):
+        return "by_input"
+    return "replicated"
+
+
+def _even(size: int, rank: int, parts: int) -> tuple[int, int]:
+    share = size // parts
+    return rank * share, (rank + 1) * share
+
+
+def _rows_of(tensor: Tensor) -> int:
+    return tensor.out_features if isinstance(tensor, QuantizedWeight) else tensor.shape[0]
+
+
+def _columns_of(tensor: Tensor) -> int:
+    return tensor.in_features if isinstance(tensor, QuantizedWeight) else tensor.shape[1]
+
+
+def _rows(tensor: Tensor, start: int, end: int) -> Tensor:
+    return tensor.rows(start, end) if isinstance(tensor, QuantizedWeight) else tensor[start:end]
+
+
+def _columns(name: str, tensor: Tensor, start: int, end: int) -> Tensor:
+    if not isinstance(tensor, QuantizedWeight):
+        return tensor[:, start:end]
+    block_size, type_size = gguf.GGML_QUANT_SIZES[tensor.ggml_type]
+    if start % block_size or end % block_size:
+        raise TensorParallelError(
+            f"{name}: a {tensor.ggml_type.name} weight is stored in blocks of {block_size} input columns, and a "
+            f"rank's share of its {tensor.in_features} columns ({end - start}) is not whole blocks"
+        )
+    # The kernels read whole contiguous rows of blocks: the rank's columns are copied once, at
+    # load (1/N of the weight).
+    data = tensor.data[:, start // block_size * type_size : end // block_size * type_size].contiguous()
+    return QuantizedWeight.from_blocks(tensor.ggml_type, data, tensor.out_features, end - start)

@@ -1,0 +1,89 @@
+"""`flare run --tensor-parallel 2` on the tiny package: it serves, and a worker killed mid-stream
+ends the stream with engine_dead, stops /health answering 200 and makes the daemon exit non-zero
+with no process of the group left."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+from daemon_process import DaemonProcess
+
+
+def _alive(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "State:\tZ" not in status.read_text()
+
+
+def _completion(daemon: DaemonProcess, max_tokens: int) -> dict:
+    body = {"model": daemon.model_name(), "prompt": "Hello there", "max_tokens": max_tokens, "temperature": 0}
+    return httpx.post(f"{daemon.base_url}/v1/completions", json=body, timeout=120).json()
+
+
+def test_tp2_serves_the_tp1_answer_and_a_killed_worker_stops_the_daemon_non_zero(tiny_package: Path) -> None:
+    single = DaemonProcess(tiny_package)
+    try:
+        single.wait_ready()
+        expected = _completion(single, 12)["choices"][0]["text"]
+    finally:
+        single.stop()
+    daemon = DaemonProcess(tiny_package, "--tensor-parallel", "2")
+    try:
+        daemon.wait_ready()
+        assert _completion(daemon, 12)["choices"][0]["text"] == expected
+        (group,) = daemon.events("tensor_parallel_group")
+        worker_pid = next(pid for rank, pid, _ in group["ranks"] if rank == 1)
+        # End of text banned, so the stream is still going when the worker dies.
+        body = {"model": daemon.model_name(), "prompt": "Hello there", "max_tokens": 400, "temperature": 0,
+                "stream": True, "logit_bias": {"2": -100}}
+        chunks = []
+        with httpx.stream("POST", f"{daemon.base_url}/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                chunks.append(line[6:])
+                if len(chunks) == 2:
+                    os.kill(worker_pid, signal.SIGKILL)
+        errors = [json.loads(c) for c in chunks if c != "[DONE]" and "error" in json.loads(c)]
+        assert errors and errors[-1]["error"]["code"] == "engine_dead", chunks[-3:]
+        started = time.monotonic()
+        assert daemon.process.wait(60) != 0
+        assert time.monotonic() - started < 60
+        assert not _alive(worker_pid)
+        assert daemon.events("engine_dead")
+    finally:
+        daemon.stop()
+
+
+def test_two_nodes_on_loopback_serve_the_tp1_answer_and_the_headless_node_stops_with_the_daemon(tiny_package: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    single = DaemonProcess(tiny_package)
+    try:
+        single.wait_ready()
+        expected = _completion(single, 12)["choices"][0]["text"]
+    finally:
+        single.stop()
+    headless = subprocess.Popen(
+        [sys.executable, "-m", "flare.daemon.cli", "run", str(tiny_package), "--tensor-parallel", "2",
+         "--nnodes", "2", "--node-rank", "1", "--master-port", port, "--log-format", "json"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    daemon = DaemonProcess(tiny_package, "--tensor-parallel", "2", "--nnodes", "2", "--master-port", port)
+    try:
+        daemon.wait_ready()
+        assert _completion(daemon, 12)["choices"][0]["text"] == expected
+        assert daemon.stop() == 0
+        assert headless.wait(60) == 0, "the headless host's rank was stopped in order"
+    finally:
+        headless.kill()
+        daemon.kill()

@@ -1,0 +1,275 @@
+"""Starting, meeting and stopping worker ranks: two processes on the CPU, gloo."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from rank_programs import (
+    load_failing_on_rank_1,
+    load_rank,
+    serve_all_reduce_then_wait,
+    serve_idle,
+)
+
+from flare.parallel.failstop import EngineDead
+from flare.parallel.launch import RankGroup, WorkerSpec, WorkerStartError
+from flare.parallel.layout import ParallelLayout
+
+STARTUP = timedelta(seconds=120)
+"""Generous: two interpreters importing torch on a shared 2-core machine."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for every purpose but the process table.
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "State:\tZ" not in status.read_text()
+
+
+def _wait_until(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+def _shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_two_ranks_meet_all_reduce_and_stop_leaving_nothing_behind() -> None:
+    shm_before = _shm_entries()
+    group = RankGroup(
+        ParallelLayout(tensor_parallel=2),
+        WorkerSpec(load_rank, serve_all_reduce_then_wait),
+        torch.device("cpu"),
+        STARTUP,
+        timedelta(seconds=60),
+    )
+    groups = group.connect()
+    assert groups is not None and groups.rank == 0 and groups.world_size == 2
+    value = torch.tensor([1.0])
+    dist.all_reduce(value, group=groups.device)
+    assert value.item() == 3.0
+    ranks = group.ranks
+    assert [r.rank for r in ranks] == [0, 1]
+    assert ranks[0].pid == os.getpid() and ranks[1].pid != os.getpid()
+    assert all(r.cpus for r in ranks)
+    port = group.master_port
+    worker_pid = ranks[1].pid
+    group.stop()
+    assert not _alive(worker_pid)
+    assert group.failstop.reason is None, "an orderly stop is not a failure"
+    assert not dist.is_initialized()
+    del groups  # the last reference to the store (through the process group)
+    gc.collect()
+    with socket.socket() as probe:  # the store no longer listens
+        assert probe.connect_ex(("127.0.0.1", port)) != 0
+    assert _shm_entries() <= shm_before
+
+
+def test_a_worker_that_fails_to_load_fails_startup_naming_its_rank_and_error() -> None:
+    group = RankGroup(
+        ParallelLayout(tensor_parallel=2),
+        WorkerSpec(load_failing_on_rank_1, serve_idle),
+        torch.device("cpu"),
+        STARTUP,
+        timedelta(seconds=60),
+    )
+    worker_pid = group.ranks[1].pid
+    with pytest.raises(WorkerStartError, match="rank 1 failed to start: FileNotFoundError: shard file") as caught:
+        group.connect()
+    assert caught.value.rank == 1
+    assert not _alive(worker_pid)
+    assert not dist.is_initialized()
+
+
+def test_a_killed_worker_fails_the_group_naming_the_rank_and_collectives_raise() -> None:
+    group = RankGroup(
+        ParallelLayout(tensor_parallel=2),
+        WorkerSpec(load_rank, serve_all_reduce_then_wait),
+        torch.device("cpu"),
+        STARTUP,
+        timedelta(seconds=5),
+    )
+    groups = group.connect()
+    assert groups is not None
+    dist.all_reduce(torch.tensor([1.0]), group=groups.device)
+    reasons: list[str] = []
+    group.failstop.on_fail(reasons.append)
+    os.kill(group.ranks[1].pid, signal.SIGKILL)
+    assert _wait_until(lambda: bool(reasons), 10), "the dead worker was not noticed"
+    assert reasons == [f"rank 1 (pid {group.ranks[1].pid}) exited with code -9"]
+    with pytest.raises(EngineDead, match="rank 1"):
+        group.failstop.check()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError):
+        dist.all_reduce(torch.tensor([1.0]), group=groups.device)
+    assert time.monotonic() - started < 10
+    group.stop()
+
+
+def test_a_collective_a_stuck_rank_never_joins_times_out_and_stops_the_group() -> None:
+    group = RankGroup(
+        ParallelLayout(tensor_parallel=2),
+        WorkerSpec(load_rank, serve_idle),
+        torch.device("cpu"),
+        STARTUP,
+        timedelta(seconds=2),
+    )
+    groups = group.connect()
+    assert groups is not None
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as caught:
+        dist.all_reduce(torch.tensor([1.0]), group=groups.device)
+    assert time.monotonic() - started < 10
+    dead = group.failstop.collective_failed(caught.value)
+    assert "a collective failed" in dead.reason
+    group.stop()
+
+
+def test_a_round_past_its_deadline_stops_the_group() -> None:
+    group_stop = EngineDead  # the latch alone: no processes needed
+    from flare.parallel.failstop import FailStop
+
+    latch = FailStop()
+    with latch.deadline(0.2):
+        time.sleep(0.6)
+    with pytest.raises(group_stop, match="past its deadline of 0.2 s"):
+        latch.check()
+    quick = FailStop()
+    with quick.deadline(5):
+        pass
+    quick.check()
+
+
+LAUNCHER = textwrap.dedent(
+    """
+    import sys, time
+    from datetime import timedelta
+    import torch
+    sys.path.insert(0, {tests!r})
+    from rank_programs import load_rank, serve_all_reduce_then_wait
+    from flare.parallel.launch import RankGroup, WorkerSpec
+    from flare.parallel.layout import ParallelLayout
+
+    layout = ParallelLayout({world}, nnodes={nnodes}, node_rank={node_rank}, master_port={port})
+    group = RankGroup(layout, WorkerSpec(load_rank, serve_all_reduce_then_wait), torch.device("cpu"),
+                      timedelta(seconds=120), timedelta(seconds={collective_s}))
+    group.connect()
+    print(" ".join(str(r.pid) for r in group.ranks if r.rank != 0), flush=True)
+    sys.exit(group.wait() if {node_rank} else time.sleep(600))
+    """
+)
+
+
+def _launcher(world: int, nnodes: int, node_rank: int, port: int, collective_s: int = 60) -> subprocess.Popen[str]:
+    script = LAUNCHER.format(
+        tests=str(Path(__file__).parent), world=world, nnodes=nnodes, node_rank=node_rank, port=port,
+        collective_s=collective_s,
+    )
+    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+
+
+def test_workers_exit_when_the_launcher_is_killed() -> None:
+    launcher = _launcher(world=2, nnodes=1, node_rank=0, port=0)
+    try:
+        assert launcher.stdout is not None
+        worker_pids = [int(p) for p in launcher.stdout.readline().split()]
+        assert len(worker_pids) == 1 and _alive(worker_pids[0])
+        launcher.kill()
+        launcher.wait(30)
+        assert _wait_until(lambda: not any(_alive(p) for p in worker_pids), 10), "a worker outlived rank 0"
+    finally:
+        launcher.kill()
+
+
+def test_two_nodes_on_loopback_meet_and_the_headless_node_exits_non_zero_when_rank_0_goes() -> None:
+    port = _free_port()
+    node_1 = _launcher(world=2, nnodes=2, node_rank=1, port=port, collective_s=5)
+    try:
+        group = RankGroup(
+            ParallelLayout(2, nnodes=2, node_rank=0, master_port=port),
+            WorkerSpec(load_rank, serve_all_reduce_then_wait),
+            torch.device("cpu"),
+            STARTUP,
+            timedelta(seconds=30),
+        )
+        assert [r.rank for r in group.ranks] == [0], "host 0 runs rank 0 alone"
+        groups = group.connect()
+        assert groups is not None and groups.world_size == 2
+        value = torch.tensor([1.0])
+        dist.all_reduce(value, group=groups.device)
+        assert value.item() == 3.0
+        assert node_1.stdout is not None
+        worker_pids = [int(p) for p in node_1.stdout.readline().split()]
+        assert len(worker_pids) == 1
+        group.stop()
+        # Rank 1 waits for a command that never comes: its collective times out (5 s here), it
+        # exits, and its host's launcher with it, non-zero.
+        assert node_1.wait(60) == 1
+        assert not any(_alive(p) for p in worker_pids)
+    finally:
+        node_1.kill()
+
+
+def test_a_worker_killed_between_rounds_makes_the_next_round_raise_and_fails_the_group_naming_it() -> None:
+    from rank_programs import (
+        load_tiny_tensor_parallel,
+        serve_tensor_parallel_rounds,
+        tensor_parallel_round,
+        tiny_tensor_parallel,
+    )
+
+    from flare.engine.batch import ForwardRow
+    from flare.parallel.round_command import RoundCommand, send_command
+
+    shm_before = _shm_entries()
+    group = RankGroup(
+        ParallelLayout(tensor_parallel=2),
+        WorkerSpec(load_tiny_tensor_parallel, serve_tensor_parallel_rounds),
+        torch.device("cpu"),
+        STARTUP,
+        timedelta(seconds=10),
+    )
+    model, cache = tiny_tensor_parallel(0, 2)
+    groups = group.connect()
+    assert groups is not None
+    command = RoundCommand(0, (ForwardRow((3, 4, 5), 0, (0, 1), 1),), (), None)
+    send_command(command, groups.control)
+    tensor_parallel_round(groups, model, cache, command)
+    worker_pid = group.ranks[1].pid
+    os.kill(worker_pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError):
+        send_command(RoundCommand(1, (ForwardRow((6,), 3, (0, 1), 1),), (), None), groups.control)
+        tensor_parallel_round(groups, model, cache, command)
+    assert time.monotonic() - started < 15, "the lost rank took a collective timeout to notice"
+    assert _wait_until(lambda: group.failstop.reason is not None, 10)
+    assert group.failstop.reason.startswith(f"rank 1 (pid {worker_pid}) exited")
+    group.stop()
+    assert not _alive(worker_pid)
+    assert _shm_entries() <= shm_before
