@@ -233,6 +233,15 @@ def tensor_plans(path: Path, config: ModelConfig, shapes: Mapping[str, tuple[int
             continue
         heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}.get(kind) if permuted else None
         plans[gguf_name] = TensorPlan((TensorPart(f"{prefix}{_LAYER_NAMES[kind]}.{suffix}", 0, rows),), heads)
+    sources: dict[str, str] = {}
+    for gguf_name, plan in plans.items():
+        for part in plan.parts:
+            if part.name in sources:
+                raise SourceError(
+                    f"{path}: the tensors {sources[part.name]} and {gguf_name} both give {part.name} "
+                    "(a fused tensor beside its parts?)"
+                )
+            sources[part.name] = gguf_name
     return plans
 
 
