@@ -275,3 +275,54 @@ def canonical_state(config: Any, state: dict[str, torch.Tensor]) -> dict[str, to
             continue
         out[name] = tensor.contiguous()
     return out
+
+
+LLAMA_CPP_CONVERTER = Path("/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py")
+# Runs llama.cpp's converter with its own gguf-py. The BPE pre-tokenizer check is answered with
+# "smollm": the converter recognises a tokenizer only by the hash of a known model's output, and
+# the tiny test vocabulary is none; the pre-tokenizer name changes no weight and no model key.
+_CONVERTER_DRIVER = """
+import runpy, sys
+converter = sys.argv.pop(1)
+sys.path.insert(0, converter.rsplit("/", 1)[0])
+sys.path.insert(1, converter.rsplit("/", 1)[0] + "/gguf-py")
+import conversion.base
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "smollm"
+runpy.run_path(converter, run_name="__main__")
+"""
+
+
+def save_tiny_checkpoint(directory: Path, config: Any, state: dict[str, torch.Tensor]) -> None:
+    """The checkpoint as a Hugging Face directory (`save_pretrained`), with the tiny vocabulary's
+    byte-level BPE tokenizer (declared a GPT2Tokenizer, which Phi-3's converter asks for)."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    tokens, types, merges = tiny_vocabulary()
+    tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ")) for m in merges]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t, k in zip(tokens, types) if k == 3])
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(state)
+    model.save_pretrained(directory)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", bos_token="<|im_start|>")
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    fast.save_pretrained(directory)
+    settings = json.loads((directory / "tokenizer_config.json").read_text())
+    settings["tokenizer_class"] = "GPT2Tokenizer"
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
+
+
+def convert_with_llama_cpp(directory: Path, out: Path, outtype: str = "f32") -> None:
+    """llama.cpp's own convert_hf_to_gguf.py on `directory` (a subprocess: it imports its gguf-py)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", _CONVERTER_DRIVER, str(LLAMA_CPP_CONVERTER), str(directory), "--outtype", outtype, "--outfile", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]

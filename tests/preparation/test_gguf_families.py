@@ -12,7 +12,7 @@ hidden / heads for the 27B models, and so does flare); eos ids come from the tok
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,16 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_writer import canonical_state, llama3_rope_freqs, quantized_values, tiny_vocabulary, write_family_gguf
+from gguf_writer import (
+    LLAMA_CPP_CONVERTER,
+    canonical_state,
+    convert_with_llama_cpp,
+    llama3_rope_freqs,
+    quantized_values,
+    save_tiny_checkpoint,
+    tiny_vocabulary,
+    write_family_gguf,
+)
 
 from flare.preparation.blocks import dequantized
 from flare.preparation.gguf_source import open_gguf
@@ -264,3 +273,25 @@ def test_malformed_family_gguf_is_refused_naming_the_key_or_tensor(
     write_family_gguf(tmp_path / "bad.gguf", config, state, **edit)
     with pytest.raises(SourceError, match=message):
         open_gguf(tmp_path / "bad.gguf")
+
+
+@pytest.mark.skipif(not LLAMA_CPP_CONVERTER.is_file(), reason="llama.cpp's convert_hf_to_gguf.py is not on this machine")
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"])
+def test_llama_cpp_converter_output_reads_as_the_test_writers(tmp_path: Path, name: str) -> None:
+    """The real converter's GGUF of the same checkpoint gives the same config and weights as
+    tests/gguf_writer.py's, so the helper's facts are the converter's. (Gemma 2's converter takes
+    only a SentencePiece vocabulary; its facts are checked by the same code paths as Gemma 3's.)"""
+    config, state = checkpoint(BY_NAME[name])
+    save_tiny_checkpoint(tmp_path / "hf", config, state)
+    convert_with_llama_cpp(tmp_path / "hf", tmp_path / "converted.gguf")
+    write_family_gguf(tmp_path / "written.gguf", config, state)
+    converted, written = open_gguf(tmp_path / "converted.gguf"), open_gguf(tmp_path / "written.gguf")
+    # bos and eos: the converter takes them from the tokenizer's files, the helper from config.json.
+    assert replace(converted.config, bos_token_id=None, eos_token_ids=(0,)) == replace(
+        written.config, bos_token_id=None, eos_token_ids=(0,)
+    )
+    assert written.config == BY_NAME[name].expected()
+    ours, theirs = written.read_weights(lambda d, t: None), converted.read_weights(lambda d, t: None)
+    assert theirs.keys() == ours.keys()
+    for tensor_name, tensor in ours.items():
+        assert torch.equal(theirs[tensor_name], tensor), tensor_name
