@@ -295,3 +295,37 @@ def test_llama_cpp_converter_output_reads_as_the_test_writers(tmp_path: Path, na
     assert theirs.keys() == ours.keys()
     for tensor_name, tensor in ours.items():
         assert torch.equal(theirs[tensor_name], tensor), tensor_name
+
+
+def test_family_gguf_exports_to_a_package_holding_its_config_and_weights(
+    family_gguf: tuple[Family, Any, dict[str, torch.Tensor], Path], tmp_path: Path
+) -> None:
+    """`flare export --dtype float32` of each family's GGUF: the manifest keeps every family field
+    (RoPE factors included) and the package's weights are the checkpoint's under the contract."""
+    from flare.preparation.export import ExportOptions, export_package
+    from flare.preparation.package import open_package
+
+    family, config, state, path = family_gguf
+    export_package(str(path), tmp_path / "pkg", ExportOptions(dtype="float32"), stderr=None)
+    package = open_package(tmp_path / "pkg")
+    assert package.manifest.model == family.expected()
+    expected = canonical_state(config, state)
+    weights = package.load_state_dict()
+    assert weights.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(weights[name], tensor), name
+
+
+def test_phi3_q8_0_gguf_exports_its_split_fused_blocks(tmp_path: Path) -> None:
+    """`flare export` (--dtype auto) keeps a Q8_0 Phi-3's fused matrices as blocks, split."""
+    from flare.preparation.export import ExportOptions, export_package
+    from flare.preparation.package import open_package
+
+    config, state = checkpoint(BY_NAME["phi3"], seed=2)
+    write_family_gguf(tmp_path / "q8.gguf", config, state, quantize=gguf.GGMLQuantizationType.Q8_0)
+    export_package(str(tmp_path / "q8.gguf"), tmp_path / "pkg", ExportOptions(), stderr=None)
+    package = open_package(tmp_path / "pkg")
+    assert {"model.layers.1.self_attn.v_proj.weight", "model.layers.1.mlp.gate_proj.weight"} <= package.manifest.blocks.keys()
+    weights = package.load_state_dict()
+    for name, tensor in canonical_state(config, state).items():
+        assert np.array_equal(weights[name].numpy(), quantized_values(tensor.numpy(), gguf.GGMLQuantizationType.Q8_0)), name
