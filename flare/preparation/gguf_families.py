@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 from flare.preparation.manifest import ARCHITECTURES, ManifestError, ModelConfig, RopeScaling
 from flare.preparation.source import SourceError
 
@@ -190,7 +192,7 @@ def model_config(
             attention_softcap=attention_softcap,
             final_logit_softcap=final_softcap,
             sandwich_norms=gemma,
-            embedding_scale=hidden**0.5 if gemma else 1.0,
+            embedding_scale=math.sqrt(hidden) if gemma else 1.0,
             hidden_activation="gelu_tanh" if gemma else "silu",
         )
     except ManifestError as error:
@@ -299,7 +301,18 @@ class _Keys:
             or (value == 0 and not allow_zero)
         ):
             raise self._bad(key, value, "a positive number")
-        return float(value)
+        return decimal_of_float32(value)
+
+
+def decimal_of_float32(value: float) -> float:
+    """The shortest decimal that names the float32 `value`: what the converter was given.
+
+    GGUF stores these keys and RoPE factors as float32, so Hugging Face's rms_norm_eps 1e-06 is
+    read back as 9.99999997e-07; the shortest decimal that rounds to the same float32 is the
+    number written in config.json (1e-06), which the Hugging Face export of the same checkpoint
+    holds too. Phi-3's longrope factors are such numbers; Llama 3.1's rope_freqs, computed by the
+    converter, are kept as stored."""
+    return float(str(np.float32(value)))
 
 
 def _sliding_windows(keys: _Keys, arch: str, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
@@ -376,8 +389,8 @@ def _rope_scaling(
             factor=factor,
             original_max_position_embeddings=original,
             attention_factor=attention,
-            short_factor=tuple(rope_tensors["rope_factors_short.weight"]),
-            long_factor=tuple(rope_tensors["rope_factors_long.weight"]),
+            short_factor=tuple(decimal_of_float32(v) for v in rope_tensors["rope_factors_short.weight"]),
+            long_factor=tuple(decimal_of_float32(v) for v in rope_tensors["rope_factors_long.weight"]),
         )
     linear = keys.number("rope.scale_linear", required=False)  # the key before rope.scaling.*
     if kind in (None, "none"):

@@ -43,11 +43,6 @@ I32 = gguf.GGUFValueType.INT32
 STRING = gguf.GGUFValueType.STRING
 
 
-def f32(value: float) -> float:
-    """`value` as a GGUF float32 key holds it."""
-    return float(np.float32(value))
-
-
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
              max_position_embeddings=512)
 LLAMA_SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -109,7 +104,7 @@ def _gemma3() -> Any:
     )
 
 
-PHI3_SHORT, PHI3_LONG = [1.0, 1.25, 1.5, 2.0], [2.0, 3.0, 4.0, 5.0]
+PHI3_SHORT, PHI3_LONG = [1.0, 1.1, 1.3, 1.7], [2.0, 3.1, 4.2, 5.3]
 
 
 def _phi3() -> Any:
@@ -126,37 +121,37 @@ def _phi3() -> Any:
 
 FAMILIES = [
     Family("llama", _llama, lambda: ModelConfig(
-        **LLAMA_SHAPE, num_layers=2, rope_theta=500000.0, rms_norm_eps=f32(1e-5), tie_word_embeddings=False,
+        **LLAMA_SHAPE, num_layers=2, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
         bos_token_id=1, eos_token_ids=(2,),
         rope_scaling=RopeScaling(kind="factors", short_factor=tuple(llama3_rope_freqs(LLAMA3_ROPE, 16).tolist())),
     )),
     Family("mistral", _mistral, lambda: ModelConfig(
-        **LLAMA_SHAPE, num_layers=2, rope_theta=10000.0, rms_norm_eps=f32(1e-6), tie_word_embeddings=False,
+        **LLAMA_SHAPE, num_layers=2, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
         bos_token_id=1, eos_token_ids=(2,),
     )),
     Family("qwen2", _qwen2, lambda: ModelConfig(
-        **LLAMA_SHAPE, num_layers=2, rope_theta=1000000.0, rms_norm_eps=f32(1e-6), tie_word_embeddings=True,
+        **LLAMA_SHAPE, num_layers=2, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
         bos_token_id=None, eos_token_ids=(2,), architecture="qwen2", attention_bias=True,
     )),
     Family("qwen3", _qwen3, lambda: ModelConfig(
-        **{**LLAMA_SHAPE, "head_dim": 32}, num_layers=2, rope_theta=10000.0, rms_norm_eps=f32(1e-6),
+        **{**LLAMA_SHAPE, "head_dim": 32}, num_layers=2, rope_theta=10000.0, rms_norm_eps=1e-6,
         tie_word_embeddings=False, bos_token_id=None, eos_token_ids=(2,), architecture="qwen3", qk_norm=True,
     )),
     Family("gemma2", _gemma2, lambda: ModelConfig(
-        **LLAMA_SHAPE, num_layers=3, rope_theta=10000.0, rms_norm_eps=f32(1e-6), tie_word_embeddings=True,
+        **LLAMA_SHAPE, num_layers=3, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
         bos_token_id=1, eos_token_ids=(2,), architecture="gemma2", sliding_window=8, sliding_layers=(0, 2),
         attention_scale=0.25, attention_softcap=50.0, final_logit_softcap=30.0, sandwich_norms=True,
         embedding_scale=8.0, hidden_activation="gelu_tanh",
     )),
     Family("gemma3", _gemma3, lambda: ModelConfig(
-        **LLAMA_SHAPE, num_layers=7, rope_theta=1e6, rms_norm_eps=f32(1e-6), tie_word_embeddings=True,
+        **LLAMA_SHAPE, num_layers=7, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True,
         bos_token_id=1, eos_token_ids=(2,), architecture="gemma3", qk_norm=True,
         rope_scaling=RopeScaling(kind="linear", factor=4.0), sliding_window=8, sliding_layers=(0, 1, 2, 3, 4, 6),
         local_rope_theta=1e4, attention_scale=0.25, sandwich_norms=True, embedding_scale=8.0,
         hidden_activation="gelu_tanh",
     )),
     Family("phi3", _phi3, lambda: ModelConfig(
-        **LLAMA_SHAPE, num_layers=2, rope_theta=10000.0, rms_norm_eps=f32(1e-5), tie_word_embeddings=False,
+        **LLAMA_SHAPE, num_layers=2, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
         bos_token_id=1, eos_token_ids=(2,), architecture="phi3", rotary_dim=8,
         rope_scaling=RopeScaling(kind="longrope", factor=8.0, original_max_position_embeddings=64,
                                  short_factor=tuple(PHI3_SHORT), long_factor=tuple(PHI3_LONG)),
