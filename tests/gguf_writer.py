@@ -28,6 +28,7 @@ Gemma's norms + 1 and renamed, Phi-3's fused tensors split, a tied LM head dropp
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,32 @@ def tiny_vocabulary() -> tuple[list[str], list[int], list[str]]:
     tokens = specials + alphabet + merged
     types = [3] * len(specials) + [1] * (len(alphabet) + len(merged))
     return tokens, types, ["Ġ t", "h e", "Ġt he"]
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """A byte-level BPE vocabulary as GGUF metadata holds it."""
+
+    tokens: list[str]
+    types: list[int]
+    merges: list[str]
+    pre: str = "smollm"
+
+
+def tiny_bpe_vocabulary() -> Vocabulary:
+    return Vocabulary(*tiny_vocabulary())
+
+
+def gguf_vocabulary(path: Path) -> Vocabulary:
+    """The vocabulary of a GGUF file (the default model's: SmolLM2's 49152 tokens)."""
+    reader = gguf.GGUFReader(path)
+    fields = reader.fields
+    return Vocabulary(
+        tokens=fields["tokenizer.ggml.tokens"].contents(),
+        types=fields["tokenizer.ggml.token_type"].contents(),
+        merges=fields["tokenizer.ggml.merges"].contents(),
+        pre=fields["tokenizer.ggml.pre"].contents(),
+    )
 
 
 def permute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -102,11 +129,12 @@ def write_family_gguf(
     architecture: str | None = None,
     metadata: dict[str, tuple[Any, gguf.GGUFValueType] | None] | None = None,
     tensors: dict[str, np.ndarray | None] | None = None,
+    vocabulary: Vocabulary | None = None,
 ) -> None:
     """Write the Hugging Face checkpoint (`config`: its transformers config, `state`: its state
     dict with Hugging Face names) as convert_hf_to_gguf.py would (module docstring). With
     `quantize` (Q8_0 say), every matrix whose rows are whole blocks is stored in that type, as
-    the converter's --outtype does; vectors stay float32.
+    the converter's --outtype does; vectors stay float32. `vocabulary`: the tiny one by default.
 
     To make a malformed file: `architecture` replaces general.architecture (the keys keep the
     family's prefix), `metadata` sets keys ((value, type)) or removes them (None), `tensors`
@@ -171,12 +199,12 @@ def write_family_gguf(
             writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
             extra["rope_factors_long.weight"] = np.array(rope["long_factor"], dtype=np.float32)
             extra["rope_factors_short.weight"] = np.array(rope["short_factor"], dtype=np.float32)
-    tokens, types, merges = tiny_vocabulary()
+    vocabulary = vocabulary or tiny_bpe_vocabulary()
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
+    writer.add_tokenizer_pre(vocabulary.pre)
+    writer.add_token_list(vocabulary.tokens)
+    writer.add_token_types(vocabulary.types)
+    writer.add_token_merges(vocabulary.merges)
     if hparams.get("bos_token_id") is not None:
         writer.add_bos_token_id(hparams["bos_token_id"])
     eos = hparams.get("eos_token_id")

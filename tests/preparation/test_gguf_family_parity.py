@@ -1,0 +1,97 @@
+"""The tiny checkpoints of every family (tests/families.py), written as GGUFs (tests/gguf_writer.py)
+and exported in float32: the package holds the Hugging Face export's weights, and its logits are
+transformers' own (eager attention) within 1e-4 on prompts longer than every sliding window.
+
+What these checkpoints ask for beyond what the converter writes is given with the keys
+llama.cpp reads for it (`EXTRA_KEYS`): Mistral's and Qwen2's sliding windows (the converter writes
+none for llama and qwen2), the 3-layer Gemma 3's own local/global pattern (the converter writes
+none: llama.cpp assumes 5 local : 1 global) and Gemma's query_pre_attn_scalar when it is not
+head_dim (`attention.scale`; llama.cpp infers head_dim from the layer count).
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import gguf
+import pytest
+import torch
+
+families = pytest.importorskip("families", reason="tests/families.py (the decoder's tiny checkpoints) is not here yet")
+
+from gguf_writer import gguf_vocabulary, write_family_gguf  # noqa: E402
+
+from flare.engine.batch import ForwardBatch, ForwardRow  # noqa: E402
+from flare.engine.kv_cache import BlockAllocator, KVCache  # noqa: E402
+from flare.engine.model import load_model  # noqa: E402
+from flare.engine.tokenizer import Tokenizer  # noqa: E402
+from flare.preparation.default_model import default_gguf_path  # noqa: E402
+from flare.preparation.export import ExportOptions, export_package  # noqa: E402
+from flare.preparation.package import open_package  # noqa: E402
+from flare.preparation.source import ModelSource  # noqa: E402
+
+LOGIT_TOLERANCE = 1e-4
+BLOCK_SIZE = 4
+PROMPT = (
+    "The quick brown fox jumps over the lazy dog, and then it runs far away into the forest to hide from the "
+    "hunters, who follow its tracks through the snow until the night falls."
+)
+U32, F32 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32
+
+
+def extra_keys(family: str, config: Any) -> dict[str, tuple[Any, gguf.GGUFValueType]]:
+    """The keys (module docstring) that carry what the converter leaves out of these checkpoints."""
+    arch = {"mistral": "llama", "gemma3": "gemma3", "gemma2": "gemma2", "qwen2": "qwen2"}.get(family)
+    keys: dict[str, tuple[Any, gguf.GGUFValueType]] = {}
+    layer_types = getattr(config, "layer_types", None)
+    if family in ("mistral", "qwen2"):
+        keys[f"{arch}.attention.sliding_window"] = (config.sliding_window, U32)
+    if family in ("qwen2", "gemma3") and layer_types:
+        keys[f"{arch}.attention.sliding_window_pattern"] = (
+            [t == "sliding_attention" for t in layer_types], gguf.GGUFValueType.ARRAY
+        )
+    if family in ("gemma2", "gemma3") and config.query_pre_attn_scalar != config.head_dim:
+        keys[f"{arch}.attention.scale"] = (float(config.query_pre_attn_scalar) ** -0.5, F32)
+    return keys
+
+
+@pytest.fixture(scope="module", params=families.FAMILIES)
+def packages(request: pytest.FixtureRequest, smollm2_source: ModelSource, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path, Path]:
+    """The family's checkpoint, its Hugging Face package and its GGUF package (float32 both)."""
+    family = request.param
+    root = tmp_path_factory.mktemp(family)
+    checkpoint = families.write_checkpoint(family, root / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template)
+    config = checkpoint.model.config
+    write_family_gguf(
+        root / f"{family}.gguf", config, checkpoint.model.state_dict(), vocabulary=gguf_vocabulary(default_gguf_path()),
+        chat_template=smollm2_source.chat_template, metadata=extra_keys(family, config),
+    )
+    context = families.PHI3_ORIGINAL_CONTEXT if family == "phi3" else None
+    options = ExportOptions(dtype="float32", max_context=context)
+    export_package(str(checkpoint.path), root / "hf-package", options, stderr=io.StringIO())
+    export_package(str(root / f"{family}.gguf"), root / "gguf-package", options, stderr=io.StringIO())
+    return checkpoint, root / "hf-package", root / "gguf-package"
+
+
+def test_gguf_package_holds_the_hugging_face_packages_weights(packages: tuple[Any, Path, Path]) -> None:
+    _, hf, from_gguf = packages
+    ours, theirs = open_package(from_gguf).load_state_dict(), open_package(hf).load_state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+
+
+def test_gguf_package_logits_are_transformers(packages: tuple[Any, Path, Path]) -> None:
+    checkpoint, _, from_gguf = packages
+    package = open_package(from_gguf)
+    ids = Tokenizer.from_package(package).encode(PROMPT)
+    assert len(ids) > 2 * families.WINDOW
+    with torch.inference_mode():
+        expected = checkpoint.model(torch.tensor([ids])).logits[0].float()
+    model = load_model(package)
+    cache = KVCache.for_budget(model.config, 16 * 1024**2, BLOCK_SIZE)
+    table = BlockAllocator(cache.num_blocks).allocate(-(-len(ids) // BLOCK_SIZE))
+    logits = model.forward(ForwardBatch.build([ForwardRow(ids, 0, table, num_logits=len(ids))], BLOCK_SIZE), cache)
+    assert (logits - expected).abs().max().item() < LOGIT_TOLERANCE
