@@ -118,6 +118,12 @@ def model_config(
     gguf_arch = metadata.require("general.architecture")
     architecture = served_architecture(path, gguf_arch)
     keys = _Keys(path, metadata, gguf_arch)
+    experts = metadata.get(f"{gguf_arch}.expert_count")
+    if experts:
+        # Mixtral is written as arch `llama` with experts: refused here, before its tensors.
+        raise SourceError(
+            f"{path}: {gguf_arch}.expert_count is {experts}: a mixture-of-experts model, which flare does not serve yet"
+        )
     hidden = keys.integer("embedding_length")
     heads = keys.integer("attention.head_count")
     head_dim = keys.integer("attention.key_length", required=False)
