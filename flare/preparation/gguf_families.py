@@ -27,7 +27,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from flare.preparation.manifest import ARCHITECTURES, ManifestError, ModelConfig, RopeScaling
+from flare.preparation.manifest import (
+    ARCHITECTURES,
+    ManifestError,
+    ModelConfig,
+    RopeScaling,
+)
 from flare.preparation.source import SourceError
 
 # general.architecture -> ModelConfig.architecture. Mistral's converter output is `llama`.

@@ -24,7 +24,13 @@ import torch
 from gguf.quants import dequantize
 
 from flare.preparation.blocks import KEPT_TYPES, BlockTensor, block_problems, unpermute_block_rows
-from flare.preparation.gguf_families import ROPE_TENSORS, TensorPlan, model_config, served_architecture, tensor_plans
+from flare.preparation.gguf_families import (
+    ROPE_TENSORS,
+    TensorPlan,
+    model_config,
+    served_architecture,
+    tensor_plans,
+)
 from flare.preparation.gguf_layout import read_gguf_layout
 from flare.preparation.gguf_tokenizer import build_tokenizer_json
 from flare.preparation.package import sha256_of, weight_problems

@@ -43,10 +43,10 @@ I32 = gguf.GGUFValueType.INT32
 STRING = gguf.GGUFValueType.STRING
 
 
-SHAPE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-             max_position_embeddings=512)
-LLAMA_SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2, head_dim=16,
-                   max_position_embeddings=512)
+SHAPE = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "vocab_size": VOCAB, "max_position_embeddings": 512}
+LLAMA_SHAPE = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_heads": 4, "num_kv_heads": 2,
+               "head_dim": 16, "max_position_embeddings": 512}
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 

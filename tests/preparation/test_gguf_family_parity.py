@@ -21,16 +21,16 @@ import torch
 
 families = pytest.importorskip("families", reason="tests/families.py (the decoder's tiny checkpoints) is not here yet")
 
-from gguf_writer import gguf_vocabulary, write_family_gguf  # noqa: E402
+from gguf_writer import gguf_vocabulary, write_family_gguf
 
-from flare.engine.batch import ForwardBatch, ForwardRow  # noqa: E402
-from flare.engine.kv_cache import BlockAllocator, KVCache  # noqa: E402
-from flare.engine.model import load_model  # noqa: E402
-from flare.engine.tokenizer import Tokenizer  # noqa: E402
-from flare.preparation.default_model import default_gguf_path  # noqa: E402
-from flare.preparation.export import ExportOptions, export_package  # noqa: E402
-from flare.preparation.package import open_package  # noqa: E402
-from flare.preparation.source import ModelSource  # noqa: E402
+from flare.engine.batch import ForwardBatch, ForwardRow
+from flare.engine.kv_cache import BlockAllocator, KVCache
+from flare.engine.model import load_model
+from flare.engine.tokenizer import Tokenizer
+from flare.preparation.default_model import default_gguf_path
+from flare.preparation.export import ExportOptions, export_package
+from flare.preparation.package import open_package
+from flare.preparation.source import ModelSource
 
 LOGIT_TOLERANCE = 1e-4
 BLOCK_SIZE = 4
