@@ -49,6 +49,9 @@ _GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# A multimodal model's vision or audio encoder and projector, bundled in one file by some tools
+# (llama.cpp's converter writes them to a separate mmproj file): not part of a text package.
+_ENCODER_PREFIXES = ("v.", "mm.", "a.")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -211,13 +214,14 @@ def model_config(
 
 
 def tensor_plans(path: Path, config: ModelConfig, shapes: Mapping[str, tuple[int, ...]], gguf_arch: str) -> dict[str, TensorPlan]:
-    """The plan of every GGUF tensor but the RoPE ones; SourceError naming a tensor the family has not."""
+    """The plan of every GGUF tensor but the RoPE ones and a bundled encoder's; SourceError naming
+    a tensor the family has not."""
     q = config.num_heads * config.head_dim
     kv = config.num_kv_heads * config.head_dim
     permuted = gguf_arch in PERMUTED_ARCHITECTURES
     plans: dict[str, TensorPlan] = {}
     for gguf_name, shape in shapes.items():
-        if gguf_name in ROPE_TENSORS:
+        if gguf_name in ROPE_TENSORS or gguf_name.startswith(_ENCODER_PREFIXES):
             continue
         rows = shape[0]
         if gguf_name in _GLOBAL_NAMES:

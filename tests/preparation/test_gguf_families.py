@@ -223,6 +223,14 @@ def test_family_q8_0_gguf_keeps_split_and_unpermuted_blocks_equal_to_its_dequant
     assert fused in kept.blocks and kept.blocks[fused].shape == (32, 64)
 
 
+def test_a_bundled_vision_encoder_is_left_out_of_the_text_model(tmp_path: Path) -> None:
+    config, state = checkpoint(BY_NAME["gemma3"])
+    encoder = {"v.blk.0.attn_q.weight": np.ones((32, 32)), "mm.input_projection.weight": np.ones((64, 32))}
+    write_family_gguf(tmp_path / "bundled.gguf", config, state, tensors=encoder)
+    weights = open_gguf(tmp_path / "bundled.gguf").read_weights(lambda done, total: None)
+    assert weights.keys() == canonical_state(config, state).keys()
+
+
 def test_llama3_rope_freqs_give_transformers_llama3_frequencies() -> None:
     """rope_freqs (kind "factors") divides the plain frequencies into transformers' llama3 ones."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
