@@ -306,16 +306,19 @@ def canonical_state(config: Any, state: dict[str, torch.Tensor]) -> dict[str, to
 
 
 LLAMA_CPP_CONVERTER = Path("/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py")
-# Runs llama.cpp's converter with its own gguf-py. The BPE pre-tokenizer check is answered with
-# "smollm": the converter recognises a tokenizer only by the hash of a known model's output, and
-# the tiny test vocabulary is none; the pre-tokenizer name changes no weight and no model key.
+# Runs llama.cpp's converter with its own gguf-py. Two answers about the vocabulary only, which
+# changes no weight and no model key: the BPE pre-tokenizer check says "smollm" (the converter
+# recognises a tokenizer only by the hash of a known model's output, and the tiny test vocabulary
+# is none), and Gemma 2 takes the byte-level BPE vocabulary (its converter reads only a
+# SentencePiece tokenizer.model).
 _CONVERTER_DRIVER = """
 import runpy, sys
 converter = sys.argv.pop(1)
 sys.path.insert(0, converter.rsplit("/", 1)[0])
 sys.path.insert(1, converter.rsplit("/", 1)[0] + "/gguf-py")
-import conversion.base
+import conversion.base, conversion.gemma
 conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "smollm"
+conversion.gemma.Gemma2Model.set_vocab = lambda self: self._set_vocab_gpt2()
 runpy.run_path(converter, run_name="__main__")
 """
 

@@ -280,11 +280,10 @@ def test_malformed_family_gguf_is_refused_naming_the_key_or_tensor(
 
 
 @pytest.mark.skipif(not LLAMA_CPP_CONVERTER.is_file(), reason="llama.cpp's convert_hf_to_gguf.py is not on this machine")
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"])
+@pytest.mark.parametrize("name", [f.name for f in FAMILIES])
 def test_llama_cpp_converter_output_reads_as_the_test_writers(tmp_path: Path, name: str) -> None:
     """The real converter's GGUF of the same checkpoint gives the same config and weights as
-    tests/gguf_writer.py's, so the helper's facts are the converter's. (Gemma 2's converter takes
-    only a SentencePiece vocabulary; its facts are checked by the same code paths as Gemma 3's.)"""
+    tests/gguf_writer.py's, so the helper's facts are the converter's."""
     config, state = checkpoint(BY_NAME[name])
     save_tiny_checkpoint(tmp_path / "hf", config, state)
     convert_with_llama_cpp(tmp_path / "hf", tmp_path / "converted.gguf")
