@@ -134,19 +134,19 @@ def model_config(
         )
     hidden = keys.integer("embedding_length")
     heads = keys.integer("attention.head_count")
-    head_dim = keys.integer("attention.key_length", required=False)
+    head_dim = keys.maybe_integer("attention.key_length")
     if head_dim is None and gguf_arch in PERMUTED_ARCHITECTURES:
         # Older Llama files name the head dimension only as the rotary dimension (always all of it).
-        head_dim = keys.integer("rope.dimension_count", required=False)
+        head_dim = keys.maybe_integer("rope.dimension_count")
     if head_dim is None:
         head_dim = hidden // heads
-    value_dim = keys.integer("attention.value_length", required=False)
+    value_dim = keys.maybe_integer("attention.value_length")
     if value_dim is not None and value_dim != head_dim:
         raise SourceError(
             f"{path}: {gguf_arch}.attention.value_length {value_dim} differs from the key length {head_dim}; "
             "flare's attention needs one head dimension for keys and values"
         )
-    rotary = keys.integer("rope.dimension_count", required=False)
+    rotary = keys.maybe_integer("rope.dimension_count")
     if rotary is not None and (rotary > head_dim or rotary % 2):
         raise SourceError(
             f"{path}: {gguf_arch}.rope.dimension_count {rotary} must be even and at most the head dimension {head_dim}"
@@ -156,43 +156,48 @@ def model_config(
     rope_theta = keys.number("rope.freq_base", default=10000.0)
     gemma = gguf_arch in _GEMMA
     window, sliding_layers = _sliding_windows(keys, gguf_arch, num_layers)
-    local_theta = keys.number("rope.freq_base_swa", required=False) if sliding_layers else None
+    local_theta = keys.maybe_number("rope.freq_base_swa") if sliding_layers else None
     if gguf_arch == "gemma3" and sliding_layers and local_theta is None:
         local_theta = 10000.0  # llama.cpp's rope_freq_base_train_swa default, Gemma 3's local base
     elif gguf_arch != "gemma3" and local_theta == rope_theta:
         # The same RoPE as the global layers (Gemma 3's local layers differ even then: unscaled).
         local_theta = None
-    attention_scale = keys.number("attention.scale", required=False)
+    attention_scale = keys.maybe_number("attention.scale")
     if attention_scale is None and gemma:
         scalar = hidden // heads if num_layers == _GEMMA_27B_LAYERS[gguf_arch] else head_dim
         attention_scale = scalar**-0.5
     attention_softcap = final_softcap = None
     if gguf_arch == "gemma2":
         # llama.cpp's defaults (llama-hparams.h) where a Gemma 2 file leaves the keys out.
-        attention_softcap = keys.number("attn_logit_softcapping", default=50.0, allow_zero=True) or None
-        final_softcap = keys.number("final_logit_softcapping", default=30.0, allow_zero=True) or None
+        attention = keys.maybe_number("attn_logit_softcapping", allow_zero=True)
+        final = keys.maybe_number("final_logit_softcapping", allow_zero=True)
+        attention_softcap = (50.0 if attention is None else attention) or None  # 0: none
+        final_softcap = (30.0 if final is None else final) or None
     elif gguf_arch == "gemma3":
-        final_softcap = keys.number("final_logit_softcapping", required=False, allow_zero=True) or None
+        final_softcap = keys.maybe_number("final_logit_softcapping", allow_zero=True) or None
     tokens = metadata.require("tokenizer.ggml.tokens")
-    eos = [keys.token("tokenizer.ggml.eos_token_id")]
-    eot = keys.token("tokenizer.ggml.eot_token_id", required=False)
+    eos_token = keys.token("tokenizer.ggml.eos_token_id")
+    if eos_token is None:
+        raise keys._missing("tokenizer.ggml.eos_token_id")
+    eos = [eos_token]
+    eot = keys.token("tokenizer.ggml.eot_token_id")
     if eot is not None and eot not in eos:
         eos.append(eot)
     layer0 = "blk.0."
     try:
         return ModelConfig(
-            vocab_size=keys.integer("vocab_size", required=False) or len(tokens),
+            vocab_size=keys.maybe_integer("vocab_size") or len(tokens),
             hidden_size=hidden,
             intermediate_size=keys.integer("feed_forward_length"),
             num_layers=num_layers,
             num_heads=heads,
-            num_kv_heads=keys.integer("attention.head_count_kv", required=False) or heads,
+            num_kv_heads=keys.maybe_integer("attention.head_count_kv") or heads,
             head_dim=head_dim,
             rope_theta=rope_theta,
             rms_norm_eps=keys.number("attention.layer_norm_rms_epsilon"),
             max_position_embeddings=context,
             tie_word_embeddings="output.weight" not in shapes,
-            bos_token_id=keys.token("tokenizer.ggml.bos_token_id", required=False),
+            bos_token_id=keys.token("tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(eos),
             architecture=architecture,
             attention_bias=any(f"{layer0}{n}.bias" in shapes for n in ("attn_q", "attn_qkv")),
@@ -279,35 +284,49 @@ class _Keys:
     def _key(self, name: str) -> str:
         return name if name.startswith(("tokenizer.", "general.")) else f"{self.arch}.{name}"
 
+    def _missing(self, key: str) -> SourceError:
+        return SourceError(f"{self.path} lacks the GGUF metadata key {key}; it cannot be exported")
+
     def _bad(self, key: str, value: Any, wanted: str) -> SourceError:
         return SourceError(f"{self.path}: the GGUF metadata key {key} must be {wanted}, found {value!r}")
 
-    def integer(self, name: str, *, required: bool = True) -> int | None:  # type: ignore[return]
-        key = self._key(name)
-        value = self.metadata.require(key) if required else self.metadata.get(key)
+    def integer(self, name: str) -> int:
+        """A required positive integer."""
+        value = self.maybe_integer(name)
         if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise self._missing(self._key(name))
+        return value
+
+    def maybe_integer(self, name: str) -> int | None:
+        """A positive integer, or None where the key is absent."""
+        key = self._key(name)
+        value = self.metadata.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise self._bad(key, value, "one positive integer")
         return value
 
-    def token(self, key: str, *, required: bool = True) -> int | None:
-        value = self.metadata.require(key) if required else self.metadata.get(key)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    def token(self, key: str) -> int | None:
+        """A token id, or None where the key is absent."""
+        value = self.metadata.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise self._bad(key, value, "a token id")
         return value
 
-    def number(
-        self, name: str, *, required: bool = True, default: float | None = None, allow_zero: bool = False
-    ) -> float:  # type: ignore[return]
+    def number(self, name: str, *, default: float | None = None) -> float:
+        """A positive number; `default` where the key is absent (required without one)."""
+        value = self.maybe_number(name)
+        if value is not None:
+            return value
+        if default is None:
+            raise self._missing(self._key(name))
+        return default
+
+    def maybe_number(self, name: str, *, allow_zero: bool = False) -> float | None:
+        """A positive (or, with allow_zero, non-negative) number, or None where the key is absent."""
         key = self._key(name)
         value = self.metadata.get(key)
         if value is None:
-            if default is None and required:
-                self.metadata.require(key)
-            return default  # type: ignore[return-value]
+            return None
         if (
             isinstance(value, bool)
             or not isinstance(value, (int, float))
@@ -393,9 +412,8 @@ def _rope_scaling(
         if missing:
             raise SourceError(f"{keys.path}: longrope RoPE scaling needs the tensors rope_factors_long and rope_factors_short; {missing[0]} is missing")
         original = keys.integer("rope.scaling.original_context_length")
-        assert original is not None
         factor = context / original
-        attention = keys.number("rope.scaling.attn_factor", required=False)
+        attention = keys.maybe_number("rope.scaling.attn_factor")
         implied = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
         if attention is not None and abs(attention - implied) <= 1e-6 * implied:
             attention = None
@@ -407,7 +425,7 @@ def _rope_scaling(
             short_factor=tuple(decimal_of_float32(v) for v in rope_tensors["rope_factors_short.weight"]),
             long_factor=tuple(decimal_of_float32(v) for v in rope_tensors["rope_factors_long.weight"]),
         )
-    linear = keys.number("rope.scale_linear", required=False)  # the key before rope.scaling.*
+    linear = keys.maybe_number("rope.scale_linear")  # the key before rope.scaling.*
     if kind in (None, "none"):
         return None if linear in (None, 1.0) else RopeScaling(kind="linear", factor=linear)
     if kind == "linear":
@@ -417,8 +435,8 @@ def _rope_scaling(
             kind="yarn",
             factor=keys.number("rope.scaling.factor"),
             original_max_position_embeddings=keys.integer("rope.scaling.original_context_length"),
-            beta_fast=keys.number("rope.scaling.yarn_beta_fast", required=False),
-            beta_slow=keys.number("rope.scaling.yarn_beta_slow", required=False),
-            attention_factor=keys.number("rope.scaling.yarn_attn_factor", required=False),
+            beta_fast=keys.maybe_number("rope.scaling.yarn_beta_fast"),
+            beta_slow=keys.maybe_number("rope.scaling.yarn_beta_slow"),
+            attention_factor=keys.maybe_number("rope.scaling.yarn_attn_factor"),
         )
     raise keys._bad(kind_key, kind, "none, linear, yarn or longrope (the RoPE scalings flare implements)")
