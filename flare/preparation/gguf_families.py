@@ -392,7 +392,7 @@ def _rope_scaling(
       `rope.scaling.attn_factor` always, as sqrt(1 + ln(factor) / ln(original)) in float32: that
       default is left implicit (None), a different value kept.
     - `rope.scaling.type` linear (`rope.scaling.factor`) or yarn (factor, original context,
-      `yarn_beta_fast`, `yarn_beta_slow`, `yarn_attn_factor`).
+      `yarn_beta_fast`, `yarn_beta_slow`, `yarn_attn_factor`, with their common defaults).
     """
     pairs = rotary_dims // 2
     for name, values in rope_tensors.items():
@@ -431,12 +431,16 @@ def _rope_scaling(
     if kind == "linear":
         return RopeScaling(kind="linear", factor=keys.number("rope.scaling.factor"))
     if kind == "yarn":
+        # Absent keys take the values llama.cpp and transformers both default to: beta_fast 32,
+        # beta_slow 1, attention factor 0.1 ln(factor) + 1 (the converter copies a given one).
+        factor = keys.number("rope.scaling.factor")
+        attention = keys.maybe_number("rope.scaling.yarn_attn_factor")
         return RopeScaling(
             kind="yarn",
-            factor=keys.number("rope.scaling.factor"),
+            factor=factor,
             original_max_position_embeddings=keys.integer("rope.scaling.original_context_length"),
-            beta_fast=keys.maybe_number("rope.scaling.yarn_beta_fast"),
-            beta_slow=keys.maybe_number("rope.scaling.yarn_beta_slow"),
-            attention_factor=keys.maybe_number("rope.scaling.yarn_attn_factor"),
+            beta_fast=keys.number("rope.scaling.yarn_beta_fast", default=32.0),
+            beta_slow=keys.number("rope.scaling.yarn_beta_slow", default=1.0),
+            attention_factor=attention if attention is not None else (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0),
         )
     raise keys._bad(kind_key, kind, "none, linear, yarn or longrope (the RoPE scalings flare implements)")

@@ -11,6 +11,7 @@ hidden / heads for the 27B models, and so does flare); eos ids come from the tok
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -229,6 +230,20 @@ def test_a_bundled_vision_encoder_is_left_out_of_the_text_model(tmp_path: Path) 
     write_family_gguf(tmp_path / "bundled.gguf", config, state, tensors=encoder)
     weights = open_gguf(tmp_path / "bundled.gguf").read_weights(lambda done, total: None)
     assert weights.keys() == canonical_state(config, state).keys()
+
+
+def test_yarn_scaling_reads_with_the_defaults_transformers_and_llama_cpp_share(tmp_path: Path) -> None:
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(num_hidden_layers=2, head_dim=32, eos_token_id=2, **SHAPE,
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                          "original_max_position_embeddings": 128})
+    state = {n: t for n, t in checkpoint(BY_NAME["qwen3"])[1].items()}
+    write_family_gguf(tmp_path / "yarn.gguf", config, state)
+    assert open_gguf(tmp_path / "yarn.gguf").config.rope_scaling == RopeScaling(
+        kind="yarn", factor=4.0, original_max_position_embeddings=128, beta_fast=32.0, beta_slow=1.0,
+        attention_factor=0.1 * math.log(4.0) + 1.0,
+    )
 
 
 def test_llama3_rope_freqs_give_transformers_llama3_frequencies() -> None:

@@ -12,6 +12,7 @@ head_dim (`attention.scale`; llama.cpp infers head_dim from the layer count).
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,23 @@ def packages(request: pytest.FixtureRequest, smollm2_source: ModelSource, tmp_pa
     export_package(str(checkpoint.path), root / "hf-package", options, stderr=io.StringIO())
     export_package(str(root / f"{family}.gguf"), root / "gguf-package", options, stderr=io.StringIO())
     return checkpoint, root / "hf-package", root / "gguf-package"
+
+
+def test_gguf_package_config_is_the_hugging_face_packages_but_what_gguf_cannot_carry(packages: tuple[Any, Path, Path]) -> None:
+    """Equal configs, except: Mistral is written as arch llama; Llama 3.1's llama3 scaling is
+    its per-frequency divisors (the same frequencies: test_gguf_families checks them against
+    transformers); an attention scale given in the GGUF is float32."""
+    checkpoint, hf, from_gguf = packages
+    ours, theirs = open_package(from_gguf).manifest.model, open_package(hf).manifest.model
+    if checkpoint.family == "mistral":
+        ours = replace(ours, architecture="mistral")
+    if checkpoint.family == "llama":
+        assert ours.rope_scaling is not None and ours.rope_scaling.kind == "factors"
+        ours = replace(ours, rope_scaling=theirs.rope_scaling)
+    if theirs.attention_scale is not None and ours.attention_scale is not None:
+        assert ours.attention_scale == pytest.approx(theirs.attention_scale, rel=1e-7)
+        ours = replace(ours, attention_scale=theirs.attention_scale)
+    assert ours == theirs
 
 
 def test_gguf_package_holds_the_hugging_face_packages_weights(packages: tuple[Any, Path, Path]) -> None:
