@@ -1,6 +1,8 @@
 """The tiny checkpoints of every family (tests/families.py), written as GGUFs (tests/gguf_writer.py)
-and exported in float32: the package holds the Hugging Face export's weights, and its logits are
-transformers' own (eager attention) within 1e-4 on prompts longer than every sliding window.
+and exported in float32: the package holds the Hugging Face export's config (what GGUF cannot
+carry aside) and weights, and its logits are transformers' own (eager attention) within 1e-4 on
+prompts longer than every sliding window. Written in Q8_0 and kept as blocks, it scores as the
+float32 export of the same file.
 
 What these checkpoints ask for beyond what the converter writes is given with the keys
 llama.cpp reads for it (`EXTRA_KEYS`): Mistral's and Qwen2's sliding windows (the converter writes
@@ -108,8 +110,32 @@ def test_gguf_package_logits_are_transformers(packages: tuple[Any, Path, Path]) 
     assert len(ids) > 2 * families.WINDOW
     with torch.inference_mode():
         expected = checkpoint.model(torch.tensor([ids])).logits[0].float()
-    model = load_model(package)
+    assert (prompt_logits(from_gguf, ids) - expected).abs().max().item() < LOGIT_TOLERANCE
+
+
+def prompt_logits(package_path: Path, ids: list[int]) -> torch.Tensor:
+    model = load_model(open_package(package_path))
     cache = KVCache.for_budget(model.config, 16 * 1024**2, BLOCK_SIZE)
     table = BlockAllocator(cache.num_blocks).allocate(-(-len(ids) // BLOCK_SIZE))
-    logits = model.forward(ForwardBatch.build([ForwardRow(ids, 0, table, num_logits=len(ids))], BLOCK_SIZE), cache)
-    assert (logits - expected).abs().max().item() < LOGIT_TOLERANCE
+    return model.forward(ForwardBatch.build([ForwardRow(ids, 0, table, num_logits=len(ids))], BLOCK_SIZE), cache)
+
+
+def test_q8_0_gguf_package_serves_its_blocks_as_its_own_dequantization(
+    packages: tuple[Any, Path, Path], smollm2_source: ModelSource, tmp_path: Path
+) -> None:
+    """A Q8_0 GGUF of the family (fused and permuted tensors split and unpermuted as block rows)
+    kept as blocks scores the prompt as the float32 export of the same file does."""
+    checkpoint, _, _ = packages
+    config = checkpoint.model.config
+    write_family_gguf(
+        tmp_path / "q8.gguf", config, checkpoint.model.state_dict(), quantize=gguf.GGMLQuantizationType.Q8_0,
+        vocabulary=gguf_vocabulary(default_gguf_path()), chat_template=smollm2_source.chat_template,
+        metadata=extra_keys(checkpoint.family, config),
+    )
+    context = families.PHI3_ORIGINAL_CONTEXT if checkpoint.family == "phi3" else None
+    export_package(str(tmp_path / "q8.gguf"), tmp_path / "blocks", ExportOptions(max_context=context), stderr=io.StringIO())
+    export_package(str(tmp_path / "q8.gguf"), tmp_path / "float32", ExportOptions(dtype="float32", max_context=context), stderr=io.StringIO())
+    assert open_package(tmp_path / "blocks").manifest.blocks
+    ids = Tokenizer.from_package(open_package(tmp_path / "blocks")).encode(PROMPT)
+    served, dequantized = prompt_logits(tmp_path / "blocks", ids), prompt_logits(tmp_path / "float32", ids)
+    assert torch.allclose(served, dequantized, atol=1e-4, rtol=1e-4), (served - dequantized).abs().max()
