@@ -182,7 +182,7 @@ STEPS = {
     "linear layers (LM head included)": (model_module, ("linear", "linear_columns")),
     "attention": (native, ("paged_attention",)),
     "RoPE + KV write": (native, ("rope_and_cache",)),
-    "SwiGLU": (native, ("swiglu_rows",)),
+    "SwiGLU": (native, ("gated_rows",)),
     "residual add + RMSNorm": (native, ("add_rms_norm",)),
 }
 

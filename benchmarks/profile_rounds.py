@@ -25,7 +25,7 @@ WEIGHT_NAMES = {"qkv": "GEMM q/k/v", "o": "GEMM o", "gate_up": "GEMM gate/up", "
 STEPS = {
     "_attention": "attention", "_plan_attention": "attention", "paged_attention": "attention",
     "_rope_and_cache": "RoPE + KV write", "_rope": "RoPE + KV write", "rope_and_cache": "RoPE + KV write",
-    "_swiglu": "SwiGLU", "swiglu_rows": "SwiGLU",
+    "_gated_mlp": "SwiGLU", "gated_rows": "SwiGLU",
     # A round of short rows on float16 or block weights: every step of a layer in one kernel call.
     "decoder_layers": "layers, one kernel call each", "decoder_layer": "layers, one kernel call each",
 }

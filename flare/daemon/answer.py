@@ -214,7 +214,7 @@ class _Reading:
 
     def __post_init__(self) -> None:
         calls = self.prepared.generation.calls_possible
-        self.readers = [ToolCallReader(calls) for _ in range(self.prepared.choices)]
+        self.readers = [ToolCallReader(calls, self.prepared.tool_format) for _ in range(self.prepared.choices)]
 
     def echo(self, index: int) -> Echo | None:
         return self.prepared.echoes[index // self.prepared.n]

@@ -59,7 +59,8 @@ class Generation:
     stream: bool = False
     n: int = 1  # choices sampled independently from each prompt
     tokens: TokenOptions = TokenOptions()
-    constraint: GrammarSpec | None = None  # response format, structured_outputs, or the tools' grammar
+    # response format or structured_outputs; the tools' grammar is prepare's (the package's format)
+    constraint: GrammarSpec | None = None
     include_usage: bool = False  # OpenAI's stream_options.include_usage
     cache_salt: str | None = None  # narrows whose prefix-cache blocks it shares (daemon/cache_scope.py)
 

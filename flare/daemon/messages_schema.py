@@ -21,7 +21,7 @@ from typing import Any
 from flare.daemon.errors import bad_request
 from flare.daemon.generation import ChatPrompt, Generation
 from flare.daemon.openai_schema import check_fields, kind, model_field, sampling_fields
-from flare.daemon.tool_calls import parse_tools, tool_grammar
+from flare.daemon.tool_calls import parse_tools
 
 _COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice"})
 _FIELDS = _COUNT_FIELDS | {
@@ -61,8 +61,7 @@ def parse_messages_request(body: Mapping[str, Any], *, counting: bool = False) -
     if given["stop"] is not None and not isinstance(given["stop"], list):
         raise bad_request(f"stop_sequences must be a list of strings, got {kind(given['stop'])}", param="stop_sequences")
     sampling = sampling_fields(given, renamed={"stop": "stop_sequences"})
-    constraint = tool_grammar(tools) if tools is not None and tools.calls_possible else None
-    return Generation(model, prompt, sampling, bool(stream), constraint=constraint)
+    return Generation(model, prompt, sampling, bool(stream))
 
 
 def _system(system: Any) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ from typing import Any
 from flare.daemon.cache_scope import cache_salt
 from flare.daemon.errors import ApiError, bad_request
 from flare.daemon.generation import ChatPrompt, Generation, TextOrTokens, TextPrompts, TokenOptions
-from flare.daemon.tool_calls import check_tool_results, parse_tools, tool_grammar
+from flare.daemon.tool_calls import check_tool_results, parse_tools
 from flare.sampling.policy import Adjustment
 from flare.sampling.validation import SAMPLING_FIELDS, InvalidParameter, validate_request_sampling
 from flare.structured.compiler import MAX_CHOICES as MAX_GRAMMAR_CHOICES
@@ -154,8 +154,6 @@ def parse_chat_completion(body: Mapping[str, Any]) -> Generation:
             'send tool_choice "none" or leave the constraint out',
             param="tools",
         )
-    if tools is not None and tools.calls_possible:
-        constraint = tool_grammar(tools)
     return Generation(
         model,
         ChatPrompt(messages, tools),

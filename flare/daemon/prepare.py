@@ -3,7 +3,8 @@ answer, in one function every API shares.
 
 In order: the prompt (a conversation through the chat template, with tools; or completions'
 texts and token ids) becomes token ids off the event loop; the grammar (response format,
-structured outputs, or the tools' grammar) is compiled off the event loop; the sampling fields
+structured outputs, or the tools' grammar in the format the package's template teaches) is
+compiled off the event loop; the sampling fields
 are clamped to the package policy. Anything that cannot be served is a 400 naming the field
 before the scheduler sees the request.
 """
@@ -23,9 +24,10 @@ from flare.daemon.errors import bad_request
 from flare.daemon.generation import ChatPrompt, Generation, TextPrompts, TokenOptions
 from flare.daemon.openai_schema import closed_objects_adjustment
 from flare.daemon.rendering import flare_object, logprobs_object
-from flare.daemon.tool_calls import render_messages, template_messages, template_tools
+from flare.daemon.tool_calls import render_messages, template_messages, template_tools, tool_grammar
 from flare.engine.tokenizer import ChatTemplateError
 from flare.preparation.chat_template import ChatTemplateLimit
+from flare.preparation.tool_formats import ToolFormat
 from flare.sampling.policy import Adjustment, ClampResult
 from flare.scheduler.request import FaultSpec, GenerationRequest
 from flare.structured import Grammar, GrammarError, GrammarSpec
@@ -65,6 +67,7 @@ class Prepared:
     requests: tuple[GenerationRequest, ...]
     clamp: ClampResult
     echoes: tuple[Echo | None, ...]  # per prompt
+    tool_format: ToolFormat  # how the answer's tool calls are written (the package's template decides)
 
     @property
     def n(self) -> int:
@@ -122,7 +125,11 @@ async def prepare(
             param=param,
             code="context_length_exceeded",
         )
-    grammar = await _compile(serving, generation.constraint)
+    tool_format = scheduler.tokenizer.tool_format
+    constraint = generation.constraint
+    if generation.tools is not None and generation.tools.calls_possible:
+        constraint = tool_grammar(generation.tools, tool_format, scheduler.tokenizer.tool_tokens)
+    grammar = await _compile(serving, constraint)
     clamp = _clamp(scheduler, generation, room, grammar)
     scores_prompt = tokens.echo and tokens.logprobs is not None
     requests = tuple(
@@ -141,7 +148,7 @@ async def prepare(
         for k, (_, ids) in enumerate(prompts)
     )
     echoes = tuple(Echo(text, ids) if tokens.echo else None for text, ids in prompts)
-    return Prepared(request_id, generation, requests, clamp, echoes)
+    return Prepared(request_id, generation, requests, clamp, echoes, tool_format)
 
 
 async def count_prompt_tokens(serving: Serving, prompt: ChatPrompt | TextPrompts) -> int:
@@ -209,7 +216,7 @@ async def chat_ids(serving: Serving, prompt: ChatPrompt, add_generation_prompt: 
             messages = tuple(template_messages(messages))
             encode = partial(tokenizer.encode_chat, tools=template_tools(prompt.tools))
         else:
-            messages = tuple(render_messages(messages, prompt.tools))
+            messages = tuple(render_messages(messages, prompt.tools, system_turn=tokenizer.takes_system_turn))
     check_prompt_size(serving.scheduler, sum(len(m["content"] or "") for m in messages), prompt.param)
     special = serving.config.allow_special_tokens_in_messages
     try:

@@ -21,7 +21,7 @@ from typing import Any
 from flare.daemon.errors import ApiError, bad_request
 from flare.daemon.generation import ChatPrompt, Generation
 from flare.daemon.openai_schema import check_fields, kind, model_field, response_format, sampling_fields
-from flare.daemon.tool_calls import parse_tools, tool_grammar
+from flare.daemon.tool_calls import parse_tools
 from flare.structured.spec import GrammarSpec
 
 _IGNORED = frozenset(
@@ -53,13 +53,11 @@ def parse_response_request(body: Mapping[str, Any]) -> Generation:
             "parallel_tool_calls": body.get("parallel_tool_calls"),
         }
     )
-    if tools is not None and tools.calls_possible:
-        if constraint is not None:
-            raise bad_request(
-                'tools and text.format cannot be combined: send tool_choice "none" or leave text.format out',
-                param="tools",
-            )
-        constraint = tool_grammar(tools)
+    if tools is not None and tools.calls_possible and constraint is not None:
+        raise bad_request(
+            'tools and text.format cannot be combined: send tool_choice "none" or leave text.format out',
+            param="tools",
+        )
     return Generation(model, ChatPrompt(tuple(messages), tools, "input"), sampling, bool(stream), constraint=constraint)
 
 

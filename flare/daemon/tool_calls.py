@@ -15,22 +15,22 @@ whose chat template does not know tools (the default model's):
   references resolve within it, and `strict: true` closes its open objects as for
   response_format (structured/strict.py).
 
-A package whose template knows tools (it names `tools`, as Qwen's and Hermes' do) gets the
-functions and the conversation through its template instead, in Hugging Face's convention
-(`template_messages`, `template_tools`); the answer is still held to and read in the format
-above, the one those templates teach.
+A package whose template knows tools (it names `tools`, as Qwen's, Llama 3.1's and Mistral's
+do) gets the functions and the conversation through its template instead, in Hugging Face's
+convention (`template_messages`, `template_tools`); the answer is held to and read in the format
+that template teaches (preparation/tool_formats.py), the one above where it teaches none of those.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from flare.daemon.errors import bad_request
+from flare.preparation.tool_formats import FLARE, ToolFormat
 from flare.structured.bounds import BoundError, check_schema
 from flare.structured.compiler import JSON_OPTIONS
 from flare.structured.spec import GrammarSpec
@@ -39,7 +39,6 @@ from flare.structured.strict import StrictError, close_objects
 MAX_TOOLS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -182,8 +181,12 @@ def check_tool_results(messages: Sequence[Mapping[str, Any]]) -> None:
 # --- the prompt ---------------------------------------------------------------------------
 
 
-def render_messages(messages: Sequence[Mapping[str, Any]], tools: ToolRequest | None) -> list[dict[str, Any]]:
-    """The conversation in the generic format: plain {role, content} messages for any template."""
+def render_messages(
+    messages: Sequence[Mapping[str, Any]], tools: ToolRequest | None, *, system_turn: bool = True
+) -> list[dict[str, Any]]:
+    """The conversation in the generic format: plain {role, content} messages for any template.
+    The preamble is a system turn, or opens the first user turn where the template takes no
+    system turn (`system_turn` False)."""
     rendered: list[dict[str, Any]] = []
     for message in messages:
         if message["role"] == "tool":
@@ -201,8 +204,11 @@ def render_messages(messages: Sequence[Mapping[str, Any]], tools: ToolRequest | 
             rendered.append({"role": message["role"], "content": message["content"]})
     if tools is not None and tools.calls_possible:
         preamble = _preamble(tools)
+        first_user = next((i for i, m in enumerate(rendered) if m["role"] == "user"), None)
         if rendered and rendered[0]["role"] == "system":
             rendered[0] = {"role": "system", "content": f"{rendered[0]['content']}\n\n{preamble}"}
+        elif not system_turn and first_user is not None:
+            rendered[first_user] = {"role": "user", "content": f"{preamble}\n\n{rendered[first_user]['content']}"}
         else:
             rendered.insert(0, {"role": "system", "content": preamble})
     return rendered
@@ -264,8 +270,12 @@ def _preamble(tools: ToolRequest) -> str:
 # --- the grammar --------------------------------------------------------------------------
 
 
-def tool_grammar(tools: ToolRequest) -> GrammarSpec | None:
-    """The Lark grammar (llguidance's, with %json for the arguments) the answer follows."""
+def tool_grammar(
+    tools: ToolRequest, fmt: ToolFormat = FLARE, control: Mapping[str, int] | None = None
+) -> GrammarSpec | None:
+    """The Lark grammar (llguidance's, with %json for the arguments) the answer follows, in the
+    tool-call format `fmt` (preparation/tool_formats.py); `control` names the control tokens
+    among its marks by id (Mistral's [TOOL_CALLS] is one token, not its spelling)."""
     if not tools.calls_possible:
         return None
     allowed = [t for t in tools.tools if tools.choice != "named" or t.name == tools.named]
@@ -278,23 +288,62 @@ def tool_grammar(tools: ToolRequest) -> GrammarSpec | None:
         "oneOf": [
             {
                 "type": "object",
-                "properties": {"name": {"const": t.name}, "arguments": {"$ref": f"#/$defs/{_parameters_key(t)}"}},
-                "required": ["name", "arguments"],
+                "properties": {"name": {"const": t.name}, fmt.arguments_key: {"$ref": f"#/$defs/{_parameters_key(t)}"}},
+                "required": ["name", fmt.arguments_key],
                 "additionalProperties": False,
             }
             for t in allowed
         ],
     }
-    calls = 'call ("\\n" call)*' if tools.parallel else "call"
+    control = control or {}
+    several = tools.parallel and fmt.several
+    calls = f"call ({_literal(fmt.separator, control)} call)*" if several else "call"
     start = "text | calls" if tools.choice == "auto" else "calls"
+    thinking = ""
+    if fmt.thinking is not None:
+        start = f"THINKING? ({start})"
+        thinking = f"THINKING: /{_thinking_regex(*fmt.thinking)}/\n"
     lark = (
         f"start: {start}\n"
+        f"{thinking}"
         "text: TEXT\n"
-        "TEXT: /[^<](.|\\n)*/\n"
-        f"calls: {calls}\n"
-        f'call: "{CALL_OPEN}" %json {json.dumps(call_schema)} "{CALL_CLOSE}"\n'
+        f"TEXT: /[^{re.escape(fmt.lead)}](.|\\n)*/\n"
+        f"calls: {_literal(fmt.prefix, control)} {calls} {_literal(fmt.suffix, control)}\n"
+        f"call: {_literal(fmt.call_open, control)} %json {json.dumps(call_schema)} {_literal(fmt.call_close, control)}\n"
     )
     return GrammarSpec("lark", lark, "tools", tuple(p for t in allowed for p in t.closed_objects))
+
+
+def _thinking_regex(opening: str, closing: str) -> str:
+    """A regular expression (Lark's, slashes escaped) of `opening`, text without `closing`,
+    `closing` and newlines: one lexeme, so that the reasoning ends at its first closing tag."""
+
+    def escaped(text: str) -> str:
+        return re.escape(text).replace("/", "\\/")
+
+    # Text without `closing`: each character but the tag's first, or a proper prefix of the
+    # tag followed by a character that does not continue it.
+    avoid = "|".join(
+        f"{escaped(closing[:n])}[^{escaped(closing[n])}]" for n in range(len(closing))
+    )
+    return f"{escaped(opening)}({avoid})*{escaped(closing)}\\n*"
+
+
+def _literal(text: str, control: Mapping[str, int]) -> str:
+    """`text` as Lark: its control tokens by id (`<[id]>`), the rest as string literals (JSON's
+    escapes are Lark's); nothing for no text."""
+    pieces: list[str] = []
+    start = 0
+    names = sorted((name for name in control if name in text), key=len, reverse=True)
+    if names:
+        for match in re.finditer("|".join(re.escape(name) for name in names), text):
+            if match.start() > start:
+                pieces.append(json.dumps(text[start : match.start()]))
+            pieces.append(f"<[{control[match.group()]}]>")
+            start = match.end()
+    if start < len(text):
+        pieces.append(json.dumps(text[start:]))
+    return " ".join(pieces)
 
 
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values, not schemas
@@ -321,40 +370,34 @@ def _rebased(schema: Any, root: str) -> Any:
 # --- the answer ---------------------------------------------------------------------------
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+_DECODER = json.JSONDecoder()
 
 
-# A call as the grammar writes it: {"name": NAME, "arguments": ARGUMENTS} with fixed separators.
-_HEAD = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
-_TAIL = "}" + CALL_CLOSE  # what follows a call's arguments
+def _object_end(body: str) -> int:
+    """Where the JSON object that `body` starts with ends; -1 while it is not whole yet (a
+    string argument may hold braces and closing tags: only the JSON's own end counts)."""
+    try:
+        _, end = _DECODER.raw_decode(body)
+    except ValueError:
+        return -1
+    return end
 
 
-def _call(body: str) -> ToolCall | None:
-    """A whole call's text (between the tags) as a ToolCall; the arguments as the model wrote
-    them (the grammar held them to the schema), re-serialized only for another layout."""
+def _call(body: str, fmt: ToolFormat) -> ToolCall | None:
+    """A whole call's JSON object as a ToolCall; the arguments as the model wrote them (the
+    grammar held them to the schema), re-serialized only for another layout."""
     try:
         value = json.loads(body)
     except ValueError:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    head = _HEAD.match(body)
-    arguments = body[head.end() : -1] if head is not None and body.endswith("}") else json.dumps(value.get("arguments", {}))
-    return ToolCall(new_call_id(), value["name"], arguments)
-
-
-def _call_end(body: str) -> int:
-    """Where the call that `body` starts with closes: the first closing tag after a whole JSON
-    object (a string argument may itself hold the tag's text); -1 while not generated yet."""
-    search = 0
-    while (candidate := body.find(CALL_CLOSE, search)) >= 0:
-        try:
-            json.loads(body[:candidate])
-            return candidate
-        except ValueError:
-            search = candidate + 1
-    return -1
+    head = fmt.head.match(body)
+    if head is not None and body.endswith("}"):
+        arguments = body[head.end() : -1]
+    else:
+        arguments = json.dumps(value.get(fmt.arguments_key, {}))
+    return ToolCall(fmt.new_call_id(), value["name"], arguments)
 
 
 @dataclass
@@ -369,14 +412,16 @@ class _OpenCall:
 
 @dataclass
 class ToolCallReader:
-    """Reads one choice's answer as it streams: text passes through; from a leading "<" on (the
-    grammar lets text never start with one), the answer is calls. Each call is given out as
-    OpenAI streams them: a first delta with its index, id, type and name (arguments ""), then its
-    arguments in pieces as they are generated (the last characters held back until the call
-    closes, since they may be its closing brace and tag)."""
+    """Reads one choice's answer as it streams, in the tool-call format `fmt`: text passes
+    through; from the format's leading character on (the grammar lets text never start with
+    it), the answer is calls. Reasoning the format lets open the answer (Qwen 3's thinking)
+    passes through as text, and the answer after it is read the same way. Each call is given out as OpenAI streams them: a first delta with
+    its index, id, type and name (arguments ""), then its arguments in pieces as they are
+    generated, up to the end of the call's JSON object."""
 
     active: bool
-    _mode: Literal["unknown", "text", "calls"] = "unknown"
+    fmt: ToolFormat = FLARE
+    _mode: Literal["unknown", "thinking", "thought", "text", "calls"] = "unknown"
     _buffer: str = ""
     _open: _OpenCall | None = None
     calls: list[ToolCall] = field(default_factory=list)
@@ -385,45 +430,98 @@ class ToolCallReader:
         """(text to send as content, tool_calls deltas for this piece)."""
         if not self.active:
             return text, []
+        thought = ""
+        if self._mode in ("thinking", "thought"):
+            thought, text = self._thinking(text)
+            if self._mode != "unknown":
+                return thought, []
         if self._mode == "unknown":
             self._buffer += text
-            if not self._buffer:
-                return "", []
-            self._mode = "calls" if self._buffer.startswith("<") else "text"
+            opening = self.fmt.thinking[0] if self.fmt.thinking else None
+            if not self._buffer or (opening is not None and opening.startswith(self._buffer) and self._buffer != opening):
+                return thought, []  # nothing yet, or what may still become the reasoning's opening tag
+            if opening is not None and self._buffer.startswith(opening):
+                self._mode = "thinking"
+                text, self._buffer = self._buffer, ""
+                more, deltas = self.push(text)
+                return thought + more, deltas
+            self._mode = "calls" if self._buffer.startswith(self.fmt.lead) else "text"
             text, self._buffer = self._buffer, ""
         if self._mode == "text":
-            return text, []
+            return thought + text, []
         self._buffer += text
         deltas: list[dict[str, Any]] = []
-        while True:
-            start = self._buffer.find(CALL_OPEN)
-            if start < 0:
-                break
-            body = self._buffer[start + len(CALL_OPEN) :]
+        while (body := self._call_body()) is not None:
             call = self._open or _OpenCall(len(self.calls))
             self._open = call
-            head = _HEAD.match(body)
+            head = self.fmt.head.match(body)
             if head is not None and call.id is None:
-                call.id = new_call_id()
+                call.id = self.fmt.new_call_id()
                 name = json.loads(f'"{head.group(1)}"')
                 deltas.append({"index": call.index, "id": call.id, "type": "function",
                                "function": {"name": name, "arguments": ""}})
-            end = _call_end(body)
+            end = _object_end(body)
             if head is not None:
+                # While the call's object is open, everything after its head is arguments;
+                # once it closes, all but the object's closing brace.
                 arguments = body[head.end() :]
-                whole = end >= 0
-                upto = (end - head.end() - 1) if whole else max(call.sent, len(arguments) - len(_TAIL))
+                upto = end - head.end() - 1 if end >= 0 else len(arguments)
                 if upto > call.sent:
                     deltas.append({"index": call.index, "function": {"arguments": arguments[call.sent : upto]}})
                     call.sent = upto
-            if end < 0:
+            rest = self._after_close(body[end:]) if end >= 0 else None
+            if rest is None:
                 break
-            finished = _call(body[:end])
+            finished = _call(body[:end], self.fmt)
             if finished is not None:
                 self.calls.append(ToolCall(call.id or finished.id, finished.name, finished.arguments))
             self._open = None
-            self._buffer = body[end + len(CALL_CLOSE) :]
-        return "", deltas
+            self._buffer = rest
+        return thought, deltas
+
+    def _thinking(self, text: str) -> tuple[str, str]:
+        """The reasoning that opens the answer (Qwen 3's <think>...</think> and the newlines
+        after it) passes through as content; (that content, the text after it). The mode turns
+        "unknown" once the answer proper begins."""
+        closing = self.fmt.thinking[1] if self.fmt.thinking else ""
+        if self._mode == "thought":  # the closing tag is out: newlines until the answer
+            answer = text.lstrip("\n")
+            if answer:
+                self._mode = "unknown"
+            return text[: len(text) - len(answer)], answer
+        self._buffer += text
+        end = self._buffer.find(closing)
+        if end < 0:
+            # Hold back what may be the start of the closing tag.
+            held = next((n for n in range(len(closing) - 1, 0, -1) if self._buffer.endswith(closing[:n])), 0)
+            thought, self._buffer = self._buffer[: len(self._buffer) - held], self._buffer[len(self._buffer) - held :]
+            return thought, ""
+        thought, rest = self._buffer[: end + len(closing)], self._buffer[end + len(closing) :]
+        self._buffer = ""
+        self._mode = "thought"
+        more, answer = self._thinking(rest)
+        return thought + more, answer
+
+    def _call_body(self) -> str | None:
+        """The buffer from the next call's JSON object on, or None until it has begun."""
+        buffer = self._buffer
+        mark = self.fmt.call_open.strip()
+        if mark:
+            start = buffer.find(mark)
+            if start < 0:
+                return None
+            buffer = buffer[start + len(mark) :]
+        start = buffer.find("{")
+        return buffer[start:] if start >= 0 else None
+
+    def _after_close(self, rest: str) -> str | None:
+        """What follows the call's closing mark in `rest` (the text after its JSON object), or
+        None until the mark is whole."""
+        mark = self.fmt.call_close.strip()
+        if not mark:
+            return rest
+        end = rest.find(mark)
+        return None if end < 0 else rest[end + len(mark) :]
 
     @property
     def called(self) -> bool:

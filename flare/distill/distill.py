@@ -42,6 +42,7 @@ from flare.preparation.draft_head import (
     HeldOutAcceptance,
     head_parameter_count,
 )
+from flare.preparation.export import ExportError
 from flare.preparation.source import ImportedDraftHead
 from flare.preparation.package import Package
 from flare.sampling.params import SamplingParams
@@ -157,6 +158,17 @@ def distill_head(
     prompts = distill_prompts()[: options.prompt_limit]
     conversations = _answers(package, prompts, options, progress, generation_deadline)
     generated = sum(len(c.tokens) - c.prompt_len for c in conversations)
+    train = [c for c in conversations if not c.held_out]
+    if not train:
+        # The held-out answers are generated first: a budget that ends inside them leaves
+        # nothing to train on (a 30 s budget on a 2-core CPU does).
+        raise ExportError(
+            f"the distillation's {options.seconds:g} s budget left {0.4 * options.seconds:.0f} s to generate the "
+            f"target's answers, and no training answer was generated in it ({generated} tokens of held-out "
+            "answers); give --distill-seconds a larger budget (the default is "
+            f"{DistillOptions.seconds:g} s)",
+            option="--distill-seconds",
+        )
     draft_vocab = _draft_vocab(conversations, package.manifest.model.vocab_size, options.draft_vocab_size)
     state = package.load_state_dict()
     config = package.manifest.model
@@ -166,8 +178,7 @@ def distill_head(
         config, draft_vocab, embed, lm[draft_vocab].contiguous(), state["model.norm.weight"].float(), seed=options.seed
     )
     del state
-    train = [c for c in conversations if not c.held_out]
-    held = [c for c in conversations if c.held_out and c.temperature == 0] or conversations[:1]
+    held = [c for c in conversations if c.held_out and c.temperature == 0] or train[:1]
     positions, train_seconds = _train(head, train, held, options, progress, deadline)
     acceptance = measure_acceptance(head, held, options.draft_tokens)
     progress.line(

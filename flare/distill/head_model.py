@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flare.engine.model import apply_rope, rope_tables
+from flare.engine.rope import apply_rope, rope_tables
 from flare.preparation.draft_head import VOCAB_TENSOR, draft_head_shapes
 from flare.preparation.manifest import ModelConfig
 

@@ -1,11 +1,20 @@
-"""A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over a paged KV cache.
+"""One decoder for every family flare serves, over a paged KV cache.
+
+Its layer is Llama's (RMSNorm, RoPE, grouped-query attention, SwiGLU); what each other family
+adds is a field of `ModelConfig` and a torch step of `forward_hidden`, never a model per family
+(gpt-fast's one model.py is the pattern): q/k/v biases (Qwen2), per-head q/k RMSNorm before RoPE
+(Qwen3, Gemma 3), RoPE scalings and partial rotary (rope.py), sliding windows per layer with
+their own RoPE base (Mistral, Gemma 2/3), attention scale and soft-caps and sandwich norms and the
+embedding scale (Gemma), GeGLU (Gemma). Each matches transformers' eager attention math. The C
+kernels implement every family's layer (`kernels_fit`), each feature an option of the kernel
+that runs the step Llama has.
 
 The forward pass takes one ragged `ForwardBatch` (prompt chunks, decode rows and verify rows
 together) and returns logits only for the positions that need them. The layout choices that make
 it fast on a CPU, where a round of 32 decode rows is bound by the linear layers:
 
 - q/k/v and gate/up are fused into one matrix each at load time (one GEMM instead of three/two);
-- linear layers run on the flat token dimension, with no padding, weights first (see `linear_columns`);
+- linear layers run on the flat token dimension, with no padding, weights first (`linear.py`);
 - short rows of the same length share one attention call per layer (see batch.py);
 - four steps of a layer run as C kernels on a float32 CPU model where they were built
   (`native.py`): attention of short rows read straight from the pool, RoPE with the KV write,
@@ -42,6 +51,8 @@ from flare.engine.precision import WeightFormat
 from flare.engine.quantized import QuantizedWeight
 from flare.engine.batch import SHORT_ROW_MAX_TOKENS, AttentionGroup, ForwardBatch
 from flare.engine.kv_cache import KVCache
+from flare.engine.linear import Weight, linear, linear_columns, packs, stack_weights
+from flare.engine.rope import apply_rope, rope_tables
 from flare.preparation.blocks import dequantized
 from flare.preparation.manifest import ModelConfig
 from flare.preparation.package import TORCH_DTYPES, Package, fits_float16, weight_problems
@@ -61,6 +72,14 @@ class DecoderLayer:
     post_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor  # [hidden, intermediate]
+    # What a family adds (`ModelConfig`); None where the layer has none of it.
+    qkv_bias: torch.Tensor | None = None  # [(heads + 2 * kv_heads) * head_dim]
+    q_norm: torch.Tensor | None = None  # [head_dim]
+    k_norm: torch.Tensor | None = None  # [head_dim]
+    attention_output_norm: torch.Tensor | None = None  # [hidden]
+    mlp_output_norm: torch.Tensor | None = None  # [hidden]
+    window: int | None = None  # the sliding window its queries attend in, where it narrows the context
+    local_rope: bool = False  # RoPE from the sliding layers' own table (`local_rope_theta`)
 
 
 @dataclass(frozen=True)
@@ -73,12 +92,14 @@ class AttentionCall:
     `mask` is the causal mask with the query heads of a KV group folded into the query length;
     the key/value buffers (views of the model's gather workspace) receive the gathered blocks.
     Every layer reuses them, because a fresh multi-megabyte tensor per layer costs more in page
-    faults than the gather itself.
+    faults than the gather itself. `window_mask` is `mask` narrowed to the sliding window, for
+    the sliding layers of a model that has them.
     """
 
     group: AttentionGroup
     gather_index: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    window_mask: torch.Tensor | None = None
     key_buffer: torch.Tensor | None = None
     value_buffer: torch.Tensor | None = None
 
@@ -105,74 +126,6 @@ def check_state_dict(config: ModelConfig, state_dict: Mapping[str, torch.Tensor 
         raise WeightsError("the weights do not match the model config: " + "; ".join(problems))
 
 
-def rope_tables(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position * theta^(-2i/d) for every position, [max_positions, head_dim / 2].
-
-    Computed in float32 as Hugging Face does, then cast, so positions match it bit for bit.
-    """
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-    angles = torch.outer(positions, inv_freq)
-    return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
-
-
-# A very tall weight (the LM head: 49152 x 576) is applied in slices of this many output rows
-# once a round has CHUNKED_MIN_TOKENS tokens: MKL splits one tall product less well than it runs
-# layer-sized ones. LM head alone, 2 threads: 16 tokens 14.9 -> 11.7 ms, 32 tokens 19.7 -> 16.3,
-# 64 tokens 29.6 -> 25.2; 8 tokens or fewer gain nothing.
-OUTPUT_CHUNK = 4096
-CHUNKED_MIN_TOKENS = 16
-
-
-# Plain [out, in], packed by `pack_weight`, ggml blocks, or several of these stacked on `out`
-# (`stack_weights`: the q/k/v of a quantized layer whose tensors do not share one type).
-Weight = torch.Tensor | native.Float16Weight | torch.ScriptObject | QuantizedWeight | tuple
-
-
-def stack_weights(parts: list[torch.Tensor | QuantizedWeight], weight_format: WeightFormat) -> Weight:
-    """The [out, in] weights `parts` stacked on `out`, as one weight where they share a kind.
-
-    Float parts are concatenated and packed (`pack_weight`). Blocks of one type that lie next to
-    each other in the package's mapped file (the blocks file is written in this order) become
-    one weight over the joint bytes, without a copy; blocks elsewhere are concatenated. Parts of
-    different kinds (a Q6_K v beside Q4_K q and k, as llama.cpp's Q4_K_M mixes them) stay a
-    tuple, multiplied one by one and their outputs concatenated (`linear`)."""
-    runs: list[list[torch.Tensor | QuantizedWeight]] = []
-    for part in parts:
-        if runs and _kind(runs[-1][-1]) == _kind(part):
-            runs[-1].append(part)
-        else:
-            runs.append([part])
-    stacked = [
-        _join_blocks(run) if isinstance(run[0], QuantizedWeight) else pack_weight(torch.cat(run), weight_format)  # type: ignore[arg-type]
-        for run in runs
-    ]
-    return stacked[0] if len(stacked) == 1 else tuple(stacked)
-
-
-def _kind(part: torch.Tensor | QuantizedWeight) -> tuple:
-    return (part.ggml_type, part.in_features) if isinstance(part, QuantizedWeight) else ("float",)
-
-
-def _join_blocks(run: list[QuantizedWeight]) -> QuantizedWeight:
-    first = run[0]
-    if len(run) == 1:
-        return first
-    rows = sum(part.out_features for part in run)
-    storage = first.data.untyped_storage()
-    adjacent = all(
-        b.data.untyped_storage().data_ptr() == storage.data_ptr() and a.data.data_ptr() + a.nbytes == b.data.data_ptr()
-        for a, b in zip(run, run[1:])
-    )
-    if adjacent:
-        width = first.data.shape[1]
-        data = torch.empty(0, dtype=torch.uint8).set_(storage, first.data.storage_offset(), (rows, width), (width, 1))
-    else:
-        data = torch.cat([part.data for part in run])
-    return QuantizedWeight.from_blocks(first.ggml_type, data, rows, first.in_features)
-
-
 def _linear_parts(weight: Weight) -> tuple[native.LinearPart, ...] | None:
     """A linear layer's weight as `native.decoder_layer` multiplies it, or None for a kind it
     does not (plain, oneDNN or fbgemm weights)."""
@@ -187,135 +140,55 @@ def _linear_parts(weight: Weight) -> tuple[native.LinearPart, ...] | None:
     return None
 
 
-def _kernel_layers(layers: list[DecoderLayer]) -> list[native.KernelLayer] | None:
-    """The layers as `native.decoder_layer` reads them, where every linear layer of every layer
-    is float16 or ggml blocks; None otherwise (the layers then run step by step)."""
+def _kernel_layers(
+    layers: list[DecoderLayer], config: ModelConfig, local_rope: tuple[torch.Tensor, torch.Tensor] | None
+) -> list[native.KernelLayer] | None:
+    """The layers as `native.decoder_layer` reads them, with their family features (the sliding
+    layers of a model with its own local base on `local_rope`'s tables), where every linear layer
+    of every layer is float16 or ggml blocks; None otherwise (the layers then run step by step)."""
     kernel_layers = []
     for layer in layers:
         linears = [_linear_parts(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if any(parts is None for parts in linears):
             return None
-        kernel_layers.append(native.KernelLayer(layer.input_norm, layer.post_norm, *linears))  # type: ignore[arg-type]
+        cos, sin = local_rope if layer.local_rope and local_rope is not None else (None, None)
+        kernel_layers.append(
+            native.KernelLayer(
+                layer.input_norm,
+                layer.post_norm,
+                *linears,  # type: ignore[arg-type]
+                qkv_bias=layer.qkv_bias,
+                q_norm=layer.q_norm,
+                k_norm=layer.k_norm,
+                attention_output_norm=layer.attention_output_norm,
+                mlp_output_norm=layer.mlp_output_norm,
+                cos=cos,
+                sin=sin,
+                window=layer.window,
+                softcap=config.attention_softcap,
+                scale=config.attention_scale,
+                activation=config.hidden_activation,
+            )
+        )
     return kernel_layers
 
 
-def pack_weight(weight: torch.Tensor, weight_format: WeightFormat) -> Weight:
-    """A linear layer's weight [out, in] in `weight_format`, packed once where the CPU's GEMM
-    for that format wants its own layout. `linear` and `linear_columns` read every kind.
-
-    - bfloat16 on a CPU with oneDNN's bfloat16: reordered into oneDNN's blocked layout (an
-      opaque tensor). oneDNN reorders a plain bfloat16 weight on every product otherwise: the 30
-      layers' GEMMs of one decode token (weights not in cache) took 20.4 ms plain against
-      12.4 ms packed (float32: 14.9 ms), and of 32 tokens 32.1 against 24 ms (float32: 63 ms),
-      on an AVX512-BF16 CPU.
-    - float16 on a CPU: blocks of 16 output channels for the engine's own kernel
-      (`native.Float16Weight`), which takes float32 rows and accumulates in float32. Against
-      fbgemm's float16 GEMM (`torch.ops.quantized.linear_dynamic_fp16`, what runs where the C
-      kernels were not built, on its own packed matrix, a `torch.ScriptObject`), the 30 layers'
-      products of the default model took 0.87 of its time for one row, 0.91 for two, 0.93 for
-      three, and 0.98-1.06 from 4 to 32 rows (AVX2 dispatch on a Zen 4 EPYC, 2 threads).
-    - otherwise the plain tensor in the format's dtype (float32 on a CPU; 16-bit on a GPU).
-
-    `mkldnn._reorder_linear_weight` / `_linear_pointwise` are torch's private ops (its
-    compiler's CPU backend uses them for frozen linear layers) and the fbgemm ops are those of
-    torch's dynamic float16 quantization; torch is pinned in pyproject.toml and
-    tests/engine/test_paged_forward.py holds every kind to float32 products of the same
-    rounded operands.
-    """
-    if not packs(weight_format, weight.device):
-        return weight.to(weight_format.dtype).contiguous()
-    if weight_format == WeightFormat.FLOAT16 and native.available():
-        return native.Float16Weight.pack(weight)
-    if weight_format == WeightFormat.FLOAT16:
-        # fbgemm rounds the float32 values to float16 itself: exact for float16-stored weights.
-        return torch.ops.quantized.linear_prepack_fp16(weight.float().contiguous(), None)
-    return torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16).contiguous())
-
-
-def packs(weight_format: WeightFormat, device: torch.device) -> bool:
-    """Whether `pack_weight` gives `weight_format`'s weights on `device` a layout of their own
-    (otherwise they stay plain tensors in the format's dtype)."""
-    if device.type != "cpu":
-        return False
-    if weight_format == WeightFormat.FLOAT16:
-        return True
-    return weight_format == WeightFormat.BFLOAT16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-def _packed_rows(x: torch.Tensor, weight: Weight) -> torch.Tensor | None:
-    """x [T, in] through a packed weight: rows [T, out] (bfloat16 from oneDNN, float32 from
-    the float16 kernels, all accumulated in float32); None for a plain weight."""
-    if isinstance(weight, QuantizedWeight):
-        return quantized.quantized_linear(x.float().contiguous(), weight)
-    if isinstance(weight, tuple):
-        return torch.cat([linear(x, part).float() for part in weight], dim=1)
-    if isinstance(weight, native.Float16Weight):
-        return native.float16_linear(x.float(), weight)
-    if isinstance(weight, torch.ScriptObject):
-        return torch.ops.quantized.linear_dynamic_fp16(x.float().contiguous(), weight)
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16).contiguous(), weight, None, "none", [None], "")
-    return None
-
-
-def linear_columns(x: torch.Tensor, weight: Weight) -> torch.Tensor:
-    """x [T, in] through a linear layer of weight [out, in], returned as columns: [out, T].
-
-    In x's dtype. A weight of another dtype takes x rounded to it, and its product is widened
-    back; a packed weight (`pack_weight`) gives rows, returned as their transposed view (the C
-    kernels read either layout through its strides; a copy into columns cost 7% of a 32-row
-    round in float16).
-
-    A plain weight is computed weights first, as `weight @ x.T` with x.T passed to BLAS as a
-    transposed operand: a round's few rows become the GEMM's narrow N side and the weights are
-    read once, in their stored order. Against `x @ weight.T` with weights stored [in, out],
-    whole engine rounds on this CPU (`benchmarks/engine_decode.py`, MKL, 2 threads) went for
-    one row of 2 tokens from 78 to 43 ms and of 5 tokens from 73 to 60 (1 token: 49 to 42), and
-    for 8 and 32 decode rows from 93 to 75 and 173 to 149 ms: a verify row of a few drafts now
-    costs about what a plain decode row does. One row is doubled: MKL's GEMV on this layout was
-    a third slower than its two-column GEMM (41 against 31 ms for the 30 layers' GEMMs timed
-    alone).
-
-    x must be row-major for this: MKL takes the plain [in, T] operand that a column-major x
-    would give down a path three times slower, so such an x is copied first.
-    """
-    dtype = x.dtype
-    rows = _packed_rows(x, weight)
-    if rows is not None:
-        return rows.to(dtype).t()
-    x = x.to(weight.dtype).contiguous()
-    if x.shape[0] == 1:
-        return torch.mm(weight, torch.cat((x, x)).t())[:, :1].to(dtype)
-    if weight.shape[0] <= 2 * OUTPUT_CHUNK or x.shape[0] < CHUNKED_MIN_TOKENS:
-        return torch.mm(weight, x.t()).to(dtype)
-    out = torch.empty(weight.shape[0], x.shape[0], dtype=weight.dtype, device=x.device)
-    for first in range(0, weight.shape[0], OUTPUT_CHUNK):
-        torch.mm(weight[first : first + OUTPUT_CHUNK], x.t(), out=out[first : first + OUTPUT_CHUNK])
-    return out.to(dtype)
-
-
-def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
-    """x [T, in] through a linear layer of weight [out, in]: [T, out] in x's dtype; for a plain
-    weight a transposed view of `linear_columns` (residual adds read it as it is; a reshape
-    copies it once)."""
-    rows = _packed_rows(x, weight)
-    if rows is not None:
-        return rows.to(x.dtype)
-    return linear_columns(x, weight).t()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (the Hugging Face layout): x [T, heads, D], cos/sin [T, 1, D/2].
-
-    With x = (x1, x2) split in halves: (x1 cos - x2 sin, x2 cos + x1 sin).
-    """
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def kernels_fit(config: ModelConfig) -> bool:
+    """Whether the C kernels (`native.*`, `native.decoder_layers`) implement every step of the
+    layers `config` describes. They implement every family's layer: Llama's (RMSNorm, RoPE from
+    a cos/sin table, which holds any scaling, causal attention, SwiGLU) and, as options of the
+    same kernels, q/k/v biases, q/k norms, partial rotary, sliding windows with their own tables,
+    the attention scale and soft-cap, sandwich norms and GeGLU. The embedding scale and the final
+    soft-cap run outside the layers on either path. Only heads wider than the kernels keep on
+    their stack for those options (`native.FEATURES_MAX_HEAD_DIM`; no family served comes near)
+    run every layer on the torch path (`LlamaModel.forward_hidden`)."""
+    featured = config.attention_bias or config.qk_norm or config.rotary_dims != config.head_dim
+    return not featured or config.head_dim <= native.FEATURES_MAX_HEAD_DIM
 
 
 class LlamaModel:
-    """The weights of a Llama-family model and its forward pass over a paged KV cache.
+    """The weights of a decoder of any family flare serves and its forward pass over a paged KV
+    cache: Llama's layer, with each family's additions (`ModelConfig`) as torch steps.
 
     Linear weights are kept [out, in] in the model's `weight_format` and applied by `linear`,
     the LM head too (for tied weights it is the embedding itself, shared, not copied, unless
@@ -331,6 +204,7 @@ class LlamaModel:
         dtype: torch.dtype = torch.float32,
         weight_format: WeightFormat | None = None,
         native_kernels: bool | None = None,
+        context: int | None = None,
     ) -> None:
         """`dtype`: activations and norms, and what attention computes in (the KV cache holds
         `dtype`, or float16 / bfloat16 widened when read). `weight_format`: what the linear layers'
@@ -338,7 +212,9 @@ class LlamaModel:
         (`precision.py`); `dtype`'s own format if None.
         `native_kernels`: run attention of short rows, RoPE with the cache write, and SwiGLU
         with the CPU kernels of `native` (True), with their torch counterparts (False), or with
-        the kernels where they were built and apply (None)."""
+        the kernels where they were built and apply (None); they apply where `kernels_fit`.
+        `context`: the longest context the model will serve (default: its own); a sliding
+        window at least as long narrows nothing, and longrope picks its factors by it."""
         check_state_dict(config, state_dict)
         self.config = config
         self.device = torch.device(device)
@@ -346,12 +222,15 @@ class LlamaModel:
         self.weight_format = weight_format or WeightFormat(precision.dtype_name(dtype))
         # The kernels are float32 and CPU only.
         applies = self.device.type == "cpu" and dtype == torch.float32
-        if native_kernels and not (applies and native.available()):
+        self.context = config.max_position_embeddings if context is None else min(context, config.max_position_embeddings)
+        fits = kernels_fit(config)
+        if native_kernels and not (applies and native.available() and fits):
             raise ValueError(
-                "the native CPU kernels need a float32 model on the CPU and the built extension "
-                f"(model: {dtype} on {self.device}; extension built: {native.available()})"
+                "the native CPU kernels need a float32 model on the CPU, the built extension and "
+                f"layers they implement (model: {dtype} on {self.device}; extension built: "
+                f"{native.available()}; layers fit: {fits})"
             )
-        self.native_kernels = applies and native.available() if native_kernels is None else native_kernels
+        self.native_kernels = applies and native.available() and fits if native_kernels is None else native_kernels
         weights_dtype = self.weight_format.dtype
 
         if any(isinstance(w, QuantizedWeight) for w in state_dict.values()) and self.device.type != "cpu":
@@ -383,23 +262,45 @@ class LlamaModel:
         else:
             self.lm_head = self.embed
         self.norm = weight("model.norm.weight", dtype)
-        self.layers = [
-            DecoderLayer(
-                input_norm=weight(f"model.layers.{i}.input_layernorm.weight", dtype),
-                qkv=linear_weight(*(f"model.layers.{i}.self_attn.{p}_proj.weight" for p in "qkv")),
-                o=linear_weight(f"model.layers.{i}.self_attn.o_proj.weight"),
-                post_norm=weight(f"model.layers.{i}.post_attention_layernorm.weight", dtype),
-                gate_up=linear_weight(f"model.layers.{i}.mlp.gate_proj.weight", f"model.layers.{i}.mlp.up_proj.weight"),
-                down=linear_weight(f"model.layers.{i}.mlp.down_proj.weight"),
+
+        def optional(name: str) -> torch.Tensor | None:
+            return weight(name, dtype) if name in state_dict else None
+
+        def layer(i: int) -> DecoderLayer:
+            prefix = f"model.layers.{i}"
+            window = config.layer_window(i)
+            return DecoderLayer(
+                input_norm=weight(f"{prefix}.input_layernorm.weight", dtype),
+                qkv=linear_weight(*(f"{prefix}.self_attn.{p}_proj.weight" for p in "qkv")),
+                o=linear_weight(f"{prefix}.self_attn.o_proj.weight"),
+                post_norm=weight(f"{prefix}.post_attention_layernorm.weight", dtype),
+                gate_up=linear_weight(f"{prefix}.mlp.gate_proj.weight", f"{prefix}.mlp.up_proj.weight"),
+                down=linear_weight(f"{prefix}.mlp.down_proj.weight"),
+                qkv_bias=torch.cat([weight(f"{prefix}.self_attn.{p}_proj.bias", dtype) for p in "qkv"])
+                if config.attention_bias
+                else None,
+                q_norm=optional(f"{prefix}.self_attn.q_norm.weight"),
+                k_norm=optional(f"{prefix}.self_attn.k_norm.weight"),
+                attention_output_norm=optional(f"{prefix}.attention_output_norm.weight"),
+                mlp_output_norm=optional(f"{prefix}.mlp_output_norm.weight"),
+                # Positions are below the context served: a window at least that long hides nothing.
+                window=window if window is not None and window < self.context else None,
+                local_rope=window is not None and config.local_rope_theta is not None,
             )
-            for i in range(config.num_layers)
-        ]
+
+        self.layers = [layer(i) for i in range(config.num_layers)]
+        # The one window the sliding layers share, where it narrows anything (`_plan_attention`).
+        self.window = next((layer.window for layer in self.layers if layer.window is not None), None)
         # A round of short rows on float16 or block weights runs each layer as one kernel call
         # (`native.decoder_layer`): the same kernels as the steps below, without the Python
         # between them.
-        self.kernel_layers = _kernel_layers(self.layers) if self.native_kernels else None
+        self.rope_cos, self.rope_sin = rope_tables(config, dtype, self.device, context=self.context)
+        # The sliding layers' own table, where they have their own base (Gemma 3).
+        self.local_rope = (
+            rope_tables(config, dtype, self.device, local=True) if any(layer.local_rope for layer in self.layers) else None
+        )
+        self.kernel_layers = _kernel_layers(self.layers, config, self.local_rope) if self.native_kernels else None
         self._layer_scratch = torch.empty(0, dtype=torch.float32, device=self.device)
-        self.rope_cos, self.rope_sin = rope_tables(config, dtype, self.device)
         # Grow-only scratch memory for the gathered keys and values of a round: allocating
         # tens of megabytes afresh every round costs page faults on every round. It holds one
         # layer's K/V of the running rows (plus padding to each group's longest context), so it
@@ -433,8 +334,15 @@ class LlamaModel:
             raise ValueError(
                 f"position {batch.max_position} is past the model's context of {self.config.max_position_embeddings}"
             )
-        h = self.embed_rows(batch.token_ids).to(self.dtype) if inputs is None else inputs.to(self.dtype, copy=True).contiguous()
-        rope = None if self.native_kernels else self._rope(batch)
+        if inputs is not None:
+            h = inputs.to(self.dtype, copy=True).contiguous()
+        elif self.config.embedding_scale != 1.0:
+            # Gemma: the embeddings times sqrt(hidden), rounded to the weights' dtype as transformers does.
+            scale = torch.tensor(self.config.embedding_scale, dtype=self.dtype)
+            h = self.embed_rows(batch.token_ids).to(self.dtype) * scale
+        else:
+            h = self.embed_rows(batch.token_ids).to(self.dtype)
+        ropes = None if self.native_kernels else self._rope(batch)
         calls = self._plan_attention(batch, kv_cache)
         if self.kernel_layers is not None and all(call.native for call in calls):
             native.decoder_layers(h, self.kernel_layers, kv_cache.keys, kv_cache.values, self._decoder_round(batch, calls, kv_cache))
@@ -444,14 +352,15 @@ class LlamaModel:
             for index, layer in enumerate(self.layers):
                 x = self._add_norm(h, delta, layer.input_norm)
                 keys, values = kv_cache.keys[index], kv_cache.values[index]
-                q = self._rope_and_cache(linear_columns(x, layer.qkv), batch, rope, keys, values)
-                delta = linear(self._attention(q, keys, values, calls), layer.o)
-                x = self._add_norm(h, delta, layer.post_norm)
-                delta = linear(self._swiglu(linear_columns(x, layer.gate_up)), layer.down)
+                rope = None if ropes is None else ropes[layer.local_rope]
+                q = self._rope_and_cache(linear_columns(x, layer.qkv), batch, rope, keys, values, layer)
+                attention = linear(self._attention(q, keys, values, calls, layer.window), layer.o)
+                x = self._add_norm(h, self._sublayer_output(attention, layer.attention_output_norm), layer.post_norm)
+                mlp = linear(self._gated_mlp(linear_columns(x, layer.gate_up)), layer.down)
+                delta = self._sublayer_output(mlp, layer.mlp_output_norm)
             if delta is not None:
                 h += delta
-        x = self._add_norm(h[batch.logit_indices], None, self.norm)
-        return linear(x, self.lm_head).contiguous().float(), h
+        return self.logits_of(h[batch.logit_indices]), h
 
     def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings of `token_ids` (any shape), [*shape, hidden], in the stored dtype
@@ -461,8 +370,20 @@ class LlamaModel:
         return F.embedding(token_ids, self.embed)
 
     def logits_of(self, h: torch.Tensor) -> torch.Tensor:
-        """float32 logits [T, vocab] of residual-stream rows h [T, hidden]: final norm, LM head."""
-        return linear(self._add_norm(h.contiguous(), None, self.norm), self.lm_head).contiguous().float()
+        """float32 logits [T, vocab] of residual-stream rows h [T, hidden]: final norm, LM head,
+        and the final soft-cap cap * tanh(logits / cap) where the model has one (Gemma 2)."""
+        logits = linear(self._add_norm(h.contiguous(), None, self.norm), self.lm_head).contiguous().float()
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _sublayer_output(self, delta: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
+        """A sublayer's output as it joins the residual stream: RMS-normalized first where the
+        layer has sandwich norms (Gemma 2/3), as it is otherwise."""
+        if norm is None:
+            return delta
+        if self.native_kernels:  # the kernel `native.decoder_layer` normalizes it with
+            return native.add_rms_norm(delta.contiguous(), None, norm, self.config.rms_norm_eps)
+        return F.rms_norm(delta, (self.config.hidden_size,), norm, self.config.rms_norm_eps)
 
     def _decoder_round(self, batch: ForwardBatch, calls: list[AttentionCall], kv_cache: KVCache) -> native.DecoderRound:
         """What every `native.decoder_layer` call of the round shares, checked once."""
@@ -497,9 +418,11 @@ class LlamaModel:
             h += delta
         return F.rms_norm(h, (self.config.hidden_size,), weight, eps)
 
-    def _rope(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, D/2] of the round's positions, gathered once for every layer."""
-        return self.rope_cos[batch.positions].unsqueeze(1), self.rope_sin[batch.positions].unsqueeze(1)
+    def _rope(self, batch: ForwardBatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """cos and sin [T, 1, R/2] of the round's positions, gathered once for every layer: from
+        the global table, then (where the model has one) the sliding layers' own."""
+        tables = [(self.rope_cos, self.rope_sin)] + ([] if self.local_rope is None else [self.local_rope])
+        return [(cos[batch.positions].unsqueeze(1), sin[batch.positions].unsqueeze(1)) for cos, sin in tables]
 
     def _rope_and_cache(
         self,
@@ -508,18 +431,31 @@ class LlamaModel:
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         keys: torch.Tensor,
         values: torch.Tensor,
+        layer: DecoderLayer,
     ) -> torch.Tensor:
-        """From the q/k/v layer's columns: rotate q and k, write k and v into the round's slots
-        of the pools, return q [T, heads, D] (the torch counterpart of `native.rope_and_cache`)."""
+        """From the q/k/v layer's columns: add the layer's bias, normalize q and k per head where
+        it has q/k norms (before RoPE, as Qwen3 and Gemma 3 do), rotate them, write k and v into
+        the round's slots of the pools, return q [T, heads, D] (the torch counterpart of
+        `native.rope_and_cache`)."""
         heads, kv_heads, head_dim = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
         if self.native_kernels:
+            cos, sin = self.local_rope if layer.local_rope and self.local_rope is not None else (self.rope_cos, self.rope_sin)
             return native.rope_and_cache(
-                qkv_columns, batch.positions, batch.slot_mapping, self.rope_cos, self.rope_sin, keys, values, heads
+                qkv_columns, batch.positions, batch.slot_mapping, cos, sin, keys, values, heads,
+                bias=layer.qkv_bias, q_norm=layer.q_norm, k_norm=layer.k_norm, norm_eps=self.config.rms_norm_eps,
             )
         assert rope is not None, "the torch path needs the round's cos and sin (`_rope`)"
-        qkv = qkv_columns.t().contiguous().view(batch.num_tokens, heads + 2 * kv_heads, head_dim)
+        qkv_rows = qkv_columns.t() if layer.qkv_bias is None else qkv_columns.t() + layer.qkv_bias
+        qkv = qkv_rows.contiguous().view(batch.num_tokens, heads + 2 * kv_heads, head_dim)
+        qk = qkv[:, : heads + kv_heads]
+        if layer.q_norm is not None and layer.k_norm is not None:
+            eps = self.config.rms_norm_eps
+            qk = torch.cat(
+                (F.rms_norm(qk[:, :heads], (head_dim,), layer.q_norm, eps), F.rms_norm(qk[:, heads:], (head_dim,), layer.k_norm, eps)),
+                dim=1,
+            )
         # q and k are rotated together: one pass over both.
-        qk = apply_rope(qkv[:, : heads + kv_heads], *rope)
+        qk = apply_rope(qk, *rope)
         # The pools are [kv_heads, blocks * block_size, D] viewed flat over positions, in the
         # cache's dtype (a 16-bit pool takes k and v rounded to nearest even).
         k, v = qk[:, heads:].transpose(0, 1), qkv[:, heads + kv_heads :].transpose(0, 1)
@@ -527,14 +463,17 @@ class LlamaModel:
         values.view(kv_heads, -1, head_dim).index_copy_(1, batch.slot_mapping, v.to(values.dtype))
         return qk[:, :heads]
 
-    def _swiglu(self, gate_up_columns: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up [T, intermediate] from the gate/up layer's columns (the torch
-        counterpart of `native.swiglu_rows`)."""
+    def _gated_mlp(self, gate_up_columns: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up [T, intermediate] from the gate/up layer's columns: SwiGLU (silu), or
+        GeGLU with GELU's tanh approximation (Gemma); the torch counterpart of
+        `native.gated_rows`."""
         if self.native_kernels:
-            return native.swiglu_rows(gate_up_columns)
+            return native.gated_rows(gate_up_columns, self.config.hidden_activation)
         # On the columns, where gate and up are contiguous halves: on the transposed view the
         # elementwise ops are strided (2 ms a round slower at 32 rows).
         gate, up = gate_up_columns.chunk(2)
+        if self.config.hidden_activation == "gelu_tanh":
+            return (F.gelu(gate, approximate="tanh") * up).t()
         return (F.silu(gate) * up).t()
 
     def _plan_attention(self, batch: ForwardBatch, kv_cache: KVCache) -> list[AttentionCall]:
@@ -565,6 +504,7 @@ class LlamaModel:
                     gather_index=gather_index,
                     # Row j * query_len + q of a folded KV group attends as query q does.
                     mask=group.mask.repeat(1, 1, group_size, 1),
+                    window_mask=None if self.window is None else _window_mask(group, self.window).repeat(1, 1, group_size, 1),
                     key_buffer=next(buffers).view(buffer_shape),
                     value_buffer=next(buffers).view(buffer_shape),
                 )
@@ -572,9 +512,10 @@ class LlamaModel:
         return calls
 
     def _attention(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, calls: list[AttentionCall]
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, calls: list[AttentionCall], window: int | None
     ) -> torch.Tensor:
-        """Causal attention of every new token over its request's cached positions: [T, heads * D].
+        """Causal attention of every new token over its request's cached positions, or over the
+        last `window` of them (its own included) in a sliding layer: [T, heads * D].
 
         Short rows go to `native.paged_attention` where the model runs the kernels. The
         torch path gathers each row's blocks and runs SDPA, with grouped-query attention done
@@ -592,7 +533,8 @@ class LlamaModel:
             rows, length = call.group.rows, call.group.query_len
             if call.native:
                 out = native.paged_attention(
-                    q[call.tokens], keys, values, call.group.block_table, call.group.start_positions, length
+                    q[call.tokens], keys, values, call.group.block_table, call.group.start_positions, length,
+                    scale=self.config.attention_scale, window=window, softcap=self.config.attention_softcap,
                 )
                 outputs.append(out.view(rows * length, heads * head_dim))
                 continue
@@ -603,10 +545,32 @@ class LlamaModel:
             # A 16-bit pool's keys and values are widened to the queries' dtype for SDPA.
             k = call.key_buffer.view(rows, kv_heads, -1, head_dim).to(q.dtype)
             v = call.value_buffer.view(rows, kv_heads, -1, head_dim).to(q.dtype)
-            out = F.scaled_dot_product_attention(q_call, k, v, attn_mask=call.mask)
+            mask = call.mask if window is None else call.window_mask
+            out = self._scores_to_output(q_call, k, v, mask)
             out = out.view(rows, kv_heads, group, length, head_dim).permute(0, 3, 1, 2, 4)
             outputs.append(out.reshape(rows * length, heads * head_dim))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _scores_to_output(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """softmax(mask(cap(q k^T * scale))) v, with the model's scale (head_dim^-0.5 unless it
+        sets one: Gemma's query_pre_attn_scalar^-0.5) and soft-cap. SDPA cannot soft-cap, so a
+        capped model takes the explicit form, as transformers' eager attention computes it:
+        scores -> cap * tanh(scores / cap) before the mask and a float32 softmax."""
+        cap = self.config.attention_softcap
+        if cap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.config.attention_scale)
+        scale = self.config.attention_scale or self.config.head_dim**-0.5
+        scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / cap) * cap
+        weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+        return torch.matmul(weights.to(q.dtype), v)
+
+
+def _window_mask(group: AttentionGroup, window: int) -> torch.Tensor:
+    """The group's causal mask narrowed to a sliding window [rows, 1, query_len, keys]: key k is
+    visible to the query at position p iff p - window < k <= p (transformers' sliding mask)."""
+    positions = group.start_positions.view(-1, 1, 1, 1) + torch.arange(group.query_len, device=group.mask.device).view(1, 1, -1, 1)
+    keys = torch.arange(group.mask.shape[-1], device=group.mask.device)
+    return group.mask & (keys > positions - window)
 
 
 def load_model(package: Package, device: torch.device | str = "cpu", weight_format: str = precision.AUTO) -> LlamaModel:
@@ -629,4 +593,6 @@ def load_model(package: Package, device: torch.device | str = "cpu", weight_form
             state_dict[name] = QuantizedWeight.from_blocks(tensor.ggml_type, tensor.data, *tensor.shape)
         else:
             state_dict[name] = dequantized(tensor)
-    return LlamaModel(package.manifest.model, state_dict, device=device, weight_format=chosen)
+    return LlamaModel(
+        package.manifest.model, state_dict, device=device, weight_format=chosen, context=package.manifest.serving.max_context
+    )

@@ -9,8 +9,8 @@ built (no C compiler at install time) and that the tests hold it equal to:
 - `rope_and_cache`: RoPE on q and k and the write of k and v into the pool, straight from the
   q/k/v layer's output (columns or rows, read through its strides), instead of a transposing
   copy, five elementwise passes and two index copies;
-- `swiglu_rows`: silu(gate) * up from the gate/up layer's output into the rows the down
-  projection reads, instead of two passes and a transposing copy;
+- `gated_rows`: silu(gate) * up (or GELU-tanh's, Gemma's GeGLU) from the gate/up layer's output
+  into the rows the down projection reads, instead of two passes and a transposing copy;
 - `add_rms_norm`: the residual add and the RMSNorm after it, instead of seven passes;
 - `quantized_linear` and `quantized_rows`: a linear layer multiplied straight from ggml's
   quantized blocks, and rows of such a weight expanded (the embedding lookup), for
@@ -27,6 +27,12 @@ The sampler's kernels are the kernels' own (flare/kernels/native.py).
 The kernels trust the addresses they are given, so every function here first checks the
 tensors behind them (device, dtype, shape, strides); the C side checks every index into the
 pool and the RoPE tables. Kernels release the GIL and run on `torch.get_num_threads()` threads.
+
+The families' features ride along as options that default to Llama's layer (issue 26;
+`ModelConfig`'s docstring): a q/k/v bias, per-head q/k RMSNorm and partial rotary in
+`rope_and_cache`, a sliding window, a soft-cap and an explicit scale in `paged_attention`,
+GELU-tanh in `gated_rows`, all of them and the sandwich norms per layer in `KernelLayer`. Unset,
+each kernel runs the loops and gives the bits it did before them.
 """
 
 from __future__ import annotations
@@ -102,6 +108,9 @@ def paged_attention(
     start_positions: torch.Tensor,
     query_len: int,
     *,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
     portable: bool = False,
 ) -> torch.Tensor:
     """Causal attention of `rows` rows of `query_len` new tokens each over their cached keys.
@@ -112,6 +121,10 @@ def paged_attention(
     block_table [rows, max_blocks] int64, start_positions [rows] int64 (the position of each
     row's first new token; token t of a row attends to positions up to start + t). Returns
     [rows * query_len, heads, D].
+
+    `scale`: the factor on q . k (None: D ** -0.5). `window`: a sliding window, the token at
+    position p attends to positions p - window < k <= p only (None: all). `softcap`: scores
+    become softcap * tanh(score / softcap) after the scale, before the softmax (None: not capped).
     """
     native = _module()
     tokens, heads, head_dim = q.shape
@@ -135,31 +148,27 @@ def paged_attention(
         )
     if not block_table.is_contiguous() or not start_positions.is_contiguous():
         problems.append("block_table and start_positions must be contiguous")
+    problems += _attention_option_problems(scale, window, softcap)
     _check("paged_attention", problems)
 
     out = torch.empty(tokens, heads, head_dim, dtype=torch.float32)
     native.paged_attention(
-        q.data_ptr(),
-        q.stride(0),
-        keys.data_ptr(),
-        values.data_ptr(),
-        out.data_ptr(),
-        block_table.data_ptr(),
-        start_positions.data_ptr(),
-        rows,
-        query_len,
-        heads,
-        kv_heads,
-        head_dim,
-        block_size,
-        num_blocks,
-        max_blocks,
-        head_dim**-0.5,
-        torch.get_num_threads(),
-        KV_DTYPE_CODES[keys.dtype],
-        portable,
+        q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), out.data_ptr(), block_table.data_ptr(),
+        start_positions.data_ptr(), rows, query_len, heads, kv_heads, head_dim, block_size, num_blocks, max_blocks,
+        head_dim**-0.5 if scale is None else scale, window or 0, softcap or 0.0, torch.get_num_threads(),
+        KV_DTYPE_CODES[keys.dtype], portable,
     )
     return out
+
+
+def _attention_option_problems(scale: float | None, window: int | None, softcap: float | None) -> list[str]:
+    problems = []
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        problems.append(f"window must be a positive integer or None, got {window!r}")
+    for name, value in (("scale", scale), ("softcap", softcap)):
+        if value is not None and not (isinstance(value, (int, float)) and value > 0 and value != float("inf")):
+            problems.append(f"{name} must be a positive finite number or None, got {value!r}")
+    return problems
 
 
 def rope_and_cache(
@@ -171,14 +180,24 @@ def rope_and_cache(
     keys: torch.Tensor,
     values: torch.Tensor,
     heads: int,
+    *,
+    bias: torch.Tensor | None = None,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
 ) -> torch.Tensor:
     """Rotate q and k of every token, write k and v into the pools, return q [T, heads, D].
 
     qkv_columns [(heads + 2 kv_heads) * D, T] (the q/k/v layer's output as columns: contiguous,
     or the transposed view of its rows; any strides are read as they are), positions and slots
-    [T] int64 (slot = block * block_size + offset), cos and sin [max_positions, D / 2], keys and
+    [T] int64 (slot = block * block_size + offset), cos and sin [max_positions, R / 2], keys and
     values the pools [kv_heads, num_blocks, block_size, D] (float32, or float16 / bfloat16, into
     which k and v are rounded to nearest even as torch's cast rounds).
+
+    The tables' width says how many leading dims of each head rotate: R = D (all), or fewer
+    (partial rotary: rotate-half within the first R, the rest copied). `bias` [(heads + 2
+    kv_heads) * D] is added to q, k and v first; `q_norm` and `k_norm` [D] RMS-normalize each q
+    (k) head (eps `norm_eps`) after the bias and before RoPE.
     """
     native = _module()
     kv_heads, num_blocks, block_size, head_dim = keys.shape
@@ -194,10 +213,14 @@ def rope_and_cache(
         problems.append(f"{channels} channels, expected ({heads} + 2 x {kv_heads}) heads of {head_dim}")
     if positions.shape != (tokens,) or slots.shape != (tokens,):
         problems.append(f"positions and slots must be [{tokens}], got {tuple(positions.shape)} and {tuple(slots.shape)}")
-    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] * 2 != head_dim:
-        problems.append(f"cos and sin must be [positions, {head_dim // 2}], got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if cos.shape != sin.shape or cos.dim() != 2 or not 1 <= cos.shape[1] <= head_dim // 2:
+        problems.append(
+            f"cos and sin must be [positions, rotary_dims / 2] with rotary_dims at most {head_dim}, "
+            f"got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
     if values.shape != keys.shape:
         problems.append(f"keys and values must be pools of one shape, got {keys.shape} and {values.shape}")
+    problems += _vector_problems(bias=(bias, channels), q_norm=(q_norm, head_dim), k_norm=(k_norm, head_dim))
     tensors = (positions, slots, cos, sin, keys, values)
     if not all(t.is_contiguous() for t in tensors):
         problems.append("every tensor but qkv_columns must be contiguous")
@@ -205,47 +228,53 @@ def rope_and_cache(
 
     q = torch.empty(tokens, heads, head_dim, dtype=torch.float32)
     native.rope_and_cache(
-        qkv_columns.data_ptr(),
-        qkv_columns.stride(0),
-        qkv_columns.stride(1),
-        positions.data_ptr(),
-        slots.data_ptr(),
-        cos.data_ptr(),
-        sin.data_ptr(),
-        cos.shape[0],
-        q.data_ptr(),
-        keys.data_ptr(),
-        values.data_ptr(),
-        tokens,
-        heads,
-        kv_heads,
-        head_dim,
-        num_blocks * block_size,
-        torch.get_num_threads(),
-        KV_DTYPE_CODES[keys.dtype],
+        qkv_columns.data_ptr(), qkv_columns.stride(0), qkv_columns.stride(1), positions.data_ptr(), slots.data_ptr(),
+        cos.data_ptr(), sin.data_ptr(), cos.shape[0], q.data_ptr(), keys.data_ptr(), values.data_ptr(), tokens, heads,
+        kv_heads, head_dim, num_blocks * block_size, torch.get_num_threads(), KV_DTYPE_CODES[keys.dtype],
+        _address(bias), _address(q_norm), _address(k_norm), norm_eps, 2 * cos.shape[1],
     )
     return q
 
 
-def swiglu_rows(gate_up_columns: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up as rows [T, I], from the gate/up layer's output as columns [2 I, T] (gate
-    first; contiguous, or the transposed view of its rows)."""
+def _address(tensor: torch.Tensor | None) -> int:
+    """A checked optional tensor's address as the kernels take it: 0 for none."""
+    return 0 if tensor is None else tensor.data_ptr()
+
+
+def _vector_problems(**vectors: tuple[torch.Tensor | None, int]) -> list[str]:
+    """What is wrong with optional float32 vectors (a bias, a norm's weights) of given lengths."""
+    return [
+        f"{name} must be a contiguous CPU float32 [{length}], got {vector.device} {vector.dtype} {tuple(vector.shape)}"
+        for name, (vector, length) in vectors.items()
+        if vector is not None
+        and (vector.device.type != "cpu" or vector.dtype != torch.float32 or vector.shape != (length,) or not vector.is_contiguous())
+    ]
+
+
+# The widest head the features of `rope_and_cache` take (module.c: it keeps one on the stack).
+FEATURES_MAX_HEAD_DIM = 1024
+
+# The gated MLP's activations (manifest.HIDDEN_ACTIVATIONS) as kernels.h codes them.
+ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1}
+
+
+def gated_rows(gate_up_columns: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """act(gate) * up as rows [T, I], from the gate/up layer's output as columns [2 I, T] (gate
+    first; contiguous, or the transposed view of its rows): act is silu (SwiGLU) or gelu_tanh,
+    0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) (GeGLU)."""
     native = _module()
     channels, tokens = gate_up_columns.shape
     problems = _dtype_problems(gate_up_columns=(gate_up_columns, torch.float32))
     if channels % 2:
         problems.append(f"gate_up_columns must have an even number of channels, got {channels}")
-    _check("swiglu_rows", problems)
+    if activation not in ACTIVATION_CODES:
+        problems.append(f"activation must be one of {', '.join(ACTIVATION_CODES)}, got {activation!r}")
+    _check("gated_rows", problems)
 
     out = torch.empty(tokens, channels // 2, dtype=torch.float32)
-    native.swiglu_rows(
-        gate_up_columns.data_ptr(),
-        gate_up_columns.stride(0),
-        gate_up_columns.stride(1),
-        out.data_ptr(),
-        channels // 2,
-        tokens,
-        torch.get_num_threads(),
+    native.gated_rows(
+        gate_up_columns.data_ptr(), gate_up_columns.stride(0), gate_up_columns.stride(1), out.data_ptr(), channels // 2,
+        tokens, ACTIVATION_CODES[activation], torch.get_num_threads(),
     )
     return out
 
@@ -271,16 +300,8 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     out = torch.empty_like(h)
     if tokens:
         native.add_rms_norm(
-            h.data_ptr(),
-            0 if delta is None else delta.data_ptr(),
-            0 if delta is None else delta.stride(0),
-            0 if delta is None else delta.stride(1),
-            weight.data_ptr(),
-            out.data_ptr(),
-            tokens,
-            hidden,
-            eps,
-            torch.get_num_threads(),
+            h.data_ptr(), _address(delta), 0 if delta is None else delta.stride(0), 0 if delta is None else delta.stride(1),
+            weight.data_ptr(), out.data_ptr(), tokens, hidden, eps, torch.get_num_threads(),
         )
     return out
 
@@ -325,15 +346,8 @@ def float16_linear(x: torch.Tensor, weight: Float16Weight, *, isa: int | None = 
     y = torch.empty(tokens, weight.out_features, dtype=torch.float32)
     if tokens:
         native.float16_linear(
-            x.data_ptr(),
-            max(x.stride(0), in_features),
-            weight.blocks.data_ptr(),
-            y.data_ptr(),
-            tokens,
-            in_features,
-            weight.out_features,
-            torch.get_num_threads(),
-            LINEAR_ISA if isa is None else isa,
+            x.data_ptr(), max(x.stride(0), in_features), weight.blocks.data_ptr(), y.data_ptr(), tokens, in_features,
+            weight.out_features, torch.get_num_threads(), LINEAR_ISA if isa is None else isa,
         )
     return y
 
@@ -423,7 +437,14 @@ def _stacked_features(parts: tuple[LinearPart, ...]) -> tuple[int, int]:
 class KernelLayer:
     """A decoder layer's weights as `decoder_layer` reads them: float32 norms and linear layers
     of one to LAYER_LINEAR_PARTS parts each (packed float16 or ggml blocks, stacked on the
-    output), their shapes checked against each other once, when the model is loaded."""
+    output), their shapes checked against each other once, when the model is loaded.
+
+    The family features (`ModelConfig`) default to Llama's layer: `qkv_bias` added to the q/k/v
+    output; `q_norm`, `k_norm` per-head RMSNorm weights of q and k before RoPE;
+    `attention_output_norm`, `mlp_output_norm` the sandwich norms of each sublayer's output
+    before the residual add; `cos`, `sin` the layer's own RoPE tables [positions, rotary_dims /
+    2] (None: the round's); `window`, `softcap`, `scale` of its attention (`paged_attention`);
+    `activation` of its gated MLP (`gated_rows`)."""
 
     input_norm: torch.Tensor  # [hidden]
     post_norm: torch.Tensor  # [hidden]
@@ -431,11 +452,26 @@ class KernelLayer:
     o: tuple[LinearPart, ...]  # [hidden, heads head_dim]
     gate_up: tuple[LinearPart, ...]  # [2 intermediate, hidden]
     down: tuple[LinearPart, ...]  # [hidden, intermediate]
+    qkv_bias: torch.Tensor | None = None  # [(heads + 2 kv_heads) head_dim]
+    q_norm: torch.Tensor | None = None  # [head_dim]
+    k_norm: torch.Tensor | None = None  # [head_dim]
+    attention_output_norm: torch.Tensor | None = None  # [hidden]
+    mlp_output_norm: torch.Tensor | None = None  # [hidden]
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    window: int | None = None
+    softcap: float | None = None
+    scale: float | None = None
+    activation: str = "silu"
     # int64 [4, LAYER_LINEAR_PARTS, 3]: (type, address, out rows) of each part of qkv, o,
     # gate_up and down, unused parts zero (module.c reads it); addresses of `data` kept alive here.
     part_table: torch.Tensor = field(init=False, repr=False)
     # (in, out) of qkv, o, gate_up and down, computed once: `decoder_layer` checks them every call.
     linear_features: dict[str, tuple[int, int]] = field(init=False, repr=False)
+    # The features as `decoder_layer`'s last arguments (module.c), from `rotary_dims` on less the
+    # tables' width: qkv_bias, q_norm, k_norm, attention_output_norm, mlp_output_norm, window,
+    # softcap, activation.
+    feature_args: tuple = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         hidden = self.input_norm.shape[0]
@@ -443,6 +479,7 @@ class KernelLayer:
         problems = [p for parts in linears for part in parts for p in part.problems()]
         if not all(1 <= len(parts) <= LAYER_LINEAR_PARTS for parts in linears):
             problems.append(f"each linear layer must have 1 to {LAYER_LINEAR_PARTS} parts, got {[len(p) for p in linears]}")
+        problems += self._feature_problems(hidden)
         _check("decoder_layer", problems)
         norms_fit = all(
             n.dtype == torch.float32 and n.device.type == "cpu" and n.shape == (hidden,) and n.is_contiguous()
@@ -463,6 +500,36 @@ class KernelLayer:
                 slot[0], slot[1], slot[2] = part.type, part.data.data_ptr(), part.out_features
         object.__setattr__(self, "part_table", table)
         object.__setattr__(self, "linear_features", features)
+        feature_args = (
+            *map(_address, (self.qkv_bias, self.q_norm, self.k_norm, self.attention_output_norm, self.mlp_output_norm)),
+            self.window or 0,
+            self.softcap or 0.0,
+            ACTIVATION_CODES[self.activation],
+        )
+        object.__setattr__(self, "feature_args", feature_args)
+
+    def _feature_problems(self, hidden: int) -> list[str]:
+        qkv_out = sum(part.out_features for part in self.qkv)
+        head_dim = -1 if self.q_norm is None else self.q_norm.shape[0]
+        problems = _vector_problems(
+            qkv_bias=(self.qkv_bias, qkv_out),
+            q_norm=(self.q_norm, head_dim),
+            k_norm=(self.k_norm, head_dim),
+            attention_output_norm=(self.attention_output_norm, hidden),
+            mlp_output_norm=(self.mlp_output_norm, hidden),
+        )
+        if (self.q_norm is None) != (self.k_norm is None):
+            problems.append("q_norm and k_norm come together")
+        if (self.cos is None) != (self.sin is None):
+            problems.append("a layer's own RoPE tables are cos and sin together")
+        elif self.cos is not None:
+            problems += _dtype_problems(cos=(self.cos, torch.float32), sin=(self.sin, torch.float32))
+            if self.cos.shape != self.sin.shape or self.cos.dim() != 2 or not (self.cos.is_contiguous() and self.sin.is_contiguous()):
+                problems.append(f"the layer's cos and sin must be contiguous [positions, rotary_dims / 2], got {tuple(self.cos.shape)}")
+        problems += _attention_option_problems(self.scale, self.window, self.softcap)
+        if self.activation not in ACTIVATION_CODES:
+            problems.append(f"activation must be one of {', '.join(ACTIVATION_CODES)}, got {self.activation!r}")
+        return problems
 
     @property
     def hidden(self) -> int:
@@ -491,6 +558,7 @@ class DecoderRound:
     head_dim: int
     intermediate: int
     eps: float
+    max_position: int  # the round's furthest position: a layer's own RoPE tables must reach it
     positions: torch.Tensor
     slots: torch.Tensor
     cos: torch.Tensor
@@ -530,8 +598,8 @@ def decoder_round(
     ) + _pool_problems(pool, pool)
     if slots.shape != (tokens,) or not positions.is_contiguous() or not slots.is_contiguous():
         problems.append(f"positions and slots must be contiguous [{tokens}], got {tuple(slots.shape)}")
-    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] * 2 != head_dim or not (cos.is_contiguous() and sin.is_contiguous()):
-        problems.append(f"cos and sin must be contiguous [positions, {head_dim // 2}], got {tuple(cos.shape)}")
+    if cos.shape != sin.shape or cos.dim() != 2 or not 1 <= cos.shape[1] <= head_dim // 2 or not (cos.is_contiguous() and sin.is_contiguous()):
+        problems.append(f"cos and sin must be contiguous [positions, rotary_dims / 2] with rotary_dims at most {head_dim}, got {tuple(cos.shape)}")
     for _, rows, _, table, starts in groups:
         problems += _dtype_problems(block_table=(table, torch.int64), start_positions=(starts, torch.int64))
         if table.dim() != 2 or table.shape[0] != rows or starts.shape != (rows,) or not (table.is_contiguous() and starts.is_contiguous()):
@@ -545,14 +613,14 @@ def decoder_round(
         [[start, rows, query_len, table.shape[1], 0, table.data_ptr(), starts.data_ptr()] for start, rows, query_len, table, starts in groups],
         dtype=torch.int64,
     ).view(len(groups), _PLAN_FIELDS)
-    native.check_decoder_round(
+    max_position = native.check_decoder_round(
         positions.data_ptr(), slots.data_ptr(), tokens, cos.shape[0], num_blocks * block_size, plans.data_ptr(), len(groups),
         num_blocks, block_size, heads, kv_heads,
     )
     tables = tuple(t for _, _, _, table, starts in groups for t in (table, starts))
     return DecoderRound(
-        tokens, heads, kv_heads, head_dim, intermediate, eps, positions, slots, cos, sin, plans, tuple(pool.shape), pool.dtype,
-        scratch, tables,
+        tokens, heads, kv_heads, head_dim, intermediate, eps, max_position, positions, slots, cos, sin, plans, tuple(pool.shape),
+        pool.dtype, scratch, tables,
     )
 
 
@@ -578,17 +646,17 @@ def decoder_layers(
     for layer, layer_keys, layer_values in zip(layers, keys, values):
         _check_layer(h, layer, layer_keys, layer_values, plan)
     # What every layer's call shares, in decoder_layer's argument order around the layer's own.
-    round_args = (
-        plan.tokens, h.shape[1], plan.heads, plan.kv_heads, plan.head_dim, plan.intermediate, plan.eps, plan.head_dim**-0.5,
-        plan.positions.data_ptr(), plan.slots.data_ptr(), plan.cos.data_ptr(), plan.sin.data_ptr(), plan.cos.shape[0],
-    )
+    shapes = (plan.tokens, h.shape[1], plan.heads, plan.kv_heads, plan.head_dim, plan.intermediate, plan.eps)
+    default_scale, round_rows = plan.head_dim**-0.5, (plan.positions.data_ptr(), plan.slots.data_ptr())
     pool_args = (plan.pool_shape[1], plan.pool_shape[2], plan.plans.data_ptr(), plan.plans.shape[0], plan.scratch.data_ptr(),
                  torch.get_num_threads(), LINEAR_ISA, QUANTIZED_ISA)
     kv_dtype, h_address = KV_DTYPE_CODES[plan.pool_dtype], h.data_ptr()
     for layer, layer_keys, layer_values in zip(layers, keys, values):
+        cos, sin = (plan.cos, plan.sin) if layer.cos is None else (layer.cos, layer.sin)
         native.decoder_layer(
-            h_address, layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), layer.part_table.data_ptr(), *round_args,
-            layer_keys.data_ptr(), layer_values.data_ptr(), kv_dtype, *pool_args,
+            h_address, layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), layer.part_table.data_ptr(), *shapes,
+            default_scale if layer.scale is None else layer.scale, *round_rows, cos.data_ptr(), sin.data_ptr(), cos.shape[0],
+            layer_keys.data_ptr(), layer_values.data_ptr(), kv_dtype, *pool_args, 2 * cos.shape[1], *layer.feature_args,
         )
 
 
@@ -605,4 +673,11 @@ def _check_layer(h: torch.Tensor, layer: KernelLayer, keys: torch.Tensor, values
             f"decoder_layer: h must be contiguous float32 [{plan.tokens}, {layer.hidden}] and the pools "
             f"{plan.pool_dtype} {plan.pool_shape}, the layer's shapes those of the round; got h {h.dtype} "
             f"{tuple(h.shape)}, pools {keys.dtype} {tuple(keys.shape)} and {values.dtype} {tuple(values.shape)}"
+        )
+    if layer.q_norm is not None and layer.q_norm.shape[0] != plan.head_dim:
+        raise ValueError(f"decoder_layer: the layer's q/k norms are [{layer.q_norm.shape[0]}], the round's heads of {plan.head_dim}")
+    if layer.cos is not None and (layer.cos.shape[0] <= plan.max_position or not 1 <= layer.cos.shape[1] <= plan.head_dim // 2):
+        raise ValueError(
+            f"decoder_layer: the layer's RoPE tables {tuple(layer.cos.shape)} must reach position {plan.max_position} "
+            f"and rotate at most {plan.head_dim} dims"
         )

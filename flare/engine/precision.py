@@ -7,7 +7,7 @@ only the linear layers (the LM head included) run in a weight format, the one th
 multiplies fastest:
 
 - `bfloat16`: oneDNN's GEMM on a CPU with AVX512-BF16 or AMX, weights packed once
-  (`model.pack_weight`), float32 accumulation. On a 2-core AMD EPYC (Zen 4, AVX512-BF16) a
+  (`linear.pack_weight`), float32 accumulation. On a 2-core AMD EPYC (Zen 4, AVX512-BF16) a
   32 x 576 by 576 x 1536 product ran 2.3x faster than MKL's float32.
 - `float16`: the engine's float16 GEMM on an x86 CPU with AVX2 (every AVX2 CPU has F16C):
   float16 weights packed in blocks of 16 output channels, float32 activations and accumulation
@@ -72,7 +72,7 @@ def cpu_flags() -> list[str]:
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX tiles) and oneDNN,
-    which runs the engine's bfloat16 GEMMs (`model.pack_weight`), will use it."""
+    which runs the engine's bfloat16 GEMMs (`linear.pack_weight`), will use it."""
     # Private helpers of torch.cpu (cpuinfo underneath); absent ones count as no. oneDNN's own
     # check also honours ONEDNN_MAX_CPU_ISA, so an operator can turn bfloat16 GEMMs off.
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")

@@ -10,7 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer as BackendTokenizer
 
-from flare.preparation.chat_template import ChatTemplateError, compile_chat_template, render_within_budget
+from flare.preparation.chat_template import (
+    ChatTemplateError,
+    compile_chat_template,
+    reads_tools,
+    render_within_budget,
+    takes_system_turn,
+)
+from flare.preparation.tool_formats import tool_call_format
 
 if TYPE_CHECKING:
     from flare.preparation.package import Package
@@ -70,8 +77,13 @@ class Tokenizer:
         self.eos_token_ids = tuple(eos_token_ids)
         self.bos_token_id = bos_token_id
         self._template = compile_chat_template(chat_template)
-        # A template that names `tools` renders function definitions and tool turns itself.
-        self.knows_tools = "tools" in chat_template
+        # A template that reads `tools` renders function definitions and tool turns itself.
+        self.knows_tools = reads_tools(chat_template)
+        # How the template writes tool calls, so the answer's grammar and reader use the same.
+        self.tool_format = tool_call_format(chat_template)
+        # Where flare's tool preamble goes for a template without tools: its own system turn,
+        # or the first user turn for a template that refuses system turns (Gemma 2's).
+        self.takes_system_turn = takes_system_turn(self._template)
         # The special-token strings templates refer to, as transformers passes them.
         self._special_tokens: dict[str, str] = {"eos_token": backend.id_to_token(self.eos_token_ids[0])}
         if bos_token_id is not None:
@@ -94,6 +106,14 @@ class Tokenizer:
         self._text_backend.encode_special_tokens = True
         # Added tokens are written as their text, not in the byte-level alphabet.
         self._added_token_ids = frozenset(backend.get_added_tokens_decoder())
+        # The control tokens the tool-call format writes (Mistral's [TOOL_CALLS]): the answer's
+        # grammar names them by id, and decoding keeps their text, which the calls' reader reads.
+        self.tool_tokens = {
+            name: self._control_ids[name]
+            for name in self._control_names
+            if any(name in mark for mark in self.tool_format.marks)
+        }
+        self._decode_backend = _decoding_as_text(backend, self.tool_tokens) if self.tool_tokens else backend
 
     @classmethod
     def from_package(cls, package: Package) -> Tokenizer:
@@ -143,7 +163,7 @@ class Tokenizer:
         return -(-characters // self.max_chars_per_token)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self._decode_backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes token `token_id` stands for (what a log-probability entry reports): a
@@ -251,6 +271,16 @@ class Tokenizer:
         if _ESCAPE not in text:
             return text
         return _ESCAPED.sub(lambda m: self._control_names[int(m.group(1))] if m.group(1) else _ESCAPE, text)
+
+
+def _decoding_as_text(backend: BackendTokenizer, names: Mapping[str, int]) -> BackendTokenizer:
+    """`backend` for decoding, with the added tokens `names` no longer special: skipping
+    special tokens leaves them in the text."""
+    specification = json.loads(backend.to_str())
+    for token in specification.get("added_tokens") or ():
+        if token.get("content") in names:
+            token["special"] = False
+    return BackendTokenizer.from_str(json.dumps(specification))
 
 
 def _max_chars_per_token(specification: Mapping[str, Any]) -> int | None:

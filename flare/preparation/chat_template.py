@@ -33,6 +33,8 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
+import jinja2.nodes
 from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
 
 # A prompt past a few megabytes exceeds every context flare serves many times over; a render
@@ -149,19 +151,52 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
-def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile a chat template in a sandbox, with the environment transformers renders it in."""
-    environment = _BudgetedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+class _GenerationBlock(jinja2.ext.Extension):
+    """transformers' `{% generation %}...{% endgeneration %}`, which marks the assistant's text
+    for training masks (SmolLM3's template and many fine-tunes write it): its body, as is."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2's Extension declares it a class attribute)
+
+    def parse(self, parser: Any) -> jinja2.nodes.CallBlock:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
+
+
+def _environment() -> _BudgetedSandbox:
+    """The sandbox with the environment transformers renders chat templates in."""
+    environment = _BudgetedSandbox(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationBlock]
+    )
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = _strftime_now
     environment.globals["range"] = _budgeted_range
+    return environment
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in a sandbox, with the environment transformers renders it in."""
     try:
-        return environment.from_string(source)
+        return _environment().from_string(source)
     except jinja2.TemplateError as error:
         raise ChatTemplateError(f"the chat template does not compile: {error}") from error
     except RecursionError:
         raise ChatTemplateError("the chat template does not compile: it is nested too deeply") from None
+
+
+def reads_tools(source: str) -> bool:
+    """Whether the chat template `source` reads the `tools` variable (Hugging Face's convention
+    for the functions a model may call). Reading the variable, not naming the word: Phi-4-mini's
+    template looks for a 'tools' key inside the system message, and never sees `tools`."""
+    try:
+        tree = _environment().parse(source)
+    except (jinja2.TemplateError, RecursionError):
+        return False
+    return "tools" in jinja2.meta.find_undeclared_variables(tree)
 
 
 def render_within_budget(template: jinja2.Template, context: Mapping[str, Any]) -> str:
@@ -187,6 +222,20 @@ def render_within_budget(template: jinja2.Template, context: Mapping[str, Any]) 
         ) from error
     finally:
         _CURRENT.reset(token)
+
+
+def takes_system_turn(template: jinja2.Template) -> bool:
+    """Whether the compiled chat template renders a conversation that opens with a system
+    message (Gemma 2's refuses one with raise_exception): where flare must write its own
+    instructions (the tool preamble) when the template has no system turn."""
+    messages = [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}]
+    context = {"messages": messages, "tools": None, "documents": None, "add_generation_prompt": True,
+               "bos_token": "", "eos_token": ""}
+    try:
+        render_within_budget(template, context)
+    except ChatTemplateError:
+        return False
+    return True
 
 
 def check_chat_template(source: str) -> str | None:

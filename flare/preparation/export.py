@@ -36,7 +36,8 @@ from flare.preparation.manifest import (
 )
 from flare.preparation.package import PackageError, check_destination, fits_float16, write_package
 from flare.preparation.quantize import QUANTIZE_TYPES, quantize_weights
-from flare.preparation.recipes import Recipe, recipe_for
+from flare.preparation.recipes import Recipe, recipe_for, with_declared_defaults
+from flare.preparation.stop_tokens import with_template_stop_tokens
 from flare.preparation.source import ModelSource, SourceError, SourceWeights
 from flare.sampling.policy import (
     FILTER_PARAMS,
@@ -210,14 +211,15 @@ def store_dtype(options: ExportOptions, serving: ServingConfig, state_dict: Mapp
 
 
 def open_source(source: str) -> ModelSource:
-    """The source `flare export` was given: 'default', a GGUF file or a Hugging Face directory."""
+    """The source `flare export` was given: 'default', a GGUF file or a Hugging Face directory;
+    its stop ids with the end-of-turn tokens its chat template writes (stop_tokens.py)."""
     if source == DEFAULT_SOURCE:
-        return open_gguf(default_gguf_path(), source=DEFAULT_SOURCE)
+        return with_template_stop_tokens(open_gguf(default_gguf_path(), source=DEFAULT_SOURCE))
     path = Path(source)
     if path.is_dir():
-        return open_hf_directory(path, source=source)
+        return with_template_stop_tokens(open_hf_directory(path, source=source))
     if path.is_file():
-        return open_gguf(path, source=source)
+        return with_template_stop_tokens(open_gguf(path, source=source))
     raise SourceError(
         f"source {source!r} does not exist; give a GGUF file, a Hugging Face model directory, or 'default'"
     )
@@ -308,7 +310,7 @@ def export_package(source: str, out_dir: Path, options: ExportOptions, *, stderr
     unservable = check_chat_template(model.chat_template)
     if unservable is not None:
         raise ExportError(f"{source}: chat template: {unservable}; flare run would refuse it")
-    recipe = recipe_for(model.config)
+    recipe = with_declared_defaults(recipe_for(model.config), model.declared_defaults)
     serving = build_serving(options, recipe, model.config.max_position_embeddings)
     policy = build_policy(options, recipe, serving.max_context)
     problems = check_contract(serving, policy, str(out_dir))

@@ -34,6 +34,7 @@ from flare.preparation.gguf_families import (
 from flare.preparation.gguf_layout import read_gguf_layout
 from flare.preparation.gguf_tokenizer import build_tokenizer_json
 from flare.preparation.package import sha256_of, weight_problems
+from flare.preparation.recipes import gguf_sampling_defaults
 from flare.preparation.source import ModelSource, SourceError, SourceWeights
 
 
@@ -111,6 +112,7 @@ def open_gguf(path: Path, source: str | None = None) -> ModelSource:
         read_weights=read_weights,
         read_blocks=read_blocks,
         read_dequantized=read_dequantized,
+        declared_defaults=gguf_sampling_defaults(metadata.get),
     )
 
 

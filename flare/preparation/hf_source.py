@@ -1,6 +1,7 @@
 """A Hugging Face model directory as a package source.
 
-The directory holds `config.json` (a Llama model), one or more `*.safetensors` files,
+The directory holds `config.json` (a model of a family flare serves: hf_families.py), one or
+more `*.safetensors` files,
 `tokenizer.json`, and the chat template in `tokenizer_config.json` (or `chat_template.jinja`).
 
 A checkpoint may also ship multi-token-prediction layers in DeepSeek-V3's layout, declared by
@@ -25,8 +26,10 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from flare.preparation.manifest import ManifestError, ModelConfig
+from flare.preparation.hf_families import model_config_from_hf, tensor_converter
+from flare.preparation.manifest import ModelConfig
 from flare.preparation.package import weight_problems
+from flare.preparation.recipes import hf_generation_defaults
 from flare.preparation.source import ImportedDraftHead, ModelSource, SourceError
 
 
@@ -34,7 +37,8 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
     """Read a Hugging Face model directory's config, tokenizer and chat template (not its weights)."""
     path = Path(path)
     config_data = _read_json(path / "config.json", required=True)
-    config = model_config_from_hf(config_data, _read_json(path / "generation_config.json", required=False))
+    generation = _read_json(path / "generation_config.json", required=False)
+    config = model_config_from_hf(config_data, generation)
     weight_files = sorted(path.glob("*.safetensors"))
     if not weight_files:
         raise SourceError(f"{path} holds no *.safetensors weights; flare reads safetensors only (not .bin or .pt)")
@@ -42,8 +46,15 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
     mtp_layers = _mtp_layer_count(config_data)
     mtp_prefixes = tuple(f"model.layers.{config.num_layers + i}." for i in range(mtp_layers))
     target_shapes = {n: s for n, s in shapes.items() if not n.startswith(mtp_prefixes)} if mtp_prefixes else shapes
-    tied_copy = config.tie_word_embeddings and "lm_head.weight" in shapes
-    problems = weight_problems(config, {n: s for n, s in target_shapes.items() if not (tied_copy and n == "lm_head.weight")})
+    convert = tensor_converter(config)
+    # The package's names and shapes, from the same conversion run on meta tensors.
+    package_shapes = {
+        name: tuple(tensor.shape)
+        for source_name, shape in target_shapes.items()
+        for name, tensor in convert(source_name, torch.empty(shape, device="meta")).items()
+    }
+    tied_copy = config.tie_word_embeddings and "lm_head.weight" in package_shapes
+    problems = weight_problems(config, {n: s for n, s in package_shapes.items() if not (tied_copy and n == "lm_head.weight")})
     if problems:
         raise SourceError(
             f"the weights in {path} do not match its config.json:\n" + "\n".join(f"  - {p}" for p in problems)
@@ -54,7 +65,9 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
     tokenizer_json = tokenizer_path.read_text(encoding="utf-8")
 
     def read_weights(progress: Callable[[int, int], None]) -> dict[str, torch.Tensor]:
-        return _read_weights(weight_files, len(target_shapes), drop_lm_head=tied_copy, skip=mtp_prefixes, progress=progress)
+        return _read_weights(
+            weight_files, len(target_shapes), convert, drop_lm_head=tied_copy, skip=mtp_prefixes, progress=progress
+        )
 
     def read_draft_head() -> ImportedDraftHead:
         return read_mtp_head(path, config, weight_files, shapes, mtp_layers)
@@ -69,6 +82,7 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
         chat_template=_chat_template(path),
         read_weights=read_weights,
         read_draft_head=read_draft_head if mtp_layers else None,
+        declared_defaults=hf_generation_defaults(generation),
     )
 
 
@@ -157,52 +171,6 @@ def read_mtp_head(
     )
 
 
-def model_config_from_hf(data: dict[str, Any], generation: dict[str, Any] | None) -> ModelConfig:
-    """ModelConfig from a Hugging Face LlamaConfig's JSON; SourceError for anything flare cannot run."""
-    model_type = data.get("model_type")
-    if model_type != "llama":
-        raise SourceError(
-            f"config.json describes a {model_type!r} model; flare serves Llama-family models only (model_type 'llama')"
-        )
-    unsupported = []
-    rope = data.get("rope_scaling") or data.get("rope_parameters") or {}
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        unsupported.append(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r}")
-    if data.get("attention_bias") or data.get("mlp_bias"):
-        unsupported.append("bias terms in attention or MLP")
-    if data.get("hidden_act", "silu") != "silu":
-        unsupported.append(f"activation {data['hidden_act']!r}")
-    if unsupported:
-        raise SourceError(f"config.json asks for {', '.join(unsupported)}, which flare's Llama does not implement")
-    eos: list[int] = []
-    for source in (data, generation or {}):
-        value = source.get("eos_token_id")
-        for token in value if isinstance(value, list) else [] if value is None else [value]:
-            if token not in eos:
-                eos.append(int(token))
-    try:
-        heads = int(data["num_attention_heads"])
-        return ModelConfig(
-            vocab_size=int(data["vocab_size"]),
-            hidden_size=int(data["hidden_size"]),
-            intermediate_size=int(data["intermediate_size"]),
-            num_layers=int(data["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(data.get("num_key_value_heads") or heads),
-            head_dim=int(data.get("head_dim") or int(data["hidden_size"]) // heads),
-            rope_theta=float(data.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(data["max_position_embeddings"]),
-            tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
-            bos_token_id=data.get("bos_token_id"),
-            eos_token_ids=tuple(eos),
-        )
-    except KeyError as error:
-        raise SourceError(f"config.json lacks {error.args[0]!r}") from None
-    except ManifestError as error:
-        raise SourceError(f"config.json: {error}") from None
-
-
 def _read_json(path: Path, *, required: bool) -> dict[str, Any]:
     if not path.is_file():
         if required:
@@ -255,21 +223,24 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _read_weights(
     files: list[Path],
     total: int,
+    convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
     *,
     drop_lm_head: bool,
     skip: tuple[str, ...],
     progress: Callable[[int, int], None],
 ) -> dict[str, torch.Tensor]:
-    """The model's tensors in float32, without a tied LM head's copy and the MTP layers (`skip`)."""
+    """The model's tensors in float32 under the package's names (`convert`), without a tied LM
+    head's copy and the MTP layers (`skip`)."""
     state: dict[str, torch.Tensor] = {}
     done = 0
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if skip and name.startswith(skip):
+            for source_name in f.keys():
+                if skip and source_name.startswith(skip):
                     continue
-                if not (drop_lm_head and name == "lm_head.weight"):
-                    state[name] = f.get_tensor(name).to(torch.float32)
+                for name, tensor in convert(source_name, f.get_tensor(source_name).to(torch.float32)).items():
+                    if not (drop_lm_head and name == "lm_head.weight"):
+                        state[name] = tensor.contiguous()
                 done += 1
                 progress(done, total)
     return state

@@ -3,6 +3,11 @@
 A recipe is what the model's authors recommend (its model card), written down once so that every
 package of the model serves under it. `flare export` picks the recipe by the model's architecture
 fingerprint, whatever the source format, and `--sampling-default` / `--sampling-range` override it.
+
+A model without a recipe of its own serves under the generic one, with the defaults its source
+declares in place of the generic defaults (`DeclaredDefaults`: a Hugging Face directory's
+generation_config.json, a GGUF file's `general.sampling.*` keys), each clamped to the generic
+ranges.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,3 +122,79 @@ RECIPES = (SMOLLM2_135M_INSTRUCT,)
 def recipe_for(config: ModelConfig) -> Recipe:
     """The recipe of the model `config` describes, or the generic Llama recipe."""
     return next((recipe for recipe in RECIPES if recipe.matches(config)), GENERIC_LLAMA)
+
+
+@dataclass(frozen=True)
+class DeclaredDefaults:
+    """The sampling defaults a source declares for its model, as policy parameters, and where."""
+
+    origin: str  # "generation_config.json", "GGUF general.sampling"
+    values: dict[str, Number]
+
+
+# generation_config.json's keys (transformers' GenerationConfig) and the parameter each sets.
+_HF_GENERATION_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+# llama.cpp's general.sampling.* keys (gguf-py's Keys.General.SAMPLING_*) and the parameter each
+# sets; llama.cpp applies its repeat penalty to the last penalty_last_n tokens, flare to all of them.
+_GGUF_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
+def hf_generation_defaults(generation: Mapping[str, Any]) -> DeclaredDefaults | None:
+    """The sampling defaults of a generation_config.json, or None where it declares none. Its
+    sampling values count only with `do_sample: true`: transformers decodes greedily otherwise
+    and ignores them; `max_new_tokens` counts either way."""
+    keys = _HF_GENERATION_KEYS if generation.get("do_sample") is True else {"max_new_tokens": "max_tokens"}
+    values = _numbers({param: generation.get(key) for key, param in keys.items()})
+    return DeclaredDefaults("generation_config.json", values) if values else None
+
+
+def gguf_sampling_defaults(get: Callable[[str], Any]) -> DeclaredDefaults | None:
+    """The sampling defaults of a GGUF file's general.sampling.* keys (`get` reads one key, None
+    when absent), or None where it declares none."""
+    values = _numbers({param: get(key) for key, param in _GGUF_SAMPLING_KEYS.items()})
+    return DeclaredDefaults("GGUF general.sampling", values) if values else None
+
+
+def _numbers(raw: Mapping[str, Any]) -> dict[str, Number]:
+    values: dict[str, Number] = {}
+    for param, value in raw.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue  # absent, or not a number: the generic default stands
+        if param == "top_k":
+            values[param] = int(value) if value > 0 else -1  # 0 turns top-k off in both, -1 in flare
+        elif param == "max_tokens":
+            values[param] = max(int(value), 1)
+        else:
+            values[param] = float(value)
+    return values
+
+
+def with_declared_defaults(recipe: Recipe, declared: DeclaredDefaults | None) -> Recipe:
+    """The generic recipe with the defaults the source declares, each clamped to the generic
+    ranges (max_tokens later, to the context, by export); any other recipe as it is: a model's
+    own recipe is its authors' word already."""
+    if recipe is not GENERIC_LLAMA or declared is None:
+        return recipe
+    defaults = dict(recipe.defaults)
+    for param, value in declared.values.items():
+        low, high = recipe.ranges.get(param, (value, value))
+        defaults[param] = min(max(value, low), high)
+    return dataclasses.replace(
+        recipe,
+        name=f"{recipe.name}+source-defaults",
+        description=f"{recipe.description}, with the defaults of the source's {declared.origin}",
+        defaults=defaults,
+    )

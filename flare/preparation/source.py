@@ -14,6 +14,7 @@ import torch
 
 from flare.preparation.blocks import BlockTensor
 from flare.preparation.manifest import ModelConfig
+from flare.preparation.recipes import DeclaredDefaults
 
 
 class SourceError(Exception):
@@ -40,6 +41,9 @@ class ModelSource:
     # A checkpoint's own multi-token-prediction layer, as a draft head (`hf_source.read_mtp_head`):
     # None where the source declares none.
     read_draft_head: Callable[[], ImportedDraftHead] | None = None
+    # The sampling defaults the source declares for its model (generation_config.json, GGUF
+    # general.sampling.*): a model without a recipe of its own serves under them (recipes.py).
+    declared_defaults: DeclaredDefaults | None = None
 
 
 @dataclass(frozen=True)

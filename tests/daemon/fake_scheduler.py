@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from flare.engine.tokenizer import ChatTemplateError
+from flare.preparation.tool_formats import FLARE
 from flare.sampling.policy import SamplingPolicy
 from flare.scheduler.request import (
     Failed,
@@ -52,6 +53,9 @@ class FakeTokenizer:
 
     eos_token_ids = (0,)
     knows_tools = False
+    tool_format = FLARE
+    tool_tokens: dict[str, int] = {}
+    takes_system_turn = True
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]

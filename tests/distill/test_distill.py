@@ -42,6 +42,17 @@ def test_distillation_is_deterministic_under_a_seed(tiny_package):
     assert len(info_a.held_out.per_step) == 2
 
 
+def test_a_budget_too_short_to_generate_training_answers_is_an_option_error(tiny_hf_directory, tmp_path, capsys):
+    # 0.3 s: the held-out answers, generated first, take the whole generation budget.
+    code = flare("export", str(tiny_hf_directory), "-o", str(tmp_path / "pkg"), "--drafter", "mtp",
+                 "--distill-seconds", "0.3", "--distill-tokens", "100")
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "no training answer was generated" in err and "--distill-seconds" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "pkg").exists()
+
+
 def test_export_ships_the_head_and_inspect_shows_it(tiny_hf_directory, tmp_path, capsys):
     out = tmp_path / "pkg"
     manifest = distill_export.export_with_draft_head(str(tiny_hf_directory), out, ExportOptions(draft_tokens=2), TINY)

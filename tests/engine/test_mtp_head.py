@@ -3,6 +3,8 @@ trained with (the same drafts and the same q)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from mtp_heads import head_info, head_module, repeat_head_state
@@ -65,19 +67,32 @@ def test_a_package_that_lost_its_draft_head_file_is_refused(make_package, packag
         open_package(path)
 
 
+# A target of another family: its layers have what a Llama layer lacks, its head's does not.
+FAMILY_LAYER = {"attention_bias": True, "qk_norm": True, "sliding_window": 8, "sliding_layers": (0,), "sandwich_norms": True,
+                "hidden_activation": "gelu_tanh", "attention_softcap": 20.0}
+
+
 @pytest.mark.parametrize("drafted_after_prefill", [True, False], ids=["caught-up-each-round", "caught-up-late"])
 @pytest.mark.parametrize("imported", [False, True], ids=["distilled", "imported"])
-@pytest.mark.parametrize("native", [True, False], ids=["native-kernels", "torch"])
-def test_the_paged_head_drafts_what_the_dense_head_computes(package_parts, draft_vocab, native, imported, drafted_after_prefill):
+@pytest.mark.parametrize(
+    ("native", "family"), [(True, False), (False, False), (False, True)], ids=["native-kernels", "torch", "torch-family-target"]
+)
+def test_the_paged_head_drafts_what_the_dense_head_computes(
+    package_parts, make_state_dict, draft_vocab, native, family, imported, drafted_after_prefill
+):
     """A prompt chunk, then a decode row that drafts K steps on the head's own hidden states:
     tokens and q equal the dense unrolled forward fed the same tokens, whether the head caught up
     on the chunk in its own round or on everything at once from the pooled hidden states. An
-    imported head reads the target's hidden state after its final norm and has a norm of its own."""
+    imported head reads the target's hidden state after its final norm and has a norm of its own.
+    Over a target of another family the head's block is still the Llama layer it is trained as."""
     from flare.engine import native as native_module
 
     if native and not native_module.available():
         pytest.skip("the native kernels are not built")
     config, target_state = package_parts["config"], package_parts["state_dict"]
+    if family:
+        config = replace(config, **FAMILY_LAYER)
+        target_state = make_state_dict(config)
     target = LlamaModel(config, target_state, native_kernels=native)
     head_state = repeat_head_state(config, target_state, draft_vocab, mix=1.0, seed=5)
     target_norm = target_state["model.norm.weight"]

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from flare.engine import native
 from flare.engine.model import LlamaModel, apply_rope, rope_tables
-from flare.engine.native import add_rms_norm, available, paged_attention, rope_and_cache, swiglu_rows
+from flare.engine.native import add_rms_norm, available, gated_rows, paged_attention, rope_and_cache
 
 from tiny_llama import random_state_dict, tiny_config
 
@@ -271,7 +271,7 @@ def test_rope_and_cache_refuses_positions_and_slots_outside_their_tables(positio
     assert not keys.any() and not values.any()  # checked before anything was written
 
 
-def test_swiglu_rows_equals_silu_of_gate_times_up_transposed() -> None:
+def test_gated_rows_equals_silu_of_gate_times_up_transposed() -> None:
     generator = torch.Generator().manual_seed(4)
     for intermediate, tokens in ((160, 1), (1536, 32), (100, 70)):
         gate_up = 4 * torch.randn(2 * intermediate, tokens, generator=generator)
@@ -279,15 +279,15 @@ def test_swiglu_rows_equals_silu_of_gate_times_up_transposed() -> None:
         gate, up = gate_up.chunk(2)
         expected = (torch.nn.functional.silu(gate) * up).t()
         for layout, columns in linear_layouts(gate_up).items():
-            out = swiglu_rows(columns)
+            out = gated_rows(columns)
             assert out.is_contiguous() and out.shape == (tokens, intermediate)
             torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6, msg=layout)
 
 
-def test_swiglu_rows_keeps_nan_where_it_was() -> None:
+def test_gated_rows_keeps_nan_where_it_was() -> None:
     gate_up = torch.randn(2 * 64, 3)
     gate_up[5, 1] = float("nan")
-    out = swiglu_rows(gate_up)
+    out = gated_rows(gate_up)
     assert out[1, 5].isnan() and out.isnan().sum() == 1
 
 

@@ -10,15 +10,8 @@ import torch
 
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import BlockAllocator, KVCache
-from flare.engine.model import (
-    CHUNKED_MIN_TOKENS,
-    OUTPUT_CHUNK,
-    LlamaModel,
-    WeightsError,
-    linear,
-    linear_columns,
-    pack_weight,
-)
+from flare.engine.linear import CHUNKED_MIN_TOKENS, OUTPUT_CHUNK, linear, linear_columns, pack_weight
+from flare.engine.model import LlamaModel, WeightsError
 from flare.engine import native
 from flare.engine.native import Float16Weight, decoder_layers
 from flare.engine.precision import WeightFormat, cpu_has_float16_gemm

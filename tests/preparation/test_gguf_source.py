@@ -69,7 +69,8 @@ def write_tiny_gguf(
 ) -> None:
     """A GGUF as llama.cpp's converter writes it: q/k rows permuted, some tensors quantized
     (`tensor_types`, QUANTIZED by default). `blocks` gives tensors as raw ggml blocks [out, row_bytes],
-    written as they are (in llama.cpp's row order already), in place of `state`'s."""
+    written as they are (in llama.cpp's row order already), in place of `state`'s. `kv` adds
+    metadata keys (an int as uint32, a float as float32, a string as string)."""
     tensor_types = QUANTIZED if tensor_types is None else tensor_types
     blocks = blocks or {}
     tokens, types, merges = tiny_vocabulary()
@@ -90,6 +91,9 @@ def write_tiny_gguf(
     writer.add_token_merges(merges)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    for key, value in metadata.get("kv", {}).items():
+        add = writer.add_uint32 if isinstance(value, int) else writer.add_float32 if isinstance(value, float) else writer.add_string
+        add(key, value)
     if metadata.get("chat_template", True):
         writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
     for name, tensor in state.items():

@@ -48,9 +48,12 @@ def test_chat_template_from_chat_template_jinja(tmp_path: Path, package_parts: d
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"model_type": "mistral"}, "describes a 'mistral' model; flare serves Llama-family models only"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling 'llama3'"),
+        ({"model_type": "falcon"}, "describes a 'falcon' model; flare serves model types llama, mistral, qwen2, qwen3, gemma2"),
+        ({"model_type": "mixtral"}, r"'mixtral' model \(mixture-of-experts layers are not built yet\)"),
+        ({"model_type": "deepseek_v3"}, "multi-head latent attention"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 8.0}}, "RoPE scaling 'dynamic'"),
         ({"attention_bias": True}, "bias terms"),
+        ({"hidden_act": "relu"}, "activation 'relu'"),
         ({"num_hidden_layers": 3}, "weight model.layers.2.input_layernorm.weight is missing"),
     ],
 )

@@ -8,6 +8,12 @@
  *   x = rms_norm(h) * post_norm
  *   h += swiglu(x W_gate_up) W_down
  *
+ * with each family's features where the layer has them (kernels.h, DecoderLayerRound): the q/k/v
+ * bias, q/k norms and partial rotary inside `rope_and_cache`, the layer's own RoPE tables, its
+ * window, soft-cap and scale inside `paged_attention`, GELU-tanh for silu, and Gemma's sandwich
+ * norms: h += rms_norm(attention(q) W_o) * attention_output_norm, and the same of the MLP's
+ * output with mlp_output_norm.
+ *
  * These are the same kernels, in the same order and on the same inputs, that model.py calls one
  * by one, so the result is the same bits; what goes is the Python between them. Each of a
  * layer's nine steps cost 3-4 us of Python and tensor allocation around a product that, for
@@ -36,6 +42,13 @@ static int layer_linear(const DecoderLayerRound *l, const LayerLinear *w, const 
         first += part->out;
     }
     return 0;
+}
+
+/* A sandwich norm: delta [T, hidden] RMS-normalized in place with `weight`, where the layer has one. */
+static void output_norm(const DecoderLayerRound *l, const float *weight, float *delta, int threads) {
+    if (!weight) return;
+    const AddRmsNorm n = {.h = delta, .weight = weight, .out = delta, .tokens = l->tokens, .hidden = l->hidden, .eps = l->eps};
+    add_rms_norm(&n, threads);
 }
 
 int decoder_layer(const DecoderLayerRound *l, int threads) {
@@ -67,6 +80,11 @@ int decoder_layer(const DecoderLayerRound *l, int threads) {
         .kv_heads = l->kv_heads,
         .head_dim = l->head_dim,
         .pool_slots = l->num_blocks * l->block_size,
+        .bias = l->qkv_bias,
+        .q_norm = l->q_norm,
+        .k_norm = l->k_norm,
+        .norm_eps = l->eps,
+        .rotary_dims = l->rotary_dims,
     };
     rope_and_cache(&rope, threads);
 
@@ -90,20 +108,24 @@ int decoder_layer(const DecoderLayerRound *l, int threads) {
             .num_blocks = l->num_blocks,
             .max_blocks = plan->max_blocks,
             .scale = l->scale,
+            .window = l->window,
+            .softcap = l->softcap,
         };
         if (paged_attention(&a, plan->longest, threads)) return -1;
     }
 
     if (layer_linear(l, &l->o, attended, A, delta, A, hidden, threads)) return -1;
+    output_norm(l, l->attention_output_norm, delta, threads);
 
     const AddRmsNorm post_norm = {.h = l->h, .delta = delta, .delta_token_stride = hidden, .delta_channel_stride = 1,
                                   .weight = l->post_norm, .out = x, .tokens = T, .hidden = hidden, .eps = l->eps};
     add_rms_norm(&post_norm, threads);
 
     if (layer_linear(l, &l->gate_up, x, hidden, gate_up, hidden, 2 * I, threads)) return -1;
-    if (swiglu_rows(gate_up, 1, 2 * I, gated, I, T, threads)) return -1;
+    if (gated_rows(gate_up, 1, 2 * I, gated, I, T, l->activation, threads)) return -1;
 
     if (layer_linear(l, &l->down, gated, I, delta, I, hidden, threads)) return -1;
+    output_norm(l, l->mlp_output_norm, delta, threads);
     /* The residual add the next layer's norm would make (model.py hands it the delta instead). */
     for (int64_t i = 0; i < T * hidden; i++) l->h[i] += delta[i];
     return 0;

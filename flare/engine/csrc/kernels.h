@@ -44,6 +44,17 @@ static inline float exp_nonpositive(float x) {
     return p * two_n;
 }
 
+/* tanh(y) to a few ulp, vectorisable (libm's tanhf is a scalar call): an odd polynomial below
+ * |y| = 0.1 (its first neglected term, 62/2835 y^9, is under 2^-37 |y| there), above it
+ * (1 - e) / (1 + e) with e = exp(-2|y|) <= e^-0.2, where 1 - e loses no precision. */
+static inline float tanh_float(float y) {
+    const float a = y < 0.0f ? -y : y, y2 = y * y;
+    const float small = y * (1.0f + y2 * (-1.0f / 3.0f + y2 * (2.0f / 15.0f - y2 * (17.0f / 315.0f))));
+    const float e = exp_nonpositive(-2.0f * a);
+    const float large = (1.0f - e) / (1.0f + e);
+    return a < 0.1f ? small : (y < 0.0f ? -large : large);
+}
+
 /* How the KV pool stores its elements; native.py passes the code of the pool's dtype. A 16-bit
  * pool holds half the bytes of a float32 one, and attention over a long context is bound by
  * reading them. Everything is computed in float32: elements are widened when read and rounded
@@ -120,7 +131,9 @@ typedef struct {
     const int64_t *block_table;     /* [rows, max_blocks] */
     const int64_t *start_positions; /* [rows]: position of each row's first new token */
     int64_t rows, query_len, heads, kv_heads, head_dim, block_size, num_blocks, max_blocks;
-    float scale;
+    float scale;               /* the factor on q . k (head_dim ** -0.5 unless the model names another) */
+    int64_t window;            /* 0, or the sliding window: query at position p sees keys p - window < k <= p */
+    float softcap;             /* 0, or scores become softcap * tanh(score / softcap) after the scale */
     int portable;              /* run the loops for CPUs without AVX2 and FMA even where they are present */
 } Attention;
 
@@ -135,21 +148,29 @@ typedef struct {
     int64_t channel_stride, token_stride;
     const int64_t *positions;  /* [tokens] */
     const int64_t *slots;      /* [tokens]: pool slot (block * block_size + offset) of each token */
-    const float *cos, *sin;    /* [max_positions, head_dim / 2] */
+    const float *cos, *sin;    /* [max_positions, rotary_dims / 2] */
     int64_t max_positions;
     float *q_out;              /* [tokens, heads, head_dim] */
     void *keys, *values;       /* [kv_heads, pool_slots, head_dim] of `kv_dtype` */
     int kv_dtype;              /* a KvDtype */
     int64_t tokens, heads, kv_heads, head_dim, pool_slots;
+    /* The family features (Llama has none of them: NULL, NULL, NULL and rotary_dims = head_dim). */
+    const float *bias;         /* NULL, or [(heads + 2 kv_heads) head_dim]: added to q, k and v first */
+    const float *q_norm, *k_norm; /* NULL, or [head_dim]: RMSNorm of each q (k) head before RoPE, `norm_eps` */
+    float norm_eps;
+    int64_t rotary_dims;       /* the leading dims of each head that rotate (even, <= head_dim); the rest are copied */
 } RopeCache;
 
 void rope_and_cache(const RopeCache *r, int threads);
 
-/* SwiGLU from a gate/up linear layer's output (channel c of token t at
+/* The gated MLP's activation: SwiGLU's silu(gate) * up, or GeGLU's gelu_tanh(gate) * up (Gemma). */
+enum { ACTIVATION_SILU = 0, ACTIVATION_GELU_TANH = 1 };
+
+/* The gated activation from a gate/up linear layer's output (channel c of token t at
  * gate_up[c * channel_stride + t * token_stride]) to the rows the down projection reads: see
  * swiglu.c. Returns 0, or -1 when scratch memory could not be allocated. */
-int swiglu_rows(const float *gate_up, int64_t channel_stride, int64_t token_stride, float *out, int64_t intermediate,
-                int64_t tokens, int threads);
+int gated_rows(const float *gate_up, int64_t channel_stride, int64_t token_stride, float *out, int64_t intermediate,
+               int64_t tokens, int activation, int threads);
 
 /* The residual add and the RMSNorm after it: see rms_norm.c. */
 typedef struct {
@@ -242,8 +263,16 @@ typedef struct {
     int64_t tokens, hidden, heads, kv_heads, head_dim, intermediate;
     float eps, scale;
     const int64_t *positions, *slots;          /* [tokens] */
-    const float *cos, *sin;                    /* [max_positions, head_dim / 2] */
-    int64_t max_positions;
+    const float *cos, *sin;                    /* this layer's tables [max_positions, rotary_dims / 2] */
+    int64_t max_positions, rotary_dims;
+    /* The family features, each NULL or 0 where the layer has none (Llama's layers). */
+    const float *qkv_bias;                     /* [(heads + 2 kv_heads) head_dim] */
+    const float *q_norm, *k_norm;              /* [head_dim] */
+    const float *attention_output_norm;        /* [hidden]: RMSNorm of the attention's output before the residual add */
+    const float *mlp_output_norm;              /* [hidden]: the same for the MLP's */
+    int64_t window;                            /* the layer's sliding window */
+    float softcap;                             /* of the attention scores */
+    int activation;                            /* ACTIVATION_SILU or ACTIVATION_GELU_TANH */
     void *keys, *values;                       /* this layer's pools [kv_heads, num_blocks, block_size, head_dim] */
     int kv_dtype;
     int64_t num_blocks, block_size;

@@ -31,20 +31,33 @@ static const char *check_rows(const Attention *a, int64_t *longest) {
     return NULL;
 }
 
+/* The most head_dim the family features' path takes (it keeps a head on the stack; Gemma's 256). */
+enum { FEATURES_MAX_HEAD_DIM = 1024 };
+
+/* NULL when rotary_dims and the norms' eps fit a head of head_dim, else the problem. */
+static const char *check_features(int64_t head_dim, int64_t rotary_dims, float norm_eps, int featured) {
+    if (rotary_dims < 2 || rotary_dims % 2 || rotary_dims > head_dim) return "rotary_dims must be even, from 2 to head_dim";
+    if (featured && head_dim > FEATURES_MAX_HEAD_DIM) return "head_dim is over 1024 for a bias, q/k norms or partial rotary";
+    if (!(norm_eps > 0.0f)) return "the norms' eps must be positive";
+    return NULL;
+}
+
 static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t q, q_token_stride, keys, values, out, block_table, start_positions;
-    Py_ssize_t rows, query_len, heads, kv_heads, head_dim, block_size, num_blocks, max_blocks, threads;
-    float scale;
+    Py_ssize_t rows, query_len, heads, kv_heads, head_dim, block_size, num_blocks, max_blocks, window, threads;
+    float scale, softcap;
     int kv_dtype, portable;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnfnip", &q, &q_token_stride, &keys, &values, &out, &block_table,
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnfnfnip", &q, &q_token_stride, &keys, &values, &out, &block_table,
                           &start_positions, &rows, &query_len, &heads, &kv_heads, &head_dim, &block_size,
-                          &num_blocks, &max_blocks, &scale, &threads, &kv_dtype, &portable))
+                          &num_blocks, &max_blocks, &scale, &window, &softcap, &threads, &kv_dtype, &portable))
         return NULL;
     if (kv_dtype < KV_FLOAT32 || kv_dtype > KV_BFLOAT16) return invalid("paged_attention", "unknown KV dtype code");
     if (rows < 1 || query_len < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads || head_dim < 1 ||
         block_size < 1 || num_blocks < 1 || max_blocks < 1 || threads < 1)
         return invalid("paged_attention", "sizes must be positive and heads a multiple of kv_heads");
+    if (window < 0 || !(softcap >= 0.0f) || !(scale > 0.0f))
+        return invalid("paged_attention", "window and softcap must not be negative, scale must be positive");
     const Attention a = {
         .q = (const float *)q,
         .q_token_stride = q_token_stride,
@@ -63,6 +76,8 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
         .num_blocks = num_blocks,
         .max_blocks = max_blocks,
         .scale = scale,
+        .window = window,
+        .softcap = softcap,
         .portable = portable,
     };
     int64_t longest;
@@ -79,16 +94,19 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
 static PyObject *py_rope_and_cache(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t qkv, channel_stride, token_stride, positions, slots, cos, sin, max_positions, q_out, keys, values;
-    Py_ssize_t tokens, heads, kv_heads, head_dim, pool_slots, threads;
+    Py_ssize_t tokens, heads, kv_heads, head_dim, pool_slots, threads, bias, q_norm, k_norm, rotary_dims;
+    float norm_eps;
     int kv_dtype;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnni", &qkv, &channel_stride, &token_stride, &positions, &slots, &cos,
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnninnnfn", &qkv, &channel_stride, &token_stride, &positions, &slots, &cos,
                           &sin, &max_positions, &q_out, &keys, &values, &tokens, &heads, &kv_heads, &head_dim,
-                          &pool_slots, &threads, &kv_dtype))
+                          &pool_slots, &threads, &kv_dtype, &bias, &q_norm, &k_norm, &norm_eps, &rotary_dims))
         return NULL;
     if (kv_dtype < KV_FLOAT32 || kv_dtype > KV_BFLOAT16) return invalid("rope_and_cache", "unknown KV dtype code");
     if (tokens < 1 || heads < 1 || kv_heads < 1 || head_dim < 2 || head_dim % 2 || pool_slots < 1 ||
         max_positions < 1 || threads < 1 || channel_stride < 0 || token_stride < 0)
         return invalid("rope_and_cache", "sizes must be positive, strides non-negative and head_dim even");
+    const char *problem = check_features(head_dim, rotary_dims, norm_eps, bias || q_norm || k_norm || rotary_dims != head_dim);
+    if (problem) return invalid("rope_and_cache", problem);
     const RopeCache r = {
         .qkv = (const float *)qkv,
         .channel_stride = channel_stride,
@@ -107,6 +125,11 @@ static PyObject *py_rope_and_cache(PyObject *self, PyObject *args) {
         .kv_heads = kv_heads,
         .head_dim = head_dim,
         .pool_slots = pool_slots,
+        .bias = (const float *)bias,
+        .q_norm = (const float *)q_norm,
+        .k_norm = (const float *)k_norm,
+        .norm_eps = norm_eps,
+        .rotary_dims = rotary_dims,
     };
     for (int64_t t = 0; t < tokens; t++) {
         if (r.positions[t] < 0 || r.positions[t] >= max_positions)
@@ -119,18 +142,20 @@ static PyObject *py_rope_and_cache(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_swiglu_rows(PyObject *self, PyObject *args) {
+static PyObject *py_gated_rows(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t gate_up, channel_stride, token_stride, out, intermediate, tokens, threads;
-    if (!PyArg_ParseTuple(args, "nnnnnnn", &gate_up, &channel_stride, &token_stride, &out, &intermediate, &tokens,
-                          &threads))
+    int activation;
+    if (!PyArg_ParseTuple(args, "nnnnnnin", &gate_up, &channel_stride, &token_stride, &out, &intermediate, &tokens,
+                          &activation, &threads))
         return NULL;
     if (intermediate < 1 || tokens < 1 || threads < 1 || channel_stride < 0 || token_stride < 0)
-        return invalid("swiglu_rows", "sizes must be positive and strides non-negative");
+        return invalid("gated_rows", "sizes must be positive and strides non-negative");
+    if (activation != ACTIVATION_SILU && activation != ACTIVATION_GELU_TANH) return invalid("gated_rows", "unknown activation code");
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = swiglu_rows((const float *)gate_up, channel_stride, token_stride, (float *)out, intermediate, tokens,
-                         (int)threads);
+    status = gated_rows((const float *)gate_up, channel_stride, token_stride, (float *)out, intermediate, tokens,
+                        activation, (int)threads);
     Py_END_ALLOW_THREADS
     if (status) return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -250,7 +275,8 @@ static PyObject *py_quantized_rows(PyObject *self, PyObject *args) {
 /* Checks a round's tokens and attention groups once for every layer of `decoder_layer`: each
  * position inside the RoPE tables, each slot inside the pool, each group's block ids inside the
  * pool and its rows inside their tables and inside the round's tokens. Fills each plan's
- * `longest` (the most keys a row of the group attends to). */
+ * `longest` (the most keys a row of the group attends to); returns the furthest position (a
+ * layer's own RoPE tables are checked against it). */
 static PyObject *py_check_decoder_round(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t positions, slots, tokens, max_positions, pool_slots, plans, groups, num_blocks, block_size, heads, kv_heads;
@@ -277,7 +303,9 @@ static PyObject *py_check_decoder_round(PyObject *self, PyObject *args) {
         if (problem) return invalid("decoder_layer", problem);
     }
     if (covered != tokens) return invalid("decoder_layer", "the groups must cover the round's tokens in order");
-    Py_RETURN_NONE;
+    int64_t furthest = 0;
+    for (int64_t t = 0; t < tokens; t++) furthest = ((const int64_t *)positions)[t] > furthest ? ((const int64_t *)positions)[t] : furthest;
+    return PyLong_FromLongLong(furthest);
 }
 
 /* A layer's linear layer from its row of native.py's part table: (type, address, out) per part. */
@@ -294,17 +322,23 @@ static PyObject *py_decoder_layer(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t h, input_norm, post_norm, linears, tokens, hidden, heads, kv_heads, head_dim, intermediate;
     Py_ssize_t positions, slots, cos, sin, max_positions, keys, values, num_blocks, block_size, plans, groups, scratch;
-    Py_ssize_t threads;
-    float eps, scale;
-    int kv_dtype, isa, quantized_isa;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnffnnnnnnninnnnnnii", &h, &input_norm, &post_norm, &linears, &tokens, &hidden,
-                          &heads, &kv_heads, &head_dim, &intermediate, &eps, &scale, &positions, &slots, &cos, &sin,
-                          &max_positions, &keys, &values, &kv_dtype, &num_blocks, &block_size, &plans, &groups, &scratch,
-                          &threads, &isa, &quantized_isa))
+    Py_ssize_t threads, rotary_dims, qkv_bias, q_norm, k_norm, attention_output_norm, mlp_output_norm, window;
+    float eps, scale, softcap;
+    int kv_dtype, isa, quantized_isa, activation;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnffnnnnnnninnnnnniinnnnnnnfi", &h, &input_norm, &post_norm, &linears, &tokens,
+                          &hidden, &heads, &kv_heads, &head_dim, &intermediate, &eps, &scale, &positions, &slots, &cos,
+                          &sin, &max_positions, &keys, &values, &kv_dtype, &num_blocks, &block_size, &plans, &groups,
+                          &scratch, &threads, &isa, &quantized_isa, &rotary_dims, &qkv_bias, &q_norm, &k_norm,
+                          &attention_output_norm, &mlp_output_norm, &window, &softcap, &activation))
         return NULL;
     const int64_t *table = (const int64_t *)linears, row = 3 * LAYER_LINEAR_PARTS;
     if (kv_dtype < KV_FLOAT32 || kv_dtype > KV_BFLOAT16) return invalid("decoder_layer", "unknown KV dtype code");
     if (threads < 1) return invalid("decoder_layer", "threads must be positive");
+    const char *problem = check_features(head_dim, rotary_dims, eps, qkv_bias || q_norm || k_norm || rotary_dims != head_dim);
+    if (problem) return invalid("decoder_layer", problem);
+    if (window < 0 || !(softcap >= 0.0f) || !(scale > 0.0f))
+        return invalid("decoder_layer", "window and softcap must not be negative, scale must be positive");
+    if (activation != ACTIVATION_SILU && activation != ACTIVATION_GELU_TANH) return invalid("decoder_layer", "unknown activation code");
     const DecoderLayerRound l = {
         .h = (float *)h,
         .input_norm = (const float *)input_norm,
@@ -326,6 +360,15 @@ static PyObject *py_decoder_layer(PyObject *self, PyObject *args) {
         .cos = (const float *)cos,
         .sin = (const float *)sin,
         .max_positions = max_positions,
+        .rotary_dims = rotary_dims,
+        .qkv_bias = (const float *)qkv_bias,
+        .q_norm = (const float *)q_norm,
+        .k_norm = (const float *)k_norm,
+        .attention_output_norm = (const float *)attention_output_norm,
+        .mlp_output_norm = (const float *)mlp_output_norm,
+        .window = window,
+        .softcap = softcap,
+        .activation = activation,
         .keys = (void *)keys,
         .values = (void *)values,
         .kv_dtype = kv_dtype,
@@ -348,12 +391,13 @@ static PyObject *py_decoder_layer(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"paged_attention", py_paged_attention, METH_VARARGS,
      "paged_attention(q, q_token_stride, keys, values, out, block_table, start_positions, rows, query_len, heads, "
-     "kv_heads, head_dim, block_size, num_blocks, max_blocks, scale, threads, kv_dtype, portable)"},
+     "kv_heads, head_dim, block_size, num_blocks, max_blocks, scale, window, softcap, threads, kv_dtype, portable)"},
     {"rope_and_cache", py_rope_and_cache, METH_VARARGS,
      "rope_and_cache(qkv, channel_stride, token_stride, positions, slots, cos, sin, max_positions, q_out, keys, "
-     "values, tokens, heads, kv_heads, head_dim, pool_slots, threads, kv_dtype)"},
-    {"swiglu_rows", py_swiglu_rows, METH_VARARGS,
-     "swiglu_rows(gate_up, channel_stride, token_stride, out, intermediate, tokens, threads)"},
+     "values, tokens, heads, kv_heads, head_dim, pool_slots, threads, kv_dtype, bias, q_norm, k_norm, norm_eps, "
+     "rotary_dims)"},
+    {"gated_rows", py_gated_rows, METH_VARARGS,
+     "gated_rows(gate_up, channel_stride, token_stride, out, intermediate, tokens, activation, threads)"},
     {"add_rms_norm", py_add_rms_norm, METH_VARARGS,
      "add_rms_norm(h, delta, delta_token_stride, delta_channel_stride, weight, out, tokens, hidden, eps, threads)"},
     {"float16_linear", py_float16_linear, METH_VARARGS,
@@ -370,7 +414,8 @@ static PyMethodDef methods[] = {
     {"decoder_layer", py_decoder_layer, METH_VARARGS,
      "decoder_layer(h, input_norm, post_norm, linears, tokens, hidden, heads, kv_heads, head_dim, intermediate, eps, "
      "scale, positions, slots, cos, sin, max_positions, keys, values, kv_dtype, num_blocks, block_size, plans, groups, "
-     "scratch, threads, isa, quantized_isa)"},
+     "scratch, threads, isa, quantized_isa, rotary_dims, qkv_bias, q_norm, k_norm, attention_output_norm, "
+     "mlp_output_norm, window, softcap, activation)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -11,7 +11,11 @@
  *   out_i = sum_k p_ik v_k
  *
  * where query i sees keys 0 .. start + t_i (causal: t_i is its offset among the row's new
- * tokens). The `group` query heads that share a KV head are handled by the same task, so each
+ * tokens). A sliding-window layer's query sees only the last `window` of them, keys k with
+ * start + t_i - window < k <= start + t_i (Mistral, Gemma's local layers): the task reads the
+ * blocks from the one holding its first query's first key, and each query's softmax and
+ * weighted sum run over its own keys. A soft-capped layer's scores (Gemma 2) become
+ * softcap * tanh(s / softcap) after the scale and before the softmax (`tanh_float`). The `group` query heads that share a KV head are handled by the same task, so each
  * key and value is loaded once for all of them (grouped-query attention without repeating K/V).
  *
  * exp is evaluated by `exp_nonpositive` (every argument is s - max <= 0), a vectorisable
@@ -177,7 +181,8 @@ static inline void prefetch_block(const void *head, int dtype, int64_t block, in
 }
 
 /* One task: row `r`, KV head `g`. Scratch: `scores` holds group * query_len * keys floats,
- * `acc` group * query_len * head_dim, `queries` and `visible` group * query_len entries,
+ * `acc` group * query_len * head_dim, `queries` group * query_len entries and `visible` twice
+ * that (each query's end of keys, then its first key),
  * `widened` block_size * head_dim floats. */
 FLARE_TARGET_CLONES
 static void attend(const Attention *a, int64_t r, int64_t g, float *scores, float *acc, const float **queries,
@@ -190,31 +195,36 @@ static void attend(const Attention *a, int64_t r, int64_t g, float *scores, floa
     const void *key_head = (const char *)a->keys + g * head_bytes;
     const void *value_head = (const char *)a->values + g * head_bytes;
 
-    /* Query i is head g * group + j of token t (i = j * Q + t); it sees keys 0 .. start + t. */
+    /* Query i is head g * group + j of token t (i = j * Q + t); it sees keys seen_from[i] ..
+     * start + t. Scores are kept from key `base` on (the first key of the first block any of
+     * the task's queries sees): query i's score of key k at scores[i * span + k - base]. */
+    int64_t *seen_from = visible + nq;
+    const int64_t W = a->window, base = W && start - W + 1 > 0 ? (start - W + 1) / B * B : 0, span = keys - base;
     for (int64_t j = 0; j < group; j++) {
         for (int64_t t = 0; t < Q; t++) {
             queries[j * Q + t] = a->q + (r * Q + t) * a->q_token_stride + (g * group + j) * D;
             visible[j * Q + t] = start + t + 1;
+            seen_from[j * Q + t] = W && start + t - W + 1 > 0 ? start + t - W + 1 : 0;
         }
     }
     /* Scores of every query against every key of the row, a block at a time (the causally
      * hidden ones too: they are only the last Q - 1, and the softmax skips them). Four keys
      * at a time: one dot product is a chain of dependent multiply-adds, four are independent
      * chains the CPU overlaps (30 layers of 32 rows with the pool in cache: 12.4 -> 9.7 ms). */
-    for (int64_t first = 0; first < keys; first += B) {
+    for (int64_t first = base; first < keys; first += B) {
         if (first + B < keys) prefetch_block(key_head, a->kv_dtype, table[first / B + 1], B * D);
-        else prefetch_block(value_head, a->kv_dtype, table[0], B * D);
+        else prefetch_block(value_head, a->kv_dtype, table[base / B], B * D);
         const float *block = block_floats(key_head, a->kv_dtype, table[first / B], B * D, widened);
         const int64_t in_block = keys - first < B ? keys - first : B;
 #if defined(__x86_64__) && defined(__GNUC__)
         if (vector) {
-            block_scores_avx2(queries, nq, block, in_block, D, a->scale, scores + first, keys);
+            block_scores_avx2(queries, nq, block, in_block, D, a->scale, scores + first - base, span);
             continue;
         }
 #endif
         for (int64_t i = 0; i < nq; i++) {
             const float *q = queries[i];
-            float *out = scores + i * keys + first;
+            float *out = scores + i * span + first - base;
             int64_t p = 0;
             for (; p + 4 <= in_block; p += 4) {
                 const float *k0 = block + p * D, *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
@@ -240,42 +250,49 @@ static void attend(const Attention *a, int64_t r, int64_t g, float *scores, floa
             }
         }
     }
-    /* Softmax of each query over the keys it sees. */
+    /* Softmax of each query over the keys it sees (soft-capped first where the layer caps). */
     for (int64_t i = 0; i < nq; i++) {
-        float *s = scores + i * keys;
-        const int64_t n = visible[i];
+        float *s = scores + i * span;
+        const int64_t from = seen_from[i] - base, n = visible[i] - base;
+        if (a->softcap > 0.0f) {
+            const float cap = a->softcap, inverse_cap = 1.0f / a->softcap;
+#pragma omp simd
+            for (int64_t p = from; p < n; p++) s[p] = cap * tanh_float(s[p] * inverse_cap);
+        }
         float m = -FLT_MAX;
-        for (int64_t p = 0; p < n; p++) m = s[p] > m ? s[p] : m;
+        for (int64_t p = from; p < n; p++) m = s[p] > m ? s[p] : m;
         float total = 0.0f;
 #pragma omp simd reduction(+ : total)
-        for (int64_t p = 0; p < n; p++) {
+        for (int64_t p = from; p < n; p++) {
             s[p] = exp_nonpositive(s[p] - m);
             total += s[p];
         }
         const float inverse = 1.0f / total;
 #pragma omp simd
-        for (int64_t p = 0; p < n; p++) s[p] *= inverse;
+        for (int64_t p = from; p < n; p++) s[p] *= inverse;
     }
     /* Weighted sum of the values, a block at a time, four values per pass over a query's
-     * accumulator (a quarter of its loads and stores). Weights past a query's last visible
-     * key are zeroed, so every key of the block can be summed. */
+     * accumulator (a quarter of its loads and stores). Weights outside a query's visible
+     * keys (past its last, or before its window) are zeroed, so every key of the block can be
+     * summed. */
     memset(acc, 0, (size_t)(nq * D) * sizeof(float));
-    for (int64_t first = 0; first < keys; first += B) {
+    for (int64_t first = base; first < keys; first += B) {
         if (first + B < keys) prefetch_block(value_head, a->kv_dtype, table[first / B + 1], B * D);
         const float *block = block_floats(value_head, a->kv_dtype, table[first / B], B * D, widened);
         const int64_t in_block = keys - first < B ? keys - first : B;
         for (int64_t i = 0; i < nq; i++) {
-            float *w = scores + i * keys + first;
+            float *w = scores + i * span + first - base;
             for (int64_t p = visible[i] > first ? visible[i] - first : 0; p < in_block; p++) w[p] = 0.0f;
+            for (int64_t p = 0; p < seen_from[i] - first && p < in_block; p++) w[p] = 0.0f;
         }
 #if defined(__x86_64__) && defined(__GNUC__)
         if (vector) {
-            block_values_avx2(scores + first, keys, nq, block, in_block, D, acc);
+            block_values_avx2(scores + first - base, span, nq, block, in_block, D, acc);
             continue;
         }
 #endif
         for (int64_t i = 0; i < nq; i++) {
-            const float *w = scores + i * keys + first;
+            const float *w = scores + i * span + first - base;
             float *o = acc + i * D;
             int64_t p = 0;
             for (; p + 4 <= in_block; p += 4) {
@@ -311,7 +328,7 @@ int paged_attention(const Attention *a, int64_t longest_row, int threads) {
         float *scores = malloc((size_t)(nq * longest_row) * sizeof(float));
         float *acc = malloc((size_t)(nq * a->head_dim) * sizeof(float));
         const float **queries = malloc((size_t)nq * sizeof(float *));
-        int64_t *visible = malloc((size_t)nq * sizeof(int64_t));
+        int64_t *visible = malloc((size_t)(2 * nq) * sizeof(int64_t));
         float *widened = malloc((size_t)(a->block_size * a->head_dim) * sizeof(float));
         const int ready = scores && acc && queries && visible && widened;
         if (!ready) {

@@ -14,7 +14,16 @@
  * for d < D/2, and the same rotation of the key heads written to keys[g, slot_t, :], values
  * copied to values[g, slot_t, :], both rounded to the pool's dtype (kernels.h, `kv_store`). cos and sin come from the model's tables (`rope_tables`), so
  * the angles are the torch path's bit for bit; the products may be fused into one rounding.
+ *
+ * Other families add steps before the rotation, all per (token, head), in Hugging Face's order:
+ * the q/k/v bias (Qwen2), then RMSNorm of each q and k head over its head_dim (Qwen3, Gemma 3:
+ * x * w / sqrt(mean(x^2) + eps)), then RoPE of the leading `rotary_dims` dims only (Phi-4-mini:
+ * rotate-half within them, D/2 above replaced by R/2), the rest copied. A layer with any of them
+ * takes `rotate_features`, one token's head at a time through a buffer of head_dim floats; a
+ * Llama layer keeps the loops above.
  */
+#include <math.h>
+
 #include "kernels.h"
 
 /* Rotate the channel pairs of the head whose channels start at qkv row `first` into
@@ -84,9 +93,80 @@ static void cache_head(const RopeCache *r, int64_t first, void *pool, int rotate
     }
 }
 
+/* n floats into a pool of `dtype` from element `offset` on, the dtype a constant in each loop. */
+static inline void store_row(void *pool, int64_t offset, const float *y, int64_t n, int dtype) {
+    switch (dtype) {
+    case KV_FLOAT16:
+#pragma omp simd
+        for (int64_t d = 0; d < n; d++) kv_store(pool, offset + d, y[d], KV_FLOAT16);
+        break;
+    case KV_BFLOAT16:
+#pragma omp simd
+        for (int64_t d = 0; d < n; d++) kv_store(pool, offset + d, y[d], KV_BFLOAT16);
+        break;
+    default:
+        memcpy((float *)pool + offset, y, (size_t)n * sizeof(float));
+        break;
+    }
+}
+
+/* Head `head` (q heads, then k, then v) of every token with the family features: bias, q/k
+ * norm and partial rotary, into q_out or the pools. */
+static void rotate_features(const RopeCache *r, int64_t head) {
+    const int64_t D = r->head_dim, H = r->heads, G = r->kv_heads, half = r->rotary_dims / 2, first = head * D;
+    const int64_t cs = r->channel_stride, ts = r->token_stride;
+    const int is_q = head < H, is_v = head >= H + G;
+    const float *norm = is_q ? r->q_norm : (is_v ? NULL : r->k_norm);
+    const int64_t head_bytes = r->pool_slots * D * kv_element_size(r->kv_dtype);
+    void *pool = is_q ? NULL : (char *)(is_v ? r->values : r->keys) + (head - H - (is_v ? G : 0)) * head_bytes;
+    float x[D], y[D];
+    for (int64_t t = 0; t < r->tokens; t++) {
+        const float *src = r->qkv + first * cs + t * ts;
+        if (cs == 1) { /* rows (decoder_layer's, the packed formats'): a contiguous copy */
+            memcpy(x, src, (size_t)D * sizeof(float));
+        } else {
+            for (int64_t d = 0; d < D; d++) x[d] = src[d * cs];
+        }
+        if (r->bias) {
+            const float *b = r->bias + first;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) x[d] += b[d];
+        }
+        if (norm) {
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t d = 0; d < D; d++) sum += x[d] * x[d];
+            const float scale = 1.0f / sqrtf(sum / (float)D + r->norm_eps);
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) x[d] = x[d] * scale * norm[d];
+        }
+        if (is_v) {
+            memcpy(y, x, (size_t)D * sizeof(float));
+        } else {
+            const float *c = r->cos + r->positions[t] * half, *s = r->sin + r->positions[t] * half;
+#pragma omp simd
+            for (int64_t d = 0; d < half; d++) {
+                y[d] = x[d] * c[d] - x[d + half] * s[d];
+                y[d + half] = x[d + half] * c[d] + x[d] * s[d];
+            }
+            memcpy(y + 2 * half, x + 2 * half, (size_t)(D - 2 * half) * sizeof(float));
+        }
+        if (is_q) {
+            memcpy(r->q_out + (t * H + head) * D, y, (size_t)D * sizeof(float));
+        } else {
+            store_row(pool, r->slots[t] * D, y, D, r->kv_dtype);
+        }
+    }
+}
+
 FLARE_TARGET_CLONES
 void rope_and_cache(const RopeCache *r, int threads) {
     const int64_t D = r->head_dim, T = r->tokens, H = r->heads, G = r->kv_heads;
+    if (r->bias || r->q_norm || r->k_norm || r->rotary_dims != D) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (T >= 64)
+        for (int64_t head = 0; head < H + 2 * G; head++) rotate_features(r, head);
+        return;
+    }
     /* One task per head (query, key and value heads): a round of a few tokens is too small to
      * be worth waking a second thread for, a long prompt chunk has work for every thread. */
 #pragma omp parallel for num_threads(threads) schedule(static) if (T >= 64)

@@ -10,6 +10,14 @@
  *
  * is written straight into the rows. e^-g comes from `exp_nonpositive` of -|g|:
  * for g >= 0, silu(g) = g / (1 + e^-g); for g < 0, silu(g) = g e^g / (1 + e^g).
+ *
+ * GeGLU (Gemma) is the same with GELU-tanh for silu:
+ *
+ *   gelu_tanh(g) = 0.5 g (1 + tanh(z / 2)) = g sigmoid(z) = g / (1 + e^-z),
+ *   z = 2 sqrt(2 / pi) (g + 0.044715 g^3)
+ *
+ * (1 + tanh(z / 2) = 2 / (1 + e^-z)), so it takes the sigmoid's selects above with z in the
+ * exponent: no tanh, and no cancellation where 1 + tanh is small.
  */
 #include <stdlib.h>
 
@@ -19,39 +27,45 @@
  * `swiglu_span` gets a copy for stride 1 that vectorises (a stride only known at run time keeps
  * the compiler to scalar code: 32 rows of the default model took 24 ms a round that way). */
 static inline __attribute__((always_inline)) void swiglu_run(const float *g, const float *u, int64_t stride, float *out,
-                                                             int64_t n) {
+                                                             int64_t n, const int activation) {
 #pragma omp simd
     for (int64_t k = 0; k < n; k++) {
         const float x = g[k * stride];
-        const float e = exp_nonpositive(x < 0.0f ? x : -x);
-        const float numerator = x < 0.0f ? x * e : x; /* selects, not branches: it vectorises */
+        /* The sigmoid's argument: x for silu, z for gelu_tanh (0.7978845608 = sqrt(2 / pi)). */
+        const float z = activation == ACTIVATION_GELU_TANH ? 2.0f * 0.7978845608f * (x + 0.044715f * x * x * x) : x;
+        const float e = exp_nonpositive(z < 0.0f ? z : -z);
+        const float numerator = z < 0.0f ? x * e : x; /* selects, not branches: it vectorises */
         out[k] = numerator / (1.0f + e) * u[k * stride];
     }
 }
 
-static void swiglu_span(const float *g, const float *u, int64_t stride, float *out, int64_t n) {
-    if (stride == 1)
-        swiglu_run(g, u, 1, out, n);
+static void swiglu_span(const float *g, const float *u, int64_t stride, float *out, int64_t n, int activation) {
+    if (activation == ACTIVATION_GELU_TANH)
+        swiglu_run(g, u, stride, out, n, ACTIVATION_GELU_TANH);
+    else if (stride == 1)
+        swiglu_run(g, u, 1, out, n, ACTIVATION_SILU);
     else
-        swiglu_run(g, u, stride, out, n);
+        swiglu_run(g, u, stride, out, n, ACTIVATION_SILU);
 }
 
 /* Rows in, rows out: each token's channels are contiguous, so a row is one vectorised run. */
-static void swiglu_from_rows(const float *gate_up, int64_t token_stride, float *out, int64_t I, int64_t T, int threads) {
+static void swiglu_from_rows(const float *gate_up, int64_t token_stride, float *out, int64_t I, int64_t T, int activation,
+                             int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (I * T >= 16384)
-    for (int64_t t = 0; t < T; t++) swiglu_span(gate_up + t * token_stride, gate_up + t * token_stride + I, 1, out + t * I, I);
+    for (int64_t t = 0; t < T; t++)
+        swiglu_span(gate_up + t * token_stride, gate_up + t * token_stride + I, 1, out + t * I, I, activation);
 }
 
 FLARE_TARGET_CLONES
-int swiglu_rows(const float *gate_up, int64_t channel_stride, int64_t token_stride, float *out, int64_t intermediate,
-                int64_t tokens, int threads) {
+int gated_rows(const float *gate_up, int64_t channel_stride, int64_t token_stride, float *out, int64_t intermediate,
+               int64_t tokens, int activation, int threads) {
     const int64_t I = intermediate, T = tokens, cs = channel_stride, ts = token_stride;
     if (cs == 1) {
-        swiglu_from_rows(gate_up, ts, out, I, T, threads);
+        swiglu_from_rows(gate_up, ts, out, I, T, activation, threads);
         return 0;
     }
     if (T == 1) { /* one token's channels, `cs` apart (MKL's one-row product is a column view) */
-        swiglu_span(gate_up, gate_up + I * cs, cs, out, I);
+        swiglu_span(gate_up, gate_up + I * cs, cs, out, I, activation);
         return 0;
     }
     int failed = 0;
@@ -71,7 +85,7 @@ int swiglu_rows(const float *gate_up, int64_t channel_stride, int64_t token_stri
             if (!tmp) continue;
             const int64_t n = first + CHANNELS < I ? CHANNELS : I - first;
             for (int64_t c = 0; c < n; c++)
-                swiglu_span(gate_up + (first + c) * cs, gate_up + (I + first + c) * cs, ts, tmp + c * T, T);
+                swiglu_span(gate_up + (first + c) * cs, gate_up + (I + first + c) * cs, ts, tmp + c * T, T, activation);
             for (int64_t t = 0; t < T; t++) {
                 float *row = out + t * I + first;
                 for (int64_t c = 0; c < n; c++) row[c] = tmp[c * T + t];

@@ -44,7 +44,8 @@ import torch.nn.functional as F
 
 from flare.engine.batch import AttentionGroup, ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
-from flare.engine.model import LlamaModel, linear, pack_weight
+from flare.engine.linear import linear, pack_weight
+from flare.engine.model import LlamaModel
 from flare.kernels.distribution import kept_threshold
 from flare.kernels.random_stream import Purpose, stream_key, vocabulary_gumbel
 from flare.preparation.draft_head import FINAL_NORM_TENSOR, VOCAB_TENSOR
@@ -120,9 +121,14 @@ class MtpHead:
         self.draft_vocab = head_state[VOCAB_TENSOR].to(device, torch.long)
         self.vocab_size = int(self.draft_vocab.numel())
         # The block is a one-layer Llama whose tied "embedding" is the restricted LM head: its
-        # forward gives the residual stream and `logits_of` the draft logits.
+        # forward gives the residual stream and `logits_of` the draft logits. Its layer is
+        # Llama's whatever the target's family (`draft_head_shapes`, as distillation trains it),
+        # with the target's RoPE.
         block_config = replace(
-            config, vocab_size=self.vocab_size, num_layers=1, tie_word_embeddings=True, bos_token_id=None, eos_token_ids=(0,)
+            config, vocab_size=self.vocab_size, num_layers=1, tie_word_embeddings=True, bos_token_id=None, eos_token_ids=(0,),
+            attention_bias=False, qk_norm=False, sliding_window=None, sliding_layers=(), local_rope_theta=None,
+            attention_scale=None, attention_softcap=None, final_logit_softcap=None, sandwich_norms=False,
+            embedding_scale=1.0, hidden_activation="silu",
         )
         layer = {name.replace("mtp.layer.", "model.layers.0."): t for name, t in head_state.items() if name.startswith("mtp.layer.")}
         # The head's GEMMs run in the target's weight format: on this class of CPU float32 MKL

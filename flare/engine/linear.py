@@ -1,0 +1,175 @@
+"""Linear layers in every weight format the engine multiplies: plain, packed for this CPU's GEMM
+(`pack_weight`), ggml blocks, or several of these stacked on the output dimension.
+
+Weights are [out, in], as checkpoints store them; `linear` gives rows [T, out] and
+`linear_columns` columns [out, T], weights first (the layout a round's few rows run fastest in).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flare.engine import native, quantized
+from flare.engine.precision import WeightFormat
+from flare.engine.quantized import QuantizedWeight
+
+# A very tall weight (the LM head: 49152 x 576) is applied in slices of this many output rows
+# once a round has CHUNKED_MIN_TOKENS tokens: MKL splits one tall product less well than it runs
+# layer-sized ones. LM head alone, 2 threads: 16 tokens 14.9 -> 11.7 ms, 32 tokens 19.7 -> 16.3,
+# 64 tokens 29.6 -> 25.2; 8 tokens or fewer gain nothing.
+OUTPUT_CHUNK = 4096
+CHUNKED_MIN_TOKENS = 16
+
+
+# Plain [out, in], packed by `pack_weight`, ggml blocks, or several of these stacked on `out`
+# (`stack_weights`: the q/k/v of a quantized layer whose tensors do not share one type).
+Weight = torch.Tensor | native.Float16Weight | torch.ScriptObject | QuantizedWeight | tuple
+
+
+def stack_weights(parts: list[torch.Tensor | QuantizedWeight], weight_format: WeightFormat) -> Weight:
+    """The [out, in] weights `parts` stacked on `out`, as one weight where they share a kind.
+
+    Float parts are concatenated and packed (`pack_weight`). Blocks of one type that lie next to
+    each other in the package's mapped file (the blocks file is written in this order) become
+    one weight over the joint bytes, without a copy; blocks elsewhere are concatenated. Parts of
+    different kinds (a Q6_K v beside Q4_K q and k, as llama.cpp's Q4_K_M mixes them) stay a
+    tuple, multiplied one by one and their outputs concatenated (`linear`)."""
+    runs: list[list[torch.Tensor | QuantizedWeight]] = []
+    for part in parts:
+        if runs and _kind(runs[-1][-1]) == _kind(part):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    stacked = [
+        _join_blocks(run) if isinstance(run[0], QuantizedWeight) else pack_weight(torch.cat(run), weight_format)  # type: ignore[arg-type]
+        for run in runs
+    ]
+    return stacked[0] if len(stacked) == 1 else tuple(stacked)
+
+
+def _kind(part: torch.Tensor | QuantizedWeight) -> tuple:
+    return (part.ggml_type, part.in_features) if isinstance(part, QuantizedWeight) else ("float",)
+
+
+def _join_blocks(run: list[QuantizedWeight]) -> QuantizedWeight:
+    first = run[0]
+    if len(run) == 1:
+        return first
+    rows = sum(part.out_features for part in run)
+    storage = first.data.untyped_storage()
+    adjacent = all(
+        b.data.untyped_storage().data_ptr() == storage.data_ptr() and a.data.data_ptr() + a.nbytes == b.data.data_ptr()
+        for a, b in zip(run, run[1:])
+    )
+    if adjacent:
+        width = first.data.shape[1]
+        data = torch.empty(0, dtype=torch.uint8).set_(storage, first.data.storage_offset(), (rows, width), (width, 1))
+    else:
+        data = torch.cat([part.data for part in run])
+    return QuantizedWeight.from_blocks(first.ggml_type, data, rows, first.in_features)
+
+
+
+def pack_weight(weight: torch.Tensor, weight_format: WeightFormat) -> Weight:
+    """A linear layer's weight [out, in] in `weight_format`, packed once where the CPU's GEMM
+    for that format wants its own layout. `linear` and `linear_columns` read every kind.
+
+    - bfloat16 on a CPU with oneDNN's bfloat16: reordered into oneDNN's blocked layout (an
+      opaque tensor). oneDNN reorders a plain bfloat16 weight on every product otherwise: the 30
+      layers' GEMMs of one decode token (weights not in cache) took 20.4 ms plain against
+      12.4 ms packed (float32: 14.9 ms), and of 32 tokens 32.1 against 24 ms (float32: 63 ms),
+      on an AVX512-BF16 CPU.
+    - float16 on a CPU: blocks of 16 output channels for the engine's own kernel
+      (`native.Float16Weight`), which takes float32 rows and accumulates in float32. Against
+      fbgemm's float16 GEMM (`torch.ops.quantized.linear_dynamic_fp16`, what runs where the C
+      kernels were not built, on its own packed matrix, a `torch.ScriptObject`), the 30 layers'
+      products of the default model took 0.87 of its time for one row, 0.91 for two, 0.93 for
+      three, and 0.98-1.06 from 4 to 32 rows (AVX2 dispatch on a Zen 4 EPYC, 2 threads).
+    - otherwise the plain tensor in the format's dtype (float32 on a CPU; 16-bit on a GPU).
+
+    `mkldnn._reorder_linear_weight` / `_linear_pointwise` are torch's private ops (its
+    compiler's CPU backend uses them for frozen linear layers) and the fbgemm ops are those of
+    torch's dynamic float16 quantization; torch is pinned in pyproject.toml and
+    tests/engine/test_paged_forward.py holds every kind to float32 products of the same
+    rounded operands.
+    """
+    if not packs(weight_format, weight.device):
+        return weight.to(weight_format.dtype).contiguous()
+    if weight_format == WeightFormat.FLOAT16 and native.available():
+        return native.Float16Weight.pack(weight)
+    if weight_format == WeightFormat.FLOAT16:
+        # fbgemm rounds the float32 values to float16 itself: exact for float16-stored weights.
+        return torch.ops.quantized.linear_prepack_fp16(weight.float().contiguous(), None)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16).contiguous())
+
+
+def packs(weight_format: WeightFormat, device: torch.device) -> bool:
+    """Whether `pack_weight` gives `weight_format`'s weights on `device` a layout of their own
+    (otherwise they stay plain tensors in the format's dtype)."""
+    if device.type != "cpu":
+        return False
+    if weight_format == WeightFormat.FLOAT16:
+        return True
+    return weight_format == WeightFormat.BFLOAT16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _packed_rows(x: torch.Tensor, weight: Weight) -> torch.Tensor | None:
+    """x [T, in] through a packed weight: rows [T, out] (bfloat16 from oneDNN, float32 from
+    the float16 kernels, all accumulated in float32); None for a plain weight."""
+    if isinstance(weight, QuantizedWeight):
+        return quantized.quantized_linear(x.float().contiguous(), weight)
+    if isinstance(weight, tuple):
+        return torch.cat([linear(x, part).float() for part in weight], dim=1)
+    if isinstance(weight, native.Float16Weight):
+        return native.float16_linear(x.float(), weight)
+    if isinstance(weight, torch.ScriptObject):
+        return torch.ops.quantized.linear_dynamic_fp16(x.float().contiguous(), weight)
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16).contiguous(), weight, None, "none", [None], "")
+    return None
+
+
+def linear_columns(x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """x [T, in] through a linear layer of weight [out, in], returned as columns: [out, T].
+
+    In x's dtype. A weight of another dtype takes x rounded to it, and its product is widened
+    back; a packed weight (`pack_weight`) gives rows, returned as their transposed view (the C
+    kernels read either layout through its strides; a copy into columns cost 7% of a 32-row
+    round in float16).
+
+    A plain weight is computed weights first, as `weight @ x.T` with x.T passed to BLAS as a
+    transposed operand: a round's few rows become the GEMM's narrow N side and the weights are
+    read once, in their stored order. Against `x @ weight.T` with weights stored [in, out],
+    whole engine rounds on this CPU (`benchmarks/engine_decode.py`, MKL, 2 threads) went for
+    one row of 2 tokens from 78 to 43 ms and of 5 tokens from 73 to 60 (1 token: 49 to 42), and
+    for 8 and 32 decode rows from 93 to 75 and 173 to 149 ms: a verify row of a few drafts now
+    costs about what a plain decode row does. One row is doubled: MKL's GEMV on this layout was
+    a third slower than its two-column GEMM (41 against 31 ms for the 30 layers' GEMMs timed
+    alone).
+
+    x must be row-major for this: MKL takes the plain [in, T] operand that a column-major x
+    would give down a path three times slower, so such an x is copied first.
+    """
+    dtype = x.dtype
+    rows = _packed_rows(x, weight)
+    if rows is not None:
+        return rows.to(dtype).t()
+    x = x.to(weight.dtype).contiguous()
+    if x.shape[0] == 1:
+        return torch.mm(weight, torch.cat((x, x)).t())[:, :1].to(dtype)
+    if weight.shape[0] <= 2 * OUTPUT_CHUNK or x.shape[0] < CHUNKED_MIN_TOKENS:
+        return torch.mm(weight, x.t()).to(dtype)
+    out = torch.empty(weight.shape[0], x.shape[0], dtype=weight.dtype, device=x.device)
+    for first in range(0, weight.shape[0], OUTPUT_CHUNK):
+        torch.mm(weight[first : first + OUTPUT_CHUNK], x.t(), out=out[first : first + OUTPUT_CHUNK])
+    return out.to(dtype)
+
+
+def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """x [T, in] through a linear layer of weight [out, in]: [T, out] in x's dtype; for a plain
+    weight a transposed view of `linear_columns` (residual adds read it as it is; a reshape
+    copies it once)."""
+    rows = _packed_rows(x, weight)
+    if rows is not None:
+        return rows.to(x.dtype)
+    return linear_columns(x, weight).t()

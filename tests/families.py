@@ -1,0 +1,126 @@
+"""Tiny random checkpoints of every family flare serves, built by transformers itself.
+
+Each is its family's own config class and `XForCausalLM.from_config` (eager attention, float32),
+3 layers of width 64, with the default model's vocabulary so that its tokenizer and chat
+template serve it. Sliding windows are 8 tokens (16 for Phi-3), so that the tests' prompts pass
+them; the RoPE scalings are picked so that each kind changes the frequencies the prompts reach.
+
+transformers initializes with std 0.02, which leaves logits nearly uniform (top-two gaps below
+1e-3); the weights are redrawn here at unit scale (linear layers randn / sqrt(in), norms around
+their identity, biases 0.1), so that greedy choices are clear and every tensor matters.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+WINDOW = 8
+VOCAB = 49152  # SmolLM2's, the default model's tokenizer
+BOS, EOS = 1, 2  # SmolLM2's <|im_start|> and <|im_end|>
+# Phi-3's longrope: flare picks the long factors where the context it serves exceeds the
+# original one (flare/engine/rope.py); transformers uses the short ones for prompts shorter than
+# it. Its package is exported with this context, the original, so both pick the short factors.
+PHI3_ORIGINAL_CONTEXT = 256
+_SHAPE = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "bos_token_id": BOS,
+    "eos_token_id": EOS,
+    "pad_token_id": 0,
+}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A tiny checkpoint saved as a Hugging Face directory, and the model that wrote it."""
+
+    family: str
+    path: Path
+    model: Any  # transformers' XForCausalLM, eval mode
+
+
+def family_config(family: str) -> Any:
+    """The family's transformers config of the tiny checkpoint (the features each exercises)."""
+    import transformers
+
+    if family == "llama":
+        # Llama 3.1's scaling with an original context the prompts reach past one wavelength band.
+        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        return transformers.LlamaConfig(**_SHAPE, rope_parameters=rope, tie_word_embeddings=True)
+    if family == "mistral":
+        return transformers.MistralConfig(**_SHAPE, sliding_window=WINDOW)
+    if family == "qwen2":
+        # q/k/v biases; the window on the layers from max_window_layers on.
+        return transformers.Qwen2Config(**_SHAPE, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+                                        tie_word_embeddings=True)
+    if family == "qwen3":
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128}
+        return transformers.Qwen3Config(**_SHAPE, rope_parameters=rope)
+    if family == "gemma2":
+        # Soft-caps low enough to bite on these weights; a query scale other than head_dim's.
+        return transformers.Gemma2Config(**_SHAPE, sliding_window=WINDOW, query_pre_attn_scalar=32,
+                                         attn_logit_softcapping=5.0, final_logit_softcapping=10.0)
+    if family == "gemma3":
+        rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+        return transformers.Gemma3TextConfig(**_SHAPE, sliding_window=WINDOW, query_pre_attn_scalar=32, rope_parameters=rope,
+                                             layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    if family == "phi3":
+        # Partial rotary (half of each head) with longrope's per-frequency factors.
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.5, 2.5, 4.0], "long_factor": [2.0, 3.0, 5.0, 8.0]}
+        return transformers.Phi3Config(**_SHAPE, rope_parameters=rope, original_max_position_embeddings=PHI3_ORIGINAL_CONTEXT,
+                                       sliding_window=2 * WINDOW)
+    raise ValueError(f"no tiny checkpoint for {family!r}")
+
+
+def multimodal_gemma3_config() -> Any:
+    """A Gemma 3 with a (tiny) vision tower: flare serves its text model."""
+    import transformers
+
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=28, patch_size=14)
+    return transformers.Gemma3Config(text_config=family_config("gemma3"), vision_config=vision, mm_tokens_per_image=4,
+                                     boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2, image_token_index=VOCAB - 1)
+
+
+def write_checkpoint(family: str, path: Path, tokenizer_json: str, chat_template: str, seed: int = 0) -> Checkpoint:
+    """The family's tiny random checkpoint, saved at `path` with the tokenizer and chat template;
+    family `gemma3-multimodal`: `multimodal_gemma3_config`'s."""
+    import transformers
+
+    torch.manual_seed(seed)
+    if family == "gemma3-multimodal":
+        model = transformers.Gemma3ForConditionalGeneration._from_config(multimodal_gemma3_config(), attn_implementation="eager")
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(family_config(family), attn_implementation="eager", dtype=torch.float32)
+    gemma = family.startswith("gemma")
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                # Gemma stores w of its (1 + w) factor.
+                parameter.copy_((0.0 if gemma else 1.0) + 0.2 * torch.randn_like(parameter))
+            elif name.endswith(".bias"):
+                parameter.copy_(0.1 * torch.randn_like(parameter))
+            elif "embed_tokens" in name:
+                parameter.copy_(0.5 * torch.randn_like(parameter))
+            else:
+                parameter.copy_(torch.randn_like(parameter) / parameter.shape[-1] ** 0.5)
+    model.eval()
+    model.save_pretrained(path)
+    (path / "tokenizer.json").write_text(tokenizer_json)
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": chat_template}))
+    return Checkpoint(family, path, model)
