@@ -180,9 +180,11 @@ def model_config(
     if eos_token is None:
         raise keys._missing("tokenizer.ggml.eos_token_id")
     eos = [eos_token]
-    eot = keys.token("tokenizer.ggml.eot_token_id")
-    if eot is not None and eot not in eos:
-        eos.append(eot)
+    # llama.cpp ends generation on eos, eot and eom (Llama 3.1's <|eom_id|>, after a tool call).
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        token = keys.token(key)
+        if token is not None and token not in eos:
+            eos.append(token)
     layer0 = "blk.0."
     try:
         return ModelConfig(

@@ -224,6 +224,13 @@ def test_family_q8_0_gguf_keeps_split_and_unpermuted_blocks_equal_to_its_dequant
     assert fused in kept.blocks and kept.blocks[fused].shape == (32, 64)
 
 
+def test_eos_eot_and_eom_ids_all_stop_in_that_order(tmp_path: Path) -> None:
+    config, state = checkpoint(BY_NAME["llama"])
+    ids = {"tokenizer.ggml.eot_token_id": (0, U32), "tokenizer.ggml.eom_token_id": (1, U32)}
+    write_family_gguf(tmp_path / "stops.gguf", config, state, metadata=ids)
+    assert open_gguf(tmp_path / "stops.gguf").config.eos_token_ids == (2, 0, 1)
+
+
 def test_a_bundled_vision_encoder_is_left_out_of_the_text_model(tmp_path: Path) -> None:
     config, state = checkpoint(BY_NAME["gemma3"])
     encoder = {"v.blk.0.attn_q.weight": np.ones((32, 32)), "mm.input_projection.weight": np.ones((64, 32))}
