@@ -36,6 +36,7 @@ REPLACEMENT_CHARACTER = "\ufffd"
 _ESCAPE = "\ufdd0"
 _ESCAPE_END = "\ufdd1"
 _ESCAPED = re.compile(f"{_ESCAPE}(\\d*){_ESCAPE_END}")
+_BYTE_FALLBACK_TOKEN = re.compile("<0x([0-9A-Fa-f]{2})>")
 # Parts of a tokenizer pipeline that never make a text shorter, and that map each token back to
 # at most its own length of text: with only these, a text of N characters is at least
 # N / (longest token) tokens. Anything else (a normalizer that composes characters, a
@@ -90,6 +91,7 @@ class Tokenizer:
             self._special_tokens["bos_token"] = backend.id_to_token(bos_token_id)
         specification = json.loads(backend.to_str())
         self.max_chars_per_token = _max_chars_per_token(specification)
+        self._byte_fallback = bool((specification.get("model") or {}).get("byte_fallback"))
         # Control tokens (added tokens marked special), longest first so that one that is a
         # prefix of another never wins: how the template's control tokens are found.
         added = backend.get_added_tokens_decoder()
@@ -167,16 +169,22 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes token `token_id` stands for (what a log-probability entry reports): a
-        byte-level BPE token's bytes through GPT-2's byte-to-character map, an added token's
-        text as UTF-8; b"" for an id outside the vocabulary."""
+        byte-level BPE token's bytes through GPT-2's byte-to-character map, a byte-fallback
+        vocabulary's `<0xNN>` its byte and its other tokens their text (U+2581 a space), an
+        added token's text as UTF-8; b"" for an id outside the vocabulary."""
         token = self.backend.id_to_token(token_id)
         if token is None:
             return b""
         if token_id in self._added_token_ids or token in self._control:
             return token.encode("utf-8")
+        if self._byte_fallback:  # a SentencePiece-style vocabulary: text with U+2581 spaces
+            fallback = _BYTE_FALLBACK_TOKEN.fullmatch(token)
+            if fallback:  # <0xNN>: a byte of a character outside the vocabulary
+                return bytes([int(fallback.group(1), 16)])
+            return token.replace("\u2581", " ").encode("utf-8")
         try:
             return bytes(_BYTE_OF_CHAR[c] for c in token)
-        except KeyError:  # not a byte-level token (a SentencePiece-style vocabulary)
+        except KeyError:  # not a byte-level token
             return token.replace("\u2581", " ").encode("utf-8")
 
     def render_chat(

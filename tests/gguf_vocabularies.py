@@ -1,0 +1,268 @@
+"""GGUF tokenizer metadata for the tokenizer tests and benchmarks/tokenizer_parity.py.
+
+A vocabulary is a dict of GGUF metadata keys (`tokenizer.ggml.*`, `general.name`): read from a
+GGUF file, or made from a SentencePiece model trained here as llama.cpp's converter writes one
+(conversion/base.py, _create_vocab_sentencepiece), and written to a vocabulary-only GGUF that
+llama.cpp's `llama-tokenize` loads.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import gguf
+
+from flare.preparation.source import SourceError
+
+# llama.cpp's token types (gguf-py TokenType).
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+LLAMA_CPP = Path("/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp")
+LLAMA_TOKENIZE = LLAMA_CPP / "build" / "bin" / "llama-tokenize"
+# llama.cpp's own tokenizer tests: real models' vocabularies (ggml-vocab-NAME.gguf), texts
+# (.gguf.inp) and the ids llama.cpp must give them (.gguf.out), as tests/test-tokenizer-0 reads them.
+LLAMA_CPP_VOCABULARIES = LLAMA_CPP / "models"
+
+
+class MetadataDict:
+    """A dict of metadata keys as the `TokenizerMetadata` gguf_tokenizer reads."""
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        self._values = dict(values)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._values.get(key, default)
+
+    def require(self, key: str) -> Any:
+        if key not in self._values:
+            raise SourceError(f"the vocabulary lacks the GGUF metadata key {key}")
+        return self._values[key]
+
+
+def read_vocabulary(path: Path) -> dict[str, Any]:
+    """The tokenizer keys (and the model's name) of a GGUF file."""
+    reader = gguf.GGUFReader(path)
+    return {
+        key: field.contents()
+        for key, field in reader.fields.items()
+        if key.startswith("tokenizer.ggml.") or key == "general.name"
+    }
+
+
+def write_vocabulary_gguf(path: Path, vocabulary: Mapping[str, Any]) -> None:
+    """A GGUF with no tensors: a Llama architecture's hyper-parameters and the vocabulary."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (
+        ("llama.context_length", 2048), ("llama.embedding_length", 64), ("llama.block_count", 1),
+        ("llama.feed_forward_length", 128), ("llama.attention.head_count", 4),
+    ):
+        writer.add_uint32(key, value)
+    writer.add_float32("llama.attention.layer_norm_rms_eps", 1e-5)
+    for key, value in vocabulary.items():
+        if key == "general.name":
+            writer.add_name(value)
+        elif key == "tokenizer.ggml.scores":
+            writer.add_token_scores([float(v) for v in value])
+        elif key == "tokenizer.ggml.token_type":
+            writer.add_token_types([int(v) for v in value])
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_array(key, list(value))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def train_sentencepiece(
+    texts: Sequence[str],
+    vocab_size: int,
+    *,
+    add_dummy_prefix: bool = True,
+    user_defined: Sequence[str] = (),
+    control: Sequence[str] = (),
+) -> bytes:
+    """A byte-fallback BPE SentencePiece model (the kind Llama 2, Mistral, Phi-3 and Gemma ship)
+    trained on `texts`, with no normalization beyond SentencePiece's space handling."""
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts), model_writer=model, vocab_size=vocab_size, model_type="bpe",
+        add_dummy_prefix=add_dummy_prefix, byte_fallback=True, normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        split_digits=True, allow_whitespace_only_pieces=True, character_coverage=0.995,
+        user_defined_symbols=list(user_defined), control_symbols=list(control),
+        max_sentence_length=1 << 16, num_threads=1, minloglevel=2,
+    )  # fmt: skip
+    return model.getvalue()
+
+
+def sentencepiece_vocabulary(
+    model: bytes, *, name: str, add_space_prefix: bool = True, added: Mapping[str, bool] | None = None
+) -> dict[str, Any]:
+    """The GGUF vocabulary llama.cpp's converter writes for a SentencePiece model: each piece's
+    score and type (its user-defined pieces become normal ones), then the tokenizer_config
+    `added` tokens (content -> special) as control or user-defined tokens scored -1000, their
+    U+2581 written as spaces."""
+    import sentencepiece
+
+    processor = sentencepiece.SentencePieceProcessor(model_proto=model)
+    tokens, scores, types = [], [], []
+    for i in range(processor.vocab_size()):
+        tokens.append(processor.id_to_piece(i))
+        scores.append(processor.get_score(i))
+        types.append(
+            UNKNOWN if processor.is_unknown(i) else CONTROL if processor.is_control(i)
+            else UNUSED if processor.is_unused(i) else BYTE if processor.is_byte(i) else NORMAL
+        )  # fmt: skip
+    for content, special in (added or {}).items():
+        index = tokens.index(content)
+        types[index] = CONTROL if special else USER_DEFINED
+        scores[index] = -1000.0
+        tokens[index] = content if special else content.replace("\u2581", " ")
+    vocabulary: dict[str, Any] = {
+        "general.name": name,
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": processor.bos_id(),
+        "tokenizer.ggml.eos_token_id": processor.eos_id(),
+        "tokenizer.ggml.unknown_token_id": processor.unk_id(),
+    }
+    if not add_space_prefix:
+        vocabulary["tokenizer.ggml.add_space_prefix"] = False
+    return vocabulary
+
+
+def llama_tokenize_path() -> Path | None:
+    """llama.cpp's llama-tokenize: $LLAMA_TOKENIZE, the build here, or one on PATH; None without."""
+    for candidate in (os.environ.get("LLAMA_TOKENIZE"), str(LLAMA_TOKENIZE), shutil.which("llama-tokenize")):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    return None
+
+
+def llama_tokenize(tool: Path, gguf_path: Path, text: str, scratch: Path, *, add_bos: bool = True) -> list[int]:
+    """The ids llama.cpp gives `text` (special-token text parsed, BOS as the vocabulary says)."""
+    prompt = scratch / "prompt.txt"
+    prompt.write_bytes(text.encode("utf-8"))
+    command = [str(tool), "-m", str(gguf_path), "-f", str(prompt), "--ids", "--no-escape", "--log-disable"]
+    if not add_bos:
+        command.append("--no-bos")
+    result = subprocess.run(command, capture_output=True, text=True, check=True, timeout=120)
+    line = result.stdout.strip().splitlines()[-1]
+    return [int(token) for token in line.strip("[]").split(",") if token.strip()]
+
+
+CORPUS_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "tokenizer_parity_corpus.json"
+_RUNS = ["\u2581" * n for n in range(2, 32)]  # Gemma's whitespace-run pieces, 2 to 31 spaces
+# Trained SentencePiece vocabularies shaped as the families' GGUFs are: (training options,
+# vocabulary options). Llama 2 / Mistral: a space prefix, <s> </s> <unk>; Phi-3: chat control
+# tokens, and a name llama.cpp strips the whitespace after them for; Gemma: no space prefix,
+# turn markers, whitespace runs either as pieces of score 0 (SentencePiece user-defined pieces,
+# normal tokens in the GGUF) or as tokenizer_config tokens (user-defined spaces in the GGUF).
+SENTENCEPIECE_FLAVOURS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "llama": ({"control": ["[INST]", "[/INST]"]}, {"name": "Tiny Llama 2"}),
+    "phi-3": (
+        {"control": ["<|user|>", "<|assistant|>", "<|end|>", "<|endoftext|>"]},
+        {"name": "phi-3-mini-4k-instruct"},
+    ),
+    "gemma": (
+        {"add_dummy_prefix": False, "user_defined": ["<start_of_turn>", "<end_of_turn>", *_RUNS, "\n\n", "\n\n\n"]},
+        {"name": "Tiny Gemma", "add_space_prefix": False, "added": {"<start_of_turn>": True, "<end_of_turn>": True}},
+    ),
+    "gemma-added-runs": (
+        {"add_dummy_prefix": False, "user_defined": ["<start_of_turn>", "<end_of_turn>", *_RUNS[:7], "\n\n"]},
+        {
+            "name": "Tiny Gemma",
+            "add_space_prefix": False,
+            "added": {
+                "<start_of_turn>": True, "<end_of_turn>": True, **{run: False for run in _RUNS[:7]}, "\n\n": False
+            },
+        },
+    ),
+}
+
+
+def corpus_texts() -> list[str]:
+    return list(json.loads(CORPUS_PATH.read_text(encoding="utf-8"))["texts"])
+
+
+def sentencepiece_flavour(flavour: str) -> tuple[bytes, dict[str, Any]]:
+    """The SentencePiece model of `flavour` (SENTENCEPIECE_FLAVOURS), trained on the corpus and
+    some plain English, and its GGUF vocabulary."""
+    training, options = SENTENCEPIECE_FLAVOURS[flavour]
+    texts = [t for t in corpus_texts() if t] * 20 + [
+        "The quick brown fox jumps over the lazy dog; numbers 0123456789 and words, here and there."
+    ] * 60
+    model = train_sentencepiece(texts, 1000, **training)
+    return model, sentencepiece_vocabulary(model, **options)
+
+
+def special_texts(vocabulary: Mapping[str, Any]) -> list[str]:
+    """Texts around a vocabulary's control and user-defined tokens: turns of a chat, tokens
+    side by side, and whitespace on either side of them."""
+    tokens, types = vocabulary["tokenizer.ggml.tokens"], vocabulary["tokenizer.ggml.token_type"]
+    whole = [t for t, k in zip(tokens, types) if k == CONTROL and not t.startswith("<unused")][-4:]
+    whole += [t for t, k in zip(tokens, types) if k == USER_DEFINED and t.strip()][:2]
+    if not whole:
+        return []
+    a, b, c = whole[0], whole[-1], whole[len(whole) // 2]
+    return [
+        f"{a}user\nHello there, 42 times!{b}\n{a}assistant\n",
+        f"x{c}y {c} z{a}{b}",
+        f"  {a}   spaced   {b}  \n {c}\n",
+        f"{b}",
+    ]
+
+
+def with_boundary_merges(vocabulary: Mapping[str, Any], texts: Sequence[str]) -> dict[str, Any]:
+    """A byte-level BPE vocabulary plus a token, merged last, for every two tokens that meet in
+    `texts` when nothing splits them: a pre-tokenizer that cuts between the two keeps them
+    apart, one that does not joins them, so each split rule gives its own ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokens = list(vocabulary["tokenizer.ggml.tokens"])
+    merges = list(vocabulary["tokenizer.ggml.merges"])
+    unsplit = Tokenizer(
+        models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ", 1)) for m in merges])
+    )
+    unsplit.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    known = set(tokens)
+    for text in texts:
+        pieces = unsplit.encode(text).tokens
+        for left, right in itertools.pairwise(pieces):
+            if left + right not in known:
+                known.add(left + right)
+                tokens.append(left + right)
+                merges.append(f"{left} {right}")
+    added = len(tokens) - len(vocabulary["tokenizer.ggml.tokens"])
+    types = [*vocabulary["tokenizer.ggml.token_type"], *[NORMAL] * added]
+    grown = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges}
+    return {**vocabulary, **grown}
+
+
+def llama_cpp_vocabulary_tests(gguf_path: Path) -> list[tuple[str, list[int]]]:
+    """llama.cpp's test texts of a vocabulary and the ids it expects (no BOS, special-token text
+    read as text), parsed as its tests/test-tokenizer-0.cpp does."""
+    raw = Path(f"{gguf_path}.inp").read_bytes().decode("utf-8")
+    texts = raw.split("\n__ggml_vocab_test__\n")
+    if texts and not texts[-1]:
+        texts.pop()
+    lines = Path(f"{gguf_path}.out").read_text(encoding="utf-8").splitlines()
+    return [(text, [int(token) for token in line.split()]) for text, line in zip(texts, lines, strict=True)]
