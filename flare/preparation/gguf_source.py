@@ -1,17 +1,18 @@
 """A GGUF file (llama.cpp's format) as a package source.
 
-Weights are renamed to Hugging Face Llama names and the rows of q_proj and k_proj are put back in
-Hugging Face order (see `unpermute_rope_rows`). `read_blocks` keeps each tensor of a type the
-engine multiplies from blocks (`blocks.KEPT_TYPES`) as its ggml blocks and dequantizes the rest to
-float32; `read_weights` dequantizes everything with the `gguf` package to float32. Either refuses
-a tensor whose blocks have a NaN or infinite scale, naming it.
+Each family's metadata and tensor names are read as `gguf_families` describes: weights renamed
+to the package's canonical (Hugging Face Llama) names, fused tensors split, and the rows of q_proj
+and k_proj put back in Hugging Face order where the converter permuted them (`unpermute_rope_rows`).
+`read_blocks` keeps each tensor of a type the engine multiplies from blocks (`blocks.KEPT_TYPES`)
+as its ggml blocks (split and unpermuted by whole block rows) and dequantizes the rest to float32;
+`read_weights` dequantizes everything with the `gguf` package to float32. Either refuses a tensor
+whose blocks have a NaN or infinite scale, naming it.
 The tokenizer, stored in GGUF as metadata (vocabulary, merges, token types), is rebuilt as a
 Hugging Face `tokenizers` tokenizer.
 """
 
 from __future__ import annotations
 
-import re
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -23,45 +24,22 @@ import torch
 from gguf.quants import dequantize
 
 from flare.preparation.blocks import KEPT_TYPES, BlockTensor, block_problems, unpermute_block_rows
+from flare.preparation.gguf_families import (
+    ROPE_TENSORS,
+    TensorPlan,
+    model_config,
+    served_architecture,
+    tensor_plans,
+)
 from flare.preparation.gguf_layout import read_gguf_layout
 from flare.preparation.gguf_tokenizer import build_tokenizer_json
-from flare.preparation.manifest import ModelConfig
 from flare.preparation.package import sha256_of, weight_problems
 from flare.preparation.recipes import gguf_sampling_defaults
 from flare.preparation.source import ModelSource, SourceError, SourceWeights
 
-# GGUF tensor names -> Hugging Face Llama names; {i} is the layer index.
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor, or None when a Llama model has no such tensor."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.weight"
-    return None
-
 
 def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's permutation of the q/k projection rows.
+    """Undo llama.cpp's permutation of the q/k projection rows (and of their biases).
 
     Hugging Face's Llama applies RoPE in rotate-half form: in each head, dimension j pairs with
     j + head_dim/2. llama.cpp pairs adjacent dimensions (2j, 2j+1), so its converter permutes the
@@ -69,9 +47,9 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     `w.reshape(heads, 2, hd/2, in).swapaxes(1, 2)` (convert_hf_to_gguf.py, LlamaModel.permute).
     The inverse reads the rows as (heads, hd/2, 2, in) and swaps axes 1 and 2 back.
     """
-    rows, columns = weight.shape
+    rows = weight.shape[0]
     head_dim = rows // num_heads
-    return weight.reshape(num_heads, head_dim // 2, 2, columns).swapaxes(1, 2).reshape(rows, columns)
+    return weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def open_gguf(path: Path, source: str | None = None) -> ModelSource:
@@ -87,16 +65,23 @@ def open_gguf(path: Path, source: str | None = None) -> ModelSource:
         # The layout walk above answers for what it bounds; gguf-py may still refuse something else.
         raise SourceError(f"{path} is not a readable GGUF file: {error}") from None
     metadata = _Metadata(reader, path)
-    config = _model_config(reader, metadata)
-    names: dict[str, str] = {}  # GGUF name -> Hugging Face name
-    shapes: dict[str, tuple[int, ...]] = {}
-    for tensor in reader.tensors:
-        name = hf_name(tensor.name)
-        if name is None:
-            raise SourceError(f"{path} holds the tensor {tensor.name}, which flare's Llama does not have")
-        names[tensor.name] = name
-        # gguf reports shapes as [in, out]; the tensors are [out, in], as Hugging Face's.
-        shapes[name] = tuple(int(n) for n in reversed(tensor.shape))
+    # An architecture flare does not serve is refused before anything else is read.
+    gguf_arch = metadata.require("general.architecture")
+    served_architecture(path, gguf_arch)
+    # gguf reports shapes as [in, out]; the tensors are [out, in], as Hugging Face's.
+    gguf_shapes = {tensor.name: tuple(int(n) for n in reversed(tensor.shape)) for tensor in reader.tensors}
+    rope_tensors = {
+        tensor.name: [float(v) for v in np.asarray(dequantize(tensor.data, gguf.GGMLQuantizationType(tensor.tensor_type))).reshape(-1)]
+        for tensor in reader.tensors
+        if tensor.name in ROPE_TENSORS
+    }
+    config = model_config(path, metadata, gguf_shapes, rope_tensors)
+    plans = tensor_plans(path, config, gguf_shapes, gguf_arch)
+    shapes = {
+        part.name: (part.stop - part.start, *gguf_shapes[gguf_name][1:])
+        for gguf_name, plan in plans.items()
+        for part in plan.parts
+    }
     problems = weight_problems(config, shapes)
     if problems:
         raise SourceError(
@@ -108,13 +93,13 @@ def open_gguf(path: Path, source: str | None = None) -> ModelSource:
         raise SourceError(f"{path} has no chat template (tokenizer.chat_template); flare serves chat models only")
 
     def read_weights(progress: Callable[[int, int], None]) -> dict[str, torch.Tensor]:
-        return _read_weights(reader, names, config, progress, keep_blocks=False).floats
+        return _read_weights(reader, plans, progress, keep_blocks=False).floats
 
     def read_dequantized(progress: Callable[[int, int], None]) -> SourceWeights:
-        return _read_weights(reader, names, config, progress, keep_blocks=False)
+        return _read_weights(reader, plans, progress, keep_blocks=False)
 
     def read_blocks(progress: Callable[[int, int], None]) -> SourceWeights:
-        return _read_weights(reader, names, config, progress, keep_blocks=True)
+        return _read_weights(reader, plans, progress, keep_blocks=True)
 
     return ModelSource(
         name=path.name.split(".")[0],
@@ -147,49 +132,12 @@ class _Metadata:
         return value
 
 
-def _model_config(reader: gguf.GGUFReader, metadata: _Metadata) -> ModelConfig:
-    architecture = metadata.require("general.architecture")
-    if architecture != "llama":
-        raise SourceError(f"GGUF architecture {architecture!r} is not supported; flare serves Llama-family models only")
-    scaling = metadata.get("llama.rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise SourceError(f"RoPE scaling {scaling!r} is not supported; flare implements plain RoPE")
-    tokens = metadata.require("tokenizer.ggml.tokens")
-    hidden = int(metadata.require("llama.embedding_length"))
-    heads = int(metadata.require("llama.attention.head_count"))
-    head_dim = int(
-        metadata.get("llama.attention.key_length") or metadata.get("llama.rope.dimension_count") or hidden // heads
-    )
-    tensor_names = {tensor.name for tensor in reader.tensors}
-    eos = [int(metadata.require("tokenizer.ggml.eos_token_id"))]
-    eot = metadata.get("tokenizer.ggml.eot_token_id")
-    if eot is not None and int(eot) not in eos:
-        eos.append(int(eot))
-    bos = metadata.get("tokenizer.ggml.bos_token_id")
-    return ModelConfig(
-        vocab_size=int(metadata.get("llama.vocab_size") or len(tokens)),
-        hidden_size=hidden,
-        intermediate_size=int(metadata.require("llama.feed_forward_length")),
-        num_layers=int(metadata.require("llama.block_count")),
-        num_heads=heads,
-        num_kv_heads=int(metadata.get("llama.attention.head_count_kv") or heads),
-        head_dim=head_dim,
-        rope_theta=float(metadata.get("llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(metadata.require("llama.attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(metadata.require("llama.context_length")),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=tuple(eos),
-    )
-
-
 _FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
 
 
 def _read_weights(
     reader: gguf.GGUFReader,
-    names: dict[str, str],
-    config: ModelConfig,
+    plans: dict[str, TensorPlan],
     progress: Callable[[int, int], None],
     *,
     keep_blocks: bool,
@@ -198,34 +146,43 @@ def _read_weights(
     blocks: dict[str, BlockTensor] = {}
     dequantized: dict[str, str] = {}
     problems: list[str] = []
-    total = len(reader.tensors)
-    heads = {".attn_q.weight": config.num_heads, ".attn_k.weight": config.num_kv_heads}
-    for done, tensor in enumerate(reader.tensors, start=1):
-        name = names[tensor.name]
+    tensors = [tensor for tensor in reader.tensors if tensor.name in plans]
+    total = sum(len(plans[tensor.name].parts) for tensor in tensors)
+    done = 0
+    for tensor in tensors:
+        plan = plans[tensor.name]
         kind = gguf.GGMLQuantizationType(tensor.tensor_type)
-        num_heads = next((n for suffix, n in heads.items() if tensor.name.endswith(suffix)), None)
         shape = tuple(int(n) for n in reversed(tensor.shape))
+        # Problems name the package tensor, or the GGUF one where it is split into several.
+        label = plan.parts[0].name if len(plan.parts) == 1 else tensor.name
         if kind in KEPT_TYPES:
-            found = block_problems(name, kind, tensor.data, shape)  # type: ignore[arg-type]
+            found = block_problems(label, kind, tensor.data, shape)  # type: ignore[arg-type]
             problems += found
             if keep_blocks and not found:
-                kept = BlockTensor(kind, torch.from_numpy(np.array(tensor.data, dtype=np.uint8)), shape)  # type: ignore[arg-type]
-                blocks[name] = kept if num_heads is None else unpermute_block_rows(kept, num_heads)
-                progress(done, total)
+                # Blocks run along the input dimension: a row range of the fused tensor is whole block rows.
+                data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+                for part in plan.parts:
+                    kept = BlockTensor(kind, data[part.start : part.stop].contiguous(), (part.stop - part.start, shape[1]))
+                    blocks[part.name] = kept if plan.heads is None else unpermute_block_rows(kept, plan.heads)
+                    done += 1
+                    progress(done, total)
                 continue
             if found:
                 continue
         weight = dequantize(tensor.data, kind)
         if kind not in _FLOAT_TYPES and not np.isfinite(weight).all():
-            problems.append(f"tensor {name}: its {kind.name} blocks dequantize to NaN or infinite values (a bad scale)")
+            problems.append(f"tensor {label}: its {kind.name} blocks dequantize to NaN or infinite values (a bad scale)")
             continue
-        if kind not in _FLOAT_TYPES:
-            dequantized[name] = kind.name
-        if num_heads is not None:
-            weight = unpermute_rope_rows(weight, num_heads)
-        # Unquantized tensors come back as read-only views of the memory-mapped file: copy those.
-        floats[name] = torch.from_numpy(np.require(weight, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
-        progress(done, total)
+        for part in plan.parts:
+            if kind not in _FLOAT_TYPES:
+                dequantized[part.name] = kind.name
+            rows = weight[part.start : part.stop]
+            if plan.heads is not None:
+                rows = unpermute_rope_rows(rows, plan.heads)
+            # Unquantized tensors come back as read-only views of the memory-mapped file: copy those.
+            floats[part.name] = torch.from_numpy(np.require(rows, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
+            done += 1
+            progress(done, total)
     if problems:
         raise SourceError("the GGUF's blocks cannot be served:\n" + "\n".join(f"  - {p}" for p in problems))
     return SourceWeights(floats, blocks, dequantized)

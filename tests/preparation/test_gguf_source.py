@@ -216,7 +216,7 @@ def test_tiny_gguf_tokenizer_keeps_specials_whole_and_applies_merges(
 @pytest.mark.parametrize(
     ("metadata", "message"),
     [
-        ({"architecture": "gemma"}, "architecture 'gemma' is not supported"),
+        ({"architecture": "gemma"}, "architecture 'gemma' is not served; flare serves llama, qwen2, qwen3, gemma2"),
         ({"tokenizer_model": "bert"}, "tokenizer model 'bert' is not supported.*Hugging Face model directory"),
         ({"chat_template": False}, "has no chat template"),
     ],

@@ -1,0 +1,448 @@
+"""What a GGUF file's metadata and tensor names mean for each model family flare serves.
+
+llama.cpp's converter (convert_hf_to_gguf.py and its `conversion/` modules) writes every family
+under `{arch}.*` keys and `blk.{i}.*` tensor names (gguf-py's constants.py, MODEL_TENSORS). This
+module reads them back as a `ModelConfig` and as a plan mapping each GGUF tensor onto the
+package's canonical names (Hugging Face Llama's, `package.expected_weight_shapes`):
+
+- Rows of q and k are permuted by the converter for arch `llama` only (LlamaModel.permute: its
+  RoPE pairs adjacent dimensions); the NEOX-RoPE families (qwen2, qwen3, gemma2, gemma3, phi3)
+  are written in Hugging Face order. Mistral's Hugging Face checkpoints are written as `llama`.
+- Phi-3's fused `attn_qkv` (q, then k, then v rows) and `ffn_up` of 2 x feed_forward_length
+  rows (gate, then up: Phi3MLP's `chunk(2)`) are split into Llama's tensors.
+- Gemma's norms already hold `1 + w` (the converter adds 1 to every `*norm.weight`); its
+  embedding scale sqrt(hidden), GELU-tanh and sandwich norms are implied by the architecture.
+- The tensors `rope_freqs` (Llama 3.1's llama3 scaling as per-frequency divisors) and
+  `rope_factors_long` / `rope_factors_short` (Phi-3's longrope) are RoPE parameters, not weights.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from flare.preparation.manifest import (
+    ARCHITECTURES,
+    ManifestError,
+    ModelConfig,
+    RopeScaling,
+)
+from flare.preparation.source import SourceError
+
+# general.architecture -> ModelConfig.architecture. Mistral's converter output is `llama`.
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3"}
+# The families whose converter permutes q/k rows (and biases) for llama.cpp's adjacent-pair RoPE.
+PERMUTED_ARCHITECTURES = frozenset({"llama"})
+_GEMMA = frozenset({"gemma2", "gemma3"})
+# llama.cpp's default sliding-window pattern per family (llama_model_*::load_arch_hparams): in
+# every run of n layers the last attends globally, the rest within the window.
+_GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
+# The layer count of Gemma 2/3 27B, whose attention scale is 1/sqrt(hidden / heads) rather than
+# 1/sqrt(head_dim): llama.cpp infers it from the layer count, as gemma_pytorch's config does;
+# Hugging Face names it query_pre_attn_scalar, which a GGUF does not carry.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# A multimodal model's vision or audio encoder and projector, bundled in one file by some tools
+# (llama.cpp's converter writes them to a separate mmproj file): not part of a text package.
+_ENCODER_PREFIXES = ("v.", "mm.", "a.")
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# blk.{i}.<name> -> model.layers.{i}.<name>; the suffix (weight or bias) is kept.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_output": "self_attn.o_proj",
+    "post_attention_norm": "attention_output_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "post_ffw_norm": "mlp_output_norm",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_EXPERT_TENSOR = re.compile(r"blk\.\d+\.(ffn_gate_inp|\w+_exps?|\w+_shexp)\.")
+_LATENT_TENSOR = re.compile(r"blk\.\d+\.(attn_kv_a_mqa|attn_q_a|attn_kv_b|attn_k_b|attn_v_b)\.")
+
+
+class Metadata(Protocol):
+    def get(self, key: str, default: Any = None) -> Any: ...
+
+    def require(self, key: str) -> Any: ...
+
+
+@dataclass(frozen=True)
+class TensorPart:
+    """Rows [start, stop) of a GGUF tensor that form the package tensor `name`."""
+
+    name: str
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """How one GGUF tensor becomes package tensors: its row ranges, and whether its rows are in
+    llama.cpp's permuted RoPE order (`heads`: the head count to unpermute by)."""
+
+    parts: tuple[TensorPart, ...]
+    heads: int | None = None
+
+
+def served_architecture(path: Path, architecture: Any) -> str:
+    """The ModelConfig architecture of a GGUF `general.architecture`; SourceError for one flare does not serve."""
+    if isinstance(architecture, str) and architecture in GGUF_ARCHITECTURES:
+        return GGUF_ARCHITECTURES[architecture]
+    served = ", ".join(GGUF_ARCHITECTURES)
+    raise SourceError(
+        f"{path}: GGUF architecture {architecture!r} is not served; flare serves {served} "
+        f"(Mistral is written as 'llama'; as a package: {', '.join(ARCHITECTURES)}). "
+        "Mixture-of-experts (Mixtral, Qwen3-MoE) and latent-attention (DeepSeek-V3) models are not served yet"
+    )
+
+
+def model_config(
+    path: Path,
+    metadata: Metadata,
+    shapes: Mapping[str, tuple[int, ...]],
+    rope_tensors: Mapping[str, Sequence[float]],
+) -> ModelConfig:
+    """The ModelConfig of a GGUF: its `{arch}.*` metadata, the tensors present (`shapes`, GGUF
+    names, [out, in]) and the values of its RoPE tensors (`rope_tensors`)."""
+    gguf_arch = metadata.require("general.architecture")
+    architecture = served_architecture(path, gguf_arch)
+    keys = _Keys(path, metadata, gguf_arch)
+    experts = metadata.get(f"{gguf_arch}.expert_count")
+    if experts:
+        # Mixtral is written as arch `llama` with experts: refused here, before its tensors.
+        raise SourceError(
+            f"{path}: {gguf_arch}.expert_count is {experts}: a mixture-of-experts model, which flare does not serve yet"
+        )
+    hidden = keys.integer("embedding_length")
+    heads = keys.integer("attention.head_count")
+    head_dim = keys.maybe_integer("attention.key_length")
+    if head_dim is None and gguf_arch in PERMUTED_ARCHITECTURES:
+        # Older Llama files name the head dimension only as the rotary dimension (always all of it).
+        head_dim = keys.maybe_integer("rope.dimension_count")
+    if head_dim is None:
+        head_dim = hidden // heads
+    value_dim = keys.maybe_integer("attention.value_length")
+    if value_dim is not None and value_dim != head_dim:
+        raise SourceError(
+            f"{path}: {gguf_arch}.attention.value_length {value_dim} differs from the key length {head_dim}; "
+            "flare's attention needs one head dimension for keys and values"
+        )
+    rotary = keys.maybe_integer("rope.dimension_count")
+    if rotary is not None and (rotary > head_dim or rotary % 2):
+        raise SourceError(
+            f"{path}: {gguf_arch}.rope.dimension_count {rotary} must be even and at most the head dimension {head_dim}"
+        )
+    num_layers = keys.integer("block_count")
+    context = keys.integer("context_length")
+    rope_theta = keys.number("rope.freq_base", default=10000.0)
+    gemma = gguf_arch in _GEMMA
+    window, sliding_layers = _sliding_windows(keys, gguf_arch, num_layers)
+    local_theta = keys.maybe_number("rope.freq_base_swa") if sliding_layers else None
+    if gguf_arch == "gemma3" and sliding_layers and local_theta is None:
+        local_theta = 10000.0  # llama.cpp's rope_freq_base_train_swa default, Gemma 3's local base
+    elif gguf_arch != "gemma3" and local_theta == rope_theta:
+        # The same RoPE as the global layers (Gemma 3's local layers differ even then: unscaled).
+        local_theta = None
+    attention_scale = keys.maybe_number("attention.scale")
+    if attention_scale is None and gemma:
+        scalar = hidden // heads if num_layers == _GEMMA_27B_LAYERS[gguf_arch] else head_dim
+        attention_scale = scalar**-0.5
+    attention_softcap = final_softcap = None
+    if gguf_arch == "gemma2":
+        # llama.cpp's defaults (llama-hparams.h) where a Gemma 2 file leaves the keys out.
+        attention = keys.maybe_number("attn_logit_softcapping", allow_zero=True)
+        final = keys.maybe_number("final_logit_softcapping", allow_zero=True)
+        attention_softcap = (50.0 if attention is None else attention) or None  # 0: none
+        final_softcap = (30.0 if final is None else final) or None
+    elif gguf_arch == "gemma3":
+        final_softcap = keys.maybe_number("final_logit_softcapping", allow_zero=True) or None
+    tokens = metadata.require("tokenizer.ggml.tokens")
+    eos_token = keys.token("tokenizer.ggml.eos_token_id")
+    if eos_token is None:
+        raise keys._missing("tokenizer.ggml.eos_token_id")
+    eos = [eos_token]
+    # llama.cpp ends generation on eos, eot and eom (Llama 3.1's <|eom_id|>, after a tool call).
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        token = keys.token(key)
+        if token is not None and token not in eos:
+            eos.append(token)
+    layer0 = "blk.0."
+    try:
+        return ModelConfig(
+            vocab_size=keys.maybe_integer("vocab_size") or len(tokens),
+            hidden_size=hidden,
+            intermediate_size=keys.integer("feed_forward_length"),
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=keys.maybe_integer("attention.head_count_kv") or heads,
+            head_dim=head_dim,
+            rope_theta=rope_theta,
+            rms_norm_eps=keys.number("attention.layer_norm_rms_epsilon"),
+            max_position_embeddings=context,
+            tie_word_embeddings="output.weight" not in shapes,
+            bos_token_id=keys.token("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=tuple(eos),
+            architecture=architecture,
+            attention_bias=any(f"{layer0}{n}.bias" in shapes for n in ("attn_q", "attn_qkv")),
+            qk_norm=f"{layer0}attn_q_norm.weight" in shapes,
+            rotary_dim=None if rotary is None or rotary == head_dim else rotary,
+            rope_scaling=_rope_scaling(keys, context, rotary or head_dim, rope_tensors),
+            sliding_window=window,
+            sliding_layers=sliding_layers,
+            local_rope_theta=local_theta,
+            attention_scale=attention_scale,
+            attention_softcap=attention_softcap,
+            final_logit_softcap=final_softcap,
+            sandwich_norms=gemma,
+            embedding_scale=math.sqrt(hidden) if gemma else 1.0,
+            hidden_activation="gelu_tanh" if gemma else "silu",
+        )
+    except ManifestError as error:
+        raise SourceError(f"{path}: its metadata does not describe a model flare can serve: {error}") from None
+
+
+def tensor_plans(path: Path, config: ModelConfig, shapes: Mapping[str, tuple[int, ...]], gguf_arch: str) -> dict[str, TensorPlan]:
+    """The plan of every GGUF tensor but the RoPE ones and a bundled encoder's; SourceError naming
+    a tensor the family has not."""
+    q = config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    permuted = gguf_arch in PERMUTED_ARCHITECTURES
+    plans: dict[str, TensorPlan] = {}
+    for gguf_name, shape in shapes.items():
+        if gguf_name in ROPE_TENSORS or gguf_name.startswith(_ENCODER_PREFIXES):
+            continue
+        rows = shape[0]
+        if gguf_name in _GLOBAL_NAMES:
+            plans[gguf_name] = TensorPlan((TensorPart(_GLOBAL_NAMES[gguf_name], 0, rows),))
+            continue
+        match = _LAYER_TENSOR.fullmatch(gguf_name)
+        if match is None or match.group(2) not in {*_LAYER_NAMES, "attn_qkv"}:
+            raise SourceError(f"{path} holds the tensor {gguf_name}, which a {config.architecture} model does not have{_why(gguf_name)}")
+        layer, kind, suffix = match.groups()
+        prefix = f"model.layers.{layer}."
+        if kind == "attn_qkv":
+            names = [f"{prefix}self_attn.{p}_proj.{suffix}" for p in "qkv"]
+            bounds = (0, q, q + kv, q + 2 * kv)
+            if rows != bounds[-1]:
+                raise SourceError(
+                    f"{path}: the fused tensor {gguf_name} has {rows} rows, expected q + k + v = {bounds[-1]}"
+                )
+            plans[gguf_name] = TensorPlan(tuple(TensorPart(n, bounds[i], bounds[i + 1]) for i, n in enumerate(names)))
+            continue
+        if kind == "ffn_up" and f"blk.{layer}.ffn_gate.weight" not in shapes and rows == 2 * config.intermediate_size:
+            # Phi-3's gate_up_proj: gate rows first, then up (Phi3MLP: gate, up = chunk(2)).
+            ff = config.intermediate_size
+            plans[gguf_name] = TensorPlan(
+                (TensorPart(f"{prefix}mlp.gate_proj.{suffix}", 0, ff), TensorPart(f"{prefix}mlp.up_proj.{suffix}", ff, 2 * ff))
+            )
+            continue
+        heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}.get(kind) if permuted else None
+        plans[gguf_name] = TensorPlan((TensorPart(f"{prefix}{_LAYER_NAMES[kind]}.{suffix}", 0, rows),), heads)
+    sources: dict[str, str] = {}
+    for gguf_name, plan in plans.items():
+        for part in plan.parts:
+            if part.name in sources:
+                raise SourceError(
+                    f"{path}: the tensors {sources[part.name]} and {gguf_name} both give {part.name} "
+                    "(a fused tensor beside its parts?)"
+                )
+            sources[part.name] = gguf_name
+    return plans
+
+
+def _why(gguf_name: str) -> str:
+    if _EXPERT_TENSOR.match(gguf_name):
+        return " (it is a mixture-of-experts model: flare does not serve experts yet)"
+    if _LATENT_TENSOR.match(gguf_name):
+        return " (it uses multi-head latent attention: flare does not serve it yet)"
+    return ""
+
+
+class _Keys:
+    """Typed reads of `{arch}.*` keys, each error naming the key."""
+
+    def __init__(self, path: Path, metadata: Metadata, arch: str) -> None:
+        self.path, self.metadata, self.arch = path, metadata, arch
+
+    def _key(self, name: str) -> str:
+        return name if name.startswith(("tokenizer.", "general.")) else f"{self.arch}.{name}"
+
+    def _missing(self, key: str) -> SourceError:
+        return SourceError(f"{self.path} lacks the GGUF metadata key {key}; it cannot be exported")
+
+    def _bad(self, key: str, value: Any, wanted: str) -> SourceError:
+        return SourceError(f"{self.path}: the GGUF metadata key {key} must be {wanted}, found {value!r}")
+
+    def integer(self, name: str) -> int:
+        """A required positive integer."""
+        value = self.maybe_integer(name)
+        if value is None:
+            raise self._missing(self._key(name))
+        return value
+
+    def maybe_integer(self, name: str) -> int | None:
+        """A positive integer, or None where the key is absent."""
+        key = self._key(name)
+        value = self.metadata.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise self._bad(key, value, "one positive integer")
+        return value
+
+    def token(self, key: str) -> int | None:
+        """A token id, or None where the key is absent."""
+        value = self.metadata.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise self._bad(key, value, "a token id")
+        return value
+
+    def number(self, name: str, *, default: float | None = None) -> float:
+        """A positive number; `default` where the key is absent (required without one)."""
+        value = self.maybe_number(name)
+        if value is not None:
+            return value
+        if default is None:
+            raise self._missing(self._key(name))
+        return default
+
+    def maybe_number(self, name: str, *, allow_zero: bool = False) -> float | None:
+        """A positive (or, with allow_zero, non-negative) number, or None where the key is absent."""
+        key = self._key(name)
+        value = self.metadata.get(key)
+        if value is None:
+            return None
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value < 0
+            or (value == 0 and not allow_zero)
+        ):
+            raise self._bad(key, value, "a positive number")
+        return decimal_of_float32(value)
+
+
+def decimal_of_float32(value: float) -> float:
+    """The shortest decimal that names the float32 `value`: what the converter was given.
+
+    GGUF stores these keys and RoPE factors as float32, so Hugging Face's rms_norm_eps 1e-06 is
+    read back as 9.99999997e-07; the shortest decimal that rounds to the same float32 is the
+    number written in config.json (1e-06), which the Hugging Face export of the same checkpoint
+    holds too. Phi-3's longrope factors are such numbers; Llama 3.1's rope_freqs, computed by the
+    converter, are kept as stored."""
+    return float(str(np.float32(value)))
+
+
+def _sliding_windows(keys: _Keys, arch: str, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """The sliding window and the layers it applies to.
+
+    Gemma 2 always slides (window 4096 unless given, every other layer); Gemma 3 where the file
+    gives a window (5 local : 1 global); any other family where the file gives a window, on every
+    layer (Hugging Face's Mistral and Phi-3 apply `sliding_window` to all layers; llama.cpp ignores
+    Phi-3's). `attention.sliding_window_pattern` overrides the family's pattern: a count n (in
+    each n layers the last is global; 0: all slide) or one boolean per layer (true: slides).
+    """
+    key = keys._key("attention.sliding_window")
+    window = keys.metadata.get(key)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise keys._bad(key, window, "a non-negative integer")
+    if arch == "gemma2" and window is None:
+        window = 4096  # llama.cpp's default for Gemma 2
+    if not window:
+        return None, ()
+    pattern_key = keys._key("attention.sliding_window_pattern")
+    pattern = keys.metadata.get(pattern_key)
+    if pattern is None:
+        pattern = _GEMMA_SLIDING_PATTERN.get(arch, 0)
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers or not all(isinstance(p, bool) for p in pattern):
+            raise keys._bad(pattern_key, pattern, f"a count or {num_layers} booleans (one per layer)")
+        return window, tuple(i for i, slides in enumerate(pattern) if slides)
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 0:
+        raise keys._bad(pattern_key, pattern, f"a count or {num_layers} booleans (one per layer)")
+    # llama_hparams::set_swa_pattern: layer i slides when n == 0 or i % n < n - 1.
+    layers = tuple(i for i in range(num_layers) if pattern == 0 or i % pattern < pattern - 1)
+    return (window, layers) if layers else (None, ())
+
+
+def _rope_scaling(
+    keys: _Keys, context: int, rotary_dims: int, rope_tensors: Mapping[str, Sequence[float]]
+) -> RopeScaling | None:
+    """RoPE scaling from `rope.scaling.*` and the RoPE tensors.
+
+    - `rope_freqs` (Llama 3.1+): each frequency's divisor, RopeScaling kind "factors".
+    - `rope_factors_long` / `rope_factors_short` (Phi-3): longrope, with factor = context /
+      `rope.scaling.original_context_length` as transformers computes it; the converter writes
+      `rope.scaling.attn_factor` always, as sqrt(1 + ln(factor) / ln(original)) in float32: that
+      default is left implicit (None), a different value kept.
+    - `rope.scaling.type` linear (`rope.scaling.factor`) or yarn (factor, original context,
+      `yarn_beta_fast`, `yarn_beta_slow`, `yarn_attn_factor`, with their common defaults).
+    """
+    pairs = rotary_dims // 2
+    for name, values in rope_tensors.items():
+        if len(values) != pairs or not all(math.isfinite(v) and v > 0 for v in values):
+            raise SourceError(
+                f"{keys.path}: the tensor {name} must hold {pairs} positive factors (one per rotary frequency), "
+                f"it holds {len(values)}"
+                + ("" if len(values) != pairs else " with a zero, negative or non-finite one")
+            )
+    if "rope_freqs.weight" in rope_tensors:
+        return RopeScaling(kind="factors", short_factor=tuple(rope_tensors["rope_freqs.weight"]))
+    kind_key = keys._key("rope.scaling.type")
+    kind = keys.metadata.get(kind_key)
+    has_longrope = "rope_factors_long.weight" in rope_tensors or "rope_factors_short.weight" in rope_tensors
+    if has_longrope or kind == "longrope":
+        missing = [n for n in ("rope_factors_long.weight", "rope_factors_short.weight") if n not in rope_tensors]
+        if missing:
+            raise SourceError(f"{keys.path}: longrope RoPE scaling needs the tensors rope_factors_long and rope_factors_short; {missing[0]} is missing")
+        original = keys.integer("rope.scaling.original_context_length")
+        factor = context / original
+        attention = keys.maybe_number("rope.scaling.attn_factor")
+        implied = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+        if attention is not None and abs(attention - implied) <= 1e-6 * implied:
+            attention = None
+        return RopeScaling(
+            kind="longrope",
+            factor=factor,
+            original_max_position_embeddings=original,
+            attention_factor=attention,
+            short_factor=tuple(decimal_of_float32(v) for v in rope_tensors["rope_factors_short.weight"]),
+            long_factor=tuple(decimal_of_float32(v) for v in rope_tensors["rope_factors_long.weight"]),
+        )
+    linear = keys.maybe_number("rope.scale_linear")  # the key before rope.scaling.*
+    if kind in (None, "none"):
+        return None if linear in (None, 1.0) else RopeScaling(kind="linear", factor=linear)
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=keys.number("rope.scaling.factor"))
+    if kind == "yarn":
+        # Absent keys take the values llama.cpp and transformers both default to: beta_fast 32,
+        # beta_slow 1, attention factor 0.1 ln(factor) + 1 (the converter copies a given one).
+        factor = keys.number("rope.scaling.factor")
+        attention = keys.maybe_number("rope.scaling.yarn_attn_factor")
+        return RopeScaling(
+            kind="yarn",
+            factor=factor,
+            original_max_position_embeddings=keys.integer("rope.scaling.original_context_length"),
+            beta_fast=keys.number("rope.scaling.yarn_beta_fast", default=32.0),
+            beta_slow=keys.number("rope.scaling.yarn_beta_slow", default=1.0),
+            attention_factor=attention if attention is not None else (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0),
+        )
+    raise keys._bad(kind_key, kind, "none, linear, yarn or longrope (the RoPE scalings flare implements)")

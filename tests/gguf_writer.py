@@ -1,0 +1,359 @@
+"""Test helper: a tiny Hugging Face checkpoint written as a GGUF, as llama.cpp's converter writes it.
+
+The facts are convert_hf_to_gguf.py's (its `conversion/` modules llama.py, qwen.py, gemma.py,
+phi.py and base.py's TextModel.set_gguf_parameters); the tensor names come from gguf-py's own
+map (`gguf.get_tensor_name_map`), which is what the converter uses:
+
+- every family: block_count, context_length, embedding_length, feed_forward_length, head_count,
+  head_count_kv, layer_norm_rms_epsilon, rope.freq_base (of the full-attention layers),
+  rope.freq_base_swa (of the sliding ones, where given), key_length / value_length where the
+  config names a head_dim, rope.scaling.* for linear and yarn.
+- llama (and Mistral, written as llama): vocab_size, rope.dimension_count (the head dimension),
+  q/k rows (and biases) permuted for llama.cpp's adjacent-pair RoPE; Llama 3.1's llama3
+  scaling as the tensor rope_freqs (each frequency's divisor).
+- qwen2 / qwen3: nothing more.
+- gemma2: no rope.freq_base (llama.cpp's 10000), attn_logit_softcapping,
+  final_logit_softcapping, attention.sliding_window; every `*norm.weight` + 1; no lm_head.
+- gemma3: rope.freq_base of the global layers, final_logit_softcapping when set,
+  attention.sliding_window; every `*norm.weight` + 1.
+- phi3: rope.dimension_count = int(partial_rotary_factor * hidden) // heads,
+  rope.scaling.original_context_length, attention.sliding_window (0 for none); with longrope, the
+  tensors rope_factors_long / rope_factors_short and rope.scaling.attn_factor; the fused
+  qkv_proj (attn_qkv) and gate_up_proj (ffn_up) kept fused.
+
+Also the canonical state dict flare's contract gives the same checkpoint (`canonical_state`):
+Gemma's norms + 1 and renamed, Phi-3's fused tensors split, a tied LM head dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+GGML = gguf.GGMLQuantizationType
+TINY_CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+_ARCH = {
+    "llama": gguf.MODEL_ARCH.LLAMA,
+    "mistral": gguf.MODEL_ARCH.LLAMA,
+    "qwen2": gguf.MODEL_ARCH.QWEN2,
+    "qwen3": gguf.MODEL_ARCH.QWEN3,
+    "gemma2": gguf.MODEL_ARCH.GEMMA2,
+    "gemma3_text": gguf.MODEL_ARCH.GEMMA3,
+    "phi3": gguf.MODEL_ARCH.PHI3,
+}
+
+
+def tiny_vocabulary() -> tuple[list[str], list[int], list[str]]:
+    """A byte-level BPE vocabulary of 262 tokens: three control tokens, the byte alphabet, three merges."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    alphabet = sorted(bytes_to_unicode().values())
+    merged = ["Ġt", "he", "Ġthe"]
+    tokens = specials + alphabet + merged
+    types = [3] * len(specials) + [1] * (len(alphabet) + len(merged))
+    return tokens, types, ["Ġ t", "h e", "Ġt he"]
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """A byte-level BPE vocabulary as GGUF metadata holds it."""
+
+    tokens: list[str]
+    types: list[int]
+    merges: list[str]
+    pre: str = "smollm"
+
+
+def tiny_bpe_vocabulary() -> Vocabulary:
+    return Vocabulary(*tiny_vocabulary())
+
+
+def gguf_vocabulary(path: Path) -> Vocabulary:
+    """The vocabulary of a GGUF file (the default model's: SmolLM2's 49152 tokens)."""
+    reader = gguf.GGUFReader(path)
+    fields = reader.fields
+    return Vocabulary(
+        tokens=fields["tokenizer.ggml.tokens"].contents(),
+        types=fields["tokenizer.ggml.token_type"].contents(),
+        merges=fields["tokenizer.ggml.merges"].contents(),
+        pre=fields["tokenizer.ggml.pre"].contents(),
+    )
+
+
+def permute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's permutation of q/k rows (convert_hf_to_gguf.py, LlamaModel.permute)."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def llama3_rope_freqs(rope: dict[str, Any], head_dim: int) -> np.ndarray:
+    """The divisors the converter writes as rope_freqs for llama3 scaling (LlamaModel.generate_extra_tensors)."""
+    base = rope.get("rope_theta", 10000.0)
+    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factor = rope.get("factor", 8.0)
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_context = rope.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old_context / low, old_context / high
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def _rope_parameters(hparams: dict[str, Any]) -> dict[str, Any]:
+    rope = dict(hparams.get("rope_parameters") or hparams.get("rope_scaling") or {})
+    return rope.get("full_attention", rope)
+
+
+def write_family_gguf(
+    path: Path,
+    config: Any,
+    state: dict[str, torch.Tensor],
+    *,
+    quantize: GGML | None = None,
+    chat_template: str = TINY_CHAT_TEMPLATE,
+    architecture: str | None = None,
+    metadata: dict[str, tuple[Any, gguf.GGUFValueType] | None] | None = None,
+    tensors: dict[str, np.ndarray | None] | None = None,
+    vocabulary: Vocabulary | None = None,
+) -> None:
+    """Write the Hugging Face checkpoint (`config`: its transformers config, `state`: its state
+    dict with Hugging Face names) as convert_hf_to_gguf.py would (module docstring). With
+    `quantize` (Q8_0 say), every matrix whose rows are whole blocks is stored in that type, as
+    the converter's --outtype does; vectors stay float32. `vocabulary`: the tiny one by default.
+
+    To make a malformed file: `architecture` replaces general.architecture (the keys keep the
+    family's prefix), `metadata` sets keys ((value, type)) or removes them (None), `tensors`
+    adds or replaces GGUF tensors (float32 arrays [out, in]) or removes them (None)."""
+    hparams = config.to_dict()
+    model_type = hparams["model_type"]
+    arch = _ARCH[model_type]
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    layers = hparams["num_hidden_layers"]
+    hidden, heads = hparams["hidden_size"], hparams["num_attention_heads"]
+    kv_heads = hparams.get("num_key_value_heads") or heads
+    rope = _rope_parameters(hparams)
+    writer.add_block_count(layers)
+    writer.add_context_length(hparams["max_position_embeddings"])
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(hparams["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(hparams["rms_norm_eps"])
+    if model_type != "phi3" and hparams.get("head_dim") is not None:
+        writer.add_key_length(hparams["head_dim"])
+        writer.add_value_length(hparams["head_dim"])
+    if model_type != "gemma2":
+        writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    sliding_rope = (hparams.get("rope_parameters") or {}).get("sliding_attention")
+    if sliding_rope is not None:
+        writer.add_rope_freq_base_swa(sliding_rope["rope_theta"])
+    rope_type = rope.get("rope_type", rope.get("type"))
+    if rope_type == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    elif rope_type == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for key, add in (("beta_fast", writer.add_rope_scaling_yarn_beta_fast), ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
+            if rope.get(key) is not None:
+                add(rope[key])
+    head_dim = hparams.get("head_dim") or hidden // heads
+    extra: dict[str, np.ndarray] = {}
+    if arch == gguf.MODEL_ARCH.LLAMA:
+        writer.add_vocab_size(hparams["vocab_size"])
+        writer.add_rope_dimension_count(head_dim)
+        if rope_type == "llama3":
+            extra["rope_freqs.weight"] = llama3_rope_freqs(rope, head_dim)
+    elif model_type == "gemma2":
+        writer.add_attn_logit_softcapping(hparams["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(hparams["final_logit_softcapping"])
+        writer.add_sliding_window(hparams["sliding_window"])
+    elif model_type == "gemma3_text":
+        if hparams.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(hparams["final_logit_softcapping"])
+        writer.add_sliding_window(hparams["sliding_window"])
+    elif model_type == "phi3":
+        rotary = int(rope.get("partial_rotary_factor", 1.0) * hidden) // heads
+        original = rope.get("original_max_position_embeddings") or hparams["original_max_position_embeddings"]
+        writer.add_rope_dimension_count(rotary)
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_sliding_window(hparams.get("sliding_window") or 0)
+        if rope.get("long_factor"):
+            scale = hparams["max_position_embeddings"] / original
+            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+            extra["rope_factors_long.weight"] = np.array(rope["long_factor"], dtype=np.float32)
+            extra["rope_factors_short.weight"] = np.array(rope["short_factor"], dtype=np.float32)
+    vocabulary = vocabulary or tiny_bpe_vocabulary()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(vocabulary.pre)
+    writer.add_token_list(vocabulary.tokens)
+    writer.add_token_types(vocabulary.types)
+    writer.add_token_merges(vocabulary.merges)
+    if hparams.get("bos_token_id") is not None:
+        writer.add_bos_token_id(hparams["bos_token_id"])
+    eos = hparams.get("eos_token_id")
+    writer.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
+    writer.add_chat_template(chat_template)
+    if architecture is not None:
+        writer.add_string("general.architecture", architecture)
+    for key, value in (metadata or {}).items():
+        if value is None:
+            del writer.kv_data[0][key]
+        else:
+            writer.add_key_value(key, value[0], value[1], sub_type=gguf.GGUFValueType.get_type(value[0][0]) if isinstance(value[0], list) else None)
+    names = gguf.get_tensor_name_map(arch, layers)
+    replaced = tensors or {}
+    gemma = model_type in ("gemma2", "gemma3_text")
+    for hf, tensor in state.items():
+        if hf == "lm_head.weight" and (model_type == "gemma2" or hparams.get("tie_word_embeddings")):
+            continue  # save_pretrained leaves a tied head out; the Gemma 2 converter skips it always
+        array = tensor.detach().to(torch.float32).numpy()
+        if gemma and hf.endswith("norm.weight"):
+            array = array + 1  # the converter bakes Gemma's (1 + w) in
+        if arch == gguf.MODEL_ARCH.LLAMA and hf.endswith(("q_proj.weight", "q_proj.bias")):
+            array = permute_rope_rows(array, heads)
+        elif arch == gguf.MODEL_ARCH.LLAMA and hf.endswith(("k_proj.weight", "k_proj.bias")):
+            array = permute_rope_rows(array, kv_heads)
+        name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        assert name is not None, f"gguf-py maps no name for {hf} in {arch.name}"
+        if name not in replaced:
+            _add_tensor(writer, name, np.ascontiguousarray(array), quantize)
+    for name, array in {**extra, **replaced}.items():
+        if array is not None:
+            _add_tensor(writer, name, np.ascontiguousarray(array, dtype=np.float32), quantize)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _add_tensor(writer: gguf.GGUFWriter, name: str, array: np.ndarray, quantize: GGML | None) -> None:
+    block = None if quantize is None else gguf.GGML_QUANT_SIZES[quantize][0]
+    if quantize is not None and array.ndim == 2 and array.shape[1] % block == 0:  # type: ignore[operator]
+        writer.add_tensor(name, gguf.quants.quantize(array, quantize), raw_dtype=quantize)
+    else:
+        writer.add_tensor(name, array.astype(np.float32))
+
+
+def quantized_values(array: np.ndarray, quantize: GGML | None) -> np.ndarray:
+    """What `write_family_gguf` stores of `array` ([out, in] or a vector), read back as float32."""
+    block = None if quantize is None else gguf.GGML_QUANT_SIZES[quantize][0]
+    if quantize is None or array.ndim != 2 or array.shape[1] % block:  # type: ignore[operator]
+        return array.astype(np.float32)
+    return gguf.quants.dequantize(gguf.quants.quantize(array, quantize), quantize)
+
+
+_GEMMA_NORMS = {
+    "post_attention_layernorm": "attention_output_norm",
+    "pre_feedforward_layernorm": "post_attention_layernorm",
+    "post_feedforward_layernorm": "mlp_output_norm",
+}
+
+
+def canonical_state(config: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint as flare's package contract names and shapes it (float32): Gemma's norms are
+    the factor (1 + w) and renamed (families-common: post_attention_layernorm ->
+    attention_output_norm, pre_feedforward_layernorm -> post_attention_layernorm,
+    post_feedforward_layernorm -> mlp_output_norm), Phi-3's qkv_proj and gate_up_proj split into
+    q/k/v and gate/up, a tied LM head left out."""
+    hparams = config.to_dict()
+    model_type = hparams["model_type"]
+    gemma = model_type in ("gemma2", "gemma3_text")
+    heads = hparams["num_attention_heads"]
+    head_dim = hparams.get("head_dim") or hparams["hidden_size"] // heads
+    q = heads * head_dim
+    kv = (hparams.get("num_key_value_heads") or heads) * head_dim
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        tensor = tensor.detach().to(torch.float32)
+        if name == "lm_head.weight" and hparams.get("tie_word_embeddings"):
+            continue
+        if gemma and name.endswith("norm.weight"):
+            tensor = tensor + 1
+            for hf, ours in _GEMMA_NORMS.items():
+                if name.endswith(f".{hf}.weight"):
+                    name = name.replace(f".{hf}.", f".{ours}.")
+                    break
+        if name.endswith("self_attn.qkv_proj.weight"):
+            prefix = name.removesuffix("qkv_proj.weight")
+            out[f"{prefix}q_proj.weight"], out[f"{prefix}k_proj.weight"], out[f"{prefix}v_proj.weight"] = (
+                t.contiguous() for t in tensor.split([q, kv, kv])
+            )
+            continue
+        if name.endswith("mlp.gate_up_proj.weight"):
+            prefix = name.removesuffix("gate_up_proj.weight")
+            gate, up = tensor.chunk(2)
+            out[f"{prefix}gate_proj.weight"], out[f"{prefix}up_proj.weight"] = gate.contiguous(), up.contiguous()
+            continue
+        out[name] = tensor.contiguous()
+    return out
+
+
+LLAMA_CPP_CONVERTER = Path("/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py")
+# Runs llama.cpp's converter with its own gguf-py. Two answers about the vocabulary only, which
+# changes no weight and no model key: the BPE pre-tokenizer check says "smollm" (the converter
+# recognises a tokenizer only by the hash of a known model's output, and the tiny test vocabulary
+# is none), and Gemma 2 takes the byte-level BPE vocabulary (its converter reads only a
+# SentencePiece tokenizer.model).
+_CONVERTER_DRIVER = """
+import runpy, sys
+converter = sys.argv.pop(1)
+sys.path.insert(0, converter.rsplit("/", 1)[0])
+sys.path.insert(1, converter.rsplit("/", 1)[0] + "/gguf-py")
+import conversion.base, conversion.gemma
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "smollm"
+conversion.gemma.Gemma2Model.set_vocab = lambda self: self._set_vocab_gpt2()
+runpy.run_path(converter, run_name="__main__")
+"""
+
+
+def save_tiny_checkpoint(directory: Path, config: Any, state: dict[str, torch.Tensor]) -> None:
+    """The checkpoint as a Hugging Face directory (`save_pretrained`), with the tiny vocabulary's
+    byte-level BPE tokenizer (declared a GPT2Tokenizer, which Phi-3's converter asks for)."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    tokens, types, merges = tiny_vocabulary()
+    tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ")) for m in merges]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t, k in zip(tokens, types) if k == 3])
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(state)
+    model.save_pretrained(directory)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", bos_token="<|im_start|>")
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    fast.save_pretrained(directory)
+    settings = json.loads((directory / "tokenizer_config.json").read_text())
+    settings["tokenizer_class"] = "GPT2Tokenizer"
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
+
+
+def convert_with_llama_cpp(directory: Path, out: Path, outtype: str = "f32") -> None:
+    """llama.cpp's own convert_hf_to_gguf.py on `directory` (a subprocess: it imports its gguf-py)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", _CONVERTER_DRIVER, str(LLAMA_CPP_CONVERTER), str(directory), "--outtype", outtype, "--outfile", str(out)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
