@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 from daemon_process import DaemonProcess
 
+from flare.daemon import ctl
+
 EOS = 2  # <|im_end|>: SmolLM2's end of text, and so the tiny package's
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -278,14 +280,17 @@ def test_cancel_ends_a_running_stream_with_a_cancelled_error(operated: Operated)
         "flare_http_requests_total", endpoint="/v1/chat/completions", outcome="cancelled"
     )
     # 400 tokens with the end-of-text token forbidden: a second or more of generation on the
-    # fastest CPU here, against about 0.7 s for the three control calls before the cancel (the
-    # tiny random model otherwise ends some answers after a few dozen tokens).
+    # fastest CPU here (the tiny random model otherwise ends some answers after a few dozen
+    # tokens). The listing is read through the socket in this process, as `flare ctl requests`
+    # reads and renders it, so that only the cancel pays for starting a `flare ctl` process: three
+    # of them took longer than the whole answer on a loaded 2-core machine.
     with operated.stream(max_tokens=400, logit_bias={str(EOS): -100}) as response:
         response.readline()  # the first chunk: the request is running
-        [row] = operated.ctl_json("requests")["requests"]
+        status, listing = ctl.call(operated.control, "GET", "/requests")
+        assert status == 200, listing
+        [row] = listing["requests"]
         assert row["state"] == "running" and row["prompt_tokens"] > 0
-        listed = operated.ctl("requests")
-        assert row["request_id"] in listed.stdout
+        assert row["request_id"] in ctl.render("requests", listing)
         assert operated.ctl_json("cancel", row["request_id"]) == {"cancelled": row["request_id"]}
         events = sse_events(response)
     assert events[-1] == "[DONE]"
