@@ -25,6 +25,7 @@ import torch
 families = pytest.importorskip("families", reason="tests/families.py (the decoder's tiny checkpoints) is not here yet")
 
 from gguf_writer import gguf_vocabulary, write_family_gguf
+from running_scheduler import running
 
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import BlockAllocator, KVCache
@@ -34,6 +35,8 @@ from flare.preparation.default_model import default_gguf_path
 from flare.preparation.export import ExportOptions, export_package
 from flare.preparation.package import open_package
 from flare.preparation.source import ModelSource
+from flare.sampling.params import SamplingParams
+from flare.scheduler.request import Finished, GenerationRequest, TextDelta
 
 LOGIT_TOLERANCE = 1e-4
 BLOCK_SIZE = 4
@@ -111,6 +114,28 @@ def test_gguf_package_logits_are_transformers(packages: tuple[Any, Path, Path]) 
     with torch.inference_mode():
         expected = checkpoint.model(torch.tensor([ids])).logits[0].float()
     assert (prompt_logits(from_gguf, ids) - expected).abs().max().item() < LOGIT_TOLERANCE
+
+
+async def greedy_answer(package_path: Path, tokens: int) -> list[int]:
+    """The package's greedy continuation of PROMPT through the scheduler (paged, in decode rounds)."""
+    output: list[int] = []
+    async with running(package_path, block_size=BLOCK_SIZE, draft_tokens=0) as scheduler:
+        prompt = tuple(scheduler.tokenizer.encode(PROMPT))
+        async for event in scheduler.submit(GenerationRequest("greedy", prompt, SamplingParams(temperature=0.0, max_tokens=tokens))):
+            if isinstance(event, TextDelta):
+                output += event.token_ids
+            else:
+                assert isinstance(event, Finished), event
+    return output
+
+
+async def test_gguf_package_answers_as_the_hugging_face_package(packages: tuple[Any, Path, Path]) -> None:
+    # The Hugging Face package's greedy answer is transformers' own (tests/families/); the GGUF's
+    # must be the same tokens, read through its own config, tokenizer and weights.
+    checkpoint, hf_package, gguf_package = packages
+    hf_answer = await greedy_answer(hf_package, 24)
+    assert hf_answer, f"{checkpoint.family}: no tokens generated"
+    assert await greedy_answer(gguf_package, 24) == hf_answer, checkpoint.family
 
 
 def prompt_logits(package_path: Path, ids: list[int]) -> torch.Tensor:
