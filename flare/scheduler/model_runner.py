@@ -28,7 +28,8 @@ from flare.kernels.faults import FaultNotInjectable, inject_fault
 from flare.kernels.logprobs import TokenLogprobs
 from flare.kernels.round import RoundResult as KernelResult
 from flare.kernels.status import DeviceStatus
-from flare.parallel.serving import RankDriver
+from flare.parallel.round_command import RoundSampling
+from flare.parallel.serving import RankDriver, RankLogits
 from flare.sampling.params import SamplingParams
 from flare.scheduler.request import TokenLogprob
 from flare.structured import GrammarState, fill_masks
@@ -140,7 +141,8 @@ class ModelRunner:
         """`observer(plan, batch, hidden, logits)` sees every round's target outputs on the
         device, in the model thread (distillation records the target's features with it).
         `ranks`: a tensor-parallel group (`model` is rank 0's shard): every rank runs the
-        forward and the whole logits come back to this sampler."""
+        forward and keeps its vocabulary shard of the logits; sampling and scoring run on every
+        shard and merge on rank 0 (`RankLogits`)."""
         self.model = model
         self.kv_cache = kv_cache
         self.head = head
@@ -174,6 +176,7 @@ class ModelRunner:
             ]
             batch = ForwardBatch.build(forward_rows, self.kv_cache.block_size, self.device)
             hidden = None
+            logits: torch.Tensor | RankLogits
             if self.ranks is not None:
                 logits = self.ranks.forward(self.model, self.kv_cache, forward_rows, plan.copies)
             elif self.head is None and self.observer is None:
@@ -218,19 +221,20 @@ class ModelRunner:
         return torch.tensor(index, device=self.device)
 
     def _score_prompts(
-        self, scoring: list[PlannedRow], logits: torch.Tensor, rows: tuple[PlannedRow, ...]
+        self, scoring: list[PlannedRow], logits: torch.Tensor | RankLogits, rows: tuple[PlannedRow, ...]
     ) -> TokenLogprobs:
         """Log-probabilities of the prompt tokens that scoring rows' first positions predict."""
         offsets = dict(zip((id(row) for row in rows), _logit_offsets(list(rows))))
         index = [offsets[id(row)] + i for row in scoring for i in range(len(row.prompt_targets))]
         targets = [t for row in scoring for t in row.prompt_targets]
         device = logits.device
-        return score_tokens(
-            logits[torch.tensor(index, device=device)],
-            torch.tensor(targets, dtype=torch.int64, device=device),
-            max(row.prompt_top for row in scoring),
-            self.vocabulary_shards,
-        )
+        at = logits[torch.tensor(index, device=device)]
+        target_ids = torch.tensor(targets, dtype=torch.int64, device=device)
+        num_top = max(row.prompt_top for row in scoring)
+        if isinstance(at, RankLogits):
+            assert self.ranks is not None
+            return self.ranks.score(at, target_ids, num_top)
+        return score_tokens(at, target_ids, num_top, self.vocabulary_shards)
 
 
     def _draft(
@@ -264,7 +268,7 @@ class ModelRunner:
     def _sample(
         self,
         rows: list[PlannedRow],
-        logits: torch.Tensor,
+        logits: torch.Tensor | RankLogits,
         before_read: Callable[[torch.Tensor, torch.Tensor, list[int]], HeadDrafts | None] | None = None,
     ) -> list[RowResult]:
         """Sample every row (logits holds exactly their positions, in order) with one host read.
@@ -331,7 +335,7 @@ class ModelRunner:
         return masks.to(self.device)
 
     def _fall_back(
-        self, rows: list[PlannedRow], offsets: list[int], logits: torch.Tensor, masks: torch.Tensor | None
+        self, rows: list[PlannedRow], offsets: list[int], logits: torch.Tensor | RankLogits, masks: torch.Tensor | None
     ) -> list[RowResult]:
         """Resample rows that got INVALID_SPECULATION without drafts, with the standard sampler
         (which supports filters), from the logits at each row's first position: the prediction
@@ -348,7 +352,7 @@ class ModelRunner:
         return [dataclasses.replace(result, fell_back=True) for result in read]
 
     def _sample_rows(
-        self, rows: list[PlannedRow], logits: torch.Tensor, shards: int, width: int, masks: torch.Tensor | None
+        self, rows: list[PlannedRow], logits: torch.Tensor | RankLogits, shards: int, width: int, masks: torch.Tensor | None
     ) -> KernelResult:
         device = logits.device
         k_max = max(width - 1, 1)
@@ -407,20 +411,29 @@ class ModelRunner:
                     faulted.batch,
                 )
         wanted = [row.logprobs for row in rows if row.logprobs is not None]
+        num_drafts = torch.tensor([len(row.draft_ids) for row in rows], dtype=torch.long, device=device)
+        num_logprobs = max(wanted) if wanted else None
+        raw_logprobs = (
+            torch.tensor([row.raw_logprobs for row in rows], device=device) if any(row.raw_logprobs for row in rows) else None
+        )
+        if isinstance(logits, RankLogits):
+            assert self.ranks is not None
+            if not (shards == 1 and batch.facts.any_filtered):
+                sampling = RoundSampling(num_drafts, draft_tokens, batch, masks, num_logprobs, raw_logprobs, draft_probs)
+                return self.ranks.sample(logits, sampling)
+            # Filters need the whole distribution (the merge of per-shard statistics does not
+            # filter): these rows' positions are gathered for the single-shard sampler.
+            logits = self.ranks.whole(logits)
         return sample_round(
             logits,
-            num_drafts=torch.tensor([len(row.draft_ids) for row in rows], dtype=torch.long, device=device),
+            num_drafts=num_drafts,
             draft_tokens=draft_tokens,
             draft_probs=draft_probs,
             batch=batch,
             vocab_shards=shards,
             token_mask=masks,
-            num_logprobs=max(wanted) if wanted else None,
-            raw_logprobs=(
-                torch.tensor([row.raw_logprobs for row in rows], device=device)
-                if any(row.raw_logprobs for row in rows)
-                else None
-            ),
+            num_logprobs=num_logprobs,
+            raw_logprobs=raw_logprobs,
         )
 
     def _embeddable(self, token_ids: tuple[int, ...]) -> tuple[int, ...]:
