@@ -132,12 +132,12 @@ def worker_spec(package_path: str, weight_format: str) -> WorkerSpec:
     return WorkerSpec(functools.partial(_load_worker, package_path, weight_format), _serve_worker)
 
 
-def serve_headless(package_path: str, layout: ParallelLayout, weight_format: str) -> int:
+def serve_headless(package_path: str, layout: ParallelLayout, weight_format: str, bind: str | None = None) -> int:
     """A host other than rank 0's (`flare run --node-rank K`, K > 0): start this host's ranks,
     meet rank 0, and wait; the exit status is non-zero once a rank stops (its peer was lost),
     for the supervisor to restart it."""
     group = RankGroup(
-        layout, worker_spec(package_path, weight_format), torch.device("cpu"), STARTUP_TIMEOUT, COLLECTIVE_TIMEOUT
+        layout, worker_spec(package_path, weight_format), torch.device("cpu"), STARTUP_TIMEOUT, COLLECTIVE_TIMEOUT, bind
     )
     group.connect()
     log.info("tensor_parallel_host", node_rank=layout.node_rank, ranks=[(r.rank, r.pid, list(r.cpus)) for r in group.ranks])
@@ -156,10 +156,16 @@ class RankDriver:
         weight_format: str,
         startup_timeout: timedelta = STARTUP_TIMEOUT,
         collective_timeout: timedelta = COLLECTIVE_TIMEOUT,
+        bind: str | None = None,
     ) -> None:
+        """``bind``: this host's ranks' CPU lists ("0-15|16-31", threads.py), rank 0's pinning
+        this process too (its event loop then shares rank 0's CPUs); None: the workers take even
+        runs of the CPUs and this process is left as it is."""
         self.group = RankGroup(
-            layout, worker_spec(package_path, weight_format), torch.device("cpu"), startup_timeout, collective_timeout
+            layout, worker_spec(package_path, weight_format), torch.device("cpu"), startup_timeout, collective_timeout, bind
         )
+        if bind:
+            self.group.pin_own()
         self.tensor_parallel = layout.tensor_parallel
         self._shard: VocabShard | None = None
         self._rounds = 0

@@ -157,6 +157,12 @@ class ModelRunner:
         """This host's tensor-parallel ranks as (rank, pid, CPUs); empty without a group."""
         return () if self.ranks is None else tuple((r.rank, r.pid, r.cpus) for r in self.ranks.group.ranks)
 
+    def check_group(self) -> None:
+        """Raise EngineDead once the tensor-parallel group has lost a rank (its watcher noticed
+        a worker exit), even between rounds; nothing without a group."""
+        if self.ranks is not None:
+            self.ranks.group.failstop.check()
+
     def close(self) -> None:
         """Stop the group's other ranks, if any."""
         if self.ranks is not None:
