@@ -158,9 +158,10 @@ class RankDriver:
         collective_timeout: timedelta = COLLECTIVE_TIMEOUT,
         bind: str | None = None,
     ) -> None:
-        """``bind``: this host's ranks' CPU lists ("0-15|16-31", threads.py), rank 0's pinning
-        this process too (its event loop then shares rank 0's CPUs); None: the workers take even
-        runs of the CPUs and this process is left as it is."""
+        """``bind``: this host's ranks' CPU lists ("0-15|16-31", threads.py); rank 0's list then
+        pins the calling thread, the scheduler's model thread that loads and runs rank 0's
+        rounds (and the OpenMP threads it starts), not the event loop. None: the workers take
+        even runs of the CPUs and rank 0 is left as it is."""
         self.group = RankGroup(
             layout, worker_spec(package_path, weight_format), torch.device("cpu"), startup_timeout, collective_timeout, bind
         )

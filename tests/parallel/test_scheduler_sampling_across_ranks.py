@@ -5,7 +5,9 @@ logits of unfiltered rows never travel whole."""
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -172,3 +174,35 @@ async def test_tp2_gathers_per_shard_statistics_not_logit_rows_except_for_filter
     gathered.clear()
     await _seen(peaked_package, [c for c in CASES if c.name == "filtered"], tensor_parallel=2)
     assert max(gathered) >= vocab_size // 2, "a row with filters is gathered whole for the single-shard sampler"
+
+
+def _pinned_threads(pid: int, cpu: int) -> int:
+    """How many of ``pid``'s threads may run only on ``cpu``."""
+    tasks = Path(f"/proc/{pid}/task")
+    return sum(os.sched_getaffinity(int(task.name)) == {cpu} for task in tasks.iterdir())
+
+
+async def test_per_rank_cpu_lists_pin_each_worker_and_rank_0s_model_thread(tiny_package) -> None:
+    import torch
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    first, second = cpus[0], cpus[1]
+    threads = torch.get_num_threads()
+    try:
+        async with running(tiny_package, tensor_parallel=2, tensor_parallel_cpus=f"{second}|{first}") as scheduler:
+            ranks = {rank: (pid, cpus) for rank, pid, cpus in scheduler.snapshot().ranks}
+            assert ranks[0] == (os.getpid(), (second,)) and ranks[1][1] == (first,)
+            # The thread that loads and runs rank 0's rounds is pinned; the event loop is not.
+            assert _pinned_threads(os.getpid(), second) >= 1 and os.sched_getaffinity(0) == set(cpus)
+            assert os.sched_getaffinity(ranks[1][0]) == {first}
+    finally:  # this test process is rank 0: give the next tests their threads back
+        torch.set_num_threads(threads)
+
+
+def test_a_cpu_list_per_rank_of_the_wrong_count_is_refused_naming_both(tiny_package) -> None:
+    from flare.scheduler.scheduler import Scheduler, SchedulerOptions
+
+    with pytest.raises(ValueError, match="gives 3 CPU lists for 2 ranks"):
+        Scheduler.from_package(open_package(tiny_package), SchedulerOptions(tensor_parallel=2, tensor_parallel_cpus="0|1|0"))
