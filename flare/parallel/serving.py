@@ -31,11 +31,11 @@ from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
 from flare.engine.model import LlamaModel, load_model
 from flare.engine.quantized import QuantizedWeight
+from flare.kernels.logprobs import TokenLogprobs
+from flare.kernels.round import RoundResult
 from flare.parallel.group import ProcessGroups, all_reduce_sum
 from flare.parallel.launch import RankGroup, WorkerSpec
 from flare.parallel.layout import ParallelLayout
-from flare.kernels.logprobs import TokenLogprobs
-from flare.kernels.round import RoundResult
 from flare.parallel.round_command import RoundCommand, RoundSampling, ShardStep, StepKind, receive_message, send_command
 from flare.parallel.tensor_split import rank_config, rank_state_dict, vocabulary_rows
 from flare.parallel.vocab_round import gather_rows, sample_round_across_ranks, score_tokens_across_ranks
@@ -181,7 +181,9 @@ class RankDriver:
         self._shard = VocabShard.of(vocab_size, groups.device)
         log.info("tensor_parallel_group", ranks=[(r.rank, r.pid, list(r.cpus)) for r in self.group.ranks])
 
-    def forward(self, model: LlamaModel, cache: KVCache, rows: Sequence[ForwardRow], copies: Sequence[tuple[int, int]]) -> RankLogits:
+    def forward(
+        self, model: LlamaModel, cache: KVCache, rows: Sequence[ForwardRow], copies: Sequence[tuple[int, int]]
+    ) -> RankLogits:
         """Every rank's forward of ``rows``; the [positions, V] logits as a `RankLogits`. The
         other ranks first make the block ``copies`` that rank 0 (the runner) has already made in
         its pool."""

@@ -18,7 +18,14 @@ from flare.kernels.status import DeviceStatus
 from flare.preparation.package import open_package
 from flare.sampling.params import SamplingParams
 from flare.scheduler.metrics import SchedulerMetrics
-from flare.scheduler.request import Failed, Finished, FaultSpec, GenerationRequest, TextDelta
+from flare.scheduler.request import (
+    Failed,
+    FaultSpec,
+    Finished,
+    GenerationRequest,
+    TextDelta,
+)
+
 
 @pytest.fixture(scope="module")
 def peaked_package(make_package, package_parts):
@@ -108,17 +115,44 @@ def _assert_same(double: dict[str, Seen], single: dict[str, Seen]) -> None:
 
 
 CASES = [
-    Case("greedy", "one two three four one two three four one two", SamplingParams(temperature=0.0, max_tokens=16), logprobs=2),
-    Case("seeded", "one two three four one two three four", SamplingParams(temperature=0.3, seed=7, max_tokens=16), logprobs=3),
-    Case("raw", "Tell me a story about", SamplingParams(temperature=0.7, seed=11, max_tokens=8), logprobs=1, raw_logprobs=True),
+    Case(
+        "greedy",
+        "one two three four one two three four one two",
+        SamplingParams(temperature=0.0, max_tokens=16),
+        logprobs=2,
+    ),
+    Case(
+        "seeded",
+        "one two three four one two three four",
+        SamplingParams(temperature=0.3, seed=7, max_tokens=16),
+        logprobs=3,
+    ),
+    Case(
+        "raw",
+        "Tell me a story about",
+        SamplingParams(temperature=0.7, seed=11, max_tokens=8),
+        logprobs=1,
+        raw_logprobs=True,
+    ),
     Case(
         "penalized",
         "one two one two one two",
-        SamplingParams(temperature=0.8, seed=5, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4, max_tokens=10),
+        SamplingParams(
+            temperature=0.8, seed=5, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4, max_tokens=10
+        ),
     ),
     # A bias that overrides the model: greedy then emits the biased token, whichever rank holds it.
-    Case("biased", "The weather today", SamplingParams(temperature=0.0, logit_bias=((5, 4.0), (1000, 100.0)), max_tokens=6)),
-    Case("filtered", "Once upon a time", SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=3, max_tokens=8), logprobs=1),
+    Case(
+        "biased",
+        "The weather today",
+        SamplingParams(temperature=0.0, logit_bias=((5, 4.0), (1000, 100.0)), max_tokens=6),
+    ),
+    Case(
+        "filtered",
+        "Once upon a time",
+        SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=3, max_tokens=8),
+        logprobs=1,
+    ),
     Case("echo", "Score every word of this prompt", SamplingParams(temperature=0.0, max_tokens=3), prompt_logprobs=2),
 ]
 
@@ -134,15 +168,32 @@ async def test_tp2_gives_tp1s_tokens_logprobs_and_ends_for_every_sampler_input(p
 
 
 FAULTS = [
-    Case("fell", "Tell me a story about", SamplingParams(temperature=0.0, max_tokens=10), fault=FaultSpec(DeviceStatus.INVALID_SPECULATION, round=1)),
-    Case("nan", "Hello there, how are", SamplingParams(temperature=0.0, max_tokens=10), fault=FaultSpec(DeviceStatus.NONFINITE_LOGITS, round=1)),
-    Case("bad-draft", "one two one two one two", SamplingParams(temperature=0.0, max_tokens=10), fault=FaultSpec(DeviceStatus.INVALID_DRAFT_PROBABILITY, round=2)),
+    Case(
+        "fell",
+        "Tell me a story about",
+        SamplingParams(temperature=0.0, max_tokens=10),
+        fault=FaultSpec(DeviceStatus.INVALID_SPECULATION, round=1),
+    ),
+    Case(
+        "nan",
+        "Hello there, how are",
+        SamplingParams(temperature=0.0, max_tokens=10),
+        fault=FaultSpec(DeviceStatus.NONFINITE_LOGITS, round=1),
+    ),
+    Case(
+        "bad-draft",
+        "one two one two one two",
+        SamplingParams(temperature=0.0, max_tokens=10),
+        fault=FaultSpec(DeviceStatus.INVALID_DRAFT_PROBABILITY, round=2),
+    ),
     Case("clean", "one two one two one two", SamplingParams(temperature=0.0, max_tokens=10)),
 ]
 
 
 @pytest.mark.parametrize("on_invalid", ["fallback", "fail"])
-async def test_tp2_ends_faulted_rows_as_tp1_and_falls_back_after_invalid_speculation(peaked_package, on_invalid) -> None:
+async def test_tp2_ends_faulted_rows_as_tp1_and_falls_back_after_invalid_speculation(
+    peaked_package, on_invalid
+) -> None:
     options = {"fault_injection": True, "on_invalid_speculation": on_invalid}
     single = await _seen(peaked_package, FAULTS, **options)
     double = await _seen(peaked_package, FAULTS, tensor_parallel=2, **options)
@@ -153,7 +204,9 @@ async def test_tp2_ends_faulted_rows_as_tp1_and_falls_back_after_invalid_specula
     _assert_same(double, single)
 
 
-async def test_tp2_gathers_per_shard_statistics_not_logit_rows_except_for_filtered_rows(peaked_package, monkeypatch) -> None:
+async def test_tp2_gathers_per_shard_statistics_not_logit_rows_except_for_filtered_rows(
+    peaked_package, monkeypatch
+) -> None:
     vocab_size = open_package(peaked_package).manifest.model.vocab_size
     gathered: list[int] = []  # values per rank, per gather on rank 0
     real_gather = dist.gather
@@ -205,4 +258,6 @@ def test_a_cpu_list_per_rank_of_the_wrong_count_is_refused_naming_both(tiny_pack
     from flare.scheduler.scheduler import Scheduler, SchedulerOptions
 
     with pytest.raises(ValueError, match="gives 3 CPU lists for 2 ranks"):
-        Scheduler.from_package(open_package(tiny_package), SchedulerOptions(tensor_parallel=2, tensor_parallel_cpus="0|1|0"))
+        Scheduler.from_package(
+            open_package(tiny_package), SchedulerOptions(tensor_parallel=2, tensor_parallel_cpus="0|1|0")
+        )
