@@ -284,8 +284,14 @@ class ModelRunner:
         offsets = _sample_offsets(rows)
         masks = self._masks(rows, offsets, logits.shape[0])
         # A fault of INVALID_SPECULATION needs the sharded sampler; everything else follows the
-        # package's sampler unless the row fell back.
-        parallel = [row.vocabulary_parallel or row.fault == DeviceStatus.INVALID_SPECULATION for row in rows]
+        # package's sampler unless the row fell back. Across ranks, rows without a filter join
+        # the sharded group too (the same tokens), so that only rows with one are gathered whole.
+        parallel = [
+            row.vocabulary_parallel
+            or row.fault == DeviceStatus.INVALID_SPECULATION
+            or (self.ranks is not None and not (row.params.temperature > 0 and row.params.filtered))
+            for row in rows
+        ]
         groups = [[k for k in range(len(rows)) if parallel[k] == p] for p in (False, True)]
         groups = [g for g in groups if g]
         width = 1 + max(len(row.draft_ids) for row in rows)
@@ -454,21 +460,23 @@ def _read_back(
     counts and statuses already concatenated), with the log-probabilities of the emitted tokens
     where asked."""
     host_tokens, host_emitted, host_status = tokens.tolist(), emitted.tolist(), status.tolist()
-    with_logprobs = all(out.logprobs is not None for out in outputs) and any(r.logprobs is not None for r in rows)
-    if with_logprobs:
+    # Per row (logprob, top ids, top logprobs) of its group's output; groups may ask for
+    # different numbers of alternatives (or none), so they are read group by group.
+    row_logprobs: list[tuple[list[float], list[list[int]], list[list[float]]] | None] = []
+    for out in outputs:
+        if out.logprobs is None:
+            row_logprobs += [None] * out.tokens.shape[0]
+            continue
         logprob, top_ids, top_logprobs = (
-            torch.cat([getattr(out.logprobs, name) for out in outputs if out.logprobs is not None]).tolist()
-            for name in ("logprob", "top_ids", "top_logprobs")
+            getattr(out.logprobs, name).tolist() for name in ("logprob", "top_ids", "top_logprobs")
         )
+        row_logprobs += list(zip(logprob, top_ids, top_logprobs, strict=True))
     results = []
     for r, row in enumerate(rows):
         n = host_emitted[r]
         entries: tuple[TokenLogprob, ...] = ()
-        if with_logprobs and row.logprobs is not None:
-            entries = tuple(
-                _entry(host_tokens[r][j], logprob[r][j], top_ids[r][j], top_logprobs[r][j], row.logprobs)
-                for j in range(n)
-            )
+        if row.logprobs is not None and (asked := row_logprobs[r]) is not None:
+            entries = tuple(_entry(host_tokens[r][j], asked[0][j], asked[1][j], asked[2][j], row.logprobs) for j in range(n))
         results.append(RowResult(tuple(host_tokens[r][:n]), DeviceStatus(host_status[r]), logprobs=entries))
     return results
 

@@ -224,9 +224,12 @@ async def test_tp2_gathers_per_shard_statistics_not_logit_rows_except_for_filter
     # far from one row's V / 2 logits per rank.
     assert max(gathered) < vocab_size // 8, (max(gathered), vocab_size)
 
+    # With a row that has filters among them: that row's positions (1 + its drafts, at most 5)
+    # are gathered whole for the single-shard sampler, and only they.
     gathered.clear()
-    await _seen(peaked_package, [c for c in CASES if c.name == "filtered"], tensor_parallel=2)
-    assert max(gathered) >= vocab_size // 2, "a row with filters is gathered whole for the single-shard sampler"
+    await _seen(peaked_package, CASES, tensor_parallel=2)
+    half = -(-vocab_size // 2)
+    assert half <= max(gathered) <= 5 * half
 
 
 def _pinned_threads(pid: int, cpu: int) -> int:
