@@ -225,6 +225,8 @@ class Daemon:
             self._stop_requested.set()
             return
         self.scheduler = scheduler
+        if scheduler.metrics is not None and scheduler.runner.rank_list():
+            scheduler.metrics.watch_ranks(scheduler.runner.rank_list)
         tasks.start_soon(self._run_scheduler, scheduler)
         await scheduler.warm_up()
         model_name = self.config.served_model_name or scheduler.package.manifest.provenance.name

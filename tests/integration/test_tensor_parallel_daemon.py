@@ -109,6 +109,8 @@ def test_a_rank_lost_while_idle_stops_health_200_and_the_watchdog_and_the_daemon
         ready = notify.wait_for("READY=1")
         daemon.wait_ready()
         notify.wait_for("WATCHDOG=1", after=ready, timeout_s=30)
+        scraped = httpx.get(f"{daemon.base_url}/metrics", timeout=30).text
+        assert 'flare_tensor_parallel_rank_cpu_seconds_total{rank="1"}' in scraped
         (group,) = daemon.events("tensor_parallel_group")
         worker_pid = next(pid for rank, pid, _ in group["ranks"] if rank == 1)
         os.kill(worker_pid, signal.SIGKILL)

@@ -264,3 +264,18 @@ def test_a_cpu_list_per_rank_of_the_wrong_count_is_refused_naming_both(tiny_pack
         Scheduler.from_package(
             open_package(tiny_package), SchedulerOptions(tensor_parallel=2, tensor_parallel_cpus="0|1|0")
         )
+
+
+async def test_each_ranks_cpu_seconds_are_a_metric_labelled_by_rank(tiny_package) -> None:
+    registry = CollectorRegistry()
+    async with running(tiny_package, tensor_parallel=2) as scheduler:
+        metrics = SchedulerMetrics(registry)
+        metrics.watch_ranks(scheduler.runner.rank_list)
+        ids = tuple(scheduler.tokenizer.encode("Hello there"))
+        async for _ in scheduler.submit(GenerationRequest("r", ids, SamplingParams(temperature=0.0, max_tokens=8))):
+            pass
+        seconds = {
+            rank: registry.get_sample_value("flare_tensor_parallel_rank_cpu_seconds_total", {"rank": rank})
+            for rank in ("0", "1")
+        }
+    assert all(value is not None and value > 0 for value in seconds.values()), seconds
