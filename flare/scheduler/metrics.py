@@ -7,8 +7,8 @@ a round's aggregate, so the cost is a handful of increments per round.
 
 from __future__ import annotations
 
-from collections import Counter as Tally
 import os
+from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
