@@ -77,6 +77,9 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--node-rank", metavar="K", help="this host among them: 0 serves the API, K > 0 runs headless (default 0)")
     add("--master-addr", metavar="HOST", help="rank 0's host, reached over a private network (default 127.0.0.1)")
     add("--master-port", metavar="P", help="the rendezvous port on rank 0's host (default 0: a free one, one host only)")
+    add("--tensor-parallel-cpus", metavar="LISTS",
+        help='CPU lists of this host\'s ranks, e.g. "0-15|16-31" (one per rank, as VLLM_CPU_OMP_THREADS_BIND); '
+        "default: this process's CPUs cut into equal runs")
     add("--sampling-policy", choices=("package", "unfiltered"),
         help="serve the package's policy, or its unfiltered() form (default package)")
     add("--on-invalid-speculation", choices=("fallback", "fail"),
@@ -183,7 +186,7 @@ def _run_headless(config: Any) -> int:
         return _usage_error(f"flare run: error: {error}")
     package = config.package if config.package is not None else default_package_path(config.cache_dir)
     try:
-        return serve_headless(str(package), layout, config.weight_format)
+        return serve_headless(str(package), layout, config.weight_format, config.tensor_parallel_cpus)
     except WorkerStartError as error:
         print(f"flare run: error: {error}", file=sys.stderr)
         return 1

@@ -58,6 +58,9 @@ class DaemonConfig:
     node_rank: int = 0  # this host: 0 serves the API and the rendezvous, K > 0 runs headless
     master_addr: str = "127.0.0.1"  # rank 0's host, as the other hosts reach it (a private network)
     master_port: int = 0  # the rendezvous port on rank 0's host; 0: a free one (one host only)
+    # This host's ranks' CPU lists, "0-15|16-31" (one per rank, '|' between, as vLLM's
+    # VLLM_CPU_OMP_THREADS_BIND); None: this process's CPUs cut into equal runs.
+    tensor_parallel_cpus: str | None = None
     sampling_policy: str = "package"  # "package" | "unfiltered"
     on_invalid_speculation: str = "fallback"  # "fallback" | "fail"
     fault_injection: bool = False
@@ -219,6 +222,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "node_rank": _integer(0),
     "master_addr": _text,
     "master_port": _integer(0, 65535),
+    "tensor_parallel_cpus": _text,
     "sampling_policy": _choice("package", "unfiltered"),
     "on_invalid_speculation": _choice("fallback", "fail"),
     "fault_injection": _boolean,

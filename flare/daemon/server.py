@@ -225,6 +225,8 @@ class Daemon:
             self._stop_requested.set()
             return
         self.scheduler = scheduler
+        if scheduler.metrics is not None and scheduler.runner.rank_list():
+            scheduler.metrics.watch_ranks(scheduler.runner.rank_list)
         tasks.start_soon(self._run_scheduler, scheduler)
         await scheduler.warm_up()
         model_name = self.config.served_model_name or scheduler.package.manifest.provenance.name
@@ -269,6 +271,7 @@ class Daemon:
             nnodes=config.nnodes,
             master_addr=config.master_addr,
             master_port=config.master_port,
+            tensor_parallel_cpus=config.tensor_parallel_cpus,
             sampling_policy=config.sampling_policy,  # type: ignore[arg-type]
             on_invalid_speculation=config.on_invalid_speculation,  # type: ignore[arg-type]
             fault_injection=config.fault_injection,

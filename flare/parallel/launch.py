@@ -133,8 +133,9 @@ class RankGroup:
         return own + [RankInfo(w.rank, w.process.pid or 0, w.threads.cpus) for w in self._workers]
 
     def pin_own(self) -> None:
-        """Pin this process (rank 0) to its CPU list, as the workers pin themselves. Explicit:
-        the daemon's process also runs the event loop, which then shares rank 0's CPUs."""
+        """Pin the calling thread (rank 0's: the daemon's model thread) to rank 0's CPU list, as
+        the workers pin themselves; sched_setaffinity binds one thread, so the daemon's event
+        loop stays unpinned, and the OpenMP threads the caller starts inherit the list."""
         if self.own_threads is not None:
             pin(self.own_threads)
 

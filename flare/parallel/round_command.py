@@ -7,6 +7,9 @@ and the sampling inputs (drafts, the batch's parameters, the grammar's bitmask, 
 travels as one tensor_codec buffer over the gloo control group: a broadcast of its length,
 then of the buffer (benchmarks/parallel_plan_broadcast.py measured this against a
 shared-memory ring; docs/architecture.md has the figures). A length of 0 is the stop command.
+The daemon sends a `RoundCommand` (the forward) and then, as its sampler reaches them, the
+`ShardStep`s over that forward's logits: sampling, echo scoring, and the few whole rows that
+filters and the INVALID_SPECULATION fallback need.
 The bitmask goes whole to every rank (ceil(V / 32) words per position) and each rank cuts its
 own slice (vocab_shard.local_token_mask). A learned drafter's q is not sent: across ranks the
 n-gram drafter runs (one-hot q), see docs/architecture.md.
@@ -15,6 +18,7 @@ n-gram drafter runs (one-hot q), see docs/architecture.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 
 import torch
 import torch.distributed as dist
@@ -35,7 +39,10 @@ _FACT_FIELDS = (
 
 @dataclass(frozen=True)
 class RoundSampling:
-    """The sampling inputs of a round, the same on every rank (sample_round_across_ranks)."""
+    """The sampling inputs of a round, the same on every rank (sample_round_across_ranks).
+    ``draft_probs`` is q whole, [R, Kmax, V] (each rank takes its columns); the daemon sends it
+    only for a test's INVALID_DRAFT_PROBABILITY fault, since learned drafters do not run across
+    ranks."""
 
     num_drafts: torch.Tensor
     draft_tokens: torch.Tensor
@@ -43,6 +50,7 @@ class RoundSampling:
     token_mask: torch.Tensor | None = None
     num_logprobs: int | None = None
     raw_logprobs: torch.Tensor | None = None
+    draft_probs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -63,13 +71,8 @@ class RoundCommand:
         blocks = torch.tensor([b for r in rows for b in r.block_table], dtype=torch.int64)
         copies = torch.tensor(self.copies, dtype=torch.int64).reshape(len(self.copies), 2)
         tensors: list[torch.Tensor | None] = [torch.tensor(head), row_table, tokens, blocks, copies]
-        sampling = self.sampling
-        if sampling is not None:
-            batch = sampling.batch
-            facts = torch.tensor([int(getattr(batch.facts, name)) for name in _FACT_FIELDS], dtype=torch.int64)
-            logprobs = torch.tensor([-1 if sampling.num_logprobs is None else sampling.num_logprobs])
-            tensors += [sampling.num_drafts, sampling.draft_tokens, sampling.token_mask, logprobs, sampling.raw_logprobs, facts]
-            tensors += [getattr(batch, name) for name in _BATCH_FIELDS]
+        if self.sampling is not None:
+            tensors += _sampling_tensors(self.sampling)
         return encode(tensors)
 
     @classmethod
@@ -91,40 +94,105 @@ class RoundCommand:
             )
             token_at += num_tokens
             block_at += num_blocks
-        sampling = None
-        if has_sampling:
-            num_drafts, draft_tokens, token_mask, logprobs, raw_logprobs, facts = tensors[5:11]
-            assert num_drafts is not None and draft_tokens is not None and logprobs is not None and facts is not None
-            fields = dict(zip(_BATCH_FIELDS, tensors[11:], strict=True))
-            flags = facts.tolist()
-            batch_facts = BatchFacts(
-                **{name: (value if name == "max_top_k" else bool(value)) for name, value in zip(_FACT_FIELDS, flags, strict=True)}
-            )
-            sampling = RoundSampling(
-                num_drafts=num_drafts,
-                draft_tokens=draft_tokens,
-                batch=SamplingBatch(facts=batch_facts, **fields),
-                token_mask=token_mask,
-                num_logprobs=None if int(logprobs[0]) < 0 else int(logprobs[0]),
-                raw_logprobs=raw_logprobs,
-            )
+        sampling = _sampling_of(tensors[5:]) if has_sampling else None
         return cls(index=index, rows=tuple(rows), copies=tuple(tuple(c) for c in copies.tolist()), sampling=sampling)
 
 
-def send_command(command: RoundCommand | None, group: dist.ProcessGroup) -> None:
-    """Rank 0: broadcast ``command`` (None: stop) to the workers."""
+class StepKind(IntEnum):
+    """What a worker does with its shard of the round's logits (rank 0 does the same with its own)."""
+
+    SAMPLE = 1
+    """`sample_round_across_ranks` over ``positions`` with ``sampling``."""
+    SCORE = 2
+    """`score_tokens_across_ranks` of ``targets`` at ``positions`` (echo)."""
+    GATHER = 3
+    """`gather_rows` of ``positions``: whole rows to rank 0, for rows with filters (the
+    single-shard sampler's) and the INVALID_SPECULATION fallback."""
+
+
+@dataclass(frozen=True)
+class ShardStep:
+    """One collective step over the last forward's logits, after a `RoundCommand`: rank 0 sends
+    it, then every rank runs it on the rows ``positions`` of its vocabulary shard."""
+
+    kind: StepKind
+    positions: torch.Tensor
+    sampling: RoundSampling | None = None
+    targets: torch.Tensor | None = None
+    num_top: int = 0
+
+    def encode(self) -> torch.Tensor:
+        head = torch.tensor([int(self.kind), self.num_top, int(self.sampling is not None)])
+        tensors: list[torch.Tensor | None] = [head, self.positions, self.targets]
+        if self.sampling is not None:
+            tensors += _sampling_tensors(self.sampling)
+        return encode(tensors)
+
+    @classmethod
+    def decode(cls, buffer: torch.Tensor) -> ShardStep:
+        tensors = decode(buffer)
+        head, positions, targets = tensors[:3]
+        assert head is not None and positions is not None
+        kind, num_top, has_sampling = head.tolist()
+        sampling = _sampling_of(tensors[3:]) if has_sampling else None
+        return cls(StepKind(kind), positions, sampling, targets, num_top)
+
+
+def _sampling_tensors(sampling: RoundSampling) -> list[torch.Tensor | None]:
+    batch = sampling.batch
+    facts = torch.tensor([int(getattr(batch.facts, name)) for name in _FACT_FIELDS], dtype=torch.int64)
+    logprobs = torch.tensor([-1 if sampling.num_logprobs is None else sampling.num_logprobs])
+    tensors = [sampling.num_drafts, sampling.draft_tokens, sampling.token_mask, logprobs, sampling.raw_logprobs, facts]
+    return [*tensors, sampling.draft_probs, *(getattr(batch, name) for name in _BATCH_FIELDS)]
+
+
+def _sampling_of(tensors: list[torch.Tensor | None]) -> RoundSampling:
+    num_drafts, draft_tokens, token_mask, logprobs, raw_logprobs, facts, draft_probs = tensors[:7]
+    assert num_drafts is not None and draft_tokens is not None and logprobs is not None and facts is not None
+    fields = dict(zip(_BATCH_FIELDS, tensors[7:], strict=True))
+    flags = facts.tolist()
+    batch_facts = BatchFacts(
+        **{name: (value if name == "max_top_k" else bool(value)) for name, value in zip(_FACT_FIELDS, flags, strict=True)}
+    )
+    return RoundSampling(
+        num_drafts=num_drafts,
+        draft_tokens=draft_tokens,
+        batch=SamplingBatch(facts=batch_facts, **fields),
+        token_mask=token_mask,
+        num_logprobs=None if int(logprobs[0]) < 0 else int(logprobs[0]),
+        raw_logprobs=raw_logprobs,
+        draft_probs=draft_probs,
+    )
+
+
+Message = RoundCommand | ShardStep
+_KINDS = (RoundCommand, ShardStep)
+
+
+def send_command(command: Message | None, group: dist.ProcessGroup) -> None:
+    """Rank 0: broadcast ``command`` (None: stop) to the workers: its size and kind, then it."""
     buffer = command.encode() if command is not None else torch.zeros(0, dtype=torch.uint8)
-    dist.broadcast(torch.tensor([buffer.numel()], dtype=torch.int64), src=0, group=group)
+    kind = _KINDS.index(type(command)) if command is not None else -1
+    dist.broadcast(torch.tensor([buffer.numel(), kind], dtype=torch.int64), src=0, group=group)
     if buffer.numel():
         dist.broadcast(buffer, src=0, group=group)
 
 
-def receive_command(group: dist.ProcessGroup) -> RoundCommand | None:
-    """A worker: the next command from rank 0 (None: stop)."""
-    size = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(size, src=0, group=group)
-    if int(size[0]) == 0:
+def receive_message(group: dist.ProcessGroup) -> Message | None:
+    """A worker: the next command or step from rank 0 (None: stop)."""
+    size_and_kind = torch.zeros(2, dtype=torch.int64)
+    dist.broadcast(size_and_kind, src=0, group=group)
+    size, kind = size_and_kind.tolist()
+    if size == 0:
         return None
-    buffer = torch.empty(int(size[0]), dtype=torch.uint8)
+    buffer = torch.empty(size, dtype=torch.uint8)
     dist.broadcast(buffer, src=0, group=group)
-    return RoundCommand.decode(buffer)
+    return _KINDS[kind].decode(buffer)
+
+
+def receive_command(group: dist.ProcessGroup) -> RoundCommand | None:
+    """A worker that runs only forwards: the next command from rank 0 (None: stop)."""
+    message = receive_message(group)
+    if isinstance(message, ShardStep):
+        raise ValueError(f"expected a round command from rank 0, got a {message.kind.name} step")
+    return message

@@ -1,12 +1,13 @@
 """A tensor-parallel group behind the scheduler: rank 0's `RankDriver` and the workers' loop.
 
 Each round rank 0 broadcasts the round's forward rows and block copies (round_command.py),
-every rank copies the blocks in its pool and runs the forward over its heads, and the ranks'
-vocabulary shards of the logits are gathered to rank 0 (`vocab_round.gather_rows`), where the
-scheduler's sampler runs unchanged: filters, grammars, logprobs, fallback and speculation work
-as on one rank. Sampling from per-shard statistics across the ranks instead
-(`vocab_round.sample_round_across_ranks`, tested equal to in-process shards) would save that
-gather of [positions, V] floats a round; the scheduler does not drive it yet.
+every rank copies the blocks in its pool and runs the forward over its heads, and each keeps
+its vocabulary shard of the logits. The forward returns a `RankLogits` to rank 0's sampler:
+rank 0's shard, the positions it holds, and the steps over every rank's shard. As the sampler
+reaches a step (sampling, echo scoring, whole rows), rank 0 broadcasts it (`ShardStep`) and
+every rank runs it on its slice (vocab_round.py): rank 0 gathers per-shard statistics and
+decides with kernels/round.py's merge. Only rows with filters (top-k, top-p, min-p), which the
+merge does not filter, and the INVALID_SPECULATION fallback's rows are gathered whole.
 
 Any collective error or a round past its deadline is the group's failure (failstop.py): the
 driver raises `EngineDead`, the scheduler ends every request with `engine_dead` and stops, and
@@ -16,10 +17,11 @@ the daemon exits non-zero.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 import torch
@@ -29,17 +31,20 @@ from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
 from flare.engine.model import LlamaModel, load_model
 from flare.engine.quantized import QuantizedWeight
+from flare.kernels.logprobs import TokenLogprobs
+from flare.kernels.round import RoundResult
 from flare.parallel.group import ProcessGroups, all_reduce_sum
 from flare.parallel.launch import RankGroup, WorkerSpec
 from flare.parallel.layout import ParallelLayout
-from flare.parallel.round_command import RoundCommand, receive_command, send_command
+from flare.parallel.round_command import RoundCommand, RoundSampling, ShardStep, StepKind, receive_message, send_command
 from flare.parallel.tensor_split import rank_config, rank_state_dict, vocabulary_rows
-from flare.parallel.vocab_round import gather_rows
+from flare.parallel.vocab_round import gather_rows, sample_round_across_ranks, score_tokens_across_ranks
 from flare.parallel.vocab_shard import VocabShard
 from flare.preparation.manifest import ModelConfig
 from flare.preparation.package import open_package
 
 log = structlog.get_logger("flare.parallel")
+_T = TypeVar("_T")
 
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """The KV pool dtypes, by the code rank 0 broadcasts."""
@@ -88,16 +93,37 @@ def _serve_worker(groups: ProcessGroups, state: tuple[LlamaModel, ModelConfig]) 
     num_blocks, block_size, dtype_code = pool.tolist()
     cache = rank_cache(config, groups.world_size, num_blocks, block_size, KV_DTYPES[dtype_code])
     shard = VocabShard.of(model.config.vocab_size, groups.device)
-    while (command := receive_command(groups.control)) is not None:
-        _run_round(shard, model, cache, command.rows, command.copies)
+    logits = torch.zeros(0, shard.width)
+    while (message := receive_message(groups.control)) is not None:
+        if isinstance(message, RoundCommand):
+            logits = _forward(model, cache, message.rows, message.copies)
+        else:
+            with torch.inference_mode():
+                run_step(shard, logits[message.positions], message)
 
 
 @torch.inference_mode()
-def _run_round(
-    shard: VocabShard, model: LlamaModel, cache: KVCache, rows: Sequence[ForwardRow], copies: Sequence[tuple[int, int]]
-) -> torch.Tensor | None:
+def _forward(
+    model: LlamaModel, cache: KVCache, rows: Sequence[ForwardRow], copies: Sequence[tuple[int, int]]
+) -> torch.Tensor:
+    """This rank's [positions, width] shard of the round's logits."""
     cache.copy_blocks(list(copies))
-    logits = model.forward(ForwardBatch.build(list(rows), cache.block_size), cache)
+    return model.forward(ForwardBatch.build(list(rows), cache.block_size), cache)
+
+
+def run_step(shard: VocabShard, logits: torch.Tensor, step: ShardStep) -> RoundResult | TokenLogprobs | torch.Tensor | None:
+    """``step`` on this rank's ``logits`` (its shard at the step's positions); rank 0 gets the
+    result, the others None."""
+    if step.kind == StepKind.SAMPLE:
+        s = step.sampling
+        assert s is not None
+        draft_probs = s.draft_probs[..., shard.start : shard.end] if s.draft_probs is not None else None
+        return sample_round_across_ranks(
+            shard, logits, s.num_drafts, s.draft_tokens, draft_probs, s.batch, s.token_mask, s.num_logprobs, s.raw_logprobs
+        )
+    if step.kind == StepKind.SCORE:
+        assert step.targets is not None
+        return score_tokens_across_ranks(shard, logits, step.targets, step.num_top)
     return gather_rows(shard, logits, torch.arange(logits.shape[0]))
 
 
@@ -106,12 +132,12 @@ def worker_spec(package_path: str, weight_format: str) -> WorkerSpec:
     return WorkerSpec(functools.partial(_load_worker, package_path, weight_format), _serve_worker)
 
 
-def serve_headless(package_path: str, layout: ParallelLayout, weight_format: str) -> int:
+def serve_headless(package_path: str, layout: ParallelLayout, weight_format: str, bind: str | None = None) -> int:
     """A host other than rank 0's (`flare run --node-rank K`, K > 0): start this host's ranks,
     meet rank 0, and wait; the exit status is non-zero once a rank stops (its peer was lost),
     for the supervisor to restart it."""
     group = RankGroup(
-        layout, worker_spec(package_path, weight_format), torch.device("cpu"), STARTUP_TIMEOUT, COLLECTIVE_TIMEOUT
+        layout, worker_spec(package_path, weight_format), torch.device("cpu"), STARTUP_TIMEOUT, COLLECTIVE_TIMEOUT, bind
     )
     group.connect()
     log.info("tensor_parallel_host", node_rank=layout.node_rank, ranks=[(r.rank, r.pid, list(r.cpus)) for r in group.ranks])
@@ -120,7 +146,7 @@ def serve_headless(package_path: str, layout: ParallelLayout, weight_format: str
 
 class RankDriver:
     """Rank 0's side: starts the workers (they load while rank 0 does), then runs each round's
-    forward on every rank and returns the whole logits."""
+    forward on every rank, and the sampler's steps over the ranks' shards of its logits."""
 
     def __init__(
         self,
@@ -130,10 +156,17 @@ class RankDriver:
         weight_format: str,
         startup_timeout: timedelta = STARTUP_TIMEOUT,
         collective_timeout: timedelta = COLLECTIVE_TIMEOUT,
+        bind: str | None = None,
     ) -> None:
+        """``bind``: this host's ranks' CPU lists ("0-15|16-31", threads.py); rank 0's list then
+        pins the calling thread, the scheduler's model thread that loads and runs rank 0's
+        rounds (and the OpenMP threads it starts), not the event loop. None: the workers take
+        even runs of the CPUs and rank 0 is left as it is."""
         self.group = RankGroup(
-            layout, worker_spec(package_path, weight_format), torch.device("cpu"), startup_timeout, collective_timeout
+            layout, worker_spec(package_path, weight_format), torch.device("cpu"), startup_timeout, collective_timeout, bind
         )
+        if bind:
+            self.group.pin_own()
         self.tensor_parallel = layout.tensor_parallel
         self._shard: VocabShard | None = None
         self._rounds = 0
@@ -148,22 +181,67 @@ class RankDriver:
         self._shard = VocabShard.of(vocab_size, groups.device)
         log.info("tensor_parallel_group", ranks=[(r.rank, r.pid, list(r.cpus)) for r in self.group.ranks])
 
-    def forward(self, model: LlamaModel, cache: KVCache, rows: Sequence[ForwardRow], copies: Sequence[tuple[int, int]]) -> torch.Tensor:
-        """Every rank's forward of ``rows``; the whole [positions, V] logits. The other ranks
-        first make the block ``copies`` that rank 0 (the runner) has already made in its pool."""
+    def forward(
+        self, model: LlamaModel, cache: KVCache, rows: Sequence[ForwardRow], copies: Sequence[tuple[int, int]]
+    ) -> RankLogits:
+        """Every rank's forward of ``rows``; the [positions, V] logits as a `RankLogits`. The
+        other ranks first make the block ``copies`` that rank 0 (the runner) has already made in
+        its pool."""
+        assert self._shard is not None
+        command = RoundCommand(self._rounds, tuple(rows), tuple(copies), None)
+
+        def run() -> torch.Tensor:
+            send_command(command, self._control)
+            return _forward(model, cache, rows, ())
+
+        local = self._collective(run)
+        self._rounds += 1
+        return RankLogits(local, torch.arange(local.shape[0]), self._shard.vocab_size, self)
+
+    def sample(self, logits: RankLogits, sampling: RoundSampling) -> RoundResult:
+        """`sample_round` of ``logits``' rows from the ranks' per-shard statistics."""
+        result = self._step(logits, ShardStep(StepKind.SAMPLE, logits.positions, sampling=sampling))
+        assert isinstance(result, RoundResult)
+        return result
+
+    def score(self, logits: RankLogits, targets: torch.Tensor, num_top: int) -> TokenLogprobs:
+        """`score_tokens` of ``targets`` at ``logits``' rows (echo)."""
+        result = self._step(logits, ShardStep(StepKind.SCORE, logits.positions, targets=targets, num_top=num_top))
+        assert isinstance(result, TokenLogprobs)
+        return result
+
+    def whole(self, logits: RankLogits) -> torch.Tensor:
+        """``logits``' rows whole, [rows, V]: every rank's slice gathered to rank 0."""
+        result = self._step(logits, ShardStep(StepKind.GATHER, logits.positions))
+        assert isinstance(result, torch.Tensor)
+        return result
+
+    def _step(self, logits: RankLogits, step: ShardStep) -> RoundResult | TokenLogprobs | torch.Tensor | None:
+        shard = self._shard
+        assert shard is not None
+
+        def run() -> RoundResult | TokenLogprobs | torch.Tensor | None:
+            send_command(step, self._control)
+            return run_step(shard, logits.local, step)
+
+        return self._collective(run)
+
+    @property
+    def _control(self) -> dist.ProcessGroup:
+        assert self.group.groups is not None
+        return self.group.groups.control
+
+    def _collective(self, work: Callable[[], _T]) -> _T:
+        """``work`` under the round's deadline; any collective failure is the group's."""
         failstop = self.group.failstop
         failstop.check()
-        assert self._shard is not None and self.group.groups is not None
         try:
             with failstop.deadline(ROUND_DEADLINE_S):
-                send_command(RoundCommand(self._rounds, tuple(rows), tuple(copies), None), self.group.groups.control)
-                logits = _run_round(self._shard, model, cache, rows, ())
+                result = work()
         except RuntimeError as error:
             raise failstop.collective_failed(error) from error
-        self._rounds += 1
         failstop.check()
-        assert logits is not None
-        return logits
+        return result
 
     def close(self) -> None:
         """Stop the workers (orderly: the stop command, then their pipes close)."""
@@ -175,3 +253,32 @@ class RankDriver:
                 pass
         self.group.stop()
 
+
+
+@dataclass(frozen=True)
+class RankLogits:
+    """Rank 0's handle on a round's logits across the ranks: its own shard of the rows it
+    stands for (``local``, [rows, width]) and where those rows are in the forward's output
+    (``positions``, what a step tells the workers). Indexing selects rows, as on a tensor, with
+    no communication; ``shape`` is the whole logits' [rows, V]."""
+
+    local: torch.Tensor
+    positions: torch.Tensor
+    vocab_size: int
+    driver: RankDriver
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.positions.numel(), self.vocab_size))
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    def __getitem__(self, rows: torch.Tensor) -> RankLogits:
+        return RankLogits(self.local[rows], self.positions[rows.to(self.positions.device)], self.vocab_size, self.driver)
+
+    def __setitem__(self, key: tuple[int, int], value: float) -> None:
+        """Write into rank 0's shard (its columns are tokens 0.. of the vocabulary: a test's
+        NONFINITE_LOGITS fault writes token 0 of a row)."""
+        self.local[key] = value

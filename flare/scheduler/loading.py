@@ -134,7 +134,9 @@ def load_parts(
         ranks = None
         if tensor_parallel > 1:
             # The workers load their shards while this process loads rank 0's.
-            ranks = RankDriver(str(package.path), options.parallel_layout(), weight_format=options.weight_format)
+            ranks = RankDriver(
+                str(package.path), options.parallel_layout(), weight_format=options.weight_format, bind=options.tensor_parallel_cpus
+            )
         try:
             split = split_for(0, tensor_parallel) if ranks is not None else None
             model = load_model(package, device=device, weight_format=options.weight_format, split=split)

@@ -7,10 +7,14 @@ a round's aggregate, so the cost is a handful of increments per round.
 
 from __future__ import annotations
 
+import os
 from collections import Counter as Tally
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from flare.kernels.status import DeviceStatus
 from flare.scheduler.sequence import DRAFT_SOURCES
@@ -32,6 +36,7 @@ class SchedulerMetrics:
     """Collectors for what the scheduler sees: rounds, tokens, latencies, occupancy."""
 
     def __init__(self, registry: CollectorRegistry, *, max_draft_tokens: int = 8) -> None:
+        self._registry = registry
         self.device_statuses = Counter(
             "flare_device_statuses",
             "Rows reported by the sample/verify kernels, by device status name (OK included).",
@@ -118,6 +123,11 @@ class SchedulerMetrics:
             registry=registry,
         )
 
+    def watch_ranks(self, ranks: Callable[[], Iterable[tuple[int, int, tuple[int, ...]]]]) -> None:
+        """Report the CPU seconds of this host's tensor-parallel ranks, ``ranks()`` as (rank,
+        pid, CPUs), read from /proc at each scrape."""
+        self._registry.register(RankCpuCollector(ranks))
+
     def watch_grammar_cache(self, use: Callable[[], CacheUse]) -> None:
         """Read the grammar cache's size at each scrape (it changes off the scheduler's rounds)."""
         self.grammar_cache_entries.set_function(lambda: use().entries)
@@ -175,3 +185,29 @@ class SchedulerMetrics:
         self.kv_blocks_total.set(kv_blocks_total)
         self.kv_blocks_cached.set(kv_blocks_cached)
         self.kv_blocks_evictable.set(kv_blocks_evictable)
+
+
+class RankCpuCollector(Collector):
+    """``flare_tensor_parallel_rank_cpu_seconds_total{rank}``: user + system CPU seconds of each
+    tensor-parallel rank on this host (rank 0's is the daemon's whole process), so that a rank
+    that works less or more than its peers, or not at all, shows without a collective."""
+
+    def __init__(self, ranks: Callable[[], Iterable[tuple[int, int, tuple[int, ...]]]]) -> None:
+        self._ranks = ranks
+        self._tick = os.sysconf("SC_CLK_TCK")
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "flare_tensor_parallel_rank_cpu_seconds",
+            "CPU seconds (user + system) each tensor-parallel rank on this host has used (rank 0: the daemon's process).",
+            labels=["rank"],
+        )
+        for rank, pid, _ in self._ranks():
+            try:
+                # /proc/PID/stat: utime and stime are fields 14 and 15, counted after the
+                # command name's closing parenthesis (the name may hold spaces).
+                fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+            except OSError:  # the rank has exited: the group is failing, nothing to report
+                continue
+            family.add_metric([str(rank)], (int(fields[11]) + int(fields[12])) / self._tick)
+        yield family

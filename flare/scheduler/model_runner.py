@@ -28,7 +28,8 @@ from flare.kernels.faults import FaultNotInjectable, inject_fault
 from flare.kernels.logprobs import TokenLogprobs
 from flare.kernels.round import RoundResult as KernelResult
 from flare.kernels.status import DeviceStatus
-from flare.parallel.serving import RankDriver
+from flare.parallel.round_command import RoundSampling
+from flare.parallel.serving import RankDriver, RankLogits
 from flare.sampling.params import SamplingParams
 from flare.scheduler.request import TokenLogprob
 from flare.structured import GrammarState, fill_masks
@@ -140,7 +141,8 @@ class ModelRunner:
         """`observer(plan, batch, hidden, logits)` sees every round's target outputs on the
         device, in the model thread (distillation records the target's features with it).
         `ranks`: a tensor-parallel group (`model` is rank 0's shard): every rank runs the
-        forward and the whole logits come back to this sampler."""
+        forward and keeps its vocabulary shard of the logits; sampling and scoring run on every
+        shard and merge on rank 0 (`RankLogits`)."""
         self.model = model
         self.kv_cache = kv_cache
         self.head = head
@@ -154,6 +156,12 @@ class ModelRunner:
     def rank_list(self) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
         """This host's tensor-parallel ranks as (rank, pid, CPUs); empty without a group."""
         return () if self.ranks is None else tuple((r.rank, r.pid, r.cpus) for r in self.ranks.group.ranks)
+
+    def check_group(self) -> None:
+        """Raise EngineDead once the tensor-parallel group has lost a rank (its watcher noticed
+        a worker exit), even between rounds; nothing without a group."""
+        if self.ranks is not None:
+            self.ranks.group.failstop.check()
 
     def close(self) -> None:
         """Stop the group's other ranks, if any."""
@@ -174,6 +182,7 @@ class ModelRunner:
             ]
             batch = ForwardBatch.build(forward_rows, self.kv_cache.block_size, self.device)
             hidden = None
+            logits: torch.Tensor | RankLogits
             if self.ranks is not None:
                 logits = self.ranks.forward(self.model, self.kv_cache, forward_rows, plan.copies)
             elif self.head is None and self.observer is None:
@@ -218,19 +227,20 @@ class ModelRunner:
         return torch.tensor(index, device=self.device)
 
     def _score_prompts(
-        self, scoring: list[PlannedRow], logits: torch.Tensor, rows: tuple[PlannedRow, ...]
+        self, scoring: list[PlannedRow], logits: torch.Tensor | RankLogits, rows: tuple[PlannedRow, ...]
     ) -> TokenLogprobs:
         """Log-probabilities of the prompt tokens that scoring rows' first positions predict."""
         offsets = dict(zip((id(row) for row in rows), _logit_offsets(list(rows))))
         index = [offsets[id(row)] + i for row in scoring for i in range(len(row.prompt_targets))]
         targets = [t for row in scoring for t in row.prompt_targets]
         device = logits.device
-        return score_tokens(
-            logits[torch.tensor(index, device=device)],
-            torch.tensor(targets, dtype=torch.int64, device=device),
-            max(row.prompt_top for row in scoring),
-            self.vocabulary_shards,
-        )
+        at = logits[torch.tensor(index, device=device)]
+        target_ids = torch.tensor(targets, dtype=torch.int64, device=device)
+        num_top = max(row.prompt_top for row in scoring)
+        if isinstance(at, RankLogits):
+            assert self.ranks is not None
+            return self.ranks.score(at, target_ids, num_top)
+        return score_tokens(at, target_ids, num_top, self.vocabulary_shards)
 
 
     def _draft(
@@ -264,7 +274,7 @@ class ModelRunner:
     def _sample(
         self,
         rows: list[PlannedRow],
-        logits: torch.Tensor,
+        logits: torch.Tensor | RankLogits,
         before_read: Callable[[torch.Tensor, torch.Tensor, list[int]], HeadDrafts | None] | None = None,
     ) -> list[RowResult]:
         """Sample every row (logits holds exactly their positions, in order) with one host read.
@@ -274,8 +284,14 @@ class ModelRunner:
         offsets = _sample_offsets(rows)
         masks = self._masks(rows, offsets, logits.shape[0])
         # A fault of INVALID_SPECULATION needs the sharded sampler; everything else follows the
-        # package's sampler unless the row fell back.
-        parallel = [row.vocabulary_parallel or row.fault == DeviceStatus.INVALID_SPECULATION for row in rows]
+        # package's sampler unless the row fell back. Across ranks, rows without a filter join
+        # the sharded group too (the same tokens), so that only rows with one are gathered whole.
+        parallel = [
+            row.vocabulary_parallel
+            or row.fault == DeviceStatus.INVALID_SPECULATION
+            or (self.ranks is not None and not (row.params.temperature > 0 and row.params.filtered))
+            for row in rows
+        ]
         groups = [[k for k in range(len(rows)) if parallel[k] == p] for p in (False, True)]
         groups = [g for g in groups if g]
         width = 1 + max(len(row.draft_ids) for row in rows)
@@ -331,7 +347,7 @@ class ModelRunner:
         return masks.to(self.device)
 
     def _fall_back(
-        self, rows: list[PlannedRow], offsets: list[int], logits: torch.Tensor, masks: torch.Tensor | None
+        self, rows: list[PlannedRow], offsets: list[int], logits: torch.Tensor | RankLogits, masks: torch.Tensor | None
     ) -> list[RowResult]:
         """Resample rows that got INVALID_SPECULATION without drafts, with the standard sampler
         (which supports filters), from the logits at each row's first position: the prediction
@@ -348,7 +364,7 @@ class ModelRunner:
         return [dataclasses.replace(result, fell_back=True) for result in read]
 
     def _sample_rows(
-        self, rows: list[PlannedRow], logits: torch.Tensor, shards: int, width: int, masks: torch.Tensor | None
+        self, rows: list[PlannedRow], logits: torch.Tensor | RankLogits, shards: int, width: int, masks: torch.Tensor | None
     ) -> KernelResult:
         device = logits.device
         k_max = max(width - 1, 1)
@@ -407,20 +423,29 @@ class ModelRunner:
                     faulted.batch,
                 )
         wanted = [row.logprobs for row in rows if row.logprobs is not None]
+        num_drafts = torch.tensor([len(row.draft_ids) for row in rows], dtype=torch.long, device=device)
+        num_logprobs = max(wanted) if wanted else None
+        raw_logprobs = (
+            torch.tensor([row.raw_logprobs for row in rows], device=device) if any(row.raw_logprobs for row in rows) else None
+        )
+        if isinstance(logits, RankLogits):
+            assert self.ranks is not None
+            if not (shards == 1 and batch.facts.any_filtered):
+                sampling = RoundSampling(num_drafts, draft_tokens, batch, masks, num_logprobs, raw_logprobs, draft_probs)
+                return self.ranks.sample(logits, sampling)
+            # Filters need the whole distribution (the merge of per-shard statistics does not
+            # filter): these rows' positions are gathered for the single-shard sampler.
+            logits = self.ranks.whole(logits)
         return sample_round(
             logits,
-            num_drafts=torch.tensor([len(row.draft_ids) for row in rows], dtype=torch.long, device=device),
+            num_drafts=num_drafts,
             draft_tokens=draft_tokens,
             draft_probs=draft_probs,
             batch=batch,
             vocab_shards=shards,
             token_mask=masks,
-            num_logprobs=max(wanted) if wanted else None,
-            raw_logprobs=(
-                torch.tensor([row.raw_logprobs for row in rows], device=device)
-                if any(row.raw_logprobs for row in rows)
-                else None
-            ),
+            num_logprobs=num_logprobs,
+            raw_logprobs=raw_logprobs,
         )
 
     def _embeddable(self, token_ids: tuple[int, ...]) -> tuple[int, ...]:
@@ -435,21 +460,23 @@ def _read_back(
     counts and statuses already concatenated), with the log-probabilities of the emitted tokens
     where asked."""
     host_tokens, host_emitted, host_status = tokens.tolist(), emitted.tolist(), status.tolist()
-    with_logprobs = all(out.logprobs is not None for out in outputs) and any(r.logprobs is not None for r in rows)
-    if with_logprobs:
+    # Per row (logprob, top ids, top logprobs) of its group's output; groups may ask for
+    # different numbers of alternatives (or none), so they are read group by group.
+    row_logprobs: list[tuple[list[float], list[list[int]], list[list[float]]] | None] = []
+    for out in outputs:
+        if out.logprobs is None:
+            row_logprobs += [None] * out.tokens.shape[0]
+            continue
         logprob, top_ids, top_logprobs = (
-            torch.cat([getattr(out.logprobs, name) for out in outputs if out.logprobs is not None]).tolist()
-            for name in ("logprob", "top_ids", "top_logprobs")
+            getattr(out.logprobs, name).tolist() for name in ("logprob", "top_ids", "top_logprobs")
         )
+        row_logprobs += list(zip(logprob, top_ids, top_logprobs, strict=True))
     results = []
     for r, row in enumerate(rows):
         n = host_emitted[r]
         entries: tuple[TokenLogprob, ...] = ()
-        if with_logprobs and row.logprobs is not None:
-            entries = tuple(
-                _entry(host_tokens[r][j], logprob[r][j], top_ids[r][j], top_logprobs[r][j], row.logprobs)
-                for j in range(n)
-            )
+        if row.logprobs is not None and (asked := row_logprobs[r]) is not None:
+            entries = tuple(_entry(host_tokens[r][j], asked[0][j], asked[1][j], asked[2][j], row.logprobs) for j in range(n))
         results.append(RowResult(tuple(host_tokens[r][:n]), DeviceStatus(host_status[r]), logprobs=entries))
     return results
 

@@ -75,7 +75,7 @@ class Scheduler:
         self.vocabulary_parallel = package.manifest.serving.vocabulary_parallel_sampling
         self.options = options
         self.metrics = metrics
-        self.heartbeat = heartbeat
+        self.heartbeat: Callable[[], None] = heartbeat if heartbeat is not None else (lambda: None)
         self.draining = False
         self.drafter_name = parts.drafter_name
         self.grammars = parts.grammars
@@ -307,8 +307,8 @@ class Scheduler:
         with `shutdown`. Owned by the daemon's task group."""
         try:
             while not self._stop:
-                if self.heartbeat is not None:
-                    self.heartbeat()
+                self._runner.check_group()  # a rank lost while idle ends the loop too (EngineDead)
+                self.heartbeat()
                 if not await self._step():
                     self._wake.clear()
                     with contextlib.suppress(TimeoutError):

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 from daemon_process import DaemonProcess
+from test_operations import NotifyListener
 
 
 def _alive(pid: int) -> bool:
@@ -87,3 +90,62 @@ def test_two_nodes_on_loopback_serve_the_tp1_answer_and_the_headless_node_stops_
     finally:
         headless.kill()
         daemon.kill()
+
+
+def _notified(tiny_package: Path, *flags: str) -> tuple[DaemonProcess, NotifyListener, Path]:
+    """The daemon at TP 2 with a notify socket and a 2 s watchdog, as systemd would run it."""
+    # AF_UNIX paths are limited to 108 bytes: a short directory rather than pytest's tmp_path.
+    workdir = Path(tempfile.mkdtemp(prefix="flare-tp-", dir="/tmp"))
+    notify = NotifyListener(workdir / "notify.sock")
+    daemon = DaemonProcess(
+        tiny_package, "--tensor-parallel", "2", *flags, env={"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "2000000"}
+    )
+    return daemon, notify, workdir
+
+
+def test_a_rank_lost_while_idle_stops_health_200_and_the_watchdog_and_the_daemon_exits_non_zero(tiny_package: Path) -> None:
+    daemon, notify, workdir = _notified(tiny_package)
+    try:
+        ready = notify.wait_for("READY=1")
+        daemon.wait_ready()
+        notify.wait_for("WATCHDOG=1", after=ready, timeout_s=30)
+        scraped = httpx.get(f"{daemon.base_url}/metrics", timeout=30).text
+        assert 'flare_tensor_parallel_rank_cpu_seconds_total{rank="1"}' in scraped
+        (group,) = daemon.events("tensor_parallel_group")
+        worker_pid = next(pid for rank, pid, _ in group["ranks"] if rank == 1)
+        os.kill(worker_pid, signal.SIGKILL)
+        # No request runs: the loop notices the lost rank between rounds (within its idle tick).
+        deadline = time.monotonic() + 30
+        while daemon.health() == 200:
+            assert time.monotonic() < deadline, "/health still answers 200 with a rank lost"
+            time.sleep(0.05)
+        stopped_at = len(notify.messages)
+        codes = []
+        while daemon.process.poll() is None and time.monotonic() < deadline:
+            codes.append(daemon.health())
+            time.sleep(0.05)
+        assert 200 not in codes
+        assert daemon.process.wait(30) != 0
+        # A ping already on its way when /health turned may land; none is sent after it.
+        later = [m for m in notify.messages[stopped_at + 1 :] if "WATCHDOG=1" in m]
+        assert not later, notify.messages[stopped_at:]
+        assert not _alive(worker_pid)
+        assert any("rank 1" in json.dumps(e) for e in daemon.events("stopped")), daemon.log()
+    finally:
+        daemon.kill()
+        notify.close()
+        shutil.rmtree(workdir)
+
+
+def test_a_worker_that_fails_to_start_makes_the_daemon_exit_non_zero_before_ready_naming_the_rank(tiny_package: Path) -> None:
+    # Rank 1 bound to a CPU this machine does not have: its pin fails before it loads.
+    daemon, notify, workdir = _notified(tiny_package, "--tensor-parallel-cpus", "0|4095")
+    try:
+        assert daemon.process.wait(120) != 0
+        daemon.stop()
+        assert not any("READY=1" in m for m in notify.messages), notify.messages
+        assert "tensor-parallel rank 1 failed to start" in daemon.log(200), daemon.log()
+    finally:
+        daemon.kill()
+        notify.close()
+        shutil.rmtree(workdir)

@@ -3,6 +3,7 @@ vocabulary shards) and prompt tokens' (echo), as a client of the scheduler reads
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
@@ -93,3 +94,18 @@ async def test_every_choice_carries_the_prompt_scores(tiny_package):
     firsts = {d.index: d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None}
     assert set(firsts) == {0, 1}
     assert firsts[0] == firsts[1] and len(firsts[0]) == len(request.prompt_token_ids) - 1
+
+
+async def test_logprobs_are_kept_in_a_round_whose_rows_sample_in_two_groups(tiny_package):
+    from flare.kernels.status import DeviceStatus
+    from flare.scheduler.request import FaultSpec
+
+    # An INVALID_SPECULATION fault samples its row with the sharded sampler, the other row with
+    # the package's: two groups in the same rounds, only one of them asking for logprobs.
+    async with running(tiny_package, fault_injection=True) as scheduler:
+        faulted = _request(scheduler, "f", PROMPTS[1], fault=FaultSpec(DeviceStatus.INVALID_SPECULATION, round=1))
+        asked = _request(scheduler, "a", PROMPTS[1], logprobs=2)
+        _, deltas = await asyncio.gather(_generate(scheduler, faulted), _generate(scheduler, asked))
+    entries = [e for d in deltas for e in d.logprobs]
+    assert [e.token_id for e in entries] == [t for d in deltas for t in d.token_ids]
+    assert len(entries) == GREEDY.max_tokens

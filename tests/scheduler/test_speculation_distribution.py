@@ -88,13 +88,18 @@ async def sample_tokens(
     constraint: GrammarSpec | None = None,
     *,
     head: bool = False,
+    tensor_parallel: int = 1,
 ) -> tuple[list[list[int]], int]:
     """Each seed's generated tokens, and how many times a row sampled (target forwards per row).
-    `head`: draft with the package's learned draft head."""
+    `head`: draft with the package's learned draft head; `tensor_parallel`: ranks of the model
+    (sampling then runs from per-shard statistics across them)."""
     package = open_package(package_path)
     # No jump-forward: the grammar's forced tokens would be drafts of their own.
     options = SchedulerOptions(
-        draft_tokens=3 if drafter is not None or head else 0, adaptive_draft_length=False, jump_forward=False
+        draft_tokens=3 if drafter is not None or head else 0,
+        adaptive_draft_length=False,
+        jump_forward=False,
+        tensor_parallel=tensor_parallel,
     )
     scheduler = Scheduler.from_package(package, options, drafter=drafter)
     loop = asyncio.create_task(scheduler.run())
@@ -190,6 +195,32 @@ async def test_with_a_grammar_speculative_sampling_follows_the_non_speculative_d
     # A grammar's answers may end sooner (the pattern is complete): fewer reach each position.
     assert_same_distribution(
         plain, plain_rounds, speculative, speculative_rounds, "speculation under the grammar", reaching=0.5
+    )
+
+
+@pytest.mark.parametrize(
+    ("params", "constraint"),
+    [
+        (SamplingParams(temperature=0.4, max_tokens=4), None),
+        (
+            SamplingParams(temperature=1.0, max_tokens=4),
+            GrammarSpec("regex", "( ?(one|two|three|four|five|a|the))+", "structured_outputs.regex"),
+        ),
+    ],
+    ids=["one-hot-q", "grammar"],
+)
+async def test_at_tensor_parallel_2_speculative_sampling_follows_the_distribution_of_one_rank(
+    peaked_package, params, constraint
+):
+    """Verification and sampling from per-shard statistics across two ranks (the grammar's mask
+    cut into each rank's slice) draw from the distribution that one rank draws from without drafts."""
+    vocab = open_package(peaked_package).manifest.model.vocab_size
+    plain, plain_rounds = await sample_tokens(peaked_package, params, None, constraint)
+    speculative, speculative_rounds = await sample_tokens(
+        peaked_package, params, RepeatLastDrafter(vocab, False), constraint, tensor_parallel=2
+    )
+    assert_same_distribution(
+        plain, plain_rounds, speculative, speculative_rounds, "speculation at TP 2", reaching=0.5 if constraint else 0.9
     )
 
 
