@@ -33,6 +33,7 @@ def _gumbel_candidates_kernel(
     vocab_size,
     shard_size,
     num_shards,
+    first_index,
     HAS_Q: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -57,7 +58,8 @@ def _gumbel_candidates_kernel(
         offsets = block_start + tl.arange(0, BLOCK)
         in_shard = offsets < end
         x = tl.load(logits_ptr + offsets, mask=in_shard, other=float("-inf"))
-        noise = gumbel(stream_bits(key, offsets))
+        # The stream at vocabulary indices: column c of a rank's shard is token first_index + c.
+        noise = gumbel(stream_bits(key, offsets + first_index))
         kept = (x >= threshold) & in_shard
         value = tl.where(kept & (offsets != exclude), x + noise, float("-inf"))
         block_best = tl.max(value, 0)
@@ -76,10 +78,10 @@ def _gumbel_candidates_kernel(
             residual_best_index = tl.where(block_best > residual_best, block_index, residual_best_index)
             residual_best = tl.maximum(residual_best, block_best)
     out = row * num_shards + shard
-    tl.store(index_ptr + out, best_index)
+    tl.store(index_ptr + out, best_index + first_index)
     tl.store(value_ptr + out, best)
     if HAS_Q:
-        tl.store(residual_index_ptr + out, residual_best_index)
+        tl.store(residual_index_ptr + out, residual_best_index + first_index)
         tl.store(residual_value_ptr + out, residual_best)
         tl.store(residual_mass_ptr + out, tl.sum(residual_mass, 0))
 
@@ -94,8 +96,10 @@ def gumbel_candidates(
     exclude: torch.Tensor,
     draft_q: torch.Tensor | None,
     num_shards: int,
+    first_index: int = 0,
 ) -> GumbelCandidates:
-    """Triton version of gumbel_max.gumbel_candidates."""
+    """Triton version of gumbel_max.gumbel_candidates (``first_index``: the vocabulary index of
+    column 0, for a rank's shard)."""
     vocab_size = scaled.shape[1]
     num_rows = position.shape[0]
     device = scaled.device
@@ -126,6 +130,7 @@ def gumbel_candidates(
         vocab_size,
         shard_size,
         num_shards,
+        first_index,
         HAS_Q=has_q,
         BLOCK=block_size(shard_size, device),
         enable_fp_fusion=FP_FUSION,

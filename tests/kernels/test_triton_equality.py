@@ -96,7 +96,8 @@ def test_distribution_kernel_equals_twin(blocks: str, shards: int) -> None:
 
 @pytest.mark.parametrize("shards", [1, 4])
 @pytest.mark.parametrize("with_q", [False, True])
-def test_gumbel_kernel_equals_twin(blocks: str, shards: int, with_q: bool) -> None:
+@pytest.mark.parametrize("first_index", [0, 24576])  # a tensor-parallel rank's shard starts past 0
+def test_gumbel_kernel_equals_twin(blocks: str, shards: int, with_q: bool, first_index: int) -> None:
     generator = torch.Generator().manual_seed(3)
     vocab, rows = 1000, 6
     scaled = torch.randn(9, vocab, generator=generator) * 2
@@ -108,10 +109,12 @@ def test_gumbel_kernel_equals_twin(blocks: str, shards: int, with_q: bool) -> No
     exclude = torch.tensor([-1, int(scaled[2].argmax()), -1, 5, -1, 999])
     draft_q = dirichlet(0.3, vocab, (rows,), seed=3) if with_q else None
     args = (scaled, position, key, row_max, sumexp, threshold, exclude, draft_q, shards)
-    twin, kernel = gumbel_candidates(*args), gumbel_candidates_triton(*args)
+    twin = gumbel_candidates(*args, first_index=first_index)
+    kernel = gumbel_candidates_triton(*args, first_index=first_index)
     assert torch.equal(kernel.index, twin.index)
+    assert (twin.index >= first_index).all() and (twin.index < first_index + vocab).all()
     torch.testing.assert_close(kernel.value, twin.value, rtol=1e-6, atol=1e-5)
-    assert (twin.index[1] != exclude[1]).all()
+    assert (twin.index[1] != exclude[1] + first_index).all()
     if with_q:
         assert twin.residual_index is not None and kernel.residual_index is not None
         assert torch.equal(kernel.residual_index, twin.residual_index)
