@@ -96,7 +96,7 @@ def _serve_worker(groups: ProcessGroups, state: tuple[LlamaModel, ModelConfig]) 
     logits = torch.zeros(0, shard.width)
     while (message := receive_message(groups.control)) is not None:
         if isinstance(message, RoundCommand):
-            logits = _forward(model, cache, message.rows, message.copies)
+            logits, _ = _forward(model, cache, message.rows, message.copies)
         else:
             with torch.inference_mode():
                 run_step(shard, logits[message.positions], message)
@@ -104,11 +104,21 @@ def _serve_worker(groups: ProcessGroups, state: tuple[LlamaModel, ModelConfig]) 
 
 @torch.inference_mode()
 def _forward(
-    model: LlamaModel, cache: KVCache, rows: Sequence[ForwardRow], copies: Sequence[tuple[int, int]]
-) -> torch.Tensor:
-    """This rank's [positions, width] shard of the round's logits."""
+    model: LlamaModel,
+    cache: KVCache,
+    rows: Sequence[ForwardRow],
+    copies: Sequence[tuple[int, int]],
+    *,
+    hidden: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's [positions, width] shard of the round's logits, and where asked the residual
+    stream after the last layer [tokens, hidden]: whole on every rank, since each layer ends in
+    an all-reduce (what a draft head on rank 0 reads). Both run the same collectives."""
     cache.copy_blocks(list(copies))
-    return model.forward(ForwardBatch.build(list(rows), cache.block_size), cache)
+    batch = ForwardBatch.build(list(rows), cache.block_size)
+    if hidden:
+        return model.forward_hidden(batch, cache)
+    return model.forward(batch, cache), None
 
 
 def run_step(shard: VocabShard, logits: torch.Tensor, step: ShardStep) -> RoundResult | TokenLogprobs | torch.Tensor | None:
@@ -182,21 +192,28 @@ class RankDriver:
         log.info("tensor_parallel_group", ranks=[(r.rank, r.pid, list(r.cpus)) for r in self.group.ranks])
 
     def forward(
-        self, model: LlamaModel, cache: KVCache, rows: Sequence[ForwardRow], copies: Sequence[tuple[int, int]]
-    ) -> RankLogits:
-        """Every rank's forward of ``rows``; the [positions, V] logits as a `RankLogits`. The
-        other ranks first make the block ``copies`` that rank 0 (the runner) has already made in
-        its pool."""
+        self,
+        model: LlamaModel,
+        cache: KVCache,
+        rows: Sequence[ForwardRow],
+        copies: Sequence[tuple[int, int]],
+        *,
+        hidden: bool = False,
+    ) -> tuple[RankLogits, torch.Tensor | None]:
+        """Every rank's forward of ``rows``; the [positions, V] logits as a `RankLogits`, and
+        with ``hidden`` rank 0's residual stream after the last layer (`_forward`). The other
+        ranks first make the block ``copies`` that rank 0 (the runner) has already made in its
+        pool."""
         assert self._shard is not None
         command = RoundCommand(self._rounds, tuple(rows), tuple(copies), None)
 
-        def run() -> torch.Tensor:
+        def run() -> tuple[torch.Tensor, torch.Tensor | None]:
             send_command(command, self._control)
-            return _forward(model, cache, rows, ())
+            return _forward(model, cache, rows, (), hidden=hidden)
 
-        local = self._collective(run)
+        local, stream = self._collective(run)
         self._rounds += 1
-        return RankLogits(local, torch.arange(local.shape[0]), self._shard.vocab_size, self)
+        return RankLogits(local, torch.arange(local.shape[0]), self._shard.vocab_size, self), stream
 
     def sample(self, logits: RankLogits, sampling: RoundSampling) -> RoundResult:
         """`sample_round` of ``logits``' rows from the ranks' per-shard statistics."""

@@ -111,13 +111,6 @@ def load_parts(
         check_tensor_parallel(config, tensor_parallel)
         if device.type != "cpu" or round_observer is not None:
             raise ValueError("--tensor-parallel runs on the CPU, and not while distilling a draft head")
-        if drafter_name == "mtp" and draft_tokens > 0:
-            if not auto:
-                raise ValueError(
-                    "--drafter mtp: the learned draft head does not run across ranks yet; "
-                    "with --tensor-parallel use --drafter ngram"
-                )
-            drafter_name = "ngram"
 
     def load() -> ModelRunner:
         kv_dtype = getattr(torch, options.kv_cache_dtype)

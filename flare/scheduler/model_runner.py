@@ -184,7 +184,10 @@ class ModelRunner:
             hidden = None
             logits: torch.Tensor | RankLogits
             if self.ranks is not None:
-                logits = self.ranks.forward(self.model, self.kv_cache, forward_rows, plan.copies)
+                # A draft head runs on rank 0 alone, from its whole residual stream.
+                logits, hidden = self.ranks.forward(
+                    self.model, self.kv_cache, forward_rows, plan.copies, hidden=self.head is not None
+                )
             elif self.head is None and self.observer is None:
                 logits = self.model.forward(batch, self.kv_cache)
             else:

@@ -343,3 +343,29 @@ async def test_a_constrained_answer_drafted_by_the_head_is_the_one_without_specu
     assert answers["head"] == answers["plain"]
     assert re.fullmatch(pattern, answers["head"]), answers["head"]
     assert drafted["plain"] == 0 and drafted["head"] > 0  # the head ran for the constrained row
+
+
+async def test_the_head_runs_on_rank_0_at_tensor_parallel_2_and_keeps_greedy_output(head_package):
+    # Under tensor parallelism the residual stream after the last layer is whole on every rank
+    # (each layer ends in an all-reduce), so the head runs on rank 0 alone, whole, from rank 0's
+    # hidden state; its drafts are verified across the ranks like any others.
+    plain, _, _ = await generate(head_package, PROMPTS, GREEDY, SchedulerOptions(draft_tokens=0))
+    speculative, recorder, scheduler = await generate(
+        head_package, PROMPTS, GREEDY, SchedulerOptions(tensor_parallel=2, **FIXED_LENGTH)
+    )
+    assert scheduler.drafter_name == "mtp"
+    assert speculative == plain
+    accepted = sum(len(o.tokens) - 1 for plan, result in recorder.rounds for o in result.rows if o is not None)
+    drafted = sum(len(row.draft_ids) for plan, _ in recorder.rounds for row in plan.rows)
+    assert drafted > 0 and accepted > 0
+
+
+async def test_seeded_sampled_answers_with_the_head_at_tensor_parallel_2_are_tensor_parallel_1s(head_package):
+    # A sampled row's drafts carry the head's q over the whole vocabulary: it reaches every rank
+    # with the round's sampling step, each rank verifying against its slice.
+    params = SamplingParams(temperature=0.8, max_tokens=16, seed=7)
+    one, _, _ = await generate(head_package, PROMPTS, params, SchedulerOptions(**FIXED_LENGTH))
+    two, recorder, scheduler = await generate(head_package, PROMPTS, params, SchedulerOptions(tensor_parallel=2, **FIXED_LENGTH))
+    assert scheduler.drafter_name == "mtp"
+    assert sum(len(row.draft_ids) for plan, _ in recorder.rounds for row in plan.rows) > 0
+    assert two == one
