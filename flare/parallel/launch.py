@@ -256,11 +256,16 @@ def _worker_main(
         store = rendezvous_store(threads.rank, layout.tensor_parallel, layout.master_addr, port, startup_timeout)
         groups = join_groups(threads.rank, layout.tensor_parallel, store, torch.device(device), collective_timeout)
         spec.serve(groups, state)
-        groups.close()
     except Exception:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
+    # The stop command came: the stop is orderly whatever leaving the groups does, and rank 0
+    # (another host's, for a headless node) may already be gone with the store it listened on.
+    try:
+        groups.close()
+    except Exception:
+        pass
     os._exit(0)
 
 
