@@ -109,6 +109,7 @@ class FakeScheduler:
         self.cancelled: list[tuple[str, RequestFailure | None]] = []
         self._open: dict[str, tuple[RequestStream, GenerationRequest]] = {}
         self.package = SimpleNamespace(path=Path("tiny-model"))
+        self.metrics = None  # the daemon registers no scheduler metrics for a fake
         self.warmed_up = False
         self._stopped = asyncio.Event()
 

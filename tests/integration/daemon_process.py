@@ -63,6 +63,15 @@ class DaemonProcess:
     def events(self, name: str) -> list[dict]:
         return [e for e in map(_json_line, list(self.lines)) if e.get("event") == name]
 
+    def wait_for_events(self, name: str, timeout_s: float = 10.0) -> list[dict]:
+        """`events(name)` once there is one: a thread reads the daemon's log, so a line the
+        daemon has just written may not be in `lines` yet."""
+        deadline = time.monotonic() + timeout_s
+        while not (found := self.events(name)):
+            assert time.monotonic() < deadline, f"no {name} event in {timeout_s} s:\n{self.log()}"
+            time.sleep(0.05)
+        return found
+
     def wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         self._listening.wait(STARTUP_TIMEOUT_S)

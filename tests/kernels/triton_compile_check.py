@@ -36,6 +36,7 @@ _SIGNATURES: dict[str, dict[str, str]] = {
         "sumexp_ptr": "*fp32", "threshold_ptr": "*fp32", "exclude_ptr": "*i64", "draft_q_ptr": "*fp32",
         "index_ptr": "*i64", "value_ptr": "*fp32", "residual_index_ptr": "*i64", "residual_value_ptr": "*fp32",
         "residual_mass_ptr": "*fp32", "vocab_size": "i32", "shard_size": "i32", "num_shards": "i32",
+        "first_index": "i32",
     },
 }
 

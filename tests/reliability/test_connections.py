@@ -124,7 +124,7 @@ def test_connections_beyond_the_bound_are_refused_and_flare_ctl_still_answers(bo
         # The control socket is never starved by the HTTP side.
         code, status = call(bounded.control, "GET", "/status")
         assert code == 200 and status["running"] == 0
-        [warning, *_] = bounded.process.events("connection_refused")
+        [warning, *_] = bounded.process.wait_for_events("connection_refused")
         assert warning["level"] == "warning" and warning["max_connections"] == MAX_CONNECTIONS
     finally:
         for sock in held:
