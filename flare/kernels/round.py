@@ -442,26 +442,42 @@ def _check_shapes(
 ) -> None:
     """Static shape checks (no tensor values are read)."""
     num_positions, vocab_size = logits.shape
+    check_round_shapes("sample_round", num_positions, vocab_size, vocab_size, num_drafts, draft_tokens, draft_probs, batch, token_mask)
+    if not 1 <= vocab_shards <= vocab_size:
+        raise ValueError(f"sample_round: vocab_shards must be between 1 and the vocabulary size, got {vocab_shards}")
+
+
+def check_round_shapes(
+    caller: str,
+    num_positions: int,
+    vocab_size: int,
+    draft_width: int,
+    num_drafts: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    batch: SamplingBatch,
+    token_mask: torch.Tensor | None,
+) -> None:
+    """The shape checks a round's sampler inputs share, in one process or across ranks (whose
+    draft_probs are a rank's `draft_width` columns): ValueError naming `caller` and the tensor."""
     num_rows, max_drafts = draft_tokens.shape
     if num_drafts.shape != (num_rows,) or batch.num_rows != num_rows:
         raise ValueError(
-            f"sample_round: num_drafts {tuple(num_drafts.shape)}, draft_tokens {tuple(draft_tokens.shape)} "
+            f"{caller}: num_drafts {tuple(num_drafts.shape)}, draft_tokens {tuple(draft_tokens.shape)} "
             f"and the batch ({batch.num_rows} rows) must agree on the number of rows"
         )
     if num_positions < num_rows:
-        raise ValueError(f"sample_round: logits has {num_positions} positions for {num_rows} rows (at least one each)")
+        raise ValueError(f"{caller}: logits has {num_positions} positions for {num_rows} rows (at least one each)")
     if token_mask is not None and token_mask.shape != (num_positions, -(-vocab_size // 32)):
         raise ValueError(
-            f"sample_round: token_mask must be [N, ceil(V / 32)] = {(num_positions, -(-vocab_size // 32))}, "
+            f"{caller}: token_mask must be [N, ceil(V / 32)] = {(num_positions, -(-vocab_size // 32))}, "
             f"got {tuple(token_mask.shape)}"
         )
-    if draft_probs is not None and draft_probs.shape != (num_rows, max_drafts, vocab_size):
+    if draft_probs is not None and draft_probs.shape != (num_rows, max_drafts, draft_width):
         raise ValueError(
-            f"sample_round: draft_probs must be [R, Kmax, V] = {(num_rows, max_drafts, vocab_size)}, "
-            f"got {tuple(draft_probs.shape)}"
+            f"{caller}: draft_probs must be [R, Kmax, {'V' if draft_width == vocab_size else 'shard width'}] = "
+            f"{(num_rows, max_drafts, draft_width)}, got {tuple(draft_probs.shape)}"
         )
-    if not 1 <= vocab_shards <= vocab_size:
-        raise ValueError(f"sample_round: vocab_shards must be between 1 and the vocabulary size, got {vocab_shards}")
 
 
 def _kernels(backend: Backend) -> ModuleType:

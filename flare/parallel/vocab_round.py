@@ -43,6 +43,7 @@ from flare.kernels.round import (
     RowKinds,
     _any_per_row,
     _merged_argmax,
+    check_round_shapes,
     chosen_sample,
     emitted_tokens,
     position_layout,
@@ -417,23 +418,8 @@ def _check_shapes(
     token_mask: torch.Tensor | None,
 ) -> None:
     num_positions, width = logits.shape
-    num_rows, max_drafts = draft_tokens.shape
     if width != shard.width:
         raise ValueError(f"sample_round_across_ranks: rank {shard.rank} holds {shard.width} tokens, the logits {width}")
-    if num_drafts.shape != (num_rows,) or batch.num_rows != num_rows:
-        raise ValueError(
-            f"sample_round_across_ranks: num_drafts {tuple(num_drafts.shape)}, draft_tokens "
-            f"{tuple(draft_tokens.shape)} and the batch ({batch.num_rows} rows) must agree on the number of rows"
-        )
-    if num_positions < num_rows:
-        raise ValueError(f"sample_round_across_ranks: {num_positions} positions for {num_rows} rows")
-    if token_mask is not None and token_mask.shape != (num_positions, -(-shard.vocab_size // 32)):
-        raise ValueError(
-            f"sample_round_across_ranks: token_mask must be [N, ceil(V / 32)] = "
-            f"{(num_positions, -(-shard.vocab_size // 32))}, got {tuple(token_mask.shape)}"
-        )
-    if draft_probs is not None and draft_probs.shape != (num_rows, max_drafts, width):
-        raise ValueError(
-            f"sample_round_across_ranks: draft_probs must be the shard's [R, Kmax, width] = "
-            f"{(num_rows, max_drafts, width)}, got {tuple(draft_probs.shape)}"
-        )
+    check_round_shapes(
+        "sample_round_across_ranks", num_positions, shard.vocab_size, width, num_drafts, draft_tokens, draft_probs, batch, token_mask
+    )
