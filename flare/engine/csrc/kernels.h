@@ -214,6 +214,23 @@ typedef struct {
     int64_t tokens, in, out, y_stride;
 } QuantizedLinear;
 
+/* Block layout read by both quantized_blocks.c and quantized_direct.c. The fifth bits of a Q5 block: bit j of the little-endian 32-bit word is value j's. */
+static inline uint32_t high_bits(const uint8_t *qh) {
+    return (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 | (uint32_t)qh[3] << 24;
+}
+
+/* The 8 six-bit scales and mins of a Q4_K / Q5_K block's 12 scale bytes: sub-blocks 0-3 in the
+ * low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7 in the nibbles of bytes 8-11
+ * with their top two bits in the top bits of bytes 0-3 (scales) and 4-7 (mins). */
+static inline void scales_and_mins(const uint8_t *s, int sc[8], int mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 0x0f) | (s[j] >> 6) << 4;
+        mn[j + 4] = (s[j + 8] >> 4) | (s[j + 4] >> 6) << 4;
+    }
+}
+
 /* Elements per block and bytes per block of a type: 0, or -1 for a type this file does not read. */
 int quantized_block_shape(int type, int64_t *block_size, int64_t *type_size);
 /* The first of `blocks` blocks of `type` with a NaN or infinite float16 scale, -1 when none,
@@ -221,6 +238,11 @@ int quantized_block_shape(int type, int64_t *block_size, int64_t *type_size);
 int64_t quantized_first_nonfinite_scale(int type, const uint8_t *data, int64_t blocks);
 /* 0; -1 for an unknown type; -2 when scratch memory could not be allocated. */
 int quantized_linear(const QuantizedLinear *l, int threads, int isa);
+/* AVX-512 only: `tokens` rows of x by the GROUP (4) weight rows at `rows` (`row_bytes` apart,
+ * `blocks` blocks each) into y [tokens, 4] (rows `ys` apart), each block expanded in registers;
+ * quantized_linear's bits (quantized_direct.c). */
+void quantized_group_direct(int type, const uint8_t *rows, int64_t row_bytes, int64_t blocks, const float *x, int64_t xs,
+                            int64_t tokens, float *y, int64_t ys);
 /* The ISA_* level a quantized kernel runs at: the widest of `isa` and what this CPU has. */
 int quantized_vector_isa(int isa);
 /* One row of `blocks` blocks of `type` expanded into floats at ISA level `vector` (see

@@ -40,11 +40,6 @@ static inline void expand_q4_1(const uint8_t *b, float *out) {
     }
 }
 
-/* The fifth bits of a Q5 block: bit j of the little-endian 32-bit word is value j's. */
-static inline uint32_t high_bits(const uint8_t *qh) {
-    return (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 | (uint32_t)qh[3] << 24;
-}
-
 /* Q5_0 (22 bytes): d, 4 bytes of fifth bits, 16 bytes of nibbles; value = d (q - 16). */
 static inline void expand_q5_0(const uint8_t *b, float *out) {
     const float d = half_at(b, 0);
@@ -76,18 +71,6 @@ static inline void expand_q8_0(const uint8_t *b, float *out) {
     const float d = half_at(b, 0);
     const int8_t *qs = (const int8_t *)(b + 2);
     for (int j = 0; j < QK; j++) out[j] = d * (float)qs[j];
-}
-
-/* The 8 six-bit scales and mins of a Q4_K / Q5_K block's 12 scale bytes: sub-blocks 0-3 in the
- * low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7 in the nibbles of bytes 8-11
- * with their top two bits in the top bits of bytes 0-3 (scales) and 4-7 (mins). */
-static inline void scales_and_mins(const uint8_t *s, int sc[8], int mn[8]) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = s[j] & 63;
-        mn[j] = s[j + 4] & 63;
-        sc[j + 4] = (s[j + 8] & 0x0f) | (s[j] >> 6) << 4;
-        mn[j + 4] = (s[j + 8] >> 4) | (s[j + 4] >> 6) << 4;
-    }
 }
 
 /* Q4_K (144 bytes): d, dmin, 12 scale bytes, 128 bytes of nibbles: sub-block 2i the low nibbles

@@ -1,0 +1,246 @@
+/* A few rows multiplied straight from ggml's blocks: each block is expanded in registers and
+ * multiplied into the rows' sums at once, never stored (AVX-512).
+ *
+ * quantized_linear.c expands a group's weight rows into a float32 buffer and runs the rows over
+ * it, which pays for itself from about 8 rows on. At 1-4 rows (one stream, a short speculative
+ * verification) the store and reload of every expanded value cost as much as the expansion, so
+ * here each 16-value chunk of a block goes from its bytes to a register and straight into the
+ * fused multiply-adds of every row.
+ *
+ * The bits are quantized_linear.c's: every weight is the value quantized_blocks.c gives
+ * (gguf-py's), each (row, output) keeps the same 16 float32 lanes, lane l summing x[k] W[k] over
+ * k = l mod 16 in increasing k with fused multiply-adds, and sum_lanes_512's tree adds them. So a
+ * row's result does not depend on which path ran it, nor on its batch-mates
+ * (tests/engine/test_quantized_linear.py holds every row count to the float64 product and to
+ * the other ISAs' bits).
+ *
+ * The 4-bit and 5-bit types expand through a table: a block's (or sub-block's) 16 or 32 possible
+ * values, d j + m (or (d sc) j - dmin m) for j = 0 .. 15 (31), are one fused multiply-add on
+ * the vector 0 .. 15, rounded once as the expansion's own multiply-add rounds them, and
+ * vpermps (vpermt2ps for 32) looks each quant up, reading only the index's low 4 (5) bits, so
+ * a nibble needs no mask. That is 1 instruction a 16 values where the expansion took 3.
+ */
+#include <stdlib.h>
+
+#include "kernels.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#define QD_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#define QD_INLINE static inline __attribute__((always_inline)) QD_AVX512
+
+enum { QK = 32, QK_K = 256, GROUP = 4, MAX_TILE = 6 };
+
+/* The sums of a tile: MT rows by GROUP outputs, 16 lanes each. */
+typedef struct {
+    __m512 lanes[MAX_TILE][GROUP];
+} Sums;
+
+QD_INLINE float half_at(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | p[1] << 8)); }
+
+QD_INLINE __m512i bytes16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+
+/* Output o's lanes of the MT rows take w (the weights k .. k + 15) times x[m, k .. k + 15]. */
+QD_INLINE void multiply(Sums *s, int o, __m512 w, const float *x, int64_t xs, int64_t k, const int MT) {
+#pragma GCC unroll 6
+    for (int m = 0; m < MT; m++) s->lanes[m][o] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * xs + k), s->lanes[m][o]);
+}
+
+/* sum_lanes of quantized_linear.c: l + 8, then + 4, + 2, + 1. */
+QD_INLINE float sum_lanes(__m512 a) {
+    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+/* Block i of the four 32-value nibble types (Q4_0, Q4_1, Q5_0, Q5_1; `type` a constant) of
+ * output o: the table of its values, then the low nibbles (values 0-15) and high (16-31). */
+QD_INLINE void nibble_block(Sums *s, int o, const uint8_t *b, const float *x, int64_t xs, int64_t k, const int type,
+                            const int MT) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const int has_min = type == GGML_Q4_1 || type == GGML_Q5_1, five = type == GGML_Q5_0 || type == GGML_Q5_1;
+    const __m512 d = _mm512_set1_ps(half_at(b));
+    const __m512i q = bytes16(b + 2 + 2 * has_min + 4 * five);
+    if (!five) {
+        /* Q4_0: d (j - 8), exact; Q4_1: d j + m, one rounding (quantized_blocks.c's fmadd). */
+        const __m512 table = has_min ? _mm512_fmadd_ps(d, iota, _mm512_set1_ps(half_at(b + 2)))
+                                     : _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)));
+        multiply(s, o, _mm512_permutexvar_ps(q, table), x, xs, k, MT);
+        multiply(s, o, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table), x, xs, k + 16, MT);
+    } else {
+        /* Q5_0: d (j - 16); Q5_1: d j + m; j = 0 .. 31, the fifth bit chosen by a mask. */
+        const __m512 upper = _mm512_add_ps(iota, _mm512_set1_ps(16.0f));
+        const __m512 low = has_min ? _mm512_fmadd_ps(d, iota, _mm512_set1_ps(half_at(b + 2)))
+                                   : _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(16.0f)));
+        const __m512 high = has_min ? _mm512_fmadd_ps(d, upper, _mm512_set1_ps(half_at(b + 2))) : _mm512_mul_ps(d, iota);
+        const uint32_t qh = high_bits(b + 2 + 2 * has_min);
+        const __m512i sixteen = _mm512_set1_epi32(16), low4 = _mm512_set1_epi32(0x0f);
+        const __m512i nibbles = _mm512_and_si512(q, low4);
+        const __m512i lo = _mm512_mask_or_epi32(nibbles, (__mmask16)(qh & 0xffff), nibbles, sixteen);
+        const __m512i hi = _mm512_mask_or_epi32(_mm512_srli_epi32(q, 4), (__mmask16)(qh >> 16), _mm512_srli_epi32(q, 4), sixteen);
+        multiply(s, o, _mm512_permutex2var_ps(low, lo, high), x, xs, k, MT);
+        multiply(s, o, _mm512_permutex2var_ps(low, hi, high), x, xs, k + 16, MT);
+    }
+}
+
+/* Q8_0 block i of output o: d q, exact. */
+QD_INLINE void q8_0_block(Sums *s, int o, const uint8_t *b, const float *x, int64_t xs, int64_t k, const int MT) {
+    const __m512 d = _mm512_set1_ps(half_at(b));
+    const __m512i lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)));
+    const __m512i hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)));
+    multiply(s, o, _mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)), x, xs, k, MT);
+    multiply(s, o, _mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)), x, xs, k + 16, MT);
+}
+
+/* Q4_K (five = 0) and Q5_K (five = 1): sub-block j's values are (d sc_j) q - dmin mn_j, its
+ * table one fused multiply-subtract as quantized_blocks.c's. Q5_K's fifth bit (bit j of qh[l])
+ * is moved to bit 4 of the index by one shift, and vpternlogd takes bits 0-3 from the nibble,
+ * the rest from it; vpermt2ps reads bits 0-4 only. The group's four blocks go 64 values at a
+ * time in turn, so each output's chain of multiply-adds waits on the others' less. */
+typedef struct {
+    float ds[8], ms[8];
+} KScales;
+
+QD_INLINE void k_scales(const uint8_t *b, KScales *k) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    int sc[8], mn[8];
+    scales_and_mins(b + 4, sc, mn);
+    for (int j = 0; j < 8; j++) k->ds[j] = d * (float)sc[j], k->ms[j] = dmin * (float)mn[j];
+}
+
+/* Sub-blocks 2 g and 2 g + 1 (values 64 g .. + 63) of the block at b into output o's sums. */
+QD_INLINE void k_quarter(Sums *s, int o, const uint8_t *b, const KScales *sc, int g, const float *x, int64_t xs, int64_t k,
+                         const int five, const int MT) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const uint8_t *qh = b + 16, *qs = b + (five ? 48 : 16);
+    const __m512i raw[2] = {bytes16(qs + 32 * g), bytes16(qs + 32 * g + 16)};
+#pragma GCC unroll 2
+    for (int nibble = 0; nibble < 2; nibble++) {
+        const int j = 2 * g + nibble;
+        const __m512 ds = _mm512_set1_ps(sc->ds[j]), ms = _mm512_set1_ps(sc->ms[j]);
+        const __m512 table = _mm512_fmsub_ps(ds, iota, ms);
+#pragma GCC unroll 2
+        for (int part = 0; part < 2; part++) {
+            const __m512i q = nibble ? _mm512_srli_epi32(raw[part], 4) : raw[part];
+            __m512 w;
+            if (five) {
+                const __m512i h = bytes16(qh + 16 * part);
+                const __m512i fifth = j <= 4 ? _mm512_slli_epi32(h, 4 - j) : _mm512_srli_epi32(h, j - 4);
+                /* 0xca: a ? b : c bit by bit, so bits 0-3 (the mask 0x0f) from q, the rest from fifth. */
+                const __m512i index = _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x0f), q, fifth, 0xca);
+                const __m512 upper = _mm512_fmsub_ps(ds, _mm512_add_ps(iota, _mm512_set1_ps(16.0f)), ms);
+                w = _mm512_permutex2var_ps(table, index, upper);
+            } else {
+                w = _mm512_permutexvar_ps(q, table);
+            }
+            multiply(s, o, w, x, xs, k + 32 * j + 16 * part, MT);
+        }
+    }
+}
+
+/* Q6_K block i of output o, in increasing k: quantized_blocks.c's expansion, each 16 values
+ * straight into the sums. */
+QD_INLINE void q6_k_block(Sums *s, int o, const uint8_t *b, const float *x, int64_t xs, int64_t k, const int MT) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *scales = (const int8_t *)(b + 192);
+    const float d = half_at(b + 208);
+    const __m512i low4 = _mm512_set1_epi32(0x0f), three = _mm512_set1_epi32(3), thirty_two = _mm512_set1_epi32(32);
+    for (int h = 0; h < 2; h++) {
+        const __m512i lq[4] = {bytes16(ql + 64 * h), bytes16(ql + 64 * h + 16), bytes16(ql + 64 * h + 32), bytes16(ql + 64 * h + 48)};
+        const __m512i hq[2] = {bytes16(qh + 32 * h), bytes16(qh + 32 * h + 16)};
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) {  /* values 128 h + 16 c .. + 15 */
+            const __m512i low = _mm512_and_si512(_mm512_srli_epi32(lq[c % 4], 4 * (c / 4)), low4);
+            const __m512i high = _mm512_and_si512(_mm512_srli_epi32(hq[c % 2], 2 * (c / 2)), three);
+            const __m512i q = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), thirty_two);
+            const __m512 ds = _mm512_set1_ps(d * (float)scales[8 * h + c]);
+            multiply(s, o, _mm512_mul_ps(ds, _mm512_cvtepi32_ps(q)), x, xs, k + 128 * h + 16 * c, MT);
+        }
+    }
+}
+
+/* MT rows of x by the GROUP weight rows at `rows` (`row_bytes` apart), `type` and MT constants:
+ * the blocks in order, each block of the group's rows in turn (four independent chains of
+ * multiply-adds per row keep the FMA units busy). */
+QD_INLINE void tile(const int type, const uint8_t *rows, int64_t row_bytes, int64_t blocks, const float *x, int64_t xs,
+                    float *y, int64_t ys, const int MT) {
+    Sums s;
+#pragma GCC unroll 6
+    for (int m = 0; m < MT; m++)
+#pragma GCC unroll 4
+        for (int o = 0; o < GROUP; o++) s.lanes[m][o] = _mm512_setzero_ps();
+    const int64_t size = type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : type == GGML_Q5_0 ? 22 : type == GGML_Q5_1 ? 24
+                         : type == GGML_Q8_0 ? 34 : type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210;
+    const int64_t values = type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K ? QK_K : QK;
+    for (int64_t i = 0; i < blocks; i++) {
+        if (type == GGML_Q4_K || type == GGML_Q5_K) {
+            KScales sc[GROUP];
+#pragma GCC unroll 4
+            for (int o = 0; o < GROUP; o++) k_scales(rows + o * row_bytes + i * size, &sc[o]);
+#pragma GCC unroll 1
+            for (int g = 0; g < 4; g++)
+#pragma GCC unroll 4
+                for (int o = 0; o < GROUP; o++)
+                    k_quarter(&s, o, rows + o * row_bytes + i * size, &sc[o], g, x, xs, i * QK_K, type == GGML_Q5_K, MT);
+            continue;
+        }
+#pragma GCC unroll 4
+        for (int o = 0; o < GROUP; o++) {
+            const uint8_t *b = rows + o * row_bytes + i * size;
+            const int64_t k = i * values;
+            switch (type) {
+            case GGML_Q8_0: q8_0_block(&s, o, b, x, xs, k, MT); break;
+            case GGML_Q6_K: q6_k_block(&s, o, b, x, xs, k, MT); break;
+            default: nibble_block(&s, o, b, x, xs, k, type, MT); break;
+            }
+        }
+    }
+#pragma GCC unroll 6
+    for (int m = 0; m < MT; m++)
+#pragma GCC unroll 4
+        for (int o = 0; o < GROUP; o++) y[m * ys + o] = sum_lanes(s.lanes[m][o]);
+}
+
+/* One type's tiles over `tokens` rows: at most MAX_TILE rows a tile, as even as they go. */
+#define TILES(TYPE)                                                                                                    \
+    static QD_AVX512 void tiles_##TYPE(const uint8_t *rows, int64_t row_bytes, int64_t blocks, const float *x,        \
+                                       int64_t xs, int64_t tokens, float *y, int64_t ys) {                             \
+        const int64_t count = (tokens + MAX_TILE - 1) / MAX_TILE;                                                      \
+        for (int64_t i = 0, t = 0; i < count; i++) {                                                                   \
+            const int64_t mt = (tokens - t) / (count - i);                                                             \
+            switch (mt) {                                                                                              \
+            case 1: tile(TYPE, rows, row_bytes, blocks, x + t * xs, xs, y + t * ys, ys, 1); break;                    \
+            case 2: tile(TYPE, rows, row_bytes, blocks, x + t * xs, xs, y + t * ys, ys, 2); break;                    \
+            case 3: tile(TYPE, rows, row_bytes, blocks, x + t * xs, xs, y + t * ys, ys, 3); break;                    \
+            case 4: tile(TYPE, rows, row_bytes, blocks, x + t * xs, xs, y + t * ys, ys, 4); break;                    \
+            case 5: tile(TYPE, rows, row_bytes, blocks, x + t * xs, xs, y + t * ys, ys, 5); break;                    \
+            default: tile(TYPE, rows, row_bytes, blocks, x + t * xs, xs, y + t * ys, ys, 6); break;                   \
+            }                                                                                                          \
+            t += mt;                                                                                                   \
+        }                                                                                                              \
+    }
+TILES(GGML_Q4_0)
+TILES(GGML_Q4_1)
+TILES(GGML_Q5_0)
+TILES(GGML_Q5_1)
+TILES(GGML_Q8_0)
+TILES(GGML_Q4_K)
+TILES(GGML_Q5_K)
+TILES(GGML_Q6_K)
+
+void quantized_group_direct(int type, const uint8_t *rows, int64_t row_bytes, int64_t blocks, const float *x, int64_t xs,
+                            int64_t tokens, float *y, int64_t ys) {
+    switch (type) {
+    case GGML_Q4_0: tiles_GGML_Q4_0(rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
+    case GGML_Q4_1: tiles_GGML_Q4_1(rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
+    case GGML_Q5_0: tiles_GGML_Q5_0(rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
+    case GGML_Q5_1: tiles_GGML_Q5_1(rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
+    case GGML_Q8_0: tiles_GGML_Q8_0(rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
+    case GGML_Q4_K: tiles_GGML_Q4_K(rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
+    case GGML_Q5_K: tiles_GGML_Q5_K(rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
+    default: tiles_GGML_Q6_K(rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
+    }
+}
+#endif
