@@ -90,9 +90,12 @@ def sample_round(
     num_positions, vocab_size = logits.shape
     num_rows, max_drafts = draft_tokens.shape
     _check_shapes(logits, num_drafts, draft_tokens, draft_probs, batch, vocab_shards, token_mask)
+    facts = batch.facts
+    plain = not (facts.any_sampled or facts.any_penalized or facts.any_biased)
+    if plain and num_positions == num_rows and token_mask is None and num_logprobs is None and raw_logprobs is None:
+        return greedy_round(logits, batch, max_drafts)
     kernels = _kernels(backend or ("triton" if logits.is_cuda else "torch"))
     device = logits.device
-    facts = batch.facts
 
     layout = position_layout(num_drafts, num_rows, max_drafts, num_positions, device)
     num_drafts, row_start, row_of_position, index_in_row = (
@@ -220,6 +223,32 @@ def sample_round(
         num_emitted=torch.where(ok, num_accepted + 1, 0).to(torch.int32),
         status=status.to(torch.int32),
         logprobs=logprobs,
+    )
+
+
+def greedy_round(logits: torch.Tensor, batch: SamplingBatch, max_drafts: int) -> RoundResult:
+    """sample_round of a round whose rows are all greedy (or invalid) with one position each
+    and nothing applied to the logits (no drafts, mask, bias, penalties or log-probabilities):
+    the same results in a dozen operations where the general path takes a few hundred, which
+    at one row on a CPU is a tenth of the round.
+
+    Like sample_round's, the tokens are [R, max_drafts + 1], -1 after the first. Each row emits
+    the argmax of its logits (the lowest index on ties, as the shards' merge
+    gives). Its status is sample_round's: with nothing applied, a row with no finite logit is
+    NONFINITE_LOGITS (which wins over EMPTY_DISTRIBUTION there), and invalid parameters win over
+    both (round_status's order)."""
+    num_rows, width = logits.shape[0], max_drafts + 1
+    invalid_params = row_kinds(batch).invalid_params
+    nonfinite = ~(torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1)))
+    status = torch.where(nonfinite, int(DeviceStatus.NONFINITE_LOGITS), int(DeviceStatus.OK))
+    status = torch.where(invalid_params, int(DeviceStatus.INVALID_SAMPLING_PARAMETERS), status)
+    ok = status == int(DeviceStatus.OK)
+    tokens = torch.full((num_rows, width), -1, dtype=torch.int64, device=logits.device)
+    tokens[:, 0] = torch.where(ok, logits.argmax(dim=-1), -1)
+    return RoundResult(
+        tokens=tokens,
+        num_emitted=ok.to(torch.int32),
+        status=status.to(torch.int32),
     )
 
 
