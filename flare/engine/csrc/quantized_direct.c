@@ -30,7 +30,7 @@
 #define QD_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 #define QD_INLINE static inline __attribute__((always_inline)) QD_AVX512
 
-enum { QK = 32, QK_K = 256, GROUP = 4, MAX_TILE = 6 };
+enum { QK = 32, QK_K = 256, GROUP = 4, MAX_TILE = 6, PREFETCH_GROUPS = 4 };
 
 /* The sums of a tile: MT rows by GROUP outputs, 16 lanes each. */
 typedef struct {
@@ -174,7 +174,14 @@ QD_INLINE void tile(const int type, const uint8_t *rows, int64_t row_bytes, int6
     const int64_t size = type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : type == GGML_Q5_0 ? 22 : type == GGML_Q5_1 ? 24
                          : type == GGML_Q8_0 ? 34 : type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210;
     const int64_t values = type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K ? QK_K : QK;
+    /* The group PREFETCH_GROUPS ahead is fetched a slice a block, while this one multiplies: the
+     * four rows' blocks are read as four interleaved streams, which the hardware prefetcher
+     * follows too late (a Q8_0 LM head read at 7 GB/s from memory, 29 GB/s with this, one
+     * thread). A prefetch past the weight's end is harmless: it never faults. */
+    const int64_t span = GROUP * row_bytes;
+    const uint8_t *ahead = rows + PREFETCH_GROUPS * span;
     for (int64_t i = 0; i < blocks; i++) {
+        for (int64_t at = span * i / blocks & ~(int64_t)63; at < span * (i + 1) / blocks; at += 64) __builtin_prefetch(ahead + at);
         if (type == GGML_Q4_K || type == GGML_Q5_K) {
             KScales sc[GROUP];
 #pragma GCC unroll 4
