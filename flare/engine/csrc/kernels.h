@@ -238,11 +238,13 @@ int quantized_block_shape(int type, int64_t *block_size, int64_t *type_size);
 int64_t quantized_first_nonfinite_scale(int type, const uint8_t *data, int64_t blocks);
 /* 0; -1 for an unknown type; -2 when scratch memory could not be allocated. */
 int quantized_linear(const QuantizedLinear *l, int threads, int isa);
-/* AVX-512 only: `tokens` rows of x by the GROUP (4) weight rows at `rows` (`row_bytes` apart,
- * `blocks` blocks each) into y [tokens, 4] (rows `ys` apart), each block expanded in registers;
- * quantized_linear's bits (quantized_direct.c). */
-void quantized_group_direct(int type, const uint8_t *rows, int64_t row_bytes, int64_t blocks, const float *x, int64_t xs,
-                            int64_t tokens, float *y, int64_t ys);
+/* The most rows quantized_group_direct takes at ISA level `vector` for `type` (0: none). */
+int quantized_direct_rows(int vector, int type);
+/* `tokens` rows of x by the GROUP (4) weight rows at `rows` (`row_bytes` apart, `blocks` blocks
+ * each) into y [tokens, 4] (rows `ys` apart), each block expanded in registers, with
+ * quantized_linear's bits (quantized_direct.c); tokens at most quantized_direct_rows. */
+void quantized_group_direct(int vector, int type, const uint8_t *rows, int64_t row_bytes, int64_t blocks, const float *x,
+                            int64_t xs, int64_t tokens, float *y, int64_t ys);
 /* The ISA_* level a quantized kernel runs at: the widest of `isa` and what this CPU has. */
 int quantized_vector_isa(int isa);
 /* One row of `blocks` blocks of `type` expanded into floats at ISA level `vector` (see

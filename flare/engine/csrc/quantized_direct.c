@@ -1,5 +1,6 @@
 /* A few rows multiplied straight from ggml's blocks: each block is expanded in registers and
- * multiplied into the rows' sums at once, never stored (AVX-512).
+ * multiplied into the rows' sums at once, never stored (AVX-512: up to 6 rows, every type;
+ * AVX2: one row of Q4_0, Q4_1 or Q8_0, at the end of this file).
  *
  * quantized_linear.c expands a group's weight rows into a float32 buffer and runs the rows over
  * it, which pays for itself from about 8 rows on. At 1-4 rows (one stream, a short speculative
@@ -23,6 +24,7 @@
 #include <stdlib.h>
 
 #include "kernels.h"
+#include "quantized_lanes.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -45,14 +47,6 @@ QD_INLINE __m512i bytes16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_lo
 QD_INLINE void multiply(Sums *s, int o, __m512 w, const float *x, int64_t xs, int64_t k, const int MT) {
 #pragma GCC unroll 6
     for (int m = 0; m < MT; m++) s->lanes[m][o] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * xs + k), s->lanes[m][o]);
-}
-
-/* sum_lanes of quantized_linear.c: l + 8, then + 4, + 2, + 1. */
-QD_INLINE float sum_lanes(__m512 a) {
-    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
 /* Block i of the four 32-value nibble types (Q4_0, Q4_1, Q5_0, Q5_1; `type` a constant) of
@@ -207,7 +201,7 @@ QD_INLINE void tile(const int type, const uint8_t *rows, int64_t row_bytes, int6
 #pragma GCC unroll 6
     for (int m = 0; m < MT; m++)
 #pragma GCC unroll 4
-        for (int o = 0; o < GROUP; o++) y[m * ys + o] = sum_lanes(s.lanes[m][o]);
+        for (int o = 0; o < GROUP; o++) y[m * ys + o] = sum_lanes_512(s.lanes[m][o]);
 }
 
 /* One type's tiles over `tokens` rows: at most MAX_TILE rows a tile, as even as they go. */
@@ -237,8 +231,8 @@ TILES(GGML_Q4_K)
 TILES(GGML_Q5_K)
 TILES(GGML_Q6_K)
 
-void quantized_group_direct(int type, const uint8_t *rows, int64_t row_bytes, int64_t blocks, const float *x, int64_t xs,
-                            int64_t tokens, float *y, int64_t ys) {
+static QD_AVX512 void group_avx512(int type, const uint8_t *rows, int64_t row_bytes, int64_t blocks, const float *x,
+                                   int64_t xs, int64_t tokens, float *y, int64_t ys) {
     switch (type) {
     case GGML_Q4_0: tiles_GGML_Q4_0(rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
     case GGML_Q4_1: tiles_GGML_Q4_1(rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
@@ -250,4 +244,91 @@ void quantized_group_direct(int type, const uint8_t *rows, int64_t row_bytes, in
     default: tiles_GGML_Q6_K(rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
     }
 }
+
+/* AVX2, one row, Q4_0, Q4_1 and Q8_0 (the default package's types and the commonest files'):
+ * quantized_linear.c's AVX2 loop keeps a (row, output)'s 16 lanes as two 8-lane halves, half h
+ * summing the k with (k / 8) % 2 == h in increasing k, and so does this; the values are
+ * quantized_blocks.c's AVX2 expansion (d (q - 8), d q + m, d q). Four outputs' 8 accumulators
+ * fill half the 16 registers, so more rows take the buffered path, as do the other types. */
+#define QD_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define QD2_INLINE static inline __attribute__((always_inline)) QD_AVX2
+
+typedef struct {
+    __m256 half[GROUP][2];
+} Halves;
+
+/* Output o's half (c / 8) % 2 takes w (the weights k + c .. + 7, k a multiple of 16) times x. */
+QD2_INLINE void multiply_256(Halves *s, int o, __m256 w, const float *x, int64_t k, const int c) {
+    s->half[o][(c / 8) % 2] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + k + c), s->half[o][(c / 8) % 2]);
+}
+
+QD2_INLINE void block_256(Halves *s, int o, const uint8_t *b, const float *x, int64_t k, const int type) {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss((unsigned short)(b[0] | b[1] << 8)));
+    if (type == GGML_Q8_0) {
+#pragma GCC unroll 4
+        for (int c = 0; c < QK; c += 8) {
+            const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + c)));
+            multiply_256(s, o, _mm256_mul_ps(d, _mm256_cvtepi32_ps(q)), x, k, c);
+        }
+        return;
+    }
+    const int has_min = type == GGML_Q4_1;
+    const __m256 m = _mm256_set1_ps(has_min ? _cvtsh_ss((unsigned short)(b[2] | b[3] << 8)) : 0.0f);
+    const __m256i low4 = _mm256_set1_epi32(0x0f), offset = _mm256_set1_epi32(has_min ? 0 : 8);
+    const uint8_t *qs = b + 2 + 2 * has_min;
+#pragma GCC unroll 2
+    for (int part = 0; part < 2; part++) {  /* values 8 part .. + 7 (low nibbles) and 16 + 8 part .. + 7 (high) */
+        const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * part)));
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q, low4), offset));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(q, 4), offset));
+        multiply_256(s, o, has_min ? _mm256_fmadd_ps(d, lo, m) : _mm256_mul_ps(d, lo), x, k, 8 * part);
+        multiply_256(s, o, has_min ? _mm256_fmadd_ps(d, hi, m) : _mm256_mul_ps(d, hi), x, k, 16 + 8 * part);
+    }
+}
+
+QD2_INLINE void row_256(const int type, const uint8_t *rows, int64_t row_bytes, int64_t blocks, const float *x, float *y) {
+    Halves s;
+#pragma GCC unroll 4
+    for (int o = 0; o < GROUP; o++) s.half[o][0] = s.half[o][1] = _mm256_setzero_ps();
+    const int64_t size = type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : 34;
+    const int64_t span = GROUP * row_bytes;
+    const uint8_t *ahead = rows + PREFETCH_GROUPS * span;
+    for (int64_t i = 0; i < blocks; i++) {
+        for (int64_t at = span * i / blocks & ~(int64_t)63; at < span * (i + 1) / blocks; at += 64) __builtin_prefetch(ahead + at);
+#pragma GCC unroll 4
+        for (int o = 0; o < GROUP; o++) block_256(&s, o, rows + o * row_bytes + i * size, x, i * QK, type);
+    }
+#pragma GCC unroll 4
+    for (int o = 0; o < GROUP; o++) y[o] = sum_lanes_256(s.half[o][0], s.half[o][1]);
+}
+
+static QD_AVX2 void row_avx2(int type, const uint8_t *rows, int64_t row_bytes, int64_t blocks, const float *x, float *y) {
+    switch (type) {
+    case GGML_Q4_0: row_256(GGML_Q4_0, rows, row_bytes, blocks, x, y); break;
+    case GGML_Q4_1: row_256(GGML_Q4_1, rows, row_bytes, blocks, x, y); break;
+    default: row_256(GGML_Q8_0, rows, row_bytes, blocks, x, y); break;
+    }
+}
 #endif
+
+int quantized_direct_rows(int vector, int type) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    /* Past these, expanding a group once for every row wins (`benchmarks/quantized_linear.py
+     * --rows 1 2 4 6 8`); Q5_K's fifth bits make its limit 4. */
+    if (vector == ISA_AVX512) return type == GGML_Q5_K ? 4 : MAX_TILE;
+    if (vector == ISA_AVX2) return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0;
+#else
+    (void)vector, (void)type;
+#endif
+    return 0;
+}
+
+void quantized_group_direct(int vector, int type, const uint8_t *rows, int64_t row_bytes, int64_t blocks, const float *x,
+                            int64_t xs, int64_t tokens, float *y, int64_t ys) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (vector == ISA_AVX512) return group_avx512(type, rows, row_bytes, blocks, x, xs, tokens, y, ys);
+    row_avx2(type, rows, row_bytes, blocks, x, y);
+#else
+    (void)vector, (void)type, (void)rows, (void)row_bytes, (void)blocks, (void)x, (void)xs, (void)tokens, (void)y, (void)ys;
+#endif
+}

@@ -16,9 +16,9 @@
  * Schedule: the outputs in groups of GROUP; a thread expands a group's weight rows once into a
  * float32 buffer (GROUP x in floats, in L1/L2), then runs every tile of rows over it, so at 8-32
  * rows each block is expanded once and reused by every row, and at one row each weight byte is
- * read once from memory. OpenMP threads take contiguous ranges of groups. With AVX-512, up to 6
- * rows skip the buffer: quantized_direct.c multiplies each block as it expands it in registers,
- * to the same bits. Figures against the
+ * read once from memory. OpenMP threads take contiguous ranges of groups. A few rows (AVX-512: up
+ * to 6; AVX2: one, of Q4_0, Q4_1 or Q8_0) skip the buffer: quantized_direct.c multiplies each
+ * block as it expands it in registers, to the same bits. Figures against the
  * float16 kernel (one thread, AVX-512: 0.87x its time at one row on Q4_1 blocks, 1.16-1.23x at 8-32)
  * and what was tried are in docs/benchmarks.md, "Quantized linear layers".
  */
@@ -27,8 +27,9 @@
 #include <stdlib.h>
 
 #include "kernels.h"
+#include "quantized_lanes.h"
 
-enum { GROUP = 4, LANES = 16, DIRECT_ROWS = 6 };
+enum { GROUP = 4, LANES = 16 };
 
 /* The lanes of one (row, output) summed by the fixed tree: l + 8, then + 4, + 2, + 1. */
 static inline float sum_lanes(const float *a) {
@@ -56,18 +57,6 @@ static void tile_portable(const float *x, int64_t xs, const float *w, int64_t in
 
 #define QL_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define QL_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
-
-/* sum_lanes of lanes 0-7 in `lo`, 8-15 in `hi`: the same adds in registers. */
-static inline __attribute__((always_inline)) QL_AVX2 float sum_lanes_256(__m256 lo, __m256 hi) {
-    const __m256 s8 = _mm256_add_ps(lo, hi);
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
-
-static inline __attribute__((always_inline)) QL_AVX512 float sum_lanes_512(__m512 a) {
-    return sum_lanes_256(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-}
 
 /* AVX2: a lane set is two registers, lanes 0-7 and 8-15, whose sums are independent: each half
  * runs as its own pass over the inputs (k = 16 i + 8 half + l), MT rows by NO outputs, at most
@@ -178,10 +167,9 @@ int quantized_linear(const QuantizedLinear *l, int threads, int isa) {
     const int64_t blocks = l->in / block_size, row_bytes = blocks * type_size;
     const int64_t groups = (l->out + GROUP - 1) / GROUP, y_stride = l->y_stride ? l->y_stride : l->out;
     const int vector = quantized_vector_isa(isa);
-    /* Up to DIRECT_ROWS rows, AVX-512 multiplies each whole group straight from its blocks
-     * (quantized_direct.c, the same bits); from there on, expanding once for every row wins
-     * (Q5_K's fifth bits make that 4: `benchmarks/quantized_linear.py --rows 1 2 4 6 8`). */
-    const int direct = vector == ISA_AVX512 && l->tokens <= (l->type == GGML_Q5_K ? 4 : DIRECT_ROWS);
+    /* Few rows skip the buffer: quantized_direct.c multiplies each whole group straight from its
+     * blocks, to the same bits. */
+    const int direct = l->tokens <= quantized_direct_rows(vector, l->type);
     /* One thread below about 64k multiply-adds: a thread team costs more than it saves. */
     const int team = l->tokens * l->in * l->out < 65536 ? 1 : threads;
     int failed = 0;
@@ -198,13 +186,11 @@ int quantized_linear(const QuantizedLinear *l, int threads, int isa) {
         } else {
             for (int64_t g = first; g < last; g++) {
                 const int64_t o0 = g * GROUP, count = l->out - o0 < GROUP ? l->out - o0 : GROUP;
-#if defined(__x86_64__) && defined(__GNUC__)
                 if (direct && count == GROUP) {
-                    quantized_group_direct(l->type, l->blocks + o0 * row_bytes, row_bytes, blocks, l->x, l->x_stride, l->tokens,
+                    quantized_group_direct(vector, l->type, l->blocks + o0 * row_bytes, row_bytes, blocks, l->x, l->x_stride, l->tokens,
                                            l->y + o0, y_stride);
                     continue;
                 }
-#endif
                 for (int64_t o = 0; o < count; o++)
                     expand_quantized_row(vector, l->type, l->blocks + (o0 + o) * row_bytes, blocks, w + o * l->in);
                 memset(w + count * l->in, 0, sizeof(float) * (size_t)((GROUP - count) * l->in));
