@@ -146,9 +146,12 @@ QD_INLINE void k_quarter(Sums *s, int o, const uint8_t *b, const KScales *sc, in
  * straight into the sums. */
 QD_INLINE void q6_k_block(Sums *s, int o, const uint8_t *b, const float *x, int64_t xs, int64_t k, const int MT) {
     const uint8_t *ql = b, *qh = b + 128;
-    const int8_t *scales = (const int8_t *)(b + 192);
-    const float d = half_at(b + 208);
-    const __m512i low4 = _mm512_set1_epi32(0x0f), three = _mm512_set1_epi32(3), thirty_two = _mm512_set1_epi32(32);
+    /* The 16 d scale_j at once (each the scalar product quantized_blocks.c rounds); a chunk's is
+     * picked by vpermps. d scale (q - 32) is one rounding of an exact value either way, so it
+     * is computed as fma(q, ds, -32 ds), -32 ds exact (a power of two). */
+    const __m512 ds_all = _mm512_mul_ps(_mm512_set1_ps(half_at(b + 208)),
+                                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))));
+    const __m512i low4 = _mm512_set1_epi32(0x0f), three = _mm512_set1_epi32(3);
     for (int h = 0; h < 2; h++) {
         const __m512i lq[4] = {bytes16(ql + 64 * h), bytes16(ql + 64 * h + 16), bytes16(ql + 64 * h + 32), bytes16(ql + 64 * h + 48)};
         const __m512i hq[2] = {bytes16(qh + 32 * h), bytes16(qh + 32 * h + 16)};
@@ -156,9 +159,9 @@ QD_INLINE void q6_k_block(Sums *s, int o, const uint8_t *b, const float *x, int6
         for (int c = 0; c < 8; c++) {  /* values 128 h + 16 c .. + 15 */
             const __m512i low = _mm512_and_si512(_mm512_srli_epi32(lq[c % 4], 4 * (c / 4)), low4);
             const __m512i high = _mm512_and_si512(_mm512_srli_epi32(hq[c % 2], 2 * (c / 2)), three);
-            const __m512i q = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), thirty_two);
-            const __m512 ds = _mm512_set1_ps(d * (float)scales[8 * h + c]);
-            multiply(s, o, _mm512_mul_ps(ds, _mm512_cvtepi32_ps(q)), x, xs, k + 128 * h + 16 * c, MT);
+            const __m512 q = _mm512_cvtepi32_ps(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)));
+            const __m512 ds = _mm512_permutexvar_ps(_mm512_set1_epi32(8 * h + c), ds_all);
+            multiply(s, o, _mm512_fmadd_ps(q, ds, _mm512_mul_ps(ds, _mm512_set1_ps(-32.0f))), x, xs, k + 128 * h + 16 * c, MT);
         }
     }
 }
