@@ -110,6 +110,19 @@ def test_a_rows_result_does_not_depend_on_its_batch_mates(ggml_type: T) -> None:
     assert torch.equal(quantized_linear(x[:8], weight)[5:6], alone)
 
 
+@pytest.mark.parametrize("ggml_type", ALL)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_a_last_partial_group_of_outputs_on_a_thread_team_gives_the_float64_product(ggml_type: T, rows: int) -> None:
+    # 4k + 3 outputs and enough multiply-adds for a team of threads: the team's last thread ends
+    # on a group of 3, which the direct path (1-6 rows) hands to the buffered one.
+    in_features = gguf.GGML_QUANT_SIZES[ggml_type][0] * (16 if gguf.GGML_QUANT_SIZES[ggml_type][0] == 32 else 2)
+    weight = weight_of(ggml_type, 4 * 40 + 3, in_features, seed=11)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    got = quantized_linear(x, weight)
+    assert_float32_sums_of(got, x, weight)
+    assert torch.equal(quantized_linear(x, weight, isa=native.ISA_PORTABLE), got)
+
+
 FORCED_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {tests!r})

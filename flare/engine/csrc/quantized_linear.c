@@ -178,10 +178,12 @@ int quantized_linear(const QuantizedLinear *l, int threads, int isa) {
         const int64_t n = omp_get_num_threads(), i = omp_get_thread_num();
         const int64_t first = groups * i / n, last = groups * (i + 1) / n;
         /* The group's expanded rows (64-byte aligned: the vector loops load them aligned) and the
-         * sums of every (row, output) of the group. */
-        float *w = aligned_alloc(64, sizeof(float) * (size_t)(GROUP * l->in));
-        float *sums = malloc(sizeof(float) * (size_t)(l->tokens * GROUP));
-        if (!w || !sums) {
+         * sums of every (row, output) of the group; the direct path needs them only for a last,
+         * partial group. */
+        const int buffered = !direct || (l->out % GROUP && last == groups);
+        float *w = buffered ? aligned_alloc(64, sizeof(float) * (size_t)(GROUP * l->in)) : NULL;
+        float *sums = buffered ? malloc(sizeof(float) * (size_t)(l->tokens * GROUP)) : NULL;
+        if (buffered && (!w || !sums)) {
             failed = 1;
         } else {
             for (int64_t g = first; g < last; g++) {
