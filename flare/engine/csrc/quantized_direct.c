@@ -151,17 +151,22 @@ QD_INLINE void q6_k_block(Sums *s, int o, const uint8_t *b, const float *x, int6
      * is computed as fma(q, ds, -32 ds), -32 ds exact (a power of two). */
     const __m512 ds_all = _mm512_mul_ps(_mm512_set1_ps(half_at(b + 208)),
                                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))));
-    const __m512i low4 = _mm512_set1_epi32(0x0f), three = _mm512_set1_epi32(3);
+    const __m512 m32_all = _mm512_mul_ps(ds_all, _mm512_set1_ps(-32.0f));
+    const __m512i low4 = _mm512_set1_epi32(0x0f), pair = _mm512_set1_epi32(0x30);
     for (int h = 0; h < 2; h++) {
         const __m512i lq[4] = {bytes16(ql + 64 * h), bytes16(ql + 64 * h + 16), bytes16(ql + 64 * h + 32), bytes16(ql + 64 * h + 48)};
         const __m512i hq[2] = {bytes16(qh + 32 * h), bytes16(qh + 32 * h + 16)};
 #pragma GCC unroll 8
         for (int c = 0; c < 8; c++) {  /* values 128 h + 16 c .. + 15 */
-            const __m512i low = _mm512_and_si512(_mm512_srli_epi32(lq[c % 4], 4 * (c / 4)), low4);
-            const __m512i high = _mm512_and_si512(_mm512_srli_epi32(hq[c % 2], 2 * (c / 2)), three);
-            const __m512 q = _mm512_cvtepi32_ps(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)));
-            const __m512 ds = _mm512_permutexvar_ps(_mm512_set1_epi32(8 * h + c), ds_all);
-            multiply(s, o, _mm512_fmadd_ps(q, ds, _mm512_mul_ps(ds, _mm512_set1_ps(-32.0f))), x, xs, k + 128 * h + 16 * c, MT);
+            /* The low nibble (a byte widened to 32 bits: >> 4 needs no mask), and the high pair
+             * (bits 2 (c / 2) .. + 1) moved to bits 4-5; vpternlogd 0xf8 is a | (b & c). */
+            const __m512i low = c < 4 ? _mm512_and_si512(lq[c % 4], low4) : _mm512_srli_epi32(lq[c % 4], 4);
+            const int at = 2 * (c / 2);
+            const __m512i high = at < 4 ? _mm512_slli_epi32(hq[c % 2], 4 - at) : at > 4 ? _mm512_srli_epi32(hq[c % 2], at - 4) : hq[c % 2];
+            const __m512 q = _mm512_cvtepi32_ps(_mm512_ternarylogic_epi32(low, high, pair, 0xf8));
+            const __m512i j = _mm512_set1_epi32(8 * h + c);
+            const __m512 w = _mm512_fmadd_ps(q, _mm512_permutexvar_ps(j, ds_all), _mm512_permutexvar_ps(j, m32_all));
+            multiply(s, o, w, x, xs, k + 128 * h + 16 * c, MT);
         }
     }
 }
