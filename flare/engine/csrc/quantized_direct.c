@@ -342,8 +342,8 @@ int quantized_direct_rows(int vector, int type) {
 void quantized_group_direct(int vector, int type, const uint8_t *rows, int64_t row_bytes, int64_t blocks, const float *x,
                             int64_t xs, int64_t tokens, float *y, int64_t ys) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (vector == ISA_AVX512) return group_avx512(type, rows, row_bytes, blocks, x, xs, tokens, y, ys);
-    row_avx2(type, rows, row_bytes, blocks, x, y);
+    if (vector == ISA_AVX512) group_avx512(type, rows, row_bytes, blocks, x, xs, tokens, y, ys);
+    else if (vector == ISA_AVX2 && tokens == 1) row_avx2(type, rows, row_bytes, blocks, x, y);
 #else
     (void)vector, (void)type, (void)rows, (void)row_bytes, (void)blocks, (void)x, (void)xs, (void)tokens, (void)y, (void)ys;
 #endif

@@ -169,7 +169,7 @@ int quantized_linear(const QuantizedLinear *l, int threads, int isa) {
     const int vector = quantized_vector_isa(isa);
     /* Few rows skip the buffer: quantized_direct.c multiplies each whole group straight from its
      * blocks, to the same bits. */
-    const int direct = l->tokens <= quantized_direct_rows(vector, l->type);
+    const int direct = l->tokens >= 1 && l->tokens <= quantized_direct_rows(vector, l->type);
     /* One thread below about 64k multiply-adds: a thread team costs more than it saves. */
     const int team = l->tokens * l->in * l->out < 65536 ? 1 : threads;
     int failed = 0;
