@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/compare.py                                   # the published matrix
     .venv/bin/python benchmarks/compare.py --concurrency 1,8 --datasets chat # a subset
     .venv/bin/python benchmarks/compare.py --skip-llama-cpp --skip-transformers
+    .venv/bin/python benchmarks/compare.py --gguf FILE.gguf --package PACKAGE --skip-transformers  # another GGUF
 
 The servers are driven by `flare bench` (flare/bench/), one level at a time:
 - flare, the default model's package as `flare run` serves it on this machine (speculation at
@@ -217,6 +218,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--package", type=Path, help="flare's package (default: the default model's in --dtype)")
+    parser.add_argument("--gguf", type=Path, help="the GGUF llama.cpp (and transformers) serve (default: the default model's); "
+                        "give --package as flare's export of the same file")
     parser.add_argument("--dtype", choices=(AUTO_DTYPE, *DTYPES), default=AUTO_DTYPE, help="the default model's package dtype (flare export --dtype)")
     parser.add_argument("--llama-server", type=Path, help="a llama-server binary to use instead of building one")
     parser.add_argument("--llama-cpp-dir", type=Path, help="where llama.cpp is built once (default $FLARE_CACHE_DIR/llama.cpp or ~/.cache/flare/llama.cpp)")
@@ -242,7 +245,9 @@ def main() -> int:
     from flare.preparation.package import open_package
 
     torch.set_num_threads(args.threads)
-    gguf = default_gguf_path()
+    if args.gguf is not None and args.package is None:
+        parser.error("--gguf needs --package: flare's export of that file, so both serve the same weights")
+    gguf = args.gguf or default_gguf_path()
     package = args.package or default_package_path(dtype=args.dtype)
     package_serving = open_package(package).manifest.serving
     llama_server = None

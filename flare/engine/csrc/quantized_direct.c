@@ -3,7 +3,7 @@
  * AVX2: one row of Q4_0, Q4_1 or Q8_0, at the end of this file).
  *
  * quantized_linear.c expands a group's weight rows into a float32 buffer and runs the rows over
- * it, which pays for itself from about 8 rows on. At 1-4 rows (one stream, a short speculative
+ * it, which pays for itself from about 8 rows on. At 1-6 rows (one stream, a short speculative
  * verification) the store and reload of every expanded value cost as much as the expansion, so
  * here each 16-value chunk of a block goes from its bytes to a register and straight into the
  * fused multiply-adds of every row.
