@@ -32,6 +32,9 @@
 
 #define QD_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 #define QD_INLINE static inline __attribute__((always_inline)) QD_AVX512
+/* What both ISAs' paths use is built for AVX2, which the AVX-512 functions inline too. */
+#define QD_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define QD2_INLINE static inline __attribute__((always_inline)) QD_AVX2
 
 enum { QK = 32, QK_K = 256, GROUP = 4, MAX_TILE = 6, PREFETCH_GROUPS = 4 };
 
@@ -40,7 +43,7 @@ typedef struct {
     __m512 lanes[MAX_TILE][GROUP];
 } Sums;
 
-QD_INLINE float half_at(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | p[1] << 8)); }
+QD2_INLINE float half_at(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | p[1] << 8)); }
 
 QD_INLINE __m512i bytes16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 
@@ -98,7 +101,7 @@ typedef struct {
     float ds[8], ms[8];
 } KScales;
 
-QD_INLINE void k_scales(const uint8_t *b, KScales *k) {
+QD2_INLINE void k_scales(const uint8_t *b, KScales *k) {
     /* scales_and_mins four bytes at a time: w0, w1, w2 the scale bytes 0-3, 4-7, 8-11; a byte's
      * top two bits (>> 6, << 4) are (w >> 2) & 0x30 in place. Then d sc_j and dmin mn_j, eight at
      * once, the scalar products quantized_blocks.c rounds. */
@@ -261,14 +264,12 @@ static QD_AVX512 void group_avx512(int type, const uint8_t *rows, int64_t row_by
     }
 }
 
-/* AVX2, one row, Q4_0, Q4_1 and Q8_0 (the default package's types and the commonest files'):
+/* AVX2, one row, Q4_0, Q4_1, Q8_0, Q4_K and Q6_K (the default package's types, the commonest
+ * files' and Q4_K_M's):
  * quantized_linear.c's AVX2 loop keeps a (row, output)'s 16 lanes as two 8-lane halves, half h
  * summing the k with (k / 8) % 2 == h in increasing k, and so does this; the values are
  * quantized_blocks.c's AVX2 expansion (d (q - 8), d q + m, d q). Four outputs' 8 accumulators
  * fill half the 16 registers, so more rows take the buffered path, as do the other types. */
-#define QD_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define QD2_INLINE static inline __attribute__((always_inline)) QD_AVX2
-
 typedef struct {
     __m256 half[GROUP][2];
 } Halves;
@@ -279,7 +280,7 @@ QD2_INLINE void multiply_256(Halves *s, int o, __m256 w, const float *x, int64_t
 }
 
 QD2_INLINE void block_256(Halves *s, int o, const uint8_t *b, const float *x, int64_t k, const int type) {
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss((unsigned short)(b[0] | b[1] << 8)));
+    const __m256 d = _mm256_set1_ps(half_at(b));
     if (type == GGML_Q8_0) {
 #pragma GCC unroll 4
         for (int c = 0; c < QK; c += 8) {
@@ -289,7 +290,7 @@ QD2_INLINE void block_256(Halves *s, int o, const uint8_t *b, const float *x, in
         return;
     }
     const int has_min = type == GGML_Q4_1;
-    const __m256 m = _mm256_set1_ps(has_min ? _cvtsh_ss((unsigned short)(b[2] | b[3] << 8)) : 0.0f);
+    const __m256 m = _mm256_set1_ps(has_min ? half_at(b + 2) : 0.0f);
     const __m256i low4 = _mm256_set1_epi32(0x0f), offset = _mm256_set1_epi32(has_min ? 0 : 8);
     const uint8_t *qs = b + 2 + 2 * has_min;
 #pragma GCC unroll 2
@@ -302,17 +303,67 @@ QD2_INLINE void block_256(Halves *s, int o, const uint8_t *b, const float *x, in
     }
 }
 
+/* Q4_K block of output o, in increasing k: sub-block j's values (d sc_j) q - dmin mn_j (its
+ * scales from k_scales, shared with AVX-512), 8 at a time as quantized_blocks.c's AVX2 expansion. */
+QD2_INLINE void q4_k_block_256(Halves *s, int o, const uint8_t *b, const KScales *sc, const float *x, int64_t k) {
+    const uint8_t *qs = b + 16;
+    const __m256i low4 = _mm256_set1_epi32(0x0f);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        const __m256 ds = _mm256_set1_ps(sc->ds[j]), ms = _mm256_set1_ps(sc->ms[j]);
+#pragma GCC unroll 4
+        for (int c = 0; c < 32; c += 8) {  /* bytes 32 (j / 2) + c: low nibbles for even j, high for odd */
+            const __m256i raw = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 32 * (j / 2) + c)));
+            const __m256i q = j % 2 ? _mm256_srli_epi32(raw, 4) : _mm256_and_si256(raw, low4);
+            multiply_256(s, o, _mm256_fmsub_ps(ds, _mm256_cvtepi32_ps(q), ms), x, k + 32 * j, c);
+        }
+    }
+}
+
+/* Q6_K block of output o, in increasing k: value e of half h from ql[64 h + e % 64] (its nibble
+ * e / 64) and qh[32 h + e % 32] (its pair e / 32), (d scale[e / 16]) (q - 32), 8 at a time. */
+QD2_INLINE void q6_k_block_256(Halves *s, int o, const uint8_t *b, const float *x, int64_t k) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *scales = (const int8_t *)(b + 192);
+    const float d = half_at(b + 208);
+    const __m256i low4 = _mm256_set1_epi32(0x0f), three = _mm256_set1_epi32(3), thirty_two = _mm256_set1_epi32(32);
+    for (int h = 0; h < 2; h++) {
+#pragma GCC unroll 16
+        for (int e = 0; e < 128; e += 8) {
+            const __m256i lq = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 64 * h + e % 64)));
+            const __m256i hq = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + 32 * h + e % 32)));
+            const __m256i low = _mm256_and_si256(_mm256_srli_epi32(lq, 4 * (e / 64)), low4);
+            const __m256i high = _mm256_and_si256(_mm256_srli_epi32(hq, 2 * (e / 32)), three);
+            const __m256i q = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), thirty_two);
+            const __m256 ds = _mm256_set1_ps(d * (float)scales[8 * h + e / 16]);
+            multiply_256(s, o, _mm256_mul_ps(ds, _mm256_cvtepi32_ps(q)), x, k + 128 * h, e);
+        }
+    }
+}
+
 QD2_INLINE void row_256(const int type, const uint8_t *rows, int64_t row_bytes, int64_t blocks, const float *x, float *y) {
     Halves s;
 #pragma GCC unroll 4
     for (int o = 0; o < GROUP; o++) s.half[o][0] = s.half[o][1] = _mm256_setzero_ps();
-    const int64_t size = type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : 34;
+    const int64_t size = type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : type == GGML_Q8_0 ? 34 : type == GGML_Q4_K ? 144 : 210;
+    const int64_t values = type == GGML_Q4_K || type == GGML_Q6_K ? QK_K : QK;
     const int64_t span = GROUP * row_bytes;
     const uint8_t *ahead = rows + PREFETCH_GROUPS * span;
     for (int64_t i = 0; i < blocks; i++) {
         for (int64_t at = span * i / blocks & ~(int64_t)63; at < span * (i + 1) / blocks; at += 64) __builtin_prefetch(ahead + at);
+        if (type == GGML_Q4_K) {
+            KScales sc[GROUP];
 #pragma GCC unroll 4
-        for (int o = 0; o < GROUP; o++) block_256(&s, o, rows + o * row_bytes + i * size, x, i * QK, type);
+            for (int o = 0; o < GROUP; o++) k_scales(rows + o * row_bytes + i * size, &sc[o]);
+#pragma GCC unroll 1
+            for (int o = 0; o < GROUP; o++) q4_k_block_256(&s, o, rows + o * row_bytes + i * size, &sc[o], x, i * QK_K);
+        } else if (type == GGML_Q6_K) {
+#pragma GCC unroll 1
+            for (int o = 0; o < GROUP; o++) q6_k_block_256(&s, o, rows + o * row_bytes + i * size, x, i * QK_K);
+        } else {
+#pragma GCC unroll 4
+            for (int o = 0; o < GROUP; o++) block_256(&s, o, rows + o * row_bytes + i * size, x, i * values, type);
+        }
     }
 #pragma GCC unroll 4
     for (int o = 0; o < GROUP; o++) y[o] = sum_lanes_256(s.half[o][0], s.half[o][1]);
@@ -322,6 +373,8 @@ static QD_AVX2 void row_avx2(int type, const uint8_t *rows, int64_t row_bytes, i
     switch (type) {
     case GGML_Q4_0: row_256(GGML_Q4_0, rows, row_bytes, blocks, x, y); break;
     case GGML_Q4_1: row_256(GGML_Q4_1, rows, row_bytes, blocks, x, y); break;
+    case GGML_Q4_K: row_256(GGML_Q4_K, rows, row_bytes, blocks, x, y); break;
+    case GGML_Q6_K: row_256(GGML_Q6_K, rows, row_bytes, blocks, x, y); break;
     default: row_256(GGML_Q8_0, rows, row_bytes, blocks, x, y); break;
     }
 }
@@ -332,7 +385,8 @@ int quantized_direct_rows(int vector, int type) {
     /* Past these, expanding a group once for every row wins (`benchmarks/quantized_linear.py
      * --rows 1 2 4 6 8`); Q5_K's fifth bits make its limit 4. */
     if (vector == ISA_AVX512) return type == GGML_Q5_K ? 4 : MAX_TILE;
-    if (vector == ISA_AVX2) return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0;
+    if (vector == ISA_AVX2)
+        return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0 || type == GGML_Q4_K || type == GGML_Q6_K;
 #else
     (void)vector, (void)type;
 #endif
