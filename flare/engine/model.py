@@ -324,6 +324,7 @@ class LlamaModel:
             _kernel_layers(self.layers, config, self.local_rope) if self.native_kernels and all_reduce is None else None
         )
         self._layer_scratch = torch.empty(0, dtype=torch.float32, device=self.device)
+        self._stack: native.LayerStack | None = None  # kernel_layers with the KV pools they last ran on
         # Grow-only scratch memory for the gathered keys and values of a round: allocating
         # tens of megabytes afresh every round costs page faults on every round. It holds one
         # layer's K/V of the running rows (plus padding to each group's longest context), so it
@@ -368,7 +369,7 @@ class LlamaModel:
         ropes = None if self.native_kernels else self._rope(batch)
         calls = self._plan_attention(batch, kv_cache)
         if self.kernel_layers is not None and all(call.native for call in calls):
-            native.decoder_layers(h, self.kernel_layers, kv_cache.keys, kv_cache.values, self._decoder_round(batch, calls, kv_cache))
+            self._layer_stack(kv_cache).run(h, self._decoder_round(batch, calls, kv_cache))
         else:
             # Each sublayer's output is added to the residual stream h by the norm that reads it next.
             delta = None
@@ -416,6 +417,13 @@ class LlamaModel:
         if self.native_kernels:  # the kernel `native.decoder_layer` normalizes it with
             return native.add_rms_norm(delta.contiguous(), None, norm, self.config.rms_norm_eps)
         return F.rms_norm(delta, (self.config.hidden_size,), norm, self.config.rms_norm_eps)
+
+    def _layer_stack(self, kv_cache: KVCache) -> native.LayerStack:
+        """The kernel layers with this KV cache's pools, built once (and again for other pools)."""
+        assert self.kernel_layers is not None
+        if self._stack is None or not self._stack.serves(kv_cache.keys, kv_cache.values):
+            self._stack = native.LayerStack(tuple(self.kernel_layers), tuple(kv_cache.keys), tuple(kv_cache.values))
+        return self._stack
 
     def _decoder_round(self, batch: ForwardBatch, calls: list[AttentionCall], kv_cache: KVCache) -> native.DecoderRound:
         """What every `native.decoder_layer` call of the round shares, checked once."""

@@ -17,7 +17,6 @@ from flare.engine import native
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import BlockAllocator, KVCache
 from flare.engine.model import LlamaModel, kernels_fit, load_model
-from flare.engine.native import decoder_layers
 from flare.engine.precision import WeightFormat
 from flare.preparation.export import ExportOptions, export_package
 from flare.preparation.manifest import ModelConfig
@@ -79,7 +78,8 @@ def test_a_family_layer_runs_in_one_kernel_call_with_the_steps_bits_and_the_torc
     reference = LlamaModel(config, state, weight_format=WeightFormat.FLOAT16, native_kernels=False)
     assert fused.kernel_layers is not None
     calls = []
-    monkeypatch.setattr(native, "decoder_layers", lambda h, layers, *args: calls.append(len(layers)) or decoder_layers(h, layers, *args))
+    run = native.LayerStack.run
+    monkeypatch.setattr(native.LayerStack, "run", lambda stack, *args: calls.append(len(stack.layers)) or run(stack, *args))
 
     fused_logits = rounds_of_short_rows(fused, PIECES)
     assert calls == [config.num_layers] * len(PIECES)  # every round, every layer, one call each

@@ -13,7 +13,7 @@ from flare.engine.kv_cache import BlockAllocator, KVCache
 from flare.engine.linear import CHUNKED_MIN_TOKENS, OUTPUT_CHUNK, linear, linear_columns, pack_weight
 from flare.engine.model import LlamaModel, WeightsError
 from flare.engine import native
-from flare.engine.native import Float16Weight, decoder_layers
+from flare.engine.native import Float16Weight
 from flare.engine.precision import WeightFormat, cpu_has_float16_gemm
 
 from tiny_llama import random_state_dict, tiny_config
@@ -373,7 +373,8 @@ def test_a_round_of_short_rows_on_float16_weights_runs_each_layer_in_one_call_wi
     assert fused.kernel_layers is not None
     steps.kernel_layers = None
     layer_calls = []
-    monkeypatch.setattr(native, "decoder_layers", lambda h, layers, *args: layer_calls.extend(layers) or decoder_layers(h, layers, *args))
+    run = native.LayerStack.run
+    monkeypatch.setattr(native.LayerStack, "run", lambda stack, *args: layer_calls.extend(stack.layers) or run(stack, *args))
     caches = new_cache(config, dtype=kv_dtype), new_cache(config, dtype=kv_dtype)
     first, second, long = random_tokens(config, 9, 1), random_tokens(config, 5, 2), random_tokens(config, 30, 3)
     rounds = [
@@ -419,6 +420,7 @@ def test_one_call_layers_with_wide_heads_match_the_dense_forward_chunk_by_chunk(
     state = held_exactly(random_state_dict(config), WeightFormat.FLOAT16)
     model = LlamaModel(config, state, weight_format=WeightFormat.FLOAT16)
     layer_calls = []
-    monkeypatch.setattr(native, "decoder_layers", lambda h, layers, *args: layer_calls.extend(layers) or decoder_layers(h, layers, *args))
+    run = native.LayerStack.run
+    monkeypatch.setattr(native.LayerStack, "run", lambda stack, *args: layer_calls.extend(stack.layers) or run(stack, *args))
     assert_chunks_match_the_dense_forward(model, state, (17, 1, 5, 16, 1, 5), seed=6)
     assert len(layer_calls) == 6 * config.num_layers

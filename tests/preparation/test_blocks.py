@@ -185,8 +185,8 @@ def test_a_blocks_package_runs_each_layer_in_one_kernel_call_with_the_bits_of_th
     steps = copy.copy(fused)
     steps.kernel_layers = None
     layer_calls = []
-    decoder_layers = native.decoder_layers
-    monkeypatch.setattr(native, "decoder_layers", lambda h, layers, *args: layer_calls.extend(layers) or decoder_layers(h, layers, *args))
+    run = native.LayerStack.run
+    monkeypatch.setattr(native.LayerStack, "run", lambda stack, *args: layer_calls.extend(stack.layers) or run(stack, *args))
     assert torch.equal(prompt_logits(fused), prompt_logits(steps))
     assert greedy(fused) == greedy(steps)
     layers = fused.config.num_layers

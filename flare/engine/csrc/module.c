@@ -316,73 +316,94 @@ static LayerLinear layer_linear_from(const int64_t *row) {
     return w;
 }
 
-/* One decoder layer (decoder_layer.c) of a round `py_check_decoder_round` has checked; `linears`
- * is the layer's int64 part table [4 linear layers: qkv, o, gate_up, down][LAYER_LINEAR_PARTS][3]. */
-static PyObject *py_decoder_layer(PyObject *self, PyObject *args) {
+/* A layer's row of native.py's LayerStack table (int64): its norms, part table ([4 linear layers:
+ * qkv, o, gate_up, down][LAYER_LINEAR_PARTS][3]), pools, own RoPE tables (0: the round's), the
+ * family features; and of its float32 row: scale, softcap. */
+enum {
+    LAYER_INPUT_NORM, LAYER_POST_NORM, LAYER_PARTS, LAYER_KEYS, LAYER_VALUES, LAYER_COS, LAYER_SIN, LAYER_COS_ROWS,
+    LAYER_ROTARY_DIMS, LAYER_QKV_BIAS, LAYER_Q_NORM, LAYER_K_NORM, LAYER_ATTENTION_OUTPUT_NORM, LAYER_MLP_OUTPUT_NORM,
+    LAYER_WINDOW, LAYER_ACTIVATION, LAYER_FIELDS
+};
+enum { LAYER_SCALE, LAYER_SOFTCAP, LAYER_SCALARS };
+
+/* The decoder layers of a LayerStack (decoder_layer.c), one after another, over a round
+ * `py_check_decoder_round` has checked: every layer's options are checked before any runs. */
+static PyObject *py_decoder_layers(PyObject *self, PyObject *args) {
     (void)self;
-    Py_ssize_t h, input_norm, post_norm, linears, tokens, hidden, heads, kv_heads, head_dim, intermediate;
-    Py_ssize_t positions, slots, cos, sin, max_positions, keys, values, num_blocks, block_size, plans, groups, scratch;
-    Py_ssize_t threads, rotary_dims, qkv_bias, q_norm, k_norm, attention_output_norm, mlp_output_norm, window;
-    float eps, scale, softcap;
-    int kv_dtype, isa, quantized_isa, activation;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnffnnnnnnninnnnnniinnnnnnnfi", &h, &input_norm, &post_norm, &linears, &tokens,
-                          &hidden, &heads, &kv_heads, &head_dim, &intermediate, &eps, &scale, &positions, &slots, &cos,
-                          &sin, &max_positions, &keys, &values, &kv_dtype, &num_blocks, &block_size, &plans, &groups,
-                          &scratch, &threads, &isa, &quantized_isa, &rotary_dims, &qkv_bias, &q_norm, &k_norm,
-                          &attention_output_norm, &mlp_output_norm, &window, &softcap, &activation))
+    Py_ssize_t h, tokens, hidden, heads, kv_heads, head_dim, intermediate, positions, slots, cos, sin, max_positions;
+    Py_ssize_t rotary_dims, num_blocks, block_size, plans, groups, scratch, threads, layers, scalars, count;
+    float eps;
+    int kv_dtype, isa, quantized_isa;
+    if (!PyArg_ParseTuple(args, "nnnnnnnfnnnnnninnnnnniinnn", &h, &tokens, &hidden, &heads, &kv_heads, &head_dim,
+                          &intermediate, &eps, &positions, &slots, &cos, &sin, &max_positions, &rotary_dims, &kv_dtype,
+                          &num_blocks, &block_size, &plans, &groups, &scratch, &threads, &isa, &quantized_isa, &layers,
+                          &scalars, &count))
         return NULL;
-    const int64_t *table = (const int64_t *)linears, row = 3 * LAYER_LINEAR_PARTS;
     if (kv_dtype < KV_FLOAT32 || kv_dtype > KV_BFLOAT16) return invalid("decoder_layer", "unknown KV dtype code");
     if (threads < 1) return invalid("decoder_layer", "threads must be positive");
-    const char *problem = check_features(head_dim, rotary_dims, eps, qkv_bias || q_norm || k_norm || rotary_dims != head_dim);
-    if (problem) return invalid("decoder_layer", problem);
-    if (window < 0 || !(softcap >= 0.0f) || !(scale > 0.0f))
-        return invalid("decoder_layer", "window and softcap must not be negative, scale must be positive");
-    if (activation != ACTIVATION_SILU && activation != ACTIVATION_GELU_TANH) return invalid("decoder_layer", "unknown activation code");
-    const DecoderLayerRound l = {
-        .h = (float *)h,
-        .input_norm = (const float *)input_norm,
-        .post_norm = (const float *)post_norm,
-        .qkv = layer_linear_from(table),
-        .o = layer_linear_from(table + row),
-        .gate_up = layer_linear_from(table + 2 * row),
-        .down = layer_linear_from(table + 3 * row),
-        .tokens = tokens,
-        .hidden = hidden,
-        .heads = heads,
-        .kv_heads = kv_heads,
-        .head_dim = head_dim,
-        .intermediate = intermediate,
-        .eps = eps,
-        .scale = scale,
-        .positions = (const int64_t *)positions,
-        .slots = (const int64_t *)slots,
-        .cos = (const float *)cos,
-        .sin = (const float *)sin,
-        .max_positions = max_positions,
-        .rotary_dims = rotary_dims,
-        .qkv_bias = (const float *)qkv_bias,
-        .q_norm = (const float *)q_norm,
-        .k_norm = (const float *)k_norm,
-        .attention_output_norm = (const float *)attention_output_norm,
-        .mlp_output_norm = (const float *)mlp_output_norm,
-        .window = window,
-        .softcap = softcap,
-        .activation = activation,
-        .keys = (void *)keys,
-        .values = (void *)values,
-        .kv_dtype = kv_dtype,
-        .num_blocks = num_blocks,
-        .block_size = block_size,
-        .group_plans = (const AttentionGroupPlan *)plans,
-        .groups = groups,
-        .scratch = (float *)scratch,
-        .isa = isa,
-        .quantized_isa = quantized_isa,
-    };
-    int status;
+    const int64_t *table = (const int64_t *)layers;
+    const float *values = (const float *)scalars;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const int64_t *row = table + i * LAYER_FIELDS;
+        const float scale = values[i * LAYER_SCALARS + LAYER_SCALE], softcap = values[i * LAYER_SCALARS + LAYER_SOFTCAP];
+        const int64_t dims = row[LAYER_COS] ? row[LAYER_ROTARY_DIMS] : rotary_dims;
+        const int featured = row[LAYER_QKV_BIAS] || row[LAYER_Q_NORM] || row[LAYER_K_NORM] || dims != head_dim;
+        const char *problem = check_features(head_dim, dims, eps, featured);
+        if (problem) return invalid("decoder_layer", problem);
+        if (row[LAYER_WINDOW] < 0 || !(softcap >= 0.0f) || !(scale > 0.0f))
+            return invalid("decoder_layer", "window and softcap must not be negative, scale must be positive");
+        if (row[LAYER_ACTIVATION] != ACTIVATION_SILU && row[LAYER_ACTIVATION] != ACTIVATION_GELU_TANH)
+            return invalid("decoder_layer", "unknown activation code");
+    }
+    int status = 0;
     Py_BEGIN_ALLOW_THREADS
-    status = decoder_layer(&l, (int)threads);
+    for (Py_ssize_t i = 0; i < count && !status; i++) {
+        const int64_t *row = table + i * LAYER_FIELDS, *parts = (const int64_t *)(intptr_t)row[LAYER_PARTS];
+        const int64_t linear = 3 * LAYER_LINEAR_PARTS;
+        const int own = row[LAYER_COS] != 0;
+        const DecoderLayerRound l = {
+            .h = (float *)h,
+            .input_norm = (const float *)(intptr_t)row[LAYER_INPUT_NORM],
+            .post_norm = (const float *)(intptr_t)row[LAYER_POST_NORM],
+            .qkv = layer_linear_from(parts),
+            .o = layer_linear_from(parts + linear),
+            .gate_up = layer_linear_from(parts + 2 * linear),
+            .down = layer_linear_from(parts + 3 * linear),
+            .tokens = tokens,
+            .hidden = hidden,
+            .heads = heads,
+            .kv_heads = kv_heads,
+            .head_dim = head_dim,
+            .intermediate = intermediate,
+            .eps = eps,
+            .scale = values[i * LAYER_SCALARS + LAYER_SCALE],
+            .positions = (const int64_t *)positions,
+            .slots = (const int64_t *)slots,
+            .cos = (const float *)(intptr_t)(own ? row[LAYER_COS] : cos),
+            .sin = (const float *)(intptr_t)(own ? row[LAYER_SIN] : sin),
+            .max_positions = own ? row[LAYER_COS_ROWS] : max_positions,
+            .rotary_dims = own ? row[LAYER_ROTARY_DIMS] : rotary_dims,
+            .qkv_bias = (const float *)(intptr_t)row[LAYER_QKV_BIAS],
+            .q_norm = (const float *)(intptr_t)row[LAYER_Q_NORM],
+            .k_norm = (const float *)(intptr_t)row[LAYER_K_NORM],
+            .attention_output_norm = (const float *)(intptr_t)row[LAYER_ATTENTION_OUTPUT_NORM],
+            .mlp_output_norm = (const float *)(intptr_t)row[LAYER_MLP_OUTPUT_NORM],
+            .window = row[LAYER_WINDOW],
+            .softcap = values[i * LAYER_SCALARS + LAYER_SOFTCAP],
+            .activation = (int)row[LAYER_ACTIVATION],
+            .keys = (void *)(intptr_t)row[LAYER_KEYS],
+            .values = (void *)(intptr_t)row[LAYER_VALUES],
+            .kv_dtype = kv_dtype,
+            .num_blocks = num_blocks,
+            .block_size = block_size,
+            .group_plans = (const AttentionGroupPlan *)plans,
+            .groups = groups,
+            .scratch = (float *)scratch,
+            .isa = isa,
+            .quantized_isa = quantized_isa,
+        };
+        status = decoder_layer(&l, (int)threads);
+    }
     Py_END_ALLOW_THREADS
     if (status) return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -411,11 +432,10 @@ static PyMethodDef methods[] = {
     {"check_decoder_round", py_check_decoder_round, METH_VARARGS,
      "check_decoder_round(positions, slots, tokens, max_positions, pool_slots, plans, groups, num_blocks, block_size, "
      "heads, kv_heads)"},
-    {"decoder_layer", py_decoder_layer, METH_VARARGS,
-     "decoder_layer(h, input_norm, post_norm, linears, tokens, hidden, heads, kv_heads, head_dim, intermediate, eps, "
-     "scale, positions, slots, cos, sin, max_positions, keys, values, kv_dtype, num_blocks, block_size, plans, groups, "
-     "scratch, threads, isa, quantized_isa, rotary_dims, qkv_bias, q_norm, k_norm, attention_output_norm, "
-     "mlp_output_norm, window, softcap, activation)"},
+    {"decoder_layers", py_decoder_layers, METH_VARARGS,
+     "decoder_layers(h, tokens, hidden, heads, kv_heads, head_dim, intermediate, eps, positions, slots, cos, sin, "
+     "max_positions, rotary_dims, kv_dtype, num_blocks, block_size, plans, groups, scratch, threads, isa, quantized_isa, "
+     "layers, scalars, count)"},
     {NULL, NULL, 0, NULL},
 };
 
