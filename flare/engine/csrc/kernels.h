@@ -231,6 +231,10 @@ static inline void scales_and_mins(const uint8_t *s, int sc[8], int mn[8]) {
     }
 }
 
+/* [byte][l]: 16 where bit l of `byte` is set, else 0: 8 values' fifth bits of a Q5 block as one
+ * widening load (quantized_blocks.c; its AVX2 paths read it). */
+extern const uint8_t QUANTIZED_FIFTH_BITS[256][8];
+
 /* Elements per block and bytes per block of a type: 0, or -1 for a type this file does not read. */
 int quantized_block_shape(int type, int64_t *block_size, int64_t *type_size);
 /* The first of `blocks` blocks of `type` with a NaN or infinite float16 scale, -1 when none,

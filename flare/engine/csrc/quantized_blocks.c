@@ -285,7 +285,7 @@ static inline __attribute__((always_inline)) QB_AVX2 __m256i bytes8_256(const ui
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
 
-/* FIFTH_BITS[byte][l]: 16 where bit l of `byte` is set, else 0; a Q5 block's fifth bits for 8
+/* QUANTIZED_FIFTH_BITS[byte][l] (kernels.h): 16 where bit l of `byte` is set, else 0; a Q5 block's fifth bits for 8
  * values are then one widening load (bit tests on a broadcast took 5 instructions). */
 #define FIFTH_BIT(i, l) ((((i) >> (l)) & 1) * 16)
 #define FIFTH_ROW(i) {FIFTH_BIT(i, 0), FIFTH_BIT(i, 1), FIFTH_BIT(i, 2), FIFTH_BIT(i, 3), \
@@ -293,11 +293,11 @@ static inline __attribute__((always_inline)) QB_AVX2 __m256i bytes8_256(const ui
 #define FIFTH_ROWS4(i) FIFTH_ROW(i), FIFTH_ROW(i + 1), FIFTH_ROW(i + 2), FIFTH_ROW(i + 3)
 #define FIFTH_ROWS16(i) FIFTH_ROWS4(i), FIFTH_ROWS4(i + 4), FIFTH_ROWS4(i + 8), FIFTH_ROWS4(i + 12)
 #define FIFTH_ROWS64(i) FIFTH_ROWS16(i), FIFTH_ROWS16(i + 16), FIFTH_ROWS16(i + 32), FIFTH_ROWS16(i + 48)
-static const uint8_t FIFTH_BITS[256][8] = {FIFTH_ROWS64(0), FIFTH_ROWS64(64), FIFTH_ROWS64(128), FIFTH_ROWS64(192)};
+const uint8_t QUANTIZED_FIFTH_BITS[256][8] = {FIFTH_ROWS64(0), FIFTH_ROWS64(64), FIFTH_ROWS64(128), FIFTH_ROWS64(192)};
 
 /* 16 in the lanes l (0-7) whose bit l of the low byte of `bits` is set. */
 static inline __attribute__((always_inline)) QB_AVX2 __m256i fifth_bits_256(uint32_t bits) {
-    return bytes8_256(FIFTH_BITS[bits & 0xff]);
+    return bytes8_256(QUANTIZED_FIFTH_BITS[bits & 0xff]);
 }
 
 static inline __attribute__((always_inline)) QB_AVX2 void nibble_blocks_256(const uint8_t *row, int64_t blocks, float *out,

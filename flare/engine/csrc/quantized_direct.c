@@ -1,6 +1,6 @@
 /* A few rows multiplied straight from ggml's blocks: each block is expanded in registers and
  * multiplied into the rows' sums at once, never stored (AVX-512: up to 6 rows, every type;
- * AVX2: one row of Q4_0, Q4_1 or Q8_0, at the end of this file).
+ * AVX2: one row of every type but Q5_K, at the end of this file).
  *
  * quantized_linear.c expands a group's weight rows into a float32 buffer and runs the rows over
  * it, which pays for itself from about 8 rows on. At 1-6 rows (one stream, a short speculative
@@ -264,12 +264,12 @@ static QD_AVX512 void group_avx512(int type, const uint8_t *rows, int64_t row_by
     }
 }
 
-/* AVX2, one row, Q4_0, Q4_1, Q8_0, Q4_K and Q6_K (the default package's types, the commonest
- * files' and Q4_K_M's):
+/* AVX2, one row, every type but Q5_K (the default package's types, the commonest files' and
+ * Q4_K_M's with its Q5_0 fallbacks):
  * quantized_linear.c's AVX2 loop keeps a (row, output)'s 16 lanes as two 8-lane halves, half h
  * summing the k with (k / 8) % 2 == h in increasing k, and so does this; the values are
- * quantized_blocks.c's AVX2 expansion (d (q - 8), d q + m, d q). Four outputs' 8 accumulators
- * fill half the 16 registers, so more rows take the buffered path, as do the other types. */
+ * quantized_blocks.c's AVX2 expansion (d (q - 8), d (q - 16), d q + m, d q). Four outputs' 8 accumulators
+ * fill half the 16 registers, so more rows take the buffered path, as does Q5_K. */
 typedef struct {
     __m256 half[GROUP][2];
 } Halves;
@@ -289,15 +289,22 @@ QD2_INLINE void block_256(Halves *s, int o, const uint8_t *b, const float *x, in
         }
         return;
     }
-    const int has_min = type == GGML_Q4_1;
+    const int has_min = type == GGML_Q4_1 || type == GGML_Q5_1, five = type == GGML_Q5_0 || type == GGML_Q5_1;
     const __m256 m = _mm256_set1_ps(has_min ? half_at(b + 2) : 0.0f);
-    const __m256i low4 = _mm256_set1_epi32(0x0f), offset = _mm256_set1_epi32(has_min ? 0 : 8);
-    const uint8_t *qs = b + 2 + 2 * has_min;
+    const __m256i low4 = _mm256_set1_epi32(0x0f);
+    const __m256i offset = _mm256_set1_epi32(type == GGML_Q4_0 ? 8 : type == GGML_Q5_0 ? 16 : 0);
+    const uint8_t *qs = b + 2 + 2 * has_min + 4 * five;
+    const uint32_t qh = five ? high_bits(b + 2 + 2 * has_min) : 0;
 #pragma GCC unroll 2
     for (int part = 0; part < 2; part++) {  /* values 8 part .. + 7 (low nibbles) and 16 + 8 part .. + 7 (high) */
         const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * part)));
-        const __m256 lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q, low4), offset));
-        const __m256 hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(q, 4), offset));
+        __m256i low = _mm256_and_si256(q, low4), high = _mm256_srli_epi32(q, 4);
+        if (five) {  /* the fifth bits, 16 where set, from the table quantized_blocks.c's AVX2 loop reads */
+            low = _mm256_or_si256(low, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)QUANTIZED_FIFTH_BITS[(qh >> (8 * part)) & 0xff])));
+            high = _mm256_or_si256(high, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)QUANTIZED_FIFTH_BITS[(qh >> (16 + 8 * part)) & 0xff])));
+        }
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(low, offset));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(high, offset));
         multiply_256(s, o, has_min ? _mm256_fmadd_ps(d, lo, m) : _mm256_mul_ps(d, lo), x, k, 8 * part);
         multiply_256(s, o, has_min ? _mm256_fmadd_ps(d, hi, m) : _mm256_mul_ps(d, hi), x, k, 16 + 8 * part);
     }
@@ -345,7 +352,8 @@ QD2_INLINE void row_256(const int type, const uint8_t *rows, int64_t row_bytes, 
     Halves s;
 #pragma GCC unroll 4
     for (int o = 0; o < GROUP; o++) s.half[o][0] = s.half[o][1] = _mm256_setzero_ps();
-    const int64_t size = type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : type == GGML_Q8_0 ? 34 : type == GGML_Q4_K ? 144 : 210;
+    const int64_t size = type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : type == GGML_Q5_0 ? 22 : type == GGML_Q5_1 ? 24
+                         : type == GGML_Q8_0 ? 34 : type == GGML_Q4_K ? 144 : 210;
     const int64_t values = type == GGML_Q4_K || type == GGML_Q6_K ? QK_K : QK;
     const int64_t span = GROUP * row_bytes;
     const uint8_t *ahead = rows + PREFETCH_GROUPS * span;
@@ -373,6 +381,8 @@ static QD_AVX2 void row_avx2(int type, const uint8_t *rows, int64_t row_bytes, i
     switch (type) {
     case GGML_Q4_0: row_256(GGML_Q4_0, rows, row_bytes, blocks, x, y); break;
     case GGML_Q4_1: row_256(GGML_Q4_1, rows, row_bytes, blocks, x, y); break;
+    case GGML_Q5_0: row_256(GGML_Q5_0, rows, row_bytes, blocks, x, y); break;
+    case GGML_Q5_1: row_256(GGML_Q5_1, rows, row_bytes, blocks, x, y); break;
     case GGML_Q4_K: row_256(GGML_Q4_K, rows, row_bytes, blocks, x, y); break;
     case GGML_Q6_K: row_256(GGML_Q6_K, rows, row_bytes, blocks, x, y); break;
     default: row_256(GGML_Q8_0, rows, row_bytes, blocks, x, y); break;
@@ -386,7 +396,7 @@ int quantized_direct_rows(int vector, int type) {
      * --rows 1 2 4 6 8`); Q5_K's fifth bits make its limit 4. */
     if (vector == ISA_AVX512) return type == GGML_Q5_K ? 4 : MAX_TILE;
     if (vector == ISA_AVX2)
-        return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0 || type == GGML_Q4_K || type == GGML_Q6_K;
+        return type != GGML_Q5_K;
 #else
     (void)vector, (void)type;
 #endif
