@@ -97,6 +97,9 @@ def sample_round(
     kernels = _kernels(backend or ("triton" if logits.is_cuda else "torch"))
     device = logits.device
 
+    # A round of one position a row has no draft in any row, whatever draft_tokens' width: the
+    # verification's statistics and draws are skipped (they would accept nothing).
+    drafting = num_positions > num_rows
     layout = position_layout(num_drafts, num_rows, max_drafts, num_positions, device)
     num_drafts, row_start, row_of_position, index_in_row = (
         layout.num_drafts, layout.row_start, layout.row_of_position, layout.index_in_row
@@ -147,7 +150,7 @@ def sample_round(
         max_top_k=facts.max_top_k,
         any_top_p=facts.any_top_p,
         # Gumbel-max needs no normalisation: Z only serves p(draft) and the residual.
-        need_sumexp=(facts.any_sampled and max_drafts > 0) or num_logprobs is not None,
+        need_sumexp=(facts.any_sampled and drafting) or num_logprobs is not None,
         need_argmax=facts.any_greedy,
     )
     # Merge shard statistics (online softmax): m = max_s m_s, Z = sum_s Z_s exp(m_s - m).
@@ -173,7 +176,7 @@ def sample_round(
         argmax = _merged_argmax(stats.max, stats.argmax)
         accept = torch.where(greedy.unsqueeze(1), drafts == argmax[draft_position], accept)
     sumexp = None
-    if facts.any_sampled and max_drafts > 0:
+    if facts.any_sampled and drafting:
         assert stats.sumexp is not None
         sumexp = (stats.sumexp * torch.exp(stats.max - position_max.unsqueeze(1))).sum(1)
         draft_logit = scaled[draft_position, safe_drafts]

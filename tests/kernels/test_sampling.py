@@ -126,3 +126,17 @@ def test_same_seed_gives_same_tokens_alone_and_inside_a_batch_of_32() -> None:
     emitted = int(alone.num_emitted[0])
     assert int(together.num_emitted[13]) == emitted
     assert together.tokens[13, :emitted].tolist() == alone.tokens[0, :emitted].tolist()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.0)])
+def test_a_round_without_drafts_samples_the_same_tokens_whatever_the_width_of_its_draft_slots(params: SamplingParams) -> None:
+    # The scheduler passes draft slots of width 1 or more even when no row drafts: the round
+    # skips the verification, and must draw exactly what a round without slots draws.
+    rows = 64
+    logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(4)) * 2
+    batch = make_batch([params] * rows, seeds=range(rows))
+    without = sample_round(logits, *no_drafts(rows), None, batch)
+    for width in (1, 3):
+        slots = sample_round(logits, torch.zeros(rows, dtype=torch.int64), torch.full((rows, width), -1), None, batch)
+        assert torch.equal(slots.tokens[:, 0], without.tokens[:, 0]) and (slots.tokens[:, 1:] == -1).all()
+        assert torch.equal(slots.status, without.status) and torch.equal(slots.num_emitted, without.num_emitted)
