@@ -35,6 +35,7 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
+from gguf_vocabularies import read_vocabulary
 
 GGML = gguf.GGMLQuantizationType
 TINY_CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
@@ -77,13 +78,12 @@ def tiny_bpe_vocabulary() -> Vocabulary:
 
 def gguf_vocabulary(path: Path) -> Vocabulary:
     """The vocabulary of a GGUF file (the default model's: SmolLM2's 49152 tokens)."""
-    reader = gguf.GGUFReader(path)
-    fields = reader.fields
+    fields = read_vocabulary(path)
     return Vocabulary(
-        tokens=fields["tokenizer.ggml.tokens"].contents(),
-        types=fields["tokenizer.ggml.token_type"].contents(),
-        merges=fields["tokenizer.ggml.merges"].contents(),
-        pre=fields["tokenizer.ggml.pre"].contents(),
+        tokens=fields["tokenizer.ggml.tokens"],
+        types=fields["tokenizer.ggml.token_type"],
+        merges=fields["tokenizer.ggml.merges"],
+        pre=fields["tokenizer.ggml.pre"],
     )
 
 
