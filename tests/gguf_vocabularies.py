@@ -13,16 +13,14 @@ import itertools
 import json
 import os
 import shutil
-import struct
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import gguf
-import numpy as np
 
-from flare.preparation.gguf_layout import read_gguf_layout
+from flare.preparation.gguf_layout import read_gguf_layout, read_gguf_value
 from flare.preparation.source import SourceError
 
 # llama.cpp's token types (gguf-py TokenType).
@@ -49,47 +47,12 @@ class MetadataDict:
         return self._values[key]
 
 
-# numpy's dtype of each fixed-size GGUF value type (gguf-py GGUFValueType): 8 is a string, 9 an array.
-_NUMBERS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
-_STRING, _ARRAY = 8, 9
-
-
 def read_metadata(path: Path, keys: Callable[[str], bool]) -> dict[str, Any]:
     """The metadata values of a GGUF file whose keys `keys` selects, as gguf-py's
-    `GGUFReader(path).fields[key].contents()` gives them (str, int, float, bool or a list of one).
-
-    flare's layout walk (`read_gguf_layout`) finds where each value lies; decoding only the
-    selected ones takes a fraction of a second, where GGUFReader, which builds numpy views of
-    every string, takes seconds on a vocabulary of 50k to 250k tokens."""
+    `GGUFReader(path).fields[key].contents()` gives them, read as `open_gguf` reads them."""
     layout = read_gguf_layout(path)
     data = Path(path).read_bytes()
-
-    def string(offset: int) -> tuple[str, int]:
-        length = struct.unpack_from("<Q", data, offset)[0]
-        return data[offset + 8 : offset + 8 + length].decode("utf-8"), offset + 8 + length
-
-    values: dict[str, Any] = {}
-    for key, entry in layout.fields.items():
-        if not keys(key):
-            continue
-        if entry.value_type == _STRING:
-            values[key] = string(entry.value_offset)[0]
-        elif entry.value_type == _ARRAY:
-            element_type, count = struct.unpack_from("<IQ", data, entry.value_offset)
-            offset = entry.value_offset + 12
-            if element_type == _STRING:
-                items = []
-                for _ in range(count):
-                    item, offset = string(offset)
-                    items.append(item)
-                values[key] = items
-            elif element_type in _NUMBERS:
-                values[key] = np.frombuffer(data, _NUMBERS[element_type], count, offset).tolist()
-            else:
-                raise ValueError(f"{path}: {key} is an array of arrays, which no vocabulary key is")
-        else:
-            values[key] = np.frombuffer(data, _NUMBERS[entry.value_type], 1, entry.value_offset).tolist()[0]
-    return values
+    return {key: read_gguf_value(data, entry) for key, entry in layout.fields.items() if keys(key)}
 
 
 def read_vocabulary(path: Path) -> dict[str, Any]:
