@@ -14,12 +14,13 @@ import json
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import gguf
 
+from flare.preparation.gguf_layout import read_gguf_layout, read_gguf_value
 from flare.preparation.source import SourceError
 
 # llama.cpp's token types (gguf-py TokenType).
@@ -46,14 +47,17 @@ class MetadataDict:
         return self._values[key]
 
 
+def read_metadata(path: Path, keys: Callable[[str], bool]) -> dict[str, Any]:
+    """The metadata values of a GGUF file whose keys `keys` selects, as gguf-py's
+    `GGUFReader(path).fields[key].contents()` gives them, read as `open_gguf` reads them."""
+    layout = read_gguf_layout(path)
+    data = Path(path).read_bytes()
+    return {key: read_gguf_value(data, entry) for key, entry in layout.fields.items() if keys(key)}
+
+
 def read_vocabulary(path: Path) -> dict[str, Any]:
     """The tokenizer keys (and the model's name) of a GGUF file."""
-    reader = gguf.GGUFReader(path)
-    return {
-        key: field.contents()
-        for key, field in reader.fields.items()
-        if key.startswith("tokenizer.ggml.") or key == "general.name"
-    }
+    return read_metadata(path, lambda key: key.startswith("tokenizer.ggml.") or key == "general.name")
 
 
 def write_vocabulary_gguf(path: Path, vocabulary: Mapping[str, Any]) -> None:

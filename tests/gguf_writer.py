@@ -28,6 +28,7 @@ Gemma's norms + 1 and renamed, Phi-3's fused tensors split, a tied LM head dropp
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
+from gguf_vocabularies import read_vocabulary
 
 GGML = gguf.GGMLQuantizationType
 TINY_CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
@@ -77,13 +79,12 @@ def tiny_bpe_vocabulary() -> Vocabulary:
 
 def gguf_vocabulary(path: Path) -> Vocabulary:
     """The vocabulary of a GGUF file (the default model's: SmolLM2's 49152 tokens)."""
-    reader = gguf.GGUFReader(path)
-    fields = reader.fields
+    fields = read_vocabulary(path)
     return Vocabulary(
-        tokens=fields["tokenizer.ggml.tokens"].contents(),
-        types=fields["tokenizer.ggml.token_type"].contents(),
-        merges=fields["tokenizer.ggml.merges"].contents(),
-        pre=fields["tokenizer.ggml.pre"].contents(),
+        tokens=fields["tokenizer.ggml.tokens"],
+        types=fields["tokenizer.ggml.token_type"],
+        merges=fields["tokenizer.ggml.merges"],
+        pre=fields["tokenizer.ggml.pre"],
     )
 
 
@@ -310,7 +311,8 @@ LLAMA_CPP_CONVERTER = Path("/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp
 # changes no weight and no model key: the BPE pre-tokenizer check says "smollm" (the converter
 # recognises a tokenizer only by the hash of a known model's output, and the tiny test vocabulary
 # is none), and Gemma 2 takes the byte-level BPE vocabulary (its converter reads only a
-# SentencePiece tokenizer.model).
+# SentencePiece tokenizer.model). One interpreter converts every checkpoint it is given, one after
+# the other: torch and transformers are imported once, not once a checkpoint.
 _CONVERTER_DRIVER = """
 import runpy, sys
 converter = sys.argv.pop(1)
@@ -319,7 +321,10 @@ sys.path.insert(1, converter.rsplit("/", 1)[0] + "/gguf-py")
 import conversion.base, conversion.gemma
 conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "smollm"
 conversion.gemma.Gemma2Model.set_vocab = lambda self: self._set_vocab_gpt2()
-runpy.run_path(converter, run_name="__main__")
+options = sys.argv[1:3]
+for directory, outfile in zip(sys.argv[3::2], sys.argv[4::2]):
+    sys.argv = [converter, directory, *options, "--outfile", outfile]
+    runpy.run_path(converter, run_name="__main__")
 """
 
 
@@ -347,13 +352,15 @@ def save_tiny_checkpoint(directory: Path, config: Any, state: dict[str, torch.Te
     (directory / "tokenizer_config.json").write_text(json.dumps(settings))
 
 
-def convert_with_llama_cpp(directory: Path, out: Path, outtype: str = "f32") -> None:
-    """llama.cpp's own convert_hf_to_gguf.py on `directory` (a subprocess: it imports its gguf-py)."""
+def convert_with_llama_cpp(conversions: Sequence[tuple[Path, Path]], outtype: str = "f32") -> None:
+    """llama.cpp's own convert_hf_to_gguf.py on each (Hugging Face directory, GGUF to write) of
+    `conversions` (in a subprocess: it imports its own gguf-py)."""
     import subprocess
     import sys
 
+    paths = [str(path) for conversion in conversions for path in conversion]
     result = subprocess.run(
-        [sys.executable, "-c", _CONVERTER_DRIVER, str(LLAMA_CPP_CONVERTER), str(directory), "--outtype", outtype, "--outfile", str(out)],
+        [sys.executable, "-c", _CONVERTER_DRIVER, str(LLAMA_CPP_CONVERTER), "--outtype", outtype, *paths],
         capture_output=True, text=True, timeout=600, check=False,
     )
     assert result.returncode == 0, result.stderr[-4000:]

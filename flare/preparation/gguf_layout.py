@@ -4,9 +4,11 @@ gguf-py's reader trusts the file: a count of 2^62 tensors, or a string said to b
 long, is read as if it were there, and a file cut short fails deep inside numpy with an
 IndexError. llama.cpp's `gguf_init` instead checks each count and length against what is left
 of the file before it allocates. `read_gguf_layout` does that walk first (GGUF v2 and v3:
-header, key-value pairs, tensor infos, then every tensor's data range against the file's end),
-so `open_gguf` hands gguf-py only a file whose structure holds; anything else is a `GGUFLayoutError`
-with one line naming the file, the byte offset, the field and what was wrong.
+header, key-value pairs, tensor infos, then every tensor's data range against the file's end);
+anything that does not hold is a `GGUFLayoutError` with one line naming the file, the byte
+offset, the field and what was wrong. `open_gguf` then reads the values (`read_gguf_value`) and
+tensors where the walk found them, as gguf-py's reader gives them, without that reader: it builds
+a numpy view of every string in the file, seconds on a vocabulary of 50k tokens or more.
 
 Format (little-endian; ggml/docs/gguf.md): "GGUF", version u32, tensor_count u64, kv_count
 u64; kv_count times (key: string, value type u32, value); tensor_count times (name: string,
@@ -21,7 +23,9 @@ import mmap
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from flare.preparation.source import SourceError
@@ -58,12 +62,25 @@ class GGUFField:
 
 
 @dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One tensor: its dimensions as GGUF lists them (innermost first), its ggml type, and where
+    its data lies in the file (checked to lie inside it)."""
+
+    name: str
+    dims: tuple[int, ...]
+    kind: GGMLQuantizationType
+    data_start: int
+    data_bytes: int
+
+
+@dataclass(frozen=True)
 class GGUFLayout:
     version: int
     tensor_count: int
     kv_count: int
     fields: dict[str, GGUFField] = field(default_factory=dict)
     data_offset: int = 0
+    tensors: tuple[GGUFTensorInfo, ...] = ()
 
 
 class _Walker:
@@ -208,17 +225,22 @@ def _walk(walker: _Walker) -> GGUFLayout:
         offset = walker.unpack("<Q", f"the data offset of tensor {name}")
         tensors.append((start, name, dims, kind, offset))
     data_offset = -(-walker.offset // alignment) * alignment
+    infos: dict[str, GGUFTensorInfo] = {}
     for start, name, dims, kind, offset in tensors:
         try:
-            block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+            ggml_type = GGMLQuantizationType(kind)
+            block, block_bytes = GGML_QUANT_SIZES[ggml_type]
         except (ValueError, KeyError):
             raise walker.fail(start, f"tensor {name}", f"unknown ggml type {kind}") from None
+        if name in infos:
+            raise walker.fail(start, f"tensor {name}", "the name appears twice")
         elements = 1
         for dim in dims:
             elements *= dim
         if dims[0] % block:
             raise walker.fail(start, f"tensor {name}", f"its rows of {dims[0]} are not whole blocks of {block}")
         end = data_offset + offset + elements // block * block_bytes
+        infos[name] = GGUFTensorInfo(name, tuple(dims), ggml_type, data_offset + offset, elements // block * block_bytes)
         if offset % alignment or end > walker.size:
             raise walker.fail(
                 start,
@@ -227,4 +249,37 @@ def _walk(walker: _Walker) -> GGUFLayout:
                 if end > walker.size
                 else f"its data offset {offset} is not a multiple of the alignment {alignment}",
             )
-    return GGUFLayout(version, tensor_count, kv_count, fields, data_offset)
+    return GGUFLayout(version, tensor_count, kv_count, fields, data_offset, tuple(infos.values()))
+
+
+# numpy's dtype of each fixed-size value type (gguf-py GGUFValueType).
+_NUMPY_TYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+
+
+def read_gguf_value(data: bytes | mmap.mmap | np.ndarray, entry: GGUFField) -> Any:
+    """The value of a key-value pair of a file whose layout holds, as gguf-py's
+    `ReaderField.contents()` gives it: a str, int, float or bool, or a list of them (arrays of
+    arrays, which no key flare reads holds, are refused). Decoded here rather than by gguf-py's
+    reader, which builds a numpy view of every string of the file and takes seconds on a
+    vocabulary of 50k to 250k tokens."""
+    buffer = memoryview(data).cast("B") if isinstance(data, np.ndarray) else data
+
+    def string(offset: int) -> tuple[str, int]:
+        length = struct.unpack_from("<Q", buffer, offset)[0]
+        return bytes(buffer[offset + 8 : offset + 8 + length]).decode("utf-8"), offset + 8 + length
+
+    if entry.value_type == _STRING:
+        return string(entry.value_offset)[0]
+    if entry.value_type != _ARRAY:
+        return np.frombuffer(buffer, _NUMPY_TYPES[entry.value_type], 1, entry.value_offset).tolist()[0]
+    element_type, count = struct.unpack_from("<IQ", buffer, entry.value_offset)
+    offset = entry.value_offset + 12
+    if element_type in _NUMPY_TYPES:
+        return np.frombuffer(buffer, _NUMPY_TYPES[element_type], count, offset).tolist()
+    if element_type != _STRING:
+        raise ValueError(f"{entry.key} is an array of arrays")
+    items = []
+    for _ in range(count):
+        item, offset = string(offset)
+        items.append(item)
+    return items

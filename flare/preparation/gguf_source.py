@@ -13,15 +13,15 @@ Hugging Face `tokenizers` tokenizer.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 import torch
-from gguf.quants import dequantize
+from gguf.quants import dequantize, quant_shape_to_byte_shape
 
 from flare.preparation.blocks import KEPT_TYPES, BlockTensor, block_problems, unpermute_block_rows
 from flare.preparation.gguf_families import (
@@ -31,7 +31,7 @@ from flare.preparation.gguf_families import (
     served_architecture,
     tensor_plans,
 )
-from flare.preparation.gguf_layout import read_gguf_layout
+from flare.preparation.gguf_layout import GGUFLayout, GGUFTensorInfo, read_gguf_layout, read_gguf_value
 from flare.preparation.gguf_tokenizer import build_tokenizer_json
 from flare.preparation.package import sha256_of, weight_problems
 from flare.preparation.recipes import gguf_sampling_defaults
@@ -57,22 +57,23 @@ def open_gguf(path: Path, source: str | None = None) -> ModelSource:
     path = Path(path)
     if not path.is_file():
         raise SourceError(f"{path} is not a file; give a GGUF file, a Hugging Face model directory, or 'default'")
-    # Every count and length bounded by the file's size first: gguf-py trusts them.
-    read_gguf_layout(path)
+    # Every count and length bounded by the file's size: the values and tensors are then read
+    # where the walk found them.
+    layout = read_gguf_layout(path)
     try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, OSError, struct.error) as error:
-        # The layout walk above answers for what it bounds; gguf-py may still refuse something else.
+        data = np.memmap(path, mode="r")
+    except (ValueError, OSError) as error:
         raise SourceError(f"{path} is not a readable GGUF file: {error}") from None
-    metadata = _Metadata(reader, path)
+    tensors = [_tensor(data, info) for info in layout.tensors]
+    metadata = _Metadata(data, layout, path)
     # An architecture flare does not serve is refused before anything else is read.
     gguf_arch = metadata.require("general.architecture")
     served_architecture(path, gguf_arch)
     # gguf reports shapes as [in, out]; the tensors are [out, in], as Hugging Face's.
-    gguf_shapes = {tensor.name: tuple(int(n) for n in reversed(tensor.shape)) for tensor in reader.tensors}
+    gguf_shapes = {tensor.name: tuple(int(n) for n in reversed(tensor.shape)) for tensor in tensors}
     rope_tensors = {
-        tensor.name: [float(v) for v in np.asarray(dequantize(tensor.data, gguf.GGMLQuantizationType(tensor.tensor_type))).reshape(-1)]
-        for tensor in reader.tensors
+        tensor.name: [float(v) for v in np.asarray(dequantize(tensor.data, tensor.tensor_type)).reshape(-1)]
+        for tensor in tensors
         if tensor.name in ROPE_TENSORS
     }
     config = model_config(path, metadata, gguf_shapes, rope_tensors)
@@ -93,13 +94,13 @@ def open_gguf(path: Path, source: str | None = None) -> ModelSource:
         raise SourceError(f"{path} has no chat template (tokenizer.chat_template); flare serves chat models only")
 
     def read_weights(progress: Callable[[int, int], None]) -> dict[str, torch.Tensor]:
-        return _read_weights(reader, plans, progress, keep_blocks=False).floats
+        return _read_weights(tensors, plans, progress, keep_blocks=False).floats
 
     def read_dequantized(progress: Callable[[int, int], None]) -> SourceWeights:
-        return _read_weights(reader, plans, progress, keep_blocks=False)
+        return _read_weights(tensors, plans, progress, keep_blocks=False)
 
     def read_blocks(progress: Callable[[int, int], None]) -> SourceWeights:
-        return _read_weights(reader, plans, progress, keep_blocks=True)
+        return _read_weights(tensors, plans, progress, keep_blocks=True)
 
     return ModelSource(
         name=path.name.split(".")[0],
@@ -116,14 +117,46 @@ def open_gguf(path: Path, source: str | None = None) -> ModelSource:
     )
 
 
+@dataclass(frozen=True)
+class _Tensor:
+    """A tensor as gguf-py's reader gives it (`ReaderTensor`): dimensions innermost first, and
+    its data a view of the mapped file: typed values for float and integer types, for block types
+    the bytes of each row (`quant_shape_to_byte_shape`)."""
+
+    name: str
+    tensor_type: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+# The types gguf-py reads as typed values; every other one (bfloat16 and the block types) as bytes.
+_VALUE_TYPES = {
+    gguf.GGMLQuantizationType.F16: np.float16, gguf.GGMLQuantizationType.F32: np.float32,
+    gguf.GGMLQuantizationType.F64: np.float64, gguf.GGMLQuantizationType.I8: np.int8,
+    gguf.GGMLQuantizationType.I16: np.int16, gguf.GGMLQuantizationType.I32: np.int32,
+    gguf.GGMLQuantizationType.I64: np.int64,
+}
+
+
+def _tensor(data: np.ndarray, info: GGUFTensorInfo) -> _Tensor:
+    shape = tuple(reversed(info.dims))
+    raw = data[info.data_start : info.data_start + info.data_bytes]
+    if info.kind in _VALUE_TYPES:
+        values = raw.view(_VALUE_TYPES[info.kind]).reshape(shape)
+    else:
+        values = raw.reshape(quant_shape_to_byte_shape(shape, info.kind))
+    return _Tensor(info.name, info.kind, info.dims, values)
+
+
 class _Metadata:
-    def __init__(self, reader: gguf.GGUFReader, path: Path) -> None:
-        self._fields = reader.fields
+    def __init__(self, data: np.ndarray, layout: GGUFLayout, path: Path) -> None:
+        self._data = data
+        self._fields = layout.fields
         self._path = path
 
     def get(self, key: str, default: Any = None) -> Any:
         field = self._fields.get(key)
-        return default if field is None else field.contents()
+        return default if field is None else read_gguf_value(self._data, field)
 
     def require(self, key: str) -> Any:
         value = self.get(key)
@@ -136,7 +169,7 @@ _FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gg
 
 
 def _read_weights(
-    reader: gguf.GGUFReader,
+    source_tensors: list[_Tensor],
     plans: dict[str, TensorPlan],
     progress: Callable[[int, int], None],
     *,
@@ -146,12 +179,12 @@ def _read_weights(
     blocks: dict[str, BlockTensor] = {}
     dequantized: dict[str, str] = {}
     problems: list[str] = []
-    tensors = [tensor for tensor in reader.tensors if tensor.name in plans]
+    tensors = [tensor for tensor in source_tensors if tensor.name in plans]
     total = sum(len(plans[tensor.name].parts) for tensor in tensors)
     done = 0
     for tensor in tensors:
         plan = plans[tensor.name]
-        kind = gguf.GGMLQuantizationType(tensor.tensor_type)
+        kind = tensor.tensor_type
         shape = tuple(int(n) for n in reversed(tensor.shape))
         # Problems name the package tensor, or the GGUF one where it is split into several.
         label = plan.parts[0].name if len(plan.parts) == 1 else tensor.name

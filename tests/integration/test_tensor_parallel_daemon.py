@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from daemon_process import DaemonProcess
 from test_operations import NotifyListener
 
@@ -27,17 +28,22 @@ def _completion(daemon: DaemonProcess, max_tokens: int) -> dict:
     return httpx.post(f"{daemon.base_url}/v1/completions", json=body, timeout=120).json()
 
 
-def test_tp2_serves_the_tp1_answer_and_a_killed_worker_stops_the_daemon_non_zero(tiny_package: Path) -> None:
+@pytest.fixture(scope="module")
+def tp1_answer(tiny_package: Path) -> str:
+    """The tiny package's greedy answer from a daemon at tensor parallel 1 (both TP 2 layouts must give it)."""
     single = DaemonProcess(tiny_package)
     try:
         single.wait_ready()
-        expected = _completion(single, 12)["choices"][0]["text"]
+        return _completion(single, 12)["choices"][0]["text"]
     finally:
         single.stop()
+
+
+def test_tp2_serves_the_tp1_answer_and_a_killed_worker_stops_the_daemon_non_zero(tiny_package: Path, tp1_answer: str) -> None:
     daemon = DaemonProcess(tiny_package, "--tensor-parallel", "2")
     try:
         daemon.wait_ready()
-        assert _completion(daemon, 12)["choices"][0]["text"] == expected
+        assert _completion(daemon, 12)["choices"][0]["text"] == tp1_answer
         (group,) = daemon.events("tensor_parallel_group")
         worker_pid = next(pid for rank, pid, _ in group["ranks"] if rank == 1)
         # End of text banned, so the stream is still going when the worker dies.
@@ -62,7 +68,9 @@ def test_tp2_serves_the_tp1_answer_and_a_killed_worker_stops_the_daemon_non_zero
         daemon.stop()
 
 
-def test_two_nodes_on_loopback_serve_the_tp1_answer_and_the_headless_node_stops_with_the_daemon(tiny_package: Path) -> None:
+def test_two_nodes_on_loopback_serve_the_tp1_answer_and_the_headless_node_stops_with_the_daemon(
+    tiny_package: Path, tp1_answer: str
+) -> None:
     import socket
     import subprocess
     import sys
@@ -70,12 +78,6 @@ def test_two_nodes_on_loopback_serve_the_tp1_answer_and_the_headless_node_stops_
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = str(probe.getsockname()[1])
-    single = DaemonProcess(tiny_package)
-    try:
-        single.wait_ready()
-        expected = _completion(single, 12)["choices"][0]["text"]
-    finally:
-        single.stop()
     headless = subprocess.Popen(
         [sys.executable, "-m", "flare.daemon.cli", "run", str(tiny_package), "--tensor-parallel", "2",
          "--nnodes", "2", "--node-rank", "1", "--master-port", port, "--log-format", "json"],
@@ -84,7 +86,7 @@ def test_two_nodes_on_loopback_serve_the_tp1_answer_and_the_headless_node_stops_
     daemon = DaemonProcess(tiny_package, "--tensor-parallel", "2", "--nnodes", "2", "--master-port", port)
     try:
         daemon.wait_ready()
-        assert _completion(daemon, 12)["choices"][0]["text"] == expected
+        assert _completion(daemon, 12)["choices"][0]["text"] == tp1_answer
         assert daemon.stop() == 0
         assert headless.wait(60) == 0, "the headless host's rank was stopped in order"
     finally:

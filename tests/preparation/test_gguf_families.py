@@ -301,16 +301,26 @@ def test_malformed_family_gguf_is_refused_naming_the_key_or_tensor(
         open_gguf(tmp_path / "bad.gguf")
 
 
+@pytest.fixture(scope="module")
+def converted_by_llama_cpp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each family's checkpoint as llama.cpp's converter writes it (one converter process for all)."""
+    root = tmp_path_factory.mktemp("converted")
+    for family in FAMILIES:
+        save_tiny_checkpoint(root / family.name, *checkpoint(family))
+    convert_with_llama_cpp([(root / family.name, root / f"{family.name}.gguf") for family in FAMILIES])
+    return {family.name: root / f"{family.name}.gguf" for family in FAMILIES}
+
+
 @pytest.mark.skipif(not LLAMA_CPP_CONVERTER.is_file(), reason="llama.cpp's convert_hf_to_gguf.py is not on this machine")
 @pytest.mark.parametrize("name", [f.name for f in FAMILIES])
-def test_llama_cpp_converter_output_reads_as_the_test_writers(tmp_path: Path, name: str) -> None:
+def test_llama_cpp_converter_output_reads_as_the_test_writers(
+    tmp_path: Path, name: str, converted_by_llama_cpp: dict[str, Path]
+) -> None:
     """The real converter's GGUF of the same checkpoint gives the same config and weights as
     tests/gguf_writer.py's, so the helper's facts are the converter's."""
     config, state = checkpoint(BY_NAME[name])
-    save_tiny_checkpoint(tmp_path / "hf", config, state)
-    convert_with_llama_cpp(tmp_path / "hf", tmp_path / "converted.gguf")
     write_family_gguf(tmp_path / "written.gguf", config, state)
-    converted, written = open_gguf(tmp_path / "converted.gguf"), open_gguf(tmp_path / "written.gguf")
+    converted, written = open_gguf(converted_by_llama_cpp[name]), open_gguf(tmp_path / "written.gguf")
     # bos and eos: the converter takes them from the tokenizer's files, the helper from config.json.
     assert replace(converted.config, bos_token_id=None, eos_token_ids=(0,)) == replace(
         written.config, bos_token_id=None, eos_token_ids=(0,)

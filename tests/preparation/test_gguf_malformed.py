@@ -86,6 +86,14 @@ def test_a_malformed_header_is_one_line_naming_offset_and_field(case: str, gguf_
         _assert_one_line_refusal(_export(gguf_copy, out), gguf_copy, out, "at byte", field)
 
 
+def test_a_tensor_named_twice_is_refused_naming_it(gguf_copy: Path) -> None:
+    with open(gguf_copy, "rb") as file:
+        offset = file.read(LAYOUT.data_offset).index(b"blk.0.attn_k.weight")
+    for _ in _patched(gguf_copy, offset, b"blk.0.attn_q.weight"):
+        with pytest.raises(GGUFLayoutError, match="at byte .*tensor blk.0.attn_q.weight: the name appears twice"):
+            open_gguf(gguf_copy)
+
+
 @pytest.mark.parametrize("size", [1062, 1_769_100, 60_000_000])
 def test_a_truncated_file_is_one_line_naming_where_it_ends(size: int, tmp_path: Path) -> None:
     truncated = tmp_path / "cut.gguf"

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import gguf
 import pytest
 from tokenizers import Tokenizer
 
@@ -63,6 +64,26 @@ def boundary_vocabulary() -> dict[str, Any]:
 def flavour(request: pytest.FixtureRequest) -> tuple[str, bytes, dict[str, Any]]:
     model, vocabulary = sentencepiece_flavour(request.param)
     return request.param, model, vocabulary
+
+
+def test_the_tests_vocabulary_reader_gives_gguf_readers_values(tmp_path: Path) -> None:
+    """read_vocabulary decodes the keys itself (gguf-py's reader takes seconds on a real
+    vocabulary): the same values and types as gguf-py's, for every kind of value a vocabulary holds."""
+    path = tmp_path / "vocabulary.gguf"
+    write_vocabulary_gguf(path, {
+        "general.name": "Tiny naïve", "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm",
+        "tokenizer.ggml.tokens": ["<s>", "Ġcafé", "東京", ""], "tokenizer.ggml.token_type": [3, 1, 1, 5],
+        "tokenizer.ggml.scores": [0.0, -1.5, -2.25, -1e9], "tokenizer.ggml.merges": ["Ġ c", "東 京"],
+        "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.add_bos_token": True,
+    })
+    fields = gguf.GGUFReader(path).fields
+    expected = {key: fields[key].contents() for key in fields if key.startswith("tokenizer.ggml.") or key == "general.name"}
+    got = read_vocabulary(path)
+    assert got == expected and len(expected) == 9
+    for key, value in expected.items():
+        assert type(got[key]) is type(value), key
+        if isinstance(value, list):
+            assert [type(item) for item in got[key]] == [type(item) for item in value], key
 
 
 @pytest.mark.parametrize("name", sorted(PRE_TOKENIZERS))

@@ -7,7 +7,7 @@ import json
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,12 +187,29 @@ class Exchange:
         return json.loads(self.answer.partition(b"\r\n\r\n")[2])
 
 
+def whole_response(answer: bytes) -> bool:
+    """Whether `answer` holds a whole HTTP response: its head and the Content-Length bytes after it."""
+    head, separator, body = answer.partition(b"\r\n\r\n")
+    for line in head.split(b"\r\n")[1:] if separator else []:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(body) >= int(value)
+    return False
+
+
 def exchange(
-    port: int, data: bytes = b"", *, half_close: bool = False, wait_s: float = 30.0, drip_s: float = 0.0
+    port: int,
+    data: bytes = b"",
+    *,
+    half_close: bool = False,
+    wait_s: float = 30.0,
+    drip_s: float = 0.0,
+    until: Callable[[bytes], bool] | None = None,
 ) -> Exchange:
     """Send `data` on a fresh loopback connection (byte by byte every `drip_s` when given: a
     client that trickles), optionally half-close (SHUT_WR), and read until the daemon closes
-    the connection or `wait_s` passes."""
+    the connection, `wait_s` passes, or what has come answers `until` (e.g. `whole_response`:
+    for a test about the answer, not about when the daemon closes)."""
     started = time.monotonic()
     with socket.create_connection(("127.0.0.1", port), timeout=wait_s) as sock:
         if drip_s:
@@ -226,6 +243,8 @@ def exchange(
             if answered_s is None:
                 answered_s = time.monotonic() - started
             chunks.append(chunk)
+            if until is not None and until(b"".join(chunks)):
+                break
     return Exchange(b"".join(chunks), closed, time.monotonic() - started, answered_s)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from reliability_daemon import Daemon, exchange, is_error_body, port_of, report
+from reliability_daemon import Daemon, exchange, is_error_body, port_of, report, whole_response
 
 from flare.engine.tokenizer import Tokenizer
 
@@ -108,17 +108,21 @@ def _post_head(daemon: Daemon, length: int, extra: bytes = b"") -> bytes:
 
 
 def test_expect_100_continue_over_the_body_limit_gets_413_without_100_continue(daemon: Daemon) -> None:
-    answer = exchange(port_of(daemon), _post_head(daemon, 10 * MAX_BODY_BYTES, b"Expect: 100-continue\r\n"), wait_s=5)
+    answer = exchange(
+        port_of(daemon), _post_head(daemon, 10 * MAX_BODY_BYTES, b"Expect: 100-continue\r\n"), wait_s=5, until=whole_response
+    )
     assert answer.answer.startswith(b"HTTP/1.1 413"), answer.answer[:200]  # no "100 Continue" before it
     assert answer.json()["error"]["code"] == "request_too_large"
     assert answer.answered_s is not None and answer.answered_s < 2
     # Under the limit, the body is invited as usual.
-    invited = exchange(port_of(daemon), _post_head(daemon, 100, b"Expect: 100-continue\r\n"), wait_s=1)
+    invited = exchange(
+        port_of(daemon), _post_head(daemon, 100, b"Expect: 100-continue\r\n"), wait_s=1, until=lambda answer: b"\r\n\r\n" in answer
+    )
     assert invited.answer.startswith(b"HTTP/1.1 100 Continue")
 
 
 def test_a_content_length_over_the_limit_gets_413_at_once_without_sending_the_body(daemon: Daemon) -> None:
-    answer = exchange(port_of(daemon), _post_head(daemon, 10 * MAX_BODY_BYTES), wait_s=5)
+    answer = exchange(port_of(daemon), _post_head(daemon, 10 * MAX_BODY_BYTES), wait_s=5, until=whole_response)
     assert answer.status == 413 and answer.answered_s is not None and answer.answered_s < 2, answer
     assert answer.json()["error"]["code"] == "request_too_large"
     report("body_limit", content_length=10 * MAX_BODY_BYTES, answered_413_after_s=round(answer.answered_s, 3))
