@@ -45,7 +45,7 @@ import torch
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
 from flare.engine import model as model_module
-from flare.engine import native
+from flare.engine import native, native_layers
 from flare.engine.model import LlamaModel, load_model
 from flare.engine.precision import WeightFormat, cpu_flags
 from flare.preparation.default_package import default_package_path
@@ -194,7 +194,7 @@ def step_times(model: LlamaModel, cache: KVCache, batch_size: int, tokens: int, 
     spent: dict[str, float] = dict.fromkeys(STEPS, 0.0)
     forwards: list[float] = []
     originals = []
-    # A float16 model runs each layer as one kernel call (`native.decoder_layer`), which these
+    # A float16 model runs each layer as one kernel call (`native_layers.decoder_layer`), which these
     # timers cannot split: the steps are timed on the step-by-step path, the same kernels with
     # Python between them (the difference is in the two paths' median rounds).
     fused_layers, model.kernel_layers = model.kernel_layers, None

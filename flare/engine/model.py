@@ -28,14 +28,14 @@ it fast on a CPU, where a round of 32 decode rows is bound by the linear layers:
 - linear layers run in a weight format chosen per CPU (`precision.py`): float16 through the
   engine's kernel on x86 CPUs with AVX2, bfloat16 through oneDNN on AMX CPUs, float32 through
   MKL; the weights are stored and multiplied in it, everything between the GEMMs stays float32;
-- on float16 or block weights a round of short rows runs each layer as one kernel call
-  (`native.decoder_layer`), the same kernels as the steps of `forward_hidden` without the
+- on float16 or block weights a round of short rows runs all its layers in one kernel call
+  (`native_layers.LayerStack`), the same kernels as the steps of `forward_hidden` without the
   Python between them;
 - a package's quantized tensors stay ggml blocks mapped from its file (`quantized.py`): their
   linear layers multiply float32 activations straight from the blocks, the embedding
   dequantizes only the rows it looks up, and a tied LM head is the embedding's blocks. Their
-  layers run through `native.decoder_layer` too, each linear layer float16 or blocks or parts of
-  both (the q/k/v of a Q4_K_M layer whose v is Q6_K).
+  layers run through that call too, each linear layer float16 or blocks or parts of both (the
+  q/k/v of a Q4_K_M layer whose v is Q6_K).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from flare.engine import native, precision, quantized
+from flare.engine import native, native_layers, precision, quantized
 from flare.engine.precision import WeightFormat
 from flare.engine.quantized import QuantizedWeight
 from flare.engine.batch import SHORT_ROW_MAX_TOKENS, AttentionGroup, ForwardBatch
@@ -127,24 +127,24 @@ def check_state_dict(config: ModelConfig, state_dict: Mapping[str, torch.Tensor 
         raise WeightsError("the weights do not match the model config: " + "; ".join(problems))
 
 
-def _linear_parts(weight: Weight) -> tuple[native.LinearPart, ...] | None:
-    """A linear layer's weight as `native.decoder_layer` multiplies it, or None for a kind it
+def _linear_parts(weight: Weight) -> tuple[native_layers.LinearPart, ...] | None:
+    """A linear layer's weight as `native_layers.decoder_layer` multiplies it, or None for a kind it
     does not (plain, oneDNN or fbgemm weights)."""
     if isinstance(weight, native.Float16Weight):
-        return (native.LinearPart.float16(weight),)
+        return (native_layers.LinearPart.float16(weight),)
     if isinstance(weight, QuantizedWeight):
-        return (native.LinearPart(int(weight.ggml_type), weight.data, weight.out_features, weight.in_features),)
+        return (native_layers.LinearPart(int(weight.ggml_type), weight.data, weight.out_features, weight.in_features),)
     if isinstance(weight, tuple):
         parts = [_linear_parts(part) for part in weight]
-        if all(p is not None for p in parts) and sum(len(p) for p in parts) <= native.LAYER_LINEAR_PARTS:  # type: ignore[arg-type]
+        if all(p is not None for p in parts) and sum(len(p) for p in parts) <= native_layers.LAYER_LINEAR_PARTS:  # type: ignore[arg-type]
             return tuple(part for p in parts for part in p)  # type: ignore[union-attr]
     return None
 
 
 def _kernel_layers(
     layers: list[DecoderLayer], config: ModelConfig, local_rope: tuple[torch.Tensor, torch.Tensor] | None
-) -> list[native.KernelLayer] | None:
-    """The layers as `native.decoder_layer` reads them, with their family features (the sliding
+) -> list[native_layers.KernelLayer] | None:
+    """The layers as `native_layers.decoder_layer` reads them, with their family features (the sliding
     layers of a model with its own local base on `local_rope`'s tables), where every linear layer
     of every layer is float16 or ggml blocks; None otherwise (the layers then run step by step)."""
     kernel_layers = []
@@ -154,7 +154,7 @@ def _kernel_layers(
             return None
         cos, sin = local_rope if layer.local_rope and local_rope is not None else (None, None)
         kernel_layers.append(
-            native.KernelLayer(
+            native_layers.KernelLayer(
                 layer.input_norm,
                 layer.post_norm,
                 *linears,  # type: ignore[arg-type]
@@ -175,7 +175,7 @@ def _kernel_layers(
 
 
 def kernels_fit(config: ModelConfig) -> bool:
-    """Whether the C kernels (`native.*`, `native.decoder_layers`) implement every step of the
+    """Whether the C kernels (`native.*`, `native_layers.decoder_layers`) implement every step of the
     layers `config` describes. They implement every family's layer: Llama's (RMSNorm, RoPE from
     a cos/sin table, which holds any scaling, causal attention, SwiGLU) and, as options of the
     same kernels, q/k/v biases, q/k norms, partial rotary, sliding windows with their own tables,
@@ -311,7 +311,7 @@ class LlamaModel:
         # The one window the sliding layers share, where it narrows anything (`_plan_attention`).
         self.window = next((layer.window for layer in self.layers if layer.window is not None), None)
         # A round of short rows on float16 or block weights runs each layer as one kernel call
-        # (`native.decoder_layer`): the same kernels as the steps below, without the Python
+        # (`native_layers.decoder_layer`): the same kernels as the steps below, without the Python
         # between them.
         self.rope_cos, self.rope_sin = rope_tables(config, dtype, self.device, context=self.context)
         # The sliding layers' own table, where they have their own base (Gemma 3).
@@ -324,7 +324,7 @@ class LlamaModel:
             _kernel_layers(self.layers, config, self.local_rope) if self.native_kernels and all_reduce is None else None
         )
         self._layer_scratch = torch.empty(0, dtype=torch.float32, device=self.device)
-        self._stack: native.LayerStack | None = None  # kernel_layers with the KV pools they last ran on
+        self._stack: native_layers.LayerStack | None = None  # kernel_layers with the KV pools they last ran on
         # Grow-only scratch memory for the gathered keys and values of a round: allocating
         # tens of megabytes afresh every round costs page faults on every round. It holds one
         # layer's K/V of the running rows (plus padding to each group's longest context), so it
@@ -414,19 +414,19 @@ class LlamaModel:
         layer has sandwich norms (Gemma 2/3), as it is otherwise."""
         if norm is None:
             return delta
-        if self.native_kernels:  # the kernel `native.decoder_layer` normalizes it with
+        if self.native_kernels:  # the kernel `native_layers.decoder_layer` normalizes it with
             return native.add_rms_norm(delta.contiguous(), None, norm, self.config.rms_norm_eps)
         return F.rms_norm(delta, (self.config.hidden_size,), norm, self.config.rms_norm_eps)
 
-    def _layer_stack(self, kv_cache: KVCache) -> native.LayerStack:
+    def _layer_stack(self, kv_cache: KVCache) -> native_layers.LayerStack:
         """The kernel layers with this KV cache's pools, built once (and again for other pools)."""
         assert self.kernel_layers is not None
         if self._stack is None or not self._stack.serves(kv_cache.keys, kv_cache.values):
-            self._stack = native.LayerStack(tuple(self.kernel_layers), tuple(kv_cache.keys), tuple(kv_cache.values))
+            self._stack = native_layers.LayerStack(tuple(self.kernel_layers), tuple(kv_cache.keys), tuple(kv_cache.values))
         return self._stack
 
-    def _decoder_round(self, batch: ForwardBatch, calls: list[AttentionCall], kv_cache: KVCache) -> native.DecoderRound:
-        """What every `native.decoder_layer` call of the round shares, checked once."""
+    def _decoder_round(self, batch: ForwardBatch, calls: list[AttentionCall], kv_cache: KVCache) -> native_layers.DecoderRound:
+        """What every `native_layers.decoder_layer` call of the round shares, checked once."""
         config = self.config
         qkv_channels = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         needed = batch.num_tokens * (
@@ -434,7 +434,7 @@ class LlamaModel:
         )
         if self._layer_scratch.numel() < needed:
             self._layer_scratch = torch.empty(needed, dtype=torch.float32, device=self.device)
-        return native.decoder_round(
+        return native_layers.decoder_round(
             positions=batch.positions,
             slots=batch.slot_mapping,
             cos=self.rope_cos,

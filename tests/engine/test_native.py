@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flare.engine import native
+from flare.engine import native, native_layers
 from flare.engine.model import LlamaModel, apply_rope, rope_tables
 from flare.engine.native import add_rms_norm, available, gated_rows, paged_attention, rope_and_cache
 
@@ -430,10 +430,10 @@ def test_any_shape_of_float16_layer_and_rows_equals_the_float64_product(out_feat
 def _float16_layer(hidden: int = 32, heads: int = 2, kv_heads: int = 1, head_dim: int = 16, intermediate: int = 48):
     generator = torch.Generator().manual_seed(11)
 
-    def packed(out_features: int, in_features: int) -> tuple[native.LinearPart]:
-        return (native.LinearPart.float16(native.Float16Weight.pack(torch.randn(out_features, in_features, generator=generator) * 0.1)),)
+    def packed(out_features: int, in_features: int) -> tuple[native_layers.LinearPart]:
+        return (native_layers.LinearPart.float16(native.Float16Weight.pack(torch.randn(out_features, in_features, generator=generator) * 0.1)),)
 
-    return native.KernelLayer(
+    return native_layers.KernelLayer(
         input_norm=torch.ones(hidden),
         post_norm=torch.ones(hidden),
         qkv=packed((heads + 2 * kv_heads) * head_dim, hidden),
@@ -446,15 +446,15 @@ def _float16_layer(hidden: int = 32, heads: int = 2, kv_heads: int = 1, head_dim
 def test_a_float16_layer_whose_linear_layers_do_not_chain_is_refused_naming_them() -> None:
     layer = _float16_layer()
     with pytest.raises(ValueError, match="decoder_layer: .*chain hidden -> qkv.*gate_up 32->96, down 40->32"):
-        native.KernelLayer(layer.input_norm, layer.post_norm, layer.qkv, layer.o, layer.gate_up, _float16_layer(intermediate=40).down)
+        native_layers.KernelLayer(layer.input_norm, layer.post_norm, layer.qkv, layer.o, layer.gate_up, _float16_layer(intermediate=40).down)
     with pytest.raises(ValueError, match="norms must be contiguous float32 \\[32\\]"):
-        native.KernelLayer(torch.ones(32, dtype=torch.float64), layer.post_norm, layer.qkv, layer.o, layer.gate_up, layer.down)
+        native_layers.KernelLayer(torch.ones(32, dtype=torch.float64), layer.post_norm, layer.qkv, layer.o, layer.gate_up, layer.down)
 
 
-def _two_token_round(pool: torch.Tensor) -> native.DecoderRound:
+def _two_token_round(pool: torch.Tensor) -> native_layers.DecoderRound:
     """A round of one row of two new tokens over a one-block pool, for the tiny float16 layer."""
     cos, sin = torch.randn(64, 8), torch.randn(64, 8)
-    return native.decoder_round(
+    return native_layers.decoder_round(
         positions=torch.tensor([0, 1]), slots=torch.tensor([0, 1]), cos=cos, sin=sin,
         groups=[(0, 1, 2, torch.tensor([[0]]), torch.tensor([0]))], pool=pool,
         heads=2, hidden=32, intermediate=48, eps=1e-5, scratch=torch.empty(10_000),
@@ -466,11 +466,11 @@ def test_a_decoder_layer_call_refuses_a_residual_stream_or_pools_unlike_its_roun
     keys, values = torch.zeros(1, 4, 4, 16), torch.zeros(1, 4, 4, 16)
     plan = _two_token_round(keys)
     h = torch.randn(2, 32)
-    native.decoder_layer(h, layer, keys, values, plan)  # the round as built runs
+    native_layers.decoder_layer(h, layer, keys, values, plan)  # the round as built runs
     assert h.isfinite().all() and keys[0, 0, :2].abs().sum() > 0
     for bad_h, bad_keys in ((torch.randn(3, 32), keys), (h, keys.half()), (h.t().contiguous().t(), keys)):
         with pytest.raises(ValueError, match="decoder_layer: h must be contiguous float32 \\[2, 32\\]"):
-            native.decoder_layer(bad_h, layer, bad_keys, values, plan)
+            native_layers.decoder_layer(bad_h, layer, bad_keys, values, plan)
 
 
 def test_a_decoder_round_too_big_for_its_scratch_or_with_groups_that_miss_tokens_is_refused() -> None:
@@ -478,9 +478,9 @@ def test_a_decoder_round_too_big_for_its_scratch_or_with_groups_that_miss_tokens
     pool = torch.zeros(1, 4, 4, 16)
     common = dict(positions=torch.tensor([0, 1]), slots=torch.tensor([0, 1]), cos=cos, sin=sin, pool=pool, heads=2, hidden=32, intermediate=48, eps=1e-5)
     with pytest.raises(ValueError, match="scratch must be contiguous float32 of at least"):
-        native.decoder_round(groups=[(0, 1, 2, torch.tensor([[0]]), torch.tensor([0]))], scratch=torch.empty(10), **common)
+        native_layers.decoder_round(groups=[(0, 1, 2, torch.tensor([[0]]), torch.tensor([0]))], scratch=torch.empty(10), **common)
     with pytest.raises(ValueError, match="the groups must cover the round's tokens in order"):
-        native.decoder_round(groups=[(0, 1, 1, torch.tensor([[0]]), torch.tensor([0]))], scratch=torch.empty(10_000), **common)
+        native_layers.decoder_round(groups=[(0, 1, 1, torch.tensor([[0]]), torch.tensor([0]))], scratch=torch.empty(10_000), **common)
 
 
 def test_decoder_layers_check_every_layer_before_running_any() -> None:
@@ -492,9 +492,9 @@ def test_decoder_layers_check_every_layer_before_running_any() -> None:
     # The second layer's pools are float16 where the round's are float32: refused, and the first
     # layer has not run (h and its pools untouched).
     with pytest.raises(ValueError, match="decoder_layer: h must be contiguous float32 \\[2, 32\\] and the pools"):
-        native.decoder_layers(h, [layer, layer], [keys, keys.half()], [values, values.half()], plan)
+        native_layers.decoder_layers(h, [layer, layer], [keys, keys.half()], [values, values.half()], plan)
     assert torch.equal(h, before) and not keys.any()
     with pytest.raises(ValueError, match="2 layers need as many key and value pools, got 1 and 2"):
-        native.decoder_layers(h, [layer, layer], [keys], [values, values], plan)
-    native.decoder_layers(h, [layer, layer], [keys, keys.clone()], [values, values.clone()], plan)
+        native_layers.decoder_layers(h, [layer, layer], [keys], [values, values], plan)
+    native_layers.decoder_layers(h, [layer, layer], [keys, keys.clone()], [values, values.clone()], plan)
     assert not torch.equal(h, before)

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_native import linear_layouts
 
-from flare.engine import native
+from flare.engine import native, native_layers
 from flare.engine.model import apply_rope
 
 HEAD_SHAPES = pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (6, 3, 64), (4, 1, 128)])
@@ -274,7 +274,7 @@ def float16_exact(*shape: int, generator: torch.Generator, spread: float = 0.15)
     return (spread * torch.randn(*shape, generator=generator)).half().float()
 
 
-def family_layer(name: str, heads: int, kv_heads: int, head_dim: int, seed: int, round_rotary: int) -> tuple[native.KernelLayer, dict]:
+def family_layer(name: str, heads: int, kv_heads: int, head_dim: int, seed: int, round_rotary: int) -> tuple[native_layers.KernelLayer, dict]:
     """A KernelLayer of family `name` and its weights as plain tensors (the torch reference's)."""
     features = FAMILY_LAYERS[name]
     generator = torch.Generator().manual_seed(seed)
@@ -300,8 +300,8 @@ def family_layer(name: str, heads: int, kv_heads: int, head_dim: int, seed: int,
     rotary = int(head_dim * features.get("rotary", 1.0))
     if "own_tables" in features or rotary != round_rotary:
         options["cos"], options["sin"] = rope_table(rotary, features.get("own_tables", 1e6))
-    parts = {k: (native.LinearPart.float16(native.Float16Weight.pack(w[k])),) for k in ("qkv", "o", "gate_up", "down")}
-    layer = native.KernelLayer(input_norm=w["input_norm"], post_norm=w["post_norm"], **parts, **options)
+    parts = {k: (native_layers.LinearPart.float16(native.Float16Weight.pack(w[k])),) for k in ("qkv", "o", "gate_up", "down")}
+    layer = native_layers.KernelLayer(input_norm=w["input_norm"], post_norm=w["post_norm"], **parts, **options)
     return layer, {**w, **options, "cos": options.get("cos"), "sin": options.get("sin")}
 
 
@@ -367,12 +367,12 @@ def run_family_layers(names: list[str], heads: int, kv_heads: int, head_dim: int
             groups = [(0, 1, lengths[0], tables[0], torch.tensor(starts[:1])), (lengths[0], 1, lengths[1], tables[1], torch.tensor(starts[1:]))]
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
         slots = torch.cat([table[0, p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for table, p in zip(tables, positions.split(lengths))])
-        plan = native.decoder_round(
+        plan = native_layers.decoder_round(
             positions=positions, slots=slots, cos=round_tables[0], sin=round_tables[1], groups=groups, pool=keys[0],
             heads=heads, hidden=HIDDEN, intermediate=INTERMEDIATE, eps=eps, scratch=torch.empty(sum(lengths) * 4000),
         )
         h = torch.cat(new)
-        native.decoder_layers(h, list(layers), keys, values, plan)
+        native_layers.decoder_layers(h, list(layers), keys, values, plan)
         for index, (got, fresh) in enumerate(zip(h.split(lengths), new)):
             sequences[index] += list(fresh)
             expected = torch.stack(sequences[index])
@@ -418,7 +418,7 @@ def test_a_family_layer_is_held_to_torch_under_forced_avx2_and_portable_dispatch
     assert int(isa) == native.ISA_AVX2 and float(error) < 2e-5
 
 
-def weights_of(layer: native.KernelLayer) -> dict:
+def weights_of(layer: native_layers.KernelLayer) -> dict:
     """A KernelLayer's norms and linear layers, without its features."""
     return {name: getattr(layer, name) for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down")}
 
@@ -437,7 +437,7 @@ def test_a_layer_whose_features_do_not_fit_is_refused_naming_them() -> None:
     ]
     for options, message in cases:
         with pytest.raises(ValueError, match=message):
-            native.KernelLayer(**base, **options)
+            native_layers.KernelLayer(**base, **options)
 
 
 def test_a_layer_whose_norms_or_tables_do_not_fit_the_round_is_refused_before_any_layer_runs() -> None:
@@ -447,7 +447,7 @@ def test_a_layer_whose_norms_or_tables_do_not_fit_the_round_is_refused_before_an
     short_cos, short_sin = rope_table(head_dim, 1e4, positions=4)
     cos, sin = rope_table(head_dim, 1e6)
     pool = torch.zeros(kv_heads, 4, BLOCK_SIZE, head_dim)
-    plan = native.decoder_round(
+    plan = native_layers.decoder_round(
         positions=torch.tensor([5, 6]), slots=torch.tensor([5, 6]), cos=cos, sin=sin, groups=[(0, 1, 2, torch.tensor([[0]]), torch.tensor([5]))],
         pool=pool, heads=heads, hidden=HIDDEN, intermediate=INTERMEDIATE, eps=1e-6, scratch=torch.empty(10_000),
     )
@@ -455,9 +455,9 @@ def test_a_layer_whose_norms_or_tables_do_not_fit_the_round_is_refused_before_an
     h = torch.randn(2, HIDDEN)
     before = h.clone()
     for bad, message in (
-        (native.KernelLayer(**base, cos=short_cos, sin=short_sin), r"RoPE tables \(4, 8\) must reach position 6"),
-        (native.KernelLayer(**base, q_norm=torch.ones(8), k_norm=torch.ones(8)), r"q/k norms are \[8\], the round's heads of 16"),
+        (native_layers.KernelLayer(**base, cos=short_cos, sin=short_sin), r"RoPE tables \(4, 8\) must reach position 6"),
+        (native_layers.KernelLayer(**base, q_norm=torch.ones(8), k_norm=torch.ones(8)), r"q/k norms are \[8\], the round's heads of 16"),
     ):
         with pytest.raises(ValueError, match=message):
-            native.decoder_layers(h, [good, bad], [pool, pool.clone()], [pool.clone(), pool.clone()], plan)
+            native_layers.decoder_layers(h, [good, bad], [pool, pool.clone()], [pool.clone(), pool.clone()], plan)
     assert torch.equal(h, before) and not pool.any()

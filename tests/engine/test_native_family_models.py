@@ -13,7 +13,7 @@ import pytest
 import torch
 from families import FAMILIES, PHI3_ORIGINAL_CONTEXT, write_checkpoint
 
-from flare.engine import native
+from flare.engine import native, native_layers
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import BlockAllocator, KVCache
 from flare.engine.model import LlamaModel, kernels_fit, load_model
@@ -78,8 +78,8 @@ def test_a_family_layer_runs_in_one_kernel_call_with_the_steps_bits_and_the_torc
     reference = LlamaModel(config, state, weight_format=WeightFormat.FLOAT16, native_kernels=False)
     assert fused.kernel_layers is not None
     calls = []
-    run = native.LayerStack.run
-    monkeypatch.setattr(native.LayerStack, "run", lambda stack, *args: calls.append(len(stack.layers)) or run(stack, *args))
+    run = native_layers.LayerStack.run
+    monkeypatch.setattr(native_layers.LayerStack, "run", lambda stack, *args: calls.append(len(stack.layers)) or run(stack, *args))
 
     fused_logits = rounds_of_short_rows(fused, PIECES)
     assert calls == [config.num_layers] * len(PIECES)  # every round, every layer, one call each

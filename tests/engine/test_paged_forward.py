@@ -12,7 +12,7 @@ from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import BlockAllocator, KVCache
 from flare.engine.linear import CHUNKED_MIN_TOKENS, OUTPUT_CHUNK, linear, linear_columns, pack_weight
 from flare.engine.model import LlamaModel, WeightsError
-from flare.engine import native
+from flare.engine import native, native_layers
 from flare.engine.native import Float16Weight
 from flare.engine.precision import WeightFormat, cpu_has_float16_gemm
 
@@ -363,7 +363,7 @@ def test_a_model_with_bfloat16_gemms_tracks_the_float32_model_on_the_same_weight
 @FLOAT16
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_a_round_of_short_rows_on_float16_weights_runs_each_layer_in_one_call_with_the_steps_bits(monkeypatch, kv_dtype) -> None:
-    # native.decoder_layer runs the same kernels in the same order as the step-by-step path, so
+    # native_layers.decoder_layer runs the same kernels in the same order as the step-by-step path, so
     # logits and the cache must be the same bits; a round with a row too long for the attention
     # kernel runs step by step.
     config = tiny_config()
@@ -373,8 +373,8 @@ def test_a_round_of_short_rows_on_float16_weights_runs_each_layer_in_one_call_wi
     assert fused.kernel_layers is not None
     steps.kernel_layers = None
     layer_calls = []
-    run = native.LayerStack.run
-    monkeypatch.setattr(native.LayerStack, "run", lambda stack, *args: layer_calls.extend(stack.layers) or run(stack, *args))
+    run = native_layers.LayerStack.run
+    monkeypatch.setattr(native_layers.LayerStack, "run", lambda stack, *args: layer_calls.extend(stack.layers) or run(stack, *args))
     caches = new_cache(config, dtype=kv_dtype), new_cache(config, dtype=kv_dtype)
     first, second, long = random_tokens(config, 9, 1), random_tokens(config, 5, 2), random_tokens(config, 30, 3)
     rounds = [
@@ -415,12 +415,12 @@ def test_a_fused_round_refuses_block_ids_and_slots_outside_the_pool_before_any_l
 @FLOAT16
 def test_one_call_layers_with_wide_heads_match_the_dense_forward_chunk_by_chunk(monkeypatch) -> None:
     # Heads of 64 take the attention kernel's AVX2 tiles (3 query heads a KV head: the 3-query
-    # tile, and 2 and 1 for the remainders of a verify row's queries) inside native.decoder_layer.
+    # tile, and 2 and 1 for the remainders of a verify row's queries) inside native_layers.decoder_layer.
     config = replace(tiny_config(), num_heads=6, num_kv_heads=2, head_dim=64)
     state = held_exactly(random_state_dict(config), WeightFormat.FLOAT16)
     model = LlamaModel(config, state, weight_format=WeightFormat.FLOAT16)
     layer_calls = []
-    run = native.LayerStack.run
-    monkeypatch.setattr(native.LayerStack, "run", lambda stack, *args: layer_calls.extend(stack.layers) or run(stack, *args))
+    run = native_layers.LayerStack.run
+    monkeypatch.setattr(native_layers.LayerStack, "run", lambda stack, *args: layer_calls.extend(stack.layers) or run(stack, *args))
     assert_chunks_match_the_dense_forward(model, state, (17, 1, 5, 16, 1, 5), seed=6)
     assert len(layer_calls) == 6 * config.num_layers

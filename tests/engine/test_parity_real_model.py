@@ -216,7 +216,7 @@ def test_the_blocks_package_scores_text_as_its_float32_dequantization_does(flare
 
 
 def test_the_blocks_package_decodes_the_same_bits_one_kernel_call_a_layer_as_step_by_step(flare_side, default_blocks_package) -> None:
-    # native.decoder_layer runs quantized_linear on the blocks in the same order as the step by
+    # native_layers.decoder_layer runs quantized_linear on the blocks in the same order as the step by
     # step path: decode rounds of one row and of three rows (batch-mates must not change a row's
     # bits) give the same logits and the same greedy continuations.
     _, tokenizer = flare_side

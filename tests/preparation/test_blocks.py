@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from flare.engine import native
+from flare.engine import native, native_layers
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
 from flare.engine.model import LlamaModel, load_model
@@ -172,7 +172,7 @@ def every_kept_type_package(tmp_path_factory: pytest.TempPathFactory, wide_confi
 def test_a_blocks_package_runs_each_layer_in_one_kernel_call_with_the_bits_of_the_steps(
     every_kept_type_package: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # native.decoder_layer multiplies each part of a layer's linear layers (three types side by
+    # native_layers.decoder_layer multiplies each part of a layer's linear layers (three types side by
     # side in layer 0's q/k/v, one Q6_K matrix in layer 1's) with the kernels the step by step path
     # calls, in the same order: logits, greedy tokens and the KV cache are the same bits, a row's
     # bits do not depend on its batch-mates, and a row too long for the attention kernel runs the
@@ -185,8 +185,8 @@ def test_a_blocks_package_runs_each_layer_in_one_kernel_call_with_the_bits_of_th
     steps = copy.copy(fused)
     steps.kernel_layers = None
     layer_calls = []
-    run = native.LayerStack.run
-    monkeypatch.setattr(native.LayerStack, "run", lambda stack, *args: layer_calls.extend(stack.layers) or run(stack, *args))
+    run = native_layers.LayerStack.run
+    monkeypatch.setattr(native_layers.LayerStack, "run", lambda stack, *args: layer_calls.extend(stack.layers) or run(stack, *args))
     assert torch.equal(prompt_logits(fused), prompt_logits(steps))
     assert greedy(fused) == greedy(steps)
     layers = fused.config.num_layers
