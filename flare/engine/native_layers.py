@@ -105,11 +105,11 @@ class KernelLayer:
     # int64 [4, LAYER_LINEAR_PARTS, 3]: (type, address, out rows) of each part of qkv, o,
     # gate_up and down, unused parts zero (module.c reads it); addresses of `data` kept alive here.
     part_table: torch.Tensor = field(init=False, repr=False)
-    # (in, out) of qkv, o, gate_up and down, computed once: `decoder_layer` checks them every call.
+    # (in, out) of qkv, o, gate_up and down, computed once: a round checks them against its shapes.
     linear_features: dict[str, tuple[int, int]] = field(init=False, repr=False)
-    # The features as `decoder_layer`'s last arguments (module.c), from `rotary_dims` on less the
-    # tables' width: qkv_bias, q_norm, k_norm, attention_output_norm, mlp_output_norm, window,
-    # softcap, activation.
+    # The features as LayerStack's table holds them (module.c, LAYER_*): the addresses of
+    # qkv_bias, q_norm, k_norm, attention_output_norm, mlp_output_norm, then window, softcap,
+    # activation code.
     feature_args: tuple = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -317,13 +317,14 @@ class LayerStack:
         rows, scalars = [], []
         for layer, layer_keys, layer_values in zip(self.layers, self.keys, self.values):
             own = layer.cos is not None
+            *norms_and_bias, window, softcap, activation = layer.feature_args
             rows.append([
                 layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), layer.part_table.data_ptr(),
                 layer_keys.data_ptr(), layer_values.data_ptr(), _address(layer.cos), _address(layer.sin),
                 layer.cos.shape[0] if own else 0, 2 * layer.cos.shape[1] if own else 0,
-                *layer.feature_args[:5], layer.feature_args[5], layer.feature_args[7],
+                *norms_and_bias, window, activation,
             ])
-            scalars.append([head_dim**-0.5 if layer.scale is None else layer.scale, layer.feature_args[6]])
+            scalars.append([head_dim**-0.5 if layer.scale is None else layer.scale, softcap])
         object.__setattr__(self, "table", torch.tensor(rows, dtype=torch.int64).view(len(rows), _LAYER_FIELDS))
         object.__setattr__(self, "scalars", torch.tensor(scalars, dtype=torch.float32).view(len(rows), _LAYER_SCALARS))
         object.__setattr__(self, "shapes", frozenset(
@@ -331,9 +332,11 @@ class LayerStack:
              None if layer.q_norm is None else layer.q_norm.shape[0])
             for layer in self.layers
         ))
-        own_rows = [layer.cos.shape[0] for layer in self.layers if layer.cos is not None]
-        fits = all(1 <= layer.cos.shape[1] <= head_dim // 2 for layer in self.layers if layer.cos is not None)
-        object.__setattr__(self, "own_table_rows", (min(own_rows) if fits else 0) if own_rows else None)
+        # A table wider than the heads rotate counts as 0 rows: no round fits it, and the round's
+        # check then names the layer.
+        own = [layer.cos for layer in self.layers if layer.cos is not None]
+        rows_of = [cos.shape[0] if 1 <= cos.shape[1] <= head_dim // 2 else 0 for cos in own]
+        object.__setattr__(self, "own_table_rows", min(rows_of) if own else None)
 
     def serves(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
         """Whether these are the pools the table holds (the same tensors)."""
