@@ -4,6 +4,9 @@ called on tensors.
 - `stream_uniforms` and `top_p_threshold`: the sampler's random stream over whole vocabulary rows
   and its top-p radix select, the bits of their torch twins (random_stream.py, distribution.py;
   one pass where those take ten, and a 2048-bin histogram in cache where they call bincount).
+- `greedy_tokens`: a round of greedy rows with one position each (bias and penalties included),
+  the results of its torch twin `greedy_round` (round.py) in one call instead of a few dozen
+  operators, each of which costs more to dispatch at one row than its arithmetic.
 
 The extension is optional, as the engine's is: where it was not built (no C compiler at install
 time) the twins run. The kernels trust the addresses they are given, so every function here
@@ -13,7 +16,12 @@ threads.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from flare.kernels.batch import SamplingBatch
 
 try:
     from flare.kernels import _native
@@ -63,3 +71,65 @@ def top_p_threshold(scaled: torch.Tensor, mass: torch.Tensor, target: torch.Tens
     if rows:
         native.top_p_threshold(scaled.data_ptr(), mass.data_ptr(), target.data_ptr(), rows, vocab, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def greedy_tokens(
+    logits: torch.Tensor, batch: SamplingBatch, width: int, statuses: tuple[int, int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens [R, width] int64 (the argmax after bias and penalties, then -1), emitted [R] int32
+    and status [R] int32 of an all-greedy round of one position a row (greedy_tokens.c). `statuses`:
+    the codes of an empty distribution, of non-finite logits and of invalid parameters."""
+    native = _module()
+    rows, vocab = logits.shape
+    per_row = {
+        "temperature": batch.temperature, "top_p": batch.top_p, "min_p": batch.min_p,
+        "repetition_penalty": batch.repetition_penalty, "presence_penalty": batch.presence_penalty,
+        "frequency_penalty": batch.frequency_penalty, "top_k": batch.top_k,
+    }
+    lists = {"prompt_ids": batch.prompt_ids, "output_ids": batch.output_ids, "bias_ids": batch.bias_ids}
+    problems = []
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous():
+        problems.append(f"logits must be a contiguous CPU torch.float32 [rows, vocab], got {logits.device} {logits.dtype}")
+    for name, tensor in per_row.items():
+        dtype = torch.int64 if name == "top_k" else torch.float32
+        if tensor.device.type != "cpu" or tensor.dtype != dtype or tensor.shape != (rows,) or not tensor.is_contiguous():
+            problems.append(f"{name} must be a contiguous CPU {dtype} [{rows}]")
+    for name, tensor in lists.items():
+        if tensor is not None and (
+            tensor.device.type != "cpu" or tensor.dtype != torch.int64 or tensor.dim() != 2
+            or tensor.shape[0] != rows or not tensor.is_contiguous()
+        ):
+            problems.append(f"{name} must be a contiguous CPU torch.int64 [{rows}, width]")
+    if (batch.prompt_ids is None) != (batch.output_ids is None):
+        problems.append("prompt_ids and output_ids must be given together")
+    bias_values = batch.bias_values
+    if (batch.bias_ids is None) != (bias_values is None) or (
+        bias_values is not None and batch.bias_ids is not None and (
+            bias_values.device.type != "cpu" or bias_values.dtype != torch.float32
+            or bias_values.shape != batch.bias_ids.shape or not bias_values.is_contiguous()
+        )
+    ):
+        problems.append("bias_values must be a contiguous CPU torch.float32 tensor shaped as bias_ids")
+    if width < 1:
+        problems.append(f"width must be at least 1, got {width}")
+    if problems:
+        raise ValueError("greedy_tokens: " + "; ".join(problems))
+
+    def address(tensor: torch.Tensor | None) -> int:
+        return 0 if tensor is None else tensor.data_ptr()
+
+    def columns(tensor: torch.Tensor | None) -> int:
+        return 0 if tensor is None else tensor.shape[1]
+
+    tokens = torch.empty(rows, width, dtype=torch.int64)
+    emitted = torch.empty(rows, dtype=torch.int32)
+    status = torch.empty(rows, dtype=torch.int32)
+    native.greedy_tokens(
+        logits.data_ptr(), rows, vocab,
+        *(tensor.data_ptr() for tensor in per_row.values()),
+        address(batch.prompt_ids), columns(batch.prompt_ids), address(batch.output_ids), columns(batch.output_ids),
+        address(batch.bias_ids), address(bias_values), columns(batch.bias_ids),
+        *statuses,
+        tokens.data_ptr(), width, emitted.data_ptr(), status.data_ptr(), torch.get_num_threads(),
+    )
+    return tokens, emitted, status

@@ -29,12 +29,14 @@ bookkeeping between them is plain tensor code shared by both backends.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Literal
 
 import torch
 
+from flare.kernels import native
 from flare.kernels.batch import SamplingBatch
 from flare.kernels.gumbel_max import GumbelCandidates
 from flare.kernels.logprobs import TokenLogprobs, log_normalizer, logprobs_at
@@ -91,10 +93,15 @@ def sample_round(
     num_rows, max_drafts = draft_tokens.shape
     _check_shapes(logits, num_drafts, draft_tokens, draft_probs, batch, vocab_shards, token_mask)
     facts = batch.facts
-    plain = not (facts.any_sampled or facts.any_penalized or facts.any_biased)
-    if plain and num_positions == num_rows and token_mask is None and num_logprobs is None and raw_logprobs is None:
-        return greedy_round(logits, batch, max_drafts)
     kernels = _kernels(backend or ("triton" if logits.is_cuda else "torch"))
+    if (
+        not facts.any_sampled
+        and num_positions == num_rows
+        and token_mask is None
+        and num_logprobs is None
+        and raw_logprobs is None
+    ):
+        return greedy_round(logits, batch, max_drafts, kernels)
     device = logits.device
 
     # A round of one position a row has no draft in any row, whatever draft_tokens' width: the
@@ -229,25 +236,63 @@ def sample_round(
     )
 
 
-def greedy_round(logits: torch.Tensor, batch: SamplingBatch, max_drafts: int) -> RoundResult:
-    """sample_round of a round whose rows are all greedy (or invalid) with one position each
-    and nothing applied to the logits (no drafts, mask, bias, penalties or log-probabilities):
-    the same results in a dozen operations where the general path takes a few hundred, which
-    at one row on a CPU is a tenth of the round.
+def greedy_round(logits: torch.Tensor, batch: SamplingBatch, max_drafts: int, kernels: ModuleType) -> RoundResult:
+    """sample_round of a round whose rows are all greedy (or invalid) with one position each,
+    without drafts, token mask or log-probabilities: the same results without the general path's
+    few hundred operators, which at one row on a CPU cost a sixth of the round with the penalties
+    a package's policy applies by default.
 
-    Like sample_round's, the tokens are [R, max_drafts + 1], -1 after the first. Each row emits
-    the argmax of its logits (the lowest index on ties, as the shards' merge
-    gives). Its status is sample_round's: with nothing applied, a row with no finite logit is
-    NONFINITE_LOGITS (which wins over EMPTY_DISTRIBUTION there), and invalid parameters win over
-    both (round_status's order)."""
+    Each row emits the argmax of its logits after its logit bias and penalties (the lowest index
+    on ties, as the shards' merge gives). Its status is round_status's for such a row: no finite
+    value after bias and penalties is EMPTY_DISTRIBUTION, a NaN or infinite raw logit
+    NONFINITE_LOGITS (which wins), and invalid parameters win over both (their penalties are
+    neutral, as in the general path). Like sample_round's, the tokens are [R, max_drafts + 1], -1
+    after the first.
+
+    On the CPU the kernel `native.greedy_tokens` computes it in one call. The operators below are
+    its twin, for other devices: they apply the general path's own penalize_and_scale (`kernels`,
+    the backend's), so the values compared are the same floats.
+    """
     num_rows, width = logits.shape[0], max_drafts + 1
+    facts = batch.facts
+    if logits.device.type == "cpu" and native.available():
+        # The same results in one call (greedy_tokens.c): at one row the operators below cost
+        # more to dispatch than to compute.
+        codes = (DeviceStatus.EMPTY_DISTRIBUTION, DeviceStatus.NONFINITE_LOGITS, DeviceStatus.INVALID_SAMPLING_PARAMETERS)
+        if not facts.any_penalized and batch.prompt_ids is not None:  # the ids are read only then
+            batch = dataclasses.replace(batch, prompt_ids=None, output_ids=None)
+        tokens, emitted, status = native.greedy_tokens(
+            logits.float().contiguous(), batch, width, tuple(int(code) for code in codes)
+        )
+        return RoundResult(tokens=tokens, num_emitted=emitted, status=status)
     invalid_params = row_kinds(batch).invalid_params
-    nonfinite = ~(torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1)))
-    status = torch.where(nonfinite, int(DeviceStatus.NONFINITE_LOGITS), int(DeviceStatus.OK))
+    penalties = None
+    if facts.any_penalized:
+        assert batch.prompt_ids is not None and batch.output_ids is not None
+        penalties = PenaltyState.from_ids(batch.prompt_ids, batch.output_ids, logits.shape[1])
+    rows = torch.arange(num_rows, device=logits.device)
+    prepared = kernels.penalize_and_scale(
+        logits,
+        rows,
+        torch.zeros_like(rows),
+        torch.empty(num_rows, 0, dtype=torch.int64, device=logits.device),
+        torch.ones(num_rows, device=logits.device),
+        torch.where(invalid_params, 1.0, batch.repetition_penalty),
+        torch.where(invalid_params, 0.0, batch.presence_penalty),
+        torch.where(invalid_params, 0.0, batch.frequency_penalty),
+        penalties,
+        scale=False,
+        bias=batch.dense_bias(logits.shape[1]),
+    )
+    chosen = prepared.scaled
+    status = torch.full((num_rows,), int(DeviceStatus.OK), dtype=torch.int32, device=logits.device)
+    if chosen is not logits:  # untouched logits are finite wherever the raw ones are
+        status = torch.where(~torch.isfinite(chosen.amax(dim=-1)), int(DeviceStatus.EMPTY_DISTRIBUTION), status)
+    status = torch.where(prepared.nonfinite, int(DeviceStatus.NONFINITE_LOGITS), status)
     status = torch.where(invalid_params, int(DeviceStatus.INVALID_SAMPLING_PARAMETERS), status)
     ok = status == int(DeviceStatus.OK)
     tokens = torch.full((num_rows, width), -1, dtype=torch.int64, device=logits.device)
-    tokens[:, 0] = torch.where(ok, logits.argmax(dim=-1), -1)
+    tokens[:, 0] = torch.where(ok, chosen.argmax(dim=-1), -1)
     return RoundResult(
         tokens=tokens,
         num_emitted=ok.to(torch.int32),

@@ -1,13 +1,18 @@
-"""A round of plain greedy rows takes sample_round's short path, with the general path's results."""
+"""A round of greedy rows with one position each takes sample_round's short path, with the general
+path's results: plain, with penalties and with a logit bias."""
 
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flare.kernels.round as round_module
+from flare.kernels import native
 from flare.kernels.round import RoundResult, sample_round
 from flare.kernels.status import DeviceStatus
 from flare.sampling.params import SamplingParams
@@ -42,18 +47,40 @@ def _round(logits: torch.Tensor, batch, width: int, mask: torch.Tensor | None = 
     )
 
 
+GREEDY = SamplingParams(temperature=0.0)
+PENALISED = SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4)
+BIASED = SamplingParams(temperature=0.0, logit_bias=((5, 2.0), (11, -100.0)))
+
+
+def _history(rows: int, logits: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompts and outputs that hold each row's top tokens, repeated, so penalties move the argmax."""
+    top = logits.nan_to_num(0.0, 0.0, 0.0).topk(4, dim=1).indices.tolist()
+    prompts = [[top[r][0], 1, 2, top[r][2]] for r in range(rows)]
+    outputs = [[top[r][1], top[r][1], 3, top[r][3]] for r in range(rows)]
+    return prompts, outputs
+
+
+needs_kernels = pytest.mark.skipif(not native.available(), reason="the sampler's C kernels were not built")
+SHORT_PATHS = [pytest.param(True, id="kernel", marks=needs_kernels), pytest.param(False, id="twin")]
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 7])
 @pytest.mark.parametrize("width", [0, 1, 4])
 @pytest.mark.parametrize("invalid_row", [None, 0])
-def test_plain_greedy_rows_take_the_short_path_and_get_the_general_paths_tokens_and_statuses(
-    rows: int, width: int, invalid_row: int | None, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("params", [GREEDY, PENALISED, BIASED], ids=["plain", "penalised", "biased"])
+@pytest.mark.parametrize("kernel", SHORT_PATHS)
+def test_greedy_rows_take_the_short_path_and_get_the_general_paths_tokens_and_statuses(
+    rows: int, width: int, invalid_row: int | None, params: SamplingParams, kernel: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    batch = make_batch([SamplingParams(temperature=0.0)] * rows, prompt_ids=[[1, 2]] * rows, output_ids=[[3]] * rows)
+    monkeypatch.setattr(native, "available", lambda: kernel)
+    logits = _greedy_logits(rows, seed=rows + width)
+    prompts, outputs = _history(rows, logits)
+    # Row 0 keeps the plain parameters, so the round mixes them with the others.
+    batch = make_batch([GREEDY] + [params] * (rows - 1), prompt_ids=prompts, output_ids=outputs)
     if invalid_row is not None:  # as the INVALID_SAMPLING_PARAMETERS fault does: facts unchanged
         temperature = batch.temperature.clone()
         temperature[invalid_row] = -1.0
         batch = dataclasses.replace(batch, temperature=temperature)
-    logits = _greedy_logits(rows, seed=rows + width)
     short_calls = []
     greedy_round = round_module.greedy_round
     monkeypatch.setattr(round_module, "greedy_round", lambda *a: short_calls.append(1) or greedy_round(*a))
@@ -71,7 +98,7 @@ def test_plain_greedy_rows_take_the_short_path_and_get_the_general_paths_tokens_
     statuses = short.status.tolist()
     if invalid_row is not None:
         assert statuses[invalid_row] == DeviceStatus.INVALID_SAMPLING_PARAMETERS
-    if rows > 1 and invalid_row != 1:
+    if rows > 1 and params is GREEDY:
         assert short.tokens[1, 0] == 10
     for bad in (2, 3, 4):
         if rows > bad:
@@ -84,14 +111,12 @@ def test_plain_greedy_rows_take_the_short_path_and_get_the_general_paths_tokens_
     "change",
     [
         {"params": SamplingParams(temperature=0.7)},
-        {"params": SamplingParams(temperature=0.0, repetition_penalty=1.3)},
-        {"params": SamplingParams(temperature=0.0, logit_bias=((5, 2.0),))},
         {"num_logprobs": 2},
         {"drafts": 1},
     ],
-    ids=["sampled", "penalised", "biased", "logprobs", "drafts"],
+    ids=["sampled", "logprobs", "drafts"],
 )
-def test_anything_applied_to_the_logits_keeps_the_general_path(change: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sampling_log_probabilities_or_drafts_keep_the_general_path(change: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(round_module, "greedy_round", lambda *a: pytest.fail("the short path ran"))
     params = change.get("params", SamplingParams(temperature=0.0))
     drafts = change.get("drafts", 0)
@@ -106,3 +131,96 @@ def test_anything_applied_to_the_logits_keeps_the_general_path(change: dict, mon
         num_logprobs=change.get("num_logprobs"),
     )
     assert result.status.tolist() == [DeviceStatus.OK]
+
+
+@pytest.mark.parametrize("kernel", SHORT_PATHS)
+def test_penalties_move_the_short_paths_choice_off_a_repeated_token(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "available", lambda: kernel)
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 40], logits[0, 41] = 3.0, 2.9  # 40 leads by 0.1 until the penalties apply
+    batch = make_batch([PENALISED], prompt_ids=[[7]], output_ids=[[40, 40]])
+    result = _round(logits, batch, width=0)
+    # 3.0 / 1.3 - 2 * 0.5 - 0.4 = 0.91 < 2.9
+    assert result.tokens.tolist() == [[41]] and result.status.tolist() == [DeviceStatus.OK]
+    # Once in the output, and presence alone decides: 3.0 - 0.4 = 2.6 < 2.9; as a bonus, 3.4 > 3.3.
+    presence = SamplingParams(temperature=0.0, presence_penalty=0.4)
+    result = _round(logits, make_batch([presence], prompt_ids=[[]], output_ids=[[40]]), width=0)
+    assert result.tokens.tolist() == [[41]]
+    logits[0, 41] = 3.3
+    bonus = SamplingParams(temperature=0.0, presence_penalty=-0.4)
+    result = _round(logits, make_batch([bonus], prompt_ids=[[]], output_ids=[[40]]), width=0)
+    assert result.tokens.tolist() == [[40]]
+
+
+@pytest.mark.parametrize("kernel", SHORT_PATHS)
+def test_a_penalty_that_overflows_every_logit_is_an_empty_distribution_on_the_short_path(
+    kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A valid but extreme repetition penalty (a denormal divisor) turns a seen positive logit
+    into +inf: the general path reports EMPTY_DISTRIBUTION (no finite maximum), and so must the
+    short one."""
+    monkeypatch.setattr(native, "available", lambda: kernel)
+    logits = torch.full((2, VOCAB), -1.0)
+    logits[:, 9] = 1.0
+    params = SamplingParams(temperature=0.0, repetition_penalty=1e-40)
+    batch = make_batch([params, params], prompt_ids=[[9], [8]], output_ids=[[], []])
+    short = _round(logits, batch, width=0)
+    general = _round(logits, batch, width=0, mask=torch.full((2, -(-VOCAB // 32)), -1, dtype=torch.int32))
+    assert short.status.tolist() == general.status.tolist() == [DeviceStatus.EMPTY_DISTRIBUTION, DeviceStatus.OK]
+    assert short.tokens.tolist() == general.tokens.tolist() == [[-1], [9]]
+
+
+values = st.one_of(
+    st.floats(-30, 30, width=32),
+    st.sampled_from([0.5, 1.0, 1.5, 2.0, -1.0]),  # ties and near-ties that the penalties break
+    st.sampled_from([0.0, -0.0, 1e-30, -1e-30, 3e38, -3e38, float("inf"), float("-inf"), float("nan")]),
+)
+
+
+@needs_kernels
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.data(),
+    rows=st.integers(1, 6),
+    vocab=st.one_of(st.integers(1, 8), st.integers(9, 70)),
+    repetition=st.sampled_from([1.0, 1.1, 1.5, 0.5, 1e-40, 0.0, float("inf")]),
+    frequency=st.sampled_from([0.0, 0.3, -2.0, 1e38, float("nan")]),
+    presence=st.sampled_from([0.0, 0.7, -1.5]),
+    temperature=st.sampled_from([0.0, 0.0, -1.0]),
+)
+def test_the_kernel_gives_the_twins_tokens_and_statuses_on_any_logits_and_history(
+    data: st.DataObject, rows: int, vocab: int, repetition: float, frequency: float, presence: float, temperature: float
+) -> None:
+    """Ties, zeros of both signs, overflowing penalties, NaN and infinite logits, ids outside the
+    vocabulary, duplicated bias entries and invalid parameters: the C kernel and its torch twin
+    agree on every row."""
+    logits = torch.tensor(data.draw(st.lists(st.lists(values, min_size=vocab, max_size=vocab), min_size=rows, max_size=rows)))
+    ids = st.lists(st.integers(-2, vocab + 1), max_size=12)
+    bias = st.lists(st.tuples(st.integers(0, vocab - 1), st.sampled_from([1.0, -100.0, 0.25, 3e38])), max_size=4)
+    params = [
+        SamplingParams(
+            temperature=temperature if r == 0 else 0.0,
+            repetition_penalty=repetition,
+            frequency_penalty=frequency,
+            presence_penalty=presence,
+            logit_bias=tuple(data.draw(bias)),
+        )
+        for r in range(rows)
+    ]
+    batch = make_batch(params, prompt_ids=[data.draw(ids) for _ in range(rows)], output_ids=[data.draw(ids) for _ in range(rows)])
+    with mock.patch.object(native, "available", lambda: False):
+        twin = round_module.greedy_round(logits, batch, 2, round_module._kernels("torch"))
+    codes = (DeviceStatus.EMPTY_DISTRIBUTION, DeviceStatus.NONFINITE_LOGITS, DeviceStatus.INVALID_SAMPLING_PARAMETERS)
+    kernel_tokens, kernel_emitted, kernel_status = native.greedy_tokens(logits, batch, 3, codes)
+    assert kernel_status.tolist() == twin.status.tolist()
+    assert kernel_tokens.tolist() == twin.tokens.tolist()
+    assert kernel_emitted.tolist() == twin.num_emitted.tolist()
+
+
+@needs_kernels
+def test_the_kernel_refuses_tensors_it_cannot_read() -> None:
+    batch = make_batch([GREEDY])
+    with pytest.raises(ValueError, match="logits must be a contiguous CPU torch.float32"):
+        native.greedy_tokens(torch.zeros(1, 8, dtype=torch.float64), batch, 1, (1, 2, 3))
+    with pytest.raises(ValueError, match="temperature must be a contiguous CPU"):
+        native.greedy_tokens(torch.zeros(2, 8), batch, 1, (1, 2, 3))

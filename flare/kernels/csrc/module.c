@@ -39,10 +39,47 @@ static PyObject *py_top_p_threshold(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_greedy_tokens(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t logits, rows, vocab, temperature, top_p, min_p, repetition, presence, frequency, top_k, prompt_ids,
+        prompt_width, output_ids, output_width, bias_ids, bias_values, bias_width, status_empty, status_nonfinite,
+        status_invalid, tokens, width, num_emitted, status, threads;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnnnnnnnnnn", &logits, &rows, &vocab, &temperature, &top_p, &min_p,
+                          &repetition, &presence, &frequency, &top_k, &prompt_ids, &prompt_width, &output_ids,
+                          &output_width, &bias_ids, &bias_values, &bias_width, &status_empty, &status_nonfinite,
+                          &status_invalid, &tokens, &width, &num_emitted, &status, &threads))
+        return NULL;
+    if (rows < 0 || vocab < 1 || prompt_width < 0 || output_width < 0 || bias_width < 0 || width < 1 || threads < 1)
+        return invalid("greedy_tokens", "sizes must be positive");
+    const GreedyRows in = {
+        .logits = (const float *)logits, .rows = rows, .vocab = vocab,
+        .temperature = (const float *)temperature, .top_p = (const float *)top_p, .min_p = (const float *)min_p,
+        .repetition_penalty = (const float *)repetition, .presence_penalty = (const float *)presence,
+        .frequency_penalty = (const float *)frequency, .top_k = (const int64_t *)top_k,
+        .prompt_ids = (const int64_t *)prompt_ids, .output_ids = (const int64_t *)output_ids,
+        .bias_ids = (const int64_t *)bias_ids, .prompt_width = prompt_width, .output_width = output_width,
+        .bias_width = bias_width, .bias_values = (const float *)bias_values,
+        .status_empty = (int32_t)status_empty, .status_nonfinite = (int32_t)status_nonfinite,
+        .status_invalid = (int32_t)status_invalid,
+    };
+    GreedyOut out = {.tokens = (int64_t *)tokens, .width = width, .num_emitted = (int32_t *)num_emitted,
+                     .status = (int32_t *)status};
+    int failed;
+    Py_BEGIN_ALLOW_THREADS
+    failed = greedy_tokens(&in, &out, (int)threads);
+    Py_END_ALLOW_THREADS
+    if (failed) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"stream_uniforms", py_stream_uniforms, METH_VARARGS, "stream_uniforms(keys, rows, vocab, out, threads)"},
     {"top_p_threshold", py_top_p_threshold, METH_VARARGS,
      "top_p_threshold(scaled, mass, target, rows, vocab, out, threads)"},
+    {"greedy_tokens", py_greedy_tokens, METH_VARARGS,
+     "greedy_tokens(logits, rows, vocab, temperature, top_p, min_p, repetition, presence, frequency, top_k, "
+     "prompt_ids, prompt_width, output_ids, output_width, bias_ids, bias_values, bias_width, status_empty, "
+     "status_nonfinite, status_invalid, tokens, width, num_emitted, status, threads)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,6 +1,7 @@
 /* The sampler's CPU kernels over whole vocabulary rows: the counter-based random stream's
- * uniforms and the top-p threshold (sampling.c). Each computes the bits of its torch twin in
- * flare/kernels/; flare/kernels/native.py checks the tensors behind every pointer. */
+ * uniforms and the top-p threshold (sampling.c), and the tokens of an all-greedy round
+ * (greedy_tokens.c). Each computes the results of its torch twin in flare/kernels/;
+ * flare/kernels/native.py checks the tensors behind every pointer. */
 #ifndef FLARE_SAMPLING_H
 #define FLARE_SAMPLING_H
 
@@ -19,5 +20,29 @@
 void stream_uniforms(const int32_t *keys, int64_t rows, int64_t vocab, float *out, int threads);
 int top_p_threshold(const float *scaled, const float *mass, const float *target, int64_t rows, int64_t vocab, float *out,
                     int threads);
+
+/* An all-greedy round's inputs: [rows, vocab] float32 logits, the SamplingBatch's per-row
+ * parameters (float32; top_k int64), its padded id lists (int64, -1 padding; NULL when no row is
+ * penalized, or has a bias) and the DeviceStatus codes to report. */
+typedef struct {
+    const float *logits;
+    int64_t rows, vocab;
+    const float *temperature, *top_p, *min_p, *repetition_penalty, *presence_penalty, *frequency_penalty;
+    const int64_t *top_k;
+    const int64_t *prompt_ids, *output_ids, *bias_ids;
+    int64_t prompt_width, output_width, bias_width;
+    const float *bias_values;
+    int32_t status_empty, status_nonfinite, status_invalid;
+} GreedyRows;
+
+/* Its outputs: tokens [rows, width] int64 (-1 after the first), emitted and status [rows] int32. */
+typedef struct {
+    int64_t *tokens;
+    int64_t width;
+    int32_t *num_emitted, *status;
+} GreedyOut;
+
+/* Returns 0, or -1 when scratch memory could not be allocated. */
+int greedy_tokens(const GreedyRows *in, GreedyOut *out, int threads);
 
 #endif
