@@ -4,9 +4,9 @@ called on tensors.
 - `stream_uniforms` and `top_p_threshold`: the sampler's random stream over whole vocabulary rows
   and its top-p radix select, the bits of their torch twins (random_stream.py, distribution.py;
   one pass where those take ten, and a 2048-bin histogram in cache where they call bincount).
-- `greedy_tokens`: a round of greedy rows with one position each (bias and penalties included),
-  the results of its torch twin `greedy_round` (round.py) in one call instead of a few dozen
-  operators, each of which costs more to dispatch at one row than its arithmetic.
+- `greedy_tokens`: a round of greedy rows (bias, penalties and draft verification included),
+  sample_round's results for it in one call instead of a few hundred operators, each of which
+  costs more to dispatch at one row than its arithmetic.
 
 The extension is optional, as the engine's is: where it was not built (no C compiler at install
 time) the twins run. The kernels trust the addresses they are given, so every function here
@@ -74,24 +74,33 @@ def top_p_threshold(scaled: torch.Tensor, mass: torch.Tensor, target: torch.Tens
 
 
 def greedy_tokens(
-    logits: torch.Tensor, batch: SamplingBatch, width: int, statuses: tuple[int, int, int]
+    logits: torch.Tensor,
+    num_drafts: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    batch: SamplingBatch,
+    statuses: tuple[int, int, int, int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tokens [R, width] int64 (the argmax after bias and penalties, then -1), emitted [R] int32
-    and status [R] int32 of an all-greedy round of one position a row (greedy_tokens.c). `statuses`:
-    the codes of an empty distribution, of non-finite logits and of invalid parameters."""
+    """Tokens [R, Kmax + 1] int64 (the accepted drafts, then the argmax after bias and penalties,
+    then -1), emitted [R] int32 and status [R] int32 of a round whose rows are all greedy or
+    invalid (greedy_tokens.c): sample_round's results for such a round without a token mask,
+    draft probabilities or log-probabilities. `statuses`: the codes of an empty distribution,
+    non-finite logits, an invalid draft token and invalid parameters."""
     native = _module()
-    rows, vocab = logits.shape
+    positions, vocab = logits.shape
+    rows, max_drafts = draft_tokens.shape
     per_row = {
         "temperature": batch.temperature, "top_p": batch.top_p, "min_p": batch.min_p,
         "repetition_penalty": batch.repetition_penalty, "presence_penalty": batch.presence_penalty,
-        "frequency_penalty": batch.frequency_penalty, "top_k": batch.top_k,
+        "frequency_penalty": batch.frequency_penalty, "top_k": batch.top_k, "num_drafts": num_drafts,
     }
     lists = {"prompt_ids": batch.prompt_ids, "output_ids": batch.output_ids, "bias_ids": batch.bias_ids}
     problems = []
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous():
-        problems.append(f"logits must be a contiguous CPU torch.float32 [rows, vocab], got {logits.device} {logits.dtype}")
+        problems.append(f"logits must be a contiguous CPU torch.float32 [positions, vocab], got {logits.device} {logits.dtype}")
+    if draft_tokens.device.type != "cpu" or draft_tokens.dtype != torch.int64 or not draft_tokens.is_contiguous():
+        problems.append("draft_tokens must be a contiguous CPU torch.int64 [rows, max_drafts]")
     for name, tensor in per_row.items():
-        dtype = torch.int64 if name == "top_k" else torch.float32
+        dtype = torch.int64 if name in ("top_k", "num_drafts") else torch.float32
         if tensor.device.type != "cpu" or tensor.dtype != dtype or tensor.shape != (rows,) or not tensor.is_contiguous():
             problems.append(f"{name} must be a contiguous CPU {dtype} [{rows}]")
     for name, tensor in lists.items():
@@ -110,8 +119,6 @@ def greedy_tokens(
         )
     ):
         problems.append("bias_values must be a contiguous CPU torch.float32 tensor shaped as bias_ids")
-    if width < 1:
-        problems.append(f"width must be at least 1, got {width}")
     if problems:
         raise ValueError("greedy_tokens: " + "; ".join(problems))
 
@@ -121,15 +128,15 @@ def greedy_tokens(
     def columns(tensor: torch.Tensor | None) -> int:
         return 0 if tensor is None else tensor.shape[1]
 
-    tokens = torch.empty(rows, width, dtype=torch.int64)
+    tokens = torch.empty(rows, max_drafts + 1, dtype=torch.int64)
     emitted = torch.empty(rows, dtype=torch.int32)
     status = torch.empty(rows, dtype=torch.int32)
     native.greedy_tokens(
-        logits.data_ptr(), rows, vocab,
-        *(tensor.data_ptr() for tensor in per_row.values()),
+        logits.data_ptr(), rows, positions, vocab, max_drafts, num_drafts.data_ptr(), draft_tokens.data_ptr(),
+        *(per_row[name].data_ptr() for name in list(per_row)[:7]),
         address(batch.prompt_ids), columns(batch.prompt_ids), address(batch.output_ids), columns(batch.output_ids),
         address(batch.bias_ids), address(bias_values), columns(batch.bias_ids),
         *statuses,
-        tokens.data_ptr(), width, emitted.data_ptr(), status.data_ptr(), torch.get_num_threads(),
+        tokens.data_ptr(), emitted.data_ptr(), status.data_ptr(), torch.get_num_threads(),
     )
     return tokens, emitted, status

@@ -47,6 +47,15 @@ from flare.kernels.status import DeviceStatus
 
 Backend = Literal["torch", "triton"]
 
+# What greedy_tokens.c reports for an empty distribution, non-finite logits, an invalid draft
+# token and invalid parameters.
+GREEDY_STATUSES = (
+    int(DeviceStatus.EMPTY_DISTRIBUTION),
+    int(DeviceStatus.NONFINITE_LOGITS),
+    int(DeviceStatus.INVALID_DRAFT_TOKEN),
+    int(DeviceStatus.INVALID_SAMPLING_PARAMETERS),
+)
+
 
 @dataclass(frozen=True)
 class RoundResult:
@@ -94,13 +103,20 @@ def sample_round(
     _check_shapes(logits, num_drafts, draft_tokens, draft_probs, batch, vocab_shards, token_mask)
     facts = batch.facts
     kernels = _kernels(backend or ("triton" if logits.is_cuda else "torch"))
-    if (
-        not facts.any_sampled
-        and num_positions == num_rows
-        and token_mask is None
-        and num_logprobs is None
-        and raw_logprobs is None
-    ):
+    greedy_only = not facts.any_sampled and token_mask is None and num_logprobs is None and raw_logprobs is None
+    if greedy_only and draft_probs is None and logits.device.type == "cpu" and native.available():
+        # The same results in one call (greedy_tokens.c): at one row the few hundred operators
+        # below cost more to dispatch than to compute.
+        tokens, emitted, status = native.greedy_tokens(
+            logits.float().contiguous(),
+            num_drafts.to(torch.int64).contiguous(),
+            draft_tokens.to(torch.int64).contiguous(),
+            # The ids are read only when some row is penalized, as in the operators' path.
+            batch if facts.any_penalized or batch.prompt_ids is None else dataclasses.replace(batch, prompt_ids=None, output_ids=None),
+            GREEDY_STATUSES,
+        )
+        return RoundResult(tokens=tokens, num_emitted=emitted, status=status)
+    if greedy_only and num_positions == num_rows:
         return greedy_round(logits, batch, max_drafts, kernels)
     device = logits.device
 
@@ -249,22 +265,12 @@ def greedy_round(logits: torch.Tensor, batch: SamplingBatch, max_drafts: int, ke
     neutral, as in the general path). Like sample_round's, the tokens are [R, max_drafts + 1], -1
     after the first.
 
-    On the CPU the kernel `native.greedy_tokens` computes it in one call. The operators below are
-    its twin, for other devices: they apply the general path's own penalize_and_scale (`kernels`,
-    the backend's), so the values compared are the same floats.
+    The operators apply the general path's own penalize_and_scale (`kernels`, the backend's), so
+    the values compared are the same floats. On the CPU, `native.greedy_tokens` computes the same
+    (and verifies greedy rows' drafts) in one call.
     """
     num_rows, width = logits.shape[0], max_drafts + 1
     facts = batch.facts
-    if logits.device.type == "cpu" and native.available():
-        # The same results in one call (greedy_tokens.c): at one row the operators below cost
-        # more to dispatch than to compute.
-        codes = (DeviceStatus.EMPTY_DISTRIBUTION, DeviceStatus.NONFINITE_LOGITS, DeviceStatus.INVALID_SAMPLING_PARAMETERS)
-        if not facts.any_penalized and batch.prompt_ids is not None:  # the ids are read only then
-            batch = dataclasses.replace(batch, prompt_ids=None, output_ids=None)
-        tokens, emitted, status = native.greedy_tokens(
-            logits.float().contiguous(), batch, width, tuple(int(code) for code in codes)
-        )
-        return RoundResult(tokens=tokens, num_emitted=emitted, status=status)
     invalid_params = row_kinds(batch).invalid_params
     penalties = None
     if facts.any_penalized:

@@ -1,5 +1,5 @@
-"""A round of greedy rows with one position each takes sample_round's short path, with the general
-path's results: plain, with penalties and with a logit bias."""
+"""A round of greedy rows takes sample_round's short paths, with the general path's results: plain,
+with penalties, with a logit bias and, in the C kernel, with drafts to verify."""
 
 from __future__ import annotations
 
@@ -62,6 +62,16 @@ def _history(rows: int, logits: torch.Tensor) -> tuple[list[list[int]], list[lis
 
 needs_kernels = pytest.mark.skipif(not native.available(), reason="the sampler's C kernels were not built")
 SHORT_PATHS = [pytest.param(True, id="kernel", marks=needs_kernels), pytest.param(False, id="twin")]
+ALL_ALLOWED = -1  # a grammar mask word that allows its 32 tokens: changes nothing, takes the general path
+
+
+def _count_short_paths(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Which short path each sample_round call took: "kernel" or "twin"."""
+    calls: list[str] = []
+    greedy_round, greedy_tokens = round_module.greedy_round, native.greedy_tokens
+    monkeypatch.setattr(round_module, "greedy_round", lambda *a: calls.append("twin") or greedy_round(*a))
+    monkeypatch.setattr(native, "greedy_tokens", lambda *a: calls.append("kernel") or greedy_tokens(*a))
+    return calls
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 7])
@@ -81,15 +91,13 @@ def test_greedy_rows_take_the_short_path_and_get_the_general_paths_tokens_and_st
         temperature = batch.temperature.clone()
         temperature[invalid_row] = -1.0
         batch = dataclasses.replace(batch, temperature=temperature)
-    short_calls = []
-    greedy_round = round_module.greedy_round
-    monkeypatch.setattr(round_module, "greedy_round", lambda *a: short_calls.append(1) or greedy_round(*a))
+    short_calls = _count_short_paths(monkeypatch)
 
     short = _round(logits, batch, width)
     # A grammar mask that allows every token changes nothing but takes the general path.
     general = _round(logits, batch, width, mask=torch.full((rows, -(-VOCAB // 32)), -1, dtype=torch.int32))
 
-    assert short_calls == [1]
+    assert short_calls == ["kernel" if kernel else "twin"]
     assert torch.equal(short.tokens, general.tokens)
     assert torch.equal(short.num_emitted, general.num_emitted)
     assert torch.equal(short.status, general.status)
@@ -112,12 +120,17 @@ def test_greedy_rows_take_the_short_path_and_get_the_general_paths_tokens_and_st
     [
         {"params": SamplingParams(temperature=0.7)},
         {"num_logprobs": 2},
-        {"drafts": 1},
+        {"drafts": 1, "draft_probs": True},
+        {"drafts": 1, "kernel": False},
     ],
-    ids=["sampled", "logprobs", "drafts"],
+    ids=["sampled", "logprobs", "learned-drafts", "drafts-without-the-kernel"],
 )
-def test_sampling_log_probabilities_or_drafts_keep_the_general_path(change: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(round_module, "greedy_round", lambda *a: pytest.fail("the short path ran"))
+def test_sampling_log_probabilities_or_draft_probabilities_keep_the_general_path(
+    change: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built = change.get("kernel", native.available())
+    monkeypatch.setattr(native, "available", lambda: built)
+    calls = _count_short_paths(monkeypatch)
     params = change.get("params", SamplingParams(temperature=0.0))
     drafts = change.get("drafts", 0)
     batch = make_batch([params], prompt_ids=[[1, 2]], output_ids=[[3]])
@@ -126,10 +139,11 @@ def test_sampling_log_probabilities_or_drafts_keep_the_general_path(change: dict
         logits,
         num_drafts=torch.tensor([drafts]),
         draft_tokens=torch.full((1, max(drafts, 1)), 4, dtype=torch.int64),
-        draft_probs=None,
+        draft_probs=torch.full((1, max(drafts, 1), VOCAB), 1.0 / VOCAB) if change.get("draft_probs") else None,
         batch=batch,
         num_logprobs=change.get("num_logprobs"),
     )
+    assert calls == []
     assert result.status.tolist() == [DeviceStatus.OK]
 
 
@@ -209,18 +223,111 @@ def test_the_kernel_gives_the_twins_tokens_and_statuses_on_any_logits_and_histor
     ]
     batch = make_batch(params, prompt_ids=[data.draw(ids) for _ in range(rows)], output_ids=[data.draw(ids) for _ in range(rows)])
     with mock.patch.object(native, "available", lambda: False):
-        twin = round_module.greedy_round(logits, batch, 2, round_module._kernels("torch"))
-    codes = (DeviceStatus.EMPTY_DISTRIBUTION, DeviceStatus.NONFINITE_LOGITS, DeviceStatus.INVALID_SAMPLING_PARAMETERS)
-    kernel_tokens, kernel_emitted, kernel_status = native.greedy_tokens(logits, batch, 3, codes)
-    assert kernel_status.tolist() == twin.status.tolist()
-    assert kernel_tokens.tolist() == twin.tokens.tolist()
-    assert kernel_emitted.tolist() == twin.num_emitted.tolist()
+        twin = _round(logits, batch, 2)
+    kernel = _round(logits, batch, 2)
+    assert kernel.status.tolist() == twin.status.tolist()
+    assert kernel.tokens.tolist() == twin.tokens.tolist()
+    assert kernel.num_emitted.tolist() == twin.num_emitted.tolist()
 
 
 @needs_kernels
 def test_the_kernel_refuses_tensors_it_cannot_read() -> None:
     batch = make_batch([GREEDY])
+    no_drafts = (torch.zeros(1, dtype=torch.int64), torch.full((1, 0), -1, dtype=torch.int64))
     with pytest.raises(ValueError, match="logits must be a contiguous CPU torch.float32"):
-        native.greedy_tokens(torch.zeros(1, 8, dtype=torch.float64), batch, 1, (1, 2, 3))
+        native.greedy_tokens(torch.zeros(1, 8, dtype=torch.float64), *no_drafts, batch, (1, 2, 3, 4))
     with pytest.raises(ValueError, match="temperature must be a contiguous CPU"):
-        native.greedy_tokens(torch.zeros(2, 8), batch, 1, (1, 2, 3))
+        native.greedy_tokens(torch.zeros(2, 8), torch.zeros(2, dtype=torch.int64), torch.full((2, 0), -1), batch, (1, 2, 3, 4))
+    with pytest.raises(ValueError, match="do not add up to the logits' rows"):
+        native.greedy_tokens(torch.zeros(3, 8), torch.tensor([1]), torch.tensor([[4]]), batch, (1, 2, 3, 4))
+
+def _verify_round(logits: torch.Tensor, num_drafts: list[int], drafts: torch.Tensor, batch, mask: bool) -> RoundResult:
+    return sample_round(
+        logits,
+        num_drafts=torch.tensor(num_drafts),
+        draft_tokens=drafts,
+        draft_probs=None,
+        batch=batch,
+        token_mask=torch.full((logits.shape[0], -(-logits.shape[1] // 32)), ALL_ALLOWED, dtype=torch.int32) if mask else None,
+    )
+
+
+@needs_kernels
+def test_the_kernel_accepts_greedy_drafts_up_to_the_first_that_is_not_the_argmax(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _count_short_paths(monkeypatch)
+    logits = torch.zeros(4, VOCAB)
+    for position, top in enumerate([7, 8, 5, 9]):
+        logits[position, top] = 1.0
+    drafts = torch.tensor([[7, 8, 9]])  # the third draft (9) is not the argmax (5) at its position
+    batch = make_batch([GREEDY], prompt_ids=[[1]], output_ids=[[2]])
+    result = _verify_round(logits, [3], drafts, batch, mask=False)
+    assert calls == ["kernel"]
+    assert result.tokens.tolist() == [[7, 8, 5, -1]]
+    assert result.num_emitted.tolist() == [3] and result.status.tolist() == [DeviceStatus.OK]
+    general = _verify_round(logits, [3], drafts, batch, mask=True)
+    assert general.tokens.tolist() == result.tokens.tolist()
+
+
+@needs_kernels
+def test_a_draft_counts_as_output_for_the_penalties_at_the_positions_after_it() -> None:
+    """At the second position the first draft is output: with a frequency penalty it is no longer
+    the argmax there, so a second draft repeating it is rejected, as the general path decides."""
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 7], logits[:, 8] = 1.0, 0.8
+    batch = make_batch([SamplingParams(temperature=0.0, frequency_penalty=0.5)], prompt_ids=[[1]], output_ids=[[2]])
+    drafts = torch.tensor([[7, 7]])
+    result = _verify_round(logits[:2].clone(), [1], drafts[:, :1], batch, mask=False)
+    assert result.tokens.tolist() == [[7, 8]]  # 7 accepted, then 1.0 - 0.5 < 0.8 at the bonus position
+    general = _verify_round(logits[:2].clone(), [1], drafts[:, :1], batch, mask=True)
+    assert general.tokens.tolist() == [[7, 8]]
+
+
+@needs_kernels
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.data(),
+    rows=st.integers(1, 5),
+    vocab=st.one_of(st.integers(1, 8), st.integers(9, 70)),
+    max_drafts=st.integers(0, 4),
+    repetition=st.sampled_from([1.0, 1.3, 1e-40]),
+    frequency=st.sampled_from([0.0, 0.4, -2.0]),
+    presence=st.sampled_from([0.0, 0.7]),
+    temperature=st.sampled_from([0.0, 0.0, -1.0]),
+)
+def test_the_kernel_verifies_drafts_as_the_general_path_does(
+    data: st.DataObject, rows: int, vocab: int, max_drafts: int, repetition: float, frequency: float,
+    presence: float, temperature: float,
+) -> None:
+    """Drafts that match the argmax or not, drafts outside the vocabulary, penalties that count
+    the drafts before each position, NaN and infinite logits at later positions, and invalid
+    parameters: tokens, emitted counts and statuses equal the general path's."""
+    num_drafts = data.draw(st.lists(st.integers(0, max_drafts), min_size=rows, max_size=rows))
+    positions = sum(num_drafts) + rows
+    logits = torch.tensor(
+        data.draw(st.lists(st.lists(values, min_size=vocab, max_size=vocab), min_size=positions, max_size=positions))
+    )
+    # Drafts mostly from the positions' argmaxes, so that some are accepted, some rejected.
+    top = logits.nan_to_num(0.0, 1e30, -1e30).argmax(1).tolist()
+    drafts = torch.full((rows, max(max_drafts, 1) if max_drafts else 0), -1, dtype=torch.int64)
+    start = 0
+    for r, k in enumerate(num_drafts):
+        for j in range(k):
+            drafts[r, j] = data.draw(st.one_of(st.just(top[start + j]), st.integers(-1, vocab)))
+        start += k + 1
+    ids = st.lists(st.integers(-1, vocab), max_size=6)
+    params = [
+        SamplingParams(
+            temperature=temperature if r == 0 else 0.0,
+            repetition_penalty=repetition,
+            frequency_penalty=frequency,
+            presence_penalty=presence,
+            logit_bias=tuple(data.draw(st.lists(st.tuples(st.integers(0, vocab - 1), st.sampled_from([1.0, -3.0])), max_size=2))),
+        )
+        for r in range(rows)
+    ]
+    batch = make_batch(params, prompt_ids=[data.draw(ids) for _ in range(rows)], output_ids=[data.draw(ids) for _ in range(rows)])
+    kernel = _verify_round(logits, num_drafts, drafts, batch, mask=False)
+    general = _verify_round(logits, num_drafts, drafts, batch, mask=True)
+    assert kernel.status.tolist() == general.status.tolist()
+    assert kernel.tokens.tolist() == general.tokens.tolist()
+    assert kernel.num_emitted.tolist() == general.num_emitted.tolist()

@@ -41,18 +41,21 @@ static PyObject *py_top_p_threshold(PyObject *self, PyObject *args) {
 
 static PyObject *py_greedy_tokens(PyObject *self, PyObject *args) {
     (void)self;
-    Py_ssize_t logits, rows, vocab, temperature, top_p, min_p, repetition, presence, frequency, top_k, prompt_ids,
-        prompt_width, output_ids, output_width, bias_ids, bias_values, bias_width, status_empty, status_nonfinite,
-        status_invalid, tokens, width, num_emitted, status, threads;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnnnnnnnnnn", &logits, &rows, &vocab, &temperature, &top_p, &min_p,
-                          &repetition, &presence, &frequency, &top_k, &prompt_ids, &prompt_width, &output_ids,
-                          &output_width, &bias_ids, &bias_values, &bias_width, &status_empty, &status_nonfinite,
-                          &status_invalid, &tokens, &width, &num_emitted, &status, &threads))
+    Py_ssize_t logits, rows, positions, vocab, max_drafts, num_drafts, draft_tokens, temperature, top_p, min_p, repetition,
+        presence, frequency, top_k, prompt_ids, prompt_width, output_ids, output_width, bias_ids, bias_values, bias_width,
+        status_empty, status_nonfinite, status_invalid_draft, status_invalid, tokens, num_emitted, status, threads;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnnnnnnnnnnnnnn", &logits, &rows, &positions, &vocab, &max_drafts,
+                          &num_drafts, &draft_tokens, &temperature, &top_p, &min_p, &repetition, &presence, &frequency,
+                          &top_k, &prompt_ids, &prompt_width, &output_ids, &output_width, &bias_ids, &bias_values,
+                          &bias_width, &status_empty, &status_nonfinite, &status_invalid_draft, &status_invalid, &tokens,
+                          &num_emitted, &status, &threads))
         return NULL;
-    if (rows < 0 || vocab < 1 || prompt_width < 0 || output_width < 0 || bias_width < 0 || width < 1 || threads < 1)
+    if (rows < 0 || positions < rows || vocab < 1 || max_drafts < 0 || prompt_width < 0 || output_width < 0 ||
+        bias_width < 0 || threads < 1)
         return invalid("greedy_tokens", "sizes must be positive");
     const GreedyRows in = {
-        .logits = (const float *)logits, .rows = rows, .vocab = vocab,
+        .logits = (const float *)logits, .rows = rows, .positions = positions, .vocab = vocab, .max_drafts = max_drafts,
+        .num_drafts = (const int64_t *)num_drafts, .draft_tokens = (const int64_t *)draft_tokens,
         .temperature = (const float *)temperature, .top_p = (const float *)top_p, .min_p = (const float *)min_p,
         .repetition_penalty = (const float *)repetition, .presence_penalty = (const float *)presence,
         .frequency_penalty = (const float *)frequency, .top_k = (const int64_t *)top_k,
@@ -60,14 +63,14 @@ static PyObject *py_greedy_tokens(PyObject *self, PyObject *args) {
         .bias_ids = (const int64_t *)bias_ids, .prompt_width = prompt_width, .output_width = output_width,
         .bias_width = bias_width, .bias_values = (const float *)bias_values,
         .status_empty = (int32_t)status_empty, .status_nonfinite = (int32_t)status_nonfinite,
-        .status_invalid = (int32_t)status_invalid,
+        .status_invalid_draft = (int32_t)status_invalid_draft, .status_invalid = (int32_t)status_invalid,
     };
-    GreedyOut out = {.tokens = (int64_t *)tokens, .width = width, .num_emitted = (int32_t *)num_emitted,
-                     .status = (int32_t *)status};
+    GreedyOut out = {.tokens = (int64_t *)tokens, .num_emitted = (int32_t *)num_emitted, .status = (int32_t *)status};
     int failed;
     Py_BEGIN_ALLOW_THREADS
     failed = greedy_tokens(&in, &out, (int)threads);
     Py_END_ALLOW_THREADS
+    if (failed == -2) return invalid("greedy_tokens", "the rows' positions (1 + drafts each) do not add up to the logits' rows");
     if (failed) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
@@ -77,9 +80,10 @@ static PyMethodDef methods[] = {
     {"top_p_threshold", py_top_p_threshold, METH_VARARGS,
      "top_p_threshold(scaled, mass, target, rows, vocab, out, threads)"},
     {"greedy_tokens", py_greedy_tokens, METH_VARARGS,
-     "greedy_tokens(logits, rows, vocab, temperature, top_p, min_p, repetition, presence, frequency, top_k, "
-     "prompt_ids, prompt_width, output_ids, output_width, bias_ids, bias_values, bias_width, status_empty, "
-     "status_nonfinite, status_invalid, tokens, width, num_emitted, status, threads)"},
+     "greedy_tokens(logits, rows, positions, vocab, max_drafts, num_drafts, draft_tokens, temperature, top_p, "
+     "min_p, repetition, presence, frequency, top_k, prompt_ids, prompt_width, output_ids, output_width, bias_ids, "
+     "bias_values, bias_width, status_empty, status_nonfinite, status_invalid_draft, status_invalid, tokens, "
+     "num_emitted, status, threads)"},
     {NULL, NULL, 0, NULL},
 };
 

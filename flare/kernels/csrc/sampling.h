@@ -1,6 +1,6 @@
 /* The sampler's CPU kernels over whole vocabulary rows: the counter-based random stream's
- * uniforms and the top-p threshold (sampling.c), and the tokens of an all-greedy round
- * (greedy_tokens.c). Each computes the results of its torch twin in flare/kernels/;
+ * uniforms and the top-p threshold (sampling.c), and the tokens of an all-greedy round with
+ * its drafts verified (greedy_tokens.c). Each computes the results of its torch twin in flare/kernels/;
  * flare/kernels/native.py checks the tensors behind every pointer. */
 #ifndef FLARE_SAMPLING_H
 #define FLARE_SAMPLING_H
@@ -21,28 +21,31 @@ void stream_uniforms(const int32_t *keys, int64_t rows, int64_t vocab, float *ou
 int top_p_threshold(const float *scaled, const float *mass, const float *target, int64_t rows, int64_t vocab, float *out,
                     int threads);
 
-/* An all-greedy round's inputs: [rows, vocab] float32 logits, the SamplingBatch's per-row
- * parameters (float32; top_k int64), its padded id lists (int64, -1 padding; NULL when no row is
- * penalized, or has a bias) and the DeviceStatus codes to report. */
+/* An all-greedy round's inputs: [positions, vocab] float32 logits (row r's 1 + num_drafts[r]
+ * positions in order), its drafts ([rows, max_drafts] int64, -1 padded), the SamplingBatch's
+ * per-row parameters (float32; top_k int64), its padded id lists (int64, -1 padding; NULL when no
+ * row is penalized, or has a bias) and the DeviceStatus codes to report. */
 typedef struct {
     const float *logits;
-    int64_t rows, vocab;
+    int64_t rows, positions, vocab, max_drafts;
+    const int64_t *num_drafts, *draft_tokens;
     const float *temperature, *top_p, *min_p, *repetition_penalty, *presence_penalty, *frequency_penalty;
     const int64_t *top_k;
     const int64_t *prompt_ids, *output_ids, *bias_ids;
     int64_t prompt_width, output_width, bias_width;
     const float *bias_values;
-    int32_t status_empty, status_nonfinite, status_invalid;
+    int32_t status_empty, status_nonfinite, status_invalid_draft, status_invalid;
 } GreedyRows;
 
-/* Its outputs: tokens [rows, width] int64 (-1 after the first), emitted and status [rows] int32. */
+/* Its outputs: tokens [rows, max_drafts + 1] int64 (accepted drafts, the token, then -1),
+ * emitted and status [rows] int32. */
 typedef struct {
     int64_t *tokens;
-    int64_t width;
     int32_t *num_emitted, *status;
 } GreedyOut;
 
-/* Returns 0, or -1 when scratch memory could not be allocated. */
+/* Returns 0; -1 when scratch memory could not be allocated, -2 when the rows' positions do not
+ * add up to `positions`. */
 int greedy_tokens(const GreedyRows *in, GreedyOut *out, int threads);
 
 #endif
