@@ -18,6 +18,7 @@ group's rows in row order, so every group reads one contiguous slice of the flat
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,10 +57,9 @@ class AttentionGroup:
     """Rows that share one attention call: `rows` rows of `query_len` new tokens each.
 
     Their tokens are the flat tokens `[start, end)`, row after row. `block_table`
-    [rows, max_blocks] holds each row's blocks up to its last position, padded with block 0,
-    which the mask hides. `start_positions` [rows] is the position of each row's first new
-    token. `mask` [rows, 1, query_len, max_blocks * block_size] is True where a query may
-    attend: keys of its own request at positions up to its own (causal).
+    [rows, max_blocks] holds each row's blocks (of `block_size` slots) up to its last position,
+    padded with block 0, which the mask hides. `start_positions` [rows] is the position of each
+    row's first new token.
     """
 
     start: int
@@ -67,11 +67,21 @@ class AttentionGroup:
     query_len: int
     block_table: torch.Tensor
     start_positions: torch.Tensor
-    mask: torch.Tensor
+    block_size: int
 
     @property
     def end(self) -> int:
         return self.start + self.rows * self.query_len
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """[rows, 1, query_len, max_blocks * block_size], True where a query may attend: keys of
+        its own request at positions up to its own (causal). Built when first read: only the
+        torch attention reads it, the C kernel's rounds never do."""
+        device = self.start_positions.device
+        positions = self.start_positions.view(-1, 1) + torch.arange(self.query_len, device=device)
+        key_positions = torch.arange(self.block_table.shape[1] * self.block_size, device=device)
+        return (key_positions <= positions.unsqueeze(-1)).unsqueeze(1)
 
 
 @dataclass(frozen=True)
@@ -178,15 +188,11 @@ def _attention_group(
     used = [(row.end_position + block_size - 1) // block_size for row in rows]
     max_blocks = max(used)
     block_tables = [list(row.block_table[:n]) + [0] * (max_blocks - n) for row, n in zip(rows, used)]
-    positions = torch.tensor(
-        [list(range(row.start_position, row.end_position)) for row in rows], dtype=torch.long, device=device
-    )
-    key_positions = torch.arange(max_blocks * block_size, device=device)
     return AttentionGroup(
         start=start,
         rows=len(rows),
         query_len=len(rows[0].token_ids),
         block_table=torch.tensor(block_tables, dtype=torch.long, device=device),
-        start_positions=positions[:, 0].contiguous(),
-        mask=(key_positions <= positions.unsqueeze(-1)).unsqueeze(1),
+        start_positions=torch.tensor([row.start_position for row in rows], dtype=torch.long, device=device),
+        block_size=block_size,
     )

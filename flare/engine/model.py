@@ -519,6 +519,8 @@ class LlamaModel:
     def _plan_attention(self, batch: ForwardBatch, kv_cache: KVCache) -> list[AttentionCall]:
         """The round's attention calls, one per attention group, built once for every layer."""
         in_kernel = [self.native_kernels and g.query_len <= SHORT_ROW_MAX_TOKENS for g in batch.groups]
+        if all(in_kernel):  # a decode round's: nothing to gather
+            return [AttentionCall(group) for group in batch.groups]
         group_size = self.config.num_heads // self.config.num_kv_heads
         head_offsets = torch.arange(self.config.num_kv_heads, device=self.device).view(1, -1, 1) * kv_cache.num_blocks
         block_numel = kv_cache.block_size * self.config.head_dim

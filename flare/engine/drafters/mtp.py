@@ -271,15 +271,7 @@ class MtpHead:
         bs = self.kv_cache.block_size
         rows = g.shape[0]
         slot_mapping = block_table.gather(1, (slots // bs).unsqueeze(1)).squeeze(1) * bs + slots % bs
-        key_positions = torch.arange(block_table.shape[1] * bs, device=g.device)
-        group = AttentionGroup(
-            start=0,
-            rows=rows,
-            query_len=1,
-            block_table=block_table,
-            start_positions=slots,
-            mask=(key_positions <= slots.unsqueeze(-1)).unsqueeze(1).unsqueeze(1),
-        )
+        group = AttentionGroup(start=0, rows=rows, query_len=1, block_table=block_table, start_positions=slots, block_size=bs)
         batch = ForwardBatch(
             token_ids=token_ids,
             positions=slots,
