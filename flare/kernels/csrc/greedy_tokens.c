@@ -93,6 +93,7 @@ static void add_bias(const GreedyRows *in, int64_t r, float *x) {
     }
 }
 
+FLARE_TARGET_CLONES
 static void row_tokens(const GreedyRows *in, int64_t r, int64_t first_position, float *x, int32_t *count, uint8_t *state,
                        int64_t *valid_drafts, GreedyOut *out) {
     const int64_t vocab = in->vocab;
@@ -111,6 +112,7 @@ static void row_tokens(const GreedyRows *in, int64_t r, int64_t first_position, 
     int64_t accepted = 0, token = -1;
     for (int64_t j = 0; j <= drafts; j++) {
         const float *raw = in->logits + (first_position + j) * vocab;
+#pragma omp simd reduction(| : nonfinite)
         for (int64_t i = 0; i < vocab; i++) nonfinite |= !isfinite(raw[i]);
         memcpy(x, raw, (size_t)vocab * sizeof(float));
         if (in->bias_ids != NULL) add_bias(in, r, x);
@@ -119,13 +121,16 @@ static void row_tokens(const GreedyRows *in, int64_t r, int64_t first_position, 
                                 {in->prompt_width, in->output_width, j}};
             penalize(&ids, vocab, rep, pres, freq, x, count, state);
         }
-        float best = x[0];
-        int64_t best_index = 0;
-        int nan = isnan(best);
-        for (int64_t i = 1; i < vocab; i++) {
-            nan |= isnan(x[i]);
-            if (x[i] > best) best = x[i], best_index = i;
+        /* The max (NaN noted apart: it makes the position empty), then its first index. */
+        float best = -INFINITY;
+        int nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+        for (int64_t i = 0; i < vocab; i++) {
+            best = x[i] > best ? x[i] : best;
+            nan |= x[i] != x[i];
         }
+        int64_t best_index = 0;
+        while (best_index < vocab - 1 && !(x[best_index] == best)) best_index++;
         empty |= nan || !isfinite(best);
         /* The argmax where verification stopped is the row's token; the later positions count
          * for the status only. */
