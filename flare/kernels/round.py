@@ -106,13 +106,15 @@ def sample_round(
     greedy_only = not facts.any_sampled and token_mask is None and num_logprobs is None and raw_logprobs is None
     if greedy_only and draft_probs is None and logits.device.type == "cpu" and native.available():
         # The same results in one call (greedy_tokens.c): at one row the few hundred operators
-        # below cost more to dispatch than to compute.
+        # below cost more to dispatch than to compute. The ids are read only when some row is
+        # penalized, as in the operators' path.
+        if not facts.any_penalized and batch.prompt_ids is not None:
+            batch = dataclasses.replace(batch, prompt_ids=None, output_ids=None)
         tokens, emitted, status = native.greedy_tokens(
             logits.float().contiguous(),
             num_drafts.to(torch.int64).contiguous(),
             draft_tokens.to(torch.int64).contiguous(),
-            # The ids are read only when some row is penalized, as in the operators' path.
-            batch if facts.any_penalized or batch.prompt_ids is None else dataclasses.replace(batch, prompt_ids=None, output_ids=None),
+            batch,
             GREEDY_STATUSES,
         )
         return RoundResult(tokens=tokens, num_emitted=emitted, status=status)
