@@ -192,7 +192,7 @@ values = st.one_of(
 
 
 @needs_kernels
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     data=st.data(),
     rows=st.integers(1, 6),
@@ -282,7 +282,7 @@ def test_a_draft_counts_as_output_for_the_penalties_at_the_positions_after_it() 
 
 
 @needs_kernels
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     data=st.data(),
     rows=st.integers(1, 5),

@@ -210,7 +210,7 @@ def test_a_blocks_package_runs_each_layer_in_one_kernel_call_with_the_bits_of_th
 
 FORCED_LAYERS_SCRIPT = """
 import sys, torch
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {helpers!r}]
 from test_blocks import greedy, prompt_logits
 from flare.engine import native
 from flare.engine.model import load_model
@@ -228,7 +228,10 @@ def test_the_whole_layer_path_gives_the_same_bits_under_forced_avx2_and_portable
     if not native.available():
         pytest.skip("the engine's C kernels were not built")
     path = tmp_path / "outputs.pt"
-    script = FORCED_LAYERS_SCRIPT.format(tests=str(Path(__file__).parent), package=str(every_kept_type_package), path=str(path))
+    here = Path(__file__).parent
+    script = FORCED_LAYERS_SCRIPT.format(
+        tests=str(here), helpers=str(here.parent), package=str(every_kept_type_package), path=str(path)
+    )
     subprocess.run([sys.executable, "-c", script], env={**os.environ, "ATEN_CPU_CAPABILITY": capability}, check=True, timeout=300)
     forced = torch.load(path)
     model = load_model(open_package(every_kept_type_package))

@@ -11,6 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf_writer import tiny_vocabulary
 from tokenizers import Tokenizer
 
 from flare.preparation.default_model import default_gguf_path
@@ -45,17 +46,6 @@ def permute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's permutation of q/k rows (convert_hf_to_gguf.py, LlamaModel.permute)."""
     rows, columns = weight.shape
     return weight.reshape(num_heads, 2, rows // num_heads // 2, columns).swapaxes(1, 2).reshape(rows, columns)
-
-
-def tiny_vocabulary() -> tuple[list[str], list[int], list[str]]:
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    alphabet = sorted(bytes_to_unicode().values())
-    merged = ["Ġt", "he", "Ġthe"]
-    tokens = specials + alphabet + merged
-    types = [3] * len(specials) + [1] * (len(alphabet) + len(merged))
-    return tokens, types, ["Ġ t", "h e", "Ġt he"]
 
 
 def write_tiny_gguf(
