@@ -26,6 +26,7 @@ import atexit
 import concurrent.futures
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -34,13 +35,13 @@ T = TypeVar("T")
 # How long exit waits for a thread that is still working (loading weights): not for the load.
 EXIT_WAIT_S = 1.0
 
-# How long the event loop sleeps, the GIL released, after handing the thread a round. A round
-# begins with Python (the batch's tensors, the embedding) before its kernels release the GIL, and
-# the loop's next work is the streams' HTTP writes: without the pause the loop held the GIL
-# through them and the round started 0.35-0.6 ms after it was queued, against 0.06 ms with it
-# (medians at one stream of greedy chat, 2 cores of an AMD EPYC). The writes then overlap the
-# layers, which run without the GIL. At 32 rows a round takes tens of milliseconds: the pause is
-# noise there.
+# How long the event loop sleeps, the GIL released, after handing the thread a round
+# (`submit_round`). A round begins with Python (the batch's tensors, the embedding) before its
+# kernels release the GIL, and the loop's next work is the streams' HTTP writes: without the
+# pause the loop held the GIL through them and the round started 0.35-0.6 ms after it was queued,
+# against 0.06 ms with it (medians at one stream of greedy chat, 2 cores of an AMD EPYC). The
+# writes then overlap the layers, which run without the GIL. At 32 rows a round takes tens of
+# milliseconds: the pause is noise there.
 ROUND_HEAD_START_S = 0.0002
 
 
@@ -58,6 +59,13 @@ class ModelThread:
         """Queue `work(*args)`; its result or exception arrives through the future."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._jobs.put((future, work, args))
+        return future
+
+    def submit_round(self, work: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        """`submit`, then sleep ROUND_HEAD_START_S with the GIL released (from the event loop:
+        the round's Python prologue goes before the loop's next work)."""
+        future = self.submit(work, *args)
+        time.sleep(ROUND_HEAD_START_S)
         return future
 
     def run(self, work: Callable[..., T], *args: Any) -> T:

@@ -38,7 +38,7 @@ from flare.scheduler.failures import cancelled_failure, device_failure, engine_d
 from flare.scheduler.loading import SchedulerParts, load_parts
 from flare.scheduler.metrics import SchedulerMetrics
 from flare.scheduler.model_runner import ModelRunner, PlannedRow, RoundObserver, RoundPlan, RoundResult, RowResult
-from flare.scheduler.model_thread import ROUND_HEAD_START_S, ModelThread
+from flare.scheduler.model_thread import ModelThread
 from flare.scheduler.options import SchedulerOptions
 from flare.scheduler.request import (
     Failed,
@@ -350,8 +350,7 @@ class Scheduler:
         return True
 
     async def _on_model_thread(self, work: Callable[[RoundPlan], RoundResult], plan: RoundPlan) -> RoundResult:
-        future = asyncio.wrap_future(self._model_thread.submit(work, plan))
-        time.sleep(ROUND_HEAD_START_S)  # the round's Python goes first (model_thread.py)
+        future = asyncio.wrap_future(self._model_thread.submit_round(work, plan))
         # As anyio.to_thread.run_sync does: a cancelled caller still waits for the round, whose
         # rows and KV blocks are in use until it returns.
         with anyio.CancelScope(shield=True):
