@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flare.kernels.status import DeviceStatus
+
 if TYPE_CHECKING:
     from flare.kernels.batch import SamplingBatch
 
@@ -74,32 +76,30 @@ def top_p_threshold(scaled: torch.Tensor, mass: torch.Tensor, target: torch.Tens
 
 
 def greedy_tokens(
-    logits: torch.Tensor,
-    num_drafts: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    batch: SamplingBatch,
-    statuses: tuple[int, int, int, int],
+    logits: torch.Tensor, num_drafts: torch.Tensor, draft_tokens: torch.Tensor, batch: SamplingBatch
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens [R, Kmax + 1] int64 (the accepted drafts, then the argmax after bias and penalties,
     then -1), emitted [R] int32 and status [R] int32 of a round whose rows are all greedy or
     invalid (greedy_tokens.c): sample_round's results for such a round without a token mask,
-    draft probabilities or log-probabilities. `statuses`: the codes of an empty distribution,
-    non-finite logits, an invalid draft token and invalid parameters."""
+    draft probabilities or log-probabilities. The penalty ids are read only when some row is
+    penalized (`batch.facts`), as in sample_round."""
     native = _module()
     positions, vocab = logits.shape
     rows, max_drafts = draft_tokens.shape
-    per_row = {
+    parameters = {
         "temperature": batch.temperature, "top_p": batch.top_p, "min_p": batch.min_p,
         "repetition_penalty": batch.repetition_penalty, "presence_penalty": batch.presence_penalty,
-        "frequency_penalty": batch.frequency_penalty, "top_k": batch.top_k, "num_drafts": num_drafts,
+        "frequency_penalty": batch.frequency_penalty, "top_k": batch.top_k,
     }
-    lists = {"prompt_ids": batch.prompt_ids, "output_ids": batch.output_ids, "bias_ids": batch.bias_ids}
+    penalized = batch.facts.any_penalized
+    prompt_ids, output_ids = (batch.prompt_ids, batch.output_ids) if penalized else (None, None)
+    lists = {"prompt_ids": prompt_ids, "output_ids": output_ids, "bias_ids": batch.bias_ids}
     problems = []
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous():
         problems.append(f"logits must be a contiguous CPU torch.float32 [positions, vocab], got {logits.device} {logits.dtype}")
     if draft_tokens.device.type != "cpu" or draft_tokens.dtype != torch.int64 or not draft_tokens.is_contiguous():
         problems.append("draft_tokens must be a contiguous CPU torch.int64 [rows, max_drafts]")
-    for name, tensor in per_row.items():
+    for name, tensor in {**parameters, "num_drafts": num_drafts}.items():
         dtype = torch.int64 if name in ("top_k", "num_drafts") else torch.float32
         if tensor.device.type != "cpu" or tensor.dtype != dtype or tensor.shape != (rows,) or not tensor.is_contiguous():
             problems.append(f"{name} must be a contiguous CPU {dtype} [{rows}]")
@@ -109,8 +109,8 @@ def greedy_tokens(
             or tensor.shape[0] != rows or not tensor.is_contiguous()
         ):
             problems.append(f"{name} must be a contiguous CPU torch.int64 [{rows}, width]")
-    if (batch.prompt_ids is None) != (batch.output_ids is None):
-        problems.append("prompt_ids and output_ids must be given together")
+    if penalized and (prompt_ids is None or output_ids is None):
+        problems.append("a penalized batch must carry prompt_ids and output_ids")
     bias_values = batch.bias_values
     if (batch.bias_ids is None) != (bias_values is None) or (
         bias_values is not None and batch.bias_ids is not None and (
@@ -133,10 +133,11 @@ def greedy_tokens(
     status = torch.empty(rows, dtype=torch.int32)
     native.greedy_tokens(
         logits.data_ptr(), rows, positions, vocab, max_drafts, num_drafts.data_ptr(), draft_tokens.data_ptr(),
-        *(per_row[name].data_ptr() for name in list(per_row)[:7]),
-        address(batch.prompt_ids), columns(batch.prompt_ids), address(batch.output_ids), columns(batch.output_ids),
+        *(tensor.data_ptr() for tensor in parameters.values()),
+        address(prompt_ids), columns(prompt_ids), address(output_ids), columns(output_ids),
         address(batch.bias_ids), address(bias_values), columns(batch.bias_ids),
-        *statuses,
+        DeviceStatus.EMPTY_DISTRIBUTION, DeviceStatus.NONFINITE_LOGITS, DeviceStatus.INVALID_DRAFT_TOKEN,
+        DeviceStatus.INVALID_SAMPLING_PARAMETERS,
         tokens.data_ptr(), emitted.data_ptr(), status.data_ptr(), torch.get_num_threads(),
     )
     return tokens, emitted, status

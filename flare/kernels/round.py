@@ -29,7 +29,6 @@ bookkeeping between them is plain tensor code shared by both backends.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Literal
@@ -46,15 +45,6 @@ from flare.kernels.random_stream import Purpose, stream_bits, stream_key, unifor
 from flare.kernels.status import DeviceStatus
 
 Backend = Literal["torch", "triton"]
-
-# What greedy_tokens.c reports for an empty distribution, non-finite logits, an invalid draft
-# token and invalid parameters.
-GREEDY_STATUSES = (
-    int(DeviceStatus.EMPTY_DISTRIBUTION),
-    int(DeviceStatus.NONFINITE_LOGITS),
-    int(DeviceStatus.INVALID_DRAFT_TOKEN),
-    int(DeviceStatus.INVALID_SAMPLING_PARAMETERS),
-)
 
 
 @dataclass(frozen=True)
@@ -106,16 +96,9 @@ def sample_round(
     greedy_only = not facts.any_sampled and token_mask is None and num_logprobs is None and raw_logprobs is None
     if greedy_only and draft_probs is None and logits.device.type == "cpu" and native.available():
         # The same results in one call (greedy_tokens.c): at one row the few hundred operators
-        # below cost more to dispatch than to compute. The ids are read only when some row is
-        # penalized, as in the operators' path.
-        if not facts.any_penalized and batch.prompt_ids is not None:
-            batch = dataclasses.replace(batch, prompt_ids=None, output_ids=None)
+        # below cost more to dispatch than to compute.
         tokens, emitted, status = native.greedy_tokens(
-            logits.float().contiguous(),
-            num_drafts.to(torch.int64).contiguous(),
-            draft_tokens.to(torch.int64).contiguous(),
-            batch,
-            GREEDY_STATUSES,
+            logits.float().contiguous(), num_drafts.to(torch.int64).contiguous(), draft_tokens.to(torch.int64).contiguous(), batch
         )
         return RoundResult(tokens=tokens, num_emitted=emitted, status=status)
     if greedy_only and num_positions == num_rows:

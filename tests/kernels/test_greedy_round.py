@@ -65,6 +65,12 @@ SHORT_PATHS = [pytest.param(True, id="kernel", marks=needs_kernels), pytest.para
 ALL_ALLOWED = -1  # a grammar mask word that allows its 32 tokens: changes nothing, takes the general path
 
 
+def _assert_same_results(result: RoundResult, expected: RoundResult) -> None:
+    assert result.status.tolist() == expected.status.tolist()
+    assert result.tokens.tolist() == expected.tokens.tolist()
+    assert result.num_emitted.tolist() == expected.num_emitted.tolist()
+
+
 def _count_short_paths(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Which short path each sample_round call took: "kernel" or "twin"."""
     calls: list[str] = []
@@ -98,9 +104,7 @@ def test_greedy_rows_take_the_short_path_and_get_the_general_paths_tokens_and_st
     general = _round(logits, batch, width, mask=torch.full((rows, -(-VOCAB // 32)), -1, dtype=torch.int32))
 
     assert short_calls == ["kernel" if kernel else "twin"]
-    assert torch.equal(short.tokens, general.tokens)
-    assert torch.equal(short.num_emitted, general.num_emitted)
-    assert torch.equal(short.status, general.status)
+    _assert_same_results(short, general)
     assert short.tokens.shape == (rows, width + 1) and short.tokens.dtype == general.tokens.dtype
     assert short.status.dtype == general.status.dtype == torch.int32
     statuses = short.status.tolist()
@@ -225,9 +229,7 @@ def test_the_kernel_gives_the_twins_tokens_and_statuses_on_any_logits_and_histor
     with mock.patch.object(native, "available", lambda: False):
         twin = _round(logits, batch, 2)
     kernel = _round(logits, batch, 2)
-    assert kernel.status.tolist() == twin.status.tolist()
-    assert kernel.tokens.tolist() == twin.tokens.tolist()
-    assert kernel.num_emitted.tolist() == twin.num_emitted.tolist()
+    _assert_same_results(kernel, twin)
 
 
 @needs_kernels
@@ -235,11 +237,11 @@ def test_the_kernel_refuses_tensors_it_cannot_read() -> None:
     batch = make_batch([GREEDY])
     no_drafts = (torch.zeros(1, dtype=torch.int64), torch.full((1, 0), -1, dtype=torch.int64))
     with pytest.raises(ValueError, match="logits must be a contiguous CPU torch.float32"):
-        native.greedy_tokens(torch.zeros(1, 8, dtype=torch.float64), *no_drafts, batch, (1, 2, 3, 4))
+        native.greedy_tokens(torch.zeros(1, 8, dtype=torch.float64), *no_drafts, batch)
     with pytest.raises(ValueError, match="temperature must be a contiguous CPU"):
-        native.greedy_tokens(torch.zeros(2, 8), torch.zeros(2, dtype=torch.int64), torch.full((2, 0), -1), batch, (1, 2, 3, 4))
+        native.greedy_tokens(torch.zeros(2, 8), torch.zeros(2, dtype=torch.int64), torch.full((2, 0), -1), batch)
     with pytest.raises(ValueError, match="do not add up to the logits' rows"):
-        native.greedy_tokens(torch.zeros(3, 8), torch.tensor([1]), torch.tensor([[4]]), batch, (1, 2, 3, 4))
+        native.greedy_tokens(torch.zeros(3, 8), torch.tensor([1]), torch.tensor([[4]]), batch)
 
 def _verify_round(logits: torch.Tensor, num_drafts: list[int], drafts: torch.Tensor, batch, mask: bool) -> RoundResult:
     return sample_round(
@@ -327,6 +329,4 @@ def test_the_kernel_verifies_drafts_as_the_general_path_does(
     batch = make_batch(params, prompt_ids=[data.draw(ids) for _ in range(rows)], output_ids=[data.draw(ids) for _ in range(rows)])
     kernel = _verify_round(logits, num_drafts, drafts, batch, mask=False)
     general = _verify_round(logits, num_drafts, drafts, batch, mask=True)
-    assert kernel.status.tolist() == general.status.tolist()
-    assert kernel.tokens.tolist() == general.tokens.tolist()
-    assert kernel.num_emitted.tolist() == general.num_emitted.tolist()
+    _assert_same_results(kernel, general)
