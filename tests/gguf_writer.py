@@ -36,7 +36,7 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-from gguf_vocabularies import read_vocabulary
+from tests.gguf_vocabularies import read_vocabulary
 
 GGML = gguf.GGMLQuantizationType
 TINY_CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_openai_server import MODEL, Behaviour, FakeOpenAIServer
+from tests.bench.fake_openai_server import MODEL, Behaviour, FakeOpenAIServer
 
 from flare.bench.load import MAX_TURNS, arrival_offsets
 from flare.daemon.cli import main

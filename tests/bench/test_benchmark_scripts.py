@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
-from mtp_heads import repeat_head_state, write_head_package
+from tests.mtp_heads import repeat_head_state, write_head_package
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from fake_scheduler import FakeScheduler
+from tests.daemon.fake_scheduler import FakeScheduler
 
 from flare.daemon.config import DaemonConfig
 from flare.daemon import http_api

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
-from fake_scheduler import FakeScheduler
-from test_http_api import CHAT, COMPLETION, assert_error_shape, client, make_client, scheduler, sse_events  # noqa: F401
+from tests.daemon.fake_scheduler import FakeScheduler
+from tests.daemon.test_http_api import CHAT, COMPLETION, assert_error_shape, client, make_client, scheduler, sse_events  # noqa: F401
 
 from flare.scheduler.errors import TooManyChoices
 from flare.scheduler.request import Finished, Usage

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from fake_scheduler import POLICY
+from tests.daemon.fake_scheduler import POLICY
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

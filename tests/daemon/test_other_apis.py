@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
-from fake_scheduler import FakeScheduler
-from test_http_api import MODEL, MakeClient, client, make_client, scheduler  # noqa: F401
+from tests.daemon.fake_scheduler import FakeScheduler
+from tests.daemon.test_http_api import MODEL, MakeClient, client, make_client, scheduler  # noqa: F401
 
 from flare.kernels.status import DeviceStatus
 from flare.scheduler.errors import QueueFull

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import aiohttp
 import pytest
-from fake_scheduler import FakeScheduler
+from tests.daemon.fake_scheduler import FakeScheduler
 
 from flare.daemon.config import DaemonConfig
 from flare.daemon.server import Daemon

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 
 import pytest
-from package_commands import flare
+from tests.package_commands import flare
 import torch
 
 from flare.distill import export as distill_export

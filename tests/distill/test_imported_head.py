@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from package_commands import flare
+from tests.package_commands import flare
 import torch
 from safetensors import safe_open
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_llama import random_state_dict, tiny_config
+from tests.engine.tiny_llama import random_state_dict, tiny_config
 
 from flare.preparation.manifest import ModelConfig
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from tiny_llama import random_state_dict, tiny_config
+from tests.engine.tiny_llama import random_state_dict, tiny_config
 
 from flare.engine import native
 from flare.engine.model import LlamaModel, kernels_fit

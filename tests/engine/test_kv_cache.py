@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_llama import tiny_config
+from tests.engine.tiny_llama import tiny_config
 
 from flare.engine.kv_cache import (
     DEFAULT_KV_CACHE_BYTES,

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from mtp_heads import head_info, head_module, repeat_head_state
+from tests.mtp_heads import head_info, head_module, repeat_head_state
 
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.drafters.mtp import HeadRow, MtpHead

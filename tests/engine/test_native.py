@@ -11,7 +11,7 @@ from flare.engine import native, native_layers
 from flare.engine.model import LlamaModel, apply_rope, rope_tables
 from flare.engine.native import add_rms_norm, available, gated_rows, paged_attention, rope_and_cache
 
-from tiny_llama import random_state_dict, tiny_config
+from tests.engine.tiny_llama import random_state_dict, tiny_config
 
 KV_HEADS, HEADS, HEAD_DIM, BLOCKS, BLOCK_SIZE = 3, 9, 64, 40, 16
 

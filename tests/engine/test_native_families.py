@@ -8,14 +8,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_native import linear_layouts
+from tests import REPOSITORY
+from tests.engine.test_native import linear_layouts
 
 from flare.engine import native, native_layers
 from flare.engine.model import apply_rope
@@ -400,8 +400,8 @@ def test_a_family_layer_over_a_bfloat16_pool_stays_within_the_pools_rounding() -
 
 FORCED_SCRIPT = """
 import sys
-sys.path.insert(0, {tests!r})
-from test_native_families import run_family_layers
+sys.path.insert(0, {root!r})
+from tests.engine.test_native_families import run_family_layers
 from flare.engine import native
 print(native.LINEAR_ISA, max(run_family_layers(["everything"], heads, kv, d) for heads, kv, d in ((4, 2, 16), (6, 3, 64))))
 """
@@ -411,7 +411,7 @@ print(native.LINEAR_ISA, max(run_family_layers(["everything"], heads, kv, d) for
 def test_a_family_layer_is_held_to_torch_under_forced_avx2_and_portable_dispatch(capability: str) -> None:
     # ATEN_CPU_CAPABILITY caps the linear layers' instructions (native.LINEAR_ISA, QUANTIZED_ISA),
     # as test_quantized_linear does: how older CPUs are stood in for, each in its own process.
-    script = FORCED_SCRIPT.format(tests=str(Path(__file__).parent))
+    script = FORCED_SCRIPT.format(root=REPOSITORY)
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
     result = subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300, capture_output=True, text=True)
     isa, error = result.stdout.split()

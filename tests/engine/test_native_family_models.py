@@ -1,4 +1,4 @@
-"""Every family's model on the C kernels: each tiny transformers-built checkpoint (tests/families.py),
+"""Every family's model on the C kernels: each tiny transformers-built checkpoint (tests/family_checkpoints.py),
 exported in float32, runs the kernels (`kernels_fit`), and with float16 weights runs each layer of
 a round of short rows in one `decoder_layer` call that gives the step-by-step kernels' bits and
 the torch path's logits, over prompts longer than every sliding window."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from families import FAMILIES, PHI3_ORIGINAL_CONTEXT, write_checkpoint
+from tests.family_checkpoints import FAMILIES, PHI3_ORIGINAL_CONTEXT, write_checkpoint
 
 from flare.engine import native, native_layers
 from flare.engine.batch import ForwardBatch, ForwardRow

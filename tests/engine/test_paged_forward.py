@@ -16,7 +16,7 @@ from flare.engine import native, native_layers
 from flare.engine.native import Float16Weight
 from flare.engine.precision import WeightFormat, cpu_has_float16_gemm
 
-from tiny_llama import random_state_dict, tiny_config
+from tests.engine.tiny_llama import random_state_dict, tiny_config
 
 BLOCK_SIZE = 4
 TOLERANCE = 1e-4  # float32; the two paths sum in different orders

@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests import REPOSITORY
 from flare.engine import native, quantized
 from flare.engine.quantized import QuantizedWeight, dequantize, dequantize_rows, quantized_linear, supported_types
 
@@ -125,8 +126,8 @@ def test_a_last_partial_group_of_outputs_on_a_thread_team_gives_the_float64_prod
 
 FORCED_SCRIPT = """
 import sys, torch
-sys.path.insert(0, {tests!r})
-from test_quantized_linear import ALL, forced_cases
+sys.path.insert(0, {root!r})
+from tests.engine.test_quantized_linear import ALL, forced_cases
 from flare.engine import quantized
 torch.save({{'isa': quantized.QUANTIZED_ISA, 'outputs': forced_cases()}}, {path!r})
 """
@@ -150,7 +151,7 @@ def test_forced_avx2_and_forced_portable_dispatch_give_the_same_bits(tmp_path: P
     # ATEN_CPU_CAPABILITY caps torch's dispatch and, with it, the quantized kernel's ISA: how an
     # AVX2-only CPU and one without AVX2 are stood in for, each in its own process.
     path = tmp_path / "outputs.pt"
-    script = FORCED_SCRIPT.format(tests=str(Path(__file__).parent), path=str(path))
+    script = FORCED_SCRIPT.format(root=REPOSITORY, path=str(path))
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
     forced = torch.load(path)

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tiny_llama import tiny_config
+from tests.engine.tiny_llama import tiny_config
 
 from flare.engine.rope import (
     apply_rope,

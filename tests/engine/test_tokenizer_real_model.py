@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_incremental_detokenizer import SAMPLES
+from tests.engine.test_incremental_detokenizer import SAMPLES
 
 from flare.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from flare.preparation.package import open_package

@@ -1,7 +1,7 @@
 """Non-Llama families through what the scheduler adds to a forward pass: n-gram speculation, the
 prefix cache, structured output and parallel choices. Qwen2 (biases, windows on some layers) and
 Gemma 2 (windows on alternate layers, soft-caps, sandwich norms, GeGLU), as tiny checkpoints
-exported from their Hugging Face directories (tests/families.py): each feature leaves a greedy
+exported from their Hugging Face directories (tests/family_checkpoints.py): each feature leaves a greedy
 answer token for token what the plain scheduler gives, which test_transformers_parity.py holds
 to transformers."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import structlog
-from families import write_checkpoint
-from running_scheduler import running
+from tests.family_checkpoints import write_checkpoint
+from tests.running_scheduler import running
 
 from flare.preparation.export import ExportOptions, export_package
 from flare.preparation.source import ModelSource

@@ -1,5 +1,5 @@
 """Every family flare serves, as a tiny random checkpoint transformers builds from its own config
-class (tests/families.py), exported from its Hugging Face directory in float32: its logits are
+class (tests/family_checkpoints.py), exported from its Hugging Face directory in float32: its logits are
 transformers' (eager attention) within 1e-4, in one prefill and through the paged cache in
 chunks and decode rounds, and its greedy continuation through the scheduler is transformers' own,
 token for token. The prompts are longer than every sliding window."""
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from families import FAMILIES, PHI3_ORIGINAL_CONTEXT, Checkpoint, write_checkpoint
-from running_scheduler import running
+from tests.family_checkpoints import FAMILIES, PHI3_ORIGINAL_CONTEXT, Checkpoint, write_checkpoint
+from tests.running_scheduler import running
 from safetensors import safe_open
 
 from flare.engine.batch import ForwardBatch, ForwardRow

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from daemon_process import DaemonProcess
+from tests.integration.daemon_process import DaemonProcess
 
 
 @pytest.fixture

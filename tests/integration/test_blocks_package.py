@@ -15,12 +15,11 @@ from typing import Any
 
 import httpx
 import pytest
-from daemon_process import DaemonProcess, start_daemon
+from tests.integration.daemon_process import DaemonProcess, start_daemon
 
 from flare.preparation.export import ExportOptions, export_package
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "preparation"))
-from test_blocks import every_type_gguf  # noqa: E402  (the every-type GGUF of the export tests)
+from tests.preparation.test_blocks import every_type_gguf  # noqa: E402  (the every-type GGUF of the export tests)
 
 CHAT = {"messages": [{"role": "user", "content": "the the the"}], "temperature": 0, "max_tokens": 16}
 
@@ -29,7 +28,7 @@ CHAT = {"messages": [{"role": "user", "content": "the the the"}], "temperature":
 def packages(tiny_config: Any, make_state_dict: Any) -> Iterator[dict[str, Path]]:
     from dataclasses import replace
 
-    from test_gguf_source import tiny_vocabulary
+    from tests.preparation.test_gguf_source import tiny_vocabulary
 
     # AF_UNIX paths are limited to 108 bytes: a short directory rather than pytest's tmp_path.
     workdir = Path(tempfile.mkdtemp(prefix="flare-blocks-", dir="/tmp"))

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import httpx
 import pytest
-from daemon_process import DaemonProcess, start_daemon
+from tests.integration.daemon_process import DaemonProcess, start_daemon
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (the test extra has it)")
 from selenium.webdriver.common.by import By  # noqa: E402

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from daemon_process import DaemonProcess, start_daemon
+from tests.integration.daemon_process import DaemonProcess, start_daemon
 
 CHAT = [{"role": "user", "content": "Write a short poem about the sea."}]
 

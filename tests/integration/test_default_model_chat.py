@@ -6,7 +6,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from daemon_process import start_daemon
+from tests.integration.daemon_process import start_daemon
 
 pytestmark = pytest.mark.real_model
 

@@ -15,7 +15,7 @@ from typing import Any
 import anthropic
 import openai
 import pytest
-from daemon_process import DaemonProcess, start_daemon
+from tests.integration.daemon_process import DaemonProcess, start_daemon
 
 TEMPLATES = Path(__file__).parent.parent / "fixtures" / "templates"
 WEATHER = {
@@ -141,11 +141,11 @@ QWEN_GENERATION = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k":
 
 @pytest.fixture(scope="module")
 def qwen_daemon(smollm2_source: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    """A tiny Qwen2 checkpoint (tests/families.py) with Qwen 2.5's chat template and generation
+    """A tiny Qwen2 checkpoint (tests/family_checkpoints.py) with Qwen 2.5's chat template and generation
     config, exported from its Hugging Face directory and served."""
     import io
 
-    from families import write_checkpoint
+    from tests.family_checkpoints import write_checkpoint
 
     from flare.preparation.export import ExportOptions, export_package
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_process import DaemonProcess
+from tests.integration.daemon_process import DaemonProcess
 
 from flare.daemon import ctl
 

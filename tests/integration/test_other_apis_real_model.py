@@ -11,7 +11,7 @@ from pathlib import Path
 import anthropic
 import openai
 import pytest
-from daemon_process import DaemonProcess, start_daemon
+from tests.integration.daemon_process import DaemonProcess, start_daemon
 
 pytestmark = pytest.mark.real_model
 MODEL = "SmolLM2-135M-Instruct"

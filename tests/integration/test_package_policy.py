@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import httpx
-from daemon_process import DaemonProcess, start_daemon
+from tests.integration.daemon_process import DaemonProcess, start_daemon
 
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from daemon_process import DaemonProcess, start_daemon
+from tests.integration.daemon_process import DaemonProcess, start_daemon
 from pydantic import BaseModel, Field
 
 CHAT = [{"role": "user", "content": "Describe a pet."}]

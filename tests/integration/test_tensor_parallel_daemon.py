@@ -14,8 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from daemon_process import DaemonProcess
-from test_operations import NotifyListener
+from tests.integration.daemon_process import DaemonProcess
+from tests.integration.test_operations import NotifyListener
 
 
 def _alive(pid: int) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from daemon_process import DaemonProcess, start_daemon
+from tests.integration.daemon_process import DaemonProcess, start_daemon
 
 from flare.engine.tokenizer import Tokenizer
 from flare.preparation.package import open_package

@@ -38,7 +38,7 @@ def serve_idle(groups: ProcessGroups, state: dict[str, int]) -> None:
 
 def run_sampling_case(groups: ProcessGroups, index: int):
     """This rank's part of sampling case ``index`` (sampling_cases.py); rank 0 gets the result."""
-    from sampling_cases import sampling_cases
+    from tests.parallel.sampling_cases import sampling_cases
 
     from flare.parallel.vocab_round import (
         sample_round_across_ranks,
@@ -80,7 +80,7 @@ def _echo_round_command(groups: ProcessGroups) -> None:
 
 def serve_sampling_cases(groups: ProcessGroups, state: dict[str, int]) -> None:
     """Run the case rank 0 names (a broadcast index; -1 ends), and the fallback's row gather."""
-    from sampling_cases import sampling_cases
+    from tests.parallel.sampling_cases import sampling_cases
 
     from flare.parallel.vocab_round import gather_rows
     from flare.parallel.vocab_shard import VocabShard
@@ -109,11 +109,7 @@ TP_BLOCK_SIZE = 4
 
 def tiny_tensor_parallel(rank: int, world_size: int):
     """The tiny Llama's rank model (tests/engine/tiny_llama.py, seed 0) and its KV cache."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
-    from tiny_llama import random_state_dict, tiny_config
+    from tests.engine.tiny_llama import random_state_dict, tiny_config
 
     from flare.engine.kv_cache import KVCache
     from flare.parallel.group import all_reduce_sum

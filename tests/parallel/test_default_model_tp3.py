@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rank_programs import (
+from tests.parallel.rank_programs import (
     TP_BLOCK_SIZE,
     load_package_rank,
     serve_tensor_parallel_rounds,

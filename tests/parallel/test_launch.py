@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from rank_programs import (
+from tests import REPOSITORY
+from tests.parallel.rank_programs import (
     load_failing_on_rank_1,
     load_rank,
     serve_all_reduce_then_wait,
@@ -171,8 +172,8 @@ LAUNCHER = textwrap.dedent(
     import sys, time
     from datetime import timedelta
     import torch
-    sys.path.insert(0, {tests!r})
-    from rank_programs import load_rank, serve_all_reduce_then_wait
+    sys.path.insert(0, {root!r})
+    from tests.parallel.rank_programs import load_rank, serve_all_reduce_then_wait
     from flare.parallel.launch import RankGroup, WorkerSpec
     from flare.parallel.layout import ParallelLayout
 
@@ -188,7 +189,7 @@ LAUNCHER = textwrap.dedent(
 
 def _launcher(world: int, nnodes: int, node_rank: int, port: int, collective_s: int = 60) -> subprocess.Popen[str]:
     script = LAUNCHER.format(
-        tests=str(Path(__file__).parent), world=world, nnodes=nnodes, node_rank=node_rank, port=port,
+        root=REPOSITORY, world=world, nnodes=nnodes, node_rank=node_rank, port=port,
         collective_s=collective_s,
     )
     return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
@@ -237,7 +238,7 @@ def test_two_nodes_on_loopback_meet_and_the_headless_node_exits_non_zero_when_ra
 
 
 def test_a_worker_killed_between_rounds_makes_the_next_round_raise_and_fails_the_group_naming_it() -> None:
-    from rank_programs import (
+    from tests.parallel.rank_programs import (
         load_tiny_tensor_parallel,
         serve_tensor_parallel_rounds,
         tensor_parallel_round,

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from sampling_cases import sampling_cases
+from tests.parallel.sampling_cases import sampling_cases
 
 from flare.engine.batch import ForwardRow
 from flare.parallel.round_command import RoundCommand, RoundSampling

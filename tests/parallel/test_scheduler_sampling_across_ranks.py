@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry
-from running_scheduler import running
+from tests.running_scheduler import running
 
 from flare.kernels.status import DeviceStatus
 from flare.preparation.package import open_package

@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from running_scheduler import running
+from tests.running_scheduler import running
 
 from flare.parallel.failstop import EngineDead
 from flare.preparation.package import open_package

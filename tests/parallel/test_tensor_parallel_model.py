@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
-from rank_programs import (
+from tests.parallel.rank_programs import (
     TP_BLOCK_SIZE,
     load_tiny_tensor_parallel,
     serve_tensor_parallel_rounds,
@@ -17,8 +15,7 @@ from rank_programs import (
     tiny_tensor_parallel,
 )
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
-from tiny_llama import random_state_dict, tiny_config
+from tests.engine.tiny_llama import random_state_dict, tiny_config
 
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
-from tiny_llama import random_state_dict, tiny_config
+from tests.engine.tiny_llama import random_state_dict, tiny_config
 
 from flare.engine.quantized import QuantizedWeight, dequantize
 from flare.parallel.tensor_split import (

@@ -9,13 +9,13 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from rank_programs import (
+from tests.parallel.rank_programs import (
     RECEIVE_ROUND_COMMAND,
     load_rank,
     run_sampling_case,
     serve_sampling_cases,
 )
-from sampling_cases import sampling_cases
+from tests.parallel.sampling_cases import sampling_cases
 
 from flare.engine.batch import ForwardRow
 from flare.kernels.round import sample_round, score_tokens

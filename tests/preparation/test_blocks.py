@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests import REPOSITORY
 from flare.engine import native, native_layers
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
@@ -30,7 +31,7 @@ from flare.preparation.inspect import inspect_package, render_text
 from flare.preparation.manifest import ModelConfig
 from flare.preparation.package import PackageError, open_package, sha256_of
 from flare.preparation.quantize import tensor_types
-from test_gguf_source import tiny_vocabulary, write_tiny_gguf
+from tests.preparation.test_gguf_source import tiny_vocabulary, write_tiny_gguf
 
 T = gguf.GGMLQuantizationType
 BLOCK_SIZE = 16
@@ -210,8 +211,8 @@ def test_a_blocks_package_runs_each_layer_in_one_kernel_call_with_the_bits_of_th
 
 FORCED_LAYERS_SCRIPT = """
 import sys, torch
-sys.path[:0] = [{tests!r}, {helpers!r}]
-from test_blocks import greedy, prompt_logits
+sys.path.insert(0, {root!r})
+from tests.preparation.test_blocks import greedy, prompt_logits
 from flare.engine import native
 from flare.engine.model import load_model
 from flare.preparation.package import open_package
@@ -228,9 +229,8 @@ def test_the_whole_layer_path_gives_the_same_bits_under_forced_avx2_and_portable
     if not native.available():
         pytest.skip("the engine's C kernels were not built")
     path = tmp_path / "outputs.pt"
-    here = Path(__file__).parent
     script = FORCED_LAYERS_SCRIPT.format(
-        tests=str(here), helpers=str(here.parent), package=str(every_kept_type_package), path=str(path)
+        root=REPOSITORY, package=str(every_kept_type_package), path=str(path)
     )
     subprocess.run([sys.executable, "-c", script], env={**os.environ, "ATEN_CPU_CAPABILITY": capability}, check=True, timeout=300)
     forced = torch.load(path)
@@ -408,7 +408,7 @@ def test_mapped_blocks_stay_page_cache_and_never_become_anonymous_memory(tmp_pat
     (tmp_path / BLOCKS_NAME).write_bytes(data.tobytes())
     result = subprocess.run(
         [sys.executable, "-c", RSS_PROBE, str(tmp_path / BLOCKS_NAME), str(rows), str(width)],
-        capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": os.getcwd()},
+        capture_output=True, text=True, check=True,
     )
     anonymous_growth, file_resident, total = map(int, result.stdout.split())
     assert total == int(data.astype(np.int64).sum())

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from package_commands import flare
+from tests.package_commands import flare
 
 from flare.preparation.staging import claim_staging, remove_abandoned_staging
 

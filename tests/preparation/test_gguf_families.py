@@ -21,7 +21,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_writer import (
+from tests.gguf_writer import (
     LLAMA_CPP_CONVERTER,
     canonical_state,
     convert_with_llama_cpp,

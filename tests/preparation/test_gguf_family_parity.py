@@ -1,4 +1,4 @@
-"""The tiny checkpoints of every family (tests/families.py), written as GGUFs (tests/gguf_writer.py)
+"""The tiny checkpoints of every family (tests/family_checkpoints.py), written as GGUFs (tests/gguf_writer.py)
 and exported in float32: the package holds the Hugging Face export's config (what GGUF cannot
 carry aside) and weights, and its logits are transformers' own (eager attention) within 1e-4 on
 prompts longer than every sliding window. Written in Q8_0 and kept as blocks, it scores as the
@@ -22,10 +22,9 @@ import gguf
 import pytest
 import torch
 
-families = pytest.importorskip("families", reason="tests/families.py (the decoder's tiny checkpoints) is not here yet")
-
-from gguf_writer import gguf_vocabulary, write_family_gguf
-from running_scheduler import running
+from tests import family_checkpoints as families
+from tests.gguf_writer import gguf_vocabulary, write_family_gguf
+from tests.running_scheduler import running
 
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import BlockAllocator, KVCache

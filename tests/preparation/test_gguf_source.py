@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_writer import tiny_vocabulary
+from tests.gguf_writer import tiny_vocabulary
 from tokenizers import Tokenizer
 
 from flare.preparation.default_model import default_gguf_path

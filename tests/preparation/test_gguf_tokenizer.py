@@ -12,7 +12,6 @@ its own tokenizer tests, and the trained SentencePiece vocabularies to llama-tok
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,7 @@ import gguf
 import pytest
 from tokenizers import Tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gguf_vocabularies import (  # noqa: E402
+from tests.gguf_vocabularies import (  # noqa: E402
     CONTROL,
     LLAMA_CPP_VOCABULARIES,
     SENTENCEPIECE_FLAVOURS,

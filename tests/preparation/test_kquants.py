@@ -19,7 +19,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from test_gguf_source import gguf_name, tiny_vocabulary
+from tests.preparation.test_gguf_source import gguf_name, tiny_vocabulary
 
 from flare.preparation.kquants import quantize_q4_k, quantize_q6_k
 from flare.preparation.manifest import ModelConfig

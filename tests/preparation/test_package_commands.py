@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from package_commands import flare
+from tests.package_commands import flare
 
 from flare.preparation.export import resolve_dtype
 

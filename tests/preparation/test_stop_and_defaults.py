@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_gguf_source import tiny_vocabulary, write_tiny_gguf
+from tests.preparation.test_gguf_source import tiny_vocabulary, write_tiny_gguf
 from tokenizers import Tokenizer, models
 
 from flare.preparation.export import ExportOptions, export_package, open_source

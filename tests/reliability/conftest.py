@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from reliability_daemon import Daemon, launch
+from tests.reliability.reliability_daemon import Daemon, launch
 
 
 @pytest.fixture(scope="module")

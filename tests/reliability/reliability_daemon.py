@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -15,9 +14,8 @@ from typing import Any
 import httpx
 
 # The daemon helper lives with the integration tests; running tests/reliability alone must find it.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
-from daemon_process import DaemonProcess, start_daemon
+from tests.integration.daemon_process import DaemonProcess, start_daemon
 
 from flare.daemon.ctl import call
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from reliability_daemon import Daemon, is_error_body, report
+from tests.reliability.reliability_daemon import Daemon, is_error_body, report
 
 KEY = "sk-reliability-0123456789"
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from reliability_daemon import Daemon, Outcome, generate, is_error_body, report
+from tests.reliability.reliability_daemon import Daemon, Outcome, generate, is_error_body, report
 
 MAX_CONCURRENCY = 4
 MAX_WAITING = 2

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from package_commands import flare
-from reliability_daemon import Daemon, is_error_body, launch, report
+from tests.package_commands import flare
+from tests.reliability.reliability_daemon import Daemon, is_error_body, launch, report
 
 from flare.preparation.chat_template import RENDER_SECONDS
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from reliability_daemon import Daemon, exchange, is_error_body, port_of, report
+from tests.reliability.reliability_daemon import Daemon, exchange, is_error_body, port_of, report
 
 from flare.daemon.connections import CLIENT_ERROR_LINES
 from flare.daemon.ctl import call

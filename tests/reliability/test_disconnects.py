@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from reliability_daemon import Daemon, generate, report
+from tests.reliability.reliability_daemon import Daemon, generate, report
 
 CLIENTS = 240
 AT_ONCE = 48  # connections open at once: all 32 slots busy and a queue

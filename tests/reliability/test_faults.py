@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from reliability_daemon import Daemon, Outcome, generate, report
-from test_daemon import FAULT_STATUSES  # the documented (HTTP status, error type) of each row status
+from tests.reliability.reliability_daemon import Daemon, Outcome, generate, report
+from tests.integration.test_daemon import FAULT_STATUSES  # the documented (HTTP status, error type) of each row status
 
 from flare.kernels.status import DeviceStatus
 

@@ -7,7 +7,6 @@ cache shows in `flare ctl status`, in /metrics, and `cache clear` empties it."""
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -16,14 +15,13 @@ from typing import Any
 
 import httpx
 import pytest
-from reliability_daemon import Daemon, is_error_body, report
+from tests.reliability.reliability_daemon import Daemon, is_error_body, report
 
 from flare.daemon.ctl import call
 from flare.preparation.package import open_package
 from flare.structured.bounds import MAX_LARK_RULES, MAX_SCHEMA_DEPTH
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "structured"))
-from test_bounds import chained_refs, chained_rules  # noqa: E402
+from tests.structured.test_bounds import chained_refs, chained_rules  # noqa: E402
 
 GRAMMAR_FIELD = "structured_outputs.grammar"
 JSON_FIELD = "structured_outputs.json"

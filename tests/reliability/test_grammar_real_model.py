@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from reliability_daemon import Daemon, is_error_body, report
+from tests.reliability.reliability_daemon import Daemon, is_error_body, report
 
 pytestmark = pytest.mark.real_model
 

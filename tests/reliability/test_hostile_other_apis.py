@@ -14,7 +14,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reliability_daemon import Daemon, is_error_body, report
+from tests.reliability.reliability_daemon import Daemon, is_error_body, report
 
 MAX_BODY_BYTES = 65536
 RESPONSES = "/v1/responses"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from reliability_daemon import Daemon, exchange, is_error_body, port_of, report, whole_response
+from tests.reliability.reliability_daemon import Daemon, exchange, is_error_body, port_of, report, whole_response
 
 from flare.engine.tokenizer import Tokenizer
 

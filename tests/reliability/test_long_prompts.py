@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from reliability_daemon import Daemon, report
+from tests.reliability.reliability_daemon import Daemon, report
 
 FLOOD = 16
 PROMPT_CHARACTERS = 500_000  # the probe's: half the default 1 MiB body limit

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from reliability_daemon import Daemon, is_error_body, report
+from tests.reliability.reliability_daemon import Daemon, is_error_body, report
 
 KEYS = ["sk-tenant-a", "sk-tenant-b", "sk-probe-1", "sk-probe-2", "sk-probe-3", "sk-probe-4"]
 # Words the tokenizer splits one token each, so a cut at a word is a cut at a token and the

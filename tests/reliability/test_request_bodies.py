@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from reliability_daemon import Daemon, exchange, is_error_body, port_of, report
+from tests.reliability.reliability_daemon import Daemon, exchange, is_error_body, port_of, report
 
 from flare.daemon.control import CONTROL_CONNECTION_LIMITS
 

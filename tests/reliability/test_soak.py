@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from reliability_daemon import Daemon, Outcome, generate, report
+from tests.reliability.reliability_daemon import Daemon, Outcome, generate, report
 
 from flare.kernels.status import DeviceStatus
 

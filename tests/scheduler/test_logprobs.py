@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 
 import pytest
-from running_scheduler import running
+from tests.running_scheduler import running
 
 from flare.sampling.params import SamplingParams
 from flare.scheduler.request import Finished, GenerationRequest, TextDelta

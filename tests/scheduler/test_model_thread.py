@@ -7,7 +7,7 @@ import asyncio
 import threading
 
 import pytest
-from running_scheduler import running
+from tests.running_scheduler import running
 
 import flare.scheduler.loading as loading_module
 from flare.preparation.package import open_package

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
-from mtp_heads import reference_drafts, repeat_head_state, write_head_package
+from tests.mtp_heads import reference_drafts, repeat_head_state, write_head_package
 
 from flare.preparation.package import open_package
 from flare.sampling.params import SamplingParams

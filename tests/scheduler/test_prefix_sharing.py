@@ -8,7 +8,7 @@ import random
 
 import pytest
 import structlog
-from test_scheduler import GREEDY, PROMPTS, _block_bytes, collect, generate_all, request, running, wait_idle
+from tests.scheduler.test_scheduler import GREEDY, PROMPTS, _block_bytes, collect, generate_all, request, running, wait_idle
 
 from flare.sampling.params import SamplingParams
 from flare.scheduler.errors import TooManyChoices

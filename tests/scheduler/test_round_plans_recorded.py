@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import structlog
 import torch
-from mtp_heads import repeat_head_state, write_head_package
+from tests.mtp_heads import repeat_head_state, write_head_package
 
 from flare.engine.kv_cache import bytes_per_block
 from flare.preparation.package import open_package

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 import structlog
-from running_scheduler import running
+from tests.running_scheduler import running
 
 from flare.engine import precision
 from flare.kernels.status import DeviceStatus

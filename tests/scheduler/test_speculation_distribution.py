@@ -23,7 +23,7 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-from mtp_heads import repeat_head_state, write_head_package
+from tests.mtp_heads import repeat_head_state, write_head_package
 
 from flare.engine.drafters import Draft
 from flare.preparation.package import open_package

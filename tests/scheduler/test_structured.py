@@ -9,7 +9,7 @@ import re
 
 import pytest
 from prometheus_client import CollectorRegistry
-from running_scheduler import running
+from tests.running_scheduler import running
 
 from flare.kernels.status import DeviceStatus
 from flare.sampling.params import SamplingParams
