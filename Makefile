@@ -19,7 +19,7 @@ $(BIN)/python:
 # flare itself is built with the locked setuptools (--no-build-isolation) and compiles the
 # engine's and the sampler's C kernels in place (setup.py), so their sources are prerequisites too:
 # a changed kernel is rebuilt by the next `make run` or `make test`.
-$(VENV)/.runtime: lock/run.txt lock/model.txt pyproject.toml setup.py $(wildcard flare/engine/csrc/*) $(wildcard flare/kernels/csrc/*) | $(BIN)/python
+$(VENV)/.runtime: lock/run.txt lock/model.txt pyproject.toml setup.py $(wildcard flare/engine/csrc/*) $(wildcard flare/sampler/csrc/*) | $(BIN)/python
 	$(LOCKED_INSTALL) -r lock/run.txt -r lock/model.txt
 	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@

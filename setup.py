@@ -1,9 +1,9 @@
 """The compiled parts of flare: the engine's CPU kernels (flare/engine/csrc/, module
-`flare.engine._native`) and the sampler's (flare/kernels/csrc/, module `flare.kernels._native`).
+`flare.engine._native`) and the sampler's (flare/sampler/csrc/, module `flare.sampler._native`).
 
 Everything else is declared in pyproject.toml. The extensions are optional: where they cannot be
 built (no C compiler), installation goes on and flare runs the torch expressions the kernels
-stand for (`flare.engine.native.available()` and `flare.kernels.native.available()` say which;
+stand for (`flare.engine.native.available()` and `flare.sampler.native_sampler.available()` say which;
 `flare run` logs the engine's).
 """
 
@@ -29,4 +29,4 @@ def kernels(module: str, folder: str) -> Extension:
     )
 
 
-setup(ext_modules=[kernels("flare.engine._native", "flare/engine/csrc"), kernels("flare.kernels._native", "flare/kernels/csrc")])
+setup(ext_modules=[kernels("flare.engine._native", "flare/engine/csrc"), kernels("flare.sampler._native", "flare/sampler/csrc")])

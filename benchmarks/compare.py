@@ -57,7 +57,7 @@ from typing import Any
 from flare.bench.datasets import load_dataset
 from flare.bench.plot import write_plots
 from flare.bench.report import machine, versions
-from flare.preparation.manifest import AUTO_DTYPE, DTYPES
+from flare.package.manifest import AUTO_DTYPE, DTYPES
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp is built (../shared/notes/cpu-baselines.md)
 SAMPLED_FILTERS = {"top_p": 0.9, "top_k": -1, "min_p": 0.0}
@@ -242,7 +242,7 @@ def main() -> int:
 
     from flare.preparation.default_model import default_gguf_path
     from flare.preparation.default_package import default_package_path
-    from flare.preparation.package import open_package
+    from flare.package.directory import open_package
 
     torch.set_num_threads(args.threads)
     if args.gguf is not None and args.package is None:

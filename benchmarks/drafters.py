@@ -35,8 +35,8 @@ import torch
 
 from flare.bench.datasets import Conversation, load_dataset
 from flare.engine.precision import cpu_flags
-from flare.preparation.package import open_package
-from flare.sampling.params import SamplingParams
+from flare.package.directory import open_package
+from flare.policy.params import SamplingParams
 from flare.scheduler.model_runner import RoundPlan, RoundResult
 from flare.scheduler.model_thread import ModelThread
 from flare.scheduler.request import GenerationRequest, TextDelta

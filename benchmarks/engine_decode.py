@@ -46,12 +46,12 @@ from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
 from flare.engine import model as model_module
 from flare.engine import native, native_layers
-from flare.engine.model import LlamaModel, load_model
+from flare.engine.model import DecoderModel, load_model
 from flare.engine.precision import WeightFormat, cpu_flags
 from flare.preparation.default_package import default_package_path
-from flare.preparation.manifest import ModelConfig
-from flare.preparation.package import open_package
-from flare.preparation.package import expected_weight_shapes
+from flare.package.manifest import ModelConfig
+from flare.package.directory import open_package
+from flare.package.directory import expected_weight_shapes
 
 WARMUP_ROUNDS = 3
 DEFAULT_DIMS = ModelConfig(
@@ -125,7 +125,7 @@ def main() -> None:
         generator = torch.Generator().manual_seed(0)
         state = {name: 0.02 * torch.randn(shape, generator=generator) for name, shape in expected_weight_shapes(config).items()}
         loaded = {
-            name: LlamaModel(config, state, weight_format=WeightFormat(name), native_kernels=args.kernels == "native")
+            name: DecoderModel(config, state, weight_format=WeightFormat(name), native_kernels=args.kernels == "native")
             for name in args.weight_format
         }
     # One configuration per weight format and KV cache dtype, each with a cache of its own.
@@ -187,7 +187,7 @@ STEPS = {
 }
 
 
-def step_times(model: LlamaModel, cache: KVCache, batch_size: int, tokens: int, blocks_per_row: int, args: argparse.Namespace) -> str:
+def step_times(model: DecoderModel, cache: KVCache, batch_size: int, tokens: int, blocks_per_row: int, args: argparse.Namespace) -> str:
     """The mean forward pass and each step's part of it, from wall-clock timers around the step
     functions, over every round run (warm-up included; a linear layer called inside another, as
     `linear` calls `linear_columns`, counts once)."""
@@ -240,7 +240,7 @@ def step_times(model: LlamaModel, cache: KVCache, batch_size: int, tokens: int, 
 
 
 def time_rounds(
-    model: LlamaModel, cache: KVCache, batch_size: int, tokens: int, blocks_per_row: int, args: argparse.Namespace
+    model: DecoderModel, cache: KVCache, batch_size: int, tokens: int, blocks_per_row: int, args: argparse.Namespace
 ) -> tuple[list[float], list[float]]:
     """Wall and CPU times (all threads) of `args.rounds` rounds after a warm-up."""
     # Interleave the rows' blocks so the block tables are not contiguous, as in serving.

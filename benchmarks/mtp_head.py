@@ -32,8 +32,8 @@ from flare.engine.drafters.mtp import load_draft_head
 from flare.engine.kv_cache import KVCache
 from flare.engine.model import load_model
 from flare.engine.precision import cpu_flags
-from flare.preparation.package import open_package
-from flare.sampling.params import SamplingParams
+from flare.package.directory import open_package
+from flare.policy.params import SamplingParams
 from flare.scheduler.model_runner import ModelRunner, PlannedRow, RoundPlan
 
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from flare.engine.batch import ForwardRow
-from flare.kernels.batch import SamplingBatch
+from flare.sampler.batch import SamplingBatch
 from flare.parallel.group import ProcessGroups
 from flare.parallel.launch import RankGroup, WorkerSpec
 from flare.parallel.layout import ParallelLayout
@@ -43,7 +43,7 @@ from flare.parallel.round_command import (
     receive_command,
     send_command,
 )
-from flare.sampling.params import SamplingParams
+from flare.policy.params import SamplingParams
 
 SLOT_BYTES = 4 << 20
 HEADER = 64

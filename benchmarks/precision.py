@@ -25,11 +25,11 @@ import torch
 
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import BlockAllocator, KVCache
-from flare.engine.model import LlamaModel, load_model
+from flare.engine.model import DecoderModel, load_model
 from flare.engine.precision import WeightFormat, available_formats
 from flare.engine.tokenizer import Tokenizer
 from flare.preparation.default_package import default_package_path
-from flare.preparation.package import open_package
+from flare.package.directory import open_package
 
 PROMPTS = [
     "What is the capital of France?",
@@ -44,13 +44,13 @@ PROMPTS = [
 BLOCK_SIZE = 16
 
 
-def new_sequence(model: LlamaModel, tokens: int, kv_dtype: torch.dtype) -> tuple[KVCache, list[int]]:
+def new_sequence(model: DecoderModel, tokens: int, kv_dtype: torch.dtype) -> tuple[KVCache, list[int]]:
     """A KV cache in `kv_dtype` and a block table for one sequence of up to `tokens` tokens."""
     cache = KVCache.for_budget(model.config, 64 * 1024**2, BLOCK_SIZE, dtype=kv_dtype)
     return cache, BlockAllocator(cache.num_blocks).allocate(-(-tokens // BLOCK_SIZE))
 
 
-def all_logits(model: LlamaModel, tokens: list[int], kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def all_logits(model: DecoderModel, tokens: list[int], kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Logits at every position of `tokens`, read in one prompt row (the KV cache in `kv_dtype`)."""
     cache, table = new_sequence(model, len(tokens), kv_dtype)
     row = ForwardRow(tokens, 0, table, num_logits=len(tokens))
@@ -58,7 +58,7 @@ def all_logits(model: LlamaModel, tokens: list[int], kv_dtype: torch.dtype = tor
 
 
 def greedy(
-    model: LlamaModel, prompt: list[int], new_tokens: int, eos: set[int], kv_dtype: torch.dtype = torch.float32
+    model: DecoderModel, prompt: list[int], new_tokens: int, eos: set[int], kv_dtype: torch.dtype = torch.float32
 ) -> list[int]:
     """Greedy continuation as the daemon decodes it: the prompt in one row, then one token a
     round over the paged KV cache (in `kv_dtype`)."""

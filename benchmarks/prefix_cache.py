@@ -195,8 +195,8 @@ def bookkeeping_workload(package_path: Path, args: argparse.Namespace) -> dict[s
     import cProfile
     import pstats
 
-    from flare.preparation.package import open_package
-    from flare.sampling.params import SamplingParams
+    from flare.package.directory import open_package
+    from flare.policy.params import SamplingParams
     from flare.scheduler.request import GenerationRequest
     from flare.scheduler.scheduler import Scheduler, SchedulerOptions
 
@@ -325,7 +325,7 @@ def main() -> int:
 
         args.package = default_package_path()
     from flare.engine.tokenizer import Tokenizer
-    from flare.preparation.package import open_package
+    from flare.package.directory import open_package
 
     package = open_package(args.package)
     tokenizer = Tokenizer.from_package(package)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrat
 from daemon_process import start_daemon  # noqa: E402
 
 from flare.preparation.export import ExportOptions, export_package  # noqa: E402
-from flare.preparation.package import open_package  # noqa: E402
+from flare.package.directory import open_package  # noqa: E402
 
 SHAPE = {"layers": 16, "hidden": 2048, "ffn": 8192, "heads": 32, "kv_heads": 8, "head_dim": 64, "vocab": 128256}
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}<|im_start|>"

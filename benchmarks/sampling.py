@@ -1,4 +1,4 @@
-"""CPU cost of one sampling round (flare.kernels.sample_round on the torch twins).
+"""CPU cost of one sampling round (flare.sampler.sample_round on the torch twins).
 
 For each policy, rows and draft count: the median wall time of sample_round over random logits
 of the default model's vocabulary (49152), including the read-back of the tokens. Drafts are
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from flare.kernels import SamplingBatch, sample_round
-from flare.sampling.params import SamplingParams
+from flare.sampler import SamplingBatch, sample_round
+from flare.policy.params import SamplingParams
 
 VOCAB = 49152
 POLICIES = {

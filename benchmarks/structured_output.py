@@ -35,8 +35,8 @@ from pathlib import Path
 
 from flare.engine.precision import cpu_flags
 from flare.preparation.default_package import default_package_path
-from flare.preparation.package import open_package
-from flare.sampling.params import SamplingParams
+from flare.package.directory import open_package
+from flare.policy.params import SamplingParams
 from flare.scheduler import model_runner
 from flare.scheduler.request import Finished, GenerationRequest, TextDelta
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions

@@ -30,9 +30,9 @@ import torch.distributed as dist
 
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
-from flare.engine.model import LlamaModel
-from flare.kernels.batch import SamplingBatch
-from flare.kernels.round import sample_round
+from flare.engine.model import DecoderModel
+from flare.sampler.batch import SamplingBatch
+from flare.sampler.round import sample_round
 from flare.parallel.group import ProcessGroups, all_reduce_sum
 from flare.parallel.launch import RankGroup, WorkerSpec
 from flare.parallel.layout import ParallelLayout
@@ -40,9 +40,9 @@ from flare.parallel.round_command import RoundCommand, RoundSampling, receive_co
 from flare.parallel.tensor_split import rank_config, rank_model
 from flare.parallel.vocab_round import sample_round_across_ranks
 from flare.parallel.vocab_shard import VocabShard
-from flare.preparation.manifest import ModelConfig
-from flare.preparation.package import expected_weight_shapes
-from flare.sampling.params import SamplingParams
+from flare.package.manifest import ModelConfig
+from flare.package.directory import expected_weight_shapes
+from flare.policy.params import SamplingParams
 
 BLOCK = 16
 CONFIG = ModelConfig(
@@ -79,12 +79,12 @@ def _sampling(rows: int) -> RoundSampling:
     return RoundSampling(torch.zeros(rows, dtype=torch.int64), torch.full((rows, 0), -1), batch)
 
 
-def _load(rank: int, world_size: int) -> tuple[LlamaModel, KVCache]:
+def _load(rank: int, world_size: int) -> tuple[DecoderModel, KVCache]:
     model = rank_model(CONFIG, _weights(), rank, world_size, all_reduce_sum)
     return model, _cache(rank_config(CONFIG, world_size), 8, 512)
 
 
-def _round(groups: ProcessGroups, model: LlamaModel, cache: KVCache, command: RoundCommand) -> None:
+def _round(groups: ProcessGroups, model: DecoderModel, cache: KVCache, command: RoundCommand) -> None:
     logits = model.forward(ForwardBatch.build(list(command.rows), BLOCK), cache)
     shard = VocabShard.of(CONFIG.vocab_size, groups.device)
     s = command.sampling
@@ -92,7 +92,7 @@ def _round(groups: ProcessGroups, model: LlamaModel, cache: KVCache, command: Ro
     sample_round_across_ranks(shard, logits, s.num_drafts, s.draft_tokens, None, s.batch)
 
 
-def _serve(groups: ProcessGroups, state: tuple[LlamaModel, KVCache]) -> None:
+def _serve(groups: ProcessGroups, state: tuple[DecoderModel, KVCache]) -> None:
     model, cache = state
     while (command := receive_command(groups.control)) is not None:
         if command.index < 0:  # an all-reduce probe of [rows, hidden]
@@ -110,7 +110,7 @@ def main() -> None:
     args = parser.parse_args()
     rows, context = args.rows, args.context
 
-    whole = LlamaModel(CONFIG, _weights())
+    whole = DecoderModel(CONFIG, _weights())
     single: dict[int, list[float]] = {}
     for threads in sorted({torch.get_num_threads(), 1}, reverse=True):
         torch.set_num_threads(threads)
@@ -156,7 +156,7 @@ def main() -> None:
           f"{statistics.median(reduce_times) * 1e6:.0f} us median; {2 * CONFIG.num_layers} a round")
 
 
-def _round_with(groups: ProcessGroups, model: LlamaModel, cache: KVCache, command: RoundCommand) -> None:
+def _round_with(groups: ProcessGroups, model: DecoderModel, cache: KVCache, command: RoundCommand) -> None:
     send_command(command, groups.control)
     _round(groups, model, cache, command)
 

@@ -17,9 +17,9 @@ import torch
 from flare.distill.head_model import DraftHeadModule
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
-from flare.engine.model import LlamaModel
-from flare.preparation.draft_head import DraftHeadInfo, HeldOutAcceptance, head_parameter_count
-from flare.preparation.manifest import ModelConfig
+from flare.engine.model import DecoderModel
+from flare.package.draft_head import DraftHeadInfo, HeldOutAcceptance, head_parameter_count
+from flare.package.manifest import ModelConfig
 
 
 def head_module(
@@ -104,7 +104,7 @@ def reference_drafts(
 ) -> list[int]:
     """The greedy drafts the head proposes after `tokens` (the last one sampled, not yet fed to the
     target), computed from scratch: the target over tokens[:-1], then the unrolled head."""
-    target = LlamaModel(config, target_state)
+    target = DecoderModel(config, target_state)
     n = len(tokens)
     blocks = -(-(n + steps) // 16)
     kv = KVCache(num_layers=config.num_layers, num_blocks=blocks, block_size=16, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from flare.preparation.package import open_package
+from flare.package.directory import open_package
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions
 
 

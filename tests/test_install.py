@@ -114,7 +114,7 @@ def test_a_subprocess_that_imports_the_suite_as_the_forced_dispatch_tests_do_sha
 def test_a_test_folder_planted_on_the_path_is_found() -> None:
     """The check above can fail: a test folder on the path, and a module named like a distribution."""
     assert str(TESTS / "engine") in shadowing([str(TESTS / "engine")])
-    assert "kernels" in shadowing([str(TESTS)])
+    assert "engine" in shadowing([str(TESTS)])
 
 
 def locked_versions(lock: Path) -> dict[str, str]:

@@ -18,7 +18,7 @@ from flare.bench.cli import add_bench_parser
 from flare.daemon.commands_package import add_export_parser, add_inspect_parser
 from flare.daemon.config import CONFIG_ENV, ConfigError, load_config
 from flare.daemon.ctl import add_ctl_parser
-from flare.preparation.manifest import KV_CACHE_DTYPES, WEIGHT_FORMATS
+from flare.package.manifest import KV_CACHE_DTYPES, WEIGHT_FORMATS
 from flare.engine.openmp import set_wait_policy
 
 EXIT_USAGE = 2

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flare.preparation.manifest import AUTO_DTYPE, DTYPES, QUANTIZE_TYPES
+from flare.package.manifest import AUTO_DTYPE, DTYPES, QUANTIZE_TYPES
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flare.preparation.manifest import KV_CACHE_DTYPES, WEIGHT_FORMATS
+from flare.package.manifest import KV_CACHE_DTYPES, WEIGHT_FORMATS
 
 CONFIG_ENV = "FLARE_CONFIG"
 API_KEYS_ENV = "FLARE_API_KEYS"

@@ -41,7 +41,7 @@ from flare.daemon.rendering import Renderer
 from flare.daemon.responses_api import ResponsesRenderer
 from flare.daemon.responses_schema import parse_response_request
 from flare.daemon.state import Phase, ServingState
-from flare.kernels.status import DeviceStatus
+from flare.sampler.status import DeviceStatus
 from flare.scheduler.request import FaultSpec
 
 log = structlog.get_logger("flare.daemon.http")

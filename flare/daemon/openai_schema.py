@@ -23,8 +23,8 @@ from flare.daemon.cache_scope import cache_salt
 from flare.daemon.errors import ApiError, bad_request
 from flare.daemon.generation import ChatPrompt, Generation, TextOrTokens, TextPrompts, TokenOptions
 from flare.daemon.tool_calls import check_tool_results, parse_tools
-from flare.sampling.policy import Adjustment
-from flare.sampling.validation import SAMPLING_FIELDS, InvalidParameter, validate_request_sampling
+from flare.policy.policy import Adjustment
+from flare.policy.validation import SAMPLING_FIELDS, InvalidParameter, validate_request_sampling
 from flare.structured.compiler import MAX_CHOICES as MAX_GRAMMAR_CHOICES
 from flare.structured.spec import GrammarSpec
 from flare.structured.strict import StrictError, close_objects

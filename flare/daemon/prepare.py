@@ -26,9 +26,9 @@ from flare.daemon.openai_schema import closed_objects_adjustment
 from flare.daemon.rendering import flare_object, logprobs_object
 from flare.daemon.tool_calls import render_messages, template_messages, template_tools, tool_grammar
 from flare.engine.tokenizer import ChatTemplateError
-from flare.preparation.chat_template import ChatTemplateLimit
-from flare.preparation.tool_formats import ToolFormat
-from flare.sampling.policy import Adjustment, ClampResult
+from flare.package.chat_template import ChatTemplateLimit
+from flare.package.tool_formats import ToolFormat
+from flare.policy.policy import Adjustment, ClampResult
 from flare.scheduler.request import FaultSpec, GenerationRequest
 from flare.structured import Grammar, GrammarError, GrammarSpec
 

@@ -16,8 +16,8 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from flare.daemon.tool_calls import ToolCall
-from flare.sampling.params import SamplingParams
-from flare.sampling.policy import ClampResult
+from flare.policy.params import SamplingParams
+from flare.policy.policy import ClampResult
 from flare.scheduler.request import RequestFailure, TokenLogprob, Usage
 
 ZERO_PROBABILITY_LOGPROB = -9999.0

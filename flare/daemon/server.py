@@ -46,10 +46,10 @@ from flare.daemon.state import ServingState
 from flare.daemon.tokenize_api import add_tokenize_routes
 from flare.parallel.failstop import EngineDead
 from flare.parallel.launch import WorkerStartError
-from flare.preparation.chat_template import check_chat_template
+from flare.package.chat_template import check_chat_template
 from flare.preparation.default_package import default_package_path
 from flare.preparation.export import ExportError
-from flare.preparation.package import PackageError, open_package
+from flare.package.directory import PackageError, open_package
 from flare.preparation.source import SourceError
 from flare.scheduler.metrics import SchedulerMetrics
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from flare.daemon.errors import bad_request
-from flare.preparation.tool_formats import FLARE, ToolFormat
+from flare.package.tool_formats import FLARE, ToolFormat
 from flare.structured.bounds import BoundError, check_schema
 from flare.structured.compiler import JSON_OPTIONS
 from flare.structured.spec import GrammarSpec

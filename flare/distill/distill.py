@@ -35,7 +35,7 @@ from flare.distill.prompts import PROMPT_SET_NAME, distill_prompts, prompt_set_d
 from flare.engine.batch import ForwardBatch
 from flare.engine.precision import cpu_has_native_bf16
 from flare.engine.tokenizer import Tokenizer
-from flare.preparation.draft_head import (
+from flare.package.draft_head import (
     FINAL_NORM_TENSOR,
     VOCAB_TENSOR,
     DraftHeadInfo,
@@ -44,8 +44,8 @@ from flare.preparation.draft_head import (
 )
 from flare.preparation.export import ExportError
 from flare.preparation.source import ImportedDraftHead
-from flare.preparation.package import Package
-from flare.sampling.params import SamplingParams
+from flare.package.directory import Package
+from flare.policy.params import SamplingParams
 from flare.scheduler.request import GenerationRequest, TextDelta
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions
 

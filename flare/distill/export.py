@@ -19,8 +19,8 @@ from typing import TextIO
 
 from flare.distill.distill import DistillOptions, distill_head, imported_head
 from flare.preparation.export import ExportError, ExportOptions, export_package, open_source
-from flare.preparation.manifest import Manifest
-from flare.preparation.package import PackageError, check_destination, open_package, write_package
+from flare.package.manifest import Manifest
+from flare.package.directory import PackageError, check_destination, open_package, write_package
 from flare.preparation.source import SourceError
 
 

@@ -1,5 +1,5 @@
 """The draft head as a trainable torch module: the same math as its paged runtime
-(`engine/drafters/mtp.py`, a one-layer `LlamaModel`), over whole sequences at once.
+(`engine/drafters/mtp.py`, a one-layer `DecoderModel`), over whole sequences at once.
 
 Slot p of step 1 reads (h_{p-1}, x_p), with h the frozen target's residual stream after its
 last layer (zeros before position 0), and predicts x_{p+1}. Step j > 1 is the head unrolled on
@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from flare.engine.rope import apply_rope, rope_tables
-from flare.preparation.draft_head import VOCAB_TENSOR, draft_head_shapes
-from flare.preparation.manifest import ModelConfig
+from flare.package.draft_head import VOCAB_TENSOR, draft_head_shapes
+from flare.package.manifest import ModelConfig
 
 
 class DraftHeadModule(nn.Module):

@@ -54,9 +54,9 @@ from flare.engine.batch import SHORT_ROW_MAX_TOKENS, AttentionGroup, ForwardBatc
 from flare.engine.kv_cache import KVCache
 from flare.engine.linear import Weight, linear, linear_columns, packs, stack_weights
 from flare.engine.rope import apply_rope, rope_tables
-from flare.preparation.blocks import dequantized
-from flare.preparation.manifest import ModelConfig
-from flare.preparation.package import TORCH_DTYPES, Package, fits_float16, weight_problems
+from flare.package.blocks import dequantized
+from flare.package.manifest import ModelConfig
+from flare.package.directory import TORCH_DTYPES, Package, fits_float16, weight_problems
 
 
 class WeightsError(ValueError):
@@ -182,12 +182,12 @@ def kernels_fit(config: ModelConfig) -> bool:
     the attention scale and soft-cap, sandwich norms and GeGLU. The embedding scale and the final
     soft-cap run outside the layers on either path. Only heads wider than the kernels keep on
     their stack for those options (`native.FEATURES_MAX_HEAD_DIM`; no family served comes near)
-    run every layer on the torch path (`LlamaModel.forward_hidden`)."""
+    run every layer on the torch path (`DecoderModel.forward_hidden`)."""
     featured = config.attention_bias or config.qk_norm or config.rotary_dims != config.head_dim
     return not featured or config.head_dim <= native.FEATURES_MAX_HEAD_DIM
 
 
-class LlamaModel:
+class DecoderModel:
     """The weights of a decoder of any family flare serves and its forward pass over a paged KV
     cache: Llama's layer, with each family's additions (`ModelConfig`) as torch steps.
 
@@ -620,7 +620,7 @@ ModelSplit = Callable[
     tuple[ModelConfig, dict[str, "torch.Tensor | QuantizedWeight"], dict[str, Any]],
 ]
 """A tensor-parallel rank's view of a package (flare/parallel/tensor_split.py): its config,
-its part of the weights, and LlamaModel's tensor-parallel arguments."""
+its part of the weights, and DecoderModel's tensor-parallel arguments."""
 
 
 def load_model(
@@ -628,7 +628,7 @@ def load_model(
     device: torch.device | str = "cpu",
     weight_format: str = precision.AUTO,
     split: ModelSplit | None = None,
-) -> LlamaModel:
+) -> DecoderModel:
     """The model of a prepared package on `device`: float32, with the linear layers in
     `weight_format` (`auto`: the fastest this device runs for the stored dtype,
     `precision.choose_weight_format`, which raises `WeightFormatError` for a format that does
@@ -651,6 +651,6 @@ def load_model(
     config, extra = package.manifest.model, {}
     if split is not None:
         config, state_dict, extra = split(config, state_dict)
-    return LlamaModel(
+    return DecoderModel(
         config, state_dict, device=device, weight_format=chosen, context=package.manifest.serving.max_context, **extra
     )

@@ -21,7 +21,7 @@ built (no C compiler at install time) and that the tests hold it equal to:
 - a whole decoder layer of a round of short rows, the kernels above in one call: in
   `native_layers.py` (`KernelLayer`, `decoder_round`, `LayerStack`).
 
-The sampler's kernels are the kernels' own (flare/kernels/native.py).
+The sampler's kernels are the kernels' own (flare/sampler/native_sampler.py).
 
 The kernels trust the addresses they are given, so every function here first checks the
 tensors behind them (device, dtype, shape, strides); the C side checks every index into the

@@ -31,7 +31,7 @@ from enum import StrEnum
 import torch
 
 from flare.engine import native
-from flare.preparation.manifest import AUTO_DTYPE, WEIGHT_FORMATS
+from flare.package.manifest import AUTO_DTYPE, WEIGHT_FORMATS
 
 
 class WeightFormat(StrEnum):

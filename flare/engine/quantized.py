@@ -18,7 +18,7 @@ import torch
 
 from flare.engine import native
 from flare.engine.native import QUANTIZED_ISA
-from flare.preparation.blocks import KEPT_TYPES, SCALE_OFFSETS
+from flare.package.blocks import KEPT_TYPES, SCALE_OFFSETS
 
 
 def supported_types() -> frozenset[gguf.GGMLQuantizationType]:

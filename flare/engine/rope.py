@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from flare.preparation.manifest import ModelConfig, RopeScaling
+from flare.package.manifest import ModelConfig, RopeScaling
 
 
 def inverse_frequencies(theta: float, dims: int) -> torch.Tensor:

@@ -10,17 +10,17 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer as BackendTokenizer
 
-from flare.preparation.chat_template import (
+from flare.package.chat_template import (
     ChatTemplateError,
     compile_chat_template,
     reads_tools,
     render_within_budget,
     takes_system_turn,
 )
-from flare.preparation.tool_formats import tool_call_format
+from flare.package.tool_formats import tool_call_format
 
 if TYPE_CHECKING:
-    from flare.preparation.package import Package
+    from flare.package.directory import Package
 
 __all__ = ["ChatTemplateError", "IncrementalDetokenizer", "Tokenizer", "compile_chat_template"]
 

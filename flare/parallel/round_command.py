@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from flare.engine.batch import ForwardRow
-from flare.kernels.batch import BatchFacts, SamplingBatch
+from flare.sampler.batch import BatchFacts, SamplingBatch
 from flare.parallel.tensor_codec import decode, encode
 
 _BATCH_FIELDS = (

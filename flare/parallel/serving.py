@@ -29,10 +29,10 @@ import torch.distributed as dist
 
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
-from flare.engine.model import LlamaModel, load_model
+from flare.engine.model import DecoderModel, load_model
 from flare.engine.quantized import QuantizedWeight
-from flare.kernels.logprobs import TokenLogprobs
-from flare.kernels.round import RoundResult
+from flare.sampler.logprobs import TokenLogprobs
+from flare.sampler.round import SampledRound
 from flare.parallel.group import ProcessGroups, all_reduce_sum
 from flare.parallel.launch import RankGroup, WorkerSpec
 from flare.parallel.layout import ParallelLayout
@@ -40,8 +40,8 @@ from flare.parallel.round_command import RoundCommand, RoundSampling, ShardStep,
 from flare.parallel.tensor_split import rank_config, rank_state_dict, vocabulary_rows
 from flare.parallel.vocab_round import gather_rows, sample_round_across_ranks, score_tokens_across_ranks
 from flare.parallel.vocab_shard import VocabShard
-from flare.preparation.manifest import ModelConfig
-from flare.preparation.package import open_package
+from flare.package.manifest import ModelConfig
+from flare.package.directory import open_package
 
 log = structlog.get_logger("flare.parallel")
 _T = TypeVar("_T")
@@ -78,13 +78,13 @@ def rank_cache(config: ModelConfig, tensor_parallel: int, num_blocks: int, block
     )
 
 
-def _load_worker(path: str, weight_format: str, rank: int, world_size: int) -> tuple[LlamaModel, ModelConfig]:
+def _load_worker(path: str, weight_format: str, rank: int, world_size: int) -> tuple[DecoderModel, ModelConfig]:
     package = open_package(Path(path))
     model = load_model(package, weight_format=weight_format, split=split_for(rank, world_size))
     return model, package.manifest.model
 
 
-def _serve_worker(groups: ProcessGroups, state: tuple[LlamaModel, ModelConfig]) -> None:
+def _serve_worker(groups: ProcessGroups, state: tuple[DecoderModel, ModelConfig]) -> None:
     """A worker: its KV pool sized as rank 0 says (the first broadcast: blocks, block size, dtype
     code), then one round per command until the stop command."""
     model, config = state
@@ -104,7 +104,7 @@ def _serve_worker(groups: ProcessGroups, state: tuple[LlamaModel, ModelConfig]) 
 
 @torch.inference_mode()
 def _forward(
-    model: LlamaModel,
+    model: DecoderModel,
     cache: KVCache,
     rows: Sequence[ForwardRow],
     copies: Sequence[tuple[int, int]],
@@ -121,7 +121,7 @@ def _forward(
     return model.forward(batch, cache), None
 
 
-def run_step(shard: VocabShard, logits: torch.Tensor, step: ShardStep) -> RoundResult | TokenLogprobs | torch.Tensor | None:
+def run_step(shard: VocabShard, logits: torch.Tensor, step: ShardStep) -> SampledRound | TokenLogprobs | torch.Tensor | None:
     """``step`` on this rank's ``logits`` (its shard at the step's positions); rank 0 gets the
     result, the others None."""
     if step.kind == StepKind.SAMPLE:
@@ -193,7 +193,7 @@ class RankDriver:
 
     def forward(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         cache: KVCache,
         rows: Sequence[ForwardRow],
         copies: Sequence[tuple[int, int]],
@@ -215,10 +215,10 @@ class RankDriver:
         self._rounds += 1
         return RankLogits(local, torch.arange(local.shape[0]), self._shard.vocab_size, self), stream
 
-    def sample(self, logits: RankLogits, sampling: RoundSampling) -> RoundResult:
+    def sample(self, logits: RankLogits, sampling: RoundSampling) -> SampledRound:
         """`sample_round` of ``logits``' rows from the ranks' per-shard statistics."""
         result = self._step(logits, ShardStep(StepKind.SAMPLE, logits.positions, sampling=sampling))
-        assert isinstance(result, RoundResult)
+        assert isinstance(result, SampledRound)
         return result
 
     def score(self, logits: RankLogits, targets: torch.Tensor, num_top: int) -> TokenLogprobs:
@@ -233,11 +233,11 @@ class RankDriver:
         assert isinstance(result, torch.Tensor)
         return result
 
-    def _step(self, logits: RankLogits, step: ShardStep) -> RoundResult | TokenLogprobs | torch.Tensor | None:
+    def _step(self, logits: RankLogits, step: ShardStep) -> SampledRound | TokenLogprobs | torch.Tensor | None:
         shard = self._shard
         assert shard is not None
 
-        def run() -> RoundResult | TokenLogprobs | torch.Tensor | None:
+        def run() -> SampledRound | TokenLogprobs | torch.Tensor | None:
             send_command(step, self._control)
             return run_step(shard, logits.local, step)
 

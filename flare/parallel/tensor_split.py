@@ -33,10 +33,10 @@ from typing import Any
 import gguf
 import torch
 
-from flare.engine.model import LlamaModel
+from flare.engine.model import DecoderModel
 from flare.engine.quantized import QuantizedWeight
-from flare.kernels.distribution import shard_bounds
-from flare.preparation.manifest import ModelConfig
+from flare.sampler.distribution import shard_bounds
+from flare.package.manifest import ModelConfig
 
 Tensor = torch.Tensor | QuantizedWeight
 
@@ -91,7 +91,7 @@ def rank_state_dict(
     """Rank ``rank``'s part of every layer's tensors, the shapes of ``rank_config``: views,
     except a quantized weight's input-column share, which is copied once into contiguous rows
     of blocks. The embedding and the LM head stay whole here; the model keeps only the LM
-    head's ``vocabulary_rows`` (`LlamaModel(lm_head_rows=...)`, a view)."""
+    head's ``vocabulary_rows`` (`DecoderModel(lm_head_rows=...)`, a view)."""
     check_tensor_parallel(config, tensor_parallel)
     if not 0 <= rank < tensor_parallel:
         raise ValueError(f"rank must be between 0 and {tensor_parallel - 1}, got {rank}")
@@ -114,10 +114,10 @@ def rank_model(
     tensor_parallel: int,
     all_reduce: Callable[[torch.Tensor], None],
     **options: Any,
-) -> LlamaModel:
+) -> DecoderModel:
     """The rank's model: its heads and MLP columns, its vocabulary shard of the LM head, and
-    ``all_reduce`` after o and after down. ``options`` are LlamaModel's (device, dtype, ...)."""
-    return LlamaModel(
+    ``all_reduce`` after o and after down. ``options`` are DecoderModel's (device, dtype, ...)."""
+    return DecoderModel(
         rank_config(config, tensor_parallel),
         rank_state_dict(config, state_dict, rank, tensor_parallel),
         all_reduce=all_reduce,

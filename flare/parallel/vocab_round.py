@@ -31,15 +31,15 @@ from dataclasses import dataclass
 
 import torch
 
-from flare.kernels import torch_backend as kernels
-from flare.kernels.batch import SamplingBatch
-from flare.kernels.gumbel_max import GumbelCandidates
-from flare.kernels.logprobs import TokenLogprobs, log_normalizer, logprobs_of
-from flare.kernels.penalties import PenaltyState
-from flare.kernels.random_stream import Purpose, stream_key
-from flare.kernels.round import (
+from flare.sampler import torch_backend as kernels
+from flare.sampler.batch import SamplingBatch
+from flare.sampler.gumbel_max import GumbelCandidates
+from flare.sampler.logprobs import TokenLogprobs, log_normalizer, logprobs_of
+from flare.sampler.penalties import PenaltyState
+from flare.sampler.random_stream import Purpose, stream_key
+from flare.sampler.round import (
     PositionLayout,
-    RoundResult,
+    SampledRound,
     RowKinds,
     _any_per_row,
     _merged_argmax,
@@ -51,8 +51,8 @@ from flare.kernels.round import (
     row_kinds,
     sampled_acceptance,
 )
-from flare.kernels.status import DeviceStatus
-from flare.kernels.top_tokens import TopTokens
+from flare.sampler.status import DeviceStatus
+from flare.sampler.top_tokens import TopTokens
 from flare.parallel.vocab_shard import (
     VocabShard,
     local_batch,
@@ -72,7 +72,7 @@ def sample_round_across_ranks(
     token_mask: torch.Tensor | None = None,
     num_logprobs: int | None = None,
     raw_logprobs: torch.Tensor | None = None,
-) -> RoundResult | None:
+) -> SampledRound | None:
     """`kernels.round.sample_round` with ``vocab_shards`` = the group's size, each rank holding
     ``logits`` [N, width] of its shard (and ``draft_probs`` [R, Kmax, width], q's slice, or None
     on every rank); the other arguments are the whole round's, the same on every rank. Rank 0
@@ -221,7 +221,7 @@ def sample_round_across_ranks(
         return None
     assert tokens is not None and status is not None
     ok = status == int(DeviceStatus.OK)
-    return RoundResult(
+    return SampledRound(
         tokens=tokens,
         num_emitted=torch.where(ok, decided.num_accepted + 1, 0).to(torch.int32),
         status=status.to(torch.int32),

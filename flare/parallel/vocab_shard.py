@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from flare.kernels.batch import SamplingBatch
-from flare.kernels.distribution import shard_bounds
+from flare.sampler.batch import SamplingBatch
+from flare.sampler.distribution import shard_bounds
 
 
 @dataclass(frozen=True)

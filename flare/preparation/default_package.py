@@ -11,8 +11,8 @@ from pathlib import Path
 
 from flare.preparation.default_model import DEFAULT_SOURCE, default_gguf_path
 from flare.preparation.export import ExportOptions, export_package
-from flare.preparation.manifest import AUTO_DTYPE, FORMAT_VERSION, MANIFEST_NAME
-from flare.preparation.package import sha256_of
+from flare.package.manifest import AUTO_DTYPE, FORMAT_VERSION, MANIFEST_NAME
+from flare.package.directory import sha256_of
 from flare.preparation.recipes import SMOLLM2_135M_INSTRUCT
 
 

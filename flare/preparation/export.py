@@ -19,12 +19,12 @@ from typing import TextIO
 
 import torch
 
-from flare.preparation.chat_template import check_chat_template
-from flare.preparation.contract import check_contract
+from flare.package.chat_template import check_chat_template
+from flare.package.contract import check_contract
 from flare.preparation.default_model import DEFAULT_SOURCE, default_gguf_path
 from flare.preparation.gguf_source import open_gguf
 from flare.preparation.hf_source import open_hf_directory
-from flare.preparation.manifest import (
+from flare.package.manifest import (
     AUTO_DTYPE,
     DRAFTERS,
     DTYPES,
@@ -34,12 +34,12 @@ from flare.preparation.manifest import (
     Provenance,
     ServingConfig,
 )
-from flare.preparation.package import PackageError, check_destination, fits_float16, write_package
+from flare.package.directory import PackageError, check_destination, fits_float16, write_package
 from flare.preparation.quantize import QUANTIZE_TYPES, quantize_weights
 from flare.preparation.recipes import Recipe, recipe_for, with_declared_defaults
 from flare.preparation.stop_tokens import with_template_stop_tokens
 from flare.preparation.source import ModelSource, SourceError, SourceWeights
-from flare.sampling.policy import (
+from flare.policy.policy import (
     FILTER_PARAMS,
     INTEGER_PARAMS,
     POLICY_PARAMS,
@@ -48,7 +48,7 @@ from flare.sampling.policy import (
     filter_enabled,
     range_allows_filter,
 )
-from flare.sampling.validation import InvalidParameter, check_raw_range, integer, real_number
+from flare.policy.validation import InvalidParameter, check_raw_range, integer, real_number
 
 Number = int | float
 

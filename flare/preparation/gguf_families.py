@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from flare.preparation.manifest import (
+from flare.package.manifest import (
     ARCHITECTURES,
     ManifestError,
     ModelConfig,

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 
-from flare.preparation.blocks import KEPT_TYPES, BlockTensor, block_problems, unpermute_block_rows
+from flare.package.blocks import KEPT_TYPES, BlockTensor, block_problems, unpermute_block_rows
 from flare.preparation.gguf_families import (
     ROPE_TENSORS,
     TensorPlan,
@@ -33,7 +33,7 @@ from flare.preparation.gguf_families import (
 )
 from flare.preparation.gguf_layout import GGUFLayout, GGUFTensorInfo, read_gguf_layout, read_gguf_value
 from flare.preparation.gguf_tokenizer import build_tokenizer_json
-from flare.preparation.package import sha256_of, weight_problems
+from flare.package.directory import sha256_of, weight_problems
 from flare.preparation.recipes import gguf_sampling_defaults
 from flare.preparation.source import ModelSource, SourceError, SourceWeights
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from flare.preparation.manifest import (
+from flare.package.manifest import (
     ARCHITECTURES,
     ManifestError,
     ModelConfig,

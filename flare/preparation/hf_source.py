@@ -27,8 +27,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from flare.preparation.hf_families import model_config_from_hf, tensor_converter
-from flare.preparation.manifest import ModelConfig
-from flare.preparation.package import weight_problems
+from flare.package.manifest import ModelConfig
+from flare.package.directory import weight_problems
 from flare.preparation.recipes import hf_generation_defaults
 from flare.preparation.source import ImportedDraftHead, ModelSource, SourceError
 
@@ -116,7 +116,7 @@ def read_mtp_head(
 ) -> ImportedDraftHead:
     """The first MTP layer of the checkpoint as a draft head (module docstring: the layout);
     SourceError naming every tensor that does not fit it."""
-    from flare.preparation.draft_head import FINAL_NORM_TENSOR, draft_head_shapes
+    from flare.package.draft_head import FINAL_NORM_TENSOR, draft_head_shapes
 
     prefix = f"model.layers.{config.num_layers}."
     layer = {n[len(prefix) :]: shape for n, shape in shapes.items() if n.startswith(prefix)}

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from flare.preparation.blocks import KEPT_TYPES
-from flare.preparation.chat_template import check_chat_template
-from flare.preparation.contract import Problem, check_contract
-from flare.preparation.package import CHAT_TEMPLATE_NAME, verify_package, weight_types
+from flare.package.blocks import KEPT_TYPES
+from flare.package.chat_template import check_chat_template
+from flare.package.contract import Problem, check_contract
+from flare.package.directory import CHAT_TEMPLATE_NAME, verify_package, weight_types
 
 UNSERVABLE_CHAT_TEMPLATE = "unservable_chat_template"
 

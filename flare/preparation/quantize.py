@@ -22,9 +22,9 @@ import gguf
 import numpy as np
 import torch
 
-from flare.preparation.blocks import BlockTensor, GGMLType, block_problems, row_bytes
+from flare.package.blocks import BlockTensor, GGMLType, block_problems, row_bytes
 from flare.preparation.kquants import quantize_q4_k, quantize_q6_k
-from flare.preparation.manifest import QUANTIZE_TYPES, ModelConfig
+from flare.package.manifest import QUANTIZE_TYPES, ModelConfig
 from flare.preparation.source import SourceError, SourceWeights
 
 

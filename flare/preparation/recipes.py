@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flare.preparation.manifest import ModelConfig
+from flare.package.manifest import ModelConfig
 
 Number = int | float
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flare.preparation.blocks import BlockTensor
-from flare.preparation.manifest import ModelConfig
+from flare.package.blocks import BlockTensor
+from flare.package.manifest import ModelConfig
 from flare.preparation.recipes import DeclaredDefaults
 
 

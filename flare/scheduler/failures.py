@@ -8,7 +8,7 @@ failed, not the request) -> 502; the server ended the request (operator cancel, 
 
 from __future__ import annotations
 
-from flare.kernels.status import STATUS_MEANING, DeviceStatus
+from flare.sampler.status import STATUS_MEANING, DeviceStatus
 from flare.scheduler.request import RequestFailure
 
 _HTTP_STATUS: dict[DeviceStatus, int] = {

@@ -19,9 +19,9 @@ from flare.engine.prefix_cache import PrefixCache, namespace_hash
 from flare.engine.tokenizer import Tokenizer
 from flare.parallel.serving import RankDriver, split_for
 from flare.parallel.tensor_split import check_tensor_parallel, rank_config
-from flare.preparation.contract import check_contract
-from flare.preparation.package import Package
-from flare.sampling.policy import PolicyError, SamplingPolicy
+from flare.package.contract import check_contract
+from flare.package.directory import Package
+from flare.policy.policy import PolicyError, SamplingPolicy
 from flare.scheduler.errors import ContractViolation
 from flare.scheduler.model_runner import ModelRunner, RoundObserver
 from flare.scheduler.model_thread import ModelThread

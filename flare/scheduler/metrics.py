@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from flare.kernels.status import DeviceStatus
+from flare.sampler.status import DeviceStatus
 from flare.scheduler.sequence import DRAFT_SOURCES
 from flare.structured import CacheUse
 

@@ -22,15 +22,15 @@ from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.drafters import Draft
 from flare.engine.drafters.mtp import HeadDrafts, HeadRow, MtpHead
 from flare.engine.kv_cache import KVCache
-from flare.engine.model import LlamaModel
-from flare.kernels import SamplingBatch, sample_round, score_tokens
-from flare.kernels.faults import FaultNotInjectable, inject_fault
-from flare.kernels.logprobs import TokenLogprobs
-from flare.kernels.round import RoundResult as KernelResult
-from flare.kernels.status import DeviceStatus
+from flare.engine.model import DecoderModel
+from flare.sampler import SamplingBatch, sample_round, score_tokens
+from flare.sampler.faults import FaultNotInjectable, inject_fault
+from flare.sampler.logprobs import TokenLogprobs
+from flare.sampler.round import SampledRound
+from flare.sampler.status import DeviceStatus
 from flare.parallel.round_command import RoundSampling
 from flare.parallel.serving import RankDriver, RankLogits
-from flare.sampling.params import SamplingParams
+from flare.policy.params import SamplingParams
 from flare.scheduler.request import TokenLogprob
 from flare.structured import GrammarState, fill_masks
 
@@ -127,7 +127,7 @@ class RoundResult:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         kv_cache: KVCache,
         *,
         vocab_size: int,
@@ -368,7 +368,7 @@ class ModelRunner:
 
     def _sample_rows(
         self, rows: list[PlannedRow], logits: torch.Tensor | RankLogits, shards: int, width: int, masks: torch.Tensor | None
-    ) -> KernelResult:
+    ) -> SampledRound:
         device = logits.device
         k_max = max(width - 1, 1)
         draft_tokens = torch.tensor(
@@ -457,7 +457,7 @@ class ModelRunner:
 
 
 def _read_back(
-    tokens: torch.Tensor, emitted: torch.Tensor, status: torch.Tensor, outputs: list[KernelResult], rows: list[PlannedRow]
+    tokens: torch.Tensor, emitted: torch.Tensor, status: torch.Tensor, outputs: list[SampledRound], rows: list[PlannedRow]
 ) -> list[RowResult]:
     """The rows' results from the kernels' outputs (one per group, rows in order, their tokens,
     counts and statuses already concatenated), with the log-probabilities of the emitted tokens

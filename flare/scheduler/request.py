@@ -6,8 +6,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Literal
 
-from flare.kernels.status import DeviceStatus
-from flare.sampling.params import SamplingParams
+from flare.sampler.status import DeviceStatus
+from flare.policy.params import SamplingParams
 from flare.structured import Grammar
 
 

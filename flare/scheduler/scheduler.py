@@ -25,12 +25,12 @@ import anyio
 import structlog
 
 from flare.engine.drafters import Draft, Drafter
-from flare.engine.model import LlamaModel
+from flare.engine.model import DecoderModel
 from flare.engine.precision import dtype_name
-from flare.kernels.status import DeviceStatus
+from flare.sampler.status import DeviceStatus
 from flare.parallel.failstop import EngineDead
-from flare.preparation.package import Package
-from flare.sampling.params import SamplingParams
+from flare.package.directory import Package
+from flare.policy.params import SamplingParams
 from flare.scheduler.blocks import BlockCopy, BlockManager
 from flare.scheduler.emission import choice_usage, emit
 from flare.scheduler.errors import Draining, DuplicateRequestId, PromptTooLong, QueueFull, TooManyChoices
@@ -236,7 +236,7 @@ class Scheduler:
         return self._runner.vocab_size
 
     @property
-    def target_model(self) -> LlamaModel:
+    def target_model(self) -> DecoderModel:
         return self._runner.model
 
     @property

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from flare.engine.drafters import Draft, Drafter, DraftState
-from flare.kernels.status import DeviceStatus
+from flare.sampler.status import DeviceStatus
 from flare.scheduler.draft_length import HeadCostModel, RoundCostModel, choose_draft_lengths, worthwhile_head_steps
 from flare.scheduler.model_runner import PlannedRow, RoundPlan, RoundResult, RowResult
 from flare.scheduler.options import SchedulerOptions

@@ -13,8 +13,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from flare.engine.tokenizer import ChatTemplateError
-from flare.preparation.tool_formats import FLARE
-from flare.sampling.policy import SamplingPolicy
+from flare.package.tool_formats import FLARE
+from flare.policy.policy import SamplingPolicy
 from flare.scheduler.request import (
     Failed,
     Finished,

@@ -18,8 +18,8 @@ from flare.daemon.generation import ChatPrompt
 from flare.daemon.prepare import chat_ids
 from flare.daemon.tool_calls import parse_tools
 from flare.engine.tokenizer import Tokenizer
-from flare.preparation.chat_template import check_chat_template
-from flare.preparation.package import open_package
+from flare.package.chat_template import check_chat_template
+from flare.package.directory import open_package
 
 TEMPLATES = Path(__file__).parent.parent / "fixtures" / "templates"
 WEATHER = {

@@ -16,7 +16,7 @@ from flare.daemon.config import DaemonConfig
 from flare.daemon import http_api
 from flare.daemon.http_api import create_app
 from flare.daemon.state import ServingState
-from flare.kernels.status import DeviceStatus
+from flare.sampler.status import DeviceStatus
 from flare.scheduler.errors import Draining, PromptTooLong, QueueFull
 from flare.scheduler.failures import cancelled_failure, device_failure
 from flare.scheduler.request import Failed, FaultSpec, Finished, Usage

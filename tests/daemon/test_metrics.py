@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from flare.daemon.metrics import OUTCOME, DaemonMetrics, http_metrics_middleware, metrics_handler, outcome_for_status
-from flare.kernels.status import DeviceStatus
+from flare.sampler.status import DeviceStatus
 from flare.scheduler.metrics import SchedulerMetrics
 
 

@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestClient
 from tests.daemon.fake_scheduler import FakeScheduler
 from tests.daemon.test_http_api import MODEL, MakeClient, client, make_client, scheduler  # noqa: F401
 
-from flare.kernels.status import DeviceStatus
+from flare.sampler.status import DeviceStatus
 from flare.scheduler.errors import QueueFull
 from flare.scheduler.failures import device_failure
 from flare.scheduler.request import Failed, Finished, Usage

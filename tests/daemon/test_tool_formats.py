@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from flare.daemon.tool_calls import ToolCallReader, parse_tools, tool_grammar
-from flare.preparation.tool_formats import FLARE, LLAMA3, MISTRAL, QWEN, ToolFormat, tool_call_format
-from flare.preparation.package import open_package
+from flare.package.tool_formats import FLARE, LLAMA3, MISTRAL, QWEN, ToolFormat, tool_call_format
+from flare.package.directory import open_package
 from flare.structured import GrammarCompiler, GrammarState
 
 TEMPLATES = Path(__file__).parent.parent / "fixtures" / "templates"

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from flare.daemon.tool_calls import parse_tools, tool_grammar
-from flare.preparation.package import open_package
+from flare.package.directory import open_package
 from flare.structured import GrammarCompiler, GrammarState
 
 SITE = {

@@ -12,7 +12,7 @@ from flare.distill import export as distill_export
 from flare.distill.distill import DistillOptions, distill_head
 from flare.distill.prompts import PROMPT_SET_NAME, distill_prompts
 from flare.preparation.export import ExportOptions
-from flare.preparation.package import open_package
+from flare.package.directory import open_package
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions
 
 TINY = DistillOptions(

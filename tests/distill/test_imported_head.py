@@ -14,8 +14,8 @@ from safetensors import safe_open
 from flare.distill import export as distill_export
 from flare.distill.distill import DistillOptions
 from flare.preparation.export import ExportError, ExportOptions, export_package
-from flare.preparation.package import open_package
-from flare.sampling.params import SamplingParams
+from flare.package.directory import open_package
+from flare.policy.params import SamplingParams
 from flare.scheduler.request import GenerationRequest, TextDelta
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions
 

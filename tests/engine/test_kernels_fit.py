@@ -11,8 +11,8 @@ import pytest
 from tests.engine.tiny_llama import random_state_dict, tiny_config
 
 from flare.engine import native
-from flare.engine.model import LlamaModel, kernels_fit
-from flare.preparation.manifest import RopeScaling
+from flare.engine.model import DecoderModel, kernels_fit
+from flare.package.manifest import RopeScaling
 
 LLAMA3 = RopeScaling("llama3", factor=8.0, original_max_position_embeddings=64, low_freq_factor=1.0, high_freq_factor=4.0)
 
@@ -39,12 +39,12 @@ LLAMA3 = RopeScaling("llama3", factor=8.0, original_max_position_embeddings=64, 
 def test_what_the_kernels_implement_fits_them(change: dict) -> None:
     config = replace(tiny_config(), **change)
     assert kernels_fit(config)
-    assert LlamaModel(config, random_state_dict(config)).native_kernels == native.available()
+    assert DecoderModel(config, random_state_dict(config)).native_kernels == native.available()
 
 
 def test_a_window_narrower_than_the_context_served_only_counts_there() -> None:
     config = replace(tiny_config(), sliding_window=64, sliding_layers=(1,))
     state = random_state_dict(config)
-    assert LlamaModel(config, state, context=64).layers[1].window is None
-    assert LlamaModel(config, state).layers[1].window == 64
-    assert LlamaModel(config, state, context=64).native_kernels == native.available()
+    assert DecoderModel(config, state, context=64).layers[1].window is None
+    assert DecoderModel(config, state).layers[1].window == 64
+    assert DecoderModel(config, state, context=64).native_kernels == native.available()

@@ -12,8 +12,8 @@ from tests.mtp_heads import head_info, head_module, repeat_head_state
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.drafters.mtp import HeadRow, MtpHead
 from flare.engine.kv_cache import KVCache
-from flare.engine.model import LlamaModel
-from flare.preparation.package import PackageError, open_package, write_package
+from flare.engine.model import DecoderModel
+from flare.package.directory import PackageError, open_package, write_package
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_the_paged_head_drafts_what_the_dense_head_computes(
     if family:
         config = replace(config, **FAMILY_LAYER)
         target_state = make_state_dict(config)
-    target = LlamaModel(config, target_state, native_kernels=native)
+    target = DecoderModel(config, target_state, native_kernels=native)
     head_state = repeat_head_state(config, target_state, draft_vocab, mix=1.0, seed=5)
     target_norm = target_state["model.norm.weight"]
     final_norm = 1.0 + torch.rand(config.hidden_size, generator=torch.Generator().manual_seed(2)) if imported else target_norm
@@ -141,7 +141,7 @@ def pooled_head(package_parts, draft_vocab) -> MtpHead:
     config, target_state = package_parts["config"], package_parts["state_dict"]
     head_state = repeat_head_state(config, target_state, draft_vocab, mix=1.0, seed=5)
     embed = target_state["model.embed_tokens.weight"]
-    return MtpHead(config, head_state, LlamaModel(config, target_state), embed[draft_vocab].contiguous(),
+    return MtpHead(config, head_state, DecoderModel(config, target_state), embed[draft_vocab].contiguous(),
                    target_state["model.norm.weight"], num_blocks=8, block_size=16)
 
 

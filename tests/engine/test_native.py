@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flare.engine import native, native_layers
-from flare.engine.model import LlamaModel, apply_rope, rope_tables
+from flare.engine.model import DecoderModel, apply_rope, rope_tables
 from flare.engine.native import add_rms_norm, available, gated_rows, paged_attention, rope_and_cache
 
 from tests.engine.tiny_llama import random_state_dict, tiny_config
@@ -208,20 +208,20 @@ def test_tensors_of_the_wrong_dtype_or_layout_are_refused_with_their_name() -> N
 def test_a_model_uses_the_kernels_where_they_apply_and_the_torch_path_elsewhere() -> None:
     config = tiny_config()
     state = random_state_dict(config)
-    assert LlamaModel(config, state).native_kernels
-    assert not LlamaModel(config, state, dtype=torch.bfloat16).native_kernels
-    assert not LlamaModel(config, state, native_kernels=False).native_kernels
+    assert DecoderModel(config, state).native_kernels
+    assert not DecoderModel(config, state, dtype=torch.bfloat16).native_kernels
+    assert not DecoderModel(config, state, native_kernels=False).native_kernels
 
 
 def test_asking_for_the_kernels_where_they_cannot_run_names_why(monkeypatch) -> None:
     config = tiny_config()
     state = random_state_dict(config)
     with pytest.raises(ValueError, match="need a float32 model on the CPU"):
-        LlamaModel(config, state, dtype=torch.bfloat16, native_kernels=True)
+        DecoderModel(config, state, dtype=torch.bfloat16, native_kernels=True)
     monkeypatch.setattr(native, "_native", None)
-    assert not LlamaModel(config, state).native_kernels
+    assert not DecoderModel(config, state).native_kernels
     with pytest.raises(ValueError, match="extension built: False"):
-        LlamaModel(config, state, native_kernels=True)
+        DecoderModel(config, state, native_kernels=True)
 
 
 def linear_layouts(columns: torch.Tensor) -> dict[str, torch.Tensor]:

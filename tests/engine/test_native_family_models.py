@@ -16,11 +16,11 @@ from tests.family_checkpoints import FAMILIES, PHI3_ORIGINAL_CONTEXT, write_chec
 from flare.engine import native, native_layers
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import BlockAllocator, KVCache
-from flare.engine.model import LlamaModel, kernels_fit, load_model
+from flare.engine.model import DecoderModel, kernels_fit, load_model
 from flare.engine.precision import WeightFormat
 from flare.preparation.export import ExportOptions, export_package
-from flare.preparation.manifest import ModelConfig
-from flare.preparation.package import open_package
+from flare.package.manifest import ModelConfig
+from flare.package.directory import open_package
 from flare.preparation.source import ModelSource
 
 pytest.importorskip("transformers")
@@ -38,7 +38,7 @@ def family_package(request: pytest.FixtureRequest, smollm2_source: ModelSource, 
     return root / "package"
 
 
-def rounds_of_short_rows(model: LlamaModel, pieces: list[tuple[int, int]], seed: int = 0) -> list[torch.Tensor]:
+def rounds_of_short_rows(model: DecoderModel, pieces: list[tuple[int, int]], seed: int = 0) -> list[torch.Tensor]:
     """The logits of two sequences fed through one paged cache in rounds of (tokens of the first,
     tokens of the second), every token scored: rows of at most 17 tokens, the kernels' short rows."""
     generator = torch.Generator().manual_seed(seed)
@@ -72,10 +72,10 @@ def test_a_family_layer_runs_in_one_kernel_call_with_the_steps_bits_and_the_torc
     config = package.manifest.model
     # float16-exact weights: float16 linear layers (the decoder_layer path) multiply them exactly.
     state = {name: tensor.half().float() for name, tensor in package.load_weights()[0].items()}
-    fused = LlamaModel(config, state, weight_format=WeightFormat.FLOAT16)
-    steps = LlamaModel(config, state, weight_format=WeightFormat.FLOAT16)
+    fused = DecoderModel(config, state, weight_format=WeightFormat.FLOAT16)
+    steps = DecoderModel(config, state, weight_format=WeightFormat.FLOAT16)
     steps.kernel_layers = None
-    reference = LlamaModel(config, state, weight_format=WeightFormat.FLOAT16, native_kernels=False)
+    reference = DecoderModel(config, state, weight_format=WeightFormat.FLOAT16, native_kernels=False)
     assert fused.kernel_layers is not None
     calls = []
     run = native_layers.LayerStack.run

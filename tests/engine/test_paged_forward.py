@@ -11,7 +11,7 @@ import torch
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import BlockAllocator, KVCache
 from flare.engine.linear import CHUNKED_MIN_TOKENS, OUTPUT_CHUNK, linear, linear_columns, pack_weight
-from flare.engine.model import LlamaModel, WeightsError
+from flare.engine.model import DecoderModel, WeightsError
 from flare.engine import native, native_layers
 from flare.engine.native import Float16Weight
 from flare.engine.precision import WeightFormat, cpu_has_float16_gemm
@@ -131,7 +131,7 @@ def blocks_for(position_end: int) -> int:
 def test_one_prompt_in_one_chunk_matches_the_dense_forward(tie: bool) -> None:
     config = tiny_config(tie_word_embeddings=tie)
     state = random_state_dict(config)
-    model = LlamaModel(config, state)
+    model = DecoderModel(config, state)
     cache = new_cache(config)
     tokens = random_tokens(config, 37, seed=1)
     table = shuffled_allocator(cache.num_blocks, seed=2).allocate(blocks_for(len(tokens)))
@@ -149,12 +149,12 @@ def test_prompt_split_in_chunks_over_several_calls_matches_the_dense_forward(
     config, state_dict, native, weight_format
 ) -> None:
     state_dict = held_exactly(state_dict, weight_format)
-    model = LlamaModel(config, state_dict, native_kernels=native, weight_format=weight_format)
+    model = DecoderModel(config, state_dict, native_kernels=native, weight_format=weight_format)
     # Chunks of mixed sizes: long (own attention call), short (padded call), single tokens.
     assert_chunks_match_the_dense_forward(model, state_dict, (20, 3, 17, 1, 19, 1), seed=3)
 
 
-def assert_chunks_match_the_dense_forward(model: LlamaModel, state: dict[str, torch.Tensor], sizes: tuple[int, ...], seed: int) -> None:
+def assert_chunks_match_the_dense_forward(model: DecoderModel, state: dict[str, torch.Tensor], sizes: tuple[int, ...], seed: int) -> None:
     """Feed one random prompt of sum(sizes) tokens to `model` chunk after chunk (its blocks
     scattered over the pool), each chunk's logits held to the dense forward's."""
     config = model.config
@@ -177,7 +177,7 @@ def test_mixed_batch_of_chunks_decode_and_verify_rows_matches_the_dense_forward(
     config, state_dict, native, weight_format, kv_dtype
 ) -> None:
     state_dict = held_exactly(state_dict, weight_format)
-    model = LlamaModel(config, state_dict, native_kernels=native, weight_format=weight_format)
+    model = DecoderModel(config, state_dict, native_kernels=native, weight_format=weight_format)
     cache = new_cache(config, num_blocks=128, dtype=kv_dtype)
     allocator = shuffled_allocator(cache.num_blocks, seed=5)
 
@@ -230,7 +230,7 @@ def test_weights_that_do_not_match_the_config_are_named(config, state_dict) -> N
     state_dict["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(3, 3)
     state_dict["model.extra.weight"] = torch.zeros(1)
     with pytest.raises(WeightsError) as error:
-        LlamaModel(config, state_dict)
+        DecoderModel(config, state_dict)
     message = str(error.value)
     assert "model.layers.1.mlp.up_proj.weight is missing" in message
     assert "model.extra.weight is not part of" in message
@@ -238,7 +238,7 @@ def test_weights_that_do_not_match_the_config_are_named(config, state_dict) -> N
 
 
 def test_a_position_past_the_context_is_refused(config, state_dict) -> None:
-    model = LlamaModel(config, state_dict)
+    model = DecoderModel(config, state_dict)
     cache = new_cache(config, num_blocks=200)
     last = config.max_position_embeddings
     row = ForwardRow([5], last, list(range(blocks_for(last + 1))), num_logits=1)
@@ -247,7 +247,7 @@ def test_a_position_past_the_context_is_refused(config, state_dict) -> None:
 
 
 def test_a_cache_of_another_dtype_is_refused(config, state_dict) -> None:
-    model = LlamaModel(config, state_dict)
+    model = DecoderModel(config, state_dict)
     cache = KVCache.for_budget(config, 1 << 20, BLOCK_SIZE, dtype=torch.float64)
     with pytest.raises(ValueError, match="create the cache in the model's dtype, float16 or bfloat16"):
         model.forward(ForwardBatch.build([ForwardRow([5], 0, [0], num_logits=1)], BLOCK_SIZE), cache)
@@ -311,9 +311,9 @@ def test_float16_linear_layers_equal_float32_products_of_the_rounded_weights(ker
             assert (as_rows - unrounded).abs().max() < 2**-10 * (x.abs() @ weight.abs().T).max()
 
 
-def float32_and_rounded_logits(model: LlamaModel, state: dict[str, torch.Tensor], config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def float32_and_rounded_logits(model: DecoderModel, state: dict[str, torch.Tensor], config) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(float32 model's, `model`'s) logits of a 30-token prompt and of one decode step after it."""
-    exact = LlamaModel(config, state)
+    exact = DecoderModel(config, state)
     caches = new_cache(config), new_cache(config)
     tokens = random_tokens(config, 30, seed=7)
     table = list(range(blocks_for(len(tokens) + 1)))
@@ -334,7 +334,7 @@ def test_a_model_with_float16_gemms_tracks_the_float32_model_on_the_same_weights
     config = tiny_config(tie_word_embeddings=tie)
     # Weights that float16 holds exactly, so the two models differ only in how they multiply.
     state = {name: tensor.half().float() for name, tensor in random_state_dict(config).items()}
-    fast = LlamaModel(config, state, weight_format=WeightFormat.FLOAT16)
+    fast = DecoderModel(config, state, weight_format=WeightFormat.FLOAT16)
     assert fast.weight_format == WeightFormat.FLOAT16 and fast.dtype == torch.float32
     assert fast.embed.dtype == torch.float16
     assert isinstance(fast.lm_head, Float16Weight if built else torch.ScriptObject)
@@ -350,7 +350,7 @@ def test_a_model_with_bfloat16_gemms_tracks_the_float32_model_on_the_same_weight
     config = tiny_config(tie_word_embeddings=tie)
     # Weights that bfloat16 holds exactly, so the two models differ only in how they multiply.
     state = {name: tensor.bfloat16().float() for name, tensor in random_state_dict(config).items()}
-    rounded = LlamaModel(config, state, weight_format=WeightFormat.BFLOAT16)
+    rounded = DecoderModel(config, state, weight_format=WeightFormat.BFLOAT16)
     packed = isinstance(rounded.lm_head, torch.Tensor) and rounded.lm_head.is_mkldnn
     assert packed == PACKING and rounded.dtype == torch.float32
     for reference, logits in float32_and_rounded_logits(rounded, state, config):
@@ -368,8 +368,8 @@ def test_a_round_of_short_rows_on_float16_weights_runs_each_layer_in_one_call_wi
     # kernel runs step by step.
     config = tiny_config()
     state = held_exactly(random_state_dict(config), WeightFormat.FLOAT16)
-    fused = LlamaModel(config, state, weight_format=WeightFormat.FLOAT16)
-    steps = LlamaModel(config, state, weight_format=WeightFormat.FLOAT16)
+    fused = DecoderModel(config, state, weight_format=WeightFormat.FLOAT16)
+    steps = DecoderModel(config, state, weight_format=WeightFormat.FLOAT16)
     assert fused.kernel_layers is not None
     steps.kernel_layers = None
     layer_calls = []
@@ -396,7 +396,7 @@ def test_a_round_of_short_rows_on_float16_weights_runs_each_layer_in_one_call_wi
 @FLOAT16
 def test_a_fused_round_refuses_block_ids_and_slots_outside_the_pool_before_any_layer_runs() -> None:
     config = tiny_config()
-    model = LlamaModel(config, random_state_dict(config), weight_format=WeightFormat.FLOAT16)
+    model = DecoderModel(config, random_state_dict(config), weight_format=WeightFormat.FLOAT16)
     cache = new_cache(config, num_blocks=8)
     cases = [
         (ForwardRow(random_tokens(config, 6, 4), 0, [0, 99], num_logits=1), "a slot lies outside the KV pool"),
@@ -418,7 +418,7 @@ def test_one_call_layers_with_wide_heads_match_the_dense_forward_chunk_by_chunk(
     # tile, and 2 and 1 for the remainders of a verify row's queries) inside native_layers.decoder_layer.
     config = replace(tiny_config(), num_heads=6, num_kv_heads=2, head_dim=64)
     state = held_exactly(random_state_dict(config), WeightFormat.FLOAT16)
-    model = LlamaModel(config, state, weight_format=WeightFormat.FLOAT16)
+    model = DecoderModel(config, state, weight_format=WeightFormat.FLOAT16)
     layer_calls = []
     run = native_layers.LayerStack.run
     monkeypatch.setattr(native_layers.LayerStack, "run", lambda stack, *args: layer_calls.extend(stack.layers) or run(stack, *args))

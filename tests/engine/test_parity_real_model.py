@@ -15,12 +15,12 @@ import torch
 
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import BlockAllocator, KVCache
-from flare.engine.model import LlamaModel, load_model
+from flare.engine.model import DecoderModel, load_model
 from flare.engine.precision import WeightFormat, cpu_has_float16_gemm, cpu_has_native_bf16
 from flare.engine.tokenizer import Tokenizer
 from flare.preparation.default_model import default_gguf_path
 from flare.preparation.default_package import default_package_path
-from flare.preparation.package import open_package
+from flare.package.directory import open_package
 
 pytestmark = pytest.mark.real_model
 
@@ -43,7 +43,7 @@ LOGIT_TOLERANCE = 2e-3
 
 
 @pytest.fixture(scope="module")
-def flare_side(default_float32_package: Path) -> tuple[LlamaModel, Tokenizer]:
+def flare_side(default_float32_package: Path) -> tuple[DecoderModel, Tokenizer]:
     package = open_package(default_float32_package)
     return load_model(package), Tokenizer.from_package(package)
 
@@ -60,7 +60,7 @@ def transformers_model():
 
 
 def flare_greedy(
-    model: LlamaModel, prompts: list[list[int]], eos: set[int], new_tokens: int = NEW_TOKENS
+    model: DecoderModel, prompts: list[list[int]], eos: set[int], new_tokens: int = NEW_TOKENS
 ) -> tuple[list[list[int]], torch.Tensor]:
     """Greedy continuations of all prompts decoded together (up to `new_tokens`), and the
     last-prompt-position logits."""

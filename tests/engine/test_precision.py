@@ -11,7 +11,7 @@ import torch
 
 from flare.engine import precision
 from flare.engine.precision import WeightFormat, WeightFormatError, choose_weight_format
-from flare.preparation.package import fits_float16
+from flare.package.directory import fits_float16
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 F32, BF16, F16 = WeightFormat.FLOAT32, WeightFormat.BFLOAT16, WeightFormat.FLOAT16

@@ -15,7 +15,7 @@ from flare.engine.rope import (
     rope_tables,
     scaled_frequencies,
 )
-from flare.preparation.manifest import RopeScaling
+from flare.package.manifest import RopeScaling
 
 LLAMA3 = RopeScaling("llama3", factor=8.0, original_max_position_embeddings=64, low_freq_factor=1.0, high_freq_factor=4.0)
 

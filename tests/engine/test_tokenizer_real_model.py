@@ -8,7 +8,7 @@ import pytest
 from tests.engine.test_incremental_detokenizer import SAMPLES
 
 from flare.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from flare.preparation.package import open_package
+from flare.package.directory import open_package
 
 pytestmark = pytest.mark.real_model
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from flare.preparation.manifest import ModelConfig
-from flare.preparation.package import expected_weight_shapes
+from flare.package.manifest import ModelConfig
+from flare.package.directory import expected_weight_shapes
 
 
 def tiny_config(*, tie_word_embeddings: bool = True) -> ModelConfig:

@@ -18,7 +18,7 @@ from tests.running_scheduler import running
 
 from flare.preparation.export import ExportOptions, export_package
 from flare.preparation.source import ModelSource
-from flare.sampling.params import SamplingParams
+from flare.policy.params import SamplingParams
 from flare.scheduler.request import Finished, GenerationRequest, TextDelta
 from flare.scheduler.scheduler import Scheduler
 from flare.structured import GrammarSpec

@@ -17,12 +17,12 @@ from safetensors import safe_open
 
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import BlockAllocator, KVCache
-from flare.engine.model import LlamaModel, load_model
+from flare.engine.model import DecoderModel, load_model
 from flare.engine.tokenizer import Tokenizer
 from flare.preparation.export import ExportOptions, export_package
-from flare.preparation.package import open_package
+from flare.package.directory import open_package
 from flare.preparation.source import ModelSource
-from flare.sampling.params import SamplingParams
+from flare.policy.params import SamplingParams
 from flare.scheduler.request import Finished, GenerationRequest, TextDelta
 
 pytest.importorskip("transformers")
@@ -61,7 +61,7 @@ def reference_logits(checkpoint: Checkpoint, ids: list[int]) -> torch.Tensor:
         return checkpoint.model(torch.tensor([ids])).logits[0].float()
 
 
-def forward_in_pieces(model: LlamaModel, prompts: list[list[int]], pieces: list[list[int]]) -> list[torch.Tensor]:
+def forward_in_pieces(model: DecoderModel, prompts: list[list[int]], pieces: list[list[int]]) -> list[torch.Tensor]:
     """Every position's logits of each prompt, fed through one paged cache as rounds: round r
     gives prompt i its next `pieces[r][i]` tokens (0: none), all of them scored."""
     cache = KVCache.for_budget(model.config, 16 * 1024**2, BLOCK_SIZE)

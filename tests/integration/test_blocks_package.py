@@ -19,7 +19,7 @@ from tests.integration.daemon_process import DaemonProcess, start_daemon
 
 from flare.preparation.export import ExportOptions, export_package
 
-from tests.preparation.test_blocks import every_type_gguf  # noqa: E402  (the every-type GGUF of the export tests)
+from tests.package.test_blocks import every_type_gguf  # noqa: E402  (the every-type GGUF of the export tests)
 
 CHAT = {"messages": [{"role": "user", "content": "the the the"}], "temperature": 0, "max_tokens": 16}
 
@@ -76,8 +76,8 @@ def test_a_blocks_package_serves_the_answer_of_its_float32_package_and_reports_i
 def test_flare_run_refuses_blocks_with_a_nan_scale_naming_the_tensor_without_a_traceback(packages: dict[str, Path]) -> None:
     import numpy as np
 
-    from flare.preparation.blocks import BLOCKS_NAME
-    from flare.preparation.package import sha256_of
+    from flare.package.blocks import BLOCKS_NAME
+    from flare.package.directory import sha256_of
 
     package = packages["blocks"].parent / "nan-scale"
     shutil.copytree(packages["blocks"], package)

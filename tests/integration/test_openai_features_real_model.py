@@ -114,7 +114,7 @@ async def test_tool_choice_none_answers_in_text(client) -> None:
 
 async def test_greedy_tokens_are_the_top_logprob_and_logit_bias_removes_one(client, default_package: Path) -> None:
     from flare.engine.tokenizer import Tokenizer
-    from flare.preparation.package import open_package
+    from flare.package.directory import open_package
 
     answer = await client.chat.completions.create(
         model=MODEL, messages=ASK, temperature=0, max_tokens=10, logprobs=True, top_logprobs=5

@@ -254,7 +254,7 @@ async def test_two_prompts_answer_as_choices_zero_and_one(client: openai.AsyncOp
 
 async def test_a_token_id_prompt_answers_as_its_string(client: openai.AsyncOpenAI, default_package: Path) -> None:
     from flare.engine.tokenizer import Tokenizer
-    from flare.preparation.package import open_package
+    from flare.package.directory import open_package
 
     tokenizer = Tokenizer.from_package(open_package(default_package))
     text = "The capital of France is"

@@ -11,7 +11,7 @@ import pytest
 from tests.integration.daemon_process import DaemonProcess, start_daemon
 
 from flare.engine.tokenizer import Tokenizer
-from flare.preparation.package import open_package
+from flare.package.directory import open_package
 
 KEY = "sk-tokenize-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}

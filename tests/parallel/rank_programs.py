@@ -171,7 +171,7 @@ def load_package_rank(path: str, rank: int, world_size: int):
     from flare.engine.quantized import QuantizedWeight
     from flare.parallel.group import all_reduce_sum
     from flare.parallel.tensor_split import rank_config, rank_model
-    from flare.preparation.package import open_package
+    from flare.package.directory import open_package
 
     package = open_package(Path(path))
     floats, blocks = package.load_weights()

@@ -7,8 +7,8 @@ from typing import Literal
 
 import torch
 
-from flare.kernels.batch import SamplingBatch
-from flare.sampling.params import SamplingParams
+from flare.sampler.batch import SamplingBatch
+from flare.policy.params import SamplingParams
 
 VOCAB = 75
 """Not a multiple of 32, and shards of 38 and 37 tokens: rank 1's bitmask starts mid-word."""

@@ -20,12 +20,12 @@ from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
 from flare.engine.model import load_model
 from flare.engine.tokenizer import Tokenizer
-from flare.kernels.batch import SamplingBatch
+from flare.sampler.batch import SamplingBatch
 from flare.parallel.launch import RankGroup, WorkerSpec
 from flare.parallel.layout import ParallelLayout
 from flare.parallel.round_command import RoundCommand, RoundSampling, send_command
-from flare.preparation.package import open_package
-from flare.sampling.params import SamplingParams
+from flare.package.directory import open_package
+from flare.policy.params import SamplingParams
 
 pytestmark = pytest.mark.real_model
 

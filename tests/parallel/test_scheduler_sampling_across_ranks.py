@@ -14,9 +14,9 @@ import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 from tests.running_scheduler import running
 
-from flare.kernels.status import DeviceStatus
-from flare.preparation.package import open_package
-from flare.sampling.params import SamplingParams
+from flare.sampler.status import DeviceStatus
+from flare.package.directory import open_package
+from flare.policy.params import SamplingParams
 from flare.scheduler.metrics import SchedulerMetrics
 from flare.scheduler.request import (
     Failed,

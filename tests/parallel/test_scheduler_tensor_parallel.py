@@ -11,8 +11,8 @@ import pytest
 from tests.running_scheduler import running
 
 from flare.parallel.failstop import EngineDead
-from flare.preparation.package import open_package
-from flare.sampling.params import SamplingParams
+from flare.package.directory import open_package
+from flare.policy.params import SamplingParams
 from flare.scheduler.request import Failed, Finished, GenerationRequest
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions
 

@@ -19,12 +19,12 @@ from tests.engine.tiny_llama import random_state_dict, tiny_config
 
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
-from flare.engine.model import LlamaModel
-from flare.kernels.batch import SamplingBatch
+from flare.engine.model import DecoderModel
+from flare.sampler.batch import SamplingBatch
 from flare.parallel.launch import RankGroup, WorkerSpec
 from flare.parallel.layout import ParallelLayout
 from flare.parallel.round_command import RoundCommand, RoundSampling, send_command
-from flare.sampling.params import SamplingParams
+from flare.policy.params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def _greedy(rows: int) -> RoundSampling:
 def test_tp2_logits_greedy_tokens_and_kv_heads_equal_tp1(tensor_parallel) -> None:
     groups, model, cache = tensor_parallel
     config = tiny_config()
-    whole = LlamaModel(config, random_state_dict(config))
+    whole = DecoderModel(config, random_state_dict(config))
     whole_cache = KVCache(
         num_layers=config.num_layers, num_blocks=32, block_size=TP_BLOCK_SIZE,
         num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,

@@ -18,8 +18,8 @@ from tests.parallel.rank_programs import (
 from tests.parallel.sampling_cases import sampling_cases
 
 from flare.engine.batch import ForwardRow
-from flare.kernels.round import sample_round, score_tokens
-from flare.kernels.status import DeviceStatus
+from flare.sampler.round import sample_round, score_tokens
+from flare.sampler.status import DeviceStatus
 from flare.parallel.group import ProcessGroups
 from flare.parallel.launch import RankGroup, WorkerSpec
 from flare.parallel.layout import ParallelLayout

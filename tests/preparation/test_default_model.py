@@ -14,8 +14,8 @@ import pytest
 from flare.preparation import default_package as default_package_module
 from flare.preparation.default_model import default_gguf_path
 from flare.preparation.default_package import cache_dir, default_package_path
-from flare.preparation.manifest import FORMAT_VERSION
-from flare.preparation.package import open_package, sha256_of
+from flare.package.manifest import FORMAT_VERSION
+from flare.package.directory import open_package, sha256_of
 from flare.preparation.recipes import SMOLLM2_135M_INSTRUCT
 from flare.preparation.source import SourceError
 

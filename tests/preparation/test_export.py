@@ -12,7 +12,7 @@ import torch
 
 from flare.engine import precision
 from flare.preparation import export as export_module
-from flare.preparation.contract import check_contract
+from flare.package.contract import check_contract
 from flare.preparation.export import (
     ExportError,
     ExportOptions,
@@ -21,7 +21,7 @@ from flare.preparation.export import (
     parse_sampling_default,
     parse_sampling_range,
 )
-from flare.preparation.package import open_package
+from flare.package.directory import open_package
 from flare.preparation.recipes import GENERIC_LLAMA, SMOLLM2_135M_INSTRUCT, recipe_for
 from flare.preparation.source import ModelSource
 
@@ -134,7 +134,7 @@ def test_recipe_adapter_without_and_with_vocabulary_parallel_sampling() -> None:
 
 
 def plain_without_filters(policy: Any) -> Any:
-    from flare.sampling.policy import SamplingPolicy
+    from flare.policy.policy import SamplingPolicy
 
     defaults = {**policy.defaults, "top_k": -1, "top_p": 1.0, "min_p": 0.0}
     return SamplingPolicy(defaults, {p: r for p, r in policy.ranges.items() if p not in ("top_k", "top_p", "min_p")})

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from tests.package_commands import flare
 
-from flare.preparation.staging import claim_staging, remove_abandoned_staging
+from flare.package.staging import claim_staging, remove_abandoned_staging
 
 ROOT = Path(__file__).resolve().parents[2]
 WEIGHTS = "model.safetensors"
@@ -108,7 +108,7 @@ def test_an_export_onto_a_full_file_system_is_one_line_and_leaves_nothing(
 ) -> None:
     from safetensors import SafetensorError
 
-    import flare.preparation.package as package
+    import flare.package.directory as package
 
     def full(*_: object, **__: object) -> None:
         raise SafetensorError(

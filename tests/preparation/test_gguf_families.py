@@ -32,9 +32,9 @@ from tests.gguf_writer import (
     write_family_gguf,
 )
 
-from flare.preparation.blocks import dequantized
+from flare.package.blocks import dequantized
 from flare.preparation.gguf_source import open_gguf
-from flare.preparation.manifest import ModelConfig, RopeScaling
+from flare.package.manifest import ModelConfig, RopeScaling
 from flare.preparation.source import SourceError
 
 VOCAB = len(tiny_vocabulary()[0])
@@ -338,7 +338,7 @@ def test_family_gguf_exports_to_a_package_holding_its_config_and_weights(
     """`flare export --dtype float32` of each family's GGUF: the manifest keeps every family field
     (RoPE factors included) and the package's weights are the checkpoint's under the contract."""
     from flare.preparation.export import ExportOptions, export_package
-    from flare.preparation.package import open_package
+    from flare.package.directory import open_package
 
     family, config, state, path = family_gguf
     export_package(str(path), tmp_path / "pkg", ExportOptions(dtype="float32"), stderr=None)
@@ -354,7 +354,7 @@ def test_family_gguf_exports_to_a_package_holding_its_config_and_weights(
 def test_phi3_q8_0_gguf_exports_its_split_fused_blocks(tmp_path: Path) -> None:
     """`flare export` (--dtype auto) keeps a Q8_0 Phi-3's fused matrices as blocks, split."""
     from flare.preparation.export import ExportOptions, export_package
-    from flare.preparation.package import open_package
+    from flare.package.directory import open_package
 
     config, state = checkpoint(BY_NAME["phi3"], seed=2)
     write_family_gguf(tmp_path / "q8.gguf", config, state, quantize=gguf.GGMLQuantizationType.Q8_0)

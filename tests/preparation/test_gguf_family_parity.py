@@ -32,9 +32,9 @@ from flare.engine.model import load_model
 from flare.engine.tokenizer import Tokenizer
 from flare.preparation.default_model import default_gguf_path
 from flare.preparation.export import ExportOptions, export_package
-from flare.preparation.package import open_package
+from flare.package.directory import open_package
 from flare.preparation.source import ModelSource
-from flare.sampling.params import SamplingParams
+from flare.policy.params import SamplingParams
 from flare.scheduler.request import Finished, GenerationRequest, TextDelta
 
 LOGIT_TOLERANCE = 1e-4

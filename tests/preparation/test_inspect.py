@@ -6,7 +6,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from flare.preparation.manifest import FORMAT_VERSION
+from flare.package.manifest import FORMAT_VERSION
 from flare.preparation.inspect import inspect_package, render_text, servable
 
 

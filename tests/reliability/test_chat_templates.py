@@ -22,7 +22,7 @@ import pytest
 from tests.package_commands import flare
 from tests.reliability.reliability_daemon import Daemon, is_error_body, launch, report
 
-from flare.preparation.chat_template import RENDER_SECONDS
+from flare.package.chat_template import RENDER_SECONDS
 
 ROOT = Path(__file__).resolve().parents[2]
 TRIGGERED = (

@@ -13,7 +13,7 @@ import httpx
 from tests.reliability.reliability_daemon import Daemon, Outcome, generate, report
 from tests.integration.test_daemon import FAULT_STATUSES  # the documented (HTTP status, error type) of each row status
 
-from flare.kernels.status import DeviceStatus
+from flare.sampler.status import DeviceStatus
 
 TOPICS = (
     "the sea",

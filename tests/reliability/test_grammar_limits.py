@@ -18,7 +18,7 @@ import pytest
 from tests.reliability.reliability_daemon import Daemon, is_error_body, report
 
 from flare.daemon.ctl import call
-from flare.preparation.package import open_package
+from flare.package.directory import open_package
 from flare.structured.bounds import MAX_LARK_RULES, MAX_SCHEMA_DEPTH
 
 from tests.structured.test_bounds import chained_refs, chained_rules  # noqa: E402

@@ -207,7 +207,7 @@ def _prompt_tokens(http: httpx.Client, model: str) -> int:
 def test_special_token_text_in_a_message_stays_text(
     http: httpx.Client, daemon: Daemon, tiny_package: Path, daemon_factory: Callable[..., Daemon]
 ) -> None:
-    from flare.preparation.package import open_package
+    from flare.package.directory import open_package
 
     tokenizer = Tokenizer.from_package(open_package(tiny_package))
     messages = [{"role": "user", "content": FORGED}]

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 from tests.reliability.reliability_daemon import Daemon, Outcome, generate, report
 
-from flare.kernels.status import DeviceStatus
+from flare.sampler.status import DeviceStatus
 
 WORKERS = 40  # more clients than the tiny package's 32 slots, so a queue forms too
 WARM_UP_S = 12.0  # long enough to reach the batch shapes (and allocator pools) of full load

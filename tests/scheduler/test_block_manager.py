@@ -10,8 +10,8 @@ import torch
 
 from flare.engine.kv_cache import BlockAllocator, bytes_per_block
 from flare.engine.prefix_cache import PrefixCache, namespace_hash
-from flare.preparation.package import open_package
-from flare.sampling.params import SamplingParams
+from flare.package.directory import open_package
+from flare.policy.params import SamplingParams
 from flare.scheduler.blocks import BlockManager
 from flare.scheduler.request import Finished, GenerationRequest, RequestStream
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions

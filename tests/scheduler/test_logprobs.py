@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 from tests.running_scheduler import running
 
-from flare.sampling.params import SamplingParams
+from flare.policy.params import SamplingParams
 from flare.scheduler.request import Finished, GenerationRequest, TextDelta
 
 PROMPTS = [
@@ -97,7 +97,7 @@ async def test_every_choice_carries_the_prompt_scores(tiny_package):
 
 
 async def test_logprobs_are_kept_in_a_round_whose_rows_sample_in_two_groups(tiny_package):
-    from flare.kernels.status import DeviceStatus
+    from flare.sampler.status import DeviceStatus
     from flare.scheduler.request import FaultSpec
 
     # An INVALID_SPECULATION fault samples its row with the sharded sampler, the other row with

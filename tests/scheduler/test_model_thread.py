@@ -10,8 +10,8 @@ import pytest
 from tests.running_scheduler import running
 
 import flare.scheduler.loading as loading_module
-from flare.preparation.package import open_package
-from flare.sampling.params import SamplingParams
+from flare.package.directory import open_package
+from flare.policy.params import SamplingParams
 from flare.scheduler.model_runner import ModelRunner
 from flare.scheduler.model_thread import ModelThread
 from flare.scheduler.request import Finished, GenerationRequest

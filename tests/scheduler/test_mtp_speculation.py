@@ -12,8 +12,8 @@ import torch
 from prometheus_client import CollectorRegistry
 from tests.mtp_heads import reference_drafts, repeat_head_state, write_head_package
 
-from flare.preparation.package import open_package
-from flare.sampling.params import SamplingParams
+from flare.package.directory import open_package
+from flare.policy.params import SamplingParams
 from flare.scheduler.metrics import SchedulerMetrics
 from flare.scheduler.request import Finished, GenerationRequest, TextDelta
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions
@@ -261,7 +261,7 @@ async def test_auto_drafts_with_both_and_keeps_greedy_output(head_package):
 
 
 async def test_a_vocabulary_parallel_package_drafts_with_its_head(make_package, package_parts, peaked_state, head_state):
-    from flare.sampling.policy import SamplingPolicy
+    from flare.policy.policy import SamplingPolicy
 
     policy = package_parts["policy"]
     unfiltered = SamplingPolicy({**policy.defaults, "top_p": 1.0}, policy.ranges).unfiltered()

@@ -10,7 +10,7 @@ import pytest
 import structlog
 from tests.scheduler.test_scheduler import GREEDY, PROMPTS, _block_bytes, collect, generate_all, request, running, wait_idle
 
-from flare.sampling.params import SamplingParams
+from flare.policy.params import SamplingParams
 from flare.scheduler.errors import TooManyChoices
 from flare.scheduler.request import Failed, Finished, GenerationRequest, TextDelta, choice_seed
 from flare.scheduler.scheduler import Scheduler

@@ -26,8 +26,8 @@ import torch
 from tests.mtp_heads import repeat_head_state, write_head_package
 
 from flare.engine.kv_cache import bytes_per_block
-from flare.preparation.package import open_package
-from flare.sampling.params import SamplingParams
+from flare.package.directory import open_package
+from flare.policy.params import SamplingParams
 from flare.scheduler.model_runner import RoundPlan
 from flare.scheduler.request import Finished, GenerationRequest, TextDelta
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions

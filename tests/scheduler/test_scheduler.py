@@ -11,9 +11,9 @@ import structlog
 from tests.running_scheduler import running
 
 from flare.engine import precision
-from flare.kernels.status import DeviceStatus
-from flare.preparation.package import open_package
-from flare.sampling.params import SamplingParams
+from flare.sampler.status import DeviceStatus
+from flare.package.directory import open_package
+from flare.policy.params import SamplingParams
 from flare.scheduler.errors import Draining, PromptTooLong, QueueFull
 from flare.scheduler.request import Failed, FaultSpec, Finished, GenerationRequest, TextDelta
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions

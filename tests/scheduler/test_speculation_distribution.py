@@ -26,8 +26,8 @@ from scipy.stats import chi2_contingency
 from tests.mtp_heads import repeat_head_state, write_head_package
 
 from flare.engine.drafters import Draft
-from flare.preparation.package import open_package
-from flare.sampling.params import SamplingParams
+from flare.package.directory import open_package
+from flare.policy.params import SamplingParams
 from flare.scheduler.request import Finished, GenerationRequest, TextDelta
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions
 from flare.structured import GrammarSpec

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from flare.preparation.package import open_package
-from flare.sampling.params import SamplingParams
+from flare.package.directory import open_package
+from flare.policy.params import SamplingParams
 from flare.scheduler.request import Finished, GenerationRequest, TextDelta
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions
 

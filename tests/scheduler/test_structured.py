@@ -11,8 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from tests.running_scheduler import running
 
-from flare.kernels.status import DeviceStatus
-from flare.sampling.params import SamplingParams
+from flare.sampler.status import DeviceStatus
+from flare.policy.params import SamplingParams
 from flare.scheduler.metrics import SchedulerMetrics
 from flare.scheduler.request import Failed, FaultSpec, Finished, GenerationRequest, TextDelta
 from flare.scheduler.scheduler import Scheduler

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flare.preparation.package import open_package
+from flare.package.directory import open_package
 from flare.structured import CacheUse, GrammarCompiler, GrammarError, GrammarSpec, GrammarState, fill_masks
 
 SCHEMA = {

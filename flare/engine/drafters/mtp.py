@@ -45,12 +45,12 @@ import torch.nn.functional as F
 from flare.engine.batch import AttentionGroup, ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
 from flare.engine.linear import linear, pack_weight
-from flare.engine.model import LlamaModel
-from flare.kernels.distribution import kept_threshold
-from flare.kernels.random_stream import Purpose, stream_key, vocabulary_gumbel
-from flare.preparation.draft_head import FINAL_NORM_TENSOR, VOCAB_TENSOR
-from flare.preparation.manifest import ModelConfig
-from flare.preparation.package import Package
+from flare.engine.model import DecoderModel
+from flare.sampler.distribution import kept_threshold
+from flare.sampler.random_stream import Purpose, stream_key, vocabulary_gumbel
+from flare.package.draft_head import FINAL_NORM_TENSOR, VOCAB_TENSOR
+from flare.package.manifest import ModelConfig
+from flare.package.directory import Package
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class MtpHead:
         self,
         config: ModelConfig,
         head_state: Mapping[str, torch.Tensor],
-        target: LlamaModel,
+        target: DecoderModel,
         lm_head_rows: torch.Tensor,
         final_norm: torch.Tensor,
         *,
@@ -133,7 +133,7 @@ class MtpHead:
         layer = {name.replace("mtp.layer.", "model.layers.0."): t for name, t in head_state.items() if name.startswith("mtp.layer.")}
         # The head's GEMMs run in the target's weight format: on this class of CPU float32 MKL
         # took 15.6 ms for the 8192-row LM head at 1 and 8 rows, oneDNN's packed bfloat16 0.3-3.6.
-        self.block = LlamaModel(
+        self.block = DecoderModel(
             block_config,
             {**layer, "model.embed_tokens.weight": lm_head_rows, "model.norm.weight": final_norm},
             device=device,
@@ -347,7 +347,7 @@ class DraftFilters:
 
 
 def load_draft_head(
-    package: Package, target: LlamaModel, *, num_blocks: int, block_size: int, kv_dtype: torch.dtype = torch.float32
+    package: Package, target: DecoderModel, *, num_blocks: int, block_size: int, kv_dtype: torch.dtype = torch.float32
 ) -> MtpHead:
     """The package's draft head next to its loaded target model."""
     head_state = package.load_draft_head()

@@ -1,0 +1,190 @@
+"""Quantized tensors kept as ggml blocks in a package: the types kept, their checks, and the
+blocks file (`model.blocks`).
+
+A kept tensor is a linear weight (or the token embedding) [out, in] whose rows are in / block
+size blocks of a ggml type, byte for byte as llama.cpp lays them out (ggml-common.h). The
+blocks file holds the kept tensors back to back, each at the offset the manifest gives
+(`manifest.BlockEntry`), in the order of `package.expected_weight_shapes`: the q, k and v
+projections of a layer (and gate and up) lie next to each other, so a layer whose three share
+a type is multiplied as one matrix straight from the file. Nothing is padded: ggml blocks are
+18 to 210 bytes, so the kernels load them unaligned anyway.
+
+`flare run` maps the file read-only (copy-on-write, never written) and gives each tensor as a
+uint8 view into the mapping: the weights stay page cache, shared with every process that maps
+the same package, and never become anonymous memory.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from flare.package.manifest import BlockEntry
+
+BLOCKS_NAME = "model.blocks"
+
+GGMLType = gguf.GGMLQuantizationType
+
+# Byte offsets of the float16 scales (d, and dmin where the type has one) inside one block of each
+# type the engine multiplies from blocks (ggml-common.h: block_q4_0 ... block_q6_K). These are the
+# types kept at export; any other type is dequantized to float32 there. The engine's
+# `quantized.supported_types()` is held equal to these keys by tests/package/test_blocks.py.
+SCALE_OFFSETS: dict[GGMLType, tuple[int, ...]] = {
+    GGMLType.Q4_0: (0,),
+    GGMLType.Q4_1: (0, 2),
+    GGMLType.Q5_0: (0,),
+    GGMLType.Q5_1: (0, 2),
+    GGMLType.Q8_0: (0,),
+    GGMLType.Q4_K: (0, 2),
+    GGMLType.Q5_K: (0, 2),
+    GGMLType.Q6_K: (208,),
+}
+KEPT_TYPES = frozenset(SCALE_OFFSETS)
+
+
+class BlocksError(ValueError):
+    """Block data that cannot be kept or served; the message names the tensor."""
+
+
+@dataclass(frozen=True)
+class BlockTensor:
+    """A weight [out, in] as ggml blocks: `data` uint8 [out, row_bytes] (possibly a view into the
+    mapped blocks file)."""
+
+    ggml_type: GGMLType
+    data: torch.Tensor
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def row_bytes(ggml_type: GGMLType, in_features: int) -> int | None:
+    """Bytes of one row of `in_features` values in `ggml_type`, or None when the width is not whole blocks."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
+    return None if in_features % block_size else in_features // block_size * type_size
+
+
+def type_named(name: str) -> GGMLType | None:
+    """The ggml type a manifest names, or None for a name this flare does not know."""
+    return GGMLType.__members__.get(name)
+
+
+def block_problems(name: str, ggml_type: GGMLType, data: np.ndarray, shape: tuple[int, int]) -> list[str]:
+    """Why `data` cannot be served as the blocks of tensor `name` [out, in] in `ggml_type`: a type
+    without a kernel, a length that is not the shape's, a NaN or infinite float16 scale (d or dmin)
+    in any block. Empty when the blocks are servable. The scale check reads the scales of every
+    block as one strided float16 view: no Python loop over blocks."""
+    if ggml_type not in KEPT_TYPES:
+        kept = ", ".join(sorted(t.name for t in KEPT_TYPES))
+        return [f"tensor {name}: ggml type {ggml_type.name} is not served from blocks (served: {kept})"]
+    out_features, in_features = shape
+    width = row_bytes(ggml_type, in_features)
+    if width is None:
+        block_size = gguf.GGML_QUANT_SIZES[ggml_type][0]
+        return [f"tensor {name}: width {in_features} is not a whole number of {ggml_type.name} blocks of {block_size}"]
+    expected = out_features * width
+    if data.nbytes != expected:
+        return [
+            f"tensor {name}: {ggml_type.name} blocks of a {list(shape)} weight take {expected} bytes, "
+            f"the data has {data.nbytes}"
+        ]
+    type_size = gguf.GGML_QUANT_SIZES[ggml_type][1]
+    blocks = np.ascontiguousarray(data).reshape(-1).view(np.uint8).reshape(-1, type_size)
+    for offset in SCALE_OFFSETS[ggml_type]:
+        scales = blocks[:, offset : offset + 2].copy().view(np.float16).reshape(-1)
+        bad = ~np.isfinite(scales)
+        if bad.any():
+            block = int(np.argmax(bad))
+            return [
+                f"tensor {name}: {int(bad.sum())} block(s) have a NaN or infinite scale "
+                f"(first: block {block}, row {block * type_size // width}, value {scales[block]})"
+            ]
+    return []
+
+
+def write_blocks(path: Path, tensors: Mapping[str, BlockTensor], order: list[str]) -> dict[str, BlockEntry]:
+    """Write `tensors` back to back to `path`, in `order` (names not in `tensors` are skipped),
+    and return where each lies."""
+    entries: dict[str, BlockEntry] = {}
+    offset = 0
+    with open(path, "wb") as file:
+        for name in order:
+            if name not in tensors:
+                continue
+            tensor = tensors[name]
+            data = tensor.data.contiguous().numpy().tobytes()
+            file.write(data)
+            entries[name] = BlockEntry(type=tensor.ggml_type.name, offset=offset, nbytes=len(data))
+            offset += len(data)
+    return entries
+
+
+def entry_problems(name: str, entry: BlockEntry, shape: tuple[int, ...], file_size: int) -> list[str]:
+    """What a manifest entry gets wrong against the model's shape for `name` and the file's size."""
+    ggml_type = type_named(entry.type)
+    if ggml_type is None:
+        return [f"tensor {name}: unknown ggml type {entry.type!r}"]
+    if ggml_type not in KEPT_TYPES:
+        kept = ", ".join(sorted(t.name for t in KEPT_TYPES))
+        return [f"tensor {name}: ggml type {entry.type} is not served from blocks (served: {kept})"]
+    if len(shape) != 2:
+        return [f"tensor {name}: only a matrix can be kept as blocks, its shape is {list(shape)}"]
+    width = row_bytes(ggml_type, shape[1])
+    if width is None or entry.nbytes != shape[0] * width:
+        expected = "no whole number of blocks" if width is None else f"{shape[0] * width} bytes"
+        return [f"tensor {name}: {entry.type} blocks of a {list(shape)} weight take {expected}, the manifest says {entry.nbytes}"]
+    if entry.offset + entry.nbytes > file_size:
+        return [f"tensor {name}: its blocks end at byte {entry.offset + entry.nbytes}, past the end of {BLOCKS_NAME} ({file_size} bytes)"]
+    return []
+
+
+def map_blocks(path: Path, entries: Mapping[str, BlockEntry], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, BlockTensor]:
+    """The tensors of the blocks file at `path` as uint8 views into one mapping of it.
+
+    The mapping is private and never written (ACCESS_COPY only so that torch takes it as a
+    writable buffer without a warning): its pages are the file's page cache, not anonymous
+    memory. The views keep the mapping alive. Raises BlocksError naming the tensor for an entry
+    that does not fit the file, or blocks with a NaN or infinite scale."""
+    if not entries:
+        return {}
+    size = path.stat().st_size
+    problems = [p for name, entry in entries.items() for p in entry_problems(name, entry, shapes[name], size)]
+    if problems:
+        raise BlocksError("; ".join(problems))
+    with open(path, "rb") as file:
+        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    tensors = {}
+    for name, entry in entries.items():
+        ggml_type = GGMLType[entry.type]
+        out_features, in_features = shapes[name]
+        data = whole[entry.offset : entry.offset + entry.nbytes].view(out_features, -1)
+        problems = block_problems(name, ggml_type, data.numpy(), (out_features, in_features))
+        if problems:
+            raise BlocksError("; ".join(problems))
+        tensors[name] = BlockTensor(ggml_type, data, (out_features, in_features))
+    return tensors
+
+
+def dequantized(tensor: BlockTensor) -> torch.Tensor:
+    """The tensor's values as float32 [out, in], exactly gguf-py's `dequantize` of its blocks."""
+    values = gguf.quants.dequantize(tensor.data.numpy(), tensor.ggml_type)
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+
+def unpermute_block_rows(tensor: BlockTensor, num_heads: int) -> BlockTensor:
+    """`gguf_source.unpermute_rope_rows` on block rows: blocks run along the input dimension, so
+    putting the output rows of q or k back in Hugging Face order moves whole rows of blocks,
+    which is exact on the uint8 rows."""
+    rows, width = tensor.data.shape
+    head_dim = rows // num_heads
+    data = tensor.data.reshape(num_heads, head_dim // 2, 2, width).transpose(1, 2).reshape(rows, width).contiguous()
+    return BlockTensor(tensor.ggml_type, data, tensor.shape)

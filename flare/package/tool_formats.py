@@ -1,0 +1,101 @@
+"""The ways a model writes its tool calls, as its chat template teaches them.
+
+A package's chat template decides the format once, when the package is loaded
+(`tool_call_format`); the answer's grammar (daemon/tool_calls.py) writes that format and the
+reader parses it back into OpenAI `tool_calls`:
+
+- `flare`: flare's own, for a template that does not know tools (the default model's):
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one per line (tool_calls.py
+  writes the preamble that teaches it).
+- `qwen`: Qwen 2.5 / Qwen 3 and Hermes 2 Pro templates: the same tags, each call's JSON on a line
+  of its own between them, as their templates write earlier calls; where the template knows
+  `</think>` (Qwen 3), the answer may open with its reasoning, `<think>...</think>`.
+- `llama3`: Llama 3.1 / 3.2: the bare JSON object ``{"name": ..., "parameters": {...}}``; one call
+  per turn (their templates refuse a turn with several calls).
+- `mistral`: Mistral v0.3 and later: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``;
+  call ids of nine letters and digits (the template refuses any other).
+
+Every answer of calls is `prefix`, then each call as `call_open` + JSON + `call_close` joined by
+`separator`, then `suffix`. A mark the vocabulary holds as a control token (Mistral's
+`[TOOL_CALLS]`) is that token in the grammar, and stays in the decoded text for the reader. An answer that is text must not start with the character an answer
+of calls starts with (`lead`; the grammar enforces it), so the reader tells text from calls at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import secrets
+import string
+import uuid
+from dataclasses import dataclass
+from typing import Literal
+
+from flare.package.chat_template import reads_tools
+
+ToolFormatName = Literal["flare", "qwen", "llama3", "mistral"]
+_ALPHANUMERIC = string.ascii_letters + string.digits
+THINKING = ("<think>", "</think>")
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    name: ToolFormatName
+    prefix: str  # before the first call
+    call_open: str  # before each call's JSON object
+    call_close: str  # after each call's JSON object
+    separator: str  # between two calls
+    suffix: str  # after the last call
+    arguments_key: str  # the key of the call object that holds the arguments
+    several: bool  # whether the template takes more than one call in a turn
+    id_style: Literal["openai", "nine_alphanumeric"] = "openai"
+    # The tags of reasoning the model may write before its answer (Qwen 3's <think>), or None.
+    thinking: tuple[str, str] | None = None
+
+    @property
+    def lead(self) -> str:
+        """The character every answer of calls starts with (an answer of text never does)."""
+        return (self.prefix + self.call_open + "{")[0]  # a bare call opens with its JSON object
+
+    @property
+    def head(self) -> re.Pattern[str]:
+        """A call's JSON up to its arguments, as the grammar writes it (fixed separators)."""
+        return re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "' + re.escape(self.arguments_key) + '": ')
+
+    @property
+    def marks(self) -> tuple[str, ...]:
+        """The fixed texts the format writes around its calls."""
+        return tuple(m for m in (self.prefix, self.call_open, self.call_close, self.separator, self.suffix) if m)
+
+    def new_call_id(self) -> str:
+        if self.id_style == "nine_alphanumeric":
+            return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
+        return f"call_{uuid.uuid4().hex[:24]}"
+
+
+FLARE = ToolFormat("flare", "", "<tool_call>", "</tool_call>", "\n", "", "arguments", several=True)
+QWEN = ToolFormat("qwen", "", "<tool_call>\n", "\n</tool_call>", "\n", "", "arguments", several=True)
+LLAMA3 = ToolFormat("llama3", "", "", "", "", "", "parameters", several=False)
+MISTRAL = ToolFormat(
+    "mistral", "[TOOL_CALLS] [", "", "", ", ", "]", "arguments", several=True, id_style="nine_alphanumeric"
+)
+
+
+def tool_call_format(source: str) -> ToolFormat:
+    """The tool-call format the chat template `source` teaches: decided from the template's
+    text, once, when a package is loaded.
+
+    A template that does not read `tools` cannot show the model its functions: flare writes its
+    own format then ("flare"). Otherwise the marks each family's template writes its earlier
+    calls with: Mistral's `[TOOL_CALLS]`, the `<tool_call>` tags of Qwen and Hermes, Llama 3.1's
+    `"parameters"` object beside its header tokens; any other such template, flare's format."""
+    if not reads_tools(source):
+        return FLARE
+    if "[TOOL_CALLS]" in source:
+        return MISTRAL
+    if "<tool_call>" in source:
+        # Qwen 3 thinks before it answers, and may before it calls.
+        return dataclasses.replace(QWEN, thinking=THINKING) if THINKING[1] in source else QWEN
+    if '"parameters"' in source and "<|start_header_id|>" in source:
+        return LLAMA3
+    return FLARE
