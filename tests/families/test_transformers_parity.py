@@ -104,12 +104,13 @@ def test_a_float16_package_scores_text_as_the_float32_one_within_float16_roundin
     exported: tuple[Checkpoint, Path], tmp_path: Path
 ) -> None:
     """`flare export` stores a float source as float16 by default: the family's steps then run
-    between the engine's float16 GEMMs. Rounding every weight once (relative 2^-11) moved logits
-    of magnitude ~10 by 0.006-0.036 here; a wrong step moves them by whole units."""
+    between the engine's float16 GEMMs. Rounding every weight once (relative 2^-11) moves logits
+    of magnitude ~10 by hundredths; a wrong step moves them by whole units. The format is named:
+    `auto` runs float16 weights in bfloat16 on an AMX CPU, which rounds them again (8 bits)."""
     checkpoint, package_path = exported
     context = PHI3_ORIGINAL_CONTEXT if checkpoint.family == "phi3" else None
     export_package(str(checkpoint.path), tmp_path / "float16", ExportOptions(dtype="float16", max_context=context), stderr=io.StringIO())
-    float32, float16 = load_model(open_package(package_path)), load_model(open_package(tmp_path / "float16"))
+    float32, float16 = load_model(open_package(package_path)), load_model(open_package(tmp_path / "float16"), weight_format="float16")
     prompts = [Tokenizer.from_package(open_package(package_path)).encode(text) for text in PROMPTS]
     pieces = [[len(p) for p in prompts]]
     for exact, rounded in zip(forward_in_pieces(float32, prompts, pieces), forward_in_pieces(float16, prompts, pieces)):
