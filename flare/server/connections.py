@@ -52,16 +52,21 @@ _HEAD_END = b"\r\n\r\n"
 
 
 class ConnectionSettings(Protocol):
-    """The settings the limits come from; the daemon's config (daemon/config.py) has them."""
+    """The settings the limits come from, named here so that the server imports nothing of the
+    daemon above it; the daemon's config (daemon/config.py) has them."""
 
     @property
     def max_connections(self) -> int: ...
+
     @property
     def header_timeout_s(self) -> float: ...
+
     @property
     def keepalive_timeout_s(self) -> float: ...
+
     @property
     def write_timeout_s(self) -> float: ...
+
     @property
     def max_header_bytes(self) -> int: ...
 

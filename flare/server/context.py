@@ -13,24 +13,33 @@ from flare.server.state import ServingState
 
 
 class ServerConfig(Protocol):
-    """The settings the HTTP server reads; the daemon's config (daemon/config.py) has them all."""
+    """The settings the HTTP server reads, named here so that the server imports nothing of the
+    daemon above it; the daemon's config (daemon/config.py) has them all."""
 
     @property
     def api_keys(self) -> tuple[str, ...]: ...
+
     @property
     def max_body_bytes(self) -> int: ...
+
     @property
     def metrics_require_key(self) -> bool: ...
+
     @property
     def allowed_origins(self) -> tuple[str, ...]: ...
+
     @property
     def allowed_hosts(self) -> tuple[str, ...]: ...
+
     @property
     def prefix_cache_across_keys(self) -> bool: ...
+
     @property
     def request_timeout_s(self) -> float | None: ...
+
     @property
     def fault_injection(self) -> bool: ...
+
     @property
     def allow_special_tokens_in_messages(self) -> bool: ...
 
