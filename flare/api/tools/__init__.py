@@ -18,6 +18,7 @@ whose chat template does not know tools (the default model's):
 
 A package whose template knows tools (it names `tools`, as Qwen's, Llama 3.1's and Mistral's
 do) gets the functions and the conversation through its template instead, in Hugging Face's
-convention (prompt.py: `template_messages`, `template_tools`); the answer is held to and read in the format
-that template teaches (package/tool_formats.py), the one above where it teaches none of those.
+convention (prompt.py: `template_messages`, `template_tools`); the answer is held to and read
+in the format that template teaches (package/tool_formats.py), the one above where it teaches
+none of those.
 """
