@@ -177,7 +177,7 @@ def bench_level(server: Server, dataset: str, temperature: float, concurrency: i
     """One `flare bench` level against one server (a subprocess: the CLI exactly as users run it)."""
     extra = SAMPLED_FILTERS if temperature > 0 else {}
     command = [
-        sys.executable, "-m", "flare.daemon.cli", "bench", "--url", server.url, "--dataset", dataset,
+        sys.executable, "-m", "flare.cli.main", "bench", "--url", server.url, "--dataset", dataset,
         "--concurrency", str(concurrency), "--requests", str(requests_at(concurrency, args)),
         "--max-tokens", str(args.max_tokens), "--temperature", str(temperature), "--warmup", str(warmup),
         "--seed", str(args.seed), "--label", server.name, "--out", str(out),
@@ -258,7 +258,7 @@ def main() -> int:
 
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     def flare_command(served: Path) -> list[str]:
-        return [sys.executable, "-m", "flare.daemon.cli", "run", str(served), "--log-level", "warning",
+        return [sys.executable, "-m", "flare.cli.main", "run", str(served), "--log-level", "warning",
                 "--max-concurrency", str(max(concurrencies)), "--kv-cache-memory", args.kv_cache_memory]
 
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -57,7 +57,7 @@ from compare import free_port, server_process  # noqa: E402  (a server subproces
 def flare_daemon(package: Path, threads: int, extra: list[str]) -> Iterator[str]:
     """`flare run PACKAGE` on a free port with `extra` flags; yields its base URL."""
     url = f"http://127.0.0.1:{free_port()}"
-    command = [sys.executable, "-m", "flare.daemon.cli", "run", str(package), "--port", url.rsplit(":", 1)[1],
+    command = [sys.executable, "-m", "flare.cli.main", "run", str(package), "--port", url.rsplit(":", 1)[1],
                "--log-level", "warning", *extra]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     with tempfile.TemporaryDirectory() as logs, server_process(command, env, "flare run", url, Path(logs) / "flare.log"):

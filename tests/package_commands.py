@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from flare.daemon.commands_package import add_export_parser, add_inspect_parser
+from flare.cli.package_commands import add_export_parser, add_inspect_parser
 
 
 def flare(*argv: str) -> int:

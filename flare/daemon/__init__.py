@@ -1,0 +1,2 @@
+"""The daemon process: `flare run`'s life from start to exit, its config, the control socket,
+systemd notification and logging."""

@@ -17,6 +17,7 @@ that names any, so a flag replaces, rather than adds to, the keys of the environ
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import tomllib
 from collections.abc import Callable, Mapping
@@ -29,6 +30,18 @@ from flare.package.manifest import KV_CACHE_DTYPES, WEIGHT_FORMATS
 CONFIG_ENV = "FLARE_CONFIG"
 API_KEYS_ENV = "FLARE_API_KEYS"
 API_KEY_FILE_ENV = "FLARE_API_KEY_FILE"
+# The system service's control socket (flare.service's RuntimeDirectory=flare).
+SYSTEM_CONTROL_SOCKET = Path("/run/flare/control.sock")
+
+
+def default_control_socket(environ: Mapping[str, str]) -> Path:
+    """Where the daemon puts its socket without --control-socket: systemd's RuntimeDirectory
+    (/run/flare), else /run/flare as root, else the user's runtime directory."""
+    if runtime := environ.get("RUNTIME_DIRECTORY"):
+        return Path(runtime.split(":")[0]) / "control.sock"
+    if os.geteuid() != 0 and (user_runtime := environ.get("XDG_RUNTIME_DIR")):
+        return Path(user_runtime) / "flare" / "control.sock"
+    return SYSTEM_CONTROL_SOCKET
 
 
 class ConfigError(ValueError):
@@ -71,7 +84,7 @@ class DaemonConfig:
     drain_grace_s: float = 30.0
     max_body_bytes: int = 1 << 20
     request_timeout_s: float | None = 600.0
-    # Connections (flare/daemon/connections.py): how many, and how long each may take or idle.
+    # Connections (flare/server/connections.py): how many, and how long each may take or idle.
     max_connections: int = 1024
     header_timeout_s: float = 10.0
     keepalive_timeout_s: float = 75.0

@@ -40,16 +40,16 @@ import anyio.abc
 import structlog
 from aiohttp import web
 
-from flare.daemon.connections import ClientErrorLog, ConnectionGuard, ConnectionLimits, GuardedAppRunner
-from flare.daemon.errors import INVALID_REQUEST, SERVER_ERROR, ApiError, error_body
+from flare.api.errors import INVALID_REQUEST, SERVER_ERROR, ApiError, error_body
+from flare.api.json_body import parse_json_body
 from flare.daemon.logging import LogControl
-from flare.daemon.openai_schema import parse_json_body
 from flare.scheduler.failures import cancelled_failure
+from flare.server.connections import ClientErrorLog, ConnectionGuard, ConnectionLimits, GuardedAppRunner
 from flare.structured import CacheUse
 
 if TYPE_CHECKING:
     from flare.daemon.config import DaemonConfig
-    from flare.daemon.state import ServingState
+    from flare.server.state import ServingState
 
 log = structlog.get_logger(__name__)
 

@@ -1,11 +1,11 @@
 """The ways a model writes its tool calls, as its chat template teaches them.
 
 A package's chat template decides the format once, when the package is loaded
-(`tool_call_format`); the answer's grammar (daemon/tool_calls.py) writes that format and the
+(`tool_call_format`); the answer's grammar (api/tools/grammar.py) writes that format and the
 reader parses it back into OpenAI `tool_calls`:
 
 - `flare`: flare's own, for a template that does not know tools (the default model's):
-  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one per line (tool_calls.py
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one per line (api/tools/prompt.py
   writes the preamble that teaches it).
 - `qwen`: Qwen 2.5 / Qwen 3 and Hermes 2 Pro templates: the same tags, each call's JSON on a line
   of its own between them, as their templates write earlier calls; where the template knows

@@ -45,7 +45,7 @@ class GenerationRequest:
     """The compiled constraint every choice's answer follows (structured output), or None."""
     cache_scope: bytes = b""
     """Who may share this request's prefix-cache blocks (engine/prefix_cache.py `scoped_root`):
-    empty for everyone, else only requests of the same scope (daemon/cache_scope.py)."""
+    empty for everyone, else only requests of the same scope (api/cache_scope.py)."""
 
 
 # A Weyl step of the golden ratio: choices of nearby seeds (s and s + 1) get unrelated streams.

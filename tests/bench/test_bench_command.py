@@ -15,7 +15,7 @@ import pytest
 from tests.bench.fake_openai_server import MODEL, Behaviour, FakeOpenAIServer
 
 from flare.bench.load import MAX_TURNS, arrival_offsets
-from flare.daemon.cli import main
+from flare.cli.main import main
 
 
 def bench(server_url: str, tmp_path: Path, *flags: str, name: str = "result.json") -> tuple[int, dict[str, Any] | None]:

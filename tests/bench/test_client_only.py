@@ -25,6 +25,6 @@ def test_bench_modules_import_only_the_bench_folder_of_flare() -> None:
 
 
 def test_flare_bench_starts_without_torch() -> None:
-    code = "import sys, flare.daemon.cli as c; c.build_parser(); print('torch' in sys.modules)"
+    code = "import sys, flare.cli.main as c; c.build_parser(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=BENCH.parents[1], check=True)
     assert out.stdout.strip() == "False"

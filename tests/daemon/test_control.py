@@ -34,7 +34,7 @@ from flare.daemon.control import (
     redact_config,
     serve_control,
 )
-from flare.daemon.ctl import (
+from flare.cli.ctl import (
     EXIT_OK,
     EXIT_REFUSED,
     EXIT_UNREACHABLE,
@@ -43,10 +43,10 @@ from flare.daemon.ctl import (
     resolve_socket,
     run_ctl,
 )
-from flare.daemon.errors import ApiError
+from flare.api.errors import ApiError
 from flare.daemon.logging import configure_logging
-from flare.daemon.state import ServingState
 from flare.scheduler.request import RequestFailure
+from flare.server.state import ServingState
 from flare.structured import CacheUse
 
 
@@ -512,13 +512,13 @@ async def test_while_the_model_loads_ctl_says_so_and_config_still_answers(socket
 
 
 def test_ctl_imports_neither_torch_nor_aiohttp() -> None:
-    code = "import sys, flare.daemon.ctl; print(sorted({'torch', 'aiohttp'} & set(sys.modules)))"
+    code = "import sys, flare.cli.ctl; print(sorted({'torch', 'aiohttp'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert result.stdout.strip() == "[]"
 
 
 def test_json_is_accepted_after_the_command_too() -> None:
-    from flare.daemon.cli import build_parser
+    from flare.cli.main import build_parser
 
     after = build_parser().parse_args(["ctl", "--socket", "/x", "status", "--json"])
     before = build_parser().parse_args(["ctl", "--json", "--socket", "/x", "status"])
@@ -527,7 +527,7 @@ def test_json_is_accepted_after_the_command_too() -> None:
 
 
 def test_ctl_status_shows_each_rank_with_its_pid_and_cpus() -> None:
-    from flare.daemon.ctl import _render_status
+    from flare.cli.ctl import render_status
 
     status = {
         "package": "p", "draining": False, "uptime_s": 1.0, "running": 0, "waiting": 0, "kv_blocks_used": 0,
@@ -535,6 +535,6 @@ def test_ctl_status_shows_each_rank_with_its_pid_and_cpus() -> None:
         "generated_tokens_per_s": 0.0, "log_level": "info", "pid": 10, "version": "0", "device_statuses": {},
         "ranks": [{"rank": 0, "pid": 10, "cpus": [0, 1, 2, 5]}, {"rank": 1, "pid": 11, "cpus": [6, 7]}],
     }
-    assert "0: pid 10, cpus 0-2,5; 1: pid 11, cpus 6-7" in _render_status(status)
+    assert "0: pid 10, cpus 0-2,5; 1: pid 11, cpus 6-7" in render_status(status)
     del status["ranks"]
-    assert "ranks" not in _render_status(status)
+    assert "ranks" not in render_status(status)

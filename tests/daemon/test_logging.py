@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import structlog
 
-from flare.daemon.logging import configure_logging, log_access, resolve_log_format
+from flare.daemon.logging import configure_logging, resolve_log_format
+from flare.server.access_log import log_access
 
 
 class Terminal(io.StringIO):

@@ -27,8 +27,8 @@ class DaemonProcess:
         wrapper: Sequence[str] = (),
         pass_fds: Sequence[int] = (),
     ) -> None:
-        # `python -m flare.daemon.cli` is the `flare` console script without needing it installed.
-        command = [sys.executable, "-m", "flare.daemon.cli", "run", "--port", "0", "--log-format", "json"]
+        # `python -m flare.cli.main` is the `flare` console script without needing it installed.
+        command = [sys.executable, "-m", "flare.cli.main", "run", "--port", "0", "--log-format", "json"]
         if package is not None:  # None: the default model
             command.append(str(package))
         self.process = subprocess.Popen(

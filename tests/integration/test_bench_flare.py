@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tests.integration.daemon_process import DaemonProcess, start_daemon
 
-from flare.daemon.cli import main
+from flare.cli.main import main
 
 
 @pytest.fixture(scope="module")

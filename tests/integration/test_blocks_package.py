@@ -63,7 +63,7 @@ def test_a_blocks_package_serves_the_answer_of_its_float32_package_and_reports_i
         types = loaded["weight_types"]
         assert types["Q6_K"]["tensors"] == 4 and types["F32"]["tensors"] == 6  # 5 norms and a dequantized Q2_K
         assert set(types) == {"F32", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
-        ctl = [sys.executable, "-m", "flare.daemon.cli", "ctl", "--socket", str(packages["control"])]
+        ctl = [sys.executable, "-m", "flare.cli.main", "ctl", "--socket", str(packages["control"])]
         status = json.loads(subprocess.run([*ctl, "--json", "status"], capture_output=True, text=True, check=True).stdout)
         assert status["weight_types"] == types
         table = subprocess.run([*ctl, "status"], capture_output=True, text=True, check=True).stdout
@@ -89,7 +89,7 @@ def test_flare_run_refuses_blocks_with_a_nan_scale_naming_the_tensor_without_a_t
     manifest["files"][BLOCKS_NAME] = sha256_of(package / BLOCKS_NAME)
     (package / "manifest.json").write_text(json.dumps(manifest))
     result = subprocess.run(
-        [sys.executable, "-m", "flare.daemon.cli", "run", str(package), "--port", "0"],
+        [sys.executable, "-m", "flare.cli.main", "run", str(package), "--port", "0"],
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode != 0

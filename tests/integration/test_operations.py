@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from tests.integration.daemon_process import DaemonProcess
 
-from flare.daemon import ctl
+from flare.cli import ctl
 
 EOS = 2  # <|im_end|>: SmolLM2's end of text, and so the tiny package's
 
@@ -91,7 +91,7 @@ class Operated:
 
     def ctl(self, *argv: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "flare.daemon.cli", "ctl", "--socket", str(self.control), *argv],
+            [sys.executable, "-m", "flare.cli.main", "ctl", "--socket", str(self.control), *argv],
             capture_output=True,
             text=True,
             timeout=60,

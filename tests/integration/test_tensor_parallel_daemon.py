@@ -79,7 +79,7 @@ def test_two_nodes_on_loopback_serve_the_tp1_answer_and_the_headless_node_stops_
         probe.bind(("127.0.0.1", 0))
         port = str(probe.getsockname()[1])
     headless = subprocess.Popen(
-        [sys.executable, "-m", "flare.daemon.cli", "run", str(tiny_package), "--tensor-parallel", "2",
+        [sys.executable, "-m", "flare.cli.main", "run", str(tiny_package), "--tensor-parallel", "2",
          "--nnodes", "2", "--node-rank", "1", "--master-port", port, "--log-format", "json"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )

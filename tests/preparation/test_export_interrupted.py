@@ -27,7 +27,7 @@ def _start_export(out: Path) -> subprocess.Popen[str]:
     # float32, 538 MB of weights: long enough to be caught half written (the blocks package the
     # default export makes writes 96 MB, often before a poll sees it).
     return subprocess.Popen(
-        [sys.executable, "-m", "flare.daemon.cli", "export", "default", "-o", str(out), "--dtype", "float32"],
+        [sys.executable, "-m", "flare.cli.main", "export", "default", "-o", str(out), "--dtype", "float32"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
     )
 
@@ -82,7 +82,7 @@ def test_a_killed_exports_partial_directory_is_removed_by_the_next_export(tmp_pa
     process.wait(30)
     [left] = _partials(out)
     again = subprocess.run(
-        [sys.executable, "-m", "flare.daemon.cli", "export", "default", "-o", str(out)],
+        [sys.executable, "-m", "flare.cli.main", "export", "default", "-o", str(out)],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
     assert again.returncode == 0, again.stderr
@@ -133,7 +133,7 @@ def test_an_export_onto_a_real_50_mib_file_system_is_one_line_and_leaves_nothing
     try:
         out = mount / "package"
         result = subprocess.run(
-            [sys.executable, "-m", "flare.daemon.cli", "export", "default", "-o", str(out)],
+            [sys.executable, "-m", "flare.cli.main", "export", "default", "-o", str(out)],
             capture_output=True, text=True, timeout=600, cwd=ROOT,
         )
         lines = result.stderr.strip().splitlines()

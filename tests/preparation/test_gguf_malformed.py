@@ -44,7 +44,7 @@ def _patched(path: Path, offset: int, data: bytes) -> Iterator[None]:
 
 def _export(source: Path, out: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "flare.daemon.cli", "export", str(source), "-o", str(out)],
+        [sys.executable, "-m", "flare.cli.main", "export", str(source), "-o", str(out)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
 

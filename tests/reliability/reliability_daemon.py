@@ -17,7 +17,7 @@ import httpx
 
 from tests.integration.daemon_process import DaemonProcess, start_daemon
 
-from flare.daemon.ctl import call
+from flare.cli.ctl import call
 
 CHAT = [{"role": "user", "content": "Write a short poem about the sea."}]
 ERROR_FIELDS = {"message", "type", "param", "code"}

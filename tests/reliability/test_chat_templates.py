@@ -131,7 +131,7 @@ def test_run_and_inspect_refuse_a_template_that_always_loops_or_does_not_compile
     # render budget is waited out side by side rather than once after the other.
     runs = {
         name: subprocess.Popen(
-            [sys.executable, "-m", "flare.daemon.cli", "run", str(package), "--port", "0"],
+            [sys.executable, "-m", "flare.cli.main", "run", str(package), "--port", "0"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         )
         for name, package in packages.items()

@@ -16,9 +16,9 @@ import httpx
 import pytest
 from tests.reliability.reliability_daemon import Daemon, exchange, is_error_body, port_of, report
 
-from flare.daemon.connections import CLIENT_ERROR_LINES
-from flare.daemon.ctl import call
-from flare.daemon.server import SHUTDOWN_MARGIN_S
+from flare.cli.ctl import call
+from flare.daemon.lifecycle import SHUTDOWN_MARGIN_S
+from flare.server.connections import CLIENT_ERROR_LINES
 
 HEADER_TIMEOUT_S = 2.0
 KEEPALIVE_TIMEOUT_S = 3.0

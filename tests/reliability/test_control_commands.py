@@ -17,7 +17,7 @@ import httpx
 import pytest
 from tests.reliability.reliability_daemon import Daemon, is_error_body, report
 
-from flare.daemon.ctl import call
+from flare.cli.ctl import call
 
 
 class _UnixConnection(http.client.HTTPConnection):

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from tests.reliability.reliability_daemon import Daemon, is_error_body, report
 
-from flare.daemon.ctl import call
+from flare.cli.ctl import call
 from flare.package.directory import open_package
 from flare.structured.bounds import MAX_LARK_RULES, MAX_SCHEMA_DEPTH
 

@@ -277,7 +277,7 @@ def test_a_client_that_half_closes_after_its_request_is_logged(daemon: Daemon) -
 def test_an_operator_cancel_of_a_non_streaming_request_counts_as_cancelled(http: httpx.Client, daemon: Daemon) -> None:
     import threading
 
-    from flare.daemon.ctl import call
+    from flare.cli.ctl import call
 
     result: dict = {}
 

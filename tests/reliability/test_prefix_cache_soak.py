@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 from tests.reliability.reliability_daemon import Daemon, Outcome, generate, report
 
-from flare.daemon.ctl import call
+from flare.cli.ctl import call
 
 WORKERS = 12
 SOAK_S = float(os.environ.get("FLARE_PREFIX_SOAK_S", "25"))

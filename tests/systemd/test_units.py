@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from flare.daemon.config import DaemonConfig, load_config
-from flare.daemon.connections import ConnectionLimits
-from flare.daemon.server import SHUTDOWN_MARGIN_S
+from flare.daemon.lifecycle import SHUTDOWN_MARGIN_S
+from flare.server.connections import ConnectionLimits
 
 UNITS = Path(__file__).resolve().parents[2] / "systemd"
 

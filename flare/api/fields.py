@@ -1,0 +1,116 @@
+"""The request fields every API shares, checked the same way wherever they arrive: unknown
+fields refused by name, `model`, the sampling fields (with the name the API gives each), and
+OpenAI's `response_format` (chat completions and Responses). Each check raises a 400 naming the
+field."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from flare.api.errors import ApiError, bad_request
+from flare.policy.validation import InvalidParameter, validate_request_sampling
+from flare.structured.spec import GrammarSpec
+from flare.structured.strict import StrictError, close_objects
+
+
+def check_fields(body: Mapping[str, Any], known: frozenset[str]) -> None:
+    for key in body:
+        if key not in known:
+            raise bad_request(f"unrecognized request field {key!r}", param=key, code="unknown_parameter")
+
+
+def model_field(body: Mapping[str, Any]) -> str:
+    model = body.get("model")
+    if model is None:
+        raise bad_request("model is required; GET /v1/models lists the served model", param="model")
+    if not isinstance(model, str) or not model:
+        raise bad_request(f"model must be a non-empty string, got {kind(model)}", param="model")
+    return model
+
+
+def check_model(requested: str, served: str) -> None:
+    """404 model_not_found unless `requested` names the served model."""
+    if requested != served:
+        raise ApiError(
+            404,
+            f"the model {requested!r} does not exist here; this server serves {served!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+_SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def response_format(value: Any) -> GrammarSpec | None:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+    where = "response_format"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request(f"{where} must be an object with a type, got {kind(value)}", param=where)
+    format_type = value.get("type")
+    if format_type == "text":
+        no_other_keys(value, {"type"}, where)
+        return None
+    if format_type == "json_object":
+        no_other_keys(value, {"type"}, where)
+        return GrammarSpec.json_schema({"type": "object"}, where)
+    if format_type != "json_schema":
+        raise bad_request(
+            f"{where}.type must be 'text', 'json_object' or 'json_schema', got {format_type!r}", param=f"{where}.type"
+        )
+    no_other_keys(value, {"type", "json_schema"}, where)
+    spec = value.get("json_schema")
+    where = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise bad_request(f"{where} must be an object with name and schema, got {kind(spec)}", param=where)
+    no_other_keys(spec, {"name", "schema", "strict", "description"}, where)
+    name = spec.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.match(name):
+        raise bad_request(
+            f"{where}.name must be 1 to 64 letters, digits, underscores or dashes, got {name!r}", param=f"{where}.name"
+        )
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request(f"{where}.strict must be true or false, got {kind(strict)}", param=f"{where}.strict")
+    description = spec.get("description")
+    if description is not None and not isinstance(description, str):
+        raise bad_request(f"{where}.description must be a string", param=f"{where}.description")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise bad_request(f"{where}.schema must be a JSON schema object, got {kind(schema)}", param=f"{where}.schema")
+    # strict or not, the answer is held to the schema: a grammar is never "best effort"; strict
+    # also closes every object, as OpenAI means it (structured/strict.py).
+    if not strict:
+        return GrammarSpec.json_schema(schema, f"{where}.schema")
+    try:
+        closed_schema, closed = close_objects(schema)
+    except StrictError as error:
+        raise bad_request(f"{where}.schema: {error}", param=f"{where}.schema") from None
+    return GrammarSpec.json_schema(closed_schema, f"{where}.schema", closed)
+
+
+def no_other_keys(value: Mapping[str, Any], known: set[str], where: str) -> None:
+    for key in value:
+        if key not in known:
+            raise bad_request(f"{where} has an unrecognized field {key!r}", param=f"{where}.{key}")
+
+
+def sampling_fields(body: Mapping[str, Any], renamed: Mapping[str, str] | None = None) -> Mapping[str, Any]:
+    """The sampling fields, checked; `renamed` maps a field to the name another API gives it
+    (the Responses API's max_output_tokens is max_tokens here), for the error to name."""
+    try:
+        return validate_request_sampling(body)
+    except InvalidParameter as error:
+        param = (renamed or {}).get(error.param, error.param)
+        raise bad_request(error.message.replace(error.param, param, 1), param=param) from None
+
+
+def kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    names = {bool: "a boolean", str: "a string", int: "a number", float: "a number", list: "a list", dict: "an object"}
+    return next((name for kind, name in names.items() if isinstance(value, kind)), type(value).__name__)

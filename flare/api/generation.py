@@ -1,0 +1,73 @@
+"""What every API's parser hands to the one request path: a `Generation`.
+
+Chat completions, completions, the Responses API and Anthropic's Messages API each parse their
+own body (chat/parse.py, responses/parse.py, messages/parse.py) into this one shape;
+`prepare` (prepare.py) turns it into scheduler requests, whichever API it came from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from flare.api.tools.parse import ToolRequest
+from flare.structured.spec import GrammarSpec
+
+
+@dataclass(frozen=True)
+class TokenOptions:
+    """What a request asks about tokens besides sampling: log-probabilities, echo, logit_bias."""
+
+    logprobs: int | None = None  # None: none; k: each output token's with k alternatives
+    echo: bool = False  # completions: the prompt is part of the answer (scored with logprobs)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+    raw_logprobs: bool = False  # logprobs_mode "raw": the model's distribution, nothing applied
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation, rendered by the package's chat template.
+
+    `messages` are OpenAI chat messages with plain-text content: {"role", "content"}, plus
+    "tool_calls" on an assistant message and "tool_call_id" on a tool message."""
+
+    messages: tuple[Mapping[str, Any], ...]
+    tools: ToolRequest | None = None
+    param: str = "messages"  # the request field errors about the prompt name
+
+
+TextOrTokens = str | tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TextPrompts:
+    """Completions' prompts: each a text (tokenized here) or token ids (checked against the
+    vocabulary); each runs as a sequence of the same request."""
+
+    prompts: tuple[TextOrTokens, ...]
+    param: str = "prompt"
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One generation request, whichever API it came in through."""
+
+    model: str
+    prompt: ChatPrompt | TextPrompts
+    sampling: Mapping[str, Any]  # validated raw sampling fields (validate_request_sampling)
+    stream: bool = False
+    n: int = 1  # choices sampled independently from each prompt
+    tokens: TokenOptions = TokenOptions()
+    # response format or structured_outputs; the tools' grammar is prepare's (the package's format)
+    constraint: GrammarSpec | None = None
+    include_usage: bool = False  # OpenAI's stream_options.include_usage
+    cache_salt: str | None = None  # narrows whose prefix-cache blocks it shares (api/cache_scope.py)
+
+    @property
+    def tools(self) -> ToolRequest | None:
+        return self.prompt.tools if isinstance(self.prompt, ChatPrompt) else None
+
+    @property
+    def calls_possible(self) -> bool:
+        return self.tools is not None and self.tools.calls_possible

@@ -1,0 +1,223 @@
+"""Parsing Anthropic's Messages API request (`POST /v1/messages`, `/v1/messages/count_tokens`)
+into a `Generation`.
+
+Accepted: `system` (a string or text blocks), `messages` whose content is a string or blocks
+(`text`; `tool_use` on assistant turns, `tool_result` on user turns), `max_tokens` (required,
+as Anthropic requires it), `temperature`, `top_p`, `top_k`, `stop_sequences`, `tools` (custom
+tools: name, description, input_schema) with `tool_choice` (auto, any, tool, none;
+`disable_parallel_tool_use`), and `stream`. The conversation becomes chat messages and the tools
+the chat path's, so both go through the same checks, template and grammar as on chat.
+`metadata` and `service_tier` are accepted and ignored, `cache_control` (top-level, on blocks and
+on tools) too (the prefix cache is automatic); anything else is refused by name: images and documents
+(a text-only model), `thinking`, server tools, MCP servers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from flare.api.errors import bad_request
+from flare.api.fields import check_fields, kind, model_field, sampling_fields
+from flare.api.generation import ChatPrompt, Generation
+from flare.api.tools.parse import parse_tools
+
+_COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice"})
+_FIELDS = _COUNT_FIELDS | {
+    "max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "stream", "metadata", "service_tier",
+    "cache_control",
+}
+
+
+def parse_messages_request(body: Mapping[str, Any], *, counting: bool = False) -> Generation:
+    """The request as a Generation; `counting` for count_tokens, which takes no max_tokens."""
+    check_fields(body, _COUNT_FIELDS if counting else _FIELDS)
+    model = model_field(body)
+    messages = [*_system(body.get("system")), *_conversation(body.get("messages"))]
+    tools = parse_tools(
+        {
+            "tools": _tools(body.get("tools")),
+            "tool_choice": _tool_choice(body.get("tool_choice")),
+            "parallel_tool_calls": _parallel(body.get("tool_choice")),
+        }
+    )
+    prompt = ChatPrompt(tuple(messages), tools)
+    if counting:
+        return Generation(model, prompt, {})
+    max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        raise bad_request("max_tokens is required: the most tokens to generate", param="max_tokens")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request(f"stream must be true or false, got {kind(stream)}", param="stream")
+    given = {
+        "max_tokens": max_tokens,
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "top_k": body.get("top_k"),
+        "stop": body.get("stop_sequences"),
+    }
+    if given["stop"] is not None and not isinstance(given["stop"], list):
+        raise bad_request(f"stop_sequences must be a list of strings, got {kind(given['stop'])}", param="stop_sequences")
+    sampling = sampling_fields(given, renamed={"stop": "stop_sequences"})
+    return Generation(model, prompt, sampling, bool(stream))
+
+
+def _system(system: Any) -> list[dict[str, Any]]:
+    if system is None:
+        return []
+    if isinstance(system, str):
+        return [{"role": "system", "content": system}]
+    if not isinstance(system, list):
+        raise bad_request(f"system must be a string or a list of text blocks, got {kind(system)}", param="system")
+    return [{"role": "system", "content": "".join(_text_block(f"system[{j}]", b) for j, b in enumerate(system))}]
+
+
+def _conversation(messages: Any) -> list[dict[str, Any]]:
+    """Anthropic's turns as chat messages: a user turn's tool_result blocks become tool messages
+    (before its text), an assistant turn's tool_use blocks its tool_calls."""
+    if messages is None:
+        raise bad_request("messages is required: a list of {role, content} objects", param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request(
+            f"messages must be a non-empty list of {{role, content}} objects, got {kind(messages)}", param="messages"
+        )
+    converted: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad_request(f"{where} must be an object with role and content, got {kind(message)}", param=where)
+        unknown = sorted(set(message) - {"role", "content"})
+        if unknown:
+            raise bad_request(f"{where} has an unrecognized field {unknown[0]!r}", param=f"{where}.{unknown[0]}")
+        role = message.get("role")
+        if role not in ("user", "assistant"):
+            raise bad_request(f"{where}.role must be user or assistant, got {role!r}", param=f"{where}.role")
+        content = message.get("content")
+        if isinstance(content, str):
+            converted.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise bad_request(
+                f"{where}.content must be a string or a list of content blocks, got {kind(content)}",
+                param=f"{where}.content",
+            )
+        converted.extend(_blocks(where, role, content))
+    return converted
+
+
+def _blocks(where: str, role: str, blocks: list[Any]) -> list[dict[str, Any]]:
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for j, block in enumerate(blocks):
+        at = f"{where}.content[{j}]"
+        block_type = block.get("type") if isinstance(block, dict) else None
+        if block_type == "tool_use" and role == "assistant":
+            calls.append(_tool_use(at, block))
+        elif block_type == "tool_result" and role == "user":
+            results.append(_tool_result(at, block))
+        elif block_type in ("tool_use", "tool_result"):
+            raise bad_request(
+                f"{at}: {block_type} blocks belong on {'assistant' if block_type == 'tool_use' else 'user'} turns",
+                param=at,
+            )
+        else:
+            texts.append(_text_block(at, block))
+    turn: list[dict[str, Any]] = [*results]
+    if calls:
+        turn.append({"role": "assistant", "content": "".join(texts), "tool_calls": calls})
+    elif texts or not results:
+        turn.append({"role": role, "content": "".join(texts)})
+    return turn
+
+
+def _text_block(where: str, block: Any) -> str:
+    if not isinstance(block, dict) or block.get("type") != "text":
+        shown = block.get("type") if isinstance(block, dict) else kind(block)
+        raise bad_request(
+            f'{where} must be a text block {{"type": "text", "text": ...}}; {shown!r} blocks are not supported by '
+            "this text-only model",
+            param=where,
+        )
+    unknown = sorted(set(block) - {"type", "text", "cache_control", "citations"})
+    if unknown:
+        raise bad_request(f"{where} has an unrecognized field {unknown[0]!r}", param=f"{where}.{unknown[0]}")
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise bad_request(f"{where}.text must be a string, got {kind(text)}", param=f"{where}.text")
+    return text
+
+
+def _tool_use(where: str, block: Mapping[str, Any]) -> dict[str, Any]:
+    for field in ("id", "name"):
+        if not isinstance(block.get(field), str) or not block[field]:
+            raise bad_request(f"{where}.{field} must be a non-empty string", param=f"{where}.{field}")
+    arguments = block.get("input", {})
+    if not isinstance(arguments, dict):
+        raise bad_request(f"{where}.input must be an object, got {kind(arguments)}", param=f"{where}.input")
+    return {"id": block["id"], "type": "function", "function": {"name": block["name"], "arguments": json.dumps(arguments)}}
+
+
+def _tool_result(where: str, block: Mapping[str, Any]) -> dict[str, Any]:
+    call_id = block.get("tool_use_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise bad_request(f"{where}.tool_use_id must be a non-empty string", param=f"{where}.tool_use_id")
+    content = block.get("content", "")
+    if isinstance(content, list):
+        content = "".join(_text_block(f"{where}.content[{k}]", b) for k, b in enumerate(content))
+    if not isinstance(content, str):
+        raise bad_request(f"{where}.content must be a string or text blocks, got {kind(content)}", param=f"{where}.content")
+    if block.get("is_error") is True:
+        content = f"Error: {content}"
+    return {"role": "tool", "content": content, "tool_call_id": call_id}
+
+
+def _tools(tools: Any) -> Any:
+    """Anthropic's tools ({"name", "description", "input_schema"}) in chat's shape."""
+    if not isinstance(tools, list):
+        return tools  # parse_tools names what is wrong
+    converted = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
+            shown = tool.get("type") if isinstance(tool, dict) else kind(tool)
+            raise bad_request(f"{where}: only custom tools are supported, got {shown!r}", param=f"{where}.type")
+        unknown = sorted(set(tool) - {"type", "name", "description", "input_schema", "cache_control"})
+        if unknown:
+            raise bad_request(f"{where} has an unrecognized field {unknown[0]!r}", param=f"{where}.{unknown[0]}")
+        if "input_schema" not in tool:
+            raise bad_request(f"{where}.input_schema is required: a JSON schema object", param=f"{where}.input_schema")
+        function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
+        if "description" in tool:
+            function["description"] = tool["description"]
+        converted.append({"type": "function", "function": function})
+    return converted
+
+
+def _tool_choice(choice: Any) -> Any:
+    if choice is None:
+        return None
+    if not isinstance(choice, dict):
+        raise bad_request(f"tool_choice must be an object with a type, got {kind(choice)}", param="tool_choice")
+    choice_type = choice.get("type")
+    if choice_type == "tool":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    named = {"auto": "auto", "any": "required", "none": "none"}
+    if choice_type not in named:
+        raise bad_request(
+            f"tool_choice.type must be auto, any, tool or none, got {choice_type!r}", param="tool_choice.type"
+        )
+    return named[choice_type]
+
+
+def _parallel(choice: Any) -> bool | None:
+    if not isinstance(choice, dict) or choice.get("disable_parallel_tool_use") is None:
+        return None
+    disable = choice["disable_parallel_tool_use"]
+    if not isinstance(disable, bool):
+        raise bad_request(
+            "tool_choice.disable_parallel_tool_use must be true or false", param="tool_choice.disable_parallel_tool_use"
+        )
+    return not disable

@@ -1,0 +1,111 @@
+"""The grammar of an answer with tools: text or calls, in the tool-call format the package's
+template teaches, each call's arguments held to its function's parameters schema."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from flare.api.tools.parse import Tool, ToolRequest
+from flare.package.tool_formats import FLARE, ToolFormat
+from flare.structured.compiler import JSON_OPTIONS
+from flare.structured.spec import GrammarSpec
+
+
+def tool_grammar(
+    tools: ToolRequest, fmt: ToolFormat = FLARE, control: Mapping[str, int] | None = None
+) -> GrammarSpec | None:
+    """The Lark grammar (llguidance's, with %json for the arguments) the answer follows, in the
+    tool-call format `fmt` (package/tool_formats.py); `control` names the control tokens
+    among its marks by id (Mistral's [TOOL_CALLS] is one token, not its spelling)."""
+    if not tools.calls_possible:
+        return None
+    allowed = [t for t in tools.tools if tools.choice != "named" or t.name == tools.named]
+    # Each function's parameters sit under the call schema's $defs, their local references
+    # rewritten to point there: a reference resolves against the parameters schema it was
+    # written in (Pydantic's "#/$defs/Model"), not against the call schema around it.
+    call_schema = {
+        "x-guidance": JSON_OPTIONS,
+        "$defs": {_parameters_key(t): _rebased(t.parameters, f"#/$defs/{_parameters_key(t)}") for t in allowed},
+        "oneOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.name}, fmt.arguments_key: {"$ref": f"#/$defs/{_parameters_key(t)}"}},
+                "required": ["name", fmt.arguments_key],
+                "additionalProperties": False,
+            }
+            for t in allowed
+        ],
+    }
+    control = control or {}
+    several = tools.parallel and fmt.several
+    calls = f"call ({_literal(fmt.separator, control)} call)*" if several else "call"
+    start = "text | calls" if tools.choice == "auto" else "calls"
+    thinking = ""
+    if fmt.thinking is not None:
+        start = f"THINKING? ({start})"
+        thinking = f"THINKING: /{_thinking_regex(*fmt.thinking)}/\n"
+    lark = (
+        f"start: {start}\n"
+        f"{thinking}"
+        "text: TEXT\n"
+        f"TEXT: /[^{re.escape(fmt.lead)}](.|\\n)*/\n"
+        f"calls: {_literal(fmt.prefix, control)} {calls} {_literal(fmt.suffix, control)}\n"
+        f"call: {_literal(fmt.call_open, control)} %json {json.dumps(call_schema)} {_literal(fmt.call_close, control)}\n"
+    )
+    return GrammarSpec("lark", lark, "tools", tuple(p for t in allowed for p in t.closed_objects))
+
+
+def _thinking_regex(opening: str, closing: str) -> str:
+    """A regular expression (Lark's, slashes escaped) of `opening`, text without `closing`,
+    `closing` and newlines: one lexeme, so that the reasoning ends at its first closing tag."""
+
+    def escaped(text: str) -> str:
+        return re.escape(text).replace("/", "\\/")
+
+    # Text without `closing`: each character but the tag's first, or a proper prefix of the
+    # tag followed by a character that does not continue it.
+    avoid = "|".join(
+        f"{escaped(closing[:n])}[^{escaped(closing[n])}]" for n in range(len(closing))
+    )
+    return f"{escaped(opening)}({avoid})*{escaped(closing)}\\n*"
+
+
+def _literal(text: str, control: Mapping[str, int]) -> str:
+    """`text` as Lark: its control tokens by id (`<[id]>`), the rest as string literals (JSON's
+    escapes are Lark's); nothing for no text."""
+    pieces: list[str] = []
+    start = 0
+    names = sorted((name for name in control if name in text), key=len, reverse=True)
+    if names:
+        for match in re.finditer("|".join(re.escape(name) for name in names), text):
+            if match.start() > start:
+                pieces.append(json.dumps(text[start : match.start()]))
+            pieces.append(f"<[{control[match.group()]}]>")
+            start = match.end()
+    if start < len(text):
+        pieces.append(json.dumps(text[start:]))
+    return " ".join(pieces)
+
+
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values, not schemas
+
+
+def _parameters_key(tool: Tool) -> str:
+    return f"parameters_{tool.name}"
+
+
+def _rebased(schema: Any, root: str) -> Any:
+    """`schema` with every local reference ("#", "#/...") moved under `root`. The body parser
+    bounds the nesting, so recursion is safe here."""
+    if isinstance(schema, list):
+        return [_rebased(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rebased = {key: value if key in _DATA_KEYWORDS else _rebased(value, root) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        rebased["$ref"] = root + ref[1:]
+    return rebased

@@ -1,0 +1,178 @@
+"""Tool calls read back from an answer as it streams, in the format the grammar held it to."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from flare.package.tool_formats import FLARE, ToolFormat
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def to_json(self, index: int | None = None) -> dict[str, Any]:
+        call: dict[str, Any] = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _object_end(body: str) -> int:
+    """Where the JSON object that `body` starts with ends; -1 while it is not whole yet (a
+    string argument may hold braces and closing tags: only the JSON's own end counts)."""
+    try:
+        _, end = _DECODER.raw_decode(body)
+    except ValueError:
+        return -1
+    return end
+
+
+def _call(body: str, fmt: ToolFormat) -> ToolCall | None:
+    """A whole call's JSON object as a ToolCall; the arguments as the model wrote them (the
+    grammar held them to the schema), re-serialized only for another layout."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    head = fmt.head.match(body)
+    if head is not None and body.endswith("}"):
+        arguments = body[head.end() : -1]
+    else:
+        arguments = json.dumps(value.get(fmt.arguments_key, {}))
+    return ToolCall(fmt.new_call_id(), value["name"], arguments)
+
+
+@dataclass
+class _OpenCall:
+    """The call being generated: its id once its name is known, and how much of its arguments
+    has been sent."""
+
+    index: int
+    id: str | None = None
+    sent: int = 0
+
+
+@dataclass
+class ToolCallReader:
+    """Reads one choice's answer as it streams, in the tool-call format `fmt`: text passes
+    through; from the format's leading character on (the grammar lets text never start with
+    it), the answer is calls. Reasoning the format lets open the answer (Qwen 3's thinking)
+    passes through as text, and the answer after it is read the same way. Each call is given out as OpenAI streams them: a first delta with
+    its index, id, type and name (arguments ""), then its arguments in pieces as they are
+    generated, up to the end of the call's JSON object."""
+
+    active: bool
+    fmt: ToolFormat = FLARE
+    _mode: Literal["unknown", "thinking", "thought", "text", "calls"] = "unknown"
+    _buffer: str = ""
+    _open: _OpenCall | None = None
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def push(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """(text to send as content, tool_calls deltas for this piece)."""
+        if not self.active:
+            return text, []
+        thought = ""
+        if self._mode in ("thinking", "thought"):
+            thought, text = self._thinking(text)
+            if self._mode != "unknown":
+                return thought, []
+        if self._mode == "unknown":
+            self._buffer += text
+            opening = self.fmt.thinking[0] if self.fmt.thinking else None
+            if not self._buffer or (opening is not None and opening.startswith(self._buffer) and self._buffer != opening):
+                return thought, []  # nothing yet, or what may still become the reasoning's opening tag
+            if opening is not None and self._buffer.startswith(opening):
+                self._mode = "thinking"
+                text, self._buffer = self._buffer, ""
+                more, deltas = self.push(text)
+                return thought + more, deltas
+            self._mode = "calls" if self._buffer.startswith(self.fmt.lead) else "text"
+            text, self._buffer = self._buffer, ""
+        if self._mode == "text":
+            return thought + text, []
+        self._buffer += text
+        deltas: list[dict[str, Any]] = []
+        while (body := self._call_body()) is not None:
+            call = self._open or _OpenCall(len(self.calls))
+            self._open = call
+            head = self.fmt.head.match(body)
+            if head is not None and call.id is None:
+                call.id = self.fmt.new_call_id()
+                name = json.loads(f'"{head.group(1)}"')
+                deltas.append({"index": call.index, "id": call.id, "type": "function",
+                               "function": {"name": name, "arguments": ""}})
+            end = _object_end(body)
+            if head is not None:
+                # While the call's object is open, everything after its head is arguments;
+                # once it closes, all but the object's closing brace.
+                arguments = body[head.end() :]
+                upto = end - head.end() - 1 if end >= 0 else len(arguments)
+                if upto > call.sent:
+                    deltas.append({"index": call.index, "function": {"arguments": arguments[call.sent : upto]}})
+                    call.sent = upto
+            rest = self._after_close(body[end:]) if end >= 0 else None
+            if rest is None:
+                break
+            finished = _call(body[:end], self.fmt)
+            if finished is not None:
+                self.calls.append(ToolCall(call.id or finished.id, finished.name, finished.arguments))
+            self._open = None
+            self._buffer = rest
+        return thought, deltas
+
+    def _thinking(self, text: str) -> tuple[str, str]:
+        """The reasoning that opens the answer (Qwen 3's <think>...</think> and the newlines
+        after it) passes through as content; (that content, the text after it). The mode turns
+        "unknown" once the answer proper begins."""
+        closing = self.fmt.thinking[1] if self.fmt.thinking else ""
+        if self._mode == "thought":  # the closing tag is out: newlines until the answer
+            answer = text.lstrip("\n")
+            if answer:
+                self._mode = "unknown"
+            return text[: len(text) - len(answer)], answer
+        self._buffer += text
+        end = self._buffer.find(closing)
+        if end < 0:
+            # Hold back what may be the start of the closing tag.
+            held = next((n for n in range(len(closing) - 1, 0, -1) if self._buffer.endswith(closing[:n])), 0)
+            thought, self._buffer = self._buffer[: len(self._buffer) - held], self._buffer[len(self._buffer) - held :]
+            return thought, ""
+        thought, rest = self._buffer[: end + len(closing)], self._buffer[end + len(closing) :]
+        self._buffer = ""
+        self._mode = "thought"
+        more, answer = self._thinking(rest)
+        return thought + more, answer
+
+    def _call_body(self) -> str | None:
+        """The buffer from the next call's JSON object on, or None until it has begun."""
+        buffer = self._buffer
+        mark = self.fmt.call_open.strip()
+        if mark:
+            start = buffer.find(mark)
+            if start < 0:
+                return None
+            buffer = buffer[start + len(mark) :]
+        start = buffer.find("{")
+        return buffer[start:] if start >= 0 else None
+
+    def _after_close(self, rest: str) -> str | None:
+        """What follows the call's closing mark in `rest` (the text after its JSON object), or
+        None until the mark is whole."""
+        mark = self.fmt.call_close.strip()
+        if not mark:
+            return rest
+        end = rest.find(mark)
+        return None if end < 0 else rest[end + len(mark) :]
+
+    @property
+    def called(self) -> bool:
+        return bool(self.calls)

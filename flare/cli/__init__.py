@@ -1,0 +1,1 @@
+"""The `flare` command line: run, export, inspect, ctl, bench."""

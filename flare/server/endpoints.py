@@ -1,0 +1,209 @@
+"""One handler per URL (the route table is routes.py): health and models, the generation
+endpoints of every API (read the body, parse it with the API's parser, then the one path:
+prepare, answer with the API's renderer), and /tokenize, /detokenize."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from aiohttp import web
+
+from flare.api.answer import answer
+from flare.api.cache_scope import prefix_cache_scope
+from flare.api.chat.parse import parse_chat_completion, parse_completion
+from flare.api.chat.render import ChatCompletionShape, OpenAIRenderer, TextCompletionShape
+from flare.api.errors import bad_request
+from flare.api.fields import check_fields, check_model
+from flare.api.generation import Generation
+from flare.api.json_body import parse_json_body
+from flare.api.messages.parse import parse_messages_request
+from flare.api.messages.render import MessagesRenderer
+from flare.api.prepare import Prepared, Serving, chat_ids, check_prompt_size, count_prompt_tokens, prepare
+from flare.api.rendering import Renderer
+from flare.api.responses.parse import parse_response_request
+from flare.api.responses.render import ResponsesRenderer
+from flare.api.tokenize.parse import (
+    DETOKENIZE_FIELDS,
+    TOKENIZE_FIELDS,
+    check_model_if_named,
+    parse_detokenize,
+    parse_tokenize,
+)
+from flare.api.tokenize.render import detokenize_body, tokenize_body
+from flare.sampler.status import DeviceStatus
+from flare.scheduler.request import FaultSpec
+from flare.server.context import API_KEY, COMPILING, SETTINGS, STATE, TOKENIZING, ServerConfig
+from flare.server.request_body import read_body
+from flare.server.state import Phase, ServingState
+
+if TYPE_CHECKING:
+    from flare.scheduler.scheduler import Scheduler
+
+FAULT_HEADER = "X-Flare-Fault"
+
+
+# --- health and models ---------------------------------------------------------------------
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 only when the model is loaded, warmed up and admitting requests; 503 otherwise."""
+    state = request.app[STATE]
+    status = state.phase.value
+    if state.phase is Phase.READY and state.require_scheduler().draining:
+        status = "draining"
+    return web.json_response({"status": status}, status=200 if status == "ready" else 503)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.require_scheduler()  # 503 while loading: the name is known once the package is open
+    return web.json_response({"object": "list", "data": [_model_card(state)]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.require_scheduler()
+    check_model(request.match_info["model"], state.model_name or "")
+    return web.json_response(_model_card(state))
+
+
+def _model_card(state: ServingState) -> dict[str, Any]:
+    return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "flare"}
+
+
+# --- generation ----------------------------------------------------------------------------
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    generation = parse_chat_completion(parse_json_body(await read_body(request)))
+    return await _generate(request, generation, "chatcmpl", _chat_renderer)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    generation = parse_completion(parse_json_body(await read_body(request)))
+    return await _generate(request, generation, "cmpl", _completion_renderer)
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    body = parse_json_body(await read_body(request))
+    generation = parse_response_request(body)
+    created, instructions = int(time.time()), body.get("instructions")  # a string, or None: parsed
+    return await _generate(request, generation, "resp", lambda prepared: ResponsesRenderer(prepared, created, instructions))
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    generation = parse_messages_request(parse_json_body(await read_body(request)))
+    return await _generate(request, generation, "msg", MessagesRenderer)
+
+
+async def count_message_tokens(request: web.Request) -> web.Response:
+    """Anthropic's count_tokens: the prompt's tokens as /v1/messages would send them."""
+    generation = parse_messages_request(parse_json_body(await read_body(request)), counting=True)
+    serving = _serving(request, generation)
+    return web.json_response({"input_tokens": await count_prompt_tokens(serving, generation.prompt)})
+
+
+def _chat_renderer(prepared: Prepared) -> Renderer:
+    generation = prepared.generation
+    shape = ChatCompletionShape(prepared.id, int(time.time()), generation.model, generation.include_usage)
+    return OpenAIRenderer(shape, [None] * prepared.choices, generation.tokens.logprobs is not None)
+
+
+def _completion_renderer(prepared: Prepared) -> Renderer:
+    generation = prepared.generation
+    shape = TextCompletionShape(prepared.id, int(time.time()), generation.model, generation.include_usage)
+    echoes = [None if echo is None else echo.text for echo in prepared.echoes for _ in range(generation.n)]
+    return OpenAIRenderer(shape, echoes, generation.tokens.logprobs is not None)
+
+
+async def _generate(
+    request: web.Request, generation: Generation, id_prefix: str, renderer: Callable[[Prepared], Renderer]
+) -> web.StreamResponse:
+    """The one request path after parsing, whichever API: prepare, then submit and render."""
+    serving = _serving(request, generation)
+    config = request.app[SETTINGS].config
+    scope = prefix_cache_scope(
+        api_key=request[API_KEY], across_keys=config.prefix_cache_across_keys, salt=generation.cache_salt
+    )
+    prepared = await prepare(serving, generation, _new_id(id_prefix), _fault(request, config), scope)
+    in_flight = request.app[STATE].in_flight
+    return await answer(request, serving.scheduler, in_flight, prepared, renderer(prepared), config.request_timeout_s)
+
+
+def _serving(request: web.Request, generation: Generation) -> Serving:
+    """The running model, once `generation` names it (a 503 while loading, a 404 for another)."""
+    state = request.app[STATE]
+    scheduler = state.require_scheduler()
+    check_model(generation.model, state.model_name or "")
+    return _serving_of(request, scheduler)
+
+
+def _serving_of(request: web.Request, scheduler: Scheduler) -> Serving:
+    allow_special = request.app[SETTINGS].config.allow_special_tokens_in_messages
+    return Serving(scheduler, allow_special, request.app[TOKENIZING], request.app[COMPILING])
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _fault(request: web.Request, config: ServerConfig) -> FaultSpec | None:
+    """`X-Flare-Fault: STATUS_NAME[@ROUND]`, honoured only under --fault-injection."""
+    header = request.headers.get(FAULT_HEADER)
+    if not config.fault_injection or header is None:
+        return None
+    name, at, round_text = header.strip().partition("@")
+    names = ", ".join(s.name for s in DeviceStatus if s is not DeviceStatus.OK)
+    try:
+        status = DeviceStatus[name.strip().upper()]
+    except KeyError:
+        raise bad_request(f"{FAULT_HEADER}: unknown status {name!r}; use one of {names}", param=FAULT_HEADER) from None
+    if status is DeviceStatus.OK:
+        raise bad_request(f"{FAULT_HEADER}: OK is not a fault; use one of {names}", param=FAULT_HEADER)
+    if not at:
+        return FaultSpec(status)
+    if not round_text.strip().isdigit():
+        raise bad_request(
+            f"{FAULT_HEADER}: the round after @ must be a non-negative integer, got {round_text!r}", param=FAULT_HEADER
+        )
+    return FaultSpec(status, int(round_text))
+
+
+# --- tokenize ------------------------------------------------------------------------------
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    body = parse_json_body(await read_body(request))
+    check_fields(body, TOKENIZE_FIELDS)
+    state = request.app[STATE]
+    scheduler = state.require_scheduler()
+    check_model_if_named(body, state.model_name or "")
+    wanted = parse_tokenize(body)
+    if wanted.prompt is not None:
+        check_prompt_size(scheduler, len(wanted.prompt), "prompt")
+        encode = partial(scheduler.tokenizer.encode, wanted.prompt, add_special_tokens=wanted.add_special_tokens)
+        tokens = await anyio.to_thread.run_sync(encode, limiter=request.app[TOKENIZING])
+    else:
+        assert wanted.chat is not None
+        # As the chat endpoint renders the conversation (prepare.chat_ids), tool turns included.
+        serving = _serving_of(request, scheduler)
+        tokens = list(await chat_ids(serving, wanted.chat, wanted.add_generation_prompt))
+    return web.json_response(tokenize_body(tokens, scheduler.max_context))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    body = parse_json_body(await read_body(request))
+    check_fields(body, DETOKENIZE_FIELDS)
+    state = request.app[STATE]
+    scheduler = state.require_scheduler()
+    check_model_if_named(body, state.model_name or "")
+    tokens = parse_detokenize(body, scheduler.tokenizer.vocab_size)
+    text = await anyio.to_thread.run_sync(
+        partial(scheduler.tokenizer.decode, tokens, skip_special_tokens=False), limiter=request.app[TOKENIZING]
+    )
+    return web.json_response(detokenize_body(text))

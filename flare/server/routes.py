@@ -1,0 +1,74 @@
+"""The HTTP API's one route table: every URL the daemon answers, its handler, and the app around
+them (middlewares, settings, state, worker-thread limiters).
+
+A generation request goes one way: its handler (endpoints.py) parses the body with its API's
+parser (flare/api/<api>/parse.py) into a `Generation`, then prepare (api/prepare.py, shared by
+every API: prompt to token ids, grammar, sampling clamped to the package policy, the scheduler
+requests), then answer (api/answer.py) with its API's renderer (flare/api/<api>/render.py).
+Events are written as they come: SSE frames when streaming, one JSON body otherwise. Every answer
+that is not a success is OpenAI's error body with a 4xx (Anthropic's on /v1/messages), or a 5xx
+that names the failure (a request the device failed, shutdown, loading); a bug that escapes a
+handler is logged with its traceback and answered 500 with an error body, never a trace.
+"""
+
+from __future__ import annotations
+
+import os
+
+import anyio
+from aiohttp import web
+
+from flare.server.chat_page import chat_page_handlers
+from flare.server.context import COMPILING, SETTINGS, STATE, TOKENIZING, ApiSettings, ServerConfig
+from flare.server.endpoints import (
+    chat_completions,
+    completions,
+    count_message_tokens,
+    detokenize,
+    get_model,
+    health,
+    list_models,
+    messages,
+    responses,
+    tokenize,
+)
+from flare.server.metrics import DaemonMetrics, http_metrics_middleware, metrics_handler
+from flare.server.middlewares import add_request_id, authentication, cross_site, error_answers, request_context
+from flare.server.request_body import expect_continue
+from flare.server.state import ServingState
+
+
+def create_app(config: ServerConfig, state: ServingState, metrics: DaemonMetrics) -> web.Application:
+    app = web.Application(
+        client_max_size=config.max_body_bytes,
+        # The metrics' count is outermost, so it counts the status the error middleware chose.
+        middlewares=[http_metrics_middleware(metrics.http), request_context, error_answers, cross_site, authentication],
+    )
+    app[SETTINGS] = ApiSettings(config)
+    app[STATE] = state
+    app[TOKENIZING] = anyio.CapacityLimiter(_cpus())
+    app[COMPILING] = anyio.CapacityLimiter(2)
+    app.on_response_prepare.append(add_request_id)
+    routes = app.router
+    routes.add_get("/health", health)
+    routes.add_get("/metrics", metrics_handler(metrics.registry))
+    routes.add_get("/v1/models", list_models)
+    routes.add_get("/v1/models/{model:.+}", get_model)
+    # Each API's parser and renderer: flare/api/chat/ (both of these), responses/, messages/, tokenize/.
+    routes.add_post("/v1/chat/completions", chat_completions, expect_handler=expect_continue)
+    routes.add_post("/v1/completions", completions, expect_handler=expect_continue)
+    routes.add_post("/v1/responses", responses, expect_handler=expect_continue)
+    routes.add_post("/v1/messages", messages, expect_handler=expect_continue)
+    routes.add_post("/v1/messages/count_tokens", count_message_tokens, expect_handler=expect_continue)
+    routes.add_post("/tokenize", tokenize, expect_handler=expect_continue)
+    routes.add_post("/detokenize", detokenize, expect_handler=expect_continue)
+    # The chat page's files: /, /chat.css, /chat.js (chat_page.py).
+    for path, handler in chat_page_handlers().items():
+        routes.add_get(path, handler)
+    return app
+
+
+def _cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
