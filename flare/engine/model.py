@@ -176,13 +176,9 @@ def _kernel_layers(
 
 def kernels_fit(config: ModelConfig) -> bool:
     """Whether the C kernels (`native.*`, `native_layers.decoder_layers`) implement every step of the
-    layers `config` describes. They implement every family's layer: Llama's (RMSNorm, RoPE from
-    a cos/sin table, which holds any scaling, causal attention, SwiGLU) and, as options of the
-    same kernels, q/k/v biases, q/k norms, partial rotary, sliding windows with their own tables,
-    the attention scale and soft-cap, sandwich norms and GeGLU. The embedding scale and the final
-    soft-cap run outside the layers on either path. Only heads wider than the kernels keep on
-    their stack for those options (`native.FEATURES_MAX_HEAD_DIM`; no family served comes near)
-    run every layer on the torch path (`DecoderModel.forward_hidden`)."""
+    layers `config` describes. Every family's features are options of the kernels; only heads
+    wider than the kernels keep on their stack for those options (`native.FEATURES_MAX_HEAD_DIM`)
+    run on the torch path (`DecoderModel.forward_hidden`)."""
     featured = config.attention_bias or config.qk_norm or config.rotary_dims != config.head_dim
     return not featured or config.head_dim <= native.FEATURES_MAX_HEAD_DIM
 
