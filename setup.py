@@ -13,8 +13,7 @@ from setuptools import Extension, setup
 
 # -fno-trapping-math lets the compiler turn the kernels' selects into vector blends (nothing here
 # reads floating-point exception flags); GNU C with -ffp-contract=fast fuses multiply-adds (ISO C
-# mode would forbid it: the attention kernel took 9.7 ms instead of 8.0 for 30 layers of 32 rows
-# in cache).
+# mode would forbid it, and the attention kernel's dot products want them fused).
 COMPILE_ARGS = ["-O3", "-std=gnu11", "-ffp-contract=fast", "-fopenmp", "-fno-trapping-math"]
 
 

@@ -59,7 +59,7 @@ from flare.bench.plot import write_plots
 from flare.bench.report import machine, versions
 from flare.package.manifest import AUTO_DTYPE, DTYPES
 
-LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp is built (../shared/notes/cpu-baselines.md)
+LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp is built (docs/benchmarks.md)
 SAMPLED_FILTERS = {"top_p": 0.9, "top_k": -1, "min_p": 0.0}
 
 

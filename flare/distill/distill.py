@@ -57,9 +57,8 @@ TEMPERATURES = (0.0, 0.7, 1.0)
 class DistillOptions:
     draft_tokens: int = 4  # K, the unrolled steps
     # Training positions (each window position of each step counts once). The head's acceptance
-    # grew with them where measured (2-core Zen 5, bench chat, greedy, K = 4: 1.52 tokens per
-    # round after 2.4M positions, 1.65 after 7.2M on twice the answers); 4.8M fit the time bound
-    # on that CPU, so the tokens, not the clock, end the run there and it is reproducible.
+    # grows with them (docs/speculative.md); this many fit the time bound on a 2-core CPU, so
+    # the tokens, not the clock, end the run there and it is reproducible.
     tokens: int = 4_800_000
     seconds: float = 1140.0  # wall-clock bound of the whole distillation (generation included): 19 minutes
     seed: int = 0
@@ -161,7 +160,7 @@ def distill_head(
     train = [c for c in conversations if not c.held_out]
     if not train:
         # The held-out answers are generated first: a budget that ends inside them leaves
-        # nothing to train on (a 30 s budget on a 2-core CPU does).
+        # nothing to train on.
         raise ExportError(
             f"the distillation's {options.seconds:g} s budget left {0.4 * options.seconds:.0f} s to generate the "
             f"target's answers, and no training answer was generated in it ({generated} tokens of held-out "
@@ -444,8 +443,8 @@ def _train(
         lr = options.learning_rate * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / total_steps)))
         for group in optimizer.param_groups:
             group["lr"] = lr
-        # bfloat16 GEMMs where the CPU has them natively: about twice the positions per second
-        # (AVX512-BF16, 2 cores); the weights and the optimizer stay float32.
+        # bfloat16 GEMMs where the CPU has them natively, which train faster than float32; the
+        # weights and the optimizer stay float32.
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss, count = _loss(head, _windows(train, options, generator), options.draft_tokens)
         optimizer.zero_grad()

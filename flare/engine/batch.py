@@ -8,7 +8,7 @@ dimension with no padding. Attention runs in a few calls per layer, each over an
 - short rows (at most `SHORT_ROW_MAX_TOKENS` new tokens) are grouped by their length, so a round
   of 32 decode rows costs one call per layer, and a round of decode rows plus verify rows of
   1 + k tokens costs two: nothing is padded in the query dimension (padding 31 decode rows to
-  the length of one verify row cost 20% more per round than the two calls);
+  the length of one verify row costs more than the second call);
 - each long prompt chunk gets a call of its own, so its length never multiplies another row.
 
 Tokens are laid out flat group by group (short groups by length, then the long chunks), each

@@ -13,10 +13,9 @@ from flare.engine import native, quantized
 from flare.engine.precision import WeightFormat
 from flare.engine.quantized import QuantizedWeight
 
-# A very tall weight (the LM head: 49152 x 576) is applied in slices of this many output rows
-# once a round has CHUNKED_MIN_TOKENS tokens: MKL splits one tall product less well than it runs
-# layer-sized ones. LM head alone, 2 threads: 16 tokens 14.9 -> 11.7 ms, 32 tokens 19.7 -> 16.3,
-# 64 tokens 29.6 -> 25.2; 8 tokens or fewer gain nothing.
+# A very tall weight (the LM head) is applied in slices of this many output rows once a round
+# has CHUNKED_MIN_TOKENS tokens: MKL splits one tall product less well than it runs layer-sized
+# ones, and below that many tokens slicing gains nothing.
 OUTPUT_CHUNK = 4096
 CHUNKED_MIN_TOKENS = 16
 
@@ -72,26 +71,16 @@ def _join_blocks(run: list[QuantizedWeight]) -> QuantizedWeight:
 
 def pack_weight(weight: torch.Tensor, weight_format: WeightFormat) -> Weight:
     """A linear layer's weight [out, in] in `weight_format`, packed once where the CPU's GEMM
-    for that format wants its own layout. `linear` and `linear_columns` read every kind.
+    for that format wants its own layout; `linear` and `linear_columns` read every kind.
 
-    - bfloat16 on a CPU with oneDNN's bfloat16: reordered into oneDNN's blocked layout (an
-      opaque tensor). oneDNN reorders a plain bfloat16 weight on every product otherwise: the 30
-      layers' GEMMs of one decode token (weights not in cache) took 20.4 ms plain against
-      12.4 ms packed (float32: 14.9 ms), and of 32 tokens 32.1 against 24 ms (float32: 63 ms),
-      on an AVX512-BF16 CPU.
-    - float16 on a CPU: blocks of 16 output channels for the engine's own kernel
-      (`native.Float16Weight`), which takes float32 rows and accumulates in float32. Against
-      fbgemm's float16 GEMM (`torch.ops.quantized.linear_dynamic_fp16`, what runs where the C
-      kernels were not built, on its own packed matrix, a `torch.ScriptObject`), the 30 layers'
-      products of the default model took 0.87 of its time for one row, 0.91 for two, 0.93 for
-      three, and 0.98-1.06 from 4 to 32 rows (AVX2 dispatch on a Zen 4 EPYC, 2 threads).
-    - otherwise the plain tensor in the format's dtype (float32 on a CPU; 16-bit on a GPU).
+    - bfloat16 on a CPU with oneDNN's bfloat16: oneDNN's blocked layout, which oneDNN would
+      otherwise build again on every product.
+    - float16 on a CPU: the engine's own kernel's `native.Float16Weight`, or, where the C
+      kernels were not built, fbgemm's packed matrix (a `torch.ScriptObject`).
+    - otherwise the plain tensor in the format's dtype.
 
-    `mkldnn._reorder_linear_weight` / `_linear_pointwise` are torch's private ops (its
-    compiler's CPU backend uses them for frozen linear layers) and the fbgemm ops are those of
-    torch's dynamic float16 quantization; torch is pinned in pyproject.toml and
-    tests/engine/test_paged_forward.py holds every kind to float32 products of the same
-    rounded operands.
+    The oneDNN and fbgemm ops are torch's private ones; torch is pinned, and
+    tests/engine/test_paged_forward.py holds every kind to float32 products of the same operands.
     """
     if not packs(weight_format, weight.device):
         return weight.to(weight_format.dtype).contiguous()
@@ -134,21 +123,13 @@ def linear_columns(x: torch.Tensor, weight: Weight) -> torch.Tensor:
 
     In x's dtype. A weight of another dtype takes x rounded to it, and its product is widened
     back; a packed weight (`pack_weight`) gives rows, returned as their transposed view (the C
-    kernels read either layout through its strides; a copy into columns cost 7% of a 32-row
-    round in float16).
+    kernels read either layout through its strides, so no copy into columns).
 
-    A plain weight is computed weights first, as `weight @ x.T` with x.T passed to BLAS as a
-    transposed operand: a round's few rows become the GEMM's narrow N side and the weights are
-    read once, in their stored order. Against `x @ weight.T` with weights stored [in, out],
-    whole engine rounds on this CPU (`benchmarks/engine_decode.py`, MKL, 2 threads) went for
-    one row of 2 tokens from 78 to 43 ms and of 5 tokens from 73 to 60 (1 token: 49 to 42), and
-    for 8 and 32 decode rows from 93 to 75 and 173 to 149 ms: a verify row of a few drafts now
-    costs about what a plain decode row does. One row is doubled: MKL's GEMV on this layout was
-    a third slower than its two-column GEMM (41 against 31 ms for the 30 layers' GEMMs timed
-    alone).
-
-    x must be row-major for this: MKL takes the plain [in, T] operand that a column-major x
-    would give down a path three times slower, so such an x is copied first.
+    A plain weight is computed weights first, as `weight @ x.T`: a round's few rows become the
+    GEMM's narrow side and the weights are read once, in their stored order, so a verify row of
+    a few drafts costs about what a decode row does. A single row is doubled because MKL's GEMV
+    on this layout is slower than its two-column GEMM, and x is made row-major because MKL
+    takes a column-major one down a slow path.
     """
     dtype = x.dtype
     rows = _packed_rows(x, weight)

@@ -21,9 +21,9 @@ it fast on a CPU, where a round of 32 decode rows is bound by the linear layers:
   SwiGLU, and the residual add with the norm after it. Their torch counterparts here run elsewhere, and for long prompt chunks' attention:
   keys and values are gathered from the pool a whole block at a time; the pool is head-major,
   so the gathered keys of one row and KV head form one contiguous [positions, head dim] matrix
-  (SDPA on this CPU reads a strided [positions, head dim] view 1.5-2x slower once out of cache);
+  (SDPA reads a strided view of it much more slowly once it is out of cache);
   grouped-query attention folds the query heads of a KV group into the query length, so K/V are
-  never repeated (measured 10% faster than SDPA's `enable_gqa` here);
+  never repeated (cheaper than SDPA's `enable_gqa`);
 - RoPE cos/sin come from a table built once; the torch path gathers them once per round;
 - linear layers run in a weight format chosen per CPU (`precision.py`): float16 through the
   engine's kernel on x86 CPUs with AVX2, bfloat16 through oneDNN on AMX CPUs, float32 through
@@ -176,13 +176,9 @@ def _kernel_layers(
 
 def kernels_fit(config: ModelConfig) -> bool:
     """Whether the C kernels (`native.*`, `native_layers.decoder_layers`) implement every step of the
-    layers `config` describes. They implement every family's layer: Llama's (RMSNorm, RoPE from
-    a cos/sin table, which holds any scaling, causal attention, SwiGLU) and, as options of the
-    same kernels, q/k/v biases, q/k norms, partial rotary, sliding windows with their own tables,
-    the attention scale and soft-cap, sandwich norms and GeGLU. The embedding scale and the final
-    soft-cap run outside the layers on either path. Only heads wider than the kernels keep on
-    their stack for those options (`native.FEATURES_MAX_HEAD_DIM`; no family served comes near)
-    run every layer on the torch path (`DecoderModel.forward_hidden`)."""
+    layers `config` describes. Every family's features are options of the kernels; only heads
+    wider than the kernels keep on their stack for those options (`native.FEATURES_MAX_HEAD_DIM`)
+    run on the torch path (`DecoderModel.forward_hidden`)."""
     featured = config.attention_bias or config.qk_norm or config.rotary_dims != config.head_dim
     return not featured or config.head_dim <= native.FEATURES_MAX_HEAD_DIM
 
@@ -510,7 +506,7 @@ class DecoderModel:
         if self.native_kernels:
             return native.gated_rows(gate_up_columns, self.config.hidden_activation)
         # On the columns, where gate and up are contiguous halves: on the transposed view the
-        # elementwise ops are strided (2 ms a round slower at 32 rows).
+        # elementwise ops would be strided.
         gate, up = gate_up_columns.chunk(2)
         if self.config.hidden_activation == "gelu_tanh":
             return (F.gelu(gate, approximate="tanh") * up).t()

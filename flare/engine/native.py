@@ -16,8 +16,8 @@ built (no C compiler at install time) and that the tests hold it equal to:
   quantized blocks, and rows of such a weight expanded (the embedding lookup), for
   flare/engine/quantized.py;
 - `float16_linear`: a linear layer of float16 weights (packed once, `Float16Weight`) on float32
-  rows, at the memory's speed for the one to few rows of a decode round (fbgemm's float16 GEMM,
-  its torch counterpart, took 1.15-1.2x as long there, and as long from 5 rows on);
+  rows, at the memory's speed for the one to few rows of a decode round, where fbgemm's float16
+  GEMM (its torch counterpart) is slower;
 - a whole decoder layer of a round of short rows, the kernels above in one call: in
   `native_layers.py` (`KernelLayer`, `decoder_round`, `LayerStack`).
 
@@ -66,11 +66,8 @@ def _check(function: str, problems: list[str]) -> None:
 # The widest instructions the float16 linear layers use (kernels.h, `ISA_*`); the kernel takes
 # the widest of them the CPU has. AVX-512 only where ATen dispatches to it too, so that
 # ATEN_CPU_CAPABILITY=avx2 holds the whole engine to AVX2 (how the tests and benchmarks stand in
-# for an AVX2-only CPU). On 2 cores of a Zen 5 EPYC (`avx2 avx512f avx512_bf16 f16c fma`;
-# `benchmarks/engine_decode.py --weight-format float16 --batch 1 --tokens-per-row 5 --context
-# 150`, and `--batch 1 8 32 --context 200`; ATEN_CPU_CAPABILITY=avx2 against native) a round of
-# 1 row of 5 tokens (a verify round of 4 drafts) took 11.7 and 8.8 ms, 8 decode rows 19.7 and
-# 12.7, 32 rows 56.1 and 36.9; one decode row 7.5 and 7.9, where reading the weights bounds both.
+# for an AVX2-only CPU). AVX-512's tiles pay off from a few rows on; one decode row is bound by
+# reading the weights either way (docs/kernels.md, "Engine: the float16 kernel").
 ISA_PORTABLE, ISA_AVX2, ISA_AVX512 = 0, 1, 2
 LINEAR_ISA = ISA_AVX512 if torch.backends.cpu.get_cpu_capability() == "AVX512" else ISA_AVX2
 # The widest instructions the quantized kernel uses (quantized_linear.c): what ATen dispatches to,

@@ -12,17 +12,9 @@ between two of them the worker threads wait. The policy decides how:
 - a short spin (`GOMP_SPINCOUNT`): spin about as long as the gap between two regions of one
   round, then sleep.
 
-Measured on 2 cores (`benchmarks/engine_decode.py --batch 1 8 32 --context 150`, rounds in ms):
-
-| policy | alone 1 / 8 / 32 rows | beside one busy process 1 / 32 | beside two 1 / 32 |
-| --- | --- | --- | --- |
-| passive | 41.8 / 74.1 / 152.3 | 41.5 / 249 | 86.6 / 381 |
-| spin 1,000 | 28.7 / 62.4 / 136.3 | 54.4 / 254 | 54.1 / 348 |
-| spin 30,000 | 25.3 / 56.8 / 130.1 | | |
-| spin 10,000 | | 78.6 / 330 | 48.7 / 433 |
-
-A short spin is a third faster alone and costs little beside a busy neighbour, where longer
-spins lose; the operator of a shared machine can still choose passive.
+A short spin is the fastest alone and costs little beside a busy neighbour, where longer spins
+lose; the operator of a shared machine can still choose passive. The measurements are in
+docs/operations.md, "CPU threads and kernels".
 """
 
 from __future__ import annotations

@@ -7,15 +7,13 @@ only the linear layers (the LM head included) run in a weight format, the one th
 multiplies fastest:
 
 - `bfloat16`: oneDNN's GEMM on a CPU with AVX512-BF16 or AMX, weights packed once
-  (`linear.pack_weight`), float32 accumulation. On a 2-core AMD EPYC (Zen 4, AVX512-BF16) a
-  32 x 576 by 576 x 1536 product ran 2.3x faster than MKL's float32.
+  (`linear.pack_weight`), float32 accumulation; faster than MKL's float32 where the CPU
+  multiplies bfloat16 natively.
 - `float16`: the engine's float16 GEMM on an x86 CPU with AVX2 (every AVX2 CPU has F16C):
   float16 weights packed in blocks of 16 output channels, float32 activations and accumulation
   (`native.float16_linear`; fbgemm's `torch.ops.quantized.linear_dynamic_fp16` where the C
-  kernels were not built). On a 2-core AMD EPYC with AVX2 only
-  (`../shared/notes/cpu-gemm-formats.md`) the default model's 30 layers of linear layers took
-  about half of float32's time at 1 to 8 rows and two thirds at 32; the LM head a third at one
-  row. Elsewhere float16 GEMMs are emulated (a quarter of float32's speed).
+  kernels were not built): half the bytes of float32, which a decode round spends its time
+  reading. Elsewhere float16 GEMMs are emulated, far slower than float32.
 - `float32`: MKL, weights first (`model.linear_columns`); exact for every stored dtype, since
   every bfloat16 and float16 value is a float32 value.
 
@@ -98,15 +96,12 @@ def cpu_has_amx() -> bool:
 def available_formats(device: torch.device) -> tuple[WeightFormat, ...]:
     """The formats that run natively on `device`, the one `auto` takes first.
 
-    float16 through the engine's kernel comes first wherever it runs, bfloat16 included: on an
-    AVX512-BF16 CPU (Zen 5, 2 cores, `benchmarks/engine_decode.py --batch 1 8 32 --weight-format
-    float16 bfloat16`) rounds of 1 / 8 / 32 decode rows took 7.9 / 12.7 / 36.9 ms in float16 (its
-    AVX-512 tiles) against 11.5 / 17.4 / 35.5 in oneDNN's bfloat16, and bfloat16 rounds the GEMMs'
-    inputs and outputs, the logits included, to 8 bits where float16 keeps float32's
-    (docs/benchmarks.md, "On a CPU with native bfloat16"). bfloat16 stays first on CPUs with AMX
-    tiles, which multiply bfloat16 matrices several times faster than AVX-512 (not measured
-    here), and where the C kernels were not built (fbgemm's float16 was no faster than oneDNN's
-    bfloat16 at one row)."""
+    float16 through the engine's kernel comes first wherever it runs, bfloat16 included: it is
+    as fast or faster on an AVX512-BF16 CPU (docs/benchmarks.md, "Weight formats"), and bfloat16
+    rounds the GEMMs' inputs and outputs, the logits included, to 8 bits where float16 keeps
+    float32's. bfloat16 stays first on CPUs with AMX tiles, built to multiply bfloat16 matrices,
+    and where the C kernels were not built (fbgemm's float16 is no faster than oneDNN's
+    bfloat16)."""
     if device.type != "cpu":
         return (WeightFormat.BFLOAT16, WeightFormat.FLOAT16, WeightFormat.FLOAT32)
     formats = []

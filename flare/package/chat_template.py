@@ -38,7 +38,8 @@ import jinja2.nodes
 from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
 
 # A prompt past a few megabytes exceeds every context flare serves many times over; a render
-# that legitimately takes a second is already pathological (a real template renders in < 1 ms).
+# that legitimately takes a second is already pathological (a real template renders orders of
+# magnitude faster).
 RENDER_SECONDS = 5.0
 RENDER_CHARS = 8 << 20
 # The conversation the check renders: what every chat template must take.

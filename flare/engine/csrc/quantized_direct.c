@@ -189,8 +189,7 @@ QD_INLINE void tile(const int type, const uint8_t *rows, int64_t row_bytes, int6
     const int64_t values = type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K ? QK_K : QK;
     /* The group PREFETCH_GROUPS ahead is fetched a slice a block, while this one multiplies: the
      * four rows' blocks are read as four interleaved streams, which the hardware prefetcher
-     * follows too late (a Q8_0 LM head read at 7 GB/s from memory, 29 GB/s with this, one
-     * thread). A prefetch past the weight's end is harmless: it never faults. */
+     * follows too late (docs/kernels.md gives the figures). A prefetch past the weight's end is harmless: it never faults. */
     const int64_t span = GROUP * row_bytes;
     const uint8_t *ahead = rows + PREFETCH_GROUPS * span;
     for (int64_t i = 0; i < blocks; i++) {

@@ -18,8 +18,7 @@
  * rows each block is expanded once and reused by every row, and at one row each weight byte is
  * read once from memory. OpenMP threads take contiguous ranges of groups. A few rows (AVX-512: up
  * to 6; AVX2: one, of every type but Q5_K) skip the buffer: quantized_direct.c multiplies each
- * block as it expands it in registers, to the same bits. Figures against the
- * float16 kernel (one thread, AVX-512: 0.87x its time at one row on Q4_1 blocks, 1.16-1.23x at 8-32)
+ * block as it expands it in registers, to the same bits. Figures against the float16 kernel
  * and what was tried are in docs/benchmarks.md, "Quantized linear layers".
  */
 #include <math.h>

@@ -1,6 +1,6 @@
 /* The residual add before a norm, and the norm: one pass where torch's CPU operators take
- * several (the add, then rms_norm as pow, mean, add, rsqrt, two multiplies: about 60 us a call
- * on one 576-wide row, 61 calls a round of the default model, several ms of a decode round).
+ * several (the add, then rms_norm as pow, mean, add, rsqrt, two multiplies), twice a layer of
+ * every round.
  *
  *   h[t] += delta[t]                                   (when delta is given)
  *   out[t, i] = h[t, i] * weight[i] / sqrt(mean_j(h[t, j]^2) + eps)

@@ -25,7 +25,7 @@
 
 /* silu(g) * u for n elements `stride` apart in g and u, into contiguous out. Always inlined, so
  * `swiglu_span` gets a copy for stride 1 that vectorises (a stride only known at run time keeps
- * the compiler to scalar code: 32 rows of the default model took 24 ms a round that way). */
+ * the compiler to scalar code). */
 static inline __attribute__((always_inline)) void swiglu_run(const float *g, const float *u, int64_t stride, float *out,
                                                              int64_t n, const int activation) {
 #pragma omp simd

@@ -131,8 +131,8 @@ class MtpHead:
             embedding_scale=1.0, hidden_activation="silu",
         )
         layer = {name.replace("mtp.layer.", "model.layers.0."): t for name, t in head_state.items() if name.startswith("mtp.layer.")}
-        # The head's GEMMs run in the target's weight format: on this class of CPU float32 MKL
-        # took 15.6 ms for the 8192-row LM head at 1 and 8 rows, oneDNN's packed bfloat16 0.3-3.6.
+        # The head's GEMMs run in the target's weight format, which was chosen as this CPU's
+        # fastest: its LM head in float32 would cost more than the drafts save.
         self.block = DecoderModel(
             block_config,
             {**layer, "model.embed_tokens.weight": lm_head_rows, "model.norm.weight": final_norm},
@@ -304,15 +304,15 @@ class MtpHead:
         probs = torch.softmax(scaled, dim=-1)
         if filters is not None:
             # The target's kept-set rule (one threshold on the scaled logits, ties kept together),
-            # by the same radix select as the target's filters: a sort of the draft vocabulary
-            # took 0.37 ms a step at one row.
+            # by the same radix select as the target's filters, which costs less than a sort of
+            # the draft vocabulary at every step.
             threshold, _ = kept_threshold(
                 scaled, scaled.amax(-1), filters.top_k, filters.top_p, filters.log_min_p, filters.max_top_k, filters.any_top_p
             )
             probs = torch.where(scaled >= threshold.unsqueeze(1), probs, 0.0)
             probs = probs / probs.sum(-1, keepdim=True)
         noise = vocabulary_gumbel(keys, self.vocab_size)
-        # log(0) = -inf for filtered tokens, by a where: ATen's log of 0 is ten times slower.
+        # log(0) = -inf for filtered tokens, by a where: ATen's log of 0 takes a slow path.
         log_q = torch.where(probs > 0, torch.where(probs > 0, probs, 1.0).log_(), float("-inf"))
         choice = torch.where(greedy, logits.argmax(-1), (log_q + noise).argmax(-1))
         one_hot = F.one_hot(choice, self.vocab_size).to(probs.dtype)

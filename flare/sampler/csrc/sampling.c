@@ -1,9 +1,7 @@
 /* Two steps of the sampler over whole rows of the vocabulary, for the CPU: the counter-based
  * random stream's uniforms and the top-p threshold. Each is the counterpart of a torch twin in
  * flare/sampler/ (random_stream.py, distribution.py), computes the same bits, and replaces a
- * dozen passes of torch operators over [rows, vocab]: at 32 rows of the default model's
- * vocabulary, the uniforms in 0.31 ms against the twin's 4.3, the threshold in 1.4 against 5.3
- * (2 threads of a Zen 4 EPYC, medians, the sides alternating).
+ * dozen passes of torch operators over [rows, vocab] with one (docs/kernels.md, "CPU cost").
  *
  * The uniforms: for stream key k (int32) and vocabulary index i,
  *

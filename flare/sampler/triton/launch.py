@@ -18,7 +18,7 @@ def block_size(span: int, device: torch.device) -> int:
 
     On the GPU a moderate block keeps registers in check. Under TRITON_INTERPRET (CPU tensors)
     the cost grows with the number of tl operations executed, not with elements, so one block
-    covers the whole span (../shared/notes/triton-on-cpu.md).
+    covers the whole span.
     """
     if device.type == "cuda":
         return min(GPU_BLOCK, triton.next_power_of_2(span))
