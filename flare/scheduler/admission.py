@@ -4,7 +4,8 @@ At submission a request is refused (errors.py) when it could never run here (mor
 `max_concurrency`, a prompt longer than the context or than the whole KV cache) or when it would
 have to wait while the waiting queue is full (`max_waiting` requests or `max_waiting_tokens`
 prompt tokens). Before each round, waiting sequences join the running set in arrival order while
-`max_concurrency` allows it and their blocks fit.
+`max_concurrency` allows it and their blocks fit. A request's choices run together: its first
+choice is admitted with a slot for each, and the others join once it has computed the prompt.
 """
 
 from __future__ import annotations
@@ -12,11 +13,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+import structlog
+
 from flare.scheduler.blocks import BlockManager
 from flare.scheduler.errors import PromptTooLong, QueueFull, TooManyChoices
 from flare.scheduler.options import SchedulerOptions
 from flare.scheduler.request import GenerationRequest
 from flare.scheduler.sequence import Sequence, SequenceState
+
+log = structlog.get_logger("flare.scheduler")
 
 
 def slots(sequences: Iterable[Sequence]) -> int:
@@ -95,6 +100,21 @@ class Admission:
             admitted.append(seq)
             used += group
         return admitted
+
+    def fork_choices(self, running: list[Sequence]) -> None:
+        """The other choices of a request share its first choice's blocks once those hold all
+        but the prompt's last token; from then on each runs as a sequence of its own."""
+        for leader in [s for s in running if s.pending_choices]:
+            if leader.num_cached < leader.num_prompt_tokens - 1:
+                continue
+            self._blocks.fork(leader)
+            for choice in leader.pending_choices:
+                choice.cached_prompt_tokens = leader.cached_prompt_tokens
+                choice.prompt_logprobs = list(leader.prompt_logprobs)
+                choice.state = SequenceState.RUNNING
+                running.append(choice)
+            log.debug("choices_forked", request_id=leader.request_id, n=1 + len(leader.pending_choices))
+            leader.pending_choices = []
 
     def _retry_after_s(self, waiting: deque[Sequence], tokens_per_second: float) -> float:
         """A rough wait until a queue slot frees: the queued tokens at the recent rate."""

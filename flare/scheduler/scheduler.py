@@ -340,7 +340,7 @@ class Scheduler:
         prefill chunks, and decode rows with their drafts."""
         for seq in self._admission.admit(self._waiting, self._running):
             self._count_cached_prompt(seq)
-        self._fork_choices()
+        self._admission.fork_choices(self._running)
         if not self._running:
             return None
         index = self._rounds
@@ -454,21 +454,6 @@ class Scheduler:
             if self.metrics is not None:
                 self.metrics.prompt_cached(cached)
             log.debug("prefix_cache_hit", request_id=seq.request_id, tokens=cached)
-
-    def _fork_choices(self) -> None:
-        """The other choices of a request share its first choice's blocks once those hold all
-        but the prompt's last token; from then on each runs as a sequence of its own."""
-        for leader in [s for s in self._running if s.pending_choices]:
-            if leader.num_cached < leader.num_prompt_tokens - 1:
-                continue
-            self._blocks.fork(leader)
-            for choice in leader.pending_choices:
-                choice.cached_prompt_tokens = leader.cached_prompt_tokens
-                choice.prompt_logprobs = list(leader.prompt_logprobs)
-                choice.state = SequenceState.RUNNING
-                self._running.append(choice)
-            log.debug("choices_forked", request_id=leader.request_id, n=1 + len(leader.pending_choices))
-            leader.pending_choices = []
 
     # ----------------------------------------------------------------- applying a round
 
