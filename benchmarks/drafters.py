@@ -1,7 +1,7 @@
 """Drafters side by side in one process: each wave of answers through every configuration in turn.
 
 No HTTP: each configuration is a scheduler over the same package, all on one model thread (so
-they share one OpenMP team: flare/scheduler/model_thread.py), and every wave of `--streams`
+they share one OpenMP team: flare/scheduler/round/model_thread.py), and every wave of `--streams`
 answers of the dataset (submitted at once) runs through each of them in turn, the order
 alternating, so load on the machine falls on all of them alike. Prints tokens/s (a wave's tokens
 over its wall time), the ratio to the first configuration, tokens per verification round, and
@@ -37,8 +37,9 @@ from flare.bench.datasets import Conversation, load_dataset
 from flare.engine.precision import cpu_flags
 from flare.package.directory import open_package
 from flare.policy.params import SamplingParams
-from flare.scheduler.model_runner import RoundPlan, RoundResult
-from flare.scheduler.model_thread import ModelThread
+from flare.scheduler.round.model_thread import ModelThread
+from flare.scheduler.round.plan import RoundPlan
+from flare.scheduler.round.result import RoundResult
 from flare.scheduler.request import GenerationRequest, TextDelta
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions
 

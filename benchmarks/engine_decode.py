@@ -45,7 +45,7 @@ import torch
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
 from flare.engine import model as model_module
-from flare.engine import native, native_layers
+from flare.engine import native
 from flare.engine.model import DecoderModel, load_model
 from flare.engine.precision import WeightFormat, cpu_flags
 from flare.preparation.default_package import default_package_path

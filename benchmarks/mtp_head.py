@@ -34,7 +34,8 @@ from flare.engine.model import load_model
 from flare.engine.precision import cpu_flags
 from flare.package.directory import open_package
 from flare.policy.params import SamplingParams
-from flare.scheduler.model_runner import ModelRunner, PlannedRow, RoundPlan
+from flare.scheduler.round.model_runner import ModelRunner
+from flare.scheduler.round.plan import DraftHeadPass, PlannedRow, RoundPlan, Sampling
 
 
 def main() -> None:
@@ -103,9 +104,9 @@ def main() -> None:
 
 def _row(request_id, tokens, start, table, params, *, head_steps=0, head_from=0, head_tokens=()) -> PlannedRow:
     return PlannedRow(
-        request_id=request_id, token_ids=tuple(tokens), start_position=start, block_table=table, samples=True,
-        draft_ids=(), draft_probs=None, params=params, seed=1, output_position=0, prompt_ids=(), output_ids=(),
-        vocabulary_parallel=False, head_steps=head_steps, head_from=head_from, head_tokens=head_tokens,
+        request_id=request_id, choice=0, token_ids=tuple(tokens), start_position=start, block_table=table,
+        sampling=Sampling(params, seed=1, output_position=0, prompt_ids=(), output_ids=(), vocabulary_parallel=False),
+        draft_head=DraftHeadPass(head_steps, head_from, head_tokens) if head_steps else None,
     )
 
 

@@ -37,7 +37,7 @@ from flare.engine.precision import cpu_flags
 from flare.preparation.default_package import default_package_path
 from flare.package.directory import open_package
 from flare.policy.params import SamplingParams
-from flare.scheduler import model_runner
+from flare.scheduler.round import model_runner
 from flare.scheduler.request import Finished, GenerationRequest, TextDelta
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions
 from flare.structured import GrammarSpec, GrammarState, fill_masks

@@ -26,7 +26,6 @@ from flare.engine.openmp import set_wait_policy
 set_wait_policy(os.environ)  # as `flare run` does, before torch loads OpenMP (spawned ranks inherit it)
 
 import torch  # noqa: E402
-import torch.distributed as dist
 
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache

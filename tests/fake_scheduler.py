@@ -21,7 +21,6 @@ from flare.scheduler.request import (
     GenerationRequest,
     RequestFailure,
     RequestStream,
-    StreamEvent,
     TextDelta,
     Usage,
 )

@@ -23,10 +23,6 @@ FLOORS_HEADING = "## Layers"
 MAX_MODULES_PER_FOLDER = 15
 
 # A folder's modules are its .py files but __init__.py (the folder itself).
-# Folders still over MAX_MODULES_PER_FOLDER, to be emptied: issue 37 splits flare/daemon into its
-# API rooms and flare/scheduler into the round plan's parts. Each is a strict expected failure,
-# so the test fails once its folder is split, until its entry is deleted here.
-FOLDERS_TO_SPLIT = ("scheduler",)
 
 
 @dataclass(frozen=True)
@@ -260,17 +256,6 @@ def _module_counts() -> dict[str, int]:
     }
 
 
-@pytest.mark.parametrize(
-    "folder",
-    [
-        pytest.param(
-            folder,
-            marks=[pytest.mark.xfail(strict=True, reason="split under issue 37; then delete it from FOLDERS_TO_SPLIT")]
-            if folder in FOLDERS_TO_SPLIT
-            else [],
-        )
-        for folder in _module_counts()
-    ],
-)
+@pytest.mark.parametrize("folder", list(_module_counts()))
 def test_no_folder_holds_more_than_15_modules(folder):
     assert _module_counts()[folder] <= MAX_MODULES_PER_FOLDER

@@ -50,8 +50,8 @@ WEIGHT_FORMATS = (AUTO_DTYPE, *DTYPES)
 # package dtypes (the engine computes in float32 whatever it stores; flare/engine/native.py).
 KV_CACHE_DTYPES = DTYPES
 # auto: the package's draft head, with n-gram lookup beside it for rows whose text repeats
-# (scheduler/speculation.py, `DraftPlanner`); n-gram lookup alone in a package without a head. What a
-# package exported with a head serves by default.
+# (scheduler/speculation/draft_planner.py, `DraftPlanner`); n-gram lookup alone in a package
+# without a head. What a package exported with a head serves by default.
 DRAFTERS = ("ngram", "mtp", "auto")
 HEAD_DTYPES = ("float32", "bfloat16", "float16")
 # What a draft head's first step reads of the target at the previous position: its residual

@@ -23,8 +23,8 @@ from flare.package.contract import check_contract
 from flare.package.directory import Package
 from flare.policy.policy import PolicyError, SamplingPolicy
 from flare.scheduler.errors import ContractViolation
-from flare.scheduler.model_runner import ModelRunner, RoundObserver
-from flare.scheduler.model_thread import ModelThread
+from flare.scheduler.round.model_runner import ModelRunner, RoundObserver
+from flare.scheduler.round.model_thread import ModelThread
 from flare.scheduler.options import SchedulerOptions
 from flare.structured import GrammarCompiler
 
@@ -173,7 +173,7 @@ def load_parts(
             ranks=ranks,
         )
 
-    # The weights load on the thread that will run the rounds (model_thread.py says why).
+    # The weights load on the thread that will run the rounds (round/model_thread.py says why).
     owns_model_thread = model_thread is None
     model_thread = model_thread or ModelThread()
     try:

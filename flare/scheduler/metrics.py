@@ -1,15 +1,15 @@
-"""The scheduler's Prometheus collectors.
+"""The scheduler's Prometheus collectors, which observe it as its `SchedulerObserver`.
 
 The registry is passed in (the daemon builds one per process; tests build their own), never
-the global default. Counters count per round, not per token: the scheduler hands each method
-a round's aggregate, so the cost is a handful of increments per round.
+the global default. Counters count per round, not per token: the scheduler hands over a round's
+tally, so the cost is a handful of increments per round.
 """
 
 from __future__ import annotations
 
 import os
 from collections import Counter as Tally
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from flare.sampler.status import DeviceStatus
 from flare.scheduler.sequence import DRAFT_SOURCES
+from flare.scheduler.stats import Occupancy, RoundTally
 from flare.structured import CacheUse
 
 # Latency buckets (seconds): time to first token spans queueing and prefill (tens of ms to
@@ -33,7 +34,8 @@ def _status_name(code: int) -> str:
 
 
 class SchedulerMetrics:
-    """Collectors for what the scheduler sees: rounds, tokens, latencies, occupancy."""
+    """Collectors for what the scheduler sees: rounds, tokens, latencies, occupancy (a
+    `SchedulerObserver`)."""
 
     def __init__(self, registry: CollectorRegistry, *, max_draft_tokens: int = 8) -> None:
         self._registry = registry
@@ -133,58 +135,46 @@ class SchedulerMetrics:
         self.grammar_cache_entries.set_function(lambda: use().entries)
         self.grammar_cache_bytes.set_function(lambda: use().bytes)
 
-    def observe_round(
-        self,
-        statuses: Iterable[int],
-        accepted_per_row: Iterable[int],
-        proposed: Mapping[str, int],
-        accepted: Mapping[str, int],
-        head_seconds: float = 0.0,
-    ) -> None:
-        """One round: every row's device status; for the rows that verified drafts, how many
-        of them were accepted; draft tokens verified and accepted, by drafter; the seconds of
-        the draft head's pass."""
-        for code, rows in Tally(int(s) for s in statuses).items():
+    def prompt_cached(self, tokens: int) -> None:
+        if tokens:
+            self.prompt_tokens_cached.inc(tokens)
+
+    def round_applied(self, tally: RoundTally) -> None:
+        """Every sampling row's device status; for the rows that verified drafts, how many of
+        them were accepted; draft tokens verified and accepted, by drafter; the draft head's
+        seconds; prompt tokens computed and tokens generated; time to first token, and each
+        token's inter-token latency: the gap since its choice's previous tokens, shared among
+        the tokens that came together."""
+        for code, rows in Tally(int(s) for s in tally.statuses).items():
             self.device_statuses.labels(status=_status_name(code)).inc(rows)
-        for row_accepted in accepted_per_row:
+        for row_accepted in tally.accepted_per_row:
             self.accepted_per_round.observe(row_accepted)
-        for drafter, tokens in proposed.items():
+        for drafter, tokens in tally.proposed.items():
             self.draft_tokens_proposed.labels(drafter=drafter).inc(tokens)
-        for drafter, tokens in accepted.items():
+        for drafter, tokens in tally.accepted_by.items():
             self.draft_tokens_accepted.labels(drafter=drafter).inc(tokens)
-        if head_seconds:
-            self.draft_head_seconds.inc(head_seconds)
+        if tally.head_seconds:
+            self.draft_head_seconds.inc(tally.head_seconds)
+        if tally.prompt_tokens:
+            self.prompt_tokens.inc(tally.prompt_tokens)
+        if tally.generated:
+            self.generated_tokens.inc(tally.generated)
+        for seconds in tally.first_token_seconds:
+            self.time_to_first_token.observe(seconds)
+        for gap_s, tokens in tally.token_gaps:
+            for _ in range(tokens):
+                self.inter_token_latency.observe(gap_s / tokens)
 
-    def observe_tokens(self, *, prompt: int = 0, cached: int = 0, generated: int = 0) -> None:
-        if prompt:
-            self.prompt_tokens.inc(prompt)
-        if cached:
-            self.prompt_tokens_cached.inc(cached)
-        if generated:
-            self.generated_tokens.inc(generated)
+    def request_ended(self, seconds: float) -> None:
+        self.e2e_latency.observe(seconds)
 
-    def observe_emission(self, gap_s: float, tokens: int) -> None:
-        """A request received `tokens` tokens `gap_s` seconds after its previous ones: each
-        token's inter-token latency is the gap shared among them."""
-        for _ in range(tokens):
-            self.inter_token_latency.observe(gap_s / tokens)
-
-    def set_occupancy(
-        self,
-        *,
-        running: int,
-        waiting: int,
-        kv_blocks_used: int,
-        kv_blocks_total: int,
-        kv_blocks_cached: int = 0,
-        kv_blocks_evictable: int = 0,
-    ) -> None:
-        self.running.set(running)
-        self.waiting.set(waiting)
-        self.kv_blocks_used.set(kv_blocks_used)
-        self.kv_blocks_total.set(kv_blocks_total)
-        self.kv_blocks_cached.set(kv_blocks_cached)
-        self.kv_blocks_evictable.set(kv_blocks_evictable)
+    def occupancy_changed(self, occupancy: Occupancy) -> None:
+        self.running.set(occupancy.running)
+        self.waiting.set(occupancy.waiting)
+        self.kv_blocks_used.set(occupancy.kv_blocks_used)
+        self.kv_blocks_total.set(occupancy.kv_blocks_total)
+        self.kv_blocks_cached.set(occupancy.kv_blocks_cached)
+        self.kv_blocks_evictable.set(occupancy.kv_blocks_evictable)
 
 
 class RankCpuCollector(Collector):

@@ -1,12 +1,13 @@
 """Continuous batching of requests into speculative rounds.
 
-The scheduler owns the waiting queue and the running set. Each round it admits waiting
-requests (up to `max_concurrency` running, when their prompt fits in free KV blocks), plans one
-row per running sequence (a prompt chunk, or the last sampled token plus drafts), runs the
-round in its one worker thread, and applies the result on the event loop: tokens to streams,
-stops, failures, freed blocks. Requests join and leave between rounds; nothing waits for a
-whole batch to finish. Each sequence's blocks are `blocks.py`'s, its drafts `speculation.py`'s,
-and the parts it runs with are built by `loading.py`.
+The scheduler owns the waiting queue and the running set. Each round it plans (`_plan_round`):
+admits waiting requests (`admission.py`), plans one row per running sequence (a prompt chunk, or
+the last sampled token plus drafts: `speculation/`), preempting the newest while blocks run short
+(`preemption.py`); runs the plan on its one model thread (`round/`); and applies the result on
+the event loop (`_apply`): tokens to streams, stops, failures, freed blocks, and what the round
+did to its observer (the metrics). Requests join and leave between rounds; nothing waits for a
+whole batch to finish. Each sequence's blocks are `blocks.py`'s, and the parts the scheduler
+runs with are built by `loading.py`.
 
 Everything here runs on the event-loop thread except `ModelRunner.execute`, which gets an
 immutable plan and returns an immutable result.
@@ -19,7 +20,7 @@ import contextlib
 import secrets
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import anyio
 import structlog
@@ -31,15 +32,14 @@ from flare.sampler.status import DeviceStatus
 from flare.parallel.failstop import EngineDead
 from flare.package.directory import Package
 from flare.policy.params import SamplingParams
+from flare.scheduler.admission import Admission
 from flare.scheduler.blocks import BlockCopy, BlockManager
 from flare.scheduler.emission import choice_usage, emit
-from flare.scheduler.errors import Draining, DuplicateRequestId, PromptTooLong, QueueFull, TooManyChoices
+from flare.scheduler.errors import Draining, DuplicateRequestId
 from flare.scheduler.failures import cancelled_failure, device_failure, engine_dead_failure, shutdown_failure
 from flare.scheduler.loading import SchedulerParts, load_parts
-from flare.scheduler.metrics import SchedulerMetrics
-from flare.scheduler.model_runner import ModelRunner, PlannedRow, RoundObserver, RoundPlan, RoundResult, RowResult
-from flare.scheduler.model_thread import ModelThread
 from flare.scheduler.options import SchedulerOptions
+from flare.scheduler.preemption import make_writable
 from flare.scheduler.request import (
     Failed,
     Finished,
@@ -49,9 +49,13 @@ from flare.scheduler.request import (
     TokenLogprob,
     Usage,
 )
+from flare.scheduler.round.model_runner import ModelRunner, RoundObserver
+from flare.scheduler.round.model_thread import ModelThread
+from flare.scheduler.round.plan import DraftHeadPass, PlannedRow, RoundPlan, Sampling, Scoring
+from flare.scheduler.round.result import RoundResult, RowResult
 from flare.scheduler.sequence import Sequence, SequenceState
-from flare.scheduler.speculation import DraftPlanner
-from flare.scheduler.stats import RequestInfo, RoundTally, SchedulerSnapshot, Throughput
+from flare.scheduler.speculation.draft_planner import DraftPlanner
+from flare.scheduler.stats import Occupancy, RequestInfo, RoundTally, SchedulerObserver, SchedulerSnapshot, Throughput
 
 log = structlog.get_logger("flare.scheduler")
 
@@ -62,15 +66,15 @@ class Scheduler:
         parts: SchedulerParts,
         options: SchedulerOptions,
         *,
-        metrics: SchedulerMetrics | None = None,
+        metrics: SchedulerObserver | None = None,
         heartbeat: Callable[[], None] | None = None,
     ) -> None:
+        """`metrics`: what observes the scheduler (the daemon's Prometheus `SchedulerMetrics`)."""
         package = parts.package
         self.package = package
         self.policy = parts.policy
         self.tokenizer = parts.tokenizer
         self.max_context = package.manifest.serving.max_context
-        self.max_concurrency = parts.max_concurrency
         self.draft_tokens = parts.draft_tokens
         self.vocabulary_parallel = package.manifest.serving.vocabulary_parallel_sampling
         self.options = options
@@ -83,6 +87,9 @@ class Scheduler:
             metrics.watch_grammar_cache(parts.grammars.use)
         self._runner = parts.runner
         self._blocks = BlockManager(parts.cache, parts.runner.kv_cache.block_size, head_slot=parts.runner.head is not None)
+        self._admission = Admission(
+            max_concurrency=parts.max_concurrency, max_context=self.max_context, options=options, blocks=self._blocks
+        )
         self._speculation = DraftPlanner(
             drafter=parts.drafter,
             head=parts.runner.head is not None,
@@ -98,7 +105,7 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._stop = False
         self._in_flight = False
-        # Every round runs on this one thread for the scheduler's life (model_thread.py says why).
+        # Every round runs on this one thread for the scheduler's life (round/model_thread.py says why).
         self._model_thread = parts.model_thread
         self._owns_model_thread = parts.owns_model_thread
         self._throughput = Throughput()
@@ -112,7 +119,7 @@ class Scheduler:
         package: Package,
         options: SchedulerOptions,
         *,
-        metrics: SchedulerMetrics | None = None,
+        metrics: SchedulerObserver | None = None,
         heartbeat: Callable[[], None] | None = None,
         drafter: Drafter | None = None,
         round_observer: RoundObserver | None = None,
@@ -123,7 +130,7 @@ class Scheduler:
         The sampler contract is checked before any weight is read. `drafter` replaces the one
         the package names (`serving.drafter`), e.g. a learned draft head. `model_thread`: a
         thread shared with other schedulers of the process, which then keep one OpenMP team
-        between them (model_thread.py); by default the scheduler has its own and ends it.
+        between them (round/model_thread.py); by default the scheduler has its own and ends it.
         """
         parts = load_parts(package, options, drafter=drafter, round_observer=round_observer, model_thread=model_thread)
         return cls(parts, options, metrics=metrics, heartbeat=heartbeat)
@@ -137,41 +144,7 @@ class Scheduler:
             raise Draining()
         if request.request_id in self._by_id:
             raise DuplicateRequestId(f"request id {request.request_id!r} is already in use")
-        if not 1 <= request.n <= self.max_concurrency:
-            raise TooManyChoices(
-                f"n is {request.n}, but this server runs at most {self.max_concurrency} sequences at once "
-                f"(max_concurrency) and the choices of one request run together; send n <= {self.max_concurrency}",
-                self.max_concurrency,
-            )
-        prompt_len = len(request.prompt_token_ids)
-        if prompt_len + 1 > self.max_context:
-            raise PromptTooLong(
-                f"the prompt has {prompt_len} tokens; this model's context is {self.max_context} tokens, "
-                f"including at least one generated token",
-                prompt_len,
-                self.max_context - 1,
-            )
-        capacity = self._blocks.capacity
-        # The choices share the prompt's blocks; each needs a block of its own after them.
-        if prompt_len + 1 + (request.n - 1) * self._blocks.block_size > capacity:
-            raise PromptTooLong(
-                f"the prompt has {prompt_len} tokens but the whole KV cache holds {capacity}"
-                + (f" (less a block for each of the other {request.n - 1} choices)" if request.n > 1 else "")
-                + "; it can never be served here (raise --kv-cache-memory)",
-                prompt_len,
-                capacity - 1 - (request.n - 1) * self._blocks.block_size,
-            )
-        waiting_tokens = sum(len(s.tokens) for s in self._waiting)
-        # The bounds are on requests that must wait: while running slots are free, a request
-        # is never refused for the queue's sake (even with --max-waiting 0).
-        must_wait = self._slots(self._running) + self._slots(self._waiting) + request.n > self.max_concurrency
-        queue_full = len(self._waiting) >= self.options.max_waiting
-        tokens_full = waiting_tokens + prompt_len > self.options.max_waiting_tokens
-        if must_wait and (queue_full or tokens_full):
-            raise QueueFull(
-                f"the waiting queue is full ({len(self._waiting)} requests, {waiting_tokens} prompt tokens)",
-                retry_after_s=self._retry_after_s(),
-            )
+        self._admission.check(request, self._waiting, self._running, self._throughput.rate)
         stream = RequestStream(request.request_id, choices=request.n)
         # Every row on the device is seeded; an unseeded request gets a random seed here.
         seed = request.params.seed if request.params.seed is not None else secrets.randbits(63)
@@ -187,7 +160,7 @@ class Scheduler:
         log.debug(
             "request_queued",
             request_id=request.request_id,
-            prompt_tokens=prompt_len,
+            prompt_tokens=len(request.prompt_token_ids),
             n=request.n,
             waiting=len(self._waiting),
         )
@@ -226,9 +199,13 @@ class Scheduler:
         """Drop every cached block no request holds (`flare ctl cache clear`); returns how many."""
         dropped = self._blocks.cache.clear()
         log.info("prefix_cache_cleared", blocks=dropped)
-        if self.metrics is not None:
-            self._publish_occupancy()
+        self._publish_occupancy()
         return dropped
+
+    @property
+    def max_concurrency(self) -> int:
+        """The most sequences that run at once (the choices of a request run together)."""
+        return self._admission.max_concurrency
 
     @property
     def vocab_size(self) -> int:
@@ -359,8 +336,11 @@ class Scheduler:
     # ----------------------------------------------------------------- planning a round
 
     def _plan_round(self) -> RoundPlan | None:
-        self._admit()
-        self._fork_choices()
+        """Admit, fork, and plan one row per running sequence within the round's token budget:
+        prefill chunks, and decode rows with their drafts."""
+        for seq in self._admission.admit(self._waiting, self._running):
+            self._count_cached_prompt(seq)
+        self._admission.fork_choices(self._running)
         if not self._running:
             return None
         index = self._rounds
@@ -391,11 +371,22 @@ class Scheduler:
             head_steps = self._speculation.head_steps(seq, row_tokens, len(draft.token_ids), token_seconds) if samples else 0
             # A drafting row's head writes the new token's slot, one past the row's tokens at
             # most, and K - 1 more.
-            writable = self._make_writable(seq, seq.num_cached + row_tokens + head_steps)
+            writable = make_writable(
+                seq,
+                seq.num_cached + row_tokens + head_steps,
+                blocks=self._blocks,
+                running=self._running,
+                waiting=self._waiting,
+            )
             if writable is None:
+                if seq.state is SequenceState.RUNNING:
+                    # Alone and still short: the sequence has outgrown the whole cache. Waiting
+                    # would never help, so it ends here, as at the context length.
+                    log.warning("request_outgrew_kv_cache", request_id=seq.request_id, tokens=len(seq.tokens))
+                    self._finish(seq, Finished("length", choice_usage(seq), fell_back=seq.fell_back, index=seq.index))
                 continue  # `seq` was preempted (it waits for blocks) or outgrew the cache and ended
             copies += writable
-            budget -= len(tail) + len(draft.token_ids)
+            budget -= row_tokens
             rows.append(self._row(seq, tail, draft, samples, head_steps))
         # A row dropped after its blocks were made writable (its sequence preempted by a later
         # row) leaves a copy into a block that is free again: harmless, the copies run first.
@@ -406,32 +397,38 @@ class Scheduler:
         return RoundPlan(index, tuple(rows), tuple(copies))
 
     def _row(self, seq: Sequence, tail: list[int], draft: Draft, samples: bool, head_steps: int) -> PlannedRow:
-        penalized = seq.request.params.penalized
+        """`seq`'s row: `tail` (its uncached tokens) then `draft`'s, and the parts it needs."""
+        request = seq.request
+        sampling = None
+        if samples:
+            penalized = request.params.penalized
+            sampling = Sampling(
+                params=request.params,
+                seed=seq.seed,
+                output_position=seq.num_output_tokens,
+                prompt_ids=request.prompt_token_ids if penalized else (),
+                output_ids=tuple(seq.output_ids) if penalized else (),
+                vocabulary_parallel=self.vocabulary_parallel and not seq.fell_back,
+                fault=seq.fault_due() if self.options.fault_injection else None,
+                logprobs=request.logprobs,
+                raw_logprobs=request.raw_logprobs,
+                grammar=seq.grammar,
+            )
+        targets = self._prompt_targets(seq, len(tail)) if not seq.in_decode else ()
         return PlannedRow(
             request_id=seq.request_id,
+            choice=seq.index,
             token_ids=tuple(tail) + draft.token_ids,
             start_position=seq.num_cached,
             block_table=tuple(seq.block_table),
-            samples=samples,
-            draft_ids=draft.token_ids,
-            draft_probs=draft.probs,
-            draft_vocab=draft.vocab,
-            params=seq.request.params,
-            seed=seq.seed,
-            output_position=seq.num_output_tokens,
-            prompt_ids=seq.request.prompt_token_ids if penalized else (),
-            output_ids=tuple(seq.output_ids) if penalized else (),
-            vocabulary_parallel=self.vocabulary_parallel and not seq.fell_back,
-            fault=self._fault_now(seq) if samples else None,
-            choice=seq.index,
-            logprobs=seq.request.logprobs,
-            raw_logprobs=seq.request.raw_logprobs,
-            prompt_targets=self._prompt_targets(seq, len(tail)) if not seq.in_decode else (),
-            prompt_top=seq.request.prompt_logprobs or 0,
-            grammar=seq.grammar if samples else None,
-            head_steps=head_steps,
-            head_from=seq.head_cached if head_steps else 0,
-            head_tokens=tuple(seq.tokens[seq.head_cached : seq.num_cached + len(tail)]) if head_steps else (),
+            sampling=sampling,
+            drafts=draft if draft.token_ids else None,
+            scoring=Scoring(targets, request.prompt_logprobs or 0) if targets else None,
+            draft_head=(
+                DraftHeadPass(head_steps, seq.head_cached, tuple(seq.tokens[seq.head_cached : seq.num_cached + len(tail)]))
+                if head_steps
+                else None
+            ),
         )
 
     def _prompt_targets(self, seq: Sequence, fed: int) -> tuple[int, ...]:
@@ -447,36 +444,6 @@ class Scheduler:
         choices = self._by_id.get(row.request_id)
         return choices is not None and choices[row.choice].state is SequenceState.RUNNING
 
-    def _fault_now(self, seq: Sequence) -> DeviceStatus | None:
-        return seq.fault_due() if self.options.fault_injection else None
-
-    # ----------------------------------------------------------------- admission and preemption
-
-    @staticmethod
-    def _slots(sequences: Iterable[Sequence]) -> int:
-        """Running slots `sequences` take: one each, plus the choices waiting to fork off them."""
-        return sum(1 + len(s.pending_choices) for s in sequences)
-
-    def _admit(self) -> None:
-        slots = self._slots(self._running)
-        while self._waiting:
-            seq = self._waiting[0]
-            group = 1 + len(seq.pending_choices)
-            if slots + group > self.max_concurrency:
-                return
-            if not seq.block_table:
-                self._blocks.map_cached_prefix(seq)
-            # Admit when the whole sequence fits with a block of headroom per running sequence,
-            # so admission does not immediately force a preemption.
-            if self._blocks.admission_need(seq) + len(self._running) > self._blocks.cache.num_available and self._running:
-                self._blocks.release(seq)  # cached blocks it found stay evictable while it waits
-                return
-            self._waiting.popleft()
-            seq.state = SequenceState.RUNNING
-            self._running.append(seq)
-            slots += group
-            self._count_cached_prompt(seq)
-
     def _count_cached_prompt(self, seq: Sequence) -> None:
         """An admitted sequence's prompt tokens that the prefix cache served."""
         cached = min(seq.num_cached, seq.num_prompt_tokens)
@@ -485,59 +452,16 @@ class Scheduler:
         if cached:
             self._prompt_tokens["cached"] += cached
             if self.metrics is not None:
-                self.metrics.observe_tokens(cached=cached)
+                self.metrics.prompt_cached(cached)
             log.debug("prefix_cache_hit", request_id=seq.request_id, tokens=cached)
-
-    def _fork_choices(self) -> None:
-        """The other choices of a request share its first choice's blocks once those hold all
-        but the prompt's last token; from then on each runs as a sequence of its own."""
-        for leader in [s for s in self._running if s.pending_choices]:
-            if leader.num_cached < leader.num_prompt_tokens - 1:
-                continue
-            self._blocks.fork(leader)
-            for choice in leader.pending_choices:
-                choice.cached_prompt_tokens = leader.cached_prompt_tokens
-                choice.prompt_logprobs = list(leader.prompt_logprobs)
-                choice.state = SequenceState.RUNNING
-                self._running.append(choice)
-            log.debug("choices_forked", request_id=leader.request_id, n=1 + len(leader.pending_choices))
-            leader.pending_choices = []
-
-    def _make_writable(self, seq: Sequence, num_positions: int) -> list[BlockCopy] | None:
-        """Blocks `seq` may write for positions `num_cached .. num_positions - 1`, and the copies
-        to make for them before the round's forward. While the pool is short the newest running
-        sequence is preempted (nano-vllm's `while not can_append(seq): preempt(...)`); None when
-        that was `seq` itself, or when `seq` alone outgrew the whole cache and ended."""
-        while (copies := self._blocks.make_writable(seq, num_positions)) is None:
-            victim = max(self._running, key=lambda s: (s.arrival, s.index))
-            if victim is seq and len(self._running) == 1:
-                # Alone and still short: the sequence has outgrown the whole cache. Waiting
-                # would never help, so it ends here, as at the context length.
-                log.warning("request_outgrew_kv_cache", request_id=seq.request_id, tokens=len(seq.tokens))
-                self._finish(seq, Finished("length", choice_usage(seq), fell_back=seq.fell_back, index=seq.index))
-                return None
-            self._preempt(victim)
-            if victim is seq:
-                return None
-        return copies
-
-    def _preempt(self, seq: Sequence) -> None:
-        """Free a running sequence's blocks and put it back at the head of the queue; it is
-        recomputed from its tokens later (from its cached prefix, if the cache kept it), with
-        the same output (seeded by position)."""
-        self._blocks.release(seq)
-        seq.preemptions += 1
-        seq.state = SequenceState.WAITING
-        self._running.remove(seq)
-        self._waiting.appendleft(seq)
-        log.info("request_preempted", request_id=seq.request_id, tokens=len(seq.tokens), preemptions=seq.preemptions)
 
     # ----------------------------------------------------------------- applying a round
 
     def _apply(self, plan: RoundPlan, result: RoundResult) -> None:
+        """Each row's result into its sequence, then what the round did to the observer."""
         self._speculation.observe_round(plan, result)
         now = time.monotonic()
-        tally = RoundTally()
+        tally = RoundTally(head_seconds=result.head_seconds)
         for row, outcome in zip(plan.rows, result.rows):
             choices = self._by_id.get(row.request_id)
             seq = choices[row.choice] if choices is not None else None
@@ -566,11 +490,8 @@ class Scheduler:
             head_seconds=round(result.head_seconds, 4),
         )
         if self.metrics is not None:
-            self.metrics.observe_round(
-                tally.statuses, tally.accepted_per_row, tally.proposed, tally.accepted_by, result.head_seconds
-            )
-            self.metrics.observe_tokens(prompt=tally.prompt_tokens, generated=tally.generated)
-            self._publish_occupancy()
+            self.metrics.round_applied(tally)
+        self._publish_occupancy()
 
     def _apply_row(
         self, round_index: int, row: PlannedRow, outcome: RowResult | None, seq: Sequence, now: float, tally: RoundTally
@@ -615,10 +536,10 @@ class Scheduler:
         self._speculation.keep_head_drafts(seq, row, outcome)
         if seq.first_token_at is None:
             seq.first_token_at = now
-            if self.metrics is not None and seq.index == 0:  # once per request
-                self.metrics.time_to_first_token.observe(now - seq.arrival)
-        elif self.metrics is not None:
-            self.metrics.observe_emission(now - (seq.last_token_at or now), len(outcome.tokens))
+            if seq.index == 0:  # once per request
+                tally.first_token_seconds.append(now - seq.arrival)
+        else:
+            tally.token_gaps.append((now - (seq.last_token_at or now), len(outcome.tokens)))
         seq.last_token_at = now
         tally.generated += self._emit(seq, outcome.tokens, outcome.logprobs)
         if seq.state is SequenceState.RUNNING:
@@ -637,6 +558,8 @@ class Scheduler:
             self._finish(seq, finished)
         return len(emission.kept)
 
+    # ----------------------------------------------------------------- ending a request
+
     def _fail(self, seq: Sequence, failure: RequestFailure) -> None:
         """End `seq`'s request with `failure`: every choice of it not finished yet (a request's
         answer is whole or failed), with one Failed event and usage over all its choices."""
@@ -648,7 +571,7 @@ class Scheduler:
         usage = Usage(seq.num_prompt_tokens, sum(s.num_output_tokens for s in choices), seq.cached_prompt_tokens or 0)
         seq.stream.put(Failed(failure, usage))
         if self.metrics is not None:
-            self.metrics.e2e_latency.observe(time.monotonic() - seq.arrival)
+            self.metrics.request_ended(time.monotonic() - seq.arrival)
         log.info("request_failed", request_id=seq.request_id, code=failure.code)
 
     def _finish(self, seq: Sequence, event: Finished) -> None:
@@ -661,7 +584,7 @@ class Scheduler:
         if all(s.state is SequenceState.FINISHED for s in choices):
             self._by_id.pop(seq.request_id, None)
             if self.metrics is not None:
-                self.metrics.e2e_latency.observe(time.monotonic() - seq.arrival)
+                self.metrics.request_ended(time.monotonic() - seq.arrival)
 
     def _end(self, seq: Sequence, *, publish: bool) -> None:
         """Take `seq` out of the running set or the queue and give back its blocks."""
@@ -677,24 +600,20 @@ class Scheduler:
         if publish:
             self._blocks.publish(seq)
         self._blocks.release(seq)
-        if self.metrics is not None:
-            self._publish_occupancy()
+        self._publish_occupancy()
         self._wake.set()
 
     def _publish_occupancy(self) -> None:
-        assert self.metrics is not None
+        if self.metrics is None:
+            return
         counts = self._blocks.cache.counts()
-        self.metrics.set_occupancy(
-            running=len(self._running),
-            waiting=len(self._waiting),
-            kv_blocks_used=counts.held,
-            kv_blocks_total=counts.total,
-            kv_blocks_cached=counts.cached,
-            kv_blocks_evictable=counts.evictable,
+        self.metrics.occupancy_changed(
+            Occupancy(
+                running=len(self._running),
+                waiting=len(self._waiting),
+                kv_blocks_used=counts.held,
+                kv_blocks_total=counts.total,
+                kv_blocks_cached=counts.cached,
+                kv_blocks_evictable=counts.evictable,
+            )
         )
-
-    def _retry_after_s(self) -> float:
-        """A rough wait until a queue slot frees: the queued tokens at the recent rate."""
-        rate = max(self._throughput.rate, 1.0)
-        queued = sum(s.request.params.max_tokens for s in self._waiting)
-        return float(min(60, max(1, round(queued / rate / max(1, self.max_concurrency)))))

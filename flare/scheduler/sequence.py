@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from flare.engine.drafters import Draft, DraftState
 from flare.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from flare.sampler.status import DeviceStatus
-from flare.scheduler.draft_length import AcceptanceEstimate
+from flare.scheduler.speculation.draft_length import AcceptanceEstimate
 from flare.scheduler.request import GenerationRequest, RequestFailure, RequestStream, TokenLogprob, choice_seed
 from flare.scheduler.stop_strings import StopStringMatcher
 from flare.structured import GrammarState

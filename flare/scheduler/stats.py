@@ -1,11 +1,16 @@
-"""What the scheduler reports about itself: its snapshot (`flare ctl status`, systemd STATUS=), the
-requests it holds (`flare ctl requests`), its recent throughput and what one round did."""
+"""What the scheduler reports about itself: as it happens, to one observer (`SchedulerObserver`,
+which the Prometheus metrics implement: metrics.py), and when asked, its snapshot (`flare ctl
+status`, systemd STATUS=), the requests it holds (`flare ctl requests`) and its recent throughput."""
 
 from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
+
+from flare.structured import CacheUse
 
 
 @dataclass(frozen=True)
@@ -69,17 +74,52 @@ class Throughput:
 
 @dataclass
 class RoundTally:
-    """What one round did, for its `round_completed` log line and the metrics."""
+    """What one round did, for its `round_completed` log line and the observer."""
 
     statuses: list[int] = field(default_factory=list)  # of the rows that sampled
     accepted_per_row: list[int] = field(default_factory=list)  # of the rows that verified drafts
     proposed: Counter[str] = field(default_factory=Counter)  # draft tokens by drafter (`Sequence.draft_source`)
     accepted_by: Counter[str] = field(default_factory=Counter)
     generated: int = 0
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # computed (prefilled) this round
+    head_seconds: float = 0.0  # the draft head's pass (`RoundResult.head_seconds`)
+    # Seconds from arrival to the first token, of the requests whose first token came this round.
+    first_token_seconds: list[float] = field(default_factory=list)
+    # (seconds since the choice's previous tokens, tokens) of each row that emitted after its first.
+    token_gaps: list[tuple[float, int]] = field(default_factory=list)
 
     def observe_drafts(self, source: str, drafts: int, accepted: int) -> None:
         if drafts:
             self.proposed[source] += drafts
             self.accepted_by[source] += accepted
             self.accepted_per_row.append(accepted)
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    running: int
+    waiting: int
+    kv_blocks_used: int  # held by requests
+    kv_blocks_total: int
+    kv_blocks_cached: int = 0
+    kv_blocks_evictable: int = 0
+
+
+class SchedulerObserver(Protocol):
+    """What the scheduler tells as it happens (on the event-loop thread)."""
+
+    def watch_grammar_cache(self, use: Callable[[], CacheUse]) -> None:
+        """`use()` reads the grammar cache's size whenever the observer wants it (it changes off
+        the scheduler's rounds)."""
+
+    def prompt_cached(self, tokens: int) -> None:
+        """An admitted sequence's prompt had `tokens` tokens served from the prefix cache."""
+
+    def round_applied(self, tally: RoundTally) -> None:
+        """A round's result was applied."""
+
+    def request_ended(self, seconds: float) -> None:
+        """A request ended (finished, failed or cancelled) `seconds` after it arrived."""
+
+    def occupancy_changed(self, occupancy: Occupancy) -> None:
+        """The running set, the waiting queue or the KV blocks changed."""

@@ -1,6 +1,6 @@
 import pytest
 
-from flare.scheduler.draft_length import (
+from flare.scheduler.speculation.draft_length import (
     HEAD_STEP_MARGIN,
     AcceptanceEstimate,
     HeadCostModel,

@@ -1,5 +1,5 @@
 """The scheduler's torch work stays on one thread: the weights load where the rounds run
-(flare/scheduler/model_thread.py: a second thread's OpenMP team slowed every round by half)."""
+(flare/scheduler/round/model_thread.py: a second thread's OpenMP team slowed every round by half)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from tests.running_scheduler import running
 import flare.scheduler.loading as loading_module
 from flare.package.directory import open_package
 from flare.policy.params import SamplingParams
-from flare.scheduler.model_runner import ModelRunner
-from flare.scheduler.model_thread import ModelThread
+from flare.scheduler.round.model_runner import ModelRunner
+from flare.scheduler.round.model_thread import ModelThread
 from flare.scheduler.request import Finished, GenerationRequest
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions
 

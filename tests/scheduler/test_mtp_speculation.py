@@ -103,7 +103,7 @@ def check_drafts_against_reference(recorder, package_parts, peaked_state, head_s
             if outcome is None:
                 continue
             out = outputs[row.request_id]
-            del out[row.output_position :]  # a preempted sequence samples its outputs again
+            del out[row.sampling.output_position :]  # a preempted sequence samples its outputs again
             out.extend(outcome.tokens)
             if outcome.next_draft is None:
                 continue
@@ -153,7 +153,7 @@ async def test_a_head_paused_while_its_drafts_are_declined_drafts_for_the_commit
     """The draft-length model declines every other round's drafts: the head pauses for those rows
     (no head work at all, `HEAD_PAUSE_ROUNDS`), then catches up on every slot since from its pool
     of hidden states, and its drafts are still what it computes from scratch; output unchanged."""
-    import flare.scheduler.speculation as speculation_module
+    import flare.scheduler.speculation.draft_planner as speculation_module
 
     calls = {"n": 0}
 
@@ -170,9 +170,9 @@ async def test_a_head_paused_while_its_drafts_are_declined_drafts_for_the_commit
         head_package, PROMPTS, SamplingParams(temperature=0.0, max_tokens=60), SchedulerOptions(drafter="mtp")
     )
     assert speculative == plain
-    decode_rows = [row for plan, _ in recorder.rounds for row in plan.rows if row.samples and row.output_position > 0]
+    decode_rows = [row for plan, _ in recorder.rounds for row in plan.rows if row.sampling is not None and row.sampling.output_position > 0]
     paused = [row for row in decode_rows if row.head_steps == 0]
-    resumed = [row for row in decode_rows if row.head_steps > 0 and row.head_from < row.start_position]
+    resumed = [row for row in decode_rows if row.draft_head is not None and row.draft_head.first_slot < row.start_position]
     assert paused and resumed  # rows went without the head, then caught up on several slots at once
     prompts_ids = [scheduler.tokenizer.encode(t) for t in PROMPTS]
     assert check_drafts_against_reference(recorder, package_parts, peaked_state, head_state, prompts_ids) > 10
@@ -181,7 +181,7 @@ async def test_a_head_paused_while_its_drafts_are_declined_drafts_for_the_commit
 async def test_a_head_whose_steps_cost_more_than_they_save_stops_drafting(head_package, monkeypatch):
     """Once the head is timed at a second a step, no token's expected saving covers a step: rows
     draft with it no more (until then every step is taken), and the output is unchanged."""
-    from flare.scheduler.draft_length import HeadCostModel
+    from flare.scheduler.speculation.draft_length import HeadCostModel
 
     plain, _, _ = await generate(head_package, PROMPTS, GREEDY, SchedulerOptions(draft_tokens=0))
     monkeypatch.setattr(HeadCostModel, "seconds_per_step", lambda self: 1.0 if self._recent else None)
@@ -200,7 +200,7 @@ async def test_a_prefix_cache_hit_drafts_as_a_miss_does(head_package, package_pa
     # drafts are still what the head computes from scratch, as the first request's are.
     ids = scheduler.tokenizer.encode(prompt)
     assert check_drafts_against_reference(recorder, package_parts, peaked_state, head_state, [ids, ids]) > 10
-    assert any(row.request_id == "r1" and row.start_position > 0 and row.output_position == 0
+    assert any(row.request_id == "r1" and row.start_position > 0 and row.samples and row.sampling.output_position == 0
                for plan, _ in recorder.rounds for row in plan.rows)
 
 
@@ -213,7 +213,7 @@ async def test_preempted_sequences_draft_and_decode_as_if_never_preempted(head_p
     speculative, recorder, scheduler = await generate(head_package, prompts, params, small)
     assert speculative == plain
     # A sequence was computed again from its start after it had output: it was preempted.
-    assert any(row.start_position == 0 and row.output_position > 0 for plan, _ in recorder.rounds for row in plan.rows)
+    assert any(row.start_position == 0 and row.samples and row.sampling.output_position > 0 for plan, _ in recorder.rounds for row in plan.rows)
     prompts_ids = [scheduler.tokenizer.encode(t) for t in prompts]
     assert check_drafts_against_reference(recorder, package_parts, peaked_state, head_state, prompts_ids) > 10
 
@@ -273,7 +273,7 @@ async def test_a_vocabulary_parallel_package_drafts_with_its_head(make_package, 
     assert speculative == plain
     sampled, recorder, _ = await generate(path, PROMPTS, SamplingParams(temperature=0.8, max_tokens=24, seed=3), options)
     assert all(len(ids) == 24 for ids in sampled)  # no row failed or fell back
-    assert any(row.draft_probs is not None for plan, _ in recorder.rounds for row in plan.rows)
+    assert any(row.drafts is not None and row.drafts.probs is not None for plan, _ in recorder.rounds for row in plan.rows)
 
 
 async def test_parallel_choices_share_the_prompt_and_draft_from_it(head_package, package_parts, peaked_state, head_state):
@@ -300,7 +300,7 @@ async def test_parallel_choices_share_the_prompt_and_draft_from_it(head_package,
             if outcome is None:
                 continue
             out = outputs[row.choice]
-            del out[row.output_position :]
+            del out[row.sampling.output_position :]
             out.extend(outcome.tokens)
             if outcome.next_draft is not None:
                 steps = len(outcome.next_draft.token_ids)

@@ -28,7 +28,7 @@ from tests.mtp_heads import repeat_head_state, write_head_package
 from flare.engine.kv_cache import bytes_per_block
 from flare.package.directory import open_package
 from flare.policy.params import SamplingParams
-from flare.scheduler.model_runner import RoundPlan
+from flare.scheduler.round.plan import PlannedRow, RoundPlan
 from flare.scheduler.request import Finished, GenerationRequest, TextDelta
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions
 
@@ -53,26 +53,26 @@ SECOND_WAVE = [
 
 
 def plan_record(plan: RoundPlan) -> dict[str, Any]:
+    return {"index": plan.index, "copies": [list(copy) for copy in plan.copies], "rows": [row_record(row) for row in plan.rows]}
+
+
+def row_record(row: PlannedRow) -> dict[str, Any]:
+    """The row as the recording holds it: a part a row does not have reads as its zero values
+    (the recording was made when every row carried every field)."""
+    sampling, head = row.sampling, row.draft_head
     return {
-        "index": plan.index,
-        "copies": [list(copy) for copy in plan.copies],
-        "rows": [
-            {
-                "request": row.request_id,
-                "choice": row.choice,
-                "tokens": list(row.token_ids),
-                "start": row.start_position,
-                "blocks": list(row.block_table),
-                "samples": row.samples,
-                "drafts": list(row.draft_ids),
-                "output_position": row.output_position,
-                "vocabulary_parallel": row.vocabulary_parallel,
-                "head_steps": row.head_steps,
-                "head_from": row.head_from,
-                "head_tokens": list(row.head_tokens),
-            }
-            for row in plan.rows
-        ],
+        "request": row.request_id,
+        "choice": row.choice,
+        "tokens": list(row.token_ids),
+        "start": row.start_position,
+        "blocks": list(row.block_table),
+        "samples": sampling is not None,
+        "drafts": list(row.drafts.token_ids) if row.drafts is not None else [],
+        "output_position": sampling.output_position if sampling is not None else 0,
+        "vocabulary_parallel": sampling.vocabulary_parallel if sampling is not None else False,
+        "head_steps": head.steps if head is not None else 0,
+        "head_from": head.first_slot if head is not None else 0,
+        "head_tokens": list(head.tokens) if head is not None else [],
     }
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
@@ -12,6 +14,7 @@ from flare.api.answer import OUTCOME
 from flare.sampler.status import DeviceStatus
 from flare.scheduler.metrics import SchedulerMetrics
 from flare.server.metrics import DaemonMetrics, http_metrics_middleware, metrics_handler, outcome_for_status
+from flare.scheduler.stats import Occupancy, RoundTally
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -67,18 +70,21 @@ async def test_openmetrics_is_served_when_the_scraper_asks_for_it() -> None:
 async def test_a_scrape_shows_what_the_scheduler_and_the_api_counted() -> None:
     metrics = DaemonMetrics.create()
     sm = SchedulerMetrics(metrics.registry, max_draft_tokens=4)
-    sm.observe_round(
-        statuses=[DeviceStatus.OK, DeviceStatus.OK, DeviceStatus.INVALID_SPECULATION],
-        accepted_per_row=[3, 1],
-        proposed={"mtp": 5, "ngram": 3},
-        accepted={"mtp": 1, "ngram": 3},
-        head_seconds=0.004,
+    sm.round_applied(
+        RoundTally(
+            statuses=[DeviceStatus.OK, DeviceStatus.OK, DeviceStatus.INVALID_SPECULATION],
+            accepted_per_row=[3, 1],
+            proposed=Counter({"mtp": 5, "ngram": 3}),
+            accepted_by=Counter({"mtp": 1, "ngram": 3}),
+            generated=6,
+            prompt_tokens=20,
+            head_seconds=0.004,
+            first_token_seconds=[0.2],
+            token_gaps=[(0.3, 3)],
+        )
     )
-    sm.observe_tokens(prompt=20, generated=6)
-    sm.time_to_first_token.observe(0.2)
-    sm.observe_emission(0.3, tokens=3)
-    sm.e2e_latency.observe(1.5)
-    sm.set_occupancy(running=2, waiting=1, kv_blocks_used=7, kv_blocks_total=64)
+    sm.request_ended(1.5)
+    sm.occupancy_changed(Occupancy(running=2, waiting=1, kv_blocks_used=7, kv_blocks_total=64))
     metrics.http.count("/v1/chat/completions", "success")
     metrics.http.count("/v1/chat/completions", outcome_for_status(429))
 
@@ -117,13 +123,13 @@ async def test_a_scrape_shows_what_the_scheduler_and_the_api_counted() -> None:
 
 def test_an_unknown_device_status_is_counted_under_its_number() -> None:
     registry = CollectorRegistry()
-    SchedulerMetrics(registry).observe_round(statuses=[0, 42], accepted_per_row=[], proposed={}, accepted={})
+    SchedulerMetrics(registry).round_applied(RoundTally(statuses=[0, 42]))
     assert samples(registry)[("flare_device_statuses_total", (("status", "42"),))] == 1
 
 
 def test_registries_are_independent() -> None:
     first, second = DaemonMetrics.create(), DaemonMetrics.create()
-    SchedulerMetrics(first.registry).observe_tokens(generated=5)
+    SchedulerMetrics(first.registry).round_applied(RoundTally(generated=5))
     SchedulerMetrics(second.registry)
     assert samples(second.registry)[("flare_generated_tokens_total", ())] == 0
 

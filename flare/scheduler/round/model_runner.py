@@ -13,7 +13,6 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import structlog
 import torch
@@ -30,98 +29,15 @@ from flare.sampler.round import SampledRound
 from flare.sampler.status import DeviceStatus
 from flare.parallel.round_command import RoundSampling
 from flare.parallel.serving import RankDriver, RankLogits
-from flare.policy.params import SamplingParams
 from flare.scheduler.request import TokenLogprob
-from flare.structured import GrammarState, fill_masks
+from flare.scheduler.round.plan import PlannedRow, RoundPlan, Sampling
+from flare.scheduler.round.result import RoundResult, RowResult
+from flare.structured import fill_masks
 
 log = structlog.get_logger("flare.scheduler.runner")
 
 
-RoundObserver = Callable[["RoundPlan", ForwardBatch, torch.Tensor, torch.Tensor], None]
-
-
-@dataclass(frozen=True)
-class PlannedRow:
-    """One row of a round: new tokens of one sequence, and how to sample after them.
-
-    `token_ids` is the sequence's uncached tail (a prompt chunk, or its last sampled token)
-    followed by `draft_ids`. The row samples when `samples` is set: it then needs logits at
-    its last `1 + len(draft_ids)` positions, and the first sampled token has index
-    `output_position` in the request's output (the key of its random stream).
-    """
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    start_position: int
-    block_table: tuple[int, ...]
-    samples: bool
-    draft_ids: tuple[int, ...]
-    draft_probs: torch.Tensor | None  # [len(draft_ids), vocab] for learned drafters; None: one-hot q
-    params: SamplingParams
-    seed: int
-    output_position: int
-    prompt_ids: tuple[int, ...]
-    output_ids: tuple[int, ...]
-    vocabulary_parallel: bool
-    fault: DeviceStatus | None = None
-    choice: int = 0  # which of the request's choices the row belongs to
-    logprobs: int | None = None  # per sampled token, its log-probability and this many alternatives
-    raw_logprobs: bool = False  # of the raw model distribution rather than the one sampled from
-    prompt_targets: tuple[int, ...] = ()  # the prompt tokens the row's first positions predict (echo)
-    prompt_top: int = 0  # alternatives reported per scored prompt token
-    grammar: GrammarState | None = None  # the choice's grammar: the runner reads its masks only
-    draft_vocab: torch.Tensor | None = None  # the ids draft_probs' columns stand for; None: all
-    # With a draft head, for a row that samples: how many drafts the head proposes for the row's
-    # next round (0: the head does nothing for it), the first head slot it has not computed,
-    # and the committed tokens from that slot to the end of the row's tokens before its drafts.
-    head_steps: int = 0
-    head_from: int = 0
-    head_tokens: tuple[int, ...] = ()
-
-    @property
-    def num_logits(self) -> int:
-        if self.prompt_targets:
-            # A prompt chunk that is scored needs every position: the scored ones first, the
-            # sampling one (if it samples) last.
-            return len(self.token_ids)
-        return self.sample_positions
-
-    @property
-    def sample_positions(self) -> int:
-        """The positions sampling reads: the last 1 + drafts of the row's logits."""
-        return 1 + len(self.draft_ids) if self.samples else 0
-
-
-@dataclass(frozen=True)
-class RoundPlan:
-    index: int
-    rows: tuple[PlannedRow, ...]
-    # (source, target) blocks copied, in order, before the forward: a row's private copy of a
-    # block it shares with the prefix cache or with the other choices of its request.
-    copies: tuple[tuple[int, int], ...] = ()
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(row.token_ids) for row in self.rows)
-
-
-@dataclass(frozen=True)
-class RowResult:
-    tokens: tuple[int, ...]  # accepted drafts then one sampled token; empty on failure
-    status: DeviceStatus
-    fell_back: bool = False
-    logprobs: tuple[TokenLogprob, ...] = ()  # aligned with tokens, when the row asked
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # aligned with the row's prompt_targets
-    next_draft: Draft | None = None  # the draft head's proposal for the row's next round
-
-
-@dataclass(frozen=True)
-class RoundResult:
-    rows: tuple[RowResult | None, ...]  # aligned with plan.rows; None for rows that neither sample nor score
-    seconds: float
-    # Of `seconds`, the draft head's pass for the next round's drafts (host time: on a GPU, where
-    # the round's one read waits for the head's kernels, only their launches).
-    head_seconds: float = 0.0
+RoundObserver = Callable[[RoundPlan, ForwardBatch, torch.Tensor, torch.Tensor], None]
 
 
 class ModelRunner:
@@ -196,7 +112,7 @@ class ModelRunner:
                 self.head.write_hidden(batch.slot_mapping, hidden)
             if self.observer is not None:
                 self.observer(plan, batch, hidden, logits)
-            scoring = [k for k, row in enumerate(plan.rows) if row.prompt_targets]
+            scoring = [k for k, row in enumerate(plan.rows) if row.scoring is not None]
             sampling = [row for row in plan.rows if row.samples]
             scores = self._score_prompts([plan.rows[k] for k in scoring], logits, plan.rows) if scoring else None
             if scoring and sampling:
@@ -234,12 +150,12 @@ class ModelRunner:
     ) -> TokenLogprobs:
         """Log-probabilities of the prompt tokens that scoring rows' first positions predict."""
         offsets = dict(zip((id(row) for row in rows), _logit_offsets(list(rows))))
-        index = [offsets[id(row)] + i for row in scoring for i in range(len(row.prompt_targets))]
-        targets = [t for row in scoring for t in row.prompt_targets]
+        index = [offsets[id(row)] + i for row in scoring for i in range(len(row.scoring.targets))]
+        targets = [t for row in scoring for t in row.scoring.targets]
         device = logits.device
         at = logits[torch.tensor(index, device=device)]
         target_ids = torch.tensor(targets, dtype=torch.int64, device=device)
-        num_top = max(row.prompt_top for row in scoring)
+        num_top = max(row.scoring.top for row in scoring)
         if isinstance(at, RankLogits):
             assert self.ranks is not None
             return self.ranks.score(at, target_ids, num_top)
@@ -256,21 +172,21 @@ class ModelRunner:
         position = {k: i for i, k in enumerate(order)}  # sampling row -> row of `tokens`
         head_rows = [
             HeadRow(
-                first_slot=row.head_from,
+                first_slot=head.first_slot,
                 block_table=row.block_table,
-                host_tokens=row.head_tokens,
+                host_tokens=head.tokens,
                 device_tokens=1 + len(row.draft_ids),
                 sample_index=position[k],
-                steps=row.head_steps,
-                temperature=row.params.temperature,
-                top_k=row.params.top_k,
-                top_p=row.params.top_p,
-                min_p=row.params.min_p,
-                seed=row.seed,
-                output_position=row.output_position,
+                steps=head.steps,
+                temperature=sampling.params.temperature,
+                top_k=sampling.params.top_k,
+                top_p=sampling.params.top_p,
+                min_p=sampling.params.min_p,
+                seed=sampling.seed,
+                output_position=sampling.output_position,
             )
-            for k, row in enumerate(rows)
-            if row.head_steps > 0
+            for k, (row, sampling) in enumerate(zip(rows, _samplings(rows)))
+            if (head := row.draft_head) is not None
         ]
         return self.head.run(head_rows, tokens, emitted)
 
@@ -285,15 +201,16 @@ class ModelRunner:
         `before_read(tokens, emitted, order)` runs on the device results first (the draft head),
         and its drafts are read back in the same read."""
         offsets = _sample_offsets(rows)
+        samplings = _samplings(rows)
         masks = self._masks(rows, offsets, logits.shape[0])
         # A fault of INVALID_SPECULATION needs the sharded sampler; everything else follows the
         # package's sampler unless the row fell back. Across ranks, rows without a filter join
         # the sharded group too (the same tokens), so that only rows with one are gathered whole.
         parallel = [
-            row.vocabulary_parallel
-            or row.fault == DeviceStatus.INVALID_SPECULATION
-            or (self.ranks is not None and not (row.params.temperature > 0 and row.params.filtered))
-            for row in rows
+            s.vocabulary_parallel
+            or s.fault == DeviceStatus.INVALID_SPECULATION
+            or (self.ranks is not None and not (s.params.temperature > 0 and s.params.filtered))
+            for s in samplings
         ]
         groups = [[k for k in range(len(rows)) if parallel[k] == p] for p in (False, True)]
         groups = [g for g in groups if g]
@@ -310,7 +227,7 @@ class ModelRunner:
                 group_masks = masks[torch.tensor(index, device=masks.device)] if masks is not None else None
             shards = 1
             if parallel[group[0]]:
-                injected = any(row.fault == DeviceStatus.INVALID_SPECULATION for row in group_rows)
+                injected = any(samplings[k].fault == DeviceStatus.INVALID_SPECULATION for k in group)
                 shards = max(2, self.vocabulary_shards) if injected else self.vocabulary_shards
             outputs.append(self._sample_rows(group_rows, group_logits, shards, width, group_masks))
         order = [k for group in groups for k in group]
@@ -324,10 +241,10 @@ class ModelRunner:
         if head is not None:
             assert self.head is not None
             host_drafts = head.tokens.tolist()
-            drafting = (k for k, row in enumerate(rows) if row.head_steps > 0)
+            drafting = (k for k, row in enumerate(rows) if row.draft_head is not None)
             for d, k in enumerate(drafting):
                 steps = rows[k].head_steps
-                greedy = rows[k].params.temperature <= 0
+                greedy = samplings[k].params.temperature <= 0
                 q, vocab = (None, None) if greedy else (head.probs[d, :steps], self.head.draft_vocab)
                 results[k] = dataclasses.replace(results[k], next_draft=Draft(tuple(host_drafts[d][:steps]), q, vocab))
 
@@ -342,7 +259,11 @@ class ModelRunner:
     def _masks(self, rows: list[PlannedRow], offsets: list[int], num_positions: int) -> torch.Tensor | None:
         """The round's token masks, [positions, ceil(V / 32)] int32 (every token allowed on rows
         without a grammar), or None when no row has one."""
-        constrained = [(row.grammar, offsets[k], row.draft_ids) for k, row in enumerate(rows) if row.grammar is not None]
+        constrained = [
+            (s.grammar, offsets[k], row.draft_ids)
+            for k, (row, s) in enumerate(zip(rows, _samplings(rows)))
+            if s.grammar is not None
+        ]
         if not constrained:
             return None
         masks = torch.full((num_positions, -(-self.vocab_size // 32)), -1, dtype=torch.int32)
@@ -357,9 +278,12 @@ class ModelRunner:
         after the last accepted token, which the rejected drafts never influenced."""
         plain = [
             dataclasses.replace(
-                row, draft_ids=(), draft_probs=None, draft_vocab=None, vocabulary_parallel=False, fault=None, head_steps=0
+                row,
+                sampling=dataclasses.replace(sampling, vocabulary_parallel=False, fault=None),
+                drafts=None,
+                draft_head=None,
             )
-            for row in rows
+            for row, sampling in zip(rows, _samplings(rows))
         ]
         index = torch.tensor(offsets, device=logits.device)
         out = self._sample_rows(plain, logits[index], 1, 1, masks[index] if masks is not None else None)
@@ -375,33 +299,35 @@ class ModelRunner:
             [list(row.draft_ids) + [-1] * (k_max - len(row.draft_ids)) for row in rows], dtype=torch.long
         ).to(device)
         draft_probs = None
-        if any(row.draft_probs is not None for row in rows):
+        drafts = [row.drafts for row in rows]
+        if any(d is not None and d.probs is not None for d in drafts):
             # Learned drafters' q next to one-hot q written out for the deterministic rows.
             draft_probs = torch.zeros(len(rows), k_max, self.vocab_size)
-            for r, row in enumerate(rows):
-                if row.draft_probs is not None and row.draft_vocab is not None:
-                    draft_probs[r, : len(row.draft_ids)].index_copy_(1, row.draft_vocab.cpu(), row.draft_probs.cpu())
-                elif row.draft_probs is not None:
-                    draft_probs[r, : len(row.draft_ids)] = row.draft_probs
+            for r, (row, d) in enumerate(zip(rows, drafts)):
+                if d is not None and d.probs is not None and d.vocab is not None:
+                    draft_probs[r, : len(row.draft_ids)].index_copy_(1, d.vocab.cpu(), d.probs.cpu())
+                elif d is not None and d.probs is not None:
+                    draft_probs[r, : len(row.draft_ids)] = d.probs
                 else:
                     for j, token in enumerate(row.draft_ids):
                         if 0 <= token < self.vocab_size:
                             draft_probs[r, j, token] = 1.0
             draft_probs = draft_probs.to(device)
+        samplings = _samplings(rows)
         batch = SamplingBatch.from_rows(
-            [row.params for row in rows],
-            seeds=[row.seed for row in rows],
-            positions=[row.output_position for row in rows],
-            prompt_ids=[row.prompt_ids for row in rows],
-            output_ids=[row.output_ids for row in rows],
+            [s.params for s in samplings],
+            seeds=[s.seed for s in samplings],
+            positions=[s.output_position for s in samplings],
+            prompt_ids=[s.prompt_ids for s in samplings],
+            output_ids=[s.output_ids for s in samplings],
             device=device,
         )
         offsets = _sample_offsets(rows)
-        for r, row in enumerate(rows):
-            if row.fault is not None:
+        for r, (row, s) in enumerate(zip(rows, samplings)):
+            if s.fault is not None:
                 try:
                     faulted = inject_fault(
-                        row.fault,
+                        s.fault,
                         row=r,
                         first_logit_row=offsets[r],
                         row_num_drafts=len(row.draft_ids),
@@ -416,7 +342,7 @@ class ModelRunner:
                     # first round, which samples after the prompt and has no drafts): the row runs
                     # as it is, rather than the exception failing every row of the round.
                     log.warning(
-                        "fault_not_injected", request_id=row.request_id, status=row.fault.name, reason=str(error)
+                        "fault_not_injected", request_id=row.request_id, status=s.fault.name, reason=str(error)
                     )
                     continue
                 logits, draft_tokens, draft_probs, batch = (
@@ -425,11 +351,11 @@ class ModelRunner:
                     faulted.draft_probs,
                     faulted.batch,
                 )
-        wanted = [row.logprobs for row in rows if row.logprobs is not None]
+        wanted = [s.logprobs for s in samplings if s.logprobs is not None]
         num_drafts = torch.tensor([len(row.draft_ids) for row in rows], dtype=torch.long, device=device)
         num_logprobs = max(wanted) if wanted else None
         raw_logprobs = (
-            torch.tensor([row.raw_logprobs for row in rows], device=device) if any(row.raw_logprobs for row in rows) else None
+            torch.tensor([s.raw_logprobs for s in samplings], device=device) if any(s.raw_logprobs for s in samplings) else None
         )
         if isinstance(logits, RankLogits):
             assert self.ranks is not None
@@ -475,11 +401,11 @@ def _read_back(
         )
         row_logprobs += list(zip(logprob, top_ids, top_logprobs, strict=True))
     results = []
-    for r, row in enumerate(rows):
+    for r, sampling in enumerate(_samplings(rows)):
         n = host_emitted[r]
         entries: tuple[TokenLogprob, ...] = ()
-        if row.logprobs is not None and (asked := row_logprobs[r]) is not None:
-            entries = tuple(_entry(host_tokens[r][j], asked[0][j], asked[1][j], asked[2][j], row.logprobs) for j in range(n))
+        if (wanted := sampling.logprobs) is not None and (asked := row_logprobs[r]) is not None:
+            entries = tuple(_entry(host_tokens[r][j], asked[0][j], asked[1][j], asked[2][j], wanted) for j in range(n))
         results.append(RowResult(tuple(host_tokens[r][:n]), DeviceStatus(host_status[r]), logprobs=entries))
     return results
 
@@ -488,11 +414,12 @@ def _scored_entries(rows: list[PlannedRow], scores: TokenLogprobs) -> list[tuple
     logprob, top_ids, top_logprobs = scores.logprob.tolist(), scores.top_ids.tolist(), scores.top_logprobs.tolist()
     entries, start = [], 0
     for row in rows:
-        end = start + len(row.prompt_targets)
+        assert row.scoring is not None
+        end = start + len(row.scoring.targets)
         entries.append(
             tuple(
-                _entry(t, logprob[i], top_ids[i], top_logprobs[i], row.prompt_top)
-                for t, i in zip(row.prompt_targets, range(start, end))
+                _entry(t, logprob[i], top_ids[i], top_logprobs[i], row.scoring.top)
+                for t, i in zip(row.scoring.targets, range(start, end))
             )
         )
         start = end
@@ -503,6 +430,15 @@ def _entry(token: int, logprob: float, top_ids: list[int], top_logprobs: list[fl
     """One token's entry; alternatives of probability 0 (masked or filtered out) are left out."""
     top = tuple((i, v) for i, v in zip(top_ids[:k], top_logprobs[:k]) if i >= 0 and v != float("-inf"))
     return TokenLogprob(token, logprob, top)
+
+
+def _samplings(rows: list[PlannedRow]) -> list[Sampling]:
+    """The sampling parts of rows that all sample."""
+    samplings = []
+    for row in rows:
+        assert row.sampling is not None, "only rows that sample reach the sampler"
+        samplings.append(row.sampling)
+    return samplings
 
 
 def _logit_offsets(rows: list[PlannedRow]) -> list[int]:

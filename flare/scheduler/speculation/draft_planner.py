@@ -13,8 +13,9 @@ from collections.abc import Iterable
 
 from flare.engine.drafters import Draft, Drafter, DraftState
 from flare.sampler.status import DeviceStatus
-from flare.scheduler.draft_length import HeadCostModel, RoundCostModel, choose_draft_lengths, worthwhile_head_steps
-from flare.scheduler.model_runner import PlannedRow, RoundPlan, RoundResult, RowResult
+from flare.scheduler.speculation.draft_length import HeadCostModel, RoundCostModel, choose_draft_lengths, worthwhile_head_steps
+from flare.scheduler.round.plan import PlannedRow, RoundPlan
+from flare.scheduler.round.result import RoundResult, RowResult
 from flare.scheduler.options import SchedulerOptions
 from flare.scheduler.sequence import GRAMMAR_SOURCE, Sequence
 
@@ -159,7 +160,7 @@ class DraftPlanner:
 
     def keep_head_drafts(self, seq: Sequence, row: PlannedRow, outcome: RowResult) -> None:
         """Keep the head's drafts for the row's next round; call after its tokens are committed."""
-        if row.head_steps and outcome.next_draft is not None:
+        if row.draft_head is not None and outcome.next_draft is not None:
             # The head computed every slot through the new token's (drafters/mtp.py).
             seq.head_cached = seq.num_cached + 1
         seq.head_draft = outcome.next_draft
