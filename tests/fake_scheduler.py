@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from flare.engine.tokenizer import ChatTemplateError
 from flare.package.tool_formats import FLARE
 from flare.policy.policy import SamplingPolicy
+from flare.scheduler.stats import SchedulerObserver
 from flare.scheduler.request import (
     Failed,
     Finished,
@@ -108,7 +109,7 @@ class FakeScheduler:
         self.cancelled: list[tuple[str, RequestFailure | None]] = []
         self._open: dict[str, tuple[RequestStream, GenerationRequest]] = {}
         self.package = SimpleNamespace(path=Path("tiny-model"))
-        self.metrics = None  # the daemon registers no scheduler metrics for a fake
+        self.observer = SchedulerObserver()  # the daemon registers no scheduler metrics for a fake
         self.warmed_up = False
         self._stopped = asyncio.Event()
 

@@ -220,8 +220,8 @@ class Daemon:
             self._stop_requested.set()
             return
         self.scheduler = scheduler
-        if scheduler.metrics is not None and scheduler.runner.rank_list():
-            scheduler.metrics.watch_ranks(scheduler.runner.rank_list)
+        if isinstance(scheduler.observer, SchedulerMetrics) and scheduler.runner.rank_list():
+            scheduler.observer.watch_ranks(scheduler.runner.rank_list)
         tasks.start_soon(self._run_scheduler, scheduler)
         await scheduler.warm_up()
         model_name = self.config.served_model_name or scheduler.package.manifest.provenance.name
@@ -278,7 +278,7 @@ class Daemon:
             return Scheduler.from_package(
                 package,
                 options,
-                metrics=SchedulerMetrics(self.metrics.registry, max_draft_tokens=package.manifest.serving.draft_tokens),
+                observer=SchedulerMetrics(self.metrics.registry, max_draft_tokens=package.manifest.serving.draft_tokens),
                 heartbeat=WatchdogHeartbeat(self.notifier),
             )
         except (PackageError, ValueError, WorkerStartError) as error:

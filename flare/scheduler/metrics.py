@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 
 from flare.sampler.status import DeviceStatus
 from flare.scheduler.sequence import DRAFT_SOURCES
-from flare.scheduler.stats import Occupancy, RoundTally
+from flare.scheduler.stats import Occupancy, RoundTally, SchedulerObserver
 from flare.structured import CacheUse
 
 # Latency buckets (seconds): time to first token spans queueing and prefill (tens of ms to
@@ -33,7 +33,7 @@ def _status_name(code: int) -> str:
     return DeviceStatus(code).name if code in DeviceStatus._value2member_map_ else str(code)
 
 
-class SchedulerMetrics:
+class SchedulerMetrics(SchedulerObserver):
     """Collectors for what the scheduler sees: rounds, tokens, latencies, occupancy (a
     `SchedulerObserver`)."""
 

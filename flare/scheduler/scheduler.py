@@ -66,10 +66,10 @@ class Scheduler:
         parts: SchedulerParts,
         options: SchedulerOptions,
         *,
-        metrics: SchedulerObserver | None = None,
+        observer: SchedulerObserver | None = None,
         heartbeat: Callable[[], None] | None = None,
     ) -> None:
-        """`metrics`: what observes the scheduler (the daemon's Prometheus `SchedulerMetrics`)."""
+        """`observer`: what observes the scheduler (the daemon's Prometheus `SchedulerMetrics`)."""
         package = parts.package
         self.package = package
         self.policy = parts.policy
@@ -78,13 +78,12 @@ class Scheduler:
         self.draft_tokens = parts.draft_tokens
         self.vocabulary_parallel = package.manifest.serving.vocabulary_parallel_sampling
         self.options = options
-        self.metrics = metrics
+        self.observer = observer if observer is not None else SchedulerObserver()
         self.heartbeat: Callable[[], None] = heartbeat if heartbeat is not None else (lambda: None)
         self.draining = False
         self.drafter_name = parts.drafter_name
         self.grammars = parts.grammars
-        if metrics is not None:
-            metrics.watch_grammar_cache(parts.grammars.use)
+        self.observer.watch_grammar_cache(parts.grammars.use)
         self._runner = parts.runner
         self._blocks = BlockManager(parts.cache, parts.runner.kv_cache.block_size, head_slot=parts.runner.head is not None)
         self._admission = Admission(
@@ -119,7 +118,7 @@ class Scheduler:
         package: Package,
         options: SchedulerOptions,
         *,
-        metrics: SchedulerObserver | None = None,
+        observer: SchedulerObserver | None = None,
         heartbeat: Callable[[], None] | None = None,
         drafter: Drafter | None = None,
         round_observer: RoundObserver | None = None,
@@ -133,7 +132,7 @@ class Scheduler:
         between them (round/model_thread.py); by default the scheduler has its own and ends it.
         """
         parts = load_parts(package, options, drafter=drafter, round_observer=round_observer, model_thread=model_thread)
-        return cls(parts, options, metrics=metrics, heartbeat=heartbeat)
+        return cls(parts, options, observer=observer, heartbeat=heartbeat)
 
     # ----------------------------------------------------------------- the daemon's interface
 
@@ -267,7 +266,7 @@ class Scheduler:
         request = GenerationRequest(
             f"warm-up-{secrets.token_hex(4)}", prompt, SamplingParams(temperature=0.0, max_tokens=2)
         )
-        metrics, self.metrics = self.metrics, None  # the warm-up request is not traffic
+        observer, self.observer = self.observer, SchedulerObserver()  # the warm-up request is not traffic
         try:
             stream = self.submit(request)
             while not self.idle:
@@ -275,7 +274,7 @@ class Scheduler:
             async for _ in stream:
                 pass
         finally:
-            self.metrics = metrics
+            self.observer = observer
             self._statuses.clear()
             self._throughput = Throughput()  # STATUS= and ctl report traffic, not the warm-up
 
@@ -451,8 +450,7 @@ class Scheduler:
             seq.cached_prompt_tokens = cached  # what the request's usage reports
         if cached:
             self._prompt_tokens["cached"] += cached
-            if self.metrics is not None:
-                self.metrics.prompt_cached(cached)
+            self.observer.prompt_cached(cached)
             log.debug("prefix_cache_hit", request_id=seq.request_id, tokens=cached)
 
     # ----------------------------------------------------------------- applying a round
@@ -489,8 +487,7 @@ class Scheduler:
             seconds=round(result.seconds, 4),
             head_seconds=round(result.head_seconds, 4),
         )
-        if self.metrics is not None:
-            self.metrics.round_applied(tally)
+        self.observer.round_applied(tally)
         self._publish_occupancy()
 
     def _apply_row(
@@ -570,8 +567,7 @@ class Scheduler:
             self._end(choice, publish=False)
         usage = Usage(seq.num_prompt_tokens, sum(s.num_output_tokens for s in choices), seq.cached_prompt_tokens or 0)
         seq.stream.put(Failed(failure, usage))
-        if self.metrics is not None:
-            self.metrics.request_ended(time.monotonic() - seq.arrival)
+        self.observer.request_ended(time.monotonic() - seq.arrival)
         log.info("request_failed", request_id=seq.request_id, code=failure.code)
 
     def _finish(self, seq: Sequence, event: Finished) -> None:
@@ -583,8 +579,7 @@ class Scheduler:
         seq.stream.put(event)
         if all(s.state is SequenceState.FINISHED for s in choices):
             self._by_id.pop(seq.request_id, None)
-            if self.metrics is not None:
-                self.metrics.request_ended(time.monotonic() - seq.arrival)
+            self.observer.request_ended(time.monotonic() - seq.arrival)
 
     def _end(self, seq: Sequence, *, publish: bool) -> None:
         """Take `seq` out of the running set or the queue and give back its blocks."""
@@ -604,10 +599,8 @@ class Scheduler:
         self._wake.set()
 
     def _publish_occupancy(self) -> None:
-        if self.metrics is None:
-            return
         counts = self._blocks.cache.counts()
-        self.metrics.occupancy_changed(
+        self.observer.occupancy_changed(
             Occupancy(
                 running=len(self._running),
                 waiting=len(self._waiting),

@@ -8,7 +8,6 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from flare.structured import CacheUse
 
@@ -105,8 +104,9 @@ class Occupancy:
     kv_blocks_evictable: int = 0
 
 
-class SchedulerObserver(Protocol):
-    """What the scheduler tells as it happens (on the event-loop thread)."""
+class SchedulerObserver:
+    """What the scheduler tells as it happens (on the event-loop thread); this one listens to
+    nothing, and an observer overrides what it wants to hear (`SchedulerMetrics`)."""
 
     def watch_grammar_cache(self, use: Callable[[], CacheUse]) -> None:
         """`use()` reads the grammar cache's size whenever the observer wants it (it changes off

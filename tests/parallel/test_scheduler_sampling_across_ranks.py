@@ -71,7 +71,7 @@ async def _seen(package, cases: list[Case], **options) -> dict[str, Seen]:
     # A fixed draft length: drafts (and so which seeded draws happen) must not follow round times.
     async with running(package, max_concurrency=len(cases), adaptive_draft_length=False, **options) as scheduler:
         registry = CollectorRegistry()
-        scheduler.metrics = SchedulerMetrics(registry)
+        scheduler.observer = SchedulerMetrics(registry)
 
         async def one(case: Case) -> tuple[str, Seen]:
             request = GenerationRequest(

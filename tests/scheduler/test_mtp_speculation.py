@@ -67,8 +67,8 @@ def drafts_by_drafter(registry: CollectorRegistry, kind: str) -> dict[str, float
     return {d: registry.get_sample_value(f"flare_draft_tokens_{kind}_total", {"drafter": d}) for d in DRAFT_SOURCES}
 
 
-async def generate(package_path, prompts, params, options, *, sequential=False, metrics=None):
-    scheduler = Scheduler.from_package(open_package(package_path), options, metrics=metrics)
+async def generate(package_path, prompts, params, options, *, sequential=False, observer=None):
+    scheduler = Scheduler.from_package(open_package(package_path), options, observer=observer)
     recorder = Recorder(scheduler)
     loop = asyncio.create_task(scheduler.run())
     outputs = {}
@@ -127,7 +127,7 @@ async def test_greedy_output_with_the_head_equals_output_without_speculation(hea
     registry = CollectorRegistry()
     speculative, recorder, scheduler = await generate(
         head_package, PROMPTS, GREEDY, SchedulerOptions(kv_cache_dtype=kv_cache_dtype, **FIXED_LENGTH),
-        metrics=SchedulerMetrics(registry),
+        observer=SchedulerMetrics(registry),
     )
     assert scheduler.runner.head.kv_cache.dtype == getattr(torch, kv_cache_dtype)  # the head's cache too
     assert speculative == plain
@@ -230,7 +230,7 @@ async def test_auto_drafts_with_both_and_keeps_greedy_output(head_package):
     plain, _, _ = await generate(head_package, prompts, GREEDY, SchedulerOptions(draft_tokens=0))
     registry = CollectorRegistry()
     speculative, recorder, scheduler = await generate(
-        head_package, prompts, GREEDY, SchedulerOptions(drafter="auto", **FIXED_LENGTH), metrics=SchedulerMetrics(registry)
+        head_package, prompts, GREEDY, SchedulerOptions(drafter="auto", **FIXED_LENGTH), observer=SchedulerMetrics(registry)
     )
     assert speculative == plain
     assert scheduler.drafter_name == "auto"

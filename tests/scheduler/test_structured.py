@@ -67,7 +67,7 @@ async def test_greedy_answers_follow_the_schema_alike_with_and_without_speculati
     }.items():
         async with running(tiny_package, **options) as scheduler:
             registry = CollectorRegistry()
-            scheduler.metrics = SchedulerMetrics(registry)
+            scheduler.observer = SchedulerMetrics(registry)
             rounds_before = scheduler.snapshot().rounds
             ((text, reason),) = await _answers(scheduler, spec, greedy)
             results[name] = (text, reason, scheduler.snapshot().rounds - rounds_before)
