@@ -3,15 +3,12 @@
 torch's CPU operators run their parallel regions on an OpenMP team that belongs to the thread
 that calls them, and libgomp keeps a thread's team until that thread ends. Once two threads
 hold teams, libgomp sees more of its threads than CPUs and throttles how long all of them spin
-between regions, so every region of a round pays a futex wake-up. Measured on 2 cores of an AMD
-EPYC (Zen 5, `avx2 avx512f avx512_bf16 f16c fma`, 2 threads), `ModelRunner.execute` of one
-decode row of the default model at context 150 on a worker thread, medians of 35 rounds: 7.3 ms
-when the weights had been loaded on that worker, 11.2 ms when they had been loaded on the main
-thread, which kept its team (an event-loop thread lives as long as the process).
-So the weights load on the thread that then runs the rounds, and every round runs on it for
+between regions, so every region of a round pays a futex wake-up (a one-row round was half as
+slow again with the weights loaded on the main thread: docs/benchmarks.md, "One stream: where a
+round goes"). So the weights load on the thread that then runs the rounds, and every round runs on it for
 the scheduler's life: torch keeps native state per calling thread (an OpenMP team, MKL/oneDNN
 buffers) that is not given back when the thread ends, and rounds on anyio's pooled threads, which
-retire after 10 s idle and are replaced, grew resident memory by ~0.4 MiB per request
+retire when idle and are replaced, grew resident memory with every request
 (tests/reliability/test_disconnects.py).
 
 The thread is a daemon thread, so a process stopped while it loads weights exits at once rather
@@ -38,10 +35,9 @@ EXIT_WAIT_S = 1.0
 # How long the event loop sleeps, the GIL released, after handing the thread a round
 # (`submit_round`). A round begins with Python (the batch's tensors, the embedding) before its
 # kernels release the GIL, and the loop's next work is the streams' HTTP writes: without the
-# pause the loop held the GIL through them and the round started 0.35-0.6 ms after it was queued,
-# against 0.06 ms with it (medians at one stream of greedy chat, 2 cores of an AMD EPYC). The
-# writes then overlap the layers, which run without the GIL. At 32 rows a round takes tens of
-# milliseconds: the pause is noise there.
+# pause the loop held the GIL through them and the round started late (docs/benchmarks.md, "One
+# stream: where a round goes"). The writes then overlap the layers, which run without the GIL;
+# against a round of many rows the pause is noise.
 ROUND_HEAD_START_S = 0.0002
 
 

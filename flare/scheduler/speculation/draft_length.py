@@ -19,11 +19,10 @@ Which rate depends on whether requests wait for a free row:
   rules").
 With one row both rates are the same.
 
-Cost model (`RoundCostModel`): what a round of T tokens took, measured per T. On this CPU the
-cost is far from a line in T: MKL's GEMM has cliffs (measured, whole rounds at context 100: 8
-rows 72 ms, 9 rows 85, 12 rows 126, 16 to 24 rows 130, 32 rows 141, 33 rows 173), so one draft
-on a round of 8 decode rows costs 13 ms while 8 more cost nothing past 16. Token counts not
-measured recently are estimated from the measured ones around them (`seconds_range`), and a
+Cost model (`RoundCostModel`): what a round of T tokens took, measured per T. On a CPU the
+cost is far from a line in T: GEMMs have cliffs (docs/benchmarks.md, "The draft planner's
+rules"), so one draft on a round of decode rows can cost more than several further drafts past
+the next tile. Token counts not measured recently are estimated from the measured ones around them (`seconds_range`), and a
 round at such a count is tried only when clearly better (`EXPLORATION_MARGIN`); it is then
 measured. What wrong guesses cost, in seconds past their estimates, is capped at
 `EXPLORATION_ALLOWANCE_S` plus `EXPLORATION_SHARE` of all rounds' time; past that only measured
@@ -41,20 +40,18 @@ from dataclasses import dataclass, field
 
 # A round of a token count not timed recently is tried only when its estimate beats the best
 # measured choice by this factor: an estimate is a guess, and each wrong guess costs a slow
-# round. With estimates from the fitted line and no margin, each daemon tried every count from
-# 9 to 18 once after its first prefill at 8 chat streams (4% of the rounds' time).
+# round (without a margin a daemon tried every count near its batch once after its first prefill).
 EXPLORATION_MARGIN = 1.1
 # The margin cannot see a cliff (a count past one estimated far below what it took:
-# docs/benchmarks.md), so a budget bounds what guesses may lose: a tenth of a second at first,
-# 1% of the time in rounds after that.
+# docs/benchmarks.md), so a budget bounds what guesses may lose: a fixed allowance at first,
+# then a small share of the time in rounds.
 EXPLORATION_ALLOWANCE_S = 0.1
 EXPLORATION_SHARE = 0.01
 # Drafts are taken only when their expected rate beats the plain round's by this factor. Both
 # sides are estimates (acceptance is a moving average, times too), and near a GEMM cliff a bet
-# that falls short costs far more than one that comes good gains: at 32 chat streams rounds of
-# 32 rows + 12 drafts (149-188 ms against 115) were taken whenever three rows' acceptance
-# neared 0.9, and accepted 1 to 12 of the 12. A margin of 5% leaves the bets that pay: on
-# repetitive text at one stream drafts are worth 2-3x the plain round.
+# that falls short costs far more than one that comes good gains (at 32 chat streams a few rows'
+# acceptance near 0.9 drew rounds past a cliff that accepted little). A small margin keeps the
+# bets that pay, such as repetitive text at one stream.
 DRAFT_MARGIN = 1.05
 
 
@@ -66,12 +63,12 @@ class RoundCostModel:
 
     A count's measured time is the median of its last `window` rounds, not a moving average:
     a lone slow round (a collection, a neighbour's burst) moved an average a fifth of the way
-    and kept it there while the count was not chosen again, so one 31 ms round of 2 tokens at
-    one stream, against 9.5 usually, kept every row from drafting for dozens of rounds.
+    and kept it there while the count was not chosen again, so that one slow round of 2 tokens
+    kept every row from drafting for dozens of rounds.
 
     The line only fills gaps (counts below every measured one, and the slope past the largest).
     One-token rounds stay off it: on CPU they are a matrix-vector product, a different regime
-    from two tokens on (46 against 75 ms before the weights-first layout). A measurement
+    from two tokens on. A measurement
     older than `max_age_rounds` rounds is dropped, so a count timed during a burst of load
     elsewhere on the machine is timed again rather than avoided for good.
     """
@@ -213,8 +210,8 @@ def choose_draft_lengths(
         return []
     if not cost.is_measured(base_tokens):
         # Every choice is weighed against the round without drafts, so that round is timed
-        # first. A model that only ever saw drafted rounds would keep guessing the plain one
-        # (measured: 8 chat rows drafted one token every round, 93 ms against a plain 75).
+        # first. A model that only ever saw drafted rounds would keep guessing the plain one, and
+        # rows drafted every round at a loss.
         return [0] * len(available)
     # (gain, j, row): the j-th draft of `row` adds gain = a^j expected tokens.
     candidates = sorted(
