@@ -213,7 +213,7 @@ class Daemon:
         log.info("loading", package=package)
         self.notifier.status(f"loading {package}")
         try:
-            scheduler = await _in_daemon_thread(self._load_scheduler)
+            scheduler = await _in_daemon_thread(self.load_scheduler)
         except StartupError as error:
             log.error("startup_failed", message=str(error))
             self._startup_error = error
@@ -242,7 +242,7 @@ class Daemon:
             self._engine_dead = error
             self._stop_requested.set()
 
-    def _load_scheduler(self) -> Scheduler:
+    def load_scheduler(self) -> Scheduler:
         """Open and check the package, load its weights and size the KV cache (a worker thread)."""
         config = self.config
         try:

@@ -260,7 +260,7 @@ def imported_head(
 def _answers(
     package: Package, prompts: list, options: DistillOptions, progress: Progress, deadline: float
 ) -> list[Conversation]:
-    """The target's answers to `prompts` with their features (`_generate`), through a scheduler
+    """The target's answers to `prompts` with their features (`generate_answers`), through a scheduler
     of its own."""
     tokenizer = Tokenizer.from_package(package)
     # Every answer is queued at once: the queue bounds are the prompt set's size.
@@ -273,10 +273,10 @@ def _answers(
         SchedulerOptions(draft_tokens=0, prefix_cache=False, max_waiting=queue, max_waiting_tokens=queue * 4096),
         round_observer=recorder,
     )
-    return _generate(scheduler, tokenizer, prompts, options, progress, deadline, recorder)
+    return generate_answers(scheduler, tokenizer, prompts, options, progress, deadline, recorder)
 
 
-def _generate(
+def generate_answers(
     scheduler: Scheduler,
     tokenizer: Tokenizer,
     prompts: list,

@@ -66,6 +66,11 @@ class Throughput:
         self._forget_before(time.monotonic() - self.window_s)
         return sum(tokens for _, tokens in self._rounds) / self.window_s
 
+    @property
+    def rounds_held(self) -> int:
+        """How many rounds the window holds now."""
+        return len(self._rounds)
+
     def _forget_before(self, horizon: float) -> None:
         while self._rounds and self._rounds[0][0] < horizon:
             self._rounds.popleft()

@@ -38,7 +38,7 @@ async def started(
 ) -> AsyncIterator[tuple[Daemon, str, asyncio.Task[None]]]:
     config = replace(DaemonConfig(port=0, served_model_name="tiny-model", log_format="json"), **getattr(request, "param", {}))
     daemon = Daemon(config, {})
-    monkeypatch.setattr(daemon, "_load_scheduler", lambda: scheduler)
+    monkeypatch.setattr(daemon, "load_scheduler", lambda: scheduler)
     task = asyncio.create_task(daemon.run())
     await wait_for(lambda: daemon.address is not None and daemon.scheduler is not None)
     host, port = daemon.address  # type: ignore[misc]

@@ -99,7 +99,7 @@ def test_features_recorded_during_generation_are_those_of_a_forward_over_the_ans
     package = open_package(tiny_package)
     recorder = distill.FeatureRecorder()
     scheduler = Scheduler.from_package(package, SchedulerOptions(draft_tokens=0, prefix_cache=False), round_observer=recorder)
-    conversations = distill._generate(
+    conversations = distill.generate_answers(
         scheduler, Tokenizer.from_package(package), distill_prompts()[:3], TINY, distill.Progress(None), 1e12, recorder
     )
     model = scheduler.target_model
