@@ -23,7 +23,7 @@ Each process computes its shards' contributions; the reduction gathers them to t
 (rank 0 across ranks; the process itself otherwise) and shares the decider's choices back, so
 a W-rank group and ``LocalShards(W)`` emit the same bits. A row with K = 0 drafts is plain
 sampling through the same path. Rounds of greedy rows alone take a short path with the same
-results: the C kernel greedy_tokens.c on the CPU, `greedy_round` elsewhere.
+results: the C kernel greedy_tokens.c on the CPU, its torch twin `greedy_round` elsewhere.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ import torch
 
 from flare.sampler import native_sampler as native
 from flare.sampler.batch import SamplingBatch
-from flare.sampler.greedy_round import greedy_round
 from flare.sampler.gumbel_max import GumbelCandidates
 from flare.sampler.logprobs import TokenLogprobs, log_normalizer, logprobs_of
 from flare.sampler.penalties import PenaltyState, PreparedLogits
 from flare.sampler.round_inputs import (
     PositionLayout,
+    RowFilters,
     RowKinds,
     any_per_row,
     check_round_shapes,
@@ -146,85 +146,27 @@ def sample_round(
         shards.own_token_mask(token_mask) if token_mask is not None else None,
     )
     scaled = prepared.scaled
-
-    # This process's contributions, gathered to the decider in one step.
-    stats = shards.shard_statistics(
+    statistics = gather_statistics(
+        shards,
         kernels,
-        scaled,
-        layout.row_of_position,
+        prepared,
+        logits,
+        layout,
+        own_drafts,
+        draft_probs,
         row_filters(batch, kinds, shards.applies_filters),
         # Gumbel-max needs no normalisation: Z only serves p(draft), the residual and logprobs.
         need_sumexp=(facts.any_sampled and drafting) or num_logprobs is not None,
         need_argmax=facts.any_greedy,
+        num_logprobs=num_logprobs,
+        raw_logprobs=raw_logprobs,
     )
-    sent = {
-        "max": stats.max,
-        "nonfinite": prepared.nonfinite.unsqueeze(-1),
-        "draft_logit": held_values(scaled, layout.draft_position, own_drafts).unsqueeze(-1),
-    }
-    if stats.sumexp is not None:
-        sent["sumexp"] = stats.sumexp
-    if stats.argmax is not None:
-        sent["argmax"] = stats.argmax
-    if draft_probs is not None:
-        held = own_drafts >= 0
-        own_q = draft_probs.gather(2, own_drafts.clamp(min=0).unsqueeze(2)).squeeze(2).float()
-        sent["q_draft"] = torch.where(held, own_q, float("-inf")).unsqueeze(-1)
-    raw_stats = None
-    if num_logprobs is not None:
-        sent["top_values"], sent["top_ids"] = own_top_tokens(shards, kernels, scaled, num_logprobs)
-        if raw_logprobs is not None:
-            raw = logits.float()
-            raw_stats = shards.shard_statistics(
-                kernels,
-                raw,
-                torch.arange(num_positions, device=device),
-                no_filters(num_positions, device),
-                need_sumexp=True,
-                need_argmax=False,
-            )
-            assert raw_stats.sumexp is not None
-            sent["raw_max"], sent["raw_sumexp"] = raw_stats.max, raw_stats.sumexp
-            sent["raw_top_values"], sent["raw_top_ids"] = own_top_tokens(shards, kernels, raw, num_logprobs)
-    gathered_list = shards.gather(list(sent.values()))
-    gathered = dict(zip(sent, gathered_list)) if gathered_list is not None else None
-
     verdict = None
-    if gathered is not None:
-        verdict = verify_drafts(gathered, stats.threshold, layout, kinds, drafts.tokens, batch, drafting)
-
-    # The draw: every process draws its shards' candidates at the decider's sampled positions.
+    if statistics.gathered is not None:
+        verdict = verify_drafts(statistics.gathered, statistics.threshold, layout, kinds, drafts.tokens, batch, drafting)
     token = None
     if facts.any_sampled:
-        shared = shards.share(
-            [verdict.num_accepted, verdict.position_max, verdict.sumexp_or_ones] if verdict is not None else None,
-            [((num_rows,), torch.int64), ((num_positions,), torch.float32), ((num_positions,), torch.float32)],
-            device,
-        )
-        num_accepted, position_max, sumexp = shared
-        draw = token_draw(batch, layout.row_start, drafts.tokens, draft_probs, layout.num_drafts, num_accepted)
-        at = draw.sample_position
-        candidates = kernels.gumbel_candidates(
-            scaled,
-            at,
-            draw.key,
-            position_max[at],
-            sumexp[at],
-            stats.threshold[at],
-            shards.own_ids(draw.exclude),
-            draw.draft_q,
-            shards.held_shards,
-            first_index=shards.first_index,
-        )
-        parts = [candidates.index, candidates.value]
-        if draw.draft_q is not None:
-            assert candidates.residual_index is not None and candidates.residual_value is not None
-            assert candidates.residual_mass is not None
-            parts += [candidates.residual_index, candidates.residual_value, candidates.residual_mass]
-        merged = shards.gather(parts)
-        if merged is not None:
-            residual = merged[2:] if draw.draft_q is not None else [None, None, None]
-            token = sampled_token(GumbelCandidates(merged[0], merged[1], *residual), draw.rejected)
+        token = draw_tokens(shards, kernels, scaled, statistics.threshold, verdict, layout, drafts.tokens, draft_probs, batch)
 
     tokens = status = None
     if verdict is not None:
@@ -241,38 +183,9 @@ def sample_round(
             kinds.invalid_params,
         )
         tokens = emitted_tokens(drafts.tokens, verdict.num_accepted, token, status == int(DeviceStatus.OK))
-
-    # Log-probabilities: every process reports the emitted tokens' logits where it holds them.
     logprobs = None
     if num_logprobs is not None:
-        shared_tokens = shards.share([tokens] if tokens is not None else None, [((num_rows, max_drafts + 1), torch.int64)], device)[0]
-        slot_position = slot_positions(layout, max_drafts, num_positions)
-        own_tokens = shards.own_ids(shared_tokens.clamp(min=0))
-        token_logits = [held_values(scaled, slot_position, own_tokens).unsqueeze(-1)]
-        if raw_logprobs is not None:
-            token_logits.append(held_values(logits.float(), slot_position, own_tokens).unsqueeze(-1))
-        merged = shards.gather(token_logits)
-        if merged is not None:
-            assert gathered is not None
-            logprobs = logprobs_of(
-                merged[0].amax(-1),
-                stats.threshold,
-                log_normalizer(gathered["max"], gathered["sumexp"]),
-                slot_position,
-                TopTokens(gathered["top_values"], gathered["top_ids"].to(torch.int64)),
-                num_logprobs,
-            )
-            if raw_logprobs is not None:
-                assert raw_stats is not None
-                raw_logprobs_of = logprobs_of(
-                    merged[1].amax(-1),
-                    raw_stats.threshold,
-                    log_normalizer(gathered["raw_max"], gathered["raw_sumexp"]),
-                    slot_position,
-                    TopTokens(gathered["raw_top_values"], gathered["raw_top_ids"].to(torch.int64)),
-                    num_logprobs,
-                )
-                logprobs = logprobs.where_rows(raw_logprobs.to(device), raw_logprobs_of)
+        logprobs = emitted_logprobs(shards, statistics, scaled, logits, layout, tokens, num_logprobs, raw_logprobs)
 
     if verdict is None:
         return None
@@ -314,6 +227,56 @@ def score_tokens(
         TopTokens(gathered[2], gathered[3].to(torch.int64)),
         num_top,
     )
+
+
+def greedy_round(
+    logits: torch.Tensor, batch: SamplingBatch, max_drafts: int, kernels: ModuleType
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The round's short path off the CPU kernel: tokens [R, max_drafts + 1] int64 (the argmax,
+    then -1), emitted [R] int32 and status [R] int32 of a round of greedy or invalid rows with
+    one position each, without token mask or log-probabilities: sample_round's results in a few
+    dozen operators instead of the general path's few hundred, which at one row cost more to
+    dispatch than to compute. Each row emits argmax_i x_i of its logits after its logit bias
+    and penalties (the lowest index on ties, as the shards' merge gives); on the CPU
+    `native.greedy_tokens` (greedy_tokens.c) computes the same in one call, drafts included.
+
+    The status is round_status's for such a row: no finite value after bias and penalties is
+    EMPTY_DISTRIBUTION, a NaN or infinite raw logit NONFINITE_LOGITS (which wins), and invalid
+    parameters win over both (their penalties are neutral, as in the general path). The
+    operators apply the general path's own penalize_and_scale (`kernels`, the backend's), so the
+    values compared are the same floats.
+    """
+    num_rows, width = logits.shape[0], max_drafts + 1
+    facts = batch.facts
+    invalid_params = row_kinds(batch).invalid_params
+    penalties = None
+    if facts.any_penalized:
+        assert batch.prompt_ids is not None and batch.output_ids is not None
+        penalties = PenaltyState.from_ids(batch.prompt_ids, batch.output_ids, logits.shape[1])
+    rows = torch.arange(num_rows, device=logits.device)
+    prepared = kernels.penalize_and_scale(
+        logits,
+        rows,
+        torch.zeros_like(rows),
+        torch.empty(num_rows, 0, dtype=torch.int64, device=logits.device),
+        torch.ones(num_rows, device=logits.device),
+        torch.where(invalid_params, 1.0, batch.repetition_penalty),
+        torch.where(invalid_params, 0.0, batch.presence_penalty),
+        torch.where(invalid_params, 0.0, batch.frequency_penalty),
+        penalties,
+        scale=False,
+        bias=batch.dense_bias(logits.shape[1]),
+    )
+    chosen = prepared.scaled
+    status = torch.full((num_rows,), int(DeviceStatus.OK), dtype=torch.int32, device=logits.device)
+    if chosen is not logits:  # untouched logits are finite wherever the raw ones are
+        status = torch.where(~torch.isfinite(chosen.amax(dim=-1)), int(DeviceStatus.EMPTY_DISTRIBUTION), status)
+    status = torch.where(prepared.nonfinite, int(DeviceStatus.NONFINITE_LOGITS), status)
+    status = torch.where(invalid_params, int(DeviceStatus.INVALID_SAMPLING_PARAMETERS), status)
+    ok = status == int(DeviceStatus.OK)
+    tokens = torch.full((num_rows, width), -1, dtype=torch.int64, device=logits.device)
+    tokens[:, 0] = torch.where(ok, chosen.argmax(dim=-1), -1)
+    return tokens, ok.to(torch.int32), status.to(torch.int32)
 
 
 def penalized_logits(
@@ -429,3 +392,174 @@ def verify_drafts(
         nonfinite_row=nonfinite_row,
         invalid_draft_prob=invalid_draft_prob,
     )
+
+
+@dataclass(frozen=True)
+class RoundStatistics:
+    """Phase 1 of a round: what this process applied, and at the decider what every shard sent."""
+
+    threshold: torch.Tensor
+    """[N]: the kept-set threshold of this process's filters (-inf: all kept)."""
+    raw_threshold: torch.Tensor | None
+    """[N]: the same for the raw distribution, when some row reports raw log-probabilities."""
+    gathered: dict[str, torch.Tensor] | None
+    """At the decider: per name, every shard's contribution on the last dimension."""
+
+
+def gather_statistics(
+    shards: ShardReduction,
+    kernels: ModuleType,
+    prepared: PreparedLogits,
+    logits: torch.Tensor,
+    layout: PositionLayout,
+    own_drafts: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    filters: RowFilters,
+    need_sumexp: bool,
+    need_argmax: bool,
+    num_logprobs: int | None,
+    raw_logprobs: torch.Tensor | None,
+) -> RoundStatistics:
+    """This process's per-shard statistics, gathered to the decider in one step: per position
+    each shard's max m_s, kept sum Z_s = sum exp(x - m_s) and argmax, and the raw logits'
+    non-finite flag; per draft its logit and q where this process holds it (-inf elsewhere);
+    with logprobs each shard's top-k, and for raw rows the same over the unprocessed logits."""
+    scaled = prepared.scaled
+    num_positions = scaled.shape[0]
+    device = scaled.device
+    stats = shards.shard_statistics(
+        kernels, scaled, layout.row_of_position, filters, need_sumexp=need_sumexp, need_argmax=need_argmax
+    )
+    sent = {
+        "max": stats.max,
+        "nonfinite": prepared.nonfinite.unsqueeze(-1),
+        "draft_logit": held_values(scaled, layout.draft_position, own_drafts).unsqueeze(-1),
+    }
+    if stats.sumexp is not None:
+        sent["sumexp"] = stats.sumexp
+    if stats.argmax is not None:
+        sent["argmax"] = stats.argmax
+    if draft_probs is not None:
+        held = own_drafts >= 0
+        own_q = draft_probs.gather(2, own_drafts.clamp(min=0).unsqueeze(2)).squeeze(2).float()
+        sent["q_draft"] = torch.where(held, own_q, float("-inf")).unsqueeze(-1)
+    raw_threshold = None
+    if num_logprobs is not None:
+        sent["top_values"], sent["top_ids"] = own_top_tokens(shards, kernels, scaled, num_logprobs)
+        if raw_logprobs is not None:
+            raw = logits.float()
+            raw_stats = shards.shard_statistics(
+                kernels,
+                raw,
+                torch.arange(num_positions, device=device),
+                no_filters(num_positions, device),
+                need_sumexp=True,
+                need_argmax=False,
+            )
+            assert raw_stats.sumexp is not None
+            raw_threshold = raw_stats.threshold
+            sent["raw_max"], sent["raw_sumexp"] = raw_stats.max, raw_stats.sumexp
+            sent["raw_top_values"], sent["raw_top_ids"] = own_top_tokens(shards, kernels, raw, num_logprobs)
+    gathered = shards.gather(list(sent.values()))
+    return RoundStatistics(
+        threshold=stats.threshold,
+        raw_threshold=raw_threshold,
+        gathered=dict(zip(sent, gathered)) if gathered is not None else None,
+    )
+
+
+def draw_tokens(
+    shards: ShardReduction,
+    kernels: ModuleType,
+    scaled: torch.Tensor,
+    threshold: torch.Tensor,
+    verdict: Verdict | None,
+    layout: PositionLayout,
+    drafts: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    batch: SamplingBatch,
+) -> torch.Tensor | None:
+    """At the decider, [R]: every row's correction or bonus token by Gumbel-max,
+    argmax_i(log p_i + G_i), from the residual max(p - q, 0) after a rejection. The decider
+    shares its accepted counts and merged m and Z; every process draws its shards' candidates at
+    the sampled positions (the noise of token i is the stream's at vocabulary index i, whoever
+    holds it); the decider merges them. None on the other processes."""
+    num_rows, num_positions = drafts.shape[0], scaled.shape[0]
+    num_accepted, position_max, sumexp = shards.share(
+        [verdict.num_accepted, verdict.position_max, verdict.sumexp_or_ones] if verdict is not None else None,
+        [((num_rows,), torch.int64), ((num_positions,), torch.float32), ((num_positions,), torch.float32)],
+        scaled.device,
+    )
+    draw = token_draw(batch, layout.row_start, drafts, draft_probs, layout.num_drafts, num_accepted)
+    at = draw.sample_position
+    candidates = kernels.gumbel_candidates(
+        scaled,
+        at,
+        draw.key,
+        position_max[at],
+        sumexp[at],
+        threshold[at],
+        shards.own_ids(draw.exclude),
+        draw.draft_q,
+        shards.held_shards,
+        first_index=shards.first_index,
+    )
+    parts = [candidates.index, candidates.value]
+    if draw.draft_q is not None:
+        assert candidates.residual_index is not None and candidates.residual_value is not None
+        assert candidates.residual_mass is not None
+        parts += [candidates.residual_index, candidates.residual_value, candidates.residual_mass]
+    merged = shards.gather(parts)
+    if merged is None:
+        return None
+    residual = merged[2:] if draw.draft_q is not None else [None, None, None]
+    return sampled_token(GumbelCandidates(merged[0], merged[1], *residual), draw.rejected)
+
+
+def emitted_logprobs(
+    shards: ShardReduction,
+    statistics: RoundStatistics,
+    scaled: torch.Tensor,
+    logits: torch.Tensor,
+    layout: PositionLayout,
+    tokens: torch.Tensor | None,
+    num_logprobs: int,
+    raw_logprobs: torch.Tensor | None,
+) -> TokenLogprobs | None:
+    """At the decider: log p of every emitted token, log p_i = x_i - (m + log Z) on the kept
+    set, and the ``num_logprobs`` most likely tokens at its position; for the ``raw_logprobs``
+    rows, of the raw distribution instead. The decider shares the tokens; every process reports
+    their logits where it holds them. None on the other processes."""
+    num_positions = scaled.shape[0]
+    num_rows, max_drafts = layout.is_draft.shape
+    shared_tokens = shards.share([tokens] if tokens is not None else None, [((num_rows, max_drafts + 1), torch.int64)], scaled.device)[0]
+    slot_position = slot_positions(layout, max_drafts, num_positions)
+    own_tokens = shards.own_ids(shared_tokens.clamp(min=0))
+    token_logits = [held_values(scaled, slot_position, own_tokens).unsqueeze(-1)]
+    if raw_logprobs is not None:
+        token_logits.append(held_values(logits.float(), slot_position, own_tokens).unsqueeze(-1))
+    merged = shards.gather(token_logits)
+    if merged is None:
+        return None
+    gathered = statistics.gathered
+    assert gathered is not None
+    logprobs = logprobs_of(
+        merged[0].amax(-1),
+        statistics.threshold,
+        log_normalizer(gathered["max"], gathered["sumexp"]),
+        slot_position,
+        TopTokens(gathered["top_values"], gathered["top_ids"].to(torch.int64)),
+        num_logprobs,
+    )
+    if raw_logprobs is None:
+        return logprobs
+    assert statistics.raw_threshold is not None
+    raw = logprobs_of(
+        merged[1].amax(-1),
+        statistics.raw_threshold,
+        log_normalizer(gathered["raw_max"], gathered["raw_sumexp"]),
+        slot_position,
+        TopTokens(gathered["raw_top_values"], gathered["raw_top_ids"].to(torch.int64)),
+        num_logprobs,
+    )
+    return logprobs.where_rows(raw_logprobs.to(scaled.device), raw)
