@@ -199,86 +199,6 @@ def sample_round(
     )
 
 
-def score_tokens(
-    logits: torch.Tensor, targets: torch.Tensor, num_top: int, shards: ShardReduction = ONE_PROCESS
-) -> TokenLogprobs | None:
-    """log p(target) under the raw model distribution (temperature 1, nothing applied),
-    log p_i = x_i - (m + log Z), of ``targets`` [P] at each position of ``logits`` [P, width]
-    (the held columns), with the ``num_top`` most likely tokens (scoring a prompt: echo). The
-    decider gets the result, any other process of ``shards`` None."""
-    num_positions, width = logits.shape
-    shards.vocab_size(width)
-    device = logits.device
-    kernels = shards.kernels(device)
-    positions = torch.arange(num_positions, device=device)
-    raw = logits.float()
-    stats = shards.shard_statistics(kernels, raw, positions, no_filters(num_positions, device), need_sumexp=True, need_argmax=False)
-    assert stats.sumexp is not None
-    top_values, top_ids = own_top_tokens(shards, kernels, raw, num_top)
-    target_logit = held_values(raw, positions, shards.own_ids(targets.clamp(min=0)))
-    gathered = shards.gather([stats.max, stats.sumexp, top_values, top_ids, target_logit.unsqueeze(-1)])
-    if gathered is None:
-        return None
-    return logprobs_of(
-        gathered[4].amax(-1),
-        stats.threshold,
-        log_normalizer(gathered[0], gathered[1]),
-        positions,
-        TopTokens(gathered[2], gathered[3].to(torch.int64)),
-        num_top,
-    )
-
-
-def greedy_round(
-    logits: torch.Tensor, batch: SamplingBatch, max_drafts: int, kernels: ModuleType
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The round's short path off the CPU kernel: tokens [R, max_drafts + 1] int64 (the argmax,
-    then -1), emitted [R] int32 and status [R] int32 of a round of greedy or invalid rows with
-    one position each, without token mask or log-probabilities: sample_round's results in a few
-    dozen operators instead of the general path's few hundred, which at one row cost more to
-    dispatch than to compute. Each row emits argmax_i x_i of its logits after its logit bias
-    and penalties (the lowest index on ties, as the shards' merge gives); on the CPU
-    `native.greedy_tokens` (greedy_tokens.c) computes the same in one call, drafts included.
-
-    The status is round_status's for such a row: no finite value after bias and penalties is
-    EMPTY_DISTRIBUTION, a NaN or infinite raw logit NONFINITE_LOGITS (which wins), and invalid
-    parameters win over both (their penalties are neutral, as in the general path). The
-    operators apply the general path's own penalize_and_scale (`kernels`, the backend's), so the
-    values compared are the same floats.
-    """
-    num_rows, width = logits.shape[0], max_drafts + 1
-    facts = batch.facts
-    invalid_params = row_kinds(batch).invalid_params
-    penalties = None
-    if facts.any_penalized:
-        assert batch.prompt_ids is not None and batch.output_ids is not None
-        penalties = PenaltyState.from_ids(batch.prompt_ids, batch.output_ids, logits.shape[1])
-    rows = torch.arange(num_rows, device=logits.device)
-    prepared = kernels.penalize_and_scale(
-        logits,
-        rows,
-        torch.zeros_like(rows),
-        torch.empty(num_rows, 0, dtype=torch.int64, device=logits.device),
-        torch.ones(num_rows, device=logits.device),
-        torch.where(invalid_params, 1.0, batch.repetition_penalty),
-        torch.where(invalid_params, 0.0, batch.presence_penalty),
-        torch.where(invalid_params, 0.0, batch.frequency_penalty),
-        penalties,
-        scale=False,
-        bias=batch.dense_bias(logits.shape[1]),
-    )
-    chosen = prepared.scaled
-    status = torch.full((num_rows,), int(DeviceStatus.OK), dtype=torch.int32, device=logits.device)
-    if chosen is not logits:  # untouched logits are finite wherever the raw ones are
-        status = torch.where(~torch.isfinite(chosen.amax(dim=-1)), int(DeviceStatus.EMPTY_DISTRIBUTION), status)
-    status = torch.where(prepared.nonfinite, int(DeviceStatus.NONFINITE_LOGITS), status)
-    status = torch.where(invalid_params, int(DeviceStatus.INVALID_SAMPLING_PARAMETERS), status)
-    ok = status == int(DeviceStatus.OK)
-    tokens = torch.full((num_rows, width), -1, dtype=torch.int64, device=logits.device)
-    tokens[:, 0] = torch.where(ok, chosen.argmax(dim=-1), -1)
-    return tokens, ok.to(torch.int32), status.to(torch.int32)
-
-
 def penalized_logits(
     kernels: ModuleType,
     logits: torch.Tensor,
@@ -312,6 +232,80 @@ def penalized_logits(
         scale=own_batch.facts.any_temperature_scaling,
         token_mask=own_token_mask,
         bias=own_batch.dense_bias(width),
+    )
+
+
+@dataclass(frozen=True)
+class RoundStatistics:
+    """Phase 1 of a round: what this process applied, and at the decider what every shard sent."""
+
+    threshold: torch.Tensor
+    """[N]: the kept-set threshold of this process's filters (-inf: all kept)."""
+    raw_threshold: torch.Tensor | None
+    """[N]: the same for the raw distribution, when some row reports raw log-probabilities."""
+    gathered: dict[str, torch.Tensor] | None
+    """At the decider: per name, every shard's contribution on the last dimension."""
+
+
+def gather_statistics(
+    shards: ShardReduction,
+    kernels: ModuleType,
+    prepared: PreparedLogits,
+    logits: torch.Tensor,
+    layout: PositionLayout,
+    own_drafts: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    filters: RowFilters,
+    need_sumexp: bool,
+    need_argmax: bool,
+    num_logprobs: int | None,
+    raw_logprobs: torch.Tensor | None,
+) -> RoundStatistics:
+    """This process's per-shard statistics, gathered to the decider in one step: per position
+    each shard's max m_s, kept sum Z_s = sum exp(x - m_s) and argmax, and the raw logits'
+    non-finite flag; per draft its logit and q where this process holds it (-inf elsewhere);
+    with logprobs each shard's top-k, and for raw rows the same over the unprocessed logits."""
+    scaled = prepared.scaled
+    num_positions = scaled.shape[0]
+    device = scaled.device
+    stats = shards.shard_statistics(
+        kernels, scaled, layout.row_of_position, filters, need_sumexp=need_sumexp, need_argmax=need_argmax
+    )
+    sent = {
+        "max": stats.max,
+        "nonfinite": prepared.nonfinite.unsqueeze(-1),
+        "draft_logit": held_values(scaled, layout.draft_position, own_drafts).unsqueeze(-1),
+    }
+    if stats.sumexp is not None:
+        sent["sumexp"] = stats.sumexp
+    if stats.argmax is not None:
+        sent["argmax"] = stats.argmax
+    if draft_probs is not None:
+        held = own_drafts >= 0
+        own_q = draft_probs.gather(2, own_drafts.clamp(min=0).unsqueeze(2)).squeeze(2).float()
+        sent["q_draft"] = torch.where(held, own_q, float("-inf")).unsqueeze(-1)
+    raw_threshold = None
+    if num_logprobs is not None:
+        sent["top_values"], sent["top_ids"] = own_top_tokens(shards, kernels, scaled, num_logprobs)
+        if raw_logprobs is not None:
+            raw = logits.float()
+            raw_stats = shards.shard_statistics(
+                kernels,
+                raw,
+                torch.arange(num_positions, device=device),
+                no_filters(num_positions, device),
+                need_sumexp=True,
+                need_argmax=False,
+            )
+            assert raw_stats.sumexp is not None
+            raw_threshold = raw_stats.threshold
+            sent["raw_max"], sent["raw_sumexp"] = raw_stats.max, raw_stats.sumexp
+            sent["raw_top_values"], sent["raw_top_ids"] = own_top_tokens(shards, kernels, raw, num_logprobs)
+    gathered = shards.gather(list(sent.values()))
+    return RoundStatistics(
+        threshold=stats.threshold,
+        raw_threshold=raw_threshold,
+        gathered=dict(zip(sent, gathered)) if gathered is not None else None,
     )
 
 
@@ -391,80 +385,6 @@ def verify_drafts(
         empty_row=empty_row,
         nonfinite_row=nonfinite_row,
         invalid_draft_prob=invalid_draft_prob,
-    )
-
-
-@dataclass(frozen=True)
-class RoundStatistics:
-    """Phase 1 of a round: what this process applied, and at the decider what every shard sent."""
-
-    threshold: torch.Tensor
-    """[N]: the kept-set threshold of this process's filters (-inf: all kept)."""
-    raw_threshold: torch.Tensor | None
-    """[N]: the same for the raw distribution, when some row reports raw log-probabilities."""
-    gathered: dict[str, torch.Tensor] | None
-    """At the decider: per name, every shard's contribution on the last dimension."""
-
-
-def gather_statistics(
-    shards: ShardReduction,
-    kernels: ModuleType,
-    prepared: PreparedLogits,
-    logits: torch.Tensor,
-    layout: PositionLayout,
-    own_drafts: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    filters: RowFilters,
-    need_sumexp: bool,
-    need_argmax: bool,
-    num_logprobs: int | None,
-    raw_logprobs: torch.Tensor | None,
-) -> RoundStatistics:
-    """This process's per-shard statistics, gathered to the decider in one step: per position
-    each shard's max m_s, kept sum Z_s = sum exp(x - m_s) and argmax, and the raw logits'
-    non-finite flag; per draft its logit and q where this process holds it (-inf elsewhere);
-    with logprobs each shard's top-k, and for raw rows the same over the unprocessed logits."""
-    scaled = prepared.scaled
-    num_positions = scaled.shape[0]
-    device = scaled.device
-    stats = shards.shard_statistics(
-        kernels, scaled, layout.row_of_position, filters, need_sumexp=need_sumexp, need_argmax=need_argmax
-    )
-    sent = {
-        "max": stats.max,
-        "nonfinite": prepared.nonfinite.unsqueeze(-1),
-        "draft_logit": held_values(scaled, layout.draft_position, own_drafts).unsqueeze(-1),
-    }
-    if stats.sumexp is not None:
-        sent["sumexp"] = stats.sumexp
-    if stats.argmax is not None:
-        sent["argmax"] = stats.argmax
-    if draft_probs is not None:
-        held = own_drafts >= 0
-        own_q = draft_probs.gather(2, own_drafts.clamp(min=0).unsqueeze(2)).squeeze(2).float()
-        sent["q_draft"] = torch.where(held, own_q, float("-inf")).unsqueeze(-1)
-    raw_threshold = None
-    if num_logprobs is not None:
-        sent["top_values"], sent["top_ids"] = own_top_tokens(shards, kernels, scaled, num_logprobs)
-        if raw_logprobs is not None:
-            raw = logits.float()
-            raw_stats = shards.shard_statistics(
-                kernels,
-                raw,
-                torch.arange(num_positions, device=device),
-                no_filters(num_positions, device),
-                need_sumexp=True,
-                need_argmax=False,
-            )
-            assert raw_stats.sumexp is not None
-            raw_threshold = raw_stats.threshold
-            sent["raw_max"], sent["raw_sumexp"] = raw_stats.max, raw_stats.sumexp
-            sent["raw_top_values"], sent["raw_top_ids"] = own_top_tokens(shards, kernels, raw, num_logprobs)
-    gathered = shards.gather(list(sent.values()))
-    return RoundStatistics(
-        threshold=stats.threshold,
-        raw_threshold=raw_threshold,
-        gathered=dict(zip(sent, gathered)) if gathered is not None else None,
     )
 
 
@@ -563,3 +483,83 @@ def emitted_logprobs(
         num_logprobs,
     )
     return logprobs.where_rows(raw_logprobs.to(scaled.device), raw)
+
+
+def score_tokens(
+    logits: torch.Tensor, targets: torch.Tensor, num_top: int, shards: ShardReduction = ONE_PROCESS
+) -> TokenLogprobs | None:
+    """log p(target) under the raw model distribution (temperature 1, nothing applied),
+    log p_i = x_i - (m + log Z), of ``targets`` [P] at each position of ``logits`` [P, width]
+    (the held columns), with the ``num_top`` most likely tokens (scoring a prompt: echo). The
+    decider gets the result, any other process of ``shards`` None."""
+    num_positions, width = logits.shape
+    shards.vocab_size(width)
+    device = logits.device
+    kernels = shards.kernels(device)
+    positions = torch.arange(num_positions, device=device)
+    raw = logits.float()
+    stats = shards.shard_statistics(kernels, raw, positions, no_filters(num_positions, device), need_sumexp=True, need_argmax=False)
+    assert stats.sumexp is not None
+    top_values, top_ids = own_top_tokens(shards, kernels, raw, num_top)
+    target_logit = held_values(raw, positions, shards.own_ids(targets.clamp(min=0)))
+    gathered = shards.gather([stats.max, stats.sumexp, top_values, top_ids, target_logit.unsqueeze(-1)])
+    if gathered is None:
+        return None
+    return logprobs_of(
+        gathered[4].amax(-1),
+        stats.threshold,
+        log_normalizer(gathered[0], gathered[1]),
+        positions,
+        TopTokens(gathered[2], gathered[3].to(torch.int64)),
+        num_top,
+    )
+
+
+def greedy_round(
+    logits: torch.Tensor, batch: SamplingBatch, max_drafts: int, kernels: ModuleType
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The round's short path off the CPU kernel: tokens [R, max_drafts + 1] int64 (the argmax,
+    then -1), emitted [R] int32 and status [R] int32 of a round of greedy or invalid rows with
+    one position each, without token mask or log-probabilities: sample_round's results in a few
+    dozen operators instead of the general path's few hundred, which at one row cost more to
+    dispatch than to compute. Each row emits argmax_i x_i of its logits after its logit bias
+    and penalties (the lowest index on ties, as the shards' merge gives); on the CPU
+    `native.greedy_tokens` (greedy_tokens.c) computes the same in one call, drafts included.
+
+    The status is round_status's for such a row: no finite value after bias and penalties is
+    EMPTY_DISTRIBUTION, a NaN or infinite raw logit NONFINITE_LOGITS (which wins), and invalid
+    parameters win over both (their penalties are neutral, as in the general path). The
+    operators apply the general path's own penalize_and_scale (`kernels`, the backend's), so the
+    values compared are the same floats.
+    """
+    num_rows, width = logits.shape[0], max_drafts + 1
+    facts = batch.facts
+    invalid_params = row_kinds(batch).invalid_params
+    penalties = None
+    if facts.any_penalized:
+        assert batch.prompt_ids is not None and batch.output_ids is not None
+        penalties = PenaltyState.from_ids(batch.prompt_ids, batch.output_ids, logits.shape[1])
+    rows = torch.arange(num_rows, device=logits.device)
+    prepared = kernels.penalize_and_scale(
+        logits,
+        rows,
+        torch.zeros_like(rows),
+        torch.empty(num_rows, 0, dtype=torch.int64, device=logits.device),
+        torch.ones(num_rows, device=logits.device),
+        torch.where(invalid_params, 1.0, batch.repetition_penalty),
+        torch.where(invalid_params, 0.0, batch.presence_penalty),
+        torch.where(invalid_params, 0.0, batch.frequency_penalty),
+        penalties,
+        scale=False,
+        bias=batch.dense_bias(logits.shape[1]),
+    )
+    chosen = prepared.scaled
+    status = torch.full((num_rows,), int(DeviceStatus.OK), dtype=torch.int32, device=logits.device)
+    if chosen is not logits:  # untouched logits are finite wherever the raw ones are
+        status = torch.where(~torch.isfinite(chosen.amax(dim=-1)), int(DeviceStatus.EMPTY_DISTRIBUTION), status)
+    status = torch.where(prepared.nonfinite, int(DeviceStatus.NONFINITE_LOGITS), status)
+    status = torch.where(invalid_params, int(DeviceStatus.INVALID_SAMPLING_PARAMETERS), status)
+    ok = status == int(DeviceStatus.OK)
+    tokens = torch.full((num_rows, width), -1, dtype=torch.int64, device=logits.device)
+    tokens[:, 0] = torch.where(ok, chosen.argmax(dim=-1), -1)
+    return tokens, ok.to(torch.int32), status.to(torch.int32)
