@@ -15,7 +15,7 @@ Row r of a round owns ``num_drafts[r] + 1`` consecutive positions of the flat lo
    by rejection sampling, min(1, p(x) / q(x));
 4. the draw (gumbel_max.py): the correction from the residual max(p - q, 0) after a rejection,
    else the bonus token from p, by Gumbel-max argmax_i(log p_i + G_i) per shard, merged;
-5. statuses (status.py) and the emitted tokens;
+5. statuses (`round_status`, the codes of status.py) and the emitted tokens;
 6. with ``num_logprobs``, log-probabilities of every emitted token and of the most likely tokens
    at its position (logprobs.py).
 
@@ -52,13 +52,14 @@ from flare.sampler.round_inputs import (
     usable_drafts,
 )
 from flare.sampler.shards import LocalShards, ShardReduction, held_values, merged_argmax, merged_sumexp
-from flare.sampler.status import DeviceStatus, round_status
+from flare.sampler.status import DeviceStatus
 from flare.sampler.top_tokens import TopTokens
 from flare.sampler.verification import (
     accepted_counts,
     emitted_tokens,
     greedy_acceptance,
     rejection_acceptance,
+    round_status,
     sampled_token,
     token_draw,
 )

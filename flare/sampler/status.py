@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-import torch
-
 
 class DeviceStatus(IntEnum):
     OK = 0
@@ -32,25 +30,3 @@ STATUS_MEANING: dict[DeviceStatus, str] = {
         "a filtered target distribution (top-k, top-p < 1, min-p > 0) in vocabulary-parallel verification"
     ),
 }
-
-
-def round_status(
-    empty_row: torch.Tensor,
-    nonfinite_row: torch.Tensor,
-    invalid_draft_prob: torch.Tensor,
-    invalid_draft_token: torch.Tensor,
-    invalid_speculation: torch.Tensor,
-    invalid_params: torch.Tensor,
-) -> torch.Tensor:
-    """[R] DeviceStatus codes of a round's rows from their [R] bool conditions; the later
-    conditions win over the earlier ones (greedy_tokens.c reports the same order)."""
-    status = torch.where(empty_row, int(DeviceStatus.EMPTY_DISTRIBUTION), int(DeviceStatus.OK))
-    for condition, code in (
-        (nonfinite_row, DeviceStatus.NONFINITE_LOGITS),
-        (invalid_draft_prob, DeviceStatus.INVALID_DRAFT_PROBABILITY),
-        (invalid_draft_token, DeviceStatus.INVALID_DRAFT_TOKEN),
-        (invalid_speculation, DeviceStatus.INVALID_SPECULATION),
-        (invalid_params, DeviceStatus.INVALID_SAMPLING_PARAMETERS),
-    ):
-        status = torch.where(condition, int(code), status)
-    return status

@@ -7,7 +7,8 @@ verification stops at the first rejection. At the first rejection, position a, t
 drawn from the residual normalize(max(p_a - q_a, 0)); when every draft is accepted, a bonus token
 is drawn from p_k. Every emitted token then follows p exactly:
 P(x) = min(p(x), q(x)) + max(p(x) - q(x), 0) = p(x). A greedy row accepts a draft iff it is the
-argmax, and emits the argmax after the accepted ones: exactly the argmax continuation.
+argmax, and emits the argmax after the accepted ones: exactly the argmax continuation. Each
+row's status (`round_status`) decides whether it emits at all.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from flare.sampler.batch import SamplingBatch
 from flare.sampler.gumbel_max import GumbelCandidates
 from flare.sampler.random_stream import Purpose, stream_bits, stream_key, uniform
 from flare.sampler.shards import best_candidate
+from flare.sampler.status import DeviceStatus
 
 
 def greedy_acceptance(drafts: torch.Tensor, argmax: torch.Tensor, draft_position: torch.Tensor) -> torch.Tensor:
@@ -114,6 +116,29 @@ def sampled_token(candidates: GumbelCandidates, rejected: torch.Tensor) -> torch
     # with probability sum max(p - q, 0) = 0); after rounding, sample from p.
     use_residual = rejected & (candidates.residual_mass.sum(1) > 0)
     return torch.where(use_residual, residual_token, token)
+
+
+def round_status(
+    empty_row: torch.Tensor,
+    nonfinite_row: torch.Tensor,
+    invalid_draft_prob: torch.Tensor,
+    invalid_draft_token: torch.Tensor,
+    invalid_speculation: torch.Tensor,
+    invalid_params: torch.Tensor,
+) -> torch.Tensor:
+    """[R] DeviceStatus codes of a round's rows from their [R] bool conditions; the later
+    conditions win over the earlier ones (greedy_tokens.c reports the same order). A row whose
+    status is not OK emits nothing."""
+    status = torch.where(empty_row, int(DeviceStatus.EMPTY_DISTRIBUTION), int(DeviceStatus.OK))
+    for condition, code in (
+        (nonfinite_row, DeviceStatus.NONFINITE_LOGITS),
+        (invalid_draft_prob, DeviceStatus.INVALID_DRAFT_PROBABILITY),
+        (invalid_draft_token, DeviceStatus.INVALID_DRAFT_TOKEN),
+        (invalid_speculation, DeviceStatus.INVALID_SPECULATION),
+        (invalid_params, DeviceStatus.INVALID_SAMPLING_PARAMETERS),
+    ):
+        status = torch.where(condition, int(code), status)
+    return status
 
 
 def emitted_tokens(drafts: torch.Tensor, num_accepted: torch.Tensor, token: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
