@@ -37,7 +37,7 @@ from flare.parallel.launch import RankGroup, WorkerSpec
 from flare.parallel.layout import ParallelLayout
 from flare.parallel.round_command import RoundCommand, RoundSampling, receive_command, send_command
 from flare.parallel.tensor_split import rank_config, rank_model
-from flare.parallel.vocab_round import sample_round_across_ranks
+from flare.parallel.vocab_round import ShardsAcrossRanks
 from flare.parallel.vocab_shard import VocabShard
 from flare.package.manifest import ModelConfig
 from flare.package.directory import expected_weight_shapes
@@ -88,7 +88,7 @@ def _round(groups: ProcessGroups, model: DecoderModel, cache: KVCache, command: 
     shard = VocabShard.of(CONFIG.vocab_size, groups.device)
     s = command.sampling
     assert s is not None
-    sample_round_across_ranks(shard, logits, s.num_drafts, s.draft_tokens, None, s.batch)
+    sample_round(logits, s.num_drafts, s.draft_tokens, None, s.batch, ShardsAcrossRanks(shard))
 
 
 def _serve(groups: ProcessGroups, state: tuple[DecoderModel, KVCache]) -> None:

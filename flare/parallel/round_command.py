@@ -39,7 +39,7 @@ _FACT_FIELDS = (
 
 @dataclass(frozen=True)
 class RoundSampling:
-    """The sampling inputs of a round, the same on every rank (sample_round_across_ranks).
+    """The sampling inputs of a round, the same on every rank (`sample_round` with `ShardsAcrossRanks`).
     ``draft_probs`` is q whole, [R, Kmax, V] (each rank takes its columns); the daemon sends it
     only for a test's INVALID_DRAFT_PROBABILITY fault, since learned drafters do not run across
     ranks."""
@@ -102,9 +102,9 @@ class StepKind(IntEnum):
     """What a worker does with its shard of the round's logits (rank 0 does the same with its own)."""
 
     SAMPLE = 1
-    """`sample_round_across_ranks` over ``positions`` with ``sampling``."""
+    """`sample_round` across ranks over ``positions`` with ``sampling``."""
     SCORE = 2
-    """`score_tokens_across_ranks` of ``targets`` at ``positions`` (echo)."""
+    """`score_tokens` across ranks of ``targets`` at ``positions`` (echo)."""
     GATHER = 3
     """`gather_rows` of ``positions``: whole rows to rank 0, for rows with filters (the
     single-shard sampler's) and the INVALID_SPECULATION fallback."""

@@ -5,8 +5,8 @@ every rank copies the blocks in its pool and runs the forward over its heads, an
 its vocabulary shard of the logits. The forward returns a `RankLogits` to rank 0's sampler:
 rank 0's shard, the positions it holds, and the steps over every rank's shard. As the sampler
 reaches a step (sampling, echo scoring, whole rows), rank 0 broadcasts it (`ShardStep`) and
-every rank runs it on its slice (vocab_round.py): rank 0 gathers per-shard statistics and
-decides with kernels/round.py's merge. Only rows with filters (top-k, top-p, min-p), which the
+every rank runs the sampler's conductor (sampler/round.py) on its slice with the across-ranks
+reduction (vocab_round.py): rank 0 gathers per-shard statistics and decides. Only rows with filters (top-k, top-p, min-p), which the
 merge does not filter, and the INVALID_SPECULATION fallback's rows are gathered whole.
 
 Any collective error or a round past its deadline is the group's failure (failstop.py): the
@@ -32,13 +32,13 @@ from flare.engine.kv_cache import KVCache
 from flare.engine.model import DecoderModel, load_model
 from flare.engine.quantized import QuantizedWeight
 from flare.sampler.logprobs import TokenLogprobs
-from flare.sampler.round import SampledRound
+from flare.sampler.round import SampledRound, sample_round, score_tokens
 from flare.parallel.group import ProcessGroups, all_reduce_sum
 from flare.parallel.launch import RankGroup, WorkerSpec
 from flare.parallel.layout import ParallelLayout
 from flare.parallel.round_command import RoundCommand, RoundSampling, ShardStep, StepKind, receive_message, send_command
 from flare.parallel.tensor_split import rank_config, rank_state_dict, vocabulary_rows
-from flare.parallel.vocab_round import gather_rows, sample_round_across_ranks, score_tokens_across_ranks
+from flare.parallel.vocab_round import ShardsAcrossRanks, gather_rows
 from flare.parallel.vocab_shard import VocabShard
 from flare.package.manifest import ModelConfig
 from flare.package.directory import open_package
@@ -128,12 +128,20 @@ def run_step(shard: VocabShard, logits: torch.Tensor, step: ShardStep) -> Sample
         s = step.sampling
         assert s is not None
         draft_probs = s.draft_probs[..., shard.start : shard.end] if s.draft_probs is not None else None
-        return sample_round_across_ranks(
-            shard, logits, s.num_drafts, s.draft_tokens, draft_probs, s.batch, s.token_mask, s.num_logprobs, s.raw_logprobs
+        return sample_round(
+            logits,
+            s.num_drafts,
+            s.draft_tokens,
+            draft_probs,
+            s.batch,
+            ShardsAcrossRanks(shard),
+            token_mask=s.token_mask,
+            num_logprobs=s.num_logprobs,
+            raw_logprobs=s.raw_logprobs,
         )
     if step.kind == StepKind.SCORE:
         assert step.targets is not None
-        return score_tokens_across_ranks(shard, logits, step.targets, step.num_top)
+        return score_tokens(logits, step.targets, step.num_top, ShardsAcrossRanks(shard))
     return gather_rows(shard, logits, torch.arange(logits.shape[0]))
 
 

@@ -1,7 +1,7 @@
 """A rank's contiguous vocabulary shard, and the round's inputs seen from it.
 
-Rank r of W holds tokens ``shard_bounds(V, W)[r]`` (the in-process ``vocab_shards`` split, so a
-W-rank group and ``vocab_shards=W`` in one process compute the same per-shard statistics). The
+Rank r of W holds tokens ``shard_bounds(V, W)[r]`` (the in-process `LocalShards` split, so a
+W-rank group and ``LocalShards(W)`` in one process compute the same per-shard statistics). The
 round's small inputs (draft ids, penalty ids, logit_bias ids, the grammar's bitmask) reach every
 rank whole, as rank 0 broadcasts them; each rank maps them onto its own columns here, so the
 existing kernels run unchanged on a [N, width] slice of the logits.

@@ -188,15 +188,15 @@ def float_of_key(key: torch.Tensor) -> torch.Tensor:
 
 
 def top_p_threshold(scaled: torch.Tensor, mass: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """`_largest_reaching_mass`, by the C kernel on the CPU where it was built
+    """`largest_reaching_mass`, by the C kernel on the CPU where it was built
     (`native.top_p_threshold`: the same bits in one pass), by the torch operators below
     elsewhere."""
     if scaled.device.type == "cpu" and native.available():
         return native.top_p_threshold(scaled.contiguous(), mass.contiguous(), target.float().contiguous())
-    return _largest_reaching_mass(scaled, mass, target)
+    return largest_reaching_mass(scaled, mass, target)
 
 
-def _largest_reaching_mass(scaled: torch.Tensor, mass: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def largest_reaching_mass(scaled: torch.Tensor, mass: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Per row, the largest logit t such that the tokens with logit >= t carry at least ``target``
     of ``mass`` (the top-p threshold), without sorting the row.
 

@@ -18,10 +18,10 @@ distribution for its output tokens (``logprobs_mode: "raw"``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
+from flare.sampler.shards import merged_sumexp
 from flare.sampler.top_tokens import TopTokens, ordered_top
 
 
@@ -48,28 +48,7 @@ class TokenLogprobs:
 
 def log_normalizer(shard_max: torch.Tensor, shard_sumexp: torch.Tensor) -> torch.Tensor:
     """[N] m + log Z from per-shard [N, S] maxima and kept sums (online-softmax merge)."""
-    position_max = shard_max.amax(1)
-    merged = (shard_sumexp * torch.exp(shard_max - position_max.unsqueeze(1))).sum(1)
-    return position_max + torch.log(merged)
-
-
-def logprobs_at(
-    kernels: ModuleType,
-    scaled: torch.Tensor,
-    threshold: torch.Tensor,
-    log_z: torch.Tensor,
-    slot_position: torch.Tensor,
-    slot_token: torch.Tensor,
-    num_top: int,
-    num_shards: int,
-) -> TokenLogprobs:
-    """Log-probabilities of ``slot_token`` at ``slot_position`` (same shape; tokens < 0 read as
-    token 0) and the ``num_top`` most likely tokens there, from ``scaled`` [N, V] with kept-set
-    ``threshold`` [N] and normalizer ``log_z`` [N]."""
-    token_logit = scaled[slot_position, slot_token.clamp(min=0)]
-    return logprobs_of(
-        token_logit, threshold, log_z, slot_position, kernels.shard_top_tokens(scaled, num_top, num_shards), num_top
-    )
+    return shard_max.amax(1) + torch.log(merged_sumexp(shard_max, shard_sumexp))
 
 
 def logprobs_of(
@@ -80,9 +59,11 @@ def logprobs_of(
     candidates: TopTokens,
     num_top: int,
 ) -> TokenLogprobs:
-    """`logprobs_at` from its statistics: each slot token's logit, the positions' kept-set
-    ``threshold`` and ``log_z`` [N], and the shards' top candidates [N, S * num_top] (what a
-    vocabulary-parallel sampler gathers from its ranks instead of reading a full row)."""
+    """Per slot, log p of its token and the ``num_top`` most likely tokens at ``slot_position``,
+    from the statistics the shards merge: each slot token's logit, the positions' kept-set
+    ``threshold`` and ``log_z`` = m + log Z [N], and the shards' top candidates [N, S * num_top]
+    (no full row is read): log p_i = x_i - log_z on kept tokens (x_i >= threshold), -inf
+    elsewhere."""
     kept = token_logit >= threshold[slot_position]
     logprob = torch.where(kept, token_logit - log_z[slot_position], float("-inf"))
     top = ordered_top(candidates.values, candidates.ids, num_top)
@@ -90,43 +71,3 @@ def logprobs_of(
         top.values >= threshold.unsqueeze(1), top.values - log_z.unsqueeze(1), float("-inf")
     )
     return TokenLogprobs(logprob, top.ids[slot_position], top_logprobs[slot_position])
-
-
-def score_tokens(
-    kernels: ModuleType,
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    num_top: int,
-    num_shards: int,
-    positions: torch.Tensor | None = None,
-) -> TokenLogprobs:
-    """Log-probabilities of ``targets`` under the raw model distribution of ``logits`` [P, V]
-    (temperature 1, nothing applied), and the ``num_top`` most likely tokens there: at each
-    position in order ([P] targets), or at ``positions`` (same shape as ``targets``)."""
-    num_positions = logits.shape[0]
-    raw = logits.float()
-    no_filter = torch.zeros(num_positions, dtype=torch.int64, device=logits.device)
-    stats = kernels.distribution_statistics(
-        raw,
-        torch.arange(num_positions, device=logits.device),
-        no_filter,
-        torch.ones(num_positions, device=logits.device),
-        torch.full((num_positions,), float("-inf"), device=logits.device),
-        num_shards,
-        filtered=False,
-        max_top_k=0,
-        any_top_p=False,
-        need_sumexp=True,
-        need_argmax=False,
-    )
-    assert stats.sumexp is not None
-    return logprobs_at(
-        kernels,
-        raw,
-        stats.threshold,
-        log_normalizer(stats.max, stats.sumexp),
-        torch.arange(num_positions, device=logits.device) if positions is None else positions,
-        targets,
-        num_top,
-        num_shards,
-    )

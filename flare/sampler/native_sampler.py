@@ -57,7 +57,7 @@ def stream_uniforms(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def top_p_threshold(scaled: torch.Tensor, mass: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Per row of `scaled` [N, V], the largest logit whose tokens carry at least `target` [N] of
     `mass` [N, V] (float32, contiguous): the bits of the torch twin's radix select
-    (distribution.py, `_largest_reaching_mass`)."""
+    (distribution.py, `largest_reaching_mass`)."""
     native = _module()
     rows, vocab = scaled.shape
     problems = [

@@ -1,50 +1,71 @@
-"""sample_round: penalties, temperature, filters, seeded sampling and speculative verification
-for every row of a round, in one call with no host synchronisation.
+"""sample_round: one round's sampling, conducted once, whether one process holds the whole
+vocabulary or each rank holds a shard of it (the `ShardReduction`, shards.py).
 
-Row r of a round owns ``num_drafts[r] + 1`` consecutive positions of the flat logits: position j
-is the target's prediction after the row's last accepted token and its first j drafts. Per row:
+Row r of a round owns ``num_drafts[r] + 1`` consecutive positions of the flat logits
+(round_inputs.py). Per round, with no host synchronisation:
 
-- drafts are verified in order by speculative rejection sampling (Leviathan et al. 2023,
-  Chen et al. 2023): draft x_j is accepted with probability min(1, p_j(x_j) / q_j(x_j)), drawn as
-  ``u * q < p`` with u from the row's stream (seed, output position, ACCEPT);
-- at the first rejection the token at that position is sampled from normalize(max(p_j - q_j, 0));
-  when every draft is accepted a bonus token is sampled from p at the last position. Either way
-  the sample is Gumbel-max with the stream (seed, output position, SAMPLE);
-- greedy rows (temperature 0) accept a draft iff it is the argmax and emit the argmax;
-- a row with K = 0 drafts is plain sampling through the same path.
+1. penalties and temperature (`penalized_logits`): a grammar's token mask, the rows' logit_bias,
+   repetition, frequency and presence penalties, then the temperature, on the columns this
+   process holds; every later step sees these logits, so drafts are verified against the same
+   constrained p that non-speculative sampling draws from;
+2. distribution statistics (distribution.py): per shard the max, the kept sum of exponentials
+   and the argmax, with top-k / top-p / min-p when one shard holds the whole vocabulary; the
+   decider merges them (shards.py);
+3. verification (verification.py): greedy rows accept a draft iff it is the argmax; sampled rows
+   by rejection sampling, min(1, p(x) / q(x));
+4. the draw (gumbel_max.py): the correction from the residual max(p - q, 0) after a rejection,
+   else the bonus token from p, by Gumbel-max argmax_i(log p_i + G_i) per shard, merged;
+5. statuses (`round_status`, the codes of status.py) and the emitted tokens;
+6. with ``num_logprobs``, log-probabilities of every emitted token and of the most likely tokens
+   at its position (logprobs.py).
 
-Before penalties and temperature, a grammar's token mask (per position: a verify row's
-positions each have the grammar state after the drafts before them) sets disallowed tokens to
--inf, and the rows' logit_bias is added; every later step (penalties, temperature, filters,
-verification) sees the masked and biased logits, so the drafts are verified against the same
-constrained p that non-speculative sampling draws from. With ``num_logprobs`` set, the
-log-probabilities of every emitted token and of the most likely tokens at its position come
-back with the tokens (logprobs.py says which distribution), read in the same host read.
-
-The emitted tokens therefore follow exactly the distribution of non-speculative sampling.
-The heavy per-position work runs in three kernels, each a Triton kernel on CUDA with a torch twin
-elsewhere (penalties.py, distribution.py, gumbel_max.py and their *_triton.py); the [R, K]-sized
-bookkeeping between them is plain tensor code shared by both backends.
+Each process computes its shards' contributions; the reduction gathers them to the decider
+(rank 0 across ranks; the process itself otherwise) and shares the decider's choices back, so
+a W-rank group and ``LocalShards(W)`` emit the same bits. A row with K = 0 drafts is plain
+sampling through the same path. Rounds of greedy rows alone take a short path with the same
+results: the C kernel greedy_tokens.c on the CPU, its torch twin `greedy_round` elsewhere.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Literal
 
 import torch
 
 from flare.sampler import native_sampler as native
 from flare.sampler.batch import SamplingBatch
 from flare.sampler.gumbel_max import GumbelCandidates
-from flare.sampler.logprobs import TokenLogprobs, log_normalizer, logprobs_at
-from flare.sampler.logprobs import score_tokens as logprobs_score_tokens
-from flare.sampler.penalties import PenaltyState
-from flare.sampler.random_stream import Purpose, stream_bits, stream_key, uniform
+from flare.sampler.logprobs import TokenLogprobs, log_normalizer, logprobs_of
+from flare.sampler.penalties import PenaltyState, PreparedLogits
+from flare.sampler.round_inputs import (
+    PositionLayout,
+    RowFilters,
+    RowKinds,
+    any_per_row,
+    check_round_shapes,
+    no_filters,
+    position_layout,
+    row_filters,
+    row_kinds,
+    slot_positions,
+    usable_drafts,
+)
+from flare.sampler.shards import LocalShards, ShardReduction, held_values, merged_argmax, merged_sumexp
 from flare.sampler.status import DeviceStatus
+from flare.sampler.top_tokens import TopTokens
+from flare.sampler.verification import (
+    accepted_counts,
+    emitted_tokens,
+    greedy_acceptance,
+    rejection_acceptance,
+    round_status,
+    sampled_token,
+    token_draw,
+)
 
-Backend = Literal["torch", "triton"]
+ONE_PROCESS = LocalShards()
+"""The whole vocabulary in this process, as one shard, on the logits' device's backend."""
 
 
 @dataclass(frozen=True)
@@ -67,192 +88,450 @@ def sample_round(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor | None,
     batch: SamplingBatch,
-    vocab_shards: int = 1,
-    backend: Backend | None = None,
+    shards: ShardReduction = ONE_PROCESS,
+    *,
     token_mask: torch.Tensor | None = None,
     num_logprobs: int | None = None,
     raw_logprobs: torch.Tensor | None = None,
-) -> SampledRound:
-    """Verify and sample every row of a round.
+) -> SampledRound | None:
+    """Verify and sample every row of a round; the decider gets the result, any other process
+    of ``shards`` None.
 
-    logits: [N, V], the rows' positions in order (row r has num_drafts[r] + 1 of them).
+    logits: [N, width], the rows' positions in order (row r has num_drafts[r] + 1 of them), over
+    the vocabulary columns this process holds (all V of them with `LocalShards`).
     num_drafts: [R] integer. draft_tokens: [R, Kmax] int64, -1 past a row's drafts.
-    draft_probs: [R, Kmax, V] draft distributions q, or None for deterministic drafters
-    (q is one-hot on the proposed token).
-    vocab_shards: S > 1 computes everything from per-shard statistics (vocabulary-parallel
-    sampling); a sampled row with a filter then gets INVALID_SPECULATION.
-    backend: "triton" (CUDA) or "torch"; by default triton on CUDA, torch elsewhere.
+    draft_probs: [R, Kmax, width] draft distributions q over the held columns, or None for
+    deterministic drafters (q is one-hot on the proposed token).
+    shards: where the vocabulary's shards are; with more than one, a sampled row with a filter
+    gets INVALID_SPECULATION.
     token_mask: [N, ceil(V / 32)] int32 allowed-token bitmask per position, or None (no grammar).
     num_logprobs: None, or k >= 0: also report log p of each emitted token and the k most
     likely tokens at its position.
     raw_logprobs: [R] bool, or None: rows that report the raw model distribution (temperature
     1, nothing applied) instead of the one sampled from; costs one more statistics pass.
+    The other arguments than logits and draft_probs are the whole round's, the same on every
+    process.
     """
-    num_positions, vocab_size = logits.shape
+    num_positions, width = logits.shape
     num_rows, max_drafts = draft_tokens.shape
-    _check_shapes(logits, num_drafts, draft_tokens, draft_probs, batch, vocab_shards, token_mask)
+    vocab_size = shards.vocab_size(width)
+    check_round_shapes(num_positions, vocab_size, width, num_drafts, draft_tokens, draft_probs, batch, token_mask)
     facts = batch.facts
-    kernels = _kernels(backend or ("triton" if logits.is_cuda else "torch"))
-    greedy_only = not facts.any_sampled and token_mask is None and num_logprobs is None and raw_logprobs is None
-    if greedy_only and draft_probs is None and logits.device.type == "cpu" and native.available():
-        # The same results in one call (greedy_tokens.c): at one row the few hundred operators
-        # below cost more to dispatch than to compute.
-        tokens, emitted, status = native.greedy_tokens(
-            logits.float().contiguous(), num_drafts.to(torch.int64).contiguous(), draft_tokens.to(torch.int64).contiguous(), batch
-        )
-        return SampledRound(tokens=tokens, num_emitted=emitted, status=status)
-    if greedy_only and num_positions == num_rows:
-        return greedy_round(logits, batch, max_drafts, kernels)
     device = logits.device
+    kernels = shards.kernels(device)
+    greedy_only = not facts.any_sampled and token_mask is None and num_logprobs is None and raw_logprobs is None
+    if greedy_only and shards.whole_vocabulary:
+        if draft_probs is None and device.type == "cpu" and native.available():
+            return SampledRound(
+                *native.greedy_tokens(
+                    logits.float().contiguous(), num_drafts.to(torch.int64).contiguous(), draft_tokens.to(torch.int64).contiguous(), batch
+                )
+            )
+        if num_positions == num_rows:
+            return SampledRound(*greedy_round(logits, batch, max_drafts, kernels))
 
     # A round of one position a row has no draft in any row, whatever draft_tokens' width: the
     # verification's statistics and draws are skipped (they would accept nothing).
     drafting = num_positions > num_rows
     layout = position_layout(num_drafts, num_rows, max_drafts, num_positions, device)
-    num_drafts, row_start, row_of_position, index_in_row = (
-        layout.num_drafts, layout.row_start, layout.row_of_position, layout.index_in_row
-    )
-    draft_index, is_draft = layout.draft_index, layout.is_draft
-
-    # Drafts: -1 marks "no draft here" and an out-of-vocabulary id (status INVALID_DRAFT_TOKEN).
-    in_vocab = (draft_tokens >= 0) & (draft_tokens < vocab_size)
-    invalid_draft_token = (is_draft & ~in_vocab).any(1)
-    drafts = torch.where(is_draft & in_vocab, draft_tokens, -1)
-    safe_drafts = drafts.clamp(min=0)
-
+    drafts = usable_drafts(draft_tokens, layout, vocab_size)
     kinds = row_kinds(batch)
-    invalid_params, greedy, sampled, filtered_row = kinds.invalid_params, kinds.greedy, kinds.sampled, kinds.filtered
-    filter_here = filtered_row & (vocab_shards == 1)
-    top_k = torch.where(filter_here & (batch.top_k > 0), batch.top_k, 0)
-    top_p = torch.where(filter_here, batch.top_p, 1.0)
-    log_min_p = torch.where(filter_here, torch.log(batch.min_p), float("-inf"))
-    divisor = torch.where(sampled, batch.temperature, 1.0)
-
-    penalties = None
-    if facts.any_penalized:
-        assert batch.prompt_ids is not None and batch.output_ids is not None
-        penalties = PenaltyState.from_ids(batch.prompt_ids, batch.output_ids, vocab_size)
-    prepared = kernels.penalize_and_scale(
+    own_drafts = shards.own_ids(drafts.tokens)
+    prepared = penalized_logits(
+        kernels,
         logits,
-        row_of_position,
-        index_in_row,
-        drafts,
-        divisor,
-        torch.where(invalid_params, 1.0, batch.repetition_penalty),
-        torch.where(invalid_params, 0.0, batch.presence_penalty),
-        torch.where(invalid_params, 0.0, batch.frequency_penalty),
-        penalties,
-        scale=facts.any_temperature_scaling,
-        token_mask=token_mask,
-        bias=batch.dense_bias(vocab_size),
+        layout,
+        own_drafts,
+        kinds,
+        shards.own_batch(batch),
+        shards.own_token_mask(token_mask) if token_mask is not None else None,
     )
     scaled = prepared.scaled
-    stats = kernels.distribution_statistics(
-        scaled,
-        row_of_position,
-        top_k,
-        top_p,
-        log_min_p,
-        vocab_shards,
-        filtered=facts.any_filtered and vocab_shards == 1,
-        max_top_k=facts.max_top_k,
-        any_top_p=facts.any_top_p,
-        # Gumbel-max needs no normalisation: Z only serves p(draft) and the residual.
+    statistics = gather_statistics(
+        shards,
+        kernels,
+        prepared,
+        logits,
+        layout,
+        own_drafts,
+        draft_probs,
+        row_filters(batch, kinds, shards.applies_filters),
+        # Gumbel-max needs no normalisation: Z only serves p(draft), the residual and logprobs.
         need_sumexp=(facts.any_sampled and drafting) or num_logprobs is not None,
         need_argmax=facts.any_greedy,
+        num_logprobs=num_logprobs,
+        raw_logprobs=raw_logprobs,
     )
-    # Merge shard statistics (online softmax): m = max_s m_s, Z = sum_s Z_s exp(m_s - m).
-    position_max = stats.max.amax(1)
-    empty_position = ~torch.isfinite(position_max)
-    threshold = stats.threshold
-
-    nonfinite_row = _any_per_row(prepared.nonfinite, row_of_position, num_rows)
-    empty_row = _any_per_row(empty_position, row_of_position, num_rows)
-
-    draft_position = layout.draft_position
-    accept = torch.zeros(num_rows, max_drafts, dtype=torch.bool, device=device)
-    # Checked for every row, greedy ones too: a drafter that reports a probability outside
-    # (0, 1] for its own proposal is broken, whatever the row's sampling.
-    q_draft = None
-    invalid_draft_prob = torch.zeros(num_rows, dtype=torch.bool, device=device)
-    if draft_probs is not None:
-        q_draft = draft_probs.gather(2, safe_drafts.unsqueeze(2)).squeeze(2).float()
-        invalid_draft_prob = (is_draft & ~((q_draft > 0) & (q_draft <= 1))).any(1)
-    argmax = None
-    if facts.any_greedy:
-        assert stats.argmax is not None
-        argmax = _merged_argmax(stats.max, stats.argmax)
-        accept = torch.where(greedy.unsqueeze(1), drafts == argmax[draft_position], accept)
-    sumexp = None
-    if facts.any_sampled and drafting:
-        assert stats.sumexp is not None
-        sumexp = (stats.sumexp * torch.exp(stats.max - position_max.unsqueeze(1))).sum(1)
-        draft_logit = scaled[draft_position, safe_drafts]
-        accepted_sampled = sampled_acceptance(
-            draft_logit, threshold[draft_position], position_max[draft_position], sumexp[draft_position], q_draft,
-            batch, draft_index,
-        )
-        accept = torch.where(sampled.unsqueeze(1), accepted_sampled, accept)
-    accept &= is_draft
-    num_accepted = accept.to(torch.int64).cumprod(1).sum(1)
-    sample_position = row_start + num_accepted
-
-    token = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    verdict = None
+    if statistics.gathered is not None:
+        verdict = verify_drafts(statistics.gathered, statistics.threshold, layout, kinds, drafts.tokens, batch, drafting)
+    token = None
     if facts.any_sampled:
-        token = _sample(
-            kernels, scaled, batch, draft_probs, drafts, num_drafts, num_accepted, sample_position,
-            position_max, sumexp, threshold, vocab_shards,
-        )
-    if argmax is not None:
-        token = torch.where(greedy, argmax[sample_position], token)
+        token = draw_tokens(shards, kernels, scaled, statistics.threshold, verdict, layout, drafts.tokens, draft_probs, batch)
 
-    status = round_status(
-        empty_row, nonfinite_row, invalid_draft_prob, invalid_draft_token, filtered_row & (vocab_shards > 1), invalid_params
-    )
-    ok = status == int(DeviceStatus.OK)
-    tokens = emitted_tokens(drafts, num_accepted, token, ok)
-    slot = torch.arange(max_drafts + 1, device=device).unsqueeze(0)
+    tokens = status = None
+    if verdict is not None:
+        if token is None:
+            token = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        if verdict.argmax is not None:
+            token = torch.where(kinds.greedy, verdict.argmax[verdict.sample_position], token)
+        status = round_status(
+            verdict.empty_row,
+            verdict.nonfinite_row,
+            verdict.invalid_draft_prob,
+            drafts.invalid_token,
+            kinds.filtered & (shards.num_shards > 1),
+            kinds.invalid_params,
+        )
+        tokens = emitted_tokens(drafts.tokens, verdict.num_accepted, token, status == int(DeviceStatus.OK))
     logprobs = None
     if num_logprobs is not None:
-        assert stats.sumexp is not None
-        slot_position = (row_start.unsqueeze(1) + slot).clamp(max=num_positions - 1)
-        logprobs = logprobs_at(
-            kernels,
-            scaled,
-            threshold,
-            log_normalizer(stats.max, stats.sumexp),
-            slot_position,
-            tokens,
-            num_logprobs,
-            vocab_shards,
-        )
-        if raw_logprobs is not None:
-            raw = logprobs_score_tokens(kernels, logits, tokens, num_logprobs, vocab_shards, slot_position)
-            logprobs = logprobs.where_rows(raw_logprobs.to(device), raw)
+        logprobs = emitted_logprobs(shards, statistics, scaled, logits, layout, tokens, num_logprobs, raw_logprobs)
+
+    if verdict is None:
+        return None
+    assert tokens is not None and status is not None
+    ok = status == int(DeviceStatus.OK)
     return SampledRound(
         tokens=tokens,
-        num_emitted=torch.where(ok, num_accepted + 1, 0).to(torch.int32),
+        num_emitted=torch.where(ok, verdict.num_accepted + 1, 0).to(torch.int32),
         status=status.to(torch.int32),
         logprobs=logprobs,
     )
 
 
-def greedy_round(logits: torch.Tensor, batch: SamplingBatch, max_drafts: int, kernels: ModuleType) -> SampledRound:
-    """sample_round of a round whose rows are all greedy (or invalid) with one position each,
-    without drafts, token mask or log-probabilities: the same results without the general path's
-    few hundred operators, which at one row on a CPU cost a sixth of the round with the penalties
-    a package's policy applies by default.
+def penalized_logits(
+    kernels: ModuleType,
+    logits: torch.Tensor,
+    layout: PositionLayout,
+    own_drafts: torch.Tensor,
+    kinds: RowKinds,
+    own_batch: SamplingBatch,
+    own_token_mask: torch.Tensor | None,
+) -> PreparedLogits:
+    """The logits each position samples from, on this process's columns, in this order: the
+    grammar's mask (-inf on disallowed tokens), x += logit_bias, repetition penalty (x / rep
+    when x > 0 else x * rep, on tokens seen in the prompt or output), x -= freq * count +
+    pres * [count > 0] over the output (a verify position's earlier drafts counting as output),
+    then x / temperature (greedy and invalid rows by 1). Invalid rows get neutral penalties; the
+    raw logits' non-finite check comes with them (penalties.py)."""
+    width = logits.shape[1]
+    penalties = None
+    if own_batch.facts.any_penalized:
+        assert own_batch.prompt_ids is not None and own_batch.output_ids is not None
+        penalties = PenaltyState.from_ids(own_batch.prompt_ids, own_batch.output_ids, width)
+    return kernels.penalize_and_scale(
+        logits,
+        layout.row_of_position,
+        layout.index_in_row,
+        own_drafts,
+        torch.where(kinds.sampled, own_batch.temperature, 1.0),
+        torch.where(kinds.invalid_params, 1.0, own_batch.repetition_penalty),
+        torch.where(kinds.invalid_params, 0.0, own_batch.presence_penalty),
+        torch.where(kinds.invalid_params, 0.0, own_batch.frequency_penalty),
+        penalties,
+        scale=own_batch.facts.any_temperature_scaling,
+        token_mask=own_token_mask,
+        bias=own_batch.dense_bias(width),
+    )
 
-    Each row emits the argmax of its logits after its logit bias and penalties (the lowest index
-    on ties, as the shards' merge gives). Its status is round_status's for such a row: no finite
-    value after bias and penalties is EMPTY_DISTRIBUTION, a NaN or infinite raw logit
-    NONFINITE_LOGITS (which wins), and invalid parameters win over both (their penalties are
-    neutral, as in the general path). Like sample_round's, the tokens are [R, max_drafts + 1], -1
-    after the first.
 
-    The operators apply the general path's own penalize_and_scale (`kernels`, the backend's), so
-    the values compared are the same floats. On the CPU, `native.greedy_tokens` computes the same
-    (and verifies greedy rows' drafts) in one call.
+@dataclass(frozen=True)
+class RoundStatistics:
+    """Phase 1 of a round: what this process applied, and at the decider what every shard sent."""
+
+    threshold: torch.Tensor
+    """[N]: the kept-set threshold of this process's filters (-inf: all kept)."""
+    raw_threshold: torch.Tensor | None
+    """[N]: the same for the raw distribution, when some row reports raw log-probabilities."""
+    gathered: dict[str, torch.Tensor] | None
+    """At the decider: per name, every shard's contribution on the last dimension."""
+
+
+def gather_statistics(
+    shards: ShardReduction,
+    kernels: ModuleType,
+    prepared: PreparedLogits,
+    logits: torch.Tensor,
+    layout: PositionLayout,
+    own_drafts: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    filters: RowFilters,
+    need_sumexp: bool,
+    need_argmax: bool,
+    num_logprobs: int | None,
+    raw_logprobs: torch.Tensor | None,
+) -> RoundStatistics:
+    """This process's per-shard statistics, gathered to the decider in one step: per position
+    each shard's max m_s, kept sum Z_s = sum exp(x - m_s) and argmax, and the raw logits'
+    non-finite flag; per draft its logit and q where this process holds it (-inf elsewhere);
+    with logprobs each shard's top-k, and for raw rows the same over the unprocessed logits."""
+    scaled = prepared.scaled
+    num_positions = scaled.shape[0]
+    device = scaled.device
+    stats = shards.shard_statistics(
+        kernels, scaled, layout.row_of_position, filters, need_sumexp=need_sumexp, need_argmax=need_argmax
+    )
+    sent = {
+        "max": stats.max,
+        "nonfinite": prepared.nonfinite.unsqueeze(-1),
+        "draft_logit": held_values(scaled, layout.draft_position, own_drafts).unsqueeze(-1),
+    }
+    if stats.sumexp is not None:
+        sent["sumexp"] = stats.sumexp
+    if stats.argmax is not None:
+        sent["argmax"] = stats.argmax
+    if draft_probs is not None:
+        held = own_drafts >= 0
+        own_q = draft_probs.gather(2, own_drafts.clamp(min=0).unsqueeze(2)).squeeze(2).float()
+        sent["q_draft"] = torch.where(held, own_q, float("-inf")).unsqueeze(-1)
+    raw_threshold = None
+    if num_logprobs is not None:
+        sent["top_values"], sent["top_ids"] = own_top_tokens(shards, kernels, scaled, num_logprobs)
+        if raw_logprobs is not None:
+            raw = logits.float()
+            raw_stats = shards.shard_statistics(
+                kernels,
+                raw,
+                torch.arange(num_positions, device=device),
+                no_filters(num_positions, device),
+                need_sumexp=True,
+                need_argmax=False,
+            )
+            assert raw_stats.sumexp is not None
+            raw_threshold = raw_stats.threshold
+            sent["raw_max"], sent["raw_sumexp"] = raw_stats.max, raw_stats.sumexp
+            sent["raw_top_values"], sent["raw_top_ids"] = own_top_tokens(shards, kernels, raw, num_logprobs)
+    gathered = shards.gather(list(sent.values()))
+    return RoundStatistics(
+        threshold=stats.threshold,
+        raw_threshold=raw_threshold,
+        gathered=dict(zip(sent, gathered)) if gathered is not None else None,
+    )
+
+
+def own_top_tokens(shards: ShardReduction, kernels: ModuleType, values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, held shards * k]: each held shard's k largest ``values`` (largest first, lower id
+    first among ties) and their vocabulary ids (-1 padding), for the decider's merge."""
+    top = kernels.shard_top_tokens(values, k, shards.held_shards)
+    return top.values, torch.where(top.ids >= 0, top.ids + shards.first_index, -1)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The decider's verification of a round, from the gathered statistics."""
+
+    num_accepted: torch.Tensor
+    """[R] int64: drafts accepted before the first rejection."""
+    sample_position: torch.Tensor
+    """[R]: the position sampled after them."""
+    argmax: torch.Tensor | None
+    """[N]: the merged argmax of every position, when some row is greedy."""
+    position_max: torch.Tensor
+    """[N]: the merged max m."""
+    sumexp_or_ones: torch.Tensor
+    """[N]: the merged Z where computed, else 1 (Gumbel-max without a residual needs no Z)."""
+    empty_row: torch.Tensor
+    nonfinite_row: torch.Tensor
+    invalid_draft_prob: torch.Tensor
+
+
+def verify_drafts(
+    gathered: dict[str, torch.Tensor],
+    threshold: torch.Tensor,
+    layout: PositionLayout,
+    kinds: RowKinds,
+    drafts: torch.Tensor,
+    batch: SamplingBatch,
+    drafting: bool,
+) -> Verdict:
+    """Acceptance of every row's drafts from the shards' merged statistics (``gathered``: per
+    shard [N, S] ``max``, ``sumexp``, ``argmax``; per process ``nonfinite``, ``draft_logit``,
+    ``q_draft`` on the last dimension): greedy rows accept x_j iff x_j = argmax p_j, sampled rows
+    with probability min(1, p_j(x_j) / q_j(x_j)). A position whose merged max is not finite makes
+    its row EMPTY_DISTRIBUTION; a drafter's q(x) outside (0, 1] makes it
+    INVALID_DRAFT_PROBABILITY, whatever the row's sampling."""
+    num_rows, max_drafts = drafts.shape
+    facts = batch.facts
+    device = drafts.device
+    shard_max = gathered["max"]
+    position_max = shard_max.amax(1)
+    empty_row = any_per_row(~torch.isfinite(position_max), layout.row_of_position, num_rows)
+    nonfinite_row = any_per_row(gathered["nonfinite"].bool().any(-1), layout.row_of_position, num_rows)
+    accept = torch.zeros(num_rows, max_drafts, dtype=torch.bool, device=device)
+    q_draft = None
+    invalid_draft_prob = torch.zeros(num_rows, dtype=torch.bool, device=device)
+    if "q_draft" in gathered:
+        q_draft = gathered["q_draft"].amax(-1)
+        invalid_draft_prob = (layout.is_draft & ~((q_draft > 0) & (q_draft <= 1))).any(1)
+    argmax = None
+    if facts.any_greedy:
+        argmax = merged_argmax(shard_max, gathered["argmax"].to(torch.int64))
+        accept = torch.where(kinds.greedy.unsqueeze(1), greedy_acceptance(drafts, argmax, layout.draft_position), accept)
+    sumexp = merged_sumexp(shard_max, gathered["sumexp"]) if "sumexp" in gathered else None
+    if facts.any_sampled and drafting:
+        assert sumexp is not None
+        at = layout.draft_position
+        accepted_sampled = rejection_acceptance(
+            gathered["draft_logit"].amax(-1), threshold[at], position_max[at], sumexp[at], q_draft, batch, layout.draft_index
+        )
+        accept = torch.where(kinds.sampled.unsqueeze(1), accepted_sampled, accept)
+    num_accepted = accepted_counts(accept, layout.is_draft)
+    return Verdict(
+        num_accepted=num_accepted,
+        sample_position=layout.row_start + num_accepted,
+        argmax=argmax,
+        position_max=position_max,
+        sumexp_or_ones=sumexp if sumexp is not None else torch.ones_like(position_max),
+        empty_row=empty_row,
+        nonfinite_row=nonfinite_row,
+        invalid_draft_prob=invalid_draft_prob,
+    )
+
+
+def draw_tokens(
+    shards: ShardReduction,
+    kernels: ModuleType,
+    scaled: torch.Tensor,
+    threshold: torch.Tensor,
+    verdict: Verdict | None,
+    layout: PositionLayout,
+    drafts: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    batch: SamplingBatch,
+) -> torch.Tensor | None:
+    """At the decider, [R]: every row's correction or bonus token by Gumbel-max,
+    argmax_i(log p_i + G_i), from the residual max(p - q, 0) after a rejection. The decider
+    shares its accepted counts and merged m and Z; every process draws its shards' candidates at
+    the sampled positions (the noise of token i is the stream's at vocabulary index i, whoever
+    holds it); the decider merges them. None on the other processes."""
+    num_rows, num_positions = drafts.shape[0], scaled.shape[0]
+    num_accepted, position_max, sumexp = shards.share(
+        [verdict.num_accepted, verdict.position_max, verdict.sumexp_or_ones] if verdict is not None else None,
+        [((num_rows,), torch.int64), ((num_positions,), torch.float32), ((num_positions,), torch.float32)],
+        scaled.device,
+    )
+    draw = token_draw(batch, layout.row_start, drafts, draft_probs, layout.num_drafts, num_accepted)
+    at = draw.sample_position
+    candidates = kernels.gumbel_candidates(
+        scaled,
+        at,
+        draw.key,
+        position_max[at],
+        sumexp[at],
+        threshold[at],
+        shards.own_ids(draw.exclude),
+        draw.draft_q,
+        shards.held_shards,
+        first_index=shards.first_index,
+    )
+    parts = [candidates.index, candidates.value]
+    if draw.draft_q is not None:
+        assert candidates.residual_index is not None and candidates.residual_value is not None
+        assert candidates.residual_mass is not None
+        parts += [candidates.residual_index, candidates.residual_value, candidates.residual_mass]
+    merged = shards.gather(parts)
+    if merged is None:
+        return None
+    residual = merged[2:] if draw.draft_q is not None else [None, None, None]
+    return sampled_token(GumbelCandidates(merged[0], merged[1], *residual), draw.rejected)
+
+
+def emitted_logprobs(
+    shards: ShardReduction,
+    statistics: RoundStatistics,
+    scaled: torch.Tensor,
+    logits: torch.Tensor,
+    layout: PositionLayout,
+    tokens: torch.Tensor | None,
+    num_logprobs: int,
+    raw_logprobs: torch.Tensor | None,
+) -> TokenLogprobs | None:
+    """At the decider: log p of every emitted token, log p_i = x_i - (m + log Z) on the kept
+    set, and the ``num_logprobs`` most likely tokens at its position; for the ``raw_logprobs``
+    rows, of the raw distribution instead. The decider shares the tokens; every process reports
+    their logits where it holds them. None on the other processes."""
+    num_positions = scaled.shape[0]
+    num_rows, max_drafts = layout.is_draft.shape
+    shared_tokens = shards.share([tokens] if tokens is not None else None, [((num_rows, max_drafts + 1), torch.int64)], scaled.device)[0]
+    slot_position = slot_positions(layout, max_drafts, num_positions)
+    own_tokens = shards.own_ids(shared_tokens.clamp(min=0))
+    token_logits = [held_values(scaled, slot_position, own_tokens).unsqueeze(-1)]
+    if raw_logprobs is not None:
+        token_logits.append(held_values(logits.float(), slot_position, own_tokens).unsqueeze(-1))
+    merged = shards.gather(token_logits)
+    if merged is None:
+        return None
+    gathered = statistics.gathered
+    assert gathered is not None
+    logprobs = logprobs_of(
+        merged[0].amax(-1),
+        statistics.threshold,
+        log_normalizer(gathered["max"], gathered["sumexp"]),
+        slot_position,
+        TopTokens(gathered["top_values"], gathered["top_ids"].to(torch.int64)),
+        num_logprobs,
+    )
+    if raw_logprobs is None:
+        return logprobs
+    assert statistics.raw_threshold is not None
+    raw = logprobs_of(
+        merged[1].amax(-1),
+        statistics.raw_threshold,
+        log_normalizer(gathered["raw_max"], gathered["raw_sumexp"]),
+        slot_position,
+        TopTokens(gathered["raw_top_values"], gathered["raw_top_ids"].to(torch.int64)),
+        num_logprobs,
+    )
+    return logprobs.where_rows(raw_logprobs.to(scaled.device), raw)
+
+
+def score_tokens(
+    logits: torch.Tensor, targets: torch.Tensor, num_top: int, shards: ShardReduction = ONE_PROCESS
+) -> TokenLogprobs | None:
+    """log p(target) under the raw model distribution (temperature 1, nothing applied),
+    log p_i = x_i - (m + log Z), of ``targets`` [P] at each position of ``logits`` [P, width]
+    (the held columns), with the ``num_top`` most likely tokens (scoring a prompt: echo). The
+    decider gets the result, any other process of ``shards`` None."""
+    num_positions, width = logits.shape
+    shards.vocab_size(width)
+    device = logits.device
+    kernels = shards.kernels(device)
+    positions = torch.arange(num_positions, device=device)
+    raw = logits.float()
+    stats = shards.shard_statistics(kernels, raw, positions, no_filters(num_positions, device), need_sumexp=True, need_argmax=False)
+    assert stats.sumexp is not None
+    top_values, top_ids = own_top_tokens(shards, kernels, raw, num_top)
+    target_logit = held_values(raw, positions, shards.own_ids(targets.clamp(min=0)))
+    gathered = shards.gather([stats.max, stats.sumexp, top_values, top_ids, target_logit.unsqueeze(-1)])
+    if gathered is None:
+        return None
+    return logprobs_of(
+        gathered[4].amax(-1),
+        stats.threshold,
+        log_normalizer(gathered[0], gathered[1]),
+        positions,
+        TopTokens(gathered[2], gathered[3].to(torch.int64)),
+        num_top,
+    )
+
+
+def greedy_round(
+    logits: torch.Tensor, batch: SamplingBatch, max_drafts: int, kernels: ModuleType
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The round's short path off the CPU kernel: tokens [R, max_drafts + 1] int64 (the argmax,
+    then -1), emitted [R] int32 and status [R] int32 of a round of greedy or invalid rows with
+    one position each, without token mask or log-probabilities: sample_round's results in a few
+    dozen operators instead of the general path's few hundred, which at one row cost more to
+    dispatch than to compute. Each row emits argmax_i x_i of its logits after its logit bias
+    and penalties (the lowest index on ties, as the shards' merge gives); on the CPU
+    `native.greedy_tokens` (greedy_tokens.c) computes the same in one call, drafts included.
+
+    The status is round_status's for such a row: no finite value after bias and penalties is
+    EMPTY_DISTRIBUTION, a NaN or infinite raw logit NONFINITE_LOGITS (which wins), and invalid
+    parameters win over both (their penalties are neutral, as in the general path). The
+    operators apply the general path's own penalize_and_scale (`kernels`, the backend's), so the
+    values compared are the same floats.
     """
     num_rows, width = logits.shape[0], max_drafts + 1
     facts = batch.facts
@@ -284,278 +563,4 @@ def greedy_round(logits: torch.Tensor, batch: SamplingBatch, max_drafts: int, ke
     ok = status == int(DeviceStatus.OK)
     tokens = torch.full((num_rows, width), -1, dtype=torch.int64, device=logits.device)
     tokens[:, 0] = torch.where(ok, chosen.argmax(dim=-1), -1)
-    return SampledRound(
-        tokens=tokens,
-        num_emitted=ok.to(torch.int32),
-        status=status.to(torch.int32),
-    )
-
-
-def score_tokens(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    num_top: int,
-    vocab_shards: int = 1,
-    backend: Backend | None = None,
-) -> TokenLogprobs:
-    """Log-probabilities of ``targets`` [P] under the raw model distribution at each position of
-    ``logits`` [P, V], with the ``num_top`` most likely tokens (scoring a prompt: echo)."""
-    kernels = _kernels(backend or ("triton" if logits.is_cuda else "torch"))
-    return logprobs_score_tokens(kernels, logits, targets, num_top, vocab_shards)
-
-
-def _sample(
-    kernels: ModuleType,
-    scaled: torch.Tensor,
-    batch: SamplingBatch,
-    draft_probs: torch.Tensor | None,
-    drafts: torch.Tensor,
-    num_drafts: torch.Tensor,
-    num_accepted: torch.Tensor,
-    sample_position: torch.Tensor,
-    position_max: torch.Tensor,
-    sumexp: torch.Tensor | None,
-    threshold: torch.Tensor,
-    vocab_shards: int,
-) -> torch.Tensor:
-    """The correction (after a rejection) or bonus token of every row, by Gumbel-max."""
-    num_rows, max_drafts = drafts.shape
-    rejected = num_accepted < num_drafts
-    key = stream_key(batch.seed, batch.first_position + num_accepted, Purpose.SAMPLE)
-    exclude = torch.full((num_rows,), -1, dtype=torch.int64, device=scaled.device)
-    draft_q = None
-    if max_drafts > 0:
-        at_rejection = num_accepted.clamp(max=max_drafts - 1)
-        if draft_probs is None:
-            # One-hot q = e_x: max(p - q, 0) is p without x.
-            rejected_token = drafts.gather(1, at_rejection.unsqueeze(1)).squeeze(1)
-            exclude = torch.where(rejected, rejected_token, -1)
-        else:
-            draft_q = draft_probs[torch.arange(num_rows, device=scaled.device), at_rejection].float()
-    candidates = kernels.gumbel_candidates(
-        scaled,
-        sample_position,
-        key,
-        position_max[sample_position],
-        # Without drafts there is no residual, and Gumbel-max needs no Z.
-        sumexp[sample_position] if sumexp is not None else torch.ones_like(position_max[sample_position]),
-        threshold[sample_position],
-        exclude,
-        draft_q,
-        vocab_shards,
-    )
-    return chosen_sample(candidates, rejected)
-
-
-def chosen_sample(candidates: GumbelCandidates, rejected: torch.Tensor) -> torch.Tensor:
-    """The sampled token of every row from the shards' candidates [R, S]: the best candidate
-    of p, or, after a rejection against a general q, the best of the residual."""
-    token = _best_candidate(candidates.index, candidates.value)
-    if candidates.residual_index is None:
-        return token
-    assert candidates.residual_value is not None and candidates.residual_mass is not None
-    residual_token = _best_candidate(candidates.residual_index, candidates.residual_value)
-    # A residual of zero mass has probability zero in exact arithmetic (rejection then happens
-    # with probability sum max(p - q, 0) = 0); after rounding, sample from p.
-    use_residual = rejected & (candidates.residual_mass.sum(1) > 0)
-    return torch.where(use_residual, residual_token, token)
-
-
-@dataclass(frozen=True)
-class PositionLayout:
-    """Where each row's positions lie in the flat [N, V] logits."""
-
-    num_drafts: torch.Tensor
-    """[R] int64, clamped to [0, Kmax]."""
-    row_start: torch.Tensor
-    """[R]: the row's first position."""
-    row_of_position: torch.Tensor
-    """[N]."""
-    index_in_row: torch.Tensor
-    """[N]: 0 for a row's first position."""
-    draft_index: torch.Tensor
-    """[Kmax]: 0 .. Kmax - 1."""
-    is_draft: torch.Tensor
-    """[R, Kmax] bool: the row has a draft in this slot."""
-    draft_position: torch.Tensor
-    """[R, Kmax]: the position verifying each draft (clamped: entries past a row's drafts are
-    masked by ``is_draft``)."""
-
-
-def position_layout(
-    num_drafts: torch.Tensor, num_rows: int, max_drafts: int, num_positions: int, device: torch.device
-) -> PositionLayout:
-    num_drafts = num_drafts.to(device=device, dtype=torch.int64).clamp(0, max_drafts)
-    positions_per_row = num_drafts + 1
-    row_start = torch.cumsum(positions_per_row, 0) - positions_per_row
-    rows = torch.arange(num_rows, device=device)
-    row_of_position = torch.repeat_interleave(rows, positions_per_row, output_size=num_positions)
-    index_in_row = torch.arange(num_positions, device=device) - row_start[row_of_position]
-    draft_index = torch.arange(max_drafts, device=device)
-    return PositionLayout(
-        num_drafts=num_drafts,
-        row_start=row_start,
-        row_of_position=row_of_position,
-        index_in_row=index_in_row,
-        draft_index=draft_index,
-        is_draft=draft_index.unsqueeze(0) < num_drafts.unsqueeze(1),
-        draft_position=(row_start.unsqueeze(1) + draft_index.unsqueeze(0)).clamp(max=num_positions - 1),
-    )
-
-
-@dataclass(frozen=True)
-class RowKinds:
-    invalid_params: torch.Tensor
-    """[R] bool: out-of-range parameters (INVALID_SAMPLING_PARAMETERS; neutral values used)."""
-    greedy: torch.Tensor
-    sampled: torch.Tensor
-    filtered: torch.Tensor
-    """Sampled rows with top-k, top-p < 1 or min-p > 0."""
-
-
-def row_kinds(batch: SamplingBatch) -> RowKinds:
-    temperature = batch.temperature
-    invalid_params = (
-        ~(temperature >= 0)
-        | torch.isinf(temperature)
-        | ~((batch.top_p > 0) & (batch.top_p <= 1))
-        | (batch.top_k < -1)
-        | ~((batch.min_p >= 0) & (batch.min_p <= 1))
-        | ~(batch.repetition_penalty > 0)
-        | torch.isinf(batch.repetition_penalty)
-        | ~torch.isfinite(batch.presence_penalty)
-        | ~torch.isfinite(batch.frequency_penalty)
-    )
-    greedy = (temperature == 0) & ~invalid_params
-    sampled = ~greedy & ~invalid_params
-    filtered = sampled & ((batch.top_k > 0) | (batch.top_p < 1) | (batch.min_p > 0))
-    return RowKinds(invalid_params=invalid_params, greedy=greedy, sampled=sampled, filtered=filtered)
-
-
-def sampled_acceptance(
-    draft_logit: torch.Tensor,
-    draft_threshold: torch.Tensor,
-    draft_max: torch.Tensor,
-    draft_sumexp: torch.Tensor,
-    q_draft: torch.Tensor | None,
-    batch: SamplingBatch,
-    draft_index: torch.Tensor,
-) -> torch.Tensor:
-    """[R, Kmax]: draft x_j accepted with probability min(1, p_j(x_j) / q_j(x_j)), drawn as
-    ``u * q < p`` with u from the row's stream (seed, output position, ACCEPT); the draft's
-    logit, kept-set threshold, merged max and sum of exponentials are given at its position."""
-    p_draft = torch.where(draft_logit >= draft_threshold, torch.exp(draft_logit - draft_max), 0.0) / draft_sumexp
-    output_position = batch.first_position.unsqueeze(1) + draft_index.unsqueeze(0)
-    accept_key = stream_key(batch.seed.unsqueeze(1), output_position, Purpose.ACCEPT)
-    u = uniform(stream_bits(accept_key, torch.zeros_like(accept_key)))
-    if q_draft is None:
-        return u < p_draft
-    return u * q_draft < p_draft
-
-
-def round_status(
-    empty_row: torch.Tensor,
-    nonfinite_row: torch.Tensor,
-    invalid_draft_prob: torch.Tensor,
-    invalid_draft_token: torch.Tensor,
-    invalid_speculation: torch.Tensor,
-    invalid_params: torch.Tensor,
-) -> torch.Tensor:
-    """[R] DeviceStatus codes; the later conditions win over the earlier ones."""
-    status = torch.where(empty_row, int(DeviceStatus.EMPTY_DISTRIBUTION), int(DeviceStatus.OK))
-    for condition, code in (
-        (nonfinite_row, DeviceStatus.NONFINITE_LOGITS),
-        (invalid_draft_prob, DeviceStatus.INVALID_DRAFT_PROBABILITY),
-        (invalid_draft_token, DeviceStatus.INVALID_DRAFT_TOKEN),
-        (invalid_speculation, DeviceStatus.INVALID_SPECULATION),
-        (invalid_params, DeviceStatus.INVALID_SAMPLING_PARAMETERS),
-    ):
-        status = torch.where(condition, int(code), status)
-    return status
-
-
-def emitted_tokens(drafts: torch.Tensor, num_accepted: torch.Tensor, token: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-    """[R, Kmax + 1]: the accepted drafts, then the sampled token, -1 after it and on failed rows."""
-    num_rows, max_drafts = drafts.shape
-    slot = torch.arange(max_drafts + 1, device=drafts.device).unsqueeze(0)
-    accepted = num_accepted.unsqueeze(1)
-    drafts_then_pad = torch.cat([drafts, drafts.new_full((num_rows, 1), -1)], 1)
-    tokens = torch.where(slot < accepted, drafts_then_pad, torch.where(slot == accepted, token.unsqueeze(1), -1))
-    return torch.where(ok.unsqueeze(1), tokens, -1)
-
-
-def _best_candidate(index: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """Merge per-shard Gumbel-max candidates: the largest value, the lowest shard on ties."""
-    return index.gather(1, value.argmax(1, keepdim=True)).squeeze(1)
-
-
-def _merged_argmax(shard_max: torch.Tensor, shard_argmax: torch.Tensor) -> torch.Tensor:
-    """The global argmax from per-shard maxima (lowest index on ties: shards are in order)."""
-    return shard_argmax.gather(1, shard_max.argmax(1, keepdim=True)).squeeze(1)
-
-
-def _any_per_row(flags: torch.Tensor, row_of_position: torch.Tensor, num_rows: int) -> torch.Tensor:
-    counts = torch.zeros(num_rows, dtype=torch.int32, device=flags.device)
-    return counts.index_add_(0, row_of_position, flags.to(torch.int32)) > 0
-
-
-def _check_shapes(
-    logits: torch.Tensor,
-    num_drafts: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    batch: SamplingBatch,
-    vocab_shards: int,
-    token_mask: torch.Tensor | None,
-) -> None:
-    """Static shape checks (no tensor values are read)."""
-    num_positions, vocab_size = logits.shape
-    check_round_shapes("sample_round", num_positions, vocab_size, vocab_size, num_drafts, draft_tokens, draft_probs, batch, token_mask)
-    if not 1 <= vocab_shards <= vocab_size:
-        raise ValueError(f"sample_round: vocab_shards must be between 1 and the vocabulary size, got {vocab_shards}")
-
-
-def check_round_shapes(
-    caller: str,
-    num_positions: int,
-    vocab_size: int,
-    draft_width: int,
-    num_drafts: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    batch: SamplingBatch,
-    token_mask: torch.Tensor | None,
-) -> None:
-    """The shape checks a round's sampler inputs share, in one process or across ranks (whose
-    draft_probs are a rank's `draft_width` columns): ValueError naming `caller` and the tensor."""
-    num_rows, max_drafts = draft_tokens.shape
-    if num_drafts.shape != (num_rows,) or batch.num_rows != num_rows:
-        raise ValueError(
-            f"{caller}: num_drafts {tuple(num_drafts.shape)}, draft_tokens {tuple(draft_tokens.shape)} "
-            f"and the batch ({batch.num_rows} rows) must agree on the number of rows"
-        )
-    if num_positions < num_rows:
-        raise ValueError(f"{caller}: logits has {num_positions} positions for {num_rows} rows (at least one each)")
-    if token_mask is not None and token_mask.shape != (num_positions, -(-vocab_size // 32)):
-        raise ValueError(
-            f"{caller}: token_mask must be [N, ceil(V / 32)] = {(num_positions, -(-vocab_size // 32))}, "
-            f"got {tuple(token_mask.shape)}"
-        )
-    if draft_probs is not None and draft_probs.shape != (num_rows, max_drafts, draft_width):
-        raise ValueError(
-            f"{caller}: draft_probs must be [R, Kmax, {'V' if draft_width == vocab_size else 'shard width'}] = "
-            f"{(num_rows, max_drafts, draft_width)}, got {tuple(draft_probs.shape)}"
-        )
-
-
-def _kernels(backend: Backend) -> ModuleType:
-    """The kernel functions of a backend; Triton is imported only when asked for."""
-    if backend == "torch":
-        from flare.sampler import torch_backend
-
-        return torch_backend
-    if backend == "triton":
-        from flare.sampler.triton import backend as triton_backend
-
-        return triton_backend
-    raise ValueError(f"sample_round: backend must be 'torch' or 'triton', got {backend!r}")
+    return tokens, ok.to(torch.int32), status.to(torch.int32)

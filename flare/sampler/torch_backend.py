@@ -1,4 +1,4 @@
-"""The torch twins, under the names sample_round calls (see triton_backend.py for the Triton set)."""
+"""The torch twins, under the names sample_round calls (triton/backend.py names the Triton set)."""
 
 from flare.sampler.distribution import distribution_statistics
 from flare.sampler.gumbel_max import gumbel_candidates

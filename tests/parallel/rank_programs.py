@@ -40,27 +40,25 @@ def run_sampling_case(groups: ProcessGroups, index: int):
     """This rank's part of sampling case ``index`` (sampling_cases.py); rank 0 gets the result."""
     from tests.parallel.sampling_cases import sampling_cases
 
-    from flare.parallel.vocab_round import (
-        sample_round_across_ranks,
-        score_tokens_across_ranks,
-    )
+    from flare.parallel.vocab_round import ShardsAcrossRanks
     from flare.parallel.vocab_shard import VocabShard
+    from flare.sampler.round import sample_round, score_tokens
 
     case = sampling_cases()[index]
     shard = VocabShard.of(case.logits.shape[1], groups.device)
     logits = case.logits[:, shard.start : shard.end].contiguous()
     if case.kind == "score":
-        return score_tokens_across_ranks(shard, logits, case.draft_tokens[:, 0], case.num_logprobs)
-    return sample_round_across_ranks(
-        shard,
+        return score_tokens(logits, case.draft_tokens[:, 0], case.num_logprobs, ShardsAcrossRanks(shard))
+    return sample_round(
         logits,
         case.num_drafts,
         case.draft_tokens,
         case.draft_probs[:, :, shard.start : shard.end].contiguous() if case.draft_probs is not None else None,
         case.batch,
-        case.token_mask,
-        case.num_logprobs,
-        case.raw_logprobs,
+        ShardsAcrossRanks(shard),
+        token_mask=case.token_mask,
+        num_logprobs=case.num_logprobs,
+        raw_logprobs=case.raw_logprobs,
     )
 
 
@@ -145,8 +143,9 @@ def serve_tensor_parallel_rounds(groups: ProcessGroups, state) -> None:
 def tensor_parallel_round(groups: ProcessGroups, model, cache, command):
     """One round on this rank; rank 0 gets (full logits, sampling result)."""
     from flare.engine.batch import ForwardBatch
-    from flare.parallel.vocab_round import gather_rows, sample_round_across_ranks
+    from flare.parallel.vocab_round import ShardsAcrossRanks, gather_rows
     from flare.parallel.vocab_shard import VocabShard
+    from flare.sampler.round import sample_round
 
     if command.copies:
         cache.copy_blocks(command.copies)
@@ -156,8 +155,16 @@ def tensor_parallel_round(groups: ProcessGroups, model, cache, command):
     result = None
     if command.sampling is not None:
         s = command.sampling
-        result = sample_round_across_ranks(
-            shard, logits, s.num_drafts, s.draft_tokens, None, s.batch, s.token_mask, s.num_logprobs, s.raw_logprobs
+        result = sample_round(
+            logits,
+            s.num_drafts,
+            s.draft_tokens,
+            None,
+            s.batch,
+            ShardsAcrossRanks(shard),
+            token_mask=s.token_mask,
+            num_logprobs=s.num_logprobs,
+            raw_logprobs=s.raw_logprobs,
         )
     return full, result
 

@@ -1,4 +1,4 @@
-"""Vocabulary-parallel sampling across two gloo processes equals in-process vocab_shards=2
+"""Vocabulary-parallel sampling across two gloo processes equals in-process LocalShards(2)
 (bit for bit) and one shard (same tokens; log-probabilities to float32 rounding)."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from tests.parallel.sampling_cases import sampling_cases
 
 from flare.engine.batch import ForwardRow
 from flare.sampler.round import sample_round, score_tokens
+from flare.sampler.shards import LocalShards
 from flare.sampler.status import DeviceStatus
 from flare.parallel.group import ProcessGroups
 from flare.parallel.launch import RankGroup, WorkerSpec
@@ -57,14 +58,14 @@ def _exact(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 def _in_process(case, shards: int):
     if case.kind == "score":
-        return score_tokens(case.logits, case.draft_tokens[:, 0], case.num_logprobs, vocab_shards=shards)
+        return score_tokens(case.logits, case.draft_tokens[:, 0], case.num_logprobs, LocalShards(shards))
     return sample_round(
         case.logits,
         case.num_drafts,
         case.draft_tokens,
         case.draft_probs,
         case.batch,
-        vocab_shards=shards,
+        LocalShards(shards),
         token_mask=case.token_mask,
         num_logprobs=case.num_logprobs,
         raw_logprobs=case.raw_logprobs,
@@ -126,12 +127,12 @@ def test_the_fallback_of_invalid_speculation_samples_rank_0s_gathered_rows_with_
     _exact(rows, case.logits[first_positions])
     rows_count = len(first_positions)
     fallen = sample_round(
-        rows, torch.zeros(rows_count, dtype=torch.int64), torch.full((rows_count, 0), -1), None, case.batch, vocab_shards=1
+        rows, torch.zeros(rows_count, dtype=torch.int64), torch.full((rows_count, 0), -1), None, case.batch
     )
     assert (fallen.status == int(DeviceStatus.OK)).all()
     expected = sample_round(
         case.logits[first_positions], torch.zeros(rows_count, dtype=torch.int64), torch.full((rows_count, 0), -1),
-        None, case.batch, vocab_shards=1,
+        None, case.batch,
     )
     _exact(fallen.tokens, expected.tokens)
 

@@ -7,6 +7,7 @@ import torch
 
 from flare.sampler.faults import FaultNotInjectable, inject_fault
 from flare.sampler.round import sample_round
+from flare.sampler.shards import LocalShards
 from flare.sampler.status import DeviceStatus
 from flare.policy.params import SamplingParams
 
@@ -32,13 +33,13 @@ FAULTS = [s for s in DeviceStatus if s != DeviceStatus.OK]
 def test_injected_fault_reaches_only_its_row(status: DeviceStatus, row: int) -> None:
     shards = 2 if status == DeviceStatus.INVALID_SPECULATION else 1
     logits, num_drafts, draft_tokens, batch = _round()
-    baseline = sample_round(logits, num_drafts, draft_tokens, None, batch, shards)
+    baseline = sample_round(logits, num_drafts, draft_tokens, None, batch, LocalShards(shards))
     first_logit_row = sum(d + 1 for d in DRAFTS[:row])
     faulted = inject_fault(
         status, row=row, first_logit_row=first_logit_row, row_num_drafts=DRAFTS[row],
         logits=logits.clone(), draft_tokens=draft_tokens, draft_probs=None, batch=batch, vocab_shards=shards,
     )
-    result = sample_round(faulted.logits, num_drafts, faulted.draft_tokens, faulted.draft_probs, faulted.batch, shards)
+    result = sample_round(faulted.logits, num_drafts, faulted.draft_tokens, faulted.draft_probs, faulted.batch, LocalShards(shards))
     assert int(result.status[row]) == status
     assert int(result.num_emitted[row]) == 0
     others = [r for r in range(4) if r != row]

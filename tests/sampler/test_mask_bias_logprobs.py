@@ -12,6 +12,7 @@ from flare.sampler.triton import launch as triton_launch
 from flare.sampler.penalties import PenaltyState, penalize_and_scale
 from flare.sampler.triton.penalties import penalize_and_scale as penalize_and_scale_triton
 from flare.sampler.round import sample_round
+from flare.sampler.shards import LocalShards
 from flare.sampler.top_tokens import shard_top_tokens
 from flare.sampler.triton.top_tokens import shard_top_tokens as shard_top_tokens_triton
 from flare.policy.params import SamplingParams
@@ -156,7 +157,7 @@ def test_accepted_drafts_report_the_target_p_and_shards_agree() -> None:
     drafts = torch.stack([logits[0].argmax(), logits[1].argmax(), logits[2].argmax()]).view(1, 3)
     batch = make_batch([SamplingParams(temperature=0.0)])
     results = [
-        sample_round(logits, torch.tensor([3]), drafts, None, batch, vocab_shards=s, num_logprobs=3) for s in (1, 4)
+        sample_round(logits, torch.tensor([3]), drafts, None, batch, LocalShards(s), num_logprobs=3) for s in (1, 4)
     ]
     for result in results:
         assert int(result.num_emitted[0]) == 4
@@ -202,9 +203,9 @@ def test_sample_round_with_mask_bias_and_logprobs_on_triton_equals_twin(shards: 
     draft_tokens = torch.tensor([[int(logits[0].argmax()), int(logits[1].argmax())], [int(logits[3].argmax()), -1], [-1, -1]])
     allowed = torch.rand(6, vocab, generator=generator) < 0.5
     inputs = (logits, num_drafts, draft_tokens, None, make_batch(params, seeds=[4, 5, 6]))
-    options = {"vocab_shards": shards, "token_mask": bitmask(allowed), "num_logprobs": 4}
-    twin = sample_round(*inputs, backend="torch", **options)
-    kernel = sample_round(*inputs, backend="triton", **options)
+    options = {"token_mask": bitmask(allowed), "num_logprobs": 4}
+    twin = sample_round(*inputs, LocalShards(shards, "torch"), **options)
+    kernel = sample_round(*inputs, LocalShards(shards, "triton"), **options)
     assert torch.equal(kernel.tokens, twin.tokens) and torch.equal(kernel.status, twin.status)
     assert twin.logprobs is not None and kernel.logprobs is not None
     assert torch.equal(kernel.logprobs.top_ids, twin.logprobs.top_ids)
@@ -225,7 +226,7 @@ def test_a_forced_draft_is_accepted_when_the_mask_empties_whole_shards(backend: 
         sample_round(
             logits, torch.tensor([1]), torch.tensor([[7]]), None,
             make_batch([SamplingParams(temperature=1.0)], seeds=[seed]),
-            vocab_shards=4, backend=backend, token_mask=bitmask(allowed), num_logprobs=2,
+            LocalShards(4, backend), token_mask=bitmask(allowed), num_logprobs=2,
         )
         for seed in range(20)
     ]

@@ -73,7 +73,7 @@ def test_the_c_top_p_threshold_is_the_twins_radix_select(rows, vocab_size, scale
     elif hidden == "top-k":
         weights[scaled < scaled.topk(min(5, vocab_size), -1).values[:, -1:]] = 0.0
     target = top_p * weights.sum(-1)
-    twin = distribution._largest_reaching_mass(scaled, weights, target)
+    twin = distribution.largest_reaching_mass(scaled, weights, target)
     # Bits, not values: a target of 0 (top_p 0, which the sampler refuses as a parameter) runs
     # the select off the top of the keys into a NaN, on both sides.
     assert torch.equal(native.top_p_threshold(scaled, weights, target).view(torch.int32), twin.view(torch.int32))
@@ -86,9 +86,9 @@ def test_a_nan_row_gets_the_twins_threshold_and_leaves_the_others_alone() -> Non
     weights = (scaled - scaled.amax(-1, keepdim=True)).exp()
     target = 0.9 * weights.sum(-1)
     got = native.top_p_threshold(scaled, weights, target)
-    twin = distribution._largest_reaching_mass(scaled, weights, target)
+    twin = distribution.largest_reaching_mass(scaled, weights, target)
     assert torch.equal(got.view(torch.int32), twin.view(torch.int32))
-    assert torch.equal(got[[0, 2]], distribution._largest_reaching_mass(scaled[[0, 2]], weights[[0, 2]], target[[0, 2]]))
+    assert torch.equal(got[[0, 2]], distribution.largest_reaching_mass(scaled[[0, 2]], weights[[0, 2]], target[[0, 2]]))
 
 
 @built

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flare.sampler.round import sample_round
+from flare.sampler.shards import LocalShards
 from flare.sampler.status import DeviceStatus
 from flare.policy.params import SamplingParams
 
@@ -26,7 +27,7 @@ def _draw(params: SamplingParams, logits: torch.Tensor, vocab_shards: int = 1, *
     """DRAWS independent samples: one row per draw, each with its own seed."""
     batch = make_batch([params] * DRAWS, seeds=range(1000, 1000 + DRAWS), **rows)
     num_drafts, draft_tokens = no_drafts(DRAWS)
-    result = sample_round(logits.expand(DRAWS, VOCAB).contiguous(), num_drafts, draft_tokens, None, batch, vocab_shards)
+    result = sample_round(logits.expand(DRAWS, VOCAB).contiguous(), num_drafts, draft_tokens, None, batch, LocalShards(vocab_shards))
     assert (result.status == 0).all() and (result.num_emitted == 1).all()
     return result.tokens[:, 0].numpy()
 
@@ -77,7 +78,7 @@ def test_vocabulary_parallel_sampling_refuses_filtered_rows(filtered: SamplingPa
     params = [SamplingParams(), filtered, SamplingParams(temperature=0.0, top_k=3)]
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(6))
     num_drafts, draft_tokens = no_drafts(3)
-    result = sample_round(logits, num_drafts, draft_tokens, None, make_batch(params), vocab_shards=2)
+    result = sample_round(logits, num_drafts, draft_tokens, None, make_batch(params), LocalShards(2))
     assert result.status.tolist() == [0, int(DeviceStatus.INVALID_SPECULATION), 0]
     assert result.num_emitted.tolist() == [1, 0, 1]
     assert result.tokens[1].tolist() == [-1]
@@ -90,7 +91,7 @@ def test_greedy_rows_emit_the_argmax_lowest_index_on_ties() -> None:
     logits[3, 7] = logits[3, 11] = logits[3].max() + 1.0
     num_drafts, draft_tokens = no_drafts(5)
     for shards in (1, 2, 4):
-        result = sample_round(logits, num_drafts, draft_tokens, None, make_batch([SamplingParams(temperature=0.0)] * 5), shards)
+        result = sample_round(logits, num_drafts, draft_tokens, None, make_batch([SamplingParams(temperature=0.0)] * 5), LocalShards(shards))
         expected = logits.argmax(-1)
         expected[3] = 7
         assert result.tokens[:, 0].tolist() == expected.tolist()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flare.sampler.round import SampledRound, sample_round
+from flare.sampler.shards import LocalShards
 from flare.sampler.status import DeviceStatus
 from flare.policy.params import SamplingParams
 
@@ -46,7 +47,7 @@ def _run(inputs: dict) -> SampledRound:
     params = inputs["params"]
     batch = make_batch(params, seeds=[5, 6, 7, 8], prompt_ids=[[1, 2]] * ROWS, output_ids=[[3]] * ROWS)
     return sample_round(
-        inputs["logits"], inputs["num_drafts"], inputs["draft_tokens"], inputs["draft_probs"], batch, inputs["vocab_shards"]
+        inputs["logits"], inputs["num_drafts"], inputs["draft_tokens"], inputs["draft_probs"], batch, LocalShards(inputs["vocab_shards"])
     )
 
 
@@ -141,7 +142,7 @@ def test_shape_mistakes_raise_a_precise_error() -> None:
     with pytest.raises(ValueError, match="draft_probs must be"):
         inputs["draft_probs"] = inputs["draft_probs"][:, :, :10]
         _run(inputs)
-    with pytest.raises(ValueError, match="vocab_shards"):
+    with pytest.raises(ValueError, match="LocalShards.count must be between 1 and the vocabulary size"):
         inputs = _round_inputs()
         inputs["vocab_shards"] = 0
         _run(inputs)

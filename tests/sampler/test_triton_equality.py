@@ -18,6 +18,7 @@ from flare.sampler.penalties import PenaltyState, penalize_and_scale
 from flare.sampler.triton.penalties import penalize_and_scale as penalize_and_scale_triton
 from flare.sampler.random_stream import Purpose, stream_key
 from flare.sampler.round import sample_round
+from flare.sampler.shards import LocalShards
 from flare.policy.params import SamplingParams
 
 from .helpers import dirichlet, make_batch
@@ -157,8 +158,8 @@ def _mixed_round(vocab: int, generator: torch.Generator, with_q: bool):
 def test_sample_round_on_triton_equals_twin(with_q: bool, shards: int) -> None:
     generator = torch.Generator().manual_seed(4)
     inputs = _mixed_round(3001, generator, with_q)
-    twin = sample_round(*inputs, vocab_shards=shards, backend="torch")
-    kernel = sample_round(*inputs, vocab_shards=shards, backend="triton")
+    twin = sample_round(*inputs, LocalShards(shards, "torch"))
+    kernel = sample_round(*inputs, LocalShards(shards, "triton"))
     assert torch.equal(kernel.status, twin.status)
     assert torch.equal(kernel.num_emitted, twin.num_emitted)
     assert torch.equal(kernel.tokens, twin.tokens)
@@ -178,8 +179,8 @@ def test_sample_round_on_triton_equals_twin_at_full_vocabulary() -> None:
     draft_tokens = torch.stack([logits[0].argmax(), logits[2].argmax()]).view(2, 1)
     draft_tokens = torch.cat([draft_tokens, torch.tensor([[-1]])])
     batch = make_batch(params, seeds=[1, 2, 3])
-    twin = sample_round(logits, num_drafts, draft_tokens, None, batch, backend="torch")
-    kernel = sample_round(logits, num_drafts, draft_tokens, None, batch, backend="triton")
+    twin = sample_round(logits, num_drafts, draft_tokens, None, batch, LocalShards(backend="torch"))
+    kernel = sample_round(logits, num_drafts, draft_tokens, None, batch, LocalShards(backend="triton"))
     assert torch.equal(kernel.tokens, twin.tokens) and torch.equal(kernel.status, twin.status)
 
 

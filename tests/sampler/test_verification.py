@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flare.sampler.round import sample_round
+from flare.sampler.shards import LocalShards
 from flare.policy.params import SamplingParams
 
 from .helpers import assert_matches_distribution, dirichlet, make_batch, no_drafts
@@ -90,8 +91,8 @@ def test_vocabulary_parallel_verification_preserves_the_distribution(shards: int
         draft_probs, draft_tokens = None, torch.randint(0, VOCAB, (DRAWS, 1), generator=generator)
     logits = table[torch.cat([torch.full((DRAWS, 1), START), draft_tokens], 1)].reshape(-1, VOCAB)
     batch = make_batch([params] * DRAWS, seeds=range(DRAWS))
-    sharded = sample_round(logits, torch.ones(DRAWS, dtype=torch.int64), draft_tokens, draft_probs, batch, shards)
-    unsharded = sample_round(logits, torch.ones(DRAWS, dtype=torch.int64), draft_tokens, draft_probs, batch, 1)
+    sharded = sample_round(logits, torch.ones(DRAWS, dtype=torch.int64), draft_tokens, draft_probs, batch, LocalShards(shards))
+    unsharded = sample_round(logits, torch.ones(DRAWS, dtype=torch.int64), draft_tokens, draft_probs, batch)
     assert (sharded.status == 0).all()
     assert_matches_distribution(sharded.tokens[:, 0].numpy(), target_distribution(table[START].tolist(), params))
     # Same streams, same statistics up to rounding: the same tokens (up to rare near-ties).

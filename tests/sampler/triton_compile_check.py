@@ -57,7 +57,7 @@ def compile_all() -> list[str]:
 
     variants = [
         (
-            penalties_triton._penalize_and_scale_kernel,
+            penalties_triton.penalize_and_scale_kernel,
             "penalties",
             {"MAX_DRAFTS": k, "PENALIZE": pen, "SCALE": True, "MASK": constrained, "BIAS": constrained, "BLOCK": GPU_BLOCK},
         )
@@ -66,13 +66,13 @@ def compile_all() -> list[str]:
         for constrained in (False, True)
     ]
     variants += [
-        (distribution_triton._distribution_statistics_kernel, "distribution", {"FILTER": f, "BLOCK": GPU_BLOCK})
+        (distribution_triton.distribution_statistics_kernel, "distribution", {"FILTER": f, "BLOCK": GPU_BLOCK})
         for f in (False, True)
     ]
     variants += [
-        (gumbel_max_triton._gumbel_candidates_kernel, "gumbel_max", {"HAS_Q": q, "BLOCK": GPU_BLOCK}) for q in (False, True)
+        (gumbel_max_triton.gumbel_candidates_kernel, "gumbel_max", {"HAS_Q": q, "BLOCK": GPU_BLOCK}) for q in (False, True)
     ]
-    variants += [(top_tokens_triton._shard_top_tokens_kernel, "top_tokens", {"K": k, "BLOCK": GPU_BLOCK}) for k in (1, 20)]
+    variants += [(top_tokens_triton.shard_top_tokens_kernel, "top_tokens", {"K": k, "BLOCK": GPU_BLOCK}) for k in (1, 20)]
     target = GPUTarget(*GPU_TARGET)
     lines = []
     for kernel, name, constexprs in variants:

@@ -59,7 +59,7 @@ def _mass_at_least(row_ptr, start, end, t, row_max, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _distribution_statistics_kernel(
+def distribution_statistics_kernel(
     scaled_ptr,
     row_of_position_ptr,
     top_k_ptr,
@@ -158,7 +158,7 @@ def distribution_statistics(
     sumexp = torch.empty(num_positions, num_shards, dtype=torch.float32, device=device)
     argmax = torch.empty(num_positions, num_shards, dtype=torch.int64, device=device)
     threshold = torch.empty(num_positions, dtype=torch.float32, device=device)
-    _distribution_statistics_kernel[(num_positions, num_shards)](
+    distribution_statistics_kernel[(num_positions, num_shards)](
         scaled.contiguous(),
         row_of_position.contiguous(),
         top_k.contiguous(),

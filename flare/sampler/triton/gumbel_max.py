@@ -16,7 +16,7 @@ from flare.sampler.triton.launch import FP_FUSION, block_size
 
 
 @triton.jit
-def _gumbel_candidates_kernel(
+def gumbel_candidates_kernel(
     scaled_ptr,
     position_ptr,
     key_ptr,
@@ -113,7 +113,7 @@ def gumbel_candidates(
     residual_index, residual_value, residual_mass = (
         (empty(torch.int64), empty(torch.float32), empty(torch.float32)) if has_q else (index, value, value)
     )
-    _gumbel_candidates_kernel[(num_rows, num_shards)](
+    gumbel_candidates_kernel[(num_rows, num_shards)](
         scaled.contiguous(),
         position.contiguous(),
         key.to(torch.int32).contiguous(),

@@ -14,7 +14,7 @@ from flare.sampler.triton.launch import FP_FUSION, block_size
 
 
 @triton.jit
-def _penalize_and_scale_kernel(
+def penalize_and_scale_kernel(
     logits_ptr,
     scaled_ptr,
     nonfinite_ptr,
@@ -105,7 +105,7 @@ def penalize_and_scale(
     has_bias = bias is not None
     token_mask = token_mask.to(torch.int32).contiguous() if token_mask is not None else nonfinite  # never read
     bias = bias.float().contiguous() if bias is not None else scaled  # never read
-    _penalize_and_scale_kernel[(num_positions,)](
+    penalize_and_scale_kernel[(num_positions,)](
         logits,
         scaled,
         nonfinite,

@@ -18,7 +18,7 @@ from flare.sampler.triton.launch import FP_FUSION, block_size
 
 
 @triton.jit
-def _shard_top_tokens_kernel(
+def shard_top_tokens_kernel(
     scaled_ptr,
     values_ptr,
     ids_ptr,
@@ -67,7 +67,7 @@ def shard_top_tokens(scaled: torch.Tensor, k: int, num_shards: int) -> TopTokens
     values = torch.empty(num_positions, num_shards, k, dtype=torch.float32, device=scaled.device)
     ids = torch.empty(num_positions, num_shards, k, dtype=torch.int64, device=scaled.device)
     if k > 0 and num_positions > 0:
-        _shard_top_tokens_kernel[(num_positions, num_shards)](
+        shard_top_tokens_kernel[(num_positions, num_shards)](
             scaled.float().contiguous(),
             values,
             ids,

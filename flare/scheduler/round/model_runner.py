@@ -22,7 +22,7 @@ from flare.engine.drafters import Draft
 from flare.engine.drafters.mtp import HeadDrafts, HeadRow, MtpHead
 from flare.engine.kv_cache import KVCache
 from flare.engine.model import DecoderModel
-from flare.sampler import SamplingBatch, sample_round, score_tokens
+from flare.sampler import LocalShards, SamplingBatch, sample_round, score_tokens
 from flare.sampler.faults import FaultNotInjectable, inject_fault
 from flare.sampler.logprobs import TokenLogprobs
 from flare.sampler.round import SampledRound
@@ -159,7 +159,7 @@ class ModelRunner:
         if isinstance(at, RankLogits):
             assert self.ranks is not None
             return self.ranks.score(at, target_ids, num_top)
-        return score_tokens(at, target_ids, num_top, self.vocabulary_shards)
+        return score_tokens(at, target_ids, num_top, LocalShards(self.vocabulary_shards))
 
 
     def _draft(
@@ -371,7 +371,7 @@ class ModelRunner:
             draft_tokens=draft_tokens,
             draft_probs=draft_probs,
             batch=batch,
-            vocab_shards=shards,
+            shards=LocalShards(shards),
             token_mask=masks,
             num_logprobs=num_logprobs,
             raw_logprobs=raw_logprobs,
