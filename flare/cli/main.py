@@ -49,8 +49,11 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--config", metavar="PATH", help=f"a TOML file of settings (default: ${CONFIG_ENV})")
     add("--host", help="the address to listen on (default 127.0.0.1)")
     add("--port", metavar="N", help="the TCP port (default 8000; 0 picks a free one, logged in the 'listening' event)")
-    add("--served-model-name", metavar="NAME",
-        help="the model name clients send (default: the name recorded in the package)")
+    add("--served-model-name", metavar="NAME", nargs="+",
+        help="the model names clients send, all listed by /v1/models (default: the name recorded in the package)")
+    add("--accept-any-model-name", action="store_const", const=True,
+        help="answer a request naming any model with this package; the answer echoes the name asked for and "
+        "its flare object says it was mapped (off by default: another name is a 404)")
     add("--kv-cache-memory", metavar="SIZE",
         help='memory for the KV cache, e.g. "2GiB" or "512MiB" (default: sized for max_concurrency full contexts)')
     add("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
