@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -151,6 +152,14 @@ def run_command(args: argparse.Namespace) -> int:
         return _usage_error(
             f"flare run: error: PACKAGE {config.package} is not a directory; "
             "pass a package made by `flare export`, or no PACKAGE for the default model"
+        )
+    # --served-model-name takes every name after it (as vLLM's does), so a PACKAGE written after
+    # it would be taken for a name and the default model served under it.
+    misplaced = [name for name in args.served_model_name or () if Path(name).is_dir()]
+    if args.package is None and misplaced:
+        return _usage_error(
+            f"flare run: error: --served-model-name {misplaced[0]!r} is a directory; put PACKAGE before "
+            "--served-model-name, which takes every name after it"
         )
     # Read once, when torch loads OpenMP, so set before the import; see flare/engine/openmp.py.
     set_wait_policy(os.environ)
