@@ -1,10 +1,11 @@
 """The default model behind flare, as the official `openai` and `anthropic` SDKs see it unchanged:
 each API's ids in its documented form (answers, items, tool calls, stream events), and the
 names tools send: several served names, any name under --accept-any-model-name, and the OpenAI
-routes without /v1."""
+routes without /v1; and Anthropic's output_config.format, now served."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -102,3 +103,18 @@ async def test_names_tools_send_are_answered(daemon: DaemonProcess) -> None:
         assert chat.model == name
         flare = (chat.model_extra or {})["flare"]
         assert flare.get("model") == (None if name == ALIAS else {"requested": name, "served": MODEL})
+
+
+async def test_anthropic_output_config_format_holds_the_answer_to_the_schema(claude: anthropic.AsyncAnthropic) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string", "maxLength": 20}},
+        "required": ["capital"],
+        "additionalProperties": False,
+    }
+    message = await claude.messages.create(
+        model=MODEL, max_tokens=40, extra_body={"temperature": 0}, messages=[{"role": "user", "content": QUESTION}],
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+    )
+    (block,) = message.content
+    assert block.type == "text" and set(json.loads(block.text)) == {"capital"}
