@@ -140,6 +140,15 @@ async def test_messages_refuse_thinking_enabled_saying_the_model_does_not_think(
     assert "thinking" in error["message"] and "this model does not produce thinking" in error["message"]
 
 
+async def test_count_tokens_takes_the_switches_a_messages_request_sends(client: TestClient) -> None:
+    body = {"model": MODEL, "messages": MESSAGE["messages"], "thinking": {"type": "disabled"}, "speed": "fast"}
+    response = await client.post("/v1/messages/count_tokens", json=body)
+    assert response.status == 200 and (await response.json())["input_tokens"] > 0
+    enabled = {**body, "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    response = await client.post("/v1/messages/count_tokens", json=enabled)
+    assert response.status == 400 and "does not produce thinking" in (await response.json())["error"]["message"]
+
+
 # --- names and routes -----------------------------------------------------------------------
 
 

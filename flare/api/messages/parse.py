@@ -28,7 +28,13 @@ from flare.api.generation import ChatPrompt, Generation
 from flare.api.tools.parse import parse_tools
 from flare.structured.spec import GrammarSpec
 
-_COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice"})
+# count_tokens takes what shapes the prompt, and the switches a Messages request would send with it.
+_COUNT_FIELDS = frozenset(
+    {
+        "model", "messages", "system", "tools", "tool_choice", "thinking", "output_config", "cache_control", "speed",
+        "user_profile_id", "workspace_id",
+    }
+)
 # Accepted and ignored: they route, bill or label a request, and change nothing about its answer.
 _IGNORED = frozenset(
     {"metadata", "service_tier", "cache_control", "speed", "inference_geo", "diagnostics", "user_profile_id", "workspace_id"}
@@ -51,6 +57,8 @@ def parse_messages_request(body: Mapping[str, Any], *, counting: bool = False) -
         }
     )
     prompt = ChatPrompt(tuple(messages), tools)
+    _thinking(body.get("thinking"))
+    constraint = _output_format(body.get("output_config"))
     if counting:
         return Generation(model, prompt, {})
     max_tokens = body.get("max_tokens")
@@ -69,13 +77,11 @@ def parse_messages_request(body: Mapping[str, Any], *, counting: bool = False) -
     if given["stop"] is not None and not isinstance(given["stop"], list):
         raise bad_request(f"stop_sequences must be a list of strings, got {kind(given['stop'])}", param="stop_sequences")
     sampling = sampling_fields(given, renamed={"stop": "stop_sequences"})
-    _thinking(body.get("thinking"))
     if body.get("container") is not None:
         raise bad_request(
             "container is not supported: it holds server tools' files, and this server has no tools of its own",
             param="container",
         )
-    constraint = _output_format(body.get("output_config"))
     if constraint is not None and tools is not None and tools.calls_possible:
         raise bad_request(
             'tools and output_config.format cannot be combined: send tool_choice {"type": "none"} or leave the '
