@@ -21,6 +21,7 @@ import structlog
 from aiohttp import web
 
 from flare.api.errors import RATE_LIMIT, SERVER_ERROR, ApiError, bad_request
+from flare.api.generation import Generation
 from flare.api.prepare import Echo, Prepared
 from flare.api.rendering import ChoiceText, RenderedToken, Renderer, TextPiece, TokenRenderer
 from flare.api.sse import SSE_HEADERS
@@ -86,7 +87,7 @@ async def answer(
     headers = prepared.headers()
     events = _Events(scheduler, prepared, streams, timeout_s)
     reading = _Reading(prepared, TokenRenderer(scheduler.tokenizer.token_bytes))
-    with structlog.contextvars.bound_contextvars(completion_id=prepared.id):
+    with structlog.contextvars.bound_contextvars(completion_id=prepared.id, **_labels(prepared.generation)):
         log.info(
             "generation_started",
             prompt_tokens=prepared.prompt_tokens,
@@ -118,6 +119,17 @@ async def answer(
                     f"client not reading ({gone})" if isinstance(gone, ClientNotReading) else "client disconnected"
                 )
                 log.info("generation_cancelled", reason=reason)
+
+
+def _labels(generation: Generation) -> dict[str, str]:
+    """What the client sent for the operator (its labels, a model name mapped to the served
+    model), on every log line of its request."""
+    labels = {
+        "safety_identifier": generation.safety_identifier,
+        "prompt_cache_key": generation.prompt_cache_key,
+        "model_mapped_from": generation.model if generation.model_mapped_to is not None else None,
+    }
+    return {name: value for name, value in labels.items() if value is not None}
 
 
 def _submit(scheduler: Scheduler, prepared: Prepared) -> list[RequestStream]:
@@ -220,7 +232,8 @@ class _Reading:
 
     def __post_init__(self) -> None:
         calls = self.prepared.generation.calls_possible
-        self.readers = [ToolCallReader(calls, self.prepared.tool_format) for _ in range(self.prepared.choices)]
+        fmt, call_prefix = self.prepared.tool_format, self.prepared.ids.call
+        self.readers = [ToolCallReader(calls, fmt, call_prefix) for _ in range(self.prepared.choices)]
 
     def echo(self, index: int) -> Echo | None:
         return self.prepared.echoes[index // self.prepared.n]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from flare.api.errors import ApiError, bad_request
@@ -21,6 +22,26 @@ def check_fields(body: Mapping[str, Any], known: frozenset[str]) -> None:
             raise bad_request(f"unrecognized request field {key!r}", param=key, code="unknown_parameter")
 
 
+# A label a client sends for the operator (safety_identifier) or as a cache hint
+# (prompt_cache_key): longer than this is no label, and would bloat every log line.
+MAX_LABEL_CHARS = 1024
+
+
+def label_field(body: Mapping[str, Any], field: str) -> str | None:
+    """A label field: a non-empty string of at most MAX_LABEL_CHARS characters, or None when it
+    is absent or null; a 400 naming the field otherwise."""
+    value = body.get(field)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise bad_request(f"{field} must be a string, got {kind(value)}", param=field, code="invalid_type")
+    if not value or len(value) > MAX_LABEL_CHARS:
+        raise bad_request(
+            f"{field} must be 1 to {MAX_LABEL_CHARS} characters long, got {len(value)}", param=field, code="invalid_value"
+        )
+    return value
+
+
 def model_field(body: Mapping[str, Any]) -> str:
     model = body.get("model")
     if model is None:
@@ -30,15 +51,34 @@ def model_field(body: Mapping[str, Any]) -> str:
     return model
 
 
-def check_model(requested: str, served: str) -> None:
-    """404 model_not_found unless `requested` names the served model."""
-    if requested != served:
-        raise ApiError(
-            404,
-            f"the model {requested!r} does not exist here; this server serves {served!r}",
-            param="model",
-            code="model_not_found",
-        )
+@dataclass(frozen=True)
+class ServedNames:
+    """The names the one served model answers to (`--served-model-name`, several as vLLM takes
+    them; the first is the one logs and the control socket use), and whether any other name is
+    answered too (`--accept-any-model-name`, for tools that send "gpt-4o" or their own alias)."""
+
+    names: tuple[str, ...]
+    accept_any: bool = False
+
+    @property
+    def primary(self) -> str:
+        return self.names[0]
+
+
+def check_model(requested: str, served: ServedNames) -> bool:
+    """Whether `requested` is answered by being mapped to the served model (a name not among
+    its names, under accept_any); 404 model_not_found for such a name otherwise."""
+    if requested in served.names:
+        return False
+    if served.accept_any:
+        return True
+    listed = ", ".join(repr(name) for name in served.names)
+    raise ApiError(
+        404,
+        f"the model {requested!r} does not exist here; this server serves {listed}",
+        param="model",
+        code="model_not_found",
+    )
 
 
 _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

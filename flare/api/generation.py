@@ -63,6 +63,13 @@ class Generation:
     constraint: GrammarSpec | None = None
     include_usage: bool = False  # OpenAI's stream_options.include_usage
     cache_salt: str | None = None  # narrows whose prefix-cache blocks it shares (api/cache_scope.py)
+    # OpenAI's labels, logged with the request: the end user's (safety_identifier) and the
+    # cache-routing hint (prompt_cache_key; one scheduler has no routing to do, api/cache_scope.py).
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    # The served model's name when `model` named another and --accept-any-model-name answered
+    # it: the answer echoes `model`, its flare object says what served it.
+    model_mapped_to: str | None = None
 
     @property
     def tools(self) -> ToolRequest | None:

@@ -21,7 +21,7 @@ import anyio
 from flare.api.abandonable import run_abandonable
 from flare.api.errors import bad_request
 from flare.api.generation import ChatPrompt, Generation, TextPrompts, TokenOptions
-from flare.api.rendering import flare_object, logprobs_object
+from flare.api.rendering import IdForm, flare_object, logprobs_object
 from flare.api.tools.grammar import tool_grammar
 from flare.api.tools.prompt import render_messages, template_messages, template_tools
 from flare.engine.tokenizer import ChatTemplateError
@@ -61,7 +61,8 @@ class Prepared:
     """The scheduler requests of one API request (one per prompt, each with `n` choices) and
     what its answer needs: choice k*n + j is prompt k's choice j, as OpenAI numbers them."""
 
-    id: str
+    id: str  # the answer's, in its API's form (ids.answer)
+    ids: IdForm
     generation: Generation
     requests: tuple[GenerationRequest, ...]
     clamp: ClampResult
@@ -87,6 +88,8 @@ class Prepared:
     def flare(self) -> dict[str, Any]:
         """The `flare` object: the sampling applied and what the package policy changed."""
         flare = flare_object(self.clamp)
+        if self.generation.model_mapped_to is not None:
+            flare["model"] = {"requested": self.generation.model, "served": self.generation.model_mapped_to}
         if self.tokens.logprobs is not None:
             flare["logprobs"] = logprobs_object(self.clamp.params, raw=self.tokens.raw_logprobs)
         return flare
@@ -97,11 +100,12 @@ class Prepared:
 
 
 async def prepare(
-    serving: Serving, generation: Generation, request_id: str, fault: FaultSpec | None = None, cache_scope: bytes = b""
+    serving: Serving, generation: Generation, ids: IdForm, fault: FaultSpec | None = None, cache_scope: bytes = b""
 ) -> Prepared:
     """The scheduler requests for `generation` and the plan for its answer, or a 400 naming the
-    field that cannot be served. `cache_scope` says whose prefix-cache blocks its prompts may
-    share (api/cache_scope.py)."""
+    field that cannot be served. `ids` is the answering API's form of its ids; `cache_scope`
+    says whose prefix-cache blocks its prompts may share (api/cache_scope.py)."""
+    request_id = ids.answer_id()
     scheduler = serving.scheduler
     tokens = generation.tokens
     _check_logit_bias(tokens.logit_bias, scheduler.vocab_size)
@@ -147,7 +151,7 @@ async def prepare(
         for k, (_, ids) in enumerate(prompts)
     )
     echoes = tuple(Echo(text, ids) if tokens.echo else None for text, ids in prompts)
-    return Prepared(request_id, generation, requests, clamp, echoes, tool_format)
+    return Prepared(request_id, ids, generation, requests, clamp, echoes, tool_format)
 
 
 async def count_prompt_tokens(serving: Serving, prompt: ChatPrompt | TextPrompts) -> int:

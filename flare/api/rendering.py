@@ -9,6 +9,7 @@ A token of probability 0 (masked or filtered out) reports -9999.0, as JSON has n
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -21,6 +22,25 @@ from flare.policy.policy import ClampResult
 from flare.scheduler.request import RequestFailure, TokenLogprob, Usage
 
 ZERO_PROBABILITY_LOGPROB = -9999.0
+
+
+def new_id(prefix: str) -> str:
+    """An id in the form the APIs use: a prefix naming what it is, then random hex."""
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True)
+class IdForm:
+    """How one API spells the ids it makes, as its documentation does: the answer's (OpenAI's
+    `chatcmpl-`, `cmpl-`, `resp_`; Anthropic's `msg_`) and its tool calls' (`call_`, `toolu_`).
+    Each renderer module states its API's form; a template that demands its own call ids
+    (Mistral's nine characters) keeps them (package/tool_formats.py)."""
+
+    answer: str
+    call: str = "call_"
+
+    def answer_id(self) -> str:
+        return new_id(self.answer)
 
 
 def flare_object(clamp: ClampResult) -> dict[str, Any]:

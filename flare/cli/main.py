@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -49,8 +50,11 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--config", metavar="PATH", help=f"a TOML file of settings (default: ${CONFIG_ENV})")
     add("--host", help="the address to listen on (default 127.0.0.1)")
     add("--port", metavar="N", help="the TCP port (default 8000; 0 picks a free one, logged in the 'listening' event)")
-    add("--served-model-name", metavar="NAME",
-        help="the model name clients send (default: the name recorded in the package)")
+    add("--served-model-name", metavar="NAME", nargs="+",
+        help="the model names clients send, all listed by /v1/models (default: the name recorded in the package)")
+    add("--accept-any-model-name", action="store_const", const=True,
+        help="answer a request naming any model with this package; the answer echoes the name asked for and "
+        "its flare object says it was mapped (off by default: another name is a 404)")
     add("--kv-cache-memory", metavar="SIZE",
         help='memory for the KV cache, e.g. "2GiB" or "512MiB" (default: sized for max_concurrency full contexts)')
     add("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
@@ -148,6 +152,14 @@ def run_command(args: argparse.Namespace) -> int:
         return _usage_error(
             f"flare run: error: PACKAGE {config.package} is not a directory; "
             "pass a package made by `flare export`, or no PACKAGE for the default model"
+        )
+    # --served-model-name takes every name after it (as vLLM's does), so a PACKAGE written after
+    # it would be taken for a name and the default model served under it.
+    misplaced = [name for name in args.served_model_name or () if Path(name).is_dir()]
+    if args.package is None and misplaced:
+        return _usage_error(
+            f"flare run: error: --served-model-name {misplaced[0]!r} is a directory; put PACKAGE before "
+            "--served-model-name, which takes every name after it"
         )
     # Read once, when torch loads OpenMP, so set before the import; see flare/engine/openmp.py.
     set_wait_policy(os.environ)

@@ -53,7 +53,11 @@ class DaemonConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     package: Path | None = None  # None: the default model, exported once into the cache
-    served_model_name: str | None = None  # None: the name in the package manifest (provenance.name)
+    # The names clients send in `model`, all listed by /v1/models (vLLM takes several); empty:
+    # the name in the package manifest (provenance.name).
+    served_model_name: tuple[str, ...] = ()
+    # Any other name in `model` is answered by the one package too (tools that send "gpt-4o").
+    accept_any_model_name: bool = False
     control_socket: Path | None = None
     kv_cache_memory: int | None = None  # bytes; None: the scheduler's default budget
     kv_cache_dtype: str = "float32"  # KV_CACHE_DTYPES: what the KV cache stores keys and values as
@@ -219,7 +223,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "host": _text,
     "port": _integer(0, 65535),
     "package": _path,
-    "served_model_name": _text,
+    "served_model_name": _names,
+    "accept_any_model_name": _boolean,
     "control_socket": _path,
     "kv_cache_memory": parse_bytes,
     "kv_cache_dtype": _choice(*KV_CACHE_DTYPES),

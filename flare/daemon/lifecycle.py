@@ -224,9 +224,9 @@ class Daemon:
             scheduler.observer.watch_ranks(scheduler.runner.rank_list)
         tasks.start_soon(self._run_scheduler, scheduler)
         await scheduler.warm_up()
-        model_name = self.config.served_model_name or scheduler.package.manifest.provenance.name
-        self.state.ready(scheduler, model_name)
-        log.info("ready", model=model_name, max_context=scheduler.max_context)
+        names = self.config.served_model_name or (scheduler.package.manifest.provenance.name,)
+        self.state.ready(scheduler, names, accept_any_name=self.config.accept_any_model_name)
+        log.info("ready", model=names[0], names=list(names), max_context=scheduler.max_context)
         self.notifier.ready()
         tasks.start_soon(publish_status, self.notifier, lambda: control.status().summary(), STATUS_INTERVAL_S)
 

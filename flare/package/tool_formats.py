@@ -67,10 +67,11 @@ class ToolFormat:
         """The fixed texts the format writes around its calls."""
         return tuple(m for m in (self.prefix, self.call_open, self.call_close, self.separator, self.suffix) if m)
 
-    def new_call_id(self) -> str:
+    def new_call_id(self, prefix: str = "call_") -> str:
+        """A new call's id: the API's form (`prefix` and hex), unless the template demands its own."""
         if self.id_style == "nine_alphanumeric":
             return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
-        return f"call_{uuid.uuid4().hex[:24]}"
+        return f"{prefix}{uuid.uuid4().hex[:24]}"
 
 
 FLARE = ToolFormat("flare", "", "<tool_call>", "</tool_call>", "\n", "", "arguments", several=True)

@@ -4,8 +4,8 @@ prepare, answer with the API's renderer), and /tokenize, /detokenize."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
-import uuid
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -16,17 +16,17 @@ from aiohttp import web
 from flare.api.answer import answer
 from flare.api.cache_scope import prefix_cache_scope
 from flare.api.chat.parse import parse_chat_completion, parse_completion
-from flare.api.chat.render import ChatCompletionShape, OpenAIRenderer, TextCompletionShape
+from flare.api.chat.render import CHAT_IDS, COMPLETION_IDS, ChatCompletionShape, OpenAIRenderer, TextCompletionShape
 from flare.api.errors import bad_request
 from flare.api.fields import check_fields, check_model
 from flare.api.generation import Generation
 from flare.api.json_body import parse_json_body
 from flare.api.messages.parse import parse_messages_request
-from flare.api.messages.render import MessagesRenderer
+from flare.api.messages.render import MESSAGE_IDS, MessagesRenderer
 from flare.api.prepare import Prepared, Serving, chat_ids, check_prompt_size, count_prompt_tokens, prepare
-from flare.api.rendering import Renderer
+from flare.api.rendering import IdForm, Renderer
 from flare.api.responses.parse import parse_response_request
-from flare.api.responses.render import ResponsesRenderer
+from flare.api.responses.render import RESPONSE_IDS, ResponsesRenderer
 from flare.api.tokenize.parse import (
     DETOKENIZE_FIELDS,
     TOKENIZE_FIELDS,
@@ -39,7 +39,7 @@ from flare.sampler.status import DeviceStatus
 from flare.scheduler.request import FaultSpec
 from flare.server.context import API_KEY, COMPILING, SETTINGS, STATE, TOKENIZING, ServerConfig
 from flare.server.request_body import read_body
-from flare.server.state import Phase, ServingState
+from flare.server.state import Phase
 
 if TYPE_CHECKING:
     from flare.scheduler.scheduler import Scheduler
@@ -60,20 +60,20 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    state.require_scheduler()  # 503 while loading: the name is known once the package is open
-    return web.json_response({"object": "list", "data": [_model_card(state)]})
+    # 503 while loading: the names are known once the package is open
+    names = request.app[STATE].require_names()
+    return web.json_response({"object": "list", "data": [_model_card(name) for name in names.names]})
 
 
 async def get_model(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    state.require_scheduler()
-    check_model(request.match_info["model"], state.model_name or "")
-    return web.json_response(_model_card(state))
+    """The model card of a served name (or, under --accept-any-model-name, of any name)."""
+    name = request.match_info["model"]
+    check_model(name, request.app[STATE].require_names())
+    return web.json_response(_model_card(name))
 
 
-def _model_card(state: ServingState) -> dict[str, Any]:
-    return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "flare"}
+def _model_card(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "flare"}
 
 
 # --- generation ----------------------------------------------------------------------------
@@ -81,30 +81,30 @@ def _model_card(state: ServingState) -> dict[str, Any]:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     generation = parse_chat_completion(parse_json_body(await read_body(request)))
-    return await _generate(request, generation, "chatcmpl", _chat_renderer)
+    return await _generate(request, generation, CHAT_IDS, _chat_renderer)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     generation = parse_completion(parse_json_body(await read_body(request)))
-    return await _generate(request, generation, "cmpl", _completion_renderer)
+    return await _generate(request, generation, COMPLETION_IDS, _completion_renderer)
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
     body = parse_json_body(await read_body(request))
     generation = parse_response_request(body)
     created, instructions = int(time.time()), body.get("instructions")  # a string, or None: parsed
-    return await _generate(request, generation, "resp", lambda prepared: ResponsesRenderer(prepared, created, instructions))
+    return await _generate(request, generation, RESPONSE_IDS, lambda prepared: ResponsesRenderer(prepared, created, instructions))
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
     generation = parse_messages_request(parse_json_body(await read_body(request)))
-    return await _generate(request, generation, "msg", MessagesRenderer)
+    return await _generate(request, generation, MESSAGE_IDS, MessagesRenderer)
 
 
 async def count_message_tokens(request: web.Request) -> web.Response:
     """Anthropic's count_tokens: the prompt's tokens as /v1/messages would send them."""
     generation = parse_messages_request(parse_json_body(await read_body(request)), counting=True)
-    serving = _serving(request, generation)
+    serving, _ = _serving(request, generation)
     return web.json_response({"input_tokens": await count_prompt_tokens(serving, generation.prompt)})
 
 
@@ -122,34 +122,35 @@ def _completion_renderer(prepared: Prepared) -> Renderer:
 
 
 async def _generate(
-    request: web.Request, generation: Generation, id_prefix: str, renderer: Callable[[Prepared], Renderer]
+    request: web.Request, generation: Generation, ids: IdForm, renderer: Callable[[Prepared], Renderer]
 ) -> web.StreamResponse:
-    """The one request path after parsing, whichever API: prepare, then submit and render."""
-    serving = _serving(request, generation)
+    """The one request path after parsing, whichever API: prepare, then submit and render;
+    `ids` is the API's form of its ids (stated beside its renderer)."""
+    serving, generation = _serving(request, generation)
     config = request.app[SETTINGS].config
     scope = prefix_cache_scope(
         api_key=request[API_KEY], across_keys=config.prefix_cache_across_keys, salt=generation.cache_salt
     )
-    prepared = await prepare(serving, generation, _new_id(id_prefix), _fault(request, config), scope)
+    prepared = await prepare(serving, generation, ids, _fault(request, config), scope)
     in_flight = request.app[STATE].in_flight
     return await answer(request, serving.scheduler, in_flight, prepared, renderer(prepared), config.request_timeout_s)
 
 
-def _serving(request: web.Request, generation: Generation) -> Serving:
-    """The running model, once `generation` names it (a 503 while loading, a 404 for another)."""
+def _serving(request: web.Request, generation: Generation) -> tuple[Serving, Generation]:
+    """The running model, once `generation` names it (a 503 while loading, a 404 for another),
+    and the generation, marked as mapped to the served model where --accept-any-model-name
+    answered a name it does not have."""
     state = request.app[STATE]
     scheduler = state.require_scheduler()
-    check_model(generation.model, state.model_name or "")
-    return _serving_of(request, scheduler)
+    names = state.require_names()
+    if check_model(generation.model, names):
+        generation = dataclasses.replace(generation, model_mapped_to=names.primary)
+    return _serving_of(request, scheduler), generation
 
 
 def _serving_of(request: web.Request, scheduler: Scheduler) -> Serving:
     allow_special = request.app[SETTINGS].config.allow_special_tokens_in_messages
     return Serving(scheduler, allow_special, request.app[TOKENIZING], request.app[COMPILING])
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def _fault(request: web.Request, config: ServerConfig) -> FaultSpec | None:
@@ -182,7 +183,7 @@ async def tokenize(request: web.Request) -> web.Response:
     check_fields(body, TOKENIZE_FIELDS)
     state = request.app[STATE]
     scheduler = state.require_scheduler()
-    check_model_if_named(body, state.model_name or "")
+    check_model_if_named(body, state.require_names())
     wanted = parse_tokenize(body)
     if wanted.prompt is not None:
         check_prompt_size(scheduler, len(wanted.prompt), "prompt")
@@ -201,7 +202,7 @@ async def detokenize(request: web.Request) -> web.Response:
     check_fields(body, DETOKENIZE_FIELDS)
     state = request.app[STATE]
     scheduler = state.require_scheduler()
-    check_model_if_named(body, state.model_name or "")
+    check_model_if_named(body, state.require_names())
     tokens = parse_detokenize(body, scheduler.tokenizer.vocab_size)
     text = await anyio.to_thread.run_sync(
         partial(scheduler.tokenizer.decode, tokens, skip_special_tokens=False), limiter=request.app[TOKENIZING]

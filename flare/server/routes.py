@@ -52,12 +52,15 @@ def create_app(config: ServerConfig, state: ServingState, metrics: DaemonMetrics
     routes = app.router
     routes.add_get("/health", health)
     routes.add_get("/metrics", metrics_handler(metrics.registry))
-    routes.add_get("/v1/models", list_models)
-    routes.add_get("/v1/models/{model:.+}", get_model)
-    # Each API's parser and renderer: flare/api/chat/ (both of these), responses/, messages/, tokenize/.
-    routes.add_post("/v1/chat/completions", chat_completions, expect_handler=expect_continue)
-    routes.add_post("/v1/completions", completions, expect_handler=expect_continue)
-    routes.add_post("/v1/responses", responses, expect_handler=expect_continue)
+    # OpenAI's routes answer with and without /v1, as llama.cpp's server does: tools written
+    # for it call /chat/completions. Each API's parser and renderer: flare/api/chat/ (both
+    # completions), responses/, messages/, tokenize/.
+    for prefix in ("/v1", ""):
+        routes.add_get(f"{prefix}/models", list_models)
+        routes.add_get(f"{prefix}/models/{{model:.+}}", get_model)
+        routes.add_post(f"{prefix}/chat/completions", chat_completions, expect_handler=expect_continue)
+        routes.add_post(f"{prefix}/completions", completions, expect_handler=expect_continue)
+        routes.add_post(f"{prefix}/responses", responses, expect_handler=expect_continue)
     routes.add_post("/v1/messages", messages, expect_handler=expect_continue)
     routes.add_post("/v1/messages/count_tokens", count_message_tokens, expect_handler=expect_continue)
     routes.add_post("/tokenize", tokenize, expect_handler=expect_continue)

@@ -6,6 +6,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from flare.api.errors import SERVER_ERROR, ApiError
+from flare.api.fields import ServedNames
 
 if TYPE_CHECKING:
     from flare.scheduler.scheduler import Scheduler
@@ -28,16 +29,27 @@ class ServingState:
 
     def __init__(self) -> None:
         self.phase = Phase.LOADING
-        self.model_name: str | None = None
+        self.names: ServedNames | None = None  # once the package is open
         self._scheduler: Scheduler | None = None
         self.in_flight: set[str] = set()
         # Whether the HTTP API listens on a loopback address only (then the Host header is checked).
         self.loopback = False
 
-    def ready(self, scheduler: Scheduler, model_name: str) -> None:
+    def ready(self, scheduler: Scheduler, names: tuple[str, ...], *, accept_any_name: bool = False) -> None:
         self._scheduler = scheduler
-        self.model_name = model_name
+        self.names = ServedNames(names, accept_any_name)
         self.phase = Phase.READY
+
+    @property
+    def model_name(self) -> str | None:
+        """The served model's first name, once it is loaded."""
+        return self.names.primary if self.names is not None else None
+
+    def require_names(self) -> ServedNames:
+        """The served model's names (a 503 while loading, as require_scheduler)."""
+        self.require_scheduler()
+        assert self.names is not None
+        return self.names
 
     def stopping(self) -> None:
         self.phase = Phase.STOPPING

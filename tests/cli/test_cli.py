@@ -56,6 +56,15 @@ def test_missing_package_directory_is_a_usage_error(tmp_path: Path, capsys: pyte
     assert "is not a directory" in err and "flare export" in err
 
 
+def test_served_model_names_take_every_name_after_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = build_parser().parse_args(["run", "pkg", "--served-model-name", "smol", "gpt-4o", "--accept-any-model-name"])
+    assert (args.package, args.served_model_name, args.accept_any_model_name) == ("pkg", ["smol", "gpt-4o"], True)
+    # A package written after the names would be served as the default model's name: refused.
+    assert main(["run", "--served-model-name", "smol", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "put PACKAGE before --served-model-name" in err and err.count("\n") == 1
+
+
 def test_config_file_errors_reach_the_user_without_traceback(tmp_path: Path) -> None:
     config = tmp_path / "flare.toml"
     config.write_text("prot = 80\n")

@@ -199,3 +199,19 @@ def test_the_prefix_cache_is_on_by_default_and_each_source_can_turn_it_off(tmp_p
     assert load_config(flags(prefix_cache="off"), {"FLARE_PREFIX_CACHE": "on"}).prefix_cache is False
     with pytest.raises(ConfigError, match="--prefix-cache: expected true or false"):
         load_config(flags(prefix_cache="sometimes"), {})
+
+
+def test_several_served_model_names_come_from_every_source(tmp_path: Path) -> None:
+    assert load_config(flags(), {}).served_model_name == ()
+    path = write_toml(tmp_path, 'served_model_name = ["smollm2", "gpt-4o"]\naccept_any_model_name = true\n')
+    from_file = load_config(flags(), {}, path)
+    assert from_file.served_model_name == ("smollm2", "gpt-4o") and from_file.accept_any_model_name is True
+    one = write_toml(tmp_path, 'served_model_name = "smollm2"\n')
+    assert load_config(flags(), {}, one).served_model_name == ("smollm2",)
+    assert load_config(flags(), {"FLARE_SERVED_MODEL_NAME": "a, b"}, path).served_model_name == ("a", "b")
+    assert load_config(flags(served_model_name=["x", "y"]), {"FLARE_SERVED_MODEL_NAME": "a"}).served_model_name == (
+        "x",
+        "y",
+    )
+    with pytest.raises(ConfigError, match="--accept-any-model-name"):
+        load_config(flags(accept_any_model_name="maybe"), {})

@@ -478,7 +478,7 @@ def test_daemon_control_reports_the_scheduler_and_cancels_with_an_operator_error
     control = DaemonControl(state, config=lambda: DaemonConfig(api_keys=("sk-1",)), log_control=log_control)
     with pytest.raises(ApiError, match="still loading"):
         control.status()
-    state.ready(scheduler, "smollm2")  # type: ignore[arg-type]
+    state.ready(scheduler, ("smollm2",))  # type: ignore[arg-type]
     status = control.status()
     assert (status.package, status.running, status.kv_blocks_used, status.kv_blocks_total) == ("smollm2", 2, 9, 128)
     assert status.generated_tokens_per_s == 12.35 and status.log_level == "warning"

@@ -36,7 +36,7 @@ def scheduler() -> FakeScheduler:
 async def started(
     scheduler: FakeScheduler, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> AsyncIterator[tuple[Daemon, str, asyncio.Task[None]]]:
-    config = replace(DaemonConfig(port=0, served_model_name="tiny-model", log_format="json"), **getattr(request, "param", {}))
+    config = replace(DaemonConfig(port=0, served_model_name=("tiny-model",), log_format="json"), **getattr(request, "param", {}))
     daemon = Daemon(config, {})
     monkeypatch.setattr(daemon, "load_scheduler", lambda: scheduler)
     task = asyncio.create_task(daemon.run())

@@ -33,10 +33,15 @@ MakeClient = Callable[..., Awaitable[TestClient]]
 async def make_client() -> AsyncIterator[MakeClient]:
     clients: list[TestClient] = []
 
-    async def make(scheduler: FakeScheduler | None = None, **config: Any) -> TestClient:
+    async def make(
+        scheduler: FakeScheduler | None = None,
+        names: tuple[str, ...] = (MODEL,),
+        accept_any_name: bool = False,
+        **config: Any,
+    ) -> TestClient:
         state = ServingState()
         if scheduler is not None:
-            state.ready(scheduler, MODEL)  # type: ignore[arg-type]
+            state.ready(scheduler, names, accept_any_name=accept_any_name)  # type: ignore[arg-type]
         client = TestClient(TestServer(create_app(DaemonConfig(**config), state, DaemonMetrics.create())))
         await client.start_server()
         clients.append(client)

@@ -7,10 +7,13 @@ repetition_penalty (as vLLM accepts them), `n` choices (`best_of` equal to `n`),
 `logprobs`/`top_logprobs` (chat) and `logprobs`/`echo` (completions), `response_format` (chat)
 and flare's `structured_outputs` extension (both), and tools (chat: `tools`, `tool_choice`,
 `parallel_tool_calls`, tool messages; api/tools/). Fields that ask for something flare does
-not do (the deprecated functions API, picking the best of more choices than are returned) get a
-400 naming the field. Fields that change nothing about the answer are accepted and ignored:
-`user`, `metadata`, `store`, `service_tier`. Any other field is rejected as unrecognized, as
-OpenAI does, so a misspelt parameter never silently does nothing.
+not do (the deprecated functions API, picking the best of more choices than are returned, audio,
+predicted outputs, reasoning, web search, moderation) get a 400 naming the field and why. Fields
+that change nothing about the answer are accepted and ignored: `user`, `metadata`, `store`,
+`service_tier`, `verbosity`, the prompt cache's options; `safety_identifier` and `prompt_cache_key`
+are logged with the request. Any other field is rejected as unrecognized, as OpenAI does, so a
+misspelt parameter never silently does nothing. docs/api.md, "Every request field", holds the
+table of every field of OpenAI's request types and what flare does with it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 from flare.api.cache_scope import cache_salt
 from flare.api.errors import bad_request
-from flare.api.fields import check_fields, kind, model_field, no_other_keys, response_format, sampling_fields
+from flare.api.fields import check_fields, kind, label_field, model_field, no_other_keys, response_format, sampling_fields
 from flare.api.generation import ChatPrompt, Generation, TextOrTokens, TextPrompts, TokenOptions
 from flare.api.tools.parse import check_tool_results, parse_tools
 from flare.policy.validation import SAMPLING_FIELDS
@@ -31,15 +34,19 @@ from flare.structured.spec import GrammarSpec
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+# Chat's fields that ask for what a text model without reasoning, tools of its own or a
+# moderation service cannot do: refused by name with why (_unsupported_chat_features).
+_REFUSED = frozenset({"audio", "prediction", "reasoning_effort", "web_search_options", "moderation"})
+_CHAT_ONLY_IGNORED = frozenset({"verbosity", "prompt_cache_options", "prompt_cache_retention"})
 _COMMON = frozenset(
     {
         "model", "stream", "stream_options", "structured_outputs", "logprobs_mode", "cache_salt",
         *SAMPLING_FIELDS, *_IGNORED,
     }
 )
-_CHAT_FIELDS = _COMMON | {
+_CHAT_FIELDS = _COMMON | _REFUSED | _CHAT_ONLY_IGNORED | {
     "messages", "n", "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice",
-    "functions", "function_call", "response_format",
+    "functions", "function_call", "response_format", "modalities", "prompt_cache_key", "safety_identifier",
 }
 _COMPLETION_FIELDS = _COMMON | {"prompt", "n", "best_of", "logprobs", "logit_bias", "echo", "suffix"}
 
@@ -85,6 +92,8 @@ def parse_chat_completion(body: Mapping[str, Any]) -> Generation:
         constraint or extension,
         include_usage,
         cache_salt(body),
+        label_field(body, "safety_identifier"),
+        label_field(body, "prompt_cache_key"),
     )
 
 
@@ -194,6 +203,36 @@ def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
 def _unsupported_chat_features(body: Mapping[str, Any]) -> None:
     _only(body, "functions", (None, []), "functions (the deprecated functions API) are not supported; use tools")
     _only(body, "function_call", (None, "none", "auto"), "function_call is not supported; use tools and tool_choice")
+    _modalities(body.get("modalities"))
+    _only(body, "audio", (None,), "audio output is not supported: this model answers in text; leave audio out")
+    _only(
+        body, "prediction", (None,), "prediction (predicted outputs) is not supported yet; leave prediction out"
+    )
+    _only(
+        body,
+        "reasoning_effort",
+        (None, "none"),
+        'reasoning_effort: this model does not reason; leave it out or send "none"',
+    )
+    _only(body, "web_search_options", (None,), "web search is not supported: this server has no tools of its own")
+    _only(
+        body, "moderation", (None,), "moderation is not supported: this server runs no moderation of input or output"
+    )
+
+
+def _modalities(value: Any) -> None:
+    """Chat's output modalities: text is what this model answers in; audio is refused."""
+    if value is None:
+        return
+    if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
+        raise bad_request(f'modalities must be a list such as ["text"], got {kind(value)}', param="modalities")
+    other = [m for m in value if m != "text"]
+    if other or not value:
+        shown = repr(other[0]) if other else "an empty list"
+        raise bad_request(
+            f'modalities: this model answers in text only, got {shown}; send ["text"] or leave modalities out',
+            param="modalities",
+        )
 
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")

@@ -26,9 +26,13 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from flare.api.errors import failure_body, failure_response
-from flare.api.rendering import ChoiceText, RenderedToken, TextPiece
+from flare.api.rendering import ChoiceText, IdForm, RenderedToken, TextPiece
 from flare.api.sse import DONE, sse_data
 from flare.scheduler.request import RequestFailure, Usage
+
+# OpenAI's ids: chatcmpl-... and cmpl-..., tool calls call_...
+CHAT_IDS = IdForm("chatcmpl-")
+COMPLETION_IDS = IdForm("cmpl-")
 
 
 def chat_logprobs(tokens: list[RenderedToken]) -> dict[str, Any]:

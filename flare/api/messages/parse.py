@@ -7,9 +7,13 @@ as Anthropic requires it), `temperature`, `top_p`, `top_k`, `stop_sequences`, `t
 tools: name, description, input_schema) with `tool_choice` (auto, any, tool, none;
 `disable_parallel_tool_use`), and `stream`. The conversation becomes chat messages and the tools
 the chat path's, so both go through the same checks, template and grammar as on chat.
-`metadata` and `service_tier` are accepted and ignored, `cache_control` (top-level, on blocks and
-on tools) too (the prefix cache is automatic); anything else is refused by name: images and documents
-(a text-only model), `thinking`, server tools, MCP servers.
+`thinking: {"type": "disabled"}` is what this model does (it does not think), and
+`output_config.format` (a JSON schema) holds the answer to the schema as chat's response_format.
+`metadata`, `service_tier` and the routing fields (`speed`, `inference_geo`, ...) are accepted and
+ignored, `cache_control` (top-level, on blocks and on tools) too (the prefix cache is automatic);
+anything else is refused by name: images and documents (a text-only model), thinking enabled,
+server tools and their containers, MCP servers. docs/api.md, "Every request field", holds the
+table of every field of Anthropic's request type and what flare does with it.
 """
 
 from __future__ import annotations
@@ -19,14 +23,24 @@ from collections.abc import Mapping
 from typing import Any
 
 from flare.api.errors import bad_request
-from flare.api.fields import check_fields, kind, model_field, sampling_fields
+from flare.api.fields import check_fields, kind, model_field, no_other_keys, sampling_fields
 from flare.api.generation import ChatPrompt, Generation
 from flare.api.tools.parse import parse_tools
+from flare.structured.spec import GrammarSpec
 
-_COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice"})
-_FIELDS = _COUNT_FIELDS | {
-    "max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "stream", "metadata", "service_tier",
-    "cache_control",
+# count_tokens takes what shapes the prompt, and the switches a Messages request would send with it.
+_COUNT_FIELDS = frozenset(
+    {
+        "model", "messages", "system", "tools", "tool_choice", "thinking", "output_config", "cache_control", "speed",
+        "user_profile_id", "workspace_id",
+    }
+)
+# Accepted and ignored: they route, bill or label a request, and change nothing about its answer.
+_IGNORED = frozenset(
+    {"metadata", "service_tier", "cache_control", "speed", "inference_geo", "diagnostics", "user_profile_id", "workspace_id"}
+)
+_FIELDS = _COUNT_FIELDS | _IGNORED | {
+    "max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "stream", "thinking", "output_config", "container",
 }
 
 
@@ -43,6 +57,8 @@ def parse_messages_request(body: Mapping[str, Any], *, counting: bool = False) -
         }
     )
     prompt = ChatPrompt(tuple(messages), tools)
+    _thinking(body.get("thinking"))
+    constraint = _output_format(body.get("output_config"))
     if counting:
         return Generation(model, prompt, {})
     max_tokens = body.get("max_tokens")
@@ -61,7 +77,60 @@ def parse_messages_request(body: Mapping[str, Any], *, counting: bool = False) -
     if given["stop"] is not None and not isinstance(given["stop"], list):
         raise bad_request(f"stop_sequences must be a list of strings, got {kind(given['stop'])}", param="stop_sequences")
     sampling = sampling_fields(given, renamed={"stop": "stop_sequences"})
-    return Generation(model, prompt, sampling, bool(stream))
+    if body.get("container") is not None:
+        raise bad_request(
+            "container is not supported: it holds server tools' files, and this server has no tools of its own",
+            param="container",
+        )
+    if constraint is not None and tools is not None and tools.calls_possible:
+        raise bad_request(
+            'tools and output_config.format cannot be combined: send tool_choice {"type": "none"} or leave the '
+            "format out",
+            param="output_config.format",
+        )
+    return Generation(model, prompt, sampling, bool(stream), constraint=constraint)
+
+
+def _thinking(thinking: Any) -> None:
+    """Extended thinking: disabled is what this model does; enabled is refused (it writes no
+    thinking blocks)."""
+    if thinking is None:
+        return
+    if not isinstance(thinking, dict):
+        raise bad_request(f"thinking must be an object with a type, got {kind(thinking)}", param="thinking")
+    thinking_type = thinking.get("type")
+    if thinking_type == "disabled":
+        no_other_keys(thinking, {"type"}, "thinking")
+        return
+    if thinking_type in ("enabled", "adaptive"):
+        raise bad_request(
+            f'thinking {thinking_type}: this model does not produce thinking; send {{"type": "disabled"}} or leave '
+            "thinking out",
+            param="thinking",
+        )
+    raise bad_request(f"thinking.type must be enabled or disabled, got {thinking_type!r}", param="thinking.type")
+
+
+def _output_format(config: Any) -> GrammarSpec | None:
+    """output_config: `format` (a JSON schema the answer is held to, as chat's response_format)
+    and `effort` (accepted and ignored: this model has one way of answering)."""
+    where = "output_config"
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise bad_request(f"{where} must be an object, got {kind(config)}", param=where)
+    no_other_keys(config, {"format", "effort"}, where)
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    where = "output_config.format"
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise bad_request(f'{where} must be {{"type": "json_schema", "schema": {{...}}}}', param=where)
+    no_other_keys(fmt, {"type", "schema"}, where)
+    schema = fmt.get("schema")
+    if not isinstance(schema, dict):
+        raise bad_request(f"{where}.schema must be a JSON schema object, got {kind(schema)}", param=f"{where}.schema")
+    return GrammarSpec.json_schema(schema, f"{where}.schema")
 
 
 def _system(system: Any) -> list[dict[str, Any]]:

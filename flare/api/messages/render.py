@@ -24,9 +24,12 @@ from aiohttp import web
 
 from flare.api.errors import anthropic_error_body
 from flare.api.prepare import Prepared
-from flare.api.rendering import ChoiceText, TextPiece
+from flare.api.rendering import ChoiceText, IdForm, TextPiece
 from flare.api.sse import sse_event
 from flare.scheduler.request import RequestFailure, Usage
+
+# Anthropic's ids: the message msg_..., a tool_use block's toolu_...
+MESSAGE_IDS = IdForm("msg_", call="toolu_")
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 

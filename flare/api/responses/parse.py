@@ -7,10 +7,12 @@ json_schema: the chat path's response_format), function `tools` with `tool_choic
 `parallel_tool_calls`, and `stream`. The conversation becomes chat messages and the tools the
 chat path's tools, so both go through the same checks, template and grammar as on chat.
 
-Server-side state is not offered: `store: true`, `previous_response_id`, `conversation` and
-`background: true` are refused by name. Fields that change nothing about the answer are
-accepted and ignored (`metadata`, `user`, `service_tier`, `truncation: "disabled"`, ...);
-any other field is refused as unrecognized, as on chat.
+Server-side state is not offered: `store: true`, `previous_response_id`, `conversation`,
+`context_management`, stored `prompt` templates and `background: true` are refused by name.
+Fields that change nothing about the answer are accepted and ignored (`metadata`, `user`,
+`service_tier`, `truncation: "disabled"`, ...); `safety_identifier` and `prompt_cache_key` are
+logged with the request, as on chat. Any other field is refused as unrecognized, as on chat;
+docs/api.md, "Every request field", holds the table of them all.
 """
 
 from __future__ import annotations
@@ -19,15 +21,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from flare.api.errors import ApiError, bad_request
-from flare.api.fields import check_fields, kind, model_field, response_format, sampling_fields
+from flare.api.fields import check_fields, kind, label_field, model_field, response_format, sampling_fields
 from flare.api.generation import ChatPrompt, Generation
 from flare.api.tools.parse import parse_tools
 from flare.structured.spec import GrammarSpec
 
 _IGNORED = frozenset(
-    {"metadata", "user", "service_tier", "safety_identifier", "prompt_cache_key", "include", "stream_options"}
+    {
+        "metadata", "user", "service_tier", "include", "stream_options", "prompt_cache_options",
+        "prompt_cache_retention", "access_programs", "background_options", "image",
+    }
 )
 _FIELDS = _IGNORED | {
+    "safety_identifier", "prompt_cache_key", "context_management", "prompt", "moderation",
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "tools",
     "tool_choice", "parallel_tool_calls", "stream", "store", "previous_response_id", "conversation",
     "background", "truncation", "reasoning", "max_tool_calls", "top_logprobs",
@@ -58,7 +64,15 @@ def parse_response_request(body: Mapping[str, Any]) -> Generation:
             'tools and text.format cannot be combined: send tool_choice "none" or leave text.format out',
             param="tools",
         )
-    return Generation(model, ChatPrompt(tuple(messages), tools, "input"), sampling, bool(stream), constraint=constraint)
+    return Generation(
+        model,
+        ChatPrompt(tuple(messages), tools, "input"),
+        sampling,
+        bool(stream),
+        constraint=constraint,
+        safety_identifier=label_field(body, "safety_identifier"),
+        prompt_cache_key=label_field(body, "prompt_cache_key"),
+    )
 
 
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
@@ -75,6 +89,22 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
                 "in input",
                 param=field,
             )
+    if body.get("context_management") not in (None, []):
+        raise bad_request(
+            "context_management is not supported: this server keeps no conversation state to compact; "
+            "leave it out",
+            param="context_management",
+        )
+    if body.get("prompt") is not None:
+        raise bad_request(
+            "prompt (a stored prompt template) is not supported: this server keeps no prompts; send the text in "
+            "instructions and input",
+            param="prompt",
+        )
+    if body.get("moderation") is not None:
+        raise bad_request(
+            "moderation is not supported: this server runs no moderation of input or output", param="moderation"
+        )
     if body.get("background") not in (None, False):
         raise bad_request("background: true is not supported; leave background out", param="background")
     if body.get("truncation") not in (None, "disabled"):

@@ -18,7 +18,6 @@ There is no `data: [DONE]`. The `flare` object rides on the response object.
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,13 +26,15 @@ from aiohttp import web
 from flare.api.errors import failure_body, failure_response
 from flare.api.generation import Generation
 from flare.api.prepare import Prepared
-from flare.api.rendering import ChoiceText, TextPiece
+from flare.api.rendering import ChoiceText, IdForm, TextPiece, new_id
 from flare.api.sse import sse_event
 from flare.scheduler.request import RequestFailure, Usage
 
 
-def _item_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
+# OpenAI's ids: the response resp_..., its output items msg_... (a message) and fc_... (a
+# function call), a call's call_id call_...
+RESPONSE_IDS = IdForm("resp_")
+MESSAGE_ITEM, CALL_ITEM = "msg_", "fc_"
 
 
 def _usage(usage: Usage) -> dict[str, Any]:
@@ -134,9 +135,9 @@ class ResponsesRenderer:
         choice = choices[0]
         output: list[dict[str, Any]] = []
         if choice.text or not choice.tool_calls:
-            output.append(_message_item(_item_id("msg"), choice.text, "completed"))
+            output.append(_message_item(new_id(MESSAGE_ITEM), choice.text, "completed"))
         for call in choice.tool_calls or ():
-            output.append(_call_item(_item_id("fc"), call.id, call.name, call.arguments, "completed"))
+            output.append(_call_item(new_id(CALL_ITEM), call.id, call.name, call.arguments, "completed"))
         status = "incomplete" if choice.finish_reason == "length" else "completed"
         return self.response(status, output, usage, flare)
 
@@ -159,7 +160,7 @@ class ResponsesRenderer:
         ]
 
     def _open(self, call_id: str | None = None, name: str = "") -> tuple[_OpenItem, bytes]:
-        item = _OpenItem(len(self._items), _item_id("fc" if call_id else "msg"), call_id, name)
+        item = _OpenItem(len(self._items), new_id(CALL_ITEM if call_id else MESSAGE_ITEM), call_id, name)
         self._items.append(item)
         if call_id is None:
             added = _message_item(item.id, None, "in_progress")

@@ -16,7 +16,7 @@ from typing import Any
 
 from flare.api.chat.parse import chat_messages
 from flare.api.errors import bad_request
-from flare.api.fields import check_model, kind
+from flare.api.fields import ServedNames, check_model, kind
 from flare.api.generation import ChatPrompt
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens"})
@@ -33,7 +33,7 @@ class TokenizeRequest:
     add_generation_prompt: bool = True
 
 
-def check_model_if_named(body: Mapping[str, Any], served: str) -> None:
+def check_model_if_named(body: Mapping[str, Any], served: ServedNames) -> None:
     """`model` is optional here (as in vLLM); when sent, it must name the served model."""
     model = body.get("model")
     if model is None:

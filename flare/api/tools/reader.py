@@ -33,7 +33,7 @@ def _object_end(body: str) -> int:
     return end
 
 
-def _call(body: str, fmt: ToolFormat) -> ToolCall | None:
+def _call(body: str, fmt: ToolFormat, call_prefix: str) -> ToolCall | None:
     """A whole call's JSON object as a ToolCall; the arguments as the model wrote them (the
     grammar held them to the schema), re-serialized only for another layout."""
     try:
@@ -47,7 +47,7 @@ def _call(body: str, fmt: ToolFormat) -> ToolCall | None:
         arguments = body[head.end() : -1]
     else:
         arguments = json.dumps(value.get(fmt.arguments_key, {}))
-    return ToolCall(fmt.new_call_id(), value["name"], arguments)
+    return ToolCall(fmt.new_call_id(call_prefix), value["name"], arguments)
 
 
 @dataclass
@@ -71,6 +71,7 @@ class ToolCallReader:
 
     active: bool
     fmt: ToolFormat = FLARE
+    call_prefix: str = "call_"  # the API's form of a call id (OpenAI's call_, Anthropic's toolu_)
     _mode: Literal["unknown", "thinking", "thought", "text", "calls"] = "unknown"
     _buffer: str = ""
     _open: _OpenCall | None = None
@@ -106,7 +107,7 @@ class ToolCallReader:
             self._open = call
             head = self.fmt.head.match(body)
             if head is not None and call.id is None:
-                call.id = self.fmt.new_call_id()
+                call.id = self.fmt.new_call_id(self.call_prefix)
                 name = json.loads(f'"{head.group(1)}"')
                 deltas.append({"index": call.index, "id": call.id, "type": "function",
                                "function": {"name": name, "arguments": ""}})
@@ -122,7 +123,7 @@ class ToolCallReader:
             rest = self._after_close(body[end:]) if end >= 0 else None
             if rest is None:
                 break
-            finished = _call(body[:end], self.fmt)
+            finished = _call(body[:end], self.fmt, self.call_prefix)
             if finished is not None:
                 self.calls.append(ToolCall(call.id or finished.id, finished.name, finished.arguments))
             self._open = None
