@@ -200,8 +200,8 @@ def _tool_result(where: str, block: Mapping[str, Any]) -> dict[str, Any]:
         content = "".join(_text_block(f"{where}.content[{k}]", b) for k, b in enumerate(content))
     if not isinstance(content, str):
         raise bad_request(f"{where}.content must be a string or text blocks, got {kind(content)}", param=f"{where}.content")
-    is_error = block.get("is_error", False)
-    if not isinstance(is_error, bool):
+    is_error = block.get("is_error")
+    if is_error is not None and not isinstance(is_error, bool):
         raise bad_request(f"{where}.is_error must be true or false, got {kind(is_error)}", param=f"{where}.is_error")
     if is_error:
         content = f"Error: {content}"
