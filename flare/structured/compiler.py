@@ -9,8 +9,8 @@ computes the masks of a row's draft positions in one call, which speculative rou
 Every grammar is checked against flare's bounds (bounds.py), then validated and built once into
 a prototype matcher whose first mask is computed at once: the lexer work a pattern needs happens
 here, off the model's rounds, and a constraint nothing can satisfy is refused before any token.
-Requests with the same constraint share the prototype through a cache bounded by entries and by
-bytes, and step deep copies of it (microseconds). Compilation drops the GIL; the daemon runs it
+Requests with the same constraint in the same scope (the daemon's: the API key, narrowed by
+cache_salt) share the prototype through a cache bounded by entries and by bytes, and step deep copies of it (microseconds). Compilation drops the GIL; the daemon runs it
 in a worker thread under a time limit, and each compile runs on a thread of its own with a large
 stack, so a converter's recursion the bounds missed still cannot overflow it.
 """
