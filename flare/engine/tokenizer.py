@@ -262,8 +262,8 @@ class Tokenizer:
         `continue_final_message`: the prompt ends with the final message's content, left open
         (render_chat)."""
         if special_tokens_in_content or self._control_pattern is None:
-            rendered = self.render_chat(messages, add_generation_prompt, tools, continue_final_message=continue_final_message)
-            return self.encode(rendered, add_special_tokens=False)
+            prompt = self.render_chat(messages, add_generation_prompt, tools, continue_final_message=continue_final_message)
+            return self.encode(prompt, add_special_tokens=False)
         # Every string a client sent is text: content, and the tool calls and tool definitions
         # a template may write out.
         escaped = [self._escape_all(dict(message)) for message in messages]

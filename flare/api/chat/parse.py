@@ -10,8 +10,9 @@ and flare's `structured_outputs` extension (both), and tools (chat: `tools`, `to
 not do (the deprecated functions API, picking the best of more choices than are returned) get a
 400 naming the field. Fields that change nothing about the answer are accepted and ignored:
 `user`, `metadata` (within OpenAI's bounds, api/fields.py), `store`, `service_tier`. vLLM's
-`continue_final_message` continues a final assistant message instead of answering after it. Any other field is rejected as unrecognized, as
-OpenAI does, so a misspelt parameter never silently does nothing.
+`continue_final_message` continues a final assistant message instead of answering after it. Any
+other field is rejected as unrecognized, as OpenAI does, so a misspelt parameter never silently
+does nothing.
 """
 
 from __future__ import annotations

@@ -9,9 +9,10 @@ tools: name, description, input_schema) with `tool_choice` (auto, any, tool, non
 the chat path's, so both go through the same checks, template and grammar as on chat (each
 tool_result answers a tool_use of the turn before it). A final assistant turn is a prefill: the
 prompt ends inside it and the answer continues it, as Anthropic's API does.
-`metadata` (checked as every API checks it, api/fields.py) and `service_tier` are accepted and ignored, `cache_control` (top-level, on blocks and
-on tools) too (the prefix cache is automatic); anything else is refused by name: images and documents
-(a text-only model), `thinking`, server tools, MCP servers.
+`metadata` (checked as every API checks it, api/fields.py) and `service_tier` are accepted and
+ignored, `cache_control` (top-level, on blocks and on tools) too (the prefix cache is automatic);
+anything else is refused by name: images and documents (a text-only model), `thinking`, server
+tools, MCP servers.
 """
 
 from __future__ import annotations
@@ -80,11 +81,11 @@ def _system(system: Any) -> list[dict[str, Any]]:
 
 
 def _conversation(messages: Any) -> tuple[list[dict[str, Any]], str | None]:
-    """Anthropic's turns as chat messages: a user
-    turn's tool_result blocks become tool messages (before its text), an assistant turn's
-    tool_use blocks its tool_calls. Each tool result answers a tool_use of the turn before it
-    (the check chat makes). A final assistant turn is a prefill, continued by the answer: the
-    second value names it (None when the conversation ends with a user turn)."""
+    """Anthropic's turns as chat messages: a user turn's tool_result blocks become tool messages
+    (before its text), an assistant turn's tool_use blocks its tool_calls. Each tool result
+    answers a tool_use of the turn before it (the check chat makes). A final assistant turn is a
+    prefill, continued by the answer: the second value names it (None when the conversation ends
+    with a user turn)."""
     if messages is None:
         raise bad_request("messages is required: a list of {role, content} objects", param="messages")
     if not isinstance(messages, list) or not messages:
@@ -133,7 +134,10 @@ def _conversation(messages: Any) -> tuple[list[dict[str, Any]], str | None]:
             param=where,
         )
     if converted[-1]["content"] != converted[-1]["content"].rstrip():
-        raise bad_request(f"{where}.content: final assistant content cannot end with trailing whitespace", param=f"{where}.content")
+        # Anthropic's own rule: the continuation would otherwise start after a dangling space.
+        raise bad_request(
+            f"{where}.content: final assistant content cannot end with trailing whitespace", param=f"{where}.content"
+        )
     return converted, where
 
 
