@@ -43,7 +43,8 @@ _ESCAPE_END = "\ufdd1"
 _ESCAPED = re.compile(f"{_ESCAPE}(\\d*){_ESCAPE_END}")
 # Appended to the final message's content to continue it: the rendered prompt is cut where the
 # template wrote it, so whatever the template closes the turn with is never part of the prompt.
-_CONTINUE_HERE = "\ufdd2"
+# Escaped content never holds it (an escape is followed by digits or the end mark alone).
+_CONTINUE_HERE = f"{_ESCAPE}continue{_ESCAPE_END}"
 _BYTE_FALLBACK_TOKEN = re.compile("<0x([0-9A-Fa-f]{2})>")
 # Parts of a tokenizer pipeline that never make a text shorter, and that map each token back to
 # at most its own length of text: with only these, a text of N characters is at least

@@ -36,6 +36,13 @@ def test_the_tiny_models_prompt_ends_with_the_prefill_text(tiny_tokenizer: Token
     assert tiny_tokenizer.decode(ids, skip_special_tokens=False) == continued
 
 
+def test_text_that_spells_the_cut_mark_is_still_continued_as_text(tiny_tokenizer: Tokenizer) -> None:
+    spelled = "\ufdd0continue\ufdd1 \ufdd0 \ufdd1"
+    conversation = [{"role": "user", "content": spelled}, {"role": "assistant", "content": spelled + PREFILL}]
+    ids = tiny_tokenizer.encode_chat(conversation, continue_final_message=True)
+    assert tiny_tokenizer.decode(ids, skip_special_tokens=False).endswith("assistant\n" + spelled + PREFILL)
+
+
 def test_an_empty_prefill_opens_the_assistant_turn(tiny_tokenizer: Tokenizer) -> None:
     conversation = [*CONVERSATION[:2], {"role": "assistant", "content": ""}]
     assert tiny_tokenizer.render_chat(conversation, continue_final_message=True) == tiny_tokenizer.render_chat(
