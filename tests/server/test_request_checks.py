@@ -138,7 +138,12 @@ async def test_messages_metadata_outside_the_bounds_is_a_400_and_user_id_is_serv
 
 @pytest.mark.parametrize(
     ("include", "param"),
-    [(["no.such.value"], "include[0]"), (["message.output_text.logprobs", 3], "include[1]"), ("x", "include")],
+    [
+        (["no.such.value"], "include[0]"),
+        (["message.output_text.logprobs", 3], "include[1]"),
+        ([["file_search_call.results"]], "include[0]"),
+        ("x", "include"),
+    ],
 )
 async def test_responses_include_with_unknown_values_is_a_400(client: TestClient, include: Any, param: str) -> None:
     await _openai_400(client, "/v1/responses", {**RESPONSE, "include": include}, param)

@@ -107,7 +107,7 @@ def _include(include: Any) -> None:
     if not isinstance(include, list):
         raise bad_request(f"include must be a list of strings, got {kind(include)}", param="include")
     for k, value in enumerate(include):
-        if value not in INCLUDE_VALUES:
+        if not isinstance(value, str) or value not in INCLUDE_VALUES:
             shown = repr(value) if isinstance(value, str) else kind(value)
             raise bad_request(
                 f"include[{k}] must be one of {', '.join(sorted(INCLUDE_VALUES))}; got {shown}", param=f"include[{k}]"
