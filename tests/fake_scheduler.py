@@ -72,10 +72,12 @@ class FakeTokenizer:
         add_generation_prompt: bool = True,
         *,
         special_tokens_in_content: bool = False,
+        continue_final_message: bool = False,
     ) -> list[int]:
         if any(m["content"] == "refuse" for m in messages):
             raise ChatTemplateError("the chat template could not render these messages: refused")
-        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
+        opened = "" if continue_final_message else "<assistant>"
+        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + opened)
 
 
 @dataclass

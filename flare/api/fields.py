@@ -42,6 +42,42 @@ def label_field(body: Mapping[str, Any], field: str) -> str | None:
     return value
 
 
+# OpenAI's bounds on metadata: at most 16 pairs, keys of at most 64 characters, string values of
+# at most 512; every API that accepts metadata holds it to them, though flare keeps none of it.
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+
+
+def metadata_field(body: Mapping[str, Any]) -> None:
+    """`metadata`, when sent: an object of at most MAX_METADATA_PAIRS string pairs within
+    their lengths (ignored once checked); a 400 naming the field otherwise."""
+    metadata = body.get("metadata")
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise bad_request(f"metadata must be an object of string keys and values, got {kind(metadata)}", param="metadata")
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise bad_request(
+            f"metadata has {len(metadata)} pairs; at most {MAX_METADATA_PAIRS} are allowed", param="metadata"
+        )
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise bad_request(
+                f"metadata keys must be at most {MAX_METADATA_KEY_CHARS} characters; one has {len(key)}",
+                param="metadata",
+            )
+        if value is None:
+            continue  # Anthropic's user_id may be null
+        if not isinstance(value, str):
+            raise bad_request(f"metadata[{key!r}] must be a string, got {kind(value)}", param=f"metadata.{key}")
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise bad_request(
+                f"metadata[{key!r}] must be at most {MAX_METADATA_VALUE_CHARS} characters, got {len(value)}",
+                param=f"metadata.{key}",
+            )
+
+
 def model_field(body: Mapping[str, Any]) -> str:
     model = body.get("model")
     if model is None:

@@ -30,11 +30,16 @@ class ChatPrompt:
     """A conversation, rendered by the package's chat template.
 
     `messages` are OpenAI chat messages with plain-text content: {"role", "content"}, plus
-    "tool_calls" on an assistant message and "tool_call_id" on a tool message."""
+    "tool_calls" on an assistant message and "tool_call_id" on a tool message.
+
+    `continues`: the request field that asks for the final message, an assistant's, to be
+    continued (Anthropic's prefill, chat's `continue_final_message`); None: the answer is a new
+    assistant turn."""
 
     messages: tuple[Mapping[str, Any], ...]
     tools: ToolRequest | None = None
     param: str = "messages"  # the request field errors about the prompt name
+    continues: str | None = None
 
 
 TextOrTokens = str | tuple[int, ...]

@@ -24,7 +24,7 @@ from flare.api.generation import ChatPrompt, Generation, TextPrompts, TokenOptio
 from flare.api.rendering import IdForm, flare_object, logprobs_object
 from flare.api.tools.grammar import tool_grammar
 from flare.api.tools.prompt import render_messages, template_messages, template_tools
-from flare.engine.tokenizer import ChatTemplateError
+from flare.engine.tokenizer import CannotContinue, ChatTemplateError
 from flare.package.chat_template import ChatTemplateLimit
 from flare.package.tool_formats import ToolFormat
 from flare.policy.policy import Adjustment, ClampResult
@@ -109,6 +109,7 @@ async def prepare(
     scheduler = serving.scheduler
     tokens = generation.tokens
     _check_logit_bias(tokens.logit_bias, scheduler.vocab_size)
+    _check_continuation(generation)
     prompts = await _prompt_ids(serving, generation.prompt)
     param = generation.prompt.param
     sequences = len(prompts) * generation.n
@@ -132,7 +133,7 @@ async def prepare(
     constraint = generation.constraint
     if generation.tools is not None and generation.tools.calls_possible:
         constraint = tool_grammar(generation.tools, tool_format, scheduler.tokenizer.tool_tokens)
-    grammar = await _compile(serving, constraint)
+    grammar = await _compile(serving, constraint, cache_scope)
     clamp = _clamp(scheduler, generation, room, grammar)
     scores_prompt = tokens.echo and tokens.logprobs is not None
     requests = tuple(
@@ -152,6 +153,22 @@ async def prepare(
     )
     echoes = tuple(Echo(text, ids) if tokens.echo else None for text, ids in prompts)
     return Prepared(request_id, ids, generation, requests, clamp, echoes, tool_format)
+
+
+def _check_continuation(generation: Generation) -> None:
+    """A continued message's answer cannot be held to a grammar that starts the answer afresh
+    (a response format, forced tool calls): a 400 naming the field that asked to continue."""
+    prompt = generation.prompt
+    if not isinstance(prompt, ChatPrompt) or prompt.continues is None:
+        return
+    forced_calls = generation.tools is not None and generation.tools.calls_possible and generation.tools.choice != "auto"
+    if generation.constraint is not None or forced_calls:
+        by = generation.constraint.param if generation.constraint is not None else "tool_choice"
+        raise bad_request(
+            f"{prompt.continues}: a continued assistant message cannot also be constrained by {by}, whose grammar "
+            "starts the answer afresh; send one or the other",
+            param=prompt.continues,
+        )
 
 
 async def count_prompt_tokens(serving: Serving, prompt: ChatPrompt | TextPrompts) -> int:
@@ -225,10 +242,18 @@ async def chat_ids(serving: Serving, prompt: ChatPrompt, add_generation_prompt: 
     try:
         # The template renders in a thread the daemon never waits for at exit (abandonable.py).
         ids = await run_abandonable(
-            partial(encode, messages, add_generation_prompt, special_tokens_in_content=special),
+            partial(
+                encode,
+                messages,
+                add_generation_prompt,
+                special_tokens_in_content=special,
+                continue_final_message=prompt.continues is not None,
+            ),
             limiter=serving.tokenizing,
             name="chat template",
         )
+    except CannotContinue as error:
+        raise bad_request(f"{prompt.continues}: {error}", param=prompt.continues) from None
     except ChatTemplateError as error:
         # The package's template refused the conversation (for example roles out of order), or
         # ran past its render budget on it (package/chat_template.py).
@@ -261,9 +286,10 @@ def _check_logit_bias(bias: tuple[tuple[int, float], ...], vocab_size: int) -> N
         )
 
 
-async def _compile(serving: Serving, spec: GrammarSpec | None) -> Grammar | None:
-    """The request's grammar, compiled off the event loop (or found in the cache), within
-    COMPILE_TIMEOUT_S; a 400 naming the field for one that cannot be served."""
+async def _compile(serving: Serving, spec: GrammarSpec | None, cache_scope: bytes) -> Grammar | None:
+    """The request's grammar, compiled off the event loop (or found in the cache of its
+    `cache_scope`, as its prompt's blocks are), within COMPILE_TIMEOUT_S; a 400 naming the field
+    for one that cannot be served."""
     if spec is None:
         return None
     grammars = serving.scheduler.grammars
@@ -271,7 +297,8 @@ async def _compile(serving: Serving, spec: GrammarSpec | None) -> Grammar | None
         raise bad_request(f"{spec.param}: this server does not serve structured output", param=spec.param)
     try:
         with anyio.fail_after(COMPILE_TIMEOUT_S):
-            return await anyio.to_thread.run_sync(grammars.compile, spec, limiter=serving.compiling)
+            compile_scoped = partial(grammars.compile, spec, scope=cache_scope)
+            return await anyio.to_thread.run_sync(compile_scoped, limiter=serving.compiling)
     except GrammarError as error:
         raise bad_request(f"{error.param}: {error.message}", param=error.param, code="invalid_grammar") from None
     except TimeoutError:

@@ -22,7 +22,12 @@ from flare.package.tool_formats import tool_call_format
 if TYPE_CHECKING:
     from flare.package.directory import Package
 
-__all__ = ["ChatTemplateError", "IncrementalDetokenizer", "Tokenizer", "compile_chat_template"]
+__all__ = ["CannotContinue", "ChatTemplateError", "IncrementalDetokenizer", "Tokenizer", "compile_chat_template"]
+
+
+class CannotContinue(ChatTemplateError):
+    """The chat template does not write the final message's content as sent, so the prompt
+    cannot be cut at its end to continue it."""
 
 # How many tokens before the first new one the detokenizer decodes as context, as vLLM and TGI
 # do: enough for a tokenizer whose decoding of a token depends on its neighbours (leading-space
@@ -36,6 +41,10 @@ REPLACEMENT_CHARACTER = "\ufffd"
 _ESCAPE = "\ufdd0"
 _ESCAPE_END = "\ufdd1"
 _ESCAPED = re.compile(f"{_ESCAPE}(\\d*){_ESCAPE_END}")
+# Appended to the final message's content to continue it: the rendered prompt is cut where the
+# template wrote it, so whatever the template closes the turn with is never part of the prompt.
+# Escaped content never holds it (an escape is followed by digits or the end mark alone).
+_CONTINUE_HERE = f"{_ESCAPE}continue{_ESCAPE_END}"
 _BYTE_FALLBACK_TOKEN = re.compile("<0x([0-9A-Fa-f]{2})>")
 # Parts of a tokenizer pipeline that never make a text shorter, and that map each token back to
 # at most its own length of text: with only these, a text of N characters is at least
@@ -192,17 +201,46 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        continue_final_message: bool = False,
     ) -> str:
         """The prompt text of a conversation (and of the functions it may call, for a template
-        that knows tools); raises `ChatTemplateError` when rendering fails."""
+        that knows tools); raises `ChatTemplateError` when rendering fails.
+
+        `continue_final_message` leaves the final message open, as transformers' and vLLM's
+        option of that name does: the prompt ends with its content, and what the model writes
+        next continues it (an assistant prefill). The conversation is rendered whole, with a
+        marker after that content, and cut at the marker; `CannotContinue` where the template
+        does not write the content, marker included, exactly once and as sent."""
+        rendered = [dict(message) for message in messages]
+        if continue_final_message:
+            final = rendered[-1].get("content")
+            if not isinstance(final, str):
+                raise CannotContinue("the final message has no text content to continue")
+            rendered[-1]["content"] = final + _CONTINUE_HERE
+            add_generation_prompt = False
         context = {
-            "messages": [dict(message) for message in messages],
+            "messages": rendered,
             "tools": list(tools) if tools else None,
             "documents": None,
             "add_generation_prompt": add_generation_prompt,
             **self._special_tokens,
         }
-        return render_within_budget(self._template, context)
+        text = render_within_budget(self._template, context)
+        if not continue_final_message:
+            return text
+        if text.count(_CONTINUE_HERE) != 1:
+            raise CannotContinue(
+                "the chat template does not write the final message's content once, as sent, so it cannot be continued"
+            )
+        prompt = text[: text.index(_CONTINUE_HERE)]
+        # A template may drop the content's leading whitespace (a `trim`); anything else it
+        # changes would make the answer continue a text the client did not send.
+        if not prompt.endswith(final.lstrip()):
+            raise CannotContinue(
+                "the chat template changes the final message's content, so it cannot be continued as sent"
+            )
+        return prompt
 
     def encode_chat(
         self,
@@ -211,6 +249,7 @@ class Tokenizer:
         *,
         special_tokens_in_content: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Prompt ids of a conversation. The template writes any BOS itself, so none is added
         (as transformers' apply_chat_template(tokenize=True) does).
@@ -220,13 +259,21 @@ class Tokenizer:
         a turn of another role; only the template emits control tokens. The ids are those of
         tokenizing the whole rendered prompt whenever the content holds no such string (the
         tokenizer splits its input at special tokens and tokenizes the pieces apart anyway).
-        `special_tokens_in_content=True` restores reading them as control tokens."""
+        `special_tokens_in_content=True` restores reading them as control tokens.
+        `continue_final_message`: the prompt ends with the final message's content, left open
+        (render_chat)."""
         if special_tokens_in_content or self._control_pattern is None:
-            return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
+            prompt = self.render_chat(messages, add_generation_prompt, tools, continue_final_message=continue_final_message)
+            return self.encode(prompt, add_special_tokens=False)
         # Every string a client sent is text: content, and the tool calls and tool definitions
         # a template may write out.
         escaped = [self._escape_all(dict(message)) for message in messages]
-        rendered = self.render_chat(escaped, add_generation_prompt, self._escape_all(list(tools)) if tools else None)
+        rendered = self.render_chat(
+            escaped,
+            add_generation_prompt,
+            self._escape_all(list(tools)) if tools else None,
+            continue_final_message=continue_final_message,
+        )
         # Text and the control tokens the template wrote, alternating (text first and last).
         pieces: list[str] = []
         start = 0

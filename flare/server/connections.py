@@ -39,6 +39,7 @@ from aiohttp.web_protocol import RequestPayloadError, _ErrInfo
 
 from flare.api.answer import ClientNotReading
 from flare.api.errors import INVALID_REQUEST, SERVER_ERROR, error_body
+from flare.server.middlewares import EVERY_RESPONSE_HEADERS
 
 log = structlog.get_logger("flare.daemon.connections")
 
@@ -165,6 +166,7 @@ def raw_error_response(status: int, message: str, code: str, *, retry_after_s: i
         "Content-Type: application/json; charset=utf-8",
         f"Content-Length: {len(body)}",
         "Connection: close",
+        *(f"{name}: {value}" for name, value in EVERY_RESPONSE_HEADERS.items()),
     ]
     if retry_after_s is not None:
         head.append(f"Retry-After: {retry_after_s}")
@@ -309,7 +311,10 @@ class GuardedRequestHandler(web.RequestHandler):  # type: ignore[type-arg]
             detail = exc.message if isinstance(exc, HttpProcessingError) else message or HTTPStatus(status).phrase
             text, code = f"not a valid HTTP request: {_one_line(detail)}", "invalid_http"
         kind = SERVER_ERROR if status >= 500 else INVALID_REQUEST
-        response = web.json_response(error_body(text, type=kind, param=None, code=code), status=status)
+        # Answered before the app routes the request, so the app's response hook never sees it.
+        response = web.json_response(
+            error_body(text, type=kind, param=None, code=code), status=status, headers=EVERY_RESPONSE_HEADERS
+        )
         response.force_close()
         return response
 

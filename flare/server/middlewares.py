@@ -22,6 +22,9 @@ from flare.server.origins import browser_origin_refused, loopback_host_refused, 
 log = structlog.get_logger("flare.daemon.http")
 
 REQUEST_ID_HEADER = "X-Request-Id"
+# Headers every response carries, whatever answers it (handlers, errors, aiohttp's own refusals,
+# the connection guard's raw answers): a browser never sniffs a JSON or SSE body into a script.
+EVERY_RESPONSE_HEADERS = {"X-Content-Type-Options": "nosniff"}
 # A client's request id is echoed and logged only if it is short and plain (no log injection).
 _SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 ANTHROPIC_PATH = "/v1/messages"
@@ -70,7 +73,9 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
             )
 
 
-async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+async def add_response_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """The app's hook on every response it prepares: EVERY_RESPONSE_HEADERS and the request id."""
+    response.headers.update(EVERY_RESPONSE_HEADERS)
     if REQUEST_ID in request:
         response.headers[REQUEST_ID_HEADER] = request[REQUEST_ID]
 

@@ -33,7 +33,7 @@ from flare.server.endpoints import (
     tokenize,
 )
 from flare.server.metrics import DaemonMetrics, http_metrics_middleware, metrics_handler
-from flare.server.middlewares import add_request_id, authentication, cross_site, error_answers, request_context
+from flare.server.middlewares import add_response_headers, authentication, cross_site, error_answers, request_context
 from flare.server.request_body import expect_continue
 from flare.server.state import ServingState
 
@@ -48,7 +48,7 @@ def create_app(config: ServerConfig, state: ServingState, metrics: DaemonMetrics
     app[STATE] = state
     app[TOKENIZING] = anyio.CapacityLimiter(_cpus())
     app[COMPILING] = anyio.CapacityLimiter(2)
-    app.on_response_prepare.append(add_request_id)
+    app.on_response_prepare.append(add_response_headers)
     routes = app.router
     routes.add_get("/health", health)
     routes.add_get("/metrics", metrics_handler(metrics.registry))

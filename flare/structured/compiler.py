@@ -9,8 +9,8 @@ computes the masks of a row's draft positions in one call, which speculative rou
 Every grammar is checked against flare's bounds (bounds.py), then validated and built once into
 a prototype matcher whose first mask is computed at once: the lexer work a pattern needs happens
 here, off the model's rounds, and a constraint nothing can satisfy is refused before any token.
-Requests with the same constraint share the prototype through a cache bounded by entries and by
-bytes, and step deep copies of it (microseconds). Compilation drops the GIL; the daemon runs it
+Requests with the same constraint in the same scope (the daemon's: the API key, narrowed by
+cache_salt) share the prototype through a cache bounded by entries and by bytes, and step deep copies of it (microseconds). Compilation drops the GIL; the daemon runs it
 in a worker thread under a time limit, and each compile runs on a thread of its own with a large
 stack, so a converter's recursion the bounds missed still cannot overflow it.
 """
@@ -112,7 +112,7 @@ class GrammarCompiler:
         self._eos_token_ids = list(eos_token_ids)
         self._engine: tuple[llguidance.LLTokenizer, llguidance.LLExecutor] | None = None
         self.limits = limits or LIMITS
-        self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
+        self._cache: OrderedDict[tuple[bytes, str, str], Grammar] = OrderedDict()
         self._cache_size = cache_size
         self._cache_bytes = cache_bytes
         self._lock = threading.Lock()
@@ -127,13 +127,18 @@ class GrammarCompiler:
                 self._engine = (tokenizer, llguidance.LLExecutor(num_threads=2))
             return self._engine
 
-    def compile(self, spec: GrammarSpec) -> Grammar:
+    def compile(self, spec: GrammarSpec, *, scope: bytes = b"") -> Grammar:
         """The grammar of `spec`, from the cache or compiled now (blocking: call it off the
-        event loop). Raises GrammarError naming spec.param."""
+        event loop). Raises GrammarError naming spec.param.
+
+        `scope` says whose compiles it may find: a cache hit answers faster, so a grammar found
+        from another scope would tell its caller that someone there sent this exact schema.
+        The daemon passes the request's prefix-cache scope (its API key, narrowed by cache_salt)."""
+        key = spec.cache_key(scope)
         with self._lock:
-            cached = self._cache.get(spec.cache_key)
+            cached = self._cache.get(key)
             if cached is not None:
-                self._cache.move_to_end(spec.cache_key)
+                self._cache.move_to_end(key)
                 # The same constraint from another field: errors name this request's field.
                 return cached if cached.spec == spec else dataclasses.replace(cached, spec=spec)
         tokenizer, executor = self._tokenizer_and_executor()
@@ -142,7 +147,7 @@ class GrammarCompiler:
         evicted = False
         with self._lock:
             if size <= self._cache_bytes:
-                self._cache[spec.cache_key] = grammar
+                self._cache[key] = grammar
             while len(self._cache) > self._cache_size or self._bytes_locked() > self._cache_bytes:
                 self._cache.popitem(last=False)
                 evicted = True
@@ -150,9 +155,9 @@ class GrammarCompiler:
             give_back_heap()
         return grammar
 
-    def cached(self, spec: GrammarSpec) -> bool:
+    def cached(self, spec: GrammarSpec, *, scope: bytes = b"") -> bool:
         with self._lock:
-            return spec.cache_key in self._cache
+            return spec.cache_key(scope) in self._cache
 
     def use(self) -> CacheUse:
         with self._lock:

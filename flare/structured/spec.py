@@ -27,6 +27,7 @@ class GrammarSpec:
         # order the schema lists them, as OpenAI does, so the order is part of the schema.
         return cls("json_schema", json.dumps(schema, separators=(",", ":")), param, closed_objects)
 
-    @property
-    def cache_key(self) -> tuple[str, str]:
-        return (self.kind, self.source)
+    def cache_key(self, scope: bytes = b"") -> tuple[bytes, str, str]:
+        """The compiled grammar's key in the cache of `scope` (whose cached grammars a request
+        may find: the prefix cache's scope, api/cache_scope.py)."""
+        return (scope, self.kind, self.source)

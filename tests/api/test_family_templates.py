@@ -180,3 +180,16 @@ def test_transformers_generation_blocks_render_as_their_body(tokenizer_json: Pat
     # (trim_blocks, as transformers renders, drops the newline after each {% endif %}, and
     # Jinja the template's own last newline)
     assert rendered == "<|im_start|>user\nHi<|im_end|><|im_start|>assistant\nHello<|im_end|><|im_start|>assistant"
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in TEMPLATES.glob("*.jinja")))
+async def test_every_family_template_continues_a_prefill_without_closing_it(tokenizer_json: Path, name: str) -> None:
+    serving = _serving(tokenizer_json, _template(name))
+    prefill = '{"capital": "'
+    messages = ({"role": "user", "content": "Capital of France, as JSON?"}, {"role": "assistant", "content": prefill})
+    ids = await chat_ids(serving, ChatPrompt(messages, continues="messages[1]"))  # type: ignore[arg-type]
+    continued = serving.scheduler.tokenizer.decode(ids, skip_special_tokens=False)
+    assert continued.endswith(prefill), continued
+    closed = await _prompt(serving, list(messages), tools=False)
+    # The same conversation answered afresh: the prefill closed and another turn opened after it.
+    assert closed.startswith(continued) and len(closed) > len(continued)

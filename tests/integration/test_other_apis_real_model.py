@@ -162,6 +162,21 @@ async def test_messages_create_answers_paris(claude: anthropic.AsyncAnthropic) -
     assert message.usage.output_tokens > 0
 
 
+async def test_messages_prefill_is_continued_not_answered_afresh(claude: anthropic.AsyncAnthropic) -> None:
+    message = await claude.messages.create(
+        model=MODEL, max_tokens=12, extra_body={"temperature": 0},
+        messages=[
+            {"role": "user", "content": f"{QUESTION} Answer in JSON."},
+            {"role": "assistant", "content": '{"capital": "'},
+        ],
+    )
+    text = message.content[0].text
+    # The answer goes on from inside the string the prefill opened: it does not start a new
+    # JSON object, and the continuation alone comes back, as from Anthropic.
+    assert not text.lstrip().startswith("{"), text
+    assert text.startswith("Paris"), text
+
+
 async def test_messages_create_stopped_by_a_stop_sequence_says_which(claude: anthropic.AsyncAnthropic) -> None:
     message = await claude.messages.create(
         model=MODEL, max_tokens=24, extra_body={"temperature": 0}, stop_sequences=["Nowhere", "Paris"],

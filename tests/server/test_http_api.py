@@ -367,7 +367,7 @@ BAD_CHAT_BODIES = [
         "tool message with no call before it",
         {**CHAT, "messages": [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "call_1", "content": "x"}]},
         400,
-        "messages[1]",
+        "messages[1].tool_call_id",
     ),
     (
         "tool message answering no call of the assistant message before it",

@@ -9,11 +9,13 @@ and flare's `structured_outputs` extension (both), and tools (chat: `tools`, `to
 `parallel_tool_calls`, tool messages; api/tools/). Fields that ask for something flare does
 not do (the deprecated functions API, picking the best of more choices than are returned, audio,
 predicted outputs, reasoning, web search, moderation) get a 400 naming the field and why. Fields
-that change nothing about the answer are accepted and ignored: `user`, `metadata`, `store`,
-`service_tier`, `verbosity`, the prompt cache's options; `safety_identifier` and `prompt_cache_key`
-are logged with the request. Any other field is rejected as unrecognized, as OpenAI does, so a
-misspelt parameter never silently does nothing. docs/api.md, "Every request field", holds the
-table of every field of OpenAI's request types and what flare does with it.
+that change nothing about the answer are accepted and ignored: `user`, `metadata` (within
+OpenAI's bounds, api/fields.py), `store`, `service_tier`, `verbosity`, the prompt cache's options;
+`safety_identifier` and `prompt_cache_key` are logged with the request. vLLM's
+`continue_final_message` continues a final assistant message instead of answering after it. Any
+other field is rejected as unrecognized, as OpenAI does, so a misspelt parameter never silently
+does nothing. docs/api.md, "Every request field", holds the table of every field of OpenAI's
+request types and what flare does with it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,16 @@ from typing import Any
 
 from flare.api.cache_scope import cache_salt
 from flare.api.errors import bad_request
-from flare.api.fields import check_fields, kind, label_field, model_field, no_other_keys, response_format, sampling_fields
+from flare.api.fields import (
+    check_fields,
+    kind,
+    label_field,
+    metadata_field,
+    model_field,
+    no_other_keys,
+    response_format,
+    sampling_fields,
+)
 from flare.api.generation import ChatPrompt, Generation, TextOrTokens, TextPrompts, TokenOptions
 from flare.api.tools.parse import check_tool_results, parse_tools
 from flare.policy.validation import SAMPLING_FIELDS
@@ -47,6 +58,7 @@ _COMMON = frozenset(
 _CHAT_FIELDS = _COMMON | _REFUSED | _CHAT_ONLY_IGNORED | {
     "messages", "n", "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice",
     "functions", "function_call", "response_format", "modalities", "prompt_cache_key", "safety_identifier",
+    "continue_final_message",
 }
 _COMPLETION_FIELDS = _COMMON | {"prompt", "n", "best_of", "logprobs", "logit_bias", "echo", "suffix"}
 
@@ -65,8 +77,10 @@ LOGIT_BIAS_RANGE = 100.0
 def parse_chat_completion(body: Mapping[str, Any]) -> Generation:
     check_fields(body, _CHAT_FIELDS)
     model = model_field(body)
+    metadata_field(body)
     _unsupported_chat_features(body)
     messages = chat_messages(body.get("messages"))
+    continues = _continue_final_message(body, messages)
     stream, include_usage = _streaming(body)
     tokens = TokenOptions(logprobs=_chat_logprobs(body), logit_bias=_logit_bias(body), raw_logprobs=_raw(body))
     constraint = response_format(body.get("response_format"))
@@ -84,7 +98,7 @@ def parse_chat_completion(body: Mapping[str, Any]) -> Generation:
         )
     return Generation(
         model,
-        ChatPrompt(messages, tools),
+        ChatPrompt(messages, tools, continues=continues),
         sampling_fields(body),
         stream,
         _choices(body),
@@ -100,6 +114,7 @@ def parse_chat_completion(body: Mapping[str, Any]) -> Generation:
 def parse_completion(body: Mapping[str, Any]) -> Generation:
     check_fields(body, _COMPLETION_FIELDS)
     model = model_field(body)
+    metadata_field(body)
     n = _choices(body)
     _best_of(body, n)
     _only(body, "suffix", (None, ""), "suffix (insertion) is not supported; leave suffix out")
@@ -114,6 +129,25 @@ def parse_completion(body: Mapping[str, Any]) -> Generation:
     constraint = _structured_outputs(body.get("structured_outputs"))
     prompts = TextPrompts(_prompts(body.get("prompt")))
     return Generation(model, prompts, sampling_fields(body), stream, n, tokens, constraint, include_usage, cache_salt(body))
+
+
+def _continue_final_message(body: Mapping[str, Any], messages: tuple[Mapping[str, Any], ...]) -> str | None:
+    """vLLM's `continue_final_message`: true continues the final message, an assistant's
+    text (the prompt ends inside it); false or absent answers in a new assistant turn, as
+    OpenAI does whatever the final message."""
+    field = "continue_final_message"
+    value = body.get(field)
+    if value is None or value is False:
+        return None
+    if value is not True:
+        raise bad_request(f"{field} must be true or false, got {kind(value)}", param=field)
+    final = messages[-1]
+    if final["role"] != "assistant" or final.get("tool_calls"):
+        raise bad_request(
+            f"{field}: the final message must be an assistant message with text content (no tool_calls) to continue",
+            param=field,
+        )
+    return field
 
 
 def _choices(body: Mapping[str, Any]) -> int:

@@ -6,14 +6,17 @@ Accepted: `system` (a string or text blocks), `messages` whose content is a stri
 as Anthropic requires it), `temperature`, `top_p`, `top_k`, `stop_sequences`, `tools` (custom
 tools: name, description, input_schema) with `tool_choice` (auto, any, tool, none;
 `disable_parallel_tool_use`), and `stream`. The conversation becomes chat messages and the tools
-the chat path's, so both go through the same checks, template and grammar as on chat.
+the chat path's, so both go through the same checks, template and grammar as on chat (each
+tool_result answers a tool_use of the turn before it). A final assistant turn is a prefill: the
+prompt ends inside it and the answer continues it, as Anthropic's API does.
 `thinking: {"type": "disabled"}` is what this model does (it does not think), and
 `output_config.format` (a JSON schema) holds the answer to the schema as chat's response_format.
-`metadata`, `service_tier` and the routing fields (`speed`, `inference_geo`, ...) are accepted and
-ignored, `cache_control` (top-level, on blocks and on tools) too (the prefix cache is automatic);
-anything else is refused by name: images and documents (a text-only model), thinking enabled,
-server tools and their containers, MCP servers. docs/api.md, "Every request field", holds the
-table of every field of Anthropic's request type and what flare does with it.
+`metadata` (checked as every API checks it, api/fields.py), `service_tier` and the routing fields
+(`speed`, `inference_geo`, ...) are accepted and ignored, `cache_control` (top-level, on blocks and
+on tools) too (the prefix cache is automatic); anything else is refused by name: images and
+documents (a text-only model), thinking enabled, server tools and their containers, MCP servers.
+docs/api.md, "Every request field", holds the table of every field of Anthropic's request type and
+what flare does with it.
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from flare.api.errors import bad_request
-from flare.api.fields import check_fields, kind, model_field, no_other_keys, sampling_fields
+from flare.api.fields import check_fields, kind, metadata_field, model_field, no_other_keys, sampling_fields
 from flare.api.generation import ChatPrompt, Generation
-from flare.api.tools.parse import parse_tools
+from flare.api.tools.parse import check_tool_results, parse_tools
 from flare.structured.spec import GrammarSpec
 
 # count_tokens takes what shapes the prompt, and the switches a Messages request would send with it.
@@ -48,7 +51,9 @@ def parse_messages_request(body: Mapping[str, Any], *, counting: bool = False) -
     """The request as a Generation; `counting` for count_tokens, which takes no max_tokens."""
     check_fields(body, _COUNT_FIELDS if counting else _FIELDS)
     model = model_field(body)
-    messages = [*_system(body.get("system")), *_conversation(body.get("messages"))]
+    system = _system(body.get("system"))
+    conversation, prefill = _conversation(body.get("messages"))
+    messages = [*system, *conversation]
     tools = parse_tools(
         {
             "tools": _tools(body.get("tools")),
@@ -56,7 +61,7 @@ def parse_messages_request(body: Mapping[str, Any], *, counting: bool = False) -
             "parallel_tool_calls": _parallel(body.get("tool_choice")),
         }
     )
-    prompt = ChatPrompt(tuple(messages), tools)
+    prompt = ChatPrompt(tuple(messages), tools, continues=prefill)
     _thinking(body.get("thinking"))
     constraint = _output_format(body.get("output_config"))
     if counting:
@@ -67,6 +72,7 @@ def parse_messages_request(body: Mapping[str, Any], *, counting: bool = False) -
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise bad_request(f"stream must be true or false, got {kind(stream)}", param="stream")
+    metadata_field(body)
     given = {
         "max_tokens": max_tokens,
         "temperature": body.get("temperature"),
@@ -143,9 +149,12 @@ def _system(system: Any) -> list[dict[str, Any]]:
     return [{"role": "system", "content": "".join(_text_block(f"system[{j}]", b) for j, b in enumerate(system))}]
 
 
-def _conversation(messages: Any) -> list[dict[str, Any]]:
+def _conversation(messages: Any) -> tuple[list[dict[str, Any]], str | None]:
     """Anthropic's turns as chat messages: a user turn's tool_result blocks become tool messages
-    (before its text), an assistant turn's tool_use blocks its tool_calls."""
+    (before its text), an assistant turn's tool_use blocks its tool_calls. Each tool result
+    answers a tool_use of the turn before it (the check chat makes). A final assistant turn is a
+    prefill, continued by the answer: the second value names it (None when the conversation ends
+    with a user turn)."""
     if messages is None:
         raise bad_request("messages is required: a list of {role, content} objects", param="messages")
     if not isinstance(messages, list) or not messages:
@@ -153,6 +162,7 @@ def _conversation(messages: Any) -> list[dict[str, Any]]:
             f"messages must be a non-empty list of {{role, content}} objects, got {kind(messages)}", param="messages"
         )
     converted: list[dict[str, Any]] = []
+    id_fields: dict[int, str] = {}  # converted tool message -> where its tool_use_id was sent
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -164,6 +174,12 @@ def _conversation(messages: Any) -> list[dict[str, Any]]:
         if role not in ("user", "assistant"):
             raise bad_request(f"{where}.role must be user or assistant, got {role!r}", param=f"{where}.role")
         content = message.get("content")
+        final_assistant = role == "assistant" and i == len(messages) - 1
+        if content in ("", []) and not final_assistant:
+            # Anthropic's rule: only the final assistant turn (an empty prefill) may be empty.
+            raise bad_request(
+                f"{where}.content must not be empty (only the final assistant turn may be)", param=f"{where}.content"
+            )
         if isinstance(content, str):
             converted.append({"role": role, "content": content})
             continue
@@ -172,21 +188,40 @@ def _conversation(messages: Any) -> list[dict[str, Any]]:
                 f"{where}.content must be a string or a list of content blocks, got {kind(content)}",
                 param=f"{where}.content",
             )
-        converted.extend(_blocks(where, role, content))
-    return converted
+        for turn_message, id_field in _blocks(where, role, content):
+            if id_field is not None:
+                id_fields[len(converted)] = id_field
+            converted.append(turn_message)
+    check_tool_results(converted, id_fields.__getitem__)
+    if messages[-1].get("role") != "assistant":
+        return converted, None
+    where = f"messages[{len(messages) - 1}]"
+    if converted[-1].get("tool_calls"):
+        raise bad_request(
+            f"{where}: the final assistant turn ends with tool_use, so there is nothing to continue; "
+            "send its tool_result in a user turn",
+            param=where,
+        )
+    if converted[-1]["content"] != converted[-1]["content"].rstrip():
+        # Anthropic's own rule: the continuation would otherwise start after a dangling space.
+        raise bad_request(
+            f"{where}.content: final assistant content cannot end with trailing whitespace", param=f"{where}.content"
+        )
+    return converted, where
 
 
-def _blocks(where: str, role: str, blocks: list[Any]) -> list[dict[str, Any]]:
+def _blocks(where: str, role: str, blocks: list[Any]) -> list[tuple[dict[str, Any], str | None]]:
+    """The turn's chat messages, each with the field of its tool_use_id (tool results only)."""
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
-    results: list[dict[str, Any]] = []
+    results: list[tuple[dict[str, Any], str | None]] = []
     for j, block in enumerate(blocks):
         at = f"{where}.content[{j}]"
         block_type = block.get("type") if isinstance(block, dict) else None
         if block_type == "tool_use" and role == "assistant":
             calls.append(_tool_use(at, block))
         elif block_type == "tool_result" and role == "user":
-            results.append(_tool_result(at, block))
+            results.append((_tool_result(at, block), f"{at}.tool_use_id"))
         elif block_type in ("tool_use", "tool_result"):
             raise bad_request(
                 f"{at}: {block_type} blocks belong on {'assistant' if block_type == 'tool_use' else 'user'} turns",
@@ -194,11 +229,11 @@ def _blocks(where: str, role: str, blocks: list[Any]) -> list[dict[str, Any]]:
             )
         else:
             texts.append(_text_block(at, block))
-    turn: list[dict[str, Any]] = [*results]
+    turn = [*results]
     if calls:
-        turn.append({"role": "assistant", "content": "".join(texts), "tool_calls": calls})
+        turn.append(({"role": "assistant", "content": "".join(texts), "tool_calls": calls}, None))
     elif texts or not results:
-        turn.append({"role": role, "content": "".join(texts)})
+        turn.append(({"role": role, "content": "".join(texts)}, None))
     return turn
 
 
@@ -238,7 +273,10 @@ def _tool_result(where: str, block: Mapping[str, Any]) -> dict[str, Any]:
         content = "".join(_text_block(f"{where}.content[{k}]", b) for k, b in enumerate(content))
     if not isinstance(content, str):
         raise bad_request(f"{where}.content must be a string or text blocks, got {kind(content)}", param=f"{where}.content")
-    if block.get("is_error") is True:
+    is_error = block.get("is_error")
+    if is_error is not None and not isinstance(is_error, bool):
+        raise bad_request(f"{where}.is_error must be true or false, got {kind(is_error)}", param=f"{where}.is_error")
+    if is_error:
         content = f"Error: {content}"
     return {"role": "tool", "content": content, "tool_call_id": call_id}
 

@@ -9,7 +9,8 @@ chat path's tools, so both go through the same checks, template and grammar as o
 
 Server-side state is not offered: `store: true`, `previous_response_id`, `conversation`,
 `context_management`, stored `prompt` templates and `background: true` are refused by name.
-Fields that change nothing about the answer are accepted and ignored (`metadata`, `user`,
+Fields that change nothing about the answer are accepted and ignored, once checked (`metadata`
+within OpenAI's bounds, `include` among OpenAI's values, items' `id` and `status`, `user`,
 `service_tier`, `truncation: "disabled"`, ...); `safety_identifier` and `prompt_cache_key` are
 logged with the request, as on chat. Any other field is refused as unrecognized, as on chat;
 docs/api.md, "Every request field", holds the table of them all.
@@ -21,9 +22,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from flare.api.errors import ApiError, bad_request
-from flare.api.fields import check_fields, kind, label_field, model_field, response_format, sampling_fields
+from flare.api.fields import check_fields, kind, label_field, metadata_field, model_field, response_format, sampling_fields
 from flare.api.generation import ChatPrompt, Generation
-from flare.api.tools.parse import parse_tools
+from flare.api.tools.parse import check_tool_results, parse_tools
 from flare.structured.spec import GrammarSpec
 
 _IGNORED = frozenset(
@@ -39,12 +40,25 @@ _FIELDS = _IGNORED | {
     "background", "truncation", "reasoning", "max_tool_calls", "top_logprobs",
 }
 _ROLES = ("user", "system", "developer", "assistant")
+# The values OpenAI's `include` takes: each asks for output this server never produces (no
+# built-in tools, images, reasoning or log-probabilities here), so each is accepted and ignored.
+INCLUDE_VALUES = frozenset(
+    {
+        "code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
+        "message.input_image.image_url", "message.output_text.logprobs", "reasoning.encrypted_content",
+        "web_search_call.action.sources", "web_search_call.results",
+    }
+)
+# An input item's status, as OpenAI's items carry it.
+ITEM_STATUSES = ("in_progress", "completed", "incomplete")
 
 
 def parse_response_request(body: Mapping[str, Any]) -> Generation:
     check_fields(body, _FIELDS)
     _refuse_unsupported(body)
     model = model_field(body)
+    metadata_field(body)
+    _include(body.get("include"))
     messages = _conversation(body)
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
@@ -117,9 +131,23 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
         raise bad_request("max_tool_calls is not supported; use parallel_tool_calls: false for one call", param="max_tool_calls")
 
 
+def _include(include: Any) -> None:
+    if include is None:
+        return
+    if not isinstance(include, list):
+        raise bad_request(f"include must be a list of strings, got {kind(include)}", param="include")
+    for k, value in enumerate(include):
+        if not isinstance(value, str) or value not in INCLUDE_VALUES:
+            shown = repr(value) if isinstance(value, str) else kind(value)
+            raise bad_request(
+                f"include[{k}] must be one of {', '.join(sorted(INCLUDE_VALUES))}; got {shown}", param=f"include[{k}]"
+            )
+
+
 def _conversation(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     """`instructions` and `input` as chat messages: a system message first, function calls
-    joined to the assistant turn they follow, function outputs as tool messages."""
+    joined to the assistant turn they follow, function outputs as tool messages, each answering
+    a function_call of the turn just before it (the check chat makes)."""
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if instructions is not None:
@@ -134,10 +162,12 @@ def _conversation(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         return messages
     if not isinstance(given, list) or not given:
         raise bad_request(f"input must be a string or a non-empty list of items, got {kind(given)}", param="input")
+    id_fields: dict[int, str] = {}  # tool message -> where its call_id was sent
     for i, item in enumerate(given):
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise bad_request(f"{where} must be an object, got {kind(item)}", param=where)
+        _item_id_and_status(where, item)
         item_type = item.get("type", "message")
         if item_type == "message":
             messages.append(_message(where, item))
@@ -149,6 +179,7 @@ def _conversation(body: Mapping[str, Any]) -> list[dict[str, Any]]:
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif item_type == "function_call_output":
+            id_fields[len(messages)] = f"{where}.call_id"
             messages.append(_function_output(where, item))
         else:
             raise bad_request(
@@ -158,7 +189,21 @@ def _conversation(body: Mapping[str, Any]) -> list[dict[str, Any]]:
             )
     if not any(m["role"] in ("user", "tool") for m in messages):
         raise bad_request("input must hold at least one user message or function_call_output", param="input")
+    check_tool_results(messages, id_fields.__getitem__)
     return messages
+
+
+def _item_id_and_status(where: str, item: Mapping[str, Any]) -> None:
+    """An item's `id` (a string) and `status` (one of ITEM_STATUSES), which the answer ignores."""
+    item_id = item.get("id")
+    if item_id is not None and not isinstance(item_id, str):
+        raise bad_request(f"{where}.id must be a string, got {kind(item_id)}", param=f"{where}.id")
+    status = item.get("status")
+    if status is not None and status not in ITEM_STATUSES:
+        shown = repr(status) if isinstance(status, str) else kind(status)
+        raise bad_request(
+            f"{where}.status must be one of {', '.join(ITEM_STATUSES)}, got {shown}", param=f"{where}.status"
+        )
 
 
 def _message(where: str, item: Mapping[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -114,28 +114,34 @@ def _tool(index: int, value: Any) -> Tool:
     return Tool(name, description, parameters, tuple(f"{name}:{pointer}" for pointer in closed))
 
 
-def check_tool_results(messages: Sequence[Mapping[str, Any]]) -> None:
-    """Each `tool` message answers a call of the assistant message before it (only tool messages
-    between them), by that call's id: as OpenAI does, a 400 naming the message otherwise."""
+def chat_id_field(index: int) -> str:
+    """Where chat completions carries the call id of its message `index`."""
+    return f"messages[{index}].tool_call_id"
+
+
+def check_tool_results(messages: Sequence[Mapping[str, Any]], id_field: Callable[[int], str] = chat_id_field) -> None:
+    """Each `tool` message (a chat tool message, an Anthropic tool_result block, a Responses
+    function_call_output, all parsed into chat messages) answers a call of the assistant turn
+    just before it (only tool messages between them), by that call's id: as OpenAI and Anthropic
+    do, a 400 otherwise naming the request field that holds the id (`id_field` of the message's
+    index: each API says where its id came from)."""
     calls: set[str] | None = None  # the ids of the calls tool messages may answer here
     for index, message in enumerate(messages):
         if message["role"] == "tool":
-            where = f"messages[{index}]"
+            where = id_field(index)
             if calls is None:
                 raise bad_request(
-                    f"{where}: a tool message must answer a tool call of the assistant message before it, "
-                    "and none comes before it",
+                    f"{where} {message['tool_call_id']!r}: a tool result must answer a tool call of the assistant turn "
+                    "just before it, and none comes before it",
                     param=where,
                 )
             if message["tool_call_id"] not in calls:
                 raise bad_request(
-                    f"{where}.tool_call_id {message['tool_call_id']!r} matches no tool call of the assistant message "
-                    f"before it (its calls: {', '.join(sorted(calls)) or 'none'})",
-                    param=f"{where}.tool_call_id",
+                    f"{where} {message['tool_call_id']!r} matches no tool call of the assistant turn just before it "
+                    f"(its calls: {', '.join(sorted(calls)) or 'none'})",
+                    param=where,
                 )
         elif message.get("tool_calls"):
             calls = {call["id"] for call in message["tool_calls"]}
         else:
             calls = None
-
-
