@@ -345,8 +345,8 @@ class Scheduler:
             return None
         index = self._rounds
         copies: list[BlockCopy] = []
+        decode = [s for s in self._running if s.in_decode]
         in_order = sorted(self._running, key=lambda s: (s.arrival, s.index))
-        decode = [s for s in in_order if s.in_decode]
         chunks = self._prefill_chunks([s for s in in_order if not s.in_decode], len(decode))
         base_tokens = len(decode) + sum(chunks.values())
         drafts = self._speculation.drafts(decode, base_tokens, requests_waiting=bool(self._waiting))
@@ -397,9 +397,7 @@ class Scheduler:
         # A first choice whose other choices wait stops short of the prompt's last token: each
         # choice computes that one itself, to sample its first token from it.
         remaining = [(len(s.tokens) - 1 if s.pending_choices else len(s.tokens)) - s.num_cached for s in prefilling]
-        shares = share_prefill_budget(
-            remaining, budget - decode_rows, min(self.options.oldest_prefill_share, budget)
-        )
+        shares = share_prefill_budget(remaining, budget - decode_rows, min(self.options.oldest_prefill_share, budget))
         return dict(zip(prefilling, shares))
 
     def _row(self, seq: Sequence, tail: list[int], draft: Draft, samples: bool, head_steps: int) -> PlannedRow:

@@ -91,7 +91,8 @@ async def test_a_short_prompt_behind_a_long_one_gets_its_first_token_next_round_
         tokenize = scheduler.tokenizer.encode
         # A stream already decoding, then the long prompt; once the long one is prefilling, two
         # short chats arrive.
-        decoding = GenerationRequest("decoding", tuple(tokenize("Count with me: one two three")), replace(GREEDY, max_tokens=40))
+        counting = tuple(tokenize("Count with me: one two three"))
+        decoding = GenerationRequest("decoding", counting, replace(GREEDY, max_tokens=40))
         decoding_stream = scheduler.submit(decoding)
         decoding_task = asyncio.create_task(collect(decoding_stream))
         while not rounds.plans:
@@ -132,6 +133,7 @@ async def test_a_short_prompt_behind_a_long_one_gets_its_first_token_next_round_
     decoding_rows = rounds.rows_of("decoding")
     assert decoding_rows == list(range(decoding_rows[0], decoding_rows[-1] + 1))
     assert all(rounds.plans[i]["decoding"] == (1, True) for i in decoding_rows[1:])
+    assert len(decoding_ids) == len(decoding_rows), "one token a round"
     assert decoding_rows[-1] >= long_sampled, "the stream should outlast the long prompt's prefill"
     # Nothing of this changes what anyone generates (greedy: token for token).
     for request, (ids, _) in zip(shorts, short_outputs):
