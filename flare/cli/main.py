@@ -63,6 +63,11 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--max-concurrency", metavar="N",
         help="requests run at once (default and maximum: the package's serving.max_concurrency)")
     add("--max-waiting", metavar="N", help="requests queued beyond those; past it, 429 (default 256)")
+    add("--max-batched-tokens", metavar="N",
+        help="tokens fed per round: one per decoding stream, the rest prompt chunks (default 256)")
+    add("--oldest-prefill-share", metavar="N",
+        help="of those, what the oldest prompt still prefilling keeps each round while shorter prompts go "
+        "first (default 64; max-batched-tokens: the oldest takes every round it can)")
     add("--prefix-cache", choices=("on", "off"),
         help="keep computed KV blocks for later prompts that start the same way (default on)")
     add("--prefix-cache-across-keys", choices=("on", "off"),

@@ -63,6 +63,10 @@ class DaemonConfig:
     kv_cache_dtype: str = "float32"  # KV_CACHE_DTYPES: what the KV cache stores keys and values as
     max_concurrency: int | None = None  # None: the package's serving.max_concurrency
     max_waiting: int = 256
+    # Tokens fed per round, and of those what the oldest prompt still prefilling keeps while
+    # shorter prompts go first (the prefill policy: docs/architecture.md).
+    max_batched_tokens: int = 256
+    oldest_prefill_share: int = 64
     prefix_cache: bool = True
     # Prefix-cache blocks are found only by requests of the API key that computed them (a key
     # could otherwise confirm another's prompt block by block); on: all keys share them.
@@ -230,6 +234,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "kv_cache_dtype": _choice(*KV_CACHE_DTYPES),
     "max_concurrency": _integer(1),
     "max_waiting": _integer(0),
+    "max_batched_tokens": _integer(1),
+    "oldest_prefill_share": _integer(1),
     "prefix_cache": _boolean,
     "prefix_cache_across_keys": _boolean,
     "draft_tokens": _integer(0),

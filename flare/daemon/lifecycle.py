@@ -257,6 +257,8 @@ class Daemon:
         options = SchedulerOptions(
             max_concurrency=config.max_concurrency,
             max_waiting=config.max_waiting,
+            max_batched_tokens=config.max_batched_tokens,
+            oldest_prefill_share=config.oldest_prefill_share,
             prefix_cache=config.prefix_cache,
             kv_cache_memory=config.kv_cache_memory,
             draft_tokens=config.draft_tokens,

@@ -17,7 +17,10 @@ class SchedulerOptions:
     kv_cache_dtype: str = "float32"  # manifest.KV_CACHE_DTYPES: what the KV cache stores
     prefix_cache: bool = True  # keep full KV blocks after their request for later prompts to share
     block_size: int = 16
-    max_batched_tokens: int = 256  # tokens fed per round: bounds a prompt chunk's share of a round
+    max_batched_tokens: int = 256  # tokens fed per round: decode rows' last tokens, then prompt chunks
+    # Of those, what the oldest prompt still prefilling keeps each round while shorter prompts
+    # go first (prefill_budget.py); at max_batched_tokens the oldest takes every round it can.
+    oldest_prefill_share: int = 64
     draft_tokens: int | None = None  # None: the package's serving.draft_tokens; may only lower it
     # ngram, mtp (the package's learned draft head) or auto (mtp where the package ships a head,
     # else ngram); None: the package's serving.drafter.

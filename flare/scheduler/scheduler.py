@@ -40,6 +40,7 @@ from flare.scheduler.failures import cancelled_failure, device_failure, engine_d
 from flare.scheduler.loading import SchedulerParts, load_parts
 from flare.scheduler.options import SchedulerOptions
 from flare.scheduler.preemption import make_writable
+from flare.scheduler.prefill_budget import share_prefill_budget
 from flare.scheduler.request import (
     Failed,
     Finished,
@@ -343,26 +344,21 @@ class Scheduler:
         if not self._running:
             return None
         index = self._rounds
-        budget = self.options.max_batched_tokens
         copies: list[BlockCopy] = []
         decode = [s for s in self._running if s.in_decode]
-        prefill_tokens = sum(len(s.tokens) - s.num_cached for s in self._running if not s.in_decode)
-        base_tokens = len(decode) + max(0, min(budget - len(decode), prefill_tokens))
+        in_order = sorted(self._running, key=lambda s: (s.arrival, s.index))
+        chunks = self._prefill_chunks([s for s in in_order if not s.in_decode], len(decode))
+        base_tokens = len(decode) + sum(chunks.values())
         drafts = self._speculation.drafts(decode, base_tokens, requests_waiting=bool(self._waiting))
         token_seconds = self._speculation.token_seconds(base_tokens, len(decode))
         rows: list[PlannedRow] = []
-        for seq in sorted(self._running, key=lambda s: (s.arrival, s.index)):
+        for seq in in_order:
             if seq.state is not SequenceState.RUNNING:
                 continue  # preempted while planning this round
             draft = drafts.get(seq, Draft(()))
             tail = seq.tokens[seq.num_cached :]
             if not seq.in_decode:
-                if budget <= 0:
-                    continue
-                # A first choice whose other choices wait stops short of the prompt's last token:
-                # each choice computes that one itself, to sample its first token from it.
-                end = len(seq.tokens) - 1 if seq.pending_choices else len(seq.tokens)
-                tail = seq.tokens[seq.num_cached : end][:budget]
+                tail = seq.tokens[seq.num_cached : seq.num_cached + chunks[seq]]
                 if not tail:
                     continue
             row_tokens = len(tail) + len(draft.token_ids)
@@ -385,7 +381,6 @@ class Scheduler:
                     self._finish(seq, Finished("length", choice_usage(seq), fell_back=seq.fell_back, index=seq.index))
                 continue  # `seq` was preempted (it waits for blocks) or outgrew the cache and ended
             copies += writable
-            budget -= row_tokens
             rows.append(self._row(seq, tail, draft, samples, head_steps))
         # A row dropped after its blocks were made writable (its sequence preempted by a later
         # row) leaves a copy into a block that is free again: harmless, the copies run first.
@@ -394,6 +389,16 @@ class Scheduler:
             return None
         self._rounds += 1
         return RoundPlan(index, tuple(rows), tuple(copies))
+
+    def _prefill_chunks(self, prefilling: list[Sequence], decode_rows: int) -> dict[Sequence, int]:
+        """Each prefilling sequence's chunk this round (`prefill_budget.py`): decode rows take
+        their token first, and the rest of the round is shared by the policy."""
+        budget = self.options.max_batched_tokens
+        # A first choice whose other choices wait stops short of the prompt's last token: each
+        # choice computes that one itself, to sample its first token from it.
+        remaining = [(len(s.tokens) - 1 if s.pending_choices else len(s.tokens)) - s.num_cached for s in prefilling]
+        shares = share_prefill_budget(remaining, budget - decode_rows, min(self.options.oldest_prefill_share, budget))
+        return dict(zip(prefilling, shares))
 
     def _row(self, seq: Sequence, tail: list[int], draft: Draft, samples: bool, head_steps: int) -> PlannedRow:
         """`seq`'s row: `tail` (its uncached tokens) then `draft`'s, and the parts it needs."""

@@ -215,3 +215,16 @@ def test_several_served_model_names_come_from_every_source(tmp_path: Path) -> No
     )
     with pytest.raises(ConfigError, match="--accept-any-model-name"):
         load_config(flags(accept_any_model_name="maybe"), {})
+
+
+def test_the_round_budget_and_the_oldest_prompts_share_come_from_every_source(tmp_path: Path) -> None:
+    assert (load_config(flags(), {}).max_batched_tokens, load_config(flags(), {}).oldest_prefill_share) == (256, 64)
+    path = write_toml(tmp_path, "max_batched_tokens = 512\noldest_prefill_share = 128\n")
+    config = load_config(flags(), {}, path)
+    assert (config.max_batched_tokens, config.oldest_prefill_share) == (512, 128)
+    config = load_config(flags(oldest_prefill_share="32"), {"FLARE_MAX_BATCHED_TOKENS": "1024"}, path)
+    assert (config.max_batched_tokens, config.oldest_prefill_share) == (1024, 32)
+    with pytest.raises(ConfigError, match=r"--oldest-prefill-share: expected an integer >= 1, got 0"):
+        load_config(flags(oldest_prefill_share="0"), {})
+    with pytest.raises(ConfigError, match=r"FLARE_MAX_BATCHED_TOKENS: expected an integer >= 1, got 'many'"):
+        load_config(flags(), {"FLARE_MAX_BATCHED_TOKENS": "many"})
