@@ -45,6 +45,8 @@ STOP_GRACE_S = 10.0
 LIVENESS_TIMEOUT = timedelta(seconds=15)
 """A worker that answers no liveness ping for this long is lost (its pings go every third of it)."""
 PING = b"ping"
+FAILED = b"failed:"
+"""A serving worker's last words on its pipe, before it exits: its error, for the launcher's log."""
 
 
 @dataclass(frozen=True)
@@ -206,6 +208,7 @@ class RankGroup:
         answers = {w.connection: w for w in self._workers}
         timeout = self.liveness_timeout.total_seconds()
         answered = {w.rank: time.monotonic() for w in self._workers}
+        errors: dict[int, str] = {}
         next_ping = time.monotonic()
         while not self._stopping:
             now = time.monotonic()
@@ -226,22 +229,41 @@ class RankGroup:
                 if item in sentinels:
                     worker = sentinels[item]
                     worker.process.join(STOP_GRACE_S)
-                    self._lost(worker, f"exited with code {worker.process.exitcode}")
+                    error = self._last_words(worker, errors)
+                    self._lost(worker, f"exited with code {worker.process.exitcode}{error}")
                     return
                 if item in answers:
                     try:
-                        answers[item].connection.recv_bytes()
-                        answered[answers[item].rank] = now
+                        message = answers[item].connection.recv_bytes()
                     except (EOFError, OSError):
                         del answers[item]  # the worker is exiting: its sentinel says so
+                        continue
+                    answered[answers[item].rank] = now
+                    if message.startswith(FAILED):
+                        errors[answers[item].rank] = message[len(FAILED) :].decode(errors="replace")
             for worker in self._workers:
                 if now - answered[worker.rank] > timeout:
                     self._lost(worker, f"answered no liveness check for {timeout:g} s")
                     return
 
+    @staticmethod
+    def _last_words(worker: _Worker, errors: dict[int, str]) -> str:
+        """The error an exited worker sent before it exited (read now if not yet), as ": error"."""
+        try:
+            while worker.rank not in errors and worker.connection.poll():
+                message = worker.connection.recv_bytes()
+                if message.startswith(FAILED):
+                    errors[worker.rank] = message[len(FAILED) :].decode(errors="replace")
+        except (EOFError, OSError):
+            pass
+        return f": {errors[worker.rank]}" if worker.rank in errors else ""
+
     def _lost(self, worker: _Worker, why: str) -> None:
-        """One line for the lost rank, then the group's failure."""
+        """One line for the lost rank, then the group's failure. A rank that stopped answering
+        is killed now: it cannot stop in order, and the group's stop would wait for it."""
         log.error("tensor_parallel_rank_lost", rank=worker.rank, pid=worker.process.pid, reason=why)
+        if worker.process.is_alive():
+            worker.process.kill()
         self.failstop.fail(f"rank {worker.rank} (pid {worker.process.pid}) {why}")
 
     def wait(self) -> int:
@@ -298,8 +320,7 @@ def _worker_main(
     collective_timeout: timedelta,
 ) -> None:
     """A worker rank: pin, load, report, watch the launcher, meet the others, serve. A failure
-    is one line on stderr (the daemon's log): the launcher reports a failed load, and rank 0
-    the group's failure."""
+    goes to the launcher, which logs it in one line with the rank's exit (no traceback)."""
     try:
         pin(threads)
         state = spec.load(threads.rank, layout.tensor_parallel)
@@ -307,7 +328,10 @@ def _worker_main(
         connection.send(("failed", f"{type(error).__name__}: {error}"))
         os._exit(1)
     connection.send(("loaded", os.getpid()))
-    threading.Thread(target=_exit_with_launcher, args=(connection,), name="flare-launcher-watch", daemon=True).start()
+    sending = threading.Lock()
+    threading.Thread(
+        target=_exit_with_launcher, args=(connection, sending), name="flare-launcher-watch", daemon=True
+    ).start()
     try:
         store = rendezvous_store(threads.rank, layout.tensor_parallel, layout.master_addr, port, startup_timeout)
         groups = join_groups(
@@ -315,7 +339,11 @@ def _worker_main(
         )
         spec.serve(groups, state)
     except Exception as error:
-        log.error("tensor_parallel_rank_failed", rank=threads.rank, error=f"{type(error).__name__}: {error}")
+        try:
+            with sending:
+                connection.send_bytes(FAILED + f"{type(error).__name__}: {error}".encode())
+        except OSError:
+            pass  # the launcher is gone, and with it whoever would log this
         os._exit(1)
     # The stop command came: the stop is orderly whatever leaving the groups does, and rank 0
     # (another host's, for a headless node) may already be gone with the store it listened on.
@@ -326,12 +354,14 @@ def _worker_main(
     os._exit(0)
 
 
-def _exit_with_launcher(connection: multiprocessing.connection.Connection) -> None:
+def _exit_with_launcher(connection: multiprocessing.connection.Connection, sending: threading.Lock) -> None:
     """Answer the launcher's liveness pings; end of file on its pipe: the launcher stopped the
     group or died, and either way this rank has nothing left to serve."""
     try:
         while True:
-            connection.send_bytes(connection.recv_bytes())
+            ping = connection.recv_bytes()
+            with sending:
+                connection.send_bytes(ping)
     except (EOFError, OSError):
         pass
     os._exit(0)

@@ -195,3 +195,8 @@ def serve_messages(groups: ProcessGroups, state: dict[str, int]) -> None:
 
     while receive_message(groups.control) is not None:
         dist.all_reduce(torch.tensor([1.0]), group=groups.device)
+
+
+def serve_failing(groups: ProcessGroups, state: dict[str, int]) -> None:
+    """A worker whose serving fails (as a collective that raises does)."""
+    raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")

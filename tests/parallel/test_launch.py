@@ -22,6 +22,7 @@ from tests.parallel.rank_programs import (
     load_failing_on_rank_1,
     load_rank,
     serve_all_reduce_then_wait,
+    serve_failing,
     serve_idle,
     serve_messages,
 )
@@ -134,8 +135,24 @@ def test_a_stopped_worker_fails_the_liveness_check_within_its_timeout() -> None:
     assert _wait_until(lambda: group.failstop.reason is not None, 10)
     assert time.monotonic() - stopped < 1.5 + 1.5 / 3 + 1, "found within the timeout and one ping"
     assert group.failstop.reason == f"rank 1 (pid {worker_pid}) answered no liveness check for 1.5 s"
+    assert _wait_until(lambda: not _alive(worker_pid), 2), "a rank that stopped answering is killed at once"
     group.stop()
     assert not _alive(worker_pid)
+
+
+def test_a_worker_that_fails_while_serving_is_one_failure_naming_its_error(capfd: pytest.CaptureFixture[str]) -> None:
+    group = RankGroup(
+        ParallelLayout(tensor_parallel=2), WorkerSpec(load_rank, serve_failing), torch.device("cpu"), STARTUP,
+        timedelta(seconds=60),
+    )
+    group.connect()
+    worker_pid = group.ranks[1].pid
+    assert _wait_until(lambda: group.failstop.reason is not None, 30)
+    assert group.failstop.reason == (
+        f"rank 1 (pid {worker_pid}) exited with code 1: RuntimeError: Connection closed by peer [127.0.0.1]:1234"
+    )
+    group.stop()
+    assert "Traceback" not in capfd.readouterr().err, "the worker prints no traceback"
 
 
 def test_the_rendezvous_listens_on_the_master_address_only_and_stops_once_the_ranks_met() -> None:
