@@ -229,6 +229,8 @@ class RankGroup:
                 if item in sentinels:
                     worker = sentinels[item]
                     worker.process.join(STOP_GRACE_S)
+                    if worker.process.exitcode == 0:
+                        return  # it took rank 0's stop command: the group is stopping in order
                     error = self._last_words(worker, errors)
                     self._lost(worker, f"exited with code {worker.process.exitcode}{error}")
                     return
