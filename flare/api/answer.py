@@ -4,7 +4,9 @@ The events of every prompt and choice are read here, whichever API asked: text d
 choice's tool calls read out of its text as they stream), one Finished per choice, or a Failed
 that ends the request. A `Renderer` turns them into its API's SSE frames or JSON body. The
 request ends here too: past `request_timeout_s` it is failed, and when the client goes away
-every sequence of it is cancelled at once.
+every sequence of it is cancelled at once. A stream with no event for `keep_alive_s` (a round
+stalled, a long prompt prefilling) gets its API's keep-alive, so that clients and proxies with
+read timeouts keep the connection.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ async def answer(
     prepared: Prepared,
     renderer: Renderer,
     timeout_s: float | None,
+    keep_alive_s: float,
 ) -> web.StreamResponse:
     """Submit `prepared`'s requests and write their answer; cancel them all if the client goes.
     `in_flight` holds their ids until the answer is written (shutdown waits for it to empty)."""
@@ -102,7 +105,7 @@ async def answer(
                 return collected
             response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
             try:
-                await _stream(request, response, events, reading, renderer, prepared, generated)
+                await _stream(request, response, events, reading, renderer, prepared, generated, keep_alive_s)
             except ConnectionResetError as error:
                 # The client is gone, or stopped reading: `finally` cancels the request.
                 gone = error
@@ -268,12 +271,18 @@ async def _stream(
     renderer: Renderer,
     prepared: Prepared,
     generated: Generated,
+    keep_alive_s: float,
 ) -> None:
     await response.prepare(request)
     await _write(response, renderer.start(prepared.flare()))
     finished: list[Finished] = []
     while True:
-        _, event = await events.next()
+        # Cancelling the wait loses no event (the stream's queue keeps it for the next read).
+        with anyio.move_on_after(keep_alive_s) as waited:
+            _, event = await events.next()
+        if waited.cancelled_caught:
+            await _write(response, renderer.keep_alive())
+            continue
         if isinstance(event, TextDelta):
             generated.token()
             text, deltas = reading.readers[event.index].push(event.text)

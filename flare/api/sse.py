@@ -14,6 +14,8 @@ SSE_HEADERS = {
     "X-Accel-Buffering": "no",
 }
 DONE = b"data: [DONE]\n\n"
+KEEP_ALIVE = b": keep-alive\n\n"
+"""An SSE comment: clients skip it, and it keeps a stalled stream's connection and proxies open."""
 
 
 def sse_data(payload: Any) -> bytes:

@@ -89,6 +89,8 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--tensor-parallel-cpus", metavar="LISTS",
         help='CPU lists of this host\'s ranks, e.g. "0-15|16-31" (one per rank, as VLLM_CPU_OMP_THREADS_BIND); '
         "default: this process's CPUs cut into equal runs")
+    add("--collective-timeout-s", metavar="SECONDS",
+        help="a collective inside a round waits this long for a peer before the group fails (default 60)")
     add("--sampling-policy", choices=("package", "unfiltered"),
         help="serve the package's policy, or its unfiltered() form (default package)")
     add("--on-invalid-speculation", choices=("fallback", "fail"),
@@ -110,6 +112,8 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--max-body-bytes", metavar="SIZE", help="the largest request body; larger ones get 413 (default 1MiB)")
     add("--request-timeout-s", metavar="SECONDS",
         help='a request running longer ends with a 504 error (default 600; "none": no limit)')
+    add("--stream-keepalive-s", metavar="SECONDS",
+        help="a stream with no output for this long gets a keep-alive event (default 15)")
     add("--max-connections", metavar="N",
         help="open HTTP connections at most; more are refused with 503 (default 1024)")
     add("--header-timeout-s", metavar="SECONDS",
@@ -203,7 +207,9 @@ def _run_headless(config: Any) -> int:
         return _usage_error(f"flare run: error: {error}")
     package = config.package if config.package is not None else default_package_path(config.cache_dir)
     try:
-        return serve_headless(str(package), layout, config.weight_format, config.tensor_parallel_cpus)
+        return serve_headless(
+            str(package), layout, config.weight_format, config.tensor_parallel_cpus, config.collective_timeout_s
+        )
     except WorkerStartError as error:
         print(f"flare run: error: {error}", file=sys.stderr)
         return 1

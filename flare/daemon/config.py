@@ -82,6 +82,9 @@ class DaemonConfig:
     # This host's ranks' CPU lists, "0-15|16-31" (one per rank, '|' between, as vLLM's
     # VLLM_CPU_OMP_THREADS_BIND); None: this process's CPUs cut into equal runs.
     tensor_parallel_cpus: str | None = None
+    # How long a collective inside a round may wait for a peer before the group fails (waiting
+    # for the next round has no deadline; liveness is checked apart, flare/parallel/launch.py).
+    collective_timeout_s: float = 60.0
     sampling_policy: str = "package"  # "package" | "unfiltered"
     on_invalid_speculation: str = "fallback"  # "fallback" | "fail"
     fault_injection: bool = False
@@ -92,6 +95,8 @@ class DaemonConfig:
     drain_grace_s: float = 30.0
     max_body_bytes: int = 1 << 20
     request_timeout_s: float | None = 600.0
+    # A stream with no output for this long gets a keep-alive (an SSE comment; Messages: ping).
+    stream_keepalive_s: float = 15.0
     # Connections (flare/server/connections.py): how many, and how long each may take or idle.
     max_connections: int = 1024
     header_timeout_s: float = 10.0
@@ -247,6 +252,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "master_addr": _text,
     "master_port": _integer(0, 65535),
     "tensor_parallel_cpus": _text,
+    "collective_timeout_s": _positive_seconds,
     "sampling_policy": _choice("package", "unfiltered"),
     "on_invalid_speculation": _choice("fallback", "fail"),
     "fault_injection": _boolean,
@@ -256,6 +262,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "drain_grace_s": _seconds(allow_none=False),
     "max_body_bytes": parse_bytes,
     "request_timeout_s": _seconds(allow_none=True),
+    "stream_keepalive_s": _positive_seconds,
     "max_connections": _integer(1),
     "header_timeout_s": _positive_seconds,
     "keepalive_timeout_s": _positive_seconds,

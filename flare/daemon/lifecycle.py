@@ -269,6 +269,7 @@ class Daemon:
             master_addr=config.master_addr,
             master_port=config.master_port,
             tensor_parallel_cpus=config.tensor_parallel_cpus,
+            collective_timeout_s=config.collective_timeout_s,
             sampling_policy=config.sampling_policy,  # type: ignore[arg-type]
             on_invalid_speculation=config.on_invalid_speculation,  # type: ignore[arg-type]
             fault_injection=config.fault_injection,

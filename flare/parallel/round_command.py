@@ -18,6 +18,7 @@ n-gram drafter runs (one-hot q), see docs/architecture.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from enum import IntEnum
 
 import torch
@@ -168,6 +169,11 @@ def _sampling_of(tensors: list[torch.Tensor | None]) -> RoundSampling:
 Message = RoundCommand | ShardStep
 _KINDS = (RoundCommand, ShardStep)
 
+WAIT_FOR_WORK = timedelta(days=365)
+"""How long a worker waits for rank 0's next message: without a deadline (gloo has no unbounded
+timeout; a year stands for one), since an idle daemon sends nothing. Liveness is checked apart
+from the work (launch.py); the rest of a round keeps the group's collective timeout."""
+
 
 def send_command(command: Message | None, group: dist.ProcessGroup) -> None:
     """Rank 0: broadcast ``command`` (None: stop) to the workers: its size and kind, then it."""
@@ -179,9 +185,13 @@ def send_command(command: Message | None, group: dist.ProcessGroup) -> None:
 
 
 def receive_message(group: dist.ProcessGroup) -> Message | None:
-    """A worker: the next command or step from rank 0 (None: stop)."""
+    """A worker: the next command or step from rank 0 (None: stop), waiting for it without a
+    deadline."""
     size_and_kind = torch.zeros(2, dtype=torch.int64)
-    dist.broadcast(size_and_kind, src=0, group=group)
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    options.timeout = WAIT_FOR_WORK
+    group.broadcast([size_and_kind], options).wait()
     size, kind = size_and_kind.tolist()
     if size == 0:
         return None

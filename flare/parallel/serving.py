@@ -150,12 +150,23 @@ def worker_spec(package_path: str, weight_format: str) -> WorkerSpec:
     return WorkerSpec(functools.partial(_load_worker, package_path, weight_format), _serve_worker)
 
 
-def serve_headless(package_path: str, layout: ParallelLayout, weight_format: str, bind: str | None = None) -> int:
+def serve_headless(
+    package_path: str,
+    layout: ParallelLayout,
+    weight_format: str,
+    bind: str | None = None,
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT.total_seconds(),
+) -> int:
     """A host other than rank 0's (`flare run --node-rank K`, K > 0): start this host's ranks,
     meet rank 0, and wait; the exit status is non-zero once a rank stops (its peer was lost),
     for the supervisor to restart it."""
     group = RankGroup(
-        layout, worker_spec(package_path, weight_format), torch.device("cpu"), STARTUP_TIMEOUT, COLLECTIVE_TIMEOUT, bind
+        layout,
+        worker_spec(package_path, weight_format),
+        torch.device("cpu"),
+        STARTUP_TIMEOUT,
+        timedelta(seconds=collective_timeout_s),
+        bind,
     )
     group.connect()
     log.info("tensor_parallel_host", node_rank=layout.node_rank, ranks=[(r.rank, r.pid, list(r.cpus)) for r in group.ranks])

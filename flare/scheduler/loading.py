@@ -5,6 +5,7 @@ tokenizer and the grammar compiler. Heavy: called off the event loop."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Literal
 
 import structlog
@@ -128,7 +129,11 @@ def load_parts(
         if tensor_parallel > 1:
             # The workers load their shards while this process loads rank 0's.
             ranks = RankDriver(
-                str(package.path), options.parallel_layout(), weight_format=options.weight_format, bind=options.tensor_parallel_cpus
+                str(package.path),
+                options.parallel_layout(),
+                weight_format=options.weight_format,
+                collective_timeout=timedelta(seconds=options.collective_timeout_s),
+                bind=options.tensor_parallel_cpus,
             )
         try:
             split = split_for(0, tensor_parallel) if ranks is not None else None

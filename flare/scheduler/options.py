@@ -33,6 +33,7 @@ class SchedulerOptions:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     tensor_parallel_cpus: str | None = None  # this host's ranks' CPU lists, "0-15|16-31" (parallel/threads.py)
+    collective_timeout_s: float = 60.0  # a collective inside a round fails the group past this
 
     def parallel_layout(self) -> ParallelLayout:
         return ParallelLayout(self.tensor_parallel, self.nnodes, 0, self.master_addr, self.master_port)

@@ -38,6 +38,9 @@ class ServerConfig(Protocol):
     def request_timeout_s(self) -> float | None: ...
 
     @property
+    def stream_keepalive_s(self) -> float: ...
+
+    @property
     def fault_injection(self) -> bool: ...
 
     @property

@@ -133,7 +133,15 @@ async def _generate(
     )
     prepared = await prepare(serving, generation, ids, _fault(request, config), scope)
     in_flight = request.app[STATE].in_flight
-    return await answer(request, serving.scheduler, in_flight, prepared, renderer(prepared), config.request_timeout_s)
+    return await answer(
+        request,
+        serving.scheduler,
+        in_flight,
+        prepared,
+        renderer(prepared),
+        config.request_timeout_s,
+        config.stream_keepalive_s,
+    )
 
 
 def _serving(request: web.Request, generation: Generation) -> tuple[Serving, Generation]:

@@ -1,6 +1,7 @@
-"""`flare run --tensor-parallel 2` on the tiny package: it serves, and a worker killed mid-stream
-ends the stream with engine_dead, stops /health answering 200 and makes the daemon exit non-zero
-with no process of the group left."""
+"""`flare run --tensor-parallel 2` on the tiny package: it serves, lives idle past its collective
+timeout with every socket on loopback, and a worker killed mid-stream ends the stream with
+engine_dead, stops /health answering 200 and makes the daemon exit non-zero with no process of
+the group left."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import httpx
 import pytest
 from tests.integration.daemon_process import DaemonProcess
 from tests.integration.test_operations import NotifyListener
+from tests.parallel.listening import listening_addresses
 
 
 def _alive(pid: int) -> bool:
@@ -64,6 +66,28 @@ def test_tp2_serves_the_tp1_answer_and_a_killed_worker_stops_the_daemon_non_zero
         assert time.monotonic() - started < 60
         assert not _alive(worker_pid)
         assert daemon.events("engine_dead")
+        (lost,) = daemon.events("tensor_parallel_rank_lost")
+        assert (lost["rank"], lost["pid"]) == (1, worker_pid)
+        assert "Traceback" not in daemon.log(10_000), "a worker's death is one line, not a traceback"
+    finally:
+        daemon.stop()
+
+
+def test_an_idle_tp2_daemon_outlives_its_collective_timeout_with_every_socket_on_loopback(tiny_package: Path) -> None:
+    collective_timeout_s = 2
+    daemon = DaemonProcess(tiny_package, "--tensor-parallel", "2", "--collective-timeout-s", str(collective_timeout_s))
+    try:
+        daemon.wait_ready()
+        (group,) = daemon.events("tensor_parallel_group")
+        pids = [pid for _, pid, _ in group["ranks"]]
+        listening = listening_addresses(pids)
+        assert listening and {address for address, _ in listening} == {"127.0.0.1"}, listening
+        time.sleep(3 * collective_timeout_s)  # no traffic
+        assert daemon.process.poll() is None and all(_alive(pid) for pid in pids), daemon.log()
+        assert daemon.health() == 200
+        answer = _completion(daemon, 4)
+        assert answer["choices"][0]["finish_reason"] in ("length", "stop"), answer
+        assert not daemon.events("engine_dead")
     finally:
         daemon.stop()
 

@@ -193,3 +193,17 @@ def load_package_rank(path: str, rank: int, world_size: int):
         num_kv_heads=local.num_kv_heads, head_dim=local.head_dim,
     )
     return model, cache
+
+
+def serve_messages(groups: ProcessGroups, state: dict[str, int]) -> None:
+    """A serving worker's wait: each message from rank 0 answered with an all-reduce of 1, until
+    the stop command."""
+    from flare.parallel.round_command import receive_message
+
+    while receive_message(groups.control) is not None:
+        dist.all_reduce(torch.tensor([1.0]), group=groups.device)
+
+
+def serve_failing(groups: ProcessGroups, state: dict[str, int]) -> None:
+    """A worker whose serving fails (as a collective that raises does)."""
+    raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")

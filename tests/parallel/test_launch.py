@@ -17,11 +17,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from tests import REPOSITORY
+from tests.parallel.listening import listening_addresses
 from tests.parallel.rank_programs import (
     load_failing_on_rank_1,
     load_rank,
     serve_all_reduce_then_wait,
+    serve_failing,
     serve_idle,
+    serve_messages,
 )
 
 from flare.parallel.failstop import EngineDead
@@ -90,6 +93,82 @@ def test_two_ranks_meet_all_reduce_and_stop_leaving_nothing_behind() -> None:
     with socket.socket() as probe:  # the store no longer listens
         assert probe.connect_ex(("127.0.0.1", port)) != 0
     assert _shm_entries() <= shm_before
+
+
+def test_an_idle_worker_waits_for_work_past_the_collective_timeout() -> None:
+    from flare.engine.batch import ForwardRow
+    from flare.parallel.round_command import RoundCommand, send_command
+
+    collective = timedelta(seconds=2)
+    group = RankGroup(
+        ParallelLayout(tensor_parallel=2), WorkerSpec(load_rank, serve_messages), torch.device("cpu"), STARTUP, collective
+    )
+    groups = group.connect()
+    assert groups is not None
+    worker_pid = group.ranks[1].pid
+    time.sleep(3 * collective.total_seconds())  # rank 0 sends nothing: an idle daemon
+    assert group.failstop.reason is None and _alive(worker_pid)
+    send_command(RoundCommand(0, (ForwardRow((1,), 0, (0,), 1),), (), None), groups.control)
+    value = torch.tensor([1.0])
+    dist.all_reduce(value, group=groups.device)
+    assert value.item() == 2.0, "the worker took the command it waited for"
+    send_command(None, groups.control)
+    group.stop()
+    assert group.failstop.reason is None
+
+
+def test_a_stopped_worker_fails_the_liveness_check_within_its_timeout() -> None:
+    group = RankGroup(
+        ParallelLayout(tensor_parallel=2),
+        WorkerSpec(load_rank, serve_messages),
+        torch.device("cpu"),
+        STARTUP,
+        timedelta(seconds=60),
+        liveness_timeout=timedelta(seconds=1.5),
+    )
+    assert group.connect() is not None
+    time.sleep(2)
+    assert group.failstop.reason is None, "a live idle worker answers its pings"
+    worker_pid = group.ranks[1].pid
+    os.kill(worker_pid, signal.SIGSTOP)  # alive to its sentinel, answering nothing
+    stopped = time.monotonic()
+    assert _wait_until(lambda: group.failstop.reason is not None, 10)
+    assert time.monotonic() - stopped < 1.5 + 1.5 / 3 + 1, "found within the timeout and one ping"
+    assert group.failstop.reason == f"rank 1 (pid {worker_pid}) answered no liveness check for 1.5 s"
+    assert _wait_until(lambda: not _alive(worker_pid), 2), "a rank that stopped answering is killed at once"
+    group.stop()
+    assert not _alive(worker_pid)
+
+
+def test_a_worker_that_fails_while_serving_is_one_failure_naming_its_error(capfd: pytest.CaptureFixture[str]) -> None:
+    group = RankGroup(
+        ParallelLayout(tensor_parallel=2), WorkerSpec(load_rank, serve_failing), torch.device("cpu"), STARTUP,
+        timedelta(seconds=60),
+    )
+    group.connect()
+    worker_pid = group.ranks[1].pid
+    assert _wait_until(lambda: group.failstop.reason is not None, 30)
+    assert group.failstop.reason == (
+        f"rank 1 (pid {worker_pid}) exited with code 1: RuntimeError: Connection closed by peer [127.0.0.1]:1234"
+    )
+    group.stop()
+    assert "Traceback" not in capfd.readouterr().err, "the worker prints no traceback"
+
+
+def test_the_rendezvous_listens_on_the_master_address_only_and_stops_once_the_ranks_met() -> None:
+    group = RankGroup(
+        ParallelLayout(tensor_parallel=2), WorkerSpec(load_rank, serve_messages), torch.device("cpu"), STARTUP,
+        timedelta(seconds=60),
+    )
+    store = ("127.0.0.1", group.master_port)
+    assert store in listening_addresses([os.getpid()]), "the store listens where the operator said"
+    groups = group.connect()
+    assert groups is not None
+    pids = [r.pid for r in group.ranks]
+    listening = listening_addresses(pids)
+    assert store not in listening, "no rank connects to the store after the groups met"
+    assert {address for address, _ in listening} <= {"127.0.0.1"}, listening
+    group.stop()
 
 
 def test_a_worker_that_fails_to_load_fails_startup_naming_its_rank_and_error() -> None:

@@ -27,7 +27,7 @@ from aiohttp import web
 
 from flare.api.errors import failure_body, failure_response
 from flare.api.rendering import ChoiceText, IdForm, RenderedToken, TextPiece
-from flare.api.sse import DONE, sse_data
+from flare.api.sse import DONE, KEEP_ALIVE, sse_data
 from flare.scheduler.request import RequestFailure, Usage
 
 # OpenAI's ids: chatcmpl-... and cmpl-..., tool calls call_...
@@ -248,6 +248,9 @@ class OpenAIRenderer:
 
     def fail(self, failure: RequestFailure) -> list[bytes]:
         return [sse_data(failure_body(failure)), DONE]
+
+    def keep_alive(self) -> list[bytes]:
+        return [KEEP_ALIVE]
 
     def body(self, choices: list[ChoiceText], usage: Usage, flare: dict[str, Any]) -> dict[str, Any]:
         return {**self.shape.body(choices, usage), "flare": flare}

@@ -5,6 +5,7 @@ The body is a `message`: `content` blocks (`text`, then one `tool_use` per call)
 `event: <type>` with a `data:` JSON carrying `type`:
 
     message_start, ping
+    ping again whenever the stream has had no event for `stream_keepalive_s`
     per block: content_block_start, content_block_delta ... (text_delta or
         input_json_delta), content_block_stop
     message_delta (stop_reason, usage), message_stop
@@ -106,7 +107,10 @@ class MessagesRenderer:
 
     def start(self, flare: dict[str, Any]) -> list[bytes]:
         message = self.message([], None, Usage(self._prepared.prompt_tokens, 0))
-        return [_sse("message_start", {"message": {**message, "flare": flare}}), _sse("ping", {})]
+        return [_sse("message_start", {"message": {**message, "flare": flare}}), *self.keep_alive()]
+
+    def keep_alive(self) -> list[bytes]:
+        return [_sse("ping", {})]
 
     def _open(self, kind: str, block: dict[str, Any]) -> tuple[_Block, list[bytes]]:
         frames = self._close_text()

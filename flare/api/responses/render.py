@@ -27,7 +27,7 @@ from flare.api.errors import failure_body, failure_response
 from flare.api.generation import Generation
 from flare.api.prepare import Prepared
 from flare.api.rendering import ChoiceText, IdForm, TextPiece, new_id
-from flare.api.sse import sse_event
+from flare.api.sse import KEEP_ALIVE, sse_event
 from flare.scheduler.request import RequestFailure, Usage
 
 
@@ -271,6 +271,9 @@ class ResponsesRenderer:
         response = self.response("failed", output, None, self._flare)
         response["error"] = {"code": failure.code, "message": failure.message, "flare": failure_body(failure)["error"]["flare"]}
         return [self._event("response.failed", response=response)]
+
+    def keep_alive(self) -> list[bytes]:
+        return [KEEP_ALIVE]
 
 
 def _tool_choice(generation: Generation) -> Any:
