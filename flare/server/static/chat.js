@@ -111,7 +111,7 @@ function showFlare(turn, flare) {
     : "sampling applied";
   details.appendChild(summary);
   const table = document.createElement("table");
-  for (const [name, value] of Object.entries(flare.policy || {})) {
+  for (const [name, value] of Object.entries(flare.sampling || {})) {
     const row = table.insertRow();
     row.insertCell().textContent = name;
     row.insertCell().textContent = JSON.stringify(value);
@@ -201,7 +201,7 @@ async function send() {
         addError("The answer failed: " + chunk.error.message);
         break;
       }
-      if (chunk.flare && chunk.flare.policy) showFlare(turn, chunk.flare);
+      if (chunk.flare && chunk.flare.sampling) showFlare(turn, chunk.flare);
       for (const choice of chunk.choices || []) {
         if (choice.delta && choice.delta.content) {
           answer += choice.delta.content;
