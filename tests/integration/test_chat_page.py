@@ -197,3 +197,109 @@ def test_with_api_keys_the_page_asks_for_one_and_keeps_it_in_the_session_only(
         assert browser.get_cookies() == []
     finally:
         assert keyed.stop() == 0, keyed.log()
+
+
+def last_line_bottoms(browser: WebDriver) -> dict:
+    """Where the conversation's last line ends, against the bottom of the conversation's visible area (above
+    any scrollbar) and the window's."""
+    return browser.execute_script(
+        "const main = document.getElementById('conversation');"
+        "const last = main.lastElementChild.lastElementChild;"
+        "const area = main.getBoundingClientRect().top + main.clientTop + main.clientHeight;"
+        "return {line: last.getBoundingClientRect().bottom, area: area, sideways: main.scrollWidth - main.clientWidth,"
+        "        window: window.innerHeight, status: last.className};"
+    )
+
+
+def test_a_long_answer_ends_with_its_status_line_in_view(
+    browser: WebDriver, tiny_package: Path
+) -> None:
+    tiny = start_daemon(tiny_package)
+    try:
+        browser.set_window_size(700, 500)
+        browser.get(f"{tiny.base_url}/")
+        model = tiny.model_name()
+        wait_for(lambda: browser.find_element(By.ID, "model").text == model, "the page to show the model name")
+        set_field(browser, "max-tokens", "400")
+        ask(browser, "Tell me a long story.")
+        answer = wait_for(lambda: [a for a in answers(browser) if "streaming" not in a.get_attribute("class")],
+                          "the answer to finish")[0]
+        assert "stopped at the max tokens limit" in answer.text
+        overflow = browser.execute_script(
+            "const main = document.getElementById('conversation'); return main.scrollHeight - main.clientHeight;")
+        assert overflow > 200, "the answer is longer than the window (the test would prove nothing)"
+        # The last line on the page is the answer's status line, and it is in view, not under the text box.
+        bottoms = last_line_bottoms(browser)
+        assert bottoms["status"] == "status"
+        assert bottoms["line"] <= bottoms["area"] <= bottoms["window"], bottoms
+        assert bottoms["sideways"] == 0, "long runs of text wrap: no sideways scrollbar covers the last line"
+    finally:
+        assert tiny.stop() == 0, tiny.log()
+
+
+def test_a_reader_who_scrolled_up_is_not_pulled_down_while_the_answer_streams(
+    browser: WebDriver, daemon: DaemonProcess
+) -> None:
+    browser.set_window_size(700, 500)
+    open_page(browser, daemon)
+    set_field(browser, "temperature", "1")
+    set_field(browser, "max-tokens", "500")
+    ask(browser, "Write a long story about a dragon who learns to cook.")
+    scroll_height = "return document.getElementById('conversation').scrollHeight"
+    client_height = browser.execute_script("return document.getElementById('conversation').clientHeight")
+    wait_for(lambda: browser.execute_script(scroll_height) > client_height + 100, "the answer to overflow the window")
+    # The streaming answer followed the text so far; the reader now scrolls back to the question.
+    browser.execute_script("document.getElementById('conversation').scrollTop = 0")
+    grown_from = browser.execute_script(scroll_height)
+    wait_for(lambda: browser.execute_script(scroll_height) > grown_from + 100, "more of the answer")
+    assert browser.execute_script("return document.getElementById('conversation').scrollTop") == 0
+    browser.find_element(By.ID, "stop").click()
+    wait_for(lambda: not browser.find_elements(By.CSS_SELECTOR, ".turn.streaming"), "the answer to stop")
+    assert browser.execute_script("return document.getElementById('conversation').scrollTop") == 0
+
+
+def test_a_stopped_daemon_is_named_as_unreachable_with_what_to_check(
+    browser: WebDriver, tiny_package: Path
+) -> None:
+    tiny = start_daemon(tiny_package)
+    try:
+        browser.get(f"{tiny.base_url}/")
+        model = tiny.model_name()
+        wait_for(lambda: browser.find_element(By.ID, "model").text == model, "the page to show the model name")
+    finally:
+        assert tiny.stop() == 0, tiny.log()
+    ask(browser, "Hello")
+    error = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".turn.error"), "the error message")[0]
+    assert error.text.startswith(f"Cannot reach the flare daemon at {tiny.base_url}/"), error.text
+    assert "flare run" in error.text and "flare ctl status" in error.text and "journalctl -u flare" in error.text
+    assert "Failed to fetch" not in error.text
+    assert answers(browser) == []
+    assert browser.find_element(By.ID, "model").text == "daemon not reachable"
+    # The question never reached the daemon: it is back in the box, and sending it again says the same.
+    box = browser.find_element(By.ID, "prompt")
+    assert box.is_enabled() and box.get_attribute("value") == "Hello"
+    box.send_keys(Keys.ENTER)
+    wait_for(lambda: len(browser.find_elements(By.CSS_SELECTOR, ".turn.error")) == 2, "the second error message")
+    assert browser.find_elements(By.CSS_SELECTOR, ".turn.error")[1].text == error.text
+
+
+def test_a_daemon_lost_mid_answer_is_told_apart_from_one_never_reached(
+    browser: WebDriver, tiny_package: Path
+) -> None:
+    tiny = start_daemon(tiny_package)
+    try:
+        browser.get(f"{tiny.base_url}/")
+        model = tiny.model_name()
+        wait_for(lambda: browser.find_element(By.ID, "model").text == model, "the page to show the model name")
+        set_field(browser, "max-tokens", "100000")
+        ask(browser, "Tell me a very long story.")
+        answer = wait_for(lambda: [a for a in answers(browser) if a.find_element(By.CSS_SELECTOR, ".text").text],
+                          "the first tokens")[0]
+    finally:
+        tiny.kill()
+    error = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".turn.error"), "the error message")[0]
+    assert error.text.startswith("The connection to the flare daemon was lost mid-answer"), error.text
+    assert "flare ctl status" in error.text
+    # What arrived stays on the page, no longer shown as streaming.
+    assert answer.find_element(By.CSS_SELECTOR, ".text").text
+    assert "streaming" not in answer.get_attribute("class")

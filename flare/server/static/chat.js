@@ -22,6 +22,11 @@ const history = [];
 let modelName = null;
 let running = null; // the AbortController of the answer streaming now
 let conversationNumber = 0; // New chat starts another: an answer still ending is not added to it
+// Whether the conversation keeps its newest line in view: true while the reader is at the bottom,
+// false once they scroll up on purpose, so that streaming text never pulls them away from what they read.
+let following = true;
+const FOLLOW_SLACK_PX = 24; // this close to the bottom still counts as at the bottom
+let lastScrollTop = 0;
 
 function headers() {
   const result = { "Content-Type": "application/json" };
@@ -33,6 +38,25 @@ function headers() {
 function askForKey() {
   elements.keyPanel.hidden = false;
   elements.apiKey.focus();
+}
+
+// The daemon this page came from, for messages that say it cannot be reached.
+function daemonAddress() {
+  return new URL(".", document.baseURI).href;
+}
+
+const WHAT_TO_CHECK =
+  "is `flare run` still running? Check `flare ctl status` or the service's journal (`journalctl -u flare`).";
+
+// fetch rejects (no HTTP answer at all): the daemon is stopped, restarting, or the network is down.
+function unreachableText() {
+  return "Cannot reach the flare daemon at " + daemonAddress() + ": " + WHAT_TO_CHECK;
+}
+
+// The answer's stream broke after it began: the daemon stopped or the connection dropped.
+function lostText(error) {
+  return "The connection to the flare daemon was lost mid-answer (" + error.message + "); the answer above is cut " +
+    "short. " + WHAT_TO_CHECK.charAt(0).toUpperCase() + WHAT_TO_CHECK.slice(1);
 }
 
 // An API error body ({"error": {message, param, code}}) as one line for the user.
@@ -51,23 +75,32 @@ async function errorText(response) {
   return "HTTP " + response.status + ": " + detail;
 }
 
+// The model's name, shown in the header; on failure, why it could not be had.
 async function loadModel() {
   try {
     const response = await fetch("v1/models", { headers: headers() });
     if (response.status === 401) {
       elements.model.textContent = "needs an API key";
       askForKey();
-      return;
+      return "This server needs an API key.";
     }
     if (!response.ok) {
       elements.model.textContent = await errorText(response);
-      return;
+      return elements.model.textContent;
     }
     modelName = (await response.json()).data[0].id;
     elements.model.textContent = modelName;
+    return null;
   } catch (error) {
-    elements.model.textContent = "not reachable (" + error.message + ")";
+    elements.model.textContent = "daemon not reachable";
+    return unreachableText();
   }
+}
+
+// Called after each change to the conversation, the status line under an answer included.
+function keepLastLineInView() {
+  const area = elements.conversation;
+  if (following) area.scrollTop = area.scrollHeight;
 }
 
 function addTurn(role, text) {
@@ -80,7 +113,7 @@ function addTurn(role, text) {
   body.textContent = text;
   turn.appendChild(body);
   elements.conversation.appendChild(turn);
-  turn.scrollIntoView({ block: "end" });
+  keepLastLineInView();
   return turn;
 }
 
@@ -98,6 +131,7 @@ function setStatus(turn, text) {
     turn.appendChild(status);
   }
   status.textContent = text;
+  keepLastLineInView();
 }
 
 // What the package policy applied to this answer (the response's `flare` object).
@@ -125,6 +159,7 @@ function showFlare(turn, flare) {
   }
   details.appendChild(table);
   turn.appendChild(details);
+  keepLastLineInView();
 }
 
 function requestBody() {
@@ -138,13 +173,14 @@ function requestBody() {
 }
 
 // Server-sent events: `data: <json>` lines, events separated by a blank line, `data: [DONE]` last.
+// A body that ends before `[DONE]` was cut off (the daemon went away mid-answer).
 async function* events(response) {
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let buffered = "";
   for (;;) {
     const { value, done } = await reader.read();
-    if (done) return;
+    if (done) throw new Error("the stream ended before its last event");
     buffered += decoder.decode(value, { stream: true });
     let end;
     while ((end = buffered.indexOf("\n\n")) >= 0) {
@@ -171,9 +207,16 @@ function setRunning(controller) {
 async function send() {
   const text = elements.prompt.value;
   if (running || text.trim() === "") return;
-  if (!modelName) await loadModel();
-  if (!modelName) return;
+  if (!modelName) {
+    const problem = await loadModel();
+    if (problem) {
+      following = true;
+      addError(problem);
+      return;
+    }
+  }
   elements.prompt.value = "";
+  following = true; // the reader's own question brings the view back down to the conversation's end
   addTurn("user", text);
   history.push({ role: "user", content: text });
   const conversation = conversationNumber;
@@ -182,12 +225,26 @@ async function send() {
   let turn = null; // the answer's element, once the server accepted the question
   let answer = "";
   try {
-    const response = await fetch("v1/chat/completions", {
-      method: "POST",
-      headers: headers(),
-      body: JSON.stringify(requestBody()),
-      signal: controller.signal,
-    });
+    let response;
+    try {
+      response = await fetch("v1/chat/completions", {
+        method: "POST",
+        headers: headers(),
+        body: JSON.stringify(requestBody()),
+        signal: controller.signal,
+      });
+    } catch (error) {
+      if (error.name !== "AbortError") {
+        addError(unreachableText());
+        // Asked again on the next send, which then says at once whether the daemon is back.
+        modelName = null;
+        elements.model.textContent = "daemon not reachable";
+        // The question never reached the daemon: it goes back in the box, ready to send again.
+        if (elements.prompt.value === "") elements.prompt.value = text;
+        return;
+      }
+      throw error;
+    }
     if (!response.ok) {
       if (response.status === 401) askForKey();
       addError(await errorText(response));
@@ -206,7 +263,7 @@ async function send() {
         if (choice.delta && choice.delta.content) {
           answer += choice.delta.content;
           textNode.textContent = answer;
-          turn.scrollIntoView({ block: "end" });
+          keepLastLineInView();
         }
         if (choice.finish_reason) finish = choice.finish_reason;
       }
@@ -215,6 +272,10 @@ async function send() {
   } catch (error) {
     if (error.name === "AbortError") {
       if (turn) setStatus(turn, "stopped");
+    } else if (error instanceof SyntaxError) {
+      addError("The answer could not be read (" + error.message + ").");
+    } else if (turn) {
+      addError(lostText(error));
     } else {
       addError("The request failed: " + error.message);
     }
@@ -235,6 +296,13 @@ elements.prompt.addEventListener("keydown", (event) => {
     send();
   }
 });
+elements.conversation.addEventListener("scroll", () => {
+  const area = elements.conversation;
+  const atBottom = area.scrollHeight - area.scrollTop - area.clientHeight <= FOLLOW_SLACK_PX;
+  // Only a move up (the reader's own) stops following: text added since the page's own scroll is not one.
+  following = atBottom || (following && area.scrollTop >= lastScrollTop);
+  lastScrollTop = area.scrollTop;
+});
 elements.send.addEventListener("click", send);
 elements.stop.addEventListener("click", () => running && running.abort());
 elements.newChat.addEventListener("click", () => {
@@ -242,6 +310,7 @@ elements.newChat.addEventListener("click", () => {
   conversationNumber += 1;
   history.length = 0;
   elements.conversation.replaceChildren();
+  following = true;
 });
 elements.saveKey.addEventListener("click", () => {
   const key = elements.apiKey.value.trim();
