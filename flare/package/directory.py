@@ -48,7 +48,7 @@ from flare.package.manifest import (
     Provenance,
     ServingConfig,
 )
-from flare.package.problems import capped, listed
+from flare.package.problems import listed
 from flare.package.staging import claim_staging, remove_abandoned_staging
 from flare.policy.policy import SamplingPolicy
 
@@ -373,7 +373,7 @@ def verify_package(path: Path) -> IntegrityReport:
                 problems.append(f"{DRAFT_HEAD_NAME} cannot be read: {error}")
     elif DRAFT_HEAD_NAME in manifest.files:
         problems.append(f"{DRAFT_HEAD_NAME} is listed but the manifest describes no draft head")
-    return IntegrityReport(path, statuses, tuple(capped(problems)), manifest)
+    return IntegrityReport(path, statuses, tuple(problems), manifest)
 
 
 def _weights_header_problems(path: Path, manifest: Manifest) -> list[str]:
