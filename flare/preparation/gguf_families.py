@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from flare.package.directory import layers_held
+from flare.package.family_tensors import FAMILY_TENSORS
 from flare.package.manifest import (
     ARCHITECTURES,
     MAX_CONTEXT,
@@ -36,7 +37,6 @@ from flare.package.manifest import (
     ModelConfig,
     RopeScaling,
 )
-from flare.preparation.family_tensors import FAMILY_TENSORS
 from flare.preparation.source import SourceError
 
 # general.architecture -> ModelConfig.architecture. Mistral's converter output is `llama`.

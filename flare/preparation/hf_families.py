@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from flare.package.family_tensors import FAMILY_TENSORS
 from flare.package.manifest import (
     ARCHITECTURES,
     MAX_CONTEXT,
@@ -31,7 +32,6 @@ from flare.package.manifest import (
     ModelConfig,
     RopeScaling,
 )
-from flare.preparation.family_tensors import FAMILY_TENSORS
 from flare.preparation.source import SourceError
 
 # model_type -> ModelConfig.architecture

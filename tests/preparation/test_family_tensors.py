@@ -17,7 +17,7 @@ from tests import family_checkpoints as families
 from tests.gguf_writer import tiny_vocabulary, write_family_gguf
 
 from flare.package.manifest import ARCHITECTURES
-from flare.preparation.family_tensors import FAMILY_TENSORS
+from flare.package.family_tensors import FAMILY_TENSORS
 from flare.preparation.gguf_source import open_gguf
 from flare.preparation.hf_source import open_hf_directory
 from flare.preparation.source import SourceError
