@@ -131,9 +131,8 @@ def weight_problems(
 ) -> list[str]:
     """Missing, unexpected and mis-shaped tensors, one line each (empty when all match).
     `source_name`: what a source calls a tensor, named beside the package's name where it
-    differs. A config
-    claiming more layers than the tensors hold is that one problem: nothing is listed per layer,
-    so a claim of millions costs nothing."""
+    differs. A config claiming more layers than the tensors hold is that one problem: nothing is
+    listed per layer, so a claim of millions costs nothing."""
     held = layers_held(shapes)
     if config.num_layers > held:
         return [f"the config claims {config.num_layers} layers but the weights hold tensors for {held}"]
