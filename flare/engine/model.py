@@ -57,6 +57,7 @@ from flare.engine.rope import apply_rope, rope_tables
 from flare.package.blocks import dequantized
 from flare.package.manifest import ModelConfig
 from flare.package.directory import TORCH_DTYPES, Package, fits_float16, weight_problems
+from flare.package.problems import capped
 
 
 class WeightsError(ValueError):
@@ -124,7 +125,7 @@ def check_state_dict(config: ModelConfig, state_dict: Mapping[str, torch.Tensor 
     """Raise `WeightsError` listing every missing, unexpected or misshapen weight."""
     problems = weight_problems(config, {name: _shape(tensor) for name, tensor in state_dict.items()})
     if problems:
-        raise WeightsError("the weights do not match the model config: " + "; ".join(problems))
+        raise WeightsError("the weights do not match the model config: " + "; ".join(capped(problems)))
 
 
 def _linear_parts(weight: Weight) -> tuple[native_layers.LinearPart, ...] | None:
@@ -312,7 +313,9 @@ class DecoderModel:
         self.rope_cos, self.rope_sin = rope_tables(config, dtype, self.device, context=self.context)
         # The sliding layers' own table, where they have their own base (Gemma 3).
         self.local_rope = (
-            rope_tables(config, dtype, self.device, local=True) if any(layer.local_rope for layer in self.layers) else None
+            rope_tables(config, dtype, self.device, local=True, context=self.context)
+            if any(layer.local_rope for layer in self.layers)
+            else None
         )
         # A tensor-parallel rank runs its layers step by step: the one-call layer has no point to
         # all-reduce at.
@@ -350,10 +353,8 @@ class DecoderModel:
                 f"the KV cache holds {kv_cache.dtype}, the model computes in {self.dtype}: "
                 "create the cache in the model's dtype, float16 or bfloat16"
             )
-        if batch.max_position >= self.config.max_position_embeddings:
-            raise ValueError(
-                f"position {batch.max_position} is past the model's context of {self.config.max_position_embeddings}"
-            )
+        if batch.max_position >= self.context:
+            raise ValueError(f"position {batch.max_position} is past the context served, {self.context} positions")
         if inputs is not None:
             h = inputs.to(self.dtype, copy=True).contiguous()
         elif self.config.embedding_scale != 1.0:

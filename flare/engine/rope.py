@@ -1,7 +1,7 @@
 """Rotary position embeddings: the cos/sin tables of every RoPE scaling a family uses, and the rotation.
 
-A table holds cos and sin of position * inv_freq[i] for every position the model reaches,
-[max_positions, rotary_dims / 2], computed in float32 as Hugging Face's rotary embeddings do
+A table holds cos and sin of position * inv_freq[i] for every position the model serves,
+[context, rotary_dims / 2], computed in float32 as Hugging Face's rotary embeddings do
 (transformers' `modeling_rope_utils.py`), so that positions match it bit for bit. A scaling
 changes only inv_freq, and for yarn and longrope the factor that cos and sin are multiplied by:
 
@@ -98,19 +98,20 @@ def rope_tables(
     local: bool = False,
     context: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [max_positions, rotary_dims / 2] of the global layers, or with `local` of the
+    """cos and sin [context, rotary_dims / 2] of the global layers, or with `local` of the
     sliding layers of a model with their own base (`local_rope_theta`, unscaled). `context`: the
-    longest context served (longrope's choice of factors; the model's own by default)."""
+    longest context served (the model's own by default), which sizes the tables, so that what a
+    model declares costs nothing beyond what is served, and picks longrope's factors."""
     dims = config.rotary_dims
+    served = config.max_position_embeddings if context is None else context
     if local:
         assert config.local_rope_theta is not None, "only a model with local_rope_theta has a local table"
         inv_freq, attention = inverse_frequencies(config.local_rope_theta, dims), 1.0
     elif config.rope_scaling is None:
         inv_freq, attention = inverse_frequencies(config.rope_theta, dims), 1.0
     else:
-        served = config.max_position_embeddings if context is None else context
         inv_freq, attention = scaled_frequencies(config.rope_scaling, config.rope_theta, dims, served)
-    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+    positions = torch.arange(served, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
     return (angles.cos() * attention).to(device, dtype), (angles.sin() * attention).to(device, dtype)
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from flare.package.manifest import BlockEntry
+from flare.package.problems import capped
 
 BLOCKS_NAME = "model.blocks"
 
@@ -158,7 +159,7 @@ def map_blocks(path: Path, entries: Mapping[str, BlockEntry], shapes: Mapping[st
     size = path.stat().st_size
     problems = [p for name, entry in entries.items() for p in entry_problems(name, entry, shapes[name], size)]
     if problems:
-        raise BlocksError("; ".join(problems))
+        raise BlocksError("; ".join(capped(problems)))
     with open(path, "rb") as file:
         mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
     whole = torch.frombuffer(mapping, dtype=torch.uint8)

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ from flare.package.manifest import (
     Provenance,
     ServingConfig,
 )
+from flare.package.problems import listed
 from flare.package.staging import claim_staging, remove_abandoned_staging
 from flare.policy.policy import SamplingPolicy
 
@@ -115,15 +117,39 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def weight_problems(config: ModelConfig, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
-    """Missing, unexpected and mis-shaped tensors, one line each (empty when all match)."""
+_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def layers_held(names: Iterable[str], pattern: re.Pattern[str] = _LAYER_TENSOR) -> int:
+    """How many distinct layers the tensors `names` belong to (`pattern` matches a layer's
+    tensor name, its first group the index): the bound on a layer count a source may claim."""
+    return len({match.group(1) for name in names if (match := pattern.match(name)) is not None})
+
+
+def weight_problems(
+    config: ModelConfig, shapes: Mapping[str, tuple[int, ...]], source_name: Callable[[str], str] | None = None
+) -> list[str]:
+    """Missing, unexpected and mis-shaped tensors, one line each (empty when all match).
+    `source_name`: what a source calls a tensor, named beside the package's name where it
+    differs. A config claiming more layers than the tensors hold is that one problem: nothing is
+    listed per layer, so a claim of millions costs nothing."""
+    held = layers_held(shapes)
+    if config.num_layers > held:
+        return [f"the config claims {config.num_layers} layers but the weights hold tensors for {held}"]
+
+    def weight(name: str) -> str:
+        source = name if source_name is None else source_name(name)
+        return f"weight {name}" if source == name else f"weight {name} ({source})"
+
     expected = expected_weight_shapes(config)
-    problems = [f"weight {name} is missing" for name in expected if name not in shapes]
+    problems = [f"{weight(name)} is missing" for name in expected if name not in shapes]
     problems += [
-        f"weight {name} is not part of a {config.architecture} model with this config" for name in shapes if name not in expected
+        f"{weight(name)} is not part of a {config.architecture} model with this config"
+        for name in shapes
+        if name not in expected
     ]
     problems += [
-        f"weight {name} has shape {list(shapes[name])}, expected {list(shape)}"
+        f"{weight(name)} has shape {list(shapes[name])}, expected {list(shape)}"
         for name, shape in expected.items()
         if name in shapes and tuple(shapes[name]) != shape
     ]
@@ -181,12 +207,12 @@ def write_package(
     problems = [f"weight {name} is given both as blocks and as floats" for name in blocks if name in shapes]
     problems += weight_problems(config, {**shapes, **{name: t.shape for name, t in blocks.items()}})
     if problems:
-        raise PackageError("the weights do not match the model config:\n" + _bullets(problems), tuple(problems))
+        raise PackageError("the weights do not match the model config" + listed(problems), tuple(problems))
     head_info = draft_head[0] if draft_head is not None else None
     if draft_head is not None:
         problems = _head_problems(config, head_info, {n: tuple(t.shape) for n, t in draft_head[1].items()})
         if problems:
-            raise PackageError("the draft head does not match the model:\n" + _bullets(problems), tuple(problems))
+            raise PackageError("the draft head does not match the model" + listed(problems), tuple(problems))
     # Validates the combination (max_context against the model, max_tokens against max_context).
     manifest = Manifest(model=config, serving=serving, sampling=policy, provenance=provenance, draft_head=head_info)
 
@@ -357,6 +383,9 @@ def _weights_header_problems(path: Path, manifest: Manifest) -> list[str]:
             dtypes = {f.get_slice(name).get_dtype() for name in f.keys()}
     except (SafetensorError, OSError) as error:
         return [f"{WEIGHTS_NAME} cannot be read: {error}"]
+    if manifest.model.num_layers > layers_held([*shapes, *manifest.blocks]):
+        # The one problem, before anything is built per layer the manifest claims.
+        return weight_problems(manifest.model, {**shapes, **dict.fromkeys(manifest.blocks, ())})
     expected = expected_weight_shapes(manifest.model)
     problems = [f"weight {name} is both in {WEIGHTS_NAME} and in {BLOCKS_NAME}" for name in manifest.blocks if name in shapes]
     problems += weight_problems(manifest.model, {**shapes, **{n: expected.get(n, ()) for n in manifest.blocks}})
@@ -382,10 +411,6 @@ def _head_problems(config: ModelConfig, info: DraftHeadInfo | None, shapes: Mapp
         if name in shapes and tuple(shapes[name]) != shape
     ]
     return problems
-
-
-def _bullets(lines: list[str] | tuple[str, ...]) -> str:
-    return "\n".join(f"  - {line}" for line in lines)
 
 
 @dataclass(frozen=True)
@@ -472,8 +497,8 @@ def open_package(path: Path) -> Package:
     report = verify_package(path)
     if report.manifest is None or not report.ok:
         raise PackageError(
-            f"the package at {path} cannot be used:\n{_bullets(report.problems)}\n"
-            f"Re-export it: flare export SOURCE -o {path} --overwrite",
+            f"the package at {path} cannot be used (re-export it: flare export SOURCE -o {path} --overwrite)"
+            + listed(report.problems),
             report.problems,
         )
     return Package(path=path, manifest=report.manifest)

@@ -53,6 +53,11 @@ KV_CACHE_DTYPES = DTYPES
 # (scheduler/speculation/draft_planner.py, `DraftPlanner`); n-gram lookup alone in a package
 # without a head. What a package exported with a head serves by default.
 DRAFTERS = ("ngram", "mtp", "auto")
+# The longest context flare serves: RoPE's positions are float32 (as transformers computes them),
+# and float32 holds every integer only up to 2^24, so past it positions would share angles. It is
+# above what any released model declares; a source declaring more is refused at export.
+MAX_CONTEXT = 1 << 24
+MAX_CONTEXT_REASON = "2^24: RoPE's float32 positions are exact up to there; the longest real models declare about 10^7"
 HEAD_DTYPES = ("float32", "bfloat16", "float16")
 # What a draft head's first step reads of the target at the previous position: its residual
 # stream after the last layer (the heads flare distills), or that stream after the target's final
@@ -290,6 +295,11 @@ class ServingConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"{name} must be a positive integer, got {value!r}")
+        if not problems and self.max_context > MAX_CONTEXT:
+            problems.append(
+                f"max_context {self.max_context} is beyond the longest context flare serves, {MAX_CONTEXT} tokens "
+                f"({MAX_CONTEXT_REASON})"
+            )
         if self.dtype not in DTYPES:
             problems.append(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.vocabulary_parallel_sampling, bool):

@@ -27,8 +27,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from flare.package.directory import layers_held
+from flare.package.family_tensors import FAMILY_TENSORS
 from flare.package.manifest import (
     ARCHITECTURES,
+    MAX_CONTEXT,
+    MAX_CONTEXT_REASON,
     ManifestError,
     ModelConfig,
     RopeScaling,
@@ -152,9 +156,21 @@ def model_config(
             f"{path}: {gguf_arch}.rope.dimension_count {rotary} must be even and at most the head dimension {head_dim}"
         )
     num_layers = keys.integer("block_count")
+    # Before anything is built per layer: a claim of millions costs nothing.
+    held = layers_held(shapes, _LAYER_TENSOR)
+    if num_layers > held:
+        raise SourceError(
+            f"{path}: the file claims {num_layers} layers ({gguf_arch}.block_count) but holds tensors for {held}"
+        )
     context = keys.integer("context_length")
+    if context > MAX_CONTEXT:
+        raise SourceError(
+            f"{path}: the GGUF metadata key {gguf_arch}.context_length is {context}, beyond the longest context "
+            f"flare serves, {MAX_CONTEXT} tokens ({MAX_CONTEXT_REASON})"
+        )
     rope_theta = keys.number("rope.freq_base", default=10000.0)
     gemma = gguf_arch in _GEMMA
+    family = FAMILY_TENSORS[architecture]
     window, sliding_layers = _sliding_windows(keys, gguf_arch, num_layers)
     local_theta = keys.maybe_number("rope.freq_base_swa") if sliding_layers else None
     if gguf_arch == "gemma3" and sliding_layers and local_theta is None:
@@ -202,8 +218,12 @@ def model_config(
             bos_token_id=keys.token("tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(eos),
             architecture=architecture,
-            attention_bias=any(f"{layer0}{n}.bias" in shapes for n in ("attn_q", "attn_qkv")),
-            qk_norm=f"{layer0}attn_q_norm.weight" in shapes,
+            attention_bias=(
+                any(f"{layer0}{n}.bias" in shapes for n in ("attn_q", "attn_qkv"))
+                if family.attention_bias is None
+                else family.attention_bias
+            ),
+            qk_norm=family.qk_norm,
             rotary_dim=None if rotary is None or rotary == head_dim else rotary,
             rope_scaling=_rope_scaling(keys, context, rotary or head_dim, rope_tensors),
             sliding_window=window,
@@ -212,7 +232,7 @@ def model_config(
             attention_scale=attention_scale,
             attention_softcap=attention_softcap,
             final_logit_softcap=final_softcap,
-            sandwich_norms=gemma,
+            sandwich_norms=family.sandwich_norms,
             embedding_scale=math.sqrt(hidden) if gemma else 1.0,
             hidden_activation="gelu_tanh" if gemma else "silu",
         )
@@ -267,6 +287,31 @@ def tensor_plans(path: Path, config: ModelConfig, shapes: Mapping[str, tuple[int
                 )
             sources[part.name] = gguf_name
     return plans
+
+
+_PACKAGE_GLOBAL_NAMES = {package: gguf_name for gguf_name, package in _GLOBAL_NAMES.items()}
+_PACKAGE_LAYER_NAMES = {package: gguf_name for gguf_name, package in _LAYER_NAMES.items()}
+_PACKAGE_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+
+
+# Phi-3's converter writes these package tensors fused (`tensor_plans` splits them).
+_PHI3_FUSED = {
+    "self_attn.q_proj": "attn_qkv", "self_attn.k_proj": "attn_qkv", "self_attn.v_proj": "attn_qkv",
+    "mlp.gate_proj": "ffn_up", "mlp.up_proj": "ffn_up",
+}
+
+
+def gguf_tensor_name(name: str, architecture: str) -> str:
+    """The GGUF tensor llama.cpp's converter writes the package tensor `name` of an
+    `architecture` model in, for messages."""
+    if name in _PACKAGE_GLOBAL_NAMES:
+        return _PACKAGE_GLOBAL_NAMES[name]
+    match = _PACKAGE_LAYER_TENSOR.fullmatch(name)
+    if match is None or match.group(2) not in _PACKAGE_LAYER_NAMES:
+        return name
+    layer, kind, suffix = match.groups()
+    fused = _PHI3_FUSED.get(kind) if architecture == "phi3" else None
+    return f"blk.{layer}.{fused or _PACKAGE_LAYER_NAMES[kind]}.{suffix}"
 
 
 def _why(gguf_name: str) -> str:

@@ -27,6 +27,7 @@ from flare.package.blocks import KEPT_TYPES, BlockTensor, block_problems, unperm
 from flare.preparation.gguf_families import (
     ROPE_TENSORS,
     TensorPlan,
+    gguf_tensor_name,
     model_config,
     served_architecture,
     tensor_plans,
@@ -34,6 +35,7 @@ from flare.preparation.gguf_families import (
 from flare.preparation.gguf_layout import GGUFLayout, GGUFTensorInfo, read_gguf_layout, read_gguf_value
 from flare.preparation.gguf_tokenizer import build_tokenizer_json
 from flare.package.directory import sha256_of, weight_problems
+from flare.package.problems import listed
 from flare.preparation.recipes import gguf_sampling_defaults
 from flare.preparation.source import ModelSource, SourceError, SourceWeights
 
@@ -83,10 +85,10 @@ def open_gguf(path: Path, source: str | None = None) -> ModelSource:
         for gguf_name, plan in plans.items()
         for part in plan.parts
     }
-    problems = weight_problems(config, shapes)
+    problems = weight_problems(config, shapes, lambda name: gguf_tensor_name(name, config.architecture))
     if problems:
         raise SourceError(
-            f"the tensors of {path} do not match its metadata:\n" + "\n".join(f"  - {p}" for p in problems)
+            f"the tensors of {path} do not match its metadata" + listed(problems)
         )
     tokenizer_json = build_tokenizer_json(metadata)
     chat_template = metadata.get("tokenizer.chat_template")
@@ -217,5 +219,5 @@ def _read_weights(
             done += 1
             progress(done, total)
     if problems:
-        raise SourceError("the GGUF's blocks cannot be served:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise SourceError("the GGUF's blocks cannot be served" + listed(problems))
     return SourceWeights(floats, blocks, dequantized)

@@ -16,14 +16,18 @@ split into q/k/v and gate/up.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from flare.package.family_tensors import FAMILY_TENSORS
 from flare.package.manifest import (
     ARCHITECTURES,
+    MAX_CONTEXT,
+    MAX_CONTEXT_REASON,
     ManifestError,
     ModelConfig,
     RopeScaling,
@@ -60,6 +64,8 @@ _GEMMA_NORMS = {
 # A multimodal Gemma 3's text model, under either transformers' old or new prefix; its vision
 # tower and projector are not part of a text package.
 _LANGUAGE_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.", "language_model.lm_head.": "lm_head."}
+# A decoder layer's tensor, under the plain prefix or a multimodal Gemma 3's (the group: its index).
+HF_LAYER_TENSOR = re.compile(r"(?:model\.|model\.language_model\.|language_model\.model\.)layers\.(\d+)\.")
 _VISION_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
 
 
@@ -77,16 +83,27 @@ def text_config(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def model_config_from_hf(data: dict[str, Any], generation: dict[str, Any] | None) -> ModelConfig:
-    """ModelConfig from a Hugging Face config.json; SourceError for anything flare cannot run."""
+def served_model_type(data: dict[str, Any]) -> str:
+    """The config's `model_type`; SourceError for one flare does not serve, naming what it lacks."""
     model_type = data.get("model_type")
     if model_type not in MODEL_TYPES:
         later = f" ({NOT_YET[model_type]} are not built yet)" if model_type in NOT_YET else ""
         raise SourceError(f"config.json describes a {model_type!r} model{later}; flare serves model types {served_list()}")
+    return model_type
+
+
+def model_config_from_hf(
+    data: dict[str, Any], generation: dict[str, Any] | None, *, layers_held: int | None = None
+) -> ModelConfig:
+    """ModelConfig from a Hugging Face config.json; SourceError for anything flare cannot run.
+    `layers_held`: how many layers the checkpoint's tensors hold (`layers_held`), which the
+    layer count it claims must not exceed (None: the config alone is read)."""
+    model_type = served_model_type(data)
     data = text_config(data)
     architecture = MODEL_TYPES[model_type]
     assert architecture in ARCHITECTURES
     gemma = architecture in _GEMMA
+    family = FAMILY_TENSORS[architecture]
     unsupported = []
     # Llama, Mistral and Qwen3 put attention_bias on o_proj too, which the decoder has no place for.
     if architecture != "qwen2" and data.get("attention_bias"):
@@ -104,6 +121,16 @@ def model_config_from_hf(data: dict[str, Any], generation: dict[str, Any] | None
         max_positions = int(data["max_position_embeddings"])
     except KeyError as error:
         raise SourceError(f"config.json lacks {error.args[0]!r}") from None
+    # Before anything is built per layer: a claim of millions costs nothing.
+    if layers_held is not None and layers > layers_held:
+        raise SourceError(
+            f"config.json claims {layers} layers (num_hidden_layers) but the weights hold tensors for {layers_held}"
+        )
+    if max_positions > MAX_CONTEXT:
+        raise SourceError(
+            f"config.json: max_position_embeddings {max_positions} is beyond the longest context flare serves, "
+            f"{MAX_CONTEXT} tokens ({MAX_CONTEXT_REASON})"
+        )
     rope = _rope(data, architecture, head_dim, max_positions, unsupported)
     window, sliding = _sliding_layers(data, architecture, layers, unsupported)
     if unsupported:
@@ -131,8 +158,9 @@ def model_config_from_hf(data: dict[str, Any], generation: dict[str, Any] | None
             bos_token_id=data.get("bos_token_id"),
             eos_token_ids=tuple(eos),
             architecture=architecture,
-            attention_bias=architecture == "qwen2",
-            qk_norm=architecture in ("qwen3", "gemma3"),
+            # A Llama's own attention_bias was refused above (it puts one on o_proj too).
+            attention_bias=bool(family.attention_bias),
+            qk_norm=family.qk_norm,
             rotary_dim=rope.rotary_dim,
             rope_scaling=rope.scaling,
             sliding_window=window,
@@ -141,7 +169,7 @@ def model_config_from_hf(data: dict[str, Any], generation: dict[str, Any] | None
             attention_scale=float(scalar) ** -0.5 if gemma and scalar else None,
             attention_softcap=_positive_or_none(data.get("attn_logit_softcapping")) if gemma else None,
             final_logit_softcap=_positive_or_none(data.get("final_logit_softcapping")) if gemma else None,
-            sandwich_norms=gemma,
+            sandwich_norms=family.sandwich_norms,
             embedding_scale=math.sqrt(hidden) if gemma else 1.0,
             hidden_activation=_ACTIVATIONS[activation],
         )
@@ -276,6 +304,25 @@ def _sliding_layers(data: dict[str, Any], architecture: str, layers: int, unsupp
         pattern = int(data.get("sliding_window_pattern", 6))
         sliding = tuple(i for i in range(layers) if (i + 1) % pattern)
     return (int(window), sliding) if sliding else (None, ())
+
+
+_SOURCE_GEMMA_NORMS = {package: source for source, package in _GEMMA_NORMS.items()}
+# Phi-3's checkpoints hold these package tensors fused (`tensor_converter` splits them).
+_PHI3_FUSED = {
+    "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
+}
+
+
+def hf_tensor_name(name: str, architecture: str) -> str:
+    """The checkpoint's tensor that gives the package tensor `name` of an `architecture` model
+    (Gemma's norms under their own names, Phi-3's fused tensors), for messages."""
+    parts = name.split(".")
+    if len(parts) == 5 and parts[0:2] == ["model", "layers"]:
+        if architecture in _GEMMA and parts[3] in _SOURCE_GEMMA_NORMS:
+            parts[3] = _SOURCE_GEMMA_NORMS[parts[3]]
+    elif len(parts) == 6 and parts[0:2] == ["model", "layers"] and architecture == "phi3" and parts[4] in _PHI3_FUSED:
+        parts[4] = _PHI3_FUSED[parts[4]]
+    return ".".join(parts)
 
 
 def tensor_converter(config: ModelConfig) -> Callable[[str, torch.Tensor], dict[str, torch.Tensor]]:

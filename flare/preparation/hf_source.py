@@ -26,9 +26,16 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from flare.preparation.hf_families import model_config_from_hf, tensor_converter
+from flare.preparation.hf_families import (
+    HF_LAYER_TENSOR,
+    hf_tensor_name,
+    model_config_from_hf,
+    served_model_type,
+    tensor_converter,
+)
 from flare.package.manifest import ModelConfig
-from flare.package.directory import weight_problems
+from flare.package.directory import layers_held, weight_problems
+from flare.package.problems import listed
 from flare.preparation.recipes import hf_generation_defaults
 from flare.preparation.source import ImportedDraftHead, ModelSource, SourceError
 
@@ -38,11 +45,12 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
     path = Path(path)
     config_data = _read_json(path / "config.json", required=True)
     generation = _read_json(path / "generation_config.json", required=False)
-    config = model_config_from_hf(config_data, generation)
+    served_model_type(config_data)  # before the weights are looked at
     weight_files = sorted(path.glob("*.safetensors"))
     if not weight_files:
         raise SourceError(f"{path} holds no *.safetensors weights; flare reads safetensors only (not .bin or .pt)")
     shapes = _tensor_shapes(weight_files)
+    config = model_config_from_hf(config_data, generation, layers_held=layers_held(shapes, HF_LAYER_TENSOR))
     mtp_layers = _mtp_layer_count(config_data)
     mtp_prefixes = tuple(f"model.layers.{config.num_layers + i}." for i in range(mtp_layers))
     target_shapes = {n: s for n, s in shapes.items() if not n.startswith(mtp_prefixes)} if mtp_prefixes else shapes
@@ -54,10 +62,14 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
         for name, tensor in convert(source_name, torch.empty(shape, device="meta")).items()
     }
     tied_copy = config.tie_word_embeddings and "lm_head.weight" in package_shapes
-    problems = weight_problems(config, {n: s for n, s in package_shapes.items() if not (tied_copy and n == "lm_head.weight")})
+    problems = weight_problems(
+        config,
+        {n: s for n, s in package_shapes.items() if not (tied_copy and n == "lm_head.weight")},
+        lambda name: hf_tensor_name(name, config.architecture),
+    )
     if problems:
         raise SourceError(
-            f"the weights in {path} do not match its config.json:\n" + "\n".join(f"  - {p}" for p in problems)
+            f"the weights in {path} do not match its config.json" + listed(problems)
         )
     tokenizer_path = path / "tokenizer.json"
     if not tokenizer_path.is_file():
@@ -139,8 +151,8 @@ def read_mtp_head(
         raise SourceError(
             f"config.json in {path} declares {declared} multi-token-prediction layer(s), but {prefix}* is not one "
             "flare can read (it reads DeepSeek-V3's layout on a Llama decoder layer; export with --drafter ngram "
-            "to leave the layer out):\n"
-            + "\n".join(f"  - {p}" for p in problems)
+            "to leave the layer out)"
+            + listed(problems)
         )
     wanted = {prefix + n for n in layer} | {"model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"}
     found: dict[str, torch.Tensor] = {}

@@ -9,6 +9,7 @@ from flare.package.blocks import KEPT_TYPES
 from flare.package.chat_template import check_chat_template
 from flare.package.contract import Problem, check_contract
 from flare.package.directory import CHAT_TEMPLATE_NAME, verify_package, weight_types
+from flare.package.problems import capped
 
 UNSERVABLE_CHAT_TEMPLATE = "unservable_chat_template"
 
@@ -94,7 +95,7 @@ def render_text(info: dict[str, Any], path: Path | str) -> str:
     integrity = info["integrity"]
     lines += ["", f"integrity             {'ok' if integrity['ok'] else 'FAILED'}"]
     lines += [f"  {name:<19} {status}" for name, status in integrity["files"].items()]
-    lines += [f"  ! {problem}" for problem in integrity["problems"]]
+    lines += [f"  ! {problem}" for problem in capped(integrity["problems"])]
     lines += ["", f"problems              {len(info['problems']) or 'none'}"]
     lines += [f"  ! {problem['message']}" for problem in info["problems"]]
     return "\n".join(lines) + "\n"

@@ -25,6 +25,7 @@ import torch
 from flare.package.blocks import BlockTensor, GGMLType, block_problems, row_bytes
 from flare.preparation.kquants import quantize_q4_k, quantize_q6_k
 from flare.package.manifest import QUANTIZE_TYPES, ModelConfig
+from flare.package.problems import listed
 from flare.preparation.source import SourceError, SourceWeights
 
 
@@ -92,7 +93,7 @@ def quantize_weights(
                 blocks[name] = BlockTensor(ggml_type, torch.from_numpy(data), shape)
         progress(done, len(floats))
     if problems:
-        raise SourceError("the quantized weights cannot be served:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise SourceError("the quantized weights cannot be served" + listed(problems))
     return SourceWeights(kept, blocks)
 
 

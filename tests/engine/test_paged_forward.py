@@ -237,12 +237,13 @@ def test_weights_that_do_not_match_the_config_are_named(config, state_dict) -> N
     assert "model.layers.0.self_attn.q_proj.weight has shape [3, 3]" in message
 
 
-def test_a_position_past_the_context_is_refused(config, state_dict) -> None:
-    model = DecoderModel(config, state_dict)
+@pytest.mark.parametrize("context", [None, 40])
+def test_a_position_past_the_context_served_is_refused(config, state_dict, context) -> None:
+    model = DecoderModel(config, state_dict, context=context)
     cache = new_cache(config, num_blocks=200)
-    last = config.max_position_embeddings
+    last = config.max_position_embeddings if context is None else context
     row = ForwardRow([5], last, list(range(blocks_for(last + 1))), num_logits=1)
-    with pytest.raises(ValueError, match="past the model's context"):
+    with pytest.raises(ValueError, match=f"past the context served, {last} positions"):
         model.forward(ForwardBatch.build([row], BLOCK_SIZE), cache)
 
 

@@ -1,5 +1,5 @@
-"""RoPE tables of every scaling against transformers' own frequencies, and the choices flare makes
-where transformers decides per forward (longrope's factors)."""
+"""RoPE tables of every scaling against transformers' own frequencies, the choices flare makes
+where transformers decides per forward (longrope's factors), and their size: the context served."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tests.engine.tiny_llama import tiny_config
+from tests.engine.tiny_llama import random_state_dict, tiny_config
 
+from flare.engine.model import DecoderModel
 from flare.engine.rope import (
     apply_rope,
     inverse_frequencies,
@@ -44,6 +45,26 @@ def test_longrope_uses_the_long_factors_only_where_the_context_served_exceeds_th
     assert attention == pytest.approx((1 + torch.log(torch.tensor(2.0)).item() / torch.log(torch.tensor(256.0)).item()) ** 0.5)
     cos, _ = rope_tables(config, torch.float32, "cpu", context=256)
     assert cos[0, 0].item() == pytest.approx(attention)  # cos and sin carry the attention factor
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_the_tables_hold_the_context_served_not_the_context_the_model_declares(local: bool) -> None:
+    """A model declaring 2^40 positions (4.4 TB of tables) served at 256 builds 256 rows, the same
+    rows its declared context would begin with."""
+    config = replace(tiny_config(), local_rope_theta=10_000.0, sliding_window=8, sliding_layers=(0,))
+    huge = replace(config, max_position_embeddings=1 << 40)
+    served = rope_tables(huge, torch.float32, "cpu", local=local, context=256)
+    declared = rope_tables(config, torch.float32, "cpu", local=local)
+    for table, reference in zip(served, declared):
+        assert table.shape == (256, config.rotary_dims // 2)
+        torch.testing.assert_close(table, reference[:256], rtol=0, atol=0)
+
+
+def test_a_model_serving_a_short_context_of_a_huge_declared_one_loads_small_tables() -> None:
+    config = replace(tiny_config(), max_position_embeddings=1 << 40, local_rope_theta=10_000.0, sliding_window=8, sliding_layers=(0,))
+    model = DecoderModel(config, random_state_dict(config), context=256)
+    assert model.rope_cos.shape[0] == model.rope_sin.shape[0] == 256
+    assert model.local_rope is not None and model.local_rope[0].shape[0] == 256
 
 
 @pytest.mark.parametrize(

@@ -3,11 +3,15 @@ unfiltered`, and a vocabulary-parallel package that clamps a filtered request in
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import httpx
+import pytest
 from tests.integration.daemon_process import DaemonProcess, start_daemon
+
+from flare.package.manifest import MAX_CONTEXT
 
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
 
@@ -37,6 +41,21 @@ def test_a_tampered_package_is_refused(tiny_package: Path, tmp_path: Path) -> No
     code, output = refusal(package)
     assert code == 2
     assert "cannot be used" in output and "Traceback" not in output
+
+
+@pytest.mark.parametrize("context", [1 << 40, 1 << 28])
+def test_a_package_serving_an_implausible_context_is_refused_in_one_line(tiny_package: Path, tmp_path: Path, context: int) -> None:
+    """A package exported before the bound (issue 40, item 4): `flare run` used to die in
+    rope_tables allocating 4.4 TB."""
+    package = shutil.copytree(tiny_package, tmp_path / "pkg")
+    manifest = json.loads((package / "manifest.json").read_text())
+    manifest["serving"]["max_context"] = manifest["model"]["config"]["max_position_embeddings"] = context
+    (package / "manifest.json").write_text(json.dumps(manifest))
+    code, output = refusal(package)
+    assert code == 2 and "Traceback" not in output, output
+    last = output.strip().splitlines()[-1]
+    assert last.startswith(f"flare run: error: the package at {package} cannot be used"), output
+    assert f"serving: max_context {context} is beyond the longest context flare serves, {MAX_CONTEXT} tokens" in last
 
 
 def test_the_mtp_drafter_is_refused_for_a_package_without_a_draft_head(tiny_package: Path) -> None:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from flare.package.manifest import FORMAT_VERSION
+from flare.package.manifest import FORMAT_VERSION, MAX_CONTEXT
+from flare.package.problems import MAX_LISTED
 from flare.package import directory as package_module
 from flare.package.directory import (
     PackageError,
@@ -138,3 +140,45 @@ def test_broken_manifest_is_reported(package_copy: Path) -> None:
 def test_missing_directory_is_reported(tmp_path: Path) -> None:
     with pytest.raises(PackageError, match="is not a directory"):
         open_package(tmp_path / "nowhere")
+
+
+def edit_manifest(package: Path, **sections: dict[str, Any]) -> None:
+    """Change keys of the manifest's sections (the manifest lists no checksum of its own)."""
+    manifest = json.loads((package / "manifest.json").read_text())
+    for path, values in sections.items():
+        section = manifest
+        for key in path.split("__"):
+            section = section[key]
+        section.update(values)
+    (package / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_manifest_claiming_millions_of_layers_is_refused_in_one_line_at_once(package_copy: Path) -> None:
+    edit_manifest(package_copy, model__config={"num_layers": 10**7})
+    started = time.perf_counter()
+    with pytest.raises(PackageError) as error:
+        open_package(package_copy)
+    assert time.perf_counter() - started < 5
+    assert error.value.problems == ("the config claims 10000000 layers but the weights hold tensors for 2",)
+    assert len(str(error.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("context", [1 << 40, 1 << 28])
+def test_a_manifest_serving_an_implausible_context_is_refused_in_one_line(package_copy: Path, context: int) -> None:
+    edit_manifest(package_copy, serving={"max_context": context}, model__config={"max_position_embeddings": context})
+    with pytest.raises(PackageError) as error:
+        open_package(package_copy)
+    (line,) = str(error.value).splitlines()
+    assert f"serving: max_context {context} is beyond the longest context flare serves, {MAX_CONTEXT} tokens" in line
+    assert f"re-export it: flare export SOURCE -o {package_copy} --overwrite" in line
+
+
+def test_a_problem_list_shows_twenty_and_how_many_more(package_copy: Path) -> None:
+    for i in range(30):
+        (package_copy / f"stray-{i:02d}.bin").write_bytes(b"x")
+    with pytest.raises(PackageError) as error:
+        open_package(package_copy)
+    lines = str(error.value).splitlines()
+    assert len(lines) == 1 + MAX_LISTED + 1
+    assert lines[1] == "  - stray-00.bin is not part of the package (not in manifest.json)"
+    assert lines[-1] == f"  - and {30 - MAX_LISTED} more"

@@ -139,6 +139,7 @@ class MtpHead:
             device=device,
             weight_format=target.weight_format,
             native_kernels=target.native_kernels,
+            context=target.context,
         )
         self.fc = pack_weight(head_state["mtp.fc.weight"].to(device, torch.float32), target.weight_format)
         self.hidden_norm = head_state["mtp.hidden_norm.weight"].to(device, torch.float32).contiguous()

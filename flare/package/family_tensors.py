@@ -1,0 +1,34 @@
+"""Which of the decoder's optional tensors each family's layers hold, whatever the source format:
+the q/k/v biases, the per-head q/k norms and the sandwich norms (`ModelConfig.attention_bias`,
+`qk_norm`, `sandwich_norms`). A family's definition decides them, never the tensors a file
+happens to hold: a Qwen3 file without its q/k norms is then refused naming the missing tensor
+(as llama.cpp refuses it), not served as a different computation, and a file holding a tensor
+its family has not is refused naming that tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FamilyTensors:
+    """The optional tensors of one family's layers (True: every layer has them)."""
+
+    # None: the source says. llama.cpp's Llama takes q/k/v biases where a file has them (its
+    # TENSOR_NOT_REQUIRED biases); Hugging Face's Llama config says so by `attention_bias`.
+    attention_bias: bool | None
+    qk_norm: bool
+    sandwich_norms: bool
+
+
+# Per ModelConfig.architecture: transformers' modeling files and llama.cpp's tensor loading agree.
+FAMILY_TENSORS = {
+    "llama": FamilyTensors(attention_bias=None, qk_norm=False, sandwich_norms=False),
+    "mistral": FamilyTensors(attention_bias=False, qk_norm=False, sandwich_norms=False),
+    "qwen2": FamilyTensors(attention_bias=True, qk_norm=False, sandwich_norms=False),
+    "qwen3": FamilyTensors(attention_bias=False, qk_norm=True, sandwich_norms=False),
+    "gemma2": FamilyTensors(attention_bias=False, qk_norm=False, sandwich_norms=True),
+    "gemma3": FamilyTensors(attention_bias=False, qk_norm=True, sandwich_norms=True),
+    "phi3": FamilyTensors(attention_bias=False, qk_norm=False, sandwich_norms=False),
+}
