@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import sqlite3
 import stat
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -215,3 +219,34 @@ async def test_the_store_file_is_private_and_survives_reopening(tmp_path: Path) 
     reopened = ResponseStore(path, ROOMY)
     assert (await reopened.get("resp_1", "")) is not None and reopened.use().responses == 1
     reopened.close()
+
+
+WRITER = """
+import sys, anyio
+from pathlib import Path
+from flare.api.responses.store import ResponseStore, Retention, StoredResponse
+
+async def main() -> None:
+    store = ResponseStore(Path(sys.argv[1]), Retention(3600.0, 1 << 30))
+    for k in range(100_000):
+        response_id = f"resp_{k}"
+        store.stage(StoredResponse(response_id, "", 1e12, [{"type": "message", "text": "x" * 2000}], {"id": response_id}))
+        await store.commit(response_id)
+        print(response_id, flush=True)
+
+anyio.run(main)
+"""
+
+
+def test_a_writer_killed_mid_write_loses_no_committed_response_and_corrupts_none(tmp_path: Path) -> None:
+    path = tmp_path / "responses.sqlite3"
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout is not None
+    committed = [writer.stdout.readline().strip() for _ in range(200)]
+    writer.send_signal(signal.SIGKILL)
+    writer.wait(30)
+    connection = sqlite3.connect(path)
+    assert connection.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    kept = {row[0] for row in connection.execute("SELECT id FROM responses")}
+    connection.close()
+    assert set(committed) <= kept
