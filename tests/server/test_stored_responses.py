@@ -250,3 +250,23 @@ def test_a_writer_killed_mid_write_loses_no_committed_response_and_corrupts_none
     kept = {row[0] for row in connection.execute("SELECT id FROM responses")}
     connection.close()
     assert set(committed) <= kept
+
+
+async def test_a_function_call_output_answers_the_stored_responses_call(
+    make_stored: MakeStored, scheduler: FakeScheduler
+) -> None:
+    client, store = await make_stored(scheduler)
+    call = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather", "arguments": "{}",
+            "status": "completed"}
+    asked = [{"type": "message", "id": "msg_1", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]}]
+    store.stage(StoredResponse("resp_call", "", 1e12, asked, {"id": "resp_call", "output": [call]}))
+    await store.commit("resp_call")
+    tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+    result = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
+    await create(client, {**RESPONSE, "input": [result], "tools": tools, "tool_choice": "none", "previous_response_id": "resp_call"})
+    assert "sunny" in prompt_of(scheduler, 0) and "Weather?" in prompt_of(scheduler, 0)
+    wrong = await client.post(
+        "/v1/responses",
+        json={**RESPONSE, "input": [{**result, "call_id": "call_2"}], "tools": tools, "tool_choice": "none", "previous_response_id": "resp_call"},
+    )
+    assert wrong.status == 400 and (await wrong.json())["error"]["param"] == "input[0].call_id"
