@@ -270,3 +270,12 @@ async def test_a_function_call_output_answers_the_stored_responses_call(
         json={**RESPONSE, "input": [{**result, "call_id": "call_2"}], "tools": tools, "tool_choice": "none", "previous_response_id": "resp_call"},
     )
     assert wrong.status == 400 and (await wrong.json())["error"]["param"] == "input[0].call_id"
+
+
+async def test_a_write_that_fails_is_logged_and_the_answer_still_served(
+    make_stored: MakeStored, scheduler: FakeScheduler
+) -> None:
+    client, store = await make_stored(scheduler)
+    store.close()  # every write now fails, as on a full or vanished disk
+    answered = await client.post("/v1/responses", json=RESPONSE)
+    assert answered.status == 200 and (await answered.json())["output"][0]["content"][0]["text"] == "Hello world"

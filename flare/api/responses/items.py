@@ -22,7 +22,8 @@ def input_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _item(item: dict[str, Any]) -> dict[str, Any]:
     kind = item.get("type", "message")
-    kept = {"type": kind, "id": item.get("id") or new_id(_ITEM_IDS[kind]), **{k: v for k, v in item.items() if k not in ("type", "id")}}
+    rest = {k: v for k, v in item.items() if k not in ("type", "id")}
+    kept = {"type": kind, "id": item.get("id") or new_id(_ITEM_IDS[kind]), **rest}
     if kind == "message" and isinstance(kept.get("content"), str):
         part = "output_text" if kept.get("role") == "assistant" else "input_text"
         kept["content"] = [{"type": part, "text": kept["content"]}]

@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import structlog
+
+log = structlog.get_logger("flare.daemon.http")
 
 FILE_MODE = 0o600
 FILE_NAME = "responses.sqlite3"
@@ -115,11 +118,15 @@ class ResponseStore:
         self._staged[stored.id] = stored
 
     async def commit(self, response_id: str) -> None:
+        """Write a staged response. A write that fails (a full disk) is logged, not raised: the
+        client has its answer, which only cannot be continued by id."""
         stored = self._staged.get(response_id)
         if stored is None:
             return
         try:
             await anyio.to_thread.run_sync(self._write, stored)
+        except (sqlite3.Error, OSError) as error:
+            log.error("responses_store_write_failed", response_id=response_id, path=str(self.path), error=str(error))
         finally:
             self._staged.pop(response_id, None)
 
