@@ -1,7 +1,7 @@
 """`flare ctl`: steer a running daemon through its control socket.
 
     flare ctl [--socket PATH] [--json] status | requests | cancel ID | drain | resume
-                                       | cache clear | config | log-level LEVEL
+                                       | cache clear | responses clear | config | log-level LEVEL
 
 Readable tables by default; `--json` prints the daemon's answer as JSON for scripts.
 
@@ -24,6 +24,7 @@ import json
 import os
 import socket
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -151,6 +152,8 @@ def add_ctl_parser(subparsers: Any) -> argparse.ArgumentParser:
     command("resume", "admit requests again after a drain")
     cache = command("cache", "the prefix cache: `cache clear` drops every cached KV block no request uses")
     cache.add_argument("cache_action", choices=("clear",), metavar="clear")
+    responses = command("responses", "the stored Responses: `responses clear` deletes every one")
+    responses.add_argument("responses_action", choices=("clear",), metavar="clear")
     command("config", "the effective configuration, API keys redacted")
     level = command("log-level", "change the log level at run time")
     level.add_argument("level", choices=LOG_LEVELS, metavar="LEVEL", help=" | ".join(LOG_LEVELS))
@@ -164,6 +167,7 @@ _REQUESTS: dict[str, tuple[str, str]] = {
     "drain": ("POST", "/drain"),
     "resume": ("POST", "/resume"),
     "cache": ("POST", "/cache/clear"),
+    "responses": ("POST", "/responses/clear"),
     "config": ("GET", "/config"),
 }
 
@@ -220,6 +224,8 @@ def render(command: str, answer: Any) -> str:
         if "dropped_grammars" not in answer:  # a daemon older than its `flare ctl`
             return dropped
         return f"{dropped}, and {answer['dropped_grammars']} cached grammars ({_megabytes(answer['dropped_grammar_bytes'])})"
+    if command == "responses":
+        return f"deleted {answer['dropped_responses']} stored responses ({_megabytes(answer['dropped_bytes'])})"
     if command == "log-level":
         return f"log level is now {answer['log_level']}"
     raise ValueError(f"no rendering for {command!r}")
@@ -257,6 +263,7 @@ def render_status(status: Mapping[str, Any]) -> str:
         ("weight types", _render_weight_types(status.get("weight_types") or {})),
         ("prefix cache", _render_prefix_cache(status)),
         ("grammar cache", _render_grammar_cache(status)),
+        ("responses store", _render_responses_store(status.get("responses_store"))),
         ("tokens/s", f"{status['generated_tokens_per_s']:.1f}"),
         ("log level", status["log_level"]),
         ("pid", str(status["pid"])),
@@ -272,6 +279,14 @@ def render_status(status: Mapping[str, Any]) -> str:
         ),
     ]
     return _table(rows)
+
+
+def _render_responses_store(store: Mapping[str, Any] | None) -> str:
+    if store is None:
+        return "off"
+    oldest = store["oldest_created_at"]
+    since = "" if oldest is None else f", oldest {_duration(max(0.0, time.time() - oldest))} old"
+    return f"{store['responses']} responses, {_megabytes(store['bytes'])}{since} ({store['path']})"
 
 
 def _cpu_list(cpus: list[int]) -> str:

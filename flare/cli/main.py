@@ -131,6 +131,16 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="read special-token text in chat messages as control tokens (default: it stays text)")
     add("--cache-dir", metavar="PATH",
         help="where the default model's package is exported (default $FLARE_CACHE_DIR or ~/.cache/flare)")
+    add("--state-dir", metavar="PATH",
+        help="what the daemon keeps across restarts, the stored Responses (default $STATE_DIRECTORY, "
+        "else $XDG_STATE_HOME/flare or ~/.local/state/flare)")
+    add("--responses-store", choices=("on", "off"),
+        help="keep Responses of store: true (OpenAI's default) for previous_response_id and GET "
+        "/v1/responses/{id} (default on)")
+    add("--responses-store-max-age-s", metavar="SECONDS",
+        help="stored responses older than this are deleted (default 2592000, 30 days)")
+    add("--responses-store-max-bytes", metavar="SIZE",
+        help='past this size the oldest stored responses are deleted (default "1GiB")')
     return parser
 
 

@@ -44,6 +44,16 @@ def default_control_socket(environ: Mapping[str, str]) -> Path:
     return SYSTEM_CONTROL_SOCKET
 
 
+def default_state_dir(environ: Mapping[str, str]) -> Path:
+    """Where the daemon keeps state without --state-dir: systemd's StateDirectory
+    (/var/lib/flare), else $XDG_STATE_HOME/flare, else ~/.local/state/flare."""
+    if state := environ.get("STATE_DIRECTORY"):
+        return Path(state.split(":")[0])
+    if xdg := environ.get("XDG_STATE_HOME"):
+        return Path(xdg) / "flare"
+    return Path.home() / ".local" / "state" / "flare"
+
+
 class ConfigError(ValueError):
     """A setting that cannot be used; the message names where it came from and the expected form."""
 
@@ -110,6 +120,13 @@ class DaemonConfig:
     # Special-token text inside chat messages becomes those control tokens (off: it stays text).
     allow_special_tokens_in_messages: bool = False
     cache_dir: Path | None = None  # None: the preparation default (XDG cache)
+    # What the daemon keeps across restarts (the stored Responses); None: default_state_dir().
+    state_dir: Path | None = None
+    # Responses of `store: true` (OpenAI's default) kept in <state_dir>/responses.sqlite3, each
+    # deleted past the age, and the oldest first past the size; false: nothing is kept.
+    responses_store: bool = True
+    responses_store_max_age_s: float = 30 * 24 * 3600.0
+    responses_store_max_bytes: int = 1 << 30
     device: str = "auto"  # "auto" (cuda when available, else cpu) | "cpu" | "cuda" | "cuda:N"
     weight_format: str = "auto"  # "auto" (the fastest this device runs) | "float32" | "bfloat16" | "float16"
 
@@ -272,6 +289,10 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "allowed_hosts": _names,
     "allow_special_tokens_in_messages": _boolean,
     "cache_dir": _path,
+    "state_dir": _path,
+    "responses_store": _boolean,
+    "responses_store_max_age_s": _positive_seconds,
+    "responses_store_max_bytes": parse_bytes,
     "device": _device,
     "weight_format": _choice(*WEIGHT_FORMATS),
 }

@@ -15,6 +15,8 @@ Endpoints (JSON in and out; errors in the API's `{"error": {...}}` shape):
     POST /resume                    {"draining": false}       409 once the daemon is stopping
     POST /cache/clear               {"dropped_blocks": N, "dropped_grammars": G, "dropped_grammar_bytes": B}
                                     unreferenced prefix-cache blocks and every cached grammar dropped
+    POST /responses/clear           {"dropped_responses": N, "dropped_bytes": B}
+                                    every stored Response deleted; 409 when the store is off
     GET  /config                    the effective config, API keys redacted
     PUT  /log-level  {"level": L}   {"log_level": L}       400 for an unknown level
 """
@@ -42,6 +44,7 @@ from aiohttp import web
 
 from flare.api.errors import INVALID_REQUEST, SERVER_ERROR, ApiError, error_body
 from flare.api.json_body import parse_json_body
+from flare.api.responses.store import ResponseStore, StoreUse
 from flare.daemon.logging import LogControl
 from flare.scheduler.failures import cancelled_failure
 from flare.server.connections import ClientErrorLog, ConnectionGuard, ConnectionLimits, GuardedAppRunner
@@ -96,6 +99,8 @@ class DaemonStatus:
     grammar_cache_bytes: int = 0  # their estimated bytes
     weight_types: dict[str, dict[str, int]] = field(default_factory=dict)  # tensors and bytes by stored type
     ranks: list[dict[str, Any]] = field(default_factory=list)  # tensor parallel: rank, pid, cpus of this host's ranks
+    # The stored Responses: {"path", "responses", "bytes", "oldest_created_at"}; None: the store is off.
+    responses_store: dict[str, Any] | None = None
 
     def summary(self) -> str:
         """One line: `systemctl status` shows it under the unit."""
@@ -142,6 +147,10 @@ class ControlTarget(Protocol):
         """Drop every cached grammar (running requests keep theirs); returns what was dropped."""
         ...
 
+    async def clear_responses(self) -> StoreUse:
+        """Delete every stored Response; returns what was dropped. ApiError 409 when the store is off."""
+        ...
+
     def effective_config(self) -> Mapping[str, Any]: ...
 
     def set_log_level(self, level: str) -> None:
@@ -160,9 +169,11 @@ class DaemonControl:
         *,
         config: Callable[[], DaemonConfig],
         log_control: LogControl,
+        response_store: ResponseStore | None = None,
         started_at: float | None = None,
     ) -> None:
         self._state = state
+        self._response_store = response_store
         self._config = config
         self._log_control = log_control
         self._started_at = time.monotonic() if started_at is None else started_at
@@ -197,7 +208,14 @@ class DaemonControl:
             grammar_cache_bytes=grammars.bytes,
             weight_types=snapshot.weight_types,
             ranks=[{"rank": rank, "pid": pid, "cpus": list(cpus)} for rank, pid, cpus in snapshot.ranks],
+            responses_store=self._responses_store_use(),
         )
+
+    def _responses_store_use(self) -> dict[str, Any] | None:
+        store = self._response_store
+        if store is None:
+            return None
+        return {"path": str(store.path), **store.use().to_json()}
 
     def requests(self) -> Sequence[RequestRow]:
         return [
@@ -229,6 +247,11 @@ class DaemonControl:
     def clear_grammar_cache(self) -> CacheUse:
         grammars = self._state.require_scheduler().grammars
         return grammars.clear() if grammars is not None else CacheUse(0, 0)
+
+    async def clear_responses(self) -> StoreUse:
+        if self._response_store is None:
+            raise ApiError(409, "the responses store is off (responses_store = false): nothing is stored", code="store_off")
+        return await self._response_store.clear()
 
     def effective_config(self) -> Mapping[str, Any]:
         return dataclasses.asdict(self._config())
@@ -434,6 +457,11 @@ def control_app(target: ControlTarget) -> web.Application:
             }
         )
 
+    async def clear_responses(_request: web.Request) -> web.Response:
+        dropped = await target.clear_responses()
+        log.info("control.responses_cleared", responses=dropped.responses, bytes=dropped.bytes)
+        return web.json_response({"dropped_responses": dropped.responses, "dropped_bytes": dropped.bytes})
+
     async def config(_request: web.Request) -> web.Response:
         return web.json_response(redact_config(target.effective_config()))
 
@@ -461,6 +489,7 @@ def control_app(target: ControlTarget) -> web.Application:
             web.post("/drain", drain),
             web.post("/resume", resume),
             web.post("/cache/clear", clear_cache),
+            web.post("/responses/clear", clear_responses),
             web.get("/config", config),
             web.put("/log-level", log_level),
         ]

@@ -22,6 +22,7 @@ import os
 import resource
 import signal
 import socket
+import sqlite3
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -34,7 +35,8 @@ import structlog
 import torch
 from aiohttp import web
 
-from flare.daemon.config import ConfigError, DaemonConfig, default_control_socket, load_config
+from flare.api.responses.store import FILE_NAME, ResponseStore, Retention
+from flare.daemon.config import ConfigError, DaemonConfig, default_control_socket, default_state_dir, load_config
 from flare.daemon.control import ControlSocketError, DaemonControl, serve_control
 from flare.daemon.logging import LogControl, configure_logging
 from flare.daemon.notify import SystemdNotifier, WatchdogHeartbeat, publish_status
@@ -48,7 +50,7 @@ from flare.preparation.source import SourceError
 from flare.scheduler.metrics import SchedulerMetrics
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions
 from flare.server.connections import ClientErrorLog, ConnectionGuard, ConnectionLimits, GuardedAppRunner
-from flare.server.context import SETTINGS
+from flare.server.context import RESPONSE_STORE, SETTINGS
 from flare.server.metrics import DaemonMetrics
 from flare.server.routes import create_app
 from flare.server.state import ServingState
@@ -122,6 +124,7 @@ class Daemon:
         self.connections = ConnectionGuard(ConnectionLimits.from_config(config), ClientErrorLog())
         self.app = create_app(config, self.state, self.metrics)
         self.log_control: LogControl | None = None
+        self.response_store: ResponseStore | None = None
         self.scheduler: Scheduler | None = None
         self.address: tuple[str, int] | None = None  # (host, port) once listening
         self._stop_requested = anyio.Event()
@@ -132,6 +135,9 @@ class Daemon:
     async def run(self) -> None:
         self.log_control = configure_logging(self.config.log_level, self.config.log_format, environ=self.environ)
         ensure_file_descriptors(self.connections.limits)
+        self.response_store = self._open_response_store()
+        if self.response_store is not None:
+            self.app[RESPONSE_STORE] = self.response_store
         sock = self._listening_socket()
         runner = GuardedAppRunner(
             self.app, self.connections, handler_cancellation=True, access_log=None, shutdown_timeout=_CLOSE_TIMEOUT_S
@@ -157,6 +163,8 @@ class Daemon:
             with anyio.CancelScope(shield=True):
                 await runner.cleanup()
             sock.close()
+            if self.response_store is not None:
+                self.response_store.close()
         if self._startup_error is not None:
             raise self._startup_error
         if self._engine_dead is not None:
@@ -165,6 +173,23 @@ class Daemon:
         log.info("stopped")
 
     # --- start ---------------------------------------------------------------------------------
+
+    def _open_response_store(self) -> ResponseStore | None:
+        """The stored Responses' file under the state directory (none when the store is off)."""
+        config = self.config
+        if not config.responses_store:
+            return None
+        path = (config.state_dir or default_state_dir(self.environ)) / FILE_NAME
+        try:
+            store = ResponseStore(path, Retention(config.responses_store_max_age_s, config.responses_store_max_bytes))
+        except (OSError, sqlite3.Error) as error:
+            raise StartupError(
+                f"responses store {path}: cannot open it ({error}); make its directory writable for the daemon's "
+                "user, pass another --state-dir, or --responses-store off"
+            ) from None
+        use = store.use()
+        log.info("responses_store_opened", path=str(path), responses=use.responses, bytes=use.bytes)
+        return store
 
     def _listening_socket(self) -> socket.socket:
         """The socket systemd passed (socket activation), else one bound to --host/--port."""
@@ -198,7 +223,9 @@ class Daemon:
         """Serve `flare ctl` from the start (commands that need the model answer "loading" until
         it is ready). A socket that cannot be created is fatal only when it was configured."""
         assert self.log_control is not None
-        control = DaemonControl(self.state, config=lambda: self.config, log_control=self.log_control)
+        control = DaemonControl(
+            self.state, config=lambda: self.config, log_control=self.log_control, response_store=self.response_store
+        )
         path = self.config.control_socket or default_control_socket(self.environ)
         try:
             await tasks.start(serve_control, control, path)

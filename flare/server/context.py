@@ -8,6 +8,7 @@ from typing import Protocol
 import anyio
 from aiohttp import web
 
+from flare.api.responses.store import ResponseStore
 from flare.server.auth import ApiKeys
 from flare.server.state import ServingState
 
@@ -66,6 +67,8 @@ TOKENIZING = web.AppKey("tokenizing", anyio.CapacityLimiter)
 # Grammars compile in worker threads too (llguidance drops the GIL), a few at once, so a flood of
 # new schemas queues here and never holds the tokenizer's threads or the event loop.
 COMPILING = web.AppKey("compiling", anyio.CapacityLimiter)
+# The stored Responses (`store: true`); absent when the operator turned the store off.
+RESPONSE_STORE = web.AppKey("response_store", ResponseStore)
 REQUEST_ID = web.RequestKey("request_id", str)
 # The API key a request was admitted with (empty without keys): its prefix-cache scope.
 API_KEY = web.RequestKey("api_key", bytes)

@@ -17,7 +17,7 @@ from flare.api.answer import answer
 from flare.api.cache_scope import prefix_cache_scope
 from flare.api.chat.parse import parse_chat_completion, parse_completion
 from flare.api.chat.render import CHAT_IDS, COMPLETION_IDS, ChatCompletionShape, OpenAIRenderer, TextCompletionShape
-from flare.api.errors import bad_request
+from flare.api.errors import ApiError, bad_request
 from flare.api.fields import check_fields, check_model
 from flare.api.generation import Generation
 from flare.api.json_body import parse_json_body
@@ -25,8 +25,10 @@ from flare.api.messages.parse import parse_messages_request
 from flare.api.messages.render import MESSAGE_IDS, MessagesRenderer
 from flare.api.prepare import Prepared, Serving, chat_ids, check_prompt_size, count_prompt_tokens, prepare
 from flare.api.rendering import IdForm, Renderer
-from flare.api.responses.parse import parse_response_request
+from flare.api.responses.items import input_items
+from flare.api.responses.parse import parse_response_request, parse_storing
 from flare.api.responses.render import RESPONSE_IDS, ResponsesRenderer
+from flare.api.responses.store import ResponseStore, StoredResponse, owner_of
 from flare.api.tokenize.parse import (
     DETOKENIZE_FIELDS,
     TOKENIZE_FIELDS,
@@ -37,7 +39,7 @@ from flare.api.tokenize.parse import (
 from flare.api.tokenize.render import detokenize_body, tokenize_body
 from flare.sampler.status import DeviceStatus
 from flare.scheduler.request import FaultSpec
-from flare.server.context import API_KEY, COMPILING, SETTINGS, STATE, TOKENIZING, ServerConfig
+from flare.server.context import API_KEY, COMPILING, RESPONSE_STORE, SETTINGS, STATE, TOKENIZING, ServerConfig
 from flare.server.request_body import read_body
 from flare.server.state import Phase
 
@@ -90,10 +92,138 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
+    """The Responses API: the answer, continuing the stored response `previous_response_id`
+    names (its input and output items before this input), and kept when `store` is true
+    (OpenAI's default) and the operator keeps a store."""
     body = parse_json_body(await read_body(request))
-    generation = parse_response_request(body)
+    storing = parse_storing(body)
+    store = request.app.get(RESPONSE_STORE)
+    owner = owner_of(request[API_KEY])
+    if store is None:
+        _refuse_storing(body)
+    earlier: list[dict[str, Any]] = []
+    if storing.previous_response_id is not None:
+        previous = await _previous_response(store, storing.previous_response_id, owner)
+        earlier = [*previous.input_items, *previous.response["output"]]
+    generation = parse_response_request(body, earlier)
+    keeping = store if storing.store else None  # None: kept nowhere
+    items = [*earlier, *input_items(body["input"])] if keeping is not None else []
+    staged: list[str] = []
+
+    def keep(response: dict[str, Any]) -> None:
+        assert keeping is not None
+        keeping.stage(StoredResponse(response["id"], owner, time.time(), items, response))
+        staged.append(response["id"])
+
     created, instructions = int(time.time()), body.get("instructions")  # a string, or None: parsed
-    return await _generate(request, generation, RESPONSE_IDS, lambda prepared: ResponsesRenderer(prepared, created, instructions))
+
+    def renderer(prepared: Prepared) -> Renderer:
+        return ResponsesRenderer(
+            prepared,
+            created,
+            instructions,
+            store=keeping is not None,
+            previous_response_id=storing.previous_response_id,
+            keep=keep if keeping is not None else None,
+        )
+
+    try:
+        return await _generate(request, generation, RESPONSE_IDS, renderer)
+    finally:
+        # Committed before the handler ends, whatever ended it; the client may already hold it.
+        with anyio.CancelScope(shield=True):
+            for response_id in staged:
+                assert keeping is not None
+                await keeping.commit(response_id)
+
+
+def _refuse_storing(body: dict[str, Any]) -> None:
+    """With the store off, what needs it is refused by name; a request that leaves `store` out
+    is answered and kept nowhere."""
+    if body.get("store") is True:
+        raise bad_request(
+            "store: true: this server keeps no responses (its operator turned the responses store off); send "
+            "store: false and the whole conversation in input",
+            param="store",
+        )
+    if body.get("previous_response_id") is not None:
+        raise bad_request(
+            "previous_response_id: this server keeps no responses (its operator turned the responses store off); "
+            "send the whole conversation in input",
+            param="previous_response_id",
+        )
+
+
+async def _previous_response(store: ResponseStore | None, response_id: str, owner: str) -> StoredResponse:
+    """The stored response a request continues; as OpenAI answers for one it cannot find (never
+    another key's)."""
+    found = None if store is None else await store.get(response_id, owner)
+    if found is None:
+        raise bad_request(
+            f"Previous response with id '{response_id}' not found.",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    return found
+
+
+# --- stored responses ----------------------------------------------------------------------
+
+
+async def get_response(request: web.Request) -> web.Response:
+    return web.json_response((await _stored_response(request)).response)
+
+
+async def list_input_items(request: web.Request) -> web.Response:
+    """OpenAI's list of a stored response's input items: `limit` (1-100, default 20), `order`
+    (desc by default, as OpenAI's) and `after` an item's id."""
+    items = (await _stored_response(request)).input_items
+    query = request.query
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"order must be asc or desc, got {order!r}", param="order")
+    limit_text = query.get("limit", "20")
+    if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+        raise bad_request(f"limit must be an integer from 1 to 100, got {limit_text!r}", param="limit")
+    ordered = items if order == "asc" else items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item.get("id") for item in ordered]
+        if after not in ids:
+            raise bad_request(f"after must be the id of one of this response's input items, got {after!r}", param="after")
+        ordered = ordered[ids.index(after) + 1 :]
+    page = ordered[: int(limit_text)]
+    return web.json_response(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(ordered) > len(page),
+        }
+    )
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    response_id = request.match_info["response_id"]
+    store = request.app.get(RESPONSE_STORE)
+    if store is None or not await store.delete(response_id, owner_of(request[API_KEY])):
+        raise _response_not_found(response_id)
+    return web.json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+async def _stored_response(request: web.Request) -> StoredResponse:
+    response_id = request.match_info["response_id"]
+    store = request.app.get(RESPONSE_STORE)
+    found = None if store is None else await store.get(response_id, owner_of(request[API_KEY]))
+    if found is None:
+        raise _response_not_found(response_id)
+    return found
+
+
+def _response_not_found(response_id: str) -> ApiError:
+    # Another key's response is answered exactly as one that does not exist.
+    return ApiError(404, f"Response with id '{response_id}' not found.", code="not_found")
 
 
 async def messages(request: web.Request) -> web.StreamResponse:

@@ -24,9 +24,12 @@ from flare.server.endpoints import (
     chat_completions,
     completions,
     count_message_tokens,
+    delete_response,
     detokenize,
     get_model,
+    get_response,
     health,
+    list_input_items,
     list_models,
     messages,
     responses,
@@ -39,6 +42,7 @@ from flare.server.state import ServingState
 
 
 def create_app(config: ServerConfig, state: ServingState, metrics: DaemonMetrics) -> web.Application:
+    """The app; the daemon sets its RESPONSE_STORE before it starts (none: nothing is kept)."""
     app = web.Application(
         client_max_size=config.max_body_bytes,
         # The metrics' count is outermost, so it counts the status the error middleware chose.
@@ -61,6 +65,9 @@ def create_app(config: ServerConfig, state: ServingState, metrics: DaemonMetrics
         routes.add_post(f"{prefix}/chat/completions", chat_completions, expect_handler=expect_continue)
         routes.add_post(f"{prefix}/completions", completions, expect_handler=expect_continue)
         routes.add_post(f"{prefix}/responses", responses, expect_handler=expect_continue)
+        routes.add_get(f"{prefix}/responses/{{response_id}}", get_response)
+        routes.add_get(f"{prefix}/responses/{{response_id}}/input_items", list_input_items)
+        routes.add_delete(f"{prefix}/responses/{{response_id}}", delete_response)
     routes.add_post("/v1/messages", messages, expect_handler=expect_continue)
     routes.add_post("/v1/messages/count_tokens", count_message_tokens, expect_handler=expect_continue)
     routes.add_post("/tokenize", tokenize, expect_handler=expect_continue)

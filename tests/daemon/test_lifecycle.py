@@ -6,6 +6,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -34,10 +35,10 @@ def scheduler() -> FakeScheduler:
 
 @pytest.fixture
 async def started(
-    scheduler: FakeScheduler, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+    scheduler: FakeScheduler, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, tmp_path: Path
 ) -> AsyncIterator[tuple[Daemon, str, asyncio.Task[None]]]:
     config = replace(DaemonConfig(port=0, served_model_name=("tiny-model",), log_format="json"), **getattr(request, "param", {}))
-    daemon = Daemon(config, {})
+    daemon = Daemon(replace(config, state_dir=tmp_path), {})
     monkeypatch.setattr(daemon, "load_scheduler", lambda: scheduler)
     task = asyncio.create_task(daemon.run())
     await wait_for(lambda: daemon.address is not None and daemon.scheduler is not None)

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -31,13 +32,16 @@ class DaemonProcess:
         command = [sys.executable, "-m", "flare.cli.main", "run", "--port", "0", "--log-format", "json"]
         if package is not None:  # None: the default model
             command.append(str(package))
+        # The daemon's state (the stored Responses) in a directory of its own, never the home's,
+        # unless the test names one (--state-dir, FLARE_STATE_DIR).
+        self._state = tempfile.TemporaryDirectory(prefix="flare-state-")
         self.process = subprocess.Popen(
             [*wrapper, *command, *flags],
             pass_fds=pass_fds,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, "XDG_STATE_HOME": self._state.name, **(env or {})},
             cwd=Path(__file__).resolve().parents[2],
         )
         self.lines: list[str] = []

@@ -143,7 +143,7 @@ async def test_responses_streams_function_call_events(client: openai.AsyncOpenAI
     assert pieces == done.arguments and json.loads(done.arguments)["unit"] in ("celsius", "fahrenheit")
 
 
-async def test_responses_refuses_stored_state_by_name(client: openai.AsyncOpenAI) -> None:
+async def test_responses_refuses_an_unknown_previous_response_id_by_name(client: openai.AsyncOpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         await client.responses.create(model=MODEL, input=QUESTION, previous_response_id="resp_1")
     assert refused.value.body["param"] == "previous_response_id"

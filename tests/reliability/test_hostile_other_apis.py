@@ -187,7 +187,7 @@ def test_extreme_values_get_400_naming_the_problem(http: httpx.Client, tally: Ta
         RESPONSES: [
             {"input": "sea " * 15000},
             {"input": [{"role": "user", "content": "hi"}] * 3000},
-            {"store": True},
+            {"store": "yes"},
             {"previous_response_id": "resp_1"},
             {"tools": [{"type": "web_search"}]},
             {"text": {"format": {"type": "json_schema", "name": "x", "schema": 3}}},

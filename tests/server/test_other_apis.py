@@ -123,8 +123,8 @@ async def test_responses_input_items_become_the_conversation(client: TestClient,
 
 
 BAD_RESPONSES = [
-    ("store true", {"store": True}, "store"),
-    ("previous_response_id", {"previous_response_id": "resp_1"}, "previous_response_id"),
+    ("store true with the store off", {"store": True}, "store"),
+    ("previous_response_id with the store off", {"previous_response_id": "resp_1"}, "previous_response_id"),
     ("no input", {"input": None}, "input"),
     ("input a number", {"input": 3}, "input"),
     ("an image part", {"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0].type"),

@@ -7,8 +7,10 @@ json_schema: the chat path's response_format), function `tools` with `tool_choic
 `parallel_tool_calls`, and `stream`. The conversation becomes chat messages and the tools the
 chat path's tools, so both go through the same checks, template and grammar as on chat.
 
-Server-side state is not offered: `store: true`, `previous_response_id`, `conversation`,
-`context_management`, stored `prompt` templates and `background: true` are refused by name.
+`store` (true when absent, as on OpenAI) and `previous_response_id` are the stored responses'
+(store.py): the handler looks the earlier response up and hands its items to the parser as
+`earlier`, the conversation before `input`. `conversation`, `context_management`, stored
+`prompt` templates and `background: true` are refused by name.
 Fields that change nothing about the answer are accepted and ignored, once checked (`metadata`
 within OpenAI's bounds, `include` among OpenAI's values, items' `id` and `status`, `user`,
 `service_tier`, `truncation: "disabled"`, ...); `safety_identifier` and `prompt_cache_key` are
@@ -18,7 +20,8 @@ docs/api.md, "Every request field", holds the table of them all.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from flare.api.errors import ApiError, bad_request
@@ -53,13 +56,15 @@ INCLUDE_VALUES = frozenset(
 ITEM_STATUSES = ("in_progress", "completed", "incomplete")
 
 
-def parse_response_request(body: Mapping[str, Any]) -> Generation:
+def parse_response_request(body: Mapping[str, Any], earlier: Sequence[Mapping[str, Any]] = ()) -> Generation:
+    """`earlier`: the stored items of the response `previous_response_id` names (its input
+    items, then its output items), checked when they were stored."""
     check_fields(body, _FIELDS)
     _refuse_unsupported(body)
     model = model_field(body)
     metadata_field(body)
     _include(body.get("include"))
-    messages = _conversation(body)
+    messages = _conversation(body, earlier)
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise bad_request(f"stream must be true or false, got {kind(stream)}", param="stream")
@@ -89,20 +94,34 @@ def parse_response_request(body: Mapping[str, Any]) -> Generation:
     )
 
 
-def _refuse_unsupported(body: Mapping[str, Any]) -> None:
-    if body.get("store") not in (None, False):
+@dataclass(frozen=True)
+class Storing:
+    """What a request asks of the store: to keep its answer, and which response it continues."""
+
+    store: bool
+    previous_response_id: str | None
+
+
+def parse_storing(body: Mapping[str, Any]) -> Storing:
+    store = body.get("store")
+    if store is not None and not isinstance(store, bool):
+        raise bad_request(f"store must be true or false, got {kind(store)}", param="store")
+    previous = body.get("previous_response_id")
+    if previous is not None and (not isinstance(previous, str) or not previous):
         raise bad_request(
-            "store: true is not supported: this server keeps no responses; send store: false (or leave it out) "
-            "and send the whole conversation in input",
-            param="store",
+            f"previous_response_id must be a response's id (a non-empty string), got {kind(previous)}",
+            param="previous_response_id",
         )
-    for field in ("previous_response_id", "conversation"):
-        if body.get(field) is not None:
-            raise bad_request(
-                f"{field} is not supported: this server keeps no conversation state; send the whole conversation "
-                "in input",
-                param=field,
-            )
+    return Storing(store is not False, previous)
+
+
+def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+    if body.get("conversation") is not None:
+        raise bad_request(
+            "conversation is not supported: continue a stored response with previous_response_id, or send the "
+            "whole conversation in input",
+            param="conversation",
+        )
     if body.get("context_management") not in (None, []):
         raise bad_request(
             "context_management is not supported: this server keeps no conversation state to compact; "
@@ -144,10 +163,10 @@ def _include(include: Any) -> None:
             )
 
 
-def _conversation(body: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """`instructions` and `input` as chat messages: a system message first, function calls
-    joined to the assistant turn they follow, function outputs as tool messages, each answering
-    a function_call of the turn just before it (the check chat makes)."""
+def _conversation(body: Mapping[str, Any], earlier: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """`instructions`, the `earlier` items and `input` as chat messages: a system message first,
+    function calls joined to the assistant turn they follow, function outputs as tool messages,
+    each answering a function_call of the turn just before it (the check chat makes)."""
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if instructions is not None:
@@ -158,13 +177,12 @@ def _conversation(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     if given is None:
         raise bad_request("input is required: a string or a list of input items", param="input")
     if isinstance(given, str):
-        messages.append({"role": "user", "content": given})
-        return messages
+        given = [{"type": "message", "role": "user", "content": given}]
     if not isinstance(given, list) or not given:
         raise bad_request(f"input must be a string or a non-empty list of items, got {kind(given)}", param="input")
     id_fields: dict[int, str] = {}  # tool message -> where its call_id was sent
-    for i, item in enumerate(given):
-        where = f"input[{i}]"
+    for i, item in enumerate([*earlier, *given], start=-len(earlier)):
+        where = f"input[{i}]" if i >= 0 else f"previous_response_id's item {i + len(earlier)}"
         if not isinstance(item, dict):
             raise bad_request(f"{where} must be an object, got {kind(item)}", param=where)
         _item_id_and_status(where, item)
@@ -184,7 +202,7 @@ def _conversation(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         else:
             raise bad_request(
                 f"{where}.type {item_type!r} is not supported; send message, function_call or function_call_output "
-                "items (item_reference needs stored responses, which this server does not keep)",
+                "items (item_reference is not supported; continue a stored response with previous_response_id)",
                 param=f"{where}.type",
             )
     if not any(m["role"] in ("user", "tool") for m in messages):

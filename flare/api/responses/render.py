@@ -13,11 +13,14 @@ and a `function_call` item for each tool call. Streaming sends, each as `event: 
         response.function_call_arguments.done, response.output_item.done
     response.completed (or response.incomplete at max_output_tokens, response.failed)
 
-There is no `data: [DONE]`. The `flare` object rides on the response object.
+There is no `data: [DONE]`. The `flare` object rides on the response object. A complete
+response (completed or incomplete, never failed) is handed to `keep`, which stores it when the
+request asked for that (store.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,9 +89,21 @@ class _OpenItem:
 class ResponsesRenderer:
     """The Responses API's answer (answer.py's `Renderer`)."""
 
-    def __init__(self, prepared: Prepared, created: int, instructions: str | None = None) -> None:
+    def __init__(
+        self,
+        prepared: Prepared,
+        created: int,
+        instructions: str | None = None,
+        *,
+        store: bool = False,
+        previous_response_id: str | None = None,
+        keep: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         self._prepared = prepared
         self._instructions = instructions
+        self._store = store
+        self._previous_response_id = previous_response_id
+        self._keep = keep
         self._created = created
         self._sequence = 0
         self._flare: dict[str, Any] = {}
@@ -118,14 +133,14 @@ class ResponsesRenderer:
             "model": generation.model,
             "output": output,
             "parallel_tool_calls": tools.parallel if tools is not None else True,
-            "previous_response_id": None,
+            "previous_response_id": self._previous_response_id,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "tool_choice": _tool_choice(generation),
             "tools": _tools(generation),
             "text": {"format": {"type": "text"}},
             "truncation": "disabled",
-            "store": False,
+            "store": self._store,
             "metadata": {},
             "usage": None if usage is None else _usage(usage),
             "flare": flare,
@@ -139,7 +154,12 @@ class ResponsesRenderer:
         for call in choice.tool_calls or ():
             output.append(_call_item(new_id(CALL_ITEM), call.id, call.name, call.arguments, "completed"))
         status = "incomplete" if choice.finish_reason == "length" else "completed"
-        return self.response(status, output, usage, flare)
+        return self._kept(self.response(status, output, usage, flare))
+
+    def _kept(self, response: dict[str, Any]) -> dict[str, Any]:
+        if self._keep is not None:
+            self._keep(response)
+        return response
 
     def failure_response(self, failure: RequestFailure) -> web.Response:
         return failure_response(failure)
@@ -263,7 +283,7 @@ class ResponsesRenderer:
     def end(self, usage: Usage) -> list[bytes]:
         status = "incomplete" if self._reason == "length" else "completed"
         output = [item.done() for item in self._items]
-        response = self.response(status, output, usage, self._flare)
+        response = self._kept(self.response(status, output, usage, self._flare))
         return [self._event(f"response.{status}", response=response)]
 
     def fail(self, failure: RequestFailure) -> list[bytes]:
