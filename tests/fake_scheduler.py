@@ -110,7 +110,9 @@ class FakeScheduler:
         self.submitted: list[GenerationRequest] = []
         self.cancelled: list[tuple[str, RequestFailure | None]] = []
         self._open: dict[str, tuple[RequestStream, GenerationRequest]] = {}
-        self.package = SimpleNamespace(path=Path("tiny-model"))
+        # What the daemon's model endpoints read of the package (Ollama's /api/tags, /api/show).
+        manifest = SimpleNamespace(model=SimpleNamespace(architecture="llama"), serving=SimpleNamespace(dtype="float32"))
+        self.package = SimpleNamespace(path=Path("tiny-model"), manifest=manifest)
         self.observer = SchedulerObserver()  # the daemon registers no scheduler metrics for a fake
         self.warmed_up = False
         self._stopped = asyncio.Event()

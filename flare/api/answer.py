@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -78,9 +78,11 @@ async def answer(
     renderer: Renderer,
     timeout_s: float | None,
     keep_alive_s: float,
+    stream_headers: Mapping[str, str] = SSE_HEADERS,
 ) -> web.StreamResponse:
     """Submit `prepared`'s requests and write their answer; cancel them all if the client goes.
-    `in_flight` holds their ids until the answer is written (shutdown waits for it to empty)."""
+    `in_flight` holds their ids until the answer is written (shutdown waits for it to empty).
+    A stream is SSE unless the API streams otherwise (`stream_headers`: Ollama's NDJSON)."""
     streams = _submit(scheduler, prepared)
     ids = [r.request_id for r in prepared.requests]
     generated = request[GENERATED] = Generated(time.perf_counter())
@@ -103,7 +105,7 @@ async def answer(
                 collected = await _collect(request, events, reading, renderer, prepared, generated)
                 ended = True
                 return collected
-            response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+            response = web.StreamResponse(headers={**stream_headers, **headers})
             try:
                 await _stream(request, response, events, reading, renderer, prepared, generated, keep_alive_s)
             except ConnectionResetError as error:

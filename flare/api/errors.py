@@ -1,5 +1,6 @@
-"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`, and on
-Anthropic's Messages API in Anthropic's: `{"type": "error", "error": {"type", "message"}}`.
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`, on Anthropic's
+Messages API in Anthropic's: `{"type": "error", "error": {"type", "message"}}`, and on Ollama's
+API in Ollama's: `{"error": "message"}`.
 
 Every answer that is not a success carries one of these bodies, so the OpenAI and Anthropic
 SDKs raise their usual exception classes (BadRequestError, NotFoundError, RateLimitError, ...)
@@ -45,13 +46,16 @@ class ApiError(Exception):
         # before it was read) must not be taken for the next request.
         self.close = close
 
-    def body(self, *, anthropic: bool = False) -> dict[str, Any]:
+    def body(self, *, anthropic: bool = False, ollama: bool = False) -> dict[str, Any]:
+        if ollama:
+            return {"error": self.message}
         if anthropic:
             return anthropic_error_body(self.status, self.message)
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
 
-    def response(self, *, anthropic: bool = False) -> web.Response:
-        response = web.json_response(self.body(anthropic=anthropic), status=self.status, headers=self.headers)
+    def response(self, *, anthropic: bool = False, ollama: bool = False) -> web.Response:
+        body = self.body(anthropic=anthropic, ollama=ollama)
+        response = web.json_response(body, status=self.status, headers=self.headers)
         if self.close:
             response.force_close()
         return response

@@ -1,12 +1,15 @@
 """One handler per URL (the route table is routes.py): health and models, the generation
 endpoints of every API (read the body, parse it with the API's parser, then the one path:
-prepare, answer with the API's renderer), and /tokenize, /detokenize."""
+prepare, answer with the API's renderer), Ollama's model endpoints, and /tokenize, /detokenize."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib.metadata
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -23,8 +26,12 @@ from flare.api.generation import Generation
 from flare.api.json_body import parse_json_body
 from flare.api.messages.parse import parse_messages_request
 from flare.api.messages.render import MESSAGE_IDS, MessagesRenderer
+from flare.api.ollama.models import ModelFacts, model_entry, running_entry, show_body
+from flare.api.ollama.parse import OllamaRequest, parse_ollama_chat, parse_ollama_generate, served_name
+from flare.api.ollama.render import NDJSON_HEADERS, OLLAMA_IDS, OllamaRenderer, loaded_body
 from flare.api.prepare import Prepared, Serving, chat_ids, check_prompt_size, count_prompt_tokens, prepare
 from flare.api.rendering import IdForm, Renderer
+from flare.api.sse import SSE_HEADERS
 from flare.api.responses.items import input_items
 from flare.api.responses.parse import parse_response_request, parse_storing
 from flare.api.responses.render import RESPONSE_IDS, ResponsesRenderer
@@ -252,10 +259,15 @@ def _completion_renderer(prepared: Prepared) -> Renderer:
 
 
 async def _generate(
-    request: web.Request, generation: Generation, ids: IdForm, renderer: Callable[[Prepared], Renderer]
+    request: web.Request,
+    generation: Generation,
+    ids: IdForm,
+    renderer: Callable[[Prepared], Renderer],
+    stream_headers: Mapping[str, str] = SSE_HEADERS,
 ) -> web.StreamResponse:
     """The one request path after parsing, whichever API: prepare, then submit and render;
-    `ids` is the API's form of its ids (stated beside its renderer)."""
+    `ids` is the API's form of its ids (stated beside its renderer), `stream_headers` how it
+    streams (SSE, or Ollama's NDJSON)."""
     serving, generation = _serving(request, generation)
     config = request.app[SETTINGS].config
     scope = prefix_cache_scope(
@@ -271,6 +283,7 @@ async def _generate(
         renderer(prepared),
         config.request_timeout_s,
         config.stream_keepalive_s,
+        stream_headers,
     )
 
 
@@ -311,6 +324,90 @@ def _fault(request: web.Request, config: ServerConfig) -> FaultSpec | None:
             f"{FAULT_HEADER}: the round after @ must be a non-negative integer, got {round_text!r}", param=FAULT_HEADER
         )
     return FaultSpec(status, int(round_text))
+
+
+# --- Ollama's API ---------------------------------------------------------------------------
+
+
+async def ollama_chat(request: web.Request) -> web.StreamResponse:
+    names = request.app[STATE].require_names().names
+    parsed = parse_ollama_chat(parse_json_body(await read_body(request)), names)
+    return await _ollama_generate(request, parsed, chat=True)
+
+
+async def ollama_generate(request: web.Request) -> web.StreamResponse:
+    body = parse_json_body(await read_body(request))
+    state = request.app[STATE]
+    names = state.require_names()
+    parsed = parse_ollama_generate(body, names.names)
+    if parsed is None:
+        # No prompt: Ollama's way to load a model, which here is loaded once it is served.
+        state.require_scheduler()
+        check_model(served_name(body["model"], names.names), names)
+        return web.json_response(loaded_body(body["model"]))
+    return await _ollama_generate(request, parsed, chat=False)
+
+
+async def _ollama_generate(request: web.Request, parsed: OllamaRequest, *, chat: bool) -> web.StreamResponse:
+    def renderer(prepared: Prepared) -> Renderer:
+        return OllamaRenderer(prepared, parsed.requested_model, chat=chat)
+
+    return await _generate(request, parsed.generation, OLLAMA_IDS, renderer, NDJSON_HEADERS)
+
+
+async def ollama_tags(request: web.Request) -> web.Response:
+    """The served names, each as Ollama lists a model (a name without a tag gets `:latest`)."""
+    state = request.app[STATE]
+    names = state.require_names()
+    facts = await _model_facts(state.require_scheduler())
+    return web.json_response({"models": [model_entry(name, facts) for name in names.names]})
+
+
+async def ollama_show(request: web.Request) -> web.Response:
+    body = parse_json_body(await read_body(request))
+    state = request.app[STATE]
+    names = state.require_names()
+    requested = body.get("model") or body.get("name")  # older clients send `name`
+    if not isinstance(requested, str) or not requested:
+        raise bad_request("model is required: the name of a served model (GET /api/tags lists them)", param="model")
+    check_model(served_name(requested, names.names), names)
+    scheduler = state.require_scheduler()
+    return web.json_response(show_body(await _model_facts(scheduler), scheduler.policy.defaults))
+
+
+async def ollama_ps(request: web.Request) -> web.Response:
+    """The loaded model: the one package, under its first served name."""
+    state = request.app[STATE]
+    names = state.require_names()
+    facts = await _model_facts(state.require_scheduler())
+    return web.json_response({"models": [running_entry(names.primary, facts)]})
+
+
+async def ollama_version(request: web.Request) -> web.Response:
+    return web.json_response({"version": importlib.metadata.version("flare")})
+
+
+async def _model_facts(scheduler: Scheduler) -> ModelFacts:
+    """What Ollama's model endpoints show of the package: read off the event loop (its files' sizes)."""
+    package = scheduler.package
+    manifest = package.manifest
+
+    def files() -> tuple[int, float]:
+        try:
+            entries = [entry.stat() for entry in os.scandir(package.path) if entry.is_file()]
+            return sum(e.st_size for e in entries), os.stat(package.path).st_mtime
+        except OSError:
+            return 0, 0.0
+
+    size, modified = await anyio.to_thread.run_sync(files)
+    return ModelFacts(
+        architecture=manifest.model.architecture,
+        dtype=manifest.serving.dtype,
+        context_length=scheduler.max_context,
+        size=size,
+        modified=modified,
+        digest=hashlib.sha256(str(package.path).encode("utf-8")).hexdigest(),
+    )
 
 
 # --- tokenize ------------------------------------------------------------------------------

@@ -85,6 +85,14 @@ def _anthropic(request: web.Request) -> bool:
     return request.path == ANTHROPIC_PATH or request.path.startswith(ANTHROPIC_PATH + "/")
 
 
+OLLAMA_PREFIX = "/api/"
+
+
+def _error_shape(request: web.Request) -> dict[str, bool]:
+    """Which API's error shape the request's path answers in (OpenAI's unless another's)."""
+    return {"anthropic": _anthropic(request), "ollama": request.path.startswith(OLLAMA_PREFIX)}
+
+
 @web.middleware
 async def error_answers(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
@@ -92,11 +100,11 @@ async def error_answers(request: web.Request, handler: Handler) -> web.StreamRes
     except ApiError as error:
         if error.status >= 500:
             log.warning("request_refused", status=error.status, code=error.code, message=error.message)
-        return error.response(anthropic=_anthropic(request))
+        return error.response(**_error_shape(request))
     except web.HTTPException as error:
         if error.status < 400:
             raise
-        return _http_exception_error(request, error).response(anthropic=_anthropic(request))
+        return _http_exception_error(request, error).response(**_error_shape(request))
     except Exception:
         log.exception("unhandled_error")
         return ApiError(
@@ -105,7 +113,7 @@ async def error_answers(request: web.Request, handler: Handler) -> web.StreamRes
             "the daemon log has the details",
             type=SERVER_ERROR,
             code="internal_error",
-        ).response(anthropic=_anthropic(request))
+        ).response(**_error_shape(request))
 
 
 def _http_exception_error(request: web.Request, error: web.HTTPException) -> ApiError:

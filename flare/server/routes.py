@@ -5,10 +5,11 @@ A generation request goes one way: its handler (endpoints.py) parses the body wi
 parser (flare/api/<api>/parse.py) into a `Generation`, then prepare (api/prepare.py, shared by
 every API: prompt to token ids, grammar, sampling clamped to the package policy, the scheduler
 requests), then answer (api/answer.py) with its API's renderer (flare/api/<api>/render.py).
-Events are written as they come: SSE frames when streaming, one JSON body otherwise. Every answer
-that is not a success is OpenAI's error body with a 4xx (Anthropic's on /v1/messages), or a 5xx
-that names the failure (a request the device failed, shutdown, loading); a bug that escapes a
-handler is logged with its traceback and answered 500 with an error body, never a trace.
+Events are written as they come: SSE frames when streaming (NDJSON lines on Ollama's /api/), one
+JSON body otherwise. Every answer that is not a success is OpenAI's error body with a 4xx
+(Anthropic's on /v1/messages, Ollama's on /api/), or a 5xx that names the failure (a request the
+device failed, shutdown, loading); a bug that escapes a handler is logged with its traceback and
+answered 500 with an error body, never a trace.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ from flare.server.endpoints import (
     list_input_items,
     list_models,
     messages,
+    ollama_chat,
+    ollama_generate,
+    ollama_ps,
+    ollama_show,
+    ollama_tags,
+    ollama_version,
     responses,
     tokenize,
 )
@@ -70,6 +77,13 @@ def create_app(config: ServerConfig, state: ServingState, metrics: DaemonMetrics
         routes.add_delete(f"{prefix}/responses/{{response_id}}", delete_response)
     routes.add_post("/v1/messages", messages, expect_handler=expect_continue)
     routes.add_post("/v1/messages/count_tokens", count_message_tokens, expect_handler=expect_continue)
+    # Ollama's API: flare/api/ollama/ (its errors in Ollama's shape, middlewares.py).
+    routes.add_post("/api/chat", ollama_chat, expect_handler=expect_continue)
+    routes.add_post("/api/generate", ollama_generate, expect_handler=expect_continue)
+    routes.add_get("/api/tags", ollama_tags)
+    routes.add_post("/api/show", ollama_show, expect_handler=expect_continue)
+    routes.add_get("/api/ps", ollama_ps)
+    routes.add_get("/api/version", ollama_version)
     routes.add_post("/tokenize", tokenize, expect_handler=expect_continue)
     routes.add_post("/detokenize", detokenize, expect_handler=expect_continue)
     # The chat page's files: /, /chat.css, /chat.js (chat_page.py).
