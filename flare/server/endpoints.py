@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from aiohttp import web
 
-from flare.api.answer import answer
+from flare.api.answer import GENERATED, answer
 from flare.api.cache_scope import prefix_cache_scope
 from flare.api.chat.parse import parse_chat_completion, parse_completion
 from flare.api.chat.render import CHAT_IDS, COMPLETION_IDS, ChatCompletionShape, OpenAIRenderer, TextCompletionShape
@@ -350,7 +350,7 @@ async def ollama_generate(request: web.Request) -> web.StreamResponse:
 
 async def _ollama_generate(request: web.Request, parsed: OllamaRequest, *, chat: bool) -> web.StreamResponse:
     def renderer(prepared: Prepared) -> Renderer:
-        return OllamaRenderer(prepared, parsed.requested_model, chat=chat)
+        return OllamaRenderer(prepared, parsed.requested_model, lambda: request[GENERATED], chat=chat)
 
     return await _generate(request, parsed.generation, OLLAMA_IDS, renderer, NDJSON_HEADERS)
 

@@ -34,7 +34,10 @@ def test_chat_answers_paris_with_ollamas_counters(client: ollama.Client) -> None
     response = client.chat(model=f"{MODEL}:latest", messages=[{"role": "user", "content": QUESTION}], options=GREEDY)
     assert "Paris" in response.message.content
     assert response.done and response.done_reason in ("stop", "length")
-    assert response.prompt_eval_count and response.eval_count and response.total_duration
+    assert response.prompt_eval_count and response.eval_count
+    # Ollama's durations in nanoseconds: the prompt's up to the first token, then the answer's.
+    assert response.prompt_eval_duration and response.eval_duration
+    assert abs(response.total_duration - (response.prompt_eval_duration + response.eval_duration)) <= 1
 
 
 def test_chat_streams_the_same_answer(client: ollama.Client) -> None:

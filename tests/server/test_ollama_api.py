@@ -33,6 +33,8 @@ def ndjson_lines(response_text: str) -> list[dict[str, Any]]:
 def assert_done(line: dict[str, Any], reason: str = "stop") -> None:
     assert line["done"] is True and line["done_reason"] == reason
     assert all(isinstance(line[name], int) and line[name] >= 0 for name in COUNTERS), line
+    assert line["total_duration"] == pytest.approx(line["prompt_eval_duration"] + line["eval_duration"], abs=1)
+    assert 0 < line["prompt_eval_duration"] <= line["total_duration"]
 
 
 async def test_chat_streams_ndjson_by_default_with_a_done_line(client: TestClient, scheduler: FakeScheduler) -> None:

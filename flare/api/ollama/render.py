@@ -5,8 +5,8 @@ Every line names the model as the client sent it and `created_at`; chat's carry 
 ({"role": "assistant", "content"}), generate's a `response` text. The last line adds
 `done_reason` ("stop" or "length": Ollama says "stop" for an answer that is tool calls too),
 Ollama's counters (`prompt_eval_count`, `eval_count`) and its durations in nanoseconds
-(`total_duration`, `load_duration` 0 as the model is always loaded, `prompt_eval_duration` up
-to the first token, `eval_duration` after it), and flare's `flare` object (the sampling applied
+(`total_duration` since the request was submitted, `load_duration` 0 as the model is always
+loaded, `prompt_eval_duration` up to the first token, `eval_duration` after it), and flare's `flare` object (the sampling applied
 and what the package policy changed). Tool calls are whole objects with their arguments as an
 object, Ollama's form; a streamed call is sent once its arguments are complete. A request that
 fails mid-stream ends with Ollama's `{"error": message}` line.
@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
 
+from flare.api.answer import Generated
 from flare.api.prepare import Prepared
 from flare.api.rendering import ChoiceText, IdForm, TextPiece
 from flare.scheduler.request import RequestFailure, Usage
@@ -46,12 +48,12 @@ def created_at() -> str:
 class OllamaRenderer:
     """One answer of /api/chat (`chat`) or /api/generate, as answer.py's `Renderer`."""
 
-    def __init__(self, prepared: Prepared, model: str, *, chat: bool) -> None:
+    def __init__(self, prepared: Prepared, model: str, generated: Callable[[], Generated], *, chat: bool) -> None:
+        """`generated`: the request's timing (answer.py records it), read when the answer ends."""
         self._prepared = prepared
         self._model = model
+        self._generated = generated
         self._chat = chat
-        self._started = time.perf_counter_ns()
-        self._first_token: int | None = None
         self._reason = "stop"
         self._arguments: dict[int, tuple[str, str]] = {}  # a streamed call's (name, arguments so far)
 
@@ -68,18 +70,19 @@ class OllamaRenderer:
         return line
 
     def _done(self, line: dict[str, Any], usage: Usage, flare: dict[str, Any]) -> dict[str, Any]:
-        now = time.perf_counter_ns()
-        first = self._first_token if self._first_token is not None else now
+        generated = self._generated()
+        total = time.perf_counter() - generated.started
+        first = generated.ttft_s if generated.ttft_s is not None else total
         return {
             **line,
             "done": True,
             "done_reason": self._reason,
-            "total_duration": now - self._started,
+            "total_duration": _nanoseconds(total),
             "load_duration": 0,
             "prompt_eval_count": usage.prompt_tokens,
-            "prompt_eval_duration": first - self._started,
+            "prompt_eval_duration": _nanoseconds(first),
             "eval_count": usage.completion_tokens,
-            "eval_duration": now - first,
+            "eval_duration": _nanoseconds(total - first),
             "flare": flare,
         }
 
@@ -87,8 +90,6 @@ class OllamaRenderer:
         return []
 
     def text(self, piece: TextPiece) -> list[bytes]:
-        if self._first_token is None:
-            self._first_token = time.perf_counter_ns()
         return [ndjson(self._line(piece.text))] if piece.text else []
 
     def calls(self, index: int, deltas: list[dict[str, Any]]) -> list[bytes]:
@@ -129,6 +130,10 @@ class OllamaRenderer:
 
     def failure_response(self, failure: RequestFailure) -> web.Response:
         return web.json_response(error_body(failure.message), status=failure.http_status)
+
+
+def _nanoseconds(seconds: float) -> int:
+    return max(0, round(seconds * 1e9))
 
 
 def loaded_body(model: str) -> dict[str, Any]:
