@@ -208,3 +208,27 @@ async def test_a_stream_that_fails_ends_with_an_error_line(client: TestClient, s
     assert set(lines[-1]) == {"error"}
     response = await client.post("/api/chat", json={**CHAT, "stream": False})
     assert response.status >= 500 and set(await response.json()) == {"error"}
+
+
+async def test_keep_alive_is_accepted_and_a_stalled_stream_gets_empty_pieces(
+    make_client: MakeClient, scheduler: FakeScheduler
+) -> None:
+    scheduler.hold = True
+    client = await make_client(scheduler, stream_keepalive_s=0.05)
+    response = await client.post("/api/chat", json={**CHAT, "keep_alive": "5m"})
+    assert response.status == 200
+    first = json.loads(await response.content.readline())
+    assert first["message"]["content"] == "Hel"
+    stalled = json.loads(await response.content.readline())
+    assert stalled["done"] is False and stalled["message"]["content"] == ""
+    response.close()
+
+
+async def test_a_missing_key_and_an_unknown_route_answer_in_ollamas_shape(
+    make_client: MakeClient, scheduler: FakeScheduler
+) -> None:
+    client = await make_client(scheduler, api_keys=("sk-a",))
+    refused = await client.post("/api/chat", json=CHAT)
+    assert refused.status == 401 and isinstance((await refused.json())["error"], str)
+    missing = await client.post("/api/pull", json={"model": "x"}, headers={"Authorization": "Bearer sk-a"})
+    assert missing.status == 404 and isinstance((await missing.json())["error"], str)
