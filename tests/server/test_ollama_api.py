@@ -186,6 +186,11 @@ async def test_tags_show_ps_and_version_describe_the_served_model(make_client: M
         ("/api/chat", {**CHAT, "messages": [{"role": "tool", "content": "9C"}]}, 400),
         ("/api/chat", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, 400),
         ("/api/chat", {**CHAT, "surprise": 1}, 400),
+        ("/api/chat", {**CHAT, "think": True}, 400),
+        ("/api/chat", {**CHAT, "messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, 400),
+        ("/api/chat", {**CHAT, "format": "json", "tools": TOOLS}, 400),
+        ("/api/chat", {**CHAT, "keep_alive": True}, 400),
+        ("/api/generate", {**GENERATE, "raw": "yes"}, 400),
     ],
 )
 async def test_errors_are_ollamas_shape_with_the_right_status(
