@@ -162,19 +162,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _is_directory(path: Path) -> bool:
+    """Whether `path` names a directory; a name the filesystem cannot even look up (too long, a
+    NUL byte) names none, rather than raising."""
+    try:
+        return path.is_dir()
+    except (OSError, ValueError):
+        return False
+
+
 def run_command(args: argparse.Namespace) -> int:
     try:
         config = load_config(args, os.environ)
     except ConfigError as error:
         return _usage_error(f"flare run: error: {error}")
-    if config.package is not None and not config.package.is_dir():
+    if config.package is not None and not _is_directory(config.package):
         return _usage_error(
             f"flare run: error: PACKAGE {config.package} is not a directory; "
             "pass a package made by `flare export`, or no PACKAGE for the default model"
         )
     # --served-model-name takes every name after it (as vLLM's does), so a PACKAGE written after
     # it would be taken for a name and the default model served under it.
-    misplaced = [name for name in args.served_model_name or () if Path(name).is_dir()]
+    misplaced = [name for name in args.served_model_name or () if _is_directory(Path(name))]
     if args.package is None and misplaced:
         return _usage_error(
             f"flare run: error: --served-model-name {misplaced[0]!r} is a directory; put PACKAGE before "

@@ -65,6 +65,12 @@ def test_served_model_names_take_every_name_after_the_flag(tmp_path: Path, capsy
     assert "put PACKAGE before --served-model-name" in err and err.count("\n") == 1
 
 
+def test_a_package_path_too_long_for_the_filesystem_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    # The filesystem refuses to look such a name up (ENAMETOOLONG): it names no directory.
+    assert main(["run", "m" * 5000]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
 def test_config_file_errors_reach_the_user_without_traceback(tmp_path: Path) -> None:
     config = tmp_path / "flare.toml"
     config.write_text("prot = 80\n")
