@@ -363,6 +363,8 @@ def _request_usage(prepared: Prepared, finished: Sequence[Finished]) -> Usage:
         sum(u.prompt_tokens for u in firsts.values()),
         sum(f.usage.completion_tokens for f in finished),
         sum(u.cached_tokens for u in firsts.values()),
+        sum(f.usage.accepted_prediction_tokens for f in finished),
+        sum(f.usage.rejected_prediction_tokens for f in finished),
     )
 
 
