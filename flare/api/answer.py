@@ -376,6 +376,8 @@ def _log_end(event: Finished | Failed, generated: Generated, usage: Usage) -> No
             finish_reason=event.reason,
             completion_tokens=usage.completion_tokens,
             cached_tokens=usage.cached_tokens,
+            accepted_prediction_tokens=usage.accepted_prediction_tokens,
+            rejected_prediction_tokens=usage.rejected_prediction_tokens,
             fell_back=event.fell_back,
         )
     else:

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import pytest
+import structlog
 from aiohttp.test_utils import TestClient
 from tests.fake_scheduler import FakeScheduler
 from tests.server.test_http_api import CHAT, assert_error_shape, client, make_client, scheduler, sse_events  # noqa: F401
@@ -97,3 +98,12 @@ async def test_the_streamed_usage_chunk_reports_the_prediction_tokens(client: Te
 async def test_an_answer_without_a_prediction_reports_zero_prediction_tokens(client: TestClient) -> None:
     usage = (await (await client.post("/v1/chat/completions", json=CHAT)).json())["usage"]
     assert usage["completion_tokens_details"] == {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
+
+
+async def test_the_finished_log_line_counts_the_prediction_tokens(client: TestClient, scheduler: FakeScheduler) -> None:
+    counted(scheduler, accepted=3, rejected=2)
+    body = {**CHAT, "prediction": {"type": "content", "content": "Hello world"}}
+    with structlog.testing.capture_logs() as logs:
+        assert (await client.post("/v1/chat/completions", json=body)).status == 200
+    (finished,) = [line for line in logs if line["event"] == "generation_finished"]
+    assert finished["accepted_prediction_tokens"] == 3 and finished["rejected_prediction_tokens"] == 2
