@@ -1,6 +1,6 @@
 """OpenAI's predicted outputs on the default model, through the official SDK unchanged: a
 prediction of the model's own greedy answer gives that same answer, with its predicted tokens
-accepted as drafts, and a streamed answer reports the counts in its usage chunk."""
+accepted as drafts, streamed or not (the streamed counts in the usage chunk)."""
 
 from __future__ import annotations
 
@@ -48,13 +48,16 @@ async def test_a_prediction_of_the_greedy_answer_gives_the_same_answer_with_its_
 async def test_a_streamed_answer_reports_the_prediction_tokens_in_its_usage_chunk(
     client: openai.AsyncOpenAI, model: str
 ) -> None:
+    plain = await client.chat.completions.create(model=model, messages=ASK, max_tokens=64, temperature=0)
+    answer = plain.choices[0].message.content or ""
     stream = await client.chat.completions.create(
         model=model, messages=ASK, max_tokens=64, temperature=0, stream=True,
-        stream_options={"include_usage": True}, prediction={"type": "content", "content": PARAGRAPH},
+        stream_options={"include_usage": True}, prediction={"type": "content", "content": answer},
     )
     chunks = [chunk async for chunk in stream]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
     usage = chunks[-1].usage
     assert usage is not None and usage.completion_tokens_details is not None
     details = usage.completion_tokens_details
-    assert details.accepted_prediction_tokens is not None and details.rejected_prediction_tokens is not None
-    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0
+    assert details.accepted_prediction_tokens is not None and details.accepted_prediction_tokens > 0
+    assert details.rejected_prediction_tokens is not None
