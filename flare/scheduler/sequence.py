@@ -74,7 +74,7 @@ class Sequence:
     # acceptance on this row (`--drafter auto` runs both).
     draft_source: str = "ngram"
     source_acceptance: dict[str, AcceptanceEstimate] = field(
-        default_factory=lambda: {"ngram": AcceptanceEstimate(), "mtp": AcceptanceEstimate(), PREDICTION_SOURCE: AcceptanceEstimate()}
+        default_factory=lambda: {source: AcceptanceEstimate() for source in ("ngram", "mtp", PREDICTION_SOURCE)}
     )
     # Where the output stands in the request's predicted output, and how many of the predicted
     # tokens this choice drafted were accepted and rejected (its usage reports both).

@@ -4,8 +4,9 @@ continuation from where the row's output last matched it.
 The state follows the output token by token with a cursor into the prediction: while the output
 agrees with the prediction the cursor advances, and where it departs, the cursor is found again
 where the output's last 1-3 tokens occur in the prediction (the first occurrence past the
-furthest the output has followed it, else the first), so an answer that skips, inserts or edits a stretch of the predicted
-text picks the prediction up again after it. Proposals are deterministic: q is one-hot.
+furthest the output has followed it, else the first), so an answer that skips, inserts or edits
+a stretch of the predicted text picks the prediction up again after it. Proposals are
+deterministic: q is one-hot.
 """
 
 from __future__ import annotations

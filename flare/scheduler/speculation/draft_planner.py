@@ -66,7 +66,8 @@ class DraftPlanner:
         """Each decode row's drafts, cut to the adaptive draft length."""
         constrained = [s for s in decode if s.grammar is not None]
         predicted = any(s.prediction_state is not None for s in decode)
-        if self._drafter is None and not self._head and not self._options.fault_injection and not constrained and not predicted:
+        drafting = self._drafter is not None or self._head or predicted
+        if not drafting and not self._options.fault_injection and not constrained:
             return {}
         forced: dict[Sequence, Draft] = {}
         proposals: list[Draft] = []
