@@ -57,7 +57,7 @@ class FakeTokenizer:
     tool_tokens: dict[str, int] = {}
     takes_system_turn = True
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]
 
     def fewest_tokens(self, characters: int) -> int:

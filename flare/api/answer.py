@@ -365,6 +365,8 @@ def _request_usage(prepared: Prepared, finished: Sequence[Finished]) -> Usage:
         sum(u.prompt_tokens for u in firsts.values()),
         sum(f.usage.completion_tokens for f in finished),
         sum(u.cached_tokens for u in firsts.values()),
+        sum(f.usage.accepted_prediction_tokens for f in finished),
+        sum(f.usage.rejected_prediction_tokens for f in finished),
     )
 
 
@@ -376,6 +378,8 @@ def _log_end(event: Finished | Failed, generated: Generated, usage: Usage) -> No
             finish_reason=event.reason,
             completion_tokens=usage.completion_tokens,
             cached_tokens=usage.cached_tokens,
+            accepted_prediction_tokens=usage.accepted_prediction_tokens,
+            rejected_prediction_tokens=usage.rejected_prediction_tokens,
             fell_back=event.fell_back,
         )
     else:

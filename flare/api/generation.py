@@ -75,6 +75,8 @@ class Generation:
     # The served model's name when `model` named another and --accept-any-model-name answered
     # it: the answer echoes `model`, its flare object says what served it.
     model_mapped_to: str | None = None
+    # OpenAI's predicted outputs: text the answer is expected to repeat, drafted from (chat only).
+    prediction: str | None = None
 
     @property
     def tools(self) -> ToolRequest | None:

@@ -135,6 +135,7 @@ async def prepare(
         constraint = tool_grammar(generation.tools, tool_format, scheduler.tokenizer.tool_tokens)
     grammar = await _compile(serving, constraint, cache_scope)
     clamp = _clamp(scheduler, generation, room, grammar)
+    prediction = await _prediction_ids(serving, generation.prediction)
     scores_prompt = tokens.echo and tokens.logprobs is not None
     requests = tuple(
         GenerationRequest(
@@ -148,6 +149,7 @@ async def prepare(
             prompt_logprobs=tokens.logprobs if scores_prompt else None,
             grammar=grammar,
             cache_scope=cache_scope,
+            prediction=prediction,
         )
         for k, (_, ids) in enumerate(prompts)
     )
@@ -260,6 +262,23 @@ async def chat_ids(serving: Serving, prompt: ChatPrompt, add_generation_prompt: 
         limit = isinstance(error, ChatTemplateLimit)
         raise bad_request(str(error), param=prompt.param, code="chat_template_limit" if limit else None) from None
     return tuple(ids)
+
+
+async def _prediction_ids(serving: Serving, prediction: str | None) -> tuple[int, ...]:
+    """The predicted output's token ids, as the answer would hold them (no special tokens added);
+    a prediction no context could hold is refused before it is tokenized."""
+    if not prediction:
+        return ()
+    scheduler = serving.scheduler
+    fewest = scheduler.tokenizer.fewest_tokens(len(prediction))
+    if fewest is not None and fewest >= scheduler.max_context:
+        raise bad_request(
+            f"prediction.content is {len(prediction)} characters, at least {fewest} tokens, longer than this model's "
+            f"context of {scheduler.max_context} tokens could ever answer; send a shorter prediction",
+            param="prediction.content",
+        )
+    encode = partial(scheduler.tokenizer.encode, add_special_tokens=False)
+    return tuple(await anyio.to_thread.run_sync(encode, prediction, limiter=serving.tokenizing))
 
 
 def check_prompt_size(scheduler: Scheduler, characters: int, param: str) -> None:

@@ -62,4 +62,10 @@ def emit(
 
 def choice_usage(seq: Sequence) -> Usage:
     """One choice's usage, as its Finished event reports it."""
-    return Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.cached_prompt_tokens or 0)
+    return Usage(
+        seq.num_prompt_tokens,
+        seq.num_output_tokens,
+        seq.cached_prompt_tokens or 0,
+        seq.prediction_accepted,
+        seq.prediction_rejected,
+    )

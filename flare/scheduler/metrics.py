@@ -62,7 +62,8 @@ class SchedulerMetrics(SchedulerObserver):
         )
         self.draft_tokens_proposed = Counter(
             "flare_draft_tokens_proposed",
-            "Draft tokens verified, by what proposed them (ngram, mtp: the draft head, grammar: a forced run).",
+            "Draft tokens verified, by what proposed them (ngram, mtp: the draft head, "
+            "prediction: a request's predicted output, grammar: a forced run).",
             ["drafter"],
             registry=registry,
         )

@@ -46,6 +46,9 @@ class GenerationRequest:
     cache_scope: bytes = b""
     """Who may share this request's prefix-cache blocks (engine/prefix_cache.py `scoped_root`):
     empty for everyone, else only requests of the same scope (api/cache_scope.py)."""
+    prediction: tuple[int, ...] = ()
+    """The token ids of the answer the client predicts (OpenAI's `prediction`): every choice
+    drafts from them (engine/drafters/prediction.py); empty: no prediction."""
 
 
 # A Weyl step of the golden ratio: choices of nearby seeds (s and s + 1) get unrelated streams.
@@ -88,11 +91,14 @@ class TextDelta:
 class Usage:
     """Tokens of a request (or of one of its choices: its own completion tokens); the prompt
     counts once however many choices share it. `cached_tokens` of the prompt were served from
-    the prefix cache rather than computed."""
+    the prefix cache rather than computed. Of the tokens a request's `prediction` drafted,
+    `accepted_prediction_tokens` were accepted and `rejected_prediction_tokens` rejected."""
 
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -570,7 +570,13 @@ class Scheduler:
             return  # ended already
         for choice in choices:
             self._end(choice, publish=False)
-        usage = Usage(seq.num_prompt_tokens, sum(s.num_output_tokens for s in choices), seq.cached_prompt_tokens or 0)
+        usage = Usage(
+            seq.num_prompt_tokens,
+            sum(s.num_output_tokens for s in choices),
+            seq.cached_prompt_tokens or 0,
+            sum(s.prediction_accepted for s in choices),
+            sum(s.prediction_rejected for s in choices),
+        )
         seq.stream.put(Failed(failure, usage))
         self.observer.request_ended(time.monotonic() - seq.arrival)
         log.info("request_failed", request_id=seq.request_id, code=failure.code)

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from flare.engine.drafters import Draft, DraftState
+from flare.engine.drafters.prediction import PredictionState
 from flare.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from flare.sampler.status import DeviceStatus
 from flare.scheduler.speculation.draft_length import AcceptanceEstimate
@@ -15,10 +16,12 @@ from flare.scheduler.stop_strings import StopStringMatcher
 from flare.structured import GrammarState
 
 
-# What can propose a row's drafts (`Sequence.draft_source`): n-gram lookup, the draft head, and
-# a grammar's forced run (jump-forward), which is no drafter's and teaches neither estimate.
+# What can propose a row's drafts (`Sequence.draft_source`): n-gram lookup, the draft head, the
+# request's predicted output, and a grammar's forced run (jump-forward), which is no drafter's
+# and teaches no estimate.
+PREDICTION_SOURCE = "prediction"
 GRAMMAR_SOURCE = "grammar"
-DRAFT_SOURCES = ("ngram", "mtp", GRAMMAR_SOURCE)
+DRAFT_SOURCES = ("ngram", "mtp", PREDICTION_SOURCE, GRAMMAR_SOURCE)
 
 
 class SequenceState(enum.Enum):
@@ -71,8 +74,13 @@ class Sequence:
     # acceptance on this row (`--drafter auto` runs both).
     draft_source: str = "ngram"
     source_acceptance: dict[str, AcceptanceEstimate] = field(
-        default_factory=lambda: {"ngram": AcceptanceEstimate(), "mtp": AcceptanceEstimate()}
+        default_factory=lambda: {source: AcceptanceEstimate() for source in ("ngram", "mtp", PREDICTION_SOURCE)}
     )
+    # Where the output stands in the request's predicted output, and how many of the predicted
+    # tokens this choice drafted were accepted and rejected (its usage reports both).
+    prediction_state: PredictionState | None = None
+    prediction_accepted: int = 0
+    prediction_rejected: int = 0
     pending_cancel: RequestFailure | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -101,6 +109,7 @@ class Sequence:
             draft_state=draft_state,
             index=index,
             grammar=GrammarState(request.grammar) if request.grammar is not None else None,
+            prediction_state=PredictionState(request.prediction) if request.prediction else None,
         )
 
     def __post_init__(self) -> None:

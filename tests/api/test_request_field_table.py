@@ -74,7 +74,6 @@ EXAMPLES: dict[str, Any] = {
     "user_profile_id": "profile-1",
     "workspace_id": "wrkspc-1",
     "audio": {"voice": "alloy", "format": "wav"},
-    "prediction": {"type": "content", "content": "Hello"},
     "reasoning_effort": "high",
     "web_search_options": {},
     "moderation": {},

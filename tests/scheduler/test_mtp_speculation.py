@@ -136,8 +136,8 @@ async def test_greedy_output_with_the_head_equals_output_without_speculation(hea
     assert drafted > 0 and 0 < accepted < drafted  # drafts were accepted and rejected
     assert scheduler.drafter_name == "mtp"
     # /metrics: every draft is the head's, and the head's passes took time.
-    assert drafts_by_drafter(registry, "proposed") == {"ngram": 0, "mtp": drafted, "grammar": 0}
-    assert drafts_by_drafter(registry, "accepted") == {"ngram": 0, "mtp": accepted, "grammar": 0}
+    assert drafts_by_drafter(registry, "proposed") == {"ngram": 0, "mtp": drafted, "prediction": 0, "grammar": 0}
+    assert drafts_by_drafter(registry, "accepted") == {"ngram": 0, "mtp": accepted, "prediction": 0, "grammar": 0}
     assert registry.get_sample_value("flare_draft_head_seconds_total") > 0
 
 

@@ -1,7 +1,8 @@
 """Speculation never changes what is sampled: on the tiny model, the tokens generated with
 drafts verified by rejection sampling follow the same distribution as without drafts.
 
-The drafter here proposes the last token again; the last test drafts with a learned draft head
+The drafter here proposes the last token again (one test drafts from a request's predicted output
+alone); the last test drafts with a learned draft head
 (tests/mtp_heads.py: one that mostly repeats the last token too, its q a real softmax under the
 row's temperature, computed inside the round). Learned-style, it draws each draft from q (0.8
 on the last token, the rest spread over the vocabulary) and reports q; otherwise q is one-hot. Drafts are often
@@ -81,22 +82,43 @@ class RepeatLastDrafter:
         return _RepeatLastState(list(prompt_ids), self.vocab_size, self.learned, generator)
 
 
+@dataclass
+class _SilentState:
+    def extend(self, token_ids) -> None:
+        pass
+
+    def propose(self, k: int) -> Draft:
+        return Draft(())
+
+
+@dataclass
+class SilentDrafter:
+    """Proposes nothing: what drafts, drafts from the request's prediction alone."""
+
+    name: str = "silent"
+
+    def new_state(self, prompt_ids) -> _SilentState:
+        return _SilentState()
+
+
 async def sample_tokens(
     package_path,
     params: SamplingParams,
-    drafter: RepeatLastDrafter | None,
+    drafter: RepeatLastDrafter | SilentDrafter | None,
     constraint: GrammarSpec | None = None,
     *,
     head: bool = False,
     tensor_parallel: int = 1,
+    prediction: tuple[int, ...] = (),
 ) -> tuple[list[list[int]], int]:
     """Each seed's generated tokens, and how many times a row sampled (target forwards per row).
     `head`: draft with the package's learned draft head; `tensor_parallel`: ranks of the model
-    (sampling then runs from per-shard statistics across them)."""
+    (sampling then runs from per-shard statistics across them); `prediction`: every request's
+    predicted output (OpenAI's `prediction`), drafted from before the drafter."""
     package = open_package(package_path)
     # No jump-forward: the grammar's forced tokens would be drafts of their own.
     options = SchedulerOptions(
-        draft_tokens=3 if drafter is not None or head else 0,
+        draft_tokens=3 if drafter is not None or head or prediction else 0,
         adaptive_draft_length=False,
         jump_forward=False,
         tensor_parallel=tensor_parallel,
@@ -111,7 +133,11 @@ async def sample_tokens(
             streams = [
                 scheduler.submit(
                     GenerationRequest(
-                        f"s{seed}", prompt, SamplingParams(**{**params.__dict__, "seed": seed}), grammar=grammar
+                        f"s{seed}",
+                        prompt,
+                        SamplingParams(**{**params.__dict__, "seed": seed}),
+                        grammar=grammar,
+                        prediction=prediction,
                     )
                 )
                 for seed in range(start, min(start + 32, SAMPLES))
@@ -182,6 +208,16 @@ async def test_speculative_sampling_follows_the_non_speculative_distribution(pea
     plain, plain_rounds = await sample_tokens(peaked_package, params, None)
     speculative, speculative_rounds = await sample_tokens(peaked_package, params, RepeatLastDrafter(vocab, learned))
     assert_same_distribution(plain, plain_rounds, speculative, speculative_rounds, "speculation")
+
+
+async def test_sampling_with_a_predicted_output_follows_the_distribution_without_it(peaked_package):
+    """A request's prediction drafts one-hot like lookup: the answer's distribution is the same
+    with it. The prediction is the likeliest answer, so its drafts are often accepted."""
+    params = SamplingParams(temperature=0.4, max_tokens=4)
+    plain, plain_rounds = await sample_tokens(peaked_package, params, None)
+    likeliest = tuple(Counter(ids[p] for ids in plain if len(ids) > p).most_common(1)[0][0] for p in range(4))
+    predicted, predicted_rounds = await sample_tokens(peaked_package, params, SilentDrafter(), prediction=likeliest)
+    assert_same_distribution(plain, plain_rounds, predicted, predicted_rounds, "a prediction")
 
 
 async def test_with_a_grammar_speculative_sampling_follows_the_non_speculative_distribution(peaked_package):

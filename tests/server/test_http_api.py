@@ -99,6 +99,7 @@ async def test_chat_completion_has_openai_shape_and_reports_sampling(client: Tes
         "completion_tokens": 4,
         "total_tokens": prompt_tokens + 4,
         "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
     }
     assert body["flare"]["sampling"]["temperature"] == 0.7
     assert body["flare"]["sampling"]["top_p"] == 0.9

@@ -47,7 +47,7 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 # Chat's fields that ask for what a text model without reasoning, tools of its own or a
 # moderation service cannot do: refused by name with why (_unsupported_chat_features).
-_REFUSED = frozenset({"audio", "prediction", "reasoning_effort", "web_search_options", "moderation"})
+_REFUSED = frozenset({"audio", "reasoning_effort", "web_search_options", "moderation"})
 _CHAT_ONLY_IGNORED = frozenset({"verbosity", "prompt_cache_options", "prompt_cache_retention"})
 _COMMON = frozenset(
     {
@@ -58,7 +58,7 @@ _COMMON = frozenset(
 _CHAT_FIELDS = _COMMON | _REFUSED | _CHAT_ONLY_IGNORED | {
     "messages", "n", "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice",
     "functions", "function_call", "response_format", "modalities", "prompt_cache_key", "safety_identifier",
-    "continue_final_message",
+    "continue_final_message", "prediction",
 }
 _COMPLETION_FIELDS = _COMMON | {"prompt", "n", "best_of", "logprobs", "logit_bias", "echo", "suffix"}
 
@@ -108,6 +108,7 @@ def parse_chat_completion(body: Mapping[str, Any]) -> Generation:
         cache_salt(body),
         label_field(body, "safety_identifier"),
         label_field(body, "prompt_cache_key"),
+        prediction=_prediction(body.get("prediction")),
     )
 
 
@@ -129,6 +130,39 @@ def parse_completion(body: Mapping[str, Any]) -> Generation:
     constraint = _structured_outputs(body.get("structured_outputs"))
     prompts = TextPrompts(_prompts(body.get("prompt")))
     return Generation(model, prompts, sampling_fields(body), stream, n, tokens, constraint, include_usage, cache_salt(body))
+
+
+def _prediction(value: Any) -> str | None:
+    """OpenAI's predicted outputs: {"type": "content", "content": text or [{"type": "text",
+    "text": ...}]}, the text the answer is expected to repeat much of; its tokens become drafts
+    that speculative decoding verifies, so it changes the speed of an answer, never its text."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request(
+            f'prediction must be an object such as {{"type": "content", "content": "..."}}, got {kind(value)}',
+            param="prediction",
+        )
+    no_other_keys(value, {"type", "content"}, "prediction")
+    if value.get("type") != "content":
+        raise bad_request(f'prediction.type must be "content", got {value.get("type")!r}', param="prediction.type")
+    content = value.get("content")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        shown = "an empty list" if content == [] else kind(content)
+        raise bad_request(
+            f'prediction.content must be a string or a list of {{"type": "text", "text": ...}} parts, got {shown}',
+            param="prediction.content",
+        )
+    texts = []
+    for k, part in enumerate(content):
+        where = f"prediction.content[{k}]"
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad_request(f'{where} must be a {{"type": "text", "text": "..."}} part', param="prediction.content")
+        no_other_keys(part, {"type", "text"}, where)
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def _continue_final_message(body: Mapping[str, Any], messages: tuple[Mapping[str, Any], ...]) -> str | None:
@@ -239,9 +273,6 @@ def _unsupported_chat_features(body: Mapping[str, Any]) -> None:
     _only(body, "function_call", (None, "none", "auto"), "function_call is not supported; use tools and tool_choice")
     _modalities(body.get("modalities"))
     _only(body, "audio", (None,), "audio output is not supported: this model answers in text; leave audio out")
-    _only(
-        body, "prediction", (None,), "prediction (predicted outputs) is not supported yet; leave prediction out"
-    )
     _only(
         body,
         "reasoning_effort",

@@ -70,6 +70,10 @@ def usage_json(usage: Usage) -> dict[str, Any]:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": usage.accepted_prediction_tokens,
+            "rejected_prediction_tokens": usage.rejected_prediction_tokens,
+        },
     }
 
 

@@ -2,7 +2,8 @@
 proposes after a row for its next round, and what a round's acceptance teaches both.
 
 Every per-sequence speculation field (`Sequence.draft_source`, `source_acceptance`, `head_use`,
-`head_pause`, `head_draft`, `head_cached`, `draft_state`) is written here, on the event-loop
+`head_pause`, `head_draft`, `head_cached`, `draft_state`, `prediction_state`,
+`prediction_accepted`, `prediction_rejected`) is written here, on the event-loop
 thread, but for `head_cached` going back to 0 with the sequence's blocks (`BlockManager.release`). docs/speculative.md describes the policy; docs/benchmarks.md holds what it was measured
 with.
 """
@@ -17,7 +18,7 @@ from flare.scheduler.speculation.draft_length import HeadCostModel, RoundCostMod
 from flare.scheduler.round.plan import PlannedRow, RoundPlan
 from flare.scheduler.round.result import RoundResult, RowResult
 from flare.scheduler.options import SchedulerOptions
-from flare.scheduler.sequence import GRAMMAR_SOURCE, Sequence
+from flare.scheduler.sequence import GRAMMAR_SOURCE, PREDICTION_SOURCE, Sequence
 
 # The most tokens a grammar's forced run is proposed at once (jump-forward drafts).
 JUMP_FORWARD_TOKENS = 16
@@ -64,7 +65,9 @@ class DraftPlanner:
     def drafts(self, decode: list[Sequence], base_tokens: int, *, requests_waiting: bool) -> dict[Sequence, Draft]:
         """Each decode row's drafts, cut to the adaptive draft length."""
         constrained = [s for s in decode if s.grammar is not None]
-        if self._drafter is None and not self._head and not self._options.fault_injection and not constrained:
+        predicted = any(s.prediction_state is not None for s in decode)
+        drafting = self._drafter is not None or self._head or predicted
+        if not drafting and not self._options.fault_injection and not constrained:
             return {}
         forced: dict[Sequence, Draft] = {}
         proposals: list[Draft] = []
@@ -124,7 +127,7 @@ class DraftPlanner:
         """
         if not self._head or seq.fell_back or self._draft_tokens <= 0 or seq.head_pause:
             return 0
-        if self._drafter_name == "auto" and seq.draft_source == "ngram":
+        if (self._drafter_name == "auto" and seq.draft_source == "ngram") or seq.draft_source == PREDICTION_SOURCE:
             return 0
         if self._options.adaptive_draft_length:
             steps = worthwhile_head_steps(
@@ -152,6 +155,9 @@ class DraftPlanner:
         were learns from them, the others recover. Call before the row's tokens are committed."""
         if not seq.in_decode:
             return
+        if drafts and seq.draft_source == PREDICTION_SOURCE:
+            seq.prediction_accepted += accepted
+            seq.prediction_rejected += drafts - accepted
         for source, estimate in seq.source_acceptance.items():
             if drafts and source == seq.draft_source:
                 estimate.observe(drafts, accepted)
@@ -169,6 +175,8 @@ class DraftPlanner:
         """Tokens appended to `seq`'s output: lookup finds its next drafts in them too."""
         if seq.draft_state is not None and kept:
             seq.draft_state.extend(kept)
+        if seq.prediction_state is not None and kept:
+            seq.prediction_state.extend(kept)
 
     def _grammar_draft(self, seq: Sequence, proposal: Draft) -> tuple[Draft, Draft]:
         """A constrained row's drafts: (the drafter's proposal cut at its first token the grammar
@@ -184,10 +192,16 @@ class DraftPlanner:
         return proposal.cut(valid), Draft(())
 
     def _proposal(self, seq: Sequence, limit: int) -> Draft:
-        """The row's draft: n-gram lookup's, the head's, or under `auto` lookup's wherever it
-        proposes and the head's elsewhere: lookup's drafts cost nothing to make, the head's a
-        step each, so a lookup draft accepted less often than the head's still pays better
-        (docs/benchmarks.md, the drafters' runs)."""
+        """The row's draft: the request's prediction's wherever it proposes (the client's own
+        guess at the answer, free to make), else n-gram lookup's, the head's, or under `auto`
+        lookup's wherever it proposes and the head's elsewhere: lookup's drafts cost nothing to
+        make, the head's a step each, so a lookup draft accepted less often than the head's
+        still pays better (docs/benchmarks.md, the drafters' runs)."""
+        if seq.prediction_state is not None:
+            predicted = seq.prediction_state.propose(limit)
+            if predicted.token_ids:
+                seq.draft_source = PREDICTION_SOURCE
+                return predicted
         head = seq.head_draft.cut(limit) if self._head and seq.head_draft is not None else Draft(())
         if seq.draft_state is None:
             seq.draft_source = "mtp"
