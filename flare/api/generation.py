@@ -55,6 +55,16 @@ class TextPrompts:
 
 
 @dataclass(frozen=True)
+class ThinkingSwitch:
+    """A request's switch of the model's reasoning (chat's `reasoning_effort`, Responses'
+    `reasoning.effort`, Anthropic's `thinking`, `chat_template_kwargs.enable_thinking`), and
+    the field that set it, which errors name."""
+
+    enabled: bool
+    param: str
+
+
+@dataclass(frozen=True)
 class Generation:
     """One generation request, whichever API it came in through."""
 
@@ -75,6 +85,7 @@ class Generation:
     # The served model's name when `model` named another and --accept-any-model-name answered
     # it: the answer echoes `model`, its flare object says what served it.
     model_mapped_to: str | None = None
+    thinking: ThinkingSwitch | None = None  # None: the template's default
 
     @property
     def tools(self) -> ToolRequest | None:
