@@ -194,7 +194,7 @@ def kind(value: Any) -> str:
 
 
 # OpenAI's reasoning efforts; flare's reasoning has no budget, so every one but "none" is on.
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 def effort_switch(value: Any, param: str) -> ThinkingSwitch | None:

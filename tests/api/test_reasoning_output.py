@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from tests.fake_scheduler import FakeScheduler
+from tests.server.test_stored_responses import MakeStored, make_stored  # noqa: F401  (a fixture)
 
 from flare.daemon.config import DaemonConfig
 from flare.package.reasoning_formats import THINK, ReasoningFormat
@@ -149,3 +150,56 @@ async def test_messages_thinking_enabled_is_refused_for_a_model_that_does_not_re
     assert response.status == 400
     body = await response.json()
     assert body["type"] == "error" and "does not reason" in body["error"]["message"]
+
+
+RESPONSES = {"model": MODEL, "input": "Hi"}
+
+
+async def test_responses_output_opens_with_a_reasoning_item(serve: Any) -> None:
+    client = await serve(thinking_scheduler())
+    response = await client.post("/v1/responses", json=RESPONSES)
+    assert response.status == 200
+    reasoning, message = (await response.json())["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_")
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "\nLet me think."}]
+    assert message["type"] == "message" and message["content"][0]["text"] == "Hello there"
+
+
+async def test_responses_stream_closes_the_reasoning_item_before_the_message_opens(serve: Any) -> None:
+    client = await serve(thinking_scheduler())
+    response = await client.post("/v1/responses", json={**RESPONSES, "stream": True})
+    events = sse_data(await response.text())
+    kinds = [e["type"] for e in events]
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert deltas == "\nLet me think."
+    done = next(e for e in events if e["type"] == "response.reasoning_text.done")
+    assert done["text"] == "\nLet me think."
+    added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
+    assert added == ["reasoning", "message"]
+    first_done = kinds.index("response.output_item.done")
+    assert events[first_done]["item"]["type"] == "reasoning"
+    assert first_done < kinds.index("response.output_text.delta")
+    final = events[-1]["response"]["output"]
+    assert [item["type"] for item in final] == ["reasoning", "message"]
+
+
+async def test_responses_reasoning_effort_none_switches_thinking_off(serve: Any) -> None:
+    scheduler = thinking_scheduler(reply=("Hi",))
+    client = await serve(scheduler)
+    response = await client.post("/v1/responses", json={**RESPONSES, "reasoning": {"effort": "none"}})
+    assert response.status == 200
+    assert scheduler.tokenizer.template_kwargs == {"enable_thinking": False}
+    bad = await client.post("/v1/responses", json={**RESPONSES, "reasoning": {"effort": "huge"}})
+    assert bad.status == 400 and (await bad.json())["error"]["param"] == "reasoning.effort"
+
+
+async def test_a_stored_response_with_reasoning_can_be_continued(make_stored: MakeStored) -> None:
+    client, _ = await make_stored(thinking_scheduler())
+    first = await (await client.post("/v1/responses", json=RESPONSES)).json()
+    assert [item["type"] for item in first["output"]] == ["reasoning", "message"]
+    body = {"model": MODEL, "input": "And?", "previous_response_id": first["id"]}
+    response = await client.post("/v1/responses", json=body)
+    assert response.status == 200, await response.text()
+    sent_back = {"model": MODEL, "input": [*first["output"], {"role": "user", "content": "And?"}]}
+    response = await client.post("/v1/responses", json=sent_back)
+    assert response.status == 200, await response.text()
