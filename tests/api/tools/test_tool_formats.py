@@ -11,10 +11,12 @@ from typing import Any
 
 import pytest
 
+from flare.api.reasoning import ReasoningReader
 from flare.api.tools.grammar import tool_grammar
 from flare.api.tools.parse import parse_tools
 from flare.api.tools.reader import ToolCallReader
 from flare.package.directory import open_package
+from flare.package.reasoning_formats import reasoning_format
 from flare.package.tool_formats import FLARE, LLAMA3, MISTRAL, QWEN, ToolFormat, tool_call_format
 from flare.structured import GrammarCompiler, GrammarState
 
@@ -209,17 +211,20 @@ def test_qwen3_may_think_before_it_calls_or_answers(compiler: GrammarCompiler) -
 
 
 @pytest.mark.parametrize("piece", [1, 3, 1000])
-def test_qwen3s_thinking_is_content_and_its_call_is_read_after_it(piece: int) -> None:
+def test_qwen3s_thinking_is_reasoning_and_its_call_is_read_after_it(piece: int) -> None:
     answer = THOUGHT + ANSWERS["qwen"] % "Paris"
-    reader = ToolCallReader(active=True, fmt=QWEN3)
-    content = ""
+    fmt = reasoning_format((TEMPLATES / "qwen3.jinja").read_text())
+    assert fmt is not None
+    reasoner, reader = ReasoningReader(fmt), ToolCallReader(active=True, fmt=QWEN3)
+    reasoning = content = ""
     for start in range(0, len(answer), piece):
-        text, _ = reader.push(answer[start : start + piece])
-        content += text
-    assert content == THOUGHT
+        thought, rest = reasoner.push(answer[start : start + piece])
+        text, _ = reader.push(rest)
+        reasoning, content = reasoning + thought, content + text
+    assert reasoning == "\nThe user wants a <b>city</b>: Paris. </thin\n" and content == ""
     assert [(c.name, json.loads(c.arguments)) for c in reader.calls] == [
         ("get_weather", {"city": "Paris"}), ("get_time", {"hours": 3})
     ]
-    text_reader = ToolCallReader(active=True, fmt=QWEN3)
-    said = "".join(text_reader.push(c)[0] for c in THOUGHT + "Sunny.")
-    assert said == THOUGHT + "Sunny." and not text_reader.called
+    text_reasoner, text_reader = ReasoningReader(fmt), ToolCallReader(active=True, fmt=QWEN3)
+    said = "".join(text_reader.push(text_reasoner.push(c)[1])[0] for c in THOUGHT + "Sunny.")
+    assert said == "Sunny." and not text_reader.called
