@@ -144,6 +144,15 @@ async def test_messages_stream_sends_thinking_deltas_in_their_own_block(serve: A
     assert [e["type"] for e in events].count("content_block_stop") == 2
 
 
+async def test_messages_answer_with_its_thinking_block_can_be_sent_back(serve: Any) -> None:
+    client = await serve(thinking_scheduler())
+    body = {**MESSAGES, "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    first = await (await client.post("/v1/messages", json=body)).json()
+    turns = [*MESSAGES["messages"], {"role": "assistant", "content": first["content"]}, {"role": "user", "content": "And?"}]
+    response = await client.post("/v1/messages", json={**body, "messages": turns})
+    assert response.status == 200, await response.text()
+
+
 async def test_messages_thinking_enabled_is_refused_for_a_model_that_does_not_reason(serve: Any) -> None:
     client = await serve(thinking_scheduler(fmt=None))
     response = await client.post("/v1/messages", json={**MESSAGES, "thinking": {"type": "enabled", "budget_tokens": 1024}})
@@ -203,3 +212,11 @@ async def test_a_stored_response_with_reasoning_can_be_continued(make_stored: Ma
     sent_back = {"model": MODEL, "input": [*first["output"], {"role": "user", "content": "And?"}]}
     response = await client.post("/v1/responses", json=sent_back)
     assert response.status == 200, await response.text()
+
+
+async def test_chat_stream_keeps_the_logprobs_of_reasoning_tokens(serve: Any) -> None:
+    client = await serve(thinking_scheduler())
+    response = await client.post("/v1/chat/completions", json={**CHAT, "stream": True, "logprobs": True})
+    chunks = sse_data(await response.text())[1:]
+    reasoning_chunks = [c for c in chunks if "reasoning_content" in c["choices"][0]["delta"]]
+    assert reasoning_chunks and all(c["choices"][0]["logprobs"] is not None for c in reasoning_chunks)

@@ -118,9 +118,11 @@ class ChatCompletionShape:
     def final_chunk(self, finish_reason: str, index: int = 0) -> dict[str, Any]:
         return self._chunk({}, finish_reason, index)
 
-    def reasoning_chunk(self, text: str, index: int = 0) -> dict[str, Any]:
+    def reasoning_chunk(
+        self, text: str, index: int = 0, logprobs: list[RenderedToken] | None = None
+    ) -> dict[str, Any]:
         """A piece of the reasoning, as vLLM and llama.cpp stream it: `delta.reasoning_content`."""
-        return self._chunk({"reasoning_content": text}, None, index)
+        return self._chunk({"reasoning_content": text}, None, index, None if logprobs is None else chat_logprobs(logprobs))
 
     def tool_calls_chunk(self, calls: list[dict[str, Any]], index: int = 0) -> dict[str, Any]:
         """A delta of whole calls, each with its `index` among the choice's calls."""
@@ -233,9 +235,13 @@ class OpenAIRenderer:
         if piece.prompt_entries is not None and echo is not None:
             frames.append(sse_data(self.shape.text_chunk(echo, index, piece.prompt_entries, self._offsets[index])))
             self._offsets[index] += len(echo)
-        if piece.reasoning and isinstance(self.shape, ChatCompletionShape):
-            frames.append(sse_data(self.shape.reasoning_chunk(piece.reasoning, index)))
-        if piece.text or (piece.entries and not piece.reasoning):
+        reasoned = bool(piece.reasoning) and isinstance(self.shape, ChatCompletionShape)
+        if reasoned:
+            # The piece's logprob entries ride on its content chunk, or on its reasoning chunk
+            # when it has no content.
+            entries = None if piece.text else piece.entries
+            frames.append(sse_data(self.shape.reasoning_chunk(piece.reasoning, index, entries)))
+        if piece.text or (piece.entries and not reasoned):
             frames.append(sse_data(self.shape.text_chunk(piece.text, index, piece.entries, self._offsets[index])))
             self._offsets[index] += len(piece.text)
         return frames

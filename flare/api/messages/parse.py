@@ -2,7 +2,7 @@
 into a `Generation`.
 
 Accepted: `system` (a string or text blocks), `messages` whose content is a string or blocks
-(`text`; `tool_use` on assistant turns, `tool_result` on user turns), `max_tokens` (required,
+(`text`; `tool_use` and earlier `thinking` on assistant turns, `tool_result` on user turns), `max_tokens` (required,
 as Anthropic requires it), `temperature`, `top_p`, `top_k`, `stop_sequences`, `tools` (custom
 tools: name, description, input_schema) with `tool_choice` (auto, any, tool, none;
 `disable_parallel_tool_use`), and `stream`. The conversation becomes chat messages and the tools
@@ -219,6 +219,8 @@ def _blocks(where: str, role: str, blocks: list[Any]) -> list[tuple[dict[str, An
             calls.append(_tool_use(at, block))
         elif block_type == "tool_result" and role == "user":
             results.append((_tool_result(at, block), f"{at}.tool_use_id"))
+        elif block_type in ("thinking", "redacted_thinking") and role == "assistant":
+            continue  # an earlier answer's thinking, sent back: templates leave it out of the prompt
         elif block_type in ("tool_use", "tool_result"):
             raise bad_request(
                 f"{at}: {block_type} blocks belong on {'assistant' if block_type == 'tool_use' else 'user'} turns",
