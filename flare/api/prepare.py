@@ -21,6 +21,7 @@ import anyio
 from flare.api.abandonable import run_abandonable
 from flare.api.errors import bad_request
 from flare.api.generation import ChatPrompt, Generation, TextPrompts, ThinkingSwitch, TokenOptions
+from flare.api.reasoning import after_reasoning
 from flare.api.rendering import IdForm, flare_object, logprobs_object
 from flare.api.tools.grammar import tool_grammar
 from flare.api.tools.prompt import render_messages, template_messages, template_tools
@@ -135,9 +136,9 @@ async def prepare(
         )
     tool_format = scheduler.tokenizer.tool_format
     inside = reasoning is not None and opens_inside(_tail(scheduler, prompts[0][1]), reasoning)
-    if reasoning is not None:
-        _check_grammar_after_reasoning(generation, reasoning, tool_format, inside)
     constraint = generation.constraint
+    if reasoning is not None:
+        constraint = _constraint_after_reasoning(generation, reasoning, tool_format, inside)
     if generation.tools is not None and generation.tools.calls_possible:
         constraint = tool_grammar(generation.tools, tool_format, scheduler.tokenizer.tool_tokens)
     grammar = await _compile(serving, constraint, cache_scope)
@@ -190,26 +191,30 @@ def _tail(scheduler: Scheduler, ids: tuple[int, ...]) -> str:
     return b"".join(scheduler.tokenizer.token_bytes(t) for t in ids[-8:]).decode("utf-8", "replace")
 
 
-def _check_grammar_after_reasoning(
+def _constraint_after_reasoning(
     generation: Generation, reasoning: ReasoningFormat, tool_format: ToolFormat, inside: bool
-) -> None:
-    """A grammar holds the answer from its first token, so with reasoning on it would hold the
-    reasoning too: a 400 naming the grammar's field, unless the request switched reasoning off
-    in a template that reads the switch, or the tool format's grammar lets the reasoning open
-    the answer (Qwen 3's)."""
+) -> GrammarSpec | None:
+    """The request's constraint, held after the reasoning: a grammar holds the answer from its
+    first token, so with reasoning on a JSON schema's grammar lets the reasoning come first
+    (api/reasoning.py), as the tool format's grammar does where it knows the reasoning (Qwen 3's).
+    Any other grammar with reasoning on is a 400 naming its field: never is the reasoning
+    constrained. Reasoning switched off in a template that reads the switch needs none of this."""
+    constraint = generation.constraint
     switch = generation.thinking
     if switch is not None and not switch.enabled and reasoning.switchable and not inside:
-        return
-    if generation.constraint is not None:
-        param = generation.constraint.param
+        return constraint
+    if constraint is not None and constraint.kind == "json_schema":
+        return after_reasoning(constraint, reasoning, inside)
+    if constraint is not None:
+        param = constraint.param
     elif generation.calls_possible and (tool_format.thinking is None or inside):
         param = "tools"
     else:
-        return
+        return constraint
     raise bad_request(
-        f"{param}: this model reasons before it answers, and a grammar is not yet applied after the reasoning; "
-        "switch reasoning off for this request (reasoning_effort \"none\", reasoning.effort \"none\", thinking "
-        "disabled, or chat_template_kwargs.enable_thinking false) to constrain the answer",
+        f"{param}: this model reasons before it answers, and this grammar cannot yet be held after the reasoning "
+        "(a JSON schema can); switch reasoning off for this request (reasoning_effort \"none\", reasoning.effort "
+        "\"none\", thinking disabled, or chat_template_kwargs.enable_thinking false) to constrain the answer",
         param=param,
     )
 

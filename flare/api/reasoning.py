@@ -9,10 +9,14 @@ part of a mark.
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from typing import Literal
 
 from flare.package.reasoning_formats import ReasoningFormat
+from flare.structured.compiler import JSON_OPTIONS
+from flare.structured.spec import GrammarSpec
 
 
 def _held(buffer: str, mark: str) -> int:
@@ -70,3 +74,28 @@ class ReasoningReader:
         if self._mode == "reasoning":
             return held, ""
         return "", held if self._mode != "after" else ""
+
+
+def reasoning_regex(opening: str, closing: str) -> str:
+    """A regular expression (Lark's, slashes escaped) of `opening`, text without `closing`,
+    `closing` and newlines: one lexeme, so that the reasoning ends at its first closing mark."""
+
+    def escaped(text: str) -> str:
+        return re.escape(text).replace("/", "\\/")
+
+    # Text without `closing`: each character but the mark's first, or a proper prefix of the
+    # mark followed by a character that does not continue it.
+    avoid = "|".join(f"{escaped(closing[:n])}[^{escaped(closing[n])}]" for n in range(len(closing)))
+    return f"{escaped(opening)}({avoid})*{escaped(closing)}\\n*"
+
+
+def after_reasoning(spec: GrammarSpec, fmt: ReasoningFormat, inside: bool) -> GrammarSpec:
+    """A JSON schema's grammar that holds the answer after the reasoning and leaves the reasoning
+    free: the reasoning (required when the prompt opened it, else optional), then the JSON."""
+    opening, optional = ("", "") if inside else (fmt.start, "?")
+    schema = {"x-guidance": JSON_OPTIONS, **json.loads(spec.source)}  # as a json_schema compiles
+    lark = (
+        f"start: REASONING{optional} %json {json.dumps(schema)}\n"
+        f"REASONING: /{reasoning_regex(opening, fmt.end)}/\n"
+    )
+    return GrammarSpec("lark", lark, spec.param, spec.closed_objects)

@@ -105,13 +105,12 @@ async def test_reasoning_asked_of_a_model_that_does_not_reason_is_refused_naming
     assert "reasoning_content" not in plain["choices"][0]["message"]
 
 
-async def test_a_grammar_with_reasoning_on_is_refused_naming_the_grammar_field(serve: Any) -> None:
+async def test_a_grammar_other_than_a_json_schema_with_reasoning_on_is_refused_naming_its_field(serve: Any) -> None:
     client = await serve(thinking_scheduler())
-    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
-    response = await client.post("/v1/chat/completions", json={**CHAT, "response_format": schema})
+    response = await client.post("/v1/chat/completions", json={**CHAT, "structured_outputs": {"regex": "[ab]+"}})
     assert response.status == 400
     error = (await response.json())["error"]
-    assert error["param"].startswith("response_format") and "reasoning" in error["message"]
+    assert error["param"] == "structured_outputs.regex" and "reasons before it answers" in error["message"]
 
 
 MESSAGES = {"model": MODEL, "max_tokens": 64, "messages": [{"role": "user", "content": "Hi"}]}

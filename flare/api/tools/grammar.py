@@ -8,6 +8,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from flare.api.reasoning import reasoning_regex
 from flare.api.tools.parse import Tool, ToolRequest
 from flare.package.tool_formats import FLARE, ToolFormat
 from flare.structured.compiler import JSON_OPTIONS
@@ -46,7 +47,7 @@ def tool_grammar(
     thinking = ""
     if fmt.thinking is not None:
         start = f"THINKING? ({start})"
-        thinking = f"THINKING: /{_thinking_regex(*fmt.thinking)}/\n"
+        thinking = f"THINKING: /{reasoning_regex(*fmt.thinking)}/\n"
     lark = (
         f"start: {start}\n"
         f"{thinking}"
@@ -56,21 +57,6 @@ def tool_grammar(
         f"call: {_literal(fmt.call_open, control)} %json {json.dumps(call_schema)} {_literal(fmt.call_close, control)}\n"
     )
     return GrammarSpec("lark", lark, "tools", tuple(p for t in allowed for p in t.closed_objects))
-
-
-def _thinking_regex(opening: str, closing: str) -> str:
-    """A regular expression (Lark's, slashes escaped) of `opening`, text without `closing`,
-    `closing` and newlines: one lexeme, so that the reasoning ends at its first closing tag."""
-
-    def escaped(text: str) -> str:
-        return re.escape(text).replace("/", "\\/")
-
-    # Text without `closing`: each character but the tag's first, or a proper prefix of the
-    # tag followed by a character that does not continue it.
-    avoid = "|".join(
-        f"{escaped(closing[:n])}[^{escaped(closing[n])}]" for n in range(len(closing))
-    )
-    return f"{escaped(opening)}({avoid})*{escaped(closing)}\\n*"
 
 
 def _literal(text: str, control: Mapping[str, int]) -> str:
