@@ -136,11 +136,14 @@ async def prepare(
         )
     tool_format = scheduler.tokenizer.tool_format
     inside = reasoning is not None and opens_inside(_tail(scheduler, prompts[0][1]), reasoning)
+    # The reasoning the answer may open with, which a grammar must leave free; None once the
+    # request switched it off in a template that reads the switch.
+    free = reasoning if reasoning is not None and not _switched_off(generation, reasoning, inside) else None
     constraint = generation.constraint
-    if reasoning is not None:
-        constraint = _constraint_after_reasoning(generation, reasoning, tool_format, inside)
+    if free is not None and constraint is not None:
+        constraint = _constraint_after_reasoning(constraint, free, inside)
     if generation.tools is not None and generation.tools.calls_possible:
-        constraint = tool_grammar(generation.tools, tool_format, scheduler.tokenizer.tool_tokens)
+        constraint = tool_grammar(generation.tools, tool_format, scheduler.tokenizer.tool_tokens, free, inside)
     grammar = await _compile(serving, constraint, cache_scope)
     clamp = _clamp(scheduler, generation, room, grammar)
     scores_prompt = tokens.echo and tokens.logprobs is not None
@@ -191,31 +194,26 @@ def _tail(scheduler: Scheduler, ids: tuple[int, ...]) -> str:
     return b"".join(scheduler.tokenizer.token_bytes(t) for t in ids[-8:]).decode("utf-8", "replace")
 
 
-def _constraint_after_reasoning(
-    generation: Generation, reasoning: ReasoningFormat, tool_format: ToolFormat, inside: bool
-) -> GrammarSpec | None:
-    """The request's constraint, held after the reasoning: a grammar holds the answer from its
-    first token, so with reasoning on a JSON schema's grammar lets the reasoning come first
-    (api/reasoning.py), as the tool format's grammar does where it knows the reasoning (Qwen 3's).
-    Any other grammar with reasoning on is a 400 naming its field: never is the reasoning
-    constrained. Reasoning switched off in a template that reads the switch needs none of this."""
-    constraint = generation.constraint
+def _switched_off(generation: Generation, reasoning: ReasoningFormat, inside: bool) -> bool:
+    """Whether the request switched the reasoning off in a template that reads the switch (so
+    the answer starts after it, and a grammar holds all of it)."""
     switch = generation.thinking
-    if switch is not None and not switch.enabled and reasoning.switchable and not inside:
-        return constraint
-    if constraint is not None and constraint.kind == "json_schema":
+    return switch is not None and not switch.enabled and reasoning.switchable and not inside
+
+
+def _constraint_after_reasoning(constraint: GrammarSpec, reasoning: ReasoningFormat, inside: bool) -> GrammarSpec:
+    """The request's constraint, held after the reasoning: a grammar holds the answer from its
+    first token, so a JSON schema's grammar lets the reasoning come first (api/reasoning.py), as
+    the tools' grammar does. Any other grammar with reasoning on is a 400 naming its field:
+    never is the reasoning constrained."""
+    if constraint.kind == "json_schema":
         return after_reasoning(constraint, reasoning, inside)
-    if constraint is not None:
-        param = constraint.param
-    elif generation.calls_possible and (tool_format.thinking is None or inside):
-        param = "tools"
-    else:
-        return constraint
     raise bad_request(
-        f"{param}: this model reasons before it answers, and this grammar cannot yet be held after the reasoning "
-        "(a JSON schema can); switch reasoning off for this request (reasoning_effort \"none\", reasoning.effort "
-        "\"none\", thinking disabled, or chat_template_kwargs.enable_thinking false) to constrain the answer",
-        param=param,
+        f"{constraint.param}: this model reasons before it answers, and this grammar cannot yet be held after the "
+        "reasoning (a JSON schema can); switch reasoning off for this request (reasoning_effort \"none\", "
+        "reasoning.effort \"none\", thinking disabled, or chat_template_kwargs.enable_thinking false) to "
+        "constrain the answer",
+        param=constraint.param,
     )
 
 

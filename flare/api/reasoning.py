@@ -89,13 +89,16 @@ def reasoning_regex(opening: str, closing: str) -> str:
     return f"{escaped(opening)}({avoid})*{escaped(closing)}\\n*"
 
 
+def reasoning_rule(fmt: ReasoningFormat, inside: bool) -> tuple[str, str]:
+    """(what a grammar's start rule opens with, the REASONING terminal's line): the reasoning,
+    required when the prompt opened it (without its start mark), optional otherwise."""
+    opening, optional = ("", "") if inside else (fmt.start, "?")
+    return f"REASONING{optional} ", f"REASONING: /{reasoning_regex(opening, fmt.end)}/\n"
+
+
 def after_reasoning(spec: GrammarSpec, fmt: ReasoningFormat, inside: bool) -> GrammarSpec:
     """A JSON schema's grammar that holds the answer after the reasoning and leaves the reasoning
     free: the reasoning (required when the prompt opened it, else optional), then the JSON."""
-    opening, optional = ("", "") if inside else (fmt.start, "?")
     schema = {"x-guidance": JSON_OPTIONS, **json.loads(spec.source)}  # as a json_schema compiles
-    lark = (
-        f"start: REASONING{optional} %json {json.dumps(schema)}\n"
-        f"REASONING: /{reasoning_regex(opening, fmt.end)}/\n"
-    )
-    return GrammarSpec("lark", lark, spec.param, spec.closed_objects)
+    opens, terminal = reasoning_rule(fmt, inside)
+    return GrammarSpec("lark", f"start: {opens}%json {json.dumps(schema)}\n{terminal}", spec.param, spec.closed_objects)
