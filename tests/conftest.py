@@ -12,6 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import json  # noqa: E402
+import logging  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from dataclasses import replace  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -30,6 +31,19 @@ from flare.preparation.source import ModelSource  # noqa: E402
 from flare.policy.policy import SamplingPolicy  # noqa: E402
 
 TINY_MAX_CONTEXT = 512
+
+
+@pytest.fixture(autouse=True)
+def no_logging_to_closed_streams() -> None:
+    """A test that configured logging (`configure_logging`, or a daemon run in-process) leaves its
+    handler on the root logger, writing to a stream pytest has closed since: later tests' log lines
+    would print logging's own error and traceback to stderr, which tests that check a process's
+    stderr read as the process's. Such handlers are dropped before each test."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        stream = getattr(handler, "stream", None)
+        if stream is not None and getattr(stream, "closed", False):
+            root.removeHandler(handler)
 
 
 @pytest.fixture(scope="session")

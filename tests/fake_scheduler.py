@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from flare.engine.tokenizer import ChatTemplateError
+from flare.package.reasoning_formats import ReasoningFormat
 from flare.package.tool_formats import FLARE
 from flare.policy.policy import SamplingPolicy
 from flare.scheduler.stats import SchedulerObserver
@@ -54,6 +55,8 @@ class FakeTokenizer:
     eos_token_ids = (0,)
     knows_tools = False
     tool_format = FLARE
+    reasoning_format: ReasoningFormat | None = None
+    template_kwargs: Mapping[str, object] | None = None  # the last chat prompt's
     tool_tokens: dict[str, int] = {}
     takes_system_turn = True
 
@@ -73,7 +76,9 @@ class FakeTokenizer:
         *,
         special_tokens_in_content: bool = False,
         continue_final_message: bool = False,
+        template_kwargs: Mapping[str, object] | None = None,
     ) -> list[int]:
+        self.template_kwargs = template_kwargs
         if any(m["content"] == "refuse" for m in messages):
             raise ChatTemplateError("the chat template could not render these messages: refused")
         opened = "" if continue_final_message else "<assistant>"

@@ -25,6 +25,7 @@ from aiohttp import web
 from flare.api.errors import RATE_LIMIT, SERVER_ERROR, ApiError, bad_request
 from flare.api.generation import Generation
 from flare.api.prepare import Echo, Prepared
+from flare.api.reasoning import ReasoningReader
 from flare.api.rendering import ChoiceText, RenderedToken, Renderer, TextPiece, TokenRenderer
 from flare.api.sse import SSE_HEADERS
 from flare.api.tools.reader import ToolCallReader
@@ -229,16 +230,32 @@ class _Events:
 
 @dataclass
 class _Reading:
-    """How one request's token-level answer is read: its tool calls and log-probability entries."""
+    """How one request's token-level answer is read: its reasoning, its tool calls and
+    log-probability entries."""
 
     prepared: Prepared
     renderer: TokenRenderer
     readers: list[ToolCallReader] = field(init=False)
+    reasoners: list[ReasoningReader | None] = field(init=False)
 
     def __post_init__(self) -> None:
         calls = self.prepared.generation.calls_possible
         fmt, call_prefix = self.prepared.tool_format, self.prepared.ids.call
         self.readers = [ToolCallReader(calls, fmt, call_prefix) for _ in range(self.prepared.choices)]
+        reasoning, inside = self.prepared.reasoning, self.prepared.reasoning_inside
+        self.reasoners = [
+            None if reasoning is None else ReasoningReader(reasoning, inside) for _ in range(self.prepared.choices)
+        ]
+
+    def split(self, index: int, text: str) -> tuple[str, str]:
+        """(reasoning, answer) of a piece of choice `index`'s text."""
+        reasoner = self.reasoners[index]
+        return ("", text) if reasoner is None else reasoner.push(text)
+
+    def flush(self, index: int) -> tuple[str, str]:
+        """(reasoning, answer) held back at the end of choice `index`."""
+        reasoner = self.reasoners[index]
+        return ("", "") if reasoner is None else reasoner.flush()
 
     def echo(self, index: int) -> Echo | None:
         return self.prepared.echoes[index // self.prepared.n]
@@ -287,13 +304,20 @@ async def _stream(
             continue
         if isinstance(event, TextDelta):
             generated.token()
-            text, deltas = reading.readers[event.index].push(event.text)
-            piece = TextPiece(event.index, text, reading.entries(event), reading.prompt_entries(event))
+            reasoning, answer_text = reading.split(event.index, event.text)
+            text, deltas = reading.readers[event.index].push(answer_text)
+            piece = TextPiece(event.index, text, reading.entries(event), reading.prompt_entries(event), reasoning)
             await _write(response, renderer.text(piece))
             if deltas:
                 await _write(response, renderer.calls(event.index, deltas))
             continue
         if isinstance(event, Finished):
+            reasoning, answer_text = reading.flush(event.index)
+            if reasoning or answer_text:
+                text, deltas = reading.readers[event.index].push(answer_text)
+                await _write(response, renderer.text(TextPiece(event.index, text, None, None, reasoning)))
+                if deltas:
+                    await _write(response, renderer.calls(event.index, deltas))
             await _write(response, renderer.finish(event.index, reading.reason(event), event.fell_back, event.stop_string))
             finished.append(event)
             if len(finished) < prepared.choices:
@@ -345,12 +369,17 @@ async def _collect(
         choices = []
         for i in range(count):
             reader = reading.readers[i]
-            text, _ = reader.push("".join(texts[i]))
+            reasoning, answer_text = reading.split(i, "".join(texts[i]))
+            held_reasoning, held_text = reading.flush(i)
+            text, _ = reader.push(answer_text + held_text)
             echo = reading.echo(i)
             if echo is not None:
                 text = echo.text + text
             logprobs = entries[i] if prepared.tokens.logprobs is not None else None
-            choice = ChoiceText(text, reading.reason(finished[i]), logprobs, reader.calls or None, finished[i].stop_string)
+            thought = reasoning + held_reasoning if reading.reasoners[i] is not None else None
+            choice = ChoiceText(
+                text, reading.reason(finished[i]), logprobs, reader.calls or None, finished[i].stop_string, thought
+            )
             choices.append(choice)
         flare = {**prepared.flare(), "fell_back": any(f.fell_back for f in finished.values())}
         return web.json_response(renderer.body(choices, usage, flare), headers=prepared.headers())

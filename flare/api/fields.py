@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flare.api.errors import ApiError, bad_request
+from flare.api.generation import ThinkingSwitch
 from flare.policy.validation import InvalidParameter, validate_request_sampling
 from flare.structured.spec import GrammarSpec
 from flare.structured.strict import StrictError, close_objects
@@ -190,3 +191,32 @@ def kind(value: Any) -> str:
         return "null"
     names = {bool: "a boolean", str: "a string", int: "a number", float: "a number", list: "a list", dict: "an object"}
     return next((name for kind, name in names.items() if isinstance(value, kind)), type(value).__name__)
+
+
+# OpenAI's reasoning efforts; flare's reasoning has no budget, so every one but "none" is on.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def effort_switch(value: Any, param: str) -> ThinkingSwitch | None:
+    """OpenAI's reasoning effort as a switch: "none" is off, any other effort on."""
+    if value is None:
+        return None
+    if value not in REASONING_EFFORTS:
+        raise bad_request(f"{param} must be one of {', '.join(REASONING_EFFORTS)}, got {value!r}", param=param)
+    return ThinkingSwitch(value != "none", param)
+
+
+def template_switch(value: Any) -> ThinkingSwitch | None:
+    """vLLM's `chat_template_kwargs`: flare's templates take `enable_thinking` from requests."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request(f"chat_template_kwargs must be an object, got {kind(value)}", param="chat_template_kwargs")
+    no_other_keys(value, {"enable_thinking"}, "chat_template_kwargs")
+    enabled = value.get("enable_thinking")
+    if enabled is None:
+        return None
+    if not isinstance(enabled, bool):
+        param = "chat_template_kwargs.enable_thinking"
+        raise bad_request(f"{param} must be true or false, got {kind(enabled)}", param=param)
+    return ThinkingSwitch(enabled, "chat_template_kwargs.enable_thinking")

@@ -55,6 +55,16 @@ class TextPrompts:
 
 
 @dataclass(frozen=True)
+class ThinkingSwitch:
+    """A request's switch of the model's reasoning (chat's `reasoning_effort`, Responses'
+    `reasoning.effort`, Anthropic's `thinking`, `chat_template_kwargs.enable_thinking`), and
+    the field that set it, which errors name."""
+
+    enabled: bool
+    param: str
+
+
+@dataclass(frozen=True)
 class Generation:
     """One generation request, whichever API it came in through."""
 
@@ -77,6 +87,7 @@ class Generation:
     model_mapped_to: str | None = None
     # OpenAI's predicted outputs: text the answer is expected to repeat, drafted from (chat only).
     prediction: str | None = None
+    thinking: ThinkingSwitch | None = None  # None: the template's default
 
     @property
     def tools(self) -> ToolRequest | None:

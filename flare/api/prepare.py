@@ -20,12 +20,14 @@ import anyio
 
 from flare.api.abandonable import run_abandonable
 from flare.api.errors import bad_request
-from flare.api.generation import ChatPrompt, Generation, TextPrompts, TokenOptions
+from flare.api.generation import ChatPrompt, Generation, TextPrompts, ThinkingSwitch, TokenOptions
+from flare.api.reasoning import after_reasoning
 from flare.api.rendering import IdForm, flare_object, logprobs_object
 from flare.api.tools.grammar import tool_grammar
 from flare.api.tools.prompt import render_messages, template_messages, template_tools
 from flare.engine.tokenizer import CannotContinue, ChatTemplateError
 from flare.package.chat_template import ChatTemplateLimit
+from flare.package.reasoning_formats import ReasoningFormat, opens_inside
 from flare.package.tool_formats import ToolFormat
 from flare.policy.policy import Adjustment, ClampResult
 from flare.scheduler.request import FaultSpec, GenerationRequest
@@ -68,6 +70,8 @@ class Prepared:
     clamp: ClampResult
     echoes: tuple[Echo | None, ...]  # per prompt
     tool_format: ToolFormat  # how the answer's tool calls are written (the package's template decides)
+    reasoning: ReasoningFormat | None = None  # how the answer's reasoning is read apart (chat prompts)
+    reasoning_inside: bool = False  # the prompt opened the reasoning: the answer starts inside it
 
     @property
     def n(self) -> int:
@@ -110,7 +114,8 @@ async def prepare(
     tokens = generation.tokens
     _check_logit_bias(tokens.logit_bias, scheduler.vocab_size)
     _check_continuation(generation)
-    prompts = await _prompt_ids(serving, generation.prompt)
+    reasoning = _reasoning_format(scheduler, generation)
+    prompts = await _prompt_ids(serving, generation.prompt, _template_kwargs(reasoning, generation.thinking))
     param = generation.prompt.param
     sequences = len(prompts) * generation.n
     if len(prompts) > 1 and sequences > scheduler.max_concurrency:
@@ -130,9 +135,15 @@ async def prepare(
             code="context_length_exceeded",
         )
     tool_format = scheduler.tokenizer.tool_format
+    inside = reasoning is not None and opens_inside(_tail(scheduler, prompts[0][1]), reasoning)
+    # The reasoning the answer may open with, which a grammar must leave free; None once the
+    # request switched it off in a template that reads the switch.
+    free = reasoning if reasoning is not None and not _switched_off(generation, reasoning, inside) else None
     constraint = generation.constraint
+    if free is not None and constraint is not None:
+        constraint = _constraint_after_reasoning(constraint, free, inside)
     if generation.tools is not None and generation.tools.calls_possible:
-        constraint = tool_grammar(generation.tools, tool_format, scheduler.tokenizer.tool_tokens)
+        constraint = tool_grammar(generation.tools, tool_format, scheduler.tokenizer.tool_tokens, free, inside)
     grammar = await _compile(serving, constraint, cache_scope)
     clamp = _clamp(scheduler, generation, room, grammar)
     prediction = await _prediction_ids(serving, generation.prediction)
@@ -154,7 +165,58 @@ async def prepare(
         for k, (_, ids) in enumerate(prompts)
     )
     echoes = tuple(Echo(text, ids) if tokens.echo else None for text, ids in prompts)
-    return Prepared(request_id, ids, generation, requests, clamp, echoes, tool_format)
+    return Prepared(request_id, ids, generation, requests, clamp, echoes, tool_format, reasoning, inside)
+
+
+def _reasoning_format(scheduler: Scheduler, generation: Generation) -> ReasoningFormat | None:
+    """The reasoning format a chat answer is read with, or None (completions' text stays as
+    generated); a 400 naming the field that asks a model that does not reason to reason."""
+    if not isinstance(generation.prompt, ChatPrompt):
+        return None
+    fmt = scheduler.tokenizer.reasoning_format
+    switch = generation.thinking
+    if fmt is None and switch is not None and switch.enabled:
+        raise bad_request(
+            f"{switch.param}: this model does not reason (its chat template writes no reasoning); leave it out or "
+            "switch it off",
+            param=switch.param,
+        )
+    return fmt
+
+
+def _template_kwargs(reasoning: ReasoningFormat | None, switch: ThinkingSwitch | None) -> dict[str, Any] | None:
+    """`enable_thinking` for a template that reads it, as the request switched it."""
+    if reasoning is None or switch is None or not reasoning.switchable:
+        return None
+    return {"enable_thinking": switch.enabled}
+
+
+def _tail(scheduler: Scheduler, ids: tuple[int, ...]) -> str:
+    """The prompt's last tokens as text: enough to hold a reasoning mark the template wrote."""
+    return b"".join(scheduler.tokenizer.token_bytes(t) for t in ids[-8:]).decode("utf-8", "replace")
+
+
+def _switched_off(generation: Generation, reasoning: ReasoningFormat, inside: bool) -> bool:
+    """Whether the request switched the reasoning off in a template that reads the switch (so
+    the answer starts after it, and a grammar holds all of it)."""
+    switch = generation.thinking
+    return switch is not None and not switch.enabled and reasoning.switchable and not inside
+
+
+def _constraint_after_reasoning(constraint: GrammarSpec, reasoning: ReasoningFormat, inside: bool) -> GrammarSpec:
+    """The request's constraint, held after the reasoning: a grammar holds the answer from its
+    first token, so a JSON schema's grammar lets the reasoning come first (api/reasoning.py), as
+    the tools' grammar does. Any other grammar with reasoning on is a 400 naming its field:
+    never is the reasoning constrained."""
+    if constraint.kind == "json_schema":
+        return after_reasoning(constraint, reasoning, inside)
+    raise bad_request(
+        f"{constraint.param}: this model reasons before it answers, and this grammar cannot yet be held after the "
+        "reasoning (a JSON schema can); switch reasoning off for this request (reasoning_effort \"none\", "
+        "reasoning.effort \"none\", thinking disabled, or chat_template_kwargs.enable_thinking false) to "
+        "constrain the answer",
+        param=constraint.param,
+    )
 
 
 def _check_continuation(generation: Generation) -> None:
@@ -173,9 +235,12 @@ def _check_continuation(generation: Generation) -> None:
         )
 
 
-async def count_prompt_tokens(serving: Serving, prompt: ChatPrompt | TextPrompts) -> int:
-    """The prompt's tokens as a generation would send them (count_tokens)."""
-    return sum(len(ids) for _, ids in await _prompt_ids(serving, prompt))
+async def count_prompt_tokens(serving: Serving, generation: Generation) -> int:
+    """The prompt's tokens as a generation would send them (count_tokens), its reasoning
+    switched as the request switches it."""
+    reasoning = _reasoning_format(serving.scheduler, generation)
+    prompts = await _prompt_ids(serving, generation.prompt, _template_kwargs(reasoning, generation.thinking))
+    return sum(len(ids) for _, ids in prompts)
 
 
 def _clamp(scheduler: Scheduler, generation: Generation, room: int, grammar: Grammar | None) -> ClampResult:
@@ -198,10 +263,12 @@ def _clamp(scheduler: Scheduler, generation: Generation, room: int, grammar: Gra
     return clamp
 
 
-async def _prompt_ids(serving: Serving, prompt: ChatPrompt | TextPrompts) -> list[tuple[str, tuple[int, ...]]]:
+async def _prompt_ids(
+    serving: Serving, prompt: ChatPrompt | TextPrompts, template_kwargs: dict[str, Any] | None = None
+) -> list[tuple[str, tuple[int, ...]]]:
     """Each prompt's text (for echo) and token ids."""
     if isinstance(prompt, ChatPrompt):
-        return [("", await chat_ids(serving, prompt))]
+        return [("", await chat_ids(serving, prompt, template_kwargs=template_kwargs))]
     tokenizer = serving.scheduler.tokenizer
     vocab_size = serving.scheduler.vocab_size
     prompts: list[tuple[str, tuple[int, ...]]] = []
@@ -227,9 +294,15 @@ async def _prompt_ids(serving: Serving, prompt: ChatPrompt | TextPrompts) -> lis
     return prompts
 
 
-async def chat_ids(serving: Serving, prompt: ChatPrompt, add_generation_prompt: bool = True) -> tuple[int, ...]:
+async def chat_ids(
+    serving: Serving,
+    prompt: ChatPrompt,
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+) -> tuple[int, ...]:
     """The conversation's token ids through the package's chat template (tool turns written as
-    the template or flare's tool format wants them), or a 400 naming `prompt.param`."""
+    the template or flare's tool format wants them, `template_kwargs` switched as the request
+    asks), or a 400 naming `prompt.param`."""
     tokenizer = serving.scheduler.tokenizer
     messages = prompt.messages
     encode = tokenizer.encode_chat
@@ -250,6 +323,7 @@ async def chat_ids(serving: Serving, prompt: ChatPrompt, add_generation_prompt: 
                 add_generation_prompt,
                 special_tokens_in_content=special,
                 continue_final_message=prompt.continues is not None,
+                template_kwargs=template_kwargs,
             ),
             limiter=serving.tokenizing,
             name="chat template",

@@ -117,6 +117,7 @@ class ChoiceText:
     logprobs: list[RenderedToken] | None = field(default=None)
     tool_calls: list[ToolCall] | None = field(default=None)
     stop_string: str | None = None  # the request's stop string that ended it, if one did
+    reasoning: str | None = None  # what the model reasoned before its answer, for a model that reasons
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ class TextPiece:
     text: str  # answer text (not tool calls)
     entries: list[RenderedToken] | None  # its tokens' logprob entries, when asked for
     prompt_entries: list[RenderedToken] | None = None  # the echoed prompt's, with the first piece
+    reasoning: str = ""  # reasoning text (before the answer), for a model that reasons
 
 
 class Renderer(Protocol):

@@ -17,6 +17,7 @@ from flare.package.chat_template import (
     render_within_budget,
     takes_system_turn,
 )
+from flare.package.reasoning_formats import reasoning_format
 from flare.package.tool_formats import tool_call_format
 
 if TYPE_CHECKING:
@@ -91,6 +92,8 @@ class Tokenizer:
         self.knows_tools = reads_tools(chat_template)
         # How the template writes tool calls, so the answer's grammar and reader use the same.
         self.tool_format = tool_call_format(chat_template)
+        # How the model writes its reasoning before the answer (Qwen 3's <think>), or None.
+        self.reasoning_format = reasoning_format(chat_template)
         # Where flare's tool preamble goes for a template without tools: its own system turn,
         # or the first user turn for a template that refuses system turns (Gemma 2's).
         self.takes_system_turn = takes_system_turn(self._template)
@@ -203,6 +206,7 @@ class Tokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         *,
         continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text of a conversation (and of the functions it may call, for a template
         that knows tools); raises `ChatTemplateError` when rendering fails.
@@ -225,6 +229,7 @@ class Tokenizer:
             "documents": None,
             "add_generation_prompt": add_generation_prompt,
             **self._special_tokens,
+            **(template_kwargs or {}),  # what the request switches in the template (enable_thinking)
         }
         text = render_within_budget(self._template, context)
         if not continue_final_message:
@@ -250,6 +255,7 @@ class Tokenizer:
         special_tokens_in_content: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
         continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Prompt ids of a conversation. The template writes any BOS itself, so none is added
         (as transformers' apply_chat_template(tokenize=True) does).
@@ -263,7 +269,10 @@ class Tokenizer:
         `continue_final_message`: the prompt ends with the final message's content, left open
         (render_chat)."""
         if special_tokens_in_content or self._control_pattern is None:
-            prompt = self.render_chat(messages, add_generation_prompt, tools, continue_final_message=continue_final_message)
+            prompt = self.render_chat(
+                messages, add_generation_prompt, tools, continue_final_message=continue_final_message,
+                template_kwargs=template_kwargs,
+            )
             return self.encode(prompt, add_special_tokens=False)
         # Every string a client sent is text: content, and the tool calls and tool definitions
         # a template may write out.
@@ -273,6 +282,7 @@ class Tokenizer:
             add_generation_prompt,
             self._escape_all(list(tools)) if tools else None,
             continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
         )
         # Text and the control tokens the template wrote, alternating (text first and last).
         pieces: list[str] = []

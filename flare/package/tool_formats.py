@@ -8,8 +8,8 @@ reader parses it back into OpenAI `tool_calls`:
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one per line (api/tools/prompt.py
   writes the preamble that teaches it).
 - `qwen`: Qwen 2.5 / Qwen 3 and Hermes 2 Pro templates: the same tags, each call's JSON on a line
-  of its own between them, as their templates write earlier calls; where the template knows
-  `</think>` (Qwen 3), the answer may open with its reasoning, `<think>...</think>`.
+  of its own between them, as their templates write earlier calls. (Reasoning that opens the
+  answer, Qwen 3's `<think>...</think>`, is the reasoning format's: reasoning_formats.py.)
 - `llama3`: Llama 3.1 / 3.2: the bare JSON object ``{"name": ..., "parameters": {...}}``; one call
   per turn (their templates refuse a turn with several calls).
 - `mistral`: Mistral v0.3 and later: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``;
@@ -23,7 +23,6 @@ of calls starts with (`lead`; the grammar enforces it), so the reader tells text
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import secrets
 import string
@@ -35,7 +34,6 @@ from flare.package.chat_template import reads_tools
 
 ToolFormatName = Literal["flare", "qwen", "llama3", "mistral"]
 _ALPHANUMERIC = string.ascii_letters + string.digits
-THINKING = ("<think>", "</think>")
 
 
 @dataclass(frozen=True)
@@ -49,8 +47,6 @@ class ToolFormat:
     arguments_key: str  # the key of the call object that holds the arguments
     several: bool  # whether the template takes more than one call in a turn
     id_style: Literal["openai", "nine_alphanumeric"] = "openai"
-    # The tags of reasoning the model may write before its answer (Qwen 3's <think>), or None.
-    thinking: tuple[str, str] | None = None
 
     @property
     def lead(self) -> str:
@@ -95,8 +91,7 @@ def tool_call_format(source: str) -> ToolFormat:
     if "[TOOL_CALLS]" in source:
         return MISTRAL
     if "<tool_call>" in source:
-        # Qwen 3 thinks before it answers, and may before it calls.
-        return dataclasses.replace(QWEN, thinking=THINKING) if THINKING[1] in source else QWEN
+        return QWEN
     if '"parameters"' in source and "<|start_header_id|>" in source:
         return LLAMA3
     return FLARE

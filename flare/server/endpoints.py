@@ -242,7 +242,7 @@ async def count_message_tokens(request: web.Request) -> web.Response:
     """Anthropic's count_tokens: the prompt's tokens as /v1/messages would send them."""
     generation = parse_messages_request(parse_json_body(await read_body(request)), counting=True)
     serving, _ = _serving(request, generation)
-    return web.json_response({"input_tokens": await count_prompt_tokens(serving, generation.prompt)})
+    return web.json_response({"input_tokens": await count_prompt_tokens(serving, generation)})
 
 
 def _chat_renderer(prepared: Prepared) -> Renderer:

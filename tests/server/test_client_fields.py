@@ -137,7 +137,7 @@ async def test_messages_refuse_thinking_enabled_saying_the_model_does_not_think(
     assert response.status == 400
     error = (await response.json())["error"]
     assert error["type"] == "invalid_request_error"
-    assert "thinking" in error["message"] and "this model does not produce thinking" in error["message"]
+    assert "thinking" in error["message"] and "this model does not reason" in error["message"]
 
 
 async def test_count_tokens_takes_the_switches_a_messages_request_sends(client: TestClient) -> None:
@@ -146,7 +146,7 @@ async def test_count_tokens_takes_the_switches_a_messages_request_sends(client: 
     assert response.status == 200 and (await response.json())["input_tokens"] > 0
     enabled = {**body, "thinking": {"type": "enabled", "budget_tokens": 1024}}
     response = await client.post("/v1/messages/count_tokens", json=enabled)
-    assert response.status == 400 and "does not produce thinking" in (await response.json())["error"]["message"]
+    assert response.status == 400 and "does not reason" in (await response.json())["error"]["message"]
 
 
 # --- names and routes -----------------------------------------------------------------------

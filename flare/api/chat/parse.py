@@ -28,6 +28,7 @@ from flare.api.cache_scope import cache_salt
 from flare.api.errors import bad_request
 from flare.api.fields import (
     check_fields,
+    effort_switch,
     kind,
     label_field,
     metadata_field,
@@ -35,6 +36,7 @@ from flare.api.fields import (
     no_other_keys,
     response_format,
     sampling_fields,
+    template_switch,
 )
 from flare.api.generation import ChatPrompt, Generation, TextOrTokens, TextPrompts, TokenOptions
 from flare.api.tools.parse import check_tool_results, parse_tools
@@ -47,7 +49,7 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 # Chat's fields that ask for what a text model without reasoning, tools of its own or a
 # moderation service cannot do: refused by name with why (_unsupported_chat_features).
-_REFUSED = frozenset({"audio", "reasoning_effort", "web_search_options", "moderation"})
+_REFUSED = frozenset({"audio", "web_search_options", "moderation"})
 _CHAT_ONLY_IGNORED = frozenset({"verbosity", "prompt_cache_options", "prompt_cache_retention"})
 _COMMON = frozenset(
     {
@@ -58,7 +60,7 @@ _COMMON = frozenset(
 _CHAT_FIELDS = _COMMON | _REFUSED | _CHAT_ONLY_IGNORED | {
     "messages", "n", "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice",
     "functions", "function_call", "response_format", "modalities", "prompt_cache_key", "safety_identifier",
-    "continue_final_message", "prediction",
+    "continue_final_message", "prediction", "reasoning_effort", "chat_template_kwargs",
 }
 _COMPLETION_FIELDS = _COMMON | {"prompt", "n", "best_of", "logprobs", "logit_bias", "echo", "suffix"}
 
@@ -109,6 +111,8 @@ def parse_chat_completion(body: Mapping[str, Any]) -> Generation:
         label_field(body, "safety_identifier"),
         label_field(body, "prompt_cache_key"),
         prediction=_prediction(body.get("prediction")),
+        thinking=effort_switch(body.get("reasoning_effort"), "reasoning_effort")
+        or template_switch(body.get("chat_template_kwargs")),
     )
 
 
@@ -273,12 +277,6 @@ def _unsupported_chat_features(body: Mapping[str, Any]) -> None:
     _only(body, "function_call", (None, "none", "auto"), "function_call is not supported; use tools and tool_choice")
     _modalities(body.get("modalities"))
     _only(body, "audio", (None,), "audio output is not supported: this model answers in text; leave audio out")
-    _only(
-        body,
-        "reasoning_effort",
-        (None, "none"),
-        'reasoning_effort: this model does not reason; leave it out or send "none"',
-    )
     _only(body, "web_search_options", (None,), "web search is not supported: this server has no tools of its own")
     _only(
         body, "moderation", (None,), "moderation is not supported: this server runs no moderation of input or output"

@@ -122,6 +122,12 @@ class ChatCompletionShape:
     def final_chunk(self, finish_reason: str, index: int = 0) -> dict[str, Any]:
         return self._chunk({}, finish_reason, index)
 
+    def reasoning_chunk(
+        self, text: str, index: int = 0, logprobs: list[RenderedToken] | None = None
+    ) -> dict[str, Any]:
+        """A piece of the reasoning, as vLLM and llama.cpp stream it: `delta.reasoning_content`."""
+        return self._chunk({"reasoning_content": text}, None, index, None if logprobs is None else chat_logprobs(logprobs))
+
     def tool_calls_chunk(self, calls: list[dict[str, Any]], index: int = 0) -> dict[str, Any]:
         """A delta of whole calls, each with its `index` among the choice's calls."""
         return self._chunk({"tool_calls": calls}, None, index)
@@ -186,10 +192,13 @@ class TextCompletionShape:
 
 
 def _message(choice: ChoiceText) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+    if choice.reasoning is not None:
+        message["reasoning_content"] = choice.reasoning  # vLLM's and llama.cpp's field
     if choice.tool_calls:
-        calls = [call.to_json() for call in choice.tool_calls]
-        return {"role": "assistant", "content": choice.text or None, "tool_calls": calls}
-    return {"role": "assistant", "content": choice.text}
+        message["content"] = choice.text or None
+        message["tool_calls"] = [call.to_json() for call in choice.tool_calls]
+    return message
 
 
 def _text_choice(text: str, finish_reason: str | None, index: int, logprobs: Any = None) -> dict[str, Any]:
@@ -230,7 +239,13 @@ class OpenAIRenderer:
         if piece.prompt_entries is not None and echo is not None:
             frames.append(sse_data(self.shape.text_chunk(echo, index, piece.prompt_entries, self._offsets[index])))
             self._offsets[index] += len(echo)
-        if piece.text or piece.entries:
+        reasoned = bool(piece.reasoning) and isinstance(self.shape, ChatCompletionShape)
+        if reasoned:
+            # The piece's logprob entries ride on its content chunk, or on its reasoning chunk
+            # when it has no content.
+            entries = None if piece.text else piece.entries
+            frames.append(sse_data(self.shape.reasoning_chunk(piece.reasoning, index, entries)))
+        if piece.text or (piece.entries and not reasoned):
             frames.append(sse_data(self.shape.text_chunk(piece.text, index, piece.entries, self._offsets[index])))
             self._offsets[index] += len(piece.text)
         return frames

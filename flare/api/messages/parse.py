@@ -2,7 +2,7 @@
 into a `Generation`.
 
 Accepted: `system` (a string or text blocks), `messages` whose content is a string or blocks
-(`text`; `tool_use` on assistant turns, `tool_result` on user turns), `max_tokens` (required,
+(`text`; `tool_use` and earlier `thinking` on assistant turns, `tool_result` on user turns), `max_tokens` (required,
 as Anthropic requires it), `temperature`, `top_p`, `top_k`, `stop_sequences`, `tools` (custom
 tools: name, description, input_schema) with `tool_choice` (auto, any, tool, none;
 `disable_parallel_tool_use`), and `stream`. The conversation becomes chat messages and the tools
@@ -27,7 +27,7 @@ from typing import Any
 
 from flare.api.errors import bad_request
 from flare.api.fields import check_fields, kind, metadata_field, model_field, no_other_keys, sampling_fields
-from flare.api.generation import ChatPrompt, Generation
+from flare.api.generation import ChatPrompt, Generation, ThinkingSwitch
 from flare.api.tools.parse import check_tool_results, parse_tools
 from flare.structured.spec import GrammarSpec
 
@@ -62,10 +62,10 @@ def parse_messages_request(body: Mapping[str, Any], *, counting: bool = False) -
         }
     )
     prompt = ChatPrompt(tuple(messages), tools, continues=prefill)
-    _thinking(body.get("thinking"))
+    thinking = _thinking(body.get("thinking"))
     constraint = _output_format(body.get("output_config"))
     if counting:
-        return Generation(model, prompt, {})
+        return Generation(model, prompt, {}, thinking=thinking)
     max_tokens = body.get("max_tokens")
     if max_tokens is None:
         raise bad_request("max_tokens is required: the most tokens to generate", param="max_tokens")
@@ -94,26 +94,23 @@ def parse_messages_request(body: Mapping[str, Any], *, counting: bool = False) -
             "format out",
             param="output_config.format",
         )
-    return Generation(model, prompt, sampling, bool(stream), constraint=constraint)
+    return Generation(model, prompt, sampling, bool(stream), constraint=constraint, thinking=thinking)
 
 
-def _thinking(thinking: Any) -> None:
-    """Extended thinking: disabled is what this model does; enabled is refused (it writes no
-    thinking blocks)."""
+def _thinking(thinking: Any) -> ThinkingSwitch | None:
+    """Extended thinking as a switch: served for a model that reasons (prepare refuses it for
+    one that does not); its token budget is accepted and not enforced."""
     if thinking is None:
-        return
+        return None
     if not isinstance(thinking, dict):
         raise bad_request(f"thinking must be an object with a type, got {kind(thinking)}", param="thinking")
     thinking_type = thinking.get("type")
     if thinking_type == "disabled":
         no_other_keys(thinking, {"type"}, "thinking")
-        return
+        return ThinkingSwitch(False, "thinking")
     if thinking_type in ("enabled", "adaptive"):
-        raise bad_request(
-            f'thinking {thinking_type}: this model does not produce thinking; send {{"type": "disabled"}} or leave '
-            "thinking out",
-            param="thinking",
-        )
+        no_other_keys(thinking, {"type", "budget_tokens", "display"}, "thinking")
+        return ThinkingSwitch(True, "thinking")
     raise bad_request(f"thinking.type must be enabled or disabled, got {thinking_type!r}", param="thinking.type")
 
 
@@ -222,6 +219,8 @@ def _blocks(where: str, role: str, blocks: list[Any]) -> list[tuple[dict[str, An
             calls.append(_tool_use(at, block))
         elif block_type == "tool_result" and role == "user":
             results.append((_tool_result(at, block), f"{at}.tool_use_id"))
+        elif block_type in ("thinking", "redacted_thinking") and role == "assistant":
+            continue  # an earlier answer's thinking, sent back: templates leave it out of the prompt
         elif block_type in ("tool_use", "tool_result"):
             raise bad_request(
                 f"{at}: {block_type} blocks belong on {'assistant' if block_type == 'tool_use' else 'user'} turns",

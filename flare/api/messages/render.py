@@ -1,13 +1,14 @@
 """The answer of Anthropic's Messages API (`POST /v1/messages`), and its error shape.
 
-The body is a `message`: `content` blocks (`text`, then one `tool_use` per call), `stop_reason`
+The body is a `message`: `content` blocks (a `thinking` block with the model's reasoning, for a
+model that reasons; `text`, then one `tool_use` per call), `stop_reason`
 (end_turn, max_tokens, tool_use), `usage`. Streaming sends Anthropic's events, each as
 `event: <type>` with a `data:` JSON carrying `type`:
 
     message_start, ping
     ping again whenever the stream has had no event for `stream_keepalive_s`
     per block: content_block_start, content_block_delta ... (text_delta or
-        input_json_delta), content_block_stop
+        input_json_delta; thinking_delta then an empty signature_delta), content_block_stop
     message_delta (stop_reason, usage), message_stop
 
 A failure mid-stream is an `error` event. Errors are Anthropic's body,
@@ -65,7 +66,7 @@ def _tool_use(call_id: str, name: str, arguments: str) -> dict[str, Any]:
 @dataclass
 class _Block:
     index: int
-    kind: str  # "text" or "tool_use"
+    kind: str  # "thinking", "text" or "tool_use"
 
 
 class MessagesRenderer:
@@ -74,7 +75,7 @@ class MessagesRenderer:
     def __init__(self, prepared: Prepared) -> None:
         self._prepared = prepared
         self._blocks: list[_Block] = []
-        self._text: _Block | None = None
+        self._text: _Block | None = None  # the open text or thinking block
         self._calls: dict[int, _Block] = {}
         self._reason = "end_turn"
         self._stop_sequence: str | None = None
@@ -96,6 +97,9 @@ class MessagesRenderer:
     def body(self, choices: list[ChoiceText], usage: Usage, flare: dict[str, Any]) -> dict[str, Any]:
         choice = choices[0]
         content: list[dict[str, Any]] = []
+        if choice.reasoning:
+            # flare signs nothing: the signature is empty, and a thinking block sent back is read as text.
+            content.append({"type": "thinking", "thinking": choice.reasoning, "signature": ""})
         if choice.text or not choice.tool_calls:
             content.append({"type": "text", "text": choice.text})
         content.extend(_tool_use(c.id, c.name, c.arguments) for c in choice.tool_calls or ())
@@ -123,14 +127,26 @@ class MessagesRenderer:
         if self._text is None:
             return []
         closed, self._text = self._text, None
-        return [_sse("content_block_stop", {"index": closed.index})]
+        frames = []
+        if closed.kind == "thinking":
+            signature = {"type": "signature_delta", "signature": ""}
+            frames.append(_sse("content_block_delta", {"index": closed.index, "delta": signature}))
+        return [*frames, _sse("content_block_stop", {"index": closed.index})]
 
     def text(self, piece: TextPiece) -> list[bytes]:
-        if not piece.text:
-            return []
         frames: list[bytes] = []
+        if piece.reasoning:
+            if self._text is None:
+                self._text, frames = self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            delta = {"type": "thinking_delta", "thinking": piece.reasoning}
+            frames.append(_sse("content_block_delta", {"index": self._text.index, "delta": delta}))
+        if not piece.text:
+            return frames
+        if self._text is not None and self._text.kind == "thinking":
+            frames.extend(self._close_text())
         if self._text is None:
-            self._text, frames = self._open("text", {"type": "text", "text": ""})
+            self._text, opened = self._open("text", {"type": "text", "text": ""})
+            frames.extend(opened)
         delta = {"type": "text_delta", "text": piece.text}
         frames.append(_sse("content_block_delta", {"index": self._text.index, "delta": delta}))
         return frames
@@ -153,7 +169,7 @@ class MessagesRenderer:
     def finish(self, index: int, reason: str, fell_back: bool, stop_string: str | None) -> list[bytes]:
         self._reason, self._stop_sequence = _stop_reason(reason, stop_string), stop_string
         frames: list[bytes] = []
-        if not self._blocks:
+        if not self._blocks or (self._text is not None and self._text.kind == "thinking"):
             # An empty answer is still one (empty) text block, as Anthropic sends it.
             self._text, frames = self._open("text", {"type": "text", "text": ""})
         frames.append(_sse("content_block_stop", {"index": self._blocks[-1].index}))

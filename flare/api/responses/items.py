@@ -10,8 +10,9 @@ from typing import Any
 
 from flare.api.rendering import new_id
 
-# OpenAI's item ids: msg_... (a message), fc_... (a function call), fco_... (its output).
-_ITEM_IDS = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_"}
+# OpenAI's item ids: msg_... (a message), fc_... (a function call), fco_... (its output),
+# rs_... (reasoning).
+_ITEM_IDS = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
 
 
 def input_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

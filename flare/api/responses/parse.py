@@ -25,8 +25,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from flare.api.errors import ApiError, bad_request
-from flare.api.fields import check_fields, kind, label_field, metadata_field, model_field, response_format, sampling_fields
-from flare.api.generation import ChatPrompt, Generation
+from flare.api.fields import (
+    check_fields,
+    effort_switch,
+    kind,
+    label_field,
+    metadata_field,
+    model_field,
+    no_other_keys,
+    response_format,
+    sampling_fields,
+)
+from flare.api.generation import ChatPrompt, Generation, ThinkingSwitch
 from flare.api.tools.parse import check_tool_results, parse_tools
 from flare.structured.spec import GrammarSpec
 
@@ -91,7 +101,19 @@ def parse_response_request(body: Mapping[str, Any], earlier: Sequence[Mapping[st
         constraint=constraint,
         safety_identifier=label_field(body, "safety_identifier"),
         prompt_cache_key=label_field(body, "prompt_cache_key"),
+        thinking=_reasoning(body.get("reasoning")),
     )
+
+
+def _reasoning(reasoning: Any) -> ThinkingSwitch | None:
+    """`reasoning.effort` switches the reasoning ("none" off); a summary is accepted and the
+    reasoning item carries the whole reasoning text instead."""
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, dict):
+        raise bad_request(f"reasoning must be an object, got {kind(reasoning)}", param="reasoning")
+    no_other_keys(reasoning, {"effort", "summary", "generate_summary"}, "reasoning")
+    return effort_switch(reasoning.get("effort"), "reasoning.effort")
 
 
 @dataclass(frozen=True)
@@ -142,8 +164,6 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
         raise bad_request("background: true is not supported; leave background out", param="background")
     if body.get("truncation") not in (None, "disabled"):
         raise bad_request('truncation must be "disabled": a prompt too long is refused, never cut', param="truncation")
-    if body.get("reasoning") is not None:
-        raise bad_request("reasoning is not supported by this model; leave it out", param="reasoning")
     if body.get("top_logprobs") not in (None, 0):
         raise bad_request("top_logprobs is not supported on /v1/responses; use /v1/chat/completions", param="top_logprobs")
     if body.get("max_tool_calls") is not None:
@@ -199,9 +219,13 @@ def _conversation(body: Mapping[str, Any], earlier: Sequence[Mapping[str, Any]])
         elif item_type == "function_call_output":
             id_fields[len(messages)] = f"{where}.call_id"
             messages.append(_function_output(where, item))
+        elif item_type == "reasoning":
+            # An earlier turn's reasoning: templates leave it out of the prompt (Qwen 3's does).
+            _only_keys(where, item, {"type", "id", "summary", "content", "encrypted_content", "status"})
         else:
             raise bad_request(
-                f"{where}.type {item_type!r} is not supported; send message, function_call or function_call_output "
+                f"{where}.type {item_type!r} is not supported; send message, function_call, function_call_output or "
+                "reasoning "
                 "items (item_reference is not supported; continue a stored response with previous_response_id)",
                 param=f"{where}.type",
             )

@@ -1,11 +1,14 @@
 """The answer of OpenAI's Responses API (`POST /v1/responses`): the `response` object, or its
 stream of typed events.
 
-The response's `output` is a list of items: a `message` item holding one `output_text` part,
-and a `function_call` item for each tool call. Streaming sends, each as `event: <type>` with a
+The response's `output` is a list of items: a `reasoning` item holding the model's reasoning as
+one `reasoning_text` part (for a model that reasons), a `message` item holding one
+`output_text` part, and a `function_call` item for each tool call. Streaming sends, each as `event: <type>` with a
 `data:` JSON carrying `type` and a `sequence_number`:
 
     response.created, response.in_progress
+    reasoning: response.output_item.added, response.reasoning_text.delta ...,
+        response.reasoning_text.done, response.output_item.done (before the next item opens)
     per message: response.output_item.added, response.content_part.added,
         response.output_text.delta ..., response.output_text.done,
         response.content_part.done, response.output_item.done
@@ -37,7 +40,7 @@ from flare.scheduler.request import RequestFailure, Usage
 # OpenAI's ids: the response resp_..., its output items msg_... (a message) and fc_... (a
 # function call), a call's call_id call_...
 RESPONSE_IDS = IdForm("resp_")
-MESSAGE_ITEM, CALL_ITEM = "msg_", "fc_"
+MESSAGE_ITEM, CALL_ITEM, REASONING_ITEM = "msg_", "fc_", "rs_"
 
 
 def _usage(usage: Usage) -> dict[str, Any]:
@@ -52,6 +55,11 @@ def _usage(usage: Usage) -> dict[str, Any]:
 
 def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
 def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
@@ -78,9 +86,12 @@ class _OpenItem:
     id: str
     call_id: str | None = None  # a function call's
     name: str = ""
-    text: list[str] = field(default_factory=list)  # the message's text, or the call's arguments
+    text: list[str] = field(default_factory=list)  # the message's or reasoning's text, or the call's arguments
+    reasoning: bool = False
 
     def done(self) -> dict[str, Any]:
+        if self.reasoning:
+            return _reasoning_item(self.id, "".join(self.text), "completed")
         if self.call_id is None:
             return _message_item(self.id, "".join(self.text), "completed")
         return _call_item(self.id, self.call_id, self.name, "".join(self.text), "completed")
@@ -109,6 +120,7 @@ class ResponsesRenderer:
         self._flare: dict[str, Any] = {}
         self._items: list[_OpenItem] = []
         self._message: _OpenItem | None = None
+        self._reasoning: _OpenItem | None = None  # the reasoning item while it streams
         self._calls: dict[int, _OpenItem] = {}
         self._reason = "stop"
 
@@ -149,6 +161,8 @@ class ResponsesRenderer:
     def body(self, choices: list[ChoiceText], usage: Usage, flare: dict[str, Any]) -> dict[str, Any]:
         choice = choices[0]
         output: list[dict[str, Any]] = []
+        if choice.reasoning:
+            output.append(_reasoning_item(new_id(REASONING_ITEM), choice.reasoning, "completed"))
         if choice.text or not choice.tool_calls:
             output.append(_message_item(new_id(MESSAGE_ITEM), choice.text, "completed"))
         for call in choice.tool_calls or ():
@@ -179,6 +193,39 @@ class ResponsesRenderer:
             self._event("response.in_progress", response=response),
         ]
 
+    def _reasoning_text(self, text: str) -> list[bytes]:
+        frames = []
+        if self._reasoning is None:
+            item = self._reasoning = _OpenItem(len(self._items), new_id(REASONING_ITEM), reasoning=True)
+            self._items.append(item)
+            added = _reasoning_item(item.id, None, "in_progress")
+            frames.append(self._event("response.output_item.added", output_index=item.output_index, item=added))
+        item = self._reasoning
+        item.text.append(text)
+        frames.append(
+            self._event(
+                "response.reasoning_text.delta",
+                item_id=item.id,
+                output_index=item.output_index,
+                content_index=0,
+                delta=text,
+            )
+        )
+        return frames
+
+    def _close_reasoning(self) -> list[bytes]:
+        """The reasoning item is whole once the answer's first item opens (or the answer ends)."""
+        item, self._reasoning = self._reasoning, None
+        if item is None:
+            return []
+        whole = "".join(item.text)
+        return [
+            self._event(
+                "response.reasoning_text.done", item_id=item.id, output_index=item.output_index, content_index=0, text=whole
+            ),
+            self._event("response.output_item.done", output_index=item.output_index, item=item.done()),
+        ]
+
     def _open(self, call_id: str | None = None, name: str = "") -> tuple[_OpenItem, bytes]:
         item = _OpenItem(len(self._items), new_id(CALL_ITEM if call_id else MESSAGE_ITEM), call_id, name)
         self._items.append(item)
@@ -201,9 +248,12 @@ class ResponsesRenderer:
         return [added, part]
 
     def text(self, piece: TextPiece) -> list[bytes]:
+        frames = self._reasoning_text(piece.reasoning) if piece.reasoning else []
         if not piece.text:
-            return []
-        frames = self._open_message() if self._message is None else []
+            return frames
+        if self._message is None:
+            frames.extend(self._close_reasoning())
+            frames.extend(self._open_message())
         item = self._message
         assert item is not None
         item.text.append(piece.text)
@@ -223,6 +273,7 @@ class ResponsesRenderer:
         frames = []
         for delta in deltas:
             if "id" in delta:
+                frames.extend(self._close_reasoning())
                 item, added = self._open(delta["id"], delta["function"]["name"])
                 self._calls[delta["index"]] = item
                 frames.append(added)
@@ -242,8 +293,12 @@ class ResponsesRenderer:
 
     def finish(self, index: int, reason: str, fell_back: bool, stop_string: str | None) -> list[bytes]:
         self._reason = reason
-        frames = self._open_message() if not self._items else []
+        frames = self._close_reasoning()
+        if not any(not item.reasoning for item in self._items):
+            frames.extend(self._open_message())
         for item in self._items:
+            if item.reasoning:
+                continue
             whole = "".join(item.text)
             if item.call_id is None:
                 frames.append(

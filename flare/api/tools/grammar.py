@@ -8,18 +8,26 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from flare.api.reasoning import reasoning_rule
 from flare.api.tools.parse import Tool, ToolRequest
+from flare.package.reasoning_formats import ReasoningFormat
 from flare.package.tool_formats import FLARE, ToolFormat
 from flare.structured.compiler import JSON_OPTIONS
 from flare.structured.spec import GrammarSpec
 
 
 def tool_grammar(
-    tools: ToolRequest, fmt: ToolFormat = FLARE, control: Mapping[str, int] | None = None
+    tools: ToolRequest,
+    fmt: ToolFormat = FLARE,
+    control: Mapping[str, int] | None = None,
+    reasoning: ReasoningFormat | None = None,
+    inside: bool = False,
 ) -> GrammarSpec | None:
     """The Lark grammar (llguidance's, with %json for the arguments) the answer follows, in the
     tool-call format `fmt` (package/tool_formats.py); `control` names the control tokens
-    among its marks by id (Mistral's [TOOL_CALLS] is one token, not its spelling)."""
+    among its marks by id (Mistral's [TOOL_CALLS] is one token, not its spelling). With
+    `reasoning`, the model's reasoning opens the answer, free (api/reasoning.py; `inside`: the
+    prompt opened it), and the grammar holds what follows."""
     if not tools.calls_possible:
         return None
     allowed = [t for t in tools.tools if tools.choice != "named" or t.name == tools.named]
@@ -44,9 +52,9 @@ def tool_grammar(
     calls = f"call ({_literal(fmt.separator, control)} call)*" if several else "call"
     start = "text | calls" if tools.choice == "auto" else "calls"
     thinking = ""
-    if fmt.thinking is not None:
-        start = f"THINKING? ({start})"
-        thinking = f"THINKING: /{_thinking_regex(*fmt.thinking)}/\n"
+    if reasoning is not None:
+        opens, thinking = reasoning_rule(reasoning, inside)
+        start = f"{opens}({start})"
     lark = (
         f"start: {start}\n"
         f"{thinking}"
@@ -56,21 +64,6 @@ def tool_grammar(
         f"call: {_literal(fmt.call_open, control)} %json {json.dumps(call_schema)} {_literal(fmt.call_close, control)}\n"
     )
     return GrammarSpec("lark", lark, "tools", tuple(p for t in allowed for p in t.closed_objects))
-
-
-def _thinking_regex(opening: str, closing: str) -> str:
-    """A regular expression (Lark's, slashes escaped) of `opening`, text without `closing`,
-    `closing` and newlines: one lexeme, so that the reasoning ends at its first closing tag."""
-
-    def escaped(text: str) -> str:
-        return re.escape(text).replace("/", "\\/")
-
-    # Text without `closing`: each character but the tag's first, or a proper prefix of the
-    # tag followed by a character that does not continue it.
-    avoid = "|".join(
-        f"{escaped(closing[:n])}[^{escaped(closing[n])}]" for n in range(len(closing))
-    )
-    return f"{escaped(opening)}({avoid})*{escaped(closing)}\\n*"
 
 
 def _literal(text: str, control: Mapping[str, int]) -> str:

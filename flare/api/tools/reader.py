@@ -64,15 +64,15 @@ class _OpenCall:
 class ToolCallReader:
     """Reads one choice's answer as it streams, in the tool-call format `fmt`: text passes
     through; from the format's leading character on (the grammar lets text never start with
-    it), the answer is calls. Reasoning the format lets open the answer (Qwen 3's thinking)
-    passes through as text, and the answer after it is read the same way. Each call is given out as OpenAI streams them: a first delta with
+    it), the answer is calls. Reasoning that opens the answer (Qwen 3's thinking) is read apart
+    before this reader sees the answer (api/reasoning.py). Each call is given out as OpenAI streams them: a first delta with
     its index, id, type and name (arguments ""), then its arguments in pieces as they are
     generated, up to the end of the call's JSON object."""
 
     active: bool
     fmt: ToolFormat = FLARE
     call_prefix: str = "call_"  # the API's form of a call id (OpenAI's call_, Anthropic's toolu_)
-    _mode: Literal["unknown", "thinking", "thought", "text", "calls"] = "unknown"
+    _mode: Literal["unknown", "text", "calls"] = "unknown"
     _buffer: str = ""
     _open: _OpenCall | None = None
     calls: list[ToolCall] = field(default_factory=list)
@@ -81,25 +81,14 @@ class ToolCallReader:
         """(text to send as content, tool_calls deltas for this piece)."""
         if not self.active:
             return text, []
-        thought = ""
-        if self._mode in ("thinking", "thought"):
-            thought, text = self._thinking(text)
-            if self._mode != "unknown":
-                return thought, []
         if self._mode == "unknown":
             self._buffer += text
-            opening = self.fmt.thinking[0] if self.fmt.thinking else None
-            if not self._buffer or (opening is not None and opening.startswith(self._buffer) and self._buffer != opening):
-                return thought, []  # nothing yet, or what may still become the reasoning's opening tag
-            if opening is not None and self._buffer.startswith(opening):
-                self._mode = "thinking"
-                text, self._buffer = self._buffer, ""
-                more, deltas = self.push(text)
-                return thought + more, deltas
+            if not self._buffer:
+                return "", []
             self._mode = "calls" if self._buffer.startswith(self.fmt.lead) else "text"
             text, self._buffer = self._buffer, ""
         if self._mode == "text":
-            return thought + text, []
+            return text, []
         self._buffer += text
         deltas: list[dict[str, Any]] = []
         while (body := self._call_body()) is not None:
@@ -128,30 +117,7 @@ class ToolCallReader:
                 self.calls.append(ToolCall(call.id or finished.id, finished.name, finished.arguments))
             self._open = None
             self._buffer = rest
-        return thought, deltas
-
-    def _thinking(self, text: str) -> tuple[str, str]:
-        """The reasoning that opens the answer (Qwen 3's <think>...</think> and the newlines
-        after it) passes through as content; (that content, the text after it). The mode turns
-        "unknown" once the answer proper begins."""
-        closing = self.fmt.thinking[1] if self.fmt.thinking else ""
-        if self._mode == "thought":  # the closing tag is out: newlines until the answer
-            answer = text.lstrip("\n")
-            if answer:
-                self._mode = "unknown"
-            return text[: len(text) - len(answer)], answer
-        self._buffer += text
-        end = self._buffer.find(closing)
-        if end < 0:
-            # Hold back what may be the start of the closing tag.
-            held = next((n for n in range(len(closing) - 1, 0, -1) if self._buffer.endswith(closing[:n])), 0)
-            thought, self._buffer = self._buffer[: len(self._buffer) - held], self._buffer[len(self._buffer) - held :]
-            return thought, ""
-        thought, rest = self._buffer[: end + len(closing)], self._buffer[end + len(closing) :]
-        self._buffer = ""
-        self._mode = "thought"
-        more, answer = self._thinking(rest)
-        return thought + more, answer
+        return "", deltas
 
     def _call_body(self) -> str | None:
         """The buffer from the next call's JSON object on, or None until it has begun."""

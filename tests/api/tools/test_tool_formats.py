@@ -11,10 +11,12 @@ from typing import Any
 
 import pytest
 
+from flare.api.reasoning import ReasoningReader
 from flare.api.tools.grammar import tool_grammar
 from flare.api.tools.parse import parse_tools
 from flare.api.tools.reader import ToolCallReader
 from flare.package.directory import open_package
+from flare.package.reasoning_formats import ReasoningFormat, reasoning_format
 from flare.package.tool_formats import FLARE, LLAMA3, MISTRAL, QWEN, ToolFormat, tool_call_format
 from flare.structured import GrammarCompiler, GrammarState
 
@@ -67,11 +69,19 @@ def compiler(tiny_package: Path) -> GrammarCompiler:
     )
 
 
-def _whole(compiler: GrammarCompiler, fmt: ToolFormat, choice: Any, text: str, parallel: bool = True) -> bool:
+def _whole(
+    compiler: GrammarCompiler,
+    fmt: ToolFormat,
+    choice: Any,
+    text: str,
+    parallel: bool = True,
+    reasoning: ReasoningFormat | None = None,
+    inside: bool = False,
+) -> bool:
     """Whether `text` is a whole answer under the tools' grammar: every token allowed, then the end."""
     tools = parse_tools({"tools": FUNCTIONS, "tool_choice": choice, "parallel_tool_calls": parallel})
     assert tools is not None
-    spec = tool_grammar(tools, fmt)
+    spec = tool_grammar(tools, fmt, reasoning=reasoning, inside=inside)
     assert spec is not None
     state = GrammarState(compiler.compile(spec))
     tokens = state.grammar.tokenizer.tokenize_str(text)
@@ -197,29 +207,38 @@ QWEN3 = tool_call_format((TEMPLATES / "qwen3.jinja").read_text())
 THOUGHT = "<think>\nThe user wants a <b>city</b>: Paris. </thin\n</think>\n\n"
 
 
-def test_qwen3_may_think_before_it_calls_or_answers(compiler: GrammarCompiler) -> None:
-    assert QWEN3.name == "qwen" and QWEN3.thinking == ("<think>", "</think>")
-    assert tool_call_format((TEMPLATES / "qwen2.5.jinja").read_text()).thinking is None
+def test_a_model_that_reasons_may_think_before_it_calls_or_answers(compiler: GrammarCompiler) -> None:
+    think = reasoning_format((TEMPLATES / "qwen3.jinja").read_text())
+    assert QWEN3 == QWEN and think is not None
+    assert reasoning_format((TEMPLATES / "qwen2.5.jinja").read_text()) is None
     call = ANSWERS["qwen"].split("\n<tool_call>")[0] % "Paris"
-    assert _whole(compiler, QWEN3, "required", THOUGHT + call)
-    assert _whole(compiler, QWEN3, "required", call)
-    assert _whole(compiler, QWEN3, "auto", THOUGHT + "It is sunny.")
-    assert not _whole(compiler, QWEN3, "auto", THOUGHT + "<think>again</think>It is sunny.")
-    assert not _whole(compiler, QWEN, "required", THOUGHT + call)  # Qwen 2.5 does not think
+    assert _whole(compiler, QWEN, "required", THOUGHT + call, reasoning=think)
+    assert _whole(compiler, QWEN, "required", call, reasoning=think)
+    assert _whole(compiler, QWEN, "auto", THOUGHT + "It is sunny.", reasoning=think)
+    assert not _whole(compiler, QWEN, "auto", THOUGHT + "<think>again</think>It is sunny.", reasoning=think)
+    assert not _whole(compiler, QWEN, "required", THOUGHT + call)  # a model that does not reason
+    # Flare's own format, for a template without tools that reasons (the R1 distills'), and a
+    # prompt that opened the reasoning: its end, then the calls.
+    flare_call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    assert _whole(compiler, FLARE, "required", "Hm.</think>\n\n" + flare_call, reasoning=think, inside=True)
+    assert not _whole(compiler, FLARE, "required", flare_call, reasoning=think, inside=True)
 
 
 @pytest.mark.parametrize("piece", [1, 3, 1000])
-def test_qwen3s_thinking_is_content_and_its_call_is_read_after_it(piece: int) -> None:
+def test_qwen3s_thinking_is_reasoning_and_its_call_is_read_after_it(piece: int) -> None:
     answer = THOUGHT + ANSWERS["qwen"] % "Paris"
-    reader = ToolCallReader(active=True, fmt=QWEN3)
-    content = ""
+    fmt = reasoning_format((TEMPLATES / "qwen3.jinja").read_text())
+    assert fmt is not None
+    reasoner, reader = ReasoningReader(fmt), ToolCallReader(active=True, fmt=QWEN3)
+    reasoning = content = ""
     for start in range(0, len(answer), piece):
-        text, _ = reader.push(answer[start : start + piece])
-        content += text
-    assert content == THOUGHT
+        thought, rest = reasoner.push(answer[start : start + piece])
+        text, _ = reader.push(rest)
+        reasoning, content = reasoning + thought, content + text
+    assert reasoning == "\nThe user wants a <b>city</b>: Paris. </thin\n" and content == ""
     assert [(c.name, json.loads(c.arguments)) for c in reader.calls] == [
         ("get_weather", {"city": "Paris"}), ("get_time", {"hours": 3})
     ]
-    text_reader = ToolCallReader(active=True, fmt=QWEN3)
-    said = "".join(text_reader.push(c)[0] for c in THOUGHT + "Sunny.")
-    assert said == THOUGHT + "Sunny." and not text_reader.called
+    text_reasoner, text_reader = ReasoningReader(fmt), ToolCallReader(active=True, fmt=QWEN3)
+    said = "".join(text_reader.push(text_reasoner.push(c)[1])[0] for c in THOUGHT + "Sunny.")
+    assert said == "Sunny." and not text_reader.called
