@@ -19,6 +19,8 @@ import pytest
 from tests.integration.daemon_process import DaemonProcess, start_daemon
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (the test extra has it)")
+from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
+from selenium.webdriver.common.actions.wheel_input import ScrollOrigin  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.remote.webdriver import WebDriver  # noqa: E402
@@ -248,8 +250,12 @@ def test_a_reader_who_scrolled_up_is_not_pulled_down_while_the_answer_streams(
     scroll_height = "return document.getElementById('conversation').scrollHeight"
     client_height = browser.execute_script("return document.getElementById('conversation').clientHeight")
     wait_for(lambda: browser.execute_script(scroll_height) > client_height + 100, "the answer to overflow the window")
-    # The streaming answer followed the text so far; the reader now scrolls back to the question.
-    browser.execute_script("document.getElementById('conversation').scrollTop = 0")
+    # The streaming answer followed the text so far; the reader now scrolls back to the question
+    # with the mouse wheel, while text keeps arriving.
+    conversation = browser.find_element(By.ID, "conversation")
+    ActionChains(browser).scroll_from_origin(ScrollOrigin.from_element(conversation), 0, -100000).perform()
+    wait_for(lambda: browser.execute_script("return document.getElementById('conversation').scrollTop") == 0,
+             "the view to reach the question")
     grown_from = browser.execute_script(scroll_height)
     wait_for(lambda: browser.execute_script(scroll_height) > grown_from + 100, "more of the answer")
     assert browser.execute_script("return document.getElementById('conversation').scrollTop") == 0

@@ -303,6 +303,19 @@ elements.conversation.addEventListener("scroll", () => {
   following = atBottom || (following && area.scrollTop >= lastScrollTop);
   lastScrollTop = area.scrollTop;
 });
+// A scroll event arrives a frame after the move: text streamed in meanwhile would scroll the view
+// back down first, and the move would be lost. The reader's intent to read upward (the wheel,
+// a touch, the keys that scroll up) stops following at once; reaching the bottom resumes it.
+const UPWARD_KEYS = new Set(["ArrowUp", "PageUp", "Home"]);
+elements.conversation.addEventListener("wheel", (event) => {
+  if (event.deltaY < 0) following = false;
+}, { passive: true });
+elements.conversation.addEventListener("touchmove", () => {
+  following = false;
+}, { passive: true });
+elements.conversation.addEventListener("keydown", (event) => {
+  if (UPWARD_KEYS.has(event.key)) following = false;
+});
 elements.send.addEventListener("click", send);
 elements.stop.addEventListener("click", () => running && running.abort());
 elements.newChat.addEventListener("click", () => {
