@@ -4,12 +4,21 @@ TRITON_INTERPRET must be set before any module decorates a Triton kernel: the in
 mode is fixed at decoration time.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # Test processes and the daemons they start share two cores with each other: OpenMP threads
 # sleep at once rather than spin (flare/engine/openmp.py), so no process starves another.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Stored Responses go to the daemon's state directory: the suite's own, never the user's
+# (~/.local/state/flare) or a service's (systemd's STATE_DIRECTORY). Daemons started as
+# subprocesses inherit it.
+os.environ.pop("STATE_DIRECTORY", None)
+os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="flare-tests-state-")
+atexit.register(shutil.rmtree, os.environ["XDG_STATE_HOME"], ignore_errors=True)
 
 import json  # noqa: E402
 import logging  # noqa: E402
