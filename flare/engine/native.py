@@ -11,6 +11,8 @@ built (no C compiler at install time) and that the tests hold it equal to:
   copy, five elementwise passes and two index copies;
 - `gated_rows`: silu(gate) * up (or GELU-tanh's, Gemma's GeGLU) from the gate/up layer's output
   into the rows the down projection reads, instead of two passes and a transposing copy;
+  `clamped_swiglu_rows` the same for gpt-oss's clamped SwiGLU (its torch counterpart in
+  `gpt_oss.py`);
 - `add_rms_norm`: the residual add and the RMSNorm after it, instead of seven passes;
 - `quantized_linear` and `quantized_rows`: a linear layer multiplied straight from ggml's
   quantized blocks, and rows of such a weight expanded (the embedding lookup), for
@@ -29,7 +31,8 @@ pool and the RoPE tables. Kernels release the GIL and run on `torch.get_num_thre
 
 The families' features ride along as options that default to Llama's layer (issue 26;
 `ModelConfig`'s docstring): a q/k/v bias, per-head q/k RMSNorm and partial rotary in
-`rope_and_cache`, a sliding window, a soft-cap and an explicit scale in `paged_attention`,
+`rope_and_cache`, a sliding window, a soft-cap, an explicit scale and attention sinks
+(gpt-oss; torch counterpart `gpt_oss.attention_with_sinks`) in `paged_attention`,
 GELU-tanh in `gated_rows`, all of them and the sandwich norms per layer in `KernelLayer`. Unset,
 each kernel runs the loops and gives the bits it did before them.
 """
@@ -107,6 +110,7 @@ def paged_attention(
     scale: float | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     portable: bool = False,
 ) -> torch.Tensor:
     """Causal attention of `rows` rows of `query_len` new tokens each over their cached keys.
@@ -121,6 +125,8 @@ def paged_attention(
     `scale`: the factor on q . k (None: D ** -0.5). `window`: a sliding window, the token at
     position p attends to positions p - window < k <= p only (None: all). `softcap`: scores
     become softcap * tanh(score / softcap) after the scale, before the softmax (None: not capped).
+    `sinks`: float32 [heads], each head's learned sink logit, which joins its softmax's
+    denominator and carries no value (gpt-oss; None: no sinks).
     """
     native = _module()
     tokens, heads, head_dim = q.shape
@@ -145,6 +151,8 @@ def paged_attention(
     if not block_table.is_contiguous() or not start_positions.is_contiguous():
         problems.append("block_table and start_positions must be contiguous")
     problems += _attention_option_problems(scale, window, softcap)
+    if sinks is not None and (sinks.dtype != torch.float32 or sinks.device.type != "cpu" or sinks.shape != (heads,) or not sinks.is_contiguous()):
+        problems.append(f"sinks must be a contiguous CPU float32 [{heads}] (one per query head), got {sinks.device} {sinks.dtype} {tuple(sinks.shape)}")
     _check("paged_attention", problems)
 
     out = torch.empty(tokens, heads, head_dim, dtype=torch.float32)
@@ -152,7 +160,7 @@ def paged_attention(
         q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), out.data_ptr(), block_table.data_ptr(),
         start_positions.data_ptr(), rows, query_len, heads, kv_heads, head_dim, block_size, num_blocks, max_blocks,
         head_dim**-0.5 if scale is None else scale, window or 0, softcap or 0.0, torch.get_num_threads(),
-        KV_DTYPE_CODES[keys.dtype], portable,
+        KV_DTYPE_CODES[keys.dtype], portable, 0 if sinks is None else sinks.data_ptr(),
     )
     return out
 
@@ -271,6 +279,28 @@ def gated_rows(gate_up_columns: torch.Tensor, activation: str = "silu") -> torch
     native.gated_rows(
         gate_up_columns.data_ptr(), gate_up_columns.stride(0), gate_up_columns.stride(1), out.data_ptr(), channels // 2,
         tokens, ACTIVATION_CODES[activation], torch.get_num_threads(),
+    )
+    return out
+
+
+def clamped_swiglu_rows(gate_up_columns: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU as rows [T, I], from the gate/up output as `gated_rows` takes it
+    (columns [2 I, T], gate first): g' sigmoid(alpha g') (u' + 1), g' = min(g, limit),
+    u' = clamp(u, -limit, limit)."""
+    native = _module()
+    channels, tokens = gate_up_columns.shape
+    problems = _dtype_problems(gate_up_columns=(gate_up_columns, torch.float32))
+    if channels % 2:
+        problems.append(f"gate_up_columns must have an even number of channels, got {channels}")
+    for name, value in (("alpha", alpha), ("limit", limit)):
+        if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+            problems.append(f"{name} must be a positive finite number, got {value!r}")
+    _check("clamped_swiglu_rows", problems)
+
+    out = torch.empty(tokens, channels // 2, dtype=torch.float32)
+    native.clamped_swiglu_rows(
+        gate_up_columns.data_ptr(), gate_up_columns.stride(0), gate_up_columns.stride(1), out.data_ptr(), channels // 2,
+        tokens, float(alpha), float(limit), torch.get_num_threads(),
     )
     return out
 

@@ -46,7 +46,12 @@ SCALE_OFFSETS: dict[GGMLType, tuple[int, ...]] = {
     GGMLType.Q5_K: (0, 2),
     GGMLType.Q6_K: (208,),
 }
-KEPT_TYPES = frozenset(SCALE_OFFSETS)
+# Byte offsets of the E8M0 scale (one exponent byte, 2^(e - 127); 0xFF is NaN in OCP MX v1.0)
+# inside a block of the microscaling types: MXFP4 (gpt-oss's experts: the scale, then 16 bytes
+# of E2M1 nibbles).
+E8M0_SCALE_OFFSETS: dict[GGMLType, tuple[int, ...]] = {GGMLType.MXFP4: (0,)}
+E8M0_NAN = 0xFF
+KEPT_TYPES = frozenset(SCALE_OFFSETS) | frozenset(E8M0_SCALE_OFFSETS)
 
 
 class BlocksError(ValueError):
@@ -81,7 +86,7 @@ def type_named(name: str) -> GGMLType | None:
 def block_problems(name: str, ggml_type: GGMLType, data: np.ndarray, shape: tuple[int, int]) -> list[str]:
     """Why `data` cannot be served as the blocks of tensor `name` [out, in] in `ggml_type`: a type
     without a kernel, a length that is not the shape's, a NaN or infinite float16 scale (d or dmin)
-    in any block. Empty when the blocks are servable. The scale check reads the scales of every
+    or a NaN E8M0 scale (MXFP4) in any block. Empty when the blocks are servable. The scale check reads the scales of every
     block as one strided float16 view: no Python loop over blocks."""
     if ggml_type not in KEPT_TYPES:
         kept = ", ".join(sorted(t.name for t in KEPT_TYPES))
@@ -99,7 +104,15 @@ def block_problems(name: str, ggml_type: GGMLType, data: np.ndarray, shape: tupl
         ]
     type_size = gguf.GGML_QUANT_SIZES[ggml_type][1]
     blocks = np.ascontiguousarray(data).reshape(-1).view(np.uint8).reshape(-1, type_size)
-    for offset in SCALE_OFFSETS[ggml_type]:
+    for offset in E8M0_SCALE_OFFSETS.get(ggml_type, ()):
+        bad = blocks[:, offset] == E8M0_NAN
+        if bad.any():
+            block = int(np.argmax(bad))
+            return [
+                f"tensor {name}: {int(bad.sum())} block(s) have a NaN scale "
+                f"(first: block {block}, row {block * type_size // width}, E8M0 byte 0xff)"
+            ]
+    for offset in SCALE_OFFSETS.get(ggml_type, ()):
         scales = blocks[:, offset : offset + 2].copy().view(np.float16).reshape(-1)
         bad = ~np.isfinite(scales)
         if bad.any():

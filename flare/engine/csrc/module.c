@@ -45,12 +45,12 @@ static const char *check_features(int64_t head_dim, int64_t rotary_dims, float n
 static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t q, q_token_stride, keys, values, out, block_table, start_positions;
-    Py_ssize_t rows, query_len, heads, kv_heads, head_dim, block_size, num_blocks, max_blocks, window, threads;
+    Py_ssize_t rows, query_len, heads, kv_heads, head_dim, block_size, num_blocks, max_blocks, window, threads, sinks;
     float scale, softcap;
     int kv_dtype, portable;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnfnfnip", &q, &q_token_stride, &keys, &values, &out, &block_table,
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnfnfnipn", &q, &q_token_stride, &keys, &values, &out, &block_table,
                           &start_positions, &rows, &query_len, &heads, &kv_heads, &head_dim, &block_size,
-                          &num_blocks, &max_blocks, &scale, &window, &softcap, &threads, &kv_dtype, &portable))
+                          &num_blocks, &max_blocks, &scale, &window, &softcap, &threads, &kv_dtype, &portable, &sinks))
         return NULL;
     if (kv_dtype < KV_FLOAT32 || kv_dtype > KV_BFLOAT16) return invalid("paged_attention", "unknown KV dtype code");
     if (rows < 1 || query_len < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads || head_dim < 1 ||
@@ -79,6 +79,7 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
         .window = window,
         .softcap = softcap,
         .portable = portable,
+        .sinks = (const float *)sinks,
     };
     int64_t longest;
     const char *problem = check_rows(&a, &longest);
@@ -158,6 +159,23 @@ static PyObject *py_gated_rows(PyObject *self, PyObject *args) {
                         activation, (int)threads);
     Py_END_ALLOW_THREADS
     if (status) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_clamped_swiglu_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t gate_up, channel_stride, token_stride, out, intermediate, tokens, threads;
+    float alpha, limit;
+    if (!PyArg_ParseTuple(args, "nnnnnnffn", &gate_up, &channel_stride, &token_stride, &out, &intermediate, &tokens, &alpha,
+                          &limit, &threads))
+        return NULL;
+    if (intermediate < 1 || tokens < 1 || threads < 1 || channel_stride < 0 || token_stride < 0)
+        return invalid("clamped_swiglu_rows", "sizes must be positive and strides non-negative");
+    if (!(alpha > 0.0f) || !(limit > 0.0f)) return invalid("clamped_swiglu_rows", "alpha and limit must be positive");
+    Py_BEGIN_ALLOW_THREADS
+    clamped_swiglu_rows((const float *)gate_up, channel_stride, token_stride, (float *)out, intermediate, tokens, alpha, limit,
+                        (int)threads);
+    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
@@ -412,13 +430,15 @@ static PyObject *py_decoder_layers(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"paged_attention", py_paged_attention, METH_VARARGS,
      "paged_attention(q, q_token_stride, keys, values, out, block_table, start_positions, rows, query_len, heads, "
-     "kv_heads, head_dim, block_size, num_blocks, max_blocks, scale, window, softcap, threads, kv_dtype, portable)"},
+     "kv_heads, head_dim, block_size, num_blocks, max_blocks, scale, window, softcap, threads, kv_dtype, portable, sinks)"},
     {"rope_and_cache", py_rope_and_cache, METH_VARARGS,
      "rope_and_cache(qkv, channel_stride, token_stride, positions, slots, cos, sin, max_positions, q_out, keys, "
      "values, tokens, heads, kv_heads, head_dim, pool_slots, threads, kv_dtype, bias, q_norm, k_norm, norm_eps, "
      "rotary_dims)"},
     {"gated_rows", py_gated_rows, METH_VARARGS,
      "gated_rows(gate_up, channel_stride, token_stride, out, intermediate, tokens, activation, threads)"},
+    {"clamped_swiglu_rows", py_clamped_swiglu_rows, METH_VARARGS,
+     "clamped_swiglu_rows(gate_up, channel_stride, token_stride, out, intermediate, tokens, alpha, limit, threads)"},
     {"add_rms_norm", py_add_rms_norm, METH_VARARGS,
      "add_rms_norm(h, delta, delta_token_stride, delta_channel_stride, weight, out, tokens, hidden, eps, threads)"},
     {"float16_linear", py_float16_linear, METH_VARARGS,
