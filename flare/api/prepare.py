@@ -140,10 +140,13 @@ async def prepare(
     # request switched it off in a template that reads the switch.
     free = reasoning if reasoning is not None and not _switched_off(generation, reasoning, inside) else None
     constraint = generation.constraint
-    if free is not None and constraint is not None:
-        constraint = _constraint_after_reasoning(constraint, free, inside)
-    if generation.tools is not None and generation.tools.calls_possible:
-        constraint = tool_grammar(generation.tools, tool_format, scheduler.tokenizer.tool_tokens, free, inside)
+    if tool_format.name == "harmony" and reasoning is not None:
+        constraint = _harmony_constraint(constraint)
+    else:
+        if free is not None and constraint is not None:
+            constraint = _constraint_after_reasoning(constraint, free, inside)
+        if generation.tools is not None and generation.tools.calls_possible:
+            constraint = tool_grammar(generation.tools, tool_format, scheduler.tokenizer.tool_tokens, free, inside)
     grammar = await _compile(serving, constraint, cache_scope)
     clamp = _clamp(scheduler, generation, room, grammar)
     prediction = await _prediction_ids(serving, generation.prediction)
@@ -166,6 +169,18 @@ async def prepare(
     )
     echoes = tuple(Echo(text, ids) if tokens.echo else None for text, ids in prompts)
     return Prepared(request_id, ids, generation, requests, clamp, echoes, tool_format, reasoning, inside)
+
+
+def _harmony_constraint(constraint: GrammarSpec | None) -> None:
+    """gpt-oss writes its channels and its calls itself (api/harmony.py reads them), unheld by a
+    grammar: a structured answer would have to open after the final channel's header, which no
+    grammar here writes yet, so it is a 400 naming its field rather than an answer that ignores it."""
+    if constraint is not None:
+        raise bad_request(
+            f"{constraint.param}: a structured answer is not served for this model's harmony format (gpt-oss) yet; leave it out",
+            param=constraint.param,
+        )
+    return None
 
 
 def _reasoning_format(scheduler: Scheduler, generation: Generation) -> ReasoningFormat | None:
