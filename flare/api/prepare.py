@@ -199,8 +199,17 @@ def _reasoning_format(scheduler: Scheduler, generation: Generation) -> Reasoning
     return fmt
 
 
+# gpt-oss's template takes `reasoning_effort` low, medium or high (its system message's
+# "Reasoning:" line); the efforts past either end are the nearest of them. Its reasoning cannot
+# be switched off, so "none" leaves the template's default.
+_HARMONY_EFFORTS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
+
+
 def _template_kwargs(reasoning: ReasoningFormat | None, switch: ThinkingSwitch | None) -> dict[str, Any] | None:
-    """`enable_thinking` for a template that reads it, as the request switched it."""
+    """`enable_thinking` for a template that reads it, as the request switched it; harmony's
+    `reasoning_effort` (gpt-oss) as the request asked."""
+    if reasoning is not None and reasoning.name == "harmony" and switch is not None and switch.effort in _HARMONY_EFFORTS:
+        return {"reasoning_effort": _HARMONY_EFFORTS[switch.effort]}
     if reasoning is None or switch is None or not reasoning.switchable:
         return None
     return {"enable_thinking": switch.enabled}

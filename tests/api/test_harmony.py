@@ -289,3 +289,17 @@ async def test_messages_stream_the_thinking_then_the_tool_uses_input(serve: Any)
     deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
     assert "".join(d.get("thinking", "") for d in deltas) == "Need the weather for Paris."
     assert json.loads("".join(d.get("partial_json", "") for d in deltas)) == {"city": "Paris"}
+
+
+@pytest.mark.parametrize(("effort", "rendered"), [("low", "low"), ("xhigh", "high"), ("minimal", "low")])
+async def test_the_requests_reasoning_effort_reaches_the_templates_reasoning_line(effort: str, rendered: str) -> None:
+    scheduler = harmony_scheduler(TEXT_ANSWER)
+    state = ServingState()
+    state.ready(scheduler, (MODEL,))  # type: ignore[arg-type]
+    async with TestClient(TestServer(create_app(DaemonConfig(), state, DaemonMetrics.create()))) as client:
+        response = await client.post("/v1/chat/completions", json={**CHAT, "reasoning_effort": effort})
+        assert response.status == 200
+    assert scheduler.tokenizer.template_kwargs == {"reasoning_effort": rendered}
+    template = compile_chat_template(TEMPLATE)
+    prompt = render_within_budget(template, {"messages": CHAT["messages"], "add_generation_prompt": True, "reasoning_effort": rendered})
+    assert f"Reasoning: {rendered}\n" in prompt
