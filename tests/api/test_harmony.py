@@ -303,3 +303,32 @@ async def test_the_requests_reasoning_effort_reaches_the_templates_reasoning_lin
     template = compile_chat_template(TEMPLATE)
     prompt = render_within_budget(template, {"messages": CHAT["messages"], "add_generation_prompt": True, "reasoning_effort": rendered})
     assert f"Reasoning: {rendered}\n" in prompt
+
+
+def test_a_tokenizer_with_harmonys_control_tokens_encodes_them_whole_and_decodes_them_for_the_reader(tiny_package: Path) -> None:
+    from tokenizers import Tokenizer as BackendTokenizer
+
+    from flare.engine.tokenizer import Tokenizer
+    from flare.package.directory import open_package
+
+    backend = BackendTokenizer.from_file(str(open_package(tiny_package).tokenizer_json_path))
+    backend.add_special_tokens(list(tool_formats.HARMONY_TOKENS))
+    ids = {name: backend.token_to_id(name) for name in tool_formats.HARMONY_TOKENS}
+    tokenizer = Tokenizer(backend, TEMPLATE, eos_token_ids=(ids["<|return|>"], ids["<|call|>"]))
+    assert tokenizer.tool_format is tool_formats.HARMONY and tokenizer.reasoning_format is reasoning_formats.HARMONY
+    assert tokenizer.tool_tokens == ids
+
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Hi <|end|>"}], tools=[WEATHER_TOOL])
+    assistant = tokenizer.encode("assistant", add_special_tokens=False)
+    assert prompt[-len(assistant) - 1 :] == [ids["<|start|>"], *assistant]
+    assert prompt.count(ids["<|end|>"]) == 3  # system, developer and user turns: the user's text is text
+
+    answer = []
+    for piece in tokens_of(CALL_ANSWER, 1000):
+        answer += [ids[piece]] if piece in ids else tokenizer.encode(piece, add_special_tokens=False)
+    text = tokenizer.decode([*answer, ids["<|call|>"]])
+    assert text == CALL_ANSWER + "<|call|>"
+    reader = HarmonyReader()
+    reasoning, _ = reader.push(text)
+    assert reasoning == "Need the weather for Paris."
+    assert [(c.name, c.arguments) for c in reader.calls.calls] == [("get_weather", '{"city": "Paris"}')]
