@@ -17,17 +17,25 @@ usually never reach the text. Text that may still become a mark is held back unt
 
 `HarmonyReader` gives each piece's reasoning and answer text as `ReasoningReader` does, and its
 `calls` reader the calls as `ToolCallReader` does, so the answer path reads harmony through the
-same two steps as every other format.
+same two steps as every other format. `harmony_grammar` holds an answer that must be a call or
+JSON to harmony's form of it, its reasoning left free.
 """
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from flare.api.errors import bad_request
+from flare.api.tools.grammar import literal
+from flare.api.tools.parse import ToolRequest
 from flare.api.tools.reader import ToolCall
 from flare.package.tool_formats import HARMONY
+from flare.structured.compiler import JSON_OPTIONS
+from flare.structured.spec import GrammarSpec
 
 MESSAGE = "<|message|>"
 START = "<|start|>"
@@ -173,3 +181,53 @@ class HarmonyCalls:
     @property
     def called(self) -> bool:
         return bool(self.reader.finished_calls)
+
+
+def harmony_grammar(tools: ToolRequest | None, constraint: GrammarSpec | None, control: Mapping[str, int]) -> GrammarSpec | None:
+    """The Lark grammar (llguidance's) of a gpt-oss answer held to tools or a JSON schema, or None
+    for an answer left free. `control` names harmony's control tokens by id, so the grammar asks
+    for those tokens, not their spelling (api/tools/grammar.py `literal`).
+
+        start: message* answer
+        message: <|channel|> (analysis | commentary) <|message|> TEXT <|end|> <|start|> assistant
+        answer: <|channel|> commentary to=functions.NAME <|constrain|>json <|message|> %json{its parameters}
+              | <|channel|> final <|message|> TEXT          (tool_choice auto: text or a call)
+              | <|channel|> final <|message|> %json{schema}  (a JSON schema)
+
+    The messages before the answer (reasoning, preambles) are free. One call a turn: <|call|>
+    ends the generation. Another kind of constraint (a regular expression, a choice, a Lark
+    grammar) cannot follow the reasoning yet and is a 400 naming its field."""
+
+    def mark(name: str) -> str:
+        return literal(name, control)
+
+    channel, body = mark("<|channel|>"), mark("<|message|>")
+    answers: list[str] = []
+    if tools is not None and tools.calls_possible:
+        allowed = [t for t in tools.tools if tools.choice != "named" or t.name == tools.named]
+        for tool in allowed:
+            to = json.dumps(f"commentary to=functions.{tool.name} ")
+            schema = {"x-guidance": JSON_OPTIONS, **tool.parameters}
+            answers.append(f'{channel} {to} {mark("<|constrain|>")} "json" {body} %json {json.dumps(schema)}')
+        if tools.choice == "auto":
+            answers.append(f'{channel} "final" {body} TEXT')
+        param, closed = "tools", tuple(p for t in allowed for p in t.closed_objects)
+    elif constraint is not None:
+        if constraint.kind != "json_schema":
+            raise bad_request(
+                f"{constraint.param}: gpt-oss reasons before it answers, and this grammar cannot yet be held after its "
+                "reasoning (a JSON schema can)",
+                param=constraint.param,
+            )
+        schema = {"x-guidance": JSON_OPTIONS, **json.loads(constraint.source)}
+        answers.append(f'{channel} "final" {body} %json {json.dumps(schema)}')
+        param, closed = constraint.param, constraint.closed_objects
+    else:
+        return None
+    lark = (
+        "start: message* answer\n"
+        f'message: {channel} ("analysis" | "commentary") {body} TEXT {mark("<|end|>")} {mark("<|start|>")} "assistant"\n'
+        f"answer: {' | '.join(answers)}\n"
+        "TEXT: /(.|\\n)*/\n"
+    )
+    return GrammarSpec("lark", lark, param, closed)

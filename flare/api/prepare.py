@@ -21,6 +21,7 @@ import anyio
 from flare.api.abandonable import run_abandonable
 from flare.api.errors import bad_request
 from flare.api.generation import ChatPrompt, Generation, TextPrompts, ThinkingSwitch, TokenOptions
+from flare.api.harmony import harmony_grammar
 from flare.api.reasoning import after_reasoning
 from flare.api.rendering import IdForm, flare_object, logprobs_object
 from flare.api.tools.grammar import tool_grammar
@@ -141,7 +142,7 @@ async def prepare(
     free = reasoning if reasoning is not None and not _switched_off(generation, reasoning, inside) else None
     constraint = generation.constraint
     if tool_format.name == "harmony" and reasoning is not None:
-        constraint = _harmony_constraint(constraint)
+        constraint = harmony_grammar(generation.tools, constraint, scheduler.tokenizer.tool_tokens)
     else:
         if free is not None and constraint is not None:
             constraint = _constraint_after_reasoning(constraint, free, inside)
@@ -169,18 +170,6 @@ async def prepare(
     )
     echoes = tuple(Echo(text, ids) if tokens.echo else None for text, ids in prompts)
     return Prepared(request_id, ids, generation, requests, clamp, echoes, tool_format, reasoning, inside)
-
-
-def _harmony_constraint(constraint: GrammarSpec | None) -> None:
-    """gpt-oss writes its channels and its calls itself (api/harmony.py reads them), unheld by a
-    grammar: a structured answer would have to open after the final channel's header, which no
-    grammar here writes yet, so it is a 400 naming its field rather than an answer that ignores it."""
-    if constraint is not None:
-        raise bad_request(
-            f"{constraint.param}: a structured answer is not served for this model's harmony format (gpt-oss) yet; leave it out",
-            param=constraint.param,
-        )
-    return None
 
 
 def _reasoning_format(scheduler: Scheduler, generation: Generation) -> ReasoningFormat | None:

@@ -15,7 +15,9 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from tests.fake_scheduler import FakeScheduler
 
-from flare.api.harmony import HarmonyReader
+from flare.api.errors import ApiError
+from flare.api.harmony import HarmonyReader, harmony_grammar
+from flare.api.tools.parse import parse_tools
 from flare.api.tools.prompt import template_messages
 from flare.daemon.config import DaemonConfig
 from flare.package import reasoning_formats, tool_formats
@@ -23,6 +25,7 @@ from flare.package.chat_template import check_chat_template, compile_chat_templa
 from flare.server.metrics import DaemonMetrics
 from flare.server.routes import create_app
 from flare.server.state import ServingState
+from flare.structured import GrammarCompiler, GrammarSpec, GrammarState
 
 TEMPLATE = (Path(__file__).parents[1] / "fixtures" / "templates" / "gpt-oss.jinja").read_text()
 WEATHER_TOOL = {
@@ -175,20 +178,32 @@ def test_text_without_any_harmony_header_is_the_answer() -> None:
 MODEL = "tiny-model"
 
 
-def harmony_scheduler(answer: str) -> FakeScheduler:
+def harmony_scheduler(answer: str, compiler: GrammarCompiler | None = None) -> FakeScheduler:
+    """A fake scheduler that answers `answer` (not held to the request's grammar, which it compiles
+    where given a compiler) and whose tokenizer reads harmony."""
     scheduler = FakeScheduler(reply=tuple(tokens_of(answer, 4)))
     scheduler.tokenizer.reasoning_format = reasoning_formats.HARMONY
     scheduler.tokenizer.tool_format = tool_formats.HARMONY
+    scheduler.grammars = compiler  # type: ignore[assignment]
     return scheduler
 
 
+@pytest.fixture(scope="module")
+def compiler(tiny_package: Path) -> GrammarCompiler:
+    from flare.package.directory import open_package
+
+    package = open_package(tiny_package)
+    config = package.manifest.model
+    return GrammarCompiler(package.tokenizer_json_path.read_text(), vocab_size=config.vocab_size, eos_token_ids=config.eos_token_ids)
+
+
 @pytest.fixture
-async def serve() -> AsyncIterator[Any]:
+async def serve(compiler: GrammarCompiler) -> AsyncIterator[Any]:
     clients: list[TestClient] = []
 
     async def start(answer: str) -> TestClient:
         state = ServingState()
-        state.ready(harmony_scheduler(answer), (MODEL,))  # type: ignore[arg-type]
+        state.ready(harmony_scheduler(answer, compiler), (MODEL,))  # type: ignore[arg-type]
         client = TestClient(TestServer(create_app(DaemonConfig(), state, DaemonMetrics.create())))
         await client.start_server()
         clients.append(client)
@@ -235,14 +250,6 @@ async def test_chat_answer_on_the_final_channel_is_the_content(serve: Any) -> No
     client = await serve(TEXT_ANSWER)
     message = (await (await client.post("/v1/chat/completions", json=CHAT)).json())["choices"][0]["message"]
     assert message["content"] == "Hello there!" and message["reasoning_content"] == "Greet back."
-
-
-async def test_a_structured_answer_is_refused_for_harmony_naming_its_field(serve: Any) -> None:
-    client = await serve(TEXT_ANSWER)
-    body = {"model": MODEL, "messages": CHAT["messages"], "response_format": {"type": "json_object"}}
-    response = await client.post("/v1/chat/completions", json=body)
-    assert response.status == 400
-    assert "harmony" in (await response.json())["error"]["message"]
 
 
 async def test_responses_give_a_reasoning_item_and_a_function_call_item(serve: Any) -> None:
@@ -297,7 +304,7 @@ async def test_the_requests_reasoning_effort_reaches_the_templates_reasoning_lin
     state = ServingState()
     state.ready(scheduler, (MODEL,))  # type: ignore[arg-type]
     async with TestClient(TestServer(create_app(DaemonConfig(), state, DaemonMetrics.create()))) as client:
-        response = await client.post("/v1/chat/completions", json={**CHAT, "reasoning_effort": effort})
+        response = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT["messages"], "reasoning_effort": effort})
         assert response.status == 200
     assert scheduler.tokenizer.template_kwargs == {"reasoning_effort": rendered}
     template = compile_chat_template(TEMPLATE)
@@ -332,3 +339,80 @@ def test_a_tokenizer_with_harmonys_control_tokens_encodes_them_whole_and_decodes
     reasoning, _ = reader.push(text)
     assert reasoning == "Need the weather for Paris."
     assert [(c.name, c.arguments) for c in reader.calls.calls] == [("get_weather", '{"city": "Paris"}')]
+
+
+
+@pytest.fixture(scope="module")
+def harmony_vocabulary(tiny_package: Path) -> tuple[GrammarCompiler, dict[str, int]]:
+    """A compiler over the tiny vocabulary with harmony's control tokens added, and their ids."""
+    from tokenizers import Tokenizer as BackendTokenizer
+
+    from flare.package.directory import open_package
+
+    backend = BackendTokenizer.from_file(str(open_package(tiny_package).tokenizer_json_path))
+    backend.add_special_tokens(list(tool_formats.HARMONY_TOKENS))
+    ids = {name: backend.token_to_id(name) for name in tool_formats.HARMONY_TOKENS}
+    compiler = GrammarCompiler(backend.to_str(), vocab_size=backend.get_vocab_size(), eos_token_ids=(ids["<|return|>"], ids["<|call|>"]))
+    return compiler, ids
+
+
+def whole(vocabulary: tuple[GrammarCompiler, dict[str, int]], spec: GrammarSpec, text: str) -> bool:
+    """Whether `text` (its control tokens as those tokens) is a whole answer under `spec`."""
+    compiler, ids = vocabulary
+    state = GrammarState(compiler.compile(spec))
+    tokens: list[int] = []
+    for piece in tokens_of(text, 1000):
+        tokens += [ids[piece]] if piece in ids else state.grammar.tokenizer.tokenize_str(piece)
+    if state.valid_prefix(tokens) != len(tokens):
+        return False
+    state.accept(tokens)
+    return state.matcher.is_accepting()  # type: ignore[attr-defined]
+
+
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"], "additionalProperties": False}
+
+
+def tools_of(choice: Any) -> Any:
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
+    return parse_tools({"tools": [tool], "tool_choice": choice})
+
+
+def test_a_required_call_is_held_to_harmonys_form_and_the_functions_schema(harmony_vocabulary: Any) -> None:
+    _, ids = harmony_vocabulary
+    spec = harmony_grammar(tools_of("required"), None, ids)
+    assert spec is not None and f"<[{ids['<|constrain|>']}]>" in spec.source
+    assert whole(harmony_vocabulary, spec, CALL_ANSWER)
+    assert whole(harmony_vocabulary, spec, CALL_ANSWER.split("<|start|>assistant")[1])  # no reasoning first
+    preamble = "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant"
+    assert whole(harmony_vocabulary, spec, preamble + CALL_ANSWER.split("<|start|>assistant")[1])
+    assert not whole(harmony_vocabulary, spec, CALL_ANSWER.replace("Paris", "Rome"))
+    assert not whole(harmony_vocabulary, spec, TEXT_ANSWER)
+    auto = harmony_grammar(tools_of("auto"), None, ids)
+    assert auto is not None and whole(harmony_vocabulary, auto, TEXT_ANSWER) and whole(harmony_vocabulary, auto, CALL_ANSWER)
+
+
+def test_a_json_schema_holds_the_final_channel_after_free_reasoning(harmony_vocabulary: Any) -> None:
+    _, ids = harmony_vocabulary
+    spec = harmony_grammar(None, GrammarSpec.json_schema(CITY, "response_format"), ids)
+    assert spec is not None and spec.param == "response_format"
+    reasoning = "<|channel|>analysis<|message|>Pick one.<|end|><|start|>assistant"
+    assert whole(harmony_vocabulary, spec, reasoning + '<|channel|>final<|message|>{"city": "Oslo"}')
+    assert not whole(harmony_vocabulary, spec, reasoning + "<|channel|>final<|message|>Oslo")
+    assert harmony_grammar(None, None, ids) is None  # a free answer
+    with pytest.raises(ApiError, match="structured_outputs.regex: gpt-oss reasons before it answers"):
+        harmony_grammar(None, GrammarSpec("regex", "[a-z]+", "structured_outputs.regex"), ids)
+
+
+async def test_a_json_schema_is_served_after_the_reasoning_and_another_grammar_is_refused_naming_its_field(serve: Any) -> None:
+    client = await serve('<|channel|>analysis<|message|>Pick.<|end|><|start|>assistant<|channel|>final<|message|>{"city": "Oslo"}')
+    schema = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    body = {"model": MODEL, "messages": CHAT["messages"], "response_format": schema}
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status == 200, await response.text()
+    message = (await response.json())["choices"][0]["message"]
+    assert json.loads(message["content"]) == {"city": "Oslo"} and message["reasoning_content"] == "Pick."
+    body = {"model": MODEL, "messages": CHAT["messages"], "structured_outputs": {"regex": "[a-z]+"}}
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status == 400
+    error = (await response.json())["error"]
+    assert "gpt-oss reasons before it answers" in error["message"] and error["param"].startswith("structured_outputs")
