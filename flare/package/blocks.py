@@ -194,6 +194,25 @@ def dequantized(tensor: BlockTensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
 
+def mxfp4_from_openai(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """gpt-oss's Hugging Face MXFP4 tensors (`*_blocks` uint8 [..., rows, groups, 16] and
+    `*_scales` uint8 [..., rows, groups]) as ggml MXFP4 rows, uint8 [..., rows, groups * 17]:
+    the same values, repacked. Both hold a group of 32 values as an E8M0 scale and 16 bytes of
+    E2M1 nibbles, and mean the same number by them (OpenAI's table E2M1's values times
+    2^(s - 127), ggml's the doubled values times 2^(s - 128)), so the scale byte is copied. The
+    nibbles move: OpenAI's byte k holds values 2k (low nibble) and 2k + 1 (high), ggml's byte j
+    values j (low) and j + 16 (high)."""
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+        raise BlocksError(
+            f"MXFP4 blocks must be uint8 [..., groups, 16] with uint8 scales [..., groups], got {blocks.dtype} "
+            f"{list(blocks.shape)} and {scales.dtype} {list(scales.shape)}"
+        )
+    values = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)  # value i at i
+    nibbles = values[..., :16] | (values[..., 16:] << 4)
+    packed = np.concatenate([scales[..., None], nibbles.astype(np.uint8)], axis=-1)
+    return packed.reshape(*blocks.shape[:-2], blocks.shape[-2] * 17)
+
+
 def unpermute_block_rows(tensor: BlockTensor, num_heads: int) -> BlockTensor:
     """`gguf_source.unpermute_rope_rows` on block rows: blocks run along the input dimension, so
     putting the output rows of q or k back in Hugging Face order moves whole rows of blocks,

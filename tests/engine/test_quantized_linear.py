@@ -256,3 +256,23 @@ def test_inputs_the_kernel_cannot_read_are_refused() -> None:
         dequantize_rows(weight, torch.tensor([3, 16]))
     with pytest.raises(ValueError, match="rows must be CPU int64"):
         dequantize_rows(weight, torch.tensor([3], dtype=torch.int32))
+
+
+def test_gpt_oss_hugging_face_mxfp4_tensors_repack_to_ggml_blocks_of_the_same_values() -> None:
+    # transformers' own dequantization of the checkpoint's packed experts is the reference.
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from flare.package.blocks import BlocksError, mxfp4_from_openai
+
+    rng = np.random.default_rng(7)
+    experts, rows, groups = 3, 10, 4
+    blocks = rng.integers(0, 256, (experts, rows, groups, 16), dtype=np.uint8)
+    scales = rng.integers(110, 140, (experts, rows, groups), dtype=np.uint8)
+    expected = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+    ggml = mxfp4_from_openai(blocks, scales)
+    assert ggml.shape == (experts, rows, groups * 17)
+    for e in range(experts):
+        weight = QuantizedWeight.from_blocks(T.MXFP4, torch.from_numpy(np.ascontiguousarray(ggml[e])), rows, groups * 32)
+        assert torch.equal(dequantize(weight), expected[e].T)  # transformers keeps [in, out]
+    with pytest.raises(BlocksError, match="MXFP4 blocks must be uint8"):
+        mxfp4_from_openai(blocks[..., :8], scales)
