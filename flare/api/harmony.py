@@ -128,8 +128,8 @@ class HarmonyReader:
         if self._mode == "body":
             self._body(held, reasoning, answer)
             self._close()
-        elif held.strip() and not held.lstrip().startswith(("<|channel|>", "to=")):
-            answer.append(held)
+        elif held.strip() and not any(token in held for token in HARMONY.control_marks):
+            answer.append(held)  # an unfinished header is dropped
         return "".join(reasoning), "".join(answer)
 
     def _open(self, header: Header) -> None:

@@ -170,8 +170,9 @@ def test_a_recipient_before_the_channel_and_a_preamble_on_commentary_are_read_to
     assert [(c.name, c.arguments) for c in reader.calls.calls] == [("get_weather", '{"city": "Oslo"}')]
 
 
-def test_text_without_any_harmony_header_is_the_answer() -> None:
+def test_text_without_any_harmony_header_is_the_answer_and_an_unfinished_header_is_nothing() -> None:
     assert read("Just text.", 3)[:2] == ("", "Just text.")
+    assert read("<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant", 1)[:2] == ("Hm.", "")
 
 
 # Through the APIs, on a fake scheduler whose tokenizer reads harmony.
