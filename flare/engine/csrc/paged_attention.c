@@ -1,7 +1,7 @@
 /* Paged attention of short rows (decode and verify rows) on the CPU, reading keys and values
  * straight from the paged KV pool.
  *
- * The torch path (flare/engine/model.py) first gathers each row's blocks into a contiguous
+ * The torch path (flare/engine/layers/attention.py) first gathers each row's blocks into a contiguous
  * buffer and then runs SDPA on it: every cached key and value is read, written and read again,
  * and for a handful of queries per row that copy costs as much as the attention itself. Here
  * each (row, KV head) pair is one task that walks its block table once:
