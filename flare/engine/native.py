@@ -11,8 +11,8 @@ built (no C compiler at install time) and that the tests hold it equal to:
   copy, five elementwise passes and two index copies;
 - `gated_rows`: silu(gate) * up (or GELU-tanh's, Gemma's GeGLU) from the gate/up layer's output
   into the rows the down projection reads, instead of two passes and a transposing copy;
-  `clamped_swiglu_rows` the same for gpt-oss's clamped SwiGLU (its torch counterpart in
-  `gpt_oss.py`);
+  `clamped_swiglu_rows` the same for gpt-oss's clamped SwiGLU (its torch counterpart
+  `layers/mlp.py`'s `clamped_swiglu`);
 - `add_rms_norm`: the residual add and the RMSNorm after it, instead of seven passes;
 - `quantized_linear` and `quantized_rows`: a linear layer multiplied straight from ggml's
   quantized blocks, and rows of such a weight expanded (the embedding lookup), for
@@ -32,7 +32,7 @@ pool and the RoPE tables. Kernels release the GIL and run on `torch.get_num_thre
 The families' features ride along as options that default to Llama's layer (issue 26;
 `ModelConfig`'s docstring): a q/k/v bias, per-head q/k RMSNorm and partial rotary in
 `rope_and_cache`, a sliding window, a soft-cap, an explicit scale and attention sinks
-(gpt-oss; torch counterpart `gpt_oss.attention_with_sinks`) in `paged_attention`,
+(gpt-oss; torch counterpart `layers/attention.py`'s `scores_to_output`) in `paged_attention`,
 GELU-tanh in `gated_rows`, all of them and the sandwich norms per layer in `KernelLayer`. Unset,
 each kernel runs the loops and gives the bits it did before them.
 """

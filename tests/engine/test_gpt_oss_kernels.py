@@ -1,5 +1,6 @@
-"""gpt-oss's layer arithmetic: attention sinks in the paged attention kernel and its torch
-counterpart, and the clamped SwiGLU, each held to transformers' gpt_oss modeling."""
+"""gpt-oss's layer arithmetic: attention sinks in the paged attention kernel and in the torch
+attention path (layers/attention.py), and the clamped SwiGLU in C and torch (layers/mlp.py), each
+held to transformers' gpt_oss modeling."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ import pytest
 import torch
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, eager_attention_forward
 
-from flare.engine import gpt_oss
+from flare.engine.batch import ForwardBatch, ForwardRow
+from flare.engine.kv_cache import KVCache
+from flare.engine.layers.attention import PagedAttention
+from flare.engine.layers.mlp import clamped_swiglu
 from flare.engine.native import clamped_swiglu_rows, paged_attention
 
 from tests.engine.test_native import linear_layouts
+from tests.engine.tiny_llama import tiny_config
 
 
 def transformers_attention(q, k, v, sinks, window: int | None, starts: list[int], query_len: int) -> torch.Tensor:
@@ -59,21 +64,28 @@ def test_paged_attention_with_sinks_attends_as_transformers_gpt_oss_does(rows, q
     assert not torch.allclose(paged_attention(q, keys, values, block_table, starts, query_len, window=window), expected, atol=1e-3)
 
 
-def test_the_torch_attention_with_sinks_is_transformers_eager_attention() -> None:
-    generator = torch.Generator().manual_seed(3)
-    heads, kv_heads, query_len, keys, head_dim = 4, 2, 5, 9, 16
-    q = torch.randn(1, heads, query_len, head_dim, generator=generator)
-    k = torch.randn(1, kv_heads, keys, head_dim, generator=generator)
-    v = torch.randn(1, kv_heads, keys, head_dim, generator=generator)
-    sinks = torch.randn(heads, generator=generator) * 3
-    visible = torch.arange(keys).view(1, -1) <= torch.arange(keys - query_len, keys).view(-1, 1)
-    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, sinks=sinks, training=False)
-    additive = torch.zeros(query_len, keys).masked_fill(~visible, float("-inf"))
-    expected, _ = eager_attention_forward(module, q, k, v, additive, scaling=head_dim**-0.5)
-
-    got = gpt_oss.attention_with_sinks(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), visible, sinks, head_dim**-0.5)
-
-    torch.testing.assert_close(got.transpose(1, 2), expected, atol=1e-6, rtol=1e-5)
+@pytest.mark.parametrize("kernels", [False, True])
+def test_the_models_attention_with_sinks_is_transformers_eager_attention_on_both_paths(kernels: bool) -> None:
+    # A prefill row of 20 tokens (past the kernel's short rows: the torch path) and a decode row
+    # (the kernel where the model runs it): the sinks reach each query head, folded or not.
+    config = tiny_config()
+    heads, kv_heads, head_dim, block_size = config.num_heads, config.num_kv_heads, config.head_dim, 16
+    generator = torch.Generator().manual_seed(11)
+    cache = KVCache.for_budget(config, 4 * 1024**2, block_size)
+    keys, values = cache.keys[0], cache.values[0]
+    keys.copy_(torch.randn(keys.shape, generator=generator))
+    values.copy_(torch.randn(values.shape, generator=generator))
+    sinks = torch.tensor([-3.0, 0.5, 2.0, 6.0])
+    attention = PagedAttention(config, kernels=kernels, window=None, device=torch.device("cpu"), dtype=torch.float32)
+    for row in (ForwardRow(list(range(20)), 0, [3, 5], num_logits=1), ForwardRow([7], 30, [3, 5], num_logits=1)):
+        batch = ForwardBatch.build([row], block_size)
+        q = 2 * torch.randn(len(row.token_ids), heads, head_dim, generator=generator)
+        got = attention.attend(q, keys, values, attention.plan(batch, cache), None, sinks)
+        length = row.start_position + len(row.token_ids)
+        k = keys[:, [3, 5]].reshape(kv_heads, -1, head_dim)[:, :length]
+        v = values[:, [3, 5]].reshape(kv_heads, -1, head_dim)[:, :length]
+        expected = transformers_attention(q, [k], [v], sinks, None, [row.start_position], len(row.token_ids))
+        torch.testing.assert_close(got.view_as(expected), expected, atol=2e-6, rtol=2e-5)
 
 
 def test_sinks_of_the_wrong_shape_are_refused_naming_them() -> None:
@@ -96,9 +108,9 @@ def test_the_clamped_swiglu_is_transformers_gpt_oss_activation_in_torch_and_in_c
         gate_up[intermediate, 0], gate_up[intermediate + 1, 0] = 30.0, -30.0  # up past both clamps
         gate, up = gate_up.chunk(2)
         expected = transformers_swiglu(gate.t(), up.t())
-        torch.testing.assert_close(gpt_oss.clamped_swiglu(gate, up).t(), expected, atol=0, rtol=0)
+        torch.testing.assert_close(clamped_swiglu(gate_up, kernels=False), expected, atol=0, rtol=0)
         for layout, columns in linear_layouts(gate_up).items():
-            out = clamped_swiglu_rows(columns, 1.702, 7.0)
+            out = clamped_swiglu(columns, kernels=True)
             assert out.is_contiguous() and out.shape == (tokens, intermediate)
             torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6, msg=layout)
 
