@@ -24,8 +24,8 @@ from aiohttp import web
 
 from flare.api.errors import RATE_LIMIT, SERVER_ERROR, ApiError, bad_request
 from flare.api.generation import Generation
-from flare.api.prepare import Echo, Prepared
 from flare.api.harmony import HarmonyCalls, HarmonyReader
+from flare.api.prepare import Echo, Prepared
 from flare.api.reasoning import ReasoningReader
 from flare.api.rendering import ChoiceText, RenderedToken, Renderer, TextPiece, TokenRenderer
 from flare.api.sse import SSE_HEADERS

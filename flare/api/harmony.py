@@ -91,6 +91,7 @@ class HarmonyReader:
     _call: _Call | None = None
     _deltas: list[dict[str, Any]] = field(default_factory=list)
     finished_calls: list[ToolCall] = field(default_factory=list)
+    calls: HarmonyCalls = field(init=False)  # this reader's calls, as the answer path reads calls
 
     def __post_init__(self) -> None:
         self.calls = HarmonyCalls(self)

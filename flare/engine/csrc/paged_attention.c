@@ -21,8 +21,10 @@
  *
  *   m_i = max(z_h, max_k s_ik),   p_ik = exp(s_ik - m_i) / (exp(z_h - m_i) + sum_k' exp(s_ik' - m_i))
  *
- * so a head can put weight on "nothing" and its output shrinks towards zero. The `group` query heads that share a KV head are handled by the same task, so each
- * key and value is loaded once for all of them (grouped-query attention without repeating K/V).
+ * so a head can put weight on "nothing" and its output shrinks towards zero.
+ *
+ * The `group` query heads that share a KV head are handled by the same task, so each key and
+ * value is loaded once for all of them (grouped-query attention without repeating K/V).
  *
  * exp is evaluated by `exp_nonpositive` (every argument is s - max <= 0), a vectorisable
  * polynomial rather than libm's scalar expf, which alone would cost more than the whole kernel.
