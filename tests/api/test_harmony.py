@@ -417,3 +417,60 @@ async def test_a_json_schema_is_served_after_the_reasoning_and_another_grammar_i
     assert response.status == 400
     error = (await response.json())["error"]
     assert "gpt-oss reasons before it answers" in error["message"] and error["param"].startswith("structured_outputs")
+
+
+# An agent loop's second request: the call the model made, with its reasoning, and the result.
+EARLIER = "Need the weather for Paris."
+TURNS = {
+    "/v1/chat/completions": {"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "reasoning_content": EARLIER, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ], "tools": [WEATHER_TOOL]},
+    "/v1/messages": {"max_tokens": 50, "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": EARLIER, "signature": ""},
+                                          {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]},
+    ], "tools": [{"name": "get_weather", "description": "The weather in a city.", "input_schema": WEATHER_TOOL["function"]["parameters"]}]},
+    "/v1/responses": {"input": [
+        {"type": "message", "role": "user", "content": "Weather in Paris?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": EARLIER}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    ], "tools": [{"type": "function", **WEATHER_TOOL["function"]}]},
+}
+
+
+@pytest.mark.parametrize("path", sorted(TURNS))
+async def test_the_reasoning_before_an_unanswered_call_reaches_the_prompt_as_its_analysis(path: str, compiler: GrammarCompiler) -> None:
+    scheduler = harmony_scheduler(TEXT_ANSWER, compiler)
+    seen: list[Any] = []
+    encode_chat = scheduler.tokenizer.encode_chat
+
+    def capture(messages: Any, *args: Any, tools: Any = None, **kwargs: Any) -> list[int]:
+        seen.append(messages)
+        return encode_chat(messages, *args, **kwargs)
+
+    scheduler.tokenizer.encode_chat = capture  # type: ignore[method-assign]
+    scheduler.tokenizer.knows_tools = True  # gpt-oss's template reads `tools`
+    state = ServingState()
+    state.ready(scheduler, (MODEL,))  # type: ignore[arg-type]
+    async with TestClient(TestServer(create_app(DaemonConfig(), state, DaemonMetrics.create()))) as client:
+        response = await client.post(path, json={"model": MODEL, **TURNS[path]})
+        assert response.status == 200, await response.text()
+    [messages] = seen
+    [call_turn] = [m for m in messages if m.get("tool_calls")]
+    assert call_turn["thinking"] == EARLIER
+    prompt = render_within_budget(compile_chat_template(TEMPLATE), {"messages": messages, "tools": [WEATHER_TOOL], "add_generation_prompt": True})
+    assert f"<|start|>assistant<|channel|>analysis<|message|>{EARLIER}<|end|><|start|>assistant to=functions.get_weather" in prompt
+
+
+async def test_a_reasoning_field_that_is_not_text_is_refused_naming_it(serve: Any) -> None:
+    client = await serve(TEXT_ANSWER)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", "reasoning_content": 5},
+                {"role": "user", "content": "Bye"}]
+    response = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
+    assert response.status == 400
+    assert (await response.json())["error"]["param"] == "messages[1].reasoning_content"
