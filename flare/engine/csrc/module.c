@@ -9,6 +9,8 @@
 #include <Python.h>
 
 #include "kernels.h"
+#include "integer_dot.h"
+#include <stdlib.h>
 
 static PyObject *invalid(const char *function, const char *problem) {
     PyErr_Format(PyExc_ValueError, "%s: %s", function, problem);
@@ -409,6 +411,61 @@ static PyObject *py_decoder_layers(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---- integer K-quant products (integer_kquants.c), for tests and benchmarks ---------------------- */
+
+static int is_k_type(int type) { return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K; }
+
+/* x [rows, in] quantized to Q8_K, then y [rows, out] = the integer products with every weight row,
+ * outputs split among the threads, rows in tiles of 4. */
+static PyObject *py_kquant_product(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t x, rows, in, blocks, y, out, threads;
+    int type, isa;
+    if (!PyArg_ParseTuple(args, "nnnninnni", &x, &rows, &in, &blocks, &type, &y, &out, &threads, &isa)) return NULL;
+    if (!is_k_type(type)) return invalid("kquant_product", "the type must be Q4_K, Q5_K or Q6_K");
+    if (rows < 1 || out < 1 || threads < 1 || in < 256 || in % 256) return invalid("kquant_product", "sizes must be positive and `in` whole 256-value blocks");
+    int64_t block_size, type_size;
+    quantized_block_shape(type, &block_size, &type_size);
+    const int64_t nb = in / 256, row_bytes = nb * type_size;
+    Q8KBlock *q = malloc(sizeof(Q8KBlock) * (size_t)(rows * nb));
+    if (!q) return PyErr_NoMemory();
+    const int vector = integer_dot_isa(isa);
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t r = 0; r < rows; r++) quantize_row_q8k_isa(vector, (const float *)x + r * in, in, q + r * nb);
+    #pragma omp parallel for num_threads((int)threads) schedule(static)
+    for (int64_t o = 0; o < out; o++)
+        for (int64_t t = 0; t < rows; t += 4)
+            kquant_dot_rows(vector, type, (const uint8_t *)blocks + o * row_bytes, nb, q + t * nb, nb, rows - t < 4 ? (int)(rows - t) : 4,
+                            (float *)y + t * out + o, out);
+    Py_END_ALLOW_THREADS
+    free(q);
+    Py_RETURN_NONE;
+}
+
+/* x [rows, in] as Q8_K blocks, their fields written to d [rows, in / 256], qs [rows, in] (int8) and
+ * bsums [rows, in / 16] (int16). */
+static PyObject *py_quantize_q8k(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t x, rows, in, d, qs, bsums;
+    int isa;
+    if (!PyArg_ParseTuple(args, "nnnnnni", &x, &rows, &in, &d, &qs, &bsums, &isa)) return NULL;
+    if (rows < 0 || in < 256 || in % 256) return invalid("quantize_q8k", "`in` must be whole 256-value blocks");
+    const int64_t nb = in / 256;
+    Q8KBlock *q = malloc(sizeof(Q8KBlock) * (size_t)(rows * nb + 1));
+    if (!q) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t r = 0; r < rows; r++) quantize_row_q8k_isa(isa, (const float *)x + r * in, in, q + r * nb);
+    for (int64_t b = 0; b < rows * nb; b++) {
+        ((float *)d)[b] = q[b].d;
+        memcpy((int8_t *)qs + 256 * b, q[b].qs, 256);
+        memcpy((int16_t *)bsums + 16 * b, q[b].bsums, 32);
+    }
+    Py_END_ALLOW_THREADS
+    free(q);
+    Py_RETURN_NONE;
+}
+/* ---- end of the integer K-quant products ----------------------------------------------------- */
+
 static PyMethodDef methods[] = {
     {"paged_attention", py_paged_attention, METH_VARARGS,
      "paged_attention(q, q_token_stride, keys, values, out, block_table, start_positions, rows, query_len, heads, "
@@ -436,6 +493,8 @@ static PyMethodDef methods[] = {
      "decoder_layers(h, tokens, hidden, heads, kv_heads, head_dim, intermediate, eps, positions, slots, cos, sin, "
      "max_positions, rotary_dims, kv_dtype, num_blocks, block_size, plans, groups, scratch, threads, isa, quantized_isa, "
      "layers, scalars, count)"},
+    {"kquant_product", py_kquant_product, METH_VARARGS, "kquant_product(x, rows, in, blocks, type, y, out, threads, isa)"},
+    {"quantize_q8k", py_quantize_q8k, METH_VARARGS, "quantize_q8k(x, rows, in, d, qs, bsums, isa)"},
     {NULL, NULL, 0, NULL},
 };
 
