@@ -66,6 +66,19 @@ KQ_INLINE float kquant_term(float d, float dmin, float xd, int32_t sumi, int32_t
 
 static inline int block_bytes(int type) { return type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210; }
 
+/* kernels.h's scales_and_mins as the bytes of two words (scale or min j in byte j), four sub-blocks
+ * at a time in 32-bit operations: the byte-at-a-time form costs the vector levels more than a row's
+ * products. */
+static inline void packed_scales_mins(const uint8_t *s, uint64_t *scales, uint64_t *mins) {
+    uint32_t a, b, c;
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, low2 = 0x03030303u;
+    *scales = (a & low6) | (uint64_t)((c & low4) | ((a >> 6) & low2) << 4) << 32;
+    *mins = (b & low6) | (uint64_t)(((c >> 4) & low4) | ((b >> 6) & low2) << 4) << 32;
+}
+
 /* ---- quantize_row_q8k ----------------------------------------------------------------------------
  * d = max |x| / 127 and q = x / d rounded to nearest even, clamped to [-127, 127]: the division by
  * the stored d (not a multiplication by 127 / max) gives each q the integer nearest x / d, so
@@ -219,6 +232,22 @@ KQ_AVX2 KQ_INLINE int32_t hsum256(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
+/* hsum256 of a and of b at once. */
+KQ_AVX2 KQ_INLINE void hsum_pair(__m256i a, __m256i b, int32_t *sa, int32_t *sb) {
+    const __m256i h = _mm256_hadd_epi32(a, b); /* per lane: a's two pair sums, b's two */
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    s = _mm_hadd_epi32(s, s);
+    *sa = _mm_cvtsi128_si32(s);
+    *sb = _mm_extract_epi32(s, 1);
+}
+
+/* The 8 bytes of `bytes` as 16 words, each twice: [b0, b0, b1, b1, ..., b7, b7] (a min per pair of
+ * bsums). */
+KQ_AVX2 KQ_INLINE __m256i pair_words(uint64_t bytes) {
+    const __m128i w = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)bytes));
+    return _mm256_setr_m128i(_mm_unpacklo_epi16(w, w), _mm_unpackhi_epi16(w, w));
+}
+
 /* The two levels differ in one step: how 32 quants a and 32 quants b (unsigned, sub-block or group
  * A and B) meet their activations xa, xb and their 16-bit scales. `sa` and `sb` are the scales as
  * AVX2 wants them (every word of a 128-bit lane the scale of that lane's values); `sp` as the VNNI
@@ -238,10 +267,11 @@ KQ_AVX2 KQ_INLINE int32_t hsum256(__m256i v) {
                                const int five, float *acc) {                                            \
         const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);                           \
         const int bytes = five ? 176 : 144;                                                             \
+        float a[4] = {acc[0], acc[1], acc[2], acc[3]};                                                  \
         for (int64_t i = 0; i < blocks; i++) {                                                          \
             const uint8_t *b = w + (int64_t)bytes * i, *qs = b + (five ? 48 : 16);                      \
-            int sc[8], mn[8];                                                                           \
-            scales_and_mins(b + 4, sc, mn);                                                             \
+            uint64_t sc, mn;                                                                            \
+            packed_scales_mins(b + 4, &sc, &mn);                                                        \
             const __m256i hb = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256(); \
             __m256i sum[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),   \
                               _mm256_setzero_si256()};                                                  \
@@ -252,7 +282,8 @@ KQ_AVX2 KQ_INLINE int32_t hsum256(__m256i v) {
                     lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), one), 4)); \
                     hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), one), 4)); \
                 }                                                                                       \
-                const __m256i sa = _mm256_set1_epi16((short)sc[2 * c]), sb = _mm256_set1_epi16((short)sc[2 * c + 1]); \
+                const __m256i sa = _mm256_set1_epi16((short)(sc >> 16 * c & 0xff));                   \
+                const __m256i sb = _mm256_set1_epi16((short)(sc >> (16 * c + 8) & 0xff));             \
                 const __m256i sp = _mm256_unpacklo_epi64(sa, sb);                                       \
                 (void)sp;                                                                               \
                 for (int r = 0; r < rows; r++) {                                                        \
@@ -261,17 +292,16 @@ KQ_AVX2 KQ_INLINE int32_t hsum256(__m256i v) {
                          _mm256_loadu_si256((const __m256i *)(xq + 32)), sb, sp);                       \
                 }                                                                                       \
             }                                                                                           \
-            const __m256i mins = _mm256_setr_epi16((short)mn[0], (short)mn[0], (short)mn[1], (short)mn[1], \
-                                                   (short)mn[2], (short)mn[2], (short)mn[3], (short)mn[3], \
-                                                   (short)mn[4], (short)mn[4], (short)mn[5], (short)mn[5], \
-                                                   (short)mn[6], (short)mn[6], (short)mn[7], (short)mn[7]); \
+            const __m256i mins = pair_words(mn);                                                        \
             const float d = half_of(b), dmin = half_of(b + 2);                                          \
             for (int r = 0; r < rows; r++) {                                                            \
                 const Q8KBlock *xb = x + r * xs + i;                                                    \
-                const int32_t summins = hsum256(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), mins)); \
-                acc[r] = acc[r] + kquant_term(d, dmin, xb->d, hsum256(sum[r]), summins);                \
+                int32_t sumi, summins;                                                                  \
+                hsum_pair(sum[r], _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), mins), &sumi, &summins); \
+                a[r] = a[r] + kquant_term(d, dmin, xb->d, sumi, summins);                               \
             }                                                                                           \
         }                                                                                               \
+        for (int r = 0; r < rows; r++) acc[r] = a[r];                                                  \
     }
 
 /* Q6_K: per half of 128, values 32 k + l (k < 4) from ql[l + 32 (k % 2)] >> 4 (k / 2) and
@@ -279,6 +309,7 @@ KQ_AVX2 KQ_INLINE int32_t hsum256(__m256i v) {
 #define KQ_Q6_256(NAME, TARGET, PAIR)                                                                    \
     TARGET KQ_INLINE void NAME(const uint8_t *w, int64_t blocks, const Q8KBlock *x, int64_t xs, const int rows, float *acc) { \
         const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);                        \
+        float a[4] = {acc[0], acc[1], acc[2], acc[3]};                                                  \
         for (int64_t i = 0; i < blocks; i++) {                                                          \
             const uint8_t *b = w + 210 * i;                                                             \
             const int8_t *scales = (const int8_t *)(b + 192);                                           \
@@ -311,10 +342,11 @@ KQ_AVX2 KQ_INLINE int32_t hsum256(__m256i v) {
             const float d = half_of(b + 208);                                                           \
             for (int r = 0; r < rows; r++) {                                                            \
                 const Q8KBlock *xb = x + r * xs + i;                                                    \
-                const int32_t offset = hsum256(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), sc16)); \
-                acc[r] = acc[r] + kquant_term(d, 0.0f, xb->d, hsum256(sum[r]) - 32 * offset, 0);        \
+                const __m256i offset = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), sc16); \
+                a[r] = a[r] + kquant_term(d, 0.0f, xb->d, hsum256(_mm256_sub_epi32(sum[r], _mm256_slli_epi32(offset, 5))), 0); \
             }                                                                                           \
         }                                                                                               \
+        for (int r = 0; r < rows; r++) acc[r] = a[r];                                                  \
     }
 
 KQ_Q45_256(q45_avx2, KQ_AVX2, KQ_PAIR_AVX2)
@@ -346,11 +378,6 @@ KQ_ROWS_ENTRY(kquant_rows_avx_vnni, KQ_AVX_VNNI, q45_avx_vnni, q6_avx_vnni)
 
 /* ---- AVX-512 VNNI ---------------------------------------------------------------------------- */
 
-KQ_AVX512 KQ_INLINE int32_t hsum512(__m512i v) {
-    const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
-    return hsum256(h);
-}
-
 /* Two vectors of 64 products (4 lanes of 4 for each 128-bit lane) packed to 16 bits and multiplied
  * by their scales: per 128-bit lane, four words of a's sums then four of b's (vpackssdw's order). */
 #define KQ_PAIR_512(acc, a, xa, b, xb, s)                                                                \
@@ -372,12 +399,12 @@ KQ_AVX512 KQ_INLINE void q45_avx512(const uint8_t *w, int64_t blocks, const Q8KB
                                           0x00020002, 0x00020002, 0x00000000, 0x00000000);
     const __m512i four = _mm512_set1_epi16(4);
     const int bytes = five ? 176 : 144;
+    float a[4] = {acc[0], acc[1], acc[2], acc[3]};
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *b = w + (int64_t)bytes * i, *qs = b + (five ? 48 : 16);
-        int sc[8], mn[8];
-        scales_and_mins(b + 4, sc, mn);
-        const __m512i s8 = _mm512_castsi128_si512(_mm_setr_epi16((short)sc[0], (short)sc[1], (short)sc[2], (short)sc[3],
-                                                                 (short)sc[4], (short)sc[5], (short)sc[6], (short)sc[7]));
+        uint64_t sc, mn;
+        packed_scales_mins(b + 4, &sc, &mn);
+        const __m512i s8 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
         const __m512i s01 = _mm512_permutexvar_epi16(pick, s8), s23 = _mm512_permutexvar_epi16(_mm512_add_epi16(pick, four), s8);
         const __m512i hb = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16))) : _mm512_setzero_si512();
         __m512i wq[4];
@@ -391,19 +418,19 @@ KQ_AVX512 KQ_INLINE void q45_avx512(const uint8_t *w, int64_t blocks, const Q8KB
             }
         }
         const float d = half_of(b), dmin = half_of(b + 2);
-        const __m256i mins = _mm256_setr_epi16((short)mn[0], (short)mn[0], (short)mn[1], (short)mn[1], (short)mn[2],
-                                               (short)mn[2], (short)mn[3], (short)mn[3], (short)mn[4], (short)mn[4],
-                                               (short)mn[5], (short)mn[5], (short)mn[6], (short)mn[6], (short)mn[7],
-                                               (short)mn[7]);
+        const __m256i mins = pair_words(mn);
         for (int r = 0; r < rows; r++) {
             const Q8KBlock *xb = x + r * xs + i;
             __m512i sum = _mm512_setzero_si512();
             KQ_PAIR_512(sum, wq[0], _mm512_loadu_si512(xb->qs), wq[1], _mm512_loadu_si512(xb->qs + 64), s01);
             KQ_PAIR_512(sum, wq[2], _mm512_loadu_si512(xb->qs + 128), wq[3], _mm512_loadu_si512(xb->qs + 192), s23);
-            const int32_t summins = hsum256(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), mins));
-            acc[r] = acc[r] + kquant_term(d, dmin, xb->d, hsum512(sum), summins);
+            int32_t sumi, summins;
+            hsum_pair(_mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1)),
+                      _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), mins), &sumi, &summins);
+            a[r] = a[r] + kquant_term(d, dmin, xb->d, sumi, summins);
         }
     }
+    for (int r = 0; r < rows; r++) acc[r] = a[r];
 }
 
 /* Q6_K: per half h, the 64 bytes of ql as one vector: low nibbles are values 0..63 of the half
@@ -419,6 +446,7 @@ KQ_AVX512 KQ_INLINE void q6_avx512(const uint8_t *w, int64_t blocks, const Q8KBl
                                           0x00020002, 0x00020002, 0x00050005, 0x00050005, 0x00010001, 0x00010001,
                                           0x00040004, 0x00040004, 0x00000000, 0x00000000);
     const __m512i eight = _mm512_set1_epi16(8);
+    float a[4] = {acc[0], acc[1], acc[2], acc[3]};
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *b = w + 210 * i;
         const __m128i scales = _mm_loadu_si128((const __m128i *)(b + 192));
@@ -438,10 +466,12 @@ KQ_AVX512 KQ_INLINE void q6_avx512(const uint8_t *w, int64_t blocks, const Q8KBl
             __m512i sum = _mm512_setzero_si512();
             KQ_PAIR_512(sum, lo[0], _mm512_loadu_si512(xb->qs), hi[0], _mm512_loadu_si512(xb->qs + 64), s0);
             KQ_PAIR_512(sum, lo[1], _mm512_loadu_si512(xb->qs + 128), hi[1], _mm512_loadu_si512(xb->qs + 192), s1);
-            const int32_t offset = hsum256(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), sc16));
-            acc[r] = acc[r] + kquant_term(d, 0.0f, xb->d, hsum512(sum) - 32 * offset, 0);
+            const __m256i offset = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), sc16);
+            const __m256i folded = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
+            a[r] = a[r] + kquant_term(d, 0.0f, xb->d, hsum256(_mm256_sub_epi32(folded, _mm256_slli_epi32(offset, 5))), 0);
         }
     }
+    for (int r = 0; r < rows; r++) acc[r] = a[r];
 }
 
 KQ_ROWS_ENTRY(kquant_rows_avx512, KQ_AVX512, q45_avx512, q6_avx512)
