@@ -225,27 +225,33 @@ static void kquant_rows_portable(int type, const uint8_t *w, int64_t blocks, con
 #ifdef KQ_X86
 /* ---- AVX2 and AVX-VNNI (256-bit) ------------------------------------------------------------- */
 
-KQ_AVX2 KQ_INLINE int32_t hsum256(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
-}
-
-/* hsum256 of a and of b at once. */
-KQ_AVX2 KQ_INLINE void hsum_pair(__m256i a, __m256i b, int32_t *sa, int32_t *sb) {
-    const __m256i h = _mm256_hadd_epi32(a, b); /* per lane: a's two pair sums, b's two */
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-    s = _mm_hadd_epi32(s, s);
-    *sa = _mm_cvtsi128_si32(s);
-    *sb = _mm_extract_epi32(s, 1);
-}
-
 /* The 8 bytes of `bytes` as 16 words, each twice: [b0, b0, b1, b1, ..., b7, b7] (a min per pair of
  * bsums). */
 KQ_AVX2 KQ_INLINE __m256i pair_words(uint64_t bytes) {
     const __m128i w = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)bytes));
     return _mm256_setr_m128i(_mm_unpacklo_epi16(w, w), _mm_unpackhi_epi16(w, w));
+}
+
+/* The sums of 4 vectors' lanes: [sum v0, sum v1, sum v2, sum v3]. */
+KQ_AVX2 KQ_INLINE __m128i hsum4(const __m256i v[4]) {
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+KQ_AVX2 KQ_INLINE __m128 rounded4(__m128 v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+
+/* kquant_term for rows 0..3 in the lanes of one vector, then acc + term: each lane's multiply,
+ * conversion, subtraction and addition round as the scalar ones do, so the bits are kquant_term's.
+ * S[r] and M[r] hold row r's sumi and summins spread over 8 lanes (zero for r >= rows). */
+KQ_AVX2 KQ_INLINE __m128 add_terms4(__m128 acc, float d, float dmin, const Q8KBlock *x, int64_t xs, const int rows,
+                                    const __m256i S[4], const __m256i M[4]) {
+    const __m128 xd = _mm_setr_ps(x[0].d, rows > 1 ? x[xs].d : 0.0f, rows > 2 ? x[2 * xs].d : 0.0f, rows > 3 ? x[3 * xs].d : 0.0f);
+    const __m128 dd = rounded4(_mm_mul_ps(_mm_set1_ps(d), xd)), dm = rounded4(_mm_mul_ps(_mm_set1_ps(dmin), xd));
+    const __m128 t = _mm_sub_ps(rounded4(_mm_mul_ps(dd, _mm_cvtepi32_ps(hsum4(S)))), rounded4(_mm_mul_ps(dm, _mm_cvtepi32_ps(hsum4(M)))));
+    return _mm_add_ps(acc, t);
 }
 
 /* The two levels differ in one step: how 32 quants a and 32 quants b (unsigned, sub-block or group
@@ -267,7 +273,7 @@ KQ_AVX2 KQ_INLINE __m256i pair_words(uint64_t bytes) {
                                const int five, float *acc) {                                            \
         const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);                           \
         const int bytes = five ? 176 : 144;                                                             \
-        float a[4] = {acc[0], acc[1], acc[2], acc[3]};                                                  \
+        __m128 a = _mm_loadu_ps(acc);                                                                   \
         for (int64_t i = 0; i < blocks; i++) {                                                          \
             const uint8_t *b = w + (int64_t)bytes * i, *qs = b + (five ? 48 : 16);                      \
             uint64_t sc, mn;                                                                            \
@@ -294,14 +300,13 @@ KQ_AVX2 KQ_INLINE __m256i pair_words(uint64_t bytes) {
             }                                                                                           \
             const __m256i mins = pair_words(mn);                                                        \
             const float d = half_of(b), dmin = half_of(b + 2);                                          \
-            for (int r = 0; r < rows; r++) {                                                            \
-                const Q8KBlock *xb = x + r * xs + i;                                                    \
-                int32_t sumi, summins;                                                                  \
-                hsum_pair(sum[r], _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), mins), &sumi, &summins); \
-                a[r] = a[r] + kquant_term(d, dmin, xb->d, sumi, summins);                               \
-            }                                                                                           \
+            __m256i M[4];                                                                               \
+            for (int r = 0; r < 4; r++)                                                                 \
+                M[r] = r < rows ? _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x[r * xs + i].bsums), mins) \
+                                : _mm256_setzero_si256();                                               \
+            a = add_terms4(a, d, dmin, x + i, xs, rows, sum, M);                                        \
         }                                                                                               \
-        for (int r = 0; r < rows; r++) acc[r] = a[r];                                                  \
+        _mm_storeu_ps(acc, a);                                                                          \
     }
 
 /* Q6_K: per half of 128, values 32 k + l (k < 4) from ql[l + 32 (k % 2)] >> 4 (k / 2) and
@@ -309,7 +314,7 @@ KQ_AVX2 KQ_INLINE __m256i pair_words(uint64_t bytes) {
 #define KQ_Q6_256(NAME, TARGET, PAIR)                                                                    \
     TARGET KQ_INLINE void NAME(const uint8_t *w, int64_t blocks, const Q8KBlock *x, int64_t xs, const int rows, float *acc) { \
         const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);                        \
-        float a[4] = {acc[0], acc[1], acc[2], acc[3]};                                                  \
+        __m128 a = _mm_loadu_ps(acc);                                                                   \
         for (int64_t i = 0; i < blocks; i++) {                                                          \
             const uint8_t *b = w + 210 * i;                                                             \
             const int8_t *scales = (const int8_t *)(b + 192);                                           \
@@ -340,13 +345,15 @@ KQ_AVX2 KQ_INLINE __m256i pair_words(uint64_t bytes) {
             }                                                                                           \
             const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales));        \
             const float d = half_of(b + 208);                                                           \
+            const __m256i M[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), \
+                                  _mm256_setzero_si256()};                                              \
             for (int r = 0; r < rows; r++) {                                                            \
-                const Q8KBlock *xb = x + r * xs + i;                                                    \
-                const __m256i offset = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), sc16); \
-                a[r] = a[r] + kquant_term(d, 0.0f, xb->d, hsum256(_mm256_sub_epi32(sum[r], _mm256_slli_epi32(offset, 5))), 0); \
+                const __m256i offset = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x[r * xs + i].bsums), sc16); \
+                sum[r] = _mm256_sub_epi32(sum[r], _mm256_slli_epi32(offset, 5));                        \
             }                                                                                           \
+            a = add_terms4(a, d, 0.0f, x + i, xs, rows, sum, M);                                        \
         }                                                                                               \
-        for (int r = 0; r < rows; r++) acc[r] = a[r];                                                  \
+        _mm_storeu_ps(acc, a);                                                                          \
     }
 
 KQ_Q45_256(q45_avx2, KQ_AVX2, KQ_PAIR_AVX2)
@@ -399,7 +406,7 @@ KQ_AVX512 KQ_INLINE void q45_avx512(const uint8_t *w, int64_t blocks, const Q8KB
                                           0x00020002, 0x00020002, 0x00000000, 0x00000000);
     const __m512i four = _mm512_set1_epi16(4);
     const int bytes = five ? 176 : 144;
-    float a[4] = {acc[0], acc[1], acc[2], acc[3]};
+    __m128 a = _mm_loadu_ps(acc);
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *b = w + (int64_t)bytes * i, *qs = b + (five ? 48 : 16);
         uint64_t sc, mn;
@@ -419,18 +426,20 @@ KQ_AVX512 KQ_INLINE void q45_avx512(const uint8_t *w, int64_t blocks, const Q8KB
         }
         const float d = half_of(b), dmin = half_of(b + 2);
         const __m256i mins = pair_words(mn);
-        for (int r = 0; r < rows; r++) {
+        __m256i S[4], M[4];
+        for (int r = 0; r < 4; r++) {
+            S[r] = M[r] = _mm256_setzero_si256();
+            if (r >= rows) continue;
             const Q8KBlock *xb = x + r * xs + i;
             __m512i sum = _mm512_setzero_si512();
             KQ_PAIR_512(sum, wq[0], _mm512_loadu_si512(xb->qs), wq[1], _mm512_loadu_si512(xb->qs + 64), s01);
             KQ_PAIR_512(sum, wq[2], _mm512_loadu_si512(xb->qs + 128), wq[3], _mm512_loadu_si512(xb->qs + 192), s23);
-            int32_t sumi, summins;
-            hsum_pair(_mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1)),
-                      _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), mins), &sumi, &summins);
-            a[r] = a[r] + kquant_term(d, dmin, xb->d, sumi, summins);
+            S[r] = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
+            M[r] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), mins);
         }
+        a = add_terms4(a, d, dmin, x + i, xs, rows, S, M);
     }
-    for (int r = 0; r < rows; r++) acc[r] = a[r];
+    _mm_storeu_ps(acc, a);
 }
 
 /* Q6_K: per half h, the 64 bytes of ql as one vector: low nibbles are values 0..63 of the half
@@ -446,7 +455,7 @@ KQ_AVX512 KQ_INLINE void q6_avx512(const uint8_t *w, int64_t blocks, const Q8KBl
                                           0x00020002, 0x00020002, 0x00050005, 0x00050005, 0x00010001, 0x00010001,
                                           0x00040004, 0x00040004, 0x00000000, 0x00000000);
     const __m512i eight = _mm512_set1_epi16(8);
-    float a[4] = {acc[0], acc[1], acc[2], acc[3]};
+    __m128 a = _mm_loadu_ps(acc);
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *b = w + 210 * i;
         const __m128i scales = _mm_loadu_si128((const __m128i *)(b + 192));
@@ -461,17 +470,21 @@ KQ_AVX512 KQ_INLINE void q6_avx512(const uint8_t *w, int64_t blocks, const Q8KBl
             hi[h] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4), _mm512_and_si512(_mm512_srlv_epi16(H, right), m30));
         }
         const float d = half_of(b + 208);
-        for (int r = 0; r < rows; r++) {
+        __m256i S[4], M[4];
+        for (int r = 0; r < 4; r++) {
+            S[r] = M[r] = _mm256_setzero_si256();
+            if (r >= rows) continue;
             const Q8KBlock *xb = x + r * xs + i;
             __m512i sum = _mm512_setzero_si512();
             KQ_PAIR_512(sum, lo[0], _mm512_loadu_si512(xb->qs), hi[0], _mm512_loadu_si512(xb->qs + 64), s0);
             KQ_PAIR_512(sum, lo[1], _mm512_loadu_si512(xb->qs + 128), hi[1], _mm512_loadu_si512(xb->qs + 192), s1);
             const __m256i offset = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), sc16);
             const __m256i folded = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
-            a[r] = a[r] + kquant_term(d, 0.0f, xb->d, hsum256(_mm256_sub_epi32(folded, _mm256_slli_epi32(offset, 5))), 0);
+            S[r] = _mm256_sub_epi32(folded, _mm256_slli_epi32(offset, 5));
         }
+        a = add_terms4(a, d, 0.0f, x + i, xs, rows, S, M);
     }
-    for (int r = 0; r < rows; r++) acc[r] = a[r];
+    _mm_storeu_ps(acc, a);
 }
 
 KQ_ROWS_ENTRY(kquant_rows_avx512, KQ_AVX512, q45_avx512, q6_avx512)
