@@ -11,9 +11,12 @@ gate/up, so this counts them 7 times where 4 suffice) and through
 
     .venv/bin/python benchmarks/integer_kquants.py --rows 1 4 8 32 64
     .venv/bin/python benchmarks/integer_kquants.py --levels avx512_vnni avx2 --rounds 5
+    .venv/bin/python benchmarks/integer_kquants.py --threads 1 --clock thread
 
 Weights are random blocks (random quants, finite random scales): the time does not depend on
-the values. The machine may be shared: compare figures of the same run.
+the values. The machine may be shared: compare figures of the same run. On a busy machine,
+`--threads 1 --clock thread` counts the CPU time of the one thread that computes, which waiting
+for a core does not inflate (memory contention still does).
 """
 
 from __future__ import annotations
@@ -69,9 +72,13 @@ def main() -> None:
     parser.add_argument("--levels", nargs="+", choices=sorted(LEVELS), default=["avx512_vnni", "avx_vnni", "avx2", "portable"])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--clock", choices=["wall", "thread"], default="wall", help="thread: CPU time of this thread (--threads 1)")
     args = parser.parse_args()
+    if args.clock == "thread" and args.threads != 1:
+        parser.error("--clock thread counts one thread's CPU time: use it with --threads 1")
+    clock = time.perf_counter if args.clock == "wall" else time.thread_time
     torch.set_num_threads(args.threads)
-    print(f"cpu flags: {' '.join(cpu_flags())}; threads {args.threads}; load {os.getloadavg()[0]:.2f}")
+    print(f"cpu flags: {' '.join(cpu_flags())}; threads {args.threads}; clock {args.clock}; load {os.getloadavg()[0]:.2f}")
     rng = np.random.default_rng(0)
     weights = [random_blocks(t, o, i, rng) for _, t, o, i in LAYER]
     paths = {"float (quantized_linear)": lambda x, w: quantized_linear(x, w)}
@@ -86,10 +93,10 @@ def main() -> None:
             inputs = {n: torch.randn(rows, n) for n in (2048, 8192)}
 
             def layer() -> float:
-                started = time.perf_counter()
+                started = clock()
                 for w in weights:
                     product(inputs[w.in_features], w)
-                return (time.perf_counter() - started) * 1e3
+                return (clock() - started) * 1e3
 
             layer()  # warm: pages, caches, the thread team
             cells.append(statistics.median(layer() for _ in range(args.rounds)))

@@ -36,6 +36,17 @@
 
 #define KQ_INLINE static inline __attribute__((always_inline))
 
+#ifndef KQ_AHEAD
+#define KQ_AHEAD 2048
+#endif
+/* Asks for the weight bytes KQ_AHEAD past a block's `bytes` (the rest of this row, then the next
+ * rows, which the drivers read in order): a decode row is bound by reading the weights, and the
+ * hardware prefetcher alone leaves the products waiting on memory. Past the weight's end a prefetch
+ * is a no-op, never a fault. */
+KQ_INLINE void prefetch_ahead(const uint8_t *b, int bytes) {
+    for (int at = 0; at < bytes; at += 64) __builtin_prefetch(b + KQ_AHEAD + at, 0, 3);
+}
+
 /* Returns v as a value the compiler cannot see through, so a product is rounded to float32 before
  * the addition that reads it: the levels compiled with FMA would otherwise fuse it (-ffp-contract=fast)
  * and the portable one would not. */
@@ -276,6 +287,7 @@ KQ_AVX2 KQ_INLINE __m128 add_terms4(__m128 acc, float d, float dmin, const Q8KBl
         __m128 a = _mm_loadu_ps(acc);                                                                   \
         for (int64_t i = 0; i < blocks; i++) {                                                          \
             const uint8_t *b = w + (int64_t)bytes * i, *qs = b + (five ? 48 : 16);                      \
+            prefetch_ahead(b, bytes);                                                                   \
             uint64_t sc, mn;                                                                            \
             packed_scales_mins(b + 4, &sc, &mn);                                                        \
             const __m256i hb = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256(); \
@@ -317,6 +329,7 @@ KQ_AVX2 KQ_INLINE __m128 add_terms4(__m128 acc, float d, float dmin, const Q8KBl
         __m128 a = _mm_loadu_ps(acc);                                                                   \
         for (int64_t i = 0; i < blocks; i++) {                                                          \
             const uint8_t *b = w + 210 * i;                                                             \
+            prefetch_ahead(b, 210);                                                                     \
             const int8_t *scales = (const int8_t *)(b + 192);                                           \
             __m256i sum[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),   \
                               _mm256_setzero_si256()};                                                  \
@@ -409,6 +422,7 @@ KQ_AVX512 KQ_INLINE void q45_avx512(const uint8_t *w, int64_t blocks, const Q8KB
     __m128 a = _mm_loadu_ps(acc);
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *b = w + (int64_t)bytes * i, *qs = b + (five ? 48 : 16);
+        prefetch_ahead(b, bytes);
         uint64_t sc, mn;
         packed_scales_mins(b + 4, &sc, &mn);
         const __m512i s8 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
@@ -458,6 +472,7 @@ KQ_AVX512 KQ_INLINE void q6_avx512(const uint8_t *w, int64_t blocks, const Q8KBl
     __m128 a = _mm_loadu_ps(acc);
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *b = w + 210 * i;
+        prefetch_ahead(b, 210);
         const __m128i scales = _mm_loadu_si128((const __m128i *)(b + 192));
         const __m256i sc16 = _mm256_cvtepi8_epi16(scales);
         const __m512i sc = _mm512_castsi256_si512(sc16);
