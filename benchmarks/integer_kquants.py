@@ -3,8 +3,8 @@ Llama-3.2-1B shape.
 
 The layer (hidden 2048, intermediate 8192, 32 heads and 8 KV heads of 64), as a Q4_K_M file
 stores it: q [2048, 2048], k [512, 2048], o [2048, 2048], gate and up [8192, 2048] in Q4_K; v
-[512, 2048] and down [2048, 8192] in Q6_K. For each row count: the median milliseconds of the
-layer's seven products through `native.kquant_product` at each integer level (the activations
+[512, 2048] and down [2048, 8192] in Q6_K (`--layers` copies of it, 4 by default, 240 MB: read from memory as a
+model's layers are). For each row count: the median milliseconds per layer of its seven products through `native.kquant_product` at each integer level (the activations
 quantized to Q8_K inside each call, once per product: a layer shares them between q/k/v and
 gate/up, so this counts them 7 times where 4 suffice) and through
 `flare.engine.quantized.quantized_linear` (float32 activations, the blocks expanded to float).
@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 32, 64])
     parser.add_argument("--levels", nargs="+", choices=sorted(LEVELS), default=["avx512_vnni", "avx_vnni", "avx2", "portable"])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--layers", type=int, default=4, help="copies of the layer, so the weights are read from memory")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--clock", choices=["wall", "thread"], default="wall", help="thread: CPU time of this thread (--threads 1)")
     args = parser.parse_args()
@@ -80,7 +81,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"cpu flags: {' '.join(cpu_flags())}; threads {args.threads}; clock {args.clock}; load {os.getloadavg()[0]:.2f}")
     rng = np.random.default_rng(0)
-    weights = [random_blocks(t, o, i, rng) for _, t, o, i in LAYER]
+    weights = [random_blocks(t, o, i, rng) for _ in range(args.layers) for _, t, o, i in LAYER]
     paths = {"float (quantized_linear)": lambda x, w: quantized_linear(x, w)}
     for level in args.levels:
         paths[f"integer {level}"] = lambda x, w, isa=LEVELS[level]: native.kquant_product(
@@ -96,7 +97,7 @@ def main() -> None:
                 started = clock()
                 for w in weights:
                     product(inputs[w.in_features], w)
-                return (clock() - started) * 1e3
+                return (clock() - started) * 1e3 / args.layers
 
             layer()  # warm: pages, caches, the thread team
             cells.append(statistics.median(layer() for _ in range(args.rounds)))

@@ -29,9 +29,9 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define KQ_X86 1
-#define KQ_AVX2 __attribute__((target("avx2")))
-#define KQ_AVX_VNNI __attribute__((target("avxvnni,avx2")))
-#define KQ_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2")))
+#define KQ_AVX2 __attribute__((target("avx2,f16c")))
+#define KQ_AVX_VNNI __attribute__((target("avxvnni,avx2,f16c")))
+#define KQ_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")))
 #endif
 
 #define KQ_INLINE static inline __attribute__((always_inline))
@@ -265,6 +265,13 @@ KQ_AVX2 KQ_INLINE __m128 add_terms4(__m128 acc, float d, float dmin, const Q8KBl
     return _mm_add_ps(acc, t);
 }
 
+/* half_of in one instruction (vcvtph2ps widens every half exactly, as half_of does). */
+KQ_AVX2 KQ_INLINE float half_f16c(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
+
 /* The two levels differ in one step: how 32 quants a and 32 quants b (unsigned, sub-block or group
  * A and B) meet their activations xa, xb and their 16-bit scales. `sa` and `sb` are the scales as
  * AVX2 wants them (every word of a 128-bit lane the scale of that lane's values); `sp` as the VNNI
@@ -311,7 +318,7 @@ KQ_AVX2 KQ_INLINE __m128 add_terms4(__m128 acc, float d, float dmin, const Q8KBl
                 }                                                                                       \
             }                                                                                           \
             const __m256i mins = pair_words(mn);                                                        \
-            const float d = half_of(b), dmin = half_of(b + 2);                                          \
+            const float d = half_f16c(b), dmin = half_f16c(b + 2);                                      \
             __m256i M[4];                                                                               \
             for (int r = 0; r < 4; r++)                                                                 \
                 M[r] = r < rows ? _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x[r * xs + i].bsums), mins) \
@@ -357,7 +364,7 @@ KQ_AVX2 KQ_INLINE __m128 add_terms4(__m128 acc, float d, float dmin, const Q8KBl
                 }                                                                                       \
             }                                                                                           \
             const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales));        \
-            const float d = half_of(b + 208);                                                           \
+            const float d = half_f16c(b + 208);                                                         \
             const __m256i M[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), \
                                   _mm256_setzero_si256()};                                              \
             for (int r = 0; r < rows; r++) {                                                            \
@@ -438,7 +445,7 @@ KQ_AVX512 KQ_INLINE void q45_avx512(const uint8_t *w, int64_t blocks, const Q8KB
                 wq[c] = _mm512_mask_add_epi8(wq[c], _mm512_test_epi8_mask(hb, bit), wq[c], sixteen);
             }
         }
-        const float d = half_of(b), dmin = half_of(b + 2);
+        const float d = half_f16c(b), dmin = half_f16c(b + 2);
         const __m256i mins = pair_words(mn);
         __m256i S[4], M[4];
         for (int r = 0; r < 4; r++) {
@@ -484,7 +491,7 @@ KQ_AVX512 KQ_INLINE void q6_avx512(const uint8_t *w, int64_t blocks, const Q8KBl
             lo[h] = _mm512_or_si512(_mm512_and_si512(L, m4), _mm512_and_si512(_mm512_sllv_epi16(H, left), m30));
             hi[h] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4), _mm512_and_si512(_mm512_srlv_epi16(H, right), m30));
         }
-        const float d = half_of(b + 208);
+        const float d = half_f16c(b + 208);
         __m256i S[4], M[4];
         for (int r = 0; r < 4; r++) {
             S[r] = M[r] = _mm256_setzero_si256();
