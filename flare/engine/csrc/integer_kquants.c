@@ -31,6 +31,11 @@
 #define KQ_X86 1
 #define KQ_AVX2 __attribute__((target("avx2,f16c")))
 #define KQ_AVX_VNNI __attribute__((target("avxvnni,avx2,f16c")))
+/* AVX-VNNI's intrinsics came with GCC 11 and clang 12; older compilers run that level's loop on the
+ * AVX2 kernel (the same bits). */
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define KQ_HAS_AVX_VNNI 1
+#endif
 #define KQ_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")))
 #endif
 
@@ -378,8 +383,10 @@ KQ_AVX2 KQ_INLINE float half_f16c(const uint8_t *p) {
 
 KQ_Q45_256(q45_avx2, KQ_AVX2, KQ_PAIR_AVX2)
 KQ_Q6_256(q6_avx2, KQ_AVX2, KQ_PAIR_AVX2)
+#ifdef KQ_HAS_AVX_VNNI
 KQ_Q45_256(q45_avx_vnni, KQ_AVX_VNNI, KQ_PAIR_VNNI)
 KQ_Q6_256(q6_avx_vnni, KQ_AVX_VNNI, KQ_PAIR_VNNI)
+#endif
 
 /* Each level's entry: the row count made a constant so the row loops unroll. */
 #define KQ_ROWS_ENTRY(NAME, TARGET, Q45, Q6)                                                             \
@@ -401,7 +408,11 @@ KQ_Q6_256(q6_avx_vnni, KQ_AVX_VNNI, KQ_PAIR_VNNI)
     }
 
 KQ_ROWS_ENTRY(kquant_rows_avx2, KQ_AVX2, q45_avx2, q6_avx2)
+#ifdef KQ_HAS_AVX_VNNI
 KQ_ROWS_ENTRY(kquant_rows_avx_vnni, KQ_AVX_VNNI, q45_avx_vnni, q6_avx_vnni)
+#else
+#define kquant_rows_avx_vnni kquant_rows_avx2
+#endif
 
 /* ---- AVX-512 VNNI ---------------------------------------------------------------------------- */
 
