@@ -128,7 +128,7 @@ def test_each_type_is_the_float64_product_of_the_values_it_multiplies_and_the_re
     assert (np.abs(got.numpy() - x.double().numpy() @ values.T) <= step @ np.abs(values).T + magnitude * 2.0**-20).all()
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     ggml_type=st.sampled_from(K_TYPES),
     blocks_per_row=st.integers(1, 16),
@@ -216,6 +216,17 @@ def test_an_all_zero_block_quantizes_to_zeros_and_multiplies_to_zero() -> None:
     blocks = k_blocks(T.Q4_K, 3, 512)
     zero = native.kquant_product(torch.zeros(1, 512), blocks, T.Q4_K, 3, 512)
     assert torch.equal(zero, torch.zeros(1, 3))
+
+
+def test_a_nan_in_one_rows_input_reaches_that_rows_outputs_only() -> None:
+    blocks = k_blocks(T.Q6_K, 9, 512)
+    x = activations(6, 512, seed=7)
+    x[3, 300] = float("nan")
+    for isa in LEVELS:
+        y = native.kquant_product(x, blocks, T.Q6_K, 9, 512, isa=isa)
+        assert y[3].isnan().all()
+        assert not y[torch.arange(6) != 3].isnan().any()
+        assert native.quantize_q8k(x, isa=isa)[0][3, 1].isnan()
 
 
 def test_shapes_and_types_the_kernel_does_not_take_are_refused() -> None:

@@ -98,20 +98,23 @@ static inline void packed_scales_mins(const uint8_t *s, uint64_t *scales, uint64
 /* ---- quantize_row_q8k ----------------------------------------------------------------------------
  * d = max |x| / 127 and q = x / d rounded to nearest even, clamped to [-127, 127]: the division by
  * the stored d (not a multiplication by 127 / max) gives each q the integer nearest x / d, so
- * |x - d q| <= d / 2 for the d that the products use. A NaN input quantizes to -127 (the clamp's
- * order), the same at every level; NaN is ignored in the maximum. */
+ * |x - d q| <= d / 2 for the d that the products use. A block holding a NaN gets d = NaN (its qs
+ * are then all -127, the clamp's answer for NaN), so the NaN reaches that row's outputs, as in the
+ * float product, and no other row's. */
 
 static void quantize_block_portable(const float *x, Q8KBlock *out) {
     float amax = 0.0f;
+    int nan = 0;
     for (int i = 0; i < 256; i++) {
         const float a = fabsf(x[i]);
         amax = a > amax ? a : amax;
+        nan |= x[i] != x[i];
     }
-    if (amax == 0.0f) {
+    if (amax == 0.0f && !nan) {
         memset(out, 0, sizeof *out);
         return;
     }
-    const float d = amax / 127.0f;
+    const float d = nan ? __builtin_nanf("") : amax / 127.0f;
     out->d = d;
     for (int i = 0; i < 256; i++) {
         float q = rintf(x[i] / d);
@@ -129,17 +132,22 @@ static void quantize_block_portable(const float *x, Q8KBlock *out) {
 #ifdef KQ_X86
 KQ_AVX2 static void quantize_block_avx2(const float *x, Q8KBlock *out) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 m = _mm256_setzero_ps();
-    for (int i = 0; i < 256; i += 8) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), m);
+    __m256 m = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
+    for (int i = 0; i < 256; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, v), m);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    const int nan = _mm256_movemask_ps(unordered) != 0;
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
     const float amax = _mm_cvtss_f32(h);
-    if (amax == 0.0f) {
+    if (amax == 0.0f && !nan) {
         memset(out, 0, sizeof *out);
         return;
     }
-    const float d = amax / 127.0f;
+    const float d = nan ? __builtin_nanf("") : amax / 127.0f;
     out->d = d;
     const __m256 vd = _mm256_set1_ps(d), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
