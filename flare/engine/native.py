@@ -404,11 +404,18 @@ def _kquant_rows_problems(x: torch.Tensor, in_features: int) -> list[str]:
 
 
 def kquant_product(
-    x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out_features: int, in_features: int, isa: int | None = None
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    ggml_type: int,
+    out_features: int,
+    in_features: int,
+    isa: int | None = None,
+    halves: int = 1,
 ) -> torch.Tensor:
     """x [rows, in] float32 quantized to Q8_K (`quantize_q8k`) times a Q4_K / Q5_K / Q6_K weight
     (uint8 [out, row bytes], contiguous) by integer dot products: [rows, out] float32, the same bits
-    at every `isa` (IDOT_*; default KQUANT_ISA) and whatever rows share the call."""
+    at every `isa` (IDOT_*; default KQUANT_ISA) and whatever rows share the call. halves 2: x and
+    its residual x - d qs each quantized to Q8_K, their products added (about 15 bits of x)."""
     native = _module()
     _check("kquant_product", _kquant_rows_problems(x, in_features))
     block_bytes = {12: 144, 13: 176, 14: 210}.get(int(ggml_type))
@@ -417,11 +424,13 @@ def kquant_product(
     expected = (out_features, in_features // 256 * block_bytes)
     if blocks.dtype != torch.uint8 or tuple(blocks.shape) != expected or not blocks.is_contiguous():
         raise ValueError(f"kquant_product: blocks must be contiguous uint8 {expected}, got {blocks.dtype} {tuple(blocks.shape)}")
+    if halves not in (1, 2):
+        raise ValueError(f"kquant_product: halves must be 1 or 2, got {halves!r}")
     y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     if x.shape[0]:
         native.kquant_product(
             x.data_ptr(), x.shape[0], in_features, blocks.data_ptr(), int(ggml_type), y.data_ptr(), out_features,
-            torch.get_num_threads(), KQUANT_ISA if isa is None else isa,
+            torch.get_num_threads(), KQUANT_ISA if isa is None else isa, halves,
         )
     return y
 

@@ -218,6 +218,24 @@ def test_an_all_zero_block_quantizes_to_zeros_and_multiplies_to_zero() -> None:
     assert torch.equal(zero, torch.zeros(1, 3))
 
 
+@pytest.mark.parametrize("ggml_type", K_TYPES)
+def test_two_halves_are_the_products_of_x_and_of_its_residual_added_and_far_closer_to_the_float_product(ggml_type: T) -> None:
+    in_features, out_features = 1024, 23
+    blocks = k_blocks(ggml_type, out_features, in_features, seed=11)
+    x = activations(9, in_features, seed=12)
+    got = native.kquant_product(x, blocks, ggml_type, out_features, in_features, halves=2)
+    d, qs, bsums = native.quantize_q8k(x)
+    residual = x - d.repeat_interleave(256, dim=1) * qs.float()
+    expected = reference(ggml_type, blocks, d, qs, bsums) + reference(ggml_type, blocks, *native.quantize_q8k(residual))
+    assert np.array_equal(got.numpy(), expected)
+    for isa in LEVELS:
+        assert torch.equal(native.kquant_product(x, blocks, ggml_type, out_features, in_features, isa=isa, halves=2), got)
+    assert torch.equal(native.kquant_product(x[4:5].clone(), blocks, ggml_type, out_features, in_features, halves=2)[0], got[4])
+    exact = x.double().numpy() @ gguf_values(ggml_type, blocks).T
+    one = native.kquant_product(x, blocks, ggml_type, out_features, in_features).numpy()
+    assert np.abs(got.numpy() - exact).max() < np.abs(one - exact).max() / 30
+
+
 def test_a_nan_in_one_rows_input_reaches_that_rows_outputs_only() -> None:
     blocks = k_blocks(T.Q6_K, 9, 512)
     x = activations(6, 512, seed=7)
@@ -237,5 +255,7 @@ def test_shapes_and_types_the_kernel_does_not_take_are_refused() -> None:
         native.kquant_product(torch.zeros(1, 256), blocks, T.Q4_0, 2, 256)
     with pytest.raises(ValueError, match=r"contiguous uint8 \(2, 176\)"):
         native.kquant_product(torch.zeros(1, 256), blocks, T.Q5_K, 2, 256)
+    with pytest.raises(ValueError, match="halves must be 1 or 2"):
+        native.kquant_product(torch.zeros(1, 256), blocks, T.Q4_K, 2, 256, halves=3)
     with pytest.raises(ValueError, match="float32"):
         native.kquant_product(torch.zeros(1, 256, dtype=torch.float64), blocks, T.Q4_K, 2, 256)
