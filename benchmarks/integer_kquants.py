@@ -12,6 +12,10 @@ gate/up, so this counts them 7 times where 4 suffice) and through
     .venv/bin/python benchmarks/integer_kquants.py --rows 1 4 8 32 64
     .venv/bin/python benchmarks/integer_kquants.py --levels avx512_vnni avx2 --rounds 5
     .venv/bin/python benchmarks/integer_kquants.py --threads 1 --clock thread
+    .venv/bin/python benchmarks/integer_kquants.py --halves 1 2 --levels avx512_vnni
+
+`--halves 2` quantizes each row and its residual x - d qs (int8x2, about 15 bits of x) and adds
+the two products.
 
 Weights are random blocks (random quants, finite random scales): the time does not depend on
 the values. The machine may be shared: compare figures of the same run. On a busy machine,
@@ -72,6 +76,7 @@ def main() -> None:
     parser.add_argument("--levels", nargs="+", choices=sorted(LEVELS), default=["avx512_vnni", "avx_vnni", "avx2", "portable"])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--layers", type=int, default=4, help="copies of the layer, so the weights are read from memory")
+    parser.add_argument("--halves", type=int, nargs="+", choices=[1, 2], default=[1], help="2: x and its residual (int8x2)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--clock", choices=["wall", "thread"], default="wall", help="thread: CPU time of this thread (--threads 1)")
     args = parser.parse_args()
@@ -83,10 +88,11 @@ def main() -> None:
     rng = np.random.default_rng(0)
     weights = [random_blocks(t, o, i, rng) for _ in range(args.layers) for _, t, o, i in LAYER]
     paths = {"float (quantized_linear)": lambda x, w: quantized_linear(x, w)}
-    for level in args.levels:
-        paths[f"integer {level}"] = lambda x, w, isa=LEVELS[level]: native.kquant_product(
-            x, w.data, w.ggml_type, w.out_features, w.in_features, isa=isa
-        )
+    for halves in args.halves:
+        for level in args.levels:
+            paths[f"integer {level}" + (" x2" if halves == 2 else "")] = lambda x, w, isa=LEVELS[level], h=halves: native.kquant_product(
+                x, w.data, w.ggml_type, w.out_features, w.in_features, isa=isa, halves=h
+            )
     print(f"{'path':26} " + " ".join(f"{f'{r} rows':>9}" for r in args.rows) + "   (ms per layer, median)")
     for name, product in paths.items():
         cells = []
