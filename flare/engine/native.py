@@ -369,24 +369,6 @@ def quantized_linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out_
     return y
 
 
-def quantized_first_nonfinite_scale(blocks: torch.Tensor, ggml_type: int, type_size: int) -> int:
-    """The first block (in storage order) of contiguous ggml blocks whose float16 scale is NaN or
-    infinite, or -1: one pass over the bytes (a package's weights are checked at load)."""
-    return _module().quantized_first_nonfinite_scale(int(ggml_type), blocks.data_ptr(), blocks.numel() // type_size)
-
-
-def quantized_rows(blocks: torch.Tensor, ggml_type: int, in_features: int, rows: torch.Tensor, isa: int) -> torch.Tensor:
-    """Rows `rows` (contiguous int64 [N]) of a weight of ggml blocks expanded: [N, in] float32,
-    gguf-py's values. Row ids outside the weight are refused before anything is read."""
-    native = _module()
-    out = torch.empty(rows.shape[0], in_features, dtype=torch.float32)
-    native.quantized_rows(
-        int(ggml_type), blocks.data_ptr(), blocks.shape[0], in_features, rows.data_ptr(), rows.shape[0], out.data_ptr(),
-        torch.get_num_threads(), isa,
-    )
-    return out
-
-
 # ---- integer K-quant products (integer_kquants.c), for tests and benchmarks --------------------------
 
 # The integer kernels' levels (integer_dot.h): each caps the instructions; a level the CPU lacks falls
@@ -448,3 +430,22 @@ def quantize_q8k(x: torch.Tensor, isa: int | None = None) -> tuple[torch.Tensor,
         x.data_ptr(), rows, in_features, d.data_ptr(), qs.data_ptr(), bsums.data_ptr(), KQUANT_ISA if isa is None else isa
     )
     return d, qs, bsums
+
+
+def quantized_first_nonfinite_scale(blocks: torch.Tensor, ggml_type: int, type_size: int) -> int:
+    """The first block (in storage order) of contiguous ggml blocks whose float16 scale is NaN or
+    infinite, or -1: one pass over the bytes (a package's weights are checked at load)."""
+    return _module().quantized_first_nonfinite_scale(int(ggml_type), blocks.data_ptr(), blocks.numel() // type_size)
+
+
+def quantized_rows(blocks: torch.Tensor, ggml_type: int, in_features: int, rows: torch.Tensor, isa: int) -> torch.Tensor:
+    """Rows `rows` (contiguous int64 [N]) of a weight of ggml blocks expanded: [N, in] float32,
+    gguf-py's values. Row ids outside the weight are refused before anything is read."""
+    native = _module()
+    out = torch.empty(rows.shape[0], in_features, dtype=torch.float32)
+    native.quantized_rows(
+        int(ggml_type), blocks.data_ptr(), blocks.shape[0], in_features, rows.data_ptr(), rows.shape[0], out.data_ptr(),
+        torch.get_num_threads(), isa,
+    )
+    return out
+
