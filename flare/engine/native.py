@@ -448,4 +448,3 @@ def quantized_rows(blocks: torch.Tensor, ggml_type: int, in_features: int, rows:
         torch.get_num_threads(), isa,
     )
     return out
-
