@@ -277,10 +277,11 @@ class RankGroup:
                 self.stop()
                 return 1
         worker = sentinels[ready[0]]
-        worker.process.join(STOP_GRACE_S)
-        code = worker.process.exitcode
+        # The watcher thread may be reaping this worker right now: stop() waits for it before it
+        # reaps the workers itself. Two threads reaping one process race, and the loser reads
+        # no exit code (None), which an orderly stop must never turn into a failure.
         self.stop()
-        return 0 if code == 0 else 1
+        return 0 if worker.process.exitcode == 0 else 1
 
     def stop(self) -> None:
         """Stop the workers (they see their pipe close), kill any that outlive STOP_GRACE_S, and
