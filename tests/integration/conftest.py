@@ -28,9 +28,10 @@ def tiny_daemon(tiny_package: Path) -> Iterator[DaemonProcess]:
 @pytest.fixture(scope="session")
 def default_model_daemon(default_package: Path) -> Iterator[DaemonProcess]:
     """The default model served with up to four requests at once, started once for every module
-    that needs no other flags: loading the real model is most of a daemon's start. Tests on it
+    that needs no other flags: loading the real model is most of a daemon's start. It is `flare
+    run` without PACKAGE, which finds the package the fixture exported in the cache. Tests on it
     assert on their own answers only, never on the daemon's log or counters."""
-    process = start_daemon(default_package, ["--max-concurrency", "4"])
+    process = start_daemon(None, ["--max-concurrency", "4"], env={"FLARE_CACHE_DIR": str(default_package.parents[1])})
     yield process
     assert process.stop() == 0, process.log()
 
