@@ -204,7 +204,7 @@ def serve_messages(groups: ProcessGroups, state: dict[str, int]) -> None:
         dist.all_reduce(torch.tensor([1.0]), group=groups.device)
 
 
-SLOW_READ_S = 2.0
+SLOW_READ_S = 1.0
 """How late `serve_messages_read_late` reads each message: long after rank 0 has sent it."""
 
 
