@@ -5,12 +5,15 @@ summed, weighted by the router, plus a shared expert every token runs where the 
     out(x) = sum over the k experts e of x, in ascending e:  w_e(x) * down_e(act(gate_e(x)) * up_e(x))
              + [sigmoid(shared_gate . x)] * shared(x)
 
-The route is float32 (`routing.py`). The rows of a round are grouped by expert, so each expert's
+The route is float32 (`routing.py`), from router logits summed in float64 and rounded once
+(`router_logits`): float32 GEMMs (MKL) sum a row's products in an order that depends on how many
+rows they multiply at once, which could flip a near-tie route between batches. The rows of a round are grouped by expert, so each expert's
 gate/up and down run once per round on all the rows routed to it, through the same linear
 products as a dense layer (`mlp.gated_mlp`: float weights or ggml blocks, `linear.py`). A row's
 k outputs land in its own k slots and are summed slot by slot in the row's fixed expert order,
 never in the order the batch grouped them: a row's result does not depend on its batch-mates
-(its products do not either where the kernels make them row-independent: blocks, float16).
+wherever its products do not (the kernels' block and float16 products; float32 and bfloat16
+weights go through MKL and oneDNN, as the dense layers do, whose sums are not row-independent).
 
 Experts are stored stacked, one tensor per projection per layer (`package.moe_weight_shapes`):
 each expert's matrix is a view of it (`expert_weights`), never a copy of the mapped blocks.
@@ -26,7 +29,7 @@ import torch.nn.functional as F
 
 from flare.engine.layers.mlp import gated_mlp
 from flare.engine.layers.routing import Routes, route
-from flare.engine.linear import Weight, linear, pack_weight, stack_weights
+from flare.engine.linear import Weight, pack_weight, stack_weights
 from flare.engine.precision import WeightFormat
 from flare.engine.quantized import QuantizedWeight
 from flare.package.manifest import ModelConfig
@@ -97,10 +100,21 @@ def load_moe_weights(
     )
 
 
+def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, hidden] @ weight^T (+ bias), float32 [T, out]: summed in float64, rounded once.
+
+    The products of float32 values are exact in float64 and the float64 sum's error (about
+    hidden * 2^-53 of the terms' magnitude) is far below float32's half ulp, so a row's logits
+    are the same float32 values whatever rows share the product, unless one lies within that
+    error of a float32 rounding boundary; and they are closer to the exact sum than a float32
+    GEMM's."""
+    logits = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    return logits.float()
+
+
 def moe_routes(x: torch.Tensor, weights: MoEWeights, config: ModelConfig) -> Routes:
-    """The route of each row of x [T, hidden]: the router's float32 logits, then `routing.route`."""
-    logits = F.linear(x.float(), weights.router, weights.router_bias)
-    return route(logits, config, weights.correction_bias)
+    """The route of each row of x [T, hidden]: the router's logits (`router_logits`), then `routing.route`."""
+    return route(router_logits(x, weights.router, weights.router_bias), config, weights.correction_bias)
 
 
 def moe_mlp(x: torch.Tensor, weights: MoEWeights, config: ModelConfig, *, kernels: bool) -> torch.Tensor:
@@ -129,6 +143,6 @@ def moe_mlp(x: torch.Tensor, weights: MoEWeights, config: ModelConfig, *, kernel
     if weights.shared_gate_up is not None and weights.shared_down is not None:
         shared = gated_mlp(x, weights.shared_gate_up, weights.shared_down, config.hidden_activation, kernels=kernels)
         if weights.shared_gate is not None:
-            shared = torch.sigmoid(linear(x, weights.shared_gate)) * shared
+            shared = torch.sigmoid(router_logits(x, weights.shared_gate)).to(x.dtype) * shared
         out += shared
     return out
