@@ -110,16 +110,22 @@ def multimodal_gemma3_config() -> Any:
                                      boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2, image_token_index=VOCAB - 1)
 
 
-def write_checkpoint(family: str, path: Path, tokenizer_json: str, chat_template: str, seed: int = 0) -> Checkpoint:
+def write_checkpoint(
+    family: str, path: Path, tokenizer_json: str, chat_template: str, seed: int = 0, changes: dict[str, Any] | None = None
+) -> Checkpoint:
     """The family's tiny random checkpoint, saved at `path` with the tokenizer and chat template;
-    family `gemma3-multimodal`: `multimodal_gemma3_config`'s."""
+    family `gemma3-multimodal`: `multimodal_gemma3_config`'s. `changes`: config attributes set
+    over the family's (wider layers, say)."""
     import transformers
 
     torch.manual_seed(seed)
     if family == "gemma3-multimodal":
         model = transformers.Gemma3ForConditionalGeneration._from_config(multimodal_gemma3_config(), attn_implementation="eager")
     else:
-        model = transformers.AutoModelForCausalLM.from_config(family_config(family), attn_implementation="eager", dtype=torch.float32)
+        config = family_config(family)
+        for name, value in (changes or {}).items():
+            setattr(config, name, value)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     gemma = family.startswith("gemma")
     with torch.no_grad():
         for name, parameter in model.named_parameters():
