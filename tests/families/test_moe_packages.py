@@ -5,19 +5,21 @@ values. test_transformers_parity.py holds their float packages to transformers."
 from __future__ import annotations
 
 import io
-import json
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tests.family_checkpoints import Checkpoint, write_checkpoint
-from tests.families.test_transformers_parity import PROMPTS, forward_in_pieces, reference_logits
+from tests.families.test_transformers_parity import PROMPTS, forward_in_pieces
+from tests.gguf_writer import LLAMA_CPP_CONVERTER, convert_with_llama_cpp, gguf_vocabulary, write_family_gguf
 
 from flare.engine import native
 from flare.engine.model import DecoderModel, load_model
 from flare.engine.tokenizer import Tokenizer
 from flare.package.directory import open_package
+from flare.preparation.default_model import default_gguf_path
 from flare.preparation.export import ExportError, ExportOptions, export_package
 from flare.preparation.hf_families import model_config_from_hf
 from flare.preparation.source import ModelSource, SourceError
@@ -135,3 +137,59 @@ def test_quantized_experts_are_kept_as_blocks_and_score_as_their_own_float32_val
     assert layer is not None
     mapped = package.load_weights()[1]["model.layers.0.mlp.experts.gate_up_proj.weight"]
     assert layer.gate_up[1].data.untyped_storage().nbytes() == mapped.data.untyped_storage().nbytes()  # type: ignore[union-attr]
+
+
+@pytest.mark.skipif(not LLAMA_CPP_CONVERTER.is_file(), reason="llama.cpp's convert_hf_to_gguf.py is not on this machine")
+def test_llama_cpp_converter_output_is_the_hugging_face_package(smollm2_source: ModelSource, tmp_path: Path) -> None:
+    """The real converter's GGUF of each MoE checkpoint exports to the Hugging Face export's
+    config and weights. Every layer is MoE and Mixtral has no window here: the converter refuses
+    Qwen's dense layers and writes no window for arch llama."""
+    changes = {"qwen3_moe": {"mlp_only_layers": []}, "qwen2_moe": {"mlp_only_layers": []}, "mixtral": {"sliding_window": None}}
+    conversions = []
+    for family, change in changes.items():
+        write_checkpoint(family, tmp_path / family, smollm2_source.tokenizer_json, smollm2_source.chat_template, changes=change)
+        conversions.append((tmp_path / family, tmp_path / f"{family}.gguf"))
+    convert_with_llama_cpp(conversions)
+    for family, (directory, gguf_file) in zip(changes, conversions):
+        options = ExportOptions(dtype="float32")
+        export_package(str(directory), tmp_path / f"{family}-hf", options, stderr=io.StringIO())
+        export_package(str(gguf_file), tmp_path / f"{family}-gguf", options, stderr=io.StringIO())
+        hf, converted = open_package(tmp_path / f"{family}-hf"), open_package(tmp_path / f"{family}-gguf")
+        assert converted.manifest.model == hf.manifest.model, family
+        ours, theirs = converted.load_state_dict(), hf.load_state_dict()
+        assert ours.keys() == theirs.keys(), family
+        for name, tensor in theirs.items():
+            assert torch.equal(ours[name], tensor), f"{family}: {name}"
+
+
+@pytest.mark.skipif(not native.available(), reason="blocks are multiplied as blocks only by the C kernels")
+def test_a_q4_k_gguf_keeps_its_experts_as_blocks_and_scores_as_its_float32_export(
+    smollm2_source: ModelSource, tmp_path: Path
+) -> None:
+    """Q4_K expert blocks (llama.cpp's reference quantizer, flare/preparation/kquants.py) of a
+    GGUF: gate and up joined per expert as whole block rows, served from the mapped file, scoring
+    as the float32 export of the same file within 1e-4. A file whose gate is Q4_K and up Q6_K
+    keeps them float32 (joined rows of two types are no one type's blocks), scoring the same."""
+    wide = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256, "head_dim": 64}
+    checkpoint = write_checkpoint("qwen3_moe", tmp_path / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template, changes=wide)
+    state = checkpoint.model.state_dict()
+    vocabulary = gguf_vocabulary(default_gguf_path())
+    for variant, up_type in (("q4_k", gguf.GGMLQuantizationType.Q4_K), ("mixed", gguf.GGMLQuantizationType.Q6_K)):
+        path = tmp_path / f"{variant}.gguf"
+        # Only the experts quantized: the 49152-row embedding would take the numpy quantizer minutes.
+        experts = {"ffn_gate_exps": gguf.GGMLQuantizationType.Q4_K, "ffn_up_exps": up_type, "ffn_down_exps": gguf.GGMLQuantizationType.Q4_K}
+        write_family_gguf(
+            path, checkpoint.model.config, state, vocabulary=vocabulary, chat_template=smollm2_source.chat_template, types=experts
+        )
+        export_package(str(path), tmp_path / f"{variant}-blocks", ExportOptions(), stderr=io.StringIO())
+        export_package(str(path), tmp_path / f"{variant}-float32", ExportOptions(dtype="float32"), stderr=io.StringIO())
+        blocks = open_package(tmp_path / f"{variant}-blocks")
+        fused = blocks.manifest.blocks.get("model.layers.0.mlp.experts.gate_up_proj.weight")
+        assert (fused is not None and fused.type == "Q4_K") == (variant == "q4_k")
+        assert blocks.manifest.blocks["model.layers.0.mlp.experts.down_proj.weight"].type == "Q4_K"
+        prompts = [Tokenizer.from_package(blocks).encode(PROMPTS[0])]
+        pieces = [[len(prompts[0])]]
+        (served,) = forward_in_pieces(load_model(blocks), prompts, pieces)
+        (reference,) = forward_in_pieces(load_model(open_package(tmp_path / f"{variant}-float32")), prompts, pieces)
+        difference = (served - reference).abs().max().item()
+        assert difference <= 1e-4, f"{variant}: max |logit difference| {difference:.2e}"
