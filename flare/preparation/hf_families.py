@@ -170,7 +170,7 @@ def model_config_from_hf(
             architecture=architecture,
             # A Llama's own attention_bias was refused above (it puts one on o_proj too).
             # A Qwen2-MoE's are its `qkv_bias` (transformers' default: on).
-            attention_bias=bool(data.get("qkv_bias", True)) if family.attention_bias is None else family.attention_bias,
+            attention_bias=bool(data.get("qkv_bias", True)) if architecture == "qwen2_moe" else bool(family.attention_bias),
             qk_norm=family.qk_norm,
             rotary_dim=rope.rotary_dim,
             rope_scaling=rope.scaling,
