@@ -38,4 +38,40 @@ void quantize_row_q8k(const float *x, int64_t n, Q8KBlock *out);
 void kquant_dot_rows(int vector, int type, const uint8_t *w, int64_t blocks, const Q8KBlock *x, int64_t x_stride, int rows,
                      float *out, int64_t out_stride);
 
+/* 32 activations of a 32-value block product: d * qs[i] stands for x[i] (d = max |x| / 127, qs
+ * round-to-nearest-even of x / d, in -127 .. 127); sum = sum of qs and s = d * sum, what a weight
+ * block's offset (Q4_0's 8, Q5_0's 16) and min (Q4_1, Q5_1) multiply. 48 bytes, qs 16-aligned. */
+typedef struct {
+    float d, s;
+    int32_t sum, unused;
+    int8_t qs[32];
+} Q8Block;
+
+/* x [n] (n a multiple of 32) as n / 32 Q8Blocks; one loop compiled for every level, so the same bits. */
+void quantize_row_q8(const float *x, int64_t n, Q8Block *out);
+
+/* The ggml types integer_linear multiplies (the 32-value ones: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): 1, else 0. */
+int integer_linear_type(int type);
+
+/* y[t, o] = sum over the blocks i of row o, in increasing i, of
+ *     acc = fmaf((float)isum_i, dw_i * dx_i, acc)   then, for Q4_1 and Q5_1,   acc = fmaf(mw_i, sx_i, acc)
+ * from acc = 0, isum_i the exact integer dot product of the weight block's integers (q - 8 for
+ * Q4_0, q - 16 for Q5_0, q for the others) with activation block i of row t, dw_i and mw_i the
+ * block's float16 scale and min, dx_i and sx_i the activation block's d and s. */
+typedef struct {
+    const Q8Block *x;          /* [tokens, in / 32] blocks, rows `x_stride` blocks apart */
+    int64_t x_stride;
+    const uint8_t *blocks;     /* [out, in / 32 * type_size] bytes, rows contiguous */
+    int type;                  /* a GGML_* type id integer_linear_type takes */
+    float *y;                  /* [tokens, out], rows `y_stride` floats apart (0: out, contiguous) */
+    int64_t tokens, in, out, y_stride;
+} IntegerLinear;
+
+/* 0; -1 for a type integer_linear_type refuses. At level integer_dot_isa(isa). */
+int integer_linear(const IntegerLinear *l, int threads, int isa);
+
+/* Whether the K types (Q4_K, Q5_K, Q6_K) take the integer path too (quantize_row_q8k and
+ * kquant_dot_rows, integer_kquants.c): the one switch for them; off until that file is built. */
+#define IDOT_KQUANTS 0
+
 #endif

@@ -1,0 +1,69 @@
+/* The 256-bit tiles of integer_linear.c, included once per level under that level's
+ * `#pragma GCC target`: IDOT_TILES names the function, IDOT_DOT(w, x) gives the 8 int32 lanes of
+ * a block product (lane l: bytes 4 l .. 4 l + 3 of unsigned w times signed x, summed), and
+ * IDOT_SIGNED_Q8 says whether Q8_0's signed weights go through vpsignb (AVX2's vpmaddubsw
+ * saturates on 128 + 127 weights) or are offset by 128 like the 4-bit ones (vpdpbusd does not
+ * saturate). Every variant gives the same integer sums, so the same bits. */
+
+#define IDOT_CAT2(a, b) a##b
+#define IDOT_CAT(a, b) IDOT_CAT2(a, b)
+#define IDOT_BODY IDOT_CAT(IDOT_TILES, _body)
+
+static inline __attribute__((always_inline)) void IDOT_BODY(const int type, const uint8_t *const w[GROUP], int64_t blocks,
+                                                            const Q8Block *x, int64_t xs, int64_t tokens, float *y, int64_t ys,
+                                                            int count) {
+    const int64_t size = block_bytes(type);
+    const int has_min = type == GGML_Q4_1 || type == GGML_Q5_1;
+    const int offset = type == GGML_Q4_0 ? 8 : type == GGML_Q5_0 ? 16 : type == GGML_Q8_0 && !IDOT_SIGNED_Q8 ? 128 : 0;
+    for (int64_t t0 = 0; t0 < tokens; t0 += TILE) {
+        const int64_t mt = tokens - t0 < TILE ? tokens - t0 : TILE;
+        __m128 acc[TILE];
+        for (int64_t m = 0; m < mt; m++) acc[m] = _mm_setzero_ps();
+        for (int64_t i = 0; i < blocks; i++) {
+            __m256i wv[GROUP];
+            uint16_t dh[GROUP], mh[GROUP];
+#pragma GCC unroll 4
+            for (int o = 0; o < GROUP; o++) {
+                const uint8_t *b = w[o] + i * size;
+                dh[o] = half_bits(b);
+                mh[o] = has_min ? half_bits(b + 2) : 0;
+                wv[o] = unpack_256(type, b);
+                if (type == GGML_Q8_0 && !IDOT_SIGNED_Q8) wv[o] = _mm256_xor_si256(wv[o], _mm256_set1_epi8((char)0x80));
+            }
+            const __m128 dw = _mm_cvtph_ps(_mm_setr_epi16((short)dh[0], (short)dh[1], (short)dh[2], (short)dh[3], 0, 0, 0, 0));
+            const __m128 mw = _mm_cvtph_ps(_mm_setr_epi16((short)mh[0], (short)mh[1], (short)mh[2], (short)mh[3], 0, 0, 0, 0));
+            for (int64_t m = 0; m < mt; m++) {
+                const Q8Block *xb = x + (t0 + m) * xs + i;
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)xb->qs);
+                __m256i lanes[GROUP];
+#pragma GCC unroll 4
+                for (int o = 0; o < GROUP; o++) {
+                    if (type == GGML_Q8_0 && IDOT_SIGNED_Q8)
+                        lanes[o] = IDOT_DOT(_mm256_sign_epi8(wv[o], wv[o]), _mm256_sign_epi8(xv, wv[o]));
+                    else
+                        lanes[o] = IDOT_DOT(wv[o], xv);
+                }
+                __m128i sums = sum_4x8(lanes[0], lanes[1], lanes[2], lanes[3]);
+                if (offset) sums = _mm_sub_epi32(sums, _mm_set1_epi32(offset * xb->sum));
+                acc[m] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), _mm_mul_ps(dw, _mm_set1_ps(xb->d)), acc[m]);
+                if (has_min) acc[m] = _mm_fmadd_ps(mw, _mm_set1_ps(xb->s), acc[m]);
+            }
+        }
+        store_group(acc, mt, y + t0 * ys, ys, count);
+    }
+}
+
+static void IDOT_TILES(int type, const uint8_t *const w[GROUP], int64_t blocks, const Q8Block *x, int64_t xs, int64_t tokens,
+                       float *y, int64_t ys, int count) {
+    switch (type) {
+    case GGML_Q4_0: IDOT_BODY(GGML_Q4_0, w, blocks, x, xs, tokens, y, ys, count); break;
+    case GGML_Q4_1: IDOT_BODY(GGML_Q4_1, w, blocks, x, xs, tokens, y, ys, count); break;
+    case GGML_Q5_0: IDOT_BODY(GGML_Q5_0, w, blocks, x, xs, tokens, y, ys, count); break;
+    case GGML_Q5_1: IDOT_BODY(GGML_Q5_1, w, blocks, x, xs, tokens, y, ys, count); break;
+    default: IDOT_BODY(GGML_Q8_0, w, blocks, x, xs, tokens, y, ys, count); break;
+    }
+}
+
+#undef IDOT_BODY
+#undef IDOT_CAT
+#undef IDOT_CAT2
