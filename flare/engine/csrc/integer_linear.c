@@ -26,7 +26,9 @@
 #include "integer_dot.h"
 #include "kernels.h"
 
-enum { GROUP = 4, TILE = 64, QK = 32 };
+enum { GROUP = 4, WIDE = 16, TILE = 64, QK = 32 };
+/* From this many rows the wide tiles run (benchmarks/quantized_linear.py --activations int8). */
+enum { WIDE_FROM = 2 };
 
 int integer_linear_type(int type) {
     return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q5_0 || type == GGML_Q5_1 || type == GGML_Q8_0;
@@ -131,12 +133,69 @@ ID_INLINE void store_group(const __m128 *acc, int64_t mt, float *y, int64_t ys, 
     }
 }
 
+
+/* Lane o of out[j] = dword j of in[o] (an 8 x 8 transpose of 32-bit elements). */
+ID_INLINE void transpose_8x8(const __m256i in[8], __m256i out[8]) {
+    __m256i t[8], u[8];
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) {
+        t[2 * p] = _mm256_unpacklo_epi32(in[2 * p], in[2 * p + 1]);
+        t[2 * p + 1] = _mm256_unpackhi_epi32(in[2 * p], in[2 * p + 1]);
+    }
+#pragma GCC unroll 2
+    for (int q = 0; q < 2; q++) {
+        u[4 * q] = _mm256_unpacklo_epi64(t[4 * q], t[4 * q + 2]);
+        u[4 * q + 1] = _mm256_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
+        u[4 * q + 2] = _mm256_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
+        u[4 * q + 3] = _mm256_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        out[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
+        out[j + 4] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+    }
+}
+
+/* Block `at` (a byte offset) of the 8 weight rows w: their integers transposed (lane o of c[j]:
+ * row o's values 4 j .. 4 j + 3), their scales and mins. */
+ID_INLINE void unpack_8(const int type, const uint8_t *const *w, int64_t at, __m256i c[8], __m256 *dw, __m256 *mw) {
+    __m256i rows[8];
+    uint16_t dh[8], mh[8];
+#pragma GCC unroll 8
+    for (int o = 0; o < 8; o++) {
+        const uint8_t *b = w[o] + at;
+        rows[o] = unpack_256(type, b);
+        dh[o] = half_bits(b);
+        mh[o] = type == GGML_Q4_1 || type == GGML_Q5_1 ? half_bits(b + 2) : 0;
+    }
+    transpose_8x8(rows, c);
+    *dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh));
+    *mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mh));
+}
+
+/* A wide tile's sums [mt][2 halves of 8] into y (rows ys apart): the group's first `count` outputs. */
+ID_INLINE void store_wide(__m256 (*acc)[2], int64_t mt, float *y, int64_t ys, int count) {
+    for (int64_t m = 0; m < mt; m++) {
+        if (count == WIDE) {
+            _mm256_storeu_ps(y + m * ys, acc[m][0]);
+            _mm256_storeu_ps(y + m * ys + 8, acc[m][1]);
+        } else {
+            float v[WIDE];
+            _mm256_storeu_ps(v, acc[m][0]);
+            _mm256_storeu_ps(v + 8, acc[m][1]);
+            memcpy(y + m * ys, v, sizeof(float) * (size_t)count);
+        }
+    }
+}
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #define IDOT_TILES tiles_avx2
 #define IDOT_DOT(w, x) _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
+#define IDOT_ACC(s, w, x) _mm256_add_epi32(s, IDOT_DOT(w, x))
 #define IDOT_SIGNED_Q8 1
 #include "integer_tiles.h"
+#undef IDOT_ACC
 #undef IDOT_TILES
 #undef IDOT_DOT
 #undef IDOT_SIGNED_Q8
@@ -146,18 +205,36 @@ ID_INLINE void store_group(const __m128 *acc, int64_t mt, float *y, int64_t ys, 
 #pragma GCC target("avxvnni,avx2,fma,f16c")
 #define IDOT_TILES tiles_avx_vnni
 #define IDOT_DOT(w, x) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x)
+#define IDOT_ACC(s, w, x) _mm256_dpbusd_avx_epi32(s, w, x)
 #define IDOT_SIGNED_Q8 0
 #include "integer_tiles.h"
+#undef IDOT_ACC
 #undef IDOT_TILES
 #undef IDOT_DOT
 #undef IDOT_SIGNED_Q8
 #pragma GCC pop_options
 
-/* AVX-512 VNNI: two outputs' blocks a 512-bit register (output 2p in the low half, 2p + 1 in the
- * high), the activation block broadcast to both halves, one vpdpbusd for the pair. */
+/* AVX-512 VNNI's narrow tiles: the 256-bit ones with the EVEX vpdpbusd (avx512vl; a CPU may
+ * have AVX-512 VNNI without AVX-VNNI), faster at a row or two than pairs of outputs in 512 bits. */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+#define IDOT_TILES tiles_avx512_256
+#define IDOT_NARROW_ONLY 1
+#define IDOT_DOT(w, x) _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x)
+#define IDOT_ACC(s, w, x) _mm256_dpbusd_epi32(s, w, x)
+#define IDOT_SIGNED_Q8 0
+#include "integer_tiles.h"
+#undef IDOT_TILES
+#undef IDOT_DOT
+#undef IDOT_ACC
+#undef IDOT_SIGNED_Q8
+#undef IDOT_NARROW_ONLY
+#pragma GCC pop_options
+
 #define ID_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
-static inline __attribute__((always_inline)) ID_512 void body_512(const int type, const uint8_t *const w[GROUP], int64_t blocks,
+/* AVX-512 VNNI, wide: the 16 outputs in one register's lanes, one vpdpbusd a dword of a row. */
+static inline __attribute__((always_inline)) ID_512 void wide_512(const int type, const uint8_t *const w[WIDE], int64_t blocks,
                                                                   const Q8Block *x, int64_t xs, int64_t tokens, float *y,
                                                                   int64_t ys, int count) {
     const int64_t size = block_bytes(type);
@@ -165,81 +242,98 @@ static inline __attribute__((always_inline)) ID_512 void body_512(const int type
     const int offset = type == GGML_Q4_0 ? 8 : type == GGML_Q5_0 ? 16 : type == GGML_Q8_0 ? 128 : 0;
     for (int64_t t0 = 0; t0 < tokens; t0 += TILE) {
         const int64_t mt = tokens - t0 < TILE ? tokens - t0 : TILE;
-        __m128 acc[TILE];
-        for (int64_t m = 0; m < mt; m++) acc[m] = _mm_setzero_ps();
+        __m512 acc[TILE];
+        for (int64_t m = 0; m < mt; m++) acc[m] = _mm512_setzero_ps();
         for (int64_t i = 0; i < blocks; i++) {
-            __m256i wv[GROUP];
-            uint16_t dh[GROUP], mh[GROUP];
-#pragma GCC unroll 4
-            for (int o = 0; o < GROUP; o++) {
-                const uint8_t *b = w[o] + i * size;
-                dh[o] = half_bits(b);
-                mh[o] = has_min ? half_bits(b + 2) : 0;
-                wv[o] = unpack_256(type, b);
+            __m256i lo[8], hi[8];
+            __m256 dlo, dhi, mlo, mhi;
+            unpack_8(type, w, i * size, lo, &dlo, &mlo);
+            unpack_8(type, w + 8, i * size, hi, &dhi, &mhi);
+            __m512i c[8];
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                c[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo[j]), hi[j], 1);
+                if (type == GGML_Q8_0) c[j] = _mm512_xor_si512(c[j], _mm512_set1_epi8((char)0x80));
             }
-            __m512i pair[2];
-#pragma GCC unroll 2
-            for (int p = 0; p < 2; p++) {
-                pair[p] = _mm512_inserti64x4(_mm512_castsi256_si512(wv[2 * p]), wv[2 * p + 1], 1);
-                if (type == GGML_Q8_0) pair[p] = _mm512_xor_si512(pair[p], _mm512_set1_epi8((char)0x80));
-            }
-            const __m128 dw = _mm_cvtph_ps(_mm_setr_epi16((short)dh[0], (short)dh[1], (short)dh[2], (short)dh[3], 0, 0, 0, 0));
-            const __m128 mw = _mm_cvtph_ps(_mm_setr_epi16((short)mh[0], (short)mh[1], (short)mh[2], (short)mh[3], 0, 0, 0, 0));
+            const __m512 dw = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(dlo)), _mm256_castps_pd(dhi), 1));
+            const __m512 mw = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(mlo)), _mm256_castps_pd(mhi), 1));
             for (int64_t m = 0; m < mt; m++) {
                 const Q8Block *xb = x + (t0 + m) * xs + i;
-                const __m512i xv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)xb->qs));
-                const __m512i s01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), pair[0], xv);
-                const __m512i s23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), pair[1], xv);
-                __m128i sums = sum_4x8(_mm512_castsi512_si256(s01), _mm512_extracti64x4_epi64(s01, 1),
-                                       _mm512_castsi512_si256(s23), _mm512_extracti64x4_epi64(s23, 1));
-                if (offset) sums = _mm_sub_epi32(sums, _mm_set1_epi32(offset * xb->sum));
-                acc[m] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), _mm_mul_ps(dw, _mm_set1_ps(xb->d)), acc[m]);
-                if (has_min) acc[m] = _mm_fmadd_ps(mw, _mm_set1_ps(xb->s), acc[m]);
+                const int32_t *xd = (const int32_t *)xb->qs;
+                __m512i sums = _mm512_setzero_si512();
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++) sums = _mm512_dpbusd_epi32(sums, c[j], _mm512_set1_epi32(xd[j]));
+                if (offset) sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(offset * xb->sum));
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(dw, _mm512_set1_ps(xb->d)), acc[m]);
+                if (has_min) acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xb->s), acc[m]);
             }
         }
-        store_group(acc, mt, y + t0 * ys, ys, count);
+        for (int64_t m = 0; m < mt; m++) {
+            if (count == WIDE) {
+                _mm512_storeu_ps(y + (t0 + m) * ys, acc[m]);
+            } else {
+                float v[WIDE];
+                _mm512_storeu_ps(v, acc[m]);
+                memcpy(y + (t0 + m) * ys, v, sizeof(float) * (size_t)count);
+            }
+        }
     }
 }
 
-static ID_512 void tiles_avx512_vnni(int type, const uint8_t *const w[GROUP], int64_t blocks, const Q8Block *x, int64_t xs,
-                                     int64_t tokens, float *y, int64_t ys, int count) {
+static ID_512 void tiles_avx512_vnni_wide(int type, const uint8_t *const w[WIDE], int64_t blocks, const Q8Block *x, int64_t xs,
+                                          int64_t tokens, float *y, int64_t ys, int count) {
     switch (type) {
-    case GGML_Q4_0: body_512(GGML_Q4_0, w, blocks, x, xs, tokens, y, ys, count); break;
-    case GGML_Q4_1: body_512(GGML_Q4_1, w, blocks, x, xs, tokens, y, ys, count); break;
-    case GGML_Q5_0: body_512(GGML_Q5_0, w, blocks, x, xs, tokens, y, ys, count); break;
-    case GGML_Q5_1: body_512(GGML_Q5_1, w, blocks, x, xs, tokens, y, ys, count); break;
-    default: body_512(GGML_Q8_0, w, blocks, x, xs, tokens, y, ys, count); break;
+    case GGML_Q4_0: wide_512(GGML_Q4_0, w, blocks, x, xs, tokens, y, ys, count); break;
+    case GGML_Q4_1: wide_512(GGML_Q4_1, w, blocks, x, xs, tokens, y, ys, count); break;
+    case GGML_Q5_0: wide_512(GGML_Q5_0, w, blocks, x, xs, tokens, y, ys, count); break;
+    case GGML_Q5_1: wide_512(GGML_Q5_1, w, blocks, x, xs, tokens, y, ys, count); break;
+    default: wide_512(GGML_Q8_0, w, blocks, x, xs, tokens, y, ys, count); break;
     }
 }
 #endif
 
+/* A group of up to WIDE outputs: the wide tiles from WIDE_FROM rows on (below, the transposes
+ * cost more than they save), the narrow ones in groups of 4 under that; the same bits. */
+static void group(int level, int type, const uint8_t *const w[WIDE], int64_t blocks, const Q8Block *x, int64_t xs,
+                  int64_t tokens, float *y, int64_t ys, int count, int wide) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (wide && level == IDOT_AVX512_VNNI) return tiles_avx512_vnni_wide(type, w, blocks, x, xs, tokens, y, ys, count);
+    if (wide && level == IDOT_AVX_VNNI) return tiles_avx_vnni_wide(type, w, blocks, x, xs, tokens, y, ys, count);
+    if (wide && level == IDOT_AVX2) return tiles_avx2_wide(type, w, blocks, x, xs, tokens, y, ys, count);
+#else
+    (void)wide;
+#endif
+    for (int q = 0; q < WIDE / GROUP && GROUP * q < count; q++) {
+        const int n = count - GROUP * q < GROUP ? count - GROUP * q : GROUP;
+        const uint8_t *const *wq = w + GROUP * q;
+        float *yq = y + GROUP * q;
+#if defined(__x86_64__) && defined(__GNUC__)
+        if (level == IDOT_AVX512_VNNI) tiles_avx512_256_narrow(type, wq, blocks, x, xs, tokens, yq, ys, n);
+        else if (level == IDOT_AVX_VNNI) tiles_avx_vnni_narrow(type, wq, blocks, x, xs, tokens, yq, ys, n);
+        else if (level == IDOT_AVX2) tiles_avx2_narrow(type, wq, blocks, x, xs, tokens, yq, ys, n);
+        else
+#endif
+            tiles_portable(type, wq, blocks, x, xs, tokens, yq, ys, n);
+    }
+}
+
 int integer_linear(const IntegerLinear *l, int threads, int isa) {
     if (!integer_linear_type(l->type)) return -1;
     const int64_t blocks = l->in / QK, row_bytes = blocks * block_bytes(l->type);
-    const int64_t groups = (l->out + GROUP - 1) / GROUP, y_stride = l->y_stride ? l->y_stride : l->out;
-    const int level = integer_dot_isa(isa);
+    const int64_t groups = (l->out + WIDE - 1) / WIDE, y_stride = l->y_stride ? l->y_stride : l->out;
+    const int level = integer_dot_isa(isa), wide = l->tokens >= WIDE_FROM;
     /* One thread below about 64k multiply-adds: a thread team costs more than it saves. */
     const int team = l->tokens * l->in * l->out < 65536 ? 1 : threads;
 #pragma omp parallel num_threads(team)
     {
         const int64_t n = omp_get_num_threads(), k = omp_get_thread_num();
         for (int64_t g = groups * k / n; g < groups * (k + 1) / n; g++) {
-            const int64_t o0 = g * GROUP;
-            const int count = (int)(l->out - o0 < GROUP ? l->out - o0 : GROUP);
-            /* A last, partial group repeats its last row in the vector lanes it does not store. */
-            const uint8_t *w[GROUP];
-            for (int o = 0; o < GROUP; o++) w[o] = l->blocks + (o0 + (o < count ? o : count - 1)) * row_bytes;
-            float *y = l->y + o0;
-#if defined(__x86_64__) && defined(__GNUC__)
-            if (level == IDOT_AVX512_VNNI)
-                tiles_avx512_vnni(l->type, w, blocks, l->x, l->x_stride, l->tokens, y, y_stride, count);
-            else if (level == IDOT_AVX_VNNI)
-                tiles_avx_vnni(l->type, w, blocks, l->x, l->x_stride, l->tokens, y, y_stride, count);
-            else if (level == IDOT_AVX2)
-                tiles_avx2(l->type, w, blocks, l->x, l->x_stride, l->tokens, y, y_stride, count);
-            else
-#endif
-                tiles_portable(l->type, w, blocks, l->x, l->x_stride, l->tokens, y, y_stride, count);
+            const int64_t o0 = g * WIDE;
+            const int count = (int)(l->out - o0 < WIDE ? l->out - o0 : WIDE);
+            /* A last, partial group repeats its last row in the lanes it does not store. */
+            const uint8_t *w[WIDE];
+            for (int o = 0; o < WIDE; o++) w[o] = l->blocks + (o0 + (o < count ? o : count - 1)) * row_bytes;
+            group(level, l->type, w, blocks, l->x, l->x_stride, l->tokens, l->y + o0, y_stride, count, wide);
         }
     }
     return 0;

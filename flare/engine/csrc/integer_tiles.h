@@ -3,11 +3,15 @@
  * a block product (lane l: bytes 4 l .. 4 l + 3 of unsigned w times signed x, summed), and
  * IDOT_SIGNED_Q8 says whether Q8_0's signed weights go through vpsignb (AVX2's vpmaddubsw
  * saturates on 128 + 127 weights) or are offset by 128 like the 4-bit ones (vpdpbusd does not
- * saturate). Every variant gives the same integer sums, so the same bits. */
+ * saturate). IDOT_ACC(s, w, x) adds IDOT_DOT's lanes to s. IDOT_NARROW_ONLY: no wide tiles.
+ * Every variant gives the same integer sums, so the same bits. */
 
 #define IDOT_CAT2(a, b) a##b
 #define IDOT_CAT(a, b) IDOT_CAT2(a, b)
 #define IDOT_BODY IDOT_CAT(IDOT_TILES, _body)
+#define IDOT_NARROW IDOT_CAT(IDOT_TILES, _narrow)
+#define IDOT_WIDE IDOT_CAT(IDOT_TILES, _wide)
+#define IDOT_WIDE_BODY IDOT_CAT(IDOT_TILES, _wide_body)
 
 static inline __attribute__((always_inline)) void IDOT_BODY(const int type, const uint8_t *const w[GROUP], int64_t blocks,
                                                             const Q8Block *x, int64_t xs, int64_t tokens, float *y, int64_t ys,
@@ -53,7 +57,7 @@ static inline __attribute__((always_inline)) void IDOT_BODY(const int type, cons
     }
 }
 
-static void IDOT_TILES(int type, const uint8_t *const w[GROUP], int64_t blocks, const Q8Block *x, int64_t xs, int64_t tokens,
+static void IDOT_NARROW(int type, const uint8_t *const w[GROUP], int64_t blocks, const Q8Block *x, int64_t xs, int64_t tokens,
                        float *y, int64_t ys, int count) {
     switch (type) {
     case GGML_Q4_0: IDOT_BODY(GGML_Q4_0, w, blocks, x, xs, tokens, y, ys, count); break;
@@ -64,6 +68,73 @@ static void IDOT_TILES(int type, const uint8_t *const w[GROUP], int64_t blocks, 
     }
 }
 
+
+#ifndef IDOT_NARROW_ONLY
+/* The wide tiles: WIDE (16) outputs, as two halves of 8. For each block a half's 8 weight blocks
+ * are unpacked and transposed (transpose_8x8) so that 32-bit lane o of register j holds output
+ * o's bytes 4 j .. 4 j + 3; each row's activation dword j, broadcast, then multiplies all 8
+ * outputs at once, and the lanes are the outputs' block sums, with no reduction. */
+static inline __attribute__((always_inline)) void IDOT_WIDE_BODY(const int type, const uint8_t *const w[WIDE], int64_t blocks,
+                                                                 const Q8Block *x, int64_t xs, int64_t tokens, float *y,
+                                                                 int64_t ys, int count) {
+    const int64_t size = block_bytes(type);
+    const int has_min = type == GGML_Q4_1 || type == GGML_Q5_1;
+    const int offset = type == GGML_Q4_0 ? 8 : type == GGML_Q5_0 ? 16 : type == GGML_Q8_0 && !IDOT_SIGNED_Q8 ? 128 : 0;
+    for (int64_t t0 = 0; t0 < tokens; t0 += TILE) {
+        const int64_t mt = tokens - t0 < TILE ? tokens - t0 : TILE;
+        __m256 acc[TILE][2];
+        for (int64_t m = 0; m < mt; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < blocks; i++) {
+#pragma GCC unroll 1
+            for (int h = 0; h < 2; h++) {
+                __m256i c[8];
+                __m256 dw, mw;
+                unpack_8(type, w + 8 * h, i * size, c, &dw, &mw);
+                if (type == GGML_Q8_0 && !IDOT_SIGNED_Q8)
+#pragma GCC unroll 8
+                    for (int j = 0; j < 8; j++) c[j] = _mm256_xor_si256(c[j], _mm256_set1_epi8((char)0x80));
+                __m256i a[8];
+                if (type == GGML_Q8_0 && IDOT_SIGNED_Q8)
+#pragma GCC unroll 8
+                    for (int j = 0; j < 8; j++) a[j] = _mm256_sign_epi8(c[j], c[j]);
+                for (int64_t m = 0; m < mt; m++) {
+                    const Q8Block *xb = x + (t0 + m) * xs + i;
+                    const int32_t *xd = (const int32_t *)xb->qs;
+                    __m256i sums = _mm256_setzero_si256();
+#pragma GCC unroll 8
+                    for (int j = 0; j < 8; j++) {
+                        const __m256i xj = _mm256_set1_epi32(xd[j]);
+                        if (type == GGML_Q8_0 && IDOT_SIGNED_Q8)
+                            sums = _mm256_add_epi32(sums, IDOT_DOT(a[j], _mm256_sign_epi8(xj, c[j])));
+                        else
+                            sums = IDOT_ACC(sums, c[j], xj);
+                    }
+                    if (offset) sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(offset * xb->sum));
+                    acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, _mm256_set1_ps(xb->d)), acc[m][h]);
+                    if (has_min) acc[m][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb->s), acc[m][h]);
+                }
+            }
+        }
+        store_wide(acc, mt, y + t0 * ys, ys, count);
+    }
+}
+
+static void IDOT_WIDE(int type, const uint8_t *const w[WIDE], int64_t blocks, const Q8Block *x, int64_t xs, int64_t tokens,
+                      float *y, int64_t ys, int count) {
+    switch (type) {
+    case GGML_Q4_0: IDOT_WIDE_BODY(GGML_Q4_0, w, blocks, x, xs, tokens, y, ys, count); break;
+    case GGML_Q4_1: IDOT_WIDE_BODY(GGML_Q4_1, w, blocks, x, xs, tokens, y, ys, count); break;
+    case GGML_Q5_0: IDOT_WIDE_BODY(GGML_Q5_0, w, blocks, x, xs, tokens, y, ys, count); break;
+    case GGML_Q5_1: IDOT_WIDE_BODY(GGML_Q5_1, w, blocks, x, xs, tokens, y, ys, count); break;
+    default: IDOT_WIDE_BODY(GGML_Q8_0, w, blocks, x, xs, tokens, y, ys, count); break;
+    }
+}
+
+#endif
+
+#undef IDOT_WIDE_BODY
+#undef IDOT_WIDE
+#undef IDOT_NARROW
 #undef IDOT_BODY
 #undef IDOT_CAT
 #undef IDOT_CAT2
