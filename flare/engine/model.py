@@ -136,7 +136,7 @@ def _linear_parts(weight: Weight) -> tuple[native_layers.LinearPart, ...] | None
     if isinstance(weight, QuantizedWeight):
         return (
             native_layers.LinearPart(
-                int(weight.ggml_type), weight.data, weight.out_features, weight.in_features, integer=weight.integer
+                int(weight.ggml_type), weight.data, weight.out_features, weight.in_features, halves=weight.halves
             ),
         )
     if isinstance(weight, tuple):

@@ -414,10 +414,11 @@ def quantized_rows(blocks: torch.Tensor, ggml_type: int, in_features: int, rows:
 Q8_BLOCK_BYTES = 48
 
 
-def quantize_q8(x: torch.Tensor) -> torch.Tensor:
+def quantize_q8(x: torch.Tensor, halves: int = 1) -> torch.Tensor:
     """Rows of x [T, in] (float32, each row contiguous, in a multiple of 32) as 8-bit activation
-    blocks: uint8 [T, in / 32 * Q8_BLOCK_BYTES], each block d = max |x| / 127, qs = x / d rounded
-    to nearest even, their sum and d * sum (integer_linear.c, quantize_row_q8)."""
+    blocks: uint8 [T, halves * in / 32 * Q8_BLOCK_BYTES], each block d = max |x| / 127, qs = x / d
+    rounded to nearest even, their sum and d * sum (integer_linear.c, quantize_row_q8); with
+    halves 2, each block followed by one of its residual x - d qs."""
     native = _module()
     tokens, in_features = x.shape
     if x.dtype != torch.float32 or x.device.type != "cpu" or in_features % 32 or in_features < 32 or x.stride(1) != 1:
@@ -425,8 +426,12 @@ def quantize_q8(x: torch.Tensor) -> torch.Tensor:
             f"quantize_q8: x must be a CPU float32 [tokens, in] with contiguous rows and in a multiple of 32, "
             f"got {x.device} {x.dtype} {tuple(x.shape)} strides {x.stride()}"
         )
-    out = torch.empty(tokens, in_features // 32 * Q8_BLOCK_BYTES, dtype=torch.uint8)
-    native.quantize_q8(x.data_ptr(), max(x.stride(0), in_features), tokens, in_features, out.data_ptr(), torch.get_num_threads())
+    if halves not in (1, 2):
+        raise ValueError(f"quantize_q8: halves must be 1 or 2, got {halves!r}")
+    out = torch.empty(tokens, halves * (in_features // 32) * Q8_BLOCK_BYTES, dtype=torch.uint8)
+    native.quantize_q8(
+        x.data_ptr(), max(x.stride(0), in_features), tokens, in_features, out.data_ptr(), halves, torch.get_num_threads()
+    )
     return out
 
 
@@ -438,12 +443,16 @@ def integer_linear(xq: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out_f
     native = _module()
     tokens = xq.shape[0]
     width = in_features // 32 * Q8_BLOCK_BYTES
-    if xq.dtype != torch.uint8 or xq.device.type != "cpu" or xq.dim() != 2 or xq.shape[1] != width or not xq.is_contiguous():
-        raise ValueError(f"integer_linear: xq must be contiguous CPU uint8 [tokens, {width}], got {xq.device} {xq.dtype} {tuple(xq.shape)}")
+    if xq.dtype != torch.uint8 or xq.device.type != "cpu" or xq.dim() != 2 or xq.shape[1] not in (width, 2 * width) or not xq.is_contiguous():
+        raise ValueError(
+            f"integer_linear: xq must be contiguous CPU uint8 [tokens, {width} or {2 * width}] (quantize_q8 of x), "
+            f"got {xq.device} {xq.dtype} {tuple(xq.shape)}"
+        )
+    halves = xq.shape[1] // width
     y = torch.empty(tokens, out_features, dtype=torch.float32)
     if tokens:
         native.integer_linear(
-            xq.data_ptr(), in_features // 32, blocks.data_ptr(), int(ggml_type), y.data_ptr(), tokens, in_features,
+            xq.data_ptr(), halves * (in_features // 32), halves, blocks.data_ptr(), int(ggml_type), y.data_ptr(), tokens, in_features,
             out_features, torch.get_num_threads(), isa,
         )
     return y

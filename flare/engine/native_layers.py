@@ -35,8 +35,9 @@ from flare.engine.native import (
 # F32, is never a part's); a part of ggml blocks has its ggml type id, one quantized_linear reads.
 PACKED_FLOAT16 = 0
 QUANTIZED_TYPE_IDS = frozenset({2, 3, 6, 7, 8, 12, 13, 14})  # kernels.h GGML_*
-# Added to a part's type in the part table: it multiplies 8-bit activation blocks
-# (kernels.h, LINEAR_INTEGER_ACTIVATIONS), quantized once per layer input and shared by the parts.
+# Added to a part's type in the part table, times its halves: it multiplies that many 8-bit activation
+# blocks per 32 inputs (kernels.h, LINEAR_INTEGER_ACTIVATIONS), quantized once per layer input and
+# shared by the parts.
 INTEGER_ACTIVATIONS = 256
 # The most parts a layer's linear layer may have (kernels.h, LAYER_LINEAR_PARTS).
 LAYER_LINEAR_PARTS = 3
@@ -47,14 +48,14 @@ class LinearPart:
     """A run of output rows of a layer's linear weight as `decoder_layer` multiplies them: packed
     float16 (`Float16Weight.blocks`, type PACKED_FLOAT16) or ggml blocks (uint8 [out, row bytes],
     contiguous, of a type in QUANTIZED_TYPE_IDS; flare/engine/quantized.py has checked the bytes
-    against the type and shape). `integer`: a block part multiplied with integer dot products by
-8-bit activations (QuantizedWeight.integer)."""
+    against the type and shape). `halves`: a block part multiplied with integer dot products by that
+many 8-bit activation blocks per 32 inputs (QuantizedWeight.halves), 0 by float32 activations."""
 
     type: int
     data: torch.Tensor
     out_features: int
     in_features: int
-    integer: bool = False
+    halves: int = 0
 
     @classmethod
     def float16(cls, weight: Float16Weight) -> LinearPart:
@@ -142,7 +143,7 @@ class KernelLayer:
         table = torch.zeros(len(linears), LAYER_LINEAR_PARTS, 3, dtype=torch.int64)
         for row, parts in zip(table, linears):
             for slot, part in zip(row, parts):
-                slot[0] = part.type | (INTEGER_ACTIVATIONS if part.integer and part.type != PACKED_FLOAT16 else 0)
+                slot[0] = part.type + (INTEGER_ACTIVATIONS * part.halves if part.type != PACKED_FLOAT16 else 0)
                 slot[1], slot[2] = part.data.data_ptr(), part.out_features
         object.__setattr__(self, "part_table", table)
         object.__setattr__(self, "linear_features", features)

@@ -7,11 +7,12 @@ float32 values, and `quantized_linear` multiplies float32 activations by them, s
 float32, so a quantized package scores text as its own float32 dequantization does up to the
 order of summation.
 
-A weight may instead take 8-bit activations (`activations="int8"`, what `flare run` serves by
-default; `--activations float32` keeps the exact path): each activation row is quantized in
-blocks of 32 (`quantize_activations`, once per layer input, shared by the products that read it)
-and multiplied with integer dot products (integer_linear.c), 2-4x the float path's speed from a
-few rows on. The activations' rounding moves a logprob by about 1e-4 (docs/benchmarks.md).
+A weight may instead take 8-bit activations with integer dot products (integer_linear.c): each
+activation row quantized in blocks of 32 (`quantize_activations`, once per layer input, shared by
+the products that read it), as one 8-bit block (`int8`, llama.cpp's Q8_0: it moves the default
+model's logprobs by 0.06, too far) or two (`int8x2`: the value and its residual, about 15 bits,
+3e-4; what `flare run` serves by default). `--activations float32` keeps the exact path.
+docs/benchmarks.md has the figures.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from flare.package.manifest import ACTIVATIONS, INTEGER_ACTIVATION_TYPES
 
 # What a quantized weight multiplies (manifest.ACTIVATIONS): 8-bit activation blocks with integer
 # dot products, or the float32 activations themselves (exact). `flare run --activations` picks.
-DEFAULT_ACTIVATIONS = "int8"
+DEFAULT_ACTIVATIONS = "int8x2"
+# 8-bit blocks per 32 activations of each integer precision.
+HALVES = {"int8": 1, "int8x2": 2}
 # The types with integer kernels (integer_linear.c). The K types (Q4_K, Q5_K, Q6_K) join them
 # when integer_kquants.c lands (integer_dot.h, IDOT_KQUANTS); until then they keep float32 activations.
 INTEGER_TYPES = frozenset(gguf.GGMLQuantizationType[name] for name in INTEGER_ACTIVATION_TYPES)
@@ -111,18 +114,21 @@ class QuantizedWeight:
         return replace(self, activations=activations)
 
     @property
-    def integer(self) -> bool:
-        """Whether `quantized_linear` multiplies this weight with integer dot products: 8-bit
-        activations asked for, a type with integer kernels, and the kernels built."""
-        return self.activations == "int8" and self.ggml_type in INTEGER_TYPES and native.available()
+    def halves(self) -> int:
+        """8-bit activation blocks per 32 inputs `quantized_linear` multiplies this weight by with
+        integer dot products (HALVES): 0 where it multiplies float32 activations (asked for, a type
+        without integer kernels, or the kernels not built)."""
+        if self.ggml_type not in INTEGER_TYPES or not native.available():
+            return 0
+        return HALVES.get(self.activations, 0)
 
 
 def served_activations(weight_types: Iterable[str], activations: str) -> str:
     """What a package of `weight_types` (ggml names, `Package.weight_types`) multiplies its blocks
-    by when `activations` is asked for: int8 where a block type with integer kernels is among them
-    and the kernels are built, else float32 (`flare inspect`, `engine_loaded`, `ctl status`)."""
+    by when `activations` is asked for: that, where a block type with integer kernels is among them
+    and the kernels are built, else float32 (`engine_loaded`, `ctl status`)."""
     integer = set(INTEGER_ACTIVATION_TYPES) & set(weight_types)
-    return "int8" if activations == "int8" and native.available() and integer else "float32"
+    return activations if activations in HALVES and native.available() and integer else "float32"
 
 
 def _first_nonfinite_scale(ggml_type: gguf.GGMLQuantizationType, data: torch.Tensor, type_size: int) -> int:
@@ -164,10 +170,10 @@ def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor, *, isa: int | N
     return values.view(*rows.shape, weight.in_features)
 
 
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """Rows of x [M, in] (float32) as 8-bit activation blocks (`native.quantize_q8`): what
-    every integer product of this input reads, so a layer quantizes its input once."""
-    return native.quantize_q8(x if x.stride(1) == 1 else x.contiguous())
+def quantize_activations(x: torch.Tensor, halves: int) -> torch.Tensor:
+    """Rows of x [M, in] (float32) as `halves` 8-bit activation blocks per 32 (`native.quantize_q8`):
+    what every integer product of this input reads, so a layer quantizes its input once."""
+    return native.quantize_q8(x if x.stride(1) == 1 else x.contiguous(), halves)
 
 
 def quantized_linear(
@@ -179,9 +185,9 @@ def quantized_linear(
     fixed order, the same bits at every `isa` (default QUANTIZED_ISA) and whatever the other
     rows. Without them, float32 matmul over `dequantize` (the same values, torch's order).
 
-    A weight with `integer` set multiplies x's 8-bit blocks instead (integer_linear.c, at
-    INTEGER_ISA unless `isa` names an IDOT_* level): `activations`, `quantize_activations(x)`
-    when the caller shares them between products, else quantized here."""
+    A weight with `halves` multiplies x's 8-bit blocks instead (integer_linear.c, at INTEGER_ISA
+    unless `isa` names an IDOT_* level): `activations`, `quantize_activations(x, halves)` when
+    the caller shares them between products, else quantized here."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != weight.in_features:
         raise ValueError(
             f"quantized_linear: x must be a CPU float32 [rows, {weight.in_features}], "
@@ -189,8 +195,8 @@ def quantized_linear(
         )
     if not native.available():
         return x @ dequantize(weight).T
-    if weight.integer:
-        xq = quantize_activations(x) if activations is None else activations
+    if weight.halves:
+        xq = quantize_activations(x, weight.halves) if activations is None else activations
         return native.integer_linear(
             xq, weight.data, weight.ggml_type, weight.out_features, weight.in_features, INTEGER_ISA if isa is None else isa
         )

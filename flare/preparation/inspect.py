@@ -120,11 +120,12 @@ def _weights(types: dict[str, dict[str, int]], blocks: dict[str, Any], dequantiz
 
 
 def _activations(integer: list[str], blocks: dict[str, Any]) -> list[str]:
-    """What `flare run` multiplies the blocks by: 8-bit activations for the types with integer kernels (its default)."""
+    """What `flare run` multiplies the blocks by: two 8-bit activation blocks per 32 for the types
+    with integer kernels (its default, `--activations int8x2`)."""
     if not blocks:
         return []
     others = sorted({entry["type"] for entry in blocks.values()} - set(integer))
-    line = f"  activations         int8 for {' '.join(integer)} blocks" if integer else "  activations         float32"
+    line = f"  activations         int8x2 for {' '.join(integer)} blocks" if integer else "  activations         float32"
     if integer and others:
         line += f", float32 for {' '.join(others)}"
     return [line + (" (flare run --activations float32: all float32, exact)" if integer else "")]

@@ -32,23 +32,25 @@ static int layer_linear(const DecoderLayerRound *l, const LayerLinear *w, const 
                         int64_t in, int64_t out, int threads) {
     int64_t first = 0;
     Q8Block *xq = NULL;
-    int status = 0;
+    int quantized_halves = 0, status = 0;
     for (int p = 0; p < LAYER_LINEAR_PARTS && w->parts[p].out && !status; p++) {
         const LinearPart *part = &w->parts[p];
-        const int type = (int)(part->type & ~(int64_t)LINEAR_INTEGER_ACTIVATIONS);
+        const int type = (int)(part->type % LINEAR_INTEGER_ACTIVATIONS), halves = (int)(part->type / LINEAR_INTEGER_ACTIVATIONS);
         if (part->type == LINEAR_PACKED_FLOAT16) {
             const Float16Linear f = {.x = x, .x_stride = x_stride, .packed = part->data, .y = y + first, .tokens = l->tokens,
                                      .in = in, .out = part->out, .y_stride = out};
             float16_linear(&f, threads, l->isa);
-        } else if (part->type & LINEAR_INTEGER_ACTIVATIONS && integer_linear_type(type) && in % 32 == 0) {
-            if (!xq) {
-                xq = malloc(sizeof(Q8Block) * (size_t)(l->tokens * (in / 32)));
+        } else if ((halves == 1 || halves == 2) && integer_linear_type(type) && in % 32 == 0) {
+            if (halves != quantized_halves) {
+                free(xq);
+                xq = malloc(sizeof(Q8Block) * (size_t)(l->tokens * halves * (in / 32)));
                 if (!xq) return -1;
 #pragma omp parallel for num_threads(l->tokens * in < 65536 ? 1 : threads)
-                for (int64_t t = 0; t < l->tokens; t++) quantize_row_q8(x + t * x_stride, in, xq + t * (in / 32));
+                for (int64_t t = 0; t < l->tokens; t++) quantize_row_q8(x + t * x_stride, in, halves, xq + t * halves * (in / 32));
+                quantized_halves = halves;
             }
-            const IntegerLinear q = {.x = xq, .x_stride = in / 32, .blocks = part->data, .type = type, .y = y + first,
-                                     .tokens = l->tokens, .in = in, .out = part->out, .y_stride = out};
+            const IntegerLinear q = {.x = xq, .x_stride = halves * (in / 32), .halves = halves, .blocks = part->data, .type = type,
+                                     .y = y + first, .tokens = l->tokens, .in = in, .out = part->out, .y_stride = out};
             status = integer_linear(&q, threads, l->integer_isa);
         } else {
             const QuantizedLinear q = {.x = x, .x_stride = x_stride, .blocks = part->data, .type = type, .y = y + first,

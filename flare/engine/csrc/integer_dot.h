@@ -47,19 +47,24 @@ typedef struct {
     int8_t qs[32];
 } Q8Block;
 
-/* x [n] (n a multiple of 32) as n / 32 Q8Blocks; one loop compiled for every level, so the same bits. */
-void quantize_row_q8(const float *x, int64_t n, Q8Block *out);
+/* x [n] (n a multiple of 32) as halves * n / 32 Q8Blocks, one loop compiled for every level, so
+ * the same bits. halves 1: one block per 32 values. halves 2: two per 32 values, block 2 i
+ * quantizing x and 2 i + 1 its residual x - d q (the two 8-bit halves of a ~15-bit value),
+ * block 2 i's s then the sum of both blocks' s. */
+void quantize_row_q8(const float *x, int64_t n, int halves, Q8Block *out);
 
 /* The ggml types integer_linear multiplies (the 32-value ones: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): 1, else 0. */
 int integer_linear_type(int type);
 
 /* y[t, o] = sum over the blocks i of row o, in increasing i, of
- *     acc = fmaf((float)isum_i, dw_i * dx_i, acc)   then, for Q4_1 and Q5_1,   acc = fmaf(mw_i, sx_i, acc)
- * from acc = 0, isum_i the exact integer dot product of the weight block's integers (q - 8 for
- * Q4_0, q - 16 for Q5_0, q for the others) with activation block i of row t, dw_i and mw_i the
- * block's float16 scale and min, dx_i and sx_i the activation block's d and s. */
+ *     for each half h:  acc = fmaf((float)isum_ih, dw_i * dx_ih, acc)
+ *     then, for Q4_1 and Q5_1:  acc = fmaf(mw_i, sx_i0, acc)
+ * from acc = 0, isum_ih the exact integer dot product of the weight block's integers (q - 8 for
+ * Q4_0, q - 16 for Q5_0, q for the others) with half h of activation block i of row t, dw_i and
+ * mw_i the block's float16 scale and min, dx_ih and sx_i0 the activation blocks' d and s. */
 typedef struct {
-    const Q8Block *x;          /* [tokens, in / 32] blocks, rows `x_stride` blocks apart */
+    const Q8Block *x;          /* [tokens, halves * in / 32] blocks, rows `x_stride` blocks apart */
+    int halves;                /* 1 or 2 activation blocks per 32 inputs (quantize_row_q8) */
     int64_t x_stride;
     const uint8_t *blocks;     /* [out, in / 32 * type_size] bytes, rows contiguous */
     int type;                  /* a GGML_* type id integer_linear_type takes */

@@ -40,24 +40,36 @@ static inline int64_t block_bytes(const int type) {
 
 static inline uint16_t half_bits(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
 
-void quantize_row_q8(const float *x, int64_t n, Q8Block *out) {
+/* One block: d = max |v| / 127, qs = v / d rounded to nearest even (by adding and subtracting
+ * 1.5 * 2^23, exact for |v / d| <= 127 plus rounding), their sum and d * sum. */
+static void quantize_block(const float *v, Q8Block *out) {
+    float amax = 0.0f;
+    for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int j = 0; j < QK; j++) {
+        float r = (v[j] * id + 12582912.0f) - 12582912.0f;
+        r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+        out->qs[j] = (int8_t)(int)r;
+        sum += (int)r;
+    }
+    out->d = d;
+    out->sum = sum;
+    out->s = d * (float)sum;
+    out->unused = 0;
+}
+
+void quantize_row_q8(const float *x, int64_t n, int halves, Q8Block *out) {
     for (int64_t i = 0; i < n / QK; i++) {
-        const float *v = x + i * QK;
-        float amax = 0.0f;
-        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
-        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        int32_t sum = 0;
-        for (int j = 0; j < QK; j++) {
-            /* round to nearest even by adding and subtracting 1.5 * 2^23 (|v id| <= 127 + rounding) */
-            float r = (v[j] * id + 12582912.0f) - 12582912.0f;
-            r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
-            out[i].qs[j] = (int8_t)(int)r;
-            sum += (int)r;
+        Q8Block *first = out + halves * i;
+        quantize_block(x + i * QK, first);
+        if (halves == 2) {
+            /* The second half quantizes what the first left: v - d1 q1. */
+            float residual[QK];
+            for (int j = 0; j < QK; j++) residual[j] = x[i * QK + j] - first->d * (float)first->qs[j];
+            quantize_block(residual, first + 1);
+            first->s = first->s + first[1].s;
         }
-        out[i].d = d;
-        out[i].sum = sum;
-        out[i].s = d * (float)sum;
-        out[i].unused = 0;
     }
 }
 
@@ -72,7 +84,7 @@ static inline int weight_int(const int type, const uint8_t *b, int j) {
 }
 
 /* The portable loop: the arithmetic of integer_dot.h as it reads, one (row, output) at a time. */
-static void tiles_portable(int type, const uint8_t *const w[GROUP], int64_t blocks, const Q8Block *x, int64_t xs,
+static void tiles_portable(int type, int halves, const uint8_t *const w[GROUP], int64_t blocks, const Q8Block *x, int64_t xs,
                            int64_t tokens, float *y, int64_t ys, int count) {
     const int64_t size = block_bytes(type);
     const int has_min = type == GGML_Q4_1 || type == GGML_Q5_1;
@@ -81,11 +93,13 @@ static void tiles_portable(int type, const uint8_t *const w[GROUP], int64_t bloc
             float acc = 0.0f;
             for (int64_t i = 0; i < blocks; i++) {
                 const uint8_t *b = w[o] + i * size;
-                const Q8Block *xb = x + t * xs + i;
-                int32_t isum = 0;
-                for (int j = 0; j < QK; j++) isum += weight_int(type, b, j) * xb->qs[j];
-                acc = fmaf((float)isum, float_from_half(half_bits(b)) * xb->d, acc);
-                if (has_min) acc = fmaf(float_from_half(half_bits(b + 2)), xb->s, acc);
+                const Q8Block *x0 = x + t * xs + halves * i;
+                for (int h = 0; h < halves; h++) {
+                    int32_t isum = 0;
+                    for (int j = 0; j < QK; j++) isum += weight_int(type, b, j) * x0[h].qs[j];
+                    acc = fmaf((float)isum, float_from_half(half_bits(b)) * x0[h].d, acc);
+                }
+                if (has_min) acc = fmaf(float_from_half(half_bits(b + 2)), x0->s, acc);
             }
             y[t * ys + o] = acc;
         }
@@ -234,9 +248,9 @@ ID_INLINE void store_wide(__m256 (*acc)[2], int64_t mt, float *y, int64_t ys, in
 #define ID_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
 /* AVX-512 VNNI, wide: the 16 outputs in one register's lanes, one vpdpbusd a dword of a row. */
-static inline __attribute__((always_inline)) ID_512 void wide_512(const int type, const uint8_t *const w[WIDE], int64_t blocks,
-                                                                  const Q8Block *x, int64_t xs, int64_t tokens, float *y,
-                                                                  int64_t ys, int count) {
+static inline __attribute__((always_inline)) ID_512 void wide_512(const int type, const int H, const uint8_t *const w[WIDE],
+                                                                  int64_t blocks, const Q8Block *x, int64_t xs, int64_t tokens,
+                                                                  float *y, int64_t ys, int count) {
     const int64_t size = block_bytes(type);
     const int has_min = type == GGML_Q4_1 || type == GGML_Q5_1;
     const int offset = type == GGML_Q4_0 ? 8 : type == GGML_Q5_0 ? 16 : type == GGML_Q8_0 ? 128 : 0;
@@ -258,14 +272,18 @@ static inline __attribute__((always_inline)) ID_512 void wide_512(const int type
             const __m512 dw = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(dlo)), _mm256_castps_pd(dhi), 1));
             const __m512 mw = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(mlo)), _mm256_castps_pd(mhi), 1));
             for (int64_t m = 0; m < mt; m++) {
-                const Q8Block *xb = x + (t0 + m) * xs + i;
-                const int32_t *xd = (const int32_t *)xb->qs;
-                __m512i sums = _mm512_setzero_si512();
+                const Q8Block *x0 = x + (t0 + m) * xs + H * i;
+#pragma GCC unroll 2
+                for (int h = 0; h < H; h++) {
+                    const Q8Block *xb = x0 + h;
+                    const int32_t *xd = (const int32_t *)xb->qs;
+                    __m512i sums = _mm512_setzero_si512();
 #pragma GCC unroll 8
-                for (int j = 0; j < 8; j++) sums = _mm512_dpbusd_epi32(sums, c[j], _mm512_set1_epi32(xd[j]));
-                if (offset) sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(offset * xb->sum));
-                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(dw, _mm512_set1_ps(xb->d)), acc[m]);
-                if (has_min) acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xb->s), acc[m]);
+                    for (int j = 0; j < 8; j++) sums = _mm512_dpbusd_epi32(sums, c[j], _mm512_set1_epi32(xd[j]));
+                    if (offset) sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(offset * xb->sum));
+                    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(dw, _mm512_set1_ps(xb->d)), acc[m]);
+                }
+                if (has_min) acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x0->s), acc[m]);
             }
         }
         for (int64_t m = 0; m < mt; m++) {
@@ -280,26 +298,33 @@ static inline __attribute__((always_inline)) ID_512 void wide_512(const int type
     }
 }
 
-static ID_512 void tiles_avx512_vnni_wide(int type, const uint8_t *const w[WIDE], int64_t blocks, const Q8Block *x, int64_t xs,
-                                          int64_t tokens, float *y, int64_t ys, int count) {
-    switch (type) {
-    case GGML_Q4_0: wide_512(GGML_Q4_0, w, blocks, x, xs, tokens, y, ys, count); break;
-    case GGML_Q4_1: wide_512(GGML_Q4_1, w, blocks, x, xs, tokens, y, ys, count); break;
-    case GGML_Q5_0: wide_512(GGML_Q5_0, w, blocks, x, xs, tokens, y, ys, count); break;
-    case GGML_Q5_1: wide_512(GGML_Q5_1, w, blocks, x, xs, tokens, y, ys, count); break;
-    default: wide_512(GGML_Q8_0, w, blocks, x, xs, tokens, y, ys, count); break;
+static ID_512 void tiles_avx512_vnni_wide(int type, int halves, const uint8_t *const w[WIDE], int64_t blocks, const Q8Block *x,
+                                          int64_t xs, int64_t tokens, float *y, int64_t ys, int count) {
+#define WIDE_CASES(H)                                                                                                  \
+    switch (type) {                                                                                                    \
+    case GGML_Q4_0: wide_512(GGML_Q4_0, H, w, blocks, x, xs, tokens, y, ys, count); break;                            \
+    case GGML_Q4_1: wide_512(GGML_Q4_1, H, w, blocks, x, xs, tokens, y, ys, count); break;                            \
+    case GGML_Q5_0: wide_512(GGML_Q5_0, H, w, blocks, x, xs, tokens, y, ys, count); break;                            \
+    case GGML_Q5_1: wide_512(GGML_Q5_1, H, w, blocks, x, xs, tokens, y, ys, count); break;                            \
+    default: wide_512(GGML_Q8_0, H, w, blocks, x, xs, tokens, y, ys, count); break;                                   \
     }
+    if (halves == 2) {
+        WIDE_CASES(2)
+    } else {
+        WIDE_CASES(1)
+    }
+#undef WIDE_CASES
 }
 #endif
 
 /* A group of up to WIDE outputs: the wide tiles from WIDE_FROM rows on (below, the transposes
  * cost more than they save), the narrow ones in groups of 4 under that; the same bits. */
-static void group(int level, int type, const uint8_t *const w[WIDE], int64_t blocks, const Q8Block *x, int64_t xs,
+static void group(int level, int type, int halves, const uint8_t *const w[WIDE], int64_t blocks, const Q8Block *x, int64_t xs,
                   int64_t tokens, float *y, int64_t ys, int count, int wide) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (wide && level == IDOT_AVX512_VNNI) return tiles_avx512_vnni_wide(type, w, blocks, x, xs, tokens, y, ys, count);
-    if (wide && level == IDOT_AVX_VNNI) return tiles_avx_vnni_wide(type, w, blocks, x, xs, tokens, y, ys, count);
-    if (wide && level == IDOT_AVX2) return tiles_avx2_wide(type, w, blocks, x, xs, tokens, y, ys, count);
+    if (wide && level == IDOT_AVX512_VNNI) return tiles_avx512_vnni_wide(type, halves, w, blocks, x, xs, tokens, y, ys, count);
+    if (wide && level == IDOT_AVX_VNNI) return tiles_avx_vnni_wide(type, halves, w, blocks, x, xs, tokens, y, ys, count);
+    if (wide && level == IDOT_AVX2) return tiles_avx2_wide(type, halves, w, blocks, x, xs, tokens, y, ys, count);
 #else
     (void)wide;
 #endif
@@ -308,17 +333,17 @@ static void group(int level, int type, const uint8_t *const w[WIDE], int64_t blo
         const uint8_t *const *wq = w + GROUP * q;
         float *yq = y + GROUP * q;
 #if defined(__x86_64__) && defined(__GNUC__)
-        if (level == IDOT_AVX512_VNNI) tiles_avx512_256_narrow(type, wq, blocks, x, xs, tokens, yq, ys, n);
-        else if (level == IDOT_AVX_VNNI) tiles_avx_vnni_narrow(type, wq, blocks, x, xs, tokens, yq, ys, n);
-        else if (level == IDOT_AVX2) tiles_avx2_narrow(type, wq, blocks, x, xs, tokens, yq, ys, n);
+        if (level == IDOT_AVX512_VNNI) tiles_avx512_256_narrow(type, halves, wq, blocks, x, xs, tokens, yq, ys, n);
+        else if (level == IDOT_AVX_VNNI) tiles_avx_vnni_narrow(type, halves, wq, blocks, x, xs, tokens, yq, ys, n);
+        else if (level == IDOT_AVX2) tiles_avx2_narrow(type, halves, wq, blocks, x, xs, tokens, yq, ys, n);
         else
 #endif
-            tiles_portable(type, wq, blocks, x, xs, tokens, yq, ys, n);
+            tiles_portable(type, halves, wq, blocks, x, xs, tokens, yq, ys, n);
     }
 }
 
 int integer_linear(const IntegerLinear *l, int threads, int isa) {
-    if (!integer_linear_type(l->type)) return -1;
+    if (!integer_linear_type(l->type) || l->halves < 1 || l->halves > 2) return -1;
     const int64_t blocks = l->in / QK, row_bytes = blocks * block_bytes(l->type);
     const int64_t groups = (l->out + WIDE - 1) / WIDE, y_stride = l->y_stride ? l->y_stride : l->out;
     const int level = integer_dot_isa(isa), wide = l->tokens >= WIDE_FROM;
@@ -333,7 +358,7 @@ int integer_linear(const IntegerLinear *l, int threads, int isa) {
             /* A last, partial group repeats its last row in the lanes it does not store. */
             const uint8_t *w[WIDE];
             for (int o = 0; o < WIDE; o++) w[o] = l->blocks + (o0 + (o < count ? o : count - 1)) * row_bytes;
-            group(level, l->type, w, blocks, l->x, l->x_stride, l->tokens, l->y + o0, y_stride, count, wide);
+            group(level, l->type, l->halves, w, blocks, l->x, l->x_stride, l->tokens, l->y + o0, y_stride, count, wide);
         }
     }
     return 0;

@@ -270,8 +270,9 @@ typedef struct {
  * (QuantizedLinear) of `type`, `out` rows. ggml's type 0 (F32) is never a part's, so it names
  * packed float16 here. */
 enum { LINEAR_PACKED_FLOAT16 = 0, LAYER_LINEAR_PARTS = 3 };
-/* Added to a block part's type: its products take 8-bit activation blocks (integer_linear.c)
- * where the type has integer kernels, float32 activations (quantized_linear.c) otherwise. */
+/* Added to a block part's type, times 1 or 2: its products take that many 8-bit activation blocks
+ * per 32 inputs (integer_linear.c, quantize_row_q8's halves) where the type has integer kernels,
+ * float32 activations (quantized_linear.c) otherwise. */
 enum { LINEAR_INTEGER_ACTIVATIONS = 256 };
 
 typedef struct {

@@ -244,13 +244,14 @@ static PyObject *py_quantized_linear(PyObject *self, PyObject *args) {
 static PyObject *py_quantize_q8(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t x, x_stride, tokens, in, out, threads;
-    if (!PyArg_ParseTuple(args, "nnnnnn", &x, &x_stride, &tokens, &in, &out, &threads)) return NULL;
-    if (tokens < 0 || in < 32 || in % 32 || x_stride < in || threads < 1)
-        return invalid("quantize_q8", "in must be whole blocks of 32, rows at least `in` apart");
+    int halves;
+    if (!PyArg_ParseTuple(args, "nnnnnin", &x, &x_stride, &tokens, &in, &out, &halves, &threads)) return NULL;
+    if (tokens < 0 || in < 32 || in % 32 || x_stride < in || threads < 1 || halves < 1 || halves > 2)
+        return invalid("quantize_q8", "in must be whole blocks of 32, rows at least `in` apart, halves 1 or 2");
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for num_threads(tokens * in < 65536 ? 1 : (int)threads)
     for (Py_ssize_t t = 0; t < tokens; t++)
-        quantize_row_q8((const float *)x + t * x_stride, in, (Q8Block *)out + t * (in / 32));
+        quantize_row_q8((const float *)x + t * x_stride, in, halves, (Q8Block *)out + t * halves * (in / 32));
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -258,15 +259,17 @@ static PyObject *py_quantize_q8(PyObject *self, PyObject *args) {
 static PyObject *py_integer_linear(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t x, x_stride, blocks, y, tokens, in, out, threads;
-    int type, isa;
-    if (!PyArg_ParseTuple(args, "nnninnnnni", &x, &x_stride, &blocks, &type, &y, &tokens, &in, &out, &threads, &isa))
+    int halves, type, isa;
+    if (!PyArg_ParseTuple(args, "nnininnnnni", &x, &x_stride, &halves, &blocks, &type, &y, &tokens, &in, &out, &threads, &isa))
         return NULL;
     if (!integer_linear_type(type)) return invalid("integer_linear", "not a 32-value block type");
-    if (tokens < 1 || in < 32 || out < 1 || threads < 1 || in % 32 || x_stride < in / 32)
+    if (halves < 1 || halves > 2) return invalid("integer_linear", "halves must be 1 or 2");
+    if (tokens < 1 || in < 32 || out < 1 || threads < 1 || in % 32 || x_stride < halves * (in / 32))
         return invalid("integer_linear", "sizes must be positive, `in` whole blocks and rows at least in / 32 blocks apart");
     const IntegerLinear l = {
         .x = (const Q8Block *)x,
         .x_stride = x_stride,
+        .halves = halves,
         .blocks = (const uint8_t *)blocks,
         .type = type,
         .y = (float *)y,
@@ -475,9 +478,9 @@ static PyMethodDef methods[] = {
      "float16_linear(x, x_stride, packed, y, tokens, in, out, threads, isa)"},
     {"quantized_linear", py_quantized_linear, METH_VARARGS,
      "quantized_linear(x, x_stride, blocks, type, y, tokens, in, out, threads, isa)"},
-    {"quantize_q8", py_quantize_q8, METH_VARARGS, "quantize_q8(x, x_stride, tokens, in, out, threads)"},
+    {"quantize_q8", py_quantize_q8, METH_VARARGS, "quantize_q8(x, x_stride, tokens, in, out, halves, threads)"},
     {"integer_linear", py_integer_linear, METH_VARARGS,
-     "integer_linear(x_blocks, x_stride_blocks, blocks, type, y, tokens, in, out, threads, isa)"},
+     "integer_linear(x_blocks, x_stride_blocks, halves, blocks, type, y, tokens, in, out, threads, isa)"},
     {"integer_dot_isa", py_integer_dot_isa, METH_VARARGS, "integer_dot_isa(isa): the level the integer kernels run at"},
     {"quantized_first_nonfinite_scale", py_quantized_first_nonfinite_scale, METH_VARARGS,
      "quantized_first_nonfinite_scale(type, data, blocks)"},
