@@ -458,6 +458,11 @@ def integer_linear(xq: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out_f
     return y
 
 
-def integer_dot_isa(isa: int) -> int:
-    """The IDOT_* level the integer kernels run at for `isa`: the widest of it the CPU and its OS grant."""
-    return _module().integer_dot_isa(isa)
+# What a CPU and its OS grant the integer kernels (integer_dot.h, IDOT_GRANTS_*), as bits.
+IDOT_GRANTS_AVX2, IDOT_GRANTS_AVX_VNNI, IDOT_GRANTS_AVX512_VNNI = 1, 2, 4
+
+
+def integer_dot_isa(isa: int, granted: int | None = None) -> int:
+    """The IDOT_* level the integer kernels run at for `isa`: the widest of it that this CPU and
+    its OS grant, or that `granted` (IDOT_GRANTS_* bits) would, standing in for another CPU."""
+    return _module().integer_dot_isa(isa, -1 if granted is None else granted)

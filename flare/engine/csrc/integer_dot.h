@@ -20,6 +20,13 @@ enum { IDOT_PORTABLE = 0, IDOT_AVX2 = 1, IDOT_AVX_VNNI = 2, IDOT_AVX512_VNNI = 3
 /* The IDOT_* level the integer kernels run at: the widest of `isa` and what this CPU has. */
 int integer_dot_isa(int isa);
 
+/* What this CPU and its OS grant, as IDOT_GRANTS_* bits, and the level `isa` falls back to under
+ * `granted` (integer_dot_isa is integer_dot_level(isa, integer_dot_grants())): apart, so that a
+ * test can stand in for a CPU whose OS refuses an extension it advertises. */
+enum { IDOT_GRANTS_AVX2 = 1, IDOT_GRANTS_AVX_VNNI = 2, IDOT_GRANTS_AVX512_VNNI = 4 };
+int integer_dot_grants(void);
+int integer_dot_level(int isa, int granted);
+
 /* 256 activations of a K-quant product: d * qs[i] stands for x[i]; bsums[j] is the sum of
  * qs[16 j .. 16 j + 15] (the weights' mins multiply these). */
 typedef struct {

@@ -283,11 +283,12 @@ static PyObject *py_integer_linear(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* integer_dot_level(isa, granted), `granted` -1 for what this CPU and its OS grant. */
 static PyObject *py_integer_dot_isa(PyObject *self, PyObject *args) {
     (void)self;
-    int isa;
-    if (!PyArg_ParseTuple(args, "i", &isa)) return NULL;
-    return PyLong_FromLong(integer_dot_isa(isa));
+    int isa, granted;
+    if (!PyArg_ParseTuple(args, "ii", &isa, &granted)) return NULL;
+    return PyLong_FromLong(integer_dot_level(isa, granted < 0 ? integer_dot_grants() : granted));
 }
 
 static PyObject *py_quantized_first_nonfinite_scale(PyObject *self, PyObject *args) {
@@ -481,7 +482,7 @@ static PyMethodDef methods[] = {
     {"quantize_q8", py_quantize_q8, METH_VARARGS, "quantize_q8(x, x_stride, tokens, in, out, halves, threads)"},
     {"integer_linear", py_integer_linear, METH_VARARGS,
      "integer_linear(x_blocks, x_stride_blocks, halves, blocks, type, y, tokens, in, out, threads, isa)"},
-    {"integer_dot_isa", py_integer_dot_isa, METH_VARARGS, "integer_dot_isa(isa): the level the integer kernels run at"},
+    {"integer_dot_isa", py_integer_dot_isa, METH_VARARGS, "integer_dot_isa(isa, granted): the level the integer kernels run at (granted -1: this CPU's)"},
     {"quantized_first_nonfinite_scale", py_quantized_first_nonfinite_scale, METH_VARARGS,
      "quantized_first_nonfinite_scale(type, data, blocks)"},
     {"quantized_rows", py_quantized_rows, METH_VARARGS,
