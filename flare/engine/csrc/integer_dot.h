@@ -83,7 +83,18 @@ typedef struct {
 int integer_linear(const IntegerLinear *l, int threads, int isa);
 
 /* Whether the K types (Q4_K, Q5_K, Q6_K) take the integer path too (quantize_row_q8k and
- * kquant_dot_rows, integer_kquants.c): the one switch for them; off until that file is built. */
+ * kquant_dot_rows, integer_kquants.c): the one switch for them in C, off until that file is
+ * built (flare/engine/quantized.py's INTEGER_TYPES is the Python side's). With it on,
+ * integer_kquant_linear multiplies a K weight by rows quantized once into Q8KBlocks. */
+#ifndef IDOT_KQUANTS
 #define IDOT_KQUANTS 0
+#endif
+
+#if IDOT_KQUANTS
+/* y [tokens, out] (rows y_stride apart) = x's Q8K rows (in / 256 blocks each, rows contiguous)
+ * times a K weight of `type` [out, in]: kquant_dot_rows for each output, 4 rows at a time. */
+void integer_kquant_linear(int type, const uint8_t *blocks, const Q8KBlock *x, float *y, int64_t tokens, int64_t in, int64_t out,
+                           int64_t y_stride, int threads, int isa);
+#endif
 
 #endif
