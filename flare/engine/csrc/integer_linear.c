@@ -29,6 +29,9 @@
 enum { GROUP = 4, WIDE = 16, TILE = 64, QK = 32 };
 /* From this many rows the wide tiles run (benchmarks/quantized_linear.py --activations int8). */
 enum { WIDE_FROM = 2 };
+/* How far ahead along its row each weight row is fetched: a group reads 4 or 16 rows as as many
+ * interleaved streams, which the hardware prefetcher follows too late (as quantized_direct.c's). */
+enum { PREFETCH_BYTES = 512 };
 
 int integer_linear_type(int type) {
     return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q5_0 || type == GGML_Q5_1 || type == GGML_Q8_0;
@@ -178,6 +181,7 @@ ID_INLINE void unpack_8(const int type, const uint8_t *const *w, int64_t at, __m
 #pragma GCC unroll 8
     for (int o = 0; o < 8; o++) {
         const uint8_t *b = w[o] + at;
+        __builtin_prefetch(b + PREFETCH_BYTES);
         rows[o] = unpack_256(type, b);
         dh[o] = half_bits(b);
         mh[o] = type == GGML_Q4_1 || type == GGML_Q5_1 ? half_bits(b + 2) : 0;

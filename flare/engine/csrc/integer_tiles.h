@@ -29,6 +29,7 @@ static inline __attribute__((always_inline)) void IDOT_BODY(const int type, cons
 #pragma GCC unroll 4
             for (int o = 0; o < GROUP; o++) {
                 const uint8_t *b = w[o] + i * size;
+                __builtin_prefetch(b + PREFETCH_BYTES);
                 dh[o] = half_bits(b);
                 mh[o] = has_min ? half_bits(b + 2) : 0;
                 wv[o] = unpack_256(type, b);
