@@ -102,8 +102,8 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="what the linear layers multiply in: auto (default) picks the fastest this CPU runs for the "
         "package's weights (float16 on x86 with AVX2, bfloat16 on AMX CPUs, float32 elsewhere)")
     add("--activations", choices=ACTIVATIONS,
-        help="what ggml block weights multiply with integer dot products: int8x2 (default: two 8-bit blocks a "
-        "32 activations, about 15 bits) or int8 (one, llama.cpp's Q8_0, coarser); or float32 (exact, slower)")
+        help="what ggml block weights multiply: float32 (default, exact) or 8-bit activation blocks with integer "
+        "dot products, int8x2 (two a 32 activations, about 15 bits) or int8 (one, llama.cpp's Q8_0, coarser)")
     add("--log-level", choices=("debug", "info", "warning", "error"), help="default info")
     add("--log-format", choices=("auto", "json", "console"),
         help="default auto: console on a terminal, JSON lines otherwise")

@@ -129,7 +129,7 @@ class DaemonConfig:
     responses_store_max_bytes: int = 1 << 30
     device: str = "auto"  # "auto" (cuda when available, else cpu) | "cpu" | "cuda" | "cuda:N"
     weight_format: str = "auto"  # "auto" (the fastest this device runs) | "float32" | "bfloat16" | "float16"
-    activations: str = "int8x2"  # ACTIVATIONS: what ggml block weights multiply, 8-bit blocks or float32 (exact)
+    activations: str = "float32"  # ACTIVATIONS: what ggml block weights multiply, 8-bit blocks or float32 (exact)
 
 
 # --- value parsers: each takes a flag/env string or a TOML value and returns the typed value ---

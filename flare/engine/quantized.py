@@ -11,8 +11,8 @@ A weight may instead take 8-bit activations with integer dot products (integer_l
 activation row quantized in blocks of 32 (`quantize_activations`, once per layer input, shared by
 the products that read it), as one 8-bit block (`int8`, llama.cpp's Q8_0: it moves the default
 model's logprobs by 0.06, too far) or two (`int8x2`: the value and its residual, about 15 bits,
-3e-4; what `flare run` serves by default). `--activations float32` keeps the exact path.
-docs/benchmarks.md has the figures.
+3e-4). Neither is yet faster than the float32 path at a decode round's few rows on this project's
+CPUs, so `flare run` keeps float32 by default (`--activations`; docs/benchmarks.md has the figures).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from flare.package.manifest import ACTIVATIONS, INTEGER_ACTIVATION_TYPES
 
 # What a quantized weight multiplies (manifest.ACTIVATIONS): 8-bit activation blocks with integer
 # dot products, or the float32 activations themselves (exact). `flare run --activations` picks.
-DEFAULT_ACTIVATIONS = "int8x2"
+DEFAULT_ACTIVATIONS = "float32"
 # 8-bit blocks per 32 activations of each integer precision.
 HALVES = {"int8": 1, "int8x2": 2}
 # The types with integer kernels (integer_linear.c). The K types (Q4_K, Q5_K, Q6_K) join them

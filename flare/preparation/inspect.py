@@ -120,15 +120,13 @@ def _weights(types: dict[str, dict[str, int]], blocks: dict[str, Any], dequantiz
 
 
 def _activations(integer: list[str], blocks: dict[str, Any]) -> list[str]:
-    """What `flare run` multiplies the blocks by: two 8-bit activation blocks per 32 for the types
-    with integer kernels (its default, `--activations int8x2`)."""
+    """What `flare run` multiplies the blocks by: float32 activations (its default), and which
+    types `--activations int8x2` or `int8` takes to the integer kernels."""
     if not blocks:
         return []
-    others = sorted({entry["type"] for entry in blocks.values()} - set(integer))
-    line = f"  activations         int8x2 for {' '.join(integer)} blocks" if integer else "  activations         float32"
-    if integer and others:
-        line += f", float32 for {' '.join(others)}"
-    return [line + (" (flare run --activations float32: all float32, exact)" if integer else "")]
+    if not integer:
+        return ["  activations         float32 (no integer kernels for these types)"]
+    return [f"  activations         float32; integer kernels for {' '.join(integer)} (flare run --activations int8x2 or int8)"]
 
 
 def _size(nbytes: int) -> str:

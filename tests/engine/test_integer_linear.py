@@ -214,7 +214,7 @@ def test_a_weight_multiplies_the_activation_blocks_it_asks_for_and_float32_keeps
 
 
 def test_an_unknown_activation_precision_or_bad_blocks_are_refused() -> None:
-    with pytest.raises(ValueError, match="activations must be one of int8x2, int8, float32, got 'int4'"):
+    with pytest.raises(ValueError, match="activations must be one of float32, int8x2, int8, got 'int4'"):
         QuantizedWeight.from_blocks(T.Q8_0, torch.zeros(1, 34, dtype=torch.uint8), 1, 32, "int4")
     with pytest.raises(ValueError, match="in a multiple of 32"):
         native.quantize_q8(torch.zeros(1, 40))
