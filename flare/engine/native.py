@@ -15,6 +15,8 @@ built (no C compiler at install time) and that the tests hold it equal to:
 - `quantized_linear` and `quantized_rows`: a linear layer multiplied straight from ggml's
   quantized blocks, and rows of such a weight expanded (the embedding lookup), for
   flare/engine/quantized.py;
+- `quantize_q8` and `integer_linear`: activation rows as 8-bit blocks, and the 32-value block
+  types multiplied by them with integer dot products (`flare run --activations int8x2|int8`);
 - `float16_linear`: a linear layer of float16 weights (packed once, `Float16Weight`) on float32
   rows, at the memory's speed for the one to few rows of a decode round, where fbgemm's float16
   GEMM (its torch counterpart) is slower;
