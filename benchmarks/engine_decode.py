@@ -45,6 +45,7 @@ import torch
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
 from flare.engine import model as model_module
+from flare.engine.layers import mlp as mlp_module
 from flare.engine import native
 from flare.engine.model import DecoderModel, load_model
 from flare.engine.precision import WeightFormat, cpu_flags
@@ -189,6 +190,7 @@ def main() -> None:
 # with --kernels torch the torch counterparts run inside `forward` itself and are not split out).
 STEPS = {
     "linear layers (LM head included)": (model_module, ("linear", "linear_columns")),
+    "linear layers of the MLP": (mlp_module, ("linear", "linear_columns")),
     "attention": (native, ("paged_attention",)),
     "RoPE + KV write": (native, ("rope_and_cache",)),
     "SwiGLU": (native, ("gated_rows",)),

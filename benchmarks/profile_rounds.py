@@ -23,9 +23,11 @@ LINEAR_WEIGHT = re.compile(r"linear\(.*,\s*(?:layer\.|self\.)(\w+)\)")
 COLUMNS_WEIGHT = re.compile(r"linear_columns\([^()]*,\s*(?:layer\.|self\.)(\w+)\)")
 WEIGHT_NAMES = {"qkv": "GEMM q/k/v", "o": "GEMM o", "gate_up": "GEMM gate/up", "down": "GEMM down", "lm_head": "LM head"}
 STEPS = {
-    "_attention": "attention", "_plan_attention": "attention", "paged_attention": "attention",
-    "_rope_and_cache": "RoPE + KV write", "_rope": "RoPE + KV write", "rope_and_cache": "RoPE + KV write",
-    "_gated_mlp": "SwiGLU", "gated_rows": "SwiGLU",
+    # The steps of flare/engine/layers/ and their kernels in flare/engine/native.py.
+    "attend": "attention", "plan": "attention", "paged_attention": "attention",
+    "round_tables": "RoPE + KV write", "rope_and_cache": "RoPE + KV write",
+    "gated_activation": "SwiGLU", "gated_rows": "SwiGLU",
+    "add_norm": "RMS norms", "sublayer_output": "RMS norms", "add_rms_norm": "RMS norms",
     # A round of short rows on float16 or block weights: every step of a layer in one kernel call.
     "decoder_layers": "layers, one kernel call each", "decoder_layer": "layers, one kernel call each",
 }

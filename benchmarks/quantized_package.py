@@ -1,7 +1,10 @@
-"""A Q4_K_M file of Llama-3.2-1B's shape, made here, exported by flare and served: sizes and memory.
+"""A Q4_K_M file of Llama-3.2-1B's or Llama-3.1-8B's shape, made here, exported by flare and served.
 
-Random weights with Llama-3.2-1B's dimensions (16 layers, hidden 2048, FFN 8192, 32 heads, 8 KV
-heads of 64, vocabulary 128256, tied embeddings; plain RoPE) are written as an F16 GGUF, with a
+Random weights with the model's dimensions (`--shape 1b`: Llama-3.2-1B, 16 layers, hidden 2048,
+FFN 8192, 32 heads, 8 KV heads of 64, tied embeddings; `--shape 8b`: Llama-3.1-8B, 32 layers, hidden
+4096, FFN 14336, 32 heads, 8 KV heads of 128, its own LM head; both vocabulary 128256, plain RoPE;
+`--layers N` keeps the first N layers, for a machine or a run too small for all) are written as an
+F16 GGUF, with a
 synthetic byte-level BPE vocabulary of that size, then quantized by `llama-quantize ... Q4_K_M`
 (the llama-cpp-python 0.3.36 sdist's build). flare exports the result under --dtype auto (every
 tensor's blocks kept) and serves it; the script prints the file and package sizes, the types
@@ -10,6 +13,9 @@ one-stream rate of that answer (random weights: the text means nothing).
 
     .venv/bin/python benchmarks/quantized_package.py --workdir /tmp/q4km-1b \\
         --llama-quantize /work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-quantize
+    .venv/bin/python benchmarks/quantized_package.py --shape 8b --layers 8 --workdir /tmp/q4km-8b-8 ...
+
+The GGUF it leaves in the workdir is the file `benchmarks/compare.py --gguf` serves beside llama.cpp.
 """
 
 from __future__ import annotations
@@ -24,13 +30,16 @@ import gguf
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
-from daemon_process import start_daemon  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.integration.daemon_process import start_daemon  # noqa: E402
 
 from flare.preparation.export import ExportOptions, export_package  # noqa: E402
 from flare.package.directory import open_package  # noqa: E402
 
-SHAPE = {"layers": 16, "hidden": 2048, "ffn": 8192, "heads": 32, "kv_heads": 8, "head_dim": 64, "vocab": 128256}
+SHAPES = {
+    "1b": {"layers": 16, "hidden": 2048, "ffn": 8192, "heads": 32, "kv_heads": 8, "head_dim": 64, "vocab": 128256, "tied": True},
+    "8b": {"layers": 32, "hidden": 4096, "ffn": 14336, "heads": 32, "kv_heads": 8, "head_dim": 128, "vocab": 128256, "tied": False},
+}
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}<|im_start|>"
 
 
@@ -59,8 +68,7 @@ def vocabulary(size: int) -> tuple[list[str], list[int], list[str]]:
     return tokens, [3, 3, 3] + [1] * (len(tokens) - 3), merges
 
 
-def write_f16_gguf(path: Path, seed: int) -> None:
-    s = SHAPE
+def write_f16_gguf(path: Path, s: dict, seed: int) -> None:
     tokens, types, merges = vocabulary(s["vocab"])
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(s["layers"])
@@ -88,6 +96,8 @@ def write_f16_gguf(path: Path, seed: int) -> None:
 
     writer.add_tensor("token_embd.weight", matrix(s["vocab"], h))
     writer.add_tensor("output_norm.weight", np.ones(h, np.float32))
+    if not s["tied"]:
+        writer.add_tensor("output.weight", matrix(s["vocab"], h))
     for i in range(s["layers"]):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(h, np.float32))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(h, np.float32))
@@ -117,11 +127,19 @@ def main() -> None:
     parser.add_argument("--llama-quantize", type=Path, required=True)
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens of the chat answer")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    parser.add_argument("--layers", type=int, help="keep the first N layers (default: all of the shape's)")
     args = parser.parse_args()
+    shape = dict(SHAPES[args.shape])
+    if args.layers is not None:
+        if not 1 <= args.layers <= shape["layers"]:
+            parser.error(f"--layers must lie in [1, {shape['layers']}] for the {args.shape} shape")
+        shape["layers"] = args.layers
     args.workdir.mkdir(parents=True, exist_ok=True)
-    f16, q4km, package = args.workdir / "llama-1b-shape.F16.gguf", args.workdir / "llama-1b-shape.Q4_K_M.gguf", args.workdir / "package"
+    stem = f"llama-{args.shape}-shape-{shape['layers']}-layers"
+    f16, q4km, package = args.workdir / f"{stem}.F16.gguf", args.workdir / f"{stem}.Q4_K_M.gguf", args.workdir / "package"
     if not f16.exists():
-        write_f16_gguf(f16, args.seed)
+        write_f16_gguf(f16, shape, args.seed)
     if not q4km.exists():
         subprocess.run([str(args.llama_quantize), str(f16), str(q4km), "Q4_K_M"], check=True, capture_output=True)
     started = time.perf_counter()

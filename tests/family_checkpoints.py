@@ -24,7 +24,7 @@ WINDOW = 8
 VOCAB = 49152  # SmolLM2's, the default model's tokenizer
 BOS, EOS = 1, 2  # SmolLM2's <|im_start|> and <|im_end|>
 # Phi-3's longrope: flare picks the long factors where the context it serves exceeds the
-# original one (flare/engine/rope.py); transformers uses the short ones for prompts shorter than
+# original one (flare/engine/layers/rope.py); transformers uses the short ones for prompts shorter than
 # it. Its package is exported with this context, the original, so both pick the short factors.
 PHI3_ORIGINAL_CONTEXT = 256
 _SHAPE = {

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flare.engine.rope import apply_rope, rope_tables
+from flare.engine.layers.rope import apply_rope, rope_tables
 from flare.package.draft_head import VOCAB_TENSOR, draft_head_shapes
 from flare.package.manifest import ModelConfig
 

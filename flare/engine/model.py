@@ -1,9 +1,10 @@
 """One decoder for every family flare serves, over a paged KV cache.
 
-Its layer is Llama's (RMSNorm, RoPE, grouped-query attention, SwiGLU); what each other family
-adds is a field of `ModelConfig` and a torch step of `forward_hidden`, never a model per family
+Its layer is Llama's (RMSNorm, RoPE, grouped-query attention, SwiGLU), composed of the layers of
+`layers/` (attention, RoPE, the gated MLP, norms: a file each); what each other family adds is a
+field of `ModelConfig` and an option of those layers, never a model per family
 (gpt-fast's one model.py is the pattern): q/k/v biases (Qwen2), per-head q/k RMSNorm before RoPE
-(Qwen3, Gemma 3), RoPE scalings and partial rotary (rope.py), sliding windows per layer with
+(Qwen3, Gemma 3), RoPE scalings and partial rotary (layers/rope.py), sliding windows per layer with
 their own RoPE base (Mistral, Gemma 2/3), attention scale and soft-caps and sandwich norms and the
 embedding scale (Gemma), GeGLU (Gemma). Each matches transformers' eager attention math. The C
 kernels implement every family's layer (`kernels_fit`), each feature an option of the kernel
@@ -18,12 +19,9 @@ it fast on a CPU, where a round of 32 decode rows is bound by the linear layers:
 - short rows of the same length share one attention call per layer (see batch.py);
 - four steps of a layer run as C kernels on a float32 CPU model where they were built
   (`native.py`): attention of short rows read straight from the pool, RoPE with the KV write,
-  SwiGLU, and the residual add with the norm after it. Their torch counterparts here run elsewhere, and for long prompt chunks' attention:
-  keys and values are gathered from the pool a whole block at a time; the pool is head-major,
-  so the gathered keys of one row and KV head form one contiguous [positions, head dim] matrix
-  (SDPA reads a strided view of it much more slowly once it is out of cache);
-  grouped-query attention folds the query heads of a KV group into the query length, so K/V are
-  never repeated (cheaper than SDPA's `enable_gqa`);
+  SwiGLU, and the residual add with the norm after it. Their torch counterparts in `layers/` run
+  elsewhere, and for long prompt chunks' attention (gathered a block at a time,
+  `layers/attention.py`);
 - RoPE cos/sin come from a table built once; the torch path gathers them once per round;
 - linear layers run in a weight format chosen per CPU (`precision.py`): float16 through the
   engine's kernel on x86 CPUs with AVX2, bfloat16 through oneDNN on AMX CPUs, float32 through
@@ -50,10 +48,13 @@ import torch.nn.functional as F
 from flare.engine import native, native_layers, precision, quantized
 from flare.engine.precision import WeightFormat
 from flare.engine.quantized import QuantizedWeight
-from flare.engine.batch import SHORT_ROW_MAX_TOKENS, AttentionGroup, ForwardBatch
+from flare.engine.batch import ForwardBatch
 from flare.engine.kv_cache import KVCache
+from flare.engine.layers.attention import AttentionCall, PagedAttention, rope_and_cache
+from flare.engine.layers.mlp import gated_mlp
+from flare.engine.layers.norms import add_norm, sublayer_output
+from flare.engine.layers.rope import rope_tables, round_tables
 from flare.engine.linear import Weight, linear, linear_columns, packs, stack_weights
-from flare.engine.rope import apply_rope, rope_tables
 from flare.package.blocks import dequantized
 from flare.package.manifest import ModelConfig
 from flare.package.directory import TORCH_DTYPES, Package, fits_float16, weight_problems
@@ -82,37 +83,6 @@ class DecoderLayer:
     mlp_output_norm: torch.Tensor | None = None  # [hidden]
     window: int | None = None  # the sliding window its queries attend in, where it narrows the context
     local_rope: bool = False  # RoPE from the sliding layers' own table (`local_rope_theta`)
-
-
-@dataclass(frozen=True)
-class AttentionCall:
-    """One attention call of a round (an `AttentionGroup`), with everything its layers share.
-
-    A call of short rows on a model that runs the kernels reads the pool through the group's
-    block table and start positions (`native.paged_attention`) and has no gather fields.
-    Otherwise it gathers: `gather_index` lists the pool rows (head-major) of its block tables;
-    `mask` is the causal mask with the query heads of a KV group folded into the query length;
-    the key/value buffers (views of the model's gather workspace) receive the gathered blocks.
-    Every layer reuses them, because a fresh multi-megabyte tensor per layer costs more in page
-    faults than the gather itself. `window_mask` is `mask` narrowed to the sliding window, for
-    the sliding layers of a model that has them.
-    """
-
-    group: AttentionGroup
-    gather_index: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
-    window_mask: torch.Tensor | None = None
-    key_buffer: torch.Tensor | None = None
-    value_buffer: torch.Tensor | None = None
-
-    @property
-    def tokens(self) -> slice:
-        """The call's flat tokens: `group.rows` x `group.query_len`."""
-        return slice(self.group.start, self.group.end)
-
-    @property
-    def native(self) -> bool:
-        return self.gather_index is None
 
 
 def _shape(weight: torch.Tensor | QuantizedWeight) -> tuple[int, ...]:
@@ -309,8 +279,9 @@ class DecoderModel:
             )
 
         self.layers = [layer(i) for i in range(config.num_layers)]
-        # The one window the sliding layers share, where it narrows anything (`_plan_attention`).
+        # The one window the sliding layers share, where it narrows anything (`PagedAttention.plan`).
         self.window = next((layer.window for layer in self.layers if layer.window is not None), None)
+        self.attention = PagedAttention(config, kernels=self.native_kernels, window=self.window, device=self.device, dtype=dtype)
         # A round of short rows on float16 or block weights runs each layer as one kernel call
         # (`native_layers.decoder_layer`): the same kernels as the steps below, without the Python
         # between them.
@@ -328,11 +299,6 @@ class DecoderModel:
         )
         self._layer_scratch = torch.empty(0, dtype=torch.float32, device=self.device)
         self._stack: native_layers.LayerStack | None = None  # kernel_layers with the KV pools they last ran on
-        # Grow-only scratch memory for the gathered keys and values of a round: allocating
-        # tens of megabytes afresh every round costs page faults on every round. It holds one
-        # layer's K/V of the running rows (plus padding to each group's longest context), so it
-        # stays around the size of one layer's share of the KV cache.
-        self._gather_workspace = torch.empty(0, dtype=dtype, device=self.device)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
@@ -367,22 +333,32 @@ class DecoderModel:
             h = self.embed_rows(batch.token_ids).to(self.dtype) * scale
         else:
             h = self.embed_rows(batch.token_ids).to(self.dtype)
-        ropes = None if self.native_kernels else self._rope(batch)
-        calls = self._plan_attention(batch, kv_cache)
+        config, kernels = self.config, self.native_kernels
+        eps = config.rms_norm_eps
+        # cos and sin of the round's positions, gathered once for every layer on the torch path:
+        # from the global table, then (where the model has one) the sliding layers' own.
+        tables = [(self.rope_cos, self.rope_sin)] + ([] if self.local_rope is None else [self.local_rope])
+        ropes = None if kernels else round_tables(tables, batch.positions)
+        calls = self.attention.plan(batch, kv_cache)
         if self.kernel_layers is not None and all(call.native for call in calls):
             self._layer_stack(kv_cache).run(h, self._decoder_round(batch, calls, kv_cache))
         else:
             # Each sublayer's output is added to the residual stream h by the norm that reads it next.
             delta = None
             for index, layer in enumerate(self.layers):
-                x = self._add_norm(h, delta, layer.input_norm)
+                x = add_norm(h, delta, layer.input_norm, eps, kernels=kernels)
                 keys, values = kv_cache.keys[index], kv_cache.values[index]
-                rope = None if ropes is None else ropes[layer.local_rope]
-                q = self._rope_and_cache(linear_columns(x, layer.qkv), batch, rope, keys, values, layer)
-                attention = linear(self._attention(q, keys, values, calls, layer.window), layer.o)
-                x = self._add_norm(h, self._sublayer_output(self._summed(attention), layer.attention_output_norm), layer.post_norm)
-                mlp = linear(self._gated_mlp(linear_columns(x, layer.gate_up)), layer.down)
-                delta = self._sublayer_output(self._summed(mlp), layer.mlp_output_norm)
+                q = rope_and_cache(
+                    linear_columns(x, layer.qkv), batch, config, keys, values, kernels=kernels,
+                    table=tables[layer.local_rope and self.local_rope is not None],
+                    round_rope=None if ropes is None else ropes[layer.local_rope],
+                    bias=layer.qkv_bias, q_norm=layer.q_norm, k_norm=layer.k_norm,
+                )
+                attention = linear(self.attention.attend(q, keys, values, calls, layer.window), layer.o)
+                attention = sublayer_output(self._summed(attention), layer.attention_output_norm, eps, kernels=kernels)
+                x = add_norm(h, attention, layer.post_norm, eps, kernels=kernels)
+                mlp = gated_mlp(x, layer.gate_up, layer.down, config.hidden_activation, kernels=kernels)
+                delta = sublayer_output(self._summed(mlp), layer.mlp_output_norm, eps, kernels=kernels)
             if delta is not None:
                 h += delta
         return self.logits_of(h[batch.logit_indices]), h
@@ -397,7 +373,8 @@ class DecoderModel:
     def logits_of(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits [T, vocab] of residual-stream rows h [T, hidden]: final norm, LM head,
         and the final soft-cap cap * tanh(logits / cap) where the model has one (Gemma 2)."""
-        logits = linear(self._add_norm(h.contiguous(), None, self.norm), self.lm_head).contiguous().float()
+        normed = add_norm(h.contiguous(), None, self.norm, self.config.rms_norm_eps, kernels=self.native_kernels)
+        logits = linear(normed, self.lm_head).contiguous().float()
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -409,15 +386,6 @@ class DecoderModel:
         whole = partial.contiguous()
         self.all_reduce(whole)
         return whole
-
-    def _sublayer_output(self, delta: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
-        """A sublayer's output as it joins the residual stream: RMS-normalized first where the
-        layer has sandwich norms (Gemma 2/3), as it is otherwise."""
-        if norm is None:
-            return delta
-        if self.native_kernels:  # the kernel `native_layers.decoder_layer` normalizes it with
-            return native.add_rms_norm(delta.contiguous(), None, norm, self.config.rms_norm_eps)
-        return F.rms_norm(delta, (self.config.hidden_size,), norm, self.config.rms_norm_eps)
 
     def _layer_stack(self, kv_cache: KVCache) -> native_layers.LayerStack:
         """The kernel layers with this KV cache's pools, built once (and again for other pools)."""
@@ -448,173 +416,6 @@ class DecoderModel:
             eps=config.rms_norm_eps,
             scratch=self._layer_scratch,
         )
-
-    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
-        """`h += delta` (a sublayer's output, when given), then RMSNorm of h (the torch
-        counterpart of `native.add_rms_norm`)."""
-        eps = self.config.rms_norm_eps
-        if self.native_kernels:
-            return native.add_rms_norm(h, delta, weight, eps)
-        if delta is not None:
-            h += delta
-        return F.rms_norm(h, (self.config.hidden_size,), weight, eps)
-
-    def _rope(self, batch: ForwardBatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """cos and sin [T, 1, R/2] of the round's positions, gathered once for every layer: from
-        the global table, then (where the model has one) the sliding layers' own."""
-        tables = [(self.rope_cos, self.rope_sin)] + ([] if self.local_rope is None else [self.local_rope])
-        return [(cos[batch.positions].unsqueeze(1), sin[batch.positions].unsqueeze(1)) for cos, sin in tables]
-
-    def _rope_and_cache(
-        self,
-        qkv_columns: torch.Tensor,
-        batch: ForwardBatch,
-        rope: tuple[torch.Tensor, torch.Tensor] | None,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        layer: DecoderLayer,
-    ) -> torch.Tensor:
-        """From the q/k/v layer's columns: add the layer's bias, normalize q and k per head where
-        it has q/k norms (before RoPE, as Qwen3 and Gemma 3 do), rotate them, write k and v into
-        the round's slots of the pools, return q [T, heads, D] (the torch counterpart of
-        `native.rope_and_cache`)."""
-        heads, kv_heads, head_dim = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
-        if self.native_kernels:
-            cos, sin = self.local_rope if layer.local_rope and self.local_rope is not None else (self.rope_cos, self.rope_sin)
-            return native.rope_and_cache(
-                qkv_columns, batch.positions, batch.slot_mapping, cos, sin, keys, values, heads,
-                bias=layer.qkv_bias, q_norm=layer.q_norm, k_norm=layer.k_norm, norm_eps=self.config.rms_norm_eps,
-            )
-        assert rope is not None, "the torch path needs the round's cos and sin (`_rope`)"
-        qkv_rows = qkv_columns.t() if layer.qkv_bias is None else qkv_columns.t() + layer.qkv_bias
-        qkv = qkv_rows.contiguous().view(batch.num_tokens, heads + 2 * kv_heads, head_dim)
-        qk = qkv[:, : heads + kv_heads]
-        if layer.q_norm is not None and layer.k_norm is not None:
-            eps = self.config.rms_norm_eps
-            qk = torch.cat(
-                (F.rms_norm(qk[:, :heads], (head_dim,), layer.q_norm, eps), F.rms_norm(qk[:, heads:], (head_dim,), layer.k_norm, eps)),
-                dim=1,
-            )
-        # q and k are rotated together: one pass over both.
-        qk = apply_rope(qk, *rope)
-        # The pools are [kv_heads, blocks * block_size, D] viewed flat over positions, in the
-        # cache's dtype (a 16-bit pool takes k and v rounded to nearest even).
-        k, v = qk[:, heads:].transpose(0, 1), qkv[:, heads + kv_heads :].transpose(0, 1)
-        keys.view(kv_heads, -1, head_dim).index_copy_(1, batch.slot_mapping, k.to(keys.dtype))
-        values.view(kv_heads, -1, head_dim).index_copy_(1, batch.slot_mapping, v.to(values.dtype))
-        return qk[:, :heads]
-
-    def _gated_mlp(self, gate_up_columns: torch.Tensor) -> torch.Tensor:
-        """act(gate) * up [T, intermediate] from the gate/up layer's columns: SwiGLU (silu), or
-        GeGLU with GELU's tanh approximation (Gemma); the torch counterpart of
-        `native.gated_rows`."""
-        if self.native_kernels:
-            return native.gated_rows(gate_up_columns, self.config.hidden_activation)
-        # On the columns, where gate and up are contiguous halves: on the transposed view the
-        # elementwise ops would be strided.
-        gate, up = gate_up_columns.chunk(2)
-        if self.config.hidden_activation == "gelu_tanh":
-            return (F.gelu(gate, approximate="tanh") * up).t()
-        return (F.silu(gate) * up).t()
-
-    def _plan_attention(self, batch: ForwardBatch, kv_cache: KVCache) -> list[AttentionCall]:
-        """The round's attention calls, one per attention group, built once for every layer."""
-        in_kernel = [self.native_kernels and g.query_len <= SHORT_ROW_MAX_TOKENS for g in batch.groups]
-        if all(in_kernel):  # a decode round's: nothing to gather
-            return [AttentionCall(group) for group in batch.groups]
-        group_size = self.config.num_heads // self.config.num_kv_heads
-        head_offsets = torch.arange(self.config.num_kv_heads, device=self.device).view(1, -1, 1) * kv_cache.num_blocks
-        block_numel = kv_cache.block_size * self.config.head_dim
-        # Block b of KV head h is row h * num_blocks + b of the pool viewed [heads * blocks, ...].
-        gather_indices = [
-            None if n else (g.block_table.unsqueeze(1) + head_offsets).flatten() for g, n in zip(batch.groups, in_kernel)
-        ]
-        needed = 2 * sum(index.numel() for index in gather_indices if index is not None) * block_numel
-        if self._gather_workspace.numel() < needed or self._gather_workspace.dtype != kv_cache.dtype:
-            self._gather_workspace = torch.empty(needed, dtype=kv_cache.dtype, device=self.device)
-        # Two buffers (keys, values) per gathering call, carved one after another out of the workspace.
-        sizes = [index.numel() * block_numel for index in gather_indices if index is not None for _ in range(2)]
-        buffers = iter(self._gather_workspace[:needed].split(sizes))
-        calls = []
-        for group, gather_index in zip(batch.groups, gather_indices):
-            if gather_index is None:
-                calls.append(AttentionCall(group))
-                continue
-            buffer_shape = (gather_index.numel(), kv_cache.block_size, self.config.head_dim)
-            calls.append(
-                AttentionCall(
-                    group=group,
-                    gather_index=gather_index,
-                    # Row j * query_len + q of a folded KV group attends as query q does.
-                    mask=group.mask.repeat(1, 1, group_size, 1),
-                    window_mask=None if self.window is None else _window_mask(group, self.window).repeat(1, 1, group_size, 1),
-                    key_buffer=next(buffers).view(buffer_shape),
-                    value_buffer=next(buffers).view(buffer_shape),
-                )
-            )
-        return calls
-
-    def _attention(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, calls: list[AttentionCall], window: int | None
-    ) -> torch.Tensor:
-        """Causal attention of every new token over its request's cached positions, or over the
-        last `window` of them (its own included) in a sliding layer: [T, heads * D].
-
-        Short rows go to `native.paged_attention` where the model runs the kernels. The
-        torch path gathers each row's blocks and runs SDPA, with grouped-query attention done
-        without repeating K/V: the `group` query heads that share a KV head are folded into the
-        query length, q [rows, kv_heads, group * Q, D] against k, v [rows, kv_heads, L, D],
-        whose [L, D] matrices the head-major pool gathers contiguous.
-        """
-        kv_heads, _, block_size, head_dim = keys.shape
-        heads = q.shape[1]
-        group = heads // kv_heads
-        key_rows = keys.view(-1, block_size, head_dim)
-        value_rows = values.view(-1, block_size, head_dim)
-        outputs = []
-        for call in calls:
-            rows, length = call.group.rows, call.group.query_len
-            if call.native:
-                out = native.paged_attention(
-                    q[call.tokens], keys, values, call.group.block_table, call.group.start_positions, length,
-                    scale=self.config.attention_scale, window=window, softcap=self.config.attention_softcap,
-                )
-                outputs.append(out.view(rows * length, heads * head_dim))
-                continue
-            q_call = q[call.tokens].view(rows, length, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-            q_call = q_call.reshape(rows, kv_heads, group * length, head_dim)
-            torch.index_select(key_rows, 0, call.gather_index, out=call.key_buffer)
-            torch.index_select(value_rows, 0, call.gather_index, out=call.value_buffer)
-            # A 16-bit pool's keys and values are widened to the queries' dtype for SDPA.
-            k = call.key_buffer.view(rows, kv_heads, -1, head_dim).to(q.dtype)
-            v = call.value_buffer.view(rows, kv_heads, -1, head_dim).to(q.dtype)
-            mask = call.mask if window is None else call.window_mask
-            out = self._scores_to_output(q_call, k, v, mask)
-            out = out.view(rows, kv_heads, group, length, head_dim).permute(0, 3, 1, 2, 4)
-            outputs.append(out.reshape(rows * length, heads * head_dim))
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-
-    def _scores_to_output(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """softmax(mask(cap(q k^T * scale))) v, with the model's scale (head_dim^-0.5 unless it
-        sets one: Gemma's query_pre_attn_scalar^-0.5) and soft-cap. SDPA cannot soft-cap, so a
-        capped model takes the explicit form, as transformers' eager attention computes it:
-        scores -> cap * tanh(scores / cap) before the mask and a float32 softmax."""
-        cap = self.config.attention_softcap
-        if cap is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.config.attention_scale)
-        scale = self.config.attention_scale or self.config.head_dim**-0.5
-        scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / cap) * cap
-        weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
-        return torch.matmul(weights.to(q.dtype), v)
-
-
-def _window_mask(group: AttentionGroup, window: int) -> torch.Tensor:
-    """The group's causal mask narrowed to a sliding window [rows, 1, query_len, keys]: key k is
-    visible to the query at position p iff p - window < k <= p (transformers' sliding mask)."""
-    positions = group.start_positions.view(-1, 1, 1, 1) + torch.arange(group.query_len, device=group.mask.device).view(1, 1, -1, 1)
-    keys = torch.arange(group.mask.shape[-1], device=group.mask.device)
-    return group.mask & (keys > positions - window)
-
 
 ModelSplit = Callable[
     [ModelConfig, dict[str, "torch.Tensor | QuantizedWeight"]],

@@ -26,7 +26,7 @@ import torch
 
 from flare.engine import native
 from flare.engine.native import INTEGER_ISA, QUANTIZED_ISA
-from flare.package.blocks import KEPT_TYPES, SCALE_OFFSETS
+from flare.package.blocks import E8M0_NAN, E8M0_SCALE_OFFSETS, KEPT_TYPES, SCALE_OFFSETS
 from flare.package.manifest import ACTIVATIONS, INTEGER_ACTIVATION_TYPES
 
 # What a quantized weight multiplies (manifest.ACTIVATIONS): 8-bit activation blocks with integer
@@ -35,7 +35,7 @@ DEFAULT_ACTIVATIONS = "float32"
 # 8-bit blocks per 32 activations of each integer precision.
 HALVES = {"int8": 1, "int8x2": 2}
 # The types with integer kernels (integer_linear.c). The K types (Q4_K, Q5_K, Q6_K) join them
-# when integer_kquants.c lands (integer_dot.h, IDOT_KQUANTS); until then they keep float32 activations.
+# when integer_kquants.c is wired in (integer_dot.h, IDOT_KQUANTS); until then they keep float32 activations.
 INTEGER_TYPES = frozenset(gguf.GGMLQuantizationType[name] for name in INTEGER_ACTIVATION_TYPES)
 
 
@@ -133,13 +133,15 @@ def served_activations(weight_types: Iterable[str], activations: str) -> str:
 
 def _first_nonfinite_scale(ggml_type: gguf.GGMLQuantizationType, data: torch.Tensor, type_size: int) -> int:
     """The first block of `data` whose float16 scale is NaN or infinite (its five exponent bits
-    all ones), or -1."""
+    all ones), or whose E8M0 scale is NaN (0xFF), or -1."""
     if native.available():
         return native.quantized_first_nonfinite_scale(data, ggml_type, type_size)
     scales = data.view(-1, type_size)
     bad = torch.zeros(scales.shape[0], dtype=torch.bool)
-    for offset in SCALE_OFFSETS[ggml_type]:
+    for offset in SCALE_OFFSETS.get(ggml_type, ()):
         bad |= (scales[:, offset + 1] & 0x7C) == 0x7C
+    for offset in E8M0_SCALE_OFFSETS.get(ggml_type, ()):
+        bad |= scales[:, offset] == E8M0_NAN
     found = bad.nonzero()
     return int(found[0]) if found.numel() else -1
 

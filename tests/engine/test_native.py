@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flare.engine import native, native_layers
-from flare.engine.model import DecoderModel, apply_rope, rope_tables
+from flare.engine.layers.rope import apply_rope, rope_tables
+from flare.engine.model import DecoderModel
 from flare.engine.native import add_rms_norm, available, gated_rows, paged_attention, rope_and_cache
 
 from tests.engine.tiny_llama import random_state_dict, tiny_config

@@ -18,7 +18,7 @@ from tests import REPOSITORY
 from tests.engine.test_native import linear_layouts
 
 from flare.engine import native, native_layers
-from flare.engine.model import apply_rope
+from flare.engine.layers.rope import apply_rope
 
 HEAD_SHAPES = pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (6, 3, 64), (4, 1, 128)])
 

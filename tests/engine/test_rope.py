@@ -10,7 +10,7 @@ import torch
 from tests.engine.tiny_llama import random_state_dict, tiny_config
 
 from flare.engine.model import DecoderModel
-from flare.engine.rope import (
+from flare.engine.layers.rope import (
     apply_rope,
     inverse_frequencies,
     rope_tables,

@@ -128,3 +128,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if 2 * half == x.shape[-1]:
         return torch.cat(rotated, dim=-1)
     return torch.cat((*rotated, x[..., 2 * half :]), dim=-1)
+
+
+def round_tables(
+    tables: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """cos and sin [T, 1, R/2] of a round's positions from each of `tables` (the global one, then
+    the sliding layers' own where a model has one), gathered once for every layer of the round:
+    what `apply_rope` takes."""
+    return [(cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)) for cos, sin in tables]
