@@ -111,7 +111,11 @@ def _linear_parts(weight: Weight) -> tuple[native_layers.LinearPart, ...] | None
     if isinstance(weight, native.Float16Weight):
         return (native_layers.LinearPart.float16(weight),)
     if isinstance(weight, QuantizedWeight):
-        return (native_layers.LinearPart(int(weight.ggml_type), weight.data, weight.out_features, weight.in_features),)
+        return (
+            native_layers.LinearPart(
+                int(weight.ggml_type), weight.data, weight.out_features, weight.in_features, halves=weight.halves
+            ),
+        )
     if isinstance(weight, tuple):
         parts = [_linear_parts(part) for part in weight]
         if all(p is not None for p in parts) and sum(len(p) for p in parts) <= native_layers.LAYER_LINEAR_PARTS:  # type: ignore[arg-type]
@@ -441,11 +445,14 @@ def load_model(
     device: torch.device | str = "cpu",
     weight_format: str = precision.AUTO,
     split: ModelSplit | None = None,
+    activations: str = quantized.DEFAULT_ACTIVATIONS,
 ) -> DecoderModel:
     """The model of a prepared package on `device`: float32, with the linear layers in
     `weight_format` (`auto`: the fastest this device runs for the stored dtype,
     `precision.choose_weight_format`, which raises `WeightFormatError` for a format that does
-    not run here). `split`: a tensor-parallel rank's part of it instead of the whole."""
+    not run here). `split`: a tensor-parallel rank's part of it instead of the whole.
+    `activations`: what its ggml block weights multiply (`quantized.ACTIVATIONS`: 8-bit
+    activation blocks with integer dot products, or float32, exact)."""
     device = torch.device(device)
     stored = TORCH_DTYPES[package.manifest.serving.dtype]
     floats, blocks = package.load_weights()
@@ -459,7 +466,9 @@ def load_model(
         # kernels each call would expand a whole matrix again: its values are expanded once here.
         if native.available():
             # Stacked experts [E, out, in] are their E * out rows: each expert a view of them (`layers/moe.py`).
-            state_dict[name] = QuantizedWeight.from_blocks(tensor.ggml_type, tensor.data, tensor.data.shape[0], tensor.shape[-1])
+            state_dict[name] = QuantizedWeight.from_blocks(
+                tensor.ggml_type, tensor.data, tensor.data.shape[0], tensor.shape[-1], activations
+            )
         else:
             state_dict[name] = dequantized(tensor)
     config, extra = package.manifest.model, {}

@@ -49,6 +49,13 @@ WEIGHT_FORMATS = (AUTO_DTYPE, *DTYPES)
 # What `flare run --kv-cache-dtype` takes: the KV cache stores keys and values in one of the
 # package dtypes (the engine computes in float32 whatever it stores; flare/engine/native.py).
 KV_CACHE_DTYPES = DTYPES
+# What `flare run --activations` takes: what ggml block weights multiply, the float32 activations
+# themselves (exact; the default, the fastest that meets issue 38's fidelity bar here), or 8-bit
+# activation blocks with integer dot products, two per 32 activations (int8x2: a value and its
+# residual, ~15 bits) or one (int8) (flare/engine/quantized.py, docs/benchmarks.md).
+ACTIVATIONS = ("float32", "int8x2", "int8")
+# The block types with integer kernels (flare/engine/csrc/integer_linear.c): what int8 reaches.
+INTEGER_ACTIVATION_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 # auto: the package's draft head, with n-gram lookup beside it for rows whose text repeats
 # (scheduler/speculation/draft_planner.py, `DraftPlanner`); n-gram lookup alone in a package
 # without a head. What a package exported with a head serves by default.

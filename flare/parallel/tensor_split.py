@@ -198,4 +198,4 @@ def _columns(name: str, tensor: Tensor, start: int, end: int) -> Tensor:
     # The kernels read whole contiguous rows of blocks: the rank's columns are copied once, at
     # load (1/N of the weight).
     data = tensor.data[:, start // block_size * type_size : end // block_size * type_size].contiguous()
-    return QuantizedWeight.from_blocks(tensor.ggml_type, data, tensor.out_features, end - start)
+    return QuantizedWeight.from_blocks(tensor.ggml_type, data, tensor.out_features, end - start, tensor.activations)
