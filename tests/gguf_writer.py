@@ -262,7 +262,9 @@ of a kind (`ffn_up_exps`: Q6_K, say), as llama-quantize mixes them. `vocabulary`
         assert name is not None, f"gguf-py maps no name for {hf} in {arch.name}"
         if name not in replaced:
             kind = name.split(".")[-2]
-            _add_tensor(writer, name, np.ascontiguousarray(array), (types or {}).get(kind, quantize))
+            # Biases stay float32 (gpt-oss's 2-D expert biases are rows of whole blocks, not weights).
+            chosen = None if name.endswith(".bias") else (types or {}).get(kind, quantize)
+            _add_tensor(writer, name, np.ascontiguousarray(array), chosen)
     for name, array in {**extra, **replaced}.items():
         if array is not None:
             _add_tensor(writer, name, np.ascontiguousarray(array, dtype=np.float32), quantize)

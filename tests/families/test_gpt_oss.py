@@ -1,0 +1,192 @@
+"""gpt-oss packages: what export reads of its config and its GGUF, its MXFP4 experts kept as blocks
+(from the Hugging Face checkpoint's own `*_blocks` / `*_scales` and from a GGUF) scoring as
+transformers' dequantization of them, and its harmony template chosen as the package's. Its float
+package is held to transformers (sinks, router and expert biases, the clamped SwiGLU, alternating
+windows, untruncated yarn) by test_transformers_parity.py, which includes the tiny GptOssConfig."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tests.family_checkpoints import Checkpoint, write_checkpoint
+from tests.families.test_transformers_parity import PROMPTS, forward_in_pieces, reference_logits
+from tests.gguf_writer import LLAMA_CPP_CONVERTER, convert_with_llama_cpp, gguf_vocabulary, write_family_gguf
+
+from flare.engine import native
+from flare.engine.model import DecoderModel, load_model
+from flare.engine.tokenizer import Tokenizer
+from flare.package.directory import open_package
+from flare.preparation.default_model import default_gguf_path
+from flare.preparation.export import ExportOptions, export_package
+from flare.preparation.hf_families import model_config_from_hf
+from flare.preparation.quantize import quantize_matrix
+from flare.preparation.source import ModelSource
+
+pytest.importorskip("transformers")
+
+T = gguf.GGMLQuantizationType
+HARMONY_TEMPLATE = (Path(__file__).parents[1] / "fixtures" / "templates" / "gpt-oss.jinja").read_text()
+# llama.cpp's gpt-oss graph has the SwiGLU limit as a constant, 7: a checkpoint to write as a GGUF has it.
+GGUF_LIMIT = {"swiglu_limit": 7.0}
+
+
+def hf_config(**changes: object) -> dict:
+    from tests.family_checkpoints import family_config
+
+    return {**family_config("gpt_oss").to_dict(), **changes}
+
+
+def test_its_config_reads_as_every_layer_moe_with_its_router_sinks_biases_and_alternating_windows() -> None:
+    config = model_config_from_hf(hf_config(), None)
+    assert config.architecture == "gpt_oss" and config.moe_layers == (0, 1, 2)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (8, 2, 32)
+    assert config.routing == "topk_softmax" and config.router_bias and config.expert_bias
+    assert config.attention_bias and config.attention_output_bias and config.attention_sinks
+    assert config.hidden_activation == "clamped_swiglu" and config.swiglu_limit == 1.0
+    assert config.sliding_window == 8 and config.sliding_layers == (0, 2)
+    assert config.rope_scaling is not None and config.rope_scaling.kind == "yarn" and not config.rope_scaling.truncate
+    # Without layer_types the even layers slide, as GptOssConfig's default.
+    untyped = model_config_from_hf({**hf_config(), "layer_types": None, "num_hidden_layers": 4}, None)
+    assert untyped.sliding_layers == (0, 2)
+
+
+def openai_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [..., rows, in] as gpt-oss's checkpoints hold MXFP4: blocks uint8 [..., rows, in / 32,
+    16] (byte k: value 2k low nibble, 2k + 1 high) and E8M0 scales [..., rows, in / 32], from
+    gguf-py's MXFP4 quantizer (ggml's byte j: value j low, j + 16 high)."""
+    *lead, width = weight.shape
+    rows = quantize_matrix(np.ascontiguousarray(weight.reshape(-1, width).numpy(), dtype=np.float32), T.MXFP4)
+    groups = rows.reshape(*lead, width // 32, 17)
+    nibbles = groups[..., 1:]
+    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # value i at i
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    return torch.from_numpy(np.ascontiguousarray(blocks)), torch.from_numpy(np.ascontiguousarray(groups[..., 0]))
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(smollm2_source: ModelSource, tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    root = tmp_path_factory.mktemp("gpt_oss")
+    return write_checkpoint("gpt_oss", root / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template)
+
+
+def max_difference(a: DecoderModel, prompts: list[list[int]], reference: list[torch.Tensor]) -> float:
+    pieces = [[len(p) for p in prompts]]
+    return max((got - want).abs().max().item() for got, want in zip(forward_in_pieces(a, prompts, pieces), reference))
+
+
+@pytest.mark.skipif(not native.available(), reason="blocks are multiplied as blocks only by the C kernels")
+def test_mxfp4_experts_of_the_hugging_face_checkpoint_are_kept_as_blocks_and_score_as_transformers_dequantization(
+    smollm2_source: ModelSource, tmp_path: Path
+) -> None:
+    """The checkpoint's experts as OpenAI ships them (`*_blocks`, `*_scales`, gate and up rows
+    interleaved) export as ggml MXFP4 blocks, served from the mapped file; the logits are those of
+    transformers' model with its own dequantization of those tensors (convert_moe_packed_tensors)
+    within 1e-4, and of the same checkpoint's float32 export."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    packed = tmp_path / "mxfp4"
+    model = write_checkpoint("gpt_oss", packed, smollm2_source.tokenizer_json, smollm2_source.chat_template).model
+    tensors = load_file(str(packed / "model.safetensors"))
+    for layer in range(3):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        for projection in ("gate_up_proj", "down_proj"):
+            weight = tensors.pop(f"{prefix}.{projection}")  # transformers' [E, in, out]
+            blocks, scales = openai_mxfp4(weight.transpose(1, 2))
+            tensors[f"{prefix}.{projection}_blocks"], tensors[f"{prefix}.{projection}_scales"] = blocks, scales
+            with torch.no_grad():
+                getattr(model.model.layers[layer].mlp.experts, projection).copy_(
+                    convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+                )
+    save_file(tensors, str(packed / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((packed / "config.json").read_text())
+    (packed / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    export_package(str(packed), tmp_path / "blocks", ExportOptions(), stderr=io.StringIO())
+    export_package(str(packed), tmp_path / "float32", ExportOptions(dtype="float32"), stderr=io.StringIO())
+    package = open_package(tmp_path / "blocks")
+    for projection in ("gate_up_proj", "down_proj"):
+        assert package.manifest.blocks[f"model.layers.0.mlp.experts.{projection}.weight"].type == "MXFP4"
+    prompts = [Tokenizer.from_package(package).encode(text) for text in PROMPTS]
+    expected = [reference_logits(Checkpoint("gpt_oss", packed, model), p) for p in prompts]
+    assert max_difference(load_model(package), prompts, expected) <= 1e-4
+    assert max_difference(load_model(open_package(tmp_path / "float32")), prompts, expected) <= 1e-4
+
+
+def gguf_checkpoint(smollm2_source: ModelSource, path: Path) -> Checkpoint:
+    return write_checkpoint("gpt_oss", path, smollm2_source.tokenizer_json, smollm2_source.chat_template, changes=GGUF_LIMIT)
+
+
+def test_a_gguf_written_as_llama_cpp_writes_gpt_oss_is_the_hugging_face_package(smollm2_source: ModelSource, tmp_path: Path) -> None:
+    """gpt-oss as GptOssModel writes it: experts transposed and gate/up split with their biases,
+    `post_attention_norm` the norm before the MLP, `attn_sinks`, the router's bias; the even
+    layers slide (llama.cpp's pattern 2). Same config and same tensors as the Hugging Face export."""
+    checkpoint = gguf_checkpoint(smollm2_source, tmp_path / "hf")
+    path = tmp_path / "gpt-oss.gguf"
+    vocabulary = gguf_vocabulary(default_gguf_path())
+    write_family_gguf(path, checkpoint.model.config, checkpoint.model.state_dict(), vocabulary=vocabulary,
+                      chat_template=smollm2_source.chat_template)
+    options = ExportOptions(dtype="float32")
+    export_package(str(checkpoint.path), tmp_path / "from-hf", options, stderr=io.StringIO())
+    export_package(str(path), tmp_path / "from-gguf", options, stderr=io.StringIO())
+    hf, converted = open_package(tmp_path / "from-hf"), open_package(tmp_path / "from-gguf")
+    assert converted.manifest.model == hf.manifest.model
+    ours, theirs = converted.load_state_dict(), hf.load_state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+
+
+@pytest.mark.skipif(not native.available(), reason="blocks are multiplied as blocks only by the C kernels")
+def test_a_gguf_with_mxfp4_experts_keeps_them_as_blocks_and_scores_as_its_float32_export(
+    smollm2_source: ModelSource, tmp_path: Path
+) -> None:
+    checkpoint = gguf_checkpoint(smollm2_source, tmp_path / "hf")
+    path = tmp_path / "mxfp4.gguf"
+    experts = {kind: T.MXFP4 for kind in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
+    write_family_gguf(path, checkpoint.model.config, checkpoint.model.state_dict(), vocabulary=gguf_vocabulary(default_gguf_path()),
+                      chat_template=smollm2_source.chat_template, types=experts)
+    export_package(str(path), tmp_path / "blocks", ExportOptions(), stderr=io.StringIO())
+    export_package(str(path), tmp_path / "float32", ExportOptions(dtype="float32"), stderr=io.StringIO())
+    blocks = open_package(tmp_path / "blocks")
+    assert blocks.manifest.blocks["model.layers.0.mlp.experts.gate_up_proj.weight"].type == "MXFP4"
+    assert blocks.manifest.blocks["model.layers.0.mlp.experts.down_proj.weight"].type == "MXFP4"
+    assert "model.layers.0.mlp.experts.gate_up_proj.bias" not in blocks.manifest.blocks
+    prompts = [Tokenizer.from_package(blocks).encode(text) for text in PROMPTS]
+    reference = load_model(open_package(tmp_path / "float32"))
+    pieces = [[len(p) for p in prompts]]
+    assert max_difference(load_model(blocks), prompts, forward_in_pieces(reference, prompts, pieces)) <= 1e-4
+
+
+@pytest.mark.skipif(not LLAMA_CPP_CONVERTER.is_file(), reason="llama.cpp's convert_hf_to_gguf.py is not on this machine")
+def test_llama_cpp_converter_output_is_the_hugging_face_package(smollm2_source: ModelSource, tmp_path: Path) -> None:
+    checkpoint = gguf_checkpoint(smollm2_source, tmp_path / "hf")
+    convert_with_llama_cpp([(checkpoint.path, tmp_path / "gpt-oss.gguf")])
+    options = ExportOptions(dtype="float32")
+    export_package(str(checkpoint.path), tmp_path / "from-hf", options, stderr=io.StringIO())
+    export_package(str(tmp_path / "gpt-oss.gguf"), tmp_path / "from-gguf", options, stderr=io.StringIO())
+    hf, converted = open_package(tmp_path / "from-hf"), open_package(tmp_path / "from-gguf")
+    assert converted.manifest.model == hf.manifest.model
+    ours, theirs = converted.load_state_dict(), hf.load_state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+
+
+def test_the_torch_steps_score_as_transformers_too(gpt_oss: Checkpoint, tmp_path: Path) -> None:
+    """The layers' torch counterparts of the kernels (sinks in `scores_to_output`, the clamped
+    SwiGLU in torch), in one prefill and in chunks through the paged cache."""
+    export_package(str(gpt_oss.path), tmp_path / "package", ExportOptions(dtype="float32"), stderr=io.StringIO())
+    package = open_package(tmp_path / "package")
+    model = DecoderModel(package.manifest.model, package.load_state_dict(), native_kernels=False)
+    prompts = [Tokenizer.from_package(package).encode(text) for text in PROMPTS]
+    expected = [reference_logits(gpt_oss, p) for p in prompts]
+    a, b = (len(p) for p in prompts)
+    for pieces in ([[a, b]], [[17, 1], [1, 1], [a - 18, b - 2]]):
+        for got, want in zip(forward_in_pieces(model, prompts, pieces), expected):
+            assert (got - want).abs().max().item() <= 1e-4, pieces
