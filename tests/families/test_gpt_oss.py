@@ -190,3 +190,27 @@ def test_the_torch_steps_score_as_transformers_too(gpt_oss: Checkpoint, tmp_path
     for pieces in ([[a, b]], [[17, 1], [1, 1], [a - 18, b - 2]]):
         for got, want in zip(forward_in_pieces(model, prompts, pieces), expected):
             assert (got - want).abs().max().item() <= 1e-4, pieces
+
+
+@pytest.mark.skipif(not native.available(), reason="blocks are multiplied as blocks only by the C kernels")
+def test_quantizing_keeps_the_expert_biases_float_and_scores_as_the_dequantized_weights(gpt_oss: Checkpoint, tmp_path: Path) -> None:
+    """`--quantize q8_0` makes blocks of the weight matrices only: the 2-D expert biases, the
+    sinks and the router stay float."""
+    export_package(str(gpt_oss.path), tmp_path / "package", ExportOptions(quantize="q8_0"), stderr=io.StringIO())
+    package = open_package(tmp_path / "package")
+    blocks = package.manifest.blocks
+    assert blocks["model.layers.0.mlp.experts.gate_up_proj.weight"].type == "Q8_0"
+    assert not [name for name in blocks if not name.endswith(".weight") or ".router." in name]
+    prompts = [Tokenizer.from_package(package).encode(PROMPTS[0])]
+    reference = DecoderModel(package.manifest.model, package.load_state_dict(), native_kernels=False)
+    pieces = [[len(prompts[0])]]
+    assert max_difference(load_model(package), prompts, forward_in_pieces(reference, prompts, pieces)) <= 1e-4
+
+
+def test_tensor_parallel_is_refused_naming_what_is_not_split(gpt_oss: Checkpoint) -> None:
+    from flare.parallel.tensor_split import TensorParallelError, check_tensor_parallel
+
+    config = model_config_from_hf(hf_config(), None)
+    check_tensor_parallel(config, 1)
+    with pytest.raises(TensorParallelError, match="sinks and expert biases"):
+        check_tensor_parallel(config, 2)
