@@ -214,3 +214,50 @@ def test_tensor_parallel_is_refused_naming_what_is_not_split(gpt_oss: Checkpoint
     check_tensor_parallel(config, 1)
     with pytest.raises(TensorParallelError, match="sinks and expert biases"):
         check_tensor_parallel(config, 2)
+
+
+async def test_a_chat_answer_is_served_through_the_harmony_template_and_reader(smollm2_source: ModelSource, tmp_path: Path) -> None:
+    """Smoke test: a tiny gpt-oss whose tokenizer has harmony's control tokens and whose chat
+    template is gpt-oss's own. The package reads as harmony (calls and reasoning), the prompt is
+    rendered in it, and a served chat answer comes back through the harmony reader: whatever the
+    random model writes, no control mark reaches the client."""
+    from aiohttp.test_utils import TestClient, TestServer
+    from tests.running_scheduler import running
+    from tokenizers import Tokenizer as BackendTokenizer
+
+    from flare.daemon.config import DaemonConfig
+    from flare.package import reasoning_formats, tool_formats
+    from flare.server.metrics import DaemonMetrics
+    from flare.server.routes import create_app
+    from flare.server.state import ServingState
+
+    backend = BackendTokenizer.from_str(smollm2_source.tokenizer_json)
+    backend.add_special_tokens(list(tool_formats.HARMONY_TOKENS))
+    ids = {name: backend.token_to_id(name) for name in tool_formats.HARMONY_TOKENS}
+    changes = {"vocab_size": backend.get_vocab_size(), "eos_token_id": [ids["<|return|>"], ids["<|call|>"]]}
+    checkpoint = write_checkpoint("gpt_oss", tmp_path / "hf", backend.to_str(), HARMONY_TEMPLATE, changes=changes)
+    export_package(str(checkpoint.path), tmp_path / "package", ExportOptions(dtype="float32"), stderr=io.StringIO())
+    package = open_package(tmp_path / "package")
+    tokenizer = Tokenizer.from_package(package)
+    assert tokenizer.tool_format is tool_formats.HARMONY and tokenizer.reasoning_format is reasoning_formats.HARMONY
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+    assistant = tokenizer.encode("assistant", add_special_tokens=False)
+    assert prompt[-len(assistant) - 1 :] == [ids["<|start|>"], *assistant]
+
+    async with running(tmp_path / "package", draft_tokens=0) as scheduler:
+        state = ServingState()
+        state.ready(scheduler, ("gpt-oss",))
+        client = TestClient(TestServer(create_app(DaemonConfig(), state, DaemonMetrics.create())))
+        await client.start_server()
+        try:
+            response = await client.post(
+                "/v1/chat/completions",
+                json={"model": "gpt-oss", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 24, "temperature": 0},
+            )
+            assert response.status == 200, await response.text()
+            message = (await response.json())["choices"][0]["message"]
+        finally:
+            await client.close()
+    assert message["role"] == "assistant"
+    for field in ("content", "reasoning_content"):
+        assert "<|" not in (message.get(field) or ""), message
