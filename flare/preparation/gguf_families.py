@@ -144,8 +144,8 @@ def served_architecture(path: Path, architecture: Any) -> str:
     served = ", ".join(GGUF_ARCHITECTURES)
     raise SourceError(
         f"{path}: GGUF architecture {architecture!r} is not served; flare serves {served} "
-        f"(Mistral and Mixtral are written as 'llama'; as a package: {', '.join(ARCHITECTURES)}). "
-        "Latent-attention (DeepSeek-V2/V3) models are not served yet"
+        f"(Mistral and Mixtral are written as 'llama'; as a package: {', '.join(ARCHITECTURES)}); "
+        "latent-attention (DeepSeek-V2/V3) models are not served yet"
     )
 
 
@@ -300,6 +300,8 @@ def _moe_fields(path: Path, keys: _Keys, gguf_arch: str, shapes: Mapping[str, tu
         raise keys._bad(keys._key("expert_gating_func"), gating, "1 (softmax), the gating these families use")
     normalize = keys.metadata.get(keys._key("expert_weights_norm"))
     layers = sorted(int(m.group(1)) for name in shapes if (m := re.fullmatch(r"blk\.(\d+)\.ffn_gate_inp\.weight", name)))
+    if not layers:
+        raise SourceError(f"{path}: {gguf_arch}.expert_count is {experts} but no layer holds a router (ffn_gate_inp)")
     shared = keys.maybe_integer("expert_shared_feed_forward_length") if "blk.0.ffn_down_shexp.weight" in shapes else None
     return {
         "num_experts": experts,

@@ -205,7 +205,7 @@ def _attention_bias(data: dict[str, Any], family: bool | None, architecture: str
     gpt-oss's `attention_bias` (default on; o_proj's too), otherwise the family's."""
     if architecture == "gpt_oss":
         return bool(data.get("attention_bias", True))
-    return bool(data.get("qkv_bias", True)) if family is None else family
+    return bool(data.get("qkv_bias", True)) if architecture == "qwen2_moe" else bool(family)
 
 
 def _moe_fields(data: dict[str, Any], architecture: str, layers: int, unsupported: list[str]) -> dict[str, Any]:
