@@ -207,13 +207,38 @@ def test_quantizing_keeps_the_expert_biases_float_and_scores_as_the_dequantized_
     assert max_difference(load_model(package), prompts, forward_in_pieces(reference, prompts, pieces)) <= 1e-4
 
 
-def test_tensor_parallel_is_refused_naming_what_is_not_split(gpt_oss: Checkpoint) -> None:
-    from flare.parallel.tensor_split import TensorParallelError, check_tensor_parallel
+def test_at_tensor_parallel_2_it_answers_as_at_1(gpt_oss: Checkpoint, tmp_path: Path) -> None:
+    """Each rank holds its query heads' sinks, its share of every expert's gate/up bias with the
+    rows, and rank 0 alone the experts' down bias: the sum over the ranks is the whole model's."""
+    import threading
 
-    config = model_config_from_hf(hf_config(), None)
-    check_tensor_parallel(config, 1)
-    with pytest.raises(TensorParallelError, match="sinks and expert biases"):
-        check_tensor_parallel(config, 2)
+    from tests.parallel.test_moe_tensor_parallel import PairSum, logits
+
+    from flare.parallel.tensor_split import rank_model, rank_state_dict
+
+    export_package(str(gpt_oss.path), tmp_path / "package", ExportOptions(dtype="float32"), stderr=io.StringIO())
+    package = open_package(tmp_path / "package")
+    config, state = package.manifest.model, package.load_state_dict()
+    shares = [rank_state_dict(config, state, rank, 2) for rank in range(2)]
+    bias = "model.layers.0.mlp.experts.gate_up_proj.bias"
+    assert torch.equal(shares[1][bias][3], torch.cat((state[bias][3][16:32], state[bias][3][48:64])))
+    assert torch.equal(shares[1]["model.layers.0.self_attn.sinks"], state["model.layers.0.self_attn.sinks"][2:])
+    prompts = [Tokenizer.from_package(package).encode(text) for text in PROMPTS]
+    pieces = [[19, 9], [1, 1], [len(prompts[0]) - 20, len(prompts[1]) - 10]]
+    whole = logits(DecoderModel(config, state), prompts, pieces)
+    exchange = PairSum()
+    results: list[list[torch.Tensor]] = [[], []]
+
+    def run(rank: int) -> None:
+        results[rank] = logits(rank_model(config, state, rank, 2, exchange.of(rank)), prompts, pieces)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    for expected, shard0, shard1 in zip(whole, *results):
+        torch.testing.assert_close(torch.cat((shard0, shard1), dim=1), expected, atol=1e-4, rtol=1e-4)
 
 
 async def test_a_chat_answer_is_served_through_the_harmony_template_and_reader(smollm2_source: ModelSource, tmp_path: Path) -> None:
