@@ -259,12 +259,15 @@ async def test_a_chat_answer_is_served_through_the_harmony_template_and_reader(s
     backend = BackendTokenizer.from_str(smollm2_source.tokenizer_json)
     backend.add_special_tokens(list(tool_formats.HARMONY_TOKENS))
     ids = {name: backend.token_to_id(name) for name in tool_formats.HARMONY_TOKENS}
-    changes = {"vocab_size": backend.get_vocab_size(), "eos_token_id": [ids["<|return|>"], ids["<|call|>"]]}
+    # As gpt-oss's config.json: <|return|> alone declared.
+    changes = {"vocab_size": backend.get_vocab_size(), "eos_token_id": ids["<|return|>"]}
     checkpoint = write_checkpoint("gpt_oss", tmp_path / "hf", backend.to_str(), HARMONY_TEMPLATE, changes=changes)
     export_package(str(checkpoint.path), tmp_path / "package", ExportOptions(dtype="float32"), stderr=io.StringIO())
     package = open_package(tmp_path / "package")
     tokenizer = Tokenizer.from_package(package)
     assert tokenizer.tool_format is tool_formats.HARMONY and tokenizer.reasoning_format is reasoning_formats.HARMONY
+    # <|call|> ends a call, as its template writes; <|end|> closes the analysis message, not the answer.
+    assert set(package.manifest.model.eos_token_ids) == {ids["<|return|>"], ids["<|call|>"]}
     prompt = tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
     assistant = tokenizer.encode("assistant", add_special_tokens=False)
     assert prompt[-len(assistant) - 1 :] == [ids["<|start|>"], *assistant]
