@@ -405,6 +405,11 @@ def gguf_tensor_name(name: str, architecture: str) -> str:
     `architecture` model in, for messages."""
     if name in _PACKAGE_GLOBAL_NAMES:
         return _PACKAGE_GLOBAL_NAMES[name]
+    if architecture == "gpt_oss":
+        for gguf_kind, package in _GPT_OSS_NAMES.items():
+            layer = re.fullmatch(rf"model\.layers\.(\d+)\.{re.escape(package)}", name)
+            if layer:
+                return f"blk.{layer.group(1)}.{gguf_kind}.weight"
     match = _PACKAGE_LAYER_TENSOR.fullmatch(name)
     if match is None or match.group(2) not in _PACKAGE_LAYER_NAMES:
         return name

@@ -142,6 +142,17 @@ def test_a_gguf_written_as_llama_cpp_writes_gpt_oss_is_the_hugging_face_package(
         assert torch.equal(ours[name], tensor), name
 
 
+def test_a_gguf_without_its_sinks_is_refused_naming_the_tensor(smollm2_source: ModelSource, tmp_path: Path) -> None:
+    from flare.preparation.export import ExportError
+
+    checkpoint = gguf_checkpoint(smollm2_source, tmp_path / "hf")
+    path = tmp_path / "no-sinks.gguf"
+    write_family_gguf(path, checkpoint.model.config, checkpoint.model.state_dict(), vocabulary=gguf_vocabulary(default_gguf_path()),
+                      chat_template=smollm2_source.chat_template, tensors={"blk.1.attn_sinks.weight": None})
+    with pytest.raises(ExportError, match=r"blk\.1\.attn_sinks\.weight"):
+        export_package(str(path), tmp_path / "package", ExportOptions(dtype="float32"), stderr=io.StringIO())
+
+
 @pytest.mark.skipif(not native.available(), reason="blocks are multiplied as blocks only by the C kernels")
 def test_a_gguf_with_mxfp4_experts_keeps_them_as_blocks_and_scores_as_its_float32_export(
     smollm2_source: ModelSource, tmp_path: Path
