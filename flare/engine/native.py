@@ -399,6 +399,69 @@ def quantized_linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out_
     return y
 
 
+# ---- integer K-quant products (integer_kquants.c), for tests and benchmarks --------------------------
+
+# The integer kernels' levels (integer_dot.h): each caps the instructions; a level the CPU lacks falls
+# back to the widest it has. The default follows torch's dispatch, as QUANTIZED_ISA does.
+IDOT_PORTABLE, IDOT_AVX2, IDOT_AVX_VNNI, IDOT_AVX512_VNNI = 0, 1, 2, 3
+KQUANT_ISA = {ISA_AVX512: IDOT_AVX512_VNNI, ISA_AVX2: IDOT_AVX2}.get(QUANTIZED_ISA, IDOT_PORTABLE)
+
+
+def _kquant_rows_problems(x: torch.Tensor, in_features: int) -> list[str]:
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != in_features or not x.is_contiguous():
+        return [f"x must be a contiguous CPU float32 [rows, {in_features}], got {x.device} {x.dtype} {tuple(x.shape)}"]
+    if in_features < 256 or in_features % 256:
+        return [f"in_features must be a positive multiple of 256, got {in_features}"]
+    return []
+
+
+def kquant_product(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    ggml_type: int,
+    out_features: int,
+    in_features: int,
+    isa: int | None = None,
+    halves: int = 1,
+) -> torch.Tensor:
+    """x [rows, in] float32 quantized to Q8_K (`quantize_q8k`) times a Q4_K / Q5_K / Q6_K weight
+    (uint8 [out, row bytes], contiguous) by integer dot products: [rows, out] float32, the same bits
+    at every `isa` (IDOT_*; default KQUANT_ISA) and whatever rows share the call. halves 2: x and
+    its residual x - d qs each quantized to Q8_K, their products added (about 15 bits of x)."""
+    native = _module()
+    _check("kquant_product", _kquant_rows_problems(x, in_features))
+    block_bytes = {12: 144, 13: 176, 14: 210}.get(int(ggml_type))
+    if block_bytes is None:
+        raise ValueError(f"kquant_product: ggml_type must be Q4_K (12), Q5_K (13) or Q6_K (14), got {ggml_type}")
+    expected = (out_features, in_features // 256 * block_bytes)
+    if blocks.dtype != torch.uint8 or tuple(blocks.shape) != expected or not blocks.is_contiguous():
+        raise ValueError(f"kquant_product: blocks must be contiguous uint8 {expected}, got {blocks.dtype} {tuple(blocks.shape)}")
+    if halves not in (1, 2):
+        raise ValueError(f"kquant_product: halves must be 1 or 2, got {halves!r}")
+    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    if x.shape[0]:
+        native.kquant_product(
+            x.data_ptr(), x.shape[0], in_features, blocks.data_ptr(), int(ggml_type), y.data_ptr(), out_features,
+            torch.get_num_threads(), KQUANT_ISA if isa is None else isa, halves,
+        )
+    return y
+
+
+def quantize_q8k(x: torch.Tensor, isa: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [rows, in] float32 as the Q8_K blocks the integer products read: d [rows, in / 256]
+    float32, qs [rows, in] int8 (x ~ d qs) and bsums [rows, in / 16] int16 (sums of 16 qs)."""
+    native = _module()
+    _check("quantize_q8k", _kquant_rows_problems(x, x.shape[-1] if x.dim() == 2 else 0))
+    rows, in_features = x.shape
+    d = torch.empty(rows, in_features // 256, dtype=torch.float32)
+    qs = torch.empty(rows, in_features, dtype=torch.int8)
+    bsums = torch.empty(rows, in_features // 16, dtype=torch.int16)
+    native.quantize_q8k(
+        x.data_ptr(), rows, in_features, d.data_ptr(), qs.data_ptr(), bsums.data_ptr(), KQUANT_ISA if isa is None else isa
+    )
+    return d, qs, bsums
+
+
 def quantized_first_nonfinite_scale(blocks: torch.Tensor, ggml_type: int, type_size: int) -> int:
     """The first block (in storage order) of contiguous ggml blocks whose float16 scale is NaN or
     infinite, or -1: one pass over the bytes (a package's weights are checked at load)."""
