@@ -5,6 +5,9 @@ summed, weighted by the router, plus a shared expert every token runs where the 
     out(x) = sum over the k experts e of x, in ascending e:  w_e(x) * down_e(act(gate_e(x)) * up_e(x))
              + [sigmoid(shared_gate . x)] * shared(x)
 
+gpt-oss's experts add a bias to gate/up and to down, and their act(gate) * up is the clamped
+SwiGLU (`mlp.clamped_swiglu`, `ModelConfig.hidden_activation` clamped_swiglu).
+
 The route is float32 (`routing.py`), from router logits summed in float64 and rounded once
 (`router_logits`): float32 GEMMs (MKL) sum a row's products in an order that depends on how many
 rows they multiply at once, which could flip a near-tie route between batches. The rows of a round are grouped by expert, so each expert's
@@ -27,9 +30,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flare.engine.layers.mlp import gated_mlp
+from flare.engine.layers.mlp import clamped_swiglu, gated_activation, gated_mlp
 from flare.engine.layers.routing import Routes, route
-from flare.engine.linear import Weight, pack_weight, stack_weights
+from flare.engine.linear import Weight, linear, linear_columns, pack_weight, stack_weights
 from flare.engine.precision import WeightFormat
 from flare.engine.quantized import QuantizedWeight
 from flare.package.manifest import ModelConfig
@@ -50,6 +53,8 @@ class MoEWeights:
     shared_gate_up: Weight | None = None
     shared_down: Weight | None = None
     shared_gate: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None  # float32 [E, 2 I] (gpt-oss)
+    down_bias: torch.Tensor | None = None  # float32 [E, hidden] (gpt-oss)
 
 
 def expert_weights(stacked: torch.Tensor | QuantizedWeight, experts: int, weight_format: WeightFormat) -> tuple[Weight, ...]:
@@ -97,6 +102,8 @@ def load_moe_weights(
         shared_gate_up=shared("gate_up"),
         shared_down=shared("down"),
         shared_gate=vector("shared_expert_gate.weight"),
+        gate_up_bias=vector("experts.gate_up_proj.bias"),
+        down_bias=vector("experts.down_proj.bias"),
     )
 
 
@@ -117,6 +124,24 @@ def moe_routes(x: torch.Tensor, weights: MoEWeights, config: ModelConfig) -> Rou
     return route(router_logits(x, weights.router, weights.router_bias), config, weights.correction_bias)
 
 
+def _expert(rows: torch.Tensor, weights: MoEWeights, expert: int, config: ModelConfig, *, kernels: bool) -> torch.Tensor:
+    """Expert `expert`'s gated MLP of `rows` [T, hidden]: `mlp.gated_mlp`, or with gpt-oss's
+    biases and clamped SwiGLU where the model has them."""
+    gate_up, down = weights.gate_up[expert], weights.down[expert]
+    if weights.gate_up_bias is None and config.hidden_activation != "clamped_swiglu":
+        return gated_mlp(rows, gate_up, down, config.hidden_activation, kernels=kernels)
+    columns = linear_columns(rows, gate_up)
+    if weights.gate_up_bias is not None:
+        columns = columns + weights.gate_up_bias[expert].to(columns.dtype).unsqueeze(1)
+    if config.hidden_activation == "clamped_swiglu":
+        assert config.swiglu_limit is not None
+        activated = clamped_swiglu(columns.contiguous(), limit=config.swiglu_limit, kernels=kernels)
+    else:
+        activated = gated_activation(columns, config.hidden_activation, kernels=kernels)
+    out = linear(activated, down)
+    return out if weights.down_bias is None else out + weights.down_bias[expert].to(out.dtype)
+
+
 def moe_mlp(x: torch.Tensor, weights: MoEWeights, config: ModelConfig, *, kernels: bool) -> torch.Tensor:
     """The MoE MLP of rows x [T, hidden]: [T, hidden] in x's dtype (module docstring)."""
     routes = moe_routes(x, weights, config)
@@ -133,9 +158,7 @@ def moe_mlp(x: torch.Tensor, weights: MoEWeights, config: ModelConfig, *, kernel
         taken = order[start : start + count]
         start += count
         rows = x.index_select(0, taken // k)
-        slots[taken] = gated_mlp(
-            rows, weights.gate_up[expert], weights.down[expert], config.hidden_activation, kernels=kernels
-        ).to(x.dtype)
+        slots[taken] = _expert(rows, weights, expert, config, kernels=kernels).to(x.dtype)
     weighted = slots.view(tokens, k, -1) * routes.weights.to(x.dtype).unsqueeze(-1)
     out = weighted[:, 0].clone()
     for slot in range(1, k):  # the fixed order: the row's experts ascending
