@@ -41,6 +41,7 @@ set_wait_policy(os.environ)
 import argparse
 import contextlib
 import json
+import shlex
 import shutil
 import socket
 import statistics
@@ -229,6 +230,7 @@ def main() -> int:
     parser.add_argument("--skip-speculation", action="store_true", help="leave out the flare side with speculation")
     parser.add_argument("--versus-drafter", choices=("ngram", "mtp", "auto"),
                         help="also serve flare's package with this --drafter (e.g. ngram beside a package whose head drafts)")
+    parser.add_argument("--flare-args", default="", help="more `flare run` flags for every flare daemon, one string (e.g. '--activations int8x2')")
     parser.add_argument("--skip-llama-cpp", action="store_true")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--out-dir", type=Path, default=Path("compare-results"))
@@ -259,7 +261,7 @@ def main() -> int:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     def flare_command(served: Path) -> list[str]:
         return [sys.executable, "-m", "flare.cli.main", "run", str(served), "--log-level", "warning",
-                "--max-concurrency", str(max(concurrencies)), "--kv-cache-memory", args.kv_cache_memory]
+                "--max-concurrency", str(max(concurrencies)), "--kv-cache-memory", args.kv_cache_memory, *shlex.split(args.flare_args)]
 
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     with contextlib.ExitStack() as stack:

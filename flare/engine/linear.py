@@ -109,11 +109,11 @@ def _packed_rows(x: torch.Tensor, weight: Weight) -> torch.Tensor | None:
         return quantized.quantized_linear(x.float().contiguous(), weight)
     if isinstance(weight, tuple):
         # The parts with integer kernels share one quantization of x (q, k and v of a layer).
-        halves = {part.halves for part in weight if isinstance(part, QuantizedWeight)} - {0}
-        shared = {h: quantized.quantize_activations(x.float(), h) for h in halves}
+        keys = {quantized.activation_blocks(part) for part in weight if isinstance(part, QuantizedWeight) and part.halves}
+        shared = {key: quantized.quantize_activations(x.float(), key) for key in keys}
         return torch.cat(
             [
-                quantized.quantized_linear(x.float().contiguous(), part, activations=shared.get(part.halves))
+                quantized.quantized_linear(x.float().contiguous(), part, activations=shared.get(quantized.activation_blocks(part)))
                 if isinstance(part, QuantizedWeight)
                 else linear(x, part).float()
                 for part in weight

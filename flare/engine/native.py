@@ -19,6 +19,7 @@ built (no C compiler at install time) and that the tests hold it equal to:
   flare/engine/quantized.py;
 - `quantize_q8` and `integer_linear`: activation rows as 8-bit blocks, and the 32-value block
   types multiplied by them with integer dot products (`flare run --activations int8x2|int8`);
+  `quantize_q8k_rows` and `integer_kquant_linear` the same for the K types (Q4_K, Q5_K, Q6_K);
 - `float16_linear`: a linear layer of float16 weights (packed once, `Float16Weight`) on float32
   rows, at the memory's speed for the one to few rows of a decode round, where fbgemm's float16
   GEMM (its torch counterpart) is slower;
@@ -440,6 +441,55 @@ def _kquant_rows_problems(x: torch.Tensor, in_features: int) -> list[str]:
     return []
 
 
+# The bytes of one Q8_K activation block of 256 values (integer_dot.h, Q8KBlock: d, 256 qs, 16 bsums).
+Q8K_BLOCK_BYTES = 4 + 256 + 32
+
+
+def quantize_q8k_rows(x: torch.Tensor, halves: int = 1, isa: int | None = None) -> torch.Tensor:
+    """Rows of x [T, in] (float32, rows contiguous, in a multiple of 256) as the Q8_K blocks every
+    K-quant product of that input reads: uint8 [T, halves * in / 256 * Q8K_BLOCK_BYTES]; with
+    halves 2, each row's blocks followed by those of its residual x - d qs (integer_kquants.c,
+    quantize_row_q8k_halves; the same bits at every `isa`)."""
+    native = _module()
+    tokens, in_features = x.shape
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1 or in_features < 256 or in_features % 256:
+        raise ValueError(f"quantize_q8k_rows: x must be CPU float32 [tokens, a multiple of 256], rows contiguous, got {x.dtype} {tuple(x.shape)}")
+    if halves not in (1, 2):
+        raise ValueError(f"quantize_q8k_rows: halves must be 1 or 2, got {halves!r}")
+    out = torch.empty(tokens, halves * (in_features // 256) * Q8K_BLOCK_BYTES, dtype=torch.uint8)
+    if tokens:
+        native.quantize_q8k_rows(
+            x.data_ptr(), max(x.stride(0), in_features), tokens, in_features, out.data_ptr(), halves, torch.get_num_threads(),
+            KQUANT_ISA if isa is None else isa,
+        )
+    return out
+
+
+def integer_kquant_linear(xq: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out_features: int, in_features: int, isa: int) -> torch.Tensor:
+    """Rows quantized by `quantize_q8k_rows` (uint8 [T, halves * in / 256 * Q8K_BLOCK_BYTES]) times a
+    Q4_K / Q5_K / Q6_K weight (uint8 [out, row bytes], contiguous) by integer dot products: [T, out]
+    float32, the same bits at every `isa` (IDOT_*) and whatever rows share the call."""
+    width = in_features // 256 * Q8K_BLOCK_BYTES
+    if xq.dtype != torch.uint8 or xq.dim() != 2 or not xq.is_contiguous() or xq.shape[1] not in (width, 2 * width):
+        raise ValueError(
+            f"integer_kquant_linear: xq must be contiguous CPU uint8 [tokens, {width} or {2 * width}] (quantize_q8k_rows of x), "
+            f"got {xq.dtype} {tuple(xq.shape)}"
+        )
+    block_bytes = {12: 144, 13: 176, 14: 210}.get(int(ggml_type))
+    if block_bytes is None:
+        raise ValueError(f"integer_kquant_linear: ggml_type must be Q4_K (12), Q5_K (13) or Q6_K (14), got {ggml_type}")
+    expected = (out_features, in_features // 256 * block_bytes)
+    if blocks.dtype != torch.uint8 or tuple(blocks.shape) != expected or not blocks.is_contiguous():
+        raise ValueError(f"integer_kquant_linear: blocks must be contiguous uint8 {expected}, got {blocks.dtype} {tuple(blocks.shape)}")
+    y = torch.empty(xq.shape[0], out_features, dtype=torch.float32)
+    if xq.shape[0]:
+        _module().integer_kquant_linear(
+            xq.data_ptr(), xq.shape[1] // width, blocks.data_ptr(), int(ggml_type), y.data_ptr(), xq.shape[0], in_features,
+            out_features, torch.get_num_threads(), isa,
+        )
+    return y
+
+
 def kquant_product(
     x: torch.Tensor,
     blocks: torch.Tensor,
@@ -449,27 +499,13 @@ def kquant_product(
     isa: int | None = None,
     halves: int = 1,
 ) -> torch.Tensor:
-    """x [rows, in] float32 quantized to Q8_K (`quantize_q8k`) times a Q4_K / Q5_K / Q6_K weight
-    (uint8 [out, row bytes], contiguous) by integer dot products: [rows, out] float32, the same bits
+    """x [rows, in] float32 quantized to Q8_K times a Q4_K / Q5_K / Q6_K weight by integer dot
+    products (`quantize_q8k_rows`, then `integer_kquant_linear`): [rows, out] float32, the same bits
     at every `isa` (IDOT_*; default KQUANT_ISA) and whatever rows share the call. halves 2: x and
     its residual x - d qs each quantized to Q8_K, their products added (about 15 bits of x)."""
-    native = _module()
     _check("kquant_product", _kquant_rows_problems(x, in_features))
-    block_bytes = {12: 144, 13: 176, 14: 210}.get(int(ggml_type))
-    if block_bytes is None:
-        raise ValueError(f"kquant_product: ggml_type must be Q4_K (12), Q5_K (13) or Q6_K (14), got {ggml_type}")
-    expected = (out_features, in_features // 256 * block_bytes)
-    if blocks.dtype != torch.uint8 or tuple(blocks.shape) != expected or not blocks.is_contiguous():
-        raise ValueError(f"kquant_product: blocks must be contiguous uint8 {expected}, got {blocks.dtype} {tuple(blocks.shape)}")
-    if halves not in (1, 2):
-        raise ValueError(f"kquant_product: halves must be 1 or 2, got {halves!r}")
-    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    if x.shape[0]:
-        native.kquant_product(
-            x.data_ptr(), x.shape[0], in_features, blocks.data_ptr(), int(ggml_type), y.data_ptr(), out_features,
-            torch.get_num_threads(), KQUANT_ISA if isa is None else isa, halves,
-        )
-    return y
+    level = KQUANT_ISA if isa is None else isa
+    return integer_kquant_linear(quantize_q8k_rows(x, halves, level), blocks, ggml_type, out_features, in_features, level)
 
 
 def quantize_q8k(x: torch.Tensor, isa: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -49,7 +49,7 @@ class LinearPart:
     float16 (`Float16Weight.blocks`, type PACKED_FLOAT16) or ggml blocks (uint8 [out, row bytes],
     contiguous, of a type in QUANTIZED_TYPE_IDS; flare/engine/quantized.py has checked the bytes
     against the type and shape). `halves`: a block part multiplied with integer dot products by that
-many 8-bit activation blocks per 32 inputs (QuantizedWeight.halves), 0 by float32 activations."""
+many 8-bit activation blocks per 32 (K types: 256) inputs (QuantizedWeight.halves), 0 by float32 activations."""
 
     type: int
     data: torch.Tensor

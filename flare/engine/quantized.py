@@ -7,9 +7,10 @@ float32 values, and `quantized_linear` multiplies float32 activations by them, s
 float32, so a quantized package scores text as its own float32 dequantization does up to the
 order of summation.
 
-A weight may instead take 8-bit activations with integer dot products (integer_linear.c): each
-activation row quantized in blocks of 32 (`quantize_activations`, once per layer input, shared by
-the products that read it), as one 8-bit block (`int8`, llama.cpp's Q8_0: it moves the default
+A weight may instead take 8-bit activations with integer dot products (integer_linear.c; for
+the K types integer_kquants.c): each activation row quantized in blocks of 32 (Q8_0-like; 256 for
+the K types, Q8_K) (`quantize_activations`, once per layer input, shared by the products that read
+it), as one 8-bit block (`int8`, llama.cpp's Q8_0: it moves the default
 model's logprobs by 0.06, too far) or two (`int8x2`: the value and its residual, about 15 bits,
 3e-4). Neither is yet faster than the float32 path at a decode round's few rows on this project's
 CPUs, so `flare run` keeps float32 by default (`--activations`; docs/benchmarks.md has the figures).
@@ -34,9 +35,10 @@ from flare.package.manifest import ACTIVATIONS, INTEGER_ACTIVATION_TYPES
 DEFAULT_ACTIVATIONS = "float32"
 # 8-bit blocks per 32 activations of each integer precision.
 HALVES = {"int8": 1, "int8x2": 2}
-# The types with integer kernels (integer_linear.c). The K types (Q4_K, Q5_K, Q6_K) join them
-# when integer_kquants.c is wired in (integer_dot.h, IDOT_KQUANTS); until then they keep float32 activations.
+# The types with integer kernels: the 32-value ones (integer_linear.c) and the K types (integer_kquants.c).
 INTEGER_TYPES = frozenset(gguf.GGMLQuantizationType[name] for name in INTEGER_ACTIVATION_TYPES)
+# The K types: their integer products read 256-value Q8_K activation blocks.
+K_TYPES = frozenset(gguf.GGMLQuantizationType[name] for name in ("Q4_K", "Q5_K", "Q6_K"))
 
 
 def supported_types() -> frozenset[gguf.GGMLQuantizationType]:
@@ -172,10 +174,19 @@ def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor, *, isa: int | N
     return values.view(*rows.shape, weight.in_features)
 
 
-def quantize_activations(x: torch.Tensor, halves: int) -> torch.Tensor:
-    """Rows of x [M, in] (float32) as `halves` 8-bit activation blocks per 32 (`native.quantize_q8`):
-    what every integer product of this input reads, so a layer quantizes its input once."""
-    return native.quantize_q8(x if x.stride(1) == 1 else x.contiguous(), halves)
+def activation_blocks(weight: QuantizedWeight) -> tuple[int, bool]:
+    """What a weight's integer products read of their input: (halves, whether Q8_K blocks of 256
+    rather than blocks of 32); products with the same key share one `quantize_activations`."""
+    return weight.halves, weight.ggml_type in K_TYPES
+
+
+def quantize_activations(x: torch.Tensor, blocks: tuple[int, bool]) -> torch.Tensor:
+    """Rows of x [M, in] (float32) as the 8-bit activation blocks of `blocks` (`activation_blocks`):
+    halves blocks per 32 (`native.quantize_q8`) or per 256 (`native.quantize_q8k_rows`), what
+    every integer product of this input reads, so a layer quantizes its input once."""
+    halves, k_blocks = blocks
+    x = x if x.stride(1) == 1 else x.contiguous()
+    return native.quantize_q8k_rows(x, halves, INTEGER_ISA) if k_blocks else native.quantize_q8(x, halves)
 
 
 def quantized_linear(
@@ -188,8 +199,9 @@ def quantized_linear(
     rows. Without them, float32 matmul over `dequantize` (the same values, torch's order).
 
     A weight with `halves` multiplies x's 8-bit blocks instead (integer_linear.c, at INTEGER_ISA
-    unless `isa` names an IDOT_* level): `activations`, `quantize_activations(x, halves)` when
-    the caller shares them between products, else quantized here."""
+    unless `isa` names an IDOT_* level; integer_kquants.c for the K types): `activations`,
+    `quantize_activations(x, activation_blocks(weight))` when the caller shares them between
+    products, else quantized here."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != weight.in_features:
         raise ValueError(
             f"quantized_linear: x must be a CPU float32 [rows, {weight.in_features}], "
@@ -198,10 +210,9 @@ def quantized_linear(
     if not native.available():
         return x @ dequantize(weight).T
     if weight.halves:
-        xq = quantize_activations(x, weight.halves) if activations is None else activations
-        return native.integer_linear(
-            xq, weight.data, weight.ggml_type, weight.out_features, weight.in_features, INTEGER_ISA if isa is None else isa
-        )
+        xq = quantize_activations(x, activation_blocks(weight)) if activations is None else activations
+        product = native.integer_kquant_linear if weight.ggml_type in K_TYPES else native.integer_linear
+        return product(xq, weight.data, weight.ggml_type, weight.out_features, weight.in_features, INTEGER_ISA if isa is None else isa)
     if x.stride(1) != 1:
         x = x.contiguous()
     return native.quantized_linear(

@@ -54,8 +54,9 @@ KV_CACHE_DTYPES = DTYPES
 # activation blocks with integer dot products, two per 32 activations (int8x2: a value and its
 # residual, ~15 bits) or one (int8) (flare/engine/quantized.py, docs/benchmarks.md).
 ACTIVATIONS = ("float32", "int8x2", "int8")
-# The block types with integer kernels (flare/engine/csrc/integer_linear.c): what int8 reaches.
-INTEGER_ACTIVATION_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+# The block types with integer kernels (flare/engine/csrc/integer_linear.c for the 32-value ones,
+# integer_kquants.c for the K types): what int8 reaches.
+INTEGER_ACTIVATION_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # auto: the package's draft head, with n-gram lookup beside it for rows whose text repeats
 # (scheduler/speculation/draft_planner.py, `DraftPlanner`); n-gram lookup alone in a package
 # without a head. What a package exported with a head serves by default.

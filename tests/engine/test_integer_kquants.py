@@ -169,14 +169,15 @@ torch.save({{'isa': native.KQUANT_ISA, 'outputs': forced_cases()}}, {path!r})
 
 
 def forced_cases() -> list[torch.Tensor]:
-    """Each type's product at 1, 3, 8 and 33 rows at the process's default level, and the
-    activations' quantization."""
+    """Each type's product at 1, 3, 8 and 33 rows at the process's default level, with one and two
+    halves, and the activations' quantization."""
     outputs = []
     for ggml_type in K_TYPES:
         blocks = k_blocks(ggml_type, 21, 512, seed=int(ggml_type))
         for rows in (1, 3, 8, 33):
             x = activations(rows, 512, seed=rows)
             outputs.append(native.kquant_product(x, blocks, ggml_type, 21, 512))
+            outputs.append(native.kquant_product(x, blocks, ggml_type, 21, 512, halves=2))
             outputs.extend(native.quantize_q8k(x))
     return outputs
 

@@ -1,4 +1,5 @@
-"""Integer dot products of 32-value ggml blocks with 8-bit activation blocks (integer_linear.c):
+"""Integer dot products of 32-value ggml blocks with 8-bit activation blocks (integer_linear.c), and
+a K-type weight's through Q8_K blocks (integer_kquants.c):
 the float64 product of the values they stand for, the bits of a scalar reference of the same
 arithmetic, the same bits at every level, on their own and in a forced-dispatch subprocess, and
 a row's result whatever its batch-mates."""
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 
 from tests import REPOSITORY
 from flare.engine import native, quantized
+from flare.engine.linear import linear
 from flare.engine.quantized import QuantizedWeight, quantized_linear
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the engine's C kernels were not built")
@@ -209,8 +211,33 @@ def test_a_weight_multiplies_the_activation_blocks_it_asks_for_and_float32_keeps
     assert weight.activations == "float32" and weight.halves == 0
     assert torch.equal(quantized_linear(x, weight), native.quantized_linear(x, weight.data, weight.ggml_type, 24, 128, native.QUANTIZED_ISA))
     assert torch.equal(integer.rows(4, 10).data, weight.data[4:10]) and integer.rows(4, 10).activations == activations
-    k_weight = QuantizedWeight.from_blocks(T.Q4_K, torch.zeros(2, 144, dtype=torch.uint8), 2, 256, activations)
-    assert k_weight.halves == 0  # the K types keep float32 activations until integer_kquants.c lands
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q5_K, T.Q6_K])
+@pytest.mark.parametrize("activations", ["int8", "int8x2"])
+def test_a_k_weight_multiplies_q8k_blocks_with_the_integer_kernels_bits_alone_in_a_batch_and_beside_other_parts(
+    ggml_type: T, activations: str
+) -> None:
+    from tests.engine.test_integer_kquants import k_blocks
+
+    halves = quantized.HALVES[activations]
+    blocks = k_blocks(ggml_type, 19, 512, seed=3)
+    weight = QuantizedWeight.from_blocks(ggml_type, blocks, 19, 512, activations)
+    assert weight.halves == halves
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(8))
+    got = quantized_linear(x, weight)
+    # test_integer_kquants proves kquant_product against a numpy statement of the arithmetic.
+    assert torch.equal(got, native.kquant_product(x, blocks, ggml_type, 19, 512, halves=halves))
+    for level in LEVELS:
+        assert torch.equal(quantized_linear(x, weight, isa=level), got)
+    for row in range(6):
+        assert torch.equal(quantized_linear(x[row : row + 1].clone(), weight), got[row : row + 1])
+    # Beside a 32-value part and a float32 one (q, k, v of three types): each its own product, the
+    # K part's input quantized once into Q8_K blocks.
+    other = weight_of(T.Q8_0, 5, 512).with_activations(activations)
+    exact = weight_of(T.Q4_1, 3, 512)
+    together = linear(x, (weight, other, exact))
+    assert torch.equal(together, torch.cat([got, quantized_linear(x, other), quantized_linear(x, exact)], dim=1))
 
 
 def test_an_unknown_activation_precision_or_bad_blocks_are_refused() -> None:

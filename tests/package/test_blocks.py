@@ -177,19 +177,23 @@ def every_kept_type_package(tmp_path_factory: pytest.TempPathFactory, wide_confi
     return root / "blocks"
 
 
+@pytest.mark.parametrize("activations", ["float32", "int8x2", "int8"])
 def test_a_blocks_package_runs_each_layer_in_one_kernel_call_with_the_bits_of_the_steps(
-    every_kept_type_package: Path, monkeypatch: pytest.MonkeyPatch
+    every_kept_type_package: Path, monkeypatch: pytest.MonkeyPatch, activations: str
 ) -> None:
     # native_layers.decoder_layer multiplies each part of a layer's linear layers (three types side by
     # side in layer 0's q/k/v, one Q6_K matrix in layer 1's) with the kernels the step by step path
     # calls, in the same order: logits, greedy tokens and the KV cache are the same bits, a row's
     # bits do not depend on its batch-mates, and a row too long for the attention kernel runs the
-    # steps.
-    fused = load_model(open_package(every_kept_type_package))
+    # steps. Under int8x2 and int8 every part takes integer products (the K types Q8_K activation
+    # blocks, quantized once per layer input in both paths).
+    fused = load_model(open_package(every_kept_type_package), activations=activations)
     if not native.available():
         pytest.skip("the engine's C kernels were not built")
     assert fused.kernel_layers is not None
     assert [len(layer.qkv) for layer in fused.kernel_layers] == [3, 1]
+    halves = {"float32": 0, "int8x2": 2, "int8": 1}[activations]
+    assert {part.halves for layer in fused.kernel_layers for part in (*layer.qkv, *layer.gate_up)} == {halves}
     steps = copy.copy(fused)
     steps.kernel_layers = None
     layer_calls = []

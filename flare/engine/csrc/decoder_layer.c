@@ -32,10 +32,8 @@ static int layer_linear(const DecoderLayerRound *l, const LayerLinear *w, const 
                         int64_t in, int64_t out, int threads) {
     int64_t first = 0;
     Q8Block *xq = NULL;
-#if IDOT_KQUANTS
-    Q8KBlock *xk = NULL;  /* x as Q8K rows, for the K parts: quantized once too */
-#endif
-    int quantized_halves = 0, status = 0;
+    Q8KBlock *xk = NULL; /* x as Q8K rows, for the K parts: quantized once too */
+    int quantized_halves = 0, k_halves = 0, status = 0;
     for (int p = 0; p < LAYER_LINEAR_PARTS && w->parts[p].out && !status; p++) {
         const LinearPart *part = &w->parts[p];
         const int type = (int)(part->type % LINEAR_INTEGER_ACTIVATIONS), halves = (int)(part->type / LINEAR_INTEGER_ACTIVATIONS);
@@ -55,18 +53,20 @@ static int layer_linear(const DecoderLayerRound *l, const LayerLinear *w, const 
             const IntegerLinear q = {.x = xq, .x_stride = halves * (in / 32), .halves = halves, .blocks = part->data, .type = type,
                                      .y = y + first, .tokens = l->tokens, .in = in, .out = part->out, .y_stride = out};
             status = integer_linear(&q, threads, l->integer_isa);
-#if IDOT_KQUANTS
-        } else if (halves && (type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K) && in % 256 == 0) {
-            if (!xk) {
-                xk = malloc(sizeof(Q8KBlock) * (size_t)(l->tokens * (in / 256)));
+        } else if ((halves == 1 || halves == 2) && (type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K) && in % 256 == 0) {
+            if (halves != k_halves) {
+                free(xk);
+                xk = malloc(sizeof(Q8KBlock) * (size_t)(l->tokens * halves * (in / 256)));
                 if (!xk) {
                     free(xq);
                     return -1;
                 }
-                for (int64_t t = 0; t < l->tokens; t++) quantize_row_q8k(x + t * x_stride, in, xk + t * (in / 256));
+#pragma omp parallel for num_threads(l->tokens * in < 65536 ? 1 : threads)
+                for (int64_t t = 0; t < l->tokens; t++)
+                    quantize_row_q8k_halves(l->integer_isa, x + t * x_stride, in, halves, xk + t * halves * (in / 256));
+                k_halves = halves;
             }
-            integer_kquant_linear(type, part->data, xk, y + first, l->tokens, in, part->out, out, threads, l->integer_isa);
-#endif
+            integer_kquant_linear(type, halves, part->data, xk, y + first, l->tokens, in, part->out, out, threads, l->integer_isa);
         } else {
             const QuantizedLinear q = {.x = x, .x_stride = x_stride, .blocks = part->data, .type = type, .y = y + first,
                                        .tokens = l->tokens, .in = in, .out = part->out, .y_stride = out};
@@ -75,9 +75,7 @@ static int layer_linear(const DecoderLayerRound *l, const LayerLinear *w, const 
         first += part->out;
     }
     free(xq);
-#if IDOT_KQUANTS
     free(xk);
-#endif
     return status ? -1 : 0;
 }
 

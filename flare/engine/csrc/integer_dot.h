@@ -84,19 +84,16 @@ typedef struct {
 /* 0; -1 for a type integer_linear_type refuses. At level integer_dot_isa(isa). */
 int integer_linear(const IntegerLinear *l, int threads, int isa);
 
-/* Whether the K types (Q4_K, Q5_K, Q6_K) take the integer path too (quantize_row_q8k and
- * kquant_dot_rows, integer_kquants.c): the one switch for them in C, off until that file is
- * built (flare/engine/quantized.py's INTEGER_TYPES is the Python side's). With it on,
- * integer_kquant_linear multiplies a K weight by rows quantized once into Q8KBlocks. */
-#ifndef IDOT_KQUANTS
-#define IDOT_KQUANTS 0
-#endif
+/* x [n] (n a multiple of 256) as halves * n / 256 Q8KBlocks at level integer_dot_isa(isa): halves 1,
+ * quantize_row_q8k; halves 2, those n / 256 blocks followed by n / 256 more of the residual
+ * x - d qs (the two 8-bit halves of a ~15-bit value; the residual in plain float32 operations, so the
+ * same bits at every level). */
+void quantize_row_q8k_halves(int isa, const float *x, int64_t n, int halves, Q8KBlock *out);
 
-#if IDOT_KQUANTS
-/* y [tokens, out] (rows y_stride apart) = x's Q8K rows (in / 256 blocks each, rows contiguous)
- * times a K weight of `type` [out, in]: kquant_dot_rows for each output, 4 rows at a time. */
-void integer_kquant_linear(int type, const uint8_t *blocks, const Q8KBlock *x, float *y, int64_t tokens, int64_t in, int64_t out,
-                           int64_t y_stride, int threads, int isa);
-#endif
+/* y [tokens, out] (rows y_stride apart) = x's rows (quantize_row_q8k_halves of each: halves * in / 256
+ * blocks, rows contiguous) times a K weight of `type` [out, in]: kquant_dot_rows for each output,
+ * 4 Q8K rows at a time; with halves 2 a row's two products added, y = y_x + y_residual. */
+void integer_kquant_linear(int type, int halves, const uint8_t *blocks, const Q8KBlock *x, float *y, int64_t tokens, int64_t in,
+                           int64_t out, int64_t y_stride, int threads, int isa);
 
 #endif

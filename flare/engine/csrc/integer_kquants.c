@@ -190,6 +190,18 @@ void quantize_row_q8k(const float *x, int64_t n, Q8KBlock *out) { quantize_row_q
 
 void quantize_row_q8k_isa(int isa, const float *x, int64_t n, Q8KBlock *out) { quantize_row_q8k_at(integer_dot_isa(isa), x, n, out); }
 
+void quantize_row_q8k_halves(int isa, const float *x, int64_t n, int halves, Q8KBlock *out) {
+    const int vector = integer_dot_isa(isa);
+    quantize_row_q8k_at(vector, x, n, out);
+    if (halves != 2) return;
+    float residual[256];
+    for (int64_t i = 0; i < n / 256; i++) {
+        const Q8KBlock *b = out + i;
+        for (int l = 0; l < 256; l++) residual[l] = x[256 * i + l] - rounded(b->d * (float)b->qs[l]);
+        quantize_row_q8k_at(vector, residual, 256, out + n / 256 + i);
+    }
+}
+
 /* ---- the portable level ---------------------------------------------------------------------- */
 
 /* One super-block's quants (unsigned, in value order) into q. */

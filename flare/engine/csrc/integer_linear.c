@@ -346,19 +346,25 @@ static void group(int level, int type, int halves, const uint8_t *const w[WIDE],
     }
 }
 
-#if IDOT_KQUANTS
-void integer_kquant_linear(int type, const uint8_t *blocks, const Q8KBlock *x, float *y, int64_t tokens, int64_t in, int64_t out,
-                           int64_t y_stride, int threads, int isa) {
-    const int64_t kblocks = in / 256;
+void integer_kquant_linear(int type, int halves, const uint8_t *blocks, const Q8KBlock *x, float *y, int64_t tokens, int64_t in,
+                           int64_t out, int64_t y_stride, int threads, int isa) {
+    const int64_t kblocks = in / 256, qrows = tokens * halves;
     const int64_t row_bytes = kblocks * (type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210);
     const int level = integer_dot_isa(isa);
-#pragma omp parallel for num_threads(tokens * in * out < 65536 ? 1 : threads)
+#pragma omp parallel for num_threads(tokens * in * out < 65536 ? 1 : threads) schedule(static)
     for (int64_t o = 0; o < out; o++)
-        for (int64_t t = 0; t < tokens; t += 4)
-            kquant_dot_rows(level, type, blocks + o * row_bytes, kblocks, x + t * kblocks, kblocks,
-                            (int)(tokens - t < 4 ? tokens - t : 4), y + t * y_stride + o, y_stride);
+        for (int64_t t = 0; t < qrows; t += 4) {
+            const int n = (int)(qrows - t < 4 ? qrows - t : 4);
+            const uint8_t *w = blocks + o * row_bytes;
+            if (halves == 1) {
+                kquant_dot_rows(level, type, w, kblocks, x + t * kblocks, kblocks, n, y + t * y_stride + o, y_stride);
+            } else {
+                float tile[4];
+                kquant_dot_rows(level, type, w, kblocks, x + t * kblocks, kblocks, n, tile, 1);
+                for (int k = 0; k < n; k += 2) y[(t + k) / 2 * y_stride + o] = tile[k] + tile[k + 1];
+            }
+        }
 }
-#endif
 
 int integer_linear(const IntegerLinear *l, int threads, int isa) {
     if (!integer_linear_type(l->type) || l->halves < 1 || l->halves > 2) return -1;

@@ -483,60 +483,40 @@ static PyObject *py_decoder_layers(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* ---- integer K-quant products (integer_kquants.c), for tests and benchmarks ---------------------- */
+/* ---- integer K-quant products (integer_kquants.c) ------------------------------------------------ */
 
 static int is_k_type(int type) { return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K; }
 
-/* x [rows, in] quantized to Q8_K, then y [rows, out] = the integer products with every weight row,
- * outputs split among the threads, rows in tiles of 4. With halves 2 each row is two Q8_K rows, x
- * and its residual x - d qs (the two 8-bit halves of a ~15-bit value; computed here in plain
- * float32 operations, so the same bits at every level), multiplied in one tile and added:
- * y = y_x + y_residual. */
-static PyObject *py_kquant_product(PyObject *self, PyObject *args) {
+/* x [tokens, in] (rows x_stride apart) as quantize_row_q8k_halves's blocks into out (halves * in / 256
+ * Q8KBlocks a row, rows contiguous): what every K product of that input reads. */
+static PyObject *py_quantize_q8k_rows(PyObject *self, PyObject *args) {
     (void)self;
-    Py_ssize_t x, rows, in, blocks, y, out, threads;
-    int type, isa, halves;
-    if (!PyArg_ParseTuple(args, "nnnninnnii", &x, &rows, &in, &blocks, &type, &y, &out, &threads, &isa, &halves)) return NULL;
-    if (!is_k_type(type)) return invalid("kquant_product", "the type must be Q4_K, Q5_K or Q6_K");
-    if (rows < 1 || out < 1 || threads < 1 || in < 256 || in % 256) return invalid("kquant_product", "sizes must be positive and `in` whole 256-value blocks");
-    if (halves != 1 && halves != 2) return invalid("kquant_product", "halves must be 1 or 2");
-    int64_t block_size, type_size;
-    quantized_block_shape(type, &block_size, &type_size);
-    const int64_t nb = in / 256, row_bytes = nb * type_size, qrows = rows * halves;
-    Q8KBlock *q = malloc(sizeof(Q8KBlock) * (size_t)(qrows * nb));
-    float *residual = malloc(sizeof(float) * (size_t)in);
-    if (!q || !residual) {
-        free(q);
-        free(residual);
-        return PyErr_NoMemory();
-    }
-    const int vector = integer_dot_isa(isa);
+    Py_ssize_t x, x_stride, tokens, in, out, threads;
+    int halves, isa;
+    if (!PyArg_ParseTuple(args, "nnnnnini", &x, &x_stride, &tokens, &in, &out, &halves, &threads, &isa)) return NULL;
+    if (tokens < 0 || in < 256 || in % 256 || x_stride < in || threads < 1 || halves < 1 || halves > 2)
+        return invalid("quantize_q8k_rows", "in must be whole blocks of 256, rows at least `in` apart, halves 1 or 2");
     Py_BEGIN_ALLOW_THREADS
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = (const float *)x + r * in;
-        Q8KBlock *first = q + r * halves * nb;
-        quantize_row_q8k_isa(vector, xr, in, first);
-        if (halves == 2) {
-            for (int64_t i = 0; i < in; i++) residual[i] = xr[i] - first[i / 256].d * (float)first[i / 256].qs[i % 256];
-            quantize_row_q8k_isa(vector, residual, in, first + nb);
-        }
-    }
-    #pragma omp parallel for num_threads((int)threads) schedule(static)
-    for (int64_t o = 0; o < out; o++)
-        for (int64_t t = 0; t < qrows; t += 4) {
-            const int n = qrows - t < 4 ? (int)(qrows - t) : 4;
-            const uint8_t *w = (const uint8_t *)blocks + o * row_bytes;
-            if (halves == 1) {
-                kquant_dot_rows(vector, type, w, nb, q + t * nb, nb, n, (float *)y + t * out + o, out);
-            } else {
-                float tile[4];
-                kquant_dot_rows(vector, type, w, nb, q + t * nb, nb, n, tile, 1);
-                for (int k = 0; k < n; k += 2) ((float *)y)[(t + k) / 2 * out + o] = tile[k] + tile[k + 1];
-            }
-        }
+#pragma omp parallel for num_threads(tokens * in < 65536 ? 1 : (int)threads)
+    for (Py_ssize_t t = 0; t < tokens; t++)
+        quantize_row_q8k_halves(isa, (const float *)x + t * x_stride, in, halves, (Q8KBlock *)out + t * halves * (in / 256));
     Py_END_ALLOW_THREADS
-    free(q);
-    free(residual);
+    Py_RETURN_NONE;
+}
+
+/* y [tokens, out] = quantize_q8k_rows's rows times a K weight (integer_kquant_linear). */
+static PyObject *py_integer_kquant_linear(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t x, blocks, y, tokens, in, out, threads;
+    int type, halves, isa;
+    if (!PyArg_ParseTuple(args, "nininnnnni", &x, &halves, &blocks, &type, &y, &tokens, &in, &out, &threads, &isa)) return NULL;
+    if (!is_k_type(type)) return invalid("integer_kquant_linear", "the type must be Q4_K, Q5_K or Q6_K");
+    if (halves < 1 || halves > 2) return invalid("integer_kquant_linear", "halves must be 1 or 2");
+    if (tokens < 1 || out < 1 || threads < 1 || in < 256 || in % 256)
+        return invalid("integer_kquant_linear", "sizes must be positive and `in` whole 256-value blocks");
+    Py_BEGIN_ALLOW_THREADS
+    integer_kquant_linear(type, halves, (const uint8_t *)blocks, (const Q8KBlock *)x, (float *)y, tokens, in, out, out, (int)threads, isa);
+    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
@@ -597,7 +577,9 @@ static PyMethodDef methods[] = {
      "decoder_layers(h, tokens, hidden, heads, kv_heads, head_dim, intermediate, eps, positions, slots, cos, sin, "
      "max_positions, rotary_dims, kv_dtype, num_blocks, block_size, plans, groups, scratch, threads, isa, quantized_isa, integer_isa, "
      "layers, scalars, count)"},
-    {"kquant_product", py_kquant_product, METH_VARARGS, "kquant_product(x, rows, in, blocks, type, y, out, threads, isa, halves)"},
+    {"quantize_q8k_rows", py_quantize_q8k_rows, METH_VARARGS, "quantize_q8k_rows(x, x_stride, tokens, in, out, halves, threads, isa)"},
+    {"integer_kquant_linear", py_integer_kquant_linear, METH_VARARGS,
+     "integer_kquant_linear(x, halves, blocks, type, y, tokens, in, out, threads, isa)"},
     {"quantize_q8k", py_quantize_q8k, METH_VARARGS, "quantize_q8k(x, rows, in, d, qs, bsums, isa)"},
     {NULL, NULL, 0, NULL},
 };
