@@ -9,9 +9,11 @@ against its float32 package (`flare export --dtype float32`, the same values deq
 - greedy answers (48 tokens) equal on how many of 6 chat prompts (bar: 5).
 
     .venv/bin/python benchmarks/activation_fidelity.py --activations int8 float32
-    .venv/bin/python benchmarks/activation_fidelity.py --package P --reference P-f32 --activations int8x2 int8
+    .venv/bin/python benchmarks/activation_fidelity.py --package P --activations int8x2 int8
 
-(any other blocks package with --package and its float32 export with --reference).
+(any other blocks package with --package; the reference is its float32 export with --reference,
+else the package itself at float32 activations, which differs from that export by the summation
+order alone).
 
 `float32` is the exact path: it measures the summation order alone.
 """
@@ -91,13 +93,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--activations", nargs="+", default=["int8", "float32"])
     parser.add_argument("--package", type=Path, help="the blocks package served (default: the default model's)")
-    parser.add_argument("--reference", type=Path, help="its float32 export, `flare export --dtype float32` (default: the default model's)")
+    parser.add_argument(
+        "--reference", type=Path,
+        help="its float32 export (`flare export --dtype float32`); with --package alone, the package itself at float32 "
+        "activations (the same values, summed in another order: no float32 copy of a large model in memory)",
+    )
     args = parser.parse_args()
-    if (args.package is None) != (args.reference is None):
-        parser.error("--package and --reference go together: a blocks package and its float32 export")
-    exact_package = open_package(args.reference or default_package_path(dtype="float32"))
-    exact, tokenizer = load_model(exact_package), Tokenizer.from_package(exact_package)
     blocks = open_package(args.package or default_package_path())
+    if args.reference is None and args.package is not None:
+        exact, tokenizer = load_model(blocks, activations="float32"), Tokenizer.from_package(blocks)
+    else:
+        exact_package = open_package(args.reference or default_package_path(dtype="float32"))
+        exact, tokenizer = load_model(exact_package), Tokenizer.from_package(exact_package)
     for activations in args.activations:
         figures = fidelity(load_model(blocks, activations=activations), exact, tokenizer)
         print(f"activations {activations}: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items()))

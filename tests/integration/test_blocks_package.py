@@ -97,7 +97,7 @@ def test_activations_int8x2_serve_the_float32_packages_answer_and_say_so(package
     inspected = subprocess.run(
         [sys.executable, "-m", "flare.cli.main", "inspect", str(packages["blocks"])], capture_output=True, text=True, check=True
     ).stdout
-    assert "activations         float32; integer kernels for Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 (flare run --activations int8x2 or int8)" in inspected
+    assert "activations         float32; integer kernels for Q4_0 Q4_1 Q4_K Q5_0 Q5_1 Q5_K Q6_K Q8_0 (flare run --activations int8x2 or int8)" in inspected
 
 
 def test_flare_run_refuses_blocks_with_a_nan_scale_naming_the_tensor_without_a_traceback(packages: dict[str, Path]) -> None:
