@@ -31,4 +31,6 @@ FAMILY_TENSORS = {
     "gemma2": FamilyTensors(attention_bias=False, qk_norm=False, sandwich_norms=True),
     "gemma3": FamilyTensors(attention_bias=False, qk_norm=True, sandwich_norms=True),
     "phi3": FamilyTensors(attention_bias=False, qk_norm=False, sandwich_norms=False),
+    # Latent attention's own norms (q_a, kv_a) are part of its projections (`LatentAttention`).
+    "deepseek2": FamilyTensors(attention_bias=False, qk_norm=False, sandwich_norms=False),
 }

@@ -73,7 +73,7 @@ class ManifestError(ValueError):
 # The decoder families flare serves (`ModelConfig.architecture`): one decoder (engine/model.py)
 # driven by the fields below, never a model per family. docs/packages.md lists the fields and
 # source keys of each.
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "deepseek2")
 HIDDEN_ACTIVATIONS = ("silu", "gelu_tanh")
 ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope", "factors")
 
@@ -125,6 +125,62 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class LatentAttention:
+    """Multi-head latent attention (DeepSeek-V2/V3, engine/layers/latent_attention.py): the
+    shapes of its low-rank projections.
+
+    - q_lora_rank: q = q_b(RMSNorm(q_a(x))) through this rank; None: one plain q_proj (V2-Lite).
+    - kv_lora_rank: the compressed latent c = RMSNorm(kv_a(x)[:kv_lora_rank]) every head's key
+      and value are up-projected from (kv_b), and what the KV cache keeps per token.
+    - qk_nope_head_dim, qk_rope_head_dim: each query/key head is [nope | rope]; the rope part
+      of the key is one per token, shared by the heads (the last qk_rope_head_dim of kv_a(x)).
+    - v_head_dim: each head's value width.
+    """
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank"):
+            value = getattr(self, name)
+            if name == "q_lora_rank" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ManifestError(f"model config: latent_attention.{name} must be a positive integer, got {value!r}")
+        if self.qk_rope_head_dim % 2:
+            raise ManifestError(f"model config: latent_attention.qk_rope_head_dim {self.qk_rope_head_dim} must be even for rotary embeddings")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> LatentAttention:
+        return cls(**_fields_of(cls, data, "model.config.latent_attention"))
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What the KV cache keeps per token per layer: `heads` pools rows of `key_dim` keys and
+    `value_dim` values (0: attention reads its values out of the keys, as latent attention does)."""
+
+    heads: int
+    key_dim: int
+    value_dim: int
+
+    @property
+    def elements_per_token(self) -> int:
+        """Elements one token takes in one layer."""
+        return self.heads * (self.key_dim + self.value_dim)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder-only model: Llama's fields, and what each other family adds.
 
@@ -145,6 +201,9 @@ class ModelConfig:
       stream (`attention_output_norm`, `mlp_output_norm`; Gemma 2/3).
     - embedding_scale: the token embeddings are multiplied by it (Gemma: sqrt(hidden_size)).
     - hidden_activation: of the gated MLP, silu (SwiGLU) or gelu_tanh (GeGLU, Gemma).
+    - latent_attention: multi-head latent attention's shapes (`LatentAttention`, DeepSeek-V2/V3);
+      then head_dim is the query/key head (nope + rope), rotary_dim the rope part, num_kv_heads
+      num_heads, attention_scale the softmax scale, and the KV cache keeps the latent (`kv_layout`).
 
     Norm weights are stored as the factor they multiply by: Gemma's (1 + w) is baked in at
     export, as llama.cpp's converter does. Fused source tensors (Phi-3's qkv_proj and
@@ -178,6 +237,7 @@ class ModelConfig:
     sandwich_norms: bool = False
     embedding_scale: float = 1.0
     hidden_activation: str = "silu"
+    latent_attention: LatentAttention | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -226,6 +286,15 @@ class ModelConfig:
             problems.append(f"embedding_scale must be a positive number, got {self.embedding_scale!r}")
         if self.hidden_activation not in HIDDEN_ACTIVATIONS:
             problems.append(f"hidden_activation {self.hidden_activation!r} is not one of {', '.join(HIDDEN_ACTIVATIONS)}")
+        latent = self.latent_attention
+        if latent is not None and (
+            self.head_dim != latent.qk_head_dim or self.rotary_dims != latent.qk_rope_head_dim or self.num_kv_heads != self.num_heads
+        ):
+            problems.append(
+                f"with latent attention head_dim must be qk_nope_head_dim + qk_rope_head_dim ({latent.qk_head_dim}), "
+                f"rotary_dim qk_rope_head_dim ({latent.qk_rope_head_dim}) and num_kv_heads num_heads ({self.num_heads}); "
+                f"got {self.head_dim}, {self.rotary_dims}, {self.num_kv_heads}"
+            )
         if not self.eos_token_ids:
             problems.append("eos_token_ids must name at least one token")
         for token in (*self.eos_token_ids, *(() if self.bos_token_id is None else (self.bos_token_id,))):
@@ -241,6 +310,21 @@ class ModelConfig:
         """How many leading dimensions of each head RoPE rotates."""
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
+    @property
+    def kv_layout(self) -> KVLayout:
+        """The KV cache's per-token layout, a property of the model so that the pools, the prefix
+        cache and preemption need not know the attention: a key and a value per KV head, or with
+        latent attention one row of [latent | rope key] and no separate value (the latent is it)."""
+        latent = self.latent_attention
+        if latent is None:
+            return KVLayout(self.num_kv_heads, self.head_dim, self.head_dim)
+        return KVLayout(1, latent.kv_lora_rank + latent.qk_rope_head_dim, 0)
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """Elements one token takes in the KV cache across all layers (`kv_layout`)."""
+        return self.num_layers * self.kv_layout.elements_per_token
+
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer`, or None where it attends to its whole context."""
         return self.sliding_window if layer in self.sliding_layers else None
@@ -250,6 +334,7 @@ class ModelConfig:
         data["eos_token_ids"] = list(self.eos_token_ids)
         data["sliding_layers"] = list(self.sliding_layers)
         data["rope_scaling"] = None if self.rope_scaling is None else self.rope_scaling.to_json()
+        data["latent_attention"] = None if self.latent_attention is None else self.latent_attention.to_json()
         return data
 
     @classmethod
@@ -257,11 +342,16 @@ class ModelConfig:
         if format_version < 4 and isinstance(data, dict):
             # Formats 2 and 3 describe Llama models only, without the family fields.
             data = {**_LLAMA_FIELDS, **data}
+        elif isinstance(data, dict):
+            # Written before latent attention was a field: a model without it.
+            data = {"latent_attention": None, **data}
         values = _fields_of(cls, data, "model.config")
         values["eos_token_ids"] = tuple(values["eos_token_ids"])
         values["sliding_layers"] = tuple(values["sliding_layers"] or ())
         if values["rope_scaling"] is not None:
             values["rope_scaling"] = RopeScaling.from_json(values["rope_scaling"])
+        if values["latent_attention"] is not None:
+            values["latent_attention"] = LatentAttention.from_json(values["latent_attention"])
         return cls(**values)
 
 

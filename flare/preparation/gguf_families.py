@@ -18,6 +18,7 @@ package's canonical names (Hugging Face Llama's, `package.expected_weight_shapes
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -33,6 +34,7 @@ from flare.package.manifest import (
     ARCHITECTURES,
     MAX_CONTEXT,
     MAX_CONTEXT_REASON,
+    LatentAttention,
     ManifestError,
     ModelConfig,
     RopeScaling,
@@ -40,7 +42,10 @@ from flare.package.manifest import (
 from flare.preparation.source import SourceError
 
 # general.architecture -> ModelConfig.architecture. Mistral's converter output is `llama`.
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3"}
+GGUF_ARCHITECTURES = {
+    "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3",
+    "deepseek2": "deepseek2",
+}
 # The families whose converter permutes q/k rows (and biases) for llama.cpp's adjacent-pair RoPE.
 PERMUTED_ARCHITECTURES = frozenset({"llama"})
 _GEMMA = frozenset({"gemma2", "gemma3"})
@@ -77,10 +82,20 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "post_ffw_norm": "mlp_output_norm",
+    # DeepSeek's multi-head latent attention (attn_k_b / attn_v_b: `LATENT_UP_PROJECTIONS`).
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
 }
+# The newer converter writes kv_b_proj as two per-head tensors, for llama.cpp's absorbed MLA:
+# attn_k_b [heads, kv_lora_rank, nope] (each head's key block transposed) and attn_v_b [heads,
+# v_head_dim, kv_lora_rank]; export joins them back into kv_b_proj (`TensorPlan.latent_part`).
+LATENT_UP_PROJECTIONS = ("attn_k_b", "attn_v_b")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _EXPERT_TENSOR = re.compile(r"blk\.\d+\.(ffn_gate_inp|\w+_exps?|\w+_shexp)\.")
-_LATENT_TENSOR = re.compile(r"blk\.\d+\.(attn_kv_a_mqa|attn_q_a|attn_kv_b|attn_k_b|attn_v_b)\.")
 
 
 class Metadata(Protocol):
@@ -105,6 +120,11 @@ class TensorPlan:
 
     parts: tuple[TensorPart, ...]
     heads: int | None = None
+    # Latent attention (deepseek2): the rope rows of every `stride` rows from `start`, `rope` of
+    # them, are in interleaved-pair order, reordered to rotate-half's at export
+    # (`hf_families.deinterleaved_row_order`); which of attn_k_b / attn_v_b the tensor is.
+    rope_rows: tuple[int, int, int] | None = None
+    latent_part: str | None = None
 
 
 def served_architecture(path: Path, architecture: Any) -> str:
@@ -115,7 +135,7 @@ def served_architecture(path: Path, architecture: Any) -> str:
     raise SourceError(
         f"{path}: GGUF architecture {architecture!r} is not served; flare serves {served} "
         f"(Mistral is written as 'llama'; as a package: {', '.join(ARCHITECTURES)}). "
-        "Mixture-of-experts (Mixtral, Qwen3-MoE) and latent-attention (DeepSeek-V3) models are not served yet"
+        "Mixture-of-experts models (Mixtral, Qwen3-MoE) are not served yet"
     )
 
 
@@ -131,7 +151,9 @@ def model_config(
     architecture = served_architecture(path, gguf_arch)
     keys = _Keys(path, metadata, gguf_arch)
     experts = metadata.get(f"{gguf_arch}.expert_count")
-    if experts:
+    dense_lead = metadata.get(f"{gguf_arch}.leading_dense_block_count")
+    if experts and gguf_arch == "deepseek2" and isinstance(dense_lead, int) and dense_lead >= metadata.get(f"{gguf_arch}.block_count", 0):
+        experts = None  # every layer dense: the experts' keys describe no layer
         # Mixtral is written as arch `llama` with experts: refused here, before its tensors.
         raise SourceError(
             f"{path}: {gguf_arch}.expert_count is {experts}: a mixture-of-experts model, which flare does not serve yet"
@@ -144,8 +166,11 @@ def model_config(
         head_dim = keys.maybe_integer("rope.dimension_count")
     if head_dim is None:
         head_dim = hidden // heads
+    latent = _latent_attention(keys) if gguf_arch == "deepseek2" else None
+    if latent is not None:
+        head_dim = latent.qk_head_dim
     value_dim = keys.maybe_integer("attention.value_length")
-    if value_dim is not None and value_dim != head_dim:
+    if latent is None and value_dim is not None and value_dim != head_dim:
         raise SourceError(
             f"{path}: {gguf_arch}.attention.value_length {value_dim} differs from the key length {head_dim}; "
             "flare's attention needs one head dimension for keys and values"
@@ -179,6 +204,9 @@ def model_config(
         # The same RoPE as the global layers (Gemma 3's local layers differ even then: unscaled).
         local_theta = None
     attention_scale = keys.maybe_number("attention.scale")
+    rope_scaling = _rope_scaling(keys, context, rotary or head_dim, rope_tensors)
+    if latent is not None:
+        attention_scale, rope_scaling = _latent_scales(keys, latent, rope_scaling)
     if attention_scale is None and gemma:
         scalar = hidden // heads if num_layers == _GEMMA_27B_LAYERS[gguf_arch] else head_dim
         attention_scale = scalar**-0.5
@@ -209,7 +237,7 @@ def model_config(
             intermediate_size=keys.integer("feed_forward_length"),
             num_layers=num_layers,
             num_heads=heads,
-            num_kv_heads=keys.maybe_integer("attention.head_count_kv") or heads,
+            num_kv_heads=heads if latent is not None else keys.maybe_integer("attention.head_count_kv") or heads,
             head_dim=head_dim,
             rope_theta=rope_theta,
             rms_norm_eps=keys.number("attention.layer_norm_rms_epsilon"),
@@ -225,7 +253,7 @@ def model_config(
             ),
             qk_norm=family.qk_norm,
             rotary_dim=None if rotary is None or rotary == head_dim else rotary,
-            rope_scaling=_rope_scaling(keys, context, rotary or head_dim, rope_tensors),
+            rope_scaling=rope_scaling,
             sliding_window=window,
             sliding_layers=sliding_layers,
             local_rope_theta=local_theta,
@@ -235,6 +263,7 @@ def model_config(
             sandwich_norms=family.sandwich_norms,
             embedding_scale=math.sqrt(hidden) if gemma else 1.0,
             hidden_activation="gelu_tanh" if gemma else "silu",
+            latent_attention=latent,
         )
     except ManifestError as error:
         raise SourceError(f"{path}: its metadata does not describe a model flare can serve: {error}") from None
@@ -255,7 +284,7 @@ def tensor_plans(path: Path, config: ModelConfig, shapes: Mapping[str, tuple[int
             plans[gguf_name] = TensorPlan((TensorPart(_GLOBAL_NAMES[gguf_name], 0, rows),))
             continue
         match = _LAYER_TENSOR.fullmatch(gguf_name)
-        if match is None or match.group(2) not in {*_LAYER_NAMES, "attn_qkv"}:
+        if match is None or match.group(2) not in {*_LAYER_NAMES, "attn_qkv", *LATENT_UP_PROJECTIONS}:
             raise SourceError(f"{path} holds the tensor {gguf_name}, which a {config.architecture} model does not have{_why(gguf_name)}")
         layer, kind, suffix = match.groups()
         prefix = f"model.layers.{layer}."
@@ -275,11 +304,24 @@ def tensor_plans(path: Path, config: ModelConfig, shapes: Mapping[str, tuple[int
                 (TensorPart(f"{prefix}mlp.gate_proj.{suffix}", 0, ff), TensorPart(f"{prefix}mlp.up_proj.{suffix}", ff, 2 * ff))
             )
             continue
+        latent = config.latent_attention
+        if latent is not None and kind in LATENT_UP_PROJECTIONS:
+            joined = config.num_heads * (latent.qk_nope_head_dim + latent.v_head_dim)
+            plans[gguf_name] = TensorPlan((TensorPart(f"{prefix}self_attn.kv_b_proj.{suffix}", 0, joined),), latent_part=kind)
+            continue
+        rope_rows = None
+        if latent is not None and kind in ("attn_q", "attn_q_b"):
+            # llama.cpp's deepseek2 RoPE pairs adjacent dimensions, as the checkpoint's does.
+            rope_rows = (latent.qk_nope_head_dim, latent.qk_rope_head_dim, latent.qk_head_dim)
+        elif latent is not None and kind == "attn_kv_a_mqa":
+            rope_rows = (latent.kv_lora_rank, latent.qk_rope_head_dim, latent.kv_lora_rank + latent.qk_rope_head_dim)
         heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}.get(kind) if permuted else None
-        plans[gguf_name] = TensorPlan((TensorPart(f"{prefix}{_LAYER_NAMES[kind]}.{suffix}", 0, rows),), heads)
+        plans[gguf_name] = TensorPlan((TensorPart(f"{prefix}{_LAYER_NAMES[kind]}.{suffix}", 0, rows),), heads, rope_rows)
     sources: dict[str, str] = {}
     for gguf_name, plan in plans.items():
         for part in plan.parts:
+            if plan.latent_part == "attn_v_b":
+                continue  # joined with its attn_k_b into one kv_b_proj
             if part.name in sources:
                 raise SourceError(
                     f"{path}: the tensors {sources[part.name]} and {gguf_name} both give {part.name} "
@@ -317,9 +359,48 @@ def gguf_tensor_name(name: str, architecture: str) -> str:
 def _why(gguf_name: str) -> str:
     if _EXPERT_TENSOR.match(gguf_name):
         return " (it is a mixture-of-experts model: flare does not serve experts yet)"
-    if _LATENT_TENSOR.match(gguf_name):
-        return " (it uses multi-head latent attention: flare does not serve it yet)"
     return ""
+
+
+def _latent_attention(keys: _Keys) -> LatentAttention:
+    """deepseek2's MLA shapes: the converter writes the latent as an MQA head (key_length
+    kv_lora_rank + rope, value_length kv_lora_rank) and the per-head shapes as key_length_mla
+    (nope + rope) and value_length_mla; files before those keys have the per-head ones in
+    key_length / value_length. V2-Lite has no q_lora_rank (a plain attn_q)."""
+    rope = keys.integer("rope.dimension_count")
+    key_mla = keys.maybe_integer("attention.key_length_mla")
+    value_mla = keys.maybe_integer("attention.value_length_mla")
+    if key_mla is None or value_mla is None:
+        key_mla, value_mla = keys.integer("attention.key_length"), keys.integer("attention.value_length")
+    if key_mla <= rope:
+        raise SourceError(f"{keys.path}: the MLA key length {key_mla} must exceed the rope dimensions {rope}")
+    try:
+        return LatentAttention(
+            q_lora_rank=keys.maybe_integer("attention.q_lora_rank"),
+            kv_lora_rank=keys.integer("attention.kv_lora_rank"),
+            qk_nope_head_dim=key_mla - rope,
+            qk_rope_head_dim=rope,
+            v_head_dim=value_mla,
+        )
+    except ManifestError as error:
+        raise SourceError(f"{keys.path}: {error}") from None
+
+
+def _latent_scales(keys: _Keys, latent: LatentAttention, scaling: RopeScaling | None) -> tuple[float, RopeScaling | None]:
+    """MLA's softmax scale and RoPE scaling from a deepseek2 file.
+
+    The converter writes yarn's mscale_all_dim m as `rope.scaling.yarn_log_multiplier` = 0.1 m
+    (and not yarn's mscale): the softmax scale is (nope + rope)^-0.5 mscale^2 with mscale =
+    1 + 0.1 m ln(factor) (transformers' `yarn_apply_mscale`), and the factor on cos/sin is
+    mscale(factor, mscale) / mscale(factor, m), 1 for DeepSeek's releases (mscale = m), which is
+    what llama.cpp computes too. Without the key, yarn's own default."""
+    scale = latent.qk_head_dim**-0.5
+    log_mul = keys.maybe_number("rope.scaling.yarn_log_multiplier", allow_zero=True)
+    if scaling is None or scaling.kind != "yarn" or log_mul is None:
+        return scale, scaling
+    mscale = 1.0 + log_mul * math.log(scaling.factor) if scaling.factor > 1 else 1.0
+    attention = keys.maybe_number("rope.scaling.yarn_attn_factor")
+    return scale * mscale * mscale, dataclasses.replace(scaling, attention_factor=1.0 if attention is None else attention)
 
 
 class _Keys:

@@ -29,6 +29,7 @@ from flare.package.manifest import (
     MAX_CONTEXT,
     MAX_CONTEXT_REASON,
     ManifestError,
+    LatentAttention,
     ModelConfig,
     RopeScaling,
 )
@@ -44,14 +45,14 @@ MODEL_TYPES = {
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
     "phi3": "phi3",
+    "deepseek_v2": "deepseek2",
+    "deepseek_v3": "deepseek2",
 }
 # Families whose layers need what the decoder does not have yet: named in the refusal.
 NOT_YET = {
     "mixtral": "mixture-of-experts layers",
     "qwen2_moe": "mixture-of-experts layers",
     "qwen3_moe": "mixture-of-experts layers",
-    "deepseek_v2": "multi-head latent attention and mixture-of-experts layers",
-    "deepseek_v3": "multi-head latent attention and mixture-of-experts layers",
 }
 _GEMMA = ("gemma2", "gemma3")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
@@ -131,7 +132,12 @@ def model_config_from_hf(
             f"config.json: max_position_embeddings {max_positions} is beyond the longest context flare serves, "
             f"{MAX_CONTEXT} tokens ({MAX_CONTEXT_REASON})"
         )
-    rope = _rope(data, architecture, head_dim, max_positions, unsupported)
+    latent = _latent_attention(data, layers, unsupported) if architecture == "deepseek2" else None
+    if latent is not None:
+        # MLA's heads: queries and keys of nope + rope, RoPE on the rope part only (the
+        # checkpoint's head_dim, where written, is transformers' name for qk_rope_head_dim).
+        head_dim = latent.qk_head_dim
+    rope = _rope(data, architecture, latent.qk_rope_head_dim if latent else head_dim, max_positions, unsupported)
     window, sliding = _sliding_layers(data, architecture, layers, unsupported)
     if unsupported:
         raise SourceError(f"config.json asks for {', '.join(unsupported)}, which flare's decoder does not implement")
@@ -142,6 +148,9 @@ def model_config_from_hf(
             if token not in eos:
                 eos.append(int(token))
     scalar = data.get("query_pre_attn_scalar")
+    attention_scale = float(scalar) ** -0.5 if gemma and scalar else None
+    if latent is not None:
+        attention_scale = _latent_softmax_scale(data, latent)
     try:
         return ModelConfig(
             vocab_size=int(data["vocab_size"]),
@@ -149,7 +158,7 @@ def model_config_from_hf(
             intermediate_size=int(data["intermediate_size"]),
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(data.get("num_key_value_heads") or heads),
+            num_kv_heads=heads if latent is not None else int(data.get("num_key_value_heads") or heads),
             head_dim=head_dim,
             rope_theta=rope.theta,
             rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
@@ -161,22 +170,85 @@ def model_config_from_hf(
             # A Llama's own attention_bias was refused above (it puts one on o_proj too).
             attention_bias=bool(family.attention_bias),
             qk_norm=family.qk_norm,
-            rotary_dim=rope.rotary_dim,
+            rotary_dim=latent.qk_rope_head_dim if latent is not None else rope.rotary_dim,
             rope_scaling=rope.scaling,
             sliding_window=window,
             sliding_layers=sliding,
             local_rope_theta=rope.local_theta,
-            attention_scale=float(scalar) ** -0.5 if gemma and scalar else None,
+            attention_scale=attention_scale,
             attention_softcap=_positive_or_none(data.get("attn_logit_softcapping")) if gemma else None,
             final_logit_softcap=_positive_or_none(data.get("final_logit_softcapping")) if gemma else None,
             sandwich_norms=family.sandwich_norms,
             embedding_scale=math.sqrt(hidden) if gemma else 1.0,
             hidden_activation=_ACTIVATIONS[activation],
+            latent_attention=latent,
         )
     except KeyError as error:
         raise SourceError(f"config.json lacks {error.args[0]!r}") from None
     except (ManifestError, TypeError, ValueError) as error:
         raise SourceError(f"config.json: {error}") from None
+
+
+def _latent_attention(data: dict[str, Any], layers: int, unsupported: list[str]) -> LatentAttention | None:
+    """DeepSeek-V2/V3's MLA shapes; its MoE layers (all from first_k_dense_replace on) are
+    named as unsupported until the decoder has them."""
+    experts = data.get("n_routed_experts")
+    dense = int(data.get("first_k_dense_replace") or 0)
+    if experts and dense < layers:
+        unsupported.append(f"mixture-of-experts layers (layers {dense} to {layers - 1}: first_k_dense_replace {dense})")
+    try:
+        q_rank = data.get("q_lora_rank")
+        return LatentAttention(
+            q_lora_rank=None if q_rank is None else int(q_rank),
+            kv_lora_rank=int(data["kv_lora_rank"]),
+            qk_nope_head_dim=int(data["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(data["qk_rope_head_dim"]),
+            v_head_dim=int(data["v_head_dim"]),
+        )
+    except KeyError as error:
+        raise SourceError(f"config.json lacks {error.args[0]!r}") from None
+    except (ManifestError, TypeError, ValueError) as error:
+        raise SourceError(f"config.json: {error}") from None
+
+
+def _latent_softmax_scale(data: dict[str, Any], latent: LatentAttention) -> float:
+    """MLA's softmax scale: qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under yarn
+    (DeepSeek's reference and transformers' `yarn_apply_mscale`: the yarn factor on the rotary
+    dims' cos/sin does not reach the nope dims, this does)."""
+    scale = latent.qk_head_dim**-0.5
+    parameters = data.get("rope_parameters") or data.get("rope_scaling") or {}
+    kind = parameters.get("rope_type", parameters.get("type")) or "default"
+    m_all = parameters.get("mscale_all_dim")
+    factor = parameters.get("factor")
+    if kind != "default" and m_all and factor and float(factor) > 1:
+        mscale = 0.1 * float(m_all) * math.log(float(factor)) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+def rope_interleaved(data: dict[str, Any]) -> bool:
+    """Whether a checkpoint rotates interleaved pairs (x0, x1), (x2, x3), ... rather than halves:
+    DeepSeek-V2 always, V3 unless `rope_interleave` is false (transformers' classes)."""
+    model_type = data.get("model_type")
+    return model_type == "deepseek_v2" or (model_type == "deepseek_v3" and data.get("rope_interleave", True) is not False)
+
+
+def deinterleaved_row_order(rows: int, start: int, rope: int, stride: int) -> torch.Tensor:
+    """The row order that takes the `rope` rows at `start` of every `stride` rows (a head's rope
+    part) from interleaved pairs to halves: rows 0, 2, 4, ... then 1, 3, 5, .... Rotate-half RoPE
+    on the reordered rows computes exactly what pairwise RoPE does on the original ones, and a
+    query and key reordered alike have the same dot products (layers/latent_attention.py)."""
+    pairs = torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
+    order = torch.arange(rows).view(-1, stride)
+    order[:, start : start + rope] = order[:, start : start + rope][:, pairs]
+    return order.flatten()
+
+
+def deinterleave_rope_rows(weight: torch.Tensor, start: int, rope: int, stride: int) -> torch.Tensor:
+    """`weight` with its rope rows in rotate-half order (`deinterleaved_row_order`)."""
+    if weight.device.type == "meta":
+        return weight
+    return weight[deinterleaved_row_order(weight.shape[0], start, rope, stride)]
 
 
 def _positive_or_none(value: Any) -> float | None:
@@ -325,11 +397,14 @@ def hf_tensor_name(name: str, architecture: str) -> str:
     return ".".join(parts)
 
 
-def tensor_converter(config: ModelConfig) -> Callable[[str, torch.Tensor], dict[str, torch.Tensor]]:
+def tensor_converter(
+    config: ModelConfig, *, interleaved_rope: bool = False
+) -> Callable[[str, torch.Tensor], dict[str, torch.Tensor]]:
     """What one source tensor becomes in the package (module docstring): `convert(name, tensor)`
     gives the package's tensors, none for a multimodal checkpoint's vision parts. Works on meta
     tensors too, which is how the shapes are checked before any weight is read. A fused tensor
-    of the wrong size is kept whole, for the shape check to name."""
+    of the wrong size is kept whole, for the shape check to name. `interleaved_rope`: a latent
+    attention checkpoint's rope rows are reordered to rotate-half's (`deinterleave_rope_rows`)."""
     gemma = config.architecture in _GEMMA
     fused = config.architecture == "phi3"
     q_rows = config.num_heads * config.head_dim
@@ -347,6 +422,13 @@ def tensor_converter(config: ModelConfig) -> Callable[[str, torch.Tensor], dict[
                 name = ".".join([*parts[:3], _GEMMA_NORMS[parts[3]], parts[4]])
             if name.endswith("norm.weight"):
                 return {name: tensor.to(torch.float32) + 1.0}
+        latent = config.latent_attention
+        if latent is not None and interleaved_rope:
+            n, r = latent.qk_nope_head_dim, latent.qk_rope_head_dim
+            if name.endswith((".self_attn.q_proj.weight", ".self_attn.q_b_proj.weight")) and tensor.shape[0] == config.num_heads * (n + r):
+                return {name: deinterleave_rope_rows(tensor, n, r, n + r)}
+            if name.endswith(".self_attn.kv_a_proj_with_mqa.weight") and tensor.shape[0] == latent.kv_lora_rank + r:
+                return {name: deinterleave_rope_rows(tensor, latent.kv_lora_rank, r, latent.kv_lora_rank + r)}
         if fused and name.endswith(".self_attn.qkv_proj.weight") and tensor.shape[0] == q_rows + 2 * kv_rows:
             prefix = name.removesuffix("qkv_proj.weight")
             q, k, v = tensor.split([q_rows, kv_rows, kv_rows])

@@ -27,6 +27,7 @@ import structlog
 
 from flare.engine.drafters import Draft, Drafter
 from flare.engine.model import DecoderModel
+from flare.engine.kv_cache import bytes_per_token
 from flare.engine.precision import dtype_name
 from flare.sampler.status import DeviceStatus
 from flare.parallel.failstop import EngineDead
@@ -246,6 +247,7 @@ class Scheduler:
             weights_dtype=self.package.manifest.serving.dtype,
             weight_format=str(self._runner.model.weight_format),
             kv_cache_dtype=dtype_name(self._runner.kv_cache.dtype),
+            kv_bytes_per_token=bytes_per_token(self.package.manifest.model, self._runner.kv_cache.dtype),
             weight_types=self.package.weight_types(),
             ranks=self._runner.rank_list(),
         )

@@ -72,6 +72,7 @@ class FakeTarget:
             kv_blocks_used=7,
             kv_blocks_total=64,
             kv_cache_dtype="float16",
+            kv_bytes_per_token=1024,
             draining=self.draining,
             device_statuses={"OK": 90, "INVALID_SPECULATION": 2},
             weights_dtype="float32",
@@ -443,6 +444,7 @@ class FakeScheduler:
             weights_dtype="float16",
             weight_format="float32",
             kv_cache_dtype="float32",
+            kv_bytes_per_token=2048,
         )
 
     def requests(self) -> list[RequestInfo]:
