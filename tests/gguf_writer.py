@@ -156,6 +156,7 @@ def write_family_gguf(
     hidden, heads = hparams["hidden_size"], hparams["num_attention_heads"]
     kv_heads = hparams.get("num_key_value_heads") or heads
     rope = _rope_parameters(hparams)
+    deepseek = arch == gguf.MODEL_ARCH.DEEPSEEK2
     writer.add_block_count(layers)
     writer.add_context_length(hparams["max_position_embeddings"])
     writer.add_embedding_length(hidden)
@@ -163,7 +164,6 @@ def write_family_gguf(
     writer.add_head_count(heads)
     writer.add_head_count_kv(1 if deepseek else kv_heads)
     writer.add_layer_norm_rms_eps(hparams["rms_norm_eps"])
-    deepseek = arch == gguf.MODEL_ARCH.DEEPSEEK2
     if model_type != "phi3" and hparams.get("head_dim") is not None and not deepseek:
         writer.add_key_length(hparams["head_dim"])
         writer.add_value_length(hparams["head_dim"])

@@ -154,6 +154,7 @@ def model_config(
     dense_lead = metadata.get(f"{gguf_arch}.leading_dense_block_count")
     if experts and gguf_arch == "deepseek2" and isinstance(dense_lead, int) and dense_lead >= metadata.get(f"{gguf_arch}.block_count", 0):
         experts = None  # every layer dense: the experts' keys describe no layer
+    if experts:
         # Mixtral is written as arch `llama` with experts: refused here, before its tensors.
         raise SourceError(
             f"{path}: {gguf_arch}.expert_count is {experts}: a mixture-of-experts model, which flare does not serve yet"

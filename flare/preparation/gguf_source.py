@@ -193,8 +193,8 @@ def _joined_kv_b(k_b: np.ndarray, v_b: np.ndarray, name: str, config: ModelConfi
     want_k, want_v = (heads, rank, latent.qk_nope_head_dim), (heads, latent.v_head_dim, rank)
     if k_b.shape != want_k or v_b.shape != want_v:
         raise SourceError(f"{name}: attn_k_b {list(k_b.shape)} and attn_v_b {list(v_b.shape)} must be {list(want_k)} and {list(want_v)}")
-    keys = torch.from_numpy(np.ascontiguousarray(k_b, np.float32)).transpose(1, 2)
-    values = torch.from_numpy(np.ascontiguousarray(v_b, np.float32))
+    keys = torch.from_numpy(np.array(k_b, np.float32)).transpose(1, 2)
+    values = torch.from_numpy(np.array(v_b, np.float32))
     return torch.cat((keys, values), dim=1).reshape(-1, rank).contiguous()
 
 
