@@ -186,7 +186,7 @@ async def test_status_table_is_readable(socket_path: Path) -> None:
     assert "package          smollm2-135m" in lines
     assert "state            serving" in lines
     assert "uptime           1h02m05s" in lines
-    assert "kv blocks        7 / 64 in use, float16" in lines
+    assert "kv blocks        7 / 64 in use, float16, 1024 bytes a token" in lines
     assert "weights          Q4_1 Q8_0 blocks, the rest float32 stored, float16 GEMMs" in lines
     assert "weight types     Q4_1 210 tensors 69.7 MB, Q8_0 1 tensor 30.1 MB, F32 61 tensors 0.1 MB" in lines
     assert (
@@ -405,6 +405,7 @@ class SchedulerSnapshot:  # the fields of flare.scheduler.stats.SchedulerSnapsho
     weights_dtype: str
     weight_format: str
     kv_cache_dtype: str
+    kv_bytes_per_token: int
     prefix_cache: bool = True
     kv_blocks_cached: int = 5
     kv_blocks_evictable: int = 3
