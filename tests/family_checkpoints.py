@@ -20,6 +20,11 @@ from typing import Any
 import torch
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "deepseek_v3", "deepseek_v2")
+# Mixture-of-experts families: 8 experts of width 32 (Mixtral: 4 of the dense width), 2 per token.
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+# DeepSeek with its experts from layer 1 on: V3's sigmoid group routing with a random correction
+# bias, V2's group-limited softmax; both with a shared expert and routed_scaling_factor.
+DEEPSEEK_MOE_FAMILIES = ("deepseek_v3_moe", "deepseek_v2_moe")
 WINDOW = 8
 VOCAB = 49152  # SmolLM2's, the default model's tokenizer
 BOS, EOS = 1, 2  # SmolLM2's <|im_start|> and <|im_end|>
@@ -86,6 +91,22 @@ def family_config(family: str) -> Any:
                                        sliding_window=2 * WINDOW)
     if family in ("deepseek_v3", "deepseek_v2"):
         return deepseek_config(family)
+    if family == "deepseek_v3_moe":
+        return deepseek_config("deepseek_v3", dense_layers=1, routed_scaling_factor=2.5, norm_topk_prob=True)
+    if family == "deepseek_v2_moe":
+        return deepseek_config("deepseek_v2", dense_layers=1, routed_scaling_factor=1.5, topk_method="group_limited_greedy",
+                               n_group=2, topk_group=1)
+    if family == "qwen3_moe":
+        # Layer 1 dense (`mlp_only_layers`), renormalized top-k, Qwen3's q/k norms.
+        return transformers.Qwen3MoeConfig(**_SHAPE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                           norm_topk_prob=True, mlp_only_layers=[1])
+    if family == "qwen2_moe":
+        # A shared expert behind its sigmoid gate, top-k not renormalized, q/k/v biases; layer 2 dense.
+        return transformers.Qwen2MoeConfig(**_SHAPE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[2],
+                                           tie_word_embeddings=True)
+    if family == "mixtral":
+        return transformers.MixtralConfig(**_SHAPE, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)
     raise ValueError(f"no tiny checkpoint for {family!r}")
 
 
@@ -118,16 +139,22 @@ def multimodal_gemma3_config() -> Any:
                                      boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2, image_token_index=VOCAB - 1)
 
 
-def write_checkpoint(family: str, path: Path, tokenizer_json: str, chat_template: str, seed: int = 0) -> Checkpoint:
+def write_checkpoint(
+    family: str, path: Path, tokenizer_json: str, chat_template: str, seed: int = 0, changes: dict[str, Any] | None = None
+) -> Checkpoint:
     """The family's tiny random checkpoint, saved at `path` with the tokenizer and chat template;
-    family `gemma3-multimodal`: `multimodal_gemma3_config`'s."""
+    family `gemma3-multimodal`: `multimodal_gemma3_config`'s. `changes`: config attributes set
+    over the family's (wider layers, say)."""
     import transformers
 
     torch.manual_seed(seed)
     if family == "gemma3-multimodal":
         model = transformers.Gemma3ForConditionalGeneration._from_config(multimodal_gemma3_config(), attn_implementation="eager")
     else:
-        model = transformers.AutoModelForCausalLM.from_config(family_config(family), attn_implementation="eager", dtype=torch.float32)
+        config = family_config(family)
+        for name, value in (changes or {}).items():
+            setattr(config, name, value)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     gemma = family.startswith("gemma")
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -140,6 +167,9 @@ def write_checkpoint(family: str, path: Path, tokenizer_json: str, chat_template
                 parameter.copy_(0.5 * torch.randn_like(parameter))
             else:
                 parameter.copy_(torch.randn_like(parameter) / parameter.shape[-1] ** 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's, a buffer transformers zeroes
+                buffer.copy_(0.3 * torch.randn_like(buffer))
     model.eval()
     model.save_pretrained(path)
     (path / "tokenizer.json").write_text(tokenizer_json)

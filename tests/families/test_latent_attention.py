@@ -32,7 +32,7 @@ from flare.policy.params import SamplingParams
 from flare.preparation.export import ExportOptions, export_package
 from flare.preparation.hf_families import model_config_from_hf
 from flare.preparation.inspect import inspect_package, render_text
-from flare.preparation.source import ModelSource, SourceError
+from flare.preparation.source import ModelSource
 from flare.scheduler.request import Finished, GenerationRequest, TextDelta
 
 pytest.importorskip("transformers")
@@ -112,10 +112,16 @@ def test_a_deepseek_v3_shaped_token_costs_its_latent_row_in_every_layer() -> Non
     assert config.attention_scale == pytest.approx(192**-0.5 * (1 + 0.1 * torch.log(torch.tensor(40.0)).item()) ** 2)
 
 
-def test_a_checkpoint_with_moe_layers_is_refused_naming_them(smollm2_source: ModelSource, tmp_path: Path) -> None:
-    config = deepseek_config("deepseek_v3", dense_layers=1).to_dict()
-    with pytest.raises(SourceError, match=r"mixture-of-experts layers \(layers 1 to 2"):
-        model_config_from_hf(config, None)
+def test_deepseek_moe_layers_take_their_routing_from_the_config() -> None:
+    """From first_k_dense_replace on; V3: sigmoid group routing, V2: group-limited softmax; the
+    shared experts one gated MLP of n_shared_experts x moe_intermediate_size."""
+    v3 = model_config_from_hf(deepseek_config("deepseek_v3", dense_layers=1, routed_scaling_factor=2.5).to_dict(), None)
+    assert (v3.moe_layers, v3.routing, v3.n_group, v3.topk_group, v3.routed_scaling_factor) == ((1, 2), "sigmoid_group", 2, 1, 2.5)
+    assert (v3.num_experts, v3.num_experts_per_tok, v3.shared_expert_intermediate_size) == (8, 2, 32)
+    v2 = model_config_from_hf(
+        deepseek_config("deepseek_v2", dense_layers=2, topk_method="group_limited_greedy", n_group=2, topk_group=1).to_dict(), None
+    )
+    assert (v2.moe_layers, v2.routing, v2.norm_topk_prob) == ((2,), "softmax_group_max", False)
 
 
 def test_tensor_parallel_refuses_latent_attention_by_name(exported: tuple[Checkpoint, Path]) -> None:
