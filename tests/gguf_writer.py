@@ -29,7 +29,9 @@ map (`gguf.get_tensor_name_map`), which is what the converter uses:
 - deepseek2 (DeepSeek-V2/V3, conversion/deepseek.py): head_count_kv 1 (MLA as MQA), key_length
   kv_lora_rank + rope and value_length kv_lora_rank, key_length_mla / value_length_mla the
   per-head sizes, q_lora_rank (where set), kv_lora_rank, rope.dimension_count the rope part,
-  leading_dense_block_count, the expert keys, rope.scaling.yarn_log_multiplier 0.1 mscale_all_dim;
+  leading_dense_block_count, the expert keys (expert_group_count / _used_count from n_group /
+  topk_group; expert_gating_func sigmoid for V3, whose real config.json names scoring_func
+  sigmoid), rope.scaling.yarn_log_multiplier 0.1 mscale_all_dim; the correction bias as exp_probs_b;
   kv_b_proj split per head into attn_k_b [heads, kv_lora_rank, nope] (transposed) and attn_v_b
   [heads, v, kv_lora_rank]; the rope rows left interleaved (llama.cpp rotates adjacent pairs).
 
@@ -225,6 +227,13 @@ of a kind (`ffn_up_exps`: Q6_K, say), as llama-quantize mixes them. `vocabulary`
         writer.add_value_length_mla(hparams["v_head_dim"])
         writer.add_expert_feed_forward_length(hparams["moe_intermediate_size"])
         writer.add_expert_count(hparams["n_routed_experts"])
+        writer.add_expert_used_count(hparams["num_experts_per_tok"])
+        if hparams.get("n_group") is not None:
+            writer.add_expert_group_count(hparams["n_group"])
+            writer.add_expert_group_used_count(hparams["topk_group"])
+        if model_type == "deepseek_v3":
+            # DeepSeek-V3's config.json says scoring_func "sigmoid" (transformers' class drops the key).
+            writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         writer.add_expert_shared_count(hparams["n_shared_experts"])
         writer.add_expert_weights_scale(hparams["routed_scaling_factor"])
         if hparams.get("norm_topk_prob"):
@@ -282,6 +291,8 @@ of a kind (`ffn_up_exps`: Q6_K, say), as llama-quantize mixes them. `vocabulary`
             array = permute_rope_rows(array, heads)
         elif arch == gguf.MODEL_ARCH.LLAMA and hf.endswith(("k_proj.weight", "k_proj.bias")):
             array = permute_rope_rows(array, kv_heads)
+        if hf.endswith("e_score_correction_bias"):  # base.py renames it for the map
+            hf = hf.replace("e_score_correction_bias", "e_score_correction.bias")
         if deepseek and hf.endswith("kv_b_proj.weight"):
             nope, value = hparams["qk_nope_head_dim"], hparams["v_head_dim"]
             per_head = array.reshape(heads, nope + value, -1)

@@ -155,8 +155,7 @@ def served_architecture(path: Path, architecture: Any) -> str:
     served = ", ".join(GGUF_ARCHITECTURES)
     raise SourceError(
         f"{path}: GGUF architecture {architecture!r} is not served; flare serves {served} "
-        f"(Mistral and Mixtral are written as 'llama'; as a package: {', '.join(ARCHITECTURES)}). "
-        "DeepSeek's mixture-of-experts layers are not served yet"
+        f"(Mistral and Mixtral are written as 'llama'; as a package: {', '.join(ARCHITECTURES)})"
     )
 
 
@@ -295,6 +294,8 @@ def _moe_fields(path: Path, keys: _Keys, gguf_arch: str, shapes: Mapping[str, tu
     if not experts:  # absent or 0: a dense model
         return {}
     experts = keys.integer("expert_count")
+    if gguf_arch == "deepseek2":
+        return _deepseek_moe_fields(keys, experts, shapes)
     if gguf_arch not in _MOE_NORMALIZED:
         raise SourceError(f"{path}: {gguf_arch}.expert_count is {experts}, but flare serves experts only in {', '.join(_MOE_NORMALIZED)} files")
     gating = keys.metadata.get(keys._key("expert_gating_func"))
@@ -312,6 +313,39 @@ def _moe_fields(path: Path, keys: _Keys, gguf_arch: str, shapes: Mapping[str, tu
         "norm_topk_prob": _MOE_NORMALIZED[gguf_arch] if normalize is None else bool(normalize),
         "shared_expert_intermediate_size": shared or 0,
         "shared_expert_gate": bool(shared) and "blk.0.ffn_gate_inp_shexp.weight" in shapes,
+    }
+
+
+def _deepseek_moe_fields(keys: _Keys, experts: int, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    """deepseek2's experts (llama.cpp's llama_model_deepseek2): the layers with a router (those
+    from leading_dense_block_count on); sigmoid gating (V3) is group routing with the correction
+    bias `exp_probs_b`; softmax (V2, llama.cpp's default for the arch) is group-limited where the
+    file has groups of which fewer are used, greedy otherwise; `expert_weights_scale` and
+    `expert_weights_norm` (off unless given); the shared experts one MLP of expert_shared_count
+    experts' width."""
+    layers = sorted(int(m.group(1)) for name in shapes if (m := re.fullmatch(r"blk\.(\d+)\.ffn_gate_inp\.weight", name)))
+    if not layers:
+        return {}  # every layer dense: the expert keys describe none
+    gating = keys.metadata.get(keys._key("expert_gating_func"))
+    if gating not in (None, 1, 2):  # softmax, sigmoid
+        raise keys._bad(keys._key("expert_gating_func"), gating, "1 (softmax) or 2 (sigmoid), DeepSeek's gatings")
+    groups = keys.maybe_integer("expert_group_count") or 1
+    used_groups = keys.maybe_integer("expert_group_used_count") or groups
+    width = keys.integer("expert_feed_forward_length")
+    sigmoid = gating == 2
+    grouped = sigmoid or used_groups < groups
+    scale = keys.maybe_number("expert_weights_scale")
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": keys.integer("expert_used_count"),
+        "moe_intermediate_size": width,
+        "moe_layers": tuple(layers),
+        "routing": "sigmoid_group" if sigmoid else "softmax_group_max" if grouped else "softmax",
+        "norm_topk_prob": bool(keys.metadata.get(keys._key("expert_weights_norm"), False)),
+        "routed_scaling_factor": 1.0 if scale is None else scale,
+        "n_group": groups if grouped else 1,
+        "topk_group": used_groups if grouped else 1,
+        "shared_expert_intermediate_size": (keys.maybe_integer("expert_shared_count") or 0) * width,
     }
 
 
@@ -348,7 +382,7 @@ def tensor_plans(path: Path, config: ModelConfig, shapes: Mapping[str, tuple[int
             plans[gguf_name] = TensorPlan((TensorPart(_GLOBAL_NAMES[gguf_name], 0, rows),))
             continue
         match = _LAYER_TENSOR.fullmatch(gguf_name)
-        if match is None or match.group(2) not in {*_LAYER_NAMES, "attn_qkv", *LATENT_UP_PROJECTIONS}:
+        if match is None or match.group(2) not in {*_LAYER_NAMES, "attn_qkv", "exp_probs_b", *LATENT_UP_PROJECTIONS}:
             raise SourceError(f"{path} holds the tensor {gguf_name}, which a {config.architecture} model does not have{_why(gguf_name)}")
         layer, kind, suffix = match.groups()
         prefix = f"model.layers.{layer}."
@@ -367,6 +401,9 @@ def tensor_plans(path: Path, config: ModelConfig, shapes: Mapping[str, tuple[int
             plans[gguf_name] = TensorPlan(
                 (TensorPart(f"{prefix}mlp.gate_proj.{suffix}", 0, ff), TensorPart(f"{prefix}mlp.up_proj.{suffix}", ff, 2 * ff))
             )
+            continue
+        if kind == "exp_probs_b":  # DeepSeek-V3's correction bias (e_score_correction.bias)
+            plans[gguf_name] = TensorPlan((TensorPart(f"{prefix}mlp.router.score_correction_bias", 0, rows),))
             continue
         latent = config.latent_attention
         if latent is not None and kind in LATENT_UP_PROJECTIONS:

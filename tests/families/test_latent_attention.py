@@ -1,6 +1,7 @@
 """DeepSeek's multi-head latent attention (engine/layers/latent_attention.py) and its latent KV
-cache, on the tiny dense DeepSeek-V3 and V2 checkpoints of tests/family_checkpoints.py (the
-parity with transformers' eager forward is test_transformers_parity.py's, which runs them too):
+cache, on the tiny DeepSeek-V3 and V2 checkpoints of tests/family_checkpoints.py, dense and with
+their experts (the parity with transformers' eager forward is test_transformers_parity.py's,
+which runs them too):
 
 - the absorbed form equals the decompressed one;
 - the KV pool keeps one [latent | rope key] row per token per layer, and `flare inspect` says
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.family_checkpoints import Checkpoint, deepseek_config, write_checkpoint
+from tests.family_checkpoints import DEEPSEEK_MOE_FAMILIES, Checkpoint, deepseek_config, write_checkpoint
 from tests.families.test_transformers_parity import BLOCK_SIZE, LOGIT_TOLERANCE, PROMPTS, forward_in_pieces, reference_logits
 from tests.gguf_writer import write_family_gguf
 from tests.running_scheduler import running
@@ -42,7 +43,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 CHUNKED = [[19, 1], [1, 3], [1, 18], [5, 1], [1, 1], [1, 1]]
 
 
-@pytest.fixture(scope="module", params=("deepseek_v3", "deepseek_v2"))
+@pytest.fixture(scope="module", params=("deepseek_v3", "deepseek_v2", *DEEPSEEK_MOE_FAMILIES))
 def exported(request: pytest.FixtureRequest, smollm2_source: ModelSource, tmp_path_factory: pytest.TempPathFactory) -> tuple[Checkpoint, Path]:
     root = tmp_path_factory.mktemp(request.param)
     checkpoint = write_checkpoint(request.param, root / request.param, smollm2_source.tokenizer_json, smollm2_source.chat_template)
