@@ -268,7 +268,7 @@ def test_llama3_rope_freqs_give_transformers_llama3_frequencies() -> None:
 @pytest.mark.parametrize(
     ("family", "edit", "message"),
     [
-        ("qwen3", {"architecture": "qwen3moe"}, "architecture 'qwen3moe' is not served; flare serves llama, qwen2.*Mixture-of-experts"),
+        ("qwen3", {"architecture": "bert"}, "architecture 'bert' is not served; flare serves llama, qwen2"),
         ("llama", {"architecture": "mamba"}, "'mamba' is not served"),
         ("llama", {"tensors": {"blk.0.ffn_gate_inp.weight": np.zeros((4, 64))}}, "blk.0.ffn_gate_inp.weight.*mixture-of-experts"),
         ("llama", {"metadata": {"llama.expert_count": (8, U32)}}, "llama.expert_count is 8: a mixture-of-experts model"),
