@@ -303,6 +303,8 @@ def _moe_fields(path: Path, keys: _Keys, gguf_arch: str, shapes: Mapping[str, tu
         raise keys._bad(keys._key("expert_gating_func"), gating, "1 (softmax), the gating these families use")
     normalize = keys.metadata.get(keys._key("expert_weights_norm"))
     layers = sorted(int(m.group(1)) for name in shapes if (m := re.fullmatch(r"blk\.(\d+)\.ffn_gate_inp\.weight", name)))
+    if not layers:
+        raise SourceError(f"{path}: {gguf_arch}.expert_count is {experts} but no layer holds a router (ffn_gate_inp)")
     shared = keys.maybe_integer("expert_shared_feed_forward_length") if "blk.0.ffn_down_shexp.weight" in shapes else None
     return {
         "num_experts": experts,

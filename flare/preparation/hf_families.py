@@ -60,9 +60,6 @@ MODEL_TYPES = {
     "mixtral": "mixtral",
 }
 _QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
-# Families whose layers need what the decoder does not have yet: named in the refusal.
-NOT_YET = {
-}
 _GEMMA = ("gemma2", "gemma3")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # Gemma's names of a layer's four norms -> the package's (`expected_weight_shapes`).
@@ -94,11 +91,10 @@ def text_config(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def served_model_type(data: dict[str, Any]) -> str:
-    """The config's `model_type`; SourceError for one flare does not serve, naming what it lacks."""
+    """The config's `model_type`; SourceError for one flare does not serve."""
     model_type = data.get("model_type")
     if model_type not in MODEL_TYPES:
-        later = f" ({NOT_YET[model_type]} are not built yet)" if model_type in NOT_YET else ""
-        raise SourceError(f"config.json describes a {model_type!r} model{later}; flare serves model types {served_list()}")
+        raise SourceError(f"config.json describes a {model_type!r} model; flare serves model types {served_list()}")
     return model_type
 
 
@@ -179,7 +175,7 @@ def model_config_from_hf(
             architecture=architecture,
             # A Llama's own attention_bias was refused above (it puts one on o_proj too).
             # A Qwen2-MoE's are its `qkv_bias` (transformers' default: on).
-            attention_bias=bool(data.get("qkv_bias", True)) if family.attention_bias is None else family.attention_bias,
+            attention_bias=bool(data.get("qkv_bias", True)) if architecture == "qwen2_moe" else bool(family.attention_bias),
             qk_norm=family.qk_norm,
             rotary_dim=latent.qk_rope_head_dim if latent is not None else rope.rotary_dim,
             rope_scaling=rope.scaling,
