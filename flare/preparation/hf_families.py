@@ -204,8 +204,9 @@ def _deepseek_moe_fields(data: dict[str, Any], layers: int) -> dict[str, Any]:
     bias, groups scored by their top two (sigmoid_group, `norm_topk_prob`); V2 by softmax, greedy
     or group_limited_greedy (its weights never renormalized)."""
     experts = int(data.get("n_routed_experts") or 0)
-    if not experts:
-        return {}
+    first_moe = int(data.get("first_k_dense_replace") or 0)
+    if not experts or first_moe >= layers:
+        return {}  # every layer dense: the expert keys describe none
     width = int(data["moe_intermediate_size"])
     v3 = data.get("model_type") == "deepseek_v3"
     method = data.get("topk_method") or "greedy"
@@ -214,7 +215,7 @@ def _deepseek_moe_fields(data: dict[str, Any], layers: int) -> dict[str, Any]:
         "num_experts": experts,
         "num_experts_per_tok": int(data.get("num_experts_per_tok") or 0),
         "moe_intermediate_size": width,
-        "moe_layers": tuple(range(int(data.get("first_k_dense_replace") or 0), layers)),
+        "moe_layers": tuple(range(first_moe, layers)),
         "routing": "sigmoid_group" if v3 else "softmax_group_max" if grouped else "softmax",
         "norm_topk_prob": bool(data.get("norm_topk_prob")) if v3 else False,
         "routed_scaling_factor": float(data.get("routed_scaling_factor") or 1.0),
