@@ -63,9 +63,9 @@ def main() -> None:
     cache = KVCache.for_config(config, args.rows * (args.context // BLOCK + 2) + args.chunk // BLOCK + 2, BLOCK)
     allocator = BlockAllocator(cache.num_blocks)
     tables = [allocator.allocate(args.context // BLOCK + 1) for _ in range(args.rows)]
-    decode = ForwardBatch.build([ForwardRow([1], args.context, table) for table in tables], BLOCK)
+    decode = ForwardBatch.build([ForwardRow([1], args.context, table, num_logits=1) for table in tables], BLOCK)
     chunk_table = allocator.allocate(args.chunk // BLOCK + 1)
-    chunk = ForwardBatch.build([ForwardRow([1] * args.chunk, 0, chunk_table)], BLOCK)
+    chunk = ForwardBatch.build([ForwardRow([1] * args.chunk, 0, chunk_table, num_logits=1)], BLOCK)
     tables_ = rope_tables(config, torch.float32, "cpu")
     with torch.inference_mode():
         for name, batch in (("decode", decode), ("prefill chunk", chunk)):
