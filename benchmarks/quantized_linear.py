@@ -43,9 +43,12 @@ HEAD_SHAPE = (49152, 576)
 
 
 def random_blocks(ggml_type: gguf.GGMLQuantizationType, out_features: int, in_features: int, rng: np.random.Generator) -> QuantizedWeight:
-    """A weight of random quants whose float16 scales are finite (random small normals)."""
+    """A weight of random quants whose scales are finite (float16: random small normals)."""
     block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
     data = rng.integers(0, 256, (out_features * (in_features // block_size), type_size), dtype=np.uint8)
+    if ggml_type == gguf.GGMLQuantizationType.MXFP4:  # one E8M0 scale byte: 2^-10 .. 2^-5
+        data[:, 0] = rng.integers(118, 124, data.shape[0])
+        return QuantizedWeight.from_blocks(ggml_type, torch.from_numpy(data.reshape(out_features, -1)), out_features, in_features)
     scales = {gguf.GGMLQuantizationType.Q6_K: (208,)}.get(ggml_type, (0, 2))
     for offset in scales:
         halves = (rng.standard_normal(data.shape[0], dtype=np.float32) * 0.01).astype(np.float16)

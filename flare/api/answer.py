@@ -24,6 +24,7 @@ from aiohttp import web
 
 from flare.api.errors import RATE_LIMIT, SERVER_ERROR, ApiError, bad_request
 from flare.api.generation import Generation
+from flare.api.harmony import HarmonyCalls, HarmonyReader
 from flare.api.prepare import Echo, Prepared
 from flare.api.reasoning import ReasoningReader
 from flare.api.rendering import ChoiceText, RenderedToken, Renderer, TextPiece, TokenRenderer
@@ -235,12 +236,17 @@ class _Reading:
 
     prepared: Prepared
     renderer: TokenRenderer
-    readers: list[ToolCallReader] = field(init=False)
-    reasoners: list[ReasoningReader | None] = field(init=False)
+    readers: list[ToolCallReader | HarmonyCalls] = field(init=False)
+    reasoners: list[ReasoningReader | HarmonyReader | None] = field(init=False)
 
     def __post_init__(self) -> None:
         calls = self.prepared.generation.calls_possible
         fmt, call_prefix = self.prepared.tool_format, self.prepared.ids.call
+        if fmt.name == "harmony" and self.prepared.reasoning is not None:
+            # A chat answer of gpt-oss: one reader splits its channels into reasoning, text and calls.
+            harmony = [HarmonyReader(call_prefix) for _ in range(self.prepared.choices)]
+            self.reasoners, self.readers = list(harmony), [reader.calls for reader in harmony]
+            return
         self.readers = [ToolCallReader(calls, fmt, call_prefix) for _ in range(self.prepared.choices)]
         reasoning, inside = self.prepared.reasoning, self.prepared.reasoning_inside
         self.reasoners = [
@@ -316,8 +322,10 @@ async def _stream(
             if reasoning or answer_text:
                 text, deltas = reading.readers[event.index].push(answer_text)
                 await _write(response, renderer.text(TextPiece(event.index, text, None, None, reasoning)))
-                if deltas:
-                    await _write(response, renderer.calls(event.index, deltas))
+            else:  # a harmony call's last arguments may still be held
+                _, deltas = reading.readers[event.index].push("")
+            if deltas:
+                await _write(response, renderer.calls(event.index, deltas))
             await _write(response, renderer.finish(event.index, reading.reason(event), event.fell_back, event.stop_string))
             finished.append(event)
             if len(finished) < prepared.choices:

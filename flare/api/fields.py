@@ -203,7 +203,7 @@ def effort_switch(value: Any, param: str) -> ThinkingSwitch | None:
         return None
     if value not in REASONING_EFFORTS:
         raise bad_request(f"{param} must be one of {', '.join(REASONING_EFFORTS)}, got {value!r}", param=param)
-    return ThinkingSwitch(value != "none", param)
+    return ThinkingSwitch(value != "none", param, value)
 
 
 def template_switch(value: Any) -> ThinkingSwitch | None:

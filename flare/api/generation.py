@@ -62,6 +62,7 @@ class ThinkingSwitch:
 
     enabled: bool
     param: str
+    effort: str | None = None  # the effort asked for, where the field names one (api/fields.py REASONING_EFFORTS)
 
 
 @dataclass(frozen=True)

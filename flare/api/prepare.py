@@ -21,6 +21,7 @@ import anyio
 from flare.api.abandonable import run_abandonable
 from flare.api.errors import bad_request
 from flare.api.generation import ChatPrompt, Generation, TextPrompts, ThinkingSwitch, TokenOptions
+from flare.api.harmony import harmony_grammar
 from flare.api.reasoning import after_reasoning
 from flare.api.rendering import IdForm, flare_object, logprobs_object
 from flare.api.tools.grammar import tool_grammar
@@ -140,10 +141,13 @@ async def prepare(
     # request switched it off in a template that reads the switch.
     free = reasoning if reasoning is not None and not _switched_off(generation, reasoning, inside) else None
     constraint = generation.constraint
-    if free is not None and constraint is not None:
-        constraint = _constraint_after_reasoning(constraint, free, inside)
-    if generation.tools is not None and generation.tools.calls_possible:
-        constraint = tool_grammar(generation.tools, tool_format, scheduler.tokenizer.tool_tokens, free, inside)
+    if tool_format.name == "harmony" and reasoning is not None:
+        constraint = harmony_grammar(generation.tools, constraint, scheduler.tokenizer.tool_tokens)
+    else:
+        if free is not None and constraint is not None:
+            constraint = _constraint_after_reasoning(constraint, free, inside)
+        if generation.tools is not None and generation.tools.calls_possible:
+            constraint = tool_grammar(generation.tools, tool_format, scheduler.tokenizer.tool_tokens, free, inside)
     grammar = await _compile(serving, constraint, cache_scope)
     clamp = _clamp(scheduler, generation, room, grammar)
     prediction = await _prediction_ids(serving, generation.prediction)
@@ -184,8 +188,17 @@ def _reasoning_format(scheduler: Scheduler, generation: Generation) -> Reasoning
     return fmt
 
 
+# gpt-oss's template takes `reasoning_effort` low, medium or high (its system message's
+# "Reasoning:" line); the efforts past either end are the nearest of them. Its reasoning cannot
+# be switched off, so "none" leaves the template's default.
+_HARMONY_EFFORTS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
+
+
 def _template_kwargs(reasoning: ReasoningFormat | None, switch: ThinkingSwitch | None) -> dict[str, Any] | None:
-    """`enable_thinking` for a template that reads it, as the request switched it."""
+    """`enable_thinking` for a template that reads it, as the request switched it; harmony's
+    `reasoning_effort` (gpt-oss) as the request asked."""
+    if reasoning is not None and reasoning.name == "harmony" and switch is not None and switch.effort in _HARMONY_EFFORTS:
+        return {"reasoning_effort": _HARMONY_EFFORTS[switch.effort]}
     if reasoning is None or switch is None or not reasoning.switchable:
         return None
     return {"enable_thinking": switch.enabled}

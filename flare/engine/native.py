@@ -11,6 +11,8 @@ built (no C compiler at install time) and that the tests hold it equal to:
   copy, five elementwise passes and two index copies;
 - `gated_rows`: silu(gate) * up (or GELU-tanh's, Gemma's GeGLU) from the gate/up layer's output
   into the rows the down projection reads, instead of two passes and a transposing copy;
+  `clamped_swiglu_rows` the same for gpt-oss's clamped SwiGLU (its torch counterpart
+  `layers/mlp.py`'s `clamped_swiglu`);
 - `add_rms_norm`: the residual add and the RMSNorm after it, instead of seven passes;
 - `quantized_linear` and `quantized_rows`: a linear layer multiplied straight from ggml's
   quantized blocks, and rows of such a weight expanded (the embedding lookup), for
@@ -29,7 +31,8 @@ pool and the RoPE tables. Kernels release the GIL and run on `torch.get_num_thre
 
 The families' features ride along as options that default to Llama's layer (issue 26;
 `ModelConfig`'s docstring): a q/k/v bias, per-head q/k RMSNorm and partial rotary in
-`rope_and_cache`, a sliding window, a soft-cap and an explicit scale in `paged_attention`,
+`rope_and_cache`, a sliding window, a soft-cap, an explicit scale and attention sinks
+(gpt-oss; torch counterpart `layers/attention.py`'s `scores_to_output`) in `paged_attention`,
 GELU-tanh in `gated_rows`, all of them and the sandwich norms per layer in `KernelLayer`. Unset,
 each kernel runs the loops and gives the bits it did before them.
 """
@@ -107,6 +110,7 @@ def paged_attention(
     scale: float | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     portable: bool = False,
 ) -> torch.Tensor:
     """Causal attention of `rows` rows of `query_len` new tokens each over their cached keys.
@@ -121,6 +125,8 @@ def paged_attention(
     `scale`: the factor on q . k (None: D ** -0.5). `window`: a sliding window, the token at
     position p attends to positions p - window < k <= p only (None: all). `softcap`: scores
     become softcap * tanh(score / softcap) after the scale, before the softmax (None: not capped).
+    `sinks`: float32 [heads], each head's learned sink logit, which joins its softmax's
+    denominator and carries no value (gpt-oss; None: no sinks).
     """
     native = _module()
     tokens, heads, head_dim = q.shape
@@ -145,6 +151,8 @@ def paged_attention(
     if not block_table.is_contiguous() or not start_positions.is_contiguous():
         problems.append("block_table and start_positions must be contiguous")
     problems += _attention_option_problems(scale, window, softcap)
+    if sinks is not None and (sinks.dtype != torch.float32 or sinks.device.type != "cpu" or sinks.shape != (heads,) or not sinks.is_contiguous()):
+        problems.append(f"sinks must be a contiguous CPU float32 [{heads}] (one per query head), got {sinks.device} {sinks.dtype} {tuple(sinks.shape)}")
     _check("paged_attention", problems)
 
     out = torch.empty(tokens, heads, head_dim, dtype=torch.float32)
@@ -152,7 +160,7 @@ def paged_attention(
         q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), out.data_ptr(), block_table.data_ptr(),
         start_positions.data_ptr(), rows, query_len, heads, kv_heads, head_dim, block_size, num_blocks, max_blocks,
         head_dim**-0.5 if scale is None else scale, window or 0, softcap or 0.0, torch.get_num_threads(),
-        KV_DTYPE_CODES[keys.dtype], portable,
+        KV_DTYPE_CODES[keys.dtype], portable, 0 if sinks is None else sinks.data_ptr(),
     )
     return out
 
@@ -275,6 +283,28 @@ def gated_rows(gate_up_columns: torch.Tensor, activation: str = "silu") -> torch
     return out
 
 
+def clamped_swiglu_rows(gate_up_columns: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU as rows [T, I], from the gate/up output as `gated_rows` takes it
+    (columns [2 I, T], gate first): g' sigmoid(alpha g') (u' + 1), g' = min(g, limit),
+    u' = clamp(u, -limit, limit)."""
+    native = _module()
+    channels, tokens = gate_up_columns.shape
+    problems = _dtype_problems(gate_up_columns=(gate_up_columns, torch.float32))
+    if channels % 2:
+        problems.append(f"gate_up_columns must have an even number of channels, got {channels}")
+    for name, value in (("alpha", alpha), ("limit", limit)):
+        if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+            problems.append(f"{name} must be a positive finite number, got {value!r}")
+    _check("clamped_swiglu_rows", problems)
+
+    out = torch.empty(tokens, channels // 2, dtype=torch.float32)
+    native.clamped_swiglu_rows(
+        gate_up_columns.data_ptr(), gate_up_columns.stride(0), gate_up_columns.stride(1), out.data_ptr(), channels // 2,
+        tokens, float(alpha), float(limit), torch.get_num_threads(),
+    )
+    return out
+
+
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`h += delta` in place (when delta is given), then RMSNorm of h: returns [T, hidden].
 
@@ -367,6 +397,69 @@ def quantized_linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out_
             in_features, out_features, torch.get_num_threads(), isa,
         )
     return y
+
+
+# ---- integer K-quant products (integer_kquants.c), for tests and benchmarks --------------------------
+
+# The integer kernels' levels (integer_dot.h): each caps the instructions; a level the CPU lacks falls
+# back to the widest it has. The default follows torch's dispatch, as QUANTIZED_ISA does.
+IDOT_PORTABLE, IDOT_AVX2, IDOT_AVX_VNNI, IDOT_AVX512_VNNI = 0, 1, 2, 3
+KQUANT_ISA = {ISA_AVX512: IDOT_AVX512_VNNI, ISA_AVX2: IDOT_AVX2}.get(QUANTIZED_ISA, IDOT_PORTABLE)
+
+
+def _kquant_rows_problems(x: torch.Tensor, in_features: int) -> list[str]:
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != in_features or not x.is_contiguous():
+        return [f"x must be a contiguous CPU float32 [rows, {in_features}], got {x.device} {x.dtype} {tuple(x.shape)}"]
+    if in_features < 256 or in_features % 256:
+        return [f"in_features must be a positive multiple of 256, got {in_features}"]
+    return []
+
+
+def kquant_product(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    ggml_type: int,
+    out_features: int,
+    in_features: int,
+    isa: int | None = None,
+    halves: int = 1,
+) -> torch.Tensor:
+    """x [rows, in] float32 quantized to Q8_K (`quantize_q8k`) times a Q4_K / Q5_K / Q6_K weight
+    (uint8 [out, row bytes], contiguous) by integer dot products: [rows, out] float32, the same bits
+    at every `isa` (IDOT_*; default KQUANT_ISA) and whatever rows share the call. halves 2: x and
+    its residual x - d qs each quantized to Q8_K, their products added (about 15 bits of x)."""
+    native = _module()
+    _check("kquant_product", _kquant_rows_problems(x, in_features))
+    block_bytes = {12: 144, 13: 176, 14: 210}.get(int(ggml_type))
+    if block_bytes is None:
+        raise ValueError(f"kquant_product: ggml_type must be Q4_K (12), Q5_K (13) or Q6_K (14), got {ggml_type}")
+    expected = (out_features, in_features // 256 * block_bytes)
+    if blocks.dtype != torch.uint8 or tuple(blocks.shape) != expected or not blocks.is_contiguous():
+        raise ValueError(f"kquant_product: blocks must be contiguous uint8 {expected}, got {blocks.dtype} {tuple(blocks.shape)}")
+    if halves not in (1, 2):
+        raise ValueError(f"kquant_product: halves must be 1 or 2, got {halves!r}")
+    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    if x.shape[0]:
+        native.kquant_product(
+            x.data_ptr(), x.shape[0], in_features, blocks.data_ptr(), int(ggml_type), y.data_ptr(), out_features,
+            torch.get_num_threads(), KQUANT_ISA if isa is None else isa, halves,
+        )
+    return y
+
+
+def quantize_q8k(x: torch.Tensor, isa: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [rows, in] float32 as the Q8_K blocks the integer products read: d [rows, in / 256]
+    float32, qs [rows, in] int8 (x ~ d qs) and bsums [rows, in / 16] int16 (sums of 16 qs)."""
+    native = _module()
+    _check("quantize_q8k", _kquant_rows_problems(x, x.shape[-1] if x.dim() == 2 else 0))
+    rows, in_features = x.shape
+    d = torch.empty(rows, in_features // 256, dtype=torch.float32)
+    qs = torch.empty(rows, in_features, dtype=torch.int8)
+    bsums = torch.empty(rows, in_features // 16, dtype=torch.int16)
+    native.quantize_q8k(
+        x.data_ptr(), rows, in_features, d.data_ptr(), qs.data_ptr(), bsums.data_ptr(), KQUANT_ISA if isa is None else isa
+    )
+    return d, qs, bsums
 
 
 def quantized_first_nonfinite_scale(blocks: torch.Tensor, ggml_type: int, type_size: int) -> int:

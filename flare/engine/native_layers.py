@@ -33,7 +33,7 @@ from flare.engine.native import (
 # A LinearPart's type for packed float16 weights (kernels.h, LINEAR_PACKED_FLOAT16: ggml's type 0,
 # F32, is never a part's); a part of ggml blocks has its ggml type id, one quantized_linear reads.
 PACKED_FLOAT16 = 0
-QUANTIZED_TYPE_IDS = frozenset({2, 3, 6, 7, 8, 12, 13, 14})  # kernels.h GGML_*
+QUANTIZED_TYPE_IDS = frozenset({2, 3, 6, 7, 8, 12, 13, 14, 39})  # kernels.h GGML_* (39: MXFP4)
 # The most parts a layer's linear layer may have (kernels.h, LAYER_LINEAR_PARTS).
 LAYER_LINEAR_PARTS = 3
 

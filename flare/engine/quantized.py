@@ -18,7 +18,7 @@ import torch
 
 from flare.engine import native
 from flare.engine.native import QUANTIZED_ISA
-from flare.package.blocks import KEPT_TYPES, SCALE_OFFSETS
+from flare.package.blocks import E8M0_NAN, E8M0_SCALE_OFFSETS, KEPT_TYPES, SCALE_OFFSETS
 
 
 def supported_types() -> frozenset[gguf.GGMLQuantizationType]:
@@ -83,13 +83,15 @@ class QuantizedWeight:
 
 def _first_nonfinite_scale(ggml_type: gguf.GGMLQuantizationType, data: torch.Tensor, type_size: int) -> int:
     """The first block of `data` whose float16 scale is NaN or infinite (its five exponent bits
-    all ones), or -1."""
+    all ones), or whose E8M0 scale is NaN (0xFF), or -1."""
     if native.available():
         return native.quantized_first_nonfinite_scale(data, ggml_type, type_size)
     scales = data.view(-1, type_size)
     bad = torch.zeros(scales.shape[0], dtype=torch.bool)
-    for offset in SCALE_OFFSETS[ggml_type]:
+    for offset in SCALE_OFFSETS.get(ggml_type, ()):
         bad |= (scales[:, offset + 1] & 0x7C) == 0x7C
+    for offset in E8M0_SCALE_OFFSETS.get(ggml_type, ()):
+        bad |= scales[:, offset] == E8M0_NAN
     found = bad.nonzero()
     return int(found[0]) if found.numel() else -1
 

@@ -47,7 +47,12 @@ SCALE_OFFSETS: dict[GGMLType, tuple[int, ...]] = {
     GGMLType.Q5_K: (0, 2),
     GGMLType.Q6_K: (208,),
 }
-KEPT_TYPES = frozenset(SCALE_OFFSETS)
+# Byte offsets of the E8M0 scale (one exponent byte, 2^(e - 127); 0xFF is NaN in OCP MX v1.0)
+# inside a block of the microscaling types: MXFP4 (gpt-oss's experts: the scale, then 16 bytes
+# of E2M1 nibbles).
+E8M0_SCALE_OFFSETS: dict[GGMLType, tuple[int, ...]] = {GGMLType.MXFP4: (0,)}
+E8M0_NAN = 0xFF
+KEPT_TYPES = frozenset(SCALE_OFFSETS) | frozenset(E8M0_SCALE_OFFSETS)
 
 
 class BlocksError(ValueError):
@@ -82,7 +87,7 @@ def type_named(name: str) -> GGMLType | None:
 def block_problems(name: str, ggml_type: GGMLType, data: np.ndarray, shape: tuple[int, int]) -> list[str]:
     """Why `data` cannot be served as the blocks of tensor `name` [out, in] in `ggml_type`: a type
     without a kernel, a length that is not the shape's, a NaN or infinite float16 scale (d or dmin)
-    in any block. Empty when the blocks are servable. The scale check reads the scales of every
+    or a NaN E8M0 scale (MXFP4) in any block. Empty when the blocks are servable. The scale check reads the scales of every
     block as one strided float16 view: no Python loop over blocks."""
     if ggml_type not in KEPT_TYPES:
         kept = ", ".join(sorted(t.name for t in KEPT_TYPES))
@@ -100,7 +105,15 @@ def block_problems(name: str, ggml_type: GGMLType, data: np.ndarray, shape: tupl
         ]
     type_size = gguf.GGML_QUANT_SIZES[ggml_type][1]
     blocks = np.ascontiguousarray(data).reshape(-1).view(np.uint8).reshape(-1, type_size)
-    for offset in SCALE_OFFSETS[ggml_type]:
+    for offset in E8M0_SCALE_OFFSETS.get(ggml_type, ()):
+        bad = blocks[:, offset] == E8M0_NAN
+        if bad.any():
+            block = int(np.argmax(bad))
+            return [
+                f"tensor {name}: {int(bad.sum())} block(s) have a NaN scale "
+                f"(first: block {block}, row {block * type_size // width}, E8M0 byte 0xff)"
+            ]
+    for offset in SCALE_OFFSETS.get(ggml_type, ()):
         scales = blocks[:, offset : offset + 2].copy().view(np.float16).reshape(-1)
         bad = ~np.isfinite(scales)
         if bad.any():
@@ -186,6 +199,25 @@ def dequantized(tensor: BlockTensor) -> torch.Tensor:
     """The tensor's values as float32 of its shape, exactly gguf-py's `dequantize` of its blocks."""
     values = gguf.quants.dequantize(tensor.data.numpy(), tensor.ggml_type)
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(tensor.shape)
+
+
+def mxfp4_from_openai(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """gpt-oss's Hugging Face MXFP4 tensors (`*_blocks` uint8 [..., rows, groups, 16] and
+    `*_scales` uint8 [..., rows, groups]) as ggml MXFP4 rows, uint8 [..., rows, groups * 17]:
+    the same values, repacked. Both hold a group of 32 values as an E8M0 scale and 16 bytes of
+    E2M1 nibbles, and mean the same number by them (OpenAI's table E2M1's values times
+    2^(s - 127), ggml's the doubled values times 2^(s - 128)), so the scale byte is copied. The
+    nibbles move: OpenAI's byte k holds values 2k (low nibble) and 2k + 1 (high), ggml's byte j
+    values j (low) and j + 16 (high)."""
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+        raise BlocksError(
+            f"MXFP4 blocks must be uint8 [..., groups, 16] with uint8 scales [..., groups], got {blocks.dtype} "
+            f"{list(blocks.shape)} and {scales.dtype} {list(scales.shape)}"
+        )
+    values = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)  # value i at i
+    nibbles = values[..., :16] | (values[..., 16:] << 4)
+    packed = np.concatenate([scales[..., None], nibbles.astype(np.uint8)], axis=-1)
+    return packed.reshape(*blocks.shape[:-2], blocks.shape[-2] * 17)
 
 
 def unpermute_block_rows(tensor: BlockTensor, num_heads: int) -> BlockTensor:

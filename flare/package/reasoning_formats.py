@@ -10,7 +10,9 @@ the text after the end mark as the answer.
   distills') starts the answer inside the reasoning; one that writes a closed, empty pair there
   (Qwen 3 with `enable_thinking` false) starts it after.
 
-Another family's marks (gpt-oss's harmony channels) are one more `ReasoningFormat`.
+- `harmony`: gpt-oss. Its reasoning is the message on the analysis channel,
+  ``<|channel|>analysis<|message|>...<|end|>``, and its answer the final channel's message;
+  the harmony reader (api/harmony.py) reads both, and the tool calls, from the channels.
 """
 
 from __future__ import annotations
@@ -29,11 +31,15 @@ class ReasoningFormat:
 
 
 THINK = ReasoningFormat("think", "<think>", "</think>")
+HARMONY = ReasoningFormat("harmony", "<|channel|>analysis<|message|>", "<|end|>")
 
 
 def reasoning_format(source: str) -> ReasoningFormat | None:
     """The reasoning format the chat template `source` shows its model writing, or None for a
-    model that answers at once: a template that writes or strips `</think>` knows the tags."""
+    model that answers at once: a template that writes or strips `</think>` knows the tags, one
+    that writes harmony's channels (gpt-oss) reasons on the analysis channel."""
+    if "<|channel|>analysis" in source:
+        return HARMONY
     if THINK.end not in source:
         return None
     return ReasoningFormat(THINK.name, THINK.start, THINK.end, switchable="enable_thinking" in source)

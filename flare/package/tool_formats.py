@@ -14,6 +14,12 @@ reader parses it back into OpenAI `tool_calls`:
   per turn (their templates refuse a turn with several calls).
 - `mistral`: Mistral v0.3 and later: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``;
   call ids of nine letters and digits (the template refuses any other).
+- `harmony`: gpt-oss. Its whole answer is messages on channels (analysis, commentary, final),
+  and a call is a commentary message addressed to the function,
+  ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>``: not a
+  JSON object among text, so it has none of the marks below, and its own reader
+  (api/harmony.py) reads the answer. Its control tokens are `control_marks`, so decoding keeps
+  their text for that reader.
 
 Every answer of calls is `prefix`, then each call as `call_open` + JSON + `call_close` joined by
 `separator`, then `suffix`. A mark the vocabulary holds as a control token (Mistral's
@@ -32,7 +38,7 @@ from typing import Literal
 
 from flare.package.chat_template import reads_tools
 
-ToolFormatName = Literal["flare", "qwen", "llama3", "mistral"]
+ToolFormatName = Literal["flare", "qwen", "llama3", "mistral", "harmony"]
 _ALPHANUMERIC = string.ascii_letters + string.digits
 
 
@@ -47,6 +53,7 @@ class ToolFormat:
     arguments_key: str  # the key of the call object that holds the arguments
     several: bool  # whether the template takes more than one call in a turn
     id_style: Literal["openai", "nine_alphanumeric"] = "openai"
+    control_marks: tuple[str, ...] = ()  # control tokens the answer is written with beyond the marks above
 
     @property
     def lead(self) -> str:
@@ -61,7 +68,8 @@ class ToolFormat:
     @property
     def marks(self) -> tuple[str, ...]:
         """The fixed texts the format writes around its calls."""
-        return tuple(m for m in (self.prefix, self.call_open, self.call_close, self.separator, self.suffix) if m)
+        fixed = (self.prefix, self.call_open, self.call_close, self.separator, self.suffix, *self.control_marks)
+        return tuple(m for m in fixed if m)
 
     def new_call_id(self, prefix: str = "call_") -> str:
         """A new call's id: the API's form (`prefix` and hex), unless the template demands its own."""
@@ -77,15 +85,23 @@ MISTRAL = ToolFormat(
     "mistral", "[TOOL_CALLS] [", "", "", ", ", "]", "arguments", several=True, id_style="nine_alphanumeric"
 )
 
+# gpt-oss's control tokens (o200k_harmony): a message is <|start|>header<|message|>body, ended by
+# <|end|>, or by <|call|> (a call) or <|return|> (the answer), which also end the generation.
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|constrain|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>")
+HARMONY = ToolFormat("harmony", "", "", "", "", "", "arguments", several=False, control_marks=HARMONY_TOKENS)
+
 
 def tool_call_format(source: str) -> ToolFormat:
     """The tool-call format the chat template `source` teaches: decided from the template's
     text, once, when a package is loaded.
 
     A template that does not read `tools` cannot show the model its functions: flare writes its
-    own format then ("flare"). Otherwise the marks each family's template writes its earlier
+    own format then ("flare"), unless it writes harmony's channels (gpt-oss), whose answer is
+    read as harmony whether or not it calls. Otherwise the marks each family's template writes its earlier
     calls with: Mistral's `[TOOL_CALLS]`, the `<tool_call>` tags of Qwen and Hermes, Llama 3.1's
     `"parameters"` object beside its header tokens; any other such template, flare's format."""
+    if "<|channel|>" in source:
+        return HARMONY
     if not reads_tools(source):
         return FLARE
     if "[TOOL_CALLS]" in source:

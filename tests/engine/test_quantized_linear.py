@@ -22,7 +22,8 @@ from flare.engine.quantized import QuantizedWeight, dequantize, dequantize_rows,
 T = gguf.GGMLQuantizationType
 SIMPLE = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)  # gguf-py quantizes these
 K_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)  # gguf-py only dequantizes these
-ALL = SIMPLE + K_TYPES
+MICROSCALED = (T.MXFP4,)  # an E8M0 scale byte: random blocks reach every scale and nibble
+ALL = SIMPLE + K_TYPES + MICROSCALED
 # Where each type keeps its float16 scales inside a block (d, then dmin / m).
 SCALE_OFFSETS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
 
@@ -34,6 +35,13 @@ def weight_of(ggml_type: T, out_features: int, in_features: int, seed: int = 0) 
     rng = np.random.default_rng(seed)
     if ggml_type in SIMPLE:
         blocks = gguf.quants.quantize(rng.standard_normal((out_features, in_features), dtype=np.float32), ggml_type)
+    elif ggml_type in MICROSCALED:
+        block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
+        blocks = rng.integers(0, 256, (out_features * (in_features // block_size), type_size), dtype=np.uint8)
+        blocks[:, 0] = rng.integers(110, 135, blocks.shape[0])  # 2^-18 .. 2^6
+        blocks[::7, 0] = 1  # 2^-127: the values are float32 subnormals
+        blocks[3::11, 0] = 0
+        blocks = blocks.reshape(out_features, -1)
     else:
         block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
         blocks = rng.integers(0, 256, (out_features * (in_features // block_size), type_size), dtype=np.uint8)
@@ -212,6 +220,33 @@ def test_a_nan_or_infinite_scale_is_refused_naming_its_block(
         QuantizedWeight.from_blocks(ggml_type, data, 3, 512)
 
 
+@pytest.mark.parametrize("with_kernels", [True, False])
+def test_an_mxfp4_block_with_the_nan_scale_byte_is_refused_naming_its_block(with_kernels: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not with_kernels:
+        monkeypatch.setattr(quantized.native, "available", lambda: False)
+    weight = weight_of(T.MXFP4, 3, 128)
+    data = weight.data.clone()
+    data[2, 17 * 3] = 0xFF  # row 2, block 3: E8M0's NaN
+    with pytest.raises(ValueError, match="MXFP4 block 3 of row 2 has a NaN or infinite scale"):
+        QuantizedWeight.from_blocks(T.MXFP4, data, 3, 128)
+    data[2, 17 * 3] = 0xFE  # 2^126: the largest finite scale is served
+    QuantizedWeight.from_blocks(T.MXFP4, data, 3, 128)
+
+
+def test_mxfp4_values_are_e2m1_times_the_power_of_two_of_the_scale_byte() -> None:
+    # One block by hand: scale byte 127 + 3 (gguf-py's half form: 2^(e - 128) times the doubled
+    # E2M1 values), nibbles 0-15 low then high.
+    block = np.zeros((1, 17), dtype=np.uint8)
+    block[0, 0] = 130
+    block[0, 1:] = np.arange(16, dtype=np.uint8) | (np.arange(16, dtype=np.uint8)[::-1] << 4)
+    weight = QuantizedWeight.from_blocks(T.MXFP4, torch.from_numpy(block), 1, 32)
+    e2m1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6]
+    expected = torch.tensor(e2m1 + e2m1[::-1]) * 2.0**3
+    for isa in (native.ISA_PORTABLE, native.ISA_AVX2, native.ISA_AVX512):
+        assert torch.equal(dequantize_rows(weight, torch.tensor([0]), isa=isa)[0], expected)
+    assert torch.equal(gguf_values(weight)[0], expected)
+
+
 def test_inputs_the_kernel_cannot_read_are_refused() -> None:
     weight = weight_of(T.Q8_0, 16, 64)
     for bad in (torch.randn(2, 64, dtype=torch.float64), torch.randn(2, 32), torch.randn(64)):
@@ -221,3 +256,23 @@ def test_inputs_the_kernel_cannot_read_are_refused() -> None:
         dequantize_rows(weight, torch.tensor([3, 16]))
     with pytest.raises(ValueError, match="rows must be CPU int64"):
         dequantize_rows(weight, torch.tensor([3], dtype=torch.int32))
+
+
+def test_gpt_oss_hugging_face_mxfp4_tensors_repack_to_ggml_blocks_of_the_same_values() -> None:
+    # transformers' own dequantization of the checkpoint's packed experts is the reference.
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from flare.package.blocks import BlocksError, mxfp4_from_openai
+
+    rng = np.random.default_rng(7)
+    experts, rows, groups = 3, 10, 4
+    blocks = rng.integers(0, 256, (experts, rows, groups, 16), dtype=np.uint8)
+    scales = rng.integers(110, 140, (experts, rows, groups), dtype=np.uint8)
+    expected = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+    ggml = mxfp4_from_openai(blocks, scales)
+    assert ggml.shape == (experts, rows, groups * 17)
+    for e in range(experts):
+        weight = QuantizedWeight.from_blocks(T.MXFP4, torch.from_numpy(np.ascontiguousarray(ggml[e])), rows, groups * 32)
+        assert torch.equal(dequantize(weight), expected[e].T)  # transformers keeps [in, out]
+    with pytest.raises(BlocksError, match="MXFP4 blocks must be uint8"):
+        mxfp4_from_openai(blocks[..., :8], scales)

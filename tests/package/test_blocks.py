@@ -25,7 +25,7 @@ from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
 from flare.engine.model import DecoderModel, load_model
 from flare.engine.quantized import QuantizedWeight
-from flare.package.blocks import BLOCKS_NAME, KEPT_TYPES, SCALE_OFFSETS, row_bytes
+from flare.package.blocks import BLOCKS_NAME, E8M0_SCALE_OFFSETS, KEPT_TYPES, SCALE_OFFSETS, row_bytes
 from flare.preparation.export import ExportError, ExportOptions, export_package
 from flare.preparation.inspect import inspect_package, render_text
 from flare.package.manifest import ModelConfig
@@ -52,7 +52,7 @@ EVERY_TYPE = {
     "model.layers.1.self_attn.q_proj.weight": T.Q6_K,
     "model.layers.1.self_attn.k_proj.weight": T.Q6_K,
     "model.layers.1.self_attn.v_proj.weight": T.Q6_K,
-    "model.layers.1.self_attn.o_proj.weight": T.Q8_0,
+    "model.layers.1.self_attn.o_proj.weight": T.MXFP4,
     "model.layers.1.mlp.gate_proj.weight": T.Q4_K,
     "model.layers.1.mlp.up_proj.weight": T.Q4_K,
     "model.layers.1.mlp.down_proj.weight": T.Q2_K,  # no kernel: dequantized at export
@@ -69,14 +69,21 @@ def wide_config(tiny_config: ModelConfig) -> ModelConfig:
 
 def random_blocks(kind: T, shape: tuple[int, int], seed: int, scale: float | None = None) -> np.ndarray:
     """Random blocks of `kind` for a weight [out, in] whose values spread about 1/sqrt(in): random
-    quants, and float16 scales set so (values are linear in the scales) the spread comes out right.
-    `scale` forces every scale to that value instead (NaN, inf)."""
+    quants, and float16 scales set so (values are linear in the scales) the spread comes out right
+    (an E8M0 scale, MXFP4's, to the nearest power of two). `scale` forces every float16 scale to
+    that value instead (NaN, inf)."""
     rng = np.random.default_rng(seed)
     width = row_bytes(kind, shape[1])
     assert width is not None
     data = rng.integers(0, 256, size=(shape[0], width), dtype=np.uint8)
     type_size = gguf.GGML_QUANT_SIZES[kind][1]
     offsets = SCALE_OFFSETS.get(kind, {T.Q2_K: (80, 82)}.get(kind, ()))
+    if kind in E8M0_SCALE_OFFSETS:
+        blocks = data.reshape(-1, type_size)
+        blocks[:, 0] = 128  # 2^0 in gguf-py's half form
+        spread = float(gguf.quants.dequantize(data, kind).std())
+        blocks[:, 0] = 128 + round(np.log2(shape[1] ** -0.5 / spread))
+        return data
 
     def set_scales(value: float) -> None:
         blocks = data.reshape(-1, type_size)
@@ -267,7 +274,7 @@ def test_inspect_reports_tensor_types_and_bytes_and_what_was_dequantized(every_t
     assert info["integrity"]["ok"]
     types = info["weight_types"]
     assert types["Q6_K"] == {"tensors": 4, "bytes": sum(e["nbytes"] for e in info["blocks"].values() if e["type"] == "Q6_K")}
-    assert set(types) == {"F32", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
+    assert set(types) == {"F32", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"}
     text = render_text(info, path)
     assert "Q6_K                4" in text and "(ggml blocks, mapped by flare run)" in text
     assert "dequantized         1 Q2_K tensor at export (no kernel for the type)" in text

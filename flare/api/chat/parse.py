@@ -387,8 +387,24 @@ def _message(index: int, message: Any) -> Mapping[str, Any]:
             raise bad_request(f"{where}: only assistant messages carry tool_calls", param=f"{where}.tool_calls")
         content = message.get("content")
         text = "" if content is None else _content(f"{where}.content", content)
-        return {"role": "assistant", "content": text, "tool_calls": _tool_calls(f"{where}.tool_calls", calls)}
-    return {"role": CHAT_ROLES[role], "content": _content(f"{where}.content", message.get("content", ...))}
+        parsed = {"role": "assistant", "content": text, "tool_calls": _tool_calls(f"{where}.tool_calls", calls)}
+        return {**parsed, **_thinking(where, message)}
+    parsed = {"role": CHAT_ROLES[role], "content": _content(f"{where}.content", message.get("content", ...))}
+    return {**parsed, **_thinking(where, message)} if role == "assistant" else parsed
+
+
+def _thinking(where: str, message: Mapping[str, Any]) -> dict[str, str]:
+    """An assistant message's earlier reasoning (`reasoning_content`, flare's and vLLM's field, or
+    `reasoning`) as the template's `thinking` (Hugging Face's name, which gpt-oss's template
+    renders before a call not yet answered; a template that does not read it leaves it out)."""
+    for name in ("reasoning_content", "reasoning"):
+        value = message.get(name)
+        if value is None or value == "":
+            continue
+        if not isinstance(value, str):
+            raise bad_request(f"{where}.{name} must be a string, got {kind(value)}", param=f"{where}.{name}")
+        return {"thinking": value}
+    return {}
 
 
 def _tool_calls(where: str, calls: Any) -> list[dict[str, Any]]:

@@ -210,6 +210,7 @@ def _conversation(messages: Any) -> tuple[list[dict[str, Any]], str | None]:
 def _blocks(where: str, role: str, blocks: list[Any]) -> list[tuple[dict[str, Any], str | None]]:
     """The turn's chat messages, each with the field of its tool_use_id (tool results only)."""
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[tuple[dict[str, Any], str | None]] = []
     for j, block in enumerate(blocks):
@@ -220,7 +221,10 @@ def _blocks(where: str, role: str, blocks: list[Any]) -> list[tuple[dict[str, An
         elif block_type == "tool_result" and role == "user":
             results.append((_tool_result(at, block), f"{at}.tool_use_id"))
         elif block_type in ("thinking", "redacted_thinking") and role == "assistant":
-            continue  # an earlier answer's thinking, sent back: templates leave it out of the prompt
+            # An earlier answer's thinking, sent back: the template's `thinking` (gpt-oss's renders
+            # it before a call not yet answered; the others leave it out of the prompt).
+            if block_type == "thinking" and isinstance(block.get("thinking"), str):
+                thoughts.append(block["thinking"])
         elif block_type in ("tool_use", "tool_result"):
             raise bad_request(
                 f"{at}: {block_type} blocks belong on {'assistant' if block_type == 'tool_use' else 'user'} turns",
@@ -229,10 +233,11 @@ def _blocks(where: str, role: str, blocks: list[Any]) -> list[tuple[dict[str, An
         else:
             texts.append(_text_block(at, block))
     turn = [*results]
+    thinking = {"thinking": "".join(thoughts)} if thoughts else {}
     if calls:
-        turn.append(({"role": "assistant", "content": "".join(texts), "tool_calls": calls}, None))
+        turn.append(({"role": "assistant", "content": "".join(texts), "tool_calls": calls, **thinking}, None))
     elif texts or not results:
-        turn.append(({"role": role, "content": "".join(texts)}, None))
+        turn.append(({"role": role, "content": "".join(texts), **thinking}, None))
     return turn
 
 

@@ -201,6 +201,7 @@ def _conversation(body: Mapping[str, Any], earlier: Sequence[Mapping[str, Any]])
     if not isinstance(given, list) or not given:
         raise bad_request(f"input must be a string or a non-empty list of items, got {kind(given)}", param="input")
     id_fields: dict[int, str] = {}  # tool message -> where its call_id was sent
+    thinking: dict[str, str] = {}  # a reasoning item's text, for the assistant turn that follows it
     for i, item in enumerate([*earlier, *given], start=-len(earlier)):
         where = f"input[{i}]" if i >= 0 else f"previous_response_id's item {i + len(earlier)}"
         if not isinstance(item, dict):
@@ -208,20 +209,29 @@ def _conversation(body: Mapping[str, Any], earlier: Sequence[Mapping[str, Any]])
         _item_id_and_status(where, item)
         item_type = item.get("type", "message")
         if item_type == "message":
-            messages.append(_message(where, item))
+            message = _message(where, item)
+            messages.append({**message, **thinking} if message["role"] == "assistant" else message)
+            thinking = {} if message["role"] == "assistant" else thinking
         elif item_type == "function_call":
             call = _function_call(where, item)
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
+                last.update(thinking)
             else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call], **thinking})
+            thinking = {}
         elif item_type == "function_call_output":
             id_fields[len(messages)] = f"{where}.call_id"
             messages.append(_function_output(where, item))
         elif item_type == "reasoning":
-            # An earlier turn's reasoning: templates leave it out of the prompt (Qwen 3's does).
+            # An earlier turn's reasoning: the template's `thinking` of the assistant turn that
+            # follows (gpt-oss's renders it before a call not yet answered; the others, Qwen 3's
+            # among them, leave it out of the prompt).
             _only_keys(where, item, {"type", "id", "summary", "content", "encrypted_content", "status"})
+            parts = item.get("content") if isinstance(item.get("content"), list) else []
+            texts = [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            thinking = {"thinking": "".join(texts)} if texts else {}
         else:
             raise bad_request(
                 f"{where}.type {item_type!r} is not supported; send message, function_call, function_call_output or "

@@ -49,7 +49,7 @@ def tool_grammar(
     }
     control = control or {}
     several = tools.parallel and fmt.several
-    calls = f"call ({_literal(fmt.separator, control)} call)*" if several else "call"
+    calls = f"call ({literal(fmt.separator, control)} call)*" if several else "call"
     start = "text | calls" if tools.choice == "auto" else "calls"
     thinking = ""
     if reasoning is not None:
@@ -60,13 +60,13 @@ def tool_grammar(
         f"{thinking}"
         "text: TEXT\n"
         f"TEXT: /[^{re.escape(fmt.lead)}](.|\\n)*/\n"
-        f"calls: {_literal(fmt.prefix, control)} {calls} {_literal(fmt.suffix, control)}\n"
-        f"call: {_literal(fmt.call_open, control)} %json {json.dumps(call_schema)} {_literal(fmt.call_close, control)}\n"
+        f"calls: {literal(fmt.prefix, control)} {calls} {literal(fmt.suffix, control)}\n"
+        f"call: {literal(fmt.call_open, control)} %json {json.dumps(call_schema)} {literal(fmt.call_close, control)}\n"
     )
     return GrammarSpec("lark", lark, "tools", tuple(p for t in allowed for p in t.closed_objects))
 
 
-def _literal(text: str, control: Mapping[str, int]) -> str:
+def literal(text: str, control: Mapping[str, int]) -> str:
     """`text` as Lark: its control tokens by id (`<[id]>`), the rest as string literals (JSON's
     escapes are Lark's); nothing for no text."""
     pieces: list[str] = []

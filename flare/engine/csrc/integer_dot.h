@@ -31,6 +31,8 @@ typedef struct {
 /* x [n] (n a multiple of 256) as n / 256 Q8KBlocks: d = max |x| / 127, qs = round-to-nearest-even
  * of x / d. The same bits at every level. */
 void quantize_row_q8k(const float *x, int64_t n, Q8KBlock *out);
+/* quantize_row_q8k at the level integer_dot_isa(isa) (the tests force each; the bits are the same). */
+void quantize_row_q8k_isa(int isa, const float *x, int64_t n, Q8KBlock *out);
 
 /* out[r * out_stride] = the dot product of weight row `w` (`blocks` blocks of a K `type`, ggml's
  * type id) with activation row r (rows `x_stride` blocks apart), for r < rows (1 .. 4): the weight

@@ -135,6 +135,7 @@ typedef struct {
     int64_t window;            /* 0, or the sliding window: query at position p sees keys p - window < k <= p */
     float softcap;             /* 0, or scores become softcap * tanh(score / softcap) after the scale */
     int portable;              /* run the loops for CPUs without AVX2 and FMA even where they are present */
+    const float *sinks;        /* NULL, or [heads]: each head's learned sink logit joins its softmax's denominator (gpt-oss) */
 } Attention;
 
 /* Returns 0, or -1 when scratch memory could not be allocated (nothing was written then). */
@@ -171,6 +172,9 @@ enum { ACTIVATION_SILU = 0, ACTIVATION_GELU_TANH = 1 };
  * swiglu.c. Returns 0, or -1 when scratch memory could not be allocated. */
 int gated_rows(const float *gate_up, int64_t channel_stride, int64_t token_stride, float *out, int64_t intermediate,
                int64_t tokens, int activation, int threads);
+/* gpt-oss's clamped SwiGLU, laid out as gated_rows's input and output: see swiglu.c. */
+void clamped_swiglu_rows(const float *gate_up, int64_t channel_stride, int64_t token_stride, float *out, int64_t intermediate,
+                         int64_t tokens, float alpha, float limit, int threads);
 
 /* The residual add and the RMSNorm after it: see rms_norm.c. */
 typedef struct {
@@ -204,6 +208,8 @@ void float16_linear(const Float16Linear *l, int threads, int isa);
 /* A linear layer multiplied from ggml's quantized blocks: see quantized_linear.c. Types are
  * ggml's type ids. */
 enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
+/* MXFP4 (gpt-oss's experts): 32 values a block, an E8M0 scale byte and 16 bytes of E2M1 nibbles. */
+enum { GGML_MXFP4 = 39 };
 
 typedef struct {
     const float *x;            /* [tokens, in], rows `x_stride` floats apart */
@@ -231,13 +237,27 @@ static inline void scales_and_mins(const uint8_t *s, int sc[8], int mn[8]) {
     }
 }
 
+/* An MXFP4 block's scale, in ggml's "half" form (ggml_e8m0_to_fp32_half, gguf-py's
+ * e8m0_to_fp32_half): 2^(e - 128) for the E8M0 byte e, as float32 bits built directly, a
+ * subnormal for e < 2. Halved because its values table MXFP4_VALUES holds E2M1's values doubled. */
+static inline float mxfp4_scale(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float d;
+    memcpy(&d, &bits, sizeof d);
+    return d;
+}
+
+/* E2M1's 16 values doubled (ggml's kvalues_mxfp4): nibble j gives MXFP4_VALUES[j] d. */
+static const int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
 /* [byte][l]: 16 where bit l of `byte` is set, else 0: 8 values' fifth bits of a Q5 block as one
  * widening load (quantized_blocks.c; its AVX2 paths read it). */
 extern const uint8_t QUANTIZED_FIFTH_BITS[256][8];
 
 /* Elements per block and bytes per block of a type: 0, or -1 for a type this file does not read. */
 int quantized_block_shape(int type, int64_t *block_size, int64_t *type_size);
-/* The first of `blocks` blocks of `type` with a NaN or infinite float16 scale, -1 when none,
+/* The first of `blocks` blocks of `type` with a NaN or infinite float16 scale (MXFP4: the E8M0
+ * NaN byte 0xff), -1 when none,
  * -2 for an unknown type. */
 int64_t quantized_first_nonfinite_scale(int type, const uint8_t *data, int64_t blocks);
 /* 0; -1 for an unknown type; -2 when scratch memory could not be allocated. */

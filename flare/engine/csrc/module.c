@@ -9,6 +9,8 @@
 #include <Python.h>
 
 #include "kernels.h"
+#include "integer_dot.h"
+#include <stdlib.h>
 
 static PyObject *invalid(const char *function, const char *problem) {
     PyErr_Format(PyExc_ValueError, "%s: %s", function, problem);
@@ -45,12 +47,12 @@ static const char *check_features(int64_t head_dim, int64_t rotary_dims, float n
 static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t q, q_token_stride, keys, values, out, block_table, start_positions;
-    Py_ssize_t rows, query_len, heads, kv_heads, head_dim, block_size, num_blocks, max_blocks, window, threads;
+    Py_ssize_t rows, query_len, heads, kv_heads, head_dim, block_size, num_blocks, max_blocks, window, threads, sinks;
     float scale, softcap;
     int kv_dtype, portable;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnfnfnip", &q, &q_token_stride, &keys, &values, &out, &block_table,
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnfnfnipn", &q, &q_token_stride, &keys, &values, &out, &block_table,
                           &start_positions, &rows, &query_len, &heads, &kv_heads, &head_dim, &block_size,
-                          &num_blocks, &max_blocks, &scale, &window, &softcap, &threads, &kv_dtype, &portable))
+                          &num_blocks, &max_blocks, &scale, &window, &softcap, &threads, &kv_dtype, &portable, &sinks))
         return NULL;
     if (kv_dtype < KV_FLOAT32 || kv_dtype > KV_BFLOAT16) return invalid("paged_attention", "unknown KV dtype code");
     if (rows < 1 || query_len < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads || head_dim < 1 ||
@@ -79,6 +81,7 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
         .window = window,
         .softcap = softcap,
         .portable = portable,
+        .sinks = (const float *)sinks,
     };
     int64_t longest;
     const char *problem = check_rows(&a, &longest);
@@ -158,6 +161,23 @@ static PyObject *py_gated_rows(PyObject *self, PyObject *args) {
                         activation, (int)threads);
     Py_END_ALLOW_THREADS
     if (status) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_clamped_swiglu_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t gate_up, channel_stride, token_stride, out, intermediate, tokens, threads;
+    float alpha, limit;
+    if (!PyArg_ParseTuple(args, "nnnnnnffn", &gate_up, &channel_stride, &token_stride, &out, &intermediate, &tokens, &alpha,
+                          &limit, &threads))
+        return NULL;
+    if (intermediate < 1 || tokens < 1 || threads < 1 || channel_stride < 0 || token_stride < 0)
+        return invalid("clamped_swiglu_rows", "sizes must be positive and strides non-negative");
+    if (!(alpha > 0.0f) || !(limit > 0.0f)) return invalid("clamped_swiglu_rows", "alpha and limit must be positive");
+    Py_BEGIN_ALLOW_THREADS
+    clamped_swiglu_rows((const float *)gate_up, channel_stride, token_stride, (float *)out, intermediate, tokens, alpha, limit,
+                        (int)threads);
+    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
@@ -409,16 +429,99 @@ static PyObject *py_decoder_layers(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---- integer K-quant products (integer_kquants.c), for tests and benchmarks ---------------------- */
+
+static int is_k_type(int type) { return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K; }
+
+/* x [rows, in] quantized to Q8_K, then y [rows, out] = the integer products with every weight row,
+ * outputs split among the threads, rows in tiles of 4. With halves 2 each row is two Q8_K rows, x
+ * and its residual x - d qs (the two 8-bit halves of a ~15-bit value; computed here in plain
+ * float32 operations, so the same bits at every level), multiplied in one tile and added:
+ * y = y_x + y_residual. */
+static PyObject *py_kquant_product(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t x, rows, in, blocks, y, out, threads;
+    int type, isa, halves;
+    if (!PyArg_ParseTuple(args, "nnnninnnii", &x, &rows, &in, &blocks, &type, &y, &out, &threads, &isa, &halves)) return NULL;
+    if (!is_k_type(type)) return invalid("kquant_product", "the type must be Q4_K, Q5_K or Q6_K");
+    if (rows < 1 || out < 1 || threads < 1 || in < 256 || in % 256) return invalid("kquant_product", "sizes must be positive and `in` whole 256-value blocks");
+    if (halves != 1 && halves != 2) return invalid("kquant_product", "halves must be 1 or 2");
+    int64_t block_size, type_size;
+    quantized_block_shape(type, &block_size, &type_size);
+    const int64_t nb = in / 256, row_bytes = nb * type_size, qrows = rows * halves;
+    Q8KBlock *q = malloc(sizeof(Q8KBlock) * (size_t)(qrows * nb));
+    float *residual = malloc(sizeof(float) * (size_t)in);
+    if (!q || !residual) {
+        free(q);
+        free(residual);
+        return PyErr_NoMemory();
+    }
+    const int vector = integer_dot_isa(isa);
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = (const float *)x + r * in;
+        Q8KBlock *first = q + r * halves * nb;
+        quantize_row_q8k_isa(vector, xr, in, first);
+        if (halves == 2) {
+            for (int64_t i = 0; i < in; i++) residual[i] = xr[i] - first[i / 256].d * (float)first[i / 256].qs[i % 256];
+            quantize_row_q8k_isa(vector, residual, in, first + nb);
+        }
+    }
+    #pragma omp parallel for num_threads((int)threads) schedule(static)
+    for (int64_t o = 0; o < out; o++)
+        for (int64_t t = 0; t < qrows; t += 4) {
+            const int n = qrows - t < 4 ? (int)(qrows - t) : 4;
+            const uint8_t *w = (const uint8_t *)blocks + o * row_bytes;
+            if (halves == 1) {
+                kquant_dot_rows(vector, type, w, nb, q + t * nb, nb, n, (float *)y + t * out + o, out);
+            } else {
+                float tile[4];
+                kquant_dot_rows(vector, type, w, nb, q + t * nb, nb, n, tile, 1);
+                for (int k = 0; k < n; k += 2) ((float *)y)[(t + k) / 2 * out + o] = tile[k] + tile[k + 1];
+            }
+        }
+    Py_END_ALLOW_THREADS
+    free(q);
+    free(residual);
+    Py_RETURN_NONE;
+}
+
+/* x [rows, in] as Q8_K blocks, their fields written to d [rows, in / 256], qs [rows, in] (int8) and
+ * bsums [rows, in / 16] (int16). */
+static PyObject *py_quantize_q8k(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t x, rows, in, d, qs, bsums;
+    int isa;
+    if (!PyArg_ParseTuple(args, "nnnnnni", &x, &rows, &in, &d, &qs, &bsums, &isa)) return NULL;
+    if (rows < 0 || in < 256 || in % 256) return invalid("quantize_q8k", "`in` must be whole 256-value blocks");
+    const int64_t nb = in / 256;
+    Q8KBlock *q = malloc(sizeof(Q8KBlock) * (size_t)(rows * nb + 1));
+    if (!q) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t r = 0; r < rows; r++) quantize_row_q8k_isa(isa, (const float *)x + r * in, in, q + r * nb);
+    for (int64_t b = 0; b < rows * nb; b++) {
+        ((float *)d)[b] = q[b].d;
+        memcpy((int8_t *)qs + 256 * b, q[b].qs, 256);
+        memcpy((int16_t *)bsums + 16 * b, q[b].bsums, 32);
+    }
+    Py_END_ALLOW_THREADS
+    free(q);
+    Py_RETURN_NONE;
+}
+/* ---- end of the integer K-quant products ----------------------------------------------------- */
+
 static PyMethodDef methods[] = {
     {"paged_attention", py_paged_attention, METH_VARARGS,
      "paged_attention(q, q_token_stride, keys, values, out, block_table, start_positions, rows, query_len, heads, "
-     "kv_heads, head_dim, block_size, num_blocks, max_blocks, scale, window, softcap, threads, kv_dtype, portable)"},
+     "kv_heads, head_dim, block_size, num_blocks, max_blocks, scale, window, softcap, threads, kv_dtype, portable, sinks)"},
     {"rope_and_cache", py_rope_and_cache, METH_VARARGS,
      "rope_and_cache(qkv, channel_stride, token_stride, positions, slots, cos, sin, max_positions, q_out, keys, "
      "values, tokens, heads, kv_heads, head_dim, pool_slots, threads, kv_dtype, bias, q_norm, k_norm, norm_eps, "
      "rotary_dims)"},
     {"gated_rows", py_gated_rows, METH_VARARGS,
      "gated_rows(gate_up, channel_stride, token_stride, out, intermediate, tokens, activation, threads)"},
+    {"clamped_swiglu_rows", py_clamped_swiglu_rows, METH_VARARGS,
+     "clamped_swiglu_rows(gate_up, channel_stride, token_stride, out, intermediate, tokens, alpha, limit, threads)"},
     {"add_rms_norm", py_add_rms_norm, METH_VARARGS,
      "add_rms_norm(h, delta, delta_token_stride, delta_channel_stride, weight, out, tokens, hidden, eps, threads)"},
     {"float16_linear", py_float16_linear, METH_VARARGS,
@@ -436,6 +539,8 @@ static PyMethodDef methods[] = {
      "decoder_layers(h, tokens, hidden, heads, kv_heads, head_dim, intermediate, eps, positions, slots, cos, sin, "
      "max_positions, rotary_dims, kv_dtype, num_blocks, block_size, plans, groups, scratch, threads, isa, quantized_isa, "
      "layers, scalars, count)"},
+    {"kquant_product", py_kquant_product, METH_VARARGS, "kquant_product(x, rows, in, blocks, type, y, out, threads, isa, halves)"},
+    {"quantize_q8k", py_quantize_q8k, METH_VARARGS, "quantize_q8k(x, rows, in, d, qs, bsums, isa)"},
     {NULL, NULL, 0, NULL},
 };
 

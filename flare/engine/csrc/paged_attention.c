@@ -15,8 +15,16 @@
  * start + t_i - window < k <= start + t_i (Mistral, Gemma's local layers): the task reads the
  * blocks from the one holding its first query's first key, and each query's softmax and
  * weighted sum run over its own keys. A soft-capped layer's scores (Gemma 2) become
- * softcap * tanh(s / softcap) after the scale and before the softmax (`tanh_float`). The `group` query heads that share a KV head are handled by the same task, so each
- * key and value is loaded once for all of them (grouped-query attention without repeating K/V).
+ * softcap * tanh(s / softcap) after the scale and before the softmax (`tanh_float`). A layer with
+ * attention sinks (gpt-oss) has one learned logit z_h per query head that joins the softmax's
+ * denominator and carries no value:
+ *
+ *   m_i = max(z_h, max_k s_ik),   p_ik = exp(s_ik - m_i) / (exp(z_h - m_i) + sum_k' exp(s_ik' - m_i))
+ *
+ * so a head can put weight on "nothing" and its output shrinks towards zero.
+ *
+ * The `group` query heads that share a KV head are handled by the same task, so each key and
+ * value is loaded once for all of them (grouped-query attention without repeating K/V).
  *
  * exp is evaluated by `exp_nonpositive` (every argument is s - max <= 0), a vectorisable
  * polynomial rather than libm's scalar expf, which alone would cost more than the whole kernel.
@@ -257,7 +265,9 @@ static void attend(const Attention *a, int64_t r, int64_t g, float *scores, floa
 #pragma omp simd
             for (int64_t p = from; p < n; p++) s[p] = cap * tanh_float(s[p] * inverse_cap);
         }
-        float m = -FLT_MAX;
+        /* Query i is of head g * group + i / Q (its sink's). */
+        const float sink = a->sinks ? a->sinks[g * group + i / Q] : -FLT_MAX;
+        float m = sink;
         for (int64_t p = from; p < n; p++) m = s[p] > m ? s[p] : m;
         float total = 0.0f;
 #pragma omp simd reduction(+ : total)
@@ -265,6 +275,7 @@ static void attend(const Attention *a, int64_t r, int64_t g, float *scores, floa
             s[p] = exp_nonpositive(s[p] - m);
             total += s[p];
         }
+        if (a->sinks) total += exp_nonpositive(sink - m);
         const float inverse = 1.0f / total;
 #pragma omp simd
         for (int64_t p = from; p < n; p++) s[p] *= inverse;

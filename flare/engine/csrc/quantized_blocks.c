@@ -6,7 +6,8 @@
  * signed 8-bit (Q6_K) scale, fit float32's 24 bits; only `+ m` (Q4_1, Q5_1) and `- dmin m`
  * (Q4_K, Q5_K) round, once, the same in a fused multiply-add as in gguf-py's multiply then add.
  * So the AVX2 and AVX-512 expansions below give the portable loop's bits, which are gguf-py's
- * (tests/engine/test_quantized_linear.py holds all three to it).
+ * (tests/engine/test_quantized_linear.py holds all three to it). MXFP4's values are a small
+ * integer times a power of two: exact wherever they do not overflow, so every ISA gives them too.
  */
 #include <omp.h>
 
@@ -71,6 +72,17 @@ static inline void expand_q8_0(const uint8_t *b, float *out) {
     const float d = half_at(b, 0);
     const int8_t *qs = (const int8_t *)(b + 2);
     for (int j = 0; j < QK; j++) out[j] = d * (float)qs[j];
+}
+
+/* MXFP4 (17 bytes): the E8M0 scale byte e, then 16 bytes whose low nibbles are values 0-15 and
+ * high nibbles 16-31; value = MXFP4_VALUES[q] mxfp4_scale(e) (kernels.h). */
+static inline void expand_mxfp4(const uint8_t *b, float *out) {
+    const float d = mxfp4_scale(b[0]);
+    const uint8_t *qs = b + 1;
+    for (int j = 0; j < QK / 2; j++) {
+        out[j] = d * (float)MXFP4_VALUES[qs[j] & 0x0f];
+        out[j + QK / 2] = d * (float)MXFP4_VALUES[qs[j] >> 4];
+    }
 }
 
 /* Q4_K (144 bytes): d, dmin, 12 scale bytes, 128 bytes of nibbles: sub-block 2i the low nibbles
@@ -140,6 +152,7 @@ static void expand_row_portable(int type, const uint8_t *row, int64_t blocks, fl
     case GGML_Q8_0: for (int64_t i = 0; i < blocks; i++) expand_q8_0(row + 34 * i, out + QK * i); break;
     case GGML_Q4_K: for (int64_t i = 0; i < blocks; i++) expand_q4_k(row + 144 * i, out + QK_K * i); break;
     case GGML_Q5_K: for (int64_t i = 0; i < blocks; i++) expand_q5_k(row + 176 * i, out + QK_K * i); break;
+    case GGML_MXFP4: for (int64_t i = 0; i < blocks; i++) expand_mxfp4(row + 17 * i, out + QK * i); break;
     default: for (int64_t i = 0; i < blocks; i++) expand_q6_k(row + 210 * i, out + QK_K * i); break;
     }
 }
@@ -154,6 +167,7 @@ int quantized_block_shape(int type, int64_t *block_size, int64_t *type_size) {
     case GGML_Q4_K: *block_size = QK_K, *type_size = 144; return 0;
     case GGML_Q5_K: *block_size = QK_K, *type_size = 176; return 0;
     case GGML_Q6_K: *block_size = QK_K, *type_size = 210; return 0;
+    case GGML_MXFP4: *block_size = QK, *type_size = 17; return 0;
     default: return -1;
     }
 }
@@ -173,6 +187,26 @@ static inline __attribute__((always_inline)) QB_AVX512 __m512i bytes16_512(const
 /* A float16 field widened by F16C (exact, as float_from_half). */
 static inline __attribute__((always_inline)) QB_AVX2 float half_f16c(const uint8_t *p) {
     return _cvtsh_ss((unsigned short)(p[0] | p[1] << 8));
+}
+
+/* An MXFP4 block's 32 quants looked up in MXFP4_VALUES by pshufb: values 0-15 (the low nibbles)
+ * in `lo`, 16-31 (the high) in `hi`, as signed bytes. */
+static inline __attribute__((always_inline)) QB_AVX2 void mxfp4_quants(const uint8_t *qs, __m128i *lo, __m128i *hi) {
+    const __m128i table = _mm_loadu_si128((const __m128i *)MXFP4_VALUES), low4 = _mm_set1_epi8(0x0f);
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    *lo = _mm_shuffle_epi8(table, _mm_and_si128(q, low4));
+    *hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), low4));
+}
+
+static inline __attribute__((always_inline)) QB_AVX512 void mxfp4_blocks_512(const uint8_t *row, int64_t blocks, float *out) {
+    for (int64_t i = 0; i < blocks; i++, out += QK) {
+        const uint8_t *b = row + 17 * i;
+        const __m512 d = _mm512_set1_ps(mxfp4_scale(b[0]));
+        __m128i lo, hi;
+        mxfp4_quants(b + 1, &lo, &hi);
+        _mm512_storeu_ps(out, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo))));
+        _mm512_storeu_ps(out + 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi))));
+    }
 }
 
 /* The four 32-value types with nibbles (Q4_0, Q4_1, Q5_0, Q5_1), `type` a constant. */
@@ -256,6 +290,7 @@ static QB_AVX512 void expand_row_avx512_impl(int type, const uint8_t *row, int64
         break;
     case GGML_Q4_K: k_blocks_512(row, blocks, out, 0); break;
     case GGML_Q5_K: k_blocks_512(row, blocks, out, 1); break;
+    case GGML_MXFP4: mxfp4_blocks_512(row, blocks, out); break;
     default: /* Q6_K */
         for (int64_t i = 0; i < blocks; i++, out += QK_K) {
             const uint8_t *b = row + 210 * i, *ql = b, *qh = b + 128;
@@ -363,6 +398,19 @@ static inline __attribute__((always_inline)) QB_AVX2 void k_blocks_256(const uin
     }
 }
 
+static inline __attribute__((always_inline)) QB_AVX2 void mxfp4_blocks_256(const uint8_t *row, int64_t blocks, float *out) {
+    for (int64_t i = 0; i < blocks; i++, out += QK) {
+        const uint8_t *b = row + 17 * i;
+        const __m256 d = _mm256_set1_ps(mxfp4_scale(b[0]));
+        __m128i lo, hi;
+        mxfp4_quants(b + 1, &lo, &hi);
+        _mm256_storeu_ps(out, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo))));
+        _mm256_storeu_ps(out + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)))));
+        _mm256_storeu_ps(out + 16, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi))));
+        _mm256_storeu_ps(out + 24, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))));
+    }
+}
+
 static QB_AVX2 void expand_row_avx2_impl(int type, const uint8_t *row, int64_t blocks, float *out) {
     const __m256i low4 = _mm256_set1_epi32(0x0f), three = _mm256_set1_epi32(3);
     switch (type) {
@@ -382,6 +430,7 @@ static QB_AVX2 void expand_row_avx2_impl(int type, const uint8_t *row, int64_t b
         break;
     case GGML_Q4_K: k_blocks_256(row, blocks, out, 0); break;
     case GGML_Q5_K: k_blocks_256(row, blocks, out, 1); break;
+    case GGML_MXFP4: mxfp4_blocks_256(row, blocks, out); break;
     default: /* Q6_K */
         for (int64_t i = 0; i < blocks; i++, out += QK_K) {
             const uint8_t *b = row + 210 * i, *ql = b, *qh = b + 128;
@@ -447,6 +496,12 @@ int quantized_rows(int type, const uint8_t *data, int64_t in, const int64_t *row
 int64_t quantized_first_nonfinite_scale(int type, const uint8_t *data, int64_t blocks) {
     int64_t block_size, type_size;
     if (quantized_block_shape(type, &block_size, &type_size)) return -2;
+    /* MXFP4's E8M0 scale byte 0xff is NaN (OCP MX v1.0); ggml would read it as 2^127. */
+    if (type == GGML_MXFP4) {
+        for (int64_t i = 0; i < blocks; i++)
+            if (data[i * type_size] == 0xff) return i;
+        return -1;
+    }
     /* Byte offsets of the block's float16 scales: d, and m / dmin where the type has one. */
     const int first = type == GGML_Q6_K ? 208 : 0;
     const int second = type == GGML_Q4_1 || type == GGML_Q5_1 || type == GGML_Q4_K || type == GGML_Q5_K ? 2 : -1;

@@ -1,6 +1,6 @@
 /* A few rows multiplied straight from ggml's blocks: each block is expanded in registers and
  * multiplied into the rows' sums at once, never stored (AVX-512: up to 6 rows, every type;
- * AVX2: one row of every type but Q5_K, at the end of this file).
+ * AVX2: one row of every type but Q5_K, at the end of this file). MXFP4 (gpt-oss's experts) too.
  *
  * quantized_linear.c expands a group's weight rows into a float32 buffer and runs the rows over
  * it, which pays for itself from about 8 rows on. At 1-6 rows (one stream, a short speculative
@@ -90,6 +90,16 @@ QD_INLINE void q8_0_block(Sums *s, int o, const uint8_t *b, const float *x, int6
     const __m512i hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)));
     multiply(s, o, _mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)), x, xs, k, MT);
     multiply(s, o, _mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)), x, xs, k + 16, MT);
+}
+
+/* MXFP4 block i of output o: its 16 values MXFP4_VALUES[j] d (exact) as a table, each nibble
+ * looked up by vpermps (which reads the index's low 4 bits). */
+QD_INLINE void mxfp4_block(Sums *s, int o, const uint8_t *b, const float *x, int64_t xs, int64_t k, const int MT) {
+    const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)MXFP4_VALUES)));
+    const __m512 table = _mm512_mul_ps(_mm512_set1_ps(mxfp4_scale(b[0])), values);
+    const __m512i q = bytes16(b + 1);
+    multiply(s, o, _mm512_permutexvar_ps(q, table), x, xs, k, MT);
+    multiply(s, o, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table), x, xs, k + 16, MT);
 }
 
 /* Q4_K (five = 0) and Q5_K (five = 1): sub-block j's values are (d sc_j) q - dmin mn_j, its
@@ -185,7 +195,8 @@ QD_INLINE void tile(const int type, const uint8_t *rows, int64_t row_bytes, int6
 #pragma GCC unroll 4
         for (int o = 0; o < GROUP; o++) s.lanes[m][o] = _mm512_setzero_ps();
     const int64_t size = type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : type == GGML_Q5_0 ? 22 : type == GGML_Q5_1 ? 24
-                         : type == GGML_Q8_0 ? 34 : type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210;
+                         : type == GGML_Q8_0 ? 34 : type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176
+                         : type == GGML_MXFP4 ? 17 : 210;
     const int64_t values = type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K ? QK_K : QK;
     /* The group PREFETCH_GROUPS ahead is fetched a slice a block, while this one multiplies: the
      * four rows' blocks are read as four interleaved streams, which the hardware prefetcher
@@ -212,6 +223,7 @@ QD_INLINE void tile(const int type, const uint8_t *rows, int64_t row_bytes, int6
             switch (type) {
             case GGML_Q8_0: q8_0_block(&s, o, b, x, xs, k, MT); break;
             case GGML_Q6_K: q6_k_block(&s, o, b, x, xs, k, MT); break;
+            case GGML_MXFP4: mxfp4_block(&s, o, b, x, xs, k, MT); break;
             default: nibble_block(&s, o, b, x, xs, k, type, MT); break;
             }
         }
@@ -248,6 +260,7 @@ TILES(GGML_Q8_0)
 TILES(GGML_Q4_K)
 TILES(GGML_Q5_K)
 TILES(GGML_Q6_K)
+TILES(GGML_MXFP4)
 
 static QD_AVX512 void group_avx512(int type, const uint8_t *rows, int64_t row_bytes, int64_t blocks, const float *x,
                                    int64_t xs, int64_t tokens, float *y, int64_t ys) {
@@ -259,6 +272,7 @@ static QD_AVX512 void group_avx512(int type, const uint8_t *rows, int64_t row_by
     case GGML_Q8_0: tiles_GGML_Q8_0(rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
     case GGML_Q4_K: tiles_GGML_Q4_K(rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
     case GGML_Q5_K: tiles_GGML_Q5_K(rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
+    case GGML_MXFP4: tiles_GGML_MXFP4(rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
     default: tiles_GGML_Q6_K(rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
     }
 }
@@ -279,6 +293,18 @@ QD2_INLINE void multiply_256(Halves *s, int o, __m256 w, const float *x, int64_t
 }
 
 QD2_INLINE void block_256(Halves *s, int o, const uint8_t *b, const float *x, int64_t k, const int type) {
+    if (type == GGML_MXFP4) {  /* quantized_blocks.c's AVX2 expansion: pshufb into MXFP4_VALUES, times d */
+        const __m256 d = _mm256_set1_ps(mxfp4_scale(b[0]));
+        const __m128i table = _mm_loadu_si128((const __m128i *)MXFP4_VALUES), low4 = _mm_set1_epi8(0x0f);
+        const __m128i q = _mm_loadu_si128((const __m128i *)(b + 1));
+        const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(q, low4));
+        const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), low4));
+        multiply_256(s, o, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo))), x, k, 0);
+        multiply_256(s, o, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)))), x, k, 8);
+        multiply_256(s, o, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi))), x, k, 16);
+        multiply_256(s, o, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))), x, k, 24);
+        return;
+    }
     const __m256 d = _mm256_set1_ps(half_at(b));
     if (type == GGML_Q8_0) {
 #pragma GCC unroll 4
@@ -352,7 +378,7 @@ QD2_INLINE void row_256(const int type, const uint8_t *rows, int64_t row_bytes, 
 #pragma GCC unroll 4
     for (int o = 0; o < GROUP; o++) s.half[o][0] = s.half[o][1] = _mm256_setzero_ps();
     const int64_t size = type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : type == GGML_Q5_0 ? 22 : type == GGML_Q5_1 ? 24
-                         : type == GGML_Q8_0 ? 34 : type == GGML_Q4_K ? 144 : 210;
+                         : type == GGML_Q8_0 ? 34 : type == GGML_Q4_K ? 144 : type == GGML_MXFP4 ? 17 : 210;
     const int64_t values = type == GGML_Q4_K || type == GGML_Q6_K ? QK_K : QK;
     const int64_t span = GROUP * row_bytes;
     const uint8_t *ahead = rows + PREFETCH_GROUPS * span;
@@ -384,6 +410,7 @@ static QD_AVX2 void row_avx2(int type, const uint8_t *rows, int64_t row_bytes, i
     case GGML_Q5_1: row_256(GGML_Q5_1, rows, row_bytes, blocks, x, y); break;
     case GGML_Q4_K: row_256(GGML_Q4_K, rows, row_bytes, blocks, x, y); break;
     case GGML_Q6_K: row_256(GGML_Q6_K, rows, row_bytes, blocks, x, y); break;
+    case GGML_MXFP4: row_256(GGML_MXFP4, rows, row_bytes, blocks, x, y); break;
     default: row_256(GGML_Q8_0, rows, row_bytes, blocks, x, y); break;
     }
 }

@@ -18,6 +18,14 @@
  *
  * (1 + tanh(z / 2) = 2 / (1 + e^-z)), so it takes the sigmoid's selects above with z in the
  * exponent: no tanh, and no cancellation where 1 + tanh is small.
+ *
+ * gpt-oss's experts clamp both halves and add one to up (`clamped_swiglu_rows`, transformers'
+ * GptOssExperts._apply_gate):
+ *
+ *   g' = min(g, limit),  u' = clamp(u, -limit, limit),  out = g' sigmoid(alpha g') (u' + 1)
+ *
+ * with alpha 1.702 and limit 7 in its config (`swiglu_alpha`, `swiglu_limit`); the sigmoid takes
+ * the same selects. The clamps are selects too, so a NaN stays NaN as it does through torch.clamp.
  */
 #include <stdlib.h>
 
@@ -46,6 +54,34 @@ static void swiglu_span(const float *g, const float *u, int64_t stride, float *o
         swiglu_run(g, u, 1, out, n, ACTIVATION_SILU);
     else
         swiglu_run(g, u, stride, out, n, ACTIVATION_SILU);
+}
+
+/* g' sigmoid(alpha g') (u' + 1) for n elements `stride` apart, into contiguous out. */
+static inline __attribute__((always_inline)) void clamped_run(const float *g, const float *u, int64_t stride, float *out,
+                                                              int64_t n, float alpha, float limit) {
+#pragma omp simd
+    for (int64_t k = 0; k < n; k++) {
+        const float gate = g[k * stride], up = u[k * stride];
+        const float x = gate > limit ? limit : gate;
+        const float y = up > limit ? limit : up < -limit ? -limit : up;
+        const float z = alpha * x;
+        const float e = exp_nonpositive(z < 0.0f ? z : -z);
+        const float numerator = z < 0.0f ? x * e : x;
+        out[k] = numerator / (1.0f + e) * (y + 1.0f);
+    }
+}
+
+FLARE_TARGET_CLONES
+void clamped_swiglu_rows(const float *gate_up, int64_t channel_stride, int64_t token_stride, float *out, int64_t intermediate,
+                         int64_t tokens, float alpha, float limit, int threads) {
+    const int64_t I = intermediate, cs = channel_stride, ts = token_stride;
+#pragma omp parallel for num_threads(threads) schedule(static) if (I * tokens >= 16384)
+    for (int64_t t = 0; t < tokens; t++) {
+        if (cs == 1)
+            clamped_run(gate_up + t * ts, gate_up + t * ts + I, 1, out + t * I, I, alpha, limit);
+        else
+            clamped_run(gate_up + t * ts, gate_up + t * ts + I * cs, cs, out + t * I, I, alpha, limit);
+    }
 }
 
 /* Rows in, rows out: each token's channels are contiguous, so a row is one vectorised run. */

@@ -1,7 +1,8 @@
 """Causal attention of a round's new tokens over the paged KV cache, grouped-query, with each
 family's options: q/k/v biases (Qwen2), per-head q/k RMSNorm before RoPE (Qwen3, Gemma 3),
-sliding windows (Mistral, Gemma 2/3), the attention scale and soft-cap (Gemma). Each matches
-transformers' eager attention math.
+sliding windows (Mistral, Gemma 2/3), the attention scale and soft-cap (Gemma), attention sinks
+(gpt-oss: a learned logit per head in the softmax's denominator). Each matches transformers'
+eager attention math.
 
 A round's attention is planned once for every layer (`PagedAttention.plan`): one call per
 attention group of the batch (batch.py: short rows of one length share a call).
@@ -69,17 +70,37 @@ def window_mask(group: AttentionGroup, window: int) -> torch.Tensor:
 
 
 def scores_to_output(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, scale: float | None, softcap: float | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    scale: float | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(mask(cap(q k^T * scale))) v, with the model's scale (head_dim^-0.5 unless it
-    sets one: Gemma's query_pre_attn_scalar^-0.5) and soft-cap. SDPA cannot soft-cap, so a
-    capped model takes the explicit form, as transformers' eager attention computes it:
-    scores -> cap * tanh(scores / cap) before the mask and a float32 softmax."""
-    if softcap is None:
+    sets one: Gemma's query_pre_attn_scalar^-0.5) and soft-cap. SDPA can neither soft-cap nor
+    sink, so a capped model, or one with sinks, takes the explicit form, as transformers' eager
+    attention computes it: scores -> cap * tanh(scores / cap) before the mask and a float32
+    softmax. `sinks` (gpt-oss): each query row's sink logit z, broadcastable to the scores'
+    [..., Q, 1], joins the softmax and is dropped after it,
+
+        p_k = exp(s_k - m) / (exp(z - m) + sum_k' exp(s_k' - m)),   m = max(z, max_k s_k),
+
+    so a head's weights sum to less than one (`native.paged_attention` computes the same)."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     scale = scale or q.shape[-1] ** -0.5
-    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
-    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:
+        combined = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
+        weights = torch.softmax(combined, dim=-1, dtype=torch.float32)[..., :-1]
     return torch.matmul(weights.to(q.dtype), v)
 
 
@@ -189,10 +210,17 @@ class PagedAttention:
         return calls
 
     def attend(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, calls: list[AttentionCall], window: int | None
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        calls: list[AttentionCall],
+        window: int | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of every new token over its request's cached positions, or over the
-        last `window` of them (its own included) in a sliding layer: [T, heads * D].
+        last `window` of them (its own included) in a sliding layer: [T, heads * D]. `sinks`:
+        the layer's float32 [heads] attention sinks (gpt-oss), or None.
 
         Short rows go to `native.paged_attention` where the model runs the kernels. The
         torch path gathers each row's blocks and runs SDPA, with grouped-query attention done
@@ -212,7 +240,7 @@ class PagedAttention:
             if call.native:
                 out = native.paged_attention(
                     q[call.tokens], keys, values, call.group.block_table, call.group.start_positions, length,
-                    scale=scale, window=window, softcap=softcap,
+                    scale=scale, window=window, softcap=softcap, sinks=sinks,
                 )
                 outputs.append(out.view(rows * length, heads * head_dim))
                 continue
@@ -224,7 +252,9 @@ class PagedAttention:
             k = call.key_buffer.view(rows, kv_heads, -1, head_dim).to(q.dtype)
             v = call.value_buffer.view(rows, kv_heads, -1, head_dim).to(q.dtype)
             mask = call.mask if window is None else call.window_mask
-            out = scores_to_output(q_call, k, v, mask, scale=scale, softcap=softcap)
+            # Folded row j * length + t of KV head g is query head g * group + j: its sink.
+            folded = None if sinks is None else sinks.view(kv_heads, group, 1).expand(-1, -1, length).reshape(kv_heads, -1, 1)
+            out = scores_to_output(q_call, k, v, mask, scale=scale, softcap=softcap, sinks=folded)
             out = out.view(rows, kv_heads, group, length, head_dim).permute(0, 3, 1, 2, 4)
             outputs.append(out.reshape(rows * length, heads * head_dim))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

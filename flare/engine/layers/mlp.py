@@ -1,5 +1,6 @@
 """The gated MLP: down(act(gate(x)) * up(x)), SwiGLU (silu, Llama and most families) or GeGLU
-with GELU's tanh approximation (Gemma).
+with GELU's tanh approximation (Gemma); and gpt-oss's clamped SwiGLU (`clamped_swiglu`), its
+experts' activation.
 
 gate and up are one fused [2 * intermediate, hidden] weight (one GEMM instead of two), whose
 output is taken as columns [2 * intermediate, T] (`linear_columns`): gate and up are then
@@ -26,6 +27,27 @@ def gated_activation(gate_up_columns: torch.Tensor, activation: str, *, kernels:
     if activation == "gelu_tanh":
         return (F.gelu(gate, approximate="tanh") * up).t()
     return (F.silu(gate) * up).t()
+
+
+# transformers' GptOssConfig defaults (`swiglu_alpha`, `swiglu_limit`).
+SWIGLU_ALPHA = 1.702
+SWIGLU_LIMIT = 7.0
+
+
+def clamped_swiglu(
+    gate_up_columns: torch.Tensor, alpha: float = SWIGLU_ALPHA, limit: float = SWIGLU_LIMIT, *, kernels: bool
+) -> torch.Tensor:
+    """gpt-oss's activation as rows [T, intermediate], from the gate/up columns as
+    `gated_activation` takes them: g' sigmoid(alpha g') (u' + 1) with g' = min(g, limit) and
+    u' = clamp(u, -limit, limit) (transformers' GptOssExperts._apply_gate; its checkpoints
+    interleave gate and up, gate at even columns, which the export splits). With `kernels`
+    through `native.clamped_swiglu_rows`."""
+    if kernels:
+        return native.clamped_swiglu_rows(gate_up_columns, alpha, limit)
+    gate, up = gate_up_columns.chunk(2)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (gate * torch.sigmoid(gate * alpha) * (up + 1)).t()
 
 
 def gated_mlp(x: torch.Tensor, gate_up: Weight, down: Weight, activation: str, *, kernels: bool) -> torch.Tensor:

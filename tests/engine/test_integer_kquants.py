@@ -1,0 +1,261 @@
+"""Integer products of K-quant weights (Q4_K, Q5_K, Q6_K) with Q8_K activations
+(flare/engine/csrc/integer_kquants.c): the float64 product of the values actually multiplied up to
+float32 rounding, bit for bit a plain numpy statement of the same arithmetic, the same bits at every
+level and batch size; and the activations' quantization."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests import REPOSITORY
+from flare.engine import native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the engine's kernels were not built")
+
+T = gguf.GGMLQuantizationType
+K_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)
+LEVELS = (native.IDOT_PORTABLE, native.IDOT_AVX2, native.IDOT_AVX_VNNI, native.IDOT_AVX512_VNNI)
+# Where each type keeps its float16 scales (d, then dmin).
+SCALE_OFFSETS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+
+
+def k_blocks(ggml_type: T, out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """Random valid blocks (gguf-py does not quantize K types): every quant and scale byte random,
+    the float16 d and dmin finite, some of them subnormal."""
+    rng = np.random.default_rng(seed)
+    type_size = gguf.GGML_QUANT_SIZES[ggml_type][1]
+    blocks = rng.integers(0, 256, (out_features * (in_features // 256), type_size), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[ggml_type]:
+        scales = (rng.standard_normal(blocks.shape[0], dtype=np.float32) * 0.01).astype(np.float16)
+        scales[::7] = np.float16(3e-6)
+        blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return torch.from_numpy(np.ascontiguousarray(blocks.reshape(out_features, -1)))
+
+
+def activations(rows: int, in_features: int, seed: int = 1) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).standard_normal((rows, in_features), dtype=np.float32))
+
+
+def unpacked(ggml_type: T, blocks: torch.Tensor) -> tuple[np.ndarray, ...]:
+    """Per super-block: the unsigned quants q [out, nb, 256], the integer scales [out, nb, G] of the
+    G groups (8 of 32, or Q6_K's 16 of 16), the mins [out, nb, 8] (Q6_K: 32 for every group), d and
+    dmin (float32 [out, nb]); gguf-py's layout (quants.py)."""
+    out_features = blocks.shape[0]
+    b = blocks.numpy().reshape(out_features, -1, gguf.GGML_QUANT_SIZES[ggml_type][1]).astype(np.int64)
+    f16 = lambda at: blocks.numpy().reshape(b.shape)[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)  # noqa: E731
+    if ggml_type == T.Q6_K:
+        ql, qh = b[..., :128], b[..., 128:192]
+        e = np.arange(128)
+        q = np.concatenate(
+            [((ql[..., 64 * h + e % 64] >> (4 * (e // 64))) & 15) | (((qh[..., 32 * h + e % 32] >> (2 * (e // 32))) & 3) << 4) for h in range(2)],
+            axis=-1,
+        )
+        scales = b[..., 192:208].astype(np.uint8).view(np.int8).astype(np.int64)
+        return q, scales, None, f16(208), None
+    s = b[..., 4:16]
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    qs = b[..., 48:176] if ggml_type == T.Q5_K else b[..., 16:144]
+    qh = b[..., 16:48]
+    j, l = np.arange(256) // 32, np.arange(256) % 32
+    q = (qs[..., 32 * (j // 2) + l] >> (4 * (j % 2))) & 15
+    if ggml_type == T.Q5_K:
+        q = q | (((qh[..., l] >> j) & 1) << 4)
+    return q, sc, mn, f16(0), f16(2)
+
+
+def reference(ggml_type: T, blocks: torch.Tensor, d: torch.Tensor, qs: torch.Tensor, bsums: torch.Tensor) -> np.ndarray:
+    """The kernel's arithmetic in numpy: exact integer sums per super-block, then in float32
+    dd = d x.d, dm = dmin x.d, t = dd sumi - dm summins, acc = acc + t in block order."""
+    q, sc, mn, wd, wdmin = unpacked(ggml_type, blocks)
+    rows, nb = d.shape
+    x = qs.numpy().astype(np.int64).reshape(rows, nb, 256)
+    bs = bsums.numpy().astype(np.int64).reshape(rows, nb, 16)
+    groups = sc.shape[-1]
+    per_group = np.einsum("onge,rnge->rong", q.reshape(*q.shape[:2], groups, -1), x.reshape(rows, nb, groups, -1))
+    if ggml_type == T.Q6_K:
+        sumi = (per_group * sc[None]).sum(-1) - 32 * (bs[:, None] * sc[None]).sum(-1)
+        summins = np.zeros_like(sumi)
+        wdmin = np.zeros_like(wd)
+    else:
+        sumi = (per_group * sc[None]).sum(-1)
+        summins = ((bs[..., 0::2] + bs[..., 1::2])[:, None] * mn[None]).sum(-1)
+    xd = d.numpy()[:, None, :]
+    dd, dm = wd[None] * xd, wdmin[None] * xd  # float32 [rows, out, nb]
+    terms = dd * sumi.astype(np.float32) - dm * summins.astype(np.float32)
+    acc = np.zeros(terms.shape[:2], dtype=np.float32)
+    for i in range(nb):
+        acc = acc + terms[..., i]
+    return acc
+
+
+def gguf_values(ggml_type: T, blocks: torch.Tensor) -> np.ndarray:
+    return gguf.quants.dequantize(blocks.numpy(), ggml_type).astype(np.float64)
+
+
+@pytest.mark.parametrize("ggml_type", K_TYPES)
+def test_each_type_is_the_float64_product_of_the_values_it_multiplies_and_the_reference_bit_for_bit(ggml_type: T) -> None:
+    in_features, out_features = 1024, 37
+    blocks = k_blocks(ggml_type, out_features, in_features, seed=int(ggml_type))
+    x = activations(7, in_features)
+    got = native.kquant_product(x, blocks, ggml_type, out_features, in_features)
+    d, qs, bsums = native.quantize_q8k(x)
+    assert np.array_equal(got.numpy(), reference(ggml_type, blocks, d, qs, bsums))
+    # Against gguf-py's values times the activations actually used (d qs): the float32 steps round
+    # each super-block's two parts and their running sum, about (blocks + 4) ulps of the magnitudes.
+    x_used = (d.double().repeat_interleave(256, dim=1) * qs.double()).numpy()
+    values = gguf_values(ggml_type, blocks)
+    q, sc, mn, wd, wdmin = unpacked(ggml_type, blocks)
+    scaled = np.abs(wd.astype(np.float64)[..., None] * np.repeat(sc, 256 // sc.shape[-1], -1) * q).reshape(out_features, -1)
+    if mn is not None:
+        scaled += np.abs(wdmin.astype(np.float64)[..., None] * np.repeat(mn, 32, -1)).reshape(out_features, -1)
+    magnitude = np.abs(x_used) @ (scaled + np.abs(values)).T
+    exact = x_used @ values.T
+    assert (np.abs(got.numpy() - exact) <= magnitude * 2.0**-24 * (in_features // 256 + 6) + 1e-30).all()
+    # And the activations' own rounding is what it costs against the float product: at most half a
+    # step d / 2 per activation.
+    step = d.double().repeat_interleave(256, dim=1).numpy() / 2
+    assert (np.abs(got.numpy() - x.double().numpy() @ values.T) <= step @ np.abs(values).T + magnitude * 2.0**-20).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ggml_type=st.sampled_from(K_TYPES),
+    blocks_per_row=st.integers(1, 16),
+    out_features=st.integers(1, 40),
+    rows=st.integers(1, 64),
+    seed=st.integers(0, 2**16),
+)
+def test_any_shape_and_row_count_gives_the_reference_bits(ggml_type: T, blocks_per_row: int, out_features: int, rows: int, seed: int) -> None:
+    in_features = 256 * blocks_per_row
+    blocks = k_blocks(ggml_type, out_features, in_features, seed=seed)
+    x = activations(rows, in_features, seed=seed + 1)
+    got = native.kquant_product(x, blocks, ggml_type, out_features, in_features)
+    assert np.array_equal(got.numpy(), reference(ggml_type, blocks, *native.quantize_q8k(x)))
+
+
+@pytest.mark.parametrize("ggml_type", K_TYPES)
+def test_every_level_gives_the_same_bits_and_a_row_alone_gives_its_batch_bits(ggml_type: T) -> None:
+    in_features, out_features = 768, 19
+    blocks = k_blocks(ggml_type, out_features, in_features, seed=3)
+    x = activations(64, in_features, seed=4)
+    batch = native.kquant_product(x, blocks, ggml_type, out_features, in_features)
+    for isa in LEVELS + (99,):  # 99: above every level, capped to the widest this CPU has
+        assert torch.equal(native.kquant_product(x, blocks, ggml_type, out_features, in_features, isa=isa), batch), isa
+    for row in (0, 5, 62, 63):
+        alone = native.kquant_product(x[row : row + 1].clone(), blocks, ggml_type, out_features, in_features, isa=native.IDOT_PORTABLE)
+        assert torch.equal(alone[0], batch[row])
+    for rows in (1, 2, 3, 5, 6, 7):
+        assert torch.equal(native.kquant_product(x[:rows].clone(), blocks, ggml_type, out_features, in_features), batch[:rows])
+
+
+FORCED_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {root!r})
+from tests.engine.test_integer_kquants import forced_cases
+from flare.engine import native
+torch.save({{'isa': native.KQUANT_ISA, 'outputs': forced_cases()}}, {path!r})
+"""
+
+
+def forced_cases() -> list[torch.Tensor]:
+    """Each type's product at 1, 3, 8 and 33 rows at the process's default level, and the
+    activations' quantization."""
+    outputs = []
+    for ggml_type in K_TYPES:
+        blocks = k_blocks(ggml_type, 21, 512, seed=int(ggml_type))
+        for rows in (1, 3, 8, 33):
+            x = activations(rows, 512, seed=rows)
+            outputs.append(native.kquant_product(x, blocks, ggml_type, 21, 512))
+            outputs.extend(native.quantize_q8k(x))
+    return outputs
+
+
+@pytest.mark.parametrize(("capability", "isa"), [("avx2", native.IDOT_AVX2), ("default", native.IDOT_PORTABLE)])
+def test_forced_avx2_and_forced_portable_dispatch_give_the_same_bits(tmp_path: Path, capability: str, isa: int) -> None:
+    path = tmp_path / "outputs.pt"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    subprocess.run([sys.executable, "-c", FORCED_SCRIPT.format(root=REPOSITORY, path=str(path))], env=env, check=True, timeout=300)
+    forced = torch.load(path)
+    assert forced["isa"] == isa
+    for got, expected in zip(forced["outputs"], forced_cases(), strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_quantized_activations_are_the_nearest_steps_of_max_over_127_with_their_block_sums() -> None:
+    x = activations(3, 1024, seed=9) * torch.tensor([1.0, 1e-30, 3e30]).unsqueeze(1)
+    for isa in LEVELS:
+        d, qs, bsums = native.quantize_q8k(x, isa=isa)
+        amax = x.abs().reshape(3, 4, 256).amax(-1)
+        assert torch.equal(d, amax / 127)
+        assert qs.abs().max() <= 127
+        wide = qs.reshape(3, 4, 256).abs().amax(-1)
+        assert (wide == 127).all()  # the largest |x| of each block is +-127
+        assert torch.equal(qs.to(torch.int64), torch.clamp(torch.round(x / d.repeat_interleave(256, dim=1)), -127, 127).to(torch.int64))
+        assert torch.equal(bsums.to(torch.int64), qs.to(torch.int64).reshape(3, -1, 16).sum(-1))
+        for got, portable in zip((d, qs, bsums), native.quantize_q8k(x, isa=native.IDOT_PORTABLE), strict=True):
+            assert torch.equal(got, portable)
+
+
+def test_an_all_zero_block_quantizes_to_zeros_and_multiplies_to_zero() -> None:
+    x = activations(2, 512, seed=2)
+    x[1, 256:] = 0.0
+    d, qs, bsums = native.quantize_q8k(x)
+    assert d[1, 1] == 0 and not qs[1, 256:].any() and not bsums[1, 16:].any()
+    assert d[1, 0] > 0
+    blocks = k_blocks(T.Q4_K, 3, 512)
+    zero = native.kquant_product(torch.zeros(1, 512), blocks, T.Q4_K, 3, 512)
+    assert torch.equal(zero, torch.zeros(1, 3))
+
+
+@pytest.mark.parametrize("ggml_type", K_TYPES)
+def test_two_halves_are_the_products_of_x_and_of_its_residual_added_and_far_closer_to_the_float_product(ggml_type: T) -> None:
+    in_features, out_features = 1024, 23
+    blocks = k_blocks(ggml_type, out_features, in_features, seed=11)
+    x = activations(9, in_features, seed=12)
+    got = native.kquant_product(x, blocks, ggml_type, out_features, in_features, halves=2)
+    d, qs, bsums = native.quantize_q8k(x)
+    residual = x - d.repeat_interleave(256, dim=1) * qs.float()
+    expected = reference(ggml_type, blocks, d, qs, bsums) + reference(ggml_type, blocks, *native.quantize_q8k(residual))
+    assert np.array_equal(got.numpy(), expected)
+    for isa in LEVELS:
+        assert torch.equal(native.kquant_product(x, blocks, ggml_type, out_features, in_features, isa=isa, halves=2), got)
+    assert torch.equal(native.kquant_product(x[4:5].clone(), blocks, ggml_type, out_features, in_features, halves=2)[0], got[4])
+    exact = x.double().numpy() @ gguf_values(ggml_type, blocks).T
+    one = native.kquant_product(x, blocks, ggml_type, out_features, in_features).numpy()
+    assert np.abs(got.numpy() - exact).max() < np.abs(one - exact).max() / 30
+
+
+def test_a_nan_in_one_rows_input_reaches_that_rows_outputs_only() -> None:
+    blocks = k_blocks(T.Q6_K, 9, 512)
+    x = activations(6, 512, seed=7)
+    x[3, 300] = float("nan")
+    for isa in LEVELS:
+        y = native.kquant_product(x, blocks, T.Q6_K, 9, 512, isa=isa)
+        assert y[3].isnan().all()
+        assert not y[torch.arange(6) != 3].isnan().any()
+        assert native.quantize_q8k(x, isa=isa)[0][3, 1].isnan()
+
+
+def test_shapes_and_types_the_kernel_does_not_take_are_refused() -> None:
+    blocks = k_blocks(T.Q4_K, 2, 256)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        native.kquant_product(torch.zeros(1, 128), blocks, T.Q4_K, 2, 128)
+    with pytest.raises(ValueError, match="must be Q4_K"):
+        native.kquant_product(torch.zeros(1, 256), blocks, T.Q4_0, 2, 256)
+    with pytest.raises(ValueError, match=r"contiguous uint8 \(2, 176\)"):
+        native.kquant_product(torch.zeros(1, 256), blocks, T.Q5_K, 2, 256)
+    with pytest.raises(ValueError, match="halves must be 1 or 2"):
+        native.kquant_product(torch.zeros(1, 256), blocks, T.Q4_K, 2, 256, halves=3)
+    with pytest.raises(ValueError, match="float32"):
+        native.kquant_product(torch.zeros(1, 256, dtype=torch.float64), blocks, T.Q4_K, 2, 256)
