@@ -20,6 +20,8 @@ from typing import Any
 import torch
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+# Mixture-of-experts families: 8 experts of width 32 (Mixtral: 4 of the dense width), 2 per token.
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 WINDOW = 8
 VOCAB = 49152  # SmolLM2's, the default model's tokenizer
 BOS, EOS = 1, 2  # SmolLM2's <|im_start|> and <|im_end|>
@@ -84,6 +86,17 @@ def family_config(family: str) -> Any:
                 "short_factor": [1.0, 1.5, 2.5, 4.0], "long_factor": [2.0, 3.0, 5.0, 8.0]}
         return transformers.Phi3Config(**_SHAPE, rope_parameters=rope, original_max_position_embeddings=PHI3_ORIGINAL_CONTEXT,
                                        sliding_window=2 * WINDOW)
+    if family == "qwen3_moe":
+        # Layer 1 dense (`mlp_only_layers`), renormalized top-k, Qwen3's q/k norms.
+        return transformers.Qwen3MoeConfig(**_SHAPE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                           norm_topk_prob=True, mlp_only_layers=[1])
+    if family == "qwen2_moe":
+        # A shared expert behind its sigmoid gate, top-k not renormalized, q/k/v biases; layer 2 dense.
+        return transformers.Qwen2MoeConfig(**_SHAPE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[2],
+                                           tie_word_embeddings=True)
+    if family == "mixtral":
+        return transformers.MixtralConfig(**_SHAPE, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)
     raise ValueError(f"no tiny checkpoint for {family!r}")
 
 
@@ -97,16 +110,22 @@ def multimodal_gemma3_config() -> Any:
                                      boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2, image_token_index=VOCAB - 1)
 
 
-def write_checkpoint(family: str, path: Path, tokenizer_json: str, chat_template: str, seed: int = 0) -> Checkpoint:
+def write_checkpoint(
+    family: str, path: Path, tokenizer_json: str, chat_template: str, seed: int = 0, changes: dict[str, Any] | None = None
+) -> Checkpoint:
     """The family's tiny random checkpoint, saved at `path` with the tokenizer and chat template;
-    family `gemma3-multimodal`: `multimodal_gemma3_config`'s."""
+    family `gemma3-multimodal`: `multimodal_gemma3_config`'s. `changes`: config attributes set
+    over the family's (wider layers, say)."""
     import transformers
 
     torch.manual_seed(seed)
     if family == "gemma3-multimodal":
         model = transformers.Gemma3ForConditionalGeneration._from_config(multimodal_gemma3_config(), attn_implementation="eager")
     else:
-        model = transformers.AutoModelForCausalLM.from_config(family_config(family), attn_implementation="eager", dtype=torch.float32)
+        config = family_config(family)
+        for name, value in (changes or {}).items():
+            setattr(config, name, value)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     gemma = family.startswith("gemma")
     with torch.no_grad():
         for name, parameter in model.named_parameters():

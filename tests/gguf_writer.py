@@ -12,6 +12,12 @@ map (`gguf.get_tensor_name_map`), which is what the converter uses:
   q/k rows (and biases) permuted for llama.cpp's adjacent-pair RoPE; Llama 3.1's llama3
   scaling as the tensor rope_freqs (each frequency's divisor).
 - qwen2 / qwen3: nothing more.
+- mixture-of-experts (qwen2_moe, qwen3_moe; mixtral written as llama): expert_count,
+  expert_used_count, expert_feed_forward_length (Qwen), expert_shared_feed_forward_length
+  (Qwen2-MoE); transformers 5's fused `experts.gate_up_proj` split into the 3-D
+  ffn_gate_exps / ffn_up_exps, `experts.down_proj` as ffn_down_exps (Qwen2MoeModel.modify_tensors);
+  the router (ffn_gate_inp) and the shared expert's gate kept float32 under --outtype q8_0, as
+  the converter keeps them.
 - gemma2: no rope.freq_base (llama.cpp's 10000), attn_logit_softcapping,
   final_logit_softcapping, attention.sliding_window; every `*norm.weight` + 1; no lm_head.
 - gemma3: rope.freq_base of the global layers, final_logit_softcapping when set,
@@ -48,7 +54,12 @@ _ARCH = {
     "gemma2": gguf.MODEL_ARCH.GEMMA2,
     "gemma3_text": gguf.MODEL_ARCH.GEMMA3,
     "phi3": gguf.MODEL_ARCH.PHI3,
+    "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
+    "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
+    "mixtral": gguf.MODEL_ARCH.LLAMA,
 }
+# Tensors the converter never quantizes (base.py's list of those kept float32).
+_FLOAT_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 
 
 def tiny_vocabulary() -> tuple[list[str], list[int], list[str]]:
@@ -131,11 +142,14 @@ def write_family_gguf(
     metadata: dict[str, tuple[Any, gguf.GGUFValueType] | None] | None = None,
     tensors: dict[str, np.ndarray | None] | None = None,
     vocabulary: Vocabulary | None = None,
+    types: dict[str, GGML] | None = None,
 ) -> None:
     """Write the Hugging Face checkpoint (`config`: its transformers config, `state`: its state
     dict with Hugging Face names) as convert_hf_to_gguf.py would (module docstring). With
     `quantize` (Q8_0 say), every matrix whose rows are whole blocks is stored in that type, as
-    the converter's --outtype does; vectors stay float32. `vocabulary`: the tiny one by default.
+    the converter's --outtype does (Q4_K and Q6_K by flare's port of llama.cpp's reference
+quantizers, which gguf-py lacks); vectors stay float32. `types`: another type for the tensors
+of a kind (`ffn_up_exps`: Q6_K, say), as llama-quantize mixes them. `vocabulary`: the tiny one by default.
 
     To make a malformed file: `architecture` replaces general.architecture (the keys keep the
     family's prefix), `metadata` sets keys ((value, type)) or removes them (None), `tensors`
@@ -175,6 +189,14 @@ def write_family_gguf(
             if rope.get(key) is not None:
                 add(rope[key])
     head_dim = hparams.get("head_dim") or hidden // heads
+    experts = hparams.get("num_local_experts") or hparams.get("num_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(hparams["num_experts_per_tok"])
+        if hparams.get("moe_intermediate_size") is not None:
+            writer.add_expert_feed_forward_length(hparams["moe_intermediate_size"])
+        if hparams.get("shared_expert_intermediate_size") is not None:
+            writer.add_expert_shared_feed_forward_length(hparams["shared_expert_intermediate_size"])
     extra: dict[str, np.ndarray] = {}
     if arch == gguf.MODEL_ARCH.LLAMA:
         writer.add_vocab_size(hparams["vocab_size"])
@@ -221,7 +243,7 @@ def write_family_gguf(
     names = gguf.get_tensor_name_map(arch, layers)
     replaced = tensors or {}
     gemma = model_type in ("gemma2", "gemma3_text")
-    for hf, tensor in state.items():
+    for hf, tensor in _split_expert_gate_up(state).items():
         if hf == "lm_head.weight" and (model_type == "gemma2" or hparams.get("tie_word_embeddings")):
             continue  # save_pretrained leaves a tied head out; the Gemma 2 converter skips it always
         array = tensor.detach().to(torch.float32).numpy()
@@ -231,10 +253,11 @@ def write_family_gguf(
             array = permute_rope_rows(array, heads)
         elif arch == gguf.MODEL_ARCH.LLAMA and hf.endswith(("k_proj.weight", "k_proj.bias")):
             array = permute_rope_rows(array, kv_heads)
-        name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        name = names.get_name(hf, try_suffixes=(".weight", ".bias")) or _dense_mlp_name(hf)
         assert name is not None, f"gguf-py maps no name for {hf} in {arch.name}"
         if name not in replaced:
-            _add_tensor(writer, name, np.ascontiguousarray(array), quantize)
+            kind = name.split(".")[-2]
+            _add_tensor(writer, name, np.ascontiguousarray(array), (types or {}).get(kind, quantize))
     for name, array in {**extra, **replaced}.items():
         if array is not None:
             _add_tensor(writer, name, np.ascontiguousarray(array, dtype=np.float32), quantize)
@@ -244,12 +267,48 @@ def write_family_gguf(
     writer.close()
 
 
+def _dense_mlp_name(hf: str) -> str | None:
+    """A dense MLP tensor of a MoE family's layer (Qwen's `mlp_only_layers`), which gguf-py maps
+    no name for in those architectures: under the dense families' `ffn_{gate,up,down}`."""
+    parts = hf.split(".")
+    if len(parts) == 6 and parts[3] == "mlp" and parts[4] in ("gate_proj", "up_proj", "down_proj"):
+        return f"blk.{parts[2]}.ffn_{parts[4].removesuffix('_proj')}.{parts[5]}"
+    return None
+
+
+def _split_expert_gate_up(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5's fused experts under the names the converter maps: `experts.gate_up_proj`
+    [E, 2 I, H] split into `experts.gate_proj.weight` and `experts.up_proj.weight` [E, I, H],
+    `experts.down_proj` as `experts.down_proj.weight`."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            out[name.removesuffix("gate_up_proj") + "gate_proj.weight"] = gate
+            out[name.removesuffix("gate_up_proj") + "up_proj.weight"] = up
+        elif name.endswith(".mlp.experts.down_proj"):
+            out[f"{name}.weight"] = tensor
+        else:
+            out[name] = tensor
+    return out
+
+
 def _add_tensor(writer: gguf.GGUFWriter, name: str, array: np.ndarray, quantize: GGML | None) -> None:
     block = None if quantize is None else gguf.GGML_QUANT_SIZES[quantize][0]
-    if quantize is not None and array.ndim == 2 and array.shape[1] % block == 0:  # type: ignore[operator]
-        writer.add_tensor(name, gguf.quants.quantize(array, quantize), raw_dtype=quantize)
+    if name.endswith(_FLOAT_TENSORS):
+        quantize = None
+    if quantize is not None and array.ndim in (2, 3) and array.shape[-1] % block == 0:  # type: ignore[operator]
+        writer.add_tensor(name, _quantized(array, quantize), raw_dtype=quantize)
     else:
         writer.add_tensor(name, array.astype(np.float32))
+
+
+def _quantized(array: np.ndarray, quantize: GGML) -> np.ndarray:
+    """The blocks of `array` [..., in] in `quantize`, [..., row_bytes]."""
+    from flare.preparation.quantize import quantize_matrix
+
+    rows = quantize_matrix(np.ascontiguousarray(array.reshape(-1, array.shape[-1]), dtype=np.float32), quantize)
+    return rows.reshape(*array.shape[:-1], rows.shape[-1])
 
 
 def quantized_values(array: np.ndarray, quantize: GGML | None) -> np.ndarray:

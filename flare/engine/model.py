@@ -52,12 +52,13 @@ from flare.engine.batch import ForwardBatch
 from flare.engine.kv_cache import KVCache
 from flare.engine.layers.attention import AttentionCall, PagedAttention, rope_and_cache
 from flare.engine.layers.mlp import gated_mlp
+from flare.engine.layers.moe import MoEWeights, load_moe_weights, moe_mlp
 from flare.engine.layers.norms import add_norm, sublayer_output
 from flare.engine.layers.rope import rope_tables, round_tables
 from flare.engine.linear import Weight, linear, linear_columns, packs, stack_weights
 from flare.package.blocks import dequantized
 from flare.package.manifest import ModelConfig
-from flare.package.directory import TORCH_DTYPES, Package, fits_float16, weight_problems
+from flare.package.directory import TORCH_DTYPES, Package, expected_weight_shapes, fits_float16, weight_problems
 from flare.package.problems import capped
 
 
@@ -73,8 +74,8 @@ class DecoderLayer:
     qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
     o: torch.Tensor  # [hidden, heads * head_dim]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Weight | None  # [2 * intermediate, hidden]; None in a mixture-of-experts layer
+    down: Weight | None  # [hidden, intermediate]; None in a mixture-of-experts layer
     # What a family adds (`ModelConfig`); None where the layer has none of it.
     qkv_bias: torch.Tensor | None = None  # [(heads + 2 * kv_heads) * head_dim]
     q_norm: torch.Tensor | None = None  # [head_dim]
@@ -83,17 +84,23 @@ class DecoderLayer:
     mlp_output_norm: torch.Tensor | None = None  # [hidden]
     window: int | None = None  # the sliding window its queries attend in, where it narrows the context
     local_rope: bool = False  # RoPE from the sliding layers' own table (`local_rope_theta`)
+    moe: MoEWeights | None = None  # the mixture-of-experts MLP that replaces gate_up/down (`layers/moe.py`)
 
 
-def _shape(weight: torch.Tensor | QuantizedWeight) -> tuple[int, ...]:
-    if isinstance(weight, QuantizedWeight):
-        return (weight.out_features, weight.in_features)
-    return tuple(weight.shape)
+def _shape(weight: torch.Tensor | QuantizedWeight, expected: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The weight's shape; blocks of stacked experts (rows of every expert, [E * out, in]) read as
+    the [E, out, in] they hold where the rows add up to it."""
+    if not isinstance(weight, QuantizedWeight):
+        return tuple(weight.shape)
+    if expected is not None and len(expected) == 3 and weight.out_features == expected[0] * expected[1]:
+        return (expected[0], expected[1], weight.in_features)
+    return (weight.out_features, weight.in_features)
 
 
 def check_state_dict(config: ModelConfig, state_dict: Mapping[str, torch.Tensor | QuantizedWeight]) -> None:
     """Raise `WeightsError` listing every missing, unexpected or misshapen weight."""
-    problems = weight_problems(config, {name: _shape(tensor) for name, tensor in state_dict.items()})
+    expected = expected_weight_shapes(config)
+    problems = weight_problems(config, {name: _shape(tensor, expected.get(name)) for name, tensor in state_dict.items()})
     if problems:
         raise WeightsError("the weights do not match the model config: " + "; ".join(capped(problems)))
 
@@ -120,6 +127,8 @@ def _kernel_layers(
     of every layer is float16 or ggml blocks; None otherwise (the layers then run step by step)."""
     kernel_layers = []
     for layer in layers:
+        if layer.moe is not None:
+            return None  # the one-call kernel layer has no mixture-of-experts MLP
         linears = [_linear_parts(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if any(parts is None for parts in linears):
             return None
@@ -255,13 +264,15 @@ class DecoderModel:
         def layer(i: int) -> DecoderLayer:
             prefix = f"model.layers.{i}"
             window = config.layer_window(i)
+            moe = config.is_moe_layer(i)
             return DecoderLayer(
                 input_norm=weight(f"{prefix}.input_layernorm.weight", dtype),
                 qkv=linear_weight(*(f"{prefix}.self_attn.{p}_proj.weight" for p in "qkv")),
                 o=linear_weight(f"{prefix}.self_attn.o_proj.weight"),
                 post_norm=weight(f"{prefix}.post_attention_layernorm.weight", dtype),
-                gate_up=linear_weight(f"{prefix}.mlp.gate_proj.weight", f"{prefix}.mlp.up_proj.weight"),
-                down=linear_weight(f"{prefix}.mlp.down_proj.weight"),
+                gate_up=None if moe else linear_weight(f"{prefix}.mlp.gate_proj.weight", f"{prefix}.mlp.up_proj.weight"),
+                down=None if moe else linear_weight(f"{prefix}.mlp.down_proj.weight"),
+                moe=load_moe_weights(config, state_dict, f"{prefix}.mlp", self.weight_format, self.device) if moe else None,
                 qkv_bias=torch.cat([weight(f"{prefix}.self_attn.{p}_proj.bias", dtype) for p in "qkv"])
                 if config.attention_bias
                 else None,
@@ -353,7 +364,11 @@ class DecoderModel:
                 attention = linear(self.attention.attend(q, keys, values, calls, layer.window), layer.o)
                 attention = sublayer_output(self._summed(attention), layer.attention_output_norm, eps, kernels=kernels)
                 x = add_norm(h, attention, layer.post_norm, eps, kernels=kernels)
-                mlp = gated_mlp(x, layer.gate_up, layer.down, config.hidden_activation, kernels=kernels)
+                if layer.moe is not None:
+                    mlp = moe_mlp(x, layer.moe, config, kernels=kernels)
+                else:
+                    assert layer.gate_up is not None and layer.down is not None
+                    mlp = gated_mlp(x, layer.gate_up, layer.down, config.hidden_activation, kernels=kernels)
                 delta = sublayer_output(self._summed(mlp), layer.mlp_output_norm, eps, kernels=kernels)
             if delta is not None:
                 h += delta
@@ -443,7 +458,8 @@ def load_model(
         # The package's types are the kernels' (`map_blocks` refuses others). Without the C
         # kernels each call would expand a whole matrix again: its values are expanded once here.
         if native.available():
-            state_dict[name] = QuantizedWeight.from_blocks(tensor.ggml_type, tensor.data, *tensor.shape)
+            # Stacked experts [E, out, in] are their E * out rows: each expert a view of them (`layers/moe.py`).
+            state_dict[name] = QuantizedWeight.from_blocks(tensor.ggml_type, tensor.data, tensor.data.shape[0], tensor.shape[-1])
         else:
             state_dict[name] = dequantized(tensor)
     config, extra = package.manifest.model, {}

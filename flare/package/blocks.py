@@ -1,8 +1,9 @@
 """Quantized tensors kept as ggml blocks in a package: the types kept, their checks, and the
 blocks file (`model.blocks`).
 
-A kept tensor is a linear weight (or the token embedding) [out, in] whose rows are in / block
-size blocks of a ggml type, byte for byte as llama.cpp lays them out (ggml-common.h). The
+A kept tensor is a linear weight (or the token embedding) [out, in], or a mixture-of-experts
+layer's stacked experts [experts, out, in] (E * out rows, expert after expert), whose rows are
+in / block size blocks of a ggml type, byte for byte as llama.cpp lays them out (ggml-common.h). The
 blocks file holds the kept tensors back to back, each at the offset the manifest gives
 (`manifest.BlockEntry`), in the order of `package.expected_weight_shapes`: the q, k and v
 projections of a layer (and gate and up) lie next to each other, so a layer whose three share
@@ -60,12 +61,12 @@ class BlocksError(ValueError):
 
 @dataclass(frozen=True)
 class BlockTensor:
-    """A weight [out, in] as ggml blocks: `data` uint8 [out, row_bytes] (possibly a view into the
-    mapped blocks file)."""
+    """A weight [out, in] (or stacked experts [E, out, in]) as ggml blocks: `data` uint8
+    [rows, row_bytes], rows = out (E * out), possibly a view into the mapped blocks file."""
 
     ggml_type: GGMLType
     data: torch.Tensor
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
 
     @property
     def nbytes(self) -> int:
@@ -149,11 +150,12 @@ def entry_problems(name: str, entry: BlockEntry, shape: tuple[int, ...], file_si
     if ggml_type not in KEPT_TYPES:
         kept = ", ".join(sorted(t.name for t in KEPT_TYPES))
         return [f"tensor {name}: ggml type {entry.type} is not served from blocks (served: {kept})"]
-    if len(shape) != 2:
-        return [f"tensor {name}: only a matrix can be kept as blocks, its shape is {list(shape)}"]
-    width = row_bytes(ggml_type, shape[1])
-    if width is None or entry.nbytes != shape[0] * width:
-        expected = "no whole number of blocks" if width is None else f"{shape[0] * width} bytes"
+    if len(shape) not in (2, 3):
+        return [f"tensor {name}: only a matrix or stacked experts can be kept as blocks, its shape is {list(shape)}"]
+    rows = _rows(shape)
+    width = row_bytes(ggml_type, shape[-1])
+    if width is None or entry.nbytes != rows * width:
+        expected = "no whole number of blocks" if width is None else f"{rows * width} bytes"
         return [f"tensor {name}: {entry.type} blocks of a {list(shape)} weight take {expected}, the manifest says {entry.nbytes}"]
     if entry.offset + entry.nbytes > file_size:
         return [f"tensor {name}: its blocks end at byte {entry.offset + entry.nbytes}, past the end of {BLOCKS_NAME} ({file_size} bytes)"]
@@ -179,19 +181,24 @@ def map_blocks(path: Path, entries: Mapping[str, BlockEntry], shapes: Mapping[st
     tensors = {}
     for name, entry in entries.items():
         ggml_type = GGMLType[entry.type]
-        out_features, in_features = shapes[name]
-        data = whole[entry.offset : entry.offset + entry.nbytes].view(out_features, -1)
-        problems = block_problems(name, ggml_type, data.numpy(), (out_features, in_features))
+        shape = tuple(shapes[name])
+        data = whole[entry.offset : entry.offset + entry.nbytes].view(_rows(shape), -1)
+        problems = block_problems(name, ggml_type, data.numpy(), (_rows(shape), shape[-1]))
         if problems:
             raise BlocksError("; ".join(problems))
-        tensors[name] = BlockTensor(ggml_type, data, (out_features, in_features))
+        tensors[name] = BlockTensor(ggml_type, data, shape)
     return tensors
 
 
+def _rows(shape: tuple[int, ...]) -> int:
+    """Rows of blocks of a weight [out, in] or of stacked experts [E, out, in]."""
+    return shape[0] * shape[1] if len(shape) == 3 else shape[0]
+
+
 def dequantized(tensor: BlockTensor) -> torch.Tensor:
-    """The tensor's values as float32 [out, in], exactly gguf-py's `dequantize` of its blocks."""
+    """The tensor's values as float32 of its shape, exactly gguf-py's `dequantize` of its blocks."""
     values = gguf.quants.dequantize(tensor.data.numpy(), tensor.ggml_type)
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(tensor.shape)
 
 
 def mxfp4_from_openai(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:

@@ -85,6 +85,19 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     [head_dim]), and sandwich norms on the sublayers' outputs (`attention_output_norm.weight`,
     `mlp_output_norm.weight`; Gemma's `post_attention_layernorm`, `pre_feedforward_layernorm`
     and `post_feedforward_layernorm` are renamed to these three at export).
+
+    A mixture-of-experts layer (`ModelConfig.moe_layers`) holds, instead of the dense
+    `mlp.{gate,up,down}_proj.weight`, with E experts of width I (`moe_intermediate_size`):
+    `mlp.router.weight` [E, hidden] (its logits: x @ router^T), `mlp.router.bias` [E] where
+    `router_bias`, `mlp.router.score_correction_bias` [E] for sigmoid_group routing (DeepSeek-V3's
+    `e_score_correction_bias`, float32); the experts stacked, one tensor per projection,
+    `mlp.experts.gate_up_proj.weight` [E, 2 I, hidden] (expert e's gate rows, then its up rows:
+    transformers 5's fused layout, so that one expert's gate and up are one contiguous [2 I,
+    hidden] matrix, as floats or as block rows mapped from the file) and
+    `mlp.experts.down_proj.weight` [E, hidden, I]; where the model has a shared expert of width S
+    (`shared_expert_intermediate_size`), `mlp.shared_expert.{gate,up}_proj.weight` [S, hidden] and
+    `mlp.shared_expert.down_proj.weight` [hidden, S], and with `shared_expert_gate`
+    `mlp.shared_expert_gate.weight` [1, hidden].
     """
     h, kv = config.hidden_size, config.num_kv_heads * config.head_dim
     q = config.num_heads * config.head_dim
@@ -106,14 +119,37 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.sandwich_norms:
             shapes[f"{layer}.attention_output_norm.weight"] = (h,)
         shapes[f"{layer}.post_attention_layernorm.weight"] = (h,)
-        shapes[f"{layer}.mlp.gate_proj.weight"] = (config.intermediate_size, h)
-        shapes[f"{layer}.mlp.up_proj.weight"] = (config.intermediate_size, h)
-        shapes[f"{layer}.mlp.down_proj.weight"] = (h, config.intermediate_size)
+        if config.is_moe_layer(i):
+            shapes.update(moe_weight_shapes(config, f"{layer}.mlp"))
+        else:
+            shapes[f"{layer}.mlp.gate_proj.weight"] = (config.intermediate_size, h)
+            shapes[f"{layer}.mlp.up_proj.weight"] = (config.intermediate_size, h)
+            shapes[f"{layer}.mlp.down_proj.weight"] = (h, config.intermediate_size)
         if config.sandwich_norms:
             shapes[f"{layer}.mlp_output_norm.weight"] = (h,)
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
+
+
+def moe_weight_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """The tensors of one mixture-of-experts MLP under `prefix` (`expected_weight_shapes`)."""
+    h, experts, width = config.hidden_size, config.num_experts, config.moe_intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {f"{prefix}.router.weight": (experts, h)}
+    if config.router_bias:
+        shapes[f"{prefix}.router.bias"] = (experts,)
+    if config.routing == "sigmoid_group":
+        shapes[f"{prefix}.router.score_correction_bias"] = (experts,)
+    shapes[f"{prefix}.experts.gate_up_proj.weight"] = (experts, 2 * width, h)
+    shapes[f"{prefix}.experts.down_proj.weight"] = (experts, h, width)
+    shared = config.shared_expert_intermediate_size
+    if shared:
+        shapes[f"{prefix}.shared_expert.gate_proj.weight"] = (shared, h)
+        shapes[f"{prefix}.shared_expert.up_proj.weight"] = (shared, h)
+        shapes[f"{prefix}.shared_expert.down_proj.weight"] = (h, shared)
+    if config.shared_expert_gate:
+        shapes[f"{prefix}.shared_expert_gate.weight"] = (1, h)
     return shapes
 
 

@@ -73,8 +73,11 @@ class ManifestError(ValueError):
 # The decoder families flare serves (`ModelConfig.architecture`): one decoder (engine/model.py)
 # driven by the fields below, never a model per family. docs/packages.md lists the fields and
 # source keys of each.
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2_moe", "qwen3_moe", "mixtral")
 HIDDEN_ACTIVATIONS = ("silu", "gelu_tanh")
+# How a mixture-of-experts layer's router turns its logits into k experts and their weights
+# (`ModelConfig.routing`; flare/engine/layers/routing.py implements each).
+ROUTINGS = ("softmax", "softmax_group_max", "sigmoid_group", "topk_softmax")
 ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope", "factors")
 
 
@@ -146,6 +149,24 @@ class ModelConfig:
     - embedding_scale: the token embeddings are multiplied by it (Gemma: sqrt(hidden_size)).
     - hidden_activation: of the gated MLP, silu (SwiGLU) or gelu_tanh (GeGLU, Gemma).
 
+    Mixture-of-experts (Qwen2/3-MoE, Mixtral; 0 experts: every layer is dense). The layers
+    `moe_layers` replace the gated MLP of width `intermediate_size` by a router over
+    `num_experts` gated MLPs of width `moe_intermediate_size`, of which each token runs
+    `num_experts_per_tok`, their outputs summed weighted by the router (`layers/moe.py`):
+
+    - routing (`ROUTINGS`): softmax (softmax over the experts, top-k: Qwen, Mixtral, DeepSeek-V2's
+      greedy); softmax_group_max (DeepSeek-V2's group_limited_greedy: the top `topk_group` of
+      `n_group` groups by their best score); sigmoid_group (DeepSeek-V3: sigmoid scores, the
+      choice by scores + `mlp.router.score_correction_bias`, groups scored by their top two);
+      topk_softmax (gpt-oss: top-k of the logits, softmax over those k).
+    - norm_topk_prob: the k weights are divided by their sum (Mixtral always).
+    - routed_scaling_factor: the k weights are multiplied by it (DeepSeek).
+    - router_bias: the router has a bias (`mlp.router.bias`, gpt-oss).
+    - shared_expert_intermediate_size: width of a gated MLP every token runs beside the routed
+      ones (Qwen2-MoE's shared expert; DeepSeek's n_shared_experts x moe_intermediate_size);
+      0: none. shared_expert_gate: its output is scaled by sigmoid(`mlp.shared_expert_gate`(x))
+      (Qwen2-MoE).
+
     Norm weights are stored as the factor they multiply by: Gemma's (1 + w) is baked in at
     export, as llama.cpp's converter does. Fused source tensors (Phi-3's qkv_proj and
     gate_up_proj) are split into Llama's names at export.
@@ -178,6 +199,18 @@ class ModelConfig:
     sandwich_norms: bool = False
     embedding_scale: float = 1.0
     hidden_activation: str = "silu"
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()
+    routing: str = "softmax"
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    router_bias: bool = False
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -226,6 +259,7 @@ class ModelConfig:
             problems.append(f"embedding_scale must be a positive number, got {self.embedding_scale!r}")
         if self.hidden_activation not in HIDDEN_ACTIVATIONS:
             problems.append(f"hidden_activation {self.hidden_activation!r} is not one of {', '.join(HIDDEN_ACTIVATIONS)}")
+        problems += self._moe_problems()
         if not self.eos_token_ids:
             problems.append("eos_token_ids must name at least one token")
         for token in (*self.eos_token_ids, *(() if self.bos_token_id is None else (self.bos_token_id,))):
@@ -235,6 +269,48 @@ class ModelConfig:
             raise ManifestError("model config: " + "; ".join(problems))
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
         object.__setattr__(self, "sliding_layers", layers)
+        object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+
+    def _moe_problems(self) -> list[str]:
+        """What is wrong with the mixture-of-experts fields (none of it on a dense model)."""
+        problems = []
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size", "n_group", "topk_group"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                problems.append(f"{name} must be a non-negative integer, got {value!r}")
+        if problems:
+            return problems
+        layers = tuple(self.moe_layers)
+        if not self.num_experts:
+            if layers:
+                problems.append("moe_layers are named but num_experts is 0")
+            return problems
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            problems.append(f"num_experts_per_tok must be from 1 to num_experts {self.num_experts}, got {self.num_experts_per_tok}")
+        if self.moe_intermediate_size < 1:
+            problems.append("moe_intermediate_size must be a positive integer on a mixture-of-experts model")
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < int(self.num_layers) for i in layers):
+            problems.append(f"moe_layers must be layer indices below num_layers {self.num_layers}, got {list(layers)}")
+        elif list(layers) != sorted(set(layers)):
+            problems.append(f"moe_layers must be increasing, got {list(layers)}")
+        if self.routing not in ROUTINGS:
+            problems.append(f"routing {self.routing!r} is not one of {', '.join(ROUTINGS)}")
+        if self.n_group < 1 or self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            problems.append(
+                f"n_group {self.n_group} must divide num_experts {self.num_experts} and topk_group {self.topk_group} lie in 1..n_group"
+            )
+        elif self.routing == "sigmoid_group" and self.num_experts // self.n_group < 2:
+            problems.append("sigmoid_group routing scores a group by its top two experts: groups need at least two")
+        scale = self.routed_scaling_factor
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+            problems.append(f"routed_scaling_factor must be a positive number, got {scale!r}")
+        if self.shared_expert_gate and not self.shared_expert_intermediate_size:
+            problems.append("shared_expert_gate is set but there is no shared expert (shared_expert_intermediate_size 0)")
+        return problems
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts (else the dense gated MLP)."""
+        return layer in self.moe_layers
 
     @property
     def rotary_dims(self) -> int:
@@ -249,6 +325,7 @@ class ModelConfig:
         data = dataclasses.asdict(self)
         data["eos_token_ids"] = list(self.eos_token_ids)
         data["sliding_layers"] = list(self.sliding_layers)
+        data["moe_layers"] = list(self.moe_layers)
         data["rope_scaling"] = None if self.rope_scaling is None else self.rope_scaling.to_json()
         return data
 
@@ -257,9 +334,14 @@ class ModelConfig:
         if format_version < 4 and isinstance(data, dict):
             # Formats 2 and 3 describe Llama models only, without the family fields.
             data = {**_LLAMA_FIELDS, **data}
+        elif isinstance(data, dict):
+            # The mixture-of-experts fields came within format 4: a manifest written before
+            # them describes a dense model.
+            data = {**_DENSE_FIELDS, **data}
         values = _fields_of(cls, data, "model.config")
         values["eos_token_ids"] = tuple(values["eos_token_ids"])
         values["sliding_layers"] = tuple(values["sliding_layers"] or ())
+        values["moe_layers"] = tuple(values["moe_layers"] or ())
         if values["rope_scaling"] is not None:
             values["rope_scaling"] = RopeScaling.from_json(values["rope_scaling"])
         return cls(**values)
@@ -271,6 +353,11 @@ _LLAMA_FIELDS = {
     for f in dataclasses.fields(ModelConfig)
     if f.default is not dataclasses.MISSING and f.name != "architecture"
 }
+_MOE_FIELDS = (
+    "num_experts", "num_experts_per_tok", "moe_intermediate_size", "moe_layers", "routing", "norm_topk_prob",
+    "routed_scaling_factor", "n_group", "topk_group", "router_bias", "shared_expert_intermediate_size", "shared_expert_gate",
+)
+_DENSE_FIELDS = {name: _LLAMA_FIELDS[name] for name in _MOE_FIELDS}
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,11 @@ Per decoder layer, for rank r of N:
   one all-reduce after o makes the residual stream whole again;
 - gate/up are split by rows (columns of the intermediate activation), down by its input columns,
   with one all-reduce after down;
+- a mixture-of-experts MLP is split the same way inside every expert, as vLLM's tensor-parallel
+  MoE does: each rank holds 1/N of every expert's intermediate columns (its gate rows and its up
+  rows of `experts.gate_up_proj`, its input columns of `experts.down_proj`) and of the shared
+  expert's; the router and the shared expert's gate are replicated, so every rank routes every
+  row alike, and the one all-reduce after the MLP sums the routed and shared partial outputs;
 - the LM head is split into the contiguous vocabulary shards ``shard_bounds(V, N)`` the
   vocabulary-parallel sampler works on (vocab_round.py), never gathered into a full row (a
   tied head is the embedding's rows of the shard);
@@ -41,8 +46,9 @@ from flare.package.manifest import ModelConfig
 Tensor = torch.Tensor | QuantizedWeight
 
 _BY_HEADS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-_BY_ROWS = ("mlp.gate_proj", "mlp.up_proj")
-_BY_INPUT = ("self_attn.o_proj", "mlp.down_proj")
+_BY_ROWS = ("mlp.gate_proj", "mlp.up_proj", "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj")
+_BY_INPUT = ("self_attn.o_proj", "mlp.down_proj", "mlp.shared_expert.down_proj", "mlp.experts.down_proj")
+_EXPERTS_GATE_UP = ".mlp.experts.gate_up_proj.weight"
 
 
 class TensorParallelError(ValueError):
@@ -62,6 +68,11 @@ def check_tensor_parallel(config: ModelConfig, tensor_parallel: int) -> None:
         raise TensorParallelError(
             f"tensor_parallel {tensor_parallel} must divide the model's MLP width of {config.intermediate_size}"
         )
+    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(config, name) % tensor_parallel:
+            raise TensorParallelError(
+                f"tensor_parallel {tensor_parallel} must divide the model's {name} of {getattr(config, name)}"
+            )
     if any(end <= start for start, end in shard_bounds(config.vocab_size, tensor_parallel)):
         raise TensorParallelError(
             f"a vocabulary of {config.vocab_size} tokens has an empty shard at tensor_parallel {tensor_parallel}"
@@ -77,6 +88,8 @@ def rank_config(config: ModelConfig, tensor_parallel: int) -> ModelConfig:
         num_heads=config.num_heads // tensor_parallel,
         num_kv_heads=config.num_kv_heads // tensor_parallel,
         intermediate_size=config.intermediate_size // tensor_parallel,
+        moe_intermediate_size=config.moe_intermediate_size // tensor_parallel,
+        shared_expert_intermediate_size=config.shared_expert_intermediate_size // tensor_parallel,
     )
 
 
@@ -98,7 +111,9 @@ def rank_state_dict(
     out: dict[str, Tensor] = {}
     for name, tensor in state_dict.items():
         part = _part_of(name)
-        if part in ("by_heads", "by_rows"):
+        if name.endswith(_EXPERTS_GATE_UP):
+            out[name] = _expert_gate_up_rows(tensor, config.num_experts, rank, tensor_parallel)
+        elif part in ("by_heads", "by_rows"):
             out[name] = _rows(tensor, *_even(_rows_of(tensor), rank, tensor_parallel))
         elif part == "by_input":
             out[name] = _columns(name, tensor, *_even(_columns_of(tensor), rank, tensor_parallel))
@@ -139,6 +154,21 @@ def _part_of(name: str) -> str:
     return "replicated"
 
 
+def _expert_gate_up_rows(tensor: Tensor, experts: int, rank: int, parts: int) -> Tensor:
+    """The rank's rows of stacked experts' gate/up [E, 2 I, hidden]: of every expert, its share
+    of the gate rows then the same share of the up rows, [E, 2 I / N, hidden] (copied once: the
+    rows are not contiguous)."""
+    rows = _rows_of(tensor) // experts if isinstance(tensor, QuantizedWeight) else tensor.shape[1]
+    width = rows // 2
+    start, end = _even(width, rank, parts)
+    index = torch.tensor(
+        [e * rows + half * width + row for e in range(experts) for half in (0, 1) for row in range(start, end)], dtype=torch.int64
+    )
+    if isinstance(tensor, QuantizedWeight):
+        return QuantizedWeight.from_blocks(tensor.ggml_type, tensor.data.index_select(0, index), len(index), tensor.in_features)
+    return tensor.reshape(experts * rows, -1).index_select(0, index).view(experts, 2 * (end - start), -1)
+
+
 def _even(size: int, rank: int, parts: int) -> tuple[int, int]:
     share = size // parts
     return rank * share, (rank + 1) * share
@@ -149,7 +179,7 @@ def _rows_of(tensor: Tensor) -> int:
 
 
 def _columns_of(tensor: Tensor) -> int:
-    return tensor.in_features if isinstance(tensor, QuantizedWeight) else tensor.shape[1]
+    return tensor.in_features if isinstance(tensor, QuantizedWeight) else tensor.shape[-1]
 
 
 def _rows(tensor: Tensor, start: int, end: int) -> Tensor:
@@ -158,7 +188,7 @@ def _rows(tensor: Tensor, start: int, end: int) -> Tensor:
 
 def _columns(name: str, tensor: Tensor, start: int, end: int) -> Tensor:
     if not isinstance(tensor, QuantizedWeight):
-        return tensor[:, start:end]
+        return tensor[..., start:end]  # stacked experts [E, hidden, I] too
     block_size, type_size = gguf.GGML_QUANT_SIZES[tensor.ggml_type]
     if start % block_size or end % block_size:
         raise TensorParallelError(

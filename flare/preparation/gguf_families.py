@@ -14,6 +14,14 @@ package's canonical names (Hugging Face Llama's, `package.expected_weight_shapes
   embedding scale sqrt(hidden), GELU-tanh and sandwich norms are implied by the architecture.
 - The tensors `rope_freqs` (Llama 3.1's llama3 scaling as per-frequency divisors) and
   `rope_factors_long` / `rope_factors_short` (Phi-3's longrope) are RoPE parameters, not weights.
+- Mixture-of-experts (`qwen2moe`, `qwen3moe`, and `llama` with `expert_count`: Mixtral): a layer
+  with `ffn_gate_inp` (the router) is a MoE layer; its experts are 3-D tensors, one block set
+  per expert, `ffn_{gate,up,down}_exps` [E, out, in] (or the converter's optional fused
+  `ffn_gate_up_exps`), the shared expert `ffn_{gate,up,down}_shexp` and its gate
+  `ffn_gate_inp_shexp` (Qwen2-MoE). Gate and up are fused per expert into the package's
+  `mlp.experts.gate_up_proj` (`fused_expert_names`). llama.cpp renormalizes the top-k weights
+  for qwen3moe and llama, not for qwen2moe (`expert_weights_norm` where a file gives it), and
+  runs every layer of these files as MoE (the converter refuses Qwen's dense `mlp_only_layers`).
 """
 
 from __future__ import annotations
@@ -40,7 +48,13 @@ from flare.package.manifest import (
 from flare.preparation.source import SourceError
 
 # general.architecture -> ModelConfig.architecture. Mistral's converter output is `llama`.
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3"}
+GGUF_ARCHITECTURES = {
+    "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3",
+    "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
+}
+# llama.cpp's norm_w of `build_moe_ffn` per architecture (src/models/*.cpp): whether the top-k
+# weights are divided by their sum; `{arch}.expert_weights_norm` overrides it where given.
+_MOE_NORMALIZED = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 # The families whose converter permutes q/k rows (and biases) for llama.cpp's adjacent-pair RoPE.
 PERMUTED_ARCHITECTURES = frozenset({"llama"})
 _GEMMA = frozenset({"gemma2", "gemma3"})
@@ -77,6 +91,16 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "post_ffw_norm": "mlp_output_norm",
+    # Mixture-of-experts layers (`_moe_fields`); gate and up of the experts fused afterwards.
+    "ffn_gate_inp": "mlp.router",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _EXPERT_TENSOR = re.compile(r"blk\.\d+\.(ffn_gate_inp|\w+_exps?|\w+_shexp)\.")
@@ -114,8 +138,8 @@ def served_architecture(path: Path, architecture: Any) -> str:
     served = ", ".join(GGUF_ARCHITECTURES)
     raise SourceError(
         f"{path}: GGUF architecture {architecture!r} is not served; flare serves {served} "
-        f"(Mistral is written as 'llama'; as a package: {', '.join(ARCHITECTURES)}). "
-        "Mixture-of-experts (Mixtral, Qwen3-MoE) and latent-attention (DeepSeek-V3) models are not served yet"
+        f"(Mistral and Mixtral are written as 'llama'; as a package: {', '.join(ARCHITECTURES)}); "
+        "latent-attention (DeepSeek-V2/V3) models are not served yet"
     )
 
 
@@ -130,12 +154,9 @@ def model_config(
     gguf_arch = metadata.require("general.architecture")
     architecture = served_architecture(path, gguf_arch)
     keys = _Keys(path, metadata, gguf_arch)
-    experts = metadata.get(f"{gguf_arch}.expert_count")
-    if experts:
-        # Mixtral is written as arch `llama` with experts: refused here, before its tensors.
-        raise SourceError(
-            f"{path}: {gguf_arch}.expert_count is {experts}: a mixture-of-experts model, which flare does not serve yet"
-        )
+    moe = _moe_fields(path, keys, gguf_arch, shapes)
+    if gguf_arch == "llama" and moe:
+        architecture = "mixtral"  # Mixtral is written as arch `llama` with experts
     hidden = keys.integer("embedding_length")
     heads = keys.integer("attention.head_count")
     head_dim = keys.maybe_integer("attention.key_length")
@@ -235,9 +256,59 @@ def model_config(
             sandwich_norms=family.sandwich_norms,
             embedding_scale=math.sqrt(hidden) if gemma else 1.0,
             hidden_activation="gelu_tanh" if gemma else "silu",
+            **moe,
         )
     except ManifestError as error:
         raise SourceError(f"{path}: its metadata does not describe a model flare can serve: {error}") from None
+
+
+def _moe_fields(path: Path, keys: _Keys, gguf_arch: str, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    """The mixture-of-experts fields of `ModelConfig` (none without `expert_count`): the layers
+    holding a router (`ffn_gate_inp`), llama.cpp's routing of the architecture (softmax, top
+    `expert_used_count`, `_MOE_NORMALIZED`), the experts' width (`expert_feed_forward_length`, or
+    `feed_forward_length` as Mixtral's files give it) and the shared expert's."""
+    experts = keys.metadata.get(keys._key("expert_count"))
+    if not experts:  # absent or 0: a dense model
+        return {}
+    experts = keys.integer("expert_count")
+    if gguf_arch not in _MOE_NORMALIZED:
+        raise SourceError(f"{path}: {gguf_arch}.expert_count is {experts}, but flare serves experts only in {', '.join(_MOE_NORMALIZED)} files")
+    gating = keys.metadata.get(keys._key("expert_gating_func"))
+    if gating not in (None, 1):  # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise keys._bad(keys._key("expert_gating_func"), gating, "1 (softmax), the gating these families use")
+    normalize = keys.metadata.get(keys._key("expert_weights_norm"))
+    layers = sorted(int(m.group(1)) for name in shapes if (m := re.fullmatch(r"blk\.(\d+)\.ffn_gate_inp\.weight", name)))
+    if not layers:
+        raise SourceError(f"{path}: {gguf_arch}.expert_count is {experts} but no layer holds a router (ffn_gate_inp)")
+    shared = keys.maybe_integer("expert_shared_feed_forward_length") if "blk.0.ffn_down_shexp.weight" in shapes else None
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": keys.integer("expert_used_count"),
+        "moe_intermediate_size": keys.maybe_integer("expert_feed_forward_length") or keys.integer("feed_forward_length"),
+        "moe_layers": tuple(layers),
+        "routing": "softmax",
+        "norm_topk_prob": _MOE_NORMALIZED[gguf_arch] if normalize is None else bool(normalize),
+        "shared_expert_intermediate_size": shared or 0,
+        "shared_expert_gate": bool(shared) and "blk.0.ffn_gate_inp_shexp.weight" in shapes,
+    }
+
+
+# The package's per-expert gate and up (3-D, as the GGUF holds them), fused per expert into
+# `mlp.experts.gate_up_proj.weight` by `fused_expert_names`.
+EXPERT_GATE, EXPERT_UP, EXPERT_GATE_UP = "mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight", "mlp.experts.gate_up_proj.weight"
+
+
+def fused_expert_names(names: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """The package tensor `mlp.experts.gate_up_proj.weight` of each layer among `names` that has
+    both `mlp.experts.gate_proj.weight` and `up_proj.weight`: (gate, up), to be joined per expert."""
+    present = set(names)
+    fused = {}
+    for name in names:
+        if name.endswith(f".{EXPERT_GATE}"):
+            prefix = name.removesuffix(EXPERT_GATE)
+            if prefix + EXPERT_UP in present:
+                fused[prefix + EXPERT_GATE_UP] = (name, prefix + EXPERT_UP)
+    return fused
 
 
 def tensor_plans(path: Path, config: ModelConfig, shapes: Mapping[str, tuple[int, ...]], gguf_arch: str) -> dict[str, TensorPlan]:
@@ -316,7 +387,7 @@ def gguf_tensor_name(name: str, architecture: str) -> str:
 
 def _why(gguf_name: str) -> str:
     if _EXPERT_TENSOR.match(gguf_name):
-        return " (it is a mixture-of-experts model: flare does not serve experts yet)"
+        return f" (a mixture-of-experts tensor: flare serves experts in {', '.join(_MOE_NORMALIZED)} files with expert_count)"
     if _LATENT_TENSOR.match(gguf_name):
         return " (it uses multi-head latent attention: flare does not serve it yet)"
     return ""

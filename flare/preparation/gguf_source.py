@@ -24,9 +24,11 @@ import torch
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 
 from flare.package.blocks import KEPT_TYPES, BlockTensor, block_problems, unpermute_block_rows
+from flare.package.blocks import dequantized as dequantized_values
 from flare.preparation.gguf_families import (
     ROPE_TENSORS,
     TensorPlan,
+    fused_expert_names,
     gguf_tensor_name,
     model_config,
     served_architecture,
@@ -85,6 +87,11 @@ def open_gguf(path: Path, source: str | None = None) -> ModelSource:
         for gguf_name, plan in plans.items()
         for part in plan.parts
     }
+    for fused, (gate, up) in fused_expert_names(list(shapes)).items():
+        if shapes[gate] == shapes[up]:
+            experts, rows, width = shapes.pop(gate)
+            del shapes[up]
+            shapes[fused] = (experts, 2 * rows, width)
     problems = weight_problems(config, shapes, lambda name: gguf_tensor_name(name, config.architecture))
     if problems:
         raise SourceError(
@@ -191,13 +198,16 @@ def _read_weights(
         # Problems name the package tensor, or the GGUF one where it is split into several.
         label = plan.parts[0].name if len(plan.parts) == 1 else tensor.name
         if kind in KEPT_TYPES:
-            found = block_problems(label, kind, tensor.data, shape)  # type: ignore[arg-type]
+            # Stacked experts [E, out, in] are checked as their E * out rows.
+            found = block_problems(label, kind, tensor.data, (int(np.prod(shape[:-1])), shape[-1]))
             problems += found
             if keep_blocks and not found:
                 # Blocks run along the input dimension: a row range of the fused tensor is whole block rows.
                 data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
                 for part in plan.parts:
-                    kept = BlockTensor(kind, data[part.start : part.stop].contiguous(), (part.stop - part.start, shape[1]))
+                    part_shape = (part.stop - part.start, *shape[1:])
+                    rows = data[part.start : part.stop].reshape(-1, data.shape[-1]).contiguous()
+                    kept = BlockTensor(kind, rows, part_shape)
                     blocks[part.name] = kept if plan.heads is None else unpermute_block_rows(kept, plan.heads)
                     done += 1
                     progress(done, total)
@@ -220,4 +230,30 @@ def _read_weights(
             progress(done, total)
     if problems:
         raise SourceError("the GGUF's blocks cannot be served" + listed(problems))
+    _fuse_expert_gate_up(floats, blocks, dequantized)
     return SourceWeights(floats, blocks, dequantized)
+
+
+def _fuse_expert_gate_up(floats: dict[str, torch.Tensor], blocks: dict[str, BlockTensor], dequantized_types: dict[str, str]) -> None:
+    """Join each MoE layer's `ffn_gate_exps` and `ffn_up_exps` per expert into the package's
+    `mlp.experts.gate_up_proj.weight` [E, 2 I, hidden] (expert e's gate rows, then its up rows),
+    in place: as blocks where both are blocks of one type (whole block rows move, exactly),
+    otherwise as float32 (their blocks dequantized, gguf-py's values)."""
+    for fused, (gate, up) in fused_expert_names([*floats, *blocks]).items():
+        if gate in blocks and up in blocks and blocks[gate].ggml_type == blocks[up].ggml_type:
+            g, u = blocks.pop(gate), blocks.pop(up)
+            experts, rows, width = g.shape
+            data = torch.cat((g.data.view(experts, rows, -1), u.data.view(experts, rows, -1)), dim=1)
+            blocks[fused] = BlockTensor(g.ggml_type, data.reshape(experts * 2 * rows, -1), (experts, 2 * rows, width))
+            continue
+        parts, types = [], [dequantized_types.pop(gate, None), dequantized_types.pop(up, None)]
+        for name in (gate, up):
+            if name in blocks:
+                tensor = blocks.pop(name)
+                types.append(tensor.ggml_type.name)
+                parts.append(dequantized_values(tensor))
+            else:
+                parts.append(floats.pop(name))
+        if any(types):
+            dequantized_types[fused] = next(t for t in types if t)
+        floats[fused] = torch.cat(parts, dim=1)

@@ -2,7 +2,8 @@
 family's tensors to the package's names and layout.
 
 `model_type` -> architecture: llama, mistral, qwen2, qwen3, gemma2, gemma3_text (and gemma3,
-whose text model sits under `text_config` and `language_model`), phi3. Both config layouts are
+whose text model sits under `text_config` and `language_model`), phi3, and the mixture-of-experts
+qwen2_moe, qwen3_moe and mixtral. Both config layouts are
 read: transformers 5's `rope_parameters` (for Gemma 3 one per layer type) and `layer_types`,
 and the older `rope_theta` / `rope_scaling` / `partial_rotary_factor` / `rope_local_base_freq`
 keys with each family's own rule for which layers slide. docs/packages.md tabulates the keys.
@@ -11,6 +12,13 @@ Tensors (the contract of `package.expected_weight_shapes`): Gemma's four norms o
 renamed to Llama's two plus the sandwich norms, and every Gemma norm's weight w becomes 1 + w
 (its RMSNorm multiplies by 1 + w, in float32); Phi-3's fused `qkv_proj` and `gate_up_proj` are
 split into q/k/v and gate/up.
+
+Mixture-of-experts layers (`package.moe_weight_shapes`): the router (`mlp.gate`, Mixtral's
+`block_sparse_moe.gate`) becomes `mlp.router`; the experts, saved one by one
+(`experts.N.{gate,up,down}_proj`, Mixtral's `experts.N.w1/w3/w2`) or fused as transformers 5
+keeps them in memory (`experts.gate_up_proj` [E, 2 I, hidden], `experts.down_proj` [E, hidden,
+I]), become the stacked `mlp.experts.gate_up_proj.weight` and `mlp.experts.down_proj.weight`
+(`stack_experts`, after the per-tensor conversion).
 """
 
 from __future__ import annotations
@@ -44,12 +52,13 @@ MODEL_TYPES = {
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
     "phi3": "phi3",
+    "qwen2_moe": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe",
+    "mixtral": "mixtral",
 }
+_QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 # Families whose layers need what the decoder does not have yet: named in the refusal.
 NOT_YET = {
-    "mixtral": "mixture-of-experts layers",
-    "qwen2_moe": "mixture-of-experts layers",
-    "qwen3_moe": "mixture-of-experts layers",
     "deepseek_v2": "multi-head latent attention and mixture-of-experts layers",
     "deepseek_v3": "multi-head latent attention and mixture-of-experts layers",
 }
@@ -106,7 +115,7 @@ def model_config_from_hf(
     family = FAMILY_TENSORS[architecture]
     unsupported = []
     # Llama, Mistral and Qwen3 put attention_bias on o_proj too, which the decoder has no place for.
-    if architecture != "qwen2" and data.get("attention_bias"):
+    if architecture not in ("qwen2", "qwen2_moe") and data.get("attention_bias"):
         unsupported.append("bias terms on the attention projections (o_proj included)")
     if data.get("mlp_bias"):
         unsupported.append("bias terms in the MLP")
@@ -133,6 +142,7 @@ def model_config_from_hf(
         )
     rope = _rope(data, architecture, head_dim, max_positions, unsupported)
     window, sliding = _sliding_layers(data, architecture, layers, unsupported)
+    moe = _moe_fields(data, architecture, layers, unsupported)
     if unsupported:
         raise SourceError(f"config.json asks for {', '.join(unsupported)}, which flare's decoder does not implement")
     eos: list[int] = []
@@ -159,7 +169,8 @@ def model_config_from_hf(
             eos_token_ids=tuple(eos),
             architecture=architecture,
             # A Llama's own attention_bias was refused above (it puts one on o_proj too).
-            attention_bias=bool(family.attention_bias),
+            # A Qwen2-MoE's are its `qkv_bias` (transformers' default: on).
+            attention_bias=bool(data.get("qkv_bias", True)) if architecture == "qwen2_moe" else bool(family.attention_bias),
             qk_norm=family.qk_norm,
             rotary_dim=rope.rotary_dim,
             rope_scaling=rope.scaling,
@@ -172,11 +183,48 @@ def model_config_from_hf(
             sandwich_norms=family.sandwich_norms,
             embedding_scale=math.sqrt(hidden) if gemma else 1.0,
             hidden_activation=_ACTIVATIONS[activation],
+            **moe,
         )
     except KeyError as error:
         raise SourceError(f"config.json lacks {error.args[0]!r}") from None
     except (ManifestError, TypeError, ValueError) as error:
         raise SourceError(f"config.json: {error}") from None
+
+
+def _moe_fields(data: dict[str, Any], architecture: str, layers: int, unsupported: list[str]) -> dict[str, Any]:
+    """The mixture-of-experts fields of `ModelConfig` (none for a dense family): which layers
+    are MoE (Qwen: not in `mlp_only_layers` and every `decoder_sparse_step`-th; Mixtral: all),
+    the experts and their width (Mixtral's `intermediate_size` is each expert's), the shared
+    expert and its sigmoid gate (Qwen2-MoE), softmax routing with `norm_topk_prob` (Mixtral:
+    always)."""
+    if architecture not in ("qwen2_moe", "qwen3_moe", "mixtral"):
+        return {}
+    if architecture == "mixtral":
+        experts = int(data.get("num_local_experts") or 0)
+        moe_layers = tuple(range(layers))
+        width = int(data["intermediate_size"])
+        normalize = True
+    else:
+        # Qwen's own key; transformers 5 saves it under its alias, Mixtral's name.
+        experts = int(data.get("num_experts") or data.get("num_local_experts") or 0)
+        step = int(data.get("decoder_sparse_step") or 1)
+        dense = set(data.get("mlp_only_layers") or ())
+        moe_layers = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+        width = int(data["moe_intermediate_size"])
+        normalize = bool(data.get("norm_topk_prob", architecture == "qwen3_moe"))
+    fields: dict[str, Any] = {
+        "num_experts": experts,
+        "num_experts_per_tok": int(data.get("num_experts_per_tok") or 0),
+        "moe_intermediate_size": width,
+        "moe_layers": moe_layers if experts else (),
+        "routing": "softmax",
+        "norm_topk_prob": normalize,
+    }
+    if architecture == "qwen2_moe":
+        shared = int(data.get("shared_expert_intermediate_size") or 0)
+        fields["shared_expert_intermediate_size"] = shared
+        fields["shared_expert_gate"] = shared > 0
+    return fields
 
 
 def _positive_or_none(value: Any) -> float | None:
@@ -284,7 +332,7 @@ def _sliding_layers(data: dict[str, Any], architecture: str, layers: int, unsupp
     """The sliding window and the layers it applies to: `layer_types` where the config lists
     them, otherwise the family's rule (transformers' config classes)."""
     window = data.get("sliding_window")
-    if architecture in ("qwen2", "qwen3") and not data.get("use_sliding_window", False):
+    if architecture in _QWEN and not data.get("use_sliding_window", False):
         window = None
     if window is None or architecture == "llama":
         return None, ()
@@ -294,10 +342,13 @@ def _sliding_layers(data: dict[str, Any], architecture: str, layers: int, unsupp
         if other:
             unsupported.append(f"layer types {', '.join(map(repr, other))}")
         sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    elif architecture in ("mistral", "phi3"):
+    elif architecture in ("mistral", "phi3", "mixtral"):
         sliding = tuple(range(layers))
     elif architecture in ("qwen2", "qwen3"):
         sliding = tuple(range(int(data.get("max_window_layers", layers)), layers))
+    elif architecture in _QWEN:
+        unsupported.append("sliding windows without layer_types")
+        return None, ()
     elif architecture == "gemma2":
         sliding = tuple(i for i in range(layers) if i % 2 == 0)
     else:
@@ -311,6 +362,54 @@ _SOURCE_GEMMA_NORMS = {package: source for source, package in _GEMMA_NORMS.items
 _PHI3_FUSED = {
     "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
 }
+
+
+# Mixtral's saved names of a layer's MoE tensors -> Qwen's (and transformers 5's), which
+# `_moe_tensor_name` then maps to the package's.
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_EXPERT_TENSOR = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _moe_tensor_name(name: str) -> str:
+    """A source's MoE tensor under the package's name (the router) or Qwen's per-expert name
+    (`stack_experts` stacks those); any other name unchanged."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    parts = name.split(".")
+    if len(parts) == 8 and parts[4] == "experts" and parts[6] in _MIXTRAL_EXPERT:
+        parts[6] = _MIXTRAL_EXPERT[parts[6]]
+        name = ".".join(parts)
+    if name.endswith(".mlp.gate.weight"):
+        return name.removesuffix("gate.weight") + "router.weight"
+    return name
+
+
+def stack_experts(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """`tensors` with each MoE layer's per-expert gate/up/down (`mlp.experts.N.*_proj.weight`)
+    stacked into the package's `mlp.experts.gate_up_proj.weight` [E, 2 I, hidden] and
+    `mlp.experts.down_proj.weight` [E, hidden, I]. A layer whose experts are not all there, or
+    not all of one shape, is left as it is, for the shape check to name what is wrong. Works on
+    meta tensors too."""
+    if not config.num_experts:
+        return tensors
+    found: dict[str, dict[tuple[int, str], str]] = {}
+    for name in tensors:
+        match = _EXPERT_TENSOR.match(name)
+        if match:
+            found.setdefault(match.group(1), {})[(int(match.group(2)), match.group(3))] = name
+    stacked = dict(tensors)
+    for prefix, parts in found.items():
+        names = [[parts.get((e, p)) for p in ("gate_proj", "up_proj", "down_proj")] for e in range(config.num_experts)]
+        if len(parts) != 3 * config.num_experts or any(n is None for each in names for n in each):
+            continue
+        gate, up, down = ([tensors[each[i]] for each in names] for i in range(3))  # type: ignore[index]
+        if len({t.shape for t in gate + up}) != 1 or len({t.shape for t in down}) != 1:
+            continue
+        for each in names:
+            for n in each:
+                del stacked[n]  # type: ignore[arg-type]
+        stacked[f"{prefix}.gate_up_proj.weight"] = torch.stack([torch.cat(pair) for pair in zip(gate, up)])
+        stacked[f"{prefix}.down_proj.weight"] = torch.stack(down)
+    return stacked
 
 
 def hf_tensor_name(name: str, architecture: str) -> str:
@@ -332,6 +431,7 @@ def tensor_converter(config: ModelConfig) -> Callable[[str, torch.Tensor], dict[
     of the wrong size is kept whole, for the shape check to name."""
     gemma = config.architecture in _GEMMA
     fused = config.architecture == "phi3"
+    moe = config.num_experts > 0
     q_rows = config.num_heads * config.head_dim
     kv_rows = config.num_kv_heads * config.head_dim
 
@@ -347,6 +447,10 @@ def tensor_converter(config: ModelConfig) -> Callable[[str, torch.Tensor], dict[
                 name = ".".join([*parts[:3], _GEMMA_NORMS[parts[3]], parts[4]])
             if name.endswith("norm.weight"):
                 return {name: tensor.to(torch.float32) + 1.0}
+        if moe:
+            name = _moe_tensor_name(name)
+            if name.endswith(".mlp.experts.gate_up_proj") or name.endswith(".mlp.experts.down_proj"):
+                return {f"{name}.weight": tensor}  # transformers 5's fused layout: already the package's
         if fused and name.endswith(".self_attn.qkv_proj.weight") and tensor.shape[0] == q_rows + 2 * kv_rows:
             prefix = name.removesuffix("qkv_proj.weight")
             q, k, v = tensor.split([q_rows, kv_rows, kv_rows])

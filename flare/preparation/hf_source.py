@@ -31,6 +31,7 @@ from flare.preparation.hf_families import (
     hf_tensor_name,
     model_config_from_hf,
     served_model_type,
+    stack_experts,
     tensor_converter,
 )
 from flare.package.manifest import ModelConfig
@@ -56,11 +57,12 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
     target_shapes = {n: s for n, s in shapes.items() if not n.startswith(mtp_prefixes)} if mtp_prefixes else shapes
     convert = tensor_converter(config)
     # The package's names and shapes, from the same conversion run on meta tensors.
-    package_shapes = {
-        name: tuple(tensor.shape)
+    converted = {
+        name: tensor
         for source_name, shape in target_shapes.items()
         for name, tensor in convert(source_name, torch.empty(shape, device="meta")).items()
     }
+    package_shapes = {name: tuple(tensor.shape) for name, tensor in stack_experts(converted, config).items()}
     tied_copy = config.tie_word_embeddings and "lm_head.weight" in package_shapes
     problems = weight_problems(
         config,
@@ -77,8 +79,9 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
     tokenizer_json = tokenizer_path.read_text(encoding="utf-8")
 
     def read_weights(progress: Callable[[int, int], None]) -> dict[str, torch.Tensor]:
-        return _read_weights(
-            weight_files, len(target_shapes), convert, drop_lm_head=tied_copy, skip=mtp_prefixes, progress=progress
+        return stack_experts(
+            _read_weights(weight_files, len(target_shapes), convert, drop_lm_head=tied_copy, skip=mtp_prefixes, progress=progress),
+            config,
         )
 
     def read_draft_head() -> ImportedDraftHead:

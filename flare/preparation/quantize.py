@@ -9,7 +9,9 @@
   and every third between). A matrix whose width is not whole 256-value super-blocks falls back
   as llama.cpp's does: Q4_K to Q5_0, Q6_K to Q8_0 (the LM head straight to Q8_0), and to
   float32 where even 32 does not divide it. Q4_K and Q6_K blocks come from kquants.py.
-Norms stay float32. The q/k rows need no permutation here: the directory's rows are already in
+Norms stay float32, and so do a mixture-of-experts layer's router and shared-expert gate (as
+llama.cpp keeps `ffn_gate_inp`: a route must not flip on rounding). Stacked experts [E, out, in]
+are quantized as their E * out rows, the down projections by the rule of `mlp.down_proj`. The q/k rows need no permutation here: the directory's rows are already in
 Hugging Face order, and quantization works row by row, so quantizing them in that order gives the
 same blocks as permuting llama.cpp's.
 """
@@ -35,16 +37,17 @@ def tensor_types(scheme: str, config: ModelConfig, shapes: Mapping[str, tuple[in
         raise ValueError(f"unknown quantization {scheme!r}; choose one of {', '.join(QUANTIZE_TYPES)}")
     types = {}
     for name, shape in shapes.items():
-        if len(shape) != 2:
+        if len(shape) not in (2, 3) or name.endswith(_FLOAT_MATRICES):
             continue
         wanted = GGMLType[scheme.upper()] if scheme != "q4_k_m" else _q4_k_m_type(name, shape, config)
-        if wanted is not None and row_bytes(wanted, shape[1]) is None:
+        if wanted is not None and row_bytes(wanted, shape[-1]) is None:
             wanted = _FALLBACKS.get(wanted)
-        if wanted is not None and row_bytes(wanted, shape[1]) is not None:
+        if wanted is not None and row_bytes(wanted, shape[-1]) is not None:
             types[name] = wanted
     return types
 
 
+_FLOAT_MATRICES = (".mlp.router.weight", ".mlp.shared_expert_gate.weight")
 # llama.cpp's fallbacks for a width that is not whole 256-value super-blocks (llama-quant.cpp,
 # `tensor_type_fallback`).
 _FALLBACKS = {GGMLType.Q4_K: GGMLType.Q5_0, GGMLType.Q6_K: GGMLType.Q8_0}
@@ -59,7 +62,7 @@ def _q4_k_m_type(name: str, shape: tuple[int, ...], config: ModelConfig) -> GGML
     if name == head:
         # The output tensor's own rule: Q8_0 outright where Q4_K's super-blocks do not fit.
         return GGMLType.Q6_K if shape[1] % 256 == 0 else GGMLType.Q8_0
-    if name.endswith(("self_attn.v_proj.weight", "mlp.down_proj.weight")):
+    if name.endswith(("self_attn.v_proj.weight", "mlp.down_proj.weight", "mlp.experts.down_proj.weight")):
         layer = int(name.split(".")[2])
         return GGMLType.Q6_K if _use_more_bits(layer, config.num_layers) else GGMLType.Q4_K
     return GGMLType.Q4_K
@@ -84,10 +87,10 @@ def quantize_weights(
         if ggml_type is None:
             kept[name] = tensor
         else:
-            values = np.ascontiguousarray(tensor.detach().float().numpy())
+            values = np.ascontiguousarray(tensor.detach().float().reshape(-1, tensor.shape[-1]).numpy())
             data = quantize_matrix(values, ggml_type)
-            shape = (int(tensor.shape[0]), int(tensor.shape[1]))
-            found = block_problems(name, ggml_type, data, shape)
+            shape = tuple(int(n) for n in tensor.shape)
+            found = block_problems(name, ggml_type, data, (values.shape[0], values.shape[1]))
             problems += found
             if not found:
                 blocks[name] = BlockTensor(ggml_type, torch.from_numpy(data), shape)

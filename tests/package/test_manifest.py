@@ -119,12 +119,12 @@ def test_model_config_checks_head_layout() -> None:
             num_kv_heads=3, head_dim=16, rope_theta=1e4, rms_norm_eps=1e-5,
             max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
         )
-    with pytest.raises(ManifestError, match=r"architecture 'mixtral' is not one flare serves \(llama, mistral"):
+    with pytest.raises(ManifestError, match=r"architecture 'falcon' is not one flare serves \(llama, mistral"):
         ModelConfig(
             vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
             num_kv_heads=2, head_dim=16, rope_theta=1e4, rms_norm_eps=1e-5,
             max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(200,),
-            architecture="mixtral",
+            architecture="falcon",
         )
 
 

@@ -268,10 +268,11 @@ def test_llama3_rope_freqs_give_transformers_llama3_frequencies() -> None:
 @pytest.mark.parametrize(
     ("family", "edit", "message"),
     [
-        ("qwen3", {"architecture": "qwen3moe"}, "architecture 'qwen3moe' is not served; flare serves llama, qwen2.*Mixture-of-experts"),
+        ("qwen3", {"architecture": "grok"}, "architecture 'grok' is not served; flare serves llama, qwen2.*qwen3moe"),
         ("llama", {"architecture": "deepseek2"}, "'deepseek2' is not served.*latent-attention"),
-        ("llama", {"tensors": {"blk.0.ffn_gate_inp.weight": np.zeros((4, 64))}}, "blk.0.ffn_gate_inp.weight.*mixture-of-experts"),
-        ("llama", {"metadata": {"llama.expert_count": (8, U32)}}, "llama.expert_count is 8: a mixture-of-experts model"),
+        # A router without expert_count: not a MoE file, so the tensor is not part of the model.
+        ("llama", {"tensors": {"blk.0.ffn_gate_inp.weight": np.zeros((4, 64))}}, r"blk.0.ffn_gate_inp.weight\) is not part of a llama model"),
+        ("llama", {"metadata": {"llama.expert_count": (8, U32)}}, r"llama.expert_count is 8 but no layer holds a router \(ffn_gate_inp\)"),
         ("gemma2", {"metadata": {"gemma2.attention.sliding_window": (-4, I32)}}, "gemma2.attention.sliding_window must be a non-negative integer, found -4"),
         ("gemma3", {"metadata": {"gemma3.attention.sliding_window_pattern": ([True, False], gguf.GGUFValueType.ARRAY)}},
          "gemma3.attention.sliding_window_pattern must be a count or 7 booleans"),

@@ -9,6 +9,11 @@ llama.cpp reads for it (`EXTRA_KEYS`): Mistral's and Qwen2's sliding windows (th
 none for llama and qwen2), the 3-layer Gemma 3's own local/global pattern (the converter writes
 none: llama.cpp assumes 5 local : 1 global) and Gemma's query_pre_attn_scalar when it is not
 head_dim (`attention.scale`; llama.cpp infers head_dim from the layer count).
+
+The mixture-of-experts families' experts are written as the converter writes them (3-D
+`ffn_{gate,up,down}_exps`, the router and the shared expert's gate float32); their Q8_0 files keep
+the stacked experts as blocks. Qwen's dense `mlp_only_layers` (which llama.cpp's converter
+refuses) are written as dense layers, which flare reads as such.
 """
 
 from __future__ import annotations
@@ -48,10 +53,10 @@ U32, F32 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32
 
 def extra_keys(family: str, config: Any) -> dict[str, tuple[Any, gguf.GGUFValueType]]:
     """The keys (module docstring) that carry what the converter leaves out of these checkpoints."""
-    arch = {"mistral": "llama", "gemma3": "gemma3", "gemma2": "gemma2", "qwen2": "qwen2"}.get(family)
+    arch = {"mistral": "llama", "mixtral": "llama", "gemma3": "gemma3", "gemma2": "gemma2", "qwen2": "qwen2"}.get(family)
     keys: dict[str, tuple[Any, gguf.GGUFValueType]] = {}
     layer_types = getattr(config, "layer_types", None)
-    if family in ("mistral", "qwen2"):
+    if family in ("mistral", "mixtral", "qwen2"):
         keys[f"{arch}.attention.sliding_window"] = (config.sliding_window, U32)
     if family in ("qwen2", "gemma3") and layer_types:
         keys[f"{arch}.attention.sliding_window_pattern"] = (
@@ -62,7 +67,7 @@ def extra_keys(family: str, config: Any) -> dict[str, tuple[Any, gguf.GGUFValueT
     return keys
 
 
-@pytest.fixture(scope="module", params=families.FAMILIES)
+@pytest.fixture(scope="module", params=families.FAMILIES + families.MOE_FAMILIES)
 def packages(request: pytest.FixtureRequest, smollm2_source: ModelSource, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path, Path]:
     """The family's checkpoint, its Hugging Face package and its GGUF package (float32 both)."""
     family = request.param

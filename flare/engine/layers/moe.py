@@ -1,0 +1,148 @@
+"""The mixture-of-experts MLP (Qwen2/3-MoE, Mixtral; the routing of DeepSeek and gpt-oss too):
+a router picks k of E gated MLPs ("experts") per token, and the token's output is their outputs
+summed, weighted by the router, plus a shared expert every token runs where the model has one.
+
+    out(x) = sum over the k experts e of x, in ascending e:  w_e(x) * down_e(act(gate_e(x)) * up_e(x))
+             + [sigmoid(shared_gate . x)] * shared(x)
+
+The route is float32 (`routing.py`), from router logits summed in float64 and rounded once
+(`router_logits`): float32 GEMMs (MKL) sum a row's products in an order that depends on how many
+rows they multiply at once, which could flip a near-tie route between batches. The rows of a round are grouped by expert, so each expert's
+gate/up and down run once per round on all the rows routed to it, through the same linear
+products as a dense layer (`mlp.gated_mlp`: float weights or ggml blocks, `linear.py`). A row's
+k outputs land in its own k slots and are summed slot by slot in the row's fixed expert order,
+never in the order the batch grouped them: a row's result does not depend on its batch-mates
+wherever its products do not (the kernels' block and float16 products; float32 and bfloat16
+weights go through MKL and oneDNN, as the dense layers do, whose sums are not row-independent).
+
+Experts are stored stacked, one tensor per projection per layer (`package.moe_weight_shapes`):
+each expert's matrix is a view of it (`expert_weights`), never a copy of the mapped blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from flare.engine.layers.mlp import gated_mlp
+from flare.engine.layers.routing import Routes, route
+from flare.engine.linear import Weight, pack_weight, stack_weights
+from flare.engine.precision import WeightFormat
+from flare.engine.quantized import QuantizedWeight
+from flare.package.manifest import ModelConfig
+
+
+@dataclass(frozen=True)
+class MoEWeights:
+    """One mixture-of-experts MLP's weights: the router float32 [E, hidden] (with its bias [E]
+    and DeepSeek-V3's score correction bias [E] where the model has them), each expert's fused
+    gate/up [2 I, hidden] and down [hidden, I] (views of the stacked tensors), and the shared
+    expert and its gate [1, hidden] where the model has them."""
+
+    router: torch.Tensor
+    gate_up: tuple[Weight, ...]
+    down: tuple[Weight, ...]
+    router_bias: torch.Tensor | None = None
+    correction_bias: torch.Tensor | None = None
+    shared_gate_up: Weight | None = None
+    shared_down: Weight | None = None
+    shared_gate: torch.Tensor | None = None
+
+
+def expert_weights(stacked: torch.Tensor | QuantizedWeight, experts: int, weight_format: WeightFormat) -> tuple[Weight, ...]:
+    """Each expert's [out, in] matrix of a stacked projection: a float [E, out, in] tensor (its
+    slices, packed for this CPU's GEMM where the format packs, views otherwise) or ggml blocks of
+    E * out rows (each expert's rows, a view of the mapped file)."""
+    if isinstance(stacked, QuantizedWeight):
+        rows = stacked.out_features // experts
+        return tuple(stacked.rows(e * rows, (e + 1) * rows) for e in range(experts))
+    return tuple(pack_weight(stacked[e], weight_format) for e in range(experts))
+
+
+def load_moe_weights(
+    config: ModelConfig,
+    state_dict: Mapping[str, torch.Tensor | QuantizedWeight],
+    prefix: str,
+    weight_format: WeightFormat,
+    device: torch.device,
+) -> MoEWeights:
+    """The MoE MLP of the tensors under `prefix` (`package.moe_weight_shapes`' names)."""
+
+    def stacked(name: str) -> torch.Tensor | QuantizedWeight:
+        tensor = state_dict[f"{prefix}.{name}"]
+        return tensor if isinstance(tensor, QuantizedWeight) else tensor.to(device)
+
+    def vector(name: str) -> torch.Tensor | None:
+        tensor = state_dict.get(f"{prefix}.{name}")
+        assert tensor is None or isinstance(tensor, torch.Tensor), f"{prefix}.{name} is never kept as blocks"
+        return None if tensor is None else tensor.to(device=device, dtype=torch.float32).contiguous()
+
+    def shared(name: str) -> Weight | None:
+        tensors = [state_dict.get(f"{prefix}.shared_expert.{n}_proj.weight") for n in name.split("_")]
+        if any(t is None for t in tensors):
+            return None
+        return stack_weights([t if isinstance(t, QuantizedWeight) else t.to(device) for t in tensors], weight_format)  # type: ignore[union-attr]
+
+    router = vector("router.weight")
+    assert router is not None
+    return MoEWeights(
+        router=router,
+        gate_up=expert_weights(stacked("experts.gate_up_proj.weight"), config.num_experts, weight_format),
+        down=expert_weights(stacked("experts.down_proj.weight"), config.num_experts, weight_format),
+        router_bias=vector("router.bias"),
+        correction_bias=vector("router.score_correction_bias"),
+        shared_gate_up=shared("gate_up"),
+        shared_down=shared("down"),
+        shared_gate=vector("shared_expert_gate.weight"),
+    )
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, hidden] @ weight^T (+ bias), float32 [T, out]: summed in float64, rounded once.
+
+    The products of float32 values are exact in float64 and the float64 sum's error (about
+    hidden * 2^-53 of the terms' magnitude) is far below float32's half ulp, so a row's logits
+    are the same float32 values whatever rows share the product, unless one lies within that
+    error of a float32 rounding boundary; and they are closer to the exact sum than a float32
+    GEMM's."""
+    logits = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    return logits.float()
+
+
+def moe_routes(x: torch.Tensor, weights: MoEWeights, config: ModelConfig) -> Routes:
+    """The route of each row of x [T, hidden]: the router's logits (`router_logits`), then `routing.route`."""
+    return route(router_logits(x, weights.router, weights.router_bias), config, weights.correction_bias)
+
+
+def moe_mlp(x: torch.Tensor, weights: MoEWeights, config: ModelConfig, *, kernels: bool) -> torch.Tensor:
+    """The MoE MLP of rows x [T, hidden]: [T, hidden] in x's dtype (module docstring)."""
+    routes = moe_routes(x, weights, config)
+    tokens, k = routes.experts.shape
+    flat = routes.experts.reshape(-1)  # slot s of row t is t * k + s
+    # The slots grouped by expert (stable: in row order within an expert).
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=config.num_experts).tolist()
+    slots = torch.empty(tokens * k, config.hidden_size, dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if not count:
+            continue
+        taken = order[start : start + count]
+        start += count
+        rows = x.index_select(0, taken // k)
+        slots[taken] = gated_mlp(
+            rows, weights.gate_up[expert], weights.down[expert], config.hidden_activation, kernels=kernels
+        ).to(x.dtype)
+    weighted = slots.view(tokens, k, -1) * routes.weights.to(x.dtype).unsqueeze(-1)
+    out = weighted[:, 0].clone()
+    for slot in range(1, k):  # the fixed order: the row's experts ascending
+        out += weighted[:, slot]
+    if weights.shared_gate_up is not None and weights.shared_down is not None:
+        shared = gated_mlp(x, weights.shared_gate_up, weights.shared_down, config.hidden_activation, kernels=kernels)
+        if weights.shared_gate is not None:
+            shared = torch.sigmoid(router_logits(x, weights.shared_gate)).to(x.dtype) * shared
+        out += shared
+    return out

@@ -1,0 +1,195 @@
+"""Mixture-of-experts packages (Qwen3-MoE, Qwen2-MoE, Mixtral): what export reads of their configs,
+both layouts of their experts, and stacked experts kept as blocks that score as their own float32
+values. test_transformers_parity.py holds their float packages to transformers."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tests.family_checkpoints import Checkpoint, write_checkpoint
+from tests.families.test_transformers_parity import PROMPTS, forward_in_pieces
+from tests.gguf_writer import LLAMA_CPP_CONVERTER, convert_with_llama_cpp, gguf_vocabulary, write_family_gguf
+
+from flare.engine import native
+from flare.engine.model import DecoderModel, load_model
+from flare.engine.tokenizer import Tokenizer
+from flare.package.directory import open_package
+from flare.preparation.default_model import default_gguf_path
+from flare.preparation.export import ExportError, ExportOptions, export_package
+from flare.preparation.hf_families import model_config_from_hf
+from flare.preparation.source import ModelSource, SourceError
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe(smollm2_source: ModelSource, tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    root = tmp_path_factory.mktemp("qwen2_moe")
+    return write_checkpoint("qwen2_moe", root / "qwen2_moe", smollm2_source.tokenizer_json, smollm2_source.chat_template)
+
+
+def hf_config(family: str, **changes: object) -> dict:
+    from tests.family_checkpoints import family_config
+
+    return {**family_config(family).to_dict(), **changes}
+
+
+def test_the_moe_layers_are_those_the_config_makes_sparse() -> None:
+    """Qwen: not in mlp_only_layers and every decoder_sparse_step-th layer; Mixtral: all."""
+    assert model_config_from_hf(hf_config("qwen3_moe"), None).moe_layers == (0, 2)
+    stepped = model_config_from_hf(hf_config("qwen3_moe", mlp_only_layers=[], decoder_sparse_step=2), None)
+    assert stepped.moe_layers == (1,)
+    assert model_config_from_hf(hf_config("mixtral"), None).moe_layers == (0, 1, 2)
+    dense = model_config_from_hf(hf_config("qwen2_moe", num_experts=0, num_local_experts=0), None)
+    assert dense.moe_layers == () and dense.num_experts == 0
+
+
+def test_the_routing_and_shared_expert_fields_are_read() -> None:
+    qwen2 = model_config_from_hf(hf_config("qwen2_moe"), None)
+    assert (qwen2.num_experts, qwen2.num_experts_per_tok, qwen2.moe_intermediate_size) == (8, 2, 32)
+    assert qwen2.routing == "softmax" and not qwen2.norm_topk_prob and qwen2.attention_bias
+    assert qwen2.shared_expert_intermediate_size == 48 and qwen2.shared_expert_gate
+    mixtral = model_config_from_hf(hf_config("mixtral"), None)
+    assert mixtral.norm_topk_prob and mixtral.moe_intermediate_size == 128 and mixtral.shared_expert_intermediate_size == 0
+
+
+def test_a_checkpoint_in_the_fused_expert_layout_exports_the_same_package(qwen2_moe: Checkpoint, tmp_path: Path) -> None:
+    """transformers 5 keeps experts as `experts.gate_up_proj` [E, 2 I, hidden] and
+    `experts.down_proj` [E, hidden, I]; a checkpoint saved that way is read as the per-expert one."""
+    fused_dir = tmp_path / "fused"
+    fused_dir.mkdir()
+    for item in qwen2_moe.path.iterdir():
+        if item.suffix != ".safetensors":
+            (fused_dir / item.name).write_bytes(item.read_bytes())
+    tensors = load_file(str(qwen2_moe.path / "model.safetensors"))
+    fused = {name: tensor for name, tensor in tensors.items() if ".experts." not in name}
+    for layer in (0, 1):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        gate_up = [torch.cat((tensors[f"{prefix}.{e}.gate_proj.weight"], tensors[f"{prefix}.{e}.up_proj.weight"])) for e in range(8)]
+        fused[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
+        fused[f"{prefix}.down_proj"] = torch.stack([tensors[f"{prefix}.{e}.down_proj.weight"] for e in range(8)])
+    save_file(fused, str(fused_dir / "model.safetensors"), metadata={"format": "pt"})
+    for source, out in ((qwen2_moe.path, tmp_path / "per-expert"), (fused_dir, tmp_path / "fused-package")):
+        export_package(str(source), out, ExportOptions(dtype="float32"), stderr=io.StringIO())
+    a = load_file(str(tmp_path / "per-expert" / "model.safetensors"))
+    b = load_file(str(tmp_path / "fused-package" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+    assert a["model.layers.0.mlp.experts.gate_up_proj.weight"].shape == (8, 64, 64)
+
+
+def test_a_checkpoint_missing_an_expert_is_refused_naming_what_is_wrong(qwen2_moe: Checkpoint, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for item in qwen2_moe.path.iterdir():
+        if item.suffix != ".safetensors":
+            (broken / item.name).write_bytes(item.read_bytes())
+    tensors = load_file(str(qwen2_moe.path / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ExportError) as error:
+        export_package(str(broken), tmp_path / "package", ExportOptions(dtype="float32"), stderr=io.StringIO())
+    message = str(error.value)
+    assert "model.layers.1.mlp.experts.gate_up_proj.weight is missing" in message
+    assert "model.layers.1.mlp.experts.5.gate_proj.weight is not part of a qwen2_moe model" in message
+
+
+def test_a_deepseek_checkpoint_is_still_refused_naming_what_is_missing() -> None:
+    with pytest.raises(SourceError, match="multi-head latent attention"):
+        model_config_from_hf({"model_type": "deepseek_v3"}, None)
+
+
+@pytest.mark.skipif(not native.available(), reason="blocks are multiplied as blocks only by the C kernels")
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_k_m"])
+def test_quantized_experts_are_kept_as_blocks_and_score_as_their_own_float32_values(
+    scheme: str, smollm2_source: ModelSource, tmp_path: Path
+) -> None:
+    """`--quantize` keeps each stacked expert projection as one block tensor ([E * out] rows; the
+    router stays float32), served from the mapped file; its logits are those of the same
+    package's weights dequantized to float32, within 1e-4."""
+    if scheme == "q4_k_m":
+        # Q4_K's super-blocks are 256 values wide: a checkpoint of hidden and expert width 256.
+        wide = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256, "head_dim": 64}
+        checkpoint = write_checkpoint(
+            "qwen3_moe", tmp_path / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template, changes=wide
+        )
+    else:
+        checkpoint = write_checkpoint("qwen2_moe", tmp_path / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template)
+    export_package(str(checkpoint.path), tmp_path / "package", ExportOptions(quantize=scheme), stderr=io.StringIO())
+    package = open_package(tmp_path / "package")
+    blocks = package.manifest.blocks
+    gate_up = blocks["model.layers.0.mlp.experts.gate_up_proj.weight"]
+    assert gate_up.type == ("Q8_0" if scheme == "q8_0" else "Q4_K")
+    assert "model.layers.0.mlp.router.weight" not in blocks
+    served = load_model(package)
+    reference = DecoderModel(package.manifest.model, package.load_state_dict(), native_kernels=False)
+    prompts = [Tokenizer.from_package(package).encode(text) for text in PROMPTS]
+    pieces = [[len(p) for p in prompts]]
+    for got, want in zip(forward_in_pieces(served, prompts, pieces), forward_in_pieces(reference, prompts, pieces)):
+        difference = (got - want).abs().max().item()
+        assert difference <= 1e-4, f"{scheme}: max |logit difference| {difference:.2e}"
+    # The served experts are views of the mapped blocks, not copies.
+    layer = served.layers[0].moe
+    assert layer is not None
+    mapped = package.load_weights()[1]["model.layers.0.mlp.experts.gate_up_proj.weight"]
+    assert layer.gate_up[1].data.untyped_storage().nbytes() == mapped.data.untyped_storage().nbytes()  # type: ignore[union-attr]
+
+
+@pytest.mark.skipif(not LLAMA_CPP_CONVERTER.is_file(), reason="llama.cpp's convert_hf_to_gguf.py is not on this machine")
+def test_llama_cpp_converter_output_is_the_hugging_face_package(smollm2_source: ModelSource, tmp_path: Path) -> None:
+    """The real converter's GGUF of each MoE checkpoint exports to the Hugging Face export's
+    config and weights. Every layer is MoE and Mixtral has no window here: the converter refuses
+    Qwen's dense layers and writes no window for arch llama."""
+    changes = {"qwen3_moe": {"mlp_only_layers": []}, "qwen2_moe": {"mlp_only_layers": []}, "mixtral": {"sliding_window": None}}
+    conversions = []
+    for family, change in changes.items():
+        write_checkpoint(family, tmp_path / family, smollm2_source.tokenizer_json, smollm2_source.chat_template, changes=change)
+        conversions.append((tmp_path / family, tmp_path / f"{family}.gguf"))
+    convert_with_llama_cpp(conversions)
+    for family, (directory, gguf_file) in zip(changes, conversions):
+        options = ExportOptions(dtype="float32")
+        export_package(str(directory), tmp_path / f"{family}-hf", options, stderr=io.StringIO())
+        export_package(str(gguf_file), tmp_path / f"{family}-gguf", options, stderr=io.StringIO())
+        hf, converted = open_package(tmp_path / f"{family}-hf"), open_package(tmp_path / f"{family}-gguf")
+        assert converted.manifest.model == hf.manifest.model, family
+        ours, theirs = converted.load_state_dict(), hf.load_state_dict()
+        assert ours.keys() == theirs.keys(), family
+        for name, tensor in theirs.items():
+            assert torch.equal(ours[name], tensor), f"{family}: {name}"
+
+
+@pytest.mark.skipif(not native.available(), reason="blocks are multiplied as blocks only by the C kernels")
+def test_a_q4_k_gguf_keeps_its_experts_as_blocks_and_scores_as_its_float32_export(
+    smollm2_source: ModelSource, tmp_path: Path
+) -> None:
+    """Q4_K expert blocks (llama.cpp's reference quantizer, flare/preparation/kquants.py) of a
+    GGUF: gate and up joined per expert as whole block rows, served from the mapped file, scoring
+    as the float32 export of the same file within 1e-4. A file whose gate is Q4_K and up Q6_K
+    keeps them float32 (joined rows of two types are no one type's blocks), scoring the same."""
+    wide = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256, "head_dim": 64}
+    checkpoint = write_checkpoint("qwen3_moe", tmp_path / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template, changes=wide)
+    state = checkpoint.model.state_dict()
+    vocabulary = gguf_vocabulary(default_gguf_path())
+    for variant, up_type in (("q4_k", gguf.GGMLQuantizationType.Q4_K), ("mixed", gguf.GGMLQuantizationType.Q6_K)):
+        path = tmp_path / f"{variant}.gguf"
+        # Only the experts quantized: the 49152-row embedding would take the numpy quantizer minutes.
+        experts = {"ffn_gate_exps": gguf.GGMLQuantizationType.Q4_K, "ffn_up_exps": up_type, "ffn_down_exps": gguf.GGMLQuantizationType.Q4_K}
+        write_family_gguf(
+            path, checkpoint.model.config, state, vocabulary=vocabulary, chat_template=smollm2_source.chat_template, types=experts
+        )
+        export_package(str(path), tmp_path / f"{variant}-blocks", ExportOptions(), stderr=io.StringIO())
+        export_package(str(path), tmp_path / f"{variant}-float32", ExportOptions(dtype="float32"), stderr=io.StringIO())
+        blocks = open_package(tmp_path / f"{variant}-blocks")
+        fused = blocks.manifest.blocks.get("model.layers.0.mlp.experts.gate_up_proj.weight")
+        assert (fused is not None and fused.type == "Q4_K") == (variant == "q4_k")
+        assert blocks.manifest.blocks["model.layers.0.mlp.experts.down_proj.weight"].type == "Q4_K"
+        prompts = [Tokenizer.from_package(blocks).encode(PROMPTS[0])]
+        pieces = [[len(prompts[0])]]
+        (served,) = forward_in_pieces(load_model(blocks), prompts, pieces)
+        (reference,) = forward_in_pieces(load_model(open_package(tmp_path / f"{variant}-float32")), prompts, pieces)
+        difference = (served - reference).abs().max().item()
+        assert difference <= 1e-4, f"{variant}: max |logit difference| {difference:.2e}"
