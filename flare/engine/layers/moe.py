@@ -9,7 +9,9 @@ The route is float32 (`routing.py`), from router logits summed in float64 and ro
 (`router_logits`): float32 GEMMs (MKL) sum a row's products in an order that depends on how many
 rows they multiply at once, which could flip a near-tie route between batches. The rows of a round are grouped by expert, so each expert's
 gate/up and down run once per round on all the rows routed to it, through the same linear
-products as a dense layer (`mlp.gated_mlp`: float weights or ggml blocks, `linear.py`). A row's
+products as a dense layer (`mlp.gated_mlp`: float weights or ggml blocks, `linear.py`); with the
+kernels and experts of ggml blocks, the whole of it is one C call (`native.moe_layer`,
+moe_layer.c: the same grouping, products and sum, so the same bits). A row's
 k outputs land in its own k slots and are summed slot by slot in the row's fixed expert order,
 never in the order the batch grouped them: a row's result does not depend on its batch-mates
 wherever its products do not (the kernels' block and float16 products; float32 and bfloat16
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from flare.engine import native
 from flare.engine.layers.mlp import gated_mlp
 from flare.engine.layers.routing import Routes, route
 from flare.engine.linear import Weight, pack_weight, stack_weights
@@ -50,6 +53,10 @@ class MoEWeights:
     shared_gate_up: Weight | None = None
     shared_down: Weight | None = None
     shared_gate: torch.Tensor | None = None
+    # The stacked experts as one weight each where they are ggml blocks (E * 2 I and E * hidden
+    # rows, the same mapped bytes as `gate_up` and `down`): the one-call kernel reads them.
+    gate_up_blocks: QuantizedWeight | None = None
+    down_blocks: QuantizedWeight | None = None
 
 
 def expert_weights(stacked: torch.Tensor | QuantizedWeight, experts: int, weight_format: WeightFormat) -> tuple[Weight, ...]:
@@ -88,15 +95,18 @@ def load_moe_weights(
 
     router = vector("router.weight")
     assert router is not None
+    gate_up, down = stacked("experts.gate_up_proj.weight"), stacked("experts.down_proj.weight")
     return MoEWeights(
         router=router,
-        gate_up=expert_weights(stacked("experts.gate_up_proj.weight"), config.num_experts, weight_format),
-        down=expert_weights(stacked("experts.down_proj.weight"), config.num_experts, weight_format),
+        gate_up=expert_weights(gate_up, config.num_experts, weight_format),
+        down=expert_weights(down, config.num_experts, weight_format),
         router_bias=vector("router.bias"),
         correction_bias=vector("router.score_correction_bias"),
         shared_gate_up=shared("gate_up"),
         shared_down=shared("down"),
         shared_gate=vector("shared_expert_gate.weight"),
+        gate_up_blocks=gate_up if isinstance(gate_up, QuantizedWeight) else None,
+        down_blocks=down if isinstance(down, QuantizedWeight) else None,
     )
 
 
@@ -117,9 +127,9 @@ def moe_routes(x: torch.Tensor, weights: MoEWeights, config: ModelConfig) -> Rou
     return route(router_logits(x, weights.router, weights.router_bias), config, weights.correction_bias)
 
 
-def moe_mlp(x: torch.Tensor, weights: MoEWeights, config: ModelConfig, *, kernels: bool) -> torch.Tensor:
-    """The MoE MLP of rows x [T, hidden]: [T, hidden] in x's dtype (module docstring)."""
-    routes = moe_routes(x, weights, config)
+def routed_experts(x: torch.Tensor, routes: Routes, weights: MoEWeights, config: ModelConfig, *, kernels: bool) -> torch.Tensor:
+    """The routed experts' weighted sum [T, hidden] in x's dtype, expert by expert in torch: the
+    counterpart of `native.moe_layer`, which runs instead with kernels and experts of blocks."""
     tokens, k = routes.experts.shape
     flat = routes.experts.reshape(-1)  # slot s of row t is t * k + s
     # The slots grouped by expert (stable: in row order within an expert).
@@ -140,6 +150,20 @@ def moe_mlp(x: torch.Tensor, weights: MoEWeights, config: ModelConfig, *, kernel
     out = weighted[:, 0].clone()
     for slot in range(1, k):  # the fixed order: the row's experts ascending
         out += weighted[:, slot]
+    return out
+
+
+def moe_mlp(x: torch.Tensor, weights: MoEWeights, config: ModelConfig, *, kernels: bool) -> torch.Tensor:
+    """The MoE MLP of rows x [T, hidden]: [T, hidden] in x's dtype (module docstring)."""
+    routes = moe_routes(x, weights, config)
+    if kernels and weights.gate_up_blocks is not None and weights.down_blocks is not None and x.dtype == torch.float32:
+        gate_up, down = weights.gate_up_blocks, weights.down_blocks
+        out = native.moe_layer(
+            x.contiguous(), routes.experts.contiguous(), routes.weights.contiguous(), gate_up.data, gate_up.ggml_type,
+            down.data, down.ggml_type, config.num_experts, config.hidden_activation,
+        )
+    else:
+        out = routed_experts(x, routes, weights, config, kernels=kernels)
     if weights.shared_gate_up is not None and weights.shared_down is not None:
         shared = gated_mlp(x, weights.shared_gate_up, weights.shared_down, config.hidden_activation, kernels=kernels)
         if weights.shared_gate is not None:
