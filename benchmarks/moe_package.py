@@ -9,7 +9,8 @@ about 6 GB, never held in memory whole), then quantized by `llama-quantize ... Q
 exports the result under --dtype auto (every tensor's blocks kept, the experts stacked) and
 serves it; the script prints the file and package sizes, the daemon's resident memory after one
 greedy chat answer against the bound "file + KV cache + 15%" (experts mapped, never copied), and
-the one-stream rate of that answer (random weights: the text means nothing).
+the one-stream rate of that answer (random weights: the text means nothing), and the prefill rate
+of a prompt of about 1,500 tokens (--prefill-chars).
 
     .venv/bin/python benchmarks/moe_package.py --workdir /tmp/qwen3moe-4 \\
         --llama-quantize /work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-quantize
@@ -44,6 +45,8 @@ SHAPE = {
     "heads": 32, "kv_heads": 4, "head_dim": 128, "vocab": 151936,
 }
 KV_CACHE = "1GiB"
+# The long prompt of the prefill figure: words, about 3 characters a token in the synthetic vocabulary.
+PREFILL_TEXT = " ".join(f"word{i % 97} the quick brown fox {i}" for i in range(2000))
 
 
 def write_f16_gguf(path: Path, s: dict, seed: int) -> None:
@@ -120,6 +123,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens of the chat answer")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=4, help="the first N of the model's 48 layers")
+    parser.add_argument("--prefill-chars", type=int, default=4500, help="characters of the prefill prompt (about 1,500 tokens)")
     parser.add_argument("--vocab", type=int, default=SHAPE["vocab"], help="the synthetic vocabulary's size")
     args = parser.parse_args()
     shape = dict(SHAPE, layers=args.layers, vocab=args.vocab)
@@ -153,6 +157,13 @@ def main() -> None:
         seconds = time.perf_counter() - started
         tokens = answer["usage"]["completion_tokens"]
         print(f"one stream: {tokens} tokens in {seconds:.1f} s ({tokens / seconds:.2f} tok/s, prefill included)")
+        # Prefill: one long prompt, one token out (the answer's time is the prompt's).
+        body = {**body, "messages": [{"role": "user", "content": PREFILL_TEXT[: args.prefill_chars]}], "max_tokens": 1}
+        started = time.perf_counter()
+        answer = httpx.post(f"{daemon.base_url}/v1/chat/completions", json=body, timeout=1200).json()
+        seconds = time.perf_counter() - started
+        prompt = answer["usage"]["prompt_tokens"]
+        print(f"prefill: {prompt} prompt tokens in {seconds:.1f} s ({prompt / seconds:.1f} tok/s)")
         memory = resident(daemon.process.pid)
         bound = (file_size / 2**20 + 1024) * 1.15  # file + the 1 GiB KV cache + 15%, MiB
         verdict = "within" if memory["VmRSS"] <= bound else "OVER"
