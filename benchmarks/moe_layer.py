@@ -1,0 +1,92 @@
+"""One mixture-of-experts MLP (flare/engine/layers/moe.py) of a Qwen3-30B-A3B shape, on random
+Q4_K experts: hidden 2048, 128 experts of width 768, 8 per token, the router float32.
+
+The experts are one Q4_K block tensor per projection, each expert a view of it, as a package
+maps them; the rows of a round are routed (float64 logits, float32 route), grouped by expert and
+multiplied through the quantized kernels, then summed in each row's fixed expert order. Reported:
+the median wall time of the layer per round, and the bytes of the experts the round touched
+(each distinct expert's gate/up and down once).
+
+    .venv/bin/python benchmarks/moe_layer.py --rows 1 8 32 --rounds 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+from flare.engine.openmp import set_wait_policy
+
+# As `flare run` sets it (flare/engine/openmp.py), before torch loads OpenMP.
+set_wait_policy(os.environ)
+
+import gguf  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from flare.engine import native  # noqa: E402
+from flare.engine.layers.moe import MoEWeights, expert_weights, moe_mlp, moe_routes  # noqa: E402
+from flare.engine.precision import WeightFormat, cpu_flags  # noqa: E402
+from flare.engine.quantized import QuantizedWeight  # noqa: E402
+from flare.package.manifest import ModelConfig  # noqa: E402
+
+HIDDEN, EXPERTS, WIDTH, ACTIVE = 2048, 128, 768, 8
+Q4_K = gguf.GGMLQuantizationType.Q4_K
+
+
+def random_q4_k(rows: int, in_features: int, rng: np.random.Generator) -> QuantizedWeight:
+    """Random Q4_K quants with finite small float16 scales (d and dmin)."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[Q4_K]
+    data = rng.integers(0, 256, (rows * (in_features // block_size), type_size), dtype=np.uint8)
+    for offset in (0, 2):
+        halves = (rng.standard_normal(data.shape[0], dtype=np.float32) * 0.01).astype(np.float16)
+        data[:, offset : offset + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return QuantizedWeight.from_blocks(Q4_K, torch.from_numpy(data.reshape(rows, -1)), rows, in_features)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    config = ModelConfig(
+        vocab_size=32, hidden_size=HIDDEN, intermediate_size=6144, num_layers=1, num_heads=32, num_kv_heads=4,
+        head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_ids=(1,), architecture="qwen3_moe", num_experts=EXPERTS,
+        num_experts_per_tok=ACTIVE, moe_intermediate_size=WIDTH, moe_layers=(0,), norm_topk_prob=True,
+    )
+    gate_up = random_q4_k(EXPERTS * 2 * WIDTH, HIDDEN, rng)
+    down = random_q4_k(EXPERTS * HIDDEN, WIDTH, rng)
+    weights = MoEWeights(
+        router=torch.from_numpy(rng.standard_normal((EXPERTS, HIDDEN), dtype=np.float32) * HIDDEN**-0.5),
+        gate_up=expert_weights(gate_up, EXPERTS, WeightFormat.FLOAT32),
+        down=expert_weights(down, EXPERTS, WeightFormat.FLOAT32),
+    )
+    per_expert = (gate_up.nbytes + down.nbytes) / EXPERTS
+    print(
+        f"cpu flags: {' '.join(cpu_flags()) or 'none of AVX2, AVX-512, AMX'}; C kernels: {native.available()}; "
+        f"threads {torch.get_num_threads()}; experts {(gate_up.nbytes + down.nbytes) / 1e6:.1f} MB of Q4_K"
+    )
+    for rows in args.rows:
+        x = torch.from_numpy(rng.standard_normal((rows, HIDDEN), dtype=np.float32))
+        touched = len(set(moe_routes(x, weights, config).experts.flatten().tolist()))
+        times = []
+        with torch.inference_mode():
+            moe_mlp(x, weights, config, kernels=native.available())  # warm-up
+            for _ in range(args.rounds):
+                start = time.perf_counter()
+                moe_mlp(x, weights, config, kernels=native.available())
+                times.append(time.perf_counter() - start)
+        median = statistics.median(times)
+        megabytes = touched * per_expert / 1e6
+        print(
+            f"rows {rows:3d}: {median * 1e3:7.2f} ms per layer (median of {args.rounds}); {touched:3d} experts touched, "
+            f"{megabytes:6.1f} MB, {megabytes / 1e3 / median:5.1f} GB/s"
+        )
+
+
+if __name__ == "__main__":
+    main()
