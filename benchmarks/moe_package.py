@@ -45,7 +45,7 @@ SHAPE = {
     "heads": 32, "kv_heads": 4, "head_dim": 128, "vocab": 151936,
 }
 KV_CACHE = "1GiB"
-# The long prompt of the prefill figure: words, about 3 characters a token in the synthetic vocabulary.
+# The long prompt of the prefill figure: words, about 1.5 characters a token in the synthetic vocabulary.
 PREFILL_TEXT = " ".join(f"word{i % 97} the quick brown fox {i}" for i in range(2000))
 
 
@@ -123,7 +123,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens of the chat answer")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=4, help="the first N of the model's 48 layers")
-    parser.add_argument("--prefill-chars", type=int, default=4500, help="characters of the prefill prompt (about 1,500 tokens)")
+    parser.add_argument("--prefill-chars", type=int, default=2300, help="characters of the prefill prompt (about 1,500 tokens)")
     parser.add_argument("--vocab", type=int, default=SHAPE["vocab"], help="the synthetic vocabulary's size")
     args = parser.parse_args()
     shape = dict(SHAPE, layers=args.layers, vocab=args.vocab)
