@@ -32,11 +32,12 @@ EXPERTS, K = 8, 3
 HIDDEN, WIDTH = 256, 256
 
 
-def stacked_experts(ggml_type: T, seed: int) -> tuple[QuantizedWeight, QuantizedWeight]:
-    """Stacked gate/up [E * 2 I, hidden] and down [E * hidden, I] blocks of `ggml_type`."""
+def stacked_experts(ggml_type: T, seed: int, down_type: T | None = None) -> tuple[QuantizedWeight, QuantizedWeight]:
+    """Stacked gate/up [E * 2 I, hidden] blocks of `ggml_type` and down [E * hidden, I] blocks of
+    `down_type` (default the same)."""
     return (
         weight_of(ggml_type, EXPERTS * 2 * WIDTH, HIDDEN, seed=seed),
-        weight_of(ggml_type, EXPERTS * HIDDEN, WIDTH, seed=seed + 1),
+        weight_of(down_type or ggml_type, EXPERTS * HIDDEN, WIDTH, seed=seed + 1),
     )
 
 
@@ -76,6 +77,14 @@ def test_the_one_call_layer_gives_the_torch_paths_bits_for_random_routes(ggml_ty
     assert got.abs().sum() > 0
 
 
+def test_a_q4_k_m_layers_q4_k_gate_up_and_q6_k_down_give_the_torch_paths_bits() -> None:
+    """llama.cpp's Q4_K_M keeps some layers' expert down projections in Q6_K."""
+    gate_up, down = stacked_experts(T.Q4_K, seed=50, down_type=T.Q6_K)
+    x = torch.randn(12, HIDDEN, generator=torch.Generator().manual_seed(51))
+    routes = random_routes(12, seed=52)
+    assert torch.equal(one_call(x, routes, gate_up, down), torch_path(x, routes, gate_up, down))
+
+
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 def test_a_rows_result_is_the_same_bits_alone_and_in_any_batch(activation: str) -> None:
     gate_up, down = stacked_experts(T.Q4_K, seed=7)
@@ -83,7 +92,8 @@ def test_a_rows_result_is_the_same_bits_alone_and_in_any_batch(activation: str) 
     routes = random_routes(40, seed=9)
     together = one_call(x, routes, gate_up, down, activation=activation)
     for row in (0, 13, 39):
-        alone = one_call(x[row : row + 1].clone(), Routes(routes.experts[row : row + 1], routes.weights[row : row + 1]), gate_up, down, activation=activation)
+        route = Routes(routes.experts[row : row + 1], routes.weights[row : row + 1])
+        alone = one_call(x[row : row + 1].clone(), route, gate_up, down, activation=activation)
         assert torch.equal(alone[0], together[row])
     order = torch.randperm(40, generator=torch.Generator().manual_seed(10))
     shuffled = Routes(routes.experts[order].contiguous(), routes.weights[order].contiguous())
@@ -107,7 +117,9 @@ def test_the_moe_mlp_runs_the_one_call_layer_on_blocks_and_keeps_the_torch_paths
         gate_up_blocks=gate_up,
         down_blocks=down,
     )
-    config = moe_config(hidden_size=HIDDEN, moe_intermediate_size=WIDTH, num_experts_per_tok=K, shared_expert_intermediate_size=WIDTH)
+    config = moe_config(
+        hidden_size=HIDDEN, moe_intermediate_size=WIDTH, num_experts_per_tok=K, shared_expert_intermediate_size=WIDTH
+    )
     x = torch.randn(9, HIDDEN, generator=generator)
     looped = dataclasses.replace(weights, gate_up_blocks=None, down_blocks=None)
     assert torch.equal(moe_mlp(x, weights, config, kernels=True), moe_mlp(x, looped, config, kernels=True))
@@ -138,7 +150,8 @@ def forced_cases() -> list[torch.Tensor]:
 def test_forced_avx2_and_forced_portable_dispatch_give_the_same_bits(tmp_path: Path, capability: str, isa: int) -> None:
     path = tmp_path / "outputs.pt"
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
-    subprocess.run([sys.executable, "-c", FORCED_SCRIPT.format(root=REPOSITORY, path=str(path))], env=env, check=True, timeout=300)
+    script = FORCED_SCRIPT.format(root=REPOSITORY, path=str(path))
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
     forced = torch.load(path)
     assert forced["isa"] == isa
     for got, expected in zip(forced["outputs"], forced_cases(), strict=True):
@@ -156,7 +169,8 @@ def test_bad_arguments_are_refused_naming_the_argument() -> None:
         "expert_ids": lambda: one_call(x, Routes(outside, routes.weights), gate_up, down),
         "expert_weights": lambda: one_call(x, Routes(routes.experts, routes.weights[:, :2].contiguous()), gate_up, down),
         "down": lambda: native.moe_layer(
-            x, routes.experts, routes.weights, gate_up.data, gate_up.ggml_type, down.data[: EXPERTS * HIDDEN // 2], down.ggml_type, EXPERTS
+            x, routes.experts, routes.weights, gate_up.data, gate_up.ggml_type, down.data[: EXPERTS * HIDDEN // 2],
+            down.ggml_type, EXPERTS,
         ),
         "gate_up": lambda: native.moe_layer(
             x, routes.experts, routes.weights, gate_up.data, int(T.Q4_K), down.data, down.ggml_type, EXPERTS
