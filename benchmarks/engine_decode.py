@@ -101,6 +101,10 @@ def main() -> None:
         help="what the KV cache stores (flare run --kv-cache-dtype); with several, each format runs with each",
     )
     parser.add_argument("--package", help="a package directory (or `default`) to load instead of random weights")
+    parser.add_argument(
+        "--activations", nargs="+", default=None,
+        help="with --package: what its blocks multiply (flare run --activations: int8x2, int8, float32); each runs, alternating",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="sets of rounds per format and batch size (medians of all)")
     parser.add_argument(
         "--steps",
@@ -112,14 +116,19 @@ def main() -> None:
 
     if args.package:
         package = open_package(default_package_path() if args.package == "default" else Path(args.package))
-        model = load_model(package)
-        if args.kernels == "torch":
-            model.native_kernels, model.kernel_layers = False, None
+        if args.activations:
+            # The package's layers one kernel call each, with each activation precision, alternating.
+            loaded = {f"package-{a}": load_model(package, activations=a) for a in args.activations}
+            model = next(iter(loaded.values()))
+        else:
+            model = load_model(package)
+            if args.kernels == "torch":
+                model.native_kernels, model.kernel_layers = False, None
+            # The package's layers one kernel call each, and the same weights step by step, alternating.
+            steps = copy.copy(model)
+            steps.kernel_layers = None
+            loaded = {"package": model, "package-steps": steps}
         config = model.config
-        # The package's layers one kernel call each, and the same weights step by step, alternating.
-        steps = copy.copy(model)
-        steps.kernel_layers = None
-        loaded = {"package": model, "package-steps": steps}
         args.weight_format = list(loaded)
     else:
         config = DEFAULT_DIMS

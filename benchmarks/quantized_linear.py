@@ -10,6 +10,11 @@ per round they read.
 
     .venv/bin/python benchmarks/quantized_linear.py --rows 1 8 32 --formats float16 q4_1 q8_0 q4_k
     .venv/bin/python benchmarks/quantized_linear.py --threads 1 --clock thread
+    .venv/bin/python benchmarks/quantized_linear.py --formats q4_1 q4_1+int8x2 q4_1+int8 --rows 1 5 8 32 64
+
+A format `TYPE+ACTIVATIONS` multiplies the blocks by 8-bit activation blocks with integer dot
+products (int8x2: two a 32, int8: one; integer_linear.c, the activations quantized inside each
+product), at INTEGER_ISA: FLARE_INTEGER_ISA=avx_vnni or avx2 stands in for those CPUs.
 
 Weights are random blocks (random quants, finite random scales): the kernel's time does not
 depend on the values. The machine may be shared: compare formats measured in the same run. On a
@@ -35,6 +40,7 @@ import torch  # noqa: E402
 
 from flare.engine import native  # noqa: E402
 from flare.engine.precision import cpu_flags  # noqa: E402
+from flare.engine.native import INTEGER_ISA  # noqa: E402
 from flare.engine.quantized import QUANTIZED_ISA, QuantizedWeight, quantized_linear, supported_types  # noqa: E402
 
 LAYERS = 30
@@ -66,6 +72,7 @@ def build(fmt: str, rng: np.random.Generator):
         head = packed(HEAD_SHAPE)
         nbytes = sum(w.blocks.numel() * 2 for w in layers) + head.blocks.numel() * 2
         return (lambda x, w: native.float16_linear(x, w)), layers, head, nbytes
+    fmt, _, activations = fmt.partition("+")
     ggml_type = gguf.GGMLQuantizationType[fmt.upper()]
     if ggml_type not in supported_types():
         raise SystemExit(f"{fmt} is not served from blocks")
@@ -78,6 +85,8 @@ def build(fmt: str, rng: np.random.Generator):
         for s in LAYER_SHAPES
     ]
     head = random_blocks(gguf.GGMLQuantizationType.Q8_0, *HEAD_SHAPE, rng)
+    if activations:
+        layers, head = [w.with_activations(activations) for w in layers], head.with_activations(activations)
     nbytes = sum(w.nbytes for w in layers) + head.nbytes
     return quantized_linear, layers, head, nbytes
 
@@ -105,11 +114,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(
         f"cpu flags: {' '.join(cpu_flags()) or 'none of AVX2, AVX-512, AMX'}; isa float16 {native.LINEAR_ISA}, "
-        f"quantized {QUANTIZED_ISA}; threads {args.threads}; clock {args.clock}; load {os.getloadavg()[0]:.2f}"
+        f"quantized {QUANTIZED_ISA}, integer {INTEGER_ISA}; threads {args.threads}; clock {args.clock}; load {os.getloadavg()[0]:.2f}"
     )
     rng = np.random.default_rng(0)
     built = {fmt: build(fmt, rng) for fmt in args.formats}
-    print(f"{'format':8} {'rows':>4} {'MB/round':>9} {'layers ms':>10} {'head ms':>8} {'round ms':>9} {'GB/s (M=1)':>10}")
+    print(f"{'format':12} {'rows':>4} {'MB/round':>9} {'layers ms':>10} {'head ms':>8} {'round ms':>9} {'GB/s (M=1)':>10}")
     for rows in args.rows:
         inputs = {n: torch.randn(rows, n) for n in (576, 1536)}
         for fmt, (product, layers, head, nbytes) in built.items():
@@ -119,7 +128,7 @@ def main() -> None:
             head_ms = statistics.median(t[1] for t in times)
             total = statistics.median(t[0] + t[1] for t in times)
             rate = f"{nbytes / total / 1e6:10.1f}" if rows == 1 else ""
-            print(f"{fmt:8} {rows:4} {nbytes / 1e6:9.1f} {layer_ms:10.2f} {head_ms:8.2f} {total:9.2f} {rate}")
+            print(f"{fmt:12} {rows:4} {nbytes / 1e6:9.1f} {layer_ms:10.2f} {head_ms:8.2f} {total:9.2f} {rate}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ import torch
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 # Mixture-of-experts families: 8 experts of width 32 (Mixtral: 4 of the dense width), 2 per token.
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+# gpt-oss: 8 experts of width 32, 2 per token.
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")
 WINDOW = 8
 VOCAB = 49152  # SmolLM2's, the default model's tokenizer
 BOS, EOS = 1, 2  # SmolLM2's <|im_start|> and <|im_end|>
@@ -97,6 +98,15 @@ def family_config(family: str) -> Any:
                                            tie_word_embeddings=True)
     if family == "mixtral":
         return transformers.MixtralConfig(**_SHAPE, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)
+    if family == "gpt_oss":
+        # Even layers slide (its default layer_types); yarn without truncation over an original
+        # context the prompts pass; a SwiGLU limit low enough to clamp these activations. Its
+        # sinks and router and expert biases start at zero: write_checkpoint redraws them.
+        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 128}
+        shape = {**_SHAPE, "intermediate_size": 32}
+        return transformers.GptOssConfig(**shape, num_local_experts=8, num_experts_per_tok=2, sliding_window=WINDOW,
+                                         rope_parameters=rope, swiglu_limit=1.0)
     raise ValueError(f"no tiny checkpoint for {family!r}")
 
 
@@ -132,7 +142,7 @@ def write_checkpoint(
             if name.endswith("norm.weight"):
                 # Gemma stores w of its (1 + w) factor.
                 parameter.copy_((0.0 if gemma else 1.0) + 0.2 * torch.randn_like(parameter))
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):
                 parameter.copy_(0.1 * torch.randn_like(parameter))
             elif "embed_tokens" in name:
                 parameter.copy_(0.5 * torch.randn_like(parameter))

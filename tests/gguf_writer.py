@@ -57,6 +57,7 @@ _ARCH = {
     "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
     "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
     "mixtral": gguf.MODEL_ARCH.LLAMA,
+    "gpt_oss": gguf.MODEL_ARCH.GPT_OSS,
 }
 # Tensors the converter never quantizes (base.py's list of those kept float32).
 _FLOAT_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
@@ -211,6 +212,9 @@ of a kind (`ffn_up_exps`: Q6_K, say), as llama-quantize mixes them. `vocabulary`
         if hparams.get("final_logit_softcapping"):
             writer.add_final_logit_softcapping(hparams["final_logit_softcapping"])
         writer.add_sliding_window(hparams["sliding_window"])
+    elif model_type == "gpt_oss":
+        writer.add_sliding_window(hparams["sliding_window"])
+        writer.add_expert_feed_forward_length(hparams["intermediate_size"])
     elif model_type == "phi3":
         rotary = int(rope.get("partial_rotary_factor", 1.0) * hidden) // heads
         original = rope.get("original_max_position_embeddings") or hparams["original_max_position_embeddings"]
@@ -243,7 +247,8 @@ of a kind (`ffn_up_exps`: Q6_K, say), as llama-quantize mixes them. `vocabulary`
     names = gguf.get_tensor_name_map(arch, layers)
     replaced = tensors or {}
     gemma = model_type in ("gemma2", "gemma3_text")
-    for hf, tensor in _split_expert_gate_up(state).items():
+    split = _gpt_oss_experts(state) if model_type == "gpt_oss" else _split_expert_gate_up(state)
+    for hf, tensor in split.items():
         if hf == "lm_head.weight" and (model_type == "gemma2" or hparams.get("tie_word_embeddings")):
             continue  # save_pretrained leaves a tied head out; the Gemma 2 converter skips it always
         array = tensor.detach().to(torch.float32).numpy()
@@ -257,7 +262,9 @@ of a kind (`ffn_up_exps`: Q6_K, say), as llama-quantize mixes them. `vocabulary`
         assert name is not None, f"gguf-py maps no name for {hf} in {arch.name}"
         if name not in replaced:
             kind = name.split(".")[-2]
-            _add_tensor(writer, name, np.ascontiguousarray(array), (types or {}).get(kind, quantize))
+            # Biases stay float32 (gpt-oss's 2-D expert biases are rows of whole blocks, not weights).
+            chosen = None if name.endswith(".bias") else (types or {}).get(kind, quantize)
+            _add_tensor(writer, name, np.ascontiguousarray(array), chosen)
     for name, array in {**extra, **replaced}.items():
         if array is not None:
             _add_tensor(writer, name, np.ascontiguousarray(array, dtype=np.float32), quantize)
@@ -287,6 +294,32 @@ def _split_expert_gate_up(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
             out[name.removesuffix("gate_up_proj") + "gate_proj.weight"] = gate
             out[name.removesuffix("gate_up_proj") + "up_proj.weight"] = up
         elif name.endswith(".mlp.experts.down_proj"):
+            out[f"{name}.weight"] = tensor
+        else:
+            out[name] = tensor
+    return out
+
+
+def _gpt_oss_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """gpt-oss's float experts as GptOssModel.modify_tensors writes them: `gate_up_proj` [E, H, 2 I]
+    transposed and its interleaved columns split (gate even, up odd) into `gate_proj.weight` and
+    `up_proj.weight` [E, I, H], its bias likewise into `gate_proj.bias` / `up_proj.bias`,
+    `down_proj` transposed to [E, H, I], `down_proj_bias` as `down_proj.bias`; the sinks as a weight."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        prefix = name.rsplit(".", 1)[0]  # ...mlp.experts
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            transposed = tensor.transpose(-1, -2)
+            out[f"{prefix}.gate_proj.weight"] = transposed[:, ::2, :]
+            out[f"{prefix}.up_proj.weight"] = transposed[:, 1::2, :]
+        elif name.endswith(".mlp.experts.gate_up_proj_bias"):
+            out[f"{prefix}.gate_proj.bias"] = tensor[..., ::2]
+            out[f"{prefix}.up_proj.bias"] = tensor[..., 1::2]
+        elif name.endswith(".mlp.experts.down_proj"):
+            out[f"{name}.weight"] = tensor.transpose(-1, -2)
+        elif name.endswith(".mlp.experts.down_proj_bias"):
+            out[f"{prefix}.down_proj.bias"] = tensor
+        elif name.endswith(".self_attn.sinks"):
             out[f"{name}.weight"] = tensor
         else:
             out[name] = tensor

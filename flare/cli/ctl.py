@@ -247,7 +247,9 @@ def _render_weights(status: Mapping[str, Any]) -> str:
     as `flare export` does: `Q4_1 Q8_0 blocks, the rest float32 stored, ...`."""
     blocks = [kind for kind in status.get("weight_types") or {} if kind not in _FLOAT_TYPES]
     stored = f"{' '.join(sorted(blocks))} blocks, the rest {status['weights_dtype']}" if blocks else status["weights_dtype"]
-    return f"{stored} stored, {status['weight_format']} GEMMs"
+    activations = status.get("activations")
+    products = f", {activations} activations" if blocks and activations else ""
+    return f"{stored} stored, {status['weight_format']} GEMMs{products}"
 
 
 def render_status(status: Mapping[str, Any]) -> str:

@@ -86,6 +86,7 @@ class DaemonStatus:
     device_statuses: dict[str, int]  # rows per device status name since start
     weights_dtype: str  # what the package stores
     weight_format: str  # what the linear layers multiply in (`flare run --weight-format`)
+    activations: str  # what ggml block weights multiply: int8 blocks or float32 (`flare run --activations`)
     generated_tokens_per_s: float  # over the last few seconds
     log_level: str
     pid: int
@@ -195,6 +196,7 @@ class DaemonControl:
             device_statuses=dict(snapshot.device_statuses),
             weights_dtype=snapshot.weights_dtype,
             weight_format=snapshot.weight_format,
+            activations=snapshot.activations,
             generated_tokens_per_s=round(snapshot.tokens_per_second, 2),
             log_level=self._log_control.level,
             pid=os.getpid(),

@@ -302,6 +302,7 @@ class Daemon:
             fault_injection=config.fault_injection,
             device=_device(config.device),
             weight_format=config.weight_format,
+            activations=config.activations,
             kv_cache_dtype=config.kv_cache_dtype,
         )
         try:

@@ -65,7 +65,7 @@ def _join_blocks(run: list[QuantizedWeight]) -> QuantizedWeight:
         data = torch.empty(0, dtype=torch.uint8).set_(storage, first.data.storage_offset(), (rows, width), (width, 1))
     else:
         data = torch.cat([part.data for part in run])
-    return QuantizedWeight.from_blocks(first.ggml_type, data, rows, first.in_features)
+    return QuantizedWeight.from_blocks(first.ggml_type, data, rows, first.in_features, first.activations)
 
 
 
@@ -108,7 +108,18 @@ def _packed_rows(x: torch.Tensor, weight: Weight) -> torch.Tensor | None:
     if isinstance(weight, QuantizedWeight):
         return quantized.quantized_linear(x.float().contiguous(), weight)
     if isinstance(weight, tuple):
-        return torch.cat([linear(x, part).float() for part in weight], dim=1)
+        # The parts with integer kernels share one quantization of x (q, k and v of a layer).
+        halves = {part.halves for part in weight if isinstance(part, QuantizedWeight)} - {0}
+        shared = {h: quantized.quantize_activations(x.float(), h) for h in halves}
+        return torch.cat(
+            [
+                quantized.quantized_linear(x.float().contiguous(), part, activations=shared.get(part.halves))
+                if isinstance(part, QuantizedWeight)
+                else linear(x, part).float()
+                for part in weight
+            ],
+            dim=1,
+        )
     if isinstance(weight, native.Float16Weight):
         return native.float16_linear(x.float(), weight)
     if isinstance(weight, torch.ScriptObject):

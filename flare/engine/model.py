@@ -6,7 +6,8 @@ field of `ModelConfig` and an option of those layers, never a model per family
 (gpt-fast's one model.py is the pattern): q/k/v biases (Qwen2), per-head q/k RMSNorm before RoPE
 (Qwen3, Gemma 3), RoPE scalings and partial rotary (layers/rope.py), sliding windows per layer with
 their own RoPE base (Mistral, Gemma 2/3), attention scale and soft-caps and sandwich norms and the
-embedding scale (Gemma), GeGLU (Gemma). Each matches transformers' eager attention math. The C
+embedding scale (Gemma), GeGLU (Gemma), the o_proj bias and attention sinks (gpt-oss), MoE layers
+(layers/moe.py). Each matches transformers' eager attention math. The C
 kernels implement every family's layer (`kernels_fit`), each feature an option of the kernel
 that runs the step Llama has.
 
@@ -85,6 +86,8 @@ class DecoderLayer:
     window: int | None = None  # the sliding window its queries attend in, where it narrows the context
     local_rope: bool = False  # RoPE from the sliding layers' own table (`local_rope_theta`)
     moe: MoEWeights | None = None  # the mixture-of-experts MLP that replaces gate_up/down (`layers/moe.py`)
+    o_bias: torch.Tensor | None = None  # [hidden] (gpt-oss)
+    sinks: torch.Tensor | None = None  # float32 [heads], each head's attention sink logit (gpt-oss)
 
 
 def _shape(weight: torch.Tensor | QuantizedWeight, expected: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -111,7 +114,11 @@ def _linear_parts(weight: Weight) -> tuple[native_layers.LinearPart, ...] | None
     if isinstance(weight, native.Float16Weight):
         return (native_layers.LinearPart.float16(weight),)
     if isinstance(weight, QuantizedWeight):
-        return (native_layers.LinearPart(int(weight.ggml_type), weight.data, weight.out_features, weight.in_features),)
+        return (
+            native_layers.LinearPart(
+                int(weight.ggml_type), weight.data, weight.out_features, weight.in_features, halves=weight.halves
+            ),
+        )
     if isinstance(weight, tuple):
         parts = [_linear_parts(part) for part in weight]
         if all(p is not None for p in parts) and sum(len(p) for p in parts) <= native_layers.LAYER_LINEAR_PARTS:  # type: ignore[arg-type]
@@ -127,8 +134,8 @@ def _kernel_layers(
     of every layer is float16 or ggml blocks; None otherwise (the layers then run step by step)."""
     kernel_layers = []
     for layer in layers:
-        if layer.moe is not None:
-            return None  # the one-call kernel layer has no mixture-of-experts MLP
+        if layer.moe is not None or layer.o_bias is not None or layer.sinks is not None:
+            return None  # the one-call kernel layer has no mixture-of-experts MLP, o bias or sinks
         linears = [_linear_parts(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if any(parts is None for parts in linears):
             return None
@@ -283,6 +290,8 @@ class DecoderModel:
                 # Positions are below the context served: a window at least that long hides nothing.
                 window=window if window is not None and window < self.context else None,
                 local_rope=window is not None and config.local_rope_theta is not None,
+                o_bias=optional(f"{prefix}.self_attn.o_proj.bias"),
+                sinks=weight(f"{prefix}.self_attn.sinks", torch.float32) if config.attention_sinks else None,
             )
 
         self.layers = [layer(i) for i in range(config.num_layers)]
@@ -361,8 +370,10 @@ class DecoderModel:
                     round_rope=None if ropes is None else ropes[layer.local_rope],
                     bias=layer.qkv_bias, q_norm=layer.q_norm, k_norm=layer.k_norm,
                 )
-                attention = linear(self.attention.attend(q, keys, values, calls, layer.window), layer.o)
-                attention = sublayer_output(self._summed(attention), layer.attention_output_norm, eps, kernels=kernels)
+                attention = self._summed(linear(self.attention.attend(q, keys, values, calls, layer.window, layer.sinks), layer.o))
+                if layer.o_bias is not None:  # after the ranks' partial sums are summed: added once
+                    attention = attention + layer.o_bias
+                attention = sublayer_output(attention, layer.attention_output_norm, eps, kernels=kernels)
                 x = add_norm(h, attention, layer.post_norm, eps, kernels=kernels)
                 if layer.moe is not None:
                     mlp = moe_mlp(x, layer.moe, config, kernels=kernels)
@@ -441,11 +452,14 @@ def load_model(
     device: torch.device | str = "cpu",
     weight_format: str = precision.AUTO,
     split: ModelSplit | None = None,
+    activations: str = quantized.DEFAULT_ACTIVATIONS,
 ) -> DecoderModel:
     """The model of a prepared package on `device`: float32, with the linear layers in
     `weight_format` (`auto`: the fastest this device runs for the stored dtype,
     `precision.choose_weight_format`, which raises `WeightFormatError` for a format that does
-    not run here). `split`: a tensor-parallel rank's part of it instead of the whole."""
+    not run here). `split`: a tensor-parallel rank's part of it instead of the whole.
+    `activations`: what its ggml block weights multiply (`quantized.ACTIVATIONS`: 8-bit
+    activation blocks with integer dot products, or float32, exact)."""
     device = torch.device(device)
     stored = TORCH_DTYPES[package.manifest.serving.dtype]
     floats, blocks = package.load_weights()
@@ -459,7 +473,9 @@ def load_model(
         # kernels each call would expand a whole matrix again: its values are expanded once here.
         if native.available():
             # Stacked experts [E, out, in] are their E * out rows: each expert a view of them (`layers/moe.py`).
-            state_dict[name] = QuantizedWeight.from_blocks(tensor.ggml_type, tensor.data, tensor.data.shape[0], tensor.shape[-1])
+            state_dict[name] = QuantizedWeight.from_blocks(
+                tensor.ggml_type, tensor.data, tensor.data.shape[0], tensor.shape[-1], activations
+            )
         else:
             state_dict[name] = dequantized(tensor)
     config, extra = package.manifest.model, {}

@@ -20,6 +20,8 @@ built (no C compiler at install time) and that the tests hold it equal to:
 - `moe_layer`: a round's mixture-of-experts MLP over experts of ggml blocks, the rows grouped
   by expert and each expert's products those of `quantized_linear` (its torch counterpart
   `layers/moe.py`'s loop over experts);
+- `quantize_q8` and `integer_linear`: activation rows as 8-bit blocks, and the 32-value block
+  types multiplied by them with integer dot products (`flare run --activations int8x2|int8`);
 - `float16_linear`: a linear layer of float16 weights (packed once, `Float16Weight`) on float32
   rows, at the memory's speed for the one to few rows of a decode round, where fbgemm's float16
   GEMM (its torch counterpart) is slower;
@@ -42,6 +44,7 @@ each kernel runs the loops and gives the bits it did before them.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -80,6 +83,28 @@ LINEAR_ISA = ISA_AVX512 if torch.backends.cpu.get_cpu_capability() == "AVX512" e
 # so ATEN_CPU_CAPABILITY=avx2 holds it to AVX2 and ATEN_CPU_CAPABILITY=default to the portable
 # loop (how tests and benchmarks stand in for other CPUs). Every level gives the same bits.
 QUANTIZED_ISA = {"AVX512": ISA_AVX512, "AVX2": ISA_AVX2}.get(torch.backends.cpu.get_cpu_capability(), ISA_PORTABLE)
+
+# The widest integer dot-product instructions of the 8-bit activation products (integer_linear.c,
+# integer_dot.h `IDOT_*`): derived from ATen's dispatch as QUANTIZED_ISA is (AVX-512 -> AVX-512
+# VNNI, AVX2 -> AVX2), then lowered by FLARE_INTEGER_ISA (portable, avx2, avx_vnni, avx512_vnni),
+# read once here, which is how tests and benchmarks stand in for an AVX-VNNI-256 or AVX2 CPU. The
+# kernel itself takes the widest of this level the CPU and its OS grant (`integer_dot_isa`).
+# Every level gives the same bits. AMX is not among them: this Xeon advertises it, but under its
+# hypervisor `ldtilecfg` raises SIGILL.
+IDOT_PORTABLE, IDOT_AVX2, IDOT_AVX_VNNI, IDOT_AVX512_VNNI = 0, 1, 2, 3
+INTEGER_ISA_NAMES = {"portable": IDOT_PORTABLE, "avx2": IDOT_AVX2, "avx_vnni": IDOT_AVX_VNNI, "avx512_vnni": IDOT_AVX512_VNNI}
+
+
+def _integer_isa(capability: str, forced: str | None) -> int:
+    level = {"AVX512": IDOT_AVX512_VNNI, "AVX2": IDOT_AVX2}.get(capability, IDOT_PORTABLE)
+    if not forced:
+        return level
+    if forced not in INTEGER_ISA_NAMES:
+        raise ValueError(f"FLARE_INTEGER_ISA must be one of {', '.join(INTEGER_ISA_NAMES)}, got {forced!r}")
+    return min(level, INTEGER_ISA_NAMES[forced])
+
+
+INTEGER_ISA = _integer_isa(torch.backends.cpu.get_cpu_capability(), os.environ.get("FLARE_INTEGER_ISA"))
 
 # The KV pool's dtypes the kernels read and write (kernels.h, `KvDtype`): everything is computed
 # in float32, 16-bit elements are widened when read and rounded to nearest even when written.
@@ -541,3 +566,61 @@ def quantized_rows(blocks: torch.Tensor, ggml_type: int, in_features: int, rows:
         torch.get_num_threads(), isa,
     )
     return out
+
+
+# The bytes of one 8-bit activation block of 32 values (integer_dot.h, Q8Block: d, s, sum, 32 qs).
+Q8_BLOCK_BYTES = 48
+
+
+def quantize_q8(x: torch.Tensor, halves: int = 1) -> torch.Tensor:
+    """Rows of x [T, in] (float32, each row contiguous, in a multiple of 32) as 8-bit activation
+    blocks: uint8 [T, halves * in / 32 * Q8_BLOCK_BYTES], each block d = max |x| / 127, qs = x / d
+    rounded to nearest even, their sum and d * sum (integer_linear.c, quantize_row_q8); with
+    halves 2, each block followed by one of its residual x - d qs."""
+    native = _module()
+    tokens, in_features = x.shape
+    if x.dtype != torch.float32 or x.device.type != "cpu" or in_features % 32 or in_features < 32 or x.stride(1) != 1:
+        raise ValueError(
+            f"quantize_q8: x must be a CPU float32 [tokens, in] with contiguous rows and in a multiple of 32, "
+            f"got {x.device} {x.dtype} {tuple(x.shape)} strides {x.stride()}"
+        )
+    if halves not in (1, 2):
+        raise ValueError(f"quantize_q8: halves must be 1 or 2, got {halves!r}")
+    out = torch.empty(tokens, halves * (in_features // 32) * Q8_BLOCK_BYTES, dtype=torch.uint8)
+    native.quantize_q8(
+        x.data_ptr(), max(x.stride(0), in_features), tokens, in_features, out.data_ptr(), halves, torch.get_num_threads()
+    )
+    return out
+
+
+def integer_linear(xq: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out_features: int, in_features: int, isa: int) -> torch.Tensor:
+    """8-bit activation blocks xq (`quantize_q8` of x [T, in]) times a weight of 32-value ggml
+    blocks (uint8 [out, row bytes], contiguous; integer_linear.c): [T, out] float32, each block's
+    products an exact integer sum, the blocks combined in one fixed order, the same bits at every
+    `isa` (an IDOT_* level) and batch size. The caller has checked `blocks` against the type and shape."""
+    native = _module()
+    tokens = xq.shape[0]
+    width = in_features // 32 * Q8_BLOCK_BYTES
+    if xq.dtype != torch.uint8 or xq.device.type != "cpu" or xq.dim() != 2 or xq.shape[1] not in (width, 2 * width) or not xq.is_contiguous():
+        raise ValueError(
+            f"integer_linear: xq must be contiguous CPU uint8 [tokens, {width} or {2 * width}] (quantize_q8 of x), "
+            f"got {xq.device} {xq.dtype} {tuple(xq.shape)}"
+        )
+    halves = xq.shape[1] // width
+    y = torch.empty(tokens, out_features, dtype=torch.float32)
+    if tokens:
+        native.integer_linear(
+            xq.data_ptr(), halves * (in_features // 32), halves, blocks.data_ptr(), int(ggml_type), y.data_ptr(), tokens, in_features,
+            out_features, torch.get_num_threads(), isa,
+        )
+    return y
+
+
+# What a CPU and its OS grant the integer kernels (integer_dot.h, IDOT_GRANTS_*), as bits.
+IDOT_GRANTS_AVX2, IDOT_GRANTS_AVX_VNNI, IDOT_GRANTS_AVX512_VNNI = 1, 2, 4
+
+
+def integer_dot_isa(isa: int, granted: int | None = None) -> int:
+    """The IDOT_* level the integer kernels run at for `isa`: the widest of it that this CPU and
+    its OS grant, or that `granted` (IDOT_GRANTS_* bits) would, standing in for another CPU."""
+    return _module().integer_dot_isa(isa, -1 if granted is None else granted)

@@ -19,6 +19,7 @@ from flare.engine.native import (
     ACTIVATION_CODES,
     KV_DTYPE_CODES,
     LINEAR_ISA,
+    INTEGER_ISA,
     QUANTIZED_ISA,
     Float16Weight,
     _address,
@@ -34,6 +35,10 @@ from flare.engine.native import (
 # F32, is never a part's); a part of ggml blocks has its ggml type id, one quantized_linear reads.
 PACKED_FLOAT16 = 0
 QUANTIZED_TYPE_IDS = frozenset({2, 3, 6, 7, 8, 12, 13, 14, 39})  # kernels.h GGML_* (39: MXFP4)
+# Added to a part's type in the part table, times its halves: it multiplies that many 8-bit activation
+# blocks per 32 inputs (kernels.h, LINEAR_INTEGER_ACTIVATIONS), quantized once per layer input and
+# shared by the parts.
+INTEGER_ACTIVATIONS = 256
 # The most parts a layer's linear layer may have (kernels.h, LAYER_LINEAR_PARTS).
 LAYER_LINEAR_PARTS = 3
 
@@ -43,12 +48,14 @@ class LinearPart:
     """A run of output rows of a layer's linear weight as `decoder_layer` multiplies them: packed
     float16 (`Float16Weight.blocks`, type PACKED_FLOAT16) or ggml blocks (uint8 [out, row bytes],
     contiguous, of a type in QUANTIZED_TYPE_IDS; flare/engine/quantized.py has checked the bytes
-    against the type and shape)."""
+    against the type and shape). `halves`: a block part multiplied with integer dot products by that
+many 8-bit activation blocks per 32 inputs (QuantizedWeight.halves), 0 by float32 activations."""
 
     type: int
     data: torch.Tensor
     out_features: int
     in_features: int
+    halves: int = 0
 
     @classmethod
     def float16(cls, weight: Float16Weight) -> LinearPart:
@@ -136,7 +143,8 @@ class KernelLayer:
         table = torch.zeros(len(linears), LAYER_LINEAR_PARTS, 3, dtype=torch.int64)
         for row, parts in zip(table, linears):
             for slot, part in zip(row, parts):
-                slot[0], slot[1], slot[2] = part.type, part.data.data_ptr(), part.out_features
+                slot[0] = part.type + (INTEGER_ACTIVATIONS * part.halves if part.type != PACKED_FLOAT16 else 0)
+                slot[1], slot[2] = part.data.data_ptr(), part.out_features
         object.__setattr__(self, "part_table", table)
         object.__setattr__(self, "linear_features", features)
         feature_args = (
@@ -367,7 +375,7 @@ class LayerStack:
             plan.positions.data_ptr(), plan.slots.data_ptr(), plan.cos.data_ptr(), plan.sin.data_ptr(), plan.cos.shape[0],
             2 * plan.cos.shape[1], KV_DTYPE_CODES[plan.pool_dtype], plan.pool_shape[1], plan.pool_shape[2],
             plan.plans.data_ptr(), plan.plans.shape[0], plan.scratch.data_ptr(), torch.get_num_threads(), LINEAR_ISA,
-            QUANTIZED_ISA, self.table.data_ptr(), self.scalars.data_ptr(), len(self.layers),
+            QUANTIZED_ISA, INTEGER_ISA, self.table.data_ptr(), self.scalars.data_ptr(), len(self.layers),
         )
 
 

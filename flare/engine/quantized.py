@@ -6,19 +6,37 @@ exactly what gguf-py's `gguf.quants.dequantize` gives for its blocks: `dequantiz
 float32 values, and `quantized_linear` multiplies float32 activations by them, summing in
 float32, so a quantized package scores text as its own float32 dequantization does up to the
 order of summation.
+
+A weight may instead take 8-bit activations with integer dot products (integer_linear.c): each
+activation row quantized in blocks of 32 (`quantize_activations`, once per layer input, shared by
+the products that read it), as one 8-bit block (`int8`, llama.cpp's Q8_0: it moves the default
+model's logprobs by 0.06, too far) or two (`int8x2`: the value and its residual, about 15 bits,
+3e-4). Neither is yet faster than the float32 path at a decode round's few rows on this project's
+CPUs, so `flare run` keeps float32 by default (`--activations`; docs/benchmarks.md has the figures).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 
 import gguf
 import numpy as np
 import torch
 
 from flare.engine import native
-from flare.engine.native import QUANTIZED_ISA
+from flare.engine.native import INTEGER_ISA, QUANTIZED_ISA
 from flare.package.blocks import E8M0_NAN, E8M0_SCALE_OFFSETS, KEPT_TYPES, SCALE_OFFSETS
+from flare.package.manifest import ACTIVATIONS, INTEGER_ACTIVATION_TYPES
+
+# What a quantized weight multiplies (manifest.ACTIVATIONS): 8-bit activation blocks with integer
+# dot products, or the float32 activations themselves (exact). `flare run --activations` picks.
+DEFAULT_ACTIVATIONS = "float32"
+# 8-bit blocks per 32 activations of each integer precision.
+HALVES = {"int8": 1, "int8x2": 2}
+# The types with integer kernels (integer_linear.c). The K types (Q4_K, Q5_K, Q6_K) join them
+# when integer_kquants.c is wired in (integer_dot.h, IDOT_KQUANTS); until then they keep float32 activations.
+INTEGER_TYPES = frozenset(gguf.GGMLQuantizationType[name] for name in INTEGER_ACTIVATION_TYPES)
 
 
 def supported_types() -> frozenset[gguf.GGMLQuantizationType]:
@@ -35,13 +53,22 @@ class QuantizedWeight:
     data: torch.Tensor  # uint8, 2-D, may be a view onto an mmapped file: never copied here
     out_features: int
     in_features: int
+    activations: str = "float32"  # ACTIVATIONS: what `quantized_linear` multiplies the blocks by
 
     @classmethod
     def from_blocks(
-        cls, ggml_type: gguf.GGMLQuantizationType | int, data: torch.Tensor, out_features: int, in_features: int
+        cls,
+        ggml_type: gguf.GGMLQuantizationType | int,
+        data: torch.Tensor,
+        out_features: int,
+        in_features: int,
+        activations: str = "float32",
     ) -> QuantizedWeight:
         """The weight over `data` (not copied), or ValueError naming what does not fit: an
-        unsupported type, a width that is not whole blocks, bytes of the wrong dtype or length."""
+        unsupported type, a width that is not whole blocks, bytes of the wrong dtype or length,
+        an activation precision not in ACTIVATIONS."""
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         try:
             ggml_type = gguf.GGMLQuantizationType(int(ggml_type))
         except ValueError:
@@ -69,7 +96,7 @@ class QuantizedWeight:
         if block >= 0:
             per_row = row_bytes // type_size
             raise ValueError(f"{ggml_type.name} block {block % per_row} of row {block // per_row} has a NaN or infinite scale")
-        return cls(ggml_type, data, out_features, in_features)
+        return cls(ggml_type, data, out_features, in_features, activations)
 
     @property
     def nbytes(self) -> int:
@@ -78,7 +105,30 @@ class QuantizedWeight:
     def rows(self, start: int, end: int) -> QuantizedWeight:
         """Rows ``start .. end - 1`` (a view: each row is its own blocks), e.g. a tensor-parallel
         rank's vocabulary shard of an LM head."""
-        return QuantizedWeight.from_blocks(self.ggml_type, self.data[start:end], end - start, self.in_features)
+        return QuantizedWeight.from_blocks(self.ggml_type, self.data[start:end], end - start, self.in_features, self.activations)
+
+    def with_activations(self, activations: str) -> QuantizedWeight:
+        """The same blocks multiplied by `activations` (ACTIVATIONS)."""
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+        return replace(self, activations=activations)
+
+    @property
+    def halves(self) -> int:
+        """8-bit activation blocks per 32 inputs `quantized_linear` multiplies this weight by with
+        integer dot products (HALVES): 0 where it multiplies float32 activations (asked for, a type
+        without integer kernels, or the kernels not built)."""
+        if self.ggml_type not in INTEGER_TYPES or not native.available():
+            return 0
+        return HALVES.get(self.activations, 0)
+
+
+def served_activations(weight_types: Iterable[str], activations: str) -> str:
+    """What a package of `weight_types` (ggml names, `Package.weight_types`) multiplies its blocks
+    by when `activations` is asked for: that, where a block type with integer kernels is among them
+    and the kernels are built, else float32 (`engine_loaded`, `ctl status`)."""
+    integer = set(INTEGER_ACTIVATION_TYPES) & set(weight_types)
+    return activations if activations in HALVES and native.available() and integer else "float32"
 
 
 def _first_nonfinite_scale(ggml_type: gguf.GGMLQuantizationType, data: torch.Tensor, type_size: int) -> int:
@@ -122,12 +172,24 @@ def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor, *, isa: int | N
     return values.view(*rows.shape, weight.in_features)
 
 
-def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, *, isa: int | None = None) -> torch.Tensor:
+def quantize_activations(x: torch.Tensor, halves: int) -> torch.Tensor:
+    """Rows of x [M, in] (float32) as `halves` 8-bit activation blocks per 32 (`native.quantize_q8`):
+    what every integer product of this input reads, so a layer quantizes its input once."""
+    return native.quantize_q8(x if x.stride(1) == 1 else x.contiguous(), halves)
+
+
+def quantized_linear(
+    x: torch.Tensor, weight: QuantizedWeight, *, isa: int | None = None, activations: torch.Tensor | None = None
+) -> torch.Tensor:
     """x float32 [M, in] (rows contiguous) times the weight's values transposed: float32 [M, out].
 
     With the C kernels built (native.available()), quantized_linear.c: each output's sum in a
     fixed order, the same bits at every `isa` (default QUANTIZED_ISA) and whatever the other
-    rows. Without them, float32 matmul over `dequantize` (the same values, torch's order)."""
+    rows. Without them, float32 matmul over `dequantize` (the same values, torch's order).
+
+    A weight with `halves` multiplies x's 8-bit blocks instead (integer_linear.c, at INTEGER_ISA
+    unless `isa` names an IDOT_* level): `activations`, `quantize_activations(x, halves)` when
+    the caller shares them between products, else quantized here."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != weight.in_features:
         raise ValueError(
             f"quantized_linear: x must be a CPU float32 [rows, {weight.in_features}], "
@@ -135,6 +197,11 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, *, isa: int | Non
         )
     if not native.available():
         return x @ dequantize(weight).T
+    if weight.halves:
+        xq = quantize_activations(x, weight.halves) if activations is None else activations
+        return native.integer_linear(
+            xq, weight.data, weight.ggml_type, weight.out_features, weight.in_features, INTEGER_ISA if isa is None else isa
+        )
     if x.stride(1) != 1:
         x = x.contiguous()
     return native.quantized_linear(

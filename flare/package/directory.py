@@ -97,7 +97,12 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     `mlp.experts.down_proj.weight` [E, hidden, I]; where the model has a shared expert of width S
     (`shared_expert_intermediate_size`), `mlp.shared_expert.{gate,up}_proj.weight` [S, hidden] and
     `mlp.shared_expert.down_proj.weight` [hidden, S], and with `shared_expert_gate`
-    `mlp.shared_expert_gate.weight` [1, hidden].
+    `mlp.shared_expert_gate.weight` [1, hidden]; with `expert_bias` the experts' biases
+    `mlp.experts.gate_up_proj.bias` [E, 2 I] (gate's, then up's) and `mlp.experts.down_proj.bias`
+    [E, hidden] (gpt-oss).
+
+    gpt-oss adds `self_attn.o_proj.bias` [hidden] (`attention_output_bias`) and
+    `self_attn.sinks` [heads] (`attention_sinks`).
     """
     h, kv = config.hidden_size, config.num_kv_heads * config.head_dim
     q = config.num_heads * config.head_dim
@@ -116,6 +121,10 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{layer}.self_attn.q_norm.weight"] = (config.head_dim,)
             shapes[f"{layer}.self_attn.k_norm.weight"] = (config.head_dim,)
         shapes[f"{layer}.self_attn.o_proj.weight"] = (h, q)
+        if config.attention_output_bias:
+            shapes[f"{layer}.self_attn.o_proj.bias"] = (h,)
+        if config.attention_sinks:
+            shapes[f"{layer}.self_attn.sinks"] = (config.num_heads,)
         if config.sandwich_norms:
             shapes[f"{layer}.attention_output_norm.weight"] = (h,)
         shapes[f"{layer}.post_attention_layernorm.weight"] = (h,)
@@ -143,6 +152,9 @@ def moe_weight_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[int, 
         shapes[f"{prefix}.router.score_correction_bias"] = (experts,)
     shapes[f"{prefix}.experts.gate_up_proj.weight"] = (experts, 2 * width, h)
     shapes[f"{prefix}.experts.down_proj.weight"] = (experts, h, width)
+    if config.expert_bias:
+        shapes[f"{prefix}.experts.gate_up_proj.bias"] = (experts, 2 * width)
+        shapes[f"{prefix}.experts.down_proj.bias"] = (experts, h)
     shared = config.shared_expert_intermediate_size
     if shared:
         shapes[f"{prefix}.shared_expert.gate_proj.weight"] = (shared, h)

@@ -36,4 +36,6 @@ FAMILY_TENSORS = {
     "qwen2_moe": FamilyTensors(attention_bias=None, qk_norm=False, sandwich_norms=False),
     "qwen3_moe": FamilyTensors(attention_bias=False, qk_norm=True, sandwich_norms=False),
     "mixtral": FamilyTensors(attention_bias=False, qk_norm=False, sandwich_norms=False),
+    # gpt-oss: q/k/v (and o) biases where its config's attention_bias says (default on).
+    "gpt_oss": FamilyTensors(attention_bias=None, qk_norm=False, sandwich_norms=False),
 }

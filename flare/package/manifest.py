@@ -49,6 +49,13 @@ WEIGHT_FORMATS = (AUTO_DTYPE, *DTYPES)
 # What `flare run --kv-cache-dtype` takes: the KV cache stores keys and values in one of the
 # package dtypes (the engine computes in float32 whatever it stores; flare/engine/native.py).
 KV_CACHE_DTYPES = DTYPES
+# What `flare run --activations` takes: what ggml block weights multiply, the float32 activations
+# themselves (exact; the default, the fastest that meets issue 38's fidelity bar here), or 8-bit
+# activation blocks with integer dot products, two per 32 activations (int8x2: a value and its
+# residual, ~15 bits) or one (int8) (flare/engine/quantized.py, docs/benchmarks.md).
+ACTIVATIONS = ("float32", "int8x2", "int8")
+# The block types with integer kernels (flare/engine/csrc/integer_linear.c): what int8 reaches.
+INTEGER_ACTIVATION_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 # auto: the package's draft head, with n-gram lookup beside it for rows whose text repeats
 # (scheduler/speculation/draft_planner.py, `DraftPlanner`); n-gram lookup alone in a package
 # without a head. What a package exported with a head serves by default.
@@ -73,8 +80,11 @@ class ManifestError(ValueError):
 # The decoder families flare serves (`ModelConfig.architecture`): one decoder (engine/model.py)
 # driven by the fields below, never a model per family. docs/packages.md lists the fields and
 # source keys of each.
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2_moe", "qwen3_moe", "mixtral")
-HIDDEN_ACTIVATIONS = ("silu", "gelu_tanh")
+ARCHITECTURES = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss",
+)
+# clamped_swiglu: gpt-oss's experts (`layers/mlp.py` `clamped_swiglu`, with `swiglu_limit`).
+HIDDEN_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
 # How a mixture-of-experts layer's router turns its logits into k experts and their weights
 # (`ModelConfig.routing`; flare/engine/layers/routing.py implements each).
 ROUTINGS = ("softmax", "softmax_group_max", "sigmoid_group", "topk_softmax")
@@ -89,7 +99,8 @@ class RopeScaling:
     - llama3 (Llama 3.1+): wavelengths longer than original / low_freq_factor are divided by
       `factor`, shorter than original / high_freq_factor kept, smoothly blended between.
     - yarn: per-frequency blend of interpolation and extrapolation between beta_fast and
-      beta_slow rotations, cos/sin scaled by `attention_factor` (0.1 ln(factor) + 1 unless given).
+      beta_slow rotations, cos/sin scaled by `attention_factor` (0.1 ln(factor) + 1 unless given);
+      the ramp's ends rounded to whole dimensions unless `truncate` is False (gpt-oss).
     - longrope (Phi-3): frequencies divided by `short_factor` (or `long_factor`, per dimension
       pair), cos/sin scaled by `attention_factor` (sqrt(1 + ln(factor) / ln(original)) unless given).
     - factors: each frequency divided by its own factor in `short_factor`, nothing else: a GGUF's
@@ -106,6 +117,7 @@ class RopeScaling:
     attention_factor: float | None = None
     short_factor: tuple[float, ...] | None = None
     long_factor: tuple[float, ...] | None = None
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in ROPE_SCALINGS:
@@ -124,6 +136,8 @@ class RopeScaling:
 
     @classmethod
     def from_json(cls, data: Any) -> RopeScaling:
+        if isinstance(data, dict):
+            data = {"truncate": True, **data}  # written before gpt-oss's untruncated yarn: truncated
         return cls(**_fields_of(cls, data, "model.config.rope_scaling"))
 
 
@@ -147,7 +161,11 @@ class ModelConfig:
     - sandwich_norms: each sublayer's output is RMS-normalized before it joins the residual
       stream (`attention_output_norm`, `mlp_output_norm`; Gemma 2/3).
     - embedding_scale: the token embeddings are multiplied by it (Gemma: sqrt(hidden_size)).
-    - hidden_activation: of the gated MLP, silu (SwiGLU) or gelu_tanh (GeGLU, Gemma).
+    - hidden_activation: of the gated MLP, silu (SwiGLU), gelu_tanh (GeGLU, Gemma) or
+      clamped_swiglu (gpt-oss's experts, clamped at `swiglu_limit`).
+    - attention_output_bias: o_proj carries a bias (gpt-oss).
+    - attention_sinks: each layer has a learned sink logit per query head,
+      `self_attn.sinks` [heads], which joins the softmax's denominator (gpt-oss).
 
     Mixture-of-experts (Qwen2/3-MoE, Mixtral; 0 experts: every layer is dense). The layers
     `moe_layers` replace the gated MLP of width `intermediate_size` by a router over
@@ -162,6 +180,8 @@ class ModelConfig:
     - norm_topk_prob: the k weights are divided by their sum (Mixtral always).
     - routed_scaling_factor: the k weights are multiplied by it (DeepSeek).
     - router_bias: the router has a bias (`mlp.router.bias`, gpt-oss).
+    - expert_bias: the experts' gate/up and down carry biases (`mlp.experts.gate_up_proj.bias`
+      [E, 2 I], `mlp.experts.down_proj.bias` [E, hidden]; gpt-oss).
     - shared_expert_intermediate_size: width of a gated MLP every token runs beside the routed
       ones (Qwen2-MoE's shared expert; DeepSeek's n_shared_experts x moe_intermediate_size);
       0: none. shared_expert_gate: its output is scaled by sigmoid(`mlp.shared_expert_gate`(x))
@@ -199,6 +219,9 @@ class ModelConfig:
     sandwich_norms: bool = False
     embedding_scale: float = 1.0
     hidden_activation: str = "silu"
+    swiglu_limit: float | None = None
+    attention_output_bias: bool = False
+    attention_sinks: bool = False
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -211,6 +234,7 @@ class ModelConfig:
     router_bias: bool = False
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False
+    expert_bias: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -259,6 +283,11 @@ class ModelConfig:
             problems.append(f"embedding_scale must be a positive number, got {self.embedding_scale!r}")
         if self.hidden_activation not in HIDDEN_ACTIVATIONS:
             problems.append(f"hidden_activation {self.hidden_activation!r} is not one of {', '.join(HIDDEN_ACTIVATIONS)}")
+        limit = self.swiglu_limit
+        if (self.hidden_activation == "clamped_swiglu") != (limit is not None):
+            problems.append("swiglu_limit is set exactly when hidden_activation is clamped_swiglu")
+        elif limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
+            problems.append(f"swiglu_limit must be a positive number, got {limit!r}")
         problems += self._moe_problems()
         if not self.eos_token_ids:
             problems.append("eos_token_ids must name at least one token")
@@ -284,6 +313,8 @@ class ModelConfig:
         if not self.num_experts:
             if layers:
                 problems.append("moe_layers are named but num_experts is 0")
+            if self.expert_bias:
+                problems.append("expert_bias is set but num_experts is 0")
             return problems
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             problems.append(f"num_experts_per_tok must be from 1 to num_experts {self.num_experts}, got {self.num_experts_per_tok}")
@@ -356,6 +387,8 @@ _LLAMA_FIELDS = {
 _MOE_FIELDS = (
     "num_experts", "num_experts_per_tok", "moe_intermediate_size", "moe_layers", "routing", "norm_topk_prob",
     "routed_scaling_factor", "n_group", "topk_group", "router_bias", "shared_expert_intermediate_size", "shared_expert_gate",
+    # gpt-oss's, which came after them.
+    "expert_bias", "swiglu_limit", "attention_output_bias", "attention_sinks",
 )
 _DENSE_FIELDS = {name: _LLAMA_FIELDS[name] for name in _MOE_FIELDS}
 

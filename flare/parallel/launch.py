@@ -210,7 +210,7 @@ class RankGroup:
         answered = {w.rank: time.monotonic() for w in self._workers}
         errors: dict[int, str] = {}
         next_ping = time.monotonic()
-        while not self._stopping:
+        while True:  # one pass at least after stop() wakes it: see below
             now = time.monotonic()
             if now >= next_ping:
                 for connection in answers:
@@ -222,8 +222,6 @@ class RankGroup:
             ready = multiprocessing.connection.wait(
                 [*sentinels, *answers, self._wake_read], timeout=max(0.0, next_ping - now)
             )
-            if self._stopping:
-                return
             now = time.monotonic()
             for item in ready:
                 if item in sentinels:
@@ -243,6 +241,11 @@ class RankGroup:
                     answered[answers[item].rank] = now
                     if message.startswith(FAILED):
                         errors[answers[item].rank] = message[len(FAILED) :].decode(errors="replace")
+            # A worker that died is named even when the group is stopping by then: its death
+            # failed a collective, and the daemon stopped the group before this thread woke.
+            # (stop() closes no pipe before this thread has returned, so none exited for it.)
+            if self._stopping:
+                return
             for worker in self._workers:
                 if now - answered[worker.rank] > timeout:
                     self._lost(worker, f"answered no liveness check for {timeout:g} s")
@@ -277,10 +280,11 @@ class RankGroup:
                 self.stop()
                 return 1
         worker = sentinels[ready[0]]
-        worker.process.join(STOP_GRACE_S)
-        code = worker.process.exitcode
+        # The watcher thread may be reaping this worker right now: stop() waits for it before it
+        # reaps the workers itself. Two threads reaping one process race, and the loser reads
+        # no exit code (None), which an orderly stop must never turn into a failure.
         self.stop()
-        return 0 if code == 0 else 1
+        return 0 if worker.process.exitcode == 0 else 1
 
     def stop(self) -> None:
         """Stop the workers (they see their pipe close), kill any that outlive STOP_GRACE_S, and

@@ -175,11 +175,26 @@ timeout; a year stands for one), since an idle daemon sends nothing. Liveness is
 from the work (launch.py); the rest of a round keeps the group's collective timeout."""
 
 
+STOP_TIMEOUT = timedelta(seconds=10)
+"""How long rank 0's stop command waits for the workers to take it. A gloo send completes only
+once its receiver has posted the receive (a worker that reads the stop 2 s late holds rank 0's
+send 2 s), so a stop that returns has been read, and rank 0 may leave the groups at once; a
+worker that is still not reading after this long (a frozen host) is not waited for."""
+
+
 def send_command(command: Message | None, group: dist.ProcessGroup) -> None:
-    """Rank 0: broadcast ``command`` (None: stop) to the workers: its size and kind, then it."""
+    """Rank 0: broadcast ``command`` (None: stop, waiting at most STOP_TIMEOUT) to the workers:
+    its size and kind, then it."""
     buffer = command.encode() if command is not None else torch.zeros(0, dtype=torch.uint8)
     kind = _KINDS.index(type(command)) if command is not None else -1
-    dist.broadcast(torch.tensor([buffer.numel(), kind], dtype=torch.int64), src=0, group=group)
+    header = torch.tensor([buffer.numel(), kind], dtype=torch.int64)
+    if command is None:
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        options.timeout = STOP_TIMEOUT
+        group.broadcast([header], options).wait()
+        return
+    dist.broadcast(header, src=0, group=group)
     if buffer.numel():
         dist.broadcast(buffer, src=0, group=group)
 

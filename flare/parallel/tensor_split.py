@@ -15,6 +15,10 @@ Per decoder layer, for rank r of N:
   rows of `experts.gate_up_proj`, its input columns of `experts.down_proj`) and of the shared
   expert's; the router and the shared expert's gate are replicated, so every rank routes every
   row alike, and the one all-reduce after the MLP sums the routed and shared partial outputs;
+- gpt-oss's additions: the attention sinks go with their query heads, each expert's gate/up
+  bias with its gate and up rows; o_proj's bias is replicated (the model adds it once, after
+  the all-reduce) and the experts' down bias is rank 0's alone (zeros on the others), so that
+  the sum over the ranks adds it once;
 - the LM head is split into the contiguous vocabulary shards ``shard_bounds(V, N)`` the
   vocabulary-parallel sampler works on (vocab_round.py), never gathered into a full row (a
   tied head is the embedding's rows of the shard);
@@ -49,6 +53,9 @@ _BY_HEADS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _BY_ROWS = ("mlp.gate_proj", "mlp.up_proj", "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj")
 _BY_INPUT = ("self_attn.o_proj", "mlp.down_proj", "mlp.shared_expert.down_proj", "mlp.experts.down_proj")
 _EXPERTS_GATE_UP = ".mlp.experts.gate_up_proj.weight"
+_EXPERTS_GATE_UP_BIAS = ".mlp.experts.gate_up_proj.bias"
+_EXPERTS_DOWN_BIAS = ".mlp.experts.down_proj.bias"
+_SINKS = ".self_attn.sinks"
 
 
 class TensorParallelError(ValueError):
@@ -113,6 +120,16 @@ def rank_state_dict(
         part = _part_of(name)
         if name.endswith(_EXPERTS_GATE_UP):
             out[name] = _expert_gate_up_rows(tensor, config.num_experts, rank, tensor_parallel)
+        elif name.endswith(_EXPERTS_GATE_UP_BIAS):
+            assert isinstance(tensor, torch.Tensor), f"{name} is never kept as blocks"
+            width = tensor.shape[1] // 2
+            start, end = _even(width, rank, tensor_parallel)
+            out[name] = torch.cat((tensor[:, start:end], tensor[:, width + start : width + end]), dim=1)
+        elif name.endswith(_EXPERTS_DOWN_BIAS):
+            assert isinstance(tensor, torch.Tensor), f"{name} is never kept as blocks"
+            out[name] = tensor if rank == 0 else torch.zeros_like(tensor)
+        elif name.endswith(_SINKS):
+            out[name] = _rows(tensor, *_even(_rows_of(tensor), rank, tensor_parallel))
         elif part in ("by_heads", "by_rows"):
             out[name] = _rows(tensor, *_even(_rows_of(tensor), rank, tensor_parallel))
         elif part == "by_input":
@@ -198,4 +215,4 @@ def _columns(name: str, tensor: Tensor, start: int, end: int) -> Tensor:
     # The kernels read whole contiguous rows of blocks: the rank's columns are copied once, at
     # load (1/N of the weight).
     data = tensor.data[:, start // block_size * type_size : end // block_size * type_size].contiguous()
-    return QuantizedWeight.from_blocks(tensor.ggml_type, data, tensor.out_features, end - start)
+    return QuantizedWeight.from_blocks(tensor.ggml_type, data, tensor.out_features, end - start, tensor.activations)

@@ -50,7 +50,7 @@ from flare.preparation.source import SourceError
 # general.architecture -> ModelConfig.architecture. Mistral's converter output is `llama`.
 GGUF_ARCHITECTURES = {
     "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3",
-    "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
+    "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
 }
 # llama.cpp's norm_w of `build_moe_ffn` per architecture (src/models/*.cpp): whether the top-k
 # weights are divided by their sum; `{arch}.expert_weights_norm` overrides it where given.
@@ -59,8 +59,11 @@ _MOE_NORMALIZED = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 PERMUTED_ARCHITECTURES = frozenset({"llama"})
 _GEMMA = frozenset({"gemma2", "gemma3"})
 # llama.cpp's default sliding-window pattern per family (llama_model_*::load_arch_hparams): in
-# every run of n layers the last attends globally, the rest within the window.
-_GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
+# every run of n layers the last attends globally, the rest within the window (gpt-oss: the
+# even layers slide, as its Hugging Face config's default layer_types).
+_GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}
+# gpt-oss's SwiGLU limit: llama.cpp's constant (LLM_FFN_SWIGLU_OAI_MOE), which no key carries.
+_GPT_OSS_SWIGLU_LIMIT = 7.0
 # The layer count of Gemma 2/3 27B, whose attention scale is 1/sqrt(hidden / heads) rather than
 # 1/sqrt(head_dim): llama.cpp infers it from the layer count, as gemma_pytorch's config does;
 # Hugging Face names it query_pre_attn_scalar, which a GGUF does not carry.
@@ -102,6 +105,9 @@ _LAYER_NAMES = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# gpt-oss's own: its norm before the MLP is written as `post_attention_norm` (Gemma's sandwich
+# norm's name elsewhere), and its sinks, one per head, as a weight.
+_GPT_OSS_NAMES = {"post_attention_norm": "post_attention_layernorm.weight", "attn_sinks": "self_attn.sinks"}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _EXPERT_TENSOR = re.compile(r"blk\.\d+\.(ffn_gate_inp|\w+_exps?|\w+_shexp)\.")
 _LATENT_TENSOR = re.compile(r"blk\.\d+\.(attn_kv_a_mqa|attn_q_a|attn_kv_b|attn_k_b|attn_v_b)\.")
@@ -191,6 +197,7 @@ def model_config(
         )
     rope_theta = keys.number("rope.freq_base", default=10000.0)
     gemma = gguf_arch in _GEMMA
+    gpt_oss = gguf_arch == "gpt-oss"
     family = FAMILY_TENSORS[architecture]
     window, sliding_layers = _sliding_windows(keys, gguf_arch, num_layers)
     local_theta = keys.maybe_number("rope.freq_base_swa") if sliding_layers else None
@@ -246,7 +253,7 @@ def model_config(
             ),
             qk_norm=family.qk_norm,
             rotary_dim=None if rotary is None or rotary == head_dim else rotary,
-            rope_scaling=_rope_scaling(keys, context, rotary or head_dim, rope_tensors),
+            rope_scaling=_rope_scaling(keys, context, rotary or head_dim, rope_tensors, truncate=not gpt_oss),
             sliding_window=window,
             sliding_layers=sliding_layers,
             local_rope_theta=local_theta,
@@ -255,7 +262,10 @@ def model_config(
             final_logit_softcap=final_softcap,
             sandwich_norms=family.sandwich_norms,
             embedding_scale=math.sqrt(hidden) if gemma else 1.0,
-            hidden_activation="gelu_tanh" if gemma else "silu",
+            hidden_activation="gelu_tanh" if gemma else "clamped_swiglu" if gpt_oss else "silu",
+            swiglu_limit=_GPT_OSS_SWIGLU_LIMIT if gpt_oss else None,
+            attention_output_bias=gpt_oss and f"{layer0}attn_output.bias" in shapes,
+            attention_sinks=gpt_oss,
             **moe,
         )
     except ManifestError as error:
@@ -271,6 +281,18 @@ def _moe_fields(path: Path, keys: _Keys, gguf_arch: str, shapes: Mapping[str, tu
     if not experts:  # absent or 0: a dense model
         return {}
     experts = keys.integer("expert_count")
+    if gguf_arch == "gpt-oss":
+        # llama.cpp's openai-moe graph: every layer MoE, softmax over the top-k logits
+        # (SOFTMAX_WEIGHT), the router's and the experts' biases.
+        return {
+            "num_experts": experts,
+            "num_experts_per_tok": keys.integer("expert_used_count"),
+            "moe_intermediate_size": keys.maybe_integer("expert_feed_forward_length") or keys.integer("feed_forward_length"),
+            "moe_layers": tuple(range(keys.integer("block_count"))),
+            "routing": "topk_softmax",
+            "router_bias": "blk.0.ffn_gate_inp.bias" in shapes,
+            "expert_bias": "blk.0.ffn_down_exps.bias" in shapes,
+        }
     if gguf_arch not in _MOE_NORMALIZED:
         raise SourceError(f"{path}: {gguf_arch}.expert_count is {experts}, but flare serves experts only in {', '.join(_MOE_NORMALIZED)} files")
     gating = keys.metadata.get(keys._key("expert_gating_func"))
@@ -300,14 +322,17 @@ EXPERT_GATE, EXPERT_UP, EXPERT_GATE_UP = "mlp.experts.gate_proj.weight", "mlp.ex
 
 def fused_expert_names(names: Sequence[str]) -> dict[str, tuple[str, str]]:
     """The package tensor `mlp.experts.gate_up_proj.weight` of each layer among `names` that has
-    both `mlp.experts.gate_proj.weight` and `up_proj.weight`: (gate, up), to be joined per expert."""
+    both `mlp.experts.gate_proj.weight` and `up_proj.weight`: (gate, up), to be joined per expert;
+    the same of their biases (`.bias`, gpt-oss's [E, I] each)."""
     present = set(names)
     fused = {}
-    for name in names:
-        if name.endswith(f".{EXPERT_GATE}"):
-            prefix = name.removesuffix(EXPERT_GATE)
-            if prefix + EXPERT_UP in present:
-                fused[prefix + EXPERT_GATE_UP] = (name, prefix + EXPERT_UP)
+    for suffix in ("weight", "bias"):
+        gate_name, up_name = EXPERT_GATE.replace("weight", suffix), EXPERT_UP.replace("weight", suffix)
+        for name in names:
+            if name.endswith(f".{gate_name}"):
+                prefix = name.removesuffix(gate_name)
+                if prefix + up_name in present:
+                    fused[prefix + EXPERT_GATE_UP.replace("weight", suffix)] = (name, prefix + up_name)
     return fused
 
 
@@ -326,6 +351,9 @@ def tensor_plans(path: Path, config: ModelConfig, shapes: Mapping[str, tuple[int
             plans[gguf_name] = TensorPlan((TensorPart(_GLOBAL_NAMES[gguf_name], 0, rows),))
             continue
         match = _LAYER_TENSOR.fullmatch(gguf_name)
+        if gguf_arch == "gpt-oss" and match is not None and match.group(2) in _GPT_OSS_NAMES:
+            plans[gguf_name] = TensorPlan((TensorPart(f"model.layers.{match.group(1)}.{_GPT_OSS_NAMES[match.group(2)]}", 0, rows),))
+            continue
         if match is None or match.group(2) not in {*_LAYER_NAMES, "attn_qkv"}:
             raise SourceError(f"{path} holds the tensor {gguf_name}, which a {config.architecture} model does not have{_why(gguf_name)}")
         layer, kind, suffix = match.groups()
@@ -377,6 +405,11 @@ def gguf_tensor_name(name: str, architecture: str) -> str:
     `architecture` model in, for messages."""
     if name in _PACKAGE_GLOBAL_NAMES:
         return _PACKAGE_GLOBAL_NAMES[name]
+    if architecture == "gpt_oss":
+        for gguf_kind, package in _GPT_OSS_NAMES.items():
+            layer = re.fullmatch(rf"model\.layers\.(\d+)\.{re.escape(package)}", name)
+            if layer:
+                return f"blk.{layer.group(1)}.{gguf_kind}.weight"
     match = _PACKAGE_LAYER_TENSOR.fullmatch(name)
     if match is None or match.group(2) not in _PACKAGE_LAYER_NAMES:
         return name
@@ -500,7 +533,7 @@ def _sliding_windows(keys: _Keys, arch: str, num_layers: int) -> tuple[int | Non
 
 
 def _rope_scaling(
-    keys: _Keys, context: int, rotary_dims: int, rope_tensors: Mapping[str, Sequence[float]]
+    keys: _Keys, context: int, rotary_dims: int, rope_tensors: Mapping[str, Sequence[float]], *, truncate: bool = True
 ) -> RopeScaling | None:
     """RoPE scaling from `rope.scaling.*` and the RoPE tensors.
 
@@ -510,7 +543,9 @@ def _rope_scaling(
       `rope.scaling.attn_factor` always, as sqrt(1 + ln(factor) / ln(original)) in float32: that
       default is left implicit (None), a different value kept.
     - `rope.scaling.type` linear (`rope.scaling.factor`) or yarn (factor, original context,
-      `yarn_beta_fast`, `yarn_beta_slow`, `yarn_attn_factor`, with their common defaults).
+      `yarn_beta_fast`, `yarn_beta_slow`, `yarn_attn_factor`, with their common defaults);
+      `truncate` False for gpt-oss, whose model (transformers' config, OpenAI's reference) keeps
+      the ramp's ends unrounded where llama.cpp's ggml_rope_yarn_corr_dims rounds them.
     """
     pairs = rotary_dims // 2
     for name, values in rope_tensors.items():
@@ -560,5 +595,6 @@ def _rope_scaling(
             beta_fast=keys.number("rope.scaling.yarn_beta_fast", default=32.0),
             beta_slow=keys.number("rope.scaling.yarn_beta_slow", default=1.0),
             attention_factor=attention if attention is not None else (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0),
+            truncate=truncate,
         )
     raise keys._bad(kind_key, kind, "none, linear, yarn or longrope (the RoPE scalings flare implements)")

@@ -89,9 +89,9 @@ def open_gguf(path: Path, source: str | None = None) -> ModelSource:
     }
     for fused, (gate, up) in fused_expert_names(list(shapes)).items():
         if shapes[gate] == shapes[up]:
-            experts, rows, width = shapes.pop(gate)
+            experts, rows, *width = shapes.pop(gate)
             del shapes[up]
-            shapes[fused] = (experts, 2 * rows, width)
+            shapes[fused] = (experts, 2 * rows, *width)
     problems = weight_problems(config, shapes, lambda name: gguf_tensor_name(name, config.architecture))
     if problems:
         raise SourceError(

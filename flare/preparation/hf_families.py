@@ -29,8 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
+from flare.package.blocks import BlockTensor, GGMLType, mxfp4_from_openai
 from flare.package.family_tensors import FAMILY_TENSORS
 from flare.package.manifest import (
     ARCHITECTURES,
@@ -55,6 +57,7 @@ MODEL_TYPES = {
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
     "mixtral": "mixtral",
+    "gpt_oss": "gpt_oss",
 }
 _QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 # Families whose layers need what the decoder does not have yet: named in the refusal.
@@ -114,12 +117,15 @@ def model_config_from_hf(
     gemma = architecture in _GEMMA
     family = FAMILY_TENSORS[architecture]
     unsupported = []
-    # Llama, Mistral and Qwen3 put attention_bias on o_proj too, which the decoder has no place for.
-    if architecture not in ("qwen2", "qwen2_moe") and data.get("attention_bias"):
+    # Llama, Mistral and Qwen3 put attention_bias on o_proj too, which only gpt-oss's decoder has.
+    if architecture not in ("qwen2", "qwen2_moe", "gpt_oss") and data.get("attention_bias"):
         unsupported.append("bias terms on the attention projections (o_proj included)")
     if data.get("mlp_bias"):
         unsupported.append("bias terms in the MLP")
     activation = data.get("hidden_activation") or data.get("hidden_act") or "silu"
+    gpt_oss = architecture == "gpt_oss"
+    if gpt_oss and float(data.get("swiglu_alpha", 1.702)) != 1.702:
+        unsupported.append(f"swiglu_alpha {data.get('swiglu_alpha')!r} (the kernels' is 1.702)")
     if activation not in _ACTIVATIONS:
         unsupported.append(f"activation {activation!r}")
     try:
@@ -170,7 +176,7 @@ def model_config_from_hf(
             architecture=architecture,
             # A Llama's own attention_bias was refused above (it puts one on o_proj too).
             # A Qwen2-MoE's are its `qkv_bias` (transformers' default: on).
-            attention_bias=bool(data.get("qkv_bias", True)) if architecture == "qwen2_moe" else bool(family.attention_bias),
+            attention_bias=_attention_bias(data, family.attention_bias, architecture),
             qk_norm=family.qk_norm,
             rotary_dim=rope.rotary_dim,
             rope_scaling=rope.scaling,
@@ -182,7 +188,10 @@ def model_config_from_hf(
             final_logit_softcap=_positive_or_none(data.get("final_logit_softcapping")) if gemma else None,
             sandwich_norms=family.sandwich_norms,
             embedding_scale=math.sqrt(hidden) if gemma else 1.0,
-            hidden_activation=_ACTIVATIONS[activation],
+            hidden_activation="clamped_swiglu" if gpt_oss else _ACTIVATIONS[activation],
+            swiglu_limit=float(data.get("swiglu_limit", 7.0)) if gpt_oss else None,
+            attention_output_bias=gpt_oss and bool(data.get("attention_bias", True)),
+            attention_sinks=gpt_oss,
             **moe,
         )
     except KeyError as error:
@@ -191,14 +200,35 @@ def model_config_from_hf(
         raise SourceError(f"config.json: {error}") from None
 
 
+def _attention_bias(data: dict[str, Any], family: bool | None, architecture: str) -> bool:
+    """Whether q/k/v carry biases: a Qwen2-MoE's `qkv_bias` (transformers' default: on),
+    gpt-oss's `attention_bias` (default on; o_proj's too), otherwise the family's."""
+    if architecture == "gpt_oss":
+        return bool(data.get("attention_bias", True))
+    return bool(data.get("qkv_bias", True)) if architecture == "qwen2_moe" else bool(family)
+
+
 def _moe_fields(data: dict[str, Any], architecture: str, layers: int, unsupported: list[str]) -> dict[str, Any]:
     """The mixture-of-experts fields of `ModelConfig` (none for a dense family): which layers
     are MoE (Qwen: not in `mlp_only_layers` and every `decoder_sparse_step`-th; Mixtral: all),
     the experts and their width (Mixtral's `intermediate_size` is each expert's), the shared
     expert and its sigmoid gate (Qwen2-MoE), softmax routing with `norm_topk_prob` (Mixtral:
     always)."""
-    if architecture not in ("qwen2_moe", "qwen3_moe", "mixtral"):
+    if architecture not in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"):
         return {}
+    if architecture == "gpt_oss":
+        # Every layer: a router with a bias, top-k of its logits then softmax over those k, and
+        # experts of width `intermediate_size` with biases (transformers' GptOssMLP).
+        experts = int(data.get("num_local_experts") or 0)
+        return {
+            "num_experts": experts,
+            "num_experts_per_tok": int(data.get("num_experts_per_tok") or 0),
+            "moe_intermediate_size": int(data["intermediate_size"]),
+            "moe_layers": tuple(range(layers)) if experts else (),
+            "routing": "topk_softmax",
+            "router_bias": True,
+            "expert_bias": True,
+        }
     if architecture == "mixtral":
         experts = int(data.get("num_local_experts") or 0)
         moe_layers = tuple(range(layers))
@@ -285,9 +315,6 @@ def _rope(data: dict[str, Any], architecture: str, head_dim: int, max_positions:
                 high_freq_factor=float(full["high_freq_factor"]),
             )
         elif kind == "yarn":
-            if full.get("truncate", True) is not True:
-                unsupported.append("yarn RoPE scaling without truncation")
-                return _Rope(theta, None, rotary_dim, local_theta)
             yarn_factor = float(given) if given is not None else max_positions / original
             scaling = RopeScaling(
                 "yarn",
@@ -296,6 +323,7 @@ def _rope(data: dict[str, Any], architecture: str, head_dim: int, max_positions:
                 beta_fast=float(full.get("beta_fast") or 32.0),
                 beta_slow=float(full.get("beta_slow") or 1.0),
                 attention_factor=_yarn_attention_factor(full, yarn_factor),
+                truncate=full.get("truncate", True) is not False,
             )
         elif kind == "longrope":
             scaling = RopeScaling(
@@ -349,7 +377,7 @@ def _sliding_layers(data: dict[str, Any], architecture: str, layers: int, unsupp
     elif architecture in _QWEN:
         unsupported.append("sliding windows without layer_types")
         return None, ()
-    elif architecture == "gemma2":
+    elif architecture in ("gemma2", "gpt_oss"):
         sliding = tuple(i for i in range(layers) if i % 2 == 0)
     else:
         pattern = int(data.get("sliding_window_pattern", 6))
@@ -412,6 +440,53 @@ def stack_experts(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict
     return stacked
 
 
+_GPT_OSS_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
+
+
+def _gpt_oss_tensor(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """A gpt-oss expert tensor in the package's layout, or None for any other tensor. transformers
+    keeps them transposed, [E, in, out], with gate and up interleaved (gate at even columns,
+    `GptOssExperts._apply_gate`): the package's are [E, out, in], gate rows then up rows."""
+    match = _GPT_OSS_EXPERTS.match(name)
+    if match is None:
+        return None
+    prefix, projection, kind = match.groups()
+    if kind == "_scales":
+        return {}  # read with its blocks (`gpt_oss_mxfp4_experts`)
+    if kind == "_blocks":
+        # The shape of what `gpt_oss_mxfp4_experts` makes of it (this runs on meta tensors only).
+        experts, rows, groups, _ = tensor.shape
+        return {f"{prefix}.{projection}.weight": torch.empty((experts, rows, groups * 32), device="meta")}
+    if kind == "_bias":
+        bias = torch.cat([tensor[..., 0::2], tensor[..., 1::2]], dim=-1) if projection == "gate_up_proj" else tensor
+        return {f"{prefix}.{projection}.bias": bias}
+    if tensor.dim() != 3:
+        return {f"{prefix}.{projection}.weight": tensor}  # for the shape check to name
+    if projection == "gate_up_proj":
+        tensor = torch.cat([tensor[..., 0::2], tensor[..., 1::2]], dim=-1)
+    return {f"{prefix}.{projection}.weight": tensor.transpose(1, 2)}
+
+
+def gpt_oss_mxfp4_experts(name: str, blocks: torch.Tensor, scales: torch.Tensor) -> tuple[str, BlockTensor]:
+    """gpt-oss's MXFP4 experts, `*_blocks` uint8 [E, rows, groups, 16] and `*_scales` [E, rows,
+    groups] ([out, in] per expert, gate_up's rows interleaved gate/up), as the package's stacked
+    projection in ggml MXFP4 rows (`blocks.mxfp4_from_openai`), gate rows then up rows: whole
+    rows move, so the values are exactly the checkpoint's."""
+    match = _GPT_OSS_EXPERTS.match(name)
+    assert match is not None and match.group(3) == "_blocks", name
+    prefix, projection, _ = match.groups()
+    b, s = blocks.numpy(), scales.numpy()
+    if b.ndim != 4 or s.shape != b.shape[:3]:
+        raise SourceError(f"{name}: MXFP4 blocks [E, rows, groups, 16] with scales [E, rows, groups], got {list(b.shape)} and {list(s.shape)}")
+    if projection == "gate_up_proj":
+        b = np.concatenate([b[:, 0::2], b[:, 1::2]], axis=1)
+        s = np.concatenate([s[:, 0::2], s[:, 1::2]], axis=1)
+    rows = mxfp4_from_openai(np.ascontiguousarray(b), np.ascontiguousarray(s))
+    experts, out = rows.shape[:2]
+    data = torch.from_numpy(np.ascontiguousarray(rows.reshape(experts * out, -1)))
+    return f"{prefix}.{projection}.weight", BlockTensor(GGMLType.MXFP4, data, (experts, out, b.shape[2] * 32))
+
+
 def hf_tensor_name(name: str, architecture: str) -> str:
     """The checkpoint's tensor that gives the package tensor `name` of an `architecture` model
     (Gemma's norms under their own names, Phi-3's fused tensors), for messages."""
@@ -432,6 +507,7 @@ def tensor_converter(config: ModelConfig) -> Callable[[str, torch.Tensor], dict[
     gemma = config.architecture in _GEMMA
     fused = config.architecture == "phi3"
     moe = config.num_experts > 0
+    oss = config.architecture == "gpt_oss"
     q_rows = config.num_heads * config.head_dim
     kv_rows = config.num_kv_heads * config.head_dim
 
@@ -447,6 +523,10 @@ def tensor_converter(config: ModelConfig) -> Callable[[str, torch.Tensor], dict[
                 name = ".".join([*parts[:3], _GEMMA_NORMS[parts[3]], parts[4]])
             if name.endswith("norm.weight"):
                 return {name: tensor.to(torch.float32) + 1.0}
+        if oss:
+            converted = _gpt_oss_tensor(name, tensor)
+            if converted is not None:
+                return converted
         if moe:
             name = _moe_tensor_name(name)
             if name.endswith(".mlp.experts.gate_up_proj") or name.endswith(".mlp.experts.down_proj"):

@@ -26,8 +26,11 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from flare.package import blocks as blocks_module
+from flare.package.blocks import BlockTensor
 from flare.preparation.hf_families import (
     HF_LAYER_TENSOR,
+    gpt_oss_mxfp4_experts,
     hf_tensor_name,
     model_config_from_hf,
     served_model_type,
@@ -38,7 +41,7 @@ from flare.package.manifest import ModelConfig
 from flare.package.directory import layers_held, weight_problems
 from flare.package.problems import listed
 from flare.preparation.recipes import hf_generation_defaults
-from flare.preparation.source import ImportedDraftHead, ModelSource, SourceError
+from flare.preparation.source import ImportedDraftHead, ModelSource, SourceError, SourceWeights
 
 
 def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
@@ -78,11 +81,18 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
         raise SourceError(f"{path} has no tokenizer.json; save the tokenizer with a fast (tokenizers) backend")
     tokenizer_json = tokenizer_path.read_text(encoding="utf-8")
 
-    def read_weights(progress: Callable[[int, int], None]) -> dict[str, torch.Tensor]:
-        return stack_experts(
-            _read_weights(weight_files, len(target_shapes), convert, drop_lm_head=tied_copy, skip=mtp_prefixes, progress=progress),
-            config,
+    def read(progress: Callable[[int, int], None], *, keep_blocks: bool) -> SourceWeights:
+        weights = _read_weights(
+            weight_files, len(target_shapes), convert, drop_lm_head=tied_copy, skip=mtp_prefixes, progress=progress,
+            keep_blocks=keep_blocks,
         )
+        return SourceWeights(stack_experts(weights.floats, config), weights.blocks, weights.dequantized)
+
+    def read_weights(progress: Callable[[int, int], None]) -> dict[str, torch.Tensor]:
+        return read(progress, keep_blocks=False).floats
+
+    # gpt-oss's MXFP4 experts (`*_blocks`, `*_scales`) are kept as ggml MXFP4 blocks.
+    mxfp4 = any(name.endswith("_blocks") for name in target_shapes)
 
     def read_draft_head() -> ImportedDraftHead:
         return read_mtp_head(path, config, weight_files, shapes, mtp_layers)
@@ -96,6 +106,8 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
         tokenizer_json=tokenizer_json,
         chat_template=_chat_template(path),
         read_weights=read_weights,
+        read_blocks=(lambda progress: read(progress, keep_blocks=True)) if mxfp4 else None,
+        read_dequantized=(lambda progress: read(progress, keep_blocks=False)) if mxfp4 else None,
         read_draft_head=read_draft_head if mtp_layers else None,
         declared_defaults=hf_generation_defaults(generation),
     )
@@ -243,19 +255,41 @@ def _read_weights(
     drop_lm_head: bool,
     skip: tuple[str, ...],
     progress: Callable[[int, int], None],
-) -> dict[str, torch.Tensor]:
+    keep_blocks: bool = False,
+) -> SourceWeights:
     """The model's tensors in float32 under the package's names (`convert`), without a tied LM
-    head's copy and the MTP layers (`skip`)."""
+    head's copy and the MTP layers (`skip`). gpt-oss's MXFP4 experts (`*_blocks` with their
+    `*_scales`, `gpt_oss_mxfp4_experts`) as MXFP4 blocks with `keep_blocks`, else dequantized."""
     state: dict[str, torch.Tensor] = {}
+    blocks: dict[str, BlockTensor] = {}
+    dequantized: dict[str, str] = {}
+    where = {name: file for file in files for name in _tensor_shapes([file])}
     done = 0
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for source_name in f.keys():
                 if skip and source_name.startswith(skip):
                     continue
+                done += 1
+                if source_name.endswith("_blocks"):
+                    scales_name = source_name.removesuffix("_blocks") + "_scales"
+                    if scales_name not in where:
+                        raise SourceError(f"{source_name} has no {scales_name} beside it")
+                    with safe_open(str(where[scales_name]), framework="pt") as g:
+                        scales = g.get_tensor(scales_name)
+                    name, kept = gpt_oss_mxfp4_experts(source_name, f.get_tensor(source_name), scales)
+                    if keep_blocks:
+                        blocks[name] = kept
+                    else:
+                        state[name] = blocks_module.dequantized(kept)
+                        dequantized[name] = kept.ggml_type.name
+                    progress(done, total)
+                    continue
+                if source_name.endswith("_scales") and source_name.removesuffix("_scales") + "_blocks" in where:
+                    progress(done, total)
+                    continue
                 for name, tensor in convert(source_name, f.get_tensor(source_name).to(torch.float32)).items():
                     if not (drop_lm_head and name == "lm_head.weight"):
                         state[name] = tensor.contiguous()
-                done += 1
                 progress(done, total)
-    return state
+    return SourceWeights(state, blocks, dequantized)

@@ -9,6 +9,7 @@ from flare.package.blocks import KEPT_TYPES
 from flare.package.chat_template import check_chat_template
 from flare.package.contract import Problem, check_contract
 from flare.package.directory import CHAT_TEMPLATE_NAME, verify_package, weight_types
+from flare.package.manifest import INTEGER_ACTIVATION_TYPES
 from flare.package.problems import capped
 
 UNSERVABLE_CHAT_TEMPLATE = "unservable_chat_template"
@@ -24,6 +25,7 @@ def inspect_package(path: Path) -> dict[str, Any]:
     info: dict[str, Any] = report.manifest.to_json() if report.manifest is not None else {}
     if report.manifest is not None:
         info["weight_types"] = weight_types(report.manifest)
+        info["integer_activation_types"] = sorted(set(INTEGER_ACTIVATION_TYPES) & set(info["weight_types"]))
     info["integrity"] = report.to_json()
     problems = []
     if report.manifest is not None:
@@ -84,6 +86,7 @@ def render_text(info: dict[str, Any], path: Path | str) -> str:
         ]
         lines += _draft_head(info.get("draft_head"))
         lines += _weights(info["weight_types"], info.get("blocks", {}), info.get("dequantized", {}))
+        lines += _activations(info.get("integer_activation_types", []), info.get("blocks", {}))
         lines += [
             "",
             "sampling              default     range",
@@ -114,6 +117,16 @@ def _weights(types: dict[str, dict[str, int]], blocks: dict[str, Any], dequantiz
         why = "a --dtype asked for floats" if kind in {t.name for t in KEPT_TYPES} else "no kernel for the type"
         lines.append(f"  dequantized         {count} {kind} tensor{'s' if count > 1 else ''} at export ({why})")
     return lines
+
+
+def _activations(integer: list[str], blocks: dict[str, Any]) -> list[str]:
+    """What `flare run` multiplies the blocks by: float32 activations (its default), and which
+    types `--activations int8x2` or `int8` takes to the integer kernels."""
+    if not blocks:
+        return []
+    if not integer:
+        return ["  activations         float32 (no integer kernels for these types)"]
+    return [f"  activations         float32; integer kernels for {' '.join(integer)} (flare run --activations int8x2 or int8)"]
 
 
 def _size(nbytes: int) -> str:

@@ -37,7 +37,8 @@ def tensor_types(scheme: str, config: ModelConfig, shapes: Mapping[str, tuple[in
         raise ValueError(f"unknown quantization {scheme!r}; choose one of {', '.join(QUANTIZE_TYPES)}")
     types = {}
     for name, shape in shapes.items():
-        if len(shape) not in (2, 3) or name.endswith(_FLOAT_MATRICES):
+        # Biases stay float, 2-D ones too (gpt-oss's expert biases [E, width]).
+        if len(shape) not in (2, 3) or name.endswith(_FLOAT_MATRICES) or not name.endswith(".weight"):
             continue
         wanted = GGMLType[scheme.upper()] if scheme != "q4_k_m" else _q4_k_m_type(name, shape, config)
         if wanted is not None and row_bytes(wanted, shape[-1]) is None:

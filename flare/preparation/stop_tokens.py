@@ -8,6 +8,10 @@ list: Llama 3.1 lists `<|end_of_text|>`, `<|eom_id|>` and `<|eot_id|>`), a GGUF 
 end-of-text token while the chat model ends its turns with another (Gemma's `<end_of_turn>`,
 Phi-3's `<|end|>`): a model that writes the token its template closes turns with has finished
 its answer, so that token stops it too (llama.cpp ends generation on the same tokens, by text).
+
+Harmony (gpt-oss) ends an answer with `<|return|>` or a tool call with `<|call|>`; its `<|end|>`
+closes one message of the answer (the analysis before the final one), so it never stops a
+generation where the vocabulary holds those two (llama.cpp's rule, llama-vocab.cpp).
 """
 
 from __future__ import annotations
@@ -19,7 +23,11 @@ from collections.abc import Sequence
 from flare.preparation.source import ModelSource
 
 # The end-of-turn tokens of the families flare serves, as their vocabularies spell them.
-END_OF_TURN_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
+END_OF_TURN_TOKENS = (
+    "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|return|>", "<|call|>",
+)
+# Harmony's answer ends: where the vocabulary holds both, `<|end|>` ends a message, not the answer.
+_HARMONY_ENDS = ("<|return|>", "<|call|>")
 
 
 def template_turn_ends(tokenizer_json: str, chat_template: str) -> list[int]:
@@ -27,7 +35,12 @@ def template_turn_ends(tokenizer_json: str, chat_template: str) -> list[int]:
     as special (control) tokens, in END_OF_TURN_TOKENS' order."""
     added = json.loads(tokenizer_json).get("added_tokens") or []
     special = {token["content"]: int(token["id"]) for token in added if token.get("special")}
-    return [special[text] for text in END_OF_TURN_TOKENS if text in special and text in chat_template]
+    harmony = all(text in special for text in _HARMONY_ENDS)
+    return [
+        special[text]
+        for text in END_OF_TURN_TOKENS
+        if text in special and text in chat_template and not (harmony and text == "<|end|>")
+    ]
 
 
 def stop_token_ids(declared: Sequence[int], tokenizer_json: str, chat_template: str) -> tuple[int, ...]:

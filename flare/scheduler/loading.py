@@ -15,6 +15,7 @@ from flare.engine.drafters import Drafter, make_drafter
 from flare.engine.drafters.mtp import load_draft_head
 from flare.engine.kv_cache import BlockAllocator, KVCache, default_kv_cache_bytes
 from flare.engine.model import load_model
+from flare.engine.quantized import served_activations
 from flare.engine.precision import cpu_flags, dtype_name
 from flare.engine.prefix_cache import PrefixCache, namespace_hash
 from flare.engine.tokenizer import Tokenizer
@@ -137,7 +138,9 @@ def load_parts(
             )
         try:
             split = split_for(0, tensor_parallel) if ranks is not None else None
-            model = load_model(package, device=device, weight_format=options.weight_format, split=split)
+            model = load_model(
+                package, device=device, weight_format=options.weight_format, split=split, activations=options.activations
+            )
             if ranks is not None:
                 ranks.connect(config.vocab_size, kv_cache)
         except BaseException:
@@ -152,6 +155,7 @@ def load_parts(
             weights_dtype=serving.dtype,
             weight_format=str(model.weight_format),
             weight_types=package.weight_types(),
+            activations=served_activations(package.weight_types(), options.activations),
             cpu_flags=" ".join(cpu_flags()),
             kv_cache_blocks=kv_cache.num_blocks,
             kv_cache_dtype=dtype_name(kv_cache.dtype),

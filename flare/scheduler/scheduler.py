@@ -28,6 +28,7 @@ import structlog
 from flare.engine.drafters import Draft, Drafter
 from flare.engine.model import DecoderModel
 from flare.engine.precision import dtype_name
+from flare.engine.quantized import served_activations
 from flare.sampler.status import DeviceStatus
 from flare.parallel.failstop import EngineDead
 from flare.package.directory import Package
@@ -246,6 +247,7 @@ class Scheduler:
             weights_dtype=self.package.manifest.serving.dtype,
             weight_format=str(self._runner.model.weight_format),
             kv_cache_dtype=dtype_name(self._runner.kv_cache.dtype),
+            activations=served_activations(self.package.weight_types(), self.options.activations),
             weight_types=self.package.weight_types(),
             ranks=self._runner.rank_list(),
         )

@@ -76,6 +76,7 @@ class FakeTarget:
             device_statuses={"OK": 90, "INVALID_SPECULATION": 2},
             weights_dtype="float32",
             weight_format="float16",
+            activations="int8x2",
             generated_tokens_per_s=41.25,
             log_level=self.log_level,
             pid=1234,
@@ -186,7 +187,7 @@ async def test_status_table_is_readable(socket_path: Path) -> None:
     assert "state            serving" in lines
     assert "uptime           1h02m05s" in lines
     assert "kv blocks        7 / 64 in use, float16" in lines
-    assert "weights          Q4_1 Q8_0 blocks, the rest float32 stored, float16 GEMMs" in lines
+    assert "weights          Q4_1 Q8_0 blocks, the rest float32 stored, float16 GEMMs, int8x2 activations" in lines
     assert "weight types     Q4_1 210 tensors 69.7 MB, Q8_0 1 tensor 30.1 MB, F32 61 tensors 0.1 MB" in lines
     assert (
         "prefix cache     20 blocks cached, 12 of them evictable; prompt tokens 3000 from cache (75%), 1000 computed"
@@ -404,6 +405,7 @@ class SchedulerSnapshot:  # the fields of flare.scheduler.stats.SchedulerSnapsho
     weights_dtype: str
     weight_format: str
     kv_cache_dtype: str
+    activations: str
     prefix_cache: bool = True
     kv_blocks_cached: int = 5
     kv_blocks_evictable: int = 3
@@ -443,6 +445,7 @@ class FakeScheduler:
             weights_dtype="float16",
             weight_format="float32",
             kv_cache_dtype="float32",
+            activations="int8x2",
         )
 
     def requests(self) -> list[RequestInfo]:
@@ -483,6 +486,7 @@ def test_daemon_control_reports_the_scheduler_and_cancels_with_an_operator_error
     assert (status.package, status.running, status.kv_blocks_used, status.kv_blocks_total) == ("smollm2", 2, 9, 128)
     assert status.generated_tokens_per_s == 12.35 and status.log_level == "warning"
     assert (status.weights_dtype, status.weight_format, status.kv_cache_dtype) == ("float16", "float32", "float32")
+    assert status.activations == "int8x2"
     assert status.weight_types == {"F32": {"tensors": 3, "bytes": 12}}
     assert status.summary() == "serving smollm2: 2 running, 0 waiting, 12.3 tokens/s"
     assert control.requests() == [RequestRow("r1", "running", 1.235, 5, 6)]

@@ -62,15 +62,42 @@ def test_a_blocks_package_serves_the_answer_of_its_float32_package_and_reports_i
         (loaded,) = daemon.events("engine_loaded")
         types = loaded["weight_types"]
         assert types["Q6_K"]["tensors"] == 4 and types["F32"]["tensors"] == 6  # 5 norms and a dequantized Q2_K
-        assert set(types) == {"F32", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
+        assert set(types) == {"F32", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"}
         ctl = [sys.executable, "-m", "flare.cli.main", "ctl", "--socket", str(packages["control"])]
         status = json.loads(subprocess.run([*ctl, "--json", "status"], capture_output=True, text=True, check=True).stdout)
         assert status["weight_types"] == types
         table = subprocess.run([*ctl, "status"], capture_output=True, text=True, check=True).stdout
         (line,) = [line for line in table.splitlines() if line.startswith("weight types")]
-        assert "Q8_0 2 tensors " in line and "Q6_K 4 tensors " in line
+        assert "Q8_0 1 tensor " in line and "MXFP4 1 tensor " in line and "Q6_K 4 tensors " in line
+        # The default: float32 activations, exact.
+        assert loaded["activations"] == status["activations"] == "float32"
+        assert "GEMMs, float32 activations" in table
     finally:
         assert daemon.stop() == 0, daemon.log()
+
+
+def test_activations_int8x2_serve_the_float32_packages_answer_and_say_so(packages: dict[str, Path]) -> None:
+    daemon = start_daemon(packages["float32"], ["--max-concurrency", "2"])
+    try:
+        expected = greedy_answer(daemon)
+        (loaded,) = daemon.events("engine_loaded")
+        assert loaded["activations"] == "float32"  # no blocks: nothing to quantize
+    finally:
+        assert daemon.stop() == 0, daemon.log()
+    control = packages["control"].with_name("control-float32.sock")
+    daemon = start_daemon(packages["blocks"], ["--activations", "int8x2", "--control-socket", str(control)])
+    try:
+        assert greedy_answer(daemon) == expected
+        (loaded,) = daemon.events("engine_loaded")
+        ctl = [sys.executable, "-m", "flare.cli.main", "ctl", "--socket", str(control)]
+        status = json.loads(subprocess.run([*ctl, "--json", "status"], capture_output=True, text=True, check=True).stdout)
+        assert loaded["activations"] == status["activations"] == "int8x2"
+    finally:
+        assert daemon.stop() == 0, daemon.log()
+    inspected = subprocess.run(
+        [sys.executable, "-m", "flare.cli.main", "inspect", str(packages["blocks"])], capture_output=True, text=True, check=True
+    ).stdout
+    assert "activations         float32; integer kernels for Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 (flare run --activations int8x2 or int8)" in inspected
 
 
 def test_flare_run_refuses_blocks_with_a_nan_scale_naming_the_tensor_without_a_traceback(packages: dict[str, Path]) -> None:
@@ -82,7 +109,7 @@ def test_flare_run_refuses_blocks_with_a_nan_scale_naming_the_tensor_without_a_t
     package = packages["blocks"].parent / "nan-scale"
     shutil.copytree(packages["blocks"], package)
     manifest = json.loads((package / "manifest.json").read_text())
-    entry = manifest["blocks"]["model.layers.1.self_attn.o_proj.weight"]  # Q8_0: d at byte 0 of 34
+    entry = manifest["blocks"]["model.embed_tokens.weight"]  # Q8_0: d at byte 0 of 34
     raw = bytearray((package / BLOCKS_NAME).read_bytes())
     raw[entry["offset"] + 34 * 5 : entry["offset"] + 34 * 5 + 2] = np.array([np.inf], np.float16).tobytes()
     (package / BLOCKS_NAME).write_bytes(bytes(raw))
@@ -94,5 +121,5 @@ def test_flare_run_refuses_blocks_with_a_nan_scale_naming_the_tensor_without_a_t
     )
     assert result.returncode != 0
     output = result.stdout + result.stderr
-    assert "tensor model.layers.1.self_attn.o_proj.weight: 1 block(s) have a NaN or infinite scale" in output
+    assert "tensor model.embed_tokens.weight: 1 block(s) have a NaN or infinite scale" in output
     assert "Traceback" not in output

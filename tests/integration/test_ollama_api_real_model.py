@@ -5,12 +5,10 @@ ps, and an unknown model's error as the client raises it."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import ollama
 import pytest
-from tests.integration.daemon_process import DaemonProcess, start_daemon
+from tests.integration.daemon_process import DaemonProcess
 
 pytestmark = pytest.mark.real_model
 MODEL = "SmolLM2-135M-Instruct"
@@ -19,10 +17,8 @@ GREEDY = {"temperature": 0, "num_predict": 24}
 
 
 @pytest.fixture(scope="module")
-def daemon(default_package: Path) -> Iterator[DaemonProcess]:
-    process = start_daemon(default_package, ["--max-concurrency", "4"])
-    yield process
-    assert process.stop() == 0, process.log()
+def daemon(default_model_daemon: DaemonProcess) -> DaemonProcess:
+    return default_model_daemon
 
 
 @pytest.fixture

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.integration.daemon_process import DaemonProcess, start_daemon
+from tests.integration.daemon_process import DaemonProcess
 from pydantic import BaseModel, Field
 
 pytestmark = pytest.mark.real_model
@@ -60,10 +59,8 @@ PERSON = [{"role": "user", "content": "Invent a person who lives in Rome: name, 
 
 
 @pytest.fixture(scope="module")
-def daemon(default_package: Path) -> Iterator[DaemonProcess]:
-    process = start_daemon(default_package, ["--max-concurrency", "4"])
-    yield process
-    assert process.stop() == 0, process.log()
+def daemon(default_model_daemon: DaemonProcess) -> DaemonProcess:
+    return default_model_daemon
 
 
 async def test_parse_returns_nested_objects_arrays_enums_and_optionals(client) -> None:

@@ -5,13 +5,12 @@ and with a tool), and completions with several prompts and with token ids."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import anthropic
 import openai
 import pytest
-from tests.integration.daemon_process import DaemonProcess, start_daemon
+from tests.integration.daemon_process import DaemonProcess
 
 pytestmark = pytest.mark.real_model
 MODEL = "SmolLM2-135M-Instruct"
@@ -26,10 +25,8 @@ ASK_WEATHER = "What is the weather like in Paris today?"
 
 
 @pytest.fixture(scope="module")
-def daemon(default_package: Path) -> Iterator[DaemonProcess]:
-    process = start_daemon(default_package, ["--max-concurrency", "4"])
-    yield process
-    assert process.stop() == 0, process.log()
+def daemon(default_model_daemon: DaemonProcess) -> DaemonProcess:
+    return default_model_daemon
 
 
 # The current anthropic SDK has no temperature argument (its models fix it); the API still takes

@@ -4,12 +4,10 @@ accepted as drafts, streamed or not (the streamed counts in the usage chunk)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
-from tests.integration.daemon_process import DaemonProcess, start_daemon
+from tests.integration.daemon_process import DaemonProcess
 
 pytestmark = pytest.mark.real_model
 PARAGRAPH = (
@@ -20,10 +18,8 @@ ASK = [{"role": "user", "content": f"Repeat this paragraph exactly:\n\n{PARAGRAP
 
 
 @pytest.fixture(scope="module")
-def daemon(default_package: Path) -> Iterator[DaemonProcess]:
-    process = start_daemon(default_package, ["--max-concurrency", "4"])
-    yield process
-    assert process.stop() == 0, process.log()
+def daemon(default_model_daemon: DaemonProcess) -> DaemonProcess:
+    return default_model_daemon
 
 
 async def test_a_prediction_of_the_greedy_answer_gives_the_same_answer_with_its_tokens_accepted(

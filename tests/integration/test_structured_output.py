@@ -9,12 +9,10 @@ import enum
 import json
 import re
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-from tests.integration.daemon_process import DaemonProcess, start_daemon
+from tests.integration.daemon_process import DaemonProcess
 from pydantic import BaseModel, Field
 
 CHAT = [{"role": "user", "content": "Describe a pet."}]
@@ -39,10 +37,8 @@ class Pet(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_package: Path) -> Iterator[DaemonProcess]:
-    process = start_daemon(tiny_package, ["--max-concurrency", "4"])
-    yield process
-    assert process.stop() == 0, process.log()
+def daemon(tiny_daemon: DaemonProcess) -> DaemonProcess:
+    return tiny_daemon
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.2])

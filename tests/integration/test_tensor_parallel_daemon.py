@@ -1,7 +1,7 @@
-"""`flare run --tensor-parallel 2` on the tiny package: it serves, lives idle past its collective
-timeout with every socket on loopback, and a worker killed mid-stream ends the stream with
-engine_dead, stops /health answering 200 and makes the daemon exit non-zero with no process of
-the group left."""
+"""`flare run --tensor-parallel 2` on the tiny package: it serves the TP 1 answer, on one host or
+two; it lives idle past its collective timeout with every socket on loopback; a worker killed
+mid-stream ends the stream with engine_dead, and one killed while idle stops /health answering
+200; either way the daemon exits non-zero with no process of the group left."""
 
 from __future__ import annotations
 
@@ -31,14 +31,9 @@ def _completion(daemon: DaemonProcess, max_tokens: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tp1_answer(tiny_package: Path) -> str:
+def tp1_answer(tiny_daemon: DaemonProcess) -> str:
     """The tiny package's greedy answer from a daemon at tensor parallel 1 (both TP 2 layouts must give it)."""
-    single = DaemonProcess(tiny_package)
-    try:
-        single.wait_ready()
-        return _completion(single, 12)["choices"][0]["text"]
-    finally:
-        single.stop()
+    return _completion(tiny_daemon, 12)["choices"][0]["text"]
 
 
 def test_tp2_serves_the_tp1_answer_and_a_killed_worker_stops_the_daemon_non_zero(tiny_package: Path, tp1_answer: str) -> None:
@@ -69,25 +64,6 @@ def test_tp2_serves_the_tp1_answer_and_a_killed_worker_stops_the_daemon_non_zero
         (lost,) = daemon.events("tensor_parallel_rank_lost")
         assert (lost["rank"], lost["pid"]) == (1, worker_pid)
         assert "Traceback" not in daemon.log(10_000), "a worker's death is one line, not a traceback"
-    finally:
-        daemon.stop()
-
-
-def test_an_idle_tp2_daemon_outlives_its_collective_timeout_with_every_socket_on_loopback(tiny_package: Path) -> None:
-    collective_timeout_s = 2
-    daemon = DaemonProcess(tiny_package, "--tensor-parallel", "2", "--collective-timeout-s", str(collective_timeout_s))
-    try:
-        daemon.wait_ready()
-        (group,) = daemon.events("tensor_parallel_group")
-        pids = [pid for _, pid, _ in group["ranks"]]
-        listening = listening_addresses(pids)
-        assert listening and {address for address, _ in listening} == {"127.0.0.1"}, listening
-        time.sleep(3 * collective_timeout_s)  # no traffic
-        assert daemon.process.poll() is None and all(_alive(pid) for pid in pids), daemon.log()
-        assert daemon.health() == 200
-        answer = _completion(daemon, 4)
-        assert answer["choices"][0]["finish_reason"] in ("length", "stop"), answer
-        assert not daemon.events("engine_dead")
     finally:
         daemon.stop()
 
@@ -129,15 +105,30 @@ def _notified(tiny_package: Path, *flags: str) -> tuple[DaemonProcess, NotifyLis
     return daemon, notify, workdir
 
 
-def test_a_rank_lost_while_idle_stops_health_200_and_the_watchdog_and_the_daemon_exits_non_zero(tiny_package: Path) -> None:
-    daemon, notify, workdir = _notified(tiny_package)
+def test_an_idle_tp2_daemon_outlives_its_collective_timeout_on_loopback_and_a_rank_lost_while_idle_stops_it_non_zero(
+    tiny_package: Path,
+) -> None:
+    """Idle past its collective timeout, with every socket on loopback, the daemon still serves;
+    then a rank lost while idle stops /health answering 200 and the watchdog, and the daemon
+    exits non-zero."""
+    collective_timeout_s = 2
+    daemon, notify, workdir = _notified(tiny_package, "--collective-timeout-s", str(collective_timeout_s))
     try:
         ready = notify.wait_for("READY=1")
         daemon.wait_ready()
+        (group,) = daemon.events("tensor_parallel_group")
+        pids = [pid for _, pid, _ in group["ranks"]]
+        listening = listening_addresses(pids)
+        assert listening and {address for address, _ in listening} == {"127.0.0.1"}, listening
+        time.sleep(3 * collective_timeout_s)  # no traffic
+        assert daemon.process.poll() is None and all(_alive(pid) for pid in pids), daemon.log()
+        assert daemon.health() == 200
+        answer = _completion(daemon, 4)
+        assert answer["choices"][0]["finish_reason"] in ("length", "stop"), answer
+        assert not daemon.events("engine_dead")
         notify.wait_for("WATCHDOG=1", after=ready, timeout_s=30)
         scraped = httpx.get(f"{daemon.base_url}/metrics", timeout=30).text
         assert 'flare_tensor_parallel_rank_cpu_seconds_total{rank="1"}' in scraped
-        (group,) = daemon.events("tensor_parallel_group")
         worker_pid = next(pid for rank, pid, _ in group["ranks"] if rank == 1)
         os.kill(worker_pid, signal.SIGKILL)
         # No request runs: the loop notices the lost rank between rounds (within its idle tick).

@@ -4,12 +4,11 @@ official OpenAI client in OpenAI's shapes, streaming and not."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from tests.integration.daemon_process import DaemonProcess, start_daemon
+from tests.integration.daemon_process import DaemonProcess
 
 from flare.engine.tokenizer import Tokenizer
 from flare.package.directory import open_package
@@ -18,10 +17,8 @@ CHAT = [{"role": "user", "content": "Write a short poem about the sea."}]
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_package: Path) -> Iterator[DaemonProcess]:
-    process = start_daemon(tiny_package, ["--max-concurrency", "4"])
-    yield process
-    assert process.stop() == 0, process.log()
+def daemon(tiny_daemon: DaemonProcess) -> DaemonProcess:
+    return tiny_daemon
 
 
 async def test_chat_logprobs_are_consistent_with_greedy_choices_streaming_and_not(client, model) -> None:

@@ -5,11 +5,9 @@ that carries earlier calls and their results."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from tests.integration.daemon_process import DaemonProcess, start_daemon
+from tests.integration.daemon_process import DaemonProcess
 
 WEATHER = {
     "type": "function",
@@ -40,10 +38,8 @@ CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_package: Path) -> Iterator[DaemonProcess]:
-    process = start_daemon(tiny_package, ["--max-concurrency", "4"])
-    yield process
-    assert process.stop() == 0, process.log()
+def daemon(tiny_daemon: DaemonProcess) -> DaemonProcess:
+    return tiny_daemon
 
 
 def _valid_call(name: str, arguments: str) -> bool:

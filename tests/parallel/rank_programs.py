@@ -204,6 +204,22 @@ def serve_messages(groups: ProcessGroups, state: dict[str, int]) -> None:
         dist.all_reduce(torch.tensor([1.0]), group=groups.device)
 
 
+SLOW_READ_S = 1.0
+"""How late `serve_messages_read_late` reads each message: long after rank 0 has sent it."""
+
+
+def serve_messages_read_late(groups: ProcessGroups, state: dict[str, int]) -> None:
+    """`serve_messages` on a worker slow to read: each message, the stop command included, is
+    read SLOW_READ_S after it was sent (a busy host's worker)."""
+    from flare.parallel.round_command import receive_message
+
+    while True:
+        time.sleep(SLOW_READ_S)
+        if receive_message(groups.control) is None:
+            return
+        dist.all_reduce(torch.tensor([1.0]), group=groups.device)
+
+
 def serve_failing(groups: ProcessGroups, state: dict[str, int]) -> None:
     """A worker whose serving fails (as a collective that raises does)."""
     raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")

@@ -25,6 +25,7 @@ from tests.parallel.rank_programs import (
     serve_failing,
     serve_idle,
     serve_messages,
+    serve_messages_read_late,
 )
 
 from flare.parallel.failstop import EngineDead
@@ -231,6 +232,22 @@ def test_a_collective_a_stuck_rank_never_joins_times_out_and_stops_the_group() -
     group.stop()
 
 
+def test_a_stop_command_a_worker_never_reads_gives_up_after_the_stop_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flare.parallel import round_command
+
+    monkeypatch.setattr(round_command, "STOP_TIMEOUT", timedelta(seconds=1))
+    group = RankGroup(
+        ParallelLayout(tensor_parallel=2), WorkerSpec(load_rank, serve_idle), torch.device("cpu"), STARTUP, timedelta(seconds=60)
+    )
+    groups = group.connect()
+    assert groups is not None
+    started = time.monotonic()
+    with pytest.raises(RuntimeError):
+        round_command.send_command(None, groups.control)
+    assert time.monotonic() - started < 30, "the stop waited for the collective timeout, not the stop's"
+    group.stop()
+
+
 def test_a_round_past_its_deadline_stops_the_group() -> None:
     group_stop = EngineDead  # the latch alone: no processes needed
     from flare.parallel.failstop import FailStop
@@ -252,12 +269,12 @@ LAUNCHER = textwrap.dedent(
     from datetime import timedelta
     import torch
     sys.path.insert(0, {root!r})
-    from tests.parallel.rank_programs import load_rank, serve_all_reduce_then_wait
+    from tests.parallel.rank_programs import load_rank, {serve}
     from flare.parallel.launch import RankGroup, WorkerSpec
     from flare.parallel.layout import ParallelLayout
 
     layout = ParallelLayout({world}, nnodes={nnodes}, node_rank={node_rank}, master_port={port})
-    group = RankGroup(layout, WorkerSpec(load_rank, serve_all_reduce_then_wait), torch.device("cpu"),
+    group = RankGroup(layout, WorkerSpec(load_rank, {serve}), torch.device("cpu"),
                       timedelta(seconds=120), timedelta(seconds={collective_s}))
     group.connect()
     print(" ".join(str(r.pid) for r in group.ranks if r.rank != 0), flush=True)
@@ -266,10 +283,13 @@ LAUNCHER = textwrap.dedent(
 )
 
 
-def _launcher(world: int, nnodes: int, node_rank: int, port: int, collective_s: int = 60) -> subprocess.Popen[str]:
+def _launcher(
+    world: int, nnodes: int, node_rank: int, port: int, collective_s: int = 60, serve: str = "serve_all_reduce_then_wait"
+) -> subprocess.Popen[str]:
+    """A launching process (host ``node_rank``) whose workers run rank_programs' ``serve``."""
     script = LAUNCHER.format(
         root=REPOSITORY, world=world, nnodes=nnodes, node_rank=node_rank, port=port,
-        collective_s=collective_s,
+        collective_s=collective_s, serve=serve,
     )
     return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
 
@@ -312,6 +332,36 @@ def test_two_nodes_on_loopback_meet_and_the_headless_node_exits_non_zero_when_ra
         # exits, and its host's launcher with it, non-zero.
         assert node_1.wait(60) == 1
         assert not any(_alive(p) for p in worker_pids)
+    finally:
+        node_1.kill()
+
+
+def test_the_headless_node_exits_0_when_rank_0_stops_in_order_while_its_worker_is_slow_to_read() -> None:
+    from flare.engine.batch import ForwardRow
+    from flare.parallel.round_command import RoundCommand, send_command
+
+    port = _free_port()
+    node_1 = _launcher(world=2, nnodes=2, node_rank=1, port=port, serve="serve_messages_read_late")
+    try:
+        group = RankGroup(
+            ParallelLayout(2, nnodes=2, node_rank=0, master_port=port),
+            WorkerSpec(load_rank, serve_messages_read_late),
+            torch.device("cpu"),
+            STARTUP,
+            timedelta(seconds=30),
+        )
+        groups = group.connect()
+        assert groups is not None
+        send_command(RoundCommand(0, (ForwardRow((1,), 0, (0,), 1),), (), None), groups.control)
+        value = torch.tensor([1.0])
+        dist.all_reduce(value, group=groups.device)
+        assert value.item() == 2.0, "the worker took the command it read late"
+        # The worker reads the stop SLOW_READ_S after it was sent; rank 0 then leaves the groups
+        # at once, as the daemon's close does.
+        send_command(None, groups.control)
+        group.stop()
+        assert group.failstop.reason is None
+        assert node_1.wait(60) == 0, "the headless host's worker took the stop: an orderly exit"
     finally:
         node_1.kill()
 

@@ -18,28 +18,67 @@
  * by one, so the result is the same bits; what goes is the Python and tensor allocation between
  * them, which for one decode row of a small model costs as much as some of the products.
  */
+#include <stdlib.h>
+
+#include "integer_dot.h"
 #include "kernels.h"
 
 /* x [T, in] (rows `x_stride` apart) through a layer's linear layer into y [T, out], contiguous:
- * each part's outputs in its columns of y, as model.py concatenates them. 0, or -1 when a
- * part's type is unknown or scratch memory could not be allocated. */
+ * each part's outputs in its columns of y, as model.py concatenates them. Parts flagged
+ * LINEAR_INTEGER_ACTIVATIONS multiply 8-bit activation blocks (integer_linear.c), quantized from
+ * x once and shared by every such part (q, k and v; gate and up). 0, or -1 when a part's type is
+ * unknown or scratch memory could not be allocated. */
 static int layer_linear(const DecoderLayerRound *l, const LayerLinear *w, const float *x, int64_t x_stride, float *y,
                         int64_t in, int64_t out, int threads) {
     int64_t first = 0;
-    for (int p = 0; p < LAYER_LINEAR_PARTS && w->parts[p].out; p++) {
+    Q8Block *xq = NULL;
+#if IDOT_KQUANTS
+    Q8KBlock *xk = NULL;  /* x as Q8K rows, for the K parts: quantized once too */
+#endif
+    int quantized_halves = 0, status = 0;
+    for (int p = 0; p < LAYER_LINEAR_PARTS && w->parts[p].out && !status; p++) {
         const LinearPart *part = &w->parts[p];
+        const int type = (int)(part->type % LINEAR_INTEGER_ACTIVATIONS), halves = (int)(part->type / LINEAR_INTEGER_ACTIVATIONS);
         if (part->type == LINEAR_PACKED_FLOAT16) {
             const Float16Linear f = {.x = x, .x_stride = x_stride, .packed = part->data, .y = y + first, .tokens = l->tokens,
                                      .in = in, .out = part->out, .y_stride = out};
             float16_linear(&f, threads, l->isa);
+        } else if ((halves == 1 || halves == 2) && integer_linear_type(type) && in % 32 == 0) {
+            if (halves != quantized_halves) {
+                free(xq);
+                xq = malloc(sizeof(Q8Block) * (size_t)(l->tokens * halves * (in / 32)));
+                if (!xq) return -1;
+#pragma omp parallel for num_threads(l->tokens * in < 65536 ? 1 : threads)
+                for (int64_t t = 0; t < l->tokens; t++) quantize_row_q8(x + t * x_stride, in, halves, xq + t * halves * (in / 32));
+                quantized_halves = halves;
+            }
+            const IntegerLinear q = {.x = xq, .x_stride = halves * (in / 32), .halves = halves, .blocks = part->data, .type = type,
+                                     .y = y + first, .tokens = l->tokens, .in = in, .out = part->out, .y_stride = out};
+            status = integer_linear(&q, threads, l->integer_isa);
+#if IDOT_KQUANTS
+        } else if (halves && (type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K) && in % 256 == 0) {
+            if (!xk) {
+                xk = malloc(sizeof(Q8KBlock) * (size_t)(l->tokens * (in / 256)));
+                if (!xk) {
+                    free(xq);
+                    return -1;
+                }
+                for (int64_t t = 0; t < l->tokens; t++) quantize_row_q8k(x + t * x_stride, in, xk + t * (in / 256));
+            }
+            integer_kquant_linear(type, part->data, xk, y + first, l->tokens, in, part->out, out, threads, l->integer_isa);
+#endif
         } else {
-            const QuantizedLinear q = {.x = x, .x_stride = x_stride, .blocks = part->data, .type = (int)part->type, .y = y + first,
+            const QuantizedLinear q = {.x = x, .x_stride = x_stride, .blocks = part->data, .type = type, .y = y + first,
                                        .tokens = l->tokens, .in = in, .out = part->out, .y_stride = out};
-            if (quantized_linear(&q, threads, l->quantized_isa)) return -1;
+            status = quantized_linear(&q, threads, l->quantized_isa);
         }
         first += part->out;
     }
-    return 0;
+    free(xq);
+#if IDOT_KQUANTS
+    free(xk);
+#endif
+    return status ? -1 : 0;
 }
 
 /* A sandwich norm: delta [T, hidden] RMS-normalized in place with `weight`, where the layer has one. */

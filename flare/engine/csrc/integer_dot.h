@@ -20,6 +20,13 @@ enum { IDOT_PORTABLE = 0, IDOT_AVX2 = 1, IDOT_AVX_VNNI = 2, IDOT_AVX512_VNNI = 3
 /* The IDOT_* level the integer kernels run at: the widest of `isa` and what this CPU has. */
 int integer_dot_isa(int isa);
 
+/* What this CPU and its OS grant, as IDOT_GRANTS_* bits, and the level `isa` falls back to under
+ * `granted` (integer_dot_isa is integer_dot_level(isa, integer_dot_grants())): apart, so that a
+ * test can stand in for a CPU whose OS refuses an extension it advertises. */
+enum { IDOT_GRANTS_AVX2 = 1, IDOT_GRANTS_AVX_VNNI = 2, IDOT_GRANTS_AVX512_VNNI = 4 };
+int integer_dot_grants(void);
+int integer_dot_level(int isa, int granted);
+
 /* 256 activations of a K-quant product: d * qs[i] stands for x[i]; bsums[j] is the sum of
  * qs[16 j .. 16 j + 15] (the weights' mins multiply these). */
 typedef struct {
@@ -39,5 +46,57 @@ void quantize_row_q8k_isa(int isa, const float *x, int64_t n, Q8KBlock *out);
  * block is unpacked once and multiplied by every row. Level `vector` from integer_dot_isa. */
 void kquant_dot_rows(int vector, int type, const uint8_t *w, int64_t blocks, const Q8KBlock *x, int64_t x_stride, int rows,
                      float *out, int64_t out_stride);
+
+/* 32 activations of a 32-value block product: d * qs[i] stands for x[i] (d = max |x| / 127, qs
+ * round-to-nearest-even of x / d, in -127 .. 127); sum = sum of qs and s = d * sum, what a weight
+ * block's offset (Q4_0's 8, Q5_0's 16) and min (Q4_1, Q5_1) multiply. 48 bytes, qs 16-aligned. */
+typedef struct {
+    float d, s;
+    int32_t sum, unused;
+    int8_t qs[32];
+} Q8Block;
+
+/* x [n] (n a multiple of 32) as halves * n / 32 Q8Blocks, one loop compiled for every level, so
+ * the same bits. halves 1: one block per 32 values. halves 2: two per 32 values, block 2 i
+ * quantizing x and 2 i + 1 its residual x - d q (the two 8-bit halves of a ~15-bit value),
+ * block 2 i's s then the sum of both blocks' s. */
+void quantize_row_q8(const float *x, int64_t n, int halves, Q8Block *out);
+
+/* The ggml types integer_linear multiplies (the 32-value ones: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): 1, else 0. */
+int integer_linear_type(int type);
+
+/* y[t, o] = sum over the blocks i of row o, in increasing i, of
+ *     for each half h:  acc = fmaf((float)isum_ih, dw_i * dx_ih, acc)
+ *     then, for Q4_1 and Q5_1:  acc = fmaf(mw_i, sx_i0, acc)
+ * from acc = 0, isum_ih the exact integer dot product of the weight block's integers (q - 8 for
+ * Q4_0, q - 16 for Q5_0, q for the others) with half h of activation block i of row t, dw_i and
+ * mw_i the block's float16 scale and min, dx_ih and sx_i0 the activation blocks' d and s. */
+typedef struct {
+    const Q8Block *x;          /* [tokens, halves * in / 32] blocks, rows `x_stride` blocks apart */
+    int halves;                /* 1 or 2 activation blocks per 32 inputs (quantize_row_q8) */
+    int64_t x_stride;
+    const uint8_t *blocks;     /* [out, in / 32 * type_size] bytes, rows contiguous */
+    int type;                  /* a GGML_* type id integer_linear_type takes */
+    float *y;                  /* [tokens, out], rows `y_stride` floats apart (0: out, contiguous) */
+    int64_t tokens, in, out, y_stride;
+} IntegerLinear;
+
+/* 0; -1 for a type integer_linear_type refuses. At level integer_dot_isa(isa). */
+int integer_linear(const IntegerLinear *l, int threads, int isa);
+
+/* Whether the K types (Q4_K, Q5_K, Q6_K) take the integer path too (quantize_row_q8k and
+ * kquant_dot_rows, integer_kquants.c): the one switch for them in C, off until that file is
+ * built (flare/engine/quantized.py's INTEGER_TYPES is the Python side's). With it on,
+ * integer_kquant_linear multiplies a K weight by rows quantized once into Q8KBlocks. */
+#ifndef IDOT_KQUANTS
+#define IDOT_KQUANTS 0
+#endif
+
+#if IDOT_KQUANTS
+/* y [tokens, out] (rows y_stride apart) = x's Q8K rows (in / 256 blocks each, rows contiguous)
+ * times a K weight of `type` [out, in]: kquant_dot_rows for each output, 4 rows at a time. */
+void integer_kquant_linear(int type, const uint8_t *blocks, const Q8KBlock *x, float *y, int64_t tokens, int64_t in, int64_t out,
+                           int64_t y_stride, int threads, int isa);
+#endif
 
 #endif

@@ -307,6 +307,10 @@ typedef struct {
  * (QuantizedLinear) of `type`, `out` rows. ggml's type 0 (F32) is never a part's, so it names
  * packed float16 here. */
 enum { LINEAR_PACKED_FLOAT16 = 0, LAYER_LINEAR_PARTS = 3 };
+/* Added to a block part's type, times 1 or 2: its products take that many 8-bit activation blocks
+ * per 32 inputs (integer_linear.c, quantize_row_q8's halves) where the type has integer kernels,
+ * float32 activations (quantized_linear.c) otherwise. */
+enum { LINEAR_INTEGER_ACTIVATIONS = 256 };
 
 typedef struct {
     int64_t type;              /* LINEAR_PACKED_FLOAT16 or a GGML_* type id */
@@ -346,6 +350,7 @@ typedef struct {
     float *scratch;                            /* tokens * (2 hidden + qkv channels + 2 heads * head_dim + 3 intermediate) floats */
     int isa;                                   /* the float16 linear layers' widest instructions (float16_linear) */
     int quantized_isa;                         /* the block ones' (quantized_linear) */
+    int integer_isa;                           /* the integer ones' (integer_linear), an IDOT_* level */
 } DecoderLayerRound;
 
 /* Returns 0, or -1 when scratch memory could not be allocated or a part's type is unknown. */

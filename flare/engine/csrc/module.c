@@ -8,6 +8,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "integer_dot.h"
 #include "kernels.h"
 #include "integer_dot.h"
 #include <stdlib.h>
@@ -308,6 +309,58 @@ static PyObject *py_moe_layer(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Rows of x [tokens, in] (rows `x_stride` floats apart) as 8-bit activation blocks into out
+ * [tokens, in / 32] Q8Blocks (integer_linear.c). */
+static PyObject *py_quantize_q8(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t x, x_stride, tokens, in, out, threads;
+    int halves;
+    if (!PyArg_ParseTuple(args, "nnnnnin", &x, &x_stride, &tokens, &in, &out, &halves, &threads)) return NULL;
+    if (tokens < 0 || in < 32 || in % 32 || x_stride < in || threads < 1 || halves < 1 || halves > 2)
+        return invalid("quantize_q8", "in must be whole blocks of 32, rows at least `in` apart, halves 1 or 2");
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for num_threads(tokens * in < 65536 ? 1 : (int)threads)
+    for (Py_ssize_t t = 0; t < tokens; t++)
+        quantize_row_q8((const float *)x + t * x_stride, in, halves, (Q8Block *)out + t * halves * (in / 32));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_integer_linear(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t x, x_stride, blocks, y, tokens, in, out, threads;
+    int halves, type, isa;
+    if (!PyArg_ParseTuple(args, "nnininnnnni", &x, &x_stride, &halves, &blocks, &type, &y, &tokens, &in, &out, &threads, &isa))
+        return NULL;
+    if (!integer_linear_type(type)) return invalid("integer_linear", "not a 32-value block type");
+    if (halves < 1 || halves > 2) return invalid("integer_linear", "halves must be 1 or 2");
+    if (tokens < 1 || in < 32 || out < 1 || threads < 1 || in % 32 || x_stride < halves * (in / 32))
+        return invalid("integer_linear", "sizes must be positive, `in` whole blocks and rows at least in / 32 blocks apart");
+    const IntegerLinear l = {
+        .x = (const Q8Block *)x,
+        .x_stride = x_stride,
+        .halves = halves,
+        .blocks = (const uint8_t *)blocks,
+        .type = type,
+        .y = (float *)y,
+        .tokens = tokens,
+        .in = in,
+        .out = out,
+    };
+    Py_BEGIN_ALLOW_THREADS
+    integer_linear(&l, (int)threads, isa);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* integer_dot_level(isa, granted), `granted` -1 for what this CPU and its OS grant. */
+static PyObject *py_integer_dot_isa(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa, granted;
+    if (!PyArg_ParseTuple(args, "ii", &isa, &granted)) return NULL;
+    return PyLong_FromLong(integer_dot_level(isa, granted < 0 ? integer_dot_grants() : granted));
+}
+
 static PyObject *py_quantized_first_nonfinite_scale(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t data, blocks;
@@ -403,10 +456,10 @@ static PyObject *py_decoder_layers(PyObject *self, PyObject *args) {
     Py_ssize_t h, tokens, hidden, heads, kv_heads, head_dim, intermediate, positions, slots, cos, sin, max_positions;
     Py_ssize_t rotary_dims, num_blocks, block_size, plans, groups, scratch, threads, layers, scalars, count;
     float eps;
-    int kv_dtype, isa, quantized_isa;
-    if (!PyArg_ParseTuple(args, "nnnnnnnfnnnnnninnnnnniinnn", &h, &tokens, &hidden, &heads, &kv_heads, &head_dim,
+    int kv_dtype, isa, quantized_isa, integer_isa;
+    if (!PyArg_ParseTuple(args, "nnnnnnnfnnnnnninnnnnniiinnn", &h, &tokens, &hidden, &heads, &kv_heads, &head_dim,
                           &intermediate, &eps, &positions, &slots, &cos, &sin, &max_positions, &rotary_dims, &kv_dtype,
-                          &num_blocks, &block_size, &plans, &groups, &scratch, &threads, &isa, &quantized_isa, &layers,
+                          &num_blocks, &block_size, &plans, &groups, &scratch, &threads, &isa, &quantized_isa, &integer_isa, &layers,
                           &scalars, &count))
         return NULL;
     if (kv_dtype < KV_FLOAT32 || kv_dtype > KV_BFLOAT16) return invalid("decoder_layer", "unknown KV dtype code");
@@ -471,6 +524,7 @@ static PyObject *py_decoder_layers(PyObject *self, PyObject *args) {
             .scratch = (float *)scratch,
             .isa = isa,
             .quantized_isa = quantized_isa,
+            .integer_isa = integer_isa,
         };
         status = decoder_layer(&l, (int)threads);
     }
@@ -581,6 +635,10 @@ static PyMethodDef methods[] = {
     {"moe_layer", py_moe_layer, METH_VARARGS,
      "moe_layer(x, expert_ids, expert_weights, gate_up, gate_up_type, gate_up_expert_bytes, down, down_type, "
      "down_expert_bytes, activation, out, tokens, k, experts, hidden, intermediate, threads, isa)"},
+    {"quantize_q8", py_quantize_q8, METH_VARARGS, "quantize_q8(x, x_stride, tokens, in, out, halves, threads)"},
+    {"integer_linear", py_integer_linear, METH_VARARGS,
+     "integer_linear(x_blocks, x_stride_blocks, halves, blocks, type, y, tokens, in, out, threads, isa)"},
+    {"integer_dot_isa", py_integer_dot_isa, METH_VARARGS, "integer_dot_isa(isa, granted): the level the integer kernels run at (granted -1: this CPU's)"},
     {"quantized_first_nonfinite_scale", py_quantized_first_nonfinite_scale, METH_VARARGS,
      "quantized_first_nonfinite_scale(type, data, blocks)"},
     {"quantized_rows", py_quantized_rows, METH_VARARGS,
@@ -590,7 +648,7 @@ static PyMethodDef methods[] = {
      "heads, kv_heads)"},
     {"decoder_layers", py_decoder_layers, METH_VARARGS,
      "decoder_layers(h, tokens, hidden, heads, kv_heads, head_dim, intermediate, eps, positions, slots, cos, sin, "
-     "max_positions, rotary_dims, kv_dtype, num_blocks, block_size, plans, groups, scratch, threads, isa, quantized_isa, "
+     "max_positions, rotary_dims, kv_dtype, num_blocks, block_size, plans, groups, scratch, threads, isa, quantized_isa, integer_isa, "
      "layers, scalars, count)"},
     {"kquant_product", py_kquant_product, METH_VARARGS, "kquant_product(x, rows, in, blocks, type, y, out, threads, isa, halves)"},
     {"quantize_q8k", py_quantize_q8k, METH_VARARGS, "quantize_q8k(x, rows, in, d, qs, bsums, isa)"},

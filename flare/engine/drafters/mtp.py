@@ -128,8 +128,9 @@ class MtpHead:
             config, vocab_size=self.vocab_size, num_layers=1, tie_word_embeddings=True, bos_token_id=None, eos_token_ids=(0,),
             attention_bias=False, qk_norm=False, sliding_window=None, sliding_layers=(), local_rope_theta=None,
             attention_scale=None, attention_softcap=None, final_logit_softcap=None, sandwich_norms=False,
-            embedding_scale=1.0, hidden_activation="silu",
+            embedding_scale=1.0, hidden_activation="silu", swiglu_limit=None, attention_output_bias=False, attention_sinks=False,
             num_experts=0, moe_layers=(), shared_expert_intermediate_size=0, shared_expert_gate=False,  # a dense MLP
+            expert_bias=False,
         )
         layer = {name.replace("mtp.layer.", "model.layers.0."): t for name, t in head_state.items() if name.startswith("mtp.layer.")}
         # The head's GEMMs run in the target's weight format, which was chosen as this CPU's

@@ -5,6 +5,9 @@ summed, weighted by the router, plus a shared expert every token runs where the 
     out(x) = sum over the k experts e of x, in ascending e:  w_e(x) * down_e(act(gate_e(x)) * up_e(x))
              + [sigmoid(shared_gate . x)] * shared(x)
 
+gpt-oss's experts add a bias to gate/up and to down, and their act(gate) * up is the clamped
+SwiGLU (`mlp.clamped_swiglu`, `ModelConfig.hidden_activation` clamped_swiglu).
+
 The route is float32 (`routing.py`), from router logits summed in float64 and rounded once
 (`router_logits`): float32 GEMMs (MKL) sum a row's products in an order that depends on how many
 rows they multiply at once, which could flip a near-tie route between batches. The rows of a round are grouped by expert, so each expert's
@@ -30,9 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from flare.engine import native
-from flare.engine.layers.mlp import gated_mlp
+from flare.engine.layers.mlp import clamped_swiglu, gated_activation, gated_mlp
 from flare.engine.layers.routing import Routes, route
-from flare.engine.linear import Weight, pack_weight, stack_weights
+from flare.engine.linear import Weight, linear, linear_columns, pack_weight, stack_weights
 from flare.engine.precision import WeightFormat
 from flare.engine.quantized import QuantizedWeight
 from flare.package.manifest import ModelConfig
@@ -53,6 +56,8 @@ class MoEWeights:
     shared_gate_up: Weight | None = None
     shared_down: Weight | None = None
     shared_gate: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None  # float32 [E, 2 I] (gpt-oss)
+    down_bias: torch.Tensor | None = None  # float32 [E, hidden] (gpt-oss)
     # The stacked experts as one weight each where they are ggml blocks (E * 2 I and E * hidden
     # rows, the same mapped bytes as `gate_up` and `down`): the one-call kernel reads them.
     gate_up_blocks: QuantizedWeight | None = None
@@ -105,6 +110,8 @@ def load_moe_weights(
         shared_gate_up=shared("gate_up"),
         shared_down=shared("down"),
         shared_gate=vector("shared_expert_gate.weight"),
+        gate_up_bias=vector("experts.gate_up_proj.bias"),
+        down_bias=vector("experts.down_proj.bias"),
         gate_up_blocks=gate_up if isinstance(gate_up, QuantizedWeight) else None,
         down_blocks=down if isinstance(down, QuantizedWeight) else None,
     )
@@ -127,6 +134,24 @@ def moe_routes(x: torch.Tensor, weights: MoEWeights, config: ModelConfig) -> Rou
     return route(router_logits(x, weights.router, weights.router_bias), config, weights.correction_bias)
 
 
+def _expert(rows: torch.Tensor, weights: MoEWeights, expert: int, config: ModelConfig, *, kernels: bool) -> torch.Tensor:
+    """Expert `expert`'s gated MLP of `rows` [T, hidden]: `mlp.gated_mlp`, or with gpt-oss's
+    biases and clamped SwiGLU where the model has them."""
+    gate_up, down = weights.gate_up[expert], weights.down[expert]
+    if weights.gate_up_bias is None and config.hidden_activation != "clamped_swiglu":
+        return gated_mlp(rows, gate_up, down, config.hidden_activation, kernels=kernels)
+    columns = linear_columns(rows, gate_up)
+    if weights.gate_up_bias is not None:
+        columns = columns + weights.gate_up_bias[expert].to(columns.dtype).unsqueeze(1)
+    if config.hidden_activation == "clamped_swiglu":
+        assert config.swiglu_limit is not None
+        activated = clamped_swiglu(columns.contiguous(), limit=config.swiglu_limit, kernels=kernels)
+    else:
+        activated = gated_activation(columns, config.hidden_activation, kernels=kernels)
+    out = linear(activated, down)
+    return out if weights.down_bias is None else out + weights.down_bias[expert].to(out.dtype)
+
+
 def routed_experts(x: torch.Tensor, routes: Routes, weights: MoEWeights, config: ModelConfig, *, kernels: bool) -> torch.Tensor:
     """The routed experts' weighted sum [T, hidden] in x's dtype, expert by expert in torch: the
     counterpart of `native.moe_layer`, which runs instead with kernels and experts of blocks."""
@@ -143,9 +168,7 @@ def routed_experts(x: torch.Tensor, routes: Routes, weights: MoEWeights, config:
         taken = order[start : start + count]
         start += count
         rows = x.index_select(0, taken // k)
-        slots[taken] = gated_mlp(
-            rows, weights.gate_up[expert], weights.down[expert], config.hidden_activation, kernels=kernels
-        ).to(x.dtype)
+        slots[taken] = _expert(rows, weights, expert, config, kernels=kernels).to(x.dtype)
     weighted = slots.view(tokens, k, -1) * routes.weights.to(x.dtype).unsqueeze(-1)
     out = weighted[:, 0].clone()
     for slot in range(1, k):  # the fixed order: the row's experts ascending
@@ -156,7 +179,19 @@ def routed_experts(x: torch.Tensor, routes: Routes, weights: MoEWeights, config:
 def moe_mlp(x: torch.Tensor, weights: MoEWeights, config: ModelConfig, *, kernels: bool) -> torch.Tensor:
     """The MoE MLP of rows x [T, hidden]: [T, hidden] in x's dtype (module docstring)."""
     routes = moe_routes(x, weights, config)
-    if kernels and weights.gate_up_blocks is not None and weights.down_blocks is not None and x.dtype == torch.float32:
+    if (
+        kernels
+        and weights.gate_up_blocks is not None
+        and weights.down_blocks is not None
+        and weights.gate_up_bias is None  # gpt-oss's biases and clamped SwiGLU stay in routed_experts
+        and weights.down_bias is None
+        # The call's products take float32 activations: blocks set to 8-bit activations
+        # (`--activations`, quantized.py's integer products) stay in routed_experts.
+        and weights.gate_up_blocks.halves == 0
+        and weights.down_blocks.halves == 0
+        and config.hidden_activation in native.ACTIVATION_CODES
+        and x.dtype == torch.float32
+    ):
         gate_up, down = weights.gate_up_blocks, weights.down_blocks
         out = native.moe_layer(
             x.contiguous(), routes.experts.contiguous(), routes.weights.contiguous(), gate_up.data, gate_up.ggml_type,

@@ -12,7 +12,8 @@ changes only inv_freq, and for yarn and longrope the factor that cos and sin are
   s = (original / wavelength - low) / (high - low): (1 - s) inv_freq / factor + s inv_freq;
 - yarn: a blend of inv_freq (extrapolation) and inv_freq / factor (interpolation), whose weight
   ramps linearly over the dimensions between the corrections for beta_fast and beta_slow
-  rotations; cos and sin scaled by attention_factor;
+  rotations (its ends rounded out to whole dimensions unless `truncate` is off); cos and sin
+  scaled by attention_factor;
 - longrope (Phi-3): inv_freq / short_factor[i] (or long_factor), cos and sin scaled by
   attention_factor. Transformers switches to the long factors for a whole forward once its
   positions pass original_max_position_embeddings (recomputing the cache's keys is what that
@@ -70,8 +71,10 @@ def scaled_frequencies(
         # The dimension whose wavelength makes `rotations` turns over the original context.
         return (dims * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dims - 1)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.truncate:  # rounded out to whole dimensions (all but gpt-oss, which keeps them exact)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
     if low == high:
         high += 0.001  # transformers' guard against a zero-width ramp
     ramp = torch.clamp((torch.arange(dims // 2, dtype=torch.float32) - low) / (high - low), 0, 1)

@@ -1,0 +1,224 @@
+"""Integer dot products of 32-value ggml blocks with 8-bit activation blocks (integer_linear.c):
+the float64 product of the values they stand for, the bits of a scalar reference of the same
+arithmetic, the same bits at every level, on their own and in a forced-dispatch subprocess, and
+a row's result whatever its batch-mates."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests import REPOSITORY
+from flare.engine import native, quantized
+from flare.engine.quantized import QuantizedWeight, quantized_linear
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the engine's C kernels were not built")
+
+T = gguf.GGMLQuantizationType
+TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
+LEVELS = (native.IDOT_PORTABLE, native.IDOT_AVX2, native.IDOT_AVX_VNNI, native.IDOT_AVX512_VNNI)
+OFFSET = {T.Q4_0: 8, T.Q5_0: 16}
+
+
+def weight_of(ggml_type: T, out_features: int, in_features: int, seed: int = 0) -> QuantizedWeight:
+    values = np.random.default_rng(seed).standard_normal((out_features, in_features), dtype=np.float32)
+    blocks = torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(values, ggml_type)))
+    return QuantizedWeight.from_blocks(ggml_type, blocks, out_features, in_features)
+
+
+def activation_blocks(xq: torch.Tensor, halves: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """d, s, sum [rows, blocks, halves] and qs [rows, blocks, halves, 32] of quantize_q8's bytes (Q8Block)."""
+    raw = xq.numpy().reshape(xq.shape[0], -1, halves, native.Q8_BLOCK_BYTES)
+    d = raw[..., 0:4].copy().view(np.float32)[..., 0]
+    s = raw[..., 4:8].copy().view(np.float32)[..., 0]
+    total = raw[..., 8:12].copy().view(np.int32)[..., 0]
+    return d, s, total, raw[..., 16:48].view(np.int8)
+
+
+def activation_values(xq: torch.Tensor, halves: int) -> np.ndarray:
+    """The values the activation blocks stand for, float64 [rows, in]: sum over halves of d qs."""
+    d, _, _, qs = activation_blocks(xq, halves)
+    return (qs * d[..., None].astype(np.float64)).sum(2).reshape(xq.shape[0], -1)
+
+
+def weight_integers(weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each block's integers (q - 8 for Q4_0, q - 16 for Q5_0, q otherwise) [out, blocks, 32], its
+    scale and min (0 without one) [out, blocks], from gguf-py's values: value = d q + m."""
+    values = gguf.quants.dequantize(weight.data.numpy(), weight.ggml_type).reshape(weight.out_features, -1, 32)
+    raw = weight.data.numpy().reshape(weight.out_features, -1, gguf.GGML_QUANT_SIZES[weight.ggml_type][1])
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    has_min = weight.ggml_type in (T.Q4_1, T.Q5_1)
+    m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_min else np.zeros_like(d)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(d[..., None] != 0, np.round((values - m[..., None]) / d[..., None]), 0)
+    return q.astype(np.int64), d, m
+
+
+def scalar_reference(xq: torch.Tensor, halves: int, weight: QuantizedWeight) -> np.ndarray:
+    """integer_dot.h's arithmetic as it reads: per (row, output) one float32 chain over the blocks
+    in order, acc = fma(isum, dw dx, acc) for each half, then fma(mw, s, acc) (fma's one rounding:
+    float64 holds the product exactly; the float32 rounding of its sum with acc is then at most a
+    rare double rounding away, which these sizes never meet)."""
+    d, s, _, qs = activation_blocks(xq, halves)
+    q, dw, mw = weight_integers(weight)
+    has_min = weight.ggml_type in (T.Q4_1, T.Q5_1)
+    isum = np.einsum("obk,rbhk->robh", q, qs.astype(np.int64))  # exact
+    acc = np.zeros((xq.shape[0], weight.out_features), dtype=np.float32)
+    for i in range(q.shape[1]):
+        for h in range(halves):
+            scale = (dw[None, :, i] * d[:, None, i, h]).astype(np.float32)
+            acc = (isum[:, :, i, h].astype(np.float64) * scale + acc).astype(np.float32)
+        if has_min:
+            acc = (mw[None, :, i].astype(np.float64) * s[:, None, i, 0] + acc).astype(np.float32)
+    return acc
+
+
+def products(x: torch.Tensor, weight: QuantizedWeight, halves: int, level: int) -> tuple[torch.Tensor, torch.Tensor]:
+    xq = native.quantize_q8(x, halves)
+    return xq, native.integer_linear(xq, weight.data, weight.ggml_type, weight.out_features, weight.in_features, level)
+
+
+@pytest.mark.parametrize("halves", [1, 2])
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_each_type_is_the_float64_product_of_the_values_it_multiplies_and_the_scalar_references_bits(
+    ggml_type: T, halves: int
+) -> None:
+    weight = weight_of(ggml_type, 37, 576)
+    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(1))
+    for level in LEVELS:
+        xq, got = products(x, weight, halves, level)
+        exact = activation_values(xq, halves) @ gguf.quants.dequantize(weight.data.numpy(), ggml_type).astype(np.float64).T
+        # The blocks' float32 chain: about one rounding of the running sum a block.
+        bound = np.abs(activation_values(xq, halves)) @ np.abs(gguf.quants.dequantize(weight.data.numpy(), ggml_type)).T
+        assert (np.abs(got.numpy() - exact) <= bound * 2.0**-24 * (576 // 32 + 2) * 2 + 1e-30).all()
+        assert np.array_equal(got.numpy(), scalar_reference(xq, halves, weight)), level
+
+
+def test_the_activation_blocks_are_round_to_nearest_of_x_over_max_127_and_two_halves_keep_its_residual() -> None:
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)) * torch.tensor([1.0, 100.0]).repeat_interleave(32)
+    d, s, total, qs = activation_blocks(native.quantize_q8(x, 1), 1)
+    blocks = x.numpy().reshape(3, 2, 32)
+    assert np.array_equal(d[..., 0], (np.abs(blocks).max(-1) / np.float32(127)).astype(np.float32))
+    assert np.array_equal(qs[:, :, 0], np.rint(blocks * (np.float32(1) / d)).astype(np.int8))
+    assert np.array_equal(total[..., 0], qs[:, :, 0].astype(np.int32).sum(-1))
+    assert np.array_equal(s[..., 0], d[..., 0] * total[..., 0].astype(np.float32))
+    one = np.abs(activation_values(native.quantize_q8(x, 1), 1) - x.numpy().astype(np.float64))
+    two = np.abs(activation_values(native.quantize_q8(x, 2), 2) - x.numpy().astype(np.float64))
+    step = np.repeat(d[..., 0], 32, axis=1)
+    assert (one <= step / 2 * (1 + 1e-6)).all()
+    assert (two <= step / 2 / 127 * (1 + 1e-3)).all()  # about 127 times finer
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ggml_type=st.sampled_from(TYPES),
+    out_features=st.integers(1, 40),
+    blocks=st.integers(1, 8),
+    rows=st.integers(1, 64),
+    halves=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_any_shape_and_row_count_gives_the_same_bits_at_every_level_and_row_by_row(
+    ggml_type: T, out_features: int, blocks: int, rows: int, halves: int, seed: int
+) -> None:
+    weight = weight_of(ggml_type, out_features, 32 * blocks, seed)
+    x = torch.randn(rows, 32 * blocks, generator=torch.Generator().manual_seed(seed))
+    xq, first = products(x, weight, halves, LEVELS[0])
+    assert np.array_equal(first.numpy(), scalar_reference(xq, halves, weight))
+    for level in LEVELS[1:]:
+        assert torch.equal(products(x, weight, halves, level)[1], first), level
+    for row in {0, rows - 1, rows // 2}:
+        assert torch.equal(products(x[row : row + 1], weight, halves, native.INTEGER_ISA)[1], first[row : row + 1])
+
+
+def test_a_thread_team_over_a_tall_weight_gives_the_single_threads_bits() -> None:
+    weight = weight_of(T.Q4_1, 1000, 1024)
+    x = torch.randn(40, 1024, generator=torch.Generator().manual_seed(3))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = products(x, weight, 2, native.INTEGER_ISA)[1]
+        torch.set_num_threads(max(2, threads))
+        assert torch.equal(products(x, weight, 2, native.INTEGER_ISA)[1], alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_cpu_whose_os_refuses_an_extension_falls_back_to_the_next_level_with_the_same_bits() -> None:
+    # integer_dot_grants asks the OS too (XGETBV, through __builtin_cpu_supports); here the
+    # grants of CPUs whose OS refuses AVX-512 or AVX-VNNI are stood in for.
+    every = native.IDOT_GRANTS_AVX2 | native.IDOT_GRANTS_AVX_VNNI | native.IDOT_GRANTS_AVX512_VNNI
+    assert native.integer_dot_isa(native.IDOT_AVX512_VNNI, every) == native.IDOT_AVX512_VNNI
+    no_avx512 = native.IDOT_GRANTS_AVX2 | native.IDOT_GRANTS_AVX_VNNI
+    assert native.integer_dot_isa(native.IDOT_AVX512_VNNI, no_avx512) == native.IDOT_AVX_VNNI
+    assert native.integer_dot_isa(native.IDOT_AVX512_VNNI, native.IDOT_GRANTS_AVX2) == native.IDOT_AVX2
+    assert native.integer_dot_isa(native.IDOT_AVX_VNNI, native.IDOT_GRANTS_AVX512_VNNI) == native.IDOT_PORTABLE
+    assert native.integer_dot_isa(native.IDOT_AVX512_VNNI, 0) == native.IDOT_PORTABLE
+    weight = weight_of(T.Q5_0, 20, 256)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4))
+    widest = products(x, weight, 2, native.IDOT_AVX512_VNNI)[1]
+    for granted in (no_avx512, native.IDOT_GRANTS_AVX2, 0):
+        fallen = native.integer_dot_isa(native.IDOT_AVX512_VNNI, granted)
+        assert torch.equal(products(x, weight, 2, fallen)[1], widest)
+
+
+def test_flare_integer_isa_lowers_the_level_and_an_unknown_name_is_refused() -> None:
+    assert native._integer_isa("AVX512", None) == native.IDOT_AVX512_VNNI
+    assert native._integer_isa("AVX512", "avx_vnni") == native.IDOT_AVX_VNNI
+    assert native._integer_isa("AVX2", "avx512_vnni") == native.IDOT_AVX2  # lowers, never raises
+    assert native._integer_isa("DEFAULT", None) == native.IDOT_PORTABLE
+    with pytest.raises(ValueError, match="FLARE_INTEGER_ISA must be one of portable, avx2, avx_vnni, avx512_vnni"):
+        native._integer_isa("AVX512", "amx")
+
+
+@pytest.mark.parametrize("forced", ["avx_vnni", "avx2", "portable"])
+def test_a_forced_dispatch_subprocess_gives_the_same_bits(tmp_path: Path, forced: str) -> None:
+    script = f"""
+import numpy as np, torch
+from tests.engine.test_integer_linear import weight_of, products, TYPES
+from flare.engine import native
+assert native.INTEGER_ISA == min(native.INTEGER_ISA_NAMES[{forced!r}], native.INTEGER_ISA_NAMES["avx512_vnni"])
+x = torch.from_numpy(np.random.default_rng(5).standard_normal((7, 256), dtype=np.float32))
+out = [products(x, weight_of(t, 21, 256), h, native.INTEGER_ISA)[1] for t in TYPES for h in (1, 2)]
+torch.save(out, {str(tmp_path / "forced.pt")!r})
+"""
+    env = {**os.environ, "FLARE_INTEGER_ISA": forced}
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300, cwd=REPOSITORY)
+    x = torch.from_numpy(np.random.default_rng(5).standard_normal((7, 256), dtype=np.float32))
+    here = [products(x, weight_of(t, 21, 256), h, native.INTEGER_ISA)[1] for t in TYPES for h in (1, 2)]
+    assert all(torch.equal(a, b) for a, b in zip(torch.load(tmp_path / "forced.pt"), here))
+
+
+@pytest.mark.parametrize("activations", ["int8", "int8x2"])
+def test_a_weight_multiplies_the_activation_blocks_it_asks_for_and_float32_keeps_the_exact_bits(activations: str) -> None:
+    weight = weight_of(T.Q4_1, 24, 128)
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(6))
+    halves = quantized.HALVES[activations]
+    integer = weight.with_activations(activations)
+    assert integer.halves == halves
+    assert torch.equal(quantized_linear(x, integer), products(x, weight, halves, native.INTEGER_ISA)[1])
+    assert weight.activations == "float32" and weight.halves == 0
+    assert torch.equal(quantized_linear(x, weight), native.quantized_linear(x, weight.data, weight.ggml_type, 24, 128, native.QUANTIZED_ISA))
+    assert torch.equal(integer.rows(4, 10).data, weight.data[4:10]) and integer.rows(4, 10).activations == activations
+    k_weight = QuantizedWeight.from_blocks(T.Q4_K, torch.zeros(2, 144, dtype=torch.uint8), 2, 256, activations)
+    assert k_weight.halves == 0  # the K types keep float32 activations until integer_kquants.c lands
+
+
+def test_an_unknown_activation_precision_or_bad_blocks_are_refused() -> None:
+    with pytest.raises(ValueError, match="activations must be one of float32, int8x2, int8, got 'int4'"):
+        QuantizedWeight.from_blocks(T.Q8_0, torch.zeros(1, 34, dtype=torch.uint8), 1, 32, "int4")
+    with pytest.raises(ValueError, match="in a multiple of 32"):
+        native.quantize_q8(torch.zeros(1, 40))
+    with pytest.raises(ValueError, match="halves must be 1 or 2"):
+        native.quantize_q8(torch.zeros(1, 32), 3)
+    with pytest.raises(ValueError, match="integer_linear: xq must be contiguous CPU uint8"):
+        native.integer_linear(torch.zeros(1, 10, dtype=torch.uint8), torch.zeros(1, 34, dtype=torch.uint8), T.Q8_0, 1, 32, 0)
