@@ -13,8 +13,9 @@ The route is float32 (`routing.py`), from router logits summed in float64 and ro
 rows they multiply at once, which could flip a near-tie route between batches. The rows of a round are grouped by expert, so each expert's
 gate/up and down run once per round on all the rows routed to it, through the same linear
 products as a dense layer (`mlp.gated_mlp`: float weights or ggml blocks, `linear.py`); with the
-kernels and experts of ggml blocks, the whole of it is one C call (`native.moe_layer`,
-moe_layer.c: the same grouping, products and sum, so the same bits). A row's
+kernels and experts of ggml blocks (without gpt-oss's biases and clamped SwiGLU, on float32
+activations), the routed experts are one C call (`native.moe_layer`, moe_layer.c: the same
+grouping, products and sum, so the same bits). A row's
 k outputs land in its own k slots and are summed slot by slot in the row's fixed expert order,
 never in the order the batch grouped them: a row's result does not depend on its batch-mates
 wherever its products do not (the kernels' block and float16 products; float32 and bfloat16
