@@ -8,6 +8,7 @@ the median wall time of the layer per round, and the bytes of the experts the ro
 (each distinct expert's gate/up and down once).
 
     .venv/bin/python benchmarks/moe_layer.py --rows 1 8 32 --rounds 9
+    .venv/bin/python benchmarks/moe_layer.py --rows 1 8 32 --rounds 9 --per-expert  # the loop over experts
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--per-expert", action="store_true", help="the torch loop over experts instead of the one C call")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     config = ModelConfig(
@@ -64,6 +66,9 @@ def main() -> None:
         router=torch.from_numpy(rng.standard_normal((EXPERTS, HIDDEN), dtype=np.float32) * HIDDEN**-0.5),
         gate_up=expert_weights(gate_up, EXPERTS, WeightFormat.FLOAT32),
         down=expert_weights(down, EXPERTS, WeightFormat.FLOAT32),
+        # As a package's layer holds them: with the kernels, the one C call (moe_layer.c).
+        gate_up_blocks=None if args.per_expert else gate_up,
+        down_blocks=None if args.per_expert else down,
     )
     per_expert = (gate_up.nbytes + down.nbytes) / EXPERTS
     print(

@@ -19,10 +19,13 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "deepseek_v3", "deepseek_v2")
 # Mixture-of-experts families: 8 experts of width 32 (Mixtral: 4 of the dense width), 2 per token.
 # gpt-oss: 8 experts of width 32, 2 per token.
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")
+# DeepSeek with its experts from layer 1 on: V3's sigmoid group routing with a random correction
+# bias, V2's group-limited softmax; both with a shared expert and routed_scaling_factor.
+DEEPSEEK_MOE_FAMILIES = ("deepseek_v3_moe", "deepseek_v2_moe")
 WINDOW = 8
 VOCAB = 49152  # SmolLM2's, the default model's tokenizer
 BOS, EOS = 1, 2  # SmolLM2's <|im_start|> and <|im_end|>
@@ -87,6 +90,13 @@ def family_config(family: str) -> Any:
                 "short_factor": [1.0, 1.5, 2.5, 4.0], "long_factor": [2.0, 3.0, 5.0, 8.0]}
         return transformers.Phi3Config(**_SHAPE, rope_parameters=rope, original_max_position_embeddings=PHI3_ORIGINAL_CONTEXT,
                                        sliding_window=2 * WINDOW)
+    if family in ("deepseek_v3", "deepseek_v2"):
+        return deepseek_config(family)
+    if family == "deepseek_v3_moe":
+        return deepseek_config("deepseek_v3", dense_layers=1, routed_scaling_factor=2.5, norm_topk_prob=True)
+    if family == "deepseek_v2_moe":
+        return deepseek_config("deepseek_v2", dense_layers=1, routed_scaling_factor=1.5, topk_method="group_limited_greedy",
+                               n_group=2, topk_group=1)
     if family == "qwen3_moe":
         # Layer 1 dense (`mlp_only_layers`), renormalized top-k, Qwen3's q/k norms.
         return transformers.Qwen3MoeConfig(**_SHAPE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -108,6 +118,25 @@ def family_config(family: str) -> Any:
         return transformers.GptOssConfig(**shape, num_local_experts=8, num_experts_per_tok=2, sliding_window=WINDOW,
                                          rope_parameters=rope, swiglu_limit=1.0)
     raise ValueError(f"no tiny checkpoint for {family!r}")
+
+
+def deepseek_config(family: str, *, dense_layers: int | None = None, **overrides: Any) -> Any:
+    """A tiny DeepSeek: multi-head latent attention with every width distinct (latent 32, rope 8,
+    nope 16, value 12), interleaved RoPE. V3 has a q_lora_rank of 24 and yarn with an mscale_all_dim
+    equal to its mscale, as every DeepSeek release has (it moves the softmax scale; a GGUF keeps only mscale_all_dim); V2 a plain q_proj (as V2-Lite).
+    `dense_layers`: the first k layers are dense MLPs (first_k_dense_replace), all of them unless given."""
+    import transformers
+
+    shape = {k: v for k, v in _SHAPE.items() if k not in ("head_dim", "num_key_value_heads")}
+    latent = {"kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12, "num_key_value_heads": 4,
+              "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+              "first_k_dense_replace": _SHAPE["num_hidden_layers"] if dense_layers is None else dense_layers}
+    if family == "deepseek_v3":
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+                "mscale": 0.7, "mscale_all_dim": 0.7, "beta_fast": 32.0, "beta_slow": 1.0}
+        return transformers.DeepseekV3Config(**{**shape, **latent, "q_lora_rank": 24, "n_group": 2, "topk_group": 1,
+                                                "rope_parameters": rope, **overrides})
+    return transformers.DeepseekV2Config(**{**shape, **latent, "q_lora_rank": None, **overrides})
 
 
 def multimodal_gemma3_config() -> Any:
@@ -148,6 +177,9 @@ def write_checkpoint(
                 parameter.copy_(0.5 * torch.randn_like(parameter))
             else:
                 parameter.copy_(torch.randn_like(parameter) / parameter.shape[-1] ** 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's, a buffer transformers zeroes
+                buffer.copy_(0.3 * torch.randn_like(buffer))
     model.eval()
     model.save_pretrained(path)
     (path / "tokenizer.json").write_text(tokenizer_json)

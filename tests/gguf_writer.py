@@ -26,6 +26,14 @@ map (`gguf.get_tensor_name_map`), which is what the converter uses:
   rope.scaling.original_context_length, attention.sliding_window (0 for none); with longrope, the
   tensors rope_factors_long / rope_factors_short and rope.scaling.attn_factor; the fused
   qkv_proj (attn_qkv) and gate_up_proj (ffn_up) kept fused.
+- deepseek2 (DeepSeek-V2/V3, conversion/deepseek.py): head_count_kv 1 (MLA as MQA), key_length
+  kv_lora_rank + rope and value_length kv_lora_rank, key_length_mla / value_length_mla the
+  per-head sizes, q_lora_rank (where set), kv_lora_rank, rope.dimension_count the rope part,
+  leading_dense_block_count, the expert keys (expert_group_count / _used_count from n_group /
+  topk_group; expert_gating_func sigmoid for V3, whose real config.json names scoring_func
+  sigmoid), rope.scaling.yarn_log_multiplier 0.1 mscale_all_dim; the correction bias as exp_probs_b;
+  kv_b_proj split per head into attn_k_b [heads, kv_lora_rank, nope] (transposed) and attn_v_b
+  [heads, v, kv_lora_rank]; the rope rows left interleaved (llama.cpp rotates adjacent pairs).
 
 Also the canonical state dict flare's contract gives the same checkpoint (`canonical_state`):
 Gemma's norms + 1 and renamed, Phi-3's fused tensors split, a tied LM head dropped.
@@ -54,6 +62,8 @@ _ARCH = {
     "gemma2": gguf.MODEL_ARCH.GEMMA2,
     "gemma3_text": gguf.MODEL_ARCH.GEMMA3,
     "phi3": gguf.MODEL_ARCH.PHI3,
+    "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2,
+    "deepseek_v2": gguf.MODEL_ARCH.DEEPSEEK2,
     "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
     "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
     "mixtral": gguf.MODEL_ARCH.LLAMA,
@@ -163,14 +173,15 @@ of a kind (`ffn_up_exps`: Q6_K, say), as llama-quantize mixes them. `vocabulary`
     hidden, heads = hparams["hidden_size"], hparams["num_attention_heads"]
     kv_heads = hparams.get("num_key_value_heads") or heads
     rope = _rope_parameters(hparams)
+    deepseek = arch == gguf.MODEL_ARCH.DEEPSEEK2
     writer.add_block_count(layers)
     writer.add_context_length(hparams["max_position_embeddings"])
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(hparams["intermediate_size"])
     writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
+    writer.add_head_count_kv(1 if deepseek else kv_heads)
     writer.add_layer_norm_rms_eps(hparams["rms_norm_eps"])
-    if model_type != "phi3" and hparams.get("head_dim") is not None:
+    if model_type != "phi3" and hparams.get("head_dim") is not None and not deepseek:
         writer.add_key_length(hparams["head_dim"])
         writer.add_value_length(hparams["head_dim"])
     if model_type != "gemma2":
@@ -204,6 +215,33 @@ of a kind (`ffn_up_exps`: Q6_K, say), as llama-quantize mixes them. `vocabulary`
         writer.add_rope_dimension_count(head_dim)
         if rope_type == "llama3":
             extra["rope_freqs.weight"] = llama3_rope_freqs(rope, head_dim)
+    elif deepseek:
+        rank, rope_dims = hparams["kv_lora_rank"], hparams["qk_rope_head_dim"]
+        writer.add_vocab_size(hparams["vocab_size"])
+        writer.add_leading_dense_block_count(hparams["first_k_dense_replace"])
+        if hparams.get("q_lora_rank") is not None:
+            writer.add_q_lora_rank(hparams["q_lora_rank"])
+        writer.add_kv_lora_rank(rank)
+        writer.add_key_length(rank + rope_dims)
+        writer.add_value_length(rank)
+        writer.add_key_length_mla(hparams["qk_nope_head_dim"] + rope_dims)
+        writer.add_value_length_mla(hparams["v_head_dim"])
+        writer.add_expert_feed_forward_length(hparams["moe_intermediate_size"])
+        writer.add_expert_count(hparams["n_routed_experts"])
+        writer.add_expert_used_count(hparams["num_experts_per_tok"])
+        if hparams.get("n_group") is not None:
+            writer.add_expert_group_count(hparams["n_group"])
+            writer.add_expert_group_used_count(hparams["topk_group"])
+        if model_type == "deepseek_v3":
+            # DeepSeek-V3's config.json says scoring_func "sigmoid" (transformers' class drops the key).
+            writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_shared_count(hparams["n_shared_experts"])
+        writer.add_expert_weights_scale(hparams["routed_scaling_factor"])
+        if hparams.get("norm_topk_prob"):
+            writer.add_expert_weights_norm(True)
+        writer.add_rope_dimension_count(rope_dims)
+        if rope.get("mscale_all_dim") is not None:
+            writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
     elif model_type == "gemma2":
         writer.add_attn_logit_softcapping(hparams["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(hparams["final_logit_softcapping"])
@@ -258,6 +296,16 @@ of a kind (`ffn_up_exps`: Q6_K, say), as llama-quantize mixes them. `vocabulary`
             array = permute_rope_rows(array, heads)
         elif arch == gguf.MODEL_ARCH.LLAMA and hf.endswith(("k_proj.weight", "k_proj.bias")):
             array = permute_rope_rows(array, kv_heads)
+        if hf.endswith("e_score_correction_bias"):  # base.py renames it for the map
+            hf = hf.replace("e_score_correction_bias", "e_score_correction.bias")
+        if deepseek and hf.endswith("kv_b_proj.weight"):
+            nope, value = hparams["qk_nope_head_dim"], hparams["v_head_dim"]
+            per_head = array.reshape(heads, nope + value, -1)
+            for part, block in (("k_b_proj", per_head[:, :nope].transpose(0, 2, 1)), ("v_b_proj", per_head[:, nope:])):
+                part_name = names.get_name(hf.replace("kv_b_proj", part), try_suffixes=(".weight",))
+                assert part_name is not None
+                _add_tensor(writer, part_name, np.ascontiguousarray(block), quantize)
+            continue
         name = names.get_name(hf, try_suffixes=(".weight", ".bias")) or _dense_mlp_name(hf)
         assert name is not None, f"gguf-py maps no name for {hf} in {arch.name}"
         if name not in replaced:

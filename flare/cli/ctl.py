@@ -260,7 +260,8 @@ def render_status(status: Mapping[str, Any]) -> str:
         ("uptime", _duration(status["uptime_s"])),
         ("running", str(status["running"])),
         ("waiting", str(status["waiting"])),
-        ("kv blocks", f"{status['kv_blocks_used']} / {status['kv_blocks_total']} in use, {status['kv_cache_dtype']}"),
+        ("kv blocks", f"{status['kv_blocks_used']} / {status['kv_blocks_total']} in use, {status['kv_cache_dtype']}"
+                      + (f", {status['kv_bytes_per_token']} bytes a token" if "kv_bytes_per_token" in status else "")),
         ("weights", _render_weights(status)),
         ("weight types", _render_weight_types(status.get("weight_types") or {})),
         ("prefix cache", _render_prefix_cache(status)),

@@ -82,6 +82,7 @@ class DaemonStatus:
     kv_blocks_used: int
     kv_blocks_total: int
     kv_cache_dtype: str  # what the KV cache stores (`flare run --kv-cache-dtype`)
+    kv_bytes_per_token: int  # what one cached token costs, all layers, in that dtype
     draining: bool
     device_statuses: dict[str, int]  # rows per device status name since start
     weights_dtype: str  # what the package stores
@@ -192,6 +193,7 @@ class DaemonControl:
             kv_blocks_used=snapshot.kv_blocks_used,
             kv_blocks_total=snapshot.kv_blocks_total,
             kv_cache_dtype=snapshot.kv_cache_dtype,
+            kv_bytes_per_token=snapshot.kv_bytes_per_token,
             draining=snapshot.draining,
             device_statuses=dict(snapshot.device_statuses),
             weights_dtype=snapshot.weights_dtype,

@@ -105,10 +105,16 @@ class BlockAllocator:
         return released
 
 
+def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes one token takes in the cache across all layers, keys and values, in the model's
+    layout (`ModelConfig.kv_layout`: latent attention keeps one latent row, not a key and a
+    value per head)."""
+    return config.kv_elements_per_token * torch.empty((), dtype=dtype).element_size()
+
+
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers, keys and values."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * itemsize
+    return block_size * bytes_per_token(config, dtype)
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -134,7 +140,10 @@ class KVCache:
     """Per-layer key and value pools `[num_kv_heads, num_blocks, block_size, head_dim]`.
 
     Head-major, so that the keys of one KV head in a block table's blocks gather into one
-    contiguous [positions, head_dim] matrix, the layout attention reads fastest.
+    contiguous [positions, head_dim] matrix, the layout attention reads fastest. The values may
+    be narrower than the keys (`value_dim`): latent attention's pool is one "head" of
+    [latent | rope key] rows with values of width 0, its values being the keys' latent prefix.
+    Blocks, copy-on-write and everything above them are the same for every layout.
     """
 
     def __init__(
@@ -147,16 +156,41 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        value_dim: int | None = None,
     ) -> None:
+        """`value_dim`: the values' width, `head_dim` unless given (0: no value pool)."""
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        value_shape = (num_kv_heads, num_blocks, block_size, head_dim if value_dim is None else value_dim)
         # Zeroed, not empty: masked attention multiplies stale slots by a zero weight, and a NaN
         # bit pattern left in uninitialised memory would survive that multiplication.
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(value_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @classmethod
+    def for_config(
+        cls,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> KVCache:
+        """`num_blocks` blocks in the model's layout (`ModelConfig.kv_layout`)."""
+        layout = config.kv_layout
+        return cls(
+            num_layers=config.num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=layout.heads,
+            head_dim=layout.key_dim,
+            value_dim=layout.value_dim,
+            dtype=dtype,
+            device=device,
+        )
 
     @classmethod
     def for_budget(
@@ -175,15 +209,7 @@ class KVCache:
                 f"a KV cache budget of {budget_bytes} bytes holds no block of {block_size} tokens "
                 f"({per_block} bytes each); raise the budget (--kv-cache-memory) to at least {per_block}"
             )
-        return cls(
-            num_layers=config.num_layers,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            dtype=dtype,
-            device=device,
-        )
+        return cls.for_config(config, num_blocks, block_size, dtype, device)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy every layer's keys and values of block `source` into block `target`, for each

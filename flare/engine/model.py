@@ -48,10 +48,11 @@ import torch.nn.functional as F
 
 from flare.engine import native, native_layers, precision, quantized
 from flare.engine.precision import WeightFormat
-from flare.engine.quantized import QuantizedWeight
+from flare.engine.quantized import QuantizedWeight, dequantize as dequantized_weight
 from flare.engine.batch import ForwardBatch
 from flare.engine.kv_cache import KVCache
 from flare.engine.layers.attention import AttentionCall, PagedAttention, rope_and_cache
+from flare.engine.layers.latent_attention import LatentWeights, latent_attention
 from flare.engine.layers.mlp import gated_mlp
 from flare.engine.layers.moe import MoEWeights, load_moe_weights, moe_mlp
 from flare.engine.layers.norms import add_norm, sublayer_output
@@ -72,8 +73,8 @@ class DecoderLayer:
     """One layer's weights; linear weights are [out, in], as checkpoints store them."""
 
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    o: torch.Tensor  # [hidden, heads * head_dim]
+    qkv: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim, hidden]; None with latent attention
+    o: torch.Tensor  # [hidden, heads * head_dim] (heads * v_head_dim with latent attention)
     post_norm: torch.Tensor  # [hidden]
     gate_up: Weight | None  # [2 * intermediate, hidden]; None in a mixture-of-experts layer
     down: Weight | None  # [hidden, intermediate]; None in a mixture-of-experts layer
@@ -85,6 +86,7 @@ class DecoderLayer:
     mlp_output_norm: torch.Tensor | None = None  # [hidden]
     window: int | None = None  # the sliding window its queries attend in, where it narrows the context
     local_rope: bool = False  # RoPE from the sliding layers' own table (`local_rope_theta`)
+    latent: LatentWeights | None = None  # latent attention's projections (DeepSeek), in place of qkv
     moe: MoEWeights | None = None  # the mixture-of-experts MLP that replaces gate_up/down (`layers/moe.py`)
     o_bias: torch.Tensor | None = None  # [hidden] (gpt-oss)
     sinks: torch.Tensor | None = None  # float32 [heads], each head's attention sink logit (gpt-oss)
@@ -166,6 +168,8 @@ def kernels_fit(config: ModelConfig) -> bool:
     layers `config` describes. Every family's features are options of the kernels; only heads
     wider than the kernels keep on their stack for those options (`native.FEATURES_MAX_HEAD_DIM`)
     run on the torch path (`DecoderModel.forward_hidden`)."""
+    if config.latent_attention is not None:
+        return False  # latent attention runs in torch (layers/latent_attention.py)
     featured = config.attention_bias or config.qk_norm or config.rotary_dims != config.head_dim
     return not featured or config.head_dim <= native.FEATURES_MAX_HEAD_DIM
 
@@ -191,6 +195,7 @@ class DecoderModel:
         context: int | None = None,
         all_reduce: Callable[[torch.Tensor], None] | None = None,
         lm_head_rows: tuple[int, int] | None = None,
+        absorbed_attention: bool | None = None,
     ) -> None:
         """`dtype`: activations and norms, and what attention computes in (the KV cache holds
         `dtype`, or float16 / bfloat16 widened when read). `weight_format`: what the linear layers'
@@ -206,7 +211,9 @@ class DecoderModel:
         `all_reduce` sums a sublayer's partial output over the ranks in place, after o and after
         down (before a sandwich norm, which needs the whole output), and the LM head is the
         vocabulary rows `lm_head_rows` (the logits of the rank's vocabulary shard). Its layers
-        run step by step: the one-call kernel layer has no point to all-reduce at."""
+        run step by step: the one-call kernel layer has no point to all-reduce at.
+        `absorbed_attention`: latent attention's form for every call, absorbed (True) or
+        decompressed (False); None: per call by its rows' length (`latent_attention.absorbed_for`)."""
         check_state_dict(config, state_dict)
         self.config = config
         self.device = torch.device(device)
@@ -268,13 +275,35 @@ class DecoderModel:
         def optional(name: str) -> torch.Tensor | None:
             return weight(name, dtype) if name in state_dict else None
 
+        def latent(prefix: str) -> LatentWeights:
+            spec = config.latent_attention
+            assert spec is not None
+            kv_b = state_dict[f"{prefix}.kv_b_proj.weight"]
+            # The absorbed form multiplies by kv_b's per-head blocks (float, `dtype`).
+            kv_b_values = (dequantized_weight(kv_b) if isinstance(kv_b, QuantizedWeight) else kv_b).to(self.device, dtype)
+            per_head = kv_b_values.view(config.num_heads, spec.qk_nope_head_dim + spec.v_head_dim, spec.kv_lora_rank)
+            low_rank = spec.q_lora_rank is not None
+            return LatentWeights(
+                q_a_kv_a=linear_weight(
+                    *((f"{prefix}.q_a_proj.weight",) if low_rank else ()), f"{prefix}.kv_a_proj_with_mqa.weight"
+                ),
+                q_a_norm=weight(f"{prefix}.q_a_layernorm.weight", dtype) if low_rank else None,
+                q=linear_weight(f"{prefix}.q_b_proj.weight" if low_rank else f"{prefix}.q_proj.weight"),
+                kv_a_norm=weight(f"{prefix}.kv_a_layernorm.weight", dtype),
+                kv_b=linear_weight(f"{prefix}.kv_b_proj.weight"),
+                k_up=per_head[:, : spec.qk_nope_head_dim].contiguous(),
+                v_up=per_head[:, spec.qk_nope_head_dim :].contiguous(),
+            )
+
         def layer(i: int) -> DecoderLayer:
             prefix = f"model.layers.{i}"
             window = config.layer_window(i)
+            mla = config.latent_attention is not None
             moe = config.is_moe_layer(i)
             return DecoderLayer(
                 input_norm=weight(f"{prefix}.input_layernorm.weight", dtype),
-                qkv=linear_weight(*(f"{prefix}.self_attn.{p}_proj.weight" for p in "qkv")),
+                qkv=None if mla else linear_weight(*(f"{prefix}.self_attn.{p}_proj.weight" for p in "qkv")),
+                latent=latent(f"{prefix}.self_attn") if mla else None,
                 o=linear_weight(f"{prefix}.self_attn.o_proj.weight"),
                 post_norm=weight(f"{prefix}.post_attention_layernorm.weight", dtype),
                 gate_up=None if moe else linear_weight(f"{prefix}.mlp.gate_proj.weight", f"{prefix}.mlp.up_proj.weight"),
@@ -295,6 +324,7 @@ class DecoderModel:
             )
 
         self.layers = [layer(i) for i in range(config.num_layers)]
+        self.absorbed_attention = absorbed_attention
         # The one window the sliding layers share, where it narrows anything (`PagedAttention.plan`).
         self.window = next((layer.window for layer in self.layers if layer.window is not None), None)
         self.attention = PagedAttention(config, kernels=self.native_kernels, window=self.window, device=self.device, dtype=dtype)
@@ -355,7 +385,8 @@ class DecoderModel:
         # from the global table, then (where the model has one) the sliding layers' own.
         tables = [(self.rope_cos, self.rope_sin)] + ([] if self.local_rope is None else [self.local_rope])
         ropes = None if kernels else round_tables(tables, batch.positions)
-        calls = self.attention.plan(batch, kv_cache)
+        # Latent attention gathers its own rows (layers/latent_attention.py): no plan to build.
+        calls = [] if config.latent_attention is not None else self.attention.plan(batch, kv_cache)
         if self.kernel_layers is not None and all(call.native for call in calls):
             self._layer_stack(kv_cache).run(h, self._decoder_round(batch, calls, kv_cache))
         else:
@@ -364,13 +395,21 @@ class DecoderModel:
             for index, layer in enumerate(self.layers):
                 x = add_norm(h, delta, layer.input_norm, eps, kernels=kernels)
                 keys, values = kv_cache.keys[index], kv_cache.values[index]
-                q = rope_and_cache(
-                    linear_columns(x, layer.qkv), batch, config, keys, values, kernels=kernels,
-                    table=tables[layer.local_rope and self.local_rope is not None],
-                    round_rope=None if ropes is None else ropes[layer.local_rope],
-                    bias=layer.qkv_bias, q_norm=layer.q_norm, k_norm=layer.k_norm,
-                )
-                attention = self._summed(linear(self.attention.attend(q, keys, values, calls, layer.window, layer.sinks), layer.o))
+                if layer.latent is not None:
+                    assert ropes is not None, "latent attention runs on the torch path"
+                    heads_out = latent_attention(
+                        x, layer.latent, batch, config, keys, ropes[0], absorbed=self.absorbed_attention
+                    )
+                else:
+                    assert layer.qkv is not None
+                    q = rope_and_cache(
+                        linear_columns(x, layer.qkv), batch, config, keys, values, kernels=kernels,
+                        table=tables[layer.local_rope and self.local_rope is not None],
+                        round_rope=None if ropes is None else ropes[layer.local_rope],
+                        bias=layer.qkv_bias, q_norm=layer.q_norm, k_norm=layer.k_norm,
+                    )
+                    heads_out = self.attention.attend(q, keys, values, calls, layer.window, layer.sinks)
+                attention = self._summed(linear(heads_out, layer.o))
                 if layer.o_bias is not None:  # after the ranks' partial sums are summed: added once
                     attention = attention + layer.o_bias
                 attention = sublayer_output(attention, layer.attention_output_norm, eps, kernels=kernels)

@@ -17,6 +17,9 @@ built (no C compiler at install time) and that the tests hold it equal to:
 - `quantized_linear` and `quantized_rows`: a linear layer multiplied straight from ggml's
   quantized blocks, and rows of such a weight expanded (the embedding lookup), for
   flare/engine/quantized.py;
+- `moe_layer`: a round's mixture-of-experts MLP over experts of ggml blocks, the rows grouped
+  by expert and each expert's products those of `quantized_linear` (its torch counterpart
+  `layers/moe.py`'s loop over experts);
 - `quantize_q8` and `integer_linear`: activation rows as 8-bit blocks, and the 32-value block
   types multiplied by them with integer dot products (`flare run --activations int8x2|int8`);
   `quantize_q8k_rows` and `integer_kquant_linear` the same for the K types (Q4_K, Q5_K, Q6_K);
@@ -423,6 +426,66 @@ def quantized_linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out_
             in_features, out_features, torch.get_num_threads(), isa,
         )
     return y
+
+
+def moe_layer(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    gate_up_type: int,
+    down: torch.Tensor,
+    down_type: int,
+    num_experts: int,
+    activation: str = "silu",
+    isa: int | None = None,
+) -> torch.Tensor:
+    """A round's mixture-of-experts MLP over experts of ggml blocks (moe_layer.c): x [T, hidden]
+    float32, each row's k experts `expert_ids` [T, k] int64 and their weights `expert_weights`
+    [T, k] float32, the stacked experts' blocks `gate_up` uint8 [E * 2 I, row bytes] and `down`
+    uint8 [E * hidden, row bytes] (contiguous, of ggml types `gate_up_type` and `down_type`):
+    [T, hidden] float32, sum over slots s of weight * down(act(gate(x)) * up(x)) in slot order,
+    each expert's products those of `quantized_linear` at `isa` (default QUANTIZED_ISA)."""
+    native = _module()
+    problems = _dtype_problems(
+        x=(x, torch.float32), expert_ids=(expert_ids, torch.int64), expert_weights=(expert_weights, torch.float32),
+        gate_up=(gate_up, torch.uint8), down=(down, torch.uint8),
+    )
+    _check("moe_layer", problems)
+    if x.dim() != 2 or not x.is_contiguous():
+        problems.append(f"x must be a contiguous [tokens, hidden], got {tuple(x.shape)} strides {x.stride()}")
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0] or not expert_ids.is_contiguous():
+        problems.append(f"expert_ids must be a contiguous [{x.shape[0]}, k], got {tuple(expert_ids.shape)}")
+    if expert_weights.shape != expert_ids.shape or not expert_weights.is_contiguous():
+        problems.append(f"expert_weights must be a contiguous {tuple(expert_ids.shape)}, got {tuple(expert_weights.shape)}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        problems.append(f"num_experts must be a positive integer, got {num_experts!r}")
+    for name, blocks in (("gate_up", gate_up), ("down", down)):
+        if blocks.dim() != 2 or not blocks.is_contiguous() or (isinstance(num_experts, int) and num_experts > 0 and blocks.shape[0] % num_experts):
+            problems.append(f"{name} must be contiguous blocks of {num_experts} experts' rows, got {tuple(blocks.shape)}")
+    if activation not in ACTIVATION_CODES:
+        problems.append(f"activation must be one of {', '.join(ACTIVATION_CODES)}, got {activation!r}")
+    _check("moe_layer", problems)
+    tokens, hidden = x.shape
+    if down.shape[0] != num_experts * hidden or (gate_up.shape[0] // num_experts) % 2:
+        problems.append(
+            f"down must hold {num_experts} x {hidden} rows and gate_up an even number per expert, "
+            f"got {tuple(down.shape)} and {tuple(gate_up.shape)}"
+        )
+    _check("moe_layer", problems)
+    intermediate = gate_up.shape[0] // num_experts // 2
+    out = torch.empty(tokens, hidden, dtype=torch.float32)
+    if tokens and expert_ids.shape[1]:
+        # The C side checks the types' block sizes against these shapes and every expert id.
+        native.moe_layer(
+            x.data_ptr(), expert_ids.data_ptr(), expert_weights.data_ptr(), gate_up.data_ptr(), int(gate_up_type),
+            2 * intermediate * gate_up.shape[1], down.data_ptr(), int(down_type), hidden * down.shape[1],
+            ACTIVATION_CODES[activation], out.data_ptr(), tokens, expert_ids.shape[1], num_experts, hidden, intermediate,
+            torch.get_num_threads(), QUANTIZED_ISA if isa is None else isa,
+        )
+    else:
+        out.zero_()
+    return out
 
 
 # ---- integer K-quant products (integer_kquants.c), for tests and benchmarks --------------------------

@@ -106,13 +106,18 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """
     h, kv = config.hidden_size, config.num_kv_heads * config.head_dim
     q = config.num_heads * config.head_dim
+    latent = config.latent_attention
+    o_in = q if latent is None else config.num_heads * latent.v_head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
     for i in range(config.num_layers):
         layer = f"model.layers.{i}"
         shapes[f"{layer}.input_layernorm.weight"] = (h,)
-        shapes[f"{layer}.self_attn.q_proj.weight"] = (q, h)
-        shapes[f"{layer}.self_attn.k_proj.weight"] = (kv, h)
-        shapes[f"{layer}.self_attn.v_proj.weight"] = (kv, h)
+        if config.latent_attention is not None:
+            shapes.update(latent_attention_shapes(config, f"{layer}.self_attn"))
+        else:
+            shapes[f"{layer}.self_attn.q_proj.weight"] = (q, h)
+            shapes[f"{layer}.self_attn.k_proj.weight"] = (kv, h)
+            shapes[f"{layer}.self_attn.v_proj.weight"] = (kv, h)
         if config.attention_bias:
             shapes[f"{layer}.self_attn.q_proj.bias"] = (q,)
             shapes[f"{layer}.self_attn.k_proj.bias"] = (kv,)
@@ -120,7 +125,7 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.qk_norm:
             shapes[f"{layer}.self_attn.q_norm.weight"] = (config.head_dim,)
             shapes[f"{layer}.self_attn.k_norm.weight"] = (config.head_dim,)
-        shapes[f"{layer}.self_attn.o_proj.weight"] = (h, q)
+        shapes[f"{layer}.self_attn.o_proj.weight"] = (h, o_in)
         if config.attention_output_bias:
             shapes[f"{layer}.self_attn.o_proj.bias"] = (h,)
         if config.attention_sinks:
@@ -139,6 +144,28 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
+
+
+def latent_attention_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """A latent-attention layer's projections (transformers' DeepSeek names, `LatentAttention`),
+    o_proj aside: q_proj, or q_a_proj / q_a_layernorm / q_b_proj through q_lora_rank;
+    kv_a_proj_with_mqa (the latent and the shared rope key), kv_a_layernorm, kv_b_proj (every
+    head's nope key and value from the latent)."""
+    latent = config.latent_attention
+    assert latent is not None
+    h, heads = config.hidden_size, config.num_heads
+    q_out = heads * latent.qk_head_dim
+    shapes: dict[str, tuple[int, ...]] = {}
+    if latent.q_lora_rank is None:
+        shapes[f"{prefix}.q_proj.weight"] = (q_out, h)
+    else:
+        shapes[f"{prefix}.q_a_proj.weight"] = (latent.q_lora_rank, h)
+        shapes[f"{prefix}.q_a_layernorm.weight"] = (latent.q_lora_rank,)
+        shapes[f"{prefix}.q_b_proj.weight"] = (q_out, latent.q_lora_rank)
+    shapes[f"{prefix}.kv_a_proj_with_mqa.weight"] = (latent.kv_lora_rank + latent.qk_rope_head_dim, h)
+    shapes[f"{prefix}.kv_a_layernorm.weight"] = (latent.kv_lora_rank,)
+    shapes[f"{prefix}.kv_b_proj.weight"] = (heads * (latent.qk_nope_head_dim + latent.v_head_dim), latent.kv_lora_rank)
     return shapes
 
 

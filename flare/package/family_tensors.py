@@ -31,6 +31,8 @@ FAMILY_TENSORS = {
     "gemma2": FamilyTensors(attention_bias=False, qk_norm=False, sandwich_norms=True),
     "gemma3": FamilyTensors(attention_bias=False, qk_norm=True, sandwich_norms=True),
     "phi3": FamilyTensors(attention_bias=False, qk_norm=False, sandwich_norms=False),
+    # Latent attention's own norms (q_a, kv_a) are part of its projections (`LatentAttention`).
+    "deepseek2": FamilyTensors(attention_bias=False, qk_norm=False, sandwich_norms=False),
     # Mixture-of-experts families: their attention is their dense sibling's (Qwen2-MoE's q/k/v
     # biases are its config's `qkv_bias`, on by default, read as Llama's `attention_bias`).
     "qwen2_moe": FamilyTensors(attention_bias=None, qk_norm=False, sandwich_norms=False),

@@ -82,7 +82,7 @@ class ManifestError(ValueError):
 # driven by the fields below, never a model per family. docs/packages.md lists the fields and
 # source keys of each.
 ARCHITECTURES = (
-    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss",
+    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "deepseek2",
 )
 # clamped_swiglu: gpt-oss's experts (`layers/mlp.py` `clamped_swiglu`, with `swiglu_limit`).
 HIDDEN_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
@@ -143,6 +143,62 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class LatentAttention:
+    """Multi-head latent attention (DeepSeek-V2/V3, engine/layers/latent_attention.py): the
+    shapes of its low-rank projections.
+
+    - q_lora_rank: q = q_b(RMSNorm(q_a(x))) through this rank; None: one plain q_proj (V2-Lite).
+    - kv_lora_rank: the compressed latent c = RMSNorm(kv_a(x)[:kv_lora_rank]) every head's key
+      and value are up-projected from (kv_b), and what the KV cache keeps per token.
+    - qk_nope_head_dim, qk_rope_head_dim: each query/key head is [nope | rope]; the rope part
+      of the key is one per token, shared by the heads (the last qk_rope_head_dim of kv_a(x)).
+    - v_head_dim: each head's value width.
+    """
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank"):
+            value = getattr(self, name)
+            if name == "q_lora_rank" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ManifestError(f"model config: latent_attention.{name} must be a positive integer, got {value!r}")
+        if self.qk_rope_head_dim % 2:
+            raise ManifestError(f"model config: latent_attention.qk_rope_head_dim {self.qk_rope_head_dim} must be even for rotary embeddings")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> LatentAttention:
+        return cls(**_fields_of(cls, data, "model.config.latent_attention"))
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What the KV cache keeps per token per layer: `heads` pools rows of `key_dim` keys and
+    `value_dim` values (0: attention reads its values out of the keys, as latent attention does)."""
+
+    heads: int
+    key_dim: int
+    value_dim: int
+
+    @property
+    def elements_per_token(self) -> int:
+        """Elements one token takes in one layer."""
+        return self.heads * (self.key_dim + self.value_dim)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder-only model: Llama's fields, and what each other family adds.
 
@@ -167,6 +223,9 @@ class ModelConfig:
     - attention_output_bias: o_proj carries a bias (gpt-oss).
     - attention_sinks: each layer has a learned sink logit per query head,
       `self_attn.sinks` [heads], which joins the softmax's denominator (gpt-oss).
+    - latent_attention: multi-head latent attention's shapes (`LatentAttention`, DeepSeek-V2/V3);
+      then head_dim is the query/key head (nope + rope), rotary_dim the rope part, num_kv_heads
+      num_heads, attention_scale the softmax scale, and the KV cache keeps the latent (`kv_layout`).
 
     Mixture-of-experts (Qwen2/3-MoE, Mixtral; 0 experts: every layer is dense). The layers
     `moe_layers` replace the gated MLP of width `intermediate_size` by a router over
@@ -223,6 +282,7 @@ class ModelConfig:
     swiglu_limit: float | None = None
     attention_output_bias: bool = False
     attention_sinks: bool = False
+    latent_attention: LatentAttention | None = None
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -289,6 +349,15 @@ class ModelConfig:
             problems.append("swiglu_limit is set exactly when hidden_activation is clamped_swiglu")
         elif limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
             problems.append(f"swiglu_limit must be a positive number, got {limit!r}")
+        latent = self.latent_attention
+        if latent is not None and (
+            self.head_dim != latent.qk_head_dim or self.rotary_dims != latent.qk_rope_head_dim or self.num_kv_heads != self.num_heads
+        ):
+            problems.append(
+                f"with latent attention head_dim must be qk_nope_head_dim + qk_rope_head_dim ({latent.qk_head_dim}), "
+                f"rotary_dim qk_rope_head_dim ({latent.qk_rope_head_dim}) and num_kv_heads num_heads ({self.num_heads}); "
+                f"got {self.head_dim}, {self.rotary_dims}, {self.num_kv_heads}"
+            )
         problems += self._moe_problems()
         if not self.eos_token_ids:
             problems.append("eos_token_ids must name at least one token")
@@ -349,6 +418,21 @@ class ModelConfig:
         """How many leading dimensions of each head RoPE rotates."""
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
+    @property
+    def kv_layout(self) -> KVLayout:
+        """The KV cache's per-token layout, a property of the model so that the pools, the prefix
+        cache and preemption need not know the attention: a key and a value per KV head, or with
+        latent attention one row of [latent | rope key] and no separate value (the latent is it)."""
+        latent = self.latent_attention
+        if latent is None:
+            return KVLayout(self.num_kv_heads, self.head_dim, self.head_dim)
+        return KVLayout(1, latent.kv_lora_rank + latent.qk_rope_head_dim, 0)
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """Elements one token takes in the KV cache across all layers (`kv_layout`)."""
+        return self.num_layers * self.kv_layout.elements_per_token
+
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer`, or None where it attends to its whole context."""
         return self.sliding_window if layer in self.sliding_layers else None
@@ -359,6 +443,7 @@ class ModelConfig:
         data["sliding_layers"] = list(self.sliding_layers)
         data["moe_layers"] = list(self.moe_layers)
         data["rope_scaling"] = None if self.rope_scaling is None else self.rope_scaling.to_json()
+        data["latent_attention"] = None if self.latent_attention is None else self.latent_attention.to_json()
         return data
 
     @classmethod
@@ -369,13 +454,15 @@ class ModelConfig:
         elif isinstance(data, dict):
             # The mixture-of-experts fields came within format 4: a manifest written before
             # them describes a dense model.
-            data = {**_DENSE_FIELDS, **data}
+            data = {**_DENSE_FIELDS, "latent_attention": None, **data}
         values = _fields_of(cls, data, "model.config")
         values["eos_token_ids"] = tuple(values["eos_token_ids"])
         values["sliding_layers"] = tuple(values["sliding_layers"] or ())
         values["moe_layers"] = tuple(values["moe_layers"] or ())
         if values["rope_scaling"] is not None:
             values["rope_scaling"] = RopeScaling.from_json(values["rope_scaling"])
+        if values["latent_attention"] is not None:
+            values["latent_attention"] = LatentAttention.from_json(values["latent_attention"])
         return cls(**values)
 
 

@@ -72,10 +72,7 @@ def split_for(rank: int, tensor_parallel: int):
 def rank_cache(config: ModelConfig, tensor_parallel: int, num_blocks: int, block_size: int, dtype: torch.dtype) -> KVCache:
     """A rank's KV pool: its KV heads, the same block ids as rank 0's allocator hands out."""
     local = rank_config(config, tensor_parallel)
-    return KVCache(
-        num_layers=local.num_layers, num_blocks=num_blocks, block_size=block_size,
-        num_kv_heads=local.num_kv_heads, head_dim=local.head_dim, dtype=dtype,
-    )
+    return KVCache.for_config(local, num_blocks, block_size, dtype)
 
 
 def _load_worker(path: str, weight_format: str, rank: int, world_size: int) -> tuple[DecoderModel, ModelConfig]:

@@ -66,6 +66,11 @@ def check_tensor_parallel(config: ModelConfig, tensor_parallel: int) -> None:
     """Refuse a size that does not divide the heads, the KV heads or the MLP width."""
     if tensor_parallel < 1:
         raise TensorParallelError(f"tensor_parallel must be at least 1, got {tensor_parallel}")
+    if config.latent_attention is not None and tensor_parallel > 1:
+        raise TensorParallelError(
+            f"tensor_parallel {tensor_parallel}: splitting latent attention's heads over ranks is not built yet; "
+            "serve this model at tensor_parallel 1"
+        )
     if config.num_heads % tensor_parallel or config.num_kv_heads % tensor_parallel:
         raise TensorParallelError(
             f"tensor_parallel {tensor_parallel} must divide both the model's {config.num_heads} attention heads "

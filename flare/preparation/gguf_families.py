@@ -26,6 +26,7 @@ package's canonical names (Hugging Face Llama's, `package.expected_weight_shapes
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -41,6 +42,7 @@ from flare.package.manifest import (
     ARCHITECTURES,
     MAX_CONTEXT,
     MAX_CONTEXT_REASON,
+    LatentAttention,
     ManifestError,
     ModelConfig,
     RopeScaling,
@@ -50,7 +52,7 @@ from flare.preparation.source import SourceError
 # general.architecture -> ModelConfig.architecture. Mistral's converter output is `llama`.
 GGUF_ARCHITECTURES = {
     "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3",
-    "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
+    "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "deepseek2": "deepseek2",
 }
 # llama.cpp's norm_w of `build_moe_ffn` per architecture (src/models/*.cpp): whether the top-k
 # weights are divided by their sum; `{arch}.expert_weights_norm` overrides it where given.
@@ -94,6 +96,13 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "post_ffw_norm": "mlp_output_norm",
+    # DeepSeek's multi-head latent attention (attn_k_b / attn_v_b: `LATENT_UP_PROJECTIONS`).
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
     # Mixture-of-experts layers (`_moe_fields`); gate and up of the experts fused afterwards.
     "ffn_gate_inp": "mlp.router",
     "ffn_gate_exps": "mlp.experts.gate_proj",
@@ -108,9 +117,12 @@ _LAYER_NAMES = {
 # gpt-oss's own: its norm before the MLP is written as `post_attention_norm` (Gemma's sandwich
 # norm's name elsewhere), and its sinks, one per head, as a weight.
 _GPT_OSS_NAMES = {"post_attention_norm": "post_attention_layernorm.weight", "attn_sinks": "self_attn.sinks"}
+# The newer converter writes kv_b_proj as two per-head tensors, for llama.cpp's absorbed MLA:
+# attn_k_b [heads, kv_lora_rank, nope] (each head's key block transposed) and attn_v_b [heads,
+# v_head_dim, kv_lora_rank]; export joins them back into kv_b_proj (`TensorPlan.latent_part`).
+LATENT_UP_PROJECTIONS = ("attn_k_b", "attn_v_b")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _EXPERT_TENSOR = re.compile(r"blk\.\d+\.(ffn_gate_inp|\w+_exps?|\w+_shexp)\.")
-_LATENT_TENSOR = re.compile(r"blk\.\d+\.(attn_kv_a_mqa|attn_q_a|attn_kv_b|attn_k_b|attn_v_b)\.")
 
 
 class Metadata(Protocol):
@@ -135,6 +147,11 @@ class TensorPlan:
 
     parts: tuple[TensorPart, ...]
     heads: int | None = None
+    # Latent attention (deepseek2): the rope rows of every `stride` rows from `start`, `rope` of
+    # them, are in interleaved-pair order, reordered to rotate-half's at export
+    # (`hf_families.deinterleaved_row_order`); which of attn_k_b / attn_v_b the tensor is.
+    rope_rows: tuple[int, int, int] | None = None
+    latent_part: str | None = None
 
 
 def served_architecture(path: Path, architecture: Any) -> str:
@@ -144,8 +161,7 @@ def served_architecture(path: Path, architecture: Any) -> str:
     served = ", ".join(GGUF_ARCHITECTURES)
     raise SourceError(
         f"{path}: GGUF architecture {architecture!r} is not served; flare serves {served} "
-        f"(Mistral and Mixtral are written as 'llama'; as a package: {', '.join(ARCHITECTURES)}); "
-        "latent-attention (DeepSeek-V2/V3) models are not served yet"
+        f"(Mistral and Mixtral are written as 'llama'; as a package: {', '.join(ARCHITECTURES)})"
     )
 
 
@@ -171,8 +187,11 @@ def model_config(
         head_dim = keys.maybe_integer("rope.dimension_count")
     if head_dim is None:
         head_dim = hidden // heads
+    latent = _latent_attention(keys) if gguf_arch == "deepseek2" else None
+    if latent is not None:
+        head_dim = latent.qk_head_dim
     value_dim = keys.maybe_integer("attention.value_length")
-    if value_dim is not None and value_dim != head_dim:
+    if latent is None and value_dim is not None and value_dim != head_dim:
         raise SourceError(
             f"{path}: {gguf_arch}.attention.value_length {value_dim} differs from the key length {head_dim}; "
             "flare's attention needs one head dimension for keys and values"
@@ -207,6 +226,9 @@ def model_config(
         # The same RoPE as the global layers (Gemma 3's local layers differ even then: unscaled).
         local_theta = None
     attention_scale = keys.maybe_number("attention.scale")
+    rope_scaling = _rope_scaling(keys, context, rotary or head_dim, rope_tensors, truncate=not gpt_oss)
+    if latent is not None:
+        attention_scale, rope_scaling = _latent_scales(keys, latent, rope_scaling)
     if attention_scale is None and gemma:
         scalar = hidden // heads if num_layers == _GEMMA_27B_LAYERS[gguf_arch] else head_dim
         attention_scale = scalar**-0.5
@@ -237,7 +259,7 @@ def model_config(
             intermediate_size=keys.integer("feed_forward_length"),
             num_layers=num_layers,
             num_heads=heads,
-            num_kv_heads=keys.maybe_integer("attention.head_count_kv") or heads,
+            num_kv_heads=heads if latent is not None else keys.maybe_integer("attention.head_count_kv") or heads,
             head_dim=head_dim,
             rope_theta=rope_theta,
             rms_norm_eps=keys.number("attention.layer_norm_rms_epsilon"),
@@ -253,7 +275,7 @@ def model_config(
             ),
             qk_norm=family.qk_norm,
             rotary_dim=None if rotary is None or rotary == head_dim else rotary,
-            rope_scaling=_rope_scaling(keys, context, rotary or head_dim, rope_tensors, truncate=not gpt_oss),
+            rope_scaling=rope_scaling,
             sliding_window=window,
             sliding_layers=sliding_layers,
             local_rope_theta=local_theta,
@@ -266,6 +288,7 @@ def model_config(
             swiglu_limit=_GPT_OSS_SWIGLU_LIMIT if gpt_oss else None,
             attention_output_bias=gpt_oss and f"{layer0}attn_output.bias" in shapes,
             attention_sinks=gpt_oss,
+            latent_attention=latent,
             **moe,
         )
     except ManifestError as error:
@@ -293,6 +316,8 @@ def _moe_fields(path: Path, keys: _Keys, gguf_arch: str, shapes: Mapping[str, tu
             "router_bias": "blk.0.ffn_gate_inp.bias" in shapes,
             "expert_bias": "blk.0.ffn_down_exps.bias" in shapes,
         }
+    if gguf_arch == "deepseek2":
+        return _deepseek_moe_fields(keys, experts, shapes)
     if gguf_arch not in _MOE_NORMALIZED:
         raise SourceError(f"{path}: {gguf_arch}.expert_count is {experts}, but flare serves experts only in {', '.join(_MOE_NORMALIZED)} files")
     gating = keys.metadata.get(keys._key("expert_gating_func"))
@@ -312,6 +337,39 @@ def _moe_fields(path: Path, keys: _Keys, gguf_arch: str, shapes: Mapping[str, tu
         "norm_topk_prob": _MOE_NORMALIZED[gguf_arch] if normalize is None else bool(normalize),
         "shared_expert_intermediate_size": shared or 0,
         "shared_expert_gate": bool(shared) and "blk.0.ffn_gate_inp_shexp.weight" in shapes,
+    }
+
+
+def _deepseek_moe_fields(keys: _Keys, experts: int, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    """deepseek2's experts (llama.cpp's llama_model_deepseek2): the layers with a router (those
+    from leading_dense_block_count on); sigmoid gating (V3) is group routing with the correction
+    bias `exp_probs_b`; softmax (V2, llama.cpp's default for the arch) is group-limited where the
+    file has groups of which fewer are used, greedy otherwise; `expert_weights_scale` and
+    `expert_weights_norm` (off unless given); the shared experts one MLP of expert_shared_count
+    experts' width."""
+    layers = sorted(int(m.group(1)) for name in shapes if (m := re.fullmatch(r"blk\.(\d+)\.ffn_gate_inp\.weight", name)))
+    if not layers:
+        return {}  # every layer dense: the expert keys describe none
+    gating = keys.metadata.get(keys._key("expert_gating_func"))
+    if gating not in (None, 1, 2):  # softmax, sigmoid
+        raise keys._bad(keys._key("expert_gating_func"), gating, "1 (softmax) or 2 (sigmoid), DeepSeek's gatings")
+    groups = keys.maybe_integer("expert_group_count") or 1
+    used_groups = keys.maybe_integer("expert_group_used_count") or groups
+    width = keys.integer("expert_feed_forward_length")
+    sigmoid = gating == 2
+    grouped = sigmoid or used_groups < groups
+    scale = keys.maybe_number("expert_weights_scale")
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": keys.integer("expert_used_count"),
+        "moe_intermediate_size": width,
+        "moe_layers": tuple(layers),
+        "routing": "sigmoid_group" if sigmoid else "softmax_group_max" if grouped else "softmax",
+        "norm_topk_prob": bool(keys.metadata.get(keys._key("expert_weights_norm"), False)),
+        "routed_scaling_factor": 1.0 if scale is None else scale,
+        "n_group": groups if grouped else 1,
+        "topk_group": used_groups if grouped else 1,
+        "shared_expert_intermediate_size": (keys.maybe_integer("expert_shared_count") or 0) * width,
     }
 
 
@@ -354,7 +412,7 @@ def tensor_plans(path: Path, config: ModelConfig, shapes: Mapping[str, tuple[int
         if gguf_arch == "gpt-oss" and match is not None and match.group(2) in _GPT_OSS_NAMES:
             plans[gguf_name] = TensorPlan((TensorPart(f"model.layers.{match.group(1)}.{_GPT_OSS_NAMES[match.group(2)]}", 0, rows),))
             continue
-        if match is None or match.group(2) not in {*_LAYER_NAMES, "attn_qkv"}:
+        if match is None or match.group(2) not in {*_LAYER_NAMES, "attn_qkv", "exp_probs_b", *LATENT_UP_PROJECTIONS}:
             raise SourceError(f"{path} holds the tensor {gguf_name}, which a {config.architecture} model does not have{_why(gguf_name)}")
         layer, kind, suffix = match.groups()
         prefix = f"model.layers.{layer}."
@@ -374,11 +432,27 @@ def tensor_plans(path: Path, config: ModelConfig, shapes: Mapping[str, tuple[int
                 (TensorPart(f"{prefix}mlp.gate_proj.{suffix}", 0, ff), TensorPart(f"{prefix}mlp.up_proj.{suffix}", ff, 2 * ff))
             )
             continue
+        if kind == "exp_probs_b":  # DeepSeek-V3's correction bias (e_score_correction.bias)
+            plans[gguf_name] = TensorPlan((TensorPart(f"{prefix}mlp.router.score_correction_bias", 0, rows),))
+            continue
+        latent = config.latent_attention
+        if latent is not None and kind in LATENT_UP_PROJECTIONS:
+            joined = config.num_heads * (latent.qk_nope_head_dim + latent.v_head_dim)
+            plans[gguf_name] = TensorPlan((TensorPart(f"{prefix}self_attn.kv_b_proj.{suffix}", 0, joined),), latent_part=kind)
+            continue
+        rope_rows = None
+        if latent is not None and kind in ("attn_q", "attn_q_b"):
+            # llama.cpp's deepseek2 RoPE pairs adjacent dimensions, as the checkpoint's does.
+            rope_rows = (latent.qk_nope_head_dim, latent.qk_rope_head_dim, latent.qk_head_dim)
+        elif latent is not None and kind == "attn_kv_a_mqa":
+            rope_rows = (latent.kv_lora_rank, latent.qk_rope_head_dim, latent.kv_lora_rank + latent.qk_rope_head_dim)
         heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}.get(kind) if permuted else None
-        plans[gguf_name] = TensorPlan((TensorPart(f"{prefix}{_LAYER_NAMES[kind]}.{suffix}", 0, rows),), heads)
+        plans[gguf_name] = TensorPlan((TensorPart(f"{prefix}{_LAYER_NAMES[kind]}.{suffix}", 0, rows),), heads, rope_rows)
     sources: dict[str, str] = {}
     for gguf_name, plan in plans.items():
         for part in plan.parts:
+            if plan.latent_part == "attn_v_b":
+                continue  # joined with its attn_k_b into one kv_b_proj
             if part.name in sources:
                 raise SourceError(
                     f"{path}: the tensors {sources[part.name]} and {gguf_name} both give {part.name} "
@@ -421,9 +495,48 @@ def gguf_tensor_name(name: str, architecture: str) -> str:
 def _why(gguf_name: str) -> str:
     if _EXPERT_TENSOR.match(gguf_name):
         return f" (a mixture-of-experts tensor: flare serves experts in {', '.join(_MOE_NORMALIZED)} files with expert_count)"
-    if _LATENT_TENSOR.match(gguf_name):
-        return " (it uses multi-head latent attention: flare does not serve it yet)"
     return ""
+
+
+def _latent_attention(keys: _Keys) -> LatentAttention:
+    """deepseek2's MLA shapes: the converter writes the latent as an MQA head (key_length
+    kv_lora_rank + rope, value_length kv_lora_rank) and the per-head shapes as key_length_mla
+    (nope + rope) and value_length_mla; files before those keys have the per-head ones in
+    key_length / value_length. V2-Lite has no q_lora_rank (a plain attn_q)."""
+    rope = keys.integer("rope.dimension_count")
+    key_mla = keys.maybe_integer("attention.key_length_mla")
+    value_mla = keys.maybe_integer("attention.value_length_mla")
+    if key_mla is None or value_mla is None:
+        key_mla, value_mla = keys.integer("attention.key_length"), keys.integer("attention.value_length")
+    if key_mla <= rope:
+        raise SourceError(f"{keys.path}: the MLA key length {key_mla} must exceed the rope dimensions {rope}")
+    try:
+        return LatentAttention(
+            q_lora_rank=keys.maybe_integer("attention.q_lora_rank"),
+            kv_lora_rank=keys.integer("attention.kv_lora_rank"),
+            qk_nope_head_dim=key_mla - rope,
+            qk_rope_head_dim=rope,
+            v_head_dim=value_mla,
+        )
+    except ManifestError as error:
+        raise SourceError(f"{keys.path}: {error}") from None
+
+
+def _latent_scales(keys: _Keys, latent: LatentAttention, scaling: RopeScaling | None) -> tuple[float, RopeScaling | None]:
+    """MLA's softmax scale and RoPE scaling from a deepseek2 file.
+
+    The converter writes yarn's mscale_all_dim m as `rope.scaling.yarn_log_multiplier` = 0.1 m
+    (and not yarn's mscale): the softmax scale is (nope + rope)^-0.5 mscale^2 with mscale =
+    1 + 0.1 m ln(factor) (transformers' `yarn_apply_mscale`), and the factor on cos/sin is
+    mscale(factor, mscale) / mscale(factor, m), 1 for DeepSeek's releases (mscale = m), which is
+    what llama.cpp computes too. Without the key, yarn's own default."""
+    scale = latent.qk_head_dim**-0.5
+    log_mul = keys.maybe_number("rope.scaling.yarn_log_multiplier", allow_zero=True)
+    if scaling is None or scaling.kind != "yarn" or log_mul is None:
+        return scale, scaling
+    mscale = 1.0 + log_mul * math.log(scaling.factor) if scaling.factor > 1 else 1.0
+    attention = keys.maybe_number("rope.scaling.yarn_attn_factor")
+    return scale * mscale * mscale, dataclasses.replace(scaling, attention_factor=1.0 if attention is None else attention)
 
 
 class _Keys:

@@ -34,9 +34,11 @@ from flare.preparation.gguf_families import (
     served_architecture,
     tensor_plans,
 )
+from flare.preparation.hf_families import deinterleaved_row_order
 from flare.preparation.gguf_layout import GGUFLayout, GGUFTensorInfo, read_gguf_layout, read_gguf_value
 from flare.preparation.gguf_tokenizer import build_tokenizer_json
 from flare.package.directory import sha256_of, weight_problems
+from flare.package.manifest import ModelConfig
 from flare.package.problems import listed
 from flare.preparation.recipes import gguf_sampling_defaults
 from flare.preparation.source import ModelSource, SourceError, SourceWeights
@@ -83,7 +85,8 @@ def open_gguf(path: Path, source: str | None = None) -> ModelSource:
     config = model_config(path, metadata, gguf_shapes, rope_tensors)
     plans = tensor_plans(path, config, gguf_shapes, gguf_arch)
     shapes = {
-        part.name: (part.stop - part.start, *gguf_shapes[gguf_name][1:])
+        # attn_k_b / attn_v_b are 3-D per-head blocks that join into one kv_b_proj (its rows).
+        part.name: (part.stop - part.start, *(gguf_shapes[gguf_name][1:] if plan.latent_part is None else _latent_in(gguf_name, gguf_shapes, plan)))
         for gguf_name, plan in plans.items()
         for part in plan.parts
     }
@@ -103,13 +106,13 @@ def open_gguf(path: Path, source: str | None = None) -> ModelSource:
         raise SourceError(f"{path} has no chat template (tokenizer.chat_template); flare serves chat models only")
 
     def read_weights(progress: Callable[[int, int], None]) -> dict[str, torch.Tensor]:
-        return _read_weights(tensors, plans, progress, keep_blocks=False).floats
+        return _read_weights(tensors, plans, progress, keep_blocks=False, config=config).floats
 
     def read_dequantized(progress: Callable[[int, int], None]) -> SourceWeights:
-        return _read_weights(tensors, plans, progress, keep_blocks=False)
+        return _read_weights(tensors, plans, progress, keep_blocks=False, config=config)
 
     def read_blocks(progress: Callable[[int, int], None]) -> SourceWeights:
-        return _read_weights(tensors, plans, progress, keep_blocks=True)
+        return _read_weights(tensors, plans, progress, keep_blocks=True, config=config)
 
     return ModelSource(
         name=path.name.split(".")[0],
@@ -177,19 +180,47 @@ class _Metadata:
 _FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
 
 
+def _latent_in(gguf_name: str, shapes: dict[str, tuple[int, ...]], plan: TensorPlan) -> tuple[int, ...]:
+    """The input width (kv_lora_rank) of the kv_b_proj an attn_k_b [heads, rank, nope] or
+    attn_v_b [heads, v, rank] joins into; the shape as it is where it is not 3-D (for the shape
+    check to name)."""
+    shape = shapes[gguf_name]
+    if len(shape) != 3:
+        return shape[1:]
+    return (shape[1],) if plan.latent_part == "attn_k_b" else (shape[2],)
+
+
+def _joined_kv_b(k_b: np.ndarray, v_b: np.ndarray, name: str, config: ModelConfig) -> torch.Tensor:
+    """kv_b_proj [heads * (nope + v), rank] from the converter's attn_k_b [heads, rank, nope]
+    (each head's key block, transposed) and attn_v_b [heads, v, rank]: per head, its key rows
+    then its value rows, as the checkpoint holds them."""
+    latent = config.latent_attention
+    assert latent is not None
+    heads, rank = config.num_heads, latent.kv_lora_rank
+    want_k, want_v = (heads, rank, latent.qk_nope_head_dim), (heads, latent.v_head_dim, rank)
+    if k_b.shape != want_k or v_b.shape != want_v:
+        raise SourceError(f"{name}: attn_k_b {list(k_b.shape)} and attn_v_b {list(v_b.shape)} must be {list(want_k)} and {list(want_v)}")
+    keys = torch.from_numpy(np.array(k_b, np.float32)).transpose(1, 2)
+    values = torch.from_numpy(np.array(v_b, np.float32))
+    return torch.cat((keys, values), dim=1).reshape(-1, rank).contiguous()
+
+
 def _read_weights(
     source_tensors: list[_Tensor],
     plans: dict[str, TensorPlan],
     progress: Callable[[int, int], None],
     *,
     keep_blocks: bool,
+    config: ModelConfig,
 ) -> SourceWeights:
     floats: dict[str, torch.Tensor] = {}
+    latent_parts: dict[str, dict[str, np.ndarray]] = {}
     blocks: dict[str, BlockTensor] = {}
     dequantized: dict[str, str] = {}
     problems: list[str] = []
     tensors = [tensor for tensor in source_tensors if tensor.name in plans]
-    total = sum(len(plans[tensor.name].parts) for tensor in tensors)
+    # attn_k_b and attn_v_b give one tensor between them.
+    total = sum(len(plans[tensor.name].parts) for tensor in tensors if plans[tensor.name].latent_part != "attn_v_b")
     done = 0
     for tensor in tensors:
         plan = plans[tensor.name]
@@ -197,13 +228,15 @@ def _read_weights(
         shape = tuple(int(n) for n in reversed(tensor.shape))
         # Problems name the package tensor, or the GGUF one where it is split into several.
         label = plan.parts[0].name if len(plan.parts) == 1 else tensor.name
-        if kind in KEPT_TYPES:
+        if kind in KEPT_TYPES and plan.latent_part is None:
             # Stacked experts [E, out, in] are checked as their E * out rows.
             found = block_problems(label, kind, tensor.data, (int(np.prod(shape[:-1])), shape[-1]))
             problems += found
             if keep_blocks and not found:
                 # Blocks run along the input dimension: a row range of the fused tensor is whole block rows.
                 data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+                if plan.rope_rows is not None:
+                    data = data[deinterleaved_row_order(data.shape[0], *plan.rope_rows)]
                 for part in plan.parts:
                     part_shape = (part.stop - part.start, *shape[1:])
                     rows = data[part.start : part.stop].reshape(-1, data.shape[-1]).contiguous()
@@ -218,6 +251,19 @@ def _read_weights(
         if kind not in _FLOAT_TYPES and not np.isfinite(weight).all():
             problems.append(f"tensor {label}: its {kind.name} blocks dequantize to NaN or infinite values (a bad scale)")
             continue
+        if plan.latent_part is not None:
+            name = plan.parts[0].name
+            if kind not in _FLOAT_TYPES:
+                dequantized[name] = kind.name
+            pair = latent_parts.setdefault(name, {})
+            pair[plan.latent_part] = weight
+            if len(pair) == 2:
+                floats[name] = _joined_kv_b(pair["attn_k_b"], pair["attn_v_b"], name, config)
+                done += 1
+                progress(done, total)
+            continue
+        if plan.rope_rows is not None:
+            weight = weight[deinterleaved_row_order(weight.shape[0], *plan.rope_rows).numpy()]
         for part in plan.parts:
             if kind not in _FLOAT_TYPES:
                 dequantized[part.name] = kind.name

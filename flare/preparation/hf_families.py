@@ -39,6 +39,7 @@ from flare.package.manifest import (
     MAX_CONTEXT,
     MAX_CONTEXT_REASON,
     ManifestError,
+    LatentAttention,
     ModelConfig,
     RopeScaling,
 )
@@ -54,17 +55,14 @@ MODEL_TYPES = {
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
     "phi3": "phi3",
+    "deepseek_v2": "deepseek2",
+    "deepseek_v3": "deepseek2",
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
     "mixtral": "mixtral",
     "gpt_oss": "gpt_oss",
 }
 _QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
-# Families whose layers need what the decoder does not have yet: named in the refusal.
-NOT_YET = {
-    "deepseek_v2": "multi-head latent attention and mixture-of-experts layers",
-    "deepseek_v3": "multi-head latent attention and mixture-of-experts layers",
-}
 _GEMMA = ("gemma2", "gemma3")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # Gemma's names of a layer's four norms -> the package's (`expected_weight_shapes`).
@@ -96,11 +94,10 @@ def text_config(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def served_model_type(data: dict[str, Any]) -> str:
-    """The config's `model_type`; SourceError for one flare does not serve, naming what it lacks."""
+    """The config's `model_type`; SourceError for one flare does not serve."""
     model_type = data.get("model_type")
     if model_type not in MODEL_TYPES:
-        later = f" ({NOT_YET[model_type]} are not built yet)" if model_type in NOT_YET else ""
-        raise SourceError(f"config.json describes a {model_type!r} model{later}; flare serves model types {served_list()}")
+        raise SourceError(f"config.json describes a {model_type!r} model; flare serves model types {served_list()}")
     return model_type
 
 
@@ -146,7 +143,12 @@ def model_config_from_hf(
             f"config.json: max_position_embeddings {max_positions} is beyond the longest context flare serves, "
             f"{MAX_CONTEXT} tokens ({MAX_CONTEXT_REASON})"
         )
-    rope = _rope(data, architecture, head_dim, max_positions, unsupported)
+    latent = _latent_attention(data, layers, unsupported) if architecture == "deepseek2" else None
+    if latent is not None:
+        # MLA's heads: queries and keys of nope + rope, RoPE on the rope part only (the
+        # checkpoint's head_dim, where written, is transformers' name for qk_rope_head_dim).
+        head_dim = latent.qk_head_dim
+    rope = _rope(data, architecture, latent.qk_rope_head_dim if latent else head_dim, max_positions, unsupported)
     window, sliding = _sliding_layers(data, architecture, layers, unsupported)
     moe = _moe_fields(data, architecture, layers, unsupported)
     if unsupported:
@@ -158,6 +160,9 @@ def model_config_from_hf(
             if token not in eos:
                 eos.append(int(token))
     scalar = data.get("query_pre_attn_scalar")
+    attention_scale = float(scalar) ** -0.5 if gemma and scalar else None
+    if latent is not None:
+        attention_scale = _latent_softmax_scale(data, latent)
     try:
         return ModelConfig(
             vocab_size=int(data["vocab_size"]),
@@ -165,7 +170,7 @@ def model_config_from_hf(
             intermediate_size=int(data["intermediate_size"]),
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(data.get("num_key_value_heads") or heads),
+            num_kv_heads=heads if latent is not None else int(data.get("num_key_value_heads") or heads),
             head_dim=head_dim,
             rope_theta=rope.theta,
             rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
@@ -178,12 +183,12 @@ def model_config_from_hf(
             # A Qwen2-MoE's are its `qkv_bias` (transformers' default: on).
             attention_bias=_attention_bias(data, family.attention_bias, architecture),
             qk_norm=family.qk_norm,
-            rotary_dim=rope.rotary_dim,
+            rotary_dim=latent.qk_rope_head_dim if latent is not None else rope.rotary_dim,
             rope_scaling=rope.scaling,
             sliding_window=window,
             sliding_layers=sliding,
             local_rope_theta=rope.local_theta,
-            attention_scale=float(scalar) ** -0.5 if gemma and scalar else None,
+            attention_scale=attention_scale,
             attention_softcap=_positive_or_none(data.get("attn_logit_softcapping")) if gemma else None,
             final_logit_softcap=_positive_or_none(data.get("final_logit_softcapping")) if gemma else None,
             sandwich_norms=family.sandwich_norms,
@@ -192,6 +197,7 @@ def model_config_from_hf(
             swiglu_limit=float(data.get("swiglu_limit", 7.0)) if gpt_oss else None,
             attention_output_bias=gpt_oss and bool(data.get("attention_bias", True)),
             attention_sinks=gpt_oss,
+            latent_attention=latent,
             **moe,
         )
     except KeyError as error:
@@ -206,6 +212,89 @@ def _attention_bias(data: dict[str, Any], family: bool | None, architecture: str
     if architecture == "gpt_oss":
         return bool(data.get("attention_bias", True))
     return bool(data.get("qkv_bias", True)) if architecture == "qwen2_moe" else bool(family)
+def _deepseek_moe_fields(data: dict[str, Any], layers: int) -> dict[str, Any]:
+    """DeepSeek-V2/V3's experts (transformers' DeepseekV2Moe / DeepseekV3MoE): every layer from
+    `first_k_dense_replace` on, `n_shared_experts` x moe_intermediate_size of shared expert (no
+    gate), weights times `routed_scaling_factor`. V3 routes by sigmoid scores with the correction
+    bias, groups scored by their top two (sigmoid_group, `norm_topk_prob`); V2 by softmax, greedy
+    or group_limited_greedy (its weights never renormalized)."""
+    experts = int(data.get("n_routed_experts") or 0)
+    first_moe = int(data.get("first_k_dense_replace") or 0)
+    if not experts or first_moe >= layers:
+        return {}  # every layer dense: the expert keys describe none
+    width = int(data["moe_intermediate_size"])
+    v3 = data.get("model_type") == "deepseek_v3"
+    method = data.get("topk_method") or "greedy"
+    grouped = v3 or method == "group_limited_greedy"
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(data.get("num_experts_per_tok") or 0),
+        "moe_intermediate_size": width,
+        "moe_layers": tuple(range(first_moe, layers)),
+        "routing": "sigmoid_group" if v3 else "softmax_group_max" if grouped else "softmax",
+        "norm_topk_prob": bool(data.get("norm_topk_prob")) if v3 else False,
+        "routed_scaling_factor": float(data.get("routed_scaling_factor") or 1.0),
+        "n_group": int(data.get("n_group") or 1) if grouped else 1,
+        "topk_group": int(data.get("topk_group") or 1) if grouped else 1,
+        "shared_expert_intermediate_size": int(data.get("n_shared_experts") or 0) * width,
+    }
+
+
+def _latent_attention(data: dict[str, Any], layers: int, unsupported: list[str]) -> LatentAttention | None:
+    """DeepSeek-V2/V3's MLA shapes."""
+    try:
+        q_rank = data.get("q_lora_rank")
+        return LatentAttention(
+            q_lora_rank=None if q_rank is None else int(q_rank),
+            kv_lora_rank=int(data["kv_lora_rank"]),
+            qk_nope_head_dim=int(data["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(data["qk_rope_head_dim"]),
+            v_head_dim=int(data["v_head_dim"]),
+        )
+    except KeyError as error:
+        raise SourceError(f"config.json lacks {error.args[0]!r}") from None
+    except (ManifestError, TypeError, ValueError) as error:
+        raise SourceError(f"config.json: {error}") from None
+
+
+def _latent_softmax_scale(data: dict[str, Any], latent: LatentAttention) -> float:
+    """MLA's softmax scale: qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under yarn
+    (DeepSeek's reference and transformers' `yarn_apply_mscale`: the yarn factor on the rotary
+    dims' cos/sin does not reach the nope dims, this does)."""
+    scale = latent.qk_head_dim**-0.5
+    parameters = data.get("rope_parameters") or data.get("rope_scaling") or {}
+    kind = parameters.get("rope_type", parameters.get("type")) or "default"
+    m_all = parameters.get("mscale_all_dim")
+    factor = parameters.get("factor")
+    if kind != "default" and m_all and factor and float(factor) > 1:
+        mscale = 0.1 * float(m_all) * math.log(float(factor)) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+def rope_interleaved(data: dict[str, Any]) -> bool:
+    """Whether a checkpoint rotates interleaved pairs (x0, x1), (x2, x3), ... rather than halves:
+    DeepSeek-V2 always, V3 unless `rope_interleave` is false (transformers' classes)."""
+    model_type = data.get("model_type")
+    return model_type == "deepseek_v2" or (model_type == "deepseek_v3" and data.get("rope_interleave", True) is not False)
+
+
+def deinterleaved_row_order(rows: int, start: int, rope: int, stride: int) -> torch.Tensor:
+    """The row order that takes the `rope` rows at `start` of every `stride` rows (a head's rope
+    part) from interleaved pairs to halves: rows 0, 2, 4, ... then 1, 3, 5, .... Rotate-half RoPE
+    on the reordered rows computes exactly what pairwise RoPE does on the original ones, and a
+    query and key reordered alike have the same dot products (layers/latent_attention.py)."""
+    pairs = torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
+    order = torch.arange(rows).view(-1, stride)
+    order[:, start : start + rope] = order[:, start : start + rope][:, pairs]
+    return order.flatten()
+
+
+def deinterleave_rope_rows(weight: torch.Tensor, start: int, rope: int, stride: int) -> torch.Tensor:
+    """`weight` with its rope rows in rotate-half order (`deinterleaved_row_order`)."""
+    if weight.device.type == "meta":
+        return weight
+    return weight[deinterleaved_row_order(weight.shape[0], start, rope, stride)]
 
 
 def _moe_fields(data: dict[str, Any], architecture: str, layers: int, unsupported: list[str]) -> dict[str, Any]:
@@ -214,6 +303,8 @@ def _moe_fields(data: dict[str, Any], architecture: str, layers: int, unsupporte
     the experts and their width (Mixtral's `intermediate_size` is each expert's), the shared
     expert and its sigmoid gate (Qwen2-MoE), softmax routing with `norm_topk_prob` (Mixtral:
     always)."""
+    if architecture == "deepseek2":
+        return _deepseek_moe_fields(data, layers)
     if architecture not in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"):
         return {}
     if architecture == "gpt_oss":
@@ -408,7 +499,10 @@ def _moe_tensor_name(name: str) -> str:
         name = ".".join(parts)
     if name.endswith(".mlp.gate.weight"):
         return name.removesuffix("gate.weight") + "router.weight"
-    return name
+    # DeepSeek's: the router's correction bias, and its shared experts as one gated MLP.
+    if name.endswith(".mlp.gate.e_score_correction_bias"):
+        return name.removesuffix("gate.e_score_correction_bias") + "router.score_correction_bias"
+    return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
 
 
 def stack_experts(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -499,11 +593,14 @@ def hf_tensor_name(name: str, architecture: str) -> str:
     return ".".join(parts)
 
 
-def tensor_converter(config: ModelConfig) -> Callable[[str, torch.Tensor], dict[str, torch.Tensor]]:
+def tensor_converter(
+    config: ModelConfig, *, interleaved_rope: bool = False
+) -> Callable[[str, torch.Tensor], dict[str, torch.Tensor]]:
     """What one source tensor becomes in the package (module docstring): `convert(name, tensor)`
     gives the package's tensors, none for a multimodal checkpoint's vision parts. Works on meta
     tensors too, which is how the shapes are checked before any weight is read. A fused tensor
-    of the wrong size is kept whole, for the shape check to name."""
+    of the wrong size is kept whole, for the shape check to name. `interleaved_rope`: a latent
+    attention checkpoint's rope rows are reordered to rotate-half's (`deinterleave_rope_rows`)."""
     gemma = config.architecture in _GEMMA
     fused = config.architecture == "phi3"
     moe = config.num_experts > 0
@@ -527,6 +624,13 @@ def tensor_converter(config: ModelConfig) -> Callable[[str, torch.Tensor], dict[
             converted = _gpt_oss_tensor(name, tensor)
             if converted is not None:
                 return converted
+        latent = config.latent_attention
+        if latent is not None and interleaved_rope:
+            n, r = latent.qk_nope_head_dim, latent.qk_rope_head_dim
+            if name.endswith((".self_attn.q_proj.weight", ".self_attn.q_b_proj.weight")) and tensor.shape[0] == config.num_heads * (n + r):
+                return {name: deinterleave_rope_rows(tensor, n, r, n + r)}
+            if name.endswith(".self_attn.kv_a_proj_with_mqa.weight") and tensor.shape[0] == latent.kv_lora_rank + r:
+                return {name: deinterleave_rope_rows(tensor, latent.kv_lora_rank, r, latent.kv_lora_rank + r)}
         if moe:
             name = _moe_tensor_name(name)
             if name.endswith(".mlp.experts.gate_up_proj") or name.endswith(".mlp.experts.down_proj"):

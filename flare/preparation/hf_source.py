@@ -33,6 +33,7 @@ from flare.preparation.hf_families import (
     gpt_oss_mxfp4_experts,
     hf_tensor_name,
     model_config_from_hf,
+    rope_interleaved,
     served_model_type,
     stack_experts,
     tensor_converter,
@@ -58,7 +59,7 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
     mtp_layers = _mtp_layer_count(config_data)
     mtp_prefixes = tuple(f"model.layers.{config.num_layers + i}." for i in range(mtp_layers))
     target_shapes = {n: s for n, s in shapes.items() if not n.startswith(mtp_prefixes)} if mtp_prefixes else shapes
-    convert = tensor_converter(config)
+    convert = tensor_converter(config, interleaved_rope=rope_interleaved(config_data))
     # The package's names and shapes, from the same conversion run on meta tensors.
     converted = {
         name: tensor

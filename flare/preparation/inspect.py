@@ -10,6 +10,7 @@ from flare.package.chat_template import check_chat_template
 from flare.package.contract import Problem, check_contract
 from flare.package.directory import CHAT_TEMPLATE_NAME, verify_package, weight_types
 from flare.package.manifest import INTEGER_ACTIVATION_TYPES
+from flare.package.manifest import ModelConfig
 from flare.package.problems import capped
 
 UNSERVABLE_CHAT_TEMPLATE = "unservable_chat_template"
@@ -26,6 +27,7 @@ def inspect_package(path: Path) -> dict[str, Any]:
     if report.manifest is not None:
         info["weight_types"] = weight_types(report.manifest)
         info["integer_activation_types"] = sorted(set(INTEGER_ACTIVATION_TYPES) & set(info["weight_types"]))
+        info["kv_cache"] = kv_cache_cost(report.manifest.model)
     info["integrity"] = report.to_json()
     problems = []
     if report.manifest is not None:
@@ -33,6 +35,21 @@ def inspect_package(path: Path) -> dict[str, Any]:
         problems += _chat_template_problems(Path(path))
     info["problems"] = [problem.to_json() for problem in problems]
     return info
+
+
+# Bytes an element of the KV cache takes in each dtype `flare run --kv-cache-dtype` takes.
+_KV_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def kv_cache_cost(config: ModelConfig) -> dict[str, Any]:
+    """What one cached token costs the KV cache, all layers, in each dtype it may store (the
+    model's layout, `ModelConfig.kv_layout`: a latent row for latent attention)."""
+    layout = config.kv_layout
+    return {
+        "layout": "latent" if config.latent_attention is not None else "per kv head",
+        "elements_per_token_per_layer": layout.elements_per_token,
+        "bytes_per_token": {dtype: config.kv_elements_per_token * size for dtype, size in _KV_ITEMSIZE.items()},
+    }
 
 
 def _chat_template_problems(path: Path) -> list[Problem]:
@@ -68,6 +85,7 @@ def render_text(info: dict[str, Any], path: Path | str) -> str:
             f"hidden {config['hidden_size']}, ffn {config['intermediate_size']}",
             f"  attention           {config['num_heads']} heads, {config['num_kv_heads']} kv heads, "
             f"head dim {config['head_dim']}, rope theta {config['rope_theta']:g}",
+            *_kv_cache(info.get("kv_cache"), config.get("latent_attention")),
             f"  vocabulary          {config['vocab_size']} tokens, bos {config['bos_token_id']}, "
             f"eos {', '.join(map(str, config['eos_token_ids']))}",
             f"  context             {config['max_position_embeddings']} positions"
@@ -102,6 +120,20 @@ def render_text(info: dict[str, Any], path: Path | str) -> str:
     lines += ["", f"problems              {len(info['problems']) or 'none'}"]
     lines += [f"  ! {problem['message']}" for problem in info["problems"]]
     return "\n".join(lines) + "\n"
+
+
+def _kv_cache(cost: dict[str, Any] | None, latent: dict[str, Any] | None) -> list[str]:
+    lines = []
+    if latent is not None:
+        q = "q_proj" if latent["q_lora_rank"] is None else f"q rank {latent['q_lora_rank']}"
+        lines.append(
+            f"  latent attention    {q}, kv rank {latent['kv_lora_rank']}, nope {latent['qk_nope_head_dim']}, "
+            f"rope {latent['qk_rope_head_dim']}, value {latent['v_head_dim']}"
+        )
+    if cost is not None:
+        sizes = ", ".join(f"{count} {dtype}" for dtype, count in cost["bytes_per_token"].items())
+        lines.append(f"  kv cache            bytes a token ({cost['layout']} layout): {sizes}")
+    return lines
 
 
 def _weights(types: dict[str, dict[str, int]], blocks: dict[str, Any], dequantized: dict[str, str]) -> list[str]:

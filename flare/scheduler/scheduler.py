@@ -27,6 +27,7 @@ import structlog
 
 from flare.engine.drafters import Draft, Drafter
 from flare.engine.model import DecoderModel
+from flare.engine.kv_cache import bytes_per_token
 from flare.engine.precision import dtype_name
 from flare.engine.quantized import served_activations
 from flare.sampler.status import DeviceStatus
@@ -248,6 +249,7 @@ class Scheduler:
             weight_format=str(self._runner.model.weight_format),
             kv_cache_dtype=dtype_name(self._runner.kv_cache.dtype),
             activations=served_activations(self.package.weight_types(), self.options.activations),
+            kv_bytes_per_token=bytes_per_token(self.package.manifest.model, self._runner.kv_cache.dtype),
             weight_types=self.package.weight_types(),
             ranks=self._runner.rank_list(),
         )

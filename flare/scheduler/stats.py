@@ -42,6 +42,7 @@ class SchedulerSnapshot:
     weight_format: str  # what the linear layers multiply in here (`precision.WeightFormat`)
     kv_cache_dtype: str  # what the KV cache stores keys and values as
     activations: str  # what ggml block weights multiply: int8 blocks or float32 (`quantized.served_activations`)
+    kv_bytes_per_token: int  # what one cached token costs, all layers (`kv_cache.bytes_per_token`)
     # Tensors and bytes by stored type (Q4_1, F32, ...): `package.weight_types`.
     weight_types: dict[str, dict[str, int]] = field(default_factory=dict)
     # This host's tensor-parallel ranks as (rank, pid, CPUs); empty without a group.

@@ -72,6 +72,7 @@ class FakeTarget:
             kv_blocks_used=7,
             kv_blocks_total=64,
             kv_cache_dtype="float16",
+            kv_bytes_per_token=1024,
             draining=self.draining,
             device_statuses={"OK": 90, "INVALID_SPECULATION": 2},
             weights_dtype="float32",
@@ -186,7 +187,7 @@ async def test_status_table_is_readable(socket_path: Path) -> None:
     assert "package          smollm2-135m" in lines
     assert "state            serving" in lines
     assert "uptime           1h02m05s" in lines
-    assert "kv blocks        7 / 64 in use, float16" in lines
+    assert "kv blocks        7 / 64 in use, float16, 1024 bytes a token" in lines
     assert "weights          Q4_1 Q8_0 blocks, the rest float32 stored, float16 GEMMs, int8x2 activations" in lines
     assert "weight types     Q4_1 210 tensors 69.7 MB, Q8_0 1 tensor 30.1 MB, F32 61 tensors 0.1 MB" in lines
     assert (
@@ -406,6 +407,7 @@ class SchedulerSnapshot:  # the fields of flare.scheduler.stats.SchedulerSnapsho
     weight_format: str
     kv_cache_dtype: str
     activations: str
+    kv_bytes_per_token: int
     prefix_cache: bool = True
     kv_blocks_cached: int = 5
     kv_blocks_evictable: int = 3
@@ -446,6 +448,7 @@ class FakeScheduler:
             weight_format="float32",
             kv_cache_dtype="float32",
             activations="int8x2",
+            kv_bytes_per_token=2048,
         )
 
     def requests(self) -> list[RequestInfo]:

@@ -98,9 +98,10 @@ def test_a_checkpoint_missing_an_expert_is_refused_naming_what_is_wrong(qwen2_mo
     assert "model.layers.1.mlp.experts.5.gate_proj.weight is not part of a qwen2_moe model" in message
 
 
-def test_a_deepseek_checkpoint_is_still_refused_naming_what_is_missing() -> None:
-    with pytest.raises(SourceError, match="multi-head latent attention"):
-        model_config_from_hf({"model_type": "deepseek_v3"}, None)
+def test_a_deepseek_config_without_its_latent_attention_keys_is_refused_naming_one() -> None:
+    with pytest.raises(SourceError, match="lacks 'kv_lora_rank'"):
+        model_config_from_hf({"model_type": "deepseek_v3", "num_attention_heads": 4, "hidden_size": 64,
+                              "num_hidden_layers": 2, "max_position_embeddings": 64}, None)
 
 
 @pytest.mark.skipif(not native.available(), reason="blocks are multiplied as blocks only by the C kernels")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.family_checkpoints import FAMILIES, MOE_FAMILIES, PHI3_ORIGINAL_CONTEXT, Checkpoint, write_checkpoint
+from tests.family_checkpoints import DEEPSEEK_MOE_FAMILIES, FAMILIES, MOE_FAMILIES, PHI3_ORIGINAL_CONTEXT, Checkpoint, write_checkpoint
 from tests.running_scheduler import running
 from safetensors import safe_open
 
@@ -46,7 +46,7 @@ PROMPTS = (
 NEW_TOKENS = 24
 
 
-@pytest.fixture(scope="module", params=FAMILIES + MOE_FAMILIES)
+@pytest.fixture(scope="module", params=FAMILIES + MOE_FAMILIES + DEEPSEEK_MOE_FAMILIES)
 def exported(request: pytest.FixtureRequest, smollm2_source: ModelSource, tmp_path_factory: pytest.TempPathFactory) -> tuple[Checkpoint, Path]:
     """The family's checkpoint and its float32 package (`flare export --dtype float32`)."""
     root = tmp_path_factory.mktemp(request.param)

@@ -72,7 +72,12 @@ def packages(request: pytest.FixtureRequest, smollm2_source: ModelSource, tmp_pa
     """The family's checkpoint, its Hugging Face package and its GGUF package (float32 both)."""
     family = request.param
     root = tmp_path_factory.mktemp(family)
-    checkpoint = families.write_checkpoint(family, root / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template)
+    # llama.cpp's gpt-oss graph holds the SwiGLU limit as a constant, 7, which no GGUF key carries:
+    # a gpt-oss checkpoint to compare with its GGUF has that limit.
+    changes = {"swiglu_limit": 7.0} if family == "gpt_oss" else None
+    checkpoint = families.write_checkpoint(
+        family, root / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template, changes=changes
+    )
     config = checkpoint.model.config
     write_family_gguf(
         root / f"{family}.gguf", config, checkpoint.model.state_dict(), vocabulary=gguf_vocabulary(default_gguf_path()),

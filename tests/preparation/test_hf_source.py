@@ -49,7 +49,7 @@ def test_chat_template_from_chat_template_jinja(tmp_path: Path, package_parts: d
     ("change", "message"),
     [
         ({"model_type": "falcon"}, "describes a 'falcon' model; flare serves model types llama, mistral, qwen2, qwen3, gemma2"),
-        ({"model_type": "deepseek_v3"}, "multi-head latent attention"),
+        ({"model_type": "deepseek_v3"}, "lacks 'kv_lora_rank'"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 8.0}}, "RoPE scaling 'dynamic'"),
         ({"attention_bias": True}, "bias terms"),
         ({"hidden_act": "relu"}, "activation 'relu'"),

@@ -12,7 +12,13 @@ from flare.preparation.inspect import inspect_package, render_text, servable
 
 def test_json_is_the_manifest_plus_weight_types_integrity_and_problems(tiny_package: Path) -> None:
     info = inspect_package(tiny_package)
-    assert set(info) == {"format", "model", "serving", "sampling", "files", "weight_types", "integrity", "problems"}
+    assert set(info) == {"format", "model", "serving", "sampling", "files", "weight_types", "integer_activation_types", "kv_cache", "integrity", "problems"}
+    # Two layers of 2 KV heads of 16, a key and a value each.
+    assert info["kv_cache"] == {
+        "layout": "per kv head",
+        "elements_per_token_per_layer": 2 * 2 * 16,
+        "bytes_per_token": {"float32": 2 * 64 * 4, "float16": 2 * 64 * 2, "bfloat16": 2 * 64 * 2},
+    }
     assert info["format"] == FORMAT_VERSION
     # The tiny model: a 49152 x 64 tied embedding, two layers (2 norms, q and o 64 x 64, k and v
     # 32 x 64, three 64 x 128 MLP matrices), the final norm; all float32.

@@ -279,6 +279,23 @@ void expand_quantized_row(int vector, int type, const uint8_t *row, int64_t bloc
 int quantized_rows(int type, const uint8_t *data, int64_t in, const int64_t *rows, int64_t count, float *out, int threads,
                    int isa);
 
+/* A round's mixture-of-experts MLP, experts of ggml blocks: see moe_layer.c. */
+typedef struct {
+    const float *x;                /* [tokens, hidden], contiguous */
+    const int64_t *expert_ids;     /* [tokens, k]: each row's experts, each in [0, experts) */
+    const float *expert_weights;   /* [tokens, k]: their weights */
+    const uint8_t *gate_up;        /* experts x [2 intermediate, hidden] of `gate_up_type`, expert e at e * gate_up_expert_bytes */
+    const uint8_t *down;           /* experts x [hidden, intermediate] of `down_type` */
+    int gate_up_type, down_type;   /* GGML_* type ids */
+    int64_t gate_up_expert_bytes, down_expert_bytes;
+    int activation;                /* ACTIVATION_SILU or ACTIVATION_GELU_TANH */
+    float *out;                    /* [tokens, hidden], contiguous */
+    int64_t tokens, k, experts, hidden, intermediate;
+} MoELayer;
+
+/* 0, or -1 when scratch memory could not be allocated or a type is unknown. */
+int moe_layer(const MoELayer *m, int threads, int isa);
+
 /* One attention group of a round (model.py's AttentionGroup): `rows` rows of `query_len` new
  * tokens from flat token `start`, their block table [rows, max_blocks] and start positions. */
 typedef struct {

@@ -259,6 +259,56 @@ static PyObject *py_quantized_linear(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Checks every expert id against the experts before anything is read. */
+static PyObject *py_moe_layer(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t x, expert_ids, expert_weights, gate_up, gate_up_expert_bytes, down, down_expert_bytes, out;
+    Py_ssize_t tokens, k, experts, hidden, intermediate, threads;
+    int gate_up_type, down_type, activation, isa;
+    if (!PyArg_ParseTuple(args, "nnnninnininnnnnnni", &x, &expert_ids, &expert_weights, &gate_up, &gate_up_type,
+                          &gate_up_expert_bytes, &down, &down_type, &down_expert_bytes, &activation, &out, &tokens, &k,
+                          &experts, &hidden, &intermediate, &threads, &isa))
+        return NULL;
+    int64_t block_size, type_size, down_block_size, down_type_size;
+    if (quantized_block_shape(gate_up_type, &block_size, &type_size)) return invalid("moe_layer", "gate_up: unknown ggml type id");
+    if (quantized_block_shape(down_type, &down_block_size, &down_type_size)) return invalid("moe_layer", "down: unknown ggml type id");
+    if (tokens < 1 || k < 1 || experts < 1 || hidden < 1 || intermediate < 1 || threads < 1)
+        return invalid("moe_layer", "sizes must be positive");
+    if (hidden % block_size || gate_up_expert_bytes != 2 * intermediate * (hidden / block_size) * type_size)
+        return invalid("moe_layer", "gate_up: each expert must be [2 intermediate, hidden] of whole blocks");
+    if (intermediate % down_block_size || down_expert_bytes != hidden * (intermediate / down_block_size) * down_type_size)
+        return invalid("moe_layer", "down: each expert must be [hidden, intermediate] of whole blocks");
+    if (activation != ACTIVATION_SILU && activation != ACTIVATION_GELU_TANH) return invalid("moe_layer", "unknown activation code");
+    for (int64_t s = 0; s < tokens * k; s++) {
+        const int64_t e = ((const int64_t *)expert_ids)[s];
+        if (e < 0 || e >= experts) return invalid("moe_layer", "expert_ids: an expert id lies outside the experts");
+    }
+    const MoELayer m = {
+        .x = (const float *)x,
+        .expert_ids = (const int64_t *)expert_ids,
+        .expert_weights = (const float *)expert_weights,
+        .gate_up = (const uint8_t *)gate_up,
+        .down = (const uint8_t *)down,
+        .gate_up_type = gate_up_type,
+        .down_type = down_type,
+        .gate_up_expert_bytes = gate_up_expert_bytes,
+        .down_expert_bytes = down_expert_bytes,
+        .activation = activation,
+        .out = (float *)out,
+        .tokens = tokens,
+        .k = k,
+        .experts = experts,
+        .hidden = hidden,
+        .intermediate = intermediate,
+    };
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = moe_layer(&m, (int)threads, isa);
+    Py_END_ALLOW_THREADS
+    if (status) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 /* Rows of x [tokens, in] (rows `x_stride` floats apart) as 8-bit activation blocks into out
  * [tokens, in / 32] Q8Blocks (integer_linear.c). */
 static PyObject *py_quantize_q8(PyObject *self, PyObject *args) {
@@ -562,6 +612,9 @@ static PyMethodDef methods[] = {
      "float16_linear(x, x_stride, packed, y, tokens, in, out, threads, isa)"},
     {"quantized_linear", py_quantized_linear, METH_VARARGS,
      "quantized_linear(x, x_stride, blocks, type, y, tokens, in, out, threads, isa)"},
+    {"moe_layer", py_moe_layer, METH_VARARGS,
+     "moe_layer(x, expert_ids, expert_weights, gate_up, gate_up_type, gate_up_expert_bytes, down, down_type, "
+     "down_expert_bytes, activation, out, tokens, k, experts, hidden, intermediate, threads, isa)"},
     {"quantize_q8", py_quantize_q8, METH_VARARGS, "quantize_q8(x, x_stride, tokens, in, out, halves, threads)"},
     {"integer_linear", py_integer_linear, METH_VARARGS,
      "integer_linear(x_blocks, x_stride_blocks, halves, blocks, type, y, tokens, in, out, threads, isa)"},

@@ -149,15 +149,7 @@ class MtpHead:
         self.target_norm = None if target_norm is None else target_norm.to(device, torch.float32).contiguous()
         self.eps = config.rms_norm_eps
         self.hidden_size = config.hidden_size
-        self.kv_cache = KVCache(
-            num_layers=1,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            dtype=kv_dtype,
-            device=device,
-        )
+        self.kv_cache = KVCache.for_config(block_config, num_blocks, block_size, kv_dtype, device)
         self.hidden_pool = torch.zeros(num_blocks * block_size, config.hidden_size, dtype=kv_dtype, device=device)
 
     @property

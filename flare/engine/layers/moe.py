@@ -12,7 +12,10 @@ The route is float32 (`routing.py`), from router logits summed in float64 and ro
 (`router_logits`): float32 GEMMs (MKL) sum a row's products in an order that depends on how many
 rows they multiply at once, which could flip a near-tie route between batches. The rows of a round are grouped by expert, so each expert's
 gate/up and down run once per round on all the rows routed to it, through the same linear
-products as a dense layer (`mlp.gated_mlp`: float weights or ggml blocks, `linear.py`). A row's
+products as a dense layer (`mlp.gated_mlp`: float weights or ggml blocks, `linear.py`); with the
+kernels and experts of ggml blocks (without gpt-oss's biases and clamped SwiGLU, on float32
+activations), the routed experts are one C call (`native.moe_layer`, moe_layer.c: the same
+grouping, products and sum, so the same bits). A row's
 k outputs land in its own k slots and are summed slot by slot in the row's fixed expert order,
 never in the order the batch grouped them: a row's result does not depend on its batch-mates
 wherever its products do not (the kernels' block and float16 products; float32 and bfloat16
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from flare.engine import native
 from flare.engine.layers.mlp import clamped_swiglu, gated_activation, gated_mlp
 from flare.engine.layers.routing import Routes, route
 from flare.engine.linear import Weight, linear, linear_columns, pack_weight, stack_weights
@@ -55,6 +59,10 @@ class MoEWeights:
     shared_gate: torch.Tensor | None = None
     gate_up_bias: torch.Tensor | None = None  # float32 [E, 2 I] (gpt-oss)
     down_bias: torch.Tensor | None = None  # float32 [E, hidden] (gpt-oss)
+    # The stacked experts as one weight each where they are ggml blocks (E * 2 I and E * hidden
+    # rows, the same mapped bytes as `gate_up` and `down`): the one-call kernel reads them.
+    gate_up_blocks: QuantizedWeight | None = None
+    down_blocks: QuantizedWeight | None = None
 
 
 def expert_weights(stacked: torch.Tensor | QuantizedWeight, experts: int, weight_format: WeightFormat) -> tuple[Weight, ...]:
@@ -93,10 +101,11 @@ def load_moe_weights(
 
     router = vector("router.weight")
     assert router is not None
+    gate_up, down = stacked("experts.gate_up_proj.weight"), stacked("experts.down_proj.weight")
     return MoEWeights(
         router=router,
-        gate_up=expert_weights(stacked("experts.gate_up_proj.weight"), config.num_experts, weight_format),
-        down=expert_weights(stacked("experts.down_proj.weight"), config.num_experts, weight_format),
+        gate_up=expert_weights(gate_up, config.num_experts, weight_format),
+        down=expert_weights(down, config.num_experts, weight_format),
         router_bias=vector("router.bias"),
         correction_bias=vector("router.score_correction_bias"),
         shared_gate_up=shared("gate_up"),
@@ -104,6 +113,8 @@ def load_moe_weights(
         shared_gate=vector("shared_expert_gate.weight"),
         gate_up_bias=vector("experts.gate_up_proj.bias"),
         down_bias=vector("experts.down_proj.bias"),
+        gate_up_blocks=gate_up if isinstance(gate_up, QuantizedWeight) else None,
+        down_blocks=down if isinstance(down, QuantizedWeight) else None,
     )
 
 
@@ -142,9 +153,9 @@ def _expert(rows: torch.Tensor, weights: MoEWeights, expert: int, config: ModelC
     return out if weights.down_bias is None else out + weights.down_bias[expert].to(out.dtype)
 
 
-def moe_mlp(x: torch.Tensor, weights: MoEWeights, config: ModelConfig, *, kernels: bool) -> torch.Tensor:
-    """The MoE MLP of rows x [T, hidden]: [T, hidden] in x's dtype (module docstring)."""
-    routes = moe_routes(x, weights, config)
+def routed_experts(x: torch.Tensor, routes: Routes, weights: MoEWeights, config: ModelConfig, *, kernels: bool) -> torch.Tensor:
+    """The routed experts' weighted sum [T, hidden] in x's dtype, expert by expert in torch: the
+    counterpart of `native.moe_layer`, which runs instead with kernels and experts of blocks."""
     tokens, k = routes.experts.shape
     flat = routes.experts.reshape(-1)  # slot s of row t is t * k + s
     # The slots grouped by expert (stable: in row order within an expert).
@@ -163,6 +174,32 @@ def moe_mlp(x: torch.Tensor, weights: MoEWeights, config: ModelConfig, *, kernel
     out = weighted[:, 0].clone()
     for slot in range(1, k):  # the fixed order: the row's experts ascending
         out += weighted[:, slot]
+    return out
+
+
+def moe_mlp(x: torch.Tensor, weights: MoEWeights, config: ModelConfig, *, kernels: bool) -> torch.Tensor:
+    """The MoE MLP of rows x [T, hidden]: [T, hidden] in x's dtype (module docstring)."""
+    routes = moe_routes(x, weights, config)
+    if (
+        kernels
+        and weights.gate_up_blocks is not None
+        and weights.down_blocks is not None
+        and weights.gate_up_bias is None  # gpt-oss's biases and clamped SwiGLU stay in routed_experts
+        and weights.down_bias is None
+        # The call's products take float32 activations: blocks set to 8-bit activations
+        # (`--activations`, quantized.py's integer products) stay in routed_experts.
+        and weights.gate_up_blocks.halves == 0
+        and weights.down_blocks.halves == 0
+        and config.hidden_activation in native.ACTIVATION_CODES
+        and x.dtype == torch.float32
+    ):
+        gate_up, down = weights.gate_up_blocks, weights.down_blocks
+        out = native.moe_layer(
+            x.contiguous(), routes.experts.contiguous(), routes.weights.contiguous(), gate_up.data, gate_up.ggml_type,
+            down.data, down.ggml_type, config.num_experts, config.hidden_activation,
+        )
+    else:
+        out = routed_experts(x, routes, weights, config, kernels=kernels)
     if weights.shared_gate_up is not None and weights.shared_down is not None:
         shared = gated_mlp(x, weights.shared_gate_up, weights.shared_down, config.hidden_activation, kernels=kernels)
         if weights.shared_gate is not None:

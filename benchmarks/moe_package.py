@@ -1,0 +1,176 @@
+"""A Q4_K_M file of Qwen3-30B-A3B's shape (fewer layers), made here, exported by flare and served.
+
+Random weights with the model's dimensions (GGUF arch `qwen3moe`: hidden 2048, 128 experts of 768
+(`expert_feed_forward_length`) of which 8 are active, softmax routing with `norm_topk_prob`, 32
+heads and 4 KV heads of 128, q/k norms, its own LM head; `--layers N` of its 48, default 4; the
+synthetic byte-level BPE vocabulary of benchmarks/quantized_package.py, 151936 tokens as the
+model's, or fewer with --vocab) are written as an F16 GGUF tensor by tensor (a 4-layer file is
+about 6 GB, never held in memory whole), then quantized by `llama-quantize ... Q4_K_M`. flare
+exports the result under --dtype auto (every tensor's blocks kept, the experts stacked) and
+serves it; the script prints the file and package sizes, the daemon's resident memory after one
+greedy chat answer against the bound "file + KV cache + 15%" (experts mapped, never copied), and
+the one-stream rate of that answer (random weights: the text means nothing), and the prefill rate
+of a prompt of about 1,500 tokens (--prefill-chars).
+
+    .venv/bin/python benchmarks/moe_package.py --workdir /tmp/qwen3moe-4 \\
+        --llama-quantize /work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-quantize
+
+The Q4_K_M GGUF and the package it leaves in the workdir are what `benchmarks/compare.py --gguf
+FILE --package PACKAGE` serves beside llama.cpp (docs/benchmarks.md, "Mixture-of-experts against
+llama.cpp").
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gguf
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.quantized_package import CHAT_TEMPLATE, resident, vocabulary  # noqa: E402
+from tests.integration.daemon_process import start_daemon  # noqa: E402
+
+from flare.package.directory import open_package  # noqa: E402
+from flare.preparation.export import ExportOptions, export_package  # noqa: E402
+
+# Qwen3-30B-A3B's config.json (48 layers).
+SHAPE = {
+    "layers": 48, "hidden": 2048, "experts": 128, "active": 8, "expert_ffn": 768, "ffn": 6144,
+    "heads": 32, "kv_heads": 4, "head_dim": 128, "vocab": 151936,
+}
+KV_CACHE = "1GiB"
+# The long prompt of the prefill figure: words, about 1.5 characters a token in the synthetic vocabulary.
+PREFILL_TEXT = " ".join(f"word{i % 97} the quick brown fox {i}" for i in range(2000))
+
+
+def write_f16_gguf(path: Path, s: dict, seed: int) -> None:
+    """The file as convert_hf_to_gguf.py lays out a qwen3moe checkpoint, each tensor generated as
+    it is written (`add_tensor_info` first, then the data in the same order)."""
+    tokens, types, merges = vocabulary(s["vocab"])
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_block_count(s["layers"])
+    writer.add_context_length(8192)
+    writer.add_embedding_length(s["hidden"])
+    writer.add_feed_forward_length(s["ffn"])
+    writer.add_expert_feed_forward_length(s["expert_ffn"])
+    writer.add_expert_count(s["experts"])
+    writer.add_expert_used_count(s["active"])
+    writer.add_expert_weights_norm(True)  # norm_topk_prob
+    writer.add_head_count(s["heads"])
+    writer.add_head_count_kv(s["kv_heads"])
+    writer.add_key_length(s["head_dim"])
+    writer.add_value_length(s["head_dim"])
+    writer.add_rope_freq_base(1000000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    h, e, f, hd = s["hidden"], s["experts"], s["expert_ffn"], s["head_dim"]
+    q, kv = s["heads"] * hd, s["kv_heads"] * hd
+    shapes: dict[str, tuple[tuple[int, ...], type]] = {
+        "token_embd.weight": ((s["vocab"], h), np.float16),
+        "output_norm.weight": ((h,), np.float32),
+        "output.weight": ((s["vocab"], h), np.float16),
+    }
+    for i in range(s["layers"]):
+        shapes |= {
+            f"blk.{i}.attn_norm.weight": ((h,), np.float32),
+            f"blk.{i}.attn_q.weight": ((q, h), np.float16),
+            f"blk.{i}.attn_k.weight": ((kv, h), np.float16),
+            f"blk.{i}.attn_v.weight": ((kv, h), np.float16),
+            f"blk.{i}.attn_output.weight": ((h, q), np.float16),
+            f"blk.{i}.attn_q_norm.weight": ((hd,), np.float32),
+            f"blk.{i}.attn_k_norm.weight": ((hd,), np.float32),
+            f"blk.{i}.ffn_norm.weight": ((h,), np.float32),
+            f"blk.{i}.ffn_gate_inp.weight": ((e, h), np.float32),
+            f"blk.{i}.ffn_gate_exps.weight": ((e, f, h), np.float16),
+            f"blk.{i}.ffn_up_exps.weight": ((e, f, h), np.float16),
+            f"blk.{i}.ffn_down_exps.weight": ((e, h, f), np.float16),
+        }
+    for name, (shape, dtype) in shapes.items():
+        writer.add_tensor_info(name, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for name, (shape, dtype) in shapes.items():
+        if len(shape) == 1:  # norms: ones
+            writer.write_tensor_data(np.ones(shape, np.float32))
+            continue
+        # Rows of unit variance in the output: N(0, 1 / in). Stacked experts one expert at a time.
+        tensor = np.empty(shape, dtype)
+        for part in tensor.reshape(-1, *shape[-2:]):
+            part[...] = rng.standard_normal(part.shape, dtype=np.float32) * shape[-1] ** -0.5
+        writer.write_tensor_data(tensor)
+    writer.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", type=Path, required=True)
+    parser.add_argument("--llama-quantize", type=Path, required=True)
+    parser.add_argument("--tokens", type=int, default=32, help="greedy tokens of the chat answer")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=4, help="the first N of the model's 48 layers")
+    parser.add_argument("--prefill-chars", type=int, default=2300, help="characters of the prefill prompt (about 1,500 tokens)")
+    parser.add_argument("--vocab", type=int, default=SHAPE["vocab"], help="the synthetic vocabulary's size")
+    args = parser.parse_args()
+    shape = dict(SHAPE, layers=args.layers, vocab=args.vocab)
+    if not 1 <= args.layers <= SHAPE["layers"]:
+        parser.error(f"--layers must lie in [1, {SHAPE['layers']}]")
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    stem = f"qwen3moe-30b-a3b-shape-{shape['layers']}-layers"
+    f16, q4km, package = args.workdir / f"{stem}.F16.gguf", args.workdir / f"{stem}.Q4_K_M.gguf", args.workdir / "package"
+    if not q4km.exists():
+        if not f16.exists():
+            started = time.perf_counter()
+            write_f16_gguf(f16, shape, args.seed)
+            print(f"F16 GGUF {f16.stat().st_size:,} bytes written in {time.perf_counter() - started:.0f} s")
+        subprocess.run([str(args.llama_quantize), str(f16), str(q4km), "Q4_K_M"], check=True, capture_output=True)
+        f16.unlink()  # the F16 file is only llama-quantize's input
+    started = time.perf_counter()
+    manifest = export_package(str(q4km), package, ExportOptions(overwrite=True))
+    export_s = time.perf_counter() - started
+    file_size = q4km.stat().st_size
+    size = sum(p.stat().st_size for p in package.iterdir())
+    print(f"GGUF {file_size:,} bytes; package {size:,} bytes ({size / file_size:.3f}x), exported in {export_s:.1f} s")
+    print("weight types:", open_package(package).weight_types(), "dequantized:", manifest.dequantized or "none")
+    daemon = start_daemon(package, ["--max-concurrency", "1", "--draft-tokens", "0", "--kv-cache-memory", KV_CACHE])
+    try:
+        body = {
+            "model": daemon.model_name(), "messages": [{"role": "user", "content": "hello"}],
+            "temperature": 0, "max_tokens": args.tokens,
+        }
+        started = time.perf_counter()
+        answer = httpx.post(f"{daemon.base_url}/v1/chat/completions", json=body, timeout=600).json()
+        seconds = time.perf_counter() - started
+        tokens = answer["usage"]["completion_tokens"]
+        print(f"one stream: {tokens} tokens in {seconds:.1f} s ({tokens / seconds:.2f} tok/s, prefill included)")
+        # Prefill: one long prompt, one token out (the answer's time is the prompt's).
+        body = {**body, "messages": [{"role": "user", "content": PREFILL_TEXT[: args.prefill_chars]}], "max_tokens": 1}
+        started = time.perf_counter()
+        answer = httpx.post(f"{daemon.base_url}/v1/chat/completions", json=body, timeout=1200).json()
+        seconds = time.perf_counter() - started
+        prompt = answer["usage"]["prompt_tokens"]
+        print(f"prefill: {prompt} prompt tokens in {seconds:.1f} s ({prompt / seconds:.1f} tok/s)")
+        memory = resident(daemon.process.pid)
+        bound = (file_size / 2**20 + 1024) * 1.15  # file + the 1 GiB KV cache + 15%, MiB
+        verdict = "within" if memory["VmRSS"] <= bound else "OVER"
+        print(f"daemon resident memory (MiB): {memory}; bound file + KV cache + 15% = {bound:.0f} MiB: {verdict}")
+    finally:
+        daemon.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""DeepSeek's multi-head latent attention (engine/layers/latent_attention.py) and its latent KV
+cache, on the tiny DeepSeek-V3 and V2 checkpoints of tests/family_checkpoints.py, dense and with
+their experts (the parity with transformers' eager forward is test_transformers_parity.py's,
+which runs them too):
+
+- the absorbed form equals the decompressed one;
+- the KV pool keeps one [latent | rope key] row per token per layer, and `flare inspect` says
+  what a token costs; a DeepSeek-V3-shaped config's cost;
+- the same checkpoint as a GGUF written as llama.cpp's converter writes it (attn_k_b / attn_v_b,
+  interleaved rope rows, MLA as MQA) gives the Hugging Face package's logits;
+- the prefix cache, preemption and parallel choices on the latent pool give the plain answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from tests.family_checkpoints import DEEPSEEK_MOE_FAMILIES, Checkpoint, deepseek_config, write_checkpoint
+from tests.families.test_transformers_parity import BLOCK_SIZE, LOGIT_TOLERANCE, PROMPTS, forward_in_pieces, reference_logits
+from tests.gguf_writer import write_family_gguf
+from tests.running_scheduler import running
+
+from flare.engine.kv_cache import KVCache, bytes_per_token
+from flare.engine.model import DecoderModel, load_model
+from flare.engine.tokenizer import Tokenizer
+from flare.package.directory import open_package
+from flare.parallel.tensor_split import TensorParallelError, check_tensor_parallel
+from flare.policy.params import SamplingParams
+from flare.preparation.export import ExportOptions, export_package
+from flare.preparation.hf_families import model_config_from_hf
+from flare.preparation.inspect import inspect_package, render_text
+from flare.preparation.source import ModelSource
+from flare.scheduler.request import Finished, GenerationRequest, TextDelta
+
+pytest.importorskip("transformers")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+# Chunks of prompt lengths, decode rounds and verify-sized rows, two rows at once.
+CHUNKED = [[19, 1], [1, 3], [1, 18], [5, 1], [1, 1], [1, 1]]
+
+
+@pytest.fixture(scope="module", params=("deepseek_v3", "deepseek_v2", *DEEPSEEK_MOE_FAMILIES))
+def exported(request: pytest.FixtureRequest, smollm2_source: ModelSource, tmp_path_factory: pytest.TempPathFactory) -> tuple[Checkpoint, Path]:
+    root = tmp_path_factory.mktemp(request.param)
+    checkpoint = write_checkpoint(request.param, root / request.param, smollm2_source.tokenizer_json, smollm2_source.chat_template)
+    export_package(str(checkpoint.path), root / "package", ExportOptions(dtype="float32"), stderr=io.StringIO())
+    return checkpoint, root / "package"
+
+
+def prompts_of(package_path: Path) -> list[list[int]]:
+    tokenizer = Tokenizer.from_package(open_package(package_path))
+    return [tokenizer.encode(text) for text in PROMPTS]
+
+
+def pieces_of(prompts: list[list[int]]) -> list[list[int]]:
+    a, b = (len(p) for p in prompts)
+    return [*CHUNKED, [a - sum(s[0] for s in CHUNKED), b - sum(s[1] for s in CHUNKED)]]
+
+
+def test_absorbed_attention_equals_the_decompressed_one(exported: tuple[Checkpoint, Path]) -> None:
+    _, package_path = exported
+    package = open_package(package_path)
+    floats = dict(package.load_weights()[0])
+    config = package.manifest.model
+    absorbed = DecoderModel(config, floats, absorbed_attention=True)
+    decompressed = DecoderModel(config, floats, absorbed_attention=False)
+    prompts = prompts_of(package_path)
+    for pieces in ([[len(p) for p in prompts]], pieces_of(prompts)):
+        for a, d in zip(forward_in_pieces(absorbed, prompts, pieces), forward_in_pieces(decompressed, prompts, pieces)):
+            assert (a - d).abs().max().item() <= 1e-5, pieces
+
+
+def test_the_kv_pool_keeps_one_latent_row_a_token_and_inspect_reports_its_cost(exported: tuple[Checkpoint, Path]) -> None:
+    _, package_path = exported
+    config = open_package(package_path).manifest.model
+    latent = config.latent_attention
+    assert latent is not None and config.architecture == "deepseek2"
+    cache = KVCache.for_budget(config, 1024**2, BLOCK_SIZE)
+    row = latent.kv_lora_rank + latent.qk_rope_head_dim  # 32 + 8, against 4 heads x (24 + 12) uncompressed
+    assert len(cache.keys) == config.num_layers
+    assert tuple(cache.keys[0].shape) == (1, cache.num_blocks, BLOCK_SIZE, row)
+    assert cache.values[0].numel() == 0
+    assert bytes_per_token(config, torch.float32) == config.num_layers * row * 4
+    info = inspect_package(package_path)
+    assert info["kv_cache"]["layout"] == "latent"
+    assert info["kv_cache"]["bytes_per_token"] == {"float32": 3 * row * 4, "float16": 3 * row * 2, "bfloat16": 3 * row * 2}
+    text = render_text(info, package_path)
+    assert f"kv cache            bytes a token (latent layout): {3 * row * 4} float32" in text
+    assert "latent attention    " in text
+
+
+def test_a_deepseek_v3_shaped_token_costs_its_latent_row_in_every_layer() -> None:
+    """DeepSeek-V3's own config: 61 layers of kv_lora_rank 512 + rope 64 = 576 elements a token
+    a layer (llama.cpp's MLA cache holds the same row, in float16: 70,272 bytes), where a cache
+    of every head's key and value would hold 128 x (192 + 128) = 40,960."""
+    config = model_config_from_hf(
+        {"model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+         "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128, "max_position_embeddings": 163840,
+         "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+         "first_k_dense_replace": 61, "rms_norm_eps": 1e-6, "eos_token_id": 1, "bos_token_id": 0,
+         "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+                          "original_max_position_embeddings": 4096}},
+        None,
+    )
+    assert config.kv_layout.elements_per_token == 576
+    assert bytes_per_token(config, torch.float16) == 61 * 576 * 2 == 70_272
+    assert bytes_per_token(config, torch.float32) == 140_544
+    # The softmax scale carries yarn's mscale(40, mscale_all_dim 1)^2 = (1 + 0.1 ln 40)^2.
+    assert config.attention_scale == pytest.approx(192**-0.5 * (1 + 0.1 * torch.log(torch.tensor(40.0)).item()) ** 2)
+
+
+def test_deepseek_moe_layers_take_their_routing_from_the_config() -> None:
+    """From first_k_dense_replace on; V3: sigmoid group routing, V2: group-limited softmax; the
+    shared experts one gated MLP of n_shared_experts x moe_intermediate_size."""
+    v3 = model_config_from_hf(deepseek_config("deepseek_v3", dense_layers=1, routed_scaling_factor=2.5).to_dict(), None)
+    assert (v3.moe_layers, v3.routing, v3.n_group, v3.topk_group, v3.routed_scaling_factor) == ((1, 2), "sigmoid_group", 2, 1, 2.5)
+    assert (v3.num_experts, v3.num_experts_per_tok, v3.shared_expert_intermediate_size) == (8, 2, 32)
+    v2 = model_config_from_hf(
+        deepseek_config("deepseek_v2", dense_layers=2, topk_method="group_limited_greedy", n_group=2, topk_group=1).to_dict(), None
+    )
+    assert (v2.moe_layers, v2.routing, v2.norm_topk_prob) == ((2,), "softmax_group_max", False)
+
+
+def test_tensor_parallel_refuses_latent_attention_by_name(exported: tuple[Checkpoint, Path]) -> None:
+    config = open_package(exported[1]).manifest.model
+    check_tensor_parallel(config, 1)
+    with pytest.raises(TensorParallelError, match="latent attention"):
+        check_tensor_parallel(config, 2)
+
+
+def test_the_checkpoint_as_llama_cpp_writes_it_serves_the_hugging_face_logits(exported: tuple[Checkpoint, Path], tmp_path: Path) -> None:
+    checkpoint, package_path = exported
+    gguf_path = tmp_path / "model.gguf"
+    write_family_gguf(gguf_path, checkpoint.model.config, checkpoint.model.state_dict(), chat_template=open_package(package_path).chat_template)
+    export_package(str(gguf_path), tmp_path / "from-gguf", ExportOptions(dtype="float32"), stderr=io.StringIO())
+    gguf_package, hf_package = open_package(tmp_path / "from-gguf"), open_package(package_path)
+    assert gguf_package.manifest.model.latent_attention == hf_package.manifest.model.latent_attention
+    # The tiny GGUF vocabulary differs from SmolLM2's: the same ids are scored instead.
+    prompt = prompts_of(package_path)[0]
+    (want,) = forward_in_pieces(load_model(hf_package), [prompt], [[len(prompt)]])
+    (got,) = forward_in_pieces(load_model(gguf_package), [prompt], [[len(prompt)]])
+    assert (got - want).abs().max().item() <= LOGIT_TOLERANCE
+    (reference,) = [reference_logits(checkpoint, prompt)]
+    assert (got - reference).abs().max().item() <= LOGIT_TOLERANCE
+
+
+async def _greedy(scheduler, rid: str, text: str, n: int = 1) -> tuple[list[list[int]], list[Finished]]:
+    request = GenerationRequest(rid, tuple(scheduler.tokenizer.encode(text)), GREEDY, n=n)
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    ends: list[Finished] = []
+    async for event in scheduler.submit(request):
+        if isinstance(event, TextDelta):
+            tokens[event.index] += event.token_ids
+        else:
+            assert isinstance(event, Finished), event
+            ends.append(event)
+    return tokens, ends
+
+
+async def test_prefix_cache_preemption_and_choices_on_the_latent_pool_give_the_plain_answers(exported: tuple[Checkpoint, Path]) -> None:
+    _, package_path = exported
+    config = open_package(package_path).manifest.model
+    async with running(package_path, draft_tokens=0, prefix_cache=False, block_size=BLOCK_SIZE) as plain:
+        expected = [(await _greedy(plain, f"p{i}", text))[0][0] for i, text in enumerate(PROMPTS)]
+    async with running(package_path, draft_tokens=0, block_size=BLOCK_SIZE) as cached:
+        for i, text in enumerate(PROMPTS):
+            assert (await _greedy(cached, f"a{i}", text))[0][0] == expected[i]
+            (again,), (end,) = await _greedy(cached, f"b{i}", text)
+            assert again == expected[i] and end.usage.cached_tokens > 0
+        choices, _ = await _greedy(cached, "n3", PROMPTS[0], n=3)
+        assert choices == [expected[0]] * 3
+    # 24 blocks of 4 tokens cannot hold both prompts (~50 tokens each) and their answers at once.
+    tight_bytes = 24 * BLOCK_SIZE * bytes_per_token(config, torch.float32)
+    async with running(package_path, draft_tokens=0, block_size=BLOCK_SIZE, kv_cache_memory=tight_bytes) as tight:
+        results = await asyncio.gather(*(_greedy(tight, f"t{i}", text) for i, text in enumerate(PROMPTS)))
+        assert tight.snapshot().kv_blocks_used == 0
+    assert [tokens[0] for tokens, _ in results] == expected
