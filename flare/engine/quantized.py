@@ -12,8 +12,9 @@ the K types integer_kquants.c): each activation row quantized in blocks of 32 (Q
 the K types, Q8_K) (`quantize_activations`, once per layer input, shared by the products that read
 it), as one 8-bit block (`int8`, llama.cpp's Q8_0: it moves the default
 model's logprobs by 0.06, too far) or two (`int8x2`: the value and its residual, about 15 bits,
-3e-4). Neither is yet faster than the float32 path at a decode round's few rows on this project's
-CPUs, so `flare run` keeps float32 by default (`--activations`; docs/benchmarks.md has the figures).
+3e-4). On the default package neither is faster than the float32 path at a decode round's few
+rows; on a Q4_K_M file int8x2 is about 1.2x faster at one stream and slower at 8. `flare run`
+keeps float32 by default (`--activations`; docs/benchmarks.md has the figures).
 """
 
 from __future__ import annotations
