@@ -260,3 +260,7 @@ def test_shapes_and_types_the_kernel_does_not_take_are_refused() -> None:
         native.kquant_product(torch.zeros(1, 256), blocks, T.Q4_K, 2, 256, halves=3)
     with pytest.raises(ValueError, match="float32"):
         native.kquant_product(torch.zeros(1, 256, dtype=torch.float64), blocks, T.Q4_K, 2, 256)
+    with pytest.raises(ValueError, match=r"integer_kquant_linear: xq must be contiguous CPU uint8 \[tokens, 292 or 584\]"):
+        native.integer_kquant_linear(torch.zeros(1, 100, dtype=torch.uint8), blocks, T.Q4_K, 2, 256, native.KQUANT_ISA)
+    with pytest.raises(ValueError, match="quantize_q8k_rows: halves must be 1 or 2"):
+        native.quantize_q8k_rows(torch.zeros(1, 256), 3)
