@@ -1,8 +1,9 @@
 """Parity with Hugging Face transformers on the real default model (SmolLM2-135M-Instruct, fp32).
 
-Both load the same GGUF weights (flare through its exported package, transformers directly
-from the GGUF, which needs the `accelerate` package). Greedy continuations must be identical
-token for token, and the logits at the last prompt position must agree within LOGIT_TOLERANCE.
+Both load the same GGUF weights: flare through its exported package, transformers' Llama from the
+GGUF's tensors as gguf-py reads and dequantizes them, independently of flare. Greedy continuations
+must be identical token for token, and the logits at the last prompt position must agree within
+LOGIT_TOLERANCE.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -48,14 +50,71 @@ def flare_side(default_float32_package: Path) -> tuple[DecoderModel, Tokenizer]:
     return load_model(package), Tokenizer.from_package(package)
 
 
+# GGUF tensor names of a llama block (llama.cpp's gguf-py TensorNameMap) and transformers' names.
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_MODEL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _unpermute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's converter, which stores each head's q/k rows with the two rotated halves
+    interleaved (its `permute`: rows (2, d/2) of a head become (d/2, 2))."""
+    half = weight.shape[0] // heads // 2
+    return weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
 @pytest.fixture(scope="module")
 def transformers_model():
+    """transformers' LlamaForCausalLM on the GGUF's weights, dequantized by gguf-py.
+
+    What `from_pretrained(gguf_file=...)` does (gguf-py's dequantize, q/k rows unpermuted), once:
+    that path reads the GGUF twice and rebuilds gguf-py's name map for every tensor, three times
+    the cost. On transformers 5.25 both give the same weights bit for bit and the same logits.
+    """
     transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
-    gguf = default_gguf_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32
+    gguf = pytest.importorskip("gguf")
+    reader = gguf.GGUFReader(str(default_gguf_path()))
+
+    def metadata(key: str) -> int | float:
+        field = reader.fields[f"llama.{key}"]
+        return field.parts[field.data[0]].item()
+
+    heads, kv_heads = metadata("attention.head_count"), metadata("attention.head_count_kv")
+    state = {}
+    for tensor in reader.tensors:
+        weight = gguf.dequantize(tensor.data, tensor.tensor_type)
+        prefix, *rest = tensor.name.split(".")
+        if prefix == "blk":
+            layer, kind, _ = rest
+            if kind in ("attn_q", "attn_k"):
+                weight = _unpermute_rope_rows(weight, heads if kind == "attn_q" else kv_heads)
+            name = f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.weight"
+        else:
+            name = f"{_MODEL_TENSORS[prefix]}.weight"
+        state[name] = torch.from_numpy(np.array(weight, dtype=np.float32))
+    config = transformers.LlamaConfig(
+        vocab_size=state["model.embed_tokens.weight"].shape[0],
+        hidden_size=metadata("embedding_length"),
+        intermediate_size=metadata("feed_forward_length"),
+        num_hidden_layers=metadata("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=metadata("context_length"),
+        rms_norm_eps=metadata("attention.layer_norm_rms_epsilon"),
+        rope_parameters={"rope_type": "default", "rope_theta": metadata("rope.freq_base")},
+        tie_word_embeddings="lm_head.weight" not in state,
+        dtype=torch.float32,
     )
+    with torch.device("meta"):  # no random initialisation of weights replaced at once
+        model = transformers.LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    # Buffers (the rotary inverse frequencies) are computed, not stored: build them on the CPU.
+    model.model.rotary_emb = type(model.model.rotary_emb)(config)
     return model.eval()
 
 
@@ -86,12 +145,21 @@ def flare_greedy(
     return outputs, prompt_logits
 
 
-def test_greedy_continuations_and_last_logits_match_transformers(flare_side, transformers_model) -> None:
+@pytest.fixture(scope="module")
+def float32_answers(flare_side) -> tuple[list[list[int]], list[list[int]], torch.Tensor]:
+    """The encoded PROMPTS, the float32 package's greedy answers to them decoded together and its
+    logits at their last prompt positions: what transformers and the other packages are held to,
+    decoded once for the module."""
     model, tokenizer = flare_side
-    eos = set(tokenizer.eos_token_ids)
     prompts = [tokenizer.encode_chat(messages) for messages in PROMPTS]
+    outputs, prompt_logits = flare_greedy(model, prompts, set(tokenizer.eos_token_ids))
+    return prompts, outputs, prompt_logits
 
-    outputs, prompt_logits = flare_greedy(model, prompts, eos)
+
+def test_greedy_continuations_and_last_logits_match_transformers(flare_side, float32_answers, transformers_model) -> None:
+    _, tokenizer = flare_side
+    eos = set(tokenizer.eos_token_ids)
+    prompts, outputs, prompt_logits = float32_answers
 
     for prompt, output, logits in zip(prompts, outputs, prompt_logits):
         # One transformers forward over prompt + flare's continuation: its greedy choice after
@@ -144,7 +212,7 @@ MAX_KL = {WeightFormat.FLOAT16: 1e-3, WeightFormat.BFLOAT16: 1e-2}
         pytest.param(WeightFormat.BFLOAT16, marks=pytest.mark.skipif(not cpu_has_native_bf16(), reason="no native bfloat16 here")),
     ],
 )
-def test_a_float16_package_answers_as_float32_does_within_a_stated_divergence(flare_side, weight_format) -> None:
+def test_a_float16_package_answers_as_float32_does_within_a_stated_divergence(flare_side, float32_answers, weight_format) -> None:
     exact, tokenizer = flare_side
     package = open_package(default_package_path(dtype="float16"))
     assert package.manifest.serving.dtype == "float16"
@@ -154,7 +222,7 @@ def test_a_float16_package_answers_as_float32_does_within_a_stated_divergence(fl
     prompts = [tokenizer.encode_chat(messages) for messages in PROMPTS]
 
     outputs, logits = flare_greedy(rounded, prompts, eos)
-    _, reference = flare_greedy(exact, prompts, eos, new_tokens=1)  # only its prompt logits
+    _, _, reference = float32_answers  # only its prompt logits
 
     log_p, log_q = reference.log_softmax(-1), logits.log_softmax(-1)
     divergence = (log_p.exp() * (log_p - log_q)).sum(-1)  # KL(float32 || weight_format)
@@ -189,7 +257,7 @@ def default_blocks_package() -> Path:
 MAX_MEAN_LOGPROB_DIFFERENCE = 1e-3
 
 
-def test_the_blocks_package_scores_text_as_its_float32_dequantization_does(flare_side, default_blocks_package) -> None:
+def test_the_blocks_package_scores_text_as_its_float32_dequantization_does(flare_side, float32_answers, default_blocks_package) -> None:
     # With float32 activations (`flare run --activations float32`): only the order of summation differs.
     exact, tokenizer = flare_side
     package = open_package(default_blocks_package)
@@ -210,7 +278,7 @@ def test_the_blocks_package_scores_text_as_its_float32_dequantization_does(flare
         print(f"mean |echoed log-probability difference| {difference:.2e} over {len(prompt) - 1} tokens")
         assert difference <= MAX_MEAN_LOGPROB_DIFFERENCE
     outputs, logits = flare_greedy(served, prompts, eos)
-    reference_outputs, reference_logits = flare_greedy(exact, prompts, eos)
+    _, reference_outputs, reference_logits = float32_answers
     assert (logits - reference_logits).abs().max().item() <= LOGIT_TOLERANCE
     assert outputs == reference_outputs
     assert tokenizer.decode(outputs[0]) == "The capital of France is Paris."
