@@ -29,24 +29,17 @@ import time
 from pathlib import Path
 
 import gguf
-import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.quantized_package import CHAT_TEMPLATE, resident, vocabulary  # noqa: E402
-from tests.integration.daemon_process import start_daemon  # noqa: E402
+from benchmarks.quantized_package import CHAT_TEMPLATE, export_and_serve, vocabulary  # noqa: E402
 
-from flare.package.directory import open_package  # noqa: E402
-from flare.preparation.export import ExportOptions, export_package  # noqa: E402
 
 # Qwen3-30B-A3B's config.json (48 layers).
 SHAPE = {
     "layers": 48, "hidden": 2048, "experts": 128, "active": 8, "expert_ffn": 768, "ffn": 6144,
     "heads": 32, "kv_heads": 4, "head_dim": 128, "vocab": 151936,
 }
-KV_CACHE = "1GiB"
-# The long prompt of the prefill figure: words, about 1.5 characters a token in the synthetic vocabulary.
-PREFILL_TEXT = " ".join(f"word{i % 97} the quick brown fox {i}" for i in range(2000))
 
 
 def write_f16_gguf(path: Path, s: dict, seed: int) -> None:
@@ -139,37 +132,7 @@ def main() -> None:
             print(f"F16 GGUF {f16.stat().st_size:,} bytes written in {time.perf_counter() - started:.0f} s")
         subprocess.run([str(args.llama_quantize), str(f16), str(q4km), "Q4_K_M"], check=True, capture_output=True)
         f16.unlink()  # the F16 file is only llama-quantize's input
-    started = time.perf_counter()
-    manifest = export_package(str(q4km), package, ExportOptions(overwrite=True))
-    export_s = time.perf_counter() - started
-    file_size = q4km.stat().st_size
-    size = sum(p.stat().st_size for p in package.iterdir())
-    print(f"GGUF {file_size:,} bytes; package {size:,} bytes ({size / file_size:.3f}x), exported in {export_s:.1f} s")
-    print("weight types:", open_package(package).weight_types(), "dequantized:", manifest.dequantized or "none")
-    daemon = start_daemon(package, ["--max-concurrency", "1", "--draft-tokens", "0", "--kv-cache-memory", KV_CACHE])
-    try:
-        body = {
-            "model": daemon.model_name(), "messages": [{"role": "user", "content": "hello"}],
-            "temperature": 0, "max_tokens": args.tokens,
-        }
-        started = time.perf_counter()
-        answer = httpx.post(f"{daemon.base_url}/v1/chat/completions", json=body, timeout=600).json()
-        seconds = time.perf_counter() - started
-        tokens = answer["usage"]["completion_tokens"]
-        print(f"one stream: {tokens} tokens in {seconds:.1f} s ({tokens / seconds:.2f} tok/s, prefill included)")
-        # Prefill: one long prompt, one token out (the answer's time is the prompt's).
-        body = {**body, "messages": [{"role": "user", "content": PREFILL_TEXT[: args.prefill_chars]}], "max_tokens": 1}
-        started = time.perf_counter()
-        answer = httpx.post(f"{daemon.base_url}/v1/chat/completions", json=body, timeout=1200).json()
-        seconds = time.perf_counter() - started
-        prompt = answer["usage"]["prompt_tokens"]
-        print(f"prefill: {prompt} prompt tokens in {seconds:.1f} s ({prompt / seconds:.1f} tok/s)")
-        memory = resident(daemon.process.pid)
-        bound = (file_size / 2**20 + 1024) * 1.15  # file + the 1 GiB KV cache + 15%, MiB
-        verdict = "within" if memory["VmRSS"] <= bound else "OVER"
-        print(f"daemon resident memory (MiB): {memory}; bound file + KV cache + 15% = {bound:.0f} MiB: {verdict}")
-    finally:
-        daemon.stop()
+    export_and_serve(q4km, package, args.tokens, args.prefill_chars)
 
 
 if __name__ == "__main__":

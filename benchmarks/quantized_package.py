@@ -8,8 +8,9 @@ F16 GGUF, with a
 synthetic byte-level BPE vocabulary of that size, then quantized by `llama-quantize ... Q4_K_M`
 (the llama-cpp-python 0.3.36 sdist's build). flare exports the result under --dtype auto (every
 tensor's blocks kept) and serves it; the script prints the file and package sizes, the types
-kept, the export time, and the daemon's resident memory after one greedy chat answer, with the
-one-stream rate of that answer (random weights: the text means nothing).
+kept, the export time, the one-stream rate of a greedy chat answer (random weights: the text means
+nothing), a ~1,500-token prompt's prefill rate, and the daemon's resident memory against issue 38's
+bound (file + KV cache + 15%); `benchmarks/moe_package.py` reports the same way (`export_and_serve`).
 
     .venv/bin/python benchmarks/quantized_package.py --workdir /tmp/q4km-1b \\
         --llama-quantize /work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-quantize
@@ -121,6 +122,50 @@ def resident(pid: int) -> dict[str, int]:
     return fields
 
 
+# The daemon's KV cache, which the resident-memory bound counts: file + KV cache + 15%.
+KV_CACHE = "1GiB"
+KV_CACHE_MIB = 1024
+# The long prompt of the prefill figure: words, about 1.5 characters a token in the synthetic vocabulary.
+PREFILL_TEXT = " ".join(f"word{i % 97} the quick brown fox {i}" for i in range(2000))
+
+
+def export_and_serve(gguf_file: Path, package: Path, tokens: int, prefill_chars: int) -> None:
+    """Export `gguf_file` under --dtype auto, serve it at one stream and print: sizes and the
+    types kept, a greedy chat answer's rate, a long prompt's prefill rate, and the daemon's
+    resident memory against the bound of file + KV cache + 15%."""
+    started = time.perf_counter()
+    manifest = export_package(str(gguf_file), package, ExportOptions(overwrite=True))
+    export_s = time.perf_counter() - started
+    file_size = gguf_file.stat().st_size
+    size = sum(p.stat().st_size for p in package.iterdir())
+    print(f"GGUF {file_size:,} bytes; package {size:,} bytes ({size / file_size:.3f}x), exported in {export_s:.1f} s")
+    print("weight types:", open_package(package).weight_types(), "dequantized:", manifest.dequantized or "none")
+    daemon = start_daemon(package, ["--max-concurrency", "1", "--draft-tokens", "0", "--kv-cache-memory", KV_CACHE])
+    try:
+        body = {
+            "model": daemon.model_name(), "messages": [{"role": "user", "content": "hello"}],
+            "temperature": 0, "max_tokens": tokens,
+        }
+        started = time.perf_counter()
+        answer = httpx.post(f"{daemon.base_url}/v1/chat/completions", json=body, timeout=600).json()
+        seconds = time.perf_counter() - started
+        done = answer["usage"]["completion_tokens"]
+        print(f"one stream: {done} tokens in {seconds:.1f} s ({done / seconds:.2f} tok/s, prefill included)")
+        # Prefill: one long prompt, one token out (the answer's time is the prompt's).
+        body = {**body, "messages": [{"role": "user", "content": PREFILL_TEXT[:prefill_chars]}], "max_tokens": 1}
+        started = time.perf_counter()
+        answer = httpx.post(f"{daemon.base_url}/v1/chat/completions", json=body, timeout=1200).json()
+        seconds = time.perf_counter() - started
+        prompt = answer["usage"]["prompt_tokens"]
+        print(f"prefill: {prompt} prompt tokens in {seconds:.1f} s ({prompt / seconds:.1f} tok/s)")
+        memory = resident(daemon.process.pid)
+        bound = (file_size / 2**20 + KV_CACHE_MIB) * 1.15
+        verdict = "within" if memory["VmRSS"] <= bound else "OVER"
+        print(f"daemon resident memory (MiB): {memory}; bound file + KV cache + 15% = {bound:.0f} MiB: {verdict}")
+    finally:
+        daemon.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, required=True)
@@ -129,6 +174,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     parser.add_argument("--layers", type=int, help="keep the first N layers (default: all of the shape's)")
+    parser.add_argument("--prefill-chars", type=int, default=2300, help="characters of the prefill prompt (about 1,500 tokens)")
     args = parser.parse_args()
     shape = dict(SHAPES[args.shape])
     if args.layers is not None:
@@ -142,26 +188,7 @@ def main() -> None:
         write_f16_gguf(f16, shape, args.seed)
     if not q4km.exists():
         subprocess.run([str(args.llama_quantize), str(f16), str(q4km), "Q4_K_M"], check=True, capture_output=True)
-    started = time.perf_counter()
-    manifest = export_package(str(q4km), package, ExportOptions(overwrite=True))
-    export_s = time.perf_counter() - started
-    size = sum(p.stat().st_size for p in package.iterdir())
-    print(f"GGUF {q4km.stat().st_size:,} bytes; package {size:,} bytes ({size / q4km.stat().st_size:.3f}x), exported in {export_s:.1f} s")
-    print("weight types:", open_package(package).weight_types(), "dequantized:", manifest.dequantized or "none")
-    daemon = start_daemon(package, ["--max-concurrency", "1", "--draft-tokens", "0"])
-    try:
-        body = {
-            "model": daemon.model_name(), "messages": [{"role": "user", "content": "hello"}],
-            "temperature": 0, "max_tokens": args.tokens,
-        }
-        started = time.perf_counter()
-        answer = httpx.post(f"{daemon.base_url}/v1/chat/completions", json=body, timeout=600).json()
-        seconds = time.perf_counter() - started
-        tokens = answer["usage"]["completion_tokens"]
-        print(f"one stream: {tokens} tokens in {seconds:.1f} s ({tokens / seconds:.2f} tok/s, prefill included)")
-        print("daemon resident memory (MiB):", resident(daemon.process.pid))
-    finally:
-        daemon.stop()
+    export_and_serve(q4km, package, args.tokens, args.prefill_chars)
 
 
 if __name__ == "__main__":
