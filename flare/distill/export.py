@@ -39,13 +39,29 @@ def export_with_draft_head(
     try:
         # Read (and checked) before anything is exported: a layer flare cannot serve is refused
         # up front. An unreadable source is left to export_package to report.
-        read_head = open_source(source).read_draft_head
+        opened = open_source(source)
     except SourceError:
-        read_head = None
+        opened = None
     try:
-        imported = read_head() if read_head is not None else None
+        imported = opened.read_draft_head() if opened is not None and opened.read_draft_head is not None else None
     except SourceError as error:
         raise ExportError(str(error)) from None
+    if imported is None and opened is not None and opened.config.latent_attention is not None:
+        # Distillation trains a Llama-layer head, which cannot read a latent-attention target's
+        # shapes: such a model drafts with its checkpoint's own MTP layer only.
+        gguf = (
+            " llama.cpp's deepseek2 GGUF files carry no MTP layer (its converter drops the layers after "
+            "num_hidden_layers), so export the Hugging Face checkpoint instead."
+            if opened.source_format == "gguf"
+            else ""
+        )
+        raise ExportError(
+            f"--drafter mtp: {source} is a latent-attention ({opened.config.architecture}) model without a "
+            f"multi-token-prediction layer, and flare distills draft heads for other models only; its drafter is "
+            f"the checkpoint's own MTP layer (config.json num_nextn_predict_layers).{gguf} Export with --drafter "
+            "ngram to draft by n-gram lookup.",
+            option="--drafter",
+        )
     staging = out_dir.parent / f".{out_dir.name}.target-{uuid.uuid4().hex[:12]}"
     try:
         export_package(

@@ -39,6 +39,7 @@ from flare.package.blocks import (
     write_blocks,
 )
 from flare.package.draft_head import DRAFT_HEAD_NAME, FINAL_NORM_TENSOR, draft_head_shapes
+from flare.package.layer_shapes import decoder_layer_shapes
 from flare.package.manifest import (
     MANIFEST_NAME,
     DraftHeadInfo,
@@ -104,91 +105,13 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     gpt-oss adds `self_attn.o_proj.bias` [hidden] (`attention_output_bias`) and
     `self_attn.sinks` [heads] (`attention_sinks`).
     """
-    h, kv = config.hidden_size, config.num_kv_heads * config.head_dim
-    q = config.num_heads * config.head_dim
-    latent = config.latent_attention
-    o_in = q if latent is None else config.num_heads * latent.v_head_dim
+    h = config.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
     for i in range(config.num_layers):
-        layer = f"model.layers.{i}"
-        shapes[f"{layer}.input_layernorm.weight"] = (h,)
-        if config.latent_attention is not None:
-            shapes.update(latent_attention_shapes(config, f"{layer}.self_attn"))
-        else:
-            shapes[f"{layer}.self_attn.q_proj.weight"] = (q, h)
-            shapes[f"{layer}.self_attn.k_proj.weight"] = (kv, h)
-            shapes[f"{layer}.self_attn.v_proj.weight"] = (kv, h)
-        if config.attention_bias:
-            shapes[f"{layer}.self_attn.q_proj.bias"] = (q,)
-            shapes[f"{layer}.self_attn.k_proj.bias"] = (kv,)
-            shapes[f"{layer}.self_attn.v_proj.bias"] = (kv,)
-        if config.qk_norm:
-            shapes[f"{layer}.self_attn.q_norm.weight"] = (config.head_dim,)
-            shapes[f"{layer}.self_attn.k_norm.weight"] = (config.head_dim,)
-        shapes[f"{layer}.self_attn.o_proj.weight"] = (h, o_in)
-        if config.attention_output_bias:
-            shapes[f"{layer}.self_attn.o_proj.bias"] = (h,)
-        if config.attention_sinks:
-            shapes[f"{layer}.self_attn.sinks"] = (config.num_heads,)
-        if config.sandwich_norms:
-            shapes[f"{layer}.attention_output_norm.weight"] = (h,)
-        shapes[f"{layer}.post_attention_layernorm.weight"] = (h,)
-        if config.is_moe_layer(i):
-            shapes.update(moe_weight_shapes(config, f"{layer}.mlp"))
-        else:
-            shapes[f"{layer}.mlp.gate_proj.weight"] = (config.intermediate_size, h)
-            shapes[f"{layer}.mlp.up_proj.weight"] = (config.intermediate_size, h)
-            shapes[f"{layer}.mlp.down_proj.weight"] = (h, config.intermediate_size)
-        if config.sandwich_norms:
-            shapes[f"{layer}.mlp_output_norm.weight"] = (h,)
+        shapes.update(decoder_layer_shapes(config, i, f"model.layers.{i}"))
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
-    return shapes
-
-
-def latent_attention_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
-    """A latent-attention layer's projections (transformers' DeepSeek names, `LatentAttention`),
-    o_proj aside: q_proj, or q_a_proj / q_a_layernorm / q_b_proj through q_lora_rank;
-    kv_a_proj_with_mqa (the latent and the shared rope key), kv_a_layernorm, kv_b_proj (every
-    head's nope key and value from the latent)."""
-    latent = config.latent_attention
-    assert latent is not None
-    h, heads = config.hidden_size, config.num_heads
-    q_out = heads * latent.qk_head_dim
-    shapes: dict[str, tuple[int, ...]] = {}
-    if latent.q_lora_rank is None:
-        shapes[f"{prefix}.q_proj.weight"] = (q_out, h)
-    else:
-        shapes[f"{prefix}.q_a_proj.weight"] = (latent.q_lora_rank, h)
-        shapes[f"{prefix}.q_a_layernorm.weight"] = (latent.q_lora_rank,)
-        shapes[f"{prefix}.q_b_proj.weight"] = (q_out, latent.q_lora_rank)
-    shapes[f"{prefix}.kv_a_proj_with_mqa.weight"] = (latent.kv_lora_rank + latent.qk_rope_head_dim, h)
-    shapes[f"{prefix}.kv_a_layernorm.weight"] = (latent.kv_lora_rank,)
-    shapes[f"{prefix}.kv_b_proj.weight"] = (heads * (latent.qk_nope_head_dim + latent.v_head_dim), latent.kv_lora_rank)
-    return shapes
-
-
-def moe_weight_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
-    """The tensors of one mixture-of-experts MLP under `prefix` (`expected_weight_shapes`)."""
-    h, experts, width = config.hidden_size, config.num_experts, config.moe_intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {f"{prefix}.router.weight": (experts, h)}
-    if config.router_bias:
-        shapes[f"{prefix}.router.bias"] = (experts,)
-    if config.routing == "sigmoid_group":
-        shapes[f"{prefix}.router.score_correction_bias"] = (experts,)
-    shapes[f"{prefix}.experts.gate_up_proj.weight"] = (experts, 2 * width, h)
-    shapes[f"{prefix}.experts.down_proj.weight"] = (experts, h, width)
-    if config.expert_bias:
-        shapes[f"{prefix}.experts.gate_up_proj.bias"] = (experts, 2 * width)
-        shapes[f"{prefix}.experts.down_proj.bias"] = (experts, h)
-    shared = config.shared_expert_intermediate_size
-    if shared:
-        shapes[f"{prefix}.shared_expert.gate_proj.weight"] = (shared, h)
-        shapes[f"{prefix}.shared_expert.up_proj.weight"] = (shared, h)
-        shapes[f"{prefix}.shared_expert.down_proj.weight"] = (h, shared)
-    if config.shared_expert_gate:
-        shapes[f"{prefix}.shared_expert_gate.weight"] = (1, h)
     return shapes
 
 
@@ -477,7 +400,7 @@ def _weights_header_problems(path: Path, manifest: Manifest) -> list[str]:
 
 def _head_problems(config: ModelConfig, info: DraftHeadInfo | None, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
     assert info is not None
-    expected = draft_head_shapes(config, info.draft_vocab_size, own_final_norm=FINAL_NORM_TENSOR in shapes)
+    expected = draft_head_shapes(config, info.draft_vocab_size, own_final_norm=FINAL_NORM_TENSOR in shapes, layer=info.layer)
     problems = [f"draft head tensor {name} is missing" for name in expected if name not in shapes]
     problems += [f"draft head tensor {name} is not part of a draft head" for name in shapes if name not in expected]
     problems += [

@@ -71,6 +71,11 @@ HEAD_DTYPES = ("float32", "bfloat16", "float16")
 # stream after the last layer (the heads flare distills), or that stream after the target's final
 # norm (the input of the DeepSeek-V3-style MTP layers a checkpoint may ship).
 HEAD_TARGET_HIDDEN = ("residual", "final_norm")
+# The decoder layer a draft head runs (`draft_head.head_layer_config`): a Llama layer whatever the
+# target's family (the heads flare distills, and MTP layers in that layout), or one of the
+# target's own layers, its attention (latent for DeepSeek) and its MLP (a mixture of experts where
+# the target's last layer is one): a DeepSeek-V3 checkpoint's MTP layer.
+HEAD_LAYERS = ("llama", "target")
 MAX_DRAFT_TOKENS = 16
 
 
@@ -573,9 +578,12 @@ class DraftHeadInfo:
     held_out: HeldOutAcceptance | None = None
     target_hidden: str = "residual"  # HEAD_TARGET_HIDDEN
     imported_from: str | None = None  # the checkpoint MTP layer the head was read from, if not distilled
+    layer: str = "llama"  # HEAD_LAYERS
 
     def __post_init__(self) -> None:
         problems = []
+        if self.layer not in HEAD_LAYERS:
+            problems.append(f"layer must be one of {', '.join(HEAD_LAYERS)}, got {self.layer!r}")
         if self.target_hidden not in HEAD_TARGET_HIDDEN:
             problems.append(f"target_hidden must be one of {', '.join(HEAD_TARGET_HIDDEN)}, got {self.target_hidden!r}")
         if self.dtype not in HEAD_DTYPES:
@@ -599,7 +607,7 @@ class DraftHeadInfo:
             raise ManifestError(f"draft_head must be an object, got {type(data).__name__}")
         expected = {f.name for f in dataclasses.fields(cls)}
         # Keys added after the first packages with a head may be absent: their defaults hold.
-        optional = {"target_hidden", "imported_from"}
+        optional = {"target_hidden", "imported_from", "layer"}
         unknown, missing = sorted(set(data) - expected), sorted(expected - set(data) - optional)
         if unknown or missing:
             raise ManifestError(f"draft_head: unknown key(s) {unknown}, missing key(s) {missing}")

@@ -6,14 +6,17 @@ more `*.safetensors` files,
 
 A checkpoint may also ship multi-token-prediction layers in DeepSeek-V3's layout, declared by
 `num_nextn_predict_layers` in its config and stored after the decoder layers, as
-`model.layers.{num_hidden_layers + i}.*`. The layout read (`read_mtp_head`), on a Llama decoder
-layer: `enorm`, `hnorm` (the RMSNorms of the next token's embedding and of the target's hidden
-state), `eh_proj` [hidden, 2 * hidden] over their concatenation, embedding first, the decoder
-layer's own tensors under Llama's names, and optionally `shared_head.norm` (the norm before the
-LM head, kept when it differs from the model's), `shared_head.head` and `embed_tokens` (copies
-that must equal the model's LM head and embedding: flare shares them). Anything else under the
-layer (MoE experts, MLA projections) is refused by name. Only the first layer is read: flare
-applies one head step after step. The model's weights never include these layers.
+`model.layers.{num_hidden_layers + i}.*`. The layout read (`read_mtp_head`): `enorm`, `hnorm`
+(the RMSNorms of the next token's embedding and of the target's hidden state), `eh_proj`
+[hidden, 2 * hidden] over their concatenation, embedding first, a decoder layer, and optionally
+`shared_head.norm` (the norm before the LM head, kept when it differs from the model's),
+`shared_head.head` and `embed_tokens` (copies that must equal the model's LM head and embedding:
+flare shares them). The decoder layer is the model's own kind where the model has latent
+attention (DeepSeek-V2/V3: its MLA projections, and its MoE MLP where the model's last layer
+has experts, converted and stacked as the model's layers are; `DraftHeadInfo.layer` "target"),
+else a Llama decoder layer under Llama's names. Anything else under the layer is refused by
+name. Only the first layer is read: flare applies one head step after step. The model's weights
+never include these layers.
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
     mxfp4 = any(name.endswith("_blocks") for name in target_shapes)
 
     def read_draft_head() -> ImportedDraftHead:
-        return read_mtp_head(path, config, weight_files, shapes, mtp_layers)
+        return read_mtp_head(path, config, weight_files, shapes, mtp_layers, convert)
 
     return ModelSource(
         name=path.resolve().name,
@@ -121,18 +124,15 @@ def _mtp_layer_count(data: dict[str, Any]) -> int:
     return value
 
 
-# The tensors of a DeepSeek-V3-style MTP layer on a Llama decoder layer, as flare names them.
-_MTP_NAMES = {
-    "enorm.weight": "mtp.embed_norm.weight",
-    "hnorm.weight": "mtp.hidden_norm.weight",
-    "eh_proj.weight": "mtp.fc.weight",
-    **{
-        f"{part}.weight": f"mtp.layer.{part}.weight"
-        for part in (
-            "input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-            "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-        )
-    },
+# The tensors of a DeepSeek-V3-style MTP layer around its decoder layer, as flare names them.
+_MTP_OWN = {"enorm.weight": "mtp.embed_norm.weight", "hnorm.weight": "mtp.hidden_norm.weight", "eh_proj.weight": "mtp.fc.weight"}
+# Its decoder layer where that is a Llama layer.
+_MTP_LLAMA_LAYER = {
+    f"{part}.weight": f"mtp.layer.{part}.weight"
+    for part in (
+        "input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+    )
 }
 # Copies of the model's own tensors an MTP layer may carry: (name in the layer, the model's name).
 _MTP_SHARED = {"shared_head.head.weight": "lm_head.weight", "embed_tokens.weight": "model.embed_tokens.weight"}
@@ -140,35 +140,74 @@ _MTP_OWN_NORM = "shared_head.norm.weight"
 
 
 def read_mtp_head(
-    path: Path, config: ModelConfig, files: list[Path], shapes: dict[str, tuple[int, ...]], declared: int
+    path: Path,
+    config: ModelConfig,
+    files: list[Path],
+    shapes: dict[str, tuple[int, ...]],
+    declared: int,
+    convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
 ) -> ImportedDraftHead:
-    """The first MTP layer of the checkpoint as a draft head (module docstring: the layout);
-    SourceError naming every tensor that does not fit it."""
-    from flare.package.draft_head import FINAL_NORM_TENSOR, draft_head_shapes
+    """The first MTP layer of the checkpoint as a draft head (module docstring: the layout), its
+    decoder layer converted by `convert` (the model's own conversion); SourceError naming every
+    tensor that does not fit it."""
+    from flare.package.draft_head import FINAL_NORM_TENSOR, LAYER_PREFIX, draft_head_shapes
 
     prefix = f"model.layers.{config.num_layers}."
     layer = {n[len(prefix) :]: shape for n, shape in shapes.items() if n.startswith(prefix)}
-    expected = draft_head_shapes(config, 1)
+    kind = "target" if config.latent_attention is not None else "llama"
+    expected = draft_head_shapes(config, 1, layer=kind)
     h = config.hidden_size
-    problems = [f"{prefix}{name} is missing" for name in _MTP_NAMES if name not in layer]
+    own = dict(_MTP_OWN)
+    if kind == "llama":
+        own.update(_MTP_LLAMA_LAYER)
+        decoder: dict[str, tuple[int, ...]] = {}
+    else:
+        # The decoder layer's tensors under the package's names, as the model's layers become them.
+        decoder = _converted_shapes(
+            {prefix + n: s for n, s in layer.items() if n not in _MTP_OWN and n not in _MTP_SHARED and n != _MTP_OWN_NORM},
+            convert,
+            config,
+        )
+    problems = [f"{prefix}{name} is missing" for name in own if name not in layer]
+    described = (
+        "a DeepSeek-V3-style MTP layer on a Llama decoder layer"
+        if kind == "llama"
+        else f"a DeepSeek-V3-style MTP layer of this {config.architecture} model"
+    )
     for name, shape in layer.items():
-        if name in _MTP_NAMES:
-            want = expected[_MTP_NAMES[name]]
+        if name in own:
+            want = expected[own[name]]
         elif name in _MTP_SHARED:
             want = (config.vocab_size, h)
         elif name == _MTP_OWN_NORM:
             want = (h,)
+        elif kind == "target":
+            continue  # the decoder layer's, checked below under the package's names
         else:
-            problems.append(f"{prefix}{name} is not part of a DeepSeek-V3-style MTP layer on a Llama decoder layer")
+            problems.append(f"{prefix}{name} is not part of {described}")
             continue
         if tuple(shape) != want:
             problems.append(f"{prefix}{name} has shape {list(shape)}, expected {list(want)}")
+    layer_expected = {n[len(LAYER_PREFIX) + 1 :]: s for n, s in expected.items() if n.startswith(LAYER_PREFIX + ".")}
+    for name in decoder.keys() - layer_expected.keys():
+        problems.append(f"{prefix}{name} is not part of {described}")
+    if decoder or kind == "target":
+        problems += [f"{prefix}{name} is missing" for name in layer_expected if name not in decoder]
+        problems += [
+            f"{prefix}{name} has shape {list(decoder[name])}, expected {list(want)}"
+            for name, want in layer_expected.items()
+            if name in decoder and tuple(decoder[name]) != want
+        ]
     if problems:
+        reads = (
+            "DeepSeek-V3's layout on a Llama decoder layer"
+            if kind == "llama"
+            else "DeepSeek-V3's layout on a decoder layer of the model's own kind"
+        )
         raise SourceError(
             f"config.json in {path} declares {declared} multi-token-prediction layer(s), but {prefix}* is not one "
-            "flare can read (it reads DeepSeek-V3's layout on a Llama decoder layer; export with --drafter ngram "
-            "to leave the layer out)"
-            + listed(problems)
+            f"flare can read (it reads {reads}; export with --drafter ngram to leave the layer out)"
+            + listed(sorted(problems))
         )
     wanted = {prefix + n for n in layer} | {"model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"}
     found: dict[str, torch.Tensor] = {}
@@ -178,15 +217,22 @@ def read_mtp_head(
                 if name in wanted:
                     found[name] = f.get_tensor(name)
     lm_head = found["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
-    for name, own in _MTP_SHARED.items():
-        model_tensor = lm_head if name.startswith("shared_head") else found[own]
+    for name, model_name in _MTP_SHARED.items():
+        model_tensor = lm_head if name.startswith("shared_head") else found[model_name]
         if prefix + name in found and not _same(found[prefix + name], model_tensor):
             raise SourceError(
                 f"{prefix}{name} differs from the model's {'LM head' if name.startswith('shared_head') else 'embedding'}; "
                 "flare's draft head shares the target's, so it cannot serve this MTP layer "
                 "(export with --drafter ngram to leave it out)"
             )
-    tensors = {flare: found[prefix + name].to(torch.float32) for name, flare in _MTP_NAMES.items()}
+    tensors = {flare: found[prefix + name].to(torch.float32) for name, flare in own.items()}
+    if kind == "target":
+        converted: dict[str, torch.Tensor] = {}
+        for name in layer:
+            if name not in own and name not in _MTP_SHARED and name != _MTP_OWN_NORM:
+                converted.update(convert(prefix + name, found[prefix + name].to(torch.float32)))
+        for name, tensor in stack_experts(converted, config).items():
+            tensors[f"{LAYER_PREFIX}.{name[len(prefix):]}"] = tensor.contiguous()
     # eh_proj reads [enorm(embedding); hnorm(hidden)], flare's fc [hidden; embedding].
     eh = tensors["mtp.fc.weight"]
     tensors["mtp.fc.weight"] = torch.cat((eh[:, h:], eh[:, :h]), dim=1).contiguous()
@@ -196,7 +242,21 @@ def read_mtp_head(
     return ImportedDraftHead(
         tensors=tensors,
         origin=f"{prefix.rstrip('.')} of {path} (DeepSeek-V3-style MTP layer, the first of {declared})",
+        layer=kind,
     )
+
+
+def _converted_shapes(
+    shapes: dict[str, tuple[int, ...]], convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]], config: ModelConfig
+) -> dict[str, tuple[int, ...]]:
+    """The package's names and shapes of source tensors `shapes` under one layer's prefix,
+    relative to it (the conversion run on meta tensors, experts stacked)."""
+    converted = {
+        name: tensor
+        for source_name, shape in shapes.items()
+        for name, tensor in convert(source_name, torch.empty(shape, device="meta")).items()
+    }
+    return {name.split(".", 3)[3]: tuple(t.shape) for name, t in stack_experts(converted, config).items()}
 
 
 def _read_json(path: Path, *, required: bool) -> dict[str, Any]:

@@ -176,6 +176,8 @@ def _draft_head(head: dict[str, Any] | None) -> list[str]:
         f"  draft steps K       {head['draft_tokens']}",
         f"  parameters          {head['parameters']:,} ({head['dtype']}), draft vocabulary {head['draft_vocab_size']} tokens",
         f"  reads the target    {reads}",
+        "  decoder layer       "
+        + ("the target's own kind (its attention and MLP)" if head.get("layer") == "target" else "Llama's"),
     ]
     if imported:
         lines.append(f"  imported from       {imported}")

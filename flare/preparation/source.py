@@ -63,3 +63,4 @@ class ImportedDraftHead:
 
     tensors: dict[str, torch.Tensor]
     origin: str  # e.g. "model.layers.30 of DIR (DeepSeek-V3-style MTP layer, the first of 1)"
+    layer: str = "llama"  # its decoder layer's kind (`DraftHeadInfo.layer`)

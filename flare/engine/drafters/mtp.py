@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +48,7 @@ from flare.engine.linear import linear, pack_weight
 from flare.engine.model import DecoderModel
 from flare.sampler.distribution import kept_threshold
 from flare.sampler.random_stream import Purpose, stream_key, vocabulary_gumbel
-from flare.package.draft_head import FINAL_NORM_TENSOR, VOCAB_TENSOR
+from flare.package.draft_head import FINAL_NORM_TENSOR, LAYER_PREFIX, VOCAB_TENSOR, head_block_config
 from flare.package.manifest import ModelConfig
 from flare.package.directory import Package
 
@@ -109,35 +109,31 @@ class MtpHead:
         block_size: int,
         kv_dtype: torch.dtype = torch.float32,
         target_norm: torch.Tensor | None = None,
+        layer: str = "llama",
     ) -> None:
         """`lm_head_rows` [V', hidden]: the target's LM head rows of the draft vocabulary (a
         gathered copy: the restricted GEMM needs them contiguous); `final_norm`: the norm before
         them (the target's, or the head's own). `target_norm`: for a head that reads the target's
-        hidden state after its final norm (`DraftHeadInfo.target_hidden`), that norm's weight.
+        hidden state after its final norm (`DraftHeadInfo.target_hidden`), that norm's weight;
+        `layer`: the kind of its decoder layer (`DraftHeadInfo.layer`).
         The head's KV cache and hidden pool have the target cache's blocks, in `kv_dtype` (the
         target cache's)."""
         device = target.device
         self.target = target
         self.draft_vocab = head_state[VOCAB_TENSOR].to(device, torch.long)
         self.vocab_size = int(self.draft_vocab.numel())
-        # The block is a one-layer Llama whose tied "embedding" is the restricted LM head: its
-        # forward gives the residual stream and `logits_of` the draft logits. Its layer is
-        # Llama's whatever the target's family (`draft_head_shapes`, as distillation trains it),
-        # with the target's RoPE.
-        block_config = replace(
-            config, vocab_size=self.vocab_size, num_layers=1, tie_word_embeddings=True, bos_token_id=None, eos_token_ids=(0,),
-            attention_bias=False, qk_norm=False, sliding_window=None, sliding_layers=(), local_rope_theta=None,
-            attention_scale=None, attention_softcap=None, final_logit_softcap=None, sandwich_norms=False,
-            embedding_scale=1.0, hidden_activation="silu", swiglu_limit=None, attention_output_bias=False, attention_sinks=False,
-            num_experts=0, moe_layers=(), shared_expert_intermediate_size=0, shared_expert_gate=False,  # a dense MLP
-            expert_bias=False,
-        )
-        layer = {name.replace("mtp.layer.", "model.layers.0."): t for name, t in head_state.items() if name.startswith("mtp.layer.")}
+        # The block is a one-layer model whose tied "embedding" is the restricted LM head: its
+        # forward gives the residual stream and `logits_of` the draft logits. Its layer is Llama's
+        # whatever the target's family (`draft_head_shapes`, as distillation trains it), or the
+        # target's own kind (`layer` "target": a DeepSeek MTP layer's latent attention, with a
+        # latent KV pool of its own, and its experts), with the target's RoPE.
+        block_config = head_block_config(config, layer, self.vocab_size)
+        layer_state = {name.replace(f"{LAYER_PREFIX}.", "model.layers.0."): t for name, t in head_state.items() if name.startswith(f"{LAYER_PREFIX}.")}
         # The head's GEMMs run in the target's weight format, which was chosen as this CPU's
         # fastest: its LM head in float32 would cost more than the drafts save.
         self.block = DecoderModel(
             block_config,
-            {**layer, "model.embed_tokens.weight": lm_head_rows, "model.norm.weight": final_norm},
+            {**layer_state, "model.embed_tokens.weight": lm_head_rows, "model.norm.weight": final_norm},
             device=device,
             weight_format=target.weight_format,
             native_kernels=target.native_kernels,
@@ -363,4 +359,5 @@ def load_draft_head(
         block_size=block_size,
         kv_dtype=kv_dtype,
         target_norm=target_norm if info.target_hidden == "final_norm" else None,
+        layer=info.layer,
     )
