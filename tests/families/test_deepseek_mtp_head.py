@@ -1,0 +1,198 @@
+"""A DeepSeek-V3 checkpoint's own multi-token-prediction layer becomes the package's draft head
+(issue 39): a head of the target's own layer kind (latent attention with a latent KV pool of its
+own, and experts routed as the target's), which drafts what DeepSeek's MTP module computes from
+the checkpoint's tensors (tests/deepseek_mtp.py's reference), and through the scheduler keeps
+greedy output while its drafts are accepted."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from tests.deepseek_mtp import MtpCheckpoint, reference_drafts, write_mtp_checkpoint
+from tests.family_checkpoints import write_checkpoint
+from tests.gguf_writer import write_family_gguf
+from tests.package_commands import flare
+
+from flare.distill import export as distill_export
+from flare.distill.distill import DistillOptions
+from flare.engine.batch import ForwardBatch, ForwardRow
+from flare.engine.drafters.mtp import HeadRow, load_draft_head
+from flare.engine.kv_cache import KVCache
+from flare.engine.model import load_model
+from flare.package.directory import Package, open_package
+from flare.policy.params import SamplingParams
+from flare.preparation.export import ExportError, ExportOptions
+from flare.preparation.source import ModelSource
+from flare.scheduler.request import GenerationRequest, TextDelta
+from flare.scheduler.scheduler import Scheduler, SchedulerOptions
+
+DRAFT_TOKENS = 7
+# Copy-friendly text: the peaked target repeats its last token, and the head proposes it again.
+PROMPTS = ("one two three four one two three four", "hello hello hello world")
+
+
+def export_head_package(checkpoint: MtpCheckpoint, out: Path, *, vocabulary_parallel: bool = False) -> Package:
+    options = ExportOptions(dtype="float32", vocabulary_parallel_sampling=vocabulary_parallel)
+    distill_export.export_with_draft_head(
+        str(checkpoint.path), out, options, DistillOptions(draft_tokens=DRAFT_TOKENS, dtype="float32"), stderr=io.StringIO()
+    )
+    return open_package(out)
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["moe-layer", "dense-layer"])
+def mtp_checkpoint(request: pytest.FixtureRequest, smollm2_source: ModelSource, tmp_path_factory: pytest.TempPathFactory) -> MtpCheckpoint:
+    root = tmp_path_factory.mktemp("deepseek-mtp")
+    return write_mtp_checkpoint(root / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template, moe=request.param)
+
+
+@pytest.fixture(scope="module")
+def head_package(mtp_checkpoint: MtpCheckpoint, tmp_path_factory: pytest.TempPathFactory) -> Package:
+    return export_head_package(mtp_checkpoint, tmp_path_factory.mktemp("deepseek-mtp-package") / "pkg")
+
+
+def test_the_mtp_layer_is_imported_as_a_head_of_the_targets_own_layer_kind(
+    mtp_checkpoint: MtpCheckpoint, head_package: Package, capsys: pytest.CaptureFixture[str]
+) -> None:
+    info = head_package.manifest.draft_head
+    config = head_package.manifest.model
+    assert info is not None and info.layer == "target" and info.target_hidden == "final_norm"
+    assert info.draft_tokens == DRAFT_TOKENS and info.held_out is None
+    assert info.imported_from == (
+        f"model.layers.{config.num_layers} of {mtp_checkpoint.path} (DeepSeek-V3-style MTP layer, the first of 1)"
+    )
+    head = head_package.load_draft_head()
+    moe = config.num_experts > 0
+    p = f"model.layers.{config.num_layers}."
+    with safe_open(str(next(mtp_checkpoint.path.glob("*.safetensors"))), framework="pt") as f:
+        source = {n: f.get_tensor(n) for n in f.keys() if n.startswith(p)}
+    # Latent attention's projections, and the experts stacked as the target's are.
+    assert head["mtp.layer.self_attn.kv_b_proj.weight"].shape == source[p + "self_attn.kv_b_proj.weight"].shape
+    assert "mtp.layer.self_attn.q_a_proj.weight" in head and "mtp.layer.self_attn.q_proj.weight" not in head
+    if moe:
+        e, width = config.num_experts, config.moe_intermediate_size
+        assert head["mtp.layer.mlp.experts.gate_up_proj.weight"].shape == (e, 2 * width, config.hidden_size)
+        assert torch.equal(head["mtp.layer.mlp.experts.down_proj.weight"][3], source[p + "mlp.experts.3.down_proj.weight"])
+        assert torch.equal(head["mtp.layer.mlp.router.score_correction_bias"], source[p + "mlp.gate.e_score_correction_bias"])
+        assert "mtp.layer.mlp.shared_expert.down_proj.weight" in head
+    else:
+        assert torch.equal(head["mtp.layer.mlp.down_proj.weight"], source[p + "mlp.down_proj.weight"])
+        assert not any(".experts." in name for name in head)
+    assert flare("inspect", str(head_package.path)) == 0
+    text = capsys.readouterr().out
+    assert "decoder layer       the target's own kind (its attention and MLP)" in text
+
+
+def test_the_heads_drafts_are_deepseeks_mtp_module(mtp_checkpoint: MtpCheckpoint, head_package: Package) -> None:
+    """After a prompt chunk and a decode step, the head's q at each of 3 draft steps (temperature
+    0.7) is the reference MTP module's, computed by transformers' DeepSeek-V3 decoder layer from
+    the checkpoint's tensors, the later steps fed the head's own output."""
+    target = load_model(head_package)
+    config = head_package.manifest.model
+    kv = KVCache.for_config(config, 8, 16, torch.float32, "cpu")
+    head = load_draft_head(head_package, target, num_blocks=8, block_size=16)
+    # The head's own latent pool: one [latent | rope key] row a token, no values.
+    latent = config.latent_attention
+    assert latent is not None and len(head.kv_cache.keys) == 1
+    assert head.kv_cache.keys[0].shape[-1] == latent.kv_lora_rank + latent.qk_rope_head_dim
+    assert head.kv_cache.values[0].shape[-1] == 0
+    tokens = torch.randint(0, config.vocab_size, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    table, chunk = tuple(range(8)), 28
+    with torch.inference_mode():
+        batch = ForwardBatch.build([ForwardRow(tokens[:chunk], 0, table, 1)], 16)
+        head.write_hidden(batch.slot_mapping, target.forward_hidden(batch, kv)[1])
+        batch = ForwardBatch.build([ForwardRow([tokens[chunk]], chunk, table, 1)], 16)
+        head.write_hidden(batch.slot_mapping, target.forward_hidden(batch, kv)[1])
+        row = HeadRow(0, table, tuple(tokens[: chunk + 1]), device_tokens=1, sample_index=0, steps=3, temperature=0.7, seed=9)
+        drafts = head.run([row], torch.tensor([[tokens[chunk + 1]]]), torch.tensor([1]))
+    assert drafts is not None
+    proposed = [int(t) for t in drafts.tokens[0]]
+    for j, q in enumerate(reference_drafts(mtp_checkpoint, tokens[: chunk + 2], 3, 0.7, proposed)):
+        torch.testing.assert_close(drafts.probs[0, j], q, atol=2e-5, rtol=1e-3)
+        assert q[proposed[j]].item() > 0
+
+
+async def greedy(package: Package, options: SchedulerOptions) -> tuple[list[list[int]], int, int]:
+    """Each prompt's greedy answer, and the tokens emitted and target rounds of the rows that drafted."""
+    scheduler = Scheduler.from_package(package, options)
+    emitted = rounds = 0
+    execute = scheduler.runner.execute
+
+    def counting(plan):
+        nonlocal emitted, rounds
+        result = execute(plan)
+        for row, outcome in zip(plan.rows, result.rows):
+            if outcome is not None and row.draft_ids:
+                emitted += len(outcome.tokens)
+                rounds += 1
+        return result
+
+    scheduler.runner.execute = counting
+    loop = asyncio.create_task(scheduler.run())
+    outputs = []
+    try:
+        for i, text in enumerate(PROMPTS):
+            ids: list[int] = []
+            params = SamplingParams(temperature=0.0, max_tokens=32)
+            async for event in scheduler.submit(GenerationRequest(f"r{i}", tuple(scheduler.tokenizer.encode(text)), params)):
+                if isinstance(event, TextDelta):
+                    ids.extend(event.token_ids)
+            outputs.append(ids)
+    finally:
+        scheduler.stop()
+        await loop
+    return outputs, emitted, rounds
+
+
+async def test_greedy_output_with_seven_drafts_is_the_output_without_and_drafts_are_accepted(head_package: Package) -> None:
+    plain, _, _ = await greedy(head_package, SchedulerOptions(draft_tokens=0))
+    speculative, emitted, rounds = await greedy(
+        head_package, SchedulerOptions(drafter="mtp", draft_tokens=DRAFT_TOKENS, adaptive_draft_length=False)
+    )
+    assert speculative == plain
+    assert rounds > 0 and emitted / rounds > 1.0, (emitted, rounds)  # more than one token per drafting round
+
+
+def test_a_layer_that_is_not_the_models_kind_is_refused_by_name(
+    mtp_checkpoint: MtpCheckpoint, smollm2_source: ModelSource, tmp_path: Path
+) -> None:
+    checkpoint = write_mtp_checkpoint(
+        tmp_path / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template, moe=True
+    )
+    shard = next(checkpoint.path.glob("*.safetensors"))
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(shard))
+    p = f"model.layers.{checkpoint.layer_index}."
+    del tensors[p + "self_attn.kv_b_proj.weight"]
+    tensors[p + "self_attn.k_proj.weight"] = torch.zeros(8, 64)
+    tensors[p + "eh_proj.weight"] = torch.zeros(64, 64)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(ExportError) as error:
+        export_head_package(checkpoint, tmp_path / "pkg")
+    message = str(error.value)
+    assert "declares 1 multi-token-prediction layer(s)" in message
+    assert "DeepSeek-V3's layout on a decoder layer of the model's own kind" in message
+    assert f"{p}self_attn.kv_b_proj.weight is missing" in message
+    assert f"{p}self_attn.k_proj.weight is not part of a DeepSeek-V3-style MTP layer of this deepseek2 model" in message
+    assert f"{p}eh_proj.weight has shape [64, 64], expected [64, 128]" in message
+    assert not (tmp_path / "pkg").exists()
+
+
+def test_a_deepseek_gguf_has_no_mtp_layer_and_the_refusal_says_so(smollm2_source: ModelSource, tmp_path: Path) -> None:
+    """llama.cpp's converter drops DeepSeek's MTP layers from a deepseek2 GGUF, and flare distills
+    no head for latent attention: --drafter mtp is refused naming both."""
+    checkpoint = write_checkpoint("deepseek_v3", tmp_path / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template)
+    gguf_path = tmp_path / "model.gguf"
+    write_family_gguf(gguf_path, checkpoint.model.config, checkpoint.model.state_dict(), chat_template=smollm2_source.chat_template)
+    with pytest.raises(ExportError) as error:
+        distill_export.export_with_draft_head(str(gguf_path), tmp_path / "pkg", ExportOptions(), DistillOptions())
+    message = str(error.value)
+    assert "latent-attention (deepseek2) model without a multi-token-prediction layer" in message
+    assert "llama.cpp's deepseek2 GGUF files carry no MTP layer" in message
+    assert "--drafter ngram" in message and error.value.option == "--drafter"
+    assert not (tmp_path / "pkg").exists()
