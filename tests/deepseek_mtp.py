@@ -52,8 +52,17 @@ class MtpCheckpoint:
 
 
 def write_mtp_checkpoint(
-    path: Path, tokenizer_json: str, chat_template: str, *, moe: bool = True, mix: float = 0.3, seed: int = 0
+    path: Path,
+    tokenizer_json: str,
+    chat_template: str,
+    *,
+    moe: bool = True,
+    mix: float = 0.3,
+    logit_scale: float = LOGIT_SCALE,
+    seed: int = 0,
 ) -> MtpCheckpoint:
+    """The checkpoint at `path` (module docstring); `logit_scale`: the LM head's factor over the
+    embedding (lower: the target's next-token distribution is flatter)."""
     config = family_config("deepseek_v3_moe")
     layers = config.num_hidden_layers
     changes: dict[str, Any] = {"num_hidden_layers": layers + 1}
@@ -64,7 +73,7 @@ def write_mtp_checkpoint(
     g = torch.Generator().manual_seed(seed + 1)
     h = config.hidden_size
     with torch.no_grad():
-        model.lm_head.weight.copy_(model.model.embed_tokens.weight * LOGIT_SCALE)
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight * logit_scale)
         for index, layer in enumerate(model.model.layers):
             scale = TARGET_MIX if index < layers else mix
             for name, parameter in layer.named_parameters():

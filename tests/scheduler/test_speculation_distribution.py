@@ -10,12 +10,14 @@ accepted (the tiny model repeats itself at low temperature), so both the accept 
 residual path run, and a wrong KV entry for an accepted draft would show in the later tokens.
 Each configuration samples the same prompt under many seeds; a two-sample chi-square test
 compares the tokens at output positions 1-3 (position 0 comes from the prompt's prefill, before
-any draft). The seeds are fixed, so the test is deterministic.
+any draft). The seeds are fixed, so the test is deterministic. The last drafts with a DeepSeek-V3
+checkpoint's own MTP layer (latent attention and experts, tests/deepseek_mtp.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
@@ -24,11 +26,15 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
+from tests.deepseek_mtp import write_mtp_checkpoint
 from tests.mtp_heads import repeat_head_state, write_head_package
 
+from flare.distill import export as distill_export
+from flare.distill.distill import DistillOptions
 from flare.engine.drafters import Draft
 from flare.package.directory import open_package
 from flare.policy.params import SamplingParams
+from flare.preparation.export import ExportOptions
 from flare.scheduler.request import Finished, GenerationRequest, TextDelta
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions
 from flare.structured import GrammarSpec
@@ -38,6 +44,8 @@ PROMPT = "one two three four one two three four one two"
 # The tiny random model's logits are nearly flat over 49152 tokens; scaling its (tied) embedding
 # matrix scales the logits, so a few tokens carry most of the mass and the test has power.
 LOGIT_SCALE = 5.0
+# The tiny DeepSeek's LM head over its embedding: a few tokens share the mass at each position.
+DEEPSEEK_LOGIT_SCALE = 0.55
 
 
 @pytest.fixture(scope="module")
@@ -278,3 +286,28 @@ async def test_sampling_with_a_learned_draft_head_follows_the_non_speculative_di
     plain, plain_rounds = await sample_tokens(peaked_head_package, params, None)
     speculative, speculative_rounds = await sample_tokens(peaked_head_package, params, None, head=True)
     assert_same_distribution(plain, plain_rounds, speculative, speculative_rounds, "the draft head")
+
+
+@pytest.fixture(scope="module")
+def deepseek_head_package(smollm2_source, tmp_path_factory):
+    """A tiny DeepSeek-V3 whose checkpoint's own MTP layer (latent attention, experts) is the head
+    (tests/deepseek_mtp.py: peaked, the head mostly proposes the token it reads)."""
+    root = tmp_path_factory.mktemp("deepseek-mtp")
+    checkpoint = write_mtp_checkpoint(
+        root / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template, logit_scale=DEEPSEEK_LOGIT_SCALE
+    )
+    distill_export.export_with_draft_head(
+        str(checkpoint.path), root / "pkg", ExportOptions(dtype="float32"), DistillOptions(draft_tokens=7), stderr=io.StringIO()
+    )
+    return root / "pkg"
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1.0, max_tokens=4), SamplingParams(temperature=1.0, top_k=8, top_p=0.9, max_tokens=4)],
+    ids=["head-q", "head-q-filtered"],
+)
+async def test_sampling_with_a_deepseek_mtp_head_follows_the_non_speculative_distribution(deepseek_head_package, params):
+    plain, plain_rounds = await sample_tokens(deepseek_head_package, params, None)
+    speculative, speculative_rounds = await sample_tokens(deepseek_head_package, params, None, head=True)
+    assert_same_distribution(plain, plain_rounds, speculative, speculative_rounds, "the DeepSeek MTP head")
