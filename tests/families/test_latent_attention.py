@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import io
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,10 +29,12 @@ from tests.gguf_writer import write_family_gguf
 from tests.parallel.test_moe_tensor_parallel import PairSum
 from tests.running_scheduler import running
 
+from flare.engine import native
 from flare.engine.kv_cache import KVCache, bytes_per_token
 from flare.engine.model import DecoderModel, load_model
 from flare.engine.tokenizer import Tokenizer
 from flare.package.directory import open_package
+from flare.parallel.serving import split_for
 from flare.parallel.tensor_split import TensorParallelError, check_tensor_parallel, rank_config, rank_model, rank_state_dict
 from flare.policy.params import SamplingParams
 from flare.preparation.export import ExportOptions, export_package
@@ -45,6 +48,7 @@ pytest.importorskip("transformers")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 # Chunks of prompt lengths, decode rounds and verify-sized rows, two rows at once.
 CHUNKED = [[19, 1], [1, 3], [1, 18], [5, 1], [1, 1], [1, 1]]
+CACHE_BYTES = 4 * 1024**2
 
 
 @pytest.fixture(scope="module", params=("deepseek_v3", "deepseek_v2", *DEEPSEEK_MOE_FAMILIES))
@@ -135,6 +139,37 @@ def test_deepseek_moe_layers_take_their_routing_from_the_config() -> None:
     assert (v2.moe_layers, v2.routing, v2.norm_topk_prob) == ((2,), "softmax_group_max", False)
 
 
+def at_tensor_parallel_2(
+    model_of: Callable[[int, Callable[[torch.Tensor], None]], DecoderModel],
+    prompts: list[list[int]],
+    pieces: list[list[int]],
+    caches: list[KVCache],
+) -> list[torch.Tensor]:
+    """`forward_in_pieces` over two ranks, `model_of(rank, all_reduce)`, run in two threads whose
+    all-reduce is a `PairSum`: each prompt's logits, the ranks' vocabulary shards joined."""
+    exchange = PairSum()
+    results: list[list[torch.Tensor]] = [[], []]
+
+    def run(rank: int) -> None:
+        results[rank] = forward_in_pieces(model_of(rank, exchange.of(rank)), prompts, pieces, caches[rank])
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert len(results[0]) == len(results[1]) == len(prompts), "both ranks ran every round"
+    return [torch.cat(shards, dim=1) for shards in zip(*results)]
+
+
+def assert_same_answers(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    """The same logits within float32 summation order, and the same greedy choice at every position."""
+    assert len(got) == len(expected)
+    for mine, theirs in zip(got, expected):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+        assert torch.equal(mine.argmax(dim=-1), theirs.argmax(dim=-1))
+
+
 def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused_naming_num_heads() -> None:
     config = model_config_from_hf(deepseek_config("deepseek_v3").to_dict(), None)
     check_tensor_parallel(config, 2)
@@ -174,30 +209,37 @@ def test_at_tensor_parallel_2_each_rank_runs_its_heads_over_the_whole_latent_row
 
     prompts = prompts_of(package_path)
     pieces = pieces_of(prompts)
-    budget = 4 * 1024**2
-    whole_cache = KVCache.for_budget(config, budget, BLOCK_SIZE)
+    whole_cache = KVCache.for_budget(config, CACHE_BYTES, BLOCK_SIZE)
     whole = forward_in_pieces(DecoderModel(config, state), prompts, pieces, whole_cache)
-    exchange = PairSum()
-    results: list[list[torch.Tensor]] = [[], []]
-    caches = [KVCache.for_budget(half, budget, BLOCK_SIZE) for _ in range(2)]
-
-    def run(rank: int) -> None:
-        results[rank] = forward_in_pieces(rank_model(config, state, rank, 2, exchange.of(rank)), prompts, pieces, caches[rank])
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=600)
-    assert len(results[0]) == len(results[1]) == len(whole), "both ranks ran every round"
-    for expected, shard0, shard1 in zip(whole, *results):
-        got = torch.cat((shard0, shard1), dim=1)
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-        assert torch.equal(got.argmax(dim=-1), expected.argmax(dim=-1))
+    caches = [KVCache.for_budget(half, CACHE_BYTES, BLOCK_SIZE) for _ in range(2)]
+    got = at_tensor_parallel_2(lambda rank, all_reduce: rank_model(config, state, rank, 2, all_reduce), prompts, pieces, caches)
+    assert_same_answers(got, whole)
     for cache in caches:
         assert cache.num_blocks == whole_cache.num_blocks, "a rank's token costs what it costs at TP 1"
         for mine, theirs in zip(cache.keys, whole_cache.keys, strict=True):
             torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not native.available(), reason="blocks are multiplied as blocks only by the C kernels")
+def test_a_q8_0_deepseek_at_tensor_parallel_2_answers_as_at_1(smollm2_source: ModelSource, tmp_path: Path) -> None:
+    """Blocks split at block boundaries: q_b and kv_b by rows of blocks, o by whole blocks of its
+    input columns (a value width of 16: a rank's 2 heads are 32 columns, one Q8_0 block), the
+    experts (64 wide: 32 columns a rank) by rows and whole blocks of their columns; dense layer 0
+    and the shared expert too."""
+    changes = {"v_head_dim": 16, "q_lora_rank": 32, "moe_intermediate_size": 64}
+    checkpoint = write_checkpoint("deepseek_v3_moe", tmp_path / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template, changes=changes)
+    export_package(str(checkpoint.path), tmp_path / "package", ExportOptions(quantize="q8_0"), stderr=io.StringIO())
+    package = open_package(tmp_path / "package")
+    blocks = package.manifest.blocks
+    for name in ("q_b_proj", "kv_b_proj", "o_proj"):
+        assert blocks[f"model.layers.1.self_attn.{name}.weight"].type == "Q8_0", name
+    config = package.manifest.model
+    prompts = [Tokenizer.from_package(package).encode(text) for text in PROMPTS]
+    pieces = [[19, 9], [1, 1], [1, 3], [len(prompts[0]) - 21, len(prompts[1]) - 13]]
+    whole = forward_in_pieces(load_model(package), prompts, pieces, KVCache.for_budget(config, CACHE_BYTES, BLOCK_SIZE))
+    caches = [KVCache.for_budget(rank_config(config, 2), CACHE_BYTES, BLOCK_SIZE) for _ in range(2)]
+    got = at_tensor_parallel_2(lambda rank, all_reduce: load_model(package, split=split_for(rank, 2, all_reduce)), prompts, pieces, caches)
+    assert_same_answers(got, whole)
 
 
 def test_the_checkpoint_as_llama_cpp_writes_it_serves_the_hugging_face_logits(exported: tuple[Checkpoint, Path], tmp_path: Path) -> None:
