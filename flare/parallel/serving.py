@@ -55,13 +55,13 @@ ROUND_DEADLINE_S = 120.0
 takes well under a second; a rank stuck this long is lost)."""
 
 
-def split_for(rank: int, tensor_parallel: int):
-    """`load_model`'s `split` for one rank: its config, its weights, and the all-reduce and LM
-    head rows of its model."""
+def split_for(rank: int, tensor_parallel: int, all_reduce: Callable[[torch.Tensor], None] | None = None):
+    """`load_model`'s `split` for one rank: its config, its weights, and the all-reduce (the
+    group's sum, `all_reduce_sum`, unless given) and LM head rows of its model."""
 
     def split(config: ModelConfig, state_dict: dict[str, torch.Tensor | QuantizedWeight]):
         extra: dict[str, Any] = {
-            "all_reduce": all_reduce_sum,
+            "all_reduce": all_reduce or all_reduce_sum,
             "lm_head_rows": vocabulary_rows(config, rank, tensor_parallel),
         }
         return rank_config(config, tensor_parallel), rank_state_dict(config, state_dict, rank, tensor_parallel), extra

@@ -8,6 +8,15 @@ Per decoder layer, for rank r of N:
   and each rank's KV pool holds those heads under the same block ids;
 - o is split by its input columns (the same heads): each rank's output is a partial sum, and
   one all-reduce after o makes the residual stream whole again;
+- multi-head latent attention (DeepSeek-V2/V3, engine/layers/latent_attention.py) is split by
+  heads too: q_b (or q_proj) and kv_b by their head-major rows, rank r's heads' [nope | rope]
+  queries and [nope key | value] up-projections, o by the same heads' input columns. q_a,
+  kv_a_with_mqa and their norms are replicated: the latent and the rope key are one per token,
+  shared by every head, so each rank computes them whole and its KV pool keeps the whole latent
+  row of every token (c + r per layer, as at tensor_parallel 1: the pool is not 1/N as with
+  per-head K/V). Both of its forms run per rank on its heads: the absorbed one's per-head
+  W_uk / W_uv blocks are slices of the rank's kv_b rows, the decompressed one expands the latent
+  through them;
 - gate/up are split by rows (columns of the intermediate activation), down by its input columns,
   with one all-reduce after down;
 - a mixture-of-experts MLP is split the same way inside every expert, as vLLM's tensor-parallel
@@ -30,7 +39,7 @@ Per decoder layer, for rank r of N:
 A quantized weight is split only at block boundaries: rows split freely (each row is its own
 blocks), input columns only when each rank's share is whole blocks; anything else is refused at
 start, naming the tensor. A tensor-parallel size that does not divide the heads and the KV heads
-is refused naming both counts.
+is refused naming both counts (latent attention's, which has no KV heads of its own: num_heads).
 """
 
 from __future__ import annotations
@@ -49,7 +58,9 @@ from flare.package.manifest import ModelConfig
 
 Tensor = torch.Tensor | QuantizedWeight
 
-_BY_HEADS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+# Latent attention's q_b_proj [H (n + r), q_lora_rank] and kv_b_proj [H (n + v), c] are head-major
+# like q/k/v: an even split of their rows is a split by heads.
+_BY_HEADS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.q_b_proj", "self_attn.kv_b_proj")
 _BY_ROWS = ("mlp.gate_proj", "mlp.up_proj", "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj")
 _BY_INPUT = ("self_attn.o_proj", "mlp.down_proj", "mlp.shared_expert.down_proj", "mlp.experts.down_proj")
 _EXPERTS_GATE_UP = ".mlp.experts.gate_up_proj.weight"
@@ -66,10 +77,11 @@ def check_tensor_parallel(config: ModelConfig, tensor_parallel: int) -> None:
     """Refuse a size that does not divide the heads, the KV heads or the MLP width."""
     if tensor_parallel < 1:
         raise TensorParallelError(f"tensor_parallel must be at least 1, got {tensor_parallel}")
-    if config.latent_attention is not None and tensor_parallel > 1:
+    if config.latent_attention is not None and config.num_heads % tensor_parallel:
+        # num_kv_heads is num_heads here (`ModelConfig`): the one count to name.
         raise TensorParallelError(
-            f"tensor_parallel {tensor_parallel}: splitting latent attention's heads over ranks is not built yet; "
-            "serve this model at tensor_parallel 1"
+            f"tensor_parallel {tensor_parallel} must divide the model's num_heads of {config.num_heads} "
+            "(latent attention splits its heads over the ranks; each rank keeps the whole latent KV row)"
         )
     if config.num_heads % tensor_parallel or config.num_kv_heads % tensor_parallel:
         raise TensorParallelError(
@@ -93,7 +105,8 @@ def check_tensor_parallel(config: ModelConfig, tensor_parallel: int) -> None:
 
 def rank_config(config: ModelConfig, tensor_parallel: int) -> ModelConfig:
     """The config a rank's model is built with: its share of the heads, KV heads and MLP width
-    (its KV pool then holds its own heads, under the block ids rank 0 allocates)."""
+    (its KV pool then holds its own heads, under the block ids rank 0 allocates; with latent
+    attention its `kv_layout` is the whole latent row, whatever its share of the heads)."""
     check_tensor_parallel(config, tensor_parallel)
     return dataclasses.replace(
         config,

@@ -43,12 +43,16 @@ _KV_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 def kv_cache_cost(config: ModelConfig) -> dict[str, Any]:
     """What one cached token costs the KV cache, all layers, in each dtype it may store (the
-    model's layout, `ModelConfig.kv_layout`: a latent row for latent attention)."""
+    model's layout, `ModelConfig.kv_layout`: a latent row for latent attention), and what each
+    tensor-parallel rank keeps of it: its share of the KV heads, or the whole latent row (the
+    latent is shared by every head, `parallel/tensor_split.py`)."""
     layout = config.kv_layout
+    latent = config.latent_attention is not None
     return {
-        "layout": "latent" if config.latent_attention is not None else "per kv head",
+        "layout": "latent" if latent else "per kv head",
         "elements_per_token_per_layer": layout.elements_per_token,
         "bytes_per_token": {dtype: config.kv_elements_per_token * size for dtype, size in _KV_ITEMSIZE.items()},
+        "per_tensor_parallel_rank": "whole" if latent else "its share of the kv heads",
     }
 
 
@@ -133,6 +137,8 @@ def _kv_cache(cost: dict[str, Any] | None, latent: dict[str, Any] | None) -> lis
     if cost is not None:
         sizes = ", ".join(f"{count} {dtype}" for dtype, count in cost["bytes_per_token"].items())
         lines.append(f"  kv cache            bytes a token ({cost['layout']} layout): {sizes}")
+        if cost.get("per_tensor_parallel_rank") == "whole":
+            lines.append("                      the same on every tensor-parallel rank (each keeps the whole latent row)")
     return lines
 
 

@@ -8,13 +8,17 @@ which runs them too):
   what a token costs; a DeepSeek-V3-shaped config's cost;
 - the same checkpoint as a GGUF written as llama.cpp's converter writes it (attn_k_b / attn_v_b,
   interleaved rope rows, MLA as MQA) gives the Hugging Face package's logits;
-- the prefix cache, preemption and parallel choices on the latent pool give the plain answers.
+- the prefix cache, preemption and parallel choices on the latent pool give the plain answers;
+- at tensor parallel 2 each rank runs its heads over its whole copy of the latent pool and the
+  answers are TP 1's; a size that does not divide the heads is refused naming num_heads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,13 +26,16 @@ import torch
 from tests.family_checkpoints import DEEPSEEK_MOE_FAMILIES, Checkpoint, deepseek_config, write_checkpoint
 from tests.families.test_transformers_parity import BLOCK_SIZE, LOGIT_TOLERANCE, PROMPTS, forward_in_pieces, reference_logits
 from tests.gguf_writer import write_family_gguf
+from tests.parallel.test_moe_tensor_parallel import PairSum
 from tests.running_scheduler import running
 
+from flare.engine import native
 from flare.engine.kv_cache import KVCache, bytes_per_token
 from flare.engine.model import DecoderModel, load_model
 from flare.engine.tokenizer import Tokenizer
 from flare.package.directory import open_package
-from flare.parallel.tensor_split import TensorParallelError, check_tensor_parallel
+from flare.parallel.serving import split_for
+from flare.parallel.tensor_split import TensorParallelError, check_tensor_parallel, rank_config, rank_model, rank_state_dict
 from flare.policy.params import SamplingParams
 from flare.preparation.export import ExportOptions, export_package
 from flare.preparation.hf_families import model_config_from_hf
@@ -41,6 +48,7 @@ pytest.importorskip("transformers")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 # Chunks of prompt lengths, decode rounds and verify-sized rows, two rows at once.
 CHUNKED = [[19, 1], [1, 3], [1, 18], [5, 1], [1, 1], [1, 1]]
+CACHE_BYTES = 4 * 1024**2
 
 
 @pytest.fixture(scope="module", params=("deepseek_v3", "deepseek_v2", *DEEPSEEK_MOE_FAMILIES))
@@ -90,13 +98,16 @@ def test_the_kv_pool_keeps_one_latent_row_a_token_and_inspect_reports_its_cost(e
     assert info["kv_cache"]["bytes_per_token"] == {"float32": 3 * row * 4, "float16": 3 * row * 2, "bfloat16": 3 * row * 2}
     text = render_text(info, package_path)
     assert f"kv cache            bytes a token (latent layout): {3 * row * 4} float32" in text
+    assert info["kv_cache"]["per_tensor_parallel_rank"] == "whole"
+    assert "the same on every tensor-parallel rank (each keeps the whole latent row)" in text
     assert "latent attention    " in text
 
 
 def test_a_deepseek_v3_shaped_token_costs_its_latent_row_in_every_layer() -> None:
     """DeepSeek-V3's own config: 61 layers of kv_lora_rank 512 + rope 64 = 576 elements a token
     a layer (llama.cpp's MLA cache holds the same row, in float16: 70,272 bytes), where a cache
-    of every head's key and value would hold 128 x (192 + 128) = 40,960."""
+    of every head's key and value would hold 128 x (192 + 128) = 40,960; every tensor-parallel
+    rank keeps the whole row."""
     config = model_config_from_hf(
         {"model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
          "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128, "max_position_embeddings": 163840,
@@ -109,6 +120,9 @@ def test_a_deepseek_v3_shaped_token_costs_its_latent_row_in_every_layer() -> Non
     assert config.kv_layout.elements_per_token == 576
     assert bytes_per_token(config, torch.float16) == 61 * 576 * 2 == 70_272
     assert bytes_per_token(config, torch.float32) == 140_544
+    # At tensor parallel 2 each rank holds 64 heads and the whole latent row: the same 70,272
+    # bytes a token per rank, where per-head keys and values would be 61 x 64 x 320 x 2 = 2,498,560.
+    assert bytes_per_token(rank_config(config, 2), torch.float16) == 70_272
     # The softmax scale carries yarn's mscale(40, mscale_all_dim 1)^2 = (1 + 0.1 ln 40)^2.
     assert config.attention_scale == pytest.approx(192**-0.5 * (1 + 0.1 * torch.log(torch.tensor(40.0)).item()) ** 2)
 
@@ -125,11 +139,107 @@ def test_deepseek_moe_layers_take_their_routing_from_the_config() -> None:
     assert (v2.moe_layers, v2.routing, v2.norm_topk_prob) == ((2,), "softmax_group_max", False)
 
 
-def test_tensor_parallel_refuses_latent_attention_by_name(exported: tuple[Checkpoint, Path]) -> None:
-    config = open_package(exported[1]).manifest.model
-    check_tensor_parallel(config, 1)
-    with pytest.raises(TensorParallelError, match="latent attention"):
-        check_tensor_parallel(config, 2)
+def at_tensor_parallel_2(
+    model_of: Callable[[int, Callable[[torch.Tensor], None]], DecoderModel],
+    prompts: list[list[int]],
+    pieces: list[list[int]],
+    caches: list[KVCache],
+) -> list[torch.Tensor]:
+    """`forward_in_pieces` over two ranks, `model_of(rank, all_reduce)`, run in two threads whose
+    all-reduce is a `PairSum`: each prompt's logits, the ranks' vocabulary shards joined."""
+    exchange = PairSum()
+    results: list[list[torch.Tensor]] = [[], []]
+
+    def run(rank: int) -> None:
+        results[rank] = forward_in_pieces(model_of(rank, exchange.of(rank)), prompts, pieces, caches[rank])
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert len(results[0]) == len(results[1]) == len(prompts), "both ranks ran every round"
+    return [torch.cat(shards, dim=1) for shards in zip(*results)]
+
+
+def assert_same_answers(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    """The same logits within float32 summation order, and the same greedy choice at every position."""
+    assert len(got) == len(expected)
+    for mine, theirs in zip(got, expected):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+        assert torch.equal(mine.argmax(dim=-1), theirs.argmax(dim=-1))
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused_naming_num_heads() -> None:
+    config = model_config_from_hf(deepseek_config("deepseek_v3").to_dict(), None)
+    check_tensor_parallel(config, 2)
+    with pytest.raises(TensorParallelError, match="must divide the model's num_heads of 4 .latent attention"):
+        check_tensor_parallel(config, 3)
+
+
+def test_at_tensor_parallel_2_each_rank_runs_its_heads_over_the_whole_latent_row_and_answers_as_at_1(
+    exported: tuple[Checkpoint, Path],
+) -> None:
+    """q_b (or q_proj) and kv_b are split by heads, o by the same heads' input columns, q_a, kv_a
+    and their norms are whole on each rank, and each rank's pool keeps every token's whole latent
+    row. The prompt chunks (decompressed form) and the decode and verify-sized rows (absorbed
+    form), two rows a round, give TP 1's logits and greedy choices; the dense MLP layers and
+    the shared and routed experts of the MoE variants are split by their columns."""
+    _, package_path = exported
+    package = open_package(package_path)
+    config, state = package.manifest.model, package.load_state_dict()
+    latent = config.latent_attention
+    assert latent is not None
+    half = rank_config(config, 2)
+    assert half.num_heads == config.num_heads // 2 and half.kv_layout == config.kv_layout
+    attention = "model.layers.0.self_attn"
+    q = f"{attention}.q_proj.weight" if latent.q_lora_rank is None else f"{attention}.q_b_proj.weight"
+    replicated = [f"{attention}.kv_a_proj_with_mqa.weight", f"{attention}.kv_a_layernorm.weight"]
+    if latent.q_lora_rank is not None:
+        replicated += [f"{attention}.q_a_proj.weight", f"{attention}.q_a_layernorm.weight"]
+    heads = half.num_heads
+    for rank in range(2):
+        share = rank_state_dict(config, state, rank, 2)
+        per_head = {q: latent.qk_head_dim, f"{attention}.kv_b_proj.weight": latent.qk_nope_head_dim + latent.v_head_dim}
+        for name, width in per_head.items():
+            assert torch.equal(share[name], state[name][rank * heads * width : (rank + 1) * heads * width]), name
+        o = f"{attention}.o_proj.weight"
+        assert torch.equal(share[o], state[o][:, rank * heads * latent.v_head_dim : (rank + 1) * heads * latent.v_head_dim])
+        assert all(share[name] is state[name] for name in replicated)
+
+    prompts = prompts_of(package_path)
+    pieces = pieces_of(prompts)
+    whole_cache = KVCache.for_budget(config, CACHE_BYTES, BLOCK_SIZE)
+    whole = forward_in_pieces(DecoderModel(config, state), prompts, pieces, whole_cache)
+    caches = [KVCache.for_budget(half, CACHE_BYTES, BLOCK_SIZE) for _ in range(2)]
+    got = at_tensor_parallel_2(lambda rank, all_reduce: rank_model(config, state, rank, 2, all_reduce), prompts, pieces, caches)
+    assert_same_answers(got, whole)
+    for cache in caches:
+        assert cache.num_blocks == whole_cache.num_blocks, "a rank's token costs what it costs at TP 1"
+        for mine, theirs in zip(cache.keys, whole_cache.keys, strict=True):
+            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not native.available(), reason="blocks are multiplied as blocks only by the C kernels")
+def test_a_q8_0_deepseek_at_tensor_parallel_2_answers_as_at_1(smollm2_source: ModelSource, tmp_path: Path) -> None:
+    """Blocks split at block boundaries: q_b and kv_b by rows of blocks, o by whole blocks of its
+    input columns (a value width of 16: a rank's 2 heads are 32 columns, one Q8_0 block), the
+    experts (64 wide: 32 columns a rank) by rows and whole blocks of their columns; dense layer 0
+    and the shared expert too."""
+    changes = {"v_head_dim": 16, "q_lora_rank": 32, "moe_intermediate_size": 64}
+    checkpoint = write_checkpoint("deepseek_v3_moe", tmp_path / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template, changes=changes)
+    export_package(str(checkpoint.path), tmp_path / "package", ExportOptions(quantize="q8_0"), stderr=io.StringIO())
+    package = open_package(tmp_path / "package")
+    blocks = package.manifest.blocks
+    for name in ("q_b_proj", "kv_b_proj", "o_proj"):
+        assert blocks[f"model.layers.1.self_attn.{name}.weight"].type == "Q8_0", name
+    config = package.manifest.model
+    prompts = [Tokenizer.from_package(package).encode(text) for text in PROMPTS]
+    pieces = [[19, 9], [1, 1], [1, 3], [len(prompts[0]) - 21, len(prompts[1]) - 13]]
+    whole = forward_in_pieces(load_model(package), prompts, pieces, KVCache.for_budget(config, CACHE_BYTES, BLOCK_SIZE))
+    caches = [KVCache.for_budget(rank_config(config, 2), CACHE_BYTES, BLOCK_SIZE) for _ in range(2)]
+    got = at_tensor_parallel_2(lambda rank, all_reduce: load_model(package, split=split_for(rank, 2, all_reduce)), prompts, pieces, caches)
+    assert_same_answers(got, whole)
 
 
 def test_the_checkpoint_as_llama_cpp_writes_it_serves_the_hugging_face_logits(exported: tuple[Checkpoint, Path], tmp_path: Path) -> None:
@@ -178,4 +288,17 @@ async def test_prefix_cache_preemption_and_choices_on_the_latent_pool_give_the_p
     async with running(package_path, draft_tokens=0, block_size=BLOCK_SIZE, kv_cache_memory=tight_bytes) as tight:
         results = await asyncio.gather(*(_greedy(tight, f"t{i}", text) for i, text in enumerate(PROMPTS)))
         assert tight.snapshot().kv_blocks_used == 0
+    assert [tokens[0] for tokens, _ in results] == expected
+
+
+async def test_at_tensor_parallel_2_the_served_greedy_answers_are_tensor_parallel_1s(exported: tuple[Checkpoint, Path]) -> None:
+    """TP 1 answers each prompt alone and without drafts; TP 2 both at once with its n-gram
+    drafts verified across the ranks: a row's answer depends neither on the split nor on its
+    batch-mate."""
+    _, package_path = exported
+    async with running(package_path, draft_tokens=0, block_size=BLOCK_SIZE) as single:
+        expected = [(await _greedy(single, f"p{i}", text))[0][0] for i, text in enumerate(PROMPTS)]
+    async with running(package_path, block_size=BLOCK_SIZE, tensor_parallel=2) as double:
+        results = await asyncio.gather(*(_greedy(double, f"t{i}", text) for i, text in enumerate(PROMPTS)))
+    assert all(len(tokens) == GREEDY.max_tokens for tokens in expected)
     assert [tokens[0] for tokens, _ in results] == expected

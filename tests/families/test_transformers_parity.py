@@ -61,10 +61,13 @@ def reference_logits(checkpoint: Checkpoint, ids: list[int]) -> torch.Tensor:
         return checkpoint.model(torch.tensor([ids])).logits[0].float()
 
 
-def forward_in_pieces(model: DecoderModel, prompts: list[list[int]], pieces: list[list[int]]) -> list[torch.Tensor]:
+def forward_in_pieces(
+    model: DecoderModel, prompts: list[list[int]], pieces: list[list[int]], cache: KVCache | None = None
+) -> list[torch.Tensor]:
     """Every position's logits of each prompt, fed through one paged cache as rounds: round r
-    gives prompt i its next `pieces[r][i]` tokens (0: none), all of them scored."""
-    cache = KVCache.for_budget(model.config, 16 * 1024**2, BLOCK_SIZE)
+    gives prompt i its next `pieces[r][i]` tokens (0: none), all of them scored. `cache`: the
+    pool to fill (a fresh one of 16 MiB if None)."""
+    cache = KVCache.for_budget(model.config, 16 * 1024**2, BLOCK_SIZE) if cache is None else cache
     allocator = BlockAllocator(cache.num_blocks)
     tables = [allocator.allocate(-(-len(p) // BLOCK_SIZE)) for p in prompts]
     done = [0] * len(prompts)

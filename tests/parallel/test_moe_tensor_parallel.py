@@ -30,7 +30,8 @@ class PairSum:
     """all_reduce of two threads: each gives its tensor, both get the same sum (rank 0's + rank 1's)."""
 
     def __init__(self) -> None:
-        self.barrier = threading.Barrier(2)
+        # A rank that fails breaks the barrier for the other instead of leaving it waiting.
+        self.barrier = threading.Barrier(2, timeout=300)
         self.slots: list[torch.Tensor | None] = [None, None]
 
     def of(self, rank: int):

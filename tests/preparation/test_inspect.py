@@ -18,6 +18,7 @@ def test_json_is_the_manifest_plus_weight_types_integrity_and_problems(tiny_pack
         "layout": "per kv head",
         "elements_per_token_per_layer": 2 * 2 * 16,
         "bytes_per_token": {"float32": 2 * 64 * 4, "float16": 2 * 64 * 2, "bfloat16": 2 * 64 * 2},
+        "per_tensor_parallel_rank": "its share of the kv heads",
     }
     assert info["format"] == FORMAT_VERSION
     # The tiny model: a 49152 x 64 tied embedding, two layers (2 norms, q and o 64 x 64, k and v
