@@ -148,12 +148,20 @@ async def greedy(package: Package, options: SchedulerOptions) -> tuple[list[list
     return outputs, emitted, rounds
 
 
-async def test_greedy_output_with_seven_drafts_is_the_output_without_and_drafts_are_accepted(head_package: Package) -> None:
-    plain, _, _ = await greedy(head_package, SchedulerOptions(draft_tokens=0))
+@pytest.mark.parametrize("tensor_parallel", [1, 2])
+async def test_greedy_output_with_seven_drafts_is_the_output_without_and_drafts_are_accepted(
+    head_package: Package, tensor_parallel: int
+) -> None:
+    """At tensor parallel 2 the head runs whole on rank 0 beside the ranks' target."""
+    plain, _, _ = await greedy(head_package, SchedulerOptions(draft_tokens=0, tensor_parallel=tensor_parallel))
     speculative, emitted, rounds = await greedy(
-        head_package, SchedulerOptions(drafter="mtp", draft_tokens=DRAFT_TOKENS, adaptive_draft_length=False)
+        head_package,
+        SchedulerOptions(
+            drafter="mtp", draft_tokens=DRAFT_TOKENS, adaptive_draft_length=False, tensor_parallel=tensor_parallel
+        ),
     )
     assert speculative == plain
+    print(f"TP {tensor_parallel}: {emitted / max(rounds, 1):.2f} tokens per drafting round ({emitted} in {rounds})")
     assert rounds > 0 and emitted / rounds > 1.0, (emitted, rounds)  # more than one token per drafting round
 
 

@@ -1,0 +1,101 @@
+"""Issue 39's contract scenario: a DeepSeek-V3 checkpoint exported with `--drafter mtp
+--mtp-draft-tokens 7 --vocabulary-parallel-sampling` (its own MTP layer becomes the draft head),
+served by `flare run --drafter mtp` at tensor parallel 1 and 2: a request with top_p 0.95 is
+answered 200 with the clamp reported, and greedy output is the output of the same package served
+with --draft-tokens 0. How many drafts the daemon verifies is the adaptive draft length's choice,
+which on this tiny model (a head step costs about what it saves) pauses the head after its first
+drafts: that drafts are accepted, more than one token a round at K = 7, is proven at both sizes
+with every draft verified (tests/families/test_deepseek_mtp_head.py)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+from tests.deepseek_mtp import write_mtp_checkpoint
+from tests.integration.daemon_process import DaemonProcess, start_daemon
+from tests.package_commands import flare
+
+from flare.package.directory import open_package
+from flare.preparation.source import ModelSource
+
+CHAT = [{"role": "user", "content": "one two three four one two three four"}]
+
+
+@pytest.fixture(scope="module")
+def deepseek_mtp_package(smollm2_source: ModelSource, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("deepseek-mtp-scenario")
+    checkpoint = write_mtp_checkpoint(root / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template)
+    out = root / "pkg"
+    code = flare(
+        "export", str(checkpoint.path), "-o", str(out),
+        "--drafter", "mtp", "--mtp-draft-tokens", "7", "--vocabulary-parallel-sampling",
+    )
+    assert code == 0
+    head = open_package(out).manifest.draft_head
+    assert head is not None and head.layer == "target" and head.draft_tokens == 7
+    return out
+
+
+def chat(daemon: DaemonProcess, **fields: object) -> httpx.Response:
+    body = {"model": daemon.model_name(), "messages": CHAT, "max_tokens": 40, **fields}
+    return httpx.post(f"{daemon.base_url}/v1/chat/completions", json=body, timeout=300)
+
+
+def accepted_per_round(daemon: DaemonProcess) -> tuple[float, float]:
+    """The head's accepted draft tokens, and their mean per row and speculative round (/metrics)."""
+    text = httpx.get(f"{daemon.base_url}/metrics", timeout=30).text
+
+    def value(pattern: str) -> float:
+        match = re.search(rf"^{pattern} (\S+)$", text, re.MULTILINE)
+        assert match is not None, pattern
+        return float(match.group(1))
+
+    accepted = value(r'flare_draft_tokens_accepted_total\{drafter="mtp"\}')
+    rounds = value("flare_draft_tokens_accepted_per_round_count")
+    return accepted, value("flare_draft_tokens_accepted_per_round_sum") / max(rounds, 1.0)
+
+
+def greedy_answer(package: Path, flags: list[str]) -> tuple[str, tuple[float, float]]:
+    daemon = start_daemon(package, flags)
+    try:
+        response = chat(daemon, temperature=0.0)
+        assert response.status_code == 200, response.text
+        answer = response.json()["choices"][0]["message"]["content"]
+        figures = accepted_per_round(daemon)
+        assert daemon.stop() == 0
+        return answer, figures
+    finally:
+        daemon.kill()
+
+
+def scenario(package: Path, tensor_parallel: int) -> None:
+    flags = ["--tensor-parallel", str(tensor_parallel), "--drafter", "mtp"]
+    daemon = start_daemon(package, flags)
+    try:
+        response = chat(daemon, top_p=0.95, temperature=0.8, seed=7)
+        assert response.status_code == 200, response.text
+        adjusted = {a["param"]: a for a in response.json()["flare"]["adjusted"]}
+        assert (adjusted["top_p"]["requested"], adjusted["top_p"]["applied"]) == (0.95, 1.0)
+        assert "top_p" in response.headers["Flare-Sampling-Adjusted"].split(",")
+        greedy = chat(daemon, temperature=0.0)
+        assert greedy.status_code == 200, greedy.text
+        speculative = greedy.json()["choices"][0]["message"]["content"]
+        accepted, per_round = accepted_per_round(daemon)
+        print(f"TP {tensor_parallel}: {accepted:g} drafts accepted, {per_round:.2f} accepted per row and round")
+        assert daemon.stop() == 0
+    finally:
+        daemon.kill()
+    plain, (none_accepted, _) = greedy_answer(package, [*flags, "--draft-tokens", "0"])
+    assert none_accepted == 0
+    assert speculative == plain
+
+
+def test_the_deepseek_mtp_scenario_at_tensor_parallel_1(deepseek_mtp_package: Path) -> None:
+    scenario(deepseek_mtp_package, 1)
+
+
+def test_the_deepseek_mtp_scenario_at_tensor_parallel_2(deepseek_mtp_package: Path) -> None:
+    scenario(deepseek_mtp_package, 2)
