@@ -139,9 +139,11 @@ def test_a_draft_head_from_before_imported_heads_reads_as_a_distilled_one() -> N
     from flare.package.manifest import DraftHeadInfo
 
     info = DraftHeadInfo.from_json(_head_json())
-    assert info.target_hidden == "residual" and info.imported_from is None
+    assert info.target_hidden == "residual" and info.imported_from is None and info.layer == "llama"
     imported = DraftHeadInfo.from_json(_head_json(target_hidden="final_norm", imported_from="model.layers.2 of DIR"))
     assert DraftHeadInfo.from_json(imported.to_json()) == imported
+    own_layer = DraftHeadInfo.from_json(_head_json(target_hidden="final_norm", layer="target"))
+    assert own_layer.layer == "target" and DraftHeadInfo.from_json(own_layer.to_json()) == own_layer
 
 
 def test_a_draft_head_reading_an_unknown_hidden_state_is_refused() -> None:
@@ -149,6 +151,8 @@ def test_a_draft_head_reading_an_unknown_hidden_state_is_refused() -> None:
 
     with pytest.raises(ManifestError, match="target_hidden must be one of residual, final_norm, got 'middle'"):
         DraftHeadInfo.from_json(_head_json(target_hidden="middle"))
+    with pytest.raises(ManifestError, match="layer must be one of llama, target, got 'mamba'"):
+        DraftHeadInfo.from_json(_head_json(layer="mamba"))
     with pytest.raises(ManifestError, match=r"unknown key\(s\) \['origin'\]"):
         DraftHeadInfo.from_json(_head_json(origin="x"))
 
