@@ -188,10 +188,9 @@ def read_mtp_head(
             continue
         if tuple(shape) != want:
             problems.append(f"{prefix}{name} has shape {list(shape)}, expected {list(want)}")
-    layer_expected = {n[len(LAYER_PREFIX) + 1 :]: s for n, s in expected.items() if n.startswith(LAYER_PREFIX + ".")}
-    for name in decoder.keys() - layer_expected.keys():
-        problems.append(f"{prefix}{name} is not part of {described}")
-    if decoder or kind == "target":
+    if kind == "target":
+        layer_expected = {n[len(LAYER_PREFIX) + 1 :]: s for n, s in expected.items() if n.startswith(LAYER_PREFIX + ".")}
+        problems += [f"{prefix}{name} is not part of {described}" for name in decoder.keys() - layer_expected.keys()]
         problems += [f"{prefix}{name} is missing" for name in layer_expected if name not in decoder]
         problems += [
             f"{prefix}{name} has shape {list(decoder[name])}, expected {list(want)}"
