@@ -207,59 +207,52 @@ def distill_head(
 def imported_head(
     package: Package, imported: ImportedDraftHead, options: DistillOptions, *, stderr: TextIO | None = None
 ) -> tuple[DraftHeadInfo, dict[str, torch.Tensor]]:
-    """A checkpoint's own MTP layer as the head of `package`: kept as it is, scoring the whole
-    vocabulary and reading the target's hidden state after its final norm (the convention such
-    layers are trained and served with). A head on a Llama layer is measured on the held-out
-    prompts like a distilled head; one on the target's own layer kind (MLA and experts) has no
-    training module to measure it with, and reports no held-out acceptance (served, its
-    accepted drafts are in the metrics). No training: `options` gives K, the stored dtype and the
-    time bound of the measurement."""
+    """A checkpoint's own MTP layer as the head of `package`: kept as it is (its decoder layer a
+    Llama layer or the target's own kind, `imported.layer`), scoring the whole vocabulary and
+    reading the target's hidden state after its final norm (the convention such layers are
+    trained and served with), and measured on the held-out prompts like a distilled head. No
+    training: `options` gives K, the stored dtype and the time bound of the measurement."""
     started = time.monotonic()
     progress = Progress(stderr)
     config = package.manifest.model
+    prompts = [p for p in distill_prompts()[: options.prompt_limit] if p.held_out]
+    held = _answers(package, prompts, options, progress, started + options.seconds)  # greedy: held-out prompts
     vocab = torch.arange(config.vocab_size)
     tensors = {**imported.tensors, VOCAB_TENSOR: vocab}
     own_norm = FINAL_NORM_TENSOR in tensors
-    prompts = [p for p in distill_prompts()[: options.prompt_limit] if p.held_out]
-    acceptance = None
-    generated = 0
-    if imported.layer == "llama":
-        held = _answers(package, prompts, options, progress, started + options.seconds)  # greedy: held-out prompts
-        generated = sum(len(c.tokens) - c.prompt_len for c in held)
-        state = package.load_state_dict()
-        embed = state["model.embed_tokens.weight"].float()
-        lm = embed if config.tie_word_embeddings else state["lm_head.weight"].float()
-        target_norm = state["model.norm.weight"].float()
-        head = DraftHeadModule(
-            config,
-            vocab,
-            embed,
-            lm,
-            tensors[FINAL_NORM_TENSOR] if own_norm else target_norm,
-            seed=options.seed,
-            target_norm=target_norm,
-        )
-        del state
-        head.load_package_state(tensors)
+    state = package.load_state_dict()
+    embed = state["model.embed_tokens.weight"].float()
+    lm = embed if config.tie_word_embeddings else state["lm_head.weight"].float()
+    target_norm = state["model.norm.weight"].float()
+    head = DraftHeadModule(
+        config,
+        vocab,
+        embed,
+        lm,
+        tensors[FINAL_NORM_TENSOR] if own_norm else target_norm,
+        seed=options.seed,
+        target_norm=target_norm,
+        layer=imported.layer,
+    )
+    del state
+    head.load_package_state(tensors)
+    with torch.no_grad():
         acceptance = measure_acceptance(head, held, options.draft_tokens)
-        progress.line(
-            f"draft head: imported, held-out {acceptance.tokens_per_round:.2f} tokens/round at K={options.draft_tokens}",
-            final=True,
-        )
-    else:
-        progress.line("draft head: imported on the model's own layer kind, not measured at export", final=True)
+    progress.line(
+        f"draft head: imported, held-out {acceptance.tokens_per_round:.2f} tokens/round at K={options.draft_tokens}",
+        final=True,
+    )
     info = DraftHeadInfo(
         draft_tokens=options.draft_tokens,
         draft_vocab_size=config.vocab_size,
         parameters=head_parameter_count(config, config.vocab_size, own_final_norm=own_norm, layer=imported.layer),
         dtype=options.dtype,
-        prompt_set=(
-            f"{PROMPT_SET_NAME} held-out conversations only ({len(prompts)}, sha256 {prompt_set_digest()}): measured, not trained"
-            if acceptance is not None
-            else "none: imported, neither trained nor measured"
-        ),
+        prompt_set=f"{PROMPT_SET_NAME} held-out conversations only ({len(prompts)}, sha256 {prompt_set_digest()}): measured, not trained",
         budget={"seconds": options.seconds},
-        trained={"generated_tokens": generated, "seconds": round(time.monotonic() - started, 1)},
+        trained={
+            "generated_tokens": sum(len(c.tokens) - c.prompt_len for c in held),
+            "seconds": round(time.monotonic() - started, 1),
+        },
         held_out=acceptance,
         target_hidden="final_norm",
         imported_from=imported.origin,

@@ -8,6 +8,13 @@ state, and attends to step 1's keys up to slot p - j + 1 and to step i's key at 
 for 2 <= i <= j. That is exactly what the runtime's j-th draft step sees after a round whose last
 committed slot is p - j + 1 (its own earlier drafts, then everything the catch-up wrote), with
 the true token x_p in place of the draft (teacher forcing on tokens, not on hidden states).
+
+The decoder layer is a Llama layer (`layer` "llama", what distillation trains) or the target's
+own kind (`layer` "target", a DeepSeek checkpoint's MTP layer, `draft_head.head_block_config`):
+latent attention in its decompressed form (every step's per-head keys and values through kv_b,
+the rope key shared by the heads) and the target's MoE MLP, by the engine's routing
+(`engine/layers/moe.py`). Such a head is imported, never trained: its experts are read without
+gradients, and the module serves to measure its acceptance.
 """
 
 from __future__ import annotations
@@ -18,8 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flare.engine.layers.moe import load_moe_weights, moe_mlp
 from flare.engine.layers.rope import apply_rope, rope_tables
-from flare.package.draft_head import VOCAB_TENSOR, draft_head_shapes
+from flare.engine.precision import WeightFormat
+from flare.package.draft_head import LAYER_PREFIX, VOCAB_TENSOR, draft_head_shapes, head_block_config
 from flare.package.manifest import ModelConfig
 
 
@@ -37,13 +46,17 @@ class DraftHeadModule(nn.Module):
         *,
         seed: int,
         target_norm: torch.Tensor | None = None,
+        layer: str = "llama",
     ) -> None:
         """`final_norm`: the norm before the LM head rows; `target_norm`: for a head that reads
-        the target's hidden state after its final norm, that norm (None: the residual stream)."""
+        the target's hidden state after its final norm, that norm (None: the residual stream);
+        `layer`: its decoder layer's kind (`DraftHeadInfo.layer`)."""
         super().__init__()
         self.config = config
+        self.layer = layer
+        self.block_config = head_block_config(config, layer, int(draft_vocab.numel()))
         generator = torch.Generator().manual_seed(seed)
-        shapes = draft_head_shapes(config, int(draft_vocab.numel()))
+        shapes = draft_head_shapes(config, int(draft_vocab.numel()), layer=layer)
         self.names = [name for name in shapes if name != VOCAB_TENSOR]
         self.weights = nn.ParameterList()
         for name in self.names:
@@ -105,10 +118,7 @@ class DraftHeadModule(nn.Module):
         for step in range(1, steps + 1):
             x = self.inputs(prev, tokens)
             a = self._norm(x, self.w("mtp.layer.input_layernorm.weight"))
-            q = F.linear(a, self.w("mtp.layer.self_attn.q_proj.weight")).view(batch, length, c.num_heads, c.head_dim)
-            k = F.linear(a, self.w("mtp.layer.self_attn.k_proj.weight")).view(batch, length, c.num_kv_heads, c.head_dim)
-            v = F.linear(a, self.w("mtp.layer.self_attn.v_proj.weight")).view(batch, length, c.num_kv_heads, c.head_dim)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, v, scale = self._attention_inputs(a, cos, sin)
             keys.append(k)
             values.append(v)
             # Step 1 keys up to slot p - step + 1; step i's key at slot p - step + i.
@@ -116,16 +126,62 @@ class DraftHeadModule(nn.Module):
             blocks = [slots.view(1, -1) <= query - step + 1]
             blocks += [slots.view(1, -1) == query - step + i for i in range(2, step + 1)]
             mask = torch.cat(blocks, 1)  # [T, step * T]
-            k_all = torch.cat(keys, 1).repeat_interleave(c.num_heads // c.num_kv_heads, dim=2)
-            v_all = torch.cat(values, 1).repeat_interleave(c.num_heads // c.num_kv_heads, dim=2)
+            k_all = torch.cat(keys, 1).repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+            v_all = torch.cat(values, 1).repeat_interleave(q.shape[2] // k.shape[2], dim=2)
             attn = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2), attn_mask=mask
-            ).transpose(1, 2).reshape(batch, length, c.num_heads * c.head_dim)
+                q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2), attn_mask=mask, scale=scale
+            ).transpose(1, 2).reshape(batch, length, -1)
             h = x + F.linear(attn, self.w("mtp.layer.self_attn.o_proj.weight"))
             m = self._norm(h, self.w("mtp.layer.post_attention_layernorm.weight"))
-            gate = F.linear(m, self.w("mtp.layer.mlp.gate_proj.weight"))
-            up = F.linear(m, self.w("mtp.layer.mlp.up_proj.weight"))
-            g = h + F.linear(F.silu(gate) * up, self.w("mtp.layer.mlp.down_proj.weight"))
+            g = h + self._mlp(m)
             outputs.append(g)
             prev = torch.cat((g.new_zeros(batch, 1, c.hidden_size), g[:, :-1]), 1)
         return outputs
+
+    def _attention_inputs(
+        self, a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float | None]:
+        """One step's queries [B, T, H, D], keys [B, T, KV, D], values [B, T, KV, Dv] of the
+        normed inputs `a`, RoPE applied, and the softmax scale (None: 1 / sqrt(D))."""
+        c = self.config
+        batch, length = a.shape[:2]
+        latent = c.latent_attention
+        if self.layer == "llama" or latent is None:
+            q = F.linear(a, self.w("mtp.layer.self_attn.q_proj.weight")).view(batch, length, c.num_heads, c.head_dim)
+            k = F.linear(a, self.w("mtp.layer.self_attn.k_proj.weight")).view(batch, length, c.num_kv_heads, c.head_dim)
+            v = F.linear(a, self.w("mtp.layer.self_attn.v_proj.weight")).view(batch, length, c.num_kv_heads, c.head_dim)
+            return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, None
+        # Latent attention (`engine/layers/latent_attention.py`), decompressed: the latent through
+        # kv_a's norm and kv_b gives each head's nope key and value; the rope key is shared.
+        heads, n, r, rank = c.num_heads, latent.qk_nope_head_dim, latent.qk_rope_head_dim, latent.kv_lora_rank
+        p = f"{LAYER_PREFIX}.self_attn."
+        if latent.q_lora_rank is None:
+            q = F.linear(a, self.w(p + "q_proj.weight"))
+        else:
+            q_a = F.linear(a, self.w(p + "q_a_proj.weight"))
+            q = F.linear(self._norm_of(q_a, self.w(p + "q_a_layernorm.weight")), self.w(p + "q_b_proj.weight"))
+        q_nope, q_rope = q.view(batch, length, heads, n + r).split([n, r], dim=-1)
+        kv = F.linear(a, self.w(p + "kv_a_proj_with_mqa.weight"))
+        latent_rows = self._norm_of(kv[..., :rank], self.w(p + "kv_a_layernorm.weight"))
+        k_rope = apply_rope(kv[..., None, rank:], cos, sin).expand(batch, length, heads, r)
+        k_nope, v = F.linear(latent_rows, self.w(p + "kv_b_proj.weight")).view(batch, length, heads, -1).split(
+            [n, latent.v_head_dim], dim=-1
+        )
+        q = torch.cat((q_nope, apply_rope(q_rope, cos, sin)), dim=-1)
+        k = torch.cat((k_nope, k_rope), dim=-1)
+        return q, k, v, c.attention_scale or (n + r) ** -0.5
+
+    def _mlp(self, m: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP of the normed rows m [B, T, H]: the gated MLP, or the target's experts."""
+        if self.block_config.is_moe_layer(0):
+            prefix = f"{LAYER_PREFIX}.mlp"
+            state = {name: self.w(name).detach() for name in self.names if name.startswith(prefix + ".")}
+            weights = load_moe_weights(self.block_config, state, prefix, WeightFormat.FLOAT32, m.device)
+            rows = m.reshape(-1, m.shape[-1])
+            return moe_mlp(rows, weights, self.block_config, kernels=False).view_as(m)
+        gate = F.linear(m, self.w("mtp.layer.mlp.gate_proj.weight"))
+        up = F.linear(m, self.w("mtp.layer.mlp.up_proj.weight"))
+        return F.linear(F.silu(gate) * up, self.w("mtp.layer.mlp.down_proj.weight"))
+
+    def _norm_of(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), weight, self.config.rms_norm_eps)

@@ -21,6 +21,7 @@ from tests.package_commands import flare
 
 from flare.distill import export as distill_export
 from flare.distill.distill import DistillOptions
+from flare.distill.head_model import DraftHeadModule
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.drafters.mtp import HeadRow, load_draft_head
 from flare.engine.kv_cache import KVCache
@@ -62,7 +63,8 @@ def test_the_mtp_layer_is_imported_as_a_head_of_the_targets_own_layer_kind(
     info = head_package.manifest.draft_head
     config = head_package.manifest.model
     assert info is not None and info.layer == "target" and info.target_hidden == "final_norm"
-    assert info.draft_tokens == DRAFT_TOKENS and info.held_out is None
+    assert info.draft_tokens == DRAFT_TOKENS
+    assert info.held_out is not None and info.held_out.positions > 0 and len(info.held_out.per_step) == DRAFT_TOKENS
     assert info.imported_from == (
         f"model.layers.{config.num_layers} of {mtp_checkpoint.path} (DeepSeek-V3-style MTP layer, the first of 1)"
     )
@@ -86,12 +88,15 @@ def test_the_mtp_layer_is_imported_as_a_head_of_the_targets_own_layer_kind(
     assert flare("inspect", str(head_package.path)) == 0
     text = capsys.readouterr().out
     assert "decoder layer       the target's own kind (its attention and MLP)" in text
+    assert "held-out acceptance" in text
 
 
 def test_the_heads_drafts_are_deepseeks_mtp_module(mtp_checkpoint: MtpCheckpoint, head_package: Package) -> None:
     """After a prompt chunk and a decode step, the head's q at each of 3 draft steps (temperature
     0.7) is the reference MTP module's, computed by transformers' DeepSeek-V3 decoder layer from
-    the checkpoint's tensors, the later steps fed the head's own output."""
+    the checkpoint's tensors, the later steps fed the head's own output; and so is the q of the
+    dense module that measures the head's held-out acceptance at export, unrolled on the same
+    tokens."""
     target = load_model(head_package)
     config = head_package.manifest.model
     kv = KVCache.for_config(config, 8, 16, torch.float32, "cpu")
@@ -112,9 +117,23 @@ def test_the_heads_drafts_are_deepseeks_mtp_module(mtp_checkpoint: MtpCheckpoint
         drafts = head.run([row], torch.tensor([[tokens[chunk + 1]]]), torch.tensor([1]))
     assert drafts is not None
     proposed = [int(t) for t in drafts.tokens[0]]
+    sequence = tokens[: chunk + 2] + proposed[:2]
+    state = head_package.load_state_dict()
+    head_state = head_package.load_draft_head()
+    module = DraftHeadModule(
+        config, head_state["mtp.draft_vocab"], state["model.embed_tokens.weight"], state["lm_head.weight"],
+        head_state["mtp.final_norm.weight"], seed=0, target_norm=state["model.norm.weight"], layer="target",
+    )
+    module.load_package_state(head_state)
+    with torch.no_grad():
+        kv_dense = KVCache.for_config(config, 8, 16, torch.float32, "cpu")
+        _, dense_hidden = target.forward_hidden(ForwardBatch.build([ForwardRow(sequence, 0, table, 1)], 16), kv_dense)
+        outputs = module.unrolled(dense_hidden.unsqueeze(0), torch.tensor(sequence).unsqueeze(0), 3)
     for j, q in enumerate(reference_drafts(mtp_checkpoint, tokens[: chunk + 2], 3, 0.7, proposed)):
         torch.testing.assert_close(drafts.probs[0, j], q, atol=2e-5, rtol=1e-3)
         assert q[proposed[j]].item() > 0
+        dense = torch.softmax(module.logits(outputs[j][0, chunk + 1 + j]) / 0.7, -1)
+        torch.testing.assert_close(dense, q, atol=2e-5, rtol=1e-3)
 
 
 async def greedy(package: Package, options: SchedulerOptions) -> tuple[list[list[int]], int, int]:
