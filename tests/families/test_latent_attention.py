@@ -300,5 +300,7 @@ async def test_at_tensor_parallel_2_the_served_greedy_answers_are_tensor_paralle
         expected = [(await _greedy(single, f"p{i}", text))[0][0] for i, text in enumerate(PROMPTS)]
     async with running(package_path, block_size=BLOCK_SIZE, tensor_parallel=2) as double:
         results = await asyncio.gather(*(_greedy(double, f"t{i}", text) for i, text in enumerate(PROMPTS)))
+        # What `flare ctl status` says a token costs each rank: the whole latent row, as at TP 1.
+        assert double.snapshot().kv_bytes_per_token == bytes_per_token(open_package(package_path).manifest.model, torch.float32)
     assert all(len(tokens) == GREEDY.max_tokens for tokens in expected)
     assert [tokens[0] for tokens, _ in results] == expected
