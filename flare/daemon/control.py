@@ -82,7 +82,7 @@ class DaemonStatus:
     kv_blocks_used: int
     kv_blocks_total: int
     kv_cache_dtype: str  # what the KV cache stores (`flare run --kv-cache-dtype`)
-    kv_bytes_per_token: int  # what one cached token costs, all layers, in that dtype
+    kv_bytes_per_token: int  # what one cached token costs, all layers, in that dtype (each rank's pool under tensor parallel)
     draining: bool
     device_statuses: dict[str, int]  # rows per device status name since start
     weights_dtype: str  # what the package stores

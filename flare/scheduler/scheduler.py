@@ -249,7 +249,8 @@ class Scheduler:
             weight_format=str(self._runner.model.weight_format),
             kv_cache_dtype=dtype_name(self._runner.kv_cache.dtype),
             activations=served_activations(self.package.weight_types(), self.options.activations),
-            kv_bytes_per_token=bytes_per_token(self.package.manifest.model, self._runner.kv_cache.dtype),
+            # The pool the blocks count: under tensor parallel rank 0's, of its model's config.
+            kv_bytes_per_token=bytes_per_token(self._runner.model.config, self._runner.kv_cache.dtype),
             weight_types=self.package.weight_types(),
             ranks=self._runner.rank_list(),
         )

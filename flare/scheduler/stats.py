@@ -42,7 +42,9 @@ class SchedulerSnapshot:
     weight_format: str  # what the linear layers multiply in here (`precision.WeightFormat`)
     kv_cache_dtype: str  # what the KV cache stores keys and values as
     activations: str  # what ggml block weights multiply: int8 blocks or float32 (`quantized.served_activations`)
-    kv_bytes_per_token: int  # what one cached token costs, all layers (`kv_cache.bytes_per_token`)
+    # What one cached token costs, all layers (`kv_cache.bytes_per_token`), in each rank's pool
+    # under tensor parallel: its share of the KV heads, or the whole latent row.
+    kv_bytes_per_token: int
     # Tensors and bytes by stored type (Q4_1, F32, ...): `package.weight_types`.
     weight_types: dict[str, dict[str, int]] = field(default_factory=dict)
     # This host's tensor-parallel ranks as (rank, pid, CPUs); empty without a group.

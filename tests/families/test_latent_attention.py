@@ -227,7 +227,9 @@ def test_a_q8_0_deepseek_at_tensor_parallel_2_answers_as_at_1(smollm2_source: Mo
     experts (64 wide: 32 columns a rank) by rows and whole blocks of their columns; dense layer 0
     and the shared expert too."""
     changes = {"v_head_dim": 16, "q_lora_rank": 32, "moe_intermediate_size": 64}
-    checkpoint = write_checkpoint("deepseek_v3_moe", tmp_path / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template, changes=changes)
+    checkpoint = write_checkpoint(
+        "deepseek_v3_moe", tmp_path / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template, changes=changes
+    )
     export_package(str(checkpoint.path), tmp_path / "package", ExportOptions(quantize="q8_0"), stderr=io.StringIO())
     package = open_package(tmp_path / "package")
     blocks = package.manifest.blocks
@@ -238,7 +240,9 @@ def test_a_q8_0_deepseek_at_tensor_parallel_2_answers_as_at_1(smollm2_source: Mo
     pieces = [[19, 9], [1, 1], [1, 3], [len(prompts[0]) - 21, len(prompts[1]) - 13]]
     whole = forward_in_pieces(load_model(package), prompts, pieces, KVCache.for_budget(config, CACHE_BYTES, BLOCK_SIZE))
     caches = [KVCache.for_budget(rank_config(config, 2), CACHE_BYTES, BLOCK_SIZE) for _ in range(2)]
-    got = at_tensor_parallel_2(lambda rank, all_reduce: load_model(package, split=split_for(rank, 2, all_reduce)), prompts, pieces, caches)
+    got = at_tensor_parallel_2(
+        lambda rank, all_reduce: load_model(package, split=split_for(rank, 2, all_reduce)), prompts, pieces, caches
+    )
     assert_same_answers(got, whole)
 
 
@@ -300,5 +304,7 @@ async def test_at_tensor_parallel_2_the_served_greedy_answers_are_tensor_paralle
         expected = [(await _greedy(single, f"p{i}", text))[0][0] for i, text in enumerate(PROMPTS)]
     async with running(package_path, block_size=BLOCK_SIZE, tensor_parallel=2) as double:
         results = await asyncio.gather(*(_greedy(double, f"t{i}", text) for i, text in enumerate(PROMPTS)))
+        # What `flare ctl status` says a token costs each rank: the whole latent row, as at TP 1.
+        assert double.snapshot().kv_bytes_per_token == bytes_per_token(open_package(package_path).manifest.model, torch.float32)
     assert all(len(tokens) == GREEDY.max_tokens for tokens in expected)
     assert [tokens[0] for tokens, _ in results] == expected

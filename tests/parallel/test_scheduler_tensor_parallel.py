@@ -23,7 +23,8 @@ REQUESTS = [
 ]
 
 
-async def _answers(package, **options) -> dict[str, tuple[int, ...]]:
+async def _answers(package, **options) -> tuple[dict[str, tuple[int, ...]], int]:
+    """Each request's tokens, and what a token costs the KV pool (`flare ctl status`)."""
     async with running(package, max_concurrency=4, **options) as scheduler:
 
         async def one(name: str, text: str, params: SamplingParams) -> tuple[str, tuple[int, ...]]:
@@ -34,14 +35,16 @@ async def _answers(package, **options) -> dict[str, tuple[int, ...]]:
                 assert not isinstance(event, Failed), event
             return name, tuple(tokens)
 
-        return dict(await asyncio.gather(*(one(*r) for r in REQUESTS)))
+        return dict(await asyncio.gather(*(one(*r) for r in REQUESTS))), scheduler.snapshot().kv_bytes_per_token
 
 
 async def test_tp2_answers_equal_tp1_greedy_seeded_and_penalized_with_ngram_drafts(tiny_package) -> None:
-    single = await _answers(tiny_package)
-    double = await _answers(tiny_package, tensor_parallel=2)
+    single, whole_pool_bytes = await _answers(tiny_package)
+    double, rank_pool_bytes = await _answers(tiny_package, tensor_parallel=2)
     assert all(len(tokens) == 12 for tokens in single.values())
     assert double == single
+    # Each rank's pool holds half of the KV heads: a token costs it half.
+    assert rank_pool_bytes * 2 == whole_pool_bytes
 
 
 async def test_a_worker_killed_mid_stream_ends_the_stream_with_engine_dead_and_stops_the_loop(tiny_package) -> None:
