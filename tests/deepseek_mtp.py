@@ -57,18 +57,21 @@ def write_mtp_checkpoint(
     chat_template: str,
     *,
     moe: bool = True,
+    family: str = "deepseek_v3_moe",
     mix: float = 0.3,
     logit_scale: float = LOGIT_SCALE,
     seed: int = 0,
 ) -> MtpCheckpoint:
-    """The checkpoint at `path` (module docstring); `logit_scale`: the LM head's factor over the
-    embedding (lower: the target's next-token distribution is flatter)."""
-    config = family_config("deepseek_v3_moe")
+    """The checkpoint at `path` (module docstring); `family`: tests/family_checkpoints.py's
+    deepseek_v3_moe or deepseek_v2_moe (V2's q_proj and group-limited softmax routing);
+    `logit_scale`: the LM head's factor over the embedding (lower: the target's next-token
+    distribution is flatter)."""
+    config = family_config(family)
     layers = config.num_hidden_layers
     changes: dict[str, Any] = {"num_hidden_layers": layers + 1}
     if not moe:
         changes["first_k_dense_replace"] = layers + 1  # every layer dense, the MTP layer's too
-    checkpoint = write_checkpoint("deepseek_v3_moe", path, tokenizer_json, chat_template, seed=seed, changes=changes)
+    checkpoint = write_checkpoint(family, path, tokenizer_json, chat_template, seed=seed, changes=changes)
     model = checkpoint.model
     g = torch.Generator().manual_seed(seed + 1)
     h = config.hidden_size

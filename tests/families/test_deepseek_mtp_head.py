@@ -46,10 +46,20 @@ def export_head_package(checkpoint: MtpCheckpoint, out: Path, *, vocabulary_para
     return open_package(out)
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["moe-layer", "dense-layer"])
+@pytest.fixture(
+    scope="module",
+    params=[("deepseek_v3_moe", True), ("deepseek_v3_moe", False), ("deepseek_v2_moe", True)],
+    ids=["v3-moe-layer", "v3-dense-layer", "v2-moe-layer"],
+)
 def mtp_checkpoint(request: pytest.FixtureRequest, smollm2_source: ModelSource, tmp_path_factory: pytest.TempPathFactory) -> MtpCheckpoint:
+    """DeepSeek-V3's layer (q_lora_rank, sigmoid group routing with a correction bias), dense or
+    MoE, and DeepSeek-V2's (q_proj, group-limited softmax routing): V2 releases ship no MTP layer,
+    but one in its layout is read the same way."""
+    family, moe = request.param
     root = tmp_path_factory.mktemp("deepseek-mtp")
-    return write_mtp_checkpoint(root / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template, moe=request.param)
+    return write_mtp_checkpoint(
+        root / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template, moe=moe, family=family
+    )
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +85,16 @@ def test_the_mtp_layer_is_imported_as_a_head_of_the_targets_own_layer_kind(
         source = {n: f.get_tensor(n) for n in f.keys() if n.startswith(p)}
     # Latent attention's projections, and the experts stacked as the target's are.
     assert head["mtp.layer.self_attn.kv_b_proj.weight"].shape == source[p + "self_attn.kv_b_proj.weight"].shape
-    assert "mtp.layer.self_attn.q_a_proj.weight" in head and "mtp.layer.self_attn.q_proj.weight" not in head
+    low_rank = config.latent_attention is not None and config.latent_attention.q_lora_rank is not None
+    assert ("mtp.layer.self_attn.q_a_proj.weight" in head) == low_rank
+    assert ("mtp.layer.self_attn.q_proj.weight" in head) != low_rank
     if moe:
         e, width = config.num_experts, config.moe_intermediate_size
         assert head["mtp.layer.mlp.experts.gate_up_proj.weight"].shape == (e, 2 * width, config.hidden_size)
         assert torch.equal(head["mtp.layer.mlp.experts.down_proj.weight"][3], source[p + "mlp.experts.3.down_proj.weight"])
-        assert torch.equal(head["mtp.layer.mlp.router.score_correction_bias"], source[p + "mlp.gate.e_score_correction_bias"])
+        if config.routing == "sigmoid_group":  # V3's correction bias
+            bias = source[p + "mlp.gate.e_score_correction_bias"]
+            assert torch.equal(head["mtp.layer.mlp.router.score_correction_bias"], bias)
         assert "mtp.layer.mlp.shared_expert.down_proj.weight" in head
     else:
         assert torch.equal(head["mtp.layer.mlp.down_proj.weight"], source[p + "mlp.down_proj.weight"])
