@@ -18,8 +18,8 @@ built (no C compiler at install time) and that the tests hold it equal to:
   quantized blocks, and rows of such a weight expanded (the embedding lookup), for
   flare/engine/quantized.py;
 - `moe_layer`: a round's mixture-of-experts MLP over experts of ggml blocks, the rows grouped
-  by expert and each expert's products those of `quantized_linear` (its torch counterpart
-  `layers/moe.py`'s loop over experts);
+  by expert and each expert's products those of `quantized.quantized_linear`, on float32 or 8-bit
+  activations (its torch counterpart `layers/moe.py`'s loop over experts);
 - `quantize_q8` and `integer_linear`: activation rows as 8-bit blocks, and the 32-value block
   types multiplied by them with integer dot products (`flare run --activations int8x2|int8`);
   `quantize_q8k_rows` and `integer_kquant_linear` the same for the K types (Q4_K, Q5_K, Q6_K);
