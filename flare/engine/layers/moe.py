@@ -46,8 +46,10 @@ from flare.package.manifest import ModelConfig
 
 @dataclass(frozen=True)
 class MoEWeights:
-    """One mixture-of-experts MLP's weights: the router float32 [E, hidden] (with its bias [E]
-    and DeepSeek-V3's score correction bias [E] where the model has them), each expert's fused
+    """One mixture-of-experts MLP's weights: the router [E, hidden] (with its bias [E]
+    and DeepSeek-V3's score correction bias [E] where the model has them; a package's router is
+    loaded as float64, the float32 values widened exactly, which `router_logits` reads as it is
+    rather than widening the matrix again every round), each expert's fused
     gate/up [2 I, hidden] and down [hidden, I] (views of the stacked tensors), and the shared
     expert and its gate [1, hidden] where the model has them."""
 
@@ -101,18 +103,18 @@ def load_moe_weights(
             return None
         return stack_weights([t if isinstance(t, QuantizedWeight) else t.to(device) for t in tensors], weight_format)  # type: ignore[union-attr]
 
-    router = vector("router.weight")
+    router, shared_gate = vector("router.weight"), vector("shared_expert_gate.weight")
     assert router is not None
     gate_up, down = stacked("experts.gate_up_proj.weight"), stacked("experts.down_proj.weight")
     return MoEWeights(
-        router=router,
+        router=router.double(),
         gate_up=expert_weights(gate_up, config.num_experts, weight_format),
         down=expert_weights(down, config.num_experts, weight_format),
         router_bias=vector("router.bias"),
         correction_bias=vector("router.score_correction_bias"),
         shared_gate_up=shared("gate_up"),
         shared_down=shared("down"),
-        shared_gate=vector("shared_expert_gate.weight"),
+        shared_gate=None if shared_gate is None else shared_gate.double(),
         gate_up_bias=vector("experts.gate_up_proj.bias"),
         down_bias=vector("experts.down_proj.bias"),
         gate_up_blocks=gate_up if isinstance(gate_up, QuantizedWeight) else None,
