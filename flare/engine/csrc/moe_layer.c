@@ -14,10 +14,12 @@
  * module.c's quantize_q8k_rows and quantize_q8 do, so the same blocks) and those blocks are read by
  * the gate/up of every expert the row is routed to; each expert's activation rows are quantized once
  * for its down; the products are integer_kquant_linear / integer_linear, the same bits at every
- * IDOT_* level and a row's own whatever rows share an expert. The weighted sum then reads each row's k outputs in its own slot order, each
- * product rounded before it is added (as torch's `slots * weights` then `+=` rounds it: this file
- * is compiled without contracting multiply-adds), so a row's result never depends on its
- * batch-mates nor on how the experts were scheduled.
+ * IDOT_* level and a row's own whatever rows share an expert.
+ *
+ * The weighted sum then reads each row's k outputs in its own slot order, each product rounded
+ * before it is added (as torch's `slots * weights` then `+=` rounds it: this file is compiled
+ * without contracting multiply-adds), so a row's result never depends on its batch-mates nor on
+ * how the experts were scheduled.
  *
  * Threads: over the active experts, each expert's three steps on one thread (a decode row's 8
  * experts keep every core busy without a barrier between the steps), or over each product's output
@@ -106,7 +108,7 @@ static int run_expert(const MoELayer *m, int64_t e, const int64_t *slots, int64_
 }
 
 /* The scratch of the expert whose rows start at grouped position p. */
-static ExpertScratch at(const ExpertScratch *base, int64_t p, int64_t H, int64_t I, int64_t gb, int64_t db) {
+static ExpertScratch scratch_at(const ExpertScratch *base, int64_t p, int64_t H, int64_t I, int64_t gb, int64_t db) {
     return (ExpertScratch){
         .xg = base->xg ? base->xg + p * H : NULL, .xq = base->xq ? base->xq + p * gb : NULL, .gu = base->gu + p * 2 * I,
         .act = base->act + p * I, .actq = base->actq ? base->actq + p * db : NULL, .y = base->y + p * H,
@@ -154,12 +156,12 @@ int moe_layer(const MoELayer *m, int threads, int isa, int integer_isa) {
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(| : failed)
             for (int64_t a = 0; a < count; a++) {
                 const int64_t e = active[a], p = start[e], n = start[e + 1] - p;
-                failed |= run_expert(m, e, order + p, n, xq_rows, at(&base, p, H, I, gb, db), 1, isa, integer_isa);
+                failed |= run_expert(m, e, order + p, n, xq_rows, scratch_at(&base, p, H, I, gb, db), 1, isa, integer_isa);
             }
         } else if (!failed) {
             for (int64_t a = 0; a < count && !failed; a++) {
                 const int64_t e = active[a], p = start[e], n = start[e + 1] - p;
-                failed |= run_expert(m, e, order + p, n, xq_rows, at(&base, p, H, I, gb, db), threads, isa, integer_isa);
+                failed |= run_expert(m, e, order + p, n, xq_rows, scratch_at(&base, p, H, I, gb, db), threads, isa, integer_isa);
             }
         }
         if (!failed) {
