@@ -9,6 +9,7 @@ the median wall time of the layer per round, and the bytes of the experts the ro
 
     .venv/bin/python benchmarks/moe_layer.py --rows 1 8 32 --rounds 9
     .venv/bin/python benchmarks/moe_layer.py --rows 1 8 32 --rounds 9 --per-expert  # the loop over experts
+    .venv/bin/python benchmarks/moe_layer.py --rows 1 8 32 --rounds 9 --activations int8x2  # integer products
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from flare.engine import native  # noqa: E402
 from flare.engine.layers.moe import MoEWeights, expert_weights, moe_mlp, moe_routes  # noqa: E402
 from flare.engine.precision import WeightFormat, cpu_flags  # noqa: E402
 from flare.engine.quantized import QuantizedWeight  # noqa: E402
-from flare.package.manifest import ModelConfig  # noqa: E402
+from flare.package.manifest import ACTIVATIONS, ModelConfig  # noqa: E402
 
 HIDDEN, EXPERTS, WIDTH, ACTIVE = 2048, 128, 768, 8
 Q4_K = gguf.GGMLQuantizationType.Q4_K
@@ -52,6 +53,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--per-expert", action="store_true", help="the torch loop over experts instead of the one C call")
+    parser.add_argument(
+        "--activations", choices=ACTIVATIONS, default="float32", help="what the experts' blocks multiply (flare run --activations)"
+    )
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     config = ModelConfig(
@@ -60,8 +64,8 @@ def main() -> None:
         bos_token_id=None, eos_token_ids=(1,), architecture="qwen3_moe", num_experts=EXPERTS,
         num_experts_per_tok=ACTIVE, moe_intermediate_size=WIDTH, moe_layers=(0,), norm_topk_prob=True,
     )
-    gate_up = random_q4_k(EXPERTS * 2 * WIDTH, HIDDEN, rng)
-    down = random_q4_k(EXPERTS * HIDDEN, WIDTH, rng)
+    gate_up = random_q4_k(EXPERTS * 2 * WIDTH, HIDDEN, rng).with_activations(args.activations)
+    down = random_q4_k(EXPERTS * HIDDEN, WIDTH, rng).with_activations(args.activations)
     weights = MoEWeights(
         router=torch.from_numpy(rng.standard_normal((EXPERTS, HIDDEN), dtype=np.float32) * HIDDEN**-0.5),
         gate_up=expert_weights(gate_up, EXPERTS, WeightFormat.FLOAT32),
@@ -73,7 +77,8 @@ def main() -> None:
     per_expert = (gate_up.nbytes + down.nbytes) / EXPERTS
     print(
         f"cpu flags: {' '.join(cpu_flags()) or 'none of AVX2, AVX-512, AMX'}; C kernels: {native.available()}; "
-        f"threads {torch.get_num_threads()}; experts {(gate_up.nbytes + down.nbytes) / 1e6:.1f} MB of Q4_K"
+        f"threads {torch.get_num_threads()}; experts {(gate_up.nbytes + down.nbytes) / 1e6:.1f} MB of Q4_K; "
+        f"activations {args.activations}"
     )
     for rows in args.rows:
         x = torch.from_numpy(rng.standard_normal((rows, HIDDEN), dtype=np.float32))

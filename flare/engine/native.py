@@ -18,8 +18,8 @@ built (no C compiler at install time) and that the tests hold it equal to:
   quantized blocks, and rows of such a weight expanded (the embedding lookup), for
   flare/engine/quantized.py;
 - `moe_layer`: a round's mixture-of-experts MLP over experts of ggml blocks, the rows grouped
-  by expert and each expert's products those of `quantized_linear` (its torch counterpart
-  `layers/moe.py`'s loop over experts);
+  by expert and each expert's products those of `quantized.quantized_linear`, on float32 or 8-bit
+  activations (its torch counterpart `layers/moe.py`'s loop over experts);
 - `quantize_q8` and `integer_linear`: activation rows as 8-bit blocks, and the 32-value block
   types multiplied by them with integer dot products (`flare run --activations int8x2|int8`);
   `quantize_q8k_rows` and `integer_kquant_linear` the same for the K types (Q4_K, Q5_K, Q6_K);
@@ -439,13 +439,20 @@ def moe_layer(
     num_experts: int,
     activation: str = "silu",
     isa: int | None = None,
+    *,
+    gate_up_halves: int = 0,
+    down_halves: int = 0,
+    integer_isa: int | None = None,
 ) -> torch.Tensor:
     """A round's mixture-of-experts MLP over experts of ggml blocks (moe_layer.c): x [T, hidden]
     float32, each row's k experts `expert_ids` [T, k] int64 and their weights `expert_weights`
     [T, k] float32, the stacked experts' blocks `gate_up` uint8 [E * 2 I, row bytes] and `down`
     uint8 [E * hidden, row bytes] (contiguous, of ggml types `gate_up_type` and `down_type`):
     [T, hidden] float32, sum over slots s of weight * down(act(gate(x)) * up(x)) in slot order,
-    each expert's products those of `quantized_linear` at `isa` (default QUANTIZED_ISA)."""
+    each expert's products those of `quantized.quantized_linear`: float32 activations at `isa`
+    (default QUANTIZED_ISA) where a projection's halves are 0, else (`QuantizedWeight.halves`, 1
+    or 2) its input's 8-bit blocks by integer dot products at `integer_isa` (default INTEGER_ISA),
+    each row of x quantized once for every expert's gate/up."""
     native = _module()
     problems = _dtype_problems(
         x=(x, torch.float32), expert_ids=(expert_ids, torch.int64), expert_weights=(expert_weights, torch.float32),
@@ -465,6 +472,9 @@ def moe_layer(
             problems.append(f"{name} must be contiguous blocks of {num_experts} experts' rows, got {tuple(blocks.shape)}")
     if activation not in ACTIVATION_CODES:
         problems.append(f"activation must be one of {', '.join(ACTIVATION_CODES)}, got {activation!r}")
+    for name, halves in (("gate_up_halves", gate_up_halves), ("down_halves", down_halves)):
+        if halves not in (0, 1, 2) or isinstance(halves, bool):
+            problems.append(f"{name} must be 0 (float32 activations), 1 or 2, got {halves!r}")
     _check("moe_layer", problems)
     tokens, hidden = x.shape
     if down.shape[0] != num_experts * hidden or (gate_up.shape[0] // num_experts) % 2:
@@ -481,7 +491,8 @@ def moe_layer(
             x.data_ptr(), expert_ids.data_ptr(), expert_weights.data_ptr(), gate_up.data_ptr(), int(gate_up_type),
             2 * intermediate * gate_up.shape[1], down.data_ptr(), int(down_type), hidden * down.shape[1],
             ACTIVATION_CODES[activation], out.data_ptr(), tokens, expert_ids.shape[1], num_experts, hidden, intermediate,
-            torch.get_num_threads(), QUANTIZED_ISA if isa is None else isa,
+            torch.get_num_threads(), gate_up_halves, down_halves, QUANTIZED_ISA if isa is None else isa,
+            INTEGER_ISA if integer_isa is None else integer_isa,
         )
     else:
         out.zero_()

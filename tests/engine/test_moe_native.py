@@ -19,7 +19,7 @@ from tests import REPOSITORY
 from tests.engine.test_moe_layer import moe_config
 from tests.engine.test_quantized_linear import weight_of
 from flare.engine import native
-from flare.engine.layers.moe import MoEWeights, expert_weights, moe_mlp, moe_routes, routed_experts
+from flare.engine.layers.moe import MoEWeights, expert_weights, moe_mlp, routed_experts
 from flare.engine.layers.routing import Routes
 from flare.engine.precision import WeightFormat
 from flare.engine.quantized import QuantizedWeight
@@ -183,27 +183,3 @@ def test_bad_arguments_are_refused_naming_the_argument() -> None:
     for name, call in cases.items():
         with pytest.raises(ValueError, match=name):
             call()
-
-
-def test_experts_set_to_8_bit_activations_keep_the_integer_products_of_the_loop() -> None:
-    """The call's products take float32 activations; blocks that `--activations int8x2` set to
-    integer products run the loop over experts, whose products are those."""
-    gate_up, down = (w.with_activations("int8x2") for w in stacked_experts(T.Q8_0, seed=60))
-    float32 = WeightFormat("float32")
-    generator = torch.Generator().manual_seed(61)
-    weights = MoEWeights(
-        router=torch.randn(EXPERTS, HIDDEN, generator=generator) / 4,
-        gate_up=expert_weights(gate_up, EXPERTS, float32),
-        down=expert_weights(down, EXPERTS, float32),
-        gate_up_blocks=gate_up,
-        down_blocks=down,
-    )
-    config = moe_config(
-        hidden_size=HIDDEN, moe_intermediate_size=WIDTH, num_experts_per_tok=K, shared_expert_intermediate_size=0,
-        shared_expert_gate=False,
-    )
-    x = torch.randn(5, HIDDEN, generator=generator)
-    got = moe_mlp(x, weights, config, kernels=True)
-    routes = moe_routes(x, weights, config)
-    assert torch.equal(got, routed_experts(x, routes, weights, config, kernels=True))
-    assert not torch.equal(got, one_call(x, routes, gate_up, down))

@@ -194,3 +194,44 @@ def test_a_q4_k_gguf_keeps_its_experts_as_blocks_and_scores_as_its_float32_expor
         (reference,) = forward_in_pieces(load_model(open_package(tmp_path / f"{variant}-float32")), prompts, pieces)
         difference = (served - reference).abs().max().item()
         assert difference <= 1e-4, f"{variant}: max |logit difference| {difference:.2e}"
+
+
+@pytest.mark.skipif(not native.available(), reason="integer products are C kernels")
+def test_a_q4_k_m_moe_package_on_int8x2_activations_runs_every_block_product_on_the_integer_kernels_within_fidelity(
+    smollm2_source: ModelSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`flare run --activations int8x2` on a Qwen3-MoE Q4_K_M package: the experts take the one
+    call on 8-bit activations, the attention and the LM head the integer products (no block weight
+    multiplies float32 activations), and every position's log-probabilities stay within issue 38's
+    bars of the float32 activations' (mean |delta| 1e-3, max 2e-2), prompts fed as a prefill then
+    decode rounds of both rows."""
+    wide = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256, "head_dim": 64}
+    checkpoint = write_checkpoint("qwen3_moe", tmp_path / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template, changes=wide)
+    export_package(str(checkpoint.path), tmp_path / "package", ExportOptions(quantize="q4_k_m"), stderr=io.StringIO())
+    package = open_package(tmp_path / "package")
+    tokenizer = Tokenizer.from_package(package)
+    prompts = [tokenizer.encode(text) for text in PROMPTS[:2]]
+    pieces = [[len(p) - 3 for p in prompts], [1, 1], [1, 1], [1, 1]]
+    exact = forward_in_pieces(load_model(package), prompts, pieces)
+    float_products: list[int] = []
+    moe_calls: list[tuple[object, object]] = []
+    quantized_linear, moe_layer = native.quantized_linear, native.moe_layer
+
+    def float_product(*args: object, **options: object) -> torch.Tensor:
+        float_products.append(int(args[2]))  # type: ignore[call-overload]
+        return quantized_linear(*args, **options)  # type: ignore[arg-type]
+
+    def one_call(*args: object, **options: object) -> torch.Tensor:
+        moe_calls.append((options.get("gate_up_halves"), options.get("down_halves")))
+        return moe_layer(*args, **options)  # type: ignore[arg-type]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(native, "quantized_linear", float_product)
+        patch.setattr(native, "moe_layer", one_call)
+        integer = forward_in_pieces(load_model(package, activations="int8x2"), prompts, pieces)
+    assert float_products == []
+    assert moe_calls and set(moe_calls) == {(2, 2)}
+    for got, want, tokens in zip(integer, exact, prompts, strict=True):
+        index = torch.tensor(tokens[1:]).unsqueeze(1)
+        delta = (got[:-1].log_softmax(-1).gather(1, index) - want[:-1].log_softmax(-1).gather(1, index)).abs()
+        assert delta.mean().item() <= 1e-3 and delta.max().item() <= 2e-2, f"mean {delta.mean():.2e}, max {delta.max():.2e}"

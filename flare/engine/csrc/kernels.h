@@ -289,12 +289,16 @@ typedef struct {
     int gate_up_type, down_type;   /* GGML_* type ids */
     int64_t gate_up_expert_bytes, down_expert_bytes;
     int activation;                /* ACTIVATION_SILU or ACTIVATION_GELU_TANH */
+    /* 0: the projection multiplies float32 activations (quantized_linear); 1 or 2: that many 8-bit
+     * activation blocks per 32 (K types: 256) inputs, by integer dot products (integer_dot.h). */
+    int gate_up_halves, down_halves;
     float *out;                    /* [tokens, hidden], contiguous */
     int64_t tokens, k, experts, hidden, intermediate;
 } MoELayer;
 
-/* 0, or -1 when scratch memory could not be allocated or a type is unknown. */
-int moe_layer(const MoELayer *m, int threads, int isa);
+/* 0, or -1 when scratch memory could not be allocated or a type is unknown. `isa` caps the float32
+ * products (ISA_*), `integer_isa` the integer ones (IDOT_*). */
+int moe_layer(const MoELayer *m, int threads, int isa, int integer_isa);
 
 /* One attention group of a round (model.py's AttentionGroup): `rows` rows of `query_len` new
  * tokens from flat token `start`, their block table [rows, max_blocks] and start positions. */

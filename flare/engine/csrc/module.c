@@ -259,15 +259,17 @@ static PyObject *py_quantized_linear(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static int is_k_type(int type) { return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K; }
+
 /* Checks every expert id against the experts before anything is read. */
 static PyObject *py_moe_layer(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t x, expert_ids, expert_weights, gate_up, gate_up_expert_bytes, down, down_expert_bytes, out;
     Py_ssize_t tokens, k, experts, hidden, intermediate, threads;
-    int gate_up_type, down_type, activation, isa;
-    if (!PyArg_ParseTuple(args, "nnnninnininnnnnnni", &x, &expert_ids, &expert_weights, &gate_up, &gate_up_type,
+    int gate_up_type, down_type, activation, gate_up_halves, down_halves, isa, integer_isa;
+    if (!PyArg_ParseTuple(args, "nnnninnininnnnnnniiii", &x, &expert_ids, &expert_weights, &gate_up, &gate_up_type,
                           &gate_up_expert_bytes, &down, &down_type, &down_expert_bytes, &activation, &out, &tokens, &k,
-                          &experts, &hidden, &intermediate, &threads, &isa))
+                          &experts, &hidden, &intermediate, &threads, &gate_up_halves, &down_halves, &isa, &integer_isa))
         return NULL;
     int64_t block_size, type_size, down_block_size, down_type_size;
     if (quantized_block_shape(gate_up_type, &block_size, &type_size)) return invalid("moe_layer", "gate_up: unknown ggml type id");
@@ -279,6 +281,11 @@ static PyObject *py_moe_layer(PyObject *self, PyObject *args) {
     if (intermediate % down_block_size || down_expert_bytes != hidden * (intermediate / down_block_size) * down_type_size)
         return invalid("moe_layer", "down: each expert must be [hidden, intermediate] of whole blocks");
     if (activation != ACTIVATION_SILU && activation != ACTIVATION_GELU_TANH) return invalid("moe_layer", "unknown activation code");
+    if (gate_up_halves < 0 || gate_up_halves > 2 || down_halves < 0 || down_halves > 2)
+        return invalid("moe_layer", "halves must be 0 (float32 activations), 1 or 2");
+    if ((gate_up_halves && !is_k_type(gate_up_type) && !integer_linear_type(gate_up_type)) ||
+        (down_halves && !is_k_type(down_type) && !integer_linear_type(down_type)))
+        return invalid("moe_layer", "8-bit activations need a type with integer kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)");
     for (int64_t s = 0; s < tokens * k; s++) {
         const int64_t e = ((const int64_t *)expert_ids)[s];
         if (e < 0 || e >= experts) return invalid("moe_layer", "expert_ids: an expert id lies outside the experts");
@@ -294,6 +301,8 @@ static PyObject *py_moe_layer(PyObject *self, PyObject *args) {
         .gate_up_expert_bytes = gate_up_expert_bytes,
         .down_expert_bytes = down_expert_bytes,
         .activation = activation,
+        .gate_up_halves = gate_up_halves,
+        .down_halves = down_halves,
         .out = (float *)out,
         .tokens = tokens,
         .k = k,
@@ -303,7 +312,7 @@ static PyObject *py_moe_layer(PyObject *self, PyObject *args) {
     };
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = moe_layer(&m, (int)threads, isa);
+    status = moe_layer(&m, (int)threads, isa, integer_isa);
     Py_END_ALLOW_THREADS
     if (status) return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -535,8 +544,6 @@ static PyObject *py_decoder_layers(PyObject *self, PyObject *args) {
 
 /* ---- integer K-quant products (integer_kquants.c) ------------------------------------------------ */
 
-static int is_k_type(int type) { return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K; }
-
 /* x [tokens, in] (rows x_stride apart) as quantize_row_q8k_halves's blocks into out (halves * in / 256
  * Q8KBlocks a row, rows contiguous): what every K product of that input reads. */
 static PyObject *py_quantize_q8k_rows(PyObject *self, PyObject *args) {
@@ -614,7 +621,8 @@ static PyMethodDef methods[] = {
      "quantized_linear(x, x_stride, blocks, type, y, tokens, in, out, threads, isa)"},
     {"moe_layer", py_moe_layer, METH_VARARGS,
      "moe_layer(x, expert_ids, expert_weights, gate_up, gate_up_type, gate_up_expert_bytes, down, down_type, "
-     "down_expert_bytes, activation, out, tokens, k, experts, hidden, intermediate, threads, isa)"},
+     "down_expert_bytes, activation, out, tokens, k, experts, hidden, intermediate, threads, gate_up_halves, down_halves, "
+     "isa, integer_isa)"},
     {"quantize_q8", py_quantize_q8, METH_VARARGS, "quantize_q8(x, x_stride, tokens, in, out, halves, threads)"},
     {"integer_linear", py_integer_linear, METH_VARARGS,
      "integer_linear(x_blocks, x_stride_blocks, halves, blocks, type, y, tokens, in, out, threads, isa)"},

@@ -8,10 +8,18 @@
  * expert), so each active expert's gate/up and down run once on all the rows routed to it, through
  * `quantized_linear` (the dense layers' product, with its dispatch) and `gated_rows` (swiglu.c):
  * the very functions the torch path with kernels calls per expert, so each slot's output has that
- * path's bits. The weighted sum then reads each row's k outputs in its own slot order, each
- * product rounded before it is added (as torch's `slots * weights` then `+=` rounds it: this file
- * is compiled without contracting multiply-adds), so a row's result never depends on its
- * batch-mates nor on how the experts were scheduled.
+ * path's bits. With 8-bit activations (`flare run --activations int8x2|int8`, a projection's
+ * `halves`) the products are quantized.py's integer ones instead: each row of x is quantized once
+ * (quantize_row_q8k_halves for the K types, quantize_row_q8 for the 32-value ones, row by row as
+ * module.c's quantize_q8k_rows and quantize_q8 do, so the same blocks) and those blocks are read by
+ * the gate/up of every expert the row is routed to; each expert's activation rows are quantized once
+ * for its down; the products are integer_kquant_linear / integer_linear, the same bits at every
+ * IDOT_* level and a row's own whatever rows share an expert.
+ *
+ * The weighted sum then reads each row's k outputs in its own slot order, each product rounded
+ * before it is added (as torch's `slots * weights` then `+=` rounds it: this file is compiled
+ * without contracting multiply-adds), so a row's result never depends on its batch-mates nor on
+ * how the experts were scheduled.
  *
  * Threads: over the active experts, each expert's three steps on one thread (a decode row's 8
  * experts keep every core busy without a barrier between the steps), or over each product's output
@@ -23,35 +31,108 @@
 #include <omp.h>
 #include <stdlib.h>
 
+#include "integer_dot.h"
 #include "kernels.h"
 
-/* Scratch of one expert's rows: gathered inputs [n, hidden], gate/up rows [n, 2I], activations
- * [n, I], down's outputs [n, hidden] (the last in the grouped buffer `y`, read by the sum). */
-static int run_expert(const MoELayer *m, int64_t e, const int64_t *slots, int64_t n, float *xg, float *gu, float *act,
-                      float *y, int threads, int isa) {
-    const int64_t H = m->hidden, I = m->intermediate;
-    for (int64_t r = 0; r < n; r++) memcpy(xg + r * H, m->x + slots[r] / m->k * H, sizeof(float) * (size_t)H);
-    const QuantizedLinear up = {
-        .x = xg, .x_stride = H, .blocks = m->gate_up + e * m->gate_up_expert_bytes, .type = m->gate_up_type,
-        .y = gu, .tokens = n, .in = H, .out = 2 * I, .y_stride = 0,
-    };
-    if (quantized_linear(&up, threads, isa)) return -1;
-    /* gu holds rows [n, 2I]: channel c of row t at c + 2I t, as gated_rows reads a packed format's rows. */
-    if (gated_rows(gu, 1, 2 * I, act, I, n, m->activation, threads)) return -1;
-    const QuantizedLinear down = {
-        .x = act, .x_stride = I, .blocks = m->down + e * m->down_expert_bytes, .type = m->down_type,
-        .y = y, .tokens = n, .in = I, .out = H, .y_stride = 0,
-    };
-    return quantized_linear(&down, threads, isa) ? -1 : 0;
+static int k_type(int type) { return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K; }
+
+/* The bytes of one row of `in` inputs as the 8-bit blocks a product of `type` with `halves` reads
+ * (0 with halves 0: that product reads the float32 row). */
+static int64_t blocks_row_bytes(int type, int halves, int64_t in) {
+    if (!halves) return 0;
+    return k_type(type) ? halves * (in / 256) * (int64_t)sizeof(Q8KBlock) : halves * (in / 32) * (int64_t)sizeof(Q8Block);
 }
 
-int moe_layer(const MoELayer *m, int threads, int isa) {
+/* Row x [in] as those blocks, as quantized.py's quantize_activations writes them. */
+static void quantize_input(int type, int halves, const float *x, int64_t in, uint8_t *out, int integer_isa) {
+    if (k_type(type))
+        quantize_row_q8k_halves(integer_isa, x, in, halves, (Q8KBlock *)out);
+    else
+        quantize_row_q8(x, in, halves, (Q8Block *)out);
+}
+
+/* y [n, out] = n rows times one expert's weight `blocks` [out, in] of `type`: float32 rows x through
+ * quantized_linear (halves 0), or their blocks xq through the integer products, the one
+ * quantized.py's quantized_linear picks for the weight. */
+static int product(int type, int halves, const float *x, const uint8_t *xq, const uint8_t *blocks, float *y, int64_t n,
+                   int64_t in, int64_t out, int threads, int isa, int integer_isa) {
+    if (!halves) {
+        const QuantizedLinear l = {
+            .x = x, .x_stride = in, .blocks = blocks, .type = type, .y = y, .tokens = n, .in = in, .out = out, .y_stride = 0,
+        };
+        return quantized_linear(&l, threads, isa) ? -1 : 0;
+    }
+    if (k_type(type)) {
+        integer_kquant_linear(type, halves, blocks, (const Q8KBlock *)xq, y, n, in, out, out, threads, integer_isa);
+        return 0;
+    }
+    const IntegerLinear l = {
+        .x = (const Q8Block *)xq, .halves = halves, .x_stride = halves * (in / 32), .blocks = blocks, .type = type,
+        .y = y, .tokens = n, .in = in, .out = out, .y_stride = 0,
+    };
+    return integer_linear(&l, threads, integer_isa);
+}
+
+/* One expert's scratch, at its first grouped position: gathered inputs [n, hidden] (float32 or, with
+ * gate/up halves, their blocks), gate/up rows [n, 2I], activations [n, I] (and their blocks for a
+ * down with halves), down's outputs [n, hidden] (in the grouped buffer `y`, read by the sum). */
+typedef struct {
+    float *xg;
+    uint8_t *xq;
+    float *gu, *act;
+    uint8_t *actq;
+    float *y;
+} ExpertScratch;
+
+/* `xq_rows`: each row of x quantized once for gate/up (NULL without gate/up halves). */
+static int run_expert(const MoELayer *m, int64_t e, const int64_t *slots, int64_t n, const uint8_t *xq_rows, ExpertScratch s,
+                      int threads, int isa, int integer_isa) {
+    const int64_t H = m->hidden, I = m->intermediate;
+    const int64_t gb = blocks_row_bytes(m->gate_up_type, m->gate_up_halves, H), db = blocks_row_bytes(m->down_type, m->down_halves, I);
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t t = slots[r] / m->k;
+        if (m->gate_up_halves)
+            memcpy(s.xq + r * gb, xq_rows + t * gb, (size_t)gb);
+        else
+            memcpy(s.xg + r * H, m->x + t * H, sizeof(float) * (size_t)H);
+    }
+    if (product(m->gate_up_type, m->gate_up_halves, s.xg, s.xq, m->gate_up + e * m->gate_up_expert_bytes, s.gu, n, H, 2 * I,
+                threads, isa, integer_isa))
+        return -1;
+    /* gu holds rows [n, 2I]: channel c of row t at c + 2I t, as gated_rows reads a packed format's rows. */
+    if (gated_rows(s.gu, 1, 2 * I, s.act, I, n, m->activation, threads)) return -1;
+    if (m->down_halves)
+        for (int64_t r = 0; r < n; r++) quantize_input(m->down_type, m->down_halves, s.act + r * I, I, s.actq + r * db, integer_isa);
+    return product(m->down_type, m->down_halves, s.act, s.actq, m->down + e * m->down_expert_bytes, s.y, n, I, H, threads, isa,
+                   integer_isa);
+}
+
+/* The scratch of the expert whose rows start at grouped position p. */
+static ExpertScratch scratch_at(const ExpertScratch *base, int64_t p, int64_t H, int64_t I, int64_t gb, int64_t db) {
+    return (ExpertScratch){
+        .xg = base->xg ? base->xg + p * H : NULL, .xq = base->xq ? base->xq + p * gb : NULL, .gu = base->gu + p * 2 * I,
+        .act = base->act + p * I, .actq = base->actq ? base->actq + p * db : NULL, .y = base->y + p * H,
+    };
+}
+
+int moe_layer(const MoELayer *m, int threads, int isa, int integer_isa) {
     const int64_t T = m->tokens, K = m->k, E = m->experts, H = m->hidden, I = m->intermediate, S = T * K;
+    const int64_t gb = blocks_row_bytes(m->gate_up_type, m->gate_up_halves, H), db = blocks_row_bytes(m->down_type, m->down_halves, I);
     int64_t *start = calloc((size_t)E + 1, sizeof(int64_t)), *order = malloc(sizeof(int64_t) * (size_t)S);
     int64_t *position = malloc(sizeof(int64_t) * (size_t)S), *active = malloc(sizeof(int64_t) * (size_t)E);
-    float *xg = malloc(sizeof(float) * (size_t)(S * H)), *gu = malloc(sizeof(float) * (size_t)(S * 2 * I));
-    float *act = malloc(sizeof(float) * (size_t)(S * I)), *y = malloc(sizeof(float) * (size_t)(S * H));
-    int failed = !start || !order || !position || !active || !xg || !gu || !act || !y;
+    uint8_t *xq_rows = gb ? malloc((size_t)(T * gb)) : NULL;
+    ExpertScratch base = {
+        .xg = gb ? NULL : malloc(sizeof(float) * (size_t)(S * H)), .xq = gb ? malloc((size_t)(S * gb)) : NULL,
+        .gu = malloc(sizeof(float) * (size_t)(S * 2 * I)), .act = malloc(sizeof(float) * (size_t)(S * I)),
+        .actq = db ? malloc((size_t)(S * db)) : NULL, .y = malloc(sizeof(float) * (size_t)(S * H)),
+    };
+    int failed = !start || !order || !position || !active || (gb && (!xq_rows || !base.xq)) || (!gb && !base.xg) || !base.gu ||
+                 !base.act || (db && !base.actq) || !base.y;
+    if (!failed && gb) {
+        /* Each row quantized once, whichever experts read it (module.c's quantize_q8k_rows / quantize_q8). */
+#pragma omp parallel for num_threads(threads) schedule(static) if (T * H >= 65536)
+        for (int64_t t = 0; t < T; t++) quantize_input(m->gate_up_type, m->gate_up_halves, m->x + t * H, H, xq_rows + t * gb, integer_isa);
+    }
     if (!failed) {
         /* The counting sort: start[e] is expert e's first grouped position, order[p] the slot at p,
          * position[slot] its grouped position. */
@@ -75,15 +156,16 @@ int moe_layer(const MoELayer *m, int threads, int isa) {
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(| : failed)
             for (int64_t a = 0; a < count; a++) {
                 const int64_t e = active[a], p = start[e], n = start[e + 1] - p;
-                failed |= run_expert(m, e, order + p, n, xg + p * H, gu + p * 2 * I, act + p * I, y + p * H, 1, isa);
+                failed |= run_expert(m, e, order + p, n, xq_rows, scratch_at(&base, p, H, I, gb, db), 1, isa, integer_isa);
             }
         } else if (!failed) {
             for (int64_t a = 0; a < count && !failed; a++) {
                 const int64_t e = active[a], p = start[e], n = start[e + 1] - p;
-                failed |= run_expert(m, e, order + p, n, xg + p * H, gu + p * 2 * I, act + p * I, y + p * H, threads, isa);
+                failed |= run_expert(m, e, order + p, n, xq_rows, scratch_at(&base, p, H, I, gb, db), threads, isa, integer_isa);
             }
         }
         if (!failed) {
+            const float *y = base.y;
             /* Each row's k outputs in its slot order: the first as it is, then + w y slot by slot. */
 #pragma omp parallel for num_threads(threads) schedule(static) if (T * K * H >= 65536)
             for (int64_t t = 0; t < T; t++) {
@@ -103,9 +185,12 @@ int moe_layer(const MoELayer *m, int threads, int isa) {
     free(order);
     free(position);
     free(active);
-    free(xg);
-    free(gu);
-    free(act);
-    free(y);
+    free(xq_rows);
+    free(base.xg);
+    free(base.xq);
+    free(base.gu);
+    free(base.act);
+    free(base.actq);
+    free(base.y);
     return failed ? -1 : 0;
 }

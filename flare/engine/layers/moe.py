@@ -13,9 +13,11 @@ The route is float32 (`routing.py`), from router logits summed in float64 and ro
 rows they multiply at once, which could flip a near-tie route between batches. The rows of a round are grouped by expert, so each expert's
 gate/up and down run once per round on all the rows routed to it, through the same linear
 products as a dense layer (`mlp.gated_mlp`: float weights or ggml blocks, `linear.py`); with the
-kernels and experts of ggml blocks (without gpt-oss's biases and clamped SwiGLU, on float32
-activations), the routed experts are one C call (`native.moe_layer`, moe_layer.c: the same
-grouping, products and sum, so the same bits). A row's
+kernels and experts of ggml blocks (without gpt-oss's biases and clamped SwiGLU), the routed
+experts are one C call (`native.moe_layer`, moe_layer.c: the same grouping, products and sum, so
+the same bits), on float32 activations or, under `flare run --activations int8x2|int8`, on 8-bit
+activation blocks by quantized.py's integer products (each row quantized once for every expert's
+gate/up, each expert's activations once for its down). A row's
 k outputs land in its own k slots and are summed slot by slot in the row's fixed expert order,
 never in the order the batch grouped them: a row's result does not depend on its batch-mates
 wherever its products do not (the kernels' block and float16 products; float32 and bfloat16
@@ -44,8 +46,10 @@ from flare.package.manifest import ModelConfig
 
 @dataclass(frozen=True)
 class MoEWeights:
-    """One mixture-of-experts MLP's weights: the router float32 [E, hidden] (with its bias [E]
-    and DeepSeek-V3's score correction bias [E] where the model has them), each expert's fused
+    """One mixture-of-experts MLP's weights: the router [E, hidden] (with its bias [E]
+    and DeepSeek-V3's score correction bias [E] where the model has them; a package's router is
+    loaded as float64, the float32 values widened exactly, which `router_logits` reads as it is
+    rather than widening the matrix again every round), each expert's fused
     gate/up [2 I, hidden] and down [hidden, I] (views of the stacked tensors), and the shared
     expert and its gate [1, hidden] where the model has them."""
 
@@ -99,18 +103,18 @@ def load_moe_weights(
             return None
         return stack_weights([t if isinstance(t, QuantizedWeight) else t.to(device) for t in tensors], weight_format)  # type: ignore[union-attr]
 
-    router = vector("router.weight")
+    router, shared_gate = vector("router.weight"), vector("shared_expert_gate.weight")
     assert router is not None
     gate_up, down = stacked("experts.gate_up_proj.weight"), stacked("experts.down_proj.weight")
     return MoEWeights(
-        router=router,
+        router=router.double(),
         gate_up=expert_weights(gate_up, config.num_experts, weight_format),
         down=expert_weights(down, config.num_experts, weight_format),
         router_bias=vector("router.bias"),
         correction_bias=vector("router.score_correction_bias"),
         shared_gate_up=shared("gate_up"),
         shared_down=shared("down"),
-        shared_gate=vector("shared_expert_gate.weight"),
+        shared_gate=None if shared_gate is None else shared_gate.double(),
         gate_up_bias=vector("experts.gate_up_proj.bias"),
         down_bias=vector("experts.down_proj.bias"),
         gate_up_blocks=gate_up if isinstance(gate_up, QuantizedWeight) else None,
@@ -186,10 +190,6 @@ def moe_mlp(x: torch.Tensor, weights: MoEWeights, config: ModelConfig, *, kernel
         and weights.down_blocks is not None
         and weights.gate_up_bias is None  # gpt-oss's biases and clamped SwiGLU stay in routed_experts
         and weights.down_bias is None
-        # The call's products take float32 activations: blocks set to 8-bit activations
-        # (`--activations`, quantized.py's integer products) stay in routed_experts.
-        and weights.gate_up_blocks.halves == 0
-        and weights.down_blocks.halves == 0
         and config.hidden_activation in native.ACTIVATION_CODES
         and x.dtype == torch.float32
     ):
@@ -197,6 +197,7 @@ def moe_mlp(x: torch.Tensor, weights: MoEWeights, config: ModelConfig, *, kernel
         out = native.moe_layer(
             x.contiguous(), routes.experts.contiguous(), routes.weights.contiguous(), gate_up.data, gate_up.ggml_type,
             down.data, down.ggml_type, config.num_experts, config.hidden_activation,
+            gate_up_halves=gate_up.halves, down_halves=down.halves,
         )
     else:
         out = routed_experts(x, routes, weights, config, kernels=kernels)
