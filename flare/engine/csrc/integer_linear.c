@@ -346,12 +346,42 @@ static void group(int level, int type, int halves, const uint8_t *const w[WIDE],
     }
 }
 
+#ifndef KQ_TILES_FROM
+#define KQ_TILES_FROM 2
+#endif
+/* From KQ_TILES_FROM activation rows (a token's two rows with int8x2) the K products run in wide
+ * tiles of 16 outputs where the level has them (kquant_dot_tile16): the same bits as the 4-row
+ * tiles, so the choice never changes a row's result (benchmarks/integer_kquants.py). */
+static void kquant_tiles(int level, int type, int halves, const uint8_t *blocks, int64_t row_bytes, int64_t kblocks, const Q8KBlock *x,
+                         float *y, int64_t tokens, int64_t out, int64_t y_stride, int threads) {
+    const int64_t qrows = tokens * halves, groups = (out + KQ_TILE_OUTPUTS - 1) / KQ_TILE_OUTPUTS;
+#pragma omp parallel for num_threads(groups < threads ? (int)groups : threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t o0 = g * KQ_TILE_OUTPUTS;
+        const int count = (int)(out - o0 < KQ_TILE_OUTPUTS ? out - o0 : KQ_TILE_OUTPUTS);
+        const uint8_t *w[KQ_TILE_OUTPUTS];
+        for (int k = 0; k < KQ_TILE_OUTPUTS; k++) w[k] = blocks + (o0 + (k < count ? k : count - 1)) * row_bytes;
+        float acc[TILE * KQ_TILE_OUTPUTS];
+        for (int64_t t = 0; t < qrows; t += TILE) {
+            const int n = (int)(qrows - t < TILE ? qrows - t : TILE);
+            kquant_dot_tile16(level, type, w, kblocks, x + t * kblocks, kblocks, n, acc);
+            for (int r = 0; r < n; r += halves)
+                for (int k = 0; k < count; k++)
+                    y[(t + r) / halves * y_stride + o0 + k] =
+                        halves == 1 ? acc[KQ_TILE_OUTPUTS * r + k] : acc[KQ_TILE_OUTPUTS * r + k] + acc[KQ_TILE_OUTPUTS * (r + 1) + k];
+        }
+    }
+}
+
 void integer_kquant_linear(int type, int halves, const uint8_t *blocks, const Q8KBlock *x, float *y, int64_t tokens, int64_t in,
                            int64_t out, int64_t y_stride, int threads, int isa) {
     const int64_t kblocks = in / 256, qrows = tokens * halves;
     const int64_t row_bytes = kblocks * (type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210);
     const int level = integer_dot_isa(isa);
-#pragma omp parallel for num_threads(tokens * in * out < 65536 ? 1 : threads) schedule(static)
+    const int team = tokens * in * out < 65536 ? 1 : threads;
+    if (qrows >= KQ_TILES_FROM && level == IDOT_AVX512_VNNI)
+        return kquant_tiles(level, type, halves, blocks, row_bytes, kblocks, x, y, tokens, out, y_stride, team);
+#pragma omp parallel for num_threads(team) schedule(static)
     for (int64_t o = 0; o < out; o++)
         for (int64_t t = 0; t < qrows; t += 4) {
             const int n = (int)(qrows - t < 4 ? qrows - t : 4);
