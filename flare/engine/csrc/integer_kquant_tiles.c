@@ -271,27 +271,23 @@ KT_AVX512 KT_INLINE void tile_rows(int type, const Unpacked *u, const Q8KBlock *
 #undef KT_ROWS
 }
 
-#ifndef KT_AHEAD
-#define KT_AHEAD 8
-#endif
 #ifndef KT_LOCALITY
 #define KT_LOCALITY 3
 #endif
 
 KT_AVX512 static void tile16_avx512(int type, const uint8_t *const w[16], int64_t blocks, const Q8KBlock *x, int64_t xs, int rows,
-                                    float *acc) {
+                                    const uint8_t *ahead, float *acc) {
     const int bytes = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210;
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(acc + 16 * r, _mm512_setzero_ps());
     static const int lane_output[16] = {KT_LANE_OUTPUT};
     Unpacked u;
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *b[16], *bl[16];
-        for (int k = 0; k < 16; k++) {
-            b[k] = w[k] + (int64_t)bytes * i;
-            /* the same output's block KT_AHEAD on: 16 rows streamed at once outrun the prefetcher */
-            if (KT_AHEAD)
-                for (int at = 0; at < bytes; at += 64) __builtin_prefetch(b[k] + KT_AHEAD * bytes + at, 0, KT_LOCALITY);
-        }
+        for (int k = 0; k < 16; k++) b[k] = w[k] + (int64_t)bytes * i;
+        /* The next tile's weights (16 rows, contiguous) in order, a 1 / blocks share a block: 16
+         * rows streamed at once outrun the hardware prefetcher, one region in order does not. */
+        if (ahead)
+            for (int64_t at = 16 * bytes * i; at < 16 * bytes * (i + 1); at += 64) __builtin_prefetch(ahead + at, 0, KT_LOCALITY);
         for (int k = 0; k < 16; k++) bl[k] = b[lane_output[k]];
         if (type == GGML_Q6_K) unpack6(b, bl, &u);
         else unpack45(b, bl, type == GGML_Q5_K, &u);
@@ -304,14 +300,14 @@ KT_AVX512 static void tile16_avx512(int type, const uint8_t *const w[16], int64_
 #endif
 
 int kquant_dot_tile16(int vector, int type, const uint8_t *const w[KQ_TILE_OUTPUTS], int64_t blocks, const Q8KBlock *x, int64_t x_stride,
-                      int rows, float *acc) {
+                      int rows, const uint8_t *ahead, float *acc) {
 #if defined(__x86_64__) && defined(__GNUC__)
     if (vector >= IDOT_AVX512_VNNI) {
-        tile16_avx512(type, w, blocks, x, x_stride, rows, acc);
+        tile16_avx512(type, w, blocks, x, x_stride, rows, ahead, acc);
         return 1;
     }
 #else
-    (void)vector, (void)type, (void)w, (void)blocks, (void)x, (void)x_stride, (void)rows, (void)acc;
+    (void)vector, (void)type, (void)w, (void)blocks, (void)x, (void)x_stride, (void)rows, (void)ahead, (void)acc;
 #endif
     return 0;
 }

@@ -347,11 +347,13 @@ static void group(int level, int type, int halves, const uint8_t *const w[WIDE],
 }
 
 #ifndef KQ_TILES_FROM
-#define KQ_TILES_FROM 2
+#define KQ_TILES_FROM 6
 #endif
-/* From KQ_TILES_FROM activation rows (a token's two rows with int8x2) the K products run in wide
- * tiles of 16 outputs where the level has them (kquant_dot_tile16): the same bits as the 4-row
- * tiles, so the choice never changes a row's result (benchmarks/integer_kquants.py). */
+/* From KQ_TILES_FROM activation rows (int8x2: two a token) the K products run in wide tiles of 16
+ * outputs where the level has them (kquant_dot_tile16): the same bits as the 4-row tiles, so the
+ * choice never changes a row's result. Below, the 4-row tiles win: a row or two is bound by
+ * reading the weights, which one output's row streamed at a time does faster than 16 rows at once,
+ * and a tile's transposes cost about three rows' products (benchmarks/integer_kquants.py). */
 static void kquant_tiles(int level, int type, int halves, const uint8_t *blocks, int64_t row_bytes, int64_t kblocks, const Q8KBlock *x,
                          float *y, int64_t tokens, int64_t out, int64_t y_stride, int threads) {
     const int64_t qrows = tokens * halves, groups = (out + KQ_TILE_OUTPUTS - 1) / KQ_TILE_OUTPUTS;
@@ -362,9 +364,11 @@ static void kquant_tiles(int level, int type, int halves, const uint8_t *blocks,
         const uint8_t *w[KQ_TILE_OUTPUTS];
         for (int k = 0; k < KQ_TILE_OUTPUTS; k++) w[k] = blocks + (o0 + (k < count ? k : count - 1)) * row_bytes;
         float acc[TILE * KQ_TILE_OUTPUTS];
+        /* the next group's rows follow these in memory: prefetched during the first row tile */
+        const uint8_t *next = g + 1 < groups ? blocks + (o0 + KQ_TILE_OUTPUTS) * row_bytes : NULL;
         for (int64_t t = 0; t < qrows; t += TILE) {
             const int n = (int)(qrows - t < TILE ? qrows - t : TILE);
-            kquant_dot_tile16(level, type, w, kblocks, x + t * kblocks, kblocks, n, acc);
+            kquant_dot_tile16(level, type, w, kblocks, x + t * kblocks, kblocks, n, t == 0 ? next : NULL, acc);
             for (int r = 0; r < n; r += halves)
                 for (int k = 0; k < count; k++)
                     y[(t + r) / halves * y_stride + o0 + k] =
