@@ -159,6 +159,25 @@ def test_every_level_gives_the_same_bits_and_a_row_alone_gives_its_batch_bits(gg
         assert torch.equal(native.kquant_product(x[:rows].clone(), blocks, ggml_type, out_features, in_features), batch[:rows])
 
 
+@pytest.mark.parametrize("halves", [1, 2])
+@pytest.mark.parametrize("ggml_type", K_TYPES)
+def test_wide_tiles_give_the_four_row_tiles_bits_either_side_of_their_start_and_of_a_row_tile(ggml_type: T, halves: int) -> None:
+    """From 6 activation rows (int8x2: 3 tokens) AVX-512 VNNI multiplies 16 outputs at a time, 64
+    activation rows a tile (integer_kquant_tiles.c); AVX-VNNI keeps the 4-row tiles. 37 outputs
+    leave the last group of 16 partial."""
+    in_features, out_features = 512, 37
+    blocks = k_blocks(ggml_type, out_features, in_features, seed=21)
+    x = activations(70, in_features, seed=22)
+    batch = native.kquant_product(x, blocks, ggml_type, out_features, in_features, halves=halves)
+    if halves == 1:
+        assert np.array_equal(batch.numpy(), reference(ggml_type, blocks, *native.quantize_q8k(x)))
+    for rows in (2, 3, 5, 6, 7, 31, 32, 33, 64, 65, 70):
+        wide = native.kquant_product(x[:rows].clone(), blocks, ggml_type, out_features, in_features, halves=halves)
+        narrow = native.kquant_product(x[:rows].clone(), blocks, ggml_type, out_features, in_features, isa=native.IDOT_AVX_VNNI, halves=halves)
+        assert torch.equal(wide, narrow), rows
+        assert torch.equal(wide, batch[:rows]), rows
+
+
 FORCED_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {root!r})
@@ -169,12 +188,13 @@ torch.save({{'isa': native.KQUANT_ISA, 'outputs': forced_cases()}}, {path!r})
 
 
 def forced_cases() -> list[torch.Tensor]:
-    """Each type's product at 1, 3, 8 and 33 rows at the process's default level, with one and two
-    halves, and the activations' quantization."""
+    """Each type's product at 1, 3, 8, 33 and 70 rows at the process's default level, with one and
+    two halves (AVX-512 VNNI: the 4-row tiles, then the wide tiles, past a 64-row tile at 33 x 2 and
+    70), and the activations' quantization."""
     outputs = []
     for ggml_type in K_TYPES:
         blocks = k_blocks(ggml_type, 21, 512, seed=int(ggml_type))
-        for rows in (1, 3, 8, 33):
+        for rows in (1, 3, 8, 33, 70):
             x = activations(rows, 512, seed=rows)
             outputs.append(native.kquant_product(x, blocks, ggml_type, 21, 512))
             outputs.append(native.kquant_product(x, blocks, ggml_type, 21, 512, halves=2))
