@@ -102,27 +102,31 @@ KT_AVX512 KT_INLINE __m512i pair16(__m512i a, __m512i b) {
 /* Q4_K (five 0) and Q5_K: d, dmin, 12 bytes of 6-bit scales and mins (kernels.h's
  * scales_and_mins), [Q5_K: 32 bytes of fifth bits,] 128 bytes of nibbles, chunk c's low nibbles
  * sub-block 2 c and high ones 2 c + 1. `b` in output order, `bl` in lane order. */
+KT_AVX512 KT_INLINE void nibbles(__m512i qd, int m, Unpacked *u) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const int c = m / 8, k = m % 8;
+    u->q[16 * c + k] = _mm512_and_si512(qd, m4);
+    u->q[16 * c + 8 + k] = _mm512_and_si512(_mm512_srli_epi32(qd, 4), m4);
+}
+
 KT_AVX512 KT_INLINE void unpack45(const uint8_t *const b[16], const uint8_t *const bl[16], const int five, Unpacked *u) {
-    __m512i t[3][16], h[4];
-    (void)b;
-    gather16(bl, 0, 16, t[0]);
-    gather16(bl, 64, 16, t[1]);
-    const __m512i *qd, *hb = t[0] + 4; /* qs dwords; Q5_K's fifth bits (8 dwords) */
-    __m512i tail[32];
+    __m512i t[16], h[4], hb[8];
+    gather16(bl, 0, 16, t);
+    for (int j = 0; j < 4; j++) h[j] = t[j];
     if (five) {
-        gather16(bl, 128, 12, t[2]);
-        for (int m = 0; m < 4; m++) tail[m] = t[0][12 + m];
-        for (int m = 0; m < 16; m++) tail[4 + m] = t[1][m];
-        for (int m = 0; m < 12; m++) tail[20 + m] = t[2][m];
+        for (int k = 0; k < 8; k++) hb[k] = t[4 + k];
+        for (int m = 0; m < 4; m++) nibbles(t[12 + m], m, u);
+        gather16(bl, 64, 16, t);
+        for (int m = 0; m < 16; m++) nibbles(t[m], 4 + m, u);
+        gather16(bl, 128, 12, t);
+        for (int m = 0; m < 12; m++) nibbles(t[m], 20 + m, u);
     } else {
-        __m512i last[4];
-        transpose4x16(b, 128, last);
-        for (int m = 0; m < 12; m++) tail[m] = t[0][4 + m];
-        for (int m = 0; m < 16; m++) tail[12 + m] = t[1][m];
-        for (int m = 0; m < 4; m++) tail[28 + m] = last[m];
+        for (int m = 0; m < 12; m++) nibbles(t[4 + m], m, u);
+        gather16(bl, 64, 16, t);
+        for (int m = 0; m < 16; m++) nibbles(t[m], 12 + m, u);
+        transpose4x16(b, 128, t);
+        for (int m = 0; m < 4; m++) nibbles(t[m], 28 + m, u);
     }
-    qd = tail;
-    for (int j = 0; j < 4; j++) h[j] = t[0][j];
     u->d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h[0]));
     u->dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h[0], 16)));
     const __m512i six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(15), two = _mm512_set1_epi32(3);
@@ -137,12 +141,6 @@ KT_AVX512 KT_INLINE void unpack45(const uint8_t *const b[16], const uint8_t *con
     }
     for (int m = 0; m < 4; m++) u->pairs[m] = pair16(mn[2 * m], mn[2 * m + 1]);
     for (int j = 0; j < 8; j++) u->pairs[4 + j] = pair16(u->scales[j], u->scales[j]);
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
-    for (int m = 0; m < 32; m++) {
-        const int c = m / 8, k = m % 8;
-        u->q[16 * c + k] = _mm512_and_si512(qd[m], m4);
-        u->q[16 * c + 8 + k] = _mm512_and_si512(_mm512_srli_epi32(qd[m], 4), m4);
-    }
     if (five) {
         const __m512i one = _mm512_set1_epi8(1);
         for (int j = 0; j < 8; j++)
