@@ -163,19 +163,21 @@ def test_every_level_gives_the_same_bits_and_a_row_alone_gives_its_batch_bits(gg
 @pytest.mark.parametrize("ggml_type", K_TYPES)
 def test_wide_tiles_give_the_four_row_tiles_bits_either_side_of_their_start_and_of_a_row_tile(ggml_type: T, halves: int) -> None:
     """From 6 activation rows (int8x2: 3 tokens) AVX-512 VNNI multiplies 16 outputs at a time, 64
-    activation rows a tile (integer_kquant_tiles.c); AVX-VNNI keeps the 4-row tiles. 37 outputs
-    leave the last group of 16 partial."""
+    activation rows a tile, and from 16 rows AVX-VNNI and AVX2 do, as two vectors of 8
+    (integer_kquant_tiles.c); the portable level keeps the 4-row tiles. 37 outputs leave the last
+    group of 16 partial."""
     in_features, out_features = 512, 37
     blocks = k_blocks(ggml_type, out_features, in_features, seed=21)
     x = activations(70, in_features, seed=22)
     batch = native.kquant_product(x, blocks, ggml_type, out_features, in_features, halves=halves)
     if halves == 1:
         assert np.array_equal(batch.numpy(), reference(ggml_type, blocks, *native.quantize_q8k(x)))
-    for rows in (2, 3, 5, 6, 7, 31, 32, 33, 64, 65, 70):
-        wide = native.kquant_product(x[:rows].clone(), blocks, ggml_type, out_features, in_features, halves=halves)
-        narrow = native.kquant_product(x[:rows].clone(), blocks, ggml_type, out_features, in_features, isa=native.IDOT_AVX_VNNI, halves=halves)
-        assert torch.equal(wide, narrow), rows
-        assert torch.equal(wide, batch[:rows]), rows
+    for rows in (2, 3, 5, 6, 7, 8, 9, 15, 16, 17, 31, 32, 33, 64, 65, 70):
+        part = x[:rows].clone()
+        narrow = native.kquant_product(part, blocks, ggml_type, out_features, in_features, isa=native.IDOT_PORTABLE, halves=halves)
+        assert torch.equal(narrow, batch[:rows]), rows
+        for isa in (native.IDOT_AVX2, native.IDOT_AVX_VNNI, native.IDOT_AVX512_VNNI):
+            assert torch.equal(native.kquant_product(part, blocks, ggml_type, out_features, in_features, isa=isa, halves=halves), narrow), (rows, isa)
 
 
 FORCED_SCRIPT = """

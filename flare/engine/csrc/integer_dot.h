@@ -51,7 +51,8 @@ void kquant_dot_rows(int vector, int type, const uint8_t *w, int64_t blocks, con
  * partial tile repeats a row in the lanes it does not store). acc[16 r + k] = the dot product of
  * w[k] with activation row r (rows `x_stride` blocks apart), for r < rows, the same bits as
  * kquant_dot_rows. `ahead`: 16 rows of weight bytes to prefetch meanwhile (the next tile's), or NULL.
- * 1 when level `vector` has these tiles (AVX-512 VNNI), else 0 and nothing written. */
+ * 1 when level `vector` has these tiles (AVX-512 VNNI; AVX-VNNI and AVX2 as two vectors of 8), else
+ * 0 (the portable level) and nothing written. */
 enum { KQ_TILE_OUTPUTS = 16 };
 int kquant_dot_tile16(int vector, int type, const uint8_t *const w[KQ_TILE_OUTPUTS], int64_t blocks, const Q8KBlock *x, int64_t x_stride,
                       int rows, const uint8_t *ahead, float *acc);

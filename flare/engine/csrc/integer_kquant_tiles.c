@@ -1,5 +1,6 @@
 /* Wide tiles of K-quant products (Q4_K, Q5_K, Q6_K weights times Q8_K activation rows): 16 outputs
- * in the 32-bit lanes of a vector, so that from a few rows on no horizontal reduction is left.
+ * in the 32-bit lanes of a vector (two vectors of 8 at AVX-VNNI and AVX2), so that from a few rows
+ * on no horizontal reduction is left.
  *
  * kquant_dot_rows (integer_kquants.c) unpacks a weight block per output and tile of at most 4 rows,
  * and reduces each row's lane sums to one integer per super-block: per row and output about 16
@@ -297,11 +298,223 @@ KT_AVX512 static void tile16_avx512(int type, const uint8_t *const w[16], int64_
 }
 #endif
 
+#if defined(__x86_64__) && defined(__GNUC__)
+/* ---- 256-bit levels: AVX-VNNI and AVX2 -----------------------------------------------------------
+ * The same tile of 16 outputs as two vectors of 8 lanes (outputs 0-7 and 8-15), each activation
+ * dword broadcast once for both. AVX2 forms vpdpbusd's sums with vpmaddubsw (pairs: at most
+ * 2 * 63 * 127, no saturation) and vpmaddwd by ones, and vpdpwssd's with vpmaddwd and an addition:
+ * the same integers. */
+#define KT_AVX2 __attribute__((target("avx2,f16c,fma")))
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define KT_AVX_VNNI __attribute__((target("avxvnni,avx2,f16c,fma")))
+#define KT_HAS_AVX_VNNI 1
+#endif
+
+KT_AVX2 KT_INLINE __m256 rounded8(__m256 v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+
+/* r[c] = column c of the 8 x 8 dword matrix whose row k is r[k]. */
+KT_AVX2 KT_INLINE void transpose8(__m256i r[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    /* u[4 i + k], 128-bit lane L: column 4 L + k of rows 4 i .. 4 i + 3 */
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int k = 0; k < 4; k++) {
+        r[k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x20);
+        r[4 + k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x31);
+    }
+}
+
+/* Dwords at .. at + dwords - 1 (at most 8, the rest zero) of blocks b[0..7], transposed. */
+KT_AVX2 KT_INLINE void gather8(const uint8_t *const b[8], int at, int dwords, __m256i out[8]) {
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(dwords), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (int k = 0; k < 8; k++) out[k] = _mm256_maskload_epi32((const int *)(b[k] + at), mask);
+    transpose8(out);
+}
+
+/* Dwords at .. at + n - 1 of blocks b[0..7], transposed, n = 8 per call: out[m], m < n. */
+KT_AVX2 KT_INLINE void gather_run8(const uint8_t *const b[8], int at, int n, __m256i *out) {
+    for (int m = 0; m < n; m += 8) {
+        __m256i t[8];
+        gather8(b, at + 4 * m, n - m < 8 ? n - m : 8, t);
+        for (int k = 0; k < 8 && m + k < n; k++) out[m + k] = t[k];
+    }
+}
+
+typedef struct {
+    __m256i q[64];
+    __m256i scales[16];
+    __m256i pairs[12];
+    __m256 d, dmin;
+} Unpacked8;
+
+KT_AVX2 KT_INLINE __m256i pair16x8(__m256i a, __m256i b) {
+    return _mm256_or_si256(_mm256_and_si256(a, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(b, 16));
+}
+
+/* Outputs b[0..7] of a super-block, as unpack45 / unpack6 do for 16. */
+KT_AVX2 KT_INLINE void unpack8(int type, const uint8_t *const b[8], Unpacked8 *u) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    if (type == GGML_Q6_K) {
+        __m256i ql[32], qh[16], h[4];
+        gather_run8(b, 0, 32, ql);
+        gather_run8(b, 128, 16, qh);
+        gather_run8(b, 192, 4, h);
+        uint16_t dh[8];
+        for (int k = 0; k < 8; k++) memcpy(dh + k, b[k] + 208, 2);
+        u->d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh));
+        u->dmin = _mm256_setzero_ps();
+        for (int g = 0; g < 16; g++) u->scales[g] = _mm256_srai_epi32(_mm256_slli_epi32(h[g / 4], 24 - 8 * (g % 4)), 24);
+        for (int m = 0; m < 8; m++) u->pairs[m] = pair16x8(u->scales[2 * m], u->scales[2 * m + 1]);
+        const __m256i m30 = _mm256_set1_epi8(0x30);
+        for (int half = 0; half < 2; half++)
+            for (int sq = 0; sq < 4; sq++)
+                for (int kk = 0; kk < 8; kk++) {
+                    const __m256i low = _mm256_and_si256(_mm256_srli_epi32(ql[16 * half + 8 * (sq % 2) + kk], 4 * (sq / 2)), m4);
+                    const __m256i hb = qh[8 * half + kk];
+                    const __m256i high = sq == 0   ? _mm256_slli_epi32(hb, 4)
+                                         : sq == 1 ? _mm256_slli_epi32(hb, 2)
+                                         : sq == 2 ? hb
+                                                   : _mm256_srli_epi32(hb, 2);
+                    u->q[32 * half + 8 * sq + kk] = _mm256_or_si256(low, _mm256_and_si256(high, m30));
+                }
+        return;
+    }
+    const int five = type == GGML_Q5_K;
+    __m256i h[4], qd[32], hb[8];
+    gather_run8(b, 0, 4, h);
+    gather_run8(b, five ? 48 : 16, 32, qd);
+    if (five) gather_run8(b, 16, 8, hb);
+    {
+        uint32_t w[8];
+        uint16_t dv[8], mv[8];
+        _mm256_storeu_si256((__m256i *)w, h[0]);
+        for (int k = 0; k < 8; k++) dv[k] = (uint16_t)w[k], mv[k] = (uint16_t)(w[k] >> 16);
+        u->d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dv));
+        u->dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mv));
+    }
+    const __m256i six = _mm256_set1_epi32(63), four = _mm256_set1_epi32(15), two = _mm256_set1_epi32(3);
+    __m256i mn[8];
+    for (int j = 0; j < 4; j++) {
+        u->scales[j] = _mm256_and_si256(_mm256_srli_epi32(h[1], 8 * j), six);
+        mn[j] = _mm256_and_si256(_mm256_srli_epi32(h[2], 8 * j), six);
+        u->scales[4 + j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(h[3], 8 * j), four),
+                                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h[1], 8 * j + 6), two), 4));
+        mn[4 + j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(h[3], 8 * j + 4), four),
+                                    _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h[2], 8 * j + 6), two), 4));
+    }
+    for (int m = 0; m < 4; m++) u->pairs[m] = pair16x8(mn[2 * m], mn[2 * m + 1]);
+    for (int m = 0; m < 32; m++) {
+        const int c = m / 8, k = m % 8;
+        u->q[16 * c + k] = _mm256_and_si256(qd[m], m4);
+        u->q[16 * c + 8 + k] = _mm256_and_si256(_mm256_srli_epi32(qd[m], 4), m4);
+    }
+    if (five) {
+        const __m256i one = _mm256_set1_epi8(1);
+        for (int j = 0; j < 8; j++)
+            for (int k = 0; k < 8; k++)
+                u->q[8 * j + k] = _mm256_or_si256(u->q[8 * j + k], _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hb[k], j), one), 4));
+    }
+}
+
+KT_AVX2 KT_INLINE __m256 add_term8(__m256 acc, const Unpacked8 *u, float xd, __m256i sumi, __m256i summins) {
+    const __m256 x = _mm256_set1_ps(xd);
+    const __m256 dd = rounded8(_mm256_mul_ps(u->d, x)), dm = rounded8(_mm256_mul_ps(u->dmin, x));
+    const __m256 t = _mm256_sub_ps(rounded8(_mm256_mul_ps(dd, _mm256_cvtepi32_ps(sumi))), rounded8(_mm256_mul_ps(dm, _mm256_cvtepi32_ps(summins))));
+    return _mm256_add_ps(acc, t);
+}
+
+/* One row against both halves: sumi as rows45 / rows6 form it (Q4_K's scales by vpmulld here: the
+ * 16-bit packing saves nothing at 8 lanes), then the float step. DP and DW: vpdpbusd, vpdpwssd. */
+#define KT_ROW8(NAME, TARGET, DP, DW)                                                                    \
+    TARGET KT_INLINE void NAME(int type, const Unpacked8 u[2], const Q8KBlock *xb, float *acc) {          \
+        const Dword *xq = (const Dword *)xb->qs;                                                          \
+        __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};                              \
+        __m256i summins[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};                           \
+        const int group = type == GGML_Q6_K ? 4 : 8; /* dwords a scale covers */                         \
+        for (int g = 0; g < 64 / group; g++) {                                                            \
+            __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};                             \
+            for (int k = 0; k < group; k++) {                                                             \
+                const __m256i xv = _mm256_set1_epi32(xq[group * g + k]);                                  \
+                s[0] = DP(s[0], u[0].q[group * g + k], xv);                                               \
+                s[1] = DP(s[1], u[1].q[group * g + k], xv);                                               \
+            }                                                                                             \
+            for (int h = 0; h < 2; h++) sumi[h] = _mm256_add_epi32(sumi[h], _mm256_mullo_epi32(s[h], u[h].scales[g])); \
+        }                                                                                                 \
+        int32_t bs[8];                                                                                    \
+        int pairs = 8;                                                                                    \
+        if (type == GGML_Q6_K) {                                                                          \
+            memcpy(bs, xb->bsums, sizeof bs);                                                             \
+        } else {                                                                                          \
+            const __m256i ps = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), _mm256_set1_epi16(1)); \
+            _mm_storeu_si128((__m128i *)bs, _mm_packs_epi32(_mm256_castsi256_si128(ps), _mm256_extracti128_si256(ps, 1))); \
+            pairs = 4;                                                                                    \
+        }                                                                                                 \
+        for (int m = 0; m < pairs; m++) {                                                                 \
+            const __m256i bv = _mm256_set1_epi32(bs[m]);                                                  \
+            for (int h = 0; h < 2; h++) summins[h] = DW(summins[h], u[h].pairs[m], bv);                  \
+        }                                                                                                 \
+        for (int h = 0; h < 2; h++) {                                                                     \
+            __m256i total = sumi[h], mins = summins[h];                                                   \
+            if (type == GGML_Q6_K) total = _mm256_sub_epi32(total, _mm256_slli_epi32(mins, 5)), mins = _mm256_setzero_si256(); \
+            _mm256_storeu_ps(acc + 8 * h, add_term8(_mm256_loadu_ps(acc + 8 * h), &u[h], xb->d, total, mins)); \
+        }                                                                                                 \
+    }
+
+#define KT_DP_AVX2(acc, a, x) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), _mm256_set1_epi16(1)))
+#define KT_DW_AVX2(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+KT_ROW8(row8_avx2, KT_AVX2, KT_DP_AVX2, KT_DW_AVX2)
+#ifdef KT_HAS_AVX_VNNI
+KT_ROW8(row8_avx_vnni, KT_AVX_VNNI, _mm256_dpbusd_avx_epi32, _mm256_dpwssd_avx_epi32)
+#endif
+
+#define KT_TILE8(NAME, TARGET, ROW)                                                                      \
+    TARGET static void NAME(int type, const uint8_t *const w[16], int64_t blocks, const Q8KBlock *x, int64_t xs, int rows, \
+                            const uint8_t *ahead, float *acc) {                                          \
+        const int bytes = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210;                       \
+        for (int r = 0; r < 16 * rows; r++) acc[r] = 0.0f;                                                \
+        Unpacked8 u[2];                                                                                   \
+        for (int64_t i = 0; i < blocks; i++) {                                                            \
+            const uint8_t *b[16];                                                                         \
+            for (int k = 0; k < 16; k++) b[k] = w[k] + (int64_t)bytes * i;                                \
+            if (ahead)                                                                                    \
+                for (int64_t at = 16 * bytes * i; at < 16 * bytes * (i + 1); at += 64) __builtin_prefetch(ahead + at, 0, 3); \
+            unpack8(type, b, &u[0]);                                                                      \
+            unpack8(type, b + 8, &u[1]);                                                                  \
+            for (int r = 0; r < rows; r++) ROW(type, u, x + r * xs + i, acc + 16 * r);                    \
+        }                                                                                                 \
+    }
+KT_TILE8(tile16_avx2, KT_AVX2, row8_avx2)
+#ifdef KT_HAS_AVX_VNNI
+KT_TILE8(tile16_avx_vnni, KT_AVX_VNNI, row8_avx_vnni)
+#else
+#define tile16_avx_vnni tile16_avx2
+#endif
+#endif
+
 int kquant_dot_tile16(int vector, int type, const uint8_t *const w[KQ_TILE_OUTPUTS], int64_t blocks, const Q8KBlock *x, int64_t x_stride,
                       int rows, const uint8_t *ahead, float *acc) {
 #if defined(__x86_64__) && defined(__GNUC__)
     if (vector >= IDOT_AVX512_VNNI) {
         tile16_avx512(type, w, blocks, x, x_stride, rows, ahead, acc);
+        return 1;
+    }
+    if (vector == IDOT_AVX_VNNI) {
+        tile16_avx_vnni(type, w, blocks, x, x_stride, rows, ahead, acc);
+        return 1;
+    }
+    if (vector == IDOT_AVX2) {
+        tile16_avx2(type, w, blocks, x, x_stride, rows, ahead, acc);
         return 1;
     }
 #else

@@ -349,11 +349,15 @@ static void group(int level, int type, int halves, const uint8_t *const w[WIDE],
 #ifndef KQ_TILES_FROM
 #define KQ_TILES_FROM 6
 #endif
-/* From KQ_TILES_FROM activation rows (int8x2: two a token) the K products run in wide tiles of 16
- * outputs where the level has them (kquant_dot_tile16): the same bits as the 4-row tiles, so the
- * choice never changes a row's result. Below, the 4-row tiles win: a row or two is bound by
- * reading the weights, which one output's row streamed at a time does faster than 16 rows at once,
- * and a tile's transposes cost about three rows' products (benchmarks/integer_kquants.py). */
+#ifndef KQ_TILES_FROM_256
+#define KQ_TILES_FROM_256 16
+#endif
+/* From KQ_TILES_FROM activation rows (int8x2: two a token) at AVX-512 VNNI, from KQ_TILES_FROM_256
+ * at AVX-VNNI and AVX2, the K products run in wide tiles of 16 outputs (kquant_dot_tile16): the
+ * same bits as the 4-row tiles, so the choice never changes a row's result. Below, the 4-row tiles
+ * win: a row or two is bound by reading the weights, which one output's row streamed at a time
+ * does faster than 16 rows at once, and a tile's transposes cost a few rows' products
+ * (benchmarks/integer_kquants.py). */
 static void kquant_tiles(int level, int type, int halves, const uint8_t *blocks, int64_t row_bytes, int64_t kblocks, const Q8KBlock *x,
                          float *y, int64_t tokens, int64_t out, int64_t y_stride, int threads) {
     const int64_t qrows = tokens * halves, groups = (out + KQ_TILE_OUTPUTS - 1) / KQ_TILE_OUTPUTS;
@@ -383,7 +387,7 @@ void integer_kquant_linear(int type, int halves, const uint8_t *blocks, const Q8
     const int64_t row_bytes = kblocks * (type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210);
     const int level = integer_dot_isa(isa);
     const int team = tokens * in * out < 65536 ? 1 : threads;
-    if (qrows >= KQ_TILES_FROM && level == IDOT_AVX512_VNNI)
+    if (level >= IDOT_AVX2 && qrows >= (level == IDOT_AVX512_VNNI ? KQ_TILES_FROM : KQ_TILES_FROM_256))
         return kquant_tiles(level, type, halves, blocks, row_bytes, kblocks, x, y, tokens, out, y_stride, team);
 #pragma omp parallel for num_threads(team) schedule(static)
     for (int64_t o = 0; o < out; o++)
