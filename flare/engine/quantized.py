@@ -13,8 +13,9 @@ the K types, Q8_K) (`quantize_activations`, once per layer input, shared by the 
 it), as one 8-bit block (`int8`, llama.cpp's Q8_0: it moves the default
 model's logprobs by 0.06, too far) or two (`int8x2`: the value and its residual, about 15 bits,
 3e-4). On the default package neither is faster than the float32 path at a decode round's few
-rows; on a Q4_K_M file int8x2 is about 1.2x faster at one stream and slower at 8. `flare run`
-keeps float32 by default (`--activations`; docs/benchmarks.md has the figures).
+rows; on a Q4_K_M file int8x2 takes 0.66-0.75x the float path's time per layer at 1 and at 8-64
+rows (level at 4: the K products' wide tiles, integer_kquant_tiles.c, run from 6 activation
+rows). `flare run` keeps float32 by default (`--activations`; docs/benchmarks.md has the figures).
 """
 
 from __future__ import annotations

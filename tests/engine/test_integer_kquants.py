@@ -174,6 +174,27 @@ def test_a_prefills_rows_across_several_row_tiles_keep_each_rows_bits(halves: in
         assert torch.equal(alone[0], batch[row]), row
 
 
+@pytest.mark.parametrize("halves", [1, 2])
+@pytest.mark.parametrize("ggml_type", K_TYPES)
+def test_wide_tiles_give_the_four_row_tiles_bits_either_side_of_their_start_and_of_a_row_tile(ggml_type: T, halves: int) -> None:
+    """From 6 activation rows (int8x2: 3 tokens) AVX-512 VNNI multiplies 16 outputs at a time, 64
+    activation rows a tile, and from 16 rows AVX-VNNI and AVX2 do, as two vectors of 8
+    (integer_kquant_tiles.c); the portable level keeps the 4-row tiles. 37 outputs leave the last
+    group of 16 partial."""
+    in_features, out_features = 512, 37
+    blocks = k_blocks(ggml_type, out_features, in_features, seed=21)
+    x = activations(70, in_features, seed=22)
+    batch = native.kquant_product(x, blocks, ggml_type, out_features, in_features, halves=halves)
+    if halves == 1:
+        assert np.array_equal(batch.numpy(), reference(ggml_type, blocks, *native.quantize_q8k(x)))
+    for rows in (2, 3, 5, 6, 7, 8, 9, 15, 16, 17, 31, 32, 33, 64, 65, 70):
+        part = x[:rows].clone()
+        narrow = native.kquant_product(part, blocks, ggml_type, out_features, in_features, isa=native.IDOT_PORTABLE, halves=halves)
+        assert torch.equal(narrow, batch[:rows]), rows
+        for isa in (native.IDOT_AVX2, native.IDOT_AVX_VNNI, native.IDOT_AVX512_VNNI):
+            assert torch.equal(native.kquant_product(part, blocks, ggml_type, out_features, in_features, isa=isa, halves=halves), narrow), (rows, isa)
+
+
 FORCED_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {root!r})
@@ -184,12 +205,13 @@ torch.save({{'isa': native.KQUANT_ISA, 'outputs': forced_cases()}}, {path!r})
 
 
 def forced_cases() -> list[torch.Tensor]:
-    """Each type's product at 1, 3, 8 and 33 rows at the process's default level, with one and two
-    halves, and the activations' quantization."""
+    """Each type's product at 1, 3, 8, 33 and 70 rows at the process's default level, with one and
+    two halves (AVX-512 VNNI: the 4-row tiles, then the wide tiles, past a 64-row tile at 33 x 2 and
+    70), and the activations' quantization."""
     outputs = []
     for ggml_type in K_TYPES:
         blocks = k_blocks(ggml_type, 21, 512, seed=int(ggml_type))
-        for rows in (1, 3, 8, 33):
+        for rows in (1, 3, 8, 33, 70):
             x = activations(rows, 512, seed=rows)
             outputs.append(native.kquant_product(x, blocks, ggml_type, 21, 512))
             outputs.append(native.kquant_product(x, blocks, ggml_type, 21, 512, halves=2))

@@ -47,6 +47,16 @@ void quantize_row_q8k_isa(int isa, const float *x, int64_t n, Q8KBlock *out);
 void kquant_dot_rows(int vector, int type, const uint8_t *w, int64_t blocks, const Q8KBlock *x, int64_t x_stride, int rows,
                      float *out, int64_t out_stride);
 
+/* The wide tiles (integer_kquant_tiles.c): 16 outputs at once, w[k] output k's weight row (a last,
+ * partial tile repeats a row in the lanes it does not store). acc[16 r + k] = the dot product of
+ * w[k] with activation row r (rows `x_stride` blocks apart), for r < rows, the same bits as
+ * kquant_dot_rows. `ahead`: 16 rows of weight bytes to prefetch meanwhile (the next tile's), or NULL.
+ * 1 when level `vector` has these tiles (AVX-512 VNNI; AVX-VNNI and AVX2 as two vectors of 8), else
+ * 0 (the portable level) and nothing written. */
+enum { KQ_TILE_OUTPUTS = 16 };
+int kquant_dot_tile16(int vector, int type, const uint8_t *const w[KQ_TILE_OUTPUTS], int64_t blocks, const Q8KBlock *x, int64_t x_stride,
+                      int rows, const uint8_t *ahead, float *acc);
+
 /* 32 activations of a 32-value block product: d * qs[i] stands for x[i] (d = max |x| / 127, qs
  * round-to-nearest-even of x / d, in -127 .. 127); sum = sum of qs and s = d * sum, what a weight
  * block's offset (Q4_0's 8, Q5_0's 16) and min (Q4_1, Q5_1) multiply. 48 bytes, qs 16-aligned. */

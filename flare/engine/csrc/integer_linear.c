@@ -351,14 +351,52 @@ static void group(int level, int type, int halves, const uint8_t *const w[WIDE],
  * the tiles a prefill's thousands of rows were read again from L3 or memory for every output. */
 enum { KQ_ROW_TILE = 128 };
 
+#ifndef KQ_TILES_FROM
+#define KQ_TILES_FROM 6
+#endif
+#ifndef KQ_TILES_FROM_256
+#define KQ_TILES_FROM_256 16
+#endif
+/* From KQ_TILES_FROM activation rows (int8x2: two a token) at AVX-512 VNNI, from KQ_TILES_FROM_256
+ * at AVX-VNNI and AVX2, the K products run in wide tiles of 16 outputs (kquant_dot_tile16): the
+ * same bits as the 4-row tiles, so the choice never changes a row's result. Below, the 4-row tiles
+ * win: a row or two is bound by reading the weights, which one output's row streamed at a time
+ * does faster than 16 rows at once, and a tile's transposes cost a few rows' products
+ * (benchmarks/integer_kquants.py). */
+static void kquant_tiles(int level, int type, int halves, const uint8_t *blocks, int64_t row_bytes, int64_t kblocks, const Q8KBlock *x,
+                         float *y, int64_t tokens, int64_t out, int64_t y_stride, int threads) {
+    const int64_t qrows = tokens * halves, groups = (out + KQ_TILE_OUTPUTS - 1) / KQ_TILE_OUTPUTS;
+#pragma omp parallel for num_threads(groups < threads ? (int)groups : threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t o0 = g * KQ_TILE_OUTPUTS;
+        const int count = (int)(out - o0 < KQ_TILE_OUTPUTS ? out - o0 : KQ_TILE_OUTPUTS);
+        const uint8_t *w[KQ_TILE_OUTPUTS];
+        for (int k = 0; k < KQ_TILE_OUTPUTS; k++) w[k] = blocks + (o0 + (k < count ? k : count - 1)) * row_bytes;
+        float acc[TILE * KQ_TILE_OUTPUTS];
+        /* the next group's rows follow these in memory: prefetched during the first row tile */
+        const uint8_t *next = g + 1 < groups ? blocks + (o0 + KQ_TILE_OUTPUTS) * row_bytes : NULL;
+        for (int64_t t = 0; t < qrows; t += TILE) {
+            const int n = (int)(qrows - t < TILE ? qrows - t : TILE);
+            kquant_dot_tile16(level, type, w, kblocks, x + t * kblocks, kblocks, n, t == 0 ? next : NULL, acc);
+            for (int r = 0; r < n; r += halves)
+                for (int k = 0; k < count; k++)
+                    y[(t + r) / halves * y_stride + o0 + k] =
+                        halves == 1 ? acc[KQ_TILE_OUTPUTS * r + k] : acc[KQ_TILE_OUTPUTS * r + k] + acc[KQ_TILE_OUTPUTS * (r + 1) + k];
+        }
+    }
+}
+
 void integer_kquant_linear(int type, int halves, const uint8_t *blocks, const Q8KBlock *x, float *y, int64_t tokens, int64_t in,
                            int64_t out, int64_t y_stride, int threads, int isa) {
     const int64_t kblocks = in / 256, qrows = tokens * halves;
     const int64_t row_bytes = kblocks * (type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210);
     const int level = integer_dot_isa(isa);
+    const int team = tokens * in * out < 65536 ? 1 : threads;
+    if (level >= IDOT_AVX2 && qrows >= (level == IDOT_AVX512_VNNI ? KQ_TILES_FROM : KQ_TILES_FROM_256))
+        return kquant_tiles(level, type, halves, blocks, row_bytes, kblocks, x, y, tokens, out, y_stride, team);
     /* Each output of each row is one kquant_dot_rows lane, whichever rows share its call (a token's
      * two halves always do: tiles and groups are of 4 rows): the tiling changes no bits. */
-#pragma omp parallel num_threads(tokens * in * out < 65536 ? 1 : threads)
+#pragma omp parallel num_threads(team)
     {
         const int64_t n = omp_get_num_threads(), k = omp_get_thread_num();
         const int64_t first = out * k / n, last = out * (k + 1) / n;
