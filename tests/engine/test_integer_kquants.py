@@ -161,12 +161,15 @@ def test_every_level_gives_the_same_bits_and_a_row_alone_gives_its_batch_bits(gg
 
 @pytest.mark.parametrize("halves", [1, 2])
 def test_a_prefills_rows_across_several_row_tiles_keep_each_rows_bits(halves: int) -> None:
-    """More activation rows than one tile (integer_linear.c's KQ_ROW_TILE, 128 Q8K rows): every row
-    as it is alone, and as the reference for one half."""
+    """More activation rows than one tile (integer_linear.c's KQ_ROW_TILE, 128 Q8K rows, which the
+    portable level and the 4-row tiles run; the wide tiles run 64 at a time): every row as it is
+    alone, and as the reference for one half."""
     ggml_type, in_features, out_features = T.Q6_K, 512, 37
     blocks = k_blocks(ggml_type, out_features, in_features, seed=13)
     x = activations(301, in_features, seed=14)
     batch = native.kquant_product(x, blocks, ggml_type, out_features, in_features, halves=halves)
+    portable = native.kquant_product(x, blocks, ggml_type, out_features, in_features, isa=native.IDOT_PORTABLE, halves=halves)
+    assert torch.equal(portable, batch)
     if halves == 1:
         assert np.array_equal(batch.numpy(), reference(ggml_type, blocks, *native.quantize_q8k(x)))
     for row in (0, 63, 64, 127, 128, 200, 300):
