@@ -31,8 +31,12 @@ $(VENV)/.test: lock/test.txt $(VENV)/.runtime
 run: $(VENV)/.runtime
 	$(BIN)/flare run $(ARGS)
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist), a test file per worker at a time, so that
+# a file's module-scoped daemons start once: two, one per core of CI's machine.
+TEST_WORKERS ?= 2
+
 test: $(VENV)/.test
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Re-resolves lock/ to the newest releases pyproject.toml's ranges allow, for CPython 3.11 on
 # Linux x86-64, with the CPU build of torch from TORCH_WHEELS (lock/pins.in). The test lock is
