@@ -20,7 +20,7 @@ from flare.cli.ctl import add_ctl_parser
 from flare.cli.package_commands import add_export_parser, add_inspect_parser
 from flare.daemon.config import CONFIG_ENV, ConfigError, load_config
 from flare.engine.openmp import set_wait_policy
-from flare.package.manifest import ACTIVATIONS, KV_CACHE_DTYPES, WEIGHT_FORMATS
+from flare.package.manifest import ACTIVATION_CHOICES, KV_CACHE_DTYPES, WEIGHT_FORMATS
 
 EXIT_USAGE = 2
 
@@ -101,9 +101,10 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--weight-format", choices=WEIGHT_FORMATS,
         help="what the linear layers multiply in: auto (default) picks the fastest this CPU runs for the "
         "package's weights (float16 on x86 with AVX2, bfloat16 on AMX CPUs, float32 elsewhere)")
-    add("--activations", choices=ACTIVATIONS,
-        help="what ggml block weights multiply: float32 (default, exact) or 8-bit activation blocks with integer "
-        "dot products, int8x2 (two a 32 activations, about 15 bits) or int8 (one, llama.cpp's Q8_0, coarser)")
+    add("--activations", choices=ACTIVATION_CHOICES,
+        help="what ggml block weights multiply: float32 (exact) or 8-bit activation blocks with integer dot "
+        "products, int8x2 (two a 32 activations, about 15 bits) or int8 (one, llama.cpp's Q8_0, coarser); "
+        "auto (default): int8x2 for K-quant blocks (Q4_K, Q5_K, Q6_K), float32 otherwise")
     add("--log-level", choices=("debug", "info", "warning", "error"), help="default info")
     add("--log-format", choices=("auto", "json", "console"),
         help="default auto: console on a terminal, JSON lines otherwise")
@@ -230,7 +231,8 @@ def _run_headless(config: Any) -> int:
     package = config.package if config.package is not None else default_package_path(config.cache_dir)
     try:
         return serve_headless(
-            str(package), layout, config.weight_format, config.tensor_parallel_cpus, config.collective_timeout_s
+            str(package), layout, config.weight_format, config.activations, config.tensor_parallel_cpus,
+            config.collective_timeout_s,
         )
     except WorkerStartError as error:
         print(f"flare run: error: {error}", file=sys.stderr)

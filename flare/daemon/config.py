@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flare.package.manifest import ACTIVATIONS, KV_CACHE_DTYPES, WEIGHT_FORMATS
+from flare.package.manifest import ACTIVATION_CHOICES, KV_CACHE_DTYPES, WEIGHT_FORMATS
 
 CONFIG_ENV = "FLARE_CONFIG"
 API_KEYS_ENV = "FLARE_API_KEYS"
@@ -129,7 +129,7 @@ class DaemonConfig:
     responses_store_max_bytes: int = 1 << 30
     device: str = "auto"  # "auto" (cuda when available, else cpu) | "cpu" | "cuda" | "cuda:N"
     weight_format: str = "auto"  # "auto" (the fastest this device runs) | "float32" | "bfloat16" | "float16"
-    activations: str = "float32"  # ACTIVATIONS: what ggml block weights multiply, 8-bit blocks or float32 (exact)
+    activations: str = "auto"  # ACTIVATION_CHOICES: what ggml block weights multiply, 8-bit blocks or float32 (exact)
 
 
 # --- value parsers: each takes a flag/env string or a TOML value and returns the typed value ---
@@ -296,7 +296,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "responses_store_max_bytes": parse_bytes,
     "device": _device,
     "weight_format": _choice(*WEIGHT_FORMATS),
-    "activations": _choice(*ACTIVATIONS),
+    "activations": _choice(*ACTIVATION_CHOICES),
 }
 # Settings read from sources other than one scalar value each.
 _LIST_SETTINGS = ("api_keys", "api_key_file")

@@ -30,17 +30,19 @@ import torch
 from flare.engine import native
 from flare.engine.native import INTEGER_ISA, QUANTIZED_ISA
 from flare.package.blocks import E8M0_NAN, E8M0_SCALE_OFFSETS, KEPT_TYPES, SCALE_OFFSETS
-from flare.package.manifest import ACTIVATIONS, INTEGER_ACTIVATION_TYPES
+from flare.package.manifest import ACTIVATIONS, INTEGER_ACTIVATION_TYPES, K_QUANT_TYPES, auto_activations
 
 # What a quantized weight multiplies (manifest.ACTIVATIONS): 8-bit activation blocks with integer
-# dot products, or the float32 activations themselves (exact). `flare run --activations` picks.
+# dot products, or the float32 activations themselves (exact). `flare run --activations` picks,
+# auto by default (`served_activations`).
 DEFAULT_ACTIVATIONS = "float32"
+AUTO_ACTIVATIONS = "auto"
 # 8-bit blocks per 32 activations of each integer precision.
 HALVES = {"int8": 1, "int8x2": 2}
 # The types with integer kernels: the 32-value ones (integer_linear.c) and the K types (integer_kquants.c).
 INTEGER_TYPES = frozenset(gguf.GGMLQuantizationType[name] for name in INTEGER_ACTIVATION_TYPES)
 # The K types: their integer products read 256-value Q8_K activation blocks.
-K_TYPES = frozenset(gguf.GGMLQuantizationType[name] for name in ("Q4_K", "Q5_K", "Q6_K"))
+K_TYPES = frozenset(gguf.GGMLQuantizationType[name] for name in K_QUANT_TYPES)
 
 
 def supported_types() -> frozenset[gguf.GGMLQuantizationType]:
@@ -129,10 +131,15 @@ class QuantizedWeight:
 
 def served_activations(weight_types: Iterable[str], activations: str) -> str:
     """What a package of `weight_types` (ggml names, `Package.weight_types`) multiplies its blocks
-    by when `activations` is asked for: that, where a block type with integer kernels is among them
-    and the kernels are built, else float32 (`engine_loaded`, `ctl status`)."""
-    integer = set(INTEGER_ACTIVATION_TYPES) & set(weight_types)
-    return activations if activations in HALVES and native.available() and integer else "float32"
+    by when `activations` (manifest.ACTIVATION_CHOICES) is asked for: int8x2 or int8 where a block
+    type with integer kernels is among them and the kernels are built, else float32
+    (`engine_loaded`, `ctl status`); auto as `manifest.auto_activations` chooses. Every rank of a
+    tensor-parallel group resolves it alike."""
+    types = set(weight_types)
+    if activations == AUTO_ACTIVATIONS:
+        activations = auto_activations(types)
+    integer = set(INTEGER_ACTIVATION_TYPES) & types
+    return activations if activations in HALVES and native.available() and integer else DEFAULT_ACTIVATIONS
 
 
 def _first_nonfinite_scale(ggml_type: gguf.GGMLQuantizationType, data: torch.Tensor, type_size: int) -> int:

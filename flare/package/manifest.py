@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,11 +50,15 @@ WEIGHT_FORMATS = (AUTO_DTYPE, *DTYPES)
 # What `flare run --kv-cache-dtype` takes: the KV cache stores keys and values in one of the
 # package dtypes (the engine computes in float32 whatever it stores; flare/engine/native.py).
 KV_CACHE_DTYPES = DTYPES
-# What `flare run --activations` takes: what ggml block weights multiply, the float32 activations
-# themselves (exact; the default, the fastest that meets issue 38's fidelity bar here), or 8-bit
+# What ggml block weights multiply: the float32 activations themselves (exact), or 8-bit
 # activation blocks with integer dot products, two per 32 activations (int8x2: a value and its
 # residual, ~15 bits) or one (int8) (flare/engine/quantized.py, docs/benchmarks.md).
 ACTIVATIONS = ("float32", "int8x2", "int8")
+# What `flare run --activations` takes: one of ACTIVATIONS, or auto (the default), the fastest
+# that meets the fidelity bar for the package's block types (`auto_activations`).
+ACTIVATION_CHOICES = ("auto", *ACTIVATIONS)
+# The K-quant block types: their integer products read 256-value Q8_K activation blocks.
+K_QUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 # The block types with integer kernels (flare/engine/csrc/integer_linear.c for the 32-value ones,
 # integer_kquants.c for the K types): what int8 reaches.
 INTEGER_ACTIVATION_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
@@ -786,3 +791,12 @@ def _fields_of(cls: type, data: Any, where: str) -> dict[str, Any]:
     # manifest was not written by this format's writer.
     _check_keys(data, {f.name for f in dataclasses.fields(cls)}, where)
     return dict(data)
+
+
+def auto_activations(weight_types: Iterable[str]) -> str:
+    """What `--activations auto` multiplies a package's blocks by, from its block types (ggml
+    names): int8x2 where K-quant blocks are among them (a Q4_K_M file), float32 otherwise. Both
+    meet issue 38's fidelity bar; int8x2 is the faster on K types from one row to 64, but on the
+    32-value types (the default package's Q4_1 and Q8_0) slower than float32 at the 1-5 rows of
+    decode (docs/benchmarks.md, "Integer K-quant products" and "Quantized linear layers")."""
+    return "int8x2" if set(K_QUANT_TYPES) & set(weight_types) else "float32"

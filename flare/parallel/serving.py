@@ -30,7 +30,7 @@ import torch.distributed as dist
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
 from flare.engine.model import DecoderModel, load_model
-from flare.engine.quantized import QuantizedWeight
+from flare.engine.quantized import QuantizedWeight, served_activations
 from flare.sampler.logprobs import TokenLogprobs
 from flare.sampler.round import SampledRound, sample_round, score_tokens
 from flare.parallel.group import ProcessGroups, all_reduce_sum
@@ -75,9 +75,10 @@ def rank_cache(config: ModelConfig, tensor_parallel: int, num_blocks: int, block
     return KVCache.for_config(local, num_blocks, block_size, dtype)
 
 
-def _load_worker(path: str, weight_format: str, rank: int, world_size: int) -> tuple[DecoderModel, ModelConfig]:
+def _load_worker(path: str, weight_format: str, activations: str, rank: int, world_size: int) -> tuple[DecoderModel, ModelConfig]:
     package = open_package(Path(path))
-    model = load_model(package, weight_format=weight_format, split=split_for(rank, world_size))
+    activations = served_activations(package.weight_types(), activations)
+    model = load_model(package, weight_format=weight_format, split=split_for(rank, world_size), activations=activations)
     return model, package.manifest.model
 
 
@@ -142,15 +143,17 @@ def run_step(shard: VocabShard, logits: torch.Tensor, step: ShardStep) -> Sample
     return gather_rows(shard, logits, torch.arange(logits.shape[0]))
 
 
-def worker_spec(package_path: str, weight_format: str) -> WorkerSpec:
-    """What every worker rank runs: its shard of the package, then the round loop."""
-    return WorkerSpec(functools.partial(_load_worker, package_path, weight_format), _serve_worker)
+def worker_spec(package_path: str, weight_format: str, activations: str) -> WorkerSpec:
+    """What every worker rank runs: its shard of the package (its blocks multiplying what rank 0's
+    do, `served_activations`), then the round loop."""
+    return WorkerSpec(functools.partial(_load_worker, package_path, weight_format, activations), _serve_worker)
 
 
 def serve_headless(
     package_path: str,
     layout: ParallelLayout,
     weight_format: str,
+    activations: str,
     bind: str | None = None,
     collective_timeout_s: float = COLLECTIVE_TIMEOUT.total_seconds(),
 ) -> int:
@@ -159,7 +162,7 @@ def serve_headless(
     for the supervisor to restart it."""
     group = RankGroup(
         layout,
-        worker_spec(package_path, weight_format),
+        worker_spec(package_path, weight_format, activations),
         torch.device("cpu"),
         STARTUP_TIMEOUT,
         timedelta(seconds=collective_timeout_s),
@@ -180,6 +183,7 @@ class RankDriver:
         layout: ParallelLayout,
         *,
         weight_format: str,
+        activations: str,
         startup_timeout: timedelta = STARTUP_TIMEOUT,
         collective_timeout: timedelta = COLLECTIVE_TIMEOUT,
         bind: str | None = None,
@@ -189,7 +193,8 @@ class RankDriver:
         rounds (and the OpenMP threads it starts), not the event loop. None: the workers take
         even runs of the CPUs and rank 0 is left as it is."""
         self.group = RankGroup(
-            layout, worker_spec(package_path, weight_format), torch.device("cpu"), startup_timeout, collective_timeout, bind
+            layout, worker_spec(package_path, weight_format, activations), torch.device("cpu"), startup_timeout,
+            collective_timeout, bind,
         )
         if bind:
             self.group.pin_own()

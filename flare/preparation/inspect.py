@@ -9,7 +9,7 @@ from flare.package.blocks import KEPT_TYPES
 from flare.package.chat_template import check_chat_template
 from flare.package.contract import Problem, check_contract
 from flare.package.directory import CHAT_TEMPLATE_NAME, verify_package, weight_types
-from flare.package.manifest import INTEGER_ACTIVATION_TYPES
+from flare.package.manifest import INTEGER_ACTIVATION_TYPES, auto_activations
 from flare.package.manifest import ModelConfig
 from flare.package.problems import capped
 
@@ -158,13 +158,15 @@ def _weights(types: dict[str, dict[str, int]], blocks: dict[str, Any], dequantiz
 
 
 def _activations(integer: list[str], blocks: dict[str, Any]) -> list[str]:
-    """What `flare run` multiplies the blocks by: float32 activations (its default), and which
-    types `--activations int8x2` or `int8` takes to the integer kernels."""
+    """What `flare run` multiplies the blocks by by default (`--activations auto`,
+    `quantized.served_activations`), and which types the integer kernels take."""
     if not blocks:
         return []
     if not integer:
         return ["  activations         float32 (no integer kernels for these types)"]
-    return [f"  activations         float32; integer kernels for {' '.join(integer)} (flare run --activations int8x2 or int8)"]
+    chosen = auto_activations(integer)
+    other = "float32 for exact float32 activations" if chosen != "float32" else "int8x2 or int8"
+    return [f"  activations         {chosen}; integer kernels for {' '.join(integer)} (flare run --activations {other})"]
 
 
 def _size(nbytes: int) -> str:

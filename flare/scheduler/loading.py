@@ -108,6 +108,9 @@ def load_parts(
     device = torch.device(options.device)
     config = package.manifest.model
 
+    # What the blocks multiply, resolved once from what was asked (auto by default) and the
+    # package's block types; the workers resolve it alike from the same package.
+    activations = served_activations(package.weight_types(), options.activations)
     tensor_parallel = options.tensor_parallel
     if tensor_parallel > 1:
         check_tensor_parallel(config, tensor_parallel)
@@ -133,14 +136,13 @@ def load_parts(
                 str(package.path),
                 options.parallel_layout(),
                 weight_format=options.weight_format,
+                activations=options.activations,
                 collective_timeout=timedelta(seconds=options.collective_timeout_s),
                 bind=options.tensor_parallel_cpus,
             )
         try:
             split = split_for(0, tensor_parallel) if ranks is not None else None
-            model = load_model(
-                package, device=device, weight_format=options.weight_format, split=split, activations=options.activations
-            )
+            model = load_model(package, device=device, weight_format=options.weight_format, split=split, activations=activations)
             if ranks is not None:
                 ranks.connect(config.vocab_size, kv_cache)
         except BaseException:
@@ -155,7 +157,7 @@ def load_parts(
             weights_dtype=serving.dtype,
             weight_format=str(model.weight_format),
             weight_types=package.weight_types(),
-            activations=served_activations(package.weight_types(), options.activations),
+            activations=activations,
             cpu_flags=" ".join(cpu_flags()),
             kv_cache_blocks=kv_cache.num_blocks,
             kv_cache_dtype=dtype_name(kv_cache.dtype),

@@ -43,5 +43,5 @@ class SchedulerOptions:
     jump_forward: bool = True  # propose the tokens a grammar forces as drafts (free: always accepted)
     device: str = "cpu"
     weight_format: str = "auto"  # precision.FORMAT_CHOICES: what the linear layers multiply in
-    activations: str = "float32"  # quantized.ACTIVATIONS: what ggml block weights multiply (8-bit blocks or float32)
+    activations: str = "auto"  # manifest.ACTIVATION_CHOICES: what ggml block weights multiply (quantized.served_activations)
     idle_tick_s: float = 1.0  # how often an idle loop wakes to send its heartbeat

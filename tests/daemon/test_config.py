@@ -52,13 +52,13 @@ def test_the_weight_format_is_auto_unless_a_source_names_one(tmp_path: Path) -> 
     assert load_config(flags(weight_format="bfloat16"), {"FLARE_WEIGHT_FORMAT": "float16"}).weight_format == "bfloat16"
 
 
-def test_the_activations_are_float32_unless_a_source_names_others_and_unknown_ones_are_refused(tmp_path: Path) -> None:
-    assert load_config(flags(), {}).activations == "float32"
+def test_the_activations_are_auto_unless_a_source_names_others_and_unknown_ones_are_refused(tmp_path: Path) -> None:
+    assert load_config(flags(), {}).activations == "auto"
     path = write_toml(tmp_path, 'activations = "int8x2"\n')
     assert load_config(flags(), {}, path).activations == "int8x2"
     assert load_config(flags(), {"FLARE_ACTIVATIONS": "int8"}, path).activations == "int8"
     assert load_config(flags(activations="float32"), {"FLARE_ACTIVATIONS": "int8"}).activations == "float32"
-    with pytest.raises(ConfigError, match="FLARE_ACTIVATIONS: expected one of float32, int8x2, int8, got .int4."):
+    with pytest.raises(ConfigError, match="FLARE_ACTIVATIONS: expected one of auto, float32, int8x2, int8, got .int4."):
         load_config(flags(), {"FLARE_ACTIVATIONS": "int4"})
 
 

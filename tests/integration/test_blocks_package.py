@@ -69,14 +69,14 @@ def test_a_blocks_package_serves_the_answer_of_its_float32_package_and_reports_i
         table = subprocess.run([*ctl, "status"], capture_output=True, text=True, check=True).stdout
         (line,) = [line for line in table.splitlines() if line.startswith("weight types")]
         assert "Q8_0 1 tensor " in line and "MXFP4 1 tensor " in line and "Q6_K 4 tensors " in line
-        # The default: float32 activations, exact.
-        assert loaded["activations"] == status["activations"] == "float32"
-        assert "GEMMs, float32 activations" in table
+        # The default, auto: int8x2 activations, as K-quant blocks are among the types.
+        assert loaded["activations"] == status["activations"] == "int8x2"
+        assert "GEMMs, int8x2 activations" in table
     finally:
         assert daemon.stop() == 0, daemon.log()
 
 
-def test_activations_int8x2_serve_the_float32_packages_answer_and_say_so(packages: dict[str, Path]) -> None:
+def test_activations_float32_serve_the_float32_packages_answer_and_say_so(packages: dict[str, Path]) -> None:
     daemon = start_daemon(packages["float32"], ["--max-concurrency", "2"])
     try:
         expected = greedy_answer(daemon)
@@ -85,19 +85,22 @@ def test_activations_int8x2_serve_the_float32_packages_answer_and_say_so(package
     finally:
         assert daemon.stop() == 0, daemon.log()
     control = packages["control"].with_name("control-float32.sock")
-    daemon = start_daemon(packages["blocks"], ["--activations", "int8x2", "--control-socket", str(control)])
+    daemon = start_daemon(packages["blocks"], ["--activations", "float32", "--control-socket", str(control)])
     try:
         assert greedy_answer(daemon) == expected
         (loaded,) = daemon.events("engine_loaded")
         ctl = [sys.executable, "-m", "flare.cli.main", "ctl", "--socket", str(control)]
         status = json.loads(subprocess.run([*ctl, "--json", "status"], capture_output=True, text=True, check=True).stdout)
-        assert loaded["activations"] == status["activations"] == "int8x2"
+        assert loaded["activations"] == status["activations"] == "float32"
     finally:
         assert daemon.stop() == 0, daemon.log()
     inspected = subprocess.run(
         [sys.executable, "-m", "flare.cli.main", "inspect", str(packages["blocks"])], capture_output=True, text=True, check=True
     ).stdout
-    assert "activations         float32; integer kernels for Q4_0 Q4_1 Q4_K Q5_0 Q5_1 Q5_K Q6_K Q8_0 (flare run --activations int8x2 or int8)" in inspected
+    assert (
+        "activations         int8x2; integer kernels for Q4_0 Q4_1 Q4_K Q5_0 Q5_1 Q5_K Q6_K Q8_0 "
+        "(flare run --activations float32 for exact float32 activations)"
+    ) in inspected
 
 
 def test_flare_run_refuses_blocks_with_a_nan_scale_naming_the_tensor_without_a_traceback(packages: dict[str, Path]) -> None:
