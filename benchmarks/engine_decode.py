@@ -50,7 +50,7 @@ from flare.engine import native
 from flare.engine.model import DecoderModel, load_model
 from flare.engine.precision import WeightFormat, cpu_flags
 from flare.preparation.default_package import default_package_path
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 from flare.package.directory import open_package
 from flare.package.directory import expected_weight_shapes
 

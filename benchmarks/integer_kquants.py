@@ -4,7 +4,7 @@ Llama-3.2-1B shape.
 The layer (hidden 2048, intermediate 8192, 32 heads and 8 KV heads of 64), as a Q4_K_M file
 stores it: q [2048, 2048], k [512, 2048], o [2048, 2048], gate and up [8192, 2048] in Q4_K; v
 [512, 2048] and down [2048, 8192] in Q6_K (`--layers` copies of it, 4 by default, 240 MB: read from memory as a
-model's layers are). For each row count: the median milliseconds per layer of its seven products through `native.kquant_product` at each integer level (the activations
+model's layers are). For each row count: the median milliseconds per layer of its seven products through `native_quantized.kquant_product` at each integer level (the activations
 quantized to Q8_K inside each call, once per product: a layer shares them between q/k/v and
 gate/up, so this counts them 7 times where 4 suffice) and through
 `flare.engine.quantized.quantized_linear` (float32 activations, the blocks expanded to float).
@@ -39,7 +39,7 @@ import gguf  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from flare.engine import native  # noqa: E402
+from flare.engine import native_quantized  # noqa: E402
 from flare.engine.precision import cpu_flags  # noqa: E402
 from flare.engine.quantized import QuantizedWeight, quantized_linear  # noqa: E402
 
@@ -54,10 +54,10 @@ LAYER = (  # (name, type, out, in)
     ("down", T.Q6_K, 2048, 8192),
 )
 LEVELS = {
-    "avx512_vnni": native.IDOT_AVX512_VNNI,
-    "avx_vnni": native.IDOT_AVX_VNNI,
-    "avx2": native.IDOT_AVX2,
-    "portable": native.IDOT_PORTABLE,
+    "avx512_vnni": native_quantized.IDOT_AVX512_VNNI,
+    "avx_vnni": native_quantized.IDOT_AVX_VNNI,
+    "avx2": native_quantized.IDOT_AVX2,
+    "portable": native_quantized.IDOT_PORTABLE,
 }
 
 
@@ -90,7 +90,7 @@ def main() -> None:
     paths = {"float (quantized_linear)": lambda x, w: quantized_linear(x, w)}
     for halves in args.halves:
         for level in args.levels:
-            paths[f"integer {level}" + (" x2" if halves == 2 else "")] = lambda x, w, isa=LEVELS[level], h=halves: native.kquant_product(
+            paths[f"integer {level}" + (" x2" if halves == 2 else "")] = lambda x, w, isa=LEVELS[level], h=halves: native_quantized.kquant_product(
                 x, w.data, w.ggml_type, w.out_features, w.in_features, isa=isa, halves=h
             )
     print(f"{'path':26} " + " ".join(f"{f'{r} rows':>9}" for r in args.rows) + "   (ms per layer, median)")

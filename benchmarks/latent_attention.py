@@ -19,7 +19,7 @@ from flare.engine.layers.latent_attention import latent_attention
 from flare.engine.layers.rope import rope_tables, round_tables
 from flare.engine.model import DecoderModel
 from flare.package.directory import expected_weight_shapes
-from flare.package.manifest import LatentAttention, ModelConfig
+from flare.package.model_config import LatentAttention, ModelConfig
 
 BLOCK = 16
 

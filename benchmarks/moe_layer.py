@@ -32,7 +32,8 @@ from flare.engine import native  # noqa: E402
 from flare.engine.layers.moe import MoEWeights, expert_weights, moe_mlp, moe_routes  # noqa: E402
 from flare.engine.precision import WeightFormat, cpu_flags  # noqa: E402
 from flare.engine.quantized import QuantizedWeight  # noqa: E402
-from flare.package.manifest import ACTIVATIONS, ModelConfig  # noqa: E402
+from flare.package.manifest import ACTIVATIONS  # noqa: E402
+from flare.package.model_config import ModelConfig  # noqa: E402
 
 HIDDEN, EXPERTS, WIDTH, ACTIVE = 2048, 128, 768, 8
 Q4_K = gguf.GGMLQuantizationType.Q4_K

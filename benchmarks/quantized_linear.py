@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from flare.engine import native  # noqa: E402
 from flare.engine.precision import cpu_flags  # noqa: E402
-from flare.engine.native import INTEGER_ISA  # noqa: E402
+from flare.engine.native_quantized import INTEGER_ISA  # noqa: E402
 from flare.engine.quantized import QUANTIZED_ISA, QuantizedWeight, quantized_linear, supported_types  # noqa: E402
 
 LAYERS = 30

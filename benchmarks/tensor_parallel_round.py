@@ -39,7 +39,7 @@ from flare.parallel.round_command import RoundCommand, RoundSampling, receive_co
 from flare.parallel.tensor_split import rank_config, rank_model
 from flare.parallel.vocab_round import ShardsAcrossRanks
 from flare.parallel.vocab_shard import VocabShard
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 from flare.package.directory import expected_weight_shapes
 from flare.policy.params import SamplingParams
 

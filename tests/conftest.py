@@ -34,7 +34,8 @@ from safetensors.torch import save_file  # noqa: E402
 from flare.preparation.default_model import default_gguf_path  # noqa: E402
 from flare.preparation.default_package import default_package_path  # noqa: E402
 from flare.preparation.gguf_source import open_gguf  # noqa: E402
-from flare.package.manifest import ModelConfig, Provenance, ServingConfig  # noqa: E402
+from flare.package.manifest import Provenance, ServingConfig  # noqa: E402
+from flare.package.model_config import ModelConfig  # noqa: E402
 from flare.package.directory import expected_weight_shapes, write_package  # noqa: E402
 from flare.preparation.source import ModelSource  # noqa: E402
 from flare.policy.policy import SamplingPolicy  # noqa: E402

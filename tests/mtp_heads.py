@@ -19,7 +19,7 @@ from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
 from flare.engine.model import DecoderModel
 from flare.package.draft_head import DraftHeadInfo, HeldOutAcceptance, head_parameter_count
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 
 
 def head_module(

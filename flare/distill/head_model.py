@@ -29,7 +29,7 @@ from flare.engine.layers.moe import load_moe_weights, moe_mlp
 from flare.engine.layers.rope import apply_rope, rope_tables
 from flare.engine.precision import WeightFormat
 from flare.package.draft_head import LAYER_PREFIX, VOCAB_TENSOR, draft_head_shapes, head_block_config
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 
 
 class DraftHeadModule(nn.Module):

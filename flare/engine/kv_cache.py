@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 
 DEFAULT_BLOCK_SIZE = 16
 # On a 24 GiB machine the fp32 weights of a small model take well under 1 GiB; 2 GiB of KV

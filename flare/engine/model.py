@@ -59,7 +59,7 @@ from flare.engine.layers.norms import add_norm, sublayer_output
 from flare.engine.layers.rope import rope_tables, round_tables
 from flare.engine.linear import Weight, linear, linear_columns, packs, stack_weights
 from flare.package.blocks import dequantized
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 from flare.package.directory import TORCH_DTYPES, Package, expected_weight_shapes, fits_float16, weight_problems
 from flare.package.problems import capped
 

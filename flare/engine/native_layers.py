@@ -19,8 +19,6 @@ from flare.engine.native import (
     ACTIVATION_CODES,
     KV_DTYPE_CODES,
     LINEAR_ISA,
-    INTEGER_ISA,
-    QUANTIZED_ISA,
     Float16Weight,
     _address,
     _attention_option_problems,
@@ -30,6 +28,7 @@ from flare.engine.native import (
     _pool_problems,
     _vector_problems,
 )
+from flare.engine.native_quantized import INTEGER_ISA, QUANTIZED_ISA
 
 # A LinearPart's type for packed float16 weights (kernels.h, LINEAR_PACKED_FLOAT16: ggml's type 0,
 # F32, is never a part's); a part of ggml blocks has its ggml type id, one quantized_linear reads.

@@ -27,8 +27,8 @@ import gguf
 import numpy as np
 import torch
 
-from flare.engine import native
-from flare.engine.native import INTEGER_ISA, QUANTIZED_ISA
+from flare.engine import native, native_quantized
+from flare.engine.native_quantized import INTEGER_ISA, QUANTIZED_ISA
 from flare.package.blocks import E8M0_NAN, E8M0_SCALE_OFFSETS, KEPT_TYPES, SCALE_OFFSETS
 from flare.package.manifest import ACTIVATIONS, INTEGER_ACTIVATION_TYPES, K_QUANT_TYPES, auto_activations
 
@@ -146,7 +146,7 @@ def _first_nonfinite_scale(ggml_type: gguf.GGMLQuantizationType, data: torch.Ten
     """The first block of `data` whose float16 scale is NaN or infinite (its five exponent bits
     all ones), or whose E8M0 scale is NaN (0xFF), or -1."""
     if native.available():
-        return native.quantized_first_nonfinite_scale(data, ggml_type, type_size)
+        return native_quantized.quantized_first_nonfinite_scale(data, ggml_type, type_size)
     scales = data.view(-1, type_size)
     bad = torch.zeros(scales.shape[0], dtype=torch.bool)
     for offset in SCALE_OFFSETS.get(ggml_type, ()):
@@ -174,7 +174,7 @@ def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor, *, isa: int | N
     if ids and (min(ids) < 0 or max(ids) >= weight.out_features):
         raise ValueError(f"dequantize_rows: row ids must lie in [0, {weight.out_features}), got {min(ids)}..{max(ids)}")
     if native.available():
-        values = native.quantized_rows(
+        values = native_quantized.quantized_rows(
             weight.data, weight.ggml_type, weight.in_features, flat.contiguous(), QUANTIZED_ISA if isa is None else isa
         )
     else:
@@ -191,11 +191,11 @@ def activation_blocks(weight: QuantizedWeight) -> tuple[int, bool]:
 
 def quantize_activations(x: torch.Tensor, blocks: tuple[int, bool]) -> torch.Tensor:
     """Rows of x [M, in] (float32) as the 8-bit activation blocks of `blocks` (`activation_blocks`):
-    halves blocks per 32 (`native.quantize_q8`) or per 256 (`native.quantize_q8k_rows`), what
+    halves blocks per 32 (`native_quantized.quantize_q8`) or per 256 (`native_quantized.quantize_q8k_rows`), what
     every integer product of this input reads, so a layer quantizes its input once."""
     halves, k_blocks = blocks
     x = x if x.stride(1) == 1 else x.contiguous()
-    return native.quantize_q8k_rows(x, halves, INTEGER_ISA) if k_blocks else native.quantize_q8(x, halves)
+    return native_quantized.quantize_q8k_rows(x, halves, INTEGER_ISA) if k_blocks else native_quantized.quantize_q8(x, halves)
 
 
 def quantized_linear(
@@ -220,10 +220,10 @@ def quantized_linear(
         return x @ dequantize(weight).T
     if weight.halves:
         xq = quantize_activations(x, activation_blocks(weight)) if activations is None else activations
-        product = native.integer_kquant_linear if weight.ggml_type in K_TYPES else native.integer_linear
+        product = native_quantized.integer_kquant_linear if weight.ggml_type in K_TYPES else native_quantized.integer_linear
         return product(xq, weight.data, weight.ggml_type, weight.out_features, weight.in_features, INTEGER_ISA if isa is None else isa)
     if x.stride(1) != 1:
         x = x.contiguous()
-    return native.quantized_linear(
+    return native_quantized.quantized_linear(
         x, weight.data, weight.ggml_type, weight.out_features, weight.in_features, QUANTIZED_ISA if isa is None else isa
     )

@@ -40,15 +40,8 @@ from flare.package.blocks import (
 )
 from flare.package.draft_head import DRAFT_HEAD_NAME, FINAL_NORM_TENSOR, draft_head_shapes
 from flare.package.layer_shapes import decoder_layer_shapes
-from flare.package.manifest import (
-    MANIFEST_NAME,
-    DraftHeadInfo,
-    Manifest,
-    ManifestError,
-    ModelConfig,
-    Provenance,
-    ServingConfig,
-)
+from flare.package.manifest import MANIFEST_NAME, DraftHeadInfo, Manifest, Provenance, ServingConfig
+from flare.package.model_config import ManifestError, ModelConfig
 from flare.package.problems import listed
 from flare.package.staging import claim_staging, remove_abandoned_staging
 from flare.policy.policy import SamplingPolicy

@@ -29,7 +29,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from flare.package.layer_shapes import decoder_layer_shapes
-from flare.package.manifest import DraftHeadInfo, HeldOutAcceptance, ModelConfig
+from flare.package.manifest import DraftHeadInfo, HeldOutAcceptance
+from flare.package.model_config import ModelConfig
 
 DRAFT_HEAD_NAME = "draft_head.safetensors"
 VOCAB_TENSOR = "mtp.draft_vocab"

@@ -4,7 +4,7 @@ for a draft head built as one of the target's layers."""
 
 from __future__ import annotations
 
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 
 
 def decoder_layer_shapes(config: ModelConfig, index: int, prefix: str) -> dict[str, tuple[int, ...]]:

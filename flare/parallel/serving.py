@@ -40,7 +40,7 @@ from flare.parallel.round_command import RoundCommand, RoundSampling, ShardStep,
 from flare.parallel.tensor_split import rank_config, rank_state_dict, vocabulary_rows
 from flare.parallel.vocab_round import ShardsAcrossRanks, gather_rows
 from flare.parallel.vocab_shard import VocabShard
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 from flare.package.directory import open_package
 
 log = structlog.get_logger("flare.parallel")

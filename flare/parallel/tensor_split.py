@@ -54,7 +54,7 @@ import torch
 from flare.engine.model import DecoderModel
 from flare.engine.quantized import QuantizedWeight
 from flare.sampler.distribution import shard_bounds
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 
 Tensor = torch.Tensor | QuantizedWeight
 

@@ -24,16 +24,8 @@ from flare.package.contract import check_contract
 from flare.preparation.default_model import DEFAULT_SOURCE, default_gguf_path
 from flare.preparation.gguf_source import open_gguf
 from flare.preparation.hf_source import open_hf_directory
-from flare.package.manifest import (
-    AUTO_DTYPE,
-    DRAFTERS,
-    DTYPES,
-    MAX_DRAFT_TOKENS,
-    Manifest,
-    ManifestError,
-    Provenance,
-    ServingConfig,
-)
+from flare.package.manifest import AUTO_DTYPE, DRAFTERS, DTYPES, MAX_DRAFT_TOKENS, Manifest, Provenance, ServingConfig
+from flare.package.model_config import ManifestError
 from flare.package.directory import PackageError, check_destination, fits_float16, write_package
 from flare.preparation.quantize import QUANTIZE_TYPES, quantize_weights
 from flare.preparation.recipes import Recipe, recipe_for, with_declared_defaults

@@ -38,15 +38,8 @@ import numpy as np
 
 from flare.package.directory import layers_held
 from flare.package.family_tensors import FAMILY_TENSORS
-from flare.package.manifest import (
-    ARCHITECTURES,
-    MAX_CONTEXT,
-    MAX_CONTEXT_REASON,
-    LatentAttention,
-    ManifestError,
-    ModelConfig,
-    RopeScaling,
-)
+from flare.package.manifest import MAX_CONTEXT, MAX_CONTEXT_REASON
+from flare.package.model_config import ARCHITECTURES, LatentAttention, ManifestError, ModelConfig, RopeScaling
 from flare.preparation.source import SourceError
 
 # general.architecture -> ModelConfig.architecture. Mistral's converter output is `llama`.

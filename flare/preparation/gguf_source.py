@@ -38,7 +38,7 @@ from flare.preparation.hf_families import deinterleaved_row_order
 from flare.preparation.gguf_layout import GGUFLayout, GGUFTensorInfo, read_gguf_layout, read_gguf_value
 from flare.preparation.gguf_tokenizer import build_tokenizer_json
 from flare.package.directory import sha256_of, weight_problems
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 from flare.package.problems import listed
 from flare.preparation.recipes import gguf_sampling_defaults
 from flare.preparation.source import ModelSource, SourceError, SourceWeights

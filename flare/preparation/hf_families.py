@@ -34,15 +34,8 @@ import torch
 
 from flare.package.blocks import BlockTensor, GGMLType, mxfp4_from_openai
 from flare.package.family_tensors import FAMILY_TENSORS
-from flare.package.manifest import (
-    ARCHITECTURES,
-    MAX_CONTEXT,
-    MAX_CONTEXT_REASON,
-    ManifestError,
-    LatentAttention,
-    ModelConfig,
-    RopeScaling,
-)
+from flare.package.manifest import MAX_CONTEXT, MAX_CONTEXT_REASON
+from flare.package.model_config import ARCHITECTURES, LatentAttention, ManifestError, ModelConfig, RopeScaling
 from flare.preparation.source import SourceError
 
 # model_type -> ModelConfig.architecture

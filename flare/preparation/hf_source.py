@@ -41,7 +41,7 @@ from flare.preparation.hf_families import (
     stack_experts,
     tensor_converter,
 )
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 from flare.package.directory import layers_held, weight_problems
 from flare.package.problems import listed
 from flare.preparation.recipes import hf_generation_defaults

@@ -10,7 +10,7 @@ from flare.package.chat_template import check_chat_template
 from flare.package.contract import Problem, check_contract
 from flare.package.directory import CHAT_TEMPLATE_NAME, verify_package, weight_types
 from flare.package.manifest import INTEGER_ACTIVATION_TYPES, auto_activations
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 from flare.package.problems import capped
 
 UNSERVABLE_CHAT_TEMPLATE = "unservable_chat_template"

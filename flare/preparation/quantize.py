@@ -26,7 +26,8 @@ import torch
 
 from flare.package.blocks import BlockTensor, GGMLType, block_problems, row_bytes
 from flare.preparation.kquants import quantize_q4_k, quantize_q6_k
-from flare.package.manifest import QUANTIZE_TYPES, ModelConfig
+from flare.package.manifest import QUANTIZE_TYPES
+from flare.package.model_config import ModelConfig
 from flare.package.problems import listed
 from flare.preparation.source import SourceError, SourceWeights
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 
 Number = int | float
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flare.package.blocks import BlockTensor
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 from flare.preparation.recipes import DeclaredDefaults
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tests.engine.tiny_llama import random_state_dict, tiny_config
 
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 
 
 @pytest.fixture

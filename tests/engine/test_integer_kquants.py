@@ -18,13 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests import REPOSITORY
-from flare.engine import native
+from flare.engine import native, native_quantized
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the engine's kernels were not built")
 
 T = gguf.GGMLQuantizationType
 K_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)
-LEVELS = (native.IDOT_PORTABLE, native.IDOT_AVX2, native.IDOT_AVX_VNNI, native.IDOT_AVX512_VNNI)
+LEVELS = (native_quantized.IDOT_PORTABLE, native_quantized.IDOT_AVX2, native_quantized.IDOT_AVX_VNNI, native_quantized.IDOT_AVX512_VNNI)
 # Where each type keeps its float16 scales (d, then dmin).
 SCALE_OFFSETS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
 
@@ -108,8 +108,8 @@ def test_each_type_is_the_float64_product_of_the_values_it_multiplies_and_the_re
     in_features, out_features = 1024, 37
     blocks = k_blocks(ggml_type, out_features, in_features, seed=int(ggml_type))
     x = activations(7, in_features)
-    got = native.kquant_product(x, blocks, ggml_type, out_features, in_features)
-    d, qs, bsums = native.quantize_q8k(x)
+    got = native_quantized.kquant_product(x, blocks, ggml_type, out_features, in_features)
+    d, qs, bsums = native_quantized.quantize_q8k(x)
     assert np.array_equal(got.numpy(), reference(ggml_type, blocks, d, qs, bsums))
     # Against gguf-py's values times the activations actually used (d qs): the float32 steps round
     # each super-block's two parts and their running sum, about (blocks + 4) ulps of the magnitudes.
@@ -140,8 +140,8 @@ def test_any_shape_and_row_count_gives_the_reference_bits(ggml_type: T, blocks_p
     in_features = 256 * blocks_per_row
     blocks = k_blocks(ggml_type, out_features, in_features, seed=seed)
     x = activations(rows, in_features, seed=seed + 1)
-    got = native.kquant_product(x, blocks, ggml_type, out_features, in_features)
-    assert np.array_equal(got.numpy(), reference(ggml_type, blocks, *native.quantize_q8k(x)))
+    got = native_quantized.kquant_product(x, blocks, ggml_type, out_features, in_features)
+    assert np.array_equal(got.numpy(), reference(ggml_type, blocks, *native_quantized.quantize_q8k(x)))
 
 
 @pytest.mark.parametrize("ggml_type", K_TYPES)
@@ -149,14 +149,14 @@ def test_every_level_gives_the_same_bits_and_a_row_alone_gives_its_batch_bits(gg
     in_features, out_features = 768, 19
     blocks = k_blocks(ggml_type, out_features, in_features, seed=3)
     x = activations(64, in_features, seed=4)
-    batch = native.kquant_product(x, blocks, ggml_type, out_features, in_features)
+    batch = native_quantized.kquant_product(x, blocks, ggml_type, out_features, in_features)
     for isa in LEVELS + (99,):  # 99: above every level, capped to the widest this CPU has
-        assert torch.equal(native.kquant_product(x, blocks, ggml_type, out_features, in_features, isa=isa), batch), isa
+        assert torch.equal(native_quantized.kquant_product(x, blocks, ggml_type, out_features, in_features, isa=isa), batch), isa
     for row in (0, 5, 62, 63):
-        alone = native.kquant_product(x[row : row + 1].clone(), blocks, ggml_type, out_features, in_features, isa=native.IDOT_PORTABLE)
+        alone = native_quantized.kquant_product(x[row : row + 1].clone(), blocks, ggml_type, out_features, in_features, isa=native_quantized.IDOT_PORTABLE)
         assert torch.equal(alone[0], batch[row])
     for rows in (1, 2, 3, 5, 6, 7):
-        assert torch.equal(native.kquant_product(x[:rows].clone(), blocks, ggml_type, out_features, in_features), batch[:rows])
+        assert torch.equal(native_quantized.kquant_product(x[:rows].clone(), blocks, ggml_type, out_features, in_features), batch[:rows])
 
 
 @pytest.mark.parametrize("halves", [1, 2])
@@ -167,13 +167,13 @@ def test_a_prefills_rows_across_several_row_tiles_keep_each_rows_bits(halves: in
     ggml_type, in_features, out_features = T.Q6_K, 512, 37
     blocks = k_blocks(ggml_type, out_features, in_features, seed=13)
     x = activations(301, in_features, seed=14)
-    batch = native.kquant_product(x, blocks, ggml_type, out_features, in_features, halves=halves)
-    portable = native.kquant_product(x, blocks, ggml_type, out_features, in_features, isa=native.IDOT_PORTABLE, halves=halves)
+    batch = native_quantized.kquant_product(x, blocks, ggml_type, out_features, in_features, halves=halves)
+    portable = native_quantized.kquant_product(x, blocks, ggml_type, out_features, in_features, isa=native_quantized.IDOT_PORTABLE, halves=halves)
     assert torch.equal(portable, batch)
     if halves == 1:
-        assert np.array_equal(batch.numpy(), reference(ggml_type, blocks, *native.quantize_q8k(x)))
+        assert np.array_equal(batch.numpy(), reference(ggml_type, blocks, *native_quantized.quantize_q8k(x)))
     for row in (0, 63, 64, 127, 128, 200, 300):
-        alone = native.kquant_product(x[row : row + 1].clone(), blocks, ggml_type, out_features, in_features, halves=halves)
+        alone = native_quantized.kquant_product(x[row : row + 1].clone(), blocks, ggml_type, out_features, in_features, halves=halves)
         assert torch.equal(alone[0], batch[row]), row
 
 
@@ -187,23 +187,23 @@ def test_wide_tiles_give_the_four_row_tiles_bits_either_side_of_their_start_and_
     in_features, out_features = 512, 37
     blocks = k_blocks(ggml_type, out_features, in_features, seed=21)
     x = activations(70, in_features, seed=22)
-    batch = native.kquant_product(x, blocks, ggml_type, out_features, in_features, halves=halves)
+    batch = native_quantized.kquant_product(x, blocks, ggml_type, out_features, in_features, halves=halves)
     if halves == 1:
-        assert np.array_equal(batch.numpy(), reference(ggml_type, blocks, *native.quantize_q8k(x)))
+        assert np.array_equal(batch.numpy(), reference(ggml_type, blocks, *native_quantized.quantize_q8k(x)))
     for rows in (2, 3, 5, 6, 7, 8, 9, 15, 16, 17, 31, 32, 33, 64, 65, 70):
         part = x[:rows].clone()
-        narrow = native.kquant_product(part, blocks, ggml_type, out_features, in_features, isa=native.IDOT_PORTABLE, halves=halves)
+        narrow = native_quantized.kquant_product(part, blocks, ggml_type, out_features, in_features, isa=native_quantized.IDOT_PORTABLE, halves=halves)
         assert torch.equal(narrow, batch[:rows]), rows
-        for isa in (native.IDOT_AVX2, native.IDOT_AVX_VNNI, native.IDOT_AVX512_VNNI):
-            assert torch.equal(native.kquant_product(part, blocks, ggml_type, out_features, in_features, isa=isa, halves=halves), narrow), (rows, isa)
+        for isa in (native_quantized.IDOT_AVX2, native_quantized.IDOT_AVX_VNNI, native_quantized.IDOT_AVX512_VNNI):
+            assert torch.equal(native_quantized.kquant_product(part, blocks, ggml_type, out_features, in_features, isa=isa, halves=halves), narrow), (rows, isa)
 
 
 FORCED_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {root!r})
 from tests.engine.test_integer_kquants import forced_cases
-from flare.engine import native
-torch.save({{'isa': native.KQUANT_ISA, 'outputs': forced_cases()}}, {path!r})
+from flare.engine import native, native_quantized
+torch.save({{'isa': native_quantized.KQUANT_ISA, 'outputs': forced_cases()}}, {path!r})
 """
 
 
@@ -216,13 +216,13 @@ def forced_cases() -> list[torch.Tensor]:
         blocks = k_blocks(ggml_type, 21, 512, seed=int(ggml_type))
         for rows in (1, 3, 8, 33, 70):
             x = activations(rows, 512, seed=rows)
-            outputs.append(native.kquant_product(x, blocks, ggml_type, 21, 512))
-            outputs.append(native.kquant_product(x, blocks, ggml_type, 21, 512, halves=2))
-            outputs.extend(native.quantize_q8k(x))
+            outputs.append(native_quantized.kquant_product(x, blocks, ggml_type, 21, 512))
+            outputs.append(native_quantized.kquant_product(x, blocks, ggml_type, 21, 512, halves=2))
+            outputs.extend(native_quantized.quantize_q8k(x))
     return outputs
 
 
-@pytest.mark.parametrize(("capability", "isa"), [("avx2", native.IDOT_AVX2), ("default", native.IDOT_PORTABLE)])
+@pytest.mark.parametrize(("capability", "isa"), [("avx2", native_quantized.IDOT_AVX2), ("default", native_quantized.IDOT_PORTABLE)])
 def test_forced_avx2_and_forced_portable_dispatch_give_the_same_bits(tmp_path: Path, capability: str, isa: int) -> None:
     path = tmp_path / "outputs.pt"
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
@@ -236,7 +236,7 @@ def test_forced_avx2_and_forced_portable_dispatch_give_the_same_bits(tmp_path: P
 def test_quantized_activations_are_the_nearest_steps_of_max_over_127_with_their_block_sums() -> None:
     x = activations(3, 1024, seed=9) * torch.tensor([1.0, 1e-30, 3e30]).unsqueeze(1)
     for isa in LEVELS:
-        d, qs, bsums = native.quantize_q8k(x, isa=isa)
+        d, qs, bsums = native_quantized.quantize_q8k(x, isa=isa)
         amax = x.abs().reshape(3, 4, 256).amax(-1)
         assert torch.equal(d, amax / 127)
         assert qs.abs().max() <= 127
@@ -244,18 +244,18 @@ def test_quantized_activations_are_the_nearest_steps_of_max_over_127_with_their_
         assert (wide == 127).all()  # the largest |x| of each block is +-127
         assert torch.equal(qs.to(torch.int64), torch.clamp(torch.round(x / d.repeat_interleave(256, dim=1)), -127, 127).to(torch.int64))
         assert torch.equal(bsums.to(torch.int64), qs.to(torch.int64).reshape(3, -1, 16).sum(-1))
-        for got, portable in zip((d, qs, bsums), native.quantize_q8k(x, isa=native.IDOT_PORTABLE), strict=True):
+        for got, portable in zip((d, qs, bsums), native_quantized.quantize_q8k(x, isa=native_quantized.IDOT_PORTABLE), strict=True):
             assert torch.equal(got, portable)
 
 
 def test_an_all_zero_block_quantizes_to_zeros_and_multiplies_to_zero() -> None:
     x = activations(2, 512, seed=2)
     x[1, 256:] = 0.0
-    d, qs, bsums = native.quantize_q8k(x)
+    d, qs, bsums = native_quantized.quantize_q8k(x)
     assert d[1, 1] == 0 and not qs[1, 256:].any() and not bsums[1, 16:].any()
     assert d[1, 0] > 0
     blocks = k_blocks(T.Q4_K, 3, 512)
-    zero = native.kquant_product(torch.zeros(1, 512), blocks, T.Q4_K, 3, 512)
+    zero = native_quantized.kquant_product(torch.zeros(1, 512), blocks, T.Q4_K, 3, 512)
     assert torch.equal(zero, torch.zeros(1, 3))
 
 
@@ -264,16 +264,16 @@ def test_two_halves_are_the_products_of_x_and_of_its_residual_added_and_far_clos
     in_features, out_features = 1024, 23
     blocks = k_blocks(ggml_type, out_features, in_features, seed=11)
     x = activations(9, in_features, seed=12)
-    got = native.kquant_product(x, blocks, ggml_type, out_features, in_features, halves=2)
-    d, qs, bsums = native.quantize_q8k(x)
+    got = native_quantized.kquant_product(x, blocks, ggml_type, out_features, in_features, halves=2)
+    d, qs, bsums = native_quantized.quantize_q8k(x)
     residual = x - d.repeat_interleave(256, dim=1) * qs.float()
-    expected = reference(ggml_type, blocks, d, qs, bsums) + reference(ggml_type, blocks, *native.quantize_q8k(residual))
+    expected = reference(ggml_type, blocks, d, qs, bsums) + reference(ggml_type, blocks, *native_quantized.quantize_q8k(residual))
     assert np.array_equal(got.numpy(), expected)
     for isa in LEVELS:
-        assert torch.equal(native.kquant_product(x, blocks, ggml_type, out_features, in_features, isa=isa, halves=2), got)
-    assert torch.equal(native.kquant_product(x[4:5].clone(), blocks, ggml_type, out_features, in_features, halves=2)[0], got[4])
+        assert torch.equal(native_quantized.kquant_product(x, blocks, ggml_type, out_features, in_features, isa=isa, halves=2), got)
+    assert torch.equal(native_quantized.kquant_product(x[4:5].clone(), blocks, ggml_type, out_features, in_features, halves=2)[0], got[4])
     exact = x.double().numpy() @ gguf_values(ggml_type, blocks).T
-    one = native.kquant_product(x, blocks, ggml_type, out_features, in_features).numpy()
+    one = native_quantized.kquant_product(x, blocks, ggml_type, out_features, in_features).numpy()
     assert np.abs(got.numpy() - exact).max() < np.abs(one - exact).max() / 30
 
 
@@ -282,25 +282,25 @@ def test_a_nan_in_one_rows_input_reaches_that_rows_outputs_only() -> None:
     x = activations(6, 512, seed=7)
     x[3, 300] = float("nan")
     for isa in LEVELS:
-        y = native.kquant_product(x, blocks, T.Q6_K, 9, 512, isa=isa)
+        y = native_quantized.kquant_product(x, blocks, T.Q6_K, 9, 512, isa=isa)
         assert y[3].isnan().all()
         assert not y[torch.arange(6) != 3].isnan().any()
-        assert native.quantize_q8k(x, isa=isa)[0][3, 1].isnan()
+        assert native_quantized.quantize_q8k(x, isa=isa)[0][3, 1].isnan()
 
 
 def test_shapes_and_types_the_kernel_does_not_take_are_refused() -> None:
     blocks = k_blocks(T.Q4_K, 2, 256)
     with pytest.raises(ValueError, match="multiple of 256"):
-        native.kquant_product(torch.zeros(1, 128), blocks, T.Q4_K, 2, 128)
+        native_quantized.kquant_product(torch.zeros(1, 128), blocks, T.Q4_K, 2, 128)
     with pytest.raises(ValueError, match="must be Q4_K"):
-        native.kquant_product(torch.zeros(1, 256), blocks, T.Q4_0, 2, 256)
+        native_quantized.kquant_product(torch.zeros(1, 256), blocks, T.Q4_0, 2, 256)
     with pytest.raises(ValueError, match=r"contiguous uint8 \(2, 176\)"):
-        native.kquant_product(torch.zeros(1, 256), blocks, T.Q5_K, 2, 256)
+        native_quantized.kquant_product(torch.zeros(1, 256), blocks, T.Q5_K, 2, 256)
     with pytest.raises(ValueError, match="halves must be 1 or 2"):
-        native.kquant_product(torch.zeros(1, 256), blocks, T.Q4_K, 2, 256, halves=3)
+        native_quantized.kquant_product(torch.zeros(1, 256), blocks, T.Q4_K, 2, 256, halves=3)
     with pytest.raises(ValueError, match="float32"):
-        native.kquant_product(torch.zeros(1, 256, dtype=torch.float64), blocks, T.Q4_K, 2, 256)
+        native_quantized.kquant_product(torch.zeros(1, 256, dtype=torch.float64), blocks, T.Q4_K, 2, 256)
     with pytest.raises(ValueError, match=r"integer_kquant_linear: xq must be contiguous CPU uint8 \[tokens, 292 or 584\]"):
-        native.integer_kquant_linear(torch.zeros(1, 100, dtype=torch.uint8), blocks, T.Q4_K, 2, 256, native.KQUANT_ISA)
+        native_quantized.integer_kquant_linear(torch.zeros(1, 100, dtype=torch.uint8), blocks, T.Q4_K, 2, 256, native_quantized.KQUANT_ISA)
     with pytest.raises(ValueError, match="quantize_q8k_rows: halves must be 1 or 2"):
-        native.quantize_q8k_rows(torch.zeros(1, 256), 3)
+        native_quantized.quantize_q8k_rows(torch.zeros(1, 256), 3)

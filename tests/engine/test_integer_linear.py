@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests import REPOSITORY
-from flare.engine import native, quantized
+from flare.engine import native, native_quantized, quantized
 from flare.engine.linear import linear
 from flare.engine.quantized import QuantizedWeight, quantized_linear
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="the engine's C k
 
 T = gguf.GGMLQuantizationType
 TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
-LEVELS = (native.IDOT_PORTABLE, native.IDOT_AVX2, native.IDOT_AVX_VNNI, native.IDOT_AVX512_VNNI)
+LEVELS = (native_quantized.IDOT_PORTABLE, native_quantized.IDOT_AVX2, native_quantized.IDOT_AVX_VNNI, native_quantized.IDOT_AVX512_VNNI)
 OFFSET = {T.Q4_0: 8, T.Q5_0: 16}
 
 
@@ -39,7 +39,7 @@ def weight_of(ggml_type: T, out_features: int, in_features: int, seed: int = 0) 
 
 def activation_blocks(xq: torch.Tensor, halves: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """d, s, sum [rows, blocks, halves] and qs [rows, blocks, halves, 32] of quantize_q8's bytes (Q8Block)."""
-    raw = xq.numpy().reshape(xq.shape[0], -1, halves, native.Q8_BLOCK_BYTES)
+    raw = xq.numpy().reshape(xq.shape[0], -1, halves, native_quantized.Q8_BLOCK_BYTES)
     d = raw[..., 0:4].copy().view(np.float32)[..., 0]
     s = raw[..., 4:8].copy().view(np.float32)[..., 0]
     total = raw[..., 8:12].copy().view(np.int32)[..., 0]
@@ -85,8 +85,8 @@ def scalar_reference(xq: torch.Tensor, halves: int, weight: QuantizedWeight) -> 
 
 
 def products(x: torch.Tensor, weight: QuantizedWeight, halves: int, level: int) -> tuple[torch.Tensor, torch.Tensor]:
-    xq = native.quantize_q8(x, halves)
-    return xq, native.integer_linear(xq, weight.data, weight.ggml_type, weight.out_features, weight.in_features, level)
+    xq = native_quantized.quantize_q8(x, halves)
+    return xq, native_quantized.integer_linear(xq, weight.data, weight.ggml_type, weight.out_features, weight.in_features, level)
 
 
 @pytest.mark.parametrize("halves", [1, 2])
@@ -107,14 +107,14 @@ def test_each_type_is_the_float64_product_of_the_values_it_multiplies_and_the_sc
 
 def test_the_activation_blocks_are_round_to_nearest_of_x_over_max_127_and_two_halves_keep_its_residual() -> None:
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)) * torch.tensor([1.0, 100.0]).repeat_interleave(32)
-    d, s, total, qs = activation_blocks(native.quantize_q8(x, 1), 1)
+    d, s, total, qs = activation_blocks(native_quantized.quantize_q8(x, 1), 1)
     blocks = x.numpy().reshape(3, 2, 32)
     assert np.array_equal(d[..., 0], (np.abs(blocks).max(-1) / np.float32(127)).astype(np.float32))
     assert np.array_equal(qs[:, :, 0], np.rint(blocks * (np.float32(1) / d)).astype(np.int8))
     assert np.array_equal(total[..., 0], qs[:, :, 0].astype(np.int32).sum(-1))
     assert np.array_equal(s[..., 0], d[..., 0] * total[..., 0].astype(np.float32))
-    one = np.abs(activation_values(native.quantize_q8(x, 1), 1) - x.numpy().astype(np.float64))
-    two = np.abs(activation_values(native.quantize_q8(x, 2), 2) - x.numpy().astype(np.float64))
+    one = np.abs(activation_values(native_quantized.quantize_q8(x, 1), 1) - x.numpy().astype(np.float64))
+    two = np.abs(activation_values(native_quantized.quantize_q8(x, 2), 2) - x.numpy().astype(np.float64))
     step = np.repeat(d[..., 0], 32, axis=1)
     assert (one <= step / 2 * (1 + 1e-6)).all()
     assert (two <= step / 2 / 127 * (1 + 1e-3)).all()  # about 127 times finer
@@ -139,7 +139,7 @@ def test_any_shape_and_row_count_gives_the_same_bits_at_every_level_and_row_by_r
     for level in LEVELS[1:]:
         assert torch.equal(products(x, weight, halves, level)[1], first), level
     for row in {0, rows - 1, rows // 2}:
-        assert torch.equal(products(x[row : row + 1], weight, halves, native.INTEGER_ISA)[1], first[row : row + 1])
+        assert torch.equal(products(x[row : row + 1], weight, halves, native_quantized.INTEGER_ISA)[1], first[row : row + 1])
 
 
 def test_a_thread_team_over_a_tall_weight_gives_the_single_threads_bits() -> None:
@@ -148,9 +148,9 @@ def test_a_thread_team_over_a_tall_weight_gives_the_single_threads_bits() -> Non
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = products(x, weight, 2, native.INTEGER_ISA)[1]
+        alone = products(x, weight, 2, native_quantized.INTEGER_ISA)[1]
         torch.set_num_threads(max(2, threads))
-        assert torch.equal(products(x, weight, 2, native.INTEGER_ISA)[1], alone)
+        assert torch.equal(products(x, weight, 2, native_quantized.INTEGER_ISA)[1], alone)
     finally:
         torch.set_num_threads(threads)
 
@@ -158,28 +158,28 @@ def test_a_thread_team_over_a_tall_weight_gives_the_single_threads_bits() -> Non
 def test_a_cpu_whose_os_refuses_an_extension_falls_back_to_the_next_level_with_the_same_bits() -> None:
     # integer_dot_grants asks the OS too (XGETBV, through __builtin_cpu_supports); here the
     # grants of CPUs whose OS refuses AVX-512 or AVX-VNNI are stood in for.
-    every = native.IDOT_GRANTS_AVX2 | native.IDOT_GRANTS_AVX_VNNI | native.IDOT_GRANTS_AVX512_VNNI
-    assert native.integer_dot_isa(native.IDOT_AVX512_VNNI, every) == native.IDOT_AVX512_VNNI
-    no_avx512 = native.IDOT_GRANTS_AVX2 | native.IDOT_GRANTS_AVX_VNNI
-    assert native.integer_dot_isa(native.IDOT_AVX512_VNNI, no_avx512) == native.IDOT_AVX_VNNI
-    assert native.integer_dot_isa(native.IDOT_AVX512_VNNI, native.IDOT_GRANTS_AVX2) == native.IDOT_AVX2
-    assert native.integer_dot_isa(native.IDOT_AVX_VNNI, native.IDOT_GRANTS_AVX512_VNNI) == native.IDOT_PORTABLE
-    assert native.integer_dot_isa(native.IDOT_AVX512_VNNI, 0) == native.IDOT_PORTABLE
+    every = native_quantized.IDOT_GRANTS_AVX2 | native_quantized.IDOT_GRANTS_AVX_VNNI | native_quantized.IDOT_GRANTS_AVX512_VNNI
+    assert native_quantized.integer_dot_isa(native_quantized.IDOT_AVX512_VNNI, every) == native_quantized.IDOT_AVX512_VNNI
+    no_avx512 = native_quantized.IDOT_GRANTS_AVX2 | native_quantized.IDOT_GRANTS_AVX_VNNI
+    assert native_quantized.integer_dot_isa(native_quantized.IDOT_AVX512_VNNI, no_avx512) == native_quantized.IDOT_AVX_VNNI
+    assert native_quantized.integer_dot_isa(native_quantized.IDOT_AVX512_VNNI, native_quantized.IDOT_GRANTS_AVX2) == native_quantized.IDOT_AVX2
+    assert native_quantized.integer_dot_isa(native_quantized.IDOT_AVX_VNNI, native_quantized.IDOT_GRANTS_AVX512_VNNI) == native_quantized.IDOT_PORTABLE
+    assert native_quantized.integer_dot_isa(native_quantized.IDOT_AVX512_VNNI, 0) == native_quantized.IDOT_PORTABLE
     weight = weight_of(T.Q5_0, 20, 256)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4))
-    widest = products(x, weight, 2, native.IDOT_AVX512_VNNI)[1]
-    for granted in (no_avx512, native.IDOT_GRANTS_AVX2, 0):
-        fallen = native.integer_dot_isa(native.IDOT_AVX512_VNNI, granted)
+    widest = products(x, weight, 2, native_quantized.IDOT_AVX512_VNNI)[1]
+    for granted in (no_avx512, native_quantized.IDOT_GRANTS_AVX2, 0):
+        fallen = native_quantized.integer_dot_isa(native_quantized.IDOT_AVX512_VNNI, granted)
         assert torch.equal(products(x, weight, 2, fallen)[1], widest)
 
 
 def test_flare_integer_isa_lowers_the_level_and_an_unknown_name_is_refused() -> None:
-    assert native._integer_isa("AVX512", None) == native.IDOT_AVX512_VNNI
-    assert native._integer_isa("AVX512", "avx_vnni") == native.IDOT_AVX_VNNI
-    assert native._integer_isa("AVX2", "avx512_vnni") == native.IDOT_AVX2  # lowers, never raises
-    assert native._integer_isa("DEFAULT", None) == native.IDOT_PORTABLE
+    assert native_quantized._integer_isa("AVX512", None) == native_quantized.IDOT_AVX512_VNNI
+    assert native_quantized._integer_isa("AVX512", "avx_vnni") == native_quantized.IDOT_AVX_VNNI
+    assert native_quantized._integer_isa("AVX2", "avx512_vnni") == native_quantized.IDOT_AVX2  # lowers, never raises
+    assert native_quantized._integer_isa("DEFAULT", None) == native_quantized.IDOT_PORTABLE
     with pytest.raises(ValueError, match="FLARE_INTEGER_ISA must be one of portable, avx2, avx_vnni, avx512_vnni"):
-        native._integer_isa("AVX512", "amx")
+        native_quantized._integer_isa("AVX512", "amx")
 
 
 @pytest.mark.parametrize("forced", ["avx_vnni", "avx2", "portable"])
@@ -187,16 +187,16 @@ def test_a_forced_dispatch_subprocess_gives_the_same_bits(tmp_path: Path, forced
     script = f"""
 import numpy as np, torch
 from tests.engine.test_integer_linear import weight_of, products, TYPES
-from flare.engine import native
-assert native.INTEGER_ISA == min(native.INTEGER_ISA_NAMES[{forced!r}], native.INTEGER_ISA_NAMES["avx512_vnni"])
+from flare.engine import native, native_quantized
+assert native_quantized.INTEGER_ISA == min(native_quantized.INTEGER_ISA_NAMES[{forced!r}], native_quantized.INTEGER_ISA_NAMES["avx512_vnni"])
 x = torch.from_numpy(np.random.default_rng(5).standard_normal((7, 256), dtype=np.float32))
-out = [products(x, weight_of(t, 21, 256), h, native.INTEGER_ISA)[1] for t in TYPES for h in (1, 2)]
+out = [products(x, weight_of(t, 21, 256), h, native_quantized.INTEGER_ISA)[1] for t in TYPES for h in (1, 2)]
 torch.save(out, {str(tmp_path / "forced.pt")!r})
 """
     env = {**os.environ, "FLARE_INTEGER_ISA": forced}
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300, cwd=REPOSITORY)
     x = torch.from_numpy(np.random.default_rng(5).standard_normal((7, 256), dtype=np.float32))
-    here = [products(x, weight_of(t, 21, 256), h, native.INTEGER_ISA)[1] for t in TYPES for h in (1, 2)]
+    here = [products(x, weight_of(t, 21, 256), h, native_quantized.INTEGER_ISA)[1] for t in TYPES for h in (1, 2)]
     assert all(torch.equal(a, b) for a, b in zip(torch.load(tmp_path / "forced.pt"), here))
 
 
@@ -207,9 +207,9 @@ def test_a_weight_multiplies_the_activation_blocks_it_asks_for_and_float32_keeps
     halves = quantized.HALVES[activations]
     integer = weight.with_activations(activations)
     assert integer.halves == halves
-    assert torch.equal(quantized_linear(x, integer), products(x, weight, halves, native.INTEGER_ISA)[1])
+    assert torch.equal(quantized_linear(x, integer), products(x, weight, halves, native_quantized.INTEGER_ISA)[1])
     assert weight.activations == "float32" and weight.halves == 0
-    assert torch.equal(quantized_linear(x, weight), native.quantized_linear(x, weight.data, weight.ggml_type, 24, 128, native.QUANTIZED_ISA))
+    assert torch.equal(quantized_linear(x, weight), native_quantized.quantized_linear(x, weight.data, weight.ggml_type, 24, 128, native_quantized.QUANTIZED_ISA))
     assert torch.equal(integer.rows(4, 10).data, weight.data[4:10]) and integer.rows(4, 10).activations == activations
 
 
@@ -227,7 +227,7 @@ def test_a_k_weight_multiplies_q8k_blocks_with_the_integer_kernels_bits_alone_in
     x = torch.randn(6, 512, generator=torch.Generator().manual_seed(8))
     got = quantized_linear(x, weight)
     # test_integer_kquants proves kquant_product against a numpy statement of the arithmetic.
-    assert torch.equal(got, native.kquant_product(x, blocks, ggml_type, 19, 512, halves=halves))
+    assert torch.equal(got, native_quantized.kquant_product(x, blocks, ggml_type, 19, 512, halves=halves))
     for level in LEVELS:
         assert torch.equal(quantized_linear(x, weight, isa=level), got)
     for row in range(6):
@@ -244,8 +244,8 @@ def test_an_unknown_activation_precision_or_bad_blocks_are_refused() -> None:
     with pytest.raises(ValueError, match="activations must be one of float32, int8x2, int8, got 'int4'"):
         QuantizedWeight.from_blocks(T.Q8_0, torch.zeros(1, 34, dtype=torch.uint8), 1, 32, "int4")
     with pytest.raises(ValueError, match="in a multiple of 32"):
-        native.quantize_q8(torch.zeros(1, 40))
+        native_quantized.quantize_q8(torch.zeros(1, 40))
     with pytest.raises(ValueError, match="halves must be 1 or 2"):
-        native.quantize_q8(torch.zeros(1, 32), 3)
+        native_quantized.quantize_q8(torch.zeros(1, 32), 3)
     with pytest.raises(ValueError, match="integer_linear: xq must be contiguous CPU uint8"):
-        native.integer_linear(torch.zeros(1, 10, dtype=torch.uint8), torch.zeros(1, 34, dtype=torch.uint8), T.Q8_0, 1, 32, 0)
+        native_quantized.integer_linear(torch.zeros(1, 10, dtype=torch.uint8), torch.zeros(1, 34, dtype=torch.uint8), T.Q8_0, 1, 32, 0)

@@ -12,7 +12,7 @@ from tests.engine.tiny_llama import random_state_dict, tiny_config
 
 from flare.engine import native
 from flare.engine.model import DecoderModel, kernels_fit
-from flare.package.manifest import RopeScaling
+from flare.package.model_config import RopeScaling
 
 LLAMA3 = RopeScaling("llama3", factor=8.0, original_max_position_embeddings=64, low_freq_factor=1.0, high_freq_factor=4.0)
 

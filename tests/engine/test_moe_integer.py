@@ -1,4 +1,4 @@
-"""The one-call mixture-of-experts layer (`native.moe_layer`, moe_layer.c) on 8-bit activations
+"""The one-call mixture-of-experts layer (`native_quantized.moe_layer`, moe_layer.c) on 8-bit activations
 (`flare run --activations int8x2|int8`): each expert's products are quantized.py's integer ones,
 so the call gives the bits of the loop over experts with the same integer kernels, the same bits
 at every forced integer level, a row's bits its own in any batch, and `moe_mlp` takes the call."""
@@ -19,7 +19,7 @@ import torch
 from tests import REPOSITORY
 from tests.engine.test_moe_layer import moe_config
 from tests.engine.test_moe_native import EXPERTS, HIDDEN, K, WIDTH, one_call, random_routes, stacked_experts, torch_path
-from flare.engine import native
+from flare.engine import native, native_quantized
 from flare.engine.layers.moe import MoEWeights, expert_weights, moe_mlp, moe_routes, routed_experts
 from flare.engine.layers.routing import Routes
 from flare.engine.precision import WeightFormat
@@ -101,13 +101,13 @@ def test_the_moe_mlp_of_8_bit_experts_takes_the_one_call_and_keeps_the_loops_bit
     )
     x = torch.randn(5, HIDDEN, generator=generator)
     calls: list[dict[str, object]] = []
-    real = native.moe_layer
+    real = native_quantized.moe_layer
 
     def counted(*args: object, **options: object) -> torch.Tensor:
         calls.append(options)
         return real(*args, **options)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(native, "moe_layer", counted)
+    monkeypatch.setattr(native_quantized, "moe_layer", counted)
     got = moe_mlp(x, weights, config, kernels=True)
     assert [(c["gate_up_halves"], c["down_halves"]) for c in calls] == [(2, 2)]
     looped = dataclasses.replace(weights, gate_up_blocks=None, down_blocks=None)
@@ -119,8 +119,8 @@ FORCED_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {root!r})
 from tests.engine.test_moe_integer import forced_cases
-from flare.engine import native
-torch.save({{'isa': native.INTEGER_ISA, 'outputs': forced_cases()}}, {path!r})
+from flare.engine import native, native_quantized
+torch.save({{'isa': native_quantized.INTEGER_ISA, 'outputs': forced_cases()}}, {path!r})
 """
 
 
@@ -144,7 +144,7 @@ def test_a_forced_integer_level_gives_the_same_bits(tmp_path: Path, forced: str)
     script = FORCED_SCRIPT.format(root=str(REPOSITORY), path=str(path))
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300, cwd=REPOSITORY)
     forced_run = torch.load(path)
-    assert forced_run["isa"] == min(native.INTEGER_ISA_NAMES[forced], native.INTEGER_ISA)
+    assert forced_run["isa"] == min(native_quantized.INTEGER_ISA_NAMES[forced], native_quantized.INTEGER_ISA)
     for got, expected in zip(forced_run["outputs"], forced_cases(), strict=True):
         assert torch.equal(got, expected)
 

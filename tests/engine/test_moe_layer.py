@@ -12,7 +12,7 @@ from flare.engine import native
 from flare.engine.layers.moe import MoEWeights, expert_weights, moe_mlp
 from flare.engine.precision import WeightFormat
 from flare.engine.quantized import QuantizedWeight
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 
 HIDDEN, WIDTH, EXPERTS = 64, 32, 8
 FLOAT32 = WeightFormat("float32")

@@ -1,4 +1,4 @@
-"""A round's mixture-of-experts MLP as one C call (`native.moe_layer`, moe_layer.c): the torch
+"""A round's mixture-of-experts MLP as one C call (`native_quantized.moe_layer`, moe_layer.c): the torch
 path's bits with the kernels (expert by expert through `quantized_linear` and `gated_rows`), a
 row's bits its own in any batch and at every ISA, and bad arguments refused by name."""
 
@@ -18,7 +18,7 @@ import torch
 from tests import REPOSITORY
 from tests.engine.test_moe_layer import moe_config
 from tests.engine.test_quantized_linear import weight_of
-from flare.engine import native
+from flare.engine import native, native_quantized
 from flare.engine.layers.moe import MoEWeights, expert_weights, moe_mlp, routed_experts
 from flare.engine.layers.routing import Routes
 from flare.engine.precision import WeightFormat
@@ -61,7 +61,7 @@ def torch_path(x: torch.Tensor, routes: Routes, gate_up: QuantizedWeight, down: 
 
 
 def one_call(x: torch.Tensor, routes: Routes, gate_up: QuantizedWeight, down: QuantizedWeight, **options: object) -> torch.Tensor:
-    return native.moe_layer(
+    return native_quantized.moe_layer(
         x, routes.experts, routes.weights, gate_up.data, gate_up.ggml_type, down.data, down.ggml_type, EXPERTS, **options
     )
 
@@ -129,8 +129,8 @@ FORCED_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {root!r})
 from tests.engine.test_moe_native import forced_cases
-from flare.engine import native
-torch.save({{'isa': native.QUANTIZED_ISA, 'outputs': forced_cases()}}, {path!r})
+from flare.engine import native, native_quantized
+torch.save({{'isa': native_quantized.QUANTIZED_ISA, 'outputs': forced_cases()}}, {path!r})
 """
 
 
@@ -168,15 +168,15 @@ def test_bad_arguments_are_refused_naming_the_argument() -> None:
         "x": lambda: one_call(x.double(), routes, gate_up, down),
         "expert_ids": lambda: one_call(x, Routes(outside, routes.weights), gate_up, down),
         "expert_weights": lambda: one_call(x, Routes(routes.experts, routes.weights[:, :2].contiguous()), gate_up, down),
-        "down": lambda: native.moe_layer(
+        "down": lambda: native_quantized.moe_layer(
             x, routes.experts, routes.weights, gate_up.data, gate_up.ggml_type, down.data[: EXPERTS * HIDDEN // 2],
             down.ggml_type, EXPERTS,
         ),
-        "gate_up": lambda: native.moe_layer(
+        "gate_up": lambda: native_quantized.moe_layer(
             x, routes.experts, routes.weights, gate_up.data, int(T.Q4_K), down.data, down.ggml_type, EXPERTS
         ),
         "activation": lambda: one_call(x, routes, gate_up, down, activation="relu"),
-        "num_experts": lambda: native.moe_layer(
+        "num_experts": lambda: native_quantized.moe_layer(
             x, routes.experts, routes.weights, gate_up.data, gate_up.ggml_type, down.data, down.ggml_type, 0
         ),
     }

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flare.engine.layers.routing import route
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 
 transformers = pytest.importorskip("transformers")
 

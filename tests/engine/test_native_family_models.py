@@ -19,7 +19,7 @@ from flare.engine.kv_cache import BlockAllocator, KVCache
 from flare.engine.model import DecoderModel, kernels_fit, load_model
 from flare.engine.precision import WeightFormat
 from flare.preparation.export import ExportOptions, export_package
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 from flare.package.directory import open_package
 from flare.preparation.source import ModelSource
 

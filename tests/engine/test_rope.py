@@ -16,7 +16,7 @@ from flare.engine.layers.rope import (
     rope_tables,
     scaled_frequencies,
 )
-from flare.package.manifest import RopeScaling
+from flare.package.model_config import RopeScaling
 
 LLAMA3 = RopeScaling("llama3", factor=8.0, original_max_position_embeddings=64, low_freq_factor=1.0, high_freq_factor=4.0)
 

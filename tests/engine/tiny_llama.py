@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 from flare.package.directory import expected_weight_shapes
 
 

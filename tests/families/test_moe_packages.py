@@ -15,7 +15,7 @@ from tests.family_checkpoints import Checkpoint, write_checkpoint
 from tests.families.test_transformers_parity import PROMPTS, forward_in_pieces
 from tests.gguf_writer import LLAMA_CPP_CONVERTER, convert_with_llama_cpp, gguf_vocabulary, write_family_gguf
 
-from flare.engine import native
+from flare.engine import native, native_quantized
 from flare.engine.model import DecoderModel, load_model
 from flare.engine.tokenizer import Tokenizer
 from flare.package.directory import open_package
@@ -215,7 +215,7 @@ def test_a_q4_k_m_moe_package_on_int8x2_activations_runs_every_block_product_on_
     exact = forward_in_pieces(load_model(package), prompts, pieces)
     float_products: list[int] = []
     moe_calls: list[tuple[object, object]] = []
-    quantized_linear, moe_layer = native.quantized_linear, native.moe_layer
+    quantized_linear, moe_layer = native_quantized.quantized_linear, native_quantized.moe_layer
 
     def float_product(*args: object, **options: object) -> torch.Tensor:
         float_products.append(int(args[2]))  # type: ignore[call-overload]
@@ -226,8 +226,8 @@ def test_a_q4_k_m_moe_package_on_int8x2_activations_runs_every_block_product_on_
         return moe_layer(*args, **options)  # type: ignore[arg-type]
 
     with monkeypatch.context() as patch:
-        patch.setattr(native, "quantized_linear", float_product)
-        patch.setattr(native, "moe_layer", one_call)
+        patch.setattr(native_quantized, "quantized_linear", float_product)
+        patch.setattr(native_quantized, "moe_layer", one_call)
         integer = forward_in_pieces(load_model(package, activations="int8x2"), prompts, pieces)
     assert float_products == []
     assert moe_calls and set(moe_calls) == {(2, 2)}

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests import REPOSITORY
-from flare.engine import native, native_layers
+from flare.engine import native, native_layers, native_quantized
 from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
 from flare.engine.model import DecoderModel, load_model
@@ -28,7 +28,7 @@ from flare.engine.quantized import QuantizedWeight
 from flare.package.blocks import BLOCKS_NAME, E8M0_SCALE_OFFSETS, KEPT_TYPES, SCALE_OFFSETS, row_bytes
 from flare.preparation.export import ExportError, ExportOptions, export_package
 from flare.preparation.inspect import inspect_package, render_text
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 from flare.package.directory import PackageError, open_package, sha256_of
 from flare.preparation.quantize import tensor_types
 from tests.preparation.test_gguf_source import tiny_vocabulary, write_tiny_gguf
@@ -224,12 +224,12 @@ FORCED_LAYERS_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {root!r})
 from tests.package.test_blocks import greedy, prompt_logits
-from flare.engine import native
+from flare.engine import native, native_quantized
 from flare.engine.model import load_model
 from flare.package.directory import open_package
 model = load_model(open_package({package!r}))
 assert model.kernel_layers is not None
-torch.save({{'isa': native.QUANTIZED_ISA, 'logits': prompt_logits(model), 'greedy': greedy(model)}}, {path!r})
+torch.save({{'isa': native_quantized.QUANTIZED_ISA, 'logits': prompt_logits(model), 'greedy': greedy(model)}}, {path!r})
 """
 
 

@@ -7,15 +7,8 @@ import json
 
 import pytest
 
-from flare.package.manifest import (
-    FORMAT_VERSION,
-    Manifest,
-    ManifestError,
-    ModelConfig,
-    Provenance,
-    RopeScaling,
-    ServingConfig,
-)
+from flare.package.manifest import FORMAT_VERSION, Manifest, Provenance, ServingConfig
+from flare.package.model_config import ManifestError, ModelConfig, RopeScaling
 from flare.policy.policy import SamplingPolicy
 
 DEFAULTS = {

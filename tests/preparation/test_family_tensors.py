@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from tests import family_checkpoints as families
 from tests.gguf_writer import tiny_vocabulary, write_family_gguf
 
-from flare.package.manifest import ARCHITECTURES
+from flare.package.model_config import ARCHITECTURES
 from flare.package.family_tensors import FAMILY_TENSORS
 from flare.preparation.gguf_source import open_gguf
 from flare.preparation.hf_source import open_hf_directory

@@ -34,7 +34,7 @@ from tests.gguf_writer import (
 
 from flare.package.blocks import dequantized
 from flare.preparation.gguf_source import open_gguf
-from flare.package.manifest import ModelConfig, RopeScaling
+from flare.package.model_config import ModelConfig, RopeScaling
 from flare.preparation.source import SourceError
 
 VOCAB = len(tiny_vocabulary()[0])

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 
 from flare.preparation.default_model import default_gguf_path
 from flare.preparation.gguf_source import open_gguf, unpermute_rope_rows
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 from flare.package.directory import open_package
 from flare.preparation.source import ModelSource, SourceError
 

@@ -14,7 +14,7 @@ import torch
 
 from flare.preparation.hf_families import model_config_from_hf, tensor_converter
 from flare.preparation.hf_source import open_hf_directory
-from flare.package.manifest import RopeScaling
+from flare.package.model_config import RopeScaling
 from flare.preparation.source import SourceError
 
 SHAPE = {

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flare.preparation.hf_source import open_hf_directory
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 from flare.preparation.source import SourceError
 
 

@@ -22,7 +22,7 @@ import pytest
 from tests.preparation.test_gguf_source import gguf_name, tiny_vocabulary
 
 from flare.preparation.kquants import quantize_q4_k, quantize_q6_k
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 from flare.package.directory import expected_weight_shapes
 from flare.preparation.quantize import tensor_types
 

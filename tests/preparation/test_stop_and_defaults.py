@@ -17,7 +17,7 @@ from tests.preparation.test_gguf_source import tiny_vocabulary, write_tiny_gguf
 from tokenizers import Tokenizer, models
 
 from flare.preparation.export import ExportOptions, export_package, open_source
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 from flare.preparation.recipes import (
     GENERIC_LLAMA,
     SMOLLM2_135M_INSTRUCT,

@@ -49,7 +49,7 @@ from flare.engine.model import DecoderModel
 from flare.sampler.distribution import kept_threshold
 from flare.sampler.random_stream import Purpose, stream_key, vocabulary_gumbel
 from flare.package.draft_head import FINAL_NORM_TENSOR, LAYER_PREFIX, VOCAB_TENSOR, head_block_config
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 from flare.package.directory import Package
 
 

@@ -27,7 +27,7 @@ from flare.engine import native
 from flare.engine.batch import SHORT_ROW_MAX_TOKENS, AttentionGroup, ForwardBatch
 from flare.engine.kv_cache import KVCache
 from flare.engine.layers.rope import apply_rope
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from flare.engine.batch import SHORT_ROW_MAX_TOKENS, AttentionGroup, ForwardBatch
 from flare.engine.layers.rope import apply_rope
 from flare.engine.linear import Weight, linear
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ rows they multiply at once, which could flip a near-tie route between batches. T
 gate/up and down run once per round on all the rows routed to it, through the same linear
 products as a dense layer (`mlp.gated_mlp`: float weights or ggml blocks, `linear.py`); with the
 kernels and experts of ggml blocks (without gpt-oss's biases and clamped SwiGLU), the routed
-experts are one C call (`native.moe_layer`, moe_layer.c: the same grouping, products and sum, so
+experts are one C call (`native_quantized.moe_layer`, moe_layer.c: the same grouping, products and sum, so
 the same bits), on float32 activations or, under `flare run --activations int8x2|int8`, on 8-bit
 activation blocks by quantized.py's integer products (each row quantized once for every expert's
 gate/up, each expert's activations once for its down). A row's
@@ -35,13 +35,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flare.engine import native
+from flare.engine import native, native_quantized
 from flare.engine.layers.mlp import clamped_swiglu, gated_activation, gated_mlp
 from flare.engine.layers.routing import Routes, route
 from flare.engine.linear import Weight, linear, linear_columns, pack_weight, stack_weights
 from flare.engine.precision import WeightFormat
 from flare.engine.quantized import QuantizedWeight
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,7 @@ def _expert(rows: torch.Tensor, weights: MoEWeights, expert: int, config: ModelC
 
 def routed_experts(x: torch.Tensor, routes: Routes, weights: MoEWeights, config: ModelConfig, *, kernels: bool) -> torch.Tensor:
     """The routed experts' weighted sum [T, hidden] in x's dtype, expert by expert in torch: the
-    counterpart of `native.moe_layer`, which runs instead with kernels and experts of blocks."""
+    counterpart of `native_quantized.moe_layer`, which runs instead with kernels and experts of blocks."""
     tokens, k = routes.experts.shape
     flat = routes.experts.reshape(-1)  # slot s of row t is t * k + s
     # The slots grouped by expert (stable: in row order within an expert).
@@ -194,7 +194,7 @@ def moe_mlp(x: torch.Tensor, weights: MoEWeights, config: ModelConfig, *, kernel
         and x.dtype == torch.float32
     ):
         gate_up, down = weights.gate_up_blocks, weights.down_blocks
-        out = native.moe_layer(
+        out = native_quantized.moe_layer(
             x.contiguous(), routes.experts.contiguous(), routes.weights.contiguous(), gate_up.data, gate_up.ggml_type,
             down.data, down.ggml_type, config.num_experts, config.hidden_activation,
             gate_up_halves=gate_up.halves, down_halves=down.halves,

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from flare.package.manifest import ModelConfig, RopeScaling
+from flare.package.model_config import ModelConfig, RopeScaling
 
 
 def inverse_frequencies(theta: float, dims: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flare.package.manifest import ModelConfig
+from flare.package.model_config import ModelConfig
 
 
 @dataclass(frozen=True)
