@@ -78,6 +78,10 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--drafter", choices=("ngram", "mtp", "auto"),
         help="the draft proposer: ngram (prompt lookup), mtp (the package's learned draft head) or auto "
         "(the head where the package ships one, else ngram); default: the package's serving.drafter")
+    add("--draft-length", choices=("adaptive", "fixed"),
+        help="adaptive (default): shorten or pause a row's drafts where the measured round costs say a "
+        "draft costs about what it saves; fixed: every decoding stream verifies all the drafter proposes, "
+        "up to --draft-tokens")
     add("--vocabulary-shards", metavar="S", help="shards of the vocabulary-parallel sampler (default 1)")
     add("--tensor-parallel", metavar="N",
         help="split the model over N processes on this host (heads, MLP, LM head by vocabulary); "

@@ -83,6 +83,9 @@ class DaemonConfig:
     prefix_cache_across_keys: bool = False
     draft_tokens: int | None = None  # None: the package's; may only lower it
     drafter: str | None = None  # "ngram" | "mtp" | "auto"; None: the package's serving.drafter
+    # "adaptive": the scheduler weighs each draft's cost against its saving and shortens or pauses
+    # drafting; "fixed": every decode row verifies all the drafter proposes, up to draft_tokens.
+    draft_length: str = "adaptive"
     vocabulary_shards: int = 1
     tensor_parallel: int = 1  # ranks of one model: this process and N - 1 spawned workers (flare/parallel/)
     nnodes: int = 1  # hosts the ranks are spread over (the same number on each)
@@ -263,6 +266,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "prefix_cache_across_keys": _boolean,
     "draft_tokens": _integer(0),
     "drafter": _choice("ngram", "mtp", "auto"),
+    "draft_length": _choice("adaptive", "fixed"),
     "vocabulary_shards": _integer(1),
     "tensor_parallel": _integer(1),
     "nnodes": _integer(1),

@@ -24,6 +24,7 @@ def test_run_flags_are_none_unless_given() -> None:
     assert args.port is None and args.fault_injection is None and args.api_key is None
     args = build_parser().parse_args(["run", "pkg", "--port", "0", "--fault-injection", "--api-key", "a", "--api-key", "b"])
     assert (args.package, args.port, args.fault_injection, args.api_key) == ("pkg", "0", True, ["a", "b"])
+    assert build_parser().parse_args(["run", "--draft-length", "fixed"]).draft_length == "fixed"
 
 
 @pytest.mark.parametrize(
@@ -33,6 +34,7 @@ def test_run_flags_are_none_unless_given() -> None:
         (["run", "--kv-cache-memory", "lots"], ("--kv-cache-memory", "GiB")),
         (["run", "--log-level", "loud"], ("--log-level", "debug")),
         (["run", "--sampling-policy", "loose"], ("--sampling-policy", "unfiltered")),
+        (["run", "--draft-length", "short"], ("--draft-length", "adaptive", "fixed")),
         (["run", "--no-such-flag"], ("--no-such-flag",)),
         (["nothing"], ("nothing", "run")),
     ],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,18 @@ def test_the_drafter_is_the_packages_unless_a_source_names_one(tmp_path: Path) -
     assert load_config(flags(drafter="auto"), {"FLARE_DRAFTER": "ngram"}).drafter == "auto"
     with pytest.raises(ConfigError, match="FLARE_DRAFTER: expected one of ngram, mtp, auto"):
         load_config(flags(), {"FLARE_DRAFTER": "medusa"})
+
+
+def test_the_draft_length_is_adaptive_unless_a_source_holds_it_fixed(tmp_path: Path) -> None:
+    assert load_config(flags(), {}).draft_length == "adaptive"
+    path = write_toml(tmp_path, 'draft_length = "fixed"\n')
+    assert load_config(flags(), {}, path).draft_length == "fixed"
+    assert load_config(flags(), {"FLARE_DRAFT_LENGTH": "adaptive"}, path).draft_length == "adaptive"
+    assert load_config(flags(draft_length="fixed"), {"FLARE_DRAFT_LENGTH": "adaptive"}).draft_length == "fixed"
+    with pytest.raises(ConfigError, match="FLARE_DRAFT_LENGTH: expected one of adaptive, fixed, got 'short'"):
+        load_config(flags(), {"FLARE_DRAFT_LENGTH": "short"})
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: draft_length: expected one of adaptive, fixed, got 7")):
+        load_config(flags(), {}, write_toml(tmp_path, "draft_length = 7\n"))
 
 
 def test_environment_overrides_file_and_flags_override_environment(tmp_path: Path) -> None:

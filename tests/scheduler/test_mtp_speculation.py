@@ -191,6 +191,29 @@ async def test_a_head_whose_steps_cost_more_than_they_save_stops_drafting(head_p
     assert head_rounds == [recorder.rounds[0][0].index]  # the first round's pass, which timed the head
 
 
+async def test_a_fixed_draft_length_verifies_all_the_head_proposes_where_adaptive_would_draft_nothing(
+    head_package, monkeypatch
+):
+    """`flare run --draft-length fixed`: with the head timed at a second a step and no draft
+    length worth its round, which stop the adaptive length drafting (the test above), every decode
+    row still verifies all K drafts the head proposed (fewer only where the answer's max_tokens
+    cuts them), the head drafts K after every row, and the output is unchanged."""
+    import flare.scheduler.speculation.draft_planner as speculation_module
+    from flare.scheduler.speculation.draft_length import HeadCostModel
+
+    plain, _, _ = await generate(head_package, PROMPTS, GREEDY, SchedulerOptions(draft_tokens=0))
+    monkeypatch.setattr(HeadCostModel, "seconds_per_step", lambda self: 1.0)
+    monkeypatch.setattr(speculation_module, "choose_draft_lengths", lambda available, *rest, **waiting: [0] * len(available))
+    speculative, recorder, _ = await generate(head_package, PROMPTS, GREEDY, SchedulerOptions(drafter="mtp", **FIXED_LENGTH))
+    assert speculative == plain
+    sampled = [row for plan, _ in recorder.rounds for row in plan.rows if row.samples]
+    decode = [row for row in sampled if row.sampling.output_position > 0]
+    assert decode and all(row.head_steps == K for row in sampled)
+    assert [len(row.draft_ids) for row in decode] == [
+        min(K, GREEDY.max_tokens - row.sampling.output_position - 1) for row in decode
+    ]
+
+
 async def test_a_prefix_cache_hit_drafts_as_a_miss_does(head_package, package_parts, peaked_state, head_state):
     prompt = "the same long prompt, " * 4
     outputs, recorder, scheduler = await generate(head_package, (prompt, prompt), GREEDY, SchedulerOptions(**FIXED_LENGTH), sequential=True)
