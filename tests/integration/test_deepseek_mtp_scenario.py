@@ -10,6 +10,7 @@ drafts."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -44,9 +45,27 @@ def chat(daemon: DaemonProcess, **fields: object) -> httpx.Response:
     return httpx.post(f"{daemon.base_url}/v1/chat/completions", json=body, timeout=300)
 
 
-def draft_figures(daemon: DaemonProcess) -> tuple[float, float]:
-    """The head's accepted draft tokens, and the tokens a row emits per drafting round: one more
-    than the drafts it accepts (/metrics: the histogram counts the rows that verified drafts)."""
+@dataclass(frozen=True)
+class DraftFigures:
+    """What /metrics says of the daemon's drafts since it started."""
+
+    accepted: float  # the head's draft tokens accepted
+    drafting_rows: float  # rows that verified drafts (flare_draft_tokens_accepted_per_round's count)
+    accepted_in_drafting_rows: float  # that histogram's sum
+    rows: float  # rows the sampler reported, each with its device status
+    generated: float
+
+    @property
+    def tokens_per_drafting_round(self) -> float:
+        """A drafting row emits the drafts it accepted and one token more."""
+        return 1.0 + self.accepted_in_drafting_rows / max(self.drafting_rows, 1.0)
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.generated / max(self.rows, 1.0)
+
+
+def draft_figures(daemon: DaemonProcess) -> DraftFigures:
     text = httpx.get(f"{daemon.base_url}/metrics", timeout=30).text
 
     def value(pattern: str) -> float:
@@ -54,12 +73,16 @@ def draft_figures(daemon: DaemonProcess) -> tuple[float, float]:
         assert match is not None, pattern
         return float(match.group(1))
 
-    accepted = value(r'flare_draft_tokens_accepted_total\{drafter="mtp"\}')
-    rounds = value("flare_draft_tokens_accepted_per_round_count")
-    return accepted, 1.0 + value("flare_draft_tokens_accepted_per_round_sum") / max(rounds, 1.0)
+    return DraftFigures(
+        accepted=value(r'flare_draft_tokens_accepted_total\{drafter="mtp"\}'),
+        drafting_rows=value("flare_draft_tokens_accepted_per_round_count"),
+        accepted_in_drafting_rows=value("flare_draft_tokens_accepted_per_round_sum"),
+        rows=sum(float(n) for n in re.findall(r"^flare_device_statuses_total\{[^}]*\} (\S+)$", text, re.MULTILINE)),
+        generated=value("flare_generated_tokens_total"),
+    )
 
 
-def greedy_answer(package: Path, flags: list[str]) -> tuple[str, tuple[float, float]]:
+def greedy_answer(package: Path, flags: list[str]) -> tuple[str, DraftFigures]:
     daemon = start_daemon(package, flags)
     try:
         response = chat(daemon, temperature=0.0)
@@ -84,14 +107,23 @@ def scenario(package: Path, tensor_parallel: int) -> None:
         greedy = chat(daemon, temperature=0.0)
         assert greedy.status_code == 200, greedy.text
         speculative = greedy.json()["choices"][0]["message"]["content"]
-        accepted, per_round = draft_figures(daemon)
-        print(f"TP {tensor_parallel}: {accepted:g} drafts accepted, {per_round:.2f} tokens per drafting round")
+        (loaded,) = daemon.events("engine_loaded")
+        figures = draft_figures(daemon)
+        print(
+            f"TP {tensor_parallel}: {figures.accepted:g} drafts accepted in {figures.drafting_rows:g} of "
+            f"{figures.rows:g} rows, {figures.tokens_per_drafting_round:.2f} tokens per drafting round, "
+            f"{figures.tokens_per_round:.2f} per round"
+        )
         assert daemon.stop() == 0
-        assert accepted > 0 and per_round > 1.0
+        assert (loaded["drafter"], loaded["draft_tokens"], loaded["draft_length"]) == ("mtp", 7, "fixed")
+        assert figures.accepted > 0 and figures.tokens_per_drafting_round > 1.0 and figures.tokens_per_round > 1.0
+        # Held fixed, every row drafts but each answer's first (the prompt's) and any its
+        # max_tokens leaves no room in; the adaptive length drafts in 1 row of 79 here.
+        assert figures.drafting_rows > figures.rows / 2
     finally:
         daemon.kill()
-    plain, (none_accepted, _) = greedy_answer(package, [*flags, "--draft-tokens", "0"])
-    assert none_accepted == 0
+    plain, undrafted = greedy_answer(package, [*flags, "--draft-tokens", "0"])
+    assert undrafted.accepted == 0
     assert speculative == plain
 
 
