@@ -1,8 +1,9 @@
 """A GGUF file (llama.cpp's format) as a package source.
 
-Each family's metadata and tensor names are read as `gguf_families` describes: weights renamed
-to the package's canonical (Hugging Face Llama) names, fused tensors split, and the rows of q_proj
-and k_proj put back in Hugging Face order where the converter permuted them (`unpermute_rope_rows`).
+Each family's metadata and tensor names are read as `families/gguf_config.py` and
+`families/gguf_tensors.py` describe: weights renamed to the package's canonical (Hugging Face
+Llama) names, fused tensors split, and the rows of q_proj and k_proj put back in Hugging Face
+order where the converter permuted them (`unpermute_rope_rows`).
 `read_blocks` keeps each tensor of a type the engine multiplies from blocks (`blocks.KEPT_TYPES`)
 as its ggml blocks (split and unpermuted by whole block rows) and dequantizes the rest to float32;
 `read_weights` dequantizes everything with the `gguf` package to float32. Either refuses a tensor
@@ -25,16 +26,10 @@ from gguf.quants import dequantize, quant_shape_to_byte_shape
 
 from flare.package.blocks import KEPT_TYPES, BlockTensor, block_problems, unpermute_block_rows
 from flare.package.blocks import dequantized as dequantized_values
-from flare.preparation.gguf_families import (
-    ROPE_TENSORS,
-    TensorPlan,
-    fused_expert_names,
-    gguf_tensor_name,
-    model_config,
-    served_architecture,
-    tensor_plans,
-)
-from flare.preparation.hf_families import deinterleaved_row_order
+from flare.preparation.families.deepseek import deinterleaved_row_order
+from flare.preparation.families.gguf_config import model_config, served_architecture
+from flare.preparation.families.gguf_tensors import ROPE_TENSORS, TensorPlan, gguf_tensor_name, tensor_plans
+from flare.preparation.families.moe import fused_expert_names
 from flare.preparation.gguf_layout import GGUFLayout, GGUFTensorInfo, read_gguf_layout, read_gguf_value
 from flare.preparation.gguf_tokenizer import build_tokenizer_json
 from flare.package.directory import sha256_of, weight_problems

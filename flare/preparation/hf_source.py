@@ -1,6 +1,6 @@
 """A Hugging Face model directory as a package source.
 
-The directory holds `config.json` (a model of a family flare serves: hf_families.py), one or
+The directory holds `config.json` (a model of a family flare serves: families/hf_config.py), one or
 more `*.safetensors` files,
 `tokenizer.json`, and the chat template in `tokenizer_config.json` (or `chat_template.jinja`).
 
@@ -31,16 +31,11 @@ from safetensors import SafetensorError, safe_open
 
 from flare.package import blocks as blocks_module
 from flare.package.blocks import BlockTensor
-from flare.preparation.hf_families import (
-    HF_LAYER_TENSOR,
-    gpt_oss_mxfp4_experts,
-    hf_tensor_name,
-    model_config_from_hf,
-    rope_interleaved,
-    served_model_type,
-    stack_experts,
-    tensor_converter,
-)
+from flare.preparation.families.deepseek import rope_interleaved
+from flare.preparation.families.gpt_oss import gpt_oss_mxfp4_experts
+from flare.preparation.families.hf_config import model_config_from_hf, served_model_type
+from flare.preparation.families.hf_tensors import HF_LAYER_TENSOR, hf_tensor_name, tensor_converter
+from flare.preparation.families.moe import stack_experts
 from flare.package.model_config import ModelConfig
 from flare.package.directory import layers_held, weight_problems
 from flare.package.problems import listed

@@ -80,7 +80,7 @@ def test_scaled_frequencies_are_transformers_bit_for_bit(parameters: dict) -> No
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from flare.preparation.hf_families import model_config_from_hf
+    from flare.preparation.families.hf_config import model_config_from_hf
 
     hf = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=512,
                                   rope_parameters={"rope_theta": 10000.0, **parameters})

@@ -25,7 +25,7 @@ from flare.engine.tokenizer import Tokenizer
 from flare.package.directory import open_package
 from flare.preparation.default_model import default_gguf_path
 from flare.preparation.export import ExportOptions, export_package
-from flare.preparation.hf_families import model_config_from_hf
+from flare.preparation.families.hf_config import model_config_from_hf
 from flare.preparation.quantize import quantize_matrix
 from flare.preparation.source import ModelSource
 

@@ -38,7 +38,7 @@ from flare.parallel.serving import split_for
 from flare.parallel.tensor_split import TensorParallelError, check_tensor_parallel, rank_config, rank_model, rank_state_dict
 from flare.policy.params import SamplingParams
 from flare.preparation.export import ExportOptions, export_package
-from flare.preparation.hf_families import model_config_from_hf
+from flare.preparation.families.hf_config import model_config_from_hf
 from flare.preparation.inspect import inspect_package, render_text
 from flare.preparation.source import ModelSource
 from flare.scheduler.request import Finished, GenerationRequest, TextDelta

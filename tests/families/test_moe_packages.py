@@ -21,7 +21,7 @@ from flare.engine.tokenizer import Tokenizer
 from flare.package.directory import open_package
 from flare.preparation.default_model import default_gguf_path
 from flare.preparation.export import ExportError, ExportOptions, export_package
-from flare.preparation.hf_families import model_config_from_hf
+from flare.preparation.families.hf_config import model_config_from_hf
 from flare.preparation.source import ModelSource, SourceError
 
 pytest.importorskip("transformers")

@@ -90,7 +90,7 @@ def test_a_moe_model_at_tensor_parallel_2_answers_as_at_1(smollm2_source: ModelS
 
 
 def test_a_size_that_does_not_divide_the_experts_width_is_refused_naming_it() -> None:
-    from flare.preparation.hf_families import model_config_from_hf
+    from flare.preparation.families.hf_config import model_config_from_hf
     from tests.family_checkpoints import family_config
 
     config = model_config_from_hf({**family_config("qwen2_moe").to_dict(), "moe_intermediate_size": 33}, None)

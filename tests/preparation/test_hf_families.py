@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from flare.preparation.hf_families import model_config_from_hf, tensor_converter
+from flare.preparation.families.hf_config import model_config_from_hf
+from flare.preparation.families.hf_tensors import tensor_converter
 from flare.preparation.hf_source import open_hf_directory
 from flare.package.model_config import RopeScaling
 from flare.preparation.source import SourceError

@@ -26,8 +26,9 @@ Q L H (2c + r) absorbed: absorbed wins for short rows, decompressed for prompt c
 (`absorbed_for`).
 
 RoPE: DeepSeek rotates interleaved pairs (x0, x1), (x2, x3), ...; export permutes the rope
-rows of q and kv_a into rotate-half order (`hf_families.deinterleave_rope_rows`), which gives
-the same dot products, so the rotation here is `rope.apply_rope` as for every family.
+rows of q and kv_a into rotate-half order (`preparation/families/deepseek.py`'s
+`deinterleave_rope_rows`), which gives the same dot products, so the rotation here is
+`rope.apply_rope` as for every family.
 """
 
 from __future__ import annotations
