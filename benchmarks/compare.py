@@ -28,8 +28,9 @@ do_sample with the same), so no server applies a default filter the others do no
 With --long-prompt-tokens N, after the throughput matrix (--skip-throughput leaves that out),
 every flare side and llama.cpp get --long-prompt-runs cold prompts of N tokens each (one chat
 turn, counted with the model's own tokenizer and chat template), taking turns, the side that goes
-first alternating, after one uncounted warm-up prompt each. Every prompt starts with its own nonce,
-so no two share more than the template's header and neither prefix cache shortens one; each asks
+first alternating, after one uncounted warm-up prompt each. Every prompt's first words (its
+system message) are its own nonce, so no two share more than the chat template's opening tokens
+and neither prefix cache shortens one; each asks
 for 2 tokens, streamed, and the figure is the median time to the first content chunk on each side
 and the ratio flare / llama.cpp. llama.cpp's server keeps its defaults here as operators run it
 (`-ub 512 -b 2048`, `--cache-reuse` 0, prompt caching on, which the nonces make moot); only its
@@ -225,15 +226,15 @@ def prompts_of(dataset: str) -> list[str]:
 
 
 def long_prompt(tokenizer: Tokenizer, tokens: int, nonce: str) -> tuple[list[dict[str, str]], int]:
-    """A one-turn chat of `tokens` prompt tokens as the model's tokenizer and chat template count
-    them (or the longest cut of its text under that), whose first words are `nonce`, and its count.
-
-    Prompts with different nonces share no prefix past the template's header, so no server's
-    prefix cache shortens one: each is computed cold."""
-    text = tokenizer.encode(f"Request {nonce}. {report(tokens, random.Random(nonce))}", add_special_tokens=False)
+    """A chat of `tokens` prompt tokens as the model's tokenizer and chat template count them (or
+    the longest cut of its text within that), and its count. `nonce` is the whole system message,
+    the first words after the template's opening tokens: a template's default system prompt
+    (SmolLM2's is 26 tokens) would otherwise be a prefix every prompt shares, and prompts with
+    different nonces share nothing a prefix cache could reuse."""
+    text = tokenizer.encode(report(tokens, random.Random(nonce)), add_special_tokens=False)
 
     def cut(n: int) -> tuple[list[dict[str, str]], int]:
-        messages = [{"role": "user", "content": tokenizer.decode(text[:n])}]
+        messages = [{"role": "system", "content": nonce}, {"role": "user", "content": tokenizer.decode(text[:n])}]
         return messages, len(tokenizer.encode_chat(messages))
 
     low, high = 0, len(text)  # binary search for the longest cut within `tokens`
@@ -258,11 +259,13 @@ async def long_prompt_level(servers: list[Server], tokenizer: Tokenizer, tokens:
     endpoints = {s.name: Endpoint(s.url, served_model(s.url)) for s in servers}
     records: dict[str, list[RequestRecord]] = {s.name: [] for s in servers}
     counts: list[int] = []
-    timeout = aiohttp.ClientTimeout(total=None)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    # A fresh connection per request: llama.cpp's server drops an idle kept-alive one, which a
+    # reused connection would meet as a disconnect.
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         for run in range(-1, runs):
             # The same prompt on every server within a run (the same work), a new one each run.
-            messages, count = long_prompt(tokenizer, tokens, f"{run + 1}-{os.urandom(4).hex()}")
+            messages, count = long_prompt(tokenizer, tokens, f"{os.urandom(4).hex()}: request {run + 1}.")
             body = {"messages": messages, "max_tokens": LONG_PROMPT_ANSWER_TOKENS, "temperature": 0}
             for server in servers[run % len(servers):] + servers[: run % len(servers)]:
                 record = await stream_chat(session, endpoints[server.name], body, level_start=time.perf_counter(), timeout_s=1800)
