@@ -26,16 +26,16 @@ send temperature T with top_p 0.9, top_k off and min_p 0 to every system alike (
 do_sample with the same), so no server applies a default filter the others do not.
 
 With --long-prompt-tokens N, after the throughput matrix (--skip-throughput leaves that out),
-every flare side and llama.cpp get --long-prompt-runs cold prompts of N tokens each (one chat
-turn, counted with the model's own tokenizer and chat template), taking turns, the side that goes
-first alternating, after one uncounted warm-up prompt each. Every prompt's first words (its
-system message) are its own nonce, so no two share more than the chat template's opening tokens
-and neither prefix cache shortens one; each asks
-for one token, streamed, and its time to first token is the whole request's (prefill, the token,
-the stream's close: a first token that is an incomplete UTF-8 piece streams no text); the figures
-are each side's median and the ratio flare / llama.cpp. llama.cpp's server keeps its defaults here as operators run it
-(`-ub 512 -b 2048`, `--cache-reuse` 0, prompt caching on, which the nonces make moot); only its
-slot context grows to hold the prompt (-c is max(--slot-context, N + 64) x -np).
+every flare side and llama.cpp get --long-prompt-runs cold prompts of N tokens (one chat turn,
+counted with the model's own tokenizer and chat template), the same prompt to each in turn, the
+side that goes first rotating, after one uncounted warm-up prompt each. Every prompt's first words
+(its system message) are its own nonce, so no two share more than the chat template's opening
+tokens and no prefix cache shortens one. Each asks for one token, streamed; its time to first
+token is the whole request's (prefill, the token, the stream's close: a first token that is an
+incomplete UTF-8 piece streams no text). The figures are each side's median and its ratio to
+llama.cpp's. llama.cpp's server keeps its defaults as operators run it (`-ub 512 -b 2048`,
+`--cache-reuse` 0, prompt caching on, which the nonces make moot); only its slot context grows to
+hold the prompt (-c is max(--slot-context, N + 64) x -np).
 
 Writes into --out-dir: one `flare bench` result per system, dataset and temperature (levels
 merged), `comparison.json` (every figure and setting) and plots per dataset and temperature
@@ -351,7 +351,7 @@ def main() -> int:
     reference = None if args.skip_transformers else TransformersReference(gguf)
 
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    slot_context = max(args.slot_context, args.long_prompt_tokens + 64 if args.long_prompt_tokens else 0)
+    slot_context = max(args.slot_context, args.long_prompt_tokens + 64)  # room for the long prompt, if any
     def flare_command(served: Path) -> list[str]:
         return [sys.executable, "-m", "flare.cli.main", "run", str(served), "--log-level", "warning",
                 "--max-concurrency", str(max(concurrencies)), "--kv-cache-memory", args.kv_cache_memory, *shlex.split(args.flare_args)]
