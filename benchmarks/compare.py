@@ -4,6 +4,8 @@
     .venv/bin/python benchmarks/compare.py --concurrency 1,8 --datasets chat # a subset
     .venv/bin/python benchmarks/compare.py --skip-llama-cpp --skip-transformers
     .venv/bin/python benchmarks/compare.py --gguf FILE.gguf --package PACKAGE --skip-transformers  # another GGUF
+    .venv/bin/python benchmarks/compare.py --skip-throughput --skip-speculation --skip-transformers \
+        --concurrency 1 --long-prompt-tokens 1500 --long-prompt-runs 5              # cold long-prompt TTFT alone
 
 The servers are driven by `flare bench` (flare/bench/), one level at a time:
 - flare, the default model's package as `flare run` serves it on this machine (speculation at
@@ -23,6 +25,18 @@ so a slow patch of the shared machine falls on all of them. Greedy is temperatur
 send temperature T with top_p 0.9, top_k off and min_p 0 to every system alike (transformers:
 do_sample with the same), so no server applies a default filter the others do not.
 
+With --long-prompt-tokens N, after the throughput matrix (--skip-throughput leaves that out),
+every flare side and llama.cpp get --long-prompt-runs cold prompts of N tokens (one chat turn,
+counted with the model's own tokenizer and chat template), the same prompt to each in turn, the
+side that goes first rotating, after one uncounted warm-up prompt each. Every prompt's first words
+(its system message) are its own nonce, so no two share more than the chat template's opening
+tokens and no prefix cache shortens one. Each asks for one token, streamed; its time to first
+token is the whole request's (prefill, the token, the stream's close: a first token that is an
+incomplete UTF-8 piece streams no text). The figures are each side's median and its ratio to
+llama.cpp's. llama.cpp's server keeps its defaults as operators run it (`-ub 512 -b 2048`,
+`--cache-reuse` 0, prompt caching on, which the nonces make moot); only its slot context grows to
+hold the prompt (-c is max(--slot-context, N + 64) x -np).
+
 Writes into --out-dir: one `flare bench` result per system, dataset and temperature (levels
 merged), `comparison.json` (every figure and setting) and plots per dataset and temperature
 (`flare bench plot` of the three servers); prints a markdown table.
@@ -39,8 +53,10 @@ from flare.engine.openmp import set_wait_policy
 set_wait_policy(os.environ)
 
 import argparse
+import asyncio
 import contextlib
 import json
+import random
 import shlex
 import shutil
 import socket
@@ -55,13 +71,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flare.bench.datasets import load_dataset
+from flare.bench.client import Endpoint, RequestRecord, stream_chat
+from flare.bench.datasets import load_dataset, report
 from flare.bench.plot import write_plots
 from flare.bench.report import machine, versions
+from flare.engine.tokenizer import Tokenizer
 from flare.package.manifest import AUTO_DTYPE, DTYPES
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp is built (docs/benchmarks.md)
 SAMPLED_FILTERS = {"top_p": 0.9, "top_k": -1, "min_p": 0.0}
+# The long-prompt level asks for one token and times the whole streamed request: prefill, the one
+# token and the stream's close. Timing the first content chunk instead fails where that token is
+# an incomplete UTF-8 piece, which a server streams as no text (random-weights files do this).
+LONG_PROMPT_ANSWER_TOKENS = 1
 
 
 def slug(name: str) -> str:
@@ -207,6 +229,71 @@ def prompts_of(dataset: str) -> list[str]:
     return [conversation.turns[0] for conversation in load_dataset(dataset)]
 
 
+def long_prompt(tokenizer: Tokenizer, tokens: int, nonce: str) -> tuple[list[dict[str, str]], int]:
+    """A chat of `tokens` prompt tokens as the model's tokenizer and chat template count them (or
+    the longest cut of its text within that), and its count. `nonce` is the whole system message,
+    the first words after the template's opening tokens: a template's default system prompt
+    (SmolLM2's is 26 tokens) would otherwise be a prefix every prompt shares, and prompts with
+    different nonces share nothing a prefix cache could reuse."""
+    text = tokenizer.encode(report(tokens, random.Random(nonce)), add_special_tokens=False)
+
+    def cut(n: int) -> tuple[list[dict[str, str]], int]:
+        messages = [{"role": "system", "content": nonce}, {"role": "user", "content": tokenizer.decode(text[:n])}]
+        return messages, len(tokenizer.encode_chat(messages))
+
+    low, high = 0, len(text)  # binary search for the longest cut within `tokens`
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if cut(middle)[1] <= tokens else (low, middle - 1)
+    return cut(low)
+
+
+def served_model(url: str) -> str:
+    """The first model id the server's /v1/models lists."""
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as response:
+        return json.loads(response.read())["data"][0]["id"]
+
+
+async def long_prompt_level(servers: list[Server], tokenizer: Tokenizer, tokens: int, runs: int) -> dict[str, Any]:
+    """Cold time to first token of `runs` distinct prompts of `tokens` tokens on every server,
+    one request at a time, the servers taking turns and the one that goes first rotating; each
+    server first answers one uncounted prompt of the same length (warm-up)."""
+    import aiohttp
+
+    endpoints = {s.name: Endpoint(s.url, served_model(s.url)) for s in servers}
+    records: dict[str, list[RequestRecord]] = {s.name: [] for s in servers}
+    counts: list[int] = []
+    # A fresh connection per request: llama.cpp's server drops an idle kept-alive one, which a
+    # reused connection would meet as a disconnect.
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        for run in range(-1, runs):
+            # The same prompt on every server within a run (the same work), a new one each run.
+            messages, count = long_prompt(tokenizer, tokens, f"{os.urandom(4).hex()}: request {run + 1}.")
+            body = {"messages": messages, "max_tokens": LONG_PROMPT_ANSWER_TOKENS, "temperature": 0}
+            for server in servers[run % len(servers):] + servers[: run % len(servers)]:
+                record = await stream_chat(session, endpoints[server.name], body, level_start=time.perf_counter(), timeout_s=1800)
+                if run < 0:
+                    continue
+                records[server.name].append(record)
+                ttft = f"{record.e2e_s:.3f} s" if record.ok else f"failed ({record.error_message})"
+                print(f"long prompt {run + 1}/{runs} {server.name}: {count} tokens (server counted {record.prompt_tokens}), "
+                      f"time to first token {ttft}", flush=True)
+            if run >= 0:
+                counts.append(count)
+    result: dict[str, Any] = {"prompt_tokens": tokens, "runs": runs, "tokenizer_counts": sorted(set(counts)), "max_tokens": LONG_PROMPT_ANSWER_TOKENS}
+    for name, done in records.items():
+        ttfts = [r.e2e_s for r in done if r.ok]
+        result[name] = {"ttft_s": ttfts, "median_ttft_s": statistics.median(ttfts) if ttfts else None,
+                        "server_prompt_tokens": sorted({r.prompt_tokens for r in done if r.prompt_tokens is not None}),
+                        "failed": [r.error_message for r in done if not r.ok]}
+    theirs = result.get("llama.cpp", {}).get("median_ttft_s")
+    for name in records:
+        mine = result[name]["median_ttft_s"]
+        result[name]["versus_llama_cpp"] = mine / theirs if mine and theirs and name != "llama.cpp" else None
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", default="1,8,32")
@@ -233,6 +320,11 @@ def main() -> int:
     parser.add_argument("--flare-args", default="", help="more `flare run` flags for every flare daemon, one string (e.g. '--activations int8x2')")
     parser.add_argument("--skip-llama-cpp", action="store_true")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--skip-throughput", action="store_true",
+                        help="leave out the datasets x temperatures x concurrency matrix (to run --long-prompt-tokens alone)")
+    parser.add_argument("--long-prompt-tokens", type=int, default=0,
+                        help="also time cold prompts of this many tokens to their first token on each server (0: not)")
+    parser.add_argument("--long-prompt-runs", type=int, default=5, help="distinct long prompts per server (the figure is their median)")
     parser.add_argument("--out-dir", type=Path, default=Path("compare-results"))
     args = parser.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -259,6 +351,7 @@ def main() -> int:
     reference = None if args.skip_transformers else TransformersReference(gguf)
 
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    slot_context = max(args.slot_context, args.long_prompt_tokens + 64)  # room for the long prompt, if any
     def flare_command(served: Path) -> list[str]:
         return [sys.executable, "-m", "flare.cli.main", "run", str(served), "--log-level", "warning",
                 "--max-concurrency", str(max(concurrencies)), "--kv-cache-memory", args.kv_cache_memory, *shlex.split(args.flare_args)]
@@ -283,14 +376,14 @@ def main() -> int:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             command = [str(llama_server), "-m", str(gguf), "-t", str(args.threads), "--host", "127.0.0.1", "--port", str(port),
-                       "-np", str(max(concurrencies)), "-c", str(args.slot_context * max(concurrencies)), "--cont-batching"]
+                       "-np", str(max(concurrencies)), "-c", str(slot_context * max(concurrencies)), "--cont-batching"]
             pids["llama.cpp"] = stack.enter_context(server_process(command, env, "llama.cpp", url, args.out_dir / "llama.cpp.log"))
             servers.append(Server("llama.cpp", url))
         print("servers up: " + ", ".join(f"{s.name} (pid {pids[s.name]}) at {s.url}" for s in servers), flush=True)
 
         cells: list[dict[str, Any]] = []
         warmed: set[str] = set()
-        for dataset in datasets:
+        for dataset in [] if args.skip_throughput else datasets:
             for temperature in temperatures:
                 per_server: dict[str, list[dict[str, Any]]] = {s.name: [] for s in servers}
                 for concurrency in concurrencies:
@@ -322,6 +415,10 @@ def main() -> int:
                 for result in merged:
                     (args.out_dir / f"{slug(result['label'])}-{name}.json").write_text(json.dumps(result, indent=1))
                 write_plots(merged, args.out_dir / "plots" / name, title=f"{dataset}, temperature {temperature:g}, {args.max_tokens} tokens")
+        long_prompt_result = None
+        if args.long_prompt_tokens:
+            tokenizer = Tokenizer.from_package(open_package(package))
+            long_prompt_result = asyncio.run(long_prompt_level(servers, tokenizer, args.long_prompt_tokens, args.long_prompt_runs))
 
     summary = {
         "command": " ".join(sys.argv),
@@ -333,12 +430,17 @@ def main() -> int:
         "settings": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                      "package": str(package), "package_dtype": package_serving.dtype,
                      "package_draft_tokens": package_serving.draft_tokens, "gguf": str(gguf),
-                     "llama_server": str(llama_server) if llama_server else None},
+                     "llama_server": str(llama_server) if llama_server else None,
+                     "llama_cpp_slot_context": slot_context},
         "cells": cells,
+        "long_prompt": long_prompt_result,
     }
     (args.out_dir / "comparison.json").write_text(json.dumps(summary, indent=1))
-    print_table(cells, [s.name for s in servers] + ([] if reference is None else ["transformers"]), args.versus_dtype,
-                args.versus_drafter)
+    if cells:
+        print_table(cells, [s.name for s in servers] + ([] if reference is None else ["transformers"]), args.versus_dtype,
+                    args.versus_drafter)
+    if long_prompt_result is not None:
+        print_long_prompt(long_prompt_result, [s.name for s in servers])
     return 0
 
 
@@ -362,6 +464,20 @@ def print_table(
                if c.get("llama.cpp", {}).get("output_tok_s") and c.get("flare", {}).get("output_tok_s")]
     if medians:
         print(f"\nmedian flare / llama.cpp over {len(medians)} cells: {statistics.median(medians):.2f}x")
+
+
+def print_long_prompt(result: dict[str, Any], systems: list[str]) -> None:
+    """The cold long-prompt level: each system's median time to first token, and each flare side's against llama.cpp's."""
+    flares = [s for s in systems if s != "llama.cpp" and "llama.cpp" in systems]
+    print("\n| prompt tokens | runs | " + " | ".join(f"{s} median TTFT s" for s in systems) + " | "
+          + " | ".join(f"{s} / llama.cpp" for s in flares) + " |")
+    print("|" + " --- |" * (len(systems) + len(flares) + 2))
+    row = " | ".join("-" if result[s]["median_ttft_s"] is None else f"{result[s]['median_ttft_s']:.3f}" for s in systems)
+    ratios = " | ".join("-" if result[s]["versus_llama_cpp"] is None else f"{result[s]['versus_llama_cpp']:.2f}" for s in flares)
+    print(f"| {'/'.join(map(str, result['tokenizer_counts']))} | {result['runs']} | {row} | {ratios} |")
+    for system in systems:
+        if result[system]["failed"]:
+            print(f"{system}: {len(result[system]['failed'])} failed: {result[system]['failed'][0]}")
 
 
 def _ratio(cell: dict[str, Any], system: str, other: str) -> str:

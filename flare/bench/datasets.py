@@ -160,7 +160,8 @@ _QUESTIONS = ("Summarise the report above in three sentences.",
 LONG_PROMPT_WORDS = (800, 1100, 1400, 1700, 2000, 2300, 2600, 3000)
 
 
-def _report(words: int, rng: random.Random) -> str:
+def report(words: int, rng: random.Random) -> str:
+    """An operations report of at least `words` words, drawn with `rng` (the long-prompt set's body)."""
     sections: list[str] = []
     count = 0
     section = 0
@@ -178,7 +179,7 @@ def _report(words: int, rng: random.Random) -> str:
 def _long_prompts() -> tuple[Conversation, ...]:
     rng = random.Random(16)  # fixed: the set is the same on every machine and in every run
     return tuple(
-        Conversation(turns=(f"{_report(words, rng)}\n\n{_QUESTIONS[i % len(_QUESTIONS)]}",))
+        Conversation(turns=(f"{report(words, rng)}\n\n{_QUESTIONS[i % len(_QUESTIONS)]}",))
         for i, words in enumerate(LONG_PROMPT_WORDS)
     )
 
