@@ -23,7 +23,11 @@ All servers are up for the whole run, each idle while another is measured. For e
 temperature and concurrency the systems take turns (flare, flare K=0, llama.cpp, transformers),
 so a slow patch of the shared machine falls on all of them. Greedy is temperature 0; sampled runs
 send temperature T with top_p 0.9, top_k off and min_p 0 to every system alike (transformers:
-do_sample with the same), so no server applies a default filter the others do not.
+do_sample with the same), so no server applies a default filter the others do not. Every request
+also turns the penalties off (frequency and presence 0, repetition 1: llama.cpp's and transformers'
+defaults), since the default package's policy adds a repetition penalty of 1.1 and a frequency
+penalty of 0.3 that would change flare's answers alone, and on `copy` would penalize the very
+repetition the text asks for.
 
 With --long-prompt-tokens N, after the throughput matrix (--skip-throughput leaves that out),
 every flare side and llama.cpp get --long-prompt-runs cold prompts of N tokens (one chat turn,
@@ -80,6 +84,9 @@ from flare.package.manifest import AUTO_DTYPE, DTYPES
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp is built (docs/benchmarks.md)
 SAMPLED_FILTERS = {"top_p": 0.9, "top_k": -1, "min_p": 0.0}
+# Sent at every temperature, so that no system applies a penalty. llama.cpp's server ignores
+# `repetition_penalty` (its own `repeat_penalty` defaults to 1.0, off); flare refuses unknown fields.
+NO_PENALTIES = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
 # The long-prompt level asks for one token and times the whole streamed request: prefill, the one
 # token and the stream's close. Timing the first content chunk instead fails where that token is
 # an incomplete UTF-8 piece, which a server streams as no text (random-weights files do this).
@@ -198,15 +205,14 @@ class Server:
 def bench_level(server: Server, dataset: str, temperature: float, concurrency: int, args: argparse.Namespace,
                 out: Path, warmup: int) -> dict[str, Any]:
     """One `flare bench` level against one server (a subprocess: the CLI exactly as users run it)."""
-    extra = SAMPLED_FILTERS if temperature > 0 else {}
+    extra = {**NO_PENALTIES, **(SAMPLED_FILTERS if temperature > 0 else {})}
     command = [
         sys.executable, "-m", "flare.cli.main", "bench", "--url", server.url, "--dataset", dataset,
         "--concurrency", str(concurrency), "--requests", str(requests_at(concurrency, args)),
         "--max-tokens", str(args.max_tokens), "--temperature", str(temperature), "--warmup", str(warmup),
         "--seed", str(args.seed), "--label", server.name, "--out", str(out),
     ]
-    if extra:
-        command += ["--extra-body", json.dumps(extra)]
+    command += ["--extra-body", json.dumps(extra)]
     if args.level_duration:
         command += ["--duration", str(args.level_duration)]
     subprocess.run(command, check=False, stdout=subprocess.DEVNULL)
