@@ -54,6 +54,7 @@ LAYER = (  # (name, type, out, in)
     ("down", T.Q6_K, 2048, 8192),
 )
 LEVELS = {
+    "amx": native_quantized.IDOT_AMX,
     "avx512_vnni": native_quantized.IDOT_AVX512_VNNI,
     "avx_vnni": native_quantized.IDOT_AVX_VNNI,
     "avx2": native_quantized.IDOT_AVX2,

@@ -13,9 +13,11 @@
 #include <stdint.h>
 
 /* The widest integer instructions a kernel may use: the portable loop, AVX2, AVX-VNNI (256-bit
- * vpdpbusd, Alder Lake and Zen 5 on) or AVX-512 VNNI (Ice Lake and Zen 4 on). The kernel takes the
- * widest of `isa` and what this CPU has. */
-enum { IDOT_PORTABLE = 0, IDOT_AVX2 = 1, IDOT_AVX_VNNI = 2, IDOT_AVX512_VNNI = 3 };
+ * vpdpbusd, Alder Lake and Zen 5 on), AVX-512 VNNI (Ice Lake and Zen 4 on) or AMX (AVX-512 VNNI
+ * plus the tile instructions' tdpbsud, Sapphire Rapids on; the K products' wide tiles from a few
+ * dozen rows, everything else AVX-512 VNNI's). The kernel takes the widest of `isa` and what this
+ * CPU has. */
+enum { IDOT_PORTABLE = 0, IDOT_AVX2 = 1, IDOT_AVX_VNNI = 2, IDOT_AVX512_VNNI = 3, IDOT_AMX = 4 };
 
 /* The IDOT_* level the integer kernels run at: the widest of `isa` and what this CPU has. */
 int integer_dot_isa(int isa);
@@ -23,9 +25,21 @@ int integer_dot_isa(int isa);
 /* What this CPU and its OS grant, as IDOT_GRANTS_* bits, and the level `isa` falls back to under
  * `granted` (integer_dot_isa is integer_dot_level(isa, integer_dot_grants())): apart, so that a
  * test can stand in for a CPU whose OS refuses an extension it advertises. */
-enum { IDOT_GRANTS_AVX2 = 1, IDOT_GRANTS_AVX_VNNI = 2, IDOT_GRANTS_AVX512_VNNI = 4 };
+enum { IDOT_GRANTS_AVX2 = 1, IDOT_GRANTS_AVX_VNNI = 2, IDOT_GRANTS_AVX512_VNNI = 4, IDOT_GRANTS_AMX = 8 };
 int integer_dot_grants(void);
 int integer_dot_level(int isa, int granted);
+
+/* AMX's grant (IDOT_GRANTS_AMX's), asked once per process: the CPU advertises amx-tile and
+ * amx-int8, Linux lets this process use the tile data (arch_prctl(ARCH_REQ_XCOMP_PERM,
+ * XFEATURE_XTILEDATA); without it the first tile instruction raises SIGILL), and a forked child that
+ * runs tile instructions exits cleanly (a hypervisor that hides the state still faults there, and
+ * only the child dies). The permission is the process's and its threads' (and a forked child's), so
+ * it is asked for in the process that multiplies, before its first tile instruction. */
+int integer_dot_amx_granted(void);
+/* The trial child alone: 1 when it ran tile instructions and exited 0. `fault` 1 makes the child
+ * execute an undefined instruction first (the tests' stand-in for a refusing OS): it dies of
+ * SIGILL and this returns 0, the caller unharmed. */
+int integer_dot_amx_trial(int fault);
 
 /* 256 activations of a K-quant product: d * qs[i] stands for x[i]; bsums[j] is the sum of
  * qs[16 j .. 16 j + 15] (the weights' mins multiply these). */

@@ -298,6 +298,133 @@ KT_AVX512 static void tile16_avx512(int type, const uint8_t *const w[16], int64_
 }
 #endif
 
+/* AMX's intrinsics came with GCC 11 and clang 12; tile data needs Linux's permission
+ * (integer_dot_amx_granted). */
+#if defined(__x86_64__) && defined(__linux__) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+/* ---- AMX ------------------------------------------------------------------------------------------
+ * The unpacked super-block's 64 quant vectors are, as they lie, the B operand of the tile dot
+ * product: row n of B holds quants 4n .. 4n + 3 of each of the 16 outputs (64 bytes), the layout
+ * tdpbsud reads. So a sub-block of 32 quants (Q6_K: a group of 16) is B's rows 8j .. 8j + 7 (4g ..
+ * 4g + 3), and A is 16 activation rows' 32 (16) signed quants of that sub-block, read in place from
+ * the Q8_K blocks (rows x_stride blocks apart). One tdpbsud (A signed, B unsigned: the operand signs
+ * of vpdpbusd, swapped) gives the 16 rows' sub-block sums of all 16 outputs, the same exact
+ * integers as rows45's and rows6's vpdpbusd; the scales (vpmulld), the mins and the float step then
+ * run as rows45 and rows6 do, lane by lane, so the bits are the other levels'. */
+#define KT_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")))
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* The tiles: 0 and 1 the sums of 16 rows (two, so that one sub-block's store overlaps the next's
+ * product), 2 and 3 their activations, 4 and 5 the weights; 6 and 7 the sums and activations of the
+ * last rows of a call that is not a multiple of 16 (`last`, 0 for none). `group`: the quants a scale
+ * covers, 32 (Q4_K, Q5_K) or 16 (Q6_K). */
+static void tile_config(int group, int last, TileConfig *c) {
+    memset(c, 0, sizeof *c);
+    c->palette = 1;
+    for (int t = 0; t < 2; t++) {
+        c->colsb[t] = 64, c->rows[t] = 16;
+        c->colsb[2 + t] = (uint16_t)group, c->rows[2 + t] = 16;
+        c->colsb[4 + t] = 64, c->rows[4 + t] = (uint8_t)(group / 4);
+    }
+    if (last) c->colsb[6] = 64, c->rows[6] = (uint8_t)last, c->colsb[7] = (uint16_t)group, c->rows[7] = (uint8_t)last;
+}
+
+/* Rows r0 .. r0 + m - 1 of super-block i (m 16, or the last rows in tiles 6 and 7): sums[g][16 r + k]
+ * = the dot product of row r0 + r's sub-block (group) g with lane k's quants. */
+KT_AMX KT_INLINE void amx_sums(const int groups, const int group, const uint8_t *bq, const int8_t *a, int64_t stride, int full,
+                               int32_t (*sums)[256]) {
+    const int brows = group / 4;
+    if (full) {
+        for (int g = 0; g < groups; g += 2) {
+            _tile_zero(0);
+            _tile_loadd(2, a + group * g, stride);
+            _tile_loadd(4, bq + 64 * brows * g, 64);
+            _tile_dpbsud(0, 2, 4);
+            _tile_zero(1);
+            _tile_loadd(3, a + group * (g + 1), stride);
+            _tile_loadd(5, bq + 64 * brows * (g + 1), 64);
+            _tile_dpbsud(1, 3, 5);
+            _tile_stored(0, sums[g], 64);
+            _tile_stored(1, sums[g + 1], 64);
+        }
+    } else {
+        for (int g = 0; g < groups; g++) {
+            _tile_zero(6);
+            _tile_loadd(7, a + group * g, stride);
+            _tile_loadd(4, bq + 64 * brows * g, 64);
+            _tile_dpbsud(6, 7, 4);
+            _tile_stored(6, sums[g], 64);
+        }
+    }
+}
+
+/* Row r of the tile sums: sumi and summins as rows45 (Q4_K, Q5_K) and rows6 (Q6_K) form them, then
+ * add_term16. */
+KT_AMX KT_INLINE void amx_finish(const int type, const Unpacked *u, int32_t (*sums)[256], int r, const Q8KBlock *xb, float *acc) {
+    __m512i sumi = _mm512_setzero_si512(), summins = _mm512_setzero_si512();
+    if (type == GGML_Q6_K) {
+        for (int g = 0; g < 16; g++) sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(_mm512_load_si512(sums[g] + 16 * r), u->scales[g]));
+        const Dword *bs = (const Dword *)xb->bsums;
+        __m512i offset = _mm512_setzero_si512();
+        for (int m = 0; m < 8; m++) offset = _mm512_dpwssd_epi32(offset, u->pairs[m], _mm512_set1_epi32(bs[m]));
+        sumi = _mm512_sub_epi32(sumi, _mm512_slli_epi32(offset, 5));
+    } else {
+        for (int j = 0; j < 8; j++) sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(_mm512_load_si512(sums[j] + 16 * r), u->scales[j]));
+        int32_t bs[4];
+        const __m256i pairsum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), _mm256_set1_epi16(1));
+        _mm_storeu_si128((__m128i *)bs, _mm_packs_epi32(_mm256_castsi256_si128(pairsum), _mm256_extracti128_si256(pairsum, 1)));
+        for (int m = 0; m < 4; m++) summins = _mm512_dpwssd_epi32(summins, u->pairs[m], _mm512_set1_epi32(bs[m]));
+    }
+    _mm512_storeu_ps(acc, add_term16(_mm512_loadu_ps(acc), u, xb->d, sumi, summins));
+}
+
+KT_AMX KT_INLINE void tile16_amx_type(const int type, const uint8_t *const w[16], int64_t blocks, const Q8KBlock *x, int64_t xs,
+                                      int rows, const uint8_t *ahead, float *acc) {
+    const int bytes = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210;
+    const int group = type == GGML_Q6_K ? 16 : 32, groups = 256 / group;
+    const int64_t stride = xs * (int64_t)sizeof(Q8KBlock);
+    TileConfig config;
+    tile_config(group, rows % 16, &config);
+    _tile_loadconfig(&config);
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(acc + 16 * r, _mm512_setzero_ps());
+    static const int lane_output[16] = {KT_LANE_OUTPUT};
+    Unpacked u;
+    uint8_t bq[64 * 64] __attribute__((aligned(64)));
+    int32_t sums[16][256] __attribute__((aligned(64)));
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *b[16], *bl[16];
+        for (int k = 0; k < 16; k++) b[k] = w[k] + (int64_t)bytes * i;
+        if (ahead)
+            for (int64_t at = 16 * bytes * i; at < 16 * bytes * (i + 1); at += 64) __builtin_prefetch(ahead + at, 0, KT_LOCALITY);
+        for (int k = 0; k < 16; k++) bl[k] = b[lane_output[k]];
+        if (type == GGML_Q6_K) unpack6(b, bl, &u);
+        else unpack45(b, bl, type == GGML_Q5_K, &u);
+        for (int n = 0; n < 64; n++) _mm512_store_si512(bq + 64 * n, u.q[n]);
+        for (int r0 = 0; r0 < rows; r0 += 16) {
+            const int m = rows - r0 < 16 ? rows - r0 : 16;
+            amx_sums(groups, group, bq, x[r0 * xs + i].qs, stride, m == 16, sums);
+            for (int r = 0; r < m; r++) amx_finish(type, &u, sums, r, x + (r0 + r) * xs + i, acc + 16 * (r0 + r));
+        }
+    }
+    _tile_release();
+    const __m512i order = _mm512_loadu_si512(lane_output);
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(acc + 16 * r, _mm512_permutexvar_ps(order, _mm512_loadu_ps(acc + 16 * r)));
+}
+
+/* Each call loads its own tile configuration (a thread's tile state is its own) and releases it. */
+KT_AMX static void tile16_amx(int type, const uint8_t *const w[16], int64_t blocks, const Q8KBlock *x, int64_t xs, int rows,
+                              const uint8_t *ahead, float *acc) {
+    if (type == GGML_Q6_K) tile16_amx_type(GGML_Q6_K, w, blocks, x, xs, rows, ahead, acc);
+    else if (type == GGML_Q5_K) tile16_amx_type(GGML_Q5_K, w, blocks, x, xs, rows, ahead, acc);
+    else tile16_amx_type(GGML_Q4_K, w, blocks, x, xs, rows, ahead, acc);
+}
+#define KT_HAS_AMX 1
+#endif
+
 #if defined(__x86_64__) && defined(__GNUC__)
 /* ---- 256-bit levels: AVX-VNNI and AVX2 -----------------------------------------------------------
  * The same tile of 16 outputs as two vectors of 8 lanes (outputs 0-7 and 8-15), each activation
@@ -502,9 +629,18 @@ KT_TILE8(tile16_avx_vnni, KT_AVX_VNNI, row8_avx_vnni)
 #endif
 #endif
 
+#ifndef KQ_AMX_FROM
+#define KQ_AMX_FROM 16
+#endif
 int kquant_dot_tile16(int vector, int type, const uint8_t *const w[KQ_TILE_OUTPUTS], int64_t blocks, const Q8KBlock *x, int64_t x_stride,
                       int rows, const uint8_t *ahead, float *acc) {
 #if defined(__x86_64__) && defined(__GNUC__)
+#ifdef KT_HAS_AMX
+    if (vector >= IDOT_AMX && rows >= KQ_AMX_FROM) {
+        tile16_amx(type, w, blocks, x, x_stride, rows, ahead, acc);
+        return 1;
+    }
+#endif
     if (vector >= IDOT_AVX512_VNNI) {
         tile16_avx512(type, w, blocks, x, x_stride, rows, ahead, acc);
         return 1;

@@ -326,7 +326,7 @@ static ID_512 void tiles_avx512_vnni_wide(int type, int halves, const uint8_t *c
 static void group(int level, int type, int halves, const uint8_t *const w[WIDE], int64_t blocks, const Q8Block *x, int64_t xs,
                   int64_t tokens, float *y, int64_t ys, int count, int wide) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (wide && level == IDOT_AVX512_VNNI) return tiles_avx512_vnni_wide(type, halves, w, blocks, x, xs, tokens, y, ys, count);
+    if (wide && level >= IDOT_AVX512_VNNI) return tiles_avx512_vnni_wide(type, halves, w, blocks, x, xs, tokens, y, ys, count);
     if (wide && level == IDOT_AVX_VNNI) return tiles_avx_vnni_wide(type, halves, w, blocks, x, xs, tokens, y, ys, count);
     if (wide && level == IDOT_AVX2) return tiles_avx2_wide(type, halves, w, blocks, x, xs, tokens, y, ys, count);
 #else
@@ -337,7 +337,7 @@ static void group(int level, int type, int halves, const uint8_t *const w[WIDE],
         const uint8_t *const *wq = w + GROUP * q;
         float *yq = y + GROUP * q;
 #if defined(__x86_64__) && defined(__GNUC__)
-        if (level == IDOT_AVX512_VNNI) tiles_avx512_256_narrow(type, halves, wq, blocks, x, xs, tokens, yq, ys, n);
+        if (level >= IDOT_AVX512_VNNI) tiles_avx512_256_narrow(type, halves, wq, blocks, x, xs, tokens, yq, ys, n);
         else if (level == IDOT_AVX_VNNI) tiles_avx_vnni_narrow(type, halves, wq, blocks, x, xs, tokens, yq, ys, n);
         else if (level == IDOT_AVX2) tiles_avx2_narrow(type, halves, wq, blocks, x, xs, tokens, yq, ys, n);
         else
@@ -392,7 +392,7 @@ void integer_kquant_linear(int type, int halves, const uint8_t *blocks, const Q8
     const int64_t row_bytes = kblocks * (type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210);
     const int level = integer_dot_isa(isa);
     const int team = tokens * in * out < 65536 ? 1 : threads;
-    if (level >= IDOT_AVX2 && qrows >= (level == IDOT_AVX512_VNNI ? KQ_TILES_FROM : KQ_TILES_FROM_256))
+    if (level >= IDOT_AVX2 && qrows >= (level >= IDOT_AVX512_VNNI ? KQ_TILES_FROM : KQ_TILES_FROM_256))
         return kquant_tiles(level, type, halves, blocks, row_bytes, kblocks, x, y, tokens, out, y_stride, team);
     /* Each output of each row is one kquant_dot_rows lane, whichever rows share its call (a token's
      * two halves always do: tiles and groups are of 4 rows): the tiling changes no bits. */
