@@ -21,6 +21,7 @@
  */
 #include <math.h>
 #include <omp.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "integer_dot.h"
@@ -366,6 +367,14 @@ enum { KQ_ROW_TILE = 128 };
 static void kquant_tiles(int level, int type, int halves, const uint8_t *blocks, int64_t row_bytes, int64_t kblocks, const Q8KBlock *x,
                          float *y, int64_t tokens, int64_t out, int64_t y_stride, int threads) {
     const int64_t qrows = tokens * halves, groups = (out + KQ_TILE_OUTPUTS - 1) / KQ_TILE_OUTPUTS;
+    /* AMX's activations, each row tile's packed once for every output (kquant_pack_rows); without
+     * the memory, the AVX-512 VNNI tiles (the same bits) */
+    int8_t *packed = level >= IDOT_AMX && qrows >= KQ_AMX_FROM ? aligned_alloc(64, (size_t)(qrows * kblocks * 256)) : NULL;
+    if (packed) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t t = 0; t < qrows; t += TILE)
+            kquant_pack_rows(x + t * kblocks, kblocks, (int)(qrows - t < TILE ? qrows - t : TILE), kblocks, packed + t * kblocks * 256);
+    }
 #pragma omp parallel for num_threads(groups < threads ? (int)groups : threads) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t o0 = g * KQ_TILE_OUTPUTS;
@@ -377,13 +386,15 @@ static void kquant_tiles(int level, int type, int halves, const uint8_t *blocks,
         const uint8_t *next = g + 1 < groups ? blocks + (o0 + KQ_TILE_OUTPUTS) * row_bytes : NULL;
         for (int64_t t = 0; t < qrows; t += TILE) {
             const int n = (int)(qrows - t < TILE ? qrows - t : TILE);
-            kquant_dot_tile16(level, type, w, kblocks, x + t * kblocks, kblocks, n, t == 0 ? next : NULL, acc);
+            kquant_dot_tile16(level, type, w, kblocks, x + t * kblocks, kblocks, n, t == 0 ? next : NULL, packed ? packed + t * kblocks * 256 : NULL,
+                              acc);
             for (int r = 0; r < n; r += halves)
                 for (int k = 0; k < count; k++)
                     y[(t + r) / halves * y_stride + o0 + k] =
                         halves == 1 ? acc[KQ_TILE_OUTPUTS * r + k] : acc[KQ_TILE_OUTPUTS * r + k] + acc[KQ_TILE_OUTPUTS * (r + 1) + k];
         }
     }
+    free(packed);
 }
 
 void integer_kquant_linear(int type, int halves, const uint8_t *blocks, const Q8KBlock *x, float *y, int64_t tokens, int64_t in,
