@@ -32,16 +32,16 @@ typedef struct {
     uint8_t rows[16];
 } IdotTileConfig;
 
+/* Tiles 0, 1, 2: 16 rows of 64 bytes. A static object: ldtilecfg's intrinsic names only the first 8
+ * bytes of its operand, so a configuration built on the stack could lose the stores of the rest. */
+static const IdotTileConfig trial_config = {.palette = 1, .colsb = {64, 64, 64}, .rows = {16, 16, 16}};
+
 /* One 16 x 16 int32 product of ones, checked: 64 * 1 * 1 in every lane. */
 __attribute__((target("amx-tile,amx-int8"))) static int amx_trial_product(void) {
-    IdotTileConfig c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 3; t++) c.colsb[t] = 64, c.rows[t] = 16;
     static int8_t ones[16 * 64];
     int32_t out[16 * 16];
     memset(ones, 1, sizeof ones);
-    _tile_loadconfig(&c);
+    _tile_loadconfig(&trial_config);
     _tile_zero(0);
     _tile_loadd(1, ones, 64);
     _tile_loadd(2, ones, 64);

@@ -65,7 +65,8 @@ void kquant_dot_rows(int vector, int type, const uint8_t *w, int64_t blocks, con
  * partial tile repeats a row in the lanes it does not store). acc[16 r + k] = the dot product of
  * w[k] with activation row r (rows `x_stride` blocks apart), for r < rows, the same bits as
  * kquant_dot_rows. `ahead`: 16 rows of weight bytes to prefetch meanwhile (the next tile's), or NULL.
- * `packed`: the rows' quants as kquant_pack_rows lays them out, which AMX reads (NULL: no AMX).
+ * `packed`: the rows' quants as kquant_pack_rows lays them out, which AMX reads (NULL: no AMX; not
+ * NULL only in a thread between kquant_amx_begin and kquant_amx_end).
  * 1 when level `vector` has these tiles (AMX from KQ_AMX_FROM rows; AVX-512 VNNI; AVX-VNNI and AVX2
  * as two vectors of 8), else 0 (the portable level) and nothing written. */
 enum { KQ_TILE_OUTPUTS = 16 };
@@ -81,6 +82,12 @@ int kquant_dot_tile16(int vector, int type, const uint8_t *const w[KQ_TILE_OUTPU
  * i < blocks: a super-block's rows contiguous and 64-byte aligned (out aligned), the AMX tiles' A
  * operand. Q8KBlocks are 292 bytes, so in place every 64 quants of a row would straddle two lines. */
 void kquant_pack_rows(const Q8KBlock *x, int64_t x_stride, int rows, int64_t blocks, int8_t *out);
+
+/* The AMX tiles' configuration, loaded by each thread (a thread's tile state is its own) before its
+ * tile calls and released after: ldtilecfg costs about what a call's tile products do. Only at a
+ * granted IDOT_AMX level (elsewhere they do nothing). */
+void kquant_amx_begin(void);
+void kquant_amx_end(void);
 
 /* 32 activations of a 32-value block product: d * qs[i] stands for x[i] (d = max |x| / 127, qs
  * round-to-nearest-even of x / d, in -127 .. 127); sum = sum of qs and s = d * sum, what a weight

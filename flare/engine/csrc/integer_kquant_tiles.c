@@ -326,12 +326,18 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
-/* All 8 tiles 16 rows of 64 bytes (amx_sums says which holds what). */
-static void tile_config(TileConfig *c) {
-    memset(c, 0, sizeof *c);
-    c->palette = 1;
-    for (int t = 0; t < 8; t++) c->colsb[t] = 64, c->rows[t] = 16;
-}
+/* All 8 tiles 16 rows of 64 bytes (amx_sums says which holds what). A static object: ldtilecfg's
+ * intrinsic names only the first 8 bytes of its operand, so a configuration built on the stack could
+ * lose the stores of the rest. */
+static const TileConfig tile_config = {
+    .palette = 1,
+    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+};
+
+KT_AMX void kquant_amx_begin(void) { _tile_loadconfig(&tile_config); }
+
+KT_AMX void kquant_amx_end(void) { _tile_release(); }
 
 /* The 64 bytes of quants q times each lane's 16-bit word `digit` (both words of a dword the lane's
  * digit, 0..7): every byte's product is at most 31 * 7 < 256, so no carry crosses into the next. */
@@ -450,9 +456,6 @@ KT_AMX KT_INLINE void amx_finish(const int type, const Unpacked *u, int32_t (*su
 KT_AMX KT_INLINE void tile16_amx_type(const int type, const uint8_t *const w[16], int64_t blocks, const Q8KBlock *x, int64_t xs,
                                       int rows, const uint8_t *ahead, const int8_t *packed, float *acc) {
     const int bytes = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210;
-    TileConfig config;
-    tile_config(&config);
-    _tile_loadconfig(&config);
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(acc + 16 * r, _mm512_setzero_ps());
     static const int lane_output[16] = {KT_LANE_OUTPUT};
     Unpacked u;
@@ -473,13 +476,11 @@ KT_AMX KT_INLINE void tile16_amx_type(const int type, const uint8_t *const w[16]
             for (int r = r0; r < rows && r < r0 + 16; r++) amx_finish(type, &u, sums, r - base, x + r * xs + i, acc + 16 * r);
         }
     }
-    _tile_release();
     const __m512i order = _mm512_loadu_si512(lane_output);
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(acc + 16 * r, _mm512_permutexvar_ps(order, _mm512_loadu_ps(acc + 16 * r)));
 }
 
-/* Each call loads its own tile configuration (a thread's tile state is its own) and releases it;
- * rows >= 16. */
+/* rows >= 16, in a thread between kquant_amx_begin and kquant_amx_end. */
 KT_AMX static void tile16_amx(int type, const uint8_t *const w[16], int64_t blocks, const Q8KBlock *x, int64_t xs, int rows,
                               const uint8_t *ahead, const int8_t *packed, float *acc) {
     if (type == GGML_Q6_K) tile16_amx_type(GGML_Q6_K, w, blocks, x, xs, rows, ahead, packed, acc);
@@ -691,6 +692,11 @@ KT_TILE8(tile16_avx_vnni, KT_AVX_VNNI, row8_avx_vnni)
 #else
 #define tile16_avx_vnni tile16_avx2
 #endif
+#endif
+
+#ifndef KT_HAS_AMX
+void kquant_amx_begin(void) {}
+void kquant_amx_end(void) {}
 #endif
 
 void kquant_pack_rows(const Q8KBlock *x, int64_t x_stride, int rows, int64_t blocks, int8_t *out) {

@@ -375,7 +375,10 @@ static void kquant_tiles(int level, int type, int halves, const uint8_t *blocks,
         for (int64_t t = 0; t < qrows; t += TILE)
             kquant_pack_rows(x + t * kblocks, kblocks, (int)(qrows - t < TILE ? qrows - t : TILE), kblocks, packed + t * kblocks * 256);
     }
-#pragma omp parallel for num_threads(groups < threads ? (int)groups : threads) schedule(static)
+#pragma omp parallel num_threads(groups < threads ? (int)groups : threads)
+    {
+    if (packed) kquant_amx_begin();
+#pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t o0 = g * KQ_TILE_OUTPUTS;
         const int count = (int)(out - o0 < KQ_TILE_OUTPUTS ? out - o0 : KQ_TILE_OUTPUTS);
@@ -393,6 +396,8 @@ static void kquant_tiles(int level, int type, int halves, const uint8_t *blocks,
                     y[(t + r) / halves * y_stride + o0 + k] =
                         halves == 1 ? acc[KQ_TILE_OUTPUTS * r + k] : acc[KQ_TILE_OUTPUTS * r + k] + acc[KQ_TILE_OUTPUTS * (r + 1) + k];
         }
+    }
+    if (packed) kquant_amx_end();
     }
     free(packed);
 }
