@@ -364,40 +364,48 @@ enum { KQ_ROW_TILE = 128 };
  * win: a row or two is bound by reading the weights, which one output's row streamed at a time
  * does faster than 16 rows at once, and a tile's transposes cost a few rows' products
  * (benchmarks/integer_kquants.py). */
+#ifndef KQ_AMX_ROWS
+#define KQ_AMX_ROWS 128
+#endif
 static void kquant_tiles(int level, int type, int halves, const uint8_t *blocks, int64_t row_bytes, int64_t kblocks, const Q8KBlock *x,
                          float *y, int64_t tokens, int64_t out, int64_t y_stride, int threads) {
     const int64_t qrows = tokens * halves, groups = (out + KQ_TILE_OUTPUTS - 1) / KQ_TILE_OUTPUTS;
     /* AMX's activations, each row tile's packed once for every output (kquant_pack_rows); without
-     * the memory, the AVX-512 VNNI tiles (the same bits) */
+     * the memory, the AVX-512 VNNI tiles (the same bits). AMX's row tiles are KQ_AMX_ROWS rows (even:
+     * a token's two halves share a tile): its products cost less, so a super-block's unpacking
+     * weighs more, and is shared by more rows. */
     int8_t *packed = level >= IDOT_AMX && qrows >= KQ_AMX_FROM ? aligned_alloc(64, (size_t)(qrows * kblocks * 256)) : NULL;
+    const int64_t tile = packed ? KQ_AMX_ROWS : TILE;
     if (packed) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t t = 0; t < qrows; t += TILE)
-            kquant_pack_rows(x + t * kblocks, kblocks, (int)(qrows - t < TILE ? qrows - t : TILE), kblocks, packed + t * kblocks * 256);
+        for (int64_t t = 0; t < qrows; t += tile)
+            kquant_pack_rows(x + t * kblocks, kblocks, (int)(qrows - t < tile ? qrows - t : tile), kblocks, packed + t * kblocks * 256);
     }
+    /* Row tiles outermost: a tile's activations (at most 128 rows of 2048 or 8192 quants, in L2)
+     * meet every output group before the next tile's, and each weight is streamed once a row tile;
+     * output groups outermost, a prefill's activations (megabytes) were streamed once a group. */
 #pragma omp parallel num_threads(groups < threads ? (int)groups : threads)
     {
-    if (packed) kquant_amx_begin();
+        if (packed) kquant_amx_begin();
+        float acc[(KQ_AMX_ROWS > TILE ? KQ_AMX_ROWS : TILE) * KQ_TILE_OUTPUTS];
+        for (int64_t t = 0; t < qrows; t += tile) {
+            const int n = (int)(qrows - t < tile ? qrows - t : tile);
 #pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t o0 = g * KQ_TILE_OUTPUTS;
-        const int count = (int)(out - o0 < KQ_TILE_OUTPUTS ? out - o0 : KQ_TILE_OUTPUTS);
-        const uint8_t *w[KQ_TILE_OUTPUTS];
-        for (int k = 0; k < KQ_TILE_OUTPUTS; k++) w[k] = blocks + (o0 + (k < count ? k : count - 1)) * row_bytes;
-        float acc[TILE * KQ_TILE_OUTPUTS];
-        /* the next group's rows follow these in memory: prefetched during the first row tile */
-        const uint8_t *next = g + 1 < groups ? blocks + (o0 + KQ_TILE_OUTPUTS) * row_bytes : NULL;
-        for (int64_t t = 0; t < qrows; t += TILE) {
-            const int n = (int)(qrows - t < TILE ? qrows - t : TILE);
-            kquant_dot_tile16(level, type, w, kblocks, x + t * kblocks, kblocks, n, t == 0 ? next : NULL, packed ? packed + t * kblocks * 256 : NULL,
-                              acc);
-            for (int r = 0; r < n; r += halves)
-                for (int k = 0; k < count; k++)
-                    y[(t + r) / halves * y_stride + o0 + k] =
-                        halves == 1 ? acc[KQ_TILE_OUTPUTS * r + k] : acc[KQ_TILE_OUTPUTS * r + k] + acc[KQ_TILE_OUTPUTS * (r + 1) + k];
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t o0 = g * KQ_TILE_OUTPUTS;
+                const int count = (int)(out - o0 < KQ_TILE_OUTPUTS ? out - o0 : KQ_TILE_OUTPUTS);
+                const uint8_t *w[KQ_TILE_OUTPUTS];
+                for (int k = 0; k < KQ_TILE_OUTPUTS; k++) w[k] = blocks + (o0 + (k < count ? k : count - 1)) * row_bytes;
+                /* the next group's rows follow these in memory: prefetched meanwhile */
+                const uint8_t *next = g + 1 < groups ? blocks + (o0 + KQ_TILE_OUTPUTS) * row_bytes : NULL;
+                kquant_dot_tile16(level, type, w, kblocks, x + t * kblocks, kblocks, n, next, packed ? packed + t * kblocks * 256 : NULL, acc);
+                for (int r = 0; r < n; r += halves)
+                    for (int k = 0; k < count; k++)
+                        y[(t + r) / halves * y_stride + o0 + k] =
+                            halves == 1 ? acc[KQ_TILE_OUTPUTS * r + k] : acc[KQ_TILE_OUTPUTS * r + k] + acc[KQ_TILE_OUTPUTS * (r + 1) + k];
+            }
         }
-    }
-    if (packed) kquant_amx_end();
+        if (packed) kquant_amx_end();
     }
     free(packed);
 }
