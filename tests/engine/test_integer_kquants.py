@@ -235,6 +235,22 @@ def test_amx_tiles_give_the_portable_bits_either_side_of_their_start_and_of_16_a
 
 
 @needs_amx
+def test_amx_threads_each_configure_their_tiles_and_a_prefill_across_row_tiles_keeps_the_portable_bits() -> None:
+    """Each thread of the team loads its own tile configuration (a thread's tile state is its own);
+    300 tokens of two halves span AMX's row tiles (128 rows) and end in a partial one."""
+    threads = torch.get_num_threads()
+    blocks = k_blocks(T.Q6_K, 70, 512, seed=41)
+    x = activations(300, 512, seed=42)
+    portable = native_quantized.kquant_product(x, blocks, T.Q6_K, 70, 512, isa=native_quantized.IDOT_PORTABLE, halves=2)
+    try:
+        for team in (1, 2):
+            torch.set_num_threads(team)
+            assert torch.equal(native_quantized.kquant_product(x, blocks, T.Q6_K, 70, 512, isa=native_quantized.IDOT_AMX, halves=2), portable), team
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_amx
 @settings(max_examples=40, deadline=None)
 @given(
     ggml_type=st.sampled_from(K_TYPES),
