@@ -358,15 +358,15 @@ enum { KQ_ROW_TILE = 128 };
 #ifndef KQ_TILES_FROM_256
 #define KQ_TILES_FROM_256 16
 #endif
-/* From KQ_TILES_FROM activation rows (int8x2: two a token) at AVX-512 VNNI, from KQ_TILES_FROM_256
- * at AVX-VNNI and AVX2, the K products run in wide tiles of 16 outputs (kquant_dot_tile16): the
- * same bits as the 4-row tiles, so the choice never changes a row's result. Below, the 4-row tiles
- * win: a row or two is bound by reading the weights, which one output's row streamed at a time
- * does faster than 16 rows at once, and a tile's transposes cost a few rows' products
- * (benchmarks/integer_kquants.py). */
 #ifndef KQ_AMX_ROWS
 #define KQ_AMX_ROWS 128
 #endif
+/* From KQ_TILES_FROM activation rows (int8x2: two a token) at AVX-512 VNNI and AMX, from
+ * KQ_TILES_FROM_256 at AVX-VNNI and AVX2, the K products run in wide tiles of 16 outputs
+ * (kquant_dot_tile16; at AMX, from KQ_AMX_FROM rows a tile call, tile products): the same bits as
+ * the 4-row tiles, so the choice never changes a row's result. Below, the 4-row tiles win: a row or
+ * two is bound by reading the weights, which one output's row streamed at a time does faster than
+ * 16 rows at once, and a tile's transposes cost a few rows' products (benchmarks/integer_kquants.py). */
 static void kquant_tiles(int level, int type, int halves, const uint8_t *blocks, int64_t row_bytes, int64_t kblocks, const Q8KBlock *x,
                          float *y, int64_t tokens, int64_t out, int64_t y_stride, int threads) {
     const int64_t qrows = tokens * halves, groups = (out + KQ_TILE_OUTPUTS - 1) / KQ_TILE_OUTPUTS;
