@@ -14,7 +14,10 @@
  * float step is, lane by lane, its kquant_term and acc + t in increasing super-block order, each
  * operation rounded on its own (`rounded16`). So a tile gives the same bits as kquant_dot_rows at
  * every level, and a driver may choose either per row count: a row's result never depends on how
- * many rows share the call. */
+ * many rows share the call.
+ *
+ * Where AMX is granted (integer_dot_amx_granted), a call of 16 rows or more forms those integers
+ * with tile products instead, 16 rows x 16 outputs x 64 quants an instruction: see "AMX" below. */
 #include <string.h>
 
 #include "integer_dot.h"
@@ -304,7 +307,7 @@ KT_AVX512 static void tile16_avx512(int type, const uint8_t *const w[16], int64_
 /* ---- AMX ------------------------------------------------------------------------------------------
  * The unpacked super-block's 64 quant vectors are, as they lie, the B operand of a tile dot product:
  * row n of B holds quants 4n .. 4n + 3 of each of the 16 outputs (64 bytes), the layout tdpb*d
- * reads, and A is 16 activation rows' quants read in place (rows x_stride blocks apart). A tile
+ * reads, and A is 16 activation rows' quants (64 each, signed). A tile
  * product sums over 64 quants, but the scales change every 32 (Q6_K: 16) and differ per output, so
  * they go into B: each scale is split into digits small enough that quant times digit is a byte,
  *   Q4_K / Q5_K: sc = lo + 8 hi, lo and hi in 0..7:  q lo, q hi <= 31 * 7 = 217 (unsigned);
