@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from flare.engine.native import ACTIVATION_CODES, ISA_AVX2, ISA_AVX512, ISA_PORTABLE, _check, _dtype_problems, _module
+from flare.engine.native import ACTIVATION_CODES, ISA_AVX2, ISA_AVX512, ISA_PORTABLE, _check, _dtype_problems, _module, available
 
 
 # The widest instructions the quantized kernel uses (quantized_linear.c): what ATen dispatches to,
@@ -60,6 +60,12 @@ def _integer_isa(capability: str, forced: str | None) -> int:
 
 
 INTEGER_ISA = _integer_isa(torch.backends.cpu.get_cpu_capability(), os.environ.get("FLARE_INTEGER_ISA"))
+
+# AMX's grant is asked for on import, once per process (each tensor-parallel worker imports this
+# too): the permission must be this process's before its first tile instruction, and the trial
+# child is forked while the process is small, before a model's weights are mapped.
+if available():
+    _module().integer_dot_isa(INTEGER_ISA, -1)
 
 
 def quantized_linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out_features: int, in_features: int, isa: int) -> torch.Tensor:
