@@ -467,17 +467,23 @@ KT_AMX KT_INLINE void tile16_amx_type(const int type, const uint8_t *const w[16]
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *b[16], *bl[16];
         for (int k = 0; k < 16; k++) b[k] = w[k] + (int64_t)bytes * i;
-        if (ahead)
-            for (int64_t at = 16 * bytes * i; at < 16 * bytes * (i + 1); at += 64) __builtin_prefetch(ahead + at, 0, KT_LOCALITY);
         for (int k = 0; k < 16; k++) bl[k] = b[lane_output[k]];
         if (type == GGML_Q6_K) unpack6(b, bl, &u);
         else unpack45(b, bl, type == GGML_Q5_K, &u);
         digit_operands(type, &u, bq);
+        /* the next tile's share of this block, 3 lines a row among the float steps: asked for all at
+         * once they fill the line buffers, and the unpacking waits on them */
+        int64_t at = 16 * bytes * i;
+        const int64_t end = ahead ? at + 16 * bytes : at;
         for (int r0 = 0; r0 < rows; r0 += 16) {
             const int base = r0 + 16 <= rows ? r0 : rows - 16; /* the last 16 rows: a few again, the same sums */
             amx_sums(type, bq, packed + (i * rows + base) * 256, 256, sums);
-            for (int r = r0; r < rows && r < r0 + 16; r++) amx_finish(type, &u, sums, r - base, x + r * xs + i, acc + 16 * r);
+            for (int r = r0; r < rows && r < r0 + 16; r++) {
+                amx_finish(type, &u, sums, r - base, x + r * xs + i, acc + 16 * r);
+                for (int l = 0; l < 3 && at < end; l++, at += 64) __builtin_prefetch(ahead + at, 0, KT_LOCALITY);
+            }
         }
+        for (; at < end; at += 64) __builtin_prefetch(ahead + at, 0, KT_LOCALITY);
     }
     const __m512i order = _mm512_loadu_si512(lane_output);
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(acc + 16 * r, _mm512_permutexvar_ps(order, _mm512_loadu_ps(acc + 16 * r)));
