@@ -14,9 +14,9 @@
 
 /* The widest integer instructions a kernel may use: the portable loop, AVX2, AVX-VNNI (256-bit
  * vpdpbusd, Alder Lake and Zen 5 on), AVX-512 VNNI (Ice Lake and Zen 4 on) or AMX (AVX-512 VNNI
- * plus the tile instructions' tdpbsud, Sapphire Rapids on; the K products' wide tiles from a few
- * dozen rows, everything else AVX-512 VNNI's). The kernel takes the widest of `isa` and what this
- * CPU has. */
+ * plus the tile instructions' tdpbsud, Sapphire Rapids on: the K products' wide tiles from 16
+ * activation rows, everything else AVX-512 VNNI's). The kernel takes the widest of `isa` and what
+ * this CPU and its OS grant. */
 enum { IDOT_PORTABLE = 0, IDOT_AVX2 = 1, IDOT_AVX_VNNI = 2, IDOT_AVX512_VNNI = 3, IDOT_AMX = 4 };
 
 /* The IDOT_* level the integer kernels run at: the widest of `isa` and what this CPU has. */

@@ -361,6 +361,9 @@ enum { KQ_ROW_TILE = 128 };
 #ifndef KQ_AMX_ROWS
 #define KQ_AMX_ROWS 128
 #endif
+#if KQ_AMX_ROWS % 2 || KQ_AMX_ROWS < 16
+#error "KQ_AMX_ROWS must be even (a token's two halves share a row tile) and at least 16"
+#endif
 /* From KQ_TILES_FROM activation rows (int8x2: two a token) at AVX-512 VNNI and AMX, from
  * KQ_TILES_FROM_256 at AVX-VNNI and AVX2, the K products run in wide tiles of 16 outputs
  * (kquant_dot_tile16; at AMX, from KQ_AMX_FROM rows a tile call, tile products): the same bits as
