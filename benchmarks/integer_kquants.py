@@ -13,8 +13,10 @@ gate/up, so this counts them 7 times where 4 suffice) and through
     .venv/bin/python benchmarks/integer_kquants.py --levels avx512_vnni avx2 --rounds 5
     .venv/bin/python benchmarks/integer_kquants.py --threads 1 --clock thread
     .venv/bin/python benchmarks/integer_kquants.py --halves 1 2 --levels avx512_vnni
+    .venv/bin/python benchmarks/integer_kquants.py --threads 1 --clock thread --halves 2 --levels amx avx512_vnni
 
-`--halves 2` quantizes each row and its residual x - d qs (int8x2, about 15 bits of x) and adds
+`amx` runs AMX's tile products where this process is granted them (integer_dot.c), else falls
+back to AVX-512 VNNI (the same bits). `--halves 2` quantizes each row and its residual x - d qs (int8x2, about 15 bits of x) and adds
 the two products.
 
 Weights are random blocks (random quants, finite random scales): the time does not depend on
@@ -54,6 +56,7 @@ LAYER = (  # (name, type, out, in)
     ("down", T.Q6_K, 2048, 8192),
 )
 LEVELS = {
+    "amx": native_quantized.IDOT_AMX,
     "avx512_vnni": native_quantized.IDOT_AVX512_VNNI,
     "avx_vnni": native_quantized.IDOT_AVX_VNNI,
     "avx2": native_quantized.IDOT_AVX2,

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from flare.engine.native import ACTIVATION_CODES, ISA_AVX2, ISA_AVX512, ISA_PORTABLE, _check, _dtype_problems, _module
+from flare.engine.native import ACTIVATION_CODES, ISA_AVX2, ISA_AVX512, ISA_PORTABLE, _check, _dtype_problems, _module, available
 
 
 # The widest instructions the quantized kernel uses (quantized_linear.c): what ATen dispatches to,
@@ -32,18 +32,26 @@ from flare.engine.native import ACTIVATION_CODES, ISA_AVX2, ISA_AVX512, ISA_PORT
 QUANTIZED_ISA = {"AVX512": ISA_AVX512, "AVX2": ISA_AVX2}.get(torch.backends.cpu.get_cpu_capability(), ISA_PORTABLE)
 
 # The widest integer dot-product instructions of the 8-bit activation products (integer_linear.c,
-# integer_dot.h `IDOT_*`): derived from ATen's dispatch as QUANTIZED_ISA is (AVX-512 -> AVX-512
-# VNNI, AVX2 -> AVX2), then lowered by FLARE_INTEGER_ISA (portable, avx2, avx_vnni, avx512_vnni),
-# read once here, which is how tests and benchmarks stand in for an AVX-VNNI-256 or AVX2 CPU. The
-# kernel itself takes the widest of this level the CPU and its OS grant (`integer_dot_isa`).
-# Every level gives the same bits. AMX is not among them: this Xeon advertises it, but under its
-# hypervisor `ldtilecfg` raises SIGILL.
-IDOT_PORTABLE, IDOT_AVX2, IDOT_AVX_VNNI, IDOT_AVX512_VNNI = 0, 1, 2, 3
-INTEGER_ISA_NAMES = {"portable": IDOT_PORTABLE, "avx2": IDOT_AVX2, "avx_vnni": IDOT_AVX_VNNI, "avx512_vnni": IDOT_AVX512_VNNI}
+# integer_dot.h `IDOT_*`): derived from ATen's dispatch as QUANTIZED_ISA is (AVX-512 -> AMX, which
+# the kernel lowers to AVX-512 VNNI unless granted; AVX2 -> AVX2), then lowered by FLARE_INTEGER_ISA
+# (portable, avx2, avx_vnni, avx512_vnni, amx), read once here, which is how tests and benchmarks
+# stand in for an AVX-VNNI-256 or AVX2 CPU. The kernel itself takes the widest of this level the
+# CPU and its OS grant (`integer_dot_isa`). AMX is granted only where the CPU advertises amx-tile and
+# amx-int8, Linux lets this process use the tile data (arch_prctl(ARCH_REQ_XCOMP_PERM), asked once
+# per process: without it the first tile instruction raises SIGILL) and a forked child runs tile
+# instructions cleanly (integer_dot.c). Every level gives the same bits.
+IDOT_PORTABLE, IDOT_AVX2, IDOT_AVX_VNNI, IDOT_AVX512_VNNI, IDOT_AMX = 0, 1, 2, 3, 4
+INTEGER_ISA_NAMES = {
+    "portable": IDOT_PORTABLE,
+    "avx2": IDOT_AVX2,
+    "avx_vnni": IDOT_AVX_VNNI,
+    "avx512_vnni": IDOT_AVX512_VNNI,
+    "amx": IDOT_AMX,
+}
 
 
 def _integer_isa(capability: str, forced: str | None) -> int:
-    level = {"AVX512": IDOT_AVX512_VNNI, "AVX2": IDOT_AVX2}.get(capability, IDOT_PORTABLE)
+    level = {"AVX512": IDOT_AMX, "AVX2": IDOT_AVX2}.get(capability, IDOT_PORTABLE)
     if not forced:
         return level
     if forced not in INTEGER_ISA_NAMES:
@@ -52,6 +60,12 @@ def _integer_isa(capability: str, forced: str | None) -> int:
 
 
 INTEGER_ISA = _integer_isa(torch.backends.cpu.get_cpu_capability(), os.environ.get("FLARE_INTEGER_ISA"))
+
+# AMX's grant is asked for on import, once per process (each tensor-parallel worker imports this
+# too): the permission must be this process's before its first tile instruction, and the trial
+# child is forked while the process is small, before a model's weights are mapped.
+if available():
+    _module().integer_dot_isa(INTEGER_ISA, -1)
 
 
 def quantized_linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out_features: int, in_features: int, isa: int) -> torch.Tensor:
@@ -148,8 +162,9 @@ def moe_layer(
 
 # ---- integer K-quant products (integer_kquants.c), for tests and benchmarks --------------------------
 
-# The K-quant products' default level (IDOT_*): it follows torch's dispatch, as QUANTIZED_ISA does.
-KQUANT_ISA = {ISA_AVX512: IDOT_AVX512_VNNI, ISA_AVX2: IDOT_AVX2}.get(QUANTIZED_ISA, IDOT_PORTABLE)
+# The K-quant products' default level (IDOT_*): the served one, INTEGER_ISA (torch's dispatch,
+# lowered by FLARE_INTEGER_ISA).
+KQUANT_ISA = INTEGER_ISA
 
 
 def _kquant_rows_problems(x: torch.Tensor, in_features: int) -> list[str]:
@@ -309,10 +324,17 @@ def integer_linear(xq: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out_f
 
 
 # What a CPU and its OS grant the integer kernels (integer_dot.h, IDOT_GRANTS_*), as bits.
-IDOT_GRANTS_AVX2, IDOT_GRANTS_AVX_VNNI, IDOT_GRANTS_AVX512_VNNI = 1, 2, 4
+IDOT_GRANTS_AVX2, IDOT_GRANTS_AVX_VNNI, IDOT_GRANTS_AVX512_VNNI, IDOT_GRANTS_AMX = 1, 2, 4, 8
 
 
 def integer_dot_isa(isa: int, granted: int | None = None) -> int:
     """The IDOT_* level the integer kernels run at for `isa`: the widest of it that this CPU and
     its OS grant, or that `granted` (IDOT_GRANTS_* bits) would, standing in for another CPU."""
     return _module().integer_dot_isa(isa, -1 if granted is None else granted)
+
+
+def integer_dot_amx_trial(fault: bool = False) -> bool:
+    """Whether a forked child ran AMX tile instructions and exited cleanly (AMX's last check,
+    integer_dot.c); `fault` makes the child execute an undefined instruction first, so it dies of
+    SIGILL and this is False, standing in for a CPU or OS that refuses the tiles."""
+    return bool(_module().integer_dot_amx_trial(fault))

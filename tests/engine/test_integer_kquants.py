@@ -24,7 +24,20 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="the engine's ker
 
 T = gguf.GGMLQuantizationType
 K_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)
-LEVELS = (native_quantized.IDOT_PORTABLE, native_quantized.IDOT_AVX2, native_quantized.IDOT_AVX_VNNI, native_quantized.IDOT_AVX512_VNNI)
+LEVELS = (
+    native_quantized.IDOT_PORTABLE,
+    native_quantized.IDOT_AVX2,
+    native_quantized.IDOT_AVX_VNNI,
+    native_quantized.IDOT_AVX512_VNNI,
+    native_quantized.IDOT_AMX,
+)
+# AMX runs only where granted (integer_dot.c: the CPU advertises amx-tile and amx-int8, Linux grants
+# the tile data by arch_prctl, a trial child runs a tile product cleanly); elsewhere the level falls
+# back and the AMX tests have nothing of their own to prove.
+AMX = native.available() and native_quantized.integer_dot_isa(native_quantized.IDOT_AMX) == native_quantized.IDOT_AMX
+needs_amx = pytest.mark.skipif(
+    not AMX, reason="AMX is not granted here (needs amx-tile, amx-int8, AVX-512 VNNI, the arch_prctl XTILEDATA permission and a clean trial child)"
+)
 # Where each type keeps its float16 scales (d, then dmin).
 SCALE_OFFSETS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
 
@@ -194,8 +207,68 @@ def test_wide_tiles_give_the_four_row_tiles_bits_either_side_of_their_start_and_
         part = x[:rows].clone()
         narrow = native_quantized.kquant_product(part, blocks, ggml_type, out_features, in_features, isa=native_quantized.IDOT_PORTABLE, halves=halves)
         assert torch.equal(narrow, batch[:rows]), rows
-        for isa in (native_quantized.IDOT_AVX2, native_quantized.IDOT_AVX_VNNI, native_quantized.IDOT_AVX512_VNNI):
+        for isa in (native_quantized.IDOT_AVX2, native_quantized.IDOT_AVX_VNNI, native_quantized.IDOT_AVX512_VNNI, native_quantized.IDOT_AMX):
             assert torch.equal(native_quantized.kquant_product(part, blocks, ggml_type, out_features, in_features, isa=isa, halves=halves), narrow), (rows, isa)
+
+
+@needs_amx
+@pytest.mark.parametrize("halves", [1, 2])
+@pytest.mark.parametrize("ggml_type", K_TYPES)
+def test_amx_tiles_give_the_portable_bits_either_side_of_their_start_and_of_16_and_64_row_edges(ggml_type: T, halves: int) -> None:
+    """AMX multiplies a tile call of 16 or more activation rows (integer_kquant_tiles.c's
+    KQ_AMX_FROM) 16 rows a tile product, the last rows of a call in a tile of their own; below, the
+    AVX-512 VNNI tiles. Every row count gives the portable bits, and a row alone its batch bits."""
+    in_features, out_features = 768, 37
+    blocks = k_blocks(ggml_type, out_features, in_features, seed=31)
+    x = activations(70, in_features, seed=32)
+    batch = native_quantized.kquant_product(x, blocks, ggml_type, out_features, in_features, isa=native_quantized.IDOT_AMX, halves=halves)
+    portable = native_quantized.kquant_product(x, blocks, ggml_type, out_features, in_features, isa=native_quantized.IDOT_PORTABLE, halves=halves)
+    assert torch.equal(batch, portable)
+    if halves == 1:
+        assert np.array_equal(batch.numpy(), reference(ggml_type, blocks, *native_quantized.quantize_q8k(x)))
+    for rows in (1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 70):
+        got = native_quantized.kquant_product(x[:rows].clone(), blocks, ggml_type, out_features, in_features, isa=native_quantized.IDOT_AMX, halves=halves)
+        assert torch.equal(got, portable[:rows]), rows
+    for row in (0, 15, 16, 69):
+        alone = native_quantized.kquant_product(x[row : row + 1].clone(), blocks, ggml_type, out_features, in_features, isa=native_quantized.IDOT_AMX, halves=halves)
+        assert torch.equal(alone[0], batch[row]), row
+
+
+@needs_amx
+def test_amx_threads_each_configure_their_tiles_and_a_prefill_across_row_tiles_keeps_the_portable_bits() -> None:
+    """Each thread of the team loads its own tile configuration (a thread's tile state is its own);
+    300 tokens of two halves span AMX's row tiles (128 rows) and end in a partial one."""
+    threads = torch.get_num_threads()
+    blocks = k_blocks(T.Q6_K, 70, 512, seed=41)
+    x = activations(300, 512, seed=42)
+    portable = native_quantized.kquant_product(x, blocks, T.Q6_K, 70, 512, isa=native_quantized.IDOT_PORTABLE, halves=2)
+    try:
+        for team in (1, 2):
+            torch.set_num_threads(team)
+            assert torch.equal(native_quantized.kquant_product(x, blocks, T.Q6_K, 70, 512, isa=native_quantized.IDOT_AMX, halves=2), portable), team
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_amx
+@settings(max_examples=40, deadline=None)
+@given(
+    ggml_type=st.sampled_from(K_TYPES),
+    blocks_per_row=st.integers(1, 6),
+    out_features=st.integers(1, 40),
+    rows=st.integers(1, 70),
+    halves=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_amx_gives_the_portable_bits_at_any_shape_and_row_count(
+    ggml_type: T, blocks_per_row: int, out_features: int, rows: int, halves: int, seed: int
+) -> None:
+    in_features = 256 * blocks_per_row
+    blocks = k_blocks(ggml_type, out_features, in_features, seed=seed)
+    x = activations(rows, in_features, seed=seed + 1)
+    amx = native_quantized.kquant_product(x, blocks, ggml_type, out_features, in_features, isa=native_quantized.IDOT_AMX, halves=halves)
+    portable = native_quantized.kquant_product(x, blocks, ggml_type, out_features, in_features, isa=native_quantized.IDOT_PORTABLE, halves=halves)
+    assert torch.equal(amx, portable)
 
 
 FORCED_SCRIPT = """
@@ -203,22 +276,22 @@ import sys, torch
 sys.path.insert(0, {root!r})
 from tests.engine.test_integer_kquants import forced_cases
 from flare.engine import native, native_quantized
-torch.save({{'isa': native_quantized.KQUANT_ISA, 'outputs': forced_cases()}}, {path!r})
+torch.save({{'isa': native_quantized.KQUANT_ISA, 'level': native_quantized.integer_dot_isa(native_quantized.KQUANT_ISA), 'outputs': forced_cases()}}, {path!r})
 """
 
 
-def forced_cases() -> list[torch.Tensor]:
-    """Each type's product at 1, 3, 8, 33 and 70 rows at the process's default level, with one and
-    two halves (AVX-512 VNNI: the 4-row tiles, then the wide tiles, past a 64-row tile at 33 x 2 and
-    70), and the activations' quantization."""
+def forced_cases(isa: int | None = None) -> list[torch.Tensor]:
+    """Each type's product at 1, 3, 8, 33 and 70 rows at `isa` (default: the process's default
+    level), with one and two halves (AVX-512 VNNI: the 4-row tiles, then the wide tiles, past a
+    64-row tile at 33 x 2 and 70; AMX from 16 rows), and the activations' quantization."""
     outputs = []
     for ggml_type in K_TYPES:
         blocks = k_blocks(ggml_type, 21, 512, seed=int(ggml_type))
         for rows in (1, 3, 8, 33, 70):
             x = activations(rows, 512, seed=rows)
-            outputs.append(native_quantized.kquant_product(x, blocks, ggml_type, 21, 512))
-            outputs.append(native_quantized.kquant_product(x, blocks, ggml_type, 21, 512, halves=2))
-            outputs.extend(native_quantized.quantize_q8k(x))
+            outputs.append(native_quantized.kquant_product(x, blocks, ggml_type, 21, 512, isa=isa))
+            outputs.append(native_quantized.kquant_product(x, blocks, ggml_type, 21, 512, isa=isa, halves=2))
+            outputs.extend(native_quantized.quantize_q8k(x, isa=isa))
     return outputs
 
 
@@ -230,6 +303,19 @@ def test_forced_avx2_and_forced_portable_dispatch_give_the_same_bits(tmp_path: P
     forced = torch.load(path)
     assert forced["isa"] == isa
     for got, expected in zip(forced["outputs"], forced_cases(), strict=True):
+        assert torch.equal(got, expected)
+
+
+@needs_amx
+def test_forced_amx_dispatch_in_a_fresh_process_asks_for_the_tiles_and_gives_the_portable_bits(tmp_path: Path) -> None:
+    """FLARE_INTEGER_ISA=amx in a process of its own: the process asks Linux for the tile data
+    itself (the permission is per process), runs AMX, and gives the portable level's bits."""
+    path = tmp_path / "outputs.pt"
+    env = {**os.environ, "FLARE_INTEGER_ISA": "amx"}
+    subprocess.run([sys.executable, "-c", FORCED_SCRIPT.format(root=REPOSITORY, path=str(path))], env=env, check=True, timeout=300)
+    forced = torch.load(path)
+    assert forced["isa"] == forced["level"] == native_quantized.IDOT_AMX
+    for got, expected in zip(forced["outputs"], forced_cases(native_quantized.IDOT_PORTABLE), strict=True):
         assert torch.equal(got, expected)
 
 

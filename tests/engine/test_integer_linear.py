@@ -27,7 +27,13 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="the engine's C k
 
 T = gguf.GGMLQuantizationType
 TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
-LEVELS = (native_quantized.IDOT_PORTABLE, native_quantized.IDOT_AVX2, native_quantized.IDOT_AVX_VNNI, native_quantized.IDOT_AVX512_VNNI)
+LEVELS = (
+    native_quantized.IDOT_PORTABLE,
+    native_quantized.IDOT_AVX2,
+    native_quantized.IDOT_AVX_VNNI,
+    native_quantized.IDOT_AVX512_VNNI,
+    native_quantized.IDOT_AMX,
+)
 OFFSET = {T.Q4_0: 8, T.Q5_0: 16}
 
 
@@ -156,9 +162,15 @@ def test_a_thread_team_over_a_tall_weight_gives_the_single_threads_bits() -> Non
 
 
 def test_a_cpu_whose_os_refuses_an_extension_falls_back_to_the_next_level_with_the_same_bits() -> None:
-    # integer_dot_grants asks the OS too (XGETBV, through __builtin_cpu_supports); here the
-    # grants of CPUs whose OS refuses AVX-512 or AVX-VNNI are stood in for.
+    # integer_dot_grants asks the OS too (XGETBV, through __builtin_cpu_supports; AMX's grant by
+    # arch_prctl and a trial child); here the grants of CPUs whose OS refuses AMX, AVX-512 or
+    # AVX-VNNI are stood in for.
     every = native_quantized.IDOT_GRANTS_AVX2 | native_quantized.IDOT_GRANTS_AVX_VNNI | native_quantized.IDOT_GRANTS_AVX512_VNNI
+    assert native_quantized.integer_dot_isa(native_quantized.IDOT_AMX, every | native_quantized.IDOT_GRANTS_AMX) == native_quantized.IDOT_AMX
+    assert native_quantized.integer_dot_isa(native_quantized.IDOT_AMX, every) == native_quantized.IDOT_AVX512_VNNI  # advertised, refused
+    assert native_quantized.integer_dot_isa(native_quantized.IDOT_AVX512_VNNI, every | native_quantized.IDOT_GRANTS_AMX) == native_quantized.IDOT_AVX512_VNNI
+    no_avx512_amx = native_quantized.IDOT_GRANTS_AVX2 | native_quantized.IDOT_GRANTS_AVX_VNNI | native_quantized.IDOT_GRANTS_AMX
+    assert native_quantized.integer_dot_isa(native_quantized.IDOT_AMX, no_avx512_amx) == native_quantized.IDOT_AVX_VNNI
     assert native_quantized.integer_dot_isa(native_quantized.IDOT_AVX512_VNNI, every) == native_quantized.IDOT_AVX512_VNNI
     no_avx512 = native_quantized.IDOT_GRANTS_AVX2 | native_quantized.IDOT_GRANTS_AVX_VNNI
     assert native_quantized.integer_dot_isa(native_quantized.IDOT_AVX512_VNNI, no_avx512) == native_quantized.IDOT_AVX_VNNI
@@ -167,19 +179,35 @@ def test_a_cpu_whose_os_refuses_an_extension_falls_back_to_the_next_level_with_t
     assert native_quantized.integer_dot_isa(native_quantized.IDOT_AVX512_VNNI, 0) == native_quantized.IDOT_PORTABLE
     weight = weight_of(T.Q5_0, 20, 256)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4))
-    widest = products(x, weight, 2, native_quantized.IDOT_AVX512_VNNI)[1]
-    for granted in (no_avx512, native_quantized.IDOT_GRANTS_AVX2, 0):
-        fallen = native_quantized.integer_dot_isa(native_quantized.IDOT_AVX512_VNNI, granted)
+    widest = products(x, weight, 2, native_quantized.IDOT_AMX)[1]
+    for granted in (every, no_avx512, native_quantized.IDOT_GRANTS_AVX2, 0):
+        fallen = native_quantized.integer_dot_isa(native_quantized.IDOT_AMX, granted)
         assert torch.equal(products(x, weight, 2, fallen)[1], widest)
 
 
+def test_amx_is_granted_only_when_its_trial_child_exits_cleanly_and_a_child_dying_of_sigill_leaves_this_process_running() -> None:
+    """The trial child with an injected undefined instruction dies of SIGILL: the trial refuses,
+    and this process (which forked it) goes on multiplying. Without the fault the child's verdict is
+    the grant's own: AMX is granted exactly where the child ran its tile product cleanly."""
+    assert native_quantized.integer_dot_amx_trial(fault=True) is False
+    granted = native_quantized.integer_dot_isa(native_quantized.IDOT_AMX) == native_quantized.IDOT_AMX
+    if granted:
+        assert native_quantized.integer_dot_amx_trial() is True
+    weight = weight_of(T.Q4_0, 8, 64)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(products(x, weight, 2, native_quantized.INTEGER_ISA)[1], products(x, weight, 2, native_quantized.IDOT_PORTABLE)[1])
+
+
 def test_flare_integer_isa_lowers_the_level_and_an_unknown_name_is_refused() -> None:
-    assert native_quantized._integer_isa("AVX512", None) == native_quantized.IDOT_AVX512_VNNI
+    assert native_quantized._integer_isa("AVX512", None) == native_quantized.IDOT_AMX  # the kernel lowers it unless granted
+    assert native_quantized._integer_isa("AVX512", "amx") == native_quantized.IDOT_AMX
+    assert native_quantized._integer_isa("AVX512", "avx512_vnni") == native_quantized.IDOT_AVX512_VNNI
     assert native_quantized._integer_isa("AVX512", "avx_vnni") == native_quantized.IDOT_AVX_VNNI
     assert native_quantized._integer_isa("AVX2", "avx512_vnni") == native_quantized.IDOT_AVX2  # lowers, never raises
+    assert native_quantized._integer_isa("AVX2", "amx") == native_quantized.IDOT_AVX2
     assert native_quantized._integer_isa("DEFAULT", None) == native_quantized.IDOT_PORTABLE
-    with pytest.raises(ValueError, match="FLARE_INTEGER_ISA must be one of portable, avx2, avx_vnni, avx512_vnni"):
-        native_quantized._integer_isa("AVX512", "amx")
+    with pytest.raises(ValueError, match="FLARE_INTEGER_ISA must be one of portable, avx2, avx_vnni, avx512_vnni, amx"):
+        native_quantized._integer_isa("AVX512", "amx_int8")
 
 
 @pytest.mark.parametrize("forced", ["avx_vnni", "avx2", "portable"])

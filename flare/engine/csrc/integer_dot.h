@@ -13,9 +13,11 @@
 #include <stdint.h>
 
 /* The widest integer instructions a kernel may use: the portable loop, AVX2, AVX-VNNI (256-bit
- * vpdpbusd, Alder Lake and Zen 5 on) or AVX-512 VNNI (Ice Lake and Zen 4 on). The kernel takes the
- * widest of `isa` and what this CPU has. */
-enum { IDOT_PORTABLE = 0, IDOT_AVX2 = 1, IDOT_AVX_VNNI = 2, IDOT_AVX512_VNNI = 3 };
+ * vpdpbusd, Alder Lake and Zen 5 on), AVX-512 VNNI (Ice Lake and Zen 4 on) or AMX (AVX-512 VNNI
+ * plus the tile instructions' tdpbsud, Sapphire Rapids on: the K products' wide tiles from 16
+ * activation rows, everything else AVX-512 VNNI's). The kernel takes the widest of `isa` and what
+ * this CPU and its OS grant. */
+enum { IDOT_PORTABLE = 0, IDOT_AVX2 = 1, IDOT_AVX_VNNI = 2, IDOT_AVX512_VNNI = 3, IDOT_AMX = 4 };
 
 /* The IDOT_* level the integer kernels run at: the widest of `isa` and what this CPU has. */
 int integer_dot_isa(int isa);
@@ -23,9 +25,21 @@ int integer_dot_isa(int isa);
 /* What this CPU and its OS grant, as IDOT_GRANTS_* bits, and the level `isa` falls back to under
  * `granted` (integer_dot_isa is integer_dot_level(isa, integer_dot_grants())): apart, so that a
  * test can stand in for a CPU whose OS refuses an extension it advertises. */
-enum { IDOT_GRANTS_AVX2 = 1, IDOT_GRANTS_AVX_VNNI = 2, IDOT_GRANTS_AVX512_VNNI = 4 };
+enum { IDOT_GRANTS_AVX2 = 1, IDOT_GRANTS_AVX_VNNI = 2, IDOT_GRANTS_AVX512_VNNI = 4, IDOT_GRANTS_AMX = 8 };
 int integer_dot_grants(void);
 int integer_dot_level(int isa, int granted);
+
+/* AMX's grant (IDOT_GRANTS_AMX's), asked once per process: the CPU advertises amx-tile and
+ * amx-int8, Linux lets this process use the tile data (arch_prctl(ARCH_REQ_XCOMP_PERM,
+ * XFEATURE_XTILEDATA); without it the first tile instruction raises SIGILL), and a forked child that
+ * runs tile instructions exits cleanly (a hypervisor that hides the state still faults there, and
+ * only the child dies). The permission is the process's and its threads' (and a forked child's), so
+ * it is asked for in the process that multiplies, before its first tile instruction. */
+int integer_dot_amx_granted(void);
+/* The trial child alone: 1 when it ran tile instructions and exited 0. `fault` 1 makes the child
+ * execute an undefined instruction first (the tests' stand-in for a refusing OS): it dies of
+ * SIGILL and this returns 0, the caller unharmed. */
+int integer_dot_amx_trial(int fault);
 
 /* 256 activations of a K-quant product: d * qs[i] stands for x[i]; bsums[j] is the sum of
  * qs[16 j .. 16 j + 15] (the weights' mins multiply these). */
@@ -51,11 +65,29 @@ void kquant_dot_rows(int vector, int type, const uint8_t *w, int64_t blocks, con
  * partial tile repeats a row in the lanes it does not store). acc[16 r + k] = the dot product of
  * w[k] with activation row r (rows `x_stride` blocks apart), for r < rows, the same bits as
  * kquant_dot_rows. `ahead`: 16 rows of weight bytes to prefetch meanwhile (the next tile's), or NULL.
- * 1 when level `vector` has these tiles (AVX-512 VNNI; AVX-VNNI and AVX2 as two vectors of 8), else
- * 0 (the portable level) and nothing written. */
+ * `packed`: the rows' quants as kquant_pack_rows lays them out, which AMX reads (NULL: no AMX; not
+ * NULL only in a thread between kquant_amx_begin and kquant_amx_end).
+ * 1 when level `vector` has these tiles (AMX from KQ_AMX_FROM rows; AVX-512 VNNI; AVX-VNNI and AVX2
+ * as two vectors of 8), else 0 (the portable level) and nothing written. */
 enum { KQ_TILE_OUTPUTS = 16 };
 int kquant_dot_tile16(int vector, int type, const uint8_t *const w[KQ_TILE_OUTPUTS], int64_t blocks, const Q8KBlock *x, int64_t x_stride,
-                      int rows, const uint8_t *ahead, float *acc);
+                      int rows, const uint8_t *ahead, const int8_t *packed, float *acc);
+
+/* Rows in a tile call from which AMX multiplies (at least 16, a tile's rows). */
+#ifndef KQ_AMX_FROM
+#define KQ_AMX_FROM 16
+#endif
+
+/* out[(i rows + r) 256 + l] = quant l of row r's super-block i (x[r x_stride + i].qs[l]), r < rows,
+ * i < blocks: a super-block's rows contiguous and 64-byte aligned (out aligned), the AMX tiles' A
+ * operand. Q8KBlocks are 292 bytes, so in place every 64 quants of a row would straddle two lines. */
+void kquant_pack_rows(const Q8KBlock *x, int64_t x_stride, int rows, int64_t blocks, int8_t *out);
+
+/* The AMX tiles' configuration, loaded by each thread (a thread's tile state is its own) before its
+ * tile calls and released after: ldtilecfg costs about what a call's tile products do. Only at a
+ * granted IDOT_AMX level (elsewhere they do nothing). */
+void kquant_amx_begin(void);
+void kquant_amx_end(void);
 
 /* 32 activations of a 32-value block product: d * qs[i] stands for x[i] (d = max |x| / 127, qs
  * round-to-nearest-even of x / d, in -127 .. 127); sum = sum of qs and s = d * sum, what a weight

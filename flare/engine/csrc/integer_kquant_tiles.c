@@ -14,7 +14,10 @@
  * float step is, lane by lane, its kquant_term and acc + t in increasing super-block order, each
  * operation rounded on its own (`rounded16`). So a tile gives the same bits as kquant_dot_rows at
  * every level, and a driver may choose either per row count: a row's result never depends on how
- * many rows share the call. */
+ * many rows share the call.
+ *
+ * Where AMX is granted (integer_dot_amx_granted), a call of 16 rows or more forms those integers
+ * with tile products instead, 16 rows x 16 outputs x 64 quants an instruction: see "AMX" below. */
 #include <string.h>
 
 #include "integer_dot.h"
@@ -298,6 +301,204 @@ KT_AVX512 static void tile16_avx512(int type, const uint8_t *const w[16], int64_
 }
 #endif
 
+/* AMX's intrinsics came with GCC 11 and clang 12; tile data needs Linux's permission
+ * (integer_dot_amx_granted). */
+#if defined(__x86_64__) && defined(__linux__) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+/* ---- AMX ------------------------------------------------------------------------------------------
+ * The unpacked super-block's 64 quant vectors are, as they lie, the B operand of a tile dot product:
+ * row n of B holds quants 4n .. 4n + 3 of each of the 16 outputs (64 bytes), the layout tdpb*d
+ * reads, and A is 16 activation rows' quants (64 each, signed). A tile
+ * product sums over 64 quants, but the scales change every 32 (Q6_K: 16) and differ per output, so
+ * they go into B: each scale is split into digits small enough that quant times digit is a byte,
+ *   Q4_K / Q5_K: sc = lo + 8 hi, lo and hi in 0..7:  q lo, q hi <= 31 * 7 = 217 (unsigned);
+ *   Q6_K: sc = e0 + 8 e1 + 64 e2, each e in -3..4 (a balanced base 8, which holds -128..127), times
+ *         the centred quants q - 32 in -32..31:  |(q - 32) e| <= 128, -128 only at 4 x -32 (signed),
+ * and B_e holds each quant times its sub-block's digit e. Then 4 tile products (K = 256 in 4 x 64)
+ * per digit give, exactly, C_e = sum_j e_j sum_l q_jl x_jl for 16 rows and 16 outputs, and
+ *   Q4_K / Q5_K: sumi = C_lo + 8 C_hi,   Q6_K: sumi = C_0 + 8 C_1 + 64 C_2 (the offset of 32 inside),
+ * the same integers rows45 and rows6 form (|C| <= 256 * 217 * 127 < 2^31). The mins (bsums pairs,
+ * vpdpwssd) and the float step are rows45's and rows6's, lane by lane, so the bits are every other
+ * level's. A reads the call's quants packed (kquant_pack_rows: a super-block's rows contiguous,
+ * each 256 quants 64-byte aligned). The rows go 16 at a time, the last 16 ending where the call
+ * does (a call of AMX has at least 16: KQ_AMX_FROM), so no tile reads past them. */
+#define KT_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")))
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* All 8 tiles 16 rows of 64 bytes (amx_sums says which holds what). A static object: ldtilecfg's
+ * intrinsic names only the first 8 bytes of its operand, so a configuration built on the stack could
+ * lose the stores of the rest. */
+static const TileConfig tile_config = {
+    .palette = 1,
+    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+};
+
+KT_AMX void kquant_amx_begin(void) { _tile_loadconfig(&tile_config); }
+
+KT_AMX void kquant_amx_end(void) { _tile_release(); }
+
+/* The 64 bytes of quants q times each lane's 16-bit word `digit` (both words of a dword the lane's
+ * digit, 0..7): every byte's product is at most 31 * 7 < 256, so no carry crosses into the next. */
+KT_AMX KT_INLINE __m512i times_digit(__m512i q, __m512i digit) { return _mm512_mullo_epi16(q, digit); }
+
+/* (q - 32) e for quants q <= 63 and digits e in -3..4 (per lane: `magnitude` |e| in both words,
+ * `negative` 0xff bytes where e < 0, `k` the bytes of negative + 32 e): q |e| <= 252 carries no
+ * byte into the next; negated (x ^ 0xff - 0xff) where e < 0, less 32 e. */
+KT_AMX KT_INLINE __m512i centred_times_digit(__m512i q, __m512i magnitude, __m512i negative, __m512i k) {
+    return _mm512_sub_epi8(_mm512_xor_si512(_mm512_mullo_epi16(q, magnitude), negative), k);
+}
+
+/* A lane's int32 value v (0..255) in every byte of its dword. */
+KT_AMX KT_INLINE __m512i bytes4(__m512i v) { return _mm512_mullo_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0xff)), _mm512_set1_epi32(0x01010101)); }
+
+/* B_e for the super-block: bq[e][64 n ..] = quant vector n times its sub-block's digit e. */
+KT_AMX KT_INLINE void digit_operands(const int type, const Unpacked *u, uint8_t (*bq)[64 * 64]) {
+    if (type != GGML_Q6_K) {
+        for (int j = 0; j < 8; j++) {
+            const __m512i lo = _mm512_and_si512(u->pairs[4 + j], _mm512_set1_epi16(7));
+            const __m512i hi = _mm512_srli_epi16(u->pairs[4 + j], 3);
+            for (int n = 8 * j; n < 8 * j + 8; n++) {
+                _mm512_store_si512(bq[0] + 64 * n, times_digit(u->q[n], lo));
+                _mm512_store_si512(bq[1] + 64 * n, times_digit(u->q[n], hi));
+            }
+        }
+        return;
+    }
+    const __m512i three = _mm512_set1_epi32(3), seven = _mm512_set1_epi32(7);
+    for (int g = 0; g < 16; g++) {
+        __m512i rest = u->scales[g];
+        for (int e = 0; e < 3; e++) {
+            const __m512i digit = e < 2 ? _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(rest, three), seven), three) : rest;
+            rest = _mm512_srai_epi32(_mm512_sub_epi32(rest, digit), 3);
+            const __m512i magnitude = _mm512_abs_epi32(digit);
+            const __m512i negative = _mm512_srai_epi32(digit, 31); /* every byte 0xff where e < 0 */
+            const __m512i k = _mm512_add_epi8(negative, bytes4(_mm512_slli_epi32(digit, 5)));
+            const __m512i m16 = _mm512_or_si512(magnitude, _mm512_slli_epi32(magnitude, 16));
+            for (int n = 4 * g; n < 4 * g + 4; n++) _mm512_store_si512(bq[e] + 64 * n, centred_times_digit(u->q[n], m16, negative, k));
+        }
+    }
+}
+
+/* sums[e][16 r + k] = C_e of row r (of the 16 at a) and lane k. Q4_K, Q5_K: A signed, B unsigned
+ * (tdpbsud); Q6_K: both signed (tdpbssd). Tiles are not renamed: a load into a tile waits for the
+ * products that read it, so consecutive 64-quant steps load into alternate tiles (Q4_K, Q5_K: A in
+ * 2 and 3, B in 4, 5 and 6, 7; Q6_K: A in 3 and 7), each step's loads issued before the previous
+ * step's products. */
+KT_AMX KT_INLINE void amx_sums(const int type, uint8_t (*bq)[64 * 64], const int8_t *a, int64_t stride, int32_t (*sums)[256]) {
+    if (type == GGML_Q6_K) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        for (int c = 0; c < 4; c += 2) {
+            _tile_loadd(3, a + 64 * c, stride);
+            _tile_loadd(7, a + 64 * (c + 1), stride);
+            _tile_loadd(4, bq[0] + 1024 * c, 64);
+            _tile_loadd(5, bq[1] + 1024 * c, 64);
+            _tile_loadd(6, bq[2] + 1024 * c, 64);
+            _tile_dpbssd(0, 3, 4);
+            _tile_dpbssd(1, 3, 5);
+            _tile_dpbssd(2, 3, 6);
+            _tile_loadd(4, bq[0] + 1024 * (c + 1), 64);
+            _tile_loadd(5, bq[1] + 1024 * (c + 1), 64);
+            _tile_loadd(6, bq[2] + 1024 * (c + 1), 64);
+            _tile_dpbssd(0, 7, 4);
+            _tile_dpbssd(1, 7, 5);
+            _tile_dpbssd(2, 7, 6);
+        }
+        _tile_stored(0, sums[0], 64);
+        _tile_stored(1, sums[1], 64);
+        _tile_stored(2, sums[2], 64);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(2, a, stride);
+        _tile_loadd(4, bq[0], 64);
+        _tile_loadd(5, bq[1], 64);
+        _tile_loadd(3, a + 64, stride);
+        _tile_loadd(6, bq[0] + 1024, 64);
+        _tile_loadd(7, bq[1] + 1024, 64);
+        _tile_dpbsud(0, 2, 4);
+        _tile_dpbsud(1, 2, 5);
+        _tile_loadd(2, a + 128, stride);
+        _tile_loadd(4, bq[0] + 2048, 64);
+        _tile_loadd(5, bq[1] + 2048, 64);
+        _tile_dpbsud(0, 3, 6);
+        _tile_dpbsud(1, 3, 7);
+        _tile_loadd(3, a + 192, stride);
+        _tile_loadd(6, bq[0] + 3072, 64);
+        _tile_loadd(7, bq[1] + 3072, 64);
+        _tile_dpbsud(0, 2, 4);
+        _tile_dpbsud(1, 2, 5);
+        _tile_dpbsud(0, 3, 6);
+        _tile_dpbsud(1, 3, 7);
+        _tile_stored(0, sums[0], 64);
+        _tile_stored(1, sums[1], 64);
+    }
+}
+
+/* Row r of the tile sums: sumi from the digits' sums, summins as rows45 forms it, then add_term16. */
+KT_AMX KT_INLINE void amx_finish(const int type, const Unpacked *u, int32_t (*sums)[256], int r, const Q8KBlock *xb, float *acc) {
+    __m512i sumi = _mm512_add_epi32(_mm512_load_si512(sums[0] + 16 * r), _mm512_slli_epi32(_mm512_load_si512(sums[1] + 16 * r), 3));
+    __m512i summins = _mm512_setzero_si512();
+    if (type == GGML_Q6_K) {
+        sumi = _mm512_add_epi32(sumi, _mm512_slli_epi32(_mm512_load_si512(sums[2] + 16 * r), 6));
+    } else {
+        int32_t bs[4];
+        const __m256i pairsum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), _mm256_set1_epi16(1));
+        _mm_storeu_si128((__m128i *)bs, _mm_packs_epi32(_mm256_castsi256_si128(pairsum), _mm256_extracti128_si256(pairsum, 1)));
+        for (int m = 0; m < 4; m++) summins = _mm512_dpwssd_epi32(summins, u->pairs[m], _mm512_set1_epi32(bs[m]));
+    }
+    _mm512_storeu_ps(acc, add_term16(_mm512_loadu_ps(acc), u, xb->d, sumi, summins));
+}
+
+KT_AMX KT_INLINE void tile16_amx_type(const int type, const uint8_t *const w[16], int64_t blocks, const Q8KBlock *x, int64_t xs,
+                                      int rows, const uint8_t *ahead, const int8_t *packed, float *acc) {
+    const int bytes = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210;
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(acc + 16 * r, _mm512_setzero_ps());
+    static const int lane_output[16] = {KT_LANE_OUTPUT};
+    Unpacked u;
+    uint8_t bq[3][64 * 64] __attribute__((aligned(64)));
+    int32_t sums[3][256] __attribute__((aligned(64)));
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *b[16], *bl[16];
+        for (int k = 0; k < 16; k++) b[k] = w[k] + (int64_t)bytes * i;
+        for (int k = 0; k < 16; k++) bl[k] = b[lane_output[k]];
+        if (type == GGML_Q6_K) unpack6(b, bl, &u);
+        else unpack45(b, bl, type == GGML_Q5_K, &u);
+        digit_operands(type, &u, bq);
+        /* the next tile's share of this block, 3 lines a row among the float steps: asked for all at
+         * once they fill the line buffers, and the unpacking waits on them */
+        int64_t at = 16 * bytes * i;
+        const int64_t end = ahead ? at + 16 * bytes : at;
+        for (int r0 = 0; r0 < rows; r0 += 16) {
+            const int base = r0 + 16 <= rows ? r0 : rows - 16; /* the last 16 rows: a few again, the same sums */
+            amx_sums(type, bq, packed + (i * rows + base) * 256, 256, sums);
+            for (int r = r0; r < rows && r < r0 + 16; r++) {
+                amx_finish(type, &u, sums, r - base, x + r * xs + i, acc + 16 * r);
+                for (int l = 0; l < 3 && at < end; l++, at += 64) __builtin_prefetch(ahead + at, 0, KT_LOCALITY);
+            }
+        }
+        for (; at < end; at += 64) __builtin_prefetch(ahead + at, 0, KT_LOCALITY);
+    }
+    const __m512i order = _mm512_loadu_si512(lane_output);
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(acc + 16 * r, _mm512_permutexvar_ps(order, _mm512_loadu_ps(acc + 16 * r)));
+}
+
+/* rows >= 16, in a thread between kquant_amx_begin and kquant_amx_end. */
+KT_AMX static void tile16_amx(int type, const uint8_t *const w[16], int64_t blocks, const Q8KBlock *x, int64_t xs, int rows,
+                              const uint8_t *ahead, const int8_t *packed, float *acc) {
+    if (type == GGML_Q6_K) tile16_amx_type(GGML_Q6_K, w, blocks, x, xs, rows, ahead, packed, acc);
+    else if (type == GGML_Q5_K) tile16_amx_type(GGML_Q5_K, w, blocks, x, xs, rows, ahead, packed, acc);
+    else tile16_amx_type(GGML_Q4_K, w, blocks, x, xs, rows, ahead, packed, acc);
+}
+#define KT_HAS_AMX 1
+#endif
+
 #if defined(__x86_64__) && defined(__GNUC__)
 /* ---- 256-bit levels: AVX-VNNI and AVX2 -----------------------------------------------------------
  * The same tile of 16 outputs as two vectors of 8 lanes (outputs 0-7 and 8-15), each activation
@@ -502,9 +703,28 @@ KT_TILE8(tile16_avx_vnni, KT_AVX_VNNI, row8_avx_vnni)
 #endif
 #endif
 
+#ifndef KT_HAS_AMX
+void kquant_amx_begin(void) {}
+void kquant_amx_end(void) {}
+#endif
+
+void kquant_pack_rows(const Q8KBlock *x, int64_t x_stride, int rows, int64_t blocks, int8_t *out) {
+    for (int64_t i = 0; i < blocks; i++)
+        for (int r = 0; r < rows; r++) memcpy(out + (i * rows + r) * 256, x[r * x_stride + i].qs, 256);
+}
+
+#if KQ_AMX_FROM < 16
+#error "KQ_AMX_FROM must be at least 16: the AMX tiles read 16 activation rows at a time"
+#endif
 int kquant_dot_tile16(int vector, int type, const uint8_t *const w[KQ_TILE_OUTPUTS], int64_t blocks, const Q8KBlock *x, int64_t x_stride,
-                      int rows, const uint8_t *ahead, float *acc) {
+                      int rows, const uint8_t *ahead, const int8_t *packed, float *acc) {
 #if defined(__x86_64__) && defined(__GNUC__)
+#ifdef KT_HAS_AMX
+    if (vector >= IDOT_AMX && rows >= KQ_AMX_FROM && packed) {
+        tile16_amx(type, w, blocks, x, x_stride, rows, ahead, packed, acc);
+        return 1;
+    }
+#endif
     if (vector >= IDOT_AVX512_VNNI) {
         tile16_avx512(type, w, blocks, x, x_stride, rows, ahead, acc);
         return 1;
@@ -518,7 +738,7 @@ int kquant_dot_tile16(int vector, int type, const uint8_t *const w[KQ_TILE_OUTPU
         return 1;
     }
 #else
-    (void)vector, (void)type, (void)w, (void)blocks, (void)x, (void)x_stride, (void)rows, (void)ahead, (void)acc;
+    (void)vector, (void)type, (void)w, (void)blocks, (void)x, (void)x_stride, (void)rows, (void)ahead, (void)packed, (void)acc;
 #endif
     return 0;
 }

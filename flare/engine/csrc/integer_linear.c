@@ -21,6 +21,7 @@
  */
 #include <math.h>
 #include <omp.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "integer_dot.h"
@@ -326,7 +327,7 @@ static ID_512 void tiles_avx512_vnni_wide(int type, int halves, const uint8_t *c
 static void group(int level, int type, int halves, const uint8_t *const w[WIDE], int64_t blocks, const Q8Block *x, int64_t xs,
                   int64_t tokens, float *y, int64_t ys, int count, int wide) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (wide && level == IDOT_AVX512_VNNI) return tiles_avx512_vnni_wide(type, halves, w, blocks, x, xs, tokens, y, ys, count);
+    if (wide && level >= IDOT_AVX512_VNNI) return tiles_avx512_vnni_wide(type, halves, w, blocks, x, xs, tokens, y, ys, count);
     if (wide && level == IDOT_AVX_VNNI) return tiles_avx_vnni_wide(type, halves, w, blocks, x, xs, tokens, y, ys, count);
     if (wide && level == IDOT_AVX2) return tiles_avx2_wide(type, halves, w, blocks, x, xs, tokens, y, ys, count);
 #else
@@ -337,7 +338,7 @@ static void group(int level, int type, int halves, const uint8_t *const w[WIDE],
         const uint8_t *const *wq = w + GROUP * q;
         float *yq = y + GROUP * q;
 #if defined(__x86_64__) && defined(__GNUC__)
-        if (level == IDOT_AVX512_VNNI) tiles_avx512_256_narrow(type, halves, wq, blocks, x, xs, tokens, yq, ys, n);
+        if (level >= IDOT_AVX512_VNNI) tiles_avx512_256_narrow(type, halves, wq, blocks, x, xs, tokens, yq, ys, n);
         else if (level == IDOT_AVX_VNNI) tiles_avx_vnni_narrow(type, halves, wq, blocks, x, xs, tokens, yq, ys, n);
         else if (level == IDOT_AVX2) tiles_avx2_narrow(type, halves, wq, blocks, x, xs, tokens, yq, ys, n);
         else
@@ -357,33 +358,59 @@ enum { KQ_ROW_TILE = 128 };
 #ifndef KQ_TILES_FROM_256
 #define KQ_TILES_FROM_256 16
 #endif
-/* From KQ_TILES_FROM activation rows (int8x2: two a token) at AVX-512 VNNI, from KQ_TILES_FROM_256
- * at AVX-VNNI and AVX2, the K products run in wide tiles of 16 outputs (kquant_dot_tile16): the
- * same bits as the 4-row tiles, so the choice never changes a row's result. Below, the 4-row tiles
- * win: a row or two is bound by reading the weights, which one output's row streamed at a time
- * does faster than 16 rows at once, and a tile's transposes cost a few rows' products
- * (benchmarks/integer_kquants.py). */
+#ifndef KQ_AMX_ROWS
+#define KQ_AMX_ROWS 128
+#endif
+#if KQ_AMX_ROWS % 2 || KQ_AMX_ROWS < 16
+#error "KQ_AMX_ROWS must be even (a token's two halves share a row tile) and at least 16"
+#endif
+/* From KQ_TILES_FROM activation rows (int8x2: two a token) at AVX-512 VNNI and AMX, from
+ * KQ_TILES_FROM_256 at AVX-VNNI and AVX2, the K products run in wide tiles of 16 outputs
+ * (kquant_dot_tile16; at AMX, from KQ_AMX_FROM rows a tile call, tile products): the same bits as
+ * the 4-row tiles, so the choice never changes a row's result. Below, the 4-row tiles win: a row or
+ * two is bound by reading the weights, which one output's row streamed at a time does faster than
+ * 16 rows at once, and a tile's transposes cost a few rows' products (benchmarks/integer_kquants.py). */
 static void kquant_tiles(int level, int type, int halves, const uint8_t *blocks, int64_t row_bytes, int64_t kblocks, const Q8KBlock *x,
                          float *y, int64_t tokens, int64_t out, int64_t y_stride, int threads) {
     const int64_t qrows = tokens * halves, groups = (out + KQ_TILE_OUTPUTS - 1) / KQ_TILE_OUTPUTS;
-#pragma omp parallel for num_threads(groups < threads ? (int)groups : threads) schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t o0 = g * KQ_TILE_OUTPUTS;
-        const int count = (int)(out - o0 < KQ_TILE_OUTPUTS ? out - o0 : KQ_TILE_OUTPUTS);
-        const uint8_t *w[KQ_TILE_OUTPUTS];
-        for (int k = 0; k < KQ_TILE_OUTPUTS; k++) w[k] = blocks + (o0 + (k < count ? k : count - 1)) * row_bytes;
-        float acc[TILE * KQ_TILE_OUTPUTS];
-        /* the next group's rows follow these in memory: prefetched during the first row tile */
-        const uint8_t *next = g + 1 < groups ? blocks + (o0 + KQ_TILE_OUTPUTS) * row_bytes : NULL;
-        for (int64_t t = 0; t < qrows; t += TILE) {
-            const int n = (int)(qrows - t < TILE ? qrows - t : TILE);
-            kquant_dot_tile16(level, type, w, kblocks, x + t * kblocks, kblocks, n, t == 0 ? next : NULL, acc);
-            for (int r = 0; r < n; r += halves)
-                for (int k = 0; k < count; k++)
-                    y[(t + r) / halves * y_stride + o0 + k] =
-                        halves == 1 ? acc[KQ_TILE_OUTPUTS * r + k] : acc[KQ_TILE_OUTPUTS * r + k] + acc[KQ_TILE_OUTPUTS * (r + 1) + k];
-        }
+    /* AMX's activations, each row tile's packed once for every output (kquant_pack_rows); without
+     * the memory, the AVX-512 VNNI tiles (the same bits). AMX's row tiles are KQ_AMX_ROWS rows (even:
+     * a token's two halves share a tile): its products cost less, so a super-block's unpacking
+     * weighs more, and is shared by more rows. */
+    int8_t *packed = level >= IDOT_AMX && qrows >= KQ_AMX_FROM ? aligned_alloc(64, (size_t)(qrows * kblocks * 256)) : NULL;
+    const int64_t tile = packed ? KQ_AMX_ROWS : TILE;
+    if (packed) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t t = 0; t < qrows; t += tile)
+            kquant_pack_rows(x + t * kblocks, kblocks, (int)(qrows - t < tile ? qrows - t : tile), kblocks, packed + t * kblocks * 256);
     }
+    /* Row tiles outermost: a tile's activations (at most 128 rows of 2048 or 8192 quants, in L2)
+     * meet every output group before the next tile's, and each weight is streamed once a row tile;
+     * output groups outermost, a prefill's activations (megabytes) were streamed once a group. */
+#pragma omp parallel num_threads(groups < threads ? (int)groups : threads)
+    {
+        if (packed) kquant_amx_begin();
+        float acc[(KQ_AMX_ROWS > TILE ? KQ_AMX_ROWS : TILE) * KQ_TILE_OUTPUTS];
+        for (int64_t t = 0; t < qrows; t += tile) {
+            const int n = (int)(qrows - t < tile ? qrows - t : tile);
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t o0 = g * KQ_TILE_OUTPUTS;
+                const int count = (int)(out - o0 < KQ_TILE_OUTPUTS ? out - o0 : KQ_TILE_OUTPUTS);
+                const uint8_t *w[KQ_TILE_OUTPUTS];
+                for (int k = 0; k < KQ_TILE_OUTPUTS; k++) w[k] = blocks + (o0 + (k < count ? k : count - 1)) * row_bytes;
+                /* the next group's rows follow these in memory: prefetched meanwhile */
+                const uint8_t *next = g + 1 < groups ? blocks + (o0 + KQ_TILE_OUTPUTS) * row_bytes : NULL;
+                kquant_dot_tile16(level, type, w, kblocks, x + t * kblocks, kblocks, n, next, packed ? packed + t * kblocks * 256 : NULL, acc);
+                for (int r = 0; r < n; r += halves)
+                    for (int k = 0; k < count; k++)
+                        y[(t + r) / halves * y_stride + o0 + k] =
+                            halves == 1 ? acc[KQ_TILE_OUTPUTS * r + k] : acc[KQ_TILE_OUTPUTS * r + k] + acc[KQ_TILE_OUTPUTS * (r + 1) + k];
+            }
+        }
+        if (packed) kquant_amx_end();
+    }
+    free(packed);
 }
 
 void integer_kquant_linear(int type, int halves, const uint8_t *blocks, const Q8KBlock *x, float *y, int64_t tokens, int64_t in,
@@ -392,7 +419,7 @@ void integer_kquant_linear(int type, int halves, const uint8_t *blocks, const Q8
     const int64_t row_bytes = kblocks * (type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210);
     const int level = integer_dot_isa(isa);
     const int team = tokens * in * out < 65536 ? 1 : threads;
-    if (level >= IDOT_AVX2 && qrows >= (level == IDOT_AVX512_VNNI ? KQ_TILES_FROM : KQ_TILES_FROM_256))
+    if (level >= IDOT_AVX2 && qrows >= (level >= IDOT_AVX512_VNNI ? KQ_TILES_FROM : KQ_TILES_FROM_256))
         return kquant_tiles(level, type, halves, blocks, row_bytes, kblocks, x, y, tokens, out, y_stride, team);
     /* Each output of each row is one kquant_dot_rows lane, whichever rows share its call (a token's
      * two halves always do: tiles and groups are of 4 rows): the tiling changes no bits. */

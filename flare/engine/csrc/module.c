@@ -370,6 +370,18 @@ static PyObject *py_integer_dot_isa(PyObject *self, PyObject *args) {
     return PyLong_FromLong(integer_dot_level(isa, granted < 0 ? integer_dot_grants() : granted));
 }
 
+/* integer_dot_amx_trial(fault): AMX's trial child alone, `fault` 1 making it die of SIGILL. */
+static PyObject *py_integer_dot_amx_trial(PyObject *self, PyObject *args) {
+    (void)self;
+    int fault;
+    if (!PyArg_ParseTuple(args, "p", &fault)) return NULL;
+    int passed;
+    Py_BEGIN_ALLOW_THREADS
+    passed = integer_dot_amx_trial(fault);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(passed);
+}
+
 static PyObject *py_quantized_first_nonfinite_scale(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t data, blocks;
@@ -627,6 +639,8 @@ static PyMethodDef methods[] = {
     {"integer_linear", py_integer_linear, METH_VARARGS,
      "integer_linear(x_blocks, x_stride_blocks, halves, blocks, type, y, tokens, in, out, threads, isa)"},
     {"integer_dot_isa", py_integer_dot_isa, METH_VARARGS, "integer_dot_isa(isa, granted): the level the integer kernels run at (granted -1: this CPU's)"},
+    {"integer_dot_amx_trial", py_integer_dot_amx_trial, METH_VARARGS,
+     "integer_dot_amx_trial(fault): whether a forked child ran AMX tile instructions and exited cleanly"},
     {"quantized_first_nonfinite_scale", py_quantized_first_nonfinite_scale, METH_VARARGS,
      "quantized_first_nonfinite_scale(type, data, blocks)"},
     {"quantized_rows", py_quantized_rows, METH_VARARGS,
