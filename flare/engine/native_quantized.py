@@ -333,6 +333,13 @@ def integer_dot_isa(isa: int, granted: int | None = None) -> int:
     return _module().integer_dot_isa(isa, -1 if granted is None else granted)
 
 
+def integer_level_name() -> str:
+    """The name (as FLARE_INTEGER_ISA spells it) of the level the integer kernels run at here:
+    INTEGER_ISA, lowered to what this CPU and its OS grant."""
+    level = integer_dot_isa(INTEGER_ISA)
+    return next(name for name, value in INTEGER_ISA_NAMES.items() if value == level)
+
+
 def integer_dot_amx_trial(fault: bool = False) -> bool:
     """Whether a forked child ran AMX tile instructions and exited cleanly (AMX's last check,
     integer_dot.c); `fault` makes the child execute an undefined instruction first, so it dies of

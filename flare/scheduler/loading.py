@@ -11,6 +11,7 @@ from typing import Literal
 import structlog
 import torch
 
+from flare.engine import native_quantized
 from flare.engine.drafters import Drafter, make_drafter
 from flare.engine.drafters.mtp import load_draft_head
 from flare.engine.kv_cache import BlockAllocator, KVCache, default_kv_cache_bytes
@@ -158,6 +159,7 @@ def load_parts(
             weight_format=str(model.weight_format),
             weight_types=package.weight_types(),
             activations=activations,
+            integer_level=native_quantized.integer_level_name() if activations != "float32" and model.native_kernels else "none",
             cpu_flags=" ".join(cpu_flags()),
             kv_cache_blocks=kv_cache.num_blocks,
             kv_cache_dtype=dtype_name(kv_cache.dtype),

@@ -17,6 +17,7 @@ import httpx
 import pytest
 from tests.integration.daemon_process import DaemonProcess, start_daemon
 
+from flare.engine import native_quantized
 from flare.preparation.export import ExportOptions, export_package
 
 from tests.package.test_blocks import every_type_gguf  # noqa: E402  (the every-type GGUF of the export tests)
@@ -72,6 +73,8 @@ def test_a_blocks_package_serves_the_answer_of_its_float32_package_and_reports_i
         # The default, auto: int8x2 activations, as K-quant blocks are among the types.
         assert loaded["activations"] == status["activations"] == "int8x2"
         assert "GEMMs, int8x2 activations" in table
+        # The instructions the integer products run on, after what this CPU and its OS grant.
+        assert loaded["integer_level"] == native_quantized.integer_level_name()
     finally:
         assert daemon.stop() == 0, daemon.log()
 
@@ -92,6 +95,7 @@ def test_activations_float32_serve_the_float32_packages_answer_and_say_so(packag
         ctl = [sys.executable, "-m", "flare.cli.main", "ctl", "--socket", str(control)]
         status = json.loads(subprocess.run([*ctl, "--json", "status"], capture_output=True, text=True, check=True).stdout)
         assert loaded["activations"] == status["activations"] == "float32"
+        assert loaded["integer_level"] == "none"
     finally:
         assert daemon.stop() == 0, daemon.log()
     inspected = subprocess.run(
