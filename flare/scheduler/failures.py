@@ -64,6 +64,13 @@ def engine_dead_failure(reason: str) -> RequestFailure:
     )
 
 
+def round_failure(round_index: int, error: Exception) -> RequestFailure:
+    """A bug or device fault outside any row's status: every request with a row in the round ends."""
+    return RequestFailure(
+        code="round_failed", message=f"the model failed in round {round_index}: {error}", http_status=503
+    )
+
+
 def shutdown_failure() -> RequestFailure:
     return RequestFailure(
         code="shutdown",

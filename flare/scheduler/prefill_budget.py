@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from flare.scheduler import sequence
+from flare.scheduler.options import SchedulerOptions
+
 
 def share_prefill_budget(remaining: Sequence[int], budget: int, oldest_share: int) -> list[int]:
     """Each prefilling prompt's chunk this round, in the order given (arrival order, oldest
@@ -34,3 +37,16 @@ def share_prefill_budget(remaining: Sequence[int], budget: int, oldest_share: in
         chunks[i] += take
         left -= take
     return chunks
+
+
+def prefill_chunks(
+    prefilling: list[sequence.Sequence], decode_rows: int, options: SchedulerOptions
+) -> dict[sequence.Sequence, int]:
+    """Each prefilling sequence's chunk this round, in arrival order: decode rows take their
+    token first, and the rest of the round is shared by the policy."""
+    budget = options.max_batched_tokens
+    # A first choice whose other choices wait stops short of the prompt's last token: each
+    # choice computes that one itself, to sample its first token from it.
+    remaining = [(len(s.tokens) - 1 if s.pending_choices else len(s.tokens)) - s.num_cached for s in prefilling]
+    shares = share_prefill_budget(remaining, budget - decode_rows, min(options.oldest_prefill_share, budget))
+    return dict(zip(prefilling, shares))

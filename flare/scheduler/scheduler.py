@@ -1,13 +1,15 @@
 """Continuous batching of requests into speculative rounds.
 
 The scheduler owns the waiting queue and the running set. Each round it plans (`_plan_round`):
-admits waiting requests (`admission.py`), plans one row per running sequence (a prompt chunk, or
-the last sampled token plus drafts: `speculation/`), preempting the newest while blocks run short
-(`preemption.py`); runs the plan on its one model thread (`round/`); and applies the result on
-the event loop (`_apply`): tokens to streams, stops, failures, freed blocks, and what the round
-did to its observer (the metrics). Requests join and leave between rounds; nothing waits for a
-whole batch to finish. Each sequence's blocks are `blocks.py`'s, and the parts the scheduler
-runs with are built by `loading.py`.
+admits waiting requests (`admission.py`), plans one row per running sequence (a prompt chunk:
+`prefill_budget.py`, or the last sampled token plus drafts: `speculation/`; the row and its parts:
+`round/sequence_row.py`), preempting the newest while blocks run short (`preemption.py`); runs
+the plan on its one model thread (`round/`); and applies the result on the event loop
+(`_apply`, each row's by `round/apply.py`): tokens to streams, stops, failures, freed blocks,
+and what the round did to its observer (the metrics). Requests join and leave between rounds;
+nothing waits for a whole batch to finish. Each sequence's blocks are `blocks.py`'s, the parts
+the scheduler runs with are built by `loading.py`, and what it reports when asked is assembled
+by `stats.py`.
 
 Everything here runs on the event-loop thread except `ModelRunner.execute`, which gets an
 immutable plan and returns an immutable result.
@@ -27,38 +29,37 @@ import structlog
 
 from flare.engine.drafters import Draft, Drafter
 from flare.engine.model import DecoderModel
-from flare.engine.kv_cache import bytes_per_token
-from flare.engine.precision import dtype_name
-from flare.engine.quantized import served_activations
-from flare.sampler.status import DeviceStatus
 from flare.parallel.failstop import EngineDead
 from flare.package.directory import Package
 from flare.policy.params import SamplingParams
 from flare.scheduler.admission import Admission
 from flare.scheduler.blocks import BlockCopy, BlockManager
-from flare.scheduler.emission import choice_usage, emit
+from flare.scheduler.emission import choice_usage
 from flare.scheduler.errors import Draining, DuplicateRequestId
-from flare.scheduler.failures import cancelled_failure, device_failure, engine_dead_failure, shutdown_failure
+from flare.scheduler.failures import cancelled_failure, engine_dead_failure, round_failure, shutdown_failure
 from flare.scheduler.loading import SchedulerParts, load_parts
 from flare.scheduler.options import SchedulerOptions
 from flare.scheduler.preemption import make_writable
-from flare.scheduler.prefill_budget import share_prefill_budget
-from flare.scheduler.request import (
-    Failed,
-    Finished,
-    GenerationRequest,
-    RequestFailure,
-    RequestStream,
-    TokenLogprob,
-    Usage,
-)
+from flare.scheduler.prefill_budget import prefill_chunks
+from flare.scheduler.request import Failed, Finished, GenerationRequest, RequestFailure, RequestStream, Usage
+from flare.scheduler.round.apply import RowApplier
 from flare.scheduler.round.model_runner import ModelRunner, RoundObserver
 from flare.scheduler.round.model_thread import ModelThread
-from flare.scheduler.round.plan import DraftHeadPass, PlannedRow, RoundPlan, Sampling, Scoring
-from flare.scheduler.round.result import RoundResult, RowResult
+from flare.scheduler.round.plan import PlannedRow, RoundPlan
+from flare.scheduler.round.result import RoundResult
+from flare.scheduler.round.sequence_row import sequence_row
 from flare.scheduler.sequence import Sequence, SequenceState
 from flare.scheduler.speculation.draft_planner import DraftPlanner
-from flare.scheduler.stats import Occupancy, RequestInfo, RoundTally, SchedulerObserver, SchedulerSnapshot, Throughput
+from flare.scheduler.stats import (
+    RequestInfo,
+    RoundTally,
+    SchedulerObserver,
+    SchedulerSnapshot,
+    Throughput,
+    occupancy,
+    request_infos,
+    scheduler_snapshot,
+)
 
 log = structlog.get_logger("flare.scheduler")
 
@@ -114,6 +115,15 @@ class Scheduler:
         self._rounds = 0
         self._statuses: Counter[str] = Counter()
         self._prompt_tokens: Counter[str] = Counter()  # "cached" and "computed", since start
+        self._row_applier = RowApplier(
+            blocks=self._blocks,
+            speculation=self._speculation,
+            statuses=self._statuses,
+            eos=self._eos,
+            max_context=self.max_context,
+            fail=self._fail,
+            finish=self._finish,
+        )
 
     @classmethod
     def from_package(
@@ -228,42 +238,24 @@ class Scheduler:
         return not self._running and not self._waiting
 
     def snapshot(self) -> SchedulerSnapshot:
-        counts = self._blocks.cache.counts()
-        return SchedulerSnapshot(
+        return scheduler_snapshot(
             running=len(self._running),
             waiting=len(self._waiting),
-            kv_blocks_used=counts.held,
-            kv_blocks_total=counts.total,
-            prefix_cache=self._blocks.cache.enabled,
-            kv_blocks_cached=counts.cached,
-            kv_blocks_evictable=counts.evictable,
-            prompt_tokens_cached=self._prompt_tokens["cached"],
-            prompt_tokens_computed=self._prompt_tokens["computed"],
+            cache=self._blocks.cache,
+            prompt_tokens=self._prompt_tokens,
             draining=self.draining,
-            device_statuses=dict(self._statuses),
+            statuses=self._statuses,
             rounds=self._rounds,
-            tokens_per_second=self._throughput.rate,
+            throughput=self._throughput,
             max_concurrency=self.max_concurrency,
             draft_tokens=self.draft_tokens,
-            weights_dtype=self.package.manifest.serving.dtype,
-            weight_format=str(self._runner.model.weight_format),
-            kv_cache_dtype=dtype_name(self._runner.kv_cache.dtype),
-            activations=served_activations(self.package.weight_types(), self.options.activations),
-            # The pool the blocks count: under tensor parallel rank 0's, of its model's config.
-            kv_bytes_per_token=bytes_per_token(self._runner.model.config, self._runner.kv_cache.dtype),
-            weight_types=self.package.weight_types(),
-            ranks=self._runner.rank_list(),
+            package=self.package,
+            runner=self._runner,
+            activations=self.options.activations,
         )
 
     def requests(self) -> list[RequestInfo]:
-        now = time.monotonic()
-        infos = []
-        for choices in self._by_id.values():
-            leader = choices[0]
-            state = "running" if any(s.state is SequenceState.RUNNING for s in choices) else leader.state.value
-            completion = sum(s.num_output_tokens for s in choices)
-            infos.append(RequestInfo(leader.request_id, state, now - leader.arrival, leader.num_prompt_tokens, completion))
-        return infos
+        return request_infos(self._by_id.values())
 
     async def warm_up(self) -> None:
         """Run one short request through every stage (prefill, sampling, a decode round)
@@ -319,9 +311,7 @@ class Scheduler:
             raise
         except Exception as error:  # a bug or device fault outside any row's status
             log.exception("round_failed", round=plan.index, rows=len(plan.rows))
-            failure = RequestFailure(
-                code="round_failed", message=f"the model failed in round {plan.index}: {error}", http_status=503
-            )
+            failure = round_failure(plan.index, error)
             for row in plan.rows:
                 if (choices := self._by_id.get(row.request_id)) is not None:
                     self._fail(choices[0], failure)
@@ -352,7 +342,7 @@ class Scheduler:
         copies: list[BlockCopy] = []
         decode = [s for s in self._running if s.in_decode]
         in_order = sorted(self._running, key=lambda s: (s.arrival, s.index))
-        chunks = self._prefill_chunks([s for s in in_order if not s.in_decode], len(decode))
+        chunks = prefill_chunks([s for s in in_order if not s.in_decode], len(decode), self.options)
         base_tokens = len(decode) + sum(chunks.values())
         drafts = self._speculation.drafts(decode, base_tokens, requests_waiting=bool(self._waiting))
         token_seconds = self._speculation.token_seconds(base_tokens, len(decode))
@@ -386,7 +376,17 @@ class Scheduler:
                     self._finish(seq, Finished("length", choice_usage(seq), fell_back=seq.fell_back, index=seq.index))
                 continue  # `seq` was preempted (it waits for blocks) or outgrew the cache and ended
             copies += writable
-            rows.append(self._row(seq, tail, draft, samples, head_steps))
+            rows.append(
+                sequence_row(
+                    seq,
+                    tail,
+                    draft,
+                    samples,
+                    head_steps,
+                    vocabulary_parallel=self.vocabulary_parallel,
+                    fault_injection=self.options.fault_injection,
+                )
+            )
         # A row dropped after its blocks were made writable (its sequence preempted by a later
         # row) leaves a copy into a block that is free again: harmless, the copies run first.
         rows = [row for row in rows if self._row_still_planned(row)]
@@ -394,60 +394,6 @@ class Scheduler:
             return None
         self._rounds += 1
         return RoundPlan(index, tuple(rows), tuple(copies))
-
-    def _prefill_chunks(self, prefilling: list[Sequence], decode_rows: int) -> dict[Sequence, int]:
-        """Each prefilling sequence's chunk this round (`prefill_budget.py`): decode rows take
-        their token first, and the rest of the round is shared by the policy."""
-        budget = self.options.max_batched_tokens
-        # A first choice whose other choices wait stops short of the prompt's last token: each
-        # choice computes that one itself, to sample its first token from it.
-        remaining = [(len(s.tokens) - 1 if s.pending_choices else len(s.tokens)) - s.num_cached for s in prefilling]
-        shares = share_prefill_budget(remaining, budget - decode_rows, min(self.options.oldest_prefill_share, budget))
-        return dict(zip(prefilling, shares))
-
-    def _row(self, seq: Sequence, tail: list[int], draft: Draft, samples: bool, head_steps: int) -> PlannedRow:
-        """`seq`'s row: `tail` (its uncached tokens) then `draft`'s, and the parts it needs."""
-        request = seq.request
-        sampling = None
-        if samples:
-            penalized = request.params.penalized
-            sampling = Sampling(
-                params=request.params,
-                seed=seq.seed,
-                output_position=seq.num_output_tokens,
-                prompt_ids=request.prompt_token_ids if penalized else (),
-                output_ids=tuple(seq.output_ids) if penalized else (),
-                vocabulary_parallel=self.vocabulary_parallel and not seq.fell_back,
-                fault=seq.fault_due() if self.options.fault_injection else None,
-                logprobs=request.logprobs,
-                raw_logprobs=request.raw_logprobs,
-                grammar=seq.grammar,
-            )
-        targets = self._prompt_targets(seq, len(tail)) if not seq.in_decode else ()
-        return PlannedRow(
-            request_id=seq.request_id,
-            choice=seq.index,
-            token_ids=tuple(tail) + draft.token_ids,
-            start_position=seq.num_cached,
-            block_table=tuple(seq.block_table),
-            sampling=sampling,
-            drafts=draft if draft.token_ids else None,
-            scoring=Scoring(targets, request.prompt_logprobs or 0) if targets else None,
-            draft_head=(
-                DraftHeadPass(head_steps, seq.head_cached, tuple(seq.tokens[seq.head_cached : seq.num_cached + len(tail)]))
-                if head_steps
-                else None
-            ),
-        )
-
-    def _prompt_targets(self, seq: Sequence, fed: int) -> tuple[int, ...]:
-        """The prompt tokens a prefill chunk of `fed` tokens from `num_cached` predicts, when the
-        request scores its prompt: position i predicts token i + 1, up to the prompt's last."""
-        if seq.request.prompt_logprobs is None:
-            return ()
-        start = seq.num_cached
-        end = min(start + fed, seq.num_prompt_tokens - 1)
-        return tuple(seq.tokens[start + 1 : end + 1]) if end > start else ()
 
     def _row_still_planned(self, row: PlannedRow) -> bool:
         choices = self._by_id.get(row.request_id)
@@ -478,7 +424,7 @@ class Scheduler:
             if seq.pending_cancel is not None:
                 self._fail(seq, seq.pending_cancel)
                 continue
-            self._apply_row(plan.index, row, outcome, seq, now, tally)
+            self._row_applier.apply(plan.index, row, outcome, seq, now, tally)
         # A request cancelled while the round ran but without a row in it ends now.
         for choices in [c for c in self._by_id.values() if any(s.pending_cancel for s in c)]:
             self._fail(choices[0], next(s.pending_cancel for s in choices if s.pending_cancel is not None))
@@ -499,71 +445,6 @@ class Scheduler:
         )
         self.observer.round_applied(tally)
         self._publish_occupancy()
-
-    def _apply_row(
-        self, round_index: int, row: PlannedRow, outcome: RowResult | None, seq: Sequence, now: float, tally: RoundTally
-    ) -> None:
-        """One running sequence's row of the round: its cached positions, prompt scores, status,
-        accepted drafts and new tokens."""
-        fed = len(row.token_ids)
-        tally.prompt_tokens += max(0, min(seq.num_prompt_tokens, row.start_position + fed) - row.start_position)
-        if outcome is not None and outcome.prompt_logprobs:
-            # Position p predicts prompt token p + 1: entry p of the list. A recomputed
-            # chunk (after a preemption) scores positions already kept again.
-            for offset, entry in enumerate(outcome.prompt_logprobs):
-                if row.start_position + offset == len(seq.prompt_logprobs):
-                    seq.prompt_logprobs.append(entry)
-        if not row.samples or outcome is None:
-            seq.num_cached = row.start_position + fed
-            self._blocks.publish(seq)
-            return
-        tally.statuses.append(int(outcome.status))
-        self._statuses[outcome.status.name] += 1
-        seq.sampled_rounds += 1
-        if outcome.status is not DeviceStatus.OK:
-            constraint = seq.grammar.grammar.spec.param if seq.grammar is not None else None
-            log.warning(
-                "request_device_status",
-                request_id=seq.request_id,
-                choice=seq.index,
-                status=int(outcome.status),
-                status_name=outcome.status.name,
-                round=round_index,
-            )
-            self._fail(seq, device_failure(outcome.status, round_index, constraint))
-            return
-        if outcome.fell_back and not seq.fell_back:
-            seq.fell_back = True
-            log.warning("request_fell_back", request_id=seq.request_id, choice=seq.index, round=round_index)
-        drafts = len(row.draft_ids)
-        accepted = len(outcome.tokens) - 1 if not outcome.fell_back else 0
-        tally.observe_drafts(seq.draft_source, drafts, accepted)
-        self._speculation.learn(seq, drafts, accepted)
-        seq.num_cached = row.start_position + fed - (drafts - accepted)
-        self._speculation.keep_head_drafts(seq, row, outcome)
-        if seq.first_token_at is None:
-            seq.first_token_at = now
-            if seq.index == 0:  # once per request
-                tally.first_token_seconds.append(now - seq.arrival)
-        else:
-            tally.token_gaps.append((now - (seq.last_token_at or now), len(outcome.tokens)))
-        seq.last_token_at = now
-        tally.generated += self._emit(seq, outcome.tokens, outcome.logprobs)
-        if seq.state is SequenceState.RUNNING:
-            self._blocks.publish(seq)
-            self._blocks.trim(seq)
-
-    def _emit(self, seq: Sequence, new_tokens: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] = ()) -> int:
-        """`emission.emit` and what follows from it here; returns how many tokens were kept."""
-        emission = emit(seq, new_tokens, logprobs, eos=self._eos, max_context=self.max_context)
-        if emission.failure is not None:
-            self._fail(seq, emission.failure)
-            return 0
-        self._speculation.extend(seq, list(emission.kept))
-        if emission.end is not None:
-            finished = Finished(emission.end, choice_usage(seq), seq.fell_back, seq.index, emission.stop_string)
-            self._finish(seq, finished)
-        return len(emission.kept)
 
     # ----------------------------------------------------------------- ending a request
 
@@ -615,14 +496,4 @@ class Scheduler:
         self._wake.set()
 
     def _publish_occupancy(self) -> None:
-        counts = self._blocks.cache.counts()
-        self.observer.occupancy_changed(
-            Occupancy(
-                running=len(self._running),
-                waiting=len(self._waiting),
-                kv_blocks_used=counts.held,
-                kv_blocks_total=counts.total,
-                kv_blocks_cached=counts.cached,
-                kv_blocks_evictable=counts.evictable,
-            )
-        )
+        self.observer.occupancy_changed(occupancy(len(self._running), len(self._waiting), self._blocks.cache))

@@ -6,9 +6,16 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from flare.engine.kv_cache import bytes_per_token
+from flare.engine.precision import dtype_name
+from flare.engine.prefix_cache import PrefixCache
+from flare.engine.quantized import served_activations
+from flare.package.directory import Package
+from flare.scheduler.round.model_runner import ModelRunner
+from flare.scheduler.sequence import Sequence, SequenceState
 from flare.structured import CacheUse
 
 
@@ -132,3 +139,73 @@ class SchedulerObserver:
 
     def occupancy_changed(self, occupancy: Occupancy) -> None:
         """The running set, the waiting queue or the KV blocks changed."""
+
+
+def scheduler_snapshot(
+    *,
+    running: int,
+    waiting: int,
+    cache: PrefixCache,
+    prompt_tokens: Counter[str],
+    draining: bool,
+    statuses: Counter[str],
+    rounds: int,
+    throughput: Throughput,
+    max_concurrency: int,
+    draft_tokens: int,
+    package: Package,
+    runner: ModelRunner,
+    activations: str,
+) -> SchedulerSnapshot:
+    """The scheduler's state as `flare ctl status` and systemd STATUS= read it; `prompt_tokens`:
+    "cached" and "computed" since start; `activations`: the option (`SchedulerOptions.activations`)."""
+    counts = cache.counts()
+    return SchedulerSnapshot(
+        running=running,
+        waiting=waiting,
+        kv_blocks_used=counts.held,
+        kv_blocks_total=counts.total,
+        prefix_cache=cache.enabled,
+        kv_blocks_cached=counts.cached,
+        kv_blocks_evictable=counts.evictable,
+        prompt_tokens_cached=prompt_tokens["cached"],
+        prompt_tokens_computed=prompt_tokens["computed"],
+        draining=draining,
+        device_statuses=dict(statuses),
+        rounds=rounds,
+        tokens_per_second=throughput.rate,
+        max_concurrency=max_concurrency,
+        draft_tokens=draft_tokens,
+        weights_dtype=package.manifest.serving.dtype,
+        weight_format=str(runner.model.weight_format),
+        kv_cache_dtype=dtype_name(runner.kv_cache.dtype),
+        activations=served_activations(package.weight_types(), activations),
+        # The pool the blocks count: under tensor parallel rank 0's, of its model's config.
+        kv_bytes_per_token=bytes_per_token(runner.model.config, runner.kv_cache.dtype),
+        weight_types=package.weight_types(),
+        ranks=runner.rank_list(),
+    )
+
+
+def request_infos(requests: Iterable[list[Sequence]]) -> list[RequestInfo]:
+    """`flare ctl requests`: one line per request, from its choices (a request runs while any does)."""
+    now = time.monotonic()
+    infos = []
+    for choices in requests:
+        leader = choices[0]
+        state = "running" if any(s.state is SequenceState.RUNNING for s in choices) else leader.state.value
+        completion = sum(s.num_output_tokens for s in choices)
+        infos.append(RequestInfo(leader.request_id, state, now - leader.arrival, leader.num_prompt_tokens, completion))
+    return infos
+
+
+def occupancy(running: int, waiting: int, cache: PrefixCache) -> Occupancy:
+    counts = cache.counts()
+    return Occupancy(
+        running=running,
+        waiting=waiting,
+        kv_blocks_used=counts.held,
+        kv_blocks_total=counts.total,
+        kv_blocks_cached=counts.cached,
+        kv_blocks_evictable=counts.evictable,
+    )
