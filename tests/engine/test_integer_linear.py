@@ -210,6 +210,16 @@ def test_flare_integer_isa_lowers_the_level_and_an_unknown_name_is_refused() -> 
         native_quantized._integer_isa("AVX512", "amx_int8")
 
 
+@pytest.mark.parametrize("forced", ["avx2", "portable"])
+def test_the_level_engine_loaded_names_is_the_forced_one(forced: str) -> None:
+    # What `engine_loaded` reports as `integer_level`: FLARE_INTEGER_ISA read at import, then what
+    # the CPU grants (every x86-64 CPU this project runs on has AVX2).
+    script = "from flare.engine import native_quantized; print(native_quantized.integer_level_name())"
+    env = {**os.environ, "FLARE_INTEGER_ISA": forced}
+    done = subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=120, cwd=REPOSITORY, capture_output=True, text=True)
+    assert done.stdout.strip() == forced
+
+
 @pytest.mark.parametrize("forced", ["avx_vnni", "avx2", "portable"])
 def test_a_forced_dispatch_subprocess_gives_the_same_bits(tmp_path: Path, forced: str) -> None:
     script = f"""
