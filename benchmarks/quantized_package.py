@@ -89,27 +89,33 @@ def write_f16_gguf(path: Path, s: dict, seed: int) -> None:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_chat_template(CHAT_TEMPLATE)
-    rng = np.random.default_rng(seed)
     h, f, q, kv = s["hidden"], s["ffn"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
-
-    def matrix(rows: int, columns: int) -> np.ndarray:
-        return (rng.standard_normal((rows, columns), dtype=np.float32) * columns**-0.5).astype(np.float16)
-
-    writer.add_tensor("token_embd.weight", matrix(s["vocab"], h))
-    writer.add_tensor("output_norm.weight", np.ones(h, np.float32))
+    # (name, shape): a norm's shape has one dimension and holds ones, a matrix's two and random
+    # float16 values. The tensors are declared first and each is made only as it is written, so
+    # the 16 GB of an 8B shape's 32 layers never sit in memory at once.
+    tensors: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (s["vocab"], h)), ("output_norm.weight", (h,))]
     if not s["tied"]:
-        writer.add_tensor("output.weight", matrix(s["vocab"], h))
+        tensors.append(("output.weight", (s["vocab"], h)))
     for i in range(s["layers"]):
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(h, np.float32))
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(h, np.float32))
-        for name, (rows, columns) in {
+        tensors += [(f"blk.{i}.attn_norm.weight", (h,)), (f"blk.{i}.ffn_norm.weight", (h,))]
+        for name, shape in {
             "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q),
             "ffn_gate": (f, h), "ffn_up": (f, h), "ffn_down": (h, f),
         }.items():
-            writer.add_tensor(f"blk.{i}.{name}.weight", matrix(rows, columns))
+            tensors.append((f"blk.{i}.{name}.weight", shape))
+    for name, shape in tensors:
+        dtype = np.float32 if len(shape) == 1 else np.float16
+        writer.add_tensor_info(name, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for _, shape in tensors:
+        if len(shape) == 1:
+            writer.write_tensor_data(np.ones(shape, np.float32))
+        else:
+            rows, columns = shape
+            writer.write_tensor_data((rng.standard_normal((rows, columns), dtype=np.float32) * columns**-0.5).astype(np.float16))
     writer.close()
 
 
