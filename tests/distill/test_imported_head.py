@@ -134,7 +134,7 @@ def test_a_checkpoints_mtp_layer_becomes_the_packages_head(mtp_checkpoint, peake
     plain, _, _ = asyncio.run(greedy(package, prompts, SchedulerOptions(draft_tokens=0)))
     assert package.manifest.serving.drafter == "auto"
     speculative, drafter, accepted = asyncio.run(
-        greedy(package, prompts, SchedulerOptions(drafter="mtp", adaptive_draft_length=False))
+        greedy(package, prompts, SchedulerOptions(drafter="mtp", draft_length="fixed"))
     )
     assert drafter == "mtp"
     assert speculative == plain

@@ -191,7 +191,7 @@ async def test_greedy_output_with_seven_drafts_is_the_output_without_and_drafts_
     speculative, emitted, rounds = await greedy(
         head_package,
         SchedulerOptions(
-            drafter="mtp", draft_tokens=DRAFT_TOKENS, adaptive_draft_length=False, tensor_parallel=tensor_parallel
+            drafter="mtp", draft_tokens=DRAFT_TOKENS, draft_length="fixed", tensor_parallel=tensor_parallel
         ),
     )
     assert speculative == plain

@@ -127,7 +127,7 @@ async def sample_tokens(
     # No jump-forward: the grammar's forced tokens would be drafts of their own.
     options = SchedulerOptions(
         draft_tokens=3 if drafter is not None or head or prediction else 0,
-        adaptive_draft_length=False,
+        draft_length="fixed",
         jump_forward=False,
         tensor_parallel=tensor_parallel,
     )
