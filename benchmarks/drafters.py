@@ -8,11 +8,12 @@ over its wall time), the ratio to the first configuration, tokens per verificati
 how many answers equal the first configuration's (greedy: all of them).
 
     .venv/bin/python benchmarks/drafters.py PACKAGE --configs K0,ngram,mtp,auto --answers 20
-    .venv/bin/python benchmarks/drafters.py PACKAGE --configs K0,mtp:1,mtp:2 --fixed-length --dataset copy
+    .venv/bin/python benchmarks/drafters.py PACKAGE --configs K0,mtp:1,mtp:2 --draft-length fixed --dataset copy
     .venv/bin/python benchmarks/drafters.py PACKAGE --configs K0,auto --streams 8 --answers 32
 
 A configuration is `K0` (no speculation) or a drafter (`ngram`, `mtp`, `auto`) with an optional
-`:K` draft length; `--fixed-length` turns adaptive draft length off for all of them.
+`:K` draft length; `--draft-length fixed` (as `flare run`'s) turns adaptive draft length off for
+all of them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import structlog
 import torch
@@ -53,12 +55,12 @@ class Tally:
     answers: list[list[int]] = field(default_factory=list)
 
 
-def options_of(name: str, fixed_length: bool) -> SchedulerOptions:
+def options_of(name: str, draft_length: Literal["adaptive", "fixed"]) -> SchedulerOptions:
     drafter, _, k = name.partition(":")
     if drafter == "K0":
         return SchedulerOptions(draft_tokens=0)
     return SchedulerOptions(
-        drafter=drafter, draft_tokens=int(k) if k else None, adaptive_draft_length=not fixed_length
+        drafter=drafter, draft_tokens=int(k) if k else None, draft_length=draft_length
     )
 
 
@@ -70,7 +72,7 @@ async def main() -> None:
     parser.add_argument("--answers", type=int, default=20)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--fixed-length", action="store_true")
+    parser.add_argument("--draft-length", choices=("adaptive", "fixed"), default="adaptive")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--streams", type=int, default=1, help="answers submitted at once")
     args = parser.parse_args()
@@ -82,7 +84,7 @@ async def main() -> None:
     loop = asyncio.get_running_loop()
     schedulers = {
         name: await loop.run_in_executor(
-            None, lambda name=name: Scheduler.from_package(package, options_of(name, args.fixed_length), model_thread=thread)
+            None, lambda name=name: Scheduler.from_package(package, options_of(name, args.draft_length), model_thread=thread)
         )
         for name in names
     }

@@ -290,7 +290,7 @@ class Daemon:
             kv_cache_memory=config.kv_cache_memory,
             draft_tokens=config.draft_tokens,
             drafter=config.drafter,
-            adaptive_draft_length=config.draft_length == "adaptive",
+            draft_length=config.draft_length,  # type: ignore[arg-type]
             vocabulary_shards=config.vocabulary_shards,
             tensor_parallel=config.tensor_parallel,
             nnodes=config.nnodes,

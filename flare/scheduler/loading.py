@@ -167,7 +167,7 @@ def load_parts(
             prefix_cache=options.prefix_cache,
             drafter=drafter_name if draft_tokens > 0 else "none",
             draft_tokens=draft_tokens,
-            draft_length="adaptive" if options.adaptive_draft_length else "fixed",
+            draft_length=options.draft_length,
             tensor_parallel=tensor_parallel,
         )
         head = None

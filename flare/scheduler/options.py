@@ -25,7 +25,9 @@ class SchedulerOptions:
     # ngram, mtp (the package's learned draft head) or auto (mtp where the package ships a head,
     # else ngram); None: the package's serving.drafter.
     drafter: str | None = None
-    adaptive_draft_length: bool = True  # False: every decode row verifies all the drafter proposes
+    # adaptive: each row's draft is cut to what its measured round costs say pays
+    # (speculation/draft_length.py); fixed: every decode row verifies all the drafter proposes.
+    draft_length: Literal["adaptive", "fixed"] = "adaptive"
     vocabulary_shards: int = 1
     tensor_parallel: int = 1  # ranks of one model (flare/parallel/): rank 0 here, the others spawned
     # Several hosts: how many, and where rank 0's rendezvous listens (this host is node 0).

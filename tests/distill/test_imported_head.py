@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from tests.greedy_answers import greedy_answers
 from tests.package_commands import flare
 import torch
 from safetensors import safe_open
@@ -15,9 +16,7 @@ from flare.distill import export as distill_export
 from flare.distill.distill import DistillOptions
 from flare.preparation.export import ExportError, ExportOptions, export_package
 from flare.package.directory import open_package
-from flare.policy.params import SamplingParams
-from flare.scheduler.request import GenerationRequest, TextDelta
-from flare.scheduler.scheduler import Scheduler, SchedulerOptions
+from flare.scheduler.scheduler import SchedulerOptions
 
 # The first 20 prompts hold two held-out ones: what the imported head is measured on.
 TINY = DistillOptions(draft_tokens=3, seconds=120, prompt_limit=20, answer_tokens=16)
@@ -70,35 +69,6 @@ def mtp_checkpoint(make_hf_directory, peaked_parts, tmp_path_factory):
     )
 
 
-async def greedy(package, prompts, options):
-    """Each prompt's greedy answer, one after another, and the draft tokens accepted."""
-    scheduler = Scheduler.from_package(package, options)
-    accepted = 0
-    execute = scheduler.runner.execute
-
-    def counting(plan):
-        nonlocal accepted
-        result = execute(plan)
-        accepted += sum(len(o.tokens) - 1 for row, o in zip(plan.rows, result.rows) if o is not None and row.draft_ids)
-        return result
-
-    scheduler.runner.execute = counting
-    loop = asyncio.create_task(scheduler.run())
-    outputs = []
-    try:
-        for i, text in enumerate(prompts):
-            ids = []
-            request = GenerationRequest(f"r{i}", tuple(scheduler.tokenizer.encode(text)), SamplingParams(temperature=0.0, max_tokens=24))
-            async for event in scheduler.submit(request):
-                if isinstance(event, TextDelta):
-                    ids.extend(event.token_ids)
-            outputs.append(ids)
-    finally:
-        scheduler.stop()
-        await loop
-    return outputs, scheduler.drafter_name, accepted
-
-
 def test_a_checkpoints_mtp_layer_becomes_the_packages_head(mtp_checkpoint, peaked_parts, tmp_path, capsys):
     config = peaked_parts["config"]
     out = tmp_path / "pkg"
@@ -131,14 +101,14 @@ def test_a_checkpoints_mtp_layer_becomes_the_packages_head(mtp_checkpoint, peake
     assert "held-out acceptance" in text
     # It serves: greedy output is the output without speculation, with drafts accepted.
     prompts = ("one two three four one two three four", "hello hello hello world")
-    plain, _, _ = asyncio.run(greedy(package, prompts, SchedulerOptions(draft_tokens=0)))
+    plain = asyncio.run(greedy_answers(package, prompts, SchedulerOptions(draft_tokens=0), max_tokens=24))
     assert package.manifest.serving.drafter == "auto"
-    speculative, drafter, accepted = asyncio.run(
-        greedy(package, prompts, SchedulerOptions(drafter="mtp", adaptive_draft_length=False))
+    speculative = asyncio.run(
+        greedy_answers(package, prompts, SchedulerOptions(drafter="mtp", draft_length="fixed"), max_tokens=24)
     )
-    assert drafter == "mtp"
-    assert speculative == plain
-    assert accepted > 0
+    assert speculative.drafter == "mtp"
+    assert speculative.outputs == plain.outputs
+    assert speculative.accepted > 0
 
 
 def test_a_head_identical_to_the_target_norm_shares_it(make_hf_directory, peaked_parts, tmp_path):

@@ -6,7 +6,6 @@ greedy output while its drafts are accepted."""
 
 from __future__ import annotations
 
-import asyncio
 import io
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from tests.deepseek_mtp import MtpCheckpoint, reference_drafts, write_mtp_checkpoint
 from tests.family_checkpoints import write_checkpoint
 from tests.gguf_writer import write_family_gguf
+from tests.greedy_answers import greedy_answers
 from tests.package_commands import flare
 
 from flare.distill import export as distill_export
@@ -27,11 +27,9 @@ from flare.engine.drafters.mtp import HeadRow, load_draft_head
 from flare.engine.kv_cache import KVCache
 from flare.engine.model import load_model
 from flare.package.directory import Package, open_package
-from flare.policy.params import SamplingParams
 from flare.preparation.export import ExportError, ExportOptions
 from flare.preparation.source import ModelSource
-from flare.scheduler.request import GenerationRequest, TextDelta
-from flare.scheduler.scheduler import Scheduler, SchedulerOptions
+from flare.scheduler.scheduler import SchedulerOptions
 
 DRAFT_TOKENS = 7
 # Copy-friendly text: the peaked target repeats its last token, and the head proposes it again.
@@ -150,51 +148,24 @@ def test_the_heads_drafts_are_deepseeks_mtp_module(mtp_checkpoint: MtpCheckpoint
         torch.testing.assert_close(dense, q, atol=2e-5, rtol=1e-3)
 
 
-async def greedy(package: Package, options: SchedulerOptions) -> tuple[list[list[int]], int, int]:
-    """Each prompt's greedy answer, and the tokens emitted and target rounds of the rows that drafted."""
-    scheduler = Scheduler.from_package(package, options)
-    emitted = rounds = 0
-    execute = scheduler.runner.execute
-
-    def counting(plan):
-        nonlocal emitted, rounds
-        result = execute(plan)
-        for row, outcome in zip(plan.rows, result.rows):
-            if outcome is not None and row.draft_ids:
-                emitted += len(outcome.tokens)
-                rounds += 1
-        return result
-
-    scheduler.runner.execute = counting
-    loop = asyncio.create_task(scheduler.run())
-    outputs = []
-    try:
-        for i, text in enumerate(PROMPTS):
-            ids: list[int] = []
-            params = SamplingParams(temperature=0.0, max_tokens=32)
-            async for event in scheduler.submit(GenerationRequest(f"r{i}", tuple(scheduler.tokenizer.encode(text)), params)):
-                if isinstance(event, TextDelta):
-                    ids.extend(event.token_ids)
-            outputs.append(ids)
-    finally:
-        scheduler.stop()
-        await loop
-    return outputs, emitted, rounds
-
-
 @pytest.mark.parametrize("tensor_parallel", [1, 2])
 async def test_greedy_output_with_seven_drafts_is_the_output_without_and_drafts_are_accepted(
     head_package: Package, tensor_parallel: int
 ) -> None:
     """At tensor parallel 2 the head runs whole on rank 0 beside the ranks' target."""
-    plain, _, _ = await greedy(head_package, SchedulerOptions(draft_tokens=0, tensor_parallel=tensor_parallel))
-    speculative, emitted, rounds = await greedy(
-        head_package,
-        SchedulerOptions(
-            drafter="mtp", draft_tokens=DRAFT_TOKENS, adaptive_draft_length=False, tensor_parallel=tensor_parallel
-        ),
+    plain = await greedy_answers(
+        head_package, PROMPTS, SchedulerOptions(draft_tokens=0, tensor_parallel=tensor_parallel), max_tokens=32
     )
-    assert speculative == plain
+    speculative = await greedy_answers(
+        head_package,
+        PROMPTS,
+        SchedulerOptions(
+            drafter="mtp", draft_tokens=DRAFT_TOKENS, draft_length="fixed", tensor_parallel=tensor_parallel
+        ),
+        max_tokens=32,
+    )
+    assert speculative.outputs == plain.outputs
+    emitted, rounds = speculative.drafting_emitted, speculative.drafting_rounds
     print(f"TP {tensor_parallel}: {emitted / max(rounds, 1):.2f} tokens per drafting round ({emitted} in {rounds})")
     assert rounds > 0 and emitted / rounds > 1.0, (emitted, rounds)  # more than one token per drafting round
 

@@ -69,7 +69,7 @@ async def test_speculation_and_prefix_cache_hits_give_the_plain_greedy_tokens(pa
     async with running(package, draft_tokens=0, prefix_cache=False) as plain:
         expected = [(await answers(plain, GenerationRequest(f"p{i}", prompt_ids(plain, p), GREEDY)))[0][0] for i, p in enumerate(PROMPTS)]
     with structlog.testing.capture_logs() as logs:
-        async with running(package, adaptive_draft_length=False, block_size=4) as speculative:
+        async with running(package, draft_length="fixed", block_size=4) as speculative:
             first = [await answers(speculative, GenerationRequest(f"a{i}", prompt_ids(speculative, p), GREEDY)) for i, p in enumerate(PROMPTS)]
             again = [await answers(speculative, GenerationRequest(f"b{i}", prompt_ids(speculative, p), GREEDY)) for i, p in enumerate(PROMPTS)]
     rounds = [entry for entry in logs if entry["event"] == "round_completed"]

@@ -69,7 +69,7 @@ async def _seen(package, cases: list[Case], **options) -> dict[str, Seen]:
     """Each case's request as its client sees it, and under "drafts" (tokens of the ngram
     drafter's drafts accepted) that speculation ran."""
     # A fixed draft length: drafts (and so which seeded draws happen) must not follow round times.
-    async with running(package, max_concurrency=len(cases), adaptive_draft_length=False, **options) as scheduler:
+    async with running(package, max_concurrency=len(cases), draft_length="fixed", **options) as scheduler:
         registry = CollectorRegistry()
         scheduler.observer = SchedulerMetrics(registry)
 

@@ -39,7 +39,7 @@ def _request(scheduler, rid: str, prompt: str, **fields) -> GenerationRequest:
 
 async def test_greedy_tokens_are_their_top_logprob_alike_with_and_without_speculation(tiny_package):
     results = []
-    for options in ({"draft_tokens": 0}, {"adaptive_draft_length": False}):
+    for options in ({"draft_tokens": 0}, {"draft_length": "fixed"}):
         async with running(tiny_package, **options) as scheduler:
             deltas = await _generate(scheduler, _request(scheduler, "r", PROMPTS[0], logprobs=3))
         entries = [e for d in deltas for e in d.logprobs]

@@ -26,7 +26,7 @@ K = 3
 # Every speculative run drafts K a round: the adaptive length chooses from measured round times,
 # so whether a row drafts at all (and so which tokens a sampled row draws) would depend on the
 # machine's load.
-FIXED_LENGTH = {"adaptive_draft_length": False}
+FIXED_LENGTH = {"draft_length": "fixed"}
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ async def greedy_answers(package, **options) -> dict[str, list[int]]:
 
 async def test_a_prediction_of_the_answer_itself_is_accepted_and_changes_no_token(tiny_package):
     expected = await greedy_answers(tiny_package)
-    async with running(tiny_package, adaptive_draft_length=False) as scheduler:
+    async with running(tiny_package, draft_length="fixed") as scheduler:
         requests = [
             dataclasses.replace(request(scheduler, f"r{i}", p, GREEDY), prediction=tuple(expected[f"r{i}"]))
             for i, p in enumerate(PROMPTS)
@@ -39,7 +39,7 @@ async def test_a_prediction_of_the_answer_itself_is_accepted_and_changes_no_toke
 
 async def test_a_wrong_prediction_is_rejected_and_changes_no_token(tiny_package):
     expected = await greedy_answers(tiny_package)
-    async with running(tiny_package, adaptive_draft_length=False) as scheduler:
+    async with running(tiny_package, draft_length="fixed") as scheduler:
         requests = []
         for i, p in enumerate(PROMPTS):
             answer = expected[f"r{i}"]
@@ -56,7 +56,7 @@ async def test_a_wrong_prediction_is_rejected_and_changes_no_token(tiny_package)
 
 async def test_every_choice_drafts_from_the_same_prediction(tiny_package):
     expected = await greedy_answers(tiny_package)
-    async with running(tiny_package, adaptive_draft_length=False) as scheduler:
+    async with running(tiny_package, draft_length="fixed") as scheduler:
         stream = scheduler.submit(
             dataclasses.replace(request(scheduler, "r0", PROMPTS[0], GREEDY), n=2, prediction=tuple(expected["r0"]))
         )

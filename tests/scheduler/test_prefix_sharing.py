@@ -104,7 +104,7 @@ async def test_each_turn_of_a_chat_reuses_the_history_and_its_answers(tiny_packa
 async def test_a_cache_hit_drafts_as_much_as_a_miss(tiny_package):
     prompt = "one two three four one two three four one two three four one two three four " * 2
     drafts = []
-    async with running(tiny_package, adaptive_draft_length=False) as scheduler:
+    async with running(tiny_package, draft_length="fixed") as scheduler:
         for rid in ("miss", "hit"):
             with structlog.testing.capture_logs() as logs:
                 outcome = await answer(scheduler, rid, ids(scheduler, prompt))

@@ -5,7 +5,7 @@ beside them (`auto`) and preemption in a small KV pool.
 
 The recording (`round_plans.json`) was made from the scheduler before it was split into
 scheduler, blocks, speculation and loading (issue 28); a change of what it plans shows here as
-the first round and field that differ. Draft lengths are fixed (adaptive_draft_length=False):
+the first round and field that differ. Draft lengths are fixed (draft_length="fixed"):
 the adaptive length chooses from measured round times, which differ from run to run.
 
 To record again after an intended change of behaviour:
@@ -148,7 +148,7 @@ def check_against_recording(name: str, got: dict[str, Any]) -> None:
 async def test_ngram_rounds_with_choices_a_shared_prefix_and_preemption_plan_as_recorded(tiny_package, package_parts):
     # Too few blocks for the first wave at once: the newest sequences are preempted.
     pool = KV_BLOCKS * bytes_per_block(package_parts["config"], 16, torch.float32)
-    options = SchedulerOptions(max_concurrency=6, kv_cache_memory=pool, adaptive_draft_length=False)
+    options = SchedulerOptions(max_concurrency=6, kv_cache_memory=pool, draft_length="fixed")
     got = await record_workload(tiny_package, options)
     assert got["preemptions"] > 0
     assert any(row["drafts"] for plan in got["plans"] for row in plan["rows"])
@@ -157,7 +157,7 @@ async def test_ngram_rounds_with_choices_a_shared_prefix_and_preemption_plan_as_
 
 
 async def test_rounds_with_a_draft_head_beside_ngram_lookup_plan_as_recorded(head_package):
-    options = SchedulerOptions(max_concurrency=6, drafter="auto", adaptive_draft_length=False)
+    options = SchedulerOptions(max_concurrency=6, drafter="auto", draft_length="fixed")
     got = await record_workload(head_package, options)
     assert any(row["head_steps"] for plan in got["plans"] for row in plan["rows"])
     check_against_recording("auto", got)

@@ -99,7 +99,7 @@ async def test_speculation_does_not_change_greedy_output(tiny_package):
         expected = await generate_all(plain, [request(plain, f"r{i}", p) for i, p in enumerate(PROMPTS)])
     # Every n-gram proposal is verified (no adaptive cut), so rejected and accepted drafts both
     # go through the KV cache and the verify kernel; the real-model test shows acceptance.
-    async with running(tiny_package, adaptive_draft_length=False) as speculative:
+    async with running(tiny_package, draft_length="fixed") as speculative:
         got = await generate_all(speculative, [request(speculative, f"r{i}", p) for i, p in enumerate(PROMPTS)])
     for rid, outcome in expected.items():
         assert got[rid].token_ids == outcome.token_ids
@@ -107,7 +107,7 @@ async def test_speculation_does_not_change_greedy_output(tiny_package):
 
 async def test_every_round_is_logged_with_what_the_draft_length_model_learns_from(tiny_package):
     with structlog.testing.capture_logs() as logs:
-        async with running(tiny_package, adaptive_draft_length=False) as scheduler:
+        async with running(tiny_package, draft_length="fixed") as scheduler:
             outcomes = await generate_all(scheduler, [request(scheduler, f"r{i}", p) for i, p in enumerate(PROMPTS)])
     rounds = [entry for entry in logs if entry["event"] == "round_completed"]
     assert [r["round"] for r in rounds] == sorted({r["round"] for r in rounds})

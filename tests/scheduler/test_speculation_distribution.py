@@ -2,16 +2,16 @@
 drafts verified by rejection sampling follow the same distribution as without drafts.
 
 The drafter here proposes the last token again (one test drafts from a request's predicted output
-alone); the last test drafts with a learned draft head
-(tests/mtp_heads.py: one that mostly repeats the last token too, its q a real softmax under the
-row's temperature, computed inside the round). Learned-style, it draws each draft from q (0.8
+alone); the last test drafts with a package's draft head, a learned one (tests/mtp_heads.py: one
+that mostly repeats the last token too, its q a real softmax under the row's temperature,
+computed inside the round) and a DeepSeek-V3 checkpoint's own MTP layer (latent attention and
+experts, tests/deepseek_mtp.py). Learned-style, the repeating drafter draws each draft from q (0.8
 on the last token, the rest spread over the vocabulary) and reports q; otherwise q is one-hot. Drafts are often
 accepted (the tiny model repeats itself at low temperature), so both the accept path and the
 residual path run, and a wrong KV entry for an accepted draft would show in the later tokens.
 Each configuration samples the same prompt under many seeds; a two-sample chi-square test
 compares the tokens at output positions 1-3 (position 0 comes from the prompt's prefill, before
-any draft). The seeds are fixed, so the test is deterministic. The last drafts with a DeepSeek-V3
-checkpoint's own MTP layer (latent attention and experts, tests/deepseek_mtp.py).
+any draft). The seeds are fixed, so the test is deterministic.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ async def sample_tokens(
     # No jump-forward: the grammar's forced tokens would be drafts of their own.
     options = SchedulerOptions(
         draft_tokens=3 if drafter is not None or head or prediction else 0,
-        adaptive_draft_length=False,
+        draft_length="fixed",
         jump_forward=False,
         tensor_parallel=tensor_parallel,
     )
@@ -277,17 +277,6 @@ def peaked_head_package(make_package, package_parts):
     return write_head_package(make_package, package_parts, head, draft_tokens=3, state_dict=state)
 
 
-@pytest.mark.parametrize(
-    "params",
-    [SamplingParams(temperature=1.0, max_tokens=4), SamplingParams(temperature=0.7, top_k=8, top_p=0.9, max_tokens=4)],
-    ids=["head-q", "head-q-filtered"],
-)
-async def test_sampling_with_a_learned_draft_head_follows_the_non_speculative_distribution(peaked_head_package, params):
-    plain, plain_rounds = await sample_tokens(peaked_head_package, params, None)
-    speculative, speculative_rounds = await sample_tokens(peaked_head_package, params, None, head=True)
-    assert_same_distribution(plain, plain_rounds, speculative, speculative_rounds, "the draft head")
-
-
 @pytest.fixture(scope="module")
 def deepseek_head_package(smollm2_source, tmp_path_factory):
     """A tiny DeepSeek-V3 whose checkpoint's own MTP layer (latent attention, experts) is the head
@@ -302,12 +291,27 @@ def deepseek_head_package(smollm2_source, tmp_path_factory):
     return root / "pkg"
 
 
+@pytest.fixture
+def head_package(request):
+    """The package of the fixture the test's parameter names: one per kind of draft head."""
+    return request.getfixturevalue(request.param)
+
+
 @pytest.mark.parametrize(
-    "params",
-    [SamplingParams(temperature=1.0, max_tokens=4), SamplingParams(temperature=1.0, top_k=8, top_p=0.9, max_tokens=4)],
-    ids=["head-q", "head-q-filtered"],
+    ("head_package", "params"),
+    [
+        ("peaked_head_package", SamplingParams(temperature=1.0, max_tokens=4)),
+        ("peaked_head_package", SamplingParams(temperature=0.7, top_k=8, top_p=0.9, max_tokens=4)),
+        ("deepseek_head_package", SamplingParams(temperature=1.0, max_tokens=4)),
+        ("deepseek_head_package", SamplingParams(temperature=1.0, top_k=8, top_p=0.9, max_tokens=4)),
+    ],
+    indirect=["head_package"],
+    ids=["learned-head-q", "learned-head-q-filtered", "deepseek-mtp-head-q", "deepseek-mtp-head-q-filtered"],
 )
-async def test_sampling_with_a_deepseek_mtp_head_follows_the_non_speculative_distribution(deepseek_head_package, params):
-    plain, plain_rounds = await sample_tokens(deepseek_head_package, params, None)
-    speculative, speculative_rounds = await sample_tokens(deepseek_head_package, params, None, head=True)
-    assert_same_distribution(plain, plain_rounds, speculative, speculative_rounds, "the DeepSeek MTP head")
+async def test_sampling_with_a_draft_head_follows_the_non_speculative_distribution(head_package, params):
+    """Either kind of head a package ships, a learned one (tests/mtp_heads.py) and a DeepSeek-V3
+    checkpoint's own MTP layer: its q is the softmax the round computes, and the answers drawn
+    with its drafts verified follow the distribution drawn without them."""
+    plain, plain_rounds = await sample_tokens(head_package, params, None)
+    speculative, speculative_rounds = await sample_tokens(head_package, params, None, head=True)
+    assert_same_distribution(plain, plain_rounds, speculative, speculative_rounds, "the draft head")

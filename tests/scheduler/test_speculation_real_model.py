@@ -61,7 +61,7 @@ async def generate(package_path, options: SchedulerOptions, chats: list[str], co
 async def test_greedy_speculation_is_token_for_token_the_plain_output(default_package, concurrent, chats):
     plain, plain_forwards = await generate(default_package, SchedulerOptions(draft_tokens=0), chats, concurrent)
     speculative, speculative_forwards = await generate(
-        default_package, SchedulerOptions(adaptive_draft_length=False), chats, concurrent
+        default_package, SchedulerOptions(draft_length="fixed"), chats, concurrent
     )
     assert speculative == plain
     # The quoting prompts accept drafts: fewer target forwards for the same tokens.

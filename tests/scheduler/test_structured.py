@@ -63,7 +63,7 @@ async def test_greedy_answers_follow_the_schema_alike_with_and_without_speculati
     for name, options in {
         "plain": {"draft_tokens": 0, "jump_forward": False},
         "jump_forward": {"draft_tokens": 0},
-        "speculative": {"adaptive_draft_length": False},
+        "speculative": {"draft_length": "fixed"},
     }.items():
         async with running(tiny_package, **options) as scheduler:
             registry = CollectorRegistry()

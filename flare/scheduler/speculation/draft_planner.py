@@ -90,7 +90,7 @@ class DraftPlanner:
                 self._cost,
                 requests_waiting=requests_waiting,
             )
-            if self._options.adaptive_draft_length
+            if self._options.draft_length == "adaptive"
             else available
         )
         drafts: dict[Sequence, Draft] = dict(forced)
@@ -101,7 +101,7 @@ class DraftPlanner:
                 seq.head_use.observe(proposed=1, accepted=int(bool(k) and seq.draft_source == "mtp"))
             else:  # so that a row whose head stopped drafting is weighed again
                 seq.head_use.unobserved()
-            if self._head and self._options.adaptive_draft_length:
+            if self._head and self._options.draft_length == "adaptive":
                 # The head's drafts were there and not worth verifying: it pauses (`head_steps`)
                 # for HEAD_PAUSE_ROUNDS rounds a decode row, so that paused rows probe about once
                 # in that many rounds whatever the batch, and a pause shortens as the batch does.
@@ -129,7 +129,7 @@ class DraftPlanner:
             return 0
         if (self._drafter_name == "auto" and seq.draft_source == "ngram") or seq.draft_source == PREDICTION_SOURCE:
             return 0
-        if self._options.adaptive_draft_length:
+        if self._options.draft_length == "adaptive":
             steps = worthwhile_head_steps(
                 min(self._draft_tokens, drafts + 1),
                 seq.source_acceptance["mtp"].rate,
