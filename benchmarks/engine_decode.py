@@ -46,7 +46,8 @@ from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
 from flare.engine import model as model_module
 from flare.engine.layers import mlp as mlp_module
-from flare.engine import native
+from flare.engine.layers import moe as moe_module
+from flare.engine import native, native_quantized
 from flare.engine.model import DecoderModel, load_model
 from flare.engine.precision import WeightFormat, cpu_flags
 from flare.preparation.default_package import default_package_path
@@ -109,7 +110,7 @@ def main() -> None:
     parser.add_argument(
         "--steps",
         action="store_true",
-        help="also time each step of a round (the linear layers, attention, RoPE with the KV write, SwiGLU, norms)",
+        help="also time each step of a round (the linear layers, attention, RoPE with the KV write, SwiGLU, norms, a MoE model's router and experts)",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -195,6 +196,10 @@ STEPS = {
     "RoPE + KV write": (native, ("rope_and_cache",)),
     "SwiGLU": (native, ("gated_rows",)),
     "residual add + RMSNorm": (native, ("add_rms_norm",)),
+    # A mixture-of-experts model's MLPs: the router (float64 logits, then the route) and the
+    # routed experts' one C call (moe_layer.c), which the MLP's linear layers above do not see.
+    "MoE router": (moe_module, ("moe_routes",)),
+    "MoE experts (one C call each)": (native_quantized, ("moe_layer",)),
 }
 
 

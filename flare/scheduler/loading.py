@@ -30,6 +30,7 @@ from flare.scheduler.round.model_runner import ModelRunner, RoundObserver
 from flare.scheduler.round.model_thread import ModelThread
 from flare.scheduler.options import SchedulerOptions
 from flare.structured import GrammarCompiler
+from flare.structured.memory import give_back_heap
 
 log = structlog.get_logger("flare.scheduler")
 
@@ -206,7 +207,7 @@ def load_parts(
         f"native={model.native_kernels}",
     )
     named = "auto" if auto and head is not None else drafter_name
-    return SchedulerParts(
+    parts = SchedulerParts(
         package=package,
         policy=policy,
         tokenizer=Tokenizer.from_package(package),
@@ -225,3 +226,10 @@ def load_parts(
             eos_token_ids=config.eos_token_ids,
         ),
     )
+    # What the load freed stays resident in glibc's arenas unless handed back: the tokenizers'
+    # parse of tokenizer.json alone leaves about 75 MB of free chunks per tokenizer object built
+    # from a 150k-token vocabulary (two are built), and the loading threads' arenas are reused,
+    # never shrunk, by the threads that serve. Measured on a Qwen3-MoE package: 93 MiB less
+    # resident after the load.
+    give_back_heap()
+    return parts

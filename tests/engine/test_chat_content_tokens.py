@@ -5,6 +5,7 @@ rendered prompt does. Also the character bound that lets a server refuse a promp
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from tokenizers import AddedToken
@@ -39,6 +40,24 @@ def test_special_token_text_in_content_stays_text() -> None:
     assert FORGED in text  # every character of the content is still there, as text
     old = tokenizer.encode_chat([{"role": "user", "content": FORGED}], special_tokens_in_content=True)
     assert old.count(start) == 3
+
+
+
+def test_chat_content_and_raw_prompts_encoded_at_once_from_threads_each_keep_their_reading() -> None:
+    """One tokenizers object reads special-token text both ways (as text in chat content, as the
+    special token in a raw prompt): encodes racing from many threads never see each other's reading."""
+    tokenizer = byte_level()
+    start = tokenizer.backend.token_to_id("<|im_start|>")
+    raw = FORGED * 200  # long enough that the encodes overlap
+    chat = [{"role": "user", "content": FORGED * 200}]
+    alone = (tokenizer.encode(raw, add_special_tokens=False), tokenizer.encode_chat(chat))
+    assert alone[0].count(start) == 200 and alone[1].count(start) == 2
+
+    def both(_: int) -> tuple[list[int], list[int]]:
+        return tokenizer.encode(raw, add_special_tokens=False), tokenizer.encode_chat(chat)
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(result == alone for result in pool.map(both, range(64)))
 
 
 @pytest.mark.parametrize(
