@@ -284,6 +284,17 @@ KQ_AVX2 KQ_INLINE __m128 rounded4(__m128 v) {
  * S[r] and M[r] hold row r's sumi and summins spread over 8 lanes (zero for r >= rows). */
 KQ_AVX2 KQ_INLINE __m128 add_terms4(__m128 acc, float d, float dmin, const Q8KBlock *x, int64_t xs, const int rows,
                                     const __m256i S[4], const __m256i M[4]) {
+    if (rows <= 2) {
+        /* One reduction for both rows' sumi and summins, [S0, S1, M0, M1], met by [dd0, dd1, dm0, dm1]:
+         * every lane's operations are the ones below, so the bits too; a token's two halves (int8x2)
+         * are two rows, which this halves the horizontal sums of. Lanes 2 and 3 of the result add
+         * dm r * summins r - itself (zero for finite values), never stored. */
+        const float x0 = x[0].d, x1 = rows > 1 ? x[xs].d : 0.0f;
+        const __m128 scale = rounded4(_mm_mul_ps(_mm_setr_ps(d, d, dmin, dmin), _mm_setr_ps(x0, x1, x0, x1)));
+        const __m256i v[4] = {S[0], S[1], M[0], M[1]};
+        const __m128 p = rounded4(_mm_mul_ps(scale, _mm_cvtepi32_ps(hsum4(v))));
+        return _mm_add_ps(acc, _mm_sub_ps(p, _mm_movehl_ps(p, p)));
+    }
     const __m128 xd = _mm_setr_ps(x[0].d, rows > 1 ? x[xs].d : 0.0f, rows > 2 ? x[2 * xs].d : 0.0f, rows > 3 ? x[3 * xs].d : 0.0f);
     const __m128 dd = rounded4(_mm_mul_ps(_mm_set1_ps(d), xd)), dm = rounded4(_mm_mul_ps(_mm_set1_ps(dmin), xd));
     const __m128 t = _mm_sub_ps(rounded4(_mm_mul_ps(dd, _mm_cvtepi32_ps(hsum4(S)))), rounded4(_mm_mul_ps(dm, _mm_cvtepi32_ps(hsum4(M)))));
