@@ -279,33 +279,43 @@ KQ_AVX2 KQ_INLINE __m128 rounded4(__m128 v) {
     return v;
 }
 
+/* A super-block's d and dmin as [d, dmin, ., .]: Q4_K / Q5_K's first two halves in one vcvtph2ps
+ * (exact, as half_of; the two halves after them are the block's scales, not read as floats), Q6_K's d
+ * at byte 208 with dmin 0 (the block's last two bytes: nothing past them is read). */
+KQ_AVX2 KQ_INLINE __m128 d_dmin_q45(const uint8_t *b) {
+    uint32_t h;
+    memcpy(&h, b, sizeof h);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128((int)h));
+}
+
+KQ_AVX2 KQ_INLINE __m128 d_dmin_q6(const uint8_t *b) {
+    uint16_t h;
+    memcpy(&h, b + 208, sizeof h);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(h));
+}
+
 /* kquant_term for rows 0..3 in the lanes of one vector, then acc + term: each lane's multiply,
  * conversion, subtraction and addition round as the scalar ones do, so the bits are kquant_term's.
- * S[r] and M[r] hold row r's sumi and summins spread over 8 lanes (zero for r >= rows). */
-KQ_AVX2 KQ_INLINE __m128 add_terms4(__m128 acc, float d, float dmin, const Q8KBlock *x, int64_t xs, const int rows,
-                                    const __m256i S[4], const __m256i M[4]) {
+ * dh holds [d, dmin, ., .] (d_dmin_q45, d_dmin_q6); S[r] and M[r] row r's sumi and summins spread
+ * over 8 lanes (zero for r >= rows). */
+KQ_AVX2 KQ_INLINE __m128 add_terms4(__m128 acc, __m128 dh, const Q8KBlock *x, int64_t xs, const int rows, const __m256i S[4],
+                                    const __m256i M[4]) {
     if (rows <= 2) {
         /* One reduction for both rows' sumi and summins, [S0, S1, M0, M1], met by [dd0, dd1, dm0, dm1]:
          * every lane's operations are the ones below, so the bits too; a token's two halves (int8x2)
          * are two rows, which this halves the horizontal sums of. Lanes 2 and 3 of the result add
          * dm r * summins r - itself (zero for finite values), never stored. */
         const float x0 = x[0].d, x1 = rows > 1 ? x[xs].d : 0.0f;
-        const __m128 scale = rounded4(_mm_mul_ps(_mm_setr_ps(d, d, dmin, dmin), _mm_setr_ps(x0, x1, x0, x1)));
+        const __m128 scale = rounded4(_mm_mul_ps(_mm_unpacklo_ps(dh, dh), _mm_setr_ps(x0, x1, x0, x1)));
         const __m256i v[4] = {S[0], S[1], M[0], M[1]};
         const __m128 p = rounded4(_mm_mul_ps(scale, _mm_cvtepi32_ps(hsum4(v))));
         return _mm_add_ps(acc, _mm_sub_ps(p, _mm_movehl_ps(p, p)));
     }
     const __m128 xd = _mm_setr_ps(x[0].d, rows > 1 ? x[xs].d : 0.0f, rows > 2 ? x[2 * xs].d : 0.0f, rows > 3 ? x[3 * xs].d : 0.0f);
-    const __m128 dd = rounded4(_mm_mul_ps(_mm_set1_ps(d), xd)), dm = rounded4(_mm_mul_ps(_mm_set1_ps(dmin), xd));
+    const __m128 d = _mm_shuffle_ps(dh, dh, 0x00), dmin = _mm_shuffle_ps(dh, dh, 0x55);
+    const __m128 dd = rounded4(_mm_mul_ps(d, xd)), dm = rounded4(_mm_mul_ps(dmin, xd));
     const __m128 t = _mm_sub_ps(rounded4(_mm_mul_ps(dd, _mm_cvtepi32_ps(hsum4(S)))), rounded4(_mm_mul_ps(dm, _mm_cvtepi32_ps(hsum4(M)))));
     return _mm_add_ps(acc, t);
-}
-
-/* half_of in one instruction (vcvtph2ps widens every half exactly, as half_of does). */
-KQ_AVX2 KQ_INLINE float half_f16c(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, sizeof h);
-    return _cvtsh_ss(h);
 }
 
 /* The two levels differ in one step: how 32 quants a and 32 quants b (unsigned, sub-block or group
@@ -354,12 +364,12 @@ KQ_AVX2 KQ_INLINE float half_f16c(const uint8_t *p) {
                 }                                                                                       \
             }                                                                                           \
             const __m256i mins = pair_words(mn);                                                        \
-            const float d = half_f16c(b), dmin = half_f16c(b + 2);                                      \
+            const __m128 dh = d_dmin_q45(b);                                                            \
             __m256i M[4];                                                                               \
             for (int r = 0; r < 4; r++)                                                                 \
                 M[r] = r < rows ? _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x[r * xs + i].bsums), mins) \
                                 : _mm256_setzero_si256();                                               \
-            a = add_terms4(a, d, dmin, x + i, xs, rows, sum, M);                                        \
+            a = add_terms4(a, dh, x + i, xs, rows, sum, M);                                        \
         }                                                                                               \
         _mm_storeu_ps(acc, a);                                                                          \
     }
@@ -400,14 +410,14 @@ KQ_AVX2 KQ_INLINE float half_f16c(const uint8_t *p) {
                 }                                                                                       \
             }                                                                                           \
             const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales));        \
-            const float d = half_f16c(b + 208);                                                         \
+            const __m128 dh = d_dmin_q6(b);                                                             \
             const __m256i M[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), \
                                   _mm256_setzero_si256()};                                              \
             for (int r = 0; r < rows; r++) {                                                            \
                 const __m256i offset = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x[r * xs + i].bsums), sc16); \
                 sum[r] = _mm256_sub_epi32(sum[r], _mm256_slli_epi32(offset, 5));                        \
             }                                                                                           \
-            a = add_terms4(a, d, 0.0f, x + i, xs, rows, sum, M);                                        \
+            a = add_terms4(a, dh, x + i, xs, rows, sum, M);                                        \
         }                                                                                               \
         _mm_storeu_ps(acc, a);                                                                          \
     }
@@ -487,7 +497,7 @@ KQ_AVX512 KQ_INLINE void q45_avx512(const uint8_t *w, int64_t blocks, const Q8KB
                 wq[c] = _mm512_mask_add_epi8(wq[c], _mm512_test_epi8_mask(hb, bit), wq[c], sixteen);
             }
         }
-        const float d = half_f16c(b), dmin = half_f16c(b + 2);
+        const __m128 dh = d_dmin_q45(b);
         const __m256i mins = pair_words(mn);
         __m256i S[4], M[4];
         for (int r = 0; r < 4; r++) {
@@ -500,7 +510,7 @@ KQ_AVX512 KQ_INLINE void q45_avx512(const uint8_t *w, int64_t blocks, const Q8KB
             S[r] = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
             M[r] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), mins);
         }
-        a = add_terms4(a, d, dmin, x + i, xs, rows, S, M);
+        a = add_terms4(a, dh, x + i, xs, rows, S, M);
     }
     _mm_storeu_ps(acc, a);
 }
@@ -533,7 +543,7 @@ KQ_AVX512 KQ_INLINE void q6_avx512(const uint8_t *w, int64_t blocks, const Q8KBl
             lo[h] = _mm512_or_si512(_mm512_and_si512(L, m4), _mm512_and_si512(_mm512_sllv_epi16(H, left), m30));
             hi[h] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4), _mm512_and_si512(_mm512_srlv_epi16(H, right), m30));
         }
-        const float d = half_f16c(b + 208);
+        const __m128 dh = d_dmin_q6(b);
         __m256i S[4], M[4];
         for (int r = 0; r < 4; r++) {
             S[r] = M[r] = _mm256_setzero_si256();
@@ -546,7 +556,7 @@ KQ_AVX512 KQ_INLINE void q6_avx512(const uint8_t *w, int64_t blocks, const Q8KBl
             const __m256i folded = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
             S[r] = _mm256_sub_epi32(folded, _mm256_slli_epi32(offset, 5));
         }
-        a = add_terms4(a, d, 0.0f, x + i, xs, rows, S, M);
+        a = add_terms4(a, dh, x + i, xs, rows, S, M);
     }
     _mm_storeu_ps(acc, a);
 }
