@@ -464,6 +464,12 @@ KQ_ROWS_ENTRY(kquant_rows_avx_vnni, KQ_AVX_VNNI, q45_avx_vnni, q6_avx_vnni)
                               _mm512_packs_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), a, xa),      \
                                                  _mm512_dpbusd_epi32(_mm512_setzero_si512(), b, xb)),     \
                               s)
+/* The first pair of a sum: vpmaddwd where the accumulator would be zero (the same integers, one
+ * register copy fewer). */
+#define KQ_FIRST_PAIR_512(acc, a, xa, b, xb, s)                                                          \
+    acc = _mm512_madd_epi16(_mm512_packs_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), a, xa),       \
+                                               _mm512_dpbusd_epi32(_mm512_setzero_si512(), b, xb)),      \
+                            s)
 
 /* Q4_K / Q5_K: chunk c's 32 bytes broadcast to both halves, the low nibbles kept in the low half
  * (sub-block 2c) and the high ones in the high half (2c + 1): 64 quants against 64 contiguous
@@ -477,6 +483,8 @@ KQ_AVX512 KQ_INLINE void q45_avx512(const uint8_t *w, int64_t blocks, const Q8KB
                                           0x00010001, 0x00010001, 0x00020002, 0x00020002, 0x00000000, 0x00000000,
                                           0x00020002, 0x00020002, 0x00000000, 0x00000000);
     const __m512i four = _mm512_set1_epi16(4);
+    /* word j of the 16 bsums' mins: min j / 2 (word 8 + j / 2), as pair_words lays them */
+    const __m256i pair_pick = _mm256_setr_epi16(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
     const int bytes = five ? 176 : 144;
     __m128 a = _mm_loadu_ps(acc);
     for (int64_t i = 0; i < blocks; i++) {
@@ -484,7 +492,9 @@ KQ_AVX512 KQ_INLINE void q45_avx512(const uint8_t *w, int64_t blocks, const Q8KB
         prefetch_ahead(b, bytes);
         uint64_t sc, mn;
         packed_scales_mins(b + 4, &sc, &mn);
-        const __m512i s8 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
+        /* words 0..7 the scales, 8..15 the mins: one widening for both */
+        const __m256i words = _mm256_cvtepu8_epi16(_mm_set_epi64x((long long)mn, (long long)sc));
+        const __m512i s8 = _mm512_castsi256_si512(words);
         const __m512i s01 = _mm512_permutexvar_epi16(pick, s8), s23 = _mm512_permutexvar_epi16(_mm512_add_epi16(pick, four), s8);
         const __m512i hb = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16))) : _mm512_setzero_si512();
         __m512i wq[4];
@@ -498,14 +508,14 @@ KQ_AVX512 KQ_INLINE void q45_avx512(const uint8_t *w, int64_t blocks, const Q8KB
             }
         }
         const __m128 dh = d_dmin_q45(b);
-        const __m256i mins = pair_words(mn);
+        const __m256i mins = _mm256_permutexvar_epi16(pair_pick, words);
         __m256i S[4], M[4];
         for (int r = 0; r < 4; r++) {
             S[r] = M[r] = _mm256_setzero_si256();
             if (r >= rows) continue;
             const Q8KBlock *xb = x + r * xs + i;
-            __m512i sum = _mm512_setzero_si512();
-            KQ_PAIR_512(sum, wq[0], _mm512_loadu_si512(xb->qs), wq[1], _mm512_loadu_si512(xb->qs + 64), s01);
+            __m512i sum;
+            KQ_FIRST_PAIR_512(sum, wq[0], _mm512_loadu_si512(xb->qs), wq[1], _mm512_loadu_si512(xb->qs + 64), s01);
             KQ_PAIR_512(sum, wq[2], _mm512_loadu_si512(xb->qs + 128), wq[3], _mm512_loadu_si512(xb->qs + 192), s23);
             S[r] = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
             M[r] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), mins);
@@ -534,6 +544,7 @@ KQ_AVX512 KQ_INLINE void q6_avx512(const uint8_t *w, int64_t blocks, const Q8KBl
         prefetch_ahead(b, 210);
         const __m128i scales = _mm_loadu_si128((const __m128i *)(b + 192));
         const __m256i sc16 = _mm256_cvtepi8_epi16(scales);
+        const __m256i sc_m32 = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(sc16, 5));
         const __m512i sc = _mm512_castsi256_si512(sc16);
         const __m512i s0 = _mm512_permutexvar_epi16(pick, sc), s1 = _mm512_permutexvar_epi16(_mm512_add_epi16(pick, eight), sc);
         __m512i lo[2], hi[2];
@@ -549,12 +560,11 @@ KQ_AVX512 KQ_INLINE void q6_avx512(const uint8_t *w, int64_t blocks, const Q8KBl
             S[r] = M[r] = _mm256_setzero_si256();
             if (r >= rows) continue;
             const Q8KBlock *xb = x + r * xs + i;
-            __m512i sum = _mm512_setzero_si512();
-            KQ_PAIR_512(sum, lo[0], _mm512_loadu_si512(xb->qs), hi[0], _mm512_loadu_si512(xb->qs + 64), s0);
+            __m512i sum;
+            KQ_FIRST_PAIR_512(sum, lo[0], _mm512_loadu_si512(xb->qs), hi[0], _mm512_loadu_si512(xb->qs + 64), s0);
             KQ_PAIR_512(sum, lo[1], _mm512_loadu_si512(xb->qs + 128), hi[1], _mm512_loadu_si512(xb->qs + 192), s1);
-            const __m256i offset = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), sc16);
-            const __m256i folded = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
-            S[r] = _mm256_sub_epi32(folded, _mm256_slli_epi32(offset, 5));
+            const __m256i offset = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), sc_m32);
+            S[r] = _mm256_add_epi32(_mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1)), offset);
         }
         a = add_terms4(a, dh, x + i, xs, rows, S, M);
     }
