@@ -190,6 +190,18 @@ void quantize_row_q8k(const float *x, int64_t n, Q8KBlock *out) { quantize_row_q
 
 void quantize_row_q8k_isa(int isa, const float *x, int64_t n, Q8KBlock *out) { quantize_row_q8k_at(integer_dot_isa(isa), x, n, out); }
 
+/* residual[l] = x[l] - d qs[l], the product rounded before the subtraction (no FMA at this target,
+ * so the bits are the portable loop's). */
+#ifdef KQ_X86
+KQ_AVX2 static void residual_avx2(const float *x, const Q8KBlock *b, float *residual) {
+    const __m256 d = _mm256_set1_ps(b->d);
+    for (int l = 0; l < 256; l += 8) {
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b->qs + l))));
+        _mm256_storeu_ps(residual + l, _mm256_sub_ps(_mm256_loadu_ps(x + l), _mm256_mul_ps(d, q)));
+    }
+}
+#endif
+
 void quantize_row_q8k_halves(int isa, const float *x, int64_t n, int halves, Q8KBlock *out) {
     const int vector = integer_dot_isa(isa);
     quantize_row_q8k_at(vector, x, n, out);
@@ -197,7 +209,12 @@ void quantize_row_q8k_halves(int isa, const float *x, int64_t n, int halves, Q8K
     float residual[256];
     for (int64_t i = 0; i < n / 256; i++) {
         const Q8KBlock *b = out + i;
-        for (int l = 0; l < 256; l++) residual[l] = x[256 * i + l] - rounded(b->d * (float)b->qs[l]);
+#ifdef KQ_X86
+        if (vector >= IDOT_AVX2)
+            residual_avx2(x + 256 * i, b, residual);
+        else
+#endif
+            for (int l = 0; l < 256; l++) residual[l] = x[256 * i + l] - rounded(b->d * (float)b->qs[l]);
         quantize_row_q8k_at(vector, residual, 256, out + n / 256 + i);
     }
 }
