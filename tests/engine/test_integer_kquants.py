@@ -363,6 +363,33 @@ def test_two_halves_are_the_products_of_x_and_of_its_residual_added_and_far_clos
     assert np.abs(got.numpy() - exact).max() < np.abs(one - exact).max() / 30
 
 
+@pytest.mark.parametrize("ggml_type", K_TYPES)
+def test_one_token_alone_gives_the_reference_bits_at_every_level_with_infinite_and_nan_scales(ggml_type: T) -> None:
+    """A decode token alone runs the kernel's one- and two-row forms (int8x2: x and its residual are
+    its two rows), whose sums and scales share one reduction: each output must still be the
+    reference's, at every level, where a block's d or dmin is infinite or NaN too."""
+    in_features, out_features = 2048, 13
+    blocks = k_blocks(ggml_type, out_features, in_features, seed=21).numpy().copy()
+    type_size = gguf.GGML_QUANT_SIZES[ggml_type][1]
+    flat = blocks.reshape(-1, type_size)
+    offsets = SCALE_OFFSETS[ggml_type]
+    flat[3, offsets[0] : offsets[0] + 2] = np.array([np.inf], dtype=np.float16).view(np.uint8)
+    flat[17, offsets[-1] : offsets[-1] + 2] = np.array([np.nan], dtype=np.float16).view(np.uint8)
+    weights = torch.from_numpy(blocks)
+    x = activations(1, in_features, seed=22)
+    d, qs, bsums = native_quantized.quantize_q8k(x)
+    residual = x - d.repeat_interleave(256, dim=1) * qs.float()
+    with np.errstate(invalid="ignore"):  # inf + -inf in the outputs of the infinite scale's row
+        one = reference(ggml_type, weights, d, qs, bsums)
+        two = one + reference(ggml_type, weights, *native_quantized.quantize_q8k(residual))
+    for isa in LEVELS:
+        got_one = native_quantized.kquant_product(x, weights, ggml_type, out_features, in_features, isa=isa)
+        got_two = native_quantized.kquant_product(x, weights, ggml_type, out_features, in_features, isa=isa, halves=2)
+        assert np.array_equal(got_one.numpy(), one, equal_nan=True), isa
+        assert np.array_equal(got_two.numpy(), two, equal_nan=True), isa
+        assert np.isfinite(got_two.numpy()).sum() == out_features - 2
+
+
 def test_a_nan_in_one_rows_input_reaches_that_rows_outputs_only() -> None:
     blocks = k_blocks(T.Q6_K, 9, 512)
     x = activations(6, 512, seed=7)

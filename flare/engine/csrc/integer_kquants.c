@@ -190,6 +190,18 @@ void quantize_row_q8k(const float *x, int64_t n, Q8KBlock *out) { quantize_row_q
 
 void quantize_row_q8k_isa(int isa, const float *x, int64_t n, Q8KBlock *out) { quantize_row_q8k_at(integer_dot_isa(isa), x, n, out); }
 
+/* residual[l] = x[l] - d qs[l], the product rounded before the subtraction (no FMA at this target,
+ * so the bits are the portable loop's). */
+#ifdef KQ_X86
+KQ_AVX2 static void residual_avx2(const float *x, const Q8KBlock *b, float *residual) {
+    const __m256 d = _mm256_set1_ps(b->d);
+    for (int l = 0; l < 256; l += 8) {
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b->qs + l))));
+        _mm256_storeu_ps(residual + l, _mm256_sub_ps(_mm256_loadu_ps(x + l), _mm256_mul_ps(d, q)));
+    }
+}
+#endif
+
 void quantize_row_q8k_halves(int isa, const float *x, int64_t n, int halves, Q8KBlock *out) {
     const int vector = integer_dot_isa(isa);
     quantize_row_q8k_at(vector, x, n, out);
@@ -197,7 +209,12 @@ void quantize_row_q8k_halves(int isa, const float *x, int64_t n, int halves, Q8K
     float residual[256];
     for (int64_t i = 0; i < n / 256; i++) {
         const Q8KBlock *b = out + i;
-        for (int l = 0; l < 256; l++) residual[l] = x[256 * i + l] - rounded(b->d * (float)b->qs[l]);
+#ifdef KQ_X86
+        if (vector >= IDOT_AVX2)
+            residual_avx2(x + 256 * i, b, residual);
+        else
+#endif
+            for (int l = 0; l < 256; l++) residual[l] = x[256 * i + l] - rounded(b->d * (float)b->qs[l]);
         quantize_row_q8k_at(vector, residual, 256, out + n / 256 + i);
     }
 }
@@ -279,22 +296,43 @@ KQ_AVX2 KQ_INLINE __m128 rounded4(__m128 v) {
     return v;
 }
 
-/* kquant_term for rows 0..3 in the lanes of one vector, then acc + term: each lane's multiply,
- * conversion, subtraction and addition round as the scalar ones do, so the bits are kquant_term's.
- * S[r] and M[r] hold row r's sumi and summins spread over 8 lanes (zero for r >= rows). */
-KQ_AVX2 KQ_INLINE __m128 add_terms4(__m128 acc, float d, float dmin, const Q8KBlock *x, int64_t xs, const int rows,
-                                    const __m256i S[4], const __m256i M[4]) {
-    const __m128 xd = _mm_setr_ps(x[0].d, rows > 1 ? x[xs].d : 0.0f, rows > 2 ? x[2 * xs].d : 0.0f, rows > 3 ? x[3 * xs].d : 0.0f);
-    const __m128 dd = rounded4(_mm_mul_ps(_mm_set1_ps(d), xd)), dm = rounded4(_mm_mul_ps(_mm_set1_ps(dmin), xd));
-    const __m128 t = _mm_sub_ps(rounded4(_mm_mul_ps(dd, _mm_cvtepi32_ps(hsum4(S)))), rounded4(_mm_mul_ps(dm, _mm_cvtepi32_ps(hsum4(M)))));
-    return _mm_add_ps(acc, t);
+/* A super-block's d and dmin as [d, dmin, ., .]: Q4_K / Q5_K's first two halves in one vcvtph2ps
+ * (exact, as half_of; the two halves after them are the block's scales, not read as floats), Q6_K's d
+ * at byte 208 with dmin 0 (the block's last two bytes: nothing past them is read). */
+KQ_AVX2 KQ_INLINE __m128 d_dmin_q45(const uint8_t *b) {
+    uint32_t h;
+    memcpy(&h, b, sizeof h);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128((int)h));
 }
 
-/* half_of in one instruction (vcvtph2ps widens every half exactly, as half_of does). */
-KQ_AVX2 KQ_INLINE float half_f16c(const uint8_t *p) {
+KQ_AVX2 KQ_INLINE __m128 d_dmin_q6(const uint8_t *b) {
     uint16_t h;
-    memcpy(&h, p, sizeof h);
-    return _cvtsh_ss(h);
+    memcpy(&h, b + 208, sizeof h);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(h));
+}
+
+/* kquant_term for rows 0..3 in the lanes of one vector, then acc + term: each lane's multiply,
+ * conversion, subtraction and addition round as the scalar ones do, so the bits are kquant_term's.
+ * dh holds [d, dmin, ., .] (d_dmin_q45, d_dmin_q6); S[r] and M[r] row r's sumi and summins spread
+ * over 8 lanes (zero for r >= rows). */
+KQ_AVX2 KQ_INLINE __m128 add_terms4(__m128 acc, __m128 dh, const Q8KBlock *x, int64_t xs, const int rows, const __m256i S[4],
+                                    const __m256i M[4]) {
+    if (rows <= 2) {
+        /* One reduction for both rows' sumi and summins, [S0, S1, M0, M1], met by [dd0, dd1, dm0, dm1]:
+         * every lane's operations are the ones below, so the bits too; a token's two halves (int8x2)
+         * are two rows, which this halves the horizontal sums of. Lanes 2 and 3 of the result add
+         * dm r * summins r - itself (zero for finite values), never stored. */
+        const float x0 = x[0].d, x1 = rows > 1 ? x[xs].d : 0.0f;
+        const __m128 scale = rounded4(_mm_mul_ps(_mm_unpacklo_ps(dh, dh), _mm_setr_ps(x0, x1, x0, x1)));
+        const __m256i v[4] = {S[0], S[1], M[0], M[1]};
+        const __m128 p = rounded4(_mm_mul_ps(scale, _mm_cvtepi32_ps(hsum4(v))));
+        return _mm_add_ps(acc, _mm_sub_ps(p, _mm_movehl_ps(p, p)));
+    }
+    const __m128 xd = _mm_setr_ps(x[0].d, rows > 1 ? x[xs].d : 0.0f, rows > 2 ? x[2 * xs].d : 0.0f, rows > 3 ? x[3 * xs].d : 0.0f);
+    const __m128 d = _mm_shuffle_ps(dh, dh, 0x00), dmin = _mm_shuffle_ps(dh, dh, 0x55);
+    const __m128 dd = rounded4(_mm_mul_ps(d, xd)), dm = rounded4(_mm_mul_ps(dmin, xd));
+    const __m128 t = _mm_sub_ps(rounded4(_mm_mul_ps(dd, _mm_cvtepi32_ps(hsum4(S)))), rounded4(_mm_mul_ps(dm, _mm_cvtepi32_ps(hsum4(M)))));
+    return _mm_add_ps(acc, t);
 }
 
 /* The two levels differ in one step: how 32 quants a and 32 quants b (unsigned, sub-block or group
@@ -343,12 +381,12 @@ KQ_AVX2 KQ_INLINE float half_f16c(const uint8_t *p) {
                 }                                                                                       \
             }                                                                                           \
             const __m256i mins = pair_words(mn);                                                        \
-            const float d = half_f16c(b), dmin = half_f16c(b + 2);                                      \
+            const __m128 dh = d_dmin_q45(b);                                                            \
             __m256i M[4];                                                                               \
             for (int r = 0; r < 4; r++)                                                                 \
                 M[r] = r < rows ? _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x[r * xs + i].bsums), mins) \
                                 : _mm256_setzero_si256();                                               \
-            a = add_terms4(a, d, dmin, x + i, xs, rows, sum, M);                                        \
+            a = add_terms4(a, dh, x + i, xs, rows, sum, M);                                        \
         }                                                                                               \
         _mm_storeu_ps(acc, a);                                                                          \
     }
@@ -389,14 +427,14 @@ KQ_AVX2 KQ_INLINE float half_f16c(const uint8_t *p) {
                 }                                                                                       \
             }                                                                                           \
             const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales));        \
-            const float d = half_f16c(b + 208);                                                         \
+            const __m128 dh = d_dmin_q6(b);                                                             \
             const __m256i M[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), \
                                   _mm256_setzero_si256()};                                              \
             for (int r = 0; r < rows; r++) {                                                            \
                 const __m256i offset = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x[r * xs + i].bsums), sc16); \
                 sum[r] = _mm256_sub_epi32(sum[r], _mm256_slli_epi32(offset, 5));                        \
             }                                                                                           \
-            a = add_terms4(a, d, 0.0f, x + i, xs, rows, sum, M);                                        \
+            a = add_terms4(a, dh, x + i, xs, rows, sum, M);                                        \
         }                                                                                               \
         _mm_storeu_ps(acc, a);                                                                          \
     }
@@ -443,6 +481,12 @@ KQ_ROWS_ENTRY(kquant_rows_avx_vnni, KQ_AVX_VNNI, q45_avx_vnni, q6_avx_vnni)
                               _mm512_packs_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), a, xa),      \
                                                  _mm512_dpbusd_epi32(_mm512_setzero_si512(), b, xb)),     \
                               s)
+/* The first pair of a sum: vpmaddwd where the accumulator would be zero (the same integers, one
+ * register copy fewer). */
+#define KQ_FIRST_PAIR_512(acc, a, xa, b, xb, s)                                                          \
+    acc = _mm512_madd_epi16(_mm512_packs_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), a, xa),       \
+                                               _mm512_dpbusd_epi32(_mm512_setzero_si512(), b, xb)),      \
+                            s)
 
 /* Q4_K / Q5_K: chunk c's 32 bytes broadcast to both halves, the low nibbles kept in the low half
  * (sub-block 2c) and the high ones in the high half (2c + 1): 64 quants against 64 contiguous
@@ -456,6 +500,8 @@ KQ_AVX512 KQ_INLINE void q45_avx512(const uint8_t *w, int64_t blocks, const Q8KB
                                           0x00010001, 0x00010001, 0x00020002, 0x00020002, 0x00000000, 0x00000000,
                                           0x00020002, 0x00020002, 0x00000000, 0x00000000);
     const __m512i four = _mm512_set1_epi16(4);
+    /* word j of the 16 bsums' mins: min j / 2 (word 8 + j / 2), as pair_words lays them */
+    const __m256i pair_pick = _mm256_setr_epi16(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
     const int bytes = five ? 176 : 144;
     __m128 a = _mm_loadu_ps(acc);
     for (int64_t i = 0; i < blocks; i++) {
@@ -463,7 +509,9 @@ KQ_AVX512 KQ_INLINE void q45_avx512(const uint8_t *w, int64_t blocks, const Q8KB
         prefetch_ahead(b, bytes);
         uint64_t sc, mn;
         packed_scales_mins(b + 4, &sc, &mn);
-        const __m512i s8 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
+        /* words 0..7 the scales, 8..15 the mins: one widening for both */
+        const __m256i words = _mm256_cvtepu8_epi16(_mm_set_epi64x((long long)mn, (long long)sc));
+        const __m512i s8 = _mm512_castsi256_si512(words);
         const __m512i s01 = _mm512_permutexvar_epi16(pick, s8), s23 = _mm512_permutexvar_epi16(_mm512_add_epi16(pick, four), s8);
         const __m512i hb = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16))) : _mm512_setzero_si512();
         __m512i wq[4];
@@ -476,20 +524,20 @@ KQ_AVX512 KQ_INLINE void q45_avx512(const uint8_t *w, int64_t blocks, const Q8KB
                 wq[c] = _mm512_mask_add_epi8(wq[c], _mm512_test_epi8_mask(hb, bit), wq[c], sixteen);
             }
         }
-        const float d = half_f16c(b), dmin = half_f16c(b + 2);
-        const __m256i mins = pair_words(mn);
+        const __m128 dh = d_dmin_q45(b);
+        const __m256i mins = _mm256_permutexvar_epi16(pair_pick, words);
         __m256i S[4], M[4];
         for (int r = 0; r < 4; r++) {
             S[r] = M[r] = _mm256_setzero_si256();
             if (r >= rows) continue;
             const Q8KBlock *xb = x + r * xs + i;
-            __m512i sum = _mm512_setzero_si512();
-            KQ_PAIR_512(sum, wq[0], _mm512_loadu_si512(xb->qs), wq[1], _mm512_loadu_si512(xb->qs + 64), s01);
+            __m512i sum;
+            KQ_FIRST_PAIR_512(sum, wq[0], _mm512_loadu_si512(xb->qs), wq[1], _mm512_loadu_si512(xb->qs + 64), s01);
             KQ_PAIR_512(sum, wq[2], _mm512_loadu_si512(xb->qs + 128), wq[3], _mm512_loadu_si512(xb->qs + 192), s23);
             S[r] = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
             M[r] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), mins);
         }
-        a = add_terms4(a, d, dmin, x + i, xs, rows, S, M);
+        a = add_terms4(a, dh, x + i, xs, rows, S, M);
     }
     _mm_storeu_ps(acc, a);
 }
@@ -513,6 +561,7 @@ KQ_AVX512 KQ_INLINE void q6_avx512(const uint8_t *w, int64_t blocks, const Q8KBl
         prefetch_ahead(b, 210);
         const __m128i scales = _mm_loadu_si128((const __m128i *)(b + 192));
         const __m256i sc16 = _mm256_cvtepi8_epi16(scales);
+        const __m256i sc_m32 = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(sc16, 5));
         const __m512i sc = _mm512_castsi256_si512(sc16);
         const __m512i s0 = _mm512_permutexvar_epi16(pick, sc), s1 = _mm512_permutexvar_epi16(_mm512_add_epi16(pick, eight), sc);
         __m512i lo[2], hi[2];
@@ -522,20 +571,19 @@ KQ_AVX512 KQ_INLINE void q6_avx512(const uint8_t *w, int64_t blocks, const Q8KBl
             lo[h] = _mm512_or_si512(_mm512_and_si512(L, m4), _mm512_and_si512(_mm512_sllv_epi16(H, left), m30));
             hi[h] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4), _mm512_and_si512(_mm512_srlv_epi16(H, right), m30));
         }
-        const float d = half_f16c(b + 208);
+        const __m128 dh = d_dmin_q6(b);
         __m256i S[4], M[4];
         for (int r = 0; r < 4; r++) {
             S[r] = M[r] = _mm256_setzero_si256();
             if (r >= rows) continue;
             const Q8KBlock *xb = x + r * xs + i;
-            __m512i sum = _mm512_setzero_si512();
-            KQ_PAIR_512(sum, lo[0], _mm512_loadu_si512(xb->qs), hi[0], _mm512_loadu_si512(xb->qs + 64), s0);
+            __m512i sum;
+            KQ_FIRST_PAIR_512(sum, lo[0], _mm512_loadu_si512(xb->qs), hi[0], _mm512_loadu_si512(xb->qs + 64), s0);
             KQ_PAIR_512(sum, lo[1], _mm512_loadu_si512(xb->qs + 128), hi[1], _mm512_loadu_si512(xb->qs + 192), s1);
-            const __m256i offset = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), sc16);
-            const __m256i folded = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
-            S[r] = _mm256_sub_epi32(folded, _mm256_slli_epi32(offset, 5));
+            const __m256i offset = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), sc_m32);
+            S[r] = _mm256_add_epi32(_mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1)), offset);
         }
-        a = add_terms4(a, d, 0.0f, x + i, xs, rows, S, M);
+        a = add_terms4(a, dh, x + i, xs, rows, S, M);
     }
     _mm_storeu_ps(acc, a);
 }
