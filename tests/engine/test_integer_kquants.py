@@ -235,6 +235,26 @@ def test_amx_tiles_give_the_portable_bits_either_side_of_their_start_and_of_16_a
 
 
 @needs_amx
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q5_K])
+def test_amx_mins_take_each_rows_sub_block_sums_at_their_extremes_of_both_signs(ggml_type: T) -> None:
+    """AMX's float step reads a row's 32-quant sub-block sums as two int16 a dword, formed once a call
+    (kquant_pack_rows): sub-blocks of all +127 or all -127 quants, the signs alternating by sub-block
+    and by row, give sums of +-4064, the reference's bits and the portable level's at 16 to 70 rows."""
+    in_features, out_features, rows = 512, 37, 70
+    blocks = k_blocks(ggml_type, out_features, in_features, seed=51)
+    signs = [[(-1.0) ** (j + r) for j in range(in_features // 32)] for r in range(rows)]
+    x = torch.tensor(signs, dtype=torch.float32).repeat_interleave(32, dim=1)
+    d, qs, bsums = native_quantized.quantize_q8k(x)
+    assert int(qs.abs().min()) == 127
+    expected = reference(ggml_type, blocks, d, qs, bsums)
+    portable = native_quantized.kquant_product(x, blocks, ggml_type, out_features, in_features, isa=native_quantized.IDOT_PORTABLE)
+    assert np.array_equal(portable.numpy(), expected)
+    for n in (16, 17, 33, 64, 70):
+        amx = native_quantized.kquant_product(x[:n].clone(), blocks, ggml_type, out_features, in_features, isa=native_quantized.IDOT_AMX)
+        assert torch.equal(amx, portable[:n]), n
+
+
+@needs_amx
 def test_amx_threads_each_configure_their_tiles_and_a_prefill_across_row_tiles_keeps_the_portable_bits() -> None:
     """Each thread of the team loads its own tile configuration (a thread's tile state is its own);
     300 tokens of two halves span AMX's row tiles (128 rows) and end in a partial one."""

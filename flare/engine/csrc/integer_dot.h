@@ -65,13 +65,13 @@ void kquant_dot_rows(int vector, int type, const uint8_t *w, int64_t blocks, con
  * partial tile repeats a row in the lanes it does not store). acc[16 r + k] = the dot product of
  * w[k] with activation row r (rows `x_stride` blocks apart), for r < rows, the same bits as
  * kquant_dot_rows. `ahead`: 16 rows of weight bytes to prefetch meanwhile (the next tile's), or NULL.
- * `packed`: the rows' quants as kquant_pack_rows lays them out, which AMX reads (NULL: no AMX; not
- * NULL only in a thread between kquant_amx_begin and kquant_amx_end).
+ * `packed` and `pairs`: the rows' quants and sub-block sums as kquant_pack_rows lays them out, which
+ * AMX reads (NULL: no AMX; not NULL only in a thread between kquant_amx_begin and kquant_amx_end).
  * 1 when level `vector` has these tiles (AMX from KQ_AMX_FROM rows; AVX-512 VNNI; AVX-VNNI and AVX2
  * as two vectors of 8), else 0 (the portable level) and nothing written. */
 enum { KQ_TILE_OUTPUTS = 16 };
 int kquant_dot_tile16(int vector, int type, const uint8_t *const w[KQ_TILE_OUTPUTS], int64_t blocks, const Q8KBlock *x, int64_t x_stride,
-                      int rows, const uint8_t *ahead, const int8_t *packed, float *acc);
+                      int rows, const uint8_t *ahead, const int8_t *packed, const uint32_t *pairs, float *acc);
 
 /* Rows in a tile call from which AMX multiplies (at least 16, a tile's rows). */
 #ifndef KQ_AMX_FROM
@@ -80,8 +80,10 @@ int kquant_dot_tile16(int vector, int type, const uint8_t *const w[KQ_TILE_OUTPU
 
 /* out[(i rows + r) 256 + l] = quant l of row r's super-block i (x[r x_stride + i].qs[l]), r < rows,
  * i < blocks: a super-block's rows contiguous and 64-byte aligned (out aligned), the AMX tiles' A
- * operand. Q8KBlocks are 292 bytes, so in place every 64 quants of a row would straddle two lines. */
-void kquant_pack_rows(const Q8KBlock *x, int64_t x_stride, int rows, int64_t blocks, int8_t *out);
+ * operand. Q8KBlocks are 292 bytes, so in place every 64 quants of a row would straddle two lines.
+ * pairs[4 (i rows + r) + m] = the sums of the row's 32-quant sub-blocks 2 m and 2 m + 1 as two int16
+ * (low, high), what Q4_K's and Q5_K's mins multiply: formed once a call, not once per 16 outputs. */
+void kquant_pack_rows(const Q8KBlock *x, int64_t x_stride, int rows, int64_t blocks, int8_t *out, uint32_t *pairs);
 
 /* The AMX tiles' configuration, loaded by each thread (a thread's tile state is its own) before its
  * tile calls and released after: ldtilecfg costs about what a call's tile products do. Only at a

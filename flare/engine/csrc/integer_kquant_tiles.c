@@ -441,23 +441,24 @@ KT_AMX KT_INLINE void amx_sums(const int type, uint8_t (*bq)[64 * 64], const int
     }
 }
 
-/* Row r of the tile sums: sumi from the digits' sums, summins as rows45 forms it, then add_term16. */
-KT_AMX KT_INLINE void amx_finish(const int type, const Unpacked *u, int32_t (*sums)[256], int r, const Q8KBlock *xb, float *acc) {
+/* Row r of the tile sums: sumi from the digits' sums, summins as rows45 forms it (from the row's
+ * sub-block sums `pairs`, formed once a call by kquant_pack_rows, not once per 16 outputs), then
+ * add_term16. */
+KT_AMX KT_INLINE void amx_finish(const int type, const Unpacked *u, int32_t (*sums)[256], int r, const Q8KBlock *xb, const uint32_t *pairs,
+                                 float *acc) {
     __m512i sumi = _mm512_add_epi32(_mm512_load_si512(sums[0] + 16 * r), _mm512_slli_epi32(_mm512_load_si512(sums[1] + 16 * r), 3));
     __m512i summins = _mm512_setzero_si512();
     if (type == GGML_Q6_K) {
         sumi = _mm512_add_epi32(sumi, _mm512_slli_epi32(_mm512_load_si512(sums[2] + 16 * r), 6));
     } else {
-        int32_t bs[4];
-        const __m256i pairsum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), _mm256_set1_epi16(1));
-        _mm_storeu_si128((__m128i *)bs, _mm_packs_epi32(_mm256_castsi256_si128(pairsum), _mm256_extracti128_si256(pairsum, 1)));
-        for (int m = 0; m < 4; m++) summins = _mm512_dpwssd_epi32(summins, u->pairs[m], _mm512_set1_epi32(bs[m]));
+        /* the row's sub-block sums, two a dword (kquant_pack_rows), each broadcast from memory */
+        for (int m = 0; m < 4; m++) summins = _mm512_dpwssd_epi32(summins, u->pairs[m], _mm512_set1_epi32((int)pairs[m]));
     }
     _mm512_storeu_ps(acc, add_term16(_mm512_loadu_ps(acc), u, xb->d, sumi, summins));
 }
 
 KT_AMX KT_INLINE void tile16_amx_type(const int type, const uint8_t *const w[16], int64_t blocks, const Q8KBlock *x, int64_t xs,
-                                      int rows, const uint8_t *ahead, const int8_t *packed, float *acc) {
+                                      int rows, const uint8_t *ahead, const int8_t *packed, const uint32_t *pairs, float *acc) {
     const int bytes = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210;
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(acc + 16 * r, _mm512_setzero_ps());
     static const int lane_output[16] = {KT_LANE_OUTPUT};
@@ -479,7 +480,7 @@ KT_AMX KT_INLINE void tile16_amx_type(const int type, const uint8_t *const w[16]
             const int base = r0 + 16 <= rows ? r0 : rows - 16; /* the last 16 rows: a few again, the same sums */
             amx_sums(type, bq, packed + (i * rows + base) * 256, 256, sums);
             for (int r = r0; r < rows && r < r0 + 16; r++) {
-                amx_finish(type, &u, sums, r - base, x + r * xs + i, acc + 16 * r);
+                amx_finish(type, &u, sums, r - base, x + r * xs + i, pairs + 4 * (i * rows + r), acc + 16 * r);
                 for (int l = 0; l < 3 && at < end; l++, at += 64) __builtin_prefetch(ahead + at, 0, KT_LOCALITY);
             }
         }
@@ -491,10 +492,10 @@ KT_AMX KT_INLINE void tile16_amx_type(const int type, const uint8_t *const w[16]
 
 /* rows >= 16, in a thread between kquant_amx_begin and kquant_amx_end. */
 KT_AMX static void tile16_amx(int type, const uint8_t *const w[16], int64_t blocks, const Q8KBlock *x, int64_t xs, int rows,
-                              const uint8_t *ahead, const int8_t *packed, float *acc) {
-    if (type == GGML_Q6_K) tile16_amx_type(GGML_Q6_K, w, blocks, x, xs, rows, ahead, packed, acc);
-    else if (type == GGML_Q5_K) tile16_amx_type(GGML_Q5_K, w, blocks, x, xs, rows, ahead, packed, acc);
-    else tile16_amx_type(GGML_Q4_K, w, blocks, x, xs, rows, ahead, packed, acc);
+                              const uint8_t *ahead, const int8_t *packed, const uint32_t *pairs, float *acc) {
+    if (type == GGML_Q6_K) tile16_amx_type(GGML_Q6_K, w, blocks, x, xs, rows, ahead, packed, pairs, acc);
+    else if (type == GGML_Q5_K) tile16_amx_type(GGML_Q5_K, w, blocks, x, xs, rows, ahead, packed, pairs, acc);
+    else tile16_amx_type(GGML_Q4_K, w, blocks, x, xs, rows, ahead, packed, pairs, acc);
 }
 #define KT_HAS_AMX 1
 #endif
@@ -708,20 +709,28 @@ void kquant_amx_begin(void) {}
 void kquant_amx_end(void) {}
 #endif
 
-void kquant_pack_rows(const Q8KBlock *x, int64_t x_stride, int rows, int64_t blocks, int8_t *out) {
+void kquant_pack_rows(const Q8KBlock *x, int64_t x_stride, int rows, int64_t blocks, int8_t *out, uint32_t *pairs) {
     for (int64_t i = 0; i < blocks; i++)
-        for (int r = 0; r < rows; r++) memcpy(out + (i * rows + r) * 256, x[r * x_stride + i].qs, 256);
+        for (int r = 0; r < rows; r++) {
+            const Q8KBlock *b = x + r * x_stride + i;
+            memcpy(out + (i * rows + r) * 256, b->qs, 256);
+            /* |bsums[2 j] + bsums[2 j + 1]| <= 32 * 127: exact in int16 */
+            for (int m = 0; m < 4; m++) {
+                const int lo = b->bsums[4 * m] + b->bsums[4 * m + 1], hi = b->bsums[4 * m + 2] + b->bsums[4 * m + 3];
+                pairs[4 * (i * rows + r) + m] = (uint32_t)(uint16_t)lo | (uint32_t)(uint16_t)hi << 16;
+            }
+        }
 }
 
 #if KQ_AMX_FROM < 16
 #error "KQ_AMX_FROM must be at least 16: the AMX tiles read 16 activation rows at a time"
 #endif
 int kquant_dot_tile16(int vector, int type, const uint8_t *const w[KQ_TILE_OUTPUTS], int64_t blocks, const Q8KBlock *x, int64_t x_stride,
-                      int rows, const uint8_t *ahead, const int8_t *packed, float *acc) {
+                      int rows, const uint8_t *ahead, const int8_t *packed, const uint32_t *pairs, float *acc) {
 #if defined(__x86_64__) && defined(__GNUC__)
 #ifdef KT_HAS_AMX
     if (vector >= IDOT_AMX && rows >= KQ_AMX_FROM && packed) {
-        tile16_amx(type, w, blocks, x, x_stride, rows, ahead, packed, acc);
+        tile16_amx(type, w, blocks, x, x_stride, rows, ahead, packed, pairs, acc);
         return 1;
     }
 #endif
@@ -738,7 +747,7 @@ int kquant_dot_tile16(int vector, int type, const uint8_t *const w[KQ_TILE_OUTPU
         return 1;
     }
 #else
-    (void)vector, (void)type, (void)w, (void)blocks, (void)x, (void)x_stride, (void)rows, (void)ahead, (void)packed, (void)acc;
+    (void)vector, (void)type, (void)w, (void)blocks, (void)x, (void)x_stride, (void)rows, (void)ahead, (void)packed, (void)pairs, (void)acc;
 #endif
     return 0;
 }

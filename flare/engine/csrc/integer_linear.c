@@ -377,12 +377,15 @@ static void kquant_tiles(int level, int type, int halves, const uint8_t *blocks,
      * the memory, the AVX-512 VNNI tiles (the same bits). AMX's row tiles are KQ_AMX_ROWS rows (even:
      * a token's two halves share a tile): its products cost less, so a super-block's unpacking
      * weighs more, and is shared by more rows. */
-    int8_t *packed = level >= IDOT_AMX && qrows >= KQ_AMX_FROM ? aligned_alloc(64, (size_t)(qrows * kblocks * 256)) : NULL;
+    /* the quants, then the sub-block sums: qrows kblocks (256 + 16) bytes, rounded up to the alignment */
+    int8_t *packed = level >= IDOT_AMX && qrows >= KQ_AMX_FROM ? aligned_alloc(64, (size_t)((qrows * kblocks * (256 + 16) + 63) / 64 * 64)) : NULL;
+    uint32_t *pairs = packed ? (uint32_t *)(packed + qrows * kblocks * 256) : NULL;
     const int64_t tile = packed ? KQ_AMX_ROWS : TILE;
     if (packed) {
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t t = 0; t < qrows; t += tile)
-            kquant_pack_rows(x + t * kblocks, kblocks, (int)(qrows - t < tile ? qrows - t : tile), kblocks, packed + t * kblocks * 256);
+            kquant_pack_rows(x + t * kblocks, kblocks, (int)(qrows - t < tile ? qrows - t : tile), kblocks, packed + t * kblocks * 256,
+                             pairs + t * kblocks * 4);
     }
     /* Row tiles outermost: a tile's activations (at most 128 rows of 2048 or 8192 quants, in L2)
      * meet every output group before the next tile's, and each weight is streamed once a row tile;
@@ -401,7 +404,8 @@ static void kquant_tiles(int level, int type, int halves, const uint8_t *blocks,
                 for (int k = 0; k < KQ_TILE_OUTPUTS; k++) w[k] = blocks + (o0 + (k < count ? k : count - 1)) * row_bytes;
                 /* the next group's rows follow these in memory: prefetched meanwhile */
                 const uint8_t *next = g + 1 < groups ? blocks + (o0 + KQ_TILE_OUTPUTS) * row_bytes : NULL;
-                kquant_dot_tile16(level, type, w, kblocks, x + t * kblocks, kblocks, n, next, packed ? packed + t * kblocks * 256 : NULL, acc);
+                kquant_dot_tile16(level, type, w, kblocks, x + t * kblocks, kblocks, n, next, packed ? packed + t * kblocks * 256 : NULL,
+                                  packed ? pairs + t * kblocks * 4 : NULL, acc);
                 for (int r = 0; r < n; r += halves)
                     for (int k = 0; k < count; k++)
                         y[(t + r) / halves * y_stride + o0 + k] =
