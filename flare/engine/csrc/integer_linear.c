@@ -364,6 +364,16 @@ enum { KQ_ROW_TILE = 128 };
 #if KQ_AMX_ROWS % 2 || KQ_AMX_ROWS < 16
 #error "KQ_AMX_ROWS must be even (a token's two halves share a row tile) and at least 16"
 #endif
+/* Rows in a product from which it runs at AMX. Q6_K's scales take three digit products a 64-quant
+ * step (Q4_K's and Q5_K's two), so at 16 rows its tile products still cost more than the AVX-512
+ * VNNI tiles and AMX wins from about 20: a 1B LM head's [128256, 2048] int8x2 product, two
+ * threads, the levels in turn, took 28.5 against 26.3 ms at 16 rows, 27.8 against 28.9 at 20 and
+ * 28.5 against 32.3 at 24 (Q4_K and Q5_K win at AMX from 16: 7.7 against 11.3 ms at [65536, 2048]).
+ * The bits are the same either way. */
+#ifndef KQ_AMX_FROM_Q6_K
+#define KQ_AMX_FROM_Q6_K 20
+#endif
+static inline int kquant_amx_from(int type) { return type == GGML_Q6_K ? KQ_AMX_FROM_Q6_K : KQ_AMX_FROM; }
 /* From KQ_TILES_FROM activation rows (int8x2: two a token) at AVX-512 VNNI and AMX, from
  * KQ_TILES_FROM_256 at AVX-VNNI and AVX2, the K products run in wide tiles of 16 outputs
  * (kquant_dot_tile16; at AMX, from KQ_AMX_FROM rows a tile call, tile products): the same bits as
@@ -378,7 +388,7 @@ static void kquant_tiles(int level, int type, int halves, const uint8_t *blocks,
      * a token's two halves share a tile): its products cost less, so a super-block's unpacking
      * weighs more, and is shared by more rows. */
     /* the quants, then the sub-block sums: qrows kblocks (256 + 16) bytes, rounded up to the alignment */
-    int8_t *packed = level >= IDOT_AMX && qrows >= KQ_AMX_FROM ? aligned_alloc(64, (size_t)((qrows * kblocks * (256 + 16) + 63) / 64 * 64)) : NULL;
+    int8_t *packed = level >= IDOT_AMX && qrows >= kquant_amx_from(type) ? aligned_alloc(64, (size_t)((qrows * kblocks * (256 + 16) + 63) / 64 * 64)) : NULL;
     uint32_t *pairs = packed ? (uint32_t *)(packed + qrows * kblocks * 256) : NULL;
     const int64_t tile = packed ? KQ_AMX_ROWS : TILE;
     if (packed) {
