@@ -501,7 +501,9 @@ def load_model(
     activation blocks with integer dot products, or float32, exact)."""
     device = torch.device(device)
     stored = TORCH_DTYPES[package.manifest.serving.dtype]
-    floats, blocks = package.load_weights()
+    # One process's whole model moves its block matrices into huge pages (`blocks.in_huge_pages`);
+    # a tensor-parallel rank keeps the mapping, of which it reads only its part.
+    floats, blocks = package.load_weights(huge_pages=split is None and native.available())
     # Stored float16 fits by construction; other weights are scanned only where float16 may run.
     float16_may_run = weight_format == WeightFormat.FLOAT16 or (weight_format == precision.AUTO and stored != torch.float32)
     fits = stored == torch.float16 or not float16_may_run or all(fits_float16(t) for t in floats.values())

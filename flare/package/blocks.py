@@ -162,13 +162,17 @@ def entry_problems(name: str, entry: BlockEntry, shape: tuple[int, ...], file_si
     return []
 
 
-def map_blocks(path: Path, entries: Mapping[str, BlockEntry], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, BlockTensor]:
+def map_blocks(
+    path: Path, entries: Mapping[str, BlockEntry], shapes: Mapping[str, tuple[int, ...]], *, huge_pages: bool = False
+) -> dict[str, BlockTensor]:
     """The tensors of the blocks file at `path` as uint8 views into one mapping of it.
 
     The mapping is private and never written (ACCESS_COPY only so that torch takes it as a
     writable buffer without a warning): its pages are the file's page cache, not anonymous
-    memory. The views keep the mapping alive. Raises BlocksError naming the tensor for an entry
-    that does not fit the file, or blocks with a NaN or infinite scale."""
+    memory. The views keep the mapping alive. With `huge_pages`, the matrices (not stacked
+    experts, which stay mapped) move into `in_huge_pages`' memory instead. Raises BlocksError
+    naming the tensor for an entry that does not fit the file, or blocks with a NaN or infinite
+    scale."""
     if not entries:
         return {}
     size = path.stat().st_size
@@ -187,7 +191,53 @@ def map_blocks(path: Path, entries: Mapping[str, BlockEntry], shapes: Mapping[st
         if problems:
             raise BlocksError("; ".join(problems))
         tensors[name] = BlockTensor(ggml_type, data, shape)
+    if huge_pages:
+        tensors.update(in_huge_pages(mapping, {name: t for name, t in tensors.items() if len(t.shape) == 2}))
     return tensors
+
+
+# Linux's madvise advice (mmap.MADV_DONTNEED is not on every Python build's mmap object).
+_MADV_DONTNEED = 4
+_HUGE_PAGE = 2 << 20
+
+
+def in_huge_pages(mapping: mmap.mmap, tensors: Mapping[str, BlockTensor]) -> dict[str, BlockTensor]:
+    """`tensors` (views into `mapping`) copied into one private anonymous mapping that asks for
+    transparent huge pages, their pages of `mapping` then dropped from this process.
+
+    Why: a decode token streams every weight once, and with 4 KiB pages each 4 KiB is a TLB miss
+    and a stop for the hardware prefetcher. Whether the page cache maps a file's pages 2 MiB at
+    a time depends on its history (how the file was last read, what was evicted), so a mapped
+    package's one-stream round took 57 ms on one day and 77 ms after its page cache was dropped
+    and read again; in 2 MiB anonymous pages it took 53-54 ms either way (the 1B Q4_K_M shape,
+    `benchmarks/engine_decode.py --package ... --batch 1`). The resident memory stays the file's:
+    each copied byte's file page is released (MADV_DONTNEED on a private mapping that was never
+    written drops the page from this process; the page cache keeps it for whoever reads it next).
+    Stacked experts are not passed here: most of an expert's pages are idle in any round, and a
+    17 GiB file must serve from its mapping."""
+    if not tensors:
+        return {}
+    starts, total = {}, 0
+    for name, tensor in tensors.items():
+        starts[name] = total
+        total += (tensor.data.numel() + 63) // 64 * 64  # each tensor 64-byte aligned, as the kernels load it
+    memory = mmap.mmap(-1, (total + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(memory, dtype=torch.uint8)
+    base = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
+    moved = {}
+    for name, tensor in tensors.items():
+        n = tensor.data.numel()
+        copy = whole[starts[name] : starts[name] + n].view(tensor.data.shape)
+        copy.copy_(tensor.data)
+        # The whole pages of the source: the copy is this tensor's only reader from now on.
+        offset = tensor.data.data_ptr() - base
+        first, last = (offset + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE, (offset + n) // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first:
+            mapping.madvise(getattr(mmap, "MADV_DONTNEED", _MADV_DONTNEED), first, last - first)
+        moved[name] = BlockTensor(tensor.ggml_type, copy, tensor.shape)
+    return moved
 
 
 def _rows(shape: tuple[int, ...]) -> int:

@@ -419,13 +419,16 @@ class Package:
     def chat_template(self) -> str:
         return (self.path / CHAT_TEMPLATE_NAME).read_text(encoding="utf-8")
 
-    def load_weights(self) -> tuple[dict[str, torch.Tensor], dict[str, BlockTensor]]:
+    def load_weights(self, *, huge_pages: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, BlockTensor]]:
         """The weights, with Hugging Face Llama names: those of model.safetensors in
-        serving.dtype, and those kept as blocks mapped from model.blocks (not copied). Raises
+        serving.dtype, and those kept as blocks mapped from model.blocks (not copied; with
+        `huge_pages`, the matrices moved into huge pages, `blocks.in_huge_pages`). Raises
         PackageError naming a tensor whose blocks cannot be served (a NaN or infinite scale)."""
         floats = load_file(str(self.path / WEIGHTS_NAME))
         try:
-            blocks = map_blocks(self.path / BLOCKS_NAME, self.manifest.blocks, expected_weight_shapes(self.manifest.model))
+            blocks = map_blocks(
+                self.path / BLOCKS_NAME, self.manifest.blocks, expected_weight_shapes(self.manifest.model), huge_pages=huge_pages
+            )
         except BlocksError as error:
             raise PackageError(f"the package at {self.path} cannot be used: {error}", (str(error),)) from None
         return floats, blocks

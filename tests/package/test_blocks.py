@@ -264,11 +264,11 @@ def test_without_the_c_kernels_a_blocks_package_is_expanded_once_and_runs_step_b
     assert torch.allclose(prompt_logits(model), prompt_logits(fused), atol=1e-4, rtol=1e-4)
 
 
-def test_fused_blocks_are_views_of_the_mapped_file_not_copies(every_type_packages: dict[str, Any]) -> None:
+def test_fused_blocks_are_views_of_one_storage_not_copies_per_layer(every_type_packages: dict[str, Any]) -> None:
     model = load_model(open_package(every_type_packages["root"] / "blocks"))
     qkv = model.layers[1].qkv
     assert isinstance(qkv, QuantizedWeight) and isinstance(model.embed, QuantizedWeight)
-    # One storage (the mapping of model.blocks) under every tensor kept as blocks.
+    # One storage (the huge-page memory the matrices moved into at load) under every tensor kept as blocks.
     assert qkv.data.untyped_storage().data_ptr() == model.embed.data.untyped_storage().data_ptr()
 
 
@@ -425,3 +425,48 @@ def test_mapped_blocks_stay_page_cache_and_never_become_anonymous_memory(tmp_pat
     assert total == int(data.astype(np.int64).sum())
     assert file_resident >= rows * width  # the blocks are resident as the file's pages...
     assert anonymous_growth < rows * width // 8  # ...and not copied into anonymous memory
+
+
+HUGE_PAGES_PROBE = """
+import sys
+from pathlib import Path
+import torch
+from flare.package.blocks import map_blocks
+from flare.package.manifest import BlockEntry
+
+def rss(kind):
+    for line in open("/proc/self/status"):
+        if line.startswith(kind):
+            return int(line.split()[1]) * 1024
+
+path, rows, width = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+half = rows // 2 * width
+entries = {"matrix": BlockEntry("Q8_0", 0, half), "experts": BlockEntry("Q8_0", half, half)}
+shapes = {"matrix": (rows // 2, width // 34 * 32), "experts": (4, rows // 8, width // 34 * 32)}
+before = rss("RssAnon"), rss("RssFile")
+tensors = map_blocks(path, entries, shapes, huge_pages=True)
+totals = [int(tensors[name].data.sum(dtype=torch.int64)) for name in ("matrix", "experts")]  # every page read
+print(rss("RssAnon") - before[0], rss("RssFile") - before[1], *totals)
+"""
+
+
+def test_huge_pages_move_the_matrices_into_anonymous_memory_release_their_file_pages_and_leave_experts_mapped(
+    tmp_path: Path,
+) -> None:
+    rows, width = 8192, 34 * 128  # 34 MB of Q8_0 blocks: a 17 MB matrix, then 17 MB of 4 stacked experts
+    data = random_blocks(T.Q8_0, (rows, 4096), 0)
+    (tmp_path / BLOCKS_NAME).write_bytes(data.tobytes())
+    result = subprocess.run(
+        [sys.executable, "-c", HUGE_PAGES_PROBE, str(tmp_path / BLOCKS_NAME), str(rows), str(width)],
+        capture_output=True, text=True, check=True,
+    )
+    anonymous_growth, file_growth, matrix_total, experts_total = map(int, result.stdout.split())
+    half = rows // 2
+    # The same bytes either way.
+    assert matrix_total == int(data[:half].astype(np.int64).sum())
+    assert experts_total == int(data[half:].astype(np.int64).sum())
+    # The matrix is resident once, as anonymous memory (its file pages were dropped once copied:
+    # kept, they would double the file's growth); the experts stay the file's pages (the growth
+    # also counts library pages the probe touches, a few MB).
+    assert anonymous_growth >= half * width
+    assert half * width <= file_growth < half * width * 3 // 2
