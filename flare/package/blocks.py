@@ -217,22 +217,20 @@ def in_huge_pages(mapping: mmap.mmap, tensors: Mapping[str, BlockTensor]) -> dic
     17 GiB file must serve from its mapping."""
     if not tensors:
         return {}
-    starts, total = {}, 0
-    for name, tensor in tensors.items():
-        starts[name] = total
-        total += (tensor.data.numel() + 63) // 64 * 64  # each tensor 64-byte aligned, as the kernels load it
-    memory = mmap.mmap(-1, (total + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # Each tensor at its own offset in the file: blocks the file keeps next to each other (a
+    # layer's q, k and v) stay next to each other, to be multiplied as one matrix
+    # (`linear._join_blocks`); pages never written are never resident.
+    memory = mmap.mmap(-1, (len(mapping) + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         memory.madvise(mmap.MADV_HUGEPAGE)
     whole = torch.frombuffer(memory, dtype=torch.uint8)
     base = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
     moved = {}
     for name, tensor in tensors.items():
-        n = tensor.data.numel()
-        copy = whole[starts[name] : starts[name] + n].view(tensor.data.shape)
+        offset, n = tensor.data.data_ptr() - base, tensor.data.numel()
+        copy = whole[offset : offset + n].view(tensor.data.shape)
         copy.copy_(tensor.data)
         # The whole pages of the source: the copy is this tensor's only reader from now on.
-        offset = tensor.data.data_ptr() - base
         first, last = (offset + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE, (offset + n) // mmap.PAGESIZE * mmap.PAGESIZE
         if last > first:
             mapping.madvise(getattr(mmap, "MADV_DONTNEED", _MADV_DONTNEED), first, last - first)
