@@ -221,10 +221,21 @@ def in_huge_pages(mapping: mmap.mmap, tensors: Mapping[str, BlockTensor]) -> dic
     # layer's q, k and v) stay next to each other, to be multiplied as one matrix
     # (`linear._join_blocks`); pages never written are never resident.
     memory = mmap.mmap(-1, (len(mapping) + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        memory.madvise(mmap.MADV_HUGEPAGE)
     whole = torch.frombuffer(memory, dtype=torch.uint8)
     base = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
+    # Huge pages only inside each run of adjacent matrices: a 2 MiB page across a run's edge would
+    # be resident whole, part of it the experts' bytes, which stay in the mapping.
+    spans = sorted((t.data.data_ptr() - base, t.data.data_ptr() - base + t.data.numel()) for t in tensors.values())
+    runs: list[list[int]] = []
+    for start, end in spans:
+        if runs and start <= runs[-1][1] + 64:
+            runs[-1][1] = max(runs[-1][1], end)
+        else:
+            runs.append([start, end])
+    for start, end in runs:
+        first, last = (start + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE, end // _HUGE_PAGE * _HUGE_PAGE
+        if last > first and hasattr(mmap, "MADV_HUGEPAGE"):
+            memory.madvise(mmap.MADV_HUGEPAGE, first, last - first)
     moved = {}
     for name, tensor in tensors.items():
         offset, n = tensor.data.data_ptr() - base, tensor.data.numel()
