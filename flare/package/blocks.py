@@ -208,9 +208,8 @@ def in_huge_pages(mapping: mmap.mmap, tensors: Mapping[str, BlockTensor]) -> dic
     Why: a decode token streams every weight once, and with 4 KiB pages each 4 KiB is a TLB miss
     and a stop for the hardware prefetcher. Whether the page cache maps a file's pages 2 MiB at
     a time depends on its history (how the file was last read, what was evicted), so a mapped
-    package's one-stream round took 57 ms on one day and 77 ms after its page cache was dropped
-    and read again; in 2 MiB anonymous pages it took 53-54 ms either way (the 1B Q4_K_M shape,
-    `benchmarks/engine_decode.py --package ... --batch 1`). The resident memory stays the file's:
+    package's one-stream speed did too; in anonymous huge pages it does not (docs/benchmarks.md,
+    "The default, `--activations auto`"). The resident memory stays the file's:
     each copied byte's file page is released (MADV_DONTNEED on a private mapping that was never
     written drops the page from this process; the page cache keeps it for whoever reads it next).
     Stacked experts are not passed here: most of an expert's pages are idle in any round, and a

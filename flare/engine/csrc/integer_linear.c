@@ -366,10 +366,8 @@ enum { KQ_ROW_TILE = 128 };
 #endif
 /* Rows in a product from which it runs at AMX. Q6_K's scales take three digit products a 64-quant
  * step (Q4_K's and Q5_K's two), so at 16 rows its tile products still cost more than the AVX-512
- * VNNI tiles and AMX wins from about 20: a 1B LM head's [128256, 2048] int8x2 product, two
- * threads, the levels in turn, took 28.5 against 26.3 ms at 16 rows, 27.8 against 28.9 at 20 and
- * 28.5 against 32.3 at 24 (Q4_K and Q5_K win at AMX from 16: 7.7 against 11.3 ms at [65536, 2048]).
- * The bits are the same either way. */
+ * VNNI tiles, and AMX wins from about 20 (docs/benchmarks.md, "Integer K-quant products"). The
+ * bits are the same either way. */
 #ifndef KQ_AMX_FROM_Q6_K
 #define KQ_AMX_FROM_Q6_K 20
 #endif
