@@ -162,12 +162,15 @@ def entry_problems(name: str, entry: BlockEntry, shape: tuple[int, ...], file_si
     return []
 
 
+# Python 3.11's mmap has no MAP_NORESERVE: Linux's value.
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+
 def map_blocks(
     path: Path, entries: Mapping[str, BlockEntry], shapes: Mapping[str, tuple[int, ...]], *, huge_pages: bool = False
 ) -> dict[str, BlockTensor]:
     """The tensors of the blocks file at `path` as uint8 views into one mapping of it.
 
-    The mapping is private and never written (ACCESS_COPY only so that torch takes it as a
+    The mapping is private and never written (writable only so that torch takes it as a
     writable buffer without a warning): its pages are the file's page cache, not anonymous
     memory. The views keep the mapping alive. With `huge_pages`, the matrices (not stacked
     experts, which stay mapped) move into `in_huge_pages`' memory instead. Raises BlocksError
@@ -180,7 +183,12 @@ def map_blocks(
     if problems:
         raise BlocksError("; ".join(capped(problems)))
     with open(path, "rb") as file:
-        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+        # Private and writable without reserving memory for copies never made: a writable
+        # private mapping counts against the commit limit, which refused a file larger than the
+        # machine's memory (ENOMEM).
+        mapping = mmap.mmap(
+            file.fileno(), 0, flags=mmap.MAP_PRIVATE | _NORESERVE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
     tensors = {}
     for name, entry in entries.items():
@@ -219,7 +227,14 @@ def in_huge_pages(mapping: mmap.mmap, tensors: Mapping[str, BlockTensor]) -> dic
     # Each tensor at its own offset in the file: blocks the file keeps next to each other (a
     # layer's q, k and v) stay next to each other, to be multiplied as one matrix
     # (`linear._join_blocks`); pages never written are never resident.
-    memory = mmap.mmap(-1, (len(mapping) + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # As long as the file, of which only the matrices' pages are ever touched: no swap or commit
+    # is reserved for the rest (a MoE file may be larger than the machine's memory). Where the
+    # system refuses even that, the matrices stay mapped.
+    try:
+        length = (len(mapping) + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
+        memory = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE)
+    except OSError:
+        return {}
     whole = torch.frombuffer(memory, dtype=torch.uint8)
     base = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
     # Huge pages only inside each run of adjacent matrices: a 2 MiB page across a run's edge would

@@ -25,10 +25,11 @@ from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
 from flare.engine.model import DecoderModel, load_model
 from flare.engine.quantized import QuantizedWeight
-from flare.package.blocks import BLOCKS_NAME, E8M0_SCALE_OFFSETS, KEPT_TYPES, SCALE_OFFSETS, row_bytes
+from flare.package.blocks import BLOCKS_NAME, E8M0_SCALE_OFFSETS, KEPT_TYPES, SCALE_OFFSETS, map_blocks, row_bytes
 from flare.preparation.export import ExportError, ExportOptions, export_package
 from flare.preparation.inspect import inspect_package, render_text
 from flare.package.model_config import ModelConfig
+from flare.package.manifest import BlockEntry
 from flare.package.directory import PackageError, open_package, sha256_of
 from flare.preparation.quantize import tensor_types
 from tests.preparation.test_gguf_source import tiny_vocabulary, write_tiny_gguf
@@ -470,3 +471,16 @@ def test_huge_pages_move_the_matrices_into_anonymous_memory_release_their_file_p
     # also counts library pages the probe touches, a few MB).
     assert anonymous_growth >= half * width
     assert half * width <= file_growth < half * width * 3 // 2
+
+
+def test_a_blocks_file_larger_than_the_machines_memory_maps_and_its_matrices_move_into_huge_pages(tmp_path: Path) -> None:
+    # A sparse blocks file of 64 GiB (more than CI's memory, as a large MoE file can be) whose one
+    # matrix is at the front: both the private mapping of the file and the anonymous memory the
+    # matrices move into (as long as the file) must be granted without reserving their length.
+    data = random_blocks(T.Q8_0, (64, 256), 0)
+    path = tmp_path / BLOCKS_NAME
+    with open(path, "wb") as file:
+        file.write(data.tobytes())
+        file.truncate(64 << 30)
+    tensors = map_blocks(path, {"w": BlockEntry("Q8_0", 0, data.nbytes)}, {"w": (64, 256)}, huge_pages=True)
+    assert np.array_equal(tensors["w"].data.numpy(), data)
