@@ -164,6 +164,8 @@ def entry_problems(name: str, entry: BlockEntry, shape: tuple[int, ...], file_si
 
 # Python 3.11's mmap has no MAP_NORESERVE: Linux's value.
 _NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+_HUGE_PAGE = 2 << 20
+
 
 def map_blocks(
     path: Path, entries: Mapping[str, BlockEntry], shapes: Mapping[str, tuple[int, ...]], *, huge_pages: bool = False
@@ -204,11 +206,6 @@ def map_blocks(
     return tensors
 
 
-# Linux's madvise advice (mmap.MADV_DONTNEED is not on every Python build's mmap object).
-_MADV_DONTNEED = 4
-_HUGE_PAGE = 2 << 20
-
-
 def in_huge_pages(mapping: mmap.mmap, tensors: Mapping[str, BlockTensor]) -> dict[str, BlockTensor]:
     """`tensors` (views into `mapping`) copied into one private anonymous mapping that asks for
     transparent huge pages, their pages of `mapping` then dropped from this process.
@@ -224,12 +221,10 @@ def in_huge_pages(mapping: mmap.mmap, tensors: Mapping[str, BlockTensor]) -> dic
     17 GiB file must serve from its mapping."""
     if not tensors:
         return {}
-    # Each tensor at its own offset in the file: blocks the file keeps next to each other (a
-    # layer's q, k and v) stay next to each other, to be multiplied as one matrix
-    # (`linear._join_blocks`); pages never written are never resident.
-    # As long as the file, of which only the matrices' pages are ever touched: no swap or commit
-    # is reserved for the rest (a MoE file may be larger than the machine's memory). Where the
-    # system refuses even that, the matrices stay mapped.
+    # As long as the file, each tensor at its own offset: blocks the file keeps next to each
+    # other (a layer's q, k and v) stay so, to be multiplied as one matrix (`linear._join_blocks`).
+    # Only the matrices' pages are ever touched, and no commit is reserved for the rest (a MoE
+    # file may be larger than the machine's memory). Where even that is refused, they stay mapped.
     try:
         length = (len(mapping) + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
         memory = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE)
@@ -248,7 +243,7 @@ def in_huge_pages(mapping: mmap.mmap, tensors: Mapping[str, BlockTensor]) -> dic
             runs.append([start, end])
     for start, end in runs:
         first, last = (start + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE, end // _HUGE_PAGE * _HUGE_PAGE
-        if last > first and hasattr(mmap, "MADV_HUGEPAGE"):
+        if last > first:
             memory.madvise(mmap.MADV_HUGEPAGE, first, last - first)
     moved = {}
     for name, tensor in tensors.items():
@@ -258,7 +253,7 @@ def in_huge_pages(mapping: mmap.mmap, tensors: Mapping[str, BlockTensor]) -> dic
         # The whole pages of the source: the copy is this tensor's only reader from now on.
         first, last = (offset + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE, (offset + n) // mmap.PAGESIZE * mmap.PAGESIZE
         if last > first:
-            mapping.madvise(getattr(mmap, "MADV_DONTNEED", _MADV_DONTNEED), first, last - first)
+            mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
         moved[name] = BlockTensor(tensor.ggml_type, copy, tensor.shape)
     return moved
 
