@@ -408,6 +408,28 @@ def test_the_portable_attention_loops_agree_with_the_vector_tiles(rows: int, que
     torch.testing.assert_close(tiles, textbook_attention(q, keys, values, block_table, starts, query_len), atol=2e-6, rtol=2e-5)
 
 
+@pytest.mark.parametrize("portable", [False, True])
+def test_a_verify_rows_attention_is_the_same_bits_alone_as_among_many_rows(portable: bool) -> None:
+    # Alone, a row's 3 (row, KV head) tasks split their 15 queries into chunks so that two threads
+    # share the work evenly; among 12 rows the tasks are whole. Each query's result is its own.
+    keys, values = pools(seed=11)
+    generator = torch.Generator().manual_seed(5)
+    rows, query_len = 12, 5
+    block_table = torch.stack([torch.randperm(BLOCKS, generator=generator)[:8] for _ in range(rows)])
+    starts = torch.randint(0, 8 * BLOCK_SIZE - query_len + 1, (rows,), generator=generator)
+    q = torch.randn(rows * query_len, HEADS, HEAD_DIM, generator=generator)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        together = paged_attention(q, keys, values, block_table, starts, query_len, portable=portable)
+        for r in range(rows):
+            tokens = slice(r * query_len, (r + 1) * query_len)
+            alone = paged_attention(q[tokens], keys, values, block_table[r : r + 1], starts[r : r + 1], query_len, portable=portable)
+            assert torch.equal(alone, together[tokens]), f"row {r}"
+    finally:
+        torch.set_num_threads(threads)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     out_features=st.integers(1, 80),

@@ -186,13 +186,14 @@ static inline void prefetch_block(const void *head, int dtype, int64_t block, in
     for (int64_t byte = 0; byte < n * kv_element_size(dtype); byte += 64) __builtin_prefetch(start + byte);
 }
 
-/* One task: row `r`, KV head `g`. Scratch: `scores` holds group * query_len * keys floats,
- * `acc` group * query_len * head_dim, `queries` group * query_len entries and `visible` twice
- * that (each query's end of keys, then its first key),
+/* One task: row `r`, KV head `g`, its queries i0 .. i1 (of the group * query_len that share the KV
+ * head; each query's result is its own whatever others share the task). Scratch: `scores` holds
+ * group * query_len * keys floats, `acc` group * query_len * head_dim, `queries` group *
+ * query_len entries and `visible` twice that (each query's end of keys, then its first key),
  * `widened` block_size * head_dim floats. */
 FLARE_TARGET_CLONES
-static void attend(const Attention *a, int64_t r, int64_t g, float *scores, float *acc, const float **queries,
-                   int64_t *visible, float *widened, int vector) {
+static void attend(const Attention *a, int64_t r, int64_t g, int64_t i0, int64_t i1, float *scores, float *acc,
+                   const float **queries, int64_t *visible, float *widened, int vector) {
     const int64_t D = a->head_dim, Q = a->query_len, B = a->block_size;
     const int64_t group = a->heads / a->kv_heads, nq = group * Q;
     const int64_t start = a->start_positions[r], keys = start + Q;
@@ -224,11 +225,11 @@ static void attend(const Attention *a, int64_t r, int64_t g, float *scores, floa
         const int64_t in_block = keys - first < B ? keys - first : B;
 #if defined(__x86_64__) && defined(__GNUC__)
         if (vector) {
-            block_scores_avx2(queries, nq, block, in_block, D, a->scale, scores + first - base, span);
+            block_scores_avx2(queries + i0, i1 - i0, block, in_block, D, a->scale, scores + i0 * span + first - base, span);
             continue;
         }
 #endif
-        for (int64_t i = 0; i < nq; i++) {
+        for (int64_t i = i0; i < i1; i++) {
             const float *q = queries[i];
             float *out = scores + i * span + first - base;
             int64_t p = 0;
@@ -257,7 +258,7 @@ static void attend(const Attention *a, int64_t r, int64_t g, float *scores, floa
         }
     }
     /* Softmax of each query over the keys it sees (soft-capped first where the layer caps). */
-    for (int64_t i = 0; i < nq; i++) {
+    for (int64_t i = i0; i < i1; i++) {
         float *s = scores + i * span;
         const int64_t from = seen_from[i] - base, n = visible[i] - base;
         if (a->softcap > 0.0f) {
@@ -288,23 +289,23 @@ static void attend(const Attention *a, int64_t r, int64_t g, float *scores, floa
      * accumulator (a quarter of its loads and stores). Weights outside a query's visible
      * keys (past its last, or before its window) are zeroed, so every key of the block can be
      * summed. */
-    memset(acc, 0, (size_t)(nq * D) * sizeof(float));
+    memset(acc + i0 * D, 0, (size_t)((i1 - i0) * D) * sizeof(float));
     for (int64_t first = base; first < keys; first += B) {
         if (first + B < keys) prefetch_block(value_head, a->kv_dtype, table[first / B + 1], B * D);
         const float *block = block_floats(value_head, a->kv_dtype, table[first / B], B * D, widened);
         const int64_t in_block = keys - first < B ? keys - first : B;
-        for (int64_t i = 0; i < nq; i++) {
+        for (int64_t i = i0; i < i1; i++) {
             float *w = scores + i * span + first - base;
             for (int64_t p = visible[i] > first ? visible[i] - first : 0; p < in_block; p++) w[p] = 0.0f;
             for (int64_t p = 0; p < seen_from[i] - first && p < in_block; p++) w[p] = 0.0f;
         }
 #if defined(__x86_64__) && defined(__GNUC__)
         if (vector) {
-            block_values_avx2(scores + first - base, span, nq, block, in_block, D, acc);
+            block_values_avx2(scores + i0 * span + first - base, span, i1 - i0, block, in_block, D, acc + i0 * D);
             continue;
         }
 #endif
-        for (int64_t i = 0; i < nq; i++) {
+        for (int64_t i = i0; i < i1; i++) {
             const float *w = scores + i * span + first - base;
             float *o = acc + i * D;
             int64_t p = 0;
@@ -324,6 +325,7 @@ static void attend(const Attention *a, int64_t r, int64_t g, float *scores, floa
     }
     for (int64_t j = 0; j < group; j++) {
         for (int64_t t = 0; t < Q; t++) {
+            if (j * Q + t < i0 || j * Q + t >= i1) continue;
             float *o = a->out + ((r * Q + t) * a->heads + g * group + j) * D;
             memcpy(o, acc + (j * Q + t) * D, (size_t)D * sizeof(float));
         }
@@ -331,7 +333,19 @@ static void attend(const Attention *a, int64_t r, int64_t g, float *scores, floa
 }
 
 int paged_attention(const Attention *a, int64_t longest_row, int threads) {
-    const int64_t nq = a->heads / a->kv_heads * a->query_len;
+    const int64_t nq = a->heads / a->kv_heads * a->query_len, pairs = a->rows * a->kv_heads;
+    /* Few (row, KV head) pairs, as in one verify row (3 pairs of 15 queries on 2 threads), left a
+     * thread idle for a whole pair's time, long enough that it went to sleep, and every region
+     * after it paid a futex wake-up: a 5-token round took twice a 1-token one. Such pairs split
+     * their queries into chunks (whole 3-query score tiles) so that there are about 4 tasks a
+     * thread; each chunk reads the pair's keys and values again, from cache. */
+    int64_t size = nq;
+    if (pairs < 4 * threads) {
+        const int64_t wanted = (4 * threads + pairs - 1) / pairs;
+        size = (nq + wanted - 1) / wanted;
+        size = (size + 2) / 3 * 3;
+    }
+    const int64_t chunks = (nq + size - 1) / size;
     int failed = 0, vector = 0;
 #if defined(__x86_64__) && defined(__GNUC__)
     vector = !a->portable && a->head_dim % 32 == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -350,8 +364,9 @@ int paged_attention(const Attention *a, int64_t longest_row, int threads) {
         }
         /* Rows differ in length, so tasks are handed out as threads come free. */
 #pragma omp for schedule(dynamic)
-        for (int64_t task = 0; task < a->rows * a->kv_heads; task++) {
-            if (ready) attend(a, task / a->kv_heads, task % a->kv_heads, scores, acc, queries, visible, widened, vector);
+        for (int64_t task = 0; task < pairs * chunks; task++) {
+            const int64_t pair = task / chunks, i0 = task % chunks * size, i1 = i0 + size < nq ? i0 + size : nq;
+            if (ready) attend(a, pair / a->kv_heads, pair % a->kv_heads, i0, i1, scores, acc, queries, visible, widened, vector);
         }
         free(scores);
         free(acc);
