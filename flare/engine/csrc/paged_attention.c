@@ -335,10 +335,10 @@ static void attend(const Attention *a, int64_t r, int64_t g, int64_t i0, int64_t
 int paged_attention(const Attention *a, int64_t longest_row, int threads) {
     const int64_t nq = a->heads / a->kv_heads * a->query_len, pairs = a->rows * a->kv_heads;
     /* Few (row, KV head) pairs, as in one verify row (3 pairs of 15 queries on 2 threads), left a
-     * thread idle for a whole pair's time, long enough that it went to sleep, and every region
-     * after it paid a futex wake-up: a 5-token round took twice a 1-token one. Such pairs split
-     * their queries into chunks (whole 3-query score tiles) so that there are about 4 tasks a
-     * thread; each chunk reads the pair's keys and values again, from cache. */
+     * thread idle for a whole pair's time, long enough to fall asleep, and the region after it
+     * then paid a wake-up (flare/engine/openmp.py). Such pairs split their queries into chunks
+     * (whole 3-query score tiles) so that there are about 4 tasks a thread; each chunk reads the
+     * pair's keys and values again, from cache. */
     int64_t size = nq;
     if (pairs < 4 * threads) {
         const int64_t wanted = (4 * threads + pairs - 1) / pairs;
