@@ -422,6 +422,7 @@ def test_a_verify_rows_attention_is_the_same_bits_alone_as_among_many_rows(porta
     torch.set_num_threads(2)
     try:
         together = paged_attention(q, keys, values, block_table, starts, query_len, portable=portable)
+        torch.testing.assert_close(together, textbook_attention(q, keys, values, block_table, starts, query_len), atol=2e-6, rtol=2e-5)
         for r in range(rows):
             tokens = slice(r * query_len, (r + 1) * query_len)
             alone = paged_attention(q[tokens], keys, values, block_table[r : r + 1], starts[r : r + 1], query_len, portable=portable)
