@@ -13,7 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 STARTUP_TIMEOUT_S = 180.0
@@ -67,12 +67,15 @@ class DaemonProcess:
     def events(self, name: str) -> list[dict]:
         return [e for e in map(_json_line, list(self.lines)) if e.get("event") == name]
 
-    def wait_for_events(self, name: str, timeout_s: float = 10.0) -> list[dict]:
-        """`events(name)` once there is one: a thread reads the daemon's log, so a line the
-        daemon has just written may not be in `lines` yet."""
+    def wait_for_events(
+        self, name: str, count: int = 1, where: Callable[[dict], bool] = lambda _: True, timeout_s: float = 10.0
+    ) -> list[dict]:
+        """The `name` events that match `where`, once there are at least `count`: a thread reads
+        the daemon's log, so a line the daemon has just written (an audit or access line is
+        written after its answer is sent) may not be in `lines` yet."""
         deadline = time.monotonic() + timeout_s
-        while not (found := self.events(name)):
-            assert time.monotonic() < deadline, f"no {name} event in {timeout_s} s:\n{self.log()}"
+        while len(found := [e for e in self.events(name) if where(e)]) < count:
+            assert time.monotonic() < deadline, f"{len(found)} of {count} {name} events in {timeout_s} s:\n{self.log()}"
             time.sleep(0.05)
         return found
 

@@ -161,10 +161,10 @@ def test_a_client_that_does_not_read_has_its_request_cancelled_after_the_write_t
     daemon = daemon_factory(tiny_package, ["--served-model-name", LONG_MODEL_NAME, "--write-timeout-s", "2"])
     clients = _non_reading_clients(port_of(daemon), 2)
     try:
-        deadline = time.monotonic() + 60
-        while len(daemon.process.events("client_not_reading")) < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        cancelled = [e for e in daemon.process.events("generation_cancelled") if "not reading" in e["reason"]]
+        daemon.process.wait_for_events("client_not_reading", count=2, timeout_s=60)
+        cancelled = daemon.process.wait_for_events(
+            "generation_cancelled", count=2, where=lambda e: "not reading" in e["reason"]
+        )
         assert len(cancelled) == 2, daemon.process.log()
         idle = daemon.wait_idle()
         assert idle["running"] == 0 and idle["kv_blocks_used"] == 0

@@ -63,7 +63,7 @@ def test_hostile_control_commands_get_json_errors_and_an_audit_line_each(daemon:
         assert answered == status, (method, path, answered, raw[:200])
         assert content_type.startswith("application/json"), (path, content_type)
         assert is_error_body(json.loads(raw)), raw[:200]
-    audit = daemon.process.events("control.command")[before:]
+    audit = daemon.process.wait_for_events("control.command", count=before + len(commands))[before:]
     assert [(line["method"], line["path"], line["status"]) for line in audit] == [
         (method, path, status) for method, path, _, status in commands
     ]
@@ -101,5 +101,5 @@ def test_resume_during_a_sigterm_drain_is_refused_and_admission_stays_closed(
     assert stopping.process.process.wait(60) == 0
     worker.join(60)
     assert finished["response"].status_code in (200, 503)
-    [audit] = [e for e in stopping.process.events("control.command") if e["path"] == "/resume"]
+    [audit] = stopping.process.wait_for_events("control.command", where=lambda e: e["path"] == "/resume")
     assert audit["status"] == 409

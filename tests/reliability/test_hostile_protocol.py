@@ -229,15 +229,9 @@ def test_special_token_text_in_a_message_stays_text(
 # --- clients that leave: one access line each ---------------------------------------------------
 
 
-def _access_line(daemon: Daemon, request_id: str, timeout_s: float = 10) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        lines = [e for e in daemon.process.events("access") if e.get("request_id") == request_id]
-        if lines:
-            [line] = lines
-            return line
-        time.sleep(0.05)
-    raise AssertionError(f"no access line for {request_id}")
+def _access_line(daemon: Daemon, request_id: str) -> dict:
+    [line] = daemon.process.wait_for_events("access", where=lambda e: e.get("request_id") == request_id)
+    return line
 
 
 def _request(daemon: Daemon, body: dict, request_id: str) -> bytes:
