@@ -82,19 +82,6 @@ KQ_INLINE float kquant_term(float d, float dmin, float xd, int32_t sumi, int32_t
 
 static inline int block_bytes(int type) { return type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210; }
 
-/* kernels.h's scales_and_mins as the bytes of two words (scale or min j in byte j), four sub-blocks
- * at a time in 32-bit operations: the byte-at-a-time form costs the vector levels more than a row's
- * products. */
-static inline void packed_scales_mins(const uint8_t *s, uint64_t *scales, uint64_t *mins) {
-    uint32_t a, b, c;
-    memcpy(&a, s, 4);
-    memcpy(&b, s + 4, 4);
-    memcpy(&c, s + 8, 4);
-    const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, low2 = 0x03030303u;
-    *scales = (a & low6) | (uint64_t)((c & low4) | ((a >> 6) & low2) << 4) << 32;
-    *mins = (b & low6) | (uint64_t)(((c >> 4) & low4) | ((b >> 6) & low2) << 4) << 32;
-}
-
 /* ---- quantize_row_q8k ----------------------------------------------------------------------------
  * d = max |x| / 127 and q = x / d rounded to nearest even, clamped to [-127, 127]: the division by
  * the stored d (not a multiplication by 127 / max) gives each q the integer nearest x / d, so
@@ -278,12 +265,28 @@ static void kquant_rows_portable(int type, const uint8_t *w, int64_t blocks, con
 #ifdef KQ_X86
 /* ---- AVX2 and AVX-VNNI (256-bit) ------------------------------------------------------------- */
 
-/* The 8 bytes of `bytes` as 16 words, each twice: [b0, b0, b1, b1, ..., b7, b7] (a min per pair of
- * bsums). */
-KQ_AVX2 KQ_INLINE __m256i pair_words(uint64_t bytes) {
-    const __m128i w = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)bytes));
-    return _mm256_setr_m128i(_mm_unpacklo_epi16(w, w), _mm_unpackhi_epi16(w, w));
+/* A Q4_K / Q5_K super-block's 12 bytes of 6-bit scales and mins (at b + 4) as 16 bytes [sc0 .. sc7,
+ * mn0 .. mn7], kernels.h's scales_and_mins, in vector operations: two byte shuffles pick each value's
+ * low source byte and the byte holding its top two bits, masks and shifts within 16-bit lanes keep
+ * the bits (a shifted-in neighbour's bits are masked off). The vector form keeps the block's scalar
+ * work and its moves into vector registers off the shuffle port, which the products need. */
+KQ_AVX2 KQ_INLINE __m128i scales_mins_q45(const uint8_t *b) {
+    const __m128i s = _mm_loadu_si128((const __m128i *)(b + 4)); /* bytes 12 .. 15 are quants, unused */
+    const __m128i low = _mm_shuffle_epi8(s, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i top = _mm_shuffle_epi8(s, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    /* sc j < 4: s[j] & 63; sc 4 + i: s[8 + i] & 15; mn j < 4: s[4 + j] & 63; mn 4 + i: s[8 + i] >> 4;
+     * then each 4 + i also takes (s[i] >> 6) << 4 (sc) or (s[4 + i] >> 6) << 4 (mn) */
+    const __m128i kept = _mm_and_si128(low, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+    const __m128i upper = _mm_and_si128(_mm_srli_epi16(low, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30));
+    return _mm_or_si128(_mm_or_si128(kept, upper), high);
 }
+
+/* The byte shuffle of scales_mins_q45's bytes (in both 128-bit lanes) that gives word j of a block's
+ * 16 bsums its min, min j / 2 (byte 8 + j / 2; -1 zeroes each word's high byte). */
+#define KQ_PAIR_PICK                                                                                     \
+    _mm256_setr_epi8(8, -1, 8, -1, 9, -1, 9, -1, 10, -1, 10, -1, 11, -1, 11, -1, 12, -1, 12, -1, 13, -1, 13, -1, 14, -1, 14, \
+                     -1, 15, -1, 15, -1)
 
 /* The sums of 4 vectors' lanes: [sum v0, sum v1, sum v2, sum v3]. */
 KQ_AVX2 KQ_INLINE __m128i hsum4(const __m256i v[4]) {
@@ -353,13 +356,13 @@ KQ_AVX2 KQ_INLINE __m128 add_terms4(__m128 acc, __m128 dh, const Q8KBlock *x, in
     TARGET KQ_INLINE void NAME(const uint8_t *w, int64_t blocks, const Q8KBlock *x, int64_t xs, const int rows, \
                                const int five, float *acc) {                                            \
         const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);                           \
+        const __m256i pair_pick = KQ_PAIR_PICK;                                                         \
         const int bytes = five ? 176 : 144;                                                             \
         __m128 a = _mm_loadu_ps(acc);                                                                   \
         for (int64_t i = 0; i < blocks; i++) {                                                          \
             const uint8_t *b = w + (int64_t)bytes * i, *qs = b + (five ? 48 : 16);                      \
             prefetch_ahead(b, bytes);                                                                   \
-            uint64_t sc, mn;                                                                            \
-            packed_scales_mins(b + 4, &sc, &mn);                                                        \
+            const __m256i sm = _mm256_broadcastsi128_si256(scales_mins_q45(b));                         \
             const __m256i hb = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256(); \
             __m256i sum[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),   \
                               _mm256_setzero_si256()};                                                  \
@@ -370,17 +373,21 @@ KQ_AVX2 KQ_INLINE __m128 add_terms4(__m128 acc, __m128 dh, const Q8KBlock *x, in
                     lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), one), 4)); \
                     hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), one), 4)); \
                 }                                                                                       \
-                const __m256i sa = _mm256_set1_epi16((short)(sc >> 16 * c & 0xff));                   \
-                const __m256i sb = _mm256_set1_epi16((short)(sc >> (16 * c + 8) & 0xff));             \
-                const __m256i sp = _mm256_unpacklo_epi64(sa, sb);                                       \
-                (void)sp;                                                                               \
+                /* scale 2c, scale 2c + 1 in every word, and per lane four of each: byte shuffles of  \
+                 * sm whose high index byte (0xff) zeroes each word's high byte */                    \
+                const short ka = (short)(0xff00 | 2 * c), kb = (short)(0xff00 | (2 * c + 1));         \
+                const __m256i sa = _mm256_shuffle_epi8(sm, _mm256_set1_epi16(ka));                     \
+                const __m256i sb = _mm256_shuffle_epi8(sm, _mm256_set1_epi16(kb));                     \
+                const __m256i sp = _mm256_shuffle_epi8(sm, _mm256_setr_epi16(ka, ka, ka, ka, kb, kb, kb, kb, ka, ka, ka, \
+                                                                              ka, kb, kb, kb, kb));     \
+                (void)sa, (void)sb, (void)sp;                                                           \
                 for (int r = 0; r < rows; r++) {                                                        \
                     const int8_t *xq = x[r * xs + i].qs + 64 * c;                                       \
                     PAIR(sum[r], lo, _mm256_loadu_si256((const __m256i *)xq), sa, hi,                   \
                          _mm256_loadu_si256((const __m256i *)(xq + 32)), sb, sp);                       \
                 }                                                                                       \
             }                                                                                           \
-            const __m256i mins = pair_words(mn);                                                        \
+            const __m256i mins = _mm256_shuffle_epi8(sm, pair_pick);                                    \
             const __m128 dh = d_dmin_q45(b);                                                            \
             __m256i M[4];                                                                               \
             for (int r = 0; r < 4; r++)                                                                 \
@@ -491,28 +498,25 @@ KQ_ROWS_ENTRY(kquant_rows_avx_vnni, KQ_AVX_VNNI, q45_avx_vnni, q6_avx_vnni)
 /* Q4_K / Q5_K: chunk c's 32 bytes broadcast to both halves, the low nibbles kept in the low half
  * (sub-block 2c) and the high ones in the high half (2c + 1): 64 quants against 64 contiguous
  * activations. Chunks c and c + 1 pair up: per 128-bit lane k the packed words are four of chunk c's
- * sums (sub-block 2c + k / 2) then four of chunk c + 1's (2c + 2 + k / 2). */
+ * sums (sub-block 2c + k / 2) then four of chunk c + 1's (2c + 2 + k / 2). The scale words come from
+ * scales_mins_q45's bytes broadcast to every 128-bit lane, by byte shuffles whose -1 indexes zero
+ * each word's high byte. */
 KQ_AVX512 KQ_INLINE void q45_avx512(const uint8_t *w, int64_t blocks, const Q8KBlock *x, int64_t xs, const int rows,
                                     const int five, float *acc) {
     const __m512i m4 = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
-    /* word indexes into the 8 scales: per lane k, 4 x (2c + k / 2) then 4 x (2c + 2 + k / 2), c = 0 */
-    const __m512i pick = _mm512_set_epi32(0x00030003, 0x00030003, 0x00010001, 0x00010001, 0x00030003, 0x00030003,
-                                          0x00010001, 0x00010001, 0x00020002, 0x00020002, 0x00000000, 0x00000000,
-                                          0x00020002, 0x00020002, 0x00000000, 0x00000000);
-    const __m512i four = _mm512_set1_epi16(4);
-    /* word j of the 16 bsums' mins: min j / 2 (word 8 + j / 2), as pair_words lays them */
-    const __m256i pair_pick = _mm256_setr_epi16(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+#define KQ_W(j) -1, (j), -1, (j), -1, (j), -1, (j) /* set order: each word high byte first */
+    /* per lane k: 4 x sc(2c + k / 2) then 4 x sc(2c + 2 + k / 2), for c = 0 (s01) and c = 2 (s23) */
+    const __m512i pick01 = _mm512_set_epi8(KQ_W(3), KQ_W(1), KQ_W(3), KQ_W(1), KQ_W(2), KQ_W(0), KQ_W(2), KQ_W(0));
+    const __m512i pick23 = _mm512_set_epi8(KQ_W(7), KQ_W(5), KQ_W(7), KQ_W(5), KQ_W(6), KQ_W(4), KQ_W(6), KQ_W(4));
+#undef KQ_W
+    const __m256i pair_pick = KQ_PAIR_PICK;
     const int bytes = five ? 176 : 144;
     __m128 a = _mm_loadu_ps(acc);
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *b = w + (int64_t)bytes * i, *qs = b + (five ? 48 : 16);
         prefetch_ahead(b, bytes);
-        uint64_t sc, mn;
-        packed_scales_mins(b + 4, &sc, &mn);
-        /* words 0..7 the scales, 8..15 the mins: one widening for both */
-        const __m256i words = _mm256_cvtepu8_epi16(_mm_set_epi64x((long long)mn, (long long)sc));
-        const __m512i s8 = _mm512_castsi256_si512(words);
-        const __m512i s01 = _mm512_permutexvar_epi16(pick, s8), s23 = _mm512_permutexvar_epi16(_mm512_add_epi16(pick, four), s8);
+        const __m512i sm = _mm512_broadcast_i32x4(scales_mins_q45(b));
+        const __m512i s01 = _mm512_shuffle_epi8(sm, pick01), s23 = _mm512_shuffle_epi8(sm, pick23);
         const __m512i hb = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16))) : _mm512_setzero_si512();
         __m512i wq[4];
         for (int c = 0; c < 4; c++) {
@@ -525,7 +529,7 @@ KQ_AVX512 KQ_INLINE void q45_avx512(const uint8_t *w, int64_t blocks, const Q8KB
             }
         }
         const __m128 dh = d_dmin_q45(b);
-        const __m256i mins = _mm256_permutexvar_epi16(pair_pick, words);
+        const __m256i mins = _mm256_shuffle_epi8(_mm512_castsi512_si256(sm), pair_pick);
         __m256i S[4], M[4];
         for (int r = 0; r < 4; r++) {
             S[r] = M[r] = _mm256_setzero_si256();
