@@ -50,6 +50,7 @@ from flare.engine.layers import moe as moe_module
 from flare.engine import native, native_quantized
 from flare.engine.model import DecoderModel, load_model
 from flare.engine.precision import WeightFormat, cpu_flags
+from flare.engine.quantized import AUTO_ACTIVATIONS, served_activations
 from flare.preparation.default_package import default_package_path
 from flare.package.model_config import ModelConfig
 from flare.package.directory import open_package
@@ -104,7 +105,8 @@ def main() -> None:
     parser.add_argument("--package", help="a package directory (or `default`) to load instead of random weights")
     parser.add_argument(
         "--activations", nargs="+", default=None,
-        help="with --package: what its blocks multiply (flare run --activations: int8x2, int8, float32); each runs, alternating",
+        help="with --package: what its blocks multiply (flare run --activations: int8x2, int8, float32); each runs, alternating "
+        "(default: what `flare run` serves, --activations auto)",
     )
     parser.add_argument("--repeats", type=int, default=1, help="sets of rounds per format and batch size (medians of all)")
     parser.add_argument(
@@ -122,7 +124,8 @@ def main() -> None:
             loaded = {f"package-{a}": load_model(package, activations=a) for a in args.activations}
             model = next(iter(loaded.values()))
         else:
-            model = load_model(package)
+            # What `flare run` serves by default (`--activations auto`): int8x2 on a K-quant file.
+            model = load_model(package, activations=served_activations(package.weight_types(), AUTO_ACTIVATIONS))
             if args.kernels == "torch":
                 model.native_kernels, model.kernel_layers = False, None
             # The package's layers one kernel call each, and the same weights step by step, alternating.
