@@ -271,7 +271,7 @@ static void kquant_rows_portable(int type, const uint8_t *w, int64_t blocks, con
  * the bits (a shifted-in neighbour's bits are masked off). The vector form keeps the block's scalar
  * work and its moves into vector registers off the shuffle port, which the products need. */
 KQ_AVX2 KQ_INLINE __m128i scales_mins_q45(const uint8_t *b) {
-    const __m128i s = _mm_loadu_si128((const __m128i *)(b + 4)); /* bytes 12 .. 15 are quants, unused */
+    const __m128i s = _mm_loadu_si128((const __m128i *)(b + 4)); /* bytes 12 .. 15: the block's next bytes, unused */
     const __m128i low = _mm_shuffle_epi8(s, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
     const __m128i top = _mm_shuffle_epi8(s, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
     /* sc j < 4: s[j] & 63; sc 4 + i: s[8 + i] & 15; mn j < 4: s[4 + j] & 63; mn 4 + i: s[8 + i] >> 4;

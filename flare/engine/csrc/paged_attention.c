@@ -323,12 +323,9 @@ static void attend(const Attention *a, int64_t r, int64_t g, int64_t i0, int64_t
             }
         }
     }
-    for (int64_t j = 0; j < group; j++) {
-        for (int64_t t = 0; t < Q; t++) {
-            if (j * Q + t < i0 || j * Q + t >= i1) continue;
-            float *o = a->out + ((r * Q + t) * a->heads + g * group + j) * D;
-            memcpy(o, acc + (j * Q + t) * D, (size_t)D * sizeof(float));
-        }
+    for (int64_t i = i0; i < i1; i++) { /* query i is head j = i / Q of the group at token t = i % Q */
+        float *o = a->out + ((r * Q + i % Q) * a->heads + g * group + i / Q) * D;
+        memcpy(o, acc + i * D, (size_t)D * sizeof(float));
     }
 }
 
