@@ -83,7 +83,7 @@ def main() -> None:
     )
     for rows in args.rows:
         x = torch.from_numpy(rng.standard_normal((rows, HIDDEN), dtype=np.float32))
-        touched = len(set(moe_routes(x, weights, config).experts.flatten().tolist()))
+        touched = len(set(moe_routes(x, weights, config, kernels=native.available()).experts.flatten().tolist()))
         times = []
         with torch.inference_mode():
             moe_mlp(x, weights, config, kernels=native.available())  # warm-up

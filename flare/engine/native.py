@@ -14,6 +14,9 @@ built (no C compiler at install time) and that the tests hold it equal to:
   `clamped_swiglu_rows` the same for gpt-oss's clamped SwiGLU (its torch counterpart
   `layers/mlp.py`'s `clamped_swiglu`);
 - `add_rms_norm`: the residual add and the RMSNorm after it, instead of seven passes;
+- `moe_route`: a mixture-of-experts layer's route (its router's float64 logits, the choice and
+  the weights) in one call, instead of a dozen small operators that run cold after a token's
+  weights have streamed (its torch counterpart `layers/routing.py`'s `route`);
 - the products of weights of ggml blocks (quantized linear layers, the mixture-of-experts
   layer, 8-bit activations and their integer products) and their instruction levels: in
   `native_quantized.py`, on this module's checks;
@@ -39,6 +42,7 @@ each kernel runs the loops and gives the bits it did before them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -299,6 +303,57 @@ def clamped_swiglu_rows(gate_up_columns: torch.Tensor, alpha: float, limit: floa
         tokens, float(alpha), float(limit), torch.get_num_threads(),
     )
     return out
+
+
+# How a router's logits become routes (model_config.ROUTINGS) as kernels.h's RoutingKind codes them.
+ROUTING_CODES = {"softmax": 0, "softmax_group_max": 1, "sigmoid_group": 2, "topk_softmax": 3}
+
+
+def moe_route(
+    x: torch.Tensor,
+    router: torch.Tensor,
+    kind: str,
+    k: int,
+    *,
+    router_bias: torch.Tensor | None = None,
+    correction_bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    normalize: bool = False,
+    scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The route of each row of x [T, hidden] through a router [E, hidden] (moe_route.c): its k
+    experts, int64 [T, k] ascending, and their weights, float32 [T, k], under routing kind `kind`
+    (routing.py, whose functions these equal but at ties, which go to the lower index here):
+    logits summed in float64 and rounded once, weights in float64 rounded once."""
+    native = _module()
+    problems = _dtype_problems(x=(x, torch.float32), router=(router, torch.float32))
+    _check("moe_route", problems)
+    if x.dim() != 2 or not x.is_contiguous():
+        problems.append(f"x must be a contiguous [tokens, hidden], got {tuple(x.shape)} strides {x.stride()}")
+    if router.dim() != 2 or not router.is_contiguous() or (x.dim() == 2 and router.shape[1] != x.shape[1]):
+        problems.append(f"router must be a contiguous [experts, {x.shape[-1]}], got {tuple(router.shape)}")
+    _check("moe_route", problems)
+    experts = router.shape[0]
+    problems += _vector_problems(router_bias=(router_bias, experts), correction_bias=(correction_bias, experts))
+    if kind not in ROUTING_CODES:
+        problems.append(f"kind must be one of {', '.join(ROUTING_CODES)}, got {kind!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= experts:
+        problems.append(f"k must be an integer in 1 .. {experts}, got {k!r}")
+    if n_group < 1 or experts % n_group or not 1 <= topk_group <= n_group:
+        problems.append(f"n_group must divide the {experts} experts and topk_group lie in 1 .. n_group, got {n_group} and {topk_group}")
+    if not math.isfinite(scaling):
+        problems.append(f"scaling must be finite, got {scaling!r}")
+    _check("moe_route", problems)
+    tokens, hidden = x.shape
+    expert_ids = torch.empty(tokens, k, dtype=torch.int64)
+    weights = torch.empty(tokens, k, dtype=torch.float32)
+    native.moe_route(
+        x.data_ptr(), router.data_ptr(), _address(router_bias), _address(correction_bias), ROUTING_CODES[kind], float(scaling),
+        int(normalize), tokens, hidden, experts, k, n_group, topk_group, expert_ids.data_ptr(), weights.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return expert_ids, weights
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

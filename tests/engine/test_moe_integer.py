@@ -112,7 +112,7 @@ def test_the_moe_mlp_of_8_bit_experts_takes_the_one_call_and_keeps_the_loops_bit
     assert [(c["gate_up_halves"], c["down_halves"]) for c in calls] == [(2, 2)]
     looped = dataclasses.replace(weights, gate_up_blocks=None, down_blocks=None)
     assert torch.equal(got, moe_mlp(x, looped, config, kernels=True))
-    assert torch.equal(got, routed_experts(x, moe_routes(x, weights, config), weights, config, kernels=True))
+    assert torch.equal(got, routed_experts(x, moe_routes(x, weights, config, kernels=True), weights, config, kernels=True))
 
 
 FORCED_SCRIPT = """

@@ -300,6 +300,27 @@ typedef struct {
  * products (ISA_*), `integer_isa` the integer ones (IDOT_*). */
 int moe_layer(const MoELayer *m, int threads, int isa, int integer_isa);
 
+/* How a router's logits become each row's k experts and weights (routing.py's kinds, model_config.ROUTINGS). */
+typedef enum { ROUTING_SOFTMAX = 0, ROUTING_SOFTMAX_GROUP_MAX = 1, ROUTING_SIGMOID_GROUP = 2, ROUTING_TOPK_SOFTMAX = 3 } RoutingKind;
+
+/* A mixture-of-experts layer's route: see moe_route.c. */
+typedef struct {
+    const float *x;               /* [tokens, hidden], contiguous */
+    const float *router;          /* [experts, hidden], contiguous */
+    const float *router_bias;     /* [experts], or NULL */
+    const float *correction_bias; /* [experts] (sigmoid_group's choice only), or NULL */
+    int kind;                     /* RoutingKind */
+    int normalize;                /* norm_topk_prob */
+    double scaling;               /* routed_scaling_factor */
+    int64_t tokens, hidden, experts, k;
+    int64_t n_group, topk_group;  /* experts % n_group == 0, 1 <= topk_group <= n_group; 1 and 1 without groups */
+    int64_t *expert_ids;          /* out [tokens, k]: each row's experts, ascending */
+    float *expert_weights;        /* out [tokens, k]: their weights */
+} MoERoute;
+
+/* 0, or -1 when scratch memory could not be allocated. */
+int moe_route(const MoERoute *m, int threads);
+
 /* One attention group of a round (model.py's AttentionGroup): `rows` rows of `query_len` new
  * tokens from flat token `start`, their block table [rows, max_blocks] and start positions. */
 typedef struct {

@@ -318,6 +318,48 @@ static PyObject *py_moe_layer(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The route of a mixture-of-experts layer (moe_route.c); checks the kind and the group sizes. */
+static PyObject *py_moe_route(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t x, router, router_bias, correction_bias, expert_ids, expert_weights, tokens, hidden, experts, k, n_group,
+        topk_group, threads;
+    int kind, normalize;
+    double scaling;
+    if (!PyArg_ParseTuple(args, "nnnnidinnnnnnnnn", &x, &router, &router_bias, &correction_bias, &kind, &scaling, &normalize,
+                          &tokens, &hidden, &experts, &k, &n_group, &topk_group, &expert_ids, &expert_weights, &threads))
+        return NULL;
+    if (tokens < 0 || hidden < 1 || experts < 1 || k < 1 || k > experts || threads < 1)
+        return invalid("moe_route", "sizes must be positive and k at most the experts");
+    if (kind < ROUTING_SOFTMAX || kind > ROUTING_TOPK_SOFTMAX) return invalid("moe_route", "unknown routing kind");
+    if (n_group < 1 || experts % n_group || topk_group < 1 || topk_group > n_group)
+        return invalid("moe_route", "the groups must split the experts evenly and topk_group lie in 1 .. n_group");
+    const MoERoute m = {
+        .x = (const float *)x,
+        .router = (const float *)router,
+        .router_bias = (const float *)router_bias,
+        .correction_bias = (const float *)correction_bias,
+        .kind = kind,
+        .normalize = normalize,
+        .scaling = scaling,
+        .tokens = tokens,
+        .hidden = hidden,
+        .experts = experts,
+        .k = k,
+        .n_group = n_group,
+        .topk_group = topk_group,
+        .expert_ids = (int64_t *)expert_ids,
+        .expert_weights = (float *)expert_weights,
+    };
+    int status = 0;
+    if (tokens) {
+        Py_BEGIN_ALLOW_THREADS
+        status = moe_route(&m, (int)threads);
+        Py_END_ALLOW_THREADS
+    }
+    if (status) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 /* Rows of x [tokens, in] (rows `x_stride` floats apart) as 8-bit activation blocks into out
  * [tokens, in / 32] Q8Blocks (integer_linear.c). */
 static PyObject *py_quantize_q8(PyObject *self, PyObject *args) {
@@ -635,6 +677,9 @@ static PyMethodDef methods[] = {
      "moe_layer(x, expert_ids, expert_weights, gate_up, gate_up_type, gate_up_expert_bytes, down, down_type, "
      "down_expert_bytes, activation, out, tokens, k, experts, hidden, intermediate, threads, gate_up_halves, down_halves, "
      "isa, integer_isa)"},
+    {"moe_route", py_moe_route, METH_VARARGS,
+     "moe_route(x, router, router_bias, correction_bias, kind, scaling, normalize, tokens, hidden, experts, k, n_group, "
+     "topk_group, expert_ids, expert_weights, threads)"},
     {"quantize_q8", py_quantize_q8, METH_VARARGS, "quantize_q8(x, x_stride, tokens, in, out, halves, threads)"},
     {"integer_linear", py_integer_linear, METH_VARARGS,
      "integer_linear(x_blocks, x_stride_blocks, halves, blocks, type, y, tokens, in, out, threads, isa)"},

@@ -10,7 +10,9 @@ SwiGLU (`mlp.clamped_swiglu`, `ModelConfig.hidden_activation` clamped_swiglu).
 
 The route is float32 (`routing.py`), from router logits summed in float64 and rounded once
 (`router_logits`): float32 GEMMs (MKL) sum a row's products in an order that depends on how many
-rows they multiply at once, which could flip a near-tie route between batches. The rows of a round are grouped by expert, so each expert's
+rows they multiply at once, which could flip a near-tie route between batches. With the kernels
+the whole route is one C call (`native.moe_route`, moe_route.c: the same float64 logits and the
+same choice, ties to the lower expert, weights rounded once), and both expert paths below read it. The rows of a round are grouped by expert, so each expert's
 gate/up and down run once per round on all the rows routed to it, through the same linear
 products as a dense layer (`mlp.gated_mlp`: float weights or ggml blocks, `linear.py`); with the
 kernels and experts of ggml blocks (without gpt-oss's biases and clamped SwiGLU), the routed
@@ -46,10 +48,9 @@ from flare.package.model_config import ModelConfig
 
 @dataclass(frozen=True)
 class MoEWeights:
-    """One mixture-of-experts MLP's weights: the router [E, hidden] (with its bias [E]
-    and DeepSeek-V3's score correction bias [E] where the model has them; a package's router is
-    loaded as float64, the float32 values widened exactly, which `router_logits` reads as it is
-    rather than widening the matrix again every round), each expert's fused
+    """One mixture-of-experts MLP's weights: the router, float32 [E, hidden] (with its bias [E]
+    and DeepSeek-V3's score correction bias [E] where the model has them; kept float32, half the
+    bytes a decode round streams, and widened to float64 inside the product), each expert's fused
     gate/up [2 I, hidden] and down [hidden, I] (views of the stacked tensors), and the shared
     expert and its gate [1, hidden] where the model has them."""
 
@@ -107,7 +108,7 @@ def load_moe_weights(
     assert router is not None
     gate_up, down = stacked("experts.gate_up_proj.weight"), stacked("experts.down_proj.weight")
     return MoEWeights(
-        router=router.double(),
+        router=router,
         gate_up=expert_weights(gate_up, config.num_experts, weight_format),
         down=expert_weights(down, config.num_experts, weight_format),
         router_bias=vector("router.bias"),
@@ -134,8 +135,16 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return logits.float()
 
 
-def moe_routes(x: torch.Tensor, weights: MoEWeights, config: ModelConfig) -> Routes:
-    """The route of each row of x [T, hidden]: the router's logits (`router_logits`), then `routing.route`."""
+def moe_routes(x: torch.Tensor, weights: MoEWeights, config: ModelConfig, *, kernels: bool) -> Routes:
+    """The route of each row of x [T, hidden]: with the kernels one C call (`native.moe_route`),
+    else the router's logits (`router_logits`), then `routing.route`."""
+    if kernels and x.dtype == torch.float32:
+        experts, expert_weights = native.moe_route(
+            x.contiguous(), weights.router, config.routing, config.num_experts_per_tok, router_bias=weights.router_bias,
+            correction_bias=weights.correction_bias, n_group=config.n_group, topk_group=config.topk_group,
+            normalize=config.norm_topk_prob, scaling=config.routed_scaling_factor,
+        )
+        return Routes(experts, expert_weights)
     return route(router_logits(x, weights.router, weights.router_bias), config, weights.correction_bias)
 
 
@@ -183,7 +192,7 @@ def routed_experts(x: torch.Tensor, routes: Routes, weights: MoEWeights, config:
 
 def moe_mlp(x: torch.Tensor, weights: MoEWeights, config: ModelConfig, *, kernels: bool) -> torch.Tensor:
     """The MoE MLP of rows x [T, hidden]: [T, hidden] in x's dtype (module docstring)."""
-    routes = moe_routes(x, weights, config)
+    routes = moe_routes(x, weights, config, kernels=kernels)
     if (
         kernels
         and weights.gate_up_blocks is not None

@@ -21,6 +21,11 @@ values):
 Every kind then multiplies the weights by `routed_scaling_factor` (1 but for DeepSeek).
 The k experts of a row are returned in ascending expert order, the fixed order in which the
 MoE layer sums their outputs.
+
+Where the engine's C kernels run, the route is computed by `native.moe_route` (moe_route.c)
+instead, in one call: the same experts (a tie goes to the lower expert there, where torch.topk's
+choice among equal values is its implementation's) and the same weights to about an ulp. These
+functions are its reference, and what runs without the kernels.
 """
 
 from __future__ import annotations

@@ -1,0 +1,222 @@
+/* The route of a mixture-of-experts layer in one call: each row's router logits and, from them,
+ * its k experts and their weights, under the four kinds of flare/engine/layers/routing.py (whose
+ * docstring states each kind's math; that module is the reference these routes are tested
+ * against, and what runs where this library was not built).
+ *
+ * Why in C: a decode round's route is a dozen small torch operators per layer (the float64
+ * product, softmax, top-k, sort, gather), and after a token's weights have streamed through the
+ * caches each one runs cold, 100-200 us where it takes 10 warm. Here it is one pass.
+ *
+ * Logits. logit[t, e] = sum_h x[t, h] w[e, h] (+ bias[e]) summed in float64 and rounded to float32
+ * once, as routing.py's float64 product: a product of two float32 values is exact in float64, so
+ * a fused multiply-add rounds as a multiply then an add does, and the sum runs in 8 lanes
+ * (lane j takes h = j mod 8, in h order) added up in one fixed tree. The bits are therefore the
+ * same in every clone (AVX2 + FMA or generic x86-64) and whichever rows share the call: a row's
+ * route never depends on its batch-mates. Rows are taken 4 at a time only to share each router
+ * row's load and widening.
+ *
+ * Choice. The k experts are the k largest scores, ties to the lower expert index (torch.topk
+ * leaves ties unspecified). Softmax is monotonic, so softmax kinds choose by the logits
+ * themselves: the same experts as choosing by the float32 probabilities, but where two
+ * different logits round to the same probability. Groups (softmax_group_max, sigmoid_group) are
+ * kept the same way: the `topk_group` best group scores, ties to the lower group.
+ *
+ * Weights are computed in float64 and rounded once (routing.py rounds each torch step to
+ * float32: the two differ by about an ulp), times `scaling` (routed_scaling_factor). A row's k
+ * experts are returned in ascending order, the order the MoE layer sums them in.
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "kernels.h"
+
+#define LANES 8
+#define ROW_TILE 4
+
+/* The fixed tree that adds a row's lane sums. */
+static double lane_total(const double *acc) {
+    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+}
+
+/* logits[r, e] for rows x[0 .. rows) (rows <= ROW_TILE, widened into xd [ROW_TILE, hidden]) and
+ * experts [e0, e1). */
+FLARE_TARGET_CLONES
+static void router_logits_tile(const MoERoute *m, const double *xd, int64_t rows, int64_t e0, int64_t e1, float *logits) {
+    const int64_t H = m->hidden, body = H - H % LANES;
+    for (int64_t e = e0; e < e1; e++) {
+        const float *w = m->router + e * H;
+        double acc[ROW_TILE][LANES] = {{0}};
+        for (int64_t h = 0; h < body; h += LANES) {
+            double wd[LANES];
+            for (int j = 0; j < LANES; j++) wd[j] = (double)w[h + j];
+            for (int64_t r = 0; r < rows; r++)
+                for (int j = 0; j < LANES; j++) acc[r][j] += xd[r * H + h + j] * wd[j];
+        }
+        for (int64_t h = body; h < H; h++)
+            for (int64_t r = 0; r < rows; r++) acc[r][h - body] += xd[r * H + h] * (double)w[h];
+        for (int64_t r = 0; r < rows; r++) {
+            double logit = lane_total(acc[r]);
+            if (m->router_bias) logit += (double)m->router_bias[e];
+            logits[r * m->experts + e] = (float)logit;
+        }
+    }
+}
+
+/* Index of the largest v[i] with eligible[i] and not taken[i], ties to the lower index; NaN
+ * counts as the lowest value, so a row of NaN still gets valid experts. */
+static int64_t best_index(const float *v, int64_t n, const uint8_t *eligible, const uint8_t *taken) {
+    int64_t best = -1;
+    for (int64_t i = 0; i < n; i++) {
+        if (taken[i] || (eligible && !eligible[i])) continue;
+        if (best < 0 || v[i] > v[best] || (isnan(v[best]) && !isnan(v[i]))) best = i;
+    }
+    return best;
+}
+
+/* chosen[0 .. k): the k best of v [n] among the eligible (all where NULL), best first; where
+ * fewer than k are eligible the rest come from the ineligible, best first. `taken` [n] scratch. */
+static void top_k(const float *v, int64_t n, int64_t k, const uint8_t *eligible, uint8_t *taken, int64_t *chosen) {
+    memset(taken, 0, (size_t)n);
+    for (int64_t s = 0; s < k; s++) {
+        int64_t i = best_index(v, n, eligible, taken);
+        if (i < 0) i = best_index(v, n, NULL, taken);
+        taken[i] = 1;
+        chosen[s] = i;
+    }
+}
+
+/* eligible[e] = 1 for the experts of the `topk_group` best groups by group_scores [n_group]. */
+static void keep_groups(const MoERoute *m, const float *group_scores, uint8_t *taken, int64_t *groups, uint8_t *eligible) {
+    const int64_t size = m->experts / m->n_group;
+    top_k(group_scores, m->n_group, m->topk_group, NULL, taken, groups);
+    memset(eligible, 0, (size_t)m->experts);
+    for (int64_t g = 0; g < m->topk_group; g++) memset(eligible + groups[g] * size, 1, (size_t)size);
+}
+
+typedef struct {
+    float *scores, *group_scores;
+    uint8_t *taken, *eligible;
+    int64_t *groups;
+} RouteScratch;
+
+/* Row t's experts and weights from its logits [experts]. */
+static void route_row(const MoERoute *m, int64_t t, const float *logits, RouteScratch s) {
+    const int64_t E = m->experts, K = m->k, size = E / m->n_group;
+    int64_t *experts = m->expert_ids + t * K;
+    double w[K];
+    if (m->kind == ROUTING_SOFTMAX || m->kind == ROUTING_SOFTMAX_GROUP_MAX) {
+        const uint8_t *eligible = NULL;
+        if (m->kind == ROUTING_SOFTMAX_GROUP_MAX) { /* a group scores by its largest probability */
+            for (int64_t g = 0; g < m->n_group; g++) {
+                float best = logits[g * size];
+                for (int64_t i = 1; i < size; i++) best = logits[g * size + i] > best ? logits[g * size + i] : best;
+                s.group_scores[g] = best;
+            }
+            keep_groups(m, s.group_scores, s.taken, s.groups, s.eligible);
+            eligible = s.eligible;
+        }
+        top_k(logits, E, K, eligible, s.taken, experts);
+        /* p_e = exp(l_e - max) / sum over all experts; normalized, over the k chosen. */
+        float top = logits[0];
+        for (int64_t e = 1; e < E; e++) top = logits[e] > top ? logits[e] : top;
+        double z = 0.0;
+        for (int64_t e = 0; e < E; e++) z += exp((double)logits[e] - (double)top);
+        double chosen = 0.0;
+        for (int64_t i = 0; i < K; i++) chosen += w[i] = exp((double)logits[experts[i]] - (double)top);
+        const double denominator = m->kind == ROUTING_SOFTMAX && m->normalize ? chosen : z;
+        for (int64_t i = 0; i < K; i++) w[i] /= denominator;
+    } else if (m->kind == ROUTING_SIGMOID_GROUP) {
+        /* s_e = sigmoid(l_e) in float32, as torch.sigmoid; the choice reads s_e + bias_e. */
+        for (int64_t e = 0; e < E; e++) {
+            const float sigmoid = (float)(1.0 / (1.0 + exp(-(double)logits[e])));
+            s.scores[e] = sigmoid + (m->correction_bias ? m->correction_bias[e] : 0.0f);
+        }
+        for (int64_t g = 0; g < m->n_group; g++) { /* a group scores by the sum of its two best */
+            const float *v = s.scores + g * size;
+            float first = v[0], second = -INFINITY;
+            for (int64_t i = 1; i < size; i++) {
+                if (v[i] > first) {
+                    second = first;
+                    first = v[i];
+                } else if (v[i] > second) {
+                    second = v[i];
+                }
+            }
+            s.group_scores[g] = size > 1 ? first + second : first;
+        }
+        keep_groups(m, s.group_scores, s.taken, s.groups, s.eligible);
+        top_k(s.scores, E, K, s.eligible, s.taken, experts);
+        double total = 0.0;
+        for (int64_t i = 0; i < K; i++) total += w[i] = (double)(float)(1.0 / (1.0 + exp(-(double)logits[experts[i]])));
+        if (m->normalize)
+            for (int64_t i = 0; i < K; i++) w[i] /= total + 1e-20;
+    } else { /* ROUTING_TOPK_SOFTMAX: softmax over the k largest logits */
+        top_k(logits, E, K, NULL, s.taken, experts);
+        double z = 0.0;
+        const double top = (double)logits[experts[0]];
+        for (int64_t i = 0; i < K; i++) z += w[i] = exp((double)logits[experts[i]] - top);
+        for (int64_t i = 0; i < K; i++) w[i] /= z;
+    }
+    /* Ascending expert order (insertion sort of k), the weights alongside. */
+    for (int64_t i = 1; i < K; i++) {
+        const int64_t e = experts[i];
+        const double v = w[i];
+        int64_t j = i - 1;
+        for (; j >= 0 && experts[j] > e; j--) {
+            experts[j + 1] = experts[j];
+            w[j + 1] = w[j];
+        }
+        experts[j + 1] = e;
+        w[j + 1] = v;
+    }
+    for (int64_t i = 0; i < K; i++) m->expert_weights[t * K + i] = (float)(w[i] * m->scaling);
+}
+
+int moe_route(const MoERoute *m, int threads) {
+    const int64_t T = m->tokens, E = m->experts, H = m->hidden, tiles = (T + ROW_TILE - 1) / ROW_TILE;
+    float *logits = malloc(sizeof(float) * (size_t)(T * E));
+    if (!logits) return -1;
+    int failed = 0;
+    /* One decode row's logits are split over the experts (each thread streams its part of the
+     * router); a prompt's over its row tiles. Either way each logit is one thread's sum. */
+    const int split_experts = tiles < threads;
+    const int64_t parts = split_experts ? threads : tiles;
+#pragma omp parallel num_threads(threads) if (T * E * H >= 131072) reduction(| : failed)
+    {
+        double *xd = malloc(sizeof(double) * (size_t)(ROW_TILE * H));
+        failed |= !xd;
+        const int64_t row_tiles = split_experts ? tiles : 1;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < parts; p++) {
+            if (!xd) continue;
+            const int64_t e0 = split_experts ? E * p / parts : 0, e1 = split_experts ? E * (p + 1) / parts : E;
+            for (int64_t tile = split_experts ? 0 : p; tile < (split_experts ? row_tiles : p + 1); tile++) {
+                const int64_t t0 = tile * ROW_TILE, rows = T - t0 < ROW_TILE ? T - t0 : ROW_TILE;
+                for (int64_t i = 0; i < rows * H; i++) xd[i] = (double)m->x[t0 * H + i];
+                router_logits_tile(m, xd, rows, e0, e1, logits + t0 * E);
+            }
+        }
+        free(xd);
+    }
+    if (!failed) {
+#pragma omp parallel num_threads(threads) if (T >= 64) reduction(| : failed)
+        {
+            RouteScratch s = {
+                .scores = malloc(sizeof(float) * (size_t)E), .group_scores = malloc(sizeof(float) * (size_t)m->n_group),
+                .taken = malloc((size_t)E), .eligible = malloc((size_t)E), .groups = malloc(sizeof(int64_t) * (size_t)m->n_group),
+            };
+            const int ok = s.scores && s.group_scores && s.taken && s.eligible && s.groups;
+            failed |= !ok;
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++)
+                if (ok) route_row(m, t, logits + t * E, s);
+            free(s.scores);
+            free(s.group_scores);
+            free(s.taken);
+            free(s.eligible);
+            free(s.groups);
+        }
+    }
+    free(logits);
+    return failed ? -1 : 0;
+}
