@@ -77,6 +77,10 @@ def _check(function: str, problems: list[str]) -> None:
 # reading the weights either way (docs/kernels.md, "Engine: the float16 kernel").
 ISA_PORTABLE, ISA_AVX2, ISA_AVX512 = 0, 1, 2
 LINEAR_ISA = ISA_AVX512 if torch.backends.cpu.get_cpu_capability() == "AVX512" else ISA_AVX2
+# What ATen dispatches to, as those levels: ATEN_CPU_CAPABILITY=avx2 holds a kernel that takes it
+# to AVX2 and ATEN_CPU_CAPABILITY=default to its portable loop (how tests and benchmarks stand in
+# for other CPUs). Every level of such a kernel gives the same bits.
+ATEN_ISA = {"AVX512": ISA_AVX512, "AVX2": ISA_AVX2}.get(torch.backends.cpu.get_cpu_capability(), ISA_PORTABLE)
 
 # The KV pool's dtypes the kernels read and write (kernels.h, `KvDtype`): everything is computed
 # in float32, 16-bit elements are widened when read and rounded to nearest even when written.
@@ -321,11 +325,13 @@ def moe_route(
     topk_group: int = 1,
     normalize: bool = False,
     scaling: float = 1.0,
+    isa: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The route of each row of x [T, hidden] through a router [E, hidden] (moe_route.c): its k
     experts, int64 [T, k] ascending, and their weights, float32 [T, k], under routing kind `kind`
     (routing.py, whose functions these equal but at ties, which go to the lower index here):
-    logits summed in float64 and rounded once, weights in float64 rounded once."""
+    logits summed in float64 and rounded once, weights in float64 rounded once; the logits' loop
+    at `isa` (default ATEN_ISA), the same bits at every level."""
     native = _module()
     problems = _dtype_problems(x=(x, torch.float32), router=(router, torch.float32))
     _check("moe_route", problems)
@@ -351,7 +357,7 @@ def moe_route(
     native.moe_route(
         x.data_ptr(), router.data_ptr(), _address(router_bias), _address(correction_bias), ROUTING_CODES[kind], float(scaling),
         int(normalize), tokens, hidden, experts, k, n_group, topk_group, expert_ids.data_ptr(), weights.data_ptr(),
-        torch.get_num_threads(),
+        torch.get_num_threads(), ATEN_ISA if isa is None else isa,
     )
     return expert_ids, weights
 

@@ -23,13 +23,12 @@ import os
 
 import torch
 
-from flare.engine.native import ACTIVATION_CODES, ISA_AVX2, ISA_AVX512, ISA_PORTABLE, _check, _dtype_problems, _module, available
+from flare.engine.native import ACTIVATION_CODES, ATEN_ISA, _check, _dtype_problems, _module, available
 
 
-# The widest instructions the quantized kernel uses (quantized_linear.c): what ATen dispatches to,
-# so ATEN_CPU_CAPABILITY=avx2 holds it to AVX2 and ATEN_CPU_CAPABILITY=default to the portable
-# loop (how tests and benchmarks stand in for other CPUs). Every level gives the same bits.
-QUANTIZED_ISA = {"AVX512": ISA_AVX512, "AVX2": ISA_AVX2}.get(torch.backends.cpu.get_cpu_capability(), ISA_PORTABLE)
+# The widest instructions the quantized kernel uses (quantized_linear.c): what ATen dispatches to
+# (`native.ATEN_ISA`). Every level gives the same bits.
+QUANTIZED_ISA = ATEN_ISA
 
 # The widest integer dot-product instructions of the 8-bit activation products (integer_linear.c,
 # integer_dot.h `IDOT_*`): derived from ATen's dispatch as QUANTIZED_ISA is (AVX-512 -> AMX, which

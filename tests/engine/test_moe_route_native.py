@@ -120,7 +120,7 @@ def test_all_equal_logits_route_to_the_first_k_experts_with_equal_weights() -> N
 def test_a_rows_route_is_the_same_bits_alone_and_in_any_batch(kind: str, threads: int) -> None:
     generator = torch.Generator().manual_seed(9)
     hidden = 256
-    x = torch.randn(70, hidden, generator=generator)  # 17 row tiles of 4 and 2 over
+    x = torch.randn(70, hidden, generator=generator)  # 35 row tiles of 2
     router = torch.randn(EXPERTS, hidden, generator=generator)
     bias, correction = biases(kind, 9)
     config = config_of(kind, hidden=hidden)
@@ -136,6 +136,23 @@ def test_a_rows_route_is_the_same_bits_alone_and_in_any_batch(kind: str, threads
     finally:
         torch.set_num_threads(previous)
     assert torch.equal(shuffled[0], together[0][order]) and torch.equal(shuffled[1], together[1][order])
+
+
+@pytest.mark.parametrize("kind", ["softmax normalized", "sigmoid_group"])
+def test_the_portable_loop_and_avx2_give_the_same_bits(kind: str) -> None:
+    generator = torch.Generator().manual_seed(13)
+    hidden = 2048 + 12  # whole lanes of 16 and a tail
+    x = torch.randn(7, hidden, generator=generator)
+    router = torch.randn(EXPERTS, hidden, generator=generator) / 45
+    _, correction = biases(kind, 13)
+    config = config_of(kind, hidden=hidden)
+    options = {
+        "correction_bias": correction, "n_group": config.n_group, "topk_group": config.topk_group,
+        "normalize": config.norm_topk_prob, "scaling": config.routed_scaling_factor,
+    }
+    portable = native.moe_route(x, router, config.routing, 4, isa=native.ISA_PORTABLE, **options)  # type: ignore[arg-type]
+    vector = native.moe_route(x, router, config.routing, 4, isa=native.ISA_AVX512, **options)  # type: ignore[arg-type]
+    assert torch.equal(portable[0], vector[0]) and torch.equal(portable[1], vector[1])
 
 
 def test_a_row_of_nan_still_routes_to_experts_that_exist() -> None:

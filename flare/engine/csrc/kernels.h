@@ -312,6 +312,7 @@ typedef struct {
     int kind;                     /* RoutingKind */
     int normalize;                /* norm_topk_prob */
     double scaling;               /* routed_scaling_factor */
+    int isa;                      /* ISA_*: the widest instructions the logits' loop may use */
     int64_t tokens, hidden, experts, k;
     int64_t n_group, topk_group;  /* experts % n_group == 0, 1 <= topk_group <= n_group; 1 and 1 without groups */
     int64_t *expert_ids;          /* out [tokens, k]: each row's experts, ascending */

@@ -323,10 +323,10 @@ static PyObject *py_moe_route(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t x, router, router_bias, correction_bias, expert_ids, expert_weights, tokens, hidden, experts, k, n_group,
         topk_group, threads;
-    int kind, normalize;
+    int kind, normalize, isa;
     double scaling;
-    if (!PyArg_ParseTuple(args, "nnnnidinnnnnnnnn", &x, &router, &router_bias, &correction_bias, &kind, &scaling, &normalize,
-                          &tokens, &hidden, &experts, &k, &n_group, &topk_group, &expert_ids, &expert_weights, &threads))
+    if (!PyArg_ParseTuple(args, "nnnnidinnnnnnnnni", &x, &router, &router_bias, &correction_bias, &kind, &scaling, &normalize,
+                          &tokens, &hidden, &experts, &k, &n_group, &topk_group, &expert_ids, &expert_weights, &threads, &isa))
         return NULL;
     if (tokens < 0 || hidden < 1 || experts < 1 || k < 1 || k > experts || threads < 1)
         return invalid("moe_route", "sizes must be positive and k at most the experts");
@@ -341,6 +341,7 @@ static PyObject *py_moe_route(PyObject *self, PyObject *args) {
         .kind = kind,
         .normalize = normalize,
         .scaling = scaling,
+        .isa = isa,
         .tokens = tokens,
         .hidden = hidden,
         .experts = experts,
@@ -679,7 +680,7 @@ static PyMethodDef methods[] = {
      "isa, integer_isa)"},
     {"moe_route", py_moe_route, METH_VARARGS,
      "moe_route(x, router, router_bias, correction_bias, kind, scaling, normalize, tokens, hidden, experts, k, n_group, "
-     "topk_group, expert_ids, expert_weights, threads)"},
+     "topk_group, expert_ids, expert_weights, threads, isa)"},
     {"quantize_q8", py_quantize_q8, METH_VARARGS, "quantize_q8(x, x_stride, tokens, in, out, halves, threads)"},
     {"integer_linear", py_integer_linear, METH_VARARGS,
      "integer_linear(x_blocks, x_stride_blocks, halves, blocks, type, y, tokens, in, out, threads, isa)"},

@@ -9,11 +9,11 @@
  *
  * Logits. logit[t, e] = sum_h x[t, h] w[e, h] (+ bias[e]) summed in float64 and rounded to float32
  * once, as routing.py's float64 product: a product of two float32 values is exact in float64, so
- * a fused multiply-add rounds as a multiply then an add does, and the sum runs in 8 lanes
- * (lane j takes h = j mod 8, in h order) added up in one fixed tree. The bits are therefore the
- * same in every clone (AVX2 + FMA or generic x86-64) and whichever rows share the call: a row's
- * route never depends on its batch-mates. Rows are taken 4 at a time only to share each router
- * row's load and widening.
+ * a fused multiply-add rounds as a multiply then an add does, and the sum runs in 16 lanes
+ * (lane j takes h = j mod 16, in h order) added up in one fixed tree. The bits are therefore the
+ * same at every level (AVX2 + FMA or the portable loop) and whichever rows share the call: a row's
+ * route never depends on its batch-mates. Rows are taken 2 at a time only to share each router
+ * row's load and widening (two widened rows stay in L1).
  *
  * Choice. The k experts are the k largest scores, ties to the lower expert index (torch.topk
  * leaves ties unspecified). Softmax is monotonic, so softmax kinds choose by the logits
@@ -30,36 +30,86 @@
 
 #include "kernels.h"
 
-#define LANES 8
-#define ROW_TILE 4
+#define LANES 16
+#define ROW_TILE 2
 
-/* The fixed tree that adds a row's lane sums. */
+/* The fixed tree that adds a row's 16 lane sums. */
 static double lane_total(const double *acc) {
-    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    double quad[4];
+    for (int j = 0; j < 4; j++) quad[j] = (acc[j] + acc[j + 8]) + (acc[j + 4] + acc[j + 12]);
+    return (quad[0] + quad[2]) + (quad[1] + quad[3]);
 }
 
-/* logits[r, e] for rows x[0 .. rows) (rows <= ROW_TILE, widened into xd [ROW_TILE, hidden]) and
- * experts [e0, e1). */
-FLARE_TARGET_CLONES
-static void router_logits_tile(const MoERoute *m, const double *xd, int64_t rows, int64_t e0, int64_t e1, float *logits) {
+/* The logit of lane sums acc [16] with the router's bias. */
+static float logit_of(const MoERoute *m, const double *acc, int64_t e) {
+    double logit = lane_total(acc);
+    if (m->router_bias) logit += (double)m->router_bias[e];
+    return (float)logit;
+}
+
+/* The portable loop: lane j of row r sums h = j mod 16 in h order. */
+static void router_logits_portable(const MoERoute *m, const double *xd, int64_t rows, int64_t e0, int64_t e1, float *logits) {
+    const int64_t H = m->hidden;
+    for (int64_t e = e0; e < e1; e++) {
+        const float *w = m->router + e * H;
+        for (int64_t r = 0; r < rows; r++) {
+            double acc[LANES] = {0};
+            for (int64_t h = 0; h < H; h++) acc[h % LANES] += xd[r * H + h] * (double)w[h];
+            logits[r * m->experts + e] = logit_of(m, acc, e);
+        }
+    }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+/* The same lanes, four to a ymm register: four independent chains of fused multiply-adds per
+ * row (one decode row is not bound by their latency), each router row widened once for `rows`
+ * (a constant where it is inlined, so the accumulators stay in registers). */
+__attribute__((target("avx2,fma"), always_inline)) static inline void router_rows_avx2(const MoERoute *m, const double *xd,
+                                                                                       const int rows, int64_t e0, int64_t e1,
+                                                                                       float *logits) {
     const int64_t H = m->hidden, body = H - H % LANES;
     for (int64_t e = e0; e < e1; e++) {
         const float *w = m->router + e * H;
-        double acc[ROW_TILE][LANES] = {{0}};
+        __m256d acc[ROW_TILE][4];
+        for (int r = 0; r < rows; r++)
+            for (int v = 0; v < 4; v++) acc[r][v] = _mm256_setzero_pd();
         for (int64_t h = 0; h < body; h += LANES) {
-            double wd[LANES];
-            for (int j = 0; j < LANES; j++) wd[j] = (double)w[h + j];
-            for (int64_t r = 0; r < rows; r++)
-                for (int j = 0; j < LANES; j++) acc[r][j] += xd[r * H + h + j] * wd[j];
+            __m256d wd[4];
+            for (int v = 0; v < 4; v++) wd[v] = _mm256_cvtps_pd(_mm_loadu_ps(w + h + 4 * v));
+            for (int r = 0; r < rows; r++)
+                for (int v = 0; v < 4; v++) acc[r][v] = _mm256_fmadd_pd(_mm256_loadu_pd(xd + r * H + h + 4 * v), wd[v], acc[r][v]);
         }
-        for (int64_t h = body; h < H; h++)
-            for (int64_t r = 0; r < rows; r++) acc[r][h - body] += xd[r * H + h] * (double)w[h];
-        for (int64_t r = 0; r < rows; r++) {
-            double logit = lane_total(acc[r]);
-            if (m->router_bias) logit += (double)m->router_bias[e];
-            logits[r * m->experts + e] = (float)logit;
+        for (int r = 0; r < rows; r++) {
+            double lanes[LANES];
+            for (int v = 0; v < 4; v++) _mm256_storeu_pd(lanes + 4 * v, acc[r][v]);
+            for (int64_t h = body; h < H; h++) lanes[h - body] += xd[r * H + h] * (double)w[h];
+            logits[r * m->experts + e] = logit_of(m, lanes, e);
         }
     }
+}
+
+__attribute__((target("avx2,fma"))) static void router_logits_avx2(const MoERoute *m, const double *xd, int64_t rows, int64_t e0,
+                                                                   int64_t e1, float *logits) {
+    if (rows == 1)
+        router_rows_avx2(m, xd, 1, e0, e1, logits);
+    else
+        router_rows_avx2(m, xd, ROW_TILE, e0, e1, logits);
+}
+#endif
+
+/* logits[r, e] for rows (at most ROW_TILE) widened into xd [rows, hidden], experts [e0, e1). */
+static void router_logits_tile(const MoERoute *m, int vector, const double *xd, int64_t rows, int64_t e0, int64_t e1,
+                               float *logits) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (vector >= ISA_AVX2) {
+        router_logits_avx2(m, xd, rows, e0, e1, logits);
+        return;
+    }
+#endif
+    (void)vector;
+    router_logits_portable(m, xd, rows, e0, e1, logits);
 }
 
 /* Index of the largest v[i] with eligible[i] and not taken[i], ties to the lower index; NaN
@@ -179,7 +229,7 @@ int moe_route(const MoERoute *m, int threads) {
     int failed = 0;
     /* One decode row's logits are split over the experts (each thread streams its part of the
      * router); a prompt's over its row tiles. Either way each logit is one thread's sum. */
-    const int split_experts = tiles < threads;
+    const int split_experts = tiles < threads, vector = quantized_vector_isa(m->isa);
     const int64_t parts = split_experts ? threads : tiles;
 #pragma omp parallel num_threads(threads) if (T * E * H >= 131072) reduction(| : failed)
     {
@@ -193,7 +243,7 @@ int moe_route(const MoERoute *m, int threads) {
             for (int64_t tile = split_experts ? 0 : p; tile < (split_experts ? row_tiles : p + 1); tile++) {
                 const int64_t t0 = tile * ROW_TILE, rows = T - t0 < ROW_TILE ? T - t0 : ROW_TILE;
                 for (int64_t i = 0; i < rows * H; i++) xd[i] = (double)m->x[t0 * H + i];
-                router_logits_tile(m, xd, rows, e0, e1, logits + t0 * E);
+                router_logits_tile(m, vector, xd, rows, e0, e1, logits + t0 * E);
             }
         }
         free(xd);
