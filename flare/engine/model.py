@@ -29,7 +29,8 @@ it fast on a CPU, where a round of 32 decode rows is bound by the linear layers:
   MKL; the weights are stored and multiplied in it, everything between the GEMMs stays float32;
 - on float16 or block weights a round of short rows runs all its layers in one kernel call
   (`native_layers.LayerStack`), the same kernels as the steps of `forward_hidden` without the
-  Python between them;
+  Python between them, a mixture-of-experts MLP of blocks included (without a shared expert,
+  gpt-oss's expert biases, sinks or an o bias: those layers run step by step);
 - a package's quantized tensors stay ggml blocks mapped from its file (`quantized.py`): their
   linear layers multiply float32 activations straight from the blocks, the embedding
   dequantizes only the rows it looks up, and a tied LM head is the embedding's blocks. Their
@@ -132,13 +133,18 @@ def _kernel_layers(
     layers: list[DecoderLayer], config: ModelConfig, local_rope: tuple[torch.Tensor, torch.Tensor] | None
 ) -> list[native_layers.KernelLayer] | None:
     """The layers as `native_layers.decoder_layer` reads them, with their family features (the sliding
-    layers of a model with its own local base on `local_rope`'s tables), where every linear layer
-    of every layer is float16 or ggml blocks; None otherwise (the layers then run step by step)."""
+    layers of a model with its own local base on `local_rope`'s tables) and their mixture-of-experts
+    MLPs (`_kernel_moe`), where every linear layer of every layer is float16 or ggml blocks; None
+    otherwise (the layers then run step by step)."""
     kernel_layers = []
     for layer in layers:
-        if layer.moe is not None or layer.o_bias is not None or layer.sinks is not None:
-            return None  # the one-call kernel layer has no mixture-of-experts MLP, o bias or sinks
-        linears = [_linear_parts(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if layer.o_bias is not None or layer.sinks is not None:
+            return None  # the one-call kernel layer has no o bias or sinks
+        moe = None if layer.moe is None else _kernel_moe(layer.moe, config)
+        if layer.moe is not None and moe is None:
+            return None
+        linears = [_linear_parts(w) for w in (layer.qkv, layer.o)]
+        linears += [_linear_parts(w) for w in (layer.gate_up, layer.down)] if moe is None else [(), ()]
         if any(parts is None for parts in linears):
             return None
         cos, sin = local_rope if layer.local_rope and local_rope is not None else (None, None)
@@ -158,9 +164,29 @@ def _kernel_layers(
                 softcap=config.attention_softcap,
                 scale=config.attention_scale,
                 activation=config.hidden_activation,
+                moe=moe,
             )
         )
     return kernel_layers
+
+
+def _kernel_moe(moe: MoEWeights, config: ModelConfig) -> native_layers.KernelMoE | None:
+    """A mixture-of-experts MLP as the one-call kernel layer runs it (`native_layers.KernelMoE`):
+    the route and the experts' call that `moe.moe_mlp` makes with kernels and experts of blocks;
+    None where that function takes another path (a shared expert, gpt-oss's expert biases and
+    clamped SwiGLU, experts of float weights)."""
+    gate_up, down = moe.gate_up_blocks, moe.down_blocks
+    if (
+        gate_up is None or down is None or moe.shared_gate_up is not None or moe.gate_up_bias is not None
+        or moe.down_bias is not None or config.hidden_activation not in native.ACTIVATION_CODES
+    ):
+        return None
+    return native_layers.KernelMoE(
+        moe.router, gate_up.data, int(gate_up.ggml_type), down.data, int(down.ggml_type), config.routing,
+        config.num_experts_per_tok, router_bias=moe.router_bias, correction_bias=moe.correction_bias, n_group=config.n_group,
+        topk_group=config.topk_group, normalize=config.norm_topk_prob, scaling=config.routed_scaling_factor,
+        gate_up_halves=gate_up.halves, down_halves=down.halves, activation=config.hidden_activation,
+    )
 
 
 def kernels_fit(config: ModelConfig) -> bool:

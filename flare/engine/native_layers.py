@@ -1,6 +1,7 @@
 """A round's decoder layers on the engine's CPU kernels in one call (decoder_layer.c): each layer's
 weights as the C side reads them (`KernelLayer`, its linear layers `LinearPart`s of packed
-float16 or ggml blocks), what a round's layers share, checked once (`decoder_round`), and a
+float16 or ggml blocks, a mixture-of-experts MLP of blocks `KernelMoE`: its route and experts in
+the same call), what a round's layers share, checked once (`decoder_round`), and a
 model's layers with their KV pools as one table (`LayerStack`), so that a decode or verify round
 runs all its layers without Python between them.
 
@@ -11,14 +12,17 @@ single kernels share).
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
+import gguf
 import torch
 
 from flare.engine.native import (
     ACTIVATION_CODES,
     KV_DTYPE_CODES,
     LINEAR_ISA,
+    ROUTING_CODES,
     Float16Weight,
     _address,
     _attention_option_problems,
@@ -72,6 +76,83 @@ many 8-bit activation blocks per 32 (K types: 256) inputs (QuantizedWeight.halve
         return [f"a linear part of type {self.type} [{self.out_features}, {self.in_features}] has {data.device} {data.dtype} {tuple(data.shape)} data"]
 
 
+# A MoE layer's table as module.c reads it (MOE_*): router, router bias, correction bias, routing
+# code, normalize, the scaling factor's float64 bits, experts, k, n_group, topk_group,
+# intermediate, gate_up address, type, halves, down address, type, halves, activation code.
+_MOE_FIELDS = 18
+
+
+@dataclass(frozen=True)
+class KernelMoE:
+    """A decoder layer's mixture-of-experts MLP as `decoder_layer` runs it in place of the gated
+    MLP: its route (`native.moe_route`) and its experts (`native_quantized.moe_layer`), the kernels
+    moe.py's steps call, at the same levels, so the same bits. The router is float32 [E, hidden]
+    (with its bias and DeepSeek-V3's correction bias, float32 [E], where the model has them);
+    `routing` a kind of native.ROUTING_CODES with its k, groups, normalization and scaling; the
+    experts' stacked blocks are uint8 [E * 2 I, row bytes] (gate_up) and [E * hidden, row bytes]
+    (down) of ggml types `gate_up_type` and `down_type`, each multiplied by float32 activations
+    (halves 0) or that many 8-bit activation blocks (QuantizedWeight.halves)."""
+
+    router: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_type: int
+    down: torch.Tensor
+    down_type: int
+    routing: str
+    k: int
+    router_bias: torch.Tensor | None = None
+    correction_bias: torch.Tensor | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    normalize: bool = False
+    scaling: float = 1.0
+    gate_up_halves: int = 0
+    down_halves: int = 0
+    activation: str = "silu"
+    table: torch.Tensor = field(init=False, repr=False)  # int64 [_MOE_FIELDS]
+
+    def __post_init__(self) -> None:
+        problems = _dtype_problems(router=(self.router, torch.float32), gate_up=(self.gate_up, torch.uint8), down=(self.down, torch.uint8))
+        _check("decoder_layer", problems)
+        experts, hidden = self.router.shape if self.router.dim() == 2 else (0, 0)
+        if not self.router.is_contiguous() or experts < 1:
+            problems.append(f"a MoE layer's router must be a contiguous [experts, hidden], got {tuple(self.router.shape)}")
+        _check("decoder_layer", problems)
+        problems += _vector_problems(router_bias=(self.router_bias, experts), correction_bias=(self.correction_bias, experts))
+        if self.routing not in ROUTING_CODES:
+            problems.append(f"routing must be one of {', '.join(ROUTING_CODES)}, got {self.routing!r}")
+        if not 1 <= self.k <= experts or self.n_group < 1 or experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            problems.append(f"k must lie in 1 .. {experts}, n_group divide the experts and topk_group lie in 1 .. n_group")
+        if self.activation not in ACTIVATION_CODES:
+            problems.append(f"activation must be one of {', '.join(ACTIVATION_CODES)}, got {self.activation!r}")
+        intermediate = self.gate_up.shape[0] // (2 * experts) if self.gate_up.dim() == 2 else 0
+        for name, blocks, ggml_type, halves, rows, columns in (
+            ("gate_up", self.gate_up, self.gate_up_type, self.gate_up_halves, 2 * intermediate, hidden),
+            ("down", self.down, self.down_type, self.down_halves, hidden, intermediate),
+        ):
+            block, type_size = gguf.GGML_QUANT_SIZES.get(gguf.GGMLQuantizationType(ggml_type), (0, 0)) if ggml_type in QUANTIZED_TYPE_IDS else (0, 0)
+            if not block or columns < 1 or columns % block or tuple(blocks.shape) != (experts * rows, columns // block * type_size) or not blocks.is_contiguous():
+                problems.append(f"{name} must be contiguous ggml blocks of {experts} experts' [{rows}, {columns}], got type {ggml_type} {tuple(blocks.shape)}")
+            if halves not in (0, 1, 2):
+                problems.append(f"{name}'s halves must be 0, 1 or 2, got {halves!r}")
+        _check("decoder_layer", problems)
+        (scaling_bits,) = struct.unpack("<q", struct.pack("<d", float(self.scaling)))
+        table = torch.tensor(
+            [
+                self.router.data_ptr(), _address(self.router_bias), _address(self.correction_bias), ROUTING_CODES[self.routing],
+                int(self.normalize), scaling_bits, experts, self.k, self.n_group, self.topk_group, intermediate,
+                self.gate_up.data_ptr(), self.gate_up_type, self.gate_up_halves, self.down.data_ptr(), self.down_type,
+                self.down_halves, ACTIVATION_CODES[self.activation],
+            ],
+            dtype=torch.int64,
+        )
+        object.__setattr__(self, "table", table)
+
+    @property
+    def hidden(self) -> int:
+        return self.router.shape[1]
+
+
 def _stacked_features(parts: tuple[LinearPart, ...]) -> tuple[int, int]:
     """(in, out) of parts stacked on the output; in is -1 where the parts disagree."""
     ins = {part.in_features for part in parts}
@@ -108,6 +189,8 @@ class KernelLayer:
     softcap: float | None = None
     scale: float | None = None
     activation: str = "silu"
+    # The mixture-of-experts MLP in place of gate_up and down (which are then empty), or None.
+    moe: KernelMoE | None = None
     # int64 [4, LAYER_LINEAR_PARTS, 3]: (type, address, out rows) of each part of qkv, o,
     # gate_up and down, unused parts zero (module.c reads it); addresses of `data` kept alive here.
     part_table: torch.Tensor = field(init=False, repr=False)
@@ -122,8 +205,16 @@ class KernelLayer:
         hidden = self.input_norm.shape[0]
         linears = (self.qkv, self.o, self.gate_up, self.down)
         problems = [p for parts in linears for part in parts for p in part.problems()]
-        if not all(1 <= len(parts) <= LAYER_LINEAR_PARTS for parts in linears):
-            problems.append(f"each linear layer must have 1 to {LAYER_LINEAR_PARTS} parts, got {[len(p) for p in linears]}")
+        mlp_parts = 0 if self.moe is not None else 1
+        if not all(1 <= len(parts) <= LAYER_LINEAR_PARTS for parts in linears[: 4 - 2 * (self.moe is not None)]) or not all(
+            mlp_parts <= len(parts) <= LAYER_LINEAR_PARTS * mlp_parts for parts in linears[2:]
+        ):
+            problems.append(
+                f"each linear layer must have 1 to {LAYER_LINEAR_PARTS} parts (gate_up and down none beside a MoE MLP), "
+                f"got {[len(p) for p in linears]}"
+            )
+        if self.moe is not None and self.moe.hidden != hidden:
+            problems.append(f"the MoE MLP's router is [experts, {self.moe.hidden}], the layer's hidden size {hidden}")
         problems += self._feature_problems(hidden)
         _check("decoder_layer", problems)
         norms_fit = all(
@@ -132,7 +223,8 @@ class KernelLayer:
         )
         features = dict(zip(("qkv", "o", "gate_up", "down"), map(_stacked_features, linears)))
         (qkv_in, qkv_out), (o_in, o_out), (gate_up_in, gate_up_out), (down_in, down_out) = features.values()
-        layers_fit = qkv_in == gate_up_in == o_out == down_out == hidden and gate_up_out == 2 * down_in
+        mlp_fits = self.moe is not None or (gate_up_in == down_out == hidden and gate_up_out == 2 * down_in)
+        layers_fit = qkv_in == o_out == hidden and mlp_fits
         if not (norms_fit and layers_fit):
             raise ValueError(
                 f"decoder_layer: a layer's norms must be contiguous float32 [{hidden}] and its linear layers chain "
@@ -290,8 +382,9 @@ def decoder_layers(
 
 # A layer's row of LayerStack.table (module.c, LAYER_*): input_norm, post_norm, part table, keys,
 # values, own cos and sin (0: the round's), their rows and rotary dims, qkv_bias, q_norm, k_norm,
-# attention_output_norm, mlp_output_norm, window, activation; of LayerStack.scalars: scale, softcap.
-_LAYER_FIELDS, _LAYER_SCALARS = 16, 2
+# attention_output_norm, mlp_output_norm, window, activation, MoE table (0: the gated MLP); of
+# LayerStack.scalars: scale, softcap.
+_LAYER_FIELDS, _LAYER_SCALARS = 17, 2
 
 
 @dataclass(frozen=True)
@@ -329,13 +422,14 @@ class LayerStack:
                 layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), layer.part_table.data_ptr(),
                 layer_keys.data_ptr(), layer_values.data_ptr(), _address(layer.cos), _address(layer.sin),
                 layer.cos.shape[0] if own else 0, 2 * layer.cos.shape[1] if own else 0,
-                *norms_and_bias, window, activation,
+                *norms_and_bias, window, activation, 0 if layer.moe is None else layer.moe.table.data_ptr(),
             ])
             scalars.append([head_dim**-0.5 if layer.scale is None else layer.scale, softcap])
         object.__setattr__(self, "table", torch.tensor(rows, dtype=torch.int64).view(len(rows), _LAYER_FIELDS))
         object.__setattr__(self, "scalars", torch.tensor(scalars, dtype=torch.float32).view(len(rows), _LAYER_SCALARS))
+        # A MoE layer's MLP has no intermediate width of the round's (its experts' is its own): None.
         object.__setattr__(self, "shapes", frozenset(
-            (layer.hidden, layer.features("qkv")[1], layer.features("o")[0], layer.features("down")[0],
+            (layer.hidden, layer.features("qkv")[1], layer.features("o")[0], None if layer.moe else layer.features("down")[0],
              None if layer.q_norm is None else layer.q_norm.shape[0])
             for layer in self.layers
         ))
@@ -358,7 +452,7 @@ class LayerStack:
         fits = (
             h.dtype == torch.float32 and h.is_contiguous() and h.shape == (plan.tokens, hidden)
             and self.pool == (plan.pool_shape, plan.pool_dtype)
-            and self.shapes <= {(hidden, qkv_out, attended, plan.intermediate, q) for q in (None, plan.head_dim)}
+            and self.shapes <= {(hidden, qkv_out, attended, i, q) for i in (None, plan.intermediate) for q in (None, plan.head_dim)}
             and (self.own_table_rows is None or self.own_table_rows > plan.max_position)
         )
         if not fits:
@@ -385,7 +479,8 @@ def _check_layer(h: torch.Tensor, layer: KernelLayer, keys: torch.Tensor, values
         or keys.dtype != plan.pool_dtype or values.dtype != plan.pool_dtype
         or not (keys.is_contiguous() and values.is_contiguous())
         or layer.features("qkv")[1] != (plan.heads + 2 * plan.kv_heads) * plan.head_dim
-        or layer.features("o")[0] != plan.heads * plan.head_dim or layer.features("down")[0] != plan.intermediate
+        or layer.features("o")[0] != plan.heads * plan.head_dim
+        or (layer.moe is None and layer.features("down")[0] != plan.intermediate)
     ):
         raise ValueError(
             f"decoder_layer: h must be contiguous float32 [{plan.tokens}, {layer.hidden}] and the pools "

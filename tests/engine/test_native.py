@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
 from hypothesis import given, settings
@@ -473,6 +474,38 @@ def test_a_float16_layer_whose_linear_layers_do_not_chain_is_refused_naming_them
         native_layers.KernelLayer(layer.input_norm, layer.post_norm, layer.qkv, layer.o, layer.gate_up, _float16_layer(intermediate=40).down)
     with pytest.raises(ValueError, match="norms must be contiguous float32 \\[32\\]"):
         native_layers.KernelLayer(torch.ones(32, dtype=torch.float64), layer.post_norm, layer.qkv, layer.o, layer.gate_up, layer.down)
+
+
+def test_a_moe_mlp_that_does_not_fit_its_layer_is_refused_naming_what_is_wrong() -> None:
+    layer = _float16_layer()  # hidden 32
+    router = torch.randn(4, 32)
+    q8_0 = int(gguf.GGMLQuantizationType.Q8_0)
+    # Q8_0: 34 bytes a block of 32; 4 experts of gate_up [2 x 32, 32] and down [32, 32].
+    gate_up, down = torch.zeros(4 * 64, 34, dtype=torch.uint8), torch.zeros(4 * 32, 34, dtype=torch.uint8)
+    moe = native_layers.KernelMoE(router, gate_up, q8_0, down, q8_0, "softmax", 2)
+    fused = native_layers.KernelLayer(layer.input_norm, layer.post_norm, layer.qkv, layer.o, (), (), moe=moe)
+    assert fused.moe is moe
+    cases = {
+        "routing must be one of": lambda: native_layers.KernelMoE(router, gate_up, q8_0, down, q8_0, "argmax", 2),
+        "k must lie in 1 .. 4": lambda: native_layers.KernelMoE(router, gate_up, q8_0, down, q8_0, "softmax", 5),
+        "down must be contiguous ggml blocks of 4 experts' \\[32, 32\\]": lambda: native_layers.KernelMoE(
+            router, gate_up, q8_0, down[:-1], q8_0, "softmax", 2
+        ),
+        "correction_bias must be a contiguous CPU float32 \\[4\\]": lambda: native_layers.KernelMoE(
+            router, gate_up, q8_0, down, q8_0, "sigmoid_group", 2, correction_bias=torch.zeros(3)
+        ),
+        "gate_up and down none beside a MoE MLP": lambda: native_layers.KernelLayer(
+            layer.input_norm, layer.post_norm, layer.qkv, layer.o, layer.gate_up, layer.down, moe=moe
+        ),
+        "the MoE MLP's router is \\[experts, 64\\]": lambda: native_layers.KernelLayer(
+            layer.input_norm, layer.post_norm, layer.qkv, layer.o, (), (),
+            moe=native_layers.KernelMoE(torch.randn(4, 64), torch.zeros(4 * 64, 68, dtype=torch.uint8), q8_0,
+                                        torch.zeros(4 * 64, 34, dtype=torch.uint8), q8_0, "softmax", 2),
+        ),
+    }
+    for message, build in cases.items():
+        with pytest.raises(ValueError, match=f"decoder_layer: .*{message}"):
+            build()
 
 
 def _two_token_round(pool: torch.Tensor) -> native_layers.DecoderRound:

@@ -235,3 +235,50 @@ def test_a_q4_k_m_moe_package_on_int8x2_activations_runs_every_block_product_on_
         index = torch.tensor(tokens[1:]).unsqueeze(1)
         delta = (got[:-1].log_softmax(-1).gather(1, index) - want[:-1].log_softmax(-1).gather(1, index)).abs()
         assert delta.mean().item() <= 1e-3 and delta.max().item() <= 2e-2, f"mean {delta.mean():.2e}, max {delta.max():.2e}"
+
+
+@pytest.mark.skipif(not native.available(), reason="the one-call decoder layer is a C kernel")
+@pytest.mark.parametrize(("family", "scheme", "activations"), [("qwen3_moe", "q4_k_m", "int8x2"), ("qwen3_moe", "q4_k_m", "float32"), ("mixtral", "q8_0", "float32")])
+def test_a_moe_layer_of_blocks_runs_in_the_one_call_decoder_layer_with_the_steps_bits(
+    family: str, scheme: str, activations: str, smollm2_source: ModelSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round of short rows on a MoE package of blocks runs every layer, its route and experts
+    included, in one `decoder_layers` call (no `moe_route` or `moe_layer` from Python), and gives
+    the bits of the same model step by step: a prompt as a prefill, then decode and verify rounds."""
+    from flare.engine import native_layers
+    from flare.engine.layers import moe as moe_module
+
+    wide = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256, "head_dim": 64}
+    checkpoint = write_checkpoint(family, tmp_path / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template, changes=wide)
+    export_package(str(checkpoint.path), tmp_path / "package", ExportOptions(quantize=scheme), stderr=io.StringIO())
+    package = open_package(tmp_path / "package")
+    fused = load_model(package, activations=activations)
+    assert fused.kernel_layers is not None
+    moe_layers = sum(layer.moe is not None for layer in fused.kernel_layers)
+    assert moe_layers == len(package.manifest.model.moe_layers) >= 1
+    steps = load_model(package, activations=activations)
+    steps.kernel_layers = None
+    tokenizer = Tokenizer.from_package(package)
+    prompts = [tokenizer.encode(text) for text in PROMPTS[:2]]
+    # Short rows only after the prefill: decode rounds of one token, then verify rows of 2 and 4.
+    pieces = [[len(p) - 8 for p in prompts], [1, 1], [2, 4], [1, 1], [4, 2]]
+    calls: list[str] = []
+    with monkeypatch.context() as patch:
+        run = native_layers.LayerStack.run
+        patch.setattr(native_layers.LayerStack, "run", lambda stack, *args: calls.append("layers") or run(stack, *args))
+        route = moe_module.native.moe_route
+        patch.setattr(moe_module.native, "moe_route", lambda *a, **o: calls.append("route") or route(*a, **o))
+        got = forward_in_pieces(fused, prompts, pieces)
+    assert calls.count("layers") == len(pieces) - 1  # every round of short rows in one call
+    assert calls.count("route") == moe_layers  # the prefill's MoE layers, step by step
+    for fused_logits, step_logits in zip(got, forward_in_pieces(steps, prompts, pieces), strict=True):
+        assert torch.equal(fused_logits, step_logits)
+
+
+@pytest.mark.skipif(not native.available(), reason="the one-call decoder layer is a C kernel")
+def test_a_moe_layer_with_a_shared_expert_runs_step_by_step(qwen2_moe: Checkpoint, tmp_path: Path) -> None:
+    """Qwen2-MoE's shared expert and its gate are not in the one-call layer: such a model keeps
+    the steps (each still on its kernels)."""
+    export_package(str(qwen2_moe.path), tmp_path / "package", ExportOptions(quantize="q8_0"), stderr=io.StringIO())
+    model = load_model(open_package(tmp_path / "package"))
+    assert model.native_kernels and model.kernel_layers is None

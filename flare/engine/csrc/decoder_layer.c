@@ -6,7 +6,7 @@
  *   q, k, v = x W_qkv;  q, k = rope(q, k);  k, v -> the pool's slots
  *   h += attention(q) W_o
  *   x = rms_norm(h) * post_norm
- *   h += swiglu(x W_gate_up) W_down
+ *   h += swiglu(x W_gate_up) W_down      (or a mixture-of-experts layer's route and experts of x)
  *
  * with each family's features where the layer has them (kernels.h, DecoderLayerRound): the q/k/v
  * bias, q/k norms and partial rotary inside `rope_and_cache`, the layer's own RoPE tables, its
@@ -86,6 +86,26 @@ static void output_norm(const DecoderLayerRound *l, const float *weight, float *
     add_rms_norm(&n, threads);
 }
 
+/* The mixture-of-experts MLP of x [T, hidden] into delta: its route (moe_route.c), then its
+ * experts (moe_layer.c), at the levels moe.py's steps call them at (native.ATEN_ISA is the
+ * quantized products' level), so the same bits. */
+static int moe_mlp(const DecoderLayerRound *l, const float *x, float *delta, int threads) {
+    const int64_t T = l->tokens, K = l->moe->route.k;
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)(T * K));
+    float *weights = malloc(sizeof(float) * (size_t)(T * K));
+    int status = !ids || !weights;
+    if (!status) {
+        MoERoute route = l->moe->route;
+        route.x = x, route.tokens = T, route.expert_ids = ids, route.expert_weights = weights, route.isa = l->quantized_isa;
+        MoELayer layer = l->moe->layer;
+        layer.x = x, layer.tokens = T, layer.expert_ids = ids, layer.expert_weights = weights, layer.out = delta;
+        status = moe_route(&route, threads) || moe_layer(&layer, threads, l->quantized_isa, l->integer_isa);
+    }
+    free(ids);
+    free(weights);
+    return status ? -1 : 0;
+}
+
 int decoder_layer(const DecoderLayerRound *l, int threads) {
     const int64_t T = l->tokens, hidden = l->hidden, C = (l->heads + 2 * l->kv_heads) * l->head_dim;
     const int64_t A = l->heads * l->head_dim, I = l->intermediate;
@@ -156,10 +176,13 @@ int decoder_layer(const DecoderLayerRound *l, int threads) {
                                   .weight = l->post_norm, .out = x, .tokens = T, .hidden = hidden, .eps = l->eps};
     add_rms_norm(&post_norm, threads);
 
-    if (layer_linear(l, &l->gate_up, x, hidden, gate_up, hidden, 2 * I, threads)) return -1;
-    if (gated_rows(gate_up, 1, 2 * I, gated, I, T, l->activation, threads)) return -1;
-
-    if (layer_linear(l, &l->down, gated, I, delta, I, hidden, threads)) return -1;
+    if (l->moe) {
+        if (moe_mlp(l, x, delta, threads)) return -1;
+    } else {
+        if (layer_linear(l, &l->gate_up, x, hidden, gate_up, hidden, 2 * I, threads)) return -1;
+        if (gated_rows(gate_up, 1, 2 * I, gated, I, T, l->activation, threads)) return -1;
+        if (layer_linear(l, &l->down, gated, I, delta, I, hidden, threads)) return -1;
+    }
     output_norm(l, l->mlp_output_norm, delta, threads);
     /* The residual add the next layer's norm would make (model.py hands it the delta instead). */
     for (int64_t i = 0; i < T * hidden; i++) l->h[i] += delta[i];

@@ -350,6 +350,14 @@ typedef struct {
     LinearPart parts[LAYER_LINEAR_PARTS];
 } LayerLinear;
 
+/* A decoder layer's mixture-of-experts MLP in place of its gated MLP: the route and the experts'
+ * call as moe_route.c and moe_layer.c take them, every field but a round's (x, tokens, the route's
+ * outputs, out) filled once from the layer's table (module.c, MOE_*). */
+typedef struct {
+    MoERoute route;
+    MoELayer layer;
+} LayerMoE;
+
 /* One decoder layer of a round of short rows: see decoder_layer.c. */
 typedef struct {
     float *h;                                  /* [tokens, hidden] residual stream, updated in place */
@@ -368,6 +376,7 @@ typedef struct {
     int64_t window;                            /* the layer's sliding window */
     float softcap;                             /* of the attention scores */
     int activation;                            /* ACTIVATION_SILU or ACTIVATION_GELU_TANH */
+    const LayerMoE *moe;                       /* the MoE MLP in place of gate_up and down, or NULL */
     void *keys, *values;                       /* this layer's pools [kv_heads, num_blocks, block_size, head_dim] */
     int kv_dtype;
     int64_t num_blocks, block_size;

@@ -10,7 +10,7 @@
 
 #include "integer_dot.h"
 #include "kernels.h"
-#include "integer_dot.h"
+#include <math.h>
 #include <stdlib.h>
 
 static PyObject *invalid(const char *function, const char *problem) {
@@ -509,9 +509,69 @@ static LayerLinear layer_linear_from(const int64_t *row) {
 enum {
     LAYER_INPUT_NORM, LAYER_POST_NORM, LAYER_PARTS, LAYER_KEYS, LAYER_VALUES, LAYER_COS, LAYER_SIN, LAYER_COS_ROWS,
     LAYER_ROTARY_DIMS, LAYER_QKV_BIAS, LAYER_Q_NORM, LAYER_K_NORM, LAYER_ATTENTION_OUTPUT_NORM, LAYER_MLP_OUTPUT_NORM,
-    LAYER_WINDOW, LAYER_ACTIVATION, LAYER_FIELDS
+    LAYER_WINDOW, LAYER_ACTIVATION, LAYER_MOE, LAYER_FIELDS
 };
 enum { LAYER_SCALE, LAYER_SOFTCAP, LAYER_SCALARS };
+
+/* A mixture-of-experts layer's table (native_layers.py's KernelMoE.table, int64; LAYER_MOE holds
+ * its address, 0 for a gated MLP): its router, the route's options (the scaling factor's float64
+ * bits), and its stacked experts' blocks. */
+enum {
+    MOE_ROUTER, MOE_ROUTER_BIAS, MOE_CORRECTION_BIAS, MOE_KIND, MOE_NORMALIZE, MOE_SCALING_BITS, MOE_EXPERTS, MOE_K,
+    MOE_N_GROUP, MOE_TOPK_GROUP, MOE_INTERMEDIATE, MOE_GATE_UP, MOE_GATE_UP_TYPE, MOE_GATE_UP_HALVES, MOE_DOWN,
+    MOE_DOWN_TYPE, MOE_DOWN_HALVES, MOE_ACTIVATION, MOE_FIELDS
+};
+
+/* The LayerMoE of a table for layers of `hidden`, or NULL with `problem` set. */
+static const char *layer_moe_from(const int64_t *t, int64_t hidden, LayerMoE *moe) {
+    const int64_t E = t[MOE_EXPERTS], K = t[MOE_K], I = t[MOE_INTERMEDIATE];
+    int64_t gate_up_block, gate_up_bytes, down_block, down_bytes;
+    if (quantized_block_shape((int)t[MOE_GATE_UP_TYPE], &gate_up_block, &gate_up_bytes) ||
+        quantized_block_shape((int)t[MOE_DOWN_TYPE], &down_block, &down_bytes))
+        return "a MoE layer's experts have an unknown ggml type id";
+    if (E < 1 || K < 1 || K > E || I < 1 || hidden % gate_up_block || I % down_block)
+        return "a MoE layer's experts must be whole blocks and k at most the experts";
+    if (t[MOE_KIND] < ROUTING_SOFTMAX || t[MOE_KIND] > ROUTING_TOPK_SOFTMAX || t[MOE_N_GROUP] < 1 || E % t[MOE_N_GROUP] ||
+        t[MOE_TOPK_GROUP] < 1 || t[MOE_TOPK_GROUP] > t[MOE_N_GROUP])
+        return "a MoE layer's routing kind or groups are not valid";
+    if (t[MOE_GATE_UP_HALVES] < 0 || t[MOE_GATE_UP_HALVES] > 2 || t[MOE_DOWN_HALVES] < 0 || t[MOE_DOWN_HALVES] > 2)
+        return "a MoE layer's halves must be 0, 1 or 2";
+    if (t[MOE_ACTIVATION] != ACTIVATION_SILU && t[MOE_ACTIVATION] != ACTIVATION_GELU_TANH) return "unknown activation code";
+    double scaling;
+    memcpy(&scaling, &t[MOE_SCALING_BITS], sizeof scaling);
+    if (!isfinite(scaling)) return "a MoE layer's scaling factor must be finite";
+    *moe = (LayerMoE){
+        .route = {
+            .router = (const float *)(intptr_t)t[MOE_ROUTER],
+            .router_bias = (const float *)(intptr_t)t[MOE_ROUTER_BIAS],
+            .correction_bias = (const float *)(intptr_t)t[MOE_CORRECTION_BIAS],
+            .kind = (int)t[MOE_KIND],
+            .normalize = (int)t[MOE_NORMALIZE],
+            .scaling = scaling,
+            .hidden = hidden,
+            .experts = E,
+            .k = K,
+            .n_group = t[MOE_N_GROUP],
+            .topk_group = t[MOE_TOPK_GROUP],
+        },
+        .layer = {
+            .gate_up = (const uint8_t *)(intptr_t)t[MOE_GATE_UP],
+            .down = (const uint8_t *)(intptr_t)t[MOE_DOWN],
+            .gate_up_type = (int)t[MOE_GATE_UP_TYPE],
+            .down_type = (int)t[MOE_DOWN_TYPE],
+            .gate_up_expert_bytes = 2 * I * (hidden / gate_up_block) * gate_up_bytes,
+            .down_expert_bytes = hidden * (I / down_block) * down_bytes,
+            .activation = (int)t[MOE_ACTIVATION],
+            .gate_up_halves = (int)t[MOE_GATE_UP_HALVES],
+            .down_halves = (int)t[MOE_DOWN_HALVES],
+            .k = K,
+            .experts = E,
+            .hidden = hidden,
+            .intermediate = I,
+        },
+    };
+    return NULL;
+}
 
 /* The decoder layers of a LayerStack (decoder_layer.c), one after another, over a round
  * `py_check_decoder_round` has checked: every layer's options are checked before any runs. */
@@ -541,11 +601,16 @@ static PyObject *py_decoder_layers(PyObject *self, PyObject *args) {
             return invalid("decoder_layer", "window and softcap must not be negative, scale must be positive");
         if (row[LAYER_ACTIVATION] != ACTIVATION_SILU && row[LAYER_ACTIVATION] != ACTIVATION_GELU_TANH)
             return invalid("decoder_layer", "unknown activation code");
+        LayerMoE moe;
+        if (row[LAYER_MOE] && (problem = layer_moe_from((const int64_t *)(intptr_t)row[LAYER_MOE], hidden, &moe)))
+            return invalid("decoder_layer", problem);
     }
     int status = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count && !status; i++) {
         const int64_t *row = table + i * LAYER_FIELDS, *parts = (const int64_t *)(intptr_t)row[LAYER_PARTS];
+        LayerMoE moe;
+        if (row[LAYER_MOE]) layer_moe_from((const int64_t *)(intptr_t)row[LAYER_MOE], hidden, &moe);
         const int64_t linear = 3 * LAYER_LINEAR_PARTS;
         const int own = row[LAYER_COS] != 0;
         const DecoderLayerRound l = {
@@ -578,6 +643,7 @@ static PyObject *py_decoder_layers(PyObject *self, PyObject *args) {
             .window = row[LAYER_WINDOW],
             .softcap = values[i * LAYER_SCALARS + LAYER_SOFTCAP],
             .activation = (int)row[LAYER_ACTIVATION],
+            .moe = row[LAYER_MOE] ? &moe : NULL,
             .keys = (void *)(intptr_t)row[LAYER_KEYS],
             .values = (void *)(intptr_t)row[LAYER_VALUES],
             .kv_dtype = kv_dtype,

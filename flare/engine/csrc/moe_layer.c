@@ -1,5 +1,6 @@
 /* A round's mixture-of-experts MLP (flare/engine/layers/moe.py) in one call, its experts' weights
- * ggml blocks, the route given (routing.py computes it in Python, float64-exact):
+ * ggml blocks, the route given (moe_route.c's, or routing.py's without the kernels); decoder_layer.c
+ * calls both for a layer of a round of short rows:
  *
  *   out[t] = sum over the row's k slots s, in slot order:  w[t, s] * down_e(act(gate_e(x_t)) * up_e(x_t)),
  *            e = experts[t, s]

@@ -17,7 +17,8 @@ gate/up and down run once per round on all the rows routed to it, through the sa
 products as a dense layer (`mlp.gated_mlp`: float weights or ggml blocks, `linear.py`); with the
 kernels and experts of ggml blocks (without gpt-oss's biases and clamped SwiGLU), the routed
 experts are one C call (`native_quantized.moe_layer`, moe_layer.c: the same grouping, products and sum, so
-the same bits), on float32 activations or, under `flare run --activations int8x2|int8`, on 8-bit
+the same bits; in a round of short rows the whole decoder layer, route and experts included, is
+one C call, `native_layers.KernelMoE`), on float32 activations or, under `flare run --activations int8x2|int8`, on 8-bit
 activation blocks by quantized.py's integer products (each row quantized once for every expert's
 gate/up, each expert's activations once for its down). A row's
 k outputs land in its own k slots and are summed slot by slot in the row's fixed expert order,
