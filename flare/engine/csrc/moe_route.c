@@ -5,7 +5,8 @@
  *
  * Why in C: a decode round's route is a dozen small torch operators per layer (the float64
  * product, softmax, top-k, sort, gather), and after a token's weights have streamed through the
- * caches each one runs cold, 100-200 us where it takes 10 warm. Here it is one pass.
+ * caches each one runs cold, many times its warm cost (docs/benchmarks.md, "Mixture-of-experts
+ * against llama.cpp"). Here it is one pass, and it runs inside the one-call decoder layer.
  *
  * Logits. logit[t, e] = sum_h x[t, h] w[e, h] (+ bias[e]) summed in float64 and rounded to float32
  * once, as routing.py's float64 product: a product of two float32 values is exact in float64, so
@@ -235,12 +236,13 @@ int moe_route(const MoERoute *m, int threads) {
     {
         double *xd = malloc(sizeof(double) * (size_t)(ROW_TILE * H));
         failed |= !xd;
-        const int64_t row_tiles = split_experts ? tiles : 1;
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < parts; p++) {
             if (!xd) continue;
+            /* Part p: a share of the experts for every row tile, or every expert for row tile p. */
             const int64_t e0 = split_experts ? E * p / parts : 0, e1 = split_experts ? E * (p + 1) / parts : E;
-            for (int64_t tile = split_experts ? 0 : p; tile < (split_experts ? row_tiles : p + 1); tile++) {
+            const int64_t first_tile = split_experts ? 0 : p, last_tile = split_experts ? tiles : p + 1;
+            for (int64_t tile = first_tile; tile < last_tile; tile++) {
                 const int64_t t0 = tile * ROW_TILE, rows = T - t0 < ROW_TILE ? T - t0 : ROW_TILE;
                 for (int64_t i = 0; i < rows * H; i++) xd[i] = (double)m->x[t0 * H + i];
                 router_logits_tile(m, vector, xd, rows, e0, e1, logits + t0 * E);
