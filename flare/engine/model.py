@@ -55,7 +55,7 @@ from flare.engine.kv_cache import KVCache
 from flare.engine.layers.attention import AttentionCall, PagedAttention, rope_and_cache
 from flare.engine.layers.latent_attention import LatentWeights, latent_attention
 from flare.engine.layers.mlp import gated_mlp
-from flare.engine.layers.moe import MoEWeights, load_moe_weights, moe_mlp
+from flare.engine.layers.moe import MoEWeights, experts_in_one_call, load_moe_weights, moe_mlp
 from flare.engine.layers.norms import add_norm, sublayer_output
 from flare.engine.layers.rope import rope_tables, round_tables
 from flare.engine.linear import Weight, linear, linear_columns, packs, stack_weights
@@ -176,10 +176,7 @@ def _kernel_moe(moe: MoEWeights, config: ModelConfig) -> native_layers.KernelMoE
     None where that function takes another path (a shared expert, gpt-oss's expert biases and
     clamped SwiGLU, experts of float weights)."""
     gate_up, down = moe.gate_up_blocks, moe.down_blocks
-    if (
-        gate_up is None or down is None or moe.shared_gate_up is not None or moe.gate_up_bias is not None
-        or moe.down_bias is not None or config.hidden_activation not in native.ACTIVATION_CODES
-    ):
+    if not experts_in_one_call(moe, config) or moe.shared_gate_up is not None or gate_up is None or down is None:
         return None
     return native_layers.KernelMoE(
         moe.router, gate_up.data, int(gate_up.ggml_type), down.data, int(down.ggml_type), config.routing,

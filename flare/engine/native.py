@@ -313,6 +313,30 @@ def clamped_swiglu_rows(gate_up_columns: torch.Tensor, alpha: float, limit: floa
 ROUTING_CODES = {"softmax": 0, "softmax_group_max": 1, "sigmoid_group": 2, "topk_softmax": 3}
 
 
+def route_problems(
+    experts: int,
+    kind: str,
+    k: int,
+    router_bias: torch.Tensor | None,
+    correction_bias: torch.Tensor | None,
+    n_group: int,
+    topk_group: int,
+    scaling: float,
+) -> list[str]:
+    """What is wrong with a route's options over `experts` experts (`moe_route`, and a decoder
+    layer's MoE MLP, `native_layers.KernelMoE`)."""
+    problems = _vector_problems(router_bias=(router_bias, experts), correction_bias=(correction_bias, experts))
+    if kind not in ROUTING_CODES:
+        problems.append(f"kind must be one of {', '.join(ROUTING_CODES)}, got {kind!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= experts:
+        problems.append(f"k must be an integer in 1 .. {experts}, got {k!r}")
+    if n_group < 1 or experts % n_group or not 1 <= topk_group <= n_group:
+        problems.append(f"n_group must divide the {experts} experts and topk_group lie in 1 .. n_group, got {n_group} and {topk_group}")
+    if not math.isfinite(scaling):
+        problems.append(f"scaling must be finite, got {scaling!r}")
+    return problems
+
+
 def moe_route(
     x: torch.Tensor,
     router: torch.Tensor,
@@ -341,16 +365,7 @@ def moe_route(
         problems.append(f"router must be a contiguous [experts, {x.shape[-1]}], got {tuple(router.shape)}")
     _check("moe_route", problems)
     experts = router.shape[0]
-    problems += _vector_problems(router_bias=(router_bias, experts), correction_bias=(correction_bias, experts))
-    if kind not in ROUTING_CODES:
-        problems.append(f"kind must be one of {', '.join(ROUTING_CODES)}, got {kind!r}")
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= experts:
-        problems.append(f"k must be an integer in 1 .. {experts}, got {k!r}")
-    if n_group < 1 or experts % n_group or not 1 <= topk_group <= n_group:
-        problems.append(f"n_group must divide the {experts} experts and topk_group lie in 1 .. n_group, got {n_group} and {topk_group}")
-    if not math.isfinite(scaling):
-        problems.append(f"scaling must be finite, got {scaling!r}")
-    _check("moe_route", problems)
+    _check("moe_route", route_problems(experts, kind, k, router_bias, correction_bias, n_group, topk_group, scaling))
     tokens, hidden = x.shape
     expert_ids = torch.empty(tokens, k, dtype=torch.int64)
     weights = torch.empty(tokens, k, dtype=torch.float32)

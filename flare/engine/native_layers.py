@@ -31,8 +31,10 @@ from flare.engine.native import (
     _module,
     _pool_problems,
     _vector_problems,
+    route_problems,
 )
 from flare.engine.native_quantized import INTEGER_ISA, QUANTIZED_ISA
+from flare.package.manifest import INTEGER_ACTIVATION_TYPES
 
 # A LinearPart's type for packed float16 weights (kernels.h, LINEAR_PACKED_FLOAT16: ggml's type 0,
 # F32, is never a part's); a part of ggml blocks has its ggml type id, one quantized_linear reads.
@@ -76,6 +78,9 @@ many 8-bit activation blocks per 32 (K types: 256) inputs (QuantizedWeight.halve
         return [f"a linear part of type {self.type} [{self.out_features}, {self.in_features}] has {data.device} {data.dtype} {tuple(data.shape)} data"]
 
 
+# The block types whose products take 8-bit activations (halves 1 or 2).
+_INTEGER_TYPE_IDS = frozenset(int(gguf.GGMLQuantizationType[name]) for name in INTEGER_ACTIVATION_TYPES)
+
 # A MoE layer's table as module.c reads it (MOE_*): router, router bias, correction bias, routing
 # code, normalize, the scaling factor's float64 bits, experts, k, n_group, topk_group,
 # intermediate, gate_up address, type, halves, down address, type, halves, activation code.
@@ -118,11 +123,9 @@ class KernelMoE:
         if not self.router.is_contiguous() or experts < 1:
             problems.append(f"a MoE layer's router must be a contiguous [experts, hidden], got {tuple(self.router.shape)}")
         _check("decoder_layer", problems)
-        problems += _vector_problems(router_bias=(self.router_bias, experts), correction_bias=(self.correction_bias, experts))
-        if self.routing not in ROUTING_CODES:
-            problems.append(f"routing must be one of {', '.join(ROUTING_CODES)}, got {self.routing!r}")
-        if not 1 <= self.k <= experts or self.n_group < 1 or experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
-            problems.append(f"k must lie in 1 .. {experts}, n_group divide the experts and topk_group lie in 1 .. n_group")
+        problems += route_problems(
+            experts, self.routing, self.k, self.router_bias, self.correction_bias, self.n_group, self.topk_group, self.scaling
+        )
         if self.activation not in ACTIVATION_CODES:
             problems.append(f"activation must be one of {', '.join(ACTIVATION_CODES)}, got {self.activation!r}")
         intermediate = self.gate_up.shape[0] // (2 * experts) if self.gate_up.dim() == 2 else 0
@@ -133,8 +136,8 @@ class KernelMoE:
             block, type_size = gguf.GGML_QUANT_SIZES.get(gguf.GGMLQuantizationType(ggml_type), (0, 0)) if ggml_type in QUANTIZED_TYPE_IDS else (0, 0)
             if not block or columns < 1 or columns % block or tuple(blocks.shape) != (experts * rows, columns // block * type_size) or not blocks.is_contiguous():
                 problems.append(f"{name} must be contiguous ggml blocks of {experts} experts' [{rows}, {columns}], got type {ggml_type} {tuple(blocks.shape)}")
-            if halves not in (0, 1, 2):
-                problems.append(f"{name}'s halves must be 0, 1 or 2, got {halves!r}")
+            if halves not in (0, 1, 2) or (halves and ggml_type not in _INTEGER_TYPE_IDS):
+                problems.append(f"{name}'s halves must be 0, or 1 or 2 on a type with integer kernels, got {halves!r} on type {ggml_type}")
         _check("decoder_layer", problems)
         (scaling_bits,) = struct.unpack("<q", struct.pack("<d", float(self.scaling)))
         table = torch.tensor(
@@ -205,10 +208,9 @@ class KernelLayer:
         hidden = self.input_norm.shape[0]
         linears = (self.qkv, self.o, self.gate_up, self.down)
         problems = [p for parts in linears for part in parts for p in part.problems()]
-        mlp_parts = 0 if self.moe is not None else 1
-        if not all(1 <= len(parts) <= LAYER_LINEAR_PARTS for parts in linears[: 4 - 2 * (self.moe is not None)]) or not all(
-            mlp_parts <= len(parts) <= LAYER_LINEAR_PARTS * mlp_parts for parts in linears[2:]
-        ):
+        # A MoE MLP stands in place of gate_up and down, which then have no parts.
+        parted = linears if self.moe is None else linears[:2]
+        if not all(1 <= len(parts) <= LAYER_LINEAR_PARTS for parts in parted) or (self.moe is not None and (self.gate_up or self.down)):
             problems.append(
                 f"each linear layer must have 1 to {LAYER_LINEAR_PARTS} parts (gate_up and down none beside a MoE MLP), "
                 f"got {[len(p) for p in linears]}"

@@ -486,10 +486,13 @@ def test_a_moe_mlp_that_does_not_fit_its_layer_is_refused_naming_what_is_wrong()
     fused = native_layers.KernelLayer(layer.input_norm, layer.post_norm, layer.qkv, layer.o, (), (), moe=moe)
     assert fused.moe is moe
     cases = {
-        "routing must be one of": lambda: native_layers.KernelMoE(router, gate_up, q8_0, down, q8_0, "argmax", 2),
-        "k must lie in 1 .. 4": lambda: native_layers.KernelMoE(router, gate_up, q8_0, down, q8_0, "softmax", 5),
+        "kind must be one of": lambda: native_layers.KernelMoE(router, gate_up, q8_0, down, q8_0, "argmax", 2),
+        "k must be an integer in 1 .. 4": lambda: native_layers.KernelMoE(router, gate_up, q8_0, down, q8_0, "softmax", 5),
         "down must be contiguous ggml blocks of 4 experts' \\[32, 32\\]": lambda: native_layers.KernelMoE(
             router, gate_up, q8_0, down[:-1], q8_0, "softmax", 2
+        ),
+        "down's halves must be 0, or 1 or 2 on a type with integer kernels, got 2 on type 39": lambda: native_layers.KernelMoE(
+            router, gate_up, q8_0, torch.zeros(4 * 32, 17, dtype=torch.uint8), 39, "softmax", 2, down_halves=2
         ),
         "correction_bias must be a contiguous CPU float32 \\[4\\]": lambda: native_layers.KernelMoE(
             router, gate_up, q8_0, down, q8_0, "sigmoid_group", 2, correction_bias=torch.zeros(3)

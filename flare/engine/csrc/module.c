@@ -261,6 +261,41 @@ static PyObject *py_quantized_linear(PyObject *self, PyObject *args) {
 
 static int is_k_type(int type) { return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K; }
 
+/* NULL when a MoE layer's experts fit moe_layer.c (known types, whole blocks of hidden and
+ * intermediate inputs, halves 0-2 and only on types with integer kernels, a known activation),
+ * else the problem; each expert's gate_up and down bytes into the last two. The one check of
+ * `moe_layer` and of a decoder layer's MoE table. */
+static const char *moe_experts_problem(int gate_up_type, int down_type, int gate_up_halves, int down_halves, int activation,
+                                       int64_t hidden, int64_t intermediate, int64_t *gate_up_expert_bytes,
+                                       int64_t *down_expert_bytes) {
+    int64_t block_size, type_size, down_block_size, down_type_size;
+    if (quantized_block_shape(gate_up_type, &block_size, &type_size)) return "gate_up: unknown ggml type id";
+    if (quantized_block_shape(down_type, &down_block_size, &down_type_size)) return "down: unknown ggml type id";
+    if (hidden < 1 || intermediate < 1) return "sizes must be positive";
+    if (hidden % block_size) return "gate_up: each expert must be [2 intermediate, hidden] of whole blocks";
+    if (intermediate % down_block_size) return "down: each expert must be [hidden, intermediate] of whole blocks";
+    if (activation != ACTIVATION_SILU && activation != ACTIVATION_GELU_TANH) return "unknown activation code";
+    if (gate_up_halves < 0 || gate_up_halves > 2 || down_halves < 0 || down_halves > 2)
+        return "halves must be 0 (float32 activations), 1 or 2";
+    if ((gate_up_halves && !is_k_type(gate_up_type) && !integer_linear_type(gate_up_type)) ||
+        (down_halves && !is_k_type(down_type) && !integer_linear_type(down_type)))
+        return "8-bit activations need a type with integer kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)";
+    *gate_up_expert_bytes = 2 * intermediate * (hidden / block_size) * type_size;
+    *down_expert_bytes = hidden * (intermediate / down_block_size) * down_type_size;
+    return NULL;
+}
+
+/* NULL when a route's options fit moe_route.c (a known kind, k of the experts, groups that split
+ * them evenly), else the problem: the one check of `moe_route` and of a decoder layer's MoE table. */
+static const char *moe_route_problem(int64_t kind, int64_t experts, int64_t k, int64_t n_group, int64_t topk_group, double scaling) {
+    if (experts < 1 || k < 1 || k > experts) return "k must lie in 1 .. experts";
+    if (kind < ROUTING_SOFTMAX || kind > ROUTING_TOPK_SOFTMAX) return "unknown routing kind";
+    if (n_group < 1 || experts % n_group || topk_group < 1 || topk_group > n_group)
+        return "the groups must split the experts evenly and topk_group lie in 1 .. n_group";
+    if (!isfinite(scaling)) return "the scaling factor must be finite";
+    return NULL;
+}
+
 /* Checks every expert id against the experts before anything is read. */
 static PyObject *py_moe_layer(PyObject *self, PyObject *args) {
     (void)self;
@@ -271,21 +306,13 @@ static PyObject *py_moe_layer(PyObject *self, PyObject *args) {
                           &gate_up_expert_bytes, &down, &down_type, &down_expert_bytes, &activation, &out, &tokens, &k,
                           &experts, &hidden, &intermediate, &threads, &gate_up_halves, &down_halves, &isa, &integer_isa))
         return NULL;
-    int64_t block_size, type_size, down_block_size, down_type_size;
-    if (quantized_block_shape(gate_up_type, &block_size, &type_size)) return invalid("moe_layer", "gate_up: unknown ggml type id");
-    if (quantized_block_shape(down_type, &down_block_size, &down_type_size)) return invalid("moe_layer", "down: unknown ggml type id");
-    if (tokens < 1 || k < 1 || experts < 1 || hidden < 1 || intermediate < 1 || threads < 1)
-        return invalid("moe_layer", "sizes must be positive");
-    if (hidden % block_size || gate_up_expert_bytes != 2 * intermediate * (hidden / block_size) * type_size)
-        return invalid("moe_layer", "gate_up: each expert must be [2 intermediate, hidden] of whole blocks");
-    if (intermediate % down_block_size || down_expert_bytes != hidden * (intermediate / down_block_size) * down_type_size)
-        return invalid("moe_layer", "down: each expert must be [hidden, intermediate] of whole blocks");
-    if (activation != ACTIVATION_SILU && activation != ACTIVATION_GELU_TANH) return invalid("moe_layer", "unknown activation code");
-    if (gate_up_halves < 0 || gate_up_halves > 2 || down_halves < 0 || down_halves > 2)
-        return invalid("moe_layer", "halves must be 0 (float32 activations), 1 or 2");
-    if ((gate_up_halves && !is_k_type(gate_up_type) && !integer_linear_type(gate_up_type)) ||
-        (down_halves && !is_k_type(down_type) && !integer_linear_type(down_type)))
-        return invalid("moe_layer", "8-bit activations need a type with integer kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)");
+    if (tokens < 1 || k < 1 || experts < 1 || threads < 1) return invalid("moe_layer", "sizes must be positive");
+    int64_t gate_up_bytes, down_bytes;
+    const char *problem = moe_experts_problem(gate_up_type, down_type, gate_up_halves, down_halves, activation, hidden,
+                                              intermediate, &gate_up_bytes, &down_bytes);
+    if (problem) return invalid("moe_layer", problem);
+    if (gate_up_expert_bytes != gate_up_bytes) return invalid("moe_layer", "gate_up: each expert must be [2 intermediate, hidden] of whole blocks");
+    if (down_expert_bytes != down_bytes) return invalid("moe_layer", "down: each expert must be [hidden, intermediate] of whole blocks");
     for (int64_t s = 0; s < tokens * k; s++) {
         const int64_t e = ((const int64_t *)expert_ids)[s];
         if (e < 0 || e >= experts) return invalid("moe_layer", "expert_ids: an expert id lies outside the experts");
@@ -328,11 +355,9 @@ static PyObject *py_moe_route(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "nnnnidinnnnnnnnni", &x, &router, &router_bias, &correction_bias, &kind, &scaling, &normalize,
                           &tokens, &hidden, &experts, &k, &n_group, &topk_group, &expert_ids, &expert_weights, &threads, &isa))
         return NULL;
-    if (tokens < 0 || hidden < 1 || experts < 1 || k < 1 || k > experts || threads < 1)
-        return invalid("moe_route", "sizes must be positive and k at most the experts");
-    if (kind < ROUTING_SOFTMAX || kind > ROUTING_TOPK_SOFTMAX) return invalid("moe_route", "unknown routing kind");
-    if (n_group < 1 || experts % n_group || topk_group < 1 || topk_group > n_group)
-        return invalid("moe_route", "the groups must split the experts evenly and topk_group lie in 1 .. n_group");
+    if (tokens < 0 || hidden < 1 || threads < 1) return invalid("moe_route", "sizes must be positive");
+    const char *problem = moe_route_problem(kind, experts, k, n_group, topk_group, scaling);
+    if (problem) return invalid("moe_route", problem);
     const MoERoute m = {
         .x = (const float *)x,
         .router = (const float *)router,
@@ -522,24 +547,17 @@ enum {
     MOE_DOWN_TYPE, MOE_DOWN_HALVES, MOE_ACTIVATION, MOE_FIELDS
 };
 
-/* The LayerMoE of a table for layers of `hidden`, or NULL with `problem` set. */
+/* The LayerMoE of a table for layers of `hidden` into *moe: NULL, or what does not fit. */
 static const char *layer_moe_from(const int64_t *t, int64_t hidden, LayerMoE *moe) {
-    const int64_t E = t[MOE_EXPERTS], K = t[MOE_K], I = t[MOE_INTERMEDIATE];
-    int64_t gate_up_block, gate_up_bytes, down_block, down_bytes;
-    if (quantized_block_shape((int)t[MOE_GATE_UP_TYPE], &gate_up_block, &gate_up_bytes) ||
-        quantized_block_shape((int)t[MOE_DOWN_TYPE], &down_block, &down_bytes))
-        return "a MoE layer's experts have an unknown ggml type id";
-    if (E < 1 || K < 1 || K > E || I < 1 || hidden % gate_up_block || I % down_block)
-        return "a MoE layer's experts must be whole blocks and k at most the experts";
-    if (t[MOE_KIND] < ROUTING_SOFTMAX || t[MOE_KIND] > ROUTING_TOPK_SOFTMAX || t[MOE_N_GROUP] < 1 || E % t[MOE_N_GROUP] ||
-        t[MOE_TOPK_GROUP] < 1 || t[MOE_TOPK_GROUP] > t[MOE_N_GROUP])
-        return "a MoE layer's routing kind or groups are not valid";
-    if (t[MOE_GATE_UP_HALVES] < 0 || t[MOE_GATE_UP_HALVES] > 2 || t[MOE_DOWN_HALVES] < 0 || t[MOE_DOWN_HALVES] > 2)
-        return "a MoE layer's halves must be 0, 1 or 2";
-    if (t[MOE_ACTIVATION] != ACTIVATION_SILU && t[MOE_ACTIVATION] != ACTIVATION_GELU_TANH) return "unknown activation code";
     double scaling;
     memcpy(&scaling, &t[MOE_SCALING_BITS], sizeof scaling);
-    if (!isfinite(scaling)) return "a MoE layer's scaling factor must be finite";
+    const char *problem = moe_route_problem(t[MOE_KIND], t[MOE_EXPERTS], t[MOE_K], t[MOE_N_GROUP], t[MOE_TOPK_GROUP], scaling);
+    int64_t gate_up_bytes, down_bytes;
+    if (!problem)
+        problem = moe_experts_problem((int)t[MOE_GATE_UP_TYPE], (int)t[MOE_DOWN_TYPE], (int)t[MOE_GATE_UP_HALVES],
+                                      (int)t[MOE_DOWN_HALVES], (int)t[MOE_ACTIVATION], hidden, t[MOE_INTERMEDIATE], &gate_up_bytes,
+                                      &down_bytes);
+    if (problem) return problem;
     *moe = (LayerMoE){
         .route = {
             .router = (const float *)(intptr_t)t[MOE_ROUTER],
@@ -549,8 +567,8 @@ static const char *layer_moe_from(const int64_t *t, int64_t hidden, LayerMoE *mo
             .normalize = (int)t[MOE_NORMALIZE],
             .scaling = scaling,
             .hidden = hidden,
-            .experts = E,
-            .k = K,
+            .experts = t[MOE_EXPERTS],
+            .k = t[MOE_K],
             .n_group = t[MOE_N_GROUP],
             .topk_group = t[MOE_TOPK_GROUP],
         },
@@ -559,15 +577,15 @@ static const char *layer_moe_from(const int64_t *t, int64_t hidden, LayerMoE *mo
             .down = (const uint8_t *)(intptr_t)t[MOE_DOWN],
             .gate_up_type = (int)t[MOE_GATE_UP_TYPE],
             .down_type = (int)t[MOE_DOWN_TYPE],
-            .gate_up_expert_bytes = 2 * I * (hidden / gate_up_block) * gate_up_bytes,
-            .down_expert_bytes = hidden * (I / down_block) * down_bytes,
+            .gate_up_expert_bytes = gate_up_bytes,
+            .down_expert_bytes = down_bytes,
             .activation = (int)t[MOE_ACTIVATION],
             .gate_up_halves = (int)t[MOE_GATE_UP_HALVES],
             .down_halves = (int)t[MOE_DOWN_HALVES],
-            .k = K,
-            .experts = E,
+            .k = t[MOE_K],
+            .experts = t[MOE_EXPERTS],
             .hidden = hidden,
-            .intermediate = I,
+            .intermediate = t[MOE_INTERMEDIATE],
         },
     };
     return NULL;
@@ -601,16 +619,22 @@ static PyObject *py_decoder_layers(PyObject *self, PyObject *args) {
             return invalid("decoder_layer", "window and softcap must not be negative, scale must be positive");
         if (row[LAYER_ACTIVATION] != ACTIVATION_SILU && row[LAYER_ACTIVATION] != ACTIVATION_GELU_TANH)
             return invalid("decoder_layer", "unknown activation code");
-        LayerMoE moe;
-        if (row[LAYER_MOE] && (problem = layer_moe_from((const int64_t *)(intptr_t)row[LAYER_MOE], hidden, &moe)))
+    }
+    /* Each MoE layer's route and experts' calls, checked and built once for the round. */
+    LayerMoE *moes = PyMem_Calloc(count > 0 ? (size_t)count : 1, sizeof *moes);
+    if (!moes) return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const int64_t *row = table + i * LAYER_FIELDS;
+        const char *problem = row[LAYER_MOE] ? layer_moe_from((const int64_t *)(intptr_t)row[LAYER_MOE], hidden, &moes[i]) : NULL;
+        if (problem) {
+            PyMem_Free(moes);
             return invalid("decoder_layer", problem);
+        }
     }
     int status = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count && !status; i++) {
         const int64_t *row = table + i * LAYER_FIELDS, *parts = (const int64_t *)(intptr_t)row[LAYER_PARTS];
-        LayerMoE moe;
-        if (row[LAYER_MOE]) layer_moe_from((const int64_t *)(intptr_t)row[LAYER_MOE], hidden, &moe);
         const int64_t linear = 3 * LAYER_LINEAR_PARTS;
         const int own = row[LAYER_COS] != 0;
         const DecoderLayerRound l = {
@@ -643,7 +667,7 @@ static PyObject *py_decoder_layers(PyObject *self, PyObject *args) {
             .window = row[LAYER_WINDOW],
             .softcap = values[i * LAYER_SCALARS + LAYER_SOFTCAP],
             .activation = (int)row[LAYER_ACTIVATION],
-            .moe = row[LAYER_MOE] ? &moe : NULL,
+            .moe = row[LAYER_MOE] ? &moes[i] : NULL,
             .keys = (void *)(intptr_t)row[LAYER_KEYS],
             .values = (void *)(intptr_t)row[LAYER_VALUES],
             .kv_dtype = kv_dtype,
@@ -659,6 +683,7 @@ static PyObject *py_decoder_layers(PyObject *self, PyObject *args) {
         status = decoder_layer(&l, (int)threads);
     }
     Py_END_ALLOW_THREADS
+    PyMem_Free(moes);
     if (status) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }

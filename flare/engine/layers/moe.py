@@ -191,19 +191,25 @@ def routed_experts(x: torch.Tensor, routes: Routes, weights: MoEWeights, config:
     return out
 
 
+def experts_in_one_call(weights: MoEWeights, config: ModelConfig) -> bool:
+    """Whether the routed experts run as one C call where the kernels run (`native_quantized.moe_layer`,
+    and inside the one-call decoder layer): experts of blocks without gpt-oss's biases and clamped
+    SwiGLU, which stay in `routed_experts`."""
+    return (
+        weights.gate_up_blocks is not None
+        and weights.down_blocks is not None
+        and weights.gate_up_bias is None
+        and weights.down_bias is None
+        and config.hidden_activation in native.ACTIVATION_CODES
+    )
+
+
 def moe_mlp(x: torch.Tensor, weights: MoEWeights, config: ModelConfig, *, kernels: bool) -> torch.Tensor:
     """The MoE MLP of rows x [T, hidden]: [T, hidden] in x's dtype (module docstring)."""
     routes = moe_routes(x, weights, config, kernels=kernels)
-    if (
-        kernels
-        and weights.gate_up_blocks is not None
-        and weights.down_blocks is not None
-        and weights.gate_up_bias is None  # gpt-oss's biases and clamped SwiGLU stay in routed_experts
-        and weights.down_bias is None
-        and config.hidden_activation in native.ACTIVATION_CODES
-        and x.dtype == torch.float32
-    ):
+    if kernels and x.dtype == torch.float32 and experts_in_one_call(weights, config):
         gate_up, down = weights.gate_up_blocks, weights.down_blocks
+        assert gate_up is not None and down is not None
         out = native_quantized.moe_layer(
             x.contiguous(), routes.experts.contiguous(), routes.weights.contiguous(), gate_up.data, gate_up.ggml_type,
             down.data, down.ggml_type, config.num_experts, config.hidden_activation,
