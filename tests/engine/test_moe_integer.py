@@ -18,11 +18,12 @@ import torch
 
 from tests import REPOSITORY
 from tests.engine.test_moe_layer import moe_config
-from tests.engine.test_moe_native import EXPERTS, HIDDEN, K, WIDTH, one_call, random_routes, stacked_experts, torch_path
+from tests.engine.test_moe_native import (
+    EXPERTS, HIDDEN, K, WIDTH, blocks_moe_weights, one_call, random_routes, stacked_experts, torch_path,
+)
 from flare.engine import native, native_quantized
-from flare.engine.layers.moe import MoEWeights, expert_weights, moe_mlp, moe_routes, routed_experts
+from flare.engine.layers.moe import moe_mlp, moe_routes, routed_experts
 from flare.engine.layers.routing import Routes
-from flare.engine.precision import WeightFormat
 from flare.engine.quantized import HALVES, QuantizedWeight
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the one-call layer is a C kernel")
@@ -86,15 +87,8 @@ def test_a_rows_integer_result_is_the_same_bits_alone_and_in_any_batch(threads: 
 
 def test_the_moe_mlp_of_8_bit_experts_takes_the_one_call_and_keeps_the_loops_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     gate_up, down = integer_experts(T.Q4_K, T.Q6_K, "int8x2", seed=60)
-    float32 = WeightFormat("float32")
     generator = torch.Generator().manual_seed(61)
-    weights = MoEWeights(
-        router=torch.randn(EXPERTS, HIDDEN, generator=generator) / 4,
-        gate_up=expert_weights(gate_up, EXPERTS, float32),
-        down=expert_weights(down, EXPERTS, float32),
-        gate_up_blocks=gate_up,
-        down_blocks=down,
-    )
+    weights = blocks_moe_weights(gate_up, down, torch.randn(EXPERTS, HIDDEN, generator=generator) / 4)
     config = moe_config(
         hidden_size=HIDDEN, moe_intermediate_size=WIDTH, num_experts_per_tok=K, shared_expert_intermediate_size=0,
         shared_expert_gate=False,

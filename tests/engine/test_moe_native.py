@@ -41,6 +41,16 @@ def stacked_experts(ggml_type: T, seed: int, down_type: T | None = None) -> tupl
     )
 
 
+def blocks_moe_weights(gate_up: QuantizedWeight, down: QuantizedWeight, router: torch.Tensor, **shared: object) -> MoEWeights:
+    """A MoE MLP over stacked expert blocks: each expert a view of them (the loop's weights) and the
+    stacks themselves (the one call's), with `router` and any shared expert."""
+    float32 = WeightFormat("float32")
+    return MoEWeights(
+        router=router, gate_up=expert_weights(gate_up, EXPERTS, float32), down=expert_weights(down, EXPERTS, float32),
+        gate_up_blocks=gate_up, down_blocks=down, **shared,  # type: ignore[arg-type]
+    )
+
+
 def random_routes(tokens: int, seed: int) -> Routes:
     """Each row's K distinct experts ascending and random positive weights."""
     generator = torch.Generator().manual_seed(seed)
@@ -104,18 +114,11 @@ def test_the_moe_mlp_runs_the_one_call_layer_on_blocks_and_keeps_the_torch_paths
     """Through `moe_mlp` with routing, the shared expert and its gate: the stacked blocks kept in
     MoEWeights take the one call, and without them the expert-by-expert loop gives the same bits."""
     gate_up, down = stacked_experts(T.Q8_0, seed=20)
-    float32 = WeightFormat("float32")
     generator = torch.Generator().manual_seed(21)
     shared_gate_up, shared_down = weight_of(T.Q8_0, 2 * WIDTH, HIDDEN, seed=22), weight_of(T.Q8_0, HIDDEN, WIDTH, seed=23)
-    weights = MoEWeights(
-        router=torch.randn(EXPERTS, HIDDEN, generator=generator) / 4,
-        gate_up=expert_weights(gate_up, EXPERTS, float32),
-        down=expert_weights(down, EXPERTS, float32),
-        shared_gate_up=shared_gate_up,
-        shared_down=shared_down,
-        shared_gate=torch.randn(1, HIDDEN, generator=generator) / 16,
-        gate_up_blocks=gate_up,
-        down_blocks=down,
+    weights = blocks_moe_weights(
+        gate_up, down, torch.randn(EXPERTS, HIDDEN, generator=generator) / 4, shared_gate_up=shared_gate_up,
+        shared_down=shared_down, shared_gate=torch.randn(1, HIDDEN, generator=generator) / 16,
     )
     config = moe_config(
         hidden_size=HIDDEN, moe_intermediate_size=WIDTH, num_experts_per_tok=K, shared_expert_intermediate_size=WIDTH

@@ -13,12 +13,11 @@ import torch
 
 from tests.engine.test_moe_layer import moe_config
 from tests.engine.test_moe_native import EXPERTS as LAYER_EXPERTS
-from tests.engine.test_moe_native import HIDDEN, K, WIDTH, T, stacked_experts
+from tests.engine.test_moe_native import HIDDEN, K, WIDTH, T, blocks_moe_weights, stacked_experts
 from flare.engine import native
 from flare.engine.layers import moe
-from flare.engine.layers.moe import MoEWeights, expert_weights, moe_mlp, router_logits
+from flare.engine.layers.moe import moe_mlp, router_logits
 from flare.engine.layers.routing import route
-from flare.engine.precision import WeightFormat
 from flare.package.model_config import ModelConfig
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the engine's C kernels were not built")
@@ -190,15 +189,8 @@ def test_the_moe_mlp_routes_in_c_for_both_expert_paths_and_in_torch_without_kern
     """With the kernels the route is the C call whether the experts then run as one C call (blocks)
     or expert by expert; without them it is routing.py's."""
     gate_up, down = stacked_experts(T.Q8_0, seed=12)
-    float32 = WeightFormat("float32")
     generator = torch.Generator().manual_seed(11)
-    weights = MoEWeights(
-        router=torch.randn(LAYER_EXPERTS, HIDDEN, generator=generator) / 16,
-        gate_up=expert_weights(gate_up, LAYER_EXPERTS, float32),
-        down=expert_weights(down, LAYER_EXPERTS, float32),
-        gate_up_blocks=gate_up,
-        down_blocks=down,
-    )
+    weights = blocks_moe_weights(gate_up, down, torch.randn(LAYER_EXPERTS, HIDDEN, generator=generator) / 16)
     config = moe_config(hidden_size=HIDDEN, moe_intermediate_size=WIDTH, num_experts_per_tok=K)
     x = torch.randn(6, HIDDEN, generator=generator)
     calls: list[int] = []
