@@ -8,6 +8,7 @@ interchangeable, so a request holds only the blocks it uses and fragmentation ca
 from __future__ import annotations
 
 import math
+import mmap
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
@@ -20,6 +21,21 @@ DEFAULT_BLOCK_SIZE = 16
 # leaves room for activations, the tokenizer, the daemon and other processes. For the default
 # model (30 layers, 3 KV heads of 64) that is about 46k cached tokens.
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
+
+
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zeroed tensor for a KV pool. Zeroed, not empty: masked attention multiplies stale slots by
+    a zero weight, and a NaN bit pattern left in uninitialised memory would survive that.
+
+    On the CPU it is an anonymous mapping of its own, whose pages the kernel hands out zeroed on
+    first write: the pool becomes resident as its blocks fill, not all at start (torch.zeros
+    writes every byte, so a 2 GiB budget was 2 GiB of RSS before the first request)."""
+    count = math.prod(shape)
+    if torch.device(device).type != "cpu" or count == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    mapping = mmap.mmap(-1, count * torch.empty((), dtype=dtype).element_size(), flags=mmap.MAP_PRIVATE)
+    # frombuffer holds a reference to the mapping: it lives as long as the tensor.
+    return torch.frombuffer(mapping, dtype=dtype, count=count).view(shape)
 
 
 class OutOfBlocks(RuntimeError):
@@ -165,10 +181,8 @@ class KVCache:
         self.block_size = block_size
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
         value_shape = (num_kv_heads, num_blocks, block_size, head_dim if value_dim is None else value_dim)
-        # Zeroed, not empty: masked attention multiplies stale slots by a zero weight, and a NaN
-        # bit pattern left in uninitialised memory would survive that multiplication.
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(value_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.keys = [zeroed_pool(shape, dtype, device) for _ in range(num_layers)]
+        self.values = [zeroed_pool(value_shape, dtype, device) for _ in range(num_layers)]
 
     @classmethod
     def for_config(

@@ -84,3 +84,26 @@ def test_default_budget_is_two_gib_unless_the_context_needs_less() -> None:
     assert small == 2 * 7 * bytes_per_block(config, 16, torch.float32)
     big = default_kv_cache_bytes(config, max_context=10**6, max_concurrency=1000)
     assert big == DEFAULT_KV_CACHE_BYTES
+
+
+def _anonymous_mib() -> float:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("RssAnon:"))
+    return int(line.split()[1]) / 1024
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pools_start_zeroed_and_become_resident_only_as_blocks_are_written(dtype: torch.dtype) -> None:
+    # 512 MiB of float32 pools (256 MiB of bfloat16): a daemon's KV budget must not be resident
+    # memory before its blocks fill.
+    before = _anonymous_mib()
+    cache = KVCache(num_layers=4, num_blocks=2048, block_size=16, num_kv_heads=8, head_dim=64, dtype=dtype)
+    assert _anonymous_mib() - before < 16
+    assert all(bool((pool == 0).all()) for pool in cache.keys + cache.values)
+    written = _anonymous_mib()
+    for pool in cache.keys + cache.values:
+        pool[:, :256] = 1.0  # an eighth of every pool's blocks
+    grown = _anonymous_mib() - written
+    pool_mib = sum(p.numel() * p.element_size() for p in cache.keys + cache.values) / 2**20
+    assert pool_mib / 8 * 0.9 < grown < pool_mib / 8 * 1.1 + 8
+    assert bool((cache.keys[0][:, 256:] == 0).all()) and bool((cache.keys[0][:, :256] == 1).all())
