@@ -1,8 +1,11 @@
-"""One mixture-of-experts MLP (flare/engine/layers/moe.py) of a Qwen3-30B-A3B shape, on random
-Q4_K experts: hidden 2048, 128 experts of width 768, 8 per token, the router float32.
+"""One mixture-of-experts MLP (flare/engine/layers/moe.py) of a real model's shape on random
+experts: Qwen3-30B-A3B's (`--shape qwen3-30b-a3b`, the default: hidden 2048, 128 experts of width
+768, 8 per token, Q4_K) or gpt-oss-20b's (`--shape gpt-oss-20b`: hidden 2880, 32 experts of width
+2880, 4 per token, MXFP4, with the router's bias, top-k before the softmax, expert biases and the
+clamped SwiGLU); the router float32.
 
-The experts are one Q4_K block tensor per projection, each expert a view of it, as a package
-maps them; the rows of a round are routed (float64 logits, float32 route), grouped by expert and
+The experts are one block tensor per projection, each expert a view of it, as a package maps
+them; the rows of a round are routed (float64 logits, float32 route), grouped by expert and
 multiplied through the quantized kernels, then summed in each row's fixed expert order. Reported:
 the median wall time of the layer per round, and the bytes of the experts the round touched
 (each distinct expert's gate/up and down once).
@@ -10,6 +13,7 @@ the median wall time of the layer per round, and the bytes of the experts the ro
     .venv/bin/python benchmarks/moe_layer.py --rows 1 8 32 --rounds 9
     .venv/bin/python benchmarks/moe_layer.py --rows 1 8 32 --rounds 9 --per-expert  # the loop over experts
     .venv/bin/python benchmarks/moe_layer.py --rows 1 8 32 --rounds 9 --activations int8x2  # integer products
+    .venv/bin/python benchmarks/moe_layer.py --shape gpt-oss-20b --rows 1 4 32   # MXFP4, gpt-oss's options
 """
 
 from __future__ import annotations
@@ -35,22 +39,31 @@ from flare.engine.quantized import QuantizedWeight  # noqa: E402
 from flare.package.manifest import ACTIVATIONS  # noqa: E402
 from flare.package.model_config import ModelConfig  # noqa: E402
 
-HIDDEN, EXPERTS, WIDTH, ACTIVE = 2048, 128, 768, 8
-Q4_K = gguf.GGMLQuantizationType.Q4_K
+Q4_K, MXFP4 = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.MXFP4
+# hidden, experts, width, active, the experts' type, gpt-oss's options
+SHAPES = {
+    "qwen3-30b-a3b": (2048, 128, 768, 8, Q4_K, False),
+    "gpt-oss-20b": (2880, 32, 2880, 4, MXFP4, True),
+}
 
 
-def random_q4_k(rows: int, in_features: int, rng: np.random.Generator) -> QuantizedWeight:
-    """Random Q4_K quants with finite small float16 scales (d and dmin)."""
-    block_size, type_size = gguf.GGML_QUANT_SIZES[Q4_K]
+def random_blocks(ggml_type: gguf.GGMLQuantizationType, rows: int, in_features: int, rng: np.random.Generator) -> QuantizedWeight:
+    """Random quants with finite small scales: Q4_K's float16 d and dmin about 0.01, MXFP4's E8M0
+    scale 2^-10 .. 2^-6."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
     data = rng.integers(0, 256, (rows * (in_features // block_size), type_size), dtype=np.uint8)
-    for offset in (0, 2):
-        halves = (rng.standard_normal(data.shape[0], dtype=np.float32) * 0.01).astype(np.float16)
-        data[:, offset : offset + 2] = halves.view(np.uint8).reshape(-1, 2)
-    return QuantizedWeight.from_blocks(Q4_K, torch.from_numpy(data.reshape(rows, -1)), rows, in_features)
+    if ggml_type == MXFP4:
+        data[:, 0] = rng.integers(117, 122, data.shape[0])
+    else:
+        for offset in (0, 2):
+            halves = (rng.standard_normal(data.shape[0], dtype=np.float32) * 0.01).astype(np.float16)
+            data[:, offset : offset + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return QuantizedWeight.from_blocks(ggml_type, torch.from_numpy(data.reshape(rows, -1)), rows, in_features)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=SHAPES, default="qwen3-30b-a3b")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--per-expert", action="store_true", help="the torch loop over experts instead of the one C call")
@@ -59,30 +72,42 @@ def main() -> None:
     )
     args = parser.parse_args()
     rng = np.random.default_rng(0)
+    hidden, experts, width, active, ggml_type, gpt_oss = SHAPES[args.shape]
+    family = {
+        "architecture": "gpt_oss", "routing": "topk_softmax", "router_bias": True, "expert_bias": True,
+        "hidden_activation": "clamped_swiglu", "swiglu_limit": 7.0,
+    } if gpt_oss else {"architecture": "qwen3_moe", "norm_topk_prob": True}
     config = ModelConfig(
-        vocab_size=32, hidden_size=HIDDEN, intermediate_size=6144, num_layers=1, num_heads=32, num_kv_heads=4,
+        vocab_size=32, hidden_size=hidden, intermediate_size=6144, num_layers=1, num_heads=32, num_kv_heads=4,
         head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_ids=(1,), architecture="qwen3_moe", num_experts=EXPERTS,
-        num_experts_per_tok=ACTIVE, moe_intermediate_size=WIDTH, moe_layers=(0,), norm_topk_prob=True,
+        bos_token_id=None, eos_token_ids=(1,), num_experts=experts, num_experts_per_tok=active, moe_intermediate_size=width,
+        moe_layers=(0,), **family,  # type: ignore[arg-type]
     )
-    gate_up = random_q4_k(EXPERTS * 2 * WIDTH, HIDDEN, rng).with_activations(args.activations)
-    down = random_q4_k(EXPERTS * HIDDEN, WIDTH, rng).with_activations(args.activations)
+    gate_up = random_blocks(ggml_type, experts * 2 * width, hidden, rng).with_activations(args.activations)
+    down = random_blocks(ggml_type, experts * hidden, width, rng).with_activations(args.activations)
+
+    def vector(*shape: int) -> torch.Tensor:
+        return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32) * 0.1)
+
     weights = MoEWeights(
-        router=torch.from_numpy(rng.standard_normal((EXPERTS, HIDDEN), dtype=np.float32) * HIDDEN**-0.5),
-        gate_up=expert_weights(gate_up, EXPERTS, WeightFormat.FLOAT32),
-        down=expert_weights(down, EXPERTS, WeightFormat.FLOAT32),
+        router=torch.from_numpy(rng.standard_normal((experts, hidden), dtype=np.float32) * hidden**-0.5),
+        gate_up=expert_weights(gate_up, experts, WeightFormat.FLOAT32),
+        down=expert_weights(down, experts, WeightFormat.FLOAT32),
+        router_bias=vector(experts) if gpt_oss else None,
+        gate_up_bias=vector(experts, 2 * width) if gpt_oss else None,
+        down_bias=vector(experts, hidden) if gpt_oss else None,
         # As a package's layer holds them: with the kernels, the one C call (moe_layer.c).
         gate_up_blocks=None if args.per_expert else gate_up,
         down_blocks=None if args.per_expert else down,
     )
-    per_expert = (gate_up.nbytes + down.nbytes) / EXPERTS
+    per_expert = (gate_up.nbytes + down.nbytes) / experts
     print(
         f"cpu flags: {' '.join(cpu_flags()) or 'none of AVX2, AVX-512, AMX'}; C kernels: {native.available()}; "
-        f"threads {torch.get_num_threads()}; experts {(gate_up.nbytes + down.nbytes) / 1e6:.1f} MB of Q4_K; "
-        f"activations {args.activations}"
+        f"threads {torch.get_num_threads()}; {args.shape}: experts {(gate_up.nbytes + down.nbytes) / 1e6:.1f} MB of "
+        f"{ggml_type.name}; activations {args.activations}; {'the loop over experts' if args.per_expert else 'one call'}"
     )
     for rows in args.rows:
-        x = torch.from_numpy(rng.standard_normal((rows, HIDDEN), dtype=np.float32))
+        x = torch.from_numpy(rng.standard_normal((rows, hidden), dtype=np.float32))
         touched = len(set(moe_routes(x, weights, config, kernels=native.available()).experts.flatten().tolist()))
         times = []
         with torch.inference_mode():

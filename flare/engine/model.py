@@ -29,8 +29,8 @@ it fast on a CPU, where a round of 32 decode rows is bound by the linear layers:
   MKL; the weights are stored and multiplied in it, everything between the GEMMs stays float32;
 - on float16 or block weights a round of short rows runs all its layers in one kernel call
   (`native_layers.LayerStack`), the same kernels as the steps of `forward_hidden` without the
-  Python between them, a mixture-of-experts MLP of blocks included (without a shared expert,
-  gpt-oss's expert biases, sinks or an o bias: those layers run step by step);
+  Python between them, a mixture-of-experts MLP of blocks included (gpt-oss's sinks, o bias,
+  expert biases and clamped SwiGLU too; a layer with a shared expert runs step by step);
 - a package's quantized tensors stay ggml blocks mapped from its file (`quantized.py`): their
   linear layers multiply float32 activations straight from the blocks, the embedding
   dequantizes only the rows it looks up, and a tied LM head is the embedding's blocks. Their
@@ -55,7 +55,7 @@ from flare.engine.kv_cache import KVCache
 from flare.engine.layers.attention import AttentionCall, PagedAttention, rope_and_cache
 from flare.engine.layers.latent_attention import LatentWeights, latent_attention
 from flare.engine.layers.mlp import gated_mlp
-from flare.engine.layers.moe import MoEWeights, experts_in_one_call, load_moe_weights, moe_mlp
+from flare.engine.layers.moe import MoEWeights, expert_swiglu, experts_in_one_call, load_moe_weights, moe_mlp
 from flare.engine.layers.norms import add_norm, sublayer_output
 from flare.engine.layers.rope import rope_tables, round_tables
 from flare.engine.linear import Weight, linear, linear_columns, packs, stack_weights
@@ -138,8 +138,6 @@ def _kernel_layers(
     otherwise (the layers then run step by step)."""
     kernel_layers = []
     for layer in layers:
-        if layer.o_bias is not None or layer.sinks is not None:
-            return None  # the one-call kernel layer has no o bias or sinks
         moe = None if layer.moe is None else _kernel_moe(layer.moe, config)
         if layer.moe is not None and moe is None:
             return None
@@ -164,6 +162,8 @@ def _kernel_layers(
                 softcap=config.attention_softcap,
                 scale=config.attention_scale,
                 activation=config.hidden_activation,
+                sinks=layer.sinks,
+                o_bias=layer.o_bias,
                 moe=moe,
             )
         )
@@ -173,8 +173,7 @@ def _kernel_layers(
 def _kernel_moe(moe: MoEWeights, config: ModelConfig) -> native_layers.KernelMoE | None:
     """A mixture-of-experts MLP as the one-call kernel layer runs it (`native_layers.KernelMoE`):
     the route and the experts' call that `moe.moe_mlp` makes with kernels and experts of blocks;
-    None where that function takes another path (a shared expert, gpt-oss's expert biases and
-    clamped SwiGLU, experts of float weights)."""
+    None where that function takes another path (a shared expert, experts of float weights)."""
     gate_up, down = moe.gate_up_blocks, moe.down_blocks
     if not experts_in_one_call(moe, config) or moe.shared_gate_up is not None or gate_up is None or down is None:
         return None
@@ -183,6 +182,7 @@ def _kernel_moe(moe: MoEWeights, config: ModelConfig) -> native_layers.KernelMoE
         config.num_experts_per_tok, router_bias=moe.router_bias, correction_bias=moe.correction_bias, n_group=config.n_group,
         topk_group=config.topk_group, normalize=config.norm_topk_prob, scaling=config.routed_scaling_factor,
         gate_up_halves=gate_up.halves, down_halves=down.halves, activation=config.hidden_activation,
+        swiglu=expert_swiglu(config), gate_up_bias=moe.gate_up_bias, down_bias=moe.down_bias,
     )
 
 

@@ -264,6 +264,8 @@ FEATURES_MAX_HEAD_DIM = 1024
 
 # The gated MLP's activations (model_config.HIDDEN_ACTIVATIONS) as kernels.h codes them.
 ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1}
+# A MoE layer's experts' (moe_layer.c): those, and gpt-oss's clamped SwiGLU with its alpha and limit.
+EXPERT_ACTIVATION_CODES = {**ACTIVATION_CODES, "clamped_swiglu": 2}
 
 
 def gated_rows(gate_up_columns: torch.Tensor, activation: str = "silu") -> torch.Tensor:
@@ -334,6 +336,34 @@ def route_problems(
         problems.append(f"n_group must divide the {experts} experts and topk_group lie in 1 .. n_group, got {n_group} and {topk_group}")
     if not math.isfinite(scaling):
         problems.append(f"scaling must be finite, got {scaling!r}")
+    return problems
+
+
+def expert_problems(
+    experts: int,
+    hidden: int,
+    intermediate: int,
+    activation: str,
+    swiglu: tuple[float, float] | None,
+    gate_up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+) -> list[str]:
+    """What is wrong with a MoE layer's experts' options (`native_quantized.moe_layer`, and a decoder
+    layer's MoE MLP, `native_layers.KernelMoE`): a known activation, the clamped SwiGLU with
+    `swiglu` (alpha, limit) positive and finite, and the expert biases, where given, contiguous
+    float32 [experts, 2 intermediate] (gate/up's) and [experts, hidden] (down's)."""
+    problems = []
+    if activation not in EXPERT_ACTIVATION_CODES:
+        problems.append(f"activation must be one of {', '.join(EXPERT_ACTIVATION_CODES)}, got {activation!r}")
+    if activation == "clamped_swiglu" and not (
+        swiglu is not None and all(isinstance(v, (int, float)) and 0 < v < math.inf for v in swiglu)
+    ):
+        problems.append(f"the clamped SwiGLU needs a positive finite (alpha, limit), got {swiglu!r}")
+    for name, bias, shape in (("gate_up_bias", gate_up_bias, (experts, 2 * intermediate)), ("down_bias", down_bias, (experts, hidden))):
+        if bias is not None and (
+            bias.device.type != "cpu" or bias.dtype != torch.float32 or tuple(bias.shape) != shape or not bias.is_contiguous()
+        ):
+            problems.append(f"{name} must be a contiguous CPU float32 {list(shape)}, got {bias.device} {bias.dtype} {tuple(bias.shape)}")
     return problems
 
 

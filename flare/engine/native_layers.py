@@ -20,6 +20,7 @@ import torch
 
 from flare.engine.native import (
     ACTIVATION_CODES,
+    EXPERT_ACTIVATION_CODES,
     KV_DTYPE_CODES,
     LINEAR_ISA,
     ROUTING_CODES,
@@ -31,6 +32,7 @@ from flare.engine.native import (
     _module,
     _pool_problems,
     _vector_problems,
+    expert_problems,
     route_problems,
 )
 from flare.engine.native_quantized import INTEGER_ISA, QUANTIZED_ISA
@@ -83,8 +85,14 @@ _INTEGER_TYPE_IDS = frozenset(int(gguf.GGMLQuantizationType[name]) for name in I
 
 # A MoE layer's table as module.c reads it (MOE_*): router, router bias, correction bias, routing
 # code, normalize, the scaling factor's float64 bits, experts, k, n_group, topk_group,
-# intermediate, gate_up address, type, halves, down address, type, halves, activation code.
-_MOE_FIELDS = 18
+# intermediate, gate_up address, type, halves, down address, type, halves, activation code, the
+# clamped SwiGLU's alpha and limit as float64 bits, the gate_up and down biases' addresses.
+_MOE_FIELDS = 22
+
+
+def _float64_bits(value: float) -> int:
+    (bits,) = struct.unpack("<q", struct.pack("<d", float(value)))
+    return bits
 
 
 @dataclass(frozen=True)
@@ -96,7 +104,9 @@ class KernelMoE:
     `routing` a kind of native.ROUTING_CODES with its k, groups, normalization and scaling; the
     experts' stacked blocks are uint8 [E * 2 I, row bytes] (gate_up) and [E * hidden, row bytes]
     (down) of ggml types `gate_up_type` and `down_type`, each multiplied by float32 activations
-    (halves 0) or that many 8-bit activation blocks (QuantizedWeight.halves)."""
+    (halves 0) or that many 8-bit activation blocks (QuantizedWeight.halves). gpt-oss's experts:
+    `activation` clamped_swiglu with `swiglu` (alpha, limit), and their biases float32 [E, 2 I]
+    and [E, hidden]."""
 
     router: torch.Tensor
     gate_up: torch.Tensor
@@ -114,6 +124,9 @@ class KernelMoE:
     gate_up_halves: int = 0
     down_halves: int = 0
     activation: str = "silu"
+    swiglu: tuple[float, float] | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
     table: torch.Tensor = field(init=False, repr=False)  # int64 [_MOE_FIELDS]
 
     def __post_init__(self) -> None:
@@ -126,9 +139,8 @@ class KernelMoE:
         problems += route_problems(
             experts, self.routing, self.k, self.router_bias, self.correction_bias, self.n_group, self.topk_group, self.scaling
         )
-        if self.activation not in ACTIVATION_CODES:
-            problems.append(f"activation must be one of {', '.join(ACTIVATION_CODES)}, got {self.activation!r}")
         intermediate = self.gate_up.shape[0] // (2 * experts) if self.gate_up.dim() == 2 else 0
+        problems += expert_problems(experts, hidden, intermediate, self.activation, self.swiglu, self.gate_up_bias, self.down_bias)
         for name, blocks, ggml_type, halves, rows, columns in (
             ("gate_up", self.gate_up, self.gate_up_type, self.gate_up_halves, 2 * intermediate, hidden),
             ("down", self.down, self.down_type, self.down_halves, hidden, intermediate),
@@ -139,13 +151,14 @@ class KernelMoE:
             if halves not in (0, 1, 2) or (halves and ggml_type not in _INTEGER_TYPE_IDS):
                 problems.append(f"{name}'s halves must be 0, or 1 or 2 on a type with integer kernels, got {halves!r} on type {ggml_type}")
         _check("decoder_layer", problems)
-        (scaling_bits,) = struct.unpack("<q", struct.pack("<d", float(self.scaling)))
+        alpha, limit = self.swiglu if self.activation == "clamped_swiglu" and self.swiglu is not None else (0.0, 0.0)
         table = torch.tensor(
             [
                 self.router.data_ptr(), _address(self.router_bias), _address(self.correction_bias), ROUTING_CODES[self.routing],
-                int(self.normalize), scaling_bits, experts, self.k, self.n_group, self.topk_group, intermediate,
+                int(self.normalize), _float64_bits(self.scaling), experts, self.k, self.n_group, self.topk_group, intermediate,
                 self.gate_up.data_ptr(), self.gate_up_type, self.gate_up_halves, self.down.data_ptr(), self.down_type,
-                self.down_halves, ACTIVATION_CODES[self.activation],
+                self.down_halves, EXPERT_ACTIVATION_CODES[self.activation], _float64_bits(alpha), _float64_bits(limit),
+                _address(self.gate_up_bias), _address(self.down_bias),
             ],
             dtype=torch.int64,
         )
@@ -173,7 +186,8 @@ class KernelLayer:
     `attention_output_norm`, `mlp_output_norm` the sandwich norms of each sublayer's output
     before the residual add; `cos`, `sin` the layer's own RoPE tables [positions, rotary_dims /
     2] (None: the round's); `window`, `softcap`, `scale` of its attention (`paged_attention`);
-    `activation` of its gated MLP (`gated_rows`)."""
+    `activation` of its gated MLP (`gated_rows`; a MoE layer's is its experts'); `sinks` [heads]
+    of its attention and `o_bias` [hidden] added to the o projection's output (gpt-oss)."""
 
     input_norm: torch.Tensor  # [hidden]
     post_norm: torch.Tensor  # [hidden]
@@ -192,6 +206,8 @@ class KernelLayer:
     softcap: float | None = None
     scale: float | None = None
     activation: str = "silu"
+    sinks: torch.Tensor | None = None  # [heads]
+    o_bias: torch.Tensor | None = None  # [hidden]
     # The mixture-of-experts MLP in place of gate_up and down (which are then empty), or None.
     moe: KernelMoE | None = None
     # int64 [4, LAYER_LINEAR_PARTS, 3]: (type, address, out rows) of each part of qkv, o,
@@ -201,7 +217,7 @@ class KernelLayer:
     linear_features: dict[str, tuple[int, int]] = field(init=False, repr=False)
     # The features as LayerStack's table holds them (module.c, LAYER_*): the addresses of
     # qkv_bias, q_norm, k_norm, attention_output_norm, mlp_output_norm, then window, softcap,
-    # activation code.
+    # activation code, the addresses of sinks and o_bias.
     feature_args: tuple = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -244,7 +260,9 @@ class KernelLayer:
             *map(_address, (self.qkv_bias, self.q_norm, self.k_norm, self.attention_output_norm, self.mlp_output_norm)),
             self.window or 0,
             self.softcap or 0.0,
-            ACTIVATION_CODES[self.activation],
+            EXPERT_ACTIVATION_CODES[self.activation],
+            _address(self.sinks),
+            _address(self.o_bias),
         )
         object.__setattr__(self, "feature_args", feature_args)
 
@@ -257,6 +275,8 @@ class KernelLayer:
             k_norm=(self.k_norm, head_dim),
             attention_output_norm=(self.attention_output_norm, hidden),
             mlp_output_norm=(self.mlp_output_norm, hidden),
+            o_bias=(self.o_bias, hidden),
+            sinks=(self.sinks, -1 if self.sinks is None or self.sinks.dim() != 1 else self.sinks.shape[0]),
         )
         if (self.q_norm is None) != (self.k_norm is None):
             problems.append("q_norm and k_norm come together")
@@ -267,8 +287,10 @@ class KernelLayer:
             if self.cos.shape != self.sin.shape or self.cos.dim() != 2 or not (self.cos.is_contiguous() and self.sin.is_contiguous()):
                 problems.append(f"the layer's cos and sin must be contiguous [positions, rotary_dims / 2], got {tuple(self.cos.shape)}")
         problems += _attention_option_problems(self.scale, self.window, self.softcap)
-        if self.activation not in ACTIVATION_CODES:
-            problems.append(f"activation must be one of {', '.join(ACTIVATION_CODES)}, got {self.activation!r}")
+        # A gated MLP's activation; the clamped SwiGLU's parameters come only with a MoE MLP.
+        activations = ACTIVATION_CODES if self.moe is None else EXPERT_ACTIVATION_CODES
+        if self.activation not in activations:
+            problems.append(f"activation must be one of {', '.join(activations)}, got {self.activation!r}")
         return problems
 
     @property
@@ -384,9 +406,9 @@ def decoder_layers(
 
 # A layer's row of LayerStack.table (module.c, LAYER_*): input_norm, post_norm, part table, keys,
 # values, own cos and sin (0: the round's), their rows and rotary dims, qkv_bias, q_norm, k_norm,
-# attention_output_norm, mlp_output_norm, window, activation, MoE table (0: the gated MLP); of
-# LayerStack.scalars: scale, softcap.
-_LAYER_FIELDS, _LAYER_SCALARS = 17, 2
+# attention_output_norm, mlp_output_norm, window, activation, MoE table (0: the gated MLP), sinks,
+# o_bias; of LayerStack.scalars: scale, softcap.
+_LAYER_FIELDS, _LAYER_SCALARS = 19, 2
 
 
 @dataclass(frozen=True)
@@ -404,7 +426,7 @@ class LayerStack:
     # What a round must match: the pools' shape and dtype (None where the layers' pools differ),
     # each layer's (qkv out, o in, down in) and q/k norm width, the shortest own RoPE table.
     pool: tuple[tuple[int, ...], torch.dtype] | None = field(init=False, repr=False)
-    shapes: frozenset[tuple[int, int, int, int, int | None]] = field(init=False, repr=False)
+    shapes: frozenset[tuple[int, int, int, int | None, int | None, int | None]] = field(init=False, repr=False)
     own_table_rows: int | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -419,12 +441,12 @@ class LayerStack:
         rows, scalars = [], []
         for layer, layer_keys, layer_values in zip(self.layers, self.keys, self.values):
             own = layer.cos is not None
-            *norms_and_bias, window, softcap, activation = layer.feature_args
+            *norms_and_bias, window, softcap, activation, sinks, o_bias = layer.feature_args
             rows.append([
                 layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), layer.part_table.data_ptr(),
                 layer_keys.data_ptr(), layer_values.data_ptr(), _address(layer.cos), _address(layer.sin),
                 layer.cos.shape[0] if own else 0, 2 * layer.cos.shape[1] if own else 0,
-                *norms_and_bias, window, activation, 0 if layer.moe is None else layer.moe.table.data_ptr(),
+                *norms_and_bias, window, activation, 0 if layer.moe is None else layer.moe.table.data_ptr(), sinks, o_bias,
             ])
             scalars.append([head_dim**-0.5 if layer.scale is None else layer.scale, softcap])
         object.__setattr__(self, "table", torch.tensor(rows, dtype=torch.int64).view(len(rows), _LAYER_FIELDS))
@@ -432,7 +454,7 @@ class LayerStack:
         # A MoE layer's MLP has no intermediate width of the round's (its experts' is its own): None.
         object.__setattr__(self, "shapes", frozenset(
             (layer.hidden, layer.features("qkv")[1], layer.features("o")[0], None if layer.moe else layer.features("down")[0],
-             None if layer.q_norm is None else layer.q_norm.shape[0])
+             None if layer.q_norm is None else layer.q_norm.shape[0], None if layer.sinks is None else layer.sinks.shape[0])
             for layer in self.layers
         ))
         # A table wider than the heads rotate counts as 0 rows: no round fits it, and the round's
@@ -454,7 +476,8 @@ class LayerStack:
         fits = (
             h.dtype == torch.float32 and h.is_contiguous() and h.shape == (plan.tokens, hidden)
             and self.pool == (plan.pool_shape, plan.pool_dtype)
-            and self.shapes <= {(hidden, qkv_out, attended, i, q) for i in (None, plan.intermediate) for q in (None, plan.head_dim)}
+            and self.shapes
+            <= {(hidden, qkv_out, attended, i, q, s) for i in (None, plan.intermediate) for q in (None, plan.head_dim) for s in (None, plan.heads)}
             and (self.own_table_rows is None or self.own_table_rows > plan.max_position)
         )
         if not fits:
@@ -489,6 +512,8 @@ def _check_layer(h: torch.Tensor, layer: KernelLayer, keys: torch.Tensor, values
             f"{plan.pool_dtype} {plan.pool_shape}, the layer's shapes those of the round; got h {h.dtype} "
             f"{tuple(h.shape)}, pools {keys.dtype} {tuple(keys.shape)} and {values.dtype} {tuple(values.shape)}"
         )
+    if layer.sinks is not None and layer.sinks.shape[0] != plan.heads:
+        raise ValueError(f"decoder_layer: the layer's sinks are [{layer.sinks.shape[0]}], the round's {plan.heads} heads")
     if layer.q_norm is not None and layer.q_norm.shape[0] != plan.head_dim:
         raise ValueError(f"decoder_layer: the layer's q/k norms are [{layer.q_norm.shape[0]}], the round's heads of {plan.head_dim}")
     if layer.cos is not None and (layer.cos.shape[0] <= plan.max_position or not 1 <= layer.cos.shape[1] <= plan.head_dim // 2):

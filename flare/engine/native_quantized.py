@@ -23,7 +23,16 @@ import os
 
 import torch
 
-from flare.engine.native import ACTIVATION_CODES, ATEN_ISA, _check, _dtype_problems, _module, available
+from flare.engine.native import (
+    ATEN_ISA,
+    EXPERT_ACTIVATION_CODES,
+    _address,
+    _check,
+    _dtype_problems,
+    _module,
+    available,
+    expert_problems,
+)
 
 
 # The widest instructions the quantized kernel uses (quantized_linear.c): what ATen dispatches to
@@ -103,6 +112,9 @@ def moe_layer(
     gate_up_halves: int = 0,
     down_halves: int = 0,
     integer_isa: int | None = None,
+    swiglu: tuple[float, float] | None = None,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A round's mixture-of-experts MLP over experts of ggml blocks (moe_layer.c): x [T, hidden]
     float32, each row's k experts `expert_ids` [T, k] int64 and their weights `expert_weights`
@@ -112,7 +124,9 @@ def moe_layer(
     each expert's products those of `quantized.quantized_linear`: float32 activations at `isa`
     (default QUANTIZED_ISA) where a projection's halves are 0, else (`QuantizedWeight.halves`, 1
     or 2) its input's 8-bit blocks by integer dot products at `integer_isa` (default INTEGER_ISA),
-    each row of x quantized once for every expert's gate/up."""
+    each row of x quantized once for every expert's gate/up. gpt-oss's experts: `activation`
+    clamped_swiglu with `swiglu` (alpha, limit), and the biases `gate_up_bias` float32 [E, 2 I]
+    and `down_bias` [E, hidden] added to each expert's gate/up and down outputs."""
     native = _module()
     problems = _dtype_problems(
         x=(x, torch.float32), expert_ids=(expert_ids, torch.int64), expert_weights=(expert_weights, torch.float32),
@@ -130,8 +144,6 @@ def moe_layer(
     for name, blocks in (("gate_up", gate_up), ("down", down)):
         if blocks.dim() != 2 or not blocks.is_contiguous() or (isinstance(num_experts, int) and num_experts > 0 and blocks.shape[0] % num_experts):
             problems.append(f"{name} must be contiguous blocks of {num_experts} experts' rows, got {tuple(blocks.shape)}")
-    if activation not in ACTIVATION_CODES:
-        problems.append(f"activation must be one of {', '.join(ACTIVATION_CODES)}, got {activation!r}")
     for name, halves in (("gate_up_halves", gate_up_halves), ("down_halves", down_halves)):
         if halves not in (0, 1, 2) or isinstance(halves, bool):
             problems.append(f"{name} must be 0 (float32 activations), 1 or 2, got {halves!r}")
@@ -144,15 +156,18 @@ def moe_layer(
         )
     _check("moe_layer", problems)
     intermediate = gate_up.shape[0] // num_experts // 2
+    _check("moe_layer", expert_problems(num_experts, hidden, intermediate, activation, swiglu, gate_up_bias, down_bias))
+    alpha, limit = swiglu if activation == "clamped_swiglu" and swiglu is not None else (0.0, 0.0)
     out = torch.empty(tokens, hidden, dtype=torch.float32)
     if tokens and expert_ids.shape[1]:
         # The C side checks the types' block sizes against these shapes and every expert id.
         native.moe_layer(
             x.data_ptr(), expert_ids.data_ptr(), expert_weights.data_ptr(), gate_up.data_ptr(), int(gate_up_type),
             2 * intermediate * gate_up.shape[1], down.data_ptr(), int(down_type), hidden * down.shape[1],
-            ACTIVATION_CODES[activation], out.data_ptr(), tokens, expert_ids.shape[1], num_experts, hidden, intermediate,
+            EXPERT_ACTIVATION_CODES[activation], out.data_ptr(), tokens, expert_ids.shape[1], num_experts, hidden, intermediate,
             torch.get_num_threads(), gate_up_halves, down_halves, QUANTIZED_ISA if isa is None else isa,
-            INTEGER_ISA if integer_isa is None else integer_isa,
+            INTEGER_ISA if integer_isa is None else integer_isa, float(alpha), float(limit), _address(gate_up_bias),
+            _address(down_bias),
         )
     else:
         out.zero_()

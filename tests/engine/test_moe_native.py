@@ -161,6 +161,40 @@ def test_forced_avx2_and_forced_portable_dispatch_give_the_same_bits(tmp_path: P
         assert torch.equal(got, expected)
 
 
+def gpt_oss_options(seed: int, limit: float = 7.0) -> dict[str, object]:
+    """gpt-oss's expert options with random (non-zero) biases: transformers starts them at zero,
+    which would hide a kernel that ignores them."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "activation": "clamped_swiglu", "swiglu": (1.702, limit),
+        "gate_up_bias": torch.randn(EXPERTS, 2 * WIDTH, generator=generator),
+        "down_bias": torch.randn(EXPERTS, HIDDEN, generator=generator),
+    }
+
+
+@pytest.mark.parametrize("ggml_type", [T.MXFP4, T.Q8_0])
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_gpt_oss_experts_biases_and_clamped_swiglu_give_the_torch_paths_bits(ggml_type: T, tokens: int) -> None:
+    """gpt-oss's experts (biases on gate/up and down, the clamped SwiGLU) in the one call: the bits
+    of moe.py's expert-by-expert `_expert` with the kernels; the biases and the clamp both change
+    the result, so neither can be ignored unseen."""
+    gate_up, down = stacked_experts(ggml_type, seed=60 + tokens)
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(61)) * 4
+    routes = random_routes(tokens, seed=62)
+    options = gpt_oss_options(seed=63)
+    weights = dataclasses.replace(
+        blocks_moe_weights(gate_up, down, torch.zeros(EXPERTS, HIDDEN)),
+        gate_up_bias=options["gate_up_bias"], down_bias=options["down_bias"],
+    )
+    config = moe_config(hidden_size=HIDDEN, moe_intermediate_size=WIDTH, num_experts_per_tok=K, hidden_activation="clamped_swiglu",
+                        swiglu_limit=7.0, shared_expert_intermediate_size=0, shared_expert_gate=False)
+    got = one_call(x, routes, gate_up, down, **options)
+    assert torch.equal(got, routed_experts(x, routes, weights, config, kernels=True))
+    assert not torch.equal(got, one_call(x, routes, gate_up, down, **{**options, "swiglu": (1.702, 1e6)}))
+    assert not torch.equal(got, one_call(x, routes, gate_up, down, **{**options, "down_bias": None}))
+    assert not torch.equal(got, one_call(x, routes, gate_up, down, **{**options, "gate_up_bias": None}))
+
+
 def test_bad_arguments_are_refused_naming_the_argument() -> None:
     gate_up, down = stacked_experts(T.Q8_0, seed=40)
     x = torch.randn(2, HIDDEN)
@@ -179,6 +213,9 @@ def test_bad_arguments_are_refused_naming_the_argument() -> None:
             x, routes.experts, routes.weights, gate_up.data, int(T.Q4_K), down.data, down.ggml_type, EXPERTS
         ),
         "activation": lambda: one_call(x, routes, gate_up, down, activation="relu"),
+        "alpha, limit": lambda: one_call(x, routes, gate_up, down, activation="clamped_swiglu"),
+        "gate_up_bias": lambda: one_call(x, routes, gate_up, down, gate_up_bias=torch.zeros(EXPERTS, HIDDEN)),
+        "down_bias": lambda: one_call(x, routes, gate_up, down, down_bias=torch.zeros(EXPERTS, HIDDEN, dtype=torch.float64)),
         "num_experts": lambda: native_quantized.moe_layer(
             x, routes.experts, routes.weights, gate_up.data, gate_up.ggml_type, down.data, down.ggml_type, 0
         ),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import gguf
 import pytest
 import torch
@@ -500,6 +502,18 @@ def test_a_moe_mlp_that_does_not_fit_its_layer_is_refused_naming_what_is_wrong()
         "gate_up and down none beside a MoE MLP": lambda: native_layers.KernelLayer(
             layer.input_norm, layer.post_norm, layer.qkv, layer.o, layer.gate_up, layer.down, moe=moe
         ),
+        "the clamped SwiGLU needs a positive finite \\(alpha, limit\\)": lambda: native_layers.KernelMoE(
+            router, gate_up, q8_0, down, q8_0, "topk_softmax", 2, activation="clamped_swiglu", swiglu=(1.702, float("inf"))
+        ),
+        "down_bias must be a contiguous CPU float32 \\[4, 32\\]": lambda: native_layers.KernelMoE(
+            router, gate_up, q8_0, down, q8_0, "topk_softmax", 2, down_bias=torch.zeros(4, 64)
+        ),
+        "activation must be one of silu, gelu_tanh, got 'clamped_swiglu'": lambda: native_layers.KernelLayer(
+            layer.input_norm, layer.post_norm, layer.qkv, layer.o, layer.gate_up, layer.down, activation="clamped_swiglu"
+        ),
+        "o_bias must be a contiguous CPU float32 \\[32\\]": lambda: native_layers.KernelLayer(
+            layer.input_norm, layer.post_norm, layer.qkv, layer.o, (), (), moe=moe, o_bias=torch.zeros(31)
+        ),
         "the MoE MLP's router is \\[experts, 64\\]": lambda: native_layers.KernelLayer(
             layer.input_norm, layer.post_norm, layer.qkv, layer.o, (), (),
             moe=native_layers.KernelMoE(torch.randn(4, 64), torch.zeros(4 * 64, 68, dtype=torch.uint8), q8_0,
@@ -519,6 +533,17 @@ def _two_token_round(pool: torch.Tensor) -> native_layers.DecoderRound:
         groups=[(0, 1, 2, torch.tensor([[0]]), torch.tensor([0]))], pool=pool,
         heads=2, hidden=32, intermediate=48, eps=1e-5, scratch=torch.empty(10_000),
     )
+
+
+def test_a_layer_whose_sinks_are_not_one_a_head_of_the_round_is_refused() -> None:
+    layer = _float16_layer()  # 2 heads
+    keys, values = torch.zeros(1, 4, 4, 16), torch.zeros(1, 4, 4, 16)
+    sunk = dataclasses.replace(layer, sinks=torch.zeros(3))
+    with pytest.raises(ValueError, match="decoder_layer: the layer's sinks are \\[3\\], the round's 2 heads"):
+        native_layers.decoder_layer(torch.randn(2, 32), sunk, keys, values, _two_token_round(keys))
+    h = torch.randn(2, 32)
+    native_layers.decoder_layer(h, dataclasses.replace(layer, sinks=torch.zeros(2)), keys, values, _two_token_round(keys))
+    assert h.isfinite().all()
 
 
 def test_a_decoder_layer_call_refuses_a_residual_stream_or_pools_unlike_its_round() -> None:

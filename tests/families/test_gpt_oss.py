@@ -300,3 +300,44 @@ async def test_a_chat_answer_is_served_through_the_harmony_template_and_reader(s
     assert message["role"] == "assistant"
     for field in ("content", "reasoning_content"):
         assert "<|" not in (message.get(field) or ""), message
+
+
+@pytest.mark.skipif(not native.available(), reason="the one-call decoder layer is a C kernel")
+@pytest.mark.parametrize("experts", ["MXFP4", "Q8_0"])
+def test_a_gpt_oss_package_of_blocks_runs_every_layer_in_the_one_call_decoder_layer_with_the_steps_bits(
+    experts: str, smollm2_source: ModelSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round of short rows on gpt-oss (sinks, the o bias, alternating windows, the router's bias,
+    expert biases and the clamped SwiGLU; MXFP4 experts from a GGUF, or all of it Q8_0) runs every
+    layer in one `decoder_layers` call and gives the bits of the same model step by step: a prompt
+    as a prefill, then decode and verify rounds reaching past the 8-token window."""
+    from flare.engine import native_layers
+
+    checkpoint = gguf_checkpoint(smollm2_source, tmp_path / "hf")
+    if experts == "MXFP4":
+        path = tmp_path / "mxfp4.gguf"
+        types = {kind: T.MXFP4 for kind in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
+        types |= {kind: T.Q8_0 for kind in ("attn_q", "attn_k", "attn_v", "attn_output")}
+        write_family_gguf(path, checkpoint.model.config, checkpoint.model.state_dict(), vocabulary=gguf_vocabulary(default_gguf_path()),
+                          chat_template=smollm2_source.chat_template, types=types)
+        export_package(str(path), tmp_path / "package", ExportOptions(), stderr=io.StringIO())
+    else:
+        export_package(str(checkpoint.path), tmp_path / "package", ExportOptions(quantize="q8_0"), stderr=io.StringIO())
+    package = open_package(tmp_path / "package")
+    assert package.manifest.blocks["model.layers.0.mlp.experts.gate_up_proj.weight"].type == experts
+    fused = load_model(package)
+    assert fused.kernel_layers is not None
+    assert all(layer.moe is not None and layer.sinks is not None and layer.o_bias is not None for layer in fused.kernel_layers)
+    assert {layer.window for layer in fused.kernel_layers} == {8, None}
+    steps = load_model(package)
+    steps.kernel_layers = None
+    prompts = [Tokenizer.from_package(package).encode(text) for text in PROMPTS[:2]]
+    pieces = [[len(p) - 8 for p in prompts], [1, 1], [2, 4], [1, 1], [4, 2]]
+    calls: list[str] = []
+    with monkeypatch.context() as patch:
+        run = native_layers.LayerStack.run
+        patch.setattr(native_layers.LayerStack, "run", lambda stack, *args: calls.append("layers") or run(stack, *args))
+        got = forward_in_pieces(fused, prompts, pieces)
+    assert calls.count("layers") == len(pieces) - 1  # every round of short rows in one call
+    for fused_logits, step_logits in zip(got, forward_in_pieces(steps, prompts, pieces), strict=True):
+        assert torch.equal(fused_logits, step_logits)

@@ -10,9 +10,9 @@
  *
  * with each family's features where the layer has them (kernels.h, DecoderLayerRound): the q/k/v
  * bias, q/k norms and partial rotary inside `rope_and_cache`, the layer's own RoPE tables, its
- * window, soft-cap and scale inside `paged_attention`, GELU-tanh for silu, and Gemma's sandwich
- * norms: h += rms_norm(attention(q) W_o) * attention_output_norm, and the same of the MLP's
- * output with mlp_output_norm.
+ * window, soft-cap, scale and sinks inside `paged_attention`, the o projection's bias (gpt-oss),
+ * GELU-tanh for silu, and Gemma's sandwich norms: h += rms_norm(attention(q) W_o) *
+ * attention_output_norm, and the same of the MLP's output with mlp_output_norm.
  *
  * These are the same kernels, in the same order and on the same inputs, that model.py calls one
  * by one, so the result is the same bits; what goes is the Python and tensor allocation between
@@ -165,11 +165,15 @@ int decoder_layer(const DecoderLayerRound *l, int threads) {
             .scale = l->scale,
             .window = l->window,
             .softcap = l->softcap,
+            .sinks = l->sinks,
         };
         if (paged_attention(&a, plan->longest, threads)) return -1;
     }
 
     if (layer_linear(l, &l->o, attended, A, delta, A, hidden, threads)) return -1;
+    if (l->o_bias)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t i = 0; i < hidden; i++) delta[t * hidden + i] += l->o_bias[i];
     output_norm(l, l->attention_output_norm, delta, threads);
 
     const AddRmsNorm post_norm = {.h = l->h, .delta = delta, .delta_token_stride = hidden, .delta_channel_stride = 1,

@@ -164,8 +164,10 @@ typedef struct {
 
 void rope_and_cache(const RopeCache *r, int threads);
 
-/* The gated MLP's activation: SwiGLU's silu(gate) * up, or GeGLU's gelu_tanh(gate) * up (Gemma). */
-enum { ACTIVATION_SILU = 0, ACTIVATION_GELU_TANH = 1 };
+/* The gated MLP's activation: SwiGLU's silu(gate) * up, or GeGLU's gelu_tanh(gate) * up (Gemma);
+ * gpt-oss's experts' clamped SwiGLU, which takes an alpha and a limit (clamped_swiglu_rows), only
+ * in a MoE layer's experts (MoELayer). */
+enum { ACTIVATION_SILU = 0, ACTIVATION_GELU_TANH = 1, ACTIVATION_CLAMPED_SWIGLU = 2 };
 
 /* The gated activation from a gate/up linear layer's output (channel c of token t at
  * gate_up[c * channel_stride + t * token_stride]) to the rows the down projection reads: see
@@ -288,7 +290,11 @@ typedef struct {
     const uint8_t *down;           /* experts x [hidden, intermediate] of `down_type` */
     int gate_up_type, down_type;   /* GGML_* type ids */
     int64_t gate_up_expert_bytes, down_expert_bytes;
-    int activation;                /* ACTIVATION_SILU or ACTIVATION_GELU_TANH */
+    int activation;                /* an ACTIVATION_*: CLAMPED_SWIGLU with swiglu_alpha and swiglu_limit */
+    float swiglu_alpha, swiglu_limit;
+    /* NULL, or gpt-oss's expert biases: [experts, 2 intermediate] added to gate/up's outputs,
+     * [experts, hidden] to down's, each before what reads it. */
+    const float *gate_up_bias, *down_bias;
     /* 0: the projection multiplies float32 activations (quantized_linear); 1 or 2: that many 8-bit
      * activation blocks per 32 (K types: 256) inputs, by integer dot products (integer_dot.h). */
     int gate_up_halves, down_halves;
@@ -375,6 +381,8 @@ typedef struct {
     const float *mlp_output_norm;              /* [hidden]: the same for the MLP's */
     int64_t window;                            /* the layer's sliding window */
     float softcap;                             /* of the attention scores */
+    const float *sinks;                        /* [heads]: each head's sink logit in its softmax (gpt-oss) */
+    const float *o_bias;                       /* [hidden]: added to the o projection's output (gpt-oss) */
     int activation;                            /* ACTIVATION_SILU or ACTIVATION_GELU_TANH */
     const LayerMoE *moe;                       /* the MoE MLP in place of gate_up and down, or NULL */
     void *keys, *values;                       /* this layer's pools [kv_heads, num_blocks, block_size, head_dim] */

@@ -262,19 +262,24 @@ static PyObject *py_quantized_linear(PyObject *self, PyObject *args) {
 static int is_k_type(int type) { return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K; }
 
 /* NULL when a MoE layer's experts fit moe_layer.c (known types, whole blocks of hidden and
- * intermediate inputs, halves 0-2 and only on types with integer kernels, a known activation),
+ * intermediate inputs, halves 0-2 and only on types with integer kernels, a known activation with
+ * its parameters; the expert biases, where given, are [experts, 2 intermediate] and [experts, hidden]),
  * else the problem; each expert's gate_up and down bytes into the last two. The one check of
  * `moe_layer` and of a decoder layer's MoE table. */
 static const char *moe_experts_problem(int gate_up_type, int down_type, int gate_up_halves, int down_halves, int activation,
-                                       int64_t hidden, int64_t intermediate, int64_t *gate_up_expert_bytes,
-                                       int64_t *down_expert_bytes) {
+                                       float swiglu_alpha, float swiglu_limit, int64_t hidden, int64_t intermediate,
+                                       int64_t *gate_up_expert_bytes, int64_t *down_expert_bytes) {
     int64_t block_size, type_size, down_block_size, down_type_size;
     if (quantized_block_shape(gate_up_type, &block_size, &type_size)) return "gate_up: unknown ggml type id";
     if (quantized_block_shape(down_type, &down_block_size, &down_type_size)) return "down: unknown ggml type id";
     if (hidden < 1 || intermediate < 1) return "sizes must be positive";
     if (hidden % block_size) return "gate_up: each expert must be [2 intermediate, hidden] of whole blocks";
     if (intermediate % down_block_size) return "down: each expert must be [hidden, intermediate] of whole blocks";
-    if (activation != ACTIVATION_SILU && activation != ACTIVATION_GELU_TANH) return "unknown activation code";
+    if (activation != ACTIVATION_SILU && activation != ACTIVATION_GELU_TANH && activation != ACTIVATION_CLAMPED_SWIGLU)
+        return "unknown activation code";
+    if (activation == ACTIVATION_CLAMPED_SWIGLU && !(swiglu_alpha > 0.0f && swiglu_alpha < INFINITY && swiglu_limit > 0.0f &&
+                                                     swiglu_limit < INFINITY))
+        return "the clamped SwiGLU's alpha and limit must be positive and finite";
     if (gate_up_halves < 0 || gate_up_halves > 2 || down_halves < 0 || down_halves > 2)
         return "halves must be 0 (float32 activations), 1 or 2";
     if ((gate_up_halves && !is_k_type(gate_up_type) && !integer_linear_type(gate_up_type)) ||
@@ -300,16 +305,18 @@ static const char *moe_route_problem(int64_t kind, int64_t experts, int64_t k, i
 static PyObject *py_moe_layer(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t x, expert_ids, expert_weights, gate_up, gate_up_expert_bytes, down, down_expert_bytes, out;
-    Py_ssize_t tokens, k, experts, hidden, intermediate, threads;
+    Py_ssize_t tokens, k, experts, hidden, intermediate, threads, gate_up_bias, down_bias;
     int gate_up_type, down_type, activation, gate_up_halves, down_halves, isa, integer_isa;
-    if (!PyArg_ParseTuple(args, "nnnninnininnnnnnniiii", &x, &expert_ids, &expert_weights, &gate_up, &gate_up_type,
+    float swiglu_alpha, swiglu_limit;
+    if (!PyArg_ParseTuple(args, "nnnninnininnnnnnniiiiffnn", &x, &expert_ids, &expert_weights, &gate_up, &gate_up_type,
                           &gate_up_expert_bytes, &down, &down_type, &down_expert_bytes, &activation, &out, &tokens, &k,
-                          &experts, &hidden, &intermediate, &threads, &gate_up_halves, &down_halves, &isa, &integer_isa))
+                          &experts, &hidden, &intermediate, &threads, &gate_up_halves, &down_halves, &isa, &integer_isa,
+                          &swiglu_alpha, &swiglu_limit, &gate_up_bias, &down_bias))
         return NULL;
     if (tokens < 1 || k < 1 || experts < 1 || threads < 1) return invalid("moe_layer", "sizes must be positive");
     int64_t gate_up_bytes, down_bytes;
-    const char *problem = moe_experts_problem(gate_up_type, down_type, gate_up_halves, down_halves, activation, hidden,
-                                              intermediate, &gate_up_bytes, &down_bytes);
+    const char *problem = moe_experts_problem(gate_up_type, down_type, gate_up_halves, down_halves, activation, swiglu_alpha,
+                                              swiglu_limit, hidden, intermediate, &gate_up_bytes, &down_bytes);
     if (problem) return invalid("moe_layer", problem);
     if (gate_up_expert_bytes != gate_up_bytes) return invalid("moe_layer", "gate_up: each expert must be [2 intermediate, hidden] of whole blocks");
     if (down_expert_bytes != down_bytes) return invalid("moe_layer", "down: each expert must be [hidden, intermediate] of whole blocks");
@@ -328,6 +335,10 @@ static PyObject *py_moe_layer(PyObject *self, PyObject *args) {
         .gate_up_expert_bytes = gate_up_expert_bytes,
         .down_expert_bytes = down_expert_bytes,
         .activation = activation,
+        .swiglu_alpha = swiglu_alpha,
+        .swiglu_limit = swiglu_limit,
+        .gate_up_bias = (const float *)gate_up_bias,
+        .down_bias = (const float *)down_bias,
         .gate_up_halves = gate_up_halves,
         .down_halves = down_halves,
         .out = (float *)out,
@@ -534,7 +545,7 @@ static LayerLinear layer_linear_from(const int64_t *row) {
 enum {
     LAYER_INPUT_NORM, LAYER_POST_NORM, LAYER_PARTS, LAYER_KEYS, LAYER_VALUES, LAYER_COS, LAYER_SIN, LAYER_COS_ROWS,
     LAYER_ROTARY_DIMS, LAYER_QKV_BIAS, LAYER_Q_NORM, LAYER_K_NORM, LAYER_ATTENTION_OUTPUT_NORM, LAYER_MLP_OUTPUT_NORM,
-    LAYER_WINDOW, LAYER_ACTIVATION, LAYER_MOE, LAYER_FIELDS
+    LAYER_WINDOW, LAYER_ACTIVATION, LAYER_MOE, LAYER_SINKS, LAYER_O_BIAS, LAYER_FIELDS
 };
 enum { LAYER_SCALE, LAYER_SOFTCAP, LAYER_SCALARS };
 
@@ -544,19 +555,22 @@ enum { LAYER_SCALE, LAYER_SOFTCAP, LAYER_SCALARS };
 enum {
     MOE_ROUTER, MOE_ROUTER_BIAS, MOE_CORRECTION_BIAS, MOE_KIND, MOE_NORMALIZE, MOE_SCALING_BITS, MOE_EXPERTS, MOE_K,
     MOE_N_GROUP, MOE_TOPK_GROUP, MOE_INTERMEDIATE, MOE_GATE_UP, MOE_GATE_UP_TYPE, MOE_GATE_UP_HALVES, MOE_DOWN,
-    MOE_DOWN_TYPE, MOE_DOWN_HALVES, MOE_ACTIVATION, MOE_FIELDS
+    MOE_DOWN_TYPE, MOE_DOWN_HALVES, MOE_ACTIVATION, MOE_SWIGLU_ALPHA_BITS, MOE_SWIGLU_LIMIT_BITS, MOE_GATE_UP_BIAS,
+    MOE_DOWN_BIAS, MOE_FIELDS
 };
 
 /* The LayerMoE of a table for layers of `hidden` into *moe: NULL, or what does not fit. */
 static const char *layer_moe_from(const int64_t *t, int64_t hidden, LayerMoE *moe) {
-    double scaling;
+    double scaling, alpha, limit;
     memcpy(&scaling, &t[MOE_SCALING_BITS], sizeof scaling);
+    memcpy(&alpha, &t[MOE_SWIGLU_ALPHA_BITS], sizeof alpha);
+    memcpy(&limit, &t[MOE_SWIGLU_LIMIT_BITS], sizeof limit);
     const char *problem = moe_route_problem(t[MOE_KIND], t[MOE_EXPERTS], t[MOE_K], t[MOE_N_GROUP], t[MOE_TOPK_GROUP], scaling);
     int64_t gate_up_bytes, down_bytes;
     if (!problem)
         problem = moe_experts_problem((int)t[MOE_GATE_UP_TYPE], (int)t[MOE_DOWN_TYPE], (int)t[MOE_GATE_UP_HALVES],
-                                      (int)t[MOE_DOWN_HALVES], (int)t[MOE_ACTIVATION], hidden, t[MOE_INTERMEDIATE], &gate_up_bytes,
-                                      &down_bytes);
+                                      (int)t[MOE_DOWN_HALVES], (int)t[MOE_ACTIVATION], (float)alpha, (float)limit, hidden,
+                                      t[MOE_INTERMEDIATE], &gate_up_bytes, &down_bytes);
     if (problem) return problem;
     *moe = (LayerMoE){
         .route = {
@@ -580,6 +594,10 @@ static const char *layer_moe_from(const int64_t *t, int64_t hidden, LayerMoE *mo
             .gate_up_expert_bytes = gate_up_bytes,
             .down_expert_bytes = down_bytes,
             .activation = (int)t[MOE_ACTIVATION],
+            .swiglu_alpha = (float)alpha,
+            .swiglu_limit = (float)limit,
+            .gate_up_bias = (const float *)(intptr_t)t[MOE_GATE_UP_BIAS],
+            .down_bias = (const float *)(intptr_t)t[MOE_DOWN_BIAS],
             .gate_up_halves = (int)t[MOE_GATE_UP_HALVES],
             .down_halves = (int)t[MOE_DOWN_HALVES],
             .k = t[MOE_K],
@@ -617,7 +635,9 @@ static PyObject *py_decoder_layers(PyObject *self, PyObject *args) {
         if (problem) return invalid("decoder_layer", problem);
         if (row[LAYER_WINDOW] < 0 || !(softcap >= 0.0f) || !(scale > 0.0f))
             return invalid("decoder_layer", "window and softcap must not be negative, scale must be positive");
-        if (row[LAYER_ACTIVATION] != ACTIVATION_SILU && row[LAYER_ACTIVATION] != ACTIVATION_GELU_TANH)
+        /* The clamped SwiGLU takes parameters only a MoE table carries: a gated MLP's is silu or gelu_tanh. */
+        if (row[LAYER_ACTIVATION] != ACTIVATION_SILU && row[LAYER_ACTIVATION] != ACTIVATION_GELU_TANH &&
+            !(row[LAYER_MOE] && row[LAYER_ACTIVATION] == ACTIVATION_CLAMPED_SWIGLU))
             return invalid("decoder_layer", "unknown activation code");
     }
     /* Each MoE layer's route and experts' calls, checked and built once for the round. */
@@ -667,6 +687,8 @@ static PyObject *py_decoder_layers(PyObject *self, PyObject *args) {
             .window = row[LAYER_WINDOW],
             .softcap = values[i * LAYER_SCALARS + LAYER_SOFTCAP],
             .activation = (int)row[LAYER_ACTIVATION],
+            .sinks = (const float *)(intptr_t)row[LAYER_SINKS],
+            .o_bias = (const float *)(intptr_t)row[LAYER_O_BIAS],
             .moe = row[LAYER_MOE] ? &moes[i] : NULL,
             .keys = (void *)(intptr_t)row[LAYER_KEYS],
             .values = (void *)(intptr_t)row[LAYER_VALUES],

@@ -5,6 +5,9 @@
  *   out[t] = sum over the row's k slots s, in slot order:  w[t, s] * down_e(act(gate_e(x_t)) * up_e(x_t)),
  *            e = experts[t, s]
  *
+ * gpt-oss's experts add their biases (gate/up's output + b_gu[e], down's + b_d[e]) and take the
+ * clamped SwiGLU for act(gate) * up (swiglu.c), as moe.py's `_expert` does.
+ *
  * Rows are grouped by expert (a counting sort of the T k slots, stable: in row order within an
  * expert), so each active expert's gate/up and down run once on all the rows routed to it, through
  * `quantized_linear` (the dense layers' product, with its dispatch) and `gated_rows` (swiglu.c):
@@ -74,6 +77,12 @@ static int product(int type, int halves, const float *x, const uint8_t *xq, cons
     return integer_linear(&l, threads, integer_isa);
 }
 
+/* rows [n, width] += bias [width], each sum rounded once: moe.py's `+ bias` on the expert's output. */
+static void add_rows(float *rows, const float *bias, int64_t n, int64_t width) {
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t c = 0; c < width; c++) rows[r * width + c] += bias[c];
+}
+
 /* One expert's scratch, at its first grouped position: gathered inputs [n, hidden] (float32 or, with
  * gate/up halves, their blocks), gate/up rows [n, 2I], activations [n, I] (and their blocks for a
  * down with halves), down's outputs [n, hidden] (in the grouped buffer `y`, read by the sum). */
@@ -100,12 +109,19 @@ static int run_expert(const MoELayer *m, int64_t e, const int64_t *slots, int64_
     if (product(m->gate_up_type, m->gate_up_halves, s.xg, s.xq, m->gate_up + e * m->gate_up_expert_bytes, s.gu, n, H, 2 * I,
                 threads, isa, integer_isa))
         return -1;
+    if (m->gate_up_bias) add_rows(s.gu, m->gate_up_bias + e * 2 * I, n, 2 * I);
     /* gu holds rows [n, 2I]: channel c of row t at c + 2I t, as gated_rows reads a packed format's rows. */
-    if (gated_rows(s.gu, 1, 2 * I, s.act, I, n, m->activation, threads)) return -1;
+    if (m->activation == ACTIVATION_CLAMPED_SWIGLU)
+        clamped_swiglu_rows(s.gu, 1, 2 * I, s.act, I, n, m->swiglu_alpha, m->swiglu_limit, threads);
+    else if (gated_rows(s.gu, 1, 2 * I, s.act, I, n, m->activation, threads))
+        return -1;
     if (m->down_halves)
         for (int64_t r = 0; r < n; r++) quantize_input(m->down_type, m->down_halves, s.act + r * I, I, s.actq + r * db, integer_isa);
-    return product(m->down_type, m->down_halves, s.act, s.actq, m->down + e * m->down_expert_bytes, s.y, n, I, H, threads, isa,
-                   integer_isa);
+    if (product(m->down_type, m->down_halves, s.act, s.actq, m->down + e * m->down_expert_bytes, s.y, n, I, H, threads, isa,
+                integer_isa))
+        return -1;
+    if (m->down_bias) add_rows(s.y, m->down_bias + e * H, n, H);
+    return 0;
 }
 
 /* The scratch of the expert whose rows start at grouped position p. */

@@ -15,7 +15,7 @@ the whole route is one C call (`native.moe_route`, moe_route.c: the same float64
 same choice, ties to the lower expert, weights rounded once), and both expert paths below read it. The rows of a round are grouped by expert, so each expert's
 gate/up and down run once per round on all the rows routed to it, through the same linear
 products as a dense layer (`mlp.gated_mlp`: float weights or ggml blocks, `linear.py`); with the
-kernels and experts of ggml blocks (without gpt-oss's biases and clamped SwiGLU), the routed
+kernels and experts of ggml blocks (gpt-oss's biases and clamped SwiGLU included), the routed
 experts are one C call (`native_quantized.moe_layer`, moe_layer.c: the same grouping, products and sum, so
 the same bits; in a round of short rows the whole decoder layer, route and experts included, is
 one C call, `native_layers.KernelMoE`), on float32 activations or, under `flare run --activations int8x2|int8`, on 8-bit
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from flare.engine import native, native_quantized
-from flare.engine.layers.mlp import clamped_swiglu, gated_activation, gated_mlp
+from flare.engine.layers.mlp import SWIGLU_ALPHA, clamped_swiglu, gated_activation, gated_mlp
 from flare.engine.layers.routing import Routes, route
 from flare.engine.linear import Weight, linear, linear_columns, pack_weight, stack_weights
 from flare.engine.precision import WeightFormat
@@ -193,15 +193,20 @@ def routed_experts(x: torch.Tensor, routes: Routes, weights: MoEWeights, config:
 
 def experts_in_one_call(weights: MoEWeights, config: ModelConfig) -> bool:
     """Whether the routed experts run as one C call where the kernels run (`native_quantized.moe_layer`,
-    and inside the one-call decoder layer): experts of blocks without gpt-oss's biases and clamped
-    SwiGLU, which stay in `routed_experts`."""
+    and inside the one-call decoder layer): experts of blocks; float experts stay in `routed_experts`."""
     return (
         weights.gate_up_blocks is not None
         and weights.down_blocks is not None
-        and weights.gate_up_bias is None
-        and weights.down_bias is None
-        and config.hidden_activation in native.ACTIVATION_CODES
+        and config.hidden_activation in native.EXPERT_ACTIVATION_CODES
     )
+
+
+def expert_swiglu(config: ModelConfig) -> tuple[float, float] | None:
+    """The clamped SwiGLU's (alpha, limit) as the experts' one call takes them (`_expert`'s), or None."""
+    if config.hidden_activation != "clamped_swiglu":
+        return None
+    assert config.swiglu_limit is not None
+    return (SWIGLU_ALPHA, config.swiglu_limit)
 
 
 def moe_mlp(x: torch.Tensor, weights: MoEWeights, config: ModelConfig, *, kernels: bool) -> torch.Tensor:
@@ -213,7 +218,8 @@ def moe_mlp(x: torch.Tensor, weights: MoEWeights, config: ModelConfig, *, kernel
         out = native_quantized.moe_layer(
             x.contiguous(), routes.experts.contiguous(), routes.weights.contiguous(), gate_up.data, gate_up.ggml_type,
             down.data, down.ggml_type, config.num_experts, config.hidden_activation,
-            gate_up_halves=gate_up.halves, down_halves=down.halves,
+            gate_up_halves=gate_up.halves, down_halves=down.halves, swiglu=expert_swiglu(config),
+            gate_up_bias=weights.gate_up_bias, down_bias=weights.down_bias,
         )
     else:
         out = routed_experts(x, routes, weights, config, kernels=kernels)
