@@ -30,7 +30,7 @@ it fast on a CPU, where a round of 32 decode rows is bound by the linear layers:
 - on float16 or block weights a round of short rows runs all its layers in one kernel call
   (`native_layers.LayerStack`), the same kernels as the steps of `forward_hidden` without the
   Python between them, a mixture-of-experts MLP of blocks included (gpt-oss's sinks, o bias,
-  expert biases and clamped SwiGLU too; a layer with a shared expert runs step by step);
+  expert biases and clamped SwiGLU, and a shared expert with its gate, too);
 - a package's quantized tensors stay ggml blocks mapped from its file (`quantized.py`): their
   linear layers multiply float32 activations straight from the blocks, the embedding
   dequantizes only the rows it looks up, and a tied LM head is the embedding's blocks. Their
@@ -142,7 +142,8 @@ def _kernel_layers(
         if layer.moe is not None and moe is None:
             return None
         linears = [_linear_parts(w) for w in (layer.qkv, layer.o)]
-        linears += [_linear_parts(w) for w in (layer.gate_up, layer.down)] if moe is None else [(), ()]
+        mlp = (layer.gate_up, layer.down) if layer.moe is None else (layer.moe.shared_gate_up, layer.moe.shared_down)
+        linears += [() if w is None else _linear_parts(w) for w in mlp]
         if any(parts is None for parts in linears):
             return None
         cos, sin = local_rope if layer.local_rope and local_rope is not None else (None, None)
@@ -173,9 +174,10 @@ def _kernel_layers(
 def _kernel_moe(moe: MoEWeights, config: ModelConfig) -> native_layers.KernelMoE | None:
     """A mixture-of-experts MLP as the one-call kernel layer runs it (`native_layers.KernelMoE`):
     the route and the experts' call that `moe.moe_mlp` makes with kernels and experts of blocks;
-    None where that function takes another path (a shared expert, experts of float weights)."""
+    None where that function takes another path (experts of float weights). A shared expert is the
+    kernel layer's gate_up and down (`_kernel_layers`), its gate here."""
     gate_up, down = moe.gate_up_blocks, moe.down_blocks
-    if not experts_in_one_call(moe, config) or moe.shared_gate_up is not None or gate_up is None or down is None:
+    if not experts_in_one_call(moe, config) or gate_up is None or down is None:
         return None
     return native_layers.KernelMoE(
         moe.router, gate_up.data, int(gate_up.ggml_type), down.data, int(down.ggml_type), config.routing,
@@ -183,6 +185,7 @@ def _kernel_moe(moe: MoEWeights, config: ModelConfig) -> native_layers.KernelMoE
         topk_group=config.topk_group, normalize=config.norm_topk_prob, scaling=config.routed_scaling_factor,
         gate_up_halves=gate_up.halves, down_halves=down.halves, activation=config.hidden_activation,
         swiglu=expert_swiglu(config), gate_up_bias=moe.gate_up_bias, down_bias=moe.down_bias,
+        shared_gate=None if moe.shared_gate is None else moe.shared_gate.view(-1),
     )
 
 

@@ -380,12 +380,15 @@ def moe_route(
     normalize: bool = False,
     scaling: float = 1.0,
     isa: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    shared_gate: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The route of each row of x [T, hidden] through a router [E, hidden] (moe_route.c): its k
     experts, int64 [T, k] ascending, and their weights, float32 [T, k], under routing kind `kind`
     (routing.py, whose functions these equal but at ties, which go to the lower index here):
     logits summed in float64 and rounded once, weights in float64 rounded once; the logits' loop
-    at `isa` (default ATEN_ISA), the same bits at every level."""
+    at `isa` (default ATEN_ISA), the same bits at every level. Third, with a shared expert's gate
+    `shared_gate` float32 [hidden] (Qwen2-MoE): sigmoid(shared_gate . x) float32 [T], its logit
+    summed as the router's, else None."""
     native = _module()
     problems = _dtype_problems(x=(x, torch.float32), router=(router, torch.float32))
     _check("moe_route", problems)
@@ -397,14 +400,16 @@ def moe_route(
     experts = router.shape[0]
     _check("moe_route", route_problems(experts, kind, k, router_bias, correction_bias, n_group, topk_group, scaling))
     tokens, hidden = x.shape
+    _check("moe_route", _vector_problems(shared_gate=(shared_gate, hidden)))
     expert_ids = torch.empty(tokens, k, dtype=torch.int64)
     weights = torch.empty(tokens, k, dtype=torch.float32)
+    shared_scale = None if shared_gate is None else torch.empty(tokens, dtype=torch.float32)
     native.moe_route(
         x.data_ptr(), router.data_ptr(), _address(router_bias), _address(correction_bias), ROUTING_CODES[kind], float(scaling),
         int(normalize), tokens, hidden, experts, k, n_group, topk_group, expert_ids.data_ptr(), weights.data_ptr(),
-        torch.get_num_threads(), ATEN_ISA if isa is None else isa,
+        torch.get_num_threads(), ATEN_ISA if isa is None else isa, _address(shared_gate), _address(shared_scale),
     )
-    return expert_ids, weights
+    return expert_ids, weights, shared_scale
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -86,8 +86,9 @@ _INTEGER_TYPE_IDS = frozenset(int(gguf.GGMLQuantizationType[name]) for name in I
 # A MoE layer's table as module.c reads it (MOE_*): router, router bias, correction bias, routing
 # code, normalize, the scaling factor's float64 bits, experts, k, n_group, topk_group,
 # intermediate, gate_up address, type, halves, down address, type, halves, activation code, the
-# clamped SwiGLU's alpha and limit as float64 bits, the gate_up and down biases' addresses.
-_MOE_FIELDS = 22
+# clamped SwiGLU's alpha and limit as float64 bits, the gate_up and down biases' addresses, the
+# shared expert's gate's address.
+_MOE_FIELDS = 23
 
 
 def _float64_bits(value: float) -> int:
@@ -106,7 +107,8 @@ class KernelMoE:
     (down) of ggml types `gate_up_type` and `down_type`, each multiplied by float32 activations
     (halves 0) or that many 8-bit activation blocks (QuantizedWeight.halves). gpt-oss's experts:
     `activation` clamped_swiglu with `swiglu` (alpha, limit), and their biases float32 [E, 2 I]
-    and [E, hidden]."""
+    and [E, hidden]. A shared expert is the layer's own gate_up and down (`KernelLayer`), scaled
+    by sigmoid(`shared_gate` . x) where it has a gate, float32 [hidden] (Qwen2-MoE)."""
 
     router: torch.Tensor
     gate_up: torch.Tensor
@@ -127,6 +129,7 @@ class KernelMoE:
     swiglu: tuple[float, float] | None = None
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
+    shared_gate: torch.Tensor | None = None
     table: torch.Tensor = field(init=False, repr=False)  # int64 [_MOE_FIELDS]
 
     def __post_init__(self) -> None:
@@ -141,6 +144,7 @@ class KernelMoE:
         )
         intermediate = self.gate_up.shape[0] // (2 * experts) if self.gate_up.dim() == 2 else 0
         problems += expert_problems(experts, hidden, intermediate, self.activation, self.swiglu, self.gate_up_bias, self.down_bias)
+        problems += _vector_problems(shared_gate=(self.shared_gate, hidden))
         for name, blocks, ggml_type, halves, rows, columns in (
             ("gate_up", self.gate_up, self.gate_up_type, self.gate_up_halves, 2 * intermediate, hidden),
             ("down", self.down, self.down_type, self.down_halves, hidden, intermediate),
@@ -158,7 +162,7 @@ class KernelMoE:
                 int(self.normalize), _float64_bits(self.scaling), experts, self.k, self.n_group, self.topk_group, intermediate,
                 self.gate_up.data_ptr(), self.gate_up_type, self.gate_up_halves, self.down.data_ptr(), self.down_type,
                 self.down_halves, EXPERT_ACTIVATION_CODES[self.activation], _float64_bits(alpha), _float64_bits(limit),
-                _address(self.gate_up_bias), _address(self.down_bias),
+                _address(self.gate_up_bias), _address(self.down_bias), _address(self.shared_gate),
             ],
             dtype=torch.int64,
         )
@@ -208,7 +212,8 @@ class KernelLayer:
     activation: str = "silu"
     sinks: torch.Tensor | None = None  # [heads]
     o_bias: torch.Tensor | None = None  # [hidden]
-    # The mixture-of-experts MLP in place of gate_up and down (which are then empty), or None.
+    # The mixture-of-experts MLP in place of the gated MLP, or None; beside it gate_up and down are
+    # its shared expert (of its own width), or empty.
     moe: KernelMoE | None = None
     # int64 [4, LAYER_LINEAR_PARTS, 3]: (type, address, out rows) of each part of qkv, o,
     # gate_up and down, unused parts zero (module.c reads it); addresses of `data` kept alive here.
@@ -224,13 +229,15 @@ class KernelLayer:
         hidden = self.input_norm.shape[0]
         linears = (self.qkv, self.o, self.gate_up, self.down)
         problems = [p for parts in linears for part in parts for p in part.problems()]
-        # A MoE MLP stands in place of gate_up and down, which then have no parts.
-        parted = linears if self.moe is None else linears[:2]
-        if not all(1 <= len(parts) <= LAYER_LINEAR_PARTS for parts in parted) or (self.moe is not None and (self.gate_up or self.down)):
+        # Beside a MoE MLP gate_up and down are its shared expert, or have no parts.
+        parted = linears if self.moe is None or self.gate_up or self.down else linears[:2]
+        if not all(1 <= len(parts) <= LAYER_LINEAR_PARTS for parts in parted):
             problems.append(
-                f"each linear layer must have 1 to {LAYER_LINEAR_PARTS} parts (gate_up and down none beside a MoE MLP), "
-                f"got {[len(p) for p in linears]}"
+                f"each linear layer must have 1 to {LAYER_LINEAR_PARTS} parts (gate_up and down none beside a MoE MLP "
+                f"without a shared expert), got {[len(p) for p in linears]}"
             )
+        if self.moe is not None and self.moe.shared_gate is not None and not self.gate_up:
+            problems.append("a MoE MLP's shared gate needs its shared expert, gate_up and down")
         if self.moe is not None and self.moe.hidden != hidden:
             problems.append(f"the MoE MLP's router is [experts, {self.moe.hidden}], the layer's hidden size {hidden}")
         problems += self._feature_problems(hidden)
@@ -241,7 +248,7 @@ class KernelLayer:
         )
         features = dict(zip(("qkv", "o", "gate_up", "down"), map(_stacked_features, linears)))
         (qkv_in, qkv_out), (o_in, o_out), (gate_up_in, gate_up_out), (down_in, down_out) = features.values()
-        mlp_fits = self.moe is not None or (gate_up_in == down_out == hidden and gate_up_out == 2 * down_in)
+        mlp_fits = (self.moe is not None and not self.gate_up) or (gate_up_in == down_out == hidden and gate_up_out == 2 * down_in)
         layers_fit = qkv_in == o_out == hidden and mlp_fits
         if not (norms_fit and layers_fit):
             raise ValueError(
@@ -287,8 +294,9 @@ class KernelLayer:
             if self.cos.shape != self.sin.shape or self.cos.dim() != 2 or not (self.cos.is_contiguous() and self.sin.is_contiguous()):
                 problems.append(f"the layer's cos and sin must be contiguous [positions, rotary_dims / 2], got {tuple(self.cos.shape)}")
         problems += _attention_option_problems(self.scale, self.window, self.softcap)
-        # A gated MLP's activation; the clamped SwiGLU's parameters come only with a MoE MLP.
-        activations = ACTIVATION_CODES if self.moe is None else EXPERT_ACTIVATION_CODES
+        # A gated MLP's activation (a shared expert's too); the clamped SwiGLU's parameters come
+        # only with a MoE MLP's experts.
+        activations = ACTIVATION_CODES if self.moe is None or self.gate_up else EXPERT_ACTIVATION_CODES
         if self.activation not in activations:
             problems.append(f"activation must be one of {', '.join(activations)}, got {self.activation!r}")
         return problems

@@ -45,11 +45,12 @@ def config_of(kind: str, k: int = 4, hidden: int = EXPERTS) -> ModelConfig:
 
 def c_route(x: torch.Tensor, router: torch.Tensor, config: ModelConfig, bias: torch.Tensor | None = None,
             correction: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    return native.moe_route(
+    experts, weights, _ = native.moe_route(
         x, router, config.routing, config.num_experts_per_tok, router_bias=bias, correction_bias=correction,
         n_group=config.n_group, topk_group=config.topk_group, normalize=config.norm_topk_prob,
         scaling=config.routed_scaling_factor,
     )
+    return experts, weights
 
 
 def biases(kind: str, seed: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -154,6 +155,25 @@ def test_the_portable_loop_and_avx2_give_the_same_bits(kind: str) -> None:
     assert torch.equal(portable[0], vector[0]) and torch.equal(portable[1], vector[1])
 
 
+def test_a_shared_experts_gate_factor_is_the_sigmoid_of_its_logit_and_a_rows_own() -> None:
+    """Qwen2-MoE's shared expert gate: sigmoid(gate . x) per row, from its logit summed as the
+    router's (float64, rounded once), within an ulp of the float64 reference, the same bits alone
+    and in a batch; the route itself unchanged by it."""
+    generator = torch.Generator().manual_seed(31)
+    x, router = torch.randn(9, 100, generator=generator), torch.randn(EXPERTS, 100, generator=generator) / 10
+    gate = torch.randn(100, generator=generator) / 5
+    experts, weights, scale = native.moe_route(x, router, "softmax", 4, shared_gate=gate)
+    assert scale is not None and scale.shape == (9,)
+    reference = torch.sigmoid((x.double() @ gate.double()).float().double()).float()
+    torch.testing.assert_close(scale, reference, rtol=1.2e-7, atol=0)
+    assert scale.max() - scale.min() > 0.3  # the logits spread: not a constant factor
+    for row in (0, 8):
+        alone = native.moe_route(x[row : row + 1].clone(), router, "softmax", 4, shared_gate=gate)[2]
+        assert alone is not None and torch.equal(alone[0], scale[row])
+    plain = native.moe_route(x, router, "softmax", 4)
+    assert plain[2] is None and torch.equal(plain[0], experts) and torch.equal(plain[1], weights)
+
+
 def test_a_row_of_nan_still_routes_to_experts_that_exist() -> None:
     x = torch.full((2, EXPERTS), float("nan"))
     for kind in KINDS:
@@ -174,6 +194,7 @@ def test_bad_arguments_are_refused_naming_the_argument() -> None:
             x, router, "sigmoid_group", 2, correction_bias=torch.zeros(15)
         ),
         "scaling must be finite": lambda: native.moe_route(x, router, "softmax", 2, scaling=float("inf")),
+        "shared_gate must be a contiguous CPU float32 [8]": lambda: native.moe_route(x, router, "softmax", 2, shared_gate=torch.zeros(7)),
     }
     for message, call in cases.items():
         with pytest.raises(ValueError, match=f"moe_route: .*{re.escape(message)}"):
@@ -181,7 +202,8 @@ def test_bad_arguments_are_refused_naming_the_argument() -> None:
 
 
 def test_no_rows_route_to_empty_tensors() -> None:
-    experts, weights = native.moe_route(torch.zeros(0, 8), torch.zeros(EXPERTS, 8), "softmax", 2)
+    experts, weights, scale = native.moe_route(torch.zeros(0, 8), torch.zeros(EXPERTS, 8), "softmax", 2, shared_gate=torch.zeros(8))
+    assert scale is not None and scale.shape == (0,)
     assert experts.shape == (0, 2) and weights.shape == (0, 2)
 
 

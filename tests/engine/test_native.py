@@ -487,6 +487,8 @@ def test_a_moe_mlp_that_does_not_fit_its_layer_is_refused_naming_what_is_wrong()
     moe = native_layers.KernelMoE(router, gate_up, q8_0, down, q8_0, "softmax", 2)
     fused = native_layers.KernelLayer(layer.input_norm, layer.post_norm, layer.qkv, layer.o, (), (), moe=moe)
     assert fused.moe is moe
+    shared = native_layers.KernelLayer(layer.input_norm, layer.post_norm, layer.qkv, layer.o, layer.gate_up, layer.down, moe=moe)
+    assert shared.gate_up == layer.gate_up  # a shared expert beside the MoE MLP
     cases = {
         "kind must be one of": lambda: native_layers.KernelMoE(router, gate_up, q8_0, down, q8_0, "argmax", 2),
         "k must be an integer in 1 .. 4": lambda: native_layers.KernelMoE(router, gate_up, q8_0, down, q8_0, "softmax", 5),
@@ -499,8 +501,15 @@ def test_a_moe_mlp_that_does_not_fit_its_layer_is_refused_naming_what_is_wrong()
         "correction_bias must be a contiguous CPU float32 \\[4\\]": lambda: native_layers.KernelMoE(
             router, gate_up, q8_0, down, q8_0, "sigmoid_group", 2, correction_bias=torch.zeros(3)
         ),
-        "gate_up and down none beside a MoE MLP": lambda: native_layers.KernelLayer(
-            layer.input_norm, layer.post_norm, layer.qkv, layer.o, layer.gate_up, layer.down, moe=moe
+        "gate_up and down none beside a MoE MLP without a shared expert": lambda: native_layers.KernelLayer(
+            layer.input_norm, layer.post_norm, layer.qkv, layer.o, layer.gate_up, (), moe=moe
+        ),
+        "a MoE MLP's shared gate needs its shared expert": lambda: native_layers.KernelLayer(
+            layer.input_norm, layer.post_norm, layer.qkv, layer.o, (), (),
+            moe=native_layers.KernelMoE(router, gate_up, q8_0, down, q8_0, "softmax", 2, shared_gate=torch.zeros(32)),
+        ),
+        "shared_gate must be a contiguous CPU float32 \\[32\\]": lambda: native_layers.KernelMoE(
+            router, gate_up, q8_0, down, q8_0, "softmax", 2, shared_gate=torch.zeros(31)
         ),
         "the clamped SwiGLU needs a positive finite \\(alpha, limit\\)": lambda: native_layers.KernelMoE(
             router, gate_up, q8_0, down, q8_0, "topk_softmax", 2, activation="clamped_swiglu", swiglu=(1.702, float("inf"))

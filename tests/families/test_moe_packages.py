@@ -238,17 +238,24 @@ def test_a_q4_k_m_moe_package_on_int8x2_activations_runs_every_block_product_on_
 
 
 @pytest.mark.skipif(not native.available(), reason="the one-call decoder layer is a C kernel")
-@pytest.mark.parametrize(("family", "scheme", "activations"), [("qwen3_moe", "q4_k_m", "int8x2"), ("qwen3_moe", "q4_k_m", "float32"), ("mixtral", "q8_0", "float32")])
+@pytest.mark.parametrize(
+    ("family", "scheme", "activations"),
+    [("qwen3_moe", "q4_k_m", "int8x2"), ("qwen3_moe", "q4_k_m", "float32"), ("mixtral", "q8_0", "float32"), ("qwen2_moe", "q8_0", "float32"),
+     ("qwen2_moe", "q4_k_m", "int8x2")],
+)
 def test_a_moe_layer_of_blocks_runs_in_the_one_call_decoder_layer_with_the_steps_bits(
     family: str, scheme: str, activations: str, smollm2_source: ModelSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A round of short rows on a MoE package of blocks runs every layer, its route and experts
-    included, in one `decoder_layers` call (no `moe_route` or `moe_layer` from Python), and gives
-    the bits of the same model step by step: a prompt as a prefill, then decode and verify rounds."""
+    included (Qwen2-MoE's shared expert and its gate too), in one `decoder_layers` call (no
+    `moe_route` or `moe_layer` from Python), and gives the bits of the same model step by step: a
+    prompt as a prefill, then decode and verify rounds."""
     from flare.engine import native_layers
     from flare.engine.layers import moe as moe_module
 
     wide = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256, "head_dim": 64}
+    if family == "qwen2_moe":
+        wide["shared_expert_intermediate_size"] = 512  # whole blocks, and wider than the round's own MLP
     checkpoint = write_checkpoint(family, tmp_path / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template, changes=wide)
     export_package(str(checkpoint.path), tmp_path / "package", ExportOptions(quantize=scheme), stderr=io.StringIO())
     package = open_package(tmp_path / "package")
@@ -256,6 +263,8 @@ def test_a_moe_layer_of_blocks_runs_in_the_one_call_decoder_layer_with_the_steps
     assert fused.kernel_layers is not None
     moe_layers = sum(layer.moe is not None for layer in fused.kernel_layers)
     assert moe_layers == len(package.manifest.model.moe_layers) >= 1
+    if family == "qwen2_moe":
+        assert all(layer.moe is None or (layer.gate_up and layer.moe.shared_gate is not None) for layer in fused.kernel_layers)
     steps = load_model(package, activations=activations)
     steps.kernel_layers = None
     tokenizer = Tokenizer.from_package(package)
@@ -273,12 +282,3 @@ def test_a_moe_layer_of_blocks_runs_in_the_one_call_decoder_layer_with_the_steps
     assert calls.count("route") == moe_layers  # the prefill's MoE layers, step by step
     for fused_logits, step_logits in zip(got, forward_in_pieces(steps, prompts, pieces), strict=True):
         assert torch.equal(fused_logits, step_logits)
-
-
-@pytest.mark.skipif(not native.available(), reason="the one-call decoder layer is a C kernel")
-def test_a_moe_layer_with_a_shared_expert_runs_step_by_step(qwen2_moe: Checkpoint, tmp_path: Path) -> None:
-    """Qwen2-MoE's shared expert and its gate are not in the one-call layer: such a model keeps
-    the steps (each still on its kernels)."""
-    export_package(str(qwen2_moe.path), tmp_path / "package", ExportOptions(quantize="q8_0"), stderr=io.StringIO())
-    model = load_model(open_package(tmp_path / "package"))
-    assert model.native_kernels and model.kernel_layers is None

@@ -6,7 +6,8 @@
  *   q, k, v = x W_qkv;  q, k = rope(q, k);  k, v -> the pool's slots
  *   h += attention(q) W_o
  *   x = rms_norm(h) * post_norm
- *   h += swiglu(x W_gate_up) W_down      (or a mixture-of-experts layer's route and experts of x)
+ *   h += swiglu(x W_gate_up) W_down      (or a mixture-of-experts layer's route and experts of x,
+ *                                         and its shared expert: gate_up and down, gated)
  *
  * with each family's features where the layer has them (kernels.h, DecoderLayerRound): the q/k/v
  * bias, q/k norms and partial rotary inside `rope_and_cache`, the layer's own RoPE tables, its
@@ -22,6 +23,8 @@
 
 #include "integer_dot.h"
 #include "kernels.h"
+
+#pragma GCC optimize("fp-contract=off")
 
 /* x [T, in] (rows `x_stride` apart) through a layer's linear layer into y [T, out], contiguous:
  * each part's outputs in its columns of y, as model.py concatenates them. Parts flagged
@@ -86,23 +89,47 @@ static void output_norm(const DecoderLayerRound *l, const float *weight, float *
     add_rms_norm(&n, threads);
 }
 
+/* The gated MLP of x [T, hidden] through linear layers gate_up [2 width, hidden] and down
+ * [hidden, width] into y [T, hidden], its scratch gate_up [T, 2 width] and gated [T, width]. */
+static int gated_mlp(const DecoderLayerRound *l, const LayerLinear *gate_up, const LayerLinear *down, int64_t width, const float *x,
+                     float *gate_up_rows, float *gated, float *y, int threads) {
+    if (layer_linear(l, gate_up, x, l->hidden, gate_up_rows, l->hidden, 2 * width, threads)) return -1;
+    if (gated_rows(gate_up_rows, 1, 2 * width, gated, width, l->tokens, l->activation, threads)) return -1;
+    return layer_linear(l, down, gated, width, y, width, l->hidden, threads);
+}
+
 /* The mixture-of-experts MLP of x [T, hidden] into delta: its route (moe_route.c), then its
  * experts (moe_layer.c), at the levels moe.py's steps call them at (native.ATEN_ISA is the
- * quantized products' level), so the same bits. */
+ * quantized products' level), so the same bits; then a shared expert where the layer has one (its
+ * gate_up and down): delta + scale * shared, the product rounded before the sum as moe.py's
+ * torch steps round it (this file does not contract multiply-adds), without a gate delta + shared. */
 static int moe_mlp(const DecoderLayerRound *l, const float *x, float *delta, int threads) {
-    const int64_t T = l->tokens, K = l->moe->route.k;
+    const int64_t T = l->tokens, K = l->moe->route.k, H = l->hidden;
+    int64_t width = 0;
+    for (int p = 0; p < LAYER_LINEAR_PARTS; p++) width += l->gate_up.parts[p].out;
+    width /= 2;
     int64_t *ids = malloc(sizeof(int64_t) * (size_t)(T * K));
-    float *weights = malloc(sizeof(float) * (size_t)(T * K));
-    int status = !ids || !weights;
+    float *weights = malloc(sizeof(float) * (size_t)(T * K)), *scale = malloc(sizeof(float) * (size_t)T);
+    float *shared = width ? malloc(sizeof(float) * (size_t)(T * (3 * width + H))) : NULL;
+    int status = !ids || !weights || !scale || (width && !shared);
     if (!status) {
         MoERoute route = l->moe->route;
         route.x = x, route.tokens = T, route.expert_ids = ids, route.expert_weights = weights, route.isa = l->quantized_isa;
+        route.shared_scale = scale;
         MoELayer layer = l->moe->layer;
         layer.x = x, layer.tokens = T, layer.expert_ids = ids, layer.expert_weights = weights, layer.out = delta;
         status = moe_route(&route, threads) || moe_layer(&layer, threads, l->quantized_isa, l->integer_isa);
+        if (!status && width) {
+            float *y = shared + T * 3 * width;
+            status = gated_mlp(l, &l->gate_up, &l->down, width, x, shared, shared + T * 2 * width, y, threads);
+            for (int64_t t = 0; t < T && !status; t++)
+                for (int64_t i = 0; i < H; i++) delta[t * H + i] += route.shared_gate ? scale[t] * y[t * H + i] : y[t * H + i];
+        }
     }
     free(ids);
     free(weights);
+    free(scale);
+    free(shared);
     return status ? -1 : 0;
 }
 
@@ -180,13 +207,8 @@ int decoder_layer(const DecoderLayerRound *l, int threads) {
                                   .weight = l->post_norm, .out = x, .tokens = T, .hidden = hidden, .eps = l->eps};
     add_rms_norm(&post_norm, threads);
 
-    if (l->moe) {
-        if (moe_mlp(l, x, delta, threads)) return -1;
-    } else {
-        if (layer_linear(l, &l->gate_up, x, hidden, gate_up, hidden, 2 * I, threads)) return -1;
-        if (gated_rows(gate_up, 1, 2 * I, gated, I, T, l->activation, threads)) return -1;
-        if (layer_linear(l, &l->down, gated, I, delta, I, hidden, threads)) return -1;
-    }
+    if (l->moe ? moe_mlp(l, x, delta, threads) : gated_mlp(l, &l->gate_up, &l->down, I, x, gate_up, gated, delta, threads))
+        return -1;
     output_norm(l, l->mlp_output_norm, delta, threads);
     /* The residual add the next layer's norm would make (model.py hands it the delta instead). */
     for (int64_t i = 0; i < T * hidden; i++) l->h[i] += delta[i];

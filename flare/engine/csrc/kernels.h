@@ -323,6 +323,8 @@ typedef struct {
     int64_t n_group, topk_group;  /* experts % n_group == 0, 1 <= topk_group <= n_group; 1 and 1 without groups */
     int64_t *expert_ids;          /* out [tokens, k]: each row's experts, ascending */
     float *expert_weights;        /* out [tokens, k]: their weights */
+    const float *shared_gate;     /* [hidden], or NULL: the shared expert's gate (Qwen2-MoE) */
+    float *shared_scale;          /* out [tokens] with a shared gate: sigmoid(shared_gate . x) */
 } MoERoute;
 
 /* 0, or -1 when scratch memory could not be allocated. */
@@ -358,7 +360,8 @@ typedef struct {
 
 /* A decoder layer's mixture-of-experts MLP in place of its gated MLP: the route and the experts'
  * call as moe_route.c and moe_layer.c take them, every field but a round's (x, tokens, the route's
- * outputs, out) filled once from the layer's table (module.c, MOE_*). */
+ * outputs, out) filled once from the layer's table (module.c, MOE_*). A shared expert is the
+ * layer's own gate_up and down, scaled by the route's shared_scale where it has a gate. */
 typedef struct {
     MoERoute route;
     MoELayer layer;

@@ -360,12 +360,14 @@ static PyObject *py_moe_layer(PyObject *self, PyObject *args) {
 static PyObject *py_moe_route(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t x, router, router_bias, correction_bias, expert_ids, expert_weights, tokens, hidden, experts, k, n_group,
-        topk_group, threads;
+        topk_group, threads, shared_gate, shared_scale;
     int kind, normalize, isa;
     double scaling;
-    if (!PyArg_ParseTuple(args, "nnnnidinnnnnnnnni", &x, &router, &router_bias, &correction_bias, &kind, &scaling, &normalize,
-                          &tokens, &hidden, &experts, &k, &n_group, &topk_group, &expert_ids, &expert_weights, &threads, &isa))
+    if (!PyArg_ParseTuple(args, "nnnnidinnnnnnnnninn", &x, &router, &router_bias, &correction_bias, &kind, &scaling, &normalize,
+                          &tokens, &hidden, &experts, &k, &n_group, &topk_group, &expert_ids, &expert_weights, &threads, &isa,
+                          &shared_gate, &shared_scale))
         return NULL;
+    if (tokens && shared_gate && !shared_scale) return invalid("moe_route", "a shared gate needs its scales' output");
     if (tokens < 0 || hidden < 1 || threads < 1) return invalid("moe_route", "sizes must be positive");
     const char *problem = moe_route_problem(kind, experts, k, n_group, topk_group, scaling);
     if (problem) return invalid("moe_route", problem);
@@ -386,6 +388,8 @@ static PyObject *py_moe_route(PyObject *self, PyObject *args) {
         .topk_group = topk_group,
         .expert_ids = (int64_t *)expert_ids,
         .expert_weights = (float *)expert_weights,
+        .shared_gate = (const float *)shared_gate,
+        .shared_scale = (float *)shared_scale,
     };
     int status = 0;
     if (tokens) {
@@ -556,7 +560,7 @@ enum {
     MOE_ROUTER, MOE_ROUTER_BIAS, MOE_CORRECTION_BIAS, MOE_KIND, MOE_NORMALIZE, MOE_SCALING_BITS, MOE_EXPERTS, MOE_K,
     MOE_N_GROUP, MOE_TOPK_GROUP, MOE_INTERMEDIATE, MOE_GATE_UP, MOE_GATE_UP_TYPE, MOE_GATE_UP_HALVES, MOE_DOWN,
     MOE_DOWN_TYPE, MOE_DOWN_HALVES, MOE_ACTIVATION, MOE_SWIGLU_ALPHA_BITS, MOE_SWIGLU_LIMIT_BITS, MOE_GATE_UP_BIAS,
-    MOE_DOWN_BIAS, MOE_FIELDS
+    MOE_DOWN_BIAS, MOE_SHARED_GATE, MOE_FIELDS
 };
 
 /* The LayerMoE of a table for layers of `hidden` into *moe: NULL, or what does not fit. */
@@ -585,6 +589,7 @@ static const char *layer_moe_from(const int64_t *t, int64_t hidden, LayerMoE *mo
             .k = t[MOE_K],
             .n_group = t[MOE_N_GROUP],
             .topk_group = t[MOE_TOPK_GROUP],
+            .shared_gate = (const float *)(intptr_t)t[MOE_SHARED_GATE],
         },
         .layer = {
             .gate_up = (const uint8_t *)(intptr_t)t[MOE_GATE_UP],
@@ -635,9 +640,12 @@ static PyObject *py_decoder_layers(PyObject *self, PyObject *args) {
         if (problem) return invalid("decoder_layer", problem);
         if (row[LAYER_WINDOW] < 0 || !(softcap >= 0.0f) || !(scale > 0.0f))
             return invalid("decoder_layer", "window and softcap must not be negative, scale must be positive");
-        /* The clamped SwiGLU takes parameters only a MoE table carries: a gated MLP's is silu or gelu_tanh. */
+        /* The clamped SwiGLU takes parameters only a MoE table carries: a gated MLP's (a shared
+         * expert's too) is silu or gelu_tanh. */
+        const int64_t *parts = (const int64_t *)(intptr_t)row[LAYER_PARTS];
+        const int gated = !row[LAYER_MOE] || parts[2 * 3 * LAYER_LINEAR_PARTS + 2] != 0;
         if (row[LAYER_ACTIVATION] != ACTIVATION_SILU && row[LAYER_ACTIVATION] != ACTIVATION_GELU_TANH &&
-            !(row[LAYER_MOE] && row[LAYER_ACTIVATION] == ACTIVATION_CLAMPED_SWIGLU))
+            (gated || row[LAYER_ACTIVATION] != ACTIVATION_CLAMPED_SWIGLU))
             return invalid("decoder_layer", "unknown activation code");
     }
     /* Each MoE layer's route and experts' calls, checked and built once for the round. */
@@ -790,10 +798,10 @@ static PyMethodDef methods[] = {
     {"moe_layer", py_moe_layer, METH_VARARGS,
      "moe_layer(x, expert_ids, expert_weights, gate_up, gate_up_type, gate_up_expert_bytes, down, down_type, "
      "down_expert_bytes, activation, out, tokens, k, experts, hidden, intermediate, threads, gate_up_halves, down_halves, "
-     "isa, integer_isa)"},
+     "isa, integer_isa, swiglu_alpha, swiglu_limit, gate_up_bias, down_bias)"},
     {"moe_route", py_moe_route, METH_VARARGS,
      "moe_route(x, router, router_bias, correction_bias, kind, scaling, normalize, tokens, hidden, experts, k, n_group, "
-     "topk_group, expert_ids, expert_weights, threads, isa)"},
+     "topk_group, expert_ids, expert_weights, threads, isa, shared_gate, shared_scale)"},
     {"quantize_q8", py_quantize_q8, METH_VARARGS, "quantize_q8(x, x_stride, tokens, in, out, halves, threads)"},
     {"integer_linear", py_integer_linear, METH_VARARGS,
      "integer_linear(x_blocks, x_stride_blocks, halves, blocks, type, y, tokens, in, out, threads, isa)"},

@@ -25,6 +25,9 @@
  * Weights are computed in float64 and rounded once (routing.py rounds each torch step to
  * float32: the two differ by about an ulp), times `scaling` (routed_scaling_factor). A row's k
  * experts are returned in ascending order, the order the MoE layer sums them in.
+ *
+ * A shared expert's gate (Qwen2-MoE) is one more router row: its logit in the same lanes, rounded
+ * once, and sigmoid(logit) in float64 rounded once, the factor on the shared expert's output.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -223,6 +226,15 @@ static void route_row(const MoERoute *m, int64_t t, const float *logits, RouteSc
     for (int64_t i = 0; i < K; i++) m->expert_weights[t * K + i] = (float)(w[i] * m->scaling);
 }
 
+/* sigmoid(shared_gate . x_t): the portable lanes (the same bits as every level's) of one row. */
+static float shared_scale_of(const MoERoute *m, int64_t t) {
+    const int64_t H = m->hidden;
+    double acc[LANES] = {0};
+    for (int64_t h = 0; h < H; h++) acc[h % LANES] += (double)m->x[t * H + h] * (double)m->shared_gate[h];
+    const float logit = (float)lane_total(acc);
+    return (float)(1.0 / (1.0 + exp(-(double)logit)));
+}
+
 int moe_route(const MoERoute *m, int threads) {
     const int64_t T = m->tokens, E = m->experts, H = m->hidden, tiles = (T + ROW_TILE - 1) / ROW_TILE;
     float *logits = malloc(sizeof(float) * (size_t)(T * E));
@@ -260,8 +272,10 @@ int moe_route(const MoERoute *m, int threads) {
             const int ok = s.scores && s.group_scores && s.taken && s.eligible && s.groups;
             failed |= !ok;
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; t++)
+            for (int64_t t = 0; t < T; t++) {
                 if (ok) route_row(m, t, logits + t * E, s);
+                if (m->shared_gate) m->shared_scale[t] = shared_scale_of(m, t);
+            }
             free(s.scores);
             free(s.group_scores);
             free(s.taken);

@@ -116,7 +116,7 @@ def load_moe_weights(
         correction_bias=vector("router.score_correction_bias"),
         shared_gate_up=shared("gate_up"),
         shared_down=shared("down"),
-        shared_gate=None if shared_gate is None else shared_gate.double(),
+        shared_gate=shared_gate,
         gate_up_bias=vector("experts.gate_up_proj.bias"),
         down_bias=vector("experts.down_proj.bias"),
         gate_up_blocks=gate_up if isinstance(gate_up, QuantizedWeight) else None,
@@ -137,15 +137,17 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def moe_routes(x: torch.Tensor, weights: MoEWeights, config: ModelConfig, *, kernels: bool) -> Routes:
-    """The route of each row of x [T, hidden]: with the kernels one C call (`native.moe_route`),
-    else the router's logits (`router_logits`), then `routing.route`."""
+    """The route of each row of x [T, hidden]: with the kernels one C call (`native.moe_route`,
+    the shared expert's gate factor with it), else the router's logits (`router_logits`), then
+    `routing.route`."""
     if kernels and x.dtype == torch.float32:
-        experts, expert_weights = native.moe_route(
+        experts, expert_weights, shared_scale = native.moe_route(
             x.contiguous(), weights.router, config.routing, config.num_experts_per_tok, router_bias=weights.router_bias,
             correction_bias=weights.correction_bias, n_group=config.n_group, topk_group=config.topk_group,
             normalize=config.norm_topk_prob, scaling=config.routed_scaling_factor,
+            shared_gate=None if weights.shared_gate is None else weights.shared_gate.view(-1),
         )
-        return Routes(experts, expert_weights)
+        return Routes(experts, expert_weights, shared_scale)
     return route(router_logits(x, weights.router, weights.router_bias), config, weights.correction_bias)
 
 
@@ -226,6 +228,9 @@ def moe_mlp(x: torch.Tensor, weights: MoEWeights, config: ModelConfig, *, kernel
     if weights.shared_gate_up is not None and weights.shared_down is not None:
         shared = gated_mlp(x, weights.shared_gate_up, weights.shared_down, config.hidden_activation, kernels=kernels)
         if weights.shared_gate is not None:
-            shared = torch.sigmoid(router_logits(x, weights.shared_gate)).to(x.dtype) * shared
+            scale = routes.shared_scale
+            if scale is None:  # the torch route's: the gate's logit rounded to float32, then its sigmoid
+                scale = torch.sigmoid(router_logits(x, weights.shared_gate)).view(-1)
+            shared = scale.to(x.dtype).unsqueeze(1) * shared
         out += shared
     return out

@@ -39,10 +39,12 @@ from flare.package.model_config import ModelConfig
 
 @dataclass(frozen=True)
 class Routes:
-    """Each token's k experts, ascending, int64 [T, k], and their weights, float32 [T, k]."""
+    """Each token's k experts, ascending, int64 [T, k], and their weights, float32 [T, k]; where
+    the C route ran with a shared expert's gate, its factor sigmoid(gate . x) float32 [T]."""
 
     experts: torch.Tensor
     weights: torch.Tensor
+    shared_scale: torch.Tensor | None = None
 
 
 def softmax_topk(logits: torch.Tensor, k: int, *, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
