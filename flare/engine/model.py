@@ -131,21 +131,23 @@ def _linear_parts(weight: Weight) -> tuple[native_layers.LinearPart, ...] | None
 
 def _kernel_layers(
     layers: list[DecoderLayer], config: ModelConfig, local_rope: tuple[torch.Tensor, torch.Tensor] | None
-) -> list[native_layers.KernelLayer] | None:
+) -> list[native_layers.KernelLayer] | str:
     """The layers as `native_layers.decoder_layer` reads them, with their family features (the sliding
     layers of a model with its own local base on `local_rope`'s tables) and their mixture-of-experts
-    MLPs (`_kernel_moe`), where every linear layer of every layer is float16 or ggml blocks; None
-    otherwise (the layers then run step by step)."""
+    MLPs (`_kernel_moe`), where every linear layer of every layer is float16 or ggml blocks;
+    otherwise why not (the layers then run step by step)."""
+    if config.latent_attention is not None:
+        return "latent attention runs in torch"
     kernel_layers = []
     for layer in layers:
         moe = None if layer.moe is None else _kernel_moe(layer.moe, config)
         if layer.moe is not None and moe is None:
-            return None
+            return "a MoE layer's experts are float weights"
         linears = [_linear_parts(w) for w in (layer.qkv, layer.o)]
         mlp = (layer.gate_up, layer.down) if layer.moe is None else (layer.moe.shared_gate_up, layer.moe.shared_down)
         linears += [() if w is None else _linear_parts(w) for w in mlp]
         if any(parts is None for parts in linears):
-            return None
+            return "a linear layer is neither float16 nor ggml blocks"
         cos, sin = local_rope if layer.local_rope and local_rope is not None else (None, None)
         kernel_layers.append(
             native_layers.KernelLayer(
@@ -366,9 +368,15 @@ class DecoderModel:
         )
         # A tensor-parallel rank runs its layers step by step: the one-call layer has no point to
         # all-reduce at.
-        self.kernel_layers = (
-            _kernel_layers(self.layers, config, self.local_rope) if self.native_kernels and all_reduce is None else None
-        )
+        if not self.native_kernels:
+            built: list[native_layers.KernelLayer] | str = "the C kernels do not run"
+        elif all_reduce is not None:
+            built = "a tensor-parallel rank sums each sublayer across the ranks"
+        else:
+            built = _kernel_layers(self.layers, config, self.local_rope)
+        self.kernel_layers = None if isinstance(built, str) else built
+        # How a round of short rows runs its layers, as `engine_loaded` reports it.
+        self.layer_calls = "one call" if self.kernel_layers is not None else f"steps: {built}"
         self._layer_scratch = torch.empty(0, dtype=torch.float32, device=self.device)
         self._stack: native_layers.LayerStack | None = None  # kernel_layers with the KV pools they last ran on
 

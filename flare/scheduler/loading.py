@@ -161,6 +161,7 @@ def load_parts(
             weight_types=package.weight_types(),
             activations=activations,
             integer_level=native_quantized.integer_level_name() if activations != "float32" and model.native_kernels else "none",
+            layer_calls=model.layer_calls,
             cpu_flags=" ".join(cpu_flags()),
             kv_cache_blocks=kv_cache.num_blocks,
             kv_cache_dtype=dtype_name(kv_cache.dtype),

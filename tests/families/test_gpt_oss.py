@@ -326,7 +326,9 @@ def test_a_gpt_oss_package_of_blocks_runs_every_layer_in_the_one_call_decoder_la
     package = open_package(tmp_path / "package")
     assert package.manifest.blocks["model.layers.0.mlp.experts.gate_up_proj.weight"].type == experts
     fused = load_model(package)
-    assert fused.kernel_layers is not None
+    assert fused.kernel_layers is not None and fused.layer_calls == "one call"
+    without = DecoderModel(package.manifest.model, package.load_state_dict(), native_kernels=False)
+    assert without.layer_calls == "steps: the C kernels do not run"
     assert all(layer.moe is not None and layer.sinks is not None and layer.o_bias is not None for layer in fused.kernel_layers)
     assert {layer.window for layer in fused.kernel_layers} == {8, None}
     steps = load_model(package)

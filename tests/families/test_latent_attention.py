@@ -76,6 +76,8 @@ def test_absorbed_attention_equals_the_decompressed_one(exported: tuple[Checkpoi
     config = package.manifest.model
     absorbed = DecoderModel(config, floats, absorbed_attention=True)
     decompressed = DecoderModel(config, floats, absorbed_attention=False)
+    if absorbed.native_kernels:  # engine_loaded's layer_calls says why its layers run step by step
+        assert absorbed.layer_calls == "steps: latent attention runs in torch"
     prompts = prompts_of(package_path)
     for pieces in ([[len(p) for p in prompts]], pieces_of(prompts)):
         for a, d in zip(forward_in_pieces(absorbed, prompts, pieces), forward_in_pieces(decompressed, prompts, pieces)):

@@ -75,6 +75,10 @@ def test_a_blocks_package_serves_the_answer_of_its_float32_package_and_reports_i
         assert "GEMMs, int8x2 activations" in table
         # The instructions the integer products run on, after what this CPU and its OS grant.
         assert loaded["integer_level"] == native_quantized.integer_level_name()
+        # The dequantized Q2_K tensor is float: the layers run in one call only where the CPU's
+        # weight format for float tensors is float16 (the engine's own kernel).
+        one_call = "one call" if loaded["weight_format"] == "float16" else "steps: a linear layer is neither float16 nor ggml blocks"
+        assert loaded["layer_calls"] == (one_call if loaded["native_kernels"] else "steps: the C kernels do not run")
     finally:
         assert daemon.stop() == 0, daemon.log()
 
