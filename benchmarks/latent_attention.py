@@ -1,6 +1,7 @@
 """Latent attention's two forms on one DeepSeek-V2-Lite-shaped layer (16 heads, kv_lora_rank 512,
 nope 128, rope 64, value 128, no q_lora_rank, random weights): a decode round of `--rows` rows over
-`--context` cached tokens and a prompt chunk of `--chunk` tokens, each absorbed and decompressed
+`--context` cached tokens and a prompt chunk of `--chunk` tokens, each absorbed (decode: reading
+the pool through the paged kernel, and gathering it in torch) and decompressed
 (engine/layers/latent_attention.py), best of `--repeats`.
 
     .venv/bin/python benchmarks/latent_attention.py [--context 1024] [--rows 8] [--chunk 512]
@@ -71,10 +72,16 @@ def main() -> None:
         for name, batch in (("decode", decode), ("prefill chunk", chunk)):
             x = torch.randn(batch.num_tokens, config.hidden_size)
             rope = round_tables([tables_], batch.positions)[0]
-            for absorbed in (True, False):
-                seconds = timed(lambda: latent_attention(x, layer, batch, config, cache.keys[0], rope, absorbed=absorbed), args.repeats)
-                form = "absorbed" if absorbed else "decompressed"
-                print(f"{name:<14} {form:<13} {seconds * 1e3:8.2f} ms  ({batch.num_tokens} tokens, context {args.context if name == 'decode' else args.chunk})")
+            # The absorbed form reads the pool through the paged kernel (kernels, short rows) or
+            # gathers each row's cached rows first (torch).
+            forms = [("absorbed, paged kernel", True, True)] if name == "decode" else []
+            forms += [("absorbed, gathered", True, False), ("decompressed", False, False)]
+            for form, absorbed, kernels in forms:
+                seconds = timed(
+                    lambda: latent_attention(x, layer, batch, config, cache.keys[0], rope, absorbed=absorbed, kernels=kernels),
+                    args.repeats,
+                )
+                print(f"{name:<14} {form:<23} {seconds * 1e3:8.2f} ms  ({batch.num_tokens} tokens, context {args.context if name == 'decode' else args.chunk})")
 
 
 if __name__ == "__main__":

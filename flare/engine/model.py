@@ -195,9 +195,8 @@ def kernels_fit(config: ModelConfig) -> bool:
     """Whether the C kernels (`native.*`, `native_layers.decoder_layers`) implement every step of the
     layers `config` describes. Every family's features are options of the kernels; only heads
     wider than the kernels keep on their stack for those options (`native.FEATURES_MAX_HEAD_DIM`)
-    run on the torch path (`DecoderModel.forward_hidden`)."""
-    if config.latent_attention is not None:
-        return False  # latent attention runs in torch (layers/latent_attention.py)
+    run on the torch path (`DecoderModel.forward_hidden`). Latent attention's own steps are torch
+    around one kernel (`latent_attention.py`), its MLPs and norms the kernels'."""
     featured = config.attention_bias or config.qk_norm or config.rotary_dims != config.head_dim
     return not featured or config.head_dim <= native.FEATURES_MAX_HEAD_DIM
 
@@ -418,7 +417,8 @@ class DecoderModel:
         # cos and sin of the round's positions, gathered once for every layer on the torch path:
         # from the global table, then (where the model has one) the sliding layers' own.
         tables = [(self.rope_cos, self.rope_sin)] + ([] if self.local_rope is None else [self.local_rope])
-        ropes = None if kernels else round_tables(tables, batch.positions)
+        # (latent attention rotates its rows in torch, kernels or not)
+        ropes = None if kernels and config.latent_attention is None else round_tables(tables, batch.positions)
         # Latent attention gathers its own rows (layers/latent_attention.py): no plan to build.
         calls = [] if config.latent_attention is not None else self.attention.plan(batch, kv_cache)
         if self.kernel_layers is not None and all(call.native for call in calls):
@@ -430,9 +430,9 @@ class DecoderModel:
                 x = add_norm(h, delta, layer.input_norm, eps, kernels=kernels)
                 keys, values = kv_cache.keys[index], kv_cache.values[index]
                 if layer.latent is not None:
-                    assert ropes is not None, "latent attention runs on the torch path"
+                    assert ropes is not None, "latent attention rotates in torch"
                     heads_out = latent_attention(
-                        x, layer.latent, batch, config, keys, ropes[0], absorbed=self.absorbed_attention
+                        x, layer.latent, batch, config, keys, ropes[0], absorbed=self.absorbed_attention, kernels=kernels
                     )
                 else:
                     assert layer.qkv is not None

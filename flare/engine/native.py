@@ -116,6 +116,7 @@ def paged_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     portable: bool = False,
+    value_dim: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of `rows` rows of `query_len` new tokens each over their cached keys.
 
@@ -130,7 +131,9 @@ def paged_attention(
     position p attends to positions p - window < k <= p only (None: all). `softcap`: scores
     become softcap * tanh(score / softcap) after the scale, before the softmax (None: not capped).
     `sinks`: float32 [heads], each head's learned sink logit, which joins its softmax's
-    denominator and carries no value (gpt-oss; None: no sinks).
+    denominator and carries no value (gpt-oss; None: no sinks). `value_dim`: each value is the
+    first value_dim numbers of its pool row, and the result [rows * query_len, heads, value_dim]
+    (latent attention's absorbed form passes its one pool as keys and values; None: D).
     """
     native = _module()
     tokens, heads, head_dim = q.shape
@@ -155,16 +158,18 @@ def paged_attention(
     if not block_table.is_contiguous() or not start_positions.is_contiguous():
         problems.append("block_table and start_positions must be contiguous")
     problems += _attention_option_problems(scale, window, softcap)
+    if value_dim is not None and (isinstance(value_dim, bool) or not isinstance(value_dim, int) or not 1 <= value_dim <= head_dim):
+        problems.append(f"value_dim must be an integer in 1 .. {head_dim}, got {value_dim!r}")
     if sinks is not None and (sinks.dtype != torch.float32 or sinks.device.type != "cpu" or sinks.shape != (heads,) or not sinks.is_contiguous()):
         problems.append(f"sinks must be a contiguous CPU float32 [{heads}] (one per query head), got {sinks.device} {sinks.dtype} {tuple(sinks.shape)}")
     _check("paged_attention", problems)
 
-    out = torch.empty(tokens, heads, head_dim, dtype=torch.float32)
+    out = torch.empty(tokens, heads, value_dim or head_dim, dtype=torch.float32)
     native.paged_attention(
         q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), out.data_ptr(), block_table.data_ptr(),
         start_positions.data_ptr(), rows, query_len, heads, kv_heads, head_dim, block_size, num_blocks, max_blocks,
         head_dim**-0.5 if scale is None else scale, window or 0, softcap or 0.0, torch.get_num_threads(),
-        KV_DTYPE_CODES[keys.dtype], portable, 0 if sinks is None else sinks.data_ptr(),
+        KV_DTYPE_CODES[keys.dtype], portable, 0 if sinks is None else sinks.data_ptr(), value_dim or 0,
     )
     return out
 

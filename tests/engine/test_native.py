@@ -64,6 +64,24 @@ def test_short_rows_attend_like_textbook_attention_over_scattered_blocks(rows: i
     torch.testing.assert_close(got, textbook_attention(q, keys, values, block_table, starts, query_len), atol=2e-6, rtol=2e-5)
 
 
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize(("rows", "query_len"), [(1, 1), (3, 4)])
+def test_values_narrower_than_the_keys_are_each_rows_prefix(portable: bool, rows: int, query_len: int) -> None:
+    """Latent attention's absorbed form: one pool as keys and values, each value the first
+    value_dim numbers of its row (the latent), the heads all on its one KV head."""
+    generator = torch.Generator().manual_seed(rows + query_len)
+    pool = torch.randn(1, BLOCKS, BLOCK_SIZE, 96, generator=generator)
+    block_table = torch.stack([torch.randperm(BLOCKS, generator=generator)[:6] for _ in range(rows)])
+    starts = torch.randint(0, 6 * BLOCK_SIZE - query_len + 1, (rows,), generator=generator)
+    q = torch.randn(rows * query_len, 8, 96, generator=generator)
+    got = paged_attention(q, pool, pool, block_table, starts, query_len, value_dim=64, portable=portable)
+    assert got.shape == (rows * query_len, 8, 64)
+    full = textbook_attention(q, pool, pool, block_table, starts, query_len)
+    torch.testing.assert_close(got, full[..., :64], atol=2e-6, rtol=2e-5)
+    with pytest.raises(ValueError, match="value_dim must be an integer in 1 .. 96"):
+        paged_attention(q, pool, pool, block_table, starts, query_len, value_dim=97)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     kv_heads=st.integers(1, 3),

@@ -29,9 +29,10 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="the engine's C k
 BLOCK_SIZE = 4
 
 
-# DeepSeek's latent attention runs on the torch path (layers/latent_attention.py): the C kernels
-# take one head width for keys and values.
-KERNEL_FAMILIES = tuple(family for family in FAMILIES if not family.startswith("deepseek"))
+# DeepSeek's latent attention runs its layers step by step (layers/latent_attention.py, around
+# the paged kernel), the others each layer in one call.
+LATENT_FAMILIES = tuple(family for family in FAMILIES if family.startswith("deepseek"))
+KERNEL_FAMILIES = tuple(family for family in FAMILIES if family not in LATENT_FAMILIES)
 
 
 @pytest.fixture(scope="module", params=KERNEL_FAMILIES)
@@ -70,14 +71,31 @@ def test_every_family_runs_on_the_c_kernels(family_package: Path) -> None:
     assert load_model(package).native_kernels
 
 
-@pytest.mark.parametrize("family", sorted(set(FAMILIES) - set(KERNEL_FAMILIES)))
-def test_a_latent_attention_family_runs_on_the_torch_path(family: str, smollm2_source: ModelSource, tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", LATENT_FAMILIES)
+def test_a_latent_attention_family_runs_the_kernels_step_by_step_with_its_decode_read_from_the_pool(
+    family: str, smollm2_source: ModelSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeepSeek on the kernels: its layers step by step (engine_loaded says why), every short
+    round's absorbed attention one `paged_attention` call per group reading the latent pool where
+    it lies (each value the latent prefix of its row), the logits the torch path's within 1e-5."""
+    from flare.engine.layers import latent_attention as latent_module
+
     checkpoint = write_checkpoint(family, tmp_path / family, smollm2_source.tokenizer_json, smollm2_source.chat_template)
     export_package(str(checkpoint.path), tmp_path / "package", ExportOptions(dtype="float32"), stderr=io.StringIO())
     package = open_package(tmp_path / "package")
-    assert package.manifest.model.latent_attention is not None
-    assert not kernels_fit(package.manifest.model)
-    assert not load_model(package).native_kernels
+    config = package.manifest.model
+    assert config.latent_attention is not None and kernels_fit(config)
+    state = dict(package.load_weights()[0])
+    model = DecoderModel(config, state)
+    assert model.native_kernels and model.layer_calls == "steps: latent attention runs in torch"
+    calls: list[int | None] = []
+    paged = native.paged_attention
+    monkeypatch.setattr(latent_module.native, "paged_attention", lambda *a, **o: calls.append(o.get("value_dim")) or paged(*a, **o))
+    got = rounds_of_short_rows(model, PIECES)
+    # one call per attention group (rows of one length) per layer and round
+    assert calls == [config.latent_attention.kv_lora_rank] * (sum(len(set(sizes)) for sizes in PIECES) * config.num_layers)
+    for kernels, torch_path in zip(got, rounds_of_short_rows(DecoderModel(config, state, native_kernels=False), PIECES)):
+        assert (kernels - torch_path).abs().max().item() <= 1e-5
 
 
 def test_a_family_layer_runs_in_one_kernel_call_with_the_steps_bits_and_the_torch_paths_logits(

@@ -127,7 +127,7 @@ typedef struct {
     const void *keys;          /* [kv_heads, num_blocks * block_size, head_dim] of `kv_dtype` */
     const void *values;
     int kv_dtype;              /* a KvDtype */
-    float *out;                /* [tokens, heads, head_dim], contiguous */
+    float *out;                /* [tokens, heads, value_dim or head_dim], contiguous */
     const int64_t *block_table;     /* [rows, max_blocks] */
     const int64_t *start_positions; /* [rows]: position of each row's first new token */
     int64_t rows, query_len, heads, kv_heads, head_dim, block_size, num_blocks, max_blocks;
@@ -136,6 +136,7 @@ typedef struct {
     float softcap;             /* 0, or scores become softcap * tanh(score / softcap) after the scale */
     int portable;              /* run the loops for CPUs without AVX2 and FMA even where they are present */
     const float *sinks;        /* NULL, or [heads]: each head's learned sink logit joins its softmax's denominator (gpt-oss) */
+    int64_t value_dim;         /* 0 (head_dim), or the values' width: the first value_dim of each row; out [.., value_dim] */
 } Attention;
 
 /* Returns 0, or -1 when scratch memory could not be allocated (nothing was written then). */

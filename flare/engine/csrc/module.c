@@ -48,13 +48,15 @@ static const char *check_features(int64_t head_dim, int64_t rotary_dims, float n
 static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t q, q_token_stride, keys, values, out, block_table, start_positions;
-    Py_ssize_t rows, query_len, heads, kv_heads, head_dim, block_size, num_blocks, max_blocks, window, threads, sinks;
+    Py_ssize_t rows, query_len, heads, kv_heads, head_dim, block_size, num_blocks, max_blocks, window, threads, sinks, value_dim;
     float scale, softcap;
     int kv_dtype, portable;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnfnfnipn", &q, &q_token_stride, &keys, &values, &out, &block_table,
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnfnfnipnn", &q, &q_token_stride, &keys, &values, &out, &block_table,
                           &start_positions, &rows, &query_len, &heads, &kv_heads, &head_dim, &block_size,
-                          &num_blocks, &max_blocks, &scale, &window, &softcap, &threads, &kv_dtype, &portable, &sinks))
+                          &num_blocks, &max_blocks, &scale, &window, &softcap, &threads, &kv_dtype, &portable, &sinks,
+                          &value_dim))
         return NULL;
+    if (value_dim < 0 || value_dim > head_dim) return invalid("paged_attention", "value_dim must lie in 0 .. head_dim");
     if (kv_dtype < KV_FLOAT32 || kv_dtype > KV_BFLOAT16) return invalid("paged_attention", "unknown KV dtype code");
     if (rows < 1 || query_len < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads || head_dim < 1 ||
         block_size < 1 || num_blocks < 1 || max_blocks < 1 || threads < 1)
@@ -83,6 +85,7 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
         .softcap = softcap,
         .portable = portable,
         .sinks = (const float *)sinks,
+        .value_dim = value_dim,
     };
     int64_t longest;
     const char *problem = check_rows(&a, &longest);
@@ -780,7 +783,8 @@ static PyObject *py_quantize_q8k(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"paged_attention", py_paged_attention, METH_VARARGS,
      "paged_attention(q, q_token_stride, keys, values, out, block_table, start_positions, rows, query_len, heads, "
-     "kv_heads, head_dim, block_size, num_blocks, max_blocks, scale, window, softcap, threads, kv_dtype, portable, sinks)"},
+     "kv_heads, head_dim, block_size, num_blocks, max_blocks, scale, window, softcap, threads, kv_dtype, portable, sinks, "
+     "value_dim)"},
     {"rope_and_cache", py_rope_and_cache, METH_VARARGS,
      "rope_and_cache(qkv, channel_stride, token_stride, positions, slots, cos, sin, max_positions, q_out, keys, "
      "values, tokens, heads, kv_heads, head_dim, pool_slots, threads, kv_dtype, bias, q_norm, k_norm, norm_eps, "

@@ -23,6 +23,10 @@
  *
  * so a head can put weight on "nothing" and its output shrinks towards zero.
  *
+ * Values may be narrower than the keys (`value_dim`): each value is then the first value_dim
+ * numbers of its pool row, which is how latent attention's absorbed form reads its one pool
+ * (flare/engine/layers/latent_attention.py: keys [latent | rope key], values the latent).
+ *
  * The `group` query heads that share a KV head are handled by the same task, so each key and
  * value is loaded once for all of them (grouped-query attention without repeating K/V).
  *
@@ -132,16 +136,17 @@ static ATTENTION_TARGET void block_scores_avx2(const float *const *queries, int6
     }
 }
 
-/* acc_i += sum_p w_i[p] v_p for MQ queries over one block's n values, 32 dimensions (four
- * vectors) at a time: each value vector is loaded once for the MQ queries. */
+/* acc_i += sum_p w_i[p] v_p for MQ queries over one block's n values (rows D floats apart, the
+ * accumulators Dv), 32 dimensions (four vectors) at a time: each value vector is loaded once for
+ * the MQ queries. */
 static inline __attribute__((always_inline)) ATTENTION_TARGET void value_tile(const float *w, int64_t stride,
                                                                               const float *block, int64_t n, int64_t D,
-                                                                              int64_t dim, float *acc, const int MQ) {
+                                                                              int64_t Dv, int64_t dim, float *acc, const int MQ) {
     __m256 o[3][4];
 #pragma GCC unroll 4
     for (int i = 0; i < MQ; i++)
 #pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) o[i][j] = _mm256_loadu_ps(acc + i * D + dim + 8 * j);
+        for (int j = 0; j < 4; j++) o[i][j] = _mm256_loadu_ps(acc + i * Dv + dim + 8 * j);
     for (int64_t p = 0; p < n; p++) {
         __m256 v[4];
 #pragma GCC unroll 4
@@ -156,22 +161,23 @@ static inline __attribute__((always_inline)) ATTENTION_TARGET void value_tile(co
 #pragma GCC unroll 4
     for (int i = 0; i < MQ; i++)
 #pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) _mm256_storeu_ps(acc + i * D + dim + 8 * j, o[i][j]);
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(acc + i * Dv + dim + 8 * j, o[i][j]);
 }
 
 /* The weighted sum of one block's values, weights[i * stride + 0 .. n), into the accumulators
- * acc[i * D ..] of `nq` queries. D must be a multiple of 32. */
+ * acc[i * Dv ..] of `nq` queries: each value the first Dv of its row of D. Dv must be a multiple
+ * of 32. */
 static ATTENTION_TARGET void block_values_avx2(const float *weights, int64_t stride, int64_t nq, const float *block,
-                                               int64_t n, int64_t D, float *acc) {
+                                               int64_t n, int64_t D, int64_t Dv, float *acc) {
     for (int64_t i = 0; i < nq; i += 3) {
         const int64_t mq = nq - i < 3 ? nq - i : 3;
-        for (int64_t dim = 0; dim < D; dim += 32) {
+        for (int64_t dim = 0; dim < Dv; dim += 32) {
             if (mq == 3)
-                value_tile(weights + i * stride, stride, block, n, D, dim, acc + i * D, 3);
+                value_tile(weights + i * stride, stride, block, n, D, Dv, dim, acc + i * Dv, 3);
             else if (mq == 2)
-                value_tile(weights + i * stride, stride, block, n, D, dim, acc + i * D, 2);
+                value_tile(weights + i * stride, stride, block, n, D, Dv, dim, acc + i * Dv, 2);
             else
-                value_tile(weights + i * stride, stride, block, n, D, dim, acc + i * D, 1);
+                value_tile(weights + i * stride, stride, block, n, D, Dv, dim, acc + i * Dv, 1);
         }
     }
 }
@@ -194,7 +200,7 @@ static inline void prefetch_block(const void *head, int dtype, int64_t block, in
 FLARE_TARGET_CLONES
 static void attend(const Attention *a, int64_t r, int64_t g, int64_t i0, int64_t i1, float *scores, float *acc,
                    const float **queries, int64_t *visible, float *widened, int vector) {
-    const int64_t D = a->head_dim, Q = a->query_len, B = a->block_size;
+    const int64_t D = a->head_dim, Dv = a->value_dim ? a->value_dim : D, Q = a->query_len, B = a->block_size;
     const int64_t group = a->heads / a->kv_heads, nq = group * Q;
     const int64_t start = a->start_positions[r], keys = start + Q;
     const int64_t *table = a->block_table + r * a->max_blocks;
@@ -289,7 +295,7 @@ static void attend(const Attention *a, int64_t r, int64_t g, int64_t i0, int64_t
      * accumulator (a quarter of its loads and stores). Weights outside a query's visible
      * keys (past its last, or before its window) are zeroed, so every key of the block can be
      * summed. */
-    memset(acc + i0 * D, 0, (size_t)((i1 - i0) * D) * sizeof(float));
+    memset(acc + i0 * Dv, 0, (size_t)((i1 - i0) * Dv) * sizeof(float));
     for (int64_t first = base; first < keys; first += B) {
         if (first + B < keys) prefetch_block(value_head, a->kv_dtype, table[first / B + 1], B * D);
         const float *block = block_floats(value_head, a->kv_dtype, table[first / B], B * D, widened);
@@ -301,31 +307,31 @@ static void attend(const Attention *a, int64_t r, int64_t g, int64_t i0, int64_t
         }
 #if defined(__x86_64__) && defined(__GNUC__)
         if (vector) {
-            block_values_avx2(scores + i0 * span + first - base, span, i1 - i0, block, in_block, D, acc + i0 * D);
+            block_values_avx2(scores + i0 * span + first - base, span, i1 - i0, block, in_block, D, Dv, acc + i0 * Dv);
             continue;
         }
 #endif
         for (int64_t i = i0; i < i1; i++) {
             const float *w = scores + i * span + first - base;
-            float *o = acc + i * D;
+            float *o = acc + i * Dv;
             int64_t p = 0;
             for (; p + 4 <= in_block; p += 4) {
                 const float *v0 = block + p * D, *v1 = v0 + D, *v2 = v1 + D, *v3 = v2 + D;
                 const float w0 = w[p], w1 = w[p + 1], w2 = w[p + 2], w3 = w[p + 3];
 #pragma omp simd
-                for (int64_t d = 0; d < D; d++) o[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d];
+                for (int64_t d = 0; d < Dv; d++) o[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d];
             }
             for (; p < in_block; p++) {
                 const float *v = block + p * D;
                 const float wp = w[p];
 #pragma omp simd
-                for (int64_t d = 0; d < D; d++) o[d] += wp * v[d];
+                for (int64_t d = 0; d < Dv; d++) o[d] += wp * v[d];
             }
         }
     }
     for (int64_t i = i0; i < i1; i++) { /* query i is head j = i / Q of the group at token t = i % Q */
-        float *o = a->out + ((r * Q + i % Q) * a->heads + g * group + i / Q) * D;
-        memcpy(o, acc + i * D, (size_t)D * sizeof(float));
+        float *o = a->out + ((r * Q + i % Q) * a->heads + g * group + i / Q) * Dv;
+        memcpy(o, acc + i * Dv, (size_t)Dv * sizeof(float));
     }
 }
 
@@ -345,7 +351,8 @@ int paged_attention(const Attention *a, int64_t longest_row, int threads) {
     const int64_t chunks = (nq + size - 1) / size;
     int failed = 0, vector = 0;
 #if defined(__x86_64__) && defined(__GNUC__)
-    vector = !a->portable && a->head_dim % 32 == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    vector = !a->portable && a->head_dim % 32 == 0 && a->value_dim % 32 == 0 && __builtin_cpu_supports("avx2") &&
+             __builtin_cpu_supports("fma");
 #endif
 #pragma omp parallel num_threads(threads)
     {

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from flare.engine import native
 from flare.engine.batch import SHORT_ROW_MAX_TOKENS, AttentionGroup, ForwardBatch
 from flare.engine.layers.rope import apply_rope
 from flare.engine.linear import Weight, linear
@@ -78,12 +79,15 @@ def latent_attention(
     rope: tuple[torch.Tensor, torch.Tensor],
     *,
     absorbed: bool | None = None,
+    kernels: bool = False,
 ) -> torch.Tensor:
     """Attention of the round's tokens x [T, hidden] over their requests' cached positions:
     writes each token's [latent | rope key] into its slot of `pool` ([1, blocks, block_size,
     c + r]) and returns the heads' outputs [T, H * v], before o_proj. `rope`: the round's cos and
     sin [T, 1, r / 2]. `absorbed`: force the absorbed (True) or decompressed (False) form; None
-    picks per call (`absorbed_for`)."""
+    picks per call (`absorbed_for`). `kernels`: the absorbed form attends straight from the pool
+    (`native.paged_attention`, one KV head whose values are the keys' latent prefix) instead of
+    gathering each row's cached rows."""
     latent = config.latent_attention
     assert latent is not None
     heads, n, r, c = config.num_heads, latent.qk_nope_head_dim, latent.qk_rope_head_dim, latent.kv_lora_rank
@@ -108,9 +112,12 @@ def latent_attention(
     outputs = []
     for group in batch.groups:
         span = slice(group.start, group.end)
+        use_absorbed = absorbed_for(group) if absorbed is None else absorbed
+        if use_absorbed and kernels and x.dtype == torch.float32:
+            outputs.append(_absorbed_from_pool(q_nope[span], q_rope[span], pool, group, weights, scale, c))
+            continue
         # Each row's cached [latent | rope key] rows, its blocks in order: [rows, L, c + r].
         context = blocks.index_select(0, group.block_table.flatten()).view(group.rows, -1, c + r).to(x.dtype)
-        use_absorbed = absorbed_for(group) if absorbed is None else absorbed
         if use_absorbed:
             out = _absorbed(q_nope[span], q_rope[span], context, group, weights, scale, c)
         else:
@@ -144,6 +151,28 @@ def _absorbed(
     latent_out = torch.bmm(probabilities, context[..., :c])
     # [H, T, c] @ [H, c, v] -> [H, T, v]
     out = torch.bmm(latent_out.reshape(tokens, heads, c).transpose(0, 1), weights.v_up.transpose(1, 2))
+    return out.transpose(0, 1).reshape(tokens, -1)
+
+
+def _absorbed_from_pool(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    pool: torch.Tensor,
+    group: AttentionGroup,
+    weights: LatentWeights,
+    scale: float,
+    c: int,
+) -> torch.Tensor:
+    """`_absorbed` with the C kernel reading the pool's blocks where they lie: the H latent
+    queries [W_uk_h^T q_nope_h | q_rope_h] share the pool's one KV head, each value the first c
+    numbers of its row (the latent), so no row is gathered."""
+    tokens, heads, _ = q_nope.shape
+    q_latent = torch.bmm(q_nope.transpose(0, 1), weights.k_up).transpose(0, 1)
+    query = torch.cat((q_latent, q_rope), dim=-1).contiguous()
+    latent_out = native.paged_attention(
+        query, pool, pool, group.block_table, group.start_positions, group.query_len, scale=scale, value_dim=c
+    )
+    out = torch.bmm(latent_out.transpose(0, 1), weights.v_up.transpose(1, 2))
     return out.transpose(0, 1).reshape(tokens, -1)
 
 
