@@ -264,6 +264,7 @@ def render_status(status: Mapping[str, Any]) -> str:
                       + (f", {status['kv_bytes_per_token']} bytes a token" if "kv_bytes_per_token" in status else "")),
         ("weights", _render_weights(status)),
         ("weight types", _render_weight_types(status.get("weight_types") or {})),
+        *([("layers", status["layer_calls"])] if status.get("layer_calls") else []),
         ("prefix cache", _render_prefix_cache(status)),
         ("grammar cache", _render_grammar_cache(status)),
         ("responses store", _render_responses_store(status.get("responses_store"))),

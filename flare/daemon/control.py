@@ -103,6 +103,7 @@ class DaemonStatus:
     ranks: list[dict[str, Any]] = field(default_factory=list)  # tensor parallel: rank, pid, cpus of this host's ranks
     # The stored Responses: {"path", "responses", "bytes", "oldest_created_at"}; None: the store is off.
     responses_store: dict[str, Any] | None = None
+    layer_calls: str = ""  # "one call", or "steps: " and why (engine_loaded's `layer_calls`)
 
     def summary(self) -> str:
         """One line: `systemctl status` shows it under the unit."""
@@ -213,6 +214,7 @@ class DaemonControl:
             weight_types=snapshot.weight_types,
             ranks=[{"rank": rank, "pid": pid, "cpus": list(cpus)} for rank, pid, cpus in snapshot.ranks],
             responses_store=self._responses_store_use(),
+            layer_calls=snapshot.layer_calls,
         )
 
     def _responses_store_use(self) -> dict[str, Any] | None:

@@ -56,6 +56,8 @@ class SchedulerSnapshot:
     weight_types: dict[str, dict[str, int]] = field(default_factory=dict)
     # This host's tensor-parallel ranks as (rank, pid, CPUs); empty without a group.
     ranks: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    # How a round of short rows runs the layers: "one call", or "steps: " and why (`DecoderModel.layer_calls`).
+    layer_calls: str = ""
 
 
 @dataclass
@@ -184,6 +186,7 @@ def scheduler_snapshot(
         kv_bytes_per_token=bytes_per_token(runner.model.config, runner.kv_cache.dtype),
         weight_types=package.weight_types(),
         ranks=runner.rank_list(),
+        layer_calls=runner.model.layer_calls,
     )
 
 

@@ -91,6 +91,7 @@ class FakeTarget:
             grammar_cache_bytes=14_200_000,
             weight_types={"Q4_1": {"tensors": 210, "bytes": 69_672_960}, "Q8_0": {"tensors": 1, "bytes": 30_081_024},
                           "F32": {"tensors": 61, "bytes": 140_544}},
+            layer_calls="one call",
         )
 
     def requests(self) -> Sequence[RequestRow]:
@@ -190,6 +191,7 @@ async def test_status_table_is_readable(socket_path: Path) -> None:
     assert "kv blocks        7 / 64 in use, float16, 1024 bytes a token" in lines
     assert "weights          Q4_1 Q8_0 blocks, the rest float32 stored, float16 GEMMs, int8x2 activations" in lines
     assert "weight types     Q4_1 210 tensors 69.7 MB, Q8_0 1 tensor 30.1 MB, F32 61 tensors 0.1 MB" in lines
+    assert "layers           one call" in lines
     assert (
         "prefix cache     20 blocks cached, 12 of them evictable; prompt tokens 3000 from cache (75%), 1000 computed"
         in lines
@@ -415,6 +417,7 @@ class SchedulerSnapshot:  # the fields of flare.scheduler.stats.SchedulerSnapsho
     prompt_tokens_computed: int = 40
     weight_types: dict[str, dict[str, int]] = field(default_factory=lambda: {"F32": {"tensors": 3, "bytes": 12}})
     ranks: tuple[tuple[int, int, tuple[int, ...]], ...] = ((0, 4242, (0, 1)), (1, 4243, (2, 3)))
+    layer_calls: str = "steps: a tensor-parallel rank sums each sublayer across the ranks"
 
 
 @dataclass(frozen=True)
@@ -491,6 +494,7 @@ def test_daemon_control_reports_the_scheduler_and_cancels_with_an_operator_error
     assert (status.weights_dtype, status.weight_format, status.kv_cache_dtype) == ("float16", "float32", "float32")
     assert status.activations == "int8x2"
     assert status.weight_types == {"F32": {"tensors": 3, "bytes": 12}}
+    assert status.layer_calls == "steps: a tensor-parallel rank sums each sublayer across the ranks"
     assert status.summary() == "serving smollm2: 2 running, 0 waiting, 12.3 tokens/s"
     assert control.requests() == [RequestRow("r1", "running", 1.235, 5, 6)]
     assert control.cancel("r1")

@@ -79,6 +79,9 @@ def test_a_blocks_package_serves_the_answer_of_its_float32_package_and_reports_i
         # weight format for float tensors is float16 (the engine's own kernel).
         one_call = "one call" if loaded["weight_format"] == "float16" else "steps: a linear layer is neither float16 nor ggml blocks"
         assert loaded["layer_calls"] == (one_call if loaded["native_kernels"] else "steps: the C kernels do not run")
+        assert status["layer_calls"] == loaded["layer_calls"]
+        (layers,) = [line for line in table.splitlines() if line.startswith("layers ")]
+        assert layers.split(None, 1)[1] == loaded["layer_calls"]
     finally:
         assert daemon.stop() == 0, daemon.log()
 
