@@ -60,6 +60,7 @@ from flare.scheduler.stats import (
     request_infos,
     scheduler_snapshot,
 )
+from flare.structured.memory import give_back_heap
 
 log = structlog.get_logger("flare.scheduler")
 
@@ -279,14 +280,26 @@ class Scheduler:
     async def run(self) -> None:
         """The scheduler loop: one round at a time until stop(); then every request left fails
         with `shutdown`. Owned by the daemon's task group."""
+        worked = False
         try:
             while not self._stop:
                 self._runner.check_group()  # a rank lost while idle ends the loop too (EngineDead)
                 self.heartbeat()
-                if not await self._step():
-                    self._wake.clear()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), self.options.idle_tick_s)
+                if await self._step():
+                    worked = True
+                    continue
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self.options.idle_tick_s)
+                except TimeoutError:
+                    if worked:
+                        # A whole tick idle after rounds: what they freed (a long prompt's
+                        # activations, tens of MB) goes back to the system instead of staying in
+                        # the allocator's arenas. Not at once: the trim costs milliseconds, and
+                        # the next round would fault the pages back in, between requests that
+                        # follow each other closely.
+                        await anyio.to_thread.run_sync(give_back_heap)
+                        worked = False
         finally:
             for seq in [*self._running, *self._waiting]:
                 self._fail(seq, shutdown_failure())
