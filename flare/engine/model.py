@@ -137,7 +137,7 @@ def _kernel_layers(
     MLPs (`_kernel_moe`), where every linear layer of every layer is float16 or ggml blocks;
     otherwise why not (the layers then run step by step)."""
     if config.latent_attention is not None:
-        return "latent attention runs in torch"
+        return "latent attention is not in the one-call layer"
     kernel_layers = []
     for layer in layers:
         moe = None if layer.moe is None else _kernel_moe(layer.moe, config)

@@ -87,7 +87,7 @@ def test_a_latent_attention_family_runs_the_kernels_step_by_step_with_its_decode
     assert config.latent_attention is not None and kernels_fit(config)
     state = dict(package.load_weights()[0])
     model = DecoderModel(config, state)
-    assert model.native_kernels and model.layer_calls == "steps: latent attention runs in torch"
+    assert model.native_kernels and model.layer_calls == "steps: latent attention is not in the one-call layer"
     calls: list[int | None] = []
     paged = native.paged_attention
     monkeypatch.setattr(latent_module.native, "paged_attention", lambda *a, **o: calls.append(o.get("value_dim")) or paged(*a, **o))

@@ -77,7 +77,7 @@ def test_absorbed_attention_equals_the_decompressed_one(exported: tuple[Checkpoi
     absorbed = DecoderModel(config, floats, absorbed_attention=True)
     decompressed = DecoderModel(config, floats, absorbed_attention=False)
     if absorbed.native_kernels:  # engine_loaded's layer_calls says why its layers run step by step
-        assert absorbed.layer_calls == "steps: latent attention runs in torch"
+        assert absorbed.layer_calls == "steps: latent attention is not in the one-call layer"
     prompts = prompts_of(package_path)
     for pieces in ([[len(p) for p in prompts]], pieces_of(prompts)):
         for a, d in zip(forward_in_pieces(absorbed, prompts, pieces), forward_in_pieces(decompressed, prompts, pieces)):

@@ -646,7 +646,7 @@ static PyObject *py_decoder_layers(PyObject *self, PyObject *args) {
         /* The clamped SwiGLU takes parameters only a MoE table carries: a gated MLP's (a shared
          * expert's too) is silu or gelu_tanh. */
         const int64_t *parts = (const int64_t *)(intptr_t)row[LAYER_PARTS];
-        const int gated = !row[LAYER_MOE] || parts[2 * 3 * LAYER_LINEAR_PARTS + 2] != 0;
+        const int gated = !row[LAYER_MOE] || layer_linear_from(parts + 2 * 3 * LAYER_LINEAR_PARTS).parts[0].out != 0;
         if (row[LAYER_ACTIVATION] != ACTIVATION_SILU && row[LAYER_ACTIVATION] != ACTIVATION_GELU_TANH &&
             (gated || row[LAYER_ACTIVATION] != ACTIVATION_CLAMPED_SWIGLU))
             return invalid("decoder_layer", "unknown activation code");
