@@ -36,6 +36,7 @@ set_wait_policy(os.environ)
 
 import argparse
 import copy
+import random
 import statistics
 import time
 from pathlib import Path
@@ -264,11 +265,17 @@ def time_rounds(
     """Wall and CPU times (all threads) of `args.rounds` rounds after a warm-up."""
     # Interleave the rows' blocks so the block tables are not contiguous, as in serving.
     tables = [[b * batch_size + r for b in range(blocks_per_row)] for r in range(batch_size)]
+    # Each round's tokens are new draws from the vocabulary, as a served text's are: a MoE layer then
+    # routes each round to other experts, so its weights stream from memory as they do in serving
+    # rather than staying in the CPU's cache from the round before.
+    draws = random.Random(0)
+    vocab = model.config.vocab_size
     timings = []
     cpu_timings = []
     for step in range(args.rounds + WARMUP_ROUNDS):
         position = args.context + step * tokens
-        rows = [ForwardRow([7 + r] * tokens, position, tables[r], num_logits=tokens) for r in range(batch_size)]
+        rows = [ForwardRow([draws.randrange(vocab) for _ in range(tokens)], position, tables[r], num_logits=tokens)
+                for r in range(batch_size)]
         start, cpu_start = time.perf_counter(), time.process_time()
         batch = ForwardBatch.build(rows, args.block_size)
         model.forward(batch, cache)
