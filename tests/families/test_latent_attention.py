@@ -7,7 +7,9 @@ which runs them too):
 - the KV pool keeps one [latent | rope key] row per token per layer, and `flare inspect` says
   what a token costs; a DeepSeek-V3-shaped config's cost;
 - the same checkpoint as a GGUF written as llama.cpp's converter writes it (attn_k_b / attn_v_b,
-  interleaved rope rows, MLA as MQA) gives the Hugging Face package's logits;
+  interleaved rope rows, MLA as MQA) gives the Hugging Face package's logits, and so does
+  llama.cpp's own converter's where it is on the machine; V3's correction bias without sigmoid
+  gating is refused;
 - the prefix cache, preemption and parallel choices on the latent pool give the plain answers;
 - at tensor parallel 2 each rank runs its heads over its whole copy of the latent pool and the
   answers are TP 1's; a size that does not divide the heads is refused naming num_heads.
@@ -17,15 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from tests.family_checkpoints import DEEPSEEK_MOE_FAMILIES, Checkpoint, deepseek_config, write_checkpoint
 from tests.families.test_transformers_parity import BLOCK_SIZE, LOGIT_TOLERANCE, PROMPTS, forward_in_pieces, reference_logits
-from tests.gguf_writer import write_family_gguf
+from tests.gguf_writer import LLAMA_CPP_CONVERTER, convert_with_llama_cpp, write_family_gguf
 from tests.parallel.test_moe_tensor_parallel import PairSum
 from tests.running_scheduler import running
 
@@ -37,7 +42,7 @@ from flare.package.directory import open_package
 from flare.parallel.serving import split_for
 from flare.parallel.tensor_split import TensorParallelError, check_tensor_parallel, rank_config, rank_model, rank_state_dict
 from flare.policy.params import SamplingParams
-from flare.preparation.export import ExportOptions, export_package
+from flare.preparation.export import ExportError, ExportOptions, export_package
 from flare.preparation.families.hf_config import model_config_from_hf
 from flare.preparation.inspect import inspect_package, render_text
 from flare.preparation.source import ModelSource
@@ -262,6 +267,58 @@ def test_the_checkpoint_as_llama_cpp_writes_it_serves_the_hugging_face_logits(ex
     assert (got - want).abs().max().item() <= LOGIT_TOLERANCE
     (reference,) = [reference_logits(checkpoint, prompt)]
     assert (got - reference).abs().max().item() <= LOGIT_TOLERANCE
+
+
+@pytest.mark.skipif(not LLAMA_CPP_CONVERTER.is_file(), reason="llama.cpp's convert_hf_to_gguf.py is not on this machine")
+def test_llama_cpp_converter_output_serves_the_hugging_face_logits(exported: tuple[Checkpoint, Path], tmp_path: Path) -> None:
+    """llama.cpp's own convert_hf_to_gguf.py on the checkpoint (kv_b split into attn_k_b and
+    attn_v_b, rope rows interleaved, the experts stacked): the same model config, and the Hugging
+    Face package's logits and transformers' within the parity tolerance. The converter takes the
+    experts' gating from config.json's scoring_func, which DeepSeek's releases name (V3 sigmoid,
+    V2 softmax) and transformers' config classes do not save: the copy converted names it, and
+    V3's experts converted without it are refused, naming the key and the fix."""
+    checkpoint, package_path = exported
+    released = tmp_path / "released"
+    shutil.copytree(checkpoint.path, released)
+    config = json.loads((released / "config.json").read_text())
+    config["scoring_func"] = "sigmoid" if config["model_type"] == "deepseek_v3" else "softmax"
+    (released / "config.json").write_text(json.dumps(config))
+    gguf_path, unnamed_path = tmp_path / "converted.gguf", tmp_path / "unnamed.gguf"
+    unnamed = checkpoint.family == "deepseek_v3_moe"
+    convert_with_llama_cpp([(released, gguf_path), *([(checkpoint.path, unnamed_path)] if unnamed else [])])
+    if unnamed:
+        with pytest.raises(ExportError, match=r"expert_gating_func is missing.*\"scoring_func\": \"sigmoid\""):
+            export_package(str(unnamed_path), tmp_path / "unnamed", ExportOptions(dtype="float32"), stderr=io.StringIO())
+    export_package(str(gguf_path), tmp_path / "from-gguf", ExportOptions(dtype="float32"), stderr=io.StringIO())
+    converted, hf_package = open_package(tmp_path / "from-gguf"), open_package(package_path)
+    assert converted.manifest.model.latent_attention == hf_package.manifest.model.latent_attention
+    prompt = prompts_of(package_path)[0]
+    (want,) = forward_in_pieces(load_model(hf_package), [prompt], [[len(prompt)]])
+    (got,) = forward_in_pieces(load_model(converted), [prompt], [[len(prompt)]])
+    assert (got - want).abs().max().item() <= LOGIT_TOLERANCE
+    assert (got - reference_logits(checkpoint, prompt)).abs().max().item() <= LOGIT_TOLERANCE
+
+
+def test_v3s_correction_bias_without_sigmoid_gating_is_refused_naming_the_key(smollm2_source: ModelSource, tmp_path: Path) -> None:
+    """A deepseek2 GGUF with exp_probs_b whose expert_gating_func is missing or softmax would be
+    served by llama.cpp as softmax scores with V3's bias choosing among them, a model no
+    checkpoint is: refused, naming the key and the fix, where sigmoid exports."""
+    checkpoint = write_checkpoint("deepseek_v3_moe", tmp_path / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template)
+    state = checkpoint.model.state_dict()
+    for name, gating, refusal in (
+        ("missing", None, r"expert_gating_func is missing"),
+        ("softmax", (1, gguf.GGUFValueType.UINT32), r"expert_gating_func is 1 \(softmax\)"),
+        ("sigmoid", (2, gguf.GGUFValueType.UINT32), None),
+    ):
+        path = tmp_path / f"{name}.gguf"
+        write_family_gguf(path, checkpoint.model.config, state, metadata={"deepseek2.expert_gating_func": gating})
+        if refusal is None:
+            export_package(str(path), tmp_path / name, ExportOptions(dtype="float32"), stderr=io.StringIO())
+            assert open_package(tmp_path / name).manifest.model.routing == "sigmoid_group"
+            continue
+        with pytest.raises(ExportError, match=refusal + r".*sigmoid \(2\).*scoring_func"):
+            export_package(str(path), tmp_path / name, ExportOptions(dtype="float32"), stderr=io.StringIO())
+        assert not (tmp_path / name).exists()
 
 
 async def _greedy(scheduler, rid: str, text: str, n: int = 1) -> tuple[list[list[int]], list[Finished]]:

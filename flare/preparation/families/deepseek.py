@@ -141,6 +141,16 @@ def gguf_deepseek_moe_fields(keys: GGUFKeys, experts: int, shapes: Mapping[str, 
     gating = keys.metadata.get(keys._key("expert_gating_func"))
     if gating not in (None, 1, 2):  # softmax, sigmoid
         raise keys._bad(keys._key("expert_gating_func"), gating, "1 (softmax) or 2 (sigmoid), DeepSeek's gatings")
+    if gating != 2 and any(re.fullmatch(r"blk\.\d+\.exp_probs_b\.bias", name) for name in shapes):
+        # llama.cpp would serve such a file, softmax scores with V3's bias added to choose: a model
+        # no checkpoint is. The converter writes the key only from config.json's scoring_func,
+        # which DeepSeek's releases have and a config saved by transformers' DeepseekV3Config lacks.
+        found = "missing" if gating is None else f"{gating} (softmax)"
+        raise SourceError(
+            f"{keys.path} has DeepSeek-V3's expert correction bias (exp_probs_b) but the GGUF metadata key "
+            f"{keys._key('expert_gating_func')} is {found}: V3 scores its experts by sigmoid (2). llama.cpp's "
+            f'converter writes the key from config.json\'s scoring_func: add "scoring_func": "sigmoid" there and convert again'
+        )
     groups = keys.maybe_integer("expert_group_count") or 1
     used_groups = keys.maybe_integer("expert_group_used_count") or groups
     width = keys.integer("expert_feed_forward_length")
