@@ -492,15 +492,17 @@ def save_tiny_checkpoint(directory: Path, config: Any, state: dict[str, torch.Te
     (directory / "tokenizer_config.json").write_text(json.dumps(settings))
 
 
-def convert_with_llama_cpp(conversions: Sequence[tuple[Path, Path]], outtype: str = "f32") -> None:
-    """llama.cpp's own convert_hf_to_gguf.py on each (Hugging Face directory, GGUF to write) of
-    `conversions` (in a subprocess: it imports its own gguf-py)."""
+def convert_with_llama_cpp(
+    conversions: Sequence[tuple[Path, Path]], outtype: str = "f32", converter: Path = LLAMA_CPP_CONVERTER
+) -> None:
+    """llama.cpp's own convert_hf_to_gguf.py (`converter`) on each (Hugging Face directory, GGUF to
+    write) of `conversions` (in a subprocess: it imports its own gguf-py)."""
     import subprocess
     import sys
 
     paths = [str(path) for conversion in conversions for path in conversion]
     result = subprocess.run(
-        [sys.executable, "-c", _CONVERTER_DRIVER, str(LLAMA_CPP_CONVERTER), "--outtype", outtype, *paths],
+        [sys.executable, "-c", _CONVERTER_DRIVER, str(converter), "--outtype", outtype, *paths],
         capture_output=True, text=True, timeout=600, check=False,
     )
     assert result.returncode == 0, result.stderr[-4000:]
