@@ -27,6 +27,7 @@ from pathlib import Path
 
 import gguf
 import pytest
+import structlog
 import torch
 from tests.family_checkpoints import DEEPSEEK_MOE_FAMILIES, Checkpoint, deepseek_config, write_checkpoint
 from tests.families.test_transformers_parity import BLOCK_SIZE, LOGIT_TOLERANCE, PROMPTS, forward_in_pieces, reference_logits
@@ -348,9 +349,11 @@ async def test_prefix_cache_preemption_and_choices_on_the_latent_pool_give_the_p
         assert choices == [expected[0]] * 3
     # 24 blocks of 4 tokens cannot hold both prompts (~50 tokens each) and their answers at once.
     tight_bytes = 24 * BLOCK_SIZE * bytes_per_token(config, torch.float32)
-    async with running(package_path, draft_tokens=0, block_size=BLOCK_SIZE, kv_cache_memory=tight_bytes) as tight:
-        results = await asyncio.gather(*(_greedy(tight, f"t{i}", text) for i, text in enumerate(PROMPTS)))
-        assert tight.snapshot().kv_blocks_used == 0
+    with structlog.testing.capture_logs() as logs:
+        async with running(package_path, draft_tokens=0, block_size=BLOCK_SIZE, kv_cache_memory=tight_bytes) as tight:
+            results = await asyncio.gather(*(_greedy(tight, f"t{i}", text) for i, text in enumerate(PROMPTS)))
+            assert tight.snapshot().kv_blocks_used == 0
+    assert any(entry["event"] == "request_preempted" for entry in logs)
     assert [tokens[0] for tokens, _ in results] == expected
 
 
