@@ -1,9 +1,10 @@
 """Mixture-of-experts packages (Qwen3-MoE, Qwen2-MoE, Mixtral): what export reads of their configs,
-both layouts of their experts, and stacked experts kept as blocks that score as their own float32
-values. test_transformers_parity.py holds their float packages to transformers."""
+both layouts of their experts, stacked experts kept as blocks that score as their own float32
+values, and Q8_0 experts served at tensor parallel 2 answering as at 1. test_transformers_parity.py holds their float packages to transformers."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 from pathlib import Path
 
@@ -14,15 +15,18 @@ from safetensors.torch import load_file, save_file
 from tests.family_checkpoints import Checkpoint, write_checkpoint
 from tests.families.test_transformers_parity import PROMPTS, forward_in_pieces
 from tests.gguf_writer import LLAMA_CPP_CONVERTER, convert_with_llama_cpp, gguf_vocabulary, write_family_gguf
+from tests.running_scheduler import running
 
 from flare.engine import native, native_quantized
 from flare.engine.model import DecoderModel, load_model
 from flare.engine.tokenizer import Tokenizer
 from flare.package.directory import open_package
+from flare.policy.params import SamplingParams
 from flare.preparation.default_model import default_gguf_path
 from flare.preparation.export import ExportError, ExportOptions, export_package
 from flare.preparation.families.hf_config import model_config_from_hf
 from flare.preparation.source import ModelSource, SourceError
+from flare.scheduler.request import Finished, GenerationRequest, TextDelta
 
 pytest.importorskip("transformers")
 
@@ -282,3 +286,37 @@ def test_a_moe_layer_of_blocks_runs_in_the_one_call_decoder_layer_with_the_steps
     assert calls.count("route") == moe_layers  # the prefill's MoE layers, step by step
     for fused_logits, step_logits in zip(got, forward_in_pieces(steps, prompts, pieces), strict=True):
         assert torch.equal(fused_logits, step_logits)
+
+
+async def _greedy_tokens(scheduler, request_id: str, text: str) -> list[int]:
+    request = GenerationRequest(request_id, tuple(scheduler.tokenizer.encode(text)), SamplingParams(temperature=0.0, max_tokens=24))
+    tokens: list[int] = []
+    async for event in scheduler.submit(request):
+        if isinstance(event, TextDelta):
+            tokens += event.token_ids
+        else:
+            assert isinstance(event, Finished), event
+    return tokens
+
+
+@pytest.mark.skipif(not native.available(), reason="blocks are multiplied as blocks only by the C kernels")
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+async def test_a_q8_0_moe_package_served_at_tensor_parallel_2_answers_as_at_1(
+    family: str, smollm2_source: ModelSource, tmp_path: Path
+) -> None:
+    """Served through the scheduler, rank 1 a worker process: each rank keeps half of every
+    expert's intermediate columns as whole Q8_0 blocks (64 wide: 32 a rank) and multiplies them
+    on the C kernels. Both prompts at once at TP 2, with the package's n-gram drafting on, answer
+    as TP 1 answers each alone without drafts."""
+    changes = {"moe_intermediate_size": 64} if family == "qwen3_moe" else {}
+    checkpoint = write_checkpoint(family, tmp_path / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template, changes=changes)
+    export_package(str(checkpoint.path), tmp_path / "package", ExportOptions(quantize="q8_0"), stderr=io.StringIO())
+    package = open_package(tmp_path / "package")
+    layer = package.manifest.model.moe_layers[0]
+    assert package.manifest.blocks[f"model.layers.{layer}.mlp.experts.gate_up_proj.weight"].type == "Q8_0"
+    async with running(tmp_path / "package", draft_tokens=0) as single:
+        expected = [await _greedy_tokens(single, f"p{i}", text) for i, text in enumerate(PROMPTS)]
+    async with running(tmp_path / "package", tensor_parallel=2) as double:
+        got = await asyncio.gather(*(_greedy_tokens(double, f"t{i}", text) for i, text in enumerate(PROMPTS)))
+    assert all(len(tokens) == 24 for tokens in expected)
+    assert got == expected

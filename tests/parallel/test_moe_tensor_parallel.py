@@ -1,5 +1,5 @@
 """A mixture-of-experts model (the tiny Qwen2-MoE: routed experts, a gated shared expert, a dense
-layer) at tensor-parallel 2 answers as at 1: every rank holds half of every expert's intermediate
+layer; the tiny Qwen3-MoE and Mixtral) at tensor-parallel 2 answers as at 1: every rank holds half of every expert's intermediate
 columns (flare/parallel/tensor_split.py) and the ranks' partial MLP outputs are summed. The two
 ranks run in two threads here, their all-reduce an exchange through a barrier."""
 
@@ -57,17 +57,21 @@ def logits(model: DecoderModel, prompts: list[list[int]], pieces: list[list[int]
     return out
 
 
-def test_a_moe_model_at_tensor_parallel_2_answers_as_at_1(smollm2_source: ModelSource, tmp_path: Path) -> None:
-    checkpoint = write_checkpoint("qwen2_moe", tmp_path / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template)
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral"])
+def test_a_moe_model_at_tensor_parallel_2_answers_as_at_1(family: str, smollm2_source: ModelSource, tmp_path: Path) -> None:
+    checkpoint = write_checkpoint(family, tmp_path / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template)
     export_package(str(checkpoint.path), tmp_path / "package", ExportOptions(dtype="float32"), stderr=io.StringIO())
     package = open_package(tmp_path / "package")
     config, state = package.manifest.model, package.load_state_dict()
+    width = config.moe_intermediate_size
     half = rank_config(config, 2)
-    assert (half.moe_intermediate_size, half.shared_expert_intermediate_size) == (16, 24)
+    assert (half.moe_intermediate_size, half.shared_expert_intermediate_size) == (width // 2, config.shared_expert_intermediate_size // 2)
     shares = [rank_state_dict(config, state, rank, 2) for rank in range(2)]
-    gate_up = "model.layers.0.mlp.experts.gate_up_proj.weight"
+    layer = config.moe_layers[0]
+    gate_up = f"model.layers.{layer}.mlp.experts.gate_up_proj.weight"
     # Rank 1's expert 3: the second half of its gate rows, then of its up rows.
-    assert torch.equal(shares[1][gate_up][3], torch.cat((state[gate_up][3][16:32], state[gate_up][3][48:64])))
+    expert = state[gate_up][3]
+    assert torch.equal(shares[1][gate_up][3], torch.cat((expert[width // 2 : width], expert[width + width // 2 :])))
 
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, config.vocab_size, (n,), generator=generator).tolist() for n in (21, 15)]
