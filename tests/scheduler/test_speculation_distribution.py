@@ -280,13 +280,18 @@ def peaked_head_package(make_package, package_parts):
 @pytest.fixture(scope="module")
 def deepseek_head_package(smollm2_source, tmp_path_factory):
     """A tiny DeepSeek-V3 whose checkpoint's own MTP layer (latent attention, experts) is the head
-    (tests/deepseek_mtp.py: peaked, the head mostly proposes the token it reads)."""
+    (tests/deepseek_mtp.py: peaked, the head mostly proposes the token it reads), exported as the
+    contract's DeepSeek packages are: 7 drafts, vocabulary-parallel sampling."""
     root = tmp_path_factory.mktemp("deepseek-mtp")
     checkpoint = write_mtp_checkpoint(
         root / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template, logit_scale=DEEPSEEK_LOGIT_SCALE
     )
     distill_export.export_with_draft_head(
-        str(checkpoint.path), root / "pkg", ExportOptions(dtype="float32"), DistillOptions(draft_tokens=7), stderr=io.StringIO()
+        str(checkpoint.path),
+        root / "pkg",
+        ExportOptions(dtype="float32", vocabulary_parallel_sampling=True),
+        DistillOptions(draft_tokens=7),
+        stderr=io.StringIO(),
     )
     return root / "pkg"
 
@@ -298,20 +303,23 @@ def head_package(request):
 
 
 @pytest.mark.parametrize(
-    ("head_package", "params"),
+    ("head_package", "params", "tensor_parallel"),
     [
-        ("peaked_head_package", SamplingParams(temperature=1.0, max_tokens=4)),
-        ("peaked_head_package", SamplingParams(temperature=0.7, top_k=8, top_p=0.9, max_tokens=4)),
-        ("deepseek_head_package", SamplingParams(temperature=1.0, max_tokens=4)),
-        ("deepseek_head_package", SamplingParams(temperature=1.0, top_k=8, top_p=0.9, max_tokens=4)),
+        ("peaked_head_package", SamplingParams(temperature=1.0, max_tokens=4), 1),
+        ("peaked_head_package", SamplingParams(temperature=0.7, top_k=8, top_p=0.9, max_tokens=4), 1),
+        ("deepseek_head_package", SamplingParams(temperature=1.0, max_tokens=4), 1),
+        ("deepseek_head_package", SamplingParams(temperature=1.0, top_k=8, top_p=0.9, max_tokens=4), 1),
+        ("deepseek_head_package", SamplingParams(temperature=1.0, max_tokens=4), 2),
     ],
     indirect=["head_package"],
-    ids=["learned-head-q", "learned-head-q-filtered", "deepseek-mtp-head-q", "deepseek-mtp-head-q-filtered"],
+    ids=["learned-head-q", "learned-head-q-filtered", "deepseek-mtp-head-q", "deepseek-mtp-head-q-filtered", "deepseek-mtp-head-q-tp2"],
 )
-async def test_sampling_with_a_draft_head_follows_the_non_speculative_distribution(head_package, params):
+async def test_sampling_with_a_draft_head_follows_the_non_speculative_distribution(head_package, params, tensor_parallel):
     """Either kind of head a package ships, a learned one (tests/mtp_heads.py) and a DeepSeek-V3
     checkpoint's own MTP layer: its q is the softmax the round computes, and the answers drawn
-    with its drafts verified follow the distribution drawn without them."""
+    with its drafts verified follow the distribution drawn without them; for DeepSeek also at
+    tensor parallel 2 (the contract's scenario: the head drafts on rank 0, verification and
+    sampling from both ranks' vocabulary shards) against one rank without drafts."""
     plain, plain_rounds = await sample_tokens(head_package, params, None)
-    speculative, speculative_rounds = await sample_tokens(head_package, params, None, head=True)
-    assert_same_distribution(plain, plain_rounds, speculative, speculative_rounds, "the draft head")
+    speculative, speculative_rounds = await sample_tokens(head_package, params, None, head=True, tensor_parallel=tensor_parallel)
+    assert_same_distribution(plain, plain_rounds, speculative, speculative_rounds, f"the draft head at TP {tensor_parallel}")
