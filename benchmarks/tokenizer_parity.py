@@ -25,7 +25,9 @@ rebuild is listed as refused. Give the same files as GGUF arguments to run the c
         --llama-tokenize /work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-tokenize
 
 `--record FILE` writes the llama.cpp ids of the `--pre` vocabularies as the JSON fixture
-tests/preparation/test_gguf_tokenizer.py checks flare against (CI has no llama.cpp).
+tests/preparation/test_gguf_tokenizer.py checks flare against (CI has no llama.cpp), and
+`--record-gguf FILE` the texts and ids of each GGUF file given (the real DeepSeek-V3 vocabulary's
+fixture: that test says how its GGUF is made).
 Exit status 1 when any text differs.
 """
 
@@ -107,6 +109,7 @@ def main() -> int:
     parser.add_argument("--pre", nargs="*", default=[], help="llama.cpp pre-tokenizer names, or 'all'")
     parser.add_argument("--sentencepiece", action="store_true", help="SentencePiece vocabularies trained here")
     parser.add_argument("--record", type=Path, help="write the --pre vocabularies' llama.cpp ids here")
+    parser.add_argument("--record-gguf", type=Path, help="write the GGUF files' texts and llama.cpp ids here")
     parser.add_argument("--llama-cpp-tests", type=Path, help="llama.cpp's models/ folder: its tokenizer tests")
     args = parser.parse_args()
     if args.llama_tokenize is None or not args.llama_tokenize.is_file():
@@ -136,6 +139,10 @@ def main() -> int:
         texts = corpus_texts() + special_texts(base)
         args.record.write_text(json.dumps({"texts": texts, "llama_ids": recorded}, ensure_ascii=False) + "\n")
         print(f"recorded in {args.record}")
+    if args.record_gguf is not None:
+        files = {path.name: {key: results[path.name][key] for key in ("texts", "llama_ids")} for path in args.gguf}
+        args.record_gguf.write_text(json.dumps(files, ensure_ascii=False) + "\n")
+        print(f"recorded in {args.record_gguf}")
     if args.llama_cpp_tests is not None:
         for path in sorted(args.llama_cpp_tests.glob("ggml-vocab-*.gguf")):
             if Path(f"{path}.inp").is_file():

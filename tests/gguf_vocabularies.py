@@ -153,6 +153,60 @@ def sentencepiece_vocabulary(
     return vocabulary
 
 
+def _looks_special(token: str) -> bool:
+    """The converter's does_token_look_special: added tokens it makes control tokens although
+    their tokenizer does not mark them special."""
+    return (
+        token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
+        or (token.startswith("<|") and token.endswith("|>"))
+        or (token.startswith("<\uff5c") and token.endswith("\uff5c>"))
+        or (token.startswith("<unused") and token.endswith(">"))
+    )
+
+
+def byte_level_vocabulary(directory: Path, vocab_size: int, pre: str) -> dict[str, Any]:
+    """A Hugging Face tokenizer directory's byte-level BPE vocabulary as llama.cpp's converter writes
+    it (conversion/base.py: get_vocab_base, _set_vocab_gpt2; gguf-py's SpecialVocab for the merges
+    and the special ids), ids past the tokenizer's padded to `vocab_size` (the model's); `pre`: the
+    name the converter's hash check gives the tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    by_id = {i: token for token, i in tokenizer.vocab.items()}
+    added, decoder = tokenizer.get_added_vocab(), tokenizer.added_tokens_decoder
+    tokens: list[str] = []
+    types: list[int] = []
+    for i in range(vocab_size):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(UNUSED)
+            continue
+        token = by_id[i]
+        kind = NORMAL
+        if token in added:
+            if not decoder[i].normalized:
+                token = tokenizer.decode(tokenizer.encode(token, add_special_tokens=False))
+            if decoder[i].special or _looks_special(token):
+                kind = CONTROL
+            else:
+                token, kind = token.replace("\u2581", " "), USER_DEFINED
+        tokens.append(token)
+        types.append(kind)
+    special = gguf.SpecialVocab(directory, load_merges=True)
+    vocabulary: dict[str, Any] = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": list(special.merges),
+    }
+    for kind, token_id in special.special_token_ids.items():
+        vocabulary[f"tokenizer.ggml.{'padding' if kind == 'pad' else kind}_token_id"] = token_id
+    for kind, value in special.add_special_token.items():
+        vocabulary[f"tokenizer.ggml.add_{kind}_token"] = value
+    return vocabulary
+
+
 def llama_tokenize_path() -> Path | None:
     """llama.cpp's llama-tokenize: $LLAMA_TOKENIZE, the build here, or one on PATH; None without."""
     for candidate in (os.environ.get("LLAMA_TOKENIZE"), str(LLAMA_TOKENIZE), shutil.which("llama-tokenize")):

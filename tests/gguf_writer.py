@@ -450,16 +450,19 @@ LLAMA_CPP_CONVERTER = Path("/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp
 # Runs llama.cpp's converter with its own gguf-py. Two answers about the vocabulary only, which
 # changes no weight and no model key: the BPE pre-tokenizer check says "smollm" (the converter
 # recognises a tokenizer only by the hash of a known model's output, and the tiny test vocabulary
-# is none), and Gemma 2 takes the byte-level BPE vocabulary (its converter reads only a
-# SentencePiece tokenizer.model). One interpreter converts every checkpoint it is given, one after
-# the other: torch and transformers are imported once, not once a checkpoint.
+# is none) unless the check is to run ("detect"), and Gemma 2 takes the byte-level BPE vocabulary
+# (its converter reads only a SentencePiece tokenizer.model). One interpreter converts every
+# checkpoint it is given, one after the other: torch and transformers are imported once, not once
+# a checkpoint.
 _CONVERTER_DRIVER = """
 import runpy, sys
 converter = sys.argv.pop(1)
+pre = sys.argv.pop(1)
 sys.path.insert(0, converter.rsplit("/", 1)[0])
 sys.path.insert(1, converter.rsplit("/", 1)[0] + "/gguf-py")
 import conversion.base, conversion.gemma
-conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "smollm"
+if pre != "detect":
+    conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
 conversion.gemma.Gemma2Model.set_vocab = lambda self: self._set_vocab_gpt2()
 options = sys.argv[1:3]
 for directory, outfile in zip(sys.argv[3::2], sys.argv[4::2]):
@@ -493,16 +496,17 @@ def save_tiny_checkpoint(directory: Path, config: Any, state: dict[str, torch.Te
 
 
 def convert_with_llama_cpp(
-    conversions: Sequence[tuple[Path, Path]], outtype: str = "f32", converter: Path = LLAMA_CPP_CONVERTER
+    conversions: Sequence[tuple[Path, Path]], outtype: str = "f32", converter: Path = LLAMA_CPP_CONVERTER, *, detect_pre: bool = False
 ) -> None:
     """llama.cpp's own convert_hf_to_gguf.py (`converter`) on each (Hugging Face directory, GGUF to
-    write) of `conversions` (in a subprocess: it imports its own gguf-py)."""
+    write) of `conversions` (in a subprocess: it imports its own gguf-py); `detect_pre`: the
+    pre-tokenizer named by the converter's own hash check (a real model's tokenizer), not "smollm"."""
     import subprocess
     import sys
 
     paths = [str(path) for conversion in conversions for path in conversion]
     result = subprocess.run(
-        [sys.executable, "-c", _CONVERTER_DRIVER, str(converter), "--outtype", outtype, *paths],
+        [sys.executable, "-c", _CONVERTER_DRIVER, str(converter), "detect" if detect_pre else "smollm", "--outtype", outtype, *paths],
         capture_output=True, text=True, timeout=600, check=False,
     )
     assert result.returncode == 0, result.stderr[-4000:]

