@@ -7,8 +7,9 @@ clamped SwiGLU); the router float32.
 The experts are one block tensor per projection, each expert a view of it, as a package maps
 them; the rows of a round are routed (float64 logits, float32 route), grouped by expert and
 multiplied through the quantized kernels, then summed in each row's fixed expert order. Reported:
-the median wall time of the layer per round, and the bytes of the experts the round touched
-(each distinct expert's gate/up and down once).
+the median wall time of the layer per round, each round new random rows (so routed to other
+experts, which stream from memory as a served round's do), and the bytes of the experts a round
+touched (each distinct expert's gate/up and down once; the median over the rounds).
 
     .venv/bin/python benchmarks/moe_layer.py --rows 1 8 32 --rounds 9
     .venv/bin/python benchmarks/moe_layer.py --rows 1 8 32 --rounds 9 --per-expert  # the loop over experts
@@ -107,16 +108,21 @@ def main() -> None:
         f"{ggml_type.name}; activations {args.activations}; {'the loop over experts' if args.per_expert else 'one call'}"
     )
     for rows in args.rows:
-        x = torch.from_numpy(rng.standard_normal((rows, hidden), dtype=np.float32))
-        touched = len(set(moe_routes(x, weights, config, kernels=native.available()).experts.flatten().tolist()))
+        # Each round's rows are new draws, routed to their own experts as a served round's are: the
+        # same rows every round would meet the same experts, which then stay in the CPU's cache.
+        rounds = [torch.from_numpy(rng.standard_normal((rows, hidden), dtype=np.float32)) for _ in range(args.rounds + 1)]
+        touched_per_round = [
+            len(set(moe_routes(x, weights, config, kernels=native.available()).experts.flatten().tolist())) for x in rounds
+        ]
         times = []
         with torch.inference_mode():
-            moe_mlp(x, weights, config, kernels=native.available())  # warm-up
-            for _ in range(args.rounds):
+            moe_mlp(rounds[0], weights, config, kernels=native.available())  # warm-up
+            for x in rounds[1:]:
                 start = time.perf_counter()
                 moe_mlp(x, weights, config, kernels=native.available())
                 times.append(time.perf_counter() - start)
         median = statistics.median(times)
+        touched = round(statistics.median(touched_per_round[1:]))
         megabytes = touched * per_expert / 1e6
         print(
             f"rows {rows:3d}: {median * 1e3:7.2f} ms per layer (median of {args.rounds}); {touched:3d} experts touched, "
