@@ -7,9 +7,9 @@ clamped SwiGLU); the router float32.
 The experts are one block tensor per projection, each expert a view of it, as a package maps
 them; the rows of a round are routed (float64 logits, float32 route), grouped by expert and
 multiplied through the quantized kernels, then summed in each row's fixed expert order. Reported:
-the median wall time of the layer per round, each round new random rows (so routed to other
-experts, which stream from memory as a served round's do), and the bytes of the experts a round
-touched (each distinct expert's gate/up and down once; the median over the rounds).
+the median wall time of the layer per round, each round new random rows (routed to other
+experts, as a served round's are), and the bytes of the experts a round touched (each distinct
+expert's gate/up and down once; the median over the rounds).
 
     .venv/bin/python benchmarks/moe_layer.py --rows 1 8 32 --rounds 9
     .venv/bin/python benchmarks/moe_layer.py --rows 1 8 32 --rounds 9 --per-expert  # the loop over experts
@@ -108,8 +108,7 @@ def main() -> None:
         f"{ggml_type.name}; activations {args.activations}; {'the loop over experts' if args.per_expert else 'one call'}"
     )
     for rows in args.rows:
-        # Each round's rows are new draws, routed to their own experts as a served round's are: the
-        # same rows every round would meet the same experts, which then stay in the CPU's cache.
+        # Each round's rows are new draws, routed to their own experts as a served round's are.
         rounds = [torch.from_numpy(rng.standard_normal((rows, hidden), dtype=np.float32)) for _ in range(args.rounds + 1)]
         touched_per_round = [
             len(set(moe_routes(x, weights, config, kernels=native.available()).experts.flatten().tolist())) for x in rounds
