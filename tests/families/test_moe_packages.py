@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tests.family_checkpoints import Checkpoint, write_checkpoint
-from tests.families.test_transformers_parity import PROMPTS, forward_in_pieces
+from tests.families.test_transformers_parity import LOGIT_TOLERANCE, PROMPTS, forward_in_pieces, reference_logits
 from tests.gguf_writer import LLAMA_CPP_CONVERTER, convert_with_llama_cpp, gguf_vocabulary, write_family_gguf
 from tests.running_scheduler import running
 
@@ -51,6 +51,22 @@ def test_the_moe_layers_are_those_the_config_makes_sparse() -> None:
     assert model_config_from_hf(hf_config("mixtral"), None).moe_layers == (0, 1, 2)
     dense = model_config_from_hf(hf_config("qwen2_moe", num_experts=0, num_local_experts=0), None)
     assert dense.moe_layers == () and dense.num_experts == 0
+
+
+def test_a_decoder_sparse_step_of_2_makes_every_second_layer_sparse_as_transformers_does(
+    smollm2_source: ModelSource, tmp_path: Path
+) -> None:
+    """Qwen3-MoE with decoder_sparse_step 2 and no mlp_only_layers: layer 1 of 0-2 has experts,
+    0 and 2 the dense MLP, and the package scores a prompt as transformers' model does."""
+    changes = {"decoder_sparse_step": 2, "mlp_only_layers": []}
+    checkpoint = write_checkpoint("qwen3_moe", tmp_path / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template, changes=changes)
+    assert [hasattr(layer.mlp, "experts") for layer in checkpoint.model.model.layers] == [False, True, False]
+    export_package(str(checkpoint.path), tmp_path / "package", ExportOptions(dtype="float32"), stderr=io.StringIO())
+    package = open_package(tmp_path / "package")
+    assert package.manifest.model.moe_layers == (1,)
+    prompt = Tokenizer.from_package(package).encode(PROMPTS[0])
+    (got,) = forward_in_pieces(load_model(package), [prompt], [[len(prompt)]])
+    assert (got - reference_logits(checkpoint, prompt)).abs().max().item() <= LOGIT_TOLERANCE
 
 
 def test_the_routing_and_shared_expert_fields_are_read() -> None:
