@@ -95,6 +95,16 @@ _LLAMA3_PRE = PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True)
 _GPT2_PRE = PreTokenizer((_GPT2,))
 _DIGITS_THEN_GPT2 = PreTokenizer((r"\p{N}", _GPT2))
 _QWEN2_PRE = PreTokenizer((_QWEN2,))
+_DEEPSEEK_V3_PRE = PreTokenizer(
+    (
+        r"\p{N}{1,3}",
+        "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+        (
+            r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+            r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+        ),
+    )
+)
 
 # llama.cpp's pre-tokenizer names (llama_vocab::impl::load) that flare reproduces.
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
@@ -123,19 +133,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     # tokenizers that are V3's or share its rules: JoyAI-LLM's ("joyai-llm" is what the converter
     # writes for DeepSeek-V3's own tokenizer.json whenever add_bos_token is false), Hunyuan's dense
     # models' and HY-V4's.
-    **{
-        name: PreTokenizer(
-            (
-                r"\p{N}{1,3}",
-                "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
-                (
-                    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
-                    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-                ),
-            )
-        )
-        for name in ("deepseek-v3", "joyai-llm", "hunyuan-dense", "hy_v4")
-    },
+    **{name: _DEEPSEEK_V3_PRE for name in ("deepseek-v3", "joyai-llm", "hunyuan-dense", "hy_v4")},
     "falcon": PreTokenizer((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]")),
     "tekken": PreTokenizer((_TEKKEN,), ignore_merges=True, add_bos=True),
     **{name: PreTokenizer((_GPT4O,)) for name in ("gpt-4o", "llama4")},
