@@ -1,6 +1,7 @@
 """Mixture-of-experts packages (Qwen3-MoE, Qwen2-MoE, Mixtral): what export reads of their configs,
 both layouts of their experts, stacked experts kept as blocks that score as their own float32
-values, and Q8_0 experts served at tensor parallel 2 answering as at 1. test_transformers_parity.py holds their float packages to transformers."""
+values, and Q8_0 experts served at tensor parallel 2 answering as at 1.
+test_transformers_parity.py holds their float packages to transformers."""
 
 from __future__ import annotations
 
