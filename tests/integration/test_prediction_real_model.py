@@ -4,10 +4,12 @@ accepted as drafts, streamed or not (the streamed counts in the usage chunk)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
-from tests.integration.daemon_process import DaemonProcess
+from tests.integration.daemon_process import DaemonProcess, start_daemon
 
 pytestmark = pytest.mark.real_model
 PARAGRAPH = (
@@ -18,8 +20,16 @@ ASK = [{"role": "user", "content": f"Repeat this paragraph exactly:\n\n{PARAGRAP
 
 
 @pytest.fixture(scope="module")
-def daemon(default_model_daemon: DaemonProcess) -> DaemonProcess:
-    return default_model_daemon
+def daemon(default_package: Path) -> Iterator[DaemonProcess]:
+    """The default model with the drafts' length held fixed, so that a prediction is verified
+    wherever it proposes. These tests count its accepted tokens; on the session's shared daemon,
+    whose adaptive draft-length model weighs drafts by the round times and acceptance every
+    module's requests taught it, one run drafted none of the prediction (the answer still right)."""
+    process = start_daemon(
+        None, ["--max-concurrency", "4", "--draft-length", "fixed"], env={"FLARE_CACHE_DIR": str(default_package.parents[1])}
+    )
+    yield process
+    assert process.stop() == 0, process.log()
 
 
 async def test_a_prediction_of_the_greedy_answer_gives_the_same_answer_with_its_tokens_accepted(
