@@ -7,6 +7,8 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from flare.package.directory import open_package
+from flare.policy.params import SamplingParams
+from flare.scheduler.request import Finished, GenerationRequest, TextDelta
 from flare.scheduler.scheduler import Scheduler, SchedulerOptions
 
 
@@ -20,3 +22,15 @@ async def running(package_path, **options) -> AsyncIterator[Scheduler]:
     finally:
         scheduler.stop()
         await loop_task
+
+
+async def greedy_tokens(scheduler: Scheduler, request_id: str, text: str, max_tokens: int) -> list[int]:
+    """The greedy answer's token ids to `text` (encoded without a template), failing on a failed request."""
+    request = GenerationRequest(request_id, tuple(scheduler.tokenizer.encode(text)), SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    tokens: list[int] = []
+    async for event in scheduler.submit(request):
+        if isinstance(event, TextDelta):
+            tokens += event.token_ids
+        else:
+            assert isinstance(event, Finished), event
+    return tokens

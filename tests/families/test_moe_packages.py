@@ -16,18 +16,16 @@ from safetensors.torch import load_file, save_file
 from tests.family_checkpoints import Checkpoint, write_checkpoint
 from tests.families.test_transformers_parity import LOGIT_TOLERANCE, PROMPTS, forward_in_pieces, reference_logits
 from tests.gguf_writer import LLAMA_CPP_CONVERTER, convert_with_llama_cpp, gguf_vocabulary, write_family_gguf
-from tests.running_scheduler import running
+from tests.running_scheduler import greedy_tokens, running
 
 from flare.engine import native, native_quantized
 from flare.engine.model import DecoderModel, load_model
 from flare.engine.tokenizer import Tokenizer
 from flare.package.directory import open_package
-from flare.policy.params import SamplingParams
 from flare.preparation.default_model import default_gguf_path
 from flare.preparation.export import ExportError, ExportOptions, export_package
 from flare.preparation.families.hf_config import model_config_from_hf
 from flare.preparation.source import ModelSource, SourceError
-from flare.scheduler.request import Finished, GenerationRequest, TextDelta
 
 pytest.importorskip("transformers")
 
@@ -305,17 +303,6 @@ def test_a_moe_layer_of_blocks_runs_in_the_one_call_decoder_layer_with_the_steps
         assert torch.equal(fused_logits, step_logits)
 
 
-async def _greedy_tokens(scheduler, request_id: str, text: str) -> list[int]:
-    request = GenerationRequest(request_id, tuple(scheduler.tokenizer.encode(text)), SamplingParams(temperature=0.0, max_tokens=24))
-    tokens: list[int] = []
-    async for event in scheduler.submit(request):
-        if isinstance(event, TextDelta):
-            tokens += event.token_ids
-        else:
-            assert isinstance(event, Finished), event
-    return tokens
-
-
 @pytest.mark.skipif(not native.available(), reason="blocks are multiplied as blocks only by the C kernels")
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 async def test_a_q8_0_moe_package_served_at_tensor_parallel_2_answers_as_at_1(
@@ -332,8 +319,8 @@ async def test_a_q8_0_moe_package_served_at_tensor_parallel_2_answers_as_at_1(
     layer = package.manifest.model.moe_layers[0]
     assert package.manifest.blocks[f"model.layers.{layer}.mlp.experts.gate_up_proj.weight"].type == "Q8_0"
     async with running(tmp_path / "package", draft_tokens=0) as single:
-        expected = [await _greedy_tokens(single, f"p{i}", text) for i, text in enumerate(PROMPTS)]
+        expected = [await greedy_tokens(single, f"p{i}", text, 24) for i, text in enumerate(PROMPTS)]
     async with running(tmp_path / "package", tensor_parallel=2) as double:
-        got = await asyncio.gather(*(_greedy_tokens(double, f"t{i}", text) for i, text in enumerate(PROMPTS)))
+        got = await asyncio.gather(*(greedy_tokens(double, f"t{i}", text, 24) for i, text in enumerate(PROMPTS)))
     assert all(len(tokens) == 24 for tokens in expected)
     assert got == expected
