@@ -19,7 +19,9 @@ The servers are driven by `flare bench` (flare/bench/), one level at a time:
 
 Both flare daemons get a KV cache of --kv-cache-memory (1 GiB: 32 streams of a chat prompt and
 128 tokens need about 0.5), so that two daemons, llama.cpp and transformers fit in memory at once.
-All servers are up for the whole run, each idle while another is measured. For every dataset,
+All servers are up for the whole run, each idle while another is measured (with
+--one-server-at-a-time, for files too large to share the page cache, each side is started, warmed,
+measured at every level and stopped in turn, --turns times, each level's median turn counting). For every dataset,
 temperature and concurrency the systems take turns (flare, flare K=0, llama.cpp, transformers),
 so a slow patch of the shared machine falls on all of them. Greedy is temperature 0; sampled runs
 send temperature T with top_p 0.9, top_k off and min_p 0 to every system alike (transformers:
@@ -219,6 +221,13 @@ def bench_level(server: Server, dataset: str, temperature: float, concurrency: i
     return json.loads(out.read_text())
 
 
+def report_level(name: str, dataset: str, temperature: float, concurrency: int, result: dict[str, Any], turn: int | None) -> None:
+    level = result["levels"][0]
+    where = "" if turn is None else f" (turn {turn + 1})"
+    print(f"{dataset} T={temperature:g} c={concurrency} {name}{where}: {level['output_tok_s']:.1f} tok/s "
+          f"({level['completed']} ok, {level['failed']} failed)", flush=True)
+
+
 def requests_at(concurrency: int, args: argparse.Namespace) -> int:
     return max(args.min_requests, args.waves * concurrency)
 
@@ -331,8 +340,13 @@ def main() -> int:
     parser.add_argument("--long-prompt-tokens", type=int, default=0,
                         help="also time cold prompts of this many tokens to their first token on each server (0: not)")
     parser.add_argument("--long-prompt-runs", type=int, default=5, help="distinct long prompts per server (the figure is their median)")
+    parser.add_argument("--one-server-at-a-time", action="store_true",
+                        help="start, measure and stop each side in turn (files too large to share the page cache); not with --long-prompt-tokens")
+    parser.add_argument("--turns", type=int, default=2, help="with --one-server-at-a-time: rounds of every side in turn (the median counts)")
     parser.add_argument("--out-dir", type=Path, default=Path("compare-results"))
     args = parser.parse_args()
+    if args.one_server_at_a_time and args.long_prompt_tokens:
+        parser.error("--long-prompt-tokens takes turns between servers that are up at once: not with --one-server-at-a-time")
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     datasets = args.datasets.split(",")
     temperatures = [float(t) for t in args.temperatures.split(",")]
@@ -363,68 +377,89 @@ def main() -> int:
                 "--max-concurrency", str(max(concurrencies)), "--kv-cache-memory", args.kv_cache_memory, *shlex.split(args.flare_args)]
 
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    with contextlib.ExitStack() as stack:
-        servers: list[Server] = []
-        pids: dict[str, int] = {}
-        sides = [("flare", package, []), ("flare K=0", package, ["--draft-tokens", "0"])][args.skip_speculation :]
-        if args.versus_drafter:
-            sides.append((f"flare {args.versus_drafter}", package, ["--drafter", args.versus_drafter]))
-        if args.versus_dtype:
-            sides.append((f"flare {args.versus_dtype} K=0", default_package_path(dtype=args.versus_dtype), ["--draft-tokens", "0"]))
-        for name, served, extra in sides:
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            log = args.out_dir / f"{slug(name)}.log"
-            command = [*flare_command(served), "--port", str(port), *extra]
-            pids[name] = stack.enter_context(server_process(command, env, name, url, log))
-            servers.append(Server(name, url))
-        if llama_server is not None:
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            command = [str(llama_server), "-m", str(gguf), "-t", str(args.threads), "--host", "127.0.0.1", "--port", str(port),
-                       "-np", str(max(concurrencies)), "-c", str(slot_context * max(concurrencies)), "--cont-batching"]
-            pids["llama.cpp"] = stack.enter_context(server_process(command, env, "llama.cpp", url, args.out_dir / "llama.cpp.log"))
-            servers.append(Server("llama.cpp", url))
-        print("servers up: " + ", ".join(f"{s.name} (pid {pids[s.name]}) at {s.url}" for s in servers), flush=True)
+    specs: list[tuple[str, list[str]]] = []  # (name, command without --port)
+    sides = [("flare", package, []), ("flare K=0", package, ["--draft-tokens", "0"])][args.skip_speculation :]
+    if args.versus_drafter:
+        sides.append((f"flare {args.versus_drafter}", package, ["--drafter", args.versus_drafter]))
+    if args.versus_dtype:
+        sides.append((f"flare {args.versus_dtype} K=0", default_package_path(dtype=args.versus_dtype), ["--draft-tokens", "0"]))
+    specs += [(name, [*flare_command(served), *extra]) for name, served, extra in sides]
+    if llama_server is not None:
+        specs.append(("llama.cpp", [str(llama_server), "-m", str(gguf), "-t", str(args.threads), "--host", "127.0.0.1",
+                                    "-np", str(max(concurrencies)), "-c", str(slot_context * max(concurrencies)), "--cont-batching"]))
 
-        cells: list[dict[str, Any]] = []
-        warmed: set[str] = set()
-        for dataset in [] if args.skip_throughput else datasets:
-            for temperature in temperatures:
-                per_server: dict[str, list[dict[str, Any]]] = {s.name: [] for s in servers}
-                for concurrency in concurrencies:
-                    cell: dict[str, Any] = {"dataset": dataset, "temperature": temperature, "concurrency": concurrency}
-                    for server in servers:
-                        out = args.out_dir / f"{slug(server.name)}-{dataset}-t{temperature:g}-c{concurrency}.json"
-                        result = bench_level(server, dataset, temperature, concurrency, args, out, 0 if server.name in warmed else 2)
-                        warmed.add(server.name)
-                        per_server[server.name].append(result)
-                        level = result["levels"][0]
-                        cell[server.name] = {key: level[key] for key in ("output_tok_s", "req_s", "completed", "failed", "failures")}
-                        for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
-                            cell[server.name][key] = {p: level[key][p] for p in ("mean", "p50", "p90", "p99")}
-                        metrics = level.get("server_metrics") or {}
-                        cell[server.name]["accepted_per_round"] = metrics.get("accepted_per_round")
-                        cell[server.name]["tokens_per_row_round"] = metrics.get("tokens_per_row_round")
-                        cell[server.name]["drafts_by_drafter"] = metrics.get("drafts_by_drafter")
-                        print(f"{dataset} T={temperature:g} c={concurrency} {server.name}: {level['output_tok_s']:.1f} tok/s "
-                              f"({level['completed']} ok, {level['failed']} failed)", flush=True)
-                    if reference is not None:
-                        prompts = prompts_of(dataset)
-                        batch = [prompts[i % len(prompts)] for i in range(concurrency)]
-                        seconds, tokens = reference.generate(batch, args.max_tokens, temperature)
-                        cell["transformers"] = {"output_tok_s": tokens / seconds}
-                        print(f"{dataset} T={temperature:g} c={concurrency} transformers: {tokens / seconds:.1f} tok/s", flush=True)
-                    cells.append(cell)
-                merged = [merge_levels(results) for results in per_server.values()]
-                name = f"{dataset}-t{temperature:g}"
-                for result in merged:
-                    (args.out_dir / f"{slug(result['label'])}-{name}.json").write_text(json.dumps(result, indent=1))
-                write_plots(merged, args.out_dir / "plots" / name, title=f"{dataset}, temperature {temperature:g}, {args.max_tokens} tokens")
-        long_prompt_result = None
-        if args.long_prompt_tokens:
-            tokenizer = Tokenizer.from_package(open_package(package))
-            long_prompt_result = asyncio.run(long_prompt_level(servers, tokenizer, args.long_prompt_tokens, args.long_prompt_runs))
+    def start(stack: contextlib.ExitStack, name: str, command: list[str]) -> Server:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        pid = stack.enter_context(server_process([*command, "--port", str(port)], env, name, url, args.out_dir / f"{slug(name)}.log"))
+        print(f"{name} up (pid {pid}) at {url}", flush=True)
+        return Server(name, url)
+
+    names = [name for name, _ in specs]
+    measured: dict[tuple[str, str, float, int], list[dict[str, Any]]] = {}  # (server, dataset, temperature, streams): turns
+    levels = [(d, t, c) for d in ([] if args.skip_throughput else datasets) for t in temperatures for c in concurrencies]
+    long_prompt_result = None
+    if args.one_server_at_a_time:
+        # Each side alone, started, warmed, measured at every level and stopped, in turn, --turns
+        # times: for files that together overflow the page cache, which servers up at once would
+        # evict from each other between levels. A level's figure is the median over the turns.
+        for turn in range(args.turns):
+            for name, command in specs:
+                with contextlib.ExitStack() as stack:
+                    server = start(stack, name, command)
+                    for i, (dataset, temperature, concurrency) in enumerate(levels):
+                        out = args.out_dir / f"{slug(name)}-{dataset}-t{temperature:g}-c{concurrency}-turn{turn}.json"
+                        result = bench_level(server, dataset, temperature, concurrency, args, out, 2 if i == 0 else 0)
+                        measured.setdefault((name, dataset, temperature, concurrency), []).append(result)
+                        report_level(name, dataset, temperature, concurrency, result, turn)
+    else:
+        with contextlib.ExitStack() as stack:
+            servers = [start(stack, name, command) for name, command in specs]
+            warmed: set[str] = set()
+            for dataset, temperature, concurrency in levels:
+                for server in servers:
+                    out = args.out_dir / f"{slug(server.name)}-{dataset}-t{temperature:g}-c{concurrency}.json"
+                    result = bench_level(server, dataset, temperature, concurrency, args, out, 0 if server.name in warmed else 2)
+                    warmed.add(server.name)
+                    measured[(server.name, dataset, temperature, concurrency)] = [result]
+                    report_level(server.name, dataset, temperature, concurrency, result, None)
+            if args.long_prompt_tokens:
+                tokenizer = Tokenizer.from_package(open_package(package))
+                long_prompt_result = asyncio.run(long_prompt_level(servers, tokenizer, args.long_prompt_tokens, args.long_prompt_runs))
+
+    cells: list[dict[str, Any]] = []
+    for dataset in [] if args.skip_throughput else datasets:
+        for temperature in temperatures:
+            per_server: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+            for concurrency in concurrencies:
+                cell: dict[str, Any] = {"dataset": dataset, "temperature": temperature, "concurrency": concurrency}
+                for name in names:
+                    turns = measured[(name, dataset, temperature, concurrency)]
+                    # The turn of median rate stands for the level (all of them, in one run, the same).
+                    result = sorted(turns, key=lambda r: r["levels"][0]["output_tok_s"])[(len(turns) - 1) // 2]
+                    per_server[name].append(result)
+                    level = result["levels"][0]
+                    cell[name] = {key: level[key] for key in ("output_tok_s", "req_s", "completed", "failed", "failures")}
+                    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+                        cell[name][key] = {p: level[key][p] for p in ("mean", "p50", "p90", "p99")}
+                    if len(turns) > 1:
+                        cell[name]["turns_output_tok_s"] = [t["levels"][0]["output_tok_s"] for t in turns]
+                    metrics = level.get("server_metrics") or {}
+                    cell[name]["accepted_per_round"] = metrics.get("accepted_per_round")
+                    cell[name]["tokens_per_row_round"] = metrics.get("tokens_per_row_round")
+                    cell[name]["drafts_by_drafter"] = metrics.get("drafts_by_drafter")
+                if reference is not None:
+                    prompts = prompts_of(dataset)
+                    batch = [prompts[i % len(prompts)] for i in range(concurrency)]
+                    seconds, tokens = reference.generate(batch, args.max_tokens, temperature)
+                    cell["transformers"] = {"output_tok_s": tokens / seconds}
+                    print(f"{dataset} T={temperature:g} c={concurrency} transformers: {tokens / seconds:.1f} tok/s", flush=True)
+                cells.append(cell)
+            merged = [merge_levels(results) for results in per_server.values()]
+            name = f"{dataset}-t{temperature:g}"
+            for result in merged:
+                (args.out_dir / f"{slug(result['label'])}-{name}.json").write_text(json.dumps(result, indent=1))
+            write_plots(merged, args.out_dir / "plots" / name, title=f"{dataset}, temperature {temperature:g}, {args.max_tokens} tokens")
 
     summary = {
         "command": " ".join(sys.argv),
@@ -443,10 +478,9 @@ def main() -> int:
     }
     (args.out_dir / "comparison.json").write_text(json.dumps(summary, indent=1))
     if cells:
-        print_table(cells, [s.name for s in servers] + ([] if reference is None else ["transformers"]), args.versus_dtype,
-                    args.versus_drafter)
+        print_table(cells, names + ([] if reference is None else ["transformers"]), args.versus_dtype, args.versus_drafter)
     if long_prompt_result is not None:
-        print_long_prompt(long_prompt_result, [s.name for s in servers])
+        print_long_prompt(long_prompt_result, names)
     return 0
 
 

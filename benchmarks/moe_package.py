@@ -12,6 +12,14 @@ greedy chat answer against the bound "file + KV cache + 15%" (experts mapped, ne
 the one-stream rate of that answer (random weights: the text means nothing), and the prefill rate
 of a prompt of about 1,500 tokens (--prefill-chars).
 
+All 48 layers would be a 61 GB F16 file before quantizing. `--distinct-layers M` makes the first M
+as above (the M-layer Q4_K_M, kept in the workdir) and writes the N-layer file from it, layer i's
+blocks those of layer i mod M: the model's full size and per-token traffic (a 48-layer file is
+17.3 GiB, as the real Q4_K_M's), from a 4-layer quantization:
+
+    .venv/bin/python benchmarks/moe_package.py --workdir /tmp/qwen3moe-48 --layers 48 --distinct-layers 4 \
+        --llama-quantize /work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-quantize
+
     .venv/bin/python benchmarks/moe_package.py --workdir /tmp/qwen3moe-4 \\
         --llama-quantize /work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-quantize
 
@@ -109,6 +117,39 @@ def write_f16_gguf(path: Path, s: dict, seed: int) -> None:
     writer.close()
 
 
+def repeat_layers(source: Path, target: Path, layers: int) -> None:
+    """`source`'s GGUF with `layers` layers, layer i's tensors (blocks as they are) those of layer
+    i mod the source's layer count; every other key and tensor as in `source`."""
+    reader = gguf.GGUFReader(str(source))
+    arch = str(reader.fields["general.architecture"].contents())
+    block_count = f"{arch}.block_count"
+    distinct = int(reader.fields[block_count].contents())
+    writer = gguf.GGUFWriter(str(target), arch)
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        value = layers if field.name == block_count else field.contents()
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, field.types[0], sub_type=sub_type)
+    tensors = {t.name: t for t in reader.tensors}
+    names: list[tuple[str, str]] = []  # (name written, source tensor)
+    for name in tensors:
+        if not name.startswith("blk."):
+            names.append((name, name))
+    for i in range(layers):
+        prefix = f"blk.{i % distinct}."
+        names += [(f"blk.{i}." + n[len(prefix):], n) for n in tensors if n.startswith(prefix)]
+    for name, source_name in names:
+        tensor = tensors[source_name]
+        writer.add_tensor_info(name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _, source_name in names:
+        writer.write_tensor_data(tensors[source_name].data)
+    writer.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, required=True)
@@ -116,22 +157,36 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens of the chat answer")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=4, help="the first N of the model's 48 layers")
+    parser.add_argument(
+        "--distinct-layers", type=int, help="quantize only the first M layers and repeat them to --layers (default: all distinct)"
+    )
     parser.add_argument("--prefill-chars", type=int, default=2300, help="characters of the prefill prompt (about 1,500 tokens)")
     parser.add_argument("--vocab", type=int, default=SHAPE["vocab"], help="the synthetic vocabulary's size")
     args = parser.parse_args()
     shape = dict(SHAPE, layers=args.layers, vocab=args.vocab)
     if not 1 <= args.layers <= SHAPE["layers"]:
         parser.error(f"--layers must lie in [1, {SHAPE['layers']}]")
+    distinct = args.layers if args.distinct_layers is None else args.distinct_layers
+    if not 1 <= distinct <= args.layers:
+        parser.error("--distinct-layers must lie in [1, --layers]")
     args.workdir.mkdir(parents=True, exist_ok=True)
-    stem = f"qwen3moe-30b-a3b-shape-{shape['layers']}-layers"
+    stem = f"qwen3moe-30b-a3b-shape-{distinct}-layers"
     f16, q4km, package = args.workdir / f"{stem}.F16.gguf", args.workdir / f"{stem}.Q4_K_M.gguf", args.workdir / "package"
     if not q4km.exists():
+        shape = dict(shape, layers=distinct)
         if not f16.exists():
             started = time.perf_counter()
             write_f16_gguf(f16, shape, args.seed)
             print(f"F16 GGUF {f16.stat().st_size:,} bytes written in {time.perf_counter() - started:.0f} s")
         subprocess.run([str(args.llama_quantize), str(f16), str(q4km), "Q4_K_M"], check=True, capture_output=True)
         f16.unlink()  # the F16 file is only llama-quantize's input
+    if distinct < args.layers:
+        repeated = args.workdir / f"qwen3moe-30b-a3b-shape-{args.layers}-layers-of-{distinct}.Q4_K_M.gguf"
+        if not repeated.exists():
+            started = time.perf_counter()
+            repeat_layers(q4km, repeated, args.layers)
+            print(f"{repeated.name}: {repeated.stat().st_size:,} bytes written in {time.perf_counter() - started:.0f} s")
+        q4km = repeated
     export_and_serve(q4km, package, args.tokens, args.prefill_chars)
 
 
