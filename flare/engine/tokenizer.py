@@ -19,7 +19,7 @@ from flare.package.chat_template import (
     takes_system_turn,
 )
 from flare.package.reasoning_formats import reasoning_format
-from flare.package.tool_formats import tool_call_format
+from flare.package.tool_formats import FLARE, tool_call_format
 
 if TYPE_CHECKING:
     from flare.package.directory import Package
@@ -89,10 +89,14 @@ class Tokenizer:
         self.eos_token_ids = tuple(eos_token_ids)
         self.bos_token_id = bos_token_id
         self._template = compile_chat_template(chat_template)
-        # A template that reads `tools` renders function definitions and tool turns itself.
-        self.knows_tools = reads_tools(chat_template)
         # How the template writes tool calls, so the answer's grammar and reader use the same.
         self.tool_format = tool_call_format(chat_template)
+        # A template that reads `tools` renders function definitions and tool turns itself, where
+        # its calls are in a format flare reads back. One whose format flare does not know (Kimi
+        # K2's call sections, DeepSeek-V3.2's DSML) would teach the model that format while the
+        # grammar holds its answer to flare's: its conversation is written in flare's format
+        # instead, with the preamble that teaches it (api/tools/prompt.py).
+        self.knows_tools = reads_tools(chat_template) and self.tool_format is not FLARE
         # How the model writes its reasoning before the answer (Qwen 3's <think>), or None.
         self.reasoning_format = reasoning_format(chat_template)
         # Where flare's tool preamble goes for a template without tools: its own system turn,

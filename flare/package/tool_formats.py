@@ -99,7 +99,10 @@ def tool_call_format(source: str) -> ToolFormat:
     own format then ("flare"), unless it writes harmony's channels (gpt-oss), whose answer is
     read as harmony whether or not it calls. Otherwise the marks each family's template writes its earlier
     calls with: Mistral's `[TOOL_CALLS]`, the `<tool_call>` tags of Qwen and Hermes, Llama 3.1's
-    `"parameters"` object beside its header tokens; any other such template, flare's format."""
+    `"parameters"` object beside its header tokens; any other such template (Kimi K2's call
+    sections, DeepSeek-V3.2's DSML), flare's format, and the conversation is written in it with
+    flare's preamble rather than by the template (`Tokenizer.knows_tools`), so that the prompt
+    teaches the format the answer is held to."""
     if "<|channel|>" in source:
         return HARMONY
     if not reads_tools(source):
