@@ -77,6 +77,16 @@ _GPT4O = (
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+# Kimi K2's tokenizer (tokenization_kimi.py) splits Han runs apart from other letters. llama.cpp runs it as a
+# hand-written splitter (unicode.cpp, unicode_regex_split_custom_kimi_k2), reproduced here as what
+# it does rather than Kimi's regex: "Han" is llama.cpp's list of CJK ideograph blocks
+# (unicode_cpt_is_han: unassigned code points in them included), a word is any run of other
+# letters (no upper/lower case parts, no marks), its contractions of either case.
+_HAN_BLOCKS = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df\U0002a700-\U0002ebef\U0002f800-\U0002fa1f"
+_KIMI_K2 = (
+    rf"[{_HAN_BLOCKS}]+|[^\r\n\p{{L}}\p{{N}}]?[\p{{L}}&&[^{_HAN_BLOCKS}]]+{_CONTRACTIONS}?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _DEEPSEEK_LLM_LETTERS = (  # escaped: several of these letters have a canonical equivalent in Greek
     "\\s?[A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373"
     "\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f"
@@ -137,6 +147,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "falcon": PreTokenizer((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]")),
     "tekken": PreTokenizer((_TEKKEN,), ignore_merges=True, add_bos=True),
     **{name: PreTokenizer((_GPT4O,)) for name in ("gpt-4o", "llama4")},
+    "kimi-k2": PreTokenizer((_KIMI_K2,)),
 }
 
 

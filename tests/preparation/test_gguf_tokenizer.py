@@ -111,7 +111,7 @@ def test_byte_level_pre_tokenizer_splits_as_llama_cpp_recorded(
 def test_recorded_pre_tokenizers_tell_the_split_rules_apart(recorded: dict[str, Any]) -> None:
     """The recording proves something: the families' rules give different ids on the corpus."""
     ids = recorded["llama_ids"]
-    families = ["default", "gpt-2", "llama-bpe", "deepseek-llm", "deepseek-coder", "deepseek-v3", "qwen2", "tekken"]
+    families = ["default", "gpt-2", "llama-bpe", "deepseek-llm", "deepseek-coder", "deepseek-v3", "qwen2", "tekken", "kimi-k2"]
     assert len({json.dumps(ids[name]) for name in families}) == len(families)
 
 
