@@ -21,7 +21,8 @@ Both flare daemons get a KV cache of --kv-cache-memory (1 GiB: 32 streams of a c
 128 tokens need about 0.5), so that two daemons, llama.cpp and transformers fit in memory at once.
 All servers are up for the whole run, each idle while another is measured (with
 --one-server-at-a-time, for files too large to share the page cache, each side is started, warmed,
-measured at every level and stopped in turn, --turns times, each level's median turn counting). For every dataset,
+measured at every level and stopped in turn, --turns times, each level's median turn counting:
+the slower of the middle two for an even count). For every dataset,
 temperature and concurrency the systems take turns (flare, flare K=0, llama.cpp, transformers),
 so a slow patch of the shared machine falls on all of them. Greedy is temperature 0; sampled runs
 send temperature T with top_p 0.9, top_k off and min_p 0 to every system alike (transformers:
@@ -342,7 +343,7 @@ def main() -> int:
     parser.add_argument("--long-prompt-runs", type=int, default=5, help="distinct long prompts per server (the figure is their median)")
     parser.add_argument("--one-server-at-a-time", action="store_true",
                         help="start, measure and stop each side in turn (files too large to share the page cache); not with --long-prompt-tokens")
-    parser.add_argument("--turns", type=int, default=2, help="with --one-server-at-a-time: rounds of every side in turn (the median counts)")
+    parser.add_argument("--turns", type=int, default=2, help="with --one-server-at-a-time: rounds of every side in turn (the median turn counts)")
     parser.add_argument("--out-dir", type=Path, default=Path("compare-results"))
     args = parser.parse_args()
     if args.one_server_at_a_time and args.long_prompt_tokens:
@@ -402,7 +403,7 @@ def main() -> int:
     if args.one_server_at_a_time:
         # Each side alone, started, warmed, measured at every level and stopped, in turn, --turns
         # times: for files that together overflow the page cache, which servers up at once would
-        # evict from each other between levels. A level's figure is the median over the turns.
+        # evict from each other between levels. A level's figure is its median turn's (below).
         for turn in range(args.turns):
             for name, command in specs:
                 with contextlib.ExitStack() as stack:
@@ -435,7 +436,8 @@ def main() -> int:
                 cell: dict[str, Any] = {"dataset": dataset, "temperature": temperature, "concurrency": concurrency}
                 for name in names:
                     turns = measured[(name, dataset, temperature, concurrency)]
-                    # The turn of median rate stands for the level (all of them, in one run, the same).
+                    # The turn of median rate stands for the level (of an even count, the slower middle one);
+                    # every turn's rate is kept beside it.
                     result = sorted(turns, key=lambda r: r["levels"][0]["output_tok_s"])[(len(turns) - 1) // 2]
                     per_server[name].append(result)
                     level = result["levels"][0]
