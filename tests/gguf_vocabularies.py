@@ -392,15 +392,6 @@ def o200k_base_ranks() -> dict[bytes, int]:
     return {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in lines if line)}
 
 
-def _gpt2_byte_alphabet() -> dict[int, str]:
-    """GPT-2's bytes_to_unicode: printable bytes as themselves, the others from U+0100 on."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    alphabet = {b: chr(b) for b in printable}
-    for extra, b in enumerate(b for b in range(256) if b not in alphabet):
-        alphabet[b] = chr(256 + extra)
-    return alphabet
-
-
 @functools.cache
 def _o200k_harmony_tokenizer_json() -> str:
     """The tokenizer.json of o200k_harmony as transformers' TikTokenConverter makes one from
@@ -408,9 +399,10 @@ def _o200k_harmony_tokenizer_json() -> str:
     the whole token's rank, then of the left and the right part's (446,189 of them, as in gpt-oss's
     GGUFs); a piece that is a token is taken whole (ignore_merges, as tiktoken does)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     ranks = o200k_base_ranks()
-    alphabet = _gpt2_byte_alphabet()
+    alphabet = bytes_to_unicode()  # GPT-2's: byte -> the character it is written as
     text = {token: "".join(alphabet[b] for b in token) for token in ranks}
     merges: list[tuple[int, int, int, str, str]] = []
     for token, rank in ranks.items():
