@@ -266,9 +266,8 @@ def time_rounds(
     # Interleave the rows' blocks so the block tables are not contiguous, as in serving.
     tables = [[b * batch_size + r for b in range(blocks_per_row)] for r in range(batch_size)]
     # Each round's tokens are new draws from the vocabulary, as a served text's are, so a MoE layer
-    # routes each round to other experts, as in serving. (Alternating with one repeated token on
-    # the MoE file showed no difference beyond the machine's own drift: 20.3 / 25.7 / 24.6 ms
-    # against 21.1 / 24.7 / 19.3.)
+    # routes each round to other experts, as in serving. (One repeated token instead measured the
+    # same within the machine's drift: docs/benchmarks.md, "One stream is bound by reading the weights".)
     draws = random.Random(0)
     vocab = model.config.vocab_size
     timings = []

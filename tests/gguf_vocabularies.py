@@ -21,6 +21,7 @@ from typing import Any
 
 import gguf
 
+from flare.package.tool_formats import HARMONY_TOKENS
 from flare.preparation.gguf_layout import read_gguf_layout, read_gguf_value
 from flare.preparation.source import SourceError
 
@@ -307,13 +308,12 @@ def special_texts(vocabulary: Mapping[str, Any]) -> list[str]:
     if not whole:
         return []
     a, b, c = whole[0], whole[-1], whole[len(whole) // 2]
-    harmony = {"<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>", "<|call|>", "<|return|>"}
     return [
         f"{a}user\nHello there, 42 times!{b}\n{a}assistant\n",
         f"x{c}y {c} z{a}{b}",
         f"  {a}   spaced   {b}  \n {c}\n",
         f"{b}",
-        *(HARMONY_TEXTS if harmony <= set(tokens) else []),
+        *(HARMONY_TEXTS if set(HARMONY_TOKENS) <= set(tokens) else []),
     ]
 
 
