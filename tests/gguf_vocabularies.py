@@ -24,6 +24,7 @@ import gguf
 from flare.package.tool_formats import HARMONY_TOKENS
 from flare.preparation.gguf_layout import read_gguf_layout, read_gguf_value
 from flare.preparation.source import SourceError
+from flare.preparation.tiktoken_vocabulary import tokenizer_json_from_ranks
 
 # llama.cpp's token types (gguf-py TokenType).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -394,41 +395,9 @@ def o200k_base_ranks() -> dict[bytes, int]:
 
 @functools.cache
 def _o200k_harmony_tokenizer_json() -> str:
-    """The tokenizer.json of o200k_harmony as transformers' TikTokenConverter makes one from
-    tiktoken ranks: every split of a token into two tokens is a merge, the merges in the order of
-    the whole token's rank, then of the left and the right part's (446,189 of them, as in gpt-oss's
-    GGUFs); a piece that is a token is taken whole (ignore_merges, as tiktoken does)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    ranks = o200k_base_ranks()
-    alphabet = bytes_to_unicode()  # GPT-2's: byte -> the character it is written as
-    text = {token: "".join(alphabet[b] for b in token) for token in ranks}
-    merges: list[tuple[int, int, int, str, str]] = []
-    for token, rank in ranks.items():
-        for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            if left in ranks and right in ranks:
-                merges.append((rank, ranks[left], ranks[right], text[left], text[right]))
-    merges.sort()
-    tokenizer = Tokenizer(
-        models.BPE(
-            vocab={text[token]: rank for token, rank in ranks.items()},
-            merges=[(left, right) for *_, left, right in merges],
-            fuse_unk=False,
-            ignore_merges=True,
-        )
-    )
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(O200K_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])  # fmt: skip
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    tokenizer.add_special_tokens(
-        [AddedToken(O200K_HARMONY_SPECIALS[i], special=True, normalized=False) for i in sorted(O200K_HARMONY_SPECIALS)]
-    )
-    return tokenizer.to_str()
+    """The tokenizer.json of o200k_harmony, made from tiktoken's ranks as flare makes one for a
+    tiktoken vocabulary (446,189 merges, as in gpt-oss's GGUFs)."""
+    return tokenizer_json_from_ranks(o200k_base_ranks(), O200K_PATTERN, O200K_HARMONY_SPECIALS)
 
 
 def o200k_harmony_directory(directory: Path) -> Path:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer as BackendTokenizer
 
+from flare.package.byte_level import BYTE_OF_CHARACTER
 from flare.package.chat_template import (
     ChatTemplateError,
     compile_chat_template,
@@ -56,22 +57,6 @@ _LENGTH_KEEPING_NORMALIZERS = frozenset({"Prepend", "Replace", "NFD", "NFKD", "L
 _LENGTH_KEEPING_PRE_TOKENIZERS = frozenset(
     {"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation", "UnicodeScripts", "Sequence"}
 )
-
-
-def _byte_of_char() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, inverted: the printable character each byte is written as."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
-    chars = list(printable)
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
-
-
-_BYTE_OF_CHAR = _byte_of_char()
 
 
 class Tokenizer:
@@ -208,7 +193,7 @@ class Tokenizer:
                 return bytes([int(fallback.group(1), 16)])
             return token.replace("\u2581", " ").encode("utf-8")
         try:
-            return bytes(_BYTE_OF_CHAR[c] for c in token)
+            return bytes(BYTE_OF_CHARACTER[c] for c in token)
         except KeyError:  # not a byte-level token
             return token.replace("\u2581", " ").encode("utf-8")
 

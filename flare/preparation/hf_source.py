@@ -1,8 +1,8 @@
 """A Hugging Face model directory as a package source.
 
 The directory holds `config.json` (a model of a family flare serves: families/hf_config.py), one or
-more `*.safetensors` files,
-`tokenizer.json`, and the chat template in `tokenizer_config.json` (or `chat_template.jinja`).
+more `*.safetensors` files, `tokenizer.json` (or a tiktoken file with tokenizer code flare knows:
+tiktoken_vocabulary.py), and the chat template in `tokenizer_config.json` (or `chat_template.jinja`).
 
 A checkpoint may also ship multi-token-prediction layers in DeepSeek-V3's layout, declared by
 `num_nextn_predict_layers` in its config and stored after the decoder layers, as
@@ -33,7 +33,7 @@ from flare.package import blocks as blocks_module
 from flare.package.blocks import BlockTensor
 from flare.preparation.families.deepseek import rope_interleaved
 from flare.preparation.families.gpt_oss import gpt_oss_mxfp4_experts
-from flare.preparation.families.hf_config import model_config_from_hf, served_model_type
+from flare.preparation.families.hf_config import model_config_from_hf, served_model_type, text_config
 from flare.preparation.families.hf_tensors import HF_LAYER_TENSOR, hf_tensor_name, tensor_converter
 from flare.preparation.families.moe import stack_experts
 from flare.package.model_config import ModelConfig
@@ -41,6 +41,7 @@ from flare.package.directory import layers_held, weight_problems
 from flare.package.problems import listed
 from flare.preparation.recipes import hf_generation_defaults
 from flare.preparation.source import ImportedDraftHead, ModelSource, SourceError, SourceWeights
+from flare.preparation.tiktoken_vocabulary import TIKTOKEN_FILE, tiktoken_tokenizer_json
 
 
 def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
@@ -57,7 +58,7 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
     mtp_layers = _mtp_layer_count(config_data)
     mtp_prefixes = tuple(f"model.layers.{config.num_layers + i}." for i in range(mtp_layers))
     target_shapes = {n: s for n, s in shapes.items() if not n.startswith(mtp_prefixes)} if mtp_prefixes else shapes
-    convert = tensor_converter(config, interleaved_rope=rope_interleaved(config_data))
+    convert = tensor_converter(config, interleaved_rope=rope_interleaved(text_config(config_data)))
     # The package's names and shapes, from the same conversion run on meta tensors.
     converted = {
         name: tensor
@@ -75,10 +76,7 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
         raise SourceError(
             f"the weights in {path} do not match its config.json" + listed(problems)
         )
-    tokenizer_path = path / "tokenizer.json"
-    if not tokenizer_path.is_file():
-        raise SourceError(f"{path} has no tokenizer.json; save the tokenizer with a fast (tokenizers) backend")
-    tokenizer_json = tokenizer_path.read_text(encoding="utf-8")
+    tokenizer_json = _tokenizer_json(path)
 
     def read(progress: Callable[[int, int], None], *, keep_blocks: bool) -> SourceWeights:
         weights = _read_weights(
@@ -267,6 +265,16 @@ def _read_json(path: Path, *, required: bool) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise SourceError(f"{path} must hold a JSON object")
     return data
+
+
+def _tokenizer_json(path: Path) -> str:
+    """The directory's tokenizer.json, or the one its tiktoken file makes (Kimi K2, Moonlight)."""
+    tokenizer_path = path / "tokenizer.json"
+    if tokenizer_path.is_file():
+        return tokenizer_path.read_text(encoding="utf-8")
+    if (path / TIKTOKEN_FILE).is_file():
+        return tiktoken_tokenizer_json(path, _read_json(path / "tokenizer_config.json", required=False))
+    raise SourceError(f"{path} has no tokenizer.json; save the tokenizer with a fast (tokenizers) backend")
 
 
 def _chat_template(path: Path) -> str:

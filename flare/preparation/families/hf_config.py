@@ -2,7 +2,7 @@
 
 `model_type` -> architecture: llama, mistral, qwen2, qwen3, gemma2, gemma3_text (and gemma3,
 whose text model sits under `text_config` and `language_model`), phi3, deepseek_v2 and
-deepseek_v3, gpt_oss, and the mixture-of-experts qwen2_moe, qwen3_moe and mixtral. Both config
+deepseek_v3 (and kimi_k2, a DeepSeek-V3 under its own name), gpt_oss, and the mixture-of-experts qwen2_moe, qwen3_moe and mixtral. Both config
 layouts are read: transformers 5's `rope_parameters` (for Gemma 3 one per layer type) and
 `layer_types`, and the older `rope_theta` / `rope_scaling` / `partial_rotary_factor` /
 `rope_local_base_freq` keys with each family's own rule for which layers slide.
@@ -35,6 +35,7 @@ MODEL_TYPES = {
     "phi3": "phi3",
     "deepseek_v2": "deepseek2",
     "deepseek_v3": "deepseek2",
+    "kimi_k2": "deepseek2",
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
     "mixtral": "mixtral",
@@ -49,8 +50,16 @@ def served_list() -> str:
     return ", ".join(MODEL_TYPES)
 
 
+# Model types that are another's decoder under their own name: Kimi K2 (and K2-Thinking) ships
+# DeepSeek-V3's modeling code and config class with model_type "kimi_k2".
+_SAME_DECODER = {"kimi_k2": "deepseek_v3"}
+
+
 def text_config(data: dict[str, Any]) -> dict[str, Any]:
-    """The config of the decoder: a multimodal Gemma 3's `text_config`, otherwise `data` itself."""
+    """The config of the decoder: a multimodal Gemma 3's `text_config`, a Kimi K2's as the
+    DeepSeek-V3 config it is, otherwise `data` itself."""
+    if data.get("model_type") in _SAME_DECODER:
+        return {**data, "model_type": _SAME_DECODER[data["model_type"]]}
     if data.get("model_type") == "gemma3":
         text = data.get("text_config")
         if not isinstance(text, dict):
