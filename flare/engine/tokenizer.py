@@ -77,8 +77,8 @@ class Tokenizer:
         # How the template writes tool calls, so the answer's grammar and reader use the same.
         self.tool_format = tool_call_format(chat_template)
         # A template that reads `tools` renders function definitions and tool turns itself, where
-        # its calls are in a format flare reads back. One whose format flare does not know (Kimi
-        # K2's call sections, DeepSeek-V3.2's DSML) would teach the model that format while the
+        # its calls are in a format flare reads back. One whose format flare does not know
+        # (DeepSeek-V3.2's DSML, Gemma 4's) would teach the model that format while the
         # grammar holds its answer to flare's: its conversation is written in flare's format
         # instead, with the preamble that teaches it (api/tools/prompt.py).
         self.knows_tools = reads_tools(chat_template) and self.tool_format is not FLARE

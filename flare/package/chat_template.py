@@ -16,6 +16,11 @@ against RENDER_SECONDS of wall time and RENDER_CHARS of output. A render over ei
 hook sees (one single call into C that runs long, such as a filter asked to pad a string to a
 gigabyte) is bounded only by the renderer's thread, which the daemon never waits for at exit.
 
+The sandbox is Jinja's immutable one, as transformers renders templates in, with one opening:
+a list's `append` and `pop`, one item a call (each call a step of the budget), which Kimi K2's
+templates use to pair tool results with the calls they answer (a queue in a `namespace`). So
+that no list outside the render changes, each render gets its own copy of the context.
+
 `check_chat_template` is the check `flare export`, `flare inspect` and `flare run` share: the
 template compiles, and renders a plain conversation within the budget (a template may refuse a
 conversation, with `raise_exception`; it may not hang on it or explode).
@@ -24,6 +29,7 @@ conversation, with `raise_exception`; it may not hang on it or explode).
 from __future__ import annotations
 
 import contextvars
+import copy
 import json
 import time
 from collections.abc import Iterator, Mapping
@@ -35,7 +41,7 @@ import jinja2
 import jinja2.ext
 import jinja2.meta
 import jinja2.nodes
-from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
+from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment, SandboxedEnvironment
 
 # A prompt past a few megabytes exceeds every context flare serves many times over; a render
 # that legitimately takes a second is already pathological (a real template renders orders of
@@ -95,10 +101,19 @@ def _step() -> None:
         budget.step()
 
 
+# A list's methods that change it by one item, which templates use as a queue (Kimi K2's).
+_LIST_QUEUE_METHODS = frozenset({"append", "pop"})
+
+
 class _BudgetedSandbox(ImmutableSandboxedEnvironment):
     """The sandbox with the budget checked at its hooks (the module docstring lists them)."""
 
     intercepted_binops = frozenset({"*", "**"})
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        if isinstance(obj, list) and attr in _LIST_QUEUE_METHODS:
+            return SandboxedEnvironment.is_safe_attribute(self, obj, attr, value)
+        return super().is_safe_attribute(obj, attr, value)
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
         _step()
@@ -207,7 +222,7 @@ def render_within_budget(template: jinja2.Template, context: Mapping[str, Any]) 
     token = _CURRENT.set(budget)
     try:
         pieces = []
-        for piece in template.generate(**context):
+        for piece in template.generate(**copy.deepcopy(dict(context))):
             budget.output(len(piece))
             pieces.append(piece)
         return "".join(pieces)

@@ -14,6 +14,10 @@ reader parses it back into OpenAI `tool_calls`:
   per turn (their templates refuse a turn with several calls).
 - `mistral`: Mistral v0.3 and later: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``;
   call ids of nine letters and digits (the template refuses any other).
+- `kimi`: Kimi K2 and K2-Thinking: a section of calls, each with the function's name outside its
+  arguments, ``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>``
+  (the number counts the conversation's calls; the template writes its own, so the reader skips
+  it). Its marks are control tokens of Kimi's vocabulary (`NameOutside`).
 - `harmony`: gpt-oss. Its whole answer is messages on channels (analysis, commentary, final),
   and a call is a commentary message addressed to the function,
   ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>``: not a
@@ -22,7 +26,8 @@ reader parses it back into OpenAI `tool_calls`:
   their text for that reader.
 
 Every answer of calls is `prefix`, then each call as `call_open` + JSON + `call_close` joined by
-`separator`, then `suffix`. A mark the vocabulary holds as a control token (Mistral's
+`separator`, then `suffix`; where the name is outside the JSON (`name_outside`), a call's JSON is
+its arguments, after the header that names the function. A mark the vocabulary holds as a control token (Mistral's
 `[TOOL_CALLS]`) is that token in the grammar, and stays in the decoded text for the reader. An answer that is text must not start with the character an answer
 of calls starts with (`lead`; the grammar enforces it), so the reader tells text from calls at once.
 """
@@ -38,8 +43,29 @@ from typing import Literal
 
 from flare.package.chat_template import reads_tools
 
-ToolFormatName = Literal["flare", "qwen", "llama3", "mistral", "harmony"]
+ToolFormatName = Literal["flare", "qwen", "llama3", "mistral", "kimi", "harmony"]
 _ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+@dataclass(frozen=True)
+class NameOutside:
+    """A call that writes its function's name before its arguments, outside their JSON object:
+    `call_open`, `before` NAME `after`, a call number where `numbered`, `arguments_open`, then the
+    arguments' JSON object itself."""
+
+    before: str
+    after: str
+    numbered: bool
+    arguments_open: str
+
+    @property
+    def header(self) -> re.Pattern[str]:
+        """A call's text up to its arguments, the name its group 1 (function names are
+        api/tools/parse.py's: letters, digits, _ and -)."""
+        number = r"[0-9]+" if self.numbered else ""
+        return re.compile(
+            re.escape(self.before) + r"([A-Za-z0-9_-]+)" + re.escape(self.after) + number + re.escape(self.arguments_open)
+        )
 
 
 @dataclass(frozen=True)
@@ -54,6 +80,7 @@ class ToolFormat:
     several: bool  # whether the template takes more than one call in a turn
     id_style: Literal["openai", "nine_alphanumeric"] = "openai"
     control_marks: tuple[str, ...] = ()  # control tokens the answer is written with beyond the marks above
+    name_outside: NameOutside | None = None  # None: the name is inside the call's JSON object
 
     @property
     def lead(self) -> str:
@@ -68,7 +95,8 @@ class ToolFormat:
     @property
     def marks(self) -> tuple[str, ...]:
         """The fixed texts the format writes around its calls."""
-        fixed = (self.prefix, self.call_open, self.call_close, self.separator, self.suffix, *self.control_marks)
+        named = (self.name_outside.arguments_open,) if self.name_outside else ()
+        fixed = (self.prefix, self.call_open, self.call_close, self.separator, self.suffix, *named, *self.control_marks)
         return tuple(m for m in fixed if m)
 
     def new_call_id(self, prefix: str = "call_") -> str:
@@ -84,6 +112,11 @@ LLAMA3 = ToolFormat("llama3", "", "", "", "", "", "parameters", several=False)
 MISTRAL = ToolFormat(
     "mistral", "[TOOL_CALLS] [", "", "", ", ", "]", "arguments", several=True, id_style="nine_alphanumeric"
 )
+KIMI = ToolFormat(
+    "kimi", "<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_end|>", "", "<|tool_calls_section_end|>",
+    "arguments", several=True,
+    name_outside=NameOutside("functions.", ":", numbered=True, arguments_open="<|tool_call_argument_begin|>"),
+)
 
 # gpt-oss's control tokens (o200k_harmony): a message is <|start|>header<|message|>body, ended by
 # <|end|>, or by <|call|> (a call) or <|return|> (the answer), which also end the generation.
@@ -98,9 +131,9 @@ def tool_call_format(source: str) -> ToolFormat:
     A template that does not read `tools` cannot show the model its functions: flare writes its
     own format then ("flare"), unless it writes harmony's channels (gpt-oss), whose answer is
     read as harmony whether or not it calls. Otherwise the marks each family's template writes its earlier
-    calls with: Mistral's `[TOOL_CALLS]`, the `<tool_call>` tags of Qwen and Hermes, Llama 3.1's
-    `"parameters"` object beside its header tokens; any other such template (Kimi K2's call
-    sections, DeepSeek-V3.2's DSML), flare's format, and the conversation is written in it with
+    calls with: Mistral's `[TOOL_CALLS]`, Kimi K2's call sections, the `<tool_call>` tags of Qwen
+    and Hermes, Llama 3.1's `"parameters"` object beside its header tokens; any other such
+    template (DeepSeek-V3.2's DSML, Gemma 4's), flare's format, and the conversation is written in it with
     flare's preamble rather than by the template (`Tokenizer.knows_tools`), so that the prompt
     teaches the format the answer is held to."""
     if "<|channel|>" in source:
@@ -109,6 +142,8 @@ def tool_call_format(source: str) -> ToolFormat:
         return FLARE
     if "[TOOL_CALLS]" in source:
         return MISTRAL
+    if "<|tool_calls_section_begin|>" in source:
+        return KIMI
     if "<tool_call>" in source:
         return QWEN
     if '"parameters"' in source and "<|start_header_id|>" in source:

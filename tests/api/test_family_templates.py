@@ -86,14 +86,14 @@ EXPECTED: dict[str, tuple[str, list[str], str]] = {
         '<\uff5cAssistant\uff5c><tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call><\uff5cend\u2581of\u2581sentence\uff5c>',
         "<\uff5cUser\uff5c><tool_response>\n18 C and sunny\n</tool_response><\uff5cAssistant\uff5c>18 C and sunny.",
     ], "<\uff5cUser\uff5c>And tomorrow?<\uff5cAssistant\uff5c>"),
-    # Kimi K2's (llama.cpp's models/templates copy) lists the functions and writes calls in its own
-    # sections (`<|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>...`), a format
-    # flare does not read back: the whole conversation in flare's format, which its preamble
-    # teaches, so the prompt and the answer's grammar agree.
-    "kimi-k2": ("flare", [
-        "<|im_system|>system<|im_middle|>You are terse.\n\nYou can call these functions:\n<tools>\n",
-        '<|im_assistant|>assistant<|im_middle|><tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call><|im_end|>',
-        "<|im_user|>user<|im_middle|><tool_response>\n18 C and sunny\n</tool_response><|im_end|>",
+    # Kimi K2's (llama.cpp's models/templates copy) declares the functions in a system turn of its
+    # own and writes calls in its sections, the name outside the arguments, numbered by the template.
+    "kimi-k2": ("kimi", [
+        '<|im_system|>tool_declare<|im_middle|>[{"type": "function", "function": {"name": "get_weather"',
+        "<|im_system|>system<|im_middle|>You are terse.<|im_end|>",
+        '<|im_assistant|>assistant<|im_middle|><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+        '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>',
+        r"<|im_system|>tool<|im_middle|>## Return of a1B2c3D4e\n18 C and sunny<|im_end|>",  # (this copy writes a backslash and an n)
     ], "<|im_user|>user<|im_middle|>And tomorrow?<|im_end|><|im_assistant|>assistant<|im_middle|>"),
     # Phi-4-mini's template looks for a "tools" key in the system message, never the variable.
     "phi4-mini": ("flare", ["<|system|>You are terse.\n\nYou can call these functions:"], "<|assistant|>"),

@@ -31,8 +31,10 @@ CONTEXT = {"messages": [{"role": "user", "content": "hi"}], "add_generation_prom
         ("{{ 10 ** 100000000 }}", "power"),
         ("{% set ns = namespace(n=0) %}{% for i in range(100000) %}{% for j in range(100000) %}"
          "{% set ns.n = ns.n + 1 %}{% endfor %}{% endfor %}", "within"),
+        ("{% set q = [] %}{% for i in range(100000) %}{% for j in range(100000) %}"
+         "{% set _ = q.append(j) %}{% endfor %}{% endfor %}", "within"),
     ],
-    ids=["loop", "recursion", "output", "repeat", "power", "loop-with-set"],
+    ids=["loop", "recursion", "output", "repeat", "power", "loop-with-set", "loop-with-append"],
 )
 def test_a_template_past_its_budget_ends_with_a_limit_error(template: str, why: str) -> None:
     # A looping render and the check each run out the whole budget; each render keeps its budget
@@ -60,3 +62,20 @@ def test_a_template_that_refuses_a_conversation_still_passes_the_check() -> None
 
 def test_a_template_that_does_not_compile_fails_the_check() -> None:
     assert "does not compile" in (check_chat_template("{% for %}") or "")
+
+
+def test_a_template_may_queue_in_a_list_but_never_changes_the_callers_lists() -> None:
+    """Kimi K2's templates pair tool results with their calls through a queue (`append`, `pop`);
+    each render works on its own copy of the conversation, and every other change to a list or
+    a dict stays refused, as in the immutable sandbox transformers renders in."""
+    queue = (
+        "{% set q = namespace(ids=[]) %}{% for m in messages %}{% set _ = q.ids.append(m.content) %}{% endfor %}"
+        "{{ q.ids.pop(0) }},{{ q.ids | length }};{% set _ = messages.pop() %}{% set _ = messages[0].parts.append(9) %}"
+    )
+    context = {"messages": [{"role": "user", "content": "a", "parts": [1]}, {"role": "user", "content": "b", "parts": []}]}
+    assert render_within_budget(compile_chat_template(queue), context) == "a,1;"
+    assert len(context["messages"]) == 2 and context["messages"][0]["parts"] == [1]
+    for change in ("{% set _ = messages.extend(messages) %}", "{% set _ = messages[0].update({'role': 'system'}) %}",
+                   "{% set _ = messages.sort() %}"):
+        with pytest.raises(ChatTemplateError, match="unsafe"):
+            render_within_budget(compile_chat_template(change), context)

@@ -13,17 +13,19 @@ import json
 import shutil
 from pathlib import Path
 
+import openai
 import pytest
-import torch
 from tests.family_checkpoints import VOCAB, Checkpoint, write_checkpoint
 from tests.families.test_transformers_parity import LOGIT_TOLERANCE, PROMPTS, forward_in_pieces, reference_logits
 from tests.gguf_vocabularies import corpus_texts, o200k_base_ranks
+from tests.integration.daemon_process import start_daemon
 
 from flare.engine.model import load_model
 from flare.engine.tokenizer import Tokenizer
 from flare.package.directory import open_package
 from flare.preparation.export import ExportError, ExportOptions, export_package
 from flare.preparation.source import ModelSource
+from flare.package.tool_formats import KIMI
 from flare.preparation.tiktoken_vocabulary import KIMI_PATTERN, RESERVED_SPECIAL_TOKENS
 
 tiktoken = pytest.importorskip("tiktoken")
@@ -126,6 +128,49 @@ def test_a_kimi_k2_directory_serves_as_the_deepseek_v3_it_is(kimi: tuple[Checkpo
     (got,) = forward_in_pieces(load_model(package), [prompt], [[len(prompt)]])
     assert (got - reference_logits(checkpoint, prompt)).abs().max().item() <= LOGIT_TOLERANCE
     assert RANKS + 2 in package.manifest.model.eos_token_ids  # <|im_end|>
+
+
+def test_a_kimi_package_calls_tools_in_kimis_own_sections_and_answers_openai_tool_calls(kimi: tuple[Checkpoint, Path]) -> None:
+    """Kimi's call marks are control tokens of its vocabulary: the grammar asks for those tokens,
+    decoding keeps their text for the reader, and the calls come back in OpenAI's shape, whole
+    and streamed; the conversation with them renders again through Kimi's template."""
+    _, package_path = kimi
+    tokenizer = Tokenizer.from_package(open_package(package_path))
+    assert tokenizer.tool_format is KIMI and tokenizer.knows_tools
+    assert set(tokenizer.tool_tokens) == {m for m in KIMI.marks if m.startswith("<|")}
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"], "additionalProperties": False}}}
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"hours": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["hours"],
+        "additionalProperties": False}}}
+    chat = [{"role": "user", "content": "Weather in Paris, and the time?"}]
+    daemon = start_daemon(package_path, ["--max-concurrency", "2"])
+    try:
+        client = openai.OpenAI(base_url=f"{daemon.base_url}/v1", api_key="unused", max_retries=0)
+        model = daemon.model_name()
+        answer = client.chat.completions.create(
+            model=model, messages=chat, tools=[weather, clock], tool_choice="required", temperature=1.0, seed=3, max_tokens=120
+        )
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        calls = choice.message.tool_calls or []
+        assert calls and all(c.function.name in ("get_weather", "get_time") for c in calls)
+        for call in calls:
+            arguments = json.loads(call.function.arguments)
+            assert arguments in ({"city": "Paris"}, {"city": "Oslo"}) or set(arguments) == {"hours"}
+        stream = client.chat.completions.create(
+            model=model, messages=chat, tools=[weather, clock], stream=True, max_tokens=60,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        )
+        deltas = [d for chunk in stream for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices]
+        assert deltas[0].function.name == "get_weather" and deltas[0].id
+        assert json.loads("".join(d.function.arguments or "" for d in deltas)) in ({"city": "Paris"}, {"city": "Oslo"})
+        messages = [*chat, {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]},
+                    *({"role": "tool", "tool_call_id": c.id, "content": "18 C"} for c in calls)]
+        again = client.chat.completions.create(model=model, messages=messages, tools=[weather, clock], max_tokens=4)
+        assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    finally:
+        assert daemon.stop() == 0, daemon.log()
 
 
 def test_tokenizer_code_flare_does_not_know_is_refused_naming_it(kimi: tuple[Checkpoint, Path], tmp_path: Path) -> None:

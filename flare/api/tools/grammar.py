@@ -11,7 +11,7 @@ from typing import Any
 from flare.api.reasoning import reasoning_rule
 from flare.api.tools.parse import Tool, ToolRequest
 from flare.package.reasoning_formats import ReasoningFormat
-from flare.package.tool_formats import FLARE, ToolFormat
+from flare.package.tool_formats import FLARE, NameOutside, ToolFormat
 from flare.structured.compiler import JSON_OPTIONS
 from flare.structured.spec import GrammarSpec
 
@@ -31,25 +31,13 @@ def tool_grammar(
     if not tools.calls_possible:
         return None
     allowed = [t for t in tools.tools if tools.choice != "named" or t.name == tools.named]
-    # Each function's parameters sit under the call schema's $defs, their local references
-    # rewritten to point there: a reference resolves against the parameters schema it was
-    # written in (Pydantic's "#/$defs/Model"), not against the call schema around it.
-    call_schema = {
-        "x-guidance": JSON_OPTIONS,
-        "$defs": {_parameters_key(t): _rebased(t.parameters, f"#/$defs/{_parameters_key(t)}") for t in allowed},
-        "oneOf": [
-            {
-                "type": "object",
-                "properties": {"name": {"const": t.name}, fmt.arguments_key: {"$ref": f"#/$defs/{_parameters_key(t)}"}},
-                "required": ["name", fmt.arguments_key],
-                "additionalProperties": False,
-            }
-            for t in allowed
-        ],
-    }
     control = control or {}
     several = tools.parallel and fmt.several
     calls = f"call ({literal(fmt.separator, control)} call)*" if several else "call"
+    if fmt.name_outside is None:
+        call = f"%json {json.dumps(_call_schema(allowed, fmt.arguments_key))}"
+    else:
+        call = "(" + " | ".join(_named_call(t, fmt.name_outside, control) for t in allowed) + ")"
     start = "text | calls" if tools.choice == "auto" else "calls"
     thinking = ""
     if reasoning is not None:
@@ -61,9 +49,38 @@ def tool_grammar(
         "text: TEXT\n"
         f"TEXT: /[^{re.escape(fmt.lead)}](.|\\n)*/\n"
         f"calls: {literal(fmt.prefix, control)} {calls} {literal(fmt.suffix, control)}\n"
-        f"call: {literal(fmt.call_open, control)} %json {json.dumps(call_schema)} {literal(fmt.call_close, control)}\n"
+        f"call: {literal(fmt.call_open, control)} {call} {literal(fmt.call_close, control)}\n"
+        + ("CALL_NUMBER: /[0-9]{1,3}/\n" if fmt.name_outside is not None and fmt.name_outside.numbered else "")
     )
     return GrammarSpec("lark", lark, "tools", tuple(p for t in allowed for p in t.closed_objects))
+
+
+def _call_schema(allowed: list[Tool], arguments_key: str) -> dict[str, Any]:
+    """A call as one JSON object, `{"name": ..., arguments_key: {...}}`, of one of the functions.
+    Each function's parameters sit under the schema's $defs, their local references rewritten to
+    point there: a reference resolves against the parameters schema it was written in
+    (Pydantic's "#/$defs/Model"), not against the call schema around it."""
+    return {
+        "x-guidance": JSON_OPTIONS,
+        "$defs": {_parameters_key(t): _rebased(t.parameters, f"#/$defs/{_parameters_key(t)}") for t in allowed},
+        "oneOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.name}, arguments_key: {"$ref": f"#/$defs/{_parameters_key(t)}"}},
+                "required": ["name", arguments_key],
+                "additionalProperties": False,
+            }
+            for t in allowed
+        ],
+    }
+
+
+def _named_call(tool: Tool, named: NameOutside, control: Mapping[str, int]) -> str:
+    """One function's call where the name is written outside the arguments (Kimi K2's): its
+    header, then its arguments as their own JSON object."""
+    number = " CALL_NUMBER" if named.numbered else ""
+    header = f"{literal(named.before + tool.name + named.after, control)}{number} {literal(named.arguments_open, control)}"
+    return f"{header} %json {json.dumps({'x-guidance': JSON_OPTIONS, **tool.parameters})}"
 
 
 def literal(text: str, control: Mapping[str, int]) -> str:

@@ -50,6 +50,17 @@ def _call(body: str, fmt: ToolFormat, call_prefix: str) -> ToolCall | None:
     return ToolCall(fmt.new_call_id(call_prefix), value["name"], arguments)
 
 
+def _named_call(name: str | None, arguments: str, fmt: ToolFormat, call_prefix: str) -> ToolCall | None:
+    """A whole call whose name was written outside its arguments' JSON object."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return None
+    if name is None or not isinstance(value, dict):
+        return None
+    return ToolCall(fmt.new_call_id(call_prefix), name, arguments)
+
+
 @dataclass
 class _OpenCall:
     """The call being generated: its id once its name is known, and how much of its arguments
@@ -94,33 +105,50 @@ class ToolCallReader:
         while (body := self._call_body()) is not None:
             call = self._open or _OpenCall(len(self.calls))
             self._open = call
-            head = self.fmt.head.match(body)
-            if head is not None and call.id is None:
+            name, arguments, end = self._parts(body)
+            if name is not None and call.id is None:
                 call.id = self.fmt.new_call_id(self.call_prefix)
-                name = json.loads(f'"{head.group(1)}"')
                 deltas.append({"index": call.index, "id": call.id, "type": "function",
                                "function": {"name": name, "arguments": ""}})
-            end = _object_end(body)
-            if head is not None:
-                # While the call's object is open, everything after its head is arguments;
-                # once it closes, all but the object's closing brace.
-                arguments = body[head.end() :]
-                upto = end - head.end() - 1 if end >= 0 else len(arguments)
-                if upto > call.sent:
-                    deltas.append({"index": call.index, "function": {"arguments": arguments[call.sent : upto]}})
-                    call.sent = upto
+            if len(arguments) > call.sent:
+                deltas.append({"index": call.index, "function": {"arguments": arguments[call.sent :]}})
+                call.sent = len(arguments)
             rest = self._after_close(body[end:]) if end >= 0 else None
             if rest is None:
                 break
-            finished = _call(body[:end], self.fmt, self.call_prefix)
+            if self.fmt.name_outside is None:
+                finished = _call(body[:end], self.fmt, self.call_prefix)
+            else:
+                finished = _named_call(name, arguments, self.fmt, self.call_prefix)
             if finished is not None:
                 self.calls.append(ToolCall(call.id or finished.id, finished.name, finished.arguments))
             self._open = None
             self._buffer = rest
         return "", deltas
 
+    def _parts(self, body: str) -> tuple[str | None, str, int]:
+        """(the call's name once it is whole, its arguments written so far, where its JSON
+        ends in `body` or -1 while it is open). In the JSON object of a call, everything after
+        its head is arguments while the object is open, all but its closing brace once it closes;
+        where the name is outside (Kimi's), the arguments are the JSON object after the header."""
+        named = self.fmt.name_outside
+        if named is None:
+            head = self.fmt.head.match(body)
+            end = _object_end(body)
+            if head is None:
+                return None, "", end
+            arguments = body[head.end() : end - 1] if end >= 0 else body[head.end() :]
+            return json.loads(f'"{head.group(1)}"'), arguments, end
+        header = named.header.match(body)
+        if header is None:
+            return None, "", -1
+        arguments = body[header.end() :]
+        end = _object_end(arguments)
+        return header.group(1), arguments[:end] if end >= 0 else arguments, header.end() + end if end >= 0 else -1
+
     def _call_body(self) -> str | None:
-        """The buffer from the next call's JSON object on, or None until it has begun."""
+        """The buffer from the next call's JSON object on (from its header, where the name is
+        outside it), or None until it has begun."""
         buffer = self._buffer
         mark = self.fmt.call_open.strip()
         if mark:
@@ -128,6 +156,8 @@ class ToolCallReader:
             if start < 0:
                 return None
             buffer = buffer[start + len(mark) :]
+        if self.fmt.name_outside is not None:
+            return buffer
         start = buffer.find("{")
         return buffer[start:] if start >= 0 else None
 

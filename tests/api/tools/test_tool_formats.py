@@ -17,7 +17,7 @@ from flare.api.tools.parse import parse_tools
 from flare.api.tools.reader import ToolCallReader
 from flare.package.directory import open_package
 from flare.package.reasoning_formats import ReasoningFormat, reasoning_format
-from flare.package.tool_formats import FLARE, LLAMA3, MISTRAL, QWEN, ToolFormat, tool_call_format
+from flare.package.tool_formats import FLARE, KIMI, LLAMA3, MISTRAL, QWEN, ToolFormat, tool_call_format
 from flare.structured import GrammarCompiler, GrammarState
 
 TEMPLATES = Path(__file__).parents[2] / "fixtures" / "templates"
@@ -30,7 +30,7 @@ FUNCTIONS = [
     {"type": "function", "function": {"name": "get_time", "parameters": CLOCK}},
 ]
 # Two calls as each format writes them; the first's string holds every format's marks.
-TRICKY = "a } ] </tool_call> [TOOL_CALLS] {"
+TRICKY = "a } ] </tool_call> [TOOL_CALLS] <|tool_call_end|><|tool_call_begin|>functions.x:1 {"
 ANSWERS = {
     "flare": (
         '<tool_call>{"name": "get_weather", "arguments": {"city": "%s"}}</tool_call>\n'
@@ -41,15 +41,27 @@ ANSWERS = {
         '<tool_call>\n{"name": "get_time", "arguments": {"hours": 3}}\n</tool_call>'
     ),
     "mistral": '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "%s"}}, {"name": "get_time", "arguments": {"hours": 3}}]',
+    "kimi": (
+        '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "%s"}'
+        '<|tool_call_end|><|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{"hours": 3}<|tool_call_end|>'
+        "<|tool_calls_section_end|>"
+    ),
+}
+# The first call of each alone.
+SINGLE = {
+    "flare": ANSWERS["flare"].split("\n<tool_call>")[0],
+    "qwen": ANSWERS["qwen"].split("\n<tool_call>")[0],
+    "mistral": ANSWERS["mistral"].split(", {")[0] + "]",
+    "kimi": ANSWERS["kimi"].split("<|tool_call_begin|>functions.get_time")[0] + "<|tool_calls_section_end|>",
 }
 LLAMA3_ANSWER = '{"name": "get_weather", "parameters": {"city": "%s"}}'
-FORMATS = {"flare": FLARE, "qwen": QWEN, "llama3": LLAMA3, "mistral": MISTRAL}
+FORMATS = {"flare": FLARE, "qwen": QWEN, "llama3": LLAMA3, "mistral": MISTRAL, "kimi": KIMI}
 
 
 @pytest.mark.parametrize(
     ("template", "expected"),
     [("qwen2.5", "qwen"), ("qwen3", "qwen"), ("llama3.1", "llama3"), ("llama3.2", "llama3"),
-     ("mistral-v0.3", "mistral"), ("gemma2", "flare"), ("gemma3", "flare"), ("phi3", "flare"),
+     ("mistral-v0.3", "mistral"), ("kimi-k2", "kimi"), ("gemma2", "flare"), ("gemma3", "flare"), ("phi3", "flare"),
      ("phi3.5", "flare"), ("phi4-mini", "flare")],
 )
 def test_the_format_is_the_one_the_template_teaches(template: str, expected: str) -> None:
@@ -100,7 +112,7 @@ def test_required_calls_follow_the_format(compiler: GrammarCompiler, name: str) 
     # Another format's answer is not this one's.
     other = ANSWERS["mistral" if name != "mistral" else "qwen"] % "Paris"
     assert not _whole(compiler, fmt, "required", other)
-    single = answer.split("\n<tool_call>")[0] if name != "mistral" else answer.split(", {")[0] + "]"
+    single = SINGLE[name] % "Paris"
     assert _whole(compiler, fmt, "required", single, parallel=False)
     assert not _whole(compiler, fmt, "required", answer, parallel=False)
 
