@@ -8,16 +8,22 @@ them; the RoPE scalings are picked so that each kind changes the frequencies the
 transformers initializes with std 0.02, which leaves logits nearly uniform (top-two gaps below
 1e-3); the weights are redrawn here at unit scale (linear layers randn / sqrt(in), norms around
 their identity, biases 0.1), so that greedy choices are clear and every tensor matters.
+
+`write_as_fp8` rewrites a checkpoint's projections as DeepSeek-V3's FP8 release stores them
+(float8 blocks with their scales), beside a float32 copy of the values they stand for.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "deepseek_v3", "deepseek_v2")
 # Mixture-of-experts families: 8 experts of width 32 (Mixtral: 4 of the dense width), 2 per token.
@@ -185,3 +191,46 @@ def write_checkpoint(
     (path / "tokenizer.json").write_text(tokenizer_json)
     (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": chat_template}))
     return Checkpoint(family, path, model)
+
+
+def fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`weight` [out, in] as DeepSeek's quantizer stores it: per block of `block` rows and columns
+    (the edge blocks partial) a scale of the block's largest magnitude over e4m3's (448), the
+    weight over its scale in float8_e4m3fn, and the scales [blocks down, blocks across] as its
+    `weight_scale_inv`; with the float32 values they stand for."""
+    rows, cols = weight.shape
+    padded = torch.nn.functional.pad(weight.float(), (0, -cols % block[1], 0, -rows % block[0]))
+    blocked = padded.unflatten(1, (-1, block[1])).unflatten(0, (-1, block[0]))  # [down, b0, across, b1]
+    # An all-zero block (the MTP layer's eh_proj has some) keeps a scale above 0: its zeros, not 0 / 0.
+    amax = blocked.abs().amax(dim=(1, 3), keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    scale = amax / torch.finfo(torch.float8_e4m3fn).max
+    quantized = (blocked / scale).to(torch.float8_e4m3fn)
+
+    def unblocked(t: torch.Tensor) -> torch.Tensor:
+        return t.flatten(2).flatten(0, 1)[:rows, :cols].contiguous()
+
+    return unblocked(quantized), scale[:, 0, :, 0].contiguous(), unblocked(quantized.float() * scale)
+
+
+def write_as_fp8(path: Path, block: tuple[int, int]) -> Path:
+    """Rewrite the checkpoint at `path` as DeepSeek-V3's FP8 release stores it: each projection of
+    a decoder layer (an MTP layer's too; not the MoE router `mlp.gate`) in `fp8_blocks` with its
+    `weight_scale_inv` beside it, and config.json's quantization_config declaring them;
+    embeddings, norms and the LM head as they were. A copy of the checkpoint holding, in float32,
+    the values the FP8 tensors stand for is written beside it: its path is returned."""
+    dequantized = path.with_name(f"{path.name}-dequantized")
+    shutil.copytree(path, dequantized)
+    for shard in sorted(path.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        values = dict(tensors)
+        for name, tensor in list(tensors.items()):
+            if re.fullmatch(r"model\.layers\.\d+\..*_proj(_with_mqa)?\.weight", name):
+                tensors[name], tensors[f"{name}_scale_inv"], values[name] = fp8_blocks(tensor, block)
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+        save_file({name: t.float() for name, t in values.items()}, str(dequantized / shard.name), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block), "activation_scheme": "dynamic",
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return dequantized

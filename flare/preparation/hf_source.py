@@ -3,6 +3,9 @@
 The directory holds `config.json` (a model of a family flare serves: families/hf_config.py), one or
 more `*.safetensors` files, `tokenizer.json` (or a tiktoken file with tokenizer code flare knows:
 tiktoken_vocabulary.py), and the chat template in `tokenizer_config.json` (or `chat_template.jinja`).
+Weights stored as FP8 with block scales (DeepSeek-V3's releases: hf_fp8.py) are dequantized to
+float32 as they are read (`_tensor_reader`), the MTP layer's too; their `*_scale_inv` tensors go
+with them, no tensor of the model.
 
 A checkpoint may also ship multi-token-prediction layers in DeepSeek-V3's layout, declared by
 `num_nextn_predict_layers` in its config and stored after the decoder layers, as
@@ -22,7 +25,8 @@ never include these layers.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +40,7 @@ from flare.preparation.families.gpt_oss import gpt_oss_mxfp4_experts
 from flare.preparation.families.hf_config import model_config_from_hf, served_model_type, text_config
 from flare.preparation.families.hf_tensors import HF_LAYER_TENSOR, hf_tensor_name, tensor_converter
 from flare.preparation.families.moe import stack_experts
+from flare.preparation.hf_fp8 import fp8_block_dequantized, fp8_block_size, fp8_weight_scales
 from flare.package.model_config import ModelConfig
 from flare.package.directory import layers_held, weight_problems
 from flare.package.problems import listed
@@ -50,10 +55,18 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
     config_data = _read_json(path / "config.json", required=True)
     generation = _read_json(path / "generation_config.json", required=False)
     served_model_type(config_data)  # before the weights are looked at
+    fp8_block = fp8_block_size(config_data)
     weight_files = sorted(path.glob("*.safetensors"))
     if not weight_files:
         raise SourceError(f"{path} holds no *.safetensors weights; flare reads safetensors only (not .bin or .pt)")
-    shapes = _tensor_shapes(weight_files)
+    stored = _stored_tensors(weight_files)
+    fp8_scales = fp8_weight_scales(
+        path, {n: t.shape for n, t in stored.items()}, {n: t.dtype for n, t in stored.items()}, fp8_block
+    )
+    read_tensor = _tensor_reader(stored, fp8_scales, fp8_block)
+    # An FP8 weight's scale is read with it: the model's tensors are the rest.
+    scale_names = set(fp8_scales.values())
+    shapes = {name: t.shape for name, t in stored.items() if name not in scale_names}
     config = model_config_from_hf(config_data, generation, layers_held=layers_held(shapes, HF_LAYER_TENSOR))
     mtp_layers = _mtp_layer_count(config_data)
     mtp_prefixes = tuple(f"model.layers.{config.num_layers + i}." for i in range(mtp_layers))
@@ -80,7 +93,7 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
 
     def read(progress: Callable[[int, int], None], *, keep_blocks: bool) -> SourceWeights:
         weights = _read_weights(
-            weight_files, len(target_shapes), convert, drop_lm_head=tied_copy, skip=mtp_prefixes, progress=progress,
+            weight_files, target_shapes.keys(), convert, read_tensor, drop_lm_head=tied_copy, progress=progress,
             keep_blocks=keep_blocks,
         )
         return SourceWeights(stack_experts(weights.floats, config), weights.blocks, weights.dequantized)
@@ -92,7 +105,7 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
     mxfp4 = any(name.endswith("_blocks") for name in target_shapes)
 
     def read_draft_head() -> ImportedDraftHead:
-        return read_mtp_head(path, config, weight_files, shapes, mtp_layers, convert)
+        return read_mtp_head(path, config, weight_files, shapes, mtp_layers, convert, read_tensor)
 
     return ModelSource(
         name=path.resolve().name,
@@ -139,10 +152,12 @@ def read_mtp_head(
     shapes: dict[str, tuple[int, ...]],
     declared: int,
     convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
+    read_tensor: Callable[[safe_open, str], torch.Tensor],
 ) -> ImportedDraftHead:
     """The first MTP layer of the checkpoint as a draft head (module docstring: the layout), its
-    decoder layer converted by `convert` (the model's own conversion); SourceError naming every
-    tensor that does not fit it."""
+    tensors read by `read_tensor` (`_tensor_reader`: FP8 weights dequantized) and its decoder
+    layer converted by `convert` (the model's own conversion); SourceError naming every tensor
+    that does not fit it. `shapes`: the checkpoint's tensors but FP8 weights' scales."""
     from flare.package.draft_head import FINAL_NORM_TENSOR, LAYER_PREFIX, draft_head_shapes
 
     prefix = f"model.layers.{config.num_layers}."
@@ -207,7 +222,7 @@ def read_mtp_head(
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 if name in wanted:
-                    found[name] = f.get_tensor(name)
+                    found[name] = read_tensor(f, name)
     lm_head = found["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
     for name, model_name in _MTP_SHARED.items():
         model_tensor = lm_head if name.startswith("shared_head") else found[model_name]
@@ -293,16 +308,50 @@ def _chat_template(path: Path) -> str:
     return template
 
 
-def _tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
-    shapes: dict[str, tuple[int, ...]] = {}
+@dataclass(frozen=True)
+class _StoredTensor:
+    """A tensor as its safetensors file's header describes it."""
+
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors' name of it: "BF16", "F8_E4M3", ...
+
+
+def _stored_tensors(files: list[Path]) -> dict[str, _StoredTensor]:
+    stored: dict[str, _StoredTensor] = {}
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    shapes[name] = tuple(f.get_slice(name).get_shape())
+                    header = f.get_slice(name)
+                    stored[name] = _StoredTensor(file, tuple(header.get_shape()), header.get_dtype())
         except (SafetensorError, OSError) as error:
             raise SourceError(f"{file} is not a readable safetensors file: {error}") from None
-    return shapes
+    return stored
+
+
+def _tensor_reader(
+    stored: dict[str, _StoredTensor], fp8_scales: dict[str, str], fp8_block: tuple[int, int] | None
+) -> Callable[[safe_open, str], torch.Tensor]:
+    """`read(f, name)`: tensor `name` of the open safetensors file `f` as stored, but an FP8
+    weight (`fp8_scales`: its scale's name) in float32, dequantized with its scale
+    (`hf_fp8.fp8_block_dequantized`)."""
+
+    def read(f: safe_open, name: str) -> torch.Tensor:
+        tensor = f.get_tensor(name)
+        scale_name = fp8_scales.get(name)
+        if scale_name is None:
+            return tensor
+        assert fp8_block is not None  # fp8_weight_scales names no scale without it
+        if stored[scale_name].file == stored[name].file:
+            # DeepSeek's shards hold each scale beside its weight: no file is opened again.
+            scale = f.get_tensor(scale_name)
+        else:
+            with safe_open(str(stored[scale_name].file), framework="pt") as g:
+                scale = g.get_tensor(scale_name)
+        return fp8_block_dequantized(tensor, scale, fp8_block)
+
+    return read
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -312,26 +361,28 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _read_weights(
     files: list[Path],
-    total: int,
+    names: Collection[str],
     convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
+    read_tensor: Callable[[safe_open, str], torch.Tensor],
     *,
     drop_lm_head: bool,
-    skip: tuple[str, ...],
     progress: Callable[[int, int], None],
     keep_blocks: bool = False,
 ) -> SourceWeights:
-    """The model's tensors in float32 under the package's names (`convert`), without a tied LM
-    head's copy and the MTP layers (`skip`). gpt-oss's MXFP4 experts (`*_blocks` with their
+    """The model's tensors, source `names` (not the MTP layers, not the FP8 weights' scales:
+    `read_tensor` reads those with their weights), in float32 under the package's names
+    (`convert`), without a tied LM head's copy. gpt-oss's MXFP4 experts (`*_blocks` with their
     `*_scales`, `gpt_oss_mxfp4_experts`) as MXFP4 blocks with `keep_blocks`, else dequantized."""
     state: dict[str, torch.Tensor] = {}
     blocks: dict[str, BlockTensor] = {}
     dequantized: dict[str, str] = {}
-    where = {name: file for file in files for name in _tensor_shapes([file])}
+    total = len(names)
+    where = {name: stored.file for name, stored in _stored_tensors(files).items()}
     done = 0
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for source_name in f.keys():
-                if skip and source_name.startswith(skip):
+                if source_name not in names:
                     continue
                 done += 1
                 if source_name.endswith("_blocks"):
@@ -351,7 +402,7 @@ def _read_weights(
                 if source_name.endswith("_scales") and source_name.removesuffix("_scales") + "_blocks" in where:
                     progress(done, total)
                     continue
-                for name, tensor in convert(source_name, f.get_tensor(source_name).to(torch.float32)).items():
+                for name, tensor in convert(source_name, read_tensor(f, source_name).to(torch.float32)).items():
                     if not (drop_lm_head and name == "lm_head.weight"):
                         state[name] = tensor.contiguous()
                 progress(done, total)
