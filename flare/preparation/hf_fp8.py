@@ -1,5 +1,5 @@
-"""A Hugging Face checkpoint's block-scaled FP8 weights, as DeepSeek-V3 and DeepSeek-R1 are
-released.
+"""A Hugging Face checkpoint's block-scaled FP8 weights, as DeepSeek-V3, DeepSeek-R1 and Kimi K2
+are released.
 
 config.json declares them: `"quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
 "weight_block_size": [128, 128], ...}`. Each such weight `X` [out, in] is stored as float8
