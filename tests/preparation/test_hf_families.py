@@ -125,3 +125,34 @@ def test_a_model_type_flare_does_not_serve_is_refused_before_its_weights_are_loo
     assert "config.json describes a 'falcon_mamba' model; flare serves model types" in message
     for served in ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v2", "deepseek_v3"):
         assert served in message
+
+
+# Kimi K2's config.json as Moonshot ships it (Kimi-K2-Instruct): DeepSeek-V3's keys under
+# model_type kimi_k2, 384 experts, one dense layer, FP8 weights.
+KIMI_K2_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "attention_bias": False,
+    "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                 "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+    "bos_token_id": 163584, "eos_token_id": 163585, "first_k_dense_replace": 1, "hidden_act": "silu",
+    "hidden_size": 7168, "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 131072,
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 384, "n_shared_experts": 1,
+    "norm_topk_prob": True, "num_attention_heads": 64, "num_experts_per_tok": 8, "num_hidden_layers": 61,
+    "num_key_value_heads": 64, "num_nextn_predict_layers": 0, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                                     "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
+                                             "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 50000.0, "routed_scaling_factor": 2.827, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+    "topk_group": 1, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 163840,
+}  # fmt: skip
+
+
+def test_kimi_k2s_config_reads_as_the_deepseek_v3_it_is() -> None:
+    c = model_config_from_hf(KIMI_K2_CONFIG, None)
+    v3 = model_config_from_hf({**KIMI_K2_CONFIG, "model_type": "deepseek_v3"}, None)
+    assert c == v3 and c.architecture == "deepseek2"
+    assert c.latent_attention is not None and (c.latent_attention.q_lora_rank, c.latent_attention.kv_lora_rank) == (1536, 512)
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_layers) == (384, 8, tuple(range(1, 61)))
+    assert c.routing == "sigmoid_group" and c.norm_topk_prob and c.routed_scaling_factor == 2.827
+    assert c.shared_expert_intermediate_size == 2048 and c.eos_token_ids == (163585,)
+    assert c.rope_scaling is not None and (c.rope_scaling.kind, c.rope_scaling.factor) == ("yarn", 32.0)
