@@ -95,6 +95,15 @@ EXPECTED: dict[str, tuple[str, list[str], str]] = {
         '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>',
         r"<|im_system|>tool<|im_middle|>## Return of a1B2c3D4e\n18 C and sunny<|im_end|>",  # (this copy writes a backslash and an n)
     ], "<|im_user|>user<|im_middle|>And tomorrow?<|im_end|><|im_assistant|>assistant<|im_middle|>"),
+    # Kimi K2-Thinking's (llama.cpp's copy, as Moonshot ships it today) numbers the calls of the
+    # whole conversation and pairs each tool result with its call through a queue (a list's append
+    # and pop, which the sandbox allows for this).
+    "kimi-k2-thinking": ("kimi", [
+        '<|im_system|>tool_declare<|im_middle|>[{"type": "function", "function": {"name": "get_weather"',
+        "<|im_assistant|>assistant<|im_middle|><think></think><|tool_calls_section_begin|><|tool_call_begin|>"
+        'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>',
+        "<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\n18 C and sunny<|im_end|>",
+    ], "<|im_user|>user<|im_middle|>And tomorrow?<|im_end|><|im_assistant|>assistant<|im_middle|>"),
     # Phi-4-mini's template looks for a "tools" key in the system message, never the variable.
     "phi4-mini": ("flare", ["<|system|>You are terse.\n\nYou can call these functions:"], "<|assistant|>"),
 }

@@ -254,3 +254,18 @@ def test_qwen3s_thinking_is_reasoning_and_its_call_is_read_after_it(piece: int) 
     text_reasoner, text_reader = ReasoningReader(fmt), ToolCallReader(active=True, fmt=QWEN3)
     said = "".join(text_reader.push(text_reasoner.push(c)[1])[0] for c in THOUGHT + "Sunny.")
     assert said == "Sunny." and not text_reader.called
+
+
+def test_kimi_k2_thinking_reasons_before_its_call_section(compiler: GrammarCompiler) -> None:
+    template = (Path(__file__).parents[2] / "fixtures" / "templates" / "kimi-k2-thinking.jinja").read_text()
+    think = reasoning_format(template)
+    assert tool_call_format(template) is KIMI and think is not None
+    call = SINGLE["kimi"] % "Oslo"
+    assert _whole(compiler, KIMI, "required", "<think>It is in Norway.</think>" + call, reasoning=think)
+    assert _whole(compiler, KIMI, "auto", "<think>Nothing to call.</think>It is sunny.", reasoning=think)
+    assert not _whole(compiler, KIMI, "required", "<think>x</think>" + call.replace("get_weather", "get_wind"), reasoning=think)
+    reasoner, reader = ReasoningReader(think), ToolCallReader(active=True, fmt=KIMI)
+    thought, rest = reasoner.push("<think>It is in Norway.</think>" + call)
+    text, _ = reader.push(rest)
+    assert (thought, text) == ("It is in Norway.", "")
+    assert [(c.name, json.loads(c.arguments)) for c in reader.calls] == [("get_weather", {"city": "Oslo"})]
