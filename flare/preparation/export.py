@@ -297,6 +297,13 @@ def export_package(source: str, out_dir: Path, options: ExportOptions, *, stderr
     unservable = check_chat_template(model.chat_template)
     if unservable is not None:
         raise ExportError(f"{source}: chat template: {unservable}; flare run would refuse it")
+    reach = _token_ids_reach(model.tokenizer_json)
+    if reach > model.config.vocab_size:
+        raise ExportError(
+            f"{source}: the tokenizer's token ids reach {reach - 1}, but the model's vocabulary (vocab_size, the rows "
+            f"of its embedding) holds {model.config.vocab_size} tokens: text would become ids the model cannot read; "
+            "the tokenizer is not this model's"
+        )
     recipe = with_declared_defaults(recipe_for(model.config), model.declared_defaults)
     serving = build_serving(options, recipe, model.config.max_position_embeddings)
     policy = build_policy(options, recipe, serving.max_context)
@@ -360,6 +367,14 @@ def read_weights(model: ModelSource, options: ExportOptions, progress: Callable[
     if model.read_dequantized is not None:
         return model.read_dequantized(progress)
     return SourceWeights(model.read_weights(progress), {})
+
+
+def _token_ids_reach(tokenizer_json: str) -> int:
+    """One past the largest token id a tokenizer.json can give (its vocabulary and added tokens)."""
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_str(tokenizer_json).get_vocab(with_added_tokens=True).values()
+    return max(ids, default=-1) + 1
 
 
 def _flare_version() -> str:

@@ -127,7 +127,10 @@ def tiktoken_tokenizer_json(directory: Path, tokenizer_config: Mapping[str, Any]
     ranks = read_tiktoken_ranks(directory / TIKTOKEN_FILE)
     first, end = len(ranks), len(ranks) + RESERVED_SPECIAL_TOKENS
     specials = {i: f"<|reserved_token_{i}|>" for i in range(first, end)}
-    for key, entry in (tokenizer_config.get("added_tokens_decoder") or {}).items():
+    added = tokenizer_config.get("added_tokens_decoder") or {}
+    if not isinstance(added, dict):
+        raise SourceError(f"{directory}/tokenizer_config.json: added_tokens_decoder must be an object of id -> token")
+    for key, entry in added.items():
         content = entry.get("content") if isinstance(entry, dict) else None
         if not (isinstance(key, str) and key.isdigit() and first <= int(key) < end and isinstance(content, str) and content):
             raise SourceError(
@@ -142,7 +145,8 @@ def tiktoken_tokenizer_json(directory: Path, tokenizer_config: Mapping[str, Any]
 
 def _tokenizer_code(tokenizer_config: Mapping[str, Any]) -> str | None:
     """The slow tokenizer class tokenizer_config.json's auto_map names (`module.Class`)."""
-    auto = (tokenizer_config.get("auto_map") or {}).get("AutoTokenizer")
+    auto_map = tokenizer_config.get("auto_map")
+    auto = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else None
     if isinstance(auto, list):  # [slow class, fast class]
         auto = next((name for name in auto if name), None)
     if not isinstance(auto, str):

@@ -271,3 +271,21 @@ def test_recipe_is_chosen_by_the_model_fingerprint(smollm2_source: ModelSource, 
     assert recipe_for(smollm2_source.config) is SMOLLM2_135M_INSTRUCT
     assert recipe_for(tiny_config) is GENERIC_LLAMA
     assert recipe_for(replace(smollm2_source.config, num_layers=31)) is GENERIC_LLAMA
+
+
+def test_a_tokenizer_with_ids_beyond_the_models_vocabulary_is_refused(
+    tmp_path: Path, package_parts: dict[str, Any], make_hf_directory: Any
+) -> None:
+    # An added token past the embedding's rows: text holding it would become an id the model
+    # cannot read, so the package is not written.
+    from tokenizers import AddedToken, Tokenizer
+
+    directory = make_hf_directory(tmp_path / "model", package_parts)
+    tokenizer = Tokenizer.from_str(package_parts["tokenizer_json"])
+    vocab_size = package_parts["config"].vocab_size
+    while tokenizer.get_vocab_size(with_added_tokens=True) <= vocab_size:
+        tokenizer.add_special_tokens([AddedToken(f"<|extra_{tokenizer.get_vocab_size(with_added_tokens=True)}|>", special=True)])
+    (directory / "tokenizer.json").write_text(tokenizer.to_str())
+    with pytest.raises(ExportError, match=rf"token ids reach {vocab_size}, but the model's vocabulary .* holds {vocab_size} tokens"):
+        export_package(str(directory), tmp_path / "package", ExportOptions())
+    assert not (tmp_path / "package").exists()

@@ -199,12 +199,21 @@ def test_a_damaged_tiktoken_file_is_refused_naming_the_line(kimi: tuple[Checkpoi
         export_package(str(tmp_path / "damaged"), tmp_path / "package", ExportOptions(dtype="float32"), stderr=io.StringIO())
 
 
-def test_a_special_token_outside_the_256_after_the_ranks_is_refused(kimi: tuple[Checkpoint, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("added", "message"),
+    [
+        ({str(VOCAB): {"content": "<|beyond|>", "special": True}}, rf"added_tokens_decoder '{VOCAB}' must name .* id from {RANKS} to {VOCAB - 1}"),
+        ({str(RANKS + 7): {"content": "[BOS]"}}, "names one text for two ids"),
+        (["[BOS]"], "added_tokens_decoder must be an object of id -> token"),
+    ],
+    ids=["outside", "twice", "not-an-object"],
+)
+def test_special_tokens_flare_cannot_place_are_refused(kimi: tuple[Checkpoint, Path], tmp_path: Path, added: object, message: str) -> None:
     checkpoint, _ = kimi
     shutil.copytree(checkpoint.path, tmp_path / "outside")
     config_path = tmp_path / "outside" / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
-    config["added_tokens_decoder"][str(VOCAB)] = {"content": "<|beyond|>", "special": True}
+    config["added_tokens_decoder"] = {**config["added_tokens_decoder"], **added} if isinstance(added, dict) else added
     config_path.write_text(json.dumps(config))
-    with pytest.raises(ExportError, match=rf"added_tokens_decoder '{VOCAB}' must name .* id from {RANKS} to {VOCAB - 1}"):
+    with pytest.raises(ExportError, match=message):
         export_package(str(tmp_path / "outside"), tmp_path / "package", ExportOptions(dtype="float32"), stderr=io.StringIO())
