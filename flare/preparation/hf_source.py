@@ -40,7 +40,7 @@ from flare.preparation.families.gpt_oss import gpt_oss_mxfp4_experts
 from flare.preparation.families.hf_config import model_config_from_hf, served_model_type, text_config
 from flare.preparation.families.hf_tensors import HF_LAYER_TENSOR, hf_tensor_name, tensor_converter
 from flare.preparation.families.moe import stack_experts
-from flare.preparation.hf_fp8 import fp8_block_dequantized, fp8_block_size, fp8_weight_scales
+from flare.preparation.hf_fp8 import FP8_WEIGHT_DTYPE, fp8_block_dequantized, fp8_block_size, fp8_weight_scales
 from flare.package.model_config import ModelConfig
 from flare.package.directory import layers_held, weight_problems
 from flare.package.problems import listed
@@ -93,10 +93,11 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
 
     def read(progress: Callable[[int, int], None], *, keep_blocks: bool) -> SourceWeights:
         weights = _read_weights(
-            weight_files, target_shapes.keys(), convert, read_tensor, drop_lm_head=tied_copy, progress=progress,
-            keep_blocks=keep_blocks,
+            weight_files, target_shapes.keys(), convert, read_tensor, fp8_scales.keys(), drop_lm_head=tied_copy,
+            progress=progress, keep_blocks=keep_blocks,
         )
-        return SourceWeights(stack_experts(weights.floats, config), weights.blocks, weights.dequantized)
+        floats = stack_experts(weights.floats, config)
+        return SourceWeights(floats, weights.blocks, _stacked_record(weights.dequantized, floats))
 
     def read_weights(progress: Callable[[int, int], None]) -> dict[str, torch.Tensor]:
         return read(progress, keep_blocks=False).floats
@@ -117,7 +118,7 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
         chat_template=_chat_template(path),
         read_weights=read_weights,
         read_blocks=(lambda progress: read(progress, keep_blocks=True)) if mxfp4 else None,
-        read_dequantized=(lambda progress: read(progress, keep_blocks=False)) if mxfp4 else None,
+        read_dequantized=(lambda progress: read(progress, keep_blocks=False)) if mxfp4 or fp8_scales else None,
         read_draft_head=read_draft_head if mtp_layers else None,
         declared_defaults=hf_generation_defaults(generation),
     )
@@ -354,6 +355,17 @@ def _tensor_reader(
     return read
 
 
+def _stacked_record(dequantized: dict[str, str], stacked: dict[str, torch.Tensor]) -> dict[str, str]:
+    """The record of dequantized tensors under the names `stack_experts` gave: an expert tensor
+    stacked from dequantized ones (`...mlp.experts.N.*` into `...mlp.experts.*`) takes their kind."""
+    record = {name: kind for name, kind in dequantized.items() if name in stacked}
+    for name, kind in dequantized.items():
+        if name not in stacked:
+            experts = name.split(".experts.", 1)[0] + ".experts."
+            record.update({n: kind for n in stacked if n.startswith(experts) and n.count(".") == experts.count(".") + 1})
+    return record
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal values, whatever the two dtypes they are stored in."""
     return torch.equal(a, b) if a.dtype == b.dtype else torch.equal(a.float(), b.float())
@@ -364,6 +376,7 @@ def _read_weights(
     names: Collection[str],
     convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
     read_tensor: Callable[[safe_open, str], torch.Tensor],
+    fp8_weights: Collection[str],
     *,
     drop_lm_head: bool,
     progress: Callable[[int, int], None],
@@ -372,7 +385,8 @@ def _read_weights(
     """The model's tensors, source `names` (not the MTP layers, not the FP8 weights' scales:
     `read_tensor` reads those with their weights), in float32 under the package's names
     (`convert`), without a tied LM head's copy. gpt-oss's MXFP4 experts (`*_blocks` with their
-    `*_scales`, `gpt_oss_mxfp4_experts`) as MXFP4 blocks with `keep_blocks`, else dequantized."""
+    `*_scales`, `gpt_oss_mxfp4_experts`) as MXFP4 blocks with `keep_blocks`, else dequantized.
+    The record of what was dequantized names the FP8 weights (`fp8_weights`) too."""
     state: dict[str, torch.Tensor] = {}
     blocks: dict[str, BlockTensor] = {}
     dequantized: dict[str, str] = {}
@@ -405,5 +419,7 @@ def _read_weights(
                 for name, tensor in convert(source_name, read_tensor(f, source_name).to(torch.float32)).items():
                     if not (drop_lm_head and name == "lm_head.weight"):
                         state[name] = tensor.contiguous()
+                        if source_name in fp8_weights:
+                            dequantized[name] = FP8_WEIGHT_DTYPE
                 progress(done, total)
     return SourceWeights(state, blocks, dequantized)

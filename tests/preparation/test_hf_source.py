@@ -21,6 +21,7 @@ from flare.engine.tokenizer import Tokenizer
 from flare.package.directory import open_package
 from flare.preparation.export import ExportOptions, export_package
 from flare.preparation.hf_source import open_hf_directory
+from flare.preparation.inspect import inspect_package, render_text
 from flare.package.model_config import ModelConfig
 from flare.preparation.source import ModelSource, SourceError
 
@@ -142,6 +143,15 @@ def test_an_fp8_deepseek_v3_exports_to_transformers_logits_on_its_dequantized_we
         assert f.get_slice("model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv").get_shape() == [3, 4]  # 40 rows
     export_package(str(checkpoint.path), tmp_path / "package", ExportOptions(dtype="float32"), stderr=io.StringIO())
     package = open_package(tmp_path / "package")
+    # The manifest records which tensors came from FP8 (`flare inspect` counts them), under the
+    # package's names: the experts stacked, the router and norms not among them.
+    record = package.manifest.dequantized
+    assert set(record.values()) == {"F8_E4M3"}
+    assert {"model.layers.1.mlp.experts.gate_up_proj.weight", "model.layers.1.mlp.experts.down_proj.weight",
+            "model.layers.0.self_attn.o_proj.weight"} <= record.keys()
+    assert not any(name.endswith(("norm.weight", "mlp.gate.weight", "embed_tokens.weight")) for name in record)
+    text = render_text(inspect_package(tmp_path / "package"), tmp_path / "package")
+    assert f"dequantized         {len(record)} F8_E4M3 tensors at export (no kernel for the type)" in text
     model = transformers.AutoModelForCausalLM.from_pretrained(dequantized, attn_implementation="eager", dtype=torch.float32)
     reference = Checkpoint(checkpoint.family, dequantized, model.eval())
     prompts = [Tokenizer.from_package(package).encode(text) for text in PROMPTS]
