@@ -13,6 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
+import anthropic
 import openai
 import pytest
 from tests.family_checkpoints import VOCAB, Checkpoint, write_checkpoint
@@ -169,6 +170,20 @@ def test_a_kimi_package_calls_tools_in_kimis_own_sections_and_answers_openai_too
                     *({"role": "tool", "tool_call_id": c.id, "content": "18 C"} for c in calls)]
         again = client.chat.completions.create(model=model, messages=messages, tools=[weather, clock], max_tokens=4)
         assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        # The Messages and Responses APIs read the same sections into their own shapes.
+        claude = anthropic.Anthropic(base_url=daemon.base_url, api_key="unused", max_retries=0)
+        message = claude.messages.create(
+            model=model, max_tokens=60, messages=[{"role": "user", "content": chat[0]["content"]}],
+            tools=[{"name": "get_weather", "input_schema": weather["function"]["parameters"]}], tool_choice={"type": "any"},
+        )
+        uses = [block for block in message.content if block.type == "tool_use"]
+        assert message.stop_reason == "tool_use" and uses and all(u.input in ({"city": "Paris"}, {"city": "Oslo"}) for u in uses)
+        response = client.responses.create(
+            model=model, input=chat[0]["content"], max_output_tokens=60, tools=[{"type": "function", **weather["function"]}],
+            tool_choice="required",
+        )
+        items = [item for item in response.output if item.type == "function_call"]
+        assert items and all(item.name == "get_weather" for item in items)
     finally:
         assert daemon.stop() == 0, daemon.log()
 
