@@ -51,14 +51,13 @@ def _call(body: str, fmt: ToolFormat, call_prefix: str) -> ToolCall | None:
 
 
 def _named_call(name: str | None, arguments: str, fmt: ToolFormat, call_prefix: str) -> ToolCall | None:
-    """A whole call whose name was written outside its arguments' JSON object."""
+    """A whole call whose name was written outside its arguments' JSON (which the grammar held
+    to the function's parameters schema, as `_call`'s)."""
     try:
-        value = json.loads(arguments)
+        json.loads(arguments)
     except ValueError:
         return None
-    if name is None or not isinstance(value, dict):
-        return None
-    return ToolCall(fmt.new_call_id(call_prefix), name, arguments)
+    return None if name is None else ToolCall(fmt.new_call_id(call_prefix), name, arguments)
 
 
 @dataclass
