@@ -290,7 +290,7 @@ def deepseek_head_package(smollm2_source, tmp_path_factory):
         str(checkpoint.path),
         root / "pkg",
         ExportOptions(dtype="float32", vocabulary_parallel_sampling=True),
-        DistillOptions(draft_tokens=7),
+        DistillOptions(draft_tokens=7, prompt_limit=20, answer_tokens=32),  # a brief held-out measurement
         stderr=io.StringIO(),
     )
     return root / "pkg"
