@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -34,6 +35,30 @@ pytest.importorskip("transformers")
 def qwen2_moe(smollm2_source: ModelSource, tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
     root = tmp_path_factory.mktemp("qwen2_moe")
     return write_checkpoint("qwen2_moe", root / "qwen2_moe", smollm2_source.tokenizer_json, smollm2_source.chat_template)
+
+
+@pytest.fixture(scope="module")
+def quantized_package(smollm2_source: ModelSource, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """quantized_package(family, scheme, changes): `flare export --quantize SCHEME` of the family's
+    tiny checkpoint with config `changes`, exported once a module for each (the tests only read it)."""
+    made: dict[tuple[str, str, str], Path] = {}
+
+    def make(family: str, scheme: str, changes: dict[str, int] | None = None) -> Path:
+        key = (family, scheme, repr(sorted((changes or {}).items())))
+        if key not in made:
+            root = tmp_path_factory.mktemp(f"{family}-{scheme}")
+            checkpoint = write_checkpoint(
+                family, root / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template, changes=changes
+            )
+            export_package(str(checkpoint.path), root / "package", ExportOptions(quantize=scheme), stderr=io.StringIO())
+            made[key] = root / "package"
+        return made[key]
+
+    return make
+
+
+# Q4_K's super-blocks are 256 values wide: a checkpoint of hidden and expert width 256.
+WIDE = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256, "head_dim": 64}
 
 
 def hf_config(family: str, **changes: object) -> dict:
@@ -126,21 +151,13 @@ def test_a_deepseek_config_without_its_latent_attention_keys_is_refused_naming_o
 @pytest.mark.skipif(not native.available(), reason="blocks are multiplied as blocks only by the C kernels")
 @pytest.mark.parametrize("scheme", ["q8_0", "q4_k_m"])
 def test_quantized_experts_are_kept_as_blocks_and_score_as_their_own_float32_values(
-    scheme: str, smollm2_source: ModelSource, tmp_path: Path
+    scheme: str, quantized_package: Callable[..., Path]
 ) -> None:
     """`--quantize` keeps each stacked expert projection as one block tensor ([E * out] rows; the
     router stays float32), served from the mapped file; its logits are those of the same
     package's weights dequantized to float32, within 1e-4."""
-    if scheme == "q4_k_m":
-        # Q4_K's super-blocks are 256 values wide: a checkpoint of hidden and expert width 256.
-        wide = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256, "head_dim": 64}
-        checkpoint = write_checkpoint(
-            "qwen3_moe", tmp_path / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template, changes=wide
-        )
-    else:
-        checkpoint = write_checkpoint("qwen2_moe", tmp_path / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template)
-    export_package(str(checkpoint.path), tmp_path / "package", ExportOptions(quantize=scheme), stderr=io.StringIO())
-    package = open_package(tmp_path / "package")
+    path = quantized_package("qwen3_moe", scheme, WIDE) if scheme == "q4_k_m" else quantized_package("qwen2_moe", scheme)
+    package = open_package(path)
     blocks = package.manifest.blocks
     gate_up = blocks["model.layers.0.mlp.experts.gate_up_proj.weight"]
     assert gate_up.type == ("Q8_0" if scheme == "q8_0" else "Q4_K")
@@ -217,17 +234,14 @@ def test_a_q4_k_gguf_keeps_its_experts_as_blocks_and_scores_as_its_float32_expor
 
 @pytest.mark.skipif(not native.available(), reason="integer products are C kernels")
 def test_a_q4_k_m_moe_package_on_int8x2_activations_runs_every_block_product_on_the_integer_kernels_within_fidelity(
-    smollm2_source: ModelSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    quantized_package: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`flare run --activations int8x2` on a Qwen3-MoE Q4_K_M package: the experts take the one
     call on 8-bit activations, the attention and the LM head the integer products (no block weight
     multiplies float32 activations), and every position's log-probabilities stay within issue 38's
     bars of the float32 activations' (mean |delta| 1e-3, max 2e-2), prompts fed as a prefill then
     decode rounds of both rows."""
-    wide = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256, "head_dim": 64}
-    checkpoint = write_checkpoint("qwen3_moe", tmp_path / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template, changes=wide)
-    export_package(str(checkpoint.path), tmp_path / "package", ExportOptions(quantize="q4_k_m"), stderr=io.StringIO())
-    package = open_package(tmp_path / "package")
+    package = open_package(quantized_package("qwen3_moe", "q4_k_m", WIDE))
     tokenizer = Tokenizer.from_package(package)
     prompts = [tokenizer.encode(text) for text in PROMPTS[:2]]
     pieces = [[len(p) - 3 for p in prompts], [1, 1], [1, 1], [1, 1]]
@@ -263,7 +277,7 @@ def test_a_q4_k_m_moe_package_on_int8x2_activations_runs_every_block_product_on_
      ("qwen2_moe", "q4_k_m", "int8x2")],
 )
 def test_a_moe_layer_of_blocks_runs_in_the_one_call_decoder_layer_with_the_steps_bits(
-    family: str, scheme: str, activations: str, smollm2_source: ModelSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    family: str, scheme: str, activations: str, quantized_package: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A round of short rows on a MoE package of blocks runs every layer, its route and experts
     included (Qwen2-MoE's shared expert and its gate too), in one `decoder_layers` call (no
@@ -272,12 +286,10 @@ def test_a_moe_layer_of_blocks_runs_in_the_one_call_decoder_layer_with_the_steps
     from flare.engine import native_layers
     from flare.engine.layers import moe as moe_module
 
-    wide = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256, "head_dim": 64}
+    wide = dict(WIDE)
     if family == "qwen2_moe":
         wide["shared_expert_intermediate_size"] = 512  # whole blocks, and wider than the round's own MLP
-    checkpoint = write_checkpoint(family, tmp_path / "hf", smollm2_source.tokenizer_json, smollm2_source.chat_template, changes=wide)
-    export_package(str(checkpoint.path), tmp_path / "package", ExportOptions(quantize=scheme), stderr=io.StringIO())
-    package = open_package(tmp_path / "package")
+    package = open_package(quantized_package(family, scheme, wide))
     fused = load_model(package, activations=activations)
     assert fused.kernel_layers is not None
     moe_layers = sum(layer.moe is not None for layer in fused.kernel_layers)
