@@ -8,6 +8,7 @@ converted and written, atomically (`write_package`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import sys
 from collections.abc import Callable, Mapping
@@ -370,10 +371,11 @@ def read_weights(model: ModelSource, options: ExportOptions, progress: Callable[
 
 
 def _token_ids_reach(tokenizer_json: str) -> int:
-    """One past the largest token id a tokenizer.json can give (its vocabulary and added tokens)."""
-    from tokenizers import Tokenizer
-
-    ids = Tokenizer.from_str(tokenizer_json).get_vocab(with_added_tokens=True).values()
+    """One past the largest token id a tokenizer.json (one the sources checked) can give: its
+    model's vocabulary (a map of token to id, or Unigram's list of pieces by id) and added tokens."""
+    spec = json.loads(tokenizer_json)
+    vocab = (spec.get("model") or {}).get("vocab") or {}
+    ids = [*(vocab.values() if isinstance(vocab, dict) else range(len(vocab))), *(t["id"] for t in spec.get("added_tokens") or [])]
     return max(ids, default=-1) + 1
 
 

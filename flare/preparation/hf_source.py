@@ -284,10 +284,19 @@ def _read_json(path: Path, *, required: bool) -> dict[str, Any]:
 
 
 def _tokenizer_json(path: Path) -> str:
-    """The directory's tokenizer.json, or the one its tiktoken file makes (Kimi K2, Moonlight)."""
+    """The directory's tokenizer.json, or the one its tiktoken file makes (Kimi K2, Moonlight);
+    SourceError for a tokenizer.json the tokenizers library (which flare run loads it with)
+    cannot read."""
+    from tokenizers import Tokenizer
+
     tokenizer_path = path / "tokenizer.json"
     if tokenizer_path.is_file():
-        return tokenizer_path.read_text(encoding="utf-8")
+        try:
+            text = tokenizer_path.read_text(encoding="utf-8")
+            Tokenizer.from_str(text)
+        except Exception as error:  # tokenizers raises a bare Exception; a file not UTF-8 UnicodeDecodeError
+            raise SourceError(f"{tokenizer_path} is not a tokenizer the tokenizers library reads: {error}") from None
+        return text
     if (path / TIKTOKEN_FILE).is_file():
         return tiktoken_tokenizer_json(path, _read_json(path / "tokenizer_config.json", required=False))
     raise SourceError(f"{path} has no tokenizer.json; save the tokenizer with a fast (tokenizers) backend")

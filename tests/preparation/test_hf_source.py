@@ -93,6 +93,21 @@ def test_missing_files_are_named(tmp_path: Path, package_parts: dict[str, Any], 
         open_hf_directory(directory)
 
 
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [(b"{not json", "key must be a string"), (b'{"model": {"type": "BPE"}}', "Missing vocab/merges"),
+     (b"[]", "expected struct Tokenizer"), (b"\xff\xfe", "utf-8")],
+    ids=["not-json", "no-vocabulary", "not-an-object", "not-utf-8"],
+)
+def test_a_tokenizer_json_the_tokenizers_library_cannot_read_is_refused_naming_it(
+    tmp_path: Path, package_parts: dict[str, Any], make_hf_directory: Any, content: bytes, why: str
+) -> None:
+    directory = make_hf_directory(tmp_path / "model", package_parts)
+    (directory / "tokenizer.json").write_bytes(content)
+    with pytest.raises(SourceError, match=rf"tokenizer.json is not a tokenizer the tokenizers library reads: .*{why}"):
+        open_hf_directory(directory)
+
+
 # Blocks of 16: the tiny widths (24, 40, 48, 112, ...) have several, partial ones at their edges.
 FP8_BLOCK = (16, 16)
 
