@@ -16,10 +16,11 @@ against RENDER_SECONDS of wall time and RENDER_CHARS of output. A render over ei
 hook sees (one single call into C that runs long, such as a filter asked to pad a string to a
 gigabyte) is bounded only by the renderer's thread, which the daemon never waits for at exit.
 
-The sandbox is Jinja's immutable one, as transformers renders templates in, with one opening:
-a list's `append` and `pop`, one item a call (each call a step of the budget), which Kimi K2's
-templates use to pair tool results with the calls they answer (a queue in a `namespace`). So
-that no list outside the render changes, each render gets its own copy of the context.
+The sandbox is Jinja's immutable one, as transformers renders templates in, with one opening
+for a template that calls a list's `append` or `pop` (Kimi K2's, which pair tool results with the
+calls they answer through a queue in a `namespace`): those two methods, one item a call (each
+call a step of the budget), and, so that no list outside the render changes, each render of such
+a template gets its own copy of the context. Other templates get neither.
 
 `check_chat_template` is the check `flare export`, `flare inspect` and `flare run` share: the
 template compiles, and renders a plain conversation within the budget (a template may refuse a
@@ -106,12 +107,17 @@ _LIST_QUEUE_METHODS = frozenset({"append", "pop"})
 
 
 class _BudgetedSandbox(ImmutableSandboxedEnvironment):
-    """The sandbox with the budget checked at its hooks (the module docstring lists them)."""
+    """The sandbox with the budget checked at its hooks (the module docstring lists them);
+    `queues`: a list's append and pop allowed (on a per-render copy of the context)."""
 
     intercepted_binops = frozenset({"*", "**"})
 
+    def __init__(self, *, queues: bool = False, **options: Any) -> None:
+        super().__init__(**options)
+        self.queues = queues
+
     def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
-        if isinstance(obj, list) and attr in _LIST_QUEUE_METHODS:
+        if self.queues and isinstance(obj, list) and attr in _LIST_QUEUE_METHODS:
             return SandboxedEnvironment.is_safe_attribute(self, obj, attr, value)
         return super().is_safe_attribute(obj, attr, value)
 
@@ -182,10 +188,10 @@ class _GenerationBlock(jinja2.ext.Extension):
         return caller()
 
 
-def _environment() -> _BudgetedSandbox:
+def _environment(*, queues: bool = False) -> _BudgetedSandbox:
     """The sandbox with the environment transformers renders chat templates in."""
     environment = _BudgetedSandbox(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationBlock]
+        queues=queues, trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationBlock]
     )
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception
@@ -197,7 +203,12 @@ def _environment() -> _BudgetedSandbox:
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile a chat template in a sandbox, with the environment transformers renders it in."""
     try:
-        return _environment().from_string(source)
+        tree = _environment().parse(source)
+        queues = any(
+            isinstance(call.node, jinja2.nodes.Getattr) and call.node.attr in _LIST_QUEUE_METHODS
+            for call in tree.find_all(jinja2.nodes.Call)
+        )
+        return _environment(queues=queues).from_string(source)
     except jinja2.TemplateError as error:
         raise ChatTemplateError(f"the chat template does not compile: {error}") from error
     except RecursionError:
@@ -222,7 +233,8 @@ def render_within_budget(template: jinja2.Template, context: Mapping[str, Any]) 
     token = _CURRENT.set(budget)
     try:
         pieces = []
-        for piece in template.generate(**copy.deepcopy(dict(context))):
+        own = copy.deepcopy(dict(context)) if template.environment.queues else context  # type: ignore[attr-defined]
+        for piece in template.generate(**own):
             budget.output(len(piece))
             pieces.append(piece)
         return "".join(pieces)

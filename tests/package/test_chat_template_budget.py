@@ -75,7 +75,8 @@ def test_a_template_may_queue_in_a_list_but_never_changes_the_callers_lists() ->
     context = {"messages": [{"role": "user", "content": "a", "parts": [1]}, {"role": "user", "content": "b", "parts": []}]}
     assert render_within_budget(compile_chat_template(queue), context) == "a,1;"
     assert len(context["messages"]) == 2 and context["messages"][0]["parts"] == [1]
+    # (a template that never calls append or pop by name keeps the immutable sandbox whole)
     for change in ("{% set _ = messages.extend(messages) %}", "{% set _ = messages[0].update({'role': 'system'}) %}",
-                   "{% set _ = messages.sort() %}"):
+                   "{% set _ = messages.sort() %}", "{% set _ = messages['pop']() %}"):
         with pytest.raises(ChatTemplateError, match="unsafe"):
             render_within_budget(compile_chat_template(change), context)
