@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.integration.daemon_process import start_daemon  # noqa: E402
 
 from flare.preparation.export import ExportOptions, export_package  # noqa: E402
+from flare.package.byte_level import BYTE_LEVEL_ALPHABET  # noqa: E402
 from flare.package.directory import open_package  # noqa: E402
 
 SHAPES = {
@@ -48,9 +49,7 @@ CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>
 def vocabulary(size: int) -> tuple[list[str], list[int], list[str]]:
     """Three control tokens, the 256 byte-level characters, then merges of two characters and of
     a pair and a character, until `size` tokens: a valid byte-level BPE of that size."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    alphabet = sorted(bytes_to_unicode().values())
+    alphabet = sorted(BYTE_LEVEL_ALPHABET.values())
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *alphabet]
     merges: list[str] = []
     pairs = [a + b for a in alphabet for b in alphabet]

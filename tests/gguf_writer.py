@@ -52,6 +52,8 @@ import numpy as np
 import torch
 from tests.gguf_vocabularies import read_vocabulary
 
+from flare.package.byte_level import BYTE_LEVEL_ALPHABET
+
 GGML = gguf.GGMLQuantizationType
 TINY_CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
 _ARCH = {
@@ -75,10 +77,8 @@ _FLOAT_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 
 def tiny_vocabulary() -> tuple[list[str], list[int], list[str]]:
     """A byte-level BPE vocabulary of 262 tokens: three control tokens, the byte alphabet, three merges."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    alphabet = sorted(bytes_to_unicode().values())
+    alphabet = sorted(BYTE_LEVEL_ALPHABET.values())
     merged = ["Ġt", "he", "Ġthe"]
     tokens = specials + alphabet + merged
     types = [3] * len(specials) + [1] * (len(alphabet) + len(merged))
