@@ -39,7 +39,7 @@ from flare.preparation.families.deepseek import rope_interleaved
 from flare.preparation.families.gpt_oss import gpt_oss_mxfp4_experts
 from flare.preparation.families.hf_config import model_config_from_hf, served_model_type, text_config
 from flare.preparation.families.hf_tensors import HF_LAYER_TENSOR, hf_tensor_name, tensor_converter
-from flare.preparation.families.moe import stack_experts
+from flare.preparation.families.moe import stack_experts, stacked_expert_name
 from flare.preparation.hf_fp8 import FP8_WEIGHT_DTYPE, fp8_block_dequantized, fp8_block_size, fp8_weight_scales
 from flare.package.model_config import ModelConfig
 from flare.package.directory import layers_held, weight_problems
@@ -93,7 +93,7 @@ def open_hf_directory(path: Path, source: str | None = None) -> ModelSource:
 
     def read(progress: Callable[[int, int], None], *, keep_blocks: bool) -> SourceWeights:
         weights = _read_weights(
-            weight_files, target_shapes.keys(), convert, read_tensor, fp8_scales.keys(), drop_lm_head=tied_copy,
+            weight_files, stored, target_shapes.keys(), convert, read_tensor, fp8_scales.keys(), drop_lm_head=tied_copy,
             progress=progress, keep_blocks=keep_blocks,
         )
         floats = stack_experts(weights.floats, config)
@@ -366,12 +366,12 @@ def _tensor_reader(
 
 def _stacked_record(dequantized: dict[str, str], stacked: dict[str, torch.Tensor]) -> dict[str, str]:
     """The record of dequantized tensors under the names `stack_experts` gave: an expert tensor
-    stacked from dequantized ones (`...mlp.experts.N.*` into `...mlp.experts.*`) takes their kind."""
-    record = {name: kind for name, kind in dequantized.items() if name in stacked}
+    stacked from dequantized ones takes their kind."""
+    record: dict[str, str] = {}
     for name, kind in dequantized.items():
-        if name not in stacked:
-            experts = name.split(".experts.", 1)[0] + ".experts."
-            record.update({n: kind for n in stacked if n.startswith(experts) and n.count(".") == experts.count(".") + 1})
+        target = name if name in stacked else stacked_expert_name(name)
+        if target in stacked:
+            record[target] = kind
     return record
 
 
@@ -382,6 +382,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _read_weights(
     files: list[Path],
+    stored: dict[str, _StoredTensor],
     names: Collection[str],
     convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
     read_tensor: Callable[[safe_open, str], torch.Tensor],
@@ -395,12 +396,12 @@ def _read_weights(
     `read_tensor` reads those with their weights), in float32 under the package's names
     (`convert`), without a tied LM head's copy. gpt-oss's MXFP4 experts (`*_blocks` with their
     `*_scales`, `gpt_oss_mxfp4_experts`) as MXFP4 blocks with `keep_blocks`, else dequantized.
-    The record of what was dequantized names the FP8 weights (`fp8_weights`) too."""
+    The record of what was dequantized names the FP8 weights (`fp8_weights`) too. `stored`: the
+    files' headers (`_stored_tensors`), where each tensor lies."""
     state: dict[str, torch.Tensor] = {}
     blocks: dict[str, BlockTensor] = {}
     dequantized: dict[str, str] = {}
     total = len(names)
-    where = {name: stored.file for name, stored in _stored_tensors(files).items()}
     done = 0
     for file in files:
         with safe_open(str(file), framework="pt") as f:
@@ -410,9 +411,9 @@ def _read_weights(
                 done += 1
                 if source_name.endswith("_blocks"):
                     scales_name = source_name.removesuffix("_blocks") + "_scales"
-                    if scales_name not in where:
+                    if scales_name not in stored:
                         raise SourceError(f"{source_name} has no {scales_name} beside it")
-                    with safe_open(str(where[scales_name]), framework="pt") as g:
+                    with safe_open(str(stored[scales_name].file), framework="pt") as g:
                         scales = g.get_tensor(scales_name)
                     name, kept = gpt_oss_mxfp4_experts(source_name, f.get_tensor(source_name), scales)
                     if keep_blocks:
@@ -422,7 +423,7 @@ def _read_weights(
                         dequantized[name] = kept.ggml_type.name
                     progress(done, total)
                     continue
-                if source_name.endswith("_scales") and source_name.removesuffix("_scales") + "_blocks" in where:
+                if source_name.endswith("_scales") and source_name.removesuffix("_scales") + "_blocks" in stored:
                     progress(done, total)
                     continue
                 for name, tensor in convert(source_name, read_tensor(f, source_name).to(torch.float32)).items():

@@ -154,6 +154,14 @@ def moe_tensor_name(name: str) -> str:
     return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
 
 
+def stacked_expert_name(name: str) -> str | None:
+    """The package's stacked tensor a per-expert tensor `name` goes into (`stack_experts`), or None."""
+    match = _EXPERT_TENSOR.match(name)
+    if match is None:
+        return None
+    return f"{match.group(1)}.{'down_proj' if match.group(3) == 'down_proj' else 'gate_up_proj'}.weight"
+
+
 def stack_experts(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """`tensors` with each MoE layer's per-expert gate/up/down (`mlp.experts.N.*_proj.weight`)
     stacked into the package's `mlp.experts.gate_up_proj.weight` [E, 2 I, hidden] and
