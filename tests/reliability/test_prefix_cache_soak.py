@@ -20,7 +20,7 @@ from tests.reliability.reliability_daemon import Daemon, Outcome, generate, repo
 from flare.cli.ctl import call
 
 WORKERS = 12
-SOAK_S = float(os.environ.get("FLARE_PREFIX_SOAK_S", "25"))
+SOAK_S = float(os.environ.get("FLARE_PREFIX_SOAK_S", "15"))  # raise it for a longer run
 # 80 blocks of the tiny model (8 KiB each): a dozen running prompts of 5-12 blocks do not fit
 # beside the cached ones, so cached blocks are evicted and running ones preempted.
 KV_CACHE_MEMORY = "640KiB"

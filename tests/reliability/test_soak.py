@@ -20,8 +20,8 @@ from tests.reliability.reliability_daemon import Daemon, Outcome, generate, repo
 from flare.sampler.status import DeviceStatus
 
 WORKERS = 40  # more clients than the tiny package's 32 slots, so a queue forms too
-WARM_UP_S = 12.0  # long enough to reach the batch shapes (and allocator pools) of full load
-SOAK_S = float(os.environ.get("FLARE_SOAK_S", "40"))  # raise it for a longer run
+WARM_UP_S = 8.0  # long enough to reach the batch shapes (and allocator pools) of full load
+SOAK_S = float(os.environ.get("FLARE_SOAK_S", "20"))  # raise it for a longer run (docs/reliability.md)
 RSS_MARGIN = 0.10
 FAULTS = [s.name for s in DeviceStatus if s is not DeviceStatus.OK]
 DRAIN_GRACE_S = 3
