@@ -1,6 +1,8 @@
 """Malformed GGUF files (issue 29, item 6) and templates a GGUF brings (item 8), through `flare
-export` as a user runs it: each ends in one line that names the file, the byte offset and field,
-and what is wrong; exit status 1; nothing written next to the destination; no traceback."""
+export`: each ends in one line that names the file, the byte offset and field, and what is wrong;
+exit status 1; nothing written next to the destination; no traceback. The command runs in this
+process (its own parser and error handling, without a new interpreter's 3 s of imports a case);
+one case runs it as a user does, as a subprocess."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tests.package_commands import flare
 
 from flare.preparation.default_model import default_gguf_path
 from flare.preparation.gguf_layout import GGUFLayoutError, read_gguf_layout
@@ -42,11 +45,19 @@ def _patched(path: Path, offset: int, data: bytes) -> Iterator[None]:
             file.write(original)
 
 
-def _export(source: Path, out: Path) -> subprocess.CompletedProcess[str]:
+def _export_command(source: Path, out: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "flare.cli.main", "export", str(source), "-o", str(out)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
+
+
+def _export(source: Path, out: Path, capsys: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess[str]:
+    """`flare export SOURCE -o OUT` in this process: its exit status and what it printed."""
+    capsys.readouterr()
+    code = flare("export", str(source), "-o", str(out))
+    printed = capsys.readouterr()
+    return subprocess.CompletedProcess(["flare", "export"], code, printed.out, printed.err)
 
 
 def _assert_one_line_refusal(result: subprocess.CompletedProcess[str], source: Path, out: Path, *words: str) -> None:
@@ -77,13 +88,15 @@ HEADER_CASES = {
 
 
 @pytest.mark.parametrize("case", list(HEADER_CASES))
-def test_a_malformed_header_is_one_line_naming_offset_and_field(case: str, gguf_copy: Path, tmp_path: Path) -> None:
+def test_a_malformed_header_is_one_line_naming_offset_and_field(
+    case: str, gguf_copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     offset, data, field = HEADER_CASES[case]
     out = tmp_path / "package"
     for _ in _patched(gguf_copy, offset, data):
         with pytest.raises(GGUFLayoutError, match="at byte"):
             open_gguf(gguf_copy)
-        _assert_one_line_refusal(_export(gguf_copy, out), gguf_copy, out, "at byte", field)
+        _assert_one_line_refusal(_export(gguf_copy, out, capsys), gguf_copy, out, "at byte", field)
 
 
 def test_a_tensor_named_twice_is_refused_naming_it(gguf_copy: Path) -> None:
@@ -94,13 +107,22 @@ def test_a_tensor_named_twice_is_refused_naming_it(gguf_copy: Path) -> None:
             open_gguf(gguf_copy)
 
 
-@pytest.mark.parametrize("size", [1062, 1_769_100, 60_000_000])
-def test_a_truncated_file_is_one_line_naming_where_it_ends(size: int, tmp_path: Path) -> None:
+def _truncated(size: int, tmp_path: Path) -> Path:
     truncated = tmp_path / "cut.gguf"
     with open(default_gguf_path(), "rb") as whole, open(truncated, "wb") as part:
         part.write(whole.read(size))
-    out = tmp_path / "package"
-    _assert_one_line_refusal(_export(truncated, out), truncated, out, "at byte")
+    return truncated
+
+
+@pytest.mark.parametrize("size", [1062, 1_769_100, 60_000_000])
+def test_a_truncated_file_is_one_line_naming_where_it_ends(size: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    truncated, out = _truncated(size, tmp_path), tmp_path / "package"
+    _assert_one_line_refusal(_export(truncated, out, capsys), truncated, out, "at byte")
+
+
+def test_the_command_a_user_runs_prints_the_one_line_and_exits_1(tmp_path: Path) -> None:
+    truncated, out = _truncated(1062, tmp_path), tmp_path / "package"
+    _assert_one_line_refusal(_export_command(truncated, out), truncated, out, "at byte")
 
 
 def _template_of_same_length(template: str) -> bytes:
@@ -126,12 +148,12 @@ def _template_of_same_length(template: str) -> bytes:
     ids=["loop", "recursion", "470MB", "syntax"],
 )
 def test_export_refuses_a_template_that_loops_recurses_explodes_or_does_not_compile(
-    template: str, why: str, gguf_copy: Path, tmp_path: Path
+    template: str, why: str, gguf_copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     offset = LAYOUT.fields["tokenizer.chat_template"].value_offset + 8
     out = tmp_path / "package"
     for _ in _patched(gguf_copy, offset, _template_of_same_length(template)):
-        result = _export(gguf_copy, out)
+        result = _export(gguf_copy, out, capsys)
     assert result.returncode == 1 and "chat template" in result.stderr and why in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
     assert not out.exists() and not list(tmp_path.glob(".package.*"))
