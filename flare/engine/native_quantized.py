@@ -10,6 +10,8 @@ run, and the instruction levels they dispatch to.
 - `quantize_q8` and `integer_linear`: activation rows as 8-bit blocks, and the 32-value block
   types multiplied by them with integer dot products (`flare run --activations int8x2|int8`);
   `quantize_q8k_rows` and `integer_kquant_linear` the same for the K types (Q4_K, Q5_K, Q6_K);
+- `quantize_kquant_rows`: float32 weights as Q4_K or Q6_K blocks, llama-quantize's bytes
+  (`flare export --quantize q4_k_m`, through preparation/kquants.py);
 - `QUANTIZED_ISA`, `INTEGER_ISA` (`FLARE_INTEGER_ISA`) and `integer_dot_isa`: which instructions
   they run; every level gives the same bits.
 
@@ -311,6 +313,23 @@ def quantize_q8(x: torch.Tensor, halves: int = 1) -> torch.Tensor:
     native.quantize_q8(
         x.data_ptr(), max(x.stride(0), in_features), tokens, in_features, out.data_ptr(), halves, torch.get_num_threads()
     )
+    return out
+
+
+def quantize_kquant_rows(values: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """float32 [rows, width] (width whole 256-value super-blocks) as Q4_K (ggml type 12) or Q6_K
+    (14) blocks, uint8 [rows, width / 256 * 144 or 210]: llama-quantize's reference quantizers
+    in the same float32 operations (kquant_quantizers.c), the rows' super-blocks on every thread."""
+    native = _module()
+    if values.dtype != torch.float32 or values.device.type != "cpu" or values.dim() != 2 or not values.is_contiguous():
+        raise ValueError(f"quantize_kquant_rows: values must be a contiguous CPU float32 matrix, got {values.dtype} {tuple(values.shape)}")
+    rows, width = values.shape
+    block_bytes = {12: 144, 14: 210}.get(ggml_type)
+    if block_bytes is None or width < 256 or width % 256:
+        raise ValueError(f"quantize_kquant_rows: type Q4_K (12) or Q6_K (14) of a width of whole 256-value super-blocks, got type {ggml_type} width {width}")
+    out = torch.empty(rows, width // 256 * block_bytes, dtype=torch.uint8)
+    if rows:
+        native.quantize_kquant_rows(ggml_type, values.data_ptr(), rows, width, out.data_ptr(), torch.get_num_threads())
     return out
 
 

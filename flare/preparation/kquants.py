@@ -1,18 +1,28 @@
-"""Q4_K and Q6_K quantizers (numpy): gguf-py dequantizes K-quants but cannot make them.
+"""Q4_K and Q6_K quantizers: gguf-py dequantizes K-quants but cannot make them.
 
-Ports of llama.cpp's reference quantizers, `quantize_row_q4_K_ref` and `quantize_row_q6_K_ref`
+llama.cpp's reference quantizers, `quantize_row_q4_K_ref` and `quantize_row_q6_K_ref`
 (ggml/src/ggml-quants.c), which `llama-quantize` runs when no importance matrix is given, with
-their helpers `make_qkx2_quants` and `make_qx_quants`. They run vectorised over every sub-block
-of a matrix at once, in float32 as the C does; `nearest_int` is round-half-to-even there (the
-1.5 * 2^23 trick under the default rounding mode), `np.rint` here. Sums are numpy's (pairwise)
-rather than the C's left-to-right, so a tie between two candidate scales may be decided the
-other way in rare sub-blocks; tests/preparation/test_kquants.py holds the blocks to gguf-py's
-dequantizer and to llama-quantize's error on the same tensor.
+their helpers `make_qkx2_quants` and `make_qx_quants`. `quantize_q4_k` and `quantize_q6_k` run
+the engine's C port (flare/engine/csrc/kquant_quantizers.c: the same float32 operations in the
+same order, so llama-quantize's bytes, on every thread) where the extension is built, and the
+numpy port below where it is not (the extension is optional). The numpy port runs vectorised over
+every sub-block of a matrix at once, in float32 as the C does; `nearest_int` is round-half-to-even
+there (the 1.5 * 2^23 trick under the default rounding mode), `np.rint` here. Its sums are
+numpy's (pairwise) rather than the C's left-to-right, so a tie between two candidate scales may be
+decided the other way in rare sub-blocks (0.1% of the bytes), and it is 5-10x slower.
+tests/preparation/test_kquants.py holds both to gguf-py's dequantizer and to llama-quantize's
+bytes on the same tensor.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
+import torch
+
+from flare.engine import native, native_quantized
+from flare.package.blocks import GGMLType
 
 QK_K = 256
 Q4_K_BYTES = 144  # d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 bytes of 4-bit quants
@@ -76,6 +86,24 @@ def _make_qkx2_quants(x: np.ndarray, weights: np.ndarray, nmax: int) -> tuple[np
 
 def quantize_q4_k(values: np.ndarray) -> np.ndarray:
     """float32 [out, in] (in a multiple of 256) as Q4_K blocks, uint8 [out, in / 256 * 144]."""
+    return _native_or_numpy(values, GGMLType.Q4_K, quantize_q4_k_numpy)
+
+
+def quantize_q6_k(values: np.ndarray) -> np.ndarray:
+    """float32 [out, in] (in a multiple of 256) as Q6_K blocks, uint8 [out, in / 256 * 210]."""
+    return _native_or_numpy(values, GGMLType.Q6_K, quantize_q6_k_numpy)
+
+
+def _native_or_numpy(values: np.ndarray, ggml_type: GGMLType, numpy_port: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    if not native.available():
+        return numpy_port(values)
+    _super_blocks(values)  # the width's check, in the numpy port's words
+    matrix = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+    return native_quantized.quantize_kquant_rows(matrix, int(ggml_type)).numpy()
+
+
+def quantize_q4_k_numpy(values: np.ndarray) -> np.ndarray:
+    """quantize_q4_k in numpy."""
     rows = values.shape[0]
     x = _super_blocks(values).reshape(-1, 8, 32)
     blocks = x.shape[0]
@@ -143,8 +171,8 @@ def _make_qx_quants_rmse1(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndar
     return scale, levels
 
 
-def quantize_q6_k(values: np.ndarray) -> np.ndarray:
-    """float32 [out, in] (in a multiple of 256) as Q6_K blocks, uint8 [out, in / 256 * 210]."""
+def quantize_q6_k_numpy(values: np.ndarray) -> np.ndarray:
+    """quantize_q6_k in numpy."""
     rows = values.shape[0]
     x = _super_blocks(values).reshape(-1, 16, 16)
     blocks = x.shape[0]

@@ -421,6 +421,22 @@ static PyObject *py_quantize_q8(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Rows of x [rows, width] float32 (contiguous) as Q4_K or Q6_K blocks into out (kquant_quantizers.c). */
+static PyObject *py_quantize_kquant_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t x, rows, width, out, threads;
+    int type;
+    if (!PyArg_ParseTuple(args, "innnnn", &type, &x, &rows, &width, &out, &threads)) return NULL;
+    if ((type != GGML_Q4_K && type != GGML_Q6_K) || rows < 0 || width < 256 || width % 256 || threads < 1)
+        return invalid("quantize_kquant_rows", "type Q4_K or Q6_K, width whole 256-value super-blocks");
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = quantize_kquant_rows(type, (const float *)x, rows, width, (uint8_t *)out, (int)threads);
+    Py_END_ALLOW_THREADS
+    if (status) return invalid("quantize_kquant_rows", "type Q4_K or Q6_K, width whole 256-value super-blocks");
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_integer_linear(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t x, x_stride, blocks, y, tokens, in, out, threads;
@@ -807,6 +823,7 @@ static PyMethodDef methods[] = {
      "moe_route(x, router, router_bias, correction_bias, kind, scaling, normalize, tokens, hidden, experts, k, n_group, "
      "topk_group, expert_ids, expert_weights, threads, isa, shared_gate, shared_scale)"},
     {"quantize_q8", py_quantize_q8, METH_VARARGS, "quantize_q8(x, x_stride, tokens, in, out, halves, threads)"},
+    {"quantize_kquant_rows", py_quantize_kquant_rows, METH_VARARGS, "quantize_kquant_rows(type, x, rows, width, out, threads)"},
     {"integer_linear", py_integer_linear, METH_VARARGS,
      "integer_linear(x_blocks, x_stride_blocks, halves, blocks, type, y, tokens, in, out, threads, isa)"},
     {"integer_dot_isa", py_integer_dot_isa, METH_VARARGS, "integer_dot_isa(isa, granted): the level the integer kernels run at (granted -1: this CPU's)"},
