@@ -78,8 +78,8 @@ def quantize_weights(
 ) -> SourceWeights:
     """`floats` (float32, Hugging Face names) with the matrices `tensor_types` picks as blocks.
 
-    Raises SourceError naming a tensor whose blocks come out unservable (a weight beyond
-    float16's range gives an infinite scale)."""
+    Raises SourceError naming a tensor that holds a NaN or infinite value, or whose blocks come
+    out unservable (a weight beyond float16's range gives an infinite scale)."""
     types = tensor_types(scheme, config, {name: tuple(t.shape) for name, t in floats.items()})
     kept: dict[str, torch.Tensor] = {}
     blocks: dict[str, BlockTensor] = {}
@@ -90,6 +90,17 @@ def quantize_weights(
             kept[name] = tensor
         else:
             values = np.ascontiguousarray(tensor.detach().float().reshape(-1, tensor.shape[-1]).numpy())
+            nonfinite = ~np.isfinite(values)
+            if nonfinite.any():
+                # Refused before quantizing: llama.cpp's K-quant search (kquant_quantizers.c) would
+                # round a NaN or infinity to some finite level without a word.
+                row, column = (int(i) for i in np.argwhere(nonfinite)[0])
+                problems.append(
+                    f"tensor {name}: {int(nonfinite.sum())} value(s) are NaN or infinite "
+                    f"(first: row {row}, column {column}, value {values[row, column]}), which no block can hold"
+                )
+                progress(done, len(floats))
+                continue
             data = quantize_matrix(values, ggml_type)
             shape = tuple(int(n) for n in tensor.shape)
             found = block_problems(name, ggml_type, data, (values.shape[0], values.shape[1]))

@@ -19,13 +19,15 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import torch
 from tests.preparation.test_gguf_source import gguf_name, tiny_vocabulary
 
 from flare.engine import native
 from flare.preparation.kquants import quantize_q4_k, quantize_q4_k_numpy, quantize_q6_k, quantize_q6_k_numpy
 from flare.package.model_config import ModelConfig
 from flare.package.directory import expected_weight_shapes
-from flare.preparation.quantize import tensor_types
+from flare.preparation.quantize import quantize_weights, tensor_types
+from flare.preparation.source import SourceError
 
 FIXTURES = Path(__file__).parent / "fixtures"
 T = gguf.GGMLQuantizationType
@@ -110,3 +112,18 @@ def test_q4_k_m_picks_the_types_llama_quantize_picks(smollm2_source, shape: str)
     )
     ours = {gguf_name(name): kind.name for name, kind in tensor_types("q4_k_m", config, expected_weight_shapes(config)).items()}
     assert {name: ours.get(name, "F32") for name in expected} == expected
+
+
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "q4_k_m"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_a_weight_that_is_nan_or_infinite_is_refused_naming_tensor_row_and_column(smollm2_source, scheme: str, bad: float) -> None:
+    """llama.cpp's K-quant search rounds a NaN or infinity to a finite level without a word, so
+    every scheme refuses such a weight before quantizing, naming where it is."""
+    config = replace(smollm2_source.config, hidden_size=256, intermediate_size=512, num_layers=1)
+    gate = torch.zeros(512, 256)
+    gate[7, 33] = bad
+    floats = {"model.layers.0.mlp.gate_proj.weight": gate, "model.layers.0.mlp.up_proj.weight": torch.ones(512, 256)}
+    with pytest.raises(SourceError, match=r"tensor model\.layers\.0\.mlp\.gate_proj\.weight: 1 value\(s\) are NaN or infinite "
+                       r"\(first: row 7, column 33, value -?(nan|inf)\)") as refused:
+        quantize_weights(floats, scheme, config)
+    assert "up_proj" not in str(refused.value)
