@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+
+import pytest
 
 from flare.cli.package_commands import add_export_parser, add_inspect_parser
 
@@ -15,3 +18,12 @@ def flare(*argv: str) -> int:
     add_inspect_parser(subparsers)
     args = parser.parse_args(argv)
     return args.func(args)
+
+
+def flare_printed(capsys: pytest.CaptureFixture[str], *argv: str) -> subprocess.CompletedProcess[str]:
+    """`flare ARGV...` (export or inspect) in this process, as a finished command: its exit status
+    and what it printed on stdout and stderr."""
+    capsys.readouterr()
+    code = flare(*argv)
+    printed = capsys.readouterr()
+    return subprocess.CompletedProcess(["flare", *argv], code, printed.out, printed.err)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.package_commands import flare
+from tests.package_commands import flare_printed
 
 from flare.package import chat_template
 from flare.preparation.default_model import default_gguf_path
@@ -54,11 +54,7 @@ def _export_command(source: Path, out: Path) -> subprocess.CompletedProcess[str]
 
 
 def _export(source: Path, out: Path, capsys: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess[str]:
-    """`flare export SOURCE -o OUT` in this process: its exit status and what it printed."""
-    capsys.readouterr()
-    code = flare("export", str(source), "-o", str(out))
-    printed = capsys.readouterr()
-    return subprocess.CompletedProcess(["flare", "export"], code, printed.out, printed.err)
+    return flare_printed(capsys, "export", str(source), "-o", str(out))
 
 
 def _assert_one_line_refusal(result: subprocess.CompletedProcess[str], source: Path, out: Path, *words: str) -> None:

@@ -1,12 +1,12 @@
 """What a source claims against what it holds (issue 40, items 3 and 4): a layer count its tensors
 do not back, missing tensors by the dozen, a context no model has. `flare export` refuses each
-at once, in one line (or a list capped at 20), whatever the claim; nothing scales with it."""
+at once, in one line (or a list capped at 20), whatever the claim; nothing scales with it. The
+command runs in this process (tests/preparation/test_gguf_malformed.py runs it once as a subprocess)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 import tracemalloc
 from pathlib import Path
@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from tests.gguf_writer import tiny_vocabulary, write_family_gguf
+from tests.package_commands import flare_printed
 
 from flare.package.manifest import MAX_CONTEXT
 from flare.package.problems import MAX_LISTED
@@ -24,7 +25,6 @@ from flare.preparation.gguf_source import open_gguf
 from flare.preparation.hf_source import open_hf_directory
 from flare.preparation.source import SourceError
 
-ROOT = Path(__file__).resolve().parents[2]
 U32, U64 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.UINT64
 LAYER_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -50,11 +50,9 @@ def hf_directory(path: Path, config: Any, state: dict[str, torch.Tensor]) -> Pat
     return path
 
 
-def export(source: Path, out: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "flare.cli.main", "export", str(source), "-o", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )
+def export(source: Path, out: Path, capsys: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess[str]:
+    """`flare export SOURCE -o OUT`, run in this process (tests/package_commands.py)."""
+    return flare_printed(capsys, "export", str(source), "-o", str(out))
 
 
 def refusal_lines(result: subprocess.CompletedProcess[str], out: Path) -> list[str]:
@@ -65,7 +63,9 @@ def refusal_lines(result: subprocess.CompletedProcess[str], out: Path) -> list[s
 
 
 @pytest.mark.parametrize("claimed", [10**6, 4 * 10**6])
-def test_a_gguf_claiming_millions_of_layers_is_refused_at_once_in_one_line(claimed: int, tmp_path: Path) -> None:
+def test_a_gguf_claiming_millions_of_layers_is_refused_at_once_in_one_line(
+    claimed: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     source = tmp_path / "layers.gguf"
     write_family_gguf(source, *tiny_llama(2), metadata={"llama.block_count": (claimed, U32)})
     message = f"the file claims {claimed} layers (llama.block_count) but holds tensors for 2"
@@ -79,7 +79,7 @@ def test_a_gguf_claiming_millions_of_layers_is_refused_at_once_in_one_line(claim
     finally:
         tracemalloc.stop()
     assert elapsed < 5 and peak < 64 * 2**20, (elapsed, peak)
-    (line,) = refusal_lines(export(source, tmp_path / "package"), tmp_path / "package")
+    (line,) = refusal_lines(export(source, tmp_path / "package", capsys), tmp_path / "package")
     assert line == f"flare export: error: {source}: {message}"
 
 
@@ -91,13 +91,13 @@ def test_a_hugging_face_directory_claiming_more_layers_than_it_holds_is_refused(
         open_hf_directory(directory)
 
 
-def test_a_source_missing_dozens_of_tensors_lists_twenty_and_how_many_more(tmp_path: Path) -> None:
+def test_a_source_missing_dozens_of_tensors_lists_twenty_and_how_many_more(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     source = tmp_path / "missing.gguf"
     # Each of the 4 layers keeps its attn_norm (so it is held) and loses the 8 other tensors.
     write_family_gguf(
         source, *tiny_llama(4), tensors={f"blk.{i}.{name}.weight": None for i in range(4) for name in LAYER_TENSORS}
     )
-    lines = refusal_lines(export(source, tmp_path / "package"), tmp_path / "package")
+    lines = refusal_lines(export(source, tmp_path / "package", capsys), tmp_path / "package")
     assert lines[0] == f"flare export: error: the tensors of {source} do not match its metadata:"
     assert len(lines) == 1 + MAX_LISTED + 1, lines
     assert lines[1] == "  - weight model.layers.0.self_attn.q_proj.weight (blk.0.attn_q.weight) is missing"
@@ -107,11 +107,11 @@ def test_a_source_missing_dozens_of_tensors_lists_twenty_and_how_many_more(tmp_p
 
 @pytest.mark.parametrize("context", [1 << 40, 1 << 28, MAX_CONTEXT + 1])
 def test_an_implausible_context_is_refused_at_export_in_one_line_naming_the_key_and_the_bound(
-    context: int, tmp_path: Path
+    context: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     source = tmp_path / "context.gguf"
     write_family_gguf(source, *tiny_llama(2), metadata={"llama.context_length": (context, U64)})
-    (line,) = refusal_lines(export(source, tmp_path / "package"), tmp_path / "package")
+    (line,) = refusal_lines(export(source, tmp_path / "package", capsys), tmp_path / "package")
     assert f"the GGUF metadata key llama.context_length is {context}" in line, line
     assert f"beyond the longest context flare serves, {MAX_CONTEXT} tokens (2^24:" in line, line
 
