@@ -160,7 +160,7 @@ def test_a_kimi_package_calls_tools_in_kimis_own_sections_and_answers_openai_too
             arguments = json.loads(call.function.arguments)
             assert arguments in ({"city": "Paris"}, {"city": "Oslo"}) or set(arguments) == {"hours"}
         stream = client.chat.completions.create(
-            model=model, messages=chat, tools=[weather, clock], stream=True, max_tokens=60,
+            model=model, messages=chat, tools=[weather, clock], stream=True, max_tokens=60, parallel_tool_calls=False,
             tool_choice={"type": "function", "function": {"name": "get_weather"}},
         )
         deltas = [d for chunk in stream for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices]
@@ -174,13 +174,14 @@ def test_a_kimi_package_calls_tools_in_kimis_own_sections_and_answers_openai_too
         claude = anthropic.Anthropic(base_url=daemon.base_url, api_key="unused", max_retries=0)
         message = claude.messages.create(
             model=model, max_tokens=60, messages=[{"role": "user", "content": chat[0]["content"]}],
-            tools=[{"name": "get_weather", "input_schema": weather["function"]["parameters"]}], tool_choice={"type": "any"},
+            tools=[{"name": "get_weather", "input_schema": weather["function"]["parameters"]}],
+            tool_choice={"type": "any", "disable_parallel_tool_use": True},
         )
         uses = [block for block in message.content if block.type == "tool_use"]
         assert message.stop_reason == "tool_use" and uses and all(u.input in ({"city": "Paris"}, {"city": "Oslo"}) for u in uses)
         response = client.responses.create(
             model=model, input=chat[0]["content"], max_output_tokens=60, tools=[{"type": "function", **weather["function"]}],
-            tool_choice="required",
+            tool_choice="required", parallel_tool_calls=False, temperature=0,
         )
         items = [item for item in response.output if item.type == "function_call"]
         assert items and all(item.name == "get_weather" for item in items)

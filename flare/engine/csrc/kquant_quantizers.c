@@ -4,8 +4,9 @@
  * These are llama.cpp's reference quantizers, quantize_row_q4_K_ref and quantize_row_q6_K_ref
  * (ggml-quants.c), which llama-quantize runs without an importance matrix, with their searches
  * make_qkx2_quants and make_qx_quants, done in the same float32 operations in the same order:
- * sums left to right, each product rounded before the addition that reads it (this file has no
- * target attribute, so nothing is fused into a multiply-add and no reduction is reordered).
+ * sums left to right, each product rounded before the addition that reads it (ggml builds as ISO
+ * C, which fuses nothing; here fusing is turned off below, whatever -march a build gives, and no
+ * reduction is reordered without -ffast-math).
  *
  * Q4_K, per 32-value sub-block j with weights w_l = sqrt(mean x^2) + |x_l|: the affine grid
  * x ~ s L + m, L in 0..15, m <= 0, minimising sum_l w_l (s L_l + m - x_l)^2. The start is the
@@ -27,6 +28,12 @@
 #include <string.h>
 
 #include "kernels.h"
+
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#else
+#pragma GCC optimize("fp-contract=off")
+#endif
 
 enum { QK_K = 256 };
 
