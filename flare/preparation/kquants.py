@@ -9,7 +9,8 @@ numpy port below where it is not (the extension is optional). The numpy port run
 every sub-block of a matrix at once, in float32 as the C does; `nearest_int` is round-half-to-even
 there (the 1.5 * 2^23 trick under the default rounding mode), `np.rint` here. Its sums are
 numpy's (pairwise) rather than the C's left-to-right, so a tie between two candidate scales may be
-decided the other way in rare sub-blocks (0.1% of the bytes), and it is 5-10x slower.
+decided the other way in rare sub-blocks (0.1% of the bytes), and it takes about 12x the C's
+time on two threads (docs/packages.md).
 tests/preparation/test_kquants.py holds both to gguf-py's dequantizer and to llama-quantize's
 bytes on the same tensor.
 """

@@ -90,27 +90,31 @@ def quantize_weights(
             kept[name] = tensor
         else:
             values = np.ascontiguousarray(tensor.detach().float().reshape(-1, tensor.shape[-1]).numpy())
-            nonfinite = ~np.isfinite(values)
-            if nonfinite.any():
-                # Refused before quantizing: llama.cpp's K-quant search (kquant_quantizers.c) would
-                # round a NaN or infinity to some finite level without a word.
-                row, column = (int(i) for i in np.argwhere(nonfinite)[0])
-                problems.append(
-                    f"tensor {name}: {int(nonfinite.sum())} value(s) are NaN or infinite "
-                    f"(first: row {row}, column {column}, value {values[row, column]}), which no block can hold"
-                )
-                progress(done, len(floats))
-                continue
-            data = quantize_matrix(values, ggml_type)
-            shape = tuple(int(n) for n in tensor.shape)
-            found = block_problems(name, ggml_type, data, (values.shape[0], values.shape[1]))
-            problems += found
+            # Refused before quantizing: llama.cpp's K-quant search (kquant_quantizers.c) would
+            # round a NaN or infinity to some finite level without a word.
+            found = _nonfinite_values(name, values)
             if not found:
-                blocks[name] = BlockTensor(ggml_type, torch.from_numpy(data), shape)
+                data = quantize_matrix(values, ggml_type)
+                found = block_problems(name, ggml_type, data, (values.shape[0], values.shape[1]))
+                if not found:
+                    blocks[name] = BlockTensor(ggml_type, torch.from_numpy(data), tuple(int(n) for n in tensor.shape))
+            problems += found
         progress(done, len(floats))
     if problems:
         raise SourceError("the quantized weights cannot be served" + listed(problems))
     return SourceWeights(kept, blocks)
+
+
+def _nonfinite_values(name: str, values: np.ndarray) -> list[str]:
+    """The problem of a matrix that holds NaN or infinite values, naming the first; none if finite."""
+    nonfinite = ~np.isfinite(values)
+    if not nonfinite.any():
+        return []
+    row, column = (int(i) for i in np.argwhere(nonfinite)[0])
+    return [
+        f"tensor {name}: {int(nonfinite.sum())} value(s) are NaN or infinite "
+        f"(first: row {row}, column {column}, value {values[row, column]}), which no block can hold"
+    ]
 
 
 def quantize_matrix(values: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
