@@ -40,6 +40,7 @@ from flare.scheduler.scheduler import Scheduler, SchedulerOptions
 from flare.structured import GrammarSpec
 
 SAMPLES = 480
+WAVE = 96  # requests a wave, all running at once (a row's tokens depend on its seed, not its batch-mates)
 PROMPT = "one two three four one two three four one two"
 # The tiny random model's logits are nearly flat over 49152 tokens; scaling its (tied) embedding
 # matrix scales the logits, so a few tokens carry most of the mass and the test has power.
@@ -139,6 +140,7 @@ async def sample_tokens(
         draft_length="fixed",
         jump_forward=False,
         tensor_parallel=tensor_parallel,
+        max_concurrency=WAVE,
     )
     scheduler = Scheduler.from_package(package, options, drafter=drafter)
     loop = asyncio.create_task(scheduler.run())
@@ -146,7 +148,7 @@ async def sample_tokens(
     grammar = scheduler.grammars.compile(constraint) if constraint is not None and scheduler.grammars else None
     outputs: list[list[int]] = []
     try:
-        for start in range(0, SAMPLES, 32):
+        for start in range(0, SAMPLES, WAVE):
             streams = [
                 scheduler.submit(
                     GenerationRequest(
@@ -157,7 +159,7 @@ async def sample_tokens(
                         prediction=prediction,
                     )
                 )
-                for seed in range(start, min(start + 32, SAMPLES))
+                for seed in range(start, min(start + WAVE, SAMPLES))
             ]
             for stream in streams:
                 ids: list[int] = []
