@@ -108,13 +108,11 @@ _LIST_QUEUE_METHODS = frozenset({"append", "pop"})
 
 class _BudgetedSandbox(ImmutableSandboxedEnvironment):
     """The sandbox with the budget checked at its hooks (the module docstring lists them);
-    `queues`: a list's append and pop allowed (on a per-render copy of the context)."""
+    `queues`: a list's append and pop allowed (on a per-render copy of the context), set by
+    `compile_chat_template` for a template that calls them."""
 
     intercepted_binops = frozenset({"*", "**"})
-
-    def __init__(self, *, queues: bool = False, **options: Any) -> None:
-        super().__init__(**options)
-        self.queues = queues
+    queues = False
 
     def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
         if self.queues and isinstance(obj, list) and attr in _LIST_QUEUE_METHODS:
@@ -188,11 +186,9 @@ class _GenerationBlock(jinja2.ext.Extension):
         return caller()
 
 
-def _environment(*, queues: bool = False) -> _BudgetedSandbox:
+def _environment() -> _BudgetedSandbox:
     """The sandbox with the environment transformers renders chat templates in."""
-    environment = _BudgetedSandbox(
-        queues=queues, trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationBlock]
-    )
+    environment = _BudgetedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = _strftime_now
@@ -203,12 +199,13 @@ def _environment(*, queues: bool = False) -> _BudgetedSandbox:
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile a chat template in a sandbox, with the environment transformers renders it in."""
     try:
-        tree = _environment().parse(source)
-        queues = any(
+        environment = _environment()
+        tree = environment.parse(source)
+        environment.queues = any(
             isinstance(call.node, jinja2.nodes.Getattr) and call.node.attr in _LIST_QUEUE_METHODS
             for call in tree.find_all(jinja2.nodes.Call)
         )
-        return _environment(queues=queues).from_string(source)
+        return environment.from_string(tree)
     except jinja2.TemplateError as error:
         raise ChatTemplateError(f"the chat template does not compile: {error}") from error
     except RecursionError:
@@ -233,7 +230,7 @@ def render_within_budget(template: jinja2.Template, context: Mapping[str, Any]) 
     token = _CURRENT.set(budget)
     try:
         pieces = []
-        own = copy.deepcopy(dict(context)) if template.environment.queues else context  # type: ignore[attr-defined]
+        own = copy.deepcopy(dict(context)) if isinstance(template.environment, _BudgetedSandbox) and template.environment.queues else context
         for piece in template.generate(**own):
             budget.output(len(piece))
             pieces.append(piece)
