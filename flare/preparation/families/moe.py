@@ -154,12 +154,16 @@ def moe_tensor_name(name: str) -> str:
     return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
 
 
+def _stacked(prefix: str, projection: str) -> str:
+    """The stacked tensor of a layer's experts (`prefix`: `...mlp.experts`) that a per-expert
+    `projection` (gate_proj, up_proj, down_proj) goes into."""
+    return f"{prefix}.{'down_proj' if projection == 'down_proj' else 'gate_up_proj'}.weight"
+
+
 def stacked_expert_name(name: str) -> str | None:
     """The package's stacked tensor a per-expert tensor `name` goes into (`stack_experts`), or None."""
     match = _EXPERT_TENSOR.match(name)
-    if match is None:
-        return None
-    return f"{match.group(1)}.{'down_proj' if match.group(3) == 'down_proj' else 'gate_up_proj'}.weight"
+    return None if match is None else _stacked(match.group(1), match.group(3))
 
 
 def stack_experts(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -186,8 +190,8 @@ def stack_experts(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict
         for each in names:
             for n in each:
                 del stacked[n]  # type: ignore[arg-type]
-        stacked[f"{prefix}.gate_up_proj.weight"] = torch.stack([torch.cat(pair) for pair in zip(gate, up)])
-        stacked[f"{prefix}.down_proj.weight"] = torch.stack(down)
+        stacked[_stacked(prefix, "gate_proj")] = torch.stack([torch.cat(pair) for pair in zip(gate, up)])
+        stacked[_stacked(prefix, "down_proj")] = torch.stack(down)
     return stacked
 
 
