@@ -225,7 +225,7 @@ def integer_kquant_linear(xq: torch.Tensor, blocks: torch.Tensor, ggml_type: int
             f"integer_kquant_linear: xq must be contiguous CPU uint8 [tokens, {width} or {2 * width}] (quantize_q8k_rows of x), "
             f"got {xq.dtype} {tuple(xq.shape)}"
         )
-    block_bytes = {12: 144, 13: 176, 14: 210}.get(int(ggml_type))
+    block_bytes = KQUANT_BLOCK_BYTES.get(int(ggml_type))
     if block_bytes is None:
         raise ValueError(f"integer_kquant_linear: ggml_type must be Q4_K (12), Q5_K (13) or Q6_K (14), got {ggml_type}")
     expected = (out_features, in_features // 256 * block_bytes)
@@ -291,6 +291,9 @@ def quantized_rows(blocks: torch.Tensor, ggml_type: int, in_features: int, rows:
     return out
 
 
+# The bytes of a 256-value super-block of each K type, by ggml type id (Q4_K, Q5_K, Q6_K).
+KQUANT_BLOCK_BYTES = {12: 144, 13: 176, 14: 210}
+
 # The bytes of one 8-bit activation block of 32 values (integer_dot.h, Q8Block: d, s, sum, 32 qs).
 Q8_BLOCK_BYTES = 48
 
@@ -324,7 +327,7 @@ def quantize_kquant_rows(values: torch.Tensor, ggml_type: int) -> torch.Tensor:
     if values.dtype != torch.float32 or values.device.type != "cpu" or values.dim() != 2 or not values.is_contiguous():
         raise ValueError(f"quantize_kquant_rows: values must be a contiguous CPU float32 matrix, got {values.dtype} {tuple(values.shape)}")
     rows, width = values.shape
-    block_bytes = {12: 144, 14: 210}.get(ggml_type)
+    block_bytes = KQUANT_BLOCK_BYTES.get(ggml_type) if ggml_type != 13 else None  # no Q5_K quantizer
     if block_bytes is None or width < 256 or width % 256:
         raise ValueError(f"quantize_kquant_rows: type Q4_K (12) or Q6_K (14) of a width of whole 256-value super-blocks, got type {ggml_type} width {width}")
     out = torch.empty(rows, width // 256 * block_bytes, dtype=torch.uint8)

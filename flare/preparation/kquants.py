@@ -98,8 +98,8 @@ def quantize_q6_k(values: np.ndarray) -> np.ndarray:
 def _native_or_numpy(values: np.ndarray, ggml_type: GGMLType, numpy_port: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
     if not native.available():
         return numpy_port(values)
-    _super_blocks(values)  # the width's check, in the numpy port's words
-    matrix = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+    # _super_blocks: the width's check in the numpy port's words, and contiguous float32 rows
+    matrix = torch.from_numpy(_super_blocks(values).reshape(values.shape[0], -1))
     return native_quantized.quantize_kquant_rows(matrix, int(ggml_type)).numpy()
 
 

@@ -214,10 +214,10 @@ enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8
 /* MXFP4 (gpt-oss's experts): 32 values a block, an E8M0 scale byte and 16 bytes of E2M1 nibbles. */
 enum { GGML_MXFP4 = 39 };
 
-/* Rows of x [rows, width] (width whole 256-value super-blocks) as Q4_K or Q6_K blocks into out
- * [rows, width / 256 * 144 or 210], as llama-quantize makes them without an importance matrix
- * (kquant_quantizers.c); -1 for another type or width. */
-int quantize_kquant_rows(int type, const float *x, int64_t rows, int64_t width, uint8_t *out, int threads);
+/* Rows of x [rows, width] as Q4_K or Q6_K blocks (`type`) into out [rows, width / 256 * 144 or 210],
+ * as llama-quantize makes them without an importance matrix (kquant_quantizers.c). The caller
+ * checks the type and that the width is whole 256-value super-blocks. */
+void quantize_kquant_rows(int type, const float *x, int64_t rows, int64_t width, uint8_t *out, int threads);
 
 typedef struct {
     const float *x;            /* [tokens, in], rows `x_stride` floats apart */

@@ -227,13 +227,11 @@ static void q6_k_block(const float *x, uint8_t *out) {
     memcpy(out + 208, &d, 2);
 }
 
-int quantize_kquant_rows(int type, const float *x, int64_t rows, int64_t width, uint8_t *out, int threads) {
-    if ((type != GGML_Q4_K && type != GGML_Q6_K) || width <= 0 || width % QK_K) return -1;
+void quantize_kquant_rows(int type, const float *x, int64_t rows, int64_t width, uint8_t *out, int threads) {
     const int64_t blocks = width / QK_K, bytes = type == GGML_Q4_K ? 144 : 210, total = rows * blocks;
 #pragma omp parallel for schedule(static) num_threads(total < 64 ? 1 : threads)
     for (int64_t b = 0; b < total; b++) {
         if (type == GGML_Q4_K) q4_k_block(x + b * QK_K, out + b * bytes);
         else q6_k_block(x + b * QK_K, out + b * bytes);
     }
-    return 0;
 }

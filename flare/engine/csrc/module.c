@@ -429,11 +429,9 @@ static PyObject *py_quantize_kquant_rows(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "innnnn", &type, &x, &rows, &width, &out, &threads)) return NULL;
     if ((type != GGML_Q4_K && type != GGML_Q6_K) || rows < 0 || width < 256 || width % 256 || threads < 1)
         return invalid("quantize_kquant_rows", "type Q4_K or Q6_K, width whole 256-value super-blocks");
-    int status;
     Py_BEGIN_ALLOW_THREADS
-    status = quantize_kquant_rows(type, (const float *)x, rows, width, (uint8_t *)out, (int)threads);
+    quantize_kquant_rows(type, (const float *)x, rows, width, (uint8_t *)out, (int)threads);
     Py_END_ALLOW_THREADS
-    if (status) return invalid("quantize_kquant_rows", "type Q4_K or Q6_K, width whole 256-value super-blocks");
     Py_RETURN_NONE;
 }
 
