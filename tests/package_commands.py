@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -27,3 +28,8 @@ def flare_printed(capsys: pytest.CaptureFixture[str], *argv: str) -> subprocess.
     code = flare(*argv)
     printed = capsys.readouterr()
     return subprocess.CompletedProcess(["flare", *argv], code, printed.out, printed.err)
+
+
+def export_printed(capsys: pytest.CaptureFixture[str], source: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    """`flare export SOURCE -o OUT` in this process (`flare_printed`)."""
+    return flare_printed(capsys, "export", str(source), "-o", str(out))

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.package_commands import flare_printed
+from tests.package_commands import export_printed
 
 from flare.package import chat_template
 from flare.preparation.default_model import default_gguf_path
@@ -53,10 +53,6 @@ def _export_command(source: Path, out: Path) -> subprocess.CompletedProcess[str]
     )
 
 
-def _export(source: Path, out: Path, capsys: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess[str]:
-    return flare_printed(capsys, "export", str(source), "-o", str(out))
-
-
 def _assert_one_line_refusal(result: subprocess.CompletedProcess[str], source: Path, out: Path, *words: str) -> None:
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1, result.stderr
@@ -93,7 +89,7 @@ def test_a_malformed_header_is_one_line_naming_offset_and_field(
     for _ in _patched(gguf_copy, offset, data):
         with pytest.raises(GGUFLayoutError, match="at byte"):
             open_gguf(gguf_copy)
-        _assert_one_line_refusal(_export(gguf_copy, out, capsys), gguf_copy, out, "at byte", field)
+        _assert_one_line_refusal(export_printed(capsys, gguf_copy, out), gguf_copy, out, "at byte", field)
 
 
 def test_a_tensor_named_twice_is_refused_naming_it(gguf_copy: Path) -> None:
@@ -114,7 +110,7 @@ def _truncated(size: int, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("size", [1062, 1_769_100, 60_000_000])
 def test_a_truncated_file_is_one_line_naming_where_it_ends(size: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     truncated, out = _truncated(size, tmp_path), tmp_path / "package"
-    _assert_one_line_refusal(_export(truncated, out, capsys), truncated, out, "at byte")
+    _assert_one_line_refusal(export_printed(capsys, truncated, out), truncated, out, "at byte")
 
 
 def test_the_command_a_user_runs_prints_the_one_line_and_exits_1(tmp_path: Path) -> None:
@@ -151,7 +147,7 @@ def test_export_refuses_a_template_that_loops_recurses_explodes_or_does_not_comp
     offset = LAYOUT.fields["tokenizer.chat_template"].value_offset + 8
     out = tmp_path / "package"
     for _ in _patched(gguf_copy, offset, _template_of_same_length(template)):
-        result = _export(gguf_copy, out, capsys)
+        result = export_printed(capsys, gguf_copy, out)
     assert result.returncode == 1 and "chat template" in result.stderr and why in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
     assert not out.exists() and not list(tmp_path.glob(".package.*"))

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from tests.gguf_writer import tiny_vocabulary, write_family_gguf
-from tests.package_commands import flare_printed
+from tests.package_commands import export_printed
 
 from flare.package.manifest import MAX_CONTEXT
 from flare.package.problems import MAX_LISTED
@@ -50,11 +50,6 @@ def hf_directory(path: Path, config: Any, state: dict[str, torch.Tensor]) -> Pat
     return path
 
 
-def export(source: Path, out: Path, capsys: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess[str]:
-    """`flare export SOURCE -o OUT`, run in this process (tests/package_commands.py)."""
-    return flare_printed(capsys, "export", str(source), "-o", str(out))
-
-
 def refusal_lines(result: subprocess.CompletedProcess[str], out: Path) -> list[str]:
     """stderr of a refused export, which wrote nothing."""
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
@@ -79,7 +74,7 @@ def test_a_gguf_claiming_millions_of_layers_is_refused_at_once_in_one_line(
     finally:
         tracemalloc.stop()
     assert elapsed < 5 and peak < 64 * 2**20, (elapsed, peak)
-    (line,) = refusal_lines(export(source, tmp_path / "package", capsys), tmp_path / "package")
+    (line,) = refusal_lines(export_printed(capsys, source, tmp_path / "package"), tmp_path / "package")
     assert line == f"flare export: error: {source}: {message}"
 
 
@@ -97,7 +92,7 @@ def test_a_source_missing_dozens_of_tensors_lists_twenty_and_how_many_more(tmp_p
     write_family_gguf(
         source, *tiny_llama(4), tensors={f"blk.{i}.{name}.weight": None for i in range(4) for name in LAYER_TENSORS}
     )
-    lines = refusal_lines(export(source, tmp_path / "package", capsys), tmp_path / "package")
+    lines = refusal_lines(export_printed(capsys, source, tmp_path / "package"), tmp_path / "package")
     assert lines[0] == f"flare export: error: the tensors of {source} do not match its metadata:"
     assert len(lines) == 1 + MAX_LISTED + 1, lines
     assert lines[1] == "  - weight model.layers.0.self_attn.q_proj.weight (blk.0.attn_q.weight) is missing"
@@ -111,7 +106,7 @@ def test_an_implausible_context_is_refused_at_export_in_one_line_naming_the_key_
 ) -> None:
     source = tmp_path / "context.gguf"
     write_family_gguf(source, *tiny_llama(2), metadata={"llama.context_length": (context, U64)})
-    (line,) = refusal_lines(export(source, tmp_path / "package", capsys), tmp_path / "package")
+    (line,) = refusal_lines(export_printed(capsys, source, tmp_path / "package"), tmp_path / "package")
     assert f"the GGUF metadata key llama.context_length is {context}" in line, line
     assert f"beyond the longest context flare serves, {MAX_CONTEXT} tokens (2^24:" in line, line
 
