@@ -164,7 +164,7 @@ def test_a_kimi_package_calls_tools_in_kimis_own_sections_and_answers_openai_too
             tool_choice={"type": "function", "function": {"name": "get_weather"}},
         )
         deltas = [d for chunk in stream for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices]
-        assert deltas[0].function.name == "get_weather" and deltas[0].id
+        assert deltas[0].function.name == "get_weather" and deltas[0].id and {d.index for d in deltas} == {0}
         assert json.loads("".join(d.function.arguments or "" for d in deltas)) in ({"city": "Paris"}, {"city": "Oslo"})
         messages = [*chat, {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]},
                     *({"role": "tool", "tool_call_id": c.id, "content": "18 C"} for c in calls)]
@@ -178,13 +178,15 @@ def test_a_kimi_package_calls_tools_in_kimis_own_sections_and_answers_openai_too
             tool_choice={"type": "any", "disable_parallel_tool_use": True},
         )
         uses = [block for block in message.content if block.type == "tool_use"]
-        assert message.stop_reason == "tool_use" and uses and all(u.input in ({"city": "Paris"}, {"city": "Oslo"}) for u in uses)
+        assert message.stop_reason == "tool_use" and len(uses) == 1, message
+        assert uses[0].name == "get_weather" and uses[0].input in ({"city": "Paris"}, {"city": "Oslo"}) and uses[0].id
         response = client.responses.create(
             model=model, input=chat[0]["content"], max_output_tokens=60, tools=[{"type": "function", **weather["function"]}],
             tool_choice="required", parallel_tool_calls=False, temperature=0,
         )
         items = [item for item in response.output if item.type == "function_call"]
-        assert items and all(item.name == "get_weather" for item in items)
+        assert len(items) == 1 and items[0].name == "get_weather" and items[0].call_id, response.output
+        assert json.loads(items[0].arguments) in ({"city": "Paris"}, {"city": "Oslo"})
     finally:
         assert daemon.stop() == 0, daemon.log()
 
