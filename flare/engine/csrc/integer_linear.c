@@ -414,10 +414,15 @@ static void kquant_tiles(int level, int type, int halves, const uint8_t *blocks,
                 const uint8_t *next = g + 1 < groups ? blocks + (o0 + KQ_TILE_OUTPUTS) * row_bytes : NULL;
                 kquant_dot_tile16(level, type, w, kblocks, x + t * kblocks, kblocks, n, next, packed ? packed + t * kblocks * 256 : NULL,
                                   packed ? pairs + t * kblocks * 4 : NULL, acc);
-                for (int r = 0; r < n; r += halves)
-                    for (int k = 0; k < count; k++)
-                        y[(t + r) / halves * y_stride + o0 + k] =
-                            halves == 1 ? acc[KQ_TILE_OUTPUTS * r + k] : acc[KQ_TILE_OUTPUTS * r + k] + acc[KQ_TILE_OUTPUTS * (r + 1) + k];
+                /* a token's outputs, its two halves' rows added: contiguous loops the compiler vectorizes */
+                for (int r = 0; r < n; r += halves) {
+                    const float *a = acc + KQ_TILE_OUTPUTS * r, *b = a + KQ_TILE_OUTPUTS;
+                    float *yr = y + (t + r) / halves * y_stride + o0;
+                    if (halves == 1)
+                        for (int k = 0; k < count; k++) yr[k] = a[k];
+                    else
+                        for (int k = 0; k < count; k++) yr[k] = a[k] + b[k];
+                }
             }
         }
         if (packed) kquant_amx_end();
