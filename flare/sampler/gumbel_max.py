@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flare.sampler import native_sampler as native
 from flare.sampler.distribution import shard_bounds
 from flare.sampler.random_stream import vocabulary_gumbel
 
@@ -58,9 +59,12 @@ def gumbel_candidates(
     vocabulary shard: flare/parallel/vocab_round.py): the noise is the stream's at the
     vocabulary index and the candidates' indices are vocabulary indices; ``exclude`` counts
     columns."""
-    logits = scaled.index_select(0, position)
-    vocab_size = logits.shape[1]
+    vocab_size = scaled.shape[1]
     noise = vocabulary_gumbel(key, vocab_size, first_index)
+    if draft_q is None and num_shards == 1 and _native_reads(scaled, position, threshold, exclude):
+        index, value = native.kept_gumbel_argmax(noise, scaled, position, threshold, exclude)
+        return GumbelCandidates((index + first_index).unsqueeze(1), value.unsqueeze(1), None, None, None)
+    logits = scaled.index_select(0, position)
     kept = logits >= threshold.unsqueeze(1)
     # In place where the noise is not needed again (no residual); NaN logits are not kept.
     value = noise.add_(logits) if draft_q is None else noise + logits
@@ -81,6 +85,20 @@ def gumbel_candidates(
     residual_index += first_index
     mass = torch.stack([residual[:, a:b].sum(-1) for a, b in shard_bounds(vocab_size, num_shards)], 1)
     return GumbelCandidates(candidate_index, candidate_value, residual_index, residual_best, mass)
+
+
+def _native_reads(scaled: torch.Tensor, position: torch.Tensor, threshold: torch.Tensor, exclude: torch.Tensor) -> bool:
+    """Whether the C kernel takes these candidates: on the CPU where it was built, for the tensors
+    it reads as they lie (float32 and int64, contiguous)."""
+    return (
+        native.available()
+        and scaled.device.type == "cpu"
+        and scaled.dtype == torch.float32
+        and threshold.dtype == torch.float32
+        and position.dtype == torch.int64
+        and exclude.dtype == torch.int64
+        and all(t.is_contiguous() for t in (scaled, position, threshold, exclude))
+    )
 
 
 def _shard_argmax(value: torch.Tensor, num_shards: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,6 +4,8 @@ called on tensors.
 - `stream_uniforms` and `top_p_threshold`: the sampler's random stream over whole vocabulary rows
   and its top-p radix select, the bits of their torch twins (random_stream.py, distribution.py;
   one pass where those take ten, and a 2048-bin histogram in cache where they call bincount).
+- `kept_gumbel_argmax`: a Gumbel-max candidate per row over its kept tokens (gumbel_max.py's
+  candidates of one shard without a draft distribution), one pass where the twin takes five.
 - `greedy_tokens`: a round of greedy rows (bias, penalties and draft verification included),
   sample_round's results for it in one call instead of a few hundred operators, each of which
   costs more to dispatch at one row than its arithmetic.
@@ -73,6 +75,39 @@ def top_p_threshold(scaled: torch.Tensor, mass: torch.Tensor, target: torch.Tens
     if rows:
         native.top_p_threshold(scaled.data_ptr(), mass.data_ptr(), target.data_ptr(), rows, vocab, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def kept_gumbel_argmax(
+    noise: torch.Tensor, scaled: torch.Tensor, position: torch.Tensor, threshold: torch.Tensor, exclude: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row r of `noise` [R, V] samples position `position[r]` of `scaled` [N, V]: the first index
+    of the largest noise + logit over the tokens with logit >= `threshold[r]`, token `exclude[r]`
+    (-1: none) left out, and that value ([R] int64, [R] float32; index 0 and -inf where no token
+    is kept): the twin's argmax and value (gumbel_max.py)."""
+    native = _module()
+    rows, vocab = noise.shape
+    floats = (("noise", noise), ("scaled", scaled), ("threshold", threshold))
+    longs = (("position", position), ("exclude", exclude))
+    problems = [
+        f"{name} must be a contiguous CPU {dtype}, got {tensor.device} {tensor.dtype}"
+        for group, dtype in ((floats, torch.float32), (longs, torch.int64))
+        for name, tensor in group
+        if tensor.device.type != "cpu" or tensor.dtype != dtype or not tensor.is_contiguous()
+    ]
+    if scaled.dim() != 2 or scaled.shape[1] != vocab or any(t.shape != (rows,) for _, t in (*longs, ("threshold", threshold))):
+        problems.append(f"scaled must be [N, {vocab}] and position, threshold and exclude [{rows}]")
+    elif rows and not 0 <= int(position.min()) <= int(position.max()) < scaled.shape[0]:
+        problems.append(f"positions must be rows of scaled (0..{scaled.shape[0] - 1})")
+    if problems:
+        raise ValueError("kept_gumbel_argmax: " + "; ".join(problems))
+    index = torch.empty(rows, dtype=torch.int64)
+    value = torch.empty(rows, dtype=torch.float32)
+    if rows:
+        native.kept_gumbel_argmax(
+            noise.data_ptr(), scaled.data_ptr(), position.data_ptr(), threshold.data_ptr(), exclude.data_ptr(),
+            rows, vocab, index.data_ptr(), value.data_ptr(), torch.get_num_threads(),
+        )
+    return index, value
 
 
 def greedy_tokens(

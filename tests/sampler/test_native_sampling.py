@@ -1,5 +1,6 @@
-"""The sampler's C kernels (native.stream_uniforms, native.top_p_threshold) give their torch
-twins' bits, so a round samples the same tokens with and without them."""
+"""The sampler's C kernels (native.stream_uniforms, native.top_p_threshold,
+native.kept_gumbel_argmax) give their torch twins' bits, so a round samples the same tokens with
+and without them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 
 from flare.sampler import native_sampler as native
 from flare.sampler import distribution
+from flare.sampler.gumbel_max import gumbel_candidates
 from flare.sampler.random_stream import Purpose, gumbel_, stream_bits, stream_key, vocabulary_gumbel
 from flare.sampler.round import sample_round
 from flare.policy.params import SamplingParams
@@ -112,3 +114,76 @@ def test_a_sampled_round_draws_the_same_tokens_with_and_without_the_c_kernels(mo
     monkeypatch.setattr(native, "available", lambda: False)
     without = sample_round(logits, num_drafts, drafts, None, batch)
     assert torch.equal(with_kernels.tokens, without.tokens) and torch.equal(with_kernels.status, without.status)
+
+
+def twin_kept_argmax(noise, scaled, position, threshold, exclude) -> tuple[torch.Tensor, torch.Tensor]:
+    """gumbel_max.py's steps for one shard without a draft distribution, on any noise."""
+    logits = scaled.index_select(0, position)
+    value = (noise + logits).masked_fill_(~(logits >= threshold.unsqueeze(1)), float("-inf"))
+    excluded = exclude.clamp(min=0).unsqueeze(1)
+    value.scatter_(1, excluded, torch.where(exclude.unsqueeze(1) >= 0, float("-inf"), value.gather(1, excluded)))
+    best = value.argmax(dim=-1, keepdim=True)
+    return best.squeeze(1), value.gather(1, best).squeeze(1)
+
+
+@built
+@settings(max_examples=80, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    vocab_size=st.integers(1, 3000),
+    levels=st.sampled_from([None, 3, 1]),  # None: continuous values; else few distinct ones (ties)
+    hidden=st.sampled_from(["none", "nan", "-inf", "+inf", "all"]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_c_gumbel_candidate_is_the_twins_argmax_and_value(rows, vocab_size, levels, hidden, seed) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    positions = rows + 2
+    scaled = torch.randn(positions, vocab_size, generator=generator) * 3
+    noise = torch.randn(rows, vocab_size, generator=generator)
+    if levels is not None:  # equal values everywhere: the first of equal maxima must win
+        scaled, noise = scaled.round().clamp(-levels, levels), noise.round().clamp(-levels, levels)
+    hide = torch.rand(positions, vocab_size, generator=generator) < 0.3
+    if hidden != "none":
+        fill = {"nan": float("nan"), "-inf": float("-inf"), "+inf": float("inf"), "all": float("-inf")}[hidden]
+        scaled = scaled.masked_fill(torch.ones_like(hide) if hidden == "all" else hide, fill)
+    position = torch.randint(0, positions, (rows,), generator=generator)
+    threshold = torch.where(torch.rand(rows, generator=generator) < 0.5, float("-inf"), torch.randn(rows, generator=generator))
+    exclude = torch.randint(-1, vocab_size, (rows,), generator=generator)
+    index, value = native.kept_gumbel_argmax(noise, scaled, position, threshold, exclude)
+    twin_index, twin_value = twin_kept_argmax(noise, scaled, position, threshold, exclude)
+    assert torch.equal(index, twin_index)
+    assert torch.equal(value, twin_value)
+
+
+@built
+def test_gumbel_candidates_are_the_same_with_and_without_the_c_kernel(monkeypatch) -> None:
+    generator = torch.Generator().manual_seed(3)
+    rows, vocab_size = 9, 4000
+    scaled = torch.randn(rows + 3, vocab_size, generator=generator) * 4
+    args = (
+        torch.randperm(rows + 3, generator=generator)[:rows],
+        stream_key(torch.arange(rows), torch.arange(rows), Purpose.SAMPLE).to(torch.int32),
+        torch.zeros(rows),
+        torch.ones(rows),
+        torch.tensor([float("-inf"), 0.5, 1.0, 2.0, float("-inf"), 0.0, 9.0, -1.0, float("inf")]),
+        torch.tensor([-1, 3, 17, -1, 0, 3999, -1, 5, -1]),
+        None,
+        1,
+    )
+    with_kernel = gumbel_candidates(scaled, *args, first_index=1000)
+    monkeypatch.setattr(native, "available", lambda: False)
+    without = gumbel_candidates(scaled, *args, first_index=1000)
+    assert torch.equal(with_kernel.index, without.index) and torch.equal(with_kernel.value, without.value)
+    assert with_kernel.index[8].item() == 1000 and with_kernel.value[8].item() == float("-inf")  # nothing kept
+
+
+@built
+def test_the_c_gumbel_candidate_refuses_what_it_cannot_read() -> None:
+    noise, scaled = torch.randn(2, 10), torch.randn(3, 10)
+    threshold, exclude = torch.zeros(2), torch.full((2,), -1)
+    with pytest.raises(ValueError, match="kept_gumbel_argmax: noise must be a contiguous CPU torch.float32"):
+        native.kept_gumbel_argmax(noise.double(), scaled, torch.tensor([0, 1]), threshold, exclude)
+    with pytest.raises(ValueError, match="positions must be rows of scaled"):
+        native.kept_gumbel_argmax(noise, scaled, torch.tensor([0, 3]), threshold, exclude)
+    with pytest.raises(ValueError, match="position, threshold and exclude \\[2\\]"):
+        native.kept_gumbel_argmax(noise, scaled, torch.tensor([0, 1, 2]), threshold, exclude)

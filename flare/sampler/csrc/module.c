@@ -39,6 +39,20 @@ static PyObject *py_top_p_threshold(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_kept_gumbel_argmax(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t noise, scaled, position, threshold, exclude, rows, vocab, index, value, threads;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnn", &noise, &scaled, &position, &threshold, &exclude, &rows, &vocab, &index, &value,
+                          &threads))
+        return NULL;
+    if (rows < 0 || vocab < 1 || threads < 1) return invalid("kept_gumbel_argmax", "sizes must be positive");
+    Py_BEGIN_ALLOW_THREADS
+    kept_gumbel_argmax((const float *)noise, (const float *)scaled, (const int64_t *)position, (const float *)threshold,
+                       (const int64_t *)exclude, rows, vocab, (int64_t *)index, (float *)value, (int)threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_greedy_tokens(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t logits, rows, positions, vocab, max_drafts, num_drafts, draft_tokens, temperature, top_p, min_p, repetition,
@@ -79,6 +93,8 @@ static PyMethodDef methods[] = {
     {"stream_uniforms", py_stream_uniforms, METH_VARARGS, "stream_uniforms(keys, rows, vocab, out, threads)"},
     {"top_p_threshold", py_top_p_threshold, METH_VARARGS,
      "top_p_threshold(scaled, mass, target, rows, vocab, out, threads)"},
+    {"kept_gumbel_argmax", py_kept_gumbel_argmax, METH_VARARGS,
+     "kept_gumbel_argmax(noise, scaled, position, threshold, exclude, rows, vocab, index, value, threads)"},
     {"greedy_tokens", py_greedy_tokens, METH_VARARGS,
      "greedy_tokens(logits, rows, positions, vocab, max_drafts, num_drafts, draft_tokens, temperature, top_p, "
      "min_p, repetition, presence, frequency, top_k, prompt_ids, prompt_width, output_ids, output_width, bias_ids, "

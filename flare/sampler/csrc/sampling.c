@@ -15,7 +15,14 @@
  * torch.bincount does; the suffix sums run from the top bin down in a double accumulator, each
  * rounded to float32, as torch.cumsum does, and the mass above the chosen prefix is added after
  * in float32, as the twin adds it. So the sums, and the threshold, are the twin's bits.
+ *
+ * The Gumbel-max candidate: per row, argmax_i (logit_i + G_i) over the kept tokens (Gumbel-max:
+ * with G_i i.i.d. standard Gumbel that argmax is distributed as softmax(logit) on them), in one
+ * pass where the twin (gumbel_max.py) copies the row, adds, compares, masks and reduces in five.
+ * Each value is the one float32 addition the twin makes, and the first of equal maxima wins, as
+ * in torch.argmax: the same index and value.
  */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -113,4 +120,23 @@ int top_p_threshold(const float *scaled, const float *mass, const float *target,
         free(histogram);
     }
     return failed ? -1 : 0;
+}
+
+FLARE_TARGET_CLONES
+void kept_gumbel_argmax(const float *noise, const float *scaled, const int64_t *position, const float *threshold,
+                        const int64_t *exclude, int64_t rows, int64_t vocab, int64_t *index, float *value, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * vocab >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = noise + r * vocab, *logit = scaled + position[r] * vocab;
+        const float kept_from = threshold[r];
+        const int64_t left_out = exclude[r];
+        float best = -INFINITY;
+        int64_t at = 0;
+        for (int64_t i = 0; i < vocab; i++) {
+            const float v = logit[i] >= kept_from && i != left_out ? g[i] + logit[i] : -INFINITY;
+            if (v > best) best = v, at = i;
+        }
+        index[r] = at;
+        value[r] = best;
+    }
 }

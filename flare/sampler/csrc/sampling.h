@@ -1,5 +1,5 @@
 /* The sampler's CPU kernels over whole vocabulary rows: the counter-based random stream's
- * uniforms and the top-p threshold (sampling.c), and the tokens of an all-greedy round with
+ * uniforms, the top-p threshold and the Gumbel-max candidate of kept tokens (sampling.c), and the tokens of an all-greedy round with
  * its drafts verified (greedy_tokens.c). Each computes the results of its torch twin in flare/sampler/;
  * flare/sampler/native_sampler.py checks the tensors behind every pointer. */
 #ifndef FLARE_SAMPLING_H
@@ -20,6 +20,11 @@
 void stream_uniforms(const int32_t *keys, int64_t rows, int64_t vocab, float *out, int threads);
 int top_p_threshold(const float *scaled, const float *mass, const float *target, int64_t rows, int64_t vocab, float *out,
                     int threads);
+/* Row r: the first index of the largest noise[r, i] + scaled[position[r], i] over the tokens with
+ * scaled[position[r], i] >= threshold[r] (a NaN logit is not kept), token exclude[r] (-1: none)
+ * left out; index 0 and -inf where no token is kept, as torch.argmax of a row of -inf answers. */
+void kept_gumbel_argmax(const float *noise, const float *scaled, const int64_t *position, const float *threshold,
+                        const int64_t *exclude, int64_t rows, int64_t vocab, int64_t *index, float *value, int threads);
 
 /* An all-greedy round's inputs: [positions, vocab] float32 logits (row r's 1 + num_drafts[r]
  * positions in order), its drafts ([rows, max_drafts] int64, -1 padded), the SamplingBatch's
