@@ -61,8 +61,12 @@ def gumbel_candidates(
     columns."""
     vocab_size = scaled.shape[1]
     noise = vocabulary_gumbel(key, vocab_size, first_index)
-    if draft_q is None and num_shards == 1 and _native_reads(scaled, position, threshold, exclude):
-        index, value = native.kept_gumbel_argmax(noise, scaled, position, threshold, exclude)
+    if draft_q is None and num_shards == 1 and scaled.device.type == "cpu" and native.available():
+        # The C kernel where it was built (`native.kept_gumbel_argmax`): the same index and value
+        # in one pass over each row's logits where they lie.
+        index, value = native.kept_gumbel_argmax(
+            noise, scaled.float().contiguous(), position.long().contiguous(), threshold.float().contiguous(), exclude.long().contiguous()
+        )
         return GumbelCandidates((index + first_index).unsqueeze(1), value.unsqueeze(1), None, None, None)
     logits = scaled.index_select(0, position)
     kept = logits >= threshold.unsqueeze(1)
@@ -85,20 +89,6 @@ def gumbel_candidates(
     residual_index += first_index
     mass = torch.stack([residual[:, a:b].sum(-1) for a, b in shard_bounds(vocab_size, num_shards)], 1)
     return GumbelCandidates(candidate_index, candidate_value, residual_index, residual_best, mass)
-
-
-def _native_reads(scaled: torch.Tensor, position: torch.Tensor, threshold: torch.Tensor, exclude: torch.Tensor) -> bool:
-    """Whether the C kernel takes these candidates: on the CPU where it was built, for the tensors
-    it reads as they lie (float32 and int64, contiguous)."""
-    return (
-        native.available()
-        and scaled.device.type == "cpu"
-        and scaled.dtype == torch.float32
-        and threshold.dtype == torch.float32
-        and position.dtype == torch.int64
-        and exclude.dtype == torch.int64
-        and all(t.is_contiguous() for t in (scaled, position, threshold, exclude))
-    )
 
 
 def _shard_argmax(value: torch.Tensor, num_shards: int) -> tuple[torch.Tensor, torch.Tensor]:

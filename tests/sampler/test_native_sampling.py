@@ -170,9 +170,13 @@ def test_gumbel_candidates_are_the_same_with_and_without_the_c_kernel(monkeypatc
         None,
         1,
     )
+    calls = []
+    kernel = native.kept_gumbel_argmax
+    monkeypatch.setattr(native, "kept_gumbel_argmax", lambda *tensors: calls.append(1) or kernel(*tensors))
     with_kernel = gumbel_candidates(scaled, *args, first_index=1000)
     monkeypatch.setattr(native, "available", lambda: False)
     without = gumbel_candidates(scaled, *args, first_index=1000)
+    assert calls == [1]  # the kernel drew the first candidates, the twin the second
     assert torch.equal(with_kernel.index, without.index) and torch.equal(with_kernel.value, without.value)
     assert with_kernel.index[8].item() == 1000 and with_kernel.value[8].item() == float("-inf")  # nothing kept
 
