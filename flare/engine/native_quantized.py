@@ -327,7 +327,7 @@ def quantize_kquant_rows(values: torch.Tensor, ggml_type: int) -> torch.Tensor:
     if values.dtype != torch.float32 or values.device.type != "cpu" or values.dim() != 2 or not values.is_contiguous():
         raise ValueError(f"quantize_kquant_rows: values must be a contiguous CPU float32 matrix, got {values.dtype} {tuple(values.shape)}")
     rows, width = values.shape
-    block_bytes = KQUANT_BLOCK_BYTES.get(ggml_type) if ggml_type != 13 else None  # no Q5_K quantizer
+    block_bytes = KQUANT_BLOCK_BYTES[ggml_type] if ggml_type in (12, 14) else None  # Q4_K and Q6_K: no Q5_K quantizer
     if block_bytes is None or width < 256 or width % 256:
         raise ValueError(f"quantize_kquant_rows: type Q4_K (12) or Q6_K (14) of a width of whole 256-value super-blocks, got type {ggml_type} width {width}")
     out = torch.empty(rows, width // 256 * block_bytes, dtype=torch.uint8)

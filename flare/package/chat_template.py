@@ -230,7 +230,7 @@ def render_within_budget(template: jinja2.Template, context: Mapping[str, Any]) 
     token = _CURRENT.set(budget)
     try:
         pieces = []
-        own = copy.deepcopy(dict(context)) if isinstance(template.environment, _BudgetedSandbox) and template.environment.queues else context
+        own = copy.deepcopy(dict(context)) if getattr(template.environment, "queues", False) else context
         for piece in template.generate(**own):
             budget.output(len(piece))
             pieces.append(piece)

@@ -1,7 +1,8 @@
 /* The sampler's CPU kernels over whole vocabulary rows: the counter-based random stream's
- * uniforms, the top-p threshold and the Gumbel-max candidate of kept tokens (sampling.c), and the tokens of an all-greedy round with
- * its drafts verified (greedy_tokens.c). Each computes the results of its torch twin in flare/sampler/;
- * flare/sampler/native_sampler.py checks the tensors behind every pointer. */
+ * uniforms, the top-p threshold and the Gumbel-max candidate of kept tokens (sampling.c), and the
+ * tokens of an all-greedy round with its drafts verified (greedy_tokens.c). Each computes the
+ * results of its torch twin in flare/sampler/; flare/sampler/native_sampler.py checks the tensors
+ * behind every pointer. */
 #ifndef FLARE_SAMPLING_H
 #define FLARE_SAMPLING_H
 
