@@ -6,6 +6,10 @@ one-hot (a deterministic drafter) and propose each position's argmax, so greedy 
 
     .venv/bin/python benchmarks/sampling.py --threads 1 2 --rows 1 8 32 --drafts 0 4
 
+With `--kernels c twins` each cell is timed with the sampler's C kernels (flare/sampler/csrc/, as
+`flare run` samples where they were built) and with the torch twins alone, alternating, and the
+second figure follows the first.
+
 The machine may be shared: compare configurations measured in the same run, not absolute times.
 """
 
@@ -17,7 +21,7 @@ import time
 
 import torch
 
-from flare.sampler import SamplingBatch, sample_round
+from flare.sampler import SamplingBatch, native_sampler, sample_round
 from flare.policy.params import SamplingParams
 
 VOCAB = 49152
@@ -47,6 +51,20 @@ def round_inputs(rows: int, drafts: int, params: SamplingParams, generator: torc
     return logits, num_drafts, draft_tokens, batch
 
 
+def median_ms_each(inputs, repeats: int, kernels: list[str]) -> list[float]:
+    """median_ms under each of `kernels` ("c", "twins"), alternating `repeats` times."""
+    native = native_sampler._native
+    times: dict[str, list[float]] = {k: [] for k in kernels}
+    try:
+        for _ in range(repeats):
+            for k in kernels:
+                native_sampler._native = native if k == "c" else None
+                times[k].append(median_ms(inputs, 1))
+    finally:
+        native_sampler._native = native
+    return [statistics.median(times[k]) for k in kernels]
+
+
 def median_ms(inputs, repeats: int) -> float:
     logits, num_drafts, draft_tokens, batch = inputs
     for _ in range(2):
@@ -66,16 +84,19 @@ def main() -> None:
     parser.add_argument("--drafts", type=int, nargs="+", default=[0, 4])
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--kernels", nargs="+", choices=["c", "twins"], default=["c"], help="c: the sampler's C kernels; twins: torch alone")
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
     columns = [(threads, drafts, rows) for threads in args.threads for drafts in args.drafts for rows in args.rows]
     print("median ms per sample_round, vocab 49152, one-hot drafts")
-    print(f"{'policy':20s}" + "".join(f"{f't{t} K{k} R{r}':>12s}" for t, k, r in columns))
+    print(f"{'policy':20s}" + "".join(f"{f't{t} K{k} R{r}':>{12 * len(args.kernels)}s}" for t, k, r in columns))
+    if len(args.kernels) > 1:
+        print(f"{'':20s}" + " / ".join(args.kernels).rjust(12 * len(args.kernels)) * len(columns))
     for name in args.policies:
         cells = []
         for threads, drafts, rows in columns:
             torch.set_num_threads(threads)
-            cells.append(median_ms(round_inputs(rows, drafts, POLICIES[name], generator), args.repeats))
+            cells += median_ms_each(round_inputs(rows, drafts, POLICIES[name], generator), args.repeats, args.kernels)
         print(f"{name:20s}" + "".join(f"{c:12.1f}" for c in cells), flush=True)
 
 
