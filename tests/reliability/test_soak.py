@@ -1,7 +1,8 @@
 """A bounded soak at full concurrency (mixed streaming and not, clients that drop, injected faults)
-that ends with zero leaked blocks, zero unexplained 5xx and resident memory within 10% of its
-level after warm-up; then SIGTERM in the middle of such load: no client sees a truncated success,
-new requests are refused, and the daemon exits 0 within its grace period."""
+that ends with zero leaked blocks, zero unexplained 5xx and resident memory that stops growing
+(within 10% of its highest level in the soak's first half); then SIGTERM in the middle of such
+load: no client sees a truncated success, new requests are refused, and the daemon exits 0 within
+its grace period."""
 
 from __future__ import annotations
 
@@ -110,10 +111,13 @@ async def test_soak_with_drops_and_faults_leaks_nothing(
     )
     assert tally.unexplained_5xx == 0
     assert idle["kv_blocks_used"] == 0 and idle["running"] == 0 and idle["waiting"] == 0
-    # One idle sample after warm-up can catch the allocator low (idle samples of one run moved by
-    # up to 11%, 398 to 442 MiB, with nothing leaked): the baseline is also the first sample
-    # under load, an eighth into the soak; a leak keeps growing past both.
-    assert rss_end <= max(rss_warm, trajectory[0] * 1024) * (1 + RSS_MARGIN)
+    # The allocator's pools step up under load and then hold: one idle sample after warm-up was
+    # 11% low with nothing leaked (398 against 442 MiB), and one soak stepped from 315 to 373 MiB
+    # in its first quarter, then held at 373-375 MiB to the end. A leak keeps growing: the
+    # baseline is the highest sample of the soak's first half, and the end must not pass it by
+    # more than the margin.
+    first_half = trajectory[: max(len(trajectory) // 2, 1)]
+    assert rss_end <= max(rss_warm, max(first_half) * 1024) * (1 + RSS_MARGIN)
     assert daemon.serves()
 
 
