@@ -37,8 +37,11 @@ run: $(VENV)/.runtime
 # a file's module-scoped daemons start once: two, one per core of CI's machine.
 TEST_WORKERS ?= 2
 
+# Bytecode is cached for the suite's processes even where the environment turns that off
+# (PYTHONDONTWRITEBYTECODE, which CI's sets): otherwise every daemon and CLI the suite starts
+# compiles flare's modules again (0.3 s a start) and each worker its test files at collection.
 test: $(VENV)/.test
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Re-resolves lock/ to the newest releases pyproject.toml's ranges allow, for CPython 3.11 on
 # Linux x86-64, with the CPU build of torch from TORCH_WHEELS (lock/pins.in). The test lock is
