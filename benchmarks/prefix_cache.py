@@ -25,6 +25,11 @@ alternating, so machine noise falls on both alike. Workloads:
 - choices: one prompt with n = 4 against four separate requests sent at once (cache off, so
   each computes its prompt): wall time, and the prompt tokens computed by each from the
   daemon's flare_prompt_tokens_total.
+- burst: --streams requests sent at once, each a different short task after one system prompt
+  of about --agent-tokens tokens that neither side has seen (a new one each repeat): the
+  burst's wall time and the prompt tokens each side computed (flare_prompt_tokens_total), median
+  of --repeats. All are admitted before any of the system prompt is cached; with the cache on,
+  the prompts waiting for their prefill take its blocks as the first prompt computes them.
 
 Every answer is greedy (choices: temperature 0.8 with a seed), and the script checks that the
 two sides' greedy answers are identical.
@@ -278,6 +283,43 @@ async def choices_workload(clients: dict[str, Any], urls: dict[str, str], model:
     }
 
 
+async def burst_workload(clients: dict[str, Any], urls: dict[str, str], model: str, tokenizer: Any,
+                         args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(13)
+    figures: dict[str, list[dict[str, float]]] = {"on": [], "off": []}
+    identical = True
+    for repeat in range(args.repeats):
+        # This repeat's own system prompt, from its first words: nothing of it is cached anywhere.
+        lines = [f"Session {rng.getrandbits(48):012x}. You are a support agent. Follow these policies:"]
+        while prompt_tokens(tokenizer, [{"role": "system", "content": "\n".join(lines)}]) < args.agent_tokens:
+            lines.append(f"Policy {len(lines)}: {paragraph(rng, 25)}")
+        system = "\n".join(lines)
+        tasks = [f"Customer {i}: {paragraph(rng, 12)}" for i in range(args.streams)]
+        answers: dict[str, list[str]] = {}
+        for side in (["on", "off"] if repeat % 2 == 0 else ["off", "on"]):
+            before = metric(urls[side], "flare_prompt_tokens_total")
+            started = time.perf_counter()
+            replies = await asyncio.gather(*(
+                clients[side].chat.completions.create(
+                    model=model, messages=[{"role": "system", "content": system}, {"role": "user", "content": task}],
+                    max_tokens=args.answer_tokens, temperature=0,
+                )
+                for task in tasks
+            ))
+            figures[side].append({"seconds": time.perf_counter() - started,
+                                  "prompt_tokens_computed": metric(urls[side], "flare_prompt_tokens_total") - before,
+                                  "cached_tokens": sum((r.usage.prompt_tokens_details.cached_tokens or 0) for r in replies)})
+            answers[side] = [r.choices[0].message.content for r in replies]
+            print(f"  burst {side} repeat {repeat}: {figures[side][-1]['seconds']:.2f} s, "
+                  f"{figures[side][-1]['prompt_tokens_computed']:.0f} prompt tokens computed, "
+                  f"{figures[side][-1]['cached_tokens']} cached", flush=True)
+        identical = identical and answers["on"] == answers["off"]
+    on = {k: statistics.median(f[k] for f in figures["on"]) for k in ("seconds", "prompt_tokens_computed")}
+    off = {k: statistics.median(f[k] for f in figures["off"]) for k in ("seconds", "prompt_tokens_computed")}
+    return {"runs": figures, "median_on": on, "median_off": off, "ratio": off["seconds"] / on["seconds"],
+            "answers_identical": identical}
+
+
 async def run(urls: dict[str, str], tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
     from openai import AsyncOpenAI
 
@@ -300,14 +342,17 @@ async def run(urls: dict[str, str], tokenizer: Any, args: argparse.Namespace) ->
         if "choices" in args.workloads:
             print("choices: n = 4 against four separate requests (cache off)", flush=True)
             report["choices"] = await choices_workload(clients, urls, model, args)
+        if "burst" in args.workloads:
+            print(f"burst: {args.streams} requests at once after one new system prompt", flush=True)
+            report["burst"] = await burst_workload(clients, urls, model, tokenizer, args)
     return report
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--package", type=Path, help="package to serve (default: the default model's package)")
-    parser.add_argument("--workloads", nargs="+", default=["chat", "agent", "distinct", "bookkeeping", "choices"],
-                        choices=["chat", "agent", "distinct", "bookkeeping", "choices"])
+    workloads = ["chat", "agent", "distinct", "bookkeeping", "choices", "burst"]
+    parser.add_argument("--workloads", nargs="+", default=workloads, choices=workloads)
     parser.add_argument("--chat-tokens", type=int, default=2000, help="the history a chat grows to")
     parser.add_argument("--conversations", type=int, default=2)
     parser.add_argument("--agent-tokens", type=int, default=1500, help="the shared system prompt's length")
@@ -366,6 +411,11 @@ def main() -> int:
         print(f"n = 4: {n['median_n4_s']:.2f} s against {n['median_separate_s']:.2f} s for four separate requests "
               f"({n['ratio']:.2f}x); prompt tokens computed {n['prompt_tokens_computed_n4']:.0f} against "
               f"{n['prompt_tokens_computed_separate']:.0f}")
+    if "burst" in report:
+        u = report["burst"]
+        print(f"burst of {args.streams}: on {u['median_on']['seconds']:.2f} s, {u['median_on']['prompt_tokens_computed']:.0f} "
+              f"prompt tokens computed; off {u['median_off']['seconds']:.2f} s, {u['median_off']['prompt_tokens_computed']:.0f}; "
+              f"off/on {u['ratio']:.2f}x; answers identical: {u['answers_identical']}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0

@@ -31,18 +31,58 @@ class BlockManager:
         """Positions the whole KV cache holds."""
         return self.cache.allocator.num_total * self.block_size
 
-    def map_cached_prefix(self, seq: Sequence) -> None:
-        """Map the longest cached prefix of `seq`'s tokens to the blocks that hold it. At least
-        the last token is computed again: the row that samples needs its logits."""
+    def map_cached_prefix(self, seq: Sequence) -> int:
+        """Map the longest run of cached blocks that continues `seq`'s table to the blocks that
+        hold it: at admission, its cached prefix; while it prefills, the blocks of its prompt
+        that another prompt computed meanwhile (a burst of prompts with one system prompt,
+        admitted together before any of it was cached, computes it once rather than once each).
+        Returns the tokens it no longer computes. At least the last token is computed again: the
+        row that samples needs its logits."""
         if not self.cache.enabled or seq.request.prompt_logprobs is not None:
             # A scored prompt is computed whole: cached blocks hold no logits to score it by.
-            return
+            return 0
+        if not self._at_block_boundary(seq):
+            return 0
+        start = len(seq.block_table)
         seq.block_hashes = chain_hashes(self._root(seq), seq.tokens, self.block_size, seq.block_hashes)
         # A last block that holds the last token is found too, and copied before that token's
         # position is written again: cheaper than computing the whole block.
-        seq.block_table = self.cache.lookup(seq.block_hashes)
+        found = self.cache.lookup(seq.block_hashes[start:])
+        if not found:
+            return 0
+        seq.block_table.extend(found)
         seq.num_published = len(seq.block_table)
+        computed = seq.num_cached
         seq.num_cached = min(len(seq.block_table) * self.block_size, len(seq.tokens) - 1)
+        return seq.num_cached - computed
+
+    def followers(self, prefilling: list[Sequence]) -> set[Sequence]:
+        """Of the prompts still prefilling, in arrival order, those that would compute next a
+        block an earlier one is computing or about to compute (the same tokens after the same
+        prefix): they wait, and take it from the cache once it is there (`map_cached_prefix`),
+        rather than compute it again in the same round."""
+        if not self.cache.enabled:
+            return set()
+        leaders: set[bytes] = set()
+        followers: set[Sequence] = set()
+        for seq in prefilling:
+            if seq.request.prompt_logprobs is not None:
+                continue  # computed whole, its block hashes known only as far as computed
+            block = seq.num_cached // self.block_size
+            if block >= len(seq.block_hashes):
+                continue  # its next block is its prompt's last, partial one: nobody else's
+            next_hash = seq.block_hashes[block]
+            if self._at_block_boundary(seq) and next_hash in leaders:
+                followers.add(seq)
+            else:
+                leaders.add(next_hash)
+        return followers
+
+    def _at_block_boundary(self, seq: Sequence) -> bool:
+        """`seq` has computed exactly the blocks of its table and offered them all to the cache,
+        so cached blocks can follow them; not so with a block partly computed (a prompt chunk
+        that ended mid-block) or one not yet published."""
+        return seq.num_cached == len(seq.block_table) * self.block_size and seq.num_published == len(seq.block_table)
 
     def _root(self, seq: Sequence) -> bytes:
         """The root of `seq`'s hash chain: its request's cache scope decides whose blocks it

@@ -349,13 +349,18 @@ class Scheduler:
         for seq in self._admission.admit(self._waiting, self._running):
             self._count_cached_prompt(seq)
         self._admission.fork_choices(self._running)
+        for seq in self._running:
+            if not seq.in_decode and (skipped := self._blocks.map_cached_prefix(seq)):
+                self._count_prompt_cached_while_prefilling(seq, skipped)
         if not self._running:
             return None
         index = self._rounds
         copies: list[BlockCopy] = []
         decode = [s for s in self._running if s.in_decode]
         in_order = sorted(self._running, key=lambda s: (s.arrival, s.index))
-        chunks = prefill_chunks([s for s in in_order if not s.in_decode], len(decode), self.options)
+        prefilling = [s for s in in_order if not s.in_decode]
+        followers = self._blocks.followers(prefilling)
+        chunks = prefill_chunks([s for s in prefilling if s not in followers], len(decode), self.options)
         base_tokens = len(decode) + sum(chunks.values())
         drafts = self._speculation.drafts(decode, base_tokens, requests_waiting=bool(self._waiting))
         token_seconds = self._speculation.token_seconds(base_tokens, len(decode))
@@ -366,7 +371,7 @@ class Scheduler:
             draft = drafts.get(seq, Draft(()))
             tail = seq.tokens[seq.num_cached :]
             if not seq.in_decode:
-                tail = seq.tokens[seq.num_cached : seq.num_cached + chunks[seq]]
+                tail = seq.tokens[seq.num_cached : seq.num_cached + chunks.get(seq, 0)]
                 if not tail:
                     continue
             row_tokens = len(tail) + len(draft.token_ids)
@@ -421,6 +426,15 @@ class Scheduler:
             self._prompt_tokens["cached"] += cached
             self.observer.prompt_cached(cached)
             log.debug("prefix_cache_hit", request_id=seq.request_id, tokens=cached)
+
+    def _count_prompt_cached_while_prefilling(self, seq: Sequence, tokens: int) -> None:
+        """A prefilling sequence found `tokens` more of its prompt in blocks another prompt
+        computed after it was admitted."""
+        if not seq.preemptions and seq.cached_prompt_tokens is not None:
+            seq.cached_prompt_tokens += tokens  # as at admission, the first run's hits make the usage
+        self._prompt_tokens["cached"] += tokens
+        self.observer.prompt_cached(tokens)
+        log.debug("prefix_cache_hit", request_id=seq.request_id, tokens=tokens, while_prefilling=True)
 
     # ----------------------------------------------------------------- applying a round
 

@@ -59,6 +59,36 @@ async def test_greedy_output_is_the_same_token_for_token_on_a_cache_hit_and_a_mi
     assert snapshot.prompt_tokens_cached == sum(o.end.usage.cached_tokens for o in [*first, *again])
 
 
+@pytest.mark.parametrize(("max_batched_tokens", "oldest_prefill_share"), [(64, 64), (100, 40)])
+async def test_a_burst_of_prompts_with_one_preamble_computes_it_once_and_answers_as_without_the_cache(
+    tiny_package, max_batched_tokens, oldest_prefill_share
+):
+    """Prompts that arrive together, none of their shared preamble cached yet, are admitted
+    together with no hit; while they wait for their prefill they take the preamble's blocks as
+    the first of them computes them. (64, 64): the oldest prompt takes every round until its
+    prompt is computed; (100, 40): a second prompt also computes part of the preamble in the
+    first round, ending mid-block, and goes on computing its own."""
+    prompts = [SYSTEM + f"Question {i}: " + PROMPTS[i % len(PROMPTS)] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    async with running(tiny_package, prefix_cache=False) as off:
+        expected = await generate_all(off, [request(off, f"r{i}", p, params) for i, p in enumerate(prompts)])
+    options = {"max_batched_tokens": max_batched_tokens, "oldest_prefill_share": oldest_prefill_share}
+    async with running(tiny_package, **options) as on:
+        got = await generate_all(on, [request(on, f"r{i}", p, params) for i, p in enumerate(prompts)])
+        snapshot = on.snapshot()
+        assert_no_block_lost(on)
+        preamble = len(ids(on, SYSTEM)) // 16 * 16 - 16  # its full blocks, less one where tokens may merge
+        lengths = [len(ids(on, p)) for p in prompts]
+    for rid, outcome in expected.items():
+        assert isinstance(got[rid].end, Finished)
+        assert got[rid].token_ids == outcome.token_ids
+    hits = [got[f"r{i}"].end.usage.cached_tokens for i in range(len(prompts))]
+    followers = len(prompts) - (1 if max_batched_tokens == oldest_prefill_share else 2)
+    assert hits[0] == 0 and sum(hit >= preamble for hit in hits) >= followers, hits
+    assert snapshot.prompt_tokens_cached == sum(hits)
+    assert snapshot.prompt_tokens_computed <= sum(lengths) - followers * preamble
+
+
 async def test_a_seed_gives_the_same_tokens_hit_or_miss(tiny_package):
     seeded = SamplingParams(temperature=1.0, seed=77, max_tokens=16)
     prompt = SYSTEM + "Tell me a story."
