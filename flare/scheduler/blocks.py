@@ -31,30 +31,24 @@ class BlockManager:
         """Positions the whole KV cache holds."""
         return self.cache.allocator.num_total * self.block_size
 
-    def map_cached_prefix(self, seq: Sequence) -> int:
+    def map_cached_prefix(self, seq: Sequence) -> None:
         """Map the longest run of cached blocks that continues `seq`'s table to the blocks that
         hold it: at admission, its cached prefix; while it prefills, the blocks of its prompt
         that another prompt computed meanwhile (a burst of prompts with one system prompt,
         admitted together before any of it was cached, computes it once rather than once each).
-        Returns the tokens it no longer computes. At least the last token is computed again: the
-        row that samples needs its logits."""
-        if not self.cache.enabled or seq.request.prompt_logprobs is not None:
+        At least the last token is computed again: the row that samples needs its logits."""
+        if not self.cache.enabled or seq.request.prompt_logprobs is not None or not self._at_block_boundary(seq):
             # A scored prompt is computed whole: cached blocks hold no logits to score it by.
-            return 0
-        if not self._at_block_boundary(seq):
-            return 0
+            return
         start = len(seq.block_table)
         seq.block_hashes = chain_hashes(self._root(seq), seq.tokens, self.block_size, seq.block_hashes)
         # A last block that holds the last token is found too, and copied before that token's
         # position is written again: cheaper than computing the whole block.
         found = self.cache.lookup(seq.block_hashes[start:])
-        if not found:
-            return 0
-        seq.block_table.extend(found)
-        seq.num_published = len(seq.block_table)
-        computed = seq.num_cached
-        seq.num_cached = min(len(seq.block_table) * self.block_size, len(seq.tokens) - 1)
-        return seq.num_cached - computed
+        if found:
+            seq.block_table.extend(found)
+            seq.num_published = len(seq.block_table)
+            seq.num_cached = min(len(seq.block_table) * self.block_size, len(seq.tokens) - 1)
 
     def followers(self, prefilling: list[Sequence]) -> set[Sequence]:
         """Of the prompts still prefilling, in arrival order, those that would compute next a

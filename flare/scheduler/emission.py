@@ -65,7 +65,7 @@ def choice_usage(seq: Sequence) -> Usage:
     return Usage(
         seq.num_prompt_tokens,
         seq.num_output_tokens,
-        seq.cached_prompt_tokens or 0,
+        seq.cached_prompt_tokens,
         seq.prediction_accepted,
         seq.prediction_rejected,
     )

@@ -347,11 +347,13 @@ class Scheduler:
         """Admit, fork, and plan one row per running sequence within the round's token budget:
         prefill chunks, and decode rows with their drafts."""
         for seq in self._admission.admit(self._waiting, self._running):
-            self._count_cached_prompt(seq)
+            self._count_cached_prompt(seq, computed=0)
         self._admission.fork_choices(self._running)
         for seq in self._running:
-            if not seq.in_decode and (skipped := self._blocks.map_cached_prefix(seq)):
-                self._count_prompt_cached_while_prefilling(seq, skipped)
+            if not seq.in_decode:  # the blocks of its prompt that other prompts computed since
+                computed = seq.num_cached
+                self._blocks.map_cached_prefix(seq)
+                self._count_cached_prompt(seq, computed)
         if not self._running:
             return None
         index = self._rounds
@@ -417,24 +419,17 @@ class Scheduler:
         choices = self._by_id.get(row.request_id)
         return choices is not None and choices[row.choice].state is SequenceState.RUNNING
 
-    def _count_cached_prompt(self, seq: Sequence) -> None:
-        """An admitted sequence's prompt tokens that the prefix cache served."""
-        cached = min(seq.num_cached, seq.num_prompt_tokens)
-        if seq.cached_prompt_tokens is None:
-            seq.cached_prompt_tokens = cached  # what the request's usage reports
-        if cached:
-            self._prompt_tokens["cached"] += cached
-            self.observer.prompt_cached(cached)
-            log.debug("prefix_cache_hit", request_id=seq.request_id, tokens=cached)
-
-    def _count_prompt_cached_while_prefilling(self, seq: Sequence, tokens: int) -> None:
-        """A prefilling sequence found `tokens` more of its prompt in blocks another prompt
-        computed after it was admitted."""
-        if not seq.preemptions and seq.cached_prompt_tokens is not None:
-            seq.cached_prompt_tokens += tokens  # as at admission, the first run's hits make the usage
-        self._prompt_tokens["cached"] += tokens
-        self.observer.prompt_cached(tokens)
-        log.debug("prefix_cache_hit", request_id=seq.request_id, tokens=tokens, while_prefilling=True)
+    def _count_cached_prompt(self, seq: Sequence, computed: int) -> None:
+        """The prompt tokens the prefix cache served `seq` past the `computed` it had before it
+        was mapped (admission's, or while it prefills, blocks other prompts computed since)."""
+        cached = min(seq.num_cached, seq.num_prompt_tokens) - min(computed, seq.num_prompt_tokens)
+        if not cached:
+            return
+        if not seq.preemptions:
+            seq.cached_prompt_tokens += cached  # the first run's hits are what the request's usage reports
+        self._prompt_tokens["cached"] += cached
+        self.observer.prompt_cached(cached)
+        log.debug("prefix_cache_hit", request_id=seq.request_id, tokens=cached)
 
     # ----------------------------------------------------------------- applying a round
 
@@ -486,7 +481,7 @@ class Scheduler:
         usage = Usage(
             seq.num_prompt_tokens,
             sum(s.num_output_tokens for s in choices),
-            seq.cached_prompt_tokens or 0,
+            seq.cached_prompt_tokens,
             sum(s.prediction_accepted for s in choices),
             sum(s.prediction_rejected for s in choices),
         )

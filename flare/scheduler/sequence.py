@@ -59,7 +59,7 @@ class Sequence:
     num_cached: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks of `tokens`, as far as computed
     num_published: int = 0
-    cached_prompt_tokens: int | None = None  # prompt tokens the prefix cache served in the first run
+    cached_prompt_tokens: int = 0  # prompt tokens the prefix cache served in the first run
     pending_choices: list[Sequence] = field(default_factory=list)
     state: SequenceState = SequenceState.WAITING
     sampled_rounds: int = 0  # rounds in which this sequence sampled tokens
