@@ -11,10 +11,12 @@ from flare.scheduler.speculation.draft_length import (
 
 
 def timed_on_a_line(c0: float, c1: float, counts: range | list[int]) -> RoundCostModel:
-    """A cost model that has timed rounds of `counts` tokens at c0 + c1 * tokens seconds."""
+    """A cost model that has timed rounds of `counts` tokens at c0 + c1 * tokens seconds, each
+    twice (a count timed once is soon dropped: `RoundCostModel.single_age_rounds`)."""
     cost = RoundCostModel(c0=c0, c1=c1)
     for tokens in counts:
-        cost.observe(tokens, c0 + c1 * tokens)
+        for _ in range(2):
+            cost.observe(tokens, c0 + c1 * tokens)
     return cost
 
 
@@ -126,6 +128,46 @@ def test_a_stale_measurement_is_dropped_and_the_count_measured_again():
     for _ in range(11):
         cost.observe(8, 0.072)
     assert cost.seconds(9) < 0.1
+
+
+def test_a_count_timed_in_a_slow_stretch_is_estimated_at_the_machines_speed_once_it_recovers():
+    # A copying row (drafts nearly always accepted) on a machine that ran at half speed for a
+    # while: 1-, 3- and 5-token rounds at 10, 13 and 16.5 ms, then all at twice that, then the
+    # machine is back and only 3-token rounds are timed (what the row ran in the slow stretch's
+    # last rounds).
+    cost = RoundCostModel()
+    for _ in range(7):
+        for tokens, seconds in [(1, 0.010), (3, 0.013), (5, 0.0165)]:
+            cost.observe(tokens, seconds)
+    assert choose_draft_lengths([4], [0.95], base_tokens=1, cost=cost, requests_waiting=True) == [4]
+    for _ in range(7):
+        for tokens, seconds in [(1, 0.020), (3, 0.026), (5, 0.033)]:
+            cost.observe(tokens, seconds)
+    assert cost.seconds(5) == pytest.approx(0.033)
+    for _ in range(10):
+        cost.observe(3, 0.013)
+    # Each count at today's speed, though 1- and 5-token rounds were last timed at half of it.
+    assert cost.seconds(5) == pytest.approx(0.0165)
+    assert cost.seconds(1) == pytest.approx(0.010)
+    assert choose_draft_lengths([4], [0.95], base_tokens=1, cost=cost, requests_waiting=True) == [4]
+
+
+def test_a_count_timed_once_as_the_machine_slowed_is_tried_again_soon():
+    cost = RoundCostModel(single_age_rounds=50)
+    for _ in range(7):
+        cost.observe(1, 0.010)
+    # The machine slows: the first drafted round is timed at 24 ms before the pace has seen it.
+    cost.observe(2, 0.024)
+    for _ in range(3):
+        cost.observe(1, 0.020)
+    for _ in range(10):
+        cost.observe(1, 0.010)
+    assert choose_draft_lengths([4], [0.9], base_tokens=1, cost=cost, requests_waiting=True) == [0]
+    for _ in range(40):
+        cost.observe(1, 0.010)
+    # Dropped, so the count is estimated from the others again and tried.
+    assert not cost.is_measured(2)
+    assert choose_draft_lengths([4], [0.9], base_tokens=1, cost=cost, requests_waiting=True) != [0]
 
 
 def test_the_plain_round_is_timed_before_any_draft():

@@ -71,6 +71,19 @@ class RoundCostModel:
     from two tokens on. A measurement
     older than `max_age_rounds` rounds is dropped, so a count timed during a burst of load
     elsewhere on the machine is timed again rather than avoided for good.
+
+    The machine's own speed moves under every count alike (a shared host's neighbours, a
+    hypervisor's contended units: docs/benchmarks.md has rounds of every count taking 2x for
+    seconds at a time), so times are kept at the machine's `pace` and scaled back by it: pace is
+    the median, over the last `pace_window` rounds, of each round's seconds over what its count
+    was stored at, and a round is stored as its seconds over the pace. A count timed in a slow
+    stretch and not chosen since then is estimated at today's speed, not left at the slow time
+    for `max_age_rounds` rounds: 5-token rounds timed at 33 ms in one such stretch kept a copying
+    row at 2 drafts (13 ms rounds) after the machine came back, where 4 drafts took 17 ms. The
+    pace follows a change a few rounds late, so a count timed once, in the first rounds of a slow
+    stretch, is stored slow; such a count is dropped after `single_age_rounds` (a 2-token round
+    timed at 24 ms as the machine slowed kept a copying row from drafting at all, in 10 ms plain
+    rounds, for hundreds of rounds), and tried again if its estimate is then worth it.
     """
 
     c0: float = 0.02
@@ -78,9 +91,14 @@ class RoundCostModel:
     forgetting: float = 0.98
     window: int = 7  # a count's last rounds whose median is its measured time
     max_age_rounds: int = 500
+    single_age_rounds: int = 50  # a count timed once is dropped sooner (the class docstring says why)
+    pace_window: int = 5  # rounds whose median ratio to their counts' stored times is the pace
     _s: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)  # n, x, y, xx, xy
-    # T -> (median seconds, round last measured, the last `window` rounds' seconds)
+    # T -> (median stored seconds, round last measured, the last `window` rounds' stored
+    # seconds); a round is stored as its seconds over the pace, and so is the line (c0, c1).
     _measured: dict[int, tuple[float, int, deque[float]]] = field(default_factory=dict)
+    _pace: float = 1.0
+    _pace_ratios: deque[float] = field(default_factory=deque)
     _rounds: int = 0
     _total_seconds: float = 0.0
     _exploration_loss: float = 0.0  # seconds that tried rounds took past their estimates
@@ -92,13 +110,22 @@ class RoundCostModel:
         if self._trying is not None and self._trying[0] == tokens:
             self._exploration_loss += max(0.0, seconds - self._trying[1])
         self._trying = None
-        self._measured = {t: m for t, m in self._measured.items() if self._rounds - m[1] <= self.max_age_rounds}
+        single_age = min(self.max_age_rounds, self.single_age_rounds)
+        self._measured = {
+            t: m for t, m in self._measured.items() if self._rounds - m[1] <= (self.max_age_rounds if len(m[2]) > 1 else single_age)
+        }
         previous = self._measured.get(tokens)
+        if previous is not None:
+            self._pace_ratios.append(seconds / previous[0])
+            if len(self._pace_ratios) > self.pace_window:
+                self._pace_ratios.popleft()
+            self._pace = statistics.median(self._pace_ratios)
+        stored = seconds / self._pace
         recent = previous[2] if previous is not None else deque(maxlen=self.window)
-        recent.append(seconds)
+        recent.append(stored)
         self._measured[tokens] = (statistics.median(recent), self._rounds, recent)
         if tokens >= 2:
-            self._fit(float(tokens), seconds)
+            self._fit(float(tokens), stored)
 
     def _fit(self, x: float, seconds: float) -> None:
         f = self.forgetting
@@ -129,7 +156,7 @@ class RoundCostModel:
         return self.seconds_range(tokens, tokens)[0]
 
     def seconds_range(self, first: int, last: int) -> list[float]:
-        """The seconds of rounds of first, first + 1, ..., last tokens.
+        """The seconds of rounds of first, first + 1, ..., last tokens at the machine's pace.
 
         A count not measured recently is interpolated between the nearest measured counts
         around it. Past the largest measured count the time grows from the nearest measured
@@ -159,7 +186,7 @@ class RoundCostModel:
                 before = counts[at - 2]
                 slope = max(slope, (below_s - self._measured[before][0]) / (below - before))
             times.append(below_s + slope * (tokens - below))
-        return times
+        return [t * self._pace for t in times]
 
 
 @dataclass
