@@ -55,12 +55,27 @@ def test_rows_without_proposals_or_acceptance_never_draft():
     assert choose_draft_lengths([0, 4], [0.9, 0.0], base_tokens=2, cost=cost, requests_waiting=True) == [0, 0]
 
 
-def test_acceptance_counts_only_the_drafts_that_were_tested():
-    estimate = AcceptanceEstimate(rate=0.5, weight=1.0)
+def test_acceptance_counts_each_tested_draft_and_none_after_the_rejected_one():
+    estimate = AcceptanceEstimate(rate=0.5, weight=0.5)
     estimate.observe(proposed=5, accepted=2)  # 2 accepted, the third rejected, two untested
-    assert abs(estimate.rate - 2 / 3) < 1e-9
-    estimate.observe(proposed=3, accepted=3)
-    assert estimate.rate == 1.0
+    assert estimate.rate == pytest.approx((1 - 0.5 * 0.5 * 0.5) * 0.5)
+    tested_only = AcceptanceEstimate(rate=0.5, weight=0.5)
+    tested_only.observe(proposed=3, accepted=2)
+    assert tested_only.rate == estimate.rate
+
+
+def test_a_copying_row_is_back_to_four_drafts_one_round_after_a_changed_word():
+    # Four drafts accepted a round, then one rejected where the text changed a word, then four
+    # accepted again: the estimate is back where four drafts pay (averaging rounds: 0.75).
+    cost = timed_on_a_line(0.0106, 0.0025, range(1, 6))
+    estimate = AcceptanceEstimate(rate=0.5)
+    for _ in range(5):
+        estimate.observe(proposed=4, accepted=4)
+    estimate.observe(proposed=4, accepted=0)
+    estimate.observe(proposed=4, accepted=4)
+    assert estimate.rate > 0.9
+    assert choose_draft_lengths([4], [estimate.rate], base_tokens=1, cost=cost, requests_waiting=True) == [4]
+    assert choose_draft_lengths([4], [0.75], base_tokens=1, cost=cost, requests_waiting=True) < [4]
 
 
 def test_one_token_rounds_are_timed_apart_from_the_line_of_larger_rounds():

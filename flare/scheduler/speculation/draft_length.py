@@ -191,7 +191,14 @@ class RoundCostModel:
 
 @dataclass
 class AcceptanceEstimate:
-    """Per-row probability that a draft token is accepted, as an exponential moving average.
+    """Per-row probability that a draft token is accepted, as an exponential moving average
+    over the drafts verified: each tested draft is one observation, in the order verified (the
+    accepted ones, then the rejected one if any; the drafts after it were never tested).
+
+    A round is not one observation: a row that copies text has its drafts accepted four at a
+    time and then, where the text changes a word, one rejected; averaging rounds took one
+    rejection (0 of 1) as much as a round of four accepted, and a copying row fell back to 2
+    drafts for the next three rounds after every changed word.
 
     A row whose estimate fell low enough that its drafts are no longer verified would keep it
     for good, since only verified drafts are observed: after six rejections in a row (odds of
@@ -209,9 +216,10 @@ class AcceptanceEstimate:
     def observe(self, proposed: int, accepted: int) -> None:
         if proposed <= 0:
             return
-        # Drafts after the first rejection are never tested; count the tested ones only.
-        tested = accepted + (1 if accepted < proposed else 0)
-        self.rate += self.weight * (accepted / tested - self.rate)
+        keep = 1.0 - self.weight
+        self.rate = 1.0 - (1.0 - self.rate) * keep**accepted  # each accepted draft moves it toward 1
+        if accepted < proposed:
+            self.rate *= keep  # the rejected one toward 0
 
     def unobserved(self) -> None:
         """A round in which the row verified no drafts."""
