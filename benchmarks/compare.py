@@ -24,7 +24,12 @@ All servers are up for the whole run, each idle while another is measured (with
 measured at every level and stopped in turn, --turns times, each level's median turn counting:
 the slower of the middle two for an even count). For every dataset,
 temperature and concurrency the systems take turns (flare, flare K=0, llama.cpp, transformers),
-so a slow patch of the shared machine falls on all of them. Greedy is temperature 0; sampled runs
+so a slow patch of the shared machine falls on all of them; with --turns N they take N turns at
+each level, the first rotating, and a ratio of two sides is the median of their turns' ratios,
+for a machine whose speed changes within seconds (docs/benchmarks.md). Every level and turn sends
+the same prompts (the dataset in one seeded order), and flare's prefix caches are emptied before
+each (`flare ctl cache clear`), so every one computes its prompts; llama.cpp's server keeps its
+slots' prompt caching, as operators run it. Greedy is temperature 0; sampled runs
 send temperature T with top_p 0.9, top_k off and min_p 0 to every system alike (transformers:
 do_sample with the same), so no server applies a default filter the others do not. Every request
 also turns the penalties off (frequency and presence 0, repetition 1: llama.cpp's and transformers'
@@ -71,6 +76,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -203,15 +209,23 @@ class TransformersReference:
 class Server:
     name: str  # the label in tables and plots
     url: str
+    control_socket: Path | None = None  # a flare side's `flare ctl` socket
+
+
+def clear_prefix_cache(server: Server) -> None:
+    """Drop a flare side's cached prompt blocks (`flare ctl cache clear`); nothing for another server."""
+    if server.control_socket is not None:
+        subprocess.run([sys.executable, "-m", "flare.cli.main", "ctl", "--socket", str(server.control_socket), "cache", "clear"],
+                       check=True, stdout=subprocess.DEVNULL)
 
 
 def bench_level(server: Server, dataset: str, temperature: float, concurrency: int, args: argparse.Namespace,
-                out: Path, warmup: int) -> dict[str, Any]:
+                out: Path, warmup: int, requests: int | None = None) -> dict[str, Any]:
     """One `flare bench` level against one server (a subprocess: the CLI exactly as users run it)."""
     extra = {**NO_PENALTIES, **(SAMPLED_FILTERS if temperature > 0 else {})}
     command = [
         sys.executable, "-m", "flare.cli.main", "bench", "--url", server.url, "--dataset", dataset,
-        "--concurrency", str(concurrency), "--requests", str(requests_at(concurrency, args)),
+        "--concurrency", str(concurrency), "--requests", str(requests or requests_at(concurrency, args)),
         "--max-tokens", str(args.max_tokens), "--temperature", str(temperature), "--warmup", str(warmup),
         "--seed", str(args.seed), "--label", server.name, "--out", str(out),
     ]
@@ -343,11 +357,19 @@ def main() -> int:
     parser.add_argument("--long-prompt-runs", type=int, default=5, help="distinct long prompts per server (the figure is their median)")
     parser.add_argument("--one-server-at-a-time", action="store_true",
                         help="start, measure and stop each side in turn (files too large to share the page cache); not with --long-prompt-tokens")
-    parser.add_argument("--turns", type=int, default=2, help="with --one-server-at-a-time: rounds of every side in turn (the median turn counts)")
+    parser.add_argument(
+        "--turns", type=int, default=None,
+        help="rounds of every side: with all servers up (default 1), each level's turns alternate the sides within "
+        "it, and a ratio of two sides is the median of their turns' ratios (each turn's runs next to each other "
+        "in time); with --one-server-at-a-time (default 2), each side started in turn. A side's median turn counts",
+    )
     parser.add_argument("--out-dir", type=Path, default=Path("compare-results"))
     args = parser.parse_args()
     if args.one_server_at_a_time and args.long_prompt_tokens:
         parser.error("--long-prompt-tokens takes turns between servers that are up at once: not with --one-server-at-a-time")
+    turns = args.turns if args.turns is not None else 2 if args.one_server_at_a_time else 1
+    if turns < 1:
+        parser.error(f"--turns must be at least 1, not {turns}")
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     datasets = args.datasets.split(",")
     temperatures = [float(t) for t in args.temperatures.split(",")]
@@ -384,7 +406,10 @@ def main() -> int:
         sides.append((f"flare {args.versus_drafter}", package, ["--drafter", args.versus_drafter]))
     if args.versus_dtype:
         sides.append((f"flare {args.versus_dtype} K=0", default_package_path(dtype=args.versus_dtype), ["--draft-tokens", "0"]))
-    specs += [(name, [*flare_command(served), *extra]) for name, served, extra in sides]
+    # Each flare side's control socket, so that turns can start from an empty prefix cache.
+    control = tempfile.TemporaryDirectory(prefix="flare-compare-")
+    sockets = {name: Path(control.name) / f"{slug(name)}.sock" for name, _, _ in sides}
+    specs += [(name, [*flare_command(served), *extra, "--control-socket", str(sockets[name])]) for name, served, extra in sides]
     if llama_server is not None:
         specs.append(("llama.cpp", [str(llama_server), "-m", str(gguf), "-t", str(args.threads), "--host", "127.0.0.1",
                                     "-np", str(max(concurrencies)), "-c", str(slot_context * max(concurrencies)), "--cont-batching"]))
@@ -394,7 +419,7 @@ def main() -> int:
         url = f"http://127.0.0.1:{port}"
         pid = stack.enter_context(server_process([*command, "--port", str(port)], env, name, url, args.out_dir / f"{slug(name)}.log"))
         print(f"{name} up (pid {pid}) at {url}", flush=True)
-        return Server(name, url)
+        return Server(name, url, sockets.get(name))
 
     names = [name for name, _ in specs]
     measured: dict[tuple[str, str, float, int], list[dict[str, Any]]] = {}  # (server, dataset, temperature, streams): turns
@@ -404,7 +429,7 @@ def main() -> int:
         # Each side alone, started, warmed, measured at every level and stopped, in turn, --turns
         # times: for files that together overflow the page cache, which servers up at once would
         # evict from each other between levels. A level's figure is its median turn's (below).
-        for turn in range(args.turns):
+        for turn in range(turns):
             for name, command in specs:
                 with contextlib.ExitStack() as stack:
                     server = start(stack, name, command)
@@ -416,14 +441,25 @@ def main() -> int:
     else:
         with contextlib.ExitStack() as stack:
             servers = [start(stack, name, command) for name, command in specs]
-            warmed: set[str] = set()
-            for dataset, temperature, concurrency in levels:
+            if levels:
+                # Warmed apart from the levels (two requests and one more, not counted), whose
+                # prompts then all start cold.
                 for server in servers:
-                    out = args.out_dir / f"{slug(server.name)}-{dataset}-t{temperature:g}-c{concurrency}.json"
-                    result = bench_level(server, dataset, temperature, concurrency, args, out, 0 if server.name in warmed else 2)
-                    warmed.add(server.name)
-                    measured[(server.name, dataset, temperature, concurrency)] = [result]
-                    report_level(server.name, dataset, temperature, concurrency, result, None)
+                    bench_level(server, *levels[0][:2], 1, args, args.out_dir / f"{slug(server.name)}-warm-up.json", 2, requests=1)
+            for dataset, temperature, concurrency in levels:
+                # With several turns the sides alternate within the level, the first rotating, so
+                # a machine whose speed changes within seconds (docs/benchmarks.md) moves both
+                # sides of a turn alike. Levels and turns send the same prompts, each turn with
+                # flare's prefix caches emptied, so that every one computes them.
+                for turn in range(turns):
+                    for server in servers:
+                        clear_prefix_cache(server)
+                    for server in servers[turn % len(servers):] + servers[: turn % len(servers)]:
+                        suffix = f"-turn{turn}" if turns > 1 else ""
+                        out = args.out_dir / f"{slug(server.name)}-{dataset}-t{temperature:g}-c{concurrency}{suffix}.json"
+                        result = bench_level(server, dataset, temperature, concurrency, args, out, 0)
+                        measured.setdefault((server.name, dataset, temperature, concurrency), []).append(result)
+                        report_level(server.name, dataset, temperature, concurrency, result, turn if turns > 1 else None)
             if args.long_prompt_tokens:
                 tokenizer = Tokenizer.from_package(open_package(package))
                 long_prompt_result = asyncio.run(long_prompt_level(servers, tokenizer, args.long_prompt_tokens, args.long_prompt_runs))
@@ -502,8 +538,7 @@ def print_table(
         row = " | ".join("-" if f is None else f"{f:.1f}" for f in figures)
         print(f"| {cell['dataset']} | {cell['temperature']:g} | {cell['concurrency']} | {row} | "
               + " | ".join(_ratio(cell, a, b) for a, b in ratios) + " |")
-    medians = [c["flare"]["output_tok_s"] / c["llama.cpp"]["output_tok_s"] for c in cells
-               if c.get("llama.cpp", {}).get("output_tok_s") and c.get("flare", {}).get("output_tok_s")]
+    medians = [r for r in (ratio_of(c, "flare", "llama.cpp") for c in cells) if r is not None]
     if medians:
         print(f"\nmedian flare / llama.cpp over {len(medians)} cells: {statistics.median(medians):.2f}x")
 
@@ -522,9 +557,20 @@ def print_long_prompt(result: dict[str, Any], systems: list[str]) -> None:
             print(f"{system}: {len(result[system]['failed'])} failed: {result[system]['failed'][0]}")
 
 
+def ratio_of(cell: dict[str, Any], system: str, other: str) -> float | None:
+    """system's tokens/s over other's: the median of their turns' ratios where both ran the
+    same turns, else the ratio of their median turns; None where either has none."""
+    mine, theirs = cell.get(system, {}), cell.get(other, {})
+    mine_turns, their_turns = mine.get("turns_output_tok_s"), theirs.get("turns_output_tok_s")
+    if mine_turns and their_turns and len(mine_turns) == len(their_turns) and all(their_turns):
+        return statistics.median(m / t for m, t in zip(mine_turns, their_turns))
+    mine, theirs = mine.get("output_tok_s"), theirs.get("output_tok_s")
+    return mine / theirs if mine and theirs else None
+
+
 def _ratio(cell: dict[str, Any], system: str, other: str) -> str:
-    mine, theirs = cell.get(system, {}).get("output_tok_s"), cell.get(other, {}).get("output_tok_s")
-    return "-" if not mine or not theirs else f"{mine / theirs:.2f}x"
+    ratio = ratio_of(cell, system, other)
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 def _version(package: str) -> str | None:
