@@ -27,9 +27,10 @@ temperature and concurrency the systems take turns (flare, flare K=0, llama.cpp,
 so a slow patch of the shared machine falls on all of them; with --turns N they take N turns at
 each level, the first rotating, and a ratio of two sides is the median of their turns' ratios,
 for a machine whose speed changes within seconds (docs/benchmarks.md). Every level and turn sends
-the same prompts (the dataset in one seeded order), and flare's prefix caches are emptied before
-each (`flare ctl cache clear`), so every one computes its prompts; llama.cpp's server keeps its
-slots' prompt caching, as operators run it. Greedy is temperature 0; sampled runs
+the set's prompts (in one seeded order) each opened by a nonce of its own ("Request 1a2b3c4d."),
+the same to every side, so that no server's prompt cache holds them from a level before (flare's
+prefix cache and llama.cpp's slots and `--cache-ram` alike) and every level computes its prompts;
+the servers are warmed before the first level on the set's prompts as they are. Greedy is temperature 0; sampled runs
 send temperature T with top_p 0.9, top_k off and min_p 0 to every system alike (transformers:
 do_sample with the same), so no server applies a default filter the others do not. Every request
 also turns the penalties off (frequency and presence 0, repetition 1: llama.cpp's and transformers'
@@ -69,6 +70,7 @@ import asyncio
 import contextlib
 import json
 import random
+import secrets
 import shlex
 import shutil
 import socket
@@ -76,7 +78,6 @@ import statistics
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -209,14 +210,7 @@ class TransformersReference:
 class Server:
     name: str  # the label in tables and plots
     url: str
-    control_socket: Path | None = None  # a flare side's `flare ctl` socket
 
-
-def clear_prefix_cache(server: Server) -> None:
-    """Drop a flare side's cached prompt blocks (`flare ctl cache clear`); nothing for another server."""
-    if server.control_socket is not None:
-        subprocess.run([sys.executable, "-m", "flare.cli.main", "ctl", "--socket", str(server.control_socket), "cache", "clear"],
-                       check=True, stdout=subprocess.DEVNULL)
 
 
 def bench_level(server: Server, dataset: str, temperature: float, concurrency: int, args: argparse.Namespace,
@@ -253,6 +247,25 @@ def merge_levels(results: list[dict[str, Any]]) -> dict[str, Any]:
     merged["levels"] = [level for result in results for level in result["levels"]]
     merged["finished"] = results[-1]["finished"]
     return merged
+
+
+def nonced_dataset(dataset: str, nonce: str, path: Path) -> Path:
+    """The set's conversations as a `flare bench` JSONL file at `path`, each first user turn
+    opened by "Request NONCE.": its prompts are then new to every server's prompt cache (all
+    but the chat template's opening and any system message), as distinct users' would be."""
+    lines = []
+    for conversation in load_dataset(dataset):
+        if any(m["role"] != "system" for m in conversation.history) or len(conversation.history) > 1:
+            raise SystemExit(f"--datasets {dataset}: a conversation with history other than one system message")
+        first, *rest = conversation.turns
+        entry: dict[str, Any] = {"turns": [f"Request {nonce}.\n\n{first}", *rest]}
+        if conversation.history:
+            entry["system"] = conversation.history[0]["content"]
+        if conversation.max_tokens is not None:
+            entry["max_tokens"] = conversation.max_tokens
+        lines.append(json.dumps(entry))
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def prompts_of(dataset: str) -> list[str]:
@@ -406,10 +419,7 @@ def main() -> int:
         sides.append((f"flare {args.versus_drafter}", package, ["--drafter", args.versus_drafter]))
     if args.versus_dtype:
         sides.append((f"flare {args.versus_dtype} K=0", default_package_path(dtype=args.versus_dtype), ["--draft-tokens", "0"]))
-    # Each flare side's control socket, so that turns can start from an empty prefix cache.
-    control = tempfile.TemporaryDirectory(prefix="flare-compare-")
-    sockets = {name: Path(control.name) / f"{slug(name)}.sock" for name, _, _ in sides}
-    specs += [(name, [*flare_command(served), *extra, "--control-socket", str(sockets[name])]) for name, served, extra in sides]
+    specs += [(name, [*flare_command(served), *extra]) for name, served, extra in sides]
     if llama_server is not None:
         specs.append(("llama.cpp", [str(llama_server), "-m", str(gguf), "-t", str(args.threads), "--host", "127.0.0.1",
                                     "-np", str(max(concurrencies)), "-c", str(slot_context * max(concurrencies)), "--cont-batching"]))
@@ -419,12 +429,19 @@ def main() -> int:
         url = f"http://127.0.0.1:{port}"
         pid = stack.enter_context(server_process([*command, "--port", str(port)], env, name, url, args.out_dir / f"{slug(name)}.log"))
         print(f"{name} up (pid {pid}) at {url}", flush=True)
-        return Server(name, url, sockets.get(name))
+        return Server(name, url)
 
     names = [name for name, _ in specs]
     measured: dict[tuple[str, str, float, int], list[dict[str, Any]]] = {}  # (server, dataset, temperature, streams): turns
     levels = [(d, t, c) for d in ([] if args.skip_throughput else datasets) for t in temperatures for c in concurrencies]
     long_prompt_result = None
+    # Each level and turn sends the set's prompts under a nonce of its own, the same to every
+    # side: no server has them cached from a level before.
+    prompt_files = {
+        (level, turn): nonced_dataset(level[0], secrets.token_hex(4), args.out_dir / f"prompts-{level[0]}-t{level[1]:g}-c{level[2]}-turn{turn}.jsonl")
+        for level in levels
+        for turn in range(turns)
+    }
     if args.one_server_at_a_time:
         # Each side alone, started, warmed, measured at every level and stopped, in turn, --turns
         # times: for files that together overflow the page cache, which servers up at once would
@@ -435,29 +452,28 @@ def main() -> int:
                     server = start(stack, name, command)
                     for i, (dataset, temperature, concurrency) in enumerate(levels):
                         out = args.out_dir / f"{slug(name)}-{dataset}-t{temperature:g}-c{concurrency}-turn{turn}.json"
-                        result = bench_level(server, dataset, temperature, concurrency, args, out, 2 if i == 0 else 0)
+                        prompts = prompt_files[((dataset, temperature, concurrency), turn)]
+                        result = bench_level(server, str(prompts), temperature, concurrency, args, out, 2 if i == 0 else 0)
                         measured.setdefault((name, dataset, temperature, concurrency), []).append(result)
                         report_level(name, dataset, temperature, concurrency, result, turn)
     else:
         with contextlib.ExitStack() as stack:
             servers = [start(stack, name, command) for name, command in specs]
             if levels:
-                # Warmed apart from the levels (two requests and one more, not counted), whose
-                # prompts then all start cold.
+                # Warmed apart from the levels (two requests and one more, not counted), on the
+                # set's own prompts, which no level sends.
                 for server in servers:
                     bench_level(server, *levels[0][:2], 1, args, args.out_dir / f"{slug(server.name)}-warm-up.json", 2, requests=1)
             for dataset, temperature, concurrency in levels:
                 # With several turns the sides alternate within the level, the first rotating, so
                 # a machine whose speed changes within seconds (docs/benchmarks.md) moves both
-                # sides of a turn alike. Levels and turns send the same prompts, each turn with
-                # flare's prefix caches emptied, so that every one computes them.
+                # sides of a turn alike.
                 for turn in range(turns):
-                    for server in servers:
-                        clear_prefix_cache(server)
+                    suffix = f"-turn{turn}" if turns > 1 else ""
+                    prompts = prompt_files[((dataset, temperature, concurrency), turn)]
                     for server in servers[turn % len(servers):] + servers[: turn % len(servers)]:
-                        suffix = f"-turn{turn}" if turns > 1 else ""
                         out = args.out_dir / f"{slug(server.name)}-{dataset}-t{temperature:g}-c{concurrency}{suffix}.json"
-                        result = bench_level(server, dataset, temperature, concurrency, args, out, 0)
+                        result = bench_level(server, str(prompts), temperature, concurrency, args, out, 0)
                         measured.setdefault((server.name, dataset, temperature, concurrency), []).append(result)
                         report_level(server.name, dataset, temperature, concurrency, result, turn if turns > 1 else None)
             if args.long_prompt_tokens:
