@@ -185,6 +185,15 @@ def test_a_count_timed_once_as_the_machine_slowed_is_tried_again_soon():
     assert choose_draft_lengths([4], [0.9], base_tokens=1, cost=cost, requests_waiting=True) != [0]
 
 
+def test_a_round_timed_at_zero_seconds_leaves_the_pace_as_it_was():
+    cost = RoundCostModel()
+    cost.observe(2, 0.0)  # a clock too coarse for the round
+    cost.observe(2, 0.010)
+    cost.observe(3, 0.012)
+    cost.observe(3, 0.012)
+    assert cost.seconds(3) == pytest.approx(0.012)
+
+
 def test_the_plain_round_is_timed_before_any_draft():
     cost = RoundCostModel()
     assert choose_draft_lengths([4], [1.0], base_tokens=1, cost=cost, requests_waiting=True) == [0]

@@ -115,7 +115,7 @@ class RoundCostModel:
             t: m for t, m in self._measured.items() if self._rounds - m[1] <= (self.max_age_rounds if len(m[2]) > 1 else single_age)
         }
         previous = self._measured.get(tokens)
-        if previous is not None:
+        if previous is not None and previous[0] > 0.0 and seconds > 0.0:
             self._pace_ratios.append(seconds / previous[0])
             if len(self._pace_ratios) > self.pace_window:
                 self._pace_ratios.popleft()
