@@ -182,7 +182,7 @@ def test_a_count_timed_once_as_the_machine_slowed_is_tried_again_soon():
         cost.observe(1, 0.010)
     # Dropped, so the count is estimated from the others again and tried.
     assert not cost.is_measured(2)
-    assert choose_draft_lengths([4], [0.9], base_tokens=1, cost=cost, requests_waiting=True) != [0]
+    assert choose_draft_lengths([4], [0.9], base_tokens=1, cost=cost, requests_waiting=True) == [4]
 
 
 def test_a_round_timed_at_zero_seconds_leaves_the_pace_as_it_was():

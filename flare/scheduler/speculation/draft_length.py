@@ -73,17 +73,16 @@ class RoundCostModel:
     elsewhere on the machine is timed again rather than avoided for good.
 
     The machine's own speed moves under every count alike (a shared host's neighbours, a
-    hypervisor's contended units: docs/benchmarks.md has rounds of every count taking 2x for
-    seconds at a time), so times are kept at the machine's `pace` and scaled back by it: pace is
+    hypervisor's contended units slow every count together for seconds at a time), so times are kept at the machine's `pace` and scaled back by it: pace is
     the median, over the last `pace_window` rounds, of each round's seconds over what its count
     was stored at, and a round is stored as its seconds over the pace. A count timed in a slow
     stretch and not chosen since then is estimated at today's speed, not left at the slow time
-    for `max_age_rounds` rounds: 5-token rounds timed at 33 ms in one such stretch kept a copying
-    row at 2 drafts (13 ms rounds) after the machine came back, where 4 drafts took 17 ms. The
-    pace follows a change a few rounds late, so a count timed once, in the first rounds of a slow
-    stretch, is stored slow; such a count is dropped after `single_age_rounds` (a 2-token round
-    timed at 24 ms as the machine slowed kept a copying row from drafting at all, in 10 ms plain
-    rounds, for hundreds of rounds), and tried again if its estimate is then worth it.
+    for `max_age_rounds` rounds, where it kept copying rows at fewer drafts than paid once the
+    machine came back. The pace follows a change a few rounds late, so a count timed once, in the
+    first rounds of a slow stretch, is stored slow; such a count is dropped after
+    `single_age_rounds` and tried again if its estimate is then worth it (a count timed so kept a
+    copying row from drafting at all for hundreds of rounds). The runs are in docs/benchmarks.md,
+    "The draft planner's rules".
     """
 
     c0: float = 0.02
@@ -197,8 +196,8 @@ class AcceptanceEstimate:
 
     A round is not one observation: a row that copies text has its drafts accepted four at a
     time and then, where the text changes a word, one rejected; averaging rounds took one
-    rejection (0 of 1) as much as a round of four accepted, and a copying row fell back to 2
-    drafts for the next three rounds after every changed word.
+    rejection (0 of 1) as much as a round of four accepted, and a copying row drafted fewer for
+    several rounds after every changed word.
 
     A row whose estimate fell low enough that its drafts are no longer verified would keep it
     for good, since only verified drafts are observed: after six rejections in a row (odds of
