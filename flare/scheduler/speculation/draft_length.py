@@ -73,9 +73,10 @@ class RoundCostModel:
     elsewhere on the machine is timed again rather than avoided for good.
 
     The machine's own speed moves under every count alike (a shared host's neighbours, a
-    hypervisor's contended units slow every count together for seconds at a time), so times are kept at the machine's `pace` and scaled back by it: pace is
-    the median, over the last `pace_window` rounds, of each round's seconds over what its count
-    was stored at, and a round is stored as its seconds over the pace. A count timed in a slow
+    hypervisor's contended units slow every count together for seconds at a time), so times are
+    kept at the machine's `pace` and scaled back by it: pace is the median, over the last
+    `pace_window` rounds, of each round's seconds over what its count was stored at, and a round
+    is stored as its seconds over the pace. A count timed in a slow
     stretch and not chosen since then is estimated at today's speed, not left at the slow time
     for `max_age_rounds` rounds, where it kept copying rows at fewer drafts than paid once the
     machine came back. The pace follows a change a few rounds late, so a count timed once, in the
