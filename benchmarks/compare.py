@@ -360,6 +360,8 @@ def main() -> int:
     parser.add_argument("--skip-speculation", action="store_true", help="leave out the flare side with speculation")
     parser.add_argument("--versus-drafter", choices=("ngram", "mtp", "auto"),
                         help="also serve flare's package with this --drafter (e.g. ngram beside a package whose head drafts)")
+    parser.add_argument("--versus-draft-tokens", type=int, metavar="K",
+                        help="also serve flare's package with --draft-tokens K (draft lengths side by side; at most the package's)")
     parser.add_argument("--flare-args", default="", help="more `flare run` flags for every flare daemon, one string (e.g. '--activations int8x2')")
     parser.add_argument("--skip-llama-cpp", action="store_true")
     parser.add_argument("--skip-transformers", action="store_true")
@@ -383,6 +385,8 @@ def main() -> int:
     turns = args.turns if args.turns is not None else 2 if args.one_server_at_a_time else 1
     if turns < 1:
         parser.error(f"--turns must be at least 1, not {turns}")
+    if args.versus_draft_tokens is not None and args.versus_draft_tokens < 1:
+        parser.error(f"--versus-draft-tokens must be at least 1 (K=0 is always served), not {args.versus_draft_tokens}")
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     datasets = args.datasets.split(",")
     temperatures = [float(t) for t in args.temperatures.split(",")]
@@ -417,6 +421,8 @@ def main() -> int:
     sides = [("flare", package, []), ("flare K=0", package, ["--draft-tokens", "0"])][args.skip_speculation :]
     if args.versus_drafter:
         sides.append((f"flare {args.versus_drafter}", package, ["--drafter", args.versus_drafter]))
+    if args.versus_draft_tokens is not None:
+        sides.append((f"flare K={args.versus_draft_tokens}", package, ["--draft-tokens", str(args.versus_draft_tokens)]))
     if args.versus_dtype:
         sides.append((f"flare {args.versus_dtype} K=0", default_package_path(dtype=args.versus_dtype), ["--draft-tokens", "0"]))
     specs += [(name, [*flare_command(served), *extra]) for name, served, extra in sides]
@@ -532,18 +538,25 @@ def main() -> int:
     }
     (args.out_dir / "comparison.json").write_text(json.dumps(summary, indent=1))
     if cells:
-        print_table(cells, names + ([] if reference is None else ["transformers"]), args.versus_dtype, args.versus_drafter)
+        print_table(cells, names + ([] if reference is None else ["transformers"]), args.versus_dtype, args.versus_drafter,
+                    args.versus_draft_tokens)
     if long_prompt_result is not None:
         print_long_prompt(long_prompt_result, names)
     return 0
 
 
 def print_table(
-    cells: list[dict[str, Any]], systems: list[str], versus_dtype: str | None = None, versus_drafter: str | None = None
+    cells: list[dict[str, Any]],
+    systems: list[str],
+    versus_dtype: str | None = None,
+    versus_drafter: str | None = None,
+    versus_draft_tokens: int | None = None,
 ) -> None:
     ratios = [("flare", "llama.cpp"), ("flare", "flare K=0"), ("flare K=0", "llama.cpp")]
     if versus_drafter:
         ratios.append(("flare", f"flare {versus_drafter}"))
+    if versus_draft_tokens is not None:
+        ratios.append(("flare", f"flare K={versus_draft_tokens}"))
     if versus_dtype:
         ratios.append(("flare K=0", f"flare {versus_dtype} K=0"))
     print("\n| dataset | T | streams | " + " | ".join(f"{s} tok/s" for s in systems) + " | "

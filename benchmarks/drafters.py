@@ -5,7 +5,10 @@ they share one OpenMP team: flare/scheduler/round/model_thread.py), and every wa
 answers of the dataset (submitted at once) runs through each of them in turn, the order
 alternating, so load on the machine falls on all of them alike. Prints tokens/s (a wave's tokens
 over its wall time), the ratio to the first configuration, tokens per verification round, and
-how many answers equal the first configuration's (greedy: all of them).
+how many answers equal the first configuration's (greedy: all of them); then n-gram lookup's
+ceiling on the first configuration's answers: the tokens a round would yield if every draft that
+lookup proposes (up to K) were verified, K = 4, 8, 16 and unbounded. A configuration's tokens
+per round can only approach it, and its speed-up is bounded by it (`lookup_ceiling`).
 
     .venv/bin/python benchmarks/drafters.py PACKAGE --configs K0,ngram,mtp,auto --answers 20
     .venv/bin/python benchmarks/drafters.py PACKAGE --configs K0,mtp:1,mtp:2 --draft-length fixed --dataset copy
@@ -36,6 +39,7 @@ import structlog
 import torch
 
 from flare.bench.datasets import Conversation, load_dataset
+from flare.engine.drafters.ngram import NgramDrafter
 from flare.engine.precision import cpu_flags
 from flare.package.directory import open_package
 from flare.policy.params import SamplingParams
@@ -53,6 +57,7 @@ class Tally:
     verify_rounds: int = 0
     verified_tokens: int = 0
     answers: list[list[int]] = field(default_factory=list)
+    prompts: list[tuple[int, ...]] = field(default_factory=list)
 
 
 def options_of(name: str, draft_length: Literal["adaptive", "fixed"]) -> SchedulerOptions:
@@ -108,10 +113,11 @@ async def main() -> None:
         for name in names if w % 2 == 0 else names[::-1]:
             scheduler = schedulers[name]
             started = time.perf_counter()
-            answers = await asyncio.gather(*(answer(scheduler, f"{name}-{i}", conversations[i], i, args) for i in wave))
+            answered = await asyncio.gather(*(answer(scheduler, f"{name}-{i}", conversations[i], i, args) for i in wave))
             tallies[name].seconds += time.perf_counter() - started
-            tallies[name].tokens += sum(len(got) for got in answers)
-            tallies[name].answers.extend(answers)
+            tallies[name].tokens += sum(len(got) for _, got in answered)
+            tallies[name].prompts.extend(ids for ids, _ in answered)
+            tallies[name].answers.extend(got for _, got in answered)
     for scheduler in schedulers.values():
         scheduler.stop()
     await asyncio.gather(*runs)
@@ -127,9 +133,37 @@ async def main() -> None:
         same = sum(a == b for a, b in zip(t.answers, first.answers))
         per_round = f"{t.verified_tokens / t.verify_rounds:.2f}" if t.verify_rounds else "-"
         print(f"| {name} | {rate:.1f} | {rate / base:.2f}x | {per_round} | {t.verify_rounds} | {same}/{len(t.answers)} |")
+    ceilings = {k: lookup_ceiling(first.prompts, first.answers, k) for k in (4, 8, 16, None)}
+    print(f"\nn-gram lookup's ceiling on {names[0]}'s answers, tokens a round with every proposed draft verified: "
+          + ", ".join(f"K = {'unbounded' if k is None else k}: {c:.2f}" for k, c in ceilings.items()))
 
 
-async def answer(scheduler: Scheduler, request_id: str, conversation: Conversation, seed: int, args: argparse.Namespace) -> list[int]:
+def lookup_ceiling(prompts: list[tuple[int, ...]], answers: list[list[int]], k: int | None) -> float:
+    """Tokens a round yields over `answers` if every round verified all that n-gram lookup (the
+    daemon's drafter) proposes, up to k: the drafts up to the first that differs from the answer,
+    plus the round's own token. No draft planner does better: it verifies at most what lookup
+    proposes, and a draft after a rejected one is never kept."""
+    tokens = rounds = 0
+    for prompt, answer in zip(prompts, answers):
+        state = NgramDrafter().new_state(prompt)
+        at = 0
+        while at < len(answer):
+            proposal = state.propose(len(answer) if k is None else k).token_ids
+            accepted = 0
+            while accepted < len(proposal) and at + accepted < len(answer) and proposal[accepted] == answer[at + accepted]:
+                accepted += 1
+            step = min(accepted + 1, len(answer) - at)
+            state.extend(answer[at : at + step])
+            at += step
+            rounds += 1
+        tokens += len(answer)
+    return tokens / rounds if rounds else 0.0
+
+
+async def answer(
+    scheduler: Scheduler, request_id: str, conversation: Conversation, seed: int, args: argparse.Namespace
+) -> tuple[tuple[int, ...], list[int]]:
+    """(the prompt's token ids, the answer's)."""
     ids = tuple(scheduler.tokenizer.encode_chat([*conversation.history, {"role": "user", "content": conversation.turns[0]}]))
     params = SamplingParams(
         temperature=args.temperature, top_p=0.9 if args.temperature > 0 else 1.0, max_tokens=args.max_tokens, seed=seed
@@ -138,7 +172,7 @@ async def answer(scheduler: Scheduler, request_id: str, conversation: Conversati
     async for event in scheduler.submit(GenerationRequest(request_id, ids, params)):
         if isinstance(event, TextDelta):
             got.extend(event.token_ids)
-    return got
+    return ids, got
 
 
 if __name__ == "__main__":

@@ -3,10 +3,12 @@ to PlannedRow once broke benchmarks/mtp_head.py without a test noticing)."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from tests.mtp_heads import repeat_head_state, write_head_package
 
@@ -40,3 +42,21 @@ def test_the_drafters_benchmark_compares_configurations_on_one_model_thread(make
     rows = {line.split("|")[1].strip(): line for line in result.stdout.splitlines() if line.startswith("| ") and "x |" in line}
     assert set(rows) == {"K0", "ngram", "mtp:2", "auto"}, result.stdout
     assert all(line.rstrip().endswith("2/2 |") for line in rows.values())  # greedy: the same answers
+    assert "n-gram lookup's ceiling on K0's answers" in result.stdout and "K = unbounded: " in result.stdout
+
+
+def test_lookup_ceiling_counts_the_rounds_a_copied_answer_takes_at_each_draft_length(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")  # the script sets it on import where unset
+    spec = importlib.util.spec_from_file_location("drafters_benchmark", ROOT / "benchmarks" / "drafters.py")
+    drafters = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, drafters)  # its dataclasses look their module up
+    spec.loader.exec_module(drafters)
+    prompt, answer = (5, 6, 7, 8, 9, 10, 11, 12, 99), [5, 6, 7, 8, 9, 10, 11, 12]
+    # The first token has no earlier occurrence to follow (a round of one token); then lookup
+    # finds "5" in the prompt and proposes what followed it: with K = 4, 6-9 accepted and 10
+    # sampled, then 11 and 12 (its 99 past the answer's end); unbounded, 6-12 at once.
+    assert drafters.lookup_ceiling([prompt], [answer], 4) == 8 / 3
+    assert drafters.lookup_ceiling([prompt], [answer], None) == 8 / 2
+    # An answer that leaves the text: 6 and 7 accepted, 8 rejected for 1 (the round's own token),
+    # then nothing to follow "1" and a round of one token.
+    assert drafters.lookup_ceiling([prompt], [[5, 6, 7, 1, 2]], 4) == 5 / 3
