@@ -6,10 +6,13 @@
     .venv/bin/python benchmarks/compare.py --gguf FILE.gguf --package PACKAGE --skip-transformers  # another GGUF
     .venv/bin/python benchmarks/compare.py --skip-throughput --skip-speculation --skip-transformers \
         --concurrency 1 --long-prompt-tokens 1500 --long-prompt-runs 5              # cold long-prompt TTFT alone
+    .venv/bin/python benchmarks/compare.py --package PACKAGE --versus-draft-tokens 4 --skip-llama-cpp \
+        --skip-transformers --datasets copy                                      # two draft lengths side by side
 
 The servers are driven by `flare bench` (flare/bench/), one level at a time:
 - flare, the default model's package as `flare run` serves it on this machine (speculation at
-  the package's draft length), and the same with `--draft-tokens 0`;
+  the package's draft length), and the same with `--draft-tokens 0` (and, if asked, with another
+  --drafter, --draft-tokens or the default model's package in another dtype: the --versus-* options);
 - llama.cpp's server on the default model's GGUF (`-t THREADS -np MAX_CONCURRENCY
   -c SLOT_CONTEXT*MAX_CONCURRENCY --cont-batching`), built once from the llama.cpp source that the `llama-cpp-python` sdist
   vendors, into --llama-cpp-dir (default $FLARE_CACHE_DIR/llama.cpp or ~/.cache/flare/llama.cpp),
