@@ -120,6 +120,21 @@ def test_a_rows_result_does_not_depend_on_its_batch_mates(ggml_type: T) -> None:
 
 
 @pytest.mark.parametrize("ggml_type", ALL)
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 6])
+def test_a_few_rows_at_avx2_give_the_portable_loops_bits(ggml_type: T, rows: int) -> None:
+    # Whole groups of outputs, where AVX2 multiplies 2-5 rows of the 32-value types straight from
+    # their blocks (quantized_direct.c's tiles of 2 outputs, then of 1) and 6 rows through the buffer.
+    in_features = gguf.GGML_QUANT_SIZES[ggml_type][0] * (8 if gguf.GGML_QUANT_SIZES[ggml_type][0] == 32 else 2)
+    weight = weight_of(ggml_type, 4 * 12, in_features, seed=rows)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    got = quantized_linear(x, weight, isa=native.ISA_AVX2)
+    assert_float32_sums_of(got, x, weight)
+    assert torch.equal(got, quantized_linear(x, weight, isa=native.ISA_PORTABLE))
+    for row in range(rows):  # and a row alone, through the one-row path, gets the same bits
+        assert torch.equal(quantized_linear(x[row : row + 1], weight, isa=native.ISA_AVX2), got[row : row + 1])
+
+
+@pytest.mark.parametrize("ggml_type", ALL)
 @pytest.mark.parametrize("rows", [1, 5])
 def test_a_last_partial_group_of_outputs_on_a_thread_team_gives_the_float64_product(ggml_type: T, rows: int) -> None:
     # 4k + 3 outputs and enough multiply-adds for a team of threads: the team's last thread ends
@@ -142,13 +157,13 @@ torch.save({{'isa': quantized.QUANTIZED_ISA, 'outputs': forced_cases()}}, {path!
 
 
 def forced_cases() -> list[torch.Tensor]:
-    """Each type's product at 1, 3, 8 and 33 rows with the default ISA of the process (inputs from
-    numpy: torch's randn draws other values under another ATEN_CPU_CAPABILITY)."""
+    """Each type's product at 1, 2, 3, 5, 8 and 33 rows with the default ISA of the process (inputs
+    from numpy: torch's randn draws other values under another ATEN_CPU_CAPABILITY)."""
     outputs = []
     for ggml_type in ALL:
         in_features = gguf.GGML_QUANT_SIZES[ggml_type][0] * 2
         weight = weight_of(ggml_type, 21, in_features, seed=int(ggml_type))
-        for rows in (1, 3, 8, 33):
+        for rows in (1, 2, 3, 5, 8, 33):
             x = torch.from_numpy(np.random.default_rng(rows).standard_normal((rows, in_features), dtype=np.float32))
             outputs.append(quantized_linear(x, weight))
     return outputs

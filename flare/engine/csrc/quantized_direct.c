@@ -1,6 +1,7 @@
 /* A few rows multiplied straight from ggml's blocks: each block is expanded in registers and
  * multiplied into the rows' sums at once, never stored (AVX-512: up to 6 rows, every type;
- * AVX2: one row of every type but Q5_K, at the end of this file). MXFP4 (gpt-oss's experts) too.
+ * AVX2: one row of every type but Q5_K, up to 5 of the 32-value types, at the end of this file).
+ * MXFP4 (gpt-oss's experts) too.
  *
  * quantized_linear.c expands a group's weight rows into a float32 buffer and runs the rows over
  * it, which pays for itself from about 8 rows on. At 1-6 rows (one stream, a short speculative
@@ -277,32 +278,41 @@ static QD_AVX512 void group_avx512(int type, const uint8_t *rows, int64_t row_by
     }
 }
 
-/* AVX2, one row, every type but Q5_K (the default package's types, the commonest files' and
- * Q4_K_M's with its Q5_0 fallbacks):
- * quantized_linear.c's AVX2 loop keeps a (row, output)'s 16 lanes as two 8-lane halves, half h
- * summing the k with (k / 8) % 2 == h in increasing k, and so does this; the values are
- * quantized_blocks.c's AVX2 expansion (d (q - 8), d (q - 16), d q + m, d q). Four outputs' 8 accumulators
- * fill half the 16 registers, so more rows take the buffered path, as does Q5_K. */
+/* AVX2: one row of every type but Q5_K (the default package's types, the commonest files' and
+ * Q4_K_M's with its Q5_0 fallbacks), and 2-5 rows of the 32-value types (a short verify row, a
+ * few streams): quantized_linear.c's AVX2 loop keeps a (row, output)'s 16 lanes as two 8-lane
+ * halves, half h summing the k with (k / 8) % 2 == h in increasing k, and so does this; the
+ * values are quantized_blocks.c's AVX2 expansion (d (q - 8), d (q - 16), d q + m, d q). A tile is
+ * MT rows by NO outputs, each block expanded once for all its rows: one row by the group's 4
+ * outputs, 2-3 rows by 2, 4-5 rows by 1 (8 to 12 accumulators of the 16 registers, and at least
+ * 8 independent chains of multiply-adds). From 6 rows the buffered path, which expands each block
+ * once into memory and runs tiles of 3 rows by 4 outputs over it, is as fast (docs/benchmarks.md,
+ * "Quantized linear layers"), and takes them, as it takes Q5_K. */
+enum { AVX2_TILE = 5 };
+
 typedef struct {
-    __m256 half[GROUP][2];
+    __m256 half[AVX2_TILE][GROUP][2];
 } Halves;
 
-/* Output o's half (c / 8) % 2 takes w (the weights k + c .. + 7, k a multiple of 16) times x. */
-QD2_INLINE void multiply_256(Halves *s, int o, __m256 w, const float *x, int64_t k, const int c) {
-    s->half[o][(c / 8) % 2] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + k + c), s->half[o][(c / 8) % 2]);
+/* Output o's half (c / 8) % 2 of the MT rows takes w (the weights k + c .. + 7, k a multiple of
+ * 16) times x. */
+QD2_INLINE void multiply_256(Halves *s, int o, __m256 w, const float *x, int64_t xs, int64_t k, const int c, const int MT) {
+#pragma GCC unroll 5
+    for (int m = 0; m < MT; m++)
+        s->half[m][o][(c / 8) % 2] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * xs + k + c), s->half[m][o][(c / 8) % 2]);
 }
 
-QD2_INLINE void block_256(Halves *s, int o, const uint8_t *b, const float *x, int64_t k, const int type) {
+QD2_INLINE void block_256(Halves *s, int o, const uint8_t *b, const float *x, int64_t xs, int64_t k, const int type, const int MT) {
     if (type == GGML_MXFP4) {  /* quantized_blocks.c's AVX2 expansion: pshufb into MXFP4_VALUES, times d */
         const __m256 d = _mm256_set1_ps(mxfp4_scale(b[0]));
         const __m128i table = _mm_loadu_si128((const __m128i *)MXFP4_VALUES), low4 = _mm_set1_epi8(0x0f);
         const __m128i q = _mm_loadu_si128((const __m128i *)(b + 1));
         const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(q, low4));
         const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), low4));
-        multiply_256(s, o, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo))), x, k, 0);
-        multiply_256(s, o, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)))), x, k, 8);
-        multiply_256(s, o, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi))), x, k, 16);
-        multiply_256(s, o, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))), x, k, 24);
+        multiply_256(s, o, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo))), x, xs, k, 0, MT);
+        multiply_256(s, o, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)))), x, xs, k, 8, MT);
+        multiply_256(s, o, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi))), x, xs, k, 16, MT);
+        multiply_256(s, o, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))), x, xs, k, 24, MT);
         return;
     }
     const __m256 d = _mm256_set1_ps(half_at(b));
@@ -310,7 +320,7 @@ QD2_INLINE void block_256(Halves *s, int o, const uint8_t *b, const float *x, in
 #pragma GCC unroll 4
         for (int c = 0; c < QK; c += 8) {
             const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + c)));
-            multiply_256(s, o, _mm256_mul_ps(d, _mm256_cvtepi32_ps(q)), x, k, c);
+            multiply_256(s, o, _mm256_mul_ps(d, _mm256_cvtepi32_ps(q)), x, xs, k, c, MT);
         }
         return;
     }
@@ -330,14 +340,15 @@ QD2_INLINE void block_256(Halves *s, int o, const uint8_t *b, const float *x, in
         }
         const __m256 lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(low, offset));
         const __m256 hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(high, offset));
-        multiply_256(s, o, has_min ? _mm256_fmadd_ps(d, lo, m) : _mm256_mul_ps(d, lo), x, k, 8 * part);
-        multiply_256(s, o, has_min ? _mm256_fmadd_ps(d, hi, m) : _mm256_mul_ps(d, hi), x, k, 16 + 8 * part);
+        multiply_256(s, o, has_min ? _mm256_fmadd_ps(d, lo, m) : _mm256_mul_ps(d, lo), x, xs, k, 8 * part, MT);
+        multiply_256(s, o, has_min ? _mm256_fmadd_ps(d, hi, m) : _mm256_mul_ps(d, hi), x, xs, k, 16 + 8 * part, MT);
     }
 }
 
 /* Q4_K block of output o, in increasing k: sub-block j's values (d sc_j) q - dmin mn_j (its
  * scales from k_scales, shared with AVX-512), 8 at a time as quantized_blocks.c's AVX2 expansion. */
-QD2_INLINE void q4_k_block_256(Halves *s, int o, const uint8_t *b, const KScales *sc, const float *x, int64_t k) {
+QD2_INLINE void q4_k_block_256(Halves *s, int o, const uint8_t *b, const KScales *sc, const float *x, int64_t xs, int64_t k,
+                                const int MT) {
     const uint8_t *qs = b + 16;
     const __m256i low4 = _mm256_set1_epi32(0x0f);
 #pragma GCC unroll 8
@@ -347,14 +358,14 @@ QD2_INLINE void q4_k_block_256(Halves *s, int o, const uint8_t *b, const KScales
         for (int c = 0; c < 32; c += 8) {  /* bytes 32 (j / 2) + c: low nibbles for even j, high for odd */
             const __m256i raw = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 32 * (j / 2) + c)));
             const __m256i q = j % 2 ? _mm256_srli_epi32(raw, 4) : _mm256_and_si256(raw, low4);
-            multiply_256(s, o, _mm256_fmsub_ps(ds, _mm256_cvtepi32_ps(q), ms), x, k + 32 * j, c);
+            multiply_256(s, o, _mm256_fmsub_ps(ds, _mm256_cvtepi32_ps(q), ms), x, xs, k + 32 * j, c, MT);
         }
     }
 }
 
 /* Q6_K block of output o, in increasing k: value e of half h from ql[64 h + e % 64] (its nibble
  * e / 64) and qh[32 h + e % 32] (its pair e / 32), (d scale[e / 16]) (q - 32), 8 at a time. */
-QD2_INLINE void q6_k_block_256(Halves *s, int o, const uint8_t *b, const float *x, int64_t k) {
+QD2_INLINE void q6_k_block_256(Halves *s, int o, const uint8_t *b, const float *x, int64_t xs, int64_t k, const int MT) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *scales = (const int8_t *)(b + 192);
     const float d = half_at(b + 208);
@@ -368,50 +379,84 @@ QD2_INLINE void q6_k_block_256(Halves *s, int o, const uint8_t *b, const float *
             const __m256i high = _mm256_and_si256(_mm256_srli_epi32(hq, 2 * (e / 32)), three);
             const __m256i q = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), thirty_two);
             const __m256 ds = _mm256_set1_ps(d * (float)scales[8 * h + e / 16]);
-            multiply_256(s, o, _mm256_mul_ps(ds, _mm256_cvtepi32_ps(q)), x, k + 128 * h, e);
+            multiply_256(s, o, _mm256_mul_ps(ds, _mm256_cvtepi32_ps(q)), x, xs, k + 128 * h, e, MT);
         }
     }
 }
 
-QD2_INLINE void row_256(const int type, const uint8_t *rows, int64_t row_bytes, int64_t blocks, const float *x, float *y) {
+QD2_INLINE void tile_256(const int type, const uint8_t *rows, int64_t row_bytes, int64_t blocks, const float *x, int64_t xs,
+                         float *y, int64_t ys, const int MT, const int NO) {
     Halves s;
+#pragma GCC unroll 5
+    for (int m = 0; m < MT; m++)
 #pragma GCC unroll 4
-    for (int o = 0; o < GROUP; o++) s.half[o][0] = s.half[o][1] = _mm256_setzero_ps();
+        for (int o = 0; o < NO; o++) s.half[m][o][0] = s.half[m][o][1] = _mm256_setzero_ps();
     const int64_t size = type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : type == GGML_Q5_0 ? 22 : type == GGML_Q5_1 ? 24
                          : type == GGML_Q8_0 ? 34 : type == GGML_Q4_K ? 144 : type == GGML_MXFP4 ? 17 : 210;
     const int64_t values = type == GGML_Q4_K || type == GGML_Q6_K ? QK_K : QK;
-    const int64_t span = GROUP * row_bytes;
-    const uint8_t *ahead = rows + PREFETCH_GROUPS * span;
+    /* the tile's share of the group PREFETCH_GROUPS ahead */
+    const int64_t span = NO * row_bytes;
+    const uint8_t *ahead = rows + PREFETCH_GROUPS * GROUP * row_bytes;
     for (int64_t i = 0; i < blocks; i++) {
         for (int64_t at = span * i / blocks & ~(int64_t)63; at < span * (i + 1) / blocks; at += 64) __builtin_prefetch(ahead + at);
         if (type == GGML_Q4_K) {
             KScales sc[GROUP];
 #pragma GCC unroll 4
-            for (int o = 0; o < GROUP; o++) k_scales(rows + o * row_bytes + i * size, &sc[o]);
+            for (int o = 0; o < NO; o++) k_scales(rows + o * row_bytes + i * size, &sc[o]);
 #pragma GCC unroll 1
-            for (int o = 0; o < GROUP; o++) q4_k_block_256(&s, o, rows + o * row_bytes + i * size, &sc[o], x, i * QK_K);
+            for (int o = 0; o < NO; o++) q4_k_block_256(&s, o, rows + o * row_bytes + i * size, &sc[o], x, xs, i * QK_K, MT);
         } else if (type == GGML_Q6_K) {
 #pragma GCC unroll 1
-            for (int o = 0; o < GROUP; o++) q6_k_block_256(&s, o, rows + o * row_bytes + i * size, x, i * QK_K);
+            for (int o = 0; o < NO; o++) q6_k_block_256(&s, o, rows + o * row_bytes + i * size, x, xs, i * QK_K, MT);
         } else {
 #pragma GCC unroll 4
-            for (int o = 0; o < GROUP; o++) block_256(&s, o, rows + o * row_bytes + i * size, x, i * values, type);
+            for (int o = 0; o < NO; o++) block_256(&s, o, rows + o * row_bytes + i * size, x, xs, i * values, type, MT);
         }
     }
+#pragma GCC unroll 5
+    for (int m = 0; m < MT; m++)
 #pragma GCC unroll 4
-    for (int o = 0; o < GROUP; o++) y[o] = sum_lanes_256(s.half[o][0], s.half[o][1]);
+        for (int o = 0; o < NO; o++) y[m * ys + o] = sum_lanes_256(s.half[m][o][0], s.half[m][o][1]);
 }
 
-static QD_AVX2 void row_avx2(int type, const uint8_t *rows, int64_t row_bytes, int64_t blocks, const float *x, float *y) {
+/* A 32-value type's group at 2 to 5 rows: tiles of 2 outputs (2-3 rows) or 1 (4-5 rows), each
+ * of every row, so that each block is expanded once and a tile keeps 8 to 12 accumulators. */
+QD2_INLINE void rows_256(const int type, const uint8_t *rows, int64_t row_bytes, int64_t blocks, const float *x, int64_t xs,
+                         int64_t tokens, float *y, int64_t ys) {
+    const int outputs = tokens <= 3 ? 2 : 1;
+#pragma GCC unroll 1
+    for (int o = 0; o < GROUP; o += outputs) {
+        const uint8_t *at = rows + o * row_bytes;
+        switch (tokens) {
+        case 2: tile_256(type, at, row_bytes, blocks, x, xs, y + o, ys, 2, 2); break;
+        case 3: tile_256(type, at, row_bytes, blocks, x, xs, y + o, ys, 3, 2); break;
+        case 4: tile_256(type, at, row_bytes, blocks, x, xs, y + o, ys, 4, 1); break;
+        default: tile_256(type, at, row_bytes, blocks, x, xs, y + o, ys, 5, 1); break;
+        }
+    }
+}
+
+static QD_AVX2 void group_avx2(int type, const uint8_t *rows, int64_t row_bytes, int64_t blocks, const float *x, int64_t xs,
+                               int64_t tokens, float *y, int64_t ys) {
+    if (tokens > 1) { /* a 32-value type (quantized_direct_rows) */
+        switch (type) {
+        case GGML_Q4_0: rows_256(GGML_Q4_0, rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
+        case GGML_Q4_1: rows_256(GGML_Q4_1, rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
+        case GGML_Q5_0: rows_256(GGML_Q5_0, rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
+        case GGML_Q5_1: rows_256(GGML_Q5_1, rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
+        default: rows_256(GGML_Q8_0, rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
+        }
+        return;
+    }
     switch (type) {
-    case GGML_Q4_0: row_256(GGML_Q4_0, rows, row_bytes, blocks, x, y); break;
-    case GGML_Q4_1: row_256(GGML_Q4_1, rows, row_bytes, blocks, x, y); break;
-    case GGML_Q5_0: row_256(GGML_Q5_0, rows, row_bytes, blocks, x, y); break;
-    case GGML_Q5_1: row_256(GGML_Q5_1, rows, row_bytes, blocks, x, y); break;
-    case GGML_Q4_K: row_256(GGML_Q4_K, rows, row_bytes, blocks, x, y); break;
-    case GGML_Q6_K: row_256(GGML_Q6_K, rows, row_bytes, blocks, x, y); break;
-    case GGML_MXFP4: row_256(GGML_MXFP4, rows, row_bytes, blocks, x, y); break;
-    default: row_256(GGML_Q8_0, rows, row_bytes, blocks, x, y); break;
+    case GGML_Q4_0: tile_256(GGML_Q4_0, rows, row_bytes, blocks, x, xs, y, ys, 1, GROUP); break;
+    case GGML_Q4_1: tile_256(GGML_Q4_1, rows, row_bytes, blocks, x, xs, y, ys, 1, GROUP); break;
+    case GGML_Q5_0: tile_256(GGML_Q5_0, rows, row_bytes, blocks, x, xs, y, ys, 1, GROUP); break;
+    case GGML_Q5_1: tile_256(GGML_Q5_1, rows, row_bytes, blocks, x, xs, y, ys, 1, GROUP); break;
+    case GGML_Q4_K: tile_256(GGML_Q4_K, rows, row_bytes, blocks, x, xs, y, ys, 1, GROUP); break;
+    case GGML_Q6_K: tile_256(GGML_Q6_K, rows, row_bytes, blocks, x, xs, y, ys, 1, GROUP); break;
+    case GGML_MXFP4: tile_256(GGML_MXFP4, rows, row_bytes, blocks, x, xs, y, ys, 1, GROUP); break;
+    default: tile_256(GGML_Q8_0, rows, row_bytes, blocks, x, xs, y, ys, 1, GROUP); break;
     }
 }
 #endif
@@ -421,8 +466,10 @@ int quantized_direct_rows(int vector, int type) {
     /* Past these, expanding a group once for every row wins (`benchmarks/quantized_linear.py
      * --rows 1 2 4 6 8`); Q5_K's fifth bits make its limit 4. */
     if (vector == ISA_AVX512) return type == GGML_Q5_K ? 4 : MAX_TILE;
-    if (vector == ISA_AVX2)
+    if (vector == ISA_AVX2) {
+        if (type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q5_0 || type == GGML_Q5_1 || type == GGML_Q8_0) return AVX2_TILE;
         return type != GGML_Q5_K;
+    }
 #else
     (void)vector, (void)type;
 #endif
@@ -433,7 +480,7 @@ void quantized_group_direct(int vector, int type, const uint8_t *rows, int64_t r
                             int64_t xs, int64_t tokens, float *y, int64_t ys) {
 #if defined(__x86_64__) && defined(__GNUC__)
     if (vector == ISA_AVX512) group_avx512(type, rows, row_bytes, blocks, x, xs, tokens, y, ys);
-    else if (vector == ISA_AVX2 && tokens == 1) row_avx2(type, rows, row_bytes, blocks, x, y);
+    else if (vector == ISA_AVX2) group_avx2(type, rows, row_bytes, blocks, x, xs, tokens, y, ys);
 #else
     (void)vector, (void)type, (void)rows, (void)row_bytes, (void)blocks, (void)x, (void)xs, (void)tokens, (void)y, (void)ys;
 #endif

@@ -17,9 +17,10 @@
  * float32 buffer (GROUP x in floats, in L1/L2), then runs every tile of rows over it, so at 8-32
  * rows each block is expanded once and reused by every row, and at one row each weight byte is
  * read once from memory. OpenMP threads take contiguous ranges of groups. A few rows (AVX-512: up
- * to 6; AVX2: one, of every type but Q5_K) skip the buffer: quantized_direct.c multiplies each
- * block as it expands it in registers, to the same bits. Figures against the float16 kernel
- * and what was tried are in docs/benchmarks.md, "Quantized linear layers".
+ * to 6; AVX2: one of every type but Q5_K, up to 5 of the 32-value types) skip the buffer:
+ * quantized_direct.c multiplies each block as it expands it in registers, to the same bits.
+ * Figures against the float16 kernel and what was tried are in docs/benchmarks.md, "Quantized
+ * linear layers".
  */
 #include <math.h>
 #include <omp.h>
