@@ -43,9 +43,11 @@ QUANTIZED_ISA = ATEN_ISA
 
 # The widest integer dot-product instructions of the 8-bit activation products (integer_linear.c,
 # integer_dot.h `IDOT_*`): derived from ATen's dispatch as QUANTIZED_ISA is (AVX-512 -> AMX, which
-# the kernel lowers to AVX-512 VNNI unless granted; AVX2 -> AVX2), then lowered by FLARE_INTEGER_ISA
-# (portable, avx2, avx_vnni, avx512_vnni, amx), read once here, which is how tests and benchmarks
-# stand in for an AVX-VNNI-256 or AVX2 CPU. The kernel itself takes the widest of this level the
+# the kernel lowers to AVX-512 VNNI unless granted; AVX2 -> AVX-VNNI, which it lowers to AVX2 where
+# the CPU has no AVX-VNNI: ATen has no AVX-VNNI level, and an Alder Lake or a Sierra Forest Xeon,
+# AVX-VNNI without AVX-512, dispatches as AVX2), then lowered by FLARE_INTEGER_ISA (portable, avx2,
+# avx_vnni, avx512_vnni, amx), read once here, which is how tests and benchmarks stand in for an
+# AVX-VNNI-256 or AVX2 CPU (ATEN_CPU_CAPABILITY=avx2 alone leaves AVX-VNNI to a CPU that has it). The kernel itself takes the widest of this level the
 # CPU and its OS grant (`integer_dot_isa`). AMX is granted only where the CPU advertises amx-tile and
 # amx-int8, Linux lets this process use the tile data (arch_prctl(ARCH_REQ_XCOMP_PERM), asked once
 # per process: without it the first tile instruction raises SIGILL) and a forked child runs tile
@@ -61,7 +63,7 @@ INTEGER_ISA_NAMES = {
 
 
 def _integer_isa(capability: str, forced: str | None) -> int:
-    level = {"AVX512": IDOT_AMX, "AVX2": IDOT_AVX2}.get(capability, IDOT_PORTABLE)
+    level = {"AVX512": IDOT_AMX, "AVX2": IDOT_AVX_VNNI}.get(capability, IDOT_PORTABLE)
     if not forced:
         return level
     if forced not in INTEGER_ISA_NAMES:

@@ -315,13 +315,25 @@ def forced_cases(isa: int | None = None) -> list[torch.Tensor]:
     return outputs
 
 
-@pytest.mark.parametrize(("capability", "isa"), [("avx2", native_quantized.IDOT_AVX2), ("default", native_quantized.IDOT_PORTABLE)])
-def test_forced_avx2_and_forced_portable_dispatch_give_the_same_bits(tmp_path: Path, capability: str, isa: int) -> None:
+@pytest.mark.parametrize(
+    ("capability", "forced", "isa"),
+    [
+        # ATen dispatching as AVX2 leaves AVX-VNNI to a CPU that has it (the kernel lowers to AVX2
+        # where it has not); FLARE_INTEGER_ISA=avx2 stands in for an AVX2-only CPU
+        ("avx2", None, native_quantized.IDOT_AVX_VNNI),
+        ("avx2", "avx2", native_quantized.IDOT_AVX2),
+        ("default", None, native_quantized.IDOT_PORTABLE),
+    ],
+)
+def test_forced_avx2_and_forced_portable_dispatch_give_the_same_bits(tmp_path: Path, capability: str, forced: str | None, isa: int) -> None:
     path = tmp_path / "outputs.pt"
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    env.pop("FLARE_INTEGER_ISA", None)
+    if forced:
+        env["FLARE_INTEGER_ISA"] = forced
     subprocess.run([sys.executable, "-c", FORCED_SCRIPT.format(root=REPOSITORY, path=str(path))], env=env, check=True, timeout=300)
     forced = torch.load(path)
-    assert forced["isa"] == isa
+    assert forced["isa"] == isa and forced["level"] == native_quantized.integer_dot_isa(isa)  # what this CPU grants of it
     for got, expected in zip(forced["outputs"], forced_cases(), strict=True):
         assert torch.equal(got, expected)
 

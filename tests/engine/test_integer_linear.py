@@ -203,8 +203,12 @@ def test_flare_integer_isa_lowers_the_level_and_an_unknown_name_is_refused() -> 
     assert native_quantized._integer_isa("AVX512", "amx") == native_quantized.IDOT_AMX
     assert native_quantized._integer_isa("AVX512", "avx512_vnni") == native_quantized.IDOT_AVX512_VNNI
     assert native_quantized._integer_isa("AVX512", "avx_vnni") == native_quantized.IDOT_AVX_VNNI
-    assert native_quantized._integer_isa("AVX2", "avx512_vnni") == native_quantized.IDOT_AVX2  # lowers, never raises
-    assert native_quantized._integer_isa("AVX2", "amx") == native_quantized.IDOT_AVX2
+    # ATen has no AVX-VNNI level: a CPU it dispatches as AVX2 may have AVX-VNNI (Alder Lake,
+    # Sierra Forest), which the kernel takes where the CPU grants it
+    assert native_quantized._integer_isa("AVX2", None) == native_quantized.IDOT_AVX_VNNI
+    assert native_quantized._integer_isa("AVX2", "avx2") == native_quantized.IDOT_AVX2
+    assert native_quantized._integer_isa("AVX2", "avx512_vnni") == native_quantized.IDOT_AVX_VNNI  # lowers, never raises
+    assert native_quantized._integer_isa("AVX2", "amx") == native_quantized.IDOT_AVX_VNNI
     assert native_quantized._integer_isa("DEFAULT", None) == native_quantized.IDOT_PORTABLE
     with pytest.raises(ValueError, match="FLARE_INTEGER_ISA must be one of portable, avx2, avx_vnni, avx512_vnni, amx"):
         native_quantized._integer_isa("AVX512", "amx_int8")
