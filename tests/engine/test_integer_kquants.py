@@ -234,6 +234,25 @@ def test_amx_tiles_give_the_portable_bits_either_side_of_their_start_and_of_16_a
         assert torch.equal(alone[0], batch[row]), row
 
 
+@pytest.mark.parametrize("ggml_type", K_TYPES)
+def test_the_256_bit_wide_tiles_sum_the_largest_quants_times_the_largest_activations_exactly(ggml_type: T) -> None:
+    """Every quant at its largest (15, 31, 63: all quant bits set) against activations all +127 or
+    all -127: the pair sums AVX2 adds in 16 bits before widening them are at their largest (Q6_K
+    2 x 16,002), and the wide tiles (from 16 rows at AVX2 and AVX-VNNI) keep the portable bits."""
+    in_features, out_features, rows = 512, 19, 20
+    blocks = k_blocks(ggml_type, out_features, in_features, seed=61).numpy().reshape(out_features, -1, gguf.GGML_QUANT_SIZES[ggml_type][1])
+    quant_bytes = {T.Q4_K: slice(16, 144), T.Q5_K: slice(16, 176), T.Q6_K: slice(0, 192)}[ggml_type]  # Q5_K: high bits too
+    blocks[..., quant_bytes] = 0xFF
+    blocks = torch.from_numpy(np.ascontiguousarray(blocks.reshape(out_features, -1)))
+    x = torch.ones(rows, in_features) * torch.tensor([(-1.0) ** r for r in range(rows)]).unsqueeze(1)
+    d, qs, bsums = native_quantized.quantize_q8k(x)
+    assert int(qs.abs().min()) == 127
+    portable = native_quantized.kquant_product(x, blocks, ggml_type, out_features, in_features, isa=native_quantized.IDOT_PORTABLE)
+    assert np.array_equal(portable.numpy(), reference(ggml_type, blocks, d, qs, bsums))
+    for isa in (native_quantized.IDOT_AVX2, native_quantized.IDOT_AVX_VNNI):
+        assert torch.equal(native_quantized.kquant_product(x, blocks, ggml_type, out_features, in_features, isa=isa), portable), isa
+
+
 @needs_amx
 @pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q5_K])
 def test_amx_mins_take_each_rows_sub_block_sums_at_their_extremes_of_both_signs(ggml_type: T) -> None:

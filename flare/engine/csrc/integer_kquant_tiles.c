@@ -504,8 +504,8 @@ KT_AMX static void tile16_amx(int type, const uint8_t *const w[16], int64_t bloc
 /* ---- 256-bit levels: AVX-VNNI and AVX2 -----------------------------------------------------------
  * The same tile of 16 outputs as two vectors of 8 lanes (outputs 0-7 and 8-15), each activation
  * dword broadcast once for both. AVX2 forms vpdpbusd's sums with vpmaddubsw (pairs: at most
- * 2 * 63 * 127, no saturation) and vpmaddwd by ones, and vpdpwssd's with vpmaddwd and an addition:
- * the same integers. */
+ * 2 * 63 * 128, no saturation), added in 16 bits while they stay exact, and vpmaddwd by ones
+ * (scale_sums_in16), and vpdpwssd's with vpmaddwd and an addition: the same integers. */
 #define KT_AVX2 __attribute__((target("avx2,f16c,fma")))
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
 #define KT_AVX_VNNI __attribute__((target("avxvnni,avx2,f16c,fma")))
@@ -636,21 +636,58 @@ KT_AVX2 KT_INLINE __m256 add_term8(__m256 acc, const Unpacked8 *u, float xd, __m
     return _mm256_add_ps(acc, t);
 }
 
+/* s[h]: the sums of quant dwords at .. at + group - 1 (one scale's) of half h times the row's
+ * activation dwords, by vpdpbusd. */
+#ifdef KT_HAS_AVX_VNNI
+KT_AVX_VNNI KT_INLINE void scale_sums_avx_vnni(int type, const Unpacked8 u[2], const Dword *xq, int at, int group, __m256i s[2]) {
+    (void)type;
+    s[0] = s[1] = _mm256_setzero_si256();
+    for (int k = at; k < at + group; k++) {
+        const __m256i xv = _mm256_set1_epi32(xq[k]);
+        s[0] = _mm256_dpbusd_avx_epi32(s[0], u[0].q[k], xv);
+        s[1] = _mm256_dpbusd_avx_epi32(s[1], u[1].q[k], xv);
+    }
+}
+#endif
+
+/* The same with AVX2: vpmaddubsw's pair sums (quant q <= qmax unsigned, activation >= -128: at most
+ * 2 * 128 * qmax in magnitude) are added as int16 `per` at a time, as many as stay exact (Q4_K, q <= 15:
+ * 8 x 3,840; Q5_K, 31: 4 x 7,936; Q6_K, 63: 2 x 16,128; all below 2^15), before vpmaddwd by ones widens
+ * them: the same integers in fewer instructions than widening every pair sum. */
+KT_AVX2 KT_INLINE void scale_sums_in16(const Unpacked8 u[2], const Dword *xq, int at, const int group, const int per, __m256i s[2]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    s[0] = s[1] = _mm256_setzero_si256();
+    for (int k0 = at; k0 < at + group; k0 += per) {
+        __m256i t0 = _mm256_setzero_si256(), t1 = _mm256_setzero_si256();
+        for (int k = k0; k < k0 + per; k++) {
+            const __m256i xv = _mm256_set1_epi32(xq[k]);
+            t0 = _mm256_add_epi16(t0, _mm256_maddubs_epi16(u[0].q[k], xv));
+            t1 = _mm256_add_epi16(t1, _mm256_maddubs_epi16(u[1].q[k], xv));
+        }
+        s[0] = _mm256_add_epi32(s[0], _mm256_madd_epi16(t0, ones));
+        s[1] = _mm256_add_epi32(s[1], _mm256_madd_epi16(t1, ones));
+    }
+}
+
+KT_AVX2 KT_INLINE void scale_sums_avx2(int type, const Unpacked8 u[2], const Dword *xq, int at, int group, __m256i s[2]) {
+    (void)group;
+    if (type == GGML_Q4_K) scale_sums_in16(u, xq, at, 8, 8, s);
+    else if (type == GGML_Q5_K) scale_sums_in16(u, xq, at, 8, 4, s);
+    else scale_sums_in16(u, xq, at, 4, 2, s);
+}
+
 /* One row against both halves: sumi as rows45 / rows6 form it (Q4_K's scales by vpmulld here: the
- * 16-bit packing saves nothing at 8 lanes), then the float step. DP and DW: vpdpbusd, vpdpwssd. */
-#define KT_ROW8(NAME, TARGET, DP, DW)                                                                    \
+ * 16-bit packing saves nothing at 8 lanes), then the float step. SUMS: a scale's sums (above); DW:
+ * vpdpwssd. */
+#define KT_ROW8(NAME, TARGET, SUMS, DW)                                                                  \
     TARGET KT_INLINE void NAME(int type, const Unpacked8 u[2], const Q8KBlock *xb, float *acc) {          \
         const Dword *xq = (const Dword *)xb->qs;                                                          \
         __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};                              \
         __m256i summins[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};                           \
         const int group = type == GGML_Q6_K ? 4 : 8; /* dwords a scale covers */                         \
         for (int g = 0; g < 64 / group; g++) {                                                            \
-            __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};                             \
-            for (int k = 0; k < group; k++) {                                                             \
-                const __m256i xv = _mm256_set1_epi32(xq[group * g + k]);                                  \
-                s[0] = DP(s[0], u[0].q[group * g + k], xv);                                               \
-                s[1] = DP(s[1], u[1].q[group * g + k], xv);                                               \
-            }                                                                                             \
+            __m256i s[2];                                                                                 \
+            SUMS(type, u, xq, group * g, group, s);                                                       \
             for (int h = 0; h < 2; h++) sumi[h] = _mm256_add_epi32(sumi[h], _mm256_mullo_epi32(s[h], u[h].scales[g])); \
         }                                                                                                 \
         int32_t bs[8];                                                                                    \
@@ -673,11 +710,10 @@ KT_AVX2 KT_INLINE __m256 add_term8(__m256 acc, const Unpacked8 *u, float xd, __m
         }                                                                                                 \
     }
 
-#define KT_DP_AVX2(acc, a, x) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), _mm256_set1_epi16(1)))
 #define KT_DW_AVX2(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
-KT_ROW8(row8_avx2, KT_AVX2, KT_DP_AVX2, KT_DW_AVX2)
+KT_ROW8(row8_avx2, KT_AVX2, scale_sums_avx2, KT_DW_AVX2)
 #ifdef KT_HAS_AVX_VNNI
-KT_ROW8(row8_avx_vnni, KT_AVX_VNNI, _mm256_dpbusd_avx_epi32, _mm256_dpwssd_avx_epi32)
+KT_ROW8(row8_avx_vnni, KT_AVX_VNNI, scale_sums_avx_vnni, _mm256_dpwssd_avx_epi32)
 #endif
 
 #define KT_TILE8(NAME, TARGET, ROW)                                                                      \
