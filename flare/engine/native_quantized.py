@@ -47,11 +47,12 @@ QUANTIZED_ISA = ATEN_ISA
 # the CPU has no AVX-VNNI: ATen has no AVX-VNNI level, and an Alder Lake or a Sierra Forest Xeon,
 # AVX-VNNI without AVX-512, dispatches as AVX2), then lowered by FLARE_INTEGER_ISA (portable, avx2,
 # avx_vnni, avx512_vnni, amx), read once here, which is how tests and benchmarks stand in for an
-# AVX-VNNI-256 or AVX2 CPU (ATEN_CPU_CAPABILITY=avx2 alone leaves AVX-VNNI to a CPU that has it). The kernel itself takes the widest of this level the
-# CPU and its OS grant (`integer_dot_isa`). AMX is granted only where the CPU advertises amx-tile and
-# amx-int8, Linux lets this process use the tile data (arch_prctl(ARCH_REQ_XCOMP_PERM), asked once
-# per process: without it the first tile instruction raises SIGILL) and a forked child runs tile
-# instructions cleanly (integer_dot.c). Every level gives the same bits.
+# AVX-VNNI-256 or AVX2 CPU (ATEN_CPU_CAPABILITY=avx2 alone leaves AVX-VNNI to a CPU that has it).
+# The kernel itself takes the widest of this level the CPU and its OS grant (`integer_dot_isa`).
+# AMX is granted only where the CPU advertises amx-tile and amx-int8, Linux lets this process use
+# the tile data (arch_prctl(ARCH_REQ_XCOMP_PERM), asked once per process: without it the first tile
+# instruction raises SIGILL) and a forked child runs tile instructions cleanly (integer_dot.c).
+# Every level gives the same bits.
 IDOT_PORTABLE, IDOT_AVX2, IDOT_AVX_VNNI, IDOT_AVX512_VNNI, IDOT_AMX = 0, 1, 2, 3, 4
 INTEGER_ISA_NAMES = {
     "portable": IDOT_PORTABLE,
