@@ -407,6 +407,9 @@ def main() -> int:
     gguf = args.gguf or default_gguf_path()
     package = args.package or default_package_path(dtype=args.dtype)
     package_serving = open_package(package).manifest.serving
+    if args.versus_draft_tokens is not None and args.versus_draft_tokens > package_serving.draft_tokens:
+        parser.error(f"--versus-draft-tokens {args.versus_draft_tokens} is more than the package's {package_serving.draft_tokens} "
+                     f"(flare run may only lower it): export one with --mtp-draft-tokens {args.versus_draft_tokens}")
     llama_server = None
     if not args.skip_llama_cpp:
         cache = args.llama_cpp_dir or Path(os.environ.get("FLARE_CACHE_DIR", Path.home() / ".cache" / "flare")) / "llama.cpp"

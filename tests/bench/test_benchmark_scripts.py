@@ -45,6 +45,19 @@ def test_the_drafters_benchmark_compares_configurations_on_one_model_thread(make
     assert "n-gram lookup's ceiling on K0's answers" in result.stdout and "K = unbounded: " in result.stdout
 
 
+def test_compare_refuses_a_versus_draft_length_past_the_packages_before_starting_a_server(make_package, package_parts):
+    vocab = torch.arange(0, package_parts["config"].vocab_size, 3)
+    head_state = repeat_head_state(package_parts["config"], package_parts["state_dict"], vocab, mix=0.5, seed=2)
+    package = write_head_package(make_package, package_parts, head_state, draft_tokens=3)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--package", str(package), "--versus-draft-tokens", "4",
+         "--skip-llama-cpp", "--skip-transformers"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert "--versus-draft-tokens 4 is more than the package's 3 (flare run may only lower it)" in result.stderr
+
+
 def test_lookup_ceiling_counts_the_rounds_a_copied_answer_takes_at_each_draft_length(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("GOMP_SPINCOUNT", "0")  # the script sets it on import where unset
     spec = importlib.util.spec_from_file_location("drafters_benchmark", ROOT / "benchmarks" / "drafters.py")
