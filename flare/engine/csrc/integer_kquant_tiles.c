@@ -716,9 +716,11 @@ KT_ROW8(row8_avx2, KT_AVX2, scale_sums_avx2, KT_DW_AVX2)
 KT_ROW8(row8_avx_vnni, KT_AVX_VNNI, scale_sums_avx_vnni, _mm256_dpwssd_avx_epi32)
 #endif
 
+/* NAME##_type is inlined with `type` a constant (NAME picks it): a tile's loops then have constant
+ * bounds, which at AVX-VNNI takes about a quarter off a tile's time (docs/benchmarks.md). */
 #define KT_TILE8(NAME, TARGET, ROW)                                                                      \
-    TARGET static void NAME(int type, const uint8_t *const w[16], int64_t blocks, const Q8KBlock *x, int64_t xs, int rows, \
-                            const uint8_t *ahead, float *acc) {                                          \
+    TARGET KT_INLINE void NAME##_type(const int type, const uint8_t *const w[16], int64_t blocks, const Q8KBlock *x, int64_t xs, \
+                                      int rows, const uint8_t *ahead, float *acc) {                     \
         const int bytes = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210;                       \
         for (int r = 0; r < 16 * rows; r++) acc[r] = 0.0f;                                                \
         Unpacked8 u[2];                                                                                   \
@@ -731,6 +733,12 @@ KT_ROW8(row8_avx_vnni, KT_AVX_VNNI, scale_sums_avx_vnni, _mm256_dpwssd_avx_epi32
             unpack8(type, b + 8, &u[1]);                                                                  \
             for (int r = 0; r < rows; r++) ROW(type, u, x + r * xs + i, acc + 16 * r);                    \
         }                                                                                                 \
+    }                                                                                                     \
+    TARGET static void NAME(int type, const uint8_t *const w[16], int64_t blocks, const Q8KBlock *x, int64_t xs, int rows, \
+                            const uint8_t *ahead, float *acc) {                                          \
+        if (type == GGML_Q6_K) NAME##_type(GGML_Q6_K, w, blocks, x, xs, rows, ahead, acc);                \
+        else if (type == GGML_Q5_K) NAME##_type(GGML_Q5_K, w, blocks, x, xs, rows, ahead, acc);           \
+        else NAME##_type(GGML_Q4_K, w, blocks, x, xs, rows, ahead, acc);                                  \
     }
 KT_TILE8(tile16_avx2, KT_AVX2, row8_avx2)
 #ifdef KT_HAS_AVX_VNNI
