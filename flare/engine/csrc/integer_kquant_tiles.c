@@ -717,7 +717,7 @@ KT_ROW8(row8_avx_vnni, KT_AVX_VNNI, scale_sums_avx_vnni, _mm256_dpwssd_avx_epi32
 #endif
 
 /* NAME##_type is inlined with `type` a constant (NAME picks it): a tile's loops then have constant
- * bounds, which at AVX-VNNI takes about a quarter off a tile's time (docs/benchmarks.md). */
+ * bounds and offsets, which the AVX-VNNI tiles measurably need (docs/benchmarks.md, the 1B file). */
 #define KT_TILE8(NAME, TARGET, ROW)                                                                      \
     TARGET KT_INLINE void NAME##_type(const int type, const uint8_t *const w[16], int64_t blocks, const Q8KBlock *x, int64_t xs, \
                                       int rows, const uint8_t *ahead, float *acc) {                     \
