@@ -12,6 +12,8 @@
 
 #include <stdint.h>
 
+#include "kernels.h" /* the GGML_* type ids */
+
 /* The widest integer instructions a kernel may use: the portable loop, AVX2, AVX-VNNI (256-bit
  * vpdpbusd, Alder Lake and Zen 5 on), AVX-512 VNNI (Ice Lake and Zen 4 on) or AMX (AVX-512 VNNI
  * plus the tile instructions' tdpbsud, Sapphire Rapids on: the K products' wide tiles from 16
@@ -106,8 +108,11 @@ typedef struct {
  * block 2 i's s then the sum of both blocks' s. */
 void quantize_row_q8(const float *x, int64_t n, int halves, Q8Block *out);
 
-/* The ggml types integer_linear multiplies (the 32-value ones: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): 1, else 0. */
-int integer_linear_type(int type);
+/* The ggml types integer_linear multiplies (the 32-value ones: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): 1, else
+ * 0. Inline, so that a kernel specialized on a constant type folds it. */
+static inline int integer_linear_type(int type) {
+    return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q5_0 || type == GGML_Q5_1 || type == GGML_Q8_0;
+}
 
 /* y[t, o] = sum over the blocks i of row o, in increasing i, of
  *     for each half h:  acc = fmaf((float)isum_ih, dw_i * dx_ih, acc)

@@ -677,8 +677,9 @@ KT_AVX2 KT_INLINE void scale_sums_avx2(int type, const Unpacked8 u[2], const Dwo
 }
 
 /* One row against both halves: sumi as rows45 / rows6 form it (Q4_K's scales by vpmulld here: the
- * 16-bit packing saves nothing at 8 lanes), then the float step. SUMS: a scale's sums (above); DW:
- * vpdpwssd. */
+ * 16-bit packing saves nothing at 8 lanes), then the float step. SUMS: a scale's sums (above), given
+ * the first dword and the count though each level uses one of type and count: deriving both from
+ * the type inside them compiled the AVX-VNNI loop slower (docs/benchmarks.md); DW: vpdpwssd. */
 #define KT_ROW8(NAME, TARGET, SUMS, DW)                                                                  \
     TARGET KT_INLINE void NAME(int type, const Unpacked8 u[2], const Q8KBlock *xb, float *acc) {          \
         const Dword *xq = (const Dword *)xb->qs;                                                          \

@@ -34,10 +34,6 @@ enum { WIDE_FROM = 2 };
  * interleaved streams, which the hardware prefetcher follows too late (as quantized_direct.c's). */
 enum { PREFETCH_BYTES = 512 };
 
-int integer_linear_type(int type) {
-    return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q5_0 || type == GGML_Q5_1 || type == GGML_Q8_0;
-}
-
 static inline int64_t block_bytes(const int type) {
     return type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : type == GGML_Q5_0 ? 22 : type == GGML_Q5_1 ? 24 : 34;
 }

@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "integer_dot.h"
 #include "kernels.h"
 #include "quantized_lanes.h"
 
@@ -436,27 +437,25 @@ QD2_INLINE void rows_256(const int type, const uint8_t *rows, int64_t row_bytes,
     }
 }
 
+/* One group at `type` a constant: 2-5 rows of a 32-value type in rows_256's tiles, else one row
+ * (quantized_direct_rows allows more only for those types) by the group's 4 outputs. */
+QD2_INLINE void group_256(const int type, const uint8_t *rows, int64_t row_bytes, int64_t blocks, const float *x, int64_t xs,
+                          int64_t tokens, float *y, int64_t ys) {
+    if (integer_linear_type(type) && tokens > 1) rows_256(type, rows, row_bytes, blocks, x, xs, tokens, y, ys);
+    else tile_256(type, rows, row_bytes, blocks, x, xs, y, ys, 1, GROUP);
+}
+
 static QD_AVX2 void group_avx2(int type, const uint8_t *rows, int64_t row_bytes, int64_t blocks, const float *x, int64_t xs,
                                int64_t tokens, float *y, int64_t ys) {
-    if (tokens > 1) { /* a 32-value type (quantized_direct_rows) */
-        switch (type) {
-        case GGML_Q4_0: rows_256(GGML_Q4_0, rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
-        case GGML_Q4_1: rows_256(GGML_Q4_1, rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
-        case GGML_Q5_0: rows_256(GGML_Q5_0, rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
-        case GGML_Q5_1: rows_256(GGML_Q5_1, rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
-        default: rows_256(GGML_Q8_0, rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
-        }
-        return;
-    }
     switch (type) {
-    case GGML_Q4_0: tile_256(GGML_Q4_0, rows, row_bytes, blocks, x, xs, y, ys, 1, GROUP); break;
-    case GGML_Q4_1: tile_256(GGML_Q4_1, rows, row_bytes, blocks, x, xs, y, ys, 1, GROUP); break;
-    case GGML_Q5_0: tile_256(GGML_Q5_0, rows, row_bytes, blocks, x, xs, y, ys, 1, GROUP); break;
-    case GGML_Q5_1: tile_256(GGML_Q5_1, rows, row_bytes, blocks, x, xs, y, ys, 1, GROUP); break;
-    case GGML_Q4_K: tile_256(GGML_Q4_K, rows, row_bytes, blocks, x, xs, y, ys, 1, GROUP); break;
-    case GGML_Q6_K: tile_256(GGML_Q6_K, rows, row_bytes, blocks, x, xs, y, ys, 1, GROUP); break;
-    case GGML_MXFP4: tile_256(GGML_MXFP4, rows, row_bytes, blocks, x, xs, y, ys, 1, GROUP); break;
-    default: tile_256(GGML_Q8_0, rows, row_bytes, blocks, x, xs, y, ys, 1, GROUP); break;
+    case GGML_Q4_0: group_256(GGML_Q4_0, rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
+    case GGML_Q4_1: group_256(GGML_Q4_1, rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
+    case GGML_Q5_0: group_256(GGML_Q5_0, rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
+    case GGML_Q5_1: group_256(GGML_Q5_1, rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
+    case GGML_Q4_K: group_256(GGML_Q4_K, rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
+    case GGML_Q6_K: group_256(GGML_Q6_K, rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
+    case GGML_MXFP4: group_256(GGML_MXFP4, rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
+    default: group_256(GGML_Q8_0, rows, row_bytes, blocks, x, xs, tokens, y, ys); break;
     }
 }
 #endif
@@ -466,10 +465,7 @@ int quantized_direct_rows(int vector, int type) {
     /* Past these, expanding a group once for every row wins (`benchmarks/quantized_linear.py
      * --rows 1 2 4 6 8`); Q5_K's fifth bits make its limit 4. */
     if (vector == ISA_AVX512) return type == GGML_Q5_K ? 4 : MAX_TILE;
-    if (vector == ISA_AVX2) {
-        if (type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q5_0 || type == GGML_Q5_1 || type == GGML_Q8_0) return AVX2_TILE;
-        return type != GGML_Q5_K;
-    }
+    if (vector == ISA_AVX2) return integer_linear_type(type) ? AVX2_TILE : type != GGML_Q5_K;
 #else
     (void)vector, (void)type;
 #endif
