@@ -301,11 +301,12 @@ KQUANT_BLOCK_BYTES = {12: 144, 13: 176, 14: 210}
 Q8_BLOCK_BYTES = 48
 
 
-def quantize_q8(x: torch.Tensor, halves: int = 1) -> torch.Tensor:
+def quantize_q8(x: torch.Tensor, halves: int = 1, isa: int | None = None) -> torch.Tensor:
     """Rows of x [T, in] (float32, each row contiguous, in a multiple of 32) as 8-bit activation
     blocks: uint8 [T, halves * in / 32 * Q8_BLOCK_BYTES], each block d = max |x| / 127, qs = x / d
     rounded to nearest even, their sum and d * sum (integer_linear.c, quantize_row_q8); with
-    halves 2, each block followed by one of its residual x - d qs."""
+    halves 2, each block followed by one of its residual x - d qs. At level `isa` (INTEGER_ISA by
+    default), the same bits at every level."""
     native = _module()
     tokens, in_features = x.shape
     if x.dtype != torch.float32 or x.device.type != "cpu" or in_features % 32 or in_features < 32 or x.stride(1) != 1:
@@ -317,7 +318,14 @@ def quantize_q8(x: torch.Tensor, halves: int = 1) -> torch.Tensor:
         raise ValueError(f"quantize_q8: halves must be 1 or 2, got {halves!r}")
     out = torch.empty(tokens, halves * (in_features // 32) * Q8_BLOCK_BYTES, dtype=torch.uint8)
     native.quantize_q8(
-        x.data_ptr(), max(x.stride(0), in_features), tokens, in_features, out.data_ptr(), halves, torch.get_num_threads()
+        x.data_ptr(),
+        max(x.stride(0), in_features),
+        tokens,
+        in_features,
+        out.data_ptr(),
+        halves,
+        torch.get_num_threads(),
+        INTEGER_ISA if isa is None else isa,
     )
     return out
 

@@ -126,6 +126,31 @@ def test_the_activation_blocks_are_round_to_nearest_of_x_over_max_127_and_two_ha
     assert (two <= step / 2 / 127 * (1 + 1e-3)).all()  # about 127 times finer
 
 
+@given(rows=st.integers(1, 9), blocks=st.integers(1, 12), scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e4, 1e30]), seed=st.integers(0, 2**16))
+@settings(max_examples=40, deadline=None)
+def test_every_level_quantizes_the_activations_to_the_portable_loops_bytes(rows: int, blocks: int, scale: float, seed: int) -> None:
+    x = torch.randn(rows, 32 * blocks, generator=torch.Generator().manual_seed(seed)) * scale
+    x[0, : 32 * blocks : 7] = 0.0  # zeros, and (one row, one block) all zero
+    if rows > 1:
+        x[1, :32] = 0.0
+    for halves in (1, 2):
+        portable = native_quantized.quantize_q8(x, halves, isa=native_quantized.IDOT_PORTABLE)
+        for level in LEVELS[1:]:
+            assert torch.equal(native_quantized.quantize_q8(x, halves, isa=level), portable), (level, halves)
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q8_0])
+def test_a_nan_in_one_rows_input_reaches_that_rows_outputs_only(ggml_type: T) -> None:
+    weight = weight_of(ggml_type, 21, 256)
+    x = torch.randn(20, 256, generator=torch.Generator().manual_seed(6))
+    x[3, 100] = float("nan")
+    for halves in (1, 2):
+        for level in LEVELS:
+            y = products(x, weight, halves, level)[1]
+            assert y[3].isnan().all(), (level, halves)
+            assert not y[torch.arange(20) != 3].isnan().any(), (level, halves)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     ggml_type=st.sampled_from(TYPES),
@@ -146,6 +171,25 @@ def test_any_shape_and_row_count_gives_the_same_bits_at_every_level_and_row_by_r
         assert torch.equal(products(x, weight, halves, level)[1], first), level
     for row in {0, rows - 1, rows // 2}:
         assert torch.equal(products(x[row : row + 1], weight, halves, native_quantized.INTEGER_ISA)[1], first[row : row + 1])
+
+
+@pytest.mark.skipif(
+    not native.available() or native_quantized.integer_dot_isa(native_quantized.IDOT_AMX) != native_quantized.IDOT_AMX,
+    reason="AMX not granted here",
+)
+@pytest.mark.parametrize("halves", [1, 2])
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_amx_tiles_give_the_scalar_references_bits_for_whole_and_partial_tiles_groups_and_chunks(ggml_type: T, halves: int) -> None:
+    # 3 blocks (an odd count: the tile pairs alternate by block), 37 outputs (a partial group of
+    # 16), and activation rows (a token's halves count as two) from where every type runs at AMX
+    # (48) through a partial tile of 16 to past a chunk's 128
+    weight = weight_of(ggml_type, 37, 96, seed=7)
+    for rows in (48 // halves, 49, 80, 130 // halves):
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+        xq, got = products(x, weight, halves, native_quantized.IDOT_AMX)
+        assert np.array_equal(got.numpy(), scalar_reference(xq, halves, weight)), rows
+        assert torch.equal(got, products(x, weight, halves, native_quantized.IDOT_AVX512_VNNI)[1]), rows
+        assert torch.equal(got[rows - 1 :], products(x[rows - 1 :], weight, halves, native_quantized.IDOT_AMX)[1]), rows
 
 
 def test_a_thread_team_over_a_tall_weight_gives_the_single_threads_bits() -> None:
@@ -231,13 +275,14 @@ import numpy as np, torch
 from tests.engine.test_integer_linear import weight_of, products, TYPES
 from flare.engine import native, native_quantized
 assert native_quantized.INTEGER_ISA == min(native_quantized.INTEGER_ISA_NAMES[{forced!r}], native_quantized.INTEGER_ISA_NAMES["avx512_vnni"])
-x = torch.from_numpy(np.random.default_rng(5).standard_normal((7, 256), dtype=np.float32))
+x = torch.from_numpy(np.random.default_rng(5).standard_normal((25, 256), dtype=np.float32))
 out = [products(x, weight_of(t, 21, 256), h, native_quantized.INTEGER_ISA)[1] for t in TYPES for h in (1, 2)]
 torch.save(out, {str(tmp_path / "forced.pt")!r})
 """
     env = {**os.environ, "FLARE_INTEGER_ISA": forced}
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300, cwd=REPOSITORY)
-    x = torch.from_numpy(np.random.default_rng(5).standard_normal((7, 256), dtype=np.float32))
+    # 25 rows: with two halves, at AMX (where granted) the tile products, against each forced level's
+    x = torch.from_numpy(np.random.default_rng(5).standard_normal((25, 256), dtype=np.float32))
     here = [products(x, weight_of(t, 21, 256), h, native_quantized.INTEGER_ISA)[1] for t in TYPES for h in (1, 2)]
     assert all(torch.equal(a, b) for a, b in zip(torch.load(tmp_path / "forced.pt"), here))
 

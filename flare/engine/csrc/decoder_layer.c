@@ -50,7 +50,7 @@ static int layer_linear(const DecoderLayerRound *l, const LayerLinear *w, const 
                 xq = malloc(sizeof(Q8Block) * (size_t)(l->tokens * halves * (in / 32)));
                 if (!xq) return -1;
 #pragma omp parallel for num_threads(l->tokens * in < 65536 ? 1 : threads)
-                for (int64_t t = 0; t < l->tokens; t++) quantize_row_q8(x + t * x_stride, in, halves, xq + t * halves * (in / 32));
+                for (int64_t t = 0; t < l->tokens; t++) quantize_row_q8(l->integer_isa, x + t * x_stride, in, halves, xq + t * halves * (in / 32));
                 quantized_halves = halves;
             }
             const IntegerLinear q = {.x = xq, .x_stride = halves * (in / 32), .halves = halves, .blocks = part->data, .type = type,

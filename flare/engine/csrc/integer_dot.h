@@ -21,6 +21,12 @@
  * this CPU and its OS grant. */
 enum { IDOT_PORTABLE = 0, IDOT_AVX2 = 1, IDOT_AVX_VNNI = 2, IDOT_AVX512_VNNI = 3, IDOT_AMX = 4 };
 
+/* The tile kernels (integer_kquant_tiles.c, integer_linear_amx.c) are compiled where the compiler
+ * has AMX's intrinsics (GCC 11 and clang 12 on) and Linux can grant the tile data. */
+#if defined(__x86_64__) && defined(__linux__) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define IDOT_AMX_TILES 1
+#endif
+
 /* The IDOT_* level the integer kernels run at: the widest of `isa` and what this CPU has. */
 int integer_dot_isa(int isa);
 
@@ -102,16 +108,21 @@ typedef struct {
     int8_t qs[32];
 } Q8Block;
 
-/* x [n] (n a multiple of 32) as halves * n / 32 Q8Blocks, one loop compiled for every level, so
- * the same bits. halves 1: one block per 32 values. halves 2: two per 32 values, block 2 i
+/* x [n] (n a multiple of 32) as halves * n / 32 Q8Blocks at level integer_dot_isa(isa), the same
+ * bits at every level. halves 1: one block per 32 values. halves 2: two per 32 values, block 2 i
  * quantizing x and 2 i + 1 its residual x - d q (the two 8-bit halves of a ~15-bit value),
  * block 2 i's s then the sum of both blocks' s. */
-void quantize_row_q8(const float *x, int64_t n, int halves, Q8Block *out);
+void quantize_row_q8(int isa, const float *x, int64_t n, int halves, Q8Block *out);
 
 /* The ggml types integer_linear multiplies (the 32-value ones: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): 1, else
  * 0. Inline, so that a kernel specialized on a constant type folds it. */
 static inline int integer_linear_type(int type) {
     return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q5_0 || type == GGML_Q5_1 || type == GGML_Q8_0;
+}
+
+/* The bytes of a block of one of those types. */
+static inline int64_t integer_block_bytes(int type) {
+    return type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : type == GGML_Q5_0 ? 22 : type == GGML_Q5_1 ? 24 : 34;
 }
 
 /* y[t, o] = sum over the blocks i of row o, in increasing i, of
@@ -130,8 +141,16 @@ typedef struct {
     int64_t tokens, in, out, y_stride;
 } IntegerLinear;
 
-/* 0; -1 for a type integer_linear_type refuses. At level integer_dot_isa(isa). */
+/* 0; -1 for a type integer_linear_type refuses, -2 when scratch memory could not be allocated. At
+ * level integer_dot_isa(isa). */
 int integer_linear(const IntegerLinear *l, int threads, int isa);
+
+#ifdef IDOT_AMX_TILES
+/* integer_linear at AMX (integer_linear_amx.c), the same bits: 0, or -2 when memory could not be
+ * allocated. Only where AMX is granted, for calls of many activation rows (integer_linear.c says
+ * how many). */
+int integer_linear_amx(const IntegerLinear *l, int threads);
+#endif
 
 /* x [n] (n a multiple of 256) as halves * n / 256 Q8KBlocks at level integer_dot_isa(isa): halves 1,
  * quantize_row_q8k; halves 2, those n / 256 blocks followed by n / 256 more of the residual

@@ -301,9 +301,8 @@ KT_AVX512 static void tile16_avx512(int type, const uint8_t *const w[16], int64_
 }
 #endif
 
-/* AMX's intrinsics came with GCC 11 and clang 12; tile data needs Linux's permission
- * (integer_dot_amx_granted). */
-#if defined(__x86_64__) && defined(__linux__) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+/* AMX: tile data needs Linux's permission (integer_dot_amx_granted). */
+#ifdef IDOT_AMX_TILES
 /* ---- AMX ------------------------------------------------------------------------------------------
  * The unpacked super-block's 64 quant vectors are, as they lie, the B operand of a tile dot product:
  * row n of B holds quants 4n .. 4n + 3 of each of the 16 outputs (64 bytes), the layout tdpb*d

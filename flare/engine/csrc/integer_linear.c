@@ -30,41 +30,70 @@
 enum { GROUP = 4, WIDE = 16, TILE = 64, QK = 32 };
 /* From this many rows the wide tiles run (benchmarks/quantized_linear.py --activations int8). */
 enum { WIDE_FROM = 2 };
+/* Activation rows (a token's two halves count as two) from which a call runs at AMX, where granted:
+ * below, forming the B operands of every 16 outputs (integer_linear_amx.c) costs more than the tile
+ * products save over AVX-512 VNNI's wide tiles; Q8_0's wide tiles need no unpacking, so AMX pays
+ * later (benchmarks/quantized_linear.py --threads 1 --clock thread --formats q4_1+int8x2
+ * q8_0+int8x2, FLARE_INTEGER_ISA amx against avx512_vnni). The bits are the same either way. */
+#ifndef IL_AMX_FROM
+#define IL_AMX_FROM 32
+#endif
+#ifndef IL_AMX_FROM_Q8_0
+#define IL_AMX_FROM_Q8_0 48
+#endif
+
 /* How far ahead along its row each weight row is fetched: a group reads 4 or 16 rows as as many
  * interleaved streams, which the hardware prefetcher follows too late (as quantized_direct.c's). */
 enum { PREFETCH_BYTES = 512 };
 
-static inline int64_t block_bytes(const int type) {
-    return type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : type == GGML_Q5_0 ? 22 : type == GGML_Q5_1 ? 24 : 34;
-}
-
 static inline uint16_t half_bits(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
 
-/* One block: d = max |v| / 127, qs = v / d rounded to nearest even (by adding and subtracting
- * 1.5 * 2^23, exact for |v / d| <= 127 plus rounding), their sum and d * sum. */
+/* ---- quantize_row_q8 --------------------------------------------------------------------------------
+ * One block: d = max |v| / 127, qs = v / d rounded to nearest even (v times 1 / d, then adding and
+ * subtracting 1.5 * 2^23, exact for |v / d| <= 127 plus rounding), clamped to [-127, 127], their
+ * sum and d * sum. A block holding a NaN gets d = s = NaN and qs = sum = 0, so the NaN reaches
+ * that row's outputs, as in the float product, and no other row's. Every step is one IEEE
+ * operation on one value (the maximum and the integer sum are exact in any order), so the vector
+ * loops below give the portable loop's bits, several times faster: from a few rows on, the scalar
+ * loop took a large share of the integer path's time (docs/benchmarks.md). The build contracts
+ * multiply-adds (-ffp-contract=fast), which at a target with FMA would fuse v / d's product and
+ * the residual's with the next step: not in this section. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+static inline void block_ends(float amax, int nan, int32_t sum, Q8Block *out) {
+    const float d = amax / 127.0f;
+    out->d = nan ? __builtin_nanf("") : d;
+    out->sum = nan ? 0 : sum;
+    out->s = nan ? __builtin_nanf("") : d * (float)sum;
+    out->unused = 0;
+}
+
 static void quantize_block(const float *v, Q8Block *out) {
     float amax = 0.0f;
-    for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
+    int nan = 0;
+    for (int j = 0; j < QK; j++) {
+        amax = fmaxf(amax, fabsf(v[j]));
+        nan |= v[j] != v[j];
+    }
     const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
     int32_t sum = 0;
     for (int j = 0; j < QK; j++) {
         float r = (v[j] * id + 12582912.0f) - 12582912.0f;
         r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
-        out->qs[j] = (int8_t)(int)r;
-        sum += (int)r;
+        const int q = nan ? 0 : (int)r;
+        out->qs[j] = (int8_t)q;
+        sum += q;
     }
-    out->d = d;
-    out->sum = sum;
-    out->s = d * (float)sum;
-    out->unused = 0;
+    block_ends(amax, nan, sum, out);
 }
 
-void quantize_row_q8(const float *x, int64_t n, int halves, Q8Block *out) {
+static void quantize_row_portable(const float *x, int64_t n, int halves, Q8Block *out) {
     for (int64_t i = 0; i < n / QK; i++) {
         Q8Block *first = out + halves * i;
         quantize_block(x + i * QK, first);
         if (halves == 2) {
-            /* The second half quantizes what the first left: v - d1 q1. */
+            /* The second half quantizes what the first left: v - d1 q1 (the product rounded, then
+             * the difference). */
             float residual[QK];
             for (int j = 0; j < QK; j++) residual[j] = x[i * QK + j] - first->d * (float)first->qs[j];
             quantize_block(residual, first + 1);
@@ -72,6 +101,109 @@ void quantize_row_q8(const float *x, int64_t n, int halves, Q8Block *out) {
         }
     }
 }
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#define Q8_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+
+/* The block's 32 values as two vectors of 16 into out (qs, sum, d, s); v[2] its values. */
+static inline __attribute__((always_inline)) Q8_AVX512 void quantize_block_512(const __m512 v[2], Q8Block *out) {
+    const int nan = (_mm512_cmp_ps_mask(v[0], v[0], _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v[1], v[1], _CMP_UNORD_Q)) != 0;
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m512 vid = _mm512_set1_ps(id), magic = _mm512_set1_ps(12582912.0f);
+    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    __m512i sum = _mm512_setzero_si512();
+    for (int k = 0; k < 2; k++) {
+        const __m512 r = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(v[k], vid), magic), magic);
+        __m512i q = _mm512_cvttps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
+        if (nan) q = _mm512_setzero_si512();
+        _mm_store_si128((__m128i *)(out->qs + 16 * k), _mm512_cvtepi32_epi8(q));
+        sum = _mm512_add_epi32(sum, q);
+    }
+    block_ends(amax, nan, _mm512_reduce_add_epi32(sum), out);
+}
+
+static Q8_AVX512 void quantize_row_512(const float *x, int64_t n, int halves, Q8Block *out) {
+    for (int64_t i = 0; i < n / QK; i++) {
+        Q8Block *first = out + halves * i;
+        __m512 v[2] = {_mm512_loadu_ps(x + i * QK), _mm512_loadu_ps(x + i * QK + 16)};
+        quantize_block_512(v, first);
+        if (halves == 2) {
+            const __m512 d = _mm512_set1_ps(first->d);
+            for (int k = 0; k < 2; k++) {
+                const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)(first->qs + 16 * k))));
+                v[k] = _mm512_sub_ps(v[k], _mm512_mul_ps(d, q));
+            }
+            quantize_block_512(v, first + 1);
+            first->s = first->s + first[1].s;
+        }
+    }
+}
+
+#define Q8_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+static inline __attribute__((always_inline)) Q8_AVX2 void quantize_block_256(const __m256 v[4], Q8Block *out) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
+    for (int k = 0; k < 4; k++) {
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, v[k]), m);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v[k], v[k], _CMP_UNORD_Q));
+    }
+    const int nan = _mm256_movemask_ps(unordered) != 0;
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    const float amax = _mm_cvtss_f32(h);
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m256 vid = _mm256_set1_ps(id), magic = _mm256_set1_ps(12582912.0f);
+    const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    __m256i q[4];
+    for (int k = 0; k < 4; k++) {
+        const __m256 r = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(v[k], vid), magic), magic);
+        q[k] = nan ? _mm256_setzero_si256() : _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+    }
+    /* packs interleave the 128-bit lanes: the permutation puts the 32 bytes back in order */
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256((__m256i *)out->qs, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    block_ends(amax, nan, _mm_cvtsi128_si32(s4), out);
+}
+
+static Q8_AVX2 void quantize_row_256(const float *x, int64_t n, int halves, Q8Block *out) {
+    for (int64_t i = 0; i < n / QK; i++) {
+        Q8Block *first = out + halves * i;
+        __m256 v[4];
+        for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_ps(x + i * QK + 8 * k);
+        quantize_block_256(v, first);
+        if (halves == 2) {
+            const __m256 d = _mm256_set1_ps(first->d);
+            for (int k = 0; k < 4; k++) {
+                const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(first->qs + 8 * k))));
+                v[k] = _mm256_sub_ps(v[k], _mm256_mul_ps(d, q));
+            }
+            quantize_block_256(v, first + 1);
+            first->s = first->s + first[1].s;
+        }
+    }
+}
+#endif
+
+void quantize_row_q8(int isa, const float *x, int64_t n, int halves, Q8Block *out) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    const int level = integer_dot_isa(isa);
+    if (level >= IDOT_AVX512_VNNI) return quantize_row_512(x, n, halves, out);
+    if (level >= IDOT_AVX2) return quantize_row_256(x, n, halves, out);
+#else
+    (void)isa;
+#endif
+    quantize_row_portable(x, n, halves, out);
+}
+#pragma GCC pop_options
 
 /* The integers of a weight block's value j: q - 8 (Q4_0), q - 16 (Q5_0), q (Q4_1, Q5_1, and Q8_0's signed bytes). */
 static inline int weight_int(const int type, const uint8_t *b, int j) {
@@ -86,7 +218,7 @@ static inline int weight_int(const int type, const uint8_t *b, int j) {
 /* The portable loop: the arithmetic of integer_dot.h as it reads, one (row, output) at a time. */
 static void tiles_portable(int type, int halves, const uint8_t *const w[GROUP], int64_t blocks, const Q8Block *x, int64_t xs,
                            int64_t tokens, float *y, int64_t ys, int count) {
-    const int64_t size = block_bytes(type);
+    const int64_t size = integer_block_bytes(type);
     const int has_min = type == GGML_Q4_1 || type == GGML_Q5_1;
     for (int64_t t = 0; t < tokens; t++)
         for (int o = 0; o < count; o++) {
@@ -127,6 +259,7 @@ ID_INLINE __m256i unpack_256(const int type, const uint8_t *b) {
     const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low4), _mm_and_si128(q, low4));
     return five ? _mm256_or_si256(w, fifth_bits_256(high_bits(b + 2 + 2 * has_min))) : w;
 }
+
 
 /* The totals of four vectors of 8 int32 lanes, [a0, a1, a2, a3]. */
 ID_INLINE __m128i sum_4x8(__m256i a0, __m256i a1, __m256i a2, __m256i a3) {
@@ -252,7 +385,7 @@ ID_INLINE void store_wide(__m256 (*acc)[2], int64_t mt, float *y, int64_t ys, in
 static inline __attribute__((always_inline)) ID_512 void wide_512(const int type, const int H, const uint8_t *const w[WIDE],
                                                                   int64_t blocks, const Q8Block *x, int64_t xs, int64_t tokens,
                                                                   float *y, int64_t ys, int count) {
-    const int64_t size = block_bytes(type);
+    const int64_t size = integer_block_bytes(type);
     const int has_min = type == GGML_Q4_1 || type == GGML_Q5_1;
     const int offset = type == GGML_Q4_0 ? 8 : type == GGML_Q5_0 ? 16 : type == GGML_Q8_0 ? 128 : 0;
     for (int64_t t0 = 0; t0 < tokens; t0 += TILE) {
@@ -460,11 +593,16 @@ void integer_kquant_linear(int type, int halves, const uint8_t *blocks, const Q8
 
 int integer_linear(const IntegerLinear *l, int threads, int isa) {
     if (!integer_linear_type(l->type) || l->halves < 1 || l->halves > 2) return -1;
-    const int64_t blocks = l->in / QK, row_bytes = blocks * block_bytes(l->type);
+    const int64_t blocks = l->in / QK, row_bytes = blocks * integer_block_bytes(l->type);
     const int64_t groups = (l->out + WIDE - 1) / WIDE, y_stride = l->y_stride ? l->y_stride : l->out;
     const int level = integer_dot_isa(isa), wide = l->tokens >= WIDE_FROM;
     /* One thread below about 64k multiply-adds: a thread team costs more than it saves. */
     const int team = l->tokens * l->in * l->out < 65536 ? 1 : threads;
+#ifdef IDOT_AMX_TILES
+    /* (the tiles gather a group's 16 rows by int32 offsets: rows under 143 MB) */
+    const int64_t amx_from = l->type == GGML_Q8_0 ? IL_AMX_FROM_Q8_0 : IL_AMX_FROM;
+    if (level >= IDOT_AMX && l->tokens * l->halves >= amx_from && 15 * row_bytes <= INT32_MAX) return integer_linear_amx(l, team);
+#endif
 #pragma omp parallel num_threads(team)
     {
         const int64_t n = omp_get_num_threads(), k = omp_get_thread_num();

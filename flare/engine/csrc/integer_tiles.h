@@ -16,7 +16,7 @@
 static inline __attribute__((always_inline)) void IDOT_BODY(const int type, const int H, const uint8_t *const w[GROUP],
                                                             int64_t blocks, const Q8Block *x, int64_t xs, int64_t tokens, float *y,
                                                             int64_t ys, int count) {
-    const int64_t size = block_bytes(type);
+    const int64_t size = integer_block_bytes(type);
     const int has_min = type == GGML_Q4_1 || type == GGML_Q5_1;
     const int offset = type == GGML_Q4_0 ? 8 : type == GGML_Q5_0 ? 16 : type == GGML_Q8_0 && !IDOT_SIGNED_Q8 ? 128 : 0;
     for (int64_t t0 = 0; t0 < tokens; t0 += TILE) {
@@ -89,7 +89,7 @@ static void IDOT_NARROW(int type, int halves, const uint8_t *const w[GROUP], int
 static inline __attribute__((always_inline)) void IDOT_WIDE_BODY(const int type, const int H, const uint8_t *const w[WIDE],
                                                                  int64_t blocks, const Q8Block *x, int64_t xs, int64_t tokens,
                                                                  float *y, int64_t ys, int count) {
-    const int64_t size = block_bytes(type);
+    const int64_t size = integer_block_bytes(type);
     const int has_min = type == GGML_Q4_1 || type == GGML_Q5_1;
     const int offset = type == GGML_Q4_0 ? 8 : type == GGML_Q5_0 ? 16 : type == GGML_Q8_0 && !IDOT_SIGNED_Q8 ? 128 : 0;
     for (int64_t t0 = 0; t0 < tokens; t0 += TILE) {

@@ -409,14 +409,14 @@ static PyObject *py_moe_route(PyObject *self, PyObject *args) {
 static PyObject *py_quantize_q8(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t x, x_stride, tokens, in, out, threads;
-    int halves;
-    if (!PyArg_ParseTuple(args, "nnnnnin", &x, &x_stride, &tokens, &in, &out, &halves, &threads)) return NULL;
+    int halves, isa;
+    if (!PyArg_ParseTuple(args, "nnnnnini", &x, &x_stride, &tokens, &in, &out, &halves, &threads, &isa)) return NULL;
     if (tokens < 0 || in < 32 || in % 32 || x_stride < in || threads < 1 || halves < 1 || halves > 2)
         return invalid("quantize_q8", "in must be whole blocks of 32, rows at least `in` apart, halves 1 or 2");
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for num_threads(tokens * in < 65536 ? 1 : (int)threads)
     for (Py_ssize_t t = 0; t < tokens; t++)
-        quantize_row_q8((const float *)x + t * x_stride, in, halves, (Q8Block *)out + t * halves * (in / 32));
+        quantize_row_q8(isa, (const float *)x + t * x_stride, in, halves, (Q8Block *)out + t * halves * (in / 32));
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -456,9 +456,11 @@ static PyObject *py_integer_linear(PyObject *self, PyObject *args) {
         .in = in,
         .out = out,
     };
+    int status;
     Py_BEGIN_ALLOW_THREADS
-    integer_linear(&l, (int)threads, isa);
+    status = integer_linear(&l, (int)threads, isa);
     Py_END_ALLOW_THREADS
+    if (status) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -820,7 +822,7 @@ static PyMethodDef methods[] = {
     {"moe_route", py_moe_route, METH_VARARGS,
      "moe_route(x, router, router_bias, correction_bias, kind, scaling, normalize, tokens, hidden, experts, k, n_group, "
      "topk_group, expert_ids, expert_weights, threads, isa, shared_gate, shared_scale)"},
-    {"quantize_q8", py_quantize_q8, METH_VARARGS, "quantize_q8(x, x_stride, tokens, in, out, halves, threads)"},
+    {"quantize_q8", py_quantize_q8, METH_VARARGS, "quantize_q8(x, x_stride, tokens, in, out, halves, threads, isa)"},
     {"quantize_kquant_rows", py_quantize_kquant_rows, METH_VARARGS, "quantize_kquant_rows(type, x, rows, width, out, threads)"},
     {"integer_linear", py_integer_linear, METH_VARARGS,
      "integer_linear(x_blocks, x_stride_blocks, halves, blocks, type, y, tokens, in, out, threads, isa)"},

@@ -52,7 +52,7 @@ static void quantize_input(int type, int halves, const float *x, int64_t in, uin
     if (k_type(type))
         quantize_row_q8k_halves(integer_isa, x, in, halves, (Q8KBlock *)out);
     else
-        quantize_row_q8(x, in, halves, (Q8Block *)out);
+        quantize_row_q8(integer_isa, x, in, halves, (Q8Block *)out);
 }
 
 /* y [n, out] = n rows times one expert's weight `blocks` [out, in] of `type`: float32 rows x through
