@@ -108,7 +108,8 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--activations", choices=ACTIVATION_CHOICES,
         help="what ggml block weights multiply: float32 (exact) or 8-bit activation blocks with integer dot "
         "products, int8x2 (two a 32 activations, about 15 bits) or int8 (one, llama.cpp's Q8_0, coarser); "
-        "auto (default): int8x2 for K-quant blocks (Q4_K, Q5_K, Q6_K), float32 otherwise")
+        "auto (default): int8x2 for K-quant blocks (Q4_K, Q5_K, Q6_K) and for 32-value blocks of 512 MiB or "
+        "more (a 1B model's Q8_0 or Q4_0), float32 otherwise")
     add("--log-level", choices=("debug", "info", "warning", "error"), help="default info")
     add("--log-format", choices=("auto", "json", "console"),
         help="default auto: console on a terminal, JSON lines otherwise")

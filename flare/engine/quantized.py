@@ -20,7 +20,7 @@ rows). `flare run` keeps float32 by default (`--activations`; docs/benchmarks.md
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import gguf
@@ -129,15 +129,15 @@ class QuantizedWeight:
         return HALVES.get(self.activations, 0)
 
 
-def served_activations(weight_types: Iterable[str], activations: str) -> str:
-    """What a package of `weight_types` (ggml names, `Package.weight_types`) multiplies its blocks
+def served_activations(weight_types: Mapping[str, Mapping[str, int]], activations: str) -> str:
+    """What a package of `weight_types` (`Package.weight_types`: ggml names and bytes) multiplies its blocks
     by when `activations` (manifest.ACTIVATION_CHOICES) is asked for: int8x2 or int8 where a block
     type with integer kernels is among them and the kernels are built, else float32
     (`engine_loaded`, `ctl status`); auto as `manifest.auto_activations` chooses. Every rank of a
     tensor-parallel group resolves it alike."""
     types = set(weight_types)
     if activations == AUTO_ACTIVATIONS:
-        activations = auto_activations(types)
+        activations = auto_activations(weight_types)
     integer = set(INTEGER_ACTIVATION_TYPES) & types
     return activations if activations in HALVES and native.available() and integer else DEFAULT_ACTIVATIONS
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +63,10 @@ K_QUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 # The block types with integer kernels (flare/engine/csrc/integer_linear.c for the 32-value ones,
 # integer_kquants.c for the K types): what int8 reaches.
 INTEGER_ACTIVATION_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# Bytes of 32-value blocks from which `auto_activations` takes int8x2 for them: between the two
+# sizes measured, the default package's 96 MB (float32 the faster at one row) and a 1B model's
+# 1.3 GB of Q8_0 (the two level at one row).
+INTEGER_FROM_BYTES = 512 << 20
 # auto: the package's draft head, with n-gram lookup beside it for rows whose text repeats
 # (scheduler/speculation/draft_planner.py, `DraftPlanner`); n-gram lookup alone in a package
 # without a head. What a package exported with a head serves by default.
@@ -368,10 +372,17 @@ def _blocks_from_json(data: Any) -> dict[str, BlockEntry]:
 
 
 
-def auto_activations(weight_types: Iterable[str]) -> str:
-    """What `--activations auto` multiplies a package's blocks by, from its block types (ggml
-    names): int8x2 where K-quant blocks are among them (a Q4_K_M file), float32 otherwise. Both
-    meet issue 38's fidelity bar; int8x2 is the faster on K types from one row to 64, but on the
-    32-value types (the default package's Q4_1 and Q8_0) slower than float32 at the 1-5 rows of
-    decode (docs/benchmarks.md, "Integer K-quant products" and "Quantized linear layers")."""
-    return "int8x2" if set(K_QUANT_TYPES) & set(weight_types) else "float32"
+def auto_activations(weight_types: Mapping[str, Mapping[str, int]]) -> str:
+    """What `--activations auto` multiplies a package's blocks by, from its weights' stored types
+    (ggml names, each with its `bytes`: `directory.weight_types`): int8x2 where K-quant blocks are
+    among them (a Q4_K_M file) or where the 32-value blocks weigh INTEGER_FROM_BYTES or more (a
+    Q8_0 or Q4_0 file of a 1B model), float32 otherwise (the default package's 96 MB of Q4_1 and
+    Q8_0). Both meet issue 38's fidelity bar. int8x2 is the faster on K types from one row to 64;
+    on the 32-value types a one-row decode round of a small model is bound by its products, where
+    int8x2's unpacking costs more than float32's, and of a large one by reading the weights, where
+    the two are level, while from a few rows on int8x2 is the faster at any size
+    (docs/benchmarks.md, "Integer activations")."""
+    if set(K_QUANT_TYPES) & set(weight_types):
+        return "int8x2"
+    integer = sum(entry["bytes"] for kind, entry in weight_types.items() if kind in INTEGER_ACTIVATION_TYPES)
+    return "int8x2" if integer >= INTEGER_FROM_BYTES else "float32"

@@ -108,7 +108,7 @@ def render_text(info: dict[str, Any], path: Path | str) -> str:
         ]
         lines += _draft_head(info.get("draft_head"))
         lines += _weights(info["weight_types"], info.get("blocks", {}), info.get("dequantized", {}))
-        lines += _activations(info.get("integer_activation_types", []), info.get("blocks", {}))
+        lines += _activations(info.get("integer_activation_types", []), info["weight_types"], info.get("blocks", {}))
         lines += [
             "",
             "sampling              default     range",
@@ -157,14 +157,14 @@ def _weights(types: dict[str, dict[str, int]], blocks: dict[str, Any], dequantiz
     return lines
 
 
-def _activations(integer: list[str], blocks: dict[str, Any]) -> list[str]:
+def _activations(integer: list[str], types: dict[str, dict[str, int]], blocks: dict[str, Any]) -> list[str]:
     """What `flare run` multiplies the blocks by by default (`--activations auto`,
     `quantized.served_activations`), and which types the integer kernels take."""
     if not blocks:
         return []
     if not integer:
         return ["  activations         float32 (no integer kernels for these types)"]
-    chosen = auto_activations(integer)
+    chosen = auto_activations(types)
     other = "float32 for exact float32 activations" if chosen != "float32" else "int8x2 or int8"
     return [f"  activations         {chosen}; integer kernels for {' '.join(integer)} (flare run --activations {other})"]
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from flare.package.manifest import FORMAT_VERSION, Manifest, Provenance, ServingConfig
+from flare.package.manifest import FORMAT_VERSION, INTEGER_FROM_BYTES, Manifest, Provenance, ServingConfig, auto_activations
 from flare.package.model_config import ManifestError, ModelConfig, RopeScaling
 from flare.policy.policy import SamplingPolicy
 
@@ -213,3 +213,19 @@ def test_a_sliding_layer_without_a_window_is_refused() -> None:
         dataclasses.replace(make_manifest().model, sliding_layers=(1,))
     with pytest.raises(ManifestError, match="sliding_layers must be layer indices below num_layers 2"):
         dataclasses.replace(make_manifest().model, sliding_window=8, sliding_layers=(2,))
+
+
+def test_auto_activations_are_int8x2_for_k_quants_and_large_32_value_files_and_float32_for_small_ones() -> None:
+    def types(**sizes: int) -> dict[str, dict[str, int]]:
+        return {kind: {"tensors": 1, "bytes": size} for kind, size in sizes.items()}
+
+    # the default package: 66 MB of Q4_1 layers and a 30 MB Q8_0 head
+    assert auto_activations(types(Q4_1=66_400_000, Q8_0=30_100_000, F32=100_000)) == "float32"
+    # a 1B model's Q8_0 file, and a Q4_0 file whose head llama-quantize stores as Q6_K
+    assert auto_activations(types(Q8_0=1_300_000_000, F32=200_000)) == "int8x2"
+    assert auto_activations(types(Q4_0=600_000_000, Q6_K=200_000_000)) == "int8x2"
+    assert auto_activations(types(Q4_K=1_000, F32=1_000)) == "int8x2"  # a K type, whatever the size
+    # the threshold counts only the blocks the integer kernels take
+    assert auto_activations(types(Q8_0=INTEGER_FROM_BYTES - 1, F16=10 * INTEGER_FROM_BYTES)) == "float32"
+    assert auto_activations(types(Q8_0=INTEGER_FROM_BYTES // 2, Q5_1=INTEGER_FROM_BYTES // 2)) == "int8x2"
+    assert auto_activations(types(F16=10 * INTEGER_FROM_BYTES)) == "float32"
