@@ -25,15 +25,7 @@ int integer_dot_level(int isa, int granted) {
 #ifdef IDOT_AMX_LINUX
 enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
 
-/* A tile configuration (palette 1) as ldtilecfg reads it: 64 bytes. */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} IdotTileConfig;
-
-/* Tiles 0, 1, 2: 16 rows of 64 bytes. A static object: ldtilecfg's intrinsic names only the first 8
- * bytes of its operand, so a configuration built on the stack could lose the stores of the rest. */
+/* Tiles 0, 1, 2: 16 rows of 64 bytes. */
 static const IdotTileConfig trial_config = {.palette = 1, .colsb = {64, 64, 64}, .rows = {16, 16, 16}};
 
 /* One 16 x 16 int32 product of ones, checked: 64 * 1 * 1 in every lane. */

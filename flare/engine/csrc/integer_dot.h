@@ -27,6 +27,15 @@ enum { IDOT_PORTABLE = 0, IDOT_AVX2 = 1, IDOT_AVX_VNNI = 2, IDOT_AVX512_VNNI = 3
 #define IDOT_AMX_TILES 1
 #endif
 
+/* A tile configuration (palette 1) as ldtilecfg reads it: 64 bytes. A kernel's configuration is a
+ * static object: ldtilecfg's intrinsic names only the first 8 bytes of its operand, so one built on
+ * the stack could lose the stores of the rest. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} IdotTileConfig;
+
 /* The IDOT_* level the integer kernels run at: the widest of `isa` and what this CPU has. */
 int integer_dot_isa(int isa);
 

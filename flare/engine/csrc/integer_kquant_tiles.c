@@ -322,16 +322,8 @@ KT_AVX512 static void tile16_avx512(int type, const uint8_t *const w[16], int64_
  * does (a call of AMX has at least 16: KQ_AMX_FROM), so no tile reads past them. */
 #define KT_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")))
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* All 8 tiles 16 rows of 64 bytes (amx_sums says which holds what). A static object: ldtilecfg's
- * intrinsic names only the first 8 bytes of its operand, so a configuration built on the stack could
- * lose the stores of the rest. */
-static const TileConfig tile_config = {
+/* All 8 tiles 16 rows of 64 bytes (amx_sums says which holds what). */
+static const IdotTileConfig tile_config = {
     .palette = 1,
     .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
     .rows = {16, 16, 16, 16, 16, 16, 16, 16},

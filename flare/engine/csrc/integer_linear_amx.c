@@ -38,17 +38,10 @@ enum { TILE_ROWS = 16, CHUNK_TILES = 8, B_BYTES = 8 * 64, A_BYTES = TILE_ROWS * 
 #define IA_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define IA_INLINE static inline __attribute__((always_inline)) IA_AMX
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
 /* Tiles 0 and 1: C (16 rows of 16 int32); 2 and 3: A (16 rows of 32 bytes); 4 and 5: B (8 rows of
  * 64 bytes). Consecutive blocks alternate between the pairs: a tile is not renamed, so a load into
- * it would wait for the product that reads it. Static: ldtilecfg's intrinsic names only the first
- * bytes of its operand (integer_kquant_tiles.c's configuration says more). */
-static const TileConfig tile_config = {
+ * it would wait for the product that reads it. */
+static const IdotTileConfig tile_config = {
     .palette = 1,
     .colsb = {64, 64, 32, 32, 64, 64},
     .rows = {16, 16, 16, 16, 8, 8},
@@ -61,7 +54,8 @@ static const TileConfig tile_config = {
  * type's fifth bits, bits 4 j .. 4 j + 3 of qh, spread to one a byte by a multiply: bit k of
  * (qh >> 4 j) & 15 times 1 + 2^7 + 2^14 + 2^21 lands on bit 8 k and nothing else on bits 0, 8, 16,
  * 24); Q8_0's dword j is integers 4 j .. 4 j + 3, offset by 128. Gathers replace unpacking each
- * row and transposing eight at a time (integer_linear.c's unpack_8), which cost 2-3 times more. */
+ * row and transposing eight at a time (integer_linear.c's unpack_8), which cost more than the
+ * tile products saved (docs/benchmarks.md, "Integer activations"). */
 IA_INLINE void b_operand(const int type, const uint8_t *base, __m512i rows, int64_t at, uint8_t *b, float *dw, float *mw) {
     const int has_min = type == GGML_Q4_1 || type == GGML_Q5_1, five = type == GGML_Q5_0 || type == GGML_Q5_1;
     const uint8_t *block = base + at;
@@ -132,9 +126,9 @@ IA_INLINE void block_finish(const int type, const int H, int64_t i, const int32_
 
 /* One row tile (n of its 16 rows valid; rows H t + h) over a group's blocks: y rows t0 .. of the
  * 16 outputs (count of them stored). `a` the tile's packed quants, block i at a + A_BYTES i.
- * Pipelined two deep: block i + 1's product runs while block i's sums are stored and block i - 1's
- * float steps read theirs (a vector load of what a tile store wrote waits for the store to reach
- * the cache, so the sums are read a block after they are stored). */
+ * Pipelined: block i + 1's product is issued before block i's sums are stored, and block i - 1's
+ * float steps read theirs after that (one block deep, the float steps reading right after the
+ * store, measured the same). */
 IA_INLINE void tile_rows(const int type, const int H, const uint8_t *bq, const float *dws, const float *mws, int64_t blocks,
                          const int8_t *a, const Q8Block *x, int64_t xs, int n, float *y, int64_t ys, int count) {
     const int tokens = (n + H - 1) / H;
@@ -216,35 +210,39 @@ IA_AMX int integer_linear_amx(const IntegerLinear *l, int threads) {
                 else memset(into + 32 * r, 0, 32);
             }
         }
-    int failed = 0;
-#pragma omp parallel num_threads(groups < threads ? (int)groups : threads) reduction(| : failed)
-    {
-        uint8_t *bq = aligned_alloc(64, (size_t)(blocks * (B_BYTES + 2 * 16 * sizeof(float))));
-        if (!bq) {
-            failed = 1;
-        } else {
-            float *dws = (float *)(bq + blocks * B_BYTES), *mws = dws + 16 * blocks;
-            _tile_loadconfig(&tile_config);
-            for (int64_t k0 = 0; k0 < tiles; k0 += CHUNK_TILES) {
-                const int64_t r0 = k0 * TILE_ROWS, chunk = rows - r0 < CHUNK_TILES * TILE_ROWS ? rows - r0 : CHUNK_TILES * TILE_ROWS;
-#pragma omp for schedule(static)
-                for (int64_t g = 0; g < groups; g++) {
-                    const int64_t o0 = 16 * g;
-                    const int count = (int)(l->out - o0 < 16 ? l->out - o0 : 16);
-                    /* a last, partial group repeats its last row in the lanes it does not store */
-                    const __m512i rows16 = _mm512_mullo_epi32(_mm512_min_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                                               _mm512_set1_epi32(count - 1)),
-                                                              _mm512_set1_epi32((int)row_bytes));
-                    b_operands(l->type, l->blocks + o0 * row_bytes, rows16, blocks, size, bq, dws, mws);
-                    group_tiles_any(l->type, H, bq, dws, mws, blocks, a + k0 * blocks * A_BYTES, l->x + r0 / H * l->x_stride, l->x_stride,
-                                    chunk, l->y + r0 / H * y_stride + o0, y_stride, count);
-                }
-            }
-            _tile_release();
-            free(bq);
-        }
+    /* each thread's B operands, scales and mins for a group's blocks: allocated before the team,
+     * since every thread must meet each chunk's work-sharing loop */
+    const int team = groups < threads ? (int)groups : threads;
+    const int64_t per_thread = blocks * (B_BYTES + 2 * 16 * (int64_t)sizeof(float));
+    uint8_t *scratch = aligned_alloc(64, (size_t)(team * per_thread));
+    if (!scratch) {
+        free(a);
+        return -2;
     }
+#pragma omp parallel num_threads(team)
+    {
+        uint8_t *bq = scratch + omp_get_thread_num() * per_thread;
+        float *dws = (float *)(bq + blocks * B_BYTES), *mws = dws + 16 * blocks;
+        _tile_loadconfig(&tile_config);
+        for (int64_t k0 = 0; k0 < tiles; k0 += CHUNK_TILES) {
+            const int64_t r0 = k0 * TILE_ROWS, chunk = rows - r0 < CHUNK_TILES * TILE_ROWS ? rows - r0 : CHUNK_TILES * TILE_ROWS;
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t o0 = 16 * g;
+                const int count = (int)(l->out - o0 < 16 ? l->out - o0 : 16);
+                /* a last, partial group repeats its last row in the lanes it does not store */
+                const __m512i rows16 = _mm512_mullo_epi32(_mm512_min_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                                           _mm512_set1_epi32(count - 1)),
+                                                          _mm512_set1_epi32((int)row_bytes));
+                b_operands(l->type, l->blocks + o0 * row_bytes, rows16, blocks, size, bq, dws, mws);
+                group_tiles_any(l->type, H, bq, dws, mws, blocks, a + k0 * blocks * A_BYTES, l->x + r0 / H * l->x_stride, l->x_stride,
+                                chunk, l->y + r0 / H * y_stride + o0, y_stride, count);
+            }
+        }
+        _tile_release();
+    }
+    free(scratch);
     free(a);
-    return failed ? -2 : 0;
+    return 0;
 }
 #endif
