@@ -17,8 +17,8 @@
 /* The widest integer instructions a kernel may use: the portable loop, AVX2, AVX-VNNI (256-bit
  * vpdpbusd, Alder Lake and Zen 5 on), AVX-512 VNNI (Ice Lake and Zen 4 on) or AMX (AVX-512 VNNI
  * plus the tile instructions' tdpbsud, Sapphire Rapids on: the K products' wide tiles from 16
- * activation rows, everything else AVX-512 VNNI's). The kernel takes the widest of `isa` and what
- * this CPU and its OS grant. */
+ * activation rows, the 32-value types' products from 32 (Q8_0 48), everything else AVX-512 VNNI's).
+ * The kernel takes the widest of `isa` and what this CPU and its OS grant. */
 enum { IDOT_PORTABLE = 0, IDOT_AVX2 = 1, IDOT_AVX_VNNI = 2, IDOT_AVX512_VNNI = 3, IDOT_AMX = 4 };
 
 /* The tile kernels (integer_kquant_tiles.c, integer_linear_amx.c) are compiled where the compiler
