@@ -54,7 +54,7 @@ static inline uint16_t half_bits(const uint8_t *p) { return (uint16_t)(p[0] | p[
  * sum and d * sum. A block holding a NaN gets d = s = NaN and qs = sum = 0, so the NaN reaches
  * that row's outputs, as in the float product, and no other row's. Every step is one IEEE
  * operation on one value (the maximum and the integer sum are exact in any order), so the vector
- * loops below give the portable loop's bits, several times faster: from a few rows on, the scalar
+ * loop below gives the portable loop's bits, several times faster: from a few rows on, the scalar
  * loop took a large share of the integer path's time (docs/benchmarks.md). The build contracts
  * multiply-adds (-ffp-contract=fast), which at a target with FMA would fuse v / d's product and
  * the residual's with the next step: not in this section. */
@@ -105,45 +105,9 @@ static void quantize_row_portable(const float *x, int64_t n, int halves, Q8Block
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
-#define Q8_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
-
-/* The block's 32 values as two vectors of 16 into out (qs, sum, d, s); v[2] its values. */
-static inline __attribute__((always_inline)) Q8_AVX512 void quantize_block_512(const __m512 v[2], Q8Block *out) {
-    const int nan = (_mm512_cmp_ps_mask(v[0], v[0], _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v[1], v[1], _CMP_UNORD_Q)) != 0;
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
-    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-    const __m512 vid = _mm512_set1_ps(id), magic = _mm512_set1_ps(12582912.0f);
-    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-    __m512i sum = _mm512_setzero_si512();
-    for (int k = 0; k < 2; k++) {
-        const __m512 r = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(v[k], vid), magic), magic);
-        __m512i q = _mm512_cvttps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
-        if (nan) q = _mm512_setzero_si512();
-        _mm_store_si128((__m128i *)(out->qs + 16 * k), _mm512_cvtepi32_epi8(q));
-        sum = _mm512_add_epi32(sum, q);
-    }
-    block_ends(amax, nan, _mm512_reduce_add_epi32(sum), out);
-}
-
-static Q8_AVX512 void quantize_row_512(const float *x, int64_t n, int halves, Q8Block *out) {
-    for (int64_t i = 0; i < n / QK; i++) {
-        Q8Block *first = out + halves * i;
-        __m512 v[2] = {_mm512_loadu_ps(x + i * QK), _mm512_loadu_ps(x + i * QK + 16)};
-        quantize_block_512(v, first);
-        if (halves == 2) {
-            const __m512 d = _mm512_set1_ps(first->d);
-            for (int k = 0; k < 2; k++) {
-                const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)(first->qs + 16 * k))));
-                v[k] = _mm512_sub_ps(v[k], _mm512_mul_ps(d, q));
-            }
-            quantize_block_512(v, first + 1);
-            first->s = first->s + first[1].s;
-        }
-    }
-}
-
 #define Q8_AVX2 __attribute__((target("avx2,fma,f16c")))
 
+/* The block's 32 values v (four vectors of 8) into out: qs, sum, d and s. */
 static inline __attribute__((always_inline)) Q8_AVX2 void quantize_block_256(const __m256 v[4], Q8Block *out) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 m = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
@@ -195,9 +159,8 @@ static Q8_AVX2 void quantize_row_256(const float *x, int64_t n, int halves, Q8Bl
 
 void quantize_row_q8(int isa, const float *x, int64_t n, int halves, Q8Block *out) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    const int level = integer_dot_isa(isa);
-    if (level >= IDOT_AVX512_VNNI) return quantize_row_512(x, n, halves, out);
-    if (level >= IDOT_AVX2) return quantize_row_256(x, n, halves, out);
+    /* one 256-bit loop for every vector level: a 512-bit one measured within a few percent of it */
+    if (integer_dot_isa(isa) >= IDOT_AVX2) return quantize_row_256(x, n, halves, out);
 #else
     (void)isa;
 #endif
@@ -259,7 +222,6 @@ ID_INLINE __m256i unpack_256(const int type, const uint8_t *b) {
     const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low4), _mm_and_si128(q, low4));
     return five ? _mm256_or_si256(w, fifth_bits_256(high_bits(b + 2 + 2 * has_min))) : w;
 }
-
 
 /* The totals of four vectors of 8 int32 lanes, [a0, a1, a2, a3]. */
 ID_INLINE __m128i sum_4x8(__m256i a0, __m256i a1, __m256i a2, __m256i a3) {

@@ -155,24 +155,28 @@ IA_INLINE void tile_rows(const int type, const int H, const uint8_t *bq, const f
     }
 }
 
-/* A chunk's row tiles (rows rows of the packed `a`, tile k at a + k blocks A_BYTES) for one group. */
-IA_INLINE void group_tiles(const int type, const int H, const uint8_t *bq, const float *dws, const float *mws, int64_t blocks,
-                           const int8_t *a, const Q8Block *x, int64_t xs, int64_t rows, float *y, int64_t ys, int count) {
+/* One group's B operands for every block (bq, dws, mws), then a chunk's row tiles over them (rows
+ * rows of the packed `a`, tile k at a + k blocks A_BYTES). */
+IA_INLINE void group_type(const int type, const int H, const uint8_t *base, __m512i rows16, int64_t blocks, uint8_t *bq, float *dws,
+                          float *mws, const int8_t *a, const Q8Block *x, int64_t xs, int64_t rows, float *y, int64_t ys, int count) {
+    const int64_t size = integer_block_bytes(type);
+    for (int64_t i = 0; i < blocks; i++) b_operand(type, base, rows16, i * size, bq + B_BYTES * i, dws + 16 * i, mws + 16 * i);
     for (int64_t r = 0; r < rows; r += TILE_ROWS) {
         const int n = (int)(rows - r < TILE_ROWS ? rows - r : TILE_ROWS);
         tile_rows(type, H, bq, dws, mws, blocks, a + r / TILE_ROWS * blocks * A_BYTES, x + r / H * xs, xs, n, y + r / H * ys, ys, count);
     }
 }
 
-static IA_AMX void group_tiles_any(int type, int H, const uint8_t *bq, const float *dws, const float *mws, int64_t blocks,
-                                   const int8_t *a, const Q8Block *x, int64_t xs, int64_t rows, float *y, int64_t ys, int count) {
-#define AMX_CASES(HH)                                                                                                  \
-    switch (type) {                                                                                                    \
-    case GGML_Q4_0: group_tiles(GGML_Q4_0, HH, bq, dws, mws, blocks, a, x, xs, rows, y, ys, count); break;           \
-    case GGML_Q4_1: group_tiles(GGML_Q4_1, HH, bq, dws, mws, blocks, a, x, xs, rows, y, ys, count); break;           \
-    case GGML_Q5_0: group_tiles(GGML_Q5_0, HH, bq, dws, mws, blocks, a, x, xs, rows, y, ys, count); break;           \
-    case GGML_Q5_1: group_tiles(GGML_Q5_1, HH, bq, dws, mws, blocks, a, x, xs, rows, y, ys, count); break;           \
-    default: group_tiles(GGML_Q8_0, HH, bq, dws, mws, blocks, a, x, xs, rows, y, ys, count); break;                  \
+/* group_type with the type and the halves constants. */
+static IA_AMX void group(int type, int H, const uint8_t *base, __m512i rows16, int64_t blocks, uint8_t *bq, float *dws, float *mws,
+                         const int8_t *a, const Q8Block *x, int64_t xs, int64_t rows, float *y, int64_t ys, int count) {
+#define AMX_CASES(HH)                                                                                                       \
+    switch (type) {                                                                                                         \
+    case GGML_Q4_0: group_type(GGML_Q4_0, HH, base, rows16, blocks, bq, dws, mws, a, x, xs, rows, y, ys, count); break;   \
+    case GGML_Q4_1: group_type(GGML_Q4_1, HH, base, rows16, blocks, bq, dws, mws, a, x, xs, rows, y, ys, count); break;   \
+    case GGML_Q5_0: group_type(GGML_Q5_0, HH, base, rows16, blocks, bq, dws, mws, a, x, xs, rows, y, ys, count); break;   \
+    case GGML_Q5_1: group_type(GGML_Q5_1, HH, base, rows16, blocks, bq, dws, mws, a, x, xs, rows, y, ys, count); break;   \
+    default: group_type(GGML_Q8_0, HH, base, rows16, blocks, bq, dws, mws, a, x, xs, rows, y, ys, count); break;          \
     }
     if (H == 2) {
         AMX_CASES(2)
@@ -182,19 +186,9 @@ static IA_AMX void group_tiles_any(int type, int H, const uint8_t *bq, const flo
 #undef AMX_CASES
 }
 
-static IA_AMX void b_operands(int type, const uint8_t *base, __m512i rows, int64_t blocks, int64_t size, uint8_t *bq, float *dws, float *mws) {
-    switch (type) {
-    case GGML_Q4_0: for (int64_t i = 0; i < blocks; i++) b_operand(GGML_Q4_0, base, rows, i * size, bq + B_BYTES * i, dws + 16 * i, mws + 16 * i); break;
-    case GGML_Q4_1: for (int64_t i = 0; i < blocks; i++) b_operand(GGML_Q4_1, base, rows, i * size, bq + B_BYTES * i, dws + 16 * i, mws + 16 * i); break;
-    case GGML_Q5_0: for (int64_t i = 0; i < blocks; i++) b_operand(GGML_Q5_0, base, rows, i * size, bq + B_BYTES * i, dws + 16 * i, mws + 16 * i); break;
-    case GGML_Q5_1: for (int64_t i = 0; i < blocks; i++) b_operand(GGML_Q5_1, base, rows, i * size, bq + B_BYTES * i, dws + 16 * i, mws + 16 * i); break;
-    default: for (int64_t i = 0; i < blocks; i++) b_operand(GGML_Q8_0, base, rows, i * size, bq + B_BYTES * i, dws + 16 * i, mws + 16 * i); break;
-    }
-}
-
 IA_AMX int integer_linear_amx(const IntegerLinear *l, int threads) {
     const int H = l->halves;
-    const int64_t blocks = l->in / 32, size = integer_block_bytes(l->type), row_bytes = blocks * size;
+    const int64_t blocks = l->in / 32, row_bytes = blocks * integer_block_bytes(l->type);
     const int64_t rows = l->tokens * H, tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
     const int64_t groups = (l->out + 15) / 16, y_stride = l->y_stride ? l->y_stride : l->out;
     /* the packed A operands: tile k's block i at (k blocks + i) A_BYTES, row H t + h its 32 quants */
@@ -234,9 +228,8 @@ IA_AMX int integer_linear_amx(const IntegerLinear *l, int threads) {
                 const __m512i rows16 = _mm512_mullo_epi32(_mm512_min_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                                            _mm512_set1_epi32(count - 1)),
                                                           _mm512_set1_epi32((int)row_bytes));
-                b_operands(l->type, l->blocks + o0 * row_bytes, rows16, blocks, size, bq, dws, mws);
-                group_tiles_any(l->type, H, bq, dws, mws, blocks, a + k0 * blocks * A_BYTES, l->x + r0 / H * l->x_stride, l->x_stride,
-                                chunk, l->y + r0 / H * y_stride + o0, y_stride, count);
+                group(l->type, H, l->blocks + o0 * row_bytes, rows16, blocks, bq, dws, mws, a + k0 * blocks * A_BYTES,
+                      l->x + r0 / H * l->x_stride, l->x_stride, chunk, l->y + r0 / H * y_stride + o0, y_stride, count);
             }
         }
         _tile_release();
