@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from tests import REPOSITORY
 from flare.engine import native, native_quantized, quantized
 from flare.engine.linear import linear
-from flare.engine.quantized import QuantizedWeight, quantized_linear
+from flare.engine.quantized import QuantizedWeight, quantized_linear, served_activations
+from flare.package.manifest import INTEGER_FROM_BYTES
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the engine's C kernels were not built")
 
@@ -336,3 +337,16 @@ def test_an_unknown_activation_precision_or_bad_blocks_are_refused() -> None:
         native_quantized.quantize_q8(torch.zeros(1, 32), 3)
     with pytest.raises(ValueError, match="integer_linear: xq must be contiguous CPU uint8"):
         native_quantized.integer_linear(torch.zeros(1, 10, dtype=torch.uint8), torch.zeros(1, 34, dtype=torch.uint8), T.Q8_0, 1, 32, 0)
+
+
+def test_auto_serves_large_32_value_packages_with_int8x2_and_small_ones_with_float32() -> None:
+    # what engine_loaded and ctl status report, from a package's weight types and bytes
+    def types(**sizes: int) -> dict[str, dict[str, int]]:
+        return {kind: {"tensors": 1, "bytes": size} for kind, size in sizes.items()}
+
+    large, small = types(Q8_0=INTEGER_FROM_BYTES, F32=1_000), types(Q4_1=66_400_000, Q8_0=30_100_000)
+    assert served_activations(large, "auto") == "int8x2"
+    assert served_activations(small, "auto") == "float32"
+    assert served_activations(large, "float32") == "float32"
+    assert served_activations(small, "int8x2") == "int8x2"
+    assert served_activations(types(F16=10 * INTEGER_FROM_BYTES), "int8x2") == "float32"  # no integer kernels
