@@ -76,10 +76,12 @@ ANSWER_TOKENS = 48
 
 
 def echoed_logprobs(model: DecoderModel, tokens: list[int]) -> torch.Tensor:
-    """log_softmax of every position's logits [len - 1, vocab] (the next token's distribution)."""
+    """log_softmax of every position's logits [len - 1, vocab] (the next token's distribution), in
+    float64: the KL of two distributions this close (1e-8) is a sum over the vocabulary of terms
+    that cancel, and float32's rounding of the normalizers and the sum gave small negative KLs."""
     rows = [ForwardRow(tokens, 0, list(range(-(-len(tokens) // BLOCK_SIZE))), num_logits=len(tokens))]
     cache = KVCache.for_budget(model.config, 64 * 1024**2, BLOCK_SIZE)
-    return model.forward(ForwardBatch.build(rows, BLOCK_SIZE), cache)[:-1].log_softmax(-1)
+    return model.forward(ForwardBatch.build(rows, BLOCK_SIZE), cache)[:-1].double().log_softmax(-1)
 
 
 def greedy(model: DecoderModel, prompts: list[list[int]], eos: set[int]) -> list[list[int]]:
@@ -176,10 +178,10 @@ def llama_cpp_fidelity(url: str, exact: Reference, top_n: int) -> dict[str, floa
         text.append(probs["logprob"])
         ids.append([t["id"] for t in probs["top_logprobs"]])
         served.append([t["logprob"] for t in probs["top_logprobs"]])
-    top_kl = top_n_kl(exact.logprobs, torch.tensor(ids), torch.tensor(served, dtype=torch.float32))
+    top_kl = top_n_kl(exact.logprobs, torch.tensor(ids), torch.tensor(served, dtype=torch.float64))
     answers = [completion(url, {"prompt": p, "n_predict": ANSWER_TOKENS, "temperature": 0, "cache_prompt": False,
                                 "return_tokens": True})["tokens"] for p in exact.prompts]
-    return figures(exact, torch.tensor(text, dtype=torch.float32), None, top_kl, answers)
+    return figures(exact, torch.tensor(text, dtype=torch.float64), None, top_kl, answers)
 
 
 def main() -> None:
