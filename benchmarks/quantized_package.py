@@ -1,12 +1,13 @@
-"""A Q4_K_M file of Llama-3.2-1B's or Llama-3.1-8B's shape, made here, exported by flare and served.
+"""A quantized file of Llama-3.2-1B's or Llama-3.1-8B's shape, made here, exported by flare and served.
 
 Random weights with the model's dimensions (`--shape 1b`: Llama-3.2-1B, 16 layers, hidden 2048,
 FFN 8192, 32 heads, 8 KV heads of 64, tied embeddings; `--shape 8b`: Llama-3.1-8B, 32 layers, hidden
 4096, FFN 14336, 32 heads, 8 KV heads of 128, its own LM head; both vocabulary 128256, plain RoPE;
 `--layers N` keeps the first N layers, for a machine or a run too small for all) are written as an
 F16 GGUF, with a
-synthetic byte-level BPE vocabulary of that size, then quantized by `llama-quantize ... Q4_K_M`
-(the llama-cpp-python 0.3.36 sdist's build). flare exports the result under --dtype auto (every
+synthetic byte-level BPE vocabulary of that size, then quantized by `llama-quantize ... TYPE`
+(the llama-cpp-python 0.3.36 sdist's build; `--type`, Q4_K_M by default, or another of the mixes
+of the block types flare keeps: Q5_K_M, Q6_K, Q4_0, Q8_0). flare exports the result under --dtype auto (every
 tensor's blocks kept) and serves it; the script prints the file and package sizes, the types
 kept, the export time, the one-stream rate of a greedy chat answer (random weights: the text means
 nothing), a ~1,500-token prompt's prefill rate, and the daemon's resident memory, with its KV pools
@@ -16,8 +17,10 @@ cache + 15%); `benchmarks/moe_package.py` reports the same way (`export_and_serv
     .venv/bin/python benchmarks/quantized_package.py --workdir /tmp/q4km-1b \\
         --llama-quantize /work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-quantize
     .venv/bin/python benchmarks/quantized_package.py --shape 8b --layers 8 --workdir /tmp/q4km-8b-8 ...
+    .venv/bin/python benchmarks/quantized_package.py --type Q6_K --workdir /tmp/q6k-1b ...
 
-The GGUF it leaves in the workdir is the file `benchmarks/compare.py --gguf` serves beside llama.cpp.
+The GGUF it leaves in the workdir is the file `benchmarks/compare.py --gguf` serves beside llama.cpp, and
+WORKDIR/package its export (`--package`): one type a workdir, whose F16 file is written once.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ SHAPES = {
     "1b": {"layers": 16, "hidden": 2048, "ffn": 8192, "heads": 32, "kv_heads": 8, "head_dim": 64, "vocab": 128256, "tied": True},
     "8b": {"layers": 32, "hidden": 4096, "ffn": 14336, "heads": 32, "kv_heads": 8, "head_dim": 128, "vocab": 128256, "tied": False},
 }
+# llama-quantize's mixes whose every block type flare multiplies in place (docs/benchmarks.md):
+# Q4_K_M and Q5_K_M keep Q6_K for the LM head and half of v and down, as llama.cpp decides.
+TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "Q8_0")
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}<|im_start|>"
 
 
@@ -208,6 +214,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     parser.add_argument("--layers", type=int, help="keep the first N layers (default: all of the shape's)")
+    parser.add_argument("--type", choices=TYPES, default="Q4_K_M", help="llama-quantize's type (default Q4_K_M)")
     parser.add_argument("--prefill-chars", type=int, default=2300, help="characters of the prefill prompt (about 1,500 tokens)")
     args = parser.parse_args()
     shape = dict(SHAPES[args.shape])
@@ -217,12 +224,12 @@ def main() -> None:
         shape["layers"] = args.layers
     args.workdir.mkdir(parents=True, exist_ok=True)
     stem = f"llama-{args.shape}-shape-{shape['layers']}-layers"
-    f16, q4km, package = args.workdir / f"{stem}.F16.gguf", args.workdir / f"{stem}.Q4_K_M.gguf", args.workdir / "package"
+    f16, quantized = args.workdir / f"{stem}.F16.gguf", args.workdir / f"{stem}.{args.type}.gguf"
     if not f16.exists():
         write_f16_gguf(f16, shape, args.seed)
-    if not q4km.exists():
-        subprocess.run([str(args.llama_quantize), str(f16), str(q4km), "Q4_K_M"], check=True, capture_output=True)
-    export_and_serve(q4km, package, args.tokens, args.prefill_chars)
+    if not quantized.exists():
+        subprocess.run([str(args.llama_quantize), str(f16), str(quantized), args.type], check=True, capture_output=True)
+    export_and_serve(quantized, args.workdir / "package", args.tokens, args.prefill_chars)
 
 
 if __name__ == "__main__":
