@@ -104,7 +104,8 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--device", metavar="DEVICE", help="auto, cpu, cuda or cuda:N (default auto)")
     add("--weight-format", choices=WEIGHT_FORMATS,
         help="what the linear layers multiply in: auto (default) picks the fastest this CPU runs for the "
-        "package's weights (float16 on x86 with AVX2, bfloat16 on AMX CPUs, float32 elsewhere)")
+        "package's weights (float16 on x86 with AVX2, AMX CPUs included, float32 elsewhere); bfloat16 runs "
+        "where the CPU has AVX512-BF16 or AMX (AMX computes long prompts faster, decodes slower)")
     add("--activations", choices=ACTIVATION_CHOICES,
         help="what ggml block weights multiply: float32 (exact) or 8-bit activation blocks with integer dot "
         "products, int8x2 (two a 32 activations, about 15 bits) or int8 (one, llama.cpp's Q8_0, coarser); "

@@ -25,8 +25,8 @@ it fast on a CPU, where a round of 32 decode rows is bound by the linear layers:
   `layers/attention.py`);
 - RoPE cos/sin come from a table built once; the torch path gathers them once per round;
 - linear layers run in a weight format chosen per CPU (`precision.py`): float16 through the
-  engine's kernel on x86 CPUs with AVX2, bfloat16 through oneDNN on AMX CPUs, float32 through
-  MKL; the weights are stored and multiplied in it, everything between the GEMMs stays float32;
+  engine's kernel on x86 CPUs with AVX2, bfloat16 through oneDNN where asked for, float32
+  through MKL; the weights are stored and multiplied in it, everything between the GEMMs stays float32;
 - on float16 or block weights a round of short rows runs all its layers in one kernel call
   (`native_layers.LayerStack`), the same kernels as the steps of `forward_hidden` without the
   Python between them, a mixture-of-experts MLP of blocks included (gpt-oss's sinks, o bias,

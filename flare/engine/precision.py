@@ -88,25 +88,22 @@ def cpu_has_float16_gemm() -> bool:
     return vectorised and (native.available() or "fbgemm" in torch.backends.quantized.supported_engines)
 
 
-def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX tiles (bfloat16 matrix products at several times AVX-512's rate)."""
-    return getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-
-
 def available_formats(device: torch.device) -> tuple[WeightFormat, ...]:
     """The formats that run natively on `device`, the one `auto` takes first.
 
-    float16 through the engine's kernel comes first wherever it runs, bfloat16 included: it is
-    as fast or faster on an AVX512-BF16 CPU (docs/benchmarks.md, "Weight formats"), and bfloat16
-    rounds the GEMMs' inputs and outputs, the logits included, to 8 bits where float16 keeps
-    float32's. bfloat16 stays first on CPUs with AMX tiles, built to multiply bfloat16 matrices,
-    and where the C kernels were not built (fbgemm's float16 is no faster than oneDNN's
-    bfloat16)."""
+    float16 through the engine's kernel comes first wherever it runs, on CPUs that multiply
+    bfloat16 natively too: decode rounds read every weight once, which the kernel does fastest,
+    on AVX512-BF16 CPUs (0.71x oneDNN's bfloat16 time at 1 and 8 rows) and on AMX ones alike
+    (served, 2.8x oneDNN's bfloat16 tokens/s at one stream, 1.2x at 32; AMX computes a long
+    prompt 1.6x faster, which `--weight-format bfloat16` buys: docs/benchmarks.md, "Weight
+    formats"); and bfloat16 rounds the GEMMs' inputs and outputs, the logits included, to 8 bits
+    where float16 keeps float32's. bfloat16 comes first where the C kernels were not built
+    (fbgemm's float16 is no faster than oneDNN's bfloat16)."""
     if device.type != "cpu":
         return (WeightFormat.BFLOAT16, WeightFormat.FLOAT16, WeightFormat.FLOAT32)
     formats = []
     float16 = cpu_has_float16_gemm()
-    if float16 and native.available() and not cpu_has_amx():
+    if float16 and native.available():
         formats.append(WeightFormat.FLOAT16)
     if cpu_has_native_bf16():
         formats.append(WeightFormat.BFLOAT16)

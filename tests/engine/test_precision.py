@@ -15,20 +15,18 @@ from flare.package.directory import fits_float16
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 F32, BF16, F16 = WeightFormat.FLOAT32, WeightFormat.BFLOAT16, WeightFormat.FLOAT16
-CPU_KINDS = {  # name: (native bfloat16, vectorised float16, AMX tiles)
-    "amx": (True, True, True),
-    "native-bf16": (True, True, False),
-    "avx2": (False, True, False),
-    "plain": (False, False, False),
+CPU_KINDS = {  # name: (native bfloat16: AVX512-BF16 or AMX tiles, vectorised float16)
+    "native-bf16": (True, True),
+    "avx2": (False, True),
+    "plain": (False, False),
 }
 
 
 @pytest.fixture(params=list(CPU_KINDS))
 def cpu_kind(request, monkeypatch) -> str:
-    native_bf16, float16, amx = CPU_KINDS[request.param]
+    native_bf16, float16 = CPU_KINDS[request.param]
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native_bf16)
     monkeypatch.setattr(precision, "cpu_has_float16_gemm", lambda: float16)
-    monkeypatch.setattr(precision, "cpu_has_amx", lambda: amx)
     return request.param
 
 
@@ -40,8 +38,8 @@ def test_float32_weights_run_in_float32_unless_a_format_is_asked_for(cpu_kind) -
 
 
 def test_16_bit_weights_run_in_the_fastest_format_of_the_cpu(cpu_kind) -> None:
-    # float16 (the engine's kernel) first wherever it runs, but on AMX CPUs (precision.py).
-    expected = {"amx": BF16, "native-bf16": F16, "avx2": F16, "plain": F32}[cpu_kind]
+    # float16 (the engine's kernel) first wherever it runs, on CPUs with AMX tiles too (precision.py).
+    expected = {"native-bf16": F16, "avx2": F16, "plain": F32}[cpu_kind]
     for stored in (torch.float16, torch.bfloat16):
         assert choose_weight_format(stored, CPU) == expected
 
@@ -50,7 +48,6 @@ def test_without_the_c_kernels_a_native_bfloat16_cpu_runs_bfloat16(monkeypatch) 
     # fbgemm's float16 is what would run then, and it is no faster than oneDNN's bfloat16.
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     monkeypatch.setattr(precision, "cpu_has_float16_gemm", lambda: True)
-    monkeypatch.setattr(precision, "cpu_has_amx", lambda: False)
     monkeypatch.setattr(precision.native, "available", lambda: False)
     assert choose_weight_format(torch.float16, CPU) == BF16
     assert choose_weight_format(torch.float16, CPU, "float16") == F16
@@ -78,7 +75,7 @@ def test_a_format_the_cpu_cannot_run_is_refused_naming_what_it_needs(cpu_kind) -
 
 
 def test_weights_beyond_float16_range_never_run_in_float16(cpu_kind) -> None:
-    expected = BF16 if cpu_kind in ("amx", "native-bf16") else F32
+    expected = BF16 if cpu_kind == "native-bf16" else F32
     assert choose_weight_format(torch.bfloat16, CPU, weights_fit_float16=False) == expected
     with pytest.raises(WeightFormatError, match="beyond float16's range"):
         choose_weight_format(torch.bfloat16, CPU, "float16", weights_fit_float16=False)

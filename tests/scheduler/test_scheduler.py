@@ -116,31 +116,34 @@ async def test_every_round_is_logged_with_what_the_draft_length_model_learns_fro
     assert any(r["drafts"] > 0 for r in rounds) and all(0 <= r["accepted"] <= r["drafts"] for r in rounds)
 
 
-# (package dtype, CPU kind, the format its linear layers run in). An "avx2" CPU runs the float16
-# GEMM (native.float16_linear), and so does a "native-bf16" one; an "amx" one runs oneDNN's
-# bfloat16, a "plain" one neither.
+# (package dtype, CPU kind, the format asked for, the format its linear layers run in). An "avx2"
+# CPU runs the float16 GEMM (native.float16_linear), and so does a "native-bf16" one (AVX512-BF16
+# or AMX tiles) unless its operator asks for oneDNN's bfloat16; a "plain" one neither.
 FORMAT_CHOICES = [
-    ("float16", "avx2", "float16"),
-    ("float16", "native-bf16", "float16"),
-    ("float16", "amx", "bfloat16"),
-    ("float16", "plain", "float32"),
-    ("bfloat16", "avx2", "float16"),
-    ("float32", "avx2", "float32"),
+    ("float16", "avx2", "auto", "float16"),
+    ("float16", "native-bf16", "auto", "float16"),
+    ("float16", "native-bf16", "bfloat16", "bfloat16"),
+    ("float16", "plain", "auto", "float32"),
+    ("bfloat16", "avx2", "auto", "float16"),
+    ("float32", "avx2", "auto", "float32"),
 ]
 
 
-@pytest.mark.parametrize("stored, cpu, runs", FORMAT_CHOICES, ids=[f"{s}-on-{c}" for s, c, _ in FORMAT_CHOICES])
-async def test_a_package_serves_in_the_format_its_cpu_runs_fastest_and_logs_it(make_package, monkeypatch, stored, cpu, runs):
-    if cpu == "avx2" and not precision.cpu_has_float16_gemm():
+@pytest.mark.parametrize(
+    "stored, cpu, asked, runs", FORMAT_CHOICES, ids=[f"{s}-on-{c}-{a}" for s, c, a, _ in FORMAT_CHOICES]
+)
+async def test_a_package_serves_in_the_format_its_cpu_runs_fastest_and_logs_it(
+    make_package, monkeypatch, stored, cpu, asked, runs
+):
+    if cpu in ("avx2", "native-bf16") and not precision.cpu_has_float16_gemm():
         pytest.skip("float16 GEMMs do not run vectorised on this CPU")
-    if cpu == "amx" and not precision.cpu_has_native_bf16():
-        pytest.skip("oneDNN does not run bfloat16 on this CPU")
-    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: cpu in ("native-bf16", "amx"))
+    if runs == "bfloat16" and not precision.cpu_has_native_bf16():
+        pytest.skip("oneDNN does not run bfloat16 natively on this CPU")
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: cpu == "native-bf16")
     monkeypatch.setattr(precision, "cpu_has_float16_gemm", lambda: cpu in ("avx2", "native-bf16"))
-    monkeypatch.setattr(precision, "cpu_has_amx", lambda: cpu == "amx")
     package = make_package(serving={"dtype": stored})
     with structlog.testing.capture_logs() as logs:
-        async with running(package, draft_tokens=0) as scheduler:
+        async with running(package, draft_tokens=0, weight_format=asked) as scheduler:
             outcome = (await generate_all(scheduler, [request(scheduler, "b", PROMPTS[0])]))["b"]
             snapshot = scheduler.snapshot()
     assert isinstance(outcome.end, Finished) and len(outcome.token_ids) == GREEDY.max_tokens
