@@ -48,7 +48,9 @@ def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--quantize",
         choices=QUANTIZE_TYPES,
         metavar="TYPE",
-        help=f"quantize a Hugging Face directory's float weights to ggml blocks: {', '.join(QUANTIZE_TYPES)}",
+        help=f"quantize to ggml blocks ({', '.join(QUANTIZE_TYPES)}) a Hugging Face directory's float weights, or "
+        "what a GGUF's package would store as floats: tensors of types without a kernel (Q2_K, Q3_K, IQ*) and "
+        "F16/F32 matrices, its other blocks kept as they are",
     )
     parser.add_argument(
         "--sampling-default",
@@ -180,6 +182,17 @@ def _export(args: argparse.Namespace) -> int:
         print(f"flare export: error: cannot write the package: {' '.join(str(error).split())}", file=sys.stderr)
         return EXIT_FAILURE
     head = manifest.draft_head
+    # In a package of blocks, a dequantized tensor not among them is one of a type without a kernel,
+    # stored as float32: an operator who chose a small file should hear it before its memory does.
+    as_floats = [kind for name, kind in manifest.dequantized.items() if name not in manifest.blocks]
+    if as_floats and manifest.blocks:
+        tensors = f"{len(as_floats)} {' and '.join(sorted(set(as_floats)))} tensor{'s' if len(as_floats) > 1 else ''}"
+        print(
+            f"flare export: note: {tensors} of a type flare has no kernel for, stored as float32: the package is "
+            f"{_size(Path(args.output)) / max(_size(Path(args.source)), 1):.1f}x the size of {args.source}; "
+            "--quantize q8_0 stores them as 8-bit blocks close to their values, q4_k_m as 4-bit ones (smaller, further)",
+            file=sys.stderr,
+        )
     print(
         f"exported {args.source} to {args.output} "
         f"(recipe {manifest.provenance.recipe}, "
@@ -191,6 +204,11 @@ def _export(args: argparse.Namespace) -> int:
         + ")"
     )
     return 0
+
+
+def _size(path: Path) -> int:
+    """Bytes of a file, or of the files in a directory."""
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file()) if path.is_dir() else path.stat().st_size
 
 
 def run_inspect(args: argparse.Namespace) -> int:

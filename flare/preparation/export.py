@@ -72,7 +72,7 @@ class ExportOptions:
     draft_tokens: int | None = None
     drafter: str = "ngram"
     overwrite: bool = False
-    quantize: str | None = None  # QUANTIZE_TYPES: quantize a Hugging Face directory's float weights
+    quantize: str | None = None  # QUANTIZE_TYPES: a directory's float weights, or a GGUF's tensors it would store as floats, to blocks
 
 
 # What a client may send as `model`: no spaces or control characters, as OpenAI model ids.
@@ -289,12 +289,6 @@ def export_package(source: str, out_dir: Path, options: ExportOptions, *, stderr
         model = open_source(source)
     except (PackageError, SourceError) as error:
         raise ExportError(str(error)) from None
-    if options.quantize is not None and model.source_format != "huggingface":
-        raise ExportError(
-            f"--quantize quantizes a Hugging Face directory's float weights; {source} is a GGUF, whose "
-            "quantized tensors are kept as they are (--dtype auto)",
-            option="--quantize",
-        )
     unservable = check_chat_template(model.chat_template)
     if unservable is not None:
         raise ExportError(f"{source}: chat template: {unservable}; flare run would refuse it")
@@ -360,8 +354,18 @@ def export_package(source: str, out_dir: Path, options: ExportOptions, *, stderr
 
 def read_weights(model: ModelSource, options: ExportOptions, progress: Callable[[int, int], None]) -> SourceWeights:
     """The source's weights as the options store them: quantized (`--quantize`), a GGUF's blocks
-    kept (`--dtype auto`), or all float32 (a named --dtype, or a source without blocks)."""
+    kept (`--dtype auto`), or all float32 (a named --dtype, or a source without blocks).
+
+    `--quantize` on a GGUF keeps the blocks flare multiplies as they are (byte for byte) and
+    quantizes the matrices it would otherwise store as float32: tensors of a type without a
+    kernel (Q2_K, Q3_K, IQ*: a Q3_K_M file's are four fifths of it, and dequantized they
+    quadruple its size) and F16/F32 ones. The manifest still names their source type
+    (`dequantized`), so `flare inspect` says they were quantized again."""
     if options.quantize is not None:
+        if model.source_format == "gguf" and model.read_blocks is not None:
+            read = model.read_blocks(progress)
+            floats = quantize_weights(read.floats, options.quantize, model.config)
+            return SourceWeights(floats.floats, {**read.blocks, **floats.blocks}, read.dequantized)
         return quantize_weights(model.read_weights(progress), options.quantize, model.config)
     if options.dtype == AUTO_DTYPE and model.read_blocks is not None:
         return model.read_blocks(progress)

@@ -148,12 +148,19 @@ def _weights(types: dict[str, dict[str, int]], blocks: dict[str, Any], dequantiz
     for kind, total in types.items():
         stored = "ggml blocks, mapped by flare run" if kind in block_types else "floats"
         lines.append(f"  {kind:<20}{total['tensors']:<12}{_size(total['bytes'])} ({stored})")
-    by_type: dict[str, int] = {}
-    for kind in dequantized.values():
-        by_type[kind] = by_type.get(kind, 0) + 1
-    for kind, count in sorted(by_type.items()):
+    # A source tensor export dequantized is stored as floats, or (`flare export --quantize`) as
+    # blocks of a kept type: counted by its source type and what it became.
+    by_type: dict[tuple[str, str | None], int] = {}
+    for name, kind in dequantized.items():
+        became = blocks[name]["type"] if name in blocks else None
+        by_type[kind, became] = by_type.get((kind, became), 0) + 1
+    for (kind, became), count in sorted(by_type.items(), key=lambda item: (item[0][0], item[0][1] or "")):
+        tensors = f"{count} {kind} tensor{'s' if count > 1 else ''}"
+        if became is not None:
+            lines.append(f"  quantized again     {tensors} as {became} at export (no kernel for {kind}; --quantize)")
+            continue
         why = "a --dtype asked for floats" if kind in {t.name for t in KEPT_TYPES} else "no kernel for the type"
-        lines.append(f"  dequantized         {count} {kind} tensor{'s' if count > 1 else ''} at export ({why})")
+        lines.append(f"  dequantized         {tensors} at export ({why})")
     return lines
 
 

@@ -32,6 +32,7 @@ from flare.package.model_config import ModelConfig
 from flare.package.manifest import BlockEntry
 from flare.package.directory import PackageError, open_package, sha256_of
 from flare.preparation.quantize import tensor_types
+from tests.package_commands import export_printed, flare_printed
 from tests.preparation.test_gguf_source import tiny_vocabulary, write_tiny_gguf
 
 T = gguf.GGMLQuantizationType
@@ -310,13 +311,43 @@ def test_quantize_from_a_hugging_face_directory_serves_its_own_dequantization(
     assert greedy(served) == greedy(dequantized)
 
 
-def test_quantize_is_refused_for_a_gguf_and_beside_a_dtype(tmp_path: Path, every_type_packages: dict[str, Any]) -> None:
-    with pytest.raises(ExportError, match="--quantize quantizes a Hugging Face directory") as error:
-        export_package(str(every_type_packages["root"] / "wide.gguf"), tmp_path / "pkg", ExportOptions(quantize="q8_0"))
-    assert error.value.option == "--quantize"
-    with pytest.raises(ExportError, match="cannot be combined with --dtype float16"):
+def test_quantize_is_refused_beside_a_dtype(tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match="cannot be combined with --dtype float16") as error:
         export_package("unused", tmp_path / "pkg", ExportOptions(quantize="q8_0", dtype="float16"))
+    assert error.value.option == "--quantize"
     assert not (tmp_path / "pkg").exists()
+
+
+def test_quantize_on_a_gguf_keeps_its_blocks_and_stores_a_type_without_a_kernel_as_blocks(
+    tmp_path: Path, every_type_packages: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The Q2_K down projection has no kernel: dequantized it would be float32 (the GGUF's Q3_K_M
+    # and IQ* files grow four- to fivefold so); --quantize q8_0 stores it as Q8_0 blocks of its
+    # values, and every block flare multiplies stays as the file has it.
+    root, name = every_type_packages["root"], "model.layers.1.mlp.down_proj.weight"
+    plain = export_printed(capsys, root / "wide.gguf", tmp_path / "plain")
+    assert plain.returncode == 0
+    assert "note: 1 Q2_K tensor of a type flare has no kernel for, stored as float32: the package is" in plain.stderr
+    assert "--quantize q8_0 stores them as 8-bit blocks" in plain.stderr
+    done = flare_printed(capsys, "export", str(root / "wide.gguf"), "-o", str(tmp_path / "pkg"), "--quantize", "q8_0")
+    assert done.returncode == 0 and "note:" not in done.stderr
+    package = open_package(tmp_path / "pkg")
+    manifest = package.manifest
+    assert manifest.dequantized == {name: "Q2_K"}  # its source type, still on record
+    assert {n: T[e.type] for n, e in manifest.blocks.items()} == {**{n: k for n, k in EVERY_TYPE.items() if k in KEPT_TYPES}, name: T.Q8_0}
+    _, mapped = package.load_weights()
+    _, kept = open_package(root / "blocks").load_weights()
+    for other, tensor in kept.items():
+        assert np.array_equal(mapped[other].data.numpy(), tensor.data.numpy()), other
+    values = gguf.quants.dequantize(every_type_packages["blocks"][name][1], T.Q2_K)
+    assert np.array_equal(mapped[name].data.numpy(), gguf.quants.quantize(values, T.Q8_0))
+    assert "quantized again     1 Q2_K tensor as Q8_0 at export (no kernel for Q2_K; --quantize)" in render_text(
+        inspect_package(tmp_path / "pkg"), tmp_path / "pkg"
+    )
+    served = load_model(package)
+    dequantized = DecoderModel(manifest.model, package.load_state_dict())
+    assert torch.allclose(prompt_logits(served), prompt_logits(dequantized), atol=1e-4, rtol=1e-4)
+    assert greedy(served) == greedy(dequantized)
 
 
 @pytest.mark.parametrize("scale", [float("nan"), float("inf")], ids=["nan", "inf"])
