@@ -187,9 +187,10 @@ def _export(args: argparse.Namespace) -> int:
     as_floats = [kind for name, kind in manifest.dequantized.items() if name not in manifest.blocks]
     if as_floats and manifest.blocks:
         tensors = f"{len(as_floats)} {' and '.join(sorted(set(as_floats)))} tensor{'s' if len(as_floats) > 1 else ''}"
+        source = Path(args.source)  # a path, or `default`
+        growth = f" the package is {_size(Path(args.output)) / max(_size(source), 1):.1f}x the size of {source};" if source.exists() else ""
         print(
-            f"flare export: note: {tensors} of a type flare has no kernel for, stored as float32: the package is "
-            f"{_size(Path(args.output)) / max(_size(Path(args.source)), 1):.1f}x the size of {args.source}; "
+            f"flare export: note: {tensors} of a type flare has no kernel for, stored as float32:{growth} "
             "--quantize q8_0 stores them as 8-bit blocks close to their values, q4_k_m as 4-bit ones (smaller, further)",
             file=sys.stderr,
         )
