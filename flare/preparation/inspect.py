@@ -157,7 +157,7 @@ def _weights(types: dict[str, dict[str, int]], blocks: dict[str, Any], dequantiz
     for (kind, became), count in sorted(by_type.items(), key=lambda item: (item[0][0], item[0][1] or "")):
         tensors = f"{count} {kind} tensor{'s' if count > 1 else ''}"
         if became is not None:
-            lines.append(f"  quantized again     {tensors} as {became} at export (no kernel for {kind}; --quantize)")
+            lines.append(f"  quantized again     {tensors} as {became} at export (--quantize)")
             continue
         why = "a --dtype asked for floats" if kind in {t.name for t in KEPT_TYPES} else "no kernel for the type"
         lines.append(f"  dequantized         {tensors} at export ({why})")
