@@ -159,7 +159,10 @@ def _weights(types: dict[str, dict[str, int]], blocks: dict[str, Any], dequantiz
         if became is not None:
             lines.append(f"  quantized again     {tensors} as {became} at export (--quantize)")
             continue
-        why = "a --dtype asked for floats" if kind in {t.name for t in KEPT_TYPES} else "no kernel for the type"
+        why = (
+            "a --dtype asked for floats" if kind in {t.name for t in KEPT_TYPES}
+            else "no kernel for the type; flare export --quantize q8_0 or q4_k_m stores such tensors as blocks"
+        )
         lines.append(f"  dequantized         {tensors} at export ({why})")
     return lines
 

@@ -283,7 +283,7 @@ def test_inspect_reports_tensor_types_and_bytes_and_what_was_dequantized(every_t
     assert set(types) == {"F32", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"}
     text = render_text(info, path)
     assert "Q6_K                4" in text and "(ggml blocks, mapped by flare run)" in text
-    assert "dequantized         1 Q2_K tensor at export (no kernel for the type)" in text
+    assert "dequantized         1 Q2_K tensor at export (no kernel for the type; flare export --quantize q8_0" in text
 
 
 @pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "q4_k_m"])

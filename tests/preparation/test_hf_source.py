@@ -166,7 +166,7 @@ def test_an_fp8_deepseek_v3_exports_to_transformers_logits_on_its_dequantized_we
             "model.layers.0.self_attn.o_proj.weight"} <= record.keys()
     assert not any(name.endswith(("norm.weight", "mlp.gate.weight", "embed_tokens.weight")) for name in record)
     text = render_text(inspect_package(tmp_path / "package"), tmp_path / "package")
-    assert f"dequantized         {len(record)} F8_E4M3 tensors at export (no kernel for the type)" in text
+    assert f"dequantized         {len(record)} F8_E4M3 tensors at export (no kernel for the type; flare export --quantize" in text
     model = transformers.AutoModelForCausalLM.from_pretrained(dequantized, attn_implementation="eager", dtype=torch.float32)
     reference = Checkpoint(checkpoint.family, dequantized, model.eval())
     prompts = [Tokenizer.from_package(package).encode(text) for text in PROMPTS]
