@@ -7,7 +7,8 @@ FFN 8192, 32 heads, 8 KV heads of 64, tied embeddings; `--shape 8b`: Llama-3.1-8
 F16 GGUF, with a
 synthetic byte-level BPE vocabulary of that size, then quantized by `llama-quantize ... TYPE`
 (the llama-cpp-python 0.3.36 sdist's build; `--type`, Q4_K_M by default, or another of the mixes
-of the block types flare keeps: Q5_K_M, Q6_K, Q4_0, Q8_0). flare exports the result under --dtype auto (every
+of the block types flare keeps: Q5_K_M, Q6_K, Q4_0, Q8_0; or Q3_K_M, whose Q3_K tensors have no
+kernel: `--quantize q8_0|q4_k_m` stores them as blocks, as `flare export --quantize` does). flare exports the result under --dtype auto (every
 tensor's blocks kept) and serves it; the script prints the file and package sizes, the types
 kept, the export time, the one-stream rate of a greedy chat answer (random weights: the text means
 nothing), a ~1,500-token prompt's prefill rate, and the daemon's resident memory, with its KV pools
@@ -41,6 +42,7 @@ from tests.integration.daemon_process import start_daemon  # noqa: E402
 from flare.preparation.export import ExportOptions, export_package  # noqa: E402
 from flare.package.byte_level import BYTE_LEVEL_ALPHABET  # noqa: E402
 from flare.package.directory import open_package  # noqa: E402
+from flare.package.manifest import QUANTIZE_TYPES  # noqa: E402
 
 SHAPES = {
     "1b": {"layers": 16, "hidden": 2048, "ffn": 8192, "heads": 32, "kv_heads": 8, "head_dim": 64, "vocab": 128256, "tied": True},
@@ -48,7 +50,7 @@ SHAPES = {
 }
 # llama-quantize's mixes whose every block type flare multiplies in place (docs/benchmarks.md):
 # Q4_K_M and Q5_K_M keep Q6_K for the LM head and half of v and down, as llama.cpp decides.
-TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "Q8_0")
+TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "Q8_0", "Q3_K_M")
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}<|im_start|>"
 
 
@@ -157,17 +159,18 @@ KV_CACHE_MIB = 1024
 PREFILL_TEXT = " ".join(f"word{i % 97} the quick brown fox {i}" for i in range(2000))
 
 
-def export_and_serve(gguf_file: Path, package: Path, tokens: int, prefill_chars: int) -> None:
+def export_and_serve(gguf_file: Path, package: Path, tokens: int, prefill_chars: int, quantize: str | None = None) -> None:
     """Export `gguf_file` under --dtype auto, serve it at one stream and print: sizes and the
     types kept, a greedy chat answer's rate, a long prompt's prefill rate, and the daemon's
     resident memory against the bound of file + KV cache + 15%."""
     started = time.perf_counter()
-    manifest = export_package(str(gguf_file), package, ExportOptions(overwrite=True))
+    manifest = export_package(str(gguf_file), package, ExportOptions(overwrite=True, quantize=quantize))
     export_s = time.perf_counter() - started
     file_size = gguf_file.stat().st_size
     size = sum(p.stat().st_size for p in package.iterdir())
     print(f"GGUF {file_size:,} bytes; package {size:,} bytes ({size / file_size:.3f}x), exported in {export_s:.1f} s")
-    print("weight types:", open_package(package).weight_types(), "dequantized:", manifest.dequantized or "none")
+    counts = {kind: list(manifest.dequantized.values()).count(kind) for kind in sorted(set(manifest.dequantized.values()))}
+    print("weight types:", open_package(package).weight_types(), "source tensors of types without a kernel:", counts or "none")
     daemon = start_daemon(package, ["--max-concurrency", "1", "--draft-tokens", "0", "--kv-cache-memory", KV_CACHE])
     try:
         body = {
@@ -215,6 +218,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     parser.add_argument("--layers", type=int, help="keep the first N layers (default: all of the shape's)")
     parser.add_argument("--type", choices=TYPES, default="Q4_K_M", help="llama-quantize's type (default Q4_K_M)")
+    parser.add_argument("--quantize", choices=QUANTIZE_TYPES, help="flare export --quantize: tensors without a kernel as blocks")
     parser.add_argument("--prefill-chars", type=int, default=2300, help="characters of the prefill prompt (about 1,500 tokens)")
     args = parser.parse_args()
     shape = dict(SHAPES[args.shape])
@@ -229,7 +233,7 @@ def main() -> None:
         write_f16_gguf(f16, shape, args.seed)
     if not quantized.exists():
         subprocess.run([str(args.llama_quantize), str(f16), str(quantized), args.type], check=True, capture_output=True)
-    export_and_serve(quantized, args.workdir / "package", args.tokens, args.prefill_chars)
+    export_and_serve(quantized, args.workdir / "package", args.tokens, args.prefill_chars, args.quantize)
 
 
 if __name__ == "__main__":
