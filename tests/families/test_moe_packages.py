@@ -230,6 +230,17 @@ def test_a_q4_k_gguf_keeps_its_experts_as_blocks_and_scores_as_its_float32_expor
         (reference,) = forward_in_pieces(load_model(open_package(tmp_path / f"{variant}-float32")), prompts, pieces)
         difference = (served - reference).abs().max().item()
         assert difference <= 1e-4, f"{variant}: max |logit difference| {difference:.2e}"
+    # --quantize stores what the mixed file's package would keep as float32 (its joined gate and
+    # up) as blocks of those values, every block of the file as it is: experts stacked [E, out, in].
+    export_package(str(tmp_path / "mixed.gguf"), tmp_path / "mixed-q8_0", ExportOptions(quantize="q8_0"), stderr=io.StringIO())
+    requantized = open_package(tmp_path / "mixed-q8_0")
+    assert requantized.manifest.blocks["model.layers.0.mlp.experts.gate_up_proj.weight"].type == "Q8_0"
+    assert requantized.manifest.blocks["model.layers.0.mlp.experts.down_proj.weight"].type == "Q4_K"
+    (served,) = forward_in_pieces(load_model(requantized), prompts, pieces)
+    (own,) = forward_in_pieces(DecoderModel(requantized.manifest.model, requantized.load_state_dict()), prompts, pieces)
+    difference = (served - own).abs().max().item()
+    print(f"requantized: max |logit difference| {difference:.2e} from its own dequantization, {(served - reference).abs().max().item():.2e} from the file's")
+    assert difference <= 1e-4
 
 
 @pytest.mark.skipif(not native.available(), reason="integer products are C kernels")
