@@ -172,6 +172,18 @@ def load_parts(
             draft_length=options.draft_length,
             tensor_parallel=tensor_parallel,
         )
+        # In a package of blocks, a dequantized tensor not among them had no kernel: it is served as
+        # float32, at four times its file's bytes and float32's speed (docs/packages.md, "From GGUF").
+        manifest = package.manifest
+        as_floats = [kind for name, kind in manifest.dequantized.items() if name not in manifest.blocks]
+        if as_floats and manifest.blocks:
+            log.warning(
+                "weights_dequantized",
+                tensors=len(as_floats),
+                types=" ".join(sorted(set(as_floats))),
+                message="tensors of a type flare has no kernel for are served as float32; flare export --quantize q8_0 "
+                "(or q4_k_m) of the source stores them as blocks",
+            )
         head = None
         if drafter_name == "mtp" and draft_tokens > 0:
             head = load_draft_head(

@@ -64,6 +64,10 @@ def test_a_blocks_package_serves_the_answer_of_its_float32_package_and_reports_i
         types = loaded["weight_types"]
         assert types["Q6_K"]["tensors"] == 4 and types["F32"]["tensors"] == 6  # 5 norms and a dequantized Q2_K
         assert set(types) == {"F32", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"}
+        # The Q2_K tensor had no kernel: the operator is told, with the export that stores it as blocks.
+        (warned,) = daemon.events("weights_dequantized")
+        assert (warned["level"], warned["tensors"], warned["types"]) == ("warning", 1, "Q2_K")
+        assert "flare export --quantize q8_0" in warned["message"]
         ctl = [sys.executable, "-m", "flare.cli.main", "ctl", "--socket", str(packages["control"])]
         status = json.loads(subprocess.run([*ctl, "--json", "status"], capture_output=True, text=True, check=True).stdout)
         assert status["weight_types"] == types
@@ -92,6 +96,7 @@ def test_activations_float32_serve_the_float32_packages_answer_and_say_so(packag
         expected = greedy_answer(daemon)
         (loaded,) = daemon.events("engine_loaded")
         assert loaded["activations"] == "float32"  # no blocks: nothing to quantize
+        assert daemon.events("weights_dequantized") == []  # dequantized because --dtype asked for floats
     finally:
         assert daemon.stop() == 0, daemon.log()
     control = packages["control"].with_name("control-float32.sock")
