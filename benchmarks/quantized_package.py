@@ -27,6 +27,7 @@ WORKDIR/package its export (`--package`): one type a workdir, whose F16 file is 
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 import subprocess
 import sys
 import time
@@ -169,7 +170,7 @@ def export_and_serve(gguf_file: Path, package: Path, tokens: int, prefill_chars:
     file_size = gguf_file.stat().st_size
     size = sum(p.stat().st_size for p in package.iterdir())
     print(f"GGUF {file_size:,} bytes; package {size:,} bytes ({size / file_size:.3f}x), exported in {export_s:.1f} s")
-    counts = {kind: list(manifest.dequantized.values()).count(kind) for kind in sorted(set(manifest.dequantized.values()))}
+    counts = dict(sorted(Counter(manifest.dequantized.values()).items()))
     print("weight types:", open_package(package).weight_types(), "source tensors of types without a kernel:", counts or "none")
     daemon = start_daemon(package, ["--max-concurrency", "1", "--draft-tokens", "0", "--kv-cache-memory", KV_CACHE])
     try:

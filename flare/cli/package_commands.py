@@ -182,10 +182,11 @@ def _export(args: argparse.Namespace) -> int:
         print(f"flare export: error: cannot write the package: {' '.join(str(error).split())}", file=sys.stderr)
         return EXIT_FAILURE
     head = manifest.draft_head
-    # In a package of blocks, a dequantized tensor not among them is one of a type without a kernel,
-    # stored as float32: an operator who chose a small file should hear it before its memory does.
-    as_floats = [kind for name, kind in manifest.dequantized.items() if name not in manifest.blocks]
-    if as_floats and manifest.blocks:
+    # An operator who chose a small file should hear what dequantizing it cost before its memory does.
+    from flare.package.blocks import kernelless_tensors
+
+    as_floats = list(kernelless_tensors(manifest.dequantized, manifest.blocks).values())
+    if as_floats:
         tensors = f"{len(as_floats)} {' and '.join(sorted(set(as_floats)))} tensor{'s' if len(as_floats) > 1 else ''}"
         source = Path(args.source)  # a path, or `default`
         growth = f" the package is {_size(Path(args.output)) / max(_size(source), 1):.1f}x the size of {source};" if source.exists() else ""

@@ -73,6 +73,19 @@ class BlockTensor:
         return self.data.numel()
 
 
+def kernelless_tensors(dequantized: Mapping[str, str], blocks: Mapping[str, object]) -> dict[str, str]:
+    """The tensors a package of blocks stores as float32 for want of a kernel, name to source type
+    (a Q3_K_M file's Q3_K ones, exported under --dtype auto), from its manifest's `dequantized` and
+    `blocks`. Not those `--quantize` stored as blocks, nor a kept type joined with another tensor
+    into one float (DeepSeek's latent k_b and v_b, experts' gate and up of two types), nor any in a
+    package a named --dtype dequantized whole (no blocks): `flare export`'s note, `flare run`'s
+    `weights_dequantized` warning and `flare inspect` name these."""
+    if not blocks:
+        return {}
+    kept = {t.name for t in KEPT_TYPES}
+    return {name: kind for name, kind in dequantized.items() if name not in blocks and kind not in kept}
+
+
 def row_bytes(ggml_type: GGMLType, in_features: int) -> int | None:
     """Bytes of one row of `in_features` values in `ggml_type`, or None when the width is not whole blocks."""
     block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]

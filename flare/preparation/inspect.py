@@ -148,22 +148,22 @@ def _weights(types: dict[str, dict[str, int]], blocks: dict[str, Any], dequantiz
     for kind, total in types.items():
         stored = "ggml blocks, mapped by flare run" if kind in block_types else "floats"
         lines.append(f"  {kind:<20}{total['tensors']:<12}{_size(total['bytes'])} ({stored})")
-    # A source tensor export dequantized is stored as floats, or (`flare export --quantize`) as
-    # blocks of a kept type: counted by its source type and what it became.
-    by_type: dict[tuple[str, str | None], int] = {}
+    # A source tensor export dequantized, counted by its source type and what became of it.
+    kept = {t.name for t in KEPT_TYPES}
+    by_line: dict[tuple[str, str], int] = {}
     for name, kind in dequantized.items():
-        became = blocks[name]["type"] if name in blocks else None
-        by_type[kind, became] = by_type.get((kind, became), 0) + 1
-    for (kind, became), count in sorted(by_type.items(), key=lambda item: (item[0][0], item[0][1] or "")):
-        tensors = f"{count} {kind} tensor{'s' if count > 1 else ''}"
-        if became is not None:
-            lines.append(f"  quantized again     {tensors} as {became} at export (--quantize)")
-            continue
-        why = (
-            "a --dtype asked for floats" if kind in {t.name for t in KEPT_TYPES}
-            else "no kernel for the type; flare export --quantize q8_0 or q4_k_m stores such tensors as blocks"
-        )
-        lines.append(f"  dequantized         {tensors} at export ({why})")
+        if name in blocks:
+            line = f"as {blocks[name]['type']} at export (--quantize)"
+        elif kind not in kept:
+            line = "at export (no kernel for the type; flare export --quantize q8_0 or q4_k_m stores such tensors as blocks)"
+        elif blocks:
+            line = "at export (joined with another tensor into one float32 tensor)"
+        else:
+            line = "at export (a --dtype asked for floats)"
+        by_line[kind, line] = by_line.get((kind, line), 0) + 1
+    for (kind, line), count in sorted(by_line.items()):
+        label = "quantized again" if line.startswith("as ") else "dequantized"
+        lines.append(f"  {label:<20}{count} {kind} tensor{'s' if count > 1 else ''} {line}")
     return lines
 
 

@@ -20,6 +20,7 @@ from flare.engine.quantized import served_activations
 from flare.engine.precision import cpu_flags, dtype_name
 from flare.engine.prefix_cache import PrefixCache, namespace_hash
 from flare.engine.tokenizer import Tokenizer
+from flare.package.blocks import kernelless_tensors
 from flare.parallel.serving import RankDriver, split_for
 from flare.parallel.tensor_split import check_tensor_parallel, rank_config
 from flare.package.contract import check_contract
@@ -172,11 +173,10 @@ def load_parts(
             draft_length=options.draft_length,
             tensor_parallel=tensor_parallel,
         )
-        # In a package of blocks, a dequantized tensor not among them had no kernel: it is served as
-        # float32, at four times its file's bytes and float32's speed (docs/packages.md, "From GGUF").
-        manifest = package.manifest
-        as_floats = [kind for name, kind in manifest.dequantized.items() if name not in manifest.blocks]
-        if as_floats and manifest.blocks:
+        # Tensors without a kernel are served as float32, at four times their bytes in the file and
+        # float32's speed (docs/packages.md, "From GGUF").
+        as_floats = list(kernelless_tensors(package.manifest.dequantized, package.manifest.blocks).values())
+        if as_floats:
             log.warning(
                 "weights_dequantized",
                 tensors=len(as_floats),

@@ -22,9 +22,11 @@ from tests.running_scheduler import greedy_tokens, running
 from flare.engine import native, native_quantized
 from flare.engine.model import DecoderModel, load_model
 from flare.engine.tokenizer import Tokenizer
+from flare.package.blocks import kernelless_tensors
 from flare.package.directory import open_package
 from flare.preparation.default_model import default_gguf_path
 from flare.preparation.export import ExportError, ExportOptions, export_package
+from flare.preparation.inspect import inspect_package, render_text
 from flare.preparation.families.hf_config import model_config_from_hf
 from flare.preparation.source import ModelSource, SourceError
 
@@ -223,6 +225,11 @@ def test_a_q4_k_gguf_keeps_its_experts_as_blocks_and_scores_as_its_float32_expor
         blocks = open_package(tmp_path / f"{variant}-blocks")
         fused = blocks.manifest.blocks.get("model.layers.0.mlp.experts.gate_up_proj.weight")
         assert (fused is not None and fused.type == "Q4_K") == (variant == "q4_k")
+        if variant == "mixed":  # joined from two kept types: no kernel is missing, nothing to warn of
+            assert kernelless_tensors(blocks.manifest.dequantized, blocks.manifest.blocks) == {}
+            assert "dequantized         2 Q4_K tensors at export (joined with another tensor into one float32 tensor)" in render_text(
+                inspect_package(blocks.path), blocks.path
+            )
         assert blocks.manifest.blocks["model.layers.0.mlp.experts.down_proj.weight"].type == "Q4_K"
         prompts = [Tokenizer.from_package(blocks).encode(PROMPTS[0])]
         pieces = [[len(prompts[0])]]

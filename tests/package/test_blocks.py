@@ -25,7 +25,7 @@ from flare.engine.batch import ForwardBatch, ForwardRow
 from flare.engine.kv_cache import KVCache
 from flare.engine.model import DecoderModel, load_model
 from flare.engine.quantized import QuantizedWeight
-from flare.package.blocks import BLOCKS_NAME, E8M0_SCALE_OFFSETS, KEPT_TYPES, SCALE_OFFSETS, map_blocks, row_bytes
+from flare.package.blocks import BLOCKS_NAME, E8M0_SCALE_OFFSETS, KEPT_TYPES, SCALE_OFFSETS, kernelless_tensors, map_blocks, row_bytes
 from flare.preparation.export import ExportError, ExportOptions, export_package
 from flare.preparation.inspect import inspect_package, render_text
 from flare.package.model_config import ModelConfig
@@ -348,6 +348,16 @@ def test_quantize_on_a_gguf_keeps_its_blocks_and_stores_a_type_without_a_kernel_
     dequantized = DecoderModel(manifest.model, package.load_state_dict())
     assert torch.allclose(prompt_logits(served), prompt_logits(dequantized), atol=1e-4, rtol=1e-4)
     assert greedy(served) == greedy(dequantized)
+
+
+def test_only_tensors_without_a_kernel_stored_as_floats_beside_blocks_count_as_kernelless() -> None:
+    # What export's note, run's warning and inspect's line name: not a kept type joined into one
+    # float tensor (DeepSeek's latent k_b and v_b, experts' gate and up of two types), not a tensor
+    # --quantize stored as blocks, and nothing in a package a named --dtype dequantized whole.
+    dequantized = {"a.weight": "Q3_K", "b.weight": "IQ4_XS", "kv_b.weight": "Q8_0", "gate_up.weight": "Q4_K", "c.weight": "Q2_K"}
+    blocks = {"c.weight": object(), "q.weight": object()}
+    assert kernelless_tensors(dequantized, blocks) == {"a.weight": "Q3_K", "b.weight": "IQ4_XS"}
+    assert kernelless_tensors(dequantized, {}) == {}
 
 
 @pytest.mark.parametrize("scale", [float("nan"), float("inf")], ids=["nan", "inf"])
