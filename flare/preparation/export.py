@@ -25,7 +25,7 @@ from flare.package.contract import check_contract
 from flare.preparation.default_model import DEFAULT_SOURCE, default_gguf_path
 from flare.preparation.gguf_source import open_gguf
 from flare.preparation.hf_source import open_hf_directory
-from flare.package.manifest import AUTO_DTYPE, DRAFTERS, DTYPES, MAX_DRAFT_TOKENS, Manifest, Provenance, ServingConfig
+from flare.package.manifest import AUTO_DTYPE, DRAFTERS, DTYPES, MANIFEST_NAME, MAX_DRAFT_TOKENS, Manifest, Provenance, ServingConfig
 from flare.package.model_config import ManifestError
 from flare.package.directory import PackageError, check_destination, fits_float16, write_package
 from flare.preparation.quantize import QUANTIZE_TYPES, quantize_weights
@@ -204,6 +204,11 @@ def open_source(source: str) -> ModelSource:
     if source == DEFAULT_SOURCE:
         return with_template_stop_tokens(open_gguf(default_gguf_path(), source=DEFAULT_SOURCE))
     path = Path(source)
+    if path.is_dir() and (path / MANIFEST_NAME).is_file() and not (path / "config.json").is_file():
+        raise SourceError(
+            f"{source} is a flare package, not a model: serve it with `flare run {source}`, or export "
+            f"again from the model it was made from (`flare inspect {source}` names it as its source)"
+        )
     if path.is_dir():
         return with_template_stop_tokens(open_hf_directory(path, source=source))
     if path.is_file():

@@ -58,6 +58,18 @@ def test_missing_source_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "does not exist; give a GGUF file" in capsys.readouterr().err
 
 
+def test_a_package_as_source_is_named_a_package_with_the_command_that_serves_it(
+    tmp_path: Path, tiny_hf_directory: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert flare("export", str(tiny_hf_directory), "-o", str(tmp_path / "pkg")) == 0
+    capsys.readouterr()
+    assert flare("export", str(tmp_path / "pkg"), "-o", str(tmp_path / "again")) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'pkg'} is a flare package, not a model" in err
+    assert f"flare run {tmp_path / 'pkg'}" in err and err.count("\n") == 1
+    assert not (tmp_path / "again").exists()
+
+
 def test_existing_output_exits_1_and_overwrite_replaces_it(
     tmp_path: Path, tiny_hf_directory: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
