@@ -3,9 +3,10 @@ blocks they write, the copies before the forward, drafts and head steps) and eve
 output, for seeded workloads that exercise `n` > 1, a shared prefix, n-gram drafts, a draft head
 beside them (`auto`) and preemption in a small KV pool.
 
-The recording (`round_plans.json`) was made from the scheduler before it was split into
-scheduler, blocks, speculation and loading (issue 28); a change of what it plans shows here as
-the first round and field that differ. Draft lengths are fixed (draft_length="fixed"):
+The recording (`round_plans.json`) holds what the scheduler planned when it was last recorded
+(after an intended change of plans, with the outputs unchanged wherever the change keeps them:
+n-gram lookup's copy cursor changed the drafts, not a token of the answers); a change of what it
+plans shows here as the first round and field that differ. Draft lengths are fixed (draft_length="fixed"):
 the adaptive length chooses from measured round times, which differ from run to run.
 
 To record again after an intended change of behaviour:

@@ -1,14 +1,23 @@
-"""N-gram prompt lookup: propose the tokens that followed the latest earlier occurrence of
-the sequence's own last n tokens (n from `max_n` down to `min_n`).
+"""N-gram prompt lookup: propose the tokens that followed an earlier occurrence of the
+sequence's own last n tokens (n from `max_n` down to `min_n`).
 
 Needs no weights and pays on repetitive text (editing, quoting, code). Proposals are
 deterministic, so the draft distribution q is one-hot. The index maps each n-gram to the
-position after its latest occurrence and is updated as tokens arrive, so a proposal costs
-O(max_n + k), not a scan of the context.
+positions just past its occurrences and is updated as tokens arrive, so a proposal costs
+O(max_n + k + log occurrences), not a scan of the context.
+
+Which occurrence: the one the sequence is copying from. A copy cursor starts where a proposal
+was taken from and moves on with every token that continues it, so after the answer inserts,
+drops or changes a few tokens of the text it copies, the lookup takes the first occurrence at
+or past the cursor rather than the latest anywhere. The latest is what a short, frequent n-gram
+(`self.`, `, the`, a newline and indent) gets wrong: it sits in some other line, and every
+draft after it is rejected. Where nothing is at or past the cursor, the latest occurrence (the
+nearest before it) is taken, as before any proposal.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from flare.engine.drafters.base import Draft
@@ -19,15 +28,21 @@ class NgramState:
     min_n: int
     max_n: int
     tokens: list[int] = field(default_factory=list)
-    # n-gram -> index just past its latest occurrence that is not the sequence's suffix itself.
-    _latest: dict[tuple[int, ...], int] = field(default_factory=dict)
+    # The index of the token that would continue the text the sequence copies: the last
+    # proposal's start, moved on by each token that matched; None before the first proposal.
+    cursor: int | None = None
+    # n-gram -> the indexes just past its occurrences, ascending, the sequence's suffix excepted.
+    _ends: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
     # The suffix n-grams are recorded one step late, so a lookup never finds the suffix itself.
     _pending: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
 
     def extend(self, token_ids: list[int] | tuple[int, ...]) -> None:
         for token in token_ids:
+            cursor = self.cursor
+            if cursor is not None and cursor < len(self.tokens) and self.tokens[cursor] == token:
+                self.cursor = cursor + 1
             for key, end in self._pending:
-                self._latest[key] = end
+                self._ends.setdefault(key, []).append(end)
             self.tokens.append(token)
             end = len(self.tokens)
             self._pending = [
@@ -40,12 +55,22 @@ class NgramState:
             return Draft(())
         tokens = self.tokens
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
-            start = self._latest.get(tuple(tokens[len(tokens) - n :]))
-            if start is not None:
+            ends = self._ends.get(tuple(tokens[len(tokens) - n :]))
+            if ends:
+                start = self._occurrence(ends)
                 proposal = tokens[start : start + k]
                 if proposal:
+                    self.cursor = start
                     return Draft(tuple(proposal))
         return Draft(())
+
+    def _occurrence(self, ends: list[int]) -> int:
+        """The first of `ends` at or past the cursor, else the latest."""
+        if self.cursor is not None:
+            at = bisect_left(ends, self.cursor)
+            if at < len(ends):
+                return ends[at]
+        return ends[-1]
 
 
 @dataclass(frozen=True)
