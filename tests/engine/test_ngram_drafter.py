@@ -1,6 +1,8 @@
 from flare.engine.drafters import NgramDrafter, make_drafter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def test_proposes_the_tokens_that_followed_the_latest_match_of_the_suffix():
@@ -56,3 +58,42 @@ def test_extension_with_generated_tokens_updates_the_index():
 def test_unknown_drafter_name_is_refused_with_the_known_names():
     with pytest.raises(ValueError, match="known drafters: ngram"):
         make_drafter("medusa")
+
+
+def scanned_proposal(tokens: list[int], cursor: int | None, k: int) -> tuple[int | None, tuple[int, ...]]:
+    """(the proposal's start, the proposal) by a scan of the whole context: the longest of the
+    last 3, 2, 1 tokens that occurred before (not as the suffix itself), at its first occurrence
+    at or past the cursor, else its latest."""
+    for n in range(min(3, len(tokens)), 0, -1):
+        suffix = tokens[len(tokens) - n :]
+        ends = [end for end in range(n, len(tokens)) if tokens[end - n : end] == suffix]
+        if ends:
+            later = [end for end in ends if cursor is not None and end >= cursor]
+            start = later[0] if later else ends[-1]
+            return start, tuple(tokens[start : start + k])
+    return None, ()
+
+
+@given(
+    tokens=st.lists(st.integers(0, 5), min_size=1, max_size=80),
+    cuts=st.lists(st.integers(1, 6), min_size=1, max_size=30),
+    k=st.integers(1, 6),
+)
+@settings(max_examples=200, deadline=None)
+def test_proposals_follow_the_scanned_rule_however_the_tokens_arrive(tokens: list[int], cuts: list[int], k: int) -> None:
+    prompt, rest = tokens[: cuts[0]], tokens[cuts[0] :]
+    state = NgramDrafter().new_state(prompt)
+    seen, cursor = list(prompt), None  # the copy cursor, kept here by the rule's own words
+    for size in [*cuts[1:], len(rest)]:
+        start, proposal = scanned_proposal(seen, cursor, k)
+        assert state.propose(k).token_ids == proposal
+        if proposal:
+            cursor = start
+        chunk, rest = rest[:size], rest[size:]
+        for token in chunk:  # each token that continues the copied text moves the cursor on
+            if cursor is not None and cursor < len(seen) and seen[cursor] == token:
+                cursor += 1
+            seen.append(token)
+        state.extend(chunk)
+        if not rest:
+            break

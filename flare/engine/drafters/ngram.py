@@ -33,22 +33,24 @@ class NgramState:
     cursor: int | None = None
     # n-gram -> the indexes just past its occurrences, ascending, the sequence's suffix excepted.
     _ends: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
-    # The suffix n-grams are recorded one step late, so a lookup never finds the suffix itself.
-    _pending: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
 
     def extend(self, token_ids: list[int] | tuple[int, ...]) -> None:
-        for token in token_ids:
+        tokens, old = self.tokens, len(self.tokens)
+        tokens.extend(token_ids)
+        if self.cursor is not None:
             cursor = self.cursor
-            if cursor is not None and cursor < len(self.tokens) and self.tokens[cursor] == token:
-                self.cursor = cursor + 1
-            for key, end in self._pending:
-                self._ends.setdefault(key, []).append(end)
-            self.tokens.append(token)
-            end = len(self.tokens)
-            self._pending = [
-                (tuple(self.tokens[end - n : end]), end)
-                for n in range(self.min_n, min(self.max_n, end) + 1)
-            ]
+            for at, token in enumerate(token_ids, old):
+                if cursor < at and tokens[cursor] == token:
+                    cursor += 1
+            self.cursor = cursor
+        # Index the n-grams ending at old .. len - 1, each list in ascending order: the one
+        # ending at the new last token waits for the next extend, so a lookup never finds the
+        # suffix itself.
+        for n in range(self.min_n, self.max_n + 1):
+            first = max(old, n)
+            grams = zip(*(tokens[first - n + i : len(tokens) - n + i] for i in range(n)))
+            for end, gram in enumerate(grams, first):
+                self._ends.setdefault(gram, []).append(end)
 
     def propose(self, k: int) -> Draft:
         if k <= 0:
