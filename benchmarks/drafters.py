@@ -134,16 +134,24 @@ async def main() -> None:
         per_round = f"{t.verified_tokens / t.verify_rounds:.2f}" if t.verify_rounds else "-"
         print(f"| {name} | {rate:.1f} | {rate / base:.2f}x | {per_round} | {t.verify_rounds} | {same}/{len(t.answers)} |")
     ceilings = {k: lookup_ceiling(first.prompts, first.answers, k) for k in (4, 8, 16, None)}
-    print(f"\nn-gram lookup's ceiling on {names[0]}'s answers, tokens a round with every proposed draft verified: "
-          + ", ".join(f"K = {'unbounded' if k is None else k}: {c:.2f}" for k, c in ceilings.items()))
+    print(f"\nn-gram lookup's ceiling on {names[0]}'s answers, tokens a round with every proposed draft verified "
+          "(and the drafts it proposed that the answer did not take, a round): "
+          + ", ".join(f"K = {'unbounded' if k is None else k}: {c.tokens_per_round:.2f} ({c.rejected_per_round:.2f})"
+                      for k, c in ceilings.items()))
 
 
-def lookup_ceiling(prompts: list[tuple[int, ...]], answers: list[list[int]], k: int | None) -> float:
+@dataclass(frozen=True)
+class LookupCeiling:
+    tokens_per_round: float
+    rejected_per_round: float  # drafts lookup proposed that the answer did not continue with
+
+
+def lookup_ceiling(prompts: list[tuple[int, ...]], answers: list[list[int]], k: int | None) -> LookupCeiling:
     """Tokens a round yields over `answers` if every round verified all that n-gram lookup (the
     daemon's drafter) proposes, up to k: the drafts up to the first that differs from the answer,
     plus the round's own token. No draft planner does better: it verifies at most what lookup
     proposes, and a draft after a rejected one is never kept."""
-    tokens = rounds = 0
+    tokens = rounds = rejected = 0
     for prompt, answer in zip(prompts, answers):
         state = NgramDrafter().new_state(prompt)
         at = 0
@@ -152,12 +160,13 @@ def lookup_ceiling(prompts: list[tuple[int, ...]], answers: list[list[int]], k: 
             accepted = 0
             while accepted < len(proposal) and at + accepted < len(answer) and proposal[accepted] == answer[at + accepted]:
                 accepted += 1
+            rejected += len(proposal) - accepted
             step = min(accepted + 1, len(answer) - at)
             state.extend(answer[at : at + step])
             at += step
             rounds += 1
         tokens += len(answer)
-    return tokens / rounds if rounds else 0.0
+    return LookupCeiling(tokens / rounds, rejected / rounds) if rounds else LookupCeiling(0.0, 0.0)
 
 
 async def answer(

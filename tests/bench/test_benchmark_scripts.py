@@ -68,8 +68,25 @@ def test_lookup_ceiling_counts_the_rounds_a_copied_answer_takes_at_each_draft_le
     # The first token has no earlier occurrence to follow (a round of one token); then lookup
     # finds "5" in the prompt and proposes what followed it: with K = 4, 6-9 accepted and 10
     # sampled, then 11 and 12 (its 99 past the answer's end); unbounded, 6-12 at once.
-    assert drafters.lookup_ceiling([prompt], [answer], 4) == 8 / 3
-    assert drafters.lookup_ceiling([prompt], [answer], None) == 8 / 2
-    # An answer that leaves the text: 6 and 7 accepted, 8 rejected for 1 (the round's own token),
-    # then nothing to follow "1" and a round of one token.
-    assert drafters.lookup_ceiling([prompt], [[5, 6, 7, 1, 2]], 4) == 5 / 3
+    four, unbounded = drafters.lookup_ceiling([prompt], [answer], 4), drafters.lookup_ceiling([prompt], [answer], None)
+    assert (four.tokens_per_round, unbounded.tokens_per_round) == (8 / 3, 8 / 2)
+    # The drafts the answer did not take, proposed past its end: 99 and 5 (K = 4: 11 12 99 5), 99.
+    assert (four.rejected_per_round, unbounded.rejected_per_round) == (2 / 3, 1 / 2)
+    # An answer that leaves the text: 6 and 7 accepted, 8 and 9 rejected for 1 (the round's own
+    # token), then nothing to follow "1" and a round of one token.
+    left = drafters.lookup_ceiling([prompt], [[5, 6, 7, 1, 2]], 4)
+    assert (left.tokens_per_round, left.rejected_per_round) == (5 / 3, 2 / 3)
+
+
+def test_the_lookup_edits_benchmark_replays_lookup_over_edited_copies(make_package):
+    package = make_package()
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "lookup_edits.py"), str(ROOT / "README.md"),
+         str(ROOT / "flare" / "engine" / "drafters" / "ngram.py"), "--package", str(package), "--tokens", "300"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [line.split("|") for line in result.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [row[1].strip() for row in rows] == ["4", "8", "16"], result.stdout
+    # Copied text: every round yields more than its own token, and never more than K + 1.
+    assert all(1 < float(row[2]) <= int(row[1]) + 1 for row in rows), result.stdout
