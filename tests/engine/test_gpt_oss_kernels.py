@@ -40,15 +40,20 @@ def transformers_attention(q, k, v, sinks, window: int | None, starts: list[int]
 
 
 @pytest.mark.parametrize("portable", [False, True])
-@pytest.mark.parametrize(("rows", "query_len", "window"), [(1, 1, None), (3, 1, 5), (2, 6, None), (2, 7, 4)])
-def test_paged_attention_with_sinks_attends_as_transformers_gpt_oss_does(rows, query_len, window, portable) -> None:
-    kv_heads, group, head_dim, block_size, blocks = 2, 3, 64, 4, 30
+@pytest.mark.parametrize(
+    ("rows", "query_len", "window", "max_blocks"),
+    # The last two: rows of up to 2,400 keys, cut every 1,024 and merged (paged_attention.c).
+    [(1, 1, None, 6), (3, 1, 5, 6), (2, 6, None, 6), (2, 7, 4, 6), (2, 5, None, 600), (2, 5, 300, 600)],
+)
+def test_paged_attention_with_sinks_attends_as_transformers_gpt_oss_does(rows, query_len, window, max_blocks, portable) -> None:
+    kv_heads, group, head_dim, block_size = 2, 3, 64, 4
+    blocks = rows * max_blocks + 6
     generator = torch.Generator().manual_seed(rows * 10 + query_len)
     keys = torch.randn(kv_heads, blocks, block_size, head_dim, generator=generator)
     values = torch.randn(kv_heads, blocks, block_size, head_dim, generator=generator)
-    max_blocks = 6
     block_table = torch.randperm(blocks, generator=generator)[: rows * max_blocks].view(rows, max_blocks)
     starts = torch.randint(0, max_blocks * block_size - query_len + 1, (rows,), generator=generator)
+    starts[0] = max_blocks * block_size - query_len  # the longest row the table holds
     q = 2 * torch.randn(rows * query_len, kv_heads * group, head_dim, generator=generator)
     # Sinks spread from far below the scores to far above: a head that hardly sinks, and one
     # whose sink takes nearly all its weight.

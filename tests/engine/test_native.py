@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flare.engine import native, native_layers
+from flare.engine import _native, native, native_layers
 from flare.engine.layers.rope import apply_rope, rope_tables
 from flare.engine.model import DecoderModel
 from flare.engine.native import add_rms_norm, available, gated_rows, paged_attention, rope_and_cache
@@ -450,6 +450,67 @@ def test_a_verify_rows_attention_is_the_same_bits_alone_as_among_many_rows(porta
             assert torch.equal(alone, together[tokens]), f"row {r}"
     finally:
         torch.set_num_threads(threads)
+
+
+# Keys are cut into ranges of R positions (paged_attention.c): a query whose keys reach past one
+# is computed range by range and merged.
+R = _native.ATTENTION_KEY_RANGE
+LONG_BLOCKS = 3 * R // BLOCK_SIZE  # three ranges
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    ("starts", "query_len"), [([2 * R + 50], 1), ([R - 6, 2 * R + 100, 5], 1), ([R - 3, 2 * R - 3], 6), ([40, 2 * R + 70], 17)]
+)
+def test_rows_whose_keys_reach_over_several_ranges_attend_like_textbook_attention(
+    portable: bool, kv_dtype: torch.dtype, starts: list[int], query_len: int
+) -> None:
+    generator = torch.Generator().manual_seed(sum(starts) + query_len)
+    shape = (KV_HEADS, len(starts) * LONG_BLOCKS, BLOCK_SIZE, HEAD_DIM)
+    keys, values = (torch.randn(shape, generator=generator).to(kv_dtype) for _ in range(2))
+    block_table = torch.randperm(len(starts) * LONG_BLOCKS, generator=generator).view(len(starts), LONG_BLOCKS)
+    q = 3 * torch.randn(len(starts) * query_len, HEADS, HEAD_DIM, generator=generator)
+    rows = torch.tensor(starts)
+
+    got = paged_attention(q, keys, values, block_table, rows, query_len, portable=portable)
+
+    expected = textbook_attention(q, keys.float(), values.float(), block_table, rows, query_len)
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_narrower_values_past_a_key_range_are_each_rows_prefix(portable: bool) -> None:
+    # Latent attention's absorbed form (one pool, values the first 64 of 96) over rows cut at R and 2 R.
+    generator = torch.Generator().manual_seed(17)
+    pool = torch.randn(1, 2 * LONG_BLOCKS, BLOCK_SIZE, 96, generator=generator)
+    block_table = torch.randperm(2 * LONG_BLOCKS, generator=generator).view(2, LONG_BLOCKS)
+    starts, query_len = torch.tensor([R - 2, 2 * R + 300]), 4
+    q = torch.randn(2 * query_len, 8, 96, generator=generator)
+    got = paged_attention(q, pool, pool, block_table, starts, query_len, value_dim=64, portable=portable)
+    full = textbook_attention(q, pool, pool, block_table, starts, query_len)
+    torch.testing.assert_close(got, full[..., :64], atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_a_query_past_a_key_range_is_the_same_bits_in_a_verify_row_as_in_a_decode_row(portable: bool) -> None:
+    # A verify row whose queries stand on both sides of the cuts at R and 2 R against the decode
+    # row at each of its positions, alone and among rows of other lengths: where a query's keys
+    # are cut depends on its own position alone.
+    keys, values = (torch.randn(KV_HEADS, LONG_BLOCKS, BLOCK_SIZE, HEAD_DIM, generator=torch.Generator().manual_seed(s)) for s in (1, 2))
+    generator = torch.Generator().manual_seed(3)
+    table = torch.randperm(LONG_BLOCKS, generator=generator)
+    for start, query_len in ((R - 3, 6), (2 * R - 3, 5), (R - 8, 17)):
+        q = torch.randn(query_len, HEADS, HEAD_DIM, generator=generator)
+        verify = paged_attention(q, keys, values, table[None], torch.tensor([start]), query_len, portable=portable)
+        for t in range(query_len):
+            decode = paged_attention(q[t : t + 1], keys, values, table[None], torch.tensor([start + t]), 1, portable=portable)
+            assert torch.equal(decode, verify[t : t + 1]), (start, t)
+        among = paged_attention(
+            torch.cat([q, torch.randn(2 * query_len, HEADS, HEAD_DIM, generator=generator)]), keys, values,
+            table[None].repeat(3, 1), torch.tensor([start, 30, 2 * R + 500]), query_len, portable=portable,
+        )
+        assert torch.equal(among[:query_len], verify), start
 
 
 @settings(max_examples=60, deadline=None)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from tests import REPOSITORY
 from tests.engine.test_native import linear_layouts
 
-from flare.engine import native, native_layers
+from flare.engine import _native, native, native_layers
 from flare.engine.layers.rope import apply_rope
 
 HEAD_SHAPES = pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (6, 3, 64), (4, 1, 128)])
@@ -156,6 +156,29 @@ def test_paged_attention_with_a_window_a_soft_cap_and_a_scale_attends_like_torch
     starts[0] = blocks * block_size - query_len  # the longest row: windows of 5 and 17 leave whole blocks behind
     # Scores of tens, so that a cap of 50 bends them.
     q = 4 * head_dim**0.25 * torch.randn(rows * query_len, heads, head_dim, generator=generator)
+
+    got = native.paged_attention(q, keys, values, block_table, starts, query_len, scale=scale, window=window, softcap=softcap, portable=portable)
+
+    expected = windowed_attention(q, keys, values, block_table, starts, query_len, scale=scale, window=window, softcap=softcap)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["tiles", "portable"])
+@pytest.mark.parametrize(
+    ("window", "softcap", "scale"), [(None, None, None), (300, None, None), (100, 50.0, None), (None, 50.0, 1 / 12)]
+)
+def test_rows_past_a_key_range_attend_like_torch_with_a_window_a_soft_cap_and_a_scale(portable, window, softcap, scale) -> None:
+    # Rows reaching over the cuts at R and 2 R (paged_attention.c), windows that reach over a cut
+    # or stay within one range.
+    key_range = _native.ATTENTION_KEY_RANGE
+    generator = torch.Generator().manual_seed(31)
+    heads, kv_heads, head_dim, block_size, query_len = 8, 2, 64, 16, 5
+    blocks = 3 * key_range // block_size
+    keys = torch.randn(kv_heads, 2 * blocks, block_size, head_dim, generator=generator)
+    values = torch.randn(kv_heads, 2 * blocks, block_size, head_dim, generator=generator)
+    block_table = torch.randperm(2 * blocks, generator=generator).view(2, blocks)
+    starts = torch.tensor([key_range - 2, 2 * key_range + 150])
+    q = 4 * head_dim**0.25 * torch.randn(2 * query_len, heads, head_dim, generator=generator)
 
     got = native.paged_attention(q, keys, values, block_table, starts, query_len, scale=scale, window=window, softcap=softcap, portable=portable)
 

@@ -140,6 +140,10 @@ typedef struct {
 } Attention;
 
 /* Returns 0, or -1 when scratch memory could not be allocated (nothing was written then). */
+/* Keys are attended in ranges of this many positions (whole blocks) cut at fixed places; a
+ * query whose keys reach past one is computed range by range and merged (paged_attention.c). */
+#define ATTENTION_KEY_RANGE 1024
+
 int paged_attention(const Attention *a, int64_t longest_row, int threads);
 
 /* RoPE on q and k and the write of k and v into the KV pool: see rope_cache.c. */

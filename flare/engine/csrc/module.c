@@ -855,4 +855,11 @@ static struct PyModuleDef module = {
     .m_methods = methods,
 };
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "ATTENTION_KEY_RANGE", ATTENTION_KEY_RANGE) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
