@@ -111,6 +111,11 @@ def slug(name: str) -> str:
     return name.replace(" ", "_").replace("=", "")
 
 
+def dataset_label(dataset: str) -> str:
+    """A dataset as a file name part: a shipped set's name, a JSONL file's stem."""
+    return Path(dataset).stem if dataset.endswith(".jsonl") else dataset
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -343,7 +348,7 @@ async def long_prompt_level(servers: list[Server], tokenizer: Tokenizer, tokens:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", default="1,8,32")
-    parser.add_argument("--datasets", default="chat,copy")
+    parser.add_argument("--datasets", default="chat,copy", help="shipped sets (chat, copy, ...) or JSONL files (flare bench's format)")
     parser.add_argument("--temperatures", default="0,0.7")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--waves", type=int, default=2, help="requests per level = max(--min-requests, waves x concurrency)")
@@ -450,7 +455,7 @@ def main() -> int:
     # Each level and turn sends the set's prompts under a nonce of its own, the same to every
     # side: no server has them cached from a level before.
     prompt_files = {
-        (level, turn): nonced_dataset(level[0], secrets.token_hex(4), args.out_dir / f"prompts-{level[0]}-t{level[1]:g}-c{level[2]}-turn{turn}.jsonl")
+        (level, turn): nonced_dataset(level[0], secrets.token_hex(4), args.out_dir / f"prompts-{dataset_label(level[0])}-t{level[1]:g}-c{level[2]}-turn{turn}.jsonl")
         for level in levels
         for turn in range(turns)
     }
@@ -463,7 +468,7 @@ def main() -> int:
                 with contextlib.ExitStack() as stack:
                     server = start(stack, name, command)
                     for i, (dataset, temperature, concurrency) in enumerate(levels):
-                        out = args.out_dir / f"{slug(name)}-{dataset}-t{temperature:g}-c{concurrency}-turn{turn}.json"
+                        out = args.out_dir / f"{slug(name)}-{dataset_label(dataset)}-t{temperature:g}-c{concurrency}-turn{turn}.json"
                         prompts = prompt_files[((dataset, temperature, concurrency), turn)]
                         result = bench_level(server, str(prompts), temperature, concurrency, args, out, 2 if i == 0 else 0)
                         measured.setdefault((name, dataset, temperature, concurrency), []).append(result)
@@ -484,7 +489,7 @@ def main() -> int:
                     suffix = f"-turn{turn}" if turns > 1 else ""
                     prompts = prompt_files[((dataset, temperature, concurrency), turn)]
                     for server in servers[turn % len(servers):] + servers[: turn % len(servers)]:
-                        out = args.out_dir / f"{slug(server.name)}-{dataset}-t{temperature:g}-c{concurrency}{suffix}.json"
+                        out = args.out_dir / f"{slug(server.name)}-{dataset_label(dataset)}-t{temperature:g}-c{concurrency}{suffix}.json"
                         result = bench_level(server, str(prompts), temperature, concurrency, args, out, 0)
                         measured.setdefault((server.name, dataset, temperature, concurrency), []).append(result)
                         report_level(server.name, dataset, temperature, concurrency, result, turn if turns > 1 else None)
@@ -522,7 +527,7 @@ def main() -> int:
                     print(f"{dataset} T={temperature:g} c={concurrency} transformers: {tokens / seconds:.1f} tok/s", flush=True)
                 cells.append(cell)
             merged = [merge_levels(results) for results in per_server.values()]
-            name = f"{dataset}-t{temperature:g}"
+            name = f"{dataset_label(dataset)}-t{temperature:g}"
             for result in merged:
                 (args.out_dir / f"{slug(result['label'])}-{name}.json").write_text(json.dumps(result, indent=1))
             write_plots(merged, args.out_dir / "plots" / name, title=f"{dataset}, temperature {temperature:g}, {args.max_tokens} tokens")
