@@ -90,3 +90,12 @@ def test_the_lookup_edits_benchmark_replays_lookup_over_edited_copies(make_packa
     assert [row[1].strip() for row in rows] == ["4", "8", "16"], result.stdout
     # Copied text: every round yields more than its own token, and never more than K + 1.
     assert all(1 < float(row[2]) <= int(row[1]) + 1 for row in rows), result.stdout
+
+
+def test_compare_names_its_files_for_a_jsonl_dataset_by_the_files_stem(monkeypatch: pytest.MonkeyPatch):
+    spec = importlib.util.spec_from_file_location("compare_benchmark", ROOT / "benchmarks" / "compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, compare)
+    spec.loader.exec_module(compare)
+    assert compare.dataset_label("copy") == "copy"
+    assert compare.dataset_label("/tmp/sets/long_copy.jsonl") == "long_copy"
