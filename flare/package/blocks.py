@@ -78,8 +78,10 @@ def kernelless_tensors(dequantized: Mapping[str, str], blocks: Mapping[str, obje
     (a Q3_K_M file's Q3_K ones, exported under --dtype auto), from its manifest's `dequantized` and
     `blocks`. Not those `--quantize` stored as blocks, nor a kept type joined with another tensor
     into one float (DeepSeek's latent k_b and v_b, experts' gate and up of two types), nor any in a
-    package a named --dtype dequantized whole (no blocks): `flare export`'s note, `flare run`'s
-    `weights_dequantized` warning and `flare inspect` name these."""
+    package a named --dtype dequantized whole (no blocks): `flare export`'s note and `flare run`'s
+    `weights_dequantized` warning name these. `flare inspect` says why each dequantized tensor is
+    float, and calls a type without a kernel one in a package without blocks too (an FP8
+    checkpoint's tensors), where nothing here tells a --dtype's choice from the type's lack."""
     if not blocks:
         return {}
     kept = {t.name for t in KEPT_TYPES}
