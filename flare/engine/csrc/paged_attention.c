@@ -237,13 +237,25 @@ static inline void prefetch_block(const void *head, int dtype, int64_t block, in
     for (int64_t byte = 0; byte < n * kv_element_size(dtype); byte += 64) __builtin_prefetch(start + byte);
 }
 
+/* The first key the query at `position` sees: 0, or the first of its sliding window. */
+static inline int64_t first_visible_key(int64_t position, int64_t window) {
+    return window && position - window + 1 > 0 ? position - window + 1 : 0;
+}
+
+/* Where query i of row r and KV head g leaves its partial softmax over key range `range`: m, l,
+ * then the Dv unnormalised weighted sums. */
+static inline float *partial_slot(const Attention *a, float *partial, int64_t r, int64_t g, int64_t range,
+                                  int64_t ranges, int64_t i) {
+    const int64_t Dv = a->value_dim ? a->value_dim : a->head_dim, nq = a->heads / a->kv_heads * a->query_len;
+    return partial + (((r * a->kv_heads + g) * ranges + range) * nq + i) * (Dv + 2);
+}
+
 /* One task: row `r`, KV head `g`, its queries i0 .. i1 (of the group * query_len that share the KV
  * head; each query's result is its own whatever others share the task), over the keys of
  * range `range` (positions range * span_keys .. + span_keys). A query whose keys all lie in the
- * range gets its output here; one whose keys reach past it leaves its partial (m, l, then the
- * unnormalised weighted sum) in the Dv + 2 floats at partial + ((pair * ranges + range) * nq + i)
- * * (Dv + 2), pair = r * kv_heads + g, for `merge`.
- * Scratch: `scores` holds group * query_len * keys floats, `acc` group * query_len * head_dim,
+ * range gets its output here; one whose keys reach past it leaves its partial at `partial_slot`
+ * for `merge`. Scratch: `scores` holds group * query_len * (the range's keys) floats, `acc`
+ * group * query_len * value_dim,
  * `queries` group * query_len entries and `visible` twice that (each query's end of keys, then
  * its first key), `widened` block_size * head_dim floats. */
 FLARE_TARGET_CLONES
@@ -272,7 +284,7 @@ static void attend(const Attention *a, int64_t r, int64_t g, int64_t i0, int64_t
         for (int64_t t = 0; t < Q; t++) {
             queries[j * Q + t] = a->q + (r * Q + t) * a->q_token_stride + (g * group + j) * D;
             visible[j * Q + t] = start + t + 1;
-            seen_from[j * Q + t] = W && start + t - W + 1 > 0 ? start + t - W + 1 : 0;
+            seen_from[j * Q + t] = first_visible_key(start + t, W);
         }
     }
     /* Scores of every query against every key of the row, a block at a time (the causally
@@ -343,7 +355,7 @@ static void attend(const Attention *a, int64_t r, int64_t g, int64_t i0, int64_t
             total += s[p];
         }
         if (!whole) {
-            float *slot = partial + ((r * a->kv_heads + g) * ranges + range) * nq * (Dv + 2) + i * (Dv + 2);
+            float *slot = partial_slot(a, partial, r, g, range, ranges, i);
             slot[0] = m, slot[1] = total;
             continue;
         }
@@ -392,10 +404,10 @@ static void attend(const Attention *a, int64_t r, int64_t g, int64_t i0, int64_t
         }
     }
     for (int64_t i = i0; i < i1; i++) { /* query i is head j = i / Q of the group at token t = i % Q */
-        if ((seen_from[i] > base ? seen_from[i] : base) >= (visible[i] < end ? visible[i] : end)) continue;
+        if (seen_from[i] >= end || visible[i] <= base) continue; /* none of its keys is in the range */
         float *o = seen_from[i] >= lo && visible[i] <= hi
                        ? a->out + ((r * Q + i % Q) * a->heads + g * group + i / Q) * Dv
-                       : partial + ((r * a->kv_heads + g) * ranges + range) * nq * (Dv + 2) + i * (Dv + 2) + 2;
+                       : partial_slot(a, partial, r, g, range, ranges, i) + 2;
         memcpy(o, acc + i * Dv, (size_t)Dv * sizeof(float));
     }
 }
@@ -407,15 +419,14 @@ static void attend(const Attention *a, int64_t r, int64_t g, int64_t i0, int64_t
  *
  * over its ranges s in order, z the head's sink (none: -inf). */
 static void merge(const Attention *a, int64_t r, int64_t g, int64_t i, int64_t span_keys, int64_t ranges,
-                  const float *partial) {
+                  float *partial) {
     const int64_t Dv = a->value_dim ? a->value_dim : a->head_dim, Q = a->query_len;
     const int64_t group = a->heads / a->kv_heads, nq = group * Q, t = i % Q;
     const int64_t start = a->start_positions[r], W = a->window;
-    const int64_t to = start + t + 1, from = W && start + t - W + 1 > 0 ? start + t - W + 1 : 0;
-    const int64_t first = from / span_keys, last = (to - 1) / span_keys;
+    const int64_t first = first_visible_key(start + t, W) / span_keys, last = (start + t) / span_keys;
     if (first == last) return; /* whole in one range: written by its task */
-    const float *slots = partial + (r * a->kv_heads + g) * ranges * nq * (Dv + 2) + i * (Dv + 2);
-    const int64_t stride = nq * (Dv + 2);
+    const float *slots = partial_slot(a, partial, r, g, 0, ranges, i);
+    const int64_t stride = nq * (Dv + 2); /* from one range's slot to the next's */
     const float sink = a->sinks ? a->sinks[g * group + i / Q] : -FLT_MAX;
     float m = sink;
     for (int64_t s = first; s <= last; s++) m = slots[s * stride] > m ? slots[s * stride] : m;
