@@ -99,3 +99,15 @@ def test_compare_names_its_files_for_a_jsonl_dataset_by_the_files_stem(monkeypat
     spec.loader.exec_module(compare)
     assert compare.dataset_label("copy") == "copy"
     assert compare.dataset_label("/tmp/sets/long_copy.jsonl") == "long_copy"
+
+
+def test_the_paged_attention_benchmark_times_each_pool_dtype_over_a_cut_row():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "paged_attention.py"), "--context", "1100", "--query-len", "1", "5",
+         "--calls", "2", "--repeats", "1", "--threads", "1"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| 1100 |")]
+    assert [row[1].strip() for row in rows] == ["1", "5"], result.stdout
+    assert all(float(cell) > 0 for row in rows for cell in row[2:]) and all(len(row) == 5 for row in rows)
